@@ -1,0 +1,96 @@
+# qtrain - build, test, benchmark.
+#
+#   make            libqtrain.a and the qtrain binary (build/)
+#   make deps       install the Debian packages qtrain needs, if missing
+#   make test       build and run the CUnit suites (installs deps first)
+#   make test SANITIZE=1   the same under AddressSanitizer + UBSan
+#   make run        the main job end to end (installs deps first)
+#   make bench      benchmarks (timings live here, never in tests)
+#   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
+
+CC      ?= gcc
+PKGS    := openblas hdf5 yaml-0.1 zlib
+CFLAGS  ?= -O2
+CFLAGS  += -std=gnu11 -Wall -Wextra -g -I. -MMD -MP
+LDLIBS  := -lm -lpthread
+
+BUILD := build
+ifeq ($(SANITIZE),1)
+BUILD   := build/san
+CFLAGS  += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+LDFLAGS += -fsanitize=address,undefined
+endif
+
+# pkg-config is only asked when something is compiled, so `make deps` works
+# on a machine that has none of the packages yet.
+PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS   = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+CUNIT_CFLAGS = $(shell pkg-config --cflags cunit 2>/dev/null)
+CUNIT_LIBS   = $(shell pkg-config --libs cunit 2>/dev/null)
+
+LIB_SRCS   := $(wildcard nn/*.c quant/*.c lora/*.c data/*.c) $(filter-out trainer/main.c,$(wildcard trainer/*.c))
+LIB_OBJS   := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+TEST_SRCS  := $(wildcard tests/*.c)
+TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)
+BENCH_SRCS := $(wildcard bench/*.c)
+BENCH_BINS := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
+
+LIB    := $(BUILD)/libqtrain.a
+QTRAIN := $(BUILD)/qtrain
+TESTS  := $(BUILD)/tests/run_tests
+
+DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
+APT_ENV  := DEBIAN_FRONTEND=noninteractive
+
+.PHONY: all deps test run bench fixtures clean
+all: $(LIB) $(QTRAIN)
+
+deps:
+	@missing=""; for p in $(DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "deps: installing$$missing"; \
+	  if [ "$$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi; \
+	  $$sudo apt-get update -qq && $$sudo $(APT_ENV) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(PKG_CFLAGS) $(CUNIT_CFLAGS) -c $< -o $@
+
+$(LIB): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	$(AR) rcs $@ $^
+
+$(QTRAIN): $(BUILD)/trainer/main.o $(LIB)
+	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+
+$(TESTS): $(TEST_OBJS) $(LIB)
+	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(CUNIT_LIBS) $(LDLIBS)
+
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
+	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+
+# Tests run from the repository root (they read tests/fixtures/).
+# OPENBLAS_NUM_THREADS=1 keeps them deterministic and quiet on shared machines.
+test: deps
+	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
+	OPENBLAS_NUM_THREADS=1 ./$(TESTS)
+
+run: deps
+	$(MAKE) --no-print-directory $(QTRAIN)
+	./$(QTRAIN) demo
+
+bench: deps
+	$(MAKE) --no-print-directory $(BENCH_BINS)
+	@for b in $(BENCH_BINS); do ./$$b || exit 1; done
+
+# Needs Debian's python3-torch, python3-h5py and python3-numpy.
+fixtures:
+	/usr/bin/python3 tests/make_fixtures.py tests/fixtures/torch_ref.h5
+
+clean:
+	rm -rf build
+
+-include $(shell find build -name '*.d' 2>/dev/null)

@@ -1,0 +1,34 @@
+#include "error.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...) {
+    if (!err || err->status != QT_OK) return status;
+    err->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void qt_error_clear(QtError *err) {
+    if (!err) return;
+    err->status = QT_OK;
+    err->msg[0] = '\0';
+}
+
+const char *qt_status_name(QtStatus status) {
+    switch (status) {
+    case QT_OK: return "ok";
+    case QT_ERR_ARG: return "invalid argument";
+    case QT_ERR_SHAPE: return "shape error";
+    case QT_ERR_VALUE: return "bad value";
+    case QT_ERR_NOMEM: return "out of memory";
+    case QT_ERR_IO: return "I/O error";
+    case QT_ERR_FORMAT: return "format error";
+    case QT_ERR_CONFIG: return "config error";
+    }
+    return "unknown error";
+}

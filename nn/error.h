@@ -1,0 +1,42 @@
+/* error.h - status codes and error messages shared by every library layer.
+ *
+ * Library code (nn/, quant/, lora/, data/) never exits: it returns a QtStatus
+ * and, where the caller passed one, fills a QtError with a sentence that says
+ * what went wrong, where, and what to do about it. Only trainer/ decides to
+ * stop the program. */
+#ifndef QTRAIN_NN_ERROR_H
+#define QTRAIN_NN_ERROR_H
+
+#include <stddef.h>
+
+typedef enum {
+    QT_OK = 0,
+    QT_ERR_ARG,    /* a bad argument: NULL, zero size, unknown name */
+    QT_ERR_SHAPE,  /* shapes that do not fit together */
+    QT_ERR_VALUE,  /* a bad value in the data: NaN, Inf, label out of range */
+    QT_ERR_NOMEM,  /* an allocation failed */
+    QT_ERR_IO,     /* a file could not be read or written */
+    QT_ERR_FORMAT, /* a file's contents are not what they should be */
+    QT_ERR_CONFIG  /* a configuration error */
+} QtStatus;
+
+#define QT_ERROR_MSG_MAX 1024
+
+typedef struct {
+    QtStatus status;
+    char msg[QT_ERROR_MSG_MAX];
+} QtError;
+
+/* Records the first error only: later calls leave an existing error alone,
+ * so the message a user sees names the root cause, not its consequences.
+ * Returns `status`, so callers can write `return qt_error_set(...)`.
+ * `err` may be NULL (the status is still returned). */
+QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+void qt_error_clear(QtError *err);
+
+/* A short name for a status ("shape error"). */
+const char *qt_status_name(QtStatus status);
+
+#endif

@@ -1,0 +1,37 @@
+/* gemm.h - the one door to sgemm.
+ *
+ * Every float matrix product in qtrain goes through gemm_f32(), so the
+ * benchmark can tell what share of a step is GEMM and the thread policy
+ * lives in one place. gemm_f32_ref() is the naive triple loop tests compare
+ * against. Row-major, like the rest of nn/. */
+#ifndef QTRAIN_NN_GEMM_H
+#define QTRAIN_NN_GEMM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* C (M, N) = alpha * op(A) * op(B) + beta * C.
+ * op(A) is (M, K): A is (M, K) with lda >= K, or (K, M) with lda >= M if trans_a.
+ * op(B) is (K, N): B is (K, N) with ldb >= N, or (N, K) with ldb >= K if trans_b. */
+void gemm_f32(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+              const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+void gemm_f32_ref(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+/* Threads OpenBLAS may use (1 or more). */
+void gemm_set_threads(int threads);
+int gemm_get_threads(void);
+
+/* Time accounting for the benchmark: off by default (it costs two clock
+ * reads per GEMM). */
+typedef struct {
+    uint64_t calls;
+    double seconds;  /* wall time inside sgemm */
+    double flops;    /* 2*M*N*K summed */
+} GemmStats;
+
+void gemm_stats_enable(bool on);
+void gemm_stats_reset(void);
+GemmStats gemm_stats_get(void);
+
+#endif

@@ -1,0 +1,52 @@
+/* rng.h - counter-based random numbers (Philox4x32-10, Salmon et al. 2011).
+ *
+ * The whole state is (seed, stream, counter): three integers that a
+ * checkpoint stores and a resumed run restores, so it draws exactly the same
+ * numbers. Output depends only on that state, never on the machine, the
+ * thread count or the order of earlier unrelated draws in another stream.
+ * Separate uses (init, shuffling, dropout, stochastic rounding) take separate
+ * streams of one seed with rng_fork(). */
+#ifndef QTRAIN_NN_RNG_H
+#define QTRAIN_NN_RNG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    uint64_t seed;    /* the key: 2 x 32 bits */
+    uint64_t stream;  /* high 64 bits of the 128-bit counter */
+    uint64_t counter; /* low 64 bits: blocks of 4 x 32 bits drawn so far */
+} Rng;
+
+/* Well-known stream numbers, so every part of qtrain draws from its own. */
+enum {
+    RNG_STREAM_INIT = 1,
+    RNG_STREAM_SHUFFLE = 2,
+    RNG_STREAM_DROPOUT = 3,
+    RNG_STREAM_ROUNDING = 4,
+};
+
+/* The raw block function: 4 x 32 random bits for a counter and a key. */
+void philox4x32_10(uint32_t out[4], const uint32_t ctr[4], const uint32_t key[2]);
+
+void rng_init(Rng *r, uint64_t seed, uint64_t stream);
+/* A generator of the same seed on another stream, counter 0. */
+Rng rng_fork(const Rng *r, uint64_t stream);
+
+/* One block: 4 x 32 bits; advances the counter by one. */
+void rng_next_block(Rng *r, uint32_t out[4]);
+/* n x 32 bits; advances the counter by ceil(n/4) blocks. */
+void rng_fill_u32(Rng *r, uint32_t *out, size_t n);
+/* Uniform floats in [lo, hi): 24 random bits each. */
+void rng_fill_uniform(Rng *r, float *out, size_t n, float lo, float hi);
+/* Normal floats (Box-Muller on pairs of uniforms). */
+void rng_fill_normal(Rng *r, float *out, size_t n, float mean, float std);
+/* A uniform integer in [0, n), unbiased (rejection); n >= 1. */
+uint32_t rng_below(Rng *r, uint32_t n);
+/* Fisher-Yates shuffle of idx[0..n-1]. */
+void rng_shuffle_u32(Rng *r, uint32_t *idx, size_t n);
+
+/* 24 high bits of u as a float in [0, 1). */
+static inline float rng_u32_to_unit(uint32_t u) { return (float)(u >> 8) * 0x1p-24f; }
+
+#endif

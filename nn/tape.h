@@ -1,0 +1,84 @@
+/* tape.h - the reverse-mode autodiff tape.
+ *
+ * Ops run eagerly: each computes its output at once and, if any input needs
+ * a gradient, appends a node with its backward function and what it saved.
+ * tape_backward() walks the nodes in reverse; every backward accumulates
+ * (+=) into the grads of its inputs.
+ *
+ * Errors poison instead of crashing: an op that fails returns NULL and
+ * records the first error in tape->err; an op given a NULL input returns
+ * NULL at once. A forward pass can therefore be written straight through and
+ * checked once, with the message naming the op that failed and its shapes. */
+#ifndef QTRAIN_NN_TAPE_H
+#define QTRAIN_NN_TAPE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "arena.h"
+#include "error.h"
+#include "rng.h"
+#include "tensor.h"
+
+#define TAPE_MAX_INPUTS 4
+
+typedef struct Tape Tape;
+typedef struct TapeNode TapeNode;
+
+/* Reads node->out->grad and accumulates into the grads of node->in[] that
+ * require them (get them with tape_grad). */
+typedef void (*TapeBackwardFn)(Tape *tape, const TapeNode *node);
+
+struct TapeNode {
+    const char *op;                 /* op name, for messages */
+    TapeBackwardFn backward;
+    Var *out;
+    Var *in[TAPE_MAX_INPUTS];       /* NULL where unused */
+    void *ctx;                      /* op-specific saved state (arena) */
+};
+
+struct Tape {
+    Arena *arena;       /* step arena: Vars, saved tensors, non-param grads */
+    TapeNode *nodes;    /* [cap_nodes]; kept across steps, so no malloc in
+                           the steady state */
+    size_t n_nodes;
+    size_t cap_nodes;
+    bool training;      /* dropout active (and, later, quantizer statistics) */
+    bool grad_enabled;  /* false: ops run forward only and record nothing */
+    Rng *rng;           /* dropout masks; may be NULL if no op needs it */
+    QtError err;        /* first error since the last reset */
+};
+
+QtStatus tape_init(Tape *t, Arena *arena, Rng *rng, QtError *err);
+void tape_free(Tape *t);
+/* Forgets the recorded ops and the error, and resets the arena: call after
+ * the optimizer step. Every Var from the arena is invalid afterwards. */
+void tape_reset(Tape *t);
+
+/* A new Var from the arena, value uninitialised, grad NULL. NULL on error. */
+Var *tape_new_var(Tape *t, int ndim, const int *shape);
+/* A Var whose value is the caller's buffer (not copied; must outlive the
+ * step), e.g. a batch of inputs. No gradient. */
+Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape);
+/* Arena memory for an op's saved state; sets the tape error on failure. */
+void *tape_alloc(Tape *t, size_t bytes);
+/* The grad of v, allocated zeroed from the arena on first use (params have
+ * theirs already). NULL, with the tape error set, if memory runs out. */
+float *tape_grad(Tape *t, Var *v);
+
+/* Appends a node if gradients are enabled and any input requires them, and
+ * marks out->requires_grad accordingly. Returns false (tape error set) only
+ * if the node array cannot grow. */
+bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
+                 Var *const *in, int n_in, void *ctx);
+
+/* Seeds d(loss)/d(loss) = 1 and runs every node's backward in reverse.
+ * `loss` must have exactly one element. */
+QtStatus tape_backward(Tape *t, Var *loss);
+/* The same from any output: seeds out's grad with dout ([numel(out)]) and
+ * runs the backward. For tests and for callers with their own loss. */
+QtStatus tape_backward_from(Tape *t, Var *out, const float *dout);
+
+static inline bool tape_ok(const Tape *t) { return t->err.status == QT_OK; }
+
+#endif

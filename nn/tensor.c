@@ -1,0 +1,36 @@
+#include "tensor.h"
+
+#include <stdio.h>
+
+size_t tensor_numel(const Tensor *t) {
+    size_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
+    return n;
+}
+
+char *tensor_shape_str(const Tensor *t, char *buf, size_t size) {
+    size_t off = 0;
+    off += (size_t)snprintf(buf + off, size - off, "(");
+    for (int i = 0; i < t->ndim && off < size; i++)
+        off += (size_t)snprintf(buf + off, size - off, i ? ", %d" : "%d", t->shape[i]);
+    if (off < size) snprintf(buf + off, size - off, t->ndim == 1 ? ",)" : ")");
+    return buf;
+}
+
+bool tensor_same_shape(const Tensor *a, const Tensor *b) {
+    if (a->ndim != b->ndim) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) return false;
+    return true;
+}
+
+bool tensor_set_shape(Tensor *t, int ndim, const int *shape) {
+    if (ndim < 1 || ndim > TENSOR_MAX_DIMS) return false;
+    t->ndim = ndim;
+    for (int i = 0; i < TENSOR_MAX_DIMS; i++) t->shape[i] = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] <= 0) return false;
+        t->shape[i] = shape[i];
+    }
+    return true;
+}

@@ -1,0 +1,39 @@
+/* tensor.h - contiguous float32 tensors (row-major, up to 4 dims) and the
+ * autodiff variable that pairs a value with its gradient.
+ *
+ * Layouts follow PyTorch so checkpoints compare directly: images NCHW, dense
+ * weights (out, in), conv weights (out, in, kh, kw). */
+#ifndef QTRAIN_NN_TENSOR_H
+#define QTRAIN_NN_TENSOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#define TENSOR_MAX_DIMS 4
+
+typedef struct {
+    float *data;                  /* [numel], row-major, contiguous */
+    int ndim;                     /* 1..TENSOR_MAX_DIMS */
+    int shape[TENSOR_MAX_DIMS];   /* shape[0..ndim-1]; unused dims are 1 */
+} Tensor;
+
+/* A node of the autodiff graph. Parameters own their value and grad for the
+ * whole run; every other Var lives in the step arena. */
+typedef struct Var {
+    Tensor value;          /* shape of the variable */
+    float *grad;           /* [numel] like value; NULL until first needed */
+    bool requires_grad;    /* grads flow into this Var */
+    bool is_param;         /* grad is a persistent buffer (not the arena's) */
+} Var;
+
+size_t tensor_numel(const Tensor *t);
+/* "(128, 1, 28, 28)" into buf; returns buf. */
+char *tensor_shape_str(const Tensor *t, char *buf, size_t size);
+bool tensor_same_shape(const Tensor *a, const Tensor *b);
+/* Fills shape/ndim from a list; returns false if ndim is out of range or a
+ * dimension is not positive. */
+bool tensor_set_shape(Tensor *t, int ndim, const int *shape);
+
+static inline size_t var_numel(const Var *v) { return tensor_numel(&v->value); }
+
+#endif
