@@ -1,0 +1,113 @@
+/* ops.h - differentiable ops.
+ *
+ * Two levels:
+ *  - kernels: plain forward/backward function pairs on raw float arrays
+ *    (outputs first, then inputs, then sizes). Backward kernels accumulate
+ *    (+=) into the input grads they are given; a NULL grad pointer means
+ *    "not needed" and is skipped. Fast kernels have a scalar `_ref` twin.
+ *  - tape ops (nn_*): check shapes, allocate the output from the step
+ *    arena, run the forward kernel and record the backward. They return
+ *    NULL on error (tape->err says which op and which shapes) or when given
+ *    a NULL input, so a forward pass can be checked once at the end.
+ *
+ * Shapes are written (N, C, H, W) for images and (N, F) for features. */
+#ifndef QTRAIN_NN_OPS_H
+#define QTRAIN_NN_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tape.h"
+
+/* ---- matrix products ------------------------------------------------- */
+
+/* y = op(a) @ op(b). a: (M, K), or (K, M) if trans_a; b: (K, N), or (N, K)
+ * if trans_b. y: (M, N). */
+Var *nn_matmul(Tape *t, Var *a, Var *b, bool trans_a, bool trans_b);
+
+/* The dense layer's fused op: y = x @ w^T + bias.
+ * x: (N, in), w: (out, in), bias: (out,) or NULL; y: (N, out). */
+Var *nn_linear(Tape *t, Var *x, Var *w, Var *bias);
+
+/* ---- elementwise and broadcasting ------------------------------------ */
+
+/* y = x + bias broadcast along axis 1. x: (N, C) or (N, C, H, W); bias (C,). */
+Var *nn_bias_add(Tape *t, Var *x, Var *bias);
+/* y = a + b, same shapes. */
+Var *nn_add(Tape *t, Var *a, Var *b);
+/* y = s * x. */
+Var *nn_scale(Tape *t, Var *x, float s);
+Var *nn_relu(Tape *t, Var *x);
+/* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+Var *nn_gelu(Tape *t, Var *x);
+Var *nn_tanh(Tape *t, Var *x);
+Var *nn_sigmoid(Tape *t, Var *x);
+/* Inverted dropout: zero with probability p, scale survivors by 1/(1-p).
+ * The identity when !t->training or p == 0. Masks come from t->rng. */
+Var *nn_dropout(Tape *t, Var *x, float p);
+
+/* Same data, new shape (numel must agree). Shares the value buffer. */
+Var *nn_reshape(Tape *t, Var *x, int ndim, const int *shape);
+/* (N, ...) -> (N, rest). */
+Var *nn_flatten(Tape *t, Var *x);
+
+/* Layer normalisation over the last axis: x (..., D), gamma/beta (D,) or NULL. */
+Var *nn_layernorm(Tape *t, Var *x, Var *gamma, Var *beta, float eps);
+
+/* ---- convolution and pooling (ops_conv.c) ----------------------------- */
+
+/* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL.
+ * y: (N, OC, OH, OW), OH = (H + 2*padding - KH)/stride + 1 (likewise OW).
+ * Zero padding; im2col + one sgemm per layer over the whole batch. */
+Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding);
+/* x: (N, C, H, W) -> (N, C, OH, OW), OH = (H - kernel)/stride + 1, no padding.
+ * Max ties go to the first element in row-major window order. */
+Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride);
+Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride);
+
+/* ---- losses (scalar outputs, shape (1,)) ------------------------------ */
+
+/* Mean over the batch of -log softmax(logits)[label]. logits: (N, C),
+ * labels: [N] in 0..C-1. NaN/Inf logits or a label out of range: error. */
+Var *nn_softmax_cross_entropy(Tape *t, Var *logits, const int32_t *labels);
+/* Mean over all elements of (pred - target)^2; target gets no gradient. */
+Var *nn_mse(Tape *t, Var *pred, Var *target);
+
+/* ---- kernels ---------------------------------------------------------- */
+
+void relu_forward(float *y, const float *x, size_t n);
+void relu_backward(float *dx, const float *dy, const float *y, size_t n);
+void gelu_forward(float *y, const float *x, size_t n);
+void gelu_backward(float *dx, const float *dy, const float *x, size_t n);
+void tanh_forward(float *y, const float *x, size_t n);
+void tanh_backward(float *dx, const float *dy, const float *y, size_t n);
+void sigmoid_forward(float *y, const float *x, size_t n);
+void sigmoid_backward(float *dx, const float *dy, const float *y, size_t n);
+
+/* x, y: (rows, D); mean, rstd: [rows] saved for the backward. */
+void layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *gamma,
+                       const float *beta, int rows, int D, float eps);
+void layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
+                        const float *gamma, const float *mean, const float *rstd, int rows, int D);
+
+/* probs: (N, C) softmax of logits, saved for the backward; returns mean loss. */
+double softmax_cross_entropy_forward(float *probs, const float *logits, const int32_t *labels, int N, int C);
+/* dlogits (N, C) += dloss * (probs - onehot) / N. */
+void softmax_cross_entropy_backward(float *dlogits, float dloss, const float *probs, const int32_t *labels,
+                                    int N, int C);
+
+/* col: (C*KH*KW, N*OH*OW): row (c, kh, kw), column (n, oh, ow). */
+void im2col(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
+            int OH, int OW);
+/* dx (N, C, H, W) += the scatter of dcol (C*KH*KW, N*OH*OW): im2col's adjoint. */
+void col2im(float *dx, const float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
+            int OH, int OW);
+/* Direct convolution, for tests: y (N, OC, OH, OW) = conv(x, w) + bias. */
+void conv2d_forward_ref(float *y, const float *x, const float *w, const float *bias, int N, int C, int H, int W,
+                        int OC, int KH, int KW, int stride, int padding);
+/* Direct backward, for tests; accumulates into the non-NULL grads. */
+void conv2d_backward_ref(float *dx, float *dw, float *dbias, const float *dy, const float *x, const float *w,
+                         int N, int C, int H, int W, int OC, int KH, int KW, int stride, int padding);
+
+#endif

@@ -1,0 +1,340 @@
+/* ops_basic.c - matrix products, elementwise ops, dropout and reshapes. */
+#include <math.h>
+#include <string.h>
+
+#include "gemm.h"
+#include "ops.h"
+
+#define SHAPE_STR(v, buf) tensor_shape_str(&(v)->value, (buf), sizeof(buf))
+
+/* ---- matmul ------------------------------------------------------------- */
+
+typedef struct {
+    bool trans_a, trans_b;
+    int M, N, K;
+} MatmulCtx;
+
+static void matmul_backward(Tape *t, const TapeNode *node) {
+    const MatmulCtx *c = node->ctx;
+    Var *a = node->in[0], *b = node->in[1];
+    const float *dy = node->out->grad; /* (M, N) */
+    int lda = a->value.shape[1], ldb = b->value.shape[1];
+    if (a->requires_grad) {
+        float *da = tape_grad(t, a);
+        if (!da) return;
+        /* dA = dY op(B)^T, laid out like A (transposed if A was). */
+        if (!c->trans_a)
+            gemm_f32(false, !c->trans_b, c->M, c->K, c->N, 1.0f, dy, c->N, b->value.data, ldb, 1.0f, da, lda);
+        else
+            gemm_f32(c->trans_b, true, c->K, c->M, c->N, 1.0f, b->value.data, ldb, dy, c->N, 1.0f, da, lda);
+    }
+    if (b->requires_grad) {
+        float *db = tape_grad(t, b);
+        if (!db) return;
+        /* dB = op(A)^T dY, laid out like B. */
+        if (!c->trans_b)
+            gemm_f32(!c->trans_a, false, c->K, c->N, c->M, 1.0f, a->value.data, lda, dy, c->N, 1.0f, db, ldb);
+        else
+            gemm_f32(true, c->trans_a, c->N, c->K, c->M, 1.0f, dy, c->N, a->value.data, lda, 1.0f, db, ldb);
+    }
+}
+
+Var *nn_matmul(Tape *t, Var *a, Var *b, bool trans_a, bool trans_b) {
+    if (!a || !b) return NULL;
+    char sa[64], sb[64];
+    if (a->value.ndim != 2 || b->value.ndim != 2) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "matmul: both operands must be 2-D, got %s and %s", SHAPE_STR(a, sa),
+                     SHAPE_STR(b, sb));
+        return NULL;
+    }
+    int M = a->value.shape[trans_a ? 1 : 0], K = a->value.shape[trans_a ? 0 : 1];
+    int Kb = b->value.shape[trans_b ? 1 : 0], N = b->value.shape[trans_b ? 0 : 1];
+    if (K != Kb) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "matmul: inner dimensions differ: %s%s @ %s%s (%d vs %d)",
+                     SHAPE_STR(a, sa), trans_a ? "^T" : "", SHAPE_STR(b, sb), trans_b ? "^T" : "", K, Kb);
+        return NULL;
+    }
+    Var *y = tape_new_var(t, 2, (int[]){M, N});
+    MatmulCtx *c = tape_alloc(t, sizeof *c);
+    if (!y || !c) return NULL;
+    *c = (MatmulCtx){trans_a, trans_b, M, N, K};
+    gemm_f32(trans_a, trans_b, M, N, K, 1.0f, a->value.data, a->value.shape[1], b->value.data, b->value.shape[1], 0.0f,
+             y->value.data, N);
+    return tape_record(t, "matmul", matmul_backward, y, (Var *[]){a, b}, 2, c) ? y : NULL;
+}
+
+/* ---- linear: y = x W^T + b ---------------------------------------------- */
+
+static void linear_backward(Tape *t, const TapeNode *node) {
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
+    const float *dy = node->out->grad; /* (N, out) */
+    int N = x->value.shape[0], in = x->value.shape[1], out = w->value.shape[0];
+    if (x->requires_grad) {
+        float *dx = tape_grad(t, x); /* (N, in) += dy (N, out) @ W (out, in) */
+        if (!dx) return;
+        gemm_f32(false, false, N, in, out, 1.0f, dy, out, w->value.data, in, 1.0f, dx, in);
+    }
+    if (w->requires_grad) {
+        float *dw = tape_grad(t, w); /* (out, in) += dy^T (out, N) @ x (N, in) */
+        if (!dw) return;
+        gemm_f32(true, false, out, in, N, 1.0f, dy, out, x->value.data, in, 1.0f, dw, in);
+    }
+    if (bias && bias->requires_grad) {
+        float *db = tape_grad(t, bias); /* (out,) += column sums of dy */
+        if (!db) return;
+        for (int n = 0; n < N; n++)
+            for (int o = 0; o < out; o++) db[o] += dy[(size_t)n * out + o];
+    }
+}
+
+Var *nn_linear(Tape *t, Var *x, Var *w, Var *bias) {
+    if (!x || !w) return NULL;
+    char sx[64], sw[64], sb[64];
+    if (x->value.ndim != 2 || w->value.ndim != 2 || x->value.shape[1] != w->value.shape[1]) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "linear: input %s does not fit weight %s (want (N, in) and (out, in))",
+                     SHAPE_STR(x, sx), SHAPE_STR(w, sw));
+        return NULL;
+    }
+    int N = x->value.shape[0], in = x->value.shape[1], out = w->value.shape[0];
+    if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != out)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "linear: bias %s does not match weight %s (want (%d,))", SHAPE_STR(bias, sb),
+                     SHAPE_STR(w, sw), out);
+        return NULL;
+    }
+    Var *y = tape_new_var(t, 2, (int[]){N, out});
+    if (!y) return NULL;
+    /* Broadcast the bias into y first so the GEMM adds onto it (beta = 1):
+     * one pass over y instead of two. */
+    float beta = 0.0f;
+    if (bias) {
+        for (int n = 0; n < N; n++) memcpy(y->value.data + (size_t)n * out, bias->value.data, (size_t)out * sizeof(float));
+        beta = 1.0f;
+    }
+    gemm_f32(false, true, N, out, in, 1.0f, x->value.data, in, w->value.data, in, beta, y->value.data, out);
+    return tape_record(t, "linear", linear_backward, y, (Var *[]){x, w, bias}, 3, NULL) ? y : NULL;
+}
+
+/* ---- bias add, add, scale ------------------------------------------------ */
+
+/* x viewed as (outer, C, inner): (N, C) has inner 1; (N, C, H, W) inner H*W. */
+static void bias_add_backward(Tape *t, const TapeNode *node) {
+    Var *x = node->in[0], *bias = node->in[1];
+    const float *dy = node->out->grad;
+    size_t n = var_numel(x);
+    if (x->requires_grad) {
+        float *dx = tape_grad(t, x);
+        if (!dx) return;
+        for (size_t i = 0; i < n; i++) dx[i] += dy[i];
+    }
+    if (bias->requires_grad) {
+        float *db = tape_grad(t, bias);
+        if (!db) return;
+        int C = x->value.shape[1];
+        size_t inner = n / ((size_t)x->value.shape[0] * C);
+        for (size_t i = 0; i < n; i++) db[(i / inner) % C] += dy[i];
+    }
+}
+
+Var *nn_bias_add(Tape *t, Var *x, Var *bias) {
+    if (!x || !bias) return NULL;
+    char sx[64], sb[64];
+    if (x->value.ndim < 2 || bias->value.ndim != 1 || bias->value.shape[0] != x->value.shape[1]) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "bias_add: bias %s does not match axis 1 of input %s", SHAPE_STR(bias, sb),
+                     SHAPE_STR(x, sx));
+        return NULL;
+    }
+    Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
+    if (!y) return NULL;
+    size_t n = var_numel(x);
+    int C = x->value.shape[1];
+    size_t inner = n / ((size_t)x->value.shape[0] * C);
+    for (size_t i = 0; i < n; i++) y->value.data[i] = x->value.data[i] + bias->value.data[(i / inner) % C];
+    return tape_record(t, "bias_add", bias_add_backward, y, (Var *[]){x, bias}, 2, NULL) ? y : NULL;
+}
+
+static void add_backward(Tape *t, const TapeNode *node) {
+    const float *dy = node->out->grad;
+    size_t n = var_numel(node->out);
+    for (int k = 0; k < 2; k++) {
+        Var *v = node->in[k];
+        if (!v->requires_grad) continue;
+        float *dv = tape_grad(t, v);
+        if (!dv) return;
+        for (size_t i = 0; i < n; i++) dv[i] += dy[i];
+    }
+}
+
+Var *nn_add(Tape *t, Var *a, Var *b) {
+    if (!a || !b) return NULL;
+    char sa[64], sb[64];
+    if (!tensor_same_shape(&a->value, &b->value)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "add: shapes differ: %s and %s", SHAPE_STR(a, sa), SHAPE_STR(b, sb));
+        return NULL;
+    }
+    Var *y = tape_new_var(t, a->value.ndim, a->value.shape);
+    if (!y) return NULL;
+    for (size_t i = 0, n = var_numel(a); i < n; i++) y->value.data[i] = a->value.data[i] + b->value.data[i];
+    return tape_record(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
+}
+
+static void scale_backward(Tape *t, const TapeNode *node) {
+    float s = *(const float *)node->ctx;
+    float *dx = tape_grad(t, node->in[0]);
+    if (!dx) return;
+    const float *dy = node->out->grad;
+    for (size_t i = 0, n = var_numel(node->out); i < n; i++) dx[i] += s * dy[i];
+}
+
+Var *nn_scale(Tape *t, Var *x, float s) {
+    if (!x) return NULL;
+    Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
+    float *ctx = tape_alloc(t, sizeof *ctx);
+    if (!y || !ctx) return NULL;
+    *ctx = s;
+    for (size_t i = 0, n = var_numel(x); i < n; i++) y->value.data[i] = s * x->value.data[i];
+    return tape_record(t, "scale", scale_backward, y, (Var *[]){x}, 1, ctx) ? y : NULL;
+}
+
+/* ---- activations: kernels ------------------------------------------------ */
+
+void relu_forward(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+void relu_backward(float *dx, const float *dy, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) dx[i] += y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+#define GELU_K0 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_K1 0.044715f
+
+void gelu_forward(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        y[i] = 0.5f * v * (1.0f + tanhf(GELU_K0 * (v + GELU_K1 * v * v * v)));
+    }
+}
+void gelu_backward(float *dx, const float *dy, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        float th = tanhf(GELU_K0 * (v + GELU_K1 * v * v * v));
+        float dinner = GELU_K0 * (1.0f + 3.0f * GELU_K1 * v * v);
+        dx[i] += dy[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * dinner);
+    }
+}
+
+void tanh_forward(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
+}
+void tanh_backward(float *dx, const float *dy, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) dx[i] += dy[i] * (1.0f - y[i] * y[i]);
+}
+
+void sigmoid_forward(float *y, const float *x, size_t n) {
+    /* Two branches so exp never overflows. */
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        if (v >= 0.0f) {
+            y[i] = 1.0f / (1.0f + expf(-v));
+        } else {
+            float e = expf(v);
+            y[i] = e / (1.0f + e);
+        }
+    }
+}
+void sigmoid_backward(float *dx, const float *dy, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) dx[i] += dy[i] * y[i] * (1.0f - y[i]);
+}
+
+/* ---- activations: tape ops ----------------------------------------------- */
+
+typedef void (*UnaryForward)(float *y, const float *x, size_t n);
+
+/* Backward from the output (relu, tanh, sigmoid) or from the input (gelu). */
+#define DEFINE_UNARY(name, save_input)                                                     \
+    static void name##_tape_backward(Tape *t, const TapeNode *node) {                      \
+        float *dx = tape_grad(t, node->in[0]);                                             \
+        if (!dx) return;                                                                   \
+        const float *saved = (save_input) ? node->in[0]->value.data : node->out->value.data; \
+        name##_backward(dx, node->out->grad, saved, var_numel(node->out));                 \
+    }                                                                                      \
+    Var *nn_##name(Tape *t, Var *x) {                                                      \
+        if (!x) return NULL;                                                               \
+        Var *y = tape_new_var(t, x->value.ndim, x->value.shape);                           \
+        if (!y) return NULL;                                                               \
+        name##_forward(y->value.data, x->value.data, var_numel(x));                        \
+        return tape_record(t, #name, name##_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL; \
+    }
+
+DEFINE_UNARY(relu, false)
+DEFINE_UNARY(gelu, true)
+DEFINE_UNARY(tanh, false)
+DEFINE_UNARY(sigmoid, false)
+
+/* ---- dropout -------------------------------------------------------------- */
+
+/* The scaled mask (0 or 1/(1-p)) is saved; backward is dy * mask. */
+static void dropout_backward(Tape *t, const TapeNode *node) {
+    const float *mask = node->ctx;
+    float *dx = tape_grad(t, node->in[0]);
+    if (!dx) return;
+    const float *dy = node->out->grad;
+    for (size_t i = 0, n = var_numel(node->out); i < n; i++) dx[i] += dy[i] * mask[i];
+}
+
+Var *nn_dropout(Tape *t, Var *x, float p) {
+    if (!x) return NULL;
+    if (!(p >= 0.0f && p < 1.0f)) {
+        qt_error_set(&t->err, QT_ERR_ARG, "dropout: p must be in [0, 1), got %g", (double)p);
+        return NULL;
+    }
+    if (!t->training || p == 0.0f) return x;
+    if (!t->rng) {
+        qt_error_set(&t->err, QT_ERR_ARG, "dropout: the tape has no RNG (give tape_init one)");
+        return NULL;
+    }
+    size_t n = var_numel(x);
+    Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
+    float *mask = tape_alloc(t, n * sizeof(float));
+    if (!y || !mask) return NULL;
+    rng_fill_uniform(t->rng, mask, n, 0.0f, 1.0f);
+    const float keep_scale = 1.0f / (1.0f - p);
+    for (size_t i = 0; i < n; i++) {
+        mask[i] = mask[i] >= p ? keep_scale : 0.0f;
+        y->value.data[i] = x->value.data[i] * mask[i];
+    }
+    return tape_record(t, "dropout", dropout_backward, y, (Var *[]){x}, 1, mask) ? y : NULL;
+}
+
+/* ---- reshape / flatten ----------------------------------------------------- */
+
+static void reshape_backward(Tape *t, const TapeNode *node) {
+    float *dx = tape_grad(t, node->in[0]);
+    if (!dx) return;
+    const float *dy = node->out->grad;
+    for (size_t i = 0, n = var_numel(node->out); i < n; i++) dx[i] += dy[i];
+}
+
+Var *nn_reshape(Tape *t, Var *x, int ndim, const int *shape) {
+    if (!x) return NULL;
+    Tensor want = {0};
+    char sx[64], sw[64];
+    if (!tensor_set_shape(&want, ndim, shape)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "reshape: invalid target shape for input %s (ndim %d, dims must be >= 1)",
+                     SHAPE_STR(x, sx), ndim);
+        return NULL;
+    }
+    if (tensor_numel(&want) != var_numel(x)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "reshape: cannot view %s (%zu elements) as %s (%zu elements)",
+                     SHAPE_STR(x, sx), var_numel(x), tensor_shape_str(&want, sw, sizeof sw), tensor_numel(&want));
+        return NULL;
+    }
+    Var *y = tape_wrap(t, x->value.data, ndim, shape); /* shares the values */
+    if (!y) return NULL;
+    return tape_record(t, "reshape", reshape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
+}
+
+Var *nn_flatten(Tape *t, Var *x) {
+    if (!x) return NULL;
+    int n = x->value.shape[0];
+    return nn_reshape(t, x, 2, (int[]){n, (int)(var_numel(x) / (size_t)n)});
+}
