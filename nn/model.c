@@ -1,0 +1,401 @@
+/* model.c - shape inference, parameter allocation and init, forward. */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops.h"
+
+static const char *const layer_names[LAYER_COUNT] = {
+    [LAYER_DENSE] = "dense",         [LAYER_CONV2D] = "conv2d",       [LAYER_RELU] = "relu",
+    [LAYER_GELU] = "gelu",           [LAYER_TANH] = "tanh",           [LAYER_SIGMOID] = "sigmoid",
+    [LAYER_MAXPOOL2D] = "maxpool2d", [LAYER_AVGPOOL2D] = "avgpool2d", [LAYER_FLATTEN] = "flatten",
+    [LAYER_DROPOUT] = "dropout",     [LAYER_LAYERNORM] = "layernorm",
+};
+
+static const char *const init_names[INIT_COUNT] = {
+    [INIT_DEFAULT] = "default",
+    [INIT_XAVIER_UNIFORM] = "xavier_uniform",
+    [INIT_XAVIER_NORMAL] = "xavier_normal",
+    [INIT_NORMAL] = "normal",
+};
+
+const char *layer_type_name(LayerType type) { return type < LAYER_COUNT ? layer_names[type] : "?"; }
+const char *init_kind_name(InitKind kind) { return kind < INIT_COUNT ? init_names[kind] : "?"; }
+
+/* Looks name up in a table; on failure the message lists every valid name. */
+static QtStatus parse_name(const char *what, const char *name, const char *const *table, int n, int *out,
+                           QtError *err) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(name, table[i]) == 0) return *out = i, QT_OK;
+    char valid[256] = "";
+    for (int i = 0; i < n; i++) {
+        strncat(valid, table[i], sizeof valid - strlen(valid) - 1);
+        if (i + 1 < n) strncat(valid, ", ", sizeof valid - strlen(valid) - 1);
+    }
+    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name, valid);
+}
+
+QtStatus layer_type_parse(const char *name, LayerType *out, QtError *err) {
+    int v = 0;
+    QtStatus st = parse_name("layer type", name, layer_names, LAYER_COUNT, &v, err);
+    if (st == QT_OK) *out = (LayerType)v;
+    return st;
+}
+
+QtStatus init_kind_parse(const char *name, InitKind *out, QtError *err) {
+    int v = 0;
+    QtStatus st = parse_name("init", name, init_names, INIT_COUNT, &v, err);
+    if (st == QT_OK) *out = (InitKind)v;
+    return st;
+}
+
+static char *shape_str(char *buf, size_t size, int ndim, const int *shape) {
+    Tensor t = {0};
+    tensor_set_shape(&t, ndim, shape);
+    return tensor_shape_str(&t, buf, size);
+}
+
+/* ---- shape inference ----------------------------------------------------- */
+
+/* Fills m->out_shape from m->in_shape; the number of params it needs in *n_params. */
+static QtStatus module_infer(Module *m, int *n_params, QtError *err) {
+    const LayerSpec *s = &m->spec;
+    char in[64];
+    shape_str(in, sizeof in, m->in_ndim, m->in_shape);
+    m->out_ndim = m->in_ndim;
+    memcpy(m->out_shape, m->in_shape, sizeof m->out_shape);
+    *n_params = 0;
+    switch (s->type) {
+    case LAYER_DENSE:
+        if (m->in_ndim != 1)
+            return qt_error_set(err, QT_ERR_SHAPE,
+                                "layer '%s' (dense) gets input %s per example but needs a vector; add a flatten layer "
+                                "before it",
+                                m->path, in);
+        if (s->units < 1) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (dense): units must be >= 1", m->path);
+        m->out_shape[0] = s->units;
+        *n_params = s->no_bias ? 1 : 2;
+        return QT_OK;
+    case LAYER_CONV2D:
+    case LAYER_MAXPOOL2D:
+    case LAYER_AVGPOOL2D: {
+        const char *tn = layer_type_name(s->type);
+        if (m->in_ndim != 3)
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (%s) needs (C, H, W) input per example, got %s",
+                                m->path, tn, in);
+        if (s->kernel < 1) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): kernel must be >= 1", m->path, tn);
+        if (s->stride < 1) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): stride must be >= 1", m->path, tn);
+        int pad = s->type == LAYER_CONV2D ? s->padding : 0;
+        if (pad < 0) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): padding must be >= 0", m->path, tn);
+        int oh = (m->in_shape[1] + 2 * pad - s->kernel) / s->stride + 1;
+        int ow = (m->in_shape[2] + 2 * pad - s->kernel) / s->stride + 1;
+        if (m->in_shape[1] + 2 * pad < s->kernel || m->in_shape[2] + 2 * pad < s->kernel)
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (%s): kernel %d is larger than its input %s%s", m->path,
+                                tn, s->kernel, in, pad ? " with padding" : "");
+        m->out_shape[0] = m->in_shape[0];
+        if (s->type == LAYER_CONV2D) {
+            if (s->out_channels < 1)
+                return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): out_channels must be >= 1", m->path);
+            m->out_shape[0] = s->out_channels;
+            *n_params = s->no_bias ? 1 : 2;
+        }
+        m->out_shape[1] = oh;
+        m->out_shape[2] = ow;
+        return QT_OK;
+    }
+    case LAYER_FLATTEN:
+        m->out_ndim = 1;
+        m->out_shape[0] = m->in_shape[0] * (m->in_ndim > 1 ? m->in_shape[1] : 1) * (m->in_ndim > 2 ? m->in_shape[2] : 1);
+        return QT_OK;
+    case LAYER_DROPOUT:
+        if (!(s->p >= 0.0f && s->p < 1.0f))
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (dropout): p must be in [0, 1), got %g", m->path,
+                                (double)s->p);
+        return QT_OK;
+    case LAYER_LAYERNORM:
+        *n_params = 2;
+        return QT_OK;
+    case LAYER_RELU:
+    case LAYER_GELU:
+    case LAYER_TANH:
+    case LAYER_SIGMOID:
+        return QT_OK;
+    case LAYER_COUNT:
+        break;
+    }
+    return qt_error_set(err, QT_ERR_CONFIG, "layer '%s': unknown layer type %d", m->path, (int)s->type);
+}
+
+/* ---- parameters ---------------------------------------------------------- */
+
+static QtStatus param_alloc(Param *p, const char *module, const char *tensor, int ndim, const int *shape,
+                            QtError *err) {
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s/%s", module, tensor);
+    tensor_set_shape(&p->var.value, ndim, shape);
+    size_t n = tensor_numel(&p->var.value);
+    p->var.value.data = calloc(n, sizeof(float));
+    p->var.grad = calloc(n, sizeof(float));
+    if (!p->var.value.data || !p->var.grad)
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate parameter %s (%zu floats)", p->name, n);
+    p->var.requires_grad = true;
+    p->var.is_param = true;
+    p->trainable = true;
+    return QT_OK;
+}
+
+void param_freeze(Param *p) {
+    free(p->var.grad);
+    p->var.grad = NULL;
+    p->var.requires_grad = false;
+    p->trainable = false;
+}
+
+QtStatus param_unfreeze(Param *p, QtError *err) {
+    if (p->trainable) return QT_OK;
+    p->var.grad = calloc(var_numel(&p->var), sizeof(float));
+    if (!p->var.grad) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the gradient of %s", p->name);
+    p->var.requires_grad = true;
+    p->trainable = true;
+    return QT_OK;
+}
+
+static QtStatus module_alloc_params(Module *m, Param *slots, QtError *err) {
+    const LayerSpec *s = &m->spec;
+    QtStatus st = QT_OK;
+    int out = m->out_shape[0];
+    /* The module points at its slots before they are filled, so model_free
+     * releases a half-allocated parameter too. */
+    m->weight = &slots[0];
+    if (s->type == LAYER_DENSE) {
+        st = param_alloc(&slots[0], m->path, "weight", 2, (int[]){out, m->in_shape[0]}, err);
+    } else if (s->type == LAYER_CONV2D) {
+        st = param_alloc(&slots[0], m->path, "weight", 4, (int[]){out, m->in_shape[0], s->kernel, s->kernel}, err);
+    } else if (s->type == LAYER_LAYERNORM) {
+        out = m->in_shape[m->in_ndim - 1];
+        st = param_alloc(&slots[0], m->path, "weight", 1, (int[]){out}, err);
+    } else {
+        m->weight = NULL;
+        return QT_OK;
+    }
+    if (st != QT_OK || (s->no_bias && s->type != LAYER_LAYERNORM)) return st;
+    m->bias = &slots[1];
+    return param_alloc(&slots[1], m->path, "bias", 1, (int[]){out}, err);
+}
+
+QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const LayerSpec *layers, int n_layers,
+                    QtError *err) {
+    memset(m, 0, sizeof *m);
+    if (input_ndim < 1 || input_ndim > 3)
+        return qt_error_set(err, QT_ERR_CONFIG, "model input must be [features] or [C, H, W], got %d dims", input_ndim);
+    for (int i = 0; i < input_ndim; i++)
+        if (input_shape[i] < 1)
+            return qt_error_set(err, QT_ERR_CONFIG, "model input dimension %d is %d; every dimension must be >= 1", i,
+                                input_shape[i]);
+    if (n_layers < 1) return qt_error_set(err, QT_ERR_CONFIG, "the model has no layers");
+    m->input_ndim = input_ndim;
+    memcpy(m->input_shape, input_shape, (size_t)input_ndim * sizeof(int));
+    m->modules = calloc((size_t)n_layers, sizeof *m->modules);
+    m->params = calloc((size_t)n_layers * 2, sizeof *m->params);
+    m->param_list = calloc((size_t)n_layers * 2, sizeof *m->param_list);
+    if (!m->modules || !m->params || !m->param_list) {
+        model_free(m);
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate a model of %d layers", n_layers);
+    }
+    int ndim = input_ndim, shape[3] = {1, 1, 1};
+    memcpy(shape, input_shape, (size_t)input_ndim * sizeof(int));
+    for (int i = 0; i < n_layers; i++) {
+        Module *mod = &m->modules[m->n_modules++];
+        mod->spec = layers[i];
+        LayerSpec *s = &mod->spec;
+        if (s->type == LAYER_CONV2D && s->stride == 0) s->stride = 1;
+        if ((s->type == LAYER_MAXPOOL2D || s->type == LAYER_AVGPOOL2D) && s->stride == 0) s->stride = s->kernel;
+        if (s->type == LAYER_LAYERNORM && s->eps == 0.0f) s->eps = 1e-5f;
+        if (s->init == INIT_NORMAL && s->init_std == 0.0f) s->init_std = 0.02f;
+        if (s->name[0])
+            snprintf(mod->path, sizeof mod->path, "%s", s->name);
+        else
+            snprintf(mod->path, sizeof mod->path, "%s%d", layer_type_name(s->type), i);
+        if (model_find_module(m, mod->path) != mod) {
+            QtStatus st = qt_error_set(err, QT_ERR_CONFIG, "two layers are named '%s'; module names must be unique",
+                                       mod->path);
+            model_free(m);
+            return st;
+        }
+        mod->in_ndim = ndim;
+        memcpy(mod->in_shape, shape, sizeof shape);
+        int n_params = 0;
+        QtStatus st = module_infer(mod, &n_params, err);
+        if (st == QT_OK && n_params) st = module_alloc_params(mod, &m->params[m->n_params], err);
+        if (st != QT_OK) {
+            model_free(m);
+            return st;
+        }
+        if (mod->weight) m->param_list[m->n_params] = &m->params[m->n_params], m->n_params++;
+        if (mod->bias) m->param_list[m->n_params] = &m->params[m->n_params], m->n_params++;
+        ndim = mod->out_ndim;
+        memcpy(shape, mod->out_shape, sizeof shape);
+    }
+    return QT_OK;
+}
+
+void model_free(Model *m) {
+    for (int i = 0; m->modules && i < m->n_modules; i++) {
+        Param *ps[2] = {m->modules[i].weight, m->modules[i].bias};
+        for (int k = 0; k < 2; k++) {
+            if (!ps[k]) continue;
+            free(ps[k]->var.value.data);
+            free(ps[k]->var.grad);
+        }
+    }
+    free(m->params);
+    free(m->param_list);
+    free(m->modules);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---- initialisation ------------------------------------------------------ */
+
+static void module_init_params(Module *m, Rng *rng) {
+    const LayerSpec *s = &m->spec;
+    if (!m->weight) return;
+    Var *w = &m->weight->var;
+    size_t nw = var_numel(w);
+    if (s->type == LAYER_LAYERNORM) {
+        for (size_t i = 0; i < nw; i++) w->value.data[i] = 1.0f;
+        if (m->bias) memset(m->bias->var.value.data, 0, var_numel(&m->bias->var) * sizeof(float));
+        return;
+    }
+    /* Dense (out, in): fan_in = in. Conv (OC, C, KH, KW): fan_in = C*KH*KW,
+     * fan_out = OC*KH*KW, as torch.nn.init computes them. */
+    size_t receptive = w->value.ndim == 4 ? (size_t)w->value.shape[2] * w->value.shape[3] : 1;
+    double fan_in = (double)w->value.shape[1] * receptive;
+    double fan_out = (double)w->value.shape[0] * receptive;
+    float bias_bound = 0.0f;
+    switch (s->init) {
+    case INIT_DEFAULT: {
+        /* kaiming_uniform_(a=sqrt(5)): gain = sqrt(2/(1+5)), bound = gain*sqrt(3/fan_in) = 1/sqrt(fan_in). */
+        float bound = (float)(1.0 / sqrt(fan_in));
+        rng_fill_uniform(rng, w->value.data, nw, -bound, bound);
+        bias_bound = bound;
+        break;
+    }
+    case INIT_XAVIER_UNIFORM: {
+        float bound = (float)sqrt(6.0 / (fan_in + fan_out));
+        rng_fill_uniform(rng, w->value.data, nw, -bound, bound);
+        break;
+    }
+    case INIT_XAVIER_NORMAL:
+        rng_fill_normal(rng, w->value.data, nw, 0.0f, (float)sqrt(2.0 / (fan_in + fan_out)));
+        break;
+    case INIT_NORMAL:
+    case INIT_COUNT:
+        rng_fill_normal(rng, w->value.data, nw, 0.0f, s->init_std);
+        break;
+    }
+    if (!m->bias) return;
+    Var *b = &m->bias->var;
+    if (bias_bound > 0.0f)
+        rng_fill_uniform(rng, b->value.data, var_numel(b), -bias_bound, bias_bound);
+    else
+        memset(b->value.data, 0, var_numel(b) * sizeof(float));
+}
+
+void model_init_params(Model *m, Rng *rng) {
+    for (int i = 0; i < m->n_modules; i++) module_init_params(&m->modules[i], rng);
+}
+
+/* ---- forward --------------------------------------------------------------- */
+
+static Var *module_forward(Tape *t, Module *m, Var *x) {
+    const LayerSpec *s = &m->spec;
+    Var *w = m->weight ? &m->weight->var : NULL, *b = m->bias ? &m->bias->var : NULL;
+    switch (s->type) {
+    case LAYER_DENSE: return nn_linear(t, x, w, b);
+    case LAYER_CONV2D: return nn_conv2d(t, x, w, b, s->stride, s->padding);
+    case LAYER_RELU: return nn_relu(t, x);
+    case LAYER_GELU: return nn_gelu(t, x);
+    case LAYER_TANH: return nn_tanh(t, x);
+    case LAYER_SIGMOID: return nn_sigmoid(t, x);
+    case LAYER_MAXPOOL2D: return nn_maxpool2d(t, x, s->kernel, s->stride);
+    case LAYER_AVGPOOL2D: return nn_avgpool2d(t, x, s->kernel, s->stride);
+    case LAYER_FLATTEN: return nn_flatten(t, x);
+    case LAYER_DROPOUT: return nn_dropout(t, x, s->p);
+    case LAYER_LAYERNORM: return nn_layernorm(t, x, w, b, s->eps);
+    case LAYER_COUNT: break;
+    }
+    qt_error_set(&t->err, QT_ERR_ARG, "module '%s': unknown layer type", m->path);
+    return NULL;
+}
+
+Var *model_forward(Model *m, Tape *t, Var *x) {
+    if (!x) return NULL;
+    bool fits = x->value.ndim == m->input_ndim + 1;
+    for (int i = 0; fits && i < m->input_ndim; i++) fits = x->value.shape[i + 1] == m->input_shape[i];
+    if (!fits) {
+        char sx[64], sm[64] = "(N";
+        for (int i = 0; i < m->input_ndim; i++)
+            snprintf(sm + strlen(sm), sizeof sm - strlen(sm), ", %d", m->input_shape[i]);
+        qt_error_set(&t->err, QT_ERR_SHAPE, "model: input batch %s does not match the model's input %s)",
+                     tensor_shape_str(&x->value, sx, sizeof sx), sm);
+        return NULL;
+    }
+    for (int i = 0; i < m->n_modules && x; i++) {
+        Module *mod = &m->modules[i];
+        x = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : module_forward(t, mod, x);
+    }
+    return x;
+}
+
+/* ---- queries ----------------------------------------------------------------- */
+
+Module *model_find_module(Model *m, const char *path) {
+    for (int i = 0; i < m->n_modules; i++)
+        if (strcmp(m->modules[i].path, path) == 0) return &m->modules[i];
+    return NULL;
+}
+
+Param *model_find_param(Model *m, const char *name) {
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return NULL;
+}
+
+size_t model_param_count(const Model *m, bool trainable_only) {
+    size_t n = 0;
+    for (int i = 0; i < m->n_params; i++)
+        if (!trainable_only || m->params[i].trainable) n += var_numel(&m->params[i].var);
+    return n;
+}
+
+size_t model_param_bytes(const Model *m) { return model_param_count(m, false) * sizeof(float); }
+
+double model_forward_flops(const Model *m) {
+    double flops = 0.0;
+    for (int i = 0; i < m->n_modules; i++) {
+        const Module *mod = &m->modules[i];
+        if (mod->spec.type == LAYER_DENSE)
+            flops += 2.0 * mod->in_shape[0] * mod->out_shape[0];
+        else if (mod->spec.type == LAYER_CONV2D)
+            flops += 2.0 * mod->out_shape[0] * mod->out_shape[1] * mod->out_shape[2] * mod->in_shape[0] *
+                     mod->spec.kernel * mod->spec.kernel;
+    }
+    return flops;
+}
+
+void model_print(const Model *m, FILE *out) {
+    char s[64];
+    fprintf(out, "  %-12s %-10s %-16s %s\n", "module", "type", "output", "params");
+    fprintf(out, "  %-12s %-10s %-16s\n", "(input)", "", shape_str(s, sizeof s, m->input_ndim, m->input_shape));
+    for (int i = 0; i < m->n_modules; i++) {
+        const Module *mod = &m->modules[i];
+        size_t np = (mod->weight ? var_numel(&mod->weight->var) : 0) + (mod->bias ? var_numel(&mod->bias->var) : 0);
+        fprintf(out, "  %-12s %-10s %-16s %zu\n", mod->path, layer_type_name(mod->spec.type),
+                shape_str(s, sizeof s, mod->out_ndim, mod->out_shape), np);
+    }
+    fprintf(out, "  total params: %zu (%zu trainable), %.1f KiB\n", model_param_count(m, false),
+            model_param_count(m, true), (double)model_param_bytes(m) / 1024.0);
+}

@@ -1,0 +1,118 @@
+/* model.h - layers and the sequential model of named modules.
+ *
+ * A model is a list of modules; each module's name is its path ("conv1",
+ * "fc1", "head"), and its parameters are named "<path>/weight" and
+ * "<path>/bias", the names checkpoints and quantization/LoRA rules use.
+ * Shapes are inferred once at model_init, so a config whose layers do not
+ * chain is rejected before any data is touched. */
+#ifndef QTRAIN_NN_MODEL_H
+#define QTRAIN_NN_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "error.h"
+#include "param.h"
+#include "rng.h"
+#include "tape.h"
+
+#define MODULE_NAME_MAX 32
+
+typedef enum {
+    LAYER_DENSE,
+    LAYER_CONV2D,
+    LAYER_RELU,
+    LAYER_GELU,
+    LAYER_TANH,
+    LAYER_SIGMOID,
+    LAYER_MAXPOOL2D,
+    LAYER_AVGPOOL2D,
+    LAYER_FLATTEN,
+    LAYER_DROPOUT,
+    LAYER_LAYERNORM,
+    LAYER_COUNT
+} LayerType;
+
+typedef enum {
+    INIT_DEFAULT,        /* PyTorch's: kaiming-uniform a=sqrt(5) (= U(+-1/sqrt(fan_in))), bias U(+-1/sqrt(fan_in)) */
+    INIT_XAVIER_UNIFORM, /* U(+-sqrt(6/(fan_in+fan_out))), bias 0 */
+    INIT_XAVIER_NORMAL,  /* N(0, 2/(fan_in+fan_out)), bias 0 */
+    INIT_NORMAL,         /* N(0, init_std^2), bias 0 */
+    INIT_COUNT
+} InitKind;
+
+typedef struct {
+    LayerType type;
+    char name[MODULE_NAME_MAX]; /* "" = automatic: "<type><index>", e.g. "relu2" */
+    int units;                  /* dense: output features */
+    int out_channels;           /* conv2d */
+    int kernel;                 /* conv2d, pools */
+    int stride;                 /* conv2d (default 1), pools (default kernel) */
+    int padding;                /* conv2d */
+    float p;                    /* dropout probability */
+    float eps;                  /* layernorm (default 1e-5) */
+    bool no_bias;               /* dense, conv2d: omit the bias */
+    InitKind init;
+    float init_std;             /* INIT_NORMAL (default 0.02) */
+} LayerSpec;
+
+typedef struct Module Module;
+
+/* Replaces a module's own forward (quant/ and lora/ install these; nn/
+ * knows nothing of them). x: (N, in_shape...). */
+typedef Var *(*ModuleForwardFn)(Tape *t, Module *m, Var *x, void *ctx);
+
+struct Module {
+    LayerSpec spec;
+    char path[MODULE_NAME_MAX];         /* module path = name */
+    int in_ndim, in_shape[3];           /* per example, without the batch axis */
+    int out_ndim, out_shape[3];
+    Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); else NULL */
+    Param *bias;                        /* (out,) / (OC,) / (D,), or NULL */
+    ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
+    void *hook_ctx;
+};
+
+typedef struct {
+    int input_ndim, input_shape[3];     /* per example: (C, H, W) or (F,) */
+    Module *modules;                    /* [n_modules] */
+    int n_modules;
+    Param *params;                      /* [n_params], in module order */
+    Param **param_list;                 /* [n_params] pointers into params, as optimizers take them */
+    int n_params;
+} Model;
+
+const char *layer_type_name(LayerType type);
+QtStatus layer_type_parse(const char *name, LayerType *out, QtError *err);
+const char *init_kind_name(InitKind kind);
+QtStatus init_kind_parse(const char *name, InitKind *out, QtError *err);
+
+/* Infers every module's shapes, names modules and allocates parameters
+ * (values and grads, zeroed). Errors name the module and the shapes. */
+QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const LayerSpec *layers, int n_layers,
+                    QtError *err);
+void model_free(Model *m);
+/* Initialises every parameter per its layer's InitKind, from rng. */
+void model_init_params(Model *m, Rng *rng);
+
+/* x: (N, input_shape...) -> logits (N, out_shape of the last module). */
+Var *model_forward(Model *m, Tape *t, Var *x);
+/* The Var of a parameter for use on a tape (its value and persistent grad). */
+static inline Var *param_var(Param *p) { return &p->var; }
+
+Module *model_find_module(Model *m, const char *path);
+Param *model_find_param(Model *m, const char *name);
+/* Freezing drops the grad buffer: a frozen parameter costs its value only. */
+void param_freeze(Param *p);
+QtStatus param_unfreeze(Param *p, QtError *err);
+
+size_t model_param_count(const Model *m, bool trainable_only);
+/* Bytes of parameter values (float32). */
+size_t model_param_bytes(const Model *m);
+/* Forward FLOPs per example (multiply-adds x 2) of dense and conv layers. */
+double model_forward_flops(const Model *m);
+/* A few lines: one per module with its path, type, output shape, params. */
+void model_print(const Model *m, FILE *out);
+
+#endif
