@@ -1,0 +1,50 @@
+/* The CUnit runner: every suite of every area, in one executable.
+ *   run_tests            all suites
+ *   run_tests NAME...    only suites whose name contains one of NAME */
+#include <CUnit/Basic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "test_util.h"
+
+/* Weak, so a suite whose file is not linked is skipped, not a link error. */
+#define SUITES(X) \
+    X(nn_core)    \
+    X(nn_ops)     \
+    X(nn_conv)    \
+    X(nn_optim)   \
+    X(nn_model)   \
+    X(nn_torch)
+
+#define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
+SUITES(DECLARE)
+
+int main(int argc, char **argv) {
+    if (CU_initialize_registry() != CUE_SUCCESS) return 2;
+    struct {
+        const char *name;
+        SuiteRegisterFn fn;
+    } all[] = {
+#define ENTRY(name) {#name, register_##name##_suite},
+        SUITES(ENTRY)
+    };
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        int wanted = argc < 2;
+        for (int a = 1; a < argc; a++) wanted |= strstr(all[i].name, argv[a]) != NULL;
+        if (wanted && all[i].fn && all[i].fn() != 0) {
+            fprintf(stderr, "cannot register suite %s: %s\n", all[i].name, CU_get_error_msg());
+            CU_cleanup_registry();
+            return 2;
+        }
+    }
+    CU_basic_set_mode(CU_BRM_VERBOSE);
+    CU_basic_run_tests();
+    unsigned failed = CU_get_number_of_failures() + CU_get_number_of_tests_failed();
+    unsigned run = CU_get_number_of_tests_run();
+    CU_cleanup_registry();
+    if (run == 0) {
+        fprintf(stderr, "no test ran\n");
+        return 1;
+    }
+    return failed ? 1 : 0;
+}

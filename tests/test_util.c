@@ -1,0 +1,130 @@
+#include "test_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void test_env_init(TestEnv *e, uint64_t seed) {
+    memset(e, 0, sizeof *e);
+    arena_init(&e->arena, 1 << 20);
+    rng_init(&e->rng, seed, RNG_STREAM_DROPOUT);
+    tape_init(&e->tape, &e->arena, &e->rng, NULL);
+}
+
+void test_env_free(TestEnv *e) {
+    tape_free(&e->tape);
+    arena_free(&e->arena);
+}
+
+Var *test_var(TestEnv *e, const float *data, int ndim, const int *shape, bool requires_grad) {
+    Var *v = tape_new_var(&e->tape, ndim, shape);
+    if (!v) return NULL;
+    memcpy(v->value.data, data, var_numel(v) * sizeof(float));
+    v->requires_grad = requires_grad;
+    return v;
+}
+
+double test_close_ratio(const float *a, const float *b, size_t n, double atol, double rtol, size_t *worst) {
+    double max_ratio = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        double r = d / (atol + rtol * fabs((double)b[i]));
+        if (isnan(d)) r = INFINITY;
+        if (r > max_ratio || (i == 0 && worst)) {
+            if (r > max_ratio) max_ratio = r;
+            if (worst) *worst = i;
+        }
+    }
+    return max_ratio;
+}
+
+/* Runs the forward on a fresh tape and returns sum(out * R) in double, or NAN. */
+static double projected_output(TestEnv *e, GradcheckFn fn, void *ctx, const GradcheckInput *inputs,
+                               float *const *values, int n_inputs, float **proj, size_t *out_n,
+                               Var ***vars_out, bool with_grad) {
+    tape_reset(&e->tape);
+    rng_init(&e->rng, 1234, RNG_STREAM_DROPOUT);
+    e->tape.grad_enabled = with_grad;
+    Var **vars = tape_alloc(&e->tape, (size_t)n_inputs * sizeof *vars);
+    for (int i = 0; i < n_inputs; i++)
+        vars[i] = test_var(e, values[i], inputs[i].ndim, inputs[i].shape, inputs[i].check);
+    Var *out = fn(&e->tape, vars, ctx);
+    if (!out) {
+        fprintf(stderr, "\n  gradcheck: forward failed: %s\n", e->tape.err.msg);
+        return NAN;
+    }
+    size_t n = var_numel(out);
+    if (!*proj) {
+        Rng r;
+        rng_init(&r, 99, 7);
+        *proj = malloc(n * sizeof(float));
+        rng_fill_uniform(&r, *proj, n, -1.0f, 1.0f);
+    }
+    double acc = 0.0;
+    for (size_t i = 0; i < n; i++) acc += (double)out->value.data[i] * (*proj)[i];
+    if (out_n) *out_n = n;
+    if (vars_out) *vars_out = vars;
+    if (with_grad && tape_backward_from(&e->tape, out, *proj) != QT_OK) {
+        fprintf(stderr, "\n  gradcheck: backward failed: %s\n", e->tape.err.msg);
+        return NAN;
+    }
+    return acc;
+}
+
+bool gradcheck(const char *name, GradcheckFn fn, void *ctx, const GradcheckInput *inputs, int n_inputs,
+               double eps, double atol, double rtol) {
+    TestEnv e;
+    test_env_init(&e, 1234);
+    float *values[8] = {0};
+    float *analytic[8] = {0};
+    float *proj = NULL;
+    bool ok = n_inputs <= 8;
+    for (int i = 0; ok && i < n_inputs; i++) {
+        Tensor t = {0};
+        tensor_set_shape(&t, inputs[i].ndim, inputs[i].shape);
+        size_t n = tensor_numel(&t);
+        values[i] = malloc(n * sizeof(float));
+        memcpy(values[i], inputs[i].data, n * sizeof(float));
+    }
+    /* Analytic gradients. */
+    Var **vars = NULL;
+    if (ok && isnan(projected_output(&e, fn, ctx, inputs, values, n_inputs, &proj, NULL, &vars, true))) ok = false;
+    for (int i = 0; ok && i < n_inputs; i++) {
+        if (!inputs[i].check) continue;
+        size_t n = var_numel(vars[i]);
+        analytic[i] = calloc(n, sizeof(float));
+        if (vars[i]->grad) memcpy(analytic[i], vars[i]->grad, n * sizeof(float));
+    }
+    /* Numeric gradients, one element at a time. */
+    for (int i = 0; ok && i < n_inputs; i++) {
+        if (!inputs[i].check) continue;
+        Tensor t = {0};
+        tensor_set_shape(&t, inputs[i].ndim, inputs[i].shape);
+        size_t n = tensor_numel(&t);
+        for (size_t j = 0; j < n && ok; j++) {
+            float x0 = values[i][j];
+            values[i][j] = (float)(x0 + eps);
+            double fp = projected_output(&e, fn, ctx, inputs, values, n_inputs, &proj, NULL, NULL, false);
+            values[i][j] = (float)(x0 - eps);
+            double fm = projected_output(&e, fn, ctx, inputs, values, n_inputs, &proj, NULL, NULL, false);
+            values[i][j] = x0;
+            /* The actual step taken in float, not the nominal 2*eps. */
+            double h = (double)(float)(x0 + eps) - (double)(float)(x0 - eps);
+            double num = (fp - fm) / h;
+            double diff = fabs(num - analytic[i][j]);
+            if (!(diff <= atol + rtol * fabs(num))) {
+                fprintf(stderr, "\n  gradcheck %s: input %d element %zu: analytic %.7g numeric %.7g\n", name, i, j,
+                        (double)analytic[i][j], num);
+                ok = false;
+            }
+        }
+    }
+    for (int i = 0; i < n_inputs && i < 8; i++) {
+        free(values[i]);
+        free(analytic[i]);
+    }
+    free(proj);
+    test_env_free(&e);
+    return ok;
+}

@@ -1,0 +1,67 @@
+/* test_util.h - shared helpers for the CUnit suites. */
+#ifndef QTRAIN_TESTS_TEST_UTIL_H
+#define QTRAIN_TESTS_TEST_UTIL_H
+
+#include <CUnit/CUnit.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "nn/tape.h"
+
+/* Every suite file defines one registration function, listed in main.c. */
+typedef int (*SuiteRegisterFn)(void);
+
+/* A test-local arena + tape + rng, torn down by test_env_free. */
+typedef struct {
+    Arena arena;
+    Rng rng;
+    Tape tape;
+} TestEnv;
+
+void test_env_init(TestEnv *e, uint64_t seed);
+void test_env_free(TestEnv *e);
+
+/* A Var in the env's arena holding a copy of data, requires_grad as given. */
+Var *test_var(TestEnv *e, const float *data, int ndim, const int *shape, bool requires_grad);
+
+/* max |a[i] - b[i]| / (atol + rtol * |b[i]|) over i: <= 1 means close.
+ * *worst gets the index of the worst element if non-NULL. */
+double test_close_ratio(const float *a, const float *b, size_t n, double atol, double rtol, size_t *worst);
+
+/* CU_ASSERT with a printed diagnosis when arrays differ. */
+#define ASSERT_ALL_CLOSE(a, b, n, atol, rtol)                                                             \
+    do {                                                                                                   \
+        size_t w_ = 0;                                                                                     \
+        double r_ = test_close_ratio((a), (b), (n), (atol), (rtol), &w_);                                  \
+        if (r_ > 1.0)                                                                                      \
+            fprintf(stderr, "\n  %s:%d: %s[%zu]=%.9g vs %s[%zu]=%.9g (ratio %.3g)\n", __FILE__, __LINE__, \
+                    #a, w_, (double)(a)[w_], #b, w_, (double)(b)[w_], r_);                                 \
+        CU_ASSERT(r_ <= 1.0);                                                                              \
+    } while (0)
+
+/* ---- finite-difference gradient check ----------------------------------- */
+
+/* Builds an output from the inputs (already Vars on e->tape); NULL on error. */
+typedef Var *(*GradcheckFn)(Tape *t, Var **inputs, void *ctx);
+
+typedef struct {
+    const float *data; /* [numel] initial values */
+    int ndim;
+    int shape[4];
+    bool check;        /* compare this input's gradient */
+} GradcheckInput;
+
+/* Checks d/dx of L = sum(out * R), R a fixed random projection, for every
+ * element of every input with check=true, against central differences
+ * (f(x+eps) - f(x-eps)) / 2eps. L is accumulated in double from the float
+ * outputs. Tolerance: |analytic - numeric| <= atol + rtol * |numeric|.
+ * With eps = 1e-3 and O(1) values the float32 rounding of each output
+ * (~6e-8 relative) contributes ~sqrt(numel) * 6e-8 / 2e-3 < 1e-3 to the
+ * numeric derivative, and the O(eps^2) truncation error ~1e-6 * f''', so
+ * atol = 2e-3, rtol = 1e-2 separates real bugs (errors of O(1)) from noise.
+ * The RNG is reset before every forward so dropout masks repeat.
+ * Prints the worst element and returns false on mismatch. */
+bool gradcheck(const char *name, GradcheckFn fn, void *ctx, const GradcheckInput *inputs, int n_inputs,
+               double eps, double atol, double rtol);
+
+#endif
