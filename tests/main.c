@@ -14,7 +14,8 @@
     X(nn_conv)    \
     X(nn_optim)   \
     X(nn_model)   \
-    X(nn_torch)
+    X(nn_torch)   \
+    X(trainer)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

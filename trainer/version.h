@@ -1,0 +1,4 @@
+#ifndef QTRAIN_TRAINER_VERSION_H
+#define QTRAIN_TRAINER_VERSION_H
+#define QTRAIN_VERSION "0.1.0"
+#endif
