@@ -65,6 +65,8 @@ Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding);
  * Max ties go to the first element in row-major window order. */
 Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride);
 Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride);
+/* For tests: true makes maxpool2d skip its 2x2/stride-2 fast path. */
+extern bool maxpool_force_generic;
 
 /* ---- losses (scalar outputs, shape (1,)) ------------------------------ */
 
@@ -76,14 +78,16 @@ Var *nn_mse(Tape *t, Var *pred, Var *target);
 
 /* ---- kernels ---------------------------------------------------------- */
 
-void relu_forward(float *y, const float *x, size_t n);
-void relu_backward(float *dx, const float *dy, const float *y, size_t n);
-void gelu_forward(float *y, const float *x, size_t n);
-void gelu_backward(float *dx, const float *dy, const float *x, size_t n);
-void tanh_forward(float *y, const float *x, size_t n);
-void tanh_backward(float *dx, const float *dy, const float *y, size_t n);
-void sigmoid_forward(float *y, const float *x, size_t n);
-void sigmoid_backward(float *dx, const float *dy, const float *y, size_t n);
+/* restrict: outputs never alias inputs, which lets the compiler vectorise. */
+
+void relu_forward(float *restrict y, const float *restrict x, size_t n);
+void relu_backward(float *restrict dx, const float *restrict dy, const float *restrict y, size_t n);
+void gelu_forward(float *restrict y, const float *restrict x, size_t n);
+void gelu_backward(float *restrict dx, const float *restrict dy, const float *restrict x, size_t n);
+void tanh_forward(float *restrict y, const float *restrict x, size_t n);
+void tanh_backward(float *restrict dx, const float *restrict dy, const float *restrict y, size_t n);
+void sigmoid_forward(float *restrict y, const float *restrict x, size_t n);
+void sigmoid_backward(float *restrict dx, const float *restrict dy, const float *restrict y, size_t n);
 
 /* x, y: (rows, D); mean, rstd: [rows] saved for the backward. */
 void layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *gamma,

@@ -10,6 +10,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "gemm.h"
@@ -345,10 +346,57 @@ static QtStatus pool2d_check(Tape *t, const char *op, const Var *x, int kernel, 
     return QT_OK;
 }
 
+/* Tests set this to compare the 2x2 fast path with the generic loops. */
+bool maxpool_force_generic = false;
+
 /* y: (planes, OH, OW); argmax: (planes, OH, OW) offsets ih*W + iw of each
  * window's winner within its (H, W) plane of x: (planes, H, W). */
+/* The 2x2, stride-2 case every reference CNN uses. Same results as the
+ * generic loops, ties and NaNs included (a test compares them), but with no
+ * data-dependent branch: on ReLU outputs a compare goes either way about
+ * half the time, and mispredictions made this the slowest op of the CNN.
+ * The max is a chain of `v > m ? v : m` (one maxss each) and the winner's
+ * index k in 0..3 is integer arithmetic on the comparison results. */
+static void maxpool2d_forward_2x2(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int OH,
+                                  int OW) {
+    for (int p = 0; p < planes; p++) {
+        const float *xp = x + (size_t)p * H * W;
+        float *yp = y + (size_t)p * OH * OW;
+        int32_t *ap = argmax + (size_t)p * OH * OW;
+        for (int oh = 0; oh < OH; oh++) {
+            const float *r0 = xp + (size_t)(2 * oh) * W, *r1 = r0 + W;
+            for (int ow = 0; ow < OW; ow++) {
+                const float a = r0[2 * ow], b = r0[2 * ow + 1], c = r1[2 * ow], d = r1[2 * ow + 1];
+                float m;
+                int k;
+                if ((a != a) | (b != b) | (c != c) | (d != d)) {
+                    /* Rare: the first NaN of the window wins, as in the generic loops. */
+                    k = a != a ? 0 : b != b ? 1 : c != c ? 2 : 3;
+                    m = NAN;
+                } else {
+                    int t = b > a;
+                    m = b > a ? b : a;
+                    k = t;
+                    t = c > m;
+                    m = c > m ? c : m;
+                    k += t * (2 - k);
+                    t = d > m;
+                    m = d > m ? d : m;
+                    k += t * (3 - k);
+                }
+                yp[oh * OW + ow] = m;
+                ap[oh * OW + ow] = (2 * oh + (k >> 1)) * W + 2 * ow + (k & 1);
+            }
+        }
+    }
+}
+
 static void maxpool2d_forward(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int kernel,
                               int stride, int OH, int OW) {
+    if (kernel == 2 && stride == 2 && !maxpool_force_generic) {
+        maxpool2d_forward_2x2(y, argmax, x, planes, H, W, OH, OW);
+        return;
+    }
     for (int p = 0; p < planes; p++) {
         const float *xp = x + (size_t)p * H * W;
         for (int oh = 0; oh < OH; oh++)
@@ -361,10 +409,11 @@ static void maxpool2d_forward(float *y, int32_t *argmax, const float *x, int pla
                         const float v = xp[at];
                         /* Strict > keeps the first of equal values; a NaN wins (once) so it
                          * propagates instead of being hidden by the comparison. */
-                        if (v > best || (isnan(v) && !isnan(best))) {
-                            best = v;
-                            best_at = at;
-                        }
+                        /* Selects, not a branch: on ReLU outputs the comparison
+                         * goes either way half the time and mispredicts. */
+                        const bool take = (v > best) | ((v != v) & (best == best)); /* | &: no short-circuit branch */
+                        best = take ? v : best;
+                        best_at = take ? at : best_at;
                     }
                 const size_t o = ((size_t)p * OH + oh) * OW + ow;
                 y[o] = best;

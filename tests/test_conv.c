@@ -6,6 +6,7 @@
  * padding wider than the kernel reach), then every op is checked against
  * finite differences, and bad shapes/arguments against their error messages. */
 #include <math.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -595,6 +596,38 @@ static void test_pool_bad_inputs(void) {
     test_env_free(&e);
 }
 
+/* The 2x2/stride-2 fast path against the generic window loops: values and
+ * argmax, on odd sizes (a dropped last row/column), many ties (values drawn
+ * from 3 levels) and NaNs. */
+static void test_maxpool2d_fast_path_matches_generic(void) {
+    const int sizes[][2] = {{2, 2}, {5, 7}, {28, 28}, {9, 4}};
+    for (size_t c = 0; c < sizeof sizes / sizeof sizes[0]; c++) {
+        const int N = 2, C = 3, H = sizes[c][0], W = sizes[c][1];
+        TestEnv e;
+        test_env_init(&e, 1);
+        float *x = malloc((size_t)N * C * H * W * sizeof(float));
+        Rng r;
+        rng_init(&r, 40 + c, 1);
+        rng_fill_uniform(&r, x, (size_t)N * C * H * W, 0.0f, 3.0f);
+        for (int i = 0; i < N * C * H * W; i++) x[i] = floorf(x[i]); /* 0, 1, 2: ties everywhere */
+        x[1] = NAN;
+        x[N * C * H * W - 1] = NAN;
+        Var *v = test_var(&e, x, 4, (int[]){N, C, H, W}, true);
+        Var *fast = nn_maxpool2d(&e.tape, v, 2, 2);
+        maxpool_force_generic = true;
+        Var *slow = nn_maxpool2d(&e.tape, v, 2, 2);
+        maxpool_force_generic = false;
+        CU_ASSERT_FATAL(fast && slow);
+        size_t n = var_numel(fast);
+        /* memcmp: NaN == NaN bitwise, and ties must pick the same element. */
+        CU_ASSERT_EQUAL(memcmp(fast->value.data, slow->value.data, n * sizeof(float)), 0);
+        const int32_t *fa = e.tape.nodes[0].ctx, *sa = e.tape.nodes[1].ctx;
+        CU_ASSERT_EQUAL(memcmp(fa, sa, n * sizeof(int32_t)), 0);
+        free(x);
+        test_env_free(&e);
+    }
+}
+
 int register_nn_conv_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv", NULL, NULL);
     if (!s) return -1;
@@ -614,6 +647,7 @@ int register_nn_conv_suite(void) {
         {"maxpool2d hand example", test_maxpool2d_hand_example},
         {"maxpool2d tie goes to the first element", test_maxpool2d_tie_goes_to_first},
         {"maxpool2d propagates NaN", test_maxpool2d_propagates_nan},
+        {"maxpool2d 2x2 fast path matches the generic loops", test_maxpool2d_fast_path_matches_generic},
         {"avgpool2d hand example", test_avgpool2d_hand_example},
         {"conv2d bad inputs", test_conv2d_bad_inputs},
         {"pool bad inputs", test_pool_bad_inputs},
