@@ -44,7 +44,7 @@ QTRAIN := $(BUILD)/qtrain
 TESTS  := $(BUILD)/tests/run_tests
 
 DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
-APT_ENV  := DEBIAN_FRONTEND=noninteractive
+APT_ENV  := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: all deps test run bench fixtures clean
 all: $(LIB) $(QTRAIN)
