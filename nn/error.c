@@ -2,6 +2,8 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
+#include <strings.h>
 
 QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...) {
     if (!err || err->status != QT_OK) return status;
@@ -31,4 +33,21 @@ const char *qt_status_name(QtStatus status) {
     case QT_ERR_CONFIG: return "config error";
     }
     return "unknown error";
+}
+
+QtStatus qt_name_lookup(const char *what, const char *name, const char *const *names, int n_names, int *index,
+                        QtError *err) {
+    for (int i = 0; name && i < n_names; i++) {
+        if (names[i] && strcasecmp(name, names[i]) == 0) {
+            *index = i;
+            return QT_OK;
+        }
+    }
+    char valid[512] = "";
+    for (int i = 0; i < n_names; i++) {
+        if (!names[i]) continue;
+        size_t len = strlen(valid);
+        snprintf(valid + len, sizeof valid - len, "%s%s", len ? ", " : "", names[i]);
+    }
+    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name ? name : "(none)", valid);
 }

@@ -36,6 +36,13 @@ QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...)
 
 void qt_error_clear(QtError *err);
 
+/* Finds `name` (case-insensitive) in names[0..n_names-1] and sets *index.
+ * Otherwise QT_ERR_ARG with "unknown <what> '<name>' (valid: a, b, c)".
+ * Every option parsed from a config goes through here, so every message
+ * about a bad name lists the good ones. */
+QtStatus qt_name_lookup(const char *what, const char *name, const char *const *names, int n_names, int *index,
+                        QtError *err);
+
 /* A short name for a status ("shape error"). */
 const char *qt_status_name(QtStatus status);
 

@@ -25,29 +25,16 @@ static const char *const init_names[INIT_COUNT] = {
 const char *layer_type_name(LayerType type) { return type < LAYER_COUNT ? layer_names[type] : "?"; }
 const char *init_kind_name(InitKind kind) { return kind < INIT_COUNT ? init_names[kind] : "?"; }
 
-/* Looks name up in a table; on failure the message lists every valid name. */
-static QtStatus parse_name(const char *what, const char *name, const char *const *table, int n, int *out,
-                           QtError *err) {
-    for (int i = 0; i < n; i++)
-        if (strcmp(name, table[i]) == 0) return *out = i, QT_OK;
-    char valid[256] = "";
-    for (int i = 0; i < n; i++) {
-        strncat(valid, table[i], sizeof valid - strlen(valid) - 1);
-        if (i + 1 < n) strncat(valid, ", ", sizeof valid - strlen(valid) - 1);
-    }
-    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name, valid);
-}
-
 QtStatus layer_type_parse(const char *name, LayerType *out, QtError *err) {
     int v = 0;
-    QtStatus st = parse_name("layer type", name, layer_names, LAYER_COUNT, &v, err);
+    QtStatus st = qt_name_lookup("layer type", name, layer_names, LAYER_COUNT, &v, err);
     if (st == QT_OK) *out = (LayerType)v;
     return st;
 }
 
 QtStatus init_kind_parse(const char *name, InitKind *out, QtError *err) {
     int v = 0;
-    QtStatus st = parse_name("init", name, init_names, INIT_COUNT, &v, err);
+    QtStatus st = qt_name_lookup("init", name, init_names, INIT_COUNT, &v, err);
     if (st == QT_OK) *out = (InitKind)v;
     return st;
 }

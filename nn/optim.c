@@ -3,7 +3,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 OptimConfig optim_config_default(OptimKind kind) {
     OptimConfig c = {.kind = kind, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
@@ -24,14 +23,10 @@ const char *optim_kind_name(OptimKind kind) {
 }
 
 QtStatus optim_kind_parse(const char *name, OptimKind *out, QtError *err) {
-    for (int k = 0; name && k < N_KINDS; k++) {
-        if (strcasecmp(name, KIND_NAMES[k]) == 0) {
-            *out = (OptimKind)k;
-            return QT_OK;
-        }
-    }
-    return qt_error_set(err, QT_ERR_ARG, "unknown optimizer '%s': valid names are sgd, adamw",
-                        name ? name : "(null)");
+    int k = 0;
+    QtStatus st = qt_name_lookup("optimizer", name, KIND_NAMES, N_KINDS, &k, err);
+    if (st == QT_OK) *out = (OptimKind)k;
+    return st;
 }
 
 /* Written as !(x >= lo) so that NaN fails every check. */

@@ -2,7 +2,6 @@
 
 #include <inttypes.h>
 #include <math.h>
-#include <strings.h>
 
 static const char *const KIND_NAMES[] = {
     [SCHED_CONSTANT] = "constant",
@@ -16,14 +15,10 @@ const char *sched_kind_name(SchedKind kind) {
 }
 
 QtStatus sched_kind_parse(const char *name, SchedKind *out, QtError *err) {
-    for (int k = 0; name && k < N_KINDS; k++) {
-        if (strcasecmp(name, KIND_NAMES[k]) == 0) {
-            *out = (SchedKind)k;
-            return QT_OK;
-        }
-    }
-    return qt_error_set(err, QT_ERR_ARG, "unknown lr schedule '%s': valid names are constant, cosine, step",
-                        name ? name : "(null)");
+    int k = 0;
+    QtStatus st = qt_name_lookup("lr schedule", name, KIND_NAMES, N_KINDS, &k, err);
+    if (st == QT_OK) *out = (SchedKind)k;
+    return st;
 }
 
 /* Comparisons are written so that NaN fails them. */
