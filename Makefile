@@ -8,7 +8,6 @@
 #   make bench      benchmarks (timings live here, never in tests)
 #   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
 
-CC      ?= gcc
 PKGS    := openblas hdf5 yaml-0.1 zlib
 CFLAGS  ?= -O2
 # -O2 plus loop vectorisation that pays for its epilogue (GCC's -O2 default
@@ -46,7 +45,7 @@ TESTS  := $(BUILD)/tests/run_tests
 DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
 APT_ENV  := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: all deps test run bench fixtures clean
+.PHONY: all deps pkgcheck test run bench fixtures clean
 all: $(LIB) $(QTRAIN)
 
 deps:
@@ -59,9 +58,16 @@ deps:
 	  $$sudo apt-get update -qq && $$sudo $(APT_ENV) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(BUILD)/%.o: %.c
+$(BUILD)/%.o: %.c | pkgcheck
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(PKG_CFLAGS) $(CUNIT_CFLAGS) -c $< -o $@
+
+# A missing .pc file would otherwise empty every flag and surface as a
+# puzzling "cblas.h: No such file".
+pkgcheck:
+	@pkg-config --exists $(PKGS) cunit 2>/dev/null || { \
+	  echo "missing development packages (pkg-config cannot find: $$(for p in $(PKGS) cunit; do \
+	  pkg-config --exists $$p 2>/dev/null || printf '%s ' $$p; done)); run 'make deps' (as root)" >&2; exit 1; }
 
 $(LIB): $(LIB_OBJS)
 	@mkdir -p $(dir $@)

@@ -60,6 +60,10 @@ static void cross_entropy_tape_backward(Tape *t, const TapeNode *node) {
 Var *nn_softmax_cross_entropy(Tape *t, Var *logits, const int32_t *labels) {
     if (!logits) return NULL;
     char s[64];
+    if (!labels) {
+        qt_error_set(&t->err, QT_ERR_ARG, "softmax_cross_entropy: labels are NULL");
+        return NULL;
+    }
     if (logits->value.ndim != 2) {
         qt_error_set(&t->err, QT_ERR_SHAPE, "softmax_cross_entropy: logits must be (N, C), got %s",
                      tensor_shape_str(&logits->value, s, sizeof s));

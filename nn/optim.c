@@ -217,6 +217,7 @@ static void sgd_step(Optimizer *o, float lr) {
     };
     for (int i = 0; i < o->n_params; i++) {
         Var *var = &o->params[i]->var;
+        if (!var->grad) continue; /* frozen after optim_init: keeps its state, takes no step */
         sgd_update(var->value.data, var->grad, o->m ? o->m[i] : NULL, var_numel(var), &s);
     }
 }
@@ -240,6 +241,7 @@ static void adamw_step(Optimizer *o, float lr) {
     };
     for (int i = 0; i < o->n_params; i++) {
         Var *var = &o->params[i]->var;
+        if (!var->grad) continue; /* frozen after optim_init: keeps its state, takes no step */
         adamw_update(var->value.data, var->grad, o->m[i], o->v[i], var_numel(var), &s);
     }
 }
@@ -257,7 +259,7 @@ void optim_step(Optimizer *o, float lr) {
 void optim_zero_grad(Optimizer *o) {
     for (int i = 0; i < o->n_params; i++) {
         Var *var = &o->params[i]->var;
-        memset(var->grad, 0, var_numel(var) * sizeof(float));
+        if (var->grad) memset(var->grad, 0, var_numel(var) * sizeof(float));
     }
 }
 

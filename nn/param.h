@@ -16,7 +16,9 @@ typedef struct {
     char name[PARAM_NAME_MAX]; /* "<module path>/<tensor>", e.g. "conv1/weight" */
     Var var;                   /* value [numel]; grad [numel] or NULL if frozen;
                                   var.is_param = true */
-    bool trainable;            /* == var.requires_grad */
+    bool trainable;            /* == var.requires_grad == (var.grad != NULL). Change
+                                  all three together, only through param_freeze()
+                                  and param_unfreeze() (nn/model.h). */
 } Param;
 
 #endif

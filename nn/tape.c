@@ -22,6 +22,7 @@ void tape_free(Tape *t) {
 
 void tape_reset(Tape *t) {
     t->n_nodes = 0;
+    t->backward_done = false;
     qt_error_clear(&t->err);
     arena_reset(t->arena);
 }
@@ -57,6 +58,13 @@ Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape) {
 }
 
 float *tape_grad(Tape *t, Var *v) {
+    if (!v->grad && v->is_param) {
+        /* A parameter's grad lives for the run; an arena buffer would dangle
+         * after tape_reset. A frozen one must not receive a gradient. */
+        qt_error_set(&t->err, QT_ERR_ARG, "a gradient reached a frozen parameter (requires_grad set without a grad "
+                                          "buffer; use param_unfreeze)");
+        return NULL;
+    }
     if (!v->grad) v->grad = arena_calloc(t->arena, var_numel(v) * sizeof(float));
     if (!v->grad) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: no room for a gradient of %zu floats", var_numel(v));
     return v->grad;
@@ -68,6 +76,11 @@ bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
     for (int i = 0; i < n_in; i++) needs |= in[i] && in[i]->requires_grad;
     out->requires_grad = needs && t->grad_enabled;
     if (!out->requires_grad) return true;
+    if (n_in > TAPE_MAX_INPUTS) {
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: %d inputs, but a tape node holds at most %d", op, n_in,
+                     TAPE_MAX_INPUTS);
+        return false;
+    }
     if (t->n_nodes == t->cap_nodes) {
         /* Only while the first steps discover the graph's size. */
         size_t cap = t->cap_nodes * 2;
@@ -84,7 +97,7 @@ bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
     n->op = op;
     n->backward = backward;
     n->out = out;
-    for (int i = 0; i < n_in && i < TAPE_MAX_INPUTS; i++) n->in[i] = in[i];
+    for (int i = 0; i < n_in; i++) n->in[i] = in[i];
     n->ctx = ctx;
     return true;
 }
@@ -105,6 +118,11 @@ QtStatus tape_backward_from(Tape *t, Var *out, const float *dout) {
     if (!tape_ok(t)) return t->err.status;
     if (!out) return qt_error_set(&t->err, QT_ERR_ARG, "tape_backward: output is NULL");
     if (!out->requires_grad) return QT_OK; /* nothing to differentiate */
+    if (t->backward_done)
+        /* The intermediate grads of the first pass are still there: a second
+         * pass would add them in again. */
+        return qt_error_set(&t->err, QT_ERR_ARG, "tape_backward: called twice on one tape; tape_reset() between steps");
+    t->backward_done = true;
     float *g = tape_grad(t, out);
     if (!g) return t->err.status;
     for (size_t i = 0, n = var_numel(out); i < n; i++) g[i] += dout[i];

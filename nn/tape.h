@@ -8,7 +8,11 @@
  * Errors poison instead of crashing: an op that fails returns NULL and
  * records the first error in tape->err; an op given a NULL input returns
  * NULL at once. A forward pass can therefore be written straight through and
- * checked once, with the message naming the op that failed and its shapes. */
+ * checked once, with the message naming the op that failed and its shapes.
+ *
+ * Ops never write into their inputs' values: an output may share its
+ * input's buffer (reshape; dropout in eval returns x itself), and inputs are
+ * often parameters or the caller's batch. */
 #ifndef QTRAIN_NN_TAPE_H
 #define QTRAIN_NN_TAPE_H
 
@@ -20,7 +24,7 @@
 #include "rng.h"
 #include "tensor.h"
 
-#define TAPE_MAX_INPUTS 4
+#define TAPE_MAX_INPUTS 6 /* e.g. x, w, bias, scale, zero point of a quantized op */
 
 typedef struct Tape Tape;
 typedef struct TapeNode TapeNode;
@@ -45,6 +49,7 @@ struct Tape {
     size_t cap_nodes;
     bool training;      /* dropout active (and, later, quantizer statistics) */
     bool grad_enabled;  /* false: ops run forward only and record nothing */
+    bool backward_done; /* set by tape_backward until the next reset */
     Rng *rng;           /* dropout masks; may be NULL if no op needs it */
     QtError err;        /* first error since the last reset */
 };

@@ -28,9 +28,14 @@ bool tensor_set_shape(Tensor *t, int ndim, const int *shape) {
     if (ndim < 1 || ndim > TENSOR_MAX_DIMS) return false;
     t->ndim = ndim;
     for (int i = 0; i < TENSOR_MAX_DIMS; i++) t->shape[i] = 1;
+    size_t numel = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] <= 0) return false;
         t->shape[i] = shape[i];
+        numel *= (size_t)shape[i];
+        /* Kernels index with int dims and size_t offsets: cap the element
+         * count where neither a byte count nor a GEMM dimension overflows. */
+        if (numel > TENSOR_MAX_NUMEL) return false;
     }
     return true;
 }

@@ -10,6 +10,7 @@
 #include <stddef.h>
 
 #define TENSOR_MAX_DIMS 4
+#define TENSOR_MAX_NUMEL ((size_t)1 << 31) /* 8 GiB of float32 */
 
 typedef struct {
     float *data;                  /* [numel], row-major, contiguous */
@@ -30,8 +31,8 @@ size_t tensor_numel(const Tensor *t);
 /* "(128, 1, 28, 28)" into buf; returns buf. */
 char *tensor_shape_str(const Tensor *t, char *buf, size_t size);
 bool tensor_same_shape(const Tensor *a, const Tensor *b);
-/* Fills shape/ndim from a list; returns false if ndim is out of range or a
- * dimension is not positive. */
+/* Fills shape/ndim from a list; returns false if ndim is out of range, a
+ * dimension is not positive or the tensor exceeds TENSOR_MAX_NUMEL. */
 bool tensor_set_shape(Tensor *t, int ndim, const int *shape);
 
 static inline size_t var_numel(const Var *v) { return tensor_numel(&v->value); }

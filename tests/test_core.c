@@ -196,6 +196,31 @@ static void test_tape_accumulates_fanout(void) {
     test_env_free(&e);
 }
 
+/* Misuse that would silently corrupt gradients is an error instead. */
+static void test_tape_refuses_misuse(void) {
+    TestEnv e;
+    test_env_init(&e, 1);
+    float d[3] = {1, 2, 3}, ones[3] = {1, 1, 1};
+    Var *x = test_var(&e, d, 1, (int[]){3}, true);
+    Var *y = nn_scale(&e.tape, x, 2.0f);
+    CU_ASSERT_EQUAL(tape_backward_from(&e.tape, y, ones), QT_OK);
+    CU_ASSERT_EQUAL(tape_backward_from(&e.tape, y, ones), QT_ERR_ARG); /* would give 4, not 2 */
+    CU_ASSERT_PTR_NOT_NULL(strstr(e.tape.err.msg, "twice"));
+    CU_ASSERT_DOUBLE_EQUAL(x->grad[0], 2.0, 0.0);
+    tape_reset(&e.tape);
+    /* A parameter marked requires_grad without a grad buffer (frozen) must
+     * not get an arena buffer that dangles after the reset. */
+    Var p = {.value = {d, 1, {3, 1, 1, 1}}, .grad = NULL, .requires_grad = true, .is_param = true};
+    y = nn_scale(&e.tape, &p, 2.0f);
+    CU_ASSERT_NOT_EQUAL(tape_backward_from(&e.tape, y, ones), QT_OK);
+    CU_ASSERT_PTR_NULL(p.grad);
+    CU_ASSERT_PTR_NOT_NULL(strstr(e.tape.err.msg, "frozen parameter"));
+    tape_reset(&e.tape);
+    /* Shapes too large to index are refused where the Var is made. */
+    CU_ASSERT_PTR_NULL(tape_new_var(&e.tape, 4, (int[]){1 << 20, 1 << 20, 2, 2}));
+    test_env_free(&e);
+}
+
 static void test_error_keeps_first(void) {
     QtError err = {0};
     CU_ASSERT_EQUAL(qt_error_set(&err, QT_ERR_IO, "first %d", 1), QT_ERR_IO);
@@ -218,5 +243,6 @@ int register_nn_core_suite(void) {
            !CU_add_test(s, "tape errors poison, never crash", test_tape_errors_poison_not_crash) ||
            !CU_add_test(s, "tape records only what needs grads", test_tape_records_only_what_needs_grads) ||
            !CU_add_test(s, "tape accumulates fan-out", test_tape_accumulates_fanout) ||
+           !CU_add_test(s, "tape refuses double backward and frozen-param grads", test_tape_refuses_misuse) ||
            !CU_add_test(s, "error keeps the first cause", test_error_keeps_first);
 }

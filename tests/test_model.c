@@ -269,6 +269,15 @@ static void test_frozen_params(void) {
     }
     CU_ASSERT_EQUAL(memcmp(before, hw->var.value.data, sizeof before), 0);
     CU_ASSERT_NOT_EQUAL(model_find_param(&m, "fc1/weight")->var.value.data[0], fc1_before);
+    /* Freezing after optim_init: the optimizer skips the parameter (no NULL
+     * grad is touched) and it stays put. */
+    Param *fb = model_find_param(&m, "fc1/bias");
+    param_freeze(fb);
+    float fb0 = fb->var.value.data[0];
+    model_loss(&m, &e, x, (int[]){4, 5}, 2, (int32_t[]){0, 1, 2, 0}, true, NULL);
+    optim_step(&opt, 1e-2f);
+    optim_zero_grad(&opt);
+    CU_ASSERT_EQUAL(fb->var.value.data[0], fb0);
     CU_ASSERT_EQUAL(param_unfreeze(hw, NULL), QT_OK);
     CU_ASSERT_PTR_NOT_NULL(hw->var.grad);
     optim_free(&opt);

@@ -43,14 +43,17 @@ static double now_s(void) {
 }
 
 /* Accuracy of the model on (x, y), forward only, in batches. */
-static double evaluate(Model *m, Tape *t, float *x, const int32_t *y, int n, int batch) {
+static QtStatus evaluate(Model *m, Tape *t, float *x, const int32_t *y, int n, int batch, double *accuracy,
+                         QtError *err) {
     int correct = 0;
-    bool was_training = t->training;
+    bool was_training = t->training, had_grad = t->grad_enabled;
+    QtStatus st = QT_OK;
     t->training = false;
     t->grad_enabled = false;
-    for (int start = 0; start < n; start += batch) {
+    for (int start = 0; start < n && st == QT_OK; start += batch) {
         int b = n - start < batch ? n - start : batch;
         Var *logits = model_forward(m, t, tape_wrap(t, x + 2 * start, 2, (int[]){b, 2}));
+        if (!logits) st = qt_error_set(err, t->err.status, "demo: evaluation: %s", t->err.msg);
         for (int i = 0; logits && i < b; i++) {
             const float *z = logits->value.data + (size_t)i * DEMO_CLASSES;
             int best = 0;
@@ -60,8 +63,9 @@ static double evaluate(Model *m, Tape *t, float *x, const int32_t *y, int n, int
         tape_reset(t);
     }
     t->training = was_training;
-    t->grad_enabled = true;
-    return (double)correct / n;
+    t->grad_enabled = had_grad;
+    *accuracy = (double)correct / n;
+    return st;
 }
 
 typedef struct {
@@ -159,9 +163,11 @@ QtStatus demo_run(const DemoOptions *o, double *accuracy, QtError *err) {
     }
     if (st == QT_OK) {
         double wall = now_s() - t0;
-        double train_acc = evaluate(&d.model, &d.tape, d.x, d.y, DEMO_TRAIN, 256);
-        *accuracy = evaluate(&d.model, &d.tape, d.x + 2 * DEMO_TRAIN, d.y + DEMO_TRAIN, DEMO_TEST, 256);
-        if (!o->quiet)
+        double train_acc = 0.0;
+        st = evaluate(&d.model, &d.tape, d.x, d.y, DEMO_TRAIN, 256, &train_acc, err);
+        if (st == QT_OK)
+            st = evaluate(&d.model, &d.tape, d.x + 2 * DEMO_TRAIN, d.y + DEMO_TRAIN, DEMO_TEST, 256, accuracy, err);
+        if (st == QT_OK && !o->quiet)
             printf("done: steps:%d wall_s:%.2f train_accuracy:%.4f test_accuracy:%.4f arena_bytes:%zu\n", o->steps,
                    wall, train_acc, *accuracy, arena_capacity(&d.arena));
     }
