@@ -83,6 +83,20 @@ static ConvVars make_conv_vars(TestEnv *e, Rng *r, const ConvCase *k, bool with_
     return v;
 }
 
+/* Sets up env and rng for case k (seeded from `seed`), runs nn_conv2d on
+ * fresh Vars and returns its output; NULL (case printed) if conv2d failed.
+ * The caller frees the env either way. */
+static Var *run_conv_case(TestEnv *e, Rng *r, ConvVars *v, const ConvCase *k, int with_bias, bool requires_grad,
+                          uint64_t seed) {
+    test_env_init(e, seed);
+    rng_init(r, seed + 1000, RNG_STREAM_INIT);
+    *v = make_conv_vars(e, r, k, with_bias, requires_grad);
+    Var *y = nn_conv2d(&e->tape, v->x, v->w, v->bias, k->stride, k->padding);
+    CU_ASSERT_PTR_NOT_NULL(y);
+    if (!y) print_case(e->tape.err.msg, k);
+    return y;
+}
+
 /* ---- forward and backward vs the direct loops ------------------------------ */
 
 static void test_conv2d_forward_matches_ref(void) {
@@ -90,14 +104,10 @@ static void test_conv2d_forward_matches_ref(void) {
         for (int with_bias = 0; with_bias < 2; with_bias++) {
             const ConvCase *k = &conv_cases[i];
             TestEnv e;
-            test_env_init(&e, 1000 + i);
             Rng r;
-            rng_init(&r, 2000 + i, RNG_STREAM_INIT);
-            ConvVars v = make_conv_vars(&e, &r, k, with_bias, false);
-            Var *y = nn_conv2d(&e.tape, v.x, v.w, v.bias, k->stride, k->padding);
-            CU_ASSERT_PTR_NOT_NULL(y);
+            ConvVars v;
+            Var *y = run_conv_case(&e, &r, &v, k, with_bias, false, 1000 + i);
             if (!y) {
-                print_case(e.tape.err.msg, k);
                 test_env_free(&e);
                 continue;
             }
@@ -123,14 +133,10 @@ static void test_conv2d_backward_matches_ref(void) {
         for (int with_bias = 0; with_bias < 2; with_bias++) {
             const ConvCase *k = &conv_cases[i];
             TestEnv e;
-            test_env_init(&e, 3000 + i);
             Rng r;
-            rng_init(&r, 4000 + i, RNG_STREAM_INIT);
-            ConvVars v = make_conv_vars(&e, &r, k, with_bias, true);
-            Var *y = nn_conv2d(&e.tape, v.x, v.w, v.bias, k->stride, k->padding);
-            CU_ASSERT_PTR_NOT_NULL(y);
+            ConvVars v;
+            Var *y = run_conv_case(&e, &r, &v, k, with_bias, true, 3000 + i);
             if (!y) {
-                print_case(e.tape.err.msg, k);
                 test_env_free(&e);
                 continue;
             }
