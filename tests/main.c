@@ -15,6 +15,9 @@
     X(nn_optim)   \
     X(nn_model)   \
     X(nn_torch)   \
+    X(data)       \
+    X(config)     \
+    X(checkpoint) \
     X(trainer)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);

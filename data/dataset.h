@@ -1,0 +1,137 @@
+/* dataset.h - labelled image data sets: IDX files, transforms, split, batches.
+ *
+ * Images stay uint8 in memory, as the files store them (Fashion-MNIST's
+ * 60k x 784 pixels are 47 MB as bytes, 188 MB as floats); each batch is
+ * converted to float32 when it is drawn. Transforms are of three kinds and
+ * are applied in config order:
+ *   - per pixel (scale to [0,1], normalize, invert): every composition of
+ *     these is an affine map x = pixel_scale * p + pixel_shift of the byte p,
+ *     folded into two floats and applied at batch time;
+ *   - a fixed permutation of the pixels (transpose), applied to the bytes
+ *     once at load;
+ *   - per example (classes, limit): drop/relabel examples once at load.
+ * Per-pixel maps commute with the other two kinds, so folding them keeps
+ * the config's order exact. */
+#ifndef QTRAIN_DATA_DATASET_H
+#define QTRAIN_DATA_DATASET_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nn/error.h"
+
+#define IDX_MAX_DIMS 4
+#define DATASET_MAX_CLASSES 256
+
+/* The contents of one IDX file (unsigned-byte element type only, 0x08). */
+typedef struct {
+    int ndim;                    /* 1 (labels) .. IDX_MAX_DIMS */
+    int dims[IDX_MAX_DIMS];      /* dims[0] = item count */
+    uint8_t *data;               /* [dims[0] * ... * dims[ndim-1]] */
+    size_t n_bytes;
+} IdxArray;
+
+/* Reads a gzip'd or plain IDX file (zlib detects which). Validates the
+ * magic (0x00 0x00 0x08 ndim), that every dimension is >= 1 and the total
+ * fits in 2^31 elements, and that the payload is exactly that long (a
+ * truncated or over-long file is QT_ERR_FORMAT). A missing file is
+ * QT_ERR_IO. Messages name the file and say what to do. */
+QtStatus idx_read(const char *path, IdxArray *out, QtError *err);
+void idx_free(IdxArray *a);
+
+typedef struct {
+    int n;                       /* examples */
+    int ndim, shape[3];          /* per example: (C, H, W); IDX images are (1, H, W) */
+    int feat;                    /* elements per example = product of shape */
+    uint8_t *pixels;             /* [n][feat], owned */
+    int32_t *labels;             /* [n], in 0..n_classes-1, owned */
+    int n_classes;               /* 1 + largest label the data set can have (10 for Fashion-MNIST) */
+    float pixel_scale, pixel_shift; /* x = pixel_scale * p + pixel_shift (p the byte) */
+} Dataset;
+
+typedef enum {
+    TRANSFORM_NORMALIZE, /* x = (x - mean) / std */
+    TRANSFORM_TRANSPOSE, /* x[c][i][j] -> x[c][j][i] (H == W) */
+    TRANSFORM_INVERT,    /* x = 1 - x */
+    TRANSFORM_CLASSES,   /* keep only these labels, relabelled 0..k-1 in listed order */
+    TRANSFORM_LIMIT,     /* keep the first `limit` examples */
+    TRANSFORM_COUNT
+} TransformKind;
+
+typedef struct {
+    TransformKind kind;
+    bool stats_given;            /* normalize: mean/std given; if not, they are measured on
+                                    the training set as it is at that point of the list */
+    float mean, std;             /* normalize */
+    int classes[DATASET_MAX_CLASSES]; /* classes: the labels to keep, in their new order */
+    int n_classes;
+    int limit;                   /* limit: >= 1 */
+} Transform;
+
+/* "normalize", "transpose", "invert", "classes", "limit". */
+const char *transform_kind_name(TransformKind kind);
+QtStatus transform_kind_parse(const char *name, TransformKind *out, QtError *err);
+
+/* Loads an images file (N, H, W) and a labels file (N,) into a data set of
+ * shape (1, H, W), pixel_scale 1/255, shift 0 (the "scale to [0,1]" step
+ * that always comes first). Counts must agree; labels must be below
+ * n_classes (the error names the first bad index and value). */
+QtStatus dataset_load_idx(Dataset *d, const char *images_path, const char *labels_path, int n_classes,
+                          QtError *err);
+/* <dir>/train-images-idx3-ubyte.gz + train-labels-idx1-ubyte.gz and
+ * t10k-*.gz (falls back to the same names without .gz). test may be NULL. */
+QtStatus dataset_load_fashion_mnist(Dataset *train, Dataset *test, const char *dir, QtError *err);
+void dataset_free(Dataset *d);
+
+/* Applies transforms[0..n-1] in order to train and (identically) test,
+ * which may be NULL. A normalize without stats measures mean/std of train's
+ * current pixel values (in double) and uses them for both. Errors: classes
+ * naming a label out of range or twice, limit < 1, transpose of a
+ * non-square image, std <= 0, a set left empty. */
+QtStatus dataset_apply_transforms(Dataset *train, Dataset *test, const Transform *transforms, int n,
+                                  QtError *err);
+
+/* Moves the last round(fraction * n) examples of `train` into `val` (a new
+ * data set with the same shape and pixel map). fraction in [0, 1); 0 leaves
+ * val empty (n = 0). Fashion-MNIST's training file is already in random
+ * order, so the tail is a fair sample and the split does not depend on the
+ * seed. */
+QtStatus dataset_split_tail(Dataset *train, Dataset *val, double fraction, QtError *err);
+
+/* Converts examples idx[0..n-1] to floats: x (n, feat), y [n]. */
+void dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float *x, int32_t *y);
+/* The same for the contiguous examples start..start+n-1. */
+void dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_t *y);
+
+/* Mini-batches over a data set for training. The order of epoch e is a
+ * pure function of (seed, e): identity shuffled by Philox on stream
+ * RNG_STREAM_SHUFFLE + (e << 8). So the whole iteration state is
+ * (epoch, cursor): a checkpoint stores those two numbers and a resumed run
+ * calls batcher_seek() to continue with exactly the same batches. */
+typedef struct {
+    const Dataset *d;            /* not owned */
+    int batch_size;
+    bool shuffle, drop_last;
+    uint64_t seed;
+    uint32_t *order;             /* [d->n]: this epoch's order */
+    int64_t epoch;               /* 0-based epoch of the next batch */
+    int cursor;                  /* position in order of the next batch's first example */
+} Batcher;
+
+QtStatus batcher_init(Batcher *b, const Dataset *d, int batch_size, bool shuffle, bool drop_last, uint64_t seed,
+                      QtError *err);
+void batcher_free(Batcher *b);
+/* Batches per epoch: n / bs with drop_last, else ceil(n / bs). */
+int64_t batcher_steps_per_epoch(const Batcher *b);
+/* Positions the batcher at (epoch, cursor), recomputing that epoch's order.
+ * QT_ERR_VALUE if the cursor is outside 0..n. */
+QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err);
+/* Fills the next batch (x (bs, feat), y [bs]) and returns its size (the last
+ * batch of an epoch may be short unless drop_last). When the epoch has no
+ * batch left it first moves to the next epoch (epoch + 1, cursor 0, new
+ * order). *epoch_of_batch (may be NULL) gets the epoch the batch belongs
+ * to. Never allocates. */
+int batcher_next(Batcher *b, float *x, int32_t *y, int64_t *epoch_of_batch);
+
+#endif

@@ -1,0 +1,100 @@
+/* checkpoint.h - HDF5 checkpoints: save, load, resume, inspect.
+ *
+ * Layout (format version 1; readable and writable from h5py):
+ *   /                 attrs: format = "qtrain", version = 1 (int64),
+ *                     qtrain_version (string), step, epoch (int64),
+ *                     config (string: the resolved YAML)
+ *   /params/<module>/<tensor>   float32, PyTorch layouts: dense weight (out, in),
+ *                     conv weight (OC, C, KH, KW), biases (out,)
+ *   /optim            attrs: optimizer ("adamw" | "sgd"), step (int64)
+ *   /optim/<module>/<tensor>/m, v   float32, the parameter's shape; attrs step
+ *                     (m: AdamW first moment or SGD momentum buffer, absent for
+ *                     SGD without momentum; v: AdamW only)
+ *   /rng/<name>       attrs seed, stream, counter (uint64): Philox state
+ *   /data             attrs epoch, cursor (int64): position of the next batch;
+ *                     seed (uint64), n_train (int64)
+ *   /train            attrs loss_sum (double), correct, seen, steps (int64):
+ *                     training metrics accumulated since the last log line
+ *   /quant, /lora     reserved for the quantized and adapter modes
+ *
+ * Every file is written to "<name>.tmp.<pid>" in the same directory,
+ * flushed, fsync'd, renamed over the real name and the directory fsync'd,
+ * so a crash or a full disk never leaves a partial file under a real name
+ * and never damages an existing good checkpoint. */
+#ifndef QTRAIN_TRAINER_CHECKPOINT_H
+#define QTRAIN_TRAINER_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "nn/error.h"
+#include "nn/model.h"
+#include "nn/optim.h"
+#include "nn/rng.h"
+
+#define CHECKPOINT_FORMAT "qtrain"
+#define CHECKPOINT_VERSION 1
+#define CHECKPOINT_MAX_RNGS 4
+
+/* Everything besides parameters and optimizer state that decides the rest
+ * of a run. */
+typedef struct {
+    int64_t step;          /* optimizer steps done */
+    int64_t epoch;         /* batcher position of the next batch */
+    int64_t cursor;
+    uint64_t seed;         /* run.seed */
+    int64_t n_train;       /* training examples (a resume on other data is refused) */
+    double log_loss_sum;   /* train metrics since the last log line */
+    int64_t log_correct, log_seen, log_steps;
+    struct {
+        const char *name;  /* "dropout" */
+        Rng *rng;          /* save: read from; load: restored into */
+    } rngs[CHECKPOINT_MAX_RNGS];
+    int n_rngs;
+    const char *config_text; /* save: the resolved YAML (may be NULL -> "") */
+} CheckpointState;
+
+/* Writes a complete checkpoint to `path` atomically (see above). opt may be
+ * NULL (no /optim group). On failure nothing is left under `path` that was
+ * not there before, and the message says what failed (e.g. the disk is
+ * full) and where. */
+QtStatus checkpoint_save(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
+                         QtError *err);
+
+/* Restores parameters, optimizer state (if opt != NULL) and state (if
+ * s != NULL: scalar fields, and every rng named in s->rngs from /rng/<name>)
+ * from `path`. Everything is checked before anything is written: a file
+ * that is not HDF5, not a qtrain checkpoint, of another version, or of
+ * another model (the first missing, extra or differently shaped parameter
+ * is named, with both shapes), or whose optimizer differs, is an error and
+ * leaves m, opt and s untouched. */
+QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointState *s, QtError *err);
+
+/* Only /params, for model.init_from: the same checks as checkpoint_load. */
+QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err);
+
+/* The root `config` attribute (malloc'd; the caller frees). */
+QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *err);
+
+/* `qtrain inspect`: every group and dataset (shape, dtype, bytes) and every
+ * attribute (value; long strings abbreviated to their first line), then the
+ * total bytes of data. Works on any HDF5 file, not only checkpoints. */
+QtStatus checkpoint_inspect(const char *path, FILE *out, QtError *err);
+
+/* Rotation in a run's out_dir.
+ * checkpoint_save_in_dir(dir, name, keep_last, ...) saves <dir>/<name>
+ * (name NULL = "ckpt-<step, 8 digits>.h5"), then points <dir>/last.h5 at
+ * it (a hard link renamed into place, or a copy where links are not
+ * supported), then deletes the oldest ckpt-*.h5 beyond keep_last (0 = keep
+ * all; final.h5 and last.h5 are never deleted). saved (may be NULL) gets
+ * the path written. */
+QtStatus checkpoint_save_in_dir(const char *dir, const char *name, int keep_last, const Model *m,
+                                const Optimizer *opt, const CheckpointState *s, char *saved, size_t saved_cap,
+                                QtError *err);
+/* The checkpoint `--resume auto` takes: <dir>/last.h5 if present, else the
+ * ckpt-*.h5 with the highest step. QT_ERR_IO with path[0] = 0 if there is
+ * none (the trainer then starts from scratch). */
+QtStatus checkpoint_find_latest(const char *dir, char *path, size_t cap, QtError *err);
+
+#endif

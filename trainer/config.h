@@ -1,0 +1,101 @@
+/* config.h - the run configuration: YAML (libyaml) into typed structs.
+ *
+ * A config file has the sections run, data, model, train (and quant, lora
+ * for the later modes). Every key has a default except model.input and
+ * model.layers. Loading checks everything a run needs before any data is
+ * read: types, ranges, names, required layer fields, and that the layers'
+ * shapes chain (a dry model_init). Every error is QT_ERR_CONFIG (QT_ERR_IO
+ * for an unreadable file) with a message of the form
+ *   configs/x.yaml:12:7: train.optimizer.lr: expected a number >= 0, got "fast"
+ *   configs/x.yaml:9:3: train: unknown key 'batchsize' (did you mean 'batch_size'?)
+ * and, for a --set override, "--set train.lr=...:" in place of file:line:col.
+ *
+ * config_to_yaml() writes the resolved config (every key, defaults filled
+ * in); loading that text gives back the same Config. It is printed at the
+ * start of a run and stored in every checkpoint. */
+#ifndef QTRAIN_TRAINER_CONFIG_H
+#define QTRAIN_TRAINER_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "data/dataset.h"
+#include "nn/error.h"
+#include "nn/model.h"
+#include "nn/optim.h"
+#include "nn/schedule.h"
+
+#define CONFIG_PATH_MAX 1024
+#define CONFIG_NAME_MAX 64
+#define CONFIG_MAX_LAYERS 64
+#define CONFIG_MAX_TRANSFORMS 16
+
+typedef struct {
+    char name[CONFIG_NAME_MAX];     /* run.name, default "run" */
+    char out_dir[CONFIG_PATH_MAX];  /* run.out_dir, default "runs/<name>" */
+    uint64_t seed;                  /* run.seed, default 1 */
+    int threads;                    /* run.threads, default 0 = all cores */
+} RunConfig;
+
+typedef struct {
+    char dataset[CONFIG_NAME_MAX];  /* data.dataset: "fashion-mnist" (the only one for now) */
+    char dir[CONFIG_PATH_MAX];      /* data.dir, default /usr/share/datasets/fashion-mnist */
+    Transform transforms[CONFIG_MAX_TRANSFORMS]; /* data.transform, in order */
+    int n_transforms;
+    double val_fraction;            /* data.val_fraction in [0, 1), default 0 */
+    bool shuffle;                   /* data.shuffle, default true */
+    bool drop_last;                 /* data.drop_last, default false */
+} DataConfig;
+
+typedef struct {
+    int input_ndim, input_shape[3]; /* model.input: [C, H, W] or [features] */
+    LayerSpec layers[CONFIG_MAX_LAYERS]; /* model.layers */
+    int n_layers;
+    char init_from[CONFIG_PATH_MAX]; /* model.init_from, "" = none */
+} ModelConfig;
+
+typedef struct {
+    int64_t epochs;                 /* train.epochs, default 1; 0 = evaluate only */
+    int64_t steps;                  /* train.steps, default 0 = from epochs; overrides epochs when > 0 */
+    int batch_size;                 /* train.batch_size, default 64 */
+    int eval_batch_size;            /* train.eval_batch_size, default 256 */
+    OptimConfig optim;              /* train.optimizer: name, lr, weight_decay, betas, eps,
+                                       momentum, dampening, nesterov */
+    LrSchedule schedule;            /* train.schedule: name, warmup_steps, min_lr, step_size, gamma;
+                                       base_lr and total_steps are filled in by the trainer */
+    float grad_clip;                /* train.grad_clip, default 0 = off */
+    int64_t eval_every;             /* train.eval_every (steps), default 0 = at the end only */
+    int64_t log_every;              /* train.log_every (steps), default 50 */
+    int64_t checkpoint_every;       /* train.checkpoint_every (steps), default 0 = final only */
+    int keep_last;                  /* train.keep_last, default 3; 0 = keep all */
+} TrainConfig;
+
+typedef struct {
+    char source[CONFIG_PATH_MAX];   /* the file (or name) it was loaded from, for messages */
+    RunConfig run;
+    DataConfig data;
+    ModelConfig model;
+    TrainConfig train;
+    /* quant and lora: accepted as `quant: {mode: none}` and an empty `lora`
+       for now; anything else is a config error until those modes exist. */
+} Config;
+
+/* The defaults above. model.input/layers are left empty. */
+void config_default(Config *c);
+
+/* Parses the YAML file at path, then applies the overrides in order, each
+ * "key.path=value" (list items by index: model.layers.3.units=64; value
+ * parsed as a YAML scalar or flow sequence), then validates. */
+QtStatus config_load(Config *c, const char *path, const char *const *overrides, int n_overrides, QtError *err);
+/* The same from text in memory; `name` stands in for the file in messages. */
+QtStatus config_load_string(Config *c, const char *text, const char *name, const char *const *overrides,
+                            int n_overrides, QtError *err);
+
+/* The resolved config as YAML text (malloc'd; the caller frees). NULL only
+ * if memory runs out. */
+char *config_to_yaml(const Config *c);
+
+/* Levenshtein distance (for "did you mean"); exposed for tests. */
+int config_edit_distance(const char *a, const char *b);
+
+#endif
