@@ -1,0 +1,787 @@
+/* test_data.c - IDX reading, data sets, transforms, the split and batches. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "data/dataset.h"
+#include "nn/rng.h"
+#include "test_util.h"
+
+/* What data/make_fashion_mnist_mini.py writes. */
+#define MINI_DIR "data/fashion-mnist-mini"
+#define MINI_TRAIN 2400
+#define MINI_TEST 1000
+
+/* ---- temporary files ------------------------------------------------------ */
+
+typedef struct {
+    char dir[64];
+    char paths[32][128];
+    int n;
+} TmpDir;
+
+static bool tmp_open(TmpDir *t) {
+    memset(t, 0, sizeof *t);
+    snprintf(t->dir, sizeof t->dir, "/tmp/qtrain-test-XXXXXX");
+    return mkdtemp(t->dir) != NULL;
+}
+
+/* The path of `name` in the directory, remembered for removal. */
+static const char *tmp_path(TmpDir *t, const char *name) {
+    char buf[sizeof t->paths[0]];
+    snprintf(buf, sizeof buf, "%s/%s", t->dir, name);
+    char *p = t->paths[t->n++];
+    memcpy(p, buf, sizeof buf);
+    return p;
+}
+
+/* Writes bytes to `name`, through zlib's gzip writer if gz. */
+static const char *tmp_write(TmpDir *t, const char *name, const void *bytes, size_t len, bool gz) {
+    const char *p = tmp_path(t, name);
+    if (gz) {
+        gzFile f = gzopen(p, "wb");
+        CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+        if (len) CU_ASSERT_EQUAL(gzwrite(f, bytes, (unsigned)len), (int)len);
+        CU_ASSERT_EQUAL(gzclose(f), Z_OK);
+    } else {
+        FILE *f = fopen(p, "wb");
+        CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+        if (len) CU_ASSERT_EQUAL(fwrite(bytes, 1, len, f), len);
+        fclose(f);
+    }
+    return p;
+}
+
+static void tmp_close(TmpDir *t) {
+    for (int i = 0; i < t->n; i++) unlink(t->paths[i]);
+    CU_ASSERT_EQUAL(rmdir(t->dir), 0);
+}
+
+/* An IDX file image in buf: magic, big-endian dims, payload. Returns its length. */
+static size_t idx_image(uint8_t *buf, int type, int ndim, const uint32_t *dims, const uint8_t *payload, size_t len) {
+    size_t k = 0;
+    buf[k++] = 0, buf[k++] = 0, buf[k++] = (uint8_t)type, buf[k++] = (uint8_t)ndim;
+    for (int i = 0; i < ndim; i++) {
+        buf[k++] = (uint8_t)(dims[i] >> 24), buf[k++] = (uint8_t)(dims[i] >> 16);
+        buf[k++] = (uint8_t)(dims[i] >> 8), buf[k++] = (uint8_t)dims[i];
+    }
+    if (len) memcpy(buf + k, payload, len);
+    return k + len;
+}
+
+static bool msg_has(const char *msg, const char *sub) { return !sub || strstr(msg, sub) != NULL; }
+
+/* The status, the QtError's status and two substrings of its message. */
+#define ASSERT_ERR(st, e, want, sub1, sub2)                                                                  \
+    do {                                                                                                     \
+        QtStatus st_ = (st);                                                                                 \
+        bool ok_ = st_ == (want) && (e).status == (want) && msg_has((e).msg, sub1) && msg_has((e).msg, sub2); \
+        if (!ok_)                                                                                            \
+            fprintf(stderr, "\n  %s:%d: status %d (want %d), message: %s\n", __FILE__, __LINE__, (int)st_,  \
+                    (int)(want), (e).msg);                                                                   \
+        CU_ASSERT(ok_);                                                                                      \
+    } while (0)
+
+/* ---- idx_read -------------------------------------------------------------- */
+
+static void test_idx_roundtrip(void) {
+    TmpDir t;
+    CU_ASSERT_FATAL(tmp_open(&t));
+    uint8_t payload[2 * 3 * 4], buf[256];
+    for (int i = 0; i < 24; i++) payload[i] = (uint8_t)(i * 37 + 5);
+    const uint32_t dims[3] = {2, 3, 4};
+    size_t len = idx_image(buf, 0x08, 3, dims, payload, sizeof payload);
+    for (int gz = 0; gz < 2; gz++) {
+        const char *p = tmp_write(&t, gz ? "a.idx.gz" : "a.idx", buf, len, gz);
+        IdxArray a;
+        QtError err = {0};
+        CU_ASSERT_EQUAL_FATAL(idx_read(p, &a, &err), QT_OK);
+        CU_ASSERT_EQUAL(a.ndim, 3);
+        CU_ASSERT(a.dims[0] == 2 && a.dims[1] == 3 && a.dims[2] == 4);
+        CU_ASSERT_EQUAL(a.n_bytes, 24);
+        CU_ASSERT_EQUAL(memcmp(a.data, payload, 24), 0);
+        idx_free(&a);
+        CU_ASSERT_PTR_NULL(a.data);
+    }
+    /* 1-D and 4-D, and a payload past the first 1 MB allocation. */
+    const uint32_t one[1] = {5}, four[4] = {1, 2, 1, 3};
+    len = idx_image(buf, 0x08, 1, one, payload, 5);
+    IdxArray a;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(idx_read(tmp_write(&t, "b", buf, len, false), &a, &err), QT_OK);
+    CU_ASSERT(a.ndim == 1 && a.dims[0] == 5 && memcmp(a.data, payload, 5) == 0);
+    idx_free(&a);
+    len = idx_image(buf, 0x08, 4, four, payload, 6);
+    CU_ASSERT_EQUAL(idx_read(tmp_write(&t, "c", buf, len, true), &a, &err), QT_OK);
+    CU_ASSERT(a.ndim == 4 && a.dims[3] == 3 && a.n_bytes == 6);
+    idx_free(&a);
+    enum { BIG = 3000000 };
+    uint8_t *big = malloc(BIG + 16);
+    const uint32_t bdims[2] = {1000, 3000};
+    for (int i = 0; i < BIG; i++) big[12 + i] = (uint8_t)(i % 251);
+    idx_image(big, 0x08, 2, bdims, NULL, 0);
+    CU_ASSERT_EQUAL(idx_read(tmp_write(&t, "big.gz", big, BIG + 12, true), &a, &err), QT_OK);
+    CU_ASSERT(a.n_bytes == BIG && memcmp(a.data, big + 12, BIG) == 0);
+    idx_free(&a);
+    free(big);
+    tmp_close(&t);
+}
+
+typedef struct {
+    const char *name;
+    bool gz;
+    uint8_t bytes[64];
+    size_t len;
+    QtStatus want;
+    const char *sub1, *sub2; /* in the message, besides the file name */
+} BadIdx;
+
+static void test_idx_bad_inputs(void) {
+    TmpDir t;
+    CU_ASSERT_FATAL(tmp_open(&t));
+    const BadIdx cases[] = {
+        {"wrong-magic", false, {1, 2, 8, 1, 0, 0, 0, 1, 7}, 9, QT_ERR_FORMAT, "not an IDX file", "01 02 08 01"},
+        {"float-type", false, {0, 0, 0x0D, 1, 0, 0, 0, 1, 0, 0, 0, 0}, 12, QT_ERR_FORMAT, "32-bit float",
+         "only unsigned-byte"},
+        {"int-type.gz", true, {0, 0, 0x0C, 1, 0, 0, 0, 1, 0, 0, 0, 0}, 12, QT_ERR_FORMAT, "32-bit integer", NULL},
+        {"ndim0", false, {0, 0, 8, 0}, 4, QT_ERR_FORMAT, "0 dimensions", NULL},
+        {"ndim5", false, {0, 0, 8, 5}, 4, QT_ERR_FORMAT, "5 dimensions", NULL},
+        {"zero-dim", false, {0, 0, 8, 2, 0, 0, 0, 3, 0, 0, 0, 0}, 12, QT_ERR_FORMAT, "dimension 1 is 0", NULL},
+        {"huge-dims", false, {0, 0, 8, 2, 0x7f, 0xff, 0xff, 0xff, 0x7f, 0xff, 0xff, 0xff, 1, 2, 3}, 15,
+         QT_ERR_FORMAT, "2^31", NULL},
+        /* A 2^31 - 16 byte promise in a 12-byte file: must fail without allocating it. */
+        {"hostile", false, {0, 0, 8, 1, 0x7f, 0xff, 0xff, 0xf0, 1, 2, 3, 4}, 12, QT_ERR_FORMAT,
+         "2147483632 bytes", "only 4"},
+        {"short-header", false, {0, 0, 8, 3, 0, 0, 0, 2}, 8, QT_ERR_FORMAT, "ends inside its header", NULL},
+        {"truncated", false, {0, 0, 8, 2, 0, 0, 0, 2, 0, 0, 0, 3, 1, 2, 3, 4, 5}, 17, QT_ERR_FORMAT, "6 bytes",
+         "only 5"},
+        {"truncated.gz", true, {0, 0, 8, 2, 0, 0, 0, 2, 0, 0, 0, 3, 1, 2, 3, 4, 5}, 17, QT_ERR_FORMAT, "6 bytes",
+         "only 5"},
+        {"trailing", false, {0, 0, 8, 1, 0, 0, 0, 2, 1, 2, 3, 4, 5}, 13, QT_ERR_FORMAT, "3 bytes after", NULL},
+        {"trailing.gz", true, {0, 0, 8, 1, 0, 0, 0, 2, 1, 2, 3}, 11, QT_ERR_FORMAT, "1 byte after", NULL},
+        /* A gzip header, then a deflate block of the reserved type 3. */
+        {"corrupt.gz", false, {0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 0xff, 0xff, 0xff, 0xff}, 14, QT_ERR_FORMAT,
+         "not a valid gzip stream", "zlib: invalid block type"},
+        {"empty", false, {0}, 0, QT_ERR_FORMAT, "is empty", NULL},
+        {"empty.gz", true, {0}, 0, QT_ERR_FORMAT, "is empty", NULL},
+        {"tiny", false, {0, 0}, 2, QT_ERR_FORMAT, "only 2 bytes", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const BadIdx *c = &cases[i];
+        const char *p = tmp_write(&t, c->name, c->bytes, c->len, c->gz);
+        IdxArray a;
+        QtError err = {0};
+        QtStatus st = idx_read(p, &a, &err);
+        ASSERT_ERR(st, err, c->want, c->sub1, c->sub2);
+        CU_ASSERT(strstr(err.msg, p) != NULL);
+        CU_ASSERT(a.data == NULL && a.ndim == 0);
+    }
+
+    /* A missing file. */
+    IdxArray a;
+    QtError err = {0};
+    const char *missing = tmp_path(&t, "missing-idx1-ubyte.gz");
+    ASSERT_ERR(idx_read(missing, &a, &err), err, QT_ERR_IO, "No such file", "dataset-fashion-mnist");
+    CU_ASSERT(strstr(err.msg, missing) != NULL);
+
+    /* A good gzip file cut in the middle of its stream, and one with a bad CRC. */
+    enum { N = 4000 };
+    uint8_t *buf = malloc(N + 16);
+    const uint32_t dims[1] = {N};
+    for (int i = 0; i < N; i++) buf[8 + i] = (uint8_t)(i * i);
+    size_t len = idx_image(buf, 0x08, 1, dims, NULL, 0) + N;
+    const char *good = tmp_write(&t, "good.gz", buf, len, true);
+    FILE *f = fopen(good, "rb");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    uint8_t gzbytes[8192];
+    size_t gzlen = fread(gzbytes, 1, sizeof gzbytes, f);
+    fclose(f);
+    CU_ASSERT_FATAL(gzlen > 100 && gzlen < sizeof gzbytes);
+    const char *cut = tmp_write(&t, "cut.gz", gzbytes, gzlen / 2, false);
+    qt_error_clear(&err);
+    ASSERT_ERR(idx_read(cut, &a, &err), err, QT_ERR_FORMAT, "truncated", "zlib: unexpected end of file");
+    CU_ASSERT(strstr(err.msg, cut) != NULL);
+    gzbytes[gzlen - 8] ^= 0x55; /* the CRC-32 of the trailer */
+    const char *crc = tmp_write(&t, "crc.gz", gzbytes, gzlen, false);
+    qt_error_clear(&err);
+    ASSERT_ERR(idx_read(crc, &a, &err), err, QT_ERR_FORMAT, "not a valid gzip stream", "zlib: incorrect data check");
+    CU_ASSERT(strstr(err.msg, crc) != NULL);
+    free(buf);
+    tmp_close(&t);
+}
+
+/* ---- loading ------------------------------------------------------------- */
+
+/* Writes an images file (n, h, w) and a labels file (m,) in t. */
+static void write_pair(TmpDir *t, const char *img_name, const char *lab_name, int n, int h, int w, int m,
+                       const uint8_t *labels, bool gz) {
+    uint8_t buf[1024], px[512];
+    for (int i = 0; i < n * h * w; i++) px[i] = (uint8_t)(3 * i + 1);
+    const uint32_t idims[3] = {(uint32_t)n, (uint32_t)h, (uint32_t)w}, ldims[1] = {(uint32_t)m};
+    tmp_write(t, img_name, buf, idx_image(buf, 0x08, 3, idims, px, (size_t)(n * h * w)), gz);
+    tmp_write(t, lab_name, buf, idx_image(buf, 0x08, 1, ldims, labels, (size_t)m), gz);
+}
+
+static void test_dataset_load_idx(void) {
+    TmpDir t;
+    CU_ASSERT_FATAL(tmp_open(&t));
+    const uint8_t labels[4] = {2, 0, 1, 7};
+    write_pair(&t, "img", "lab", 3, 2, 3, 3, labels, false);
+    char img[128], lab[128];
+    snprintf(img, sizeof img, "%s/img", t.dir);
+    snprintf(lab, sizeof lab, "%s/lab", t.dir);
+    Dataset d;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(dataset_load_idx(&d, img, lab, 3, &err), QT_OK);
+    CU_ASSERT(d.n == 3 && d.ndim == 3 && d.shape[0] == 1 && d.shape[1] == 2 && d.shape[2] == 3 && d.feat == 6);
+    CU_ASSERT(d.n_classes == 3 && d.labels[0] == 2 && d.labels[1] == 0 && d.labels[2] == 1);
+    CU_ASSERT(d.pixels[0] == 1 && d.pixels[17] == 52);
+    CU_ASSERT_EQUAL(d.pixel_scale, 1.0f / 255.0f);
+    CU_ASSERT_EQUAL(d.pixel_shift, 0.0f);
+    dataset_free(&d);
+    CU_ASSERT_PTR_NULL(d.pixels);
+
+    /* label 2 >= 2 classes */
+    ASSERT_ERR(dataset_load_idx(&d, img, lab, 2, &err), err, QT_ERR_VALUE, "label 2 of example 0", lab);
+    CU_ASSERT_PTR_NULL(d.pixels);
+    /* three images, four labels */
+    write_pair(&t, "img4", "lab4", 3, 2, 3, 4, labels, false);
+    char lab4[128];
+    snprintf(lab4, sizeof lab4, "%s/lab4", t.dir);
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_load_idx(&d, img, lab4, 8, &err), err, QT_ERR_FORMAT, "holds 3 images", "holds 4 labels");
+    CU_ASSERT(strstr(err.msg, img) && strstr(err.msg, lab4));
+    /* the files swapped: labels are not 3-D */
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_load_idx(&d, lab, img, 8, &err), err, QT_ERR_FORMAT, "must be 3-D", lab);
+    /* an images file given as labels */
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_load_idx(&d, img, img, 8, &err), err, QT_ERR_FORMAT, "must be 1-D", img);
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_load_idx(&d, img, lab, 0, &err), err, QT_ERR_ARG, "n_classes", NULL);
+    tmp_close(&t);
+}
+
+static void test_fashion_mnist_mini(void) {
+    Dataset tr, te;
+    QtError err = {0};
+    QtStatus st = dataset_load_fashion_mnist(&tr, &te, MINI_DIR, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    CU_ASSERT_EQUAL(tr.n, MINI_TRAIN);
+    CU_ASSERT_EQUAL(te.n, MINI_TEST);
+    const Dataset *sets[2] = {&tr, &te};
+    for (int s = 0; s < 2; s++) {
+        const Dataset *d = sets[s];
+        CU_ASSERT(d->ndim == 3 && d->shape[0] == 1 && d->shape[1] == 28 && d->shape[2] == 28 && d->feat == 784);
+        CU_ASSERT_EQUAL(d->n_classes, 10);
+        int counts[10] = {0}, bad = 0, lo = 255, hi = 0;
+        for (int i = 0; i < d->n; i++) {
+            if (d->labels[i] < 0 || d->labels[i] > 9) bad++;
+            else counts[d->labels[i]]++;
+        }
+        for (size_t i = 0; i < (size_t)d->n * 784; i++) lo = d->pixels[i] < lo ? d->pixels[i] : lo;
+        for (size_t i = 0; i < (size_t)d->n * 784; i++) hi = d->pixels[i] > hi ? d->pixels[i] : hi;
+        CU_ASSERT_EQUAL(bad, 0);
+        for (int c = 0; c < 10; c++) CU_ASSERT(counts[c] > d->n / 20); /* every class is there */
+        CU_ASSERT(lo == 0 && hi == 255);
+    }
+    dataset_free(&tr);
+    dataset_free(&te);
+    /* test may be NULL */
+    CU_ASSERT_EQUAL(dataset_load_fashion_mnist(&tr, NULL, MINI_DIR, &err), QT_OK);
+    CU_ASSERT_EQUAL(tr.n, MINI_TRAIN);
+    dataset_free(&tr);
+}
+
+static void test_fashion_mnist_files(void) {
+    TmpDir t;
+    CU_ASSERT_FATAL(tmp_open(&t));
+    Dataset tr, te;
+    QtError err = {0};
+    /* An empty directory: the message names the file and the package. */
+    ASSERT_ERR(dataset_load_fashion_mnist(&tr, &te, t.dir, &err), err, QT_ERR_IO, "train-images-idx3-ubyte.gz",
+               "dataset-fashion-mnist");
+    CU_ASSERT(strstr(err.msg, t.dir) != NULL);
+    /* Plain files under the names without .gz are found too. */
+    const uint8_t labels[4] = {9, 0, 3, 1};
+    write_pair(&t, "train-images-idx3-ubyte", "train-labels-idx1-ubyte", 4, 2, 2, 4, labels, false);
+    write_pair(&t, "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", 2, 2, 2, 2, labels, false);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL_FATAL(dataset_load_fashion_mnist(&tr, &te, t.dir, &err), QT_OK);
+    CU_ASSERT(tr.n == 4 && te.n == 2 && tr.labels[0] == 9 && te.labels[1] == 0 && tr.n_classes == 10);
+    dataset_free(&tr);
+    dataset_free(&te);
+    /* A test set of another image size. */
+    write_pair(&t, "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 2, 3, 3, 2, labels, true);
+    ASSERT_ERR(dataset_load_fashion_mnist(&tr, &te, t.dir, &err), err, QT_ERR_FORMAT, "3 x 3", "2 x 2");
+    CU_ASSERT(tr.pixels == NULL && te.pixels == NULL);
+    tmp_close(&t);
+}
+
+/* ---- transforms ------------------------------------------------------------ */
+
+/* A data set of n (1, h, w) images with the given bytes and labels. */
+static Dataset make_set(int n, int h, int w, const uint8_t *px, const int32_t *labels, int n_classes) {
+    Dataset d = {.n = n, .ndim = 3, .shape = {1, h, w}, .feat = h * w, .n_classes = n_classes};
+    d.pixels = malloc((size_t)n * h * w);
+    d.labels = malloc((size_t)n * sizeof *d.labels);
+    memcpy(d.pixels, px, (size_t)n * h * w);
+    memcpy(d.labels, labels, (size_t)n * sizeof *d.labels);
+    d.pixel_scale = 1.0f / 255.0f;
+    return d;
+}
+
+/* Six 2x2 training images (labels 0 1 2 0 2 1) and three test images (2 1 0). */
+static const uint8_t TRAIN_PX[6 * 4] = {0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110,
+                                        120, 130, 140, 150, 160, 170, 180, 190, 200, 210, 220, 230};
+static const int32_t TRAIN_LAB[6] = {0, 1, 2, 0, 2, 1};
+static const uint8_t TEST_PX[3 * 4] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+static const int32_t TEST_LAB[3] = {2, 1, 0};
+
+static void make_pair(Dataset *tr, Dataset *te) {
+    *tr = make_set(6, 2, 2, TRAIN_PX, TRAIN_LAB, 3);
+    *te = make_set(3, 2, 2, TEST_PX, TEST_LAB, 3);
+}
+
+static void free_pair(Dataset *tr, Dataset *te) {
+    dataset_free(tr);
+    dataset_free(te);
+}
+
+static Transform tf(TransformKind kind) { return (Transform){.kind = kind}; }
+
+static Transform tf_classes(int n, const int *classes) {
+    Transform t = {.kind = TRANSFORM_CLASSES, .n_classes = n};
+    memcpy(t.classes, classes, (size_t)n * sizeof *classes);
+    return t;
+}
+
+static Transform tf_limit(int limit) { return (Transform){.kind = TRANSFORM_LIMIT, .limit = limit}; }
+
+static Transform tf_norm(float mean, float std) {
+    return (Transform){.kind = TRANSFORM_NORMALIZE, .stats_given = true, .mean = mean, .std = std};
+}
+
+/* Population mean and std of all the floats a data set produces. */
+static void float_stats(const Dataset *d, double *mean, double *std) {
+    size_t n = (size_t)d->n * d->feat;
+    float *x = malloc(n * sizeof *x);
+    dataset_fill_range(d, 0, d->n, x, NULL);
+    double s = 0, v = 0;
+    for (size_t i = 0; i < n; i++) s += x[i];
+    *mean = s / n;
+    for (size_t i = 0; i < n; i++) v += (x[i] - *mean) * (x[i] - *mean);
+    *std = sqrt(v / n);
+    free(x);
+}
+
+static void test_transform_pixel_maps(void) {
+    Dataset tr, te;
+    QtError err = {0};
+    make_pair(&tr, &te);
+    /* scale to [0,1] then normalize(0.5, 0.25): x = (p/255 - 0.5) / 0.25 */
+    Transform list[3] = {tf_norm(0.5f, 0.25f)};
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 1, &err), QT_OK);
+    CU_ASSERT(fabsf(tr.pixel_scale - 4.0f / 255.0f) < 1e-9f && fabsf(tr.pixel_shift + 2.0f) < 1e-6f);
+    CU_ASSERT(tr.pixel_scale == te.pixel_scale && tr.pixel_shift == te.pixel_shift);
+    CU_ASSERT_EQUAL(memcmp(tr.pixels, TRAIN_PX, sizeof TRAIN_PX), 0); /* the bytes stay */
+    free_pair(&tr, &te);
+
+    /* invert: x = 1 - p/255; then normalize(0.5, 0.5): x = 1 - 2p/255 */
+    make_pair(&tr, &te);
+    list[0] = tf(TRANSFORM_INVERT);
+    list[1] = tf_norm(0.5f, 0.5f);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 2, &err), QT_OK);
+    float x[6 * 4], want[6 * 4];
+    dataset_fill_range(&tr, 0, 6, x, NULL);
+    for (int i = 0; i < 24; i++) want[i] = (float)(1.0 - 2.0 * TRAIN_PX[i] / 255.0);
+    ASSERT_ALL_CLOSE(x, want, 24, 1e-6, 1e-6);
+    free_pair(&tr, &te);
+
+    /* invert alone */
+    make_pair(&tr, &te);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 1, &err), QT_OK);
+    CU_ASSERT(fabsf(tr.pixel_scale + 1.0f / 255.0f) < 1e-9f && tr.pixel_shift == 1.0f);
+    free_pair(&tr, &te);
+
+    /* measured: train's floats come out with mean 0, std 1; test gets the same map */
+    make_pair(&tr, &te);
+    list[0] = tf(TRANSFORM_INVERT);
+    list[1] = tf(TRANSFORM_NORMALIZE);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 2, &err), QT_OK);
+    double mean, std;
+    float_stats(&tr, &mean, &std);
+    CU_ASSERT(fabs(mean) < 1e-6 && fabs(std - 1.0) < 1e-6);
+    CU_ASSERT(tr.pixel_scale == te.pixel_scale && tr.pixel_shift == te.pixel_shift);
+    /* By hand: bytes 0..230 step 10 have mean 115 and population std
+     * 10*sqrt((24^2-1)/12); x = (1 - p/255 - (1 - 115/255)) / (std/255) = (115 - p) / std. */
+    double pstd = 10.0 * sqrt((24.0 * 24.0 - 1.0) / 12.0);
+    CU_ASSERT(fabs(tr.pixel_scale + 1.0 / pstd) < 1e-7 && fabs(tr.pixel_shift - 115.0 / pstd) < 1e-6);
+    free_pair(&tr, &te);
+
+    /* measured after classes: only the kept examples count (labels 1: images 1 and 5) */
+    make_pair(&tr, &te);
+    const int one[1] = {1};
+    list[0] = tf_classes(1, one);
+    list[1] = tf(TRANSFORM_NORMALIZE);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 2, &err), QT_OK);
+    /* bytes 40 50 60 70 200 210 220 230: mean 135, population std sqrt(sum (p-135)^2 / 8) */
+    double s2 = 0;
+    const int kept[8] = {40, 50, 60, 70, 200, 210, 220, 230};
+    for (int i = 0; i < 8; i++) s2 += (kept[i] - 135.0) * (kept[i] - 135.0);
+    double kstd = sqrt(s2 / 8);
+    CU_ASSERT(fabs(tr.pixel_scale - 1.0 / kstd) < 1e-7 && fabs(tr.pixel_shift + 135.0 / kstd) < 1e-6);
+    float_stats(&tr, &mean, &std);
+    CU_ASSERT(fabs(mean) < 1e-6 && fabs(std - 1.0) < 1e-6);
+    free_pair(&tr, &te);
+}
+
+static void test_transform_transpose(void) {
+    const uint8_t px[2 * 9] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18};
+    const uint8_t want[2 * 9] = {1, 4, 7, 2, 5, 8, 3, 6, 9, 10, 13, 16, 11, 14, 17, 12, 15, 18};
+    const int32_t lab[2] = {1, 0};
+    Dataset d = make_set(2, 3, 3, px, lab, 2);
+    QtError err = {0};
+    Transform list[2] = {tf(TRANSFORM_TRANSPOSE), tf(TRANSFORM_TRANSPOSE)};
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&d, NULL, list, 1, &err), QT_OK);
+    CU_ASSERT_EQUAL(memcmp(d.pixels, want, sizeof want), 0);
+    CU_ASSERT(d.labels[0] == 1 && d.labels[1] == 0 && d.pixel_scale == 1.0f / 255.0f);
+    /* twice is the identity */
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&d, NULL, list, 2, &err), QT_OK);
+    CU_ASSERT_EQUAL(memcmp(d.pixels, want, sizeof want), 0);
+    dataset_free(&d);
+
+    /* two channels of 2x2 each transpose on their own */
+    const uint8_t px2[8] = {1, 2, 3, 4, 5, 6, 7, 8}, want2[8] = {1, 3, 2, 4, 5, 7, 6, 8};
+    d = make_set(1, 2, 4, px2, lab, 2);
+    d.shape[0] = 2, d.shape[1] = 2, d.shape[2] = 2;
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&d, NULL, list, 1, &err), QT_OK);
+    CU_ASSERT_EQUAL(memcmp(d.pixels, want2, sizeof want2), 0);
+    dataset_free(&d);
+
+    /* not square */
+    d = make_set(1, 2, 4, px2, lab, 2);
+    ASSERT_ERR(dataset_apply_transforms(&d, NULL, list, 1, &err), err, QT_ERR_SHAPE, "2 x 4", "square");
+    CU_ASSERT_EQUAL(memcmp(d.pixels, px2, sizeof px2), 0);
+    dataset_free(&d);
+}
+
+static void test_transform_classes_limit(void) {
+    Dataset tr, te;
+    QtError err = {0};
+    make_pair(&tr, &te);
+    /* classes [2, 0]: label 2 -> 0, label 0 -> 1, in the data's order */
+    const int c20[2] = {2, 0};
+    Transform list[3] = {tf_classes(2, c20)};
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 1, &err), QT_OK);
+    CU_ASSERT(tr.n == 4 && tr.n_classes == 2 && te.n == 2 && te.n_classes == 2);
+    const int32_t want_lab[4] = {1, 0, 1, 0}; /* train examples 0, 2, 3, 4 */
+    CU_ASSERT_EQUAL(memcmp(tr.labels, want_lab, sizeof want_lab), 0);
+    CU_ASSERT_EQUAL(memcmp(tr.pixels, TRAIN_PX + 0, 4), 0);
+    CU_ASSERT_EQUAL(memcmp(tr.pixels + 4, TRAIN_PX + 8, 8), 0);
+    CU_ASSERT_EQUAL(memcmp(tr.pixels + 12, TRAIN_PX + 16, 4), 0);
+    CU_ASSERT(te.labels[0] == 0 && te.labels[1] == 1);           /* test examples 0 and 2 */
+    CU_ASSERT(te.pixels[0] == 1 && te.pixels[4] == 9);
+    /* a second classes counts in the new labels */
+    const int c1[1] = {1};
+    list[0] = tf_classes(1, c1);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 1, &err), QT_OK);
+    CU_ASSERT(tr.n == 2 && tr.n_classes == 1 && tr.labels[0] == 0 && tr.pixels[4] == 120);
+    CU_ASSERT(te.n == 1 && te.pixels[0] == 9);
+    free_pair(&tr, &te);
+
+    /* limit applies to each set; a set smaller than the limit is kept whole */
+    make_pair(&tr, &te);
+    list[0] = tf_limit(4);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 1, &err), QT_OK);
+    CU_ASSERT(tr.n == 4 && te.n == 3 && tr.labels[3] == 0 && tr.pixels[15] == 150);
+    list[0] = tf_limit(1);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 1, &err), QT_OK);
+    CU_ASSERT(tr.n == 1 && te.n == 1 && te.labels[0] == 2);
+    free_pair(&tr, &te);
+
+    /* order matters: classes [1] then limit 1 keeps train example 1; limit 1 then classes [1] keeps none */
+    make_pair(&tr, &te);
+    list[0] = tf_classes(1, c1);
+    list[1] = tf_limit(1);
+    CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 2, &err), QT_OK);
+    CU_ASSERT(tr.n == 1 && tr.pixels[0] == 40 && te.n == 1 && te.pixels[0] == 5);
+    free_pair(&tr, &te);
+    make_pair(&tr, &te);
+    list[0] = tf_limit(1);
+    list[1] = tf_classes(1, c1);
+    ASSERT_ERR(dataset_apply_transforms(&tr, &te, list, 2, &err), err, QT_ERR_CONFIG, "classes [1]",
+               "leaves no training examples");
+    /* a failed list leaves both sets as they were */
+    CU_ASSERT(tr.n == 6 && te.n == 3 && tr.n_classes == 3 && memcmp(tr.pixels, TRAIN_PX, sizeof TRAIN_PX) == 0);
+    /* limit 2, classes [0]: the training set keeps example 0, the test set (labels 2 1) none */
+    const int c0[1] = {0};
+    list[0] = tf_limit(2);
+    list[1] = tf_classes(1, c0);
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_apply_transforms(&tr, &te, list, 2, &err), err, QT_ERR_CONFIG, "classes [0]",
+               "leaves no test examples");
+    /* without a test set it succeeds */
+    CU_ASSERT_EQUAL(dataset_apply_transforms(&tr, NULL, list, 2, &err), QT_OK);
+    CU_ASSERT(tr.n == 1 && tr.labels[0] == 0 && tr.n_classes == 1);
+    free_pair(&tr, &te);
+}
+
+static void test_transform_errors(void) {
+    Dataset tr, te;
+    QtError err = {0};
+    make_pair(&tr, &te);
+    const int out_of_range[2] = {0, 3}, dup[3] = {1, 2, 1}, neg[1] = {-1};
+    struct {
+        Transform t;
+        QtStatus want;
+        const char *sub1, *sub2;
+    } cases[] = {
+        {tf_classes(2, out_of_range), QT_ERR_CONFIG, "names class 3", "0..2"},
+        {tf_classes(3, dup), QT_ERR_CONFIG, "classes [1, 2, 1]", "twice"},
+        {tf_classes(1, neg), QT_ERR_CONFIG, "class -1", NULL},
+        {tf_classes(0, neg), QT_ERR_CONFIG, "0 classes", NULL},
+        {{.kind = TRANSFORM_CLASSES, .n_classes = 1000}, QT_ERR_CONFIG, "1000 classes", "1 to 256"},
+        {tf_limit(0), QT_ERR_CONFIG, "limit = 0", ">= 1"},
+        {tf_norm(0.5f, 0.0f), QT_ERR_CONFIG, "std = 0", "> 0"},
+        {tf_norm(0.5f, -1.0f), QT_ERR_CONFIG, "std = -1", NULL},
+        {tf_norm(NAN, 1.0f), QT_ERR_CONFIG, "mean = nan", NULL},
+        {{.kind = TRANSFORM_COUNT}, QT_ERR_ARG, "unknown transform", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        /* after a harmless first transform, so the index in the message is 1 */
+        Transform list[2] = {tf(TRANSFORM_INVERT), cases[i].t};
+        qt_error_clear(&err);
+        ASSERT_ERR(dataset_apply_transforms(&tr, &te, list, 2, &err), err, cases[i].want, cases[i].sub1,
+                   cases[i].sub2);
+        CU_ASSERT(strstr(err.msg, "data.transform[1]") != NULL);
+        CU_ASSERT(tr.n == 6 && tr.pixel_scale == 1.0f / 255.0f && tr.pixel_shift == 0.0f);
+    }
+    free_pair(&tr, &te);
+
+    /* measured std 0: every training pixel the same */
+    uint8_t flat[8];
+    memset(flat, 77, sizeof flat);
+    const int32_t lab[2] = {0, 1};
+    tr = make_set(2, 2, 2, flat, lab, 2);
+    Transform norm = tf(TRANSFORM_NORMALIZE);
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_apply_transforms(&tr, NULL, &norm, 1, &err), err, QT_ERR_VALUE, "std is 0", "0.30196");
+    dataset_free(&tr);
+}
+
+/* ---- split and batches ------------------------------------------------------- */
+
+/* n examples of one pixel each, pixel = index, label = index % 3, pixel map
+ * the identity, so a batch's floats are the example indices. */
+static Dataset make_indexed(int n) {
+    Dataset d = {.n = n, .ndim = 3, .shape = {1, 1, 1}, .feat = 1, .n_classes = 3, .pixel_scale = 1.0f};
+    d.pixels = malloc((size_t)n);
+    d.labels = malloc((size_t)n * sizeof *d.labels);
+    for (int i = 0; i < n; i++) d.pixels[i] = (uint8_t)i, d.labels[i] = i % 3;
+    return d;
+}
+
+static void test_split_tail(void) {
+    Dataset d = make_indexed(10), val;
+    d.pixel_scale = 0.5f, d.pixel_shift = 0.25f;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(dataset_split_tail(&d, &val, 0.25, &err), QT_OK); /* round(2.5) = 3 */
+    CU_ASSERT(d.n == 7 && val.n == 3 && val.feat == 1 && val.ndim == 3 && val.n_classes == 3);
+    CU_ASSERT(val.pixel_scale == 0.5f && val.pixel_shift == 0.25f);
+    CU_ASSERT(val.pixels[0] == 7 && val.pixels[2] == 9 && val.labels[0] == 1 && val.labels[2] == 0);
+    CU_ASSERT(d.pixels[6] == 6 && d.labels[6] == 0);
+    dataset_free(&val);
+    CU_ASSERT_EQUAL(dataset_split_tail(&d, &val, 0.0, &err), QT_OK);
+    CU_ASSERT(d.n == 7 && val.n == 0 && val.pixels == NULL && val.feat == 1);
+    dataset_free(&val);
+    ASSERT_ERR(dataset_split_tail(&d, &val, 1.0, &err), err, QT_ERR_CONFIG, "val_fraction = 1", "[0, 1)");
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_split_tail(&d, &val, -0.1, &err), err, QT_ERR_CONFIG, "val_fraction", NULL);
+    qt_error_clear(&err);
+    ASSERT_ERR(dataset_split_tail(&d, &val, 0.95, &err), err, QT_ERR_CONFIG, "all 7 training examples", NULL);
+    CU_ASSERT_EQUAL(d.n, 7);
+    dataset_free(&d);
+}
+
+static void test_fill_batch_exact(void) {
+    uint8_t px[3 * 4];
+    for (int i = 0; i < 12; i++) px[i] = (uint8_t)(i * 23);
+    const int32_t lab[3] = {4, 5, 6};
+    Dataset d = make_set(3, 2, 2, px, lab, 7);
+    /* exactly representable, so x must equal 0.5 p - 1 bit for bit */
+    d.pixel_scale = 0.5f, d.pixel_shift = -1.0f;
+    const uint32_t idx[4] = {2, 0, 2, 1};
+    float x[4 * 4], r[3 * 4];
+    int32_t y[4], ry[3];
+    dataset_fill_batch(&d, idx, 4, x, y);
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 4; j++) CU_ASSERT_EQUAL(x[i * 4 + j], 0.5f * px[idx[i] * 4 + j] - 1.0f);
+        CU_ASSERT_EQUAL(y[i], lab[idx[i]]);
+    }
+    dataset_fill_range(&d, 1, 2, r, ry);
+    CU_ASSERT_EQUAL(memcmp(r, x + 12, 4 * sizeof(float)), 0); /* example 1 */
+    CU_ASSERT_EQUAL(memcmp(r + 4, x, 4 * sizeof(float)), 0);  /* example 2 */
+    CU_ASSERT(ry[0] == 5 && ry[1] == 6);
+    /* the default 1/255 map */
+    d.pixel_scale = 1.0f / 255.0f, d.pixel_shift = 0.0f;
+    dataset_fill_range(&d, 0, 3, r, NULL);
+    for (int i = 0; i < 12; i++) CU_ASSERT(fabsf(r[i] - px[i] / 255.0f) <= 1e-7f);
+    dataset_free(&d);
+}
+
+/* One epoch from b: the indices in order, the batch sizes, the epochs. */
+static int drain_epoch(Batcher *b, int steps, int *order, int *sizes, int64_t *epochs) {
+    float x[64];
+    int32_t y[64];
+    int k = 0;
+    for (int s = 0; s < steps; s++) {
+        int m = batcher_next(b, x, y, &epochs[s]);
+        sizes[s] = m;
+        for (int i = 0; i < m; i++) {
+            order[k++] = (int)x[i];
+            CU_ASSERT_EQUAL(y[i], (int)x[i] % 3);
+        }
+    }
+    return k;
+}
+
+static void test_batcher_epochs(void) {
+    enum { N = 50 };
+    Dataset d = make_indexed(N);
+    QtError err = {0};
+    Batcher b;
+    int order[2][N], sizes[8];
+    int64_t epochs[8];
+    /* shuffled, short last batch */
+    CU_ASSERT_EQUAL_FATAL(batcher_init(&b, &d, 16, true, false, 7, &err), QT_OK);
+    CU_ASSERT_EQUAL(batcher_steps_per_epoch(&b), 4);
+    for (int e = 0; e < 2; e++) {
+        CU_ASSERT_EQUAL(drain_epoch(&b, 4, order[e], sizes, epochs), N);
+        CU_ASSERT(sizes[0] == 16 && sizes[1] == 16 && sizes[2] == 16 && sizes[3] == 2);
+        CU_ASSERT(epochs[0] == e && epochs[3] == e);
+        int seen[N] = {0}, moved = 0;
+        for (int i = 0; i < N; i++) seen[order[e][i]]++, moved += order[e][i] != i;
+        for (int i = 0; i < N; i++) CU_ASSERT_EQUAL(seen[i], 1);
+        CU_ASSERT(moved > N / 2);
+        /* the order is the documented function of (seed, epoch) */
+        uint32_t ref[N];
+        for (uint32_t i = 0; i < N; i++) ref[i] = i;
+        Rng r;
+        rng_init(&r, 7, RNG_STREAM_SHUFFLE + ((uint64_t)e << 8));
+        rng_shuffle_u32(&r, ref, N);
+        int same = 0;
+        for (int i = 0; i < N; i++) same += order[e][i] == (int)ref[i];
+        CU_ASSERT_EQUAL(same, N);
+    }
+    CU_ASSERT_NOT_EQUAL(memcmp(order[0], order[1], sizeof order[0]), 0);
+    batcher_free(&b);
+
+    /* no shuffle: identity; drop_last: only full batches */
+    CU_ASSERT_EQUAL_FATAL(batcher_init(&b, &d, 16, false, true, 7, &err), QT_OK);
+    CU_ASSERT_EQUAL(batcher_steps_per_epoch(&b), 3);
+    for (int e = 0; e < 2; e++) {
+        CU_ASSERT_EQUAL(drain_epoch(&b, 3, order[0], sizes, epochs), 48);
+        for (int i = 0; i < 48; i++) CU_ASSERT_EQUAL(order[0][i], i);
+        CU_ASSERT(sizes[2] == 16 && epochs[0] == e && epochs[2] == e);
+    }
+    batcher_free(&b);
+
+    /* a batch larger than the data set without drop_last: one batch of all */
+    CU_ASSERT_EQUAL_FATAL(batcher_init(&b, &d, 64, true, false, 1, &err), QT_OK);
+    CU_ASSERT_EQUAL(batcher_steps_per_epoch(&b), 1);
+    int both[2 * N];
+    CU_ASSERT_EQUAL(drain_epoch(&b, 2, both, sizes, epochs), 2 * N);
+    CU_ASSERT(sizes[0] == N && sizes[1] == N && epochs[0] == 0 && epochs[1] == 1);
+    batcher_free(&b);
+
+    ASSERT_ERR(batcher_init(&b, &d, 0, true, false, 1, &err), err, QT_ERR_CONFIG, "batch_size = 0", NULL);
+    qt_error_clear(&err);
+    ASSERT_ERR(batcher_init(&b, &d, 51, true, true, 1, &err), err, QT_ERR_CONFIG, "batch_size = 51", "drop_last");
+    CU_ASSERT_PTR_NULL(b.order);
+    dataset_free(&d);
+}
+
+static void test_batcher_seek(void) {
+    enum { N = 37, BS = 5, STEPS = 20 };
+    Dataset d = make_indexed(N);
+    QtError err = {0};
+    for (int drop = 0; drop < 2; drop++) {
+        /* an uninterrupted run of STEPS batches (a few epochs) */
+        Batcher a;
+        CU_ASSERT_EQUAL_FATAL(batcher_init(&a, &d, BS, true, drop, 1234, &err), QT_OK);
+        float xa[STEPS][BS];
+        int ma[STEPS];
+        int64_t ea[STEPS], pos_epoch[STEPS];
+        int pos_cursor[STEPS];
+        for (int s = 0; s < STEPS; s++) {
+            pos_epoch[s] = a.epoch, pos_cursor[s] = a.cursor;
+            ma[s] = batcher_next(&a, xa[s], NULL, &ea[s]);
+        }
+        CU_ASSERT(ea[STEPS - 1] >= 2);
+        /* resuming from any recorded position continues identically */
+        for (int k = 1; k < STEPS; k += 3) {
+            Batcher b;
+            CU_ASSERT_EQUAL_FATAL(batcher_init(&b, &d, BS, true, drop, 1234, &err), QT_OK);
+            CU_ASSERT_EQUAL_FATAL(batcher_seek(&b, pos_epoch[k], pos_cursor[k], &err), QT_OK);
+            for (int s = k; s < STEPS; s++) {
+                float xb[BS];
+                int64_t eb;
+                int m = batcher_next(&b, xb, NULL, &eb);
+                CU_ASSERT(m == ma[s] && eb == ea[s] && memcmp(xb, xa[s], (size_t)m * sizeof(float)) == 0);
+            }
+            batcher_free(&b);
+        }
+        /* a position at the very end of an epoch moves on to the next */
+        CU_ASSERT_EQUAL(batcher_seek(&a, 4, N, &err), QT_OK);
+        float x[BS];
+        int64_t e;
+        batcher_next(&a, x, NULL, &e);
+        CU_ASSERT(e == 5 && a.epoch == 5);
+        ASSERT_ERR(batcher_seek(&a, 0, N + 1, &err), err, QT_ERR_VALUE, "cursor 38", "0..37");
+        qt_error_clear(&err);
+        ASSERT_ERR(batcher_seek(&a, 0, -1, &err), err, QT_ERR_VALUE, "cursor -1", NULL);
+        qt_error_clear(&err);
+        ASSERT_ERR(batcher_seek(&a, -1, 0, &err), err, QT_ERR_VALUE, "epoch -1", NULL);
+        qt_error_clear(&err);
+        batcher_free(&a);
+    }
+    /* another seed, another order */
+    Batcher a, b;
+    CU_ASSERT_EQUAL_FATAL(batcher_init(&a, &d, N, true, false, 1, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(batcher_init(&b, &d, N, true, false, 2, &err), QT_OK);
+    CU_ASSERT_NOT_EQUAL(memcmp(a.order, b.order, N * sizeof *a.order), 0);
+    batcher_free(&a);
+    batcher_free(&b);
+    dataset_free(&d);
+}
+
+int register_data_suite(void) {
+    CU_pSuite s = CU_add_suite("data", NULL, NULL);
+    if (!s) return -1;
+    struct {
+        const char *name;
+        CU_TestFunc fn;
+    } tests[] = {
+        {"idx_read plain and gzip'd", test_idx_roundtrip},
+        {"idx_read rejects bad files", test_idx_bad_inputs},
+        {"dataset_load_idx", test_dataset_load_idx},
+        {"fashion-mnist-mini", test_fashion_mnist_mini},
+        {"fashion-mnist file names", test_fashion_mnist_files},
+        {"transforms: pixel maps", test_transform_pixel_maps},
+        {"transforms: transpose", test_transform_transpose},
+        {"transforms: classes and limit", test_transform_classes_limit},
+        {"transforms: errors", test_transform_errors},
+        {"split_tail", test_split_tail},
+        {"fill_batch / fill_range", test_fill_batch_exact},
+        {"batcher epochs", test_batcher_epochs},
+        {"batcher seek", test_batcher_seek},
+    };
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
+        if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
+    return 0;
+}
