@@ -86,7 +86,7 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 # OPENBLAS_NUM_THREADS=1 keeps them deterministic and quiet on shared machines.
 test: deps
 	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
-	OPENBLAS_NUM_THREADS=1 ./$(TESTS)
+	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS)
 
 run: deps
 	$(MAKE) --no-print-directory $(QTRAIN)

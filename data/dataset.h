@@ -115,8 +115,9 @@ typedef struct {
     bool shuffle, drop_last;
     uint64_t seed;
     uint32_t *order;             /* [d->n]: this epoch's order */
-    int64_t epoch;               /* 0-based epoch of the next batch */
-    int cursor;                  /* position in order of the next batch's first example */
+    int64_t epoch;               /* 0-based epoch of the last batch drawn (of the next one,
+                                    unless this epoch is used up: then the next call moves on) */
+    int cursor;                  /* position in order of the next batch's first example (n = used up) */
 } Batcher;
 
 QtStatus batcher_init(Batcher *b, const Dataset *d, int batch_size, bool shuffle, bool drop_last, uint64_t seed,

@@ -1,8 +1,17 @@
-/* test_trainer.c - end to end: the demo run trains and generalises. */
+/* test_trainer.c - end to end: the demo, and training runs on the shipped
+ * mini data set: exact resume, outputs, and the CLI's errors and exit codes. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "test_util.h"
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
 #include "trainer/demo.h"
+#include "trainer/train.h"
 
 static void test_demo_learns_spirals(void) {
     DemoOptions o = demo_options_default();
@@ -19,8 +28,264 @@ static void test_demo_learns_spirals(void) {
     CU_ASSERT_EQUAL(demo_run(&o, &acc, &err), QT_ERR_ARG);
 }
 
+/* ---- helpers ----------------------------------------------------------- */
+
+static char tmp_root[64];
+
+static int trainer_suite_init(void) {
+    snprintf(tmp_root, sizeof tmp_root, "/tmp/qtrain-test-XXXXXX");
+    return mkdtemp(tmp_root) ? 0 : -1;
+}
+
+static int trainer_suite_cleanup(void) {
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_root);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+/* Loads a config with run.out_dir=<tmp_root>/<sub> plus extra overrides. */
+static Config *load_config(const char *path, const char *sub, const char *const *extra, int n_extra) {
+    static char out_dir[256];
+    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
+    const char *ov[16] = {out_dir};
+    for (int i = 0; i < n_extra && i < 15; i++) ov[1 + i] = extra[i];
+    Config *c = malloc(sizeof *c);
+    QtError err = {0};
+    if (c && config_load(c, path, ov, 1 + n_extra, &err) != QT_OK) {
+        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+static QtStatus run_quiet(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err) {
+    TrainOptions o = {.resume = resume, .quiet = true, .stop_at_step = stop_at};
+    return train_run(c, &o, r, err);
+}
+
+/* The metrics.csv rows without the two timing columns. */
+static char *metrics_without_timings(const char *dir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/metrics.csv", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, len = 0;
+    char *out = calloc(cap, 1), line[512];
+    while (out && fgets(line, sizeof line, f)) {
+        /* keep the first six columns: split,step,epoch,loss,accuracy,lr */
+        int commas = 0;
+        for (char *p = line; *p; p++)
+            if (*p == ',' && ++commas == 6) *p = '\0';
+        size_t n = strlen(line);
+        if (len + n + 2 < cap) memcpy(out + len, line, n), out[len + n] = '\n', len += n + 1;
+    }
+    fclose(f);
+    return out;
+}
+
+/* Every parameter of two checkpoints of the same model, bit for bit. */
+static void assert_same_params(const Config *c, const char *a, const char *b) {
+    Model ma, mb;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&ma, c->model.input_ndim, c->model.input_shape, c->model.layers,
+                                     c->model.n_layers, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(model_init(&mb, c->model.input_ndim, c->model.input_shape, c->model.layers,
+                                     c->model.n_layers, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(a, &ma, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(b, &mb, &err), QT_OK);
+    for (int i = 0; i < ma.n_params; i++) {
+        size_t bytes = var_numel(&ma.params[i].var) * sizeof(float);
+        if (memcmp(ma.params[i].var.value.data, mb.params[i].var.value.data, bytes) != 0) {
+            fprintf(stderr, "\n  %s differs between %s and %s\n", ma.params[i].name, a, b);
+            CU_FAIL("parameters differ");
+        }
+    }
+    model_free(&ma), model_free(&mb);
+}
+
+/* N steps straight vs k steps, stop, resume, N - k steps. */
+static void check_exact_resume(const char *config, int64_t k) {
+    char straight[64], split[64];
+    snprintf(straight, sizeof straight, "%s-straight", strrchr(config, '/') + 1);
+    snprintf(split, sizeof split, "%s-split", strrchr(config, '/') + 1);
+    Config *a = load_config(config, straight, NULL, 0), *b = load_config(config, split, NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(a);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    QtError err = {0};
+    TrainResult ra, rb1, rb2;
+    CU_ASSERT_EQUAL_FATAL(run_quiet(a, NULL, 0, &ra, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(run_quiet(b, NULL, k, &rb1, &err), QT_OK);
+    CU_ASSERT(rb1.stopped);
+    CU_ASSERT_EQUAL(rb1.steps, k);
+    CU_ASSERT_EQUAL_FATAL(run_quiet(b, "auto", 0, &rb2, &err), QT_OK);
+    if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL(rb2.steps, ra.steps);
+    CU_ASSERT_EQUAL(rb2.test_accuracy, ra.test_accuracy);
+    CU_ASSERT_EQUAL(rb2.test_loss, ra.test_loss);
+    char fa[512], fb[512];
+    snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
+    snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
+    assert_same_params(a, fa, fb);
+    char *ma = metrics_without_timings(a->run.out_dir), *mb = metrics_without_timings(b->run.out_dir);
+    CU_ASSERT_PTR_NOT_NULL(ma);
+    CU_ASSERT_PTR_NOT_NULL(mb);
+    if (ma && mb && strcmp(ma, mb) != 0) {
+        fprintf(stderr, "\n  metrics differ:\n%s\n-- vs --\n%s\n", ma, mb);
+        CU_FAIL("metrics.csv rows differ after resume");
+    }
+    free(ma), free(mb), free(a), free(b);
+}
+
+/* ---- tests --------------------------------------------------------------- */
+
+static void test_resume_is_exact_cnn(void) { check_exact_resume("tests/configs/tiny-cnn.yaml", 5); }
+
+static void test_resume_is_exact_mlp(void) { check_exact_resume("tests/configs/tiny-mlp.yaml", 7); }
+
+static bool file_exists(const char *dir, const char *name) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+static void test_run_outputs(void) {
+    Config *c = load_config("tests/configs/tiny-mlp.yaml", "outputs", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtError err = {0};
+    TrainResult r;
+    CU_ASSERT_EQUAL_FATAL(run_quiet(c, NULL, 0, &r, &err), QT_OK);
+    const char *d = c->run.out_dir;
+    CU_ASSERT(file_exists(d, "metrics.csv"));
+    CU_ASSERT(file_exists(d, "summary.json"));
+    CU_ASSERT(file_exists(d, "final.h5"));
+    CU_ASSERT(file_exists(d, "last.h5"));
+    CU_ASSERT(file_exists(d, "ckpt-00000010.h5"));
+    CU_ASSERT(r.test_accuracy > 0.3); /* 20 steps on 512 examples: well above chance (0.1) */
+    CU_ASSERT(r.params_trainable > 0);
+    CU_ASSERT_EQUAL(r.params_frozen, 0);
+    char path[512], json[4096] = "";
+    snprintf(path, sizeof path, "%s/summary.json", d);
+    FILE *f = fopen(path, "r");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    size_t n = fread(json, 1, sizeof json - 1, f);
+    json[n] = '\0';
+    fclose(f);
+    const char *keys[] = {"\"test_accuracy\"", "\"test_loss\"", "\"steps\": 20", "\"wall_s\"", "\"samples_per_s\"",
+                          "\"params_trainable\"", "\"params_frozen\"", "\"model_bytes\""};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) CU_ASSERT_PTR_NOT_NULL(strstr(json, keys[i]));
+
+    /* eval of the final checkpoint reproduces the run's test metrics */
+    TrainResult e;
+    snprintf(path, sizeof path, "%s/final.h5", d);
+    CU_ASSERT_EQUAL(train_eval_checkpoint(c, path, true, &e, &err), QT_OK);
+    CU_ASSERT_EQUAL(e.test_accuracy, r.test_accuracy);
+    CU_ASSERT_EQUAL(e.test_loss, r.test_loss);
+    free(c);
+}
+
+static void test_bad_inputs(void) {
+    QtError err = {0};
+    TrainResult r;
+    /* a data directory without the files */
+    const char *nodata[] = {"data.dir=/nonexistent/fashion"};
+    Config *c = load_config("tests/configs/tiny-mlp.yaml", "bad-data", nodata, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    CU_ASSERT_EQUAL(run_quiet(c, NULL, 0, &r, &err), QT_ERR_IO);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "/nonexistent/fashion"));
+    free(c);
+
+    /* an out_dir under a regular file */
+    char file[256], ov[300];
+    snprintf(file, sizeof file, "%s/plain-file", tmp_root);
+    FILE *f = fopen(file, "w");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    fclose(f);
+    snprintf(ov, sizeof ov, "run.out_dir=%s/sub", file);
+    const char *badout[] = {ov};
+    c = load_config("tests/configs/tiny-mlp.yaml", "unused", badout, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(run_quiet(c, NULL, 0, &r, &err), QT_ERR_IO);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "plain-file"));
+    free(c);
+
+    /* a model input that does not match the data */
+    const char *badinput[] = {"model.input=[100]"}; /* the layers chain, but the data has 784 values */
+    c = load_config("tests/configs/tiny-mlp.yaml", "bad-input", badinput, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(run_quiet(c, NULL, 0, &r, &err), QT_ERR_CONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "model.input"));
+    free(c);
+
+    /* resuming from a corrupt checkpoint, and init_from of another model */
+    char junk[256];
+    snprintf(junk, sizeof junk, "%s/junk.h5", tmp_root);
+    f = fopen(junk, "w");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    fputs("not a checkpoint\n", f);
+    fclose(f);
+    c = load_config("tests/configs/tiny-mlp.yaml", "bad-resume", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    qt_error_clear(&err);
+    CU_ASSERT_NOT_EQUAL(run_quiet(c, junk, 0, &r, &err), QT_OK);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "junk.h5"));
+    CU_ASSERT(!file_exists(c->run.out_dir, "final.h5"));
+    free(c);
+
+    /* the CNN's weights into the MLP (the CNN run is the resume test's) */
+    char other[300];
+    snprintf(other, sizeof other, "model.init_from=%s/tiny-cnn.yaml-straight/final.h5", tmp_root);
+    const char *initfrom[] = {other};
+    c = load_config("tests/configs/tiny-mlp.yaml", "bad-init", initfrom, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    qt_error_clear(&err);
+    CU_ASSERT_NOT_EQUAL(run_quiet(c, NULL, 0, &r, &err), QT_OK);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "final.h5"));
+    free(c);
+}
+
+/* The binary: exit status 0 / 1 / 2 and a message on stderr. */
+static int run_cli(const char *args) {
+    const char *bin = getenv("QTRAIN_BIN") ? getenv("QTRAIN_BIN") : "build/qtrain";
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s %s >/dev/null 2>&1", bin, args);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_cli_exit_status(void) {
+    char args[512];
+    CU_ASSERT_EQUAL(run_cli("--version"), 0);
+    CU_ASSERT_EQUAL(run_cli("--help"), 0);
+    CU_ASSERT_EQUAL(run_cli(""), 2);
+    CU_ASSERT_EQUAL(run_cli("--config"), 2);
+    CU_ASSERT_EQUAL(run_cli("--config tests/configs/tiny-mlp.yaml --bogus"), 2);
+    CU_ASSERT_EQUAL(run_cli("--config /nonexistent.yaml"), 2);
+    CU_ASSERT_EQUAL(run_cli("--config tests/configs/tiny-mlp.yaml --set train.batchsize=3"), 2);
+    snprintf(args, sizeof args, "--config tests/configs/tiny-mlp.yaml --set run.out_dir=%s/cli --set "
+             "data.dir=/nonexistent --quiet", tmp_root);
+    CU_ASSERT_EQUAL(run_cli(args), 1);
+    snprintf(args, sizeof args, "--config tests/configs/tiny-mlp.yaml --set run.out_dir=%s/cli --set "
+             "train.steps=3 --quiet", tmp_root);
+    CU_ASSERT_EQUAL(run_cli(args), 0);
+    snprintf(args, sizeof args, "inspect %s/cli/final.h5", tmp_root);
+    CU_ASSERT_EQUAL(run_cli(args), 0);
+    snprintf(args, sizeof args, "eval --checkpoint %s/cli/final.h5 --quiet", tmp_root);
+    CU_ASSERT_EQUAL(run_cli(args), 0);
+    snprintf(args, sizeof args, "inspect %s/junk.h5", tmp_root);
+    CU_ASSERT_EQUAL(run_cli(args), 1);
+}
+
 int register_trainer_suite(void) {
-    CU_pSuite s = CU_add_suite("trainer", NULL, NULL);
+    CU_pSuite s = CU_add_suite("trainer", trainer_suite_init, trainer_suite_cleanup);
     if (!s) return -1;
-    return !CU_add_test(s, "demo run learns 3-class spirals", test_demo_learns_spirals);
+    return !CU_add_test(s, "demo run learns 3-class spirals", test_demo_learns_spirals) ||
+           !CU_add_test(s, "resume is bit-identical (CNN, SGD nesterov, dropout, cosine)", test_resume_is_exact_cnn) ||
+           !CU_add_test(s, "resume is bit-identical (MLP, AdamW, mid-window stop)", test_resume_is_exact_mlp) ||
+           !CU_add_test(s, "a run writes metrics, summary and checkpoints; eval agrees", test_run_outputs) ||
+           !CU_add_test(s, "bad data dir, out_dir, input shape, checkpoints", test_bad_inputs) ||
+           !CU_add_test(s, "CLI exit status 0/1/2", test_cli_exit_status);
 }

@@ -1,22 +1,50 @@
 /* main.c - the qtrain command line. Only this layer decides to exit:
- * 0 success, 1 runtime failure, 2 usage error. */
+ * 0 success, 1 runtime failure, 2 usage or config error. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
 #include "trainer/demo.h"
+#include "trainer/train.h"
 #include "trainer/version.h"
+
+#define MAX_OVERRIDES 64
 
 static void usage(FILE *out) {
     fprintf(out,
-            "usage: qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
+            "usage: qtrain --config FILE [--resume PATH|auto] [--set KEY=VALUE]... [--stop-at-step N] [--quiet]\n"
+            "       qtrain eval [--config FILE] --checkpoint PATH [--set KEY=VALUE]... [--quiet]\n"
+            "       qtrain inspect PATH\n"
+            "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
             "       qtrain --help | --version\n"
             "\n"
-            "  demo   train a small MLP on a synthetic 3-class spiral problem and report\n"
-            "         test accuracy: an end-to-end check of the engine that needs no data.\n"
+            "  (train)   train per the YAML config; writes metrics.csv, summary.json and\n"
+            "            checkpoints (ckpt-<step>.h5, last.h5, final.h5) into run.out_dir.\n"
+            "            --resume PATH continues from a checkpoint bit for bit; --resume auto\n"
+            "            takes the newest checkpoint in run.out_dir (or starts fresh if none).\n"
+            "            --set train.optimizer.lr=3e-4 overrides one key (repeatable).\n"
+            "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"
+            "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
+            "            any); writes eval.json into run.out_dir. Without --config the\n"
+            "            config stored in the checkpoint is used.\n"
+            "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
+            "            total bytes.\n"
+            "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"
             "\n"
-            "Exit status: 0 success, 1 runtime failure, 2 usage error.\n");
+            "Exit status: 0 success, 1 runtime failure, 2 usage or config error.\n");
 }
+
+typedef struct {
+    const char *config, *resume, *checkpoint;
+    long long stop_at_step;
+    const char *overrides[MAX_OVERRIDES];
+    int n_overrides;
+    bool quiet;
+} CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
 static long parse_positive(const char *opt, const char *value) {
@@ -27,6 +55,114 @@ static long parse_positive(const char *opt, const char *value) {
         exit(2);
     }
     return v;
+}
+
+/* Parses the options shared by training and eval; exits 2 on a bad one. */
+static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArgs *a) {
+    memset(a, 0, sizeof *a);
+    for (int i = 0; i < argc; i++) {
+        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        bool takes_value = strcmp(o, "--config") == 0 || strcmp(o, "--set") == 0 ||
+                           (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) || (eval && strcmp(o, "--checkpoint") == 0);
+        if (takes_value && !v) {
+            fprintf(stderr, "qtrain%s: %s needs a value\n", cmd, o);
+            exit(2);
+        }
+        if (strcmp(o, "--config") == 0) a->config = v, i++;
+        else if (!eval && strcmp(o, "--resume") == 0) a->resume = v, i++;
+        else if (!eval && strcmp(o, "--stop-at-step") == 0) a->stop_at_step = parse_positive(o, v), i++;
+        else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
+        else if (strcmp(o, "--set") == 0) {
+            if (a->n_overrides == MAX_OVERRIDES) {
+                fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
+                exit(2);
+            }
+            a->overrides[a->n_overrides++] = v, i++;
+        } else if (strcmp(o, "--quiet") == 0 || strcmp(o, "-q") == 0) a->quiet = true;
+        else {
+            fprintf(stderr, "qtrain%s: unknown option '%s' (see qtrain --help)\n", cmd, o);
+            exit(2);
+        }
+    }
+}
+
+/* Config errors are the user's to fix: exit status 2. */
+static int exit_status(const QtError *err) {
+    return err->status == QT_ERR_CONFIG || err->status == QT_ERR_ARG ? 2 : 1;
+}
+
+static int fail(const QtError *err, int status) {
+    fprintf(stderr, "qtrain: error: %s\n", err->msg);
+    return status;
+}
+
+static int cmd_train(int argc, char **argv) {
+    CliArgs a;
+    parse_args(argc, argv, "", false, &a);
+    if (!a.config) {
+        fprintf(stderr, "qtrain: --config FILE is required (see qtrain --help)\n");
+        return 2;
+    }
+    Config *cfg = malloc(sizeof *cfg);
+    QtError err = {0};
+    if (!cfg) return 1;
+    if (config_load(cfg, a.config, a.overrides, a.n_overrides, &err) != QT_OK) {
+        free(cfg);
+        return fail(&err, 2);
+    }
+    TrainOptions o = {.resume = a.resume, .quiet = a.quiet, .progress = isatty(STDERR_FILENO) == 1,
+                      .stop_at_step = a.stop_at_step};
+    TrainResult r;
+    QtStatus st = train_run(cfg, &o, &r, &err);
+    free(cfg);
+    if (st != QT_OK) return fail(&err, exit_status(&err));
+    if (a.quiet) printf("test_accuracy:%.4f test_loss:%.4f steps:%lld\n", r.test_accuracy, r.test_loss,
+                        (long long)r.steps);
+    return 0;
+}
+
+static int cmd_eval(int argc, char **argv) {
+    CliArgs a;
+    parse_args(argc, argv, " eval", true, &a);
+    if (!a.checkpoint) {
+        fprintf(stderr, "qtrain eval: --checkpoint PATH is required (see qtrain --help)\n");
+        return 2;
+    }
+    Config *cfg = malloc(sizeof *cfg);
+    QtError err = {0};
+    if (!cfg) return 1;
+    QtStatus st;
+    if (a.config) {
+        st = config_load(cfg, a.config, a.overrides, a.n_overrides, &err);
+    } else {
+        char *text = NULL, name[CONFIG_PATH_MAX + 16];
+        snprintf(name, sizeof name, "%s:/config", a.checkpoint);
+        st = checkpoint_read_config(a.checkpoint, &text, &err);
+        if (st == QT_OK) st = config_load_string(cfg, text, name, a.overrides, a.n_overrides, &err);
+        free(text);
+    }
+    if (st != QT_OK) {
+        free(cfg);
+        return fail(&err, exit_status(&err));
+    }
+    TrainResult r;
+    st = train_eval_checkpoint(cfg, a.checkpoint, a.quiet, &r, &err);
+    free(cfg);
+    if (st != QT_OK) return fail(&err, exit_status(&err));
+    printf("test_accuracy:%.4f test_loss:%.4f", r.test_accuracy, r.test_loss);
+    if (r.val_accuracy >= 0) printf(" val_accuracy:%.4f val_loss:%.4f", r.val_accuracy, r.val_loss);
+    printf("\n");
+    return 0;
+}
+
+static int cmd_inspect(int argc, char **argv) {
+    if (argc != 1) {
+        fprintf(stderr, "qtrain inspect: give exactly one checkpoint path\n");
+        return 2;
+    }
+    QtError err = {0};
+    if (checkpoint_inspect(argv[0], stdout, &err) != QT_OK) return fail(&err, 1);
+    return 0;
 }
 
 static int cmd_demo(int argc, char **argv) {
@@ -46,10 +182,7 @@ static int cmd_demo(int argc, char **argv) {
     }
     QtError err = {0};
     double acc = 0.0;
-    if (demo_run(&o, &acc, &err) != QT_OK) {
-        fprintf(stderr, "qtrain: %s\n", err.msg);
-        return err.status == QT_ERR_ARG ? 2 : 1;
-    }
+    if (demo_run(&o, &acc, &err) != QT_OK) return fail(&err, err.status == QT_ERR_ARG ? 2 : 1);
     if (o.quiet) printf("test_accuracy:%.4f\n", acc);
     return 0;
 }
@@ -59,16 +192,20 @@ int main(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
-    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
         usage(stdout);
         return 0;
     }
-    if (strcmp(argv[1], "--version") == 0) {
+    if (strcmp(cmd, "--version") == 0) {
         printf("qtrain %s\n", QTRAIN_VERSION);
         return 0;
     }
-    if (strcmp(argv[1], "demo") == 0) return cmd_demo(argc - 2, argv + 2);
-    fprintf(stderr, "qtrain: unknown command '%s'\n", argv[1]);
-    usage(stderr);
+    if (strcmp(cmd, "eval") == 0) return cmd_eval(argc - 2, argv + 2);
+    if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
+    if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
+    if (strcmp(cmd, "train") == 0) return cmd_train(argc - 2, argv + 2);
+    if (cmd[0] == '-') return cmd_train(argc - 1, argv + 1);
+    fprintf(stderr, "qtrain: unknown command '%s' (see qtrain --help)\n", cmd);
     return 2;
 }
