@@ -1,0 +1,884 @@
+/* test_checkpoint.c - HDF5 checkpoints: exact round trips of parameters,
+ * optimizer state and run state; the file layout other tools read; refusal
+ * of files that are not checkpoints or belong to another model, leaving the
+ * run untouched; atomic saves that fail cleanly; rotation in a run
+ * directory; the inspect listing; and the h5io helpers underneath. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <hdf5.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "nn/model.h"
+#include "nn/optim.h"
+#include "test_util.h"
+#include "trainer/checkpoint.h"
+#include "trainer/h5io.h"
+
+/* ---- fixtures ---------------------------------------------------------------------- */
+
+static LayerSpec dense(const char *name, int units) {
+    LayerSpec s = {.type = LAYER_DENSE, .units = units};
+    snprintf(s.name, sizeof s.name, "%s", name);
+    return s;
+}
+
+static LayerSpec conv(const char *name, int oc, int k, int pad) {
+    LayerSpec s = {.type = LAYER_CONV2D, .out_channels = oc, .kernel = k, .padding = pad};
+    snprintf(s.name, sizeof s.name, "%s", name);
+    return s;
+}
+
+/* A model, its optimizer and the run state a checkpoint carries. */
+typedef struct {
+    Model m;
+    Optimizer opt;
+    Rng dropout, rounding;
+    CheckpointState st;
+} Run;
+
+static const char *CONFIG_TEXT = "run:\n  name: test\n  seed: 7\nmodel:\n  input: [1, 6, 6]\n  layers:\n"
+                                 "    - {type: conv2d, name: conv1, out_channels: 3, kernel: 3, padding: 1}\n"
+                                 "    - {type: relu}\n    - {type: flatten}\n    - {type: dense, name: fc, units: 5}\n";
+
+/* The CNN: (1, 6, 6) -> conv1 3ch k3 pad1 -> relu -> flatten -> fc (units). */
+static void cnn_layers(LayerSpec *l, int units, bool extra_layer, int *n) {
+    l[0] = conv("conv1", 3, 3, 1);
+    l[1] = (LayerSpec){.type = LAYER_RELU};
+    l[2] = (LayerSpec){.type = LAYER_FLATTEN};
+    l[3] = dense("fc", units);
+    *n = 4;
+    if (extra_layer) l[(*n)++] = dense("fc2", 4);
+}
+
+/* Builds a run; `steps` optimizer steps on random gradients make the moments
+ * nonzero; the rngs are advanced so their counters are not zero. */
+static void run_init(Run *r, const LayerSpec *layers, int n_layers, int in_ndim, const int *in_shape,
+                     OptimKind kind, float momentum, uint64_t seed, int steps) {
+    memset(r, 0, sizeof *r);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&r->m, in_ndim, in_shape, layers, n_layers, &err), QT_OK);
+    Rng init;
+    rng_init(&init, seed, RNG_STREAM_INIT);
+    model_init_params(&r->m, &init);
+    OptimConfig c = optim_config_default(kind);
+    c.momentum = momentum;
+    CU_ASSERT_EQUAL_FATAL(optim_init(&r->opt, &c, r->m.param_list, r->m.n_params, &err), QT_OK);
+    for (int s = 0; s < steps; s++) {
+        for (int i = 0; i < r->m.n_params; i++)
+            rng_fill_normal(&init, r->m.params[i].var.grad, var_numel(&r->m.params[i].var), 0.0f, 1.0f);
+        optim_step(&r->opt, 0.01f);
+    }
+    rng_init(&r->dropout, seed, RNG_STREAM_DROPOUT);
+    rng_init(&r->rounding, seed, RNG_STREAM_ROUNDING);
+    uint32_t junk[64];
+    rng_fill_u32(&r->dropout, junk, (size_t)(4 * steps + 3));
+    rng_fill_u32(&r->rounding, junk, (size_t)(steps + 1));
+    r->st = (CheckpointState){
+        .step = r->opt.step, .epoch = steps ? 2 : 0, .cursor = steps ? 17 : 0, .seed = seed,
+        .n_train = steps ? 600 : 0, .log_loss_sum = steps ? 1.0 / 3.0 : 0.0, .log_correct = steps ? 11 : 0,
+        .log_seen = steps ? 40 : 0, .log_steps = steps ? 3 : 0, .n_rngs = 2, .config_text = CONFIG_TEXT,
+    };
+    r->st.rngs[0].name = "dropout";
+    r->st.rngs[0].rng = &r->dropout;
+    r->st.rngs[1].name = "rounding";
+    r->st.rngs[1].rng = &r->rounding;
+}
+
+static void run_cnn(Run *r, int units, bool extra_layer, OptimKind kind, uint64_t seed, int steps) {
+    LayerSpec l[5];
+    int n;
+    cnn_layers(l, units, extra_layer, &n);
+    run_init(r, l, n, 3, (int[]){1, 6, 6}, kind, 0.0f, seed, steps);
+}
+
+static void run_mlp(Run *r, float momentum, uint64_t seed, int steps) {
+    LayerSpec l[3] = {dense("fc1", 16), {.type = LAYER_RELU}, dense("fc2", 4)};
+    run_init(r, l, 3, 1, (int[]){8}, OPTIM_SGD, momentum, seed, steps);
+}
+
+static void run_free(Run *r) {
+    optim_free(&r->opt);
+    model_free(&r->m);
+}
+
+static bool params_equal(const Model *a, const Model *b) {
+    if (a->n_params != b->n_params) return false;
+    for (int i = 0; i < a->n_params; i++) {
+        size_t n = var_numel(&a->params[i].var);
+        if (n != var_numel(&b->params[i].var) ||
+            memcmp(a->params[i].var.value.data, b->params[i].var.value.data, n * sizeof(float)) != 0)
+            return false;
+    }
+    return true;
+}
+
+static bool moments_equal(float **a, float **b, const Optimizer *o) {
+    if (!a || !b) return a == b;
+    for (int i = 0; i < o->n_params; i++)
+        if (memcmp(a[i], b[i], var_numel(&o->params[i]->var) * sizeof(float)) != 0) return false;
+    return true;
+}
+
+/* Everything a run keeps, as one byte string, to see that a failed load changed nothing. */
+typedef struct {
+    float *bytes;
+    size_t n;
+} Snapshot;
+
+static Snapshot snapshot(const Run *r) {
+    size_t n = model_param_count(&r->m, false) * 3 + 16;
+    Snapshot s = {calloc(n, sizeof(float)), 0};
+    for (int i = 0; i < r->m.n_params; i++) {
+        size_t k = var_numel(&r->m.params[i].var);
+        memcpy(s.bytes + s.n, r->m.params[i].var.value.data, k * sizeof(float));
+        s.n += k;
+        if (r->opt.m) memcpy(s.bytes + s.n, r->opt.m[i], k * sizeof(float)), s.n += k;
+        if (r->opt.v) memcpy(s.bytes + s.n, r->opt.v[i], k * sizeof(float)), s.n += k;
+    }
+    float tail[16] = {(float)r->opt.step, (float)r->st.step, (float)r->st.cursor, (float)r->dropout.counter,
+                      (float)r->rounding.counter, (float)r->st.epoch};
+    memcpy(s.bytes + s.n, tail, sizeof tail);
+    s.n += 16;
+    return s;
+}
+
+static bool snapshot_same(Snapshot a, const Run *r) {
+    Snapshot b = snapshot(r);
+    bool same = a.n == b.n && memcmp(a.bytes, b.bytes, a.n * sizeof(float)) == 0;
+    free(b.bytes);
+    return same;
+}
+
+static bool msg_has(const QtError *e, const char *what) {
+    if (getenv("QT_TEST_SHOW_MSGS")) fprintf(stderr, "\n  [msg] %s\n", e->msg);
+    if (strstr(e->msg, what)) return true;
+    fprintf(stderr, "\n  message lacks \"%s\": %s\n", what, e->msg);
+    return false;
+}
+
+/* No HDF5 object of any file may stay open after a library call. */
+static void assert_hdf5_closed(void) {
+    ssize_t n = H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL);
+    if (n != 0) fprintf(stderr, "\n  %zd HDF5 objects left open\n", n);
+    CU_ASSERT_EQUAL(n, 0);
+}
+
+/* ---- temporary directories ---------------------------------------------------------------- */
+
+/* Removes path and, if it is a directory, everything in it. */
+static void rm_tree(const char *path) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) return;
+    if (S_ISDIR(sb.st_mode)) {
+        chmod(path, 0700);
+        DIR *d = opendir(path);
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+            size_t n = strlen(path) + strlen(e->d_name) + 2;
+            char *child = malloc(n);
+            snprintf(child, n, "%s/%s", path, e->d_name);
+            rm_tree(child);
+            free(child);
+        }
+        if (d) closedir(d);
+        rmdir(path);
+    } else {
+        unlink(path);
+    }
+}
+
+static char *tmpdir_new(void) {
+    char *d = strdup("/tmp/qtrain-test-XXXXXX");
+    if (!mkdtemp(d)) {
+        free(d);
+        CU_FAIL_FATAL("mkdtemp failed");
+        return NULL;
+    }
+    return d;
+}
+
+static void tmpdir_free(char *d) {
+    if (!d) return;
+    rm_tree(d);
+    free(d);
+}
+
+static char *join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static void write_bytes(const char *path, const void *buf, size_t n) {
+    FILE *f = fopen(path, "wb");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    CU_ASSERT_EQUAL(fwrite(buf, 1, n, f), n);
+    fclose(f);
+}
+
+static char *read_bytes(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc(len > 0 ? (size_t)len : 1);
+    *n = fread(b, 1, (size_t)len, f);
+    fclose(f);
+    return b;
+}
+
+static int count_tmp_files(const char *dir) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d)))
+        n += strstr(e->d_name, ".tmp.") != NULL;
+    if (d) closedir(d);
+    return n;
+}
+
+static bool file_exists(const char *dir, const char *name) {
+    char *p = join(dir, name);
+    bool ok = access(p, F_OK) == 0;
+    free(p);
+    return ok;
+}
+
+/* ---- round trips ------------------------------------------------------------------------------ */
+
+static void check_roundtrip(Run *src, Run *dst, const char *path) {
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(path, &src->m, &src->opt, &src->st, &err), QT_OK);
+    assert_hdf5_closed();
+    CU_ASSERT_FALSE(params_equal(&src->m, &dst->m));
+    CU_ASSERT_EQUAL(checkpoint_load(path, &dst->m, &dst->opt, &dst->st, &err), QT_OK);
+    if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
+    assert_hdf5_closed();
+    CU_ASSERT(params_equal(&src->m, &dst->m));
+    CU_ASSERT(moments_equal(src->opt.m, dst->opt.m, &src->opt));
+    CU_ASSERT(moments_equal(src->opt.v, dst->opt.v, &src->opt));
+    CU_ASSERT_EQUAL(dst->opt.step, src->opt.step);
+    CU_ASSERT_EQUAL(memcmp(&dst->dropout, &src->dropout, sizeof(Rng)), 0);
+    CU_ASSERT_EQUAL(memcmp(&dst->rounding, &src->rounding, sizeof(Rng)), 0);
+    const CheckpointState *a = &src->st, *b = &dst->st;
+    CU_ASSERT(a->step == b->step && a->epoch == b->epoch && a->cursor == b->cursor && a->seed == b->seed);
+    CU_ASSERT(a->n_train == b->n_train && a->log_correct == b->log_correct && a->log_seen == b->log_seen &&
+              a->log_steps == b->log_steps);
+    CU_ASSERT_EQUAL(memcmp(&a->log_loss_sum, &b->log_loss_sum, sizeof(double)), 0);
+    CU_ASSERT_PTR_EQUAL(b->rngs[0].rng, &dst->dropout); /* names and pointers stay the caller's */
+    CU_ASSERT_EQUAL(b->n_rngs, 2);
+}
+
+static void test_roundtrip_adamw_cnn(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "a.h5");
+    Run src, dst;
+    run_cnn(&src, 5, false, OPTIM_ADAMW, 1, 3);
+    run_cnn(&dst, 5, false, OPTIM_ADAMW, 2, 0);
+    dst.st.config_text = NULL;
+    CU_ASSERT_EQUAL(src.opt.step, 3);
+    check_roundtrip(&src, &dst, path);
+    CU_ASSERT_PTR_NULL(dst.st.config_text); /* not set by a load */
+    char *cfg = NULL;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_read_config(path, &cfg, &err), QT_OK);
+    CU_ASSERT(cfg && strcmp(cfg, CONFIG_TEXT) == 0);
+    free(cfg);
+    CU_ASSERT_EQUAL(count_tmp_files(dir), 0);
+    assert_hdf5_closed();
+    run_free(&src);
+    run_free(&dst);
+    free(path);
+    tmpdir_free(dir);
+}
+
+static void test_roundtrip_sgd(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "s.h5");
+    Run src, dst;
+    run_mlp(&src, 0.9f, 3, 2);
+    run_mlp(&dst, 0.9f, 4, 0);
+    CU_ASSERT_PTR_NOT_NULL(src.opt.m);
+    CU_ASSERT_PTR_NULL(src.opt.v);
+    check_roundtrip(&src, &dst, path);
+    /* The momentum buffer is stored, no second moment. */
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    CU_ASSERT(f >= 0);
+    CU_ASSERT(H5Lexists(f, "optim/fc1/weight/m", H5P_DEFAULT) > 0);
+    CU_ASSERT(H5Lexists(f, "optim/fc1/weight/v", H5P_DEFAULT) == 0);
+    H5Fclose(f);
+    run_free(&src);
+    run_free(&dst);
+
+    /* SGD without momentum keeps no buffer, and the file has none. */
+    run_mlp(&src, 0.0f, 5, 2);
+    run_mlp(&dst, 0.0f, 6, 0);
+    CU_ASSERT_PTR_NULL(src.opt.m);
+    check_roundtrip(&src, &dst, path);
+    f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    CU_ASSERT(H5Lexists(f, "optim/fc2/bias", H5P_DEFAULT) > 0);
+    CU_ASSERT(H5Lexists(f, "optim/fc2/bias/m", H5P_DEFAULT) == 0);
+    H5Fclose(f);
+    /* A run with momentum cannot resume from it: its buffer would be missing. */
+    Run mom;
+    run_mlp(&mom, 0.9f, 7, 0);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_load(path, &mom.m, &mom.opt, NULL, &err), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&err, "/optim/fc1/weight/m"));
+    run_free(&mom);
+    assert_hdf5_closed();
+    run_free(&src);
+    run_free(&dst);
+    free(path);
+    tmpdir_free(dir);
+}
+
+/* ---- layout ------------------------------------------------------------------------------------- */
+
+static void expect_dims(hid_t f, const char *path, int rank, const hsize_t *want) {
+    hid_t d = H5Dopen2(f, path, H5P_DEFAULT);
+    CU_ASSERT_FATAL(d >= 0);
+    hid_t s = H5Dget_space(d), t = H5Dget_type(d);
+    hsize_t dims[8] = {0};
+    CU_ASSERT_EQUAL(H5Sget_simple_extent_ndims(s), rank);
+    H5Sget_simple_extent_dims(s, dims, NULL);
+    for (int i = 0; i < rank; i++) CU_ASSERT_EQUAL(dims[i], want[i]);
+    CU_ASSERT_EQUAL(H5Tget_class(t), H5T_FLOAT);
+    CU_ASSERT_EQUAL(H5Tget_size(t), 4);
+    H5Tclose(t);
+    H5Sclose(s);
+    H5Dclose(d);
+}
+
+static int64_t attr_i64(hid_t obj, const char *name) {
+    int64_t v = -1;
+    hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
+    CU_ASSERT(a >= 0);
+    if (a >= 0) {
+        CU_ASSERT(H5Aread(a, H5T_NATIVE_INT64, &v) >= 0);
+        H5Aclose(a);
+    }
+    return v;
+}
+
+/* A variable-length string attribute, as h5py writes and reads them. */
+static bool attr_str_is(hid_t obj, const char *name, const char *want) {
+    hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
+    if (a < 0) return false;
+    hid_t t = H5Aget_type(a);
+    bool ok = H5Tis_variable_str(t) > 0;
+    char *s = NULL;
+    ok = ok && H5Aread(a, t, &s) >= 0 && s && strcmp(s, want) == 0;
+    if (s) H5free_memory(s);
+    H5Tclose(t);
+    H5Aclose(a);
+    return ok;
+}
+
+static void test_file_layout(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "layout.h5");
+    Run r;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 1, 2);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(path, &r.m, &r.opt, &r.st, &err), QT_OK);
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    CU_ASSERT_FATAL(f >= 0);
+    expect_dims(f, "/params/conv1/weight", 4, (hsize_t[]){3, 1, 3, 3});
+    expect_dims(f, "/params/conv1/bias", 1, (hsize_t[]){3});
+    expect_dims(f, "/params/fc/weight", 2, (hsize_t[]){5, 108});
+    expect_dims(f, "/optim/fc/weight/v", 2, (hsize_t[]){5, 108});
+    CU_ASSERT(attr_str_is(f, "format", "qtrain"));
+    CU_ASSERT(attr_str_is(f, "config", CONFIG_TEXT));
+    CU_ASSERT_EQUAL(attr_i64(f, "version"), 1);
+    CU_ASSERT_EQUAL(attr_i64(f, "step"), 2);
+    /* The stored weights are the model's, in its layout. */
+    float w[27];
+    hid_t d = H5Dopen2(f, "/params/conv1/weight", H5P_DEFAULT);
+    CU_ASSERT(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, w) >= 0);
+    H5Dclose(d);
+    CU_ASSERT_EQUAL(memcmp(w, r.m.params[0].var.value.data, sizeof w), 0);
+    hid_t g = H5Gopen2(f, "/optim", H5P_DEFAULT);
+    CU_ASSERT(attr_str_is(g, "optimizer", "adamw"));
+    CU_ASSERT_EQUAL(attr_i64(g, "step"), 2);
+    H5Gclose(g);
+    g = H5Gopen2(f, "/data", H5P_DEFAULT);
+    CU_ASSERT_EQUAL(attr_i64(g, "cursor"), 17);
+    H5Gclose(g);
+    g = H5Gopen2(f, "/rng/dropout", H5P_DEFAULT);
+    CU_ASSERT_EQUAL(attr_i64(g, "counter"), (int64_t)r.dropout.counter);
+    H5Gclose(g);
+    H5Fclose(f);
+    assert_hdf5_closed();
+    run_free(&r);
+    free(path);
+    tmpdir_free(dir);
+}
+
+/* ---- refusals ------------------------------------------------------------------------------------- */
+
+/* Loads `path` into r (model, optimizer, state), expects `status` and a
+ * message naming `what`, and checks r is unchanged. */
+static void expect_refused(const char *path, Run *r, QtStatus status, const char *what) {
+    Snapshot before = snapshot(r);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_load(path, &r->m, &r->opt, &r->st, &err), status);
+    CU_ASSERT(msg_has(&err, what));
+    CU_ASSERT(snapshot_same(before, r));
+    free(before.bytes);
+    assert_hdf5_closed();
+}
+
+static void make_hdf5_without_format(const char *path) {
+    hid_t f = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    CU_ASSERT_FATAL(f >= 0);
+    hid_t g = H5Gcreate2(f, "params", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Gclose(g);
+    H5Fclose(f);
+}
+
+static void set_version(const char *path, int64_t version) {
+    hid_t f = H5Fopen(path, H5F_ACC_RDWR, H5P_DEFAULT);
+    CU_ASSERT_FATAL(f >= 0);
+    H5Adelete(f, "version");
+    hid_t s = H5Screate(H5S_SCALAR);
+    hid_t a = H5Acreate2(f, "version", H5T_STD_I64LE, s, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(a, H5T_NATIVE_INT64, &version);
+    H5Aclose(a);
+    H5Sclose(s);
+    H5Fclose(f);
+}
+
+static void test_load_rejects_non_checkpoints(void) {
+    char *dir = tmpdir_new();
+    char *text = join(dir, "notes.txt"), *plain = join(dir, "plain.h5"), *v2 = join(dir, "v2.h5");
+    char *missing = join(dir, "missing.h5");
+    Run r;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 1, 2);
+    write_bytes(text, "not hdf5 at all\n", 16);
+    expect_refused(text, &r, QT_ERR_FORMAT, "not an HDF5 file");
+    expect_refused(text, &r, QT_ERR_FORMAT, text);
+    expect_refused(missing, &r, QT_ERR_IO, "missing.h5");
+    expect_refused(dir, &r, QT_ERR_IO, "directory");
+    make_hdf5_without_format(plain);
+    expect_refused(plain, &r, QT_ERR_FORMAT, "is an HDF5 file but not a qtrain checkpoint (no 'format' attribute)");
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(v2, &r.m, &r.opt, &r.st, &err), QT_OK);
+    set_version(v2, 2);
+    expect_refused(v2, &r, QT_ERR_FORMAT, "version 2");
+    expect_refused(v2, &r, QT_ERR_FORMAT, "reads version 1");
+    char *cfg = NULL;
+    CU_ASSERT_EQUAL(checkpoint_read_config(plain, &cfg, &err), QT_ERR_FORMAT);
+    CU_ASSERT_PTR_NULL(cfg);
+    assert_hdf5_closed();
+    run_free(&r);
+    free(text);
+    free(plain);
+    free(v2);
+    free(missing);
+    tmpdir_free(dir);
+}
+
+static void test_load_rejects_other_model(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "c.h5"), *bigger = join(dir, "bigger.h5");
+    Run saved, wide, deep, sgd, no_opt;
+    run_cnn(&saved, 5, false, OPTIM_ADAMW, 1, 2);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(path, &saved.m, &saved.opt, &saved.st, &err), QT_OK);
+    /* Other units: the first differing parameter and both shapes. */
+    run_cnn(&wide, 7, false, OPTIM_ADAMW, 2, 1);
+    expect_refused(path, &wide, QT_ERR_FORMAT, "parameter fc/weight has shape (5, 108) in the checkpoint but (7, 108)");
+    expect_refused(path, &wide, QT_ERR_FORMAT, "qtrain inspect");
+    /* One more layer in the model: its parameter is missing from the file. */
+    run_cnn(&deep, 5, true, OPTIM_ADAMW, 3, 1);
+    expect_refused(path, &deep, QT_ERR_FORMAT, "parameter fc2/weight (4, 5) is missing");
+    /* One more layer in the file: it is named as extra. */
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(bigger, &deep.m, &deep.opt, &deep.st, &err), QT_OK);
+    expect_refused(bigger, &saved, QT_ERR_FORMAT, "the checkpoint has module fc2");
+    CU_ASSERT_EQUAL(checkpoint_load_params(bigger, &saved.m, &err), QT_ERR_FORMAT);
+    /* Another optimizer. */
+    run_cnn(&sgd, 5, false, OPTIM_SGD, 4, 1);
+    expect_refused(path, &sgd, QT_ERR_FORMAT, "written by optimizer 'adamw' but this run uses 'sgd'");
+    /* A file saved without optimizer state cannot resume one. */
+    run_cnn(&no_opt, 5, false, OPTIM_ADAMW, 5, 1);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(bigger, &no_opt.m, NULL, &no_opt.st, &err), QT_OK);
+    expect_refused(bigger, &saved, QT_ERR_FORMAT, "has no optimizer state");
+    /* A state asking for a generator the file lacks. */
+    saved.st.rngs[1].name = "shuffle";
+    expect_refused(path, &saved, QT_ERR_FORMAT, "random generator 'shuffle'");
+    run_free(&saved);
+    run_free(&wide);
+    run_free(&deep);
+    run_free(&sgd);
+    run_free(&no_opt);
+    free(path);
+    free(bigger);
+    tmpdir_free(dir);
+}
+
+static void test_truncated_file(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "good.h5"), *cut = join(dir, "cut.h5");
+    Run r;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 1, 2);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(path, &r.m, &r.opt, &r.st, &err), QT_OK);
+    size_t n = 0;
+    char *bytes = read_bytes(path, &n);
+    CU_ASSERT_FATAL(bytes && n > 1000);
+    size_t cuts[] = {n / 2, n - 1, 3 * n / 4, 600, 8};
+    for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
+        write_bytes(cut, bytes, cuts[i]);
+        expect_refused(cut, &r, QT_ERR_FORMAT, "cut.h5");
+    }
+    /* Damaged in the middle (parameters overwritten by garbage is not
+     * detectable without checksums, but metadata damage is). */
+    free(bytes);
+    run_free(&r);
+    free(path);
+    free(cut);
+    tmpdir_free(dir);
+}
+
+static void test_load_params(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "p.h5");
+    Run a, b, other;
+    run_cnn(&a, 5, false, OPTIM_ADAMW, 1, 2);
+    run_cnn(&b, 5, false, OPTIM_SGD, 2, 0);
+    run_cnn(&other, 6, false, OPTIM_ADAMW, 3, 0);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(path, &a.m, &a.opt, &a.st, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(path, &b.m, &err), QT_OK);
+    CU_ASSERT(params_equal(&a.m, &b.m));
+    CU_ASSERT_EQUAL(b.opt.step, 0); /* only the parameters */
+    Snapshot before = snapshot(&other);
+    CU_ASSERT_EQUAL(checkpoint_load_params(path, &other.m, &err), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&err, "fc/weight"));
+    CU_ASSERT(snapshot_same(before, &other));
+    free(before.bytes);
+    assert_hdf5_closed();
+    run_free(&a);
+    run_free(&b);
+    run_free(&other);
+    free(path);
+    tmpdir_free(dir);
+}
+
+/* ---- failed saves ------------------------------------------------------------------------------- */
+
+/* limit > 0: with the file size limit set to that many bytes during the
+ * save (nothing is printed meanwhile: stderr may be a file too). */
+static void expect_save_fails(const char *path, const Run *r, const char *dir_to_scan, const char *what,
+                              size_t limit) {
+    QtError err = {0};
+    struct rlimit old, small;
+    void (*prev)(int) = SIG_DFL;
+    if (limit) {
+        getrlimit(RLIMIT_FSIZE, &old);
+        small = (struct rlimit){.rlim_cur = (rlim_t)limit, .rlim_max = old.rlim_max};
+        prev = signal(SIGXFSZ, SIG_IGN);
+        setrlimit(RLIMIT_FSIZE, &small);
+    }
+    QtStatus st = checkpoint_save(path, &r->m, &r->opt, &r->st, &err);
+    if (limit) {
+        setrlimit(RLIMIT_FSIZE, &old);
+        signal(SIGXFSZ, prev);
+    }
+    CU_ASSERT_EQUAL(st, QT_ERR_IO);
+    CU_ASSERT(msg_has(&err, path));
+    CU_ASSERT(msg_has(&err, what));
+    CU_ASSERT_EQUAL(count_tmp_files(dir_to_scan), 0);
+    assert_hdf5_closed();
+}
+
+static void test_failed_save_leaves_no_trace(void) {
+    char *dir = tmpdir_new();
+    char *good = join(dir, "good.h5"), *nodir = join(dir, "nope/x.h5"), *file = join(dir, "file");
+    char *under_file = join(file, "x.h5");
+    Run r, r2;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 1, 2);
+    run_cnn(&r2, 5, false, OPTIM_ADAMW, 9, 4);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(good, &r.m, &r.opt, &r.st, &err), QT_OK);
+    size_t n0 = 0, n1 = 0;
+    char *before = read_bytes(good, &n0);
+
+    expect_save_fails(nodir, &r, dir, strerror(ENOENT), 0);
+    write_bytes(file, "x", 1);
+    expect_save_fails(under_file, &r, dir, strerror(ENOTDIR), 0);
+
+    /* A full disk, as far as this process can tell: writes past the size
+     * limit fail with EFBIG (root is bound by it too). The old file stays. */
+    expect_save_fails(good, &r2, dir, "free disk space or change run.out_dir", n0 / 2);
+
+    /* An unwritable directory (root ignores permissions, so only as a user). */
+    if (geteuid() != 0) {
+        chmod(dir, 0500);
+        expect_save_fails(good, &r2, dir, strerror(EACCES), 0);
+        chmod(dir, 0700);
+    }
+    char *after = read_bytes(good, &n1);
+    CU_ASSERT(before && after && n0 == n1 && memcmp(before, after, n0) == 0);
+    /* ... and it still loads into a fresh run. */
+    CU_ASSERT_EQUAL(checkpoint_load(good, &r2.m, &r2.opt, &r2.st, &err), QT_OK);
+    CU_ASSERT(params_equal(&r.m, &r2.m));
+    free(before);
+    free(after);
+    run_free(&r);
+    run_free(&r2);
+    free(good);
+    free(nodir);
+    free(file);
+    free(under_file);
+    tmpdir_free(dir);
+}
+
+/* ---- run directories ---------------------------------------------------------------------------- */
+
+static int64_t saved_step(const char *path) {
+    Run r;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 99, 0);
+    QtError err = {0};
+    int64_t step = checkpoint_load(path, &r.m, &r.opt, &r.st, &err) == QT_OK ? r.st.step : -1;
+    run_free(&r);
+    return step;
+}
+
+static void test_save_in_dir_rotation(void) {
+    char *dir = tmpdir_new();
+    Run r;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 1, 1);
+    /* Files that are not ours, a temp file of a dead process and one of a live one. */
+    const char *planted[] = {"notes.txt", "ckpt-abc.h5", "ckpt-00000001.h5.tmp.999999999", "ckpt-00000002.h5.tmp.1"};
+    for (int i = 0; i < 4; i++) {
+        char *p = join(dir, planted[i]);
+        write_bytes(p, "x", 1);
+        free(p);
+    }
+    QtError err = {0};
+    char saved[4096];
+    for (int64_t step = 10; step <= 40; step += 10) {
+        r.st.step = step;
+        CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, 2, &r.m, &r.opt, &r.st, saved, sizeof saved, &err), QT_OK);
+    }
+    char *want = join(dir, "ckpt-00000040.h5");
+    CU_ASSERT_STRING_EQUAL(saved, want);
+    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000010.h5"));
+    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000020.h5"));
+    CU_ASSERT(file_exists(dir, "ckpt-00000030.h5"));
+    CU_ASSERT(file_exists(dir, "ckpt-00000040.h5"));
+    CU_ASSERT(file_exists(dir, "notes.txt") && file_exists(dir, "ckpt-abc.h5"));
+    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000001.h5.tmp.999999999"));
+    CU_ASSERT(file_exists(dir, "ckpt-00000002.h5.tmp.1"));
+    char *last = join(dir, "last.h5");
+    CU_ASSERT_EQUAL(saved_step(last), 40);
+    struct stat a, b;
+    CU_ASSERT(stat(last, &a) == 0 && stat(want, &b) == 0 && a.st_ino == b.st_ino); /* a hard link */
+
+    /* final.h5 by name: not rotated, becomes last.h5. */
+    r.st.step = 45;
+    CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, "final.h5", 2, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_OK);
+    CU_ASSERT(file_exists(dir, "final.h5") && file_exists(dir, "ckpt-00000030.h5"));
+    CU_ASSERT_EQUAL(saved_step(last), 45);
+    r.st.step = 50;
+    CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, 1, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_OK);
+    CU_ASSERT(file_exists(dir, "final.h5") && file_exists(dir, "last.h5") && file_exists(dir, "ckpt-00000050.h5"));
+    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000040.h5"));
+    CU_ASSERT_EQUAL(saved_step(last), 50);
+    CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, -1, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_ERR_ARG);
+    assert_hdf5_closed();
+    run_free(&r);
+    free(want);
+    free(last);
+    tmpdir_free(dir);
+}
+
+static void test_find_latest(void) {
+    char *dir = tmpdir_new();
+    char path[4096];
+    QtError err = {0};
+    strcpy(path, "junk");
+    CU_ASSERT_EQUAL(checkpoint_find_latest(dir, path, sizeof path, &err), QT_ERR_IO);
+    CU_ASSERT_EQUAL(path[0], '\0');
+    CU_ASSERT(msg_has(&err, "no checkpoint in"));
+    qt_error_clear(&err);
+    char *missing = join(dir, "missing");
+    CU_ASSERT_EQUAL(checkpoint_find_latest(missing, path, sizeof path, &err), QT_ERR_IO);
+    CU_ASSERT_EQUAL(path[0], '\0');
+    qt_error_clear(&err);
+
+    Run r;
+    run_mlp(&r, 0.5f, 1, 1);
+    for (int64_t step = 5; step <= 300; step *= 4) { /* 5, 20, 80: the numeric order, not the names', decides */
+        r.st.step = step;
+        CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, 0, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_OK);
+    }
+    char *p = join(dir, "ckpt-100.h5"); /* fewer digits but a higher step than ckpt-00000080.h5 */
+    char *p80 = join(dir, "ckpt-00000080.h5");
+    CU_ASSERT_EQUAL(link(p80, p), 0);
+    char *last = join(dir, "last.h5");
+    CU_ASSERT_EQUAL(checkpoint_find_latest(dir, path, sizeof path, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(path, last);
+    unlink(last);
+    CU_ASSERT_EQUAL(checkpoint_find_latest(dir, path, sizeof path, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(path, p);
+    char tiny[8];
+    CU_ASSERT_EQUAL(checkpoint_find_latest(dir, tiny, sizeof tiny, &err), QT_ERR_ARG);
+    run_free(&r);
+    free(p);
+    free(p80);
+    free(last);
+    free(missing);
+    tmpdir_free(dir);
+}
+
+/* ---- inspect -------------------------------------------------------------------------------------- */
+
+static void test_inspect(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "i.h5"), *text = join(dir, "t.txt");
+    Run r;
+    run_cnn(&r, 5, false, OPTIM_ADAMW, 1, 2);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_save(path, &r.m, &r.opt, &r.st, &err), QT_OK);
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&out, &len);
+    CU_ASSERT_EQUAL(checkpoint_inspect(path, f, &err), QT_OK);
+    fclose(f);
+    const char *want[] = {"/params/conv1/weight", "float32", "(3, 1, 3, 3)", "108 bytes", "/params/fc/bias",
+                          "(5,)", "/optim/fc/weight/m", "@format = \"qtrain\"", "@version = 1",
+                          "@optimizer = \"adamw\"", "@loss_sum = 0.3333333333", "@config = \"run:...\" (",
+                          "lines)", "total: "};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        bool ok = out && strstr(out, want[i]);
+        if (!ok) fprintf(stderr, "\n  inspect output lacks \"%s\":\n%s\n", want[i], out ? out : "");
+        CU_ASSERT(ok);
+    }
+    free(out);
+    write_bytes(text, "hello\n", 6);
+    f = open_memstream(&out, &len);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(checkpoint_inspect(text, f, &err), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&err, "not an HDF5 file"));
+    fclose(f);
+    free(out);
+    assert_hdf5_closed();
+    run_free(&r);
+    free(path);
+    free(text);
+    tmpdir_free(dir);
+}
+
+/* ---- h5io ------------------------------------------------------------------------------------------- */
+
+static void test_h5io_roundtrip(void) {
+    char *dir = tmpdir_new();
+    char *path = join(dir, "h.h5");
+    QtError err = {0};
+    H5ioFile f = H5IO_FILE_INIT;
+    CU_ASSERT_EQUAL_FATAL(h5io_create_mem(&f, path, 0, &err), QT_OK);
+    int32_t q[6] = {-3, -2, -1, 0, 1, 2};
+    float x[4] = {1.5f, -2.0f, 0.0f, 3.25f};
+    CU_ASSERT_EQUAL(h5io_write(&f, "quant/fc/weight/qvalue", H5T_NATIVE_INT32, q, 2, (int[]){2, 3}, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_write_f32(&f, "/quant/fc/weight/scale", x, 1, (int[]){4}, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_group_create(&f, "lora/fc", &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_group_create(&f, "lora/fc", &err), QT_OK); /* already there: fine */
+    CU_ASSERT_EQUAL(h5io_attr_write_i64(&f, "lora/fc", "rank", -4, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_write_i64(&f, "lora/fc", "rank", 4, &err), QT_OK); /* replaced */
+    CU_ASSERT_EQUAL(h5io_attr_write_u64(&f, "lora/fc", "big", UINT64_MAX, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_write_f64(&f, "lora/fc", "alpha", 0.1, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "note", "h\xc3\xa9llo", &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_write_str_fixed(&f, "quant/fc/weight", "qtype", "int4", &err), QT_OK);
+    QtError e0 = {0};
+    CU_ASSERT_EQUAL(h5io_group_create(&f, "quant/fc/weight/scale/x", &e0), QT_ERR_FORMAT); /* under a dataset */
+    CU_ASSERT(msg_has(&e0, "/quant/fc/weight/scale exists and is not a group"));
+    void *image = NULL;
+    size_t size = 0;
+    CU_ASSERT_EQUAL(h5io_image(&f, &image, &size, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_close(&f, &err), QT_OK);
+    CU_ASSERT_EQUAL(f.id, H5I_INVALID_HID);
+    write_bytes(path, image, size);
+    free(image);
+    if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
+
+    CU_ASSERT_EQUAL_FATAL(h5io_open(&f, path, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_kind(&f, ""), H5IO_GROUP);
+    CU_ASSERT_EQUAL(h5io_kind(&f, "quant/fc/weight"), H5IO_GROUP);
+    CU_ASSERT_EQUAL(h5io_kind(&f, "quant/fc/weight/qvalue"), H5IO_DATASET);
+    CU_ASSERT_EQUAL(h5io_kind(&f, "quant/nothing/here"), H5IO_MISSING);
+    CU_ASSERT_EQUAL(h5io_kind(&f, "quant/fc/weight/scale/deeper"), H5IO_MISSING);
+    int32_t q2[6];
+    float x2[4];
+    CU_ASSERT_EQUAL(h5io_read(&f, "quant/fc/weight/qvalue", H5T_NATIVE_INT32, q2, 2, (int[]){2, 3}, &err), QT_OK);
+    CU_ASSERT_EQUAL(memcmp(q, q2, sizeof q), 0);
+    CU_ASSERT_EQUAL(h5io_read_f32(&f, "quant/fc/weight/scale", x2, 1, (int[]){4}, &err), QT_OK);
+    CU_ASSERT_EQUAL(memcmp(x, x2, sizeof x), 0);
+    H5ioInfo info;
+    char buf[64];
+    CU_ASSERT_EQUAL(h5io_dataset_info(&f, "quant/fc/weight/qvalue", &info, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(h5io_dtype_str(&info, buf, sizeof buf), "int32");
+    CU_ASSERT_STRING_EQUAL(h5io_shape_str(&info, buf, sizeof buf), "(2, 3)");
+    int64_t rank = 0;
+    uint64_t big = 0;
+    double alpha = 0;
+    char *s = NULL, *fixed = NULL;
+    CU_ASSERT_EQUAL(h5io_attr_read_i64(&f, "lora/fc", "rank", &rank, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_read_u64(&f, "lora/fc", "big", &big, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_read_f64(&f, "lora/fc", "alpha", &alpha, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "/", "note", &s, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "quant/fc/weight", "qtype", &fixed, &err), QT_OK);
+    CU_ASSERT(rank == 4 && big == UINT64_MAX && alpha == 0.1);
+    CU_ASSERT(s && strcmp(s, "h\xc3\xa9llo") == 0);
+    CU_ASSERT(fixed && strcmp(fixed, "int4") == 0);
+    free(s);
+    free(fixed);
+    CU_ASSERT_EQUAL(err.status, QT_OK);
+    if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
+
+    /* Errors name the file, the object and what was expected. */
+    QtError e1 = {0}, e2 = {0}, e3 = {0}, e4 = {0};
+    CU_ASSERT_EQUAL(h5io_read_f32(&f, "quant/fc/weight/scale", x2, 2, (int[]){2, 2}, &e1), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&e1, "/quant/fc/weight/scale has shape (4,), expected (2, 2)"));
+    CU_ASSERT(msg_has(&e1, "h.h5"));
+    CU_ASSERT_EQUAL(h5io_attr_read_i64(&f, "lora/fc", "missing", &rank, &e2), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&e2, "/lora/fc has no attribute 'missing'"));
+    CU_ASSERT_EQUAL(h5io_attr_read_i64(&f, "", "note", &rank, &e3), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&e3, "expected an integer"));
+    CU_ASSERT_EQUAL(h5io_read_f32(&f, "quant/fc/weight/qvalue", x2, 2, (int[]){2, 3}, &e4), QT_ERR_FORMAT);
+    CU_ASSERT(msg_has(&e4, "int32"));
+    CU_ASSERT_EQUAL(h5io_close(&f, &err), QT_OK);
+    assert_hdf5_closed();
+    free(path);
+    tmpdir_free(dir);
+}
+
+int register_checkpoint_suite(void) {
+    CU_pSuite s = CU_add_suite("checkpoint", NULL, NULL);
+    if (!s) return -1;
+    h5io_init(); /* the tests call HDF5 directly too; keep it quiet */
+    return !CU_add_test(s, "save/load AdamW CNN is bit-exact", test_roundtrip_adamw_cnn) ||
+           !CU_add_test(s, "save/load SGD (momentum, none) is bit-exact", test_roundtrip_sgd) ||
+           !CU_add_test(s, "file layout for h5py/PyTorch", test_file_layout) ||
+           !CU_add_test(s, "load refuses non-checkpoints, run untouched", test_load_rejects_non_checkpoints) ||
+           !CU_add_test(s, "load refuses another model/optimizer", test_load_rejects_other_model) ||
+           !CU_add_test(s, "truncated file is refused cleanly", test_truncated_file) ||
+           !CU_add_test(s, "load_params", test_load_params) ||
+           !CU_add_test(s, "failed save leaves no trace", test_failed_save_leaves_no_trace) ||
+           !CU_add_test(s, "save_in_dir: last.h5, rotation, stale temps", test_save_in_dir_rotation) ||
+           !CU_add_test(s, "find_latest", test_find_latest) ||
+           !CU_add_test(s, "inspect listing", test_inspect) ||
+           !CU_add_test(s, "h5io datasets and attributes", test_h5io_roundtrip);
+}

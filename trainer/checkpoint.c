@@ -1,0 +1,800 @@
+/* checkpoint.c - HDF5 checkpoints (layout in checkpoint.h).
+ *
+ * A checkpoint is built in memory (h5io), then written with write(2) to a
+ * temporary name, fsync'd, renamed and its directory fsync'd. Loading checks
+ * the whole file against the model, optimizer and state first and reads into
+ * a staging buffer, so a bad file never leaves a half-restored run. */
+#include "checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "h5io.h"
+#include "version.h"
+
+#define CKPT_PATH_MAX 4096
+#define CKPT_OBJ_MAX 192      /* "optim/" + a param name + "/m" */
+#define INSPECT_STR_MAX 60    /* string attributes longer than this are cut in listings */
+
+/* ---- small helpers -------------------------------------------------------------- */
+
+static QtStatus path_join(char *out, size_t cap, const char *dir, const char *name, QtError *err) {
+    int n = snprintf(out, cap, "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= cap)
+        return qt_error_set(err, QT_ERR_ARG, "the path %s/%s is too long (at most %zu bytes)", dir, name, cap - 1);
+    return QT_OK;
+}
+
+static QtStatus obj_path(char *out, const char *a, const char *b, const char *c, QtError *err) {
+    int n = snprintf(out, CKPT_OBJ_MAX, "%s/%s%s%s", a, b, c ? "/" : "", c ? c : "");
+    if (n < 0 || n >= CKPT_OBJ_MAX)
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint object name %s/%s is too long", a, b);
+    return QT_OK;
+}
+
+/* What a user can do about a failed write, by errno. */
+static const char *save_hint(int e) {
+    switch (e) {
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG: return "free disk space or change run.out_dir";
+    case ENOENT:
+    case ENOTDIR: return "create the directory or change run.out_dir";
+    case EACCES:
+    case EPERM:
+    case EROFS: return "make the directory writable or change run.out_dir";
+    default: return "check the disk and run.out_dir";
+    }
+}
+
+static QtStatus save_fail(QtError *err, const char *path, const char *what, const char *file, int e) {
+    return qt_error_set(err, QT_ERR_IO, "cannot save checkpoint %s: %s %s failed: %s; %s", path, what, file,
+                        strerror(e), save_hint(e));
+}
+
+/* fsync of the directory holding `path`, so a rename survives a crash.
+ * File systems that cannot sync directories (EINVAL) are accepted. */
+static QtStatus sync_parent_dir(const char *path, QtError *err) {
+    char dir[CKPT_PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == path)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return save_fail(err, path, "opening directory", dir, errno);
+    int rc = fsync(fd), e = errno;
+    close(fd);
+    if (rc != 0 && e != EINVAL && e != ENOTSUP)
+        return qt_error_set(err, QT_ERR_IO, "checkpoint %s was written but syncing its directory %s failed: %s; it "
+                            "may not survive a crash; check the disk", path, dir, strerror(e));
+    return QT_OK;
+}
+
+static QtStatus write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t w = write(fd, p, len);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return QT_ERR_IO;
+        if (w == 0) {
+            errno = ENOSPC;
+            return QT_ERR_IO;
+        }
+        p += w;
+        len -= (size_t)w;
+    }
+    return QT_OK;
+}
+
+/* buf -> "<path>.tmp.<pid>", fsync, rename over path, fsync the directory.
+ * Until the rename, path is untouched; on failure the temp file is removed. */
+static QtStatus write_atomic(const char *path, const void *buf, size_t len, QtError *err) {
+    char tmp[CKPT_PATH_MAX];
+    int n = snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    if (n < 0 || (size_t)n >= sizeof tmp) return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) return save_fail(err, path, "creating", tmp, errno);
+    const char *what = "writing";
+    if (write_all(fd, buf, len) != QT_OK) goto fail;
+    what = "syncing";
+    if (fsync(fd) != 0) goto fail;
+    what = "closing";
+    int rc = close(fd);
+    fd = -1;
+    if (rc != 0) goto fail;
+    what = "renaming";
+    if (rename(tmp, path) != 0) goto fail;
+    return sync_parent_dir(path, err);
+fail:;
+    int e = errno;
+    if (fd >= 0) close(fd);
+    unlink(tmp);
+    return save_fail(err, path, what, tmp, e);
+}
+
+/* ---- writing ------------------------------------------------------------------------ */
+
+static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err) {
+    QtStatus st = h5io_attr_write_str(f, "", "format", CHECKPOINT_FORMAT, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "", "version", CHECKPOINT_VERSION, err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, "", "qtrain_version", QTRAIN_VERSION, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "", "step", s->step, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epoch, err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, "", "config", s->config_text ? s->config_text : "", err);
+    return st;
+}
+
+static QtStatus write_params(H5ioFile *f, const Model *m, QtError *err) {
+    QtStatus st = h5io_group_create(f, "params", err);
+    for (int i = 0; st == QT_OK && i < m->n_params; i++) {
+        const Param *p = &m->params[i];
+        char ds[CKPT_OBJ_MAX];
+        st = obj_path(ds, "params", p->name, NULL, err);
+        if (st == QT_OK) st = h5io_write_f32(f, ds, p->var.value.data, p->var.value.ndim, p->var.value.shape, err);
+    }
+    return st;
+}
+
+static QtStatus write_optim(H5ioFile *f, const Optimizer *o, QtError *err) {
+    QtStatus st = h5io_group_create(f, "optim", err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, "optim", "optimizer", optim_kind_name(o->cfg.kind), err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "optim", "step", o->step, err);
+    for (int i = 0; st == QT_OK && i < o->n_params; i++) {
+        const Tensor *t = &o->params[i]->var.value;
+        char g[CKPT_OBJ_MAX], ds[CKPT_OBJ_MAX];
+        st = obj_path(g, "optim", o->params[i]->name, NULL, err);
+        if (st == QT_OK) st = h5io_group_create(f, g, err);
+        if (st == QT_OK) st = h5io_attr_write_i64(f, g, "step", o->step, err);
+        if (st == QT_OK && o->m && (st = obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
+            st = h5io_write_f32(f, ds, o->m[i], t->ndim, t->shape, err);
+        if (st == QT_OK && o->v && (st = obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
+            st = h5io_write_f32(f, ds, o->v[i], t->ndim, t->shape, err);
+    }
+    return st;
+}
+
+static QtStatus check_rng_names(const CheckpointState *s, QtError *err) {
+    if (s->n_rngs < 0 || s->n_rngs > CHECKPOINT_MAX_RNGS)
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint state: n_rngs = %d is not in 0..%d", s->n_rngs,
+                            CHECKPOINT_MAX_RNGS);
+    for (int i = 0; i < s->n_rngs; i++) {
+        const char *name = s->rngs[i].name;
+        if (!name || !name[0] || strchr(name, '/') || strlen(name) > 64 || !s->rngs[i].rng)
+            return qt_error_set(err, QT_ERR_ARG, "checkpoint state: rng %d needs a generator and a name of 1..64 "
+                                "characters without '/' (got '%s')", i, name ? name : "(null)");
+    }
+    return QT_OK;
+}
+
+static QtStatus write_state(H5ioFile *f, const CheckpointState *s, QtError *err) {
+    QtStatus st = h5io_group_create(f, "data", err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "data", "epoch", s->epoch, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "data", "cursor", s->cursor, err);
+    if (st == QT_OK) st = h5io_attr_write_u64(f, "data", "seed", s->seed, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "data", "n_train", s->n_train, err);
+    if (st == QT_OK) st = h5io_group_create(f, "train", err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, "train", "loss_sum", s->log_loss_sum, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "correct", s->log_correct, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "seen", s->log_seen, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "steps", s->log_steps, err);
+    if (st == QT_OK) st = h5io_group_create(f, "rng", err);
+    for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
+        const Rng *r = s->rngs[i].rng;
+        char g[CKPT_OBJ_MAX];
+        st = obj_path(g, "rng", s->rngs[i].name, NULL, err);
+        if (st == QT_OK) st = h5io_group_create(f, g, err);
+        if (st == QT_OK) st = h5io_attr_write_u64(f, g, "seed", r->seed, err);
+        if (st == QT_OK) st = h5io_attr_write_u64(f, g, "stream", r->stream, err);
+        if (st == QT_OK) st = h5io_attr_write_u64(f, g, "counter", r->counter, err);
+    }
+    return st;
+}
+
+/* The whole checkpoint as the bytes of an HDF5 file. */
+static QtStatus build_image(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
+                            void **image, size_t *size, QtError *err) {
+    H5ioFile f = H5IO_FILE_INIT;
+    size_t hint = model_param_bytes(m) + (opt ? optim_state_bytes(opt) : 0) + ((size_t)1 << 16);
+    QtStatus st = h5io_create_mem(&f, path, hint, err);
+    if (st == QT_OK) st = write_header(&f, s, err);
+    if (st == QT_OK) st = write_params(&f, m, err);
+    if (st == QT_OK && opt) st = write_optim(&f, opt, err);
+    if (st == QT_OK) st = write_state(&f, s, err);
+    if (st == QT_OK) st = h5io_image(&f, image, size, err);
+    QtStatus cst = h5io_close(&f, err);
+    if (st == QT_OK && cst != QT_OK) {
+        free(*image);
+        *image = NULL;
+        st = cst;
+    }
+    return st;
+}
+
+QtStatus checkpoint_save(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
+                         QtError *err) {
+    if (!path || !path[0] || !m) return qt_error_set(err, QT_ERR_ARG, "checkpoint_save: no path or no model");
+    CheckpointState none = {.step = opt ? opt->step : 0};
+    if (!s) s = &none;
+    QtStatus st = check_rng_names(s, err);
+    if (st != QT_OK) return st;
+    void *image = NULL;
+    size_t size = 0;
+    st = build_image(path, m, opt, s, &image, &size, err);
+    if (st == QT_OK) st = write_atomic(path, image, size, err);
+    free(image);
+    return st;
+}
+
+/* ---- checking a file against the run -------------------------------------------------- */
+
+#define MODEL_HINT "the checkpoint was written for a different model; check model.layers against the checkpoint's " \
+                   "config (qtrain inspect %s)"
+
+static QtStatus check_header(const H5ioFile *f, QtError *err) {
+    if (!h5io_attr_exists(f, "", "format"))
+        return qt_error_set(err, QT_ERR_FORMAT,
+                            "%s is an HDF5 file but not a qtrain checkpoint (no 'format' attribute)", f->path);
+    char *fmt = NULL;
+    QtStatus st = h5io_attr_read_str(f, "", "format", &fmt, err);
+    if (st == QT_OK && strcmp(fmt, CHECKPOINT_FORMAT) != 0)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is an HDF5 file but not a qtrain checkpoint (its format is '%.64s')",
+                          f->path, fmt);
+    free(fmt);
+    int64_t version = 0;
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "", "version", &version, err);
+    if (st == QT_OK && version != CHECKPOINT_VERSION)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is a qtrain checkpoint of format version %lld, but this qtrain (%s) "
+                          "reads version %d; use the qtrain release that wrote it", f->path, (long long)version,
+                          QTRAIN_VERSION, CHECKPOINT_VERSION);
+    return st;
+}
+
+/* A float32 dataset `ds` of exactly t's shape, or an error naming what
+ * `what` is ("parameter conv1/weight") and both shapes. */
+static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *what, const Tensor *t, bool model_hint,
+                              QtError *err) {
+    char want[64], got[128], ty[32], hint[CKPT_PATH_MAX + 160] = "";
+    tensor_shape_str(t, want, sizeof want);
+    if (model_hint) snprintf(hint, sizeof hint, "; " MODEL_HINT, f->path);
+    const char *against = model_hint ? "the model" : "the optimizer";
+    H5ioKind k = h5io_kind(f, ds);
+    if (k == H5IO_MISSING)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s %s is missing from the checkpoint (/%s)%s",
+                            f->path, against, what, want, ds, hint);
+    if (k != H5IO_DATASET)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: /%s (%s) is not a dataset%s", f->path, against,
+                            ds, what, hint);
+    H5ioInfo info;
+    QtStatus st = h5io_dataset_info(f, ds, &info, err);
+    if (st != QT_OK) return st;
+    if (!h5io_is_f32(&info))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s is %s in the checkpoint, expected float32%s",
+                            f->path, against, what, h5io_dtype_str(&info, ty, sizeof ty), hint);
+    if (!h5io_shape_equals(&info, t->ndim, t->shape))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s has shape %s in the checkpoint but %s in "
+                            "the model%s", f->path, against, what, h5io_shape_str(&info, got, sizeof got), want, hint);
+    return QT_OK;
+}
+
+typedef struct {
+    const Model *m;
+    char extra[CKPT_OBJ_MAX];
+    H5ioKind extra_kind;
+} ExtraCtx;
+
+/* Stops at the first object under /params that no model parameter explains. */
+static int find_extra(const char *path, H5ioKind kind, void *data) {
+    ExtraCtx *c = data;
+    size_t len = strlen(path);
+    bool known = false;
+    for (int i = 0; !known && i < c->m->n_params; i++) {
+        const char *name = c->m->params[i].name;
+        if (kind == H5IO_DATASET)
+            known = strcmp(name, path) == 0;
+        else if (kind == H5IO_GROUP)
+            known = strncmp(name, path, len) == 0 && name[len] == '/';
+    }
+    if (known) return 0;
+    snprintf(c->extra, sizeof c->extra, "%s", path);
+    c->extra_kind = kind;
+    return 1;
+}
+
+static QtStatus check_params(const H5ioFile *f, const Model *m, QtError *err) {
+    if (h5io_kind(f, "params") != H5IO_GROUP)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s has no /params group; it is not a complete qtrain checkpoint",
+                            f->path);
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < m->n_params; i++) {
+        char ds[CKPT_OBJ_MAX], what[PARAM_NAME_MAX + 16];
+        snprintf(what, sizeof what, "parameter %s", m->params[i].name);
+        st = obj_path(ds, "params", m->params[i].name, NULL, err);
+        if (st == QT_OK) st = check_dataset(f, ds, what, &m->params[i].var.value, true, err);
+    }
+    if (st != QT_OK) return st;
+    ExtraCtx c = {.m = m};
+    bool stopped = false;
+    st = h5io_visit(f, "params", find_extra, &c, &stopped, err);
+    if (st != QT_OK || !stopped) return st;
+    char desc[160] = "";
+    H5ioInfo info;
+    char ds[CKPT_OBJ_MAX + 8], shape[128];
+    snprintf(ds, sizeof ds, "params/%s", c.extra);
+    if (c.extra_kind == H5IO_DATASET && h5io_dataset_info(f, ds, &info, NULL) == QT_OK)
+        snprintf(desc, sizeof desc, " %s", h5io_shape_str(&info, shape, sizeof shape));
+    return qt_error_set(err, QT_ERR_FORMAT, "%s does not match the model: the checkpoint has %s %s%s that the model "
+                        "does not have; " MODEL_HINT, f->path, c.extra_kind == H5IO_DATASET ? "parameter" : "module",
+                        c.extra, desc, f->path);
+}
+
+static QtStatus check_optim(const H5ioFile *f, const Optimizer *o, QtError *err) {
+    const char *want = optim_kind_name(o->cfg.kind);
+    if (h5io_kind(f, "optim") != H5IO_GROUP)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s has no optimizer state (/optim); it was saved without one; start "
+                            "a new run from its parameters (model.init_from) instead of resuming", f->path);
+    char *name = NULL;
+    QtStatus st = h5io_attr_read_str(f, "optim", "optimizer", &name, err);
+    if (st == QT_OK && strcmp(name, want) != 0)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s was written by optimizer '%.32s' but this run uses '%s'; resume with "
+                          "train.optimizer.name: %.32s, or start a new run from its parameters (model.init_from)",
+                          f->path, name, want, name);
+    free(name);
+    for (int i = 0; st == QT_OK && i < o->n_params; i++) {
+        const Param *p = o->params[i];
+        const char *bufs[2] = {o->m ? "m" : NULL, o->v ? "v" : NULL};
+        const char *labels[2] = {o->v ? "first moment" : "momentum buffer", "second moment"};
+        for (int k = 0; st == QT_OK && k < 2; k++) {
+            if (!bufs[k]) continue;
+            char ds[CKPT_OBJ_MAX], what[PARAM_NAME_MAX + 64];
+            snprintf(what, sizeof what, "the %s %s of %s", want, labels[k], p->name);
+            st = obj_path(ds, "optim", p->name, bufs[k], err);
+            if (st == QT_OK && !h5io_exists(f, ds))
+                st = qt_error_set(err, QT_ERR_FORMAT, "%s lacks %s (/%s); it was saved with other trainable "
+                                  "parameters or optimizer settings (e.g. without momentum); resume with the same "
+                                  "settings or start from its parameters (model.init_from)", f->path, what, ds);
+            if (st == QT_OK) st = check_dataset(f, ds, what, &p->var.value, false, err);
+        }
+    }
+    return st;
+}
+
+/* ---- reading ------------------------------------------------------------------------------ */
+
+/* Everything read from the file before any of it is applied. */
+typedef struct {
+    float *buf;                        /* params, then m, then v, each in order */
+    size_t n_param_floats, n_opt_floats; /* n_opt_floats: per buffer (m or v) */
+    int64_t opt_step;
+    CheckpointState state;
+    Rng rngs[CHECKPOINT_MAX_RNGS];
+} Staged;
+
+static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < m->n_params; i++) {
+        const Tensor *t = &m->params[i].var.value;
+        char ds[CKPT_OBJ_MAX];
+        st = obj_path(ds, "params", m->params[i].name, NULL, err);
+        if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+        dst += tensor_numel(t);
+    }
+    return st;
+}
+
+static QtStatus read_optim(const H5ioFile *f, const Optimizer *o, Staged *sg, QtError *err) {
+    QtStatus st = h5io_attr_read_i64(f, "optim", "step", &sg->opt_step, err);
+    float *m = sg->buf + sg->n_param_floats, *v = m + sg->n_opt_floats;
+    for (int i = 0; st == QT_OK && i < o->n_params; i++) {
+        const Tensor *t = &o->params[i]->var.value;
+        char ds[CKPT_OBJ_MAX];
+        if (o->m && (st = obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
+            st = h5io_read_f32(f, ds, m, t->ndim, t->shape, err);
+        if (st == QT_OK && o->v && (st = obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
+            st = h5io_read_f32(f, ds, v, t->ndim, t->shape, err);
+        m += tensor_numel(t);
+        v += tensor_numel(t);
+    }
+    return st;
+}
+
+static QtStatus read_state(const H5ioFile *f, const CheckpointState *s, Staged *sg, QtError *err) {
+    CheckpointState *t = &sg->state;
+    *t = *s;
+    QtStatus st = h5io_attr_read_i64(f, "", "step", &t->step, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "data", "epoch", &t->epoch, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "data", "cursor", &t->cursor, err);
+    if (st == QT_OK) st = h5io_attr_read_u64(f, "data", "seed", &t->seed, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "data", "n_train", &t->n_train, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, "train", "loss_sum", &t->log_loss_sum, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "correct", &t->log_correct, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "seen", &t->log_seen, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "steps", &t->log_steps, err);
+    for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
+        char g[CKPT_OBJ_MAX];
+        Rng *r = &sg->rngs[i];
+        st = obj_path(g, "rng", s->rngs[i].name, NULL, err);
+        if (st == QT_OK && h5io_kind(f, g) != H5IO_GROUP)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s has no state for the random generator '%s' (/%s); it was "
+                              "saved by a run without it", f->path, s->rngs[i].name, g);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, g, "seed", &r->seed, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, g, "stream", &r->stream, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, g, "counter", &r->counter, err);
+    }
+    return st;
+}
+
+static void commit(const Staged *sg, Model *m, Optimizer *opt, CheckpointState *s) {
+    const float *src = sg->buf;
+    for (int i = 0; i < m->n_params; i++) {
+        size_t n = var_numel(&m->params[i].var);
+        memcpy(m->params[i].var.value.data, src, n * sizeof(float));
+        src += n;
+    }
+    if (opt) {
+        const float *mm = sg->buf + sg->n_param_floats, *vv = mm + sg->n_opt_floats;
+        for (int i = 0; i < opt->n_params; i++) {
+            size_t n = var_numel(&opt->params[i]->var);
+            if (opt->m) memcpy(opt->m[i], mm, n * sizeof(float));
+            if (opt->v) memcpy(opt->v[i], vv, n * sizeof(float));
+            mm += n;
+            vv += n;
+        }
+        opt->step = sg->opt_step;
+    }
+    if (s) {
+        const char *config_text = s->config_text;
+        int n_rngs = s->n_rngs;
+        *s = sg->state;
+        s->config_text = config_text;
+        for (int i = 0; i < n_rngs; i++) *s->rngs[i].rng = sg->rngs[i];
+    }
+}
+
+static QtStatus stage_alloc(Staged *sg, const Model *m, const Optimizer *opt, QtError *err) {
+    memset(sg, 0, sizeof *sg);
+    sg->n_param_floats = model_param_count(m, false);
+    for (int i = 0; opt && i < opt->n_params; i++) sg->n_opt_floats += var_numel(&opt->params[i]->var);
+    size_t total = sg->n_param_floats + 2 * sg->n_opt_floats;
+    sg->buf = malloc((total ? total : 1) * sizeof(float));
+    if (!sg->buf)
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate %zu floats to load a checkpoint", total);
+    return QT_OK;
+}
+
+QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointState *s, QtError *err) {
+    if (!path || !m) return qt_error_set(err, QT_ERR_ARG, "checkpoint_load: no path or no model");
+    QtStatus st = s ? check_rng_names(s, err) : QT_OK;
+    if (st != QT_OK) return st;
+    H5ioFile f = H5IO_FILE_INIT;
+    if ((st = h5io_open(&f, path, err)) != QT_OK) return st;
+    Staged sg = {0};
+    st = check_header(&f, err);
+    if (st == QT_OK) st = check_params(&f, m, err);
+    if (st == QT_OK && opt) st = check_optim(&f, opt, err);
+    if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
+    if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
+    if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);
+    if (st == QT_OK && s) st = read_state(&f, s, &sg, err);
+    QtStatus cst = h5io_close(&f, err);
+    if (st == QT_OK) st = cst;
+    if (st == QT_OK) commit(&sg, m, opt, s);
+    free(sg.buf);
+    return st;
+}
+
+QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err) {
+    return checkpoint_load(path, m, NULL, NULL, err);
+}
+
+QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *err) {
+    *config_text = NULL;
+    H5ioFile f = H5IO_FILE_INIT;
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    st = check_header(&f, err);
+    if (st == QT_OK) st = h5io_attr_read_str(&f, "", "config", config_text, err);
+    QtStatus cst = h5io_close(&f, err);
+    if (st == QT_OK && cst != QT_OK) {
+        free(*config_text);
+        *config_text = NULL;
+        st = cst;
+    }
+    return st;
+}
+
+/* ---- inspect --------------------------------------------------------------------------------- */
+
+typedef struct {
+    const H5ioFile *f;
+    FILE *out;
+    const char *obj;        /* the object whose attributes are being listed */
+    QtError *err;
+    QtStatus st;
+    long long n_datasets;
+    unsigned long long bytes;
+} InspectCtx;
+
+static int inspect_attr(const char *name, void *data) {
+    InspectCtx *c = data;
+    char value[512];
+    c->st = h5io_attr_format(c->f, c->obj, name, INSPECT_STR_MAX, value, sizeof value, c->err);
+    if (c->st != QT_OK) return 1;
+    fprintf(c->out, "    @%s = %s\n", name, value);
+    return 0;
+}
+
+static int inspect_object(const char *path, H5ioKind kind, void *data) {
+    InspectCtx *c = data;
+    char full[CKPT_OBJ_MAX * 4];
+    snprintf(full, sizeof full, "/%s", path);
+    if (kind == H5IO_DATASET) {
+        H5ioInfo info;
+        char ty[32], shape[128];
+        if ((c->st = h5io_dataset_info(c->f, path, &info, c->err)) != QT_OK) return 1;
+        unsigned long long bytes = info.is_vlen_str ? 0 : (unsigned long long)info.numel * info.size;
+        fprintf(c->out, "%-36s %-8s %-16s %llu bytes\n", full, h5io_dtype_str(&info, ty, sizeof ty),
+                h5io_shape_str(&info, shape, sizeof shape), bytes);
+        c->n_datasets++;
+        c->bytes += bytes;
+    } else {
+        fprintf(c->out, "%-36s %s\n", full, kind == H5IO_GROUP ? "group" : "(link or named type, not followed)");
+        if (kind != H5IO_GROUP) return 0;
+    }
+    c->obj = path;
+    c->st = h5io_attr_iterate(c->f, path, inspect_attr, c, c->err);
+    return c->st != QT_OK;
+}
+
+QtStatus checkpoint_inspect(const char *path, FILE *out, QtError *err) {
+    if (!path || !out) return qt_error_set(err, QT_ERR_ARG, "checkpoint_inspect: no path or no output");
+    H5ioFile f = H5IO_FILE_INIT;
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    InspectCtx c = {.f = &f, .out = out, .err = err};
+    fprintf(out, "%s\n", path);
+    if (inspect_object("", H5IO_GROUP, &c) == 0) st = h5io_visit(&f, "", inspect_object, &c, NULL, err);
+    if (c.st != QT_OK) st = c.st;
+    if (st == QT_OK)
+        fprintf(out, "total: %lld datasets, %llu bytes of data\n", c.n_datasets, c.bytes);
+    QtStatus cst = h5io_close(&f, err);
+    return st != QT_OK ? st : cst;
+}
+
+/* ---- a run's directory -------------------------------------------------------------------------- */
+
+/* "ckpt-<digits>.h5" -> its step. */
+static bool parse_ckpt_name(const char *name, long long *step) {
+    if (strncmp(name, "ckpt-", 5) != 0) return false;
+    const char *p = name + 5, *q = p;
+    while (*q >= '0' && *q <= '9') q++;
+    if (q == p || q - p > 18 || strcmp(q, ".h5") != 0) return false;
+    *step = strtoll(p, NULL, 10);
+    return true;
+}
+
+/* "<base>.tmp.<pid>" with base a checkpoint name of ours -> the writer's pid. */
+static bool parse_tmp_name(const char *name, const char *own, long *pid) {
+    const char *t = strstr(name, ".h5.tmp.");
+    if (!t) return false;
+    const char *digits = t + 8, *q = digits;
+    while (*q >= '0' && *q <= '9') q++;
+    if (q == digits || *q || q - digits > 9) return false;
+    size_t base_len = (size_t)(t + 3 - name);
+    char base[256];
+    if (base_len >= sizeof base) return false;
+    memcpy(base, name, base_len);
+    base[base_len] = '\0';
+    long long step;
+    if (!(parse_ckpt_name(base, &step) || strcmp(base, "last.h5") == 0 || strcmp(base, "final.h5") == 0 ||
+          strcmp(base, own) == 0))
+        return false;
+    *pid = strtol(digits, NULL, 10);
+    return true;
+}
+
+/* Removes temp files that a crashed save left behind: ours (no save of this
+ * process is in flight now) and those of processes that no longer exist. */
+static void remove_stale_tmps(const char *dir, const char *own) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        long pid;
+        if (!parse_tmp_name(e->d_name, own, &pid)) continue;
+        if (pid != (long)getpid() && !(kill((pid_t)pid, 0) != 0 && errno == ESRCH)) continue;
+        char p[CKPT_PATH_MAX];
+        if (path_join(p, sizeof p, dir, e->d_name, NULL) == QT_OK) unlink(p);
+    }
+    closedir(d);
+}
+
+static QtStatus read_whole_file(const char *path, void **buf, size_t *len, QtError *err) {
+    *buf = NULL;
+    *len = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat sb;
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        int e = errno;
+        if (fd >= 0) close(fd);
+        return qt_error_set(err, QT_ERR_IO, "cannot read %s: %s", path, strerror(e));
+    }
+    char *b = malloc(sb.st_size > 0 ? (size_t)sb.st_size : 1);
+    size_t got = 0;
+    while (b && got < (size_t)sb.st_size) {
+        ssize_t r = read(fd, b + got, (size_t)sb.st_size - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    int e = errno;
+    close(fd);
+    if (!b) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate %lld bytes to copy %s", (long long)sb.st_size,
+                                path);
+    if (got != (size_t)sb.st_size) {
+        free(b);
+        return qt_error_set(err, QT_ERR_IO, "cannot read %s: %s", path, got ? "it shrank while read" : strerror(e));
+    }
+    *buf = b;
+    *len = got;
+    return QT_OK;
+}
+
+/* Points <dir>/last.h5 at `saved`: a hard link renamed into place, or a copy
+ * (also renamed into place) where the file system has no hard links. */
+static QtStatus update_last(const char *dir, const char *saved, QtError *err) {
+    char last[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX + 32];
+    QtStatus st = path_join(last, sizeof last, dir, "last.h5", err);
+    if (st != QT_OK) return st;
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", last, (long)getpid());
+    unlink(tmp);
+    if (link(saved, tmp) == 0) {
+        /* rename() of two links to one file does nothing, so tmp may remain. */
+        if (rename(tmp, last) == 0) {
+            unlink(tmp);
+            return sync_parent_dir(last, err);
+        }
+        int e = errno;
+        unlink(tmp);
+        return save_fail(err, last, "renaming", tmp, e);
+    }
+    int e = errno;
+    if (e != EPERM && e != EXDEV && e != ENOTSUP && e != EOPNOTSUPP && e != EMLINK && e != ENOSYS)
+        return save_fail(err, last, "linking", tmp, e);
+    void *buf = NULL;
+    size_t len = 0;
+    st = read_whole_file(saved, &buf, &len, err);
+    if (st == QT_OK) st = write_atomic(last, buf, len, err);
+    free(buf);
+    return st;
+}
+
+typedef struct {
+    long long step;
+    char name[64];
+} CkptEntry;
+
+static int entry_cmp(const void *a, const void *b) {
+    const CkptEntry *x = a, *y = b;
+    if (x->step != y->step) return x->step < y->step ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* The ckpt-<step>.h5 regular files of dir, sorted by step (malloc'd). */
+static QtStatus list_ckpts(const char *dir, CkptEntry **out, int *n_out, QtError *err) {
+    *out = NULL;
+    *n_out = 0;
+    DIR *d = opendir(dir);
+    if (!d) return qt_error_set(err, QT_ERR_IO, "cannot list %s: %s", dir, strerror(errno));
+    CkptEntry *v = NULL;
+    int n = 0, cap = 0;
+    QtStatus st = QT_OK;
+    struct dirent *e;
+    while (st == QT_OK && (e = readdir(d))) {
+        long long step;
+        char p[CKPT_PATH_MAX];
+        struct stat sb;
+        if (strlen(e->d_name) >= sizeof v->name || !parse_ckpt_name(e->d_name, &step)) continue;
+        if (path_join(p, sizeof p, dir, e->d_name, NULL) != QT_OK || stat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
+            continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 16;
+            CkptEntry *nv = realloc(v, (size_t)cap * sizeof *v);
+            if (!nv) {
+                st = qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the checkpoint list of %s", dir);
+                break;
+            }
+            v = nv;
+        }
+        v[n].step = step;
+        snprintf(v[n].name, sizeof v[n].name, "%s", e->d_name);
+        n++;
+    }
+    closedir(d);
+    if (st != QT_OK) {
+        free(v);
+        return st;
+    }
+    if (n > 1) qsort(v, (size_t)n, sizeof *v, entry_cmp);
+    *out = v;
+    *n_out = n;
+    return QT_OK;
+}
+
+/* Deletes the oldest ckpt-*.h5 beyond keep_last, never the one just saved. */
+static QtStatus rotate(const char *dir, int keep_last, const char *saved_name, QtError *err) {
+    if (keep_last == 0) return QT_OK;
+    CkptEntry *v = NULL;
+    int n = 0;
+    QtStatus st = list_ckpts(dir, &v, &n, err);
+    for (int i = 0; st == QT_OK && i < n - keep_last; i++) {
+        char p[CKPT_PATH_MAX];
+        if (strcmp(v[i].name, saved_name) == 0) continue;
+        st = path_join(p, sizeof p, dir, v[i].name, err);
+        if (st == QT_OK && unlink(p) != 0 && errno != ENOENT)
+            st = qt_error_set(err, QT_ERR_IO, "cannot delete old checkpoint %s (train.keep_last = %d): %s; delete it "
+                              "by hand or set train.keep_last: 0", p, keep_last, strerror(errno));
+    }
+    free(v);
+    return st;
+}
+
+QtStatus checkpoint_save_in_dir(const char *dir, const char *name, int keep_last, const Model *m,
+                                const Optimizer *opt, const CheckpointState *s, char *saved, size_t saved_cap,
+                                QtError *err) {
+    if (!dir || !dir[0] || !m) return qt_error_set(err, QT_ERR_ARG, "checkpoint_save_in_dir: no directory or model");
+    if (keep_last < 0) return qt_error_set(err, QT_ERR_ARG, "train.keep_last = %d; it must be >= 0", keep_last);
+    if (name && (!name[0] || strchr(name, '/') || strlen(name) > 200))
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint name '%s' must be a file name of 1..200 characters", name);
+    char fname[256], path[CKPT_PATH_MAX];
+    long long step = s ? (long long)s->step : opt ? (long long)opt->step : 0;
+    if (name)
+        snprintf(fname, sizeof fname, "%s", name);
+    else
+        snprintf(fname, sizeof fname, "ckpt-%08lld.h5", step);
+    QtStatus st = path_join(path, sizeof path, dir, fname, err);
+    if (st != QT_OK) return st;
+    if (saved && strlen(path) >= saved_cap)
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s does not fit in %zu bytes", path, saved_cap);
+    remove_stale_tmps(dir, fname);
+    if ((st = checkpoint_save(path, m, opt, s, err)) != QT_OK) return st;
+    if (saved) snprintf(saved, saved_cap, "%s", path);
+    if (strcmp(fname, "last.h5") != 0) st = update_last(dir, path, err);
+    if (st == QT_OK) st = rotate(dir, keep_last, fname, err);
+    return st;
+}
+
+QtStatus checkpoint_find_latest(const char *dir, char *path, size_t cap, QtError *err) {
+    if (!dir || !path || cap == 0) return qt_error_set(err, QT_ERR_ARG, "checkpoint_find_latest: no dir or buffer");
+    path[0] = '\0';
+    char p[CKPT_PATH_MAX];
+    struct stat sb;
+    QtStatus st = path_join(p, sizeof p, dir, "last.h5", err);
+    if (st != QT_OK) return st;
+    if (stat(p, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        CkptEntry *v = NULL;
+        int n = 0;
+        QtError list_err = {0};
+        if (list_ckpts(dir, &v, &n, &list_err) != QT_OK || n == 0) {
+            free(v);
+            if (list_err.status != QT_OK)
+                return qt_error_set(err, QT_ERR_IO, "no checkpoint in %s (%s)", dir, list_err.msg);
+            return qt_error_set(err, QT_ERR_IO, "no checkpoint in %s (neither last.h5 nor ckpt-*.h5)", dir);
+        }
+        st = path_join(p, sizeof p, dir, v[n - 1].name, err);
+        free(v);
+        if (st != QT_OK) return st;
+    }
+    if (strlen(p) >= cap)
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s does not fit in %zu bytes", p, cap);
+    snprintf(path, cap, "%s", p);
+    return QT_OK;
+}

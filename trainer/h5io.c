@@ -1,0 +1,728 @@
+/* h5io.c - HDF5 helpers with messages that name the file and the object. */
+#include "h5io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void h5io_init(void) {
+    static bool done = false;
+    if (done) return;
+    H5open();
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    done = true;
+}
+
+/* ---- messages ---------------------------------------------------------------- */
+
+typedef struct {
+    char *buf;
+    size_t cap;
+    int errnum;
+} ReasonCtx;
+
+/* The innermost entry of the stack says what HDF5 saw first; an "errno = N"
+ * anywhere in it is the system's reason, which users understand better. */
+static herr_t reason_walk(unsigned n, const H5E_error2_t *e, void *data) {
+    ReasonCtx *r = data;
+    const char *desc = e->desc ? e->desc : "";
+    const char *en = strstr(desc, "errno = ");
+    if (en && r->errnum == 0) r->errnum = atoi(en + 8);
+    if (n == 0) {
+        size_t len = strcspn(desc, ",\n");
+        snprintf(r->buf, r->cap, "%.*s", (int)len, desc);
+    }
+    return 0;
+}
+
+/* Why the last HDF5 call failed. Must run before any other HDF5 call, which
+ * would clear the error stack. */
+static const char *h5_reason(char *buf, size_t cap) {
+    ReasonCtx r = {buf, cap, 0};
+    buf[0] = '\0';
+    H5Ewalk2(H5E_DEFAULT, H5E_WALK_UPWARD, reason_walk, &r);
+    if (r.errnum > 0) snprintf(buf, cap, "%s", strerror(r.errnum));
+    if (!buf[0]) snprintf(buf, cap, "unknown HDF5 error");
+    return buf;
+}
+
+/* The path without leading slashes; messages print it after a '/'. */
+static const char *show(const char *path) {
+    while (*path == '/') path++;
+    return path;
+}
+
+/* The name HDF5 takes, relative to the file's root. */
+static const char *h5name(const char *path) {
+    const char *p = show(path);
+    return *p ? p : ".";
+}
+
+static const char *fname(const H5ioFile *f) { return f->path ? f->path : "(closed file)"; }
+
+/* "<file>: cannot <what> /<obj> (<reason>)", the reason read from HDF5;
+ * without obj, the file itself is meant. */
+static QtStatus h5_fail(QtError *err, QtStatus st, const H5ioFile *f, const char *what, const char *obj) {
+    char reason[256];
+    h5_reason(reason, sizeof reason);
+    if (!obj) return qt_error_set(err, st, "%s: cannot %s (%s)", fname(f), what, reason);
+    return qt_error_set(err, st, "%s: cannot %s /%s (%s)", fname(f), what, show(obj), reason);
+}
+
+static QtStatus h5_fail_attr(QtError *err, QtStatus st, const H5ioFile *f, const char *what, const char *obj,
+                             const char *name) {
+    char reason[256];
+    h5_reason(reason, sizeof reason);
+    return qt_error_set(err, st, "%s: cannot %s attribute '%s' of /%s (%s)", fname(f), what, name, show(obj),
+                        reason);
+}
+
+/* ---- files ----------------------------------------------------------------------- */
+
+static QtStatus file_set_path(H5ioFile *f, const char *path, QtError *err) {
+    f->id = H5I_INVALID_HID;
+    f->writable = false;
+    f->path = strdup(path);
+    if (!f->path) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the name of %s", path);
+    return QT_OK;
+}
+
+static void file_reset(H5ioFile *f) {
+    free(f->path);
+    f->path = NULL;
+    f->id = H5I_INVALID_HID;
+    f->writable = false;
+}
+
+QtStatus h5io_create_mem(H5ioFile *f, const char *path, size_t size_hint, QtError *err) {
+    h5io_init();
+    QtStatus st = file_set_path(f, path, err);
+    if (st != QT_OK) return st;
+    size_t step = size_hint < ((size_t)1 << 16) ? (size_t)1 << 16 : size_hint;
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+    if (fapl < 0 || H5Pset_fapl_core(fapl, step, 0) < 0) {
+        st = h5_fail(err, QT_ERR_IO, f, "set up an in-memory HDF5 file", NULL);
+    } else {
+        f->id = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+        if (f->id < 0) st = h5_fail(err, QT_ERR_IO, f, "create an in-memory HDF5 file", NULL);
+    }
+    if (fapl >= 0) H5Pclose(fapl);
+    if (st != QT_OK) {
+        file_reset(f);
+        return st;
+    }
+    f->writable = true;
+    return QT_OK;
+}
+
+/* The system's view first, so a missing or unreadable file gets its own
+ * message and not HDF5's guess. */
+static QtStatus check_readable(const char *path, QtError *err) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) return qt_error_set(err, QT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    if (S_ISDIR(sb.st_mode)) return qt_error_set(err, QT_ERR_IO, "cannot open %s: it is a directory", path);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return qt_error_set(err, QT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    close(fd);
+    return QT_OK;
+}
+
+QtStatus h5io_open(H5ioFile *f, const char *path, QtError *err) {
+    h5io_init();
+    f->id = H5I_INVALID_HID;
+    f->path = NULL;
+    f->writable = false;
+    QtStatus st = check_readable(path, err);
+    if (st != QT_OK) return st;
+    htri_t is = H5Fis_hdf5(path);
+    char reason[256];
+    if (is == 0)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s is not an HDF5 file (it lacks the HDF5 signature)", path);
+    if (is < 0)
+        return qt_error_set(err, QT_ERR_IO, "cannot read %s (%s)", path, h5_reason(reason, sizeof reason));
+    if ((st = file_set_path(f, path, err)) != QT_OK) return st;
+    /* No lock: files are only read here, and ours are replaced by rename,
+     * never modified in place; locks fail on some network file systems. */
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+#if H5_VERSION_GE(1, 10, 7)
+    if (fapl >= 0) H5Pset_file_locking(fapl, 0, 1);
+#endif
+    f->id = H5Fopen(path, H5F_ACC_RDONLY, fapl >= 0 ? fapl : H5P_DEFAULT);
+    if (f->id < 0) {
+        h5_reason(reason, sizeof reason);
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is an HDF5 file that cannot be opened (%s); it is truncated or "
+                          "damaged", path, reason);
+    }
+    if (fapl >= 0) H5Pclose(fapl);
+    if (st != QT_OK) file_reset(f);
+    return st;
+}
+
+QtStatus h5io_image(H5ioFile *f, void **image, size_t *size, QtError *err) {
+    *image = NULL;
+    *size = 0;
+    /* The image is taken from the driver's memory: without the flush, the
+     * metadata still in HDF5's cache would be missing from it. */
+    if (H5Fflush(f->id, H5F_SCOPE_GLOBAL) < 0) return h5_fail(err, QT_ERR_IO, f, "flush the file", NULL);
+    ssize_t n = H5Fget_file_image(f->id, NULL, 0);
+    if (n <= 0) return h5_fail(err, QT_ERR_IO, f, "get the file image", NULL);
+    void *buf = malloc((size_t)n);
+    if (!buf) return qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate %zd bytes for the file image", fname(f), n);
+    if (H5Fget_file_image(f->id, buf, (size_t)n) != n) {
+        free(buf);
+        return h5_fail(err, QT_ERR_IO, f, "get the file image", NULL);
+    }
+    *image = buf;
+    *size = (size_t)n;
+    return QT_OK;
+}
+
+QtStatus h5io_close(H5ioFile *f, QtError *err) {
+    if (f->id < 0) {
+        file_reset(f);
+        return QT_OK;
+    }
+    QtStatus st = QT_OK;
+    ssize_t open_objs = H5Fget_obj_count(f->id, H5F_OBJ_DATASET | H5F_OBJ_GROUP | H5F_OBJ_DATATYPE | H5F_OBJ_ATTR |
+                                                    H5F_OBJ_LOCAL);
+    if (open_objs > 0)
+        st = qt_error_set(err, QT_ERR_IO, "%s: %zd HDF5 objects are still open at close (a bug in qtrain)", fname(f),
+                          open_objs);
+    if (H5Fclose(f->id) < 0) st = h5_fail(err, QT_ERR_IO, f, "close the file", NULL);
+    file_reset(f);
+    return st;
+}
+
+/* ---- objects ------------------------------------------------------------------- */
+
+static H5ioKind kind_of_open(hid_t obj) {
+    switch (H5Iget_type(obj)) {
+    case H5I_GROUP: return H5IO_GROUP;
+    case H5I_DATASET: return H5IO_DATASET;
+    default: return H5IO_OTHER;
+    }
+}
+
+/* The kind of the object a hard link `name` in `loc` points to. */
+static H5ioKind link_kind(hid_t loc, const char *name) {
+    H5L_info_t li;
+    if (H5Lget_info(loc, name, &li, H5P_DEFAULT) < 0) return H5IO_MISSING;
+    if (li.type != H5L_TYPE_HARD) return H5IO_OTHER;
+    hid_t o = H5Oopen(loc, name, H5P_DEFAULT);
+    if (o < 0) return H5IO_MISSING;
+    H5ioKind k = kind_of_open(o);
+    H5Oclose(o);
+    return k;
+}
+
+H5ioKind h5io_kind(const H5ioFile *f, const char *path) {
+    h5io_init();
+    const char *p = show(path);
+    if (!*p) return H5IO_GROUP;
+    char *buf = strdup(p);
+    if (!buf) return H5IO_MISSING;
+    H5ioKind k = H5IO_MISSING;
+    /* H5Lexists fails, rather than saying no, when a parent is missing, so
+     * each prefix is checked in turn. */
+    for (char *slash = buf;; slash++) {
+        slash = strchr(slash, '/');
+        if (slash) *slash = '\0';
+        k = H5Lexists(f->id, buf, H5P_DEFAULT) > 0 ? link_kind(f->id, buf) : H5IO_MISSING;
+        if (!slash || k != H5IO_GROUP) {
+            if (slash) k = H5IO_MISSING; /* a parent that is not a group */
+            break;
+        }
+        *slash = '/';
+    }
+    free(buf);
+    return k;
+}
+
+QtStatus h5io_group_create(H5ioFile *f, const char *path, QtError *err) {
+    const char *p = show(path);
+    if (!*p) return QT_OK;
+    char *buf = strdup(p);
+    if (!buf) return qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate a group path", fname(f));
+    QtStatus st = QT_OK;
+    for (char *slash = buf; st == QT_OK; slash++) {
+        slash = strchr(slash, '/');
+        if (slash) *slash = '\0';
+        H5ioKind k = h5io_kind(f, buf);
+        if (k == H5IO_MISSING) {
+            hid_t g = H5Gcreate2(f->id, buf, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+            if (g < 0)
+                st = h5_fail(err, QT_ERR_IO, f, "create group", buf);
+            else
+                H5Gclose(g);
+        } else if (k != H5IO_GROUP) {
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: cannot create group /%s: /%s exists and is not a group",
+                              fname(f), p, buf);
+        }
+        if (!slash) break;
+        *slash = '/';
+    }
+    free(buf);
+    return st;
+}
+
+/* ---- datasets -------------------------------------------------------------------- */
+
+static QtStatus info_from(const H5ioFile *f, const char *path, hid_t space, hid_t type, H5ioInfo *info,
+                          QtError *err) {
+    memset(info, 0, sizeof *info);
+    int rank = H5Sget_simple_extent_ndims(space);
+    if (rank < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the shape of", path);
+    if (rank > H5IO_MAX_RANK)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has %d dimensions; at most %d are supported", fname(f),
+                            show(path), rank, H5IO_MAX_RANK);
+    info->rank = rank;
+    if (rank > 0 && H5Sget_simple_extent_dims(space, info->dims, NULL) < 0)
+        return h5_fail(err, QT_ERR_FORMAT, f, "read the shape of", path);
+    hssize_t np = H5Sget_simple_extent_npoints(space);
+    info->numel = np > 0 ? (uint64_t)np : 0;
+    info->cls = H5Tget_class(type);
+    info->size = H5Tget_size(type);
+    if (info->cls == H5T_INTEGER) info->is_signed = H5Tget_sign(type) == H5T_SGN_2;
+    if (info->cls == H5T_STRING) info->is_vlen_str = H5Tis_variable_str(type) > 0;
+    return QT_OK;
+}
+
+QtStatus h5io_dataset_info(const H5ioFile *f, const char *path, H5ioInfo *info, QtError *err) {
+    hid_t d = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
+    if (d < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    hid_t space = H5Dget_space(d), type = H5Dget_type(d);
+    QtStatus st = space < 0 || type < 0 ? h5_fail(err, QT_ERR_FORMAT, f, "read the type of", path)
+                                        : info_from(f, path, space, type, info, err);
+    if (type >= 0) H5Tclose(type);
+    if (space >= 0) H5Sclose(space);
+    H5Dclose(d);
+    return st;
+}
+
+const char *h5io_dtype_str(const H5ioInfo *info, char *buf, size_t cap) {
+    switch (info->cls) {
+    case H5T_FLOAT: snprintf(buf, cap, "float%zu", info->size * 8); break;
+    case H5T_INTEGER: snprintf(buf, cap, "%sint%zu", info->is_signed ? "" : "u", info->size * 8); break;
+    case H5T_STRING:
+        if (info->is_vlen_str)
+            snprintf(buf, cap, "vlen string");
+        else
+            snprintf(buf, cap, "string%zu", info->size);
+        break;
+    case H5T_COMPOUND: snprintf(buf, cap, "compound"); break;
+    case H5T_ENUM: snprintf(buf, cap, "enum"); break;
+    case H5T_ARRAY: snprintf(buf, cap, "array"); break;
+    case H5T_VLEN: snprintf(buf, cap, "vlen"); break;
+    case H5T_OPAQUE: snprintf(buf, cap, "opaque"); break;
+    case H5T_BITFIELD: snprintf(buf, cap, "bitfield"); break;
+    case H5T_REFERENCE: snprintf(buf, cap, "reference"); break;
+    default: snprintf(buf, cap, "unknown type"); break;
+    }
+    return buf;
+}
+
+const char *h5io_shape_str(const H5ioInfo *info, char *buf, size_t cap) {
+    size_t len = 0;
+    if (cap == 0) return buf;
+    len += (size_t)snprintf(buf, cap, "(");
+    for (int i = 0; i < info->rank && len < cap; i++)
+        len += (size_t)snprintf(buf + len, cap - len, "%s%llu", i ? ", " : "", (unsigned long long)info->dims[i]);
+    if (len < cap) snprintf(buf + len, cap - len, "%s)", info->rank == 1 ? "," : "");
+    return buf;
+}
+
+bool h5io_shape_equals(const H5ioInfo *info, int ndim, const int *shape) {
+    if (info->rank != ndim) return false;
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0 || info->dims[i] != (hsize_t)shape[i]) return false;
+    return true;
+}
+
+static QtStatus check_shape_arg(const H5ioFile *f, const char *path, int ndim, const int *shape, hsize_t *dims,
+                                QtError *err) {
+    if (ndim < 0 || ndim > H5IO_MAX_RANK || (ndim > 0 && !shape))
+        return qt_error_set(err, QT_ERR_ARG, "%s: /%s: rank %d is not in 0..%d", fname(f), show(path), ndim,
+                            H5IO_MAX_RANK);
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return qt_error_set(err, QT_ERR_ARG, "%s: /%s: dimension %d is %d", fname(f), show(path), i, shape[i]);
+        dims[i] = (hsize_t)shape[i];
+    }
+    return QT_OK;
+}
+
+QtStatus h5io_write(H5ioFile *f, const char *path, hid_t memtype, const void *data, int ndim, const int *shape,
+                    QtError *err) {
+    hsize_t dims[H5IO_MAX_RANK];
+    QtStatus st = check_shape_arg(f, path, ndim, shape, dims, err);
+    if (st != QT_OK) return st;
+    hid_t space = H5Screate_simple(ndim, dims, NULL);
+    hid_t ftype = H5Tcopy(memtype);
+    hid_t lcpl = H5Pcreate(H5P_LINK_CREATE);
+    hid_t d = H5I_INVALID_HID;
+    if (space < 0 || ftype < 0 || lcpl < 0 || H5Tset_order(ftype, H5T_ORDER_LE) < 0 ||
+        H5Pset_create_intermediate_group(lcpl, 1) < 0) {
+        st = h5_fail(err, QT_ERR_IO, f, "prepare dataset", path);
+    } else if ((d = H5Dcreate2(f->id, h5name(path), ftype, space, lcpl, H5P_DEFAULT, H5P_DEFAULT)) < 0) {
+        st = h5_fail(err, QT_ERR_IO, f, "create dataset", path);
+    } else if (H5Dwrite(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) {
+        st = h5_fail(err, QT_ERR_IO, f, "write dataset", path);
+    }
+    if (d >= 0 && H5Dclose(d) < 0) st = h5_fail(err, QT_ERR_IO, f, "write dataset", path);
+    if (lcpl >= 0) H5Pclose(lcpl);
+    if (ftype >= 0) H5Tclose(ftype);
+    if (space >= 0) H5Sclose(space);
+    return st;
+}
+
+static const char *class_name(H5T_class_t c) {
+    switch (c) {
+    case H5T_FLOAT: return "floating-point";
+    case H5T_INTEGER: return "integer";
+    case H5T_STRING: return "string";
+    default: return "non-numeric";
+    }
+}
+
+QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *data, int ndim, const int *shape,
+                   QtError *err) {
+    hsize_t dims[H5IO_MAX_RANK];
+    H5ioInfo info;
+    QtStatus st = check_shape_arg(f, path, ndim, shape, dims, err);
+    if (st == QT_OK) st = h5io_dataset_info(f, path, &info, err);
+    if (st != QT_OK) return st;
+    H5T_class_t want = H5Tget_class(memtype);
+    if (info.cls != want) {
+        char ty[32];
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is %s data, expected %s", fname(f), show(path),
+                            h5io_dtype_str(&info, ty, sizeof ty), class_name(want));
+    }
+    if (!h5io_shape_equals(&info, ndim, shape)) {
+        char got[128], exp[128];
+        H5ioInfo e = {.rank = ndim};
+        memcpy(e.dims, dims, (size_t)ndim * sizeof dims[0]);
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, expected %s", fname(f), show(path),
+                            h5io_shape_str(&info, got, sizeof got), h5io_shape_str(&e, exp, sizeof exp));
+    }
+    hid_t d = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
+    if (d < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    if (H5Dread(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+        st = h5_fail(err, QT_ERR_FORMAT, f, "read dataset", path);
+    H5Dclose(d);
+    return st;
+}
+
+/* ---- attributes ------------------------------------------------------------------- */
+
+bool h5io_attr_exists(const H5ioFile *f, const char *obj, const char *name) {
+    h5io_init();
+    return h5io_exists(f, obj) && H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) > 0;
+}
+
+/* Writes a scalar attribute of file type `ftype` from memory type `mtype`. */
+static QtStatus attr_write(H5ioFile *f, const char *obj, const char *name, hid_t ftype, hid_t mtype,
+                           const void *buf, QtError *err) {
+    const char *o = h5name(obj);
+    htri_t exists = H5Aexists_by_name(f->id, o, name, H5P_DEFAULT);
+    if (exists < 0) return h5_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
+    if (exists > 0 && H5Adelete_by_name(f->id, o, name, H5P_DEFAULT) < 0)
+        return h5_fail_attr(err, QT_ERR_IO, f, "replace", obj, name);
+    QtStatus st = QT_OK;
+    hid_t space = H5Screate(H5S_SCALAR);
+    hid_t a = space < 0 ? H5I_INVALID_HID : H5Acreate_by_name(f->id, o, name, ftype, space, H5P_DEFAULT,
+                                                               H5P_DEFAULT, H5P_DEFAULT);
+    if (a < 0 || H5Awrite(a, mtype, buf) < 0) st = h5_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
+    if (a >= 0) H5Aclose(a);
+    if (space >= 0) H5Sclose(space);
+    return st;
+}
+
+QtStatus h5io_attr_write_i64(H5ioFile *f, const char *obj, const char *name, int64_t v, QtError *err) {
+    return attr_write(f, obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, err);
+}
+
+QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err) {
+    return attr_write(f, obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, err);
+}
+
+QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, double v, QtError *err) {
+    return attr_write(f, obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, err);
+}
+
+static QtStatus attr_write_string(H5ioFile *f, const char *obj, const char *name, const char *v, bool fixed,
+                                  QtError *err) {
+    if (!v) v = "";
+    hid_t t = H5Tcopy(H5T_C_S1);
+    size_t len = strlen(v);
+    herr_t ok = t < 0 ? -1 : H5Tset_cset(t, H5T_CSET_UTF8);
+    if (ok >= 0) ok = H5Tset_size(t, fixed ? (len ? len : 1) : H5T_VARIABLE);
+    if (ok >= 0 && fixed) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
+    QtStatus st = ok < 0 ? h5_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name)
+                         : attr_write(f, obj, name, t, t, fixed ? (const void *)v : (const void *)&v, err);
+    if (t >= 0) H5Tclose(t);
+    return st;
+}
+
+QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
+    return attr_write_string(f, obj, name, v, false, err);
+}
+
+QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
+    return attr_write_string(f, obj, name, v, true, err);
+}
+
+/* Opens attribute `name` of `obj` as *a and reads its class and element
+ * count; a missing object or attribute is QT_ERR_FORMAT naming both. */
+static QtStatus attr_open(const H5ioFile *f, const char *obj, const char *name, hid_t *a, H5T_class_t *cls,
+                          hssize_t *n, QtError *err) {
+    h5io_init();
+    *a = H5I_INVALID_HID;
+    if (!h5io_exists(f, obj))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no object /%s (looking for its attribute '%s')", fname(f),
+                            show(obj), name);
+    if (H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) <= 0)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has no attribute '%s'", fname(f), show(obj), name);
+    hid_t id = H5Aopen_by_name(f->id, h5name(obj), name, H5P_DEFAULT, H5P_DEFAULT);
+    hid_t t = id >= 0 ? H5Aget_type(id) : H5I_INVALID_HID;
+    hid_t s = id >= 0 ? H5Aget_space(id) : H5I_INVALID_HID;
+    QtStatus st = QT_OK;
+    if (id < 0 || t < 0 || s < 0) {
+        st = h5_fail_attr(err, QT_ERR_FORMAT, f, "open", obj, name);
+    } else {
+        *cls = H5Tget_class(t);
+        *n = H5Sget_simple_extent_npoints(s);
+    }
+    if (t >= 0) H5Tclose(t);
+    if (s >= 0) H5Sclose(s);
+    if (st != QT_OK && id >= 0) H5Aclose(id);
+    if (st == QT_OK) *a = id;
+    return st;
+}
+
+static QtStatus attr_read_scalar(const H5ioFile *f, const char *obj, const char *name, bool allow_float,
+                                 hid_t mtype, void *out, QtError *err) {
+    H5T_class_t cls = H5T_NO_CLASS;
+    hssize_t n = 0;
+    hid_t a;
+    QtStatus st = attr_open(f, obj, name, &a, &cls, &n, err);
+    if (st != QT_OK) return st;
+    if (!(cls == H5T_INTEGER || (allow_float && cls == H5T_FLOAT)))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected %s", fname(f), name,
+                          show(obj), class_name(cls), allow_float ? "a number" : "an integer");
+    else if (n != 1)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s has %lld values, expected one", fname(f),
+                          name, show(obj), (long long)n);
+    else if (H5Aread(a, mtype, out) < 0)
+        st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+    H5Aclose(a);
+    return st;
+}
+
+QtStatus h5io_attr_read_i64(const H5ioFile *f, const char *obj, const char *name, int64_t *v, QtError *err) {
+    return attr_read_scalar(f, obj, name, false, H5T_NATIVE_INT64, v, err);
+}
+
+QtStatus h5io_attr_read_u64(const H5ioFile *f, const char *obj, const char *name, uint64_t *v, QtError *err) {
+    return attr_read_scalar(f, obj, name, false, H5T_NATIVE_UINT64, v, err);
+}
+
+QtStatus h5io_attr_read_f64(const H5ioFile *f, const char *obj, const char *name, double *v, QtError *err) {
+    return attr_read_scalar(f, obj, name, true, H5T_NATIVE_DOUBLE, v, err);
+}
+
+/* Reads a scalar string attribute already open as `a` into a malloc'd copy. */
+static QtStatus attr_read_open_str(const H5ioFile *f, const char *obj, const char *name, hid_t a, char **v,
+                                   QtError *err) {
+    hid_t ft = H5Aget_type(a);
+    hid_t mt = ft >= 0 ? H5Tcopy(ft) : H5I_INVALID_HID;
+    QtStatus st = QT_OK;
+    htri_t vlen = mt >= 0 ? H5Tis_variable_str(mt) : -1;
+    size_t size = ft >= 0 ? H5Tget_size(ft) : 0;
+    if (vlen < 0 || (vlen == 0 && (H5Tset_size(mt, size + 1) < 0 || H5Tset_strpad(mt, H5T_STR_NULLTERM) < 0))) {
+        st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+    } else if (vlen) {
+        char *s = NULL;
+        if (H5Aread(a, mt, &s) < 0) {
+            st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+        } else {
+            *v = strdup(s ? s : "");
+            if (s) H5free_memory(s);
+        }
+    } else {
+        *v = calloc(size + 1, 1);
+        if (*v && H5Aread(a, mt, *v) < 0) {
+            st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+            free(*v);
+            *v = NULL;
+        }
+    }
+    if (st == QT_OK && !*v) st = qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate attribute '%s'", fname(f), name);
+    if (mt >= 0) H5Tclose(mt);
+    if (ft >= 0) H5Tclose(ft);
+    return st;
+}
+
+QtStatus h5io_attr_read_str(const H5ioFile *f, const char *obj, const char *name, char **v, QtError *err) {
+    *v = NULL;
+    H5T_class_t cls = H5T_NO_CLASS;
+    hssize_t n = 0;
+    hid_t a;
+    QtStatus st = attr_open(f, obj, name, &a, &cls, &n, err);
+    if (st != QT_OK) return st;
+    if (cls != H5T_STRING)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected a string", fname(f),
+                          name, show(obj), class_name(cls));
+    else if (n != 1)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s has %lld strings, expected one", fname(f),
+                          name, show(obj), (long long)n);
+    else
+        st = attr_read_open_str(f, obj, name, a, v, err);
+    H5Aclose(a);
+    return st;
+}
+
+/* ---- attribute values as text ---------------------------------------------------------- */
+
+static void append(char *buf, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void append(char *buf, size_t cap, const char *fmt, ...) {
+    size_t len = strlen(buf);
+    if (len + 1 >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, cap - len, fmt, ap);
+    va_end(ap);
+}
+
+/* Up to 8 numbers of an integer or float attribute. */
+static QtStatus format_numbers(const H5ioFile *f, const char *obj, const char *name, hid_t a, H5T_class_t cls,
+                               hssize_t n, char *buf, size_t cap, QtError *err) {
+    hid_t ft = H5Aget_type(a);
+    bool is_unsigned = ft >= 0 && cls == H5T_INTEGER && H5Tget_sign(ft) == H5T_SGN_NONE;
+    if (ft >= 0) H5Tclose(ft);
+    hid_t mt = cls == H5T_FLOAT ? H5T_NATIVE_DOUBLE : is_unsigned ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64;
+    union {
+        double d;
+        int64_t i;
+        uint64_t u;
+    } *vals = malloc((size_t)(n > 0 ? n : 1) * sizeof *vals);
+    if (!vals) return qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate attribute '%s'", fname(f), name);
+    QtStatus st = QT_OK;
+    if (n > 0 && H5Aread(a, mt, vals) < 0) {
+        st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+    } else {
+        buf[0] = '\0';
+        if (n != 1) append(buf, cap, "[");
+        for (hssize_t i = 0; i < n && i < 8; i++) {
+            if (i) append(buf, cap, ", ");
+            if (cls == H5T_FLOAT)
+                append(buf, cap, "%.10g", vals[i].d);
+            else if (is_unsigned)
+                append(buf, cap, "%" PRIu64, vals[i].u);
+            else
+                append(buf, cap, "%" PRId64, vals[i].i);
+        }
+        if (n > 8) append(buf, cap, ", ... (%lld values)", (long long)n);
+        if (n != 1) append(buf, cap, "]");
+    }
+    free(vals);
+    return st;
+}
+
+/* A quoted string cut to its first line and max_str characters. */
+static void format_string(const char *s, size_t max_str, char *buf, size_t cap) {
+    size_t len = strlen(s), line = strcspn(s, "\n"), lines = 1;
+    for (const char *p = s; *p; p++) lines += *p == '\n' && p[1];
+    size_t shown = line < max_str ? line : max_str;
+    snprintf(buf, cap, "\"%.*s%s\"", (int)shown, s, shown < len ? "..." : "");
+    if (shown < len) append(buf, cap, " (%zu chars, %zu line%s)", len, lines, lines == 1 ? "" : "s");
+}
+
+QtStatus h5io_attr_format(const H5ioFile *f, const char *obj, const char *name, size_t max_str, char *buf,
+                          size_t cap, QtError *err) {
+    H5T_class_t cls = H5T_NO_CLASS;
+    hssize_t n = 0;
+    if (cap) buf[0] = '\0';
+    hid_t a;
+    QtStatus st = attr_open(f, obj, name, &a, &cls, &n, err);
+    if (st != QT_OK) return st;
+    if (cls == H5T_INTEGER || cls == H5T_FLOAT) {
+        st = format_numbers(f, obj, name, a, cls, n, buf, cap, err);
+    } else if (cls == H5T_STRING && n == 1) {
+        char *s = NULL;
+        st = attr_read_open_str(f, obj, name, a, &s, err);
+        if (st == QT_OK) format_string(s, max_str, buf, cap);
+        free(s);
+    } else {
+        hid_t t = H5Aget_type(a);
+        H5ioInfo info = {.cls = cls, .size = t >= 0 ? H5Tget_size(t) : 0};
+        if (t >= 0) H5Tclose(t);
+        char ty[32];
+        snprintf(buf, cap, "<%lld x %s>", (long long)n, h5io_dtype_str(&info, ty, sizeof ty));
+    }
+    H5Aclose(a);
+    return st;
+}
+
+/* ---- listing ---------------------------------------------------------------------------- */
+
+typedef struct {
+    H5ioVisitFn fn;
+    H5ioAttrFn attr_fn;
+    void *ctx;
+} ListCtx;
+
+static herr_t list_cb(hid_t g, const char *name, const H5L_info_t *info, void *data) {
+    ListCtx *c = data;
+    H5ioKind k = info->type == H5L_TYPE_HARD ? link_kind(g, name) : H5IO_OTHER;
+    return c->fn(name, k, c->ctx) ? 1 : 0;
+}
+
+static QtStatus list_group(const H5ioFile *f, const char *group, bool recursive, H5ioVisitFn fn, void *ctx,
+                           bool *stopped, QtError *err) {
+    h5io_init();
+    if (stopped) *stopped = false;
+    hid_t g = H5Gopen2(f->id, h5name(group), H5P_DEFAULT);
+    if (g < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open group", group);
+    ListCtx c = {.fn = fn, .ctx = ctx};
+    herr_t r = recursive ? H5Lvisit(g, H5_INDEX_NAME, H5_ITER_INC, list_cb, &c)
+                         : H5Literate(g, H5_INDEX_NAME, H5_ITER_INC, NULL, list_cb, &c);
+    QtStatus st = r < 0 ? h5_fail(err, QT_ERR_FORMAT, f, "list group", group) : QT_OK;
+    if (r > 0 && stopped) *stopped = true;
+    H5Gclose(g);
+    return st;
+}
+
+QtStatus h5io_visit(const H5ioFile *f, const char *group, H5ioVisitFn fn, void *ctx, bool *stopped, QtError *err) {
+    return list_group(f, group, true, fn, ctx, stopped, err);
+}
+
+QtStatus h5io_iterate(const H5ioFile *f, const char *group, H5ioVisitFn fn, void *ctx, bool *stopped,
+                      QtError *err) {
+    return list_group(f, group, false, fn, ctx, stopped, err);
+}
+
+static herr_t attr_cb(hid_t loc, const char *name, const H5A_info_t *info, void *data) {
+    (void)loc;
+    (void)info;
+    ListCtx *c = data;
+    return c->attr_fn(name, c->ctx) ? 1 : 0;
+}
+
+QtStatus h5io_attr_iterate(const H5ioFile *f, const char *obj, H5ioAttrFn fn, void *ctx, QtError *err) {
+    h5io_init();
+    hid_t o = H5Oopen(f->id, h5name(obj), H5P_DEFAULT);
+    if (o < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open", obj);
+    ListCtx c = {.attr_fn = fn, .ctx = ctx};
+    QtStatus st = QT_OK;
+    if (H5Aiterate2(o, H5_INDEX_NAME, H5_ITER_INC, NULL, attr_cb, &c) < 0)
+        st = h5_fail(err, QT_ERR_FORMAT, f, "list the attributes of", obj);
+    H5Oclose(o);
+    return st;
+}
