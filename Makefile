@@ -4,7 +4,7 @@
 #   make deps       install the Debian packages qtrain needs, if missing
 #   make test       build and run the CUnit suites (installs deps first)
 #   make test SANITIZE=1   the same under AddressSanitizer + UBSan
-#   make run        the main job end to end (installs deps first)
+#   make run        pretrain the CNN on Fashion-MNIST end to end (installs deps first)
 #   make bench      benchmarks (timings live here, never in tests)
 #   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
 
@@ -90,7 +90,7 @@ test: deps
 
 run: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
-	./$(QTRAIN) demo
+	./$(QTRAIN) --config configs/pretrain.yaml
 
 bench: deps
 	$(MAKE) --no-print-directory $(BENCH_BINS)

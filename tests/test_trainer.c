@@ -66,7 +66,7 @@ static QtStatus run_quiet(const Config *c, const char *resume, int64_t stop_at, 
 
 /* The metrics.csv rows without the two timing columns. */
 static char *metrics_without_timings(const char *dir) {
-    char path[512];
+    char path[2048];
     snprintf(path, sizeof path, "%s/metrics.csv", dir);
     FILE *f = fopen(path, "r");
     if (!f) return NULL;
@@ -123,7 +123,7 @@ static void check_exact_resume(const char *config, int64_t k) {
     CU_ASSERT_EQUAL(rb2.steps, ra.steps);
     CU_ASSERT_EQUAL(rb2.test_accuracy, ra.test_accuracy);
     CU_ASSERT_EQUAL(rb2.test_loss, ra.test_loss);
-    char fa[512], fb[512];
+    char fa[2048], fb[2048];
     snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
     snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
     assert_same_params(a, fa, fb);
@@ -144,7 +144,7 @@ static void test_resume_is_exact_cnn(void) { check_exact_resume("tests/configs/t
 static void test_resume_is_exact_mlp(void) { check_exact_resume("tests/configs/tiny-mlp.yaml", 7); }
 
 static bool file_exists(const char *dir, const char *name) {
-    char p[512];
+    char p[2048];
     snprintf(p, sizeof p, "%s/%s", dir, name);
     struct stat st;
     return stat(p, &st) == 0;
@@ -165,7 +165,7 @@ static void test_run_outputs(void) {
     CU_ASSERT(r.test_accuracy > 0.3); /* 20 steps on 512 examples: well above chance (0.1) */
     CU_ASSERT(r.params_trainable > 0);
     CU_ASSERT_EQUAL(r.params_frozen, 0);
-    char path[512], json[4096] = "";
+    char path[2048], json[4096] = "";
     snprintf(path, sizeof path, "%s/summary.json", d);
     FILE *f = fopen(path, "r");
     CU_ASSERT_PTR_NOT_NULL_FATAL(f);

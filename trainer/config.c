@@ -1,0 +1,587 @@
+/* config.c - the config schema: a YAML tree into a checked Config.
+ *
+ * Value rules (the same for every key):
+ *   - A key given as null (`key:` or `key: null`) keeps its default.
+ *   - Numbers and booleans must be plain scalars: a quoted "3" is a string,
+ *     as in YAML itself, and is rejected where a number is expected.
+ *   - Integers are decimal (optional sign, no underscores, no 0x); a value
+ *     with a fraction or exponent is not an integer (batch_size: 1.5 fails).
+ *   - Numbers for float keys: decimal with optional fraction and exponent
+ *     (1e-3 is accepted, unlike strict YAML 1.1), .inf and .nan (which the
+ *     range checks then reject).
+ *   - Booleans: true/false, yes/no, on/off in any case (YAML 1.1 without the
+ *     single letters y/n, which too often mean something else).
+ *   - Strings may be plain or quoted; a plain 123 for a string key is "123".
+ * Layers store their resolved defaults (name, stride, eps, init_std), so the
+ * Config says exactly what model_init will build and config_to_yaml prints
+ * what actually runs. */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "config_schema.h"
+#include "yamltree.h"
+
+#define BATCH_MAX (1 << 20)
+#define THREADS_MAX 4096
+#define INPUT_DIM_MAX 65536
+#define INPUT_NUMEL_MAX (1 << 28)
+
+static const char *const TOP_KEYS[] = {"run", "data", "model", "train", "quant", "lora"};
+static const char *const RUN_KEYS[] = {"name", "out_dir", "seed", "threads"};
+static const char *const DATA_KEYS[] = {"dataset", "dir", "transform", "val_fraction", "shuffle", "drop_last"};
+static const char *const MODEL_KEYS[] = {"input", "layers", "init_from"};
+static const char *const TRAIN_KEYS[] = {"epochs",    "steps",      "batch_size", "eval_batch_size",
+                                         "optimizer", "schedule",   "grad_clip",  "eval_every",
+                                         "log_every", "checkpoint_every", "keep_last"};
+const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist"};
+
+#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* ---- messages -------------------------------------------------------------- */
+
+QtStatus cfg_fail(QtError *err, const YNode *at, const char *path, const char *fmt, ...) {
+    char where[CONFIG_PATH_MAX + 32], what[QT_ERROR_MSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return qt_error_set(err, QT_ERR_CONFIG, "%s: %s%s%s", at ? ynode_where(at, where, sizeof where) : "config", path,
+                        path[0] ? ": " : "", what);
+}
+
+const char *cfg_join(char *buf, size_t size, const char *path, const char *key) {
+    snprintf(buf, size, "%s%s%s", path, path[0] ? "." : "", key);
+    return buf;
+}
+
+int config_edit_distance(const char *a, const char *b) {
+    size_t la = strlen(a), lb = strlen(b);
+    int *row = malloc((lb + 1) * sizeof *row);
+    if (!row) return (int)(la > lb ? la : lb);
+    for (size_t j = 0; j <= lb; j++) row[j] = (int)j;
+    for (size_t i = 1; i <= la; i++) {
+        int diag = row[0]; /* row[i-1][j-1] */
+        row[0] = (int)i;
+        for (size_t j = 1; j <= lb; j++) {
+            int up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            diag = up;
+            row[j] = best;
+        }
+    }
+    int d = row[lb];
+    free(row);
+    return d;
+}
+
+static void list_keys(char *buf, size_t size, const char *const *keys, int n, unsigned allowed) {
+    buf[0] = '\0';
+    for (int i = 0; i < n; i++) {
+        if (!(allowed & (1u << i))) continue;
+        size_t len = strlen(buf);
+        snprintf(buf + len, size - len, "%s%s", len ? ", " : "", keys[i]);
+    }
+}
+
+QtStatus cfg_check_keys(QtError *err, const YNode *map, const char *path, const char *const *keys, int n,
+                        unsigned allowed, const char *owner) {
+    char valid[512], full[256];
+    list_keys(valid, sizeof valid, keys, n, allowed);
+    for (int k = 0; map && k < map->n; k++) {
+        const YNode *key = map->keys[k];
+        int idx = -1;
+        for (int i = 0; i < n && idx < 0; i++)
+            if (strcmp(key->text, keys[i]) == 0) idx = i;
+        if (idx >= 0 && (allowed & (1u << idx))) continue;
+        if (idx >= 0)
+            return cfg_fail(err, key, cfg_join(full, sizeof full, path, key->text),
+                            "does not apply to %s (its keys: %s)", owner, valid);
+        int best = -1, best_d = INT_MAX, len = (int)strlen(key->text);
+        for (int i = 0; i < n; i++) {
+            if (!(allowed & (1u << i))) continue;
+            int d = config_edit_distance(key->text, keys[i]);
+            if (d < best_d) best = i, best_d = d;
+        }
+        int limit = len / 3 > 2 ? len / 3 : 2;
+        const char *what = path[0] ? "key" : "top-level key";
+        if (best >= 0 && best_d <= limit && best_d < len)
+            return cfg_fail(err, key, path, "unknown %s '%s' (did you mean '%s'?)", what, key->text, keys[best]);
+        return cfg_fail(err, key, path, "unknown %s '%s' (valid keys: %s)", what, key->text, valid);
+    }
+    return QT_OK;
+}
+
+/* ---- scalars ------------------------------------------------------------------ */
+
+const YNode *cfg_field(const YNode *map, const char *key) {
+    const YNode *v = ynode_get(map, key);
+    return ynode_is_null(v) ? NULL : v;
+}
+
+QtStatus cfg_fail_expected(QtError *err, const YNode *v, const char *path, const char *expected, const char *extra) {
+    char got[96];
+    return cfg_fail(err, v, path, "expected %s, got %s%s", expected, ynode_describe(v, got, sizeof got), extra);
+}
+
+/* The same for numbers and booleans, with a hint when the value was quoted. */
+static QtStatus fail_scalar(QtError *err, const YNode *v, const char *path, const char *expected, const char *extra) {
+    char got[96];
+    bool quoted = v->kind == YNODE_SCALAR && !v->plain;
+    return cfg_fail(err, v, path, "expected %s, got %s%s%s", expected, ynode_describe(v, got, sizeof got), extra,
+                    quoted ? " (quotes make a string; write the value without them)" : "");
+}
+
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+/* 0: an integer in *out; 1: not an integer; 2: out of int64 range. */
+static int parse_int(const char *s, int64_t *out) {
+    const char *p = s + (*s == '+' || *s == '-');
+    if (!*p) return 1;
+    for (const char *q = p; *q; q++)
+        if (!is_digit(*q)) return 1;
+    errno = 0;
+    *out = strtoll(s, NULL, 10);
+    return errno == ERANGE ? 2 : 0;
+}
+
+/* YAML-style floats: [sign] digits [. digits] [e [sign] digits], .inf, .nan. */
+static bool parse_number(const char *s, double *out) {
+    const char *p = s + (*s == '+' || *s == '-');
+    if (strcasecmp(p, ".inf") == 0) return *out = *s == '-' ? -INFINITY : INFINITY, true;
+    if (strcasecmp(s, ".nan") == 0) return *out = NAN, true;
+    bool digits = false;
+    for (; is_digit(*p); p++) digits = true;
+    if (*p == '.')
+        for (p++; is_digit(*p); p++) digits = true;
+    if (!digits) return false;
+    if (*p == 'e' || *p == 'E') {
+        p += 1 + (p[1] == '+' || p[1] == '-');
+        if (!is_digit(*p)) return false;
+        while (is_digit(*p)) p++;
+    }
+    if (*p) return false;
+    *out = strtod(s, NULL); /* an overflow gives +-inf, which the finite check reports */
+    return true;
+}
+
+QtStatus cfg_to_int(QtError *err, const YNode *v, const char *path, int64_t lo, int64_t hi, int64_t *out) {
+    char expected[96];
+    if (hi == INT64_MAX || hi == INT_MAX)
+        snprintf(expected, sizeof expected, "an integer >= %" PRId64, lo);
+    else
+        snprintf(expected, sizeof expected, "an integer in [%" PRId64 ", %" PRId64 "]", lo, hi);
+    int64_t x = 0;
+    int r = v->kind == YNODE_SCALAR && v->plain ? parse_int(v->text, &x) : 1;
+    if (r == 0 && x >= lo && x <= hi) {
+        *out = x;
+        return QT_OK;
+    }
+    return fail_scalar(err, v, path, expected, r == 2 || (r == 0 && x > hi) ? ", which is too large" : "");
+}
+
+static QtStatus to_u64(QtError *err, const YNode *v, const char *path, uint64_t *out) {
+    const char *s = v->text;
+    bool ok = v->kind == YNODE_SCALAR && v->plain && s[*s == '+'] != '\0';
+    for (const char *p = s + (*s == '+'); ok && *p; p++) ok = is_digit(*p);
+    if (ok) {
+        errno = 0;
+        *out = strtoull(s, NULL, 10);
+        if (errno != ERANGE) return QT_OK;
+    }
+    return fail_scalar(err, v, path, "an integer in [0, 18446744073709551615]", "");
+}
+
+QtStatus cfg_to_number(QtError *err, const YNode *v, const char *path, CfgRange r, double *out) {
+    char expected[96];
+    if (isinf(r.lo) && isinf(r.hi))
+        snprintf(expected, sizeof expected, "a finite number");
+    else if (isinf(r.hi))
+        snprintf(expected, sizeof expected, "a finite number %s %g", r.lo_open ? ">" : ">=", r.lo);
+    else
+        snprintf(expected, sizeof expected, "a number in %c%g, %g%c", r.lo_open ? '(' : '[', r.lo, r.hi,
+                 r.hi_open ? ')' : ']');
+    double x = 0;
+    bool ok = v->kind == YNODE_SCALAR && v->plain && parse_number(v->text, &x);
+    /* Written so that NaN fails. */
+    bool in = ok && isfinite(x) && (r.lo_open ? x > r.lo : x >= r.lo) && (r.hi_open ? x < r.hi : x <= r.hi);
+    if (in && r.is_float && isinf((float)x)) return fail_scalar(err, v, path, expected, ", too large for a float");
+    if (!in) return fail_scalar(err, v, path, expected, "");
+    *out = x;
+    return QT_OK;
+}
+
+QtStatus cfg_to_bool(QtError *err, const YNode *v, const char *path, bool *out) {
+    static const char *const yes[] = {"true", "yes", "on"}, *const no[] = {"false", "no", "off"};
+    for (int i = 0; v->kind == YNODE_SCALAR && v->plain && i < 3; i++) {
+        if (strcasecmp(v->text, yes[i]) == 0) return *out = true, QT_OK;
+        if (strcasecmp(v->text, no[i]) == 0) return *out = false, QT_OK;
+    }
+    return fail_scalar(err, v, path, "true or false", "");
+}
+
+QtStatus cfg_to_str(QtError *err, const YNode *v, const char *path, bool allow_empty, char *out, size_t size) {
+    if (v->kind != YNODE_SCALAR) return cfg_fail_expected(err, v, path, "a string", "");
+    size_t len = strlen(v->text);
+    if (!allow_empty && len == 0) return cfg_fail(err, v, path, "expected a non-empty string, got \"\"");
+    if (len >= size)
+        return cfg_fail(err, v, path, "expected at most %zu characters, got %zu", size - 1, len);
+    cfg_set_str(out, size, v->text);
+    return QT_OK;
+}
+
+void cfg_set_str(char *out, size_t size, const char *s) {
+    memset(out, 0, size);
+    snprintf(out, size, "%s", s);
+}
+
+QtStatus cfg_get_i64(QtError *err, const YNode *map, const char *path, const char *key, int64_t lo, int64_t hi,
+                     int64_t *out) {
+    const YNode *v = cfg_field(map, key);
+    char full[256];
+    return v ? cfg_to_int(err, v, cfg_join(full, sizeof full, path, key), lo, hi, out) : QT_OK;
+}
+
+QtStatus cfg_get_int(QtError *err, const YNode *map, const char *path, const char *key, int lo, int hi, int *out) {
+    int64_t x = *out;
+    QtStatus st = cfg_get_i64(err, map, path, key, lo, hi, &x);
+    *out = (int)x;
+    return st;
+}
+
+QtStatus cfg_get_float(QtError *err, const YNode *map, const char *path, const char *key, CfgRange r, float *out) {
+    const YNode *v = cfg_field(map, key);
+    char full[256];
+    double x = *out;
+    r.is_float = true;
+    QtStatus st = v ? cfg_to_number(err, v, cfg_join(full, sizeof full, path, key), r, &x) : QT_OK;
+    *out = (float)x;
+    return st;
+}
+
+static QtStatus get_double(QtError *err, const YNode *map, const char *path, const char *key, CfgRange r,
+                           double *out) {
+    const YNode *v = cfg_field(map, key);
+    char full[256];
+    return v ? cfg_to_number(err, v, cfg_join(full, sizeof full, path, key), r, out) : QT_OK;
+}
+
+QtStatus cfg_get_bool(QtError *err, const YNode *map, const char *path, const char *key, bool *out) {
+    const YNode *v = cfg_field(map, key);
+    char full[256];
+    return v ? cfg_to_bool(err, v, cfg_join(full, sizeof full, path, key), out) : QT_OK;
+}
+
+QtStatus cfg_get_str(QtError *err, const YNode *map, const char *path, const char *key, bool allow_empty, char *out,
+                     size_t size) {
+    const YNode *v = cfg_field(map, key);
+    char full[256];
+    return v ? cfg_to_str(err, v, cfg_join(full, sizeof full, path, key), allow_empty, out, size) : QT_OK;
+}
+
+QtStatus cfg_section(QtError *err, const YNode *parent, const char *path, const char *key, const YNode **out) {
+    char full[256];
+    *out = cfg_field(parent, key);
+    if (*out && (*out)->kind != YNODE_MAPPING)
+        return cfg_fail_expected(err, *out, cfg_join(full, sizeof full, path, key), "a mapping of keys", "");
+    return QT_OK;
+}
+
+QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStatus st, const QtError *inner) {
+    if (st == QT_OK) return QT_OK;
+    return cfg_fail(err, at, path, "%s", inner->msg);
+}
+
+/* ---- sections ------------------------------------------------------------------ */
+
+static QtStatus load_run(QtError *err, const YNode *root, RunConfig *r) {
+    const YNode *m = NULL;
+    QtStatus st = cfg_section(err, root, "", "run", &m);
+    if (st == QT_OK) st = cfg_check_keys(err, m, "run", RUN_KEYS, N_OF(RUN_KEYS), ~0u, "run");
+    if (st == QT_OK) st = cfg_get_str(err, m, "run", "name", false, r->name, sizeof r->name);
+    const YNode *name = cfg_field(m, "name");
+    if (st == QT_OK && name && strchr(r->name, '/'))
+        st = cfg_fail(err, name, "run.name", "must not contain '/' (it names the directory runs/<name>), got \"%s\"",
+                      r->name);
+    char dir[CONFIG_PATH_MAX];
+    snprintf(dir, sizeof dir, "runs/%s", r->name);
+    cfg_set_str(r->out_dir, sizeof r->out_dir, dir);
+    if (st == QT_OK) st = cfg_get_str(err, m, "run", "out_dir", false, r->out_dir, sizeof r->out_dir);
+    const YNode *seed = cfg_field(m, "seed");
+    if (st == QT_OK && seed) st = to_u64(err, seed, "run.seed", &r->seed);
+    if (st == QT_OK) st = cfg_get_int(err, m, "run", "threads", 0, THREADS_MAX, &r->threads);
+    return st;
+}
+
+static QtStatus load_data(QtError *err, const YNode *root, DataConfig *d) {
+    const YNode *m = NULL;
+    QtStatus st = cfg_section(err, root, "", "data", &m);
+    if (st == QT_OK) st = cfg_check_keys(err, m, "data", DATA_KEYS, N_OF(DATA_KEYS), ~0u, "data");
+    const YNode *ds = cfg_field(m, "dataset");
+    char name[CONFIG_NAME_MAX];
+    if (st == QT_OK && ds) st = cfg_to_str(err, ds, "data.dataset", false, name, sizeof name);
+    if (st == QT_OK && ds) {
+        QtError inner = {0};
+        int idx = 0;
+        st = cfg_lookup_fail(err, ds, "data.dataset",
+                             qt_name_lookup("dataset", name, CONFIG_DATASETS, CONFIG_N_DATASETS, &idx, &inner), &inner);
+        if (st == QT_OK) cfg_set_str(d->dataset, sizeof d->dataset, CONFIG_DATASETS[idx]);
+    }
+    if (st == QT_OK) st = cfg_get_str(err, m, "data", "dir", false, d->dir, sizeof d->dir);
+    if (st == QT_OK) st = cfg_load_transforms(err, cfg_field(m, "transform"), d);
+    const CfgRange fraction = {0.0, 1.0, false, true, false};
+    if (st == QT_OK) st = get_double(err, m, "data", "val_fraction", fraction, &d->val_fraction);
+    if (st == QT_OK) st = cfg_get_bool(err, m, "data", "shuffle", &d->shuffle);
+    if (st == QT_OK) st = cfg_get_bool(err, m, "data", "drop_last", &d->drop_last);
+    return st;
+}
+
+static QtStatus load_input(QtError *err, const YNode *v, const YNode *model, ModelConfig *mc) {
+    if (!v) return cfg_fail(err, model, "model.input", "missing; give the per-example input shape, [C, H, W] or "
+                                                       "[features], e.g. input: [1, 28, 28]");
+    if (v->kind != YNODE_SEQUENCE || (v->n != 1 && v->n != 3)) {
+        char extra[32] = "";
+        if (v->kind == YNODE_SEQUENCE) snprintf(extra, sizeof extra, " of %d", v->n);
+        return cfg_fail_expected(err, v, "model.input", "a sequence of 1 or 3 integers ([features] or [C, H, W])",
+                                 extra);
+    }
+    int64_t numel = 1;
+    for (int i = 0; i < v->n; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "model.input[%d]", i);
+        int64_t x = 0;
+        QtStatus st = cfg_to_int(err, v->items[i], path, 1, INPUT_DIM_MAX, &x);
+        if (st != QT_OK) return st;
+        mc->input_shape[i] = (int)x;
+        numel *= x;
+    }
+    if (numel > INPUT_NUMEL_MAX)
+        return cfg_fail(err, v, "model.input", "%" PRId64 " elements per example is more than %d", numel,
+                        INPUT_NUMEL_MAX);
+    mc->input_ndim = v->n;
+    return QT_OK;
+}
+
+/* The dry run: layers whose shapes do not chain are reported at the first
+ * layer that fails, with model_init's explanation. */
+static QtStatus check_shapes(QtError *err, const ModelConfig *mc, const YNode *layers) {
+    Model m;
+    QtError inner = {0};
+    QtStatus st = model_init(&m, mc->input_ndim, mc->input_shape, mc->layers, mc->n_layers, &inner);
+    if (st == QT_OK) {
+        model_free(&m);
+        return QT_OK;
+    }
+    if (st == QT_ERR_NOMEM) return qt_error_set(err, st, "%s", inner.msg);
+    int bad = mc->n_layers - 1;
+    for (int k = 1; k < mc->n_layers; k++) {
+        QtError e = {0};
+        if (model_init(&m, mc->input_ndim, mc->input_shape, mc->layers, k, &e) != QT_OK) {
+            bad = k - 1;
+            break;
+        }
+        model_free(&m);
+    }
+    char path[64];
+    snprintf(path, sizeof path, "model.layers[%d]", bad);
+    return cfg_fail(err, layers->items[bad], path, "%s", inner.msg);
+}
+
+static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc) {
+    const YNode *m = NULL;
+    QtStatus st = cfg_section(err, root, "", "model", &m);
+    if (st != QT_OK) return st;
+    if (!m)
+        return cfg_fail(err, root, "model", "missing; a config needs model.input and model.layers (see "
+                                            "tests/configs/tiny-mlp.yaml)");
+    if ((st = cfg_check_keys(err, m, "model", MODEL_KEYS, N_OF(MODEL_KEYS), ~0u, "model")) != QT_OK) return st;
+    if ((st = load_input(err, cfg_field(m, "input"), m, mc)) != QT_OK) return st;
+    const YNode *layers = cfg_field(m, "layers");
+    if (!layers) return cfg_fail(err, m, "model.layers", "missing; give a list of layers, e.g. [{type: flatten}, "
+                                                         "{type: dense, units: 10}]");
+    if (layers->kind != YNODE_SEQUENCE || layers->n == 0)
+        return cfg_fail_expected(err, layers, "model.layers", "a non-empty sequence of layers",
+                             layers->kind == YNODE_SEQUENCE ? " (an empty one)" : "");
+    if (layers->n > CONFIG_MAX_LAYERS)
+        return cfg_fail(err, layers, "model.layers", "expected at most %d layers, got %d", CONFIG_MAX_LAYERS,
+                        layers->n);
+    for (int i = 0; i < layers->n; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "model.layers[%d]", i);
+        if ((st = cfg_load_layer(err, layers->items[i], path, i, &mc->layers[i])) != QT_OK) return st;
+        mc->n_layers = i + 1;
+    }
+    if ((st = cfg_get_str(err, m, "model", "init_from", true, mc->init_from, sizeof mc->init_from)) != QT_OK)
+        return st;
+    return check_shapes(err, mc, layers);
+}
+
+static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
+    const YNode *m = NULL;
+    QtStatus st = cfg_section(err, root, "", "train", &m);
+    if (st == QT_OK) st = cfg_check_keys(err, m, "train", TRAIN_KEYS, N_OF(TRAIN_KEYS), ~0u, "train");
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "epochs", 0, INT64_MAX, &t->epochs);
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "steps", 0, INT64_MAX, &t->steps);
+    if (st == QT_OK) st = cfg_get_int(err, m, "train", "batch_size", 1, BATCH_MAX, &t->batch_size);
+    if (st == QT_OK) st = cfg_get_int(err, m, "train", "eval_batch_size", 1, BATCH_MAX, &t->eval_batch_size);
+    if (st == QT_OK) st = cfg_load_optimizer(err, m, &t->optim);
+    if (st == QT_OK) st = cfg_load_schedule(err, m, t);
+    if (st == QT_OK) st = cfg_get_float(err, m, "train", "grad_clip", CFG_NONNEG, &t->grad_clip);
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "eval_every", 0, INT64_MAX, &t->eval_every);
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "log_every", 0, INT64_MAX, &t->log_every);
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "checkpoint_every", 0, INT64_MAX, &t->checkpoint_every);
+    if (st == QT_OK) st = cfg_get_int(err, m, "train", "keep_last", 0, INT_MAX, &t->keep_last);
+    return st;
+}
+
+/* quant and lora exist in the schema so that configs written for the later
+ * modes fail with a clear message instead of "unknown key". */
+static QtStatus load_later_modes(QtError *err, const YNode *root) {
+    const YNode *q = NULL, *l = NULL;
+    QtStatus st = cfg_section(err, root, "", "quant", &q);
+    for (int i = 0; st == QT_OK && q && i < q->n; i++) {
+        const YNode *key = q->keys[i], *v = q->items[i];
+        char path[256], got[96];
+        cfg_join(path, sizeof path, "quant", key->text);
+        if (strcmp(key->text, "mode") != 0)
+            st = cfg_fail(err, key, path, "quantization settings are not available in this version; only "
+                                          "quant.mode: none is accepted");
+        else if (!ynode_is_null(v) && (v->kind != YNODE_SCALAR || strcasecmp(v->text, "none") != 0))
+            st = cfg_fail(err, v, path, "%s is not available in this version; only 'none' is accepted",
+                          ynode_describe(v, got, sizeof got));
+    }
+    if (st == QT_OK) st = cfg_section(err, root, "", "lora", &l);
+    if (st == QT_OK && l && l->n > 0)
+        st = cfg_fail(err, l->keys[0], "lora", "LoRA is not available in this version; remove the lora section or "
+                                               "leave it empty");
+    return st;
+}
+
+static QtStatus load_root(QtError *err, const YNode *root, Config *c) {
+    QtStatus st = cfg_check_keys(err, root, "", TOP_KEYS, N_OF(TOP_KEYS), ~0u, "the top level");
+    if (st == QT_OK) st = load_run(err, root, &c->run);
+    if (st == QT_OK) st = load_data(err, root, &c->data);
+    if (st == QT_OK) st = load_model(err, root, &c->model);
+    if (st == QT_OK) st = load_train(err, root, &c->train);
+    if (st == QT_OK) st = load_later_modes(err, root);
+    return st;
+}
+
+/* ---- entry points ------------------------------------------------------------------ */
+
+void config_default(Config *c) {
+    memset(c, 0, sizeof *c);
+    cfg_set_str(c->run.name, sizeof c->run.name, "run");
+    cfg_set_str(c->run.out_dir, sizeof c->run.out_dir, "runs/run");
+    c->run.seed = 1;
+    cfg_set_str(c->data.dataset, sizeof c->data.dataset, CONFIG_DATASETS[0]);
+    cfg_set_str(c->data.dir, sizeof c->data.dir, "/usr/share/datasets/fashion-mnist");
+    c->data.shuffle = true;
+    TrainConfig *t = &c->train;
+    t->epochs = 1;
+    t->batch_size = 64;
+    t->eval_batch_size = 256;
+    cfg_optim_defaults(&t->optim, OPTIM_ADAMW);
+    t->schedule.kind = SCHED_CONSTANT;
+    t->schedule.gamma = 0.1f;
+    t->log_every = 50;
+    t->keep_last = 3;
+}
+
+static QtStatus load_text(Config *c, const char *text, size_t len, const char *name, const char *const *overrides,
+                          int n_overrides, QtError *err) {
+    YNode *root = NULL;
+    QtStatus st = ytree_parse(text, len, name, false, &root, err);
+    if (st == QT_OK && (!root || ynode_is_null(root)))
+        st = qt_error_set(err, QT_ERR_CONFIG,
+                          "%s:1:1: the config is empty; it needs at least a model section with input and layers",
+                          name);
+    if (st == QT_OK && root->kind != YNODE_MAPPING)
+        st = cfg_fail_expected(err, root, "", "a mapping of sections (run, data, model, train) at the top level", "");
+    for (int i = 0; st == QT_OK && i < n_overrides; i++) {
+        if (!overrides[i]) st = qt_error_set(err, QT_ERR_ARG, "config: override %d is NULL", i);
+        else st = ytree_set(root, overrides[i], err);
+    }
+    if (st == QT_OK) st = load_root(err, root, c);
+    ynode_free(root);
+    if (st != QT_OK) {
+        /* A half-filled Config must not look usable. */
+        config_default(c);
+        cfg_set_str(c->source, sizeof c->source, name);
+    }
+    return st;
+}
+
+QtStatus config_load_string(Config *c, const char *text, const char *name, const char *const *overrides,
+                            int n_overrides, QtError *err) {
+    if (!name) name = "<config>";
+    config_default(c);
+    cfg_set_str(c->source, sizeof c->source, name);
+    if (!text) return qt_error_set(err, QT_ERR_ARG, "%s: no config text", name);
+    return load_text(c, text, strlen(text), name, overrides, n_overrides, err);
+}
+
+#define CONFIG_FILE_MAX (16 << 20)
+
+/* The whole file in *text (malloc'd, NUL-terminated), its length in *len. */
+static QtStatus read_file(const char *path, char **text, size_t *len, QtError *err) {
+    *text = NULL;
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot open config file '%s': %s", path, strerror(errno));
+    size_t cap = 0;
+    QtStatus st = QT_OK;
+    for (;;) {
+        if (cap - *len < 2) { /* room for one more byte and the NUL */
+            if (cap >= CONFIG_FILE_MAX) {
+                st = qt_error_set(err, QT_ERR_CONFIG, "config file '%s' is larger than %d MiB; is it a config?", path,
+                                  CONFIG_FILE_MAX >> 20);
+                break;
+            }
+            size_t grown_cap = cap ? 2 * cap : 4096;
+            char *grown = realloc(*text, grown_cap);
+            if (!grown) {
+                st = qt_error_set(err, QT_ERR_NOMEM, "cannot allocate %zu bytes to read '%s'", grown_cap, path);
+                break;
+            }
+            *text = grown;
+            cap = grown_cap;
+        }
+        size_t got = fread(*text + *len, 1, cap - 1 - *len, f);
+        *len += got;
+        if (got == 0) {
+            if (ferror(f))
+                st = qt_error_set(err, QT_ERR_IO, "cannot read config file '%s': %s", path, strerror(errno));
+            break;
+        }
+    }
+    fclose(f);
+    if (st != QT_OK) {
+        free(*text);
+        *text = NULL;
+        return st;
+    }
+    (*text)[*len] = '\0';
+    return QT_OK;
+}
+
+QtStatus config_load(Config *c, const char *path, const char *const *overrides, int n_overrides, QtError *err) {
+    config_default(c);
+    if (!path) return qt_error_set(err, QT_ERR_ARG, "config_load: no path");
+    cfg_set_str(c->source, sizeof c->source, path);
+    char *text = NULL;
+    size_t len = 0;
+    QtStatus st = read_file(path, &text, &len, err);
+    if (st == QT_OK) st = load_text(c, text, len, path, overrides, n_overrides, err);
+    free(text);
+    return st;
+}

@@ -1,0 +1,179 @@
+/* config_emit.c - config_to_yaml: the resolved Config as YAML that loads
+ * back into the same Config. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "config_schema.h"
+
+/* The shortest %g that reads back (through the loader's strtod and the cast
+ * to float) as exactly v: "0.001" rather than "0.00100000005". At 9
+ * significant digits every float reads back exactly. */
+static const char *fmt_float(char *buf, size_t size, float v) {
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, size, "%.*g", prec, (double)v);
+        if ((float)strtod(buf, NULL) == v) break;
+    }
+    return buf;
+}
+
+/* The same for a double (17 digits always suffice). */
+static const char *fmt_double(char *buf, size_t size, double v) {
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, size, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    return buf;
+}
+
+/* A plain scalar when it cannot be read as anything but this string (a
+ * letter-first word of [A-Za-z0-9_./-] that is not a bool or null), else a
+ * double-quoted one with escapes. */
+static void put_str(FILE *f, const char *s) {
+    static const char *const reserved[] = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"};
+    bool plain = (s[0] >= 'a' && s[0] <= 'z') || (s[0] >= 'A' && s[0] <= 'Z') || s[0] == '_' || s[0] == '/';
+    for (const char *p = s; plain && *p; p++)
+        plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || strchr("_./-", *p);
+    for (size_t i = 0; plain && i < sizeof reserved / sizeof reserved[0]; i++) plain = strcasecmp(s, reserved[i]) != 0;
+    if (plain) {
+        fputs(s, f);
+        return;
+    }
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if (*p < 0x20 || *p == 0x7f)
+            fprintf(f, "\\x%02x", *p);
+        else
+            fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
+static void put_key_str(FILE *f, const char *indent, const char *key, const char *s) {
+    fprintf(f, "%s%s: ", indent, key);
+    put_str(f, s);
+    fputc('\n', f);
+}
+
+static void put_transform(FILE *f, const Transform *t) {
+    char a[32], b[32];
+    const char *name = transform_kind_name(t->kind);
+    switch (t->kind) {
+    case TRANSFORM_NORMALIZE:
+        if (t->stats_given)
+            fprintf(f, "{normalize: {mean: %s, std: %s}}", fmt_float(a, sizeof a, t->mean),
+                    fmt_float(b, sizeof b, t->std));
+        else
+            fputs(name, f);
+        break;
+    case TRANSFORM_CLASSES:
+        fputs("{classes: [", f);
+        for (int j = 0; j < t->n_classes; j++) fprintf(f, "%s%d", j ? ", " : "", t->classes[j]);
+        fputs("]}", f);
+        break;
+    case TRANSFORM_LIMIT: fprintf(f, "{limit: %d}", t->limit); break;
+    default: fputs(name, f); break;
+    }
+}
+
+/* One layer in flow style, with the keys that apply to its type. */
+static void put_layer(FILE *f, const LayerSpec *s) {
+    char a[32];
+    fputs("    - {name: ", f);
+    put_str(f, s->name);
+    fprintf(f, ", type: %s", layer_type_name(s->type));
+    switch (s->type) {
+    case LAYER_DENSE: fprintf(f, ", units: %d", s->units); break;
+    case LAYER_CONV2D:
+        fprintf(f, ", out_channels: %d, kernel: %d, stride: %d, padding: %d", s->out_channels, s->kernel, s->stride,
+                s->padding);
+        break;
+    case LAYER_MAXPOOL2D:
+    case LAYER_AVGPOOL2D: fprintf(f, ", kernel: %d, stride: %d", s->kernel, s->stride); break;
+    case LAYER_DROPOUT: fprintf(f, ", p: %s", fmt_float(a, sizeof a, s->p)); break;
+    case LAYER_LAYERNORM: fprintf(f, ", eps: %s", fmt_float(a, sizeof a, s->eps)); break;
+    default: break;
+    }
+    if (s->type == LAYER_DENSE || s->type == LAYER_CONV2D) {
+        fprintf(f, ", bias: %s, init: %s", s->no_bias ? "false" : "true", init_kind_name(s->init));
+        if (s->init == INIT_NORMAL) fprintf(f, ", init_std: %s", fmt_float(a, sizeof a, s->init_std));
+    }
+    fputs("}\n", f);
+}
+
+static void put_run_data(FILE *f, const Config *c) {
+    char a[48];
+    fputs("run:\n", f);
+    put_key_str(f, "  ", "name", c->run.name);
+    put_key_str(f, "  ", "out_dir", c->run.out_dir);
+    fprintf(f, "  seed: %" PRIu64 "\n  threads: %d\n", c->run.seed, c->run.threads);
+    const DataConfig *d = &c->data;
+    fputs("data:\n", f);
+    put_key_str(f, "  ", "dataset", d->dataset);
+    put_key_str(f, "  ", "dir", d->dir);
+    fputs(d->n_transforms ? "  transform:\n" : "  transform: []\n", f);
+    for (int i = 0; i < d->n_transforms; i++) {
+        fputs("    - ", f);
+        put_transform(f, &d->transforms[i]);
+        fputc('\n', f);
+    }
+    fprintf(f, "  val_fraction: %s\n  shuffle: %s\n  drop_last: %s\n", fmt_double(a, sizeof a, d->val_fraction),
+            d->shuffle ? "true" : "false", d->drop_last ? "true" : "false");
+}
+
+static void put_model(FILE *f, const ModelConfig *m) {
+    fputs("model:\n  input: [", f);
+    for (int i = 0; i < m->input_ndim; i++) fprintf(f, "%s%d", i ? ", " : "", m->input_shape[i]);
+    fputs(m->n_layers ? "]\n  layers:\n" : "]\n  layers: []\n", f);
+    for (int i = 0; i < m->n_layers; i++) put_layer(f, &m->layers[i]);
+    put_key_str(f, "  ", "init_from", m->init_from);
+}
+
+static void put_train(FILE *f, const TrainConfig *t) {
+    char a[32], b[32];
+    fprintf(f,
+            "train:\n  epochs: %" PRId64 "\n  steps: %" PRId64 "\n  batch_size: %d\n  eval_batch_size: %d\n"
+            "  optimizer:\n    name: %s\n",
+            t->epochs, t->steps, t->batch_size, t->eval_batch_size, optim_kind_name(t->optim.kind));
+    const OptimConfig *o = &t->optim;
+    fprintf(f, "    lr: %s\n    weight_decay: %s\n", fmt_float(a, sizeof a, o->lr),
+            fmt_float(b, sizeof b, o->weight_decay));
+    if (o->kind == OPTIM_ADAMW) {
+        fprintf(f, "    betas: [%s, ", fmt_float(a, sizeof a, o->beta1));
+        fprintf(f, "%s]\n    eps: %s\n", fmt_float(a, sizeof a, o->beta2), fmt_float(b, sizeof b, o->eps));
+    } else {
+        fprintf(f, "    momentum: %s\n    dampening: %s\n    nesterov: %s\n", fmt_float(a, sizeof a, o->momentum),
+                fmt_float(b, sizeof b, o->dampening), o->nesterov ? "true" : "false");
+    }
+    const LrSchedule *s = &t->schedule;
+    fprintf(f, "  schedule:\n    name: %s\n    warmup_steps: %" PRId64 "\n", sched_kind_name(s->kind),
+            s->warmup_steps);
+    if (s->kind == SCHED_COSINE) fprintf(f, "    min_lr: %s\n", fmt_float(a, sizeof a, s->min_lr));
+    if (s->kind == SCHED_STEP)
+        fprintf(f, "    step_size: %" PRId64 "\n    gamma: %s\n", s->step_size, fmt_float(a, sizeof a, s->gamma));
+    fprintf(f,
+            "  grad_clip: %s\n  eval_every: %" PRId64 "\n  log_every: %" PRId64 "\n  checkpoint_every: %" PRId64
+            "\n  keep_last: %d\n",
+            fmt_float(a, sizeof a, t->grad_clip), t->eval_every, t->log_every, t->checkpoint_every, t->keep_last);
+}
+
+char *config_to_yaml(const Config *c) {
+    char *text = NULL;
+    size_t size = 0;
+    FILE *f = open_memstream(&text, &size);
+    if (!f) return NULL;
+    put_run_data(f, c);
+    put_model(f, &c->model);
+    put_train(f, &c->train);
+    fputs("quant:\n  mode: none\nlora: {}\n", f);
+    bool failed = ferror(f) != 0;
+    if (fclose(f) != 0 || failed) {
+        free(text);
+        return NULL;
+    }
+    return text;
+}

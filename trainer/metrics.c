@@ -1,0 +1,147 @@
+/* metrics.c - metrics.csv, the progress bar, and a small JSON writer. */
+#include "metrics.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define METRICS_HEADER "split,step,epoch,loss,accuracy,lr,samples_per_s,wall_s\n"
+
+double metrics_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void format_duration(char *buf, size_t cap, double seconds) {
+    long s = seconds > 0 && seconds < 1e9 ? (long)(seconds + 0.5) : 0;
+    if (s >= 3600) snprintf(buf, cap, "%ldh%02ldm", s / 3600, s / 60 % 60);
+    else if (s >= 60) snprintf(buf, cap, "%ldm%02lds", s / 60, s % 60);
+    else snprintf(buf, cap, "%lds", s);
+}
+
+/* Copies the rows of an existing metrics.csv with step <= keep into `out`.
+ * A missing file is not an error: the resumed run may use a new out_dir. */
+static void metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
+    FILE *in = fopen(path, "r");
+    if (!in) return;
+    char line[512];
+    bool header = true;
+    while (fgets(line, sizeof line, in)) {
+        if (header) {
+            header = false;
+            continue;
+        }
+        const char *comma = strchr(line, ',');
+        char *end = NULL;
+        long long step = comma ? strtoll(comma + 1, &end, 10) : -1;
+        if (comma && end != comma + 1 && step <= keep) fputs(line, out);
+    }
+    fclose(in);
+}
+
+QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step, QtError *err) {
+    memset(ml, 0, sizeof *ml);
+    snprintf(ml->path, sizeof ml->path, "%s/metrics.csv", dir);
+    char tmp[sizeof ml->path + 32];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", ml->path, (long)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; make run.out_dir a writable directory", tmp,
+                            strerror(errno));
+    fputs(METRICS_HEADER, f);
+    if (keep_through_step >= 0) metrics_copy_rows(f, ml->path, keep_through_step);
+    if (fflush(f) != 0 || rename(tmp, ml->path) != 0) {
+        int e = errno;
+        fclose(f);
+        remove(tmp);
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", ml->path, strerror(e));
+    }
+    /* The renamed file stays open: rows are appended to the real name. */
+    ml->csv = f;
+    return QT_OK;
+}
+
+void metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
+                   double lr, double samples_per_s, double wall_s) {
+    if (!ml->csv) return;
+    fprintf(ml->csv, "%s,%" PRId64 ",%.4f,%.9g,%.9g,%.9g,%.1f,%.3f\n", split, step, epoch, loss, accuracy, lr,
+            samples_per_s, wall_s);
+    fflush(ml->csv);
+}
+
+void metrics_close(MetricsLog *ml) {
+    if (ml->csv) fclose(ml->csv);
+    ml->csv = NULL;
+}
+
+void progress_init(Progress *p, FILE *out, int64_t first_step, double now) {
+    *p = (Progress){.out = out, .first_step = first_step, .t_start = now, .t_last_draw = -1.0};
+}
+
+void progress_update(Progress *p, int64_t step, int64_t total, double loss, double now) {
+    if (!p->out || total <= 0 || (now - p->t_last_draw < 0.1 && step < total)) return;
+    enum { WIDTH = 30 };
+    double frac = (double)step / (double)total;
+    int filled = (int)(frac * WIDTH);
+    char bar[WIDTH + 1];
+    for (int i = 0; i < WIDTH; i++) bar[i] = i < filled ? '=' : (i == filled ? '>' : ' ');
+    bar[WIDTH] = '\0';
+    double rate = (double)(step - p->first_step) / (now - p->t_start + 1e-9);
+    char eta[32] = "?";
+    if (rate > 0) format_duration(eta, sizeof eta, (double)(total - step) / rate);
+    fprintf(p->out, "\r\033[K[%s] %3d%% %" PRId64 "/%" PRId64 " %.1f steps/s ETA %s loss %.4f", bar,
+            (int)(100.0 * frac), step, total, rate, eta, loss);
+    fflush(p->out);
+    p->t_last_draw = now;
+    p->drawn = true;
+}
+
+void progress_clear(Progress *p) {
+    if (!p->out || !p->drawn) return;
+    fputs("\r\033[K", p->out);
+    fflush(p->out);
+    p->drawn = false;
+}
+
+void json_begin(JsonWriter *w, FILE *f) {
+    w->f = f;
+    w->n = 0;
+    fputs("{", f);
+}
+
+static void json_key(JsonWriter *w, const char *key) {
+    fprintf(w->f, "%s\n  \"%s\": ", w->n++ ? "," : "", key);
+}
+
+void json_number(JsonWriter *w, const char *key, double v) {
+    json_key(w, key);
+    if (isfinite(v)) fprintf(w->f, "%.17g", v);
+    else fputs("null", w->f);
+}
+
+void json_int(JsonWriter *w, const char *key, int64_t v) {
+    json_key(w, key);
+    fprintf(w->f, "%" PRId64, v);
+}
+
+void json_string(JsonWriter *w, const char *key, const char *v) {
+    json_key(w, key);
+    if (!v) {
+        fputs("null", w->f);
+        return;
+    }
+    fputc('"', w->f);
+    for (const unsigned char *c = (const unsigned char *)v; *c; c++) {
+        if (*c == '"' || *c == '\\') fprintf(w->f, "\\%c", *c);
+        else if (*c < 0x20) fprintf(w->f, "\\u%04x", *c);
+        else fputc(*c, w->f);
+    }
+    fputc('"', w->f);
+}
+
+void json_end(JsonWriter *w) { fputs("\n}\n", w->f); }

@@ -1,0 +1,518 @@
+/* train.c - a run: data and model from the config, the step loop, eval,
+ * checkpoints with exact resume, metrics.csv and summary.json. */
+#include "train.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "data/dataset.h"
+#include "nn/arena.h"
+#include "nn/gemm.h"
+#include "nn/model.h"
+#include "nn/ops.h"
+#include "nn/optim.h"
+#include "nn/rng.h"
+#include "nn/schedule.h"
+#include "nn/tape.h"
+#include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
+#include "trainer/version.h"
+
+/* The first step's arena; it grows to the high-water mark once, then stays. */
+#define RUN_ARENA_INITIAL (4u << 20)
+
+typedef struct {
+    const Config *cfg;
+    const TrainOptions *opt;
+    Dataset train, val, test;
+    Model model;
+    Optimizer optim;
+    Arena arena;
+    Tape tape;
+    Rng dropout;            /* the tape's generator: dropout masks */
+    Batcher batcher;
+    LrSchedule sched;
+    int64_t total_steps, steps_per_epoch;
+    int64_t step;           /* optimizer steps done */
+    float *bx;              /* (batch_size, feat) training batch */
+    int32_t *by;            /* [batch_size] */
+    float *ex;              /* (eval_batch_size, feat) evaluation batch */
+    int32_t *ey;            /* [eval_batch_size] */
+    double win_loss_sum;    /* training window since the last log line */
+    int64_t win_correct, win_seen, win_steps;
+    char *config_text;      /* resolved YAML, stored in checkpoints */
+    MetricsLog metrics;
+    Progress progress;
+    double t_start, train_s;
+    int64_t trained_examples;
+} Run;
+
+static void run_free(Run *r) {
+    metrics_close(&r->metrics);
+    batcher_free(&r->batcher);
+    optim_free(&r->optim);
+    model_free(&r->model);
+    tape_free(&r->tape);
+    arena_free(&r->arena);
+    dataset_free(&r->train), dataset_free(&r->val), dataset_free(&r->test);
+    free(r->bx), free(r->by), free(r->ex), free(r->ey);
+    free(r->config_text);
+}
+
+/* mkdir -p. */
+static QtStatus make_dirs(const char *path, QtError *err) {
+    char buf[CONFIG_PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+        return qt_error_set(err, QT_ERR_CONFIG, "run.out_dir: path too long (%zu characters)", strlen(path));
+    for (char *p = buf + 1;; p++) {
+        char c = *p;
+        if (c != '/' && c != '\0') continue;
+        *p = '\0';
+        if (mkdir(buf, 0777) != 0 && errno != EEXIST)
+            return qt_error_set(err, QT_ERR_IO, "cannot create the output directory %s: %s; set run.out_dir to a "
+                                "writable place", buf, strerror(errno));
+        *p = c;
+        if (c == '\0') break;
+    }
+    struct stat st;
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+        return qt_error_set(err, QT_ERR_IO, "run.out_dir %s exists but is not a directory", path);
+    if (access(path, W_OK | X_OK) != 0)
+        return qt_error_set(err, QT_ERR_IO, "run.out_dir %s is not writable: %s", path, strerror(errno));
+    return QT_OK;
+}
+
+static QtStatus run_load_data(Run *r, QtError *err) {
+    const DataConfig *dc = &r->cfg->data;
+    QtStatus st = dataset_load_fashion_mnist(&r->train, &r->test, dc->dir, err);
+    if (st == QT_OK) st = dataset_apply_transforms(&r->train, &r->test, dc->transforms, dc->n_transforms, err);
+    if (st == QT_OK) st = dataset_split_tail(&r->train, &r->val, dc->val_fraction, err);
+    return st;
+}
+
+/* The model's input must be the data's example shape (or its flattening)
+ * and its output one logit per class. */
+static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
+    const ModelConfig *mc = &r->cfg->model;
+    const Dataset *d = &r->train;
+    int feat = 1;
+    for (int i = 0; i < mc->input_ndim; i++) feat *= mc->input_shape[i];
+    bool same = mc->input_ndim == d->ndim && memcmp(mc->input_shape, d->shape, sizeof(int) * (size_t)d->ndim) == 0;
+    if (!same && !(mc->input_ndim == 1 && feat == d->feat))
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: model.input has %d values per example but the %s examples are (%d, %d, %d) = %d "
+                            "values; set model.input to [%d, %d, %d] or [%d]",
+                            r->cfg->source, feat, r->cfg->data.dataset, d->shape[0], d->shape[1], d->shape[2],
+                            d->feat, d->shape[0], d->shape[1], d->shape[2], d->feat);
+    const Module *last = &r->model.modules[r->model.n_modules - 1];
+    if (last->out_ndim != 1 || last->out_shape[0] != d->n_classes)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: the last layer (%s) must give one logit per class: the data has %d classes, the "
+                            "model gives %d values per example; set the last dense layer's units to %d",
+                            r->cfg->source, last->path, d->n_classes,
+                            last->out_ndim == 1 ? last->out_shape[0] : -1, d->n_classes);
+    return QT_OK;
+}
+
+static QtStatus run_build_model(Run *r, QtError *err) {
+    const Config *c = r->cfg;
+    QtStatus st = model_init(&r->model, c->model.input_ndim, c->model.input_shape, c->model.layers,
+                             c->model.n_layers, err);
+    if (st != QT_OK) return st;
+    if ((st = run_check_model_fits_data(r, err)) != QT_OK) return st;
+    Rng init;
+    rng_init(&init, c->run.seed, RNG_STREAM_INIT);
+    model_init_params(&r->model, &init);
+    if (c->model.init_from[0] && (st = checkpoint_load_params(c->model.init_from, &r->model, err)) != QT_OK)
+        return st;
+    return optim_init(&r->optim, &c->train.optim, r->model.param_list, r->model.n_params, err);
+}
+
+static QtStatus run_plan_steps(Run *r, QtError *err) {
+    const TrainConfig *tc = &r->cfg->train;
+    QtStatus st = batcher_init(&r->batcher, &r->train, tc->batch_size, r->cfg->data.shuffle, r->cfg->data.drop_last,
+                               r->cfg->run.seed, err);
+    if (st != QT_OK) return st;
+    r->steps_per_epoch = batcher_steps_per_epoch(&r->batcher);
+    if (r->steps_per_epoch < 1)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: train.batch_size %d is larger than the %d training examples and data.drop_last "
+                            "is true, so an epoch has no batch; lower the batch size or set drop_last: false",
+                            r->cfg->source, tc->batch_size, r->train.n);
+    r->total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->steps_per_epoch;
+    r->sched = tc->schedule;
+    r->sched.base_lr = tc->optim.lr;
+    r->sched.total_steps = r->total_steps;
+    if (r->total_steps > 0 && (st = lr_schedule_validate(&r->sched, err)) != QT_OK) return st;
+    return QT_OK;
+}
+
+static QtStatus run_alloc(Run *r, QtError *err) {
+    const TrainConfig *tc = &r->cfg->train;
+    size_t feat = (size_t)r->train.feat;
+    r->bx = malloc((size_t)tc->batch_size * feat * sizeof(float));
+    r->by = malloc((size_t)tc->batch_size * sizeof(int32_t));
+    r->ex = malloc((size_t)tc->eval_batch_size * feat * sizeof(float));
+    r->ey = malloc((size_t)tc->eval_batch_size * sizeof(int32_t));
+    r->config_text = config_to_yaml(r->cfg);
+    if (!r->bx || !r->by || !r->ex || !r->ey || !r->config_text || arena_init(&r->arena, RUN_ARENA_INITIAL) != 0)
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory allocating batches (batch_size %d, eval_batch_size %d)",
+                            tc->batch_size, tc->eval_batch_size);
+    rng_init(&r->dropout, r->cfg->run.seed, RNG_STREAM_DROPOUT);
+    return tape_init(&r->tape, &r->arena, &r->dropout, err);
+}
+
+static CheckpointState run_checkpoint_state(Run *r) {
+    CheckpointState s = {
+        .step = r->step, .epoch = r->batcher.epoch, .cursor = r->batcher.cursor, .seed = r->cfg->run.seed,
+        .n_train = r->train.n, .log_loss_sum = r->win_loss_sum, .log_correct = r->win_correct,
+        .log_seen = r->win_seen, .log_steps = r->win_steps, .n_rngs = 1, .config_text = r->config_text,
+    };
+    s.rngs[0].name = "dropout";
+    s.rngs[0].rng = &r->dropout;
+    return s;
+}
+
+/* Restores everything that decides the rest of the run from `path`. */
+static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
+    CheckpointState s = run_checkpoint_state(r);
+    QtStatus st = checkpoint_load(path, &r->model, &r->optim, &s, err);
+    if (st != QT_OK) return st;
+    if (s.seed != r->cfg->run.seed || s.n_train != r->train.n)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "cannot resume from %s: it was trained with run.seed %" PRIu64 " on %" PRId64
+                            " training examples, this config has seed %" PRIu64 " and %d; resuming would not "
+                            "reproduce the run (start a new out_dir instead)",
+                            path, s.seed, s.n_train, r->cfg->run.seed, r->train.n);
+    if ((st = batcher_seek(&r->batcher, s.epoch, (int)s.cursor, err)) != QT_OK) return st;
+    r->step = s.step;
+    r->win_loss_sum = s.log_loss_sum;
+    r->win_correct = s.log_correct, r->win_seen = s.log_seen, r->win_steps = s.log_steps;
+    return QT_OK;
+}
+
+/* --resume: an explicit path, or "auto" = the newest checkpoint in out_dir
+ * (none there: a fresh start). Returns the path used in `used` ("" = none). */
+static QtStatus run_resume(Run *r, char *used, size_t cap, QtError *err) {
+    used[0] = '\0';
+    const char *resume = r->opt->resume;
+    if (!resume) return QT_OK;
+    if (strcmp(resume, "auto") == 0) {
+        QtError none = {0};
+        if (checkpoint_find_latest(r->cfg->run.out_dir, used, cap, &none) != QT_OK) {
+            used[0] = '\0';
+            return QT_OK;
+        }
+    } else {
+        snprintf(used, cap, "%s", resume);
+    }
+    return run_resume_from(r, used, err);
+}
+
+static int count_correct(const Var *logits, const int32_t *y, int n) {
+    int classes = logits->value.shape[1], correct = 0;
+    for (int i = 0; i < n; i++) {
+        const float *z = logits->value.data + (size_t)i * (size_t)classes;
+        int best = 0;
+        for (int c = 1; c < classes; c++) best = z[c] > z[best] ? c : best;
+        correct += best == y[i];
+    }
+    return correct;
+}
+
+/* A Var over the first n examples of a batch buffer, shaped (n, input...). */
+static Var *run_wrap_batch(Run *r, float *x, int n) {
+    int shape[4] = {n};
+    const Model *m = &r->model;
+    for (int i = 0; i < m->input_ndim; i++) shape[1 + i] = m->input_shape[i];
+    return tape_wrap(&r->tape, x, 1 + m->input_ndim, shape);
+}
+
+/* Mean cross-entropy and accuracy over a whole data set, forward only. */
+static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *accuracy, QtError *err) {
+    Tape *t = &r->tape;
+    bool was_training = t->training, had_grad = t->grad_enabled;
+    t->training = false, t->grad_enabled = false;
+    double loss_sum = 0.0;
+    int64_t correct = 0;
+    QtStatus st = QT_OK;
+    int bs = r->cfg->train.eval_batch_size;
+    for (int start = 0; start < d->n && st == QT_OK; start += bs) {
+        int n = d->n - start < bs ? d->n - start : bs;
+        dataset_fill_range(d, start, n, r->ex, r->ey);
+        Var *logits = model_forward(&r->model, t, run_wrap_batch(r, r->ex, n));
+        Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
+        if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->step, t->err.msg);
+        else loss_sum += (double)l->value.data[0] * n, correct += count_correct(logits, r->ey, n);
+        tape_reset(t);
+    }
+    t->training = was_training, t->grad_enabled = had_grad;
+    *loss = d->n ? loss_sum / d->n : NAN;
+    *accuracy = d->n ? (double)correct / d->n : NAN;
+    return st;
+}
+
+static double run_epoch(const Run *r) { return (double)r->step / (double)r->steps_per_epoch; }
+
+static void run_say(Run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void run_say(Run *r, const char *fmt, ...) {
+    if (r->opt->quiet) return;
+    progress_clear(&r->progress);
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    fflush(stdout);
+}
+
+/* Evaluates val (if any) and test, logs and records both. */
+static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
+                                 QtError *err) {
+    double wall = metrics_now() - r->t_start;
+    *val_loss = *val_acc = -1.0;
+    QtStatus st = QT_OK;
+    if (r->val.n > 0 && (st = run_evaluate(r, &r->val, val_loss, val_acc, err)) == QT_OK) {
+        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f acc:%.4f\n", r->step, run_epoch(r),
+                *val_loss, *val_acc);
+        metrics_write(&r->metrics, "val", r->step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall);
+    }
+    if (st == QT_OK && (st = run_evaluate(r, &r->test, test_loss, test_acc, err)) == QT_OK) {
+        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f acc:%.4f\n", r->step, run_epoch(r),
+                *test_loss, *test_acc);
+        metrics_write(&r->metrics, "test", r->step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0, wall);
+    }
+    return st;
+}
+
+/* One optimizer step on the next batch. */
+static QtStatus run_step(Run *r, QtError *err) {
+    Tape *t = &r->tape;
+    int n = batcher_next(&r->batcher, r->bx, r->by, NULL);
+    Var *logits = model_forward(&r->model, t, run_wrap_batch(r, r->bx, n));
+    Var *loss = nn_softmax_cross_entropy(t, logits, r->by);
+    if (tape_backward(t, loss) != QT_OK)
+        return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->step + 1, t->err.msg);
+    double l = loss->value.data[0];
+    if (!isfinite(l))
+        return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training loss is %g; lower "
+                            "train.optimizer.lr or set train.grad_clip", r->step + 1, l);
+    r->win_loss_sum += l;
+    r->win_correct += count_correct(logits, r->by, n);
+    r->win_seen += n, r->win_steps++;
+    if (r->cfg->train.grad_clip > 0)
+        optim_clip_grad_norm(r->model.param_list, r->model.n_params, r->cfg->train.grad_clip);
+    optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
+    optim_zero_grad(&r->optim);
+    tape_reset(t);
+    r->step++;
+    r->trained_examples += n;
+    return QT_OK;
+}
+
+static void run_log_window(Run *r, double samples_per_s) {
+    double loss = r->win_loss_sum / (double)r->win_steps, acc = (double)r->win_correct / (double)r->win_seen;
+    double lr = lr_schedule_at(&r->sched, r->step - 1);
+    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f\n", r->step, run_epoch(r),
+            loss, acc, lr, samples_per_s);
+    metrics_write(&r->metrics, "train", r->step, run_epoch(r), loss, acc, lr, samples_per_s,
+                  metrics_now() - r->t_start);
+    r->win_loss_sum = 0.0;
+    r->win_correct = r->win_seen = r->win_steps = 0;
+}
+
+static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtError *err) {
+    CheckpointState s = run_checkpoint_state(r);
+    return checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->model, &r->optim, &s,
+                                  saved, cap, err);
+}
+
+/* The step loop, from r->step to total_steps. */
+static QtStatus run_loop(Run *r, double *last_train_loss, QtError *err) {
+    const TrainConfig *tc = &r->cfg->train;
+    double t_window = metrics_now(), train_window_s = 0.0;
+    int64_t window_examples = 0;
+    QtStatus st = QT_OK;
+    int64_t stop = r->opt->stop_at_step > 0 ? r->opt->stop_at_step : INT64_MAX;
+    while (st == QT_OK && r->step < r->total_steps && r->step < stop) {
+        double t0 = metrics_now();
+        int64_t before = r->trained_examples;
+        if ((st = run_step(r, err)) != QT_OK) break;
+        double dt = metrics_now() - t0;
+        r->train_s += dt, train_window_s += dt;
+        window_examples += r->trained_examples - before;
+        bool last = r->step == r->total_steps;
+        if (r->step % tc->log_every == 0 || last) {
+            *last_train_loss = r->win_loss_sum / (double)r->win_steps;
+            run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9));
+            window_examples = 0, train_window_s = 0.0, t_window = metrics_now();
+        }
+        if (tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
+            double tl, ta, vl, va;
+            st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
+        }
+        if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last)
+            st = run_save(r, NULL, NULL, 0, err);
+        progress_update(&r->progress, r->step, r->total_steps,
+                        r->win_steps ? r->win_loss_sum / (double)r->win_steps : *last_train_loss, metrics_now());
+    }
+    (void)t_window;
+    progress_clear(&r->progress);
+    return st;
+}
+
+static QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
+                                      QtError *err) {
+    char tmp[CONFIG_PATH_MAX + 64];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+    JsonWriter w;
+    json_begin(&w, f);
+    json_string(&w, "name", r->cfg->run.name);
+    json_string(&w, "config", r->cfg->source);
+    json_string(&w, "qtrain_version", QTRAIN_VERSION);
+    json_string(&w, "mode", "float");
+    json_int(&w, "steps", res->steps);
+    json_number(&w, "epochs", res->epochs);
+    json_number(&w, "test_accuracy", res->test_accuracy);
+    json_number(&w, "test_loss", res->test_loss);
+    json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
+    json_number(&w, "val_loss", res->val_loss >= 0 ? res->val_loss : NAN);
+    json_number(&w, "train_loss", res->train_loss >= 0 ? res->train_loss : NAN);
+    json_int(&w, "test_examples", r->test.n);
+    json_int(&w, "train_examples", r->train.n);
+    json_number(&w, "wall_s", res->wall_s);
+    json_number(&w, "train_s", r->train_s);
+    json_number(&w, "samples_per_s", res->samples_per_s);
+    json_int(&w, "params_trainable", res->params_trainable);
+    json_int(&w, "params_frozen", res->params_frozen);
+    json_int(&w, "model_bytes", res->model_bytes);
+    json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
+    if (ckpt) json_string(&w, "checkpoint", ckpt);
+    json_end(&w);
+    bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        int e = errno;
+        remove(tmp);
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(e));
+    }
+    return QT_OK;
+}
+
+static void run_fill_result(const Run *r, TrainResult *res) {
+    res->steps = r->step;
+    res->epochs = run_epoch(r);
+    res->wall_s = metrics_now() - r->t_start;
+    res->samples_per_s = r->train_s > 0 ? (double)r->trained_examples / r->train_s : 0.0;
+    res->params_trainable = (int64_t)model_param_count(&r->model, true);
+    res->params_frozen = (int64_t)model_param_count(&r->model, false) - res->params_trainable;
+    res->model_bytes = (int64_t)model_param_bytes(&r->model);
+}
+
+static void run_print_plan(Run *r, const char *resumed) {
+    if (r->opt->quiet) return;
+    const Config *c = r->cfg;
+    printf("qtrain %s: config %s\n--- resolved config ---\n%s--- end of config ---\n", QTRAIN_VERSION, c->source,
+           r->config_text);
+    printf("data: %s from %s: %d train, %d val, %d test examples of (%d, %d, %d), %d classes\n", c->data.dataset,
+           c->data.dir, r->train.n, r->val.n, r->test.n, r->train.shape[0], r->train.shape[1], r->train.shape[2],
+           r->train.n_classes);
+    printf("model:\n");
+    model_print(&r->model, stdout);
+    printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
+           r->total_steps, r->steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
+           (double)c->train.optim.lr, sched_kind_name(c->train.schedule.kind), c->run.out_dir);
+    if (c->model.init_from[0]) printf("init_from: %s\n", c->model.init_from);
+    if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->step, run_epoch(r));
+    fflush(stdout);
+}
+
+static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
+    QtStatus st = QT_OK;
+    if (r->cfg->run.threads > 0) gemm_set_threads(r->cfg->run.threads);
+    if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
+    if ((st = run_load_data(r, err)) != QT_OK) return st;
+    if ((st = run_build_model(r, err)) != QT_OK) return st;
+    if ((st = run_plan_steps(r, err)) != QT_OK) return st;
+    if ((st = run_alloc(r, err)) != QT_OK) return st;
+    if ((st = run_resume(r, resumed, cap, err)) != QT_OK) return st;
+    return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
+}
+
+QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, QtError *err) {
+    Run r;
+    memset(&r, 0, sizeof r);
+    memset(res, 0, sizeof *res);
+    r.cfg = cfg, r.opt = o, r.t_start = metrics_now();
+    char resumed[CONFIG_PATH_MAX + 32];
+    QtStatus st = run_setup(&r, resumed, sizeof resumed, err);
+    if (st != QT_OK) {
+        run_free(&r);
+        return st;
+    }
+    run_print_plan(&r, resumed);
+    progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
+    r.tape.training = true;
+    double train_loss = -1.0;
+    st = run_loop(&r, &train_loss, err);
+    char final_path[CONFIG_PATH_MAX + 32] = "";
+    if (st == QT_OK && r.step < r.total_steps) { /* stopped early: a checkpoint to resume from */
+        st = run_save(&r, NULL, final_path, sizeof final_path, err);
+        run_fill_result(&r, res);
+        res->stopped = true;
+        if (st == QT_OK) run_say(&r, "stopped: step:%" PRId64 " checkpoint:%s\n", r.step, final_path);
+        run_free(&r);
+        return st;
+    }
+    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
+                                           &res->val_accuracy, err);
+    if (st == QT_OK) st = run_save(&r, "final.h5", final_path, sizeof final_path, err);
+    if (st == QT_OK) {
+        run_fill_result(&r, res);
+        res->train_loss = train_loss;
+        char path[CONFIG_PATH_MAX + 32];
+        snprintf(path, sizeof path, "%s/summary.json", cfg->run.out_dir);
+        st = write_json_atomically(path, &r, res, final_path, err);
+    }
+    if (st == QT_OK)
+        run_say(&r, "done: steps:%" PRId64 " test_accuracy:%.4f test_loss:%.4f wall_s:%.1f samples/s:%.0f "
+                "checkpoint:%s\n", res->steps, res->test_accuracy, res->test_loss, res->wall_s, res->samples_per_s,
+                final_path);
+    run_free(&r);
+    return st;
+}
+
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool quiet, TrainResult *res,
+                               QtError *err) {
+    Run r;
+    memset(&r, 0, sizeof r);
+    memset(res, 0, sizeof *res);
+    TrainOptions o = {.quiet = quiet};
+    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now();
+    QtStatus st = make_dirs(cfg->run.out_dir, err);
+    if (st == QT_OK) st = run_load_data(&r, err);
+    if (st == QT_OK) st = run_build_model(&r, err);
+    if (st == QT_OK) st = checkpoint_load_params(checkpoint, &r.model, err);
+    if (st == QT_OK) st = run_plan_steps(&r, err);
+    if (st == QT_OK) st = run_alloc(&r, err);
+    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
+                                           &res->val_accuracy, err);
+    if (st == QT_OK) {
+        run_fill_result(&r, res);
+        res->train_loss = -1.0;
+        res->samples_per_s = 0.0;
+        char path[CONFIG_PATH_MAX + 32];
+        snprintf(path, sizeof path, "%s/eval.json", cfg->run.out_dir);
+        st = write_json_atomically(path, &r, res, checkpoint, err);
+    }
+    run_free(&r);
+    return st;
+}

@@ -1,0 +1,46 @@
+/* train.h - a training run from a Config: data, model, loop, eval,
+ * checkpoints, metrics. What `qtrain --config F` and `qtrain eval` run. */
+#ifndef QTRAIN_TRAINER_TRAIN_H
+#define QTRAIN_TRAINER_TRAIN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "nn/error.h"
+#include "trainer/config.h"
+
+typedef struct {
+    const char *resume;   /* NULL = fresh start; a checkpoint path; "auto" = newest in out_dir
+                             (a fresh start if there is none) */
+    bool quiet;           /* no config print and no per-step lines; errors and the final line only */
+    bool progress;        /* a progress bar with ETA on stderr (the CLI sets it when stderr is a TTY) */
+    int64_t stop_at_step; /* > 0: stop after this step with a checkpoint, as an interrupted run would,
+                             without the final eval (a later --resume continues); 0 = run to the end */
+} TrainOptions;
+
+typedef struct {
+    int64_t steps;        /* optimizer steps at the end (counting resumed ones) */
+    bool stopped;         /* stopped early by stop_at_step: no final eval, no summary.json */
+    double epochs;        /* epochs done (fractional) */
+    double test_loss, test_accuracy;
+    double val_loss, val_accuracy; /* -1 if there is no validation split */
+    double train_loss;    /* mean over the last logging window; -1 if no step ran */
+    double wall_s;        /* this invocation */
+    double samples_per_s; /* training examples per second of training time (eval and checkpoints excluded) */
+    int64_t params_trainable, params_frozen;
+    int64_t model_bytes;
+} TrainResult;
+
+/* Trains per cfg, writing metrics.csv, summary.json and checkpoints into
+ * cfg->run.out_dir; every checkpoint stores config_to_yaml(cfg). Returns a
+ * status and fills err: QT_ERR_CONFIG for what the config asks that cannot
+ * be done (a model whose input does not match the data), other codes for
+ * runtime failures. */
+QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *r, QtError *err);
+
+/* Evaluates the parameters of `checkpoint` on the test split of cfg's data
+ * (and validation split, if any); writes <out_dir>/eval.json. */
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool quiet, TrainResult *r,
+                               QtError *err);
+
+#endif
