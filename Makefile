@@ -90,7 +90,7 @@ test: deps
 
 run: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
-	./$(QTRAIN) --config configs/pretrain.yaml
+	./$(QTRAIN) --config configs/pretrain.yaml --resume auto
 
 bench: deps
 	$(MAKE) --no-print-directory $(BENCH_BINS)

@@ -247,6 +247,89 @@ static void test_bad_inputs(void) {
     free(c);
 }
 
+static char *read_file(const char *dir, const char *name) {
+    char path[2048];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *buf = calloc(1 << 16, 1);
+    if (buf) buf[fread(buf, 1, (1 << 16) - 1, f)] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* What a resume may and may not do. */
+static void test_resume_rules(void) {
+    QtError err = {0};
+    TrainResult r;
+    Config *c = load_config("tests/configs/tiny-mlp.yaml", "rules", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    CU_ASSERT_EQUAL_FATAL(run_quiet(c, NULL, 0, &r, &err), QT_OK);
+    double wall = r.wall_s;
+
+    /* a finished run: nothing to do, nothing rewritten */
+    char *metrics = read_file(c->run.out_dir, "metrics.csv"), *summary = read_file(c->run.out_dir, "summary.json");
+    CU_ASSERT_EQUAL(run_quiet(c, "auto", 0, &r, &err), QT_OK);
+    CU_ASSERT(r.already_complete);
+    char *metrics2 = read_file(c->run.out_dir, "metrics.csv"), *summary2 = read_file(c->run.out_dir, "summary.json");
+    CU_ASSERT(metrics && metrics2 && strcmp(metrics, metrics2) == 0);
+    CU_ASSERT(summary && summary2 && strcmp(summary, summary2) == 0);
+    free(metrics), free(metrics2), free(summary), free(summary2);
+
+    /* a fresh start over an earlier run's checkpoints is refused */
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(run_quiet(c, NULL, 0, &r, &err), QT_ERR_CONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "--resume auto"));
+
+    /* a resume that would change the data order or the model is refused */
+    char ckpt[2048];
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-00000010.h5", c->run.out_dir);
+    const char *other_batch[] = {"train.batch_size=16"};
+    Config *c2 = load_config("tests/configs/tiny-mlp.yaml", "rules", other_batch, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(run_quiet(c2, ckpt, 0, &r, &err), QT_ERR_CONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "train.batch_size"));
+    free(c2);
+
+    /* a checkpoint beyond the config's steps, and a stop before the checkpoint */
+    const char *fewer[] = {"train.steps=5"};
+    c2 = load_config("tests/configs/tiny-mlp.yaml", "rules", fewer, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(run_quiet(c2, ckpt, 0, &r, &err), QT_ERR_CONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "train.steps"));
+    free(c2);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(run_quiet(c, ckpt, 4, &r, &err), QT_ERR_ARG);
+
+    /* totals carry over a stop and resume; init_from is not needed to resume */
+    char init[2300], moved[2300];
+    snprintf(init, sizeof init, "model.init_from=%s/final.h5", c->run.out_dir);
+    snprintf(moved, sizeof moved, "%s/base.h5", tmp_root);
+    const char *from[] = {init, "train.log_every=0"};
+    c2 = load_config("tests/configs/tiny-mlp.yaml", "rules-init", from, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL_FATAL(run_quiet(c2, NULL, 3, &r, &err), QT_OK);
+    CU_ASSERT(r.stopped);
+    CU_ASSERT_EQUAL(rename(init + strlen("model.init_from="), moved), 0);
+    CU_ASSERT_EQUAL(run_quiet(c2, "auto", 0, &r, &err), QT_OK);
+    if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL(r.steps, 20);
+    CU_ASSERT(r.samples_per_s > 0);
+    CU_ASSERT(r.train_loss == r.train_loss); /* log_every 0 still logs the last step */
+    CU_ASSERT(wall > 0);
+    char *m = read_file(c2->run.out_dir, "metrics.csv");
+    CU_ASSERT_PTR_NOT_NULL(m);
+    int train_rows = 0;
+    for (const char *q = m; q && (q = strstr(q, "\ntrain,")) != NULL; q++) train_rows++;
+    CU_ASSERT_EQUAL(train_rows, 1); /* log_every 0: only the last step's row */
+    CU_ASSERT(m && strstr(m, "\ntrain,20,"));
+    free(m);
+    free(c2), free(c);
+}
+
 /* The binary: exit status 0 / 1 / 2 and a message on stderr. */
 static int run_cli(const char *args) {
     const char *bin = getenv("QTRAIN_BIN") ? getenv("QTRAIN_BIN") : "build/qtrain";
@@ -260,6 +343,7 @@ static void test_cli_exit_status(void) {
     char args[512];
     CU_ASSERT_EQUAL(run_cli("--version"), 0);
     CU_ASSERT_EQUAL(run_cli("--help"), 0);
+    CU_ASSERT_EQUAL(run_cli("--config tests/configs/tiny-mlp.yaml --help"), 0);
     CU_ASSERT_EQUAL(run_cli(""), 2);
     CU_ASSERT_EQUAL(run_cli("--config"), 2);
     CU_ASSERT_EQUAL(run_cli("--config tests/configs/tiny-mlp.yaml --bogus"), 2);
@@ -287,5 +371,6 @@ int register_trainer_suite(void) {
            !CU_add_test(s, "resume is bit-identical (MLP, AdamW, mid-window stop)", test_resume_is_exact_mlp) ||
            !CU_add_test(s, "a run writes metrics, summary and checkpoints; eval agrees", test_run_outputs) ||
            !CU_add_test(s, "bad data dir, out_dir, input shape, checkpoints", test_bad_inputs) ||
+           !CU_add_test(s, "resume: finished run, dirty out_dir, changed config, totals", test_resume_rules) ||
            !CU_add_test(s, "CLI exit status 0/1/2", test_cli_exit_status);
 }

@@ -14,7 +14,10 @@
  *   /data             attrs epoch, cursor (int64): position of the next batch;
  *                     seed (uint64), n_train (int64)
  *   /train            attrs loss_sum (double), correct, seen, steps (int64):
- *                     training metrics accumulated since the last log line
+ *                     training metrics accumulated since the last log line;
+ *                     run totals over all invocations: train_s, wall_s
+ *                     (double, seconds), trained_examples (int64),
+ *                     last_train_loss (double, NaN before the first log line)
  *   /quant, /lora     reserved for the quantized and adapter modes
  *
  * Every file is written to "<name>.tmp.<pid>" in the same directory,
@@ -47,6 +50,10 @@ typedef struct {
     int64_t n_train;       /* training examples (a resume on other data is refused) */
     double log_loss_sum;   /* train metrics since the last log line */
     int64_t log_correct, log_seen, log_steps;
+    double train_s;        /* seconds spent in training steps, over all invocations */
+    double wall_s;         /* wall seconds of the run, over all invocations */
+    int64_t trained_examples; /* training examples processed, over all invocations */
+    double last_train_loss;   /* mean loss of the last logged window; NaN if none yet */
     struct {
         const char *name;  /* "dropout" */
         Rng *rng;          /* save: read from; load: restored into */

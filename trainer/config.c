@@ -429,8 +429,8 @@ static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
     const YNode *m = NULL;
     QtStatus st = cfg_section(err, root, "", "train", &m);
     if (st == QT_OK) st = cfg_check_keys(err, m, "train", TRAIN_KEYS, N_OF(TRAIN_KEYS), ~0u, "train");
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "epochs", 0, INT64_MAX, &t->epochs);
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "steps", 0, INT64_MAX, &t->steps);
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "epochs", 0, 1000000, &t->epochs);
+    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "steps", 0, 1000000000000LL, &t->steps);
     if (st == QT_OK) st = cfg_get_int(err, m, "train", "batch_size", 1, BATCH_MAX, &t->batch_size);
     if (st == QT_OK) st = cfg_get_int(err, m, "train", "eval_batch_size", 1, BATCH_MAX, &t->eval_batch_size);
     if (st == QT_OK) st = cfg_load_optimizer(err, m, &t->optim);

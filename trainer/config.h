@@ -17,6 +17,7 @@
 #define QTRAIN_TRAINER_CONFIG_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "data/dataset.h"
@@ -55,8 +56,8 @@ typedef struct {
 } ModelConfig;
 
 typedef struct {
-    int64_t epochs;                 /* train.epochs, default 1; 0 = evaluate only */
-    int64_t steps;                  /* train.steps, default 0 = from epochs; overrides epochs when > 0 */
+    int64_t epochs;                 /* train.epochs, default 1, at most 10^6; 0 = evaluate only */
+    int64_t steps;                  /* train.steps, default 0 = from epochs; overrides epochs when > 0; <= 10^12 */
     int batch_size;                 /* train.batch_size, default 64 */
     int eval_batch_size;            /* train.eval_batch_size, default 256 */
     OptimConfig optim;              /* train.optimizer: name, lr, weight_decay, betas, eps,
@@ -65,7 +66,7 @@ typedef struct {
                                        base_lr and total_steps are filled in by the trainer */
     float grad_clip;                /* train.grad_clip, default 0 = off */
     int64_t eval_every;             /* train.eval_every (steps), default 0 = at the end only */
-    int64_t log_every;              /* train.log_every (steps), default 50 */
+    int64_t log_every;              /* train.log_every (steps), default 50; 0 = only the last step */
     int64_t checkpoint_every;       /* train.checkpoint_every (steps), default 0 = final only */
     int keep_last;                  /* train.keep_last, default 3; 0 = keep all */
 } TrainConfig;
@@ -94,6 +95,15 @@ QtStatus config_load_string(Config *c, const char *text, const char *name, const
 /* The resolved config as YAML text (malloc'd; the caller frees). NULL only
  * if memory runs out. */
 char *config_to_yaml(const Config *c);
+
+/* What differs between the config stored in a checkpoint and the one
+ * resuming it. `fixed` gets the first key that must not change (it decides
+ * the data order or the model: data.* but dir, model.* but init_from,
+ * run.seed, train.batch_size), e.g. "model.layers[3]", or "" if none;
+ * `changed` gets a comma-separated list of training keys that differ
+ * (optimizer, schedule, epochs/steps, grad_clip), or "". */
+void config_diff_for_resume(const Config *stored, const Config *now, char *fixed, size_t fixed_cap, char *changed,
+                            size_t changed_cap);
 
 /* Levenshtein distance (for "did you mean"); exposed for tests. */
 int config_edit_distance(const char *a, const char *b);

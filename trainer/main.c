@@ -79,6 +79,10 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
             }
             a->overrides[a->n_overrides++] = v, i++;
         } else if (strcmp(o, "--quiet") == 0 || strcmp(o, "-q") == 0) a->quiet = true;
+        else if (strcmp(o, "--help") == 0 || strcmp(o, "-h") == 0) {
+            usage(stdout);
+            exit(0);
+        }
         else {
             fprintf(stderr, "qtrain%s: unknown option '%s' (see qtrain --help)\n", cmd, o);
             exit(2);
@@ -116,8 +120,10 @@ static int cmd_train(int argc, char **argv) {
     QtStatus st = train_run(cfg, &o, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
-    if (a.quiet) printf("test_accuracy:%.4f test_loss:%.4f steps:%lld\n", r.test_accuracy, r.test_loss,
-                        (long long)r.steps);
+    if (a.quiet && r.stopped) printf("stopped: steps:%lld\n", (long long)r.steps);
+    else if (a.quiet && r.already_complete) printf("already complete: steps:%lld\n", (long long)r.steps);
+    else if (a.quiet) printf("test_accuracy:%.4f test_loss:%.4f steps:%lld\n", r.test_accuracy, r.test_loss,
+                             (long long)r.steps);
     return 0;
 }
 
@@ -133,7 +139,11 @@ static int cmd_eval(int argc, char **argv) {
     if (!cfg) return 1;
     QtStatus st;
     if (a.config) {
-        st = config_load(cfg, a.config, a.overrides, a.n_overrides, &err);
+        if (config_load(cfg, a.config, a.overrides, a.n_overrides, &err) != QT_OK) {
+            free(cfg);
+            return fail(&err, 2);
+        }
+        st = QT_OK;
     } else {
         char *text = NULL, name[CONFIG_PATH_MAX + 16];
         snprintf(name, sizeof name, "%s:/config", a.checkpoint);

@@ -66,12 +66,15 @@ QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step
     return QT_OK;
 }
 
-void metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
-                   double lr, double samples_per_s, double wall_s) {
-    if (!ml->csv) return;
-    fprintf(ml->csv, "%s,%" PRId64 ",%.4f,%.9g,%.9g,%.9g,%.1f,%.3f\n", split, step, epoch, loss, accuracy, lr,
-            samples_per_s, wall_s);
-    fflush(ml->csv);
+QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
+                       double lr, double samples_per_s, double wall_s, QtError *err) {
+    if (!ml->csv) return QT_OK;
+    int n = fprintf(ml->csv, "%s,%" PRId64 ",%.4f,%.9g,%.9g,%.9g,%.1f,%.3f\n", split, step, epoch, loss, accuracy,
+                    lr, samples_per_s, wall_s);
+    if (n < 0 || fflush(ml->csv) != 0)
+        return qt_error_set(err, QT_ERR_IO, "cannot append to %s: %s; free disk space or change run.out_dir",
+                            ml->path, strerror(errno));
+    return QT_OK;
 }
 
 void metrics_close(MetricsLog *ml) {

@@ -23,8 +23,9 @@ typedef struct {
  * (a resume) keeps the existing rows with step <= keep_through_step and
  * drops later ones (written after the checkpoint by the run that stopped). */
 QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step, QtError *err);
-void metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
-                   double lr, double samples_per_s, double wall_s);
+/* Appends a row and flushes it; QT_ERR_IO (e.g. a full disk) if it fails. */
+QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
+                       double lr, double samples_per_s, double wall_s, QtError *err);
 void metrics_close(MetricsLog *ml);
 
 /* A one-line progress bar redrawn in place on a terminal. */

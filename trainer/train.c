@@ -41,6 +41,8 @@ typedef struct {
     LrSchedule sched;
     int64_t total_steps, steps_per_epoch;
     int64_t step;           /* optimizer steps done */
+    int64_t saved_step;     /* step of the newest checkpoint written by this invocation, -1 = none */
+    bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
     float *bx;              /* (batch_size, feat) training batch */
     int32_t *by;            /* [batch_size] */
     float *ex;              /* (eval_batch_size, feat) evaluation batch */
@@ -50,8 +52,11 @@ typedef struct {
     char *config_text;      /* resolved YAML, stored in checkpoints */
     MetricsLog metrics;
     Progress progress;
-    double t_start, train_s;
-    int64_t trained_examples;
+    double t_start;         /* this invocation's start */
+    double wall_before;     /* wall seconds of earlier invocations of this run (resume) */
+    double train_s;         /* seconds in training steps, over all invocations */
+    int64_t trained_examples; /* over all invocations */
+    double last_train_loss; /* mean loss of the last logged window, NaN before the first */
 } Run;
 
 static void run_free(Run *r) {
@@ -121,7 +126,10 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
     return QT_OK;
 }
 
-static QtStatus run_build_model(Run *r, QtError *err) {
+/* init_from is read only by a fresh run: a resumed run or an evaluation
+ * takes every parameter from its checkpoint (and must not need the base
+ * file to still exist). */
+static QtStatus run_build_model(Run *r, bool use_init_from, QtError *err) {
     const Config *c = r->cfg;
     QtStatus st = model_init(&r->model, c->model.input_ndim, c->model.input_shape, c->model.layers,
                              c->model.n_layers, err);
@@ -130,8 +138,11 @@ static QtStatus run_build_model(Run *r, QtError *err) {
     Rng init;
     rng_init(&init, c->run.seed, RNG_STREAM_INIT);
     model_init_params(&r->model, &init);
-    if (c->model.init_from[0] && (st = checkpoint_load_params(c->model.init_from, &r->model, err)) != QT_OK)
-        return st;
+    if (use_init_from && c->model.init_from[0]) {
+        QtError e = {0};
+        if (checkpoint_load_params(c->model.init_from, &r->model, &e) != QT_OK)
+            return qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
+    }
     return optim_init(&r->optim, &c->train.optim, r->model.param_list, r->model.n_params, err);
 }
 
@@ -146,21 +157,30 @@ static QtStatus run_plan_steps(Run *r, QtError *err) {
                             "%s: train.batch_size %d is larger than the %d training examples and data.drop_last "
                             "is true, so an epoch has no batch; lower the batch size or set drop_last: false",
                             r->cfg->source, tc->batch_size, r->train.n);
+    /* epochs <= 10^6 and steps per epoch < 2^31: no overflow */
     r->total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->steps_per_epoch;
     r->sched = tc->schedule;
     r->sched.base_lr = tc->optim.lr;
     r->sched.total_steps = r->total_steps;
-    if (r->total_steps > 0 && (st = lr_schedule_validate(&r->sched, err)) != QT_OK) return st;
+    QtError e = {0};
+    if (r->total_steps > 0 && lr_schedule_validate(&r->sched, &e) != QT_OK)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: train.schedule: %s (the run has %" PRId64 " steps: %s)",
+                            r->cfg->source, e.msg, r->total_steps,
+                            tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch");
     return QT_OK;
 }
 
 static QtStatus run_alloc(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
     size_t feat = (size_t)r->train.feat;
-    r->bx = malloc((size_t)tc->batch_size * feat * sizeof(float));
-    r->by = malloc((size_t)tc->batch_size * sizeof(int32_t));
-    r->ex = malloc((size_t)tc->eval_batch_size * feat * sizeof(float));
-    r->ey = malloc((size_t)tc->eval_batch_size * sizeof(int32_t));
+    /* No batch is ever larger than its data set. */
+    int bs = tc->batch_size < r->train.n ? tc->batch_size : r->train.n;
+    int eval_n = r->test.n > r->val.n ? r->test.n : r->val.n;
+    int ebs = tc->eval_batch_size < eval_n ? tc->eval_batch_size : eval_n;
+    r->bx = malloc((size_t)(bs > 0 ? bs : 1) * feat * sizeof(float));
+    r->by = malloc((size_t)(bs > 0 ? bs : 1) * sizeof(int32_t));
+    r->ex = malloc((size_t)(ebs > 0 ? ebs : 1) * feat * sizeof(float));
+    r->ey = malloc((size_t)(ebs > 0 ? ebs : 1) * sizeof(int32_t));
     r->config_text = config_to_yaml(r->cfg);
     if (!r->bx || !r->by || !r->ex || !r->ey || !r->config_text || arena_init(&r->arena, RUN_ARENA_INITIAL) != 0)
         return qt_error_set(err, QT_ERR_NOMEM, "out of memory allocating batches (batch_size %d, eval_batch_size %d)",
@@ -173,11 +193,44 @@ static CheckpointState run_checkpoint_state(Run *r) {
     CheckpointState s = {
         .step = r->step, .epoch = r->batcher.epoch, .cursor = r->batcher.cursor, .seed = r->cfg->run.seed,
         .n_train = r->train.n, .log_loss_sum = r->win_loss_sum, .log_correct = r->win_correct,
-        .log_seen = r->win_seen, .log_steps = r->win_steps, .n_rngs = 1, .config_text = r->config_text,
+        .log_seen = r->win_seen, .log_steps = r->win_steps, .train_s = r->train_s,
+        .wall_s = r->wall_before + metrics_now() - r->t_start, .trained_examples = r->trained_examples,
+        .last_train_loss = r->last_train_loss, .n_rngs = 1, .config_text = r->config_text,
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
     return s;
+}
+
+/* Refuses a resume whose config would not continue the same run, and
+ * reports training keys that changed. */
+static QtStatus run_check_resume_config(Run *r, const char *path, QtError *err) {
+    char *text = NULL;
+    QtStatus st = checkpoint_read_config(path, &text, err);
+    if (st != QT_OK) return st;
+    Config *stored = malloc(sizeof *stored);
+    QtError e = {0};
+    char name[CONFIG_PATH_MAX + 16];
+    snprintf(name, sizeof name, "%s:/config", path);
+    if (!stored) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory reading the config of %s", path);
+    else if (config_load_string(stored, text, name, NULL, 0, &e) != QT_OK)
+        st = qt_error_set(err, QT_ERR_FORMAT, "cannot resume from %s: its stored config does not load: %s", path,
+                          e.msg);
+    free(text);
+    char fixed[96] = "", changed[512] = "";
+    if (st == QT_OK) config_diff_for_resume(stored, r->cfg, fixed, sizeof fixed, changed, sizeof changed);
+    free(stored);
+    if (st != QT_OK) return st;
+    if (fixed[0])
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "cannot resume from %s: %s differs from the checkpoint's config, so the resumed run "
+                            "would not continue the same run; restore it (`qtrain inspect %s` shows the stored "
+                            "config) or start afresh in another run.out_dir",
+                            path, fixed, path);
+    if (changed[0] && !r->opt->quiet)
+        fprintf(stderr, "qtrain: warning: resuming with a changed %s: the run continues, but will not match an "
+                "uninterrupted run of either config\n", changed);
+    return QT_OK;
 }
 
 /* Restores everything that decides the rest of the run from `path`. */
@@ -185,35 +238,50 @@ static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     CheckpointState s = run_checkpoint_state(r);
     QtStatus st = checkpoint_load(path, &r->model, &r->optim, &s, err);
     if (st != QT_OK) return st;
-    if (s.seed != r->cfg->run.seed || s.n_train != r->train.n)
+    if (s.n_train != r->train.n)
         return qt_error_set(err, QT_ERR_CONFIG,
-                            "cannot resume from %s: it was trained with run.seed %" PRIu64 " on %" PRId64
-                            " training examples, this config has seed %" PRIu64 " and %d; resuming would not "
-                            "reproduce the run (start a new out_dir instead)",
-                            path, s.seed, s.n_train, r->cfg->run.seed, r->train.n);
+                            "cannot resume from %s: it was trained on %" PRId64 " training examples, this config "
+                            "loads %d from %s; point data.dir at the same data or start a new run.out_dir",
+                            path, s.n_train, r->train.n, r->cfg->data.dir);
+    if (s.step > r->total_steps)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "cannot resume from %s: it is at step %" PRId64 ", beyond this config's %" PRId64
+                            " training steps; raise train.steps or train.epochs",
+                            path, s.step, r->total_steps);
+    if (r->opt->stop_at_step > 0 && r->opt->stop_at_step < s.step)
+        return qt_error_set(err, QT_ERR_ARG, "--stop-at-step %" PRId64 " is before step %" PRId64 " of %s",
+                            r->opt->stop_at_step, s.step, path);
     if ((st = batcher_seek(&r->batcher, s.epoch, (int)s.cursor, err)) != QT_OK) return st;
-    r->step = s.step;
+    r->step = r->saved_step = s.step;
     r->win_loss_sum = s.log_loss_sum;
     r->win_correct = s.log_correct, r->win_seen = s.log_seen, r->win_steps = s.log_steps;
+    r->train_s = s.train_s, r->wall_before = s.wall_s;
+    r->trained_examples = s.trained_examples, r->last_train_loss = s.last_train_loss;
+    r->already_complete = r->step == r->total_steps;
     return QT_OK;
 }
 
-/* --resume: an explicit path, or "auto" = the newest checkpoint in out_dir
- * (none there: a fresh start). Returns the path used in `used` ("" = none). */
-static QtStatus run_resume(Run *r, char *used, size_t cap, QtError *err) {
+/* The checkpoint to resume from into `used` ("" = a fresh start): --resume
+ * PATH, or --resume auto = the newest in out_dir if any. A fresh start in an
+ * out_dir that holds another run's checkpoints is refused: it would mix two
+ * runs' files, and a later --resume auto would pick up the old one. */
+static QtStatus run_find_checkpoint(Run *r, char *used, size_t cap, QtError *err) {
+    const char *resume = r->opt->resume, *dir = r->cfg->run.out_dir;
     used[0] = '\0';
-    const char *resume = r->opt->resume;
-    if (!resume) return QT_OK;
-    if (strcmp(resume, "auto") == 0) {
-        QtError none = {0};
-        if (checkpoint_find_latest(r->cfg->run.out_dir, used, cap, &none) != QT_OK) {
-            used[0] = '\0';
-            return QT_OK;
-        }
-    } else {
+    if (resume && strcmp(resume, "auto") != 0) {
         snprintf(used, cap, "%s", resume);
+        return QT_OK;
     }
-    return run_resume_from(r, used, err);
+    char latest[CONFIG_PATH_MAX + 32];
+    QtError none = {0};
+    bool have = checkpoint_find_latest(dir, latest, sizeof latest, &none) == QT_OK;
+    if (have && resume) snprintf(used, cap, "%s", latest);
+    else if (have)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "run.out_dir %s already holds checkpoints of an earlier run (%s); continue it with "
+                            "--resume auto, or start afresh with another run.out_dir (or remove the old files)",
+                            dir, latest);
+    return QT_OK;
 }
 
 static int count_correct(const Var *logits, const int32_t *y, int n) {
@@ -275,18 +343,18 @@ static void run_say(Run *r, const char *fmt, ...) {
 /* Evaluates val (if any) and test, logs and records both. */
 static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
                                  QtError *err) {
-    double wall = metrics_now() - r->t_start;
+    double wall = r->wall_before + metrics_now() - r->t_start;
     *val_loss = *val_acc = -1.0;
     QtStatus st = QT_OK;
     if (r->val.n > 0 && (st = run_evaluate(r, &r->val, val_loss, val_acc, err)) == QT_OK) {
         run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f acc:%.4f\n", r->step, run_epoch(r),
                 *val_loss, *val_acc);
-        metrics_write(&r->metrics, "val", r->step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall);
+        st = metrics_write(&r->metrics, "val", r->step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall, err);
     }
     if (st == QT_OK && (st = run_evaluate(r, &r->test, test_loss, test_acc, err)) == QT_OK) {
         run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f acc:%.4f\n", r->step, run_epoch(r),
                 *test_loss, *test_acc);
-        metrics_write(&r->metrics, "test", r->step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0, wall);
+        st = metrics_write(&r->metrics, "test", r->step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0, wall, err);
     }
     return st;
 }
@@ -316,27 +384,28 @@ static QtStatus run_step(Run *r, QtError *err) {
     return QT_OK;
 }
 
-static void run_log_window(Run *r, double samples_per_s) {
+static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
     double loss = r->win_loss_sum / (double)r->win_steps, acc = (double)r->win_correct / (double)r->win_seen;
     double lr = lr_schedule_at(&r->sched, r->step - 1);
     run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f\n", r->step, run_epoch(r),
             loss, acc, lr, samples_per_s);
-    metrics_write(&r->metrics, "train", r->step, run_epoch(r), loss, acc, lr, samples_per_s,
-                  metrics_now() - r->t_start);
     r->win_loss_sum = 0.0;
     r->win_correct = r->win_seen = r->win_steps = 0;
+    return metrics_write(&r->metrics, "train", r->step, run_epoch(r), loss, acc, lr, samples_per_s,
+                         r->wall_before + metrics_now() - r->t_start, err);
 }
 
 static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtError *err) {
+    r->saved_step = r->step;
     CheckpointState s = run_checkpoint_state(r);
     return checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->model, &r->optim, &s,
                                   saved, cap, err);
 }
 
 /* The step loop, from r->step to total_steps. */
-static QtStatus run_loop(Run *r, double *last_train_loss, QtError *err) {
+static QtStatus run_loop(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
-    double t_window = metrics_now(), train_window_s = 0.0;
+    double train_window_s = 0.0;
     int64_t window_examples = 0;
     QtStatus st = QT_OK;
     int64_t stop = r->opt->stop_at_step > 0 ? r->opt->stop_at_step : INT64_MAX;
@@ -348,27 +417,28 @@ static QtStatus run_loop(Run *r, double *last_train_loss, QtError *err) {
         r->train_s += dt, train_window_s += dt;
         window_examples += r->trained_examples - before;
         bool last = r->step == r->total_steps;
-        if (r->step % tc->log_every == 0 || last) {
-            *last_train_loss = r->win_loss_sum / (double)r->win_steps;
-            run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9));
-            window_examples = 0, train_window_s = 0.0, t_window = metrics_now();
+        if ((tc->log_every > 0 && r->step % tc->log_every == 0) || last) {
+            r->last_train_loss = r->win_loss_sum / (double)r->win_steps;
+            st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
+            window_examples = 0, train_window_s = 0.0;
         }
-        if (tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
+        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
             double tl, ta, vl, va;
             st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
         }
         if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last)
             st = run_save(r, NULL, NULL, 0, err);
         progress_update(&r->progress, r->step, r->total_steps,
-                        r->win_steps ? r->win_loss_sum / (double)r->win_steps : *last_train_loss, metrics_now());
+                        r->win_steps ? r->win_loss_sum / (double)r->win_steps : r->last_train_loss, metrics_now());
     }
-    (void)t_window;
     progress_clear(&r->progress);
     return st;
 }
 
+/* summary.json (training) or eval.json (is_eval): written to a temp name,
+ * fsync'd and renamed, so a reader never sees half a file. */
 static QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
-                                      QtError *err) {
+                                      bool is_eval, QtError *err) {
     char tmp[CONFIG_PATH_MAX + 64];
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
     FILE *f = fopen(tmp, "w");
@@ -379,39 +449,48 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_string(&w, "config", r->cfg->source);
     json_string(&w, "qtrain_version", QTRAIN_VERSION);
     json_string(&w, "mode", "float");
-    json_int(&w, "steps", res->steps);
-    json_number(&w, "epochs", res->epochs);
+    json_string(&w, "checkpoint", ckpt);
+    if (!is_eval) {
+        json_int(&w, "steps", res->steps);
+        json_number(&w, "epochs", res->epochs);
+    }
     json_number(&w, "test_accuracy", res->test_accuracy);
     json_number(&w, "test_loss", res->test_loss);
     json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
     json_number(&w, "val_loss", res->val_loss >= 0 ? res->val_loss : NAN);
-    json_number(&w, "train_loss", res->train_loss >= 0 ? res->train_loss : NAN);
     json_int(&w, "test_examples", r->test.n);
-    json_int(&w, "train_examples", r->train.n);
-    json_number(&w, "wall_s", res->wall_s);
-    json_number(&w, "train_s", r->train_s);
-    json_number(&w, "samples_per_s", res->samples_per_s);
+    json_int(&w, "val_examples", r->val.n);
+    if (!is_eval) {
+        json_number(&w, "train_loss", res->train_loss);
+        json_int(&w, "train_examples", r->train.n);
+        json_number(&w, "wall_s", res->wall_s);
+        json_number(&w, "train_s", r->train_s);
+        json_number(&w, "samples_per_s", res->samples_per_s);
+    }
     json_int(&w, "params_trainable", res->params_trainable);
     json_int(&w, "params_frozen", res->params_frozen);
     json_int(&w, "model_bytes", res->model_bytes);
-    json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
-    if (ckpt) json_string(&w, "checkpoint", ckpt);
+    if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
     json_end(&w);
     bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
     ok = (fclose(f) == 0) && ok;
     if (!ok || rename(tmp, path) != 0) {
         int e = errno;
         remove(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(e));
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or change run.out_dir", path,
+                            strerror(e));
     }
     return QT_OK;
 }
 
+/* Totals over every invocation of the run (a resumed run carries them in
+ * its checkpoint). */
 static void run_fill_result(const Run *r, TrainResult *res) {
     res->steps = r->step;
     res->epochs = run_epoch(r);
-    res->wall_s = metrics_now() - r->t_start;
+    res->wall_s = r->wall_before + metrics_now() - r->t_start;
     res->samples_per_s = r->train_s > 0 ? (double)r->trained_examples / r->train_s : 0.0;
+    res->train_loss = r->last_train_loss;
     res->params_trainable = (int64_t)model_param_count(&r->model, true);
     res->params_frozen = (int64_t)model_param_count(&r->model, false) - res->params_trainable;
     res->model_bytes = (int64_t)model_param_bytes(&r->model);
@@ -430,7 +509,7 @@ static void run_print_plan(Run *r, const char *resumed) {
     printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
            r->total_steps, r->steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
            (double)c->train.optim.lr, sched_kind_name(c->train.schedule.kind), c->run.out_dir);
-    if (c->model.init_from[0]) printf("init_from: %s\n", c->model.init_from);
+    if (c->model.init_from[0] && !resumed[0]) printf("init_from: %s\n", c->model.init_from);
     if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->step, run_epoch(r));
     fflush(stdout);
 }
@@ -439,53 +518,59 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
     QtStatus st = QT_OK;
     if (r->cfg->run.threads > 0) gemm_set_threads(r->cfg->run.threads);
     if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
+    if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
+    if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_load_data(r, err)) != QT_OK) return st;
-    if ((st = run_build_model(r, err)) != QT_OK) return st;
+    if ((st = run_build_model(r, !resumed[0], err)) != QT_OK) return st;
     if ((st = run_plan_steps(r, err)) != QT_OK) return st;
     if ((st = run_alloc(r, err)) != QT_OK) return st;
-    if ((st = run_resume(r, resumed, cap, err)) != QT_OK) return st;
+    if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
+    if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
     return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
+}
+
+/* After the last step: evaluate, write final.h5 and summary.json. */
+static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
+    char final_path[CONFIG_PATH_MAX + 32] = "", path[CONFIG_PATH_MAX + 32];
+    QtStatus st = run_eval_and_log(r, &res->test_loss, &res->test_accuracy, &res->val_loss, &res->val_accuracy, err);
+    if (st == QT_OK) st = run_save(r, "final.h5", final_path, sizeof final_path, err);
+    if (st != QT_OK) return st;
+    run_fill_result(r, res);
+    snprintf(path, sizeof path, "%s/summary.json", r->cfg->run.out_dir);
+    if ((st = write_json_atomically(path, r, res, final_path, false, err)) != QT_OK) return st;
+    run_say(r, "done: steps:%" PRId64 " test_accuracy:%.4f test_loss:%.4f wall_s:%.1f samples/s:%.0f checkpoint:%s\n",
+            res->steps, res->test_accuracy, res->test_loss, res->wall_s, res->samples_per_s, final_path);
+    return QT_OK;
 }
 
 QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, QtError *err) {
     Run r;
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
-    r.cfg = cfg, r.opt = o, r.t_start = metrics_now();
+    r.cfg = cfg, r.opt = o, r.t_start = metrics_now(), r.saved_step = -1, r.last_train_loss = NAN;
     char resumed[CONFIG_PATH_MAX + 32];
     QtStatus st = run_setup(&r, resumed, sizeof resumed, err);
-    if (st != QT_OK) {
-        run_free(&r);
-        return st;
-    }
-    run_print_plan(&r, resumed);
-    progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
-    r.tape.training = true;
-    double train_loss = -1.0;
-    st = run_loop(&r, &train_loss, err);
-    char final_path[CONFIG_PATH_MAX + 32] = "";
-    if (st == QT_OK && r.step < r.total_steps) { /* stopped early: a checkpoint to resume from */
-        st = run_save(&r, NULL, final_path, sizeof final_path, err);
+    if (st == QT_OK && r.already_complete) {
         run_fill_result(&r, res);
-        res->stopped = true;
-        if (st == QT_OK) run_say(&r, "stopped: step:%" PRId64 " checkpoint:%s\n", r.step, final_path);
-        run_free(&r);
-        return st;
+        res->already_complete = true;
+        run_say(&r, "done: the run in %s is already complete (step %" PRId64 " of %" PRId64 ", %s); nothing to do\n",
+                cfg->run.out_dir, r.step, r.total_steps, resumed);
+    } else if (st == QT_OK) {
+        run_print_plan(&r, resumed);
+        progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
+        r.tape.training = true;
+        st = run_loop(&r, err);
+        if (st == QT_OK && r.step == r.total_steps) {
+            st = run_finish(&r, res, err);
+        } else if (st == QT_OK) { /* stopped early: leave a checkpoint to resume from */
+            char path[CONFIG_PATH_MAX + 32] = "";
+            if (r.saved_step != r.step) st = run_save(&r, NULL, path, sizeof path, err);
+            run_fill_result(&r, res);
+            res->stopped = true;
+            if (st == QT_OK) run_say(&r, "stopped: step:%" PRId64 " of %" PRId64 "; continue with --resume auto\n",
+                                     r.step, r.total_steps);
+        }
     }
-    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
-                                           &res->val_accuracy, err);
-    if (st == QT_OK) st = run_save(&r, "final.h5", final_path, sizeof final_path, err);
-    if (st == QT_OK) {
-        run_fill_result(&r, res);
-        res->train_loss = train_loss;
-        char path[CONFIG_PATH_MAX + 32];
-        snprintf(path, sizeof path, "%s/summary.json", cfg->run.out_dir);
-        st = write_json_atomically(path, &r, res, final_path, err);
-    }
-    if (st == QT_OK)
-        run_say(&r, "done: steps:%" PRId64 " test_accuracy:%.4f test_loss:%.4f wall_s:%.1f samples/s:%.0f "
-                "checkpoint:%s\n", res->steps, res->test_accuracy, res->test_loss, res->wall_s, res->samples_per_s,
-                final_path);
     run_free(&r);
     return st;
 }
@@ -496,10 +581,10 @@ QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool q
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     TrainOptions o = {.quiet = quiet};
-    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now();
+    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
     QtStatus st = make_dirs(cfg->run.out_dir, err);
     if (st == QT_OK) st = run_load_data(&r, err);
-    if (st == QT_OK) st = run_build_model(&r, err);
+    if (st == QT_OK) st = run_build_model(&r, false, err);
     if (st == QT_OK) st = checkpoint_load_params(checkpoint, &r.model, err);
     if (st == QT_OK) st = run_plan_steps(&r, err);
     if (st == QT_OK) st = run_alloc(&r, err);
@@ -507,11 +592,9 @@ QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool q
                                            &res->val_accuracy, err);
     if (st == QT_OK) {
         run_fill_result(&r, res);
-        res->train_loss = -1.0;
-        res->samples_per_s = 0.0;
         char path[CONFIG_PATH_MAX + 32];
         snprintf(path, sizeof path, "%s/eval.json", cfg->run.out_dir);
-        st = write_json_atomically(path, &r, res, checkpoint, err);
+        st = write_json_atomically(path, &r, res, checkpoint, true, err);
     }
     run_free(&r);
     return st;

@@ -21,11 +21,12 @@ typedef struct {
 typedef struct {
     int64_t steps;        /* optimizer steps at the end (counting resumed ones) */
     bool stopped;         /* stopped early by stop_at_step: no final eval, no summary.json */
+    bool already_complete;/* --resume of a finished run: nothing was run or written */
     double epochs;        /* epochs done (fractional) */
     double test_loss, test_accuracy;
     double val_loss, val_accuracy; /* -1 if there is no validation split */
-    double train_loss;    /* mean over the last logging window; -1 if no step ran */
-    double wall_s;        /* this invocation */
+    double train_loss;    /* mean over the last logging window; NaN if no step ran */
+    double wall_s;        /* wall time of the run, over all its invocations */
     double samples_per_s; /* training examples per second of training time (eval and checkpoints excluded) */
     int64_t params_trainable, params_frozen;
     int64_t model_bytes;
