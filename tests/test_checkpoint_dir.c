@@ -6,7 +6,6 @@
  * called by test_checkpoint.c. */
 #include <dirent.h>
 #include <errno.h>
-#include <hdf5.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -58,17 +57,6 @@ static void dirrun_free(DirRun *r) {
     model_free(&r->m);
 }
 
-static bool params_equal(const Model *a, const Model *b) {
-    if (a->n_params != b->n_params) return false;
-    for (int i = 0; i < a->n_params; i++) {
-        size_t n = var_numel(&a->params[i].var);
-        if (n != var_numel(&b->params[i].var) ||
-            memcmp(a->params[i].var.value.data, b->params[i].var.value.data, n * sizeof(float)) != 0)
-            return false;
-    }
-    return true;
-}
-
 /* The step of the checkpoint at path, loaded into a fresh run; -1 if it does not load. */
 static int64_t saved_step(const char *path) {
     DirRun r;
@@ -79,73 +67,7 @@ static int64_t saved_step(const char *path) {
     return step;
 }
 
-static bool msg_has(const QtError *e, const char *what) {
-    if (getenv("QT_TEST_SHOW_MSGS")) fprintf(stderr, "\n  [msg] %s\n", e->msg);
-    if (strstr(e->msg, what)) return true;
-    fprintf(stderr, "\n  message lacks \"%s\": %s\n", what, e->msg);
-    return false;
-}
-
-static void assert_hdf5_closed(void) {
-    ssize_t n = H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL);
-    if (n != 0) fprintf(stderr, "\n  %zd HDF5 objects left open\n", n);
-    CU_ASSERT_EQUAL(n, 0);
-}
-
 /* ---- temporary directories -------------------------------------------------------------------- */
-
-static char *join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = malloc(n);
-    snprintf(p, n, "%s/%s", dir, name);
-    return p;
-}
-
-static char *tmpdir_new(void) {
-    char *d = strdup("/tmp/qtrain-test-XXXXXX");
-    if (!mkdtemp(d)) {
-        free(d);
-        CU_FAIL_FATAL("mkdtemp failed");
-        return NULL;
-    }
-    return d;
-}
-
-/* The tests here only create files directly in their directory. */
-static void tmpdir_free(char *d) {
-    if (!d) return;
-    chmod(d, 0700);
-    DIR *dh = opendir(d);
-    struct dirent *e;
-    while (dh && (e = readdir(dh))) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        char *p = join(d, e->d_name);
-        unlink(p);
-        free(p);
-    }
-    if (dh) closedir(dh);
-    rmdir(d);
-    free(d);
-}
-
-static void write_bytes(const char *path, const void *buf, size_t n) {
-    FILE *f = fopen(path, "wb");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    CU_ASSERT_EQUAL(fwrite(buf, 1, n, f), n);
-    fclose(f);
-}
-
-static char *read_bytes(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc(len > 0 ? (size_t)len : 1);
-    *n = fread(b, 1, (size_t)len, f);
-    fclose(f);
-    return b;
-}
 
 static int count_tmp_files(const char *dir) {
     DIR *d = opendir(dir);
@@ -155,13 +77,6 @@ static int count_tmp_files(const char *dir) {
         n += strstr(e->d_name, ".tmp.") != NULL;
     if (d) closedir(d);
     return n;
-}
-
-static bool file_exists(const char *dir, const char *name) {
-    char *p = join(dir, name);
-    bool ok = access(p, F_OK) == 0;
-    free(p);
-    return ok;
 }
 
 /* ---- failed saves ------------------------------------------------------------------------------- */
@@ -185,26 +100,26 @@ static void expect_save_fails(const char *path, const DirRun *r, const char *dir
         signal(SIGXFSZ, prev);
     }
     CU_ASSERT_EQUAL(st, QT_ERR_IO);
-    CU_ASSERT(msg_has(&err, path));
-    CU_ASSERT(msg_has(&err, what));
+    CU_ASSERT(test_msg_has(&err, path));
+    CU_ASSERT(test_msg_has(&err, what));
     CU_ASSERT_EQUAL(count_tmp_files(dir_to_scan), 0);
-    assert_hdf5_closed();
+    test_assert_hdf5_closed();
 }
 
 static void test_failed_save_leaves_no_trace(void) {
-    char *dir = tmpdir_new();
-    char *good = join(dir, "good.h5"), *nodir = join(dir, "nope/x.h5"), *file = join(dir, "file");
-    char *under_file = join(file, "x.h5");
+    char *dir = test_tmpdir_new();
+    char *good = test_path_join(dir, "good.h5"), *nodir = test_path_join(dir, "nope/x.h5");
+    char *file = test_path_join(dir, "file"), *under_file = test_path_join(file, "x.h5");
     DirRun r, r2;
     dirrun_init(&r, 1, 2);
     dirrun_init(&r2, 9, 4);
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(checkpoint_save(good, &r.m, &r.opt, &r.st, &err), QT_OK);
     size_t n0 = 0, n1 = 0;
-    char *before = read_bytes(good, &n0);
+    char *before = test_file_read(good, &n0);
 
     expect_save_fails(nodir, &r, dir, strerror(ENOENT), 0);
-    write_bytes(file, "x", 1);
+    test_file_write(file, "x", 1);
     expect_save_fails(under_file, &r, dir, strerror(ENOTDIR), 0);
 
     /* A full disk, as far as this process can tell: writes past the size
@@ -217,11 +132,11 @@ static void test_failed_save_leaves_no_trace(void) {
         expect_save_fails(good, &r2, dir, strerror(EACCES), 0);
         chmod(dir, 0700);
     }
-    char *after = read_bytes(good, &n1);
+    char *after = test_file_read(good, &n1);
     CU_ASSERT(before && after && n0 == n1 && memcmp(before, after, n0) == 0);
     /* ... and it still loads into a fresh run. */
     CU_ASSERT_EQUAL(checkpoint_load(good, &r2.m, &r2.opt, &r2.st, &err), QT_OK);
-    CU_ASSERT(params_equal(&r.m, &r2.m));
+    CU_ASSERT(test_params_equal(&r.m, &r2.m));
     free(before);
     free(after);
     dirrun_free(&r);
@@ -230,20 +145,20 @@ static void test_failed_save_leaves_no_trace(void) {
     free(nodir);
     free(file);
     free(under_file);
-    tmpdir_free(dir);
+    test_tmpdir_remove(dir);
 }
 
 /* ---- run directories ---------------------------------------------------------------------------- */
 
 static void test_save_in_dir_rotation(void) {
-    char *dir = tmpdir_new();
+    char *dir = test_tmpdir_new();
     DirRun r;
     dirrun_init(&r, 1, 1);
     /* Files that are not ours, a temp file of a dead process and one of a live one. */
     const char *planted[] = {"notes.txt", "ckpt-abc.h5", "ckpt-00000001.h5.tmp.999999999", "ckpt-00000002.h5.tmp.1"};
     for (int i = 0; i < 4; i++) {
-        char *p = join(dir, planted[i]);
-        write_bytes(p, "x", 1);
+        char *p = test_path_join(dir, planted[i]);
+        test_file_write(p, "x", 1);
         free(p);
     }
     QtError err = {0};
@@ -252,16 +167,16 @@ static void test_save_in_dir_rotation(void) {
         r.st.step = step;
         CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, 2, &r.m, &r.opt, &r.st, saved, sizeof saved, &err), QT_OK);
     }
-    char *want = join(dir, "ckpt-00000040.h5");
+    char *want = test_path_join(dir, "ckpt-00000040.h5");
     CU_ASSERT_STRING_EQUAL(saved, want);
-    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000010.h5"));
-    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000020.h5"));
-    CU_ASSERT(file_exists(dir, "ckpt-00000030.h5"));
-    CU_ASSERT(file_exists(dir, "ckpt-00000040.h5"));
-    CU_ASSERT(file_exists(dir, "notes.txt") && file_exists(dir, "ckpt-abc.h5"));
-    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000001.h5.tmp.999999999"));
-    CU_ASSERT(file_exists(dir, "ckpt-00000002.h5.tmp.1"));
-    char *last = join(dir, "last.h5");
+    CU_ASSERT_FALSE(test_file_exists(dir, "ckpt-00000010.h5"));
+    CU_ASSERT_FALSE(test_file_exists(dir, "ckpt-00000020.h5"));
+    CU_ASSERT(test_file_exists(dir, "ckpt-00000030.h5"));
+    CU_ASSERT(test_file_exists(dir, "ckpt-00000040.h5"));
+    CU_ASSERT(test_file_exists(dir, "notes.txt") && test_file_exists(dir, "ckpt-abc.h5"));
+    CU_ASSERT_FALSE(test_file_exists(dir, "ckpt-00000001.h5.tmp.999999999"));
+    CU_ASSERT(test_file_exists(dir, "ckpt-00000002.h5.tmp.1"));
+    char *last = test_path_join(dir, "last.h5");
     CU_ASSERT_EQUAL(saved_step(last), 40);
     struct stat a, b;
     CU_ASSERT(stat(last, &a) == 0 && stat(want, &b) == 0 && a.st_ino == b.st_ino); /* a hard link */
@@ -269,31 +184,32 @@ static void test_save_in_dir_rotation(void) {
     /* final.h5 by name: not rotated, becomes last.h5. */
     r.st.step = 45;
     CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, "final.h5", 2, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_OK);
-    CU_ASSERT(file_exists(dir, "final.h5") && file_exists(dir, "ckpt-00000030.h5"));
+    CU_ASSERT(test_file_exists(dir, "final.h5") && test_file_exists(dir, "ckpt-00000030.h5"));
     CU_ASSERT_EQUAL(saved_step(last), 45);
     r.st.step = 50;
     CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, 1, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_OK);
-    CU_ASSERT(file_exists(dir, "final.h5") && file_exists(dir, "last.h5") && file_exists(dir, "ckpt-00000050.h5"));
-    CU_ASSERT_FALSE(file_exists(dir, "ckpt-00000040.h5"));
+    CU_ASSERT(test_file_exists(dir, "final.h5") && test_file_exists(dir, "last.h5") &&
+              test_file_exists(dir, "ckpt-00000050.h5"));
+    CU_ASSERT_FALSE(test_file_exists(dir, "ckpt-00000040.h5"));
     CU_ASSERT_EQUAL(saved_step(last), 50);
     CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, -1, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_ERR_ARG);
-    assert_hdf5_closed();
+    test_assert_hdf5_closed();
     dirrun_free(&r);
     free(want);
     free(last);
-    tmpdir_free(dir);
+    test_tmpdir_remove(dir);
 }
 
 static void test_find_latest(void) {
-    char *dir = tmpdir_new();
+    char *dir = test_tmpdir_new();
     char path[4096];
     QtError err = {0};
     strcpy(path, "junk");
     CU_ASSERT_EQUAL(checkpoint_find_latest(dir, path, sizeof path, &err), QT_ERR_IO);
     CU_ASSERT_EQUAL(path[0], '\0');
-    CU_ASSERT(msg_has(&err, "no checkpoint in"));
+    CU_ASSERT(test_msg_has(&err, "no checkpoint in"));
     qt_error_clear(&err);
-    char *missing = join(dir, "missing");
+    char *missing = test_path_join(dir, "missing");
     CU_ASSERT_EQUAL(checkpoint_find_latest(missing, path, sizeof path, &err), QT_ERR_IO);
     CU_ASSERT_EQUAL(path[0], '\0');
     qt_error_clear(&err);
@@ -304,11 +220,11 @@ static void test_find_latest(void) {
         r.st.step = step;
         CU_ASSERT_EQUAL(checkpoint_save_in_dir(dir, NULL, 0, &r.m, &r.opt, &r.st, NULL, 0, &err), QT_OK);
     }
-    char *p = join(dir, "ckpt-100.h5"); /* fewer digits but a higher step than ckpt-00000080.h5 */
-    char *p80 = join(dir, "ckpt-00000080.h5");
+    char *p = test_path_join(dir, "ckpt-100.h5"); /* fewer digits but a higher step than ckpt-00000080.h5 */
+    char *p80 = test_path_join(dir, "ckpt-00000080.h5");
     CU_ASSERT_EQUAL(count_tmp_files(dir), 0); /* neither the saves nor last.h5 left one */
     CU_ASSERT_EQUAL(link(p80, p), 0);
-    char *last = join(dir, "last.h5");
+    char *last = test_path_join(dir, "last.h5");
     CU_ASSERT_EQUAL(checkpoint_find_latest(dir, path, sizeof path, &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(path, last);
     unlink(last);
@@ -321,7 +237,7 @@ static void test_find_latest(void) {
     free(p80);
     free(last);
     free(missing);
-    tmpdir_free(dir);
+    test_tmpdir_remove(dir);
 }
 
 /* Adds this file's tests to the suite register_checkpoint_suite made;

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "test_util.h"
 #include "trainer/config.h"
@@ -540,20 +539,12 @@ static void test_overrides(void) {
 /* ---- files ------------------------------------------------------------------------ */
 
 static void test_files(void) {
-    char dir[] = "/tmp/qtrain-test-XXXXXX";
-    CU_ASSERT_PTR_NOT_NULL_FATAL(mkdtemp(dir));
-    char good[256], bad[256], missing[256];
-    snprintf(good, sizeof good, "%s/good.yaml", dir);
-    snprintf(bad, sizeof bad, "%s/bad.yaml", dir);
-    snprintf(missing, sizeof missing, "%s/missing.yaml", dir);
-    FILE *f = fopen(good, "w");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    fputs(MLP, f);
-    fclose(f);
-    f = fopen(bad, "w");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    fputs(MLP "train:\n  steps: [\n", f);
-    fclose(f);
+    char *dir = test_tmpdir_new();
+    char *good = test_path_join(dir, "good.yaml"), *bad = test_path_join(dir, "bad.yaml");
+    char *missing = test_path_join(dir, "missing.yaml");
+    const char *bad_text = MLP "train:\n  steps: [\n";
+    test_file_write(good, MLP, strlen(MLP));
+    test_file_write(bad, bad_text, strlen(bad_text));
 
     Config c;
     QtError e = {0};
@@ -576,9 +567,10 @@ static void test_files(void) {
     CU_ASSERT_EQUAL(config_load(&c, dir, NULL, 0, &e), QT_ERR_IO); /* a directory cannot be read */
     CU_ASSERT_PTR_NOT_NULL(strstr(e.msg, dir));
 
-    unlink(good);
-    unlink(bad);
-    rmdir(dir);
+    free(good);
+    free(bad);
+    free(missing);
+    test_tmpdir_remove(dir);
 }
 
 static void test_edit_distance(void) {

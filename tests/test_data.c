@@ -3,7 +3,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include <zlib.h>
 
 #include "data/dataset.h"
@@ -18,46 +17,37 @@
 /* ---- temporary files ------------------------------------------------------ */
 
 typedef struct {
-    char dir[64];
-    char paths[32][128];
+    char *dir;
+    char *paths[32]; /* handed out by tmp_path, freed by tmp_close */
     int n;
 } TmpDir;
 
 static bool tmp_open(TmpDir *t) {
     memset(t, 0, sizeof *t);
-    snprintf(t->dir, sizeof t->dir, "/tmp/qtrain-test-XXXXXX");
-    return mkdtemp(t->dir) != NULL;
+    t->dir = test_tmpdir_new();
+    return t->dir != NULL;
 }
 
-/* The path of `name` in the directory, remembered for removal. */
-static const char *tmp_path(TmpDir *t, const char *name) {
-    char buf[sizeof t->paths[0]];
-    snprintf(buf, sizeof buf, "%s/%s", t->dir, name);
-    char *p = t->paths[t->n++];
-    memcpy(p, buf, sizeof buf);
-    return p;
-}
+/* The path of `name` in the directory, valid until tmp_close. */
+static const char *tmp_path(TmpDir *t, const char *name) { return t->paths[t->n++] = test_path_join(t->dir, name); }
 
 /* Writes bytes to `name`, through zlib's gzip writer if gz. */
 static const char *tmp_write(TmpDir *t, const char *name, const void *bytes, size_t len, bool gz) {
     const char *p = tmp_path(t, name);
-    if (gz) {
-        gzFile f = gzopen(p, "wb");
-        CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-        if (len) CU_ASSERT_EQUAL(gzwrite(f, bytes, (unsigned)len), (int)len);
-        CU_ASSERT_EQUAL(gzclose(f), Z_OK);
-    } else {
-        FILE *f = fopen(p, "wb");
-        CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-        if (len) CU_ASSERT_EQUAL(fwrite(bytes, 1, len, f), len);
-        fclose(f);
+    if (!gz) {
+        test_file_write(p, bytes, len);
+        return p;
     }
+    gzFile f = gzopen(p, "wb");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    if (len) CU_ASSERT_EQUAL(gzwrite(f, bytes, (unsigned)len), (int)len);
+    CU_ASSERT_EQUAL(gzclose(f), Z_OK);
     return p;
 }
 
 static void tmp_close(TmpDir *t) {
-    for (int i = 0; i < t->n; i++) unlink(t->paths[i]);
-    CU_ASSERT_EQUAL(rmdir(t->dir), 0);
+    for (int i = 0; i < t->n; i++) free(t->paths[i]);
+    CU_ASSERT(test_tmpdir_remove(t->dir));
 }
 
 /* An IDX file image in buf: magic, big-endian dims, payload. Returns its length. */

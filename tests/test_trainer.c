@@ -3,9 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include "test_util.h"
 #include "trainer/checkpoint.h"
@@ -30,17 +28,17 @@ static void test_demo_learns_spirals(void) {
 
 /* ---- helpers ----------------------------------------------------------- */
 
-static char tmp_root[64];
+static char *tmp_root;
 
 static int trainer_suite_init(void) {
-    snprintf(tmp_root, sizeof tmp_root, "/tmp/qtrain-test-XXXXXX");
-    return mkdtemp(tmp_root) ? 0 : -1;
+    tmp_root = test_tmpdir_new();
+    return tmp_root ? 0 : -1;
 }
 
 static int trainer_suite_cleanup(void) {
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_root);
-    return system(cmd) == 0 ? 0 : -1;
+    bool ok = test_tmpdir_remove(tmp_root);
+    tmp_root = NULL;
+    return ok ? 0 : -1;
 }
 
 /* Loads a config with run.out_dir=<tmp_root>/<sub> plus extra overrides. */
@@ -143,13 +141,6 @@ static void test_resume_is_exact_cnn(void) { check_exact_resume("tests/configs/t
 
 static void test_resume_is_exact_mlp(void) { check_exact_resume("tests/configs/tiny-mlp.yaml", 7); }
 
-static bool file_exists(const char *dir, const char *name) {
-    char p[2048];
-    snprintf(p, sizeof p, "%s/%s", dir, name);
-    struct stat st;
-    return stat(p, &st) == 0;
-}
-
 static void test_run_outputs(void) {
     Config *c = load_config("tests/configs/tiny-mlp.yaml", "outputs", NULL, 0);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
@@ -157,24 +148,22 @@ static void test_run_outputs(void) {
     TrainResult r;
     CU_ASSERT_EQUAL_FATAL(run_quiet(c, NULL, 0, &r, &err), QT_OK);
     const char *d = c->run.out_dir;
-    CU_ASSERT(file_exists(d, "metrics.csv"));
-    CU_ASSERT(file_exists(d, "summary.json"));
-    CU_ASSERT(file_exists(d, "final.h5"));
-    CU_ASSERT(file_exists(d, "last.h5"));
-    CU_ASSERT(file_exists(d, "ckpt-00000010.h5"));
+    CU_ASSERT(test_file_exists(d, "metrics.csv"));
+    CU_ASSERT(test_file_exists(d, "summary.json"));
+    CU_ASSERT(test_file_exists(d, "final.h5"));
+    CU_ASSERT(test_file_exists(d, "last.h5"));
+    CU_ASSERT(test_file_exists(d, "ckpt-00000010.h5"));
     CU_ASSERT(r.test_accuracy > 0.3); /* 20 steps on 512 examples: well above chance (0.1) */
     CU_ASSERT(r.params_trainable > 0);
     CU_ASSERT_EQUAL(r.params_frozen, 0);
-    char path[2048], json[4096] = "";
+    char path[2048];
     snprintf(path, sizeof path, "%s/summary.json", d);
-    FILE *f = fopen(path, "r");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    size_t n = fread(json, 1, sizeof json - 1, f);
-    json[n] = '\0';
-    fclose(f);
+    char *json = test_file_read(path, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(json);
     const char *keys[] = {"\"test_accuracy\"", "\"test_loss\"", "\"steps\": 20", "\"wall_s\"", "\"samples_per_s\"",
                           "\"params_trainable\"", "\"params_frozen\"", "\"model_bytes\""};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) CU_ASSERT_PTR_NOT_NULL(strstr(json, keys[i]));
+    free(json);
 
     /* eval of the final checkpoint reproduces the run's test metrics */
     TrainResult e;
@@ -199,9 +188,7 @@ static void test_bad_inputs(void) {
     /* an out_dir under a regular file */
     char file[256], ov[300];
     snprintf(file, sizeof file, "%s/plain-file", tmp_root);
-    FILE *f = fopen(file, "w");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    fclose(f);
+    test_file_write(file, "", 0);
     snprintf(ov, sizeof ov, "run.out_dir=%s/sub", file);
     const char *badout[] = {ov};
     c = load_config("tests/configs/tiny-mlp.yaml", "unused", badout, 1);
@@ -223,16 +210,13 @@ static void test_bad_inputs(void) {
     /* resuming from a corrupt checkpoint, and init_from of another model */
     char junk[256];
     snprintf(junk, sizeof junk, "%s/junk.h5", tmp_root);
-    f = fopen(junk, "w");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    fputs("not a checkpoint\n", f);
-    fclose(f);
+    test_file_write(junk, "not a checkpoint\n", 17);
     c = load_config("tests/configs/tiny-mlp.yaml", "bad-resume", NULL, 0);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     qt_error_clear(&err);
     CU_ASSERT_NOT_EQUAL(run_quiet(c, junk, 0, &r, &err), QT_OK);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "junk.h5"));
-    CU_ASSERT(!file_exists(c->run.out_dir, "final.h5"));
+    CU_ASSERT(!test_file_exists(c->run.out_dir, "final.h5"));
     free(c);
 
     /* the CNN's weights into the MLP (the CNN run is the resume test's) */
@@ -247,15 +231,12 @@ static void test_bad_inputs(void) {
     free(c);
 }
 
+/* dir/name's contents, NUL-terminated; NULL if it cannot be read. */
 static char *read_file(const char *dir, const char *name) {
-    char path[2048];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = calloc(1 << 16, 1);
-    if (buf) buf[fread(buf, 1, (1 << 16) - 1, f)] = '\0';
-    fclose(f);
-    return buf;
+    char *path = test_path_join(dir, name);
+    char *text = test_file_read(path, NULL);
+    free(path);
+    return text;
 }
 
 /* What a resume may and may not do. */

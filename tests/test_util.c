@@ -1,9 +1,13 @@
 #include "test_util.h"
 
+#include <dirent.h>
+#include <hdf5.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 void test_env_init(TestEnv *e, uint64_t seed) {
     memset(e, 0, sizeof *e);
@@ -127,4 +131,103 @@ bool gradcheck(const char *name, GradcheckFn fn, void *ctx, const GradcheckInput
     free(proj);
     test_env_free(&e);
     return ok;
+}
+
+/* ---- files and messages -------------------------------------------------- */
+
+char *test_tmpdir_new(void) {
+    char *d = strdup("/tmp/qtrain-test-XXXXXX");
+    if (d && mkdtemp(d)) return d;
+    free(d);
+    if (CU_get_current_test()) CU_FAIL_FATAL("mkdtemp /tmp/qtrain-test-XXXXXX failed");
+    return NULL;
+}
+
+/* Depth first; lstat, so a link to a directory is removed, not followed. */
+static bool remove_tree(const char *dir) {
+    chmod(dir, 0700);
+    DIR *dh = opendir(dir);
+    bool ok = dh != NULL;
+    struct dirent *e;
+    while (dh && (e = readdir(dh))) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        char *p = test_path_join(dir, e->d_name);
+        struct stat st;
+        if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode)) ok = remove_tree(p) && ok;
+        else ok = unlink(p) == 0 && ok;
+        free(p);
+    }
+    if (dh) closedir(dh);
+    return rmdir(dir) == 0 && ok;
+}
+
+bool test_tmpdir_remove(char *dir) {
+    if (!dir) return true;
+    bool ok = remove_tree(dir);
+    free(dir);
+    return ok;
+}
+
+char *test_path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+void test_file_write(const char *path, const void *buf, size_t n) {
+    FILE *f = fopen(path, "wb");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    CU_ASSERT_EQUAL(fwrite(buf, 1, n, f), n);
+    fclose(f);
+}
+
+char *test_file_read(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, len = 0;
+    char *b = malloc(cap);
+    for (size_t got; b && (got = fread(b + len, 1, cap - len - 1, f)) > 0;) {
+        len += got;
+        if (cap - len > 1) continue;
+        char *nb = realloc(b, cap * 2);
+        if (!nb) free(b);
+        b = nb, cap *= 2;
+    }
+    fclose(f);
+    if (!b) return NULL;
+    b[len] = '\0';
+    if (n) *n = len;
+    return b;
+}
+
+bool test_file_exists(const char *dir, const char *name) {
+    char *p = test_path_join(dir, name);
+    bool ok = p && access(p, F_OK) == 0;
+    free(p);
+    return ok;
+}
+
+bool test_msg_has(const QtError *e, const char *what) {
+    if (getenv("QT_TEST_SHOW_MSGS")) fprintf(stderr, "\n  [msg] %s\n", e->msg);
+    if (strstr(e->msg, what)) return true;
+    fprintf(stderr, "\n  message lacks \"%s\": %s\n", what, e->msg);
+    return false;
+}
+
+void test_assert_hdf5_closed(void) {
+    ssize_t n = H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL);
+    if (n != 0) fprintf(stderr, "\n  %zd HDF5 objects left open\n", n);
+    CU_ASSERT_EQUAL(n, 0);
+}
+
+bool test_params_equal(const Model *a, const Model *b) {
+    if (a->n_params != b->n_params) return false;
+    for (int i = 0; i < a->n_params; i++) {
+        size_t n = var_numel(&a->params[i].var);
+        if (n != var_numel(&b->params[i].var) ||
+            memcmp(a->params[i].var.value.data, b->params[i].var.value.data, n * sizeof(float)) != 0)
+            return false;
+    }
+    return true;
 }

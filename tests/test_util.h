@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "nn/model.h"
 #include "nn/tape.h"
 
 /* Every suite file defines one registration function, listed in main.c. */
@@ -63,5 +64,40 @@ typedef struct {
  * Prints the worst element and returns false on mismatch. */
 bool gradcheck(const char *name, GradcheckFn fn, void *ctx, const GradcheckInput *inputs, int n_inputs,
                double eps, double atol, double rtol);
+
+/* ---- files and messages -------------------------------------------------- */
+
+/* A new directory /tmp/qtrain-test-XXXXXX (malloc'd). If mkdtemp fails inside a
+ * test the test stops (CU_FAIL_FATAL); outside one (a suite's init) NULL is
+ * returned, as a fatal assertion has no test to end there. */
+char *test_tmpdir_new(void);
+
+/* Removes dir and everything below it, then frees dir; NULL does nothing.
+ * Each directory is made 0700 before it is read, as tests leave read-only
+ * ones behind on purpose. True if everything was removed. */
+bool test_tmpdir_remove(char *dir);
+
+/* "dir/name", malloc'd. */
+char *test_path_join(const char *dir, const char *name);
+
+/* Writes buf[0..n) to path, replacing it; fails the test if path cannot be opened. */
+void test_file_write(const char *path, const void *buf, size_t n);
+
+/* The whole file, malloc'd and NUL-terminated; NULL if it cannot be opened.
+ * *n gets its length if n is non-NULL. */
+char *test_file_read(const char *path, size_t *n);
+
+/* Whether dir/name exists. */
+bool test_file_exists(const char *dir, const char *name);
+
+/* Whether e's message holds `what`; prints the message if not. With
+ * QT_TEST_SHOW_MSGS set every message checked is printed, for reading them. */
+bool test_msg_has(const QtError *e, const char *what);
+
+/* No HDF5 object of any file may stay open after a library call. */
+void test_assert_hdf5_closed(void);
+
+/* Same parameter count, sizes and values, bit for bit. */
+bool test_params_equal(const Model *a, const Model *b);
 
 #endif

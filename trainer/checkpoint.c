@@ -120,7 +120,7 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "version", CHECKPOINT_VERSION, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "", "qtrain_version", QTRAIN_VERSION, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "step", s->step, err);
-    if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epoch, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epochs_done, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "", "config", s->config_text ? s->config_text : "", err);
     return st;
 }

@@ -2,7 +2,7 @@
  *
  * Layout (format version 1; readable and writable from h5py):
  *   /                 attrs: format = "qtrain", version = 1 (int64),
- *                     qtrain_version (string), step, epoch (int64),
+ *                     qtrain_version (string), step, epoch (int64: whole epochs done),
  *                     config (string: the resolved YAML)
  *   /params/<module>/<tensor>   float32, PyTorch layouts: dense weight (out, in),
  *                     conv weight (OC, C, KH, KW), biases (out,)
@@ -44,7 +44,8 @@
  * of a run. */
 typedef struct {
     int64_t step;          /* optimizer steps done */
-    int64_t epoch;         /* batcher position of the next batch */
+    int64_t epochs_done;   /* whole epochs completed (the root `epoch` attribute, for people) */
+    int64_t epoch;         /* batcher position of the next batch (/data) */
     int64_t cursor;
     uint64_t seed;         /* run.seed */
     int64_t n_train;       /* training examples (a resume on other data is refused) */

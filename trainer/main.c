@@ -63,7 +63,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
     for (int i = 0; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes_value = strcmp(o, "--config") == 0 || strcmp(o, "--set") == 0 ||
-                           (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) || (eval && strcmp(o, "--checkpoint") == 0);
+                           (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) ||
+                           (eval && strcmp(o, "--checkpoint") == 0);
         if (takes_value && !v) {
             fprintf(stderr, "qtrain%s: %s needs a value\n", cmd, o);
             exit(2);

@@ -191,7 +191,8 @@ static QtStatus run_alloc(Run *r, QtError *err) {
 
 static CheckpointState run_checkpoint_state(Run *r) {
     CheckpointState s = {
-        .step = r->step, .epoch = r->batcher.epoch, .cursor = r->batcher.cursor, .seed = r->cfg->run.seed,
+        .step = r->step, .epochs_done = r->step / r->steps_per_epoch, .epoch = r->batcher.epoch,
+        .cursor = r->batcher.cursor, .seed = r->cfg->run.seed,
         .n_train = r->train.n, .log_loss_sum = r->win_loss_sum, .log_correct = r->win_correct,
         .log_seen = r->win_seen, .log_steps = r->win_steps, .train_s = r->train_s,
         .wall_s = r->wall_before + metrics_now() - r->t_start, .trained_examples = r->trained_examples,
