@@ -157,7 +157,7 @@ static int cmd_eval(int argc, char **argv) {
         return fail(&err, exit_status(&err));
     }
     TrainResult r;
-    st = train_eval_checkpoint(cfg, a.checkpoint, a.quiet, &r, &err);
+    st = train_eval_checkpoint(cfg, a.checkpoint, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     printf("test_accuracy:%.4f test_loss:%.4f", r.test_accuracy, r.test_loss);

@@ -576,12 +576,11 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     return st;
 }
 
-QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool quiet, TrainResult *res,
-                               QtError *err) {
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, TrainResult *res, QtError *err) {
     Run r;
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
-    TrainOptions o = {.quiet = quiet};
+    TrainOptions o = {.quiet = true}; /* the caller reports the result */
     r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
     QtStatus st = make_dirs(cfg->run.out_dir, err);
     if (st == QT_OK) st = run_load_data(&r, err);

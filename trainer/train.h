@@ -41,7 +41,6 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *r, QtE
 
 /* Evaluates the parameters of `checkpoint` on the test split of cfg's data
  * (and validation split, if any); writes <out_dir>/eval.json. */
-QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool quiet, TrainResult *r,
-                               QtError *err);
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, TrainResult *r, QtError *err);
 
 #endif
