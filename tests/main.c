@@ -16,6 +16,8 @@
     X(nn_model)   \
     X(nn_torch)   \
     X(data)       \
+    X(quant_qtype) \
+    X(quant_calib) \
     X(config)     \
     X(checkpoint) \
     X(trainer)
