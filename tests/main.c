@@ -18,6 +18,7 @@
     X(data)       \
     X(quant_qtype) \
     X(quant_calib) \
+    X(quant_qarray) \
     X(config)     \
     X(checkpoint) \
     X(trainer)
