@@ -19,6 +19,7 @@
     X(quant_qtype) \
     X(quant_calib) \
     X(quant_qarray) \
+    X(quant_fake) \
     X(config)     \
     X(checkpoint) \
     X(trainer)
