@@ -175,31 +175,13 @@ static void fmt_bounds(const Fmt *f, float zp, float *elo, float *ehi) {
     }
 }
 
-/* qarray.h's scale for the range (lo, hi), at least 1e-19 (else 1). */
+/* QArray's scale and zero-point rules, so both quantize alike. */
 static float fmt_scale(const Fmt *f, float lo, float hi) {
-    const QType *t = f->t;
-    float s;
-    if (f->asym) {
-        double lo0 = fmin(lo, 0.0), hi0 = fmax(hi, 0.0);
-        s = (float)((hi0 - lo0) / ((double)f->qmax - f->qmin));
-    } else {
-        float amax = fmaxf(-lo, hi);
-        switch (t->kind) {
-        case QTYPE_KIND_INT: s = f->narrow ? amax / f->qmax : amax / (f->qmax + 0.5f); break;
-        case QTYPE_KIND_UINT: s = amax / f->qmax; break;
-        case QTYPE_KIND_LUT: s = amax / fmaxf(fabsf(t->lut[0]), fabsf(t->lut[(1 << t->bits) - 1])); break;
-        case QTYPE_KIND_FLOAT: s = amax / t->max; break;
-        default: s = amax; break; /* ternary, binary: the range maps to the code +1 */
-        }
-    }
-    return s >= QARRAY_SCALE_MIN && isfinite(s) ? s : 1.0f;
+    return qarray_scale_for_range(f->t, f->asym, f->narrow, f->qmin, f->qmax, lo, hi);
 }
 
-/* qarray.h's zero point for a range minimum lo under scale s. */
 static float fmt_zero_point(const Fmt *f, float lo, float s) {
-    float v = fminf(lo, 0.0f) / s;
-    float zp = f->zp_float ? f->qmin - v : f->qmin - rintf(v);
-    return fminf(fmaxf(zp, f->qmin), f->qmax);
+    return qarray_zero_point_for_range(f->zp_float, f->qmin, f->qmax, lo, s);
 }
 
 /* One element's quantize -> dequantize; elo, ehi from fmt_bounds. */

@@ -346,19 +346,16 @@ static float round_int(float v, QRound mode, float u) {
     }
 }
 
-/* DESIGN's scale rules for the range (lo, hi) of one slice, before the
- * scale type; at least QARRAY_SCALE_MIN. */
-static float scale_from_range(const Plan *p, float lo, float hi) {
-    const QType *t = p->t;
+float qarray_scale_for_range(const QType *t, bool asym, bool narrow, float qmin, float qmax, float lo, float hi) {
     float s;
-    if (p->asym) {
+    if (asym) {
         double lo0 = fmin(lo, 0.0), hi0 = fmax(hi, 0.0);
-        s = (float)((hi0 - lo0) / ((double)p->qmax - p->qmin));
+        s = (float)((hi0 - lo0) / ((double)qmax - qmin));
     } else {
         float amax = fmaxf(-lo, hi);
         switch (t->kind) {
-        case QTYPE_KIND_INT: s = p->narrow ? amax / p->qmax : amax / (p->qmax + 0.5f); break;
-        case QTYPE_KIND_UINT: s = amax / p->qmax; break;
+        case QTYPE_KIND_INT: s = narrow ? amax / qmax : amax / (qmax + 0.5f); break;
+        case QTYPE_KIND_UINT: s = amax / qmax; break;
         case QTYPE_KIND_LUT: {
             float top = fmaxf(fabsf(t->lut[0]), fabsf(t->lut[(1 << t->bits) - 1]));
             s = amax / top;
@@ -371,12 +368,18 @@ static float scale_from_range(const Plan *p, float lo, float hi) {
     return s >= QARRAY_SCALE_MIN && isfinite(s) ? s : 1.0f;
 }
 
-/* Zero point for slice minimum lo under scale s: the integer one (code
- * units) and, for float zero points, the unrounded one. */
-static float zero_point_of(const Plan *p, float lo, float s) {
+float qarray_zero_point_for_range(bool zp_float, float qmin, float qmax, float lo, float s) {
     float v = fminf(lo, 0.0f) / s;
-    float zp = p->zp_float ? p->qmin - v : p->qmin - rintf(v);
-    return fminf(fmaxf(zp, p->qmin), p->qmax);
+    float zp = zp_float ? qmin - v : qmin - rintf(v);
+    return fminf(fmaxf(zp, qmin), qmax);
+}
+
+static float scale_from_range(const Plan *p, float lo, float hi) {
+    return qarray_scale_for_range(p->t, p->asym, p->narrow, p->qmin, p->qmax, lo, hi);
+}
+
+static float zero_point_of(const Plan *p, float lo, float s) {
+    return qarray_zero_point_for_range(p->zp_float, p->qmin, p->qmax, lo, s);
 }
 
 /* One element -> its code, x / s on the grid; zp in code units (0 if symmetric). */

@@ -246,6 +246,17 @@ QtStatus qarray_dequantize_rows(const QArray *q, size_t row0, size_t n_rows, flo
 
 void qarray_free(QArray *q);
 
+/* The scale and zero-point rules of one slice, shared with fake
+ * quantization so both give the same numbers. qmin/qmax: the format's
+ * effective code range (narrow applied). The scale follows DESIGN.md
+ * (symmetric int amax/(qmax+0.5), narrow amax/qmax, uint amax/qmax, LUT
+ * amax/largest code, float amax/max, ternary/binary amax; asymmetric
+ * (max+ - min-)/(qmax - qmin)), before any scale type, and is 1 where it
+ * would fall below QARRAY_SCALE_MIN or is not finite. The zero point is
+ * qmin - lo/s (rounded unless zp_float), clamped to [qmin, qmax]. */
+float qarray_scale_for_range(const QType *t, bool asym, bool narrow, float qmin, float qmax, float lo, float hi);
+float qarray_zero_point_for_range(bool zp_float, float qmin, float qmax, float lo, float s);
+
 /* ---- scales and sizes ------------------------------------------------------ */
 
 /* Scale i (row-major in scale_shape) as a float: decoded from its scale
