@@ -99,3 +99,18 @@ void rng_shuffle_u32(Rng *r, uint32_t *idx, size_t n) {
         idx[j] = tmp;
     }
 }
+
+void rng_uniforms_init(RngUniforms *u, Rng *rng, size_t n) {
+    u->rng = rng, u->left = n, u->pos = 0, u->have = 0;
+}
+
+float rng_uniforms_next(RngUniforms *u) {
+    if (!u->rng) return 0.0f;
+    if (u->pos == u->have) {
+        u->have = u->left < RNG_UNIFORMS_CHUNK ? u->left : RNG_UNIFORMS_CHUNK;
+        rng_fill_u32(u->rng, u->buf, u->have);
+        u->left -= u->have;
+        u->pos = 0;
+    }
+    return rng_u32_to_unit(u->buf[u->pos++]);
+}

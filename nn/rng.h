@@ -46,6 +46,24 @@ uint32_t rng_below(Rng *r, uint32_t n);
 /* Fisher-Yates shuffle of idx[0..n-1]. */
 void rng_shuffle_u32(Rng *r, uint32_t *idx, size_t n);
 
+/* Uniform floats in [0, 1) handed out one at a time, drawn from the rng in
+ * chunks: value i is word i of what a single rng_fill_u32(rng, .., n) call
+ * would give (chunks are multiples of 4 words, whole Philox blocks), so the
+ * chunking never changes the numbers and the rng ends exactly
+ * ceil(n / 4) blocks further on. With rng NULL every value is 0. Stochastic
+ * rounding takes its noise from here, element by element, without an
+ * n-sized buffer. */
+#define RNG_UNIFORMS_CHUNK 256
+typedef struct {
+    Rng *rng;                         /* NULL: every value is 0 */
+    size_t left;                      /* words not yet drawn from rng */
+    size_t pos, have;                 /* position in / fill of buf */
+    uint32_t buf[RNG_UNIFORMS_CHUNK];
+} RngUniforms;
+
+void rng_uniforms_init(RngUniforms *u, Rng *rng, size_t n);
+float rng_uniforms_next(RngUniforms *u);
+
 /* 24 high bits of u as a float in [0, 1). */
 static inline float rng_u32_to_unit(uint32_t u) { return (float)(u >> 8) * 0x1p-24f; }
 

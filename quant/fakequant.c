@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHUNK 256 /* uniforms drawn at a time; a multiple of 4 keeps the word stream contiguous */
 #define LN2 0.69314718055994530942
 
 #define SHAPE_STR(v, buf) tensor_shape_str(&(v)->value, (buf), sizeof(buf))
@@ -84,28 +83,6 @@ static bool check_finite(Tape *t, const char *op, const Var *x) {
         return false;
     }
     return true;
-}
-
-/* Uniforms in flat element order, drawn as qarray_quantize draws them. */
-typedef struct {
-    Rng *rng; /* NULL: no noise */
-    size_t left, pos, have;
-    uint32_t buf[CHUNK];
-} Uniforms;
-
-static void uniforms_init(Uniforms *u, Rng *rng, size_t n) {
-    u->rng = rng, u->left = n, u->pos = 0, u->have = 0;
-}
-
-static float uniform_next(Uniforms *u) {
-    if (!u->rng) return 0.0f;
-    if (u->pos == u->have) {
-        u->have = u->left < CHUNK ? u->left : CHUNK;
-        rng_fill_u32(u->rng, u->buf, u->have);
-        u->left -= u->have;
-        u->pos = 0;
-    }
-    return rng_u32_to_unit(u->buf[u->pos++]);
 }
 
 /* The rng stochastic rounding uses, or an error; NULL (no error) for the other modes. */
@@ -259,8 +236,8 @@ static Var *fq_run(Tape *t, const char *op, Var *x, const FakeQuantSpec *spec, c
     if (!pick_rng(t, op, spec->round, spec->rng, &rng)) return NULL;
     Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
     if (!y) return NULL;
-    Uniforms u;
-    uniforms_init(&u, spec->skip_rounding ? NULL : rng, var_numel(x));
+    RngUniforms u; /* drawn as qarray_quantize draws them */
+    rng_uniforms_init(&u, spec->skip_rounding ? NULL : rng, var_numel(x));
     const float *xv = x->value.data;
     float *yv = y->value.data;
     size_t i = 0;
@@ -268,7 +245,7 @@ static Var *fq_run(Tape *t, const char *op, Var *x, const FakeQuantSpec *spec, c
         for (int ch = 0; ch < c->g.C; ch++) {
             float s = c->s[ch], zp = c->zp[ch], lo = c->elo[ch], hi = c->ehi[ch];
             for (size_t j = 0; j < c->g.inner; j++, i++)
-                yv[i] = fmt_roundtrip(f, xv[i], s, zp, lo, hi, spec->round, uniform_next(&u), spec->skip_rounding);
+                yv[i] = fmt_roundtrip(f, xv[i], s, zp, lo, hi, spec->round, rng_uniforms_next(&u), spec->skip_rounding);
         }
     return tape_record(t, op, fq_backward, y, (Var *[]){x}, 1, c) ? y : NULL;
 }
@@ -549,15 +526,15 @@ Var *fq_learned_quant(Tape *t, Var *x, Var *range, const FqRangeSpec *spec) {
     learned_levels(spec->qtype, &n, &p, &shift);
     *c = (LearnCtx){.g = g, .kind = spec->kind, .n = (float)n, .p = (float)p, .s = s, .mult = mult, .r = r};
     if (!learned_scales(t, op, spec, range, c)) return NULL;
-    Uniforms u;
-    uniforms_init(&u, spec->skip_rounding ? NULL : rng, numel);
+    RngUniforms u; /* drawn as qarray_quantize draws them */
+    rng_uniforms_init(&u, spec->skip_rounding ? NULL : rng, numel);
     const float *xv = x->value.data;
     size_t i = 0;
     for (size_t o = 0; o < g.outer; o++)
         for (int ch = 0; ch < g.C; ch++)
             for (size_t j = 0; j < g.inner; j++, i++) {
                 float v = xv[i] / s[ch];
-                float q = spec->skip_rounding ? v : round_int(v, spec->round, uniform_next(&u));
+                float q = spec->skip_rounding ? v : round_int(v, spec->round, rng_uniforms_next(&u));
                 if (r) r[i] = q;
                 y->value.data[i] = (fminf(fmaxf(q, c->n), c->p) + 0.0f) * s[ch]; /* + 0: code 0 is +0 */
             }

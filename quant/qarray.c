@@ -515,27 +515,6 @@ static QtStatus compute_scales(QArray *q, const Plan *p, const float *x, float *
 
 /* ---- pass 2: codes ---------------------------------------------------------------- */
 
-/* Uniforms in flat element order: word i of the rng's stream from its state
- * at the call, drawn CHUNK words at a time (the last refill takes only what
- * is left, so the rng advances by exactly ceil(numel / 4) blocks). */
-typedef struct {
-    Rng *rng;           /* NULL: no noise, u = 0 */
-    size_t left;        /* words not yet drawn */
-    size_t pos, have;
-    uint32_t buf[CHUNK];
-} Uniforms;
-
-static float uniform_next(Uniforms *u) {
-    if (!u->rng) return 0.0f;
-    if (u->pos == u->have) {
-        u->have = u->left < CHUNK ? u->left : CHUNK;
-        rng_fill_u32(u->rng, u->buf, u->have);
-        u->left -= u->have;
-        u->pos = 0;
-    }
-    return rng_u32_to_unit(u->buf[u->pos++]);
-}
-
 /* Codes in flat order, packed CHUNK at a time. */
 typedef struct {
     const QType *t;
@@ -556,7 +535,7 @@ static void packer_put(Packer *pk, uint32_t code) {
     if (pk->n == CHUNK) packer_flush(pk);
 }
 
-static void encode_elements(QArray *q, const Plan *p, const float *x, const float *used, Uniforms *u,
+static void encode_elements(QArray *q, const Plan *p, const float *x, const float *used, RngUniforms *u,
                             Packer *pk) {
     if (!p->numel) return;
     Layout L;
@@ -571,7 +550,7 @@ static void encode_elements(QArray *q, const Plan *p, const float *x, const floa
             float s = used[g], zp = qarray_zero_point_at(q, g);
             bool zero = !(fabsf(s) >= QARRAY_SCALE_MIN); /* only a double-quantized scale can be this small */
             for (size_t j = a; j < a + t3; j++) {
-                float uj = uniform_next(u);
+                float uj = rng_uniforms_next(u);
                 packer_put(pk, encode_elem(p, zero ? 0.0f : xr[j], zero ? 1.0f : s, zp, p->round, uj));
             }
         }
@@ -579,12 +558,12 @@ static void encode_elements(QArray *q, const Plan *p, const float *x, const floa
     packer_flush(pk);
 }
 
-static QtStatus encode_blocks(QArray *q, const Plan *p, const float *x, Uniforms *u, QtError *err) {
+static QtStatus encode_blocks(QArray *q, const Plan *p, const float *x, RngUniforms *u, QtError *err) {
     const QType *t = p->t;
     size_t nb = p->numel / (size_t)t->block;
     float uv[BLOCK_MAX];
     for (size_t b = 0; b < nb; b++) {
-        for (int i = 0; i < t->block; i++) uv[i] = uniform_next(u);
+        for (int i = 0; i < t->block; i++) uv[i] = rng_uniforms_next(u);
         QtStatus st = qtype_block_quantize(t, x + b * (size_t)t->block, t->block, q->codes + b * t->block_bytes,
                                            p->round, uv);
         if (st != QT_OK)
@@ -655,14 +634,14 @@ QtStatus qarray_quantize(QArray *out, const float *x, int ndim, const int *shape
     }
     /* 4 KiB of chunk buffers: kept off the stack */
     struct {
-        Uniforms u;
+        RngUniforms u;
         Packer pk;
     } *c = malloc(sizeof *c);
     float *used = qtype_is_block(p.t) ? NULL : malloc((p.n_scales ? p.n_scales : 1) * sizeof *used);
     if (!c || (!qtype_is_block(p.t) && !used)) {
         st = qt_error_set(err, QT_ERR_NOMEM, "QArray: out of memory for the scales of %zu elements", p.numel);
     } else {
-        c->u = (Uniforms){.rng = p.round == QROUND_STOCHASTIC ? p.rng : NULL, .left = p.numel};
+        rng_uniforms_init(&c->u, p.round == QROUND_STOCHASTIC ? p.rng : NULL, p.numel);
         if (qtype_is_block(p.t)) {
             st = encode_blocks(q, &p, x, &c->u, err);
         } else if ((st = compute_scales(q, &p, x, used, err)) == QT_OK) {

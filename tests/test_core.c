@@ -71,6 +71,25 @@ static void test_rng_state_is_the_whole_story(void) {
     CU_ASSERT_NOT_EQUAL(memcmp(first, again, sizeof first), 0);
 }
 
+/* Handing uniforms out in chunks gives word i of one big draw, across
+ * chunk boundaries, and leaves the rng where that draw would. */
+static void test_rng_uniforms_match_one_draw(void) {
+    enum { N = 3 * RNG_UNIFORMS_CHUNK + 7 };
+    static uint32_t words[N];
+    Rng a, b;
+    rng_init(&a, 42, RNG_STREAM_ROUNDING);
+    b = a;
+    rng_fill_u32(&a, words, N);
+    RngUniforms u;
+    rng_uniforms_init(&u, &b, N);
+    int mismatches = 0;
+    for (int i = 0; i < N; i++) mismatches += rng_uniforms_next(&u) != rng_u32_to_unit(words[i]);
+    CU_ASSERT_EQUAL(mismatches, 0);
+    CU_ASSERT_EQUAL(a.counter, b.counter);
+    rng_uniforms_init(&u, NULL, 4);
+    CU_ASSERT_EQUAL(rng_uniforms_next(&u), 0.0f);
+}
+
 static void test_rng_distributions(void) {
     Rng r;
     rng_init(&r, 7, 1);
@@ -244,5 +263,6 @@ int register_nn_core_suite(void) {
            !CU_add_test(s, "tape records only what needs grads", test_tape_records_only_what_needs_grads) ||
            !CU_add_test(s, "tape accumulates fan-out", test_tape_accumulates_fanout) ||
            !CU_add_test(s, "tape refuses double backward and frozen-param grads", test_tape_refuses_misuse) ||
-           !CU_add_test(s, "error keeps the first cause", test_error_keeps_first);
+           !CU_add_test(s, "error keeps the first cause", test_error_keeps_first) ||
+           !CU_add_test(s, "chunked uniforms equal one draw", test_rng_uniforms_match_one_draw);
 }
