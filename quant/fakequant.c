@@ -397,8 +397,7 @@ CalibQuant fq_calib_quant(const QType *t, QArrayRange range, bool narrow_range, 
         {{calib_asym, calib_asym_zpf}, {calib_asym_narrow, calib_asym_narrow_zpf}}}; /* [asym][narrow][zp float] */
     q.fn = FNS[asym][narrow_range][zpf];
     q.ctx = t;
-    q.levels = t->kind == QTYPE_KIND_UINT && !asym ? 1 << t->bits : 1 << (t->bits - 1);
-    if (q.levels < 2) q.levels = 2;
+    q.levels = qarray_calib_levels(t, asym);
     return q;
 }
 
@@ -661,8 +660,7 @@ static QtStatus range_channel(const FqRange *r, const float *v, size_t n, const 
     }
     bool lsq = spec->kind == FQ_RANGE_LSQ;
     CalibQuant q = {.fn = lsq ? learned_roundtrip_lsq : learned_roundtrip_tqt, .ctx = spec->qtype,
-                    .levels = spec->qtype->kind == QTYPE_KIND_UINT ? 1 << spec->qtype->bits
-                                                                   : 1 << (spec->qtype->bits - 1)};
+                    .levels = qarray_calib_levels(spec->qtype, false)}; /* learned ranges are symmetric */
     CalibRange cr;
     QtError e = {0};
     if (calib_compute(calib, v, n, &q, NULL, 0, &cr, &e) != QT_OK)

@@ -368,6 +368,11 @@ float qarray_scale_for_range(const QType *t, bool asym, bool narrow, float qmin,
     return s >= QARRAY_SCALE_MIN && isfinite(s) ? s : 1.0f;
 }
 
+int qarray_calib_levels(const QType *t, bool asym) {
+    int levels = t->kind == QTYPE_KIND_UINT && !asym ? 1 << t->bits : 1 << (t->bits - 1);
+    return levels < 2 ? 2 : levels;
+}
+
 float qarray_zero_point_for_range(bool zp_float, float qmin, float qmax, float lo, float s) {
     float v = fminf(lo, 0.0f) / s;
     float zp = zp_float ? qmin - v : qmin - rintf(v);
@@ -469,8 +474,8 @@ static QtStatus slice_range(const Plan *p, Scratch *sc, size_t n, CalibRange *r,
         *r = (CalibRange){-m, m};
         return QT_OK;
     }
-    int levels = 1 << (p->t->bits - 1);
-    CalibQuant cq = {.fn = calib_roundtrip, .ctx = p, .levels = levels < 2 ? 2 : levels, .asymmetric = p->asym};
+    CalibQuant cq = {.fn = calib_roundtrip, .ctx = p, .levels = qarray_calib_levels(p->t, p->asym),
+                     .asymmetric = p->asym};
     return calib_compute(&p->calib, sc->buf, n, &cq, sc->work, sc->work_bytes, r, err);
 }
 

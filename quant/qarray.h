@@ -256,6 +256,10 @@ void qarray_free(QArray *q);
  * qmin - lo/s (rounded unless zp_float), clamped to [qmin, qmax]. */
 float qarray_scale_for_range(const QType *t, bool asym, bool narrow, float qmin, float qmax, float lo, float hi);
 float qarray_zero_point_for_range(bool zp_float, float qmin, float qmax, float lo, float s);
+/* Levels of |x| that entropy and kl_j calibration spread over [0, t]:
+ * 2^b for a symmetric (unsigned-mode) uint, whose codes all cover the
+ * non-negative side, else 2^(b-1); at least 2. */
+int qarray_calib_levels(const QType *t, bool asym);
 
 /* ---- scales and sizes ------------------------------------------------------ */
 
