@@ -1,11 +1,15 @@
-/* fakequant.c - fake quantization tape ops (static and dynamic scales),
- * learned ranges (TQT, LSQ) and the QType-backed CalibQuant. */
+/* fakequant.c - fake quantization with given (static) scales, learned
+ * ranges (TQT, LSQ) and the QType-backed CalibQuant. Calibrated (dynamic)
+ * scales are in fakequant_dynamic.c. */
 #include "fakequant.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fakequant_internal.h"
+#include "qarray_plan.h"
 
 #define LN2 0.69314718055994530942
 
@@ -74,7 +78,7 @@ static bool geo_check_var(Tape *t, const char *op, const char *what, const Var *
     return false;
 }
 
-static bool check_finite(Tape *t, const char *op, const Var *x) {
+bool fq_check_finite(Tape *t, const char *op, const Var *x) {
     for (size_t i = 0, n = var_numel(x); i < n; i++) {
         if (isfinite(x->value.data[i])) continue;
         char sx[64];
@@ -85,8 +89,7 @@ static bool check_finite(Tape *t, const char *op, const Var *x) {
     return true;
 }
 
-/* The rng stochastic rounding uses, or an error; NULL (no error) for the other modes. */
-static bool pick_rng(Tape *t, const char *op, QRound mode, Rng *given, Rng **out) {
+bool fq_pick_rng(Tape *t, const char *op, QRound mode, Rng *given, Rng **out) {
     *out = NULL;
     if ((int)mode < 0 || mode >= QROUND_COUNT) {
         qt_error_set(&t->err, QT_ERR_ARG, "%s: rounding mode %d is not rne, half_away, floor or stochastic", op,
@@ -99,19 +102,6 @@ static bool pick_rng(Tape *t, const char *op, QRound mode, Rng *given, Rng **out
         qt_error_set(&t->err, QT_ERR_ARG, "%s: stochastic rounding needs an Rng: set spec.rng (a stream of its own, "
                      "RNG_STREAM_ROUNDING) or give the tape one", op);
     return *out != NULL;
-}
-
-/* Integer rounding of v; stochastic: floor(v + u), decided as u >= 1 - frac so no addition rounds. */
-static float round_int(float v, QRound mode, float u) {
-    switch (mode) {
-    case QROUND_HALF_AWAY: return roundf(v);
-    case QROUND_FLOOR: return floorf(v);
-    case QROUND_STOCHASTIC: {
-        float lo = floorf(v);
-        return lo + (float)(u >= 1.0f - (v - lo));
-    }
-    default: return rintf(v);
-    }
 }
 
 /* ---- the element format ---------------------------------------------------------------------------- */
@@ -128,8 +118,8 @@ static const char *fmt_make(Fmt *f, const QType *t, bool asym, bool narrow, bool
     memset(f, 0, sizeof *f);
     if (!t) return "no qtype given (spec.qtype is NULL)";
     if (qtype_is_block(t))
-        return "a block format keeps its scales inside the blocks, so it has no scale to fake-quantize with; "
-               "quantize it with qarray_quantize";
+        return "a block format keeps its scales inside the blocks, so there is no scale to give; "
+               "fake-quantize it with fq_fake_quant_dynamic, which computes them";
     bool is_int = t->kind == QTYPE_KIND_INT || t->kind == QTYPE_KIND_UINT;
     if (asym && !is_int) return "only int and uint formats take an asymmetric range (a zero point)";
     if (narrow && t->kind != QTYPE_KIND_INT) return "only signed int formats have a narrow range";
@@ -167,10 +157,10 @@ static float fmt_roundtrip(const Fmt *f, float x, float s, float zp, float elo, 
     float v = x / s;
     if (skip_rounding) return fminf(fmaxf(v, elo), ehi) * s;
     if (!f->is_int) return qtype_decode(f->t, qtype_encode(f->t, v, mode, u)) * s;
-    if (f->zp_float) return (round_int(fminf(fmaxf(v + zp, f->qmin), f->qmax), mode, u) - zp) * s;
+    if (f->zp_float) return (qarray_round_int(fminf(fmaxf(v + zp, f->qmin), f->qmax), mode, u) - zp) * s;
     /* The bounds are whole numbers, so clamping before rounding equals clamping after. + 0 turns a
      * rounded -0 into the +0 an integer code dequantizes to. */
-    return (round_int(fminf(fmaxf(v, elo), ehi), mode, u) + 0.0f) * s;
+    return (qarray_round_int(fminf(fmaxf(v, elo), ehi), mode, u) + 0.0f) * s;
 }
 
 /* ---- fake quantization: forward and backward --------------------------------------------------------- */
@@ -210,10 +200,16 @@ static FqCtx *fq_ctx_new(Tape *t, const char *op, const Var *x, const FakeQuantS
     return c;
 }
 
-/* Checks what both variants share and fills f; asym as the variant decides it. */
+/* Checks the spec and fills f; asym as the zero points decide it. */
 static bool fq_check_spec(Tape *t, const char *op, const Var *x, const FakeQuantSpec *spec, bool asym, Fmt *f) {
     if (!spec) {
         qt_error_set(&t->err, QT_ERR_ARG, "%s: no spec given", op);
+        return false;
+    }
+    if (spec->n_channelwise || spec->n_tiled || spec->scale_type != QARRAY_SCALE_F32) {
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: given scales are per tensor or per channel (spec.per_channel, "
+                     "spec.axis) and used as they are; channelwise_axes, tiled_axes and scale_type describe "
+                     "computed scales, so use fq_fake_quant_dynamic for them", op);
         return false;
     }
     if ((int)spec->ste < 0 || spec->ste >= FQ_STE_COUNT || (int)spec->zp_type < 0 ||
@@ -227,13 +223,13 @@ static bool fq_check_spec(Tape *t, const char *op, const Var *x, const FakeQuant
         qt_error_set(&t->err, QT_ERR_ARG, "%s of %s: %s", op, qtype_name(spec->qtype), why);
         return false;
     }
-    return check_finite(t, op, x);
+    return fq_check_finite(t, op, x);
 }
 
 /* y = roundtrip(x) with c's scales; records the backward. */
 static Var *fq_run(Tape *t, const char *op, Var *x, const FakeQuantSpec *spec, const Fmt *f, FqCtx *c) {
     Rng *rng;
-    if (!pick_rng(t, op, spec->round, spec->rng, &rng)) return NULL;
+    if (!fq_pick_rng(t, op, spec->round, spec->rng, &rng)) return NULL;
     Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
     if (!y) return NULL;
     RngUniforms u; /* drawn as qarray_quantize draws them */
@@ -303,62 +299,12 @@ Var *fq_fake_quant(Tape *t, Var *x, const FakeQuantSpec *spec, Var *scale, Var *
     return fq_run(t, op, x, spec, &f, c);
 }
 
-/* ---- dynamic scales -------------------------------------------------------------------------------------- */
-
 /* Channel ch's elements -> buf; returns buf, or x itself when the tensor is one channel. */
 static const float *gather_channel(const float *x, const Geo *g, int ch, float *buf) {
     if (g->C == 1) return x;
     for (size_t o = 0; o < g->outer; o++)
         memcpy(buf + o * g->inner, x + (o * (size_t)g->C + (size_t)ch) * g->inner, g->inner * sizeof(float));
     return buf;
-}
-
-static bool dynamic_scales(Tape *t, const char *op, const Var *x, const FakeQuantSpec *spec, const Fmt *f,
-                           const CalibSpec *calib, FqCtx *c) {
-    size_t n = c->g.outer * c->g.inner;
-    bool mean_abs = !calib && (f->t->kind == QTYPE_KIND_TERNARY || f->t->kind == QTYPE_KIND_BINARY);
-    CalibSpec cs = calib ? *calib : (CalibSpec){.kind = f->asym ? CALIB_MINMAX : CALIB_ABSMAX, .s = 1.0};
-    QtError e = {0};
-    if (calib_spec_check(&cs, &e) != QT_OK) {
-        qt_error_set(&t->err, e.status, "%s: %s", op, e.msg);
-        return false;
-    }
-    size_t wb = mean_abs ? 0 : calib_workspace_bytes(&cs, n);
-    void *work = wb ? tape_alloc(t, wb) : NULL;
-    float *buf = c->g.C > 1 ? tape_alloc(t, n * sizeof(float)) : NULL;
-    if ((wb && !work) || (c->g.C > 1 && !buf)) return false;
-    CalibQuant cq = fq_calib_quant(f->t, f->asym ? QARRAY_RANGE_ASYMMETRIC : QARRAY_RANGE_SYMMETRIC, f->narrow,
-                                   spec->zp_type);
-    for (int ch = 0; ch < c->g.C; ch++) {
-        const float *v = gather_channel(x->value.data, &c->g, ch, buf);
-        CalibRange r;
-        if (mean_abs) {
-            double sum = 0.0;
-            for (size_t i = 0; i < n; i++) sum += fabsf(v[i]);
-            float m = (float)(sum / (double)n);
-            r = (CalibRange){-m, m};
-        } else if (calib_compute(&cs, v, n, &cq, work, wb, &r, &e) != QT_OK) {
-            qt_error_set(&t->err, e.status, "%s: calibrating channel %d of %d: %s", op, ch, c->g.C, e.msg);
-            return false;
-        }
-        c->s[ch] = fmt_scale(f, r.lo, r.hi);
-        c->zp[ch] = f->asym ? fmt_zero_point(f, r.lo, c->s[ch]) : 0.0f;
-        fmt_bounds(f, c->zp[ch], &c->elo[ch], &c->ehi[ch]);
-    }
-    return true;
-}
-
-Var *fq_fake_quant_dynamic(Tape *t, Var *x, const FakeQuantSpec *spec, const CalibSpec *calib) {
-    static const char op[] = "fake_quant_dynamic";
-    if (!x) return NULL;
-    bool asym = spec && spec->qtype &&
-                (spec->range == QARRAY_RANGE_ASYMMETRIC ||
-                 (spec->range == QARRAY_RANGE_AUTO && spec->qtype->kind == QTYPE_KIND_UINT));
-    Fmt f;
-    if (!fq_check_spec(t, op, x, spec, asym, &f)) return NULL;
-    FqCtx *c = fq_ctx_new(t, op, x, spec);
-    if (!c || !dynamic_scales(t, op, x, spec, &f, calib, c)) return NULL;
-    return fq_run(t, op, x, spec, &f, c);
 }
 
 /* ---- CalibQuant of a QType ----------------------------------------------------------------------------------- */
@@ -510,8 +456,8 @@ Var *fq_learned_quant(Tape *t, Var *x, Var *range, const FqRangeSpec *spec) {
     Geo g;
     Rng *rng;
     if (!geo_make(&t->err, op, x, spec->per_channel, spec->axis, &g) ||
-        !geo_check_var(t, op, "parameter", x, range, &g, spec->per_channel, spec->axis) || !check_finite(t, op, x) ||
-        !pick_rng(t, op, spec->round, spec->rng, &rng))
+        !geo_check_var(t, op, "parameter", x, range, &g, spec->per_channel, spec->axis) || !fq_check_finite(t, op, x) ||
+        !fq_pick_rng(t, op, spec->round, spec->rng, &rng))
         return NULL;
     size_t numel = var_numel(x);
     bool need = t->grad_enabled && (x->requires_grad || range->requires_grad);
@@ -533,7 +479,7 @@ Var *fq_learned_quant(Tape *t, Var *x, Var *range, const FqRangeSpec *spec) {
         for (int ch = 0; ch < g.C; ch++)
             for (size_t j = 0; j < g.inner; j++, i++) {
                 float v = xv[i] / s[ch];
-                float q = spec->skip_rounding ? v : round_int(v, spec->round, rng_uniforms_next(&u));
+                float q = spec->skip_rounding ? v : qarray_round_int(v, spec->round, rng_uniforms_next(&u));
                 if (r) r[i] = q;
                 y->value.data[i] = (fminf(fmaxf(q, c->n), c->p) + 0.0f) * s[ch]; /* + 0: code 0 is +0 */
             }

@@ -3,13 +3,31 @@
  * Learnable ranges (TQT, LSQ) are parameters the op reads and whose grads it
  * accumulates; a CalibQuant describes any QType to the calibration methods.
  *
- * Scales and channels. One scale (and zero point) per tensor, or one per
- * index along `axis` (per channel): x is seen as (outer, C, inner) with
- * C = shape[axis], and element i belongs to channel (i / inner) % C.
+ * Two ops differ in where the scales come from:
+ *   fq_fake_quant          given scales (and zero points): one per tensor,
+ *                          or one per index along `axis` (per channel).
+ *   fq_fake_quant_dynamic  scales calibrated from x on every call, with
+ *   fq_fake_quant_qarray   everything QArray takes (qarray.h): channelwise
+ *                          axes, tiled axes (per-block / sub-channel scales,
+ *                          tile as a count or a fraction of the axis), any
+ *                          calibration, symmetric or asymmetric, narrow
+ *                          range, int32 or float zero points, float32 /
+ *                          float16 / bfloat16 / pof2 scales, every rounding
+ *                          mode, and the block formats (MX, mx6/mx9). The
+ *                          two differ only in how they are told: a
+ *                          FakeQuantSpec, or QArrayOptions themselves.
+ * Per-block scales and the block formats go through the dynamic op only:
+ * QAT recalibrates its weights on every step anyway, and a static range of
+ * activations is one scale per tensor or channel.
  *
- * Forward (fq_fake_quant, fq_fake_quant_dynamic). With the scale s and zero
- * point zp of the element's channel (zp = 0 when symmetric), y is what a
- * QArray with those scales stores and dequantizes (qarray.h), bit for bit:
+ * Forward. The dynamic op's y is exactly what qarray_quantize with the same
+ * options (and the same rng state) stores and qarray_dequantize returns, bit
+ * for bit: it slices x with QArray's own plan and applies QArray's rules to
+ * every slice (the scale rounded to the scale type before any code is
+ * computed, the zero point from the rounded scale, qtype_block_quantize /
+ * qtype_block_dequantize per block for the block formats). The static op
+ * gives the same numbers for the scales it is given. With the scale s and
+ * zero point zp of the element's slice (zp = 0 when symmetric):
  *   int, uint:  y = clamp(round(x / s), qmin - zp, qmax - zp) * s, the
  *               rounding before the shift (int32 zero points); with float
  *               zero points y = (round(clamp(x / s + zp, qmin, qmax)) - zp) * s.
@@ -18,21 +36,33 @@
  *   float (fp8/fp6/fp4, eXmY), nf4, ternary, binary:
  *               y = qtype_decode(qtype_encode(x / s)) * s: saturation to
  *               the format's extremes, then rounding on its grid.
- * The block formats (MX, mx6/mx9) are not supported: their scales live in
- * the blocks; quantize them with qarray_quantize.
+ *   block formats: each block of the last axis through its own shared
+ *               scale, 2^k (MX: k is the e8m0 scale, mxint8's 2^-6 included;
+ *               mx6/mx9: the shared exponent less the sub-block's
+ *               micro-exponent, in units of the element's last magnitude bit).
  *
- * Representable range of a channel, in units of s: [elo, ehi] =
+ * Representable range of a slice, in units of s: [elo, ehi] =
  *   [qmin - zp, qmax - zp] for int/uint (symmetric uint: [0, qmax]),
  *   [-max, max] for the float formats, [lut[0], lut[last]] = [-1, 1] for
- *   nf4, [-1, 1] for ternary and binary.
+ *   nf4, [-1, 1] for ternary and binary; for a block format, in units of
+ *   2^k, [-max, max] of the element format (fp4 6, fp6_e3m2 28, fp8_e4m3
+ *   448, mxint8 127, mx9 127, mx6 15).
  *
  * Backward (FQ_STE_CLIPPED, the default): dx += dy where
- * elo <= x / s <= ehi and nothing elsewhere - the straight-through estimator
- * with clipping of NVIDIA ModelOpt's fake quantization ("for -amax <= input
- * <= amax the gradient passes straight through, otherwise the gradient is
- * zero") and of Qwix. FQ_STE_PASS passes dy everywhere (ModelOpt's legacy
- * function). Scales and zero points are constants: no gradient reaches them
- * (also in the dynamic variant, whose scales are computed from x).
+ * elo <= x / s <= ehi (block formats: |x| 2^-k <= max) and nothing
+ * elsewhere - the straight-through estimator with clipping of NVIDIA
+ * ModelOpt's fake quantization ("for -amax <= input <= amax the gradient
+ * passes straight through, otherwise the gradient is zero") and of Qwix,
+ * each element judged by its own slice's or block's scale. An element that
+ * saturates gets no gradient: with absmax scales that is the positive
+ * extreme of a symmetric int slice (x / s = qmax + 1/2), and the largest
+ * values of an MX block when they scale beyond the element max (OCP's
+ * shared scale 2^(floor(log2 amax) - emax) maps amax into [2^emax,
+ * 2^(emax+1)), e.g. [4, 8) for fp4, whose max is 6). FQ_STE_PASS
+ * passes dy everywhere (ModelOpt's legacy function). Scales and zero points
+ * are constants: no gradient reaches them (also in the dynamic op, whose
+ * scales are computed from x). The dynamic op keeps one bit per element for
+ * its backward.
  *
  * Rounding (spec.round, qtype.h's QRound) acts on x / s as in qarray.h.
  * Stochastic rounding draws from spec.rng, or from the tape's rng when that
@@ -40,8 +70,9 @@
  * and rounding do not share one): element i (flat, row-major) takes the
  * i-th 32-bit word rng_fill_u32 produces from the rng's state at the call,
  * every element one word, and the rng advances by ceil(numel / 4) blocks -
- * the same draws as qarray_quantize, so a fake-quantized tensor equals the
- * QArray quantized from the same rng state, and a resumed run repeats them.
+ * the same draws as qarray_quantize (for the block formats too), so a
+ * fake-quantized tensor equals the QArray quantized from the same rng
+ * state, and a resumed run repeats them.
  *
  * Learned ranges (fq_learned_quant; Jain et al. 2019 "Trained Quantization
  * Thresholds", Esser et al. 2020 "Learned Step Size Quantization"). int or
@@ -74,12 +105,18 @@
  * Errors go to the tape (NULL return, first error kept) naming the op
  * ("fake_quant", "fake_quant_dynamic", "fake_quant_tqt", "fake_quant_lsq")
  * and the shapes: a NaN or Inf in x (QT_ERR_VALUE with its flat index), a
- * scale or parameter that does not fit the axis (QT_ERR_SHAPE), an axis out
- * of range, a format or option the op cannot use (QT_ERR_ARG), a scale that
- * is not finite and positive (QT_ERR_VALUE). A scale below 1e-19 becomes 1
- * (DESIGN.md), a learned one is an error instead, since training pushed it
- * there. The output is always a new Var; x is never written. Nothing is
- * malloc'ed per call: saved state and scratch come from the tape's arena. */
+ * scale or parameter that does not fit the axis, a tile that does not
+ * divide its axis (QT_ERR_SHAPE naming the axis, its size and the tile), an
+ * axis out of range or listed twice, a format or option the op cannot use
+ * (QT_ERR_ARG; the dynamic op reports QArray's option errors under its own
+ * name), a scale that is not finite and positive or does not fit its scale
+ * type (QT_ERR_VALUE). A scale below 1e-19 becomes 1 (DESIGN.md), a learned
+ * one is an error instead, since training pushed it there. The output is
+ * always a new Var; x is never written. Nothing is malloc'ed per call:
+ * saved state and scratch (calibration workspace, slice buffers, the
+ * backward's mask) come from the tape's arena, the same amount for the same
+ * shape and options, so a training loop stops growing the arena after its
+ * first step. */
 #ifndef QTRAIN_QUANT_FAKEQUANT_H
 #define QTRAIN_QUANT_FAKEQUANT_H
 
@@ -101,11 +138,20 @@ typedef enum {
 } FqSte;
 
 /* All-zero but qtype is the default: per tensor, symmetric (asymmetric for
- * uint in the dynamic op), int32 zero points, rne, clipped STE. */
+ * uint in the dynamic op), float32 scales, int32 zero points, rne, clipped
+ * STE. */
 typedef struct {
-    const QType *qtype;    /* element format: int, uint, ternary, binary, nf4 (LUT) or float */
+    const QType *qtype;    /* int, uint, ternary, binary, nf4 (LUT) or float; the dynamic op also takes the block
+                              formats (MX, mx6/mx9) */
     bool per_channel;      /* one scale per index along axis; false: one for the tensor */
     int axis;              /* per_channel: -ndim..ndim-1 (negative counts from the end) */
+    /* Dynamic op only (the static op rejects them): the rest of QArray's description of the scale tensor, as
+       QArrayOptions has it. per_channel adds `axis` to the channelwise axes. */
+    int n_channelwise;
+    int channelwise_axes[QARRAY_MAX_DIMS];       /* [n_channelwise] one scale per index along these */
+    int n_tiled;
+    QArrayTiledAxis tiled_axes[QARRAY_MAX_DIMS]; /* [n_tiled] one scale per tile (a count, or a fraction) */
+    QArrayScaleType scale_type; /* every computed scale is rounded to it before use */
     QArrayRange range;     /* dynamic: AUTO is asymmetric for uint, symmetric otherwise. Static: the zero point
                               argument decides; SYMMETRIC with zero points or ASYMMETRIC without is an error */
     bool narrow_range;     /* signed int only: codes -qmax..qmax (ModelOpt's narrow_range) */
@@ -113,8 +159,8 @@ typedef struct {
     QRound round;
     Rng *rng;              /* stochastic rounding; NULL: the tape's rng. Read by no other mode */
     FqSte ste;
-    bool skip_rounding;    /* tests: clamp without rounding, so the forward is the function whose derivative
-                              the clipped STE is */
+    bool skip_rounding;    /* tests: clamp without rounding (block formats: to each block's range), so the
+                              forward is the function whose derivative the clipped STE is */
 } FakeQuantSpec;
 
 /* x (any shape, ndim 1..4) -> y, same shape. scale: (C,) per channel or
@@ -125,11 +171,22 @@ typedef struct {
 Var *fq_fake_quant(Tape *t, Var *x, const FakeQuantSpec *spec, Var *scale, Var *zero_point);
 
 /* The same with the scales (and zero points) calibrated from x on every
- * call, per channel, by qarray.h's rules: calib NULL is absmax when
- * symmetric, minmax when asymmetric and mean |x| for ternary/binary;
- * otherwise any CalibSpec, whose mse/entropy/kl_j see this format through
- * fq_calib_quant. The calibration's workspace comes from the arena. */
+ * call, by qarray.h's rules: the slices are those of QArray's options
+ * built from spec (channelwise axes, per_channel's axis, tiled axes; nf4
+ * without axes: blocks of 64 along the last axis, QArray's default), calib
+ * NULL is absmax when symmetric, minmax when asymmetric and mean |x| for
+ * ternary/binary; otherwise any CalibSpec, whose mse/entropy/kl_j see this
+ * format's round trip as QArray's do. Block formats take no calibration,
+ * axes or asymmetric range (QArray's rules). The calibration's workspace
+ * comes from the arena. */
 Var *fq_fake_quant_dynamic(Tape *t, Var *x, const FakeQuantSpec *spec, const CalibSpec *calib);
+
+/* The dynamic op described by QArrayOptions itself: y equals
+ * qarray_dequantize(qarray_quantize(x, qtype, options)) bit for bit, for
+ * every options qarray_quantize accepts but double_quant (QT_ERR_ARG: it
+ * compresses stored scales). options NULL: all defaults. Stochastic
+ * rounding with options->rng NULL draws from the tape's rng. */
+Var *fq_fake_quant_qarray(Tape *t, Var *x, const QType *qtype, const QArrayOptions *options, FqSte ste);
 
 /* "clipped", "pass"; "unknown" outside the enum. */
 const char *fq_ste_name(FqSte ste);

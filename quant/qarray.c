@@ -1,20 +1,20 @@
-/* qarray.c - QArray quantize / dequantize: options and layout, per-slice
- * scales from calibration, scale types, zero points, element codes and the
- * block formats. Float16/bfloat16 bits and double quantization live in
- * qarray_dq.c. */
+/* qarray.c - QArray quantize / dequantize: per-slice scales stored in their
+ * scale type, zero points, element codes and the block formats. The options,
+ * the slicing into scale groups and the per-slice rules live in
+ * qarray_plan.c (shared with fake quantization); float16/bfloat16 bits and
+ * double quantization in qarray_dq.c. */
 #include "qarray.h"
 
-#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Codes packed and RNG words drawn per step: a multiple of 8, so a chunk of
- * codes of any width ends on a byte boundary, and of 4, so every refill but
- * the last takes whole Philox blocks. */
+#include "qarray_plan.h"
+
+/* Codes packed per step: a multiple of 8, so a chunk of codes of any width
+ * ends on a byte boundary. */
 #define CHUNK 512
-#define BLOCK_MAX 32 /* the largest block of a block format (qtype_block.c's limit too) */
 
 /* ---- names ------------------------------------------------------------------ */
 
@@ -46,31 +46,6 @@ QtStatus qarray_zp_type_parse(const char *name, QArrayZpType *out, QtError *err)
     return st;
 }
 
-/* ---- the resolved options -------------------------------------------------- */
-
-typedef enum { AXIS_SHARED, AXIS_CHANNEL, AXIS_TILED } AxisKind;
-
-/* Everything quantize needs, checked once. */
-typedef struct {
-    const QType *t;
-    int ndim;
-    int shape[QARRAY_MAX_DIMS];
-    int tile[QARRAY_MAX_DIMS];  /* [ndim] as QArray.tile */
-    int sdim[QARRAY_MAX_DIMS];  /* [ndim] as QArray.scale_shape */
-    size_t numel, n_scales;
-    bool asym, narrow, zp_float;
-    float qmin, qmax;           /* INT/UINT/TERNARY: effective code range (narrow applied) */
-    QArrayScaleType scale_type;
-    QRound round;
-    Rng *rng;
-    CalibSpec calib;
-    bool mean_abs;              /* ternary/binary without a calibration: scale = mean |x| */
-    bool dq;
-    int dq_block;
-} Plan;
-
-static bool is_int_kind(const QType *t) { return t->kind == QTYPE_KIND_INT || t->kind == QTYPE_KIND_UINT; }
-
 /* "(2, 64)" */
 static void format_tuple(char *buf, size_t cap, const size_t *v, int n) {
     size_t len = (size_t)snprintf(buf, cap, "(");
@@ -85,371 +60,26 @@ static void shape_string(char *buf, size_t cap, const int *shape, int ndim) {
     format_tuple(buf, cap, v, ndim);
 }
 
-/* axis in -ndim..ndim-1 -> 0..ndim-1; -1 if out of range. */
-static int normalize_axis(int axis, int ndim) {
-    if (axis < -ndim || axis >= ndim) return -1;
-    return axis < 0 ? axis + ndim : axis;
-}
-
-static QtStatus claim_axis(AxisKind *kind, int axis, int ndim, AxisKind as, const char *option, int *out,
-                           QtError *err) {
-    int a = normalize_axis(axis, ndim);
-    if (a < 0)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option %s: axis %d is out of range for a %d-d array (valid: "
-                            "%d..%d)", option, axis, ndim, -ndim, ndim - 1);
-    if (kind[a] != AXIS_SHARED)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option %s: axis %d is listed twice (it is already %s); give "
-                            "each axis once, as channelwise or as tiled", option, axis,
-                            kind[a] == AXIS_CHANNEL ? "channelwise" : "tiled");
-    kind[a] = as;
-    *out = a;
-    return QT_OK;
-}
-
-/* The tile of axis a from QArrayTiledAxis.tile; `why` explains where a
- * default tile came from, for the message. */
-static QtStatus resolve_tile(Plan *p, int a, double tile, const char *why, QtError *err) {
-    int dim = p->shape[a];
-    long t;
-    if (!(tile > 0.0) || isinf(tile) || (tile >= 1.0 && (tile != floor(tile) || tile > INT_MAX)))
-        return qt_error_set(err, QT_ERR_ARG, "QArray option tiled_axes: the tile %g of axis %d must be a whole "
-                            "number of elements >= 1 or a fraction of the axis in (0, 1)", tile, a);
-    if (tile >= 1.0) {
-        t = (long)tile;
-    } else {
-        t = (long)rint(dim * tile); /* Qwix: round(axis_size * fraction), ties to even */
-        if (t == 0 && dim > 0)
-            return qt_error_set(err, QT_ERR_SHAPE, "QArray: the tile fraction %g of axis %d (size %d) rounds to 0 "
-                                "elements; give a larger fraction or a tile size", tile, a, dim);
-    }
-    if (t > 0 && dim % t != 0) {
-        char frac[64] = "";
-        if (tile < 1.0) snprintf(frac, sizeof frac, " (the fraction %g of the axis, rounded)", tile);
-        return qt_error_set(err, QT_ERR_SHAPE, "QArray: axis %d of size %d is not a multiple of the tile size "
-                            "%ld%s%s; choose a tile that divides the axis", a, dim, t, frac, why);
-    }
-    p->tile[a] = (int)t;
-    p->sdim[a] = t > 0 ? dim / (int)t : 0;
-    return QT_OK;
-}
-
-/* The block formats tile the last axis by their block, and nothing else. */
-static QtStatus plan_block_axes(Plan *p, const QArrayOptions *o, AxisKind *kind, QtError *err) {
-    const char *nm = p->t->name;
-    int last = p->ndim - 1;
-    if (p->ndim == 0)
-        return qt_error_set(err, QT_ERR_SHAPE, "QArray: %s quantizes blocks of %d along the last axis; a 0-d array "
-                            "has none (reshape it to (1,))", nm, p->t->block);
-    if (o->n_channelwise > 0)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option channelwise_axes: %s has one scale per block of %d "
-                            "along the last axis; leave the axes empty", nm, p->t->block);
-    if (o->n_tiled > 1 ||
-        (o->n_tiled == 1 && (normalize_axis(o->tiled_axes[0].axis, p->ndim) != last ||
-                             o->tiled_axes[0].tile != (double)p->t->block)))
-        return qt_error_set(err, QT_ERR_ARG, "QArray option tiled_axes: %s's blocks are %d elements along the last "
-                            "axis and cannot be changed; leave tiled_axes empty", nm, p->t->block);
-    for (int d = 0; d < last; d++) kind[d] = AXIS_CHANNEL, p->tile[d] = 1, p->sdim[d] = p->shape[d];
-    kind[last] = AXIS_TILED;
-    char why[96];
-    snprintf(why, sizeof why, " (the %s block)", nm);
-    return resolve_tile(p, last, p->t->block, why, err);
-}
-
-static QtStatus plan_axes(Plan *p, const QArrayOptions *o, QtError *err) {
-    AxisKind kind[QARRAY_MAX_DIMS] = {AXIS_SHARED, AXIS_SHARED, AXIS_SHARED, AXIS_SHARED};
-    if (o->n_channelwise < 0 || o->n_channelwise > QARRAY_MAX_DIMS || o->n_tiled < 0 ||
-        o->n_tiled > QARRAY_MAX_DIMS)
-        return qt_error_set(err, QT_ERR_ARG, "QArray options: n_channelwise = %d and n_tiled = %d must be in 0..%d",
-                            o->n_channelwise, o->n_tiled, QARRAY_MAX_DIMS);
-    for (int d = 0; d < p->ndim; d++) p->tile[d] = p->shape[d], p->sdim[d] = 1;
-    if (qtype_is_block(p->t)) {
-        QtStatus st = plan_block_axes(p, o, kind, err);
-        if (st != QT_OK) return st;
-    } else if (p->t->kind == QTYPE_KIND_LUT && o->n_channelwise == 0 && o->n_tiled == 0 && p->ndim > 0) {
-        /* bitsandbytes' blocks of 64 of the flattened array: each row's own blocks when 64 divides the row */
-        char why[160];
-        snprintf(why, sizeof why, " (%s's default block of %d along the last axis; give tiled_axes or "
-                 "channelwise_axes to choose another)", p->t->name, QARRAY_NF4_BLOCK);
-        QtStatus st = resolve_tile(p, p->ndim - 1, QARRAY_NF4_BLOCK, why, err);
-        if (st != QT_OK) return st;
-        for (int d = 0; d < p->ndim - 1; d++) p->tile[d] = 1, p->sdim[d] = p->shape[d];
-    }
-    for (int i = 0; i < o->n_channelwise && !qtype_is_block(p->t); i++) {
-        int a;
-        QtStatus st = claim_axis(kind, o->channelwise_axes[i], p->ndim, AXIS_CHANNEL, "channelwise_axes", &a, err);
-        if (st != QT_OK) return st;
-        p->tile[a] = 1, p->sdim[a] = p->shape[a];
-    }
-    for (int i = 0; i < o->n_tiled && !qtype_is_block(p->t); i++) {
-        int a;
-        QtStatus st = claim_axis(kind, o->tiled_axes[i].axis, p->ndim, AXIS_TILED, "tiled_axes", &a, err);
-        if (st == QT_OK) st = resolve_tile(p, a, o->tiled_axes[i].tile, "", err);
-        if (st != QT_OK) return st;
-    }
-    p->n_scales = 1;
-    for (int d = 0; d < p->ndim; d++) p->n_scales *= (size_t)p->sdim[d];
-    return QT_OK;
-}
-
-/* Range, narrow range, zero point, scale type: what the format allows. */
-static QtStatus plan_range(Plan *p, const QArrayOptions *o, QtError *err) {
-    const QType *t = p->t;
-    if ((int)o->range < 0 || o->range >= QARRAY_RANGE_COUNT)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option range: %d is not auto, symmetric or asymmetric",
-                            (int)o->range);
-    p->asym = o->range == QARRAY_RANGE_ASYMMETRIC || (o->range == QARRAY_RANGE_AUTO && t->kind == QTYPE_KIND_UINT);
-    if (p->asym && !is_int_kind(t))
-        return qt_error_set(err, QT_ERR_ARG, "QArray option range = asymmetric: %s has no zero point; only int and "
-                            "uint formats take an asymmetric range", t->name);
-    if (o->narrow_range && t->kind != QTYPE_KIND_INT)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option narrow_range: only signed int formats (int2..int8) have "
-                            "a narrow range, %s has not", t->name);
-    if ((int)o->zp_type < 0 || o->zp_type >= QARRAY_ZP_COUNT)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option zp_type: %d is not int32 or float", (int)o->zp_type);
-    if (o->zp_type == QARRAY_ZP_FLOAT && !p->asym)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option zp_type = float: a symmetric range has no zero point; "
-                            "set range = asymmetric or leave zp_type at int32");
-    if ((int)o->scale_type < 0 || o->scale_type >= QARRAY_SCALE_COUNT)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option scale_type: %d is not float32, float16, bfloat16 or "
-                            "pof2", (int)o->scale_type);
-    if (qtype_is_block(t) && (o->scale_type == QARRAY_SCALE_F16 || o->scale_type == QARRAY_SCALE_BF16))
-        return qt_error_set(err, QT_ERR_ARG, "QArray option scale_type = %s: %s's scales are e8m0 powers of two; "
-                            "leave scale_type at float32 or set pof2", qarray_scale_type_name(o->scale_type),
-                            t->name);
-    p->narrow = o->narrow_range;
-    p->zp_float = o->zp_type == QARRAY_ZP_FLOAT;
-    p->scale_type = qtype_is_block(t) ? QARRAY_SCALE_POF2 : o->scale_type;
-    p->qmin = (float)t->qmin, p->qmax = (float)t->qmax;
-    if (p->narrow) p->qmin = -p->qmax;
-    return QT_OK;
-}
-
-static QtStatus plan_rest(Plan *p, const QArrayOptions *o, QtError *err) {
-    const QType *t = p->t;
-    if ((int)o->round < 0 || o->round >= QROUND_COUNT)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option round: %d is not a rounding mode (rne, half_away, "
-                            "floor, stochastic)", (int)o->round);
-    if (o->round == QROUND_STOCHASTIC && !o->rng)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option round = stochastic needs an Rng in options.rng (a "
-                            "stream of its own, e.g. RNG_STREAM_ROUNDING)");
-    if (o->round != QROUND_STOCHASTIC && o->rng)
-        return qt_error_set(err, QT_ERR_ARG, "QArray option rng is set but round = %s draws no noise; set round = "
-                            "stochastic or leave rng NULL", qround_name(o->round));
-    p->round = o->round, p->rng = o->rng;
-    if (o->calib && qtype_is_block(t))
-        return qt_error_set(err, QT_ERR_ARG, "QArray option calib: %s's block scales come from each block's absmax "
-                            "(OCP MX); leave calib NULL", t->name);
-    if (o->calib) {
-        QtStatus st = calib_spec_check(o->calib, err);
-        if (st != QT_OK) return st;
-        p->calib = *o->calib;
-    } else {
-        p->calib = (CalibSpec){.kind = p->asym ? CALIB_MINMAX : CALIB_ABSMAX, .s = 1.0};
-        p->mean_abs = t->kind == QTYPE_KIND_TERNARY || t->kind == QTYPE_KIND_BINARY;
-    }
-    if (o->dq_block < 0 || (o->dq_block > 0 && !o->double_quant))
-        return qt_error_set(err, QT_ERR_ARG, "QArray option dq_block = %d: it must be >= 0 (0: %d) and needs "
-                            "double_quant", o->dq_block, QARRAY_DQ_BLOCK);
-    const char *why = NULL;
-    if (o->double_quant && qtype_is_block(t)) why = "block formats carry their own e8m0 scales";
-    else if (o->double_quant && p->asym) why = "double quantization needs a symmetric range";
-    else if (o->double_quant && o->scale_type != QARRAY_SCALE_F32)
-        why = "it replaces the scale storage, so scale_type must stay float32";
-    if (why) return qt_error_set(err, QT_ERR_ARG, "QArray option double_quant with %s: %s", t->name, why);
-    p->dq = o->double_quant;
-    p->dq_block = o->dq_block ? o->dq_block : QARRAY_DQ_BLOCK;
-    return QT_OK;
-}
-
-static QtStatus plan_make(Plan *p, int ndim, const int *shape, const QType *t, const QArrayOptions *o,
-                          QtError *err) {
-    memset(p, 0, sizeof *p);
-    if (!t) return qt_error_set(err, QT_ERR_ARG, "QArray: no qtype given");
-    if (ndim < 0 || ndim > QARRAY_MAX_DIMS || (ndim > 0 && !shape))
-        return qt_error_set(err, QT_ERR_ARG, "QArray: %d dimensions (%s); a QArray has 0..%d", ndim,
-                            shape ? "with a shape" : "no shape", QARRAY_MAX_DIMS);
-    if (!qtype_is_block(t) && (t->bits < 1 || t->bits > 8))
-        return qt_error_set(err, QT_ERR_ARG, "QArray: %s has %d-bit codes; QArray handles 1..8", t->name, t->bits);
-    if (qtype_is_block(t) && (t->block < 1 || t->block > BLOCK_MAX))
-        return qt_error_set(err, QT_ERR_ARG, "QArray: %s has blocks of %d; QArray handles 1..%d", t->name, t->block,
-                            BLOCK_MAX);
-    p->t = t, p->ndim = ndim, p->numel = 1;
-    for (int d = 0; d < ndim; d++) {
-        if (shape[d] < 0) return qt_error_set(err, QT_ERR_SHAPE, "QArray: axis %d has negative size %d", d, shape[d]);
-        if (shape[d] > 0 && p->numel > SIZE_MAX / sizeof(float) / (size_t)shape[d])
-            return qt_error_set(err, QT_ERR_SHAPE, "QArray: the shape's element count overflows");
-        p->shape[d] = shape[d];
-        p->numel *= (size_t)shape[d];
-    }
-    QtStatus st = plan_axes(p, o, err);
-    if (st == QT_OK) st = plan_range(p, o, err);
-    if (st == QT_OK) st = plan_rest(p, o, err);
-    return st;
-}
-
-/* ---- the layout, padded to 4 dims -------------------------------------------- */
-
-typedef struct {
-    size_t dim[4], tile[4], sdim[4], sstride[4]; /* leading axes of a smaller array are 1 */
-} Layout;
-
-static void layout_of(const QArray *q, Layout *L) {
-    int off = 4 - q->ndim;
-    for (int k = 0; k < 4; k++) {
-        int d = k - off;
-        L->dim[k] = d >= 0 ? (size_t)q->shape[d] : 1;
-        L->tile[k] = d >= 0 ? (size_t)q->tile[d] : 1;
-        L->sdim[k] = d >= 0 ? (size_t)q->scale_shape[d] : 1;
-    }
-    L->sstride[3] = 1;
-    for (int k = 2; k >= 0; k--) L->sstride[k] = L->sstride[k + 1] * L->sdim[k + 1];
-}
-
-/* Scale index of the first element of row r (all axes but the last), r < numel / dim[3]. */
-static size_t row_group(const Layout *L, size_t r) {
-    size_t a2 = r % L->dim[2];
-    r /= L->dim[2];
-    size_t a1 = r % L->dim[1], a0 = r / L->dim[1];
-    return a0 / L->tile[0] * L->sstride[0] + a1 / L->tile[1] * L->sstride[1] + a2 / L->tile[2] * L->sstride[2];
-}
-
-/* The elements of slice g (a scale index) -> buf; returns their count. */
-static size_t gather_slice(const Layout *L, const float *x, size_t g, float *buf) {
-    size_t start[4];
-    for (int k = 3; k >= 0; k--) {
-        start[k] = g % L->sdim[k] * L->tile[k];
-        g /= L->sdim[k];
-    }
-    size_t n = 0;
-    for (size_t a0 = start[0]; a0 < start[0] + L->tile[0]; a0++)
-        for (size_t a1 = start[1]; a1 < start[1] + L->tile[1]; a1++)
-            for (size_t a2 = start[2]; a2 < start[2] + L->tile[2]; a2++) {
-                const float *row = x + ((a0 * L->dim[1] + a1) * L->dim[2] + a2) * L->dim[3];
-                for (size_t a3 = start[3]; a3 < start[3] + L->tile[3]; a3++) buf[n++] = row[a3];
-            }
-    return n;
-}
-
-/* ---- scalar rules -------------------------------------------------------------- */
-
-/* v rounded to an integer by mode; stochastic: floor(v + u), decided as
- * u >= 1 - frac so that no float addition rounds v + u. */
-static float round_int(float v, QRound mode, float u) {
-    switch (mode) {
-    case QROUND_HALF_AWAY: return roundf(v);
-    case QROUND_FLOOR: return floorf(v);
-    case QROUND_STOCHASTIC: {
-        float lo = floorf(v);
-        return lo + (float)(u >= 1.0f - (v - lo));
-    }
-    default: return rintf(v); /* the default rounding mode: ties to even */
-    }
-}
-
-float qarray_scale_for_range(const QType *t, bool asym, bool narrow, float qmin, float qmax, float lo, float hi) {
-    float s;
-    if (asym) {
-        double lo0 = fmin(lo, 0.0), hi0 = fmax(hi, 0.0);
-        s = (float)((hi0 - lo0) / ((double)qmax - qmin));
-    } else {
-        float amax = fmaxf(-lo, hi);
-        switch (t->kind) {
-        case QTYPE_KIND_INT: s = narrow ? amax / qmax : amax / (qmax + 0.5f); break;
-        case QTYPE_KIND_UINT: s = amax / qmax; break;
-        case QTYPE_KIND_LUT: {
-            float top = fmaxf(fabsf(t->lut[0]), fabsf(t->lut[(1 << t->bits) - 1]));
-            s = amax / top;
-            break;
-        }
-        case QTYPE_KIND_FLOAT: s = amax / t->max; break;
-        default: s = amax; break; /* ternary, binary: the range maps to the code +1 */
-        }
-    }
-    return s >= QARRAY_SCALE_MIN && isfinite(s) ? s : 1.0f;
-}
-
-int qarray_calib_levels(const QType *t, bool asym) {
-    int levels = t->kind == QTYPE_KIND_UINT && !asym ? 1 << t->bits : 1 << (t->bits - 1);
-    return levels < 2 ? 2 : levels;
-}
-
-float qarray_zero_point_for_range(bool zp_float, float qmin, float qmax, float lo, float s) {
-    float v = fminf(lo, 0.0f) / s;
-    float zp = zp_float ? qmin - v : qmin - rintf(v);
-    return fminf(fmaxf(zp, qmin), qmax);
-}
-
-static float scale_from_range(const Plan *p, float lo, float hi) {
-    return qarray_scale_for_range(p->t, p->asym, p->narrow, p->qmin, p->qmax, lo, hi);
-}
-
-static float zero_point_of(const Plan *p, float lo, float s) {
-    return qarray_zero_point_for_range(p->zp_float, p->qmin, p->qmax, lo, s);
-}
-
-/* One element -> its code, x / s on the grid; zp in code units (0 if symmetric). */
-static uint32_t encode_elem(const Plan *p, float x, float s, float zp, QRound mode, float u) {
-    const QType *t = p->t;
-    if (!is_int_kind(t)) return qtype_encode(t, x / s, mode, u);
-    float q;
-    if (p->zp_float) {
-        q = round_int(fminf(fmaxf(x / s + zp, p->qmin), p->qmax), mode, u);
-    } else {
-        /* clamping before rounding is the same as after: the bounds are integers */
-        q = round_int(fminf(fmaxf(x / s, p->qmin - zp), p->qmax - zp), mode, u) + zp;
-    }
-    return (uint32_t)(int32_t)q & ((1u << t->bits) - 1u);
-}
-
-/* What calibration's mse sees: this format's round trip (rne) over the
- * candidate range. */
-static float calib_roundtrip(float x, float lo, float hi, const CalibQuant *cq) {
-    const Plan *p = cq->ctx;
-    float s = scale_from_range(p, lo, hi);
-    float zp = p->asym ? zero_point_of(p, lo, s) : 0.0f;
-    return (qtype_decode(p->t, encode_elem(p, x, s, zp, QROUND_RNE, 0.0f)) - zp) * s;
+static void layout_of(const QArray *q, QArrayLayout *L) {
+    qarray_layout_make(L, q->ndim, q->shape, q->tile, q->scale_shape);
 }
 
 /* ---- pass 1: scales and zero points ------------------------------------------- */
 
 /* Rounds s to the scale type, stores it as scale i of q, returns the stored value. */
-static QtStatus scale_store(QArray *q, size_t i, float s, float *used, QtError *err) {
+static QtStatus scale_store(QArray *q, const QArrayPlan *p, size_t i, float s, float *used, QtError *err) {
+    uint32_t stored;
+    QtStatus st = qarray_plan_round_scale(p, i, s, &stored, used, err);
+    if (st != QT_OK) return st;
     switch (q->scale_type) {
-    case QARRAY_SCALE_F16: {
-        uint16_t h = qarray_f32_to_f16(s);
-        if (h == 0x7c00u)
-            return qt_error_set(err, QT_ERR_VALUE, "QArray: scale %zu = %g exceeds float16's largest value 65504; "
-                                "use bfloat16 or float32 scales", i, (double)s);
-        if (h == 0) h = 1; /* 2^-24, the smallest subnormal: a larger scale never clips */
-        q->scale.bits[i] = h;
-        *used = qarray_f16_to_f32(h);
-        return QT_OK;
-    }
-    case QARRAY_SCALE_BF16: {
-        uint16_t b = qarray_f32_to_bf16(s);
-        if (b == 0x7f80u)
-            return qt_error_set(err, QT_ERR_VALUE, "QArray: scale %zu = %g rounds past bfloat16's largest value; use "
-                                "float32 scales", i, (double)s);
-        q->scale.bits[i] = b;
-        *used = qarray_bf16_to_f32(b);
-        return QT_OK;
-    }
-    case QARRAY_SCALE_POF2: {
-        int e;
-        float f = frexpf(s, &e); /* s = f * 2^e, f in [0.5, 1) */
-        int k = f == 0.5f ? e - 1 : e; /* ceil(log2 s) */
-        if (k > 127)
-            return qt_error_set(err, QT_ERR_VALUE, "QArray: scale %zu = %g needs the power of two 2^%d, beyond "
-                                "float's range; use float32 scales", i, (double)s, k);
-        q->scale.e8m0[i] = (uint8_t)(k + 127);
-        *used = ldexpf(1.0f, k);
-        return QT_OK;
-    }
+    case QARRAY_SCALE_F16:
+    case QARRAY_SCALE_BF16: q->scale.bits[i] = (uint16_t)stored; break;
+    case QARRAY_SCALE_POF2: q->scale.e8m0[i] = (uint8_t)stored; break;
     default:
-        if (q->scale.f32) q->scale.f32[i] = s;
-        *used = s;
-        return QT_OK;
+        if (q->scale.f32) q->scale.f32[i] = *used;
+        break;
     }
+    return QT_OK;
 }
 
 /* Scratch of pass 1, freed by scratch_free. */
@@ -466,27 +96,14 @@ static void scratch_free(Scratch *s) {
     free(s->lo);
 }
 
-static QtStatus slice_range(const Plan *p, Scratch *sc, size_t n, CalibRange *r, QtError *err) {
-    if (p->mean_abs) {
-        double sum = 0.0;
-        for (size_t i = 0; i < n; i++) sum += fabsf(sc->buf[i]);
-        float m = n ? (float)(sum / (double)n) : 0.0f;
-        *r = (CalibRange){-m, m};
-        return QT_OK;
-    }
-    CalibQuant cq = {.fn = calib_roundtrip, .ctx = p, .levels = qarray_calib_levels(p->t, p->asym),
-                     .asymmetric = p->asym};
-    return calib_compute(&p->calib, sc->buf, n, &cq, sc->work, sc->work_bytes, r, err);
-}
-
 /* Scales (stored) and zero points of every slice; used [n_scales] gets the
  * scale each slice's codes are computed with. */
-static QtStatus compute_scales(QArray *q, const Plan *p, const float *x, float *used, QtError *err) {
-    Layout L;
+static QtStatus compute_scales(QArray *q, const QArrayPlan *p, const float *x, float *used, QtError *err) {
+    QArrayLayout L;
     layout_of(q, &L);
     size_t slice = q->n_scales ? p->numel / q->n_scales : 0;
     Scratch sc = {0};
-    sc.work_bytes = calib_workspace_bytes(&p->calib, slice);
+    sc.work_bytes = qarray_plan_work_bytes(p, slice);
     sc.buf = malloc((slice ? slice : 1) * sizeof(float));
     sc.work = sc.work_bytes ? malloc(sc.work_bytes) : NULL;
     sc.lo = p->asym ? malloc((q->n_scales ? q->n_scales : 1) * sizeof(float)) : NULL;
@@ -494,13 +111,13 @@ static QtStatus compute_scales(QArray *q, const Plan *p, const float *x, float *
     if (!sc.buf || (sc.work_bytes && !sc.work) || (p->asym && !sc.lo))
         st = qt_error_set(err, QT_ERR_NOMEM, "QArray: out of memory for a slice of %zu values", slice);
     for (size_t g = 0; st == QT_OK && g < q->n_scales; g++) {
-        size_t n = p->numel ? gather_slice(&L, x, g, sc.buf) : 0;
+        size_t n = p->numel ? qarray_layout_gather(&L, x, g, sc.buf) : 0;
         CalibRange r;
-        st = slice_range(p, &sc, n, &r, err);
+        st = qarray_plan_slice_range(p, sc.buf, n, sc.work, sc.work_bytes, &r, err);
         if (st != QT_OK) break;
         if (sc.lo) sc.lo[g] = r.lo;
-        used[g] = scale_from_range(p, r.lo, r.hi);
-        if (!p->dq) st = scale_store(q, g, used[g], &used[g], err);
+        used[g] = qarray_plan_scale(p, r.lo, r.hi);
+        if (!p->dq) st = scale_store(q, p, g, used[g], &used[g], err);
     }
     if (st == QT_OK && p->dq) {
         float *raw = malloc((q->n_scales ? q->n_scales : 1) * sizeof *raw);
@@ -510,7 +127,7 @@ static QtStatus compute_scales(QArray *q, const Plan *p, const float *x, float *
         free(raw);
     }
     for (size_t g = 0; st == QT_OK && p->asym && g < q->n_scales; g++) {
-        float zp = zero_point_of(p, sc.lo[g], used[g]);
+        float zp = qarray_plan_zero_point(p, sc.lo[g], used[g]);
         if (p->zp_float) q->zero_point.f32[g] = zp;
         else q->zero_point.i32[g] = (int32_t)zp;
     }
@@ -540,15 +157,15 @@ static void packer_put(Packer *pk, uint32_t code) {
     if (pk->n == CHUNK) packer_flush(pk);
 }
 
-static void encode_elements(QArray *q, const Plan *p, const float *x, const float *used, RngUniforms *u,
+static void encode_elements(QArray *q, const QArrayPlan *p, const float *x, const float *used, RngUniforms *u,
                             Packer *pk) {
     if (!p->numel) return;
-    Layout L;
+    QArrayLayout L;
     layout_of(q, &L);
     *pk = (Packer){.t = p->t, .out = q->codes};
     size_t rows = p->numel / L.dim[3], d3 = L.dim[3], t3 = L.tile[3];
     for (size_t r = 0; r < rows; r++) {
-        size_t g0 = row_group(&L, r);
+        size_t g0 = qarray_layout_row_group(&L, r);
         const float *xr = x + r * d3;
         for (size_t a = 0; a < d3; a += t3) {
             size_t g = g0 + a / t3;
@@ -556,17 +173,17 @@ static void encode_elements(QArray *q, const Plan *p, const float *x, const floa
             bool zero = !(fabsf(s) >= QARRAY_SCALE_MIN); /* only a double-quantized scale can be this small */
             for (size_t j = a; j < a + t3; j++) {
                 float uj = rng_uniforms_next(u);
-                packer_put(pk, encode_elem(p, zero ? 0.0f : xr[j], zero ? 1.0f : s, zp, p->round, uj));
+                packer_put(pk, qarray_plan_encode(p, zero ? 0.0f : xr[j], zero ? 1.0f : s, zp, p->round, uj));
             }
         }
     }
     packer_flush(pk);
 }
 
-static QtStatus encode_blocks(QArray *q, const Plan *p, const float *x, RngUniforms *u, QtError *err) {
+static QtStatus encode_blocks(QArray *q, const QArrayPlan *p, const float *x, RngUniforms *u, QtError *err) {
     const QType *t = p->t;
     size_t nb = p->numel / (size_t)t->block;
-    float uv[BLOCK_MAX];
+    float uv[QARRAY_BLOCK_MAX];
     for (size_t b = 0; b < nb; b++) {
         for (int i = 0; i < t->block; i++) uv[i] = rng_uniforms_next(u);
         QtStatus st = qtype_block_quantize(t, x + b * (size_t)t->block, t->block, q->codes + b * t->block_bytes,
@@ -596,7 +213,7 @@ static QtStatus check_finite(const float *x, size_t n, int ndim, const int *shap
     return QT_OK;
 }
 
-static QtStatus alloc_storage(QArray *q, const Plan *p, QtError *err) {
+static QtStatus alloc_storage(QArray *q, const QArrayPlan *p, QtError *err) {
     size_t n = q->n_scales ? q->n_scales : 1;
     bool ok = true;
     q->code_bytes = qtype_packed_bytes(p->t, p->numel);
@@ -622,8 +239,8 @@ QtStatus qarray_quantize(QArray *out, const float *x, int ndim, const int *shape
     if (!out) return qt_error_set(err, QT_ERR_ARG, "qarray_quantize: no output QArray");
     memset(out, 0, sizeof *out);
     const QArrayOptions defaults = {0};
-    Plan p;
-    QtStatus st = plan_make(&p, ndim, shape, qtype, options ? options : &defaults, err);
+    QArrayPlan p;
+    QtStatus st = qarray_plan_make(&p, "QArray", ndim, shape, qtype, options ? options : &defaults, err);
     if (st != QT_OK) return st;
     if (p.numel && !x) return qt_error_set(err, QT_ERR_ARG, "qarray_quantize: x is NULL for %zu elements", p.numel);
     if ((st = check_finite(x, p.numel, ndim, shape, err)) != QT_OK) return st;
@@ -679,7 +296,7 @@ QtStatus qarray_dequantize_rows(const QArray *q, size_t row0, size_t n_rows, flo
     size_t rows = q ? row_count(q) : 0;
     if (!q || !q->qtype || row0 > rows || n_rows > rows - row0 || (n_rows && !out)) return QT_ERR_ARG;
     if (!n_rows || !q->numel) return QT_OK;
-    Layout L;
+    QArrayLayout L;
     layout_of(q, &L);
     const QType *t = q->qtype;
     size_t d3 = L.dim[3];
@@ -694,7 +311,7 @@ QtStatus qarray_dequantize_rows(const QArray *q, size_t row0, size_t n_rows, flo
     for (uint32_t c = 0; c < (1u << t->bits); c++) lut[c] = qtype_decode(t, c);
     size_t t3 = L.tile[3];
     for (size_t r = row0; r < row0 + n_rows; r++) {
-        size_t g0 = row_group(&L, r);
+        size_t g0 = qarray_layout_row_group(&L, r);
         float *y = out + (r - row0) * d3;
         for (size_t a = 0; a < d3; a += t3) {
             size_t g = g0 + a / t3;

@@ -123,6 +123,11 @@
  * format or the other options cannot use, are QT_ERR_ARG naming the option.
  * Zero-sized arrays are valid.
  *
+ * Fake quantization: fq_fake_quant_dynamic / fq_fake_quant_qarray
+ * (fakequant.h) slice and quantize through the same code (qarray_plan.h),
+ * so with the same options they return qarray_dequantize's values bit for
+ * bit (double quantization aside).
+ *
  * Lifetimes: qarray_quantize allocates every buffer of the QArray (and
  * scratch it frees again); the QArray owns them until qarray_free. Nothing
  * else allocates: dequantize and the accessors work on the stored data with

@@ -509,7 +509,7 @@ static void test_bad_input(void) {
         {QT_ERR_ARG, "requires a gradient"},
         {QT_ERR_VALUE, "zero_point[0] = 0.5 is not a whole number"},
         {QT_ERR_VALUE, "fake_quant_lsq: parameter value -0.1 of channel 0"},
-        {QT_ERR_ARG, "fake_quant_dynamic of fp8_e4m3: only int and uint formats take an asymmetric range"},
+        {QT_ERR_ARG, "fake_quant_dynamic option range = asymmetric: fp8_e4m3 has no zero point"},
         {QT_ERR_SHAPE, "fake_quant_tqt: parameter (4,) does not fit input (3, 4): want (3,), one per index along"},
     };
     for (int k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++) {
@@ -597,5 +597,5 @@ int register_quant_fake_suite(void) {
            !CU_add_test(s, "CalibQuant of a QType", test_calib_quant_adapter) ||
            !CU_add_test(s, "bad input", test_bad_input) ||
            !CU_add_test(s, "eval records nothing", test_eval_records_nothing) ||
-           !CU_add_test(s, "names", test_names) || fq_learned_tests_add(s) != 0;
+           !CU_add_test(s, "names", test_names) || fq_learned_tests_add(s) != 0 || fq_block_tests_add(s) != 0;
 }

@@ -15,5 +15,7 @@ bool fq_test_same_bits(const float *a, const float *b, size_t n, const char *wha
 float *fq_test_spread_away(size_t n, uint64_t seed, float lim, const float *edges, int n_edges, float gap);
 /* Registers the learned-range gradient tests (test_fakequant_learned.c). */
 int fq_learned_tests_add(CU_pSuite s);
+/* Registers the per-block and block-format tests (test_fakequant_blocks.c). */
+int fq_block_tests_add(CU_pSuite s);
 
 #endif
