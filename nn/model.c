@@ -141,8 +141,17 @@ void param_freeze(Param *p) {
     p->trainable = false;
 }
 
+void param_release(Param *p) {
+    param_freeze(p);
+    free(p->var.value.data);
+    p->var.value.data = NULL;
+    p->released = true;
+}
+
 QtStatus param_unfreeze(Param *p, QtError *err) {
     if (p->trainable) return QT_OK;
+    if (p->released)
+        return qt_error_set(err, QT_ERR_ARG, "%s is held quantized (released) and cannot be trained", p->name);
     p->var.grad = calloc(var_numel(&p->var), sizeof(float));
     if (!p->var.grad) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the gradient of %s", p->name);
     p->var.requires_grad = true;
@@ -297,7 +306,13 @@ void model_init_params(Model *m, Rng *rng) {
 
 /* ---- forward --------------------------------------------------------------- */
 
-static Var *module_forward(Tape *t, Module *m, Var *x) {
+Var *model_module_forward(Tape *t, Module *m, Var *x) {
+    if (!x) return NULL;
+    if (m->weight && m->weight->released) {
+        qt_error_set(&t->err, QT_ERR_ARG, "module '%s': its weight was released (held quantized) and no forward "
+                     "hook replaces the layer", m->path);
+        return NULL;
+    }
     const LayerSpec *s = &m->spec;
     Var *w = m->weight ? &m->weight->var : NULL, *b = m->bias ? &m->bias->var : NULL;
     switch (s->type) {
@@ -332,7 +347,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
     }
     for (int i = 0; i < m->n_modules && x; i++) {
         Module *mod = &m->modules[i];
-        x = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : module_forward(t, mod, x);
+        x = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : model_module_forward(t, mod, x);
     }
     return x;
 }
@@ -358,7 +373,12 @@ size_t model_param_count(const Model *m, bool trainable_only) {
     return n;
 }
 
-size_t model_param_bytes(const Model *m) { return model_param_count(m, false) * sizeof(float); }
+size_t model_param_bytes(const Model *m) {
+    size_t n = 0;
+    for (int i = 0; i < m->n_params; i++)
+        if (!m->params[i].released) n += var_numel(&m->params[i].var);
+    return n * sizeof(float);
+}
 
 double model_forward_flops(const Model *m) {
     double flops = 0.0;

@@ -98,6 +98,10 @@ void model_init_params(Model *m, Rng *rng);
 
 /* x: (N, input_shape...) -> logits (N, out_shape of the last module). */
 Var *model_forward(Model *m, Tape *t, Var *x);
+/* The module's own layer op on x, ignoring any forward_hook: what a hook
+ * that wraps the layer (a LoRA adapter over a float base) calls for the
+ * base. x: (N, in_shape...) -> (N, out_shape...). */
+Var *model_module_forward(Tape *t, Module *m, Var *x);
 /* The Var of a parameter for use on a tape (its value and persistent grad). */
 static inline Var *param_var(Param *p) { return &p->var; }
 
@@ -106,9 +110,14 @@ Param *model_find_param(Model *m, const char *name);
 /* Freezing drops the grad buffer: a frozen parameter costs its value only. */
 void param_freeze(Param *p);
 QtStatus param_unfreeze(Param *p, QtError *err);
+/* Freezes p and frees its value: for a weight whose storage has moved
+ * elsewhere (a quantized base). The shape is kept, so counts still see it;
+ * the module then needs a forward_hook that does not read it. */
+void param_release(Param *p);
 
 size_t model_param_count(const Model *m, bool trainable_only);
-/* Bytes of parameter values (float32). */
+/* Bytes of parameter values (float32) actually held: released params
+ * count 0. */
 size_t model_param_bytes(const Model *m);
 /* Forward FLOPs per example (multiply-adds x 2) of dense and conv layers. */
 double model_forward_flops(const Model *m);

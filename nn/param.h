@@ -19,6 +19,9 @@ typedef struct {
     bool trainable;            /* == var.requires_grad == (var.grad != NULL). Change
                                   all three together, only through param_freeze()
                                   and param_unfreeze() (nn/model.h). */
+    bool released;             /* param_release(): the value lives elsewhere (a quantized
+                                  base holds the weight as a QArray); value.data == NULL,
+                                  the shape stays, checkpoints do not store it here */
 } Param;
 
 #endif

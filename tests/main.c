@@ -20,6 +20,8 @@
     X(quant_calib) \
     X(quant_qarray) \
     X(quant_fake) \
+    X(quant_qlayer) \
+    X(lora)       \
     X(config)     \
     X(checkpoint) \
     X(trainer)

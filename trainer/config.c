@@ -585,3 +585,10 @@ QtStatus config_load(Config *c, const char *path, const char *const *overrides, 
     free(text);
     return st;
 }
+
+const char *quant_mode_name(QuantMode mode) {
+    static const char *const names[QUANT_MODE_COUNT] = {"none", "ptq"};
+    return (unsigned)mode < QUANT_MODE_COUNT ? names[mode] : "unknown";
+}
+
+bool config_has_lora(const Config *c) { return c->lora.n_rules > 0 || c->lora.n_trainable > 0; }

@@ -21,10 +21,13 @@
 #include <stdint.h>
 
 #include "data/dataset.h"
+#include "lora/lora.h"
 #include "nn/error.h"
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/schedule.h"
+#include "quant/qlayer.h"
+#include "quant/rules.h"
 
 #define CONFIG_PATH_MAX 1024
 #define CONFIG_NAME_MAX 64
@@ -52,7 +55,10 @@ typedef struct {
     int input_ndim, input_shape[3]; /* model.input: [C, H, W] or [features] */
     LayerSpec layers[CONFIG_MAX_LAYERS]; /* model.layers */
     int n_layers;
-    char init_from[CONFIG_PATH_MAX]; /* model.init_from, "" = none */
+    char init_from[CONFIG_PATH_MAX]; /* model.init_from, "" = none: a checkpoint (float, or a PTQ one from
+                                        `qtrain quantize`) whose parameters start a fresh run */
+    char adapters_from[CONFIG_PATH_MAX]; /* model.adapters_from, "" = none: a checkpoint or adapters.h5 whose
+                                            /lora adapters (and lora.trainable modules) start a fresh run */
 } ModelConfig;
 
 typedef struct {
@@ -71,15 +77,57 @@ typedef struct {
     int keep_last;                  /* train.keep_last, default 3; 0 = keep all */
 } TrainConfig;
 
+typedef enum {
+    QUANT_MODE_NONE = 0, /* float32 */
+    QUANT_MODE_PTQ,      /* frozen post-training-quantized base (quant/qlayer.h) */
+    QUANT_MODE_COUNT
+} QuantMode;
+
+/* quant.rules[i] */
+typedef struct {
+    RuleMatch match;    /* module_path, op_types */
+    bool skip;          /* skip: true: matching modules stay float (and later rules are not consulted) */
+    QLayerSpec spec;    /* weight_qtype ("none" = NULL: float), tile_size, per_tensor, weight_calibration,
+                           symmetric, narrow_range, scale_type, double_quant, act_qtype, act_calibration,
+                           act_symmetric */
+} QuantRule;
+
+typedef struct {
+    QuantMode mode;             /* quant.mode: none | ptq, default none */
+    int calibration_batches;    /* quant.calibration_batches, default 16: training batches that calibrate
+                                   static activation ranges (act_qtype) */
+    QuantRule rules[RULES_MAX]; /* quant.rules, in order; first match wins */
+    int n_rules;
+} QuantConfig;
+
+/* lora.rules[i] */
+typedef struct {
+    RuleMatch match;
+    bool skip;          /* skip: true: matching modules get no adapter */
+    LoraSpec spec;      /* rank (required), alpha (default = rank), dropout (0), rslora (false), init (default) */
+} LoraRule;
+
+typedef struct {
+    LoraRule rules[RULES_MAX];  /* lora.rules, in order; first match wins; empty = no adapters */
+    int n_rules;
+    char trainable[CONFIG_MAX_LAYERS][MODULE_NAME_MAX]; /* lora.trainable: modules trained in full (float,
+                                                           unquantized, no adapter), e.g. a new head */
+    int n_trainable;
+} LoraConfig;
+
 typedef struct {
     char source[CONFIG_PATH_MAX];   /* the file (or name) it was loaded from, for messages */
     RunConfig run;
     DataConfig data;
     ModelConfig model;
     TrainConfig train;
-    /* quant and lora: accepted as `quant: {mode: none}` and an empty `lora`
-       for now; anything else is a config error until those modes exist. */
+    QuantConfig quant;
+    LoraConfig lora;
 } Config;
+
+const char *quant_mode_name(QuantMode mode);
+/* Whether the run trains adapters, i.e. has LoRA rules or trainable modules. */
+bool config_has_lora(const Config *c);
 
 /* The defaults above. model.input/layers are left empty. */
 void config_default(Config *c);

@@ -1,0 +1,94 @@
+/* lora.h - LoRA adapters on dense and conv2d modules.
+ *
+ *   y = base(x) + scale * B(A(dropout(x))),  scale = alpha / rank
+ *                                            (rslora: alpha / sqrt(rank))
+ *
+ * Dense: A (rank, in), B (out, rank): the adapter path is x A^T B^T.
+ * Conv2d: A is a convolution with the base kernel's size, stride and
+ * padding from C into rank channels, weight (rank, C, KH, KW); B is a 1x1
+ * convolution from rank into OC channels, weight (OC, rank, 1, 1). Neither
+ * has a bias. The adapter's weight delta in the base's layout is
+ * scale * B A: (out, in), or (OC, C*KH*KW) reshaped to (OC, C, KH, KW)
+ * (a 1x1 conv after a conv is one conv with the product kernel), which is
+ * what merging adds.
+ *
+ * Init (Hu et al. 2021; PEFT's defaults): `default` draws A from
+ * U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in or C*KH*KW
+ * (kaiming-uniform with a = sqrt(5)), and sets B = 0, so a fresh adapter
+ * leaves the base's output unchanged. `gaussian` draws A from
+ * N(0, (1/rank)^2) (std 1/rank, as PEFT does) and B = 0.
+ *
+ * Dropout acts on the adapter's input only, and only in training (the
+ * tape's training flag and rng, as nn_dropout).
+ *
+ * The base is whatever the module computed before the adapter was
+ * installed: its own float op (a frozen float weight) or the forward hook
+ * already in place (a quantized base, quant/qlayer.h). */
+#ifndef QTRAIN_LORA_LORA_H
+#define QTRAIN_LORA_LORA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "nn/error.h"
+#include "nn/model.h"
+#include "nn/param.h"
+#include "nn/rng.h"
+#include "nn/tape.h"
+
+typedef enum { LORA_INIT_DEFAULT = 0, LORA_INIT_GAUSSIAN, LORA_INIT_COUNT } LoraInit;
+
+/* One rule's resolved adapter settings (lora.rules[i] of the config). */
+typedef struct {
+    int rank;        /* >= 1 and <= min(out, fan_in) of the module */
+    float alpha;     /* > 0; default = rank (scale 1) is the config's choice */
+    float dropout;   /* in [0, 1) */
+    bool rslora;     /* scale alpha / sqrt(rank) */
+    LoraInit init;
+} LoraSpec;
+
+typedef struct {
+    Module *module;            /* dense or conv2d; not owned */
+    LoraSpec spec;
+    float scale;               /* alpha / rank, or alpha / sqrt(rank) */
+    int out, fan_in;           /* the base weight as a matrix (out, fan_in) */
+    Param A;                   /* "<path>/lora_A": dense (rank, in); conv (rank, C, KH, KW) */
+    Param B;                   /* "<path>/lora_B": dense (out, rank); conv (OC, rank, 1, 1) */
+    ModuleForwardFn base_fn;   /* the base's forward hook when installed, or NULL: the module's own op */
+    void *base_ctx;
+    bool installed;
+} LoraAdapter;
+
+/* "default", "gaussian"; "unknown" outside the enum. */
+const char *lora_init_name(LoraInit init);
+/* Case-insensitive; QT_ERR_ARG listing the valid names otherwise. */
+QtStatus lora_init_parse(const char *name, LoraInit *out, QtError *err);
+
+/* Checks spec against module m (dense or conv2d with a weight; rank in
+ * 1..min(out, fan_in) naming both dimensions; alpha > 0; dropout in
+ * [0, 1)). Messages start with the module path. */
+QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err);
+
+/* Allocates A and B (trainable, zeroed) for module m after
+ * lora_spec_check. On error a is left zeroed. */
+QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtError *err);
+void lora_adapter_free(LoraAdapter *a);
+/* A per spec.init from rng (rank * fan_in draws, in A's row-major order),
+ * B = 0. */
+void lora_adapter_init_params(LoraAdapter *a, Rng *rng);
+
+/* Saves the module's current forward hook as the base and makes the
+ * adapter the module's forward. Install at most once. */
+void lora_adapter_install(LoraAdapter *a);
+/* base(x) + scale * B(A(dropout(x))), x and y as the module's. */
+Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x);
+
+/* delta [out * fan_in] = scale * B A, in the base weight's layout. */
+void lora_adapter_delta(const LoraAdapter *a, float *delta);
+/* w [out * fan_in] += the delta: folds the adapter into a float weight. */
+void lora_adapter_merge(const LoraAdapter *a, float *w);
+
+/* Parameters of A and B together. */
+size_t lora_adapter_param_count(const LoraAdapter *a);
+
+#endif

@@ -1,0 +1,138 @@
+/* qlayer.h - a frozen, post-training-quantized dense or conv2d layer.
+ *
+ * The weight is quantized once (from float, or filled from a checkpoint)
+ * and kept as a QArray; the float weight is never held whole. Forward and
+ * the input gradient run a tile at a time: a band of output channels is
+ * dequantized into a scratch buffer of at most QLAYER_TILE_BYTES and fed to
+ * one sgemm, then the next band, so the float copy of a layer never exceeds
+ * one tile budget however large the layer is. The weight gets no gradient;
+ * the input does (LoRA adapters and earlier layers need it).
+ *
+ * Weight layout. The weight is seen as the matrix (out, fan_in), fan_in =
+ * in (dense) or C*KH*KW (conv), row-major as PyTorch stores it:
+ *   tile_size 0, !per_tensor   one scale per output channel: QArray (out, fan_in),
+ *                              channelwise axis 0;
+ *   tile_size 0, per_tensor    one scale: QArray (out, fan_in), no axes;
+ *   tile_size T > 0            blocks of T consecutive elements of the flattened
+ *                              weight (bitsandbytes' layout): QArray (numel/T, T),
+ *                              channelwise axis 0. When T divides fan_in a block
+ *                              lies within one output channel, i.e. blocks along
+ *                              the input axis; otherwise blocks continue across
+ *                              rows (conv1 of a 1-channel 3x3 conv has fan_in 9).
+ *                              numel must be a multiple of T.
+ *   MX / mx6 / mx9 formats     the format's own block (32 / 16) in the same
+ *                              flattened layout, tile_size 0 or equal to it.
+ * The codes are packed exactly as qarray_quantize packs them; a checkpoint
+ * stores them as they are (qarray_blobs).
+ *
+ * Activations (spec.act_qtype): the layer's input is fake-quantized per
+ * tensor with a static range, the running mean of calib_compute over the
+ * calibration batches (qlayer_calib_*), with a clipped STE in training. */
+#ifndef QTRAIN_QUANT_QLAYER_H
+#define QTRAIN_QUANT_QLAYER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "nn/error.h"
+#include "nn/model.h"
+#include "nn/tape.h"
+#include "quant/calib.h"
+#include "quant/qarray.h"
+#include "quant/qtype.h"
+
+/* Scratch for one dequantized band of the weight. */
+#define QLAYER_TILE_BYTES (256u << 10)
+
+/* One rule's resolved PTQ settings (quant.rules[i] of the config). */
+typedef struct {
+    const QType *weight_qtype;  /* NULL: the module stays float32 (frozen) */
+    int tile_size;              /* 0: per output channel (or the MX block); > 0: blocks, see above */
+    bool per_tensor;            /* tile_size 0 only: one scale for the whole weight */
+    CalibSpec weight_calib;     /* default absmax (minmax when asymmetric) */
+    bool symmetric;             /* default true; false: asymmetric int/uint with zero points */
+    bool narrow_range;          /* signed int: codes -qmax..qmax */
+    QArrayScaleType scale_type; /* default float32 */
+    bool double_quant;          /* compress the block scales (QLoRA) */
+    const QType *act_qtype;     /* NULL: the input stays float */
+    CalibSpec act_calib;        /* default absmax (minmax when !act_symmetric) */
+    bool act_symmetric;         /* default true */
+} QLayerSpec;
+
+/* The spec with every default filled in: weight_qtype and act_qtype NULL. */
+QLayerSpec qlayer_spec_default(void);
+
+typedef struct {
+    Module *module;             /* dense or conv2d; not owned */
+    QLayerSpec spec;
+    int out, fan_in;            /* the weight as a matrix (out, fan_in) */
+    int w_ndim, w_shape[4];     /* the module's weight shape: (out, in) or (OC, C, KH, KW) */
+    QArray weight;              /* layout above */
+    QArrayOptions options;      /* what weight was (or is to be) quantized with; calib points into spec */
+    int band_rows;              /* output channels dequantized per sgemm (a multiple of the block alignment) */
+    /* static activation range */
+    CalibRunning act_stats;     /* running mean over the calibration batches */
+    bool calibrating;           /* qlayer_calib_begin..end: the forward observes its input, unquantized */
+    float act_scale;            /* from act_stats at qlayer_calib_end (or a checkpoint) */
+    float act_zero_point;       /* in code units; 0 when symmetric */
+    bool act_ready;             /* act_scale is set; the forward quantizes the input */
+} QLayer;
+
+/* Checks that spec can quantize module m's weight: a dense or conv2d
+ * module with a weight, the format's and QArray's rules (asymmetric with
+ * an int format, double_quant with a non-block format and float32 scales,
+ * ...), a tile that divides numel, per_tensor without a tile. Messages
+ * start with the module path. */
+QtStatus qlayer_spec_check(const QLayerSpec *spec, const Module *m, QtError *err);
+
+/* The QArray shape and options for m's weight under spec (the layout
+ * above). options->calib points into *spec, so spec must outlive it. */
+QtStatus qlayer_layout(const QLayerSpec *spec, const Module *m, int *ndim, int shape[2], QArrayOptions *options,
+                       QtError *err);
+
+/* Quantizes m's float weight (w: the weight's shape, usually
+ * m->weight->var.value.data) into q. Does not release the float weight:
+ * the caller does (param_release). On error q is left zeroed. */
+QtStatus qlayer_init_quantize(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, QtError *err);
+/* Allocates q's QArray for this layout with zeroed codes and scales, to
+ * be filled from a checkpoint through qarray_blobs. */
+QtStatus qlayer_init_empty(QLayer *q, Module *m, const QLayerSpec *spec, QtError *err);
+void qlayer_free(QLayer *q);
+
+/* Makes q the module's forward (module->forward_hook = the quantized layer,
+ * hook_ctx = q). */
+void qlayer_install(QLayer *q);
+
+/* y = x * deq(W)^T + bias (dense; x (N, in) -> (N, out)) or the
+ * convolution with deq(W) (x (N, C, H, W) -> (N, OC, OH, OW)), the bias the
+ * module's float bias (frozen or not). The input is fake-quantized first
+ * when act_ready. The backward gives x its gradient (tile by tile through
+ * the packed weight) and the bias its, if it is trainable. Scratch comes
+ * from the tape's arena. */
+Var *qlayer_forward(Tape *t, QLayer *q, Var *x);
+
+/* The whole dequantized weight in the module's shape -> w [numel]: for
+ * merging and tests, not for the step loop. */
+void qlayer_dequantize_weight(const QLayer *q, float *w);
+
+/* Bytes the layer holds for its weight (qarray_bytes); the float bias is
+ * the model's. */
+size_t qlayer_bytes(const QLayer *q);
+
+/* Static activation calibration: begin resets the statistics and makes the
+ * forward observe (calib_running_observe) its input on each call without
+ * quantizing it; end turns the mean range into act_scale / act_zero_point
+ * (qarray_scale_for_range, qarray_zero_point_for_range) and sets
+ * act_ready. end without any observed batch is QT_ERR_VALUE naming the
+ * module. No-ops (QT_OK) without an act_qtype. */
+void qlayer_calib_begin(QLayer *q);
+QtStatus qlayer_calib_end(QLayer *q, QtError *err);
+/* Sets act_scale / act_zero_point from q->act_stats (restored from a
+ * checkpoint) as qlayer_calib_end does. */
+QtStatus qlayer_act_from_stats(QLayer *q, QtError *err);
+
+/* One line describing the resolved layout, for the start-of-run table:
+ * e.g. "nf4 block 64 +dq absmax, act int8 percentile,99.9 (4.13 bits)". */
+void qlayer_describe(const QLayer *q, char *buf, size_t cap);
+
+#endif
