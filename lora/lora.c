@@ -1,0 +1,211 @@
+/* lora.c - LoRA adapters: spec checks, parameters, the adapter forward and
+ * merging the adapter into a float weight. */
+#include "lora.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/ops.h"
+
+static const char *const lora_init_names[LORA_INIT_COUNT] = {
+    [LORA_INIT_DEFAULT] = "default",
+    [LORA_INIT_GAUSSIAN] = "gaussian",
+};
+
+const char *lora_init_name(LoraInit init) {
+    return (int)init >= 0 && (int)init < LORA_INIT_COUNT ? lora_init_names[init] : "unknown";
+}
+
+QtStatus lora_init_parse(const char *name, LoraInit *out, QtError *err) {
+    int v = 0;
+    QtStatus st = qt_name_lookup("lora init", name, lora_init_names, LORA_INIT_COUNT, &v, err);
+    if (st == QT_OK) *out = (LoraInit)v;
+    return st;
+}
+
+/* ---- checks ------------------------------------------------------------------- */
+
+/* The module's weight seen as the matrix (out, fan_in): fan_in = in for
+ * dense, C*KH*KW for conv, so the row-major weight is that matrix. */
+static void weight_dims(const Module *m, int *out, int *fan_in) {
+    const Tensor *w = &m->weight->var.value;
+    int f = 1;
+    for (int i = 1; i < w->ndim; i++) f *= w->shape[i];
+    *out = w->shape[0];
+    *fan_in = f;
+}
+
+QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err) {
+    if (!spec || !m) return qt_error_set(err, QT_ERR_ARG, "lora_spec_check: spec and module must not be NULL");
+    LayerType type = m->spec.type;
+    if (type != LAYER_DENSE && type != LAYER_CONV2D)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: lora adapters apply to dense and conv2d layers only, not %s; make the rule's "
+                            "module_path match only those layers",
+                            m->path, layer_type_name(type));
+    int want_ndim = type == LAYER_DENSE ? 2 : 4;
+    if (!m->weight || m->weight->var.value.ndim != want_ndim)
+        return qt_error_set(err, QT_ERR_ARG, "%s: the %s layer has no %d-D weight for a lora adapter to act on",
+                            m->path, layer_type_name(type), want_ndim);
+    int out = 0, fan_in = 0;
+    weight_dims(m, &out, &fan_in);
+    int max_rank = out < fan_in ? out : fan_in;
+    if (spec->rank < 1)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: lora rank %d must be at least 1", m->path, spec->rank);
+    if (spec->rank > max_rank)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: lora rank %d is larger than the layer's smaller dimension (out %d, fan_in %d); use a "
+                            "rank of at most %d",
+                            m->path, spec->rank, out, fan_in, max_rank);
+    if (!(spec->alpha > 0.0f) || isinf(spec->alpha))
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: lora alpha must be a finite number > 0, got %g", m->path,
+                            (double)spec->alpha);
+    if (!(spec->dropout >= 0.0f && spec->dropout < 1.0f))
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: lora dropout must be in [0, 1), got %g", m->path,
+                            (double)spec->dropout);
+    if ((int)spec->init < 0 || (int)spec->init >= LORA_INIT_COUNT)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown lora init %d (valid: default, gaussian)", m->path,
+                            (int)spec->init);
+    return QT_OK;
+}
+
+/* ---- parameters ------------------------------------------------------------------ */
+
+/* Zeroed value and grad, trainable: the same state model_init leaves its
+ * parameters in, so optimizers and checkpoints treat A and B like any other. */
+static QtStatus lora_param_alloc(Param *p, const char *path, const char *tensor, int ndim, const int *shape,
+                                 QtError *err) {
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s/%s", path, tensor);
+    tensor_set_shape(&p->var.value, ndim, shape);
+    size_t n = tensor_numel(&p->var.value);
+    p->var.value.data = calloc(n, sizeof(float));
+    p->var.grad = calloc(n, sizeof(float));
+    if (!p->var.value.data || !p->var.grad)
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate lora parameter %s (%zu floats)", p->name, n);
+    p->var.requires_grad = true;
+    p->var.is_param = true;
+    p->trainable = true;
+    return QT_OK;
+}
+
+static void lora_param_free(Param *p) {
+    free(p->var.value.data);
+    free(p->var.grad);
+    memset(p, 0, sizeof *p);
+}
+
+QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtError *err) {
+    memset(a, 0, sizeof *a);
+    QtStatus st = lora_spec_check(spec, m, err);
+    if (st != QT_OK) return st;
+    const Tensor *w = &m->weight->var.value;
+    int r = spec->rank;
+    a->module = m;
+    a->spec = *spec;
+    a->scale = spec->rslora ? (float)(spec->alpha / sqrt((double)r)) : (float)((double)spec->alpha / r);
+    weight_dims(m, &a->out, &a->fan_in);
+    if (m->spec.type == LAYER_DENSE) {
+        st = lora_param_alloc(&a->A, m->path, "lora_A", 2, (const int[]){r, a->fan_in}, err);
+        if (st == QT_OK) st = lora_param_alloc(&a->B, m->path, "lora_B", 2, (const int[]){a->out, r}, err);
+    } else {
+        st = lora_param_alloc(&a->A, m->path, "lora_A", 4, (const int[]){r, w->shape[1], w->shape[2], w->shape[3]},
+                              err);
+        if (st == QT_OK) st = lora_param_alloc(&a->B, m->path, "lora_B", 4, (const int[]){a->out, r, 1, 1}, err);
+    }
+    if (st != QT_OK) lora_adapter_free(a);
+    return st;
+}
+
+/* Leaves the module alone: it may already be gone (model_free first), and a
+ * module still pointing at this adapter must have its hook reset by the
+ * owner of both. */
+void lora_adapter_free(LoraAdapter *a) {
+    if (!a) return;
+    lora_param_free(&a->A);
+    lora_param_free(&a->B);
+    memset(a, 0, sizeof *a);
+}
+
+void lora_adapter_init_params(LoraAdapter *a, Rng *rng) {
+    Var *A = &a->A.var, *B = &a->B.var;
+    size_t na = var_numel(A);
+    if (a->spec.init == LORA_INIT_GAUSSIAN) {
+        rng_fill_normal(rng, A->value.data, na, 0.0f, (float)(1.0 / a->spec.rank));
+    } else {
+        /* kaiming_uniform_(a=sqrt(5)) over fan_in: bound = 1/sqrt(fan_in). */
+        float bound = (float)(1.0 / sqrt((double)a->fan_in));
+        rng_fill_uniform(rng, A->value.data, na, -bound, bound);
+    }
+    memset(B->value.data, 0, var_numel(B) * sizeof(float));
+}
+
+size_t lora_adapter_param_count(const LoraAdapter *a) { return var_numel(&a->A.var) + var_numel(&a->B.var); }
+
+/* ---- forward ---------------------------------------------------------------------- */
+
+static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
+    (void)m;
+    return lora_adapter_forward(t, ctx, x);
+}
+
+void lora_adapter_install(LoraAdapter *a) {
+    /* A second install would save the adapter's own hook as its base and
+     * recurse forever. */
+    if (a->installed) return;
+    Module *m = a->module;
+    a->base_fn = m->forward_hook;
+    a->base_ctx = m->hook_ctx;
+    m->forward_hook = lora_forward_hook;
+    m->hook_ctx = a;
+    a->installed = true;
+}
+
+Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x) {
+    if (!x) return NULL;
+    Module *m = a->module;
+    Var *base = a->base_fn ? a->base_fn(t, m, x, a->base_ctx) : model_module_forward(t, m, x);
+    if (!base) return NULL;
+    Var *xd = nn_dropout(t, x, a->spec.dropout);
+    Var *u;
+    if (m->spec.type == LAYER_CONV2D) {
+        /* h: (N, rank, OH, OW); u: (N, OC, OH, OW). */
+        Var *h = nn_conv2d(t, xd, &a->A.var, NULL, m->spec.stride, m->spec.padding);
+        u = nn_conv2d(t, h, &a->B.var, NULL, 1, 0);
+    } else {
+        /* h: (N, rank); u: (N, out). */
+        Var *h = nn_linear(t, xd, &a->A.var, NULL);
+        u = nn_linear(t, h, &a->B.var, NULL);
+    }
+    return nn_add(t, base, nn_scale(t, u, a->scale));
+}
+
+/* ---- merging ------------------------------------------------------------------------ */
+
+/* scale * (B A)[o, j], the rank-long sum and the scaling in double and one
+ * rounding to float at the end: B is (out, rank) in
+ * either layout ((OC, rank, 1, 1) is the same row-major array), A is
+ * (rank, fan_in). */
+static double delta_at(const LoraAdapter *a, int o, int j) {
+    const float *A = a->A.var.value.data, *B = a->B.var.value.data;
+    int r = a->spec.rank;
+    double acc = 0.0;
+    for (int k = 0; k < r; k++) acc += (double)B[(size_t)o * r + k] * A[(size_t)k * a->fan_in + j];
+    return (double)a->scale * acc;
+}
+
+/* Element by element, so no (out, fan_in) scratch is needed; A is read in
+ * rank streams along its rows, which stays cache-friendly for small ranks. */
+void lora_adapter_delta(const LoraAdapter *a, float *delta) {
+    for (int o = 0; o < a->out; o++)
+        for (int j = 0; j < a->fan_in; j++) delta[(size_t)o * a->fan_in + j] = (float)delta_at(a, o, j);
+}
+
+/* Adds the float delta exactly as lora_adapter_delta rounds it, so
+ * merge(w) == w + delta element by element. */
+void lora_adapter_merge(const LoraAdapter *a, float *w) {
+    for (int o = 0; o < a->out; o++)
+        for (int j = 0; j < a->fan_in; j++) w[(size_t)o * a->fan_in + j] += (float)delta_at(a, o, j);
+}
