@@ -310,7 +310,7 @@ static void test_to_yaml_round_trip(void) {
         "    min_lr: 1.1754944e-38\n", /* the shortest text that reads back exactly */
         "  grad_clip: 3.4028235e+38\n",
         "  keep_last: 3\n",
-        "quant:\n  mode: none\nlora: {}\n",
+        "quant:\n  mode: none\n  calibration_batches: 16\n  rules: []\nlora:\n  rules: []\n  trainable: []\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         if (!strstr(text, want[i])) fprintf(stderr, "\n  missing %s in:\n%s", want[i], text);
@@ -489,9 +489,9 @@ static void test_later_modes(void) {
     QtError e;
     CU_ASSERT_EQUAL(load(&c, MLP "quant: {mode: none}\nlora: {}\n", NULL, 0, &e), QT_OK);
     CU_ASSERT_EQUAL(load(&c, MLP "quant:\nlora:\n", NULL, 0, &e), QT_OK);
-    EXPECT_ERR(MLP "quant:\n  mode: qat\n", NAME ":7:9:", "quant.mode", "\"qat\" is not available in this version");
-    EXPECT_ERR(MLP "quant:\n  mode: none\n  rules: []\n", NAME ":8:3:", "quant.rules", "not available");
-    EXPECT_ERR(MLP "lora:\n  rank: 4\n", NAME ":7:3:", "lora", "not available");
+    EXPECT_ERR(MLP "quant:\n  mode: qat\n", NAME ":7:9:", "quant.mode", "unknown quant mode 'qat'");
+    CU_ASSERT_EQUAL(load(&c, MLP "quant:\n  mode: none\n  rules: []\n", NULL, 0, &e), QT_OK);
+    EXPECT_ERR(MLP "lora:\n  rank: 4\n", NAME ":7:3:", "lora", "unknown key 'rank'");
     EXPECT_ERR(MLP "lora: [1]\n", NAME ":6:7:", "lora", "expected a mapping");
 }
 
@@ -533,7 +533,7 @@ static void test_overrides(void) {
     EXPECT_SET_ERR(MLP, "=5", "--set =5", "empty");
     EXPECT_SET_ERR(MLP, "train..steps=5", "empty segment");
     EXPECT_SET_ERR(MLP, "model.layers.1.type=conv2d", NAME ":5:21:", "model.layers[1].units", "does not apply");
-    EXPECT_SET_ERR(MLP "lora:\n", "lora.rank=4", "--set lora.rank=4", "LoRA is not available");
+    EXPECT_SET_ERR(MLP "lora:\n", "lora.rank=4", "--set lora.rank=4", "unknown key 'rank'");
 }
 
 /* ---- files ------------------------------------------------------------------------ */
@@ -583,9 +583,12 @@ static void test_edit_distance(void) {
     CU_ASSERT_EQUAL(config_edit_distance("lr", "lr"), 0);
 }
 
+void config_rules_tests_add(CU_pSuite s);
+
 int register_config_suite(void) {
     CU_pSuite s = CU_add_suite("config", NULL, NULL);
     if (!s) return -1;
+    config_rules_tests_add(s);
     return !CU_add_test(s, "full config: every key", test_full_config) ||
            !CU_add_test(s, "defaults for omitted keys", test_defaults) ||
            !CU_add_test(s, "optimizer keys in any order", test_optimizer_key_order) ||

@@ -38,7 +38,7 @@
 static const char *const TOP_KEYS[] = {"run", "data", "model", "train", "quant", "lora"};
 static const char *const RUN_KEYS[] = {"name", "out_dir", "seed", "threads"};
 static const char *const DATA_KEYS[] = {"dataset", "dir", "transform", "val_fraction", "shuffle", "drop_last"};
-static const char *const MODEL_KEYS[] = {"input", "layers", "init_from"};
+static const char *const MODEL_KEYS[] = {"input", "layers", "init_from", "adapters_from"};
 static const char *const TRAIN_KEYS[] = {"epochs",    "steps",      "batch_size", "eval_batch_size",
                                          "optimizer", "schedule",   "grad_clip",  "eval_every",
                                          "log_every", "checkpoint_every", "keep_last"};
@@ -372,15 +372,13 @@ static QtStatus load_input(QtError *err, const YNode *v, const YNode *model, Mod
 }
 
 /* The dry run: layers whose shapes do not chain are reported at the first
- * layer that fails, with model_init's explanation. */
-static QtStatus check_shapes(QtError *err, const ModelConfig *mc, const YNode *layers) {
+ * layer that fails, with model_init's explanation. On success *dry is the
+ * model (for the checks that need module paths); the caller frees it. */
+static QtStatus check_shapes(QtError *err, const ModelConfig *mc, const YNode *layers, Model *dry) {
     Model m;
     QtError inner = {0};
-    QtStatus st = model_init(&m, mc->input_ndim, mc->input_shape, mc->layers, mc->n_layers, &inner);
-    if (st == QT_OK) {
-        model_free(&m);
-        return QT_OK;
-    }
+    QtStatus st = model_init(dry, mc->input_ndim, mc->input_shape, mc->layers, mc->n_layers, &inner);
+    if (st == QT_OK) return QT_OK;
     if (st == QT_ERR_NOMEM) return qt_error_set(err, st, "%s", inner.msg);
     int bad = mc->n_layers - 1;
     for (int k = 1; k < mc->n_layers; k++) {
@@ -396,7 +394,8 @@ static QtStatus check_shapes(QtError *err, const ModelConfig *mc, const YNode *l
     return cfg_fail(err, layers->items[bad], path, "%s", inner.msg);
 }
 
-static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc) {
+/* QT_OK exactly when *dry holds the dry model. */
+static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc, Model *dry) {
     const YNode *m = NULL;
     QtStatus st = cfg_section(err, root, "", "model", &m);
     if (st != QT_OK) return st;
@@ -420,9 +419,11 @@ static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc) {
         if ((st = cfg_load_layer(err, layers->items[i], path, i, &mc->layers[i])) != QT_OK) return st;
         mc->n_layers = i + 1;
     }
-    if ((st = cfg_get_str(err, m, "model", "init_from", true, mc->init_from, sizeof mc->init_from)) != QT_OK)
-        return st;
-    return check_shapes(err, mc, layers);
+    st = cfg_get_str(err, m, "model", "init_from", true, mc->init_from, sizeof mc->init_from);
+    if (st == QT_OK)
+        st = cfg_get_str(err, m, "model", "adapters_from", true, mc->adapters_from, sizeof mc->adapters_from);
+    if (st != QT_OK) return st;
+    return check_shapes(err, mc, layers, dry);
 }
 
 static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
@@ -443,36 +444,17 @@ static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
     return st;
 }
 
-/* quant and lora exist in the schema so that configs written for the later
- * modes fail with a clear message instead of "unknown key". */
-static QtStatus load_later_modes(QtError *err, const YNode *root) {
-    const YNode *q = NULL, *l = NULL;
-    QtStatus st = cfg_section(err, root, "", "quant", &q);
-    for (int i = 0; st == QT_OK && q && i < q->n; i++) {
-        const YNode *key = q->keys[i], *v = q->items[i];
-        char path[256], got[96];
-        cfg_join(path, sizeof path, "quant", key->text);
-        if (strcmp(key->text, "mode") != 0)
-            st = cfg_fail(err, key, path, "quantization settings are not available in this version; only "
-                                          "quant.mode: none is accepted");
-        else if (!ynode_is_null(v) && (v->kind != YNODE_SCALAR || strcasecmp(v->text, "none") != 0))
-            st = cfg_fail(err, v, path, "%s is not available in this version; only 'none' is accepted",
-                          ynode_describe(v, got, sizeof got));
-    }
-    if (st == QT_OK) st = cfg_section(err, root, "", "lora", &l);
-    if (st == QT_OK && l && l->n > 0)
-        st = cfg_fail(err, l->keys[0], "lora", "LoRA is not available in this version; remove the lora section or "
-                                               "leave it empty");
-    return st;
-}
-
 static QtStatus load_root(QtError *err, const YNode *root, Config *c) {
     QtStatus st = cfg_check_keys(err, root, "", TOP_KEYS, N_OF(TOP_KEYS), ~0u, "the top level");
     if (st == QT_OK) st = load_run(err, root, &c->run);
     if (st == QT_OK) st = load_data(err, root, &c->data);
-    if (st == QT_OK) st = load_model(err, root, &c->model);
-    if (st == QT_OK) st = load_train(err, root, &c->train);
-    if (st == QT_OK) st = load_later_modes(err, root);
+    Model dry;
+    if (st == QT_OK) st = load_model(err, root, &c->model, &dry);
+    if (st != QT_OK) return st;
+    st = load_train(err, root, &c->train);
+    if (st == QT_OK) st = cfg_load_quant(err, root, &c->quant);
+    if (st == QT_OK) st = cfg_load_lora(err, root, &dry, &c->lora);
+    model_free(&dry);
     return st;
 }
 
@@ -495,6 +477,7 @@ void config_default(Config *c) {
     t->schedule.gamma = 0.1f;
     t->log_every = 50;
     t->keep_last = 3;
+    c->quant.calibration_batches = 16;
 }
 
 static QtStatus load_text(Config *c, const char *text, size_t len, const char *name, const char *const *overrides,

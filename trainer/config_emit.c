@@ -131,6 +131,7 @@ static void put_model(FILE *f, const ModelConfig *m) {
     fputs(m->n_layers ? "]\n  layers:\n" : "]\n  layers: []\n", f);
     for (int i = 0; i < m->n_layers; i++) put_layer(f, &m->layers[i]);
     put_key_str(f, "  ", "init_from", m->init_from);
+    put_key_str(f, "  ", "adapters_from", m->adapters_from);
 }
 
 static void put_train(FILE *f, const TrainConfig *t) {
@@ -161,6 +162,64 @@ static void put_train(FILE *f, const TrainConfig *t) {
             fmt_float(a, sizeof a, t->grad_clip), t->eval_every, t->log_every, t->checkpoint_every, t->keep_last);
 }
 
+static const char *bool_str(bool b) { return b ? "true" : "false"; }
+
+/* A rule's first lines: module_path, op_types ([] = any) and skip. */
+static void put_match(FILE *f, const RuleMatch *m, bool skip) {
+    fputs("    - module_path: ", f);
+    put_str(f, m->module_path);
+    fputs("\n      op_types: [", f);
+    const char *sep = "";
+    for (int t = 0; t < LAYER_COUNT; t++) {
+        if (!(m->op_types & (1u << t))) continue;
+        fprintf(f, "%s%s", sep, layer_type_name((LayerType)t));
+        sep = ", ";
+    }
+    fprintf(f, "]\n      skip: %s\n", bool_str(skip));
+}
+
+static void put_quant(FILE *f, const QuantConfig *q) {
+    fprintf(f, "quant:\n  mode: %s\n  calibration_batches: %d\n", quant_mode_name(q->mode), q->calibration_batches);
+    fputs(q->n_rules ? "  rules:\n" : "  rules: []\n", f);
+    for (int i = 0; i < q->n_rules; i++) {
+        const QuantRule *r = &q->rules[i];
+        put_match(f, &r->match, r->skip);
+        if (r->skip) continue;
+        const QLayerSpec *s = &r->spec;
+        char a[64], b[64];
+        calib_format(&s->weight_calib, a, sizeof a);
+        put_key_str(f, "      ", "weight_qtype", s->weight_qtype ? qtype_name(s->weight_qtype) : "none");
+        fprintf(f, "      tile_size: %d\n      per_tensor: %s\n", s->tile_size, bool_str(s->per_tensor));
+        put_key_str(f, "      ", "weight_calibration", a);
+        fprintf(f, "      symmetric: %s\n      narrow_range: %s\n      scale_type: %s\n      double_quant: %s\n",
+                bool_str(s->symmetric), bool_str(s->narrow_range), qarray_scale_type_name(s->scale_type),
+                bool_str(s->double_quant));
+        put_key_str(f, "      ", "act_qtype", s->act_qtype ? qtype_name(s->act_qtype) : "none");
+        calib_format(&s->act_calib, b, sizeof b);
+        put_key_str(f, "      ", "act_calibration", b);
+        fprintf(f, "      act_symmetric: %s\n", bool_str(s->act_symmetric));
+    }
+}
+
+static void put_lora(FILE *f, const LoraConfig *l) {
+    fputs(l->n_rules ? "lora:\n  rules:\n" : "lora:\n  rules: []\n", f);
+    for (int i = 0; i < l->n_rules; i++) {
+        const LoraRule *r = &l->rules[i];
+        put_match(f, &r->match, r->skip);
+        if (r->skip) continue;
+        char a[32], b[32];
+        fprintf(f, "      rank: %d\n      alpha: %s\n      dropout: %s\n      rslora: %s\n      init: %s\n",
+                r->spec.rank, fmt_float(a, sizeof a, r->spec.alpha), fmt_float(b, sizeof b, r->spec.dropout),
+                bool_str(r->spec.rslora), lora_init_name(r->spec.init));
+    }
+    fputs("  trainable: [", f);
+    for (int i = 0; i < l->n_trainable; i++) {
+        if (i) fputs(", ", f);
+        put_str(f, l->trainable[i]);
+    }
+    fputs("]\n", f);
+}
+
 char *config_to_yaml(const Config *c) {
     char *text = NULL;
     size_t size = 0;
@@ -169,7 +228,8 @@ char *config_to_yaml(const Config *c) {
     put_run_data(f, c);
     put_model(f, &c->model);
     put_train(f, &c->train);
-    fputs("quant:\n  mode: none\nlora: {}\n", f);
+    put_quant(f, &c->quant);
+    put_lora(f, &c->lora);
     bool failed = ferror(f) != 0;
     if (fclose(f) != 0 || failed) {
         free(text);

@@ -70,4 +70,9 @@ QtStatus cfg_load_schedule(QtError *err, const YNode *train, TrainConfig *t);
 /* optim_config_default(kind), copied field by field (no stray padding bytes). */
 void cfg_optim_defaults(OptimConfig *o, OptimKind kind);
 
+/* config_rules.c: the quant and lora sections. lora.trainable is checked
+ * against dry, the model the config builds. */
+QtStatus cfg_load_quant(QtError *err, const YNode *root, QuantConfig *q);
+QtStatus cfg_load_lora(QtError *err, const YNode *root, const Model *dry, LoraConfig *l);
+
 #endif

@@ -1,0 +1,338 @@
+/* config_rules.c - the quant and lora sections: ordered lists of rules
+ * (quant/rules.h), each giving the modules it matches their PTQ or adapter
+ * settings, and the modules LoRA trains in full.
+ *
+ * Every rule stores its settings resolved (the defaults filled in, the
+ * weight calibration's default following `symmetric`), so config_to_yaml
+ * prints what runs. A skip rule stores none: its spec stays zero. Rule
+ * structs are zeroed and filled field by field, never assigned whole, so
+ * that two loads of one text compare equal byte for byte (padding too). */
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+#include "config_schema.h"
+
+#define BIT(k) (1u << (k))
+#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+static const char *const QUANT_KEYS[] = {"mode", "calibration_batches", "rules"};
+static const char *const LORA_KEYS[] = {"rules", "trainable"};
+
+/* The first RK_MATCH_KEYS keys of both rule kinds are the match and skip. */
+enum { RK_MATCH_KEYS = 3 };
+static const char *const QUANT_RULE_KEYS[] = {
+    "module_path", "op_types",     "skip",       "weight_qtype", "tile_size", "per_tensor",      "weight_calibration",
+    "symmetric",   "narrow_range", "scale_type", "double_quant", "act_qtype", "act_calibration", "act_symmetric"};
+static const char *const LORA_RULE_KEYS[] = {"module_path", "op_types", "skip",   "rank",
+                                             "alpha",       "dropout",  "rslora", "init"};
+
+/* ---- what a rule matches ------------------------------------------------------------ */
+
+/* op_types: names of layer types with a weight that rules can act on. */
+static QtStatus load_op_types(QtError *err, const YNode *v, const char *path, unsigned *out) {
+    if (!v) return QT_OK;
+    if (v->kind != YNODE_SEQUENCE)
+        return cfg_fail_expected(err, v, path, "a sequence of layer types, e.g. [dense, conv2d] ([] for any)", "");
+    const char *names[LAYER_COUNT] = {NULL};
+    names[LAYER_DENSE] = layer_type_name(LAYER_DENSE);
+    names[LAYER_CONV2D] = layer_type_name(LAYER_CONV2D);
+    for (int j = 0; j < v->n; j++) {
+        char item[160], name[64];
+        snprintf(item, sizeof item, "%s[%d]", path, j);
+        QtError inner = {0};
+        int t = 0;
+        QtStatus st = cfg_to_str(err, v->items[j], item, false, name, sizeof name);
+        if (st != QT_OK) return st;
+        st = qt_name_lookup("op type", name, names, LAYER_COUNT, &t, &inner);
+        if (st != QT_OK) return cfg_lookup_fail(err, v->items[j], item, st, &inner);
+        if (*out & BIT(t)) return cfg_fail(err, v->items[j], item, "%s is listed twice", names[t]);
+        *out |= BIT(t);
+    }
+    return QT_OK;
+}
+
+/* module_path (compiled here, so that a bad pattern is reported at its
+ * rule), op_types, skip and the rule's `where`. */
+static QtStatus load_match(QtError *err, const YNode *item, const char *path, const char *kind, RuleMatch *m,
+                           bool *skip) {
+    char at[CONFIG_PATH_MAX + 32], where[CONFIG_PATH_MAX + 128], full[128];
+    snprintf(where, sizeof where, "%s: %s", ynode_where(item, at, sizeof at), path);
+    cfg_set_str(m->where, sizeof m->where, where);
+    const YNode *v = cfg_field(item, "module_path");
+    if (!v)
+        return cfg_fail(err, item, cfg_join(full, sizeof full, path, "module_path"),
+                        "missing; every %s needs module_path, a regular expression that must match a whole module "
+                        "path such as \"fc1\" (\".*\" matches all)",
+                        kind);
+    QtStatus st = cfg_to_str(err, v, cfg_join(full, sizeof full, path, "module_path"), false, m->module_path,
+                             sizeof m->module_path);
+    RuleSet set;
+    if (st == QT_OK) st = rule_set_compile(&set, m, 1, sizeof *m, err);
+    if (st == QT_OK) rule_set_free(&set);
+    cfg_join(full, sizeof full, path, "op_types");
+    if (st == QT_OK) st = load_op_types(err, cfg_field(item, "op_types"), full, &m->op_types);
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "skip", skip);
+    for (int k = 0; st == QT_OK && *skip && k < item->n; k++) {
+        const char *key = item->keys[k]->text;
+        bool match_key = false;
+        for (int i = 0; i < RK_MATCH_KEYS; i++) match_key = match_key || strcmp(key, QUANT_RULE_KEYS[i]) == 0;
+        if (!match_key && !ynode_is_null(item->items[k]))
+            st = cfg_fail(err, item->keys[k], cfg_join(full, sizeof full, path, key),
+                          "skip: true takes no other settings; remove %s or the skip", key);
+    }
+    return st;
+}
+
+typedef QtStatus (*RuleLoadFn)(QtError *err, const YNode *item, const char *path, void *rule);
+
+/* A list of rules; rule i is at (char *)rules + i * stride. */
+static QtStatus load_rules(QtError *err, const YNode *v, const char *path, const char *example, RuleLoadFn load,
+                           void *rules, size_t stride, int *n) {
+    if (!v) return QT_OK;
+    if (v->kind != YNODE_SEQUENCE) return cfg_fail_expected(err, v, path, "a sequence of rules", "");
+    if (v->n > RULES_MAX) return cfg_fail(err, v, path, "expected at most %d rules, got %d", RULES_MAX, v->n);
+    for (int i = 0; i < v->n; i++) {
+        char item[64];
+        snprintf(item, sizeof item, "%s[%d]", path, i);
+        if (v->items[i]->kind != YNODE_MAPPING)
+            return cfg_fail_expected(err, v->items[i], item, example, "");
+        QtStatus st = load(err, v->items[i], item, (char *)rules + (size_t)i * stride);
+        if (st != QT_OK) return st;
+        *n = i + 1;
+    }
+    return QT_OK;
+}
+
+/* ---- quant -------------------------------------------------------------------------- */
+
+static void calib_copy(CalibSpec *dst, const CalibSpec *src) {
+    dst->kind = src->kind;
+    dst->s = src->s;
+    dst->a = src->a;
+    dst->lo = src->lo;
+    dst->hi = src->hi;
+    dst->p = src->p;
+    dst->fixed_minmax = src->fixed_minmax;
+}
+
+/* absmax for a symmetric range, minmax for an asymmetric one. */
+static void calib_default(CalibSpec *c, bool symmetric) {
+    const CalibSpec d = {.kind = symmetric ? CALIB_ABSMAX : CALIB_MINMAX, .s = 1.0};
+    calib_copy(c, &d);
+}
+
+static void spec_defaults(QLayerSpec *s) {
+    const QLayerSpec d = qlayer_spec_default();
+    s->weight_qtype = d.weight_qtype;
+    s->tile_size = d.tile_size;
+    s->per_tensor = d.per_tensor;
+    calib_copy(&s->weight_calib, &d.weight_calib);
+    s->symmetric = d.symmetric;
+    s->narrow_range = d.narrow_range;
+    s->scale_type = d.scale_type;
+    s->double_quant = d.double_quant;
+    s->act_qtype = d.act_qtype;
+    calib_copy(&s->act_calib, &d.act_calib);
+    s->act_symmetric = d.act_symmetric;
+}
+
+/* A format name, or "none" for NULL; absent keeps *out. */
+static QtStatus load_qtype(QtError *err, const YNode *map, const char *path, const char *key, const char *none,
+                           const QType **out) {
+    const YNode *v = cfg_field(map, key);
+    if (!v) return QT_OK;
+    char full[128], name[64];
+    cfg_join(full, sizeof full, path, key);
+    QtStatus st = cfg_to_str(err, v, full, false, name, sizeof name);
+    if (st != QT_OK) return st;
+    if (strcasecmp(name, "none") == 0) {
+        *out = NULL;
+        return QT_OK;
+    }
+    QtError inner = {0};
+    *out = qtype_find(name, &inner);
+    return *out ? QT_OK : cfg_fail(err, v, full, "%s; or none %s", inner.msg, none);
+}
+
+static QtStatus load_calib(QtError *err, const YNode *map, const char *path, const char *key, CalibSpec *out) {
+    const YNode *v = cfg_field(map, key);
+    if (!v) return QT_OK;
+    char full[128], text[128];
+    cfg_join(full, sizeof full, path, key);
+    CalibSpec c;
+    QtError inner = {0};
+    QtStatus st = cfg_to_str(err, v, full, false, text, sizeof text);
+    if (st == QT_OK) st = cfg_lookup_fail(err, v, full, calib_parse(text, &c, &inner), &inner);
+    if (st == QT_OK) calib_copy(out, &c);
+    return st;
+}
+
+static QtStatus load_weight_settings(QtError *err, const YNode *item, const char *path, QLayerSpec *s) {
+    char full[128];
+    if (!cfg_field(item, "weight_qtype"))
+        return cfg_fail(err, item, cfg_join(full, sizeof full, path, "weight_qtype"),
+                        "missing; a quant rule needs weight_qtype, a format such as int8 or nf4 (or none to keep "
+                        "the weights float), unless it has skip: true");
+    QtStatus st = load_qtype(err, item, path, "weight_qtype", "(keep the weights float)", &s->weight_qtype);
+    if (st == QT_OK) st = cfg_get_int(err, item, path, "tile_size", 0, INT_MAX, &s->tile_size);
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "per_tensor", &s->per_tensor);
+    if (st == QT_OK && s->per_tensor && s->tile_size > 0)
+        st = cfg_fail(err, cfg_field(item, "per_tensor"), cfg_join(full, sizeof full, path, "per_tensor"),
+                      "applies only with tile_size 0 (one scale for the whole weight), but tile_size is %d",
+                      s->tile_size);
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "symmetric", &s->symmetric);
+    calib_default(&s->weight_calib, s->symmetric);
+    if (st == QT_OK) st = load_calib(err, item, path, "weight_calibration", &s->weight_calib);
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "narrow_range", &s->narrow_range);
+    const YNode *v = cfg_field(item, "scale_type");
+    if (st == QT_OK && v) {
+        char name[64];
+        QtError inner = {0};
+        cfg_join(full, sizeof full, path, "scale_type");
+        st = cfg_to_str(err, v, full, false, name, sizeof name);
+        if (st == QT_OK)
+            st = cfg_lookup_fail(err, v, full, qarray_scale_type_parse(name, &s->scale_type, &inner), &inner);
+    }
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "double_quant", &s->double_quant);
+    return st;
+}
+
+static QtStatus load_quant_rule(QtError *err, const YNode *item, const char *path, void *rule) {
+    QuantRule *r = rule;
+    memset(r, 0, sizeof *r);
+    QtStatus st = cfg_check_keys(err, item, path, QUANT_RULE_KEYS, N_OF(QUANT_RULE_KEYS), ~0u, "a quant rule");
+    if (st == QT_OK) st = load_match(err, item, path, "quant rule", &r->match, &r->skip);
+    if (st != QT_OK || r->skip) return st;
+    QLayerSpec *s = &r->spec;
+    spec_defaults(s);
+    st = load_weight_settings(err, item, path, s);
+    if (st == QT_OK) st = load_qtype(err, item, path, "act_qtype", "(keep the input float)", &s->act_qtype);
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "act_symmetric", &s->act_symmetric);
+    calib_default(&s->act_calib, s->act_symmetric);
+    if (st == QT_OK) st = load_calib(err, item, path, "act_calibration", &s->act_calib);
+    return st;
+}
+
+QtStatus cfg_load_quant(QtError *err, const YNode *root, QuantConfig *q) {
+    const YNode *m = NULL;
+    QtStatus st = cfg_section(err, root, "", "quant", &m);
+    if (st == QT_OK) st = cfg_check_keys(err, m, "quant", QUANT_KEYS, N_OF(QUANT_KEYS), ~0u, "quant");
+    const YNode *mode = cfg_field(m, "mode"), *rules = cfg_field(m, "rules");
+    if (st == QT_OK && mode) {
+        const char *names[QUANT_MODE_COUNT];
+        for (int i = 0; i < QUANT_MODE_COUNT; i++) names[i] = quant_mode_name((QuantMode)i);
+        char name[64];
+        QtError inner = {0};
+        int k = 0;
+        st = cfg_to_str(err, mode, "quant.mode", false, name, sizeof name);
+        if (st == QT_OK)
+            st = cfg_lookup_fail(err, mode, "quant.mode",
+                                 qt_name_lookup("quant mode", name, names, QUANT_MODE_COUNT, &k, &inner), &inner);
+        q->mode = (QuantMode)k;
+    }
+    if (st == QT_OK) st = cfg_get_int(err, m, "quant", "calibration_batches", 1, INT_MAX, &q->calibration_batches);
+    if (st == QT_OK)
+        st = load_rules(err, rules, "quant.rules", "a rule mapping such as {module_path: \"fc.*\", weight_qtype: int8}",
+                        load_quant_rule, q->rules, sizeof q->rules[0], &q->n_rules);
+    if (st == QT_OK && q->mode == QUANT_MODE_NONE && q->n_rules > 0)
+        st = cfg_fail(err, rules, "quant.rules",
+                      "%d rule%s given, but quant.mode is none, which quantizes nothing; set quant.mode: ptq to "
+                      "apply them (or remove the rules)",
+                      q->n_rules, q->n_rules == 1 ? " is" : "s are");
+    if (st == QT_OK && q->mode == QUANT_MODE_PTQ && q->n_rules == 0)
+        st = cfg_fail(err, mode, "quant.mode",
+                      "ptq needs quant.rules saying what to quantize, e.g. rules: [{module_path: \".*\", "
+                      "weight_qtype: int8}]");
+    return st;
+}
+
+/* ---- lora --------------------------------------------------------------------------- */
+
+static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path, void *rule) {
+    LoraRule *r = rule;
+    memset(r, 0, sizeof *r);
+    QtStatus st = cfg_check_keys(err, item, path, LORA_RULE_KEYS, N_OF(LORA_RULE_KEYS), ~0u, "a lora rule");
+    if (st == QT_OK) st = load_match(err, item, path, "lora rule", &r->match, &r->skip);
+    if (st != QT_OK || r->skip) return st;
+    LoraSpec *s = &r->spec;
+    char full[128];
+    if (!cfg_field(item, "rank"))
+        return cfg_fail(err, item, cfg_join(full, sizeof full, path, "rank"),
+                        "missing; a lora rule needs rank, the adapters' inner dimension (e.g. 8), unless it has "
+                        "skip: true");
+    st = cfg_get_int(err, item, path, "rank", 1, INT_MAX, &s->rank);
+    s->alpha = (float)s->rank;
+    if (st == QT_OK) st = cfg_get_float(err, item, path, "alpha", CFG_POSITIVE, &s->alpha);
+    if (st == QT_OK && s->alpha == 0.0f)
+        st = cfg_fail(err, cfg_field(item, "alpha"), cfg_join(full, sizeof full, path, "alpha"),
+                      "is too small for a float (it rounds to 0)");
+    if (st == QT_OK)
+        st = cfg_get_float(err, item, path, "dropout", (CfgRange){0.0, 1.0, false, true, true}, &s->dropout);
+    if (st == QT_OK && s->dropout >= 1.0f)
+        st = cfg_fail(err, cfg_field(item, "dropout"), cfg_join(full, sizeof full, path, "dropout"),
+                      "rounds to 1 as a float; expected a value below 1");
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "rslora", &s->rslora);
+    const YNode *v = cfg_field(item, "init");
+    if (st == QT_OK && v) {
+        char name[64];
+        QtError inner = {0};
+        cfg_join(full, sizeof full, path, "init");
+        st = cfg_to_str(err, v, full, false, name, sizeof name);
+        if (st == QT_OK) st = cfg_lookup_fail(err, v, full, lora_init_parse(name, &s->init, &inner), &inner);
+    }
+    return st;
+}
+
+static bool module_has_params(const Module *m) { return m->weight || m->bias; }
+
+/* "fc1, head": the modules lora.trainable can name. */
+static void list_param_modules(const Model *dry, char *buf, size_t size) {
+    buf[0] = '\0';
+    for (int i = 0; i < dry->n_modules; i++) {
+        if (!module_has_params(&dry->modules[i])) continue;
+        size_t len = strlen(buf);
+        snprintf(buf + len, size - len, "%s%s", len ? ", " : "", dry->modules[i].path);
+    }
+}
+
+static QtStatus load_trainable(QtError *err, const YNode *v, const Model *dry, LoraConfig *l) {
+    if (!v) return QT_OK;
+    if (v->kind != YNODE_SEQUENCE)
+        return cfg_fail_expected(err, v, "lora.trainable", "a sequence of module names, e.g. [head]", "");
+    if (v->n > CONFIG_MAX_LAYERS)
+        return cfg_fail(err, v, "lora.trainable", "expected at most %d modules, got %d", CONFIG_MAX_LAYERS, v->n);
+    for (int j = 0; j < v->n; j++) {
+        char path[64], name[MODULE_NAME_MAX], valid[512];
+        snprintf(path, sizeof path, "lora.trainable[%d]", j);
+        QtStatus st = cfg_to_str(err, v->items[j], path, false, name, sizeof name);
+        if (st != QT_OK) return st;
+        const Module *m = NULL;
+        for (int i = 0; i < dry->n_modules && !m; i++)
+            if (strcmp(dry->modules[i].path, name) == 0) m = &dry->modules[i];
+        if (!m || !module_has_params(m)) {
+            list_param_modules(dry, valid, sizeof valid);
+            return cfg_fail(err, v->items[j], path, "%s '%s' %s; modules with parameters: %s",
+                            m ? "module" : "no module", name, m ? "has no parameters to train" : "in the model", valid);
+        }
+        for (int k = 0; k < j; k++)
+            if (strcmp(l->trainable[k], name) == 0)
+                return cfg_fail(err, v->items[j], path, "module '%s' is listed twice (first as item %d)", name, k);
+        cfg_set_str(l->trainable[j], sizeof l->trainable[j], name);
+        l->n_trainable = j + 1;
+    }
+    return QT_OK;
+}
+
+QtStatus cfg_load_lora(QtError *err, const YNode *root, const Model *dry, LoraConfig *l) {
+    const YNode *m = NULL;
+    QtStatus st = cfg_section(err, root, "", "lora", &m);
+    if (st == QT_OK) st = cfg_check_keys(err, m, "lora", LORA_KEYS, N_OF(LORA_KEYS), ~0u, "lora");
+    if (st == QT_OK)
+        st = load_rules(err, cfg_field(m, "rules"), "lora.rules",
+                        "a rule mapping such as {module_path: \".*\", rank: 8}", load_lora_rule, l->rules,
+                        sizeof l->rules[0], &l->n_rules);
+    if (st == QT_OK) st = load_trainable(err, cfg_field(m, "trainable"), dry, l);
+    return st;
+}
