@@ -88,9 +88,10 @@ test: deps
 	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
 	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS)
 
+# Pretrain (once) -> PTQ eval -> QLoRA fine-tune -> eval, then a table.
 run: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
-	./$(QTRAIN) --config configs/pretrain.yaml --resume auto
+	QTRAIN=./$(QTRAIN) sh scripts/main-job.sh
 
 bench: deps
 	$(MAKE) --no-print-directory $(BENCH_BINS)

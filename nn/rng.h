@@ -24,6 +24,7 @@ enum {
     RNG_STREAM_SHUFFLE = 2,
     RNG_STREAM_DROPOUT = 3,
     RNG_STREAM_ROUNDING = 4,
+    RNG_STREAM_LORA = 5,      /* adapter initialisation */
 };
 
 /* The raw block function: 4 x 32 random bits for a counter and a key. */

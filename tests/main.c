@@ -24,7 +24,8 @@
     X(lora)       \
     X(config)     \
     X(checkpoint) \
-    X(trainer)
+    X(trainer)    \
+    X(qlora)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

@@ -168,7 +168,7 @@ static void test_run_outputs(void) {
     /* eval of the final checkpoint reproduces the run's test metrics */
     TrainResult e;
     snprintf(path, sizeof path, "%s/final.h5", d);
-    CU_ASSERT_EQUAL(train_eval_checkpoint(c, path, &e, &err), QT_OK);
+    CU_ASSERT_EQUAL(train_eval_checkpoint(c, path, true, &e, &err), QT_OK);
     CU_ASSERT_EQUAL(e.test_accuracy, r.test_accuracy);
     CU_ASSERT_EQUAL(e.test_loss, r.test_loss);
     free(c);

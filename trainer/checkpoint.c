@@ -18,12 +18,11 @@
 #include "h5io.h"
 #include "version.h"
 
-#define CKPT_OBJ_MAX 192      /* "optim/" + a param name + "/m" */
 #define INSPECT_STR_MAX 60    /* string attributes longer than this are cut in listings */
 
 /* ---- small helpers -------------------------------------------------------------- */
 
-static QtStatus obj_path(char *out, const char *a, const char *b, const char *c, QtError *err) {
+QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err) {
     int n = snprintf(out, CKPT_OBJ_MAX, "%s/%s%s%s", a, b, c ? "/" : "", c ? c : "");
     if (n < 0 || n >= CKPT_OBJ_MAX)
         return qt_error_set(err, QT_ERR_ARG, "checkpoint object name %s/%s is too long", a, b);
@@ -125,12 +124,14 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     return st;
 }
 
-static QtStatus write_params(H5ioFile *f, const Model *m, QtError *err) {
+/* trainable_only: adapters.h5 keeps only the parameters a LoRA run trains. */
+static QtStatus write_params(H5ioFile *f, const Model *m, bool trainable_only, QtError *err) {
     QtStatus st = h5io_group_create(f, "params", err);
     for (int i = 0; st == QT_OK && i < m->n_params; i++) {
         const Param *p = &m->params[i];
+        if (p->released || (trainable_only && !p->trainable)) continue; /* a quantized weight lives in /quant */
         char ds[CKPT_OBJ_MAX];
-        st = obj_path(ds, "params", p->name, NULL, err);
+        st = ckpt_obj_path(ds, "params", p->name, NULL, err);
         if (st == QT_OK) st = h5io_write_f32(f, ds, p->var.value.data, p->var.value.ndim, p->var.value.shape, err);
     }
     return st;
@@ -143,12 +144,12 @@ static QtStatus write_optim(H5ioFile *f, const Optimizer *o, QtError *err) {
     for (int i = 0; st == QT_OK && i < o->n_params; i++) {
         const Tensor *t = &o->params[i]->var.value;
         char g[CKPT_OBJ_MAX], ds[CKPT_OBJ_MAX];
-        st = obj_path(g, "optim", o->params[i]->name, NULL, err);
+        st = ckpt_obj_path(g, "optim", o->params[i]->name, NULL, err);
         if (st == QT_OK) st = h5io_group_create(f, g, err);
         if (st == QT_OK) st = h5io_attr_write_i64(f, g, "step", o->step, err);
-        if (st == QT_OK && o->m && (st = obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
+        if (st == QT_OK && o->m && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
             st = h5io_write_f32(f, ds, o->m[i], t->ndim, t->shape, err);
-        if (st == QT_OK && o->v && (st = obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
+        if (st == QT_OK && o->v && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
             st = h5io_write_f32(f, ds, o->v[i], t->ndim, t->shape, err);
     }
     return st;
@@ -186,7 +187,7 @@ static QtStatus write_state(H5ioFile *f, const CheckpointState *s, QtError *err)
     for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
         const Rng *r = s->rngs[i].rng;
         char g[CKPT_OBJ_MAX];
-        st = obj_path(g, "rng", s->rngs[i].name, NULL, err);
+        st = ckpt_obj_path(g, "rng", s->rngs[i].name, NULL, err);
         if (st == QT_OK) st = h5io_group_create(f, g, err);
         if (st == QT_OK) st = h5io_attr_write_u64(f, g, "seed", r->seed, err);
         if (st == QT_OK) st = h5io_attr_write_u64(f, g, "stream", r->stream, err);
@@ -202,7 +203,9 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
     size_t hint = model_param_bytes(m) + (opt ? optim_state_bytes(opt) : 0) + ((size_t)1 << 16);
     QtStatus st = h5io_create_mem(&f, path, hint, err);
     if (st == QT_OK) st = write_header(&f, s, err);
-    if (st == QT_OK) st = write_params(&f, m, err);
+    if (st == QT_OK) st = write_params(&f, m, false, err);
+    if (st == QT_OK) st = ckpt_write_quant(&f, &s->net, err);
+    if (st == QT_OK) st = ckpt_write_lora(&f, &s->net, err);
     if (st == QT_OK && opt) st = write_optim(&f, opt, err);
     if (st == QT_OK) st = write_state(&f, s, err);
     if (st == QT_OK) st = h5io_image(&f, image, size, err);
@@ -311,9 +314,10 @@ static QtStatus check_params(const H5ioFile *f, const Model *m, QtError *err) {
                             f->path);
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < m->n_params; i++) {
+        if (m->params[i].released) continue; /* held quantized: checked under /quant */
         char ds[CKPT_OBJ_MAX], what[PARAM_NAME_MAX + 16];
         snprintf(what, sizeof what, "parameter %s", m->params[i].name);
-        st = obj_path(ds, "params", m->params[i].name, NULL, err);
+        st = ckpt_obj_path(ds, "params", m->params[i].name, NULL, err);
         if (st == QT_OK) st = check_dataset(f, ds, what, &m->params[i].var.value, true, err);
     }
     if (st != QT_OK) return st;
@@ -352,7 +356,7 @@ static QtStatus check_optim(const H5ioFile *f, const Optimizer *o, QtError *err)
             if (!bufs[k]) continue;
             char ds[CKPT_OBJ_MAX], what[PARAM_NAME_MAX + 64];
             snprintf(what, sizeof what, "the %s %s of %s", want, labels[k], p->name);
-            st = obj_path(ds, "optim", p->name, bufs[k], err);
+            st = ckpt_obj_path(ds, "optim", p->name, bufs[k], err);
             if (st == QT_OK && !h5io_exists(f, ds))
                 st = qt_error_set(err, QT_ERR_FORMAT, "%s lacks %s (/%s); it was saved with other trainable "
                                   "parameters or optimizer settings (e.g. without momentum); resume with the same "
@@ -379,8 +383,8 @@ static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtErr
     for (int i = 0; st == QT_OK && i < m->n_params; i++) {
         const Tensor *t = &m->params[i].var.value;
         char ds[CKPT_OBJ_MAX];
-        st = obj_path(ds, "params", m->params[i].name, NULL, err);
-        if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+        st = ckpt_obj_path(ds, "params", m->params[i].name, NULL, err);
+        if (st == QT_OK && !m->params[i].released) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
         dst += tensor_numel(t);
     }
     return st;
@@ -392,9 +396,9 @@ static QtStatus read_optim(const H5ioFile *f, const Optimizer *o, Staged *sg, Qt
     for (int i = 0; st == QT_OK && i < o->n_params; i++) {
         const Tensor *t = &o->params[i]->var.value;
         char ds[CKPT_OBJ_MAX];
-        if (o->m && (st = obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
+        if (o->m && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
             st = h5io_read_f32(f, ds, m, t->ndim, t->shape, err);
-        if (st == QT_OK && o->v && (st = obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
+        if (st == QT_OK && o->v && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
             st = h5io_read_f32(f, ds, v, t->ndim, t->shape, err);
         m += tensor_numel(t);
         v += tensor_numel(t);
@@ -435,7 +439,7 @@ static QtStatus read_state(const H5ioFile *f, const CheckpointState *s, Staged *
     for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
         char g[CKPT_OBJ_MAX];
         Rng *r = &sg->rngs[i];
-        st = obj_path(g, "rng", s->rngs[i].name, NULL, err);
+        st = ckpt_obj_path(g, "rng", s->rngs[i].name, NULL, err);
         if (st == QT_OK && h5io_kind(f, g) != H5IO_GROUP)
             st = qt_error_set(err, QT_ERR_FORMAT, "%s has no state for the random generator '%s' (/%s); it was "
                               "saved by a run without it", f->path, s->rngs[i].name, g);
@@ -450,7 +454,7 @@ static void commit(const Staged *sg, Model *m, Optimizer *opt, CheckpointState *
     const float *src = sg->buf;
     for (int i = 0; i < m->n_params; i++) {
         size_t n = var_numel(&m->params[i].var);
-        memcpy(m->params[i].var.value.data, src, n * sizeof(float));
+        if (!m->params[i].released) memcpy(m->params[i].var.value.data, src, n * sizeof(float));
         src += n;
     }
     if (opt) {
@@ -484,16 +488,31 @@ static QtStatus stage_alloc(Staged *sg, const Model *m, const Optimizer *opt, Qt
     return QT_OK;
 }
 
-QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointState *s, QtError *err) {
+/* The common path of every load: check, stage, then apply. params: read
+ * /params (all of the model's, or only its trainable ones). */
+static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, CheckpointState *s, const CheckpointNet *net,
+                           bool trainable_only, QtError *err) {
     if (!path || !m) return qt_error_set(err, QT_ERR_ARG, "checkpoint_load: no path or no model");
     QtStatus st = s ? check_rng_names(s, err) : QT_OK;
     if (st != QT_OK) return st;
     H5ioFile f = H5IO_FILE_INIT;
     if ((st = h5io_open(&f, path, err)) != QT_OK) return st;
+    /* Only the trainable parameters: the rest are marked released for the
+       check and read, then restored. */
+    bool *hidden = calloc((size_t)m->n_params + 1, sizeof *hidden);
+    if (!hidden) {
+        h5io_close(&f, NULL);
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", path);
+    }
+    for (int i = 0; trainable_only && i < m->n_params; i++)
+        if (!m->params[i].trainable && !m->params[i].released) hidden[i] = m->params[i].released = true;
     Staged sg = {0};
+    CkptNetStaged ns = {0};
     st = check_header(&f, err);
     if (st == QT_OK) st = check_params(&f, m, err);
     if (st == QT_OK && opt) st = check_optim(&f, opt, err);
+    if (st == QT_OK && net) st = ckpt_read_quant(&f, net, &ns, err);
+    if (st == QT_OK && net) st = ckpt_read_lora(&f, net, &ns, err);
     if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
     if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
     if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);
@@ -501,12 +520,77 @@ QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointS
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st == QT_OK) commit(&sg, m, opt, s);
+    if (st == QT_OK && net) ckpt_commit_net(&ns, net);
+    for (int i = 0; i < m->n_params; i++)
+        if (hidden[i]) m->params[i].released = false;
+    free(hidden);
+    ckpt_staged_net_free(&ns);
     free(sg.buf);
     return st;
 }
 
+QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointState *s, QtError *err) {
+    return load_parts(path, m, opt, s, s ? &s->net : NULL, false, err);
+}
+
 QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err) {
-    return checkpoint_load(path, m, NULL, NULL, err);
+    return load_parts(path, m, NULL, NULL, NULL, false, err);
+}
+
+QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
+    return load_parts(path, m, NULL, NULL, net, false, err);
+}
+
+QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
+    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
+    QtStatus st = load_parts(path, m, NULL, NULL, &lora, true, err);
+    if (st != QT_OK || net->n_adapters == 0) return st;
+    /* The file must not hold adapters this run lacks: they belong to another model or other rules. */
+    char names[CKPT_MODULES_MAX][MODULE_NAME_MAX];
+    int n = 0;
+    H5ioFile f = H5IO_FILE_INIT;
+    if ((st = h5io_open(&f, path, err)) != QT_OK) return st;
+    st = ckpt_list_group(&f, "lora", names, CKPT_MODULES_MAX, &n, err);
+    for (int i = 0; st == QT_OK && i < n; i++) {
+        bool known = false;
+        for (int k = 0; !known && k < net->n_adapters; k++) known = strcmp(names[i], net->adapters[k].module->path) == 0;
+        if (!known)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
+                              "module %s, which this run's lora rules do not adapt", path, names[i]);
+    }
+    QtStatus cst = h5io_close(&f, err);
+    return st == QT_OK ? cst : st;
+}
+
+QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net, const char *config_text,
+                                  QtError *err) {
+    H5ioFile f = H5IO_FILE_INIT;
+    CheckpointState s = {.last_train_loss = NAN, .config_text = config_text};
+    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
+    void *image = NULL;
+    size_t size = 0;
+    QtStatus st = h5io_create_mem(&f, path, (size_t)1 << 20, err);
+    if (st == QT_OK) st = write_header(&f, &s, err);
+    if (st == QT_OK) st = h5io_attr_write_str(&f, "", "contents", "adapters", err);
+    if (st == QT_OK) st = write_params(&f, m, true, err);
+    if (st == QT_OK) st = ckpt_write_lora(&f, &lora, err);
+    if (st == QT_OK) st = h5io_image(&f, &image, &size, err);
+    QtStatus cst = h5io_close(&f, err);
+    if (st == QT_OK) st = cst;
+    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
+    free(image);
+    return st;
+}
+
+QtStatus checkpoint_list_quant(const char *path, char (*paths)[MODULE_NAME_MAX], int cap, int *n, QtError *err) {
+    H5ioFile f = H5IO_FILE_INIT;
+    *n = 0;
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    st = check_header(&f, err);
+    if (st == QT_OK && h5io_kind(&f, "quant") == H5IO_GROUP) st = ckpt_list_group(&f, "quant", paths, cap, n, err);
+    QtStatus cst = h5io_close(&f, err);
+    return st == QT_OK ? cst : st;
 }
 
 QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *err) {

@@ -18,7 +18,25 @@
  *                     run totals over all invocations: train_s, wall_s
  *                     (double, seconds), trained_examples (int64),
  *                     last_train_loss (double, NaN before the first log line)
- *   /quant, /lora     reserved for the quantized and adapter modes
+ *   /quant/<module>/weight   a frozen quantized base weight (quant/qlayer.h):
+ *                     qvalue (uint8: the codes packed exactly as in memory),
+ *                     scale (float32, or uint16 float16/bfloat16 bits, or
+ *                     uint8 e8m0 for pof2, or uint8 map codes with double
+ *                     quantization; absent for MX formats, whose blocks carry
+ *                     their scales), zero_point (int32 or float32; only when
+ *                     asymmetric), scale_absmax (float32; double quantization);
+ *                     attrs qtype, shape (the float weight's), tile (0 = per
+ *                     output channel or per tensor, else elements per block of
+ *                     the flattened weight), granularity ("per_channel",
+ *                     "per_tensor", "block"), scale_type, symmetric,
+ *                     narrow_range, double_quant, dq_block, dq_offset,
+ *                     calibration, bits_per_weight
+ *   /quant/<module>/input    static activation range: attrs qtype, calibration,
+ *                     lo_mean, hi_mean (double), count (int64), scale,
+ *                     zero_point (double)
+ *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
+ *                     1, 1), float32; attrs rank, alpha, scale, rslora
+ * A released (quantized) weight is not under /params.
  *
  * Every file is written to "<name>.tmp.<pid>" in the same directory,
  * flushed, fsync'd, renamed over the real name and the directory fsync'd,
@@ -35,10 +53,24 @@
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/rng.h"
+#include "lora/lora.h"
+#include "quant/qlayer.h"
 
 #define CHECKPOINT_FORMAT "qtrain"
 #define CHECKPOINT_VERSION 1
 #define CHECKPOINT_MAX_RNGS 4
+#define CKPT_LIST_MAX 128 /* modules checkpoint_list_quant reports at most */
+
+/* The parts of a model beyond its float parameters: quantized base layers
+ * and LoRA adapters (both may be empty). Loading fills them in place: the
+ * qlayers must have their layout (qlayer_init_empty or quantized) and the
+ * adapters their A/B allocated. */
+typedef struct {
+    QLayer *qlayers;        /* [n_qlayers] -> /quant */
+    int n_qlayers;
+    LoraAdapter *adapters;  /* [n_adapters] -> /lora */
+    int n_adapters;
+} CheckpointNet;
 
 /* Everything besides parameters and optimizer state that decides the rest
  * of a run. */
@@ -61,6 +93,7 @@ typedef struct {
     } rngs[CHECKPOINT_MAX_RNGS];
     int n_rngs;
     const char *config_text; /* save: the resolved YAML (may be NULL -> "") */
+    CheckpointNet net;       /* /quant and /lora, saved and restored with the rest */
 } CheckpointState;
 
 /* Writes a complete checkpoint to `path` atomically (see above). opt may be
@@ -81,6 +114,23 @@ QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointS
 
 /* Only /params, for model.init_from: the same checks as checkpoint_load. */
 QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err);
+/* /params, /quant and /lora into m and net (either part of net may be
+ * empty), without optimizer or run state: for evaluation and merging. */
+QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *net, QtError *err);
+
+/* adapters.h5: the header, /params of the trainable model parameters only
+ * (the lora.trainable modules) and /lora. */
+QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net,
+                                  const char *config_text, QtError *err);
+/* model.adapters_from: /lora for every adapter of net and /params for every
+ * trainable model parameter, from an adapters.h5 or a full checkpoint. An
+ * adapter the file lacks, one it has that the run does not, or a shape that
+ * differs is an error naming the first such module. */
+QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err);
+/* The module paths under /quant of a checkpoint (a PTQ base from `qtrain
+ * quantize`), up to cap of them, into paths[i][MODULE_NAME_MAX]; *n = the
+ * count (0 for a float checkpoint). */
+QtStatus checkpoint_list_quant(const char *path, char (*paths)[MODULE_NAME_MAX], int cap, int *n, QtError *err);
 
 /* The root `config` attribute (malloc'd; the caller frees). */
 QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *err);

@@ -6,6 +6,13 @@
 #include <stddef.h>
 
 #include "nn/error.h"
+#include "quant/calib.h"
+#include "quant/qarray.h"
+#include "trainer/checkpoint.h"
+#include "trainer/h5io.h"
+
+#define CKPT_OBJ_MAX 192      /* "optim/" + a param name + "/m" */
+#define CKPT_MODULES_MAX CKPT_LIST_MAX
 
 #define CKPT_PATH_MAX 4096
 
@@ -20,5 +27,32 @@ QtStatus ckpt_sync_parent_dir(const char *path, QtError *err);
  * directory. Until the rename, path is untouched; on failure the temp file
  * is removed. */
 QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, QtError *err);
+
+/* "a/b" or "a/b/c" into out[CKPT_OBJ_MAX]; QT_ERR_ARG if too long. */
+QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err);
+
+/* ---- /quant and /lora (checkpoint_net.c) ---- */
+
+/* What a load reads before anything is applied. */
+typedef struct {
+    QArray *weights;      /* [n_qlayers] new QArrays laid out like the layers' own */
+    CalibRunning *act;    /* [n_qlayers] activation statistics (count 0 when the layer has none) */
+    float *lora;          /* A then B of every adapter, in order */
+    int n_weights;        /* QArrays allocated so far (for freeing) */
+} CkptNetStaged;
+
+QtStatus ckpt_write_quant(H5ioFile *f, const CheckpointNet *net, QtError *err);
+QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err);
+/* Checks every group net needs and reads it into sg (allocated here; free
+ * with ckpt_staged_net_free). Either part of net may be empty. */
+QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
+QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
+/* Moves the staged data into net's layers and adapters. */
+void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net);
+void ckpt_staged_net_free(CkptNetStaged *sg);
+/* The names of the direct children of `group` (module paths), up to cap;
+ * more is QT_ERR_FORMAT. */
+QtStatus ckpt_list_group(const H5ioFile *f, const char *group, char (*names)[MODULE_NAME_MAX], int cap, int *n,
+                         QtError *err);
 
 #endif

@@ -447,6 +447,24 @@ QtStatus h5io_attr_write_i64(H5ioFile *f, const char *obj, const char *name, int
     return attr_write(f, obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, err);
 }
 
+QtStatus h5io_attr_write_i64s(H5ioFile *f, const char *obj, const char *name, const int64_t *v, int n,
+                              QtError *err) {
+    const char *o = h5name(obj);
+    htri_t exists = H5Aexists_by_name(f->id, o, name, H5P_DEFAULT);
+    if (exists < 0) return h5_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
+    if (exists > 0 && H5Adelete_by_name(f->id, o, name, H5P_DEFAULT) < 0)
+        return h5_fail_attr(err, QT_ERR_IO, f, "replace", obj, name);
+    hsize_t dims[1] = {(hsize_t)n};
+    QtStatus st = QT_OK;
+    hid_t space = H5Screate_simple(1, dims, NULL);
+    hid_t a = space < 0 ? H5I_INVALID_HID : H5Acreate_by_name(f->id, o, name, H5T_STD_I64LE, space, H5P_DEFAULT,
+                                                               H5P_DEFAULT, H5P_DEFAULT);
+    if (a < 0 || H5Awrite(a, H5T_NATIVE_INT64, v) < 0) st = h5_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
+    if (a >= 0) H5Aclose(a);
+    if (space >= 0) H5Sclose(space);
+    return st;
+}
+
 QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err) {
     return attr_write(f, obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, err);
 }
@@ -502,6 +520,27 @@ static QtStatus attr_open(const H5ioFile *f, const char *obj, const char *name, 
     if (s >= 0) H5Sclose(s);
     if (st != QT_OK && id >= 0) H5Aclose(id);
     if (st == QT_OK) *a = id;
+    return st;
+}
+
+QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *name, int64_t *v, int cap, int *n,
+                             QtError *err) {
+    H5T_class_t cls = H5T_NO_CLASS;
+    hssize_t count = 0;
+    hid_t a;
+    QtStatus st = attr_open(f, obj, name, &a, &cls, &count, err);
+    if (st != QT_OK) return st;
+    if (cls != H5T_INTEGER)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected integers", fname(f),
+                          name, show(obj), class_name(cls));
+    else if (count < 0 || count > cap)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s has %lld values, expected at most %d",
+                          fname(f), name, show(obj), (long long)count, cap);
+    else if (H5Aread(a, H5T_NATIVE_INT64, v) < 0)
+        st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+    else
+        *n = (int)count;
+    H5Aclose(a);
     return st;
 }
 

@@ -106,6 +106,12 @@ static inline QtStatus h5io_read_f32(const H5ioFile *f, const char *path, float 
 bool h5io_attr_exists(const H5ioFile *f, const char *obj, const char *name);
 /* Each write replaces an existing attribute of the same name. */
 QtStatus h5io_attr_write_i64(H5ioFile *f, const char *obj, const char *name, int64_t v, QtError *err);
+/* A one-dimensional int64 attribute of n values (a shape). */
+QtStatus h5io_attr_write_i64s(H5ioFile *f, const char *obj, const char *name, const int64_t *v, int n,
+                              QtError *err);
+/* Reads an integer attribute of at most cap values into v, its count into *n. */
+QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *name, int64_t *v, int cap, int *n,
+                             QtError *err);
 QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err);
 QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, double v, QtError *err);
 /* Variable-length UTF-8 (h5py reads it as str). */

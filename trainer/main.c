@@ -9,6 +9,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/demo.h"
+#include "trainer/tools.h"
 #include "trainer/train.h"
 #include "trainer/version.h"
 
@@ -18,6 +19,8 @@ static void usage(FILE *out) {
     fprintf(out,
             "usage: qtrain --config FILE [--resume PATH|auto] [--set KEY=VALUE]... [--stop-at-step N] [--quiet]\n"
             "       qtrain eval [--config FILE] --checkpoint PATH [--set KEY=VALUE]... [--quiet]\n"
+            "       qtrain quantize --config FILE --checkpoint PATH --out PATH [--set KEY=VALUE]...\n"
+            "       qtrain merge --checkpoint PATH --out PATH\n"
             "       qtrain inspect PATH\n"
             "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
             "       qtrain --help | --version\n"
@@ -31,6 +34,11 @@ static void usage(FILE *out) {
             "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
             "            any); writes eval.json into run.out_dir. Without --config the\n"
             "            config stored in the checkpoint is used.\n"
+            "  quantize  post-training-quantize a float checkpoint by the config's quant rules\n"
+            "            (weight-only, no data needed) into a PTQ checkpoint for model.init_from.\n"
+            "  merge     fold a run's LoRA adapters into its base (a quantized base is\n"
+            "            dequantized, added to and re-quantized) and report the merge error\n"
+            "            and the test accuracy before and after.\n"
             "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
             "            total bytes.\n"
             "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"
@@ -39,7 +47,7 @@ static void usage(FILE *out) {
 }
 
 typedef struct {
-    const char *config, *resume, *checkpoint;
+    const char *config, *resume, *checkpoint, *out;
     long long stop_at_step;
     const char *overrides[MAX_OVERRIDES];
     int n_overrides;
@@ -64,7 +72,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes_value = strcmp(o, "--config") == 0 || strcmp(o, "--set") == 0 ||
                            (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) ||
-                           (eval && strcmp(o, "--checkpoint") == 0);
+                           (eval && (strcmp(o, "--checkpoint") == 0 || strcmp(o, "--out") == 0));
         if (takes_value && !v) {
             fprintf(stderr, "qtrain%s: %s needs a value\n", cmd, o);
             exit(2);
@@ -73,6 +81,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (!eval && strcmp(o, "--resume") == 0) a->resume = v, i++;
         else if (!eval && strcmp(o, "--stop-at-step") == 0) a->stop_at_step = parse_positive(o, v), i++;
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
+        else if (eval && strcmp(o, "--out") == 0 && strcmp(cmd, " eval") != 0) a->out = v, i++;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -157,12 +166,45 @@ static int cmd_eval(int argc, char **argv) {
         return fail(&err, exit_status(&err));
     }
     TrainResult r;
-    st = train_eval_checkpoint(cfg, a.checkpoint, &r, &err);
+    st = train_eval_checkpoint(cfg, a.checkpoint, true, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     printf("test_accuracy:%.4f test_loss:%.4f", r.test_accuracy, r.test_loss);
     if (r.val_accuracy >= 0) printf(" val_accuracy:%.4f val_loss:%.4f", r.val_accuracy, r.val_loss);
     printf("\n");
+    return 0;
+}
+
+static int cmd_quantize(int argc, char **argv) {
+    CliArgs a;
+    parse_args(argc, argv, " quantize", true, &a);
+    if (!a.config || !a.checkpoint || !a.out) {
+        fprintf(stderr, "qtrain quantize: --config FILE, --checkpoint PATH and --out PATH are required\n");
+        return 2;
+    }
+    Config *cfg = malloc(sizeof *cfg);
+    QtError err = {0};
+    if (!cfg) return 1;
+    QtStatus st = config_load(cfg, a.config, a.overrides, a.n_overrides, &err);
+    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.quiet ? NULL : stdout, &err);
+    free(cfg);
+    return st == QT_OK ? 0 : fail(&err, exit_status(&err));
+}
+
+static int cmd_merge(int argc, char **argv) {
+    CliArgs a;
+    parse_args(argc, argv, " merge", true, &a);
+    if (!a.checkpoint || !a.out || a.config || a.n_overrides) {
+        fprintf(stderr, "qtrain merge: give --checkpoint PATH and --out PATH (the config comes from the checkpoint)\n");
+        return 2;
+    }
+    QtError err = {0};
+    MergeReport rep;
+    if (tools_merge(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
+        return fail(&err, exit_status(&err));
+    printf("merged:%d weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f out:%s\n",
+           rep.modules, rep.weight_rel_rmse, rep.test_accuracy_before, rep.test_accuracy_after,
+           rep.test_accuracy_after - rep.test_accuracy_before, a.out);
     return 0;
 }
 
@@ -214,6 +256,8 @@ int main(int argc, char **argv) {
     }
     if (strcmp(cmd, "eval") == 0) return cmd_eval(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
+    if (strcmp(cmd, "quantize") == 0) return cmd_quantize(argc - 2, argv + 2);
+    if (strcmp(cmd, "merge") == 0) return cmd_merge(argc - 2, argv + 2);
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
     if (strcmp(cmd, "train") == 0) return cmd_train(argc - 2, argv + 2);
     if (cmd[0] == '-') return cmd_train(argc - 1, argv + 1);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,6 +24,7 @@
 #include "nn/tape.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
+#include "trainer/net.h"
 #include "trainer/version.h"
 
 /* The first step's arena; it grows to the high-water mark once, then stays. */
@@ -32,7 +34,7 @@ typedef struct {
     const Config *cfg;
     const TrainOptions *opt;
     Dataset train, val, test;
-    Model model;
+    Net net;                /* the model with its quantized base and adapters */
     Optimizer optim;
     Arena arena;
     Tape tape;
@@ -63,7 +65,7 @@ static void run_free(Run *r) {
     metrics_close(&r->metrics);
     batcher_free(&r->batcher);
     optim_free(&r->optim);
-    model_free(&r->model);
+    net_free(&r->net);
     tape_free(&r->tape);
     arena_free(&r->arena);
     dataset_free(&r->train), dataset_free(&r->val), dataset_free(&r->test);
@@ -116,7 +118,7 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
                             "values; set model.input to [%d, %d, %d] or [%d]",
                             r->cfg->source, feat, r->cfg->data.dataset, d->shape[0], d->shape[1], d->shape[2],
                             d->feat, d->shape[0], d->shape[1], d->shape[2], d->feat);
-    const Module *last = &r->model.modules[r->model.n_modules - 1];
+    const Module *last = &r->net.model.modules[r->net.model.n_modules - 1];
     if (last->out_ndim != 1 || last->out_shape[0] != d->n_classes)
         return qt_error_set(err, QT_ERR_CONFIG,
                             "%s: the last layer (%s) must give one logit per class: the data has %d classes, the "
@@ -126,24 +128,19 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
     return QT_OK;
 }
 
-/* init_from is read only by a fresh run: a resumed run or an evaluation
- * takes every parameter from its checkpoint (and must not need the base
- * file to still exist). */
-static QtStatus run_build_model(Run *r, bool use_init_from, QtError *err) {
+/* init_from and adapters_from are read only by a fresh run: a resumed run
+ * or an evaluation takes every value from its checkpoint (and must not need
+ * the base file to still exist). */
+static QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
     const Config *c = r->cfg;
-    QtStatus st = model_init(&r->model, c->model.input_ndim, c->model.input_shape, c->model.layers,
-                             c->model.n_layers, err);
+    QtStatus st = net_build(&r->net, c, fresh ? NET_FRESH : NET_SHELL, err);
     if (st != QT_OK) return st;
     if ((st = run_check_model_fits_data(r, err)) != QT_OK) return st;
-    Rng init;
-    rng_init(&init, c->run.seed, RNG_STREAM_INIT);
-    model_init_params(&r->model, &init);
-    if (use_init_from && c->model.init_from[0]) {
-        QtError e = {0};
-        if (checkpoint_load_params(c->model.init_from, &r->model, &e) != QT_OK)
-            return qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
+    if (r->net.n_trainable == 0) { /* a frozen PTQ model: evaluation only (run_check_trainable) */
+        r->optim.cfg = c->train.optim;
+        return QT_OK;
     }
-    return optim_init(&r->optim, &c->train.optim, r->model.param_list, r->model.n_params, err);
+    return optim_init(&r->optim, &c->train.optim, r->net.trainable, r->net.n_trainable, err);
 }
 
 static QtStatus run_plan_steps(Run *r, QtError *err) {
@@ -197,6 +194,7 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .log_seen = r->win_seen, .log_steps = r->win_steps, .train_s = r->train_s,
         .wall_s = r->wall_before + metrics_now() - r->t_start, .trained_examples = r->trained_examples,
         .last_train_loss = r->last_train_loss, .n_rngs = 1, .config_text = r->config_text,
+        .net = net_checkpoint_parts(&r->net),
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
@@ -237,7 +235,7 @@ static QtStatus run_check_resume_config(Run *r, const char *path, QtError *err) 
 /* Restores everything that decides the rest of the run from `path`. */
 static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     CheckpointState s = run_checkpoint_state(r);
-    QtStatus st = checkpoint_load(path, &r->model, &r->optim, &s, err);
+    QtStatus st = checkpoint_load(path, &r->net.model, &r->optim, &s, err);
     if (st != QT_OK) return st;
     if (s.n_train != r->train.n)
         return qt_error_set(err, QT_ERR_CONFIG,
@@ -299,7 +297,7 @@ static int count_correct(const Var *logits, const int32_t *y, int n) {
 /* A Var over the first n examples of a batch buffer, shaped (n, input...). */
 static Var *run_wrap_batch(Run *r, float *x, int n) {
     int shape[4] = {n};
-    const Model *m = &r->model;
+    const Model *m = &r->net.model;
     for (int i = 0; i < m->input_ndim; i++) shape[1 + i] = m->input_shape[i];
     return tape_wrap(&r->tape, x, 1 + m->input_ndim, shape);
 }
@@ -316,7 +314,7 @@ static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *acc
     for (int start = 0; start < d->n && st == QT_OK; start += bs) {
         int n = d->n - start < bs ? d->n - start : bs;
         dataset_fill_range(d, start, n, r->ex, r->ey);
-        Var *logits = model_forward(&r->model, t, run_wrap_batch(r, r->ex, n));
+        Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->ex, n));
         Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
         if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->step, t->err.msg);
         else loss_sum += (double)l->value.data[0] * n, correct += count_correct(logits, r->ey, n);
@@ -364,7 +362,7 @@ static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, do
 static QtStatus run_step(Run *r, QtError *err) {
     Tape *t = &r->tape;
     int n = batcher_next(&r->batcher, r->bx, r->by, NULL);
-    Var *logits = model_forward(&r->model, t, run_wrap_batch(r, r->bx, n));
+    Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, n));
     Var *loss = nn_softmax_cross_entropy(t, logits, r->by);
     if (tape_backward(t, loss) != QT_OK)
         return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->step + 1, t->err.msg);
@@ -376,7 +374,7 @@ static QtStatus run_step(Run *r, QtError *err) {
     r->win_correct += count_correct(logits, r->by, n);
     r->win_seen += n, r->win_steps++;
     if (r->cfg->train.grad_clip > 0)
-        optim_clip_grad_norm(r->model.param_list, r->model.n_params, r->cfg->train.grad_clip);
+        optim_clip_grad_norm(r->net.trainable, r->net.n_trainable, r->cfg->train.grad_clip);
     optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
     optim_zero_grad(&r->optim);
     tape_reset(t);
@@ -396,11 +394,16 @@ static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
                          r->wall_before + metrics_now() - r->t_start, err);
 }
 
+/* A checkpoint in out_dir, and for a LoRA run adapters.h5 beside it. */
 static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtError *err) {
     r->saved_step = r->step;
     CheckpointState s = run_checkpoint_state(r);
-    return checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->model, &r->optim, &s,
-                                  saved, cap, err);
+    QtStatus st = checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->net.model,
+                                         &r->optim, &s, saved, cap, err);
+    if (st != QT_OK || !config_has_lora(r->cfg)) return st;
+    char path[CONFIG_PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/adapters.h5", r->cfg->run.out_dir);
+    return checkpoint_save_adapters(path, &r->net.model, &s.net, r->config_text, err);
 }
 
 /* The step loop, from r->step to total_steps. */
@@ -449,7 +452,7 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_string(&w, "name", r->cfg->run.name);
     json_string(&w, "config", r->cfg->source);
     json_string(&w, "qtrain_version", QTRAIN_VERSION);
-    json_string(&w, "mode", "float");
+    json_string(&w, "mode", res->mode);
     json_string(&w, "checkpoint", ckpt);
     if (!is_eval) {
         json_int(&w, "steps", res->steps);
@@ -471,6 +474,8 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_int(&w, "params_trainable", res->params_trainable);
     json_int(&w, "params_frozen", res->params_frozen);
     json_int(&w, "model_bytes", res->model_bytes);
+    json_number(&w, "base_bits_per_param", res->base_bits_per_param);
+    json_number(&w, "peak_rss_mb", res->peak_rss_mb);
     if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
     json_end(&w);
     bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
@@ -492,9 +497,13 @@ static void run_fill_result(const Run *r, TrainResult *res) {
     res->wall_s = r->wall_before + metrics_now() - r->t_start;
     res->samples_per_s = r->train_s > 0 ? (double)r->trained_examples / r->train_s : 0.0;
     res->train_loss = r->last_train_loss;
-    res->params_trainable = (int64_t)model_param_count(&r->model, true);
-    res->params_frozen = (int64_t)model_param_count(&r->model, false) - res->params_trainable;
-    res->model_bytes = (int64_t)model_param_bytes(&r->model);
+    res->params_trainable = (int64_t)net_params_trainable(&r->net);
+    res->params_frozen = (int64_t)net_params_frozen(&r->net);
+    res->model_bytes = (int64_t)net_model_bytes(&r->net);
+    res->base_bits_per_param = net_base_bits_per_param(&r->net);
+    res->mode = net_mode_name(&r->net);
+    struct rusage ru;
+    res->peak_rss_mb = getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
 }
 
 static void run_print_plan(Run *r, const char *resumed) {
@@ -506,13 +515,51 @@ static void run_print_plan(Run *r, const char *resumed) {
            c->data.dir, r->train.n, r->val.n, r->test.n, r->train.shape[0], r->train.shape[1], r->train.shape[2],
            r->train.n_classes);
     printf("model:\n");
-    model_print(&r->model, stdout);
+    model_print(&r->net.model, stdout);
     printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
            r->total_steps, r->steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
            (double)c->train.optim.lr, sched_kind_name(c->train.schedule.kind), c->run.out_dir);
+    net_print_table(&r->net, stdout);
+    if (c->quant.mode != QUANT_MODE_NONE || config_has_lora(c))
+        printf("params: %zu trainable, %zu frozen; base %.3f bits/param; model %.1f KiB\n",
+               net_params_trainable(&r->net), net_params_frozen(&r->net), net_base_bits_per_param(&r->net),
+               (double)net_model_bytes(&r->net) / 1024.0);
     if (c->model.init_from[0] && !resumed[0]) printf("init_from: %s\n", c->model.init_from);
+    if (c->model.adapters_from[0] && !resumed[0]) printf("adapters_from: %s\n", c->model.adapters_from);
     if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->step, run_epoch(r));
     fflush(stdout);
+}
+
+/* Static activation ranges of a fresh PTQ base: the first
+ * quant.calibration_batches training batches, in file order, forward only. */
+static QtStatus run_calibrate(Run *r, QtError *err) {
+    if (!net_needs_act_calibration(&r->net)) return QT_OK;
+    Tape *t = &r->tape;
+    int bs = r->cfg->train.batch_size < r->train.n ? r->cfg->train.batch_size : r->train.n;
+    int batches = r->cfg->quant.calibration_batches;
+    if ((int64_t)batches * bs > r->train.n) batches = r->train.n / bs;
+    t->training = false, t->grad_enabled = false;
+    net_calib_begin(&r->net);
+    QtStatus st = QT_OK;
+    for (int b = 0; b < batches && st == QT_OK; b++) {
+        dataset_fill_range(&r->train, b * bs, bs, r->bx, r->by);
+        if (!model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, bs)))
+            st = qt_error_set(err, t->err.status, "activation calibration, batch %d: %s", b, t->err.msg);
+        tape_reset(t);
+    }
+    t->grad_enabled = true;
+    if (st == QT_OK) st = net_calib_end(&r->net, err);
+    if (st == QT_OK && !r->opt->quiet)
+        printf("calibrated static activation ranges on %d training batches of %d\n", batches, bs);
+    return st;
+}
+
+/* A run with steps needs something to train. */
+static QtStatus run_check_trainable(Run *r, QtError *err) {
+    if (r->total_steps == 0 || r->net.n_trainable > 0) return QT_OK;
+    return qt_error_set(err, QT_ERR_CONFIG, "%s: nothing to train: quant.mode %s freezes the model and there are no "
+                        "LoRA adapters or lora.trainable modules; add lora rules, or set train.epochs: 0 to only "
+                        "evaluate the quantized model", r->cfg->source, quant_mode_name(r->cfg->quant.mode));
 }
 
 static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
@@ -524,7 +571,9 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
     if ((st = run_load_data(r, err)) != QT_OK) return st;
     if ((st = run_build_model(r, !resumed[0], err)) != QT_OK) return st;
     if ((st = run_plan_steps(r, err)) != QT_OK) return st;
+    if ((st = run_check_trainable(r, err)) != QT_OK) return st;
     if ((st = run_alloc(r, err)) != QT_OK) return st;
+    if (!resumed[0] && (st = run_calibrate(r, err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
     return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
@@ -557,6 +606,7 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         run_say(&r, "done: the run in %s is already complete (step %" PRId64 " of %" PRId64 ", %s); nothing to do\n",
                 cfg->run.out_dir, r.step, r.total_steps, resumed);
     } else if (st == QT_OK) {
+        net_print_unused_rules(&r.net, stderr); /* even when quiet: a rule that applies nowhere is a likely typo */
         run_print_plan(&r, resumed);
         progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
         r.tape.training = true;
@@ -576,22 +626,24 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     return st;
 }
 
-QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, TrainResult *res, QtError *err) {
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
+                               QtError *err) {
     Run r;
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     TrainOptions o = {.quiet = true}; /* the caller reports the result */
     r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
-    QtStatus st = make_dirs(cfg->run.out_dir, err);
+    QtStatus st = write_json ? make_dirs(cfg->run.out_dir, err) : QT_OK;
     if (st == QT_OK) st = run_load_data(&r, err);
     if (st == QT_OK) st = run_build_model(&r, false, err);
-    if (st == QT_OK) st = checkpoint_load_params(checkpoint, &r.model, err);
+    CheckpointNet parts = net_checkpoint_parts(&r.net);
+    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
     if (st == QT_OK) st = run_plan_steps(&r, err);
     if (st == QT_OK) st = run_alloc(&r, err);
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);
-    if (st == QT_OK) {
-        run_fill_result(&r, res);
+    if (st == QT_OK) run_fill_result(&r, res);
+    if (st == QT_OK && write_json) {
         char path[CONFIG_PATH_MAX + 32];
         snprintf(path, sizeof path, "%s/eval.json", cfg->run.out_dir);
         st = write_json_atomically(path, &r, res, checkpoint, true, err);

@@ -29,7 +29,10 @@ typedef struct {
     double wall_s;        /* wall time of the run, over all its invocations */
     double samples_per_s; /* training examples per second of training time (eval and checkpoints excluded) */
     int64_t params_trainable, params_frozen;
-    int64_t model_bytes;
+    int64_t model_bytes;  /* bytes held for the model: float params, quantized weights, adapters */
+    double base_bits_per_param; /* the frozen base's storage * 8 / its parameters (32 for a float base) */
+    const char *mode;     /* "float", "ptq", "lora", "qlora" */
+    double peak_rss_mb;   /* the process's peak resident set (getrusage) */
 } TrainResult;
 
 /* Trains per cfg, writing metrics.csv, summary.json and checkpoints into
@@ -39,8 +42,10 @@ typedef struct {
  * runtime failures. */
 QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *r, QtError *err);
 
-/* Evaluates the parameters of `checkpoint` on the test split of cfg's data
- * (and validation split, if any); writes <out_dir>/eval.json. */
-QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, TrainResult *r, QtError *err);
+/* Evaluates the model of `checkpoint` (parameters, quantized base,
+ * adapters) on the test split of cfg's data (and validation split, if
+ * any); with write_json, writes <out_dir>/eval.json. */
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *r,
+                               QtError *err);
 
 #endif

@@ -1,0 +1,38 @@
+#!/bin/sh
+# The main job (`make run`), on full Fashion-MNIST: pretrain the CNN if its
+# checkpoint does not exist yet -> int8 PTQ evaluation -> the nf4 base on the
+# shifted task before fine-tuning -> QLoRA fine-tuning -> a summary table.
+# Every step resumes (or skips) what an earlier `make run` already did.
+set -e
+Q=${QTRAIN:-./build/qtrain}
+
+step() { printf '\n=== %s\n' "$*"; }
+
+step "pretrain the float CNN (configs/pretrain.yaml)"
+if [ -f runs/pretrain/final.h5 ]; then echo "runs/pretrain/final.h5 exists: using it"
+else "$Q" --config configs/pretrain.yaml --resume auto; fi
+step "int8 per-channel PTQ of the pretrained CNN (configs/ptq.yaml)"
+"$Q" --config configs/ptq.yaml --resume auto
+step "the nf4+DQ base on the shifted task, before fine-tuning"
+"$Q" --config configs/qlora.yaml --resume auto --set run.name=qlora-base --set run.out_dir=runs/qlora-base \
+     --set train.epochs=0
+step "QLoRA fine-tuning on the shifted task (configs/qlora.yaml)"
+"$Q" --config configs/qlora.yaml --resume auto
+
+# One value of a summary.json (our writer puts one key per line).
+get() { sed -n "s/^ *\"$2\": *\"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}$/\1/p" "$1/summary.json"; }
+pct() { awk -v v="$1" 'BEGIN { if (v == "" || v == "null") print "-"; else printf "%.2f %%", 100 * v }'; }
+num() { awk -v v="$1" -v f="$2" 'BEGIN { if (v == "" || v == "null") print "-"; else printf f, v }'; }
+
+step "summary"
+printf '| %-22s | %-5s | %-8s | %-9s | %-9s | %-9s | %-10s | %-9s |\n' run mode task "test acc" trainable frozen \
+       "base b/par" "peak RSS"
+printf '|%s|\n' "------------------------|-------|----------|-----------|-----------|-----------|------------|-----------"
+for d in pretrain:original ptq:original qlora-base:shifted qlora:shifted; do
+    dir=runs/${d%%:*}
+    [ -f "$dir/summary.json" ] || continue
+    printf '| %-22s | %-5s | %-8s | %9s | %9s | %9s | %10s | %9s |\n' "$(get "$dir" name)" "$(get "$dir" mode)" \
+        "${d##*:}" "$(pct "$(get "$dir" test_accuracy)")" "$(get "$dir" params_trainable)" \
+        "$(get "$dir" params_frozen)" "$(num "$(get "$dir" base_bits_per_param)" %.3f)" \
+        "$(num "$(get "$dir" peak_rss_mb)" '%.0f MB')"
+done

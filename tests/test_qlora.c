@@ -1,0 +1,298 @@
+/* test_qlora.c - PTQ bases, LoRA and QLoRA end to end on the shipped mini
+ * data set: rules, runs, the frozen base, resume, adapters.h5, quantize,
+ * merge, and the errors a user meets before training. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "lora/lora.h"
+#include "quant/qarray_io.h"
+#include "quant/qlayer.h"
+#include "test_util.h"
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
+#include "trainer/net.h"
+#include "trainer/tools.h"
+#include "trainer/train.h"
+
+static char *tmp_root;
+static char base_ckpt[1024];
+
+static Config *load_cfg(const char *path, const char *sub, const char *const *extra, int n_extra) {
+    char out_dir[512], init[1100];
+    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
+    snprintf(init, sizeof init, "model.init_from=%s", base_ckpt);
+    const char *ov[20] = {out_dir, init};
+    int n = strstr(path, "base") ? 1 : 2;
+    for (int i = 0; i < n_extra && n < 20; i++) ov[n++] = extra[i];
+    Config *c = malloc(sizeof *c);
+    QtError err = {0};
+    if (c && config_load(c, path, ov, n, &err) != QT_OK) {
+        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+static QtStatus run(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err) {
+    TrainOptions o = {.resume = resume, .quiet = true, .stop_at_step = stop_at};
+    fflush(stdout);
+    return train_run(c, &o, r, err);
+}
+
+static int qlora_suite_init(void) {
+    tmp_root = test_tmpdir_new();
+    if (!tmp_root) return -1;
+    Config *c = load_cfg("tests/configs/tiny-base.yaml", "base", NULL, 0);
+    TrainResult r;
+    QtError err = {0};
+    QtStatus st = c ? run(c, NULL, 0, &r, &err) : QT_ERR_CONFIG;
+    if (st != QT_OK) fprintf(stderr, "\n  base run: %s\n", err.msg);
+    snprintf(base_ckpt, sizeof base_ckpt, "%s/base/final.h5", tmp_root);
+    free(c);
+    return st == QT_OK ? 0 : -1;
+}
+
+static int qlora_suite_cleanup(void) {
+    bool ok = test_tmpdir_remove(tmp_root);
+    tmp_root = NULL;
+    return ok ? 0 : -1;
+}
+
+static char *path_in(const char *sub, const char *name) {
+    static char buf[4][1024];
+    static int k;
+    k = (k + 1) % 4;
+    snprintf(buf[k], sizeof buf[k], "%s/%s/%s", tmp_root, sub, name);
+    return buf[k];
+}
+
+/* Two QArrays hold the same bytes in every buffer. */
+static bool qarrays_equal(const QArray *a, const QArray *b) {
+    QArrayBlob ba[QARRAY_MAX_BLOBS], bb[QARRAY_MAX_BLOBS];
+    int na = qarray_blobs(a, ba), nb = qarray_blobs(b, bb);
+    if (na != nb) return false;
+    for (int i = 0; i < na; i++) {
+        size_t size = ba[i].type == QARRAY_BLOB_U8 ? 1 : ba[i].type == QARRAY_BLOB_U16 ? 2 : 4;
+        if (ba[i].count != bb[i].count || memcmp(ba[i].data, bb[i].data, ba[i].count * size) != 0) return false;
+    }
+    return a->double_quant == b->double_quant && (!a->double_quant || a->dq.offset == b->dq.offset);
+}
+
+/* ---- rules ------------------------------------------------------------------ */
+
+static void test_rules_first_full_match(void) {
+    const char *ov[] = {"quant.rules.0.module_path=conv", "quant.rules.1.module_path=fc.|conv1",
+                        "quant.rules.1.weight_qtype=int8", "quant.rules.1.tile_size=0",
+                        "quant.rules.1.double_quant=false", "lora.rules.0.op_types=[dense]"};
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "rules", ov, 6);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    Net n;
+    QtError err = {0};
+    QtStatus st = net_build(&n, c, NET_SHELL, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    Module *conv1 = model_find_module(&n.model, "conv1"), *fc1 = model_find_module(&n.model, "fc1");
+    /* "conv" is not a full match of conv1, so rule 1 applies to both */
+    CU_ASSERT_EQUAL(n.quant_rule[conv1 - n.model.modules], 1);
+    CU_ASSERT_EQUAL(n.quant_rule[fc1 - n.model.modules], 1);
+    CU_ASSERT_EQUAL(n.n_qlayers, 2);
+    CU_ASSERT_STRING_EQUAL(qtype_name(n.qlayers[0].spec.weight_qtype), "int8");
+    /* the head is lora.trainable: neither quantized nor adapted; op_types keep conv1 from adapters */
+    CU_ASSERT_EQUAL(n.n_adapters, 1);
+    CU_ASSERT_PTR_EQUAL(n.adapters[0].module, fc1);
+    FILE *f = tmpfile();
+    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 1);
+    rewind(f);
+    char line[512] = "";
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "quant.rules[0]") && strstr(line, "\"conv\"") && strstr(line, "applies to no module"));
+    fclose(f);
+    net_free(&n);
+    free(c);
+}
+
+/* ---- a QLoRA run ------------------------------------------------------------ */
+
+static void test_qlora_run_learns_and_keeps_base(void) {
+    const char *pre[] = {"train.steps=0", "train.epochs=0"};
+    Config *c0 = load_cfg("tests/configs/tiny-qlora.yaml", "q0", pre, 2);
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "q1", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    TrainResult r0, r;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(run(c0, NULL, 0, &r0, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &r, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, "qlora");
+    CU_ASSERT(r.test_loss < r0.test_loss - 0.1);
+    CU_ASSERT(r.test_accuracy > r0.test_accuracy);
+    CU_ASSERT(r.base_bits_per_param < 5.0);
+    /* the head (330) and the adapters of conv1 (4x9 + 8x4) and fc1 (4x1568 + 32x4) train */
+    CU_ASSERT_EQUAL(r.params_trainable, 330 + 36 + 32 + 6272 + 128);
+    /* The base after training is bit for bit the base before. */
+    Net a, b;
+    CU_ASSERT_EQUAL_FATAL(net_build(&a, c, NET_SHELL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(net_build(&b, c, NET_SHELL, &err), QT_OK);
+    CheckpointNet pa = net_checkpoint_parts(&a), pb = net_checkpoint_parts(&b);
+    CU_ASSERT_EQUAL(checkpoint_load_model(path_in("q0", "final.h5"), &a.model, &(CheckpointNet){
+                        .qlayers = pa.qlayers, .n_qlayers = pa.n_qlayers}, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_model(path_in("q1", "final.h5"), &b.model, &pb, &err), QT_OK);
+    for (int i = 0; i < a.n_qlayers; i++) CU_ASSERT(qarrays_equal(&a.qlayers[i].weight, &b.qlayers[i].weight));
+    Param *ba = model_find_param(&a.model, "fc1/bias"), *bb = model_find_param(&b.model, "fc1/bias");
+    CU_ASSERT(memcmp(ba->var.value.data, bb->var.value.data, 32 * sizeof(float)) == 0);
+    net_free(&a);
+    net_free(&b);
+    free(c0);
+    free(c);
+}
+
+static void assert_same_adapters(const Net *a, const Net *b) {
+    CU_ASSERT_EQUAL_FATAL(a->n_adapters, b->n_adapters);
+    for (int i = 0; i < a->n_adapters; i++) {
+        size_t na = var_numel(&a->adapters[i].A.var), nb = var_numel(&a->adapters[i].B.var);
+        CU_ASSERT(memcmp(a->adapters[i].A.var.value.data, b->adapters[i].A.var.value.data, na * 4) == 0);
+        CU_ASSERT(memcmp(a->adapters[i].B.var.value.data, b->adapters[i].B.var.value.data, nb * 4) == 0);
+    }
+    const Param *ha = model_find_param((Model *)&a->model, "head/weight");
+    const Param *hb = model_find_param((Model *)&b->model, "head/weight");
+    CU_ASSERT(memcmp(ha->var.value.data, hb->var.value.data, var_numel(&ha->var) * 4) == 0);
+}
+
+static void load_net(Net *n, const Config *c, const char *ckpt) {
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
+    CheckpointNet p = net_checkpoint_parts(n);
+    CU_ASSERT_EQUAL(checkpoint_load_model(ckpt, &n->model, &p, &err), QT_OK);
+}
+
+static void test_qlora_resume_is_exact(void) {
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "r-straight", NULL, 0);
+    Config *s = load_cfg("tests/configs/tiny-qlora.yaml", "r-split", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(s);
+    TrainResult r;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &r, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
+    Net a, b;
+    load_net(&a, c, path_in("r-straight", "final.h5"));
+    load_net(&b, s, path_in("r-split", "final.h5"));
+    assert_same_adapters(&a, &b);
+    /* adapters.h5 holds the same adapters and head */
+    Config *f = load_cfg("tests/configs/tiny-qlora.yaml", "r-from", NULL, 0);
+    snprintf(f->model.adapters_from, sizeof f->model.adapters_from, "%s", path_in("r-split", "adapters.h5"));
+    Net d;
+    CU_ASSERT_EQUAL_FATAL(net_build(&d, f, NET_FRESH, &err), QT_OK);
+    assert_same_adapters(&a, &d);
+    net_free(&a);
+    net_free(&b);
+    net_free(&d);
+    free(c);
+    free(s);
+    free(f);
+}
+
+/* ---- quantize and merge ------------------------------------------------------ */
+
+static void test_quantize_then_init_from(void) {
+    const char *pre[] = {"train.steps=0", "train.epochs=0"};
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "qz", pre, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtError err = {0};
+    char *out = path_in("qz-file", "ptq.h5");
+    char dir[1100];
+    snprintf(dir, sizeof dir, "%s/qz-file", tmp_root);
+    CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, NULL, &err), QT_OK);
+    TrainResult direct, via;
+    CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &direct, &err), QT_OK);
+    Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "qz2", pre, 2);
+    snprintf(c2->model.init_from, sizeof c2->model.init_from, "%s", out);
+    CU_ASSERT_EQUAL(run(c2, NULL, 0, &via, &err), QT_OK);
+    CU_ASSERT_EQUAL(direct.test_accuracy, via.test_accuracy);
+    CU_ASSERT_EQUAL(direct.test_loss, via.test_loss);
+    /* a quantized file under a config that keeps a module float is refused */
+    Config *c3 = load_cfg("tests/configs/tiny-qlora.yaml", "qz3", pre, 2);
+    snprintf(c3->model.init_from, sizeof c3->model.init_from, "%s", out);
+    c3->quant.rules[0].spec.weight_qtype = NULL;
+    CU_ASSERT_EQUAL(run(c3, NULL, 0, &via, &err), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&err, "conv1") && test_msg_has(&err, "keep it float"));
+    free(c);
+    free(c2);
+    free(c3);
+}
+
+static void test_merge(void) {
+    /* a float base: the merge is exact up to float rounding */
+    const char *float_base[] = {"quant.mode=none", "quant.rules=[]"};
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "m-float", float_base, 2);
+    Config *q = load_cfg("tests/configs/tiny-qlora.yaml", "m-q", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(q);
+    TrainResult r;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &r, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, "lora");
+    MergeReport rep;
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), NULL, &rep,
+                                      &err), QT_OK);
+    CU_ASSERT_EQUAL(rep.modules, 2);
+    CU_ASSERT_EQUAL(rep.weight_rel_rmse, 0.0);
+    CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) <= 0.002);
+    /* a quantized base: re-quantization costs a little */
+    CU_ASSERT_EQUAL_FATAL(run(q, NULL, 0, &r, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), NULL, &rep, &err),
+                          QT_OK);
+    CU_ASSERT(rep.weight_rel_rmse > 0.0 && rep.weight_rel_rmse < 0.2);
+    CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) < 0.1);
+    free(c);
+    free(q);
+}
+
+/* ---- bad input ------------------------------------------------------------------ */
+
+static void expect_run_error(const char *sub, const char *const *ov, int n, QtStatus want, const char *a,
+                             const char *b) {
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", sub, ov, n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    TrainResult r;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(run(c, NULL, 0, &r, &err), want);
+    if (!test_msg_has(&err, a) || !test_msg_has(&err, b)) {
+        fprintf(stderr, "\n  unexpected message: %s\n", err.msg);
+        CU_FAIL("message");
+    }
+    free(c);
+}
+
+static void test_bad_inputs(void) {
+    const char *rank[] = {"lora.rules.0.rank=9"};
+    expect_run_error("e-rank", rank, 1, QT_ERR_CONFIG, "conv1", "rank 9");
+    const char *no_init[] = {"model.init_from="};
+    expect_run_error("e-init", no_init, 1, QT_ERR_CONFIG, "model.init_from", "ptq");
+    const char *tile[] = {"quant.rules.0.tile_size=7"};
+    expect_run_error("e-tile", tile, 1, QT_ERR_CONFIG, "quant.rules[0]", "conv1");
+    /* adapters of another model: rank 4 file, rank 2 run */
+    char from[1200];
+    snprintf(from, sizeof from, "model.adapters_from=%s", path_in("q1", "adapters.h5"));
+    const char *other[] = {from, "lora.rules.0.rank=2"};
+    expect_run_error("e-adapters", other, 2, QT_ERR_FORMAT, "conv1", "shape");
+    const char *nothing[] = {"lora.rules=[]", "lora.trainable=[]"};
+    expect_run_error("e-nothing", nothing, 2, QT_ERR_CONFIG, "nothing to train", "epochs: 0");
+}
+
+int register_qlora_suite(void) {
+    CU_pSuite s = CU_add_suite("qlora", qlora_suite_init, qlora_suite_cleanup);
+    if (!s) return -1;
+    return !CU_add_test(s, "rules: first full match, op_types, unused-rule warning", test_rules_first_full_match) ||
+           !CU_add_test(s, "qlora run: learns, base bit-identical", test_qlora_run_learns_and_keeps_base) ||
+           !CU_add_test(s, "qlora resume exact; adapters.h5 round trip", test_qlora_resume_is_exact) ||
+           !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||
+           !CU_add_test(s, "merge: float exact, quantized small error", test_merge) ||
+           !CU_add_test(s, "errors before training", test_bad_inputs);
+}

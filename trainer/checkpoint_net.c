@@ -1,0 +1,331 @@
+/* checkpoint_net.c - the /quant and /lora groups of a checkpoint (layout in
+ * checkpoint.h): quantized base weights stored as their packed codes and
+ * scales, static activation ranges, and LoRA adapters. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint_internal.h"
+#include "quant/qarray_io.h"
+
+static const char *granularity_name(const QLayer *q) {
+    if (q->spec.tile_size > 0 || qtype_is_block(q->spec.weight_qtype)) return "block";
+    return q->spec.per_tensor ? "per_tensor" : "per_channel";
+}
+
+/* The block size the layer's layout uses (0 for per channel / per tensor). */
+static int64_t layer_tile(const QLayer *q) {
+    if (q->spec.tile_size > 0 || qtype_is_block(q->spec.weight_qtype)) return q->weight.ndim == 2 ? q->weight.shape[1]
+                                                                                                   : 0;
+    return 0;
+}
+
+static hid_t blob_memtype(QArrayBlobType t) {
+    switch (t) {
+    case QARRAY_BLOB_U8: return H5T_NATIVE_UINT8;
+    case QARRAY_BLOB_U16: return H5T_NATIVE_UINT16;
+    case QARRAY_BLOB_I32: return H5T_NATIVE_INT32;
+    case QARRAY_BLOB_F32: return H5T_NATIVE_FLOAT;
+    }
+    return H5T_NATIVE_UINT8;
+}
+
+/* ---- writing ----------------------------------------------------------------------- */
+
+static QtStatus write_weight_attrs(H5ioFile *f, const char *g, const QLayer *q, QtError *err) {
+    int64_t shape[4];
+    for (int d = 0; d < q->w_ndim; d++) shape[d] = q->w_shape[d];
+    char calib[64];
+    calib_format(&q->spec.weight_calib, calib, sizeof calib);
+    QtStatus st = h5io_attr_write_str(f, g, "qtype", qtype_name(q->spec.weight_qtype), err);
+    if (st == QT_OK) st = h5io_attr_write_i64s(f, g, "shape", shape, q->w_ndim, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "tile", layer_tile(q), err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, g, "granularity", granularity_name(q), err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, g, "scale_type", qarray_scale_type_name(q->weight.scale_type), err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "symmetric", q->spec.symmetric, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "narrow_range", q->spec.narrow_range, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "double_quant", q->weight.double_quant, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "dq_block", q->weight.double_quant ? q->weight.dq.block : 0, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, g, "dq_offset", q->weight.double_quant ? q->weight.dq.offset : 0, err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, g, "calibration", calib, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, g, "bits_per_weight", qarray_bits_per_element(&q->weight), err);
+    return st;
+}
+
+static QtStatus write_act(H5ioFile *f, const char *module, const QLayer *q, QtError *err) {
+    char g[CKPT_OBJ_MAX], calib[64];
+    QtStatus st = ckpt_obj_path(g, "quant", module, "input", err);
+    calib_format(&q->act_stats.spec, calib, sizeof calib);
+    if (st == QT_OK) st = h5io_group_create(f, g, err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, g, "qtype", qtype_name(q->spec.act_qtype), err);
+    if (st == QT_OK) st = h5io_attr_write_str(f, g, "calibration", calib, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, g, "lo_mean", q->act_stats.lo_mean, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, g, "hi_mean", q->act_stats.hi_mean, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "count", q->act_stats.count, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, g, "scale", q->act_scale, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, g, "zero_point", q->act_zero_point, err);
+    return st;
+}
+
+QtStatus ckpt_write_quant(H5ioFile *f, const CheckpointNet *net, QtError *err) {
+    if (net->n_qlayers == 0) return QT_OK;
+    QtStatus st = h5io_group_create(f, "quant", err);
+    for (int i = 0; st == QT_OK && i < net->n_qlayers; i++) {
+        const QLayer *q = &net->qlayers[i];
+        const char *module = q->module->path;
+        char g[CKPT_OBJ_MAX], ds[CKPT_OBJ_MAX + 16];
+        if ((st = ckpt_obj_path(g, "quant", module, NULL, err)) == QT_OK) st = h5io_group_create(f, g, err);
+        if (st == QT_OK && (st = ckpt_obj_path(g, "quant", module, "weight", err)) == QT_OK)
+            st = h5io_group_create(f, g, err);
+        QArrayBlob blobs[QARRAY_MAX_BLOBS];
+        int nb = st == QT_OK ? qarray_blobs(&q->weight, blobs) : 0;
+        for (int b = 0; st == QT_OK && b < nb; b++) {
+            int count = (int)blobs[b].count;
+            snprintf(ds, sizeof ds, "%s/%s", g, blobs[b].name);
+            st = h5io_write(f, ds, blob_memtype(blobs[b].type), blobs[b].data, 1, &count, err);
+        }
+        if (st == QT_OK) st = write_weight_attrs(f, g, q, err);
+        if (st == QT_OK && q->spec.act_qtype) st = write_act(f, module, q, err);
+    }
+    return st;
+}
+
+QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err) {
+    if (net->n_adapters == 0) return QT_OK;
+    QtStatus st = h5io_group_create(f, "lora", err);
+    for (int i = 0; st == QT_OK && i < net->n_adapters; i++) {
+        const LoraAdapter *a = &net->adapters[i];
+        char g[CKPT_OBJ_MAX], ds[CKPT_OBJ_MAX];
+        if ((st = ckpt_obj_path(g, "lora", a->module->path, NULL, err)) == QT_OK) st = h5io_group_create(f, g, err);
+        const Tensor *A = &a->A.var.value, *B = &a->B.var.value;
+        if (st == QT_OK && (st = ckpt_obj_path(ds, "lora", a->module->path, "A", err)) == QT_OK)
+            st = h5io_write_f32(f, ds, A->data, A->ndim, A->shape, err);
+        if (st == QT_OK && (st = ckpt_obj_path(ds, "lora", a->module->path, "B", err)) == QT_OK)
+            st = h5io_write_f32(f, ds, B->data, B->ndim, B->shape, err);
+        if (st == QT_OK) st = h5io_attr_write_i64(f, g, "rank", a->spec.rank, err);
+        if (st == QT_OK) st = h5io_attr_write_f64(f, g, "alpha", a->spec.alpha, err);
+        if (st == QT_OK) st = h5io_attr_write_f64(f, g, "scale", a->scale, err);
+        if (st == QT_OK) st = h5io_attr_write_i64(f, g, "rslora", a->spec.rslora, err);
+    }
+    return st;
+}
+
+/* ---- reading ----------------------------------------------------------------------- */
+
+#define QUANT_HINT "the checkpoint's base was quantized with other settings; use the quant rules it was written " \
+                   "with (qtrain inspect %s shows them) or quantize the float base again"
+
+static QtStatus check_str_attr(const H5ioFile *f, const char *g, const char *name, const char *want, QtError *err) {
+    char *got = NULL;
+    QtStatus st = h5io_attr_read_str(f, g, name, &got, err);
+    if (st == QT_OK && strcasecmp(got, want) != 0)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has %s '%.40s' but this run's rule gives '%s'; " QUANT_HINT,
+                          f->path, g, name, got, want, f->path);
+    free(got);
+    return st;
+}
+
+static QtStatus check_int_attr(const H5ioFile *f, const char *g, const char *name, int64_t want, QtError *err) {
+    int64_t got = 0;
+    QtStatus st = h5io_attr_read_i64(f, g, name, &got, err);
+    if (st == QT_OK && got != want)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has %s %lld but this run's rule gives %lld; " QUANT_HINT,
+                          f->path, g, name, (long long)got, (long long)want, f->path);
+    return st;
+}
+
+/* The stored layout must be the one the run's rule gives this module. */
+static QtStatus check_weight_attrs(const H5ioFile *f, const char *g, const QLayer *q, QtError *err) {
+    int64_t shape[8];
+    int n = 0;
+    QtStatus st = check_str_attr(f, g, "qtype", qtype_name(q->spec.weight_qtype), err);
+    if (st == QT_OK) st = h5io_attr_read_i64s(f, g, "shape", shape, 8, &n, err);
+    bool same = st == QT_OK && n == q->w_ndim;
+    for (int d = 0; same && d < n; d++) same = shape[d] == q->w_shape[d];
+    if (st == QT_OK && !same)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds a weight of another shape than module %s's; the "
+                          "checkpoint was written for a different model (qtrain inspect %s)", f->path, g,
+                          q->module->path, f->path);
+    if (st == QT_OK) st = check_int_attr(f, g, "tile", layer_tile(q), err);
+    if (st == QT_OK) st = check_str_attr(f, g, "granularity", granularity_name(q), err);
+    if (st == QT_OK) st = check_str_attr(f, g, "scale_type", qarray_scale_type_name(q->weight.scale_type), err);
+    if (st == QT_OK) st = check_int_attr(f, g, "symmetric", q->spec.symmetric, err);
+    if (st == QT_OK) st = check_int_attr(f, g, "narrow_range", q->spec.narrow_range, err);
+    if (st == QT_OK) st = check_int_attr(f, g, "double_quant", q->weight.double_quant, err);
+    return st;
+}
+
+static QtStatus read_blobs(const H5ioFile *f, const char *g, QArray *w, QtError *err) {
+    QArrayBlob blobs[QARRAY_MAX_BLOBS];
+    int nb = qarray_blobs(w, blobs);
+    QtStatus st = QT_OK;
+    for (int b = 0; st == QT_OK && b < nb; b++) {
+        char ds[CKPT_OBJ_MAX + 16];
+        snprintf(ds, sizeof ds, "%s/%s", g, blobs[b].name);
+        H5ioInfo info;
+        int count = (int)blobs[b].count;
+        if (h5io_kind(f, ds) != H5IO_DATASET)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is missing; the quantized weight is incomplete", f->path,
+                              ds);
+        else if ((st = h5io_dataset_info(f, ds, &info, err)) == QT_OK && (info.rank != 1 || info.numel != blobs[b].count))
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has %llu values, the layout needs %zu; " QUANT_HINT,
+                              f->path, ds, (unsigned long long)info.numel, blobs[b].count, f->path);
+        if (st == QT_OK) st = h5io_read(f, ds, blob_memtype(blobs[b].type), blobs[b].data, 1, &count, err);
+    }
+    if (st == QT_OK && w->double_quant) {
+        double offset = 0.0;
+        int64_t block = 0;
+        st = h5io_attr_read_f64(f, g, "dq_offset", &offset, err);
+        if (st == QT_OK) st = h5io_attr_read_i64(f, g, "dq_block", &block, err);
+        if (st == QT_OK && block != w->dq.block)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has dq_block %lld, the layout uses %d", f->path, g,
+                              (long long)block, w->dq.block);
+        w->dq.offset = (float)offset;
+    }
+    return st;
+}
+
+static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, QtError *err) {
+    char g[CKPT_OBJ_MAX], *calib = NULL;
+    QtStatus st = ckpt_obj_path(g, "quant", q->module->path, "input", err);
+    if (st == QT_OK && h5io_kind(f, g) != H5IO_GROUP)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s (the static input range of %s) is missing; the checkpoint "
+                            "was written without act_qtype for it", f->path, g, q->module->path);
+    if (st == QT_OK) st = check_str_attr(f, g, "qtype", qtype_name(q->spec.act_qtype), err);
+    if (st == QT_OK) st = h5io_attr_read_str(f, g, "calibration", &calib, err);
+    if (st == QT_OK) st = calib_parse(calib, &out->spec, err);
+    free(calib);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, g, "lo_mean", &out->lo_mean, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, g, "hi_mean", &out->hi_mean, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, g, "count", &out->count, err);
+    QtError e = {0};
+    if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, g, e.msg);
+    return st;
+}
+
+QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
+    if (net->n_qlayers == 0) return QT_OK;
+    sg->weights = calloc((size_t)net->n_qlayers, sizeof *sg->weights);
+    sg->act = calloc((size_t)net->n_qlayers, sizeof *sg->act);
+    if (!sg->weights || !sg->act) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_qlayers; i++) {
+        const QLayer *q = &net->qlayers[i];
+        char g[CKPT_OBJ_MAX];
+        st = ckpt_obj_path(g, "quant", q->module->path, "weight", err);
+        if (st == QT_OK && h5io_kind(f, g) != H5IO_GROUP)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: the quantized weight of module %s (/%s) is missing; the "
+                              "checkpoint was written with module %s in float or without quantization", f->path,
+                              q->module->path, g, q->module->path);
+        if (st == QT_OK) st = check_weight_attrs(f, g, q, err);
+        if (st == QT_OK)
+            st = qarray_alloc(&sg->weights[i], q->weight.ndim, q->weight.shape, q->weight.qtype, &q->options, err);
+        if (st == QT_OK) sg->n_weights = i + 1;
+        if (st == QT_OK) st = read_blobs(f, g, &sg->weights[i], err);
+        if (st == QT_OK && q->spec.act_qtype) st = read_act(f, q, &sg->act[i], err);
+    }
+    return st;
+}
+
+QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
+    size_t total = 0;
+    for (int i = 0; i < net->n_adapters; i++) total += lora_adapter_param_count(&net->adapters[i]);
+    if (net->n_adapters == 0) return QT_OK;
+    if (h5io_kind(f, "lora") != H5IO_GROUP)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s has no LoRA adapters (/lora) but this run has %d; point at a "
+                            "checkpoint or adapters.h5 of a LoRA run with the same lora rules", f->path,
+                            net->n_adapters);
+    sg->lora = malloc(total * sizeof(float));
+    if (!sg->lora) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading the adapters of %s", f->path);
+    float *dst = sg->lora;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_adapters; i++) {
+        const LoraAdapter *a = &net->adapters[i];
+        const Param *ps[2] = {&a->A, &a->B};
+        const char *names[2] = {"A", "B"};
+        for (int k = 0; st == QT_OK && k < 2; k++) {
+            const Tensor *t = &ps[k]->var.value;
+            char ds[CKPT_OBJ_MAX], want[64], got[96];
+            H5ioInfo info;
+            st = ckpt_obj_path(ds, "lora", a->module->path, names[k], err);
+            if (st == QT_OK && h5io_kind(f, ds) != H5IO_DATASET)
+                st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: /%s (LoRA %s of module "
+                                  "%s) is missing; the file was written with other lora rules or another model",
+                                  f->path, ds, names[k], a->module->path);
+            if (st == QT_OK) st = h5io_dataset_info(f, ds, &info, err);
+            if (st == QT_OK && !h5io_shape_equals(&info, t->ndim, t->shape))
+                st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: LoRA %s of module %s has "
+                                  "shape %s in the file but %s in this run (rank %d); use the lora rules it was "
+                                  "written with", f->path, names[k], a->module->path,
+                                  h5io_shape_str(&info, got, sizeof got), tensor_shape_str(t, want, sizeof want),
+                                  a->spec.rank);
+            if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+            dst += tensor_numel(t);
+        }
+    }
+    return st;
+}
+
+void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net) {
+    for (int i = 0; sg->weights && i < net->n_qlayers; i++) {
+        QLayer *q = &net->qlayers[i];
+        qarray_free(&q->weight);
+        q->weight = sg->weights[i];
+        memset(&sg->weights[i], 0, sizeof sg->weights[i]);
+        if (q->spec.act_qtype) {
+            q->act_stats = sg->act[i];
+            q->act_ready = false;
+            if (q->act_stats.count > 0) qlayer_act_from_stats(q, NULL);
+        }
+    }
+    sg->n_weights = 0;
+    const float *src = sg->lora;
+    for (int i = 0; src && i < net->n_adapters; i++) {
+        LoraAdapter *a = &net->adapters[i];
+        size_t na = var_numel(&a->A.var), nb = var_numel(&a->B.var);
+        memcpy(a->A.var.value.data, src, na * sizeof(float));
+        memcpy(a->B.var.value.data, src + na, nb * sizeof(float));
+        src += na + nb;
+    }
+}
+
+void ckpt_staged_net_free(CkptNetStaged *sg) {
+    for (int i = 0; sg->weights && i < sg->n_weights; i++) qarray_free(&sg->weights[i]);
+    free(sg->weights);
+    free(sg->act);
+    free(sg->lora);
+    memset(sg, 0, sizeof *sg);
+}
+
+typedef struct {
+    char (*names)[MODULE_NAME_MAX];
+    int cap, n;
+    bool overflow;
+} ListCtx;
+
+static int list_child(const char *path, H5ioKind kind, void *data) {
+    ListCtx *c = data;
+    (void)kind;
+    const char *slash = strrchr(path, '/');
+    const char *name = slash ? slash + 1 : path;
+    if (c->n == c->cap || strlen(name) >= MODULE_NAME_MAX) {
+        c->overflow = true;
+        return 1;
+    }
+    snprintf(c->names[c->n++], MODULE_NAME_MAX, "%s", name);
+    return 0;
+}
+
+QtStatus ckpt_list_group(const H5ioFile *f, const char *group, char (*names)[MODULE_NAME_MAX], int cap, int *n,
+                         QtError *err) {
+    ListCtx c = {.names = names, .cap = cap};
+    bool stopped = false;
+    *n = 0;
+    QtStatus st = h5io_iterate(f, group, list_child, &c, &stopped, err);
+    if (st == QT_OK && c.overflow)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has more than %d entries or a name longer than %d characters",
+                          f->path, group, cap, MODULE_NAME_MAX - 1);
+    if (st == QT_OK) *n = c.n;
+    return st;
+}

@@ -1,0 +1,372 @@
+/* net.c - model + quantized base + adapters, attached by the config's rules. */
+#include "net.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/rng.h"
+
+static bool module_has_matrix_weight(const Module *m) {
+    return m->weight && (m->spec.type == LAYER_DENSE || m->spec.type == LAYER_CONV2D);
+}
+
+void net_free(Net *n) {
+    for (int i = 0; i < n->n_adapters; i++) lora_adapter_free(&n->adapters[i]);
+    for (int i = 0; i < n->n_qlayers; i++) qlayer_free(&n->qlayers[i]);
+    free(n->adapters);
+    free(n->qlayers);
+    free(n->trainable);
+    free(n->quant_rule);
+    free(n->lora_rule);
+    free(n->is_trainable);
+    model_free(&n->model);
+    memset(n, 0, sizeof *n);
+}
+
+/* quant_rule / lora_rule per module: the first rule that applies (skip
+ * rules included, so they shadow later ones), trainable modules excluded. */
+static QtStatus net_resolve_rules(Net *n, QtError *err) {
+    const Config *c = n->cfg;
+    RuleSet qs, ls;
+    int nq = c->quant.mode == QUANT_MODE_NONE ? 0 : c->quant.n_rules;
+    QtStatus st = rule_set_compile(&qs, c->quant.rules, nq, sizeof c->quant.rules[0], err);
+    if (st != QT_OK) return st;
+    if ((st = rule_set_compile(&ls, c->lora.rules, c->lora.n_rules, sizeof c->lora.rules[0], err)) != QT_OK) {
+        rule_set_free(&qs);
+        return st;
+    }
+    for (int i = 0; i < n->model.n_modules; i++) {
+        const Module *m = &n->model.modules[i];
+        n->quant_rule[i] = n->lora_rule[i] = -1;
+        for (int k = 0; k < c->lora.n_trainable; k++)
+            if (strcmp(c->lora.trainable[k], m->path) == 0) n->is_trainable[i] = true;
+        if (!module_has_matrix_weight(m) || n->is_trainable[i]) continue;
+        n->quant_rule[i] = rule_set_match(&qs, m);
+        n->lora_rule[i] = rule_set_match(&ls, m);
+    }
+    memcpy(n->quant_hits, qs.hits, sizeof n->quant_hits);
+    memcpy(n->lora_hits, ls.hits, sizeof n->lora_hits);
+    rule_set_free(&qs);
+    rule_set_free(&ls);
+    return QT_OK;
+}
+
+static const QLayerSpec *net_quant_spec(const Net *n, int module) {
+    int r = n->quant_rule[module];
+    if (r < 0 || n->cfg->quant.rules[r].skip || !n->cfg->quant.rules[r].spec.weight_qtype) return NULL;
+    return &n->cfg->quant.rules[r].spec;
+}
+
+static const LoraSpec *net_lora_spec(const Net *n, int module) {
+    int r = n->lora_rule[module];
+    if (r < 0 || n->cfg->lora.rules[r].skip) return NULL;
+    return &n->cfg->lora.rules[r].spec;
+}
+
+/* Every resolved setting against its module, before any value is read. */
+static QtStatus net_check_specs(Net *n, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        const Module *m = &n->model.modules[i];
+        const QLayerSpec *qs = net_quant_spec(n, i);
+        const LoraSpec *ls = net_lora_spec(n, i);
+        QtError e = {0};
+        if (qs && qlayer_spec_check(qs, m, &e) != QT_OK)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->quant.rules[n->quant_rule[i]].match.where, e.msg);
+        else if (ls && lora_spec_check(ls, m, &e) != QT_OK)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->lora.rules[n->lora_rule[i]].match.where, e.msg);
+        if (qs) n->n_qlayers++;
+        if (ls) n->n_adapters++;
+    }
+    return st;
+}
+
+/* The modules a PTQ init_from holds quantized must be exactly those this
+ * run quantizes... or a subset, the rest being quantized here from the
+ * float weights the file holds. A module stored quantized that this run
+ * keeps float cannot be undone. */
+static QtStatus net_check_stored_quant(const Net *n, const char (*stored)[MODULE_NAME_MAX], int n_stored,
+                                       QtError *err) {
+    for (int s = 0; s < n_stored; s++) {
+        const Module *m = model_find_module((Model *)&n->model, stored[s]);
+        int idx = m ? (int)(m - n->model.modules) : -1;
+        if (idx < 0 || !net_quant_spec(n, idx))
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: model.init_from %s holds module %s quantized, but this "
+                                "config's quant rules keep it float; add a quant rule for it (the same format) or "
+                                "start from the float checkpoint", n->cfg->source, n->cfg->model.init_from, stored[s]);
+    }
+    return QT_OK;
+}
+
+static bool name_listed(const char (*names)[MODULE_NAME_MAX], int n, const char *path) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(names[i], path) == 0) return true;
+    return false;
+}
+
+/* NET_FRESH: float parameters from init_from; modules the file holds
+ * quantized are read as stored, the others quantized here. */
+static QtStatus net_load_base(Net *n, QtError *err) {
+    const Config *c = n->cfg;
+    const char *from = c->model.init_from;
+    char (*stored)[MODULE_NAME_MAX] = calloc(CKPT_LIST_MAX, MODULE_NAME_MAX);
+    if (!stored) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    int n_stored = 0;
+    QtError e = {0};
+    QtStatus st = checkpoint_list_quant(from, stored, CKPT_LIST_MAX, &n_stored, &e);
+    if (st == QT_OK) st = net_check_stored_quant(n, (const char(*)[MODULE_NAME_MAX])stored, n_stored, err);
+    /* Layouts for the stored ones; release every weight the file lacks in float. */
+    QLayer *tmp = calloc((size_t)n->n_qlayers + 1, sizeof *tmp);
+    int n_tmp = 0;
+    if (st == QT_OK && !tmp) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
+        QLayer *q = &n->qlayers[i];
+        if (!name_listed((const char(*)[MODULE_NAME_MAX])stored, n_stored, q->module->path)) continue;
+        QLayerSpec spec = q->spec; /* init starts by clearing q */
+        st = qlayer_init_empty(q, q->module, &spec, err);
+        if (st == QT_OK) {
+            param_release(q->module->weight);
+            tmp[n_tmp++] = *q;
+        }
+    }
+    CheckpointNet parts = {.qlayers = tmp, .n_qlayers = n_tmp};
+    if (st == QT_OK && e.status == QT_OK && checkpoint_load_model(from, &n->model, &parts, &e) != QT_OK)
+        st = e.status;
+    if (st == QT_OK && e.status != QT_OK) st = e.status;
+    if (e.status != QT_OK) qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
+    /* Stored layers got new QArrays from the file: take them back. */
+    for (int i = 0, k = 0; i < n->n_qlayers && k < n_tmp; i++)
+        if (n->qlayers[i].module == tmp[k].module) n->qlayers[i] = tmp[k++];
+    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
+        QLayer *q = &n->qlayers[i];
+        if (q->module->weight->released) continue;
+        QLayerSpec spec = q->spec;
+        st = qlayer_init_quantize(q, q->module, &spec, q->module->weight->var.value.data, err);
+        if (st == QT_OK) param_release(q->module->weight);
+    }
+    free(tmp);
+    free(stored);
+    return st;
+}
+
+/* Makes the qlayers and adapters with their layouts (values to come). */
+static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
+    n->qlayers = calloc((size_t)n->n_qlayers + 1, sizeof *n->qlayers);
+    n->adapters = calloc((size_t)n->n_adapters + 1, sizeof *n->adapters);
+    if (!n->qlayers || !n->adapters) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
+    int nq = 0, na = 0;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        Module *m = &n->model.modules[i];
+        const QLayerSpec *qs = net_quant_spec(n, i);
+        if (qs) {
+            QLayer *q = &n->qlayers[nq++];
+            q->module = m; /* what net_load_base needs to find it; init_* fill the rest */
+            q->spec = *qs;
+            if (how == NET_SHELL && (st = qlayer_init_empty(q, m, qs, err)) == QT_OK) param_release(m->weight);
+        }
+    }
+    if (st == QT_OK && how == NET_FRESH && n->n_qlayers > 0) {
+        if (!n->cfg->model.init_from[0])
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: quant.mode ptq quantizes a trained model, but model.init_from "
+                                "is not set; point it at a float checkpoint (e.g. runs/pretrain/final.h5)",
+                                n->cfg->source);
+        st = net_load_base(n, err);
+    }
+    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) qlayer_install(&n->qlayers[i]);
+    Rng rng;
+    rng_init(&rng, n->cfg->run.seed, RNG_STREAM_LORA);
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        const LoraSpec *ls = net_lora_spec(n, i);
+        if (!ls) continue;
+        LoraAdapter *a = &n->adapters[na];
+        if ((st = lora_adapter_init(a, &n->model.modules[i], ls, err)) != QT_OK) break;
+        na++;
+        lora_adapter_init_params(a, &rng);
+        lora_adapter_install(a);
+    }
+    n->n_adapters = na;
+    return st;
+}
+
+/* With quant or lora in use, only adapters and lora.trainable modules train. */
+static QtStatus net_collect_trainable(Net *n, QtError *err) {
+    bool adapted = n->cfg->quant.mode != QUANT_MODE_NONE || config_has_lora(n->cfg);
+    n->trainable = calloc((size_t)n->model.n_params + 2 * (size_t)n->n_adapters + 1, sizeof *n->trainable);
+    if (!n->trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < n->model.n_modules; i++) {
+        Module *m = &n->model.modules[i];
+        Param *ps[2] = {m->weight, m->bias};
+        for (int k = 0; k < 2; k++) {
+            if (!ps[k]) continue;
+            if (adapted && !n->is_trainable[i]) param_freeze(ps[k]);
+            if (ps[k]->trainable) n->trainable[n->n_trainable++] = ps[k];
+        }
+    }
+    for (int i = 0; i < n->n_adapters; i++) {
+        n->trainable[n->n_trainable++] = &n->adapters[i].A;
+        n->trainable[n->n_trainable++] = &n->adapters[i].B;
+    }
+    return QT_OK;
+}
+
+QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
+    memset(n, 0, sizeof *n);
+    n->cfg = c;
+    QtStatus st = model_init(&n->model, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers,
+                             err);
+    if (st != QT_OK) return st;
+    int nm = n->model.n_modules;
+    n->quant_rule = calloc((size_t)nm, sizeof *n->quant_rule);
+    n->lora_rule = calloc((size_t)nm, sizeof *n->lora_rule);
+    n->is_trainable = calloc((size_t)nm, sizeof *n->is_trainable);
+    if (!n->quant_rule || !n->lora_rule || !n->is_trainable)
+        st = qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
+    if (st == QT_OK) st = net_resolve_rules(n, err);
+    if (st == QT_OK) st = net_check_specs(n, err);
+    if (st == QT_OK) {
+        Rng init;
+        rng_init(&init, c->run.seed, RNG_STREAM_INIT);
+        model_init_params(&n->model, &init);
+        if (how == NET_FRESH && c->model.init_from[0] && n->n_qlayers == 0) {
+            QtError e = {0};
+            if (checkpoint_load_params(c->model.init_from, &n->model, &e) != QT_OK)
+                st = qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
+        }
+    }
+    if (st == QT_OK) st = net_attach(n, how, err);
+    if (st == QT_OK) st = net_collect_trainable(n, err);
+    if (st == QT_OK && how == NET_FRESH && c->model.adapters_from[0]) {
+        CheckpointNet parts = net_checkpoint_parts(n);
+        QtError e = {0};
+        if (checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, &e) != QT_OK)
+            st = qt_error_set(err, e.status, "%s: model.adapters_from: %s", c->source, e.msg);
+    }
+    if (st != QT_OK) net_free(n);
+    return st;
+}
+
+CheckpointNet net_checkpoint_parts(const Net *n) {
+    CheckpointNet p = {.qlayers = n->qlayers, .n_qlayers = n->n_qlayers, .adapters = n->adapters,
+                       .n_adapters = n->n_adapters};
+    return p;
+}
+
+const char *net_mode_name(const Net *n) {
+    bool lora = config_has_lora(n->cfg);
+    if (n->cfg->quant.mode == QUANT_MODE_PTQ) return lora ? "qlora" : "ptq";
+    return lora ? "lora" : "float";
+}
+
+size_t net_params_trainable(const Net *n) {
+    size_t k = 0;
+    for (int i = 0; i < n->n_trainable; i++) k += var_numel(&n->trainable[i]->var);
+    return k;
+}
+
+size_t net_params_frozen(const Net *n) {
+    size_t k = 0;
+    for (int i = 0; i < n->model.n_params; i++)
+        if (!n->model.params[i].trainable) k += var_numel(&n->model.params[i].var);
+    return k;
+}
+
+size_t net_model_bytes(const Net *n) {
+    size_t b = model_param_bytes(&n->model);
+    for (int i = 0; i < n->n_qlayers; i++) b += qlayer_bytes(&n->qlayers[i]);
+    for (int i = 0; i < n->n_adapters; i++) b += lora_adapter_param_count(&n->adapters[i]) * sizeof(float);
+    return b;
+}
+
+double net_base_bits_per_param(const Net *n) {
+    double bytes = 0.0, count = 0.0;
+    for (int i = 0; i < n->model.n_params; i++) {
+        const Param *p = &n->model.params[i];
+        if (p->trainable) continue;
+        count += (double)var_numel(&p->var);
+        if (!p->released) bytes += (double)var_numel(&p->var) * sizeof(float);
+    }
+    for (int i = 0; i < n->n_qlayers; i++) bytes += (double)qlayer_bytes(&n->qlayers[i]);
+    return count > 0 ? bytes * 8.0 / count : 32.0;
+}
+
+void net_calib_begin(Net *n) {
+    for (int i = 0; i < n->n_qlayers; i++) qlayer_calib_begin(&n->qlayers[i]);
+}
+
+QtStatus net_calib_end(Net *n, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) st = qlayer_calib_end(&n->qlayers[i], err);
+    return st;
+}
+
+bool net_needs_act_calibration(const Net *n) {
+    for (int i = 0; i < n->n_qlayers; i++)
+        if (n->qlayers[i].spec.act_qtype) return true;
+    return false;
+}
+
+static const QLayer *net_find_qlayer(const Net *n, const Module *m) {
+    for (int i = 0; i < n->n_qlayers; i++)
+        if (n->qlayers[i].module == m) return &n->qlayers[i];
+    return NULL;
+}
+
+static const LoraAdapter *net_find_adapter(const Net *n, const Module *m) {
+    for (int i = 0; i < n->n_adapters; i++)
+        if (n->adapters[i].module == m) return &n->adapters[i];
+    return NULL;
+}
+
+void net_print_table(const Net *n, FILE *out) {
+    bool any_quant = n->cfg->quant.mode != QUANT_MODE_NONE, any_lora = config_has_lora(n->cfg);
+    if (!any_quant && !any_lora) return;
+    fprintf(out, "rules:\n  %-12s %-8s %-52s %s\n", "module", "type", "quant", "lora");
+    for (int i = 0; i < n->model.n_modules; i++) {
+        const Module *m = &n->model.modules[i];
+        if (!m->weight) continue;
+        char qd[160] = "float (frozen)", ld[96] = "-";
+        const QLayer *q = net_find_qlayer(n, m);
+        const LoraAdapter *a = net_find_adapter(n, m);
+        if (n->is_trainable[i]) {
+            snprintf(qd, sizeof qd, "float, trained in full (lora.trainable)");
+        } else if (q) {
+            char d[128];
+            qlayer_describe(q, d, sizeof d);
+            snprintf(qd, sizeof qd, "[%d] %s", n->quant_rule[i], d);
+        } else if (n->quant_rule[i] >= 0) {
+            snprintf(qd, sizeof qd, "[%d] float (%s)", n->quant_rule[i],
+                     n->cfg->quant.rules[n->quant_rule[i]].skip ? "skip" : "weight_qtype none");
+        } else if (!any_quant && !any_lora) {
+            snprintf(qd, sizeof qd, "float");
+        }
+        if (a)
+            snprintf(ld, sizeof ld, "[%d] rank %d alpha %g (scale %g)%s%s", n->lora_rule[i], a->spec.rank,
+                     (double)a->spec.alpha, (double)a->scale, a->spec.rslora ? " rslora" : "",
+                     a->spec.dropout > 0 ? " dropout" : "");
+        else if (n->lora_rule[i] >= 0)
+            snprintf(ld, sizeof ld, "[%d] skip", n->lora_rule[i]);
+        fprintf(out, "  %-12s %-8s %-52s %s\n", m->path, layer_type_name(m->spec.type), qd, ld);
+    }
+}
+
+int net_print_unused_rules(const Net *n, FILE *out) {
+    int count = 0;
+    int nq = n->cfg->quant.mode == QUANT_MODE_NONE ? 0 : n->cfg->quant.n_rules;
+    for (int r = 0; r < nq; r++)
+        if (n->quant_hits[r] == 0) {
+            fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module; check the regex (it must "
+                    "match a whole module path) and its op_types\n", n->cfg->quant.rules[r].match.where,
+                    n->cfg->quant.rules[r].match.module_path);
+            count++;
+        }
+    for (int r = 0; r < n->cfg->lora.n_rules; r++)
+        if (n->lora_hits[r] == 0) {
+            fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module; check the regex (it must "
+                    "match a whole module path) and its op_types\n", n->cfg->lora.rules[r].match.where,
+                    n->cfg->lora.rules[r].match.module_path);
+            count++;
+        }
+    return count;
+}

@@ -1,0 +1,80 @@
+/* net.h - the model a config describes, with its quantized base layers and
+ * LoRA adapters attached by the config's rules.
+ *
+ * Building resolves, for every dense/conv2d module, the first quant rule and
+ * the first lora rule that apply (quant/rules.h), checks each resolved
+ * setting against the module (format, tile, rank), and records rules that
+ * applied to nothing. With quant or lora in use, the model's own
+ * parameters are frozen, except those of lora.trainable modules; the
+ * optimizer gets the adapters and those modules only. */
+#ifndef QTRAIN_TRAINER_NET_H
+#define QTRAIN_TRAINER_NET_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "lora/lora.h"
+#include "nn/model.h"
+#include "quant/qlayer.h"
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
+
+typedef enum {
+    NET_FRESH,    /* parameters from the seed, then model.init_from (quantized here, or a PTQ base as stored),
+                     then model.adapters_from */
+    NET_SHELL,    /* layouts only: a checkpoint fills every value (resume, eval, merge) */
+    NET_FLOAT,    /* the float model and rules only, no init_from: `qtrain quantize` quantizes it itself */
+} NetInit;
+
+typedef struct {
+    const Config *cfg;
+    Model model;
+    QLayer *qlayers;          /* [n_qlayers] quantized base layers, in module order */
+    int n_qlayers;
+    LoraAdapter *adapters;    /* [n_adapters] in module order */
+    int n_adapters;
+    Param **trainable;        /* [n_trainable] what the optimizer updates: adapters' A, B and lora.trainable
+                                 modules' params (all params in a plain float run) */
+    int n_trainable;
+    int *quant_rule;          /* [n_modules] rule index per module, -1 = none applied */
+    int *lora_rule;           /* [n_modules] */
+    bool *is_trainable;       /* [n_modules] listed in lora.trainable */
+    int quant_hits[RULES_MAX];
+    int lora_hits[RULES_MAX];
+} Net;
+
+/* Builds n from c. NET_FRESH needs model.init_from with quant.mode ptq.
+ * Every error names the module, the rule or the file. */
+QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
+void net_free(Net *n);
+
+/* The /quant and /lora parts for checkpoints. */
+CheckpointNet net_checkpoint_parts(const Net *n);
+
+/* "float", "ptq", "lora", "qlora" (the summary's mode). */
+const char *net_mode_name(const Net *n);
+
+/* Counts: parameters the optimizer trains, and the frozen base's (quantized
+ * weights counted by element). */
+size_t net_params_trainable(const Net *n);
+size_t net_params_frozen(const Net *n);
+/* Bytes held for the model: float params not released + quantized weights +
+ * adapters. */
+size_t net_model_bytes(const Net *n);
+/* Bytes of the frozen base (quantized weights in their storage + frozen
+ * float params) * 8 / its parameter count: the base's bits per parameter. */
+double net_base_bits_per_param(const Net *n);
+
+/* Static activation calibration over `batches` forward passes driven by the
+ * caller: begin, then forward passes, then end. */
+void net_calib_begin(Net *n);
+QtStatus net_calib_end(Net *n, QtError *err);
+/* Whether any quantized layer has a static activation range to calibrate. */
+bool net_needs_act_calibration(const Net *n);
+
+/* The per-module table (which rule applied and what it resolved to). */
+void net_print_table(const Net *n, FILE *out);
+/* One warning line per rule that applied to no module; returns the count. */
+int net_print_unused_rules(const Net *n, FILE *out);
+
+#endif

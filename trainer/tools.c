@@ -1,0 +1,156 @@
+/* tools.c - quantize a float checkpoint; merge adapters into their base. */
+#include "tools.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer/checkpoint.h"
+#include "trainer/net.h"
+#include "trainer/train.h"
+
+QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, FILE *log, QtError *err) {
+    if (cfg->quant.mode != QUANT_MODE_PTQ)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: qtrain quantize needs quant.mode: ptq and quant rules (the mode "
+                            "is %s)", cfg->source, quant_mode_name(cfg->quant.mode));
+    for (int i = 0; i < cfg->quant.n_rules; i++)
+        if (cfg->quant.rules[i].spec.act_qtype && !cfg->quant.rules[i].skip)
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: act_qtype is set, and static activation ranges need "
+                                "calibration data; qtrain quantize handles weight-only rules: drop act_qtype, or "
+                                "run qtrain --config with train.epochs: 0 for a calibrated PTQ checkpoint",
+                                cfg->quant.rules[i].match.where);
+    Config *c = malloc(sizeof *c);
+    if (!c) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    *c = *cfg;
+    snprintf(c->model.init_from, sizeof c->model.init_from, "%s", checkpoint);
+    c->model.adapters_from[0] = '\0';
+    c->lora.n_rules = 0; /* only the base; lora.trainable modules stay float */
+    memset(c->lora.rules, 0, sizeof c->lora.rules);
+    Net n;
+    QtStatus st = net_build(&n, c, NET_FRESH, err);
+    char *text = st == QT_OK ? config_to_yaml(c) : NULL;
+    if (st == QT_OK && !text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK) {
+        CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = net_checkpoint_parts(&n)};
+        st = checkpoint_save(out, &n.model, NULL, &s, err);
+    }
+    if (st == QT_OK && log) {
+        net_print_table(&n, log);
+        net_print_unused_rules(&n, log);
+        fprintf(log, "quantized %d modules: base %.3f bits/param, model %.1f KiB (float: %.1f KiB) -> %s\n",
+                n.n_qlayers, net_base_bits_per_param(&n), (double)net_model_bytes(&n) / 1024.0,
+                (double)model_param_count(&n.model, false) * 4.0 / 1024.0, out);
+    }
+    if (st == QT_OK || n.cfg) net_free(&n);
+    free(text);
+    free(c);
+    return st;
+}
+
+static QtStatus load_stored_config(const char *path, Config *c, QtError *err) {
+    char *text = NULL, name[CONFIG_PATH_MAX + 16];
+    snprintf(name, sizeof name, "%s:/config", path);
+    QtStatus st = checkpoint_read_config(path, &text, err);
+    if (st == QT_OK) st = config_load_string(c, text, name, NULL, 0, err);
+    free(text);
+    return st;
+}
+
+static const QLayer *find_qlayer(const Net *n, const Module *m) {
+    for (int i = 0; i < n->n_qlayers; i++)
+        if (n->qlayers[i].module == m) return &n->qlayers[i];
+    return NULL;
+}
+
+/* Folds one adapter; for a quantized base adds the squared error of the
+ * re-quantization and of the merged weight to *err2 / *norm2. */
+static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *norm2, FILE *log, QtError *err) {
+    Module *m = a->module;
+    QLayer *q = (QLayer *)find_qlayer(n, m);
+    if (!q) {
+        lora_adapter_merge(a, m->weight->var.value.data);
+        if (log) fprintf(log, "  %-12s float base: W += %g * B A\n", m->path, (double)a->scale);
+        return QT_OK;
+    }
+    size_t numel = (size_t)q->out * (size_t)q->fan_in;
+    float *w = malloc(numel * sizeof(float)), *back = malloc(numel * sizeof(float));
+    QtStatus st = w && back ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory merging %s", m->path);
+    if (st == QT_OK) {
+        qlayer_dequantize_weight(q, w);
+        lora_adapter_merge(a, w);
+        QLayerSpec spec = q->spec;
+        QLayer fresh;
+        st = qlayer_init_quantize(&fresh, m, &spec, w, err);
+        if (st == QT_OK) {
+            bool ready = q->act_ready;
+            CalibRunning stats = q->act_stats;
+            float s = q->act_scale, zp = q->act_zero_point;
+            qlayer_free(q);
+            *q = fresh;
+            q->act_stats = stats, q->act_scale = s, q->act_zero_point = zp, q->act_ready = ready;
+            qlayer_install(q);
+        }
+    }
+    if (st == QT_OK) {
+        qlayer_dequantize_weight(q, back);
+        double e = 0.0, nn = 0.0;
+        for (size_t i = 0; i < numel; i++) {
+            double d = (double)back[i] - (double)w[i];
+            e += d * d, nn += (double)w[i] * w[i];
+        }
+        *err2 += e, *norm2 += nn;
+        if (log) fprintf(log, "  %-12s %s base: dequantize, add, re-quantize: relative RMSE %.3g\n", m->path,
+                         qtype_name(q->spec.weight_qtype), nn > 0 ? sqrt(e / nn) : 0.0);
+    }
+    free(w);
+    free(back);
+    return st;
+}
+
+QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err) {
+    memset(rep, 0, sizeof *rep);
+    Config *c = malloc(sizeof *c), *merged = malloc(sizeof *merged);
+    Net n;
+    memset(&n, 0, sizeof n);
+    QtStatus st = c && merged ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK) st = load_stored_config(checkpoint, c, err);
+    if (st == QT_OK && c->lora.n_rules == 0)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters (its config has no lora rules): nothing to "
+                          "merge", checkpoint);
+    if (st == QT_OK) st = net_build(&n, c, NET_SHELL, err);
+    CheckpointNet parts = net_checkpoint_parts(&n);
+    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &n.model, &parts, err);
+    double err2 = 0.0, norm2 = 0.0;
+    if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s:\n", n.n_adapters, checkpoint);
+    for (int i = 0; st == QT_OK && i < n.n_adapters; i++) st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
+    char *text = NULL;
+    if (st == QT_OK) {
+        *merged = *c;
+        merged->lora.n_rules = 0; /* the adapters are in the weights now; trainable modules stay as they are */
+        memset(merged->lora.rules, 0, sizeof merged->lora.rules);
+        merged->model.adapters_from[0] = '\0';
+        text = config_to_yaml(merged);
+        if (!text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    }
+    if (st == QT_OK) {
+        CheckpointState s = {.last_train_loss = NAN, .config_text = text,
+                             .net = {.qlayers = n.qlayers, .n_qlayers = n.n_qlayers}};
+        st = checkpoint_save(out, &n.model, NULL, &s, err);
+    }
+    if (st == QT_OK) {
+        rep->modules = n.n_adapters;
+        rep->weight_rel_rmse = norm2 > 0 ? sqrt(err2 / norm2) : 0.0;
+    }
+    TrainResult before, after;
+    if (st == QT_OK) st = train_eval_checkpoint(c, checkpoint, false, &before, err);
+    if (st == QT_OK) st = train_eval_checkpoint(merged, out, false, &after, err);
+    if (st == QT_OK) {
+        rep->test_accuracy_before = before.test_accuracy;
+        rep->test_accuracy_after = after.test_accuracy;
+    }
+    if (n.cfg) net_free(&n);
+    free(text);
+    free(c);
+    free(merged);
+    return st;
+}

@@ -1,0 +1,34 @@
+/* tools.h - `qtrain quantize` and `qtrain merge`: checkpoints in, checkpoints out. */
+#ifndef QTRAIN_TRAINER_TOOLS_H
+#define QTRAIN_TRAINER_TOOLS_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "nn/error.h"
+#include "trainer/config.h"
+
+/* PTQ of the float checkpoint `checkpoint` by cfg's weight-only quant rules,
+ * without data (Qwix's quantize_params): writes `out`, a checkpoint whose
+ * quantized modules are under /quant and whose other parameters are under
+ * /params, with cfg (init_from = checkpoint) as its config. A rule with an
+ * act_qtype is refused: static activation ranges need calibration data.
+ * The rule table and the sizes go to log (NULL: silent). */
+QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, FILE *log, QtError *err);
+
+typedef struct {
+    int modules;                 /* adapters folded */
+    double weight_rel_rmse;      /* quantized base: ||requant(W + dW) - (W + dW)|| / ||W + dW|| over all merged
+                                    weights; 0 for a float base */
+    double test_accuracy_before; /* the checkpoint with its adapters */
+    double test_accuracy_after;  /* the merged checkpoint */
+} MergeReport;
+
+/* Folds the LoRA adapters of `checkpoint` into its base and writes `out`
+ * (no /lora; the config keeps lora.trainable but no rules). A float base
+ * gets W + scale*B*A; a quantized base is dequantized, added to and
+ * quantized again with the same rule. Both checkpoints are evaluated on the
+ * test split of the stored config's data. Per-module errors go to log. */
+QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err);
+
+#endif
