@@ -403,6 +403,6 @@ void model_print(const Model *m, FILE *out) {
         fprintf(out, "  %-12s %-10s %-16s %zu\n", mod->path, layer_type_name(mod->spec.type),
                 shape_str(s, sizeof s, mod->out_ndim, mod->out_shape), np);
     }
-    fprintf(out, "  total params: %zu (%zu trainable), %.1f KiB\n", model_param_count(m, false),
+    fprintf(out, "  total params: %zu (%zu trainable), %.1f KiB held as float32\n", model_param_count(m, false),
             model_param_count(m, true), (double)model_param_bytes(m) / 1024.0);
 }

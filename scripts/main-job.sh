@@ -28,7 +28,7 @@ step "summary"
 printf '| %-22s | %-5s | %-8s | %-9s | %-9s | %-9s | %-10s | %-9s |\n' run mode task "test acc" trainable frozen \
        "base b/par" "peak RSS"
 printf '|%s|\n' "------------------------|-------|----------|-----------|-----------|-----------|------------|-----------"
-for d in pretrain:original ptq:original qlora-base:shifted qlora:shifted; do
+for d in pretrain:original ptq:original qlora-base:shifted lora:shifted qlora:shifted; do
     dir=runs/${d%%:*}
     [ -f "$dir/summary.json" ] || continue
     printf '| %-22s | %-5s | %-8s | %9s | %9s | %9s | %10s | %9s |\n' "$(get "$dir" name)" "$(get "$dir" mode)" \

@@ -115,6 +115,79 @@ static void test_rules_first_full_match(void) {
     free(c);
 }
 
+/* ---- adapter gradients over a quantized base ------------------------------------ */
+
+typedef struct {
+    Model *model;
+    LoraAdapter *a;
+} QGradCtx;
+
+/* inputs x, A, B: A and B take the inputs' values and the inputs' grads
+ * point at the adapter's persistent grad buffers. */
+static Var *qbase_adapter_fn(Tape *t, Var **in, void *ctx) {
+    QGradCtx *c = ctx;
+    Param *p[2] = {&c->a->A, &c->a->B};
+    for (int i = 0; i < 2; i++) {
+        size_t n = var_numel(&p[i]->var);
+        memcpy(p[i]->var.value.data, in[i + 1]->value.data, n * sizeof(float));
+        memset(p[i]->var.grad, 0, n * sizeof(float));
+        in[i + 1]->grad = p[i]->var.grad;
+    }
+    return model_forward(c->model, t, in[0]);
+}
+
+static void check_qbase_adapter(const char *name, const LayerSpec *layer, int in_ndim, const int *in_shape,
+                                const int *x_shape) {
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, in_ndim, in_shape, layer, 1, &err), QT_OK);
+    Rng rng;
+    rng_init(&rng, 11, 1);
+    model_init_params(&m, &rng);
+    Module *mod = &m.modules[0];
+    param_freeze(mod->bias);
+    QLayerSpec spec = qlayer_spec_default();
+    spec.weight_qtype = qtype_find("int4", NULL);
+    spec.tile_size = 8;
+    QLayer q;
+    CU_ASSERT_EQUAL_FATAL(qlayer_init_quantize(&q, mod, &spec, mod->weight->var.value.data, &err), QT_OK);
+    param_release(mod->weight);
+    qlayer_install(&q);
+    LoraAdapter a;
+    LoraSpec ls = {.rank = 2, .alpha = 3.0f};
+    CU_ASSERT_EQUAL_FATAL(lora_adapter_init(&a, mod, &ls, &err), QT_OK);
+    lora_adapter_init_params(&a, &rng);
+    rng_fill_normal(&rng, a.B.var.value.data, var_numel(&a.B.var), 0.0f, 0.5f); /* B = 0 would hide A's grad */
+    lora_adapter_install(&a);
+    int nx = 1;
+    for (int d = 0; d <= in_ndim; d++) nx *= x_shape[d];
+    float *x = malloc((size_t)nx * sizeof(float));
+    rng_fill_normal(&rng, x, (size_t)nx, 0.0f, 1.0f);
+    GradcheckInput in[3] = {{x, in_ndim + 1, {0}, true},
+                            {a.A.var.value.data, a.A.var.value.ndim, {0}, true},
+                            {a.B.var.value.data, a.B.var.value.ndim, {0}, true}};
+    memcpy(in[0].shape, x_shape, sizeof(int) * (size_t)(in_ndim + 1));
+    memcpy(in[1].shape, a.A.var.value.shape, sizeof in[1].shape);
+    memcpy(in[2].shape, a.B.var.value.shape, sizeof in[2].shape);
+    QGradCtx ctx = {&m, &a};
+    CU_ASSERT(gradcheck(name, qbase_adapter_fn, &ctx, in, 3, 1e-3, 2e-3, 1e-2));
+    free(x);
+    lora_adapter_free(&a);
+    qlayer_free(&q);
+    model_free(&m);
+}
+
+static void test_adapter_grads_over_quantized_base(void) {
+    LayerSpec dense = {.type = LAYER_DENSE, .units = 6};
+    snprintf(dense.name, sizeof dense.name, "fc");
+    int din[1] = {12}, dx[2] = {3, 12};
+    check_qbase_adapter("dense over int4", &dense, 1, din, dx);
+    LayerSpec conv = {.type = LAYER_CONV2D, .out_channels = 4, .kernel = 3, .stride = 2, .padding = 1};
+    snprintf(conv.name, sizeof conv.name, "conv");
+    int cin[3] = {2, 5, 5}, cx[4] = {2, 2, 5, 5};
+    check_qbase_adapter("conv over int4", &conv, 3, cin, cx);
+}
+
 /* ---- a QLoRA run ------------------------------------------------------------ */
 
 static void test_qlora_run_learns_and_keeps_base(void) {
@@ -289,7 +362,9 @@ static void test_bad_inputs(void) {
 int register_qlora_suite(void) {
     CU_pSuite s = CU_add_suite("qlora", qlora_suite_init, qlora_suite_cleanup);
     if (!s) return -1;
-    return !CU_add_test(s, "rules: first full match, op_types, unused-rule warning", test_rules_first_full_match) ||
+    return !CU_add_test(s, "adapter gradients over a quantized base (dense, conv)",
+                        test_adapter_grads_over_quantized_base) ||
+           !CU_add_test(s, "rules: first full match, op_types, unused-rule warning", test_rules_first_full_match) ||
            !CU_add_test(s, "qlora run: learns, base bit-identical", test_qlora_run_learns_and_keeps_base) ||
            !CU_add_test(s, "qlora resume exact; adapters.h5 round trip", test_qlora_resume_is_exact) ||
            !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||

@@ -1,7 +1,7 @@
 /* config.h - the run configuration: YAML (libyaml) into typed structs.
  *
- * A config file has the sections run, data, model, train (and quant, lora
- * for the later modes). Every key has a default except model.input and
+ * A config file has the sections run, data, model, train, and optionally
+ * quant (a post-training-quantized base) and lora (adapters). Every key has a default except model.input and
  * model.layers. Loading checks everything a run needs before any data is
  * read: types, ranges, names, required layer fields, and that the layers'
  * shapes chain (a dry model_init). Every error is QT_ERR_CONFIG (QT_ERR_IO
@@ -146,8 +146,9 @@ char *config_to_yaml(const Config *c);
 
 /* What differs between the config stored in a checkpoint and the one
  * resuming it. `fixed` gets the first key that must not change (it decides
- * the data order or the model: data.* but dir, model.* but init_from,
- * run.seed, train.batch_size), e.g. "model.layers[3]", or "" if none;
+ * the data order or the model: data.* but dir, model.* but init_from and
+ * adapters_from, run.seed, train.batch_size, anything in quant or lora),
+ * e.g. "model.layers[3]", or "" if none;
  * `changed` gets a comma-separated list of training keys that differ
  * (optimizer, schedule, epochs/steps, grad_clip), or "". */
 void config_diff_for_resume(const Config *stored, const Config *now, char *fixed, size_t fixed_cap, char *changed,
