@@ -87,6 +87,8 @@ static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *no
             float s = q->act_scale, zp = q->act_zero_point;
             qlayer_free(q);
             *q = fresh;
+            /* the options point at the layer's own spec: re-aim them after the move */
+            if (q->options.calib) q->options.calib = &q->spec.weight_calib;
             q->act_stats = stats, q->act_scale = s, q->act_zero_point = zp, q->act_ready = ready;
             qlayer_install(q);
         }
