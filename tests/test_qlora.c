@@ -346,6 +346,9 @@ static void expect_run_error(const char *sub, const char *const *ov, int n, QtSt
 static void test_bad_inputs(void) {
     const char *rank[] = {"lora.rules.0.rank=9"};
     expect_run_error("e-rank", rank, 1, QT_ERR_CONFIG, "conv1", "rank 9");
+    /* the second adapted module fails: everything built so far is freed cleanly */
+    const char *head[] = {"lora.trainable=[]", "lora.rules.0.op_types=[dense]", "lora.rules.0.rank=11"};
+    expect_run_error("e-head", head, 3, QT_ERR_CONFIG, "head", "rank 11");
     const char *no_init[] = {"model.init_from="};
     expect_run_error("e-init", no_init, 1, QT_ERR_CONFIG, "model.init_from", "ptq");
     const char *tile[] = {"quant.rules.0.tile_size=7"};

@@ -542,15 +542,15 @@ QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *
 }
 
 QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
-    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
-    QtStatus st = load_parts(path, m, NULL, NULL, &lora, true, err);
-    if (st != QT_OK || net->n_adapters == 0) return st;
-    /* The file must not hold adapters this run lacks: they belong to another model or other rules. */
+    /* First: the file must not hold adapters this run lacks (another model or other rules). */
     char names[CKPT_MODULES_MAX][MODULE_NAME_MAX];
     int n = 0;
     H5ioFile f = H5IO_FILE_INIT;
-    if ((st = h5io_open(&f, path, err)) != QT_OK) return st;
-    st = ckpt_list_group(&f, "lora", names, CKPT_MODULES_MAX, &n, err);
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    st = check_header(&f, err);
+    if (st == QT_OK && h5io_kind(&f, "lora") == H5IO_GROUP)
+        st = ckpt_list_group(&f, "lora", names, CKPT_MODULES_MAX, &n, err);
     for (int i = 0; st == QT_OK && i < n; i++) {
         bool known = false;
         for (int k = 0; !known && k < net->n_adapters; k++) known = strcmp(names[i], net->adapters[k].module->path) == 0;
@@ -559,7 +559,10 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
                               "module %s, which this run's lora rules do not adapt", path, names[i]);
     }
     QtStatus cst = h5io_close(&f, err);
-    return st == QT_OK ? cst : st;
+    if (st == QT_OK) st = cst;
+    if (st != QT_OK) return st;
+    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
+    return load_parts(path, m, NULL, NULL, &lora, true, err);
 }
 
 QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net, const char *config_text,

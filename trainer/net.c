@@ -12,8 +12,9 @@ static bool module_has_matrix_weight(const Module *m) {
 }
 
 void net_free(Net *n) {
-    for (int i = 0; i < n->n_adapters; i++) lora_adapter_free(&n->adapters[i]);
-    for (int i = 0; i < n->n_qlayers; i++) qlayer_free(&n->qlayers[i]);
+    /* the counts come before the arrays (net_check_specs), so either may be NULL */
+    for (int i = 0; n->adapters && i < n->n_adapters; i++) lora_adapter_free(&n->adapters[i]);
+    for (int i = 0; n->qlayers && i < n->n_qlayers; i++) qlayer_free(&n->qlayers[i]);
     free(n->adapters);
     free(n->qlayers);
     free(n->trainable);
@@ -127,7 +128,8 @@ static QtStatus net_load_base(Net *n, QtError *err) {
         st = qlayer_init_empty(q, q->module, &spec, err);
         if (st == QT_OK) {
             param_release(q->module->weight);
-            tmp[n_tmp++] = *q;
+            tmp[n_tmp] = *q;
+            tmp[n_tmp++].spec.act_qtype = NULL; /* static input ranges are calibrated afresh on this run's data */
         }
     }
     CheckpointNet parts = {.qlayers = tmp, .n_qlayers = n_tmp};
@@ -137,7 +139,11 @@ static QtStatus net_load_base(Net *n, QtError *err) {
     if (e.status != QT_OK) qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
     /* Stored layers got new QArrays from the file: take them back. */
     for (int i = 0, k = 0; i < n->n_qlayers && k < n_tmp; i++)
-        if (n->qlayers[i].module == tmp[k].module) n->qlayers[i] = tmp[k++];
+        if (n->qlayers[i].module == tmp[k].module) {
+            const QType *act = n->qlayers[i].spec.act_qtype;
+            n->qlayers[i] = tmp[k++];
+            n->qlayers[i].spec.act_qtype = act;
+        }
     for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
         QLayer *q = &n->qlayers[i];
         if (q->module->weight->released) continue;

@@ -23,7 +23,6 @@ typedef enum {
     NET_FRESH,    /* parameters from the seed, then model.init_from (quantized here, or a PTQ base as stored),
                      then model.adapters_from */
     NET_SHELL,    /* layouts only: a checkpoint fills every value (resume, eval, merge) */
-    NET_FLOAT,    /* the float model and rules only, no init_from: `qtrain quantize` quantizes it itself */
 } NetInit;
 
 typedef struct {
