@@ -213,12 +213,9 @@ static QtStatus check_finite(const float *x, size_t n, int ndim, const int *shap
     return QT_OK;
 }
 
-static QtStatus alloc_storage(QArray *q, const QArrayPlan *p, QtError *err) {
+bool qarray_alloc_scale_buffers(QArray *q, const QArrayPlan *p) {
     size_t n = q->n_scales ? q->n_scales : 1;
     bool ok = true;
-    q->code_bytes = qtype_packed_bytes(p->t, p->numel);
-    q->codes = calloc(q->code_bytes ? q->code_bytes : 1, 1);
-    ok &= q->codes != NULL;
     if (!qtype_is_block(p->t) && !p->dq) {
         switch (p->scale_type) {
         case QARRAY_SCALE_F16:
@@ -229,6 +226,14 @@ static QtStatus alloc_storage(QArray *q, const QArrayPlan *p, QtError *err) {
     }
     if (p->asym && p->zp_float) ok &= (q->zero_point.f32 = calloc(n, sizeof(float))) != NULL;
     else if (p->asym) ok &= (q->zero_point.i32 = calloc(n, sizeof(int32_t))) != NULL;
+    return ok;
+}
+
+static QtStatus alloc_storage(QArray *q, const QArrayPlan *p, QtError *err) {
+    q->code_bytes = qtype_packed_bytes(p->t, p->numel);
+    q->codes = calloc(q->code_bytes ? q->code_bytes : 1, 1);
+    bool ok = q->codes != NULL;
+    ok &= qarray_alloc_scale_buffers(q, p);
     if (!ok)
         return qt_error_set(err, QT_ERR_NOMEM, "QArray: out of memory for %zu elements of %s", p->numel, p->t->name);
     return QT_OK;

@@ -41,16 +41,8 @@ static bool alloc_buffers(QArray *q, const QArrayPlan *p) {
         q->dq.n_blocks = (q->n_scales + (size_t)p->dq_block - 1) / (size_t)p->dq_block;
         ok &= (q->dq.codes = calloc(n, 1)) != NULL;
         ok &= (q->dq.absmax = calloc(q->dq.n_blocks ? q->dq.n_blocks : 1, sizeof(float))) != NULL;
-    } else if (!qtype_is_block(p->t)) {
-        switch (p->scale_type) {
-        case QARRAY_SCALE_F16:
-        case QARRAY_SCALE_BF16: ok &= (q->scale.bits = calloc(n, sizeof(uint16_t))) != NULL; break;
-        case QARRAY_SCALE_POF2: ok &= (q->scale.e8m0 = calloc(n, 1)) != NULL; break;
-        default: ok &= (q->scale.f32 = calloc(n, sizeof(float))) != NULL; break;
-        }
     }
-    if (p->asym && p->zp_float) ok &= (q->zero_point.f32 = calloc(n, sizeof(float))) != NULL;
-    else if (p->asym) ok &= (q->zero_point.i32 = calloc(n, sizeof(int32_t))) != NULL;
+    ok &= qarray_alloc_scale_buffers(q, p);
     return ok;
 }
 

@@ -76,4 +76,9 @@ QtStatus qarray_plan_slice_range(const QArrayPlan *p, const float *v, size_t n, 
 QtStatus qarray_plan_round_scale(const QArrayPlan *p, size_t i, float s, uint32_t *stored, float *used,
                                  QtError *err);
 
+/* The scale buffer in the plan's scale type (none for block formats or
+ * double quantization) and the zero points (asymmetric only) of q, zeroed,
+ * q->n_scales (at least 1) each; qarray.c. false if memory runs out. */
+bool qarray_alloc_scale_buffers(QArray *q, const QArrayPlan *p);
+
 #endif

@@ -8,6 +8,7 @@
 
 #include "lora/lora.h"
 #include "nn/ops.h"
+#include "test_lora.h"
 #include "test_util.h"
 
 #define YMAX 256 /* room for every output in this file */
@@ -128,16 +129,8 @@ static void test_fresh_adapter_is_identity(void) {
 
 /* ---- gradients ------------------------------------------------------------------ */
 
-typedef struct {
-    Model *model;
-    LoraAdapter *a;
-} GradCtx;
-
-/* inputs: x, A, B. The adapter's own A and B take the inputs' values, and
- * the inputs' grads are pointed at A's and B's persistent grad buffers, so
- * gradcheck reads what the backward accumulated into the parameters. */
-static Var *model_adapter_fn(Tape *t, Var **in, void *ctx) {
-    GradCtx *c = ctx;
+Var *lora_test_model_fn(Tape *t, Var **in, void *ctx) {
+    LoraGradCtx *c = ctx;
     Param *p[2] = {&c->a->A, &c->a->B};
     for (int i = 0; i < 2; i++) {
         size_t n = var_numel(&p[i]->var);
@@ -165,8 +158,8 @@ static void check_adapter_grads(const char *name, Model *m, LoraAdapter *a, cons
     memcpy(in[0].shape, c->x_shape, sizeof c->x_shape);
     memcpy(in[1].shape, a->A.var.value.shape, sizeof in[1].shape);
     memcpy(in[2].shape, a->B.var.value.shape, sizeof in[2].shape);
-    GradCtx ctx = {m, a};
-    CU_ASSERT(gradcheck(name, model_adapter_fn, &ctx, in, 3, 1e-3, 2e-3, 1e-2));
+    LoraGradCtx ctx = {m, a};
+    CU_ASSERT(gradcheck(name, lora_test_model_fn, &ctx, in, 3, 1e-3, 2e-3, 1e-2));
     CU_ASSERT_PTR_NULL(w->var.grad);
     CU_ASSERT_FALSE(w->var.requires_grad);
     CU_ASSERT_EQUAL(memcmp(w0, w->var.value.data, nw * sizeof(float)), 0);

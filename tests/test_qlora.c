@@ -10,6 +10,7 @@
 #include "lora/lora.h"
 #include "quant/qarray_io.h"
 #include "quant/qlayer.h"
+#include "test_lora.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -117,25 +118,6 @@ static void test_rules_first_full_match(void) {
 
 /* ---- adapter gradients over a quantized base ------------------------------------ */
 
-typedef struct {
-    Model *model;
-    LoraAdapter *a;
-} QGradCtx;
-
-/* inputs x, A, B: A and B take the inputs' values and the inputs' grads
- * point at the adapter's persistent grad buffers. */
-static Var *qbase_adapter_fn(Tape *t, Var **in, void *ctx) {
-    QGradCtx *c = ctx;
-    Param *p[2] = {&c->a->A, &c->a->B};
-    for (int i = 0; i < 2; i++) {
-        size_t n = var_numel(&p[i]->var);
-        memcpy(p[i]->var.value.data, in[i + 1]->value.data, n * sizeof(float));
-        memset(p[i]->var.grad, 0, n * sizeof(float));
-        in[i + 1]->grad = p[i]->var.grad;
-    }
-    return model_forward(c->model, t, in[0]);
-}
-
 static void check_qbase_adapter(const char *name, const LayerSpec *layer, int in_ndim, const int *in_shape,
                                 const int *x_shape) {
     Model m;
@@ -169,8 +151,8 @@ static void check_qbase_adapter(const char *name, const LayerSpec *layer, int in
     memcpy(in[0].shape, x_shape, sizeof(int) * (size_t)(in_ndim + 1));
     memcpy(in[1].shape, a.A.var.value.shape, sizeof in[1].shape);
     memcpy(in[2].shape, a.B.var.value.shape, sizeof in[2].shape);
-    QGradCtx ctx = {&m, &a};
-    CU_ASSERT(gradcheck(name, qbase_adapter_fn, &ctx, in, 3, 1e-3, 2e-3, 1e-2));
+    LoraGradCtx ctx = {&m, &a};
+    CU_ASSERT(gradcheck(name, lora_test_model_fn, &ctx, in, 3, 1e-3, 2e-3, 1e-2));
     free(x);
     lora_adapter_free(&a);
     qlayer_free(&q);
