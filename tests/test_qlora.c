@@ -13,6 +13,7 @@
 #include "test_lora.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
+#include "trainer/compare.h"
 #include "trainer/config.h"
 #include "trainer/net.h"
 #include "trainer/tools.h"
@@ -309,6 +310,47 @@ static void test_merge(void) {
     free(q);
 }
 
+/* ---- compare ------------------------------------------------------------------------ */
+
+static void test_compare(void) {
+    const char *dirs[3] = {"m-float", "q0", "q1"};
+    CompareRun runs[3];
+    QtError err = {0};
+    for (int i = 0; i < 3; i++) {
+        char d[1024];
+        snprintf(d, sizeof d, "%s/%s", tmp_root, dirs[i]);
+        CU_ASSERT_EQUAL_FATAL(compare_load_run(&runs[i], d, &err), QT_OK);
+    }
+    CU_ASSERT_STRING_EQUAL(runs[0].mode, "lora");
+    CU_ASSERT_STRING_EQUAL(runs[0].weights, "float32");
+    CU_ASSERT_STRING_EQUAL(runs[2].mode, "qlora");
+    CU_ASSERT_STRING_EQUAL(runs[2].weights, "nf4/8,nf4/64+dq");
+    CU_ASSERT(runs[2].bits_per_param > 4.0 && runs[2].bits_per_param < 5.5);
+    CU_ASSERT_EQUAL(runs[1].n_points, 0); /* an evaluation-only run has no training curve */
+    CU_ASSERT_EQUAL(runs[2].n_points, 6);  /* 24 steps logged every 4 */
+    CU_ASSERT_EQUAL(runs[2].steps[5], 24.0);
+    char out[1024];
+    snprintf(out, sizeof out, "%s/cmp", tmp_root);
+    FILE *table = tmpfile();
+    CU_ASSERT_EQUAL(compare_write(runs, 3, out, table, &err), QT_OK);
+    rewind(table);
+    char text[4096] = "";
+    CU_ASSERT(fread(text, 1, sizeof text - 1, table) > 0);
+    fclose(table);
+    /* no float run among these: no delta column values */
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "Δ vs float (none)"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "| test-tiny-qlora | qlora | nf4/8,nf4/64+dq | none | none |"));
+    size_t n = 0;
+    char *svg = test_file_read(path_in("cmp", "compare.svg"), &n);
+    CU_ASSERT(svg && strstr(svg, "<polyline") && strstr(svg, "</svg>"));
+    free(svg);
+    CU_ASSERT(test_file_exists(out, "compare.md"));
+    for (int i = 0; i < 3; i++) compare_run_free(&runs[i]);
+    CompareRun none;
+    CU_ASSERT_EQUAL(compare_load_run(&none, tmp_root, &err), QT_ERR_IO);
+    CU_ASSERT(test_msg_has(&err, "summary.json"));
+}
+
 /* ---- bad input ------------------------------------------------------------------ */
 
 static void expect_run_error(const char *sub, const char *const *ov, int n, QtStatus want, const char *a,
@@ -354,5 +396,6 @@ int register_qlora_suite(void) {
            !CU_add_test(s, "qlora resume exact; adapters.h5 round trip", test_qlora_resume_is_exact) ||
            !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||
            !CU_add_test(s, "merge: float exact, quantized small error", test_merge) ||
+           !CU_add_test(s, "compare: table, compare.md, compare.svg", test_compare) ||
            !CU_add_test(s, "errors before training", test_bad_inputs);
 }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "trainer/checkpoint.h"
+#include "trainer/compare.h"
 #include "trainer/config.h"
 #include "trainer/demo.h"
 #include "trainer/tools.h"
@@ -21,6 +22,7 @@ static void usage(FILE *out) {
             "       qtrain eval [--config FILE] --checkpoint PATH [--set KEY=VALUE]... [--quiet]\n"
             "       qtrain quantize --config FILE --checkpoint PATH --out PATH [--set KEY=VALUE]...\n"
             "       qtrain merge --checkpoint PATH --out PATH\n"
+            "       qtrain compare RUN_DIR... [--out DIR]\n"
             "       qtrain inspect PATH\n"
             "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
             "       qtrain --help | --version\n"
@@ -39,6 +41,11 @@ static void usage(FILE *out) {
             "  merge     fold a run's LoRA adapters into its base (a quantized base is\n"
             "            dequantized, added to and re-quantized) and report the merge error\n"
             "            and the test accuracy before and after.\n"
+            "  compare   runs side by side from their summary.json and metrics.csv: a\n"
+            "            table (formats, bits/param, size, accuracy, delta vs the first\n"
+            "            float run, speed), and DIR/compare.md and DIR/compare.svg\n"
+            "            (accuracy vs bits/param, training-loss curves); DIR defaults\n"
+            "            to runs/compare.\n"
             "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
             "            total bytes.\n"
             "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"
@@ -208,6 +215,36 @@ static int cmd_merge(int argc, char **argv) {
     return 0;
 }
 
+static int cmd_compare(int argc, char **argv) {
+    const char *out = "runs/compare", *dirs[COMPARE_MAX_RUNS];
+    int n = 0;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = argv[++i];
+        else if (argv[i][0] == '-') {
+            fprintf(stderr, "qtrain compare: unknown option '%s' (see qtrain --help)\n", argv[i]);
+            return 2;
+        } else if (n == COMPARE_MAX_RUNS) {
+            fprintf(stderr, "qtrain compare: at most %d runs\n", COMPARE_MAX_RUNS);
+            return 2;
+        } else dirs[n++] = argv[i];
+    }
+    if (n == 0) {
+        fprintf(stderr, "qtrain compare: give one or more run directories (each with summary.json)\n");
+        return 2;
+    }
+    CompareRun *runs = calloc((size_t)n, sizeof *runs);
+    QtError err = {0};
+    QtStatus st = runs ? QT_OK : qt_error_set(&err, QT_ERR_NOMEM, "out of memory");
+    int loaded = 0;
+    for (; st == QT_OK && loaded < n; loaded++)
+        if ((st = compare_load_run(&runs[loaded], dirs[loaded], &err)) != QT_OK) break;
+    if (st == QT_OK) st = compare_write(runs, n, out, stdout, &err);
+    if (st == QT_OK) printf("\nwrote %s/compare.md and %s/compare.svg\n", out, out);
+    for (int i = 0; runs && i < loaded; i++) compare_run_free(&runs[i]);
+    free(runs);
+    return st == QT_OK ? 0 : fail(&err, 1);
+}
+
 static int cmd_inspect(int argc, char **argv) {
     if (argc != 1) {
         fprintf(stderr, "qtrain inspect: give exactly one checkpoint path\n");
@@ -258,6 +295,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "quantize") == 0) return cmd_quantize(argc - 2, argv + 2);
     if (strcmp(cmd, "merge") == 0) return cmd_merge(argc - 2, argv + 2);
+    if (strcmp(cmd, "compare") == 0) return cmd_compare(argc - 2, argv + 2);
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
     if (strcmp(cmd, "train") == 0) return cmd_train(argc - 2, argv + 2);
     if (cmd[0] == '-') return cmd_train(argc - 1, argv + 1);

@@ -297,6 +297,30 @@ double net_base_bits_per_param(const Net *n) {
     return count > 0 ? bytes * 8.0 / count : 32.0;
 }
 
+/* Appends item to the comma-separated list buf unless it is there already. */
+static void list_add_unique(char *buf, size_t cap, const char *item) {
+    size_t len = strlen(item);
+    for (const char *p = buf; (p = strstr(p, item)) != NULL; p += len)
+        if ((p == buf || p[-1] == ',') && (p[len] == ',' || p[len] == '\0')) return;
+    size_t used = strlen(buf);
+    snprintf(buf + used, cap - used, "%s%s", used ? "," : "", item);
+}
+
+void net_format_summary(const Net *n, char *weights, size_t wcap, char *acts, size_t acap) {
+    weights[0] = acts[0] = '\0';
+    for (int i = 0; i < n->n_qlayers; i++) {
+        const QLayerSpec *s = &n->qlayers[i].spec;
+        char f[64], g[16];
+        if (s->tile_size > 0) snprintf(g, sizeof g, "%d", s->tile_size);
+        else snprintf(g, sizeof g, "%s", qtype_is_block(s->weight_qtype) ? "mx" : s->per_tensor ? "t" : "ch");
+        snprintf(f, sizeof f, "%s/%s%s", qtype_name(s->weight_qtype), g, s->double_quant ? "+dq" : "");
+        list_add_unique(weights, wcap, f);
+        if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
+    }
+    if (!weights[0]) snprintf(weights, wcap, "float32");
+    if (!acts[0]) snprintf(acts, acap, "none");
+}
+
 void net_calib_begin(Net *n) {
     for (int i = 0; i < n->n_qlayers; i++) qlayer_calib_begin(&n->qlayers[i]);
 }

@@ -64,6 +64,12 @@ size_t net_model_bytes(const Net *n);
  * float params) * 8 / its parameter count: the base's bits per parameter. */
 double net_base_bits_per_param(const Net *n);
 
+/* The distinct formats of the base's weights and of its quantized inputs,
+ * comma-separated in module order: e.g. "nf4/32+dq,nf4/64+dq" (a block
+ * size, "ch" per output channel, "t" per tensor, "+dq" double-quantized
+ * scales), "float32" for a float base, "none" for float inputs. */
+void net_format_summary(const Net *n, char *weights, size_t wcap, char *acts, size_t acap);
+
 /* Static activation calibration over `batches` forward passes driven by the
  * caller: begin, then forward passes, then end. */
 void net_calib_begin(Net *n);

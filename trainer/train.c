@@ -475,6 +475,11 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_int(&w, "params_frozen", res->params_frozen);
     json_int(&w, "model_bytes", res->model_bytes);
     json_number(&w, "base_bits_per_param", res->base_bits_per_param);
+    char wf[256], af[128];
+    net_format_summary(&r->net, wf, sizeof wf, af, sizeof af);
+    json_string(&w, "weight_formats", wf);
+    json_string(&w, "act_formats", af);
+    json_string(&w, "bwd_format", "none");
     json_number(&w, "peak_rss_mb", res->peak_rss_mb);
     if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
     json_end(&w);

@@ -1,0 +1,296 @@
+/* compare.c - runs side by side: a table, compare.md and an SVG chart. */
+#include "compare.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* ---- reading a run --------------------------------------------------------------------- */
+
+static char *read_text(const char *path, QtError *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        qt_error_set(err, QT_ERR_IO, "cannot read %s: %s (a run writes it when it finishes)", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += got;
+        if (len + 1 == cap) {
+            char *b = realloc(buf, cap * 2);
+            if (!b) free(buf);
+            buf = b, cap *= 2;
+        }
+    }
+    fclose(f);
+    if (!buf) qt_error_set(err, QT_ERR_NOMEM, "out of memory reading %s", path);
+    else buf[len] = '\0';
+    return buf;
+}
+
+/* The value of "key" in our flat summary.json: a string (unescaped into
+ * out), a number or null. Returns false if the key is absent. */
+static bool json_find(const char *text, const char *key, char *out, size_t cap) {
+    char pat[96];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(text, pat);
+    if (!p) return false;
+    p += strlen(pat);
+    while (*p == ' ') p++;
+    size_t n = 0;
+    if (*p == '"') {
+        for (p++; *p && *p != '"' && n + 1 < cap; p++) {
+            if (*p == '\\' && p[1]) p++;
+            out[n++] = *p;
+        }
+    } else {
+        while (*p && *p != ',' && *p != '\n' && *p != '}' && n + 1 < cap) out[n++] = *p++;
+    }
+    out[n] = '\0';
+    return true;
+}
+
+static double json_number_or(const char *text, const char *key, double dflt) {
+    char v[64];
+    if (!json_find(text, key, v, sizeof v) || strcmp(v, "null") == 0) return dflt;
+    char *end = NULL;
+    double d = strtod(v, &end);
+    return end != v ? d : dflt;
+}
+
+static void json_string_or(const char *text, const char *key, const char *dflt, char *out, size_t cap) {
+    if (!json_find(text, key, out, cap) || !out[0]) snprintf(out, cap, "%s", dflt);
+}
+
+/* The train rows of metrics.csv: (step, loss). */
+static QtStatus read_curve(CompareRun *r, const char *path, QtError *err) {
+    char *text = read_text(path, err);
+    if (!text) return err->status;
+    size_t cap = 64;
+    r->steps = malloc(cap * sizeof(double));
+    r->losses = malloc(cap * sizeof(double));
+    QtStatus st = r->steps && r->losses ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory reading %s", path);
+    for (char *line = strtok(text, "\n"); st == QT_OK && line; line = strtok(NULL, "\n")) {
+        double step, epoch, loss;
+        if (strncmp(line, "train,", 6) != 0 || sscanf(line + 6, "%lf,%lf,%lf", &step, &epoch, &loss) != 3) continue;
+        if ((size_t)r->n_points == cap) {
+            cap *= 2;
+            double *s = realloc(r->steps, cap * sizeof(double)), *l = s ? realloc(r->losses, cap * sizeof(double)) : NULL;
+            if (s) r->steps = s;
+            if (l) r->losses = l;
+            if (!s || !l) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory reading %s", path);
+        }
+        if (st == QT_OK) r->steps[r->n_points] = step, r->losses[r->n_points++] = loss;
+    }
+    free(text);
+    return st;
+}
+
+QtStatus compare_load_run(CompareRun *r, const char *dir, QtError *err) {
+    memset(r, 0, sizeof *r);
+    snprintf(r->dir, sizeof r->dir, "%s", dir);
+    char path[1100];
+    snprintf(path, sizeof path, "%s/summary.json", dir);
+    char *text = read_text(path, err);
+    if (!text) return err->status;
+    QtStatus st = QT_OK;
+    if (!strstr(text, "\"test_accuracy\""))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is not a qtrain summary (no test_accuracy)", path);
+    if (st == QT_OK) {
+        json_string_or(text, "name", dir, r->name, sizeof r->name);
+        json_string_or(text, "mode", "float", r->mode, sizeof r->mode);
+        /* summaries written before these keys existed: known for a float run only */
+        bool fl = strcmp(r->mode, "float") == 0 || strcmp(r->mode, "lora") == 0;
+        json_string_or(text, "weight_formats", fl ? "float32" : "?", r->weights, sizeof r->weights);
+        json_string_or(text, "act_formats", fl ? "none" : "?", r->acts, sizeof r->acts);
+        json_string_or(text, "bwd_format", "none", r->bwd, sizeof r->bwd);
+        r->bits_per_param = json_number_or(text, "base_bits_per_param", 32.0);
+        r->model_bytes = (int64_t)json_number_or(text, "model_bytes", 0.0);
+        r->test_accuracy = json_number_or(text, "test_accuracy", NAN);
+        r->samples_per_s = json_number_or(text, "samples_per_s", 0.0);
+        r->wall_s = json_number_or(text, "wall_s", 0.0);
+    }
+    free(text);
+    snprintf(path, sizeof path, "%s/metrics.csv", dir);
+    if (st == QT_OK) st = read_curve(r, path, err);
+    if (st != QT_OK) compare_run_free(r);
+    return st;
+}
+
+void compare_run_free(CompareRun *r) {
+    free(r->steps);
+    free(r->losses);
+    r->steps = r->losses = NULL;
+    r->n_points = 0;
+}
+
+/* ---- the table ----------------------------------------------------------------------------- */
+
+static int first_float(const CompareRun *runs, int n) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(runs[i].mode, "float") == 0) return i;
+    return -1;
+}
+
+static void write_table(FILE *f, const CompareRun *runs, int n) {
+    int base = first_float(runs, n);
+    fprintf(f, "| run | mode | weights | acts | bwd | bits/param | model KiB | test acc | Δ vs %s | samples/s | wall s |\n",
+            base >= 0 ? runs[base].name : "float (none)");
+    fprintf(f, "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    for (int i = 0; i < n; i++) {
+        const CompareRun *r = &runs[i];
+        char delta[32] = "-";
+        if (base >= 0 && isfinite(r->test_accuracy) && isfinite(runs[base].test_accuracy))
+            snprintf(delta, sizeof delta, "%+.2f", 100.0 * (r->test_accuracy - runs[base].test_accuracy));
+        fprintf(f, "| %s | %s | %s | %s | %s | %.3f | %.1f | %.2f %% | %s | %.0f | %.1f |\n", r->name, r->mode,
+                r->weights, r->acts, r->bwd, r->bits_per_param, (double)r->model_bytes / 1024.0,
+                100.0 * r->test_accuracy, delta, r->samples_per_s, r->wall_s);
+    }
+}
+
+/* ---- the chart --------------------------------------------------------------------------------- */
+
+static const char *const COLORS[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                                     "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+#define N_COLORS (sizeof COLORS / sizeof COLORS[0])
+
+typedef struct {
+    double x0, y0, w, h;         /* the plot area in SVG units */
+    double xmin, xmax, ymin, ymax;
+} Panel;
+
+static double px(const Panel *p, double x) { return p->x0 + (x - p->xmin) / (p->xmax - p->xmin) * p->w; }
+static double py(const Panel *p, double y) { return p->y0 + p->h - (y - p->ymin) / (p->ymax - p->ymin) * p->h; }
+
+static void svg_text_escaped(FILE *f, const char *s) {
+    for (; *s; s++) {
+        if (*s == '<') fputs("&lt;", f);
+        else if (*s == '>') fputs("&gt;", f);
+        else if (*s == '&') fputs("&amp;", f);
+        else fputc(*s, f);
+    }
+}
+
+static void svg_frame(FILE *f, const Panel *p, const char *title, const char *xlabel, const char *ylabel) {
+    fprintf(f, "<rect x='%.1f' y='%.1f' width='%.1f' height='%.1f' fill='none' stroke='#444'/>\n", p->x0, p->y0, p->w,
+            p->h);
+    fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle' font-size='15'>%s</text>\n", p->x0 + p->w / 2,
+            p->y0 - 12, title);
+    fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%s</text>\n", p->x0 + p->w / 2, p->y0 + p->h + 38,
+            xlabel);
+    fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle' transform='rotate(-90 %.1f %.1f)'>%s</text>\n",
+            p->x0 - 48, p->y0 + p->h / 2, p->x0 - 48, p->y0 + p->h / 2, ylabel);
+}
+
+static void svg_yticks(FILE *f, const Panel *p, double step, const char *fmt) {
+    for (double y = ceil(p->ymin / step) * step; y <= p->ymax + 1e-9; y += step) {
+        fprintf(f, "<line x1='%.1f' x2='%.1f' y1='%.1f' y2='%.1f' stroke='#ddd'/>\n", p->x0, p->x0 + p->w, py(p, y),
+                py(p, y));
+        fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='end'>", p->x0 - 6, py(p, y) + 4);
+        fprintf(f, fmt, y);
+        fputs("</text>\n", f);
+    }
+}
+
+static double nice_step(double span) {
+    double raw = span / 5.0, mag = pow(10.0, floor(log10(raw)));
+    double r = raw / mag;
+    return (r < 1.5 ? 1.0 : r < 3.5 ? 2.0 : r < 7.5 ? 5.0 : 10.0) * mag;
+}
+
+/* Accuracy (%) against log2 bits per parameter. */
+static void svg_accuracy_panel(FILE *f, const CompareRun *runs, int n) {
+    Panel p = {80, 50, 400, 320, 1.0, 5.0, 100.0, 0.0};
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(runs[i].test_accuracy)) continue;
+        double a = 100.0 * runs[i].test_accuracy;
+        p.ymin = fmin(p.ymin, a), p.ymax = fmax(p.ymax, a);
+    }
+    if (p.ymin > p.ymax) p.ymin = 0, p.ymax = 100;
+    double pad = fmax(1.0, 0.1 * (p.ymax - p.ymin));
+    p.ymin = fmax(0.0, p.ymin - pad), p.ymax = fmin(100.0, p.ymax + pad);
+    if (p.ymax - p.ymin < 1e-6) p.ymax = p.ymin + 1.0;
+    svg_frame(f, &p, "test accuracy vs bits per parameter", "bits per base parameter (log2 axis)",
+              "test accuracy (%)");
+    svg_yticks(f, &p, nice_step(p.ymax - p.ymin), "%.1f");
+    for (int b = 1; b <= 5; b++)
+        fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%d</text>\n", px(&p, b), p.y0 + p.h + 18, 1 << b);
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(runs[i].test_accuracy)) continue;
+        double x = px(&p, log2(fmin(fmax(runs[i].bits_per_param, 2.0), 32.0)));
+        double y = py(&p, 100.0 * runs[i].test_accuracy);
+        fprintf(f, "<circle cx='%.1f' cy='%.1f' r='5' fill='%s'/>\n", x, y, COLORS[(size_t)i % N_COLORS]);
+        fprintf(f, "<text x='%.1f' y='%.1f' font-size='11'>", x + 8, y - 6 - 12.0 * (i % 2));
+        svg_text_escaped(f, runs[i].name);
+        fputs("</text>\n", f);
+    }
+}
+
+/* Training loss against the step, every run. */
+static void svg_loss_panel(FILE *f, const CompareRun *runs, int n) {
+    Panel p = {600, 50, 400, 320, 0.0, 1.0, 0.0, 0.0};
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < runs[i].n_points; k++) {
+            p.xmax = fmax(p.xmax, runs[i].steps[k]);
+            if (isfinite(runs[i].losses[k])) p.ymax = fmax(p.ymax, runs[i].losses[k]);
+        }
+    if (p.ymax <= 0) p.ymax = 1.0;
+    p.ymax *= 1.05;
+    svg_frame(f, &p, "training loss", "step", "mean loss per logged window");
+    svg_yticks(f, &p, nice_step(p.ymax), "%.2g");
+    double xs = nice_step(p.xmax);
+    for (double x = 0; x <= p.xmax + 1e-9; x += xs)
+        fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%.0f</text>\n", px(&p, x), p.y0 + p.h + 18, x);
+    for (int i = 0; i < n; i++) {
+        const char *color = COLORS[(size_t)i % N_COLORS];
+        if (runs[i].n_points > 0) {
+            fprintf(f, "<polyline fill='none' stroke='%s' stroke-width='1.5' points='", color);
+            for (int k = 0; k < runs[i].n_points; k++)
+                if (isfinite(runs[i].losses[k]))
+                    fprintf(f, "%.1f,%.1f ", px(&p, runs[i].steps[k]), py(&p, runs[i].losses[k]));
+            fputs("'/>\n", f);
+        }
+        double ly = p.y0 + 14 + 16.0 * i;
+        fprintf(f, "<line x1='%.1f' x2='%.1f' y1='%.1f' y2='%.1f' stroke='%s' stroke-width='3'/>\n", p.x0 + p.w + 12,
+                p.x0 + p.w + 32, ly - 4, ly - 4, color);
+        fprintf(f, "<text x='%.1f' y='%.1f' font-size='11'>", p.x0 + p.w + 36, ly);
+        svg_text_escaped(f, runs[i].name);
+        fprintf(f, "%s</text>\n", runs[i].n_points ? "" : " (no steps)");
+    }
+}
+
+static QtStatus write_svg(const char *path, const CompareRun *runs, int n, QtError *err) {
+    FILE *f = fopen(path, "w");
+    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='1180' height='440' font-family='sans-serif' "
+               "font-size='12'>\n<rect width='100%%' height='100%%' fill='white'/>\n");
+    svg_accuracy_panel(f, runs, n);
+    svg_loss_panel(f, runs, n);
+    fputs("</svg>\n", f);
+    if (fclose(f) != 0) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    return QT_OK;
+}
+
+QtStatus compare_write(const CompareRun *runs, int n, const char *out_dir, FILE *table, QtError *err) {
+    if (mkdir(out_dir, 0777) != 0 && errno != EEXIST)
+        return qt_error_set(err, QT_ERR_IO, "cannot create %s: %s; give another --out", out_dir, strerror(errno));
+    if (table) write_table(table, runs, n);
+    char path[1100];
+    snprintf(path, sizeof path, "%s/compare.md", out_dir);
+    FILE *f = fopen(path, "w");
+    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; give another --out", path, strerror(errno));
+    fprintf(f, "# Runs compared\n\n");
+    write_table(f, runs, n);
+    fprintf(f, "\nbits/param: bytes held for the frozen base (quantized weights with their scales, and float "
+               "parameters) x 8 / its parameters; 32 for a float model. Runs:");
+    for (int i = 0; i < n; i++) fprintf(f, "%s `%s`", i ? "," : "", runs[i].dir);
+    fprintf(f, ".\n\n![accuracy vs bits per parameter, and training loss](compare.svg)\n");
+    if (fclose(f) != 0) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    snprintf(path, sizeof path, "%s/compare.svg", out_dir);
+    return write_svg(path, runs, n, err);
+}
