@@ -25,7 +25,8 @@
     X(config)     \
     X(checkpoint) \
     X(trainer)    \
-    X(qlora)
+    X(qlora)      \
+    X(quant_qat)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)
