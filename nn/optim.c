@@ -123,6 +123,9 @@ QtStatus optim_init(Optimizer *o, const OptimConfig *cfg, Param *const *params, 
     if (!o->params) goto nomem;
     for (int i = 0, j = 0; i < n_params; i++)
         if (params[i]->trainable) o->params[j++] = params[i];
+    o->lr_scale = malloc((size_t)(n ? n : 1) * sizeof *o->lr_scale);
+    if (!o->lr_scale) goto nomem;
+    for (int i = 0; i < n; i++) o->lr_scale[i] = 1.0f;
     bool need_m = cfg->kind == OPTIM_ADAMW || cfg->momentum != 0.0f;
     if (need_m && !(o->m = alloc_state(o->params, n))) goto nomem;
     if (cfg->kind == OPTIM_ADAMW && !(o->v = alloc_state(o->params, n))) goto nomem;
@@ -139,6 +142,7 @@ void optim_free(Optimizer *o) {
     free_state(o->m, o->n_params);
     free_state(o->v, o->n_params);
     free(o->params);
+    free(o->lr_scale);
     memset(o, 0, sizeof *o);
 }
 
@@ -204,7 +208,7 @@ static void adamw_update(float *restrict p, const float *restrict g, float *rest
     }
 }
 
-static void sgd_step(Optimizer *o, float lr) {
+static SgdScalars sgd_scalars(const Optimizer *o, float lr) {
     const OptimConfig *c = &o->cfg;
     bool first = o->step == 0; /* PyTorch: the buffer is None until a param's first step */
     SgdScalars s = {
@@ -215,14 +219,20 @@ static void sgd_step(Optimizer *o, float lr) {
         .d_mom = c->nesterov ? c->momentum : 1.0f,
         .neg_lr = -lr,
     };
+    return s;
+}
+
+static void sgd_step(Optimizer *o, float lr) {
+    SgdScalars shared = sgd_scalars(o, lr);
     for (int i = 0; i < o->n_params; i++) {
         Var *var = &o->params[i]->var;
         if (!var->grad) continue; /* frozen after optim_init: keeps its state, takes no step */
-        sgd_update(var->value.data, var->grad, o->m ? o->m[i] : NULL, var_numel(var), &s);
+        SgdScalars own = o->lr_scale[i] != 1.0f ? sgd_scalars(o, lr * o->lr_scale[i]) : shared;
+        sgd_update(var->value.data, var->grad, o->m ? o->m[i] : NULL, var_numel(var), &own);
     }
 }
 
-static void adamw_step(Optimizer *o, float lr) {
+static AdamScalars adam_scalars(const Optimizer *o, float lr) {
     const OptimConfig *c = &o->cfg;
     /* PyTorch keeps the step as a float tensor and reads it back as a Python
      * float, so the powers and corrections are double arithmetic. */
@@ -239,11 +249,29 @@ static void adamw_step(Optimizer *o, float lr) {
         .eps = c->eps,
         .neg_step_size = (float)(-((double)lr / bc1)),
     };
+    return s;
+}
+
+static void adamw_step(Optimizer *o, float lr) {
+    AdamScalars shared = adam_scalars(o, lr);
     for (int i = 0; i < o->n_params; i++) {
         Var *var = &o->params[i]->var;
         if (!var->grad) continue; /* frozen after optim_init: keeps its state, takes no step */
-        adamw_update(var->value.data, var->grad, o->m[i], o->v[i], var_numel(var), &s);
+        AdamScalars own = o->lr_scale[i] != 1.0f ? adam_scalars(o, lr * o->lr_scale[i]) : shared;
+        adamw_update(var->value.data, var->grad, o->m[i], o->v[i], var_numel(var), &own);
     }
+}
+
+QtStatus optim_set_lr_scale(Optimizer *o, const Param *p, float scale, QtError *err) {
+    if (!(scale >= 0.0f) || !isfinite(scale))
+        return qt_error_set(err, QT_ERR_ARG, "%s: learning-rate factor %g must be a finite number >= 0", p->name,
+                            (double)scale);
+    for (int i = 0; i < o->n_params; i++)
+        if (o->params[i] == p) {
+            o->lr_scale[i] = scale;
+            return QT_OK;
+        }
+    return qt_error_set(err, QT_ERR_ARG, "%s is not a parameter this optimizer trains", p->name);
 }
 
 void optim_step(Optimizer *o, float lr) {

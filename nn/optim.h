@@ -44,6 +44,7 @@ typedef struct {
     float **m;          /* [n_params][numel]: AdamW first moment / SGD momentum buffer;
                            NULL for SGD without momentum (PyTorch keeps no buffer either) */
     float **v;          /* [n_params][numel]: AdamW second moment; NULL for SGD */
+    float *lr_scale;    /* [n_params] each param's lr = the step's lr * lr_scale (1 unless set) */
     int64_t step;       /* optimizer steps taken (AdamW bias correction uses step after increment) */
 } Optimizer;
 
@@ -57,6 +58,10 @@ void optim_free(Optimizer *o);
 /* One update of every trainable param from its grad, with this step's lr
  * (from the schedule; cfg.lr is not used here). No allocation. */
 void optim_step(Optimizer *o, float lr);
+/* Gives p its own learning rate, `scale` times the schedule's (e.g. learned
+ * quantization ranges with their own lr). QT_ERR_ARG if p is not one of the
+ * optimizer's params or scale is not finite and >= 0. */
+QtStatus optim_set_lr_scale(Optimizer *o, const Param *p, float scale, QtError *err);
 /* Zeroes every trainable param's grad buffer. */
 void optim_zero_grad(Optimizer *o);
 

@@ -411,6 +411,36 @@ static void test_bad_schedule(void) {
     expect_bad_schedule(&s, "warmup_steps");
 }
 
+/* A param with its own lr factor moves exactly as a run with that lr would;
+ * the others are untouched by the factor. */
+static void test_lr_scale(void) {
+    for (int kind = 0; kind < 2; kind++) {
+        float va[2] = {1.0f, -2.0f}, vb[2] = {1.0f, -2.0f}, vr[2] = {1.0f, -2.0f};
+        float ga[2] = {0.5f, 0.25f}, gb[2] = {0.5f, 0.25f}, gr[2] = {0.5f, 0.25f};
+        Param a, b, r;
+        make_param(&a, "a", va, ga, 2, true);
+        make_param(&b, "b", vb, gb, 2, true);
+        make_param(&r, "ref", vr, gr, 2, true);
+        OptimConfig c = optim_config_default(kind ? OPTIM_ADAMW : OPTIM_SGD);
+        Param *ab[2] = {&a, &b}, *ref[1] = {&r};
+        Optimizer o, oref;
+        QtError err = {0};
+        CU_ASSERT_EQUAL_FATAL(optim_init(&o, &c, ab, 2, &err), QT_OK);
+        CU_ASSERT_EQUAL_FATAL(optim_init(&oref, &c, ref, 1, &err), QT_OK);
+        CU_ASSERT_EQUAL(optim_set_lr_scale(&o, &b, 0.25f, &err), QT_OK);
+        CU_ASSERT_EQUAL(optim_set_lr_scale(&o, &r, 2.0f, &err), QT_ERR_ARG);
+        CU_ASSERT_EQUAL(optim_set_lr_scale(&o, &a, -1.0f, &err), QT_ERR_ARG);
+        for (int step = 0; step < 3; step++) {
+            optim_step(&o, 0.1f);
+            optim_step(&oref, 0.025f);
+        }
+        CU_ASSERT(va[0] != vb[0]);
+        CU_ASSERT_EQUAL(memcmp(vb, vr, sizeof vb), 0);
+        optim_free(&o);
+        optim_free(&oref);
+    }
+}
+
 int register_nn_optim_suite(void) {
     CU_pSuite s = CU_add_suite("nn_optim", NULL, NULL);
     if (!s) return -1;
@@ -426,6 +456,7 @@ int register_nn_optim_suite(void) {
         {"adamw first step ~ lr*sign(g)", test_adamw_first_step_sign},
         {"frozen params and zero_grad", test_frozen_and_zero_grad},
         {"clip_grad_norm", test_clip_grad_norm},
+        {"per-parameter lr factor", test_lr_scale},
         {"schedule constant + warmup", test_schedule_constant_warmup},
         {"schedule cosine", test_schedule_cosine},
         {"schedule step", test_schedule_step},
