@@ -47,6 +47,7 @@ typedef struct {
     QatLearn learn_amax;
     CalibSpec amax_init;     /* learned ranges' initialisation; default absmax */
     bool act_static_scale;   /* learn_amax none: a running static range for the input */
+    float lr;                /* learned ranges' learning rate; 0: the optimizer's */
 } QatSpec;
 
 typedef struct {
