@@ -189,7 +189,7 @@ static void test_quant_errors(void) {
     EXPECT_ERR(MODEL "quant:\n  rules:\n    - {module_path: fc1, weight_qtype: int8}\n", NAME ":12:5:",
                "quant.rules", "quant.mode is none", "set quant.mode: ptq");
     EXPECT_ERR(MODEL "quant:\n  mode: ptq\n", NAME ":11:9:", "quant.mode", "ptq needs quant.rules");
-    EXPECT_ERR(MODEL "quant:\n  mode: qat\n", NAME ":11:9:", "quant.mode", "unknown quant mode 'qat'", "none, ptq");
+    EXPECT_ERR(MODEL "quant:\n  mode: int8\n", NAME ":11:9:", "quant.mode", "unknown quant mode 'int8'", "none, ptq, qat");
     EXPECT_ERR(MODEL "quant:\n  calibration_batches: 0\n", NAME ":11:24:", "quant.calibration_batches", ">= 1");
     EXPECT_ERR(MODEL "quant:\n  mode: ptq\n  rules: {module_path: fc1}\n", "quant.rules", "a sequence of rules");
     EXPECT_ERR(PTQ "    - fc1\n", NAME ":13:7:", "quant.rules[0]", "a rule mapping");

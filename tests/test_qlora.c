@@ -351,6 +351,78 @@ static void test_compare(void) {
     CU_ASSERT(test_msg_has(&err, "summary.json"));
 }
 
+/* ---- QAT ------------------------------------------------------------------------------ */
+
+static void load_qat_net(Net *n, const Config *c, const char *ckpt) {
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
+    CheckpointNet p = net_checkpoint_parts(n);
+    QtStatus st = checkpoint_load_model(ckpt, &n->model, &p, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
+}
+
+static void test_qat_resume_and_convert(void) {
+    Config *c = load_cfg("tests/configs/tiny-qat.yaml", "qat-a", NULL, 0);
+    Config *s = load_cfg("tests/configs/tiny-qat.yaml", "qat-b", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(s);
+    TrainResult r;
+    QtError err = {0};
+    QtStatus st = run(c, NULL, 0, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, "qat");
+    CU_ASSERT(r.base_bits_per_param < 8.0);
+    CU_ASSERT_EQUAL_FATAL(run(s, NULL, 7, &r, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
+    Net a, b;
+    load_qat_net(&a, c, path_in("qat-a", "final.h5"));
+    load_qat_net(&b, s, path_in("qat-b", "final.h5"));
+    CU_ASSERT(test_params_equal(&a.model, &b.model));
+    CU_ASSERT_EQUAL_FATAL(a.n_trainable, b.n_trainable);
+    for (int i = 0; i < a.n_trainable; i++)
+        CU_ASSERT(memcmp(a.trainable[i]->var.value.data, b.trainable[i]->var.value.data,
+                         var_numel(&a.trainable[i]->var) * sizeof(float)) == 0);
+    net_free(&a);
+    net_free(&b);
+    /* convert: the PTQ checkpoint evaluates as the QAT one, to the last example */
+    ConvertReport rep;
+    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), NULL, &rep, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    CU_ASSERT_EQUAL(rep.modules, 3);
+    CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
+    CU_ASSERT(fabs(rep.test_loss_ptq - rep.test_loss_qat) < 1e-5);
+    free(c);
+    free(s);
+}
+
+static void test_qat_config_errors(void) {
+    static const struct {
+        const char *ov[2];
+        const char *a, *b;
+    } cases[] = {
+        {{"quant.mode=ptq", NULL}, "act_static_scale", "quant.mode is ptq"},
+        {{"quant.rules.1.weight_qtype=fp8_e4m3", NULL}, "learn_amax", "weight_qtype"},
+        {{"quant.rules.1.double_quant=true", NULL}, "double_quant", "qat"},
+        {{"quant.rules.0.learn_amax=lsq", NULL}, "act_static_scale", "learn_amax"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char out_dir[512];
+        snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/qat-err", tmp_root);
+        const char *ov[2] = {out_dir, cases[i].ov[0]};
+        Config *c = malloc(sizeof *c);
+        QtError err = {0};
+        CU_ASSERT_EQUAL(config_load(c, "tests/configs/tiny-qat.yaml", ov, 2, &err), QT_ERR_CONFIG);
+        if (!test_msg_has(&err, cases[i].a) || !test_msg_has(&err, cases[i].b)) {
+            fprintf(stderr, "\n  case %zu: %s\n", i, err.msg);
+            CU_FAIL("message");
+        }
+        free(c);
+    }
+}
+
 /* ---- bad input ------------------------------------------------------------------ */
 
 static void expect_run_error(const char *sub, const char *const *ov, int n, QtStatus want, const char *a,
@@ -397,5 +469,7 @@ int register_qlora_suite(void) {
            !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||
            !CU_add_test(s, "merge: float exact, quantized small error", test_merge) ||
            !CU_add_test(s, "compare: table, compare.md, compare.svg", test_compare) ||
-           !CU_add_test(s, "errors before training", test_bad_inputs);
+           !CU_add_test(s, "errors before training", test_bad_inputs) ||
+           !CU_add_test(s, "qat: exact resume; convert evaluates as trained", test_qat_resume_and_convert) ||
+           !CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors);
 }

@@ -206,6 +206,7 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
     if (st == QT_OK) st = write_params(&f, m, false, err);
     if (st == QT_OK) st = ckpt_write_quant(&f, &s->net, err);
     if (st == QT_OK) st = ckpt_write_lora(&f, &s->net, err);
+    if (st == QT_OK) st = ckpt_write_qat(&f, &s->net, err);
     if (st == QT_OK && opt) st = write_optim(&f, opt, err);
     if (st == QT_OK) st = write_state(&f, s, err);
     if (st == QT_OK) st = h5io_image(&f, image, size, err);
@@ -513,6 +514,7 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
     if (st == QT_OK && opt) st = check_optim(&f, opt, err);
     if (st == QT_OK && net) st = ckpt_read_quant(&f, net, &ns, err);
     if (st == QT_OK && net) st = ckpt_read_lora(&f, net, &ns, err);
+    if (st == QT_OK && net) st = ckpt_read_qat(&f, net, &ns, err);
     if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
     if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
     if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);

@@ -34,6 +34,10 @@
  *   /quant/<module>/input    static activation range: attrs qtype, calibration,
  *                     lo_mean, hi_mean (double), count (int64), scale,
  *                     zero_point (double)
+ *   /quant/<module>/weight/state/<log2_t|step_size>, /quant/<module>/input/state/...
+ *                     QAT: learned ranges (float32, one per channel or one), and
+ *                     the input's running statistics as attrs of
+ *                     /quant/<module>/input/state (calibration, lo_mean, hi_mean, count)
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
  *                     1, 1), float32; attrs rank, alpha, scale, rslora
  * A released (quantized) weight is not under /params.
@@ -54,6 +58,7 @@
 #include "nn/optim.h"
 #include "nn/rng.h"
 #include "lora/lora.h"
+#include "quant/qat.h"
 #include "quant/qlayer.h"
 
 #define CHECKPOINT_FORMAT "qtrain"
@@ -70,6 +75,8 @@ typedef struct {
     int n_qlayers;
     LoraAdapter *adapters;  /* [n_adapters] -> /lora */
     int n_adapters;
+    QatLayer *qat;          /* [n_qat] learned ranges and input statistics -> /quant/<module>/{weight,input}/state */
+    int n_qat;
 } CheckpointNet;
 
 /* Everything besides parameters and optimizer state that decides the rest

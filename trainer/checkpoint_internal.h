@@ -37,12 +37,17 @@ QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, Q
 typedef struct {
     QArray *weights;      /* [n_qlayers] new QArrays laid out like the layers' own */
     CalibRunning *act;    /* [n_qlayers] activation statistics (count 0 when the layer has none) */
+    float *act_scale;     /* [2 * n_qlayers] the stored input scale and zero point (NaN: none stored) */
     float *lora;          /* A then B of every adapter, in order */
+    float *qat_ranges;    /* learned range values of every QAT layer, weight then input, in order */
+    CalibRunning *qat_act;/* [n_qat] input statistics */
     int n_weights;        /* QArrays allocated so far (for freeing) */
 } CkptNetStaged;
 
 QtStatus ckpt_write_quant(H5ioFile *f, const CheckpointNet *net, QtError *err);
 QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err);
+QtStatus ckpt_write_qat(H5ioFile *f, const CheckpointNet *net, QtError *err);
+QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
 /* Checks every group net needs and reads it into sg (allocated here; free
  * with ckpt_staged_net_free). Either part of net may be empty. */
 QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);

@@ -185,7 +185,7 @@ static QtStatus read_blobs(const H5ioFile *f, const char *g, QArray *w, QtError 
     return st;
 }
 
-static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, QtError *err) {
+static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, float *scale_zp, QtError *err) {
     char g[CKPT_OBJ_MAX], *calib = NULL;
     QtStatus st = ckpt_obj_path(g, "quant", q->module->path, "input", err);
     if (st == QT_OK && h5io_kind(f, g) != H5IO_GROUP)
@@ -201,6 +201,11 @@ static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, 
     QtError e = {0};
     if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, g, e.msg);
+    /* The scale itself, exactly as used (a converted QAT layer's came from a learned range, not the statistics). */
+    double s = NAN, zp = 0.0;
+    if (st == QT_OK) st = h5io_attr_read_f64(f, g, "scale", &s, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, g, "zero_point", &zp, err);
+    scale_zp[0] = (float)s, scale_zp[1] = (float)zp;
     return st;
 }
 
@@ -208,7 +213,8 @@ QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetSta
     if (net->n_qlayers == 0) return QT_OK;
     sg->weights = calloc((size_t)net->n_qlayers, sizeof *sg->weights);
     sg->act = calloc((size_t)net->n_qlayers, sizeof *sg->act);
-    if (!sg->weights || !sg->act) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
+    sg->act_scale = calloc(2 * (size_t)net->n_qlayers, sizeof *sg->act_scale);
+    if (!sg->weights || !sg->act || !sg->act_scale) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < net->n_qlayers; i++) {
         const QLayer *q = &net->qlayers[i];
@@ -223,7 +229,7 @@ QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetSta
             st = qarray_alloc(&sg->weights[i], q->weight.ndim, q->weight.shape, q->weight.qtype, &q->options, err);
         if (st == QT_OK) sg->n_weights = i + 1;
         if (st == QT_OK) st = read_blobs(f, g, &sg->weights[i], err);
-        if (st == QT_OK && q->spec.act_qtype) st = read_act(f, q, &sg->act[i], err);
+        if (st == QT_OK && q->spec.act_qtype) st = read_act(f, q, &sg->act[i], &sg->act_scale[2 * i], err);
     }
     return st;
 }
@@ -267,7 +273,134 @@ QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStag
     return st;
 }
 
+/* ---- QAT state ---------------------------------------------------------------------------- */
+
+/* The dataset name of a learned range: the last part of its param name. */
+static const char *range_leaf(const FqRange *r) {
+    const char *slash = strrchr(r->param.name, '/');
+    return slash ? slash + 1 : r->param.name;
+}
+
+static QtStatus write_range(H5ioFile *f, const char *g, const FqRange *r, QtError *err) {
+    char ds[CKPT_OBJ_MAX + 32];
+    snprintf(ds, sizeof ds, "%s/%s", g, range_leaf(r));
+    const Tensor *t = &r->param.var.value;
+    return h5io_write_f32(f, ds, t->data, t->ndim, t->shape, err);
+}
+
+static QtStatus write_qat_one(H5ioFile *f, const QatLayer *q, QtError *err) {
+    const char *m = q->module->path;
+    bool learned = q->qat.learn_amax != QAT_LEARN_NONE;
+    char g[CKPT_OBJ_MAX], calib[64];
+    QtStatus st = ckpt_obj_path(g, "quant", m, NULL, err);
+    if (st == QT_OK) st = h5io_group_create(f, g, err);
+    const char *tensors[2] = {"weight", q->spec.act_qtype ? "input" : NULL};
+    for (int k = 0; st == QT_OK && k < 2 && tensors[k]; k++) {
+        char t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
+        st = ckpt_obj_path(t, "quant", m, tensors[k], err);
+        snprintf(state, sizeof state, "%s/state", t);
+        if (st == QT_OK) st = h5io_group_create(f, t, err);
+        if (st == QT_OK) st = h5io_group_create(f, state, err);
+        if (st == QT_OK)
+            st = h5io_attr_write_str(f, t, "qtype", qtype_name(k ? q->spec.act_qtype : q->spec.weight_qtype), err);
+        if (st == QT_OK) st = h5io_attr_write_str(f, t, "learn_amax", qat_learn_name(q->qat.learn_amax), err);
+        if (st == QT_OK && learned) st = write_range(f, state, k ? &q->a_range : &q->w_range, err);
+        if (st == QT_OK && k == 1) {
+            calib_format(&q->act_stats.spec, calib, sizeof calib);
+            st = h5io_attr_write_str(f, state, "calibration", calib, err);
+            if (st == QT_OK) st = h5io_attr_write_f64(f, state, "lo_mean", q->act_stats.lo_mean, err);
+            if (st == QT_OK) st = h5io_attr_write_f64(f, state, "hi_mean", q->act_stats.hi_mean, err);
+            if (st == QT_OK) st = h5io_attr_write_i64(f, state, "count", q->act_stats.count, err);
+        }
+    }
+    return st;
+}
+
+QtStatus ckpt_write_qat(H5ioFile *f, const CheckpointNet *net, QtError *err) {
+    if (net->n_qat == 0) return QT_OK;
+    QtStatus st = h5io_exists(f, "quant") ? QT_OK : h5io_group_create(f, "quant", err);
+    for (int i = 0; st == QT_OK && i < net->n_qat; i++) st = write_qat_one(f, &net->qat[i], err);
+    return st;
+}
+
+static QtStatus read_range(const H5ioFile *f, const char *state, const FqRange *r, float *dst, QtError *err) {
+    char ds[CKPT_OBJ_MAX + 32], got[96], want[64];
+    snprintf(ds, sizeof ds, "%s/%s", state, range_leaf(r));
+    const Tensor *t = &r->param.var.value;
+    H5ioInfo info;
+    if (h5io_kind(f, ds) != H5IO_DATASET)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: the learned range /%s is missing; the checkpoint was written "
+                            "with another learn_amax", f->path, ds);
+    QtStatus st = h5io_dataset_info(f, ds, &info, err);
+    if (st == QT_OK && !h5io_shape_equals(&info, t->ndim, t->shape))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, this run's range %s", f->path, ds,
+                          h5io_shape_str(&info, got, sizeof got), tensor_shape_str(t, want, sizeof want));
+    if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+    return st;
+}
+
+static QtStatus read_qat_stats(const H5ioFile *f, const char *state, CalibRunning *out, QtError *err) {
+    char *calib = NULL;
+    QtStatus st = h5io_attr_read_str(f, state, "calibration", &calib, err);
+    if (st == QT_OK) st = calib_parse(calib, &out->spec, err);
+    free(calib);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, state, "lo_mean", &out->lo_mean, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, state, "hi_mean", &out->hi_mean, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, state, "count", &out->count, err);
+    QtError e = {0};
+    if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, state, e.msg);
+    return st;
+}
+
+QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
+    if (net->n_qat == 0) return QT_OK;
+    size_t total = 0;
+    for (int i = 0; i < net->n_qat; i++) {
+        Param *ps[2];
+        int k = qat_layer_params(&net->qat[i], ps);
+        for (int j = 0; j < k; j++) total += var_numel(&ps[j]->var);
+    }
+    sg->qat_ranges = malloc((total ? total : 1) * sizeof(float));
+    sg->qat_act = calloc((size_t)net->n_qat, sizeof *sg->qat_act);
+    if (!sg->qat_ranges || !sg->qat_act) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
+    float *dst = sg->qat_ranges;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_qat; i++) {
+        const QatLayer *q = &net->qat[i];
+        char t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
+        bool learned = q->qat.learn_amax != QAT_LEARN_NONE;
+        st = ckpt_obj_path(t, "quant", q->module->path, "weight", err);
+        snprintf(state, sizeof state, "%s/state", t);
+        if (st == QT_OK && h5io_kind(f, state) != H5IO_GROUP)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: the QAT state of module %s (/%s) is missing; the checkpoint "
+                              "was not written by a qat run with these rules", f->path, q->module->path, state);
+        if (st == QT_OK && learned && (st = read_range(f, state, &q->w_range, dst, err)) == QT_OK)
+            dst += var_numel(&q->w_range.param.var);
+        if (st != QT_OK || !q->spec.act_qtype) continue;
+        st = ckpt_obj_path(t, "quant", q->module->path, "input", err);
+        snprintf(state, sizeof state, "%s/state", t);
+        if (st == QT_OK && learned && (st = read_range(f, state, &q->a_range, dst, err)) == QT_OK)
+            dst += var_numel(&q->a_range.param.var);
+        if (st == QT_OK) st = read_qat_stats(f, state, &sg->qat_act[i], err);
+    }
+    return st;
+}
+
 void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net) {
+    const float *r = sg->qat_ranges;
+    for (int i = 0; r && i < net->n_qat; i++) {
+        QatLayer *q = &net->qat[i];
+        Param *ps[2];
+        int k = qat_layer_params(q, ps);
+        for (int j = 0; j < k; j++) {
+            size_t n = var_numel(&ps[j]->var);
+            memcpy(ps[j]->var.value.data, r, n * sizeof(float));
+            r += n;
+        }
+        if (q->spec.act_qtype) q->act_stats = sg->qat_act[i];
+        q->ranges_ready = true;
+    }
     for (int i = 0; sg->weights && i < net->n_qlayers; i++) {
         QLayer *q = &net->qlayers[i];
         qarray_free(&q->weight);
@@ -275,8 +408,8 @@ void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net) {
         memset(&sg->weights[i], 0, sizeof sg->weights[i]);
         if (q->spec.act_qtype) {
             q->act_stats = sg->act[i];
-            q->act_ready = false;
-            if (q->act_stats.count > 0) qlayer_act_from_stats(q, NULL);
+            q->act_scale = sg->act_scale[2 * i], q->act_zero_point = sg->act_scale[2 * i + 1];
+            q->act_ready = q->act_scale > 0.0f;
         }
     }
     sg->n_weights = 0;
@@ -294,7 +427,10 @@ void ckpt_staged_net_free(CkptNetStaged *sg) {
     for (int i = 0; sg->weights && i < sg->n_weights; i++) qarray_free(&sg->weights[i]);
     free(sg->weights);
     free(sg->act);
+    free(sg->act_scale);
     free(sg->lora);
+    free(sg->qat_ranges);
+    free(sg->qat_act);
     memset(sg, 0, sizeof *sg);
 }
 

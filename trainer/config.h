@@ -26,6 +26,7 @@
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/schedule.h"
+#include "quant/qat.h"
 #include "quant/qlayer.h"
 #include "quant/rules.h"
 
@@ -80,6 +81,7 @@ typedef struct {
 typedef enum {
     QUANT_MODE_NONE = 0, /* float32 */
     QUANT_MODE_PTQ,      /* frozen post-training-quantized base (quant/qlayer.h) */
+    QUANT_MODE_QAT,      /* fake-quantized weights and inputs in training (quant/qat.h) */
     QUANT_MODE_COUNT
 } QuantMode;
 
@@ -90,10 +92,11 @@ typedef struct {
     QLayerSpec spec;    /* weight_qtype ("none" = NULL: float), tile_size, per_tensor, weight_calibration,
                            symmetric, narrow_range, scale_type, double_quant, act_qtype, act_calibration,
                            act_symmetric */
+    QatSpec qat;        /* qat mode only: learn_amax, amax_init, act_static_scale, lr */
 } QuantRule;
 
 typedef struct {
-    QuantMode mode;             /* quant.mode: none | ptq, default none */
+    QuantMode mode;             /* quant.mode: none | ptq | qat, default none */
     int calibration_batches;    /* quant.calibration_batches, default 16: training batches that calibrate
                                    static activation ranges (act_qtype) */
     QuantRule rules[RULES_MAX]; /* quant.rules, in order; first match wins */

@@ -49,7 +49,9 @@ static bool quant_rules_equal(const QuantRule *a, const QuantRule *b) {
            calibs_equal(&x->weight_calib, &y->weight_calib) && x->symmetric == y->symmetric &&
            x->narrow_range == y->narrow_range && x->scale_type == y->scale_type && x->double_quant == y->double_quant &&
            x->act_qtype == y->act_qtype && calibs_equal(&x->act_calib, &y->act_calib) &&
-           x->act_symmetric == y->act_symmetric;
+           x->act_symmetric == y->act_symmetric && a->qat.learn_amax == b->qat.learn_amax &&
+           calibs_equal(&a->qat.amax_init, &b->qat.amax_init) && a->qat.act_static_scale == b->qat.act_static_scale &&
+           a->qat.lr == b->qat.lr;
 }
 
 static bool lora_rules_equal(const LoraRule *a, const LoraRule *b) {

@@ -198,6 +198,13 @@ static void put_quant(FILE *f, const QuantConfig *q) {
         calib_format(&s->act_calib, b, sizeof b);
         put_key_str(f, "      ", "act_calibration", b);
         fprintf(f, "      act_symmetric: %s\n", bool_str(s->act_symmetric));
+        if (q->mode != QUANT_MODE_QAT) continue;
+        char c[64], lr[32];
+        calib_format(&r->qat.amax_init, c, sizeof c);
+        fprintf(f, "      learn_amax: %s\n", qat_learn_name(r->qat.learn_amax));
+        put_key_str(f, "      ", "amax_init", c);
+        fprintf(f, "      act_static_scale: %s\n      lr: %s\n", bool_str(r->qat.act_static_scale),
+                fmt_float(lr, sizeof lr, r->qat.lr));
     }
 }
 

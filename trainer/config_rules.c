@@ -24,7 +24,10 @@ static const char *const LORA_KEYS[] = {"rules", "trainable"};
 enum { RK_MATCH_KEYS = 3 };
 static const char *const QUANT_RULE_KEYS[] = {
     "module_path", "op_types",     "skip",       "weight_qtype", "tile_size", "per_tensor",      "weight_calibration",
-    "symmetric",   "narrow_range", "scale_type", "double_quant", "act_qtype", "act_calibration", "act_symmetric"};
+    "symmetric",   "narrow_range", "scale_type", "double_quant", "act_qtype", "act_calibration", "act_symmetric",
+    "learn_amax",  "amax_init",    "act_static_scale", "lr",  "disable_channelwise_axes"};
+/* The keys only quant.mode qat reads. */
+static const char *const QAT_ONLY_KEYS[] = {"learn_amax", "amax_init", "act_static_scale", "lr"};
 static const char *const LORA_RULE_KEYS[] = {"module_path", "op_types", "skip",   "rank",
                                              "alpha",       "dropout",  "rslora", "init"};
 
@@ -178,6 +181,9 @@ static QtStatus load_weight_settings(QtError *err, const YNode *item, const char
     QtStatus st = load_qtype(err, item, path, "weight_qtype", "(keep the weights float)", &s->weight_qtype);
     if (st == QT_OK) st = cfg_get_int(err, item, path, "tile_size", 0, INT_MAX, &s->tile_size);
     if (st == QT_OK) st = cfg_get_bool(err, item, path, "per_tensor", &s->per_tensor);
+    bool no_axes = false; /* QAT's name for per-tensor scales (ModelOpt's disable_channelwise_axes) */
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "disable_channelwise_axes", &no_axes);
+    s->per_tensor = s->per_tensor || no_axes;
     if (st == QT_OK && s->per_tensor && s->tile_size > 0)
         st = cfg_fail(err, cfg_field(item, "per_tensor"), cfg_join(full, sizeof full, path, "per_tensor"),
                       "applies only with tile_size 0 (one scale for the whole weight), but tile_size is %d",
@@ -199,6 +205,57 @@ static QtStatus load_weight_settings(QtError *err, const YNode *item, const char
     return st;
 }
 
+static QtStatus load_qat_settings(QtError *err, const YNode *item, const char *path, QatSpec *q) {
+    const QatSpec d = qat_spec_default();
+    q->learn_amax = d.learn_amax;
+    calib_copy(&q->amax_init, &d.amax_init);
+    q->act_static_scale = d.act_static_scale;
+    q->lr = d.lr;
+    const YNode *v = cfg_field(item, "learn_amax");
+    QtStatus st = QT_OK;
+    if (v) {
+        char full[128], name[64];
+        QtError inner = {0};
+        cfg_join(full, sizeof full, path, "learn_amax");
+        st = cfg_to_str(err, v, full, false, name, sizeof name);
+        if (st == QT_OK) st = cfg_lookup_fail(err, v, full, qat_learn_parse(name, &q->learn_amax, &inner), &inner);
+    }
+    if (st == QT_OK) st = load_calib(err, item, path, "amax_init", &q->amax_init);
+    if (st == QT_OK) st = cfg_get_bool(err, item, path, "act_static_scale", &q->act_static_scale);
+    if (st == QT_OK) st = cfg_get_float(err, item, path, "lr", CFG_NONNEG, &q->lr);
+    return st;
+}
+
+/* Keys and combinations that make no sense for the mode, each naming both
+ * keys: QAT-only keys outside qat, double_quant in qat (it only compresses
+ * stored scales), a learned range on a format without an integer grid. */
+static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *path, const QuantRule *r, QuantMode mode) {
+    char full[128];
+    for (size_t k = 0; mode != QUANT_MODE_QAT && k < N_OF(QAT_ONLY_KEYS); k++)
+        if (cfg_field(item, QAT_ONLY_KEYS[k]))
+            return cfg_fail(err, cfg_field(item, QAT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, QAT_ONLY_KEYS[k]),
+                            "applies to quant.mode qat, but quant.mode is %s; remove it or set quant.mode: qat",
+                            quant_mode_name(mode));
+    if (r->skip || mode != QUANT_MODE_QAT) return QT_OK;
+    if (r->spec.double_quant)
+        return cfg_fail(err, cfg_field(item, "double_quant"), cfg_join(full, sizeof full, path, "double_quant"),
+                        "does not apply to quant.mode qat (it compresses the stored scales of a frozen base); remove "
+                        "it, or use quant.mode ptq");
+    const QType *w = r->spec.weight_qtype, *a = r->spec.act_qtype;
+    bool int_grid_w = w && (w->kind == QTYPE_KIND_INT || w->kind == QTYPE_KIND_UINT);
+    bool int_grid_a = !a || a->kind == QTYPE_KIND_INT || a->kind == QTYPE_KIND_UINT;
+    if (r->qat.learn_amax != QAT_LEARN_NONE && (!int_grid_w || !int_grid_a))
+        return cfg_fail(err, cfg_field(item, "learn_amax"), cfg_join(full, sizeof full, path, "learn_amax"),
+                        "%s learns the range of an integer grid, but %s is %s; use an int/uint format there or "
+                        "learn_amax: none", qat_learn_name(r->qat.learn_amax), int_grid_w ? "act_qtype" : "weight_qtype",
+                        int_grid_w ? qtype_name(a) : (w ? qtype_name(w) : "none"));
+    if (r->qat.act_static_scale && (!a || r->qat.learn_amax != QAT_LEARN_NONE))
+        return cfg_fail(err, cfg_field(item, "act_static_scale"),
+                        cfg_join(full, sizeof full, path, "act_static_scale"),
+                        "needs an act_qtype and learn_amax: none (a learned range is already static)");
+    return QT_OK;
+}
+
 static QtStatus load_quant_rule(QtError *err, const YNode *item, const char *path, void *rule) {
     QuantRule *r = rule;
     memset(r, 0, sizeof *r);
@@ -212,6 +269,7 @@ static QtStatus load_quant_rule(QtError *err, const YNode *item, const char *pat
     if (st == QT_OK) st = cfg_get_bool(err, item, path, "act_symmetric", &s->act_symmetric);
     calib_default(&s->act_calib, s->act_symmetric);
     if (st == QT_OK) st = load_calib(err, item, path, "act_calibration", &s->act_calib);
+    if (st == QT_OK) st = load_qat_settings(err, item, path, &r->qat);
     return st;
 }
 
@@ -238,13 +296,18 @@ QtStatus cfg_load_quant(QtError *err, const YNode *root, QuantConfig *q) {
                         load_quant_rule, q->rules, sizeof q->rules[0], &q->n_rules);
     if (st == QT_OK && q->mode == QUANT_MODE_NONE && q->n_rules > 0)
         st = cfg_fail(err, rules, "quant.rules",
-                      "%d rule%s given, but quant.mode is none, which quantizes nothing; set quant.mode: ptq to "
+                      "%d rule%s given, but quant.mode is none, which quantizes nothing; set quant.mode: ptq or qat to "
                       "apply them (or remove the rules)",
                       q->n_rules, q->n_rules == 1 ? " is" : "s are");
-    if (st == QT_OK && q->mode == QUANT_MODE_PTQ && q->n_rules == 0)
+    if (st == QT_OK && q->mode != QUANT_MODE_NONE && q->n_rules == 0)
         st = cfg_fail(err, mode, "quant.mode",
-                      "ptq needs quant.rules saying what to quantize, e.g. rules: [{module_path: \".*\", "
-                      "weight_qtype: int8}]");
+                      "%s needs quant.rules saying what to quantize, e.g. rules: [{module_path: \".*\", "
+                      "weight_qtype: int8}]", quant_mode_name(q->mode));
+    for (int i = 0; st == QT_OK && i < q->n_rules; i++) {
+        char item[64];
+        snprintf(item, sizeof item, "quant.rules[%d]", i);
+        st = check_rule_mode(err, rules->items[i], item, &q->rules[i], q->mode);
+    }
     return st;
 }
 

@@ -22,6 +22,7 @@ static void usage(FILE *out) {
             "       qtrain eval [--config FILE] --checkpoint PATH [--set KEY=VALUE]... [--quiet]\n"
             "       qtrain quantize --config FILE --checkpoint PATH --out PATH [--set KEY=VALUE]...\n"
             "       qtrain merge --checkpoint PATH --out PATH\n"
+            "       qtrain convert --checkpoint PATH --out PATH\n"
             "       qtrain compare RUN_DIR... [--out DIR]\n"
             "       qtrain inspect PATH\n"
             "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
@@ -46,6 +47,8 @@ static void usage(FILE *out) {
             "            float run, speed), and DIR/compare.md and DIR/compare.svg\n"
             "            (accuracy vs bits/param, training-loss curves); DIR defaults\n"
             "            to runs/compare.\n"
+            "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
+            "            the learned ranges) that evaluates exactly as it trained.\n"
             "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
             "            total bytes.\n"
             "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"
@@ -245,6 +248,23 @@ static int cmd_compare(int argc, char **argv) {
     return st == QT_OK ? 0 : fail(&err, 1);
 }
 
+static int cmd_convert(int argc, char **argv) {
+    CliArgs a;
+    parse_args(argc, argv, " convert", true, &a);
+    if (!a.checkpoint || !a.out || a.config || a.n_overrides) {
+        fprintf(stderr, "qtrain convert: give --checkpoint PATH and --out PATH (the config comes from the "
+                "checkpoint)\n");
+        return 2;
+    }
+    QtError err = {0};
+    ConvertReport rep;
+    if (tools_convert(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
+        return fail(&err, exit_status(&err));
+    printf("converted:%d test_accuracy_qat:%.4f test_accuracy_ptq:%.4f test_loss_qat:%.6f test_loss_ptq:%.6f out:%s\n",
+           rep.modules, rep.test_accuracy_qat, rep.test_accuracy_ptq, rep.test_loss_qat, rep.test_loss_ptq, a.out);
+    return 0;
+}
+
 static int cmd_inspect(int argc, char **argv) {
     if (argc != 1) {
         fprintf(stderr, "qtrain inspect: give exactly one checkpoint path\n");
@@ -295,6 +315,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "quantize") == 0) return cmd_quantize(argc - 2, argv + 2);
     if (strcmp(cmd, "merge") == 0) return cmd_merge(argc - 2, argv + 2);
+    if (strcmp(cmd, "convert") == 0) return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "compare") == 0) return cmd_compare(argc - 2, argv + 2);
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
     if (strcmp(cmd, "train") == 0) return cmd_train(argc - 2, argv + 2);

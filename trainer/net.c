@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "nn/rng.h"
+#include "quant/qarray_io.h"
 
 static bool module_has_matrix_weight(const Module *m) {
     return m->weight && (m->spec.type == LAYER_DENSE || m->spec.type == LAYER_CONV2D);
@@ -15,6 +16,8 @@ void net_free(Net *n) {
     /* the counts come before the arrays (net_check_specs), so either may be NULL */
     for (int i = 0; n->adapters && i < n->n_adapters; i++) lora_adapter_free(&n->adapters[i]);
     for (int i = 0; n->qlayers && i < n->n_qlayers; i++) qlayer_free(&n->qlayers[i]);
+    for (int i = 0; n->qat && i < n->n_qat; i++) qat_layer_free(&n->qat[i]);
+    free(n->qat);
     free(n->adapters);
     free(n->qlayers);
     free(n->trainable);
@@ -73,11 +76,14 @@ static QtStatus net_check_specs(Net *n, QtError *err) {
         const QLayerSpec *qs = net_quant_spec(n, i);
         const LoraSpec *ls = net_lora_spec(n, i);
         QtError e = {0};
-        if (qs && qlayer_spec_check(qs, m, &e) != QT_OK)
+        bool qat = n->cfg->quant.mode == QUANT_MODE_QAT;
+        const QatSpec *qa = qs ? &n->cfg->quant.rules[n->quant_rule[i]].qat : NULL;
+        if (qs && (qat ? qat_layer_check(qs, qa, m, &e) : qlayer_spec_check(qs, m, &e)) != QT_OK)
             st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->quant.rules[n->quant_rule[i]].match.where, e.msg);
         else if (ls && lora_spec_check(ls, m, &e) != QT_OK)
             st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->lora.rules[n->lora_rule[i]].match.where, e.msg);
-        if (qs) n->n_qlayers++;
+        if (qs && qat) n->n_qat++;
+        else if (qs) n->n_qlayers++;
         if (ls) n->n_adapters++;
     }
     return st;
@@ -156,6 +162,25 @@ static QtStatus net_load_base(Net *n, QtError *err) {
     return st;
 }
 
+/* QAT layers over the (trainable) float weights; a fresh run initialises
+ * learned weight ranges from the weights it starts with. */
+static QtStatus net_attach_qat(Net *n, NetInit how, QtError *err) {
+    if (n->n_qat == 0) return QT_OK;
+    n->qat = calloc((size_t)n->n_qat, sizeof *n->qat);
+    if (!n->qat) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
+    int k = 0;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        const QLayerSpec *qs = net_quant_spec(n, i);
+        if (!qs) continue;
+        QatLayer *q = &n->qat[k++];
+        st = qat_layer_init(q, &n->model.modules[i], qs, &n->cfg->quant.rules[n->quant_rule[i]].qat, err);
+        if (st == QT_OK && how == NET_FRESH) st = qat_layer_init_ranges(q, err);
+        if (st == QT_OK) qat_layer_install(q);
+    }
+    return st;
+}
+
 /* Makes the qlayers and adapters with their layouts (values to come). */
 static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
     n->qlayers = calloc((size_t)n->n_qlayers + 1, sizeof *n->qlayers);
@@ -163,7 +188,7 @@ static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
     if (!n->qlayers || !n->adapters) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
     int nq = 0, na = 0;
     QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+    for (int i = 0; st == QT_OK && n->cfg->quant.mode == QUANT_MODE_PTQ && i < n->model.n_modules; i++) {
         Module *m = &n->model.modules[i];
         const QLayerSpec *qs = net_quant_spec(n, i);
         if (qs) {
@@ -181,6 +206,7 @@ static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
         st = net_load_base(n, err);
     }
     for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) qlayer_install(&n->qlayers[i]);
+    if (st == QT_OK) st = net_attach_qat(n, how, err);
     Rng rng;
     rng_init(&rng, n->cfg->run.seed, RNG_STREAM_LORA);
     for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
@@ -198,8 +224,9 @@ static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
 
 /* With quant or lora in use, only adapters and lora.trainable modules train. */
 static QtStatus net_collect_trainable(Net *n, QtError *err) {
-    bool adapted = n->cfg->quant.mode != QUANT_MODE_NONE || config_has_lora(n->cfg);
-    n->trainable = calloc((size_t)n->model.n_params + 2 * (size_t)n->n_adapters + 1, sizeof *n->trainable);
+    bool adapted = n->cfg->quant.mode == QUANT_MODE_PTQ || config_has_lora(n->cfg);
+    n->trainable = calloc((size_t)n->model.n_params + 2 * (size_t)(n->n_adapters + n->n_qat) + 1,
+                          sizeof *n->trainable);
     if (!n->trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < n->model.n_modules; i++) {
         Module *m = &n->model.modules[i];
@@ -214,6 +241,7 @@ static QtStatus net_collect_trainable(Net *n, QtError *err) {
         n->trainable[n->n_trainable++] = &n->adapters[i].A;
         n->trainable[n->n_trainable++] = &n->adapters[i].B;
     }
+    for (int i = 0; i < n->n_qat; i++) n->n_trainable += qat_layer_params(&n->qat[i], n->trainable + n->n_trainable);
     return QT_OK;
 }
 
@@ -229,6 +257,9 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     n->is_trainable = calloc((size_t)nm, sizeof *n->is_trainable);
     if (!n->quant_rule || !n->lora_rule || !n->is_trainable)
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
+    if (st == QT_OK && c->quant.mode == QUANT_MODE_QAT && config_has_lora(c))
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a QAT model are not supported yet; use "
+                          "quant.mode ptq under lora rules, or train the QAT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
     if (st == QT_OK) {
@@ -255,12 +286,25 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
 
 CheckpointNet net_checkpoint_parts(const Net *n) {
     CheckpointNet p = {.qlayers = n->qlayers, .n_qlayers = n->n_qlayers, .adapters = n->adapters,
-                       .n_adapters = n->n_adapters};
+                       .n_adapters = n->n_adapters, .qat = n->qat, .n_qat = n->n_qat};
     return p;
+}
+
+QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->n_qat; i++) {
+        if (!(n->qat[i].qat.lr > 0.0f)) continue;
+        Param *ps[2];
+        int k = qat_layer_params(&n->qat[i], ps);
+        for (int j = 0; st == QT_OK && j < k; j++)
+            st = optim_set_lr_scale(o, ps[j], base_lr > 0 ? n->qat[i].qat.lr / base_lr : 1.0f, err);
+    }
+    return st;
 }
 
 const char *net_mode_name(const Net *n) {
     bool lora = config_has_lora(n->cfg);
+    if (n->cfg->quant.mode == QUANT_MODE_QAT) return "qat";
     if (n->cfg->quant.mode == QUANT_MODE_PTQ) return lora ? "qlora" : "ptq";
     return lora ? "lora" : "float";
 }
@@ -285,6 +329,27 @@ size_t net_model_bytes(const Net *n) {
     return b;
 }
 
+/* A QAT model's bits per parameter once converted: its quantized weights in
+ * the layout `qtrain convert` gives them, the other parameters float. */
+static double net_qat_bits_per_param(const Net *n) {
+    double bytes = 0.0, count = 0.0;
+    for (int i = 0; i < n->model.n_params; i++) {
+        const Param *p = &n->model.params[i];
+        bool quantized = false;
+        for (int k = 0; k < n->n_qat && !quantized; k++) quantized = n->qat[k].module->weight == p;
+        count += (double)var_numel(&p->var);
+        if (!quantized) bytes += (double)var_numel(&p->var) * sizeof(float);
+    }
+    for (int k = 0; k < n->n_qat; k++) {
+        QArray tmp;
+        const QatLayer *q = &n->qat[k];
+        if (qarray_alloc(&tmp, q->w_ndim, q->w_shape, q->spec.weight_qtype, &q->w_options, NULL) == QT_OK)
+            bytes += (double)qarray_bytes(&tmp);
+        qarray_free(&tmp);
+    }
+    return count > 0 ? bytes * 8.0 / count : 32.0;
+}
+
 double net_base_bits_per_param(const Net *n) {
     double bytes = 0.0, count = 0.0;
     for (int i = 0; i < n->model.n_params; i++) {
@@ -294,6 +359,7 @@ double net_base_bits_per_param(const Net *n) {
         if (!p->released) bytes += (double)var_numel(&p->var) * sizeof(float);
     }
     for (int i = 0; i < n->n_qlayers; i++) bytes += (double)qlayer_bytes(&n->qlayers[i]);
+    if (n->n_qat > 0) return net_qat_bits_per_param(n);
     return count > 0 ? bytes * 8.0 / count : 32.0;
 }
 
@@ -317,29 +383,47 @@ void net_format_summary(const Net *n, char *weights, size_t wcap, char *acts, si
         list_add_unique(weights, wcap, f);
         if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
     }
+    for (int i = 0; i < n->n_qat; i++) {
+        const QLayerSpec *s = &n->qat[i].spec;
+        char f[80];
+        snprintf(f, sizeof f, "%s/%s%s", qtype_name(s->weight_qtype), s->tile_size > 0 ? "blk" : s->per_tensor ? "t" : "ch",
+                 n->qat[i].qat.learn_amax ? (n->qat[i].qat.learn_amax == QAT_LEARN_TQT ? "+tqt" : "+lsq") : "");
+        list_add_unique(weights, wcap, f);
+        if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
+    }
     if (!weights[0]) snprintf(weights, wcap, "float32");
     if (!acts[0]) snprintf(acts, acap, "none");
 }
 
 void net_calib_begin(Net *n) {
     for (int i = 0; i < n->n_qlayers; i++) qlayer_calib_begin(&n->qlayers[i]);
+    for (int i = 0; i < n->n_qat; i++) qat_layer_calib_begin(&n->qat[i]);
 }
 
 QtStatus net_calib_end(Net *n, QtError *err) {
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) st = qlayer_calib_end(&n->qlayers[i], err);
+    for (int i = 0; st == QT_OK && i < n->n_qat; i++) st = qat_layer_calib_end(&n->qat[i], err);
     return st;
 }
 
 bool net_needs_act_calibration(const Net *n) {
     for (int i = 0; i < n->n_qlayers; i++)
         if (n->qlayers[i].spec.act_qtype) return true;
+    for (int i = 0; i < n->n_qat; i++)
+        if (n->qat[i].spec.act_qtype && (n->qat[i].qat.learn_amax || n->qat[i].qat.act_static_scale)) return true;
     return false;
 }
 
 static const QLayer *net_find_qlayer(const Net *n, const Module *m) {
     for (int i = 0; i < n->n_qlayers; i++)
         if (n->qlayers[i].module == m) return &n->qlayers[i];
+    return NULL;
+}
+
+static const QatLayer *net_find_qat(const Net *n, const Module *m) {
+    for (int i = 0; i < n->n_qat; i++)
+        if (n->qat[i].module == m) return &n->qat[i];
     return NULL;
 }
 
@@ -358,9 +442,18 @@ void net_print_table(const Net *n, FILE *out) {
         if (!m->weight) continue;
         char qd[160] = "float (frozen)", ld[96] = "-";
         const QLayer *q = net_find_qlayer(n, m);
+        const QatLayer *qa = net_find_qat(n, m);
         const LoraAdapter *a = net_find_adapter(n, m);
         if (n->is_trainable[i]) {
             snprintf(qd, sizeof qd, "float, trained in full (lora.trainable)");
+        } else if (qa) {
+            const QLayerSpec *sp = &qa->spec;
+            char g[24];
+            if (sp->tile_size > 0) snprintf(g, sizeof g, "block %d", sp->tile_size);
+            else snprintf(g, sizeof g, "%s", sp->per_tensor ? "per-tensor" : "per-channel");
+            snprintf(qd, sizeof qd, "[%d] qat %s %s, learn %s, act %s%s", n->quant_rule[i], qtype_name(sp->weight_qtype),
+                     g, qat_learn_name(qa->qat.learn_amax), sp->act_qtype ? qtype_name(sp->act_qtype) : "float",
+                     sp->act_qtype && !qa->qat.learn_amax ? (qa->qat.act_static_scale ? " static" : " dynamic") : "");
         } else if (q) {
             char d[128];
             qlayer_describe(q, d, sizeof d);

@@ -15,6 +15,8 @@
 
 #include "lora/lora.h"
 #include "nn/model.h"
+#include "nn/optim.h"
+#include "quant/qat.h"
 #include "quant/qlayer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -28,12 +30,15 @@ typedef enum {
 typedef struct {
     const Config *cfg;
     Model model;
-    QLayer *qlayers;          /* [n_qlayers] quantized base layers, in module order */
+    QLayer *qlayers;          /* [n_qlayers] quantized base layers (ptq), in module order */
     int n_qlayers;
+    QatLayer *qat;            /* [n_qat] fake-quantized trained layers (qat), in module order */
+    int n_qat;
     LoraAdapter *adapters;    /* [n_adapters] in module order */
     int n_adapters;
     Param **trainable;        /* [n_trainable] what the optimizer updates: adapters' A, B and lora.trainable
-                                 modules' params (all params in a plain float run) */
+                                 modules' params (all params in a float or qat run, with qat's learned
+                                 ranges) */
     int n_trainable;
     int *quant_rule;          /* [n_modules] rule index per module, -1 = none applied */
     int *lora_rule;           /* [n_modules] */
@@ -50,7 +55,11 @@ void net_free(Net *n);
 /* The /quant and /lora parts for checkpoints. */
 CheckpointNet net_checkpoint_parts(const Net *n);
 
-/* "float", "ptq", "lora", "qlora" (the summary's mode). */
+/* Gives learned quantization ranges with their own `lr` in their rule that
+ * lr (as a factor of the optimizer's base lr). */
+QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *err);
+
+/* "float", "ptq", "lora", "qlora", "qat" (the summary's mode). */
 const char *net_mode_name(const Net *n);
 
 /* Counts: parameters the optimizer trains, and the frozen base's (quantized

@@ -156,3 +156,61 @@ QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeRe
     free(merged);
     return st;
 }
+
+/* The converted model: the QAT net's float parameters, its converted layers
+ * as the PTQ base, under a ptq config. */
+static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError *err) {
+    QLayer *ql = calloc((size_t)n->n_qat + 1, sizeof *ql);
+    if (!ql) return qt_error_set(err, QT_ERR_NOMEM, "out of memory converting");
+    int k = 0;
+    QtStatus st = QT_OK;
+    for (; st == QT_OK && k < n->n_qat; k++)
+        if ((st = qat_layer_convert(&n->qat[k], &ql[k], err)) != QT_OK) break;
+    char *text = st == QT_OK ? config_to_yaml(ptq) : NULL;
+    if (st == QT_OK && !text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK) {
+        /* the float weights are now in the QLayers: released, they are not written under /params */
+        for (int i = 0; i < n->n_qat; i++) param_release(n->qat[i].module->weight);
+        CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = {.qlayers = ql, .n_qlayers = k}};
+        st = checkpoint_save(out, &n->model, NULL, &s, err);
+    }
+    for (int i = 0; i < k; i++) qlayer_free(&ql[i]);
+    free(ql);
+    free(text);
+    return st;
+}
+
+QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, ConvertReport *rep, QtError *err) {
+    memset(rep, 0, sizeof *rep);
+    Config *c = malloc(sizeof *c), *ptq = malloc(sizeof *ptq);
+    Net n;
+    memset(&n, 0, sizeof n);
+    QtStatus st = c && ptq ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK) st = load_stored_config(checkpoint, c, err);
+    if (st == QT_OK && c->quant.mode != QUANT_MODE_QAT)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s was written by a quant.mode %s run; qtrain convert turns a qat "
+                          "checkpoint into a ptq one", checkpoint, quant_mode_name(c->quant.mode));
+    if (st == QT_OK) st = net_build(&n, c, NET_SHELL, err);
+    CheckpointNet parts = net_checkpoint_parts(&n);
+    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &n.model, &parts, err);
+    if (st == QT_OK) {
+        *ptq = *c;
+        ptq->quant.mode = QUANT_MODE_PTQ;
+        ptq->model.init_from[0] = '\0';
+        st = convert_save(&n, ptq, out, err);
+    }
+    if (st == QT_OK) rep->modules = n.n_qat;
+    TrainResult a, b;
+    if (st == QT_OK) st = train_eval_checkpoint(c, checkpoint, false, &a, err);
+    if (st == QT_OK) st = train_eval_checkpoint(ptq, out, false, &b, err);
+    if (st == QT_OK) {
+        rep->test_accuracy_qat = a.test_accuracy, rep->test_loss_qat = a.test_loss;
+        rep->test_accuracy_ptq = b.test_accuracy, rep->test_loss_ptq = b.test_loss;
+        if (log) fprintf(log, "converted %d QAT layers of %s into %s (%.3f bits/param)\n", rep->modules, checkpoint, out,
+                         b.base_bits_per_param);
+    }
+    if (n.cfg) net_free(&n);
+    free(c);
+    free(ptq);
+    return st;
+}

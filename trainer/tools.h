@@ -31,4 +31,18 @@ typedef struct {
  * test split of the stored config's data. Per-module errors go to log. */
 QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err);
 
+typedef struct {
+    int modules;                 /* QAT layers converted */
+    double test_accuracy_qat;    /* the QAT checkpoint evaluated as it trained */
+    double test_accuracy_ptq;    /* the converted checkpoint */
+    double test_loss_qat, test_loss_ptq;
+} ConvertReport;
+
+/* `qtrain convert`: turns the QAT checkpoint `checkpoint` into a PTQ
+ * checkpoint `out` whose base holds real QArrays: each QAT layer's weight
+ * quantized with its learned (or calibrated) range and its input's static
+ * scale (qat_layer_convert), the config's quant.mode set to ptq. Both are
+ * evaluated on the stored config's test split. */
+QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, ConvertReport *rep, QtError *err);
+
 #endif

@@ -140,7 +140,9 @@ static QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
         r->optim.cfg = c->train.optim;
         return QT_OK;
     }
-    return optim_init(&r->optim, &c->train.optim, r->net.trainable, r->net.n_trainable, err);
+    st = optim_init(&r->optim, &c->train.optim, r->net.trainable, r->net.n_trainable, err);
+    if (st == QT_OK) st = net_set_range_lrs(&r->net, &r->optim, c->train.optim.lr, err);
+    return st;
 }
 
 static QtStatus run_plan_steps(Run *r, QtError *err) {
