@@ -384,6 +384,11 @@ static void test_qat_resume_and_convert(void) {
     for (int i = 0; i < a.n_trainable; i++)
         CU_ASSERT(memcmp(a.trainable[i]->var.value.data, b.trainable[i]->var.value.data,
                          var_numel(&a.trainable[i]->var) * sizeof(float)) == 0);
+    /* a range gone non-finite stops the run naming the module and the step */
+    CU_ASSERT_EQUAL(net_check_ranges(&a, 5, &err), QT_OK);
+    a.qat[1].w_range.param.var.value.data[3] = NAN;
+    CU_ASSERT_EQUAL(net_check_ranges(&a, 5, &err), QT_ERR_VALUE);
+    CU_ASSERT(test_msg_has(&err, "step 5") && test_msg_has(&err, "fc1") && test_msg_has(&err, "log2_t"));
     net_free(&a);
     net_free(&b);
     /* convert: the PTQ checkpoint evaluates as the QAT one, to the last example */

@@ -302,6 +302,24 @@ QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *e
     return st;
 }
 
+QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err) {
+    for (int i = 0; i < n->n_qat; i++) {
+        Param *ps[2];
+        int k = qat_layer_params(&n->qat[i], ps);
+        for (int j = 0; j < k; j++) {
+            size_t m = var_numel(&ps[j]->var);
+            for (size_t e = 0; e < m; e++)
+                if (!isfinite(ps[j]->var.value.data[e]))
+                    return qt_error_set(err, QT_ERR_VALUE, "step %lld: module %s: the learned range %s[%zu] is %g; "
+                                        "lower its lr (quant.rules[%d].lr) or train.optimizer.lr, or set "
+                                        "train.grad_clip", (long long)step, n->qat[i].module->path, ps[j]->name, e,
+                                        (double)ps[j]->var.value.data[e], n->quant_rule[n->qat[i].module -
+                                                                                          n->model.modules]);
+        }
+    }
+    return QT_OK;
+}
+
 const char *net_mode_name(const Net *n) {
     bool lora = config_has_lora(n->cfg);
     if (n->cfg->quant.mode == QUANT_MODE_QAT) return "qat";

@@ -59,6 +59,10 @@ CheckpointNet net_checkpoint_parts(const Net *n);
  * lr (as a factor of the optimizer's base lr). */
 QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *err);
 
+/* QT_ERR_VALUE naming the module, the range and `step` if a learned
+ * quantization range is not finite (NaN/Inf after an update). */
+QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err);
+
 /* "float", "ptq", "lora", "qlora", "qat" (the summary's mode). */
 const char *net_mode_name(const Net *n);
 

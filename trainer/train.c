@@ -379,6 +379,8 @@ static QtStatus run_step(Run *r, QtError *err) {
         optim_clip_grad_norm(r->net.trainable, r->net.n_trainable, r->cfg->train.grad_clip);
     optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
     optim_zero_grad(&r->optim);
+    QtStatus st = net_check_ranges(&r->net, r->step + 1, err);
+    if (st != QT_OK) return st;
     tape_reset(t);
     r->step++;
     r->trained_examples += n;
