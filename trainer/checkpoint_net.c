@@ -185,22 +185,29 @@ static QtStatus read_blobs(const H5ioFile *f, const char *g, QArray *w, QtError 
     return st;
 }
 
+/* CalibRunning stored as attributes of obj: calibration, lo_mean, hi_mean, count. */
+static QtStatus read_running_stats(const H5ioFile *f, const char *obj, CalibRunning *out, QtError *err) {
+    char *calib = NULL;
+    QtStatus st = h5io_attr_read_str(f, obj, "calibration", &calib, err);
+    if (st == QT_OK) st = calib_parse(calib, &out->spec, err);
+    free(calib);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, obj, "lo_mean", &out->lo_mean, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, obj, "hi_mean", &out->hi_mean, err);
+    if (st == QT_OK) st = h5io_attr_read_i64(f, obj, "count", &out->count, err);
+    QtError e = {0};
+    if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, obj, e.msg);
+    return st;
+}
+
 static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, float *scale_zp, QtError *err) {
-    char g[CKPT_OBJ_MAX], *calib = NULL;
+    char g[CKPT_OBJ_MAX];
     QtStatus st = ckpt_obj_path(g, "quant", q->module->path, "input", err);
     if (st == QT_OK && h5io_kind(f, g) != H5IO_GROUP)
         return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s (the static input range of %s) is missing; the checkpoint "
                             "was written without act_qtype for it", f->path, g, q->module->path);
     if (st == QT_OK) st = check_str_attr(f, g, "qtype", qtype_name(q->spec.act_qtype), err);
-    if (st == QT_OK) st = h5io_attr_read_str(f, g, "calibration", &calib, err);
-    if (st == QT_OK) st = calib_parse(calib, &out->spec, err);
-    free(calib);
-    if (st == QT_OK) st = h5io_attr_read_f64(f, g, "lo_mean", &out->lo_mean, err);
-    if (st == QT_OK) st = h5io_attr_read_f64(f, g, "hi_mean", &out->hi_mean, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, g, "count", &out->count, err);
-    QtError e = {0};
-    if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, g, e.msg);
+    if (st == QT_OK) st = read_running_stats(f, g, out, err);
     /* The scale itself, exactly as used (a converted QAT layer's came from a learned range, not the statistics). */
     double s = NAN, zp = 0.0;
     if (st == QT_OK) st = h5io_attr_read_f64(f, g, "scale", &s, err);
@@ -339,20 +346,6 @@ static QtStatus read_range(const H5ioFile *f, const char *state, const FqRange *
     return st;
 }
 
-static QtStatus read_qat_stats(const H5ioFile *f, const char *state, CalibRunning *out, QtError *err) {
-    char *calib = NULL;
-    QtStatus st = h5io_attr_read_str(f, state, "calibration", &calib, err);
-    if (st == QT_OK) st = calib_parse(calib, &out->spec, err);
-    free(calib);
-    if (st == QT_OK) st = h5io_attr_read_f64(f, state, "lo_mean", &out->lo_mean, err);
-    if (st == QT_OK) st = h5io_attr_read_f64(f, state, "hi_mean", &out->hi_mean, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, state, "count", &out->count, err);
-    QtError e = {0};
-    if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, state, e.msg);
-    return st;
-}
-
 QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
     if (net->n_qat == 0) return QT_OK;
     size_t total = 0;
@@ -382,7 +375,7 @@ QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStage
         snprintf(state, sizeof state, "%s/state", t);
         if (st == QT_OK && learned && (st = read_range(f, state, &q->a_range, dst, err)) == QT_OK)
             dst += var_numel(&q->a_range.param.var);
-        if (st == QT_OK) st = read_qat_stats(f, state, &sg->qat_act[i], err);
+        if (st == QT_OK) st = read_running_stats(f, state, &sg->qat_act[i], err);
     }
     return st;
 }
