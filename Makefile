@@ -45,7 +45,7 @@ TESTS  := $(BUILD)/tests/run_tests
 DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
 APT_ENV  := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: all deps pkgcheck test run bench fixtures clean
+.PHONY: compare all deps pkgcheck test run bench fixtures clean
 all: $(LIB) $(QTRAIN)
 
 deps:
@@ -92,6 +92,11 @@ test: deps
 run: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
 	QTRAIN=./$(QTRAIN) sh scripts/main-job.sh
+
+# Float vs PTQ int8 / int4 vs QAT w4a8 on the full data, then qtrain compare.
+compare: deps
+	$(MAKE) --no-print-directory $(QTRAIN)
+	QTRAIN=./$(QTRAIN) sh scripts/compare.sh
 
 bench: deps
 	$(MAKE) --no-print-directory $(BENCH_BINS)
