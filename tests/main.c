@@ -26,7 +26,8 @@
     X(checkpoint) \
     X(trainer)    \
     X(qlora)      \
-    X(quant_qat)
+    X(quant_qat)  \
+    X(quant_qt)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

@@ -1,0 +1,88 @@
+/* qt.h - quantized training (QT) of a dense or conv2d layer: the forward
+ * GEMM on quantized operands and the two backward GEMMs on a quantized
+ * incoming gradient.
+ *
+ * Forward. The weight W (out, fan_in) is quantized per output channel and
+ * the input per tensor, both symmetric with absmax ranges (QArray's rules,
+ * so the values are QAT's dynamic fake quantization of the same layer), in
+ * the rule's weight_qtype / act_qtype. X is the input matrix (rows,
+ * fan_in): rows = N for dense; conv: the im2col matrix of the quantized
+ * input, one row per output pixel, (N*OH*OW, C*KH*KW). For int8 on both
+ * sides the product is a real integer GEMM (int8 x int8 -> int32,
+ * qgemm_s8, then y = acc * sx * sw[col] in float); for other formats the
+ * float GEMM of the dequantized operands. The bias is added in float.
+ *
+ * Backward, with g = dL/dy (rows, out):
+ *   dX = g W     g quantized with bwd_qtype per row of g (its non-contracting
+ *                axis in this product), W the forward's quantized weight;
+ *   dW = g^T X   g quantized per output channel (column of g), over tiles of
+ *                bwd_weight_grad_tile_size rows along the contraction (batch)
+ *                axis when > 0; X the forward's quantized input.
+ * Both products use the same noise when rounding is stochastic: u ~ U[0, 1)
+ * (floor(v + u), i.e. U(-1/2, 1/2) noise before round-to-nearest) drawn
+ * per element along the axes in noise_axes (bit 0: the rows of g, bit 1:
+ * its columns) and shared (broadcast) along the others; default rows only.
+ * The noise comes from the layer's Rng, advanced by the same count every
+ * step, so a resumed run draws the same noise.
+ * With bwd_qtype NULL the backward is QAT's: the float GEMMs of the
+ * straight-through estimator (clipped at the operands' ranges) on the
+ * dequantized forward operands.
+ *
+ * Scratch comes from the tape's arena; nothing is allocated per step. */
+#ifndef QTRAIN_QUANT_QT_H
+#define QTRAIN_QUANT_QT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nn/error.h"
+#include "nn/model.h"
+#include "nn/rng.h"
+#include "nn/tape.h"
+#include "quant/calib.h"
+#include "quant/qtype.h"
+
+/* ---- integer GEMM ------------------------------------------------------------------------------ */
+
+/* c (M, N) int32 = a (M, K) int8 x b (N, K)^T int8: both operands row-major
+ * with K contiguous (the layout of X and W), exact integer arithmetic.
+ * The fast kernel and its scalar _ref twin give identical results. */
+void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+
+/* ---- the layer --------------------------------------------------------------------------------- */
+
+enum { QT_NOISE_ROWS = 1u, QT_NOISE_COLS = 2u };
+
+typedef struct {
+    const QType *weight_qtype;        /* forward W; int/uint/float formats (no blocks, no LUT) */
+    const QType *act_qtype;           /* forward X; NULL: the weight's format */
+    const QType *bwd_qtype;           /* NULL: QAT's float backward */
+    CalibSpec bwd_calib;              /* g's range per slice; default absmax */
+    int bwd_weight_grad_tile_size;    /* rows of g per scale in dW's g (0: all rows) */
+    bool bwd_stochastic;              /* bwd_stochastic_rounding: uniform */
+    unsigned noise_axes;              /* QT_NOISE_ROWS | QT_NOISE_COLS; 0 means rows */
+} QtSpec;
+
+/* Defaults: absmax, no tile, round to nearest, noise along rows. */
+QtSpec qt_spec_default(void);
+
+typedef struct {
+    Module *module;                   /* dense or conv2d, weight trainable float */
+    QtSpec spec;
+    int out, fan_in;
+    Rng rng;                          /* stochastic rounding noise; a checkpoint saves it with the run's */
+} QtLayer;
+
+/* Checks spec against module m; messages start with the module path and
+ * name the key (e.g. "bwd_qtype: nf4 is a lookup format"). */
+QtStatus qt_layer_check(const QtSpec *spec, const Module *m, QtError *err);
+/* The noise generator starts at (seed, stream, 0); give each layer its own stream. */
+QtStatus qt_layer_init(QtLayer *q, Module *m, const QtSpec *spec, uint64_t seed, uint64_t stream, QtError *err);
+void qt_layer_install(QtLayer *q);
+
+/* The layer's forward (see above); records the quantized backward. */
+Var *qt_layer_forward(Tape *t, QtLayer *q, Var *x);
+
+#endif
