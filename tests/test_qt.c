@@ -1,6 +1,832 @@
+/* test_qt.c - quantized training: the integer GEMM against its scalar
+ * twin, the spec's checks, the forward and the float backward against a QAT
+ * layer of the same formats, the quantized backward against a hand-written
+ * reference (round to nearest and stochastic, rows/columns noise, tiles of
+ * the weight gradient), the unbiasedness of stochastic rounding, the noise's
+ * determinism and the arena's steady state. */
 #include <CUnit/CUnit.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant/qat.h"
+#include "quant/qt.h"
+#include "test_qarray.h"
+#include "test_qat.h"
+#include "test_util.h"
+
+/* ---- the integer GEMM -------------------------------------------------------------------------------------------- */
+
+static void qgemm_case(int M, int N, int K, uint64_t seed, bool extremes) {
+    size_t na = (size_t)M * K, nb = (size_t)N * K, nc = (size_t)M * N;
+    int8_t *a = malloc(na ? na : 1), *b = malloc(nb ? nb : 1);
+    int32_t *c = malloc((nc ? nc : 1) * sizeof *c), *ref = malloc((nc ? nc : 1) * sizeof *ref);
+    CU_ASSERT_FATAL(a && b && c && ref);
+    Rng r;
+    rng_init(&r, seed, 1);
+    for (size_t i = 0; i < na; i++) a[i] = extremes ? -128 : (int8_t)(rng_below(&r, 256) - 128);
+    for (size_t i = 0; i < nb; i++) b[i] = extremes ? (i % 3 ? -128 : 127) : (int8_t)(rng_below(&r, 256) - 128);
+    memset(c, 0x5a, (nc ? nc : 1) * sizeof *c); /* garbage the kernel must overwrite */
+    qgemm_s8(c, a, b, M, N, K);
+    qgemm_s8_ref(ref, a, b, M, N, K);
+    bool same = memcmp(c, ref, nc * sizeof *c) == 0;
+    if (!same) fprintf(stderr, "\n  qgemm_s8 (%d, %d, %d)%s differs from the reference\n", M, N, K,
+                       extremes ? " at the extremes" : "");
+    CU_ASSERT(same);
+    free(a), free(b), free(c), free(ref);
+}
+
+static void test_qgemm(void) {
+    static const int SIZES[] = {1, 3, 17, 64, 129};
+    uint64_t seed = 1;
+    for (int i = 0; i < 5; i++)
+        for (int j = 0; j < 5; j++)
+            for (int k = 0; k < 5; k++) qgemm_case(SIZES[i], SIZES[j], SIZES[k], seed++, false);
+    qgemm_case(129, 17, 129, 7, true);  /* -128 * -128 summed */
+    qgemm_case(5, 70, 600, 8, false);   /* several K blocks and column blocks */
+    qgemm_case(3, 5, 0, 9, false);      /* no terms: zeros */
+    qgemm_case(2, 3, 1 << 16, 10, true); /* sums near the int32 limit */
+}
+
+/* ---- specs, layers, runs ----------------------------------------------------------------------------------------- */
+
+static QtSpec spec_of(const char *wt, const char *at, const char *bwd) {
+    QtSpec s = qt_spec_default();
+    s.weight_qtype = wt ? qa_find(wt) : NULL;
+    s.act_qtype = at ? qa_find(at) : NULL;
+    s.bwd_qtype = bwd ? qa_find(bwd) : NULL;
+    return s;
+}
+
+static void init_ok(QtLayer *q, Module *mod, const QtSpec *spec, uint64_t stream) {
+    QtError err = {0};
+    QtStatus st = qt_layer_init(q, mod, spec, 42, stream, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  qt_layer_init: %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+}
+
+/* The QAT layer a QT layer without bwd_qtype equals: weight per channel, dynamic input per tensor. */
+static void qat_twin(QatLayer *qa, Module *mod, const char *wt, const char *at) {
+    QLayerSpec s = qt_wspec(wt, 0, QARRAY_SCALE_F32);
+    s.act_qtype = qa_find(at);
+    QatSpec qs = qt_qspec(QAT_LEARN_NONE, false);
+    qt_init_ok(qa, mod, &s, &qs);
+}
+
+static void zero_module_grads(Module *m) {
+    qt_zero(m->weight->var.grad, var_numel(&m->weight->var));
+    if (m->bias) qt_zero(m->bias->var.grad, var_numel(&m->bias->var));
+}
+
+/* The QT layer on x (batch N) and its backward from dy (NULL: the dy qt_run_qat uses), copied out. */
+static void run_qt(QtLayer *q, const float *x, int N, const float *dy, QtRun *r) {
+    Module *mod = q->module;
+    TestEnv e;
+    test_env_init(&e, 5);
+    int xs[4], xnd = qt_input_shape(mod, N, xs);
+    Var *vx = test_var(&e, x, xnd, xs, true);
+    zero_module_grads(mod);
+    Var *y = qt_layer_forward(&e.tape, q, vx);
+    if (!y) fprintf(stderr, "\n  qt_layer_forward: %s\n", e.tape.err.msg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+    memset(r, 0, sizeof *r);
+    r->ny = var_numel(y), r->nx = qt_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
+    r->nb = mod->bias ? var_numel(&mod->bias->var) : 0;
+    float *own = dy ? NULL : qa_normal_sample(77, r->ny);
+    QtStatus st = tape_backward_from(&e.tape, y, dy ? dy : own);
+    if (st != QT_OK) fprintf(stderr, "\n  backward: %s\n", e.tape.err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    free(own);
+    r->y = qt_copy_floats(y->value.data, r->ny);
+    r->dx = qt_copy_floats(vx->grad, r->nx);
+    r->dw = qt_copy_floats(mod->weight->var.grad, r->nw);
+    r->db = qt_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
+    test_env_free(&e);
+}
+
+/* a and b agree to 1e-5 of b's largest magnitude (and 1e-5 relative): float rounding, nothing more. */
+static bool close_to(const float *a, const float *b, size_t n, const char *what) {
+    double amax = 0.0;
+    for (size_t i = 0; i < n; i++) amax = fmax(amax, fabs((double)b[i]));
+    size_t worst = 0;
+    double ratio = test_close_ratio(a, b, n, 1e-5 * amax + 1e-30, 1e-5, &worst);
+    if (ratio > 1.0)
+        fprintf(stderr, "\n  %s[%zu]: %.9g vs %.9g (ratio %.3g, max |b| %g)\n", what, worst, (double)a[worst],
+                (double)b[worst], ratio, amax);
+    return ratio <= 1.0;
+}
+
+/* ---- geometry and the hand reference ----------------------------------------------------------------------------- */
+
+typedef struct {
+    bool conv;
+    int N, C, H, W, KH, KW, OH, OW, stride, pad;
+    int rows, out, K;
+} Geom;
+
+static Geom geom_of(const QtLayer *q, int N) {
+    const Module *m = q->module;
+    Geom g = {.conv = m->spec.type == LAYER_CONV2D, .N = N, .out = q->out, .K = q->fan_in, .rows = N};
+    if (g.conv) {
+        const int *ws = m->weight->var.value.shape;
+        g.C = m->in_shape[0], g.H = m->in_shape[1], g.W = m->in_shape[2], g.KH = ws[2], g.KW = ws[3];
+        g.stride = m->spec.stride, g.pad = m->spec.padding;
+        g.OH = (g.H + 2 * g.pad - g.KH) / g.stride + 1, g.OW = (g.W + 2 * g.pad - g.KW) / g.stride + 1;
+        g.rows = N * g.OH * g.OW;
+    }
+    return g;
+}
+
+/* The flat index into x of element k of X's row r (the patch of output pixel r), or -1 for the padding. */
+static long x_index(const Geom *g, int r, int k) {
+    if (!g->conv) return (long)r * g->K + k;
+    int plane = g->OH * g->OW, n = r / plane, oh = r % plane / g->OW, ow = r % g->OW;
+    int c = k / (g->KH * g->KW), kh = k % (g->KH * g->KW) / g->KW, kw = k % g->KW;
+    int ih = oh * g->stride + kh - g->pad, iw = ow * g->stride + kw - g->pad;
+    if (ih < 0 || ih >= g->H || iw < 0 || iw >= g->W) return -1;
+    return (((long)n * g->C + c) * g->H + ih) * g->W + iw;
+}
+
+/* g (rows, out) from dy: one row per example (dense) or per output pixel (conv). */
+static float *grad_rows_of(const Geom *g, const float *dy) {
+    float *gr = qa_alloc_floats((size_t)g->rows * g->out);
+    int plane = g->conv ? g->OH * g->OW : 1;
+    for (int r = 0; r < g->rows; r++)
+        for (int o = 0; o < g->out; o++)
+            gr[(size_t)r * g->out + o] =
+                g->conv ? dy[((size_t)(r / plane) * g->out + o) * plane + r % plane] : dy[(size_t)r * g->out + o];
+    return gr;
+}
+
+/* Stochastic rounding's uniforms as the layer draws them. */
+typedef struct {
+    const float *u; /* NULL: round to nearest */
+    unsigned axes;
+    int out;
+} Noise;
+
+static float noise_at(const Noise *z, int r, int o) {
+    if (!z || !z->u) return 0.0f;
+    if (z->axes == QT_NOISE_COLS) return z->u[o];
+    if (z->axes == (QT_NOISE_ROWS | QT_NOISE_COLS)) return z->u[(size_t)r * z->out + o];
+    return z->u[r];
+}
+
+/* The noise a layer whose rng is at `from` draws for `rows` x `out`: malloc'd. */
+static float *draw_noise(Rng from, unsigned axes, int rows, int out) {
+    size_t n = axes == QT_NOISE_COLS ? (size_t)out : axes == QT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
+    uint32_t *w = malloc(n * sizeof *w);
+    float *u = qa_alloc_floats(n);
+    rng_fill_u32(&from, w, n);
+    for (size_t i = 0; i < n; i++) u[i] = rng_u32_to_unit(w[i]);
+    free(w);
+    return u;
+}
+
+/* x quantized as one slice of a signed int format of `bits`, absmax (DESIGN: s = amax / (2^(b-1) - 1/2)), codes
+ * clamped, then rounded: to nearest, or stochastically with u (up when u >= 1 - frac). */
+static float int_slice_scale(float amax, int bits) {
+    float s = amax / ((float)((1 << (bits - 1)) - 1) + 0.5f);
+    return s >= 1e-19f ? s : 1.0f;
+}
+
+static float int_quant(float x, float s, int bits, bool stochastic, float u) {
+    float qmax = (float)((1 << (bits - 1)) - 1), c = fminf(fmaxf(x / s, -qmax - 1.0f), qmax), lo = floorf(c);
+    float q = stochastic ? lo + (u >= 1.0f - (c - lo) ? 1.0f : 0.0f) : rintf(c);
+    return q * s;
+}
+
+/* gr, gc (rows, out): g quantized per row, and per column in tiles of `tile` rows (0: all). */
+static void quant_grad_ref(const Geom *G, const float *g, int bits, int tile, const Noise *z, float *gr, float *gc) {
+    int rows = G->rows, out = G->out, T = tile > 0 && tile < rows ? tile : rows;
+    bool sr = z && z->u;
+    for (int r = 0; r < rows; r++) {
+        float amax = 0.0f;
+        for (int o = 0; o < out; o++) amax = fmaxf(amax, fabsf(g[(size_t)r * out + o]));
+        float s = int_slice_scale(amax, bits);
+        for (int o = 0; o < out; o++)
+            gr[(size_t)r * out + o] = int_quant(g[(size_t)r * out + o], s, bits, sr, noise_at(z, r, o));
+    }
+    for (int o = 0; o < out; o++)
+        for (int r0 = 0; r0 < rows; r0 += T) {
+            int n = rows - r0 < T ? rows - r0 : T;
+            float amax = 0.0f;
+            for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(g[(size_t)(r0 + i) * out + o]));
+            float s = int_slice_scale(amax, bits);
+            for (int i = 0; i < n; i++) {
+                size_t at = (size_t)(r0 + i) * out + o;
+                gc[at] = int_quant(g[at], s, bits, sr, noise_at(z, r0 + i, o));
+            }
+        }
+}
+
+/* dx = mask_x (gr wq) through the patches, dw = mask_w (gc^T xq), both in double. */
+static void grads_ref(const Geom *G, const float *gr, const float *gc, const float *wq, const float *xq, size_t nx,
+                      float *dx, float *dw) {
+    size_t nw = (size_t)G->out * G->K;
+    double *ax = calloc(nx, sizeof *ax), *aw = calloc(nw, sizeof *aw);
+    CU_ASSERT_FATAL(ax && aw);
+    for (int r = 0; r < G->rows; r++)
+        for (int k = 0; k < G->K; k++) {
+            long i = x_index(G, r, k);
+            if (i < 0) continue;
+            for (int o = 0; o < G->out; o++) {
+                ax[i] += (double)gr[(size_t)r * G->out + o] * wq[(size_t)o * G->K + k];
+                aw[(size_t)o * G->K + k] += (double)gc[(size_t)r * G->out + o] * xq[i];
+            }
+        }
+    for (size_t i = 0; i < nx; i++) dx[i] = (float)ax[i];
+    for (size_t i = 0; i < nw; i++) dw[i] = (float)aw[i];
+    free(ax), free(aw);
+}
+
+/* The forward's operands as QArray round trips: w per output channel, x per tensor (symmetric). */
+typedef struct {
+    QArray qw, qx;
+    float *wq, *xq;
+} Operands;
+
+static void operands_of(const QtLayer *q, const float *x, size_t nx, Operands *op) {
+    const QType *at = q->spec.act_qtype ? q->spec.act_qtype : q->spec.weight_qtype;
+    QArrayOptions wo = qa_channelwise(0), xo = {.range = QARRAY_RANGE_SYMMETRIC};
+    wo.range = QARRAY_RANGE_SYMMETRIC;
+    memset(op, 0, sizeof *op);
+    op->wq = qt_qarray_round_trip(q->module->weight->var.value.data, 2, (const int[]){q->out, q->fan_in},
+                                  q->spec.weight_qtype, &wo, &op->qw);
+    op->xq = qt_qarray_round_trip(x, 1, (const int[]){(int)nx}, at, &xo, &op->qx);
+}
+
+static void operands_free(Operands *op) {
+    qarray_free(&op->qw), qarray_free(&op->qx);
+    free(op->wq), free(op->xq);
+}
+
+/* The layer's quantized backward (int formats of bwd_bits) against the reference for one x and dy; the noise is
+ * what the layer's rng draws from its state before the step. */
+static void check_against_ref(QtLayer *q, int N, uint64_t seed, int bwd_bits, const char *what) {
+    Module *mod = q->module;
+    Geom G = geom_of(q, N);
+    size_t nx = qt_input_numel(mod, N), nw = (size_t)q->out * q->fan_in, ny = (size_t)G.rows * G.out;
+    float *x = qa_normal_sample(seed, nx), *dy = qa_normal_sample(seed + 1, ny);
+    Operands op;
+    operands_of(q, x, nx, &op);
+    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : QT_NOISE_ROWS;
+    float *u = q->spec.bwd_stochastic ? draw_noise(q->rng, axes, G.rows, G.out) : NULL;
+    Noise z = {.u = u, .axes = axes, .out = G.out};
+    QtRun a;
+    run_qt(q, x, N, dy, &a);
+    float *g = grad_rows_of(&G, dy), *gr = qa_alloc_floats(ny), *gc = qa_alloc_floats(ny);
+    float *dx = qa_alloc_floats(nx), *dw = qa_alloc_floats(nw), *db = qa_alloc_floats(G.out);
+    quant_grad_ref(&G, g, bwd_bits, q->spec.bwd_weight_grad_tile_size, &z, gr, gc);
+    grads_ref(&G, gr, gc, op.wq, op.xq, nx, dx, dw);
+    qt_apply_mask(dx, x, nx, &op.qx);
+    qt_apply_mask(dw, mod->weight->var.value.data, nw, &op.qw);
+    for (int o = 0; o < G.out; o++) {
+        double s = 0.0;
+        for (int r = 0; r < G.rows; r++) s += g[(size_t)r * G.out + o];
+        db[o] = (float)s;
+    }
+    char label[96];
+    snprintf(label, sizeof label, "%s dx", what);
+    CU_ASSERT(close_to(a.dx, dx, nx, label));
+    snprintf(label, sizeof label, "%s dw", what);
+    CU_ASSERT(close_to(a.dw, dw, nw, label));
+    snprintf(label, sizeof label, "%s db", what);
+    CU_ASSERT(close_to(a.db, db, (size_t)G.out, label));
+    qt_run_free(&a);
+    operands_free(&op);
+    free(x), free(dy), free(u), free(g), free(gr), free(gc), free(dx), free(dw), free(db);
+}
+
+/* ---- setup and checks -------------------------------------------------------------------------------------------- */
+
+static void test_init_and_install(void) {
+    QtSpec d = qt_spec_default();
+    CU_ASSERT(!d.weight_qtype && !d.act_qtype && !d.bwd_qtype);
+    CU_ASSERT(d.bwd_calib.kind == CALIB_ABSMAX && d.bwd_calib.s == 1.0);
+    CU_ASSERT(d.bwd_weight_grad_tile_size == 0 && !d.bwd_stochastic && d.noise_axes == QT_NOISE_ROWS);
+    Model m;
+    qt_conv_model(&m, 2, 6, 5, 4, 3, 1, 1, 3);
+    Module *mod = &m.modules[0];
+    QtSpec s = spec_of("int8", NULL, "int8");
+    QtLayer q;
+    init_ok(&q, mod, &s, 9);
+    CU_ASSERT(q.module == mod && q.out == 4 && q.fan_in == 18 && q.spec.weight_qtype == qa_find("int8"));
+    CU_ASSERT(q.rng.seed == 42 && q.rng.stream == 9 && q.rng.counter == 0);
+    qt_layer_install(&q);
+    CU_ASSERT(mod->forward_hook != NULL && mod->hook_ctx == &q);
+    /* the model's forward goes through the layer */
+    float *x = qa_normal_sample(4, 2 * 2 * 6 * 5);
+    TestEnv e;
+    test_env_init(&e, 1);
+    Var *vx = tape_wrap(&e.tape, x, 4, (const int[]){2, 2, 6, 5});
+    Var *y1 = model_forward(&m, &e.tape, vx), *y2 = qt_layer_forward(&e.tape, &q, vx);
+    CU_ASSERT_FATAL(y1 && y2);
+    CU_ASSERT(var_numel(y1) == 2 * 4 * 6 * 5 && memcmp(y1->value.data, y2->value.data, var_numel(y1) * 4) == 0);
+    test_env_free(&e);
+    free(x);
+    model_free(&m);
+}
+
+typedef struct {
+    const char *name, *wt, *at, *bwd;
+    int tile;
+    bool stochastic;
+    unsigned axes;
+    bool bad_calib;
+    const char *has[3]; /* besides the module path */
+} QtErrCase;
+
+static const QtErrCase QT_ERRS[] = {
+    {"no weight format", NULL, NULL, NULL, 0, false, 1, false, {"weight_qtype", "not set"}},
+    {"nf4 weight", "nf4", NULL, NULL, 0, false, 1, false, {"weight_qtype: nf4 is a lookup format"}},
+    {"mx weight", "mxfp4", NULL, NULL, 0, false, 1, false, {"weight_qtype: mxfp4", "block format"}},
+    {"binary weight", "binary", NULL, NULL, 0, false, 1, false, {"weight_qtype: binary", "mean |x|"}},
+    {"ternary input", "int8", "ternary", NULL, 0, false, 1, false, {"act_qtype: ternary"}},
+    {"mx9 input", "int8", "mx9", NULL, 0, false, 1, false, {"act_qtype: mx9"}},
+    {"nf4 gradient", "int8", NULL, "nf4", 0, false, 1, false, {"bwd_qtype: nf4 is a lookup format"}},
+    {"mx gradient", "int8", NULL, "mxfp8_e4m3", 0, false, 1, false, {"bwd_qtype: mxfp8_e4m3"}},
+    {"uint gradient", "int8", NULL, "uint8", 0, false, 1, false, {"bwd_qtype: uint8", "both signs"}},
+    {"negative tile", "int8", NULL, "int8", -2, false, 1, false, {"bwd_weight_grad_tile_size", "-2"}},
+    {"noise axes", "int8", NULL, "int8", 0, true, 4, false, {"channelwise_noise_axes", "4"}},
+    {"bad calibration", "int8", NULL, "int8", 0, false, 1, true, {"bwd_calib"}},
+    {"stochastic without bwd_qtype", "int8", NULL, NULL, 0, true, 1, false,
+     {"bwd_stochastic_rounding", "bwd_qtype"}},
+    {"tile without bwd_qtype", "int4", NULL, NULL, 8, false, 1, false, {"bwd_weight_grad_tile_size", "bwd_qtype"}},
+};
+
+static QtSpec err_spec(const QtErrCase *c) {
+    QtSpec s = spec_of(c->wt, c->at, c->bwd);
+    s.bwd_weight_grad_tile_size = c->tile;
+    s.bwd_stochastic = c->stochastic;
+    s.noise_axes = c->axes;
+    if (c->bad_calib) s.bwd_calib.s = -1.0;
+    return s;
+}
+
+static void test_check_errors(void) {
+    Model m;
+    qt_dense_model(&m, 12, 5, 2);
+    Module *mod = &m.modules[0];
+    for (size_t i = 0; i < sizeof QT_ERRS / sizeof QT_ERRS[0]; i++) {
+        const QtErrCase *c = &QT_ERRS[i];
+        QtSpec s = err_spec(c);
+        QtError err = {0};
+        QtStatus st = qt_layer_check(&s, mod, &err);
+        if (st != QT_ERR_CONFIG) fprintf(stderr, "\n  %s: status %d (%s)\n", c->name, (int)st, err.msg);
+        CU_ASSERT_EQUAL(st, QT_ERR_CONFIG);
+        CU_ASSERT(strncmp(err.msg, "fc1: ", 5) == 0);
+        for (int k = 0; k < 3 && c->has[k]; k++) CU_ASSERT(test_msg_has(&err, c->has[k]));
+        QtLayer q;
+        memset(&q, 0x5a, sizeof q);
+        QtError err2 = {0};
+        CU_ASSERT_EQUAL(qt_layer_init(&q, mod, &s, 1, 2, &err2), QT_ERR_CONFIG);
+        CU_ASSERT(q.module == NULL);
+        CU_ASSERT_STRING_EQUAL(err.msg, err2.msg);
+    }
+    /* valid ones */
+    const QtErrCase ok[] = {
+        {"int8", "int8", NULL, NULL, 0, false, 0, false, {0}},
+        {"mixed", "int4", "fp8_e4m3", "fp8_e5m2", 16, true, 3, false, {0}},
+        {"uint input", "e3m4", "uint8", "int4", 0, true, 2, false, {0}},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        QtSpec s = err_spec(&ok[i]);
+        QtError err = {0};
+        QtStatus st = qt_layer_check(&s, mod, &err);
+        if (st != QT_OK) fprintf(stderr, "\n  %s: %s\n", ok[i].name, err.msg);
+        CU_ASSERT_EQUAL(st, QT_OK);
+    }
+    QtSpec s = spec_of("int8", NULL, NULL);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(qt_layer_check(NULL, mod, &err), QT_ERR_ARG);
+    CU_ASSERT_EQUAL(qt_layer_init(NULL, mod, &s, 1, 2, &err), QT_ERR_ARG);
+    model_free(&m);
+
+    /* a module without a weight matrix */
+    LayerSpec relu = {.type = LAYER_RELU, .name = "act"};
+    qt_one_layer_model(&m, 1, (const int[]){8}, &relu, 1);
+    err = (QtError){0};
+    CU_ASSERT_EQUAL(qt_layer_check(&s, &m.modules[0], &err), QT_ERR_CONFIG);
+    CU_ASSERT(strncmp(err.msg, "act: ", 5) == 0 && test_msg_has(&err, "relu") && test_msg_has(&err, "dense"));
+    model_free(&m);
+}
+
+/* Errors of the forward and backward go to the tape, naming the module. */
+static void test_forward_errors(void) {
+    Model m;
+    qt_dense_model(&m, 6, 3, 4);
+    QtSpec s = spec_of("int8", NULL, "int8");
+    QtLayer q;
+    init_ok(&q, &m.modules[0], &s, 1);
+    TestEnv e;
+    test_env_init(&e, 1);
+    float x[12] = {0};
+    CU_ASSERT_PTR_NULL(qt_layer_forward(&e.tape, &q, tape_wrap(&e.tape, x, 2, (const int[]){3, 4})));
+    CU_ASSERT(e.tape.err.status == QT_ERR_SHAPE && test_msg_has(&e.tape.err, "fc1") &&
+              test_msg_has(&e.tape.err, "(3, 4)"));
+    tape_reset(&e.tape);
+    x[7] = NAN;
+    CU_ASSERT_PTR_NULL(qt_layer_forward(&e.tape, &q, tape_wrap(&e.tape, x, 2, (const int[]){2, 6})));
+    CU_ASSERT(e.tape.err.status == QT_ERR_VALUE && test_msg_has(&e.tape.err, "fc1") &&
+              test_msg_has(&e.tape.err, "input"));
+    /* a NaN gradient cannot be quantized */
+    tape_reset(&e.tape);
+    x[7] = 0.5f;
+    Var *vx = test_var(&e, x, 2, (const int[]){2, 6}, true);
+    Var *y = qt_layer_forward(&e.tape, &q, vx);
+    CU_ASSERT_FATAL(y != NULL);
+    const float dy[6] = {1.0f, NAN, 0.0f, 1.0f, 2.0f, 3.0f};
+    CU_ASSERT_EQUAL(tape_backward_from(&e.tape, y, dy), QT_ERR_VALUE);
+    CU_ASSERT(test_msg_has(&e.tape.err, "fc1") && test_msg_has(&e.tape.err, "gradient"));
+    test_env_free(&e);
+    model_free(&m);
+}
+
+/* ---- the forward and the float backward equal QAT's -------------------------------------------------------------- */
+
+/* QT without bwd_qtype against the QAT layer of the same formats: y, dx, dw and dbias to float rounding. */
+static void check_equals_qat(Model *m, int N, const char *wt, const char *at, uint64_t seed) {
+    Module *mod = &m->modules[0];
+    QtLayer q;
+    QtSpec s = spec_of(wt, at, NULL);
+    init_ok(&q, mod, &s, 1);
+    QatLayer qa;
+    qat_twin(&qa, mod, wt, at);
+    float *x = qa_normal_sample(seed, qt_input_numel(mod, N));
+    QtRun a, b;
+    run_qt(&q, x, N, NULL, &a);
+    qt_run_qat(&qa, x, N, true, true, &b);
+    char label[96];
+    const char *kind = mod->spec.type == LAYER_CONV2D ? "conv" : "dense";
+    snprintf(label, sizeof label, "%s %s/%s y", kind, wt, at);
+    CU_ASSERT(a.ny == b.ny && close_to(a.y, b.y, a.ny, label));
+    snprintf(label, sizeof label, "%s %s/%s dx", kind, wt, at);
+    CU_ASSERT(close_to(a.dx, b.dx, a.nx, label));
+    snprintf(label, sizeof label, "%s %s/%s dw", kind, wt, at);
+    CU_ASSERT(close_to(a.dw, b.dw, a.nw, label));
+    snprintf(label, sizeof label, "%s %s/%s db", kind, wt, at);
+    CU_ASSERT(close_to(a.db, b.db, a.nb, label));
+    /* the clipped STE zeroed something: a positive extreme of an int slice (qmax + 1/2) or, for a symmetric
+     * uint, the negative inputs */
+    size_t zw = 0, zx = 0;
+    for (size_t i = 0; i < a.nw; i++) zw += a.dw[i] == 0.0f;
+    for (size_t i = 0; i < a.nx; i++) zx += a.dx[i] == 0.0f;
+    CU_ASSERT(zw < a.nw && zx < a.nx);
+    if (qa_find(wt)->kind == QTYPE_KIND_INT) CU_ASSERT(zw > 0);
+    if (qa_find(at)->kind == QTYPE_KIND_UINT) CU_ASSERT(zx > 0);
+    qt_run_free(&a), qt_run_free(&b);
+    qat_layer_free(&qa);
+    free(x);
+}
+
+static const char *const FORMATS[][2] = {
+    {"int8", "int8"},         /* the integer GEMM */
+    {"int4", "int8"},         /* the integer GEMM on int4 codes */
+    {"fp8_e4m3", "fp8_e4m3"}, /* float GEMMs on the dequantized operands */
+    {"int8", "uint8"},
+    {"int4", "fp6_e2m3"},
+};
+
+static void test_dense_equals_qat(void) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
+        Model m;
+        qt_dense_model(&m, 37, 11, 20 + i);
+        check_equals_qat(&m, 5, FORMATS[i][0], FORMATS[i][1], 30 + i);
+        model_free(&m);
+    }
+}
+
+static void test_conv_equals_qat(void) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
+        Model m;
+        qt_conv_model(&m, 3, 7, 6, 5, 3, 2, 1, 40 + i); /* stride 2, padding 1 */
+        check_equals_qat(&m, 2, FORMATS[i][0], FORMATS[i][1], 50 + i);
+        model_free(&m);
+    }
+    Model m;
+    qt_conv_model(&m, 2, 5, 5, 3, 2, 1, 0, 60); /* even kernel, no padding, batch 1 */
+    check_equals_qat(&m, 1, "int8", "int8", 61);
+    model_free(&m);
+}
+
+/* ---- the quantized backward -------------------------------------------------------------------------------------- */
+
+static void test_backward_rne(void) {
+    Model m;
+    qt_dense_model(&m, 9, 5, 70);
+    QtLayer q;
+    QtSpec s = spec_of("int8", NULL, "int8");
+    s.bwd_weight_grad_tile_size = 4; /* 6 rows: tiles of 4 and 2 */
+    init_ok(&q, &m.modules[0], &s, 1);
+    check_against_ref(&q, 6, 71, 8, "dense int8 tile 4");
+    s.bwd_qtype = qa_find("int4");
+    s.bwd_weight_grad_tile_size = 0;
+    init_ok(&q, &m.modules[0], &s, 1);
+    check_against_ref(&q, 6, 72, 4, "dense int4");
+    model_free(&m);
+
+    qt_conv_model(&m, 2, 6, 7, 4, 3, 2, 1, 73);
+    s = spec_of("int8", "int8", "int8");
+    s.bwd_weight_grad_tile_size = 5; /* over 2 * 3 * 4 = 24 pixel rows */
+    init_ok(&q, &m.modules[0], &s, 1);
+    check_against_ref(&q, 2, 74, 8, "conv int8 tile 5");
+    CU_ASSERT_EQUAL(q.rng.counter, 0); /* round to nearest draws nothing */
+    model_free(&m);
+}
+
+static void test_backward_stochastic(void) {
+    static const unsigned AXES[] = {QT_NOISE_ROWS, QT_NOISE_COLS, QT_NOISE_ROWS | QT_NOISE_COLS};
+    for (int i = 0; i < 3; i++) {
+        Model m;
+        qt_dense_model(&m, 9, 5, 80 + i);
+        QtLayer q;
+        QtSpec s = spec_of("int8", NULL, "int4");
+        s.bwd_stochastic = true;
+        s.noise_axes = AXES[i];
+        s.bwd_weight_grad_tile_size = 3;
+        init_ok(&q, &m.modules[0], &s, 7);
+        char what[64];
+        snprintf(what, sizeof what, "dense stochastic axes %u", AXES[i]);
+        check_against_ref(&q, 6, 90 + i, 4, what);
+        check_against_ref(&q, 6, 90 + i, 4, what); /* the next step, fresh noise */
+        uint64_t per_step = AXES[i] == QT_NOISE_ROWS ? 2 : AXES[i] == QT_NOISE_COLS ? 2 : 8; /* ceil(n / 4) */
+        CU_ASSERT_EQUAL(q.rng.counter, 2 * per_step);
+        model_free(&m);
+    }
+    Model m;
+    qt_conv_model(&m, 2, 5, 6, 3, 3, 2, 1, 95);
+    QtLayer q;
+    QtSpec s = spec_of("int8", "int8", "int8");
+    s.bwd_stochastic = true;
+    s.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
+    init_ok(&q, &m.modules[0], &s, 8);
+    check_against_ref(&q, 2, 96, 8, "conv stochastic");
+    model_free(&m);
+}
+
+/* A dense layer with W = I (16 x 16) and g whose every element but one per row lies halfway between two codes of
+ * a row scale 1: dx / deq(W_ii) is the quantized g, and whether each element rounded up shows its u >= 1/2. */
+static void noise_pattern(unsigned axes, bool up[8][16]) {
+    enum { N = 8, D = 16 };
+    Model m;
+    qt_dense_model(&m, D, D, 100);
+    Module *mod = &m.modules[0];
+    float *w = mod->weight->var.value.data;
+    for (int i = 0; i < D * D; i++) w[i] = i % (D + 1) == 0 ? 1.0f : 0.0f;
+    float x[N * D], g[N * D];
+    for (int i = 0; i < N * D; i++) {
+        x[i] = i ? 0.1f + 0.8f * (float)(i % 7) / 7.0f : 1.0f; /* only x[0] saturates */
+        int r = i / D, o = i % D;
+        g[i] = o == r ? 127.5f : (float)((r * 7 + o * 3) % 100 - 50) + 0.5f;
+    }
+    QtSpec s = spec_of("int8", NULL, "int8");
+    s.bwd_stochastic = true;
+    s.noise_axes = axes;
+    QtLayer q;
+    init_ok(&q, mod, &s, 11);
+    QtRun a;
+    run_qt(&q, x, N, g, &a);
+    float wdiag = 127.0f * (1.0f / 127.5f); /* deq of the code 127 at scale 1 / 127.5 */
+    for (int i = 0; i < N * D; i++) {
+        int r = i / D, o = i % D;
+        if (o == r || i == 0) continue;
+        float gq = a.dx[i] / wdiag;
+        CU_ASSERT(fabsf(gq - (g[i] + 0.5f)) < 1e-3f || fabsf(gq - (g[i] - 0.5f)) < 1e-3f);
+        up[r][o] = gq > g[i];
+    }
+    qt_run_free(&a);
+    model_free(&m);
+}
+
+static void test_noise_axes(void) {
+    bool up[8][16];
+    /* rows only: a row rounds all its halfway elements the same way, and rows differ */
+    noise_pattern(QT_NOISE_ROWS, up);
+    int rows_up = 0;
+    for (int r = 0; r < 8; r++) {
+        int o0 = r == 0 ? 1 : 0, same = 1;
+        for (int o = 0; o < 16; o++)
+            if (o != r && !(r == 0 && o == 0)) same &= up[r][o] == up[r][o0];
+        CU_ASSERT(same);
+        rows_up += up[r][o0];
+    }
+    CU_ASSERT(rows_up > 0 && rows_up < 8);
+    /* columns only: a column rounds the same way in every row */
+    noise_pattern(QT_NOISE_COLS, up);
+    int cols_up = 0;
+    for (int o = 8; o < 16; o++) { /* columns 8..15 hold no row's extreme */
+        int same = 1;
+        for (int r = 1; r < 8; r++) same &= up[r][o] == up[0][o];
+        CU_ASSERT(same);
+        cols_up += up[0][o];
+    }
+    CU_ASSERT(cols_up > 0 && cols_up < 8);
+    /* both: elements of one row differ */
+    noise_pattern(QT_NOISE_ROWS | QT_NOISE_COLS, up);
+    int mixed = 0;
+    for (int r = 1; r < 8; r++) {
+        int n_up = 0;
+        for (int o = 8; o < 16; o++) n_up += up[r][o];
+        mixed += n_up > 0 && n_up < 8;
+    }
+    CU_ASSERT(mixed > 0);
+}
+
+/* The mean of dx over many steps of fresh noise approaches mask_x (E[gq] deq(W)), E[gq] = clamp(g / s) s per row:
+ * stochastic rounding is unbiased inside the range. One u per row makes a row's errors correlated; their sum's
+ * standard deviation is at most s/2 sum_o |W_oi|, so the mean of D draws lies within 4 of those / sqrt(D). */
+static void test_stochastic_unbiased(void) {
+    enum { N = 4, IN = 8, OUT = 6, DRAWS = 2000 };
+    Model m;
+    qt_dense_model(&m, IN, OUT, 110);
+    Module *mod = &m.modules[0];
+    QtSpec s = spec_of("int8", NULL, "int4");
+    s.bwd_stochastic = true;
+    QtLayer q;
+    init_ok(&q, mod, &s, 12);
+    float *x = qa_normal_sample(111, N * IN), *dy = qa_normal_sample(112, N * OUT);
+    Operands op;
+    operands_of(&q, x, N * IN, &op);
+    /* the expectation and the tolerance */
+    float expect[N * IN], tol[N * IN], first[N * IN];
+    double sum[N * IN] = {0};
+    for (int r = 0; r < N; r++) {
+        float amax = 0.0f;
+        for (int o = 0; o < OUT; o++) amax = fmaxf(amax, fabsf(dy[r * OUT + o]));
+        float sc = int_slice_scale(amax, 4);
+        for (int i = 0; i < IN; i++) {
+            double e = 0.0, wsum = 0.0;
+            for (int o = 0; o < OUT; o++) {
+                float eg = fminf(fmaxf(dy[r * OUT + o] / sc, -8.0f), 7.0f) * sc;
+                e += (double)eg * op.wq[o * IN + i];
+                wsum += fabs(op.wq[o * IN + i]);
+            }
+            expect[r * IN + i] = (float)e;
+            tol[r * IN + i] = (float)(4.0 * 0.5 * sc * wsum / sqrt((double)DRAWS)) + 1e-6f;
+        }
+    }
+    qt_apply_mask(expect, x, N * IN, &op.qx);
+    Arena a;
+    Tape t;
+    CU_ASSERT_FATAL(arena_init(&a, 1 << 16) == 0);
+    CU_ASSERT_EQUAL_FATAL(tape_init(&t, &a, NULL, NULL), QT_OK);
+    for (int d = 0; d < DRAWS; d++) {
+        tape_reset(&t);
+        Var *vx = tape_new_var(&t, 2, (const int[]){N, IN});
+        CU_ASSERT_FATAL(vx != NULL);
+        memcpy(vx->value.data, x, sizeof x[0] * N * IN);
+        vx->requires_grad = true;
+        zero_module_grads(mod);
+        Var *y = qt_layer_forward(&t, &q, vx);
+        CU_ASSERT_FATAL(y && tape_backward_from(&t, y, dy) == QT_OK);
+        for (int i = 0; i < N * IN; i++) sum[i] += vx->grad[i];
+        if (d == 0) memcpy(first, vx->grad, sizeof first);
+    }
+    int noisy = 0, off = 0;
+    for (int i = 0; i < N * IN; i++) {
+        double mean = sum[i] / DRAWS;
+        if (fabs(mean - expect[i]) > tol[i]) {
+            off++;
+            fprintf(stderr, "\n  dx[%d]: mean %.6g, expected %.6g (tolerance %.3g)\n", i, mean, (double)expect[i],
+                    (double)tol[i]);
+        }
+        noisy += fabsf(first[i] - expect[i]) > tol[i];
+    }
+    CU_ASSERT_EQUAL(off, 0);
+    CU_ASSERT(noisy > 0); /* one draw alone is off: the agreement is the averaging's */
+    tape_free(&t);
+    arena_free(&a);
+    operands_free(&op);
+    free(x), free(dy);
+    model_free(&m);
+}
+
+/* The same rng state gives the same gradients; another stream or the next step other ones. */
+static void test_determinism(void) {
+    Model m;
+    qt_dense_model(&m, 10, 7, 120);
+    Module *mod = &m.modules[0];
+    QtSpec s = spec_of("int8", "int8", "int8");
+    s.bwd_stochastic = true;
+    s.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
+    QtLayer a, b, c;
+    init_ok(&a, mod, &s, 3);
+    init_ok(&b, mod, &s, 3);
+    init_ok(&c, mod, &s, 4);
+    float *x = qa_normal_sample(121, 4 * 10);
+    QtRun ra, rb, rc, rd;
+    Rng saved = a.rng;
+    run_qt(&a, x, 4, NULL, &ra);
+    run_qt(&b, x, 4, NULL, &rb);
+    run_qt(&c, x, 4, NULL, &rc);
+    CU_ASSERT(a.rng.counter == 7 && b.rng.counter == 7); /* 4 x 7 uniforms: 7 blocks */
+    CU_ASSERT(memcmp(ra.dx, rb.dx, ra.nx * 4) == 0 && memcmp(ra.dw, rb.dw, ra.nw * 4) == 0);
+    CU_ASSERT(memcmp(ra.dx, rc.dx, ra.nx * 4) != 0 && memcmp(ra.dw, rc.dw, ra.nw * 4) != 0);
+    run_qt(&a, x, 4, NULL, &rd); /* the next step */
+    CU_ASSERT(memcmp(ra.dx, rd.dx, ra.nx * 4) != 0);
+    qt_run_free(&rd);
+    a.rng = saved; /* a resumed run */
+    run_qt(&a, x, 4, NULL, &rd);
+    CU_ASSERT(memcmp(ra.dx, rd.dx, ra.nx * 4) == 0 && memcmp(ra.dw, rd.dw, ra.nw * 4) == 0);
+    qt_run_free(&ra), qt_run_free(&rb), qt_run_free(&rc), qt_run_free(&rd);
+    free(x);
+    model_free(&m);
+}
+
+/* Tiles along the rows give dW's g a scale per tile and column (tile 1: every element is its own slice, checked
+ * against the reference), so dW changes with the tile while dX, quantized per row, does not. */
+static void test_tile_scales(void) {
+    enum { N = 6, IN = 5, OUT = 4 };
+    Model m;
+    qt_dense_model(&m, IN, OUT, 130);
+    float *x = qa_normal_sample(131, N * IN), *dy = qa_normal_sample(132, N * OUT);
+    QtRun r[3];
+    for (int i = 0; i < 3; i++) {
+        QtSpec s = spec_of("int8", NULL, "int8");
+        s.bwd_weight_grad_tile_size = i;
+        QtLayer q;
+        init_ok(&q, &m.modules[0], &s, 1);
+        run_qt(&q, x, N, dy, &r[i]);
+        if (i == 1) check_against_ref(&q, N, 133, 8, "tile 1");
+    }
+    size_t bw = sizeof(float) * OUT * IN, bx = sizeof(float) * N * IN;
+    CU_ASSERT(memcmp(r[0].dw, r[1].dw, bw) != 0 && memcmp(r[0].dw, r[2].dw, bw) != 0 && memcmp(r[1].dw, r[2].dw, bw));
+    CU_ASSERT(memcmp(r[0].dx, r[1].dx, bx) == 0 && memcmp(r[0].dx, r[2].dx, bx) == 0);
+    for (int i = 0; i < 3; i++) qt_run_free(&r[i]);
+    free(x), free(dy);
+    model_free(&m);
+}
+
+/* ---- a model of QT layers: the arena's steady state -------------------------------------------------------------- */
+
+static void test_steady_state(void) {
+    enum { N = 4, C = 2, H = 6, W = 6, OC = 4, CLASSES = 10 };
+    LayerSpec ls[3] = {{.type = LAYER_CONV2D, .out_channels = OC, .kernel = 3, .padding = 1},
+                       {.type = LAYER_FLATTEN},
+                       {.type = LAYER_DENSE, .units = CLASSES}};
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (const int[]){C, H, W}, ls, 3, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 140, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    QtSpec cs = spec_of("int8", "int8", "int8"), ds = spec_of("fp8_e4m3", "int8", "fp8_e5m2");
+    cs.bwd_stochastic = true;
+    cs.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
+    cs.bwd_weight_grad_tile_size = 7;
+    ds.bwd_calib = (CalibSpec){.kind = CALIB_PERCENTILE, .s = 1.0, .p = 99.0}; /* needs workspace */
+    QtLayer q[2];
+    init_ok(&q[0], &m.modules[0], &cs, 1);
+    init_ok(&q[1], &m.modules[2], &ds, 2);
+    qt_layer_install(&q[0]), qt_layer_install(&q[1]);
+    Arena a;
+    Tape t;
+    CU_ASSERT_FATAL(arena_init(&a, 4096) == 0);
+    CU_ASSERT_EQUAL_FATAL(tape_init(&t, &a, NULL, NULL), QT_OK);
+    float *x = qa_normal_sample(141, N * C * H * W), *dy = qa_normal_sample(142, N * CLASSES);
+    const int xs[4] = {N, C, H, W};
+    size_t grows = 0, cap = 0;
+    for (int step = 0; step < 5; step++) {
+        tape_reset(&t);
+        Var *vx = tape_new_var(&t, 4, xs);
+        CU_ASSERT_FATAL(vx != NULL);
+        memcpy(vx->value.data, x, sizeof(float) * N * C * H * W);
+        vx->requires_grad = true;
+        Var *y = model_forward(&m, &t, vx);
+        if (!y) fprintf(stderr, "\n  model_forward: %s\n", t.err.msg);
+        CU_ASSERT_FATAL(y != NULL);
+        CU_ASSERT_EQUAL_FATAL(tape_backward_from(&t, y, dy), QT_OK);
+        if (step == 1) grows = a.grow_count, cap = t.cap_nodes;
+    }
+    CU_ASSERT(grows > 0);
+    CU_ASSERT_EQUAL(a.grow_count, grows);
+    CU_ASSERT_EQUAL(t.cap_nodes, cap);
+    CU_ASSERT_EQUAL(q[0].rng.counter, 5 * (N * H * W * OC / 4)); /* 4 x 144 pixel rows x 4 channels a step */
+    CU_ASSERT_EQUAL(q[1].rng.counter, 0);
+    CU_ASSERT(qa_abs_max(m.modules[0].weight->var.grad, OC * C * 9) > 0.0f &&
+              qa_abs_max(m.modules[2].weight->var.grad, CLASSES * OC * H * W) > 0.0f);
+    free(x), free(dy);
+    tape_free(&t);
+    arena_free(&a);
+    model_free(&m);
+}
 
 int register_quant_qt_suite(void) {
     CU_pSuite s = CU_add_suite("quant_qt", NULL, NULL);
-    return s ? 0 : -1;
+    if (!s) return -1;
+    return !CU_add_test(s, "qgemm_s8 equals its reference", test_qgemm) ||
+           !CU_add_test(s, "init and install", test_init_and_install) ||
+           !CU_add_test(s, "check errors", test_check_errors) ||
+           !CU_add_test(s, "forward and backward errors", test_forward_errors) ||
+           !CU_add_test(s, "dense equals QAT", test_dense_equals_qat) ||
+           !CU_add_test(s, "conv equals QAT", test_conv_equals_qat) ||
+           !CU_add_test(s, "quantized backward, round to nearest", test_backward_rne) ||
+           !CU_add_test(s, "quantized backward, stochastic", test_backward_stochastic) ||
+           !CU_add_test(s, "noise axes", test_noise_axes) ||
+           !CU_add_test(s, "stochastic rounding is unbiased", test_stochastic_unbiased) ||
+           !CU_add_test(s, "determinism", test_determinism) ||
+           !CU_add_test(s, "weight-gradient tiles", test_tile_scales) ||
+           !CU_add_test(s, "steady state", test_steady_state);
 }

@@ -1,0 +1,600 @@
+/* qt.c - the quantized-training layer: the spec's checks, setup, the
+ * forward on quantized operands (the integer GEMM for signed int formats,
+ * the float GEMM of the dequantized operands otherwise) and the backward on
+ * the quantized incoming gradient.
+ *
+ * The operands are quantized through QArray's own per-slice rules
+ * (qarray_plan.h): W as the QArray (out, fan_in) with channelwise axis 0, x
+ * as one slice, both symmetric absmax with float32 scales, so their values
+ * are bit for bit those of QAT's dynamic fake quantization of the same
+ * layer. A conv layer quantizes x once, then gathers the codes of every
+ * receptive field into a row of X (one byte per element), so the patches
+ * of the integer GEMM and of the float one come from the same codes.
+ *
+ * The backward quantizes g (rows, out) through the same rules with
+ * bwd_calib: once per row for dX, once per column for dW, the column cut
+ * into tiles of bwd_weight_grad_tile_size rows (the last tile takes what is
+ * left, so any batch size works). Stochastic rounding's uniforms come from
+ * one draw of the layer's rng per step, in the order of rng_fill_u32:
+ * [rows] (rows only), [out] (columns only) or [rows * out] row-major (both);
+ * element (r, o) of both quantized copies of g takes the same one. */
+#include "qt.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "nn/gemm.h"
+#include "nn/ops.h"
+#include "qarray_plan.h"
+
+/* The integer GEMM's sums stay inside int32 for fan_in below 2^17 (|code product| <= 2^14). */
+#define QT_INT_FAN_IN_MAX (1 << 17)
+
+static const char OP[] = "qt";
+
+QtSpec qt_spec_default(void) {
+    return (QtSpec){.bwd_calib = {.kind = CALIB_ABSMAX, .s = 1.0}, .noise_axes = QT_NOISE_ROWS};
+}
+
+/* ---- checks ------------------------------------------------------------------------------------------------------ */
+
+/* Why t cannot be one of QT's operand formats; NULL if it can. */
+static const char *format_problem(const QType *t) {
+    switch (t->kind) {
+    case QTYPE_KIND_INT:
+    case QTYPE_KIND_UINT:
+    case QTYPE_KIND_FLOAT: return t->bits <= 8 ? NULL : "has codes of more than 8 bits";
+    case QTYPE_KIND_LUT: return "is a lookup format";
+    case QTYPE_KIND_TERNARY:
+    case QTYPE_KIND_BINARY: return "is scaled by mean |x|, not by a range";
+    default: return "is a block format with shared scales of its own";
+    }
+}
+
+static QtStatus check_format(const Module *m, const char *key, const QType *t, QtError *err) {
+    const char *why = format_problem(t);
+    if (!why) return QT_OK;
+    return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: %s %s; qt quantizes with int, uint or float element formats "
+                        "and one scale per slice (e.g. int8, int4, fp8_e4m3)", m->path, key, t->name, why);
+}
+
+static QtStatus check_module(const Module *m, QtError *err) {
+    if (m->spec.type != LAYER_DENSE && m->spec.type != LAYER_CONV2D)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: qt quantizes the GEMMs of dense and conv2d modules, and this is "
+                            "a %s module (narrow the rule's module_path)", m->path, layer_type_name(m->spec.type));
+    int want = m->spec.type == LAYER_DENSE ? 2 : 4;
+    if (!m->weight || m->weight->var.value.ndim != want)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: the %s module has no %d-d weight for qt to quantize", m->path,
+                            layer_type_name(m->spec.type), want);
+    return QT_OK;
+}
+
+/* The backward's settings. */
+static QtStatus check_backward(const QtSpec *spec, const Module *m, QtError *err) {
+    if (spec->bwd_weight_grad_tile_size < 0)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: bwd_weight_grad_tile_size: %d is negative; give 0 (one scale per "
+                            "column of the gradient) or the rows per scale", m->path, spec->bwd_weight_grad_tile_size);
+    if (spec->noise_axes & ~(unsigned)(QT_NOISE_ROWS | QT_NOISE_COLS))
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: channelwise_noise_axes: %u names axes other than the rows (1) "
+                            "and columns (2) of the gradient", m->path, spec->noise_axes);
+    QtError inner = {0};
+    if (calib_spec_check(&spec->bwd_calib, &inner) != QT_OK)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: bwd_calib: %s", m->path, inner.msg);
+    const QType *b = spec->bwd_qtype;
+    if (!b && spec->bwd_stochastic)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: bwd_stochastic_rounding is set, but there is no bwd_qtype, so "
+                            "the gradient is not quantized; set bwd_qtype or turn the rounding off", m->path);
+    if (!b && spec->bwd_weight_grad_tile_size > 0)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: bwd_weight_grad_tile_size is %d, but there is no bwd_qtype, so "
+                            "the gradient is not quantized; set bwd_qtype or the tile size 0", m->path,
+                            spec->bwd_weight_grad_tile_size);
+    if (!b) return QT_OK;
+    QtStatus st = check_format(m, "bwd_qtype", b, err);
+    if (st == QT_OK && b->kind == QTYPE_KIND_UINT)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: bwd_qtype: %s has no negative codes, but gradients take both "
+                          "signs; use an int or float format (e.g. int8, fp8_e5m2)", m->path, b->name);
+    return st;
+}
+
+QtStatus qt_layer_check(const QtSpec *spec, const Module *m, QtError *err) {
+    if (!spec || !m) return qt_error_set(err, QT_ERR_ARG, "qt_layer_check: NULL spec or module");
+    QtStatus st = check_module(m, err);
+    if (st != QT_OK) return st;
+    if (!spec->weight_qtype)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: weight_qtype: not set; qt quantizes the forward's weight, so "
+                            "give it a format (e.g. int8)", m->path);
+    st = check_format(m, "weight_qtype", spec->weight_qtype, err);
+    if (st == QT_OK && spec->act_qtype) st = check_format(m, "act_qtype", spec->act_qtype, err);
+    if (st == QT_OK) st = check_backward(spec, m, err);
+    return st;
+}
+
+/* ---- setup ------------------------------------------------------------------------------------------------------- */
+
+QtStatus qt_layer_init(QtLayer *q, Module *m, const QtSpec *spec, uint64_t seed, uint64_t stream, QtError *err) {
+    if (!q) return qt_error_set(err, QT_ERR_ARG, "qt_layer_init: no QtLayer");
+    memset(q, 0, sizeof *q);
+    QtStatus st = qt_layer_check(spec, m, err);
+    if (st != QT_OK) return st;
+    q->module = m;
+    q->spec = *spec;
+    const Tensor *w = &m->weight->var.value;
+    q->out = w->shape[0];
+    q->fan_in = (int)(tensor_numel(w) / (size_t)q->out);
+    rng_init(&q->rng, seed, stream);
+    return QT_OK;
+}
+
+static Var *qt_hook(Tape *t, Module *m, Var *x, void *ctx) {
+    (void)m;
+    return qt_layer_forward(t, ctx, x);
+}
+
+void qt_layer_install(QtLayer *q) {
+    if (!q || !q->module) return;
+    q->module->forward_hook = qt_hook;
+    q->module->hook_ctx = q;
+}
+
+/* ---- QArray's rules ---------------------------------------------------------------------------------------------- */
+
+/* The representable range [lo, hi] of plan p's elements in units of their scale, as fake quantization's clipped
+ * STE judges it (symmetric: no zero point). */
+static void plan_bounds(const QArrayPlan *p, float *lo, float *hi) {
+    if (p->t->kind == QTYPE_KIND_FLOAT) {
+        *lo = -p->t->max, *hi = p->t->max;
+    } else {
+        *lo = p->qmin, *hi = p->qmax;
+    }
+}
+
+/* The scale of the slice v [n] under plan p (calibrated, rounded to the scale type); work as calib_compute takes it. */
+static QtStatus slice_scale(const QArrayPlan *p, const float *v, size_t n, void *work, size_t work_bytes, float *s,
+                            QtError *err) {
+    CalibRange r;
+    uint32_t stored;
+    QtStatus st = qarray_plan_slice_range(p, v, n, work, work_bytes, &r, err);
+    if (st == QT_OK) st = qarray_plan_round_scale(p, 0, qarray_plan_scale(p, r.lo, r.hi), &stored, s, err);
+    return st;
+}
+
+/* The value of every code of t, in code units (int) or element units (float). */
+static void format_values(const QType *t, float *lut /* [1 << bits] */) {
+    for (uint32_t c = 0; c < (1u << t->bits); c++) lut[c] = qtype_decode(t, c);
+}
+
+static const QType *act_format(const QtLayer *q) {
+    return q->spec.act_qtype ? q->spec.act_qtype : q->spec.weight_qtype;
+}
+
+/* Whether the codes of both operands are signed integers an int8 holds, summed exactly in int32. */
+static bool integer_gemm(const QType *wt, const QType *at, int fan_in) {
+    return wt->kind == QTYPE_KIND_INT && at->kind == QTYPE_KIND_INT && wt->bits <= 8 && at->bits <= 8 &&
+           fan_in < QT_INT_FAN_IN_MAX;
+}
+
+/* The convolution's sizes; the input is (N, C, H, W), the output (N, OC, OH, OW). */
+typedef struct {
+    int N, C, H, W, KH, KW, OH, OW, stride, padding;
+} QtConvGeom;
+
+/* A QT node's saved state (arena). Rows of X and g: the batch (dense) or the output pixels (n, oh, ow) (conv). */
+typedef struct {
+    QtLayer *q;            /* its Rng draws the backward's noise */
+    bool conv;
+    QtConvGeom cg;         /* conv only */
+    int rows, out, fan_in;
+    float sx;              /* the input's scale (per tensor) */
+    float x_lo, x_hi;      /* the input's representable range in units of sx: the clipped STE passes inside */
+    float w_lo, w_hi;      /* the weight's, in units of its row's scale */
+    const float *sw;       /* [out] the weight's scale per output channel */
+    const float *wd;       /* (out, fan_in) deq(W) */
+    const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
+    const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
+} QtCtx;
+
+static void qt_backward(Tape *t, const TapeNode *node);
+
+/* ---- the forward ------------------------------------------------------------------------------------------------- */
+
+/* rows and, for conv, the geometry of x against the weight; false with the tape error set. */
+static bool input_geometry(Tape *t, const QtLayer *q, const Var *x, QtCtx *c) {
+    const Module *m = q->module;
+    const Tensor *w = &m->weight->var.value;
+    char sx[64], sw[64];
+    tensor_shape_str(&x->value, sx, sizeof sx);
+    tensor_shape_str(w, sw, sizeof sw);
+    const int *xs = x->value.shape;
+    if (!c->conv) {
+        if (x->value.ndim != 2 || xs[1] != q->fan_in) {
+            qt_error_set(&t->err, QT_ERR_SHAPE, "%s (%s): input %s does not fit weight %s (want (N, %d))", m->path, OP,
+                         sx, sw, q->fan_in);
+            return false;
+        }
+        c->rows = xs[0];
+        return true;
+    }
+    int s = m->spec.stride, p = m->spec.padding;
+    if (x->value.ndim != 4 || xs[1] != w->shape[1] || s < 1 || p < 0) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "%s (%s): input %s does not fit weight %s with stride %d, padding %d "
+                     "(want (N, %d, H, W))", m->path, OP, sx, sw, s, p, w->shape[1]);
+        return false;
+    }
+    long long ph = (long long)xs[2] + 2LL * p, pw = (long long)xs[3] + 2LL * p;
+    long long oh = (ph - w->shape[2]) / s + 1, ow = (pw - w->shape[3]) / s + 1;
+    if (ph < w->shape[2] || pw < w->shape[3] || (long long)xs[0] * oh * ow > INT_MAX) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "%s (%s): input %s padded by %d does not fit the %dx%d kernel of weight "
+                     "%s, or gives more than %d output pixels", m->path, OP, sx, p, w->shape[2], w->shape[3], sw,
+                     INT_MAX);
+        return false;
+    }
+    c->cg = (QtConvGeom){xs[0], xs[1], xs[2], xs[3], w->shape[2], w->shape[3], (int)oh, (int)ow, s, p};
+    c->rows = (int)(xs[0] * oh * ow);
+    return true;
+}
+
+/* Sets the tape error for an error of `inner` while quantizing `what`. */
+static bool quant_failed(Tape *t, const QtLayer *q, const char *what, const QtError *inner) {
+    qt_error_set(&t->err, inner->status, "%s (%s): quantizing %s: %s", q->module->path, OP, what, inner->msg);
+    return false;
+}
+
+/* W (out, fan_in) per output channel: scales sw, values wd and, for the integer GEMM, the codes *wc. */
+static bool quantize_weight(Tape *t, const QtLayer *q, QtCtx *c, bool integer, int8_t **wc) {
+    const QType *wt = q->spec.weight_qtype;
+    int out = c->out, K = c->fan_in;
+    const float *w = q->module->weight->var.value.data; /* (out, fan_in) */
+    QArrayOptions o = {.n_channelwise = 1, .channelwise_axes = {0}, .range = QARRAY_RANGE_SYMMETRIC};
+    QArrayPlan p;
+    QtError inner = {0};
+    if (qarray_plan_make(&p, "weight_qtype", 2, (const int[]){out, K}, wt, &o, &inner) != QT_OK)
+        return quant_failed(t, q, "the weight", &inner);
+    float *sw = tape_alloc(t, (size_t)out * sizeof *sw), *wd = tape_alloc(t, (size_t)out * K * sizeof *wd);
+    int8_t *codes = integer ? tape_alloc(t, (size_t)out * K) : NULL; /* (out, fan_in) */
+    if (!sw || !wd || (integer && !codes)) return false;
+    float lut[256];
+    format_values(wt, lut);
+    for (int r = 0; r < out; r++) {
+        const float *row = w + (size_t)r * K;
+        if (slice_scale(&p, row, (size_t)K, NULL, 0, &sw[r], &inner) != QT_OK)
+            return quant_failed(t, q, "the weight", &inner);
+        for (int k = 0; k < K; k++) {
+            float v = lut[qarray_plan_encode(&p, row[k], sw[r], 0.0f, QROUND_RNE, 0.0f)];
+            wd[(size_t)r * K + k] = v * sw[r];
+            if (codes) codes[(size_t)r * K + k] = (int8_t)v;
+        }
+    }
+    plan_bounds(&p, &c->w_lo, &c->w_hi);
+    c->sw = sw, c->wd = wd, *wc = codes;
+    return true;
+}
+
+/* rows (rows, C*KH*KW) = the receptive field of every output pixel (n, oh, ow) of x (N, C, H, W), one byte per
+ * element, 0 for the padding (the code and the integer value of 0 alike). */
+static void gather_patches(uint8_t *rows, const uint8_t *x, const QtConvGeom *g) {
+    const size_t ckk = (size_t)g->C * g->KH * g->KW, plane = (size_t)g->H * g->W;
+    uint8_t *dst = rows;
+    for (int n = 0; n < g->N; n++)
+        for (int oh = 0; oh < g->OH; oh++)
+            for (int ow = 0; ow < g->OW; ow++, dst += ckk) {
+                uint8_t *d = dst;
+                for (int ch = 0; ch < g->C; ch++) {
+                    const uint8_t *xp = x + ((size_t)n * g->C + ch) * plane; /* (H, W) */
+                    for (int kh = 0; kh < g->KH; kh++, d += g->KW) {
+                        int ih = oh * g->stride + kh - g->padding;
+                        for (int kw = 0; kw < g->KW; kw++) {
+                            int iw = ow * g->stride + kw - g->padding;
+                            d[kw] = ih >= 0 && ih < g->H && iw >= 0 && iw < g->W ? xp[(size_t)ih * g->W + iw] : 0;
+                        }
+                    }
+                }
+            }
+}
+
+/* x per tensor: the scale sx and X, as integer codes xc (integer GEMM) or values xd. */
+static bool quantize_input(Tape *t, const QtLayer *q, const Var *x, QtCtx *c, bool integer) {
+    const QType *at = act_format(q);
+    size_t numel = var_numel(x);
+    QArrayOptions o = {.range = QARRAY_RANGE_SYMMETRIC}; /* no axes: one scale */
+    QArrayPlan p;
+    QtError inner = {0};
+    if (qarray_plan_make(&p, "act_qtype", x->value.ndim, x->value.shape, at, &o, &inner) != QT_OK ||
+        slice_scale(&p, x->value.data, numel, NULL, 0, &c->sx, &inner) != QT_OK)
+        return quant_failed(t, q, "the input", &inner);
+    plan_bounds(&p, &c->x_lo, &c->x_hi);
+    float lut[256];
+    format_values(at, lut);
+    /* one byte per element: the integer value for the integer GEMM, else the code */
+    uint8_t *xb = tape_alloc(t, numel);
+    if (!xb) return false;
+    for (size_t i = 0; i < numel; i++) {
+        uint32_t code = qarray_plan_encode(&p, x->value.data[i], c->sx, 0.0f, QROUND_RNE, 0.0f);
+        xb[i] = integer ? (uint8_t)(int8_t)lut[code] : (uint8_t)code;
+    }
+    size_t n = (size_t)c->rows * c->fan_in;
+    uint8_t *rows = xb;
+    if (c->conv) {
+        if (!(rows = tape_alloc(t, n))) return false;
+        gather_patches(rows, xb, &c->cg);
+    }
+    if (integer) {
+        c->xc = (const int8_t *)rows;
+        return true;
+    }
+    float *xd = tape_alloc(t, n * sizeof *xd);
+    if (!xd) return false;
+    for (size_t i = 0; i < n; i++) xd[i] = lut[rows[i]] * c->sx;
+    c->xd = xd;
+    return true;
+}
+
+/* y = X W^T (+ bias) laid out as the module's op lays it: (N, out), or (N, OC, OH, OW) from the product's
+ * (N*OH*OW, OC). */
+static bool forward_product(Tape *t, const QtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
+    size_t n = (size_t)c->rows * c->out;
+    const float *b = bias ? bias->value.data : NULL;
+    float *prod = c->conv ? tape_alloc(t, n * sizeof *prod) : y->value.data; /* (rows, out) */
+    if (!prod) return false;
+    if (c->xc) {
+        int32_t *acc = tape_alloc(t, n * sizeof *acc); /* (rows, out) */
+        if (!acc) return false;
+        qgemm_s8(acc, c->xc, wc, c->rows, c->out, c->fan_in);
+        for (int r = 0; r < c->rows; r++)
+            for (int o = 0; o < c->out; o++)
+                prod[(size_t)r * c->out + o] = (float)acc[(size_t)r * c->out + o] * c->sx * c->sw[o];
+    } else {
+        gemm_f32(false, true, c->rows, c->out, c->fan_in, 1.0f, c->xd, c->fan_in, c->wd, c->fan_in, 0.0f, prod,
+                 c->out);
+    }
+    if (!c->conv) {
+        for (int r = 0; b && r < c->rows; r++)
+            for (int o = 0; o < c->out; o++) prod[(size_t)r * c->out + o] += b[o];
+        return true;
+    }
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    for (int img = 0; img < c->cg.N; img++)
+        for (int o = 0; o < c->out; o++) {
+            float *dst = y->value.data + ((size_t)img * c->out + o) * plane; /* [OH*OW] */
+            const float *src = prod + (size_t)img * plane * c->out + o;     /* stride out */
+            float bo = b ? b[o] : 0.0f;
+            for (size_t px = 0; px < plane; px++) dst[px] = src[px * c->out] + bo;
+        }
+    return true;
+}
+
+Var *qt_layer_forward(Tape *t, QtLayer *q, Var *x) {
+    if (!t || !x) return NULL;
+    if (!q || !q->module || !q->spec.weight_qtype) {
+        qt_error_set(&t->err, QT_ERR_ARG, "qt_layer_forward: the QT layer is not initialised");
+        return NULL;
+    }
+    Module *m = q->module;
+    if (!m->weight || !m->weight->var.value.data) {
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: the float weight was released, but a QT layer trains it (a module "
+                     "takes either PTQ or QT)", m->path);
+        return NULL;
+    }
+    QtCtx *c = tape_alloc(t, sizeof *c);
+    if (!c) return NULL;
+    *c = (QtCtx){.q = q, .conv = m->spec.type == LAYER_CONV2D, .out = q->out, .fan_in = q->fan_in};
+    bool integer = integer_gemm(q->spec.weight_qtype, act_format(q), q->fan_in);
+    int8_t *wc = NULL;
+    if (!input_geometry(t, q, x, c) || !quantize_weight(t, q, c, integer, &wc) || !quantize_input(t, q, x, c, integer))
+        return NULL;
+    Var *y = c->conv ? tape_new_var(t, 4, (const int[]){c->cg.N, c->out, c->cg.OH, c->cg.OW})
+                     : tape_new_var(t, 2, (const int[]){c->rows, c->out});
+    Var *bias = m->bias ? &m->bias->var : NULL;
+    if (!y || !forward_product(t, c, wc, bias, y)) return NULL;
+    return tape_record(t, OP, qt_backward, y, (Var *[]){x, &m->weight->var, bias}, 3, c) ? y : NULL;
+}
+
+/* ---- the backward ------------------------------------------------------------------------------------------------ */
+
+/* g (rows, out): dy (N, out) itself, or regrouped from dy (N, OC, OH, OW) into one row per output pixel. */
+static const float *grad_rows(Tape *t, const QtCtx *c, const float *dy) {
+    if (!c->conv) return dy;
+    float *g = tape_alloc(t, (size_t)c->rows * c->out * sizeof *g);
+    if (!g) return NULL;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    for (int n = 0; n < c->cg.N; n++)
+        for (int o = 0; o < c->out; o++) {
+            const float *src = dy + ((size_t)n * c->out + o) * plane; /* [OH*OW] */
+            float *dst = g + (size_t)n * plane * c->out + o;          /* stride out */
+            for (size_t px = 0; px < plane; px++) dst[px * c->out] = src[px];
+        }
+    return g;
+}
+
+/* dbias (out,) += the column sums of g, each in double. */
+static bool bias_grad(Tape *t, const QtCtx *c, Var *bias, const float *g) {
+    float *db = tape_grad(t, bias);
+    double *acc = tape_alloc(t, (size_t)c->out * sizeof *acc);
+    if (!db || !acc) return false;
+    memset(acc, 0, (size_t)c->out * sizeof *acc);
+    for (int r = 0; r < c->rows; r++)
+        for (int o = 0; o < c->out; o++) acc[o] += g[(size_t)r * c->out + o];
+    for (int o = 0; o < c->out; o++) db[o] += (float)acc[o];
+    return true;
+}
+
+/* ---- quantizing g ------------------------------------------------------------------------------------------------ */
+
+/* Stochastic rounding's uniforms: [rows] (rows only), [out] (columns only) or [rows * out] (both, row-major). */
+typedef struct {
+    const float *u; /* NULL: round to nearest */
+    unsigned axes;
+    int out;
+} Noise;
+
+static float noise_at(const Noise *z, int r, int o) {
+    if (!z->u) return 0.0f;
+    switch (z->axes) {
+    case QT_NOISE_COLS: return z->u[o];
+    case QT_NOISE_ROWS | QT_NOISE_COLS: return z->u[(size_t)r * z->out + o];
+    default: return z->u[r];
+    }
+}
+
+/* One step's noise from the layer's rng: the same count for the same shape, drawn whichever products need it. */
+static bool noise_draw(Tape *t, QtLayer *q, int rows, int out, Noise *z) {
+    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : QT_NOISE_ROWS;
+    *z = (Noise){.axes = axes, .out = out};
+    if (!q->spec.bwd_stochastic) return true;
+    size_t n = axes == QT_NOISE_COLS ? (size_t)out : axes == QT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
+    float *u = tape_alloc(t, n * sizeof *u);
+    if (!u) return false;
+    RngUniforms ru;
+    rng_uniforms_init(&ru, &q->rng, n);
+    for (size_t i = 0; i < n; i++) u[i] = rng_uniforms_next(&ru);
+    z->u = u;
+    return true;
+}
+
+typedef struct {
+    QArrayPlan p;      /* bwd_qtype, symmetric, bwd_calib, the rounding */
+    float lut[256];    /* the value of every code */
+    void *work;        /* calibration workspace for the longest slice */
+    size_t work_bytes;
+    Noise z;
+} GradQuant;
+
+static bool grad_failed(Tape *t, const QtCtx *c, const char *what, int index, const QtError *inner) {
+    qt_error_set(&t->err, inner->status, "%s (%s): quantizing the gradient's %s %d: %s", c->q->module->path, OP, what,
+                 index, inner->msg);
+    return false;
+}
+
+/* gr (rows, out) = g quantized per row, the non-contracting axis of dX = g W. */
+static bool quant_rows(Tape *t, const QtCtx *c, const GradQuant *gq, const float *g, float *gr) {
+    const int out = c->out;
+    for (int r = 0; r < c->rows; r++) {
+        const float *row = g + (size_t)r * out;
+        float s;
+        QtError inner = {0};
+        if (slice_scale(&gq->p, row, (size_t)out, gq->work, gq->work_bytes, &s, &inner) != QT_OK)
+            return grad_failed(t, c, "row", r, &inner);
+        for (int o = 0; o < out; o++) {
+            uint32_t code = qarray_plan_encode(&gq->p, row[o], s, 0.0f, gq->p.round, noise_at(&gq->z, r, o));
+            gr[(size_t)r * out + o] = gq->lut[code] * s;
+        }
+    }
+    return true;
+}
+
+/* gc (rows, out) = g quantized per column, the non-contracting axis of dW = g^T X, with one scale per tile of
+ * `tile` rows along the contraction (the last tile may be shorter); buf [tile] holds a column's tile. */
+static bool quant_cols(Tape *t, const QtCtx *c, const GradQuant *gq, const float *g, int tile, float *buf,
+                       float *gc) {
+    const int out = c->out;
+    for (int o = 0; o < out; o++)
+        for (int r0 = 0; r0 < c->rows; r0 += tile) {
+            int n = c->rows - r0 < tile ? c->rows - r0 : tile;
+            for (int i = 0; i < n; i++) buf[i] = g[(size_t)(r0 + i) * out + o];
+            float s;
+            QtError inner = {0};
+            if (slice_scale(&gq->p, buf, (size_t)n, gq->work, gq->work_bytes, &s, &inner) != QT_OK)
+                return grad_failed(t, c, "column", o, &inner);
+            for (int i = 0; i < n; i++) {
+                uint32_t code = qarray_plan_encode(&gq->p, buf[i], s, 0.0f, gq->p.round, noise_at(&gq->z, r0 + i, o));
+                gc[(size_t)(r0 + i) * out + o] = gq->lut[code] * s;
+            }
+        }
+    return true;
+}
+
+/* The quantized g of each product that is wanted (g_row for dX, g_col for dW; NULL: not wanted). */
+static bool quantize_grad(Tape *t, const QtCtx *c, const float *g, const float **g_row, const float **g_col) {
+    QtLayer *q = c->q;
+    const QtSpec *s = &q->spec;
+    const int rows = c->rows, out = c->out;
+    int tile = s->bwd_weight_grad_tile_size > 0 && s->bwd_weight_grad_tile_size < rows ? s->bwd_weight_grad_tile_size
+                                                                                       : rows;
+    bool sr = s->bwd_stochastic;
+    QArrayOptions o = {.calib = &s->bwd_calib, .range = QARRAY_RANGE_SYMMETRIC,
+                       .round = sr ? QROUND_STOCHASTIC : QROUND_RNE, .rng = sr ? &q->rng : NULL};
+    GradQuant gq;
+    QtError inner = {0};
+    if (qarray_plan_make(&gq.p, "bwd_qtype", 2, (const int[]){rows, out}, s->bwd_qtype, &o, &inner) != QT_OK)
+        return quant_failed(t, q, "the gradient", &inner);
+    gq.work_bytes = qarray_plan_work_bytes(&gq.p, (size_t)(out > tile ? out : tile));
+    gq.work = gq.work_bytes ? tape_alloc(t, gq.work_bytes) : NULL;
+    if ((gq.work_bytes && !gq.work) || !noise_draw(t, q, rows, out, &gq.z)) return false;
+    for (uint32_t code = 0; code < (1u << s->bwd_qtype->bits); code++) gq.lut[code] = qtype_decode(s->bwd_qtype, code);
+    size_t n = (size_t)rows * out;
+    if (g_row) {
+        float *gr = tape_alloc(t, n * sizeof *gr);
+        if (!gr || !quant_rows(t, c, &gq, g, gr)) return false;
+        *g_row = gr;
+    }
+    if (g_col) {
+        float *gc = tape_alloc(t, n * sizeof *gc), *buf = tape_alloc(t, (size_t)tile * sizeof *buf);
+        if (!gc || !buf || !quant_cols(t, c, &gq, g, tile, buf, gc)) return false;
+        *g_col = gc;
+    }
+    return true;
+}
+
+/* ---- the backward's products ------------------------------------------------------------------------------------- */
+
+/* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. */
+static bool input_grad(Tape *t, const QtCtx *c, Var *x, const float *g_row) {
+    const size_t nx = var_numel(x);
+    const int rows = c->rows, out = c->out, K = c->fan_in;
+    float *dx = tape_grad(t, x), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
+    if (!dx || !tmp) return false;
+    if (!c->conv) {
+        gemm_f32(false, false, rows, K, out, 1.0f, g_row, out, c->wd, K, 0.0f, tmp, K);
+    } else {
+        const QtConvGeom *g = &c->cg;
+        float *dcol = tape_alloc(t, (size_t)K * rows * sizeof *dcol); /* (C*KH*KW, N*OH*OW) */
+        if (!dcol) return false;
+        gemm_f32(true, true, K, rows, out, 1.0f, c->wd, K, g_row, out, 0.0f, dcol, rows);
+        memset(tmp, 0, nx * sizeof *tmp);
+        col2im(tmp, dcol, g->N, g->C, g->H, g->W, g->KH, g->KW, g->stride, g->padding, g->OH, g->OW);
+    }
+    const float *xv = x->value.data;
+    for (size_t i = 0; i < nx; i++) {
+        float v = xv[i] / c->sx;
+        dx[i] += v >= c->x_lo && v <= c->x_hi ? tmp[i] : 0.0f;
+    }
+    return true;
+}
+
+/* dW += g_col^T deq(X) where W / sw[row] lies in [w_lo, w_hi]. */
+static bool weight_grad(Tape *t, const QtCtx *c, Var *w, const float *g_col) {
+    const int rows = c->rows, out = c->out, K = c->fan_in;
+    const size_t nX = (size_t)rows * K, nw = (size_t)out * K;
+    const float *X = c->xd; /* (rows, fan_in) */
+    if (!X) {
+        float *buf = tape_alloc(t, nX * sizeof *buf);
+        if (!buf) return false;
+        for (size_t i = 0; i < nX; i++) buf[i] = (float)c->xc[i] * c->sx;
+        X = buf;
+    }
+    float *dw = tape_grad(t, w), *tmp = tape_alloc(t, nw * sizeof *tmp); /* (out, fan_in) */
+    if (!dw || !tmp) return false;
+    gemm_f32(true, false, out, K, rows, 1.0f, g_col, out, X, K, 0.0f, tmp, K);
+    const float *wv = w->value.data;
+    for (int o = 0; o < out; o++)
+        for (int k = 0; k < K; k++) {
+            size_t i = (size_t)o * K + k;
+            float v = wv[i] / c->sw[o];
+            dw[i] += v >= c->w_lo && v <= c->w_hi ? tmp[i] : 0.0f;
+        }
+    return true;
+}
+
+static void qt_backward(Tape *t, const TapeNode *node) {
+    const QtCtx *c = node->ctx;
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
+    const float *g = grad_rows(t, c, node->out->grad); /* (rows, out) */
+    if (!g) return;
+    if (bias && bias->requires_grad && !bias_grad(t, c, bias, g)) return;
+    bool want_x = x->requires_grad, want_w = w->requires_grad;
+    if (!want_x && !want_w) return;
+    const float *g_row = g, *g_col = g;
+    if (c->q->spec.bwd_qtype && !quantize_grad(t, c, g, want_x ? &g_row : NULL, want_w ? &g_col : NULL)) return;
+    if (want_x && !input_grad(t, c, x, g_row)) return;
+    if (want_w) weight_grad(t, c, w, g_col);
+}
