@@ -403,6 +403,36 @@ static void test_qat_resume_and_convert(void) {
     free(s);
 }
 
+/* QT: the run learns, and stop + resume is bit-identical (the gradient
+ * noise generators are restored with everything else). */
+static void test_qt_run_and_resume(void) {
+    const char *none[] = {"train.steps=0", "train.epochs=0"};
+    Config *c0 = load_cfg("tests/configs/tiny-qt.yaml", "qt-0", none, 2);
+    Config *c = load_cfg("tests/configs/tiny-qt.yaml", "qt-a", NULL, 0);
+    Config *s = load_cfg("tests/configs/tiny-qt.yaml", "qt-b", NULL, 0);
+    CU_ASSERT_FATAL(c0 && c && s);
+    TrainResult r0, r;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(run(c0, NULL, 0, &r0, &err), QT_OK);
+    QtStatus st = run(c, NULL, 0, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, "qt");
+    CU_ASSERT(r.test_loss < r0.test_loss); /* from the tiny base (init_from): further down */
+    CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
+    Net a, b;
+    load_qat_net(&a, c, path_in("qt-a", "final.h5"));
+    load_qat_net(&b, s, path_in("qt-b", "final.h5"));
+    CU_ASSERT(test_params_equal(&a.model, &b.model));
+    for (int i = 0; i < a.n_qt; i++) CU_ASSERT(a.qt[i].rng.counter == b.qt[i].rng.counter && a.qt[i].rng.counter > 0);
+    net_free(&a);
+    net_free(&b);
+    free(c0);
+    free(c);
+    free(s);
+}
+
 static void test_qat_config_errors(void) {
     static const struct {
         const char *ov[2];
@@ -412,6 +442,7 @@ static void test_qat_config_errors(void) {
         {{"quant.rules.1.weight_qtype=fp8_e4m3", NULL}, "learn_amax", "weight_qtype"},
         {{"quant.rules.1.double_quant=true", NULL}, "double_quant", "qat"},
         {{"quant.rules.0.learn_amax=lsq", NULL}, "act_static_scale", "learn_amax"},
+        {{"quant.rules.1.bwd_qtype=int8", NULL}, "bwd_qtype", "quant.mode is qat"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char out_dir[512];
@@ -476,5 +507,6 @@ int register_qlora_suite(void) {
            !CU_add_test(s, "compare: table, compare.md, compare.svg", test_compare) ||
            !CU_add_test(s, "errors before training", test_bad_inputs) ||
            !CU_add_test(s, "qat: exact resume; convert evaluates as trained", test_qat_resume_and_convert) ||
-           !CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors);
+           !CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors) ||
+           !CU_add_test(s, "qt: learns; exact resume with gradient noise", test_qt_run_and_resume);
 }

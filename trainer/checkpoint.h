@@ -38,6 +38,8 @@
  *                     QAT: learned ranges (float32, one per channel or one), and
  *                     the input's running statistics as attrs of
  *                     /quant/<module>/input/state (calibration, lo_mean, hi_mean, count)
+ *   /quant/<module>/grad/state   QT: attrs seed, stream, counter of the layer's
+ *                     stochastic-rounding generator
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
  *                     1, 1), float32; attrs rank, alpha, scale, rslora
  * A released (quantized) weight is not under /params.
@@ -60,6 +62,7 @@
 #include "lora/lora.h"
 #include "quant/qat.h"
 #include "quant/qlayer.h"
+#include "quant/qt.h"
 
 #define CHECKPOINT_FORMAT "qtrain"
 #define CHECKPOINT_VERSION 1
@@ -77,6 +80,8 @@ typedef struct {
     int n_adapters;
     QatLayer *qat;          /* [n_qat] learned ranges and input statistics -> /quant/<module>/{weight,input}/state */
     int n_qat;
+    QtLayer *qt;            /* [n_qt] gradient-rounding noise generators -> /quant/<module>/grad/state */
+    int n_qt;
 } CheckpointNet;
 
 /* Everything besides parameters and optimizer state that decides the rest

@@ -41,6 +41,7 @@ typedef struct {
     float *lora;          /* A then B of every adapter, in order */
     float *qat_ranges;    /* learned range values of every QAT layer, weight then input, in order */
     CalibRunning *qat_act;/* [n_qat] input statistics */
+    Rng *qt_rngs;         /* [n_qt] */
     int n_weights;        /* QArrays allocated so far (for freeing) */
 } CkptNetStaged;
 

@@ -323,10 +323,45 @@ static QtStatus write_qat_one(H5ioFile *f, const QatLayer *q, QtError *err) {
     return st;
 }
 
+static QtStatus write_qt_one(H5ioFile *f, const QtLayer *q, QtError *err) {
+    char g[CKPT_OBJ_MAX], t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
+    QtStatus st = ckpt_obj_path(g, "quant", q->module->path, NULL, err);
+    if (st == QT_OK) st = ckpt_obj_path(t, "quant", q->module->path, "grad", err);
+    snprintf(state, sizeof state, "%s/state", t);
+    if (st == QT_OK) st = h5io_group_create(f, g, err);
+    if (st == QT_OK) st = h5io_group_create(f, t, err);
+    if (st == QT_OK) st = h5io_group_create(f, state, err);
+    if (st == QT_OK) st = h5io_attr_write_u64(f, state, "seed", q->rng.seed, err);
+    if (st == QT_OK) st = h5io_attr_write_u64(f, state, "stream", q->rng.stream, err);
+    if (st == QT_OK) st = h5io_attr_write_u64(f, state, "counter", q->rng.counter, err);
+    return st;
+}
+
 QtStatus ckpt_write_qat(H5ioFile *f, const CheckpointNet *net, QtError *err) {
-    if (net->n_qat == 0) return QT_OK;
+    if (net->n_qat == 0 && net->n_qt == 0) return QT_OK;
     QtStatus st = h5io_exists(f, "quant") ? QT_OK : h5io_group_create(f, "quant", err);
     for (int i = 0; st == QT_OK && i < net->n_qat; i++) st = write_qat_one(f, &net->qat[i], err);
+    for (int i = 0; st == QT_OK && i < net->n_qt; i++) st = write_qt_one(f, &net->qt[i], err);
+    return st;
+}
+
+static QtStatus read_qt(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
+    if (net->n_qt == 0) return QT_OK;
+    sg->qt_rngs = calloc((size_t)net->n_qt, sizeof *sg->qt_rngs);
+    if (!sg->qt_rngs) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_qt; i++) {
+        char t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
+        st = ckpt_obj_path(t, "quant", net->qt[i].module->path, "grad", err);
+        snprintf(state, sizeof state, "%s/state", t);
+        if (st == QT_OK && h5io_kind(f, state) != H5IO_GROUP)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: the gradient-rounding state of module %s (/%s) is missing; "
+                              "the checkpoint was not written by a qt run with these rules", f->path,
+                              net->qt[i].module->path, state);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "seed", &sg->qt_rngs[i].seed, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "stream", &sg->qt_rngs[i].stream, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "counter", &sg->qt_rngs[i].counter, err);
+    }
     return st;
 }
 
@@ -347,7 +382,8 @@ static QtStatus read_range(const H5ioFile *f, const char *state, const FqRange *
 }
 
 QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
-    if (net->n_qat == 0) return QT_OK;
+    QtStatus qst = read_qt(f, net, sg, err);
+    if (qst != QT_OK || net->n_qat == 0) return qst;
     size_t total = 0;
     for (int i = 0; i < net->n_qat; i++) {
         Param *ps[2];
@@ -381,6 +417,7 @@ QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStage
 }
 
 void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net) {
+    for (int i = 0; sg->qt_rngs && i < net->n_qt; i++) net->qt[i].rng = sg->qt_rngs[i];
     const float *r = sg->qat_ranges;
     for (int i = 0; r && i < net->n_qat; i++) {
         QatLayer *q = &net->qat[i];
@@ -424,6 +461,7 @@ void ckpt_staged_net_free(CkptNetStaged *sg) {
     free(sg->lora);
     free(sg->qat_ranges);
     free(sg->qat_act);
+    free(sg->qt_rngs);
     memset(sg, 0, sizeof *sg);
 }
 

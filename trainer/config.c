@@ -570,7 +570,7 @@ QtStatus config_load(Config *c, const char *path, const char *const *overrides, 
 }
 
 const char *quant_mode_name(QuantMode mode) {
-    static const char *const names[QUANT_MODE_COUNT] = {"none", "ptq", "qat"};
+    static const char *const names[QUANT_MODE_COUNT] = {"none", "ptq", "qat", "qt"};
     return (unsigned)mode < QUANT_MODE_COUNT ? names[mode] : "unknown";
 }
 

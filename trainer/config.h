@@ -28,6 +28,7 @@
 #include "nn/schedule.h"
 #include "quant/qat.h"
 #include "quant/qlayer.h"
+#include "quant/qt.h"
 #include "quant/rules.h"
 
 #define CONFIG_PATH_MAX 1024
@@ -82,6 +83,7 @@ typedef enum {
     QUANT_MODE_NONE = 0, /* float32 */
     QUANT_MODE_PTQ,      /* frozen post-training-quantized base (quant/qlayer.h) */
     QUANT_MODE_QAT,      /* fake-quantized weights and inputs in training (quant/qat.h) */
+    QUANT_MODE_QT,       /* quantized forward GEMMs and quantized backward (quant/qt.h) */
     QUANT_MODE_COUNT
 } QuantMode;
 
@@ -93,10 +95,12 @@ typedef struct {
                            symmetric, narrow_range, scale_type, double_quant, act_qtype, act_calibration,
                            act_symmetric */
     QatSpec qat;        /* qat mode only: learn_amax, amax_init, act_static_scale, lr */
+    QtSpec qt;          /* qt mode only: bwd_qtype, bwd_calibration, bwd_weight_grad_tile_size,
+                           bwd_stochastic_rounding, channelwise_noise_axes (formats from spec) */
 } QuantRule;
 
 typedef struct {
-    QuantMode mode;             /* quant.mode: none | ptq | qat, default none */
+    QuantMode mode;             /* quant.mode: none | ptq | qat | qt, default none */
     int calibration_batches;    /* quant.calibration_batches, default 16: training batches that calibrate
                                    static activation ranges (act_qtype) */
     QuantRule rules[RULES_MAX]; /* quant.rules, in order; first match wins */

@@ -51,7 +51,10 @@ static bool quant_rules_equal(const QuantRule *a, const QuantRule *b) {
            x->act_qtype == y->act_qtype && calibs_equal(&x->act_calib, &y->act_calib) &&
            x->act_symmetric == y->act_symmetric && a->qat.learn_amax == b->qat.learn_amax &&
            calibs_equal(&a->qat.amax_init, &b->qat.amax_init) && a->qat.act_static_scale == b->qat.act_static_scale &&
-           a->qat.lr == b->qat.lr;
+           a->qat.lr == b->qat.lr && a->qt.bwd_qtype == b->qt.bwd_qtype &&
+           calibs_equal(&a->qt.bwd_calib, &b->qt.bwd_calib) &&
+           a->qt.bwd_weight_grad_tile_size == b->qt.bwd_weight_grad_tile_size &&
+           a->qt.bwd_stochastic == b->qt.bwd_stochastic && a->qt.noise_axes == b->qt.noise_axes;
 }
 
 static bool lora_rules_equal(const LoraRule *a, const LoraRule *b) {

@@ -178,6 +178,17 @@ static void put_match(FILE *f, const RuleMatch *m, bool skip) {
     fprintf(f, "]\n      skip: %s\n", bool_str(skip));
 }
 
+static void put_qt(FILE *f, const QtSpec *q) {
+    char c[64];
+    calib_format(&q->bwd_calib, c, sizeof c);
+    put_key_str(f, "      ", "bwd_qtype", q->bwd_qtype ? qtype_name(q->bwd_qtype) : "none");
+    put_key_str(f, "      ", "bwd_calibration", c);
+    fprintf(f, "      bwd_weight_grad_tile_size: %d\n      bwd_stochastic_rounding: %s\n",
+            q->bwd_weight_grad_tile_size, q->bwd_stochastic ? "uniform" : "none");
+    fprintf(f, "      channelwise_noise_axes: [%s]\n", q->noise_axes == (QT_NOISE_ROWS | QT_NOISE_COLS) ? "0, 1"
+                                                        : q->noise_axes == QT_NOISE_COLS ? "1" : "0");
+}
+
 static void put_quant(FILE *f, const QuantConfig *q) {
     fprintf(f, "quant:\n  mode: %s\n  calibration_batches: %d\n", quant_mode_name(q->mode), q->calibration_batches);
     fputs(q->n_rules ? "  rules:\n" : "  rules: []\n", f);
@@ -198,6 +209,7 @@ static void put_quant(FILE *f, const QuantConfig *q) {
         calib_format(&s->act_calib, b, sizeof b);
         put_key_str(f, "      ", "act_calibration", b);
         fprintf(f, "      act_symmetric: %s\n", bool_str(s->act_symmetric));
+        if (q->mode == QUANT_MODE_QT) put_qt(f, &r->qt);
         if (q->mode != QUANT_MODE_QAT) continue;
         char c[64], lr[32];
         calib_format(&r->qat.amax_init, c, sizeof c);

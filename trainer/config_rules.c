@@ -25,7 +25,11 @@ enum { RK_MATCH_KEYS = 3 };
 static const char *const QUANT_RULE_KEYS[] = {
     "module_path", "op_types",     "skip",       "weight_qtype", "tile_size", "per_tensor",      "weight_calibration",
     "symmetric",   "narrow_range", "scale_type", "double_quant", "act_qtype", "act_calibration", "act_symmetric",
-    "learn_amax",  "amax_init",    "act_static_scale", "lr",  "disable_channelwise_axes"};
+    "learn_amax",  "amax_init",    "act_static_scale", "lr",  "disable_channelwise_axes",
+    "bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size", "bwd_stochastic_rounding", "channelwise_noise_axes"};
+/* The keys only quant.mode qt reads. */
+static const char *const QT_ONLY_KEYS[] = {"bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size",
+                                           "bwd_stochastic_rounding", "channelwise_noise_axes"};
 /* The keys only quant.mode qat reads. */
 static const char *const QAT_ONLY_KEYS[] = {"learn_amax", "amax_init", "act_static_scale", "lr"};
 static const char *const LORA_RULE_KEYS[] = {"module_path", "op_types", "skip",   "rank",
@@ -226,16 +230,72 @@ static QtStatus load_qat_settings(QtError *err, const YNode *item, const char *p
     return st;
 }
 
+static QtStatus load_noise_axes(QtError *err, const YNode *item, const char *path, unsigned *out) {
+    const YNode *v = cfg_field(item, "channelwise_noise_axes");
+    if (!v) return QT_OK;
+    char full[128];
+    cfg_join(full, sizeof full, path, "channelwise_noise_axes");
+    if (v->kind != YNODE_SEQUENCE)
+        return cfg_fail_expected(err, v, full, "a list of axes of the gradient: [0] (rows: batch), [1] (columns), "
+                                 "[0, 1]", "");
+    unsigned axes = 0;
+    for (int i = 0; i < v->n; i++) {
+        int64_t a = 0;
+        char item_path[160];
+        snprintf(item_path, sizeof item_path, "%s[%d]", full, i);
+        QtStatus st = cfg_to_int(err, v->items[i], item_path, 0, 1, &a);
+        if (st != QT_OK) return st;
+        axes |= 1u << a;
+    }
+    *out = axes;
+    return QT_OK;
+}
+
+static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *path, QtSpec *q) {
+    const QtSpec d = qt_spec_default();
+    q->weight_qtype = q->act_qtype = q->bwd_qtype = NULL;
+    calib_copy(&q->bwd_calib, &d.bwd_calib);
+    q->bwd_weight_grad_tile_size = d.bwd_weight_grad_tile_size;
+    q->bwd_stochastic = d.bwd_stochastic;
+    q->noise_axes = QT_NOISE_ROWS;
+    QtStatus st = load_qtype(err, item, path, "bwd_qtype", "(the float backward of QAT)", &q->bwd_qtype);
+    if (st == QT_OK) st = load_calib(err, item, path, "bwd_calibration", &q->bwd_calib);
+    if (st == QT_OK) st = cfg_get_int(err, item, path, "bwd_weight_grad_tile_size", 0, INT_MAX,
+                                      &q->bwd_weight_grad_tile_size);
+    const YNode *v = cfg_field(item, "bwd_stochastic_rounding");
+    if (st == QT_OK && v) {
+        char full[128], name[32];
+        static const char *const names[] = {"none", "uniform"};
+        int k = 0;
+        QtError inner = {0};
+        cfg_join(full, sizeof full, path, "bwd_stochastic_rounding");
+        st = cfg_to_str(err, v, full, false, name, sizeof name);
+        if (st == QT_OK)
+            st = cfg_lookup_fail(err, v, full, qt_name_lookup("rounding", name, names, 2, &k, &inner), &inner);
+        q->bwd_stochastic = k == 1;
+    }
+    if (st == QT_OK) st = load_noise_axes(err, item, path, &q->noise_axes);
+    return st;
+}
+
 /* Keys and combinations that make no sense for the mode, each naming both
  * keys: QAT-only keys outside qat, double_quant in qat (it only compresses
  * stored scales), a learned range on a format without an integer grid. */
 static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *path, const QuantRule *r, QuantMode mode) {
     char full[128];
+    for (size_t k = 0; mode != QUANT_MODE_QT && k < N_OF(QT_ONLY_KEYS); k++)
+        if (cfg_field(item, QT_ONLY_KEYS[k]))
+            return cfg_fail(err, cfg_field(item, QT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, QT_ONLY_KEYS[k]),
+                            "applies to quant.mode qt (the quantized backward), but quant.mode is %s; remove it or "
+                            "set quant.mode: qt", quant_mode_name(mode));
     for (size_t k = 0; mode != QUANT_MODE_QAT && k < N_OF(QAT_ONLY_KEYS); k++)
         if (cfg_field(item, QAT_ONLY_KEYS[k]))
             return cfg_fail(err, cfg_field(item, QAT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, QAT_ONLY_KEYS[k]),
                             "applies to quant.mode qat, but quant.mode is %s; remove it or set quant.mode: qat",
                             quant_mode_name(mode));
+    if (!r->skip && mode == QUANT_MODE_QT && r->spec.double_quant)
+        return cfg_fail(err, cfg_field(item, "double_quant"), cfg_join(full, sizeof full, path, "double_quant"),
+                        "does not apply to quant.mode qt (it compresses the stored scales of a frozen base)");
     if (r->skip || mode != QUANT_MODE_QAT) return QT_OK;
     if (r->spec.double_quant)
         return cfg_fail(err, cfg_field(item, "double_quant"), cfg_join(full, sizeof full, path, "double_quant"),
@@ -270,6 +330,9 @@ static QtStatus load_quant_rule(QtError *err, const YNode *item, const char *pat
     calib_default(&s->act_calib, s->act_symmetric);
     if (st == QT_OK) st = load_calib(err, item, path, "act_calibration", &s->act_calib);
     if (st == QT_OK) st = load_qat_settings(err, item, path, &r->qat);
+    if (st == QT_OK) st = load_qt_settings(err, item, path, &r->qt);
+    r->qt.weight_qtype = s->weight_qtype;
+    r->qt.act_qtype = s->act_qtype;
     return st;
 }
 

@@ -18,6 +18,7 @@ void net_free(Net *n) {
     for (int i = 0; n->qlayers && i < n->n_qlayers; i++) qlayer_free(&n->qlayers[i]);
     for (int i = 0; n->qat && i < n->n_qat; i++) qat_layer_free(&n->qat[i]);
     free(n->qat);
+    free(n->qt);
     free(n->adapters);
     free(n->qlayers);
     free(n->trainable);
@@ -76,13 +77,18 @@ static QtStatus net_check_specs(Net *n, QtError *err) {
         const QLayerSpec *qs = net_quant_spec(n, i);
         const LoraSpec *ls = net_lora_spec(n, i);
         QtError e = {0};
-        bool qat = n->cfg->quant.mode == QUANT_MODE_QAT;
-        const QatSpec *qa = qs ? &n->cfg->quant.rules[n->quant_rule[i]].qat : NULL;
-        if (qs && (qat ? qat_layer_check(qs, qa, m, &e) : qlayer_spec_check(qs, m, &e)) != QT_OK)
+        QuantMode mode = n->cfg->quant.mode;
+        const QuantRule *rule = qs ? &n->cfg->quant.rules[n->quant_rule[i]] : NULL;
+        QtStatus chk = !qs                     ? QT_OK
+                       : mode == QUANT_MODE_QAT ? qat_layer_check(qs, &rule->qat, m, &e)
+                       : mode == QUANT_MODE_QT  ? qt_layer_check(&rule->qt, m, &e)
+                                                : qlayer_spec_check(qs, m, &e);
+        if (chk != QT_OK)
             st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->quant.rules[n->quant_rule[i]].match.where, e.msg);
         else if (ls && lora_spec_check(ls, m, &e) != QT_OK)
             st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->lora.rules[n->lora_rule[i]].match.where, e.msg);
-        if (qs && qat) n->n_qat++;
+        if (qs && mode == QUANT_MODE_QAT) n->n_qat++;
+        else if (qs && mode == QUANT_MODE_QT) n->n_qt++;
         else if (qs) n->n_qlayers++;
         if (ls) n->n_adapters++;
     }
@@ -181,6 +187,25 @@ static QtStatus net_attach_qat(Net *n, NetInit how, QtError *err) {
     return st;
 }
 
+/* QT layers over the (trainable) float weights, each with its own noise
+ * stream for stochastic rounding of gradients. */
+static QtStatus net_attach_qt(Net *n, QtError *err) {
+    if (n->n_qt == 0) return QT_OK;
+    n->qt = calloc((size_t)n->n_qt, sizeof *n->qt);
+    if (!n->qt) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
+    int k = 0;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        if (!net_quant_spec(n, i)) continue;
+        QtLayer *q = &n->qt[k++];
+        uint64_t stream = RNG_STREAM_ROUNDING + ((uint64_t)k << 40); /* apart from the shuffle's 2 + (epoch << 8) */
+        st = qt_layer_init(q, &n->model.modules[i], &n->cfg->quant.rules[n->quant_rule[i]].qt, n->cfg->run.seed,
+                           stream, err);
+        if (st == QT_OK) qt_layer_install(q);
+    }
+    return st;
+}
+
 /* Makes the qlayers and adapters with their layouts (values to come). */
 static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
     n->qlayers = calloc((size_t)n->n_qlayers + 1, sizeof *n->qlayers);
@@ -207,6 +232,7 @@ static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
     }
     for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) qlayer_install(&n->qlayers[i]);
     if (st == QT_OK) st = net_attach_qat(n, how, err);
+    if (st == QT_OK) st = net_attach_qt(n, err);
     Rng rng;
     rng_init(&rng, n->cfg->run.seed, RNG_STREAM_LORA);
     for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
@@ -257,9 +283,10 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     n->is_trainable = calloc((size_t)nm, sizeof *n->is_trainable);
     if (!n->quant_rule || !n->lora_rule || !n->is_trainable)
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
-    if (st == QT_OK && c->quant.mode == QUANT_MODE_QAT && config_has_lora(c))
-        st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a QAT model are not supported yet; use "
-                          "quant.mode ptq under lora rules, or train the QAT model in full", c->source);
+    if (st == QT_OK && (c->quant.mode == QUANT_MODE_QAT || c->quant.mode == QUANT_MODE_QT) && config_has_lora(c))
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a quant.mode %s model are not supported yet; "
+                          "use quant.mode ptq under lora rules, or train the model in full", c->source,
+                          quant_mode_name(c->quant.mode));
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
     if (st == QT_OK) {
@@ -286,7 +313,8 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
 
 CheckpointNet net_checkpoint_parts(const Net *n) {
     CheckpointNet p = {.qlayers = n->qlayers, .n_qlayers = n->n_qlayers, .adapters = n->adapters,
-                       .n_adapters = n->n_adapters, .qat = n->qat, .n_qat = n->n_qat};
+                       .n_adapters = n->n_adapters, .qat = n->qat, .n_qat = n->n_qat,
+                       .qt = n->qt, .n_qt = n->n_qt};
     return p;
 }
 
@@ -323,6 +351,7 @@ QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err) {
 const char *net_mode_name(const Net *n) {
     bool lora = config_has_lora(n->cfg);
     if (n->cfg->quant.mode == QUANT_MODE_QAT) return "qat";
+    if (n->cfg->quant.mode == QUANT_MODE_QT) return "qt";
     if (n->cfg->quant.mode == QUANT_MODE_PTQ) return lora ? "qlora" : "ptq";
     return lora ? "lora" : "float";
 }
@@ -355,8 +384,13 @@ static double net_qat_bits_per_param(const Net *n) {
         const Param *p = &n->model.params[i];
         bool quantized = false;
         for (int k = 0; k < n->n_qat && !quantized; k++) quantized = n->qat[k].module->weight == p;
+        for (int k = 0; k < n->n_qt && !quantized; k++) quantized = n->qt[k].module->weight == p;
         count += (double)var_numel(&p->var);
         if (!quantized) bytes += (double)var_numel(&p->var) * sizeof(float);
+    }
+    for (int k = 0; k < n->n_qt; k++) { /* per output channel, float32 scales */
+        const QtLayer *q = &n->qt[k];
+        bytes += (double)q->out * ((double)q->fan_in * q->spec.weight_qtype->bits / 8.0 + sizeof(float));
     }
     for (int k = 0; k < n->n_qat; k++) {
         QArray tmp;
@@ -377,7 +411,7 @@ double net_base_bits_per_param(const Net *n) {
         if (!p->released) bytes += (double)var_numel(&p->var) * sizeof(float);
     }
     for (int i = 0; i < n->n_qlayers; i++) bytes += (double)qlayer_bytes(&n->qlayers[i]);
-    if (n->n_qat > 0) return net_qat_bits_per_param(n);
+    if (n->n_qat > 0 || n->n_qt > 0) return net_qat_bits_per_param(n);
     return count > 0 ? bytes * 8.0 / count : 32.0;
 }
 
@@ -408,6 +442,13 @@ void net_format_summary(const Net *n, char *weights, size_t wcap, char *acts, si
                  n->qat[i].qat.learn_amax ? (n->qat[i].qat.learn_amax == QAT_LEARN_TQT ? "+tqt" : "+lsq") : "");
         list_add_unique(weights, wcap, f);
         if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
+    }
+    for (int i = 0; i < n->n_qt; i++) {
+        const QtSpec *s = &n->qt[i].spec;
+        char f[64];
+        snprintf(f, sizeof f, "%s/ch", qtype_name(s->weight_qtype));
+        list_add_unique(weights, wcap, f);
+        list_add_unique(acts, acap, qtype_name(s->act_qtype ? s->act_qtype : s->weight_qtype));
     }
     if (!weights[0]) snprintf(weights, wcap, "float32");
     if (!acts[0]) snprintf(acts, acap, "none");

@@ -17,6 +17,7 @@
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "quant/qat.h"
+#include "quant/qt.h"
 #include "quant/qlayer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -34,6 +35,8 @@ typedef struct {
     int n_qlayers;
     QatLayer *qat;            /* [n_qat] fake-quantized trained layers (qat), in module order */
     int n_qat;
+    QtLayer *qt;              /* [n_qt] quantized-GEMM trained layers (qt), in module order */
+    int n_qt;
     LoraAdapter *adapters;    /* [n_adapters] in module order */
     int n_adapters;
     Param **trainable;        /* [n_trainable] what the optimizer updates: adapters' A, B and lora.trainable

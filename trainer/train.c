@@ -483,7 +483,11 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     net_format_summary(&r->net, wf, sizeof wf, af, sizeof af);
     json_string(&w, "weight_formats", wf);
     json_string(&w, "act_formats", af);
-    json_string(&w, "bwd_format", "none");
+    char bf[64] = "none";
+    if (r->net.n_qt > 0 && r->net.qt[0].spec.bwd_qtype)
+        snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
+                 r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
+    json_string(&w, "bwd_format", bf);
     json_number(&w, "peak_rss_mb", res->peak_rss_mb);
     if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
     json_end(&w);
