@@ -1,5 +1,5 @@
-/* test_qt.c - quantized training: the integer GEMM against its scalar
- * twin, the spec's checks, the forward and the float backward against a QAT
+/* test_qt.c - quantized training: the integer GEMM (test_qgemm.c), the
+ * spec's checks, the forward and the float backward against a QAT
  * layer of the same formats, the quantized backward against a hand-written
  * reference (round to nearest and stochastic, rows/columns noise, tiles of
  * the weight gradient), the unbiasedness of stochastic rounding, the noise's
@@ -14,40 +14,8 @@
 #include "quant/qt.h"
 #include "test_qarray.h"
 #include "test_qat.h"
+#include "test_qt.h"
 #include "test_util.h"
-
-/* ---- the integer GEMM -------------------------------------------------------------------------------------------- */
-
-static void qgemm_case(int M, int N, int K, uint64_t seed, bool extremes) {
-    size_t na = (size_t)M * K, nb = (size_t)N * K, nc = (size_t)M * N;
-    int8_t *a = malloc(na ? na : 1), *b = malloc(nb ? nb : 1);
-    int32_t *c = malloc((nc ? nc : 1) * sizeof *c), *ref = malloc((nc ? nc : 1) * sizeof *ref);
-    CU_ASSERT_FATAL(a && b && c && ref);
-    Rng r;
-    rng_init(&r, seed, 1);
-    for (size_t i = 0; i < na; i++) a[i] = extremes ? -128 : (int8_t)(rng_below(&r, 256) - 128);
-    for (size_t i = 0; i < nb; i++) b[i] = extremes ? (i % 3 ? -128 : 127) : (int8_t)(rng_below(&r, 256) - 128);
-    memset(c, 0x5a, (nc ? nc : 1) * sizeof *c); /* garbage the kernel must overwrite */
-    qgemm_s8(c, a, b, M, N, K);
-    qgemm_s8_ref(ref, a, b, M, N, K);
-    bool same = memcmp(c, ref, nc * sizeof *c) == 0;
-    if (!same) fprintf(stderr, "\n  qgemm_s8 (%d, %d, %d)%s differs from the reference\n", M, N, K,
-                       extremes ? " at the extremes" : "");
-    CU_ASSERT(same);
-    free(a), free(b), free(c), free(ref);
-}
-
-static void test_qgemm(void) {
-    static const int SIZES[] = {1, 3, 17, 64, 129};
-    uint64_t seed = 1;
-    for (int i = 0; i < 5; i++)
-        for (int j = 0; j < 5; j++)
-            for (int k = 0; k < 5; k++) qgemm_case(SIZES[i], SIZES[j], SIZES[k], seed++, false);
-    qgemm_case(129, 17, 129, 7, true);  /* -128 * -128 summed */
-    qgemm_case(5, 70, 600, 8, false);   /* several K blocks and column blocks */
-    qgemm_case(3, 5, 0, 9, false);      /* no terms: zeros */
-    qgemm_case(2, 3, 1 << 16, 10, true); /* sums near the int32 limit */
-}
 
 /* ---- specs, layers, runs ----------------------------------------------------------------------------------------- */
 
@@ -816,8 +784,7 @@ static void test_steady_state(void) {
 int register_quant_qt_suite(void) {
     CU_pSuite s = CU_add_suite("quant_qt", NULL, NULL);
     if (!s) return -1;
-    return !CU_add_test(s, "qgemm_s8 equals its reference", test_qgemm) ||
-           !CU_add_test(s, "init and install", test_init_and_install) ||
+    return qgemm_tests_add(s) || !CU_add_test(s, "init and install", test_init_and_install) ||
            !CU_add_test(s, "check errors", test_check_errors) ||
            !CU_add_test(s, "forward and backward errors", test_forward_errors) ||
            !CU_add_test(s, "dense equals QAT", test_dense_equals_qat) ||
