@@ -225,15 +225,9 @@ static void test_input_ops_agree(void) {
 
 static void test_steady_state(void) {
     enum { N = 4, C = 2, H = 6, W = 6, OC = 4, CLASSES = 10 };
-    LayerSpec ls[3] = {{.type = LAYER_CONV2D, .out_channels = OC, .kernel = 3, .padding = 1},
-                       {.type = LAYER_FLATTEN},
-                       {.type = LAYER_DENSE, .units = CLASSES}};
     Model m;
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (const int[]){C, H, W}, ls, 3, &err), QT_OK);
-    Rng r;
-    rng_init(&r, 91, RNG_STREAM_INIT);
-    model_init_params(&m, &r);
+    test_small_cnn(&m, 91);
     QLayerSpec cs = qt_wspec("int8", 0, QARRAY_SCALE_POF2);
     cs.act_qtype = qa_find("int8");
     QLayerSpec ds = qt_wspec("int4", 16, QARRAY_SCALE_F32); /* 144 x 10 in blocks of 16 */
@@ -264,23 +258,8 @@ static void test_steady_state(void) {
     t.grad_enabled = true;
     for (int i = 0; i < 2; i++) CU_ASSERT_EQUAL_FATAL(qat_layer_calib_end(&q[i], &err), QT_OK);
     CU_ASSERT(q[0].ranges_ready && q[1].act_stats.count == 2);
-    size_t grows = 0, cap = 0;
     t.training = true;
-    for (int step = 0; step < 5; step++) {
-        tape_reset(&t);
-        Var *vx = tape_new_var(&t, 4, xs);
-        CU_ASSERT_FATAL(vx != NULL);
-        memcpy(vx->value.data, x, sizeof(float) * N * C * H * W);
-        vx->requires_grad = true;
-        Var *y = model_forward(&m, &t, vx);
-        if (!y) fprintf(stderr, "\n  model_forward: %s\n", t.err.msg);
-        CU_ASSERT_FATAL(y != NULL);
-        CU_ASSERT_EQUAL_FATAL(tape_backward_from(&t, y, dy), QT_OK);
-        if (step == 1) grows = a.grow_count, cap = t.cap_nodes;
-    }
-    CU_ASSERT(grows > 0);
-    CU_ASSERT_EQUAL(a.grow_count, grows);
-    CU_ASSERT_EQUAL(t.cap_nodes, cap);
+    test_assert_steady_steps(&m, &t, &a, x, dy, 5);
     CU_ASSERT_EQUAL(q[1].act_stats.count, 7);
     /* the float weights and both ranges trained */
     CU_ASSERT(qa_abs_max(mods[0]->weight->var.grad, 72) > 0.0f && qa_abs_max(mods[1]->weight->var.grad, 1440) > 0.0f);

@@ -633,15 +633,9 @@ static void test_bits_and_describe(void) {
 
 static void test_model_steady_state(void) {
     enum { N = 4, C = 2, H = 6, W = 6, OC = 4, CLASSES = 10 };
-    LayerSpec ls[3] = {{.type = LAYER_CONV2D, .out_channels = OC, .kernel = 3, .padding = 1},
-                       {.type = LAYER_FLATTEN},
-                       {.type = LAYER_DENSE, .units = CLASSES}};
     Model m;
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (const int[]){C, H, W}, ls, 3, &err), QT_OK);
-    Rng r;
-    rng_init(&r, 81, RNG_STREAM_INIT);
-    model_init_params(&m, &r);
+    test_small_cnn(&m, 81);
     QLayerSpec cs = spec_for("nf4", 24, true, true); /* fan_in 18: blocks across channels */
     QLayerSpec ds = spec_for("int4", 32, false, true);
     ds.act_qtype = qa_find("int8");
@@ -670,23 +664,7 @@ static void test_model_steady_state(void) {
     }
     t.grad_enabled = true;
     CU_ASSERT_EQUAL_FATAL(qlayer_calib_end(&q[1], &err), QT_OK);
-    size_t grows = 0, cap = 0;
-    for (int step = 0; step < 5; step++) {
-        tape_reset(&t);
-        Var *vx = tape_new_var(&t, 4, xs);
-        CU_ASSERT_FATAL(vx != NULL);
-        memcpy(vx->value.data, x, sizeof(float) * N * C * H * W);
-        vx->requires_grad = true;
-        Var *y = model_forward(&m, &t, vx);
-        if (!y) fprintf(stderr, "\n  model_forward: %s\n", t.err.msg);
-        CU_ASSERT_FATAL(y != NULL);
-        CU_ASSERT_EQUAL_FATAL(tape_backward_from(&t, y, dy), QT_OK);
-        CU_ASSERT_PTR_NOT_NULL(vx->grad);
-        if (step == 1) grows = a.grow_count, cap = t.cap_nodes;
-    }
-    CU_ASSERT(grows > 0);
-    CU_ASSERT_EQUAL(a.grow_count, grows);
-    CU_ASSERT_EQUAL(t.cap_nodes, cap);
+    test_assert_steady_steps(&m, &t, &a, x, dy, 5);
     /* the biases trained, the released weights never got a gradient */
     CU_ASSERT(mods[0]->bias->var.grad[0] != 0.0f && mods[1]->bias->var.grad[0] != 0.0f);
     CU_ASSERT(mods[0]->weight->var.grad == NULL && mods[1]->weight->var.grad == NULL);

@@ -731,15 +731,8 @@ static void test_tile_scales(void) {
 
 static void test_steady_state(void) {
     enum { N = 4, C = 2, H = 6, W = 6, OC = 4, CLASSES = 10 };
-    LayerSpec ls[3] = {{.type = LAYER_CONV2D, .out_channels = OC, .kernel = 3, .padding = 1},
-                       {.type = LAYER_FLATTEN},
-                       {.type = LAYER_DENSE, .units = CLASSES}};
     Model m;
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (const int[]){C, H, W}, ls, 3, &err), QT_OK);
-    Rng r;
-    rng_init(&r, 140, RNG_STREAM_INIT);
-    model_init_params(&m, &r);
+    test_small_cnn(&m, 140);
     QtSpec cs = spec_of("int8", "int8", "int8"), ds = spec_of("fp8_e4m3", "int8", "fp8_e5m2");
     cs.bwd_stochastic = true;
     cs.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
@@ -754,23 +747,7 @@ static void test_steady_state(void) {
     CU_ASSERT_FATAL(arena_init(&a, 4096) == 0);
     CU_ASSERT_EQUAL_FATAL(tape_init(&t, &a, NULL, NULL), QT_OK);
     float *x = qa_normal_sample(141, N * C * H * W), *dy = qa_normal_sample(142, N * CLASSES);
-    const int xs[4] = {N, C, H, W};
-    size_t grows = 0, cap = 0;
-    for (int step = 0; step < 5; step++) {
-        tape_reset(&t);
-        Var *vx = tape_new_var(&t, 4, xs);
-        CU_ASSERT_FATAL(vx != NULL);
-        memcpy(vx->value.data, x, sizeof(float) * N * C * H * W);
-        vx->requires_grad = true;
-        Var *y = model_forward(&m, &t, vx);
-        if (!y) fprintf(stderr, "\n  model_forward: %s\n", t.err.msg);
-        CU_ASSERT_FATAL(y != NULL);
-        CU_ASSERT_EQUAL_FATAL(tape_backward_from(&t, y, dy), QT_OK);
-        if (step == 1) grows = a.grow_count, cap = t.cap_nodes;
-    }
-    CU_ASSERT(grows > 0);
-    CU_ASSERT_EQUAL(a.grow_count, grows);
-    CU_ASSERT_EQUAL(t.cap_nodes, cap);
+    test_assert_steady_steps(&m, &t, &a, x, dy, 5);
     CU_ASSERT_EQUAL(q[0].rng.counter, 5 * (N * H * W * OC / 4)); /* 4 x 144 pixel rows x 4 channels a step */
     CU_ASSERT_EQUAL(q[1].rng.counter, 0);
     CU_ASSERT(qa_abs_max(m.modules[0].weight->var.grad, OC * C * 9) > 0.0f &&

@@ -231,3 +231,35 @@ bool test_params_equal(const Model *a, const Model *b) {
     }
     return true;
 }
+
+void test_small_cnn(Model *m, uint64_t seed) {
+    LayerSpec ls[3] = {{.type = LAYER_CONV2D, .out_channels = 4, .kernel = 3, .padding = 1},
+                       {.type = LAYER_FLATTEN},
+                       {.type = LAYER_DENSE, .units = 10}};
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(m, 3, (const int[]){2, 6, 6}, ls, 3, &err), QT_OK);
+    Rng r;
+    rng_init(&r, seed, RNG_STREAM_INIT);
+    model_init_params(m, &r);
+}
+
+void test_assert_steady_steps(Model *m, Tape *t, Arena *a, const float *x, const float *dy, int steps) {
+    const int xs[4] = {4, 2, 6, 6};
+    size_t grows = 0, cap = 0;
+    for (int step = 0; step < steps; step++) {
+        tape_reset(t);
+        Var *vx = tape_new_var(t, 4, xs);
+        CU_ASSERT_FATAL(vx != NULL);
+        memcpy(vx->value.data, x, sizeof(float) * 4 * 2 * 6 * 6);
+        vx->requires_grad = true;
+        Var *y = model_forward(m, t, vx);
+        if (!y) fprintf(stderr, "\n  model_forward: %s\n", t->err.msg);
+        CU_ASSERT_FATAL(y != NULL);
+        CU_ASSERT_EQUAL_FATAL(tape_backward_from(t, y, dy), QT_OK);
+        CU_ASSERT_PTR_NOT_NULL(vx->grad);
+        if (step == 1) grows = a->grow_count, cap = t->cap_nodes;
+    }
+    CU_ASSERT(grows > 0);
+    CU_ASSERT_EQUAL(a->grow_count, grows);
+    CU_ASSERT_EQUAL(t->cap_nodes, cap);
+}

@@ -100,4 +100,15 @@ void test_assert_hdf5_closed(void);
 /* Same parameter count, sizes and values, bit for bit. */
 bool test_params_equal(const Model *a, const Model *b);
 
+/* ---- the arena's steady state ------------------------------------------- */
+
+/* The small model the steady-state tests run: input (2, 6, 6) -> conv2d of
+ * 4 channels, 3x3, padding 1 -> flatten -> dense 10; parameters from seed. */
+void test_small_cnn(Model *m, uint64_t seed);
+/* `steps` forward and backward passes of m on the batch x (4, 2, 6, 6)
+ * with output gradient dy (4, 10), each after tape_reset; checks that the
+ * input gets a gradient, that the arena grew in the first steps, and that
+ * neither it nor the tape's node array grows after step 1. */
+void test_assert_steady_steps(Model *m, Tape *t, Arena *a, const float *x, const float *dy, int steps);
+
 #endif
