@@ -433,6 +433,37 @@ static void test_qt_run_and_resume(void) {
     free(s);
 }
 
+/* LoRA over a QAT model: the base is frozen (and fake-quantized in every
+ * forward), the adapters, the head and the learned ranges train. */
+static void test_qat_lora(void) {
+    const char *ov[] = {"lora.rules=[{module_path: \"conv1|fc1\", rank: 2}]", "lora.trainable=[head]"};
+    Config *c = load_cfg("tests/configs/tiny-qat.yaml", "qat-lora", ov, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    TrainResult r;
+    QtError err = {0};
+    QtStatus st = run(c, NULL, 0, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, "qat-lora");
+    Net a, base;
+    load_qat_net(&a, c, path_in("qat-lora", "final.h5"));
+    Config *b = load_cfg("tests/configs/tiny-base.yaml", "unused", NULL, 0);
+    CU_ASSERT_EQUAL_FATAL(net_build(&base, b, NET_SHELL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(base_ckpt, &base.model, &err), QT_OK);
+    const char *frozen[] = {"conv1/weight", "fc1/weight", "fc1/bias"};
+    for (int i = 0; i < 3; i++) {
+        const Param *p = model_find_param(&a.model, frozen[i]), *q = model_find_param(&base.model, frozen[i]);
+        CU_ASSERT(memcmp(p->var.value.data, q->var.value.data, var_numel(&p->var) * sizeof(float)) == 0);
+    }
+    const Param *h = model_find_param(&a.model, "head/weight"), *h0 = model_find_param(&base.model, "head/weight");
+    CU_ASSERT(memcmp(h->var.value.data, h0->var.value.data, var_numel(&h->var) * sizeof(float)) != 0);
+    CU_ASSERT_EQUAL(a.n_adapters, 2);
+    net_free(&a);
+    net_free(&base);
+    free(b);
+    free(c);
+}
+
 static void test_qat_config_errors(void) {
     static const struct {
         const char *ov[2];
@@ -508,5 +539,6 @@ int register_qlora_suite(void) {
            !CU_add_test(s, "errors before training", test_bad_inputs) ||
            !CU_add_test(s, "qat: exact resume; convert evaluates as trained", test_qat_resume_and_convert) ||
            !CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors) ||
-           !CU_add_test(s, "qt: learns; exact resume with gradient noise", test_qt_run_and_resume);
+           !CU_add_test(s, "qt: learns; exact resume with gradient noise", test_qt_run_and_resume) ||
+           !CU_add_test(s, "qat + lora: frozen fake-quantized base, adapters train", test_qat_lora);
 }

@@ -283,10 +283,9 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     n->is_trainable = calloc((size_t)nm, sizeof *n->is_trainable);
     if (!n->quant_rule || !n->lora_rule || !n->is_trainable)
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
-    if (st == QT_OK && (c->quant.mode == QUANT_MODE_QAT || c->quant.mode == QUANT_MODE_QT) && config_has_lora(c))
-        st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a quant.mode %s model are not supported yet; "
-                          "use quant.mode ptq under lora rules, or train the model in full", c->source,
-                          quant_mode_name(c->quant.mode));
+    if (st == QT_OK && c->quant.mode == QUANT_MODE_QT && config_has_lora(c))
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a quant.mode qt model are not supported yet; "
+                          "use quant.mode qat or ptq under lora rules, or train the QT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
     if (st == QT_OK) {
@@ -350,7 +349,7 @@ QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err) {
 
 const char *net_mode_name(const Net *n) {
     bool lora = config_has_lora(n->cfg);
-    if (n->cfg->quant.mode == QUANT_MODE_QAT) return "qat";
+    if (n->cfg->quant.mode == QUANT_MODE_QAT) return lora ? "qat-lora" : "qat";
     if (n->cfg->quant.mode == QUANT_MODE_QT) return "qt";
     if (n->cfg->quant.mode == QUANT_MODE_PTQ) return lora ? "qlora" : "ptq";
     return lora ? "lora" : "float";

@@ -190,6 +190,9 @@ QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, Conve
     if (st == QT_OK && c->quant.mode != QUANT_MODE_QAT)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s was written by a quant.mode %s run; qtrain convert turns a qat "
                           "checkpoint into a ptq one", checkpoint, quant_mode_name(c->quant.mode));
+    if (st == QT_OK && c->lora.n_rules > 0)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s has LoRA adapters over its QAT base; qtrain convert converts a QAT "
+                          "model trained in full (its adapters would be lost)", checkpoint);
     if (st == QT_OK) st = net_build(&n, c, NET_SHELL, err);
     CheckpointNet parts = net_checkpoint_parts(&n);
     if (st == QT_OK) st = checkpoint_load_model(checkpoint, &n.model, &parts, err);
