@@ -5,12 +5,9 @@
 # against float training of the same 4 epochs, side by side.
 # Every step resumes (or skips) what an earlier run already did.
 set -e
-Q=${QTRAIN:-./build/qtrain}
-step() { printf '\n=== %s\n' "$*"; }
+. scripts/lib.sh
 
-step "float CNN (configs/pretrain.yaml)"
-if [ -f runs/pretrain/final.h5 ]; then echo "runs/pretrain/final.h5 exists: using it"
-else "$Q" --config configs/pretrain.yaml --resume auto; fi
+pretrain_once
 step "PTQ int8 per channel"
 "$Q" --config configs/ptq.yaml --resume auto -q
 step "PTQ int4 per channel"

@@ -4,13 +4,9 @@
 # shifted task before fine-tuning -> QLoRA fine-tuning -> a summary table.
 # Every step resumes (or skips) what an earlier `make run` already did.
 set -e
-Q=${QTRAIN:-./build/qtrain}
+. scripts/lib.sh
 
-step() { printf '\n=== %s\n' "$*"; }
-
-step "pretrain the float CNN (configs/pretrain.yaml)"
-if [ -f runs/pretrain/final.h5 ]; then echo "runs/pretrain/final.h5 exists: using it"
-else "$Q" --config configs/pretrain.yaml --resume auto; fi
+pretrain_once
 step "int8 per-channel PTQ of the pretrained CNN (configs/ptq.yaml)"
 "$Q" --config configs/ptq.yaml --resume auto
 step "the nf4+DQ base on the shifted task, before fine-tuning"

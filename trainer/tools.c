@@ -56,6 +56,16 @@ static QtStatus load_stored_config(const char *path, Config *c, QtError *err) {
     return st;
 }
 
+/* The model a checkpoint holds, built from its stored config c: parameters,
+ * quantized base, adapters and quantizer state. On error n is freed. */
+static QtStatus load_checkpoint_net(const char *checkpoint, const Config *c, Net *n, QtError *err) {
+    QtStatus st = net_build(n, c, NET_SHELL, err);
+    if (st != QT_OK) return st;
+    CheckpointNet parts = net_checkpoint_parts(n);
+    if ((st = checkpoint_load_model(checkpoint, &n->model, &parts, err)) != QT_OK) net_free(n);
+    return st;
+}
+
 static const QLayer *find_qlayer(const Net *n, const Module *m) {
     for (int i = 0; i < n->n_qlayers; i++)
         if (n->qlayers[i].module == m) return &n->qlayers[i];
@@ -119,9 +129,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeRe
     if (st == QT_OK && c->lora.n_rules == 0)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters (its config has no lora rules): nothing to "
                           "merge", checkpoint);
-    if (st == QT_OK) st = net_build(&n, c, NET_SHELL, err);
-    CheckpointNet parts = net_checkpoint_parts(&n);
-    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &n.model, &parts, err);
+    if (st == QT_OK) st = load_checkpoint_net(checkpoint, c, &n, err);
     double err2 = 0.0, norm2 = 0.0;
     if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s:\n", n.n_adapters, checkpoint);
     for (int i = 0; st == QT_OK && i < n.n_adapters; i++) st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
@@ -193,9 +201,7 @@ QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, Conve
     if (st == QT_OK && c->lora.n_rules > 0)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s has LoRA adapters over its QAT base; qtrain convert converts a QAT "
                           "model trained in full (its adapters would be lost)", checkpoint);
-    if (st == QT_OK) st = net_build(&n, c, NET_SHELL, err);
-    CheckpointNet parts = net_checkpoint_parts(&n);
-    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &n.model, &parts, err);
+    if (st == QT_OK) st = load_checkpoint_net(checkpoint, c, &n, err);
     if (st == QT_OK) {
         *ptq = *c;
         ptq->quant.mode = QUANT_MODE_PTQ;
