@@ -174,8 +174,8 @@ static int peak_probe(int threads) {
         reps++;
     }
     const double flops = 2.0 * n * n * n;
-    printf("bench:sgemm_peak m:%d n:%d k:%d threads:%d reps:%d gflops_best:%.1f gflops_mean:%.1f\n", n, n, n, threads,
-           reps, flops / best * 1e-9, flops * reps / total * 1e-9);
+    printf("bench:sgemm_peak core:%s m:%d n:%d k:%d threads:%d reps:%d gflops_best:%.1f gflops_mean:%.1f\n",
+           gemm_blas_core(), n, n, n, threads, reps, flops / best * 1e-9, flops * reps / total * 1e-9);
     free(a), free(b), free(c);
     return 0;
 }
@@ -412,6 +412,7 @@ static int run_model(bool cnn, const Args *a, double *step_s) {
 }
 
 int main(int argc, char **argv) {
+    gemm_blas_upgrade_and_exec(argv);
     Args a;
     int pa = parse_args(argc, argv, &a);
     if (pa != 0) return pa > 0 ? 0 : 2;

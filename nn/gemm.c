@@ -1,7 +1,11 @@
 #include "gemm.h"
 
 #include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 static bool stats_on;
 static GemmStats stats;
@@ -40,6 +44,33 @@ void gemm_f32_ref(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
             *c = (float)(alpha * acc + (beta == 0.0f ? 0.0 : (double)beta * *c));
         }
     }
+}
+
+const char *gemm_blas_core(void) { return openblas_get_corename(); }
+
+const char *gemm_blas_core_upgrade(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    /* libgcc's checks include the OS's XCR0 bits, so zmm state is known saved. */
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
+        return NULL;
+    static const char *const avx2_families[] = {"Haswell", "Zen", "Sandybridge", "Excavator", "Steamroller",
+                                                "Piledriver", "Bulldozer", "Nehalem", "Prescott", "Core2"};
+    const char *core = openblas_get_corename();
+    for (size_t i = 0; core && i < sizeof avx2_families / sizeof *avx2_families; i++)
+        if (strcasecmp(core, avx2_families[i]) == 0) return "SkylakeX";
+#endif
+    return NULL;
+}
+
+void gemm_blas_upgrade_and_exec(char **argv) {
+    const char *core = gemm_blas_core_upgrade();
+    if (!core || getenv("OPENBLAS_CORETYPE")) return;
+    /* Set before the exec, so the new image sees it and never loops. */
+    if (setenv("OPENBLAS_CORETYPE", core, 1) != 0) return;
+    execv("/proc/self/exe", argv);
+    unsetenv("OPENBLAS_CORETYPE"); /* exec failed: nothing changed */
 }
 
 void gemm_set_threads(int threads) { openblas_set_num_threads(threads < 1 ? 1 : threads); }

@@ -18,6 +18,22 @@ void gemm_f32(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
 void gemm_f32_ref(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                   const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
 
+/* OpenBLAS chooses its kernels once, when it is loaded, from the CPU it
+ * recognises. A release older than the CPU falls back to its AVX2 kernels on
+ * an AVX-512 machine (0.3.21 on AMD Zen 5 picks "Haswell": half the sgemm
+ * throughput). Returns the kernel family to force through
+ * OPENBLAS_CORETYPE ("SkylakeX") when the CPU and the OS support AVX-512
+ * (F, BW, DQ, VL) but OpenBLAS runs an older family, else NULL. Only a
+ * restarted process can act on it (gemm_blas_upgrade_and_exec). */
+const char *gemm_blas_core_upgrade(void);
+/* If gemm_blas_core_upgrade() names a family and OPENBLAS_CORETYPE is unset,
+ * sets it and re-executes /proc/self/exe with argv; returns only when there
+ * is nothing to do or the exec failed (the process then carries on with the
+ * kernels it has). Set OPENBLAS_CORETYPE yourself to choose, or to opt out. */
+void gemm_blas_upgrade_and_exec(char **argv);
+/* The kernel family OpenBLAS runs, e.g. "Haswell", "SkylakeX". */
+const char *gemm_blas_core(void);
+
 /* Threads OpenBLAS may use (1 or more). */
 void gemm_set_threads(int threads);
 int gemm_get_threads(void);

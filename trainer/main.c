@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "nn/gemm.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
 #include "trainer/config.h"
@@ -298,6 +299,7 @@ static int cmd_demo(int argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
+    gemm_blas_upgrade_and_exec(argv);
     if (argc < 2) {
         usage(stderr);
         return 2;

@@ -527,6 +527,11 @@ static void run_print_plan(Run *r, const char *resumed) {
     printf("data: %s from %s: %d train, %d val, %d test examples of (%d, %d, %d), %d classes\n", c->data.dataset,
            c->data.dir, r->train.n, r->val.n, r->test.n, r->train.shape[0], r->train.shape[1], r->train.shape[2],
            r->train.n_classes);
+    printf("blas: OpenBLAS %s kernels, %d threads\n", gemm_blas_core(), gemm_get_threads());
+    const char *better = gemm_blas_core_upgrade(), *pinned = getenv("OPENBLAS_CORETYPE");
+    if (better && pinned)
+        printf("blas: OPENBLAS_CORETYPE=%s pins older kernels than this CPU runs; unset it (or set "
+               "OPENBLAS_CORETYPE=%s) for about twice the sgemm throughput\n", pinned, better);
     printf("model:\n");
     model_print(&r->net.model, stdout);
     printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
