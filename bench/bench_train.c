@@ -343,23 +343,30 @@ static QtStatus stats_pass(Bench *b, double seconds, Phases *ph, long long *step
 
 /* ---- reporting --------------------------------------------------------------- */
 
+/* GEMM seconds are thread-seconds (nn/gemm.h); per core, they are that over
+ * the thread count: the wall time the step would spend in sgemm if both
+ * threads ran their GEMMs side by side. */
+static double gemm_core_seconds(const GemmStats *gs) { return gs->seconds / (double)gemm_get_threads(); }
+
 static void report_phases(const Bench *b, const Phases *ph, long long steps, double wall, const GemmStats *gs) {
-    const double ms = 1e3 / (double)steps;
+    const double ms = 1e3 / (double)steps, per_core = 1.0 / (double)gemm_get_threads();
     double other = wall - ph->fwd - ph->bwd - ph->optim - ph->reset;
     printf("bench:train_phases model:%s steps:%lld step_ms:%.3f fwd_ms:%.3f fwd_gemm_ms:%.3f bwd_ms:%.3f "
            "bwd_gemm_ms:%.3f optim_ms:%.3f reset_ms:%.3f loop_ms:%.3f\n",
-           b->name, steps, wall * ms, ph->fwd * ms, ph->gemm_fwd * ms, ph->bwd * ms, ph->gemm_bwd * ms,
+           b->name, steps, wall * ms, ph->fwd * ms, ph->gemm_fwd * ms * per_core, ph->bwd * ms,
+           ph->gemm_bwd * ms * per_core,
            ph->optim * ms, ph->reset * ms, other * ms);
     printf("bench:train_gemm model:%s calls_per_step:%.1f gemm_ms_per_step:%.3f non_gemm_ms_per_step:%.3f "
            "gemm_flops_per_sample:%.4g\n",
-           b->name, (double)gs->calls / (double)steps, gs->seconds * ms, (wall - gs->seconds) * ms,
+           b->name, (double)gs->calls / (double)steps, gemm_core_seconds(gs) * ms, (wall - gemm_core_seconds(gs)) * ms,
            gs->flops / ((double)steps * b->batch));
 }
 
 static void report(const Bench *b, const Args *a, const TimedResult *r, const Phases *ph, long long s_steps,
                    double s_wall, const GemmStats *gs, size_t grow_warm, size_t grow_end) {
     double sps = (double)r->steps * b->batch / r->seconds;
-    double share = gs->seconds / s_wall, gemm_gflops = gs->seconds > 0 ? gs->flops / gs->seconds * 1e-9 : 0.0;
+    double core_s = gemm_core_seconds(gs);
+    double share = core_s / s_wall, gemm_gflops = core_s > 0 ? gs->flops / core_s * 1e-9 : 0.0;
     double fwd_flops = model_forward_flops(&b->model), train_flops = 3.0 * fwd_flops;
     printf("bench:train model:%s batch:%d threads:%d samples_per_s:%.1f step_ms:%.3f gemm_share:%.3f "
            "gemm_gflops:%.1f\n",

@@ -1,5 +1,7 @@
 #include "gemm.h"
 
+#include "parallel.h"
+
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,7 +10,10 @@
 #include <unistd.h>
 
 static bool stats_on;
-static GemmStats stats;
+/* One slot per pool thread (parallel_thread_index), a cache line apart. */
+static struct {
+    _Alignas(64) GemmStats s;
+} stats[PARALLEL_MAX_THREADS];
 
 static double now_s(void) {
     struct timespec ts;
@@ -16,16 +21,66 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-void gemm_f32(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
-              const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc) {
-    if (M <= 0 || N <= 0) return;
+/* Below this many FLOPs a product runs whole in the calling thread: a
+ * second thread's hand-off costs more than it saves (heads with N = 10,
+ * K = 9 first convolutions, rank-8 LoRA projections). */
+#define GEMM_SPLIT_MIN_FLOPS 4.0e6
+#define GEMM_SPLIT_MIN_ROWS 32 /* rows or columns per part, at least */
+
+typedef struct {
+    bool trans_a, trans_b;
+    int M, N, K;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+    int lda, ldb, ldc;
+    bool split_rows; /* parts are bands of C's rows; else of its columns */
+} GemmJob;
+
+static void sgemm_call(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                       const float *B, int ldb, float beta, float *C, int ldc) {
     double t0 = stats_on ? now_s() : 0.0;
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
                 alpha, A, lda, B, ldb, beta, C, ldc);
     if (stats_on) {
-        stats.seconds += now_s() - t0;
-        stats.flops += 2.0 * M * N * K;
-        stats.calls++;
+        GemmStats *st = &stats[parallel_thread_index()].s;
+        st->seconds += now_s() - t0;
+        st->flops += 2.0 * M * N * K;
+        st->calls++;
+    }
+}
+
+static void gemm_part(void *ctx, int task, int n_tasks) {
+    const GemmJob *j = ctx;
+    int lo, hi;
+    if (j->split_rows) {
+        parallel_range(j->M, task, n_tasks, &lo, &hi);
+        const float *a = j->trans_a ? j->A + lo : j->A + (size_t)lo * j->lda;
+        sgemm_call(j->trans_a, j->trans_b, hi - lo, j->N, j->K, j->alpha, a, j->lda, j->B, j->ldb, j->beta,
+                   j->C + (size_t)lo * j->ldc, j->ldc);
+    } else {
+        parallel_range(j->N, task, n_tasks, &lo, &hi);
+        const float *b = j->trans_b ? j->B + (size_t)lo * j->ldb : j->B + lo;
+        sgemm_call(j->trans_a, j->trans_b, j->M, hi - lo, j->K, j->alpha, j->A, j->lda, b, j->ldb, j->beta,
+                   j->C + lo, j->ldc);
+    }
+}
+
+void gemm_f32(bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+              const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    const double flops = 2.0 * M * N * K;
+    int parts = parallel_get_threads();
+    if (parallel_in_task() || flops < GEMM_SPLIT_MIN_FLOPS) parts = 1;
+    /* Split the longer side: each part then keeps a kind shape. */
+    bool rows = M >= N;
+    int side = rows ? M : N;
+    if (parts > side / GEMM_SPLIT_MIN_ROWS) parts = side / GEMM_SPLIT_MIN_ROWS;
+    if (parts <= 1) {
+        sgemm_call(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else {
+        GemmJob j = {trans_a, trans_b, M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, rows};
+        parallel_run(parts, gemm_part, &j);
     }
 }
 
@@ -73,9 +128,23 @@ void gemm_blas_upgrade_and_exec(char **argv) {
     unsetenv("OPENBLAS_CORETYPE"); /* exec failed: nothing changed */
 }
 
-void gemm_set_threads(int threads) { openblas_set_num_threads(threads < 1 ? 1 : threads); }
-int gemm_get_threads(void) { return openblas_get_num_threads(); }
+void gemm_set_threads(int threads) {
+    if (threads <= 0) threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    openblas_set_num_threads(1); /* see parallel.h: the pool splits the work */
+    parallel_set_threads(threads);
+}
+int gemm_get_threads(void) { return parallel_get_threads(); }
 
 void gemm_stats_enable(bool on) { stats_on = on; }
-void gemm_stats_reset(void) { stats = (GemmStats){0}; }
-GemmStats gemm_stats_get(void) { return stats; }
+void gemm_stats_reset(void) {
+    for (int i = 0; i < PARALLEL_MAX_THREADS; i++) stats[i].s = (GemmStats){0};
+}
+GemmStats gemm_stats_get(void) {
+    GemmStats sum = {0};
+    for (int i = 0; i < PARALLEL_MAX_THREADS; i++) {
+        sum.calls += stats[i].s.calls;
+        sum.seconds += stats[i].s.seconds;
+        sum.flops += stats[i].s.flops;
+    }
+    return sum;
+}

@@ -34,15 +34,18 @@ void gemm_blas_upgrade_and_exec(char **argv);
 /* The kernel family OpenBLAS runs, e.g. "Haswell", "SkylakeX". */
 const char *gemm_blas_core(void);
 
-/* Threads OpenBLAS may use (1 or more). */
+/* Threads of the step (1 or more): OpenBLAS is set to one thread and
+ * gemm_f32 splits a large product into bands run on the pool of
+ * nn/parallel.h; products under a few MFLOP run whole. 0 = one per online core. */
 void gemm_set_threads(int threads);
 int gemm_get_threads(void);
 
 /* Time accounting for the benchmark: off by default (it costs two clock
- * reads per GEMM). */
+ * reads per GEMM). Set it outside parallel jobs. */
 typedef struct {
-    uint64_t calls;
-    double seconds;  /* wall time inside sgemm */
+    uint64_t calls;  /* sgemm calls (a product split over the pool counts once per part) */
+    double seconds;  /* thread-seconds inside sgemm, summed over the pool's threads: divide by
+                        threads x wall seconds for the share of the cores' time */
     double flops;    /* 2*M*N*K summed */
 } GemmStats;
 

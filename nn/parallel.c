@@ -1,0 +1,143 @@
+/* parallel.c - a fixed pool; see parallel.h.
+ *
+ * A job is published by bumping `generation` under the lock. Workers spin on
+ * it briefly (a step starts jobs every few hundred microseconds, and a futex
+ * wake-up costs tens of them), then sleep on the condition variable. Every
+ * worker takes part in every job, even if the tasks ran out before it woke,
+ * and reports in `done`; the caller returns only when all have, so the next
+ * job can never be mixed with a straggler of the previous one. */
+#include "parallel.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define SPIN_NS 200000 /* how long an idle worker polls before sleeping */
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_uint generation;   /* bumped once per job */
+    atomic_int next_task;     /* next unclaimed task of the current job */
+    atomic_int done;          /* workers finished with the current job */
+    bool stop;                /* under lock: workers exit */
+    ParallelFn fn;            /* the current job, written before generation moves */
+    void *ctx;
+    int n_tasks;
+    unsigned start_generation;/* generation when the workers were started: any later one is a job for them */
+    int n_workers;            /* threads besides the caller */
+    pthread_t workers[PARALLEL_MAX_THREADS];
+} Pool;
+
+static Pool pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+static _Thread_local int thread_index;
+static _Thread_local bool in_task;
+static bool exit_hook_set;
+
+static double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return 1e9 * (double)ts.tv_sec + (double)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void run_tasks(Pool *p) {
+    in_task = true;
+    for (;;) {
+        int i = atomic_fetch_add(&p->next_task, 1);
+        if (i >= p->n_tasks) break;
+        p->fn(p->ctx, i, p->n_tasks);
+    }
+    in_task = false;
+}
+
+/* The next generation after `seen`, or seen itself if the pool is stopping. */
+static unsigned wait_for_job(Pool *p, unsigned seen) {
+    double t0 = now_ns();
+    for (int spins = 0;; spins++) {
+        unsigned g = atomic_load(&p->generation);
+        if (g != seen) return g;
+        if ((spins & 63) == 63 && now_ns() - t0 > SPIN_NS) break;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&p->lock);
+    unsigned g;
+    while ((g = atomic_load(&p->generation)) == seen && !p->stop) pthread_cond_wait(&p->wake, &p->lock);
+    pthread_mutex_unlock(&p->lock);
+    return g;
+}
+
+static void *worker_main(void *arg) {
+    thread_index = (int)(size_t)arg;
+    /* Not the current generation: a job may have been published before this
+     * thread got to run, and it must still take part in it. */
+    unsigned seen = pool.start_generation;
+    for (;;) {
+        unsigned g = wait_for_job(&pool, seen);
+        if (g == seen) return NULL; /* stopping */
+        seen = g;
+        run_tasks(&pool);
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static void pool_stop(void) {
+    if (pool.n_workers == 0) return;
+    pthread_mutex_lock(&pool.lock);
+    pool.stop = true;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    for (int i = 0; i < pool.n_workers; i++) pthread_join(pool.workers[i], NULL);
+    pool.n_workers = 0;
+    pool.stop = false;
+}
+
+int parallel_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > PARALLEL_MAX_THREADS) threads = PARALLEL_MAX_THREADS;
+    if (threads == pool.n_workers + 1) return threads;
+    pool_stop();
+    if (!exit_hook_set) exit_hook_set = atexit(pool_stop) == 0;
+    pool.start_generation = atomic_load(&pool.generation);
+    for (int i = 0; i < threads - 1; i++) {
+        if (pthread_create(&pool.workers[i], NULL, worker_main, (void *)(size_t)(i + 1)) != 0) break;
+        pool.n_workers++;
+    }
+    return pool.n_workers + 1;
+}
+
+int parallel_get_threads(void) { return pool.n_workers + 1; }
+int parallel_thread_index(void) { return thread_index; }
+bool parallel_in_task(void) { return in_task; }
+
+void parallel_range(int n, int task, int n_tasks, int *lo, int *hi) {
+    long long a = (long long)n * task / n_tasks, b = (long long)n * (task + 1) / n_tasks;
+    *lo = (int)a;
+    *hi = (int)b;
+}
+
+void parallel_run(int n_tasks, ParallelFn fn, void *ctx) {
+    if (n_tasks <= 0) return;
+    if (pool.n_workers == 0 || in_task || n_tasks == 1) {
+        bool outer = in_task;
+        in_task = true;
+        for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
+        in_task = outer;
+        return;
+    }
+    pool.fn = fn, pool.ctx = ctx, pool.n_tasks = n_tasks;
+    atomic_store(&pool.next_task, 0);
+    atomic_store(&pool.done, 0);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add(&pool.generation, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_tasks(&pool);
+    while (atomic_load(&pool.done) < pool.n_workers) cpu_relax();
+}
