@@ -333,6 +333,22 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     return NULL;
 }
 
+/* How many modules from i on run as one fused convolution: 3 for an
+ * unhooked conv2d -> relu -> maxpool2d (kernel 2, stride 2), 2 for conv2d ->
+ * relu, else 1. A hooked module (quantized, LoRA) keeps its own forward. */
+static int model_fusable_layers(const Model *m, int i) {
+    const Module *c = &m->modules[i];
+    if (c->spec.type != LAYER_CONV2D || c->forward_hook || !c->weight || c->weight->released) return 1;
+    if (i + 1 >= m->n_modules) return 1;
+    const Module *r = &m->modules[i + 1];
+    if (r->spec.type != LAYER_RELU || r->forward_hook) return 1;
+    if (i + 2 >= m->n_modules) return 2;
+    const Module *p = &m->modules[i + 2];
+    bool pool = p->spec.type == LAYER_MAXPOOL2D && !p->forward_hook && p->spec.kernel == 2 && p->spec.stride == 2 &&
+                c->out_shape[1] >= 2 && c->out_shape[2] >= 2;
+    return pool ? 3 : 2;
+}
+
 Var *model_forward(Model *m, Tape *t, Var *x) {
     if (!x) return NULL;
     bool fits = x->value.ndim == m->input_ndim + 1;
@@ -347,6 +363,14 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
     }
     for (int i = 0; i < m->n_modules && x; i++) {
         Module *mod = &m->modules[i];
+        int fused = model_fusable_layers(m, i);
+        if (fused > 1) {
+            static const ConvEpilogue epi[] = {CONV_EPI_NONE, CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
+            Var *b = mod->bias ? &mod->bias->var : NULL;
+            x = nn_conv2d_fused(t, x, &mod->weight->var, b, mod->spec.stride, mod->spec.padding, epi[fused]);
+            i += fused - 1;
+            continue;
+        }
         x = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : model_module_forward(t, mod, x);
     }
     return x;

@@ -55,12 +55,24 @@ Var *nn_flatten(Tape *t, Var *x);
 /* Layer normalisation over the last axis: x (..., D), gamma/beta (D,) or NULL. */
 Var *nn_layernorm(Tape *t, Var *x, Var *gamma, Var *beta, float eps);
 
-/* ---- convolution and pooling (ops_conv.c) ----------------------------- */
+/* ---- convolution (ops_conv.c) and pooling (ops_pool.c) ---------------- */
 
 /* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL.
  * y: (N, OC, OH, OW), OH = (H + 2*padding - KH)/stride + 1 (likewise OW).
- * Zero padding; im2col + one sgemm per layer over the whole batch. */
+ * Zero padding; im2col + sgemm a few samples at a time, over the thread
+ * pool; nothing but the output is kept for the backward. */
 Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding);
+
+typedef enum {
+    CONV_EPI_NONE,          /* the convolution: nn_conv2d */
+    CONV_EPI_RELU,          /* relu(conv): (N, OC, OH, OW) */
+    CONV_EPI_RELU_MAXPOOL2, /* maxpool 2x2 stride 2 of relu(conv): (N, OC, OH/2, OW/2) */
+} ConvEpilogue;
+/* The convolution with its following layers fused in: the same values and
+ * gradients as nn_conv2d -> nn_relu (-> nn_maxpool2d(2, 2)), without the
+ * full-resolution intermediates (a pooled block keeps one byte per window
+ * for its backward). model_forward uses it for unhooked conv2d modules. */
+Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi);
 /* x: (N, C, H, W) -> (N, C, OH, OW), OH = (H - kernel)/stride + 1, no padding.
  * Max ties go to the first element in row-major window order. */
 Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride);

@@ -1,11 +1,11 @@
-/* ops_conv.c - 2-D convolution and pooling.
+/* ops_conv.c - 2-D convolution, alone or with a fused relu / relu + 2x2 max
+ * pool epilogue.
  *
- * Convolution lowers to one matrix product per layer: im2col unrolls every
- * receptive field of the whole batch into a column of `col`, so
- *     y (OC, N*OH*OW) = w (OC, C*KH*KW) @ col (C*KH*KW, N*OH*OW)
- * is a single large sgemm (one call amortises OpenBLAS's packing far better
- * than N small ones). The forward keeps `col` for the backward's dW product.
- * The `_ref` functions are direct loops with no BLAS, for tests only. */
+ * Convolution lowers to matrix products: im2col unrolls the receptive fields
+ * of a chunk of samples into the columns of `col`, so
+ *     y (OC, chunk*OH*OW) = w (OC, C*KH*KW) @ col (C*KH*KW, chunk*OH*OW)
+ * (see nn_conv2d_fused below for the chunking). The `_ref` functions are
+ * direct loops with no BLAS, for tests only. */
 #include "ops.h"
 
 #include <limits.h>
@@ -14,6 +14,8 @@
 #include <string.h>
 
 #include "gemm.h"
+#include "parallel.h"
+#include "pool2x2.h"
 
 #define SHAPE_STR_MAX 64 /* "(2147483647, 2147483647, 2147483647, 2147483647)" fits */
 
@@ -32,9 +34,89 @@ static void valid_output_range(int offset, int stride, int in_size, int out_size
     *hi = end;
 }
 
+/* The "same" stride-1 case (OH == H, OW == W: padding (K-1)/2 on both
+ * axes), every reference CNN's: each row of col for one sample is the input
+ * plane shifted by (kh - padding, kw - padding), so it is one contiguous
+ * copy, then the rows and the column that fell outside the plane (the copy
+ * wrapped them around from the neighbouring row) are zeroed. */
+static bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padding, int OH, int OW) {
+    return stride == 1 && OH == H && OW == W && KH == 2 * padding + 1 && KW == 2 * padding + 1;
+}
+
+/* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
+static void shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw) {
+    const long long plane = (long long)H * W, off = (long long)dh * W + dw;
+    long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane; /* dst range reading inside x */
+    if (lo > plane) lo = plane;
+    if (hi < lo) hi = lo;
+    memset(dst, 0, (size_t)lo * sizeof *dst);
+    memcpy(dst + lo, x_plane + lo + off, (size_t)(hi - lo) * sizeof *dst);
+    memset(dst + hi, 0, (size_t)(plane - hi) * sizeof *dst);
+    /* whole rows outside the plane (all of them when |dh| >= H) */
+    const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
+    if (dh < 0) memset(dst, 0, (size_t)rows_out * W * sizeof *dst);
+    if (dh > 0) memset(dst + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *dst);
+    /* columns that wrapped in from the neighbouring row */
+    for (int h = 0; h < H; h++) {
+        float *row = dst + (size_t)h * W;
+        for (int c = 0; c < -dw && c < W; c++) row[c] = 0.0f;
+        for (int c = W - dw; c < W; c++)
+            if (c >= 0) row[c] = 0.0f;
+    }
+}
+
+/* dx_plane (H, W) += src (H, W) shifted back by (dh, dw); src's entries that
+ * read outside the plane are zeroed first (src is scratch). */
+static void unshift_plane_add(float *restrict dx_plane, float *restrict src, int H, int W, int dh, int dw) {
+    const long long plane = (long long)H * W, off = (long long)dh * W + dw;
+    const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
+    if (dh < 0) memset(src, 0, (size_t)rows_out * W * sizeof *src);
+    if (dh > 0) memset(src + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *src);
+    for (int h = 0; h < H; h++) {
+        float *row = src + (size_t)h * W;
+        for (int c = 0; c < -dw && c < W; c++) row[c] = 0.0f;
+        for (int c = W - dw; c < W; c++)
+            if (c >= 0) row[c] = 0.0f;
+    }
+    long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane;
+    if (lo > plane) lo = plane;
+    if (hi < lo) hi = lo;
+    float *restrict d = dx_plane + lo + off;
+    const float *restrict s = src + lo;
+    for (long long i = 0; i < hi - lo; i++) d[i] += s[i];
+}
+
+static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int padding) {
+    const size_t plane = (size_t)H * W, n_cols = (size_t)N * plane;
+    for (int c = 0; c < C; c++)
+        for (int kh = 0; kh < KH; kh++)
+            for (int kw = 0; kw < KW; kw++) {
+                float *row = col + ((size_t)(c * KH + kh) * KW + kw) * n_cols; /* [N*H*W] */
+                for (int n = 0; n < N; n++)
+                    shift_plane(row + (size_t)n * plane, x + ((size_t)n * C + c) * plane, H, W, kh - padding,
+                                kw - padding);
+            }
+}
+
+static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding) {
+    const size_t plane = (size_t)H * W, n_cols = (size_t)N * plane;
+    for (int c = 0; c < C; c++)
+        for (int kh = 0; kh < KH; kh++)
+            for (int kw = 0; kw < KW; kw++) {
+                float *row = dcol + ((size_t)(c * KH + kh) * KW + kw) * n_cols; /* [N*H*W] */
+                for (int n = 0; n < N; n++)
+                    unshift_plane_add(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
+                                      kh - padding, kw - padding);
+            }
+}
+
 /* col: (C*KH*KW, N*OH*OW), x: (N, C, H, W). */
 void im2col(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
             int OH, int OW) {
+    if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) {
+        im2col_same_s1(col, x, N, C, H, W, KH, KW, padding);
+        return;
+    }
     const size_t plane = (size_t)H * W;
     const size_t n_cols = (size_t)N * OH * OW;
     for (int c = 0; c < C; c++) {
@@ -90,6 +172,14 @@ void col2im(float *dx, const float *dcol, int N, int C, int H, int W, int KH, in
             }
         }
     }
+}
+
+/* col2im that may overwrite dcol (scratch): the fast path zeroes the
+ * entries that read padding before its contiguous adds. */
+static void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride,
+                           int padding, int OH, int OW) {
+    if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) col2im_same_s1(dx, dcol, N, C, H, W, KH, KW, padding);
+    else col2im(dx, dcol, N, C, H, W, KH, KW, stride, padding, OH, OW);
 }
 
 /* ---- reference convolution (tests only) --------------------------------- */
@@ -170,23 +260,32 @@ void conv2d_backward_ref(float *dx, float *dw, float *dbias, const float *dy, co
     if (dx) conv2d_backward_ref_dx(dx, dy, w, N, C, H, W, OC, KH, KW, stride, padding, OH, OW);
 }
 
-/* ---- nn_conv2d ------------------------------------------------------------ */
+/* ---- nn_conv2d and the fused conv blocks ----------------------------------- */
+
+/* The batch is cut into chunks of a few samples whose im2col matrix fits in
+ * L2 (CONV_COL_BUDGET bytes), and the chunks are shared out over the thread
+ * pool in two contiguous ranges (nn/parallel.h). Per chunk the forward runs
+ * im2col, one single-threaded sgemm into a (OC, chunk*OH*OW) scratch, and an
+ * epilogue that adds the bias, applies the fused relu / 2x2 max pool and
+ * writes the output in (N, OC, ...) order. Nothing of size C*KH*KW x
+ * N*OH*OW is ever held: the backward recomputes each chunk's im2col, which
+ * costs far less than the memory traffic of keeping it, and a fused block
+ * keeps only its pooled output and one byte per window. */
+#define CONV_COL_BUDGET (256u << 10)
 
 typedef struct {
     int N, C, H, W;   /* input x */
     int OC, KH, KW;   /* weight w, with C */
-    int OH, OW;       /* output y */
+    int OH, OW;       /* convolution output, before any pooling */
 } ConvDims;
 
 typedef struct {
-    float *col;       /* (C*KH*KW, N*OH*OW): the forward's im2col of x, reused for dW */
+    ConvDims d;
     int stride, padding;
+    ConvEpilogue epi;
+    int chunk;        /* samples per im2col chunk */
+    uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
 } Conv2dCtx;
-
-static ConvDims conv_dims(const Var *x, const Var *w, const Var *y) {
-    const int *xs = x->value.shape, *ws = w->value.shape, *ys = y->value.shape;
-    return (ConvDims){xs[0], xs[1], xs[2], xs[3], ws[0], ws[2], ws[3], ys[2], ys[3]};
-}
 
 /* Output size along one axis, or 0 if the kernel does not fit the padded input. */
 static long long conv_out_size(int in, int kernel, int stride, int padding) {
@@ -233,272 +332,242 @@ static QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bia
     return QT_OK;
 }
 
-/* y: (N, OC, OH*OW) = prod (OC, N*OH*OW) regrouped by image, plus bias (OC,) or
- * NULL. prod may alias y when N == 1 (the layouts then coincide). */
-static void conv_output_from_product(float *y, const float *prod, const float *bias, const ConvDims *d) {
-    const size_t out_plane = (size_t)d->OH * d->OW, n_cols = (size_t)d->N * out_plane;
-    for (int n = 0; n < d->N; n++)
-        for (int oc = 0; oc < d->OC; oc++) {
-            float *dst = y + ((size_t)n * d->OC + oc) * out_plane;            /* [OH*OW] */
-            const float *src = prod + (size_t)oc * n_cols + n * out_plane;   /* [OH*OW] */
-            const float b = bias ? bias[oc] : 0.0f;
-            for (size_t p = 0; p < out_plane; p++) dst[p] = src[p] + b;
-        }
+/* Work shared by the tasks of one forward or backward pass. */
+typedef struct {
+    const Conv2dCtx *c;
+    const float *x;    /* (N, C, H, W) */
+    const float *w;    /* (OC, C*KH*KW) */
+    const float *bias; /* (OC,) or NULL */
+    float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
+    const float *dy;   /* backward: the output's gradient */
+    float *dx;         /* (N, C, H, W) accumulated, or NULL */
+    float *dw_part;    /* (n_tasks, OC, C*KH*KW) per-task dW, or NULL */
+    double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
+    float *scratch;    /* (threads, col_floats + prod_floats) */
+    size_t col_floats, prod_floats;
+} ConvJob;
+
+static int conv_ckk(const ConvDims *d) { return d->C * d->KH * d->KW; }
+static size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->OW; }
+
+/* Samples per chunk: as many as keep the chunk's im2col within the budget. */
+static int conv_chunk(const ConvDims *d) {
+    size_t per_sample = (size_t)conv_ckk(d) * conv_plane(d) * sizeof(float);
+    size_t n = per_sample ? CONV_COL_BUDGET / per_sample : 1;
+    if (n < 1) n = 1;
+    return n > (size_t)d->N ? d->N : (int)n;
 }
 
-/* dyt: (OC, N*OH*OW) from dy: (N, OC, OH*OW), the layout the gemm products want. */
-static void conv_transpose_dy(float *dyt, const float *dy, const ConvDims *d) {
-    const size_t out_plane = (size_t)d->OH * d->OW, n_cols = (size_t)d->N * out_plane;
-    for (int n = 0; n < d->N; n++)
-        for (int oc = 0; oc < d->OC; oc++)
-            memcpy(dyt + (size_t)oc * n_cols + n * out_plane, dy + ((size_t)n * d->OC + oc) * out_plane,
-                   out_plane * sizeof *dyt);
-}
-
-/* dbias: (OC,) += dy (N, OC, OH, OW) summed over n, oh, ow. */
-static void conv_bias_grad(float *dbias, const float *dy, const ConvDims *d) {
-    const size_t out_plane = (size_t)d->OH * d->OW;
-    for (int oc = 0; oc < d->OC; oc++) {
-        double acc = 0.0; /* up to N*OH*OW terms: cheap to keep exact */
-        for (int n = 0; n < d->N; n++) {
-            const float *g = dy + ((size_t)n * d->OC + oc) * out_plane;
-            for (size_t p = 0; p < out_plane; p++) acc += g[p];
-        }
-        dbias[oc] += (float)acc;
+/* Writes chunk sample s's output plane for channel oc from its product row
+ * row [OH*OW] (modified in place by the relu epilogues). */
+static void conv_epilogue(const ConvJob *j, float *row, int n, int oc) {
+    const Conv2dCtx *c = j->c;
+    const ConvDims *d = &c->d;
+    const size_t plane = conv_plane(d);
+    const float b = j->bias ? j->bias[oc] : 0.0f;
+    if (c->epi == CONV_EPI_NONE) {
+        float *dst = j->y + ((size_t)n * d->OC + oc) * plane;
+        for (size_t p = 0; p < plane; p++) dst[p] = row[p] + b;
+        return;
     }
+    if (c->epi == CONV_EPI_RELU) {
+        float *dst = j->y + ((size_t)n * d->OC + oc) * plane;
+        for (size_t p = 0; p < plane; p++) {
+            float v = row[p] + b;
+            dst[p] = v > 0.0f ? v : 0.0f;
+        }
+        return;
+    }
+    for (size_t p = 0; p < plane; p++) {
+        float v = row[p] + b;
+        row[p] = v > 0.0f ? v : 0.0f;
+    }
+    const int PH = d->OH / 2, PW = d->OW / 2;
+    const size_t at = ((size_t)n * d->OC + oc) * PH * PW;
+    float *dst = j->y + at;
+    uint8_t *win = c->winner + at;
+    for (int ph = 0; ph < PH; ph++) {
+        const float *r0 = row + (size_t)(2 * ph) * d->OW, *r1 = r0 + d->OW;
+        for (int pw = 0; pw < PW; pw++) {
+            int k;
+            dst[ph * PW + pw] = pool2x2_window(r0[2 * pw], r0[2 * pw + 1], r1[2 * pw], r1[2 * pw + 1], &k);
+            win[ph * PW + pw] = (uint8_t)k;
+        }
+    }
+}
+
+static void conv_forward_task(void *ctx, int task, int n_tasks) {
+    const ConvJob *j = ctx;
+    const Conv2dCtx *c = j->c;
+    const ConvDims *d = &c->d;
+    const int ckk = conv_ckk(d);
+    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
+    float *col = j->scratch + (size_t)parallel_thread_index() * (j->col_floats + j->prod_floats);
+    float *prod = col + j->col_floats;
+    int lo, hi;
+    parallel_range(d->N, task, n_tasks, &lo, &hi);
+    for (int n0 = lo; n0 < hi; n0 += c->chunk) {
+        const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
+        im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
+               d->OW);
+        gemm_f32(false, false, d->OC, cols, ckk, 1.0f, j->w, ckk, col, cols, 0.0f, prod, cols);
+        for (int oc = 0; oc < d->OC; oc++)
+            for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
+    }
+}
+
+/* v [n] summed in double over eight interleaved partial sums: one chain
+ * would wait on the add latency for every element. */
+static double sum_f32(const float *v, size_t n) {
+    double acc[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += v[i + k];
+    for (; i < n; i++) acc[0] += v[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* dpre row [OH*OW]: the gradient at the convolution's output (before the
+ * epilogue) of sample n, channel oc. Returns the row's sum (the bias's share). */
+static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
+    const Conv2dCtx *c = j->c;
+    const ConvDims *d = &c->d;
+    const size_t plane = conv_plane(d);
+    if (c->epi != CONV_EPI_RELU_MAXPOOL2) {
+        const size_t at = ((size_t)n * d->OC + oc) * plane;
+        const float *g = j->dy + at, *y = j->y + at;
+        if (c->epi == CONV_EPI_NONE) memcpy(row, g, plane * sizeof *row);
+        else
+            for (size_t p = 0; p < plane; p++) row[p] = y[p] > 0.0f ? g[p] : 0.0f;
+        return j->db_part ? sum_f32(row, plane) : 0.0;
+    }
+    /* Only each window's winner gets the pooled gradient, and only if the
+     * relu let it through: the pooled value is the winner's relu output. */
+    memset(row, 0, plane * sizeof *row);
+    const int PH = d->OH / 2, PW = d->OW / 2;
+    const size_t at = ((size_t)n * d->OC + oc) * PH * PW;
+    const float *g = j->dy + at, *y = j->y + at;
+    const uint8_t *win = c->winner + at;
+    double acc[2] = {0.0, 0.0};
+    for (int ph = 0; ph < PH; ph++)
+        for (int pw = 0; pw < PW; pw++) {
+            const int o = ph * PW + pw, k = win[o];
+            const float v = y[o] > 0.0f ? g[o] : 0.0f;
+            row[(size_t)(2 * ph + (k >> 1)) * d->OW + 2 * pw + (k & 1)] = v;
+            acc[o & 1] += v;
+        }
+    return acc[0] + acc[1];
+}
+
+static void conv_backward_task(void *ctx, int task, int n_tasks) {
+    const ConvJob *j = ctx;
+    const Conv2dCtx *c = j->c;
+    const ConvDims *d = &c->d;
+    const int ckk = conv_ckk(d);
+    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
+    float *col = j->scratch + (size_t)parallel_thread_index() * (j->col_floats + j->prod_floats);
+    float *dpre = col + j->col_floats;
+    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL;         /* (OC, C*KH*KW) */
+    double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL;              /* (OC,) */
+    int lo, hi;
+    parallel_range(d->N, task, n_tasks, &lo, &hi);
+    for (int n0 = lo; n0 < hi; n0 += c->chunk) {
+        const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
+        for (int oc = 0; oc < d->OC; oc++)
+            for (int s = 0; s < nc; s++) {
+                double sum = conv_pre_grad(j, dpre + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
+                if (db) db[oc] += sum;
+            }
+        if (dw) {
+            im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
+                   d->OH, d->OW);
+            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
+        }
+        if (j->dx) { /* dcol reuses col, whose im2col is done with */
+            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, ckk, dpre, cols, 0.0f, col, cols);
+            col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
+                   d->OH, d->OW);
+        }
+    }
+}
+
+static int conv_tasks(const ConvDims *d) {
+    int t = parallel_get_threads();
+    return t > d->N ? d->N : t;
+}
+
+/* The per-thread im2col and product scratch of one pass, from the arena. */
+static float *conv_scratch(Tape *t, ConvJob *j) {
+    const ConvDims *d = &j->c->d;
+    const size_t cols = (size_t)j->c->chunk * conv_plane(d);
+    j->col_floats = (size_t)conv_ckk(d) * cols;
+    j->prod_floats = (size_t)d->OC * cols;
+    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * (j->col_floats + j->prod_floats) * sizeof(float));
+    return j->scratch;
 }
 
 static void conv2d_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
-    const Conv2dCtx *ctx = node->ctx;
-    const ConvDims d = conv_dims(x, w, node->out);
-    const float *dy = node->out->grad; /* (N, OC, OH, OW) */
-    const int ckk = d.C * d.KH * d.KW, n_cols = d.N * d.OH * d.OW;
-    if (bias && bias->requires_grad) {
-        float *dbias = tape_grad(t, bias); /* (OC,) */
-        if (!dbias) return;
-        conv_bias_grad(dbias, dy, &d);
+    const Conv2dCtx *c = node->ctx;
+    const ConvDims *d = &c->d;
+    const int ckk = conv_ckk(d), tasks = conv_tasks(d);
+    const bool want_b = bias && bias->requires_grad;
+    if (!want_b && !w->requires_grad && !x->requires_grad) return;
+    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .y = node->out->value.data, .dy = node->out->grad};
+    if (!conv_scratch(t, &j)) return;
+    if (x->requires_grad && !(j.dx = tape_grad(t, x))) return;
+    if (w->requires_grad && !(j.dw_part = tape_alloc(t, (size_t)tasks * d->OC * ckk * sizeof(float)))) return;
+    if (want_b) {
+        if (!(j.db_part = tape_alloc(t, (size_t)tasks * d->OC * sizeof(double)))) return;
+        memset(j.db_part, 0, (size_t)tasks * d->OC * sizeof(double));
     }
-    if (!w->requires_grad && !x->requires_grad) return;
-    const float *dyt = dy; /* (OC, N*OH*OW); for N == 1 that is dy's own layout */
-    if (d.N > 1) {
-        float *buf = tape_alloc(t, (size_t)d.OC * n_cols * sizeof *buf);
-        if (!buf) return;
-        conv_transpose_dy(buf, dy, &d);
-        dyt = buf;
-    }
+    parallel_run(tasks, conv_backward_task, &j);
+    /* Partials summed in task order: the same result whichever thread ran which task. */
     if (w->requires_grad) {
         float *dw = tape_grad(t, w); /* (OC, C*KH*KW) */
         if (!dw) return;
-        gemm_f32(false, true, d.OC, ckk, n_cols, 1.0f, dyt, n_cols, ctx->col, n_cols, 1.0f, dw, ckk);
+        for (int k = 0; k < tasks; k++) {
+            const float *part = j.dw_part + (size_t)k * d->OC * ckk;
+            for (size_t i = 0; i < (size_t)d->OC * ckk; i++) dw[i] += part[i];
+        }
     }
-    if (x->requires_grad) {
-        float *dx = tape_grad(t, x);                                        /* (N, C, H, W) */
-        float *dcol = tape_alloc(t, (size_t)ckk * n_cols * sizeof *dcol);   /* (C*KH*KW, N*OH*OW) */
-        if (!dx || !dcol) return;
-        gemm_f32(true, false, ckk, n_cols, d.OC, 1.0f, w->value.data, ckk, dyt, n_cols, 0.0f, dcol, n_cols);
-        col2im(dx, dcol, d.N, d.C, d.H, d.W, d.KH, d.KW, ctx->stride, ctx->padding, d.OH, d.OW);
-    }
-}
-
-/* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL -> y: (N, OC, OH, OW). */
-Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
-    if (!t || !x || !w) return NULL;
-    ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
-    if (conv2d_check(t, x, w, bias, stride, padding, &d) != QT_OK) return NULL;
-    const int ckk = d.C * d.KH * d.KW, n_cols = d.N * d.OH * d.OW;
-    Var *y = tape_new_var(t, 4, (const int[]){d.N, d.OC, d.OH, d.OW});
-    Conv2dCtx *ctx = tape_alloc(t, sizeof *ctx);
-    float *col = tape_alloc(t, (size_t)ckk * n_cols * sizeof *col); /* (C*KH*KW, N*OH*OW) */
-    if (!y || !ctx || !col) return NULL;
-    /* The product is (OC, N*OH*OW); for N == 1 that is y's layout, so skip the
-     * scratch buffer and add the bias in place. */
-    float *prod = d.N == 1 ? y->value.data : tape_alloc(t, (size_t)d.OC * n_cols * sizeof *prod);
-    if (!prod) return NULL;
-    im2col(col, x->value.data, d.N, d.C, d.H, d.W, d.KH, d.KW, stride, padding, d.OH, d.OW);
-    gemm_f32(false, false, d.OC, n_cols, ckk, 1.0f, w->value.data, ckk, col, n_cols, 0.0f, prod, n_cols);
-    conv_output_from_product(y->value.data, prod, bias ? bias->value.data : NULL, &d);
-    *ctx = (Conv2dCtx){col, stride, padding};
-    Var *in[3] = {x, w, bias};
-    return tape_record(t, "conv2d", conv2d_backward, y, in, 3, ctx) ? y : NULL;
-}
-
-/* ---- pooling ---------------------------------------------------------------- */
-
-/* x: (N, C, H, W). QT_OK and the output size filled, or the error, set on the tape. */
-static QtStatus pool2d_check(Tape *t, const char *op, const Var *x, int kernel, int stride, int *OH, int *OW) {
-    char xs[SHAPE_STR_MAX];
-    tensor_shape_str(&x->value, xs, sizeof xs);
-    if (x->value.ndim != 4)
-        return qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s must be 4-D (N, C, H, W)", op, xs);
-    if (kernel < 1 || stride < 1)
-        return qt_error_set(&t->err, QT_ERR_ARG, "%s: kernel and stride must be >= 1, got kernel %d, stride %d "
-                            "(input %s)", op, kernel, stride, xs);
-    const int H = x->value.shape[2], W = x->value.shape[3];
-    if (kernel > H || kernel > W)
-        return qt_error_set(&t->err, QT_ERR_SHAPE, "%s: kernel %dx%d is larger than input %s (H %d, W %d); "
-                            "the output would be empty", op, kernel, kernel, xs, H, W);
-    /* maxpool2d saves in-plane argmax offsets as int32. */
-    if ((long long)H * W > INT32_MAX)
-        return qt_error_set(&t->err, QT_ERR_ARG, "%s: input %s: an H*W plane is too large to index", op, xs);
-    *OH = (H - kernel) / stride + 1;
-    *OW = (W - kernel) / stride + 1;
-    return QT_OK;
-}
-
-/* Tests set this to compare the 2x2 fast path with the generic loops. */
-bool maxpool_force_generic = false;
-
-/* y: (planes, OH, OW); argmax: (planes, OH, OW) offsets ih*W + iw of each
- * window's winner within its (H, W) plane of x: (planes, H, W). */
-/* The 2x2, stride-2 case every reference CNN uses. Same results as the
- * generic loops, ties and NaNs included (a test compares them), but with no
- * data-dependent branch: on ReLU outputs a compare goes either way about
- * half the time, and mispredictions made this the slowest op of the CNN.
- * The max is a chain of `v > m ? v : m` (one maxss each) and the winner's
- * index k in 0..3 is integer arithmetic on the comparison results. */
-static void maxpool2d_forward_2x2(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int OH,
-                                  int OW) {
-    for (int p = 0; p < planes; p++) {
-        const float *xp = x + (size_t)p * H * W;
-        float *yp = y + (size_t)p * OH * OW;
-        int32_t *ap = argmax + (size_t)p * OH * OW;
-        for (int oh = 0; oh < OH; oh++) {
-            const float *r0 = xp + (size_t)(2 * oh) * W, *r1 = r0 + W;
-            for (int ow = 0; ow < OW; ow++) {
-                const float a = r0[2 * ow], b = r0[2 * ow + 1], c = r1[2 * ow], d = r1[2 * ow + 1];
-                float m;
-                int k;
-                if ((a != a) | (b != b) | (c != c) | (d != d)) {
-                    /* Rare: the first NaN of the window wins, as in the generic loops. */
-                    k = a != a ? 0 : b != b ? 1 : c != c ? 2 : 3;
-                    m = NAN;
-                } else {
-                    int t = b > a;
-                    m = b > a ? b : a;
-                    k = t;
-                    t = c > m;
-                    m = c > m ? c : m;
-                    k += t * (2 - k);
-                    t = d > m;
-                    m = d > m ? d : m;
-                    k += t * (3 - k);
-                }
-                yp[oh * OW + ow] = m;
-                ap[oh * OW + ow] = (2 * oh + (k >> 1)) * W + 2 * ow + (k & 1);
-            }
+    if (want_b) {
+        float *db = tape_grad(t, bias); /* (OC,) */
+        if (!db) return;
+        for (int oc = 0; oc < d->OC; oc++) {
+            double acc = 0.0;
+            for (int k = 0; k < tasks; k++) acc += j.db_part[(size_t)k * d->OC + oc];
+            db[oc] += (float)acc;
         }
     }
 }
 
-static void maxpool2d_forward(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int kernel,
-                              int stride, int OH, int OW) {
-    if (kernel == 2 && stride == 2 && !maxpool_force_generic) {
-        maxpool2d_forward_2x2(y, argmax, x, planes, H, W, OH, OW);
-        return;
+Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
+    if (!t || !x || !w) return NULL;
+    ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
+    if (conv2d_check(t, x, w, bias, stride, padding, &d) != QT_OK) return NULL;
+    if (epi == CONV_EPI_RELU_MAXPOOL2 && (d.OH < 2 || d.OW < 2)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d+relu+maxpool2d: the convolution's output %dx%d is smaller than "
+                     "the 2x2 pooling window", d.OH, d.OW);
+        return NULL;
     }
-    for (int p = 0; p < planes; p++) {
-        const float *xp = x + (size_t)p * H * W;
-        for (int oh = 0; oh < OH; oh++)
-            for (int ow = 0; ow < OW; ow++) {
-                int best_at = oh * stride * W + ow * stride;
-                float best = xp[best_at];
-                for (int kh = 0; kh < kernel; kh++)
-                    for (int kw = 0; kw < kernel; kw++) {
-                        const int at = (oh * stride + kh) * W + ow * stride + kw;
-                        const float v = xp[at];
-                        /* Strict > keeps the first of equal values; a NaN wins (once) so it
-                         * propagates instead of being hidden by the comparison. */
-                        /* Selects, not a branch: on ReLU outputs the comparison
-                         * goes either way half the time and mispredicts. */
-                        const bool take = (v > best) | ((v != v) & (best == best)); /* | &: no short-circuit branch */
-                        best = take ? v : best;
-                        best_at = take ? at : best_at;
-                    }
-                const size_t o = ((size_t)p * OH + oh) * OW + ow;
-                y[o] = best;
-                argmax[o] = best_at;
-            }
-    }
+    const bool pooled = epi == CONV_EPI_RELU_MAXPOOL2;
+    const int YH = pooled ? d.OH / 2 : d.OH, YW = pooled ? d.OW / 2 : d.OW;
+    Var *y = tape_new_var(t, 4, (const int[]){d.N, d.OC, YH, YW});
+    Conv2dCtx *c = tape_alloc(t, sizeof *c);
+    if (!y || !c) return NULL;
+    *c = (Conv2dCtx){d, stride, padding, epi, 0, NULL};
+    c->chunk = conv_chunk(&d);
+    if (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) return NULL;
+    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL,
+                 .y = y->value.data};
+    if (!conv_scratch(t, &j)) return NULL;
+    parallel_run(conv_tasks(&d), conv_forward_task, &j);
+    static const char *const names[] = {"conv2d", "conv2d+relu", "conv2d+relu+maxpool2d"};
+    Var *in[3] = {x, w, bias};
+    return tape_record(t, names[epi], conv2d_backward, y, in, 3, c) ? y : NULL;
 }
 
-static void maxpool2d_backward(Tape *t, const TapeNode *node) {
-    Var *x = node->in[0];
-    if (!x->requires_grad) return;
-    const int32_t *argmax = node->ctx; /* (N, C, OH, OW), offsets within each (H, W) plane */
-    float *dx = tape_grad(t, x);       /* (N, C, H, W) */
-    if (!dx) return;
-    const float *dy = node->out->grad; /* (N, C, OH, OW) */
-    const size_t plane = (size_t)x->value.shape[2] * x->value.shape[3];
-    const size_t out_plane = (size_t)node->out->value.shape[2] * node->out->value.shape[3];
-    const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
-    for (size_t p = 0; p < planes; p++)
-        for (size_t o = 0; o < out_plane; o++) dx[p * plane + argmax[p * out_plane + o]] += dy[p * out_plane + o];
-}
-
-/* x: (N, C, H, W) -> (N, C, OH, OW). */
-Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride) {
-    if (!t || !x) return NULL;
-    int OH = 0, OW = 0;
-    if (pool2d_check(t, "maxpool2d", x, kernel, stride, &OH, &OW) != QT_OK) return NULL;
-    const int *xd = x->value.shape;
-    Var *y = tape_new_var(t, 4, (const int[]){xd[0], xd[1], OH, OW});
-    if (!y) return NULL;
-    int32_t *argmax = tape_alloc(t, var_numel(y) * sizeof *argmax); /* (N, C, OH, OW) */
-    if (!argmax) return NULL;
-    maxpool2d_forward(y->value.data, argmax, x->value.data, xd[0] * xd[1], xd[2], xd[3], kernel, stride, OH, OW);
-    Var *in[1] = {x};
-    return tape_record(t, "maxpool2d", maxpool2d_backward, y, in, 1, argmax) ? y : NULL;
-}
-
-typedef struct {
-    int kernel, stride;
-} AvgPool2dCtx;
-
-static void avgpool2d_backward(Tape *t, const TapeNode *node) {
-    Var *x = node->in[0];
-    if (!x->requires_grad) return;
-    const AvgPool2dCtx *ctx = node->ctx;
-    float *dx = tape_grad(t, x); /* (N, C, H, W) */
-    if (!dx) return;
-    const float *dy = node->out->grad; /* (N, C, OH, OW) */
-    const int H = x->value.shape[2], W = x->value.shape[3];
-    const int OH = node->out->value.shape[2], OW = node->out->value.shape[3], k = ctx->kernel, s = ctx->stride;
-    const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
-    const float inv_area = 1.0f / (float)(k * k);
-    for (size_t p = 0; p < planes; p++) {
-        float *dxp = dx + p * H * W;
-        for (int oh = 0; oh < OH; oh++)
-            for (int ow = 0; ow < OW; ow++) {
-                const float g = dy[(p * OH + oh) * OW + ow] * inv_area;
-                for (int kh = 0; kh < k; kh++)
-                    for (int kw = 0; kw < k; kw++) dxp[(oh * s + kh) * W + ow * s + kw] += g;
-            }
-    }
-}
-
-/* x: (N, C, H, W) -> (N, C, OH, OW), the mean of each kernel x kernel window. */
-Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride) {
-    if (!t || !x) return NULL;
-    int OH = 0, OW = 0;
-    if (pool2d_check(t, "avgpool2d", x, kernel, stride, &OH, &OW) != QT_OK) return NULL;
-    const int *xd = x->value.shape;
-    const int H = xd[2], W = xd[3];
-    Var *y = tape_new_var(t, 4, (const int[]){xd[0], xd[1], OH, OW});
-    AvgPool2dCtx *ctx = tape_alloc(t, sizeof *ctx);
-    if (!y || !ctx) return NULL;
-    *ctx = (AvgPool2dCtx){kernel, stride};
-    const size_t planes = (size_t)xd[0] * xd[1];
-    for (size_t p = 0; p < planes; p++) {
-        const float *xp = x->value.data + p * H * W; /* (H, W) */
-        for (int oh = 0; oh < OH; oh++)
-            for (int ow = 0; ow < OW; ow++) {
-                double acc = 0.0;
-                for (int kh = 0; kh < kernel; kh++)
-                    for (int kw = 0; kw < kernel; kw++) acc += xp[(oh * stride + kh) * W + ow * stride + kw];
-                y->value.data[(p * OH + oh) * OW + ow] = (float)(acc / ((double)kernel * kernel));
-            }
-    }
-    Var *in[1] = {x};
-    return tape_record(t, "avgpool2d", avgpool2d_backward, y, in, 1, ctx) ? y : NULL;
+Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
+    return nn_conv2d_fused(t, x, w, bias, stride, padding, CONV_EPI_NONE);
 }

@@ -12,10 +12,12 @@
     X(nn_core)    \
     X(nn_ops)     \
     X(nn_conv)    \
+    X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \
     X(nn_torch)   \
     X(data)       \
+    X(data_cache) \
     X(quant_qtype) \
     X(quant_calib) \
     X(quant_qarray) \

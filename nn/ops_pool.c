@@ -1,0 +1,172 @@
+/* ops_pool.c - max and average pooling over (N, C, H, W).
+ *
+ * The 2x2 / stride-2 max of a window is nn/pool2x2.h's, shared with the
+ * convolution's fused relu + maxpool epilogue (ops_conv.c). */
+#include "ops.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "pool2x2.h"
+
+#define SHAPE_STR_MAX 64
+
+/* ---- pooling ---------------------------------------------------------------- */
+
+/* x: (N, C, H, W). QT_OK and the output size filled, or the error, set on the tape. */
+static QtStatus pool2d_check(Tape *t, const char *op, const Var *x, int kernel, int stride, int *OH, int *OW) {
+    char xs[SHAPE_STR_MAX];
+    tensor_shape_str(&x->value, xs, sizeof xs);
+    if (x->value.ndim != 4)
+        return qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s must be 4-D (N, C, H, W)", op, xs);
+    if (kernel < 1 || stride < 1)
+        return qt_error_set(&t->err, QT_ERR_ARG, "%s: kernel and stride must be >= 1, got kernel %d, stride %d "
+                            "(input %s)", op, kernel, stride, xs);
+    const int H = x->value.shape[2], W = x->value.shape[3];
+    if (kernel > H || kernel > W)
+        return qt_error_set(&t->err, QT_ERR_SHAPE, "%s: kernel %dx%d is larger than input %s (H %d, W %d); "
+                            "the output would be empty", op, kernel, kernel, xs, H, W);
+    /* maxpool2d saves in-plane argmax offsets as int32. */
+    if ((long long)H * W > INT32_MAX)
+        return qt_error_set(&t->err, QT_ERR_ARG, "%s: input %s: an H*W plane is too large to index", op, xs);
+    *OH = (H - kernel) / stride + 1;
+    *OW = (W - kernel) / stride + 1;
+    return QT_OK;
+}
+
+/* Tests set this to compare the 2x2 fast path with the generic loops. */
+bool maxpool_force_generic = false;
+
+/* y: (planes, OH, OW); argmax: (planes, OH, OW) offsets ih*W + iw of each
+ * window's winner within its (H, W) plane of x: (planes, H, W). The 2x2,
+ * stride-2 case every reference CNN uses, through pool2x2_window. */
+static void maxpool2d_forward_2x2(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int OH,
+                                  int OW) {
+    for (int p = 0; p < planes; p++) {
+        const float *xp = x + (size_t)p * H * W;
+        float *yp = y + (size_t)p * OH * OW;
+        int32_t *ap = argmax + (size_t)p * OH * OW;
+        for (int oh = 0; oh < OH; oh++) {
+            const float *r0 = xp + (size_t)(2 * oh) * W, *r1 = r0 + W;
+            for (int ow = 0; ow < OW; ow++) {
+                int k;
+                yp[oh * OW + ow] = pool2x2_window(r0[2 * ow], r0[2 * ow + 1], r1[2 * ow], r1[2 * ow + 1], &k);
+                ap[oh * OW + ow] = (2 * oh + (k >> 1)) * W + 2 * ow + (k & 1);
+            }
+        }
+    }
+}
+
+static void maxpool2d_forward(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int kernel,
+                              int stride, int OH, int OW) {
+    if (kernel == 2 && stride == 2 && !maxpool_force_generic) {
+        maxpool2d_forward_2x2(y, argmax, x, planes, H, W, OH, OW);
+        return;
+    }
+    for (int p = 0; p < planes; p++) {
+        const float *xp = x + (size_t)p * H * W;
+        for (int oh = 0; oh < OH; oh++)
+            for (int ow = 0; ow < OW; ow++) {
+                int best_at = oh * stride * W + ow * stride;
+                float best = xp[best_at];
+                for (int kh = 0; kh < kernel; kh++)
+                    for (int kw = 0; kw < kernel; kw++) {
+                        const int at = (oh * stride + kh) * W + ow * stride + kw;
+                        const float v = xp[at];
+                        /* Strict > keeps the first of equal values; a NaN wins (once) so it
+                         * propagates instead of being hidden by the comparison. */
+                        /* Selects, not a branch: on ReLU outputs the comparison
+                         * goes either way half the time and mispredicts. */
+                        const bool take = (v > best) | ((v != v) & (best == best)); /* | &: no short-circuit branch */
+                        best = take ? v : best;
+                        best_at = take ? at : best_at;
+                    }
+                const size_t o = ((size_t)p * OH + oh) * OW + ow;
+                y[o] = best;
+                argmax[o] = best_at;
+            }
+    }
+}
+
+static void maxpool2d_backward(Tape *t, const TapeNode *node) {
+    Var *x = node->in[0];
+    if (!x->requires_grad) return;
+    const int32_t *argmax = node->ctx; /* (N, C, OH, OW), offsets within each (H, W) plane */
+    float *dx = tape_grad(t, x);       /* (N, C, H, W) */
+    if (!dx) return;
+    const float *dy = node->out->grad; /* (N, C, OH, OW) */
+    const size_t plane = (size_t)x->value.shape[2] * x->value.shape[3];
+    const size_t out_plane = (size_t)node->out->value.shape[2] * node->out->value.shape[3];
+    const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
+    for (size_t p = 0; p < planes; p++)
+        for (size_t o = 0; o < out_plane; o++) dx[p * plane + argmax[p * out_plane + o]] += dy[p * out_plane + o];
+}
+
+/* x: (N, C, H, W) -> (N, C, OH, OW). */
+Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride) {
+    if (!t || !x) return NULL;
+    int OH = 0, OW = 0;
+    if (pool2d_check(t, "maxpool2d", x, kernel, stride, &OH, &OW) != QT_OK) return NULL;
+    const int *xd = x->value.shape;
+    Var *y = tape_new_var(t, 4, (const int[]){xd[0], xd[1], OH, OW});
+    if (!y) return NULL;
+    int32_t *argmax = tape_alloc(t, var_numel(y) * sizeof *argmax); /* (N, C, OH, OW) */
+    if (!argmax) return NULL;
+    maxpool2d_forward(y->value.data, argmax, x->value.data, xd[0] * xd[1], xd[2], xd[3], kernel, stride, OH, OW);
+    Var *in[1] = {x};
+    return tape_record(t, "maxpool2d", maxpool2d_backward, y, in, 1, argmax) ? y : NULL;
+}
+
+typedef struct {
+    int kernel, stride;
+} AvgPool2dCtx;
+
+static void avgpool2d_backward(Tape *t, const TapeNode *node) {
+    Var *x = node->in[0];
+    if (!x->requires_grad) return;
+    const AvgPool2dCtx *ctx = node->ctx;
+    float *dx = tape_grad(t, x); /* (N, C, H, W) */
+    if (!dx) return;
+    const float *dy = node->out->grad; /* (N, C, OH, OW) */
+    const int H = x->value.shape[2], W = x->value.shape[3];
+    const int OH = node->out->value.shape[2], OW = node->out->value.shape[3], k = ctx->kernel, s = ctx->stride;
+    const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
+    const float inv_area = 1.0f / (float)(k * k);
+    for (size_t p = 0; p < planes; p++) {
+        float *dxp = dx + p * H * W;
+        for (int oh = 0; oh < OH; oh++)
+            for (int ow = 0; ow < OW; ow++) {
+                const float g = dy[(p * OH + oh) * OW + ow] * inv_area;
+                for (int kh = 0; kh < k; kh++)
+                    for (int kw = 0; kw < k; kw++) dxp[(oh * s + kh) * W + ow * s + kw] += g;
+            }
+    }
+}
+
+/* x: (N, C, H, W) -> (N, C, OH, OW), the mean of each kernel x kernel window. */
+Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride) {
+    if (!t || !x) return NULL;
+    int OH = 0, OW = 0;
+    if (pool2d_check(t, "avgpool2d", x, kernel, stride, &OH, &OW) != QT_OK) return NULL;
+    const int *xd = x->value.shape;
+    const int H = xd[2], W = xd[3];
+    Var *y = tape_new_var(t, 4, (const int[]){xd[0], xd[1], OH, OW});
+    AvgPool2dCtx *ctx = tape_alloc(t, sizeof *ctx);
+    if (!y || !ctx) return NULL;
+    *ctx = (AvgPool2dCtx){kernel, stride};
+    const size_t planes = (size_t)xd[0] * xd[1];
+    for (size_t p = 0; p < planes; p++) {
+        const float *xp = x->value.data + p * H * W; /* (H, W) */
+        for (int oh = 0; oh < OH; oh++)
+            for (int ow = 0; ow < OW; ow++) {
+                double acc = 0.0;
+                for (int kh = 0; kh < kernel; kh++)
+                    for (int kw = 0; kw < kernel; kw++) acc += xp[(oh * stride + kh) * W + ow * stride + kw];
+                y->value.data[(p * OH + oh) * OW + ow] = (float)(acc / ((double)kernel * kernel));
+            }
+    }
+    Var *in[1] = {x};
+    return tape_record(t, "avgpool2d", avgpool2d_backward, y, in, 1, ctx) ? y : NULL;
+}
