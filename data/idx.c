@@ -10,9 +10,8 @@
 #include <zlib.h>
 
 #include "dataset.h"
+#include "idx_internal.h"
 
-#define IDX_TYPE_UBYTE 0x08
-#define IDX_MAX_ELEMS ((uint64_t)1 << 31)
 /* The first allocation is at most this; the buffer then doubles as data
  * actually arrives, so a header that lies about its size costs nothing. */
 #define IDX_FIRST_ALLOC ((size_t)1 << 20)
@@ -79,12 +78,7 @@ static QtStatus idx_read_bytes(gzFile f, const char *path, uint8_t *buf, size_t 
     return QT_OK;
 }
 
-/* Parses and checks the magic and dimensions; *n_elems gets their product. */
-static QtStatus idx_read_header(gzFile f, const char *path, IdxArray *out, uint64_t *n_elems, QtError *err) {
-    uint8_t magic[4];
-    size_t got = 0;
-    QtStatus st = idx_read_bytes(f, path, magic, 4, 0, 0, &got, err);
-    if (st != QT_OK) return st;
+QtStatus idx_check_magic(const uint8_t *magic, size_t got, const char *path, int *ndim, QtError *err) {
     if (got == 0) return qt_error_set(err, QT_ERR_FORMAT, "IDX file '%s' is empty; fetch it again", path);
     if (got < 4)
         return qt_error_set(err, QT_ERR_FORMAT, "IDX file '%s' is only %zu bytes long, too short for an IDX header",
@@ -98,17 +92,15 @@ static QtStatus idx_read_header(gzFile f, const char *path, IdxArray *out, uint6
                             "IDX file '%s' holds elements of type 0x%02x (%s); only unsigned-byte IDX (0x08) is "
                             "supported",
                             path, magic[2], idx_type_name(magic[2]));
-    int ndim = magic[3];
-    if (ndim < 1 || ndim > IDX_MAX_DIMS)
-        return qt_error_set(err, QT_ERR_FORMAT, "IDX file '%s' has %d dimensions; 1 to %d are supported", path, ndim,
+    *ndim = magic[3];
+    if (*ndim < 1 || *ndim > IDX_MAX_DIMS)
+        return qt_error_set(err, QT_ERR_FORMAT, "IDX file '%s' has %d dimensions; 1 to %d are supported", path, *ndim,
                             IDX_MAX_DIMS);
-    uint8_t raw[4 * IDX_MAX_DIMS];
-    size_t need = 4 * (size_t)ndim;
-    if ((st = idx_read_bytes(f, path, raw, need, 4, 0, &got, err)) != QT_OK) return st;
-    if (got < need)
-        return qt_error_set(err, QT_ERR_FORMAT,
-                            "IDX file '%s' ends inside its header: %zu bytes of dimensions expected, %zu found", path,
-                            need, got);
+    return QT_OK;
+}
+
+QtStatus idx_decode_dims(const uint8_t *raw, int ndim, const char *path, IdxArray *out, uint64_t *n_elems,
+                         QtError *err) {
     uint64_t total = 1;
     for (int i = 0; i < ndim; i++) {
         const uint8_t *b = raw + 4 * i;
@@ -128,6 +120,24 @@ static QtStatus idx_read_header(gzFile f, const char *path, IdxArray *out, uint6
     out->ndim = ndim;
     *n_elems = total;
     return QT_OK;
+}
+
+/* Reads and checks the magic and dimensions; *n_elems gets their product. */
+static QtStatus idx_read_header(gzFile f, const char *path, IdxArray *out, uint64_t *n_elems, QtError *err) {
+    uint8_t magic[4];
+    size_t got = 0;
+    int ndim = 0;
+    QtStatus st = idx_read_bytes(f, path, magic, 4, 0, 0, &got, err);
+    if (st == QT_OK) st = idx_check_magic(magic, got, path, &ndim, err);
+    if (st != QT_OK) return st;
+    uint8_t raw[4 * IDX_MAX_DIMS];
+    size_t need = 4 * (size_t)ndim;
+    if ((st = idx_read_bytes(f, path, raw, need, 4, 0, &got, err)) != QT_OK) return st;
+    if (got < need)
+        return qt_error_set(err, QT_ERR_FORMAT,
+                            "IDX file '%s' ends inside its header: %zu bytes of dimensions expected, %zu found", path,
+                            need, got);
+    return idx_decode_dims(raw, ndim, path, out, n_elems, err);
 }
 
 /* Counts what follows the payload; *extra gets 0 for a file of the right length. */

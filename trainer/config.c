@@ -37,7 +37,8 @@
 
 static const char *const TOP_KEYS[] = {"run", "data", "model", "train", "quant", "lora"};
 static const char *const RUN_KEYS[] = {"name", "out_dir", "seed", "threads"};
-static const char *const DATA_KEYS[] = {"dataset", "dir", "transform", "val_fraction", "shuffle", "drop_last"};
+static const char *const DATA_KEYS[] = {"dataset", "dir", "cache_dir", "transform", "val_fraction", "shuffle",
+                                        "drop_last"};
 static const char *const MODEL_KEYS[] = {"input", "layers", "init_from", "adapters_from"};
 static const char *const TRAIN_KEYS[] = {"epochs",    "steps",      "batch_size", "eval_batch_size",
                                          "optimizer", "schedule",   "grad_clip",  "eval_every",
@@ -322,6 +323,22 @@ static QtStatus load_run(QtError *err, const YNode *root, RunConfig *r) {
     return st;
 }
 
+/* data.cache_dir: a directory, "" for the default place, or none. A plain
+ * boolean is refused rather than taken as a directory named "false". */
+static QtStatus load_cache_dir(QtError *err, const YNode *v, DataConfig *d) {
+    static const char *const bools[] = {"true", "false", "yes", "no", "on", "off"};
+    if (!v) return QT_OK;
+    for (int i = 0; v->kind == YNODE_SCALAR && v->plain && i < N_OF(bools); i++)
+        if (strcasecmp(v->text, bools[i]) == 0)
+            return cfg_fail(err, v, "data.cache_dir",
+                            "expected a directory, \"\" (the default, $XDG_CACHE_HOME/qtrain or ~/.cache/qtrain) "
+                            "or none (no cache), got %s; write none to turn the cache off",
+                            v->text);
+    QtStatus st = cfg_to_str(err, v, "data.cache_dir", true, d->cache_dir, sizeof d->cache_dir);
+    if (st == QT_OK && strcasecmp(d->cache_dir, "none") == 0) cfg_set_str(d->cache_dir, sizeof d->cache_dir, "none");
+    return st;
+}
+
 static QtStatus load_data(QtError *err, const YNode *root, DataConfig *d) {
     const YNode *m = NULL;
     QtStatus st = cfg_section(err, root, "", "data", &m);
@@ -337,6 +354,7 @@ static QtStatus load_data(QtError *err, const YNode *root, DataConfig *d) {
         if (st == QT_OK) cfg_set_str(d->dataset, sizeof d->dataset, CONFIG_DATASETS[idx]);
     }
     if (st == QT_OK) st = cfg_get_str(err, m, "data", "dir", false, d->dir, sizeof d->dir);
+    if (st == QT_OK) st = load_cache_dir(err, cfg_field(m, "cache_dir"), d);
     if (st == QT_OK) st = cfg_load_transforms(err, cfg_field(m, "transform"), d);
     const CfgRange fraction = {0.0, 1.0, false, true, false};
     if (st == QT_OK) st = get_double(err, m, "data", "val_fraction", fraction, &d->val_fraction);

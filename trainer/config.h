@@ -46,6 +46,9 @@ typedef struct {
 typedef struct {
     char dataset[CONFIG_NAME_MAX];  /* data.dataset: "fashion-mnist" (the only one for now) */
     char dir[CONFIG_PATH_MAX];      /* data.dir, default /usr/share/datasets/fashion-mnist */
+    char cache_dir[CONFIG_PATH_MAX]; /* data.cache_dir: where inflated copies of gzip'd data files are kept
+                                        (idx_cache_init); default "" = $XDG_CACHE_HOME/qtrain, else
+                                        ~/.cache/qtrain; "none" = no cache */
     Transform transforms[CONFIG_MAX_TRANSFORMS]; /* data.transform, in order */
     int n_transforms;
     double val_fraction;            /* data.val_fraction in [0, 1), default 0 */

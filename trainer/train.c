@@ -98,7 +98,11 @@ static QtStatus make_dirs(const char *path, QtError *err) {
 
 static QtStatus run_load_data(Run *r, QtError *err) {
     const DataConfig *dc = &r->cfg->data;
-    QtStatus st = dataset_load_fashion_mnist(&r->train, &r->test, dc->dir, err);
+    IdxCache cache;
+    idx_cache_init(&cache, dc->cache_dir);
+    QtStatus st = dataset_load_fashion_mnist_cached(&r->train, &r->test, dc->dir, &cache, err);
+    /* even when quiet, like an unused rule: without the cache every start inflates the data again */
+    if (cache.warning[0]) fprintf(stderr, "qtrain: warning: %s\n", cache.warning);
     if (st == QT_OK) st = dataset_apply_transforms(&r->train, &r->test, dc->transforms, dc->n_transforms, err);
     if (st == QT_OK) st = dataset_split_tail(&r->train, &r->val, dc->val_fraction, err);
     return st;
@@ -582,7 +586,7 @@ static QtStatus run_check_trainable(Run *r, QtError *err) {
 
 static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
     QtStatus st = QT_OK;
-    if (r->cfg->run.threads > 0) gemm_set_threads(r->cfg->run.threads);
+    gemm_set_threads(r->cfg->run.threads);
     if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
     if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
     if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
