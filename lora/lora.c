@@ -151,6 +151,23 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
     return lora_adapter_forward(t, ctx, x);
 }
 
+/* A conv adapter with its layer's relu (and pooling) folded in. Over a float
+ * base without adapter dropout, the adapter shares each chunk's im2col with
+ * the base (nn_conv2d_fused_lowrank); otherwise the adapter's own forward,
+ * then the folded layers as ops. */
+static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
+    LoraAdapter *a = ctx;
+    if (!x) return NULL;
+    if (!a->base_fn && a->spec.dropout == 0.0f && m->weight && !m->weight->released) {
+        ConvLowRank lr = {&a->A.var, &a->B.var, a->scale};
+        return nn_conv2d_fused_lowrank(t, x, &m->weight->var, m->bias ? &m->bias->var : NULL, &lr, m->spec.stride,
+                                       m->spec.padding, epi);
+    }
+    Var *y = lora_adapter_forward(t, a, x);
+    if (epi != CONV_EPI_NONE) y = nn_relu(t, y);
+    return epi == CONV_EPI_RELU_MAXPOOL2 ? nn_maxpool2d(t, y, 2, 2) : y;
+}
+
 void lora_adapter_install(LoraAdapter *a) {
     /* A second install would save the adapter's own hook as its base and
      * recurse forever. */
@@ -159,6 +176,7 @@ void lora_adapter_install(LoraAdapter *a) {
     a->base_fn = m->forward_hook;
     a->base_ctx = m->hook_ctx;
     m->forward_hook = lora_forward_hook;
+    m->fused_hook = m->spec.type == LAYER_CONV2D ? lora_fused_hook : NULL;
     m->hook_ctx = a;
     a->installed = true;
 }

@@ -333,12 +333,13 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     return NULL;
 }
 
-/* How many modules from i on run as one fused convolution: 3 for an
- * unhooked conv2d -> relu -> maxpool2d (kernel 2, stride 2), 2 for conv2d ->
- * relu, else 1. A hooked module (quantized, LoRA) keeps its own forward. */
+/* How many modules from i on run as one fused convolution: 3 for a
+ * conv2d -> relu -> maxpool2d (kernel 2, stride 2), 2 for conv2d -> relu,
+ * else 1. A hooked conv2d fuses only if its hook offers a fused form. */
 static int model_fusable_layers(const Model *m, int i) {
     const Module *c = &m->modules[i];
-    if (c->spec.type != LAYER_CONV2D || c->forward_hook || !c->weight || c->weight->released) return 1;
+    if (c->spec.type != LAYER_CONV2D) return 1;
+    if (c->forward_hook ? !c->fused_hook : !c->weight || c->weight->released) return 1;
     if (i + 1 >= m->n_modules) return 1;
     const Module *r = &m->modules[i + 1];
     if (r->spec.type != LAYER_RELU || r->forward_hook) return 1;
@@ -367,7 +368,9 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
         if (fused > 1) {
             static const ConvEpilogue epi[] = {CONV_EPI_NONE, CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
             Var *b = mod->bias ? &mod->bias->var : NULL;
-            x = nn_conv2d_fused(t, x, &mod->weight->var, b, mod->spec.stride, mod->spec.padding, epi[fused]);
+            x = mod->forward_hook
+                    ? mod->fused_hook(t, mod, x, mod->hook_ctx, epi[fused])
+                    : nn_conv2d_fused(t, x, &mod->weight->var, b, mod->spec.stride, mod->spec.padding, epi[fused]);
             i += fused - 1;
             continue;
         }

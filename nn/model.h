@@ -13,6 +13,7 @@
 #include <stdio.h>
 
 #include "error.h"
+#include "ops.h"
 #include "param.h"
 #include "rng.h"
 #include "tape.h"
@@ -62,6 +63,9 @@ typedef struct Module Module;
 /* Replaces a module's own forward (quant/ and lora/ install these; nn/
  * knows nothing of them). x: (N, in_shape...). */
 typedef Var *(*ModuleForwardFn)(Tape *t, Module *m, Var *x, void *ctx);
+/* A conv2d hook's forward with the following relu (and 2x2 max pool)
+ * folded in, as nn_conv2d_fused does for a plain conv2d; same ctx. */
+typedef Var *(*ModuleFusedForwardFn)(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi);
 
 struct Module {
     LayerSpec spec;
@@ -71,6 +75,7 @@ struct Module {
     Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); else NULL */
     Param *bias;                        /* (out,) / (OC,) / (D,), or NULL */
     ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
+    ModuleFusedForwardFn fused_hook;    /* conv2d with a forward_hook: its fused form, or NULL (no fusing) */
     void *hook_ctx;
 };
 

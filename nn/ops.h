@@ -73,6 +73,21 @@ typedef enum {
  * full-resolution intermediates (a pooled block keeps one byte per window
  * for its backward). model_forward uses it for unhooked conv2d modules. */
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi);
+
+/* A low-rank term added to the convolution's weight: w + scale * B A, as a
+ * LoRA adapter on a conv2d layer computes it (A a convolution with w's
+ * kernel, stride and padding to rank channels, B a 1x1 convolution back). */
+typedef struct {
+    Var *A;      /* (rank, C, KH, KW) */
+    Var *B;      /* (OC, rank, 1, 1) */
+    float scale;
+} ConvLowRank;
+/* nn_conv2d_fused plus scale * conv(conv(x, A), B), the adapter sharing
+ * each chunk's im2col with the base: no (N, rank, OH, OW) or second
+ * (N, OC, OH, OW) tensor is held, and a frozen w costs no weight gradient.
+ * lr NULL: nn_conv2d_fused. */
+Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
+                             ConvEpilogue epi);
 /* x: (N, C, H, W) -> (N, C, OH, OW), OH = (H - kernel)/stride + 1, no padding.
  * Max ties go to the first element in row-major window order. */
 Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride);

@@ -285,6 +285,8 @@ typedef struct {
     ConvEpilogue epi;
     int chunk;        /* samples per im2col chunk */
     uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
+    int rank;         /* low-rank term's rank, 0 = none */
+    float scale;      /* its scale */
 } Conv2dCtx;
 
 /* Output size along one axis, or 0 if the kernel does not fit the padded input. */
@@ -343,8 +345,12 @@ typedef struct {
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
     float *dw_part;    /* (n_tasks, OC, C*KH*KW) per-task dW, or NULL */
     double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
-    float *scratch;    /* (threads, col_floats + prod_floats) */
-    size_t col_floats, prod_floats;
+    const float *a;    /* (rank, C*KH*KW) low-rank A, or NULL */
+    const float *b;    /* (OC, rank) low-rank B */
+    float *da_part;    /* (n_tasks, rank, C*KH*KW) per-task dA, or NULL */
+    float *dbb_part;   /* (n_tasks, OC, rank) per-task dB, or NULL */
+    float *scratch;    /* (threads, col_floats + prod_floats + low_floats) */
+    size_t col_floats, prod_floats, low_floats;
 } ConvJob;
 
 static int conv_ckk(const ConvDims *d) { return d->C * d->KH * d->KW; }
@@ -396,14 +402,17 @@ static void conv_epilogue(const ConvJob *j, float *row, int n, int oc) {
     }
 }
 
+static float *conv_thread_scratch(const ConvJob *j) {
+    return j->scratch + (size_t)parallel_thread_index() * (j->col_floats + j->prod_floats + j->low_floats);
+}
+
 static void conv_forward_task(void *ctx, int task, int n_tasks) {
     const ConvJob *j = ctx;
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
     const int ckk = conv_ckk(d);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
-    float *col = j->scratch + (size_t)parallel_thread_index() * (j->col_floats + j->prod_floats);
-    float *prod = col + j->col_floats;
+    float *col = conv_thread_scratch(j), *prod = col + j->col_floats, *low = prod + j->prod_floats;
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
@@ -411,6 +420,10 @@ static void conv_forward_task(void *ctx, int task, int n_tasks) {
         im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
                d->OW);
         gemm_f32(false, false, d->OC, cols, ckk, 1.0f, j->w, ckk, col, cols, 0.0f, prod, cols);
+        if (c->rank) { /* + scale * B (A col): the adapter shares the base's im2col */
+            gemm_f32(false, false, c->rank, cols, ckk, 1.0f, j->a, ckk, col, cols, 0.0f, low, cols);
+            gemm_f32(false, false, d->OC, cols, c->rank, c->scale, j->b, c->rank, low, cols, 1.0f, prod, cols);
+        }
         for (int oc = 0; oc < d->OC; oc++)
             for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
     }
@@ -459,16 +472,34 @@ static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
     return acc[0] + acc[1];
 }
 
+/* The adapter's share of a chunk's backward: dB += scale dpre (A col)^T,
+ * dt = scale B^T dpre into low, dA += dt col^T. col holds the chunk's im2col. */
+static void conv_backward_low_rank(const ConvJob *j, const float *dpre, const float *col, float *low, int cols,
+                                   int task, bool first) {
+    const Conv2dCtx *c = j->c;
+    const int ckk = conv_ckk(&c->d), OC = c->d.OC, r = c->rank;
+    const float beta = first ? 0.0f : 1.0f;
+    if (j->dbb_part) {
+        gemm_f32(false, false, r, cols, ckk, 1.0f, j->a, ckk, col, cols, 0.0f, low, cols);
+        gemm_f32(false, true, OC, r, cols, c->scale, dpre, cols, low, cols, beta, j->dbb_part + (size_t)task * OC * r,
+                 r);
+    }
+    gemm_f32(true, false, r, cols, OC, c->scale, j->b, r, dpre, cols, 0.0f, low, cols);
+    if (j->da_part)
+        gemm_f32(false, true, r, ckk, cols, 1.0f, low, cols, col, cols, beta, j->da_part + (size_t)task * r * ckk,
+                 ckk);
+}
+
 static void conv_backward_task(void *ctx, int task, int n_tasks) {
     const ConvJob *j = ctx;
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
     const int ckk = conv_ckk(d);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
-    float *col = j->scratch + (size_t)parallel_thread_index() * (j->col_floats + j->prod_floats);
-    float *dpre = col + j->col_floats;
+    float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *low = dpre + j->prod_floats;
     float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL;         /* (OC, C*KH*KW) */
     double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL;              /* (OC,) */
+    const bool low_rank = c->rank && (j->da_part || j->dbb_part || j->dx);
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
@@ -478,15 +509,16 @@ static void conv_backward_task(void *ctx, int task, int n_tasks) {
                 double sum = conv_pre_grad(j, dpre + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
                 if (db) db[oc] += sum;
             }
-        if (dw) {
+        if (dw || low_rank)
             im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
                    d->OH, d->OW);
-            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
-        }
+        if (dw) gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
+        if (low_rank) conv_backward_low_rank(j, dpre, col, low, cols, task, n0 == lo); /* low = dt after */
         if (j->dx) { /* dcol reuses col, whose im2col is done with */
             gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, ckk, dpre, cols, 0.0f, col, cols);
-            col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
-                   d->OH, d->OW);
+            if (c->rank) gemm_f32(true, false, ckk, cols, c->rank, 1.0f, j->a, ckk, low, cols, 1.0f, col, cols);
+            col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
+                           c->padding, d->OH, d->OW);
         }
     }
 }
@@ -502,50 +534,78 @@ static float *conv_scratch(Tape *t, ConvJob *j) {
     const size_t cols = (size_t)j->c->chunk * conv_plane(d);
     j->col_floats = (size_t)conv_ckk(d) * cols;
     j->prod_floats = (size_t)d->OC * cols;
-    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * (j->col_floats + j->prod_floats) * sizeof(float));
+    j->low_floats = (size_t)j->c->rank * cols;
+    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * (j->col_floats + j->prod_floats + j->low_floats) *
+                                   sizeof(float));
     return j->scratch;
 }
 
+/* grad [n] += the n_tasks partials [n_tasks][n], in task order: the same
+ * result whichever thread ran which task. */
+static void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
+    for (int k = 0; k < n_tasks; k++)
+        for (size_t i = 0; i < n; i++) grad[i] += parts[(size_t)k * n + i];
+}
+
+/* Per-task partials for v's gradient, n floats each, or NULL (error on the tape). */
+static float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
+    return v && v->requires_grad ? tape_alloc(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
+}
+
 static void conv2d_backward(Tape *t, const TapeNode *node) {
-    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2], *A = node->in[3], *B = node->in[4];
     const Conv2dCtx *c = node->ctx;
     const ConvDims *d = &c->d;
     const int ckk = conv_ckk(d), tasks = conv_tasks(d);
+    const size_t nw = (size_t)d->OC * ckk, na = (size_t)c->rank * ckk, nb = (size_t)d->OC * c->rank;
     const bool want_b = bias && bias->requires_grad;
-    if (!want_b && !w->requires_grad && !x->requires_grad) return;
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .y = node->out->value.data, .dy = node->out->grad};
+    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .y = node->out->value.data, .dy = node->out->grad,
+                 .a = A ? A->value.data : NULL, .b = B ? B->value.data : NULL};
     if (!conv_scratch(t, &j)) return;
     if (x->requires_grad && !(j.dx = tape_grad(t, x))) return;
-    if (w->requires_grad && !(j.dw_part = tape_alloc(t, (size_t)tasks * d->OC * ckk * sizeof(float)))) return;
-    if (want_b) {
-        if (!(j.db_part = tape_alloc(t, (size_t)tasks * d->OC * sizeof(double)))) return;
+    j.dw_part = conv_partials(t, w, tasks, nw);
+    j.da_part = conv_partials(t, A, tasks, na);
+    j.dbb_part = conv_partials(t, B, tasks, nb);
+    if (want_b && (j.db_part = tape_alloc(t, (size_t)tasks * d->OC * sizeof(double))))
         memset(j.db_part, 0, (size_t)tasks * d->OC * sizeof(double));
-    }
+    if (!tape_ok(t)) return;
     parallel_run(tasks, conv_backward_task, &j);
-    /* Partials summed in task order: the same result whichever thread ran which task. */
-    if (w->requires_grad) {
-        float *dw = tape_grad(t, w); /* (OC, C*KH*KW) */
-        if (!dw) return;
-        for (int k = 0; k < tasks; k++) {
-            const float *part = j.dw_part + (size_t)k * d->OC * ckk;
-            for (size_t i = 0; i < (size_t)d->OC * ckk; i++) dw[i] += part[i];
-        }
-    }
-    if (want_b) {
-        float *db = tape_grad(t, bias); /* (OC,) */
-        if (!db) return;
+    float *g;
+    if (j.dw_part && (g = tape_grad(t, w))) conv_add_partials(g, j.dw_part, tasks, nw);
+    if (j.da_part && (g = tape_grad(t, A))) conv_add_partials(g, j.da_part, tasks, na);
+    if (j.dbb_part && (g = tape_grad(t, B))) conv_add_partials(g, j.dbb_part, tasks, nb);
+    if (want_b && (g = tape_grad(t, bias)))
         for (int oc = 0; oc < d->OC; oc++) {
             double acc = 0.0;
             for (int k = 0; k < tasks; k++) acc += j.db_part[(size_t)k * d->OC + oc];
-            db[oc] += (float)acc;
+            g[oc] += (float)acc;
         }
-    }
 }
 
-Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
+/* A (rank, C, KH, KW) and B (OC, rank, 1, 1) against x and w. */
+static bool conv_low_rank_check(Tape *t, const ConvLowRank *lr, const Var *w) {
+    const Var *A = lr->A, *B = lr->B;
+    const int *ws = w->value.shape;
+    bool ok = A && B && A->value.ndim == 4 && B->value.ndim == 4 && A->value.shape[1] == ws[1] &&
+              A->value.shape[2] == ws[2] && A->value.shape[3] == ws[3] && B->value.shape[0] == ws[0] &&
+              B->value.shape[1] == A->value.shape[0] && B->value.shape[2] == 1 && B->value.shape[3] == 1;
+    if (!ok) {
+        char as[SHAPE_STR_MAX] = "NULL", bs[SHAPE_STR_MAX] = "NULL", wss[SHAPE_STR_MAX];
+        if (A) tensor_shape_str(&A->value, as, sizeof as);
+        if (B) tensor_shape_str(&B->value, bs, sizeof bs);
+        tensor_shape_str(&w->value, wss, sizeof wss);
+        qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d low-rank term: A %s and B %s do not fit weight %s: want A "
+                     "(rank, C, KH, KW) and B (OC, rank, 1, 1)", as, bs, wss);
+    }
+    return ok;
+}
+
+Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
+                             ConvEpilogue epi) {
     if (!t || !x || !w) return NULL;
     ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
     if (conv2d_check(t, x, w, bias, stride, padding, &d) != QT_OK) return NULL;
+    if (lr && !conv_low_rank_check(t, lr, w)) return NULL;
     if (epi == CONV_EPI_RELU_MAXPOOL2 && (d.OH < 2 || d.OW < 2)) {
         qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d+relu+maxpool2d: the convolution's output %dx%d is smaller than "
                      "the 2x2 pooling window", d.OH, d.OW);
@@ -556,16 +616,20 @@ Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding
     Var *y = tape_new_var(t, 4, (const int[]){d.N, d.OC, YH, YW});
     Conv2dCtx *c = tape_alloc(t, sizeof *c);
     if (!y || !c) return NULL;
-    *c = (Conv2dCtx){d, stride, padding, epi, 0, NULL};
+    *c = (Conv2dCtx){d, stride, padding, epi, 0, NULL, lr ? lr->A->value.shape[0] : 0, lr ? lr->scale : 0.0f};
     c->chunk = conv_chunk(&d);
     if (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) return NULL;
     ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL,
-                 .y = y->value.data};
+                 .y = y->value.data, .a = lr ? lr->A->value.data : NULL, .b = lr ? lr->B->value.data : NULL};
     if (!conv_scratch(t, &j)) return NULL;
     parallel_run(conv_tasks(&d), conv_forward_task, &j);
     static const char *const names[] = {"conv2d", "conv2d+relu", "conv2d+relu+maxpool2d"};
-    Var *in[3] = {x, w, bias};
-    return tape_record(t, names[epi], conv2d_backward, y, in, 3, c) ? y : NULL;
+    Var *in[5] = {x, w, bias, lr ? lr->A : NULL, lr ? lr->B : NULL};
+    return tape_record(t, names[epi], conv2d_backward, y, in, 5, c) ? y : NULL;
+}
+
+Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
+    return nn_conv2d_fused_lowrank(t, x, w, bias, NULL, stride, padding, epi);
 }
 
 Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {

@@ -177,6 +177,7 @@ static Var *qat_hook(Tape *t, Module *m, Var *x, void *ctx) {
 void qat_layer_install(QatLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = qat_hook;
+    q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
     q->module->hook_ctx = q;
 }
 

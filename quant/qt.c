@@ -134,6 +134,7 @@ static Var *qt_hook(Tape *t, Module *m, Var *x, void *ctx) {
 void qt_layer_install(QtLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = qt_hook;
+    q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
     q->module->hook_ctx = q;
 }
 

@@ -255,6 +255,94 @@ static void test_fused_gradcheck(void) {
     }
 }
 
+/* The low-rank form against the adapter spelled out as ops: base conv +
+ * scale * conv(conv(x, A), B), then relu and pooling. Rounding differs (the
+ * adapter is added before the bias), so values and gradients are close, not
+ * equal; with B = 0 the output is the base block's bit for bit. */
+static void lowrank_case(const BlockCase *k, ConvEpilogue epi, bool zero_b, int threads, uint64_t seed) {
+    gemm_set_threads(threads);
+    const int rank = 2;
+    const int xs[] = {k->N, k->C, k->H, k->W}, ws[] = {k->OC, k->C, k->K, k->K};
+    const int as[] = {rank, k->C, k->K, k->K}, bs[] = {k->OC, rank, 1, 1};
+    size_t nx = (size_t)k->N * k->C * k->H * k->W, nw = (size_t)k->OC * k->C * k->K * k->K;
+    size_t na = (size_t)rank * k->C * k->K * k->K, nb = (size_t)k->OC * rank;
+    float *xv = malloc(nx * 4), *wv = malloc(nw * 4), *av = malloc(na * 4), *bv = malloc(nb * 4);
+    Rng r;
+    rng_init(&r, seed, RNG_STREAM_INIT);
+    rng_fill_normal(&r, xv, nx, 0.0f, 1.0f);
+    rng_fill_normal(&r, wv, nw, 0.0f, 0.5f);
+    rng_fill_normal(&r, av, na, 0.0f, 0.5f);
+    rng_fill_normal(&r, bv, nb, 0.0f, zero_b ? 0.0f : 0.5f);
+    TestEnv e[2];
+    Var *out[2], *x[2], *a[2], *b[2];
+    for (int v = 0; v < 2; v++) {
+        test_env_init(&e[v], seed);
+        Tape *t = &e[v].tape;
+        x[v] = test_var(&e[v], xv, 4, xs, true);
+        Var *w = test_var(&e[v], wv, 4, ws, false); /* frozen, as under LoRA */
+        a[v] = test_var(&e[v], av, 4, as, true);
+        b[v] = test_var(&e[v], bv, 4, bs, true);
+        if (v == 0) {
+            ConvLowRank lr = {a[v], b[v], 1.5f};
+            out[v] = nn_conv2d_fused_lowrank(t, x[v], w, NULL, &lr, k->stride, k->padding, epi);
+        } else {
+            Var *base = nn_conv2d(t, x[v], w, NULL, k->stride, k->padding);
+            Var *u = nn_conv2d(t, nn_conv2d(t, x[v], a[v], NULL, k->stride, k->padding), b[v], NULL, 1, 0);
+            Var *y = nn_add(t, base, nn_scale(t, u, 1.5f));
+            if (epi != CONV_EPI_NONE) y = nn_relu(t, y);
+            out[v] = epi == CONV_EPI_RELU_MAXPOOL2 ? nn_maxpool2d(t, y, 2, 2) : y;
+        }
+        CU_ASSERT_PTR_NOT_NULL_FATAL(out[v]);
+        float *zeros = tape_alloc(t, var_numel(out[v]) * 4);
+        memset(zeros, 0, var_numel(out[v]) * 4);
+        Var *loss = nn_mse(t, out[v], test_var(&e[v], zeros, 4, out[v]->value.shape, false));
+        CU_ASSERT_EQUAL_FATAL(tape_backward(t, loss), QT_OK);
+    }
+    size_t ny = var_numel(out[0]);
+    ASSERT_ALL_CLOSE(out[0]->value.data, out[1]->value.data, ny, 1e-5, 1e-5);
+    ASSERT_ALL_CLOSE(x[0]->grad, x[1]->grad, nx, 1e-6, 1e-4);
+    ASSERT_ALL_CLOSE(a[0]->grad, a[1]->grad, na, 1e-6, 1e-4);
+    ASSERT_ALL_CLOSE(b[0]->grad, b[1]->grad, nb, 1e-6, 1e-4);
+    if (zero_b) { /* B = 0: exactly the base block */
+        TestEnv eb;
+        test_env_init(&eb, seed);
+        Var *w = test_var(&eb, wv, 4, ws, false);
+        Var *yb = nn_conv2d_fused(&eb.tape, test_var(&eb, xv, 4, xs, false), w, NULL, k->stride, k->padding, epi);
+        CU_ASSERT(yb && memcmp(yb->value.data, out[0]->value.data, ny * 4) == 0);
+        test_env_free(&eb);
+    }
+    for (int v = 0; v < 2; v++) test_env_free(&e[v]);
+    free(xv), free(wv), free(av), free(bv);
+    gemm_set_threads(1);
+}
+
+static void test_lowrank_matches_adapter_ops(void) {
+    for (size_t i = 0; i < sizeof block_cases / sizeof *block_cases; i++)
+        for (int epi = CONV_EPI_NONE; epi <= CONV_EPI_RELU_MAXPOOL2; epi++) {
+            lowrank_case(&block_cases[i], (ConvEpilogue)epi, false, 1 + (int)(i % 2), 1300 + i);
+            lowrank_case(&block_cases[i], (ConvEpilogue)epi, true, 1, 1400 + i);
+        }
+}
+
+static Var *lowrank_fn(Tape *t, Var **in, void *ctx) {
+    ConvLowRank lr = {in[2], in[3], 0.75f};
+    (void)ctx;
+    return nn_conv2d_fused_lowrank(t, in[0], in[1], NULL, &lr, 1, 1, CONV_EPI_NONE);
+}
+
+static void test_lowrank_gradcheck(void) {
+    Rng r;
+    rng_init(&r, 99, RNG_STREAM_INIT);
+    float x[2 * 2 * 5 * 4], w[3 * 2 * 3 * 3], a[2 * 2 * 3 * 3], b[3 * 2];
+    rng_fill_normal(&r, x, sizeof x / 4, 0.0f, 1.0f);
+    rng_fill_normal(&r, w, sizeof w / 4, 0.0f, 1.0f);
+    rng_fill_normal(&r, a, sizeof a / 4, 0.0f, 1.0f);
+    rng_fill_normal(&r, b, sizeof b / 4, 0.0f, 1.0f);
+    GradcheckInput in[4] = {{x, 4, {2, 2, 5, 4}, true}, {w, 4, {3, 2, 3, 3}, true},
+                            {a, 4, {2, 2, 3, 3}, true}, {b, 4, {3, 2, 1, 1}, true}};
+    CU_ASSERT(gradcheck("conv2d low rank", lowrank_fn, NULL, in, 4, 1e-3, 2e-3, 1e-2));
+}
+
 static void test_fused_pool_too_small(void) {
     TestEnv e;
     test_env_init(&e, 5);
@@ -276,5 +364,7 @@ int register_nn_parallel_suite(void) {
            !CU_add_test(s, "fused conv blocks equal the separate ops", test_fused_blocks_equal_separate_ops) ||
            !CU_add_test(s, "conv on two threads matches ref", test_conv_two_threads_matches_ref) ||
            !CU_add_test(s, "fused conv blocks: finite differences", test_fused_gradcheck) ||
+           !CU_add_test(s, "low-rank conv equals the adapter as ops", test_lowrank_matches_adapter_ops) ||
+           !CU_add_test(s, "low-rank conv: finite differences", test_lowrank_gradcheck) ||
            !CU_add_test(s, "fused pool on a too small output", test_fused_pool_too_small);
 }
