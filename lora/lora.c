@@ -151,16 +151,23 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
     return lora_adapter_forward(t, ctx, x);
 }
 
-/* A conv adapter with its layer's relu (and pooling) folded in. Over a float
- * base without adapter dropout, the adapter shares each chunk's im2col with
- * the base (nn_conv2d_fused_lowrank); otherwise the adapter's own forward,
- * then the folded layers as ops. */
+/* A conv adapter with its layer's relu (and pooling) folded in. Without
+ * adapter dropout, over a float base or one that lends its weight
+ * (Module.weight_hook: a quantized base, dequantized), the adapter shares
+ * each chunk's im2col with the base (nn_conv2d_fused_lowrank); otherwise
+ * the adapter's own forward, then the folded layers as ops. */
 static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
     if (!x) return NULL;
-    if (!a->base_fn && a->spec.dropout == 0.0f && m->weight && !m->weight->released) {
+    Var *w = NULL;
+    if (a->spec.dropout == 0.0f) {
+        if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
+        else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);
+        if (!tape_ok(t)) return NULL;
+    }
+    if (w) {
         ConvLowRank lr = {&a->A.var, &a->B.var, a->scale};
-        return nn_conv2d_fused_lowrank(t, x, &m->weight->var, m->bias ? &m->bias->var : NULL, &lr, m->spec.stride,
+        return nn_conv2d_fused_lowrank(t, x, w, m->bias ? &m->bias->var : NULL, &lr, m->spec.stride,
                                        m->spec.padding, epi);
     }
     Var *y = lora_adapter_forward(t, a, x);

@@ -66,6 +66,11 @@ typedef Var *(*ModuleForwardFn)(Tape *t, Module *m, Var *x, void *ctx);
 /* A conv2d hook's forward with the following relu (and 2x2 max pool)
  * folded in, as nn_conv2d_fused does for a plain conv2d; same ctx. */
 typedef Var *(*ModuleFusedForwardFn)(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi);
+/* The float weight a hooked module's forward computes with this step (a
+ * quantized base's dequantized weight, in the tape's arena), for a hook
+ * chained over it that wants to fold the layer into one op; NULL when the
+ * hook cannot offer it (the caller then chains through forward_hook). */
+typedef Var *(*ModuleWeightFn)(Tape *t, Module *m, void *ctx);
 
 struct Module {
     LayerSpec spec;
@@ -76,6 +81,7 @@ struct Module {
     Param *bias;                        /* (out,) / (OC,) / (D,), or NULL */
     ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
     ModuleFusedForwardFn fused_hook;    /* conv2d with a forward_hook: its fused form, or NULL (no fusing) */
+    ModuleWeightFn weight_hook;         /* set with forward_hook by a quantized base, or NULL */
     void *hook_ctx;
 };
 

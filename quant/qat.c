@@ -178,6 +178,7 @@ void qat_layer_install(QatLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = qat_hook;
     q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
+    q->module->weight_hook = NULL;
     q->module->hook_ctx = q;
 }
 

@@ -135,6 +135,7 @@ void qt_layer_install(QtLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = qt_hook;
     q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
+    q->module->weight_hook = NULL;
     q->module->hook_ctx = q;
 }
 
