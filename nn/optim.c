@@ -1,8 +1,11 @@
 #include "optim.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 
 OptimConfig optim_config_default(OptimKind kind) {
     OptimConfig c = {.kind = kind, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
@@ -252,13 +255,39 @@ static AdamScalars adam_scalars(const Optimizer *o, float lr) {
     return s;
 }
 
+/* Parameters of at least this many elements are updated by the pool in
+ * contiguous ranges (the update is elementwise: the same result however
+ * it is split); smaller ones in the calling thread. */
+#define OPTIM_PARALLEL_MIN 32768
+
+typedef struct {
+    Optimizer *o;
+    int i;              /* parameter index */
+    AdamScalars s;
+} AdamJob;
+
+static void adamw_range_task(void *ctx, int task, int n_tasks) {
+    const AdamJob *j = ctx;
+    Var *var = &j->o->params[j->i]->var;
+    int lo, hi;
+    parallel_range((int)var_numel(var), task, n_tasks, &lo, &hi);
+    adamw_update(var->value.data + lo, var->grad + lo, j->o->m[j->i] + lo, j->o->v[j->i] + lo, (size_t)(hi - lo),
+                 &j->s);
+}
+
 static void adamw_step(Optimizer *o, float lr) {
     AdamScalars shared = adam_scalars(o, lr);
     for (int i = 0; i < o->n_params; i++) {
         Var *var = &o->params[i]->var;
         if (!var->grad) continue; /* frozen after optim_init: keeps its state, takes no step */
         AdamScalars own = o->lr_scale[i] != 1.0f ? adam_scalars(o, lr * o->lr_scale[i]) : shared;
-        adamw_update(var->value.data, var->grad, o->m[i], o->v[i], var_numel(var), &own);
+        size_t n = var_numel(var);
+        if (n >= OPTIM_PARALLEL_MIN && n <= INT_MAX) {
+            AdamJob j = {o, i, own};
+            parallel_run(parallel_get_threads(), adamw_range_task, &j);
+        } else {
+            adamw_update(var->value.data, var->grad, o->m[i], o->v[i], n, &own);
+        }
     }
 }
 
@@ -298,8 +327,13 @@ double optim_clip_grad_norm(Param *const *params, int n_params, float max_norm) 
     for (int i = 0; i < n_params; i++) {
         if (!has_grad(params[i])) continue;
         const float *g = params[i]->var.grad;
-        size_t n = var_numel(&params[i]->var);
-        for (size_t j = 0; j < n; j++) sumsq += (double)g[j] * (double)g[j];
+        size_t n = var_numel(&params[i]->var), j = 0;
+        /* eight interleaved sums: one chain would wait on the add latency per element */
+        double acc[8] = {0};
+        for (; j + 8 <= n; j += 8)
+            for (int k = 0; k < 8; k++) acc[k] += (double)g[j + k] * (double)g[j + k];
+        for (; j < n; j++) acc[0] += (double)g[j] * (double)g[j];
+        sumsq += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
     double norm = sqrt(sumsq);
     if (!(max_norm > 0.0f)) return norm;
