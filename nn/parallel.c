@@ -1,30 +1,40 @@
 /* parallel.c - a fixed pool; see parallel.h.
  *
- * A job is published by bumping `generation` under the lock. Workers spin on
- * it briefly (a step starts jobs every few hundred microseconds, and a futex
- * wake-up costs tens of them), then sleep on the condition variable. Every
- * worker takes part in every job, even if the tasks ran out before it woke,
- * and reports in `done`; the caller returns only when all have, so the next
- * job can never be mixed with a straggler of the previous one. */
+ * A job is published by bumping `generation` under the lock. Idle workers
+ * spin on it briefly (a step starts jobs every few hundred microseconds, and
+ * a futex wake-up costs tens of them), then sleep on the condition variable.
+ * Tasks are claimed from `claim`, which packs the job's generation with the
+ * next task index, so a worker that wakes late can never claim a task of a
+ * later job: its compare-and-swap carries the generation it saw. The caller
+ * runs tasks too and returns once `completed` reaches the task count; it
+ * never waits for a worker that has not woken (a busy or descheduled core
+ * then only means the caller does more of the work). Job descriptions
+ * alternate between two slots, so the one a running task reads is never
+ * rewritten under it. */
 #include "parallel.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 
 #define SPIN_NS 200000 /* how long an idle worker polls before sleeping */
 
 typedef struct {
+    _Atomic(ParallelFn) fn;
+    _Atomic(void *) ctx;
+    atomic_int n_tasks;
+} Job;
+
+typedef struct {
     pthread_mutex_t lock;
     pthread_cond_t wake;
     atomic_uint generation;   /* bumped once per job */
-    atomic_int next_task;     /* next unclaimed task of the current job */
-    atomic_int done;          /* workers finished with the current job */
+    _Atomic uint64_t claim;   /* generation << 32 | next unclaimed task */
+    atomic_int completed;     /* tasks of the current job finished */
+    Job jobs[2];              /* the job of generation g is jobs[g & 1] */
     bool stop;                /* under lock: workers exit */
-    ParallelFn fn;            /* the current job, written before generation moves */
-    void *ctx;
-    int n_tasks;
     unsigned start_generation;/* generation when the workers were started: any later one is a job for them */
     int n_workers;            /* threads besides the caller */
     pthread_t workers[PARALLEL_MAX_THREADS];
@@ -47,12 +57,20 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void run_tasks(Pool *p) {
+/* Claims and runs tasks of job `gen` until none is left (or a later job
+ * has started, for a worker that woke late). */
+static void run_tasks(Pool *p, unsigned gen) {
+    const Job *j = &p->jobs[gen & 1];
+    ParallelFn fn = atomic_load(&j->fn);
+    void *ctx = atomic_load(&j->ctx);
+    const int n = atomic_load(&j->n_tasks);
     in_task = true;
-    for (;;) {
-        int i = atomic_fetch_add(&p->next_task, 1);
-        if (i >= p->n_tasks) break;
-        p->fn(p->ctx, i, p->n_tasks);
+    uint64_t c = atomic_load(&p->claim);
+    while ((unsigned)(c >> 32) == gen && (int)(uint32_t)c < n) {
+        if (!atomic_compare_exchange_weak(&p->claim, &c, c + 1)) continue; /* c reloaded */
+        fn(ctx, (int)(uint32_t)c, n);
+        atomic_fetch_add(&p->completed, 1);
+        c = atomic_load(&p->claim);
     }
     in_task = false;
 }
@@ -76,14 +94,13 @@ static unsigned wait_for_job(Pool *p, unsigned seen) {
 static void *worker_main(void *arg) {
     thread_index = (int)(size_t)arg;
     /* Not the current generation: a job may have been published before this
-     * thread got to run, and it must still take part in it. */
+     * thread got to run, and it may still take part in it. */
     unsigned seen = pool.start_generation;
     for (;;) {
         unsigned g = wait_for_job(&pool, seen);
         if (g == seen) return NULL; /* stopping */
         seen = g;
-        run_tasks(&pool);
-        atomic_fetch_add(&pool.done, 1);
+        run_tasks(&pool, g);
     }
 }
 
@@ -131,13 +148,17 @@ void parallel_run(int n_tasks, ParallelFn fn, void *ctx) {
         in_task = outer;
         return;
     }
-    pool.fn = fn, pool.ctx = ctx, pool.n_tasks = n_tasks;
-    atomic_store(&pool.next_task, 0);
-    atomic_store(&pool.done, 0);
+    const unsigned gen = atomic_load(&pool.generation) + 1;
+    Job *j = &pool.jobs[gen & 1];
+    atomic_store(&j->fn, fn);
+    atomic_store(&j->ctx, ctx);
+    atomic_store(&j->n_tasks, n_tasks);
+    atomic_store(&pool.completed, 0);
+    atomic_store(&pool.claim, (uint64_t)gen << 32);
     pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add(&pool.generation, 1);
+    atomic_store(&pool.generation, gen);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    run_tasks(&pool);
-    while (atomic_load(&pool.done) < pool.n_workers) cpu_relax();
+    run_tasks(&pool, gen);
+    while (atomic_load(&pool.completed) < n_tasks) cpu_relax();
 }
