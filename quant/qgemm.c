@@ -1,21 +1,242 @@
-/* qgemm.c - the int8 x int8 -> int32 GEMM of the QT layer's forward.
+/* qgemm.c - the integer GEMMs' dispatch, the weight packers, and the
+ * portable kernels (qgemm.h); the AVX-512 VNNI kernels are in qgemm_x86.c.
  *
- * Both operands keep K contiguous (X rows and W rows), so every output is a
- * dot product of two int8 rows. The fast kernel widens a block of b rows
+ * The portable kernels follow the packed layouts exactly as the vector ones
+ * do and sum in uint32 (wrapping like vpdpbusd), so both give the same int32
+ * sums; float outputs are one fmaf in both.
+ *
+ * qgemm_s8's portable kernel (quantized training) widens a block of b rows
  * (QG_NB x QG_KB) and one a row to int16 on the stack, then computes four
  * dot products at a time, sharing each load of the a row. On int16 operands
  * of unknown range the int32 sum of products is the pattern GCC turns into
- * pmaddwd (vpmaddwd) reductions; multiplying the int8 values directly, GCC
- * proves the products fit in int16 and emits pmullw plus widening adds,
- * about three times slower. Integer sums are exact, so any blocking gives
- * the _ref loop's results bit for bit. |a b| <= 2^14, so K < 2^17 keeps
- * every sum inside int32. */
+ * pmaddwd reductions; multiplying the int8 values directly, GCC proves the
+ * products fit in int16 and emits pmullw plus widening adds, about three
+ * times slower. |a b| <= 2^14, so K < 2^17 keeps every sum inside int32. */
+#include <float.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "qgemm.h"
+#include "qgemm_internal.h"
 #include "qt.h"
 
 #define QG_KB 256 /* K per block */
 #define QG_NB 32  /* rows of b per block: 16 KiB of int16, in L1 with the a row */
+
+bool qgemm_force_portable = false;
+
+bool qgemm_cpu_has_vnni(void) {
+    static atomic_int has = -1; /* every thread that races here computes the same answer */
+    if (atomic_load(&has) < 0) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_cpu_init();
+        /* libgcc checks that the OS saves the AVX-512 state (XCR0) before reporting these */
+        atomic_store(&has, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"));
+#else
+        atomic_store(&has, 0);
+#endif
+    }
+    return atomic_load(&has) > 0;
+}
+
+bool qgemm_use_vnni(void) { return !qgemm_force_portable && qgemm_cpu_has_vnni(); }
+
+const char *qgemm_kernel_name(void) { return qgemm_use_vnni() ? "avx512-vnni" : "portable"; }
+
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* ---- packing --------------------------------------------------------------------------------------------------- */
+
+QtStatus qgemm_pack_b(QGemmPackedB *p, const int8_t *b, int n, int k, QtError *err) {
+    memset(p, 0, sizeof *p);
+    if (!b || n < 1 || k < 1 || k > QGEMM_K_MAX)
+        return qt_error_set(err, QT_ERR_ARG, "qgemm_pack_b: a weight (%d, %d) cannot be packed (want n >= 1 and "
+                            "1 <= k <= %d, and codes)", n, k, QGEMM_K_MAX);
+    int kg = (k + 3) / 4, panels = (n + QGEMM_LANES - 1) / QGEMM_LANES;
+    size_t bytes = (size_t)panels * kg * 64;
+    p->data = alloc64(bytes);
+    p->col_sum = alloc64((size_t)panels * QGEMM_LANES * sizeof *p->col_sum);
+    if (!p->data || !p->col_sum) {
+        qgemm_packed_b_free(p);
+        return qt_error_set(err, QT_ERR_NOMEM, "qgemm_pack_b: out of memory for a packed weight of %zu bytes", bytes);
+    }
+    memset(p->data, 0, bytes);
+    memset(p->col_sum, 0, (size_t)panels * QGEMM_LANES * sizeof *p->col_sum);
+    for (int j = 0; j < n; j++) {
+        int8_t *dst = p->data + (size_t)(j / QGEMM_LANES) * kg * 64 + (size_t)(j % QGEMM_LANES) * 4;
+        const int8_t *src = b + (size_t)j * k;
+        int32_t sum = 0;
+        for (int kk = 0; kk < k; kk++) {
+            dst[(size_t)(kk >> 2) * 64 + (kk & 3)] = src[kk];
+            sum += src[kk];
+        }
+        p->col_sum[j] = sum;
+    }
+    *p = (QGemmPackedB){.n = n, .k = k, .k_groups = kg, .panels = panels, .data = p->data, .col_sum = p->col_sum};
+    return QT_OK;
+}
+
+void qgemm_packed_b_free(QGemmPackedB *p) {
+    if (!p) return;
+    free(p->data), free(p->col_sum);
+    memset(p, 0, sizeof *p);
+}
+
+QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int taps, QtError *err) {
+    memset(p, 0, sizeof *p);
+    if (!w || rows < 1 || taps < 1 || taps > QGEMM_K_MAX / 4)
+        return qt_error_set(err, QT_ERR_ARG, "qgemm_pack_taps: a weight of %d rows and %d taps cannot be packed "
+                            "(want rows >= 1 and 1 <= taps <= %d, and weights)", rows, taps, QGEMM_K_MAX / 4);
+    int rb = (rows + QGEMM_ROWS - 1) / QGEMM_ROWS;
+    size_t n = (size_t)rb * taps * QGEMM_ROWS;
+    p->data = alloc64(n * sizeof *p->data);
+    p->row_sum = alloc64((size_t)rb * QGEMM_ROWS * sizeof *p->row_sum);
+    if (!p->data || !p->row_sum) {
+        qgemm_packed_taps_free(p);
+        return qt_error_set(err, QT_ERR_NOMEM, "qgemm_pack_taps: out of memory for a packed weight of %zu bytes",
+                            n * sizeof(int32_t));
+    }
+    memset(p->data, 0, n * sizeof *p->data);
+    memset(p->row_sum, 0, (size_t)rb * QGEMM_ROWS * sizeof *p->row_sum);
+    for (int r = 0; r < rows; r++) {
+        int32_t sum = 0;
+        for (int t = 0; t < taps; t++) {
+            uint32_t d = w[(size_t)r * taps + t];
+            p->data[((size_t)(r / QGEMM_ROWS) * taps + t) * QGEMM_ROWS + r % QGEMM_ROWS] = (int32_t)d;
+            for (int j = 0; j < 4; j++) sum += (int8_t)(uint8_t)(d >> (8 * j));
+        }
+        p->row_sum[r] = sum;
+    }
+    p->rows = rows, p->taps = taps, p->row_blocks = rb;
+    return QT_OK;
+}
+
+void qgemm_packed_taps_free(QGemmPackedTaps *p) {
+    if (!p) return;
+    free(p->data), free(p->row_sum);
+    memset(p, 0, sizeof *p);
+}
+
+/* ---- dense ----------------------------------------------------------------------------------------------------- */
+
+static int clip(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* Row i, panel p of the product from its 16 wrapped sums. */
+static void dense_store(const QGemmDense *d, int i, int p, const uint32_t *acc) {
+    const QGemmPackedB *b = d->b;
+    for (int l = 0; l < QGEMM_LANES && QGEMM_LANES * p + l < b->n; l++) {
+        int j = QGEMM_LANES * p + l;
+        int32_t s = (int32_t)(acc[l] - (uint32_t)d->a_zero * (uint32_t)b->col_sum[j]);
+        if (d->c_i32) d->c_i32[(size_t)i * d->ldc + j] = s;
+        else d->c_f32[(size_t)i * d->ldc + j] = fmaf((float)s, d->scale[j], d->bias ? d->bias[j] : 0.0f);
+    }
+}
+
+void qgemm_dense_portable(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    const QGemmPackedB *b = d->b;
+    row0 = clip(row0, 0, d->m), row1 = clip(row1, row0, d->m);
+    p0 = clip(p0, 0, b->panels), p1 = clip(p1, p0, b->panels);
+    const int full = b->k / 4, rest = b->k % 4;
+    for (int i = row0; i < row1; i++) {
+        const uint8_t *ar = d->a + (size_t)i * d->lda; /* [k] */
+        for (int p = p0; p < p1; p++) {
+            const int8_t *bp = b->data + (size_t)p * b->k_groups * 64; /* [k_groups][16][4] */
+            uint32_t acc[QGEMM_LANES] = {0};
+            for (int g = 0; g < b->k_groups; g++) {
+                uint32_t x[4] = {0, 0, 0, 0};
+                for (int j = 0; j < (g < full ? 4 : rest); j++) x[j] = ar[4 * g + j];
+                const int8_t *bg = bp + (size_t)g * 64;
+                for (int l = 0; l < QGEMM_LANES; l++)
+                    acc[l] += x[0] * (uint32_t)bg[4 * l] + x[1] * (uint32_t)bg[4 * l + 1] +
+                              x[2] * (uint32_t)bg[4 * l + 2] + x[3] * (uint32_t)bg[4 * l + 3];
+            }
+            dense_store(d, i, p, acc);
+        }
+    }
+}
+
+void qgemm_dense(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    if (qgemm_use_vnni()) qgemm_dense_vnni(d, row0, row1, p0, p1);
+    else qgemm_dense_portable(d, row0, row1, p0, p1);
+}
+
+void qgemm_u8s8(int32_t *c, const uint8_t *a, int a_zero, const QGemmPackedB *b, int m) {
+    QGemmDense d = {.a = a, .lda = b->k, .m = m, .a_zero = a_zero, .b = b, .c_i32 = c, .ldc = b->n};
+    qgemm_dense(&d, 0, m, 0, b->panels);
+}
+
+void qgemm_u8s8_ref(int32_t *c, const uint8_t *a, int a_zero, const int8_t *b, int m, int n, int k) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            int64_t acc = 0;
+            for (int kk = 0; kk < k; kk++) acc += ((int64_t)a[(size_t)i * k + kk] - a_zero) * b[(size_t)j * k + kk];
+            c[(size_t)i * n + j] = (int32_t)acc;
+        }
+}
+
+/* ---- taps ------------------------------------------------------------------------------------------------------ */
+
+/* Row r, vector v from its 16 wrapped sums: the masked lanes, in order. */
+static void taps_store(const QGemmTaps *g, int r, int v, const uint32_t *acc) {
+    const int32_t corr = (int32_t)((uint32_t)g->a_zero * (uint32_t)g->w->row_sum[r]);
+    const float s = g->scale[r], bias = g->bias ? g->bias[r] : 0.0f;
+    float *dst = g->out + (size_t)r * g->ldo + g->vec_pos[v];
+    for (int l = 0, at = 0; l < QGEMM_LANES; l++)
+        if (g->vec_mask[v] >> l & 1) dst[at++] = fmaf((float)(int32_t)(acc[l] - (uint32_t)corr), s, bias);
+}
+
+void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    const QGemmPackedTaps *w = g->w;
+    rb0 = clip(rb0, 0, w->row_blocks), rb1 = clip(rb1, rb0, w->row_blocks);
+    v0 = clip(v0, 0, g->n_vec), v1 = clip(v1, v0, g->n_vec);
+    for (int rb = rb0; rb < rb1; rb++)
+        for (int v = v0; v < v1; v++)
+            for (int s = 0; s < QGEMM_ROWS && rb * QGEMM_ROWS + s < w->rows; s++) {
+                uint32_t acc[QGEMM_LANES] = {0};
+                for (int t = 0; t < w->taps; t++) {
+                    uint32_t wd = (uint32_t)w->data[((size_t)rb * w->taps + t) * QGEMM_ROWS + s];
+                    uint32_t w0 = (uint32_t)(int8_t)wd, w1 = (uint32_t)(int8_t)(wd >> 8);
+                    uint32_t w2 = (uint32_t)(int8_t)(wd >> 16), w3 = (uint32_t)(int8_t)(wd >> 24);
+                    const uint8_t *src = g->act + 4 * ((size_t)g->tap_off[t] + (size_t)v * QGEMM_LANES); /* [16][4] */
+                    for (int l = 0; l < QGEMM_LANES; l++)
+                        acc[l] += src[4 * l] * w0 + src[4 * l + 1] * w1 + src[4 * l + 2] * w2 + src[4 * l + 3] * w3;
+                }
+                taps_store(g, rb * QGEMM_ROWS + s, v, acc);
+            }
+}
+
+void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    if (qgemm_use_vnni()) qgemm_taps_vnni(g, rb0, rb1, v0, v1);
+    else qgemm_taps_portable(g, rb0, rb1, v0, v1);
+}
+
+/* ---- quantizing ------------------------------------------------------------------------------------------------ */
+
+bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
+    /* Adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, in plain SSE2
+     * (rintf would be a library call there); the clamped v is within +-255. */
+    const float magic = 12582912.0f;
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        bad |= !(fabsf(v) <= FLT_MAX);
+        v /= s;
+        v = v >= lo ? v : lo; /* NaN -> lo, as fmaxf would */
+        v = v <= hi ? v : hi;
+        dst[i] = (uint8_t)((int)((v + magic) - magic) + zero);
+    }
+    return !bad;
+}
+
+bool qgemm_quantize_u8(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
+    if (qgemm_use_vnni()) return qgemm_quantize_u8_vnni(dst, x, n, s, lo, hi, zero);
+    return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
+}
+
+/* ---- int8 x int8 (quantized training) -------------------------------------------------------------------------- */
 
 void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     for (int i = 0; i < M; i++)
@@ -54,8 +275,7 @@ static void widen_rows(int16_t *restrict dst, const int8_t *restrict src, size_t
         for (int k = 0; k < n; k++) dst[(size_t)r * QG_KB + k] = src[(size_t)r * ld + k];
 }
 
-void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    if (M <= 0 || N <= 0) return;
+static void qgemm_s8_portable(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     _Alignas(64) int16_t bw[QG_NB * QG_KB]; /* (QG_NB, QG_KB) the current block of b */
     _Alignas(64) int16_t aw[QG_KB];         /* one row of a over the block's K */
     memset(c, 0, (size_t)M * (size_t)N * sizeof *c);
@@ -74,4 +294,10 @@ void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K)
             }
         }
     }
+}
+
+void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    if (M <= 0 || N <= 0) return;
+    if (K > 0 && qgemm_use_vnni()) qgemm_s8_vnni(c, a, b, M, N, K);
+    else qgemm_s8_portable(c, a, b, M, N, K);
 }

@@ -262,6 +262,7 @@ QtStatus qlayer_init_empty(QLayer *q, Module *m, const QLayerSpec *spec, QtError
 
 void qlayer_free(QLayer *q) {
     if (!q) return;
+    qlayer_int8_release(q);
     qarray_free(&q->weight);
     memset(q, 0, sizeof *q);
 }

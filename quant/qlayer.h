@@ -27,7 +27,27 @@
  *
  * Activations (spec.act_qtype): the layer's input is fake-quantized per
  * tensor with a static range, the running mean of calib_compute over the
- * calibration batches (qlayer_calib_*), with a clipped STE in training. */
+ * calibration batches (qlayer_calib_*), with a clipped STE in training.
+ *
+ * Int8 inference (qlayer_int8.c). When the weight is int8 (symmetric, one
+ * scale per output channel or per tensor, tile_size 0), the input is
+ * quantized to an 8-bit integer act_qtype (int8 or uint8, symmetric or with
+ * a zero point) with a calibrated range (act_ready), and no gradient flows
+ * through the layer (gradients disabled, or neither the input nor the bias
+ * needs one: evaluation, calibration aside), the forward runs on integer
+ * kernels (qgemm.h): the input's codes, the very codes fake quantization
+ * computes, times the weight's codes, summed exactly in int32, then
+ *   y = s_x * s_w[oc] * (sum - zero-point terms) + bias.
+ * That is the fake-quantized float forward up to float rounding; the
+ * kernels (AVX-512 VNNI or portable C) agree bit for bit. It needs a CPU
+ * with AVX-512 VNNI, or qgemm_force_portable: the portable kernels are
+ * slower than fake quantization + sgemm, so elsewhere the float path stays.
+ * A forward that needs a gradient always takes the float path, whose
+ * backward needs the dequantized bands anyway, so training sees the same
+ * numbers it always did. The weight is packed into the kernels' layout
+ * once, on the first int8 forward (or by qlayer_int8_prepare), and kept
+ * until qlayer_free or qlayer_int8_release. Work is split over the step's
+ * thread pool (nn/parallel.h). */
 #ifndef QTRAIN_QUANT_QLAYER_H
 #define QTRAIN_QUANT_QLAYER_H
 
@@ -62,6 +82,9 @@ typedef struct {
 /* The spec with every default filled in: weight_qtype and act_qtype NULL. */
 QLayerSpec qlayer_spec_default(void);
 
+/* The int8 path's packed weight (qlayer_int8.c). */
+typedef struct QLayerInt8 QLayerInt8;
+
 typedef struct {
     Module *module;             /* dense or conv2d; not owned */
     QLayerSpec spec;
@@ -76,6 +99,7 @@ typedef struct {
     float act_scale;            /* from act_stats at qlayer_calib_end (or a checkpoint) */
     float act_zero_point;       /* in code units; 0 when symmetric */
     bool act_ready;             /* act_scale is set; the forward quantizes the input */
+    QLayerInt8 *int8;           /* the weight packed for the int8 path; NULL until its first use; owned */
 } QLayer;
 
 /* Checks that spec can quantize module m's weight: a dense or conv2d
@@ -130,6 +154,22 @@ QtStatus qlayer_calib_end(QLayer *q, QtError *err);
 /* Sets act_scale / act_zero_point from q->act_stats (restored from a
  * checkpoint) as qlayer_calib_end does. */
 QtStatus qlayer_act_from_stats(QLayer *q, QtError *err);
+
+/* ---- int8 inference (see above) ---- */
+
+/* Tests and benchmarks set this to keep every forward on the float path. */
+extern bool qlayer_int8_disable;
+
+/* Whether q's formats allow the int8 path (the calibrated range is not
+ * checked: a layer is supported before its calibration). */
+bool qlayer_int8_supported(const QLayer *q);
+/* Packs the weight for the int8 path now rather than at the first int8
+ * forward. QT_ERR_CONFIG naming the module and the reason if the formats do
+ * not allow it; QT_ERR_NOMEM. Nothing to do if it is packed already. */
+QtStatus qlayer_int8_prepare(QLayer *q, QtError *err);
+/* Frees the packed weight; the next int8 forward packs it again. Call it
+ * after rewriting q->weight's codes or scales in place. */
+void qlayer_int8_release(QLayer *q);
 
 /* One line describing the resolved layout, for the start-of-run table:
  * e.g. "nf4 block 64 +dq absmax, act int8 percentile,99.9 (4.13 bits)". */

@@ -6,7 +6,9 @@
  *   dense  y[:, band] = x (N, in) @ band^T           dx += dy[:, band] @ band
  *   conv   prod[band, :] = band @ col (ckk, N*OH*OW)  dcol = sum of band^T @ dyt[band, :]
  * The convolution lowers to im2col + sgemm as nn_conv2d does, with the same
- * output layout (N, OC, OH, OW). No weight gradient is ever formed. */
+ * output layout (N, OC, OH, OW). No weight gradient is ever formed.
+ * A forward with int8 operands and no gradient to record runs on the
+ * integer kernels instead (qlayer_int8.c). */
 #include <limits.h>
 #include <string.h>
 
@@ -14,6 +16,7 @@
 #include "nn/gemm.h"
 #include "nn/ops.h"
 #include "qlayer.h"
+#include "qlayer_int8.h"
 
 #define SHAPE_STR(v, buf) tensor_shape_str(&(v)->value, (buf), sizeof(buf))
 
@@ -98,13 +101,16 @@ static void dense_backward(Tape *t, const TapeNode *node) {
     }
 }
 
-static Var *dense_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
+static bool dense_check(Tape *t, const QLayer *q, const Var *x) {
     char sx[64];
-    if (x->value.ndim != 2 || x->value.shape[1] != q->fan_in) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s does not fit the quantized dense layer (want (N, %d))",
-                     q->module->path, SHAPE_STR(x, sx), q->fan_in);
-        return NULL;
-    }
+    if (x->value.ndim == 2 && x->value.shape[1] == q->fan_in) return true;
+    qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s does not fit the quantized dense layer (want (N, %d))",
+                 q->module->path, SHAPE_STR(x, sx), q->fan_in);
+    return false;
+}
+
+static Var *dense_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
+    if (!dense_check(t, q, x)) return NULL;
     const int N = x->value.shape[0], in = q->fan_in, out = q->out;
     Var *y = tape_new_var(t, 2, (const int[]){N, out});
     float *band = band_alloc(t, q); /* (band_rows, in) */
@@ -255,9 +261,16 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
                      SHAPE_STR(bias, sb), q->out);
         return NULL;
     }
+    const bool conv = q->module->spec.type == LAYER_CONV2D;
+    if (qlayer_int8_applies(t, q, x, bias)) {
+        /* nothing to record: the integer kernels (qlayer_int8.c) */
+        int OH = 0, OW = 0;
+        if (conv) return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv(t, q, x, bias, OH, OW) : NULL;
+        return dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
+    }
     Var *xin = layer_input(t, q, x);
     if (!xin) return NULL;
-    return q->module->spec.type == LAYER_CONV2D ? conv_forward(t, q, xin, bias) : dense_forward(t, q, xin, bias);
+    return conv ? conv_forward(t, q, xin, bias) : dense_forward(t, q, xin, bias);
 }
 
 static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx) {

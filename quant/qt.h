@@ -47,7 +47,10 @@
 
 /* c (M, N) int32 = a (M, K) int8 x b (N, K)^T int8: both operands row-major
  * with K contiguous (the layout of X and W), exact integer arithmetic.
- * The fast kernel and its scalar _ref twin give identical results. */
+ * The fast kernel and its scalar _ref twin give identical results. The
+ * fast kernel is AVX-512 VNNI where the CPU has it (qgemm.h: (a + 128) b^T
+ * minus 128 times the row sums of b), else a portable int16 one
+ * (qgemm_force_portable picks that one anywhere). */
 void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 

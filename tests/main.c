@@ -29,7 +29,8 @@
     X(trainer)    \
     X(qlora)      \
     X(quant_qat)  \
-    X(quant_qt)
+    X(quant_qt)   \
+    X(quant_int8)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

@@ -1,0 +1,151 @@
+/* qgemm.h - integer GEMM kernels: uint8 activation codes times int8 weight
+ * codes, summed exactly in int32, for int8 inference (qlayer_int8.c) and for
+ * quantized training's int8 x int8 product (qgemm_s8 in qt.h).
+ *
+ * Two kernel families, chosen once at run time: AVX-512 VNNI (vpdpbusd,
+ * qgemm_x86.c, compiled with function target attributes so the binary still
+ * runs on any x86-64) where the CPU and the OS have AVX-512 F/BW/VL/VNNI,
+ * else portable C (qgemm.c). Both give the same int32 sums and the same
+ * float outputs bit for bit; the tests compare them.
+ *
+ * vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes, adds the four
+ * products and the int32 accumulator without saturation (the s variant
+ * saturates; it is not used). Activations are therefore unsigned: an int8
+ * code q is stored as q + 128 with a zero point raised by 128, and
+ *   sum_k (a_k - a_zero) b_k = sum_k a_k b_k - a_zero * sum_k b_k,
+ * the second term from the weight's per-output-channel sums, computed once
+ * when the weight is packed. The accumulators wrap modulo 2^32 and so do the
+ * corrections (unsigned arithmetic in C), so the result is exact whenever
+ * the true sum fits in int32: |a - a_zero| <= 255 and |b| <= 128 make that
+ * K <= QGEMM_K_MAX for any codes.
+ *
+ * Float outputs are fmaf((float)sum, scale, bias): one rounding of the
+ * product-sum, the same in both kernel families.
+ *
+ * Nothing here allocates but the pack functions. */
+#ifndef QTRAIN_QUANT_QGEMM_H
+#define QTRAIN_QUANT_QGEMM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nn/error.h"
+
+#define QGEMM_LANES 16    /* int32 lanes of one vector: columns of a panel, pixels of a vector */
+#define QGEMM_ROWS 8      /* rows of one register tile */
+#define QGEMM_K_MAX 65536 /* longest sum that is exact for any codes: 65536 * 255 * 128 < 2^31 */
+
+/* Tests and benchmarks set this to run the portable kernels on any CPU. */
+extern bool qgemm_force_portable;
+
+/* Whether this CPU (and OS) can run the AVX-512 VNNI kernels. */
+bool qgemm_cpu_has_vnni(void);
+/* The kernels the dispatching functions run now: "avx512-vnni" or "portable". */
+const char *qgemm_kernel_name(void);
+
+/* ---- dense: uint8 rows times a packed int8 weight ------------------------------------------------------------ */
+
+/* The weight b (n, k), k contiguous, packed once. Layout: panels of 16
+ * output columns; within a panel, groups of 4 consecutive k; within a
+ * group, 16 lanes (columns) of 4 bytes (k):
+ *   data[((p * k_groups + g) * 16 + l) * 4 + j] = b[16 p + l][4 g + j],
+ * 0 where 16 p + l >= n or 4 g + j >= k. One 64-byte vector holds a group
+ * of a panel, the operand of one vpdpbusd against 4 broadcast bytes of a
+ * row. Panels are 64-byte aligned. */
+typedef struct {
+    int n, k;
+    int k_groups;      /* ceil(k / 4) */
+    int panels;        /* ceil(n / 16) */
+    int8_t *data;      /* [panels][k_groups][16][4], layout above */
+    int32_t *col_sum;  /* [panels * 16] sum over k of each row of b; 0 in the padding */
+} QGemmPackedB;
+
+/* b (n, k) -> *p (allocated; free with qgemm_packed_b_free). n, k >= 1,
+ * k <= QGEMM_K_MAX, else QT_ERR_ARG; QT_ERR_NOMEM. On error *p is zeroed. */
+QtStatus qgemm_pack_b(QGemmPackedB *p, const int8_t *b, int n, int k, QtError *err);
+void qgemm_packed_b_free(QGemmPackedB *p);
+
+/* c = (a - a_zero) b^T over rows and panels, with one of two outputs:
+ *   c_i32 (m, ldc)  the int32 sums;
+ *   c_f32 (m, ldc)  fmaf((float)sum, scale[j], bias ? bias[j] : 0).
+ * Row i of a is k bytes at a + i * lda (nothing past them is read). */
+typedef struct {
+    const uint8_t *a;      /* (m, lda) codes */
+    int lda, m;
+    int a_zero;            /* 0..255 */
+    const QGemmPackedB *b;
+    int32_t *c_i32;        /* exactly one of c_i32 and c_f32 */
+    float *c_f32;
+    int ldc;
+    const float *scale;    /* [n], c_f32 only */
+    const float *bias;     /* [n] or NULL, c_f32 only */
+} QGemmDense;
+
+/* Rows [row0, row1) and panels [p0, p1) of the product; disjoint ranges
+ * may run on different threads. Ranges are clipped to the problem. */
+void qgemm_dense(const QGemmDense *d, int row0, int row1, int p0, int p1);
+void qgemm_dense_portable(const QGemmDense *d, int row0, int row1, int p0, int p1);
+
+/* c (m, n) int32 = (a - a_zero) b^T with a (m, k) contiguous: the plain u8 x s8 entry. */
+void qgemm_u8s8(int32_t *c, const uint8_t *a, int a_zero, const QGemmPackedB *b, int m);
+/* The scalar definition on the unpacked weight b (n, k), for tests. */
+void qgemm_u8s8_ref(int32_t *c, const uint8_t *a, int a_zero, const int8_t *b, int m, int n, int k);
+
+/* ---- taps: a shifted GEMM for convolutions without im2col ------------------------------------------------------ */
+
+/* out[r][q] = sum over taps t of dot4(w[r][t], act[off[t] + q]) - a_zero * row_sum[r]
+ * where act is an array of dwords (4 uint8 codes each), w[r][t] a dword of
+ * 4 int8 weights, and q runs over pixels 16 at a time. A convolution is
+ * this with one tap per (channel group, kernel offset): the activation
+ * planes hold 4 channels (or 4 kernel columns) per dword and the tap's
+ * offset shifts the plane by the kernel offset, so no im2col matrix is
+ * built (qlayer_int8.c). Packed layout: blocks of 8 rows, then taps, then
+ * the 8 rows' dwords:
+ *   data[(rb * taps + t) * 8 + s] = w[8 rb + s][t], 0 for rows >= rows,
+ * the 8 broadcasts of one tap adjacent in memory. */
+typedef struct {
+    int rows, taps;
+    int row_blocks;    /* ceil(rows / 8) */
+    int32_t *data;     /* [row_blocks][taps][8], layout above; 64-byte aligned */
+    int32_t *row_sum;  /* [row_blocks * 8] sum of the 4 * taps int8 weights of each row */
+} QGemmPackedTaps;
+
+/* w (rows, taps) dwords, byte j of w[r][t] (little-endian) the int8 weight
+ * of lane j -> *p. rows, taps >= 1, 4 * taps <= QGEMM_K_MAX, else
+ * QT_ERR_ARG; QT_ERR_NOMEM. On error *p is zeroed. */
+QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int taps, QtError *err);
+void qgemm_packed_taps_free(QGemmPackedTaps *p);
+
+/* Vector v covers q = 16 v .. 16 v + 15; the lanes in vec_mask[v] are
+ * outputs, stored in lane order to out[r * ldo + vec_pos[v] + 0, 1, ...]
+ * (so a row of a padded plane lands on a row of the unpadded output):
+ *   out = fmaf((float)sum, scale[r], bias ? bias[r] : 0). */
+typedef struct {
+    const uint8_t *act;        /* dwords; the kernels read act[4 (off[t] + q) ...] for q < 16 n_vec */
+    const int32_t *tap_off;    /* [taps] >= 0, in dwords */
+    int n_vec;
+    const uint16_t *vec_mask;  /* [n_vec] */
+    const int32_t *vec_pos;    /* [n_vec] */
+    const QGemmPackedTaps *w;
+    int a_zero;                /* 0..255 */
+    float *out;                /* (rows, ldo) */
+    size_t ldo;
+    const float *scale;        /* [rows] */
+    const float *bias;         /* [rows] or NULL */
+} QGemmTaps;
+
+/* Row blocks [rb0, rb1) and vectors [v0, v1); disjoint ranges may run on different threads. */
+void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+
+/* ---- quantizing activations ------------------------------------------------------------------------------------ */
+
+/* dst[i] = rint(clamp(x[i] / s, lo, hi)) + zero: fake quantization's codes
+ * (the bounds are whole numbers, so clamping before rounding is clamping
+ * after), shifted to 0..255 (lo + zero >= 0, hi + zero <= 255). False if
+ * some x[i] is NaN or infinite (dst is then unspecified). */
+bool qgemm_quantize_u8(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
+bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
+
+#endif

@@ -1,0 +1,22 @@
+/* qgemm_internal.h - the AVX-512 VNNI kernels behind qgemm.h's dispatching
+ * functions (qgemm_x86.c). Internal to quant/: call them only when
+ * qgemm_use_vnni() is true. */
+#ifndef QTRAIN_QUANT_QGEMM_INTERNAL_H
+#define QTRAIN_QUANT_QGEMM_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "quant/qgemm.h"
+
+/* The CPU has the kernels and qgemm_force_portable is off. */
+bool qgemm_use_vnni(void);
+
+void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1);
+void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
+/* qt.h's qgemm_s8: c (M, N) = a (M, K) b (N, K)^T, int8 both. */
+void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+
+#endif

@@ -1,0 +1,272 @@
+/* qgemm_x86.c - the AVX-512 VNNI kernels of qgemm.h (vpdpbusd: 4 unsigned
+ * times 4 signed bytes summed into each int32 lane, wrapping).
+ *
+ * Every function here carries a target attribute instead of a compiler
+ * flag, so this file builds with the project's flags and the rest of the
+ * binary still runs on CPUs without AVX-512; qgemm.c calls these only after
+ * qgemm_use_vnni(). Results equal the portable kernels bit for bit: the
+ * same packed operands, wrapping int32 sums, the same corrections and one
+ * fused multiply-add per float output.
+ *
+ * Register tiles: QGEMM_ROWS (8) rows x up to 3 vectors of 16 int32 = 24
+ * accumulators, plus 3 vector operands and a broadcast, within the 32 zmm
+ * registers. Dense: rows of a (4 bytes broadcast) times panels of the packed
+ * weight. Taps: rows of the packed weight (4 bytes broadcast) times vectors
+ * of activation dwords at each tap's offset. */
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qgemm.h"
+#include "qgemm_internal.h"
+#include "qt.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define QG_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define QG_INLINE static inline __attribute__((always_inline))
+#define QG_V 3          /* vectors per register tile */
+#define S8_KB 512       /* qgemm_s8: K per packed block (a multiple of 4) */
+
+static inline uint32_t load_u32(const uint8_t *p, int n) {
+    uint32_t v = 0; /* bytes past n stay 0 */
+    memcpy(&v, p, (size_t)n);
+    return v;
+}
+
+static inline __mmask16 lane_mask(int n) { return n >= QGEMM_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+/* ---- dense tiles ----------------------------------------------------------------------------------------------- */
+
+/* acc[r][v] += rows[r][4g .. 4g + n) (flipped to unsigned if flip) x group g of each panel. */
+QG_TARGET QG_INLINE void dense_group(__m512i acc[QGEMM_ROWS][QG_V], const uint8_t *const *rows, const int8_t *panel,
+                                     size_t pstride, int g, int n, const int V, const bool flip) {
+    __m512i b[QG_V];
+#pragma GCC unroll 3
+    for (int v = 0; v < V; v++) b[v] = _mm512_load_si512((const void *)(panel + v * pstride + (size_t)g * 64));
+#pragma GCC unroll 8
+    for (int r = 0; r < QGEMM_ROWS; r++) {
+        __m512i a = _mm512_set1_epi32((int)load_u32(rows[r] + 4 * (size_t)g, n));
+        if (flip) a = _mm512_xor_si512(a, _mm512_set1_epi32((int)0x80808080u));
+#pragma GCC unroll 3
+        for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], a, b[v]);
+    }
+}
+
+/* acc[r][v] = sum over k of rows[r][k] (flipped to unsigned if flip) x panel v. Panels pstride bytes apart,
+ * k bytes per row, read 4 at a time, the last group without reading past the row's end. */
+QG_TARGET QG_INLINE void dense_acc(__m512i acc[QGEMM_ROWS][QG_V], const uint8_t *const *rows, const int8_t *panel,
+                                   size_t pstride, int k, const int V, const bool flip) {
+#pragma GCC unroll 8
+    for (int r = 0; r < QGEMM_ROWS; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_si512();
+    const int full = k / 4;
+    for (int g = 0; g < full; g++) dense_group(acc, rows, panel, pstride, g, 4, V, flip); /* constant-size loads */
+    if (k % 4) dense_group(acc, rows, panel, pstride, full, k % 4, V, flip);
+}
+
+/* The tile's outputs: rows i0 .. i0 + nrows - 1, panels p .. p + V - 1. add: c_i32 += instead of =. */
+QG_TARGET QG_INLINE void dense_epilogue(const QGemmDense *d, __m512i acc[QGEMM_ROWS][QG_V], const int32_t *col_sum,
+                                        int i0, int nrows, int p, const int V, bool add) {
+    const int n = d->b->n;
+    const __m512i az = _mm512_set1_epi32(d->a_zero);
+#pragma GCC unroll 3
+    for (int v = 0; v < V; v++) {
+        const int j0 = (p + v) * QGEMM_LANES;
+        const __mmask16 m = lane_mask(n - j0);
+        const __m512i corr = _mm512_mullo_epi32(az, _mm512_load_si512((const void *)(col_sum + j0)));
+        __m512 sc = _mm512_setzero_ps(), bi = _mm512_setzero_ps();
+        if (d->c_f32) {
+            sc = _mm512_maskz_loadu_ps(m, d->scale + j0);
+            if (d->bias) bi = _mm512_maskz_loadu_ps(m, d->bias + j0);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++) {
+            if (r >= nrows) break;
+            const size_t at = (size_t)(i0 + r) * d->ldc + j0;
+            __m512i s = _mm512_sub_epi32(acc[r][v], corr);
+            if (d->c_f32) {
+                _mm512_mask_storeu_ps(d->c_f32 + at, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, bi));
+            } else {
+                if (add) s = _mm512_add_epi32(s, _mm512_maskz_loadu_epi32(m, d->c_i32 + at));
+                _mm512_mask_storeu_epi32(d->c_i32 + at, m, s);
+            }
+        }
+    }
+}
+
+/* Rows [i0, i0 + nrows) with nrows <= 8: rows past the end repeat the first (read, never stored). */
+QG_TARGET QG_INLINE void dense_tile(const QGemmDense *d, int i0, int nrows, int p, const int V) {
+    const uint8_t *rows[QGEMM_ROWS];
+    for (int r = 0; r < QGEMM_ROWS; r++) rows[r] = d->a + (size_t)(i0 + (r < nrows ? r : 0)) * d->lda;
+    const QGemmPackedB *b = d->b;
+    const size_t pstride = (size_t)b->k_groups * 64;
+    __m512i acc[QGEMM_ROWS][QG_V];
+    dense_acc(acc, rows, b->data + (size_t)p * pstride, pstride, b->k, V, false);
+    dense_epilogue(d, acc, b->col_sum, i0, nrows, p, V, false);
+}
+
+QG_TARGET void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    const int panels = d->b->panels;
+    row0 = row0 < 0 ? 0 : row0, row1 = row1 > d->m ? d->m : row1;
+    p0 = p0 < 0 ? 0 : p0, p1 = p1 > panels ? panels : p1;
+    /* a block of 3 panels stays in L1 while every row of the range passes */
+    for (int p = p0; p < p1; p += QG_V) {
+        const int V = p1 - p < QG_V ? p1 - p : QG_V;
+        for (int i = row0; i < row1; i += QGEMM_ROWS) {
+            const int nr = row1 - i < QGEMM_ROWS ? row1 - i : QGEMM_ROWS;
+            if (V == 3) dense_tile(d, i, nr, p, 3);
+            else if (V == 2) dense_tile(d, i, nr, p, 2);
+            else dense_tile(d, i, nr, p, 1);
+        }
+    }
+}
+
+/* ---- taps tiles ------------------------------------------------------------------------------------------------ */
+
+QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, int rb, int v0, const int V) {
+    const QGemmPackedTaps *w = g->w;
+    const int T = w->taps;
+    const int32_t *wb = w->data + (size_t)rb * T * QGEMM_ROWS; /* [T][8] */
+    const uint8_t *base = g->act + (size_t)v0 * 64;
+    __m512i acc[QGEMM_ROWS][QG_V];
+#pragma GCC unroll 8
+    for (int r = 0; r < QGEMM_ROWS; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_si512();
+    for (int t = 0; t < T; t++) {
+        const uint8_t *src = base + 4 * (size_t)g->tap_off[t];
+        __m512i a[QG_V];
+#pragma GCC unroll 3
+        for (int v = 0; v < V; v++) a[v] = _mm512_loadu_si512((const void *)(src + 64 * v));
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++) {
+            const __m512i b = _mm512_set1_epi32(wb[t * QGEMM_ROWS + r]);
+#pragma GCC unroll 3
+            for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], a[v], b);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < QGEMM_ROWS; r++) {
+        const int row = rb * QGEMM_ROWS + r;
+        if (row >= w->rows) break;
+        const __m512i corr = _mm512_set1_epi32((int32_t)((uint32_t)g->a_zero * (uint32_t)w->row_sum[row]));
+        const __m512 sc = _mm512_set1_ps(g->scale[row]), bi = _mm512_set1_ps(g->bias ? g->bias[row] : 0.0f);
+        float *dst = g->out + (size_t)row * g->ldo;
+#pragma GCC unroll 3
+        for (int v = 0; v < V; v++) {
+            const __mmask16 m = g->vec_mask[v0 + v];
+            if (!m) continue;
+            __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], corr)), sc, bi);
+            float *o = dst + g->vec_pos[v0 + v];
+            if (m == 0xFFFF) {
+                _mm512_storeu_ps(o, y);
+            } else {
+                /* the output lanes packed to the front, then stored as one run */
+                y = _mm512_maskz_compress_ps(m, y);
+                _mm512_mask_storeu_ps(o, lane_mask(__builtin_popcount(m)), y);
+            }
+        }
+    }
+}
+
+QG_TARGET void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    const int rbs = g->w->row_blocks;
+    rb0 = rb0 < 0 ? 0 : rb0, rb1 = rb1 > rbs ? rbs : rb1;
+    v0 = v0 < 0 ? 0 : v0, v1 = v1 > g->n_vec ? g->n_vec : v1;
+    for (int rb = rb0; rb < rb1; rb++)
+        for (int v = v0; v < v1; v += QG_V) {
+            const int V = v1 - v < QG_V ? v1 - v : QG_V;
+            if (V == 3) taps_tile(g, rb, v, 3);
+            else if (V == 2) taps_tile(g, rb, v, 2);
+            else taps_tile(g, rb, v, 1);
+        }
+}
+
+/* ---- quantizing ------------------------------------------------------------------------------------------------ */
+
+QG_TARGET bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
+    const __m512 vs = _mm512_set1_ps(s), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    const __m512 big = _mm512_set1_ps(3.40282347e38f);
+    const __m512i vz = _mm512_set1_epi32(zero), absmask = _mm512_set1_epi32(0x7fffffff);
+    __mmask16 bad = 0;
+    for (size_t i = 0; i < n; i += QGEMM_LANES) {
+        const __mmask16 m = n - i >= QGEMM_LANES ? (__mmask16)0xFFFF : lane_mask((int)(n - i));
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), absmask));
+        bad |= _mm512_mask_cmp_ps_mask(m, a, big, _CMP_NLE_UQ); /* NaN or infinite */
+        /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
+        __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, vs), vlo), vhi);
+        __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), vz); /* round to nearest even (MXCSR default) */
+        _mm512_mask_cvtepi32_storeu_epi8(dst + i, m, c);
+    }
+    return bad == 0;
+}
+
+/* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
+
+/* b's columns [j0, j0 + jn) over k [k0, k0 + kn) (jn <= 48, kn <= S8_KB) -> 3 panels of kg groups, and their
+ * column sums. */
+static void s8_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg) {
+    memset(pack, 0, (size_t)QG_V * kg * 64);
+    memset(sum, 0, QG_V * QGEMM_LANES * sizeof *sum);
+    for (int j = 0; j < jn; j++) {
+        int8_t *dst = pack + (size_t)(j / QGEMM_LANES) * kg * 64 + (size_t)(j % QGEMM_LANES) * 4;
+        const int8_t *src = b + (size_t)(j0 + j) * K + k0;
+        int g = 0;
+        for (; 4 * g + 4 <= kn; g++) memcpy(dst + (size_t)g * 64, src + 4 * g, 4); /* a group's 4 bytes at once */
+        if (4 * g < kn) memcpy(dst + (size_t)g * 64, src + 4 * g, (size_t)(kn - 4 * g));
+        int32_t s = 0;
+        for (int kk = 0; kk < kn; kk++) s += src[kk];
+        sum[j] = s;
+    }
+}
+
+QG_TARGET QG_INLINE void s8_tile(int32_t *c, const int8_t *a, int M, int N, int K, int i0, int j0, int k0, int kn,
+                                 const int8_t *pack, const int32_t *sum, int kg, const int V) {
+    const int nrows = M - i0 < QGEMM_ROWS ? M - i0 : QGEMM_ROWS;
+    const uint8_t *rows[QGEMM_ROWS];
+    for (int r = 0; r < QGEMM_ROWS; r++)
+        rows[r] = (const uint8_t *)a + (size_t)(i0 + (r < nrows ? r : 0)) * K + k0;
+    __m512i acc[QGEMM_ROWS][QG_V];
+    dense_acc(acc, rows, pack, (size_t)kg * 64, kn, V, true);
+    /* a + 128 was multiplied: subtract 128 * the column sums (a_zero 128 of the dense epilogue) */
+    QGemmPackedB pb = {.n = N - j0, .k = kn, .k_groups = kg, .panels = V};
+    QGemmDense d = {.a_zero = 128, .b = &pb, .c_i32 = c + j0, .ldc = N};
+    dense_epilogue(&d, acc, sum, i0, nrows, 0, V, k0 > 0);
+}
+
+QG_TARGET void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    _Alignas(64) int8_t pack[QG_V * S8_KB / 4 * 64];   /* 3 panels of the current block: 24 KiB */
+    _Alignas(64) int32_t sum[QG_V * QGEMM_LANES];
+    for (int j0 = 0; j0 < N; j0 += QG_V * QGEMM_LANES) {
+        const int jn = N - j0 < QG_V * QGEMM_LANES ? N - j0 : QG_V * QGEMM_LANES;
+        const int V = (jn + QGEMM_LANES - 1) / QGEMM_LANES;
+        for (int k0 = 0; k0 < K; k0 += S8_KB) {
+            const int kn = K - k0 < S8_KB ? K - k0 : S8_KB, kg = (kn + 3) / 4;
+            s8_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
+            for (int i = 0; i < M; i += QGEMM_ROWS) {
+                if (V == 3) s8_tile(c, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 3);
+                else if (V == 2) s8_tile(c, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 2);
+                else s8_tile(c, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 1);
+            }
+        }
+    }
+}
+
+#else /* not x86: qgemm_use_vnni() is always false, so these are never called */
+
+void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    qgemm_dense_portable(d, row0, row1, p0, p1);
+}
+void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
+bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
+    return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
+}
+void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref(c, a, b, M, N, K);
+}
+
+#endif

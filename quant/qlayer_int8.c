@@ -1,0 +1,451 @@
+/* qlayer_int8.c - the frozen layer's integer forward (qlayer.h, "Int8
+ * inference"): the input quantized to uint8 codes with the static range,
+ * the int8 weight packed once, the products on qgemm.h's kernels.
+ *
+ * Codes. Fake quantization maps x to q = rint(clamp(x / s, qmin - zp,
+ * qmax - zp)) and back to q * s. Here the same q is stored as the byte
+ * u = q + a_zero with a_zero = zp (uint8) or zp + 128 (int8), so that
+ * sum_k q_k w_k = sum_k (u_k - a_zero) w_k, which the kernels compute.
+ *
+ * Dense: x (N, in) -> codes (N, in), then the u8 x s8 GEMM against the
+ * packed weight with the float epilogue: y (N, out) directly.
+ *
+ * Conv2d, stride 1: no im2col. Each image's codes go into "planes" of
+ * dwords over the zero-padded image (padding value a_zero, whose term is
+ * then 0), in one of two groupings:
+ *   ch4  dword = 4 channels of one padded pixel; one tap per (channel
+ *        quad, kh, kw) at offset kh * Wp + kw;
+ *   kw4  dword = 4 consecutive pixels of one channel's padded row (a
+ *        sliding window); one tap per (channel, kh, quad of kw) at offset
+ *        kh * Wp + 4 * quad: for few channels (the first layer's 1).
+ * The grouping with fewer taps wins. Outputs are computed at every pixel
+ * of the padded width (q = oh * Wp + ow), and the taps kernel stores only
+ * the lanes with ow < OW, packed, so each row lands in y's unpadded plane.
+ * Any other stride: "cols", the im2col matrix in dwords of 4 consecutive
+ * k, one tap per dword. Every image is one task (quantize, planes, taps).
+ *
+ * Scratch (codes, planes, output vector tables) comes from the tape's
+ * arena; the packed weight is allocated once (qlayer_int8_prepare). */
+#include "qlayer_int8.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fakequant_internal.h"
+#include "nn/parallel.h"
+#include "qgemm.h"
+
+bool qlayer_int8_disable = false;
+
+/* Below this many multiply-adds (a few microseconds of VNNI work) a layer runs on one thread: waking a worker
+ * would cost more than it saves. */
+double qlayer_int8_parallel_min_macs = 4e6;
+
+enum { CONV_CH4, CONV_KW4, CONV_COLS };
+
+struct QLayerInt8 {
+    QGemmPackedB dense;    /* dense: the weight (out, fan_in) */
+    QGemmPackedTaps taps;  /* conv2d: the weight as (OC, taps) dwords, taps as conv_shape orders them */
+    float *w_scale;        /* [out] the weight's scale of each output channel */
+};
+
+/* ---- eligibility ----------------------------------------------------------------------------------------------- */
+
+static bool is_int8_act(const QType *a) {
+    return a && (a->kind == QTYPE_KIND_INT || a->kind == QTYPE_KIND_UINT) && a->bits == 8;
+}
+
+/* Why q's formats exclude the int8 path, or NULL. */
+static const char *unsupported_why(const QLayer *q) {
+    const QType *w = q->weight.qtype;
+    if (!w || w->kind != QTYPE_KIND_INT || w->bits != 8) return "the weight is not int8";
+    if (q->weight.asymmetric) return "the weight has zero points (int8 weights must be symmetric)";
+    if (q->spec.tile_size != 0 || (q->weight.n_scales != 1 && q->weight.n_scales != (size_t)q->out))
+        return "the weight has block scales (use one per output channel or per tensor: tile_size 0)";
+    if (!is_int8_act(q->spec.act_qtype)) return "the input is not quantized to int8 or uint8 (act_qtype)";
+    if (q->fan_in > QGEMM_K_MAX) return "fan_in is longer than an exact int32 sum allows";
+    return NULL;
+}
+
+bool qlayer_int8_supported(const QLayer *q) { return q && q->module && !unsupported_why(q); }
+
+bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var *bias) {
+    if (qlayer_int8_disable || !q->act_ready || q->calibrating || !qlayer_int8_supported(q)) return false;
+    /* without VNNI the portable kernels are slower than fake quantization + sgemm: keep the float path there
+     * unless the portable kernels are asked for */
+    if (!qgemm_cpu_has_vnni() && !qgemm_force_portable) return false;
+    return !(t->grad_enabled && (x->requires_grad || (bias && bias->requires_grad)));
+}
+
+/* ---- the packed weight ----------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int C, KH, KW;
+    int mode, groups, taps;
+    int kq; /* kw4: quads of kernel columns */
+} ConvShape;
+
+static ConvShape conv_shape(const QLayer *q) {
+    ConvShape c = {.C = q->w_shape[1], .KH = q->w_shape[2], .KW = q->w_shape[3]};
+    c.kq = (c.KW + 3) / 4;
+    long ch4 = (long)((c.C + 3) / 4) * c.KH * c.KW, kw4 = (long)c.C * c.KH * c.kq;
+    c.mode = q->module->spec.stride != 1 ? CONV_COLS : kw4 < ch4 ? CONV_KW4 : CONV_CH4;
+    switch (c.mode) {
+    case CONV_CH4: c.groups = (c.C + 3) / 4, c.taps = (int)ch4; break;
+    case CONV_KW4: c.groups = c.C, c.taps = (int)kw4; break;
+    default: c.groups = (c.C * c.KH * c.KW + 3) / 4, c.taps = c.groups; break;
+    }
+    return c;
+}
+
+/* Tap t as (plane group, kh, first kernel column); cols: (group, 0, 0). */
+static void tap_at(const ConvShape *c, int t, int *g, int *kh, int *kw) {
+    if (c->mode == CONV_CH4) *g = t / (c->KH * c->KW), *kh = t / c->KW % c->KH, *kw = t % c->KW;
+    else if (c->mode == CONV_KW4) *g = t / (c->KH * c->kq), *kh = t / c->kq % c->KH, *kw = 4 * (t % c->kq);
+    else *g = t, *kh = 0, *kw = 0;
+}
+
+/* w (OC, C*KH*KW) int8 codes -> dw (OC, taps): byte j of tap t is the weight lane j of its dword meets. */
+static void conv_dwords(uint32_t *dw, const int8_t *w, int OC, const ConvShape *c) {
+    const int K = c->C * c->KH * c->KW;
+    for (int oc = 0; oc < OC; oc++)
+        for (int t = 0; t < c->taps; t++) {
+            int g, kh, kw;
+            tap_at(c, t, &g, &kh, &kw);
+            uint32_t d = 0;
+            for (int j = 0; j < 4; j++) {
+                int k = -1; /* flat (c, kh, kw) index, -1 for padding lanes */
+                if (c->mode == CONV_CH4 && 4 * g + j < c->C) k = ((4 * g + j) * c->KH + kh) * c->KW + kw;
+                else if (c->mode == CONV_KW4 && kw + j < c->KW) k = (g * c->KH + kh) * c->KW + kw + j;
+                else if (c->mode == CONV_COLS && 4 * g + j < K) k = 4 * g + j;
+                if (k >= 0) d |= (uint32_t)(uint8_t)w[(size_t)oc * K + k] << (8 * j);
+            }
+            dw[(size_t)oc * c->taps + t] = d;
+        }
+}
+
+static void int8_free(QLayerInt8 *p) {
+    if (!p) return;
+    qgemm_packed_b_free(&p->dense);
+    qgemm_packed_taps_free(&p->taps);
+    free(p->w_scale);
+    free(p);
+}
+
+void qlayer_int8_release(QLayer *q) {
+    if (!q) return;
+    int8_free(q->int8);
+    q->int8 = NULL;
+}
+
+static QtStatus pack_weight(QLayerInt8 *p, const QLayer *q, QtError *err) {
+    const int8_t *codes = (const int8_t *)q->weight.codes;
+    QtError inner = {0};
+    QtStatus st;
+    if (q->module->spec.type != LAYER_CONV2D) {
+        st = qgemm_pack_b(&p->dense, codes, q->out, q->fan_in, &inner);
+    } else {
+        ConvShape c = conv_shape(q);
+        uint32_t *dw = malloc((size_t)q->out * c.taps * sizeof *dw);
+        if (!dw)
+            return qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory packing the weight for int8", q->module->path);
+        conv_dwords(dw, codes, q->out, &c);
+        st = qgemm_pack_taps(&p->taps, dw, q->out, c.taps, &inner);
+        free(dw);
+    }
+    if (st != QT_OK) qt_error_set(err, st, "%s: packing the weight for int8: %s", q->module->path, inner.msg);
+    return st;
+}
+
+QtStatus qlayer_int8_prepare(QLayer *q, QtError *err) {
+    if (!q || !q->module || !q->weight.qtype)
+        return qt_error_set(err, QT_ERR_ARG, "qlayer_int8_prepare: the quantized layer is not initialised");
+    const char *why = unsupported_why(q);
+    if (why)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: the int8 path does not apply: %s; it needs an int8 weight "
+                            "(symmetric, tile_size 0) and an int8 or uint8 act_qtype", q->module->path, why);
+    if (q->int8) return QT_OK;
+    QLayerInt8 *p = calloc(1, sizeof *p);
+    float *ws = malloc((size_t)q->out * sizeof *ws);
+    if (!p || !ws) {
+        free(p), free(ws);
+        return qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory packing the weight for int8", q->module->path);
+    }
+    p->w_scale = ws;
+    for (int o = 0; o < q->out; o++) ws[o] = qarray_scale_at(&q->weight, q->weight.n_scales == 1 ? 0 : (size_t)o);
+    QtStatus st = pack_weight(p, q, err);
+    if (st != QT_OK) {
+        int8_free(p);
+        return st;
+    }
+    q->int8 = p;
+    return QT_OK;
+}
+
+/* ---- the input's codes ----------------------------------------------------------------------------------------- */
+
+typedef struct {
+    float s, lo, hi; /* fake quantization's scale and clamp bounds in code units (zero point applied) */
+    int zero;        /* a_zero: the byte of the value 0 */
+} ActCodes;
+
+/* The static range as codes, checked as fake quantization checks a given scale and zero point. */
+static bool act_codes(Tape *t, const QLayer *q, ActCodes *a) {
+    const QType *at = q->spec.act_qtype;
+    float s = q->act_scale, zp = q->spec.act_symmetric ? 0.0f : q->act_zero_point;
+    if (!(s > 0.0f) || isinf(s)) {
+        qt_error_set(&t->err, QT_ERR_VALUE, "%s: the static input scale is %g; it must be a finite number > 0 "
+                     "(calibrate again)", q->module->path, (double)s);
+        return false;
+    }
+    if (!(zp >= (float)at->qmin && zp <= (float)at->qmax) || zp != rintf(zp)) {
+        qt_error_set(&t->err, QT_ERR_VALUE, "%s: the static input zero point %g is not a whole number within %s's "
+                     "codes %d..%d (calibrate again)", q->module->path, (double)zp, at->name, at->qmin, at->qmax);
+        return false;
+    }
+    *a = (ActCodes){.s = s >= QARRAY_SCALE_MIN ? s : 1.0f, .lo = (float)at->qmin - zp, .hi = (float)at->qmax - zp,
+                    .zero = (int)zp + (at->kind == QTYPE_KIND_INT ? 128 : 0)};
+    return true;
+}
+
+/* s_x * s_w[o] for every output channel -> arena [out]. */
+static float *out_scales(Tape *t, const QLayer *q, float sx) {
+    float *s = tape_alloc(t, (size_t)q->out * sizeof *s);
+    for (int o = 0; s && o < q->out; o++) s[o] = sx * q->int8->w_scale[o];
+    return s;
+}
+
+/* Packs on first use; false with the tape error set. */
+static bool ensure_packed(Tape *t, QLayer *q) {
+    if (q->int8) return true;
+    QtError e = {0};
+    if (qlayer_int8_prepare(q, &e) == QT_OK) return true;
+    qt_error_set(&t->err, e.status, "%s", e.msg);
+    return false;
+}
+
+/* The threads a layer of this many multiply-adds uses. */
+static int threads_for(double macs) { return macs < qlayer_int8_parallel_min_macs ? 1 : parallel_get_threads(); }
+
+/* A task given the running thread's index (for per-thread scratch). */
+typedef void (*Int8TaskFn)(void *ctx, int task, int worker);
+
+typedef struct {
+    Int8TaskFn fn;
+    void *ctx;
+} Int8Job;
+
+static void int8_trampoline(void *c, int task, int n_tasks) {
+    (void)n_tasks;
+    const Int8Job *j = c;
+    j->fn(j->ctx, task, parallel_thread_index());
+}
+
+/* n_tasks tasks over the step's pool (nn/parallel.h), or in the calling
+ * thread as worker 0 when threads is 1. */
+static void int8_run(int threads, int n_tasks, Int8TaskFn fn, void *ctx) {
+    if (threads <= 1) {
+        for (int i = 0; i < n_tasks; i++) fn(ctx, i, 0);
+        return;
+    }
+    Int8Job j = {fn, ctx};
+    parallel_run(n_tasks, int8_trampoline, &j);
+}
+
+/* After the tasks: the float path's message for a non-finite input. */
+static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!bad[i]) continue;
+        if (fq_check_finite(t, "fake_quant", x)) /* cannot happen: the kernels saw a NaN or an infinity */
+            qt_error_set(&t->err, QT_ERR_VALUE, "fake_quant: the input holds a value that is not finite");
+        return false;
+    }
+    return true;
+}
+
+/* ---- dense ----------------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    QGemmDense d;
+    const float *x; /* (N, in) */
+    ActCodes ac;
+    int rows;       /* per task */
+    uint8_t *bad;   /* [tasks] */
+} DenseJob;
+
+static void dense_task(void *ctx, int task, int worker) {
+    (void)worker;
+    DenseJob *j = ctx;
+    const int r0 = task * j->rows, r1 = r0 + j->rows < j->d.m ? r0 + j->rows : j->d.m, K = j->d.lda;
+    uint8_t *a = (uint8_t *)j->d.a + (size_t)r0 * K;
+    j->bad[task] = !qgemm_quantize_u8(a, j->x + (size_t)r0 * K, (size_t)(r1 - r0) * K, j->ac.s, j->ac.lo, j->ac.hi,
+                                      j->ac.zero);
+    qgemm_dense(&j->d, r0, r1, 0, j->d.b->panels);
+}
+
+Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias) {
+    const int N = x->value.shape[0], in = q->fan_in, out = q->out;
+    const int threads = threads_for((double)N * in * out);
+    DenseJob j = {.x = x->value.data};
+    if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    /* tasks of whole 8-row tiles, about two per thread so a slow one is evened out */
+    int per = (N + 2 * threads - 1) / (2 * threads);
+    j.rows = (per + QGEMM_ROWS - 1) / QGEMM_ROWS * QGEMM_ROWS;
+    const int tasks = (N + j.rows - 1) / j.rows;
+    Var *y = tape_new_var(t, 2, (const int[]){N, out});
+    uint8_t *codes = tape_alloc(t, (size_t)N * in); /* (N, in) */
+    float *scale = out_scales(t, q, j.ac.s);
+    j.bad = tape_alloc(t, (size_t)tasks);
+    if (!y || !codes || !scale || !j.bad) return NULL;
+    j.d = (QGemmDense){.a = codes, .lda = in, .m = N, .a_zero = j.ac.zero, .b = &q->int8->dense,
+                       .c_f32 = y->value.data, .ldc = out, .scale = scale, .bias = bias ? bias->value.data : NULL};
+    int8_run(threads, tasks, dense_task, &j);
+    return inputs_finite(t, x, j.bad, tasks) ? y : NULL;
+}
+
+/* ---- conv2d ---------------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    ConvShape c;
+    int N, H, W, OC, OH, OW, stride, pad;
+    int Hp, Wp;        /* the padded input (stride-1 groupings) */
+    int pitch;         /* q per output row: Wp, or OW for cols */
+    size_t plane;      /* dwords per group plane */
+    size_t scratch;    /* bytes of one thread's scratch */
+    const float *x;    /* (N, C, H, W) */
+    ActCodes ac;
+    QGemmTaps g;       /* act and out set per image */
+    uint8_t *work;     /* [threads * scratch] */
+    uint8_t *bad;      /* [N] */
+} ConvJob;
+
+/* ch4: planes (ceil(C/4), plane) of 4 channels per padded pixel. */
+static void planes_ch4(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    const int C = j->c.C, H = j->H, W = j->W;
+    for (int g = 0; g < j->c.groups; g++) {
+        uint32_t *p = pl + (size_t)g * j->plane;
+        for (size_t i = 0; i < j->plane; i++) p[i] = fill;
+        const uint8_t *r[4];
+        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? codes + (size_t)(4 * g + k) * H * W : NULL;
+        for (int h = 0; h < H; h++) {
+            uint32_t *d = p + (size_t)(h + j->pad) * j->Wp + j->pad; /* [W] */
+            const size_t o = (size_t)h * W;
+            if (r[3]) {
+                for (int w = 0; w < W; w++)
+                    d[w] = r[0][o + w] | (uint32_t)r[1][o + w] << 8 | (uint32_t)r[2][o + w] << 16 |
+                           (uint32_t)r[3][o + w] << 24;
+            } else {
+                for (int w = 0; w < W; w++) {
+                    uint32_t v = fill;
+                    for (int k = 0; k < 4 && r[k]; k++)
+                        v = (v & ~(0xFFu << (8 * k))) | (uint32_t)r[k][o + w] << (8 * k);
+                    d[w] = v;
+                }
+            }
+        }
+    }
+}
+
+/* kw4: planes (C, plane), dword q = padded pixels q..q+3 of one channel; bytes: scratch of plane + 4. */
+static void planes_kw4(uint32_t *pl, uint8_t *bytes, const uint8_t *codes, const ConvJob *j) {
+    for (int c = 0; c < j->c.C; c++) {
+        memset(bytes, j->ac.zero, j->plane + 4);
+        for (int h = 0; h < j->H; h++)
+            memcpy(bytes + (size_t)(h + j->pad) * j->Wp + j->pad, codes + ((size_t)c * j->H + h) * j->W, (size_t)j->W);
+        uint32_t *p = pl + (size_t)c * j->plane;
+        for (size_t q = 0; q < j->plane; q++)
+            p[q] = bytes[q] | (uint32_t)bytes[q + 1] << 8 | (uint32_t)bytes[q + 2] << 16 | (uint32_t)bytes[q + 3] << 24;
+    }
+}
+
+/* cols: planes (ceil(K/4), plane), dword q = the 4 k of output pixel q, a_zero outside the image. */
+static void planes_cols(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
+    const int KH = j->c.KH, KW = j->c.KW, K = j->c.C * KH * KW, P = j->OH * j->OW;
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    for (int g = 0; g < j->c.groups; g++) {
+        uint32_t *p = pl + (size_t)g * j->plane;
+        for (int q = 0; q < P; q++) {
+            const int oh = q / j->OW, ow = q % j->OW;
+            uint32_t v = 0;
+            for (int b = 0; b < 4; b++) {
+                const int k = 4 * g + b, c = k / (KH * KW), kh = k / KW % KH, kw = k % KW;
+                const int ih = oh * j->stride + kh - j->pad, iw = ow * j->stride + kw - j->pad;
+                uint32_t u = (uint32_t)j->ac.zero;
+                if (k < K && ih >= 0 && ih < j->H && iw >= 0 && iw < j->W)
+                    u = codes[((size_t)c * j->H + ih) * j->W + iw];
+                v |= u << (8 * b);
+            }
+            p[q] = v;
+        }
+        for (size_t q = (size_t)P; q < j->plane; q++) p[q] = fill;
+    }
+}
+
+static void conv_task(void *ctx, int n, int worker) {
+    ConvJob *j = ctx;
+    const size_t in_img = (size_t)j->c.C * j->H * j->W;
+    uint8_t *codes = j->work + (size_t)worker * j->scratch;               /* (C, H, W) */
+    uint32_t *planes = (uint32_t *)(codes + (in_img + 63) / 64 * 64);     /* (groups, plane) */
+    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane); /* kw4: [plane + 4] */
+    j->bad[n] = !qgemm_quantize_u8(codes, j->x + (size_t)n * in_img, in_img, j->ac.s, j->ac.lo, j->ac.hi, j->ac.zero);
+    if (j->c.mode == CONV_CH4) planes_ch4(planes, codes, j);
+    else if (j->c.mode == CONV_KW4) planes_kw4(planes, bytes, codes, j);
+    else planes_cols(planes, codes, j);
+    QGemmTaps g = j->g;
+    g.act = (const uint8_t *)planes;
+    g.out = g.out + (size_t)n * j->OC * j->OH * j->OW;
+    qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+}
+
+/* Tap offsets, the output lanes of each vector and the scratch size. */
+static bool conv_plan(Tape *t, ConvJob *j, int threads) {
+    const ConvShape *c = &j->c;
+    const bool cols = c->mode == CONV_COLS;
+    j->Hp = j->H + 2 * j->pad, j->Wp = j->W + 2 * j->pad;
+    j->pitch = cols ? j->OW : j->Wp;
+    const int nq = j->OH * j->pitch, n_vec = (nq + QGEMM_LANES - 1) / QGEMM_LANES;
+    /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns */
+    size_t need = cols ? (size_t)n_vec * QGEMM_LANES : (size_t)j->Hp * j->Wp + (size_t)c->KW + 19;
+    j->plane = (need + 15) / 16 * 16;
+    const size_t in_img = (size_t)c->C * j->H * j->W;
+    j->scratch = ((in_img + 63) / 64 * 64 + (size_t)c->groups * j->plane * 4 + j->plane + 4 + 63) / 64 * 64;
+    int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
+    uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
+    int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
+    j->work = tape_alloc(t, (size_t)threads * j->scratch);
+    j->bad = tape_alloc(t, (size_t)j->N);
+    if (!off || !mask || !pos || !j->work || !j->bad) return false;
+    for (int tp = 0; tp < c->taps; tp++) {
+        int g, kh, kw;
+        tap_at(c, tp, &g, &kh, &kw);
+        off[tp] = (int32_t)((size_t)g * j->plane + (size_t)kh * j->Wp + (size_t)kw);
+    }
+    for (int v = 0; v < n_vec; v++) {
+        mask[v] = 0, pos[v] = 0;
+        for (int l = QGEMM_LANES - 1; l >= 0; l--) { /* downwards: pos ends at the first output lane */
+            const int q = v * QGEMM_LANES + l;
+            if (q >= nq || q % j->pitch >= j->OW) continue;
+            mask[v] |= (uint16_t)(1u << l);
+            pos[v] = q / j->pitch * j->OW + q % j->pitch;
+        }
+    }
+    j->g.tap_off = off, j->g.vec_mask = mask, j->g.vec_pos = pos, j->g.n_vec = n_vec;
+    return true;
+}
+
+Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
+    const int threads = threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
+    ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
+                 .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .x = x->value.data};
+    if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    j.c = conv_shape(q);
+    Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, OH, OW});
+    float *scale = out_scales(t, q, j.ac.s);
+    if (!y || !scale || !conv_plan(t, &j, threads)) return NULL;
+    j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)OH * OW;
+    j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
+    int8_run(threads, j.N, conv_task, &j);
+    return inputs_finite(t, x, j.bad, j.N) ? y : NULL;
+}

@@ -1,0 +1,23 @@
+/* qlayer_int8.h - the quantized layer's int8 forward (qlayer_int8.c), as
+ * qlayer_ops.c calls it. Internal to quant/; qlayer.h describes the path. */
+#ifndef QTRAIN_QUANT_QLAYER_INT8_H
+#define QTRAIN_QUANT_QLAYER_INT8_H
+
+#include <stdbool.h>
+
+#include "nn/tape.h"
+#include "quant/qlayer.h"
+
+/* Layers with fewer multiply-adds run on one thread (default 4e6); tests set 0 to split every layer. */
+extern double qlayer_int8_parallel_min_macs;
+
+/* Whether this forward of q on x takes the int8 path: supported formats, a
+ * calibrated range, not calibrating, and no gradient to record. */
+bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var *bias);
+
+/* y (N, out) from x (N, fan_in), shapes checked by the caller. */
+Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias);
+/* y (N, OC, OH, OW) from x (N, C, H, W), shapes checked by the caller. */
+Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW);
+
+#endif

@@ -1,0 +1,316 @@
+/* test_qgemm_x86.c - the integer kernels of qgemm.h: the AVX-512 VNNI
+ * kernels (on a CPU that has them), the portable ones and the scalar
+ * definitions agree bit for bit on odd shapes (int32 sums and float
+ * outputs), split ranges give the whole, the activation quantizer equals
+ * fake quantization's rounding, qgemm_s8 on both paths, the packers'
+ * errors. Registers the quant_int8 suite (with test_qlayer_int8.c). On a
+ * CPU without VNNI the "fast" runs are the portable kernels again. */
+#include <CUnit/CUnit.h>
+#include <float.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/rng.h"
+#include "quant/qgemm.h"
+#include "quant/qt.h"
+#include "test_int8.h"
+#include "test_util.h"
+
+static void *xmalloc(size_t n) {
+    void *p = calloc(n ? n : 1, 1); /* zeroed: no read of malloc garbage, even in the compiler's eyes */
+    CU_ASSERT_PTR_NOT_NULL_FATAL(p);
+    return p;
+}
+
+static void fill_bytes(uint8_t *p, size_t n, Rng *r) {
+    for (size_t i = 0; i < n; i++) p[i] = (uint8_t)rng_below(r, 256);
+}
+
+static bool same_or_say(const void *a, const void *b, size_t bytes, const char *what) {
+    if (memcmp(a, b, bytes) == 0) return true;
+    fprintf(stderr, "\n  %s differ\n", what);
+    return false;
+}
+
+/* ---- dense ----------------------------------------------------------------------------------------------------- */
+
+/* c (M, N) through the dispatching kernel (portable or not) in pieces: rows in thirds, panels one by one. */
+static void dense_in_pieces(const QGemmDense *d, bool portable) {
+    int cuts[4] = {0, d->m / 3, 2 * d->m / 3, d->m};
+    for (int i = 0; i < 3; i++)
+        for (int p = 0; p < d->b->panels; p++) {
+            if (portable) qgemm_dense_portable(d, cuts[i], cuts[i + 1], p, p + 1);
+            else qgemm_dense(d, cuts[i], cuts[i + 1], p, p + 1);
+        }
+}
+
+static void dense_case(int M, int N, int K, int a_zero, uint64_t seed, bool extremes) {
+    char what[96];
+    snprintf(what, sizeof what, "dense (%d, %d, %d) a_zero %d%s", M, N, K, a_zero, extremes ? " extremes" : "");
+    Rng r;
+    rng_init(&r, seed, 3);
+    uint8_t *a = xmalloc((size_t)M * K); /* exactly M*K: reading past a row end is an ASan error */
+    int8_t *b = xmalloc((size_t)N * K);
+    fill_bytes(a, (size_t)M * K, &r);
+    fill_bytes((uint8_t *)b, (size_t)N * K, &r);
+    if (extremes) {
+        memset(a, a_zero < 128 ? 255 : 0, (size_t)M * K);
+        memset(b, 0x80, (size_t)N * K); /* -128 */
+    }
+    QGemmPackedB p;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_b(&p, b, N, K, &err), QT_OK);
+    const int ldc = N + 3; /* a gap the kernels must not touch */
+    size_t nc = (size_t)M * ldc;
+    int32_t *ref = xmalloc((size_t)M * N * sizeof *ref), *c1 = xmalloc(nc * 4), *c2 = xmalloc(nc * 4);
+    float *f1 = xmalloc(nc * 4), *f2 = xmalloc(nc * 4), *want = xmalloc(nc * 4);
+    float *scale = xmalloc((size_t)N * 4), *bias = xmalloc((size_t)N * 4);
+    for (int j = 0; j < N; j++) scale[j] = 1e-3f * (1.0f + (float)rng_below(&r, 1000)), bias[j] = (float)j - 7.25f;
+    qgemm_u8s8_ref(ref, a, a_zero, b, M, N, K);
+
+    memset(c1, 0x5a, nc * 4), memset(c2, 0x5a, nc * 4);
+    QGemmDense d = {.a = a, .lda = K, .m = M, .a_zero = a_zero, .b = &p, .c_i32 = c1, .ldc = ldc};
+    qgemm_dense(&d, 0, M, 0, p.panels);
+    d.c_i32 = c2;
+    dense_in_pieces(&d, true);
+    bool ok = memcmp(c1, c2, nc * 4) == 0; /* the gaps too */
+    for (int i = 0; i < M; i++) ok &= memcmp(c1 + (size_t)i * ldc, ref + (size_t)i * N, (size_t)N * 4) == 0;
+    if (!ok) fprintf(stderr, "\n  %s: int32 sums differ\n", what);
+    CU_ASSERT(ok);
+
+    /* float outputs: fmaf of the exact sum, with and without a bias */
+    for (int with_bias = 0; with_bias < 2; with_bias++) {
+        memset(f1, 0x5a, nc * 4), memset(f2, 0x5a, nc * 4), memset(want, 0x5a, nc * 4);
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++)
+                want[(size_t)i * ldc + j] = fmaf((float)ref[(size_t)i * N + j], scale[j], with_bias ? bias[j] : 0.0f);
+        QGemmDense df = {.a = a, .lda = K, .m = M, .a_zero = a_zero, .b = &p, .c_f32 = f1, .ldc = ldc,
+                         .scale = scale, .bias = with_bias ? bias : NULL};
+        dense_in_pieces(&df, false);
+        df.c_f32 = f2;
+        qgemm_dense_portable(&df, 0, M, 0, p.panels);
+        CU_ASSERT(same_or_say(f1, want, nc * 4, what));
+        CU_ASSERT(same_or_say(f2, want, nc * 4, what));
+    }
+    /* the plain entry */
+    qgemm_u8s8(c1, a, a_zero, &p, M);
+    CU_ASSERT(same_or_say(c1, ref, (size_t)M * N * 4, what));
+    qgemm_packed_b_free(&p);
+    CU_ASSERT_PTR_NULL(p.data);
+    free(a), free(b), free(ref), free(c1), free(c2), free(f1), free(f2), free(want), free(scale), free(bias);
+}
+
+static void test_dense(void) {
+    static const int MS[] = {1, 7, 8, 9, 23}, NS[] = {1, 15, 16, 17, 47, 49, 97}, KS[] = {1, 3, 4, 5, 63, 785};
+    uint64_t seed = 1;
+    for (size_t i = 0; i < sizeof MS / sizeof *MS; i++)
+        for (size_t j = 0; j < sizeof NS / sizeof *NS; j++)
+            for (size_t k = 0; k < sizeof KS / sizeof *KS; k++)
+                dense_case(MS[i], NS[j], KS[k], (int)(seed * 37 % 256), seed, false), seed++;
+    dense_case(13, 33, 3001, 128, 90, false);
+    dense_case(5, 18, 4099, 0, 91, true);      /* 255 * -128 summed */
+    dense_case(3, 17, 4098, 255, 92, true);    /* (0 - 255) * -128 summed */
+    dense_case(2, 3, QGEMM_K_MAX, 0, 93, true); /* the longest exact sum: -2^31 + 2^23 */
+}
+
+/* ---- taps ------------------------------------------------------------------------------------------------------ */
+
+static void taps_case(int rows, int taps, int n_vec, int a_zero, uint64_t seed) {
+    char what[96];
+    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d", rows, taps, n_vec, a_zero);
+    Rng r;
+    rng_init(&r, seed, 4);
+    int32_t *off = xmalloc((size_t)taps * 4);
+    int max_off = 0;
+    for (int t = 0; t < taps; t++) off[t] = (int32_t)rng_below(&r, 41), max_off = off[t] > max_off ? off[t] : max_off;
+    size_t n_act = (size_t)(max_off + QGEMM_LANES * n_vec) * 4; /* exactly what the kernels may read */
+    uint8_t *act = xmalloc(n_act);
+    fill_bytes(act, n_act, &r);
+    uint32_t *w = xmalloc((size_t)rows * taps * 4);
+    fill_bytes((uint8_t *)w, (size_t)rows * taps * 4, &r);
+    uint16_t *mask = xmalloc((size_t)n_vec * 2);
+    int32_t *pos = xmalloc((size_t)n_vec * 4);
+    int total = 0;
+    for (int v = 0; v < n_vec; v++) {
+        uint32_t m = rng_below(&r, 4) == 0 ? 0xFFFF : rng_below(&r, 65536);
+        if (v == 1) m = 0; /* a vector with no output */
+        mask[v] = (uint16_t)m, pos[v] = total, total += __builtin_popcount(m);
+    }
+    const size_t ldo = (size_t)total + 2, n_out = (size_t)rows * ldo;
+    float *scale = xmalloc((size_t)rows * 4), *bias = xmalloc((size_t)rows * 4);
+    for (int i = 0; i < rows; i++) scale[i] = 1e-4f * (float)(1 + rng_below(&r, 500)), bias[i] = 0.5f * (float)i;
+    float *want = xmalloc(n_out * 4), *o1 = xmalloc(n_out * 4), *o2 = xmalloc(n_out * 4);
+    memset(want, 0x5a, n_out * 4), memset(o1, 0x5a, n_out * 4), memset(o2, 0x5a, n_out * 4);
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < n_vec; v++)
+            for (int l = 0, at = 0; l < QGEMM_LANES; l++) {
+                if (!(mask[v] >> l & 1)) continue;
+                int64_t s = 0;
+                for (int t = 0; t < taps; t++)
+                    for (int j = 0; j < 4; j++)
+                        s += ((int64_t)act[4 * ((size_t)off[t] + (size_t)v * QGEMM_LANES + l) + j] - a_zero) *
+                             (int8_t)(uint8_t)(w[(size_t)i * taps + t] >> (8 * j));
+                want[(size_t)i * ldo + pos[v] + at++] = fmaf((float)s, scale[i], bias[i]);
+            }
+    QGemmPackedTaps p;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&p, w, rows, taps, &err), QT_OK);
+    QGemmTaps g = {.act = act, .tap_off = off, .n_vec = n_vec, .vec_mask = mask, .vec_pos = pos, .w = &p,
+                   .a_zero = a_zero, .out = o1, .ldo = ldo, .scale = scale, .bias = bias};
+    for (int rb = 0; rb < p.row_blocks; rb++) /* in pieces: row blocks, vectors split in two */
+        qgemm_taps(&g, rb, rb + 1, 0, n_vec / 2), qgemm_taps(&g, rb, rb + 1, n_vec / 2, n_vec);
+    g.out = o2;
+    qgemm_taps_portable(&g, 0, p.row_blocks, 0, n_vec);
+    CU_ASSERT(same_or_say(o1, want, n_out * 4, what));
+    CU_ASSERT(same_or_say(o2, want, n_out * 4, what));
+    qgemm_packed_taps_free(&p);
+    free(off), free(act), free(w), free(mask), free(pos), free(scale), free(bias), free(want), free(o1), free(o2);
+}
+
+static void test_taps(void) {
+    static const int ROWS[] = {1, 7, 8, 9, 33}, TAPS[] = {1, 3, 9, 72}, VECS[] = {1, 2, 3, 4, 14};
+    uint64_t seed = 100;
+    for (size_t i = 0; i < sizeof ROWS / sizeof *ROWS; i++)
+        for (size_t j = 0; j < sizeof TAPS / sizeof *TAPS; j++)
+            for (size_t k = 0; k < sizeof VECS / sizeof *VECS; k++)
+                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), seed), seed++;
+    taps_case(16, 2000, 5, 128, 7); /* 8000-long sums */
+}
+
+/* ---- quantizing ------------------------------------------------------------------------------------------------ */
+
+static void quantize_case(size_t n, float s, int qmin, int qmax, int zp, int shift, uint64_t seed) {
+    Rng r;
+    rng_init(&r, seed, 5);
+    float *x = xmalloc(n * 4);
+    for (size_t i = 0; i < n; i++) {
+        switch (rng_below(&r, 4)) {
+        case 0: x[i] = ((float)(int)rng_below(&r, 600) - 300.0f + 0.5f) * s; break; /* ties */
+        case 1: x[i] = (float)(int)rng_below(&r, 2000) * 1e3f - 1e6f; break;       /* clipped */
+        default: x[i] = ((float)rng_below(&r, 1u << 20) / (float)(1u << 20) - 0.5f) * 300.0f * s; break;
+        }
+    }
+    const float lo = (float)(qmin - zp), hi = (float)(qmax - zp);
+    uint8_t *want = xmalloc(n), *u1 = xmalloc(n), *u2 = xmalloc(n);
+    for (size_t i = 0; i < n; i++) /* fake quantization's code, shifted */
+        want[i] = (uint8_t)((int)rintf(fminf(fmaxf(x[i] / s, lo), hi)) + zp + shift);
+    CU_ASSERT(qgemm_quantize_u8(u1, x, n, s, lo, hi, zp + shift));
+    CU_ASSERT(qgemm_quantize_u8_portable(u2, x, n, s, lo, hi, zp + shift));
+    CU_ASSERT(same_or_say(u1, want, n, "quantized codes"));
+    CU_ASSERT(same_or_say(u2, want, n, "portable quantized codes"));
+    /* a NaN or an infinity anywhere, the tail included, is reported */
+    for (size_t at = 0; n && at < n; at += n / 3 + 1) {
+        float keep = x[at];
+        x[at] = at % 2 ? NAN : -INFINITY;
+        CU_ASSERT(!qgemm_quantize_u8(u1, x, n, s, lo, hi, zp + shift));
+        CU_ASSERT(!qgemm_quantize_u8_portable(u2, x, n, s, lo, hi, zp + shift));
+        CU_ASSERT_EQUAL(u1[at], u2[at]); /* NaN -> lo, -inf -> lo */
+        x[at] = keep;
+    }
+    x[n - 1] = FLT_MAX; /* large but finite */
+    CU_ASSERT(qgemm_quantize_u8(u1, x, n, s, lo, hi, zp + shift));
+    CU_ASSERT_EQUAL(u1[n - 1], (uint8_t)(qmax + shift));
+    free(x), free(want), free(u1), free(u2);
+}
+
+static void test_quantize(void) {
+    static const size_t NS[] = {1, 15, 16, 17, 100, 1000};
+    for (size_t i = 0; i < sizeof NS / sizeof *NS; i++) {
+        quantize_case(NS[i], 0.037f, -128, 127, 0, 128, 10 + i);  /* int8 symmetric */
+        quantize_case(NS[i], 0.011f, -128, 127, -20, 128, 20 + i); /* int8 with a zero point */
+        quantize_case(NS[i], 0.02f, 0, 255, 37, 0, 30 + i);       /* uint8 with a zero point */
+        quantize_case(NS[i], 0.5f, 0, 255, 0, 0, 40 + i);         /* uint8 symmetric */
+    }
+}
+
+/* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
+
+static void s8_case(int M, int N, int K, uint64_t seed, bool extremes) {
+    size_t na = (size_t)M * K, nb = (size_t)N * K, nc = (size_t)M * N;
+    int8_t *a = xmalloc(na), *b = xmalloc(nb);
+    int32_t *c1 = xmalloc(nc * 4), *c2 = xmalloc(nc * 4), *ref = xmalloc(nc * 4);
+    Rng r;
+    rng_init(&r, seed, 6);
+    fill_bytes((uint8_t *)a, na, &r);
+    fill_bytes((uint8_t *)b, nb, &r);
+    if (extremes) memset(a, 0x80, na), memset(b, 0x80, nb);
+    memset(c1, 0x5a, nc * 4), memset(c2, 0x3c, nc * 4);
+    qgemm_s8_ref(ref, a, b, M, N, K);
+    qgemm_s8(c1, a, b, M, N, K);
+    qgemm_force_portable = true;
+    qgemm_s8(c2, a, b, M, N, K);
+    qgemm_force_portable = false;
+    char what[64];
+    snprintf(what, sizeof what, "qgemm_s8 (%d, %d, %d)", M, N, K);
+    CU_ASSERT(same_or_say(c1, ref, nc * 4, what));
+    CU_ASSERT(same_or_say(c2, ref, nc * 4, what));
+    free(a), free(b), free(c1), free(c2), free(ref);
+}
+
+static void test_s8(void) {
+    static const int MS[] = {1, 8, 9, 17}, NS[] = {1, 16, 47, 48, 49, 97}, KS[] = {1, 5, 511, 512, 513, 3001};
+    uint64_t seed = 200;
+    for (size_t i = 0; i < sizeof MS / sizeof *MS; i++)
+        for (size_t j = 0; j < sizeof NS / sizeof *NS; j++)
+            for (size_t k = 0; k < sizeof KS / sizeof *KS; k++) s8_case(MS[i], NS[j], KS[k], seed++, false);
+    s8_case(3, 50, 1 << 16, 1, true); /* (-128)^2 summed over 2^16: 2^30 */
+    s8_case(9, 5, 0, 2, false);       /* no terms: zeros */
+}
+
+/* ---- dispatch and errors --------------------------------------------------------------------------------------- */
+
+static void test_dispatch_and_errors(void) {
+    const char *name = qgemm_kernel_name();
+    CU_ASSERT_STRING_EQUAL(name, qgemm_cpu_has_vnni() ? "avx512-vnni" : "portable");
+    qgemm_force_portable = true;
+    CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), "portable");
+    qgemm_force_portable = false;
+
+    int8_t b[8] = {1, -2, 3, -4, 5, -6, 7, -8};
+    uint32_t w[2] = {0x01020304u, 0xFFFEFDFCu};
+    QGemmPackedB p;
+    QGemmPackedTaps pt;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(qgemm_pack_b(&p, b, 0, 8, &err), QT_ERR_ARG);
+    CU_ASSERT(test_msg_has(&err, "(0, 8)") && test_msg_has(&err, "n >= 1"));
+    CU_ASSERT_PTR_NULL(p.data);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(qgemm_pack_b(&p, b, 1, 0, &err), QT_ERR_ARG);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(qgemm_pack_b(&p, b, 1, QGEMM_K_MAX + 1, &err), QT_ERR_ARG);
+    CU_ASSERT(test_msg_has(&err, "65536"));
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(qgemm_pack_b(&p, NULL, 1, 8, &err), QT_ERR_ARG);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(qgemm_pack_taps(&pt, w, 0, 2, &err), QT_ERR_ARG);
+    CU_ASSERT(test_msg_has(&err, "0 rows"));
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(qgemm_pack_taps(&pt, w, 1, QGEMM_K_MAX / 4 + 1, &err), QT_ERR_ARG);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(qgemm_pack_taps(&pt, NULL, 1, 2, &err), QT_ERR_ARG);
+    CU_ASSERT_PTR_NULL(pt.data);
+    /* the sums the corrections use */
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_b(&p, b, 2, 4, NULL), QT_OK);
+    CU_ASSERT(p.col_sum[0] == -2 && p.col_sum[1] == -2 && p.col_sum[2] == 0 && p.k_groups == 1 && p.panels == 1);
+    qgemm_packed_b_free(&p);
+    qgemm_packed_b_free(&p); /* twice is harmless */
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&pt, w, 1, 2, NULL), QT_OK);
+    CU_ASSERT_EQUAL(pt.row_sum[0], 1 + 2 + 3 + 4 - 1 - 2 - 3 - 4);
+    CU_ASSERT(pt.data[0] == (int32_t)w[0] && pt.data[8] == (int32_t)w[1] && pt.data[1] == 0);
+    qgemm_packed_taps_free(&pt);
+}
+
+int register_quant_int8_suite(void) {
+    CU_pSuite s = CU_add_suite("quant_int8", NULL, NULL);
+    if (!s) return -1;
+    return !CU_add_test(s, "dense kernels equal the definition", test_dense) ||
+           !CU_add_test(s, "taps kernels equal the definition", test_taps) ||
+           !CU_add_test(s, "activation codes equal fake quantization's", test_quantize) ||
+           !CU_add_test(s, "qgemm_s8 on both paths", test_s8) ||
+           !CU_add_test(s, "dispatch and packing errors", test_dispatch_and_errors);
+}
