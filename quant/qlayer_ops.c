@@ -224,9 +224,26 @@ static void conv_backward(Tape *t, const TapeNode *node) {
     col2im(dx, dcol, d.N, d.C, d.H, d.W, d.KH, d.KW, d.stride, d.padding, d.OH, d.OW);
 }
 
+/* The whole weight dequantized, in the module's shape, as a Var of the
+ * tape (no gradient), when it fits one tile (QLAYER_TILE_BYTES, so the
+ * float copy stays within the layer's budget); NULL otherwise, or on error
+ * (set on the tape). */
+static Var *qlayer_weight_var(Tape *t, const QLayer *q) {
+    if (q->band_rows < q->out) return NULL;
+    Var *w = tape_new_var(t, q->w_ndim, q->w_shape);
+    return w && band_load(t, q, 0, q->out, w->value.data) ? w : NULL;
+}
+
+/* A convolution whose weight fits one tile runs as nn_conv2d on the
+ * dequantized weight (chunked, over the thread pool), so it computes
+ * exactly what a float layer with that weight computes: a QAT layer's
+ * fake-quantized weight gives the same bits as its converted QLayer. */
 static Var *conv_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
     int OH = 0, OW = 0;
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
+    Var *w = qlayer_weight_var(t, q);
+    if (w) return nn_conv2d(t, x, w, bias, q->module->spec.stride, q->module->spec.padding);
+    if (!tape_ok(t)) return NULL;
     Var *y = tape_new_var(t, 4, (const int[]){x->value.shape[0], q->out, OH, OW});
     if (!y) return NULL;
     const QConvDims d = conv_dims_of(q, x, y);
@@ -278,8 +295,39 @@ static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx) {
     return qlayer_forward(t, ctx, x);
 }
 
+/* For a hook folded over this layer (a LoRA adapter): the dequantized
+ * conv weight, if the input needs no activation quantization and the
+ * weight fits one tile. */
+static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
+    QLayer *q = ctx;
+    (void)m;
+    if (q->spec.act_qtype || q->module->spec.type != LAYER_CONV2D) return NULL;
+    return qlayer_weight_var(t, q);
+}
+
+/* conv2d with the following relu (and 2x2 max pool) folded in, on the
+ * dequantized weight; the int8 path and weights over one tile run the layer
+ * as usual, then the folded layers as ops. */
+static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
+    QLayer *q = ctx;
+    Var *bias = m->bias ? &m->bias->var : NULL;
+    int OH = 0, OW = 0;
+    if (!x) return NULL;
+    if (!qlayer_int8_applies(t, q, x, bias) && conv_check(t, q, x, &OH, &OW)) {
+        Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
+        if (w && xin) return nn_conv2d_fused(t, xin, w, bias, m->spec.stride, m->spec.padding, epi);
+    }
+    if (!tape_ok(t)) return NULL;
+    Var *y = qlayer_forward(t, q, x);
+    if (epi != CONV_EPI_NONE) y = nn_relu(t, y);
+    return epi == CONV_EPI_RELU_MAXPOOL2 ? nn_maxpool2d(t, y, 2, 2) : y;
+}
+
 void qlayer_install(QLayer *q) {
     if (!q || !q->module) return;
+    const bool conv = q->module->spec.type == LAYER_CONV2D;
     q->module->forward_hook = qlayer_hook;
+    q->module->fused_hook = conv ? qlayer_fused_hook : NULL;
+    q->module->weight_hook = conv ? qlayer_weight_hook : NULL;
     q->module->hook_ctx = q;
 }
