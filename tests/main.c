@@ -27,7 +27,8 @@
     X(trainer)    \
     X(qlora)      \
     X(quant_qat)  \
-    X(quant_qt)
+    X(quant_qt)   \
+    X(bench_cmd)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)
