@@ -5,7 +5,10 @@
 #   make test       build and run the CUnit suites (installs deps first)
 #   make test SANITIZE=1   the same under AddressSanitizer + UBSan
 #   make run        pretrain the CNN on Fashion-MNIST end to end (installs deps first)
-#   make bench      benchmarks (timings live here, never in tests)
+#   make bench      benchmarks (timings live here, never in tests): bench/*.c and
+#                   qtrain bench on every bench/configs/*.yaml (bench/run.sh)
+#   make bench-torch  the bench/configs measurements in qtrain, then in PyTorch
+#                   (Debian's python3-torch, installed if missing), side by side
 #   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
 
 PKGS    := openblas hdf5 yaml-0.1 zlib
@@ -45,7 +48,7 @@ TESTS  := $(BUILD)/tests/run_tests
 DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
 APT_ENV  := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: compare all deps pkgcheck test run bench fixtures clean
+.PHONY: compare all deps pkgcheck test run bench bench-torch torch-deps fixtures clean
 all: $(LIB) $(QTRAIN)
 
 deps:
@@ -99,8 +102,22 @@ compare: deps
 	QTRAIN=./$(QTRAIN) sh scripts/compare.sh
 
 bench: deps
-	$(MAKE) --no-print-directory $(BENCH_BINS)
+	$(MAKE) --no-print-directory $(BENCH_BINS) $(QTRAIN)
 	@for b in $(BENCH_BINS); do ./$$b || exit 1; done
+	@QTRAIN=./$(QTRAIN) sh bench/run.sh
+
+# Debian's PyTorch (python3-torch brings numpy and yaml), for bench-torch.
+torch-deps:
+	@dpkg-query -W -f='$${Status}' python3-torch 2>/dev/null | grep -q "install ok installed" || { \
+	  echo "deps: installing python3-torch"; \
+	  if [ "$$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi; \
+	  $$sudo apt-get update -qq && $$sudo $(APT_ENV) apt-get install -y -qq --no-install-recommends python3-torch; }
+
+# qtrain's measurements, then PyTorch's on the same configs, data and
+# OpenBLAS kernels, and the side-by-side table (bench/README.md).
+bench-torch: deps torch-deps
+	$(MAKE) --no-print-directory $(QTRAIN)
+	@QTRAIN=./$(QTRAIN) PYTHON=/usr/bin/python3 sh bench/run.sh --torch
 
 # Needs Debian's python3-torch, python3-h5py and python3-numpy.
 fixtures:

@@ -30,7 +30,8 @@
     X(qlora)      \
     X(quant_qat)  \
     X(quant_qt)   \
-    X(quant_int8)
+    X(quant_int8) \
+    X(bench_cmd)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

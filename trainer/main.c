@@ -1,5 +1,7 @@
 /* main.c - the qtrain command line. Only this layer decides to exit:
  * 0 success, 1 runtime failure, 2 usage or config error. */
+#include <errno.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,6 +9,7 @@
 #include <unistd.h>
 
 #include "nn/gemm.h"
+#include "trainer/bench.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
 #include "trainer/config.h"
@@ -27,6 +30,8 @@ static void usage(FILE *out) {
             "       qtrain compare RUN_DIR... [--out DIR]\n"
             "       qtrain inspect PATH\n"
             "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
+            "       qtrain bench --config FILE [--steps N] [--warmup N] [--eval-batches N] [--since-ns NS]\n"
+            "                    [--set KEY=VALUE]...\n"
             "       qtrain --help | --version\n"
             "\n"
             "  (train)   train per the YAML config; writes metrics.csv, summary.json and\n"
@@ -53,6 +58,12 @@ static void usage(FILE *out) {
             "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
             "            total bytes.\n"
             "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"
+            "  bench     time the config's run, set up as training sets it up but writing nothing:\n"
+            "            --warmup (10) untimed and --steps (100) timed training steps, batch\n"
+            "            loading included, a GEMM-accounting pass, --eval-batches (40)\n"
+            "            forward-only test batches; prints bench: lines (samples/s, step ms,\n"
+            "            GEMM share, peak RSS, start-up). --since-ns NS: the caller's\n"
+            "            CLOCK_REALTIME nanoseconds at process start, e.g. $(date +%%s%%N).\n"
             "\n"
             "Exit status: 0 success, 1 runtime failure, 2 usage or config error.\n");
 }
@@ -298,6 +309,70 @@ static int cmd_demo(int argc, char **argv) {
     return 0;
 }
 
+/* An integer option value in [min, max]; exits 2 on garbage. */
+static long long parse_count(const char *cmd, const char *opt, const char *value, long long min, long long max) {
+    char *end = NULL;
+    errno = 0;
+    long long v = value ? strtoll(value, &end, 10) : 0;
+    if (!value || !*value || *end || (errno && errno != ERANGE) || v < min) {
+        fprintf(stderr, "qtrain%s: %s needs an integer >= %lld, got '%s'\n", cmd, opt, min,
+                value ? value : "(nothing)");
+        exit(2);
+    }
+    if (errno == ERANGE || v > max) {
+        fprintf(stderr, "qtrain%s: %s %s is too large (at most %lld)\n", cmd, opt, value, max);
+        exit(2);
+    }
+    return v;
+}
+
+static int cmd_bench(int argc, char **argv) {
+    BenchOptions o = bench_options_default();
+    const char *config = NULL, *overrides[MAX_OVERRIDES];
+    int n_overrides = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout);
+            exit(0);
+        }
+        bool known = strcmp(a, "--config") == 0 || strcmp(a, "--steps") == 0 || strcmp(a, "--warmup") == 0 ||
+                     strcmp(a, "--eval-batches") == 0 || strcmp(a, "--since-ns") == 0 || strcmp(a, "--set") == 0;
+        if (!known) {
+            fprintf(stderr, "qtrain bench: unknown option '%s' (see qtrain --help)\n", a);
+            return 2;
+        }
+        if (!v) {
+            fprintf(stderr, "qtrain bench: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        if (strcmp(a, "--config") == 0) config = v;
+        else if (strcmp(a, "--steps") == 0) o.steps = (int)parse_count(" bench", a, v, 1, INT_MAX);
+        else if (strcmp(a, "--warmup") == 0) o.warmup = (int)parse_count(" bench", a, v, 0, INT_MAX);
+        else if (strcmp(a, "--eval-batches") == 0) o.eval_batches = (int)parse_count(" bench", a, v, 0, INT_MAX);
+        else if (strcmp(a, "--since-ns") == 0) o.since_ns = parse_count(" bench", a, v, 1, LLONG_MAX);
+        else if (n_overrides == MAX_OVERRIDES) {
+            fprintf(stderr, "qtrain bench: more than %d --set options\n", MAX_OVERRIDES);
+            return 2;
+        } else overrides[n_overrides++] = v;
+    }
+    if (!config) {
+        fprintf(stderr, "qtrain bench: --config FILE is required (see qtrain --help)\n");
+        return 2;
+    }
+    Config *cfg = malloc(sizeof *cfg);
+    QtError err = {0};
+    if (!cfg) return 1;
+    if (config_load(cfg, config, overrides, n_overrides, &err) != QT_OK) {
+        free(cfg);
+        return fail(&err, 2);
+    }
+    QtStatus st = bench_run(cfg, &o, stdout, &err);
+    free(cfg);
+    return st == QT_OK ? 0 : fail(&err, exit_status(&err));
+}
+
 int main(int argc, char **argv) {
     gemm_blas_upgrade_and_exec(argv);
     if (argc < 2) {
@@ -320,6 +395,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "convert") == 0) return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "compare") == 0) return cmd_compare(argc - 2, argv + 2);
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
+    if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
     if (strcmp(cmd, "train") == 0) return cmd_train(argc - 2, argv + 2);
     if (cmd[0] == '-') return cmd_train(argc - 1, argv + 1);
     fprintf(stderr, "qtrain: unknown command '%s' (see qtrain --help)\n", cmd);

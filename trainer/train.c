@@ -1,6 +1,6 @@
 /* train.c - a run: data and model from the config, the step loop, eval,
  * checkpoints with exact resume, metrics.csv and summary.json. */
-#include "train.h"
+#include "trainer/run.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -30,38 +30,7 @@
 /* The first step's arena; it grows to the high-water mark once, then stays. */
 #define RUN_ARENA_INITIAL (4u << 20)
 
-typedef struct {
-    const Config *cfg;
-    const TrainOptions *opt;
-    Dataset train, val, test;
-    Net net;                /* the model with its quantized base and adapters */
-    Optimizer optim;
-    Arena arena;
-    Tape tape;
-    Rng dropout;            /* the tape's generator: dropout masks */
-    Batcher batcher;
-    LrSchedule sched;
-    int64_t total_steps, steps_per_epoch;
-    int64_t step;           /* optimizer steps done */
-    int64_t saved_step;     /* step of the newest checkpoint written by this invocation, -1 = none */
-    bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
-    float *bx;              /* (batch_size, feat) training batch */
-    int32_t *by;            /* [batch_size] */
-    float *ex;              /* (eval_batch_size, feat) evaluation batch */
-    int32_t *ey;            /* [eval_batch_size] */
-    double win_loss_sum;    /* training window since the last log line */
-    int64_t win_correct, win_seen, win_steps;
-    char *config_text;      /* resolved YAML, stored in checkpoints */
-    MetricsLog metrics;
-    Progress progress;
-    double t_start;         /* this invocation's start */
-    double wall_before;     /* wall seconds of earlier invocations of this run (resume) */
-    double train_s;         /* seconds in training steps, over all invocations */
-    int64_t trained_examples; /* over all invocations */
-    double last_train_loss; /* mean loss of the last logged window, NaN before the first */
-} Run;
-
-static void run_free(Run *r) {
+void run_free(Run *r) {
     metrics_close(&r->metrics);
     batcher_free(&r->batcher);
     optim_free(&r->optim);
@@ -308,6 +277,19 @@ static Var *run_wrap_batch(Run *r, float *x, int n) {
     return tape_wrap(&r->tape, x, 1 + m->input_ndim, shape);
 }
 
+QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
+                        QtError *err) {
+    Tape *t = &r->tape;
+    dataset_fill_range(d, start, n, r->ex, r->ey);
+    Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->ex, n));
+    Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
+    QtStatus st = QT_OK;
+    if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->step, t->err.msg);
+    else *loss_sum += (double)l->value.data[0] * n, *correct += count_correct(logits, r->ey, n);
+    tape_reset(t);
+    return st;
+}
+
 /* Mean cross-entropy and accuracy over a whole data set, forward only. */
 static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *accuracy, QtError *err) {
     Tape *t = &r->tape;
@@ -317,15 +299,8 @@ static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *acc
     int64_t correct = 0;
     QtStatus st = QT_OK;
     int bs = r->cfg->train.eval_batch_size;
-    for (int start = 0; start < d->n && st == QT_OK; start += bs) {
-        int n = d->n - start < bs ? d->n - start : bs;
-        dataset_fill_range(d, start, n, r->ex, r->ey);
-        Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->ex, n));
-        Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
-        if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->step, t->err.msg);
-        else loss_sum += (double)l->value.data[0] * n, correct += count_correct(logits, r->ey, n);
-        tape_reset(t);
-    }
+    for (int start = 0; start < d->n && st == QT_OK; start += bs)
+        st = run_eval_batch(r, d, start, d->n - start < bs ? d->n - start : bs, &loss_sum, &correct, err);
     t->training = was_training, t->grad_enabled = had_grad;
     *loss = d->n ? loss_sum / d->n : NAN;
     *accuracy = d->n ? (double)correct / d->n : NAN;
@@ -365,7 +340,7 @@ static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, do
 }
 
 /* One optimizer step on the next batch. */
-static QtStatus run_step(Run *r, QtError *err) {
+QtStatus run_step(Run *r, QtError *err) {
     Tape *t = &r->tape;
     int n = batcher_next(&r->batcher, r->bx, r->by, NULL);
     Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, n));
@@ -584,18 +559,23 @@ static QtStatus run_check_trainable(Run *r, QtError *err) {
                         "evaluate the quantized model", r->cfg->source, quant_mode_name(r->cfg->quant.mode));
 }
 
-static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
+QtStatus run_prepare(Run *r, bool fresh, QtError *err) {
     QtStatus st = QT_OK;
     gemm_set_threads(r->cfg->run.threads);
-    if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
-    if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
-    if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_load_data(r, err)) != QT_OK) return st;
-    if ((st = run_build_model(r, !resumed[0], err)) != QT_OK) return st;
+    if ((st = run_build_model(r, fresh, err)) != QT_OK) return st;
     if ((st = run_plan_steps(r, err)) != QT_OK) return st;
     if ((st = run_check_trainable(r, err)) != QT_OK) return st;
     if ((st = run_alloc(r, err)) != QT_OK) return st;
-    if (!resumed[0] && (st = run_calibrate(r, err)) != QT_OK) return st;
+    return fresh ? run_calibrate(r, err) : QT_OK;
+}
+
+static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
+    QtStatus st = QT_OK;
+    if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
+    if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
+    if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
+    if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
     return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
@@ -655,6 +635,7 @@ QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool w
     memset(res, 0, sizeof *res);
     TrainOptions o = {.quiet = true}; /* the caller reports the result */
     r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
+    gemm_set_threads(cfg->run.threads);
     QtStatus st = write_json ? make_dirs(cfg->run.out_dir, err) : QT_OK;
     if (st == QT_OK) st = run_load_data(&r, err);
     if (st == QT_OK) st = run_build_model(&r, false, err);

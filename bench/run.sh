@@ -1,0 +1,176 @@
+#!/bin/sh
+# bench/run.sh - `qtrain bench` on every config in bench/configs/, each in its
+# own process (so peak RSS and start-up are per measurement), then one table.
+#
+#   sh bench/run.sh            qtrain only (make bench)
+#   sh bench/run.sh --torch    then the same measurements in PyTorch
+#                              (bench/torch_bench.py) and a side-by-side
+#                              table with the targets (make bench-torch)
+#
+# Environment:
+#   QTRAIN      the binary (default build/qtrain)
+#   PYTHON      the interpreter with torch (default /usr/bin/python3, Debian's)
+#   BENCH_OUT   where the raw outputs go (default build/bench/results):
+#               $BENCH_OUT/qtrain/<config>.txt, $BENCH_OUT/torch/<config>.txt
+#   BENCH_KEEP_CORETYPE=1   run qtrain under the caller's OPENBLAS_CORETYPE;
+#               by default it is unset, so qtrain picks the best kernels
+#               this CPU runs, and PyTorch is then run under the family
+#               qtrain reports.
+# Exit status: 0 if every measurement ran, 1 otherwise (the table still prints).
+set -u
+
+QTRAIN=${QTRAIN:-build/qtrain}
+PYTHON=${PYTHON:-/usr/bin/python3}
+OUT=${BENCH_OUT:-build/bench/results}
+DIR=$(dirname "$0")
+TORCH=0
+case "${1:-}" in
+    --torch) TORCH=1 ;;
+    "") ;;
+    *) echo "usage: sh bench/run.sh [--torch]" >&2; exit 2 ;;
+esac
+
+# config, warm-up steps, timed steps, eval batches: a few seconds each.
+# The GEMM-accounting pass adds half the timed steps (qtrain only).
+PLAN="mlp 20 400 200
+cnn 5 60 40
+mlp-lora 20 400 200
+cnn-lora 5 60 40
+mlp-qlora 20 400 200
+cnn-qlora 5 60 40
+mlp-ptq-int8 0 1 200
+cnn-ptq-int8 0 1 100"
+
+if [ ! -x "$QTRAIN" ]; then
+    echo "bench/run.sh: $QTRAIN is not an executable; run make first or set QTRAIN" >&2
+    exit 2
+fi
+mkdir -p "$OUT/qtrain" || exit 1
+failed=""
+
+# How busy the CPUs are over a second (percent): other processes make every
+# figure noisy, and PyTorch's OpenMP threads suffer most from sharing a CPU.
+cpu_busy() {
+    { head -n 1 /proc/stat; sleep 1; head -n 1 /proc/stat; } 2>/dev/null | awk '
+        { idle = $5 + $6; total = 0; for (i = 2; i <= NF; i++) total += $i }
+        NR == 1 { idle0 = idle; total0 = total }
+        NR == 2 && total > total0 { printf "%.0f", 100 * (1 - (idle - idle0) / (total - total0)) }'
+}
+BUSY=$(cpu_busy)
+warn_busy() {
+    if [ -n "$BUSY" ] && [ "$BUSY" -gt 20 ]; then
+        echo "WARNING: the CPUs were $BUSY% busy with other work before the benchmark started; the figures are noisy"
+    fi
+}
+warn_busy
+
+# One measurement: $1 = side (qtrain | torch), $2 = config, then warm-up,
+# steps, eval batches. The start time is taken right before the process.
+measure() {
+    side=$1 name=$2 warmup=$3 steps=$4 evals=$5
+    cfg="$DIR/configs/$name.yaml" out="$OUT/$side/$name.txt"
+    printf '  %-7s %-14s' "$side" "$name"
+    since=$(date +%s%N)
+    if [ "$side" = qtrain ]; then
+        if [ "${BENCH_KEEP_CORETYPE:-0}" = 1 ]; then
+            "$QTRAIN" bench --config "$cfg" --warmup "$warmup" --steps "$steps" --eval-batches "$evals" \
+                --since-ns "$since" </dev/null >"$out" 2>&1
+        else
+            env -u OPENBLAS_CORETYPE "$QTRAIN" bench --config "$cfg" --warmup "$warmup" --steps "$steps" \
+                --eval-batches "$evals" --since-ns "$since" </dev/null >"$out" 2>&1
+        fi
+    else
+        env OPENBLAS_CORETYPE="$CORE" OPENBLAS_NUM_THREADS=1 "$PYTHON" "$DIR/torch_bench.py" run --config "$cfg" \
+            --warmup "$warmup" --steps "$steps" --eval-batches "$evals" --since-ns "$since" </dev/null >"$out" 2>&1
+    fi
+    rc=$?
+    end=$(date +%s%N)
+    if [ $rc -ne 0 ]; then
+        failed="$failed $side/$name"
+        echo " FAILED (exit $rc), see $out:"
+        tail -n 3 "$out" | sed 's/^/    /'
+    else
+        echo " $(( (end - since) / 1000000 )) ms"
+    fi
+}
+
+# Every config of PLAN on one side ($1), in the current shell (so `failed` sticks).
+measure_all() {
+    while read -r name warmup steps evals; do measure "$1" "$name" "$warmup" "$steps" "$evals"; done <<EOF
+$PLAN
+EOF
+}
+
+echo "qtrain bench: every config in $DIR/configs, one process each (outputs in $OUT/qtrain)"
+measure_all qtrain
+
+CORE=$(sed -n 's/^bench:blas core:\([^ ]*\).*/\1/p' "$OUT/qtrain/mlp.txt" 2>/dev/null | head -n 1)
+[ -n "$CORE" ] || CORE=$(sed -n 's/^bench:blas core:\([^ ]*\).*/\1/p' "$OUT"/qtrain/*.txt 2>/dev/null | head -n 1)
+
+# The qtrain table: one row per measurement, one column per model.
+awk -v core="${CORE:-?}" '
+function base(f) { sub(/.*\//, "", f); sub(/\.txt$/, "", f); return f }
+/^bench:/ {
+    kind = substr($1, 7)
+    for (i = 2; i <= NF; i++) {
+        k = $i; sub(/:.*/, "", k)
+        v = $i; sub(/^[^:]*:/, "", v)
+        val[base(FILENAME), kind, k] = v
+    }
+}
+function get(c, kind, k) { return ((c, kind, k) in val) ? val[c, kind, k] : "" }
+function num(s, unit) {
+    if (s == "") return "-"
+    if (unit == "s") return sprintf("%.3f", s)
+    if (unit == "f2") return sprintf("%.2f", s)
+    return s >= 100 ? sprintf("%.0f", s) : sprintf("%.1f", s)
+}
+function ratio(a, b) { return (a == "" || b == "" || b + 0 == 0) ? "" : a / b }
+function line(what, a, b) { printf "| %-30s | %10s | %10s |\n", what, a, b }
+# "*": the mean step (batch) is over 1.25x the median, a few slow steps pulled the figure down
+function noisy(c, kind,    mean, median) {
+    mean = kind == "train" ? "step_ms" : kind == "eval" ? "batch_ms" : ""
+    if (mean == "" || get(c, kind, mean) == "" || get(c, kind, mean "_median") == "") return ""
+    if (get(c, kind, mean) > 1.25 * get(c, kind, mean "_median")) { marked = 1; return "*" }
+    return ""
+}
+function cell(c, kind, k, unit) { return num(get(c, kind, k), unit) (k == "samples_per_s" ? noisy(c, kind) : "") }
+function row(what, suffix, kind, k, unit) {
+    line(what, cell("mlp" suffix, kind, k, unit), cell("cnn" suffix, kind, k, unit))
+}
+function step_ratio(m, a, b) { return num(ratio(get(m a, "train", "step_ms"), get(m b, "train", "step_ms")), "f2") }
+function rrow(what, a, b) { line(what, step_ratio("mlp", a, b), step_ratio("cnn", a, b)) }
+END {
+    printf "\nqtrain: batch 128, 2 threads, OpenBLAS %s kernels\n", core
+    line("measurement", "mlp", "cnn")
+    printf "|%s|%s|%s|\n", "--------------------------------", "------------", "------------"
+    row("train samples/s", "", "train", "samples_per_s")
+    row("train step ms", "", "train", "step_ms", "f2")
+    row("eval samples/s", "", "eval", "samples_per_s")
+    row("LoRA step samples/s", "-lora", "train", "samples_per_s")
+    row("QLoRA step samples/s", "-qlora", "train", "samples_per_s")
+    row("PTQ int8 eval samples/s", "-ptq-int8", "eval", "samples_per_s")
+    row("peak RSS MB (training)", "", "mem", "peak_rss_mb")
+    row("start-up to 1st step s", "", "startup", "first_step_s", "s")
+    row("GEMM share of a train step", "", "train", "gemm_share", "f2")
+    rrow("LoRA step / full step", "-lora", "")
+    rrow("QLoRA step / LoRA step", "-qlora", "-lora")
+    if (marked) print "* the mean step (batch) is over 1.25x the median: a few slow steps, usually other processes " \
+        "on the machine, pull this figure down; the medians are in the raw outputs"
+}' "$OUT"/qtrain/*.txt
+
+if [ $TORCH = 1 ]; then
+    mkdir -p "$OUT/torch" || exit 1
+    echo
+    echo "PyTorch: the same configs, OPENBLAS_CORETYPE=${CORE:-?} OPENBLAS_NUM_THREADS=1 (outputs in $OUT/torch)"
+    measure_all torch
+    echo
+    "$PYTHON" "$DIR/torch_bench.py" table --qtrain "$OUT/qtrain" --torch "$OUT/torch" --core "${CORE:-?}" ||
+        failed="$failed table"
+fi
+
+warn_busy
+if [ -n "$failed" ]; then
+    echo "bench/run.sh: failed:$failed" >&2
+    exit 1
+fi

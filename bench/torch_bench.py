@@ -1,0 +1,630 @@
+#!/usr/bin/python3
+"""The PyTorch side of `make bench-torch`.
+
+    torch_bench.py run --config bench/configs/cnn.yaml [--steps N] [--warmup N]
+                       [--eval-batches N] [--since-ns NS]
+    torch_bench.py table --qtrain DIR --torch DIR [--core NAME]
+
+`run` measures one bench config the way `qtrain bench` does and prints the
+same `bench:` lines: the model, data, optimizer, LoRA/QLoRA and PTQ setup
+are read from the config itself (see bench/README.md for how each is made
+equivalent). Run each measurement in its own process, so that peak RSS and
+start-up are per measurement.
+
+`table` reads the outputs of bench/run.sh (one <config>.txt per config in
+each directory) and prints the side-by-side table with the targets.
+
+Needs Debian's python3-torch (with numpy and yaml).
+"""
+import argparse
+import gzip
+import math
+import os
+import re
+import resource
+import sys
+import time
+from collections import OrderedDict
+
+# Before torch loads OpenBLAS: PyTorch parallelises with its own threads
+# (torch.set_num_threads); OpenBLAS threads on top would oversubscribe.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+EVAL_WARMUP = 2
+
+# bitsandbytes' NF4 code book (the values of quant/qtype.c).
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+
+
+def fail(msg):
+    print("torch_bench: error: " + msg, file=sys.stderr)
+    sys.exit(2)
+
+
+# ---- config --------------------------------------------------------------------------------------------
+
+def load_config(path):
+    import yaml
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except OSError as e:
+        fail("cannot read %s: %s" % (path, e))
+    for key in ("run", "data", "model", "train"):
+        cfg.setdefault(key, {})
+    return cfg
+
+
+def first_rule(rules, path, layer_type):
+    """The first rule whose module_path fully matches and whose op_types (if any) list the type."""
+    for r in rules or []:
+        if not re.fullmatch(r["module_path"], path):
+            continue
+        if r.get("op_types") and layer_type not in r["op_types"]:
+            continue
+        return None if r.get("skip") else r
+    return None
+
+
+# ---- data: IDX files, kept as bytes, converted per batch ------------------------------------------------
+
+def read_idx(path):
+    import numpy as np
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+class Data:
+    """Images as uint8 (N, 28, 28) and the affine pixel map x = scale * p + shift, as data/dataset.h keeps them."""
+
+    def __init__(self, cfg):
+        import numpy as np
+        d = cfg["data"]
+        root = d.get("dir", "/usr/share/datasets/fashion-mnist")
+
+        def pair(prefix):
+            paths = []
+            for kind in ("images-idx3", "labels-idx1"):
+                p = os.path.join(root, "%s-%s-ubyte.gz" % (prefix, kind))
+                paths.append(p if os.path.exists(p) else p[:-3])
+            return read_idx(paths[0]), read_idx(paths[1]).astype(np.int64)
+
+        self.train_x, self.train_y = pair("train")
+        self.test_x, self.test_y = pair("t10k")
+        self.scale, self.shift = 1.0 / 255.0, 0.0
+        for t in d.get("transform", []) or []:
+            name, arg = (t, None) if isinstance(t, str) else next(iter(t.items()))
+            if name == "normalize":
+                if not arg or "mean" not in arg:
+                    fail("normalize without mean/std is not supported here")
+                self.scale /= arg["std"]
+                self.shift = (self.shift - arg["mean"]) / arg["std"]
+            elif name == "invert":
+                self.scale, self.shift = -self.scale, 1.0 - self.shift
+            elif name == "transpose":
+                self.train_x = np.ascontiguousarray(self.train_x.transpose(0, 2, 1))
+                self.test_x = np.ascontiguousarray(self.test_x.transpose(0, 2, 1))
+            elif name == "limit":
+                self.train_x, self.train_y = self.train_x[:arg], self.train_y[:arg]
+                self.test_x, self.test_y = self.test_x[:arg], self.test_y[:arg]
+            else:
+                fail("data transform %r is not supported here" % name)
+        n_val = int(round(float(d.get("val_fraction", 0.0)) * len(self.train_x)))
+        if n_val:
+            self.train_x, self.train_y = self.train_x[:-n_val], self.train_y[:-n_val]
+
+    def batch(self, images, labels, idx, input_shape):
+        import torch
+        x = torch.from_numpy(images[idx]).reshape((len(idx),) + tuple(input_shape))
+        return x.float().mul_(self.scale).add_(self.shift), torch.from_numpy(labels[idx])
+
+
+class Batcher:
+    """Shuffled batches of the training set, a new order every epoch."""
+
+    def __init__(self, data, cfg, input_shape):
+        import numpy as np
+        self.data, self.input_shape = data, input_shape
+        self.bs = int(cfg["train"].get("batch_size", 64))
+        self.shuffle = bool(cfg["data"].get("shuffle", True))
+        self.drop_last = bool(cfg["data"].get("drop_last", False))
+        self.rng = np.random.default_rng(int(cfg["run"].get("seed", 1)))
+        self.order, self.cursor = None, len(data.train_x)
+
+    def next(self):
+        import numpy as np
+        n = len(self.data.train_x)
+        left = n - self.cursor
+        if left <= 0 or (self.drop_last and left < self.bs):
+            self.order = self.rng.permutation(n) if self.shuffle else np.arange(n)
+            self.cursor = 0
+        idx = self.order[self.cursor:self.cursor + self.bs]
+        self.cursor += len(idx)
+        return self.data.batch(self.data.train_x, self.data.train_y, idx, self.input_shape)
+
+
+# ---- model -------------------------------------------------------------------------------------------
+
+def build_model(cfg):
+    """nn.Sequential of the config's layers, named as qtrain names them ("<type><index>" unless named)."""
+    import torch.nn as nn
+    m = cfg["model"]
+    shape = list(m["input"])
+    layers = OrderedDict()
+    types = {}
+    for i, spec in enumerate(m["layers"]):
+        t = spec["type"]
+        name = spec.get("name") or "%s%d" % (t, i)
+        bias = not spec.get("no_bias", False)
+        if t == "conv2d":
+            k, s, p = spec["kernel"], spec.get("stride", 1), spec.get("padding", 0)
+            mod = nn.Conv2d(shape[0], spec["out_channels"], k, stride=s, padding=p, bias=bias)
+            shape = [spec["out_channels"], (shape[1] + 2 * p - k) // s + 1, (shape[2] + 2 * p - k) // s + 1]
+        elif t == "dense":
+            mod = nn.Linear(shape[0], spec["units"], bias=bias)
+            shape = [spec["units"]]
+        elif t == "relu":
+            mod = nn.ReLU()
+        elif t == "maxpool2d":
+            k = spec["kernel"]
+            s = spec.get("stride", k)
+            mod = nn.MaxPool2d(k, stride=s)
+            shape = [shape[0], (shape[1] - k) // s + 1, (shape[2] - k) // s + 1]
+        elif t == "flatten":
+            mod = nn.Flatten()
+            shape = [math.prod(shape)]
+        elif t == "dropout":
+            mod = nn.Dropout(spec.get("p", 0.5))
+        else:
+            fail("layer type %r is not supported here" % t)
+        layers[name] = mod
+        types[name] = t
+    return nn.Sequential(layers), types
+
+
+def model_desc(model):
+    """"conv32-conv64-dense128-dense10", as qtrain bench names the model."""
+    import torch.nn as nn
+    parts = []
+    for mod in model.children():
+        if isinstance(mod, nn.Conv2d):
+            parts.append("conv%d" % mod.out_channels)
+        elif isinstance(mod, nn.Linear):
+            parts.append("dense%d" % mod.out_features)
+    return "-".join(parts)
+
+
+def make_lora_classes():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class NF4Weight(nn.Module):
+        """A frozen weight as nf4 codes, two per byte (element 2k in the high nibble), with a float absmax per
+        block of `block` consecutive elements; with double quantization those absmaxes are 8-bit codes into a
+        256-entry table, times a float per 256 of them, plus their mean. Dequantized on every forward."""
+
+        def __init__(self, w, block, double_quant):
+            super().__init__()
+            self.shape, self.block = tuple(w.shape), block
+            flat = w.detach().reshape(-1, block)
+            absmax = flat.abs().amax(1).clamp_min(1e-12)
+            table = torch.tensor(NF4)
+            codes = (flat / absmax[:, None]).unsqueeze(-1).sub(table).abs().argmin(-1).to(torch.uint8).reshape(-1)
+            self.register_buffer("table", table)
+            self.register_buffer("packed", (codes[0::2] << 4) | codes[1::2])
+            self.double_quant = double_quant
+            if double_quant:
+                dyn = dynamic_map()
+                self.register_buffer("dyn", dyn)
+                self.offset = float(absmax.mean())
+                c = absmax - self.offset
+                nb = (len(c) + 255) // 256
+                pad = torch.zeros(nb * 256 - len(c))
+                cb = torch.cat([c, pad]).reshape(nb, 256)
+                amax = cb.abs().amax(1).clamp_min(1e-12)
+                q = (cb / amax[:, None]).unsqueeze(-1).sub(dyn).abs().argmin(-1).to(torch.uint8)
+                self.register_buffer("absmax_codes", q.reshape(-1)[:len(c)])
+                self.register_buffer("absmax_scale", amax)
+                self.n_blocks = len(c)
+            else:
+                self.register_buffer("absmax", absmax)
+
+        def forward(self):
+            codes = torch.stack((self.packed >> 4, self.packed & 15), -1).reshape(-1).long()
+            if self.double_quant:
+                scale = self.absmax_scale.repeat_interleave(256)[:self.n_blocks]
+                absmax = self.dyn[self.absmax_codes.long()] * scale + self.offset
+            else:
+                absmax = self.absmax
+            return (self.table[codes].reshape(-1, self.block) * absmax[:, None]).reshape(self.shape)
+
+    class LoraLayer(nn.Module):
+        """y = base(x) + alpha/rank * B(A(x)) over a frozen base (float, or nf4 with qweight)."""
+
+        def __init__(self, base, rank, alpha, qweight=None):
+            super().__init__()
+            self.base, self.scale, self.qweight = base, alpha / rank, qweight
+            for p in base.parameters():
+                p.requires_grad_(False)
+            self.conv = isinstance(base, nn.Conv2d)
+            if self.conv:
+                oc, c, kh, kw = base.weight.shape
+                a = torch.empty(rank, c, kh, kw)
+                self.B = nn.Parameter(torch.zeros(oc, rank, 1, 1))
+            else:
+                a = torch.empty(rank, base.in_features)
+                self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # U(+-1/sqrt(fan_in)), as qtrain and PEFT
+            self.A = nn.Parameter(a)
+            if qweight is not None:
+                base.weight = None  # the base keeps only its bias; the weight lives as nf4
+
+        def forward(self, x):
+            b = self.base
+            w = self.qweight() if self.qweight is not None else b.weight
+            if self.conv:
+                y = F.conv2d(x, w, b.bias, b.stride, b.padding)
+                return y + self.scale * F.conv2d(F.conv2d(x, self.A, None, b.stride, b.padding), self.B)
+            return F.linear(x, w, b.bias) + self.scale * F.linear(F.linear(x, self.A), self.B)
+
+    return NF4Weight, LoraLayer
+
+
+def dynamic_map():
+    """The 256-entry signed table of double quantization (quant/qarray_dq.c builds the same values)."""
+    import torch
+    v = []
+    for k in range(7):
+        parts = 1 << k
+        for j in range(parts):
+            p = 10.0 ** (k - 6) * (0.1 + (j + 0.5) * 0.9 / parts)
+            v += [p, -p]
+    v += [0.0, 1.0]
+    return torch.tensor(sorted(v), dtype=torch.float32)
+
+
+def apply_lora(model, types, cfg):
+    """Adapters per lora.rules, the quant.rules' nf4 base under them, lora.trainable modules trained in full."""
+    lora = cfg.get("lora") or {}
+    quant = cfg.get("quant") or {}
+    ptq = quant.get("mode") == "ptq"
+    trainable = set(lora.get("trainable") or [])
+    NF4Weight, LoraLayer = make_lora_classes()
+    for name, mod in list(model.named_children()):
+        for p in mod.parameters():
+            p.requires_grad_(name in trainable)
+        if types[name] not in ("dense", "conv2d") or name in trainable:
+            continue
+        qrule = first_rule(quant.get("rules"), name, types[name]) if ptq else None
+        qweight = None
+        if qrule and qrule.get("weight_qtype", "none") != "none":
+            if qrule["weight_qtype"] != "nf4":
+                fail("%s: only nf4 bases are emulated under LoRA here" % name)
+            qweight = NF4Weight(mod.weight, int(qrule.get("tile_size", 64)), bool(qrule.get("double_quant")))
+        rule = first_rule(lora.get("rules"), name, types[name])
+        if rule:
+            if float(rule.get("dropout", 0.0)) > 0:
+                fail("%s: LoRA dropout is not supported here" % name)
+            setattr(model, name, LoraLayer(mod, int(rule["rank"]), float(rule.get("alpha", rule["rank"])), qweight))
+        elif qweight is not None:
+            fail("%s: a quantized module without an adapter is not supported here" % name)
+
+
+def make_optimizer(params, cfg):
+    import torch
+    o = cfg["train"].get("optimizer", {}) or {}
+    name = o.get("name", "adamw")
+    lr = float(o.get("lr", 1e-3))
+    if name == "adamw":
+        betas = tuple(o.get("betas", (0.9, 0.999)))
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=float(o.get("eps", 1e-8)),
+                                 weight_decay=float(o.get("weight_decay", 0.01)))
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=float(o.get("momentum", 0.0)),
+                               weight_decay=float(o.get("weight_decay", 0.0)), nesterov=bool(o.get("nesterov", False)))
+    fail("optimizer %r is not supported here" % name)
+
+
+def quantize_int8(model, types, data, cfg, input_shape):
+    """Static post-training quantization (eager mode, onednn): conv/dense + relu fused, observers calibrated
+    on the first quant.calibration_batches training batches in file order, then converted."""
+    import numpy as np
+    import torch
+    import torch.ao.quantization as tq
+    quant = cfg.get("quant") or {}
+    for name, t in types.items():
+        if t in ("dense", "conv2d"):
+            r = first_rule(quant.get("rules"), name, t)
+            if not r or r.get("weight_qtype") != "int8" or r.get("act_qtype") not in ("int8", "uint8"):
+                fail("%s: PTQ here is int8 weights and int8 activations on every conv/dense" % name)
+    torch.backends.quantized.engine = "onednn"
+    names = list(types)
+    fuse = [[a, b] for a, b in zip(names, names[1:]) if types[a] in ("dense", "conv2d") and types[b] == "relu"]
+    model.eval()
+    tq.fuse_modules(model, fuse, inplace=True)
+    wrapped = torch.nn.Sequential(OrderedDict([("quant", tq.QuantStub()), ("net", model),
+                                               ("dequant", tq.DeQuantStub())]))
+    wrapped.qconfig = tq.get_default_qconfig("onednn")
+    tq.prepare(wrapped, inplace=True)
+    bs = int(cfg["train"].get("batch_size", 64))
+    batches = min(int(quant.get("calibration_batches", 16)), len(data.train_x) // bs)
+    with torch.inference_mode():
+        for b in range(batches):
+            x, _ = data.batch(data.train_x, data.train_y, np.arange(b * bs, (b + 1) * bs), input_shape)
+            wrapped(x)
+    tq.convert(wrapped, inplace=True)
+    return wrapped
+
+
+# ---- measurements ------------------------------------------------------------------------------------
+
+def startup_s(first_ns, since_ns):
+    if since_ns:
+        return (first_ns - since_ns) * 1e-9, "since-ns"
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - (time.time_ns() - first_ns) * 1e-9 - start, "proc-stat"
+
+
+def bench_train(model, opt, batcher, grad_clip, args, desc, mode, state):
+    import torch
+    import torch.nn.functional as F
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+
+    def step():
+        x, y = batcher.next()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    for _ in range(args.warmup):
+        state.setdefault("first_ns", time.time_ns())
+        step()
+    ms = []
+    t_begin = time.perf_counter()
+    loss = float("nan")
+    for _ in range(args.steps):
+        state.setdefault("first_ns", time.time_ns())
+        t0 = time.perf_counter()
+        loss = step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    timed = time.perf_counter() - t_begin
+    ms.sort()
+    print("bench:train model:%s mode:%s batch:%d steps:%d warmup:%d samples_per_s:%.1f step_ms:%.3f "
+          "step_ms_median:%.3f step_ms_min:%.3f loss:%.4f" % (desc, mode, batcher.bs, args.steps, args.warmup,
+                                                               args.steps * batcher.bs / timed,
+                                                               timed * 1e3 / args.steps, ms[len(ms) // 2], ms[0],
+                                                               loss))
+
+
+def bench_eval(model, data, bs, args, desc, mode, input_shape, state):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    model.eval()
+    bs = min(bs, len(data.test_x))
+    pos = [0]
+
+    def batch():
+        if pos[0] + bs > len(data.test_x):
+            pos[0] = 0
+        x, y = data.batch(data.test_x, data.test_y, np.arange(pos[0], pos[0] + bs), input_shape)
+        pos[0] += bs
+        logits = model(x)
+        return float(F.cross_entropy(logits, y)) * bs, int((logits.argmax(1) == y).sum())
+
+    with torch.inference_mode():
+        for _ in range(EVAL_WARMUP):
+            state.setdefault("first_ns", time.time_ns())
+            batch()
+        ms = []
+        t_begin = time.perf_counter()
+        for _ in range(args.eval_batches):
+            t0 = time.perf_counter()
+            batch()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        timed = time.perf_counter() - t_begin
+    ms.sort()
+    print("bench:eval model:%s mode:%s batch:%d batches:%d samples_per_s:%.1f batch_ms:%.3f batch_ms_median:%.3f "
+          "batch_ms_min:%.3f" % (desc, mode, bs, args.eval_batches, args.eval_batches * bs / timed,
+                                 timed * 1e3 / args.eval_batches, ms[len(ms) // 2], ms[0]))
+
+
+def cmd_run(args):
+    import torch
+    cfg = load_config(args.config)
+    threads = int(cfg["run"].get("threads", 0)) or os.cpu_count()
+    torch.set_num_threads(threads)
+    torch.manual_seed(int(cfg["run"].get("seed", 1)))
+    data = Data(cfg)
+    input_shape = list(cfg["model"]["input"])
+    model, types = build_model(cfg)
+    desc = model_desc(model)
+    quant = (cfg.get("quant") or {}).get("mode", "none")
+    has_lora = bool((cfg.get("lora") or {}).get("rules") or (cfg.get("lora") or {}).get("trainable"))
+    epochs = int(cfg["train"].get("epochs", 1))
+    trains = int(cfg["train"].get("steps", 0)) > 0 or epochs > 0
+    if quant == "ptq" and not has_lora:
+        mode, trains = "ptq", False
+        model = quantize_int8(model, types, data, cfg, input_shape)
+    elif quant in ("none", None):
+        mode = "lora" if has_lora else "float"
+        if has_lora:
+            apply_lora(model, types, cfg)
+    elif quant == "ptq":
+        mode = "qlora"
+        apply_lora(model, types, cfg)
+    else:
+        fail("quant.mode %s is not supported here" % quant)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print("bench:config name:%s config:%s model:%s mode:%s batch:%d eval_batch:%d threads:%d params_trainable:%d "
+          "impl:pytorch-%s" % (cfg["run"].get("name", "run"), args.config, desc, mode,
+                               int(cfg["train"].get("batch_size", 64)), int(cfg["train"].get("eval_batch_size", 256)),
+                               torch.get_num_threads(), trainable, torch.__version__))
+    print("bench:blas core:%s threads:%s" % (os.environ.get("OPENBLAS_CORETYPE", "auto"),
+                                             os.environ.get("OPENBLAS_NUM_THREADS")))
+    sys.stdout.flush()
+    state = {}
+    if trains:
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+        bench_train(model, opt, Batcher(data, cfg, input_shape), float(cfg["train"].get("grad_clip", 0.0)), args,
+                    desc, mode, state)
+    if args.eval_batches > 0:
+        bench_eval(model, data, int(cfg["train"].get("eval_batch_size", 256)), args, desc, mode, input_shape, state)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print("bench:mem peak_rss_mb:%.1f" % rss)
+    if "first_ns" in state:
+        s, clock = startup_s(state["first_ns"], args.since_ns)
+        print("bench:startup first_step_s:%.3f first:%s clock:%s" % (s, "train" if trains else "eval", clock))
+
+
+# ---- the side-by-side table ---------------------------------------------------------------------------
+
+def parse_bench(path):
+    """{line kind: {key: value}} of a bench output file; {} if it is missing."""
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("bench:"):
+                    kind, *rest = line.split()
+                    out[kind[6:]] = dict(kv.split(":", 1) for kv in rest if ":" in kv)
+    except OSError:
+        pass
+    return out
+
+
+def num(d, kind, key):
+    try:
+        return float(d[kind][key])
+    except (KeyError, ValueError):
+        return None
+
+
+def fmt(v, unit=""):
+    if v is None:
+        return "-"
+    if unit == "s":
+        return "%.3f" % v
+    if unit == "share":
+        return "%.2f" % v
+    return "%.0f" % v if v >= 100 else "%.1f" % v
+
+
+# A figure whose mean step is this much above its median step was pulled
+# down by a few slow steps (on a shared machine, usually other processes).
+NOISY = 1.25
+
+
+def noisy(d, kind):
+    mean_key = {"train": "step_ms", "eval": "batch_ms"}.get(kind)
+    mean, median = (num(d, kind, mean_key), num(d, kind, mean_key + "_median")) if mean_key else (None, None)
+    return mean is not None and median and mean > NOISY * median
+
+
+def cmd_table(args):
+    q = {n: parse_bench(os.path.join(args.qtrain, n + ".txt")) for n in CONFIGS}
+    t = {n: parse_bench(os.path.join(args.torch, n + ".txt")) for n in CONFIGS}
+    rows = []
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    def row(what, model, cfg, kind, key, unit="", target="", met=None):
+        a, b = num(q[cfg], kind, key), num(t[cfg], kind, key)
+        r = ratio(a, b)
+        mark = key == "samples_per_s"
+        fa = fmt(a, unit) + ("*" if mark and a is not None and noisy(q[cfg], kind) else "")
+        fb = fmt(b, unit) + ("*" if mark and b is not None and noisy(t[cfg], kind) else "")
+        rows.append((what, model, fa, fb, "-" if r is None else "%.2fx" % r, target,
+                     "" if met is None else ("yes" if met(a, b, r) else "NO")))
+
+    def ge(x):
+        return lambda a, b, r: r is not None and r >= x
+
+    def step_ratio(cfg_a, cfg_b):
+        return ratio(num(q[cfg_a], "train", "step_ms"), num(q[cfg_b], "train", "step_ms"))
+
+    for m in ("mlp", "cnn"):
+        row("train samples/s", m, m, "train", "samples_per_s", target=">= 2.0x PyTorch", met=ge(2.0))
+    for m in ("mlp", "cnn"):
+        row("eval samples/s", m, m, "eval", "samples_per_s")
+    for m in ("mlp", "cnn"):
+        r = step_ratio(m + "-lora", m)
+        tgt = "LoRA/full step %s (<= 0.75)" % ("-" if r is None else "%.2f" % r)
+        row("LoRA step samples/s", m, m + "-lora", "train", "samples_per_s", target=tgt if m == "cnn" else "",
+            met=(lambda a, b, _r, r=r: r is not None and r <= 0.75) if m == "cnn" else None)
+    for m in ("mlp", "cnn"):
+        r = step_ratio(m + "-qlora", m + "-lora")
+        row("QLoRA step samples/s", m, m + "-qlora", "train", "samples_per_s",
+            target="QLoRA/LoRA step %s (<= 1.15)" % ("-" if r is None else "%.2f" % r),
+            met=lambda a, b, _r, r=r: r is not None and r <= 1.15)
+    for m in ("mlp", "cnn"):
+        row("PTQ int8 eval samples/s", m, m + "-ptq-int8", "eval", "samples_per_s", target=">= 1.0x PyTorch",
+            met=ge(1.0))
+    for m in ("mlp", "cnn"):
+        row("peak RSS MB (training)", m, m, "mem", "peak_rss_mb", target="<= 0.15x PyTorch" if m == "cnn" else "",
+            met=(lambda a, b, r: r is not None and r <= 0.15) if m == "cnn" else None)
+    for m in ("mlp", "cnn"):
+        row("start-up to 1st step s", m, m, "startup", "first_step_s", unit="s", target="<= 0.2 s (qtrain)",
+            met=lambda a, b, r: a is not None and a <= 0.2)
+    for m in ("mlp", "cnn"):
+        row("GEMM share of a step", m, m, "train", "gemm_share", unit="share")
+    head = ("measurement", "model", "qtrain", "PyTorch", "qtrain/PyTorch", "target", "met")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    version = next((v["config"]["impl"][8:] for v in t.values() if "impl" in v.get("config", {})), "?")
+    print("qtrain vs PyTorch %s: batch 128, 2 threads, OpenBLAS %s kernels on both sides" %
+          (version, args.core or "?"))
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    if any("*" in r[2] + r[3] for r in rows):
+        print("* the mean step (batch) is over %.2fx the median: a few slow steps, usually other processes on the "
+              "machine, pull this figure down; the medians are in the raw outputs" % NOISY)
+    missing = [n for n in CONFIGS if not t[n] or not q[n]]
+    if missing:
+        print("missing measurements (see the outputs in %s and %s): %s" % (args.qtrain, args.torch,
+                                                                           ", ".join(missing)))
+
+
+CONFIGS = ["mlp", "cnn", "mlp-lora", "cnn-lora", "mlp-qlora", "cnn-qlora", "mlp-ptq-int8", "cnn-ptq-int8"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one measurement of one bench config")
+    r.add_argument("--config", required=True)
+    r.add_argument("--steps", type=int, default=100)
+    r.add_argument("--warmup", type=int, default=10)
+    r.add_argument("--eval-batches", type=int, default=40)
+    r.add_argument("--since-ns", type=int, default=0, help="CLOCK_REALTIME ns at process start ($(date +%%s%%N))")
+    t = sub.add_parser("table", help="the side-by-side table of bench/run.sh's outputs")
+    t.add_argument("--qtrain", required=True, help="directory of qtrain's <config>.txt outputs")
+    t.add_argument("--torch", required=True, help="directory of this script's <config>.txt outputs")
+    t.add_argument("--core", default="", help="the OpenBLAS kernel family both sides ran")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        if args.steps < 1 or args.warmup < 0 or args.eval_batches < 0:
+            fail("--steps must be >= 1, --warmup and --eval-batches >= 0")
+        cmd_run(args)
+    else:
+        cmd_table(args)
+
+
+if __name__ == "__main__":
+    main()

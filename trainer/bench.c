@@ -1,0 +1,301 @@
+/* bench.c - `qtrain bench`: a config's training and evaluation speed,
+ * memory and start-up time, measured on the run training would set up
+ * (trainer/run.h), with nothing written to run.out_dir. */
+#include "trainer/bench.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nn/gemm.h"
+#include "nn/model.h"
+#include "nn/rng.h"
+#include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
+#include "trainer/run.h"
+
+#define BENCH_EVAL_WARMUP 2 /* untimed evaluation batches before the timed ones */
+
+typedef struct {
+    Run run;
+    Config *cfg;                /* the caller's config, init_from pointed at the temporary base if one is made */
+    char model_name[128];       /* e.g. "conv32-conv64-dense128-dense10" */
+    double setup_excluded_s;    /* seconds spent making the temporary base: not part of a real start-up */
+    struct timespec first_real, first_boot; /* when the first step (or eval batch) started */
+    bool have_first;
+} Bench;
+
+BenchOptions bench_options_default(void) {
+    BenchOptions o = {.steps = BENCH_DEFAULT_STEPS, .warmup = BENCH_DEFAULT_WARMUP,
+                      .eval_batches = BENCH_DEFAULT_EVAL_BATCHES, .since_ns = 0};
+    return o;
+}
+
+/* GEMM stats count thread-seconds (nn/gemm.h); over the thread count they
+ * are the cores' share of the wall time. */
+static double gemm_core_s(const GemmStats *g) { return g->seconds / (double)gemm_get_threads(); }
+
+static double ts_seconds(const struct timespec *t) { return (double)t->tv_sec + 1e-9 * (double)t->tv_nsec; }
+
+static void bench_mark_first(Bench *b) {
+    if (b->have_first) return;
+    clock_gettime(CLOCK_REALTIME, &b->first_real);
+    clock_gettime(CLOCK_BOOTTIME, &b->first_boot);
+    b->have_first = true;
+}
+
+/* The process's start in seconds since boot, from field 22 of
+ * /proc/self/stat (clock ticks); an exec keeps it. Negative if unreadable. */
+static double proc_start_boot_s(void) {
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (!f) return -1.0;
+    char buf[1024];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    unsigned long long start = 0;
+    /* after ")": state is field 3, starttime field 22 */
+    if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+                     &start) != 1)
+        return -1.0;
+    long hz = sysconf(_SC_CLK_TCK);
+    return hz > 0 ? (double)start / (double)hz : -1.0;
+}
+
+/* Seconds from the process start to the first step; *clock names the source. */
+static double bench_startup_s(const Bench *b, const BenchOptions *o, const char **clock) {
+    if (o->since_ns > 0) {
+        *clock = "since-ns";
+        return ts_seconds(&b->first_real) - (double)o->since_ns * 1e-9 - b->setup_excluded_s;
+    }
+    *clock = "proc-stat";
+    double start = proc_start_boot_s();
+    return start < 0 ? NAN : ts_seconds(&b->first_boot) - start - b->setup_excluded_s;
+}
+
+/* "dense512-dense256-dense10": the layers with weights, by width. */
+static void bench_name_model(const Model *m, char *buf, size_t cap) {
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < m->n_modules && len < cap; i++) {
+        const LayerSpec *s = &m->modules[i].spec;
+        int w = s->type == LAYER_CONV2D ? s->out_channels : s->type == LAYER_DENSE ? s->units : -1;
+        if (w < 0) continue;
+        int k = snprintf(buf + len, cap - len, "%s%s%d", len ? "-" : "", s->type == LAYER_CONV2D ? "conv" : "dense",
+                         w);
+        len = k < 0 ? cap : len + (size_t)k;
+    }
+    if (!buf[0]) snprintf(buf, cap, "none");
+}
+
+/* A quant.mode ptq config without model.init_from: the seed's fresh float
+ * parameters (as net_build draws them) go to <tmpdir>/init.h5, and the
+ * copy of the config starts from there, so the base is quantized exactly
+ * as a run quantizes its init_from. */
+static QtStatus bench_write_fresh_base(Bench *b, char *dir, size_t dir_cap, char *path, size_t path_cap,
+                                       FILE *out, QtError *err) {
+    Config *c = b->cfg;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(dir, dir_cap, "%s/qtrain-bench-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+    if (!mkdtemp(dir)) {
+        QtStatus st = qt_error_set(err, QT_ERR_IO, "cannot create a temporary directory %s for the fresh base: %s; "
+                                   "set TMPDIR to a writable place or set model.init_from", dir, strerror(errno));
+        dir[0] = '\0';
+        return st;
+    }
+    snprintf(path, path_cap, "%s/init.h5", dir);
+    double t0 = metrics_now();
+    Model m;
+    QtStatus st = model_init(&m, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers, err);
+    if (st != QT_OK) return st;
+    Rng init;
+    rng_init(&init, c->run.seed, RNG_STREAM_INIT);
+    model_init_params(&m, &init);
+    CheckpointState s = {.seed = c->run.seed, .last_train_loss = NAN};
+    st = checkpoint_save(path, &m, NULL, &s, err);
+    model_free(&m);
+    if (st != QT_OK) return st;
+    snprintf(c->model.init_from, sizeof c->model.init_from, "%s", path);
+    b->setup_excluded_s = metrics_now() - t0;
+    fprintf(out, "note: model.init_from is not set: the quantized base is the fresh initialisation of run.seed "
+            "(timing only; %.3f s to write it are left out of first_step_s)\n", b->setup_excluded_s);
+    return QT_OK;
+}
+
+/* The run as training sets it up for a fresh start. */
+static QtStatus bench_setup(Bench *b, const TrainOptions *topt, FILE *out, QtError *err) {
+    char dir[CONFIG_PATH_MAX] = "", path[CONFIG_PATH_MAX + 16] = "";
+    QtStatus st = QT_OK;
+    if (b->cfg->quant.mode == QUANT_MODE_PTQ && !b->cfg->model.init_from[0])
+        st = bench_write_fresh_base(b, dir, sizeof dir, path, sizeof path, out, err);
+    Run *r = &b->run;
+    r->cfg = b->cfg, r->opt = topt, r->t_start = metrics_now(), r->saved_step = -1, r->last_train_loss = NAN;
+    if (st == QT_OK) st = run_prepare(r, true, err);
+    double t0 = metrics_now();
+    if (path[0]) remove(path);
+    if (dir[0]) rmdir(dir);
+    b->setup_excluded_s += metrics_now() - t0;
+    if (st != QT_OK) return st;
+    net_print_unused_rules(&r->net, out);
+    bench_name_model(&r->net.model, b->model_name, sizeof b->model_name);
+    return QT_OK;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Timed training steps, then a pass with GEMM accounting on. */
+static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError *err) {
+    Run *r = &b->run;
+    double *ms = malloc((size_t)o->steps * sizeof *ms);
+    if (!ms) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for %d step times", o->steps);
+    r->tape.training = true;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < o->warmup; i++) {
+        bench_mark_first(b);
+        st = run_step(r, err);
+    }
+    int64_t examples = r->trained_examples;
+    double t_begin = metrics_now();
+    for (int i = 0; st == QT_OK && i < o->steps; i++) {
+        bench_mark_first(b);
+        double t0 = metrics_now();
+        st = run_step(r, err);
+        ms[i] = (metrics_now() - t0) * 1e3;
+    }
+    double timed_s = metrics_now() - t_begin;
+    examples = r->trained_examples - examples;
+    double loss = r->win_steps ? r->win_loss_sum / (double)r->win_steps : NAN;
+    int stats_steps = o->steps / 2 > 0 ? o->steps / 2 : 1;
+    gemm_stats_reset();
+    gemm_stats_enable(true);
+    double t_stats = metrics_now();
+    for (int i = 0; st == QT_OK && i < stats_steps; i++) st = run_step(r, err);
+    t_stats = metrics_now() - t_stats;
+    gemm_stats_enable(false);
+    GemmStats g = gemm_stats_get();
+    if (st == QT_OK) {
+        qsort(ms, (size_t)o->steps, sizeof *ms, cmp_double);
+        fprintf(out, "bench:train model:%s mode:%s batch:%d steps:%d warmup:%d samples_per_s:%.1f step_ms:%.3f "
+                "step_ms_median:%.3f step_ms_min:%.3f gemm_share:%.3f gemm_gflops:%.1f gemm_calls_per_step:%.1f "
+                "loss:%.4f\n", b->model_name, net_mode_name(&r->net), r->cfg->train.batch_size, o->steps, o->warmup,
+                (double)examples / timed_s, timed_s * 1e3 / o->steps, ms[o->steps / 2], ms[0],
+                t_stats > 0 ? gemm_core_s(&g) / t_stats : 0.0, g.seconds > 0 ? g.flops / gemm_core_s(&g) * 1e-9 : 0.0,
+                (double)g.calls / stats_steps, loss);
+    }
+    free(ms);
+    return st;
+}
+
+/* Eval batches cycle through the test split in full batches; ms (may be
+ * NULL) gets each batch's milliseconds. */
+static QtStatus bench_eval_pass(Bench *b, int batches, int *next, int bs, double *ms, QtError *err) {
+    Run *r = &b->run;
+    double loss_sum = 0.0;
+    int64_t correct = 0;
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < batches; i++) {
+        if (*next + bs > r->test.n) *next = 0;
+        bench_mark_first(b);
+        double t0 = metrics_now();
+        st = run_eval_batch(r, &r->test, *next, bs, &loss_sum, &correct, err);
+        if (ms) ms[i] = (metrics_now() - t0) * 1e3;
+        *next += bs;
+    }
+    return st;
+}
+
+/* Forward-only batches of the test split at train.eval_batch_size. */
+static QtStatus bench_eval(Bench *b, const BenchOptions *o, FILE *out, QtError *err) {
+    Run *r = &b->run;
+    int bs = r->cfg->train.eval_batch_size < r->test.n ? r->cfg->train.eval_batch_size : r->test.n, next = 0;
+    double *ms = malloc((size_t)o->eval_batches * sizeof *ms);
+    if (!ms) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for %d batch times", o->eval_batches);
+    r->tape.training = false, r->tape.grad_enabled = false;
+    QtStatus st = bench_eval_pass(b, BENCH_EVAL_WARMUP, &next, bs, NULL, err);
+    double t0 = metrics_now();
+    if (st == QT_OK) st = bench_eval_pass(b, o->eval_batches, &next, bs, ms, err);
+    double timed_s = metrics_now() - t0;
+    int stats_batches = o->eval_batches / 2 > 0 ? o->eval_batches / 2 : 1;
+    gemm_stats_reset();
+    gemm_stats_enable(true);
+    double t_stats = metrics_now();
+    if (st == QT_OK) st = bench_eval_pass(b, stats_batches, &next, bs, NULL, err);
+    t_stats = metrics_now() - t_stats;
+    gemm_stats_enable(false);
+    GemmStats g = gemm_stats_get();
+    r->tape.grad_enabled = true;
+    if (st == QT_OK) {
+        qsort(ms, (size_t)o->eval_batches, sizeof *ms, cmp_double);
+        fprintf(out, "bench:eval model:%s mode:%s batch:%d batches:%d samples_per_s:%.1f batch_ms:%.3f "
+                "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f\n", b->model_name, net_mode_name(&r->net), bs,
+                o->eval_batches, (double)o->eval_batches * bs / timed_s, timed_s * 1e3 / o->eval_batches,
+                ms[o->eval_batches / 2], ms[0], t_stats > 0 ? gemm_core_s(&g) / t_stats : 0.0);
+    }
+    free(ms);
+    return st;
+}
+
+static void bench_print_header(const Bench *b, FILE *out) {
+    const Run *r = &b->run;
+    const Config *c = r->cfg;
+    fprintf(out, "bench:config name:%s config:%s model:%s mode:%s batch:%d eval_batch:%d threads:%d "
+            "params_trainable:%zu params_frozen:%zu train_steps:%" PRId64 "\n", c->run.name, c->source,
+            b->model_name, net_mode_name(&r->net), c->train.batch_size, c->train.eval_batch_size, gemm_get_threads(),
+            net_params_trainable(&r->net), net_params_frozen(&r->net), r->total_steps);
+    fprintf(out, "bench:blas core:%s threads:%d\n", gemm_blas_core(), gemm_get_threads());
+    fflush(out);
+}
+
+static void bench_print_tail(const Bench *b, const BenchOptions *o, bool trained, FILE *out) {
+    struct rusage ru;
+    double rss = getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
+    fprintf(out, "bench:mem peak_rss_mb:%.1f arena_mb:%.2f\n", rss,
+            (double)arena_capacity(&b->run.arena) / (1024.0 * 1024.0));
+    if (b->have_first) {
+        const char *clock = "";
+        double s = bench_startup_s(b, o, &clock);
+        fprintf(out, "bench:startup first_step_s:%.3f first:%s clock:%s\n", s, trained ? "train" : "eval", clock);
+    }
+}
+
+static QtStatus bench_check_options(const BenchOptions *o, QtError *err) {
+    if (o->steps < 1 || o->warmup < 0 || o->eval_batches < 0 || o->since_ns < 0)
+        return qt_error_set(err, QT_ERR_ARG, "bench: steps must be >= 1, warmup and eval batches >= 0 and "
+                            "since_ns >= 0 (got %d, %d, %d, %" PRId64 ")", o->steps, o->warmup, o->eval_batches,
+                            o->since_ns);
+    return QT_OK;
+}
+
+QtStatus bench_run(const Config *cfg, const BenchOptions *o, FILE *out, QtError *err) {
+    QtStatus st = bench_check_options(o, err);
+    if (st != QT_OK) return st;
+    Bench *b = calloc(1, sizeof *b);
+    if (b) b->cfg = malloc(sizeof *b->cfg);
+    if (!b || !b->cfg) {
+        free(b);
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory setting up the benchmark");
+    }
+    *b->cfg = *cfg;
+    TrainOptions topt = {.quiet = true};
+    st = bench_setup(b, &topt, out, err);
+    bool trains = st == QT_OK && b->run.total_steps > 0;
+    if (st == QT_OK) bench_print_header(b, out);
+    if (trains) st = bench_train(b, o, out, err);
+    if (st == QT_OK && o->eval_batches > 0) st = bench_eval(b, o, out, err);
+    if (st == QT_OK) bench_print_tail(b, o, trains, out);
+    fflush(out);
+    run_free(&b->run);
+    free(b->cfg);
+    free(b);
+    return st;
+}

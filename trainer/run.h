@@ -1,0 +1,71 @@
+/* run.h - the state of one training run and the steps of its life that
+ * `qtrain bench` shares with training (trainer/train.c). Internal to
+ * trainer/: the public entry points are in train.h and bench.h. */
+#ifndef QTRAIN_TRAINER_RUN_H
+#define QTRAIN_TRAINER_RUN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "data/dataset.h"
+#include "nn/arena.h"
+#include "nn/optim.h"
+#include "nn/rng.h"
+#include "nn/schedule.h"
+#include "nn/tape.h"
+#include "trainer/config.h"
+#include "trainer/metrics.h"
+#include "trainer/net.h"
+#include "trainer/train.h"
+
+typedef struct {
+    const Config *cfg;
+    const TrainOptions *opt;
+    Dataset train, val, test;
+    Net net;                /* the model with its quantized base and adapters */
+    Optimizer optim;
+    Arena arena;
+    Tape tape;
+    Rng dropout;            /* the tape's generator: dropout masks */
+    Batcher batcher;
+    LrSchedule sched;
+    int64_t total_steps, steps_per_epoch;
+    int64_t step;           /* optimizer steps done */
+    int64_t saved_step;     /* step of the newest checkpoint written by this invocation, -1 = none */
+    bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
+    float *bx;              /* (batch_size, feat) training batch */
+    int32_t *by;            /* [batch_size] */
+    float *ex;              /* (eval_batch_size, feat) evaluation batch */
+    int32_t *ey;            /* [eval_batch_size] */
+    double win_loss_sum;    /* training window since the last log line */
+    int64_t win_correct, win_seen, win_steps;
+    char *config_text;      /* resolved YAML, stored in checkpoints */
+    MetricsLog metrics;
+    Progress progress;
+    double t_start;         /* this invocation's start */
+    double wall_before;     /* wall seconds of earlier invocations of this run (resume) */
+    double train_s;         /* seconds in training steps, over all invocations */
+    int64_t trained_examples; /* over all invocations */
+    double last_train_loss; /* mean loss of the last logged window, NaN before the first */
+} Run;
+
+/* Everything a run needs that does not touch run.out_dir: the thread count,
+ * data, model (fresh: from the seed, init_from and adapters_from; else
+ * layouts for a checkpoint to fill), optimizer, step plan, batch buffers,
+ * arena and tape, and for a fresh model the static activation calibration.
+ * r->cfg and r->opt must be set and the rest zeroed. */
+QtStatus run_prepare(Run *r, bool fresh, QtError *err);
+/* Frees what run_prepare (and the loop) made; safe on a partial setup. */
+void run_free(Run *r);
+
+/* One optimizer step on the next batch, its loading included. */
+QtStatus run_step(Run *r, QtError *err);
+
+/* The forward pass and loss of examples start..start+n-1 of d (n at most
+ * the eval batch size), as evaluation runs them; adds n * the mean loss to
+ * *loss_sum and the correct predictions to *correct. The caller switches
+ * the tape to inference (training and grad_enabled false). */
+QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
+                        QtError *err);
+
+#endif
