@@ -4,6 +4,7 @@
 
 #include "gemm.h"
 #include "ops.h"
+#include "parallel.h"
 
 #define SHAPE_STR(v, buf) tensor_shape_str(&(v)->value, (buf), sizeof(buf))
 
@@ -253,6 +254,32 @@ void sigmoid_backward(float *restrict dx, const float *restrict dy, const float 
 
 typedef void (*UnaryForward)(float *y, const float *x, size_t n);
 
+/* Elementwise forwards of at least this many elements run over the pool in
+ * contiguous ranges (the same values however they are split). */
+#define UNARY_PARALLEL_MIN (1 << 17)
+
+typedef struct {
+    UnaryForward fn;
+    float *y;
+    const float *x;
+    size_t n;
+} UnaryJob;
+
+static void unary_range_task(void *ctx, int task, int n_tasks) {
+    const UnaryJob *j = ctx;
+    size_t lo = j->n * (size_t)task / (size_t)n_tasks, hi = j->n * (size_t)(task + 1) / (size_t)n_tasks;
+    j->fn(j->y + lo, j->x + lo, hi - lo);
+}
+
+static void unary_forward(UnaryForward fn, float *y, const float *x, size_t n) {
+    if (n < UNARY_PARALLEL_MIN || parallel_get_threads() == 1) {
+        fn(y, x, n);
+        return;
+    }
+    UnaryJob j = {fn, y, x, n};
+    parallel_run(parallel_get_threads(), unary_range_task, &j);
+}
+
 /* Backward from the output (relu, tanh, sigmoid) or from the input (gelu). */
 #define DEFINE_UNARY(name, save_input)                                                     \
     static void name##_tape_backward(Tape *t, const TapeNode *node) {                      \
@@ -265,7 +292,7 @@ typedef void (*UnaryForward)(float *y, const float *x, size_t n);
         if (!x) return NULL;                                                               \
         Var *y = tape_new_var(t, x->value.ndim, x->value.shape);                           \
         if (!y) return NULL;                                                               \
-        name##_forward(y->value.data, x->value.data, var_numel(x));                        \
+        unary_forward(name##_forward, y->value.data, x->value.data, var_numel(x));         \
         return tape_record(t, #name, name##_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL; \
     }
 

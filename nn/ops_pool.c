@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "parallel.h"
 #include "pool2x2.h"
 
 #define SHAPE_STR_MAX 64
@@ -59,8 +60,8 @@ static void maxpool2d_forward_2x2(float *y, int32_t *argmax, const float *x, int
     }
 }
 
-static void maxpool2d_forward(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int kernel,
-                              int stride, int OH, int OW) {
+static void maxpool2d_forward_planes(float *y, int32_t *argmax, const float *x, int planes, int H, int W,
+                                     int kernel, int stride, int OH, int OW) {
     if (kernel == 2 && stride == 2 && !maxpool_force_generic) {
         maxpool2d_forward_2x2(y, argmax, x, planes, H, W, OH, OW);
         return;
@@ -102,6 +103,30 @@ static void maxpool2d_backward(Tape *t, const TapeNode *node) {
     const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
     for (size_t p = 0; p < planes; p++)
         for (size_t o = 0; o < out_plane; o++) dx[p * plane + argmax[p * out_plane + o]] += dy[p * out_plane + o];
+}
+
+typedef struct {
+    float *y;
+    int32_t *argmax;
+    const float *x;
+    int planes, H, W, kernel, stride, OH, OW;
+} PoolJob;
+
+static void maxpool2d_task(void *ctx, int task, int n_tasks) {
+    const PoolJob *j = ctx;
+    int lo, hi;
+    parallel_range(j->planes, task, n_tasks, &lo, &hi);
+    const size_t in = (size_t)j->H * j->W, out = (size_t)j->OH * j->OW;
+    maxpool2d_forward_planes(j->y + lo * out, j->argmax + lo * out, j->x + lo * in, hi - lo, j->H, j->W, j->kernel,
+                             j->stride, j->OH, j->OW);
+}
+
+/* Planes split over the pool: each plane's result does not depend on who computes it. */
+static void maxpool2d_forward(float *y, int32_t *argmax, const float *x, int planes, int H, int W, int kernel,
+                              int stride, int OH, int OW) {
+    PoolJob j = {y, argmax, x, planes, H, W, kernel, stride, OH, OW};
+    int tasks = (size_t)planes * H * W < (1u << 16) ? 1 : parallel_get_threads();
+    parallel_run(tasks < planes ? tasks : planes, maxpool2d_task, &j);
 }
 
 /* x: (N, C, H, W) -> (N, C, OH, OW). */
