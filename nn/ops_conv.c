@@ -43,6 +43,22 @@ static bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padd
     return stride == 1 && OH == H && OW == W && KH == 2 * padding + 1 && KW == 2 * padding + 1;
 }
 
+/* Zeroes the entries of p (H, W) whose source, shifted by (dh, dw), lies
+ * outside the plane: whole rows when dh != 0 (all of them when |dh| >= H),
+ * and the columns a contiguous shifted copy wraps in from the neighbouring
+ * row. */
+static void zero_outside(float *p, int H, int W, int dh, int dw) {
+    const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
+    if (dh < 0) memset(p, 0, (size_t)rows_out * W * sizeof *p);
+    if (dh > 0) memset(p + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *p);
+    for (int h = 0; h < H; h++) {
+        float *row = p + (size_t)h * W;
+        for (int c = 0; c < -dw && c < W; c++) row[c] = 0.0f;
+        for (int c = W - dw; c < W; c++)
+            if (c >= 0) row[c] = 0.0f;
+    }
+}
+
 /* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
 static void shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw) {
     const long long plane = (long long)H * W, off = (long long)dh * W + dw;
@@ -52,32 +68,14 @@ static void shift_plane(float *restrict dst, const float *restrict x_plane, int 
     memset(dst, 0, (size_t)lo * sizeof *dst);
     memcpy(dst + lo, x_plane + lo + off, (size_t)(hi - lo) * sizeof *dst);
     memset(dst + hi, 0, (size_t)(plane - hi) * sizeof *dst);
-    /* whole rows outside the plane (all of them when |dh| >= H) */
-    const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
-    if (dh < 0) memset(dst, 0, (size_t)rows_out * W * sizeof *dst);
-    if (dh > 0) memset(dst + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *dst);
-    /* columns that wrapped in from the neighbouring row */
-    for (int h = 0; h < H; h++) {
-        float *row = dst + (size_t)h * W;
-        for (int c = 0; c < -dw && c < W; c++) row[c] = 0.0f;
-        for (int c = W - dw; c < W; c++)
-            if (c >= 0) row[c] = 0.0f;
-    }
+    zero_outside(dst, H, W, dh, dw);
 }
 
 /* dx_plane (H, W) += src (H, W) shifted back by (dh, dw); src's entries that
  * read outside the plane are zeroed first (src is scratch). */
 static void unshift_plane_add(float *restrict dx_plane, float *restrict src, int H, int W, int dh, int dw) {
     const long long plane = (long long)H * W, off = (long long)dh * W + dw;
-    const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
-    if (dh < 0) memset(src, 0, (size_t)rows_out * W * sizeof *src);
-    if (dh > 0) memset(src + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *src);
-    for (int h = 0; h < H; h++) {
-        float *row = src + (size_t)h * W;
-        for (int c = 0; c < -dw && c < W; c++) row[c] = 0.0f;
-        for (int c = W - dw; c < W; c++)
-            if (c >= 0) row[c] = 0.0f;
-    }
+    zero_outside(src, H, W, dh, dw);
     long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane;
     if (lo > plane) lo = plane;
     if (hi < lo) hi = lo;
