@@ -154,25 +154,18 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
 /* A conv adapter with its layer's relu (and pooling) folded in. Without
  * adapter dropout, over a float base or one that lends its weight
  * (Module.weight_hook: a quantized base, dequantized), the adapter shares
- * each chunk's im2col with the base (nn_conv2d_fused_lowrank); otherwise
- * the adapter's own forward, then the folded layers as ops. */
+ * each chunk's im2col with the base (nn_conv2d_fused_lowrank); otherwise it
+ * declines (NULL, no error) and the layers run one by one. */
 static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
-    if (!x) return NULL;
+    if (a->spec.dropout != 0.0f) return NULL;
     Var *w = NULL;
-    if (a->spec.dropout == 0.0f) {
-        if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
-        else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);
-        if (!tape_ok(t)) return NULL;
-    }
-    if (w) {
-        ConvLowRank lr = {&a->A.var, &a->B.var, a->scale};
-        return nn_conv2d_fused_lowrank(t, x, w, m->bias ? &m->bias->var : NULL, &lr, m->spec.stride,
-                                       m->spec.padding, epi);
-    }
-    Var *y = lora_adapter_forward(t, a, x);
-    if (epi != CONV_EPI_NONE) y = nn_relu(t, y);
-    return epi == CONV_EPI_RELU_MAXPOOL2 ? nn_maxpool2d(t, y, 2, 2) : y;
+    if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
+    else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);
+    if (!w) return NULL;
+    ConvLowRank lr = {&a->A.var, &a->B.var, a->scale};
+    return nn_conv2d_fused_lowrank(t, x, w, m->bias ? &m->bias->var : NULL, &lr, m->spec.stride, m->spec.padding,
+                                   epi);
 }
 
 void lora_adapter_install(LoraAdapter *a) {

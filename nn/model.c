@@ -368,11 +368,15 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
         if (fused > 1) {
             static const ConvEpilogue epi[] = {CONV_EPI_NONE, CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
             Var *b = mod->bias ? &mod->bias->var : NULL;
-            x = mod->forward_hook
-                    ? mod->fused_hook(t, mod, x, mod->hook_ctx, epi[fused])
-                    : nn_conv2d_fused(t, x, &mod->weight->var, b, mod->spec.stride, mod->spec.padding, epi[fused]);
-            i += fused - 1;
-            continue;
+            Var *y = mod->forward_hook
+                         ? mod->fused_hook(t, mod, x, mod->hook_ctx, epi[fused])
+                         : nn_conv2d_fused(t, x, &mod->weight->var, b, mod->spec.stride, mod->spec.padding, epi[fused]);
+            if (y || !tape_ok(t)) {
+                x = y;
+                i += fused - 1;
+                continue;
+            }
+            /* the hook declined: run it and the layers after it one by one */
         }
         x = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : model_module_forward(t, mod, x);
     }

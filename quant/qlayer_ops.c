@@ -306,21 +306,15 @@ static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
 }
 
 /* conv2d with the following relu (and 2x2 max pool) folded in, on the
- * dequantized weight; the int8 path and weights over one tile run the layer
- * as usual, then the folded layers as ops. */
+ * dequantized weight; declines (NULL, no error) for the int8 path and for
+ * weights over one tile, which then run as the layer and separate ops. */
 static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
     QLayer *q = ctx;
     Var *bias = m->bias ? &m->bias->var : NULL;
     int OH = 0, OW = 0;
-    if (!x) return NULL;
-    if (!qlayer_int8_applies(t, q, x, bias) && conv_check(t, q, x, &OH, &OW)) {
-        Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
-        if (w && xin) return nn_conv2d_fused(t, xin, w, bias, m->spec.stride, m->spec.padding, epi);
-    }
-    if (!tape_ok(t)) return NULL;
-    Var *y = qlayer_forward(t, q, x);
-    if (epi != CONV_EPI_NONE) y = nn_relu(t, y);
-    return epi == CONV_EPI_RELU_MAXPOOL2 ? nn_maxpool2d(t, y, 2, 2) : y;
+    if (qlayer_int8_applies(t, q, x, bias) || !conv_check(t, q, x, &OH, &OW)) return NULL;
+    Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
+    return w && xin ? nn_conv2d_fused(t, xin, w, bias, m->spec.stride, m->spec.padding, epi) : NULL;
 }
 
 void qlayer_install(QLayer *q) {
