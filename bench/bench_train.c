@@ -270,18 +270,18 @@ static QtStatus train_step(Bench *b, Phases *ph, QtError *err) {
     int slot = (int)(b->step++ % POOL_BATCHES);
     float *x = b->x_pool + (size_t)slot * b->batch * b->sample_numel;
     const int32_t *y = b->y_pool + (size_t)slot * b->batch;
-    double t0 = ph ? now_s() : 0.0, g0 = ph ? gemm_stats_get().seconds : 0.0;
+    double t0 = ph ? now_s() : 0.0, g0 = ph ? gemm_stats_get().core_seconds : 0.0;
 
     Var *logits = model_forward(&b->model, t, tape_wrap(t, x, b->x_ndim, b->x_shape));
     Var *loss = nn_softmax_cross_entropy(t, logits, y);
-    double t1 = ph ? now_s() : 0.0, g1 = ph ? gemm_stats_get().seconds : 0.0;
+    double t1 = ph ? now_s() : 0.0, g1 = ph ? gemm_stats_get().core_seconds : 0.0;
     QtStatus st = loss ? tape_backward(t, loss) : (tape_ok(t) ? QT_ERR_ARG : t->err.status);
     if (st != QT_OK) {
         qt_error_set(err, st, "%s step %lld: %s", b->name, b->step, tape_ok(t) ? "no loss" : t->err.msg);
         return st;
     }
     b->last_loss = loss->value.data[0];
-    double t2 = ph ? now_s() : 0.0, g2 = ph ? gemm_stats_get().seconds : 0.0;
+    double t2 = ph ? now_s() : 0.0, g2 = ph ? gemm_stats_get().core_seconds : 0.0;
     optim_step(&b->opt, b->lr);
     optim_zero_grad(&b->opt);
     double t3 = ph ? now_s() : 0.0;
@@ -343,30 +343,25 @@ static QtStatus stats_pass(Bench *b, double seconds, Phases *ph, long long *step
 
 /* ---- reporting --------------------------------------------------------------- */
 
-/* GEMM seconds are thread-seconds (nn/gemm.h); per core, they are that over
- * the thread count: the wall time the step would spend in sgemm if both
- * threads ran their GEMMs side by side. */
-static double gemm_core_seconds(const GemmStats *gs) { return gs->seconds / (double)gemm_get_threads(); }
-
 static void report_phases(const Bench *b, const Phases *ph, long long steps, double wall, const GemmStats *gs) {
-    const double ms = 1e3 / (double)steps, per_core = 1.0 / (double)gemm_get_threads();
+    const double ms = 1e3 / (double)steps;
     double other = wall - ph->fwd - ph->bwd - ph->optim - ph->reset;
     printf("bench:train_phases model:%s steps:%lld step_ms:%.3f fwd_ms:%.3f fwd_gemm_ms:%.3f bwd_ms:%.3f "
            "bwd_gemm_ms:%.3f optim_ms:%.3f reset_ms:%.3f loop_ms:%.3f\n",
-           b->name, steps, wall * ms, ph->fwd * ms, ph->gemm_fwd * ms * per_core, ph->bwd * ms,
-           ph->gemm_bwd * ms * per_core,
+           b->name, steps, wall * ms, ph->fwd * ms, ph->gemm_fwd * ms, ph->bwd * ms,
+           ph->gemm_bwd * ms,
            ph->optim * ms, ph->reset * ms, other * ms);
     printf("bench:train_gemm model:%s calls_per_step:%.1f gemm_ms_per_step:%.3f non_gemm_ms_per_step:%.3f "
            "gemm_flops_per_sample:%.4g\n",
-           b->name, (double)gs->calls / (double)steps, gemm_core_seconds(gs) * ms, (wall - gemm_core_seconds(gs)) * ms,
+           b->name, (double)gs->calls / (double)steps, gs->core_seconds * ms, (wall - gs->core_seconds) * ms,
            gs->flops / ((double)steps * b->batch));
 }
 
 static void report(const Bench *b, const Args *a, const TimedResult *r, const Phases *ph, long long s_steps,
                    double s_wall, const GemmStats *gs, size_t grow_warm, size_t grow_end) {
     double sps = (double)r->steps * b->batch / r->seconds;
-    double core_s = gemm_core_seconds(gs);
-    double share = core_s / s_wall, gemm_gflops = core_s > 0 ? gs->flops / core_s * 1e-9 : 0.0;
+    double share = gs->core_seconds / s_wall;
+    double gemm_gflops = gs->core_seconds > 0 ? gs->flops / gs->core_seconds * 1e-9 : 0.0;
     double fwd_flops = model_forward_flops(&b->model), train_flops = 3.0 * fwd_flops;
     printf("bench:train model:%s batch:%d threads:%d samples_per_s:%.1f step_ms:%.3f gemm_share:%.3f "
            "gemm_gflops:%.1f\n",

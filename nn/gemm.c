@@ -1,13 +1,12 @@
 #include "gemm.h"
 
-#include "parallel.h"
-
 #include <cblas.h>
 #include <stdlib.h>
-#include <string.h>
 #include <strings.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "parallel.h"
 
 static bool stats_on;
 /* One slot per pool thread (parallel_thread_index), a cache line apart. */
@@ -146,5 +145,6 @@ GemmStats gemm_stats_get(void) {
         sum.seconds += stats[i].s.seconds;
         sum.flops += stats[i].s.flops;
     }
+    sum.core_seconds = sum.seconds / (double)parallel_get_threads();
     return sum;
 }

@@ -47,6 +47,8 @@ typedef struct {
     double seconds;  /* thread-seconds inside sgemm, summed over the pool's threads: divide by
                         threads x wall seconds for the share of the cores' time */
     double flops;    /* 2*M*N*K summed */
+    double core_seconds; /* seconds / the pool's threads: the wall time in sgemm if the threads ran their
+                            GEMMs side by side (filled by gemm_stats_get) */
 } GemmStats;
 
 void gemm_stats_enable(bool on);

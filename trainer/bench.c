@@ -37,10 +37,6 @@ BenchOptions bench_options_default(void) {
     return o;
 }
 
-/* GEMM stats count thread-seconds (nn/gemm.h); over the thread count they
- * are the cores' share of the wall time. */
-static double gemm_core_s(const GemmStats *g) { return g->seconds / (double)gemm_get_threads(); }
-
 static double ts_seconds(const struct timespec *t) { return (double)t->tv_sec + 1e-9 * (double)t->tv_nsec; }
 
 static void bench_mark_first(Bench *b) {
@@ -189,7 +185,7 @@ static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError 
                 "step_ms_median:%.3f step_ms_min:%.3f gemm_share:%.3f gemm_gflops:%.1f gemm_calls_per_step:%.1f "
                 "loss:%.4f\n", b->model_name, net_mode_name(&r->net), r->cfg->train.batch_size, o->steps, o->warmup,
                 (double)examples / timed_s, timed_s * 1e3 / o->steps, ms[o->steps / 2], ms[0],
-                t_stats > 0 ? gemm_core_s(&g) / t_stats : 0.0, g.seconds > 0 ? g.flops / gemm_core_s(&g) * 1e-9 : 0.0,
+                t_stats > 0 ? g.core_seconds / t_stats : 0.0, g.seconds > 0 ? g.flops / g.core_seconds * 1e-9 : 0.0,
                 (double)g.calls / stats_steps, loss);
     }
     free(ms);
@@ -239,7 +235,7 @@ static QtStatus bench_eval(Bench *b, const BenchOptions *o, FILE *out, QtError *
         fprintf(out, "bench:eval model:%s mode:%s batch:%d batches:%d samples_per_s:%.1f batch_ms:%.3f "
                 "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f\n", b->model_name, net_mode_name(&r->net), bs,
                 o->eval_batches, (double)o->eval_batches * bs / timed_s, timed_s * 1e3 / o->eval_batches,
-                ms[o->eval_batches / 2], ms[0], t_stats > 0 ? gemm_core_s(&g) / t_stats : 0.0);
+                ms[o->eval_batches / 2], ms[0], t_stats > 0 ? g.core_seconds / t_stats : 0.0);
     }
     free(ms);
     return st;
