@@ -48,7 +48,7 @@ typedef struct {
     bool gzip;           /* starts with the gzip magic 1f 8b */
 } SourceKey;
 
-typedef enum { CACHE_MISS, CACHE_STALE, CACHE_DAMAGED, CACHE_HIT } CacheOutcome;
+typedef enum { CACHE_MISS, CACHE_STALE, CACHE_DAMAGED, CACHE_NOMEM, CACHE_HIT } CacheOutcome;
 
 static void put_le(uint8_t *p, uint64_t v, int n) {
     for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -183,7 +183,7 @@ static CacheOutcome cache_check_idx_header(int fd, const char *name, uint64_t of
 static CacheOutcome cache_read_payload(int fd, uint64_t off, uint32_t crc_want, const uint8_t *hdr, size_t hdr_len,
                                        IdxArray *out, char *why, size_t why_cap) {
     out->data = malloc(out->n_bytes);
-    if (!out->data) return CACHE_MISS;
+    if (!out->data) return CACHE_NOMEM;
     uLong crc = crc32(crc32(0L, Z_NULL, 0), hdr, (uInt)hdr_len);
     for (size_t done = 0; done < out->n_bytes;) {
         size_t n = out->n_bytes - done < CACHE_CHUNK ? out->n_bytes - done : CACHE_CHUNK;
@@ -203,7 +203,7 @@ static CacheOutcome cache_read_payload(int fd, uint64_t off, uint32_t crc_want, 
     return CACHE_HIT;
 }
 
-/* What the open cache file holds for source k; CACHE_MISS only when the
+/* What the open cache file holds for source k; CACHE_NOMEM when the
  * payload cannot be allocated. */
 static CacheOutcome cache_read_file(int fd, const char *name, const SourceKey *k, IdxArray *out, char *why,
                                     size_t why_cap) {
@@ -267,7 +267,7 @@ static QtStatus cache_read(const char *name, const SourceKey *k, IdxArray *out, 
     close(fd);
     if (*o == CACHE_HIT) return QT_OK;
     QtStatus st = QT_OK;
-    if (*o == CACHE_MISS)
+    if (*o == CACHE_NOMEM)
         st = qt_error_set(err, QT_ERR_NOMEM, "cannot allocate %zu bytes for the IDX data of '%s'", out->n_bytes,
                           k->path);
     idx_free(out);
