@@ -433,6 +433,7 @@ void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net) {
     }
     for (int i = 0; sg->weights && i < net->n_qlayers; i++) {
         QLayer *q = &net->qlayers[i];
+        qlayer_int8_release(q); /* its packed copy is of the codes being replaced */
         qarray_free(&q->weight);
         q->weight = sg->weights[i];
         memset(&sg->weights[i], 0, sizeof sg->weights[i]);
