@@ -142,6 +142,14 @@ static void fmt_bounds(const Fmt *f, float zp, float *elo, float *ehi) {
     }
 }
 
+float fq_effective_scale(float s) { return s >= QARRAY_SCALE_MIN ? s : 1.0f; }
+
+void fq_int_code_bounds(const QType *t, bool narrow, float zp, float *lo, float *hi) {
+    Fmt f;
+    fmt_make(&f, t, zp != 0.0f, narrow, false);
+    fmt_bounds(&f, zp, lo, hi);
+}
+
 /* QArray's scale and zero-point rules, so both quantize alike. */
 static float fmt_scale(const Fmt *f, float lo, float hi) {
     return qarray_scale_for_range(f->t, f->asym, f->narrow, f->qmin, f->qmax, lo, hi);
@@ -266,7 +274,7 @@ static bool fq_take_scales(Tape *t, const char *op, const Fmt *f, const Var *sca
                          "whole code units (set zp_type float for fractional ones)", op, ch, (double)zp);
             return false;
         }
-        c->s[ch] = s >= QARRAY_SCALE_MIN ? s : 1.0f;
+        c->s[ch] = fq_effective_scale(s);
         c->zp[ch] = zp;
         fmt_bounds(f, zp, &c->elo[ch], &c->ehi[ch]);
     }

@@ -18,4 +18,13 @@ bool fq_check_finite(Tape *t, const char *op, const Var *x);
  * also for a mode outside QRound. */
 bool fq_pick_rng(Tape *t, const char *op, QRound mode, Rng *given, Rng **out);
 
+/* The scale fake quantization divides by for a given scale s: s, or 1
+ * below QARRAY_SCALE_MIN (an all-zero range). */
+float fq_effective_scale(float s);
+
+/* Fake quantization's clamp bounds [*lo, *hi], in units of the scale, for
+ * the int or uint format t with zero point zp (and signed narrow range):
+ * what a caller computing the same codes another way must use. */
+void fq_int_code_bounds(const QType *t, bool narrow, float zp, float *lo, float *hi);
+
 #endif

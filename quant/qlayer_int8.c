@@ -204,8 +204,8 @@ static bool act_codes(Tape *t, const QLayer *q, ActCodes *a) {
                      "codes %d..%d (calibrate again)", q->module->path, (double)zp, at->name, at->qmin, at->qmax);
         return false;
     }
-    *a = (ActCodes){.s = s >= QARRAY_SCALE_MIN ? s : 1.0f, .lo = (float)at->qmin - zp, .hi = (float)at->qmax - zp,
-                    .zero = (int)zp + (at->kind == QTYPE_KIND_INT ? 128 : 0)};
+    *a = (ActCodes){.s = fq_effective_scale(s), .zero = (int)zp + (at->kind == QTYPE_KIND_INT ? 128 : 0)};
+    fq_int_code_bounds(at, false, zp, &a->lo, &a->hi); /* layer_input fake-quantizes without a narrow range */
     return true;
 }
 
@@ -228,29 +228,15 @@ static bool ensure_packed(Tape *t, QLayer *q) {
 /* The threads a layer of this many multiply-adds uses. */
 static int threads_for(double macs) { return macs < qlayer_int8_parallel_min_macs ? 1 : parallel_get_threads(); }
 
-/* A task given the running thread's index (for per-thread scratch). */
-typedef void (*Int8TaskFn)(void *ctx, int task, int worker);
-
-typedef struct {
-    Int8TaskFn fn;
-    void *ctx;
-} Int8Job;
-
-static void int8_trampoline(void *c, int task, int n_tasks) {
-    (void)n_tasks;
-    const Int8Job *j = c;
-    j->fn(j->ctx, task, parallel_thread_index());
-}
-
-/* n_tasks tasks over the step's pool (nn/parallel.h), or in the calling
- * thread as worker 0 when threads is 1. */
-static void int8_run(int threads, int n_tasks, Int8TaskFn fn, void *ctx) {
-    if (threads <= 1) {
-        for (int i = 0; i < n_tasks; i++) fn(ctx, i, 0);
+/* n_tasks tasks over the step's pool (nn/parallel.h), or all in the calling
+ * thread when threads is 1. Per-thread scratch is sized for the whole pool
+ * and indexed by parallel_thread_index(), which holds for both. */
+static void int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
+    if (threads > 1) {
+        parallel_run(n_tasks, fn, ctx);
         return;
     }
-    Int8Job j = {fn, ctx};
-    parallel_run(n_tasks, int8_trampoline, &j);
+    for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
 }
 
 /* After the tasks: the float path's message for a non-finite input. */
@@ -274,8 +260,8 @@ typedef struct {
     uint8_t *bad;   /* [tasks] */
 } DenseJob;
 
-static void dense_task(void *ctx, int task, int worker) {
-    (void)worker;
+static void dense_task(void *ctx, int task, int n_tasks) {
+    (void)n_tasks;
     DenseJob *j = ctx;
     const int r0 = task * j->rows, r1 = r0 + j->rows < j->d.m ? r0 + j->rows : j->d.m, K = j->d.lda;
     uint8_t *a = (uint8_t *)j->d.a + (size_t)r0 * K;
@@ -316,7 +302,7 @@ typedef struct {
     const float *x;    /* (N, C, H, W) */
     ActCodes ac;
     QGemmTaps g;       /* act and out set per image */
-    uint8_t *work;     /* [threads * scratch] */
+    uint8_t *work;     /* [pool threads * scratch] */
     uint8_t *bad;      /* [N] */
 } ConvJob;
 
@@ -383,10 +369,11 @@ static void planes_cols(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
     }
 }
 
-static void conv_task(void *ctx, int n, int worker) {
+static void conv_task(void *ctx, int n, int n_tasks) {
+    (void)n_tasks;
     ConvJob *j = ctx;
     const size_t in_img = (size_t)j->c.C * j->H * j->W;
-    uint8_t *codes = j->work + (size_t)worker * j->scratch;               /* (C, H, W) */
+    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* (C, H, W) */
     uint32_t *planes = (uint32_t *)(codes + (in_img + 63) / 64 * 64);     /* (groups, plane) */
     uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane); /* kw4: [plane + 4] */
     j->bad[n] = !qgemm_quantize_u8(codes, j->x + (size_t)n * in_img, in_img, j->ac.s, j->ac.lo, j->ac.hi, j->ac.zero);
@@ -400,7 +387,7 @@ static void conv_task(void *ctx, int n, int worker) {
 }
 
 /* Tap offsets, the output lanes of each vector and the scratch size. */
-static bool conv_plan(Tape *t, ConvJob *j, int threads) {
+static bool conv_plan(Tape *t, ConvJob *j) {
     const ConvShape *c = &j->c;
     const bool cols = c->mode == CONV_COLS;
     j->Hp = j->H + 2 * j->pad, j->Wp = j->W + 2 * j->pad;
@@ -414,7 +401,7 @@ static bool conv_plan(Tape *t, ConvJob *j, int threads) {
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
     int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
-    j->work = tape_alloc(t, (size_t)threads * j->scratch);
+    j->work = tape_alloc(t, (size_t)parallel_get_threads() * j->scratch);
     j->bad = tape_alloc(t, (size_t)j->N);
     if (!off || !mask || !pos || !j->work || !j->bad) return false;
     for (int tp = 0; tp < c->taps; tp++) {
@@ -443,7 +430,7 @@ Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
     j.c = conv_shape(q);
     Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, OH, OW});
     float *scale = out_scales(t, q, j.ac.s);
-    if (!y || !scale || !conv_plan(t, &j, threads)) return NULL;
+    if (!y || !scale || !conv_plan(t, &j)) return NULL;
     j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)OH * OW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     int8_run(threads, j.N, conv_task, &j);
