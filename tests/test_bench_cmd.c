@@ -124,8 +124,8 @@ static void test_bench_float(void) {
     free(out);
 }
 
-/* A QLoRA config without init_from: the fresh initialisation, through a
- * temporary checkpoint under TMPDIR that is gone afterwards. */
+/* A QLoRA config without init_from: the fresh initialisation, quantized in
+ * memory; nothing is written, under TMPDIR either. */
 static void test_bench_qlora_fresh_base(void) {
     char *tmpdir = test_path_join(tmp_root, "tmp"), env[1100], args[1024], *out = NULL;
     char cmd[1200];

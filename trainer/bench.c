@@ -3,7 +3,6 @@
  * (trainer/run.h), with nothing written to run.out_dir. */
 #include "trainer/bench.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdbool.h>
@@ -16,7 +15,6 @@
 #include "nn/gemm.h"
 #include "nn/model.h"
 #include "nn/rng.h"
-#include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/run.h"
 
@@ -26,7 +24,6 @@ typedef struct {
     Run run;
     Config *cfg;                /* the caller's config, init_from pointed at the temporary base if one is made */
     char model_name[128];       /* e.g. "conv32-conv64-dense128-dense10" */
-    double setup_excluded_s;    /* seconds spent making the temporary base: not part of a real start-up */
     struct timespec first_real, first_boot; /* when the first step (or eval batch) started */
     bool have_first;
 } Bench;
@@ -69,11 +66,11 @@ static double proc_start_boot_s(void) {
 static double bench_startup_s(const Bench *b, const BenchOptions *o, const char **clock) {
     if (o->since_ns > 0) {
         *clock = "since-ns";
-        return ts_seconds(&b->first_real) - (double)o->since_ns * 1e-9 - b->setup_excluded_s;
+        return ts_seconds(&b->first_real) - (double)o->since_ns * 1e-9;
     }
     *clock = "proc-stat";
     double start = proc_start_boot_s();
-    return start < 0 ? NAN : ts_seconds(&b->first_boot) - start - b->setup_excluded_s;
+    return start < 0 ? NAN : ts_seconds(&b->first_boot) - start;
 }
 
 /* "dense512-dense256-dense10": the layers with weights, by width. */
@@ -91,53 +88,15 @@ static void bench_name_model(const Model *m, char *buf, size_t cap) {
     if (!buf[0]) snprintf(buf, cap, "none");
 }
 
-/* A quant.mode ptq config without model.init_from: the seed's fresh float
- * parameters (as net_build draws them) go to <tmpdir>/init.h5, and the
- * copy of the config starts from there, so the base is quantized exactly
- * as a run quantizes its init_from. */
-static QtStatus bench_write_fresh_base(Bench *b, char *dir, size_t dir_cap, char *path, size_t path_cap,
-                                       FILE *out, QtError *err) {
-    Config *c = b->cfg;
-    const char *tmp = getenv("TMPDIR");
-    snprintf(dir, dir_cap, "%s/qtrain-bench-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
-    if (!mkdtemp(dir)) {
-        QtStatus st = qt_error_set(err, QT_ERR_IO, "cannot create a temporary directory %s for the fresh base: %s; "
-                                   "set TMPDIR to a writable place or set model.init_from", dir, strerror(errno));
-        dir[0] = '\0';
-        return st;
-    }
-    snprintf(path, path_cap, "%s/init.h5", dir);
-    double t0 = metrics_now();
-    Model m;
-    QtStatus st = model_init(&m, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers, err);
-    if (st != QT_OK) return st;
-    Rng init;
-    rng_init(&init, c->run.seed, RNG_STREAM_INIT);
-    model_init_params(&m, &init);
-    CheckpointState s = {.seed = c->run.seed, .last_train_loss = NAN};
-    st = checkpoint_save(path, &m, NULL, &s, err);
-    model_free(&m);
-    if (st != QT_OK) return st;
-    snprintf(c->model.init_from, sizeof c->model.init_from, "%s", path);
-    b->setup_excluded_s = metrics_now() - t0;
-    fprintf(out, "note: model.init_from is not set: the quantized base is the fresh initialisation of run.seed "
-            "(timing only; %.3f s to write it are left out of first_step_s)\n", b->setup_excluded_s);
-    return QT_OK;
-}
-
 /* The run as training sets it up for a fresh start. */
 static QtStatus bench_setup(Bench *b, const TrainOptions *topt, FILE *out, QtError *err) {
-    char dir[CONFIG_PATH_MAX] = "", path[CONFIG_PATH_MAX + 16] = "";
-    QtStatus st = QT_OK;
-    if (b->cfg->quant.mode == QUANT_MODE_PTQ && !b->cfg->model.init_from[0])
-        st = bench_write_fresh_base(b, dir, sizeof dir, path, sizeof path, out, err);
     Run *r = &b->run;
     r->cfg = b->cfg, r->opt = topt, r->t_start = metrics_now(), r->saved_step = -1, r->last_train_loss = NAN;
-    if (st == QT_OK) st = run_prepare(r, true, err);
-    double t0 = metrics_now();
-    if (path[0]) remove(path);
-    if (dir[0]) rmdir(dir);
-    b->setup_excluded_s += metrics_now() - t0;
+    r->base_from_seed = b->cfg->quant.mode == QUANT_MODE_PTQ && !b->cfg->model.init_from[0];
+    if (r->base_from_seed)
+        fprintf(out, "note: model.init_from is not set: the quantized base is the fresh initialisation of run.seed "
+                "(timing only)\n");
+    QtStatus st = run_prepare(r, true, err);
     if (st != QT_OK) return st;
     net_print_unused_rules(&r->net, out);
     bench_name_model(&r->net.model, b->model_name, sizeof b->model_name);

@@ -118,6 +118,20 @@ static bool name_listed(const char (*names)[MODULE_NAME_MAX], int n, const char 
     return false;
 }
 
+/* Quantizes every base layer whose float weight is still held (not
+ * filled as stored from a PTQ file) and releases the float weight. */
+static QtStatus net_quantize_held(Net *n, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
+        QLayer *q = &n->qlayers[i];
+        if (q->module->weight->released) continue;
+        QLayerSpec spec = q->spec;
+        st = qlayer_init_quantize(q, q->module, &spec, q->module->weight->var.value.data, err);
+        if (st == QT_OK) param_release(q->module->weight);
+    }
+    return st;
+}
+
 /* NET_FRESH: float parameters from init_from; modules the file holds
  * quantized are read as stored, the others quantized here. */
 static QtStatus net_load_base(Net *n, QtError *err) {
@@ -156,13 +170,7 @@ static QtStatus net_load_base(Net *n, QtError *err) {
             n->qlayers[i] = tmp[k++];
             n->qlayers[i].spec.act_qtype = act;
         }
-    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
-        QLayer *q = &n->qlayers[i];
-        if (q->module->weight->released) continue;
-        QLayerSpec spec = q->spec;
-        st = qlayer_init_quantize(q, q->module, &spec, q->module->weight->var.value.data, err);
-        if (st == QT_OK) param_release(q->module->weight);
-    }
+    if (st == QT_OK) st = net_quantize_held(n, err);
     free(tmp);
     free(stored);
     return st;
@@ -224,11 +232,12 @@ static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
         }
     }
     if (st == QT_OK && how == NET_FRESH && n->n_qlayers > 0) {
-        if (!n->cfg->model.init_from[0])
+        if (n->cfg->model.init_from[0]) st = net_load_base(n, err);
+        else if (n->base_from_seed) st = net_quantize_held(n, err);
+        else
             return qt_error_set(err, QT_ERR_CONFIG, "%s: quant.mode ptq quantizes a trained model, but model.init_from "
                                 "is not set; point it at a float checkpoint (e.g. runs/pretrain/final.h5)",
                                 n->cfg->source);
-        st = net_load_base(n, err);
     }
     for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) qlayer_install(&n->qlayers[i]);
     if (st == QT_OK) st = net_attach_qat(n, how, err);
@@ -274,6 +283,8 @@ static QtStatus net_collect_trainable(Net *n, QtError *err) {
 QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     memset(n, 0, sizeof *n);
     n->cfg = c;
+    n->base_from_seed = how == NET_FRESH_TIMING;
+    if (n->base_from_seed) how = NET_FRESH;
     QtStatus st = model_init(&n->model, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers,
                              err);
     if (st != QT_OK) return st;

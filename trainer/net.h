@@ -26,6 +26,8 @@ typedef enum {
     NET_FRESH,    /* parameters from the seed, then model.init_from (quantized here, or a PTQ base as stored),
                      then model.adapters_from */
     NET_SHELL,    /* layouts only: a checkpoint fills every value (resume, eval, merge) */
+    NET_FRESH_TIMING, /* NET_FRESH, but a PTQ base without model.init_from is the seed's initialisation,
+                         quantized: for measuring speed only (qtrain bench) */
 } NetInit;
 
 typedef struct {
@@ -33,6 +35,7 @@ typedef struct {
     Model model;
     QLayer *qlayers;          /* [n_qlayers] quantized base layers (ptq), in module order */
     int n_qlayers;
+    bool base_from_seed;      /* NET_FRESH_TIMING: a PTQ base without init_from quantizes the initialisation */
     QatLayer *qat;            /* [n_qat] fake-quantized trained layers (qat), in module order */
     int n_qat;
     QtLayer *qt;              /* [n_qt] quantized-GEMM trained layers (qt), in module order */
@@ -50,7 +53,8 @@ typedef struct {
     int lora_hits[RULES_MAX];
 } Net;
 
-/* Builds n from c. NET_FRESH needs model.init_from with quant.mode ptq.
+/* Builds n from c. NET_FRESH needs model.init_from with quant.mode ptq
+ * (NET_FRESH_TIMING does not).
  * Every error names the module, the rule or the file. */
 QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
 void net_free(Net *n);

@@ -33,6 +33,7 @@ typedef struct {
     int64_t step;           /* optimizer steps done */
     int64_t saved_step;     /* step of the newest checkpoint written by this invocation, -1 = none */
     bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
+    bool base_from_seed;    /* qtrain bench: a PTQ base without init_from is the quantized initialisation */
     float *bx;              /* (batch_size, feat) training batch */
     int32_t *by;            /* [batch_size] */
     float *ex;              /* (eval_batch_size, feat) evaluation batch */

@@ -106,7 +106,8 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
  * the base file to still exist). */
 static QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
     const Config *c = r->cfg;
-    QtStatus st = net_build(&r->net, c, fresh ? NET_FRESH : NET_SHELL, err);
+    NetInit how = !fresh ? NET_SHELL : r->base_from_seed ? NET_FRESH_TIMING : NET_FRESH;
+    QtStatus st = net_build(&r->net, c, how, err);
     if (st != QT_OK) return st;
     if ((st = run_check_model_fits_data(r, err)) != QT_OK) return st;
     if (r->net.n_trainable == 0) { /* a frozen PTQ model: evaluation only (run_check_trainable) */
