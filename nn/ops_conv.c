@@ -17,6 +17,10 @@
 #include "parallel.h"
 #include "pool2x2.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #define SHAPE_STR_MAX 64 /* "(2147483647, 2147483647, 2147483647, 2147483647)" fits */
 
 /* ---- im2col / col2im ---------------------------------------------------- */
@@ -51,12 +55,11 @@ static void zero_outside(float *p, int H, int W, int dh, int dw) {
     const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
     if (dh < 0) memset(p, 0, (size_t)rows_out * W * sizeof *p);
     if (dh > 0) memset(p + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *p);
-    for (int h = 0; h < H; h++) {
-        float *row = p + (size_t)h * W;
-        for (int c = 0; c < -dw && c < W; c++) row[c] = 0.0f;
-        for (int c = W - dw; c < W; c++)
-            if (c >= 0) row[c] = 0.0f;
-    }
+    if (dw == 0) return;
+    const int cols = dw < 0 ? (-dw < W ? -dw : W) : (dw < W ? dw : W);
+    float *first = dw < 0 ? p : p + (W - cols); /* (H, W) with stride W: the wrapped-in columns */
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < cols; c++) first[(size_t)h * W + c] = 0.0f;
 }
 
 /* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
@@ -260,8 +263,10 @@ void conv2d_backward_ref(float *dx, float *dw, float *dbias, const float *dy, co
 
 /* ---- nn_conv2d and the fused conv blocks ----------------------------------- */
 
-/* The batch is cut into chunks of a few samples whose im2col matrix fits in
- * L2 (CONV_COL_BUDGET bytes), and the chunks are shared out over the thread
+/* The batch is cut into chunks of a few samples whose im2col matrix and
+ * product fit in L2 (CONV_CHUNK_BUDGET bytes; counting the product matters
+ * for a first conv, whose im2col is small but whose product, read again by
+ * the epilogue, is OC/(C*KH*KW) times larger), and the chunks are shared out over the thread
  * pool in two contiguous ranges (nn/parallel.h). Per chunk the forward runs
  * im2col, one single-threaded sgemm into a (OC, chunk*OH*OW) scratch, and an
  * epilogue that adds the bias, applies the fused relu / 2x2 max pool and
@@ -269,7 +274,7 @@ void conv2d_backward_ref(float *dx, float *dw, float *dbias, const float *dy, co
  * N*OH*OW is ever held: the backward recomputes each chunk's im2col, which
  * costs far less than the memory traffic of keeping it, and a fused block
  * keeps only its pooled output and one byte per window. */
-#define CONV_COL_BUDGET (256u << 10)
+#define CONV_CHUNK_BUDGET (256u << 10)
 
 typedef struct {
     int N, C, H, W;   /* input x */
@@ -354,17 +359,17 @@ typedef struct {
 static int conv_ckk(const ConvDims *d) { return d->C * d->KH * d->KW; }
 static size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->OW; }
 
-/* Samples per chunk: as many as keep the chunk's im2col within the budget. */
+/* Samples per chunk: as many as keep the chunk's im2col and product within the budget. */
 static int conv_chunk(const ConvDims *d) {
-    size_t per_sample = (size_t)conv_ckk(d) * conv_plane(d) * sizeof(float);
-    size_t n = per_sample ? CONV_COL_BUDGET / per_sample : 1;
+    size_t per_sample = (size_t)(conv_ckk(d) + d->OC) * conv_plane(d) * sizeof(float);
+    size_t n = per_sample ? CONV_CHUNK_BUDGET / per_sample : 1;
     if (n < 1) n = 1;
     return n > (size_t)d->N ? d->N : (int)n;
 }
 
 /* Writes chunk sample s's output plane for channel oc from its product row
- * row [OH*OW] (modified in place by the relu epilogues). */
-static void conv_epilogue(const ConvJob *j, float *row, int n, int oc) {
+ * row [OH*OW]. */
+static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
     const size_t plane = conv_plane(d);
@@ -382,21 +387,11 @@ static void conv_epilogue(const ConvJob *j, float *row, int n, int oc) {
         }
         return;
     }
-    for (size_t p = 0; p < plane; p++) {
-        float v = row[p] + b;
-        row[p] = v > 0.0f ? v : 0.0f;
-    }
     const int PH = d->OH / 2, PW = d->OW / 2;
     const size_t at = ((size_t)n * d->OC + oc) * PH * PW;
-    float *dst = j->y + at;
-    uint8_t *win = c->winner + at;
     for (int ph = 0; ph < PH; ph++) {
-        const float *r0 = row + (size_t)(2 * ph) * d->OW, *r1 = r0 + d->OW;
-        for (int pw = 0; pw < PW; pw++) {
-            int k;
-            dst[ph * PW + pw] = pool2x2_window(r0[2 * pw], r0[2 * pw + 1], r1[2 * pw], r1[2 * pw + 1], &k);
-            win[ph * PW + pw] = (uint8_t)k;
-        }
+        const float *r0 = row + (size_t)(2 * ph) * d->OW;
+        pool2x2_relu_row(j->y + at + (size_t)ph * PW, c->winner + at + (size_t)ph * PW, r0, r0 + d->OW, b, PW);
     }
 }
 
@@ -427,14 +422,36 @@ static void conv_forward_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-/* v [n] summed in double over eight interleaved partial sums: one chain
- * would wait on the add latency for every element. */
-static double sum_f32(const float *v, size_t n) {
+/* The sum of g [n], or with y [n] given, of (y[p] > 0 ? g[p] : 0) (the
+ * relu's gradient), in double over eight interleaved partial sums: one chain
+ * would wait on the add latency for every element. The SSE2 lanes hold the
+ * same eight chains, combined in the same order, so both paths give the
+ * same bits. */
+static double sum8_f32(const float *g, const float *y, size_t n) {
     double acc[8] = {0};
     size_t i = 0;
+#if defined(__SSE2__)
+    __m128d a01 = _mm_setzero_pd(), a23 = a01, a45 = a01, a67 = a01;
+    for (; i + 8 <= n; i += 8) {
+        __m128 v0 = _mm_loadu_ps(g + i), v1 = _mm_loadu_ps(g + i + 4);
+        if (y) {
+            v0 = _mm_and_ps(_mm_cmpgt_ps(_mm_loadu_ps(y + i), _mm_setzero_ps()), v0);
+            v1 = _mm_and_ps(_mm_cmpgt_ps(_mm_loadu_ps(y + i + 4), _mm_setzero_ps()), v1);
+        }
+        a01 = _mm_add_pd(a01, _mm_cvtps_pd(v0));
+        a23 = _mm_add_pd(a23, _mm_cvtps_pd(_mm_movehl_ps(v0, v0)));
+        a45 = _mm_add_pd(a45, _mm_cvtps_pd(v1));
+        a67 = _mm_add_pd(a67, _mm_cvtps_pd(_mm_movehl_ps(v1, v1)));
+    }
+    _mm_storeu_pd(acc, a01);
+    _mm_storeu_pd(acc + 2, a23);
+    _mm_storeu_pd(acc + 4, a45);
+    _mm_storeu_pd(acc + 6, a67);
+#else
     for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += v[i + k];
-    for (; i < n; i++) acc[0] += v[i];
+        for (int k = 0; k < 8; k++) acc[k] += !y || y[i + k] > 0.0f ? g[i + k] : 0.0f;
+#endif
+    for (; i < n; i++) acc[0] += !y || y[i] > 0.0f ? g[i] : 0.0f;
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
@@ -450,24 +467,22 @@ static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
         if (c->epi == CONV_EPI_NONE) memcpy(row, g, plane * sizeof *row);
         else
             for (size_t p = 0; p < plane; p++) row[p] = y[p] > 0.0f ? g[p] : 0.0f;
-        return j->db_part ? sum_f32(row, plane) : 0.0;
+        return j->db_part ? sum8_f32(row, NULL, plane) : 0.0;
     }
     /* Only each window's winner gets the pooled gradient, and only if the
-     * relu let it through: the pooled value is the winner's relu output. */
-    memset(row, 0, plane * sizeof *row);
-    const int PH = d->OH / 2, PW = d->OW / 2;
+     * relu let it through: the pooled value is the winner's relu output.
+     * The row pairs are written whole; a last odd row or column belongs to
+     * no window. */
+    const int PH = d->OH / 2, PW = d->OW / 2, OW = d->OW;
     const size_t at = ((size_t)n * d->OC + oc) * PH * PW;
     const float *g = j->dy + at, *y = j->y + at;
-    const uint8_t *win = c->winner + at;
-    double acc[2] = {0.0, 0.0};
-    for (int ph = 0; ph < PH; ph++)
-        for (int pw = 0; pw < PW; pw++) {
-            const int o = ph * PW + pw, k = win[o];
-            const float v = y[o] > 0.0f ? g[o] : 0.0f;
-            row[(size_t)(2 * ph + (k >> 1)) * d->OW + 2 * pw + (k & 1)] = v;
-            acc[o & 1] += v;
-        }
-    return acc[0] + acc[1];
+    for (int ph = 0; ph < PH; ph++) {
+        float *q0 = row + (size_t)(2 * ph) * OW, *q1 = q0 + OW;
+        pool2x2_relu_row_grad(q0, q1, g + (size_t)ph * PW, y + (size_t)ph * PW, c->winner + at + (size_t)ph * PW, PW);
+        if (OW & 1) q0[OW - 1] = q1[OW - 1] = 0.0f;
+    }
+    if (d->OH & 1) memset(row + (size_t)(d->OH - 1) * OW, 0, (size_t)OW * sizeof *row);
+    return j->db_part ? sum8_f32(g, y, (size_t)PH * PW) : 0.0;
 }
 
 /* The adapter's share of a chunk's backward: dB += scale dpre (A col)^T,

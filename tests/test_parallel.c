@@ -121,6 +121,8 @@ static const BlockCase block_cases[] = {
     {2, 2, 9, 9, 3, 3, 2, 0},  /* stride 2, no padding: the generic im2col */
     {1, 1, 2, 2, 2, 3, 1, 1},  /* a single 2x2 window */
     {40, 1, 6, 6, 3, 3, 1, 1}, /* many samples: several chunks per task */
+    {2, 2, 14, 14, 3, 3, 1, 1}, /* 7 windows a row: a group of four and an overlapping one */
+    {2, 1, 17, 27, 2, 3, 1, 1}, /* odd sizes with groups of four: 13 windows a row, 8 rows */
 };
 
 /* Runs the block fused and as separate ops on the same inputs; returns
