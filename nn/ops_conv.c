@@ -47,17 +47,15 @@ static bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padd
     return stride == 1 && OH == H && OW == W && KH == 2 * padding + 1 && KW == 2 * padding + 1;
 }
 
-/* Zeroes the entries of p (H, W) whose source, shifted by (dh, dw), lies
- * outside the plane: whole rows when dh != 0 (all of them when |dh| >= H),
- * and the columns a contiguous shifted copy wraps in from the neighbouring
- * row. */
-static void zero_outside(float *p, int H, int W, int dh, int dw) {
-    const int rows_out = dh < 0 ? (-dh < H ? -dh : H) : (dh < H ? dh : H);
-    if (dh < 0) memset(p, 0, (size_t)rows_out * W * sizeof *p);
-    if (dh > 0) memset(p + (size_t)(H - rows_out) * W, 0, (size_t)rows_out * W * sizeof *p);
+/* Zeroes the columns of p (H, W) that a contiguous copy shifted by dw wraps
+ * in from the neighbouring row: the first -dw (dw < 0) or the last dw
+ * (dw > 0) of every row. The rows a shift by dh reads from outside the plane
+ * lie outside the contiguous range the callers copy or add, so they need
+ * nothing here. */
+static void zero_wrapped_columns(float *p, int H, int W, int dw) {
     if (dw == 0) return;
     const int cols = dw < 0 ? (-dw < W ? -dw : W) : (dw < W ? dw : W);
-    float *first = dw < 0 ? p : p + (W - cols); /* (H, W) with stride W: the wrapped-in columns */
+    float *first = dw < 0 ? p : p + (W - cols); /* (H, cols) with row stride W */
     for (int h = 0; h < H; h++)
         for (int c = 0; c < cols; c++) first[(size_t)h * W + c] = 0.0f;
 }
@@ -71,14 +69,15 @@ static void shift_plane(float *restrict dst, const float *restrict x_plane, int 
     memset(dst, 0, (size_t)lo * sizeof *dst);
     memcpy(dst + lo, x_plane + lo + off, (size_t)(hi - lo) * sizeof *dst);
     memset(dst + hi, 0, (size_t)(plane - hi) * sizeof *dst);
-    zero_outside(dst, H, W, dh, dw);
+    zero_wrapped_columns(dst, H, W, dw);
 }
 
-/* dx_plane (H, W) += src (H, W) shifted back by (dh, dw); src's entries that
- * read outside the plane are zeroed first (src is scratch). */
+/* dx_plane (H, W) += src (H, W) shifted back by (dh, dw): one contiguous
+ * add over the entries whose row reads inside the plane, after zeroing
+ * the wrapped-in columns (src is scratch). */
 static void unshift_plane_add(float *restrict dx_plane, float *restrict src, int H, int W, int dh, int dw) {
     const long long plane = (long long)H * W, off = (long long)dh * W + dw;
-    zero_outside(src, H, W, dh, dw);
+    zero_wrapped_columns(src, H, W, dw);
     long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane;
     if (lo > plane) lo = plane;
     if (hi < lo) hi = lo;
@@ -290,6 +289,7 @@ typedef struct {
     uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
     int rank;         /* low-rank term's rank, 0 = none */
     float scale;      /* its scale */
+    float *w_merged;  /* (OC, C*KH*KW) w + scale * B A, rank > 0 only */
 } Conv2dCtx;
 
 /* Output size along one axis, or 0 if the kernel does not fit the padded input. */
@@ -405,7 +405,7 @@ static void conv_forward_task(void *ctx, int task, int n_tasks) {
     const ConvDims *d = &c->d;
     const int ckk = conv_ckk(d);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
-    float *col = conv_thread_scratch(j), *prod = col + j->col_floats, *low = prod + j->prod_floats;
+    float *col = conv_thread_scratch(j), *prod = col + j->col_floats;
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
@@ -413,10 +413,6 @@ static void conv_forward_task(void *ctx, int task, int n_tasks) {
         im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
                d->OW);
         gemm_f32(false, false, d->OC, cols, ckk, 1.0f, j->w, ckk, col, cols, 0.0f, prod, cols);
-        if (c->rank) { /* + scale * B (A col): the adapter shares the base's im2col */
-            gemm_f32(false, false, c->rank, cols, ckk, 1.0f, j->a, ckk, col, cols, 0.0f, low, cols);
-            gemm_f32(false, false, d->OC, cols, c->rank, c->scale, j->b, c->rank, low, cols, 1.0f, prod, cols);
-        }
         for (int oc = 0; oc < d->OC; oc++)
             for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
     }
@@ -512,7 +508,7 @@ static void conv_backward_task(void *ctx, int task, int n_tasks) {
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *low = dpre + j->prod_floats;
     float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL;         /* (OC, C*KH*KW) */
     double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL;              /* (OC,) */
-    const bool low_rank = c->rank && (j->da_part || j->dbb_part || j->dx);
+    const bool low_rank = c->rank && (j->da_part || j->dbb_part);
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
@@ -527,9 +523,8 @@ static void conv_backward_task(void *ctx, int task, int n_tasks) {
                    d->OH, d->OW);
         if (dw) gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
         if (low_rank) conv_backward_low_rank(j, dpre, col, low, cols, task, n0 == lo); /* low = dt after */
-        if (j->dx) { /* dcol reuses col, whose im2col is done with */
+        if (j->dx) { /* dcol reuses col, whose im2col is done with; w is the merged weight under a low-rank term */
             gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, ckk, dpre, cols, 0.0f, col, cols);
-            if (c->rank) gemm_f32(true, false, ckk, cols, c->rank, 1.0f, j->a, ckk, low, cols, 1.0f, col, cols);
             col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
                            c->padding, d->OH, d->OW);
         }
@@ -572,8 +567,8 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     const int ckk = conv_ckk(d), tasks = conv_tasks(d);
     const size_t nw = (size_t)d->OC * ckk, na = (size_t)c->rank * ckk, nb = (size_t)d->OC * c->rank;
     const bool want_b = bias && bias->requires_grad;
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .y = node->out->value.data, .dy = node->out->grad,
-                 .a = A ? A->value.data : NULL, .b = B ? B->value.data : NULL};
+    ConvJob j = {.c = c, .x = x->value.data, .w = c->rank ? c->w_merged : w->value.data, .y = node->out->value.data,
+                 .dy = node->out->grad, .a = A ? A->value.data : NULL, .b = B ? B->value.data : NULL};
     if (!conv_scratch(t, &j)) return;
     if (x->requires_grad && !(j.dx = tape_grad(t, x))) return;
     j.dw_part = conv_partials(t, w, tasks, nw);
@@ -613,6 +608,21 @@ static bool conv_low_rank_check(Tape *t, const ConvLowRank *lr, const Var *w) {
     return ok;
 }
 
+/* w + scale * B A (OC, C*KH*KW) in the arena, or NULL (error on the tape).
+ * The forward and the input gradient run on this one weight: per sample,
+ * the separate terms A col and B (A col) in the forward and A^T dt in the
+ * backward cost more than the whole product B A does once per pass (by a
+ * factor of the batch's output positions over the rank, with OC and
+ * C*KH*KW rows). */
+static float *conv_merge_low_rank(Tape *t, const Var *w, const ConvLowRank *lr) {
+    const int OC = w->value.shape[0], ckk = (int)(var_numel(w) / (size_t)OC), r = lr->A->value.shape[0];
+    float *wm = tape_alloc(t, var_numel(w) * sizeof *wm);
+    if (!wm) return NULL;
+    memcpy(wm, w->value.data, var_numel(w) * sizeof *wm);
+    gemm_f32(false, false, OC, ckk, r, lr->scale, lr->B->value.data, r, lr->A->value.data, ckk, 1.0f, wm, ckk);
+    return wm;
+}
+
 Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
                              ConvEpilogue epi) {
     if (!t || !x || !w) return NULL;
@@ -629,11 +639,12 @@ Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRa
     Var *y = tape_new_var(t, 4, (const int[]){d.N, d.OC, YH, YW});
     Conv2dCtx *c = tape_alloc(t, sizeof *c);
     if (!y || !c) return NULL;
-    *c = (Conv2dCtx){d, stride, padding, epi, 0, NULL, lr ? lr->A->value.shape[0] : 0, lr ? lr->scale : 0.0f};
+    *c = (Conv2dCtx){d, stride, padding, epi, 0, NULL, lr ? lr->A->value.shape[0] : 0, lr ? lr->scale : 0.0f, NULL};
     c->chunk = conv_chunk(&d);
     if (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) return NULL;
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL,
-                 .y = y->value.data, .a = lr ? lr->A->value.data : NULL, .b = lr ? lr->B->value.data : NULL};
+    if (lr && !(c->w_merged = conv_merge_low_rank(t, w, lr))) return NULL;
+    ConvJob j = {.c = c, .x = x->value.data, .w = lr ? c->w_merged : w->value.data,
+                 .bias = bias ? bias->value.data : NULL, .y = y->value.data};
     if (!conv_scratch(t, &j)) return NULL;
     parallel_run(conv_tasks(&d), conv_forward_task, &j);
     static const char *const names[] = {"conv2d", "conv2d+relu", "conv2d+relu+maxpool2d"};
