@@ -56,6 +56,10 @@ static void zero_wrapped_columns(float *p, int H, int W, int dw) {
     if (dw == 0) return;
     const int cols = dw < 0 ? (-dw < W ? -dw : W) : (dw < W ? dw : W);
     float *first = dw < 0 ? p : p + (W - cols); /* (H, cols) with row stride W */
+    if (cols == 1) { /* a 3x3 kernel's: one store a row (the loop below becomes a memset call a row) */
+        for (int h = 0; h < H; h++) first[(size_t)h * W] = 0.0f;
+        return;
+    }
     for (int h = 0; h < H; h++)
         for (int c = 0; c < cols; c++) first[(size_t)h * W + c] = 0.0f;
 }
