@@ -290,6 +290,7 @@ typedef struct {
     int stride, padding;
     ConvEpilogue epi;
     int chunk;        /* samples per im2col chunk */
+    bool lr_via_full; /* the low-rank gradients from the full weight gradient (conv_low_rank_via_full) */
     uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
     int rank;         /* low-rank term's rank, 0 = none */
     float scale;      /* its scale */
@@ -512,7 +513,7 @@ static void conv_backward_task(void *ctx, int task, int n_tasks) {
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *low = dpre + j->prod_floats;
     float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL;         /* (OC, C*KH*KW) */
     double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL;              /* (OC,) */
-    const bool low_rank = c->rank && (j->da_part || j->dbb_part);
+    const bool low_rank = c->rank && !c->lr_via_full && (j->da_part || j->dbb_part);
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
@@ -564,6 +565,28 @@ static float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
     return v && v->requires_grad ? tape_alloc(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
 }
 
+/* Whether A's and B's gradients are cheaper through the full weight
+ * gradient G = dpre col^T (OC x C*KH*KW per output position), as dA =
+ * scale B^T G and dB = scale G A^T once per pass, than through the
+ * adapter's own products (A col, dB, B^T dpre, dA: 2 rank (C*KH*KW + OC)
+ * per position). A first convolution's few input taps make it so: the
+ * reference CNN's conv1 needs 288 multiply-adds a position that way
+ * against 656. */
+static bool conv_low_rank_via_full(const ConvDims *d, int rank) {
+    return rank && (long long)d->OC * conv_ckk(d) <= 2LL * rank * (conv_ckk(d) + d->OC);
+}
+
+/* dA += scale B^T G and dB += scale G A^T, G (OC, C*KH*KW) the full weight
+ * gradient, each if wanted. */
+static void conv_low_rank_grads_from_full(Tape *t, const Conv2dCtx *c, Var *A, Var *B, const float *G) {
+    const int ckk = conv_ckk(&c->d), OC = c->d.OC, r = c->rank;
+    float *g;
+    if (A->requires_grad && (g = tape_grad(t, A)))
+        gemm_f32(true, false, r, ckk, OC, c->scale, B->value.data, r, G, ckk, 1.0f, g, ckk);
+    if (B->requires_grad && (g = tape_grad(t, B)))
+        gemm_f32(false, true, OC, r, ckk, c->scale, G, ckk, A->value.data, ckk, 1.0f, g, r);
+}
+
 static void conv2d_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2], *A = node->in[3], *B = node->in[4];
     const Conv2dCtx *c = node->ctx;
@@ -571,19 +594,32 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     const int ckk = conv_ckk(d), tasks = conv_tasks(d);
     const size_t nw = (size_t)d->OC * ckk, na = (size_t)c->rank * ckk, nb = (size_t)d->OC * c->rank;
     const bool want_b = bias && bias->requires_grad;
+    const bool want_lr = c->rank && (A->requires_grad || B->requires_grad), via_full = want_lr && c->lr_via_full;
     ConvJob j = {.c = c, .x = x->value.data, .w = c->rank ? c->w_merged : w->value.data, .y = node->out->value.data,
                  .dy = node->out->grad, .a = A ? A->value.data : NULL, .b = B ? B->value.data : NULL};
     if (!conv_scratch(t, &j)) return;
     if (x->requires_grad && !(j.dx = tape_grad(t, x))) return;
-    j.dw_part = conv_partials(t, w, tasks, nw);
-    j.da_part = conv_partials(t, A, tasks, na);
-    j.dbb_part = conv_partials(t, B, tasks, nb);
+    if (w->requires_grad || via_full) j.dw_part = tape_alloc(t, (size_t)tasks * nw * sizeof(float));
+    if (!via_full) {
+        j.da_part = conv_partials(t, A, tasks, na);
+        j.dbb_part = conv_partials(t, B, tasks, nb);
+    }
     if (want_b && (j.db_part = tape_alloc(t, (size_t)tasks * d->OC * sizeof(double))))
         memset(j.db_part, 0, (size_t)tasks * d->OC * sizeof(double));
     if (!tape_ok(t)) return;
     parallel_run(tasks, conv_backward_task, &j);
     float *g;
-    if (j.dw_part && (g = tape_grad(t, w))) conv_add_partials(g, j.dw_part, tasks, nw);
+    if (via_full) { /* the full gradient, summed in task order, then A's and B's from it */
+        float *G = tape_alloc(t, nw * sizeof *G);
+        if (!G) return;
+        memset(G, 0, nw * sizeof *G);
+        conv_add_partials(G, j.dw_part, tasks, nw);
+        if (w->requires_grad && (g = tape_grad(t, w)))
+            for (size_t i = 0; i < nw; i++) g[i] += G[i];
+        conv_low_rank_grads_from_full(t, c, A, B, G);
+    } else if (j.dw_part && (g = tape_grad(t, w))) {
+        conv_add_partials(g, j.dw_part, tasks, nw);
+    }
     if (j.da_part && (g = tape_grad(t, A))) conv_add_partials(g, j.da_part, tasks, na);
     if (j.dbb_part && (g = tape_grad(t, B))) conv_add_partials(g, j.dbb_part, tasks, nb);
     if (want_b && (g = tape_grad(t, bias)))
@@ -643,8 +679,10 @@ Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRa
     Var *y = tape_new_var(t, 4, (const int[]){d.N, d.OC, YH, YW});
     Conv2dCtx *c = tape_alloc(t, sizeof *c);
     if (!y || !c) return NULL;
-    *c = (Conv2dCtx){d, stride, padding, epi, 0, NULL, lr ? lr->A->value.shape[0] : 0, lr ? lr->scale : 0.0f, NULL};
+    *c = (Conv2dCtx){.d = d, .stride = stride, .padding = padding, .epi = epi, .rank = lr ? lr->A->value.shape[0] : 0,
+                     .scale = lr ? lr->scale : 0.0f};
     c->chunk = conv_chunk(&d);
+    c->lr_via_full = conv_low_rank_via_full(&d, c->rank);
     if (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) return NULL;
     if (lr && !(c->w_merged = conv_merge_low_rank(t, w, lr))) return NULL;
     ConvJob j = {.c = c, .x = x->value.data, .w = lr ? c->w_merged : w->value.data,
