@@ -1,5 +1,6 @@
-/* dataset.c - data sets from IDX files, transforms, the validation split,
- * float batches and the epoch-ordered Batcher. */
+/* dataset.c - data sets from IDX files (images in memory or read in place,
+ * image_file.c), transforms, the validation split, float batches and the
+ * epoch-ordered Batcher. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -8,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "dataset.h"
+#include "image_file.h"
 #include "nn/rng.h"
 
 #define FASHION_MNIST_CLASSES 10
@@ -15,85 +17,114 @@
 
 /* ---- loading -------------------------------------------------------------- */
 
-static char *dims_str(char *buf, size_t size, const IdxArray *a) {
+static char *dims_str(char *buf, size_t size, int ndim, const int *dims) {
     size_t len = 0;
     buf[0] = '\0';
-    for (int i = 0; i < a->ndim && len < size; i++)
-        len += (size_t)snprintf(buf + len, size - len, "%s%d", i ? " x " : "", a->dims[i]);
+    for (int i = 0; i < ndim && len < size; i++)
+        len += (size_t)snprintf(buf + len, size - len, "%s%d", i ? " x " : "", dims[i]);
     return buf;
 }
 
-/* Reads both files and checks they fit together; on success the caller
- * owns img and lab. */
-static QtStatus load_idx_pair(const char *images_path, const char *labels_path, IdxCache *cache, IdxArray *img,
-                              IdxArray *lab, QtError *err) {
+/* The images of one file: read into img, or (file->fd >= 0) open in place. */
+static QtStatus load_images(const char *path, IdxCache *cache, DataStorage storage, IdxArray *img, IdxFile *file,
+                            QtError *err) {
     char dims[64];
-    QtStatus st = idx_read_cached(images_path, cache, img, err);
+    memset(file, 0, sizeof *file);
+    file->fd = -1;
+    QtStatus st = storage == DATA_STORAGE_MEMORY
+                      ? idx_read_cached(path, cache, img, err)
+                      : idx_open_cached(path, cache, storage == DATA_STORAGE_FILE, file, img, err);
     if (st != QT_OK) return st;
-    if (img->ndim != 3) {
-        st = qt_error_set(err, QT_ERR_FORMAT,
-                          "images file '%s' holds a %d-D array (%s) but images must be 3-D (count x height x width); "
-                          "is it a labels file?",
-                          images_path, img->ndim, dims_str(dims, sizeof dims, img));
-        goto fail;
-    }
+    int ndim = file->fd >= 0 ? file->ndim : img->ndim;
+    if (ndim == 3) return QT_OK;
+    st = qt_error_set(err, QT_ERR_FORMAT,
+                      "images file '%s' holds a %d-D array (%s) but images must be 3-D (count x height x width); "
+                      "is it a labels file?",
+                      path, ndim, dims_str(dims, sizeof dims, ndim, file->fd >= 0 ? file->dims : img->dims));
+    idx_free(img);
+    idx_file_close(file);
+    return st;
+}
+
+/* Reads both files and checks they fit together; on success the caller
+ * owns img (or file) and lab. */
+static QtStatus load_idx_pair(const char *images_path, const char *labels_path, IdxCache *cache, DataStorage storage,
+                              IdxArray *img, IdxFile *file, IdxArray *lab, QtError *err) {
+    char dims[64];
+    memset(lab, 0, sizeof *lab);
+    QtStatus st = load_images(images_path, cache, storage, img, file, err);
+    if (st != QT_OK) return st;
+    int n_images = file->fd >= 0 ? file->dims[0] : img->dims[0];
     if ((st = idx_read_cached(labels_path, cache, lab, err)) != QT_OK) goto fail;
     if (lab->ndim != 1) {
         st = qt_error_set(err, QT_ERR_FORMAT,
                           "labels file '%s' holds a %d-D array (%s) but labels must be 1-D (one per image); is it an "
                           "images file?",
-                          labels_path, lab->ndim, dims_str(dims, sizeof dims, lab));
+                          labels_path, lab->ndim, dims_str(dims, sizeof dims, lab->ndim, lab->dims));
         goto fail;
     }
-    if (lab->dims[0] != img->dims[0]) {
+    if (lab->dims[0] != n_images) {
         st = qt_error_set(err, QT_ERR_FORMAT,
                           "images file '%s' holds %d images but labels file '%s' holds %d labels; the two files "
                           "must come from the same set",
-                          images_path, img->dims[0], labels_path, lab->dims[0]);
+                          images_path, n_images, labels_path, lab->dims[0]);
         goto fail;
     }
     return QT_OK;
 fail:
     idx_free(img);
+    idx_file_close(file);
     idx_free(lab);
     return st;
 }
 
-static QtStatus load_idx_cached(Dataset *d, const char *images_path, const char *labels_path, int n_classes,
-                                IdxCache *cache, QtError *err) {
+/* Labels as int32, after checking each is below n_classes. */
+static QtStatus load_labels(const IdxArray *lab, const char *labels_path, int n_classes, int32_t **out,
+                            QtError *err) {
+    int n = lab->dims[0];
+    for (int i = 0; i < n; i++)
+        if (lab->data[i] >= n_classes)
+            return qt_error_set(err, QT_ERR_VALUE,
+                                "labels file '%s': label %d of example %d is out of range; this data set has %d "
+                                "classes (labels 0..%d)",
+                                labels_path, lab->data[i], i, n_classes, n_classes - 1);
+    int32_t *labels = malloc((size_t)n * sizeof *labels);
+    if (!labels) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate %d labels for '%s'", n, labels_path);
+    for (int i = 0; i < n; i++) labels[i] = lab->data[i];
+    *out = labels;
+    return QT_OK;
+}
+
+QtStatus dataset_load_idx_stored(Dataset *d, const char *images_path, const char *labels_path, int n_classes,
+                                 IdxCache *cache, DataStorage storage, QtError *err) {
     memset(d, 0, sizeof *d);
     if (!images_path || !labels_path) return qt_error_set(err, QT_ERR_ARG, "dataset_load_idx: missing file name");
     if (n_classes < 1 || n_classes > DATASET_MAX_CLASSES)
         return qt_error_set(err, QT_ERR_ARG, "dataset_load_idx: n_classes = %d is outside 1..%d", n_classes,
                             DATASET_MAX_CLASSES);
+    if ((unsigned)storage >= DATA_STORAGE_COUNT)
+        return qt_error_set(err, QT_ERR_ARG, "dataset_load_idx: unknown storage %d", (int)storage);
     IdxArray img, lab;
-    QtStatus st = load_idx_pair(images_path, labels_path, cache, &img, &lab, err);
+    IdxFile file;
+    QtStatus st = load_idx_pair(images_path, labels_path, cache, storage, &img, &file, &lab, err);
     if (st != QT_OK) return st;
-    int n = img.dims[0];
-    for (int i = 0; i < n; i++) {
-        if (lab.data[i] >= n_classes) {
-            st = qt_error_set(err, QT_ERR_VALUE,
-                              "labels file '%s': label %d of example %d is out of range; this data set has %d classes "
-                              "(labels 0..%d)",
-                              labels_path, lab.data[i], i, n_classes, n_classes - 1);
-            idx_free(&img);
-            idx_free(&lab);
-            return st;
-        }
-    }
-    int32_t *labels = malloc((size_t)n * sizeof *labels);
-    if (!labels) {
-        idx_free(&img);
-        idx_free(&lab);
-        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate %d labels for '%s'", n, labels_path);
-    }
-    for (int i = 0; i < n; i++) labels[i] = lab.data[i];
+    int32_t *labels = NULL;
+    st = load_labels(&lab, labels_path, n_classes, &labels, err);
     idx_free(&lab);
-    d->n = n;
+    const int *dims = file.fd >= 0 ? file.dims : img.dims;
+    d->n = dims[0];
     d->ndim = 3;
-    d->shape[0] = 1, d->shape[1] = img.dims[1], d->shape[2] = img.dims[2];
-    d->feat = img.dims[1] * img.dims[2];
-    d->pixels = img.data; /* ownership moves to d */
+    d->shape[0] = 1, d->shape[1] = dims[1], d->shape[2] = dims[2];
+    d->feat = dims[1] * dims[2];
+    if (st == QT_OK && file.fd >= 0) st = image_file_open(&d->file, &file, err);
+    idx_file_close(&file);
+    if (st != QT_OK) {
+        idx_free(&img);
+        free(labels);
+        memset(d, 0, sizeof *d);
+        return st;
+    }
+    d->pixels = img.data; /* ownership moves to d (NULL for a file) */
     d->labels = labels;
     d->n_classes = n_classes;
     d->pixel_scale = 1.0f / 255.0f;
@@ -102,7 +133,7 @@ static QtStatus load_idx_cached(Dataset *d, const char *images_path, const char 
 }
 
 QtStatus dataset_load_idx(Dataset *d, const char *images_path, const char *labels_path, int n_classes, QtError *err) {
-    return load_idx_cached(d, images_path, labels_path, n_classes, NULL, err);
+    return dataset_load_idx_stored(d, images_path, labels_path, n_classes, NULL, DATA_STORAGE_MEMORY, err);
 }
 
 /* <dir>/<name>.gz if it exists, else <dir>/<name>; if neither does, an IO
@@ -122,14 +153,15 @@ static QtStatus fashion_path(char *out, size_t size, const char *dir, const char
                         dir, name, out, strerror(gz_errno));
 }
 
-static QtStatus load_fashion_set(Dataset *d, const char *dir, const char *prefix, IdxCache *cache, QtError *err) {
+static QtStatus load_fashion_set(Dataset *d, const char *dir, const char *prefix, IdxCache *cache,
+                                 DataStorage storage, QtError *err) {
     char images[DATASET_PATH_MAX], labels[DATASET_PATH_MAX], name[64];
     snprintf(name, sizeof name, "%s-images-idx3-ubyte", prefix);
     QtStatus st = fashion_path(images, sizeof images, dir, name, err);
     if (st != QT_OK) return st;
     snprintf(name, sizeof name, "%s-labels-idx1-ubyte", prefix);
     if ((st = fashion_path(labels, sizeof labels, dir, name, err)) != QT_OK) return st;
-    return load_idx_cached(d, images, labels, FASHION_MNIST_CLASSES, cache, err);
+    return dataset_load_idx_stored(d, images, labels, FASHION_MNIST_CLASSES, cache, storage, err);
 }
 
 QtStatus dataset_load_fashion_mnist(Dataset *train, Dataset *test, const char *dir, QtError *err) {
@@ -138,12 +170,17 @@ QtStatus dataset_load_fashion_mnist(Dataset *train, Dataset *test, const char *d
 
 QtStatus dataset_load_fashion_mnist_cached(Dataset *train, Dataset *test, const char *dir, IdxCache *cache,
                                            QtError *err) {
+    return dataset_load_fashion_mnist_stored(train, test, dir, cache, DATA_STORAGE_MEMORY, err);
+}
+
+QtStatus dataset_load_fashion_mnist_stored(Dataset *train, Dataset *test, const char *dir, IdxCache *cache,
+                                           DataStorage storage, QtError *err) {
     memset(train, 0, sizeof *train);
     if (test) memset(test, 0, sizeof *test);
     if (!dir || !*dir) return qt_error_set(err, QT_ERR_ARG, "Fashion-MNIST: no data directory given; set data.dir");
-    QtStatus st = load_fashion_set(train, dir, "train", cache, err);
+    QtStatus st = load_fashion_set(train, dir, "train", cache, storage, err);
     if (st != QT_OK || !test) return st;
-    if ((st = load_fashion_set(test, dir, "t10k", cache, err)) != QT_OK) {
+    if ((st = load_fashion_set(test, dir, "t10k", cache, storage, err)) != QT_OK) {
         dataset_free(train);
         return st;
     }
@@ -160,10 +197,13 @@ QtStatus dataset_load_fashion_mnist_cached(Dataset *train, Dataset *test, const 
 
 void dataset_free(Dataset *d) {
     if (!d) return;
+    image_file_free(d->file);
     free(d->pixels);
     free(d->labels);
     memset(d, 0, sizeof *d);
 }
+
+const char *dataset_image_file(const Dataset *d) { return d && d->file ? d->file->path : NULL; }
 
 /* ---- transforms ------------------------------------------------------------ */
 
@@ -216,30 +256,52 @@ static const char *classes_str(char *buf, size_t size, const Transform *t) {
     return buf;
 }
 
-/* Population mean and std, in double, of the pixel values x = scale*p + shift
- * over the examples the training plan keeps, from a histogram of the bytes. */
-static void plan_pixel_stats(const SetPlan *p, double *mean, double *std) {
-    /* Four tables, filled in turn: images are mostly runs of one value (the
-     * background), and increments of a single counter would wait on each
-     * other; this is about 3x faster on Fashion-MNIST. */
-    uint64_t part[4][256] = {{0}}, hist[256];
-    size_t feat = (size_t)p->d->feat;
-    for (int i = 0; i < p->cnt; i++) {
-        const uint8_t *px = p->d->pixels + (size_t)p->keep[i] * feat;
-        size_t j = 0;
-        for (; j + 4 <= feat; j += 4) {
-            part[0][px[j]]++, part[1][px[j + 1]]++;
-            part[2][px[j + 2]]++, part[3][px[j + 3]]++;
-        }
-        for (; j < feat; j++) part[0][px[j]]++;
+/* Byte counts, in four tables filled in turn: images are mostly runs of one
+ * value (the background), and increments of a single counter would wait on
+ * each other; this is about 3x faster on Fashion-MNIST. */
+typedef struct {
+    uint64_t part[4][256];
+    size_t feat;        /* bytes per example */
+} PixelHist;
+
+static void hist_add(PixelHist *h, const uint8_t *px, size_t len) {
+    size_t j = 0;
+    for (; j + 4 <= len; j += 4) {
+        h->part[0][px[j]]++, h->part[1][px[j + 1]]++;
+        h->part[2][px[j + 2]]++, h->part[3][px[j + 3]]++;
     }
-    for (int v = 0; v < 256; v++) hist[v] = part[0][v] + part[1][v] + part[2][v] + part[3][v];
+    for (; j < len; j++) h->part[0][px[j]]++;
+}
+
+static void hist_add_run(void *ctx, int i0, const uint8_t *px, int k) {
+    (void)i0;
+    PixelHist *h = ctx;
+    hist_add(h, px, (size_t)k * h->feat);
+}
+
+/* Population mean and std, in double, of the pixel values x = scale*p + shift
+ * over the examples the training plan keeps, from a histogram of the bytes
+ * (read through once for a file-backed set). */
+static QtStatus plan_pixel_stats(const SetPlan *p, double *mean, double *std, QtError *err) {
+    PixelHist h;
+    memset(&h, 0, sizeof h);
+    uint64_t hist[256];
+    size_t feat = (size_t)p->d->feat;
+    h.feat = feat;
+    if (p->d->file) {
+        QtStatus st = image_file_read(p->d->file, p->keep, 0, p->cnt, hist_add_run, &h, err);
+        if (st != QT_OK) return st;
+    } else {
+        for (int i = 0; i < p->cnt; i++) hist_add(&h, p->d->pixels + (size_t)p->keep[i] * feat, feat);
+    }
+    for (int v = 0; v < 256; v++) hist[v] = h.part[0][v] + h.part[1][v] + h.part[2][v] + h.part[3][v];
     double total = (double)p->cnt * (double)feat, sum = 0.0, var = 0.0;
     for (int v = 0; v < 256; v++) sum += (double)v * (double)hist[v];
     double mean_p = sum / total;
     for (int v = 0; v < 256; v++) var += (double)hist[v] * ((double)v - mean_p) * ((double)v - mean_p);
     *mean = p->scale * mean_p + p->shift;
     *std = fabs(p->scale) * sqrt(var / total);
+    return QT_OK;
 }
 
 static QtStatus transform_normalize(SetPlan *plans, const Transform *t, int ti, QtError *err) {
@@ -251,7 +313,8 @@ static QtStatus transform_normalize(SetPlan *plans, const Transform *t, int ti, 
                                 "finite and the std a finite number > 0",
                                 ti, (double)t->mean, (double)t->std);
     } else {
-        plan_pixel_stats(&plans[0], &mean, &std);
+        QtStatus st = plan_pixel_stats(&plans[0], &mean, &std, err);
+        if (st != QT_OK) return st;
         if (!(std > 0.0) || !isfinite(std))
             return qt_error_set(err, QT_ERR_VALUE,
                                 "data.transform[%d] (normalize): every pixel of the %d training examples has the "
@@ -318,21 +381,46 @@ static QtStatus transform_classes(SetPlan *plans, const Transform *t, int ti, in
     return QT_OK;
 }
 
+/* Transposes each (side, side) channel of the n examples' bytes in place. */
+static void pixels_transpose(uint8_t *pixels, int n, int channels, int side) {
+    size_t feat = (size_t)channels * (size_t)side * (size_t)side;
+    for (int e = 0; e < n; e++) {
+        for (int c = 0; c < channels; c++) {
+            uint8_t *img = pixels + (size_t)e * feat + (size_t)c * side * side;
+            for (int i = 0; i < side; i++) {
+                for (int j = i + 1; j < side; j++) {
+                    uint8_t tmp = img[i * side + j];
+                    img[i * side + j] = img[j * side + i];
+                    img[j * side + i] = tmp;
+                }
+            }
+        }
+    }
+}
+
 /* Applies the plan to its data set: keeps and relabels the examples, sets
- * the pixel map, and transposes the pixels if asked. */
+ * the pixel map, and transposes the pixels if asked (a file-backed set
+ * only notes which rows to read and that they are to be transposed). */
 static void plan_commit(SetPlan *p, int n_classes, bool transpose) {
     Dataset *d = p->d;
     if (!d) return;
     size_t feat = (size_t)d->feat;
-    /* keep[] is increasing, so moving example keep[i] down to i never
-     * overwrites one still to be moved. */
-    for (int i = 0; i < p->cnt; i++)
-        if (p->keep[i] != (uint32_t)i) memmove(d->pixels + (size_t)i * feat, d->pixels + p->keep[i] * feat, feat);
+    if (d->file) {
+        if (image_file_keep(d->file, p->keep, p->cnt)) p->keep = NULL; /* now the file's row list */
+        d->file->transpose ^= transpose;
+    } else {
+        /* keep[] is increasing, so moving example keep[i] down to i never
+         * overwrites one still to be moved. */
+        for (int i = 0; i < p->cnt; i++)
+            if (p->keep[i] != (uint32_t)i) memmove(d->pixels + (size_t)i * feat, d->pixels + p->keep[i] * feat, feat);
+    }
     memcpy(d->labels, p->labels, (size_t)p->cnt * sizeof *d->labels);
     if (p->cnt < d->n) {
         /* Give the dropped examples' memory back; keeping it is harmless if that fails. */
-        uint8_t *px = realloc(d->pixels, (size_t)p->cnt * feat);
-        if (px) d->pixels = px;
+        if (d->pixels) {
+            uint8_t *px = realloc(d->pixels, (size_t)p->cnt * feat);
+            if (px) d->pixels = px;
+        }
         int32_t *lb = realloc(d->labels, (size_t)p->cnt * sizeof *lb);
         if (lb) d->labels = lb;
     }
@@ -340,20 +428,7 @@ static void plan_commit(SetPlan *p, int n_classes, bool transpose) {
     d->n_classes = n_classes;
     d->pixel_scale = (float)p->scale;
     d->pixel_shift = (float)p->shift;
-    if (!transpose) return;
-    int hw = d->shape[1];
-    for (int e = 0; e < d->n; e++) {
-        for (int c = 0; c < d->shape[0]; c++) {
-            uint8_t *img = d->pixels + (size_t)e * feat + (size_t)c * hw * hw;
-            for (int i = 0; i < hw; i++) {
-                for (int j = i + 1; j < hw; j++) {
-                    uint8_t tmp = img[i * hw + j];
-                    img[i * hw + j] = img[j * hw + i];
-                    img[j * hw + i] = tmp;
-                }
-            }
-        }
-    }
+    if (transpose && d->pixels) pixels_transpose(d->pixels, d->n, d->shape[0], d->shape[1]);
 }
 
 static QtStatus transforms_check_args(const Dataset *train, const Dataset *test, const Transform *transforms, int n,
@@ -443,18 +518,25 @@ QtStatus dataset_split_tail(Dataset *train, Dataset *val, double fraction, QtErr
     if (k == 0) return QT_OK;
     size_t feat = (size_t)train->feat;
     int first = train->n - k;
-    val->pixels = malloc((size_t)k * feat);
     val->labels = malloc((size_t)k * sizeof *val->labels);
-    if (!val->pixels || !val->labels) {
+    if (!train->file) val->pixels = malloc((size_t)k * feat);
+    QtStatus st = QT_OK;
+    if (!val->labels || (!train->file && !val->pixels))
+        st = qt_error_set(err, QT_ERR_NOMEM, "cannot allocate a validation set of %d examples", k);
+    else if (train->file) /* last: it shrinks train's row list */
+        st = image_file_split(train->file, first, k, &val->file, err);
+    if (st != QT_OK) {
         dataset_free(val);
-        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate a validation set of %d examples", k);
+        return st;
     }
-    memcpy(val->pixels, train->pixels + (size_t)first * feat, (size_t)k * feat);
+    if (val->pixels) memcpy(val->pixels, train->pixels + (size_t)first * feat, (size_t)k * feat);
     memcpy(val->labels, train->labels + first, (size_t)k * sizeof *val->labels);
     val->n = k;
     train->n = first;
-    uint8_t *px = realloc(train->pixels, (size_t)first * feat);
-    if (px) train->pixels = px;
+    if (train->pixels) {
+        uint8_t *px = realloc(train->pixels, (size_t)first * feat);
+        if (px) train->pixels = px;
+    }
     int32_t *lb = realloc(train->labels, (size_t)first * sizeof *lb);
     if (lb) train->labels = lb;
     return QT_OK;
@@ -462,24 +544,66 @@ QtStatus dataset_split_tail(Dataset *train, Dataset *val, double fraction, QtErr
 
 /* ---- batches ------------------------------------------------------------------ */
 
-void dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float *x, int32_t *y) {
-    size_t feat = (size_t)d->feat;
-    const float scale = d->pixel_scale, shift = d->pixel_shift;
-    for (int i = 0; i < n; i++) {
-        const uint8_t *px = d->pixels + (size_t)idx[i] * feat;
-        float *row = x + (size_t)i * feat;
-        for (size_t j = 0; j < feat; j++) row[j] = scale * (float)px[j] + shift;
-        if (y) y[i] = d->labels[idx[i]];
-    }
+/* x = scale * p + shift for len bytes: the one place the pixel map is
+ * applied, so memory- and file-backed sets give the same floats. */
+static void convert_bytes(float *x, const uint8_t *px, size_t len, float scale, float shift) {
+    for (size_t j = 0; j < len; j++) x[j] = scale * (float)px[j] + shift;
 }
 
-void dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_t *y) {
+/* The same for one example whose (side, side) channels are transposed. */
+static void convert_transposed(float *x, const uint8_t *px, int channels, int side, float scale, float shift) {
+    size_t plane = (size_t)side * (size_t)side;
+    for (int c = 0; c < channels; c++, x += plane, px += plane)
+        for (int i = 0; i < side; i++)
+            for (int j = 0; j < side; j++) x[i * side + j] = scale * (float)px[j * side + i] + shift;
+}
+
+typedef struct {
+    const Dataset *d;
+    float *x;          /* (n, feat): the whole request */
+} FillCtx;
+
+static void fill_run(void *ctx, int i0, const uint8_t *px, int k) {
+    const FillCtx *c = ctx;
+    const Dataset *d = c->d;
     size_t feat = (size_t)d->feat;
-    const float scale = d->pixel_scale, shift = d->pixel_shift;
-    const uint8_t *px = d->pixels + (size_t)start * feat;
-    size_t total = (size_t)n * feat;
-    for (size_t j = 0; j < total; j++) x[j] = scale * (float)px[j] + shift;
+    float *x = c->x + (size_t)i0 * feat;
+    if (!d->file->transpose) {
+        convert_bytes(x, px, (size_t)k * feat, d->pixel_scale, d->pixel_shift);
+        return;
+    }
+    for (int r = 0; r < k; r++)
+        convert_transposed(x + (size_t)r * feat, px + (size_t)r * feat, d->file->channels, d->file->side,
+                           d->pixel_scale, d->pixel_shift);
+}
+
+QtStatus dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float *x, int32_t *y, QtError *err) {
+    size_t feat = (size_t)d->feat;
+    if (d->file) {
+        FillCtx c = {d, x};
+        QtStatus st = image_file_read(d->file, idx, 0, n, fill_run, &c, err);
+        if (st != QT_OK) return st;
+    } else {
+        for (int i = 0; i < n; i++)
+            convert_bytes(x + (size_t)i * feat, d->pixels + (size_t)idx[i] * feat, feat, d->pixel_scale,
+                          d->pixel_shift);
+    }
+    if (y)
+        for (int i = 0; i < n; i++) y[i] = d->labels[idx[i]];
+    return QT_OK;
+}
+
+QtStatus dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_t *y, QtError *err) {
+    size_t feat = (size_t)d->feat;
+    if (d->file) {
+        FillCtx c = {d, x};
+        QtStatus st = image_file_read(d->file, NULL, start, n, fill_run, &c, err);
+        if (st != QT_OK) return st;
+    } else {
+        convert_bytes(x, d->pixels + (size_t)start * feat, (size_t)n * feat, d->pixel_scale, d->pixel_shift);
+    }
     if (y) memcpy(y, d->labels + start, (size_t)n * sizeof *y);
+    return QT_OK;
 }
 
 /* The order of epoch b->epoch: identity, shuffled unless shuffle is off. */
@@ -537,7 +661,7 @@ QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err) {
     return QT_OK;
 }
 
-int batcher_next(Batcher *b, float *x, int32_t *y, int64_t *epoch_of_batch) {
+QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err) {
     int left = b->d->n - b->cursor;
     if (b->drop_last ? left < b->batch_size : left <= 0) {
         b->epoch++;
@@ -546,8 +670,10 @@ int batcher_next(Batcher *b, float *x, int32_t *y, int64_t *epoch_of_batch) {
         left = b->d->n;
     }
     int m = left < b->batch_size ? left : b->batch_size;
-    dataset_fill_batch(b->d, b->order + b->cursor, m, x, y);
+    QtStatus st = dataset_fill_batch(b->d, b->order + b->cursor, m, x, y, err);
+    if (st != QT_OK) return st;
+    if (n) *n = m;
     if (epoch_of_batch) *epoch_of_batch = b->epoch;
     b->cursor += m;
-    return m;
+    return QT_OK;
 }

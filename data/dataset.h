@@ -1,15 +1,20 @@
 /* dataset.h - labelled image data sets: IDX files, transforms, split, batches.
  *
- * Images stay uint8 in memory, as the files store them (Fashion-MNIST's
- * 60k x 784 pixels are 47 MB as bytes, 188 MB as floats); each batch is
- * converted to float32 when it is drawn. Transforms are of three kinds and
- * are applied in config order:
+ * Images stay uint8, as the files store them (Fashion-MNIST's 60k x 784
+ * pixels are 47 MB as bytes, 188 MB as floats); each batch is converted to
+ * float32 when it is drawn. The bytes are held in one of two places
+ * (DataStorage): in memory, read once at load, or in an uncompressed IDX
+ * file (a plain IDX file, or the cache's inflated copy of a gzip'd one)
+ * that stays open and is read with pread at every batch, so the process
+ * holds only a batch of them. Both give the same floats, bit for bit.
+ * Transforms are of three kinds and are applied in config order:
  *   - per pixel (scale to [0,1], normalize, invert): every composition of
  *     these is an affine map x = pixel_scale * p + pixel_shift of the byte p,
  *     folded into two floats and applied at batch time;
  *   - a fixed permutation of the pixels (transpose), applied to the bytes
- *     once at load;
- *   - per example (classes, limit): drop/relabel examples once at load.
+ *     once at load (in memory) or to each example as it is read (file);
+ *   - per example (classes, limit): drop/relabel examples once at load (a
+ *     file-backed set keeps the list of file rows it uses).
  * Per-pixel maps commute with the other two kinds, so folding them keeps
  * the config's order exact. */
 #ifndef QTRAIN_DATA_DATASET_H
@@ -45,7 +50,8 @@ void idx_free(IdxArray *a);
  * reading the inflated copy takes a few ms. The first load of a gzip'd file
  * writes <dir>/<name without .gz>-<hash of its absolute path>.idx (to a
  * temporary name, fsync'd, then renamed, so a reader never sees half a
- * file); later loads read that copy. The copy's header records the source's
+ * file; idx_open_cached writes it as the gzip is inflated, without holding
+ * the data); later loads read that copy, or read from it in place. The copy's header records the source's
  * absolute path, size and modification time, the length of the IDX data and
  * its CRC-32: a source that changed is inflated and cached again, and a copy
  * that fails any of the checks idx_read makes (magic, dimensions, exact
@@ -80,11 +86,55 @@ void idx_cache_init(IdxCache *cache, const char *setting);
  * only add to cache->warning. */
 QtStatus idx_read_cached(const char *path, IdxCache *cache, IdxArray *out, QtError *err);
 
+/* Where a data set's image bytes are held (the config's data.storage). */
+typedef enum {
+    DATA_STORAGE_AUTO,   /* file when an uncompressed copy can be had (a plain IDX file, or the cache's copy of a
+                            gzip'd one), else memory */
+    DATA_STORAGE_MEMORY, /* read into memory at load */
+    DATA_STORAGE_FILE,   /* read from the uncompressed file at every batch; an error if there is none */
+    DATA_STORAGE_COUNT
+} DataStorage;
+
+/* "auto", "memory", "file". */
+const char *data_storage_name(DataStorage storage);
+QtStatus data_storage_parse(const char *name, DataStorage *out, QtError *err);
+
+/* An uncompressed IDX file held open, to be read in place. */
+#define IDX_FILE_PATH_MAX (IDX_CACHE_PATH_MAX + 320)
+typedef struct {
+    int fd;                      /* -1: not open */
+    char path[IDX_FILE_PATH_MAX]; /* the file read: the source itself or its cached copy */
+    int ndim;
+    int dims[IDX_MAX_DIMS];      /* dims[0] = item count */
+    uint64_t offset;             /* file offset of the first element */
+    size_t n_bytes;              /* elements (bytes) from offset on */
+} IdxFile;
+
+/* idx_read_cached, but without reading the elements into memory when they
+ * are on disk uncompressed: a plain IDX file is opened itself, a gzip'd
+ * one's cached copy is opened (inflated and written first when the cache
+ * has none, or a stale or damaged one). Either file is held to idx_read's
+ * rules (magic, dimensions, exact length) and a cached copy to its CRC,
+ * which is checked here by reading it once in chunks. On success exactly
+ * one of the outputs is filled: *file (file->fd >= 0), or, when no
+ * uncompressed copy can be had (a gzip'd file with caching off or failing,
+ * a source that is not a regular file), *mem as idx_read_cached fills it;
+ * with require_file that case is a QT_ERR_CONFIG error instead, saying
+ * why and what to do. Errors are otherwise those of idx_read_cached. */
+QtStatus idx_open_cached(const char *path, IdxCache *cache, bool require_file, IdxFile *file, IdxArray *mem,
+                         QtError *err);
+void idx_file_close(IdxFile *f);
+
+/* A file the images of a data set are read from (data/image_file.h). */
+typedef struct DatasetFile DatasetFile;
+
 typedef struct {
     int n;                       /* examples */
     int ndim, shape[3];          /* per example: (C, H, W); IDX images are (1, H, W) */
     int feat;                    /* elements per example = product of shape */
-    uint8_t *pixels;             /* [n][feat], owned */
+    uint8_t *pixels;             /* [n][feat], owned; NULL when `file` holds the images */
+    DatasetFile *file;           /* NULL: the images are in pixels; else they are read from this file at every
+                                    batch (owned) */
     int32_t *labels;             /* [n], in 0..n_classes-1, owned */
     int n_classes;               /* 1 + largest label the data set can have (10 for Fashion-MNIST) */
     float pixel_scale, pixel_shift; /* x = pixel_scale * p + pixel_shift (p the byte) */
@@ -119,33 +169,50 @@ QtStatus transform_kind_parse(const char *name, TransformKind *out, QtError *err
  * n_classes (the error names the first bad index and value). */
 QtStatus dataset_load_idx(Dataset *d, const char *images_path, const char *labels_path, int n_classes,
                           QtError *err);
+/* The same through a decompressed cache (may be NULL: none), with the
+ * images held as `storage` says (the labels are always in memory). */
+QtStatus dataset_load_idx_stored(Dataset *d, const char *images_path, const char *labels_path, int n_classes,
+                                 IdxCache *cache, DataStorage storage, QtError *err);
 /* <dir>/train-images-idx3-ubyte.gz + train-labels-idx1-ubyte.gz and
  * t10k-*.gz (falls back to the same names without .gz). test may be NULL. */
 QtStatus dataset_load_fashion_mnist(Dataset *train, Dataset *test, const char *dir, QtError *err);
 /* The same through a decompressed cache (may be NULL: none). */
 QtStatus dataset_load_fashion_mnist_cached(Dataset *train, Dataset *test, const char *dir, IdxCache *cache,
                                            QtError *err);
+/* The same with the images held as `storage` says. */
+QtStatus dataset_load_fashion_mnist_stored(Dataset *train, Dataset *test, const char *dir, IdxCache *cache,
+                                           DataStorage storage, QtError *err);
 void dataset_free(Dataset *d);
+/* The file the images are read from, or NULL when they are in memory. */
+const char *dataset_image_file(const Dataset *d);
 
 /* Applies transforms[0..n-1] in order to train and (identically) test,
  * which may be NULL. A normalize without stats measures mean/std of train's
- * current pixel values (in double) and uses them for both. Errors: classes
- * naming a label out of range or twice, limit < 1, transpose of a
- * non-square image, std <= 0, a set left empty. */
+ * current pixel values (in double) and uses them for both (a file-backed
+ * training set is read through once for it). Errors: classes naming a label
+ * out of range or twice, limit < 1, transpose of a non-square image,
+ * std <= 0, a set left empty, a read error of a file-backed set. On an
+ * error both sets are left as they were. */
 QtStatus dataset_apply_transforms(Dataset *train, Dataset *test, const Transform *transforms, int n,
                                   QtError *err);
 
 /* Moves the last round(fraction * n) examples of `train` into `val` (a new
- * data set with the same shape and pixel map). fraction in [0, 1); 0 leaves
- * val empty (n = 0). Fashion-MNIST's training file is already in random
+ * data set with the same shape and pixel map; for a file-backed `train`, one
+ * reading the same file through its own descriptor and buffer). fraction in
+ * [0, 1); 0 leaves val empty (n = 0). Fashion-MNIST's training file is already in random
  * order, so the tail is a fair sample and the split does not depend on the
  * seed. */
 QtStatus dataset_split_tail(Dataset *train, Dataset *val, double fraction, QtError *err);
 
-/* Converts examples idx[0..n-1] to floats: x (n, feat), y [n]. */
-void dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float *x, int32_t *y);
+/* Converts examples idx[0..n-1] to floats: x (n, feat), y [n] (may be
+ * NULL). Never allocates. A file-backed set reads the examples here, runs of
+ * consecutive file rows in one pread each; a file that was changed or
+ * shrank since it was opened is QT_ERR_IO naming it and saying what to do.
+ * A data set's read buffer is its own: do not fill from one set in two
+ * threads at once. */
+QtStatus dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float *x, int32_t *y, QtError *err);
 /* The same for the contiguous examples start..start+n-1. */
-void dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_t *y);
+QtStatus dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_t *y, QtError *err);
 
 /* Mini-batches over a data set for training. The order of epoch e is a
  * pure function of (seed, e): identity shuffled by Philox on stream
@@ -171,11 +238,12 @@ int64_t batcher_steps_per_epoch(const Batcher *b);
 /* Positions the batcher at (epoch, cursor), recomputing that epoch's order.
  * QT_ERR_VALUE if the cursor is outside 0..n. */
 QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err);
-/* Fills the next batch (x (bs, feat), y [bs]) and returns its size (the last
+/* Fills the next batch (x (bs, feat), y [bs]); *n gets its size (the last
  * batch of an epoch may be short unless drop_last). When the epoch has no
  * batch left it first moves to the next epoch (epoch + 1, cursor 0, new
  * order). *epoch_of_batch (may be NULL) gets the epoch the batch belongs
- * to. Never allocates. */
-int batcher_next(Batcher *b, float *x, int32_t *y, int64_t *epoch_of_batch);
+ * to. Never allocates. Errors are dataset_fill_batch's; the cursor then
+ * stays on the batch that failed. */
+QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err);
 
 #endif

@@ -153,6 +153,25 @@ static QtStatus idx_count_trailing(gzFile f, const char *path, size_t done, uint
     }
 }
 
+static QtStatus idx_fail_truncated(const char *path, size_t expect, size_t have, QtError *err) {
+    return qt_error_set(err, QT_ERR_FORMAT,
+                        "IDX file '%s' is truncated: its header promises %zu bytes of data, only %zu follow; the file "
+                        "is incomplete, fetch it again",
+                        path, expect, have);
+}
+
+/* After the payload: nothing may follow it. */
+static QtStatus idx_check_no_trailing(gzFile f, const char *path, size_t done, size_t expect, QtError *err) {
+    uint64_t extra = 0;
+    QtStatus st = idx_count_trailing(f, path, done, &extra, err);
+    if (st != QT_OK || extra == 0) return st;
+    return qt_error_set(err, QT_ERR_FORMAT,
+                        "IDX file '%s' has %s%llu byte%s after the %zu bytes of data its header announces; the "
+                        "header or the file is damaged",
+                        path, extra >= IDX_TRAILING_COUNT_MAX ? "at least " : "", (unsigned long long)extra,
+                        extra == 1 ? "" : "s", expect);
+}
+
 /* Reads exactly `expect` payload bytes into a buffer that grows with the
  * data, then checks that nothing follows them. */
 static QtStatus idx_read_payload(gzFile f, const char *path, size_t header_len, size_t expect, uint8_t **data_out,
@@ -179,22 +198,10 @@ static QtStatus idx_read_payload(gzFile f, const char *path, size_t header_len, 
         if (have < cap) break; /* the data ended */
     }
     if (have < expect) {
-        st = qt_error_set(err, QT_ERR_FORMAT,
-                          "IDX file '%s' is truncated: its header promises %zu bytes of data, only %zu follow; the "
-                          "file is incomplete, fetch it again",
-                          path, expect, have);
+        st = idx_fail_truncated(path, expect, have, err);
         goto fail;
     }
-    uint64_t extra = 0;
-    if ((st = idx_count_trailing(f, path, header_len + have, &extra, err)) != QT_OK) goto fail;
-    if (extra > 0) {
-        st = qt_error_set(err, QT_ERR_FORMAT,
-                          "IDX file '%s' has %s%llu byte%s after the %zu bytes of data its header announces; the "
-                          "header or the file is damaged",
-                          path, extra >= IDX_TRAILING_COUNT_MAX ? "at least " : "", (unsigned long long)extra,
-                          extra == 1 ? "" : "s", expect);
-        goto fail;
-    }
+    if ((st = idx_check_no_trailing(f, path, header_len + have, expect, err)) != QT_OK) goto fail;
     *data_out = data;
     return QT_OK;
 fail:
@@ -202,21 +209,28 @@ fail:
     return st;
 }
 
-QtStatus idx_read(const char *path, IdxArray *out, QtError *err) {
-    memset(out, 0, sizeof *out);
+static QtStatus idx_open_gz(const char *path, gzFile *f, QtError *err) {
     if (!path || !*path) return qt_error_set(err, QT_ERR_ARG, "idx_read: no file name");
     errno = 0;
-    gzFile f = gzopen(path, "rb");
-    if (!f) {
+    *f = gzopen(path, "rb");
+    if (!*f) {
         int e = errno;
         return qt_error_set(err, QT_ERR_IO,
                             "cannot open IDX file '%s': %s; check the path (for Fashion-MNIST, install the Debian "
                             "package dataset-fashion-mnist or set data.dir to the directory holding its files)",
                             path, e ? strerror(e) : "zlib could not open it");
     }
-    gzbuffer(f, 1u << 17);
+    gzbuffer(*f, 1u << 17);
+    return QT_OK;
+}
+
+QtStatus idx_read(const char *path, IdxArray *out, QtError *err) {
+    memset(out, 0, sizeof *out);
+    gzFile f = NULL;
+    QtStatus st = idx_open_gz(path, &f, err);
+    if (st != QT_OK) return st;
     uint64_t n_elems = 0;
-    QtStatus st = idx_read_header(f, path, out, &n_elems, err);
+    st = idx_read_header(f, path, out, &n_elems, err);
     if (st == QT_OK) {
         size_t header_len = 4 + 4 * (size_t)out->ndim;
         st = idx_read_payload(f, path, header_len, (size_t)n_elems, &out->data, err);
@@ -228,6 +242,56 @@ QtStatus idx_read(const char *path, IdxArray *out, QtError *err) {
     }
     out->n_bytes = (size_t)n_elems;
     return QT_OK;
+}
+
+/* The payload in chunks of IDX_READ_CHUNK through the sink, then the check that nothing follows. */
+static QtStatus idx_stream_payload(gzFile f, const char *path, size_t header_len, size_t expect, const IdxSink *sink,
+                                   bool *refused, QtError *err) {
+    uint8_t *chunk = malloc(IDX_READ_CHUNK);
+    if (!chunk) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate a read buffer for IDX file '%s'", path);
+    QtStatus st = QT_OK;
+    size_t have = 0;
+    while (have < expect && st == QT_OK && !*refused) {
+        size_t want = expect - have < IDX_READ_CHUNK ? expect - have : IDX_READ_CHUNK, got = 0;
+        st = idx_read_bytes(f, path, chunk, want, header_len + have, header_len + expect, &got, err);
+        if (st == QT_OK && got > 0) *refused = !sink->data(sink->ctx, chunk, got);
+        have += got;
+        if (st == QT_OK && got < want) break; /* the data ended */
+    }
+    free(chunk);
+    if (st != QT_OK || *refused) return st;
+    if (have < expect) return idx_fail_truncated(path, expect, have, err);
+    return idx_check_no_trailing(f, path, header_len + have, expect, err);
+}
+
+QtStatus idx_stream(const char *path, const IdxSink *sink, bool *refused, QtError *err) {
+    *refused = false;
+    gzFile f = NULL;
+    QtStatus st = idx_open_gz(path, &f, err);
+    if (st != QT_OK) return st;
+    IdxArray shape;
+    memset(&shape, 0, sizeof shape);
+    uint64_t n_elems = 0;
+    st = idx_read_header(f, path, &shape, &n_elems, err);
+    if (st == QT_OK) {
+        uint8_t hdr[IDX_HEADER_MAX];
+        size_t header_len = 4 + 4 * (size_t)shape.ndim;
+        shape.n_bytes = (size_t)n_elems;
+        idx_encode_header(&shape, hdr);
+        *refused = !sink->begin(sink->ctx, &shape, hdr, header_len);
+        if (!*refused) st = idx_stream_payload(f, path, header_len, (size_t)n_elems, sink, refused, err);
+    }
+    gzclose_r(f);
+    return st;
+}
+
+void idx_encode_header(const IdxArray *a, uint8_t *hdr) {
+    hdr[0] = 0, hdr[1] = 0, hdr[2] = IDX_TYPE_UBYTE, hdr[3] = (uint8_t)a->ndim;
+    for (int i = 0; i < a->ndim; i++) {
+        uint32_t d = (uint32_t)a->dims[i];
+        hdr[4 + 4 * i] = (uint8_t)(d >> 24), hdr[5 + 4 * i] = (uint8_t)(d >> 16);
+        hdr[6 + 4 * i] = (uint8_t)(d >> 8), hdr[7 + 4 * i] = (uint8_t)d;
+    }
 }
 
 void idx_free(IdxArray *a) {

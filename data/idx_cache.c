@@ -36,7 +36,7 @@
 #define CACHE_MAGIC_STEM 6 /* bytes of the magic shared by every version */
 #define CACHE_FIXED 48
 #define CACHE_CHUNK ((size_t)1 << 20) /* read and CRC a chunk while it is in cache */
-#define CACHE_NAME_MAX (IDX_CACHE_PATH_MAX + 320)
+#define CACHE_NAME_MAX IDX_FILE_PATH_MAX
 #define CACHE_DIR_MODE 0700 /* as the XDG base directory spec asks for directories it creates */
 
 /* What identifies one version of a source file. */
@@ -179,34 +179,43 @@ static CacheOutcome cache_check_idx_header(int fd, const char *name, uint64_t of
 }
 
 /* Reads the payload in chunks, each CRC'd while it is still in the CPU's
- * cache. out->data is NULL only if it cannot be allocated. */
+ * cache: into out->data, or (in_place) through one chunk-sized buffer that
+ * is freed again, only to check the CRC. CACHE_NOMEM if a buffer cannot be
+ * allocated. */
 static CacheOutcome cache_read_payload(int fd, uint64_t off, uint32_t crc_want, const uint8_t *hdr, size_t hdr_len,
-                                       IdxArray *out, char *why, size_t why_cap) {
-    out->data = malloc(out->n_bytes);
-    if (!out->data) return CACHE_NOMEM;
+                                       bool in_place, IdxArray *out, char *why, size_t why_cap) {
+    size_t cap = in_place ? (out->n_bytes < CACHE_CHUNK ? out->n_bytes : CACHE_CHUNK) : out->n_bytes;
+    uint8_t *buf = malloc(cap > 0 ? cap : 1);
+    if (!buf) return CACHE_NOMEM;
+    if (!in_place) out->data = buf;
+    CacheOutcome o = CACHE_HIT;
     uLong crc = crc32(crc32(0L, Z_NULL, 0), hdr, (uInt)hdr_len);
     for (size_t done = 0; done < out->n_bytes;) {
         size_t n = out->n_bytes - done < CACHE_CHUNK ? out->n_bytes - done : CACHE_CHUNK;
+        uint8_t *dst = in_place ? buf : buf + done;
         errno = 0;
-        if (!read_at(fd, out->data + done, n, off + done)) {
+        if (!read_at(fd, dst, n, off + done)) {
             snprintf(why, why_cap, "reading it failed after %zu of %zu data bytes: %s", done, out->n_bytes,
                      errno ? strerror(errno) : "it ended early");
-            return CACHE_DAMAGED;
+            o = CACHE_DAMAGED;
+            break;
         }
-        crc = crc32(crc, out->data + done, (uInt)n);
+        crc = crc32(crc, dst, (uInt)n);
         done += n;
     }
-    if ((uint32_t)crc != crc_want) {
+    if (in_place) free(buf);
+    if (o == CACHE_HIT && (uint32_t)crc != crc_want) {
         snprintf(why, why_cap, "its CRC-32 is %08lx, its header says %08x", crc, crc_want);
-        return CACHE_DAMAGED;
+        o = CACHE_DAMAGED;
     }
-    return CACHE_HIT;
+    return o;
 }
 
 /* What the open cache file holds for source k; CACHE_NOMEM when the
- * payload cannot be allocated. */
-static CacheOutcome cache_read_file(int fd, const char *name, const SourceKey *k, IdxArray *out, char *why,
-                                    size_t why_cap) {
+ * payload cannot be allocated. in_place: only check it (out->data stays
+ * NULL); *data_off gets the file offset of the payload. */
+static CacheOutcome cache_read_file(int fd, const char *name, const SourceKey *k, bool in_place, IdxArray *out,
+                                    uint64_t *data_off, char *why, size_t why_cap) {
     struct stat sb;
     uint8_t fixed[CACHE_FIXED], hdr[IDX_HEADER_MAX];
     char stored[PATH_MAX];
@@ -245,8 +254,9 @@ static CacheOutcome cache_read_file(int fd, const char *name, const SourceKey *k
     }
     CacheOutcome o = cache_check_idx_header(fd, name, CACHE_FIXED + plen, idx_len, out, hdr, &hdr_len, why, why_cap);
     if (o != CACHE_HIT) return o;
-    return cache_read_payload(fd, CACHE_FIXED + plen + hdr_len, (uint32_t)get_le(fixed + 28, 4), hdr, hdr_len, out,
-                              why, why_cap);
+    *data_off = CACHE_FIXED + plen + hdr_len;
+    return cache_read_payload(fd, *data_off, (uint32_t)get_le(fixed + 28, 4), hdr, hdr_len, in_place, out, why,
+                              why_cap);
 }
 
 /* What the cache file holds for source k in *o: a hit fills out (owned by
@@ -263,7 +273,8 @@ static QtStatus cache_read(const char *name, const SourceKey *k, IdxArray *out, 
         snprintf(why, why_cap, "it cannot be opened: %s", strerror(errno));
         return QT_OK;
     }
-    *o = cache_read_file(fd, name, k, out, why, why_cap);
+    uint64_t data_off = 0;
+    *o = cache_read_file(fd, name, k, false, out, &data_off, why, why_cap);
     close(fd);
     if (*o == CACHE_HIT) return QT_OK;
     QtStatus st = QT_OK;
@@ -308,85 +319,157 @@ static bool write_all(int fd, const uint8_t *buf, size_t len) {
     return true;
 }
 
-/* The cache file's header and IDX header for a; *len gets their length. */
-static void cache_header(const SourceKey *k, const IdxArray *a, uint8_t *buf, size_t *len) {
-    uint8_t *idx = buf + CACHE_FIXED + strlen(k->path);
-    size_t idx_hdr = 4 + 4 * (size_t)a->ndim;
-    idx[0] = 0, idx[1] = 0, idx[2] = IDX_TYPE_UBYTE, idx[3] = (uint8_t)a->ndim;
-    for (int i = 0; i < a->ndim; i++) {
-        uint32_t d = (uint32_t)a->dims[i];
-        idx[4 + 4 * i] = (uint8_t)(d >> 24), idx[5 + 4 * i] = (uint8_t)(d >> 16);
-        idx[6 + 4 * i] = (uint8_t)(d >> 8), idx[7 + 4 * i] = (uint8_t)d;
-    }
-    uLong crc = crc32(crc32(0L, Z_NULL, 0), idx, (uInt)idx_hdr);
-    for (size_t done = 0; done < a->n_bytes; done += CACHE_CHUNK)
-        crc = crc32(crc, a->data + done, (uInt)(a->n_bytes - done < CACHE_CHUNK ? a->n_bytes - done : CACHE_CHUNK));
+/* The cache file's header for source k and IDX data of shape a, its IDX
+ * header hdr[0..hdr_len-1] included, CRC field 0; *len gets its length. */
+static void cache_header(const SourceKey *k, const IdxArray *a, const uint8_t *hdr, size_t hdr_len, uint8_t *buf,
+                         size_t *len) {
+    size_t plen = strlen(k->path);
     memset(buf, 0, CACHE_FIXED);
     memcpy(buf, CACHE_MAGIC, sizeof CACHE_MAGIC - 1);
     put_le(buf + 8, k->size, 8);
     put_le(buf + 16, (uint64_t)k->mtime_s, 8);
     put_le(buf + 24, k->mtime_ns, 4);
-    put_le(buf + 28, (uint32_t)crc, 4);
-    put_le(buf + 32, idx_hdr + a->n_bytes, 8);
-    put_le(buf + 40, strlen(k->path), 4);
-    memcpy(buf + CACHE_FIXED, k->path, strlen(k->path));
-    *len = CACHE_FIXED + strlen(k->path) + idx_hdr;
+    put_le(buf + 32, hdr_len + a->n_bytes, 8);
+    put_le(buf + 40, plen, 4);
+    memcpy(buf + CACHE_FIXED, k->path, plen);
+    memcpy(buf + CACHE_FIXED + plen, hdr, hdr_len);
+    *len = CACHE_FIXED + plen + hdr_len;
 }
 
-/* Writes a to `name` through a temporary file, fsync and rename. On failure
- * the temporary file is removed, what[] says which step failed and errno
- * why. */
-static bool cache_write(const IdxCache *c, const char *name, const SourceKey *k, const IdxArray *a, char *what,
-                        size_t cap) {
+/* A cache file being written, to a temporary name that is renamed once the
+ * file is complete and fsync'd. On failure what[] says which step failed
+ * and err_no why. */
+typedef struct {
+    const IdxCache *c;
+    const char *name;
+    const SourceKey *k;
     char tmp[CACHE_NAME_MAX + 48];
-    if (make_dirs(c->dir, what, cap) != 0) return false;
-    /* pid and clock: unique even among processes of different pid namespaces sharing the directory */
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%09ld", name, (long)getpid(), (long)ts.tv_nsec);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0) {
-        snprintf(what, cap, "creating '%s'", tmp);
-        return false;
-    }
-    uint8_t *head = malloc(CACHE_FIXED + sizeof k->path + IDX_HEADER_MAX);
-    size_t head_len = 0;
-    if (head) cache_header(k, a, head, &head_len);
-    else errno = ENOMEM;
-    bool ok = head && write_all(fd, head, head_len) && write_all(fd, a->data, a->n_bytes) && fsync(fd) == 0;
-    int e = errno;
-    free(head);
-    ok = close(fd) == 0 && ok;
-    if (ok && rename(tmp, name) == 0) return true;
-    if (ok) e = errno;
-    snprintf(what, cap, "%s '%s'", ok ? "renaming" : "writing", tmp);
-    unlink(tmp);
-    errno = e;
+    int fd;                         /* -1 before begin */
+    uint8_t head[CACHE_FIXED + PATH_MAX + IDX_HEADER_MAX];
+    size_t head_len;
+    uLong crc;                      /* of the IDX bytes so far */
+    char what[CACHE_NAME_MAX + 80];
+    int err_no;
+} CacheWriter;
+
+/* Drops a file that will not be finished. */
+static void writer_abort(CacheWriter *w) {
+    if (w->fd < 0) return;
+    close(w->fd);
+    unlink(w->tmp);
+    w->fd = -1;
+}
+
+static bool writer_fail(CacheWriter *w, const char *step) {
+    w->err_no = errno;
+    snprintf(w->what, sizeof w->what, "%s '%s'", step, w->tmp);
+    writer_abort(w);
     return false;
 }
 
-/* Writes the cache file, warning (once) if that fails; `damage` is the
- * reason the old copy was not used, if it was damaged. */
-static void cache_store(IdxCache *c, const char *name, const SourceKey *k, const IdxArray *a, const char *damage) {
-    char what[CACHE_NAME_MAX + 80];
-    if (c->write_failed) return;
-    if (cache_write(c, name, k, a, what, sizeof what)) {
+static bool writer_begin(void *ctx, const IdxArray *shape, const uint8_t *hdr, size_t hdr_len) {
+    CacheWriter *w = ctx;
+    if (make_dirs(w->c->dir, w->what, sizeof w->what) != 0) {
+        w->err_no = errno;
+        return false;
+    }
+    /* pid and clock: unique even among processes of different pid namespaces sharing the directory */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    snprintf(w->tmp, sizeof w->tmp, "%s.tmp.%ld.%09ld", w->name, (long)getpid(), (long)ts.tv_nsec);
+    w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (w->fd < 0) return writer_fail(w, "creating");
+    cache_header(w->k, shape, hdr, hdr_len, w->head, &w->head_len);
+    w->crc = crc32(crc32(0L, Z_NULL, 0), hdr, (uInt)hdr_len);
+    return write_all(w->fd, w->head, w->head_len) || writer_fail(w, "writing");
+}
+
+static bool writer_data(void *ctx, const uint8_t *p, size_t n) {
+    CacheWriter *w = ctx;
+    for (size_t done = 0; done < n; done += CACHE_CHUNK)
+        w->crc = crc32(w->crc, p + done, (uInt)(n - done < CACHE_CHUNK ? n - done : CACHE_CHUNK));
+    return write_all(w->fd, p, n) || writer_fail(w, "writing");
+}
+
+/* The CRC into the header, fsync, rename. */
+static bool writer_finish(CacheWriter *w) {
+    put_le(w->head + 28, (uint32_t)w->crc, 4);
+    if (pwrite(w->fd, w->head, CACHE_FIXED, 0) != CACHE_FIXED || fsync(w->fd) != 0) return writer_fail(w, "writing");
+    int fd = w->fd;
+    w->fd = -1;
+    const char *step = close(fd) != 0 ? "writing" : rename(w->tmp, w->name) != 0 ? "renaming" : NULL;
+    if (!step) return true;
+    w->err_no = errno;
+    snprintf(w->what, sizeof w->what, "%s '%s'", step, w->tmp);
+    unlink(w->tmp);
+    return false;
+}
+
+static void writer_init(CacheWriter *w, const IdxCache *c, const char *name, const SourceKey *k) {
+    memset(w, 0, sizeof *w);
+    w->c = c, w->name = name, w->k = k, w->fd = -1;
+}
+
+/* Writes a to `name` through a temporary file, fsync and rename. */
+static bool cache_write(CacheWriter *w, const IdxArray *a) {
+    uint8_t hdr[IDX_HEADER_MAX];
+    idx_encode_header(a, hdr);
+    return writer_begin(w, a, hdr, 4 + 4 * (size_t)a->ndim) && writer_data(w, a->data, a->n_bytes) &&
+           writer_finish(w);
+}
+
+/* Counts a written copy, or warns (once) that writing failed; `damage` is
+ * the reason the old copy was not used, if it was damaged. */
+static void cache_note_store(IdxCache *c, const CacheWriter *w, bool written, const char *damage) {
+    if (written) {
         c->writes++;
         if (damage)
             cache_warn(c, "data.cache_dir: the cached copy '%s' of '%s' was damaged (%s), so it was not used; it has "
-                       "been rebuilt from the gzip file", name, k->path, damage);
+                       "been rebuilt from the gzip file", w->name, w->k->path, damage);
         return;
     }
-    const char *reason = strerror(errno);
+    const char *reason = strerror(w->err_no);
     c->write_failed = true;
     if (damage)
         cache_warn(c, "data.cache_dir: the cached copy '%s' of '%s' was damaged (%s), so it was not used, and it "
                    "cannot be rebuilt (%s: %s); every start inflates the gzip'd data again until data.cache_dir is "
-                   "writable (or set to none)", name, k->path, damage, what, reason);
+                   "writable (or set to none)", w->name, w->k->path, damage, w->what, reason);
     else
         cache_warn(c, "data.cache_dir: cannot cache the decompressed data in '%s' (%s: %s), so every start inflates "
                    "the gzip'd data again; make that directory writable (or free disk space), or set data.cache_dir "
-                   "to a writable directory or to none", c->dir, what, reason);
+                   "to a writable directory or to none", c->dir, w->what, reason);
+}
+
+/* Writes the cache file from a. True if written. */
+static bool cache_store(IdxCache *c, const char *name, const SourceKey *k, const IdxArray *a, const char *damage) {
+    if (c->write_failed) return false;
+    CacheWriter w;
+    writer_init(&w, c, name, k);
+    bool ok = cache_write(&w, a);
+    cache_note_store(c, &w, ok, damage);
+    return ok;
+}
+
+/* Writes the cache file straight from the source as it is inflated, never
+ * holding its data. The source's errors are errors (as idx_read's); a
+ * write that fails only warns and leaves *written false. */
+static QtStatus cache_store_streamed(IdxCache *c, const char *name, const SourceKey *k, const char *path,
+                                     const char *damage, bool *written, QtError *err) {
+    *written = false;
+    if (c->write_failed) return QT_OK;
+    CacheWriter *w = malloc(sizeof *w);
+    if (!w) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the cache writer for '%s'", path);
+    writer_init(w, c, name, k);
+    IdxSink sink = {writer_begin, writer_data, w};
+    bool refused = false;
+    QtStatus st = idx_stream(path, &sink, &refused, err);
+    if (st != QT_OK) writer_abort(w);
+    else {
+        *written = !refused && writer_finish(w);
+        cache_note_store(c, w, *written, damage);
+    }
+    free(w);
+    return st;
 }
 
 QtStatus idx_read_cached(const char *path, IdxCache *cache, IdxArray *out, QtError *err) {
@@ -407,4 +490,130 @@ QtStatus idx_read_cached(const char *path, IdxCache *cache, IdxArray *out, QtErr
     }
     if ((st = idx_read(path, out, err)) == QT_OK) cache_store(cache, name, &k, out, o == CACHE_DAMAGED ? why : NULL);
     return st;
+}
+
+/* ---- reading in place ------------------------------------------------------------ */
+
+void idx_file_close(IdxFile *f) {
+    if (!f) return;
+    if (f->fd >= 0 && f->path[0]) close(f->fd); /* a path: opened by idx_open_cached, not a zeroed struct */
+    memset(f, 0, sizeof *f);
+    f->fd = -1;
+}
+
+static void idx_file_set(IdxFile *f, int fd, const char *path, const IdxArray *a, uint64_t offset) {
+    f->fd = fd;
+    snprintf(f->path, sizeof f->path, "%s", path);
+    f->ndim = a->ndim;
+    memcpy(f->dims, a->dims, sizeof f->dims);
+    f->offset = offset;
+    f->n_bytes = a->n_bytes;
+}
+
+/* A plain IDX file opened in place after the checks idx_read makes; false
+ * (nothing open) if it is not a regular file or fails one of them, and
+ * idx_read then says why. */
+static bool plain_open_in_place(const char *path, IdxFile *file) {
+    if (strlen(path) >= sizeof file->path) return false;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    struct stat sb;
+    IdxArray a = {0};
+    uint8_t hdr[IDX_HEADER_MAX];
+    size_t hdr_len = 0;
+    char why[QT_ERROR_MSG_MAX];
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) ||
+        cache_check_idx_header(fd, path, 0, (uint64_t)sb.st_size, &a, hdr, &hdr_len, why, sizeof why) != CACHE_HIT) {
+        close(fd);
+        return false;
+    }
+    idx_file_set(file, fd, path, &a, hdr_len);
+    return true;
+}
+
+/* Opens the cache file `name` in place if it holds source k's data, checked
+ * as cache_read checks it (the CRC too); *o says what it holds. */
+static QtStatus cache_open_in_place(const char *name, const SourceKey *k, IdxFile *file, CacheOutcome *o, char *why,
+                                    size_t why_cap, QtError *err) {
+    *o = CACHE_MISS;
+    int fd = open(name, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && (errno == ENOENT || errno == ENOTDIR)) return QT_OK;
+    *o = CACHE_DAMAGED;
+    if (fd < 0) {
+        snprintf(why, why_cap, "it cannot be opened: %s", strerror(errno));
+        return QT_OK;
+    }
+    IdxArray a = {0};
+    uint64_t off = 0;
+    *o = cache_read_file(fd, name, k, true, &a, &off, why, why_cap);
+    if (*o == CACHE_HIT) {
+        idx_file_set(file, fd, name, &a, off);
+        return QT_OK;
+    }
+    close(fd);
+    if (*o == CACHE_NOMEM) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate a read buffer for '%s'", name);
+    return QT_OK;
+}
+
+static QtStatus require_file_fail(const char *path, const char *why, QtError *err) {
+    return qt_error_set(err, QT_ERR_CONFIG,
+                        "data.storage is file, but IDX file '%s' %s, so its images can only be held in memory; set "
+                        "data.storage to auto or memory, or give the data uncompressed (gunzip the files, or let "
+                        "data.cache_dir keep an inflated copy)",
+                        path, why);
+}
+
+/* A gzip'd source with a cache: its copy, written first if need be. */
+static QtStatus cache_open(const char *path, const SourceKey *k, IdxCache *cache, bool require_file, IdxFile *file,
+                           IdxArray *mem, QtError *err) {
+    char name[CACHE_NAME_MAX], why[QT_ERROR_MSG_MAX] = "";
+    CacheOutcome o = CACHE_MISS;
+    bool named = cache_file_name(cache, k, name, sizeof name);
+    if (!named)
+        cache_warn(cache, "data.cache_dir: the cache file name for '%s' in '%s' is too long a path; that file is not "
+                   "cached", k->path, cache->dir);
+    QtStatus st = named ? cache_open_in_place(name, k, file, &o, why, sizeof why, err) : QT_OK;
+    if (st != QT_OK) return st;
+    if (o == CACHE_HIT) {
+        cache->hits++;
+        return QT_OK;
+    }
+    bool written = false;
+    if (named) {
+        /* streamed, so the data is never held, not even on the first start */
+        st = cache_store_streamed(cache, name, k, path, o == CACHE_DAMAGED ? why : NULL, &written, err);
+        if (st != QT_OK) return st;
+    }
+    if (written) {
+        /* read back as any later start would, so this run uses exactly what those will */
+        st = cache_open_in_place(name, k, file, &o, why, sizeof why, err);
+        if (st != QT_OK || o == CACHE_HIT) return st;
+    }
+    if (!require_file) return idx_read(path, mem, err);
+    const char *w = cache->warning[0] ? cache->warning : why, *prefix = "data.cache_dir: ";
+    if (strncmp(w, prefix, strlen(prefix)) == 0) w += strlen(prefix);
+    char reason[QT_ERROR_MSG_MAX + 64];
+    snprintf(reason, sizeof reason, "is gzip'd and no inflated copy of it could be kept in data.cache_dir (%.900s)", w);
+    return require_file_fail(path, reason, err);
+}
+
+QtStatus idx_open_cached(const char *path, IdxCache *cache, bool require_file, IdxFile *file, IdxArray *mem,
+                         QtError *err) {
+    memset(file, 0, sizeof *file);
+    file->fd = -1;
+    memset(mem, 0, sizeof *mem);
+    if (!path || !*path) return qt_error_set(err, QT_ERR_ARG, "idx_open_cached: no file name");
+    SourceKey k;
+    bool known = source_key(path, &k);
+    if (known && k.gzip) {
+        if (cache && cache->dir[0]) return cache_open(path, &k, cache, require_file, file, mem, err);
+        if (require_file) return require_file_fail(path, "is gzip'd and data.cache_dir is none", err);
+        return idx_read(path, mem, err);
+    }
+    if (known && plain_open_in_place(path, file)) return QT_OK;
+    /* missing, not a regular file, or failing a check: idx_read says which */
+    QtStatus st = idx_read(path, mem, err);
+    if (st != QT_OK || !require_file) return st;
+    idx_free(mem);
+    return require_file_fail(path, "cannot be read in place (it is not a regular file)", err);
 }

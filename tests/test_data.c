@@ -360,7 +360,7 @@ static Transform tf_norm(float mean, float std) {
 static void float_stats(const Dataset *d, double *mean, double *std) {
     size_t n = (size_t)d->n * d->feat;
     float *x = malloc(n * sizeof *x);
-    dataset_fill_range(d, 0, d->n, x, NULL);
+    CU_ASSERT_EQUAL(dataset_fill_range(d, 0, d->n, x, NULL, NULL), QT_OK);
     double s = 0, v = 0;
     for (size_t i = 0; i < n; i++) s += x[i];
     *mean = s / n;
@@ -387,7 +387,7 @@ static void test_transform_pixel_maps(void) {
     list[1] = tf_norm(0.5f, 0.5f);
     CU_ASSERT_EQUAL_FATAL(dataset_apply_transforms(&tr, &te, list, 2, &err), QT_OK);
     float x[6 * 4], want[6 * 4];
-    dataset_fill_range(&tr, 0, 6, x, NULL);
+    CU_ASSERT_EQUAL(dataset_fill_range(&tr, 0, 6, x, NULL, NULL), QT_OK);
     for (int i = 0; i < 24; i++) want[i] = (float)(1.0 - 2.0 * TRAIN_PX[i] / 255.0);
     ASSERT_ALL_CLOSE(x, want, 24, 1e-6, 1e-6);
     free_pair(&tr, &te);
@@ -608,18 +608,18 @@ static void test_fill_batch_exact(void) {
     const uint32_t idx[4] = {2, 0, 2, 1};
     float x[4 * 4], r[3 * 4];
     int32_t y[4], ry[3];
-    dataset_fill_batch(&d, idx, 4, x, y);
+    CU_ASSERT_EQUAL(dataset_fill_batch(&d, idx, 4, x, y, NULL), QT_OK);
     for (int i = 0; i < 4; i++) {
         for (int j = 0; j < 4; j++) CU_ASSERT_EQUAL(x[i * 4 + j], 0.5f * px[idx[i] * 4 + j] - 1.0f);
         CU_ASSERT_EQUAL(y[i], lab[idx[i]]);
     }
-    dataset_fill_range(&d, 1, 2, r, ry);
+    CU_ASSERT_EQUAL(dataset_fill_range(&d, 1, 2, r, ry, NULL), QT_OK);
     CU_ASSERT_EQUAL(memcmp(r, x + 12, 4 * sizeof(float)), 0); /* example 1 */
     CU_ASSERT_EQUAL(memcmp(r + 4, x, 4 * sizeof(float)), 0);  /* example 2 */
     CU_ASSERT(ry[0] == 5 && ry[1] == 6);
     /* the default 1/255 map */
     d.pixel_scale = 1.0f / 255.0f, d.pixel_shift = 0.0f;
-    dataset_fill_range(&d, 0, 3, r, NULL);
+    CU_ASSERT_EQUAL(dataset_fill_range(&d, 0, 3, r, NULL, NULL), QT_OK);
     for (int i = 0; i < 12; i++) CU_ASSERT(fabsf(r[i] - px[i] / 255.0f) <= 1e-7f);
     dataset_free(&d);
 }
@@ -630,7 +630,8 @@ static int drain_epoch(Batcher *b, int steps, int *order, int *sizes, int64_t *e
     int32_t y[64];
     int k = 0;
     for (int s = 0; s < steps; s++) {
-        int m = batcher_next(b, x, y, &epochs[s]);
+        int m = 0;
+        CU_ASSERT_EQUAL(batcher_next(b, x, y, &m, &epochs[s], NULL), QT_OK);
         sizes[s] = m;
         for (int i = 0; i < m; i++) {
             order[k++] = (int)x[i];
@@ -710,7 +711,7 @@ static void test_batcher_seek(void) {
         int pos_cursor[STEPS];
         for (int s = 0; s < STEPS; s++) {
             pos_epoch[s] = a.epoch, pos_cursor[s] = a.cursor;
-            ma[s] = batcher_next(&a, xa[s], NULL, &ea[s]);
+            CU_ASSERT_EQUAL(batcher_next(&a, xa[s], NULL, &ma[s], &ea[s], NULL), QT_OK);
         }
         CU_ASSERT(ea[STEPS - 1] >= 2);
         /* resuming from any recorded position continues identically */
@@ -721,7 +722,8 @@ static void test_batcher_seek(void) {
             for (int s = k; s < STEPS; s++) {
                 float xb[BS];
                 int64_t eb;
-                int m = batcher_next(&b, xb, NULL, &eb);
+                int m = 0;
+                CU_ASSERT_EQUAL(batcher_next(&b, xb, NULL, &m, &eb, NULL), QT_OK);
                 CU_ASSERT(m == ma[s] && eb == ea[s] && memcmp(xb, xa[s], (size_t)m * sizeof(float)) == 0);
             }
             batcher_free(&b);
@@ -730,7 +732,7 @@ static void test_batcher_seek(void) {
         CU_ASSERT_EQUAL(batcher_seek(&a, 4, N, &err), QT_OK);
         float x[BS];
         int64_t e;
-        batcher_next(&a, x, NULL, &e);
+        CU_ASSERT_EQUAL(batcher_next(&a, x, NULL, NULL, &e, NULL), QT_OK);
         CU_ASSERT(e == 5 && a.epoch == 5);
         ASSERT_ERR(batcher_seek(&a, 0, N + 1, &err), err, QT_ERR_VALUE, "cursor 38", "0..37");
         qt_error_clear(&err);

@@ -511,10 +511,12 @@ static void test_test_configs_no_cache(void) {
     free(c);
 }
 
+void data_file_add_tests(CU_pSuite s, int *failed); /* test_data_file.c: data.storage */
+
 int register_data_cache_suite(void) {
     CU_pSuite s = CU_add_suite("data_cache", NULL, NULL);
     if (!s) return -1;
-    return !CU_add_test(s, "first load writes, second reads: same data", test_cache_write_then_hit) ||
+    int failed = !CU_add_test(s, "first load writes, second reads: same data", test_cache_write_then_hit) ||
            !CU_add_test(s, "a changed source is inflated again", test_cache_changed_source) ||
            !CU_add_test(s, "damaged copies are reported and rebuilt", test_cache_damaged_rebuilt) ||
            !CU_add_test(s, "unwritable directory: one warning, data loads", test_cache_unwritable) ||
@@ -522,4 +524,6 @@ int register_data_cache_suite(void) {
            !CU_add_test(s, "default directory from XDG_CACHE_HOME / HOME", test_cache_default_dir) ||
            !CU_add_test(s, "data.cache_dir: values, errors, round trip", test_config_cache_dir) ||
            !CU_add_test(s, "test configs do not cache", test_test_configs_no_cache);
+    if (!failed) data_file_add_tests(s, &failed);
+    return failed;
 }

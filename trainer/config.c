@@ -37,8 +37,8 @@
 
 static const char *const TOP_KEYS[] = {"run", "data", "model", "train", "quant", "lora"};
 static const char *const RUN_KEYS[] = {"name", "out_dir", "seed", "threads"};
-static const char *const DATA_KEYS[] = {"dataset", "dir", "cache_dir", "transform", "val_fraction", "shuffle",
-                                        "drop_last"};
+static const char *const DATA_KEYS[] = {"dataset", "dir", "cache_dir", "storage", "transform", "val_fraction",
+                                        "shuffle", "drop_last"};
 static const char *const MODEL_KEYS[] = {"input", "layers", "init_from", "adapters_from"};
 static const char *const TRAIN_KEYS[] = {"epochs",    "steps",      "batch_size", "eval_batch_size",
                                          "optimizer", "schedule",   "grad_clip",  "eval_every",
@@ -355,6 +355,12 @@ static QtStatus load_data(QtError *err, const YNode *root, DataConfig *d) {
     }
     if (st == QT_OK) st = cfg_get_str(err, m, "data", "dir", false, d->dir, sizeof d->dir);
     if (st == QT_OK) st = load_cache_dir(err, cfg_field(m, "cache_dir"), d);
+    const YNode *storage = cfg_field(m, "storage");
+    if (st == QT_OK && storage) st = cfg_to_str(err, storage, "data.storage", false, name, sizeof name);
+    if (st == QT_OK && storage) {
+        QtError inner = {0};
+        st = cfg_lookup_fail(err, storage, "data.storage", data_storage_parse(name, &d->storage, &inner), &inner);
+    }
     if (st == QT_OK) st = cfg_load_transforms(err, cfg_field(m, "transform"), d);
     const CfgRange fraction = {0.0, 1.0, false, true, false};
     if (st == QT_OK) st = get_double(err, m, "data", "val_fraction", fraction, &d->val_fraction);
@@ -485,6 +491,7 @@ void config_default(Config *c) {
     c->run.seed = 1;
     cfg_set_str(c->data.dataset, sizeof c->data.dataset, CONFIG_DATASETS[0]);
     cfg_set_str(c->data.dir, sizeof c->data.dir, "/usr/share/datasets/fashion-mnist");
+    c->data.storage = DATA_STORAGE_AUTO;
     c->data.shuffle = true;
     TrainConfig *t = &c->train;
     t->epochs = 1;

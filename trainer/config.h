@@ -49,6 +49,8 @@ typedef struct {
     char cache_dir[CONFIG_PATH_MAX]; /* data.cache_dir: where inflated copies of gzip'd data files are kept
                                         (idx_cache_init); default "" = $XDG_CACHE_HOME/qtrain, else
                                         ~/.cache/qtrain; "none" = no cache */
+    DataStorage storage;            /* data.storage, default auto: images read from the uncompressed file at every
+                                       batch when there is one (file), else held in memory */
     Transform transforms[CONFIG_MAX_TRANSFORMS]; /* data.transform, in order */
     int n_transforms;
     double val_fraction;            /* data.val_fraction in [0, 1), default 0 */

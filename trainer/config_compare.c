@@ -2,8 +2,9 @@
  * config that resumes it.
  *
  * The data order and the model are fixed by data.* (but not where the files
- * live), model.* (but not init_from and adapters_from, which a resume does
- * not read), run.seed, train.batch_size, and everything in quant and lora
+ * live, nor data.storage: where the images are held changes no value),
+ * model.* (but not init_from and adapters_from, which a resume does not
+ * read), run.seed, train.batch_size, and everything in quant and lora
  * (which modules are quantized how, which carry adapters of what shape):
  * a change there would silently train a different run. Optimizer, schedule and clipping changes are legitimate
  * (a longer schedule, a lower lr for the rest of a run) but break

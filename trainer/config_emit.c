@@ -116,6 +116,7 @@ static void put_run_data(FILE *f, const Config *c) {
     put_key_str(f, "  ", "dataset", d->dataset);
     put_key_str(f, "  ", "dir", d->dir);
     put_key_str(f, "  ", "cache_dir", d->cache_dir);
+    fprintf(f, "  storage: %s\n", data_storage_name(d->storage));
     fputs(d->n_transforms ? "  transform:\n" : "  transform: []\n", f);
     for (int i = 0; i < d->n_transforms; i++) {
         fputs("    - ", f);

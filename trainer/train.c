@@ -69,7 +69,7 @@ static QtStatus run_load_data(Run *r, QtError *err) {
     const DataConfig *dc = &r->cfg->data;
     IdxCache cache;
     idx_cache_init(&cache, dc->cache_dir);
-    QtStatus st = dataset_load_fashion_mnist_cached(&r->train, &r->test, dc->dir, &cache, err);
+    QtStatus st = dataset_load_fashion_mnist_stored(&r->train, &r->test, dc->dir, &cache, dc->storage, err);
     /* even when quiet, like an unused rule: without the cache every start inflates the data again */
     if (cache.warning[0]) fprintf(stderr, "qtrain: warning: %s\n", cache.warning);
     if (st == QT_OK) st = dataset_apply_transforms(&r->train, &r->test, dc->transforms, dc->n_transforms, err);
@@ -281,7 +281,9 @@ static Var *run_wrap_batch(Run *r, float *x, int n) {
 QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
                         QtError *err) {
     Tape *t = &r->tape;
-    dataset_fill_range(d, start, n, r->ex, r->ey);
+    QtError e = {0};
+    if (dataset_fill_range(d, start, n, r->ex, r->ey, &e) != QT_OK)
+        return qt_error_set(err, e.status, "evaluation at step %" PRId64 ": %s", r->step, e.msg);
     Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->ex, n));
     Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
     QtStatus st = QT_OK;
@@ -343,7 +345,10 @@ static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, do
 /* One optimizer step on the next batch. */
 QtStatus run_step(Run *r, QtError *err) {
     Tape *t = &r->tape;
-    int n = batcher_next(&r->batcher, r->bx, r->by, NULL);
+    QtError e = {0};
+    int n = 0;
+    if (batcher_next(&r->batcher, r->bx, r->by, &n, NULL, &e) != QT_OK)
+        return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->step + 1, e.msg);
     Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, n));
     Var *loss = nn_softmax_cross_entropy(t, logits, r->by);
     if (tape_backward(t, loss) != QT_OK)
@@ -507,6 +512,9 @@ static void run_print_plan(Run *r, const char *resumed) {
     printf("data: %s from %s: %d train, %d val, %d test examples of (%d, %d, %d), %d classes\n", c->data.dataset,
            c->data.dir, r->train.n, r->val.n, r->test.n, r->train.shape[0], r->train.shape[1], r->train.shape[2],
            r->train.n_classes);
+    const char *images = dataset_image_file(&r->train);
+    printf("data: images (data.storage %s) %s%s\n", data_storage_name(c->data.storage),
+           images ? "read at every batch from " : "held in memory", images ? images : "");
     printf("blas: OpenBLAS %s kernels, %d threads\n", gemm_blas_core(), gemm_get_threads());
     const char *better = gemm_blas_core_upgrade(), *pinned = getenv("OPENBLAS_CORETYPE");
     if (better && pinned)
@@ -540,8 +548,10 @@ static QtStatus run_calibrate(Run *r, QtError *err) {
     net_calib_begin(&r->net);
     QtStatus st = QT_OK;
     for (int b = 0; b < batches && st == QT_OK; b++) {
-        dataset_fill_range(&r->train, b * bs, bs, r->bx, r->by);
-        if (!model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, bs)))
+        QtError e = {0};
+        if (dataset_fill_range(&r->train, b * bs, bs, r->bx, r->by, &e) != QT_OK)
+            st = qt_error_set(err, e.status, "activation calibration, batch %d: %s", b, e.msg);
+        else if (!model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, bs)))
             st = qt_error_set(err, t->err.status, "activation calibration, batch %d: %s", b, t->err.msg);
         tape_reset(t);
     }
