@@ -1,8 +1,8 @@
-/* qarray.c - QArray quantize / dequantize: per-slice scales stored in their
+/* qarray.c - QArray quantize: per-slice scales stored in their
  * scale type, zero points, element codes and the block formats. The options,
  * the slicing into scale groups and the per-slice rules live in
  * qarray_plan.c (shared with fake quantization); float16/bfloat16 bits and
- * double quantization in qarray_dq.c. */
+ * double quantization in qarray_dq.c; dequantize in qarray_deq.c. */
 #include "qarray.h"
 
 #include <math.h>
@@ -279,56 +279,6 @@ QtStatus qarray_quantize(QArray *out, const float *x, int ndim, const int *shape
     free(used);
     if (st != QT_OK) qarray_free(q);
     return st;
-}
-
-/* ---- dequantize ---------------------------------------------------------------------- */
-
-/* Code i of an MSB-first stream of `bits`-bit codes (bits <= 8). */
-static uint32_t code_get(const uint8_t *p, size_t i, int bits) {
-    size_t off = i * (size_t)bits, b = off >> 3;
-    int sh = (int)(off & 7), end = sh + bits;
-    uint32_t w = end <= 8 ? (uint32_t)p[b] << 8 : ((uint32_t)p[b] << 8) | p[b + 1];
-    return (w >> (16 - end)) & ((1u << bits) - 1u);
-}
-
-static size_t row_count(const QArray *q) {
-    if (q->ndim == 0) return 1;
-    size_t last = (size_t)q->shape[q->ndim - 1];
-    return last ? q->numel / last : 0;
-}
-
-QtStatus qarray_dequantize_rows(const QArray *q, size_t row0, size_t n_rows, float *out) {
-    size_t rows = q ? row_count(q) : 0;
-    if (!q || !q->qtype || row0 > rows || n_rows > rows - row0 || (n_rows && !out)) return QT_ERR_ARG;
-    if (!n_rows || !q->numel) return QT_OK;
-    QArrayLayout L;
-    layout_of(q, &L);
-    const QType *t = q->qtype;
-    size_t d3 = L.dim[3];
-    if (qtype_is_block(t)) {
-        size_t per_row = d3 / (size_t)t->block;
-        for (size_t b = row0 * per_row; b < (row0 + n_rows) * per_row; b++)
-            qtype_block_dequantize(t, q->codes + b * t->block_bytes, t->block,
-                                   out + (b - row0 * per_row) * (size_t)t->block);
-        return QT_OK;
-    }
-    float lut[256];
-    for (uint32_t c = 0; c < (1u << t->bits); c++) lut[c] = qtype_decode(t, c);
-    size_t t3 = L.tile[3];
-    for (size_t r = row0; r < row0 + n_rows; r++) {
-        size_t g0 = qarray_layout_row_group(&L, r);
-        float *y = out + (r - row0) * d3;
-        for (size_t a = 0; a < d3; a += t3) {
-            size_t g = g0 + a / t3;
-            float s = qarray_scale_at(q, g), zp = qarray_zero_point_at(q, g);
-            for (size_t j = a; j < a + t3; j++) y[j] = (lut[code_get(q->codes, r * d3 + j, t->bits)] - zp) * s;
-        }
-    }
-    return QT_OK;
-}
-
-void qarray_dequantize(const QArray *q, float *out) {
-    if (q) qarray_dequantize_rows(q, 0, row_count(q), out);
 }
 
 void qarray_free(QArray *q) {

@@ -240,13 +240,18 @@ typedef struct {
 QtStatus qarray_quantize(QArray *out, const float *x, int ndim, const int *shape, const QType *qtype,
                          const QArrayOptions *options, QtError *err);
 
-/* q -> out [numel], row-major in q's shape. Never allocates. */
+/* q -> out [numel], row-major in q's shape. Never allocates. Vectorised
+ * for 4- and 8-bit codes where the CPU allows (AVX2, AVX-512; chosen at run
+ * time); a large range (32768 elements or more per task) is split over the
+ * step's thread pool (nn/parallel.h; serial inside a pool task). The bits
+ * are the same however it runs: every element is (code value - zero point)
+ * * scale, two IEEE operations (qarray_deq.h). */
 void qarray_dequantize(const QArray *q, float *out);
 
 /* Rows [row0, row0 + n_rows) of q seen as (numel / last dim, last dim) ->
  * out [n_rows * last dim]: a slice of a weight dequantized right before its
  * GEMM. A 0-d array has one row of one element. QT_ERR_ARG if the rows are
- * out of range. Never allocates. */
+ * out of range. Never allocates; vectorised and split as qarray_dequantize. */
 QtStatus qarray_dequantize_rows(const QArray *q, size_t row0, size_t n_rows, float *out);
 
 void qarray_free(QArray *q);

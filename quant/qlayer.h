@@ -1,11 +1,14 @@
 /* qlayer.h - a frozen, post-training-quantized dense or conv2d layer.
  *
  * The weight is quantized once (from float, or filled from a checkpoint)
- * and kept as a QArray; the float weight is never held whole. Forward and
- * the input gradient run a tile at a time: a band of output channels is
- * dequantized into a scratch buffer of at most QLAYER_TILE_BYTES and fed to
- * one sgemm, then the next band, so the float copy of a layer never exceeds
- * one tile budget however large the layer is. The weight gets no gradient;
+ * and kept as a QArray; a float copy lives in the step's arena only. A
+ * dense weight of at most qlayer_dense_whole_bytes as float (16 MiB,
+ * qlayer_ops.h) is dequantized whole, once per step: the forward's GEMM and
+ * the backward's read it. Otherwise forward and the input gradient run a
+ * tile at a time: a band of output channels is dequantized into a scratch
+ * buffer of at most QLAYER_TILE_BYTES and fed to one sgemm, then the next
+ * band, so the float copy of such a layer never exceeds one tile budget
+ * however large the layer is. The weight gets no gradient;
  * the input does (LoRA adapters and earlier layers need it).
  *
  * Weight layout. The weight is seen as the matrix (out, fan_in), fan_in =

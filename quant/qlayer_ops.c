@@ -1,8 +1,10 @@
 /* qlayer_ops.c - the quantized layer's forward and input gradient.
  *
- * The weight (out, fan_in) is never dequantized whole: bands of band_rows
- * output channels are dequantized into one arena buffer and fed to sgemm
- * one after the other.
+ * A dense weight up to qlayer_dense_whole_bytes is dequantized whole into
+ * the step's arena, once: the forward's GEMM and the backward's read it.
+ * Larger dense weights and conv weights over one tile are dequantized in
+ * bands of band_rows output channels into one arena buffer and fed to sgemm
+ * one after the other, in the forward and again in the backward.
  *   dense  y[:, band] = x (N, in) @ band^T           dx += dy[:, band] @ band
  *   conv   prod[band, :] = band @ col (ckk, N*OH*OW)  dcol = sum of band^T @ dyt[band, :]
  * The convolution lowers to im2col + sgemm as nn_conv2d does, with the same
@@ -15,8 +17,10 @@
 #include "fakequant.h"
 #include "nn/gemm.h"
 #include "nn/ops.h"
+#include "nn/parallel.h"
 #include "qlayer.h"
 #include "qlayer_int8.h"
+#include "qlayer_ops.h"
 
 #define SHAPE_STR(v, buf) tensor_shape_str(&(v)->value, (buf), sizeof(buf))
 
@@ -79,8 +83,58 @@ static Var *layer_input(Tape *t, QLayer *q, Var *x) {
 
 /* ---- dense -------------------------------------------------------------------------------------------- */
 
+/* Whole, the dequantized weight is one GEMM's operand (a band's GEMM packs x
+ * again each time) and the backward's too, so the weight is dequantized once
+ * per step. The copy lives in the step's arena, like every saved tensor. */
+size_t qlayer_dense_whole_bytes = (size_t)16 << 20;
+
+/* The whole-weight products split over the pool when they are worth it (nn/gemm.c's thresholds): the forward by
+ * output channels, each part dequantizing its rows and multiplying them at once (one hand-off, and the rows are
+ * still in the core's cache); the input gradient by columns of dx. */
+#define DENSE_SPLIT_MIN_FLOPS 4.0e6
+#define DENSE_SPLIT_MIN_COLS 32
+
+typedef struct {
+    const QLayer *q;
+    const float *w; /* (out, in) the whole dequantized weight, or NULL: dequantized band by band */
+} DenseCtx;
+
+/* The input gradient over the whole weight, split by columns of dx. */
+typedef struct {
+    const QLayer *q;
+    const float *w, *dy; /* (out, in), (N, out) */
+    float *dx;           /* (N, in) */
+    int N;
+} DenseDxJob;
+
+/* dx[:, c0:c1] += dy @ W[:, c0:c1], band by band even over the whole weight: the sum over the output channels
+ * is rounded as the bands always rounded it. */
+static void dense_dx_cols(const DenseDxJob *j, int c0, int c1) {
+    const QLayer *q = j->q;
+    const int in = q->fan_in, out = q->out;
+    for (int r0 = 0; c1 > c0 && r0 < out; r0 += q->band_rows)
+        gemm_f32(false, false, j->N, c1 - c0, band_len(q, r0), 1.0f, j->dy + r0, out, j->w + (size_t)r0 * in + c0,
+                 in, 1.0f, j->dx + c0, in);
+}
+
+static void dense_dx_part(void *ctx, int task, int n_tasks) {
+    const DenseDxJob *j = ctx;
+    int lo, hi;
+    parallel_range(j->q->fan_in, task, n_tasks, &lo, &hi);
+    dense_dx_cols(j, lo, hi);
+}
+
+/* Parts a product of N x cols x depth is split into over the pool: nn/gemm.c's thresholds. */
+static int dense_parts(int N, int cols, int depth, int unit) {
+    int parts = parallel_in_task() ? 1 : parallel_get_threads();
+    if (2.0 * N * cols * depth < DENSE_SPLIT_MIN_FLOPS) parts = 1;
+    if (unit < DENSE_SPLIT_MIN_COLS) unit = DENSE_SPLIT_MIN_COLS;
+    return parts > cols / unit ? cols / unit : parts;
+}
+
 static void dense_backward(Tape *t, const TapeNode *node) {
-    const QLayer *q = node->ctx;
+    const DenseCtx *c = node->ctx;
+    const QLayer *q = c->q;
     Var *x = node->in[0], *bias = node->in[1];
     const float *dy = node->out->grad; /* (N, out) */
     const int N = x->value.shape[0], in = q->fan_in, out = q->out;
@@ -92,8 +146,17 @@ static void dense_backward(Tape *t, const TapeNode *node) {
     }
     if (!x->requires_grad) return;
     float *dx = tape_grad(t, x); /* (N, in) */
+    if (!dx) return;
+    if (c->w) {
+        /* every band's GEMM split the same way in one hand-off */
+        DenseDxJob j = {q, c->w, dy, dx, N};
+        int parts = dense_parts(N, in, out, 1);
+        if (parts > 1) parallel_run(parts, dense_dx_part, &j);
+        else dense_dx_cols(&j, 0, in);
+        return;
+    }
     float *band = band_alloc(t, q); /* (band_rows, in) */
-    if (!dx || !band) return;
+    if (!band) return;
     for (int r0 = 0; r0 < out; r0 += q->band_rows) {
         int nb = band_len(q, r0);
         if (!band_load(t, q, r0, nb, band)) return;
@@ -109,12 +172,75 @@ static bool dense_check(Tape *t, const QLayer *q, const Var *x) {
     return false;
 }
 
+typedef struct {
+    const QLayer *q;
+    const float *x;  /* (N, in) */
+    float *w;        /* (out, in) the whole weight, filled part by part */
+    float *y;        /* (N, out), holding the bias when beta is 1 */
+    int N, align;    /* align: output channels that start a QArray row */
+    float beta;
+    bool ok[PARALLEL_MAX_THREADS]; /* per task */
+} DenseJob;
+
+/* y[:, r0:r1] (+)= x @ deq(W[r0:r1])^T; false if the rows do not map to whole QArray rows. */
+static bool dense_rows(const DenseJob *j, int r0, int r1) {
+    if (r1 <= r0) return true;
+    const QLayer *q = j->q;
+    const int in = q->fan_in;
+    size_t row_len = (size_t)q->weight.shape[q->weight.ndim - 1];
+    size_t first = (size_t)r0 * (size_t)in, count = (size_t)(r1 - r0) * (size_t)in;
+    if (first % row_len || count % row_len ||
+        qarray_dequantize_rows(&q->weight, first / row_len, count / row_len, j->w + first) != QT_OK)
+        return false;
+    gemm_f32(false, true, j->N, r1 - r0, in, 1.0f, j->x, in, j->w + first, in, j->beta, j->y + r0, q->out);
+    return true;
+}
+
+static void dense_part(void *ctx, int task, int n_tasks) {
+    DenseJob *j = ctx;
+    int lo, hi;
+    parallel_range(j->q->out / j->align, task, n_tasks, &lo, &hi);
+    j->ok[task] = dense_rows(j, lo * j->align, hi * j->align);
+}
+
+static size_t gcd_size(size_t a, size_t b) {
+    while (b) {
+        size_t r = a % b;
+        a = b, b = r;
+    }
+    return a;
+}
+
+/* sgemm computes each output as one dot product over in however the outputs are split (which is also why
+ * results do not depend on the thread count), so the whole weight gives the bands' bits in any number of parts. */
+static bool dense_whole(Tape *t, const QLayer *q, DenseJob *j) {
+    const int out = q->out;
+    size_t row_len = (size_t)q->weight.shape[q->weight.ndim - 1];
+    j->align = (int)(row_len / gcd_size((size_t)q->fan_in, row_len));
+    const int parts = dense_parts(j->N, out, q->fan_in, j->align);
+    bool ok = true;
+    if (parts > 1) {
+        parallel_run(parts, dense_part, j);
+        for (int i = 0; i < parts; i++) ok &= j->ok[i];
+    } else {
+        ok = dense_rows(j, 0, out);
+    }
+    if (!ok)
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: weight rows do not map to whole rows of its QArray (%d, %d)",
+                     q->module->path, q->weight.shape[0], q->weight.shape[1]);
+    return ok;
+}
+
 static Var *dense_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
     if (!dense_check(t, q, x)) return NULL;
     const int N = x->value.shape[0], in = q->fan_in, out = q->out;
+    const bool whole = (size_t)out * (size_t)in * sizeof(float) <= qlayer_dense_whole_bytes;
     Var *y = tape_new_var(t, 2, (const int[]){N, out});
-    float *band = band_alloc(t, q); /* (band_rows, in) */
-    if (!y || !band) return NULL;
+    DenseCtx *c = tape_alloc(t, sizeof *c);
+    float *w = whole ? tape_alloc(t, (size_t)out * (size_t)in * sizeof(float)) : NULL; /* (out, in) */
+    float *band = whole ? NULL : band_alloc(t, q); /* (band_rows, in) */
+    if (!y || !c || !(whole ? w != NULL : band != NULL)) return NULL;
+    *c = (DenseCtx){q, whole ? w : NULL};
     /* the bias first, so every band's GEMM adds onto it (beta = 1) */
     float beta = 0.0f;
     if (bias) {
@@ -122,12 +248,16 @@ static Var *dense_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
             memcpy(y->value.data + (size_t)n * out, bias->value.data, (size_t)out * sizeof(float));
         beta = 1.0f;
     }
-    for (int r0 = 0; r0 < out; r0 += q->band_rows) {
+    if (whole) {
+        DenseJob j = {.q = q, .x = x->value.data, .w = w, .y = y->value.data, .N = N, .beta = beta};
+        if (!dense_whole(t, q, &j)) return NULL;
+    }
+    for (int r0 = 0; !whole && r0 < out; r0 += q->band_rows) {
         int nb = band_len(q, r0);
         if (!band_load(t, q, r0, nb, band)) return NULL;
         gemm_f32(false, true, N, nb, in, 1.0f, x->value.data, in, band, in, beta, y->value.data + r0, out);
     }
-    return tape_record(t, "qlayer_dense", dense_backward, y, (Var *[]){x, bias}, 2, q) ? y : NULL;
+    return tape_record(t, "qlayer_dense", dense_backward, y, (Var *[]){x, bias}, 2, c) ? y : NULL;
 }
 
 /* ---- conv2d ------------------------------------------------------------------------------------------- */

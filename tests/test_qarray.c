@@ -688,5 +688,5 @@ int register_quant_qarray_suite(void) {
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
-    return qarray_numerics_tests_add(s) || qarray_io_tests_add(s);
+    return qarray_numerics_tests_add(s) || qarray_io_tests_add(s) || qarray_deq_tests_add(s);
 }

@@ -31,6 +31,8 @@ int32_t qa_int_code(float x, float scale, int bits);
 
 /* Registers the numerics tests (test_qarray_numerics.c) into the suite. */
 int qarray_numerics_tests_add(CU_pSuite s);
+/* test_qarray_deq.c: the dequantize kernels, levels and threads. */
+int qarray_deq_tests_add(CU_pSuite s);
 /* test_qarray_io.c: the storage round trip. */
 int qarray_io_tests_add(CU_pSuite s);
 /* Copies the first `want` blobs of src into dst's buffers (same layout) and dq.offset. */

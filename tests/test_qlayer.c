@@ -11,9 +11,11 @@
 #include <string.h>
 
 #include "nn/ops.h"
+#include "nn/parallel.h"
 #include "quant/fakequant.h"
 #include "quant/qarray_io.h"
 #include "quant/qlayer.h"
+#include "quant/qlayer_ops.h"
 #include "test_qarray.h"
 #include "test_util.h"
 
@@ -338,6 +340,50 @@ static void test_forward_formats(void) {
     }
     model_free(&dm);
     model_free(&cm);
+}
+
+/* A dense weight dequantized whole (once per step, the backward reading the forward's copy; over 3 threads the
+ * forward is split into parts that each dequantize and multiply their rows) and band by band (forward and backward
+ * each dequantizing): the backward's GEMMs are the same calls on the same values, so dx and the bias grad are the
+ * same bits; the forwards are one GEMM, parts of it or several, equal up to sgemm's blocking. All match the float
+ * op on the dequantized weight. */
+static void test_dense_whole_and_bands(void) {
+    enum { N = 32 }; /* 2 * 32 * 96 * 784 flops: worth splitting */
+    Model m;
+    dense_model(&m, 784, 96, 15); /* bands of 80 rows (blocks of 64 across rows of 784): two bands */
+    Module *mod = &m.modules[0];
+    QLayerSpec spec = spec_for("nf4", 64, true, true);
+    QLayer q;
+    quantize_ok(&q, mod, &spec);
+    CU_ASSERT_EQUAL(q.band_rows, 80);
+    float *x = qa_normal_sample(16, input_numel(mod, N));
+    const size_t whole_bytes = qlayer_dense_whole_bytes;
+    const int threads_before = parallel_get_threads();
+    static const struct {
+        const char *what;
+        bool banded;
+        int threads;
+    } runs[3] = {{"nf4 784x96 whole", false, 1}, {"nf4 784x96 whole, 3 threads", false, 3},
+                 {"nf4 784x96 in bands", true, 1}};
+    Result r[3] = {{0}};
+    for (int i = 0; i < 3; i++) {
+        qlayer_dense_whole_bytes = runs[i].banded ? 0 : whole_bytes;
+        parallel_set_threads(runs[i].threads);
+        run_layer(&q, mod, NULL, NULL, x, N, &r[i]);
+        compare_layer(&q, mod, x, N, runs[i].what);
+    }
+    qlayer_dense_whole_bytes = whole_bytes;
+    parallel_set_threads(threads_before);
+    for (int i = 1; i < 3; i++) {
+        CU_ASSERT(close_or_say(r[i].y, r[0].y, r[0].ny, runs[i].what, "y"));
+        CU_ASSERT(close_or_say(r[i].dx, r[0].dx, r[0].nx, runs[i].what, "dx"));
+        CU_ASSERT(r[0].db && memcmp(r[i].db, r[0].db, r[0].nb * sizeof(float)) == 0);
+    }
+    CU_ASSERT(memcmp(r[2].dx, r[0].dx, r[0].nx * sizeof(float)) == 0);
+    for (int i = 0; i < 3; i++) result_free(&r[i]);
+    free(x);
+    qlayer_free(&q);
+    model_free(&m);
 }
 
 static Var *gc_layer(Tape *t, Var **in, void *ctx) { return qlayer_forward(t, ctx, in[0]); }
@@ -706,6 +752,7 @@ int register_quant_qlayer_suite(void) {
     return !CU_add_test(s, "dense layouts and bands", test_layout_dense) ||
            !CU_add_test(s, "conv blocks across rows, bands over the budget", test_layout_conv_blocks) ||
            !CU_add_test(s, "forward and input grad == float op, per format", test_forward_formats) ||
+           !CU_add_test(s, "dense: whole weight once per step, or bands", test_dense_whole_and_bands) ||
            !CU_add_test(s, "input grad by finite differences", test_gradcheck) ||
            !CU_add_test(s, "bias grads, no weight grad", test_bias_and_weight) ||
            !CU_add_test(s, "static activation calibration", test_act_calibration) ||
