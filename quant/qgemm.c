@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/pool2x2.h"
 #include "qgemm.h"
 #include "qgemm_internal.h"
 #include "qt.h"
@@ -179,20 +180,45 @@ void qgemm_u8s8_ref(int32_t *c, const uint8_t *a, int a_zero, const int8_t *b, i
 
 /* ---- taps ------------------------------------------------------------------------------------------------------ */
 
-/* Row r, vector v from its 16 wrapped sums: the masked lanes, in order. */
-static void taps_store(const QGemmTaps *g, int r, int v, const uint32_t *acc) {
+/* Output y of row r from its wrapped sum, after the epilogue's relu if any. */
+static float taps_value(const QGemmTaps *g, int r, uint32_t acc) {
     const int32_t corr = (int32_t)((uint32_t)g->a_zero * (uint32_t)g->w->row_sum[r]);
-    const float s = g->scale[r], bias = g->bias ? g->bias[r] : 0.0f;
+    const float y = fmaf((float)(int32_t)(acc - (uint32_t)corr), g->scale[r], g->bias ? g->bias[r] : 0.0f);
+    return g->epi == QGEMM_EPI_NONE || y > 0.0f ? y : 0.0f;
+}
+
+/* Row r, vector v from its 16 wrapped sums: the masked lanes, in order; or, pooling, all 16 lanes into row s of
+ * the pool buffer. */
+static void taps_store(const QGemmTaps *g, int r, int s, int v, const uint32_t *acc) {
+    if (g->epi == QGEMM_EPI_RELU_POOL2) {
+        float *dst = g->pool_buf + ((size_t)s * g->n_vec + v) * QGEMM_LANES;
+        for (int l = 0; l < QGEMM_LANES; l++) dst[l] = taps_value(g, r, acc[l]);
+        return;
+    }
     float *dst = g->out + (size_t)r * g->ldo + g->vec_pos[v];
     for (int l = 0, at = 0; l < QGEMM_LANES; l++)
-        if (g->vec_mask[v] >> l & 1) dst[at++] = fmaf((float)(int32_t)(acc[l] - (uint32_t)corr), s, bias);
+        if (g->vec_mask[v] >> l & 1) dst[at++] = taps_value(g, r, acc[l]);
+}
+
+/* The 2x2 windows of row block rb's relu'd outputs in the pool buffer -> out. */
+static void taps_pool(const QGemmTaps *g, int rb) {
+    for (int s = 0; s < QGEMM_ROWS && rb * QGEMM_ROWS + s < g->w->rows; s++) {
+        const float *src = g->pool_buf + (size_t)s * g->n_vec * QGEMM_LANES; /* (pixels) */
+        float *dst = g->out + (size_t)(rb * QGEMM_ROWS + s) * g->ldo;         /* (pool_h, pool_w) */
+        for (int i = 0; i < g->pool_h; i++) {
+            const float *a = src + (size_t)2 * i * g->pitch, *b = a + g->pitch;
+            for (int j = 0, k; j < g->pool_w; j++)
+                dst[i * g->pool_w + j] = pool2x2_window(a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], &k);
+        }
+    }
 }
 
 void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     const QGemmPackedTaps *w = g->w;
+    const bool pool = g->epi == QGEMM_EPI_RELU_POOL2;
     rb0 = clip(rb0, 0, w->row_blocks), rb1 = clip(rb1, rb0, w->row_blocks);
-    v0 = clip(v0, 0, g->n_vec), v1 = clip(v1, v0, g->n_vec);
-    for (int rb = rb0; rb < rb1; rb++)
+    v0 = pool ? 0 : clip(v0, 0, g->n_vec), v1 = pool ? g->n_vec : clip(v1, v0, g->n_vec);
+    for (int rb = rb0; rb < rb1; rb++) {
         for (int v = v0; v < v1; v++)
             for (int s = 0; s < QGEMM_ROWS && rb * QGEMM_ROWS + s < w->rows; s++) {
                 uint32_t acc[QGEMM_LANES] = {0};
@@ -204,8 +230,10 @@ void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
                     for (int l = 0; l < QGEMM_LANES; l++)
                         acc[l] += src[4 * l] * w0 + src[4 * l + 1] * w1 + src[4 * l + 2] * w2 + src[4 * l + 3] * w3;
                 }
-                taps_store(g, rb * QGEMM_ROWS + s, v, acc);
+                taps_store(g, rb * QGEMM_ROWS + s, s, v, acc);
             }
+        if (pool) taps_pool(g, rb);
+    }
 }
 
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
@@ -215,25 +243,48 @@ void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
-bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
-    /* Adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, in plain SSE2
-     * (rintf would be a library call there); the clamped v is within +-255. */
+/* The byte of x: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, in plain
+ * SSE2 (rintf would be a library call there); the clamped v is within +-255. *bad is set for a NaN or infinity. */
+static inline uint8_t code_u8(float x, float s, float lo, float hi, int zero, int *bad) {
     const float magic = 12582912.0f;
+    *bad |= !(fabsf(x) <= FLT_MAX);
+    float v = x / s;
+    v = v >= lo ? v : lo; /* NaN -> lo, as fmaxf would */
+    v = v <= hi ? v : hi;
+    return (uint8_t)((int)((v + magic) - magic) + zero);
+}
+
+bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     int bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        float v = x[i];
-        bad |= !(fabsf(v) <= FLT_MAX);
-        v /= s;
-        v = v >= lo ? v : lo; /* NaN -> lo, as fmaxf would */
-        v = v <= hi ? v : hi;
-        dst[i] = (uint8_t)((int)((v + magic) - magic) + zero);
-    }
+    for (size_t i = 0; i < n; i++) dst[i] = code_u8(x[i], s, lo, hi, zero, &bad);
     return !bad;
 }
 
 bool qgemm_quantize_u8(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     if (qgemm_use_vnni()) return qgemm_quantize_u8_vnni(dst, x, n, s, lo, hi, zero);
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
+}
+
+bool qgemm_quantize_u8x4_portable(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                                  const QGemmCodes *c) {
+    int bad = 0;
+    for (int h = 0; h < rows; h++)
+        for (int i = 0; i < n; i++) {
+            uint32_t d = 0;
+            for (int k = 0; k < 4; k++) {
+                const size_t at = (size_t)h * ldx + (size_t)i;
+                const uint32_t u = x[k] ? code_u8(x[k][at], c->s, c->lo, c->hi, c->zero, &bad) : (uint32_t)c->zero;
+                d |= u << (8 * k);
+            }
+            dst[(size_t)h * ldd + (size_t)i] = d;
+        }
+    return !bad;
+}
+
+bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                         const QGemmCodes *c) {
+    if (qgemm_use_vnni()) return qgemm_quantize_u8x4_vnni(dst, ldd, x, ldx, rows, n, c);
+    return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
 }
 
 /* ---- int8 x int8 (quantized training) -------------------------------------------------------------------------- */

@@ -117,10 +117,26 @@ typedef struct {
 QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int taps, QtError *err);
 void qgemm_packed_taps_free(QGemmPackedTaps *p);
 
+/* What the taps kernels make of y = fmaf((float)sum, scale[r], bias ? bias[r] : 0). */
+typedef enum {
+    QGEMM_EPI_NONE,       /* y */
+    QGEMM_EPI_RELU,       /* y > 0 ? y : 0 (a NaN gives 0), as nn's relu */
+    QGEMM_EPI_RELU_POOL2, /* the relu'd outputs' 2x2 maximum, stride 2, as nn's maxpool2d(2, 2) after the relu */
+} QGemmEpi;
+
 /* Vector v covers q = 16 v .. 16 v + 15; the lanes in vec_mask[v] are
  * outputs, stored in lane order to out[r * ldo + vec_pos[v] + 0, 1, ...]
  * (so a row of a padded plane lands on a row of the unpadded output):
- *   out = fmaf((float)sum, scale[r], bias ? bias[r] : 0). */
+ *   out = y, or relu(y) (epi).
+ * QGEMM_EPI_RELU_POOL2 instead reads pixel q as output pixel (q / pitch,
+ * q % pitch) and stores the window maxima
+ *   out[r * ldo + i * pool_w + j] = max of relu(y) at (2i + a, 2j + b), a, b in {0, 1},
+ * for i < pool_h, j < pool_w (2 pool_h and 2 pool_w within the pixels the
+ * vectors cover); vec_mask and vec_pos are unused. A window needs whole
+ * rows, so that epilogue computes every vector of each row block: v0 and
+ * v1 are ignored, and each call needs a pool_buf of its own. A pitch of
+ * 16, 32 or 48 (rows of whole vectors) lets the VNNI kernels take the
+ * windows in registers, without the pool buffer, and skip a last odd row. */
 typedef struct {
     const uint8_t *act;        /* dwords; the kernels read act[4 (off[t] + q) ...] for q < 16 n_vec */
     const int32_t *tap_off;    /* [taps] >= 0, in dwords */
@@ -133,6 +149,9 @@ typedef struct {
     size_t ldo;
     const float *scale;        /* [rows] */
     const float *bias;         /* [rows] or NULL */
+    QGemmEpi epi;
+    int pitch, pool_h, pool_w; /* QGEMM_EPI_RELU_POOL2 only, as above */
+    float *pool_buf;           /* QGEMM_EPI_RELU_POOL2 only: [8][16 n_vec] floats, 64-byte aligned, overwritten */
 } QGemmTaps;
 
 /* Row blocks [rb0, rb1) and vectors [v0, v1); disjoint ranges may run on different threads. */
@@ -147,5 +166,21 @@ void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
  * some x[i] is NaN or infinite (dst is then unspecified). */
 bool qgemm_quantize_u8(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
+
+/* qgemm_quantize_u8's arguments s, lo, hi, zero. */
+typedef struct {
+    float s, lo, hi;
+    int zero;
+} QGemmCodes;
+
+/* Four float planes straight to the dwords of the taps kernels' channel
+ * groups: for h < rows, i < n,
+ *   dst[h * ldd + i] = u0 | u1 << 8 | u2 << 16 | u3 << 24,  uk = the code of x[k][h * ldx + i]
+ * as qgemm_quantize_u8 makes it, or zero where x[k] is NULL. False if some
+ * value is NaN or infinite (dst is then unspecified). */
+bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                         const QGemmCodes *c);
+bool qgemm_quantize_u8x4_portable(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                                  const QGemmCodes *c);
 
 #endif

@@ -12,7 +12,11 @@
  * accumulators, plus 3 vector operands and a broadcast, within the 32 zmm
  * registers. Dense: rows of a (4 bytes broadcast) times panels of the packed
  * weight. Taps: rows of the packed weight (4 bytes broadcast) times vectors
- * of activation dwords at each tap's offset. */
+ * of activation dwords at each tap's offset; the accumulators start at minus
+ * the zero point's correction. The taps' relu + 2x2 max pool epilogue takes
+ * the windows in registers when an output row is 1 to 3 whole vectors: one
+ * vector, both rows of a window in one 8 x 2 tile; two or three, a tile a
+ * row, the upper row's values held until the lower row's tile ends. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -126,16 +130,36 @@ QG_TARGET void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0,
 
 /* ---- taps tiles ------------------------------------------------------------------------------------------------ */
 
-QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, int rb, int v0, const int V) {
-    const QGemmPackedTaps *w = g->w;
-    const int T = w->taps;
-    const int32_t *wb = w->data + (size_t)rb * T * QGEMM_ROWS; /* [T][8] */
+/* A row block's epilogue constants, one per row (0 past the last row): the correction a_zero * row_sum (wrapping),
+ * the scale and the bias. */
+typedef struct {
+    int32_t corr[QGEMM_ROWS];
+    float scale[QGEMM_ROWS], bias[QGEMM_ROWS];
+} TapsRows;
+
+static void taps_rows(TapsRows *k, const QGemmTaps *g, int rb) {
+    for (int r = 0; r < QGEMM_ROWS; r++) {
+        const int row = rb * QGEMM_ROWS + r;
+        const bool in = row < g->w->rows;
+        k->corr[r] = in ? (int32_t)((uint32_t)g->a_zero * (uint32_t)g->w->row_sum[row]) : 0;
+        k->scale[r] = in ? g->scale[row] : 0.0f;
+        k->bias[r] = in && g->bias ? g->bias[row] : 0.0f;
+    }
+}
+
+/* acc[r][v] = the corrected sums of row block rb, vectors v0 .. v0 + V - 1. The accumulators start at -corr, so
+ * they end at the corrected sums (the same wrapped int32). */
+QG_TARGET QG_INLINE void taps_acc(__m512i acc[QGEMM_ROWS][QG_V], const QGemmTaps *g, const TapsRows *k, int rb, int v0,
+                                  const int V) {
+    const int T = g->w->taps;
+    const int32_t *wb = g->w->data + (size_t)rb * T * QGEMM_ROWS; /* [T][8] */
     const uint8_t *base = g->act + (size_t)v0 * 64;
-    __m512i acc[QGEMM_ROWS][QG_V];
 #pragma GCC unroll 8
-    for (int r = 0; r < QGEMM_ROWS; r++)
+    for (int r = 0; r < QGEMM_ROWS; r++) {
+        const __m512i c = _mm512_set1_epi32((int32_t)(0u - (uint32_t)k->corr[r]));
 #pragma GCC unroll 3
-        for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_si512();
+        for (int v = 0; v < V; v++) acc[r][v] = c;
+    }
     for (int t = 0; t < T; t++) {
         const uint8_t *src = base + 4 * (size_t)g->tap_off[t];
         __m512i a[QG_V];
@@ -148,18 +172,33 @@ QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, int rb, int v0, const int
             for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], a[v], b);
         }
     }
+}
+
+/* y = fmaf((float)sum, scale, bias) of row r, then max(y, 0) if relu: 0 unless y > 0 (the second operand wins
+ * ties and NaNs), nn's relu exactly. */
+QG_TARGET QG_INLINE __m512 taps_y(const TapsRows *k, int r, __m512i sum, bool relu) {
+    const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(k->scale[r]), _mm512_set1_ps(k->bias[r]));
+    return relu ? _mm512_max_ps(y, _mm512_setzero_ps()) : y;
+}
+
+/* One register tile: row block rb, vectors v0 .. v0 + V - 1, with the epilogue epi (a constant). */
+QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, const TapsRows *k, int rb, int v0, const int V, const int epi) {
+    __m512i acc[QGEMM_ROWS][QG_V];
+    taps_acc(acc, g, k, rb, v0, V);
 #pragma GCC unroll 8
     for (int r = 0; r < QGEMM_ROWS; r++) {
         const int row = rb * QGEMM_ROWS + r;
-        if (row >= w->rows) break;
-        const __m512i corr = _mm512_set1_epi32((int32_t)((uint32_t)g->a_zero * (uint32_t)w->row_sum[row]));
-        const __m512 sc = _mm512_set1_ps(g->scale[row]), bi = _mm512_set1_ps(g->bias ? g->bias[row] : 0.0f);
+        if (row >= g->w->rows) break;
         float *dst = g->out + (size_t)row * g->ldo;
 #pragma GCC unroll 3
         for (int v = 0; v < V; v++) {
+            __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
+            if (epi == QGEMM_EPI_RELU_POOL2) {
+                _mm512_store_ps(g->pool_buf + ((size_t)r * g->n_vec + v0 + v) * QGEMM_LANES, y);
+                continue;
+            }
             const __mmask16 m = g->vec_mask[v0 + v];
             if (!m) continue;
-            __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], corr)), sc, bi);
             float *o = dst + g->vec_pos[v0 + v];
             if (m == 0xFFFF) {
                 _mm512_storeu_ps(o, y);
@@ -172,36 +211,186 @@ QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, int rb, int v0, const int
     }
 }
 
+/* ---- the 2x2 max pool ------------------------------------------------------------------------------------------ */
+
+/* The relu'd outputs are >= +0 and never NaN, so any order of the maxima gives the bits pool2x2_window picks. */
+
+static const int32_t POOL_EVEN[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const int32_t POOL_ODD[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+/* m [vr] the two window rows' maximum over vr vectors of a row -> dst [PW] the maxima of its column pairs. */
+QG_TARGET QG_INLINE void pool_columns(float *dst, const __m512 *m, const int vr, int PW) {
+    const __m512i even = _mm512_loadu_si512((const void *)POOL_EVEN), odd = _mm512_loadu_si512((const void *)POOL_ODD);
+#pragma GCC unroll 3
+    for (int v = 0; v < vr; v += 2) {
+        const bool pair = v + 1 < vr;
+        const int j = 8 * v, n = PW - j < (pair ? 16 : 8) ? PW - j : pair ? 16 : 8;
+        if (n <= 0) break;
+        /* the windows j .. j + 15 from two vectors, or j .. j + 7 from a last single one */
+        const __m512 y = pair ? _mm512_max_ps(_mm512_permutex2var_ps(m[v], even, m[v + 1]),
+                                              _mm512_permutex2var_ps(m[v], odd, m[v + 1]))
+                              : _mm512_max_ps(_mm512_permutexvar_ps(even, m[v]), _mm512_permutexvar_ps(odd, m[v]));
+        _mm512_mask_storeu_ps(dst + j, lane_mask(n), y);
+    }
+}
+
+/* The rows of row block rb that exist. */
+static int block_rows(const QGemmTaps *g, int rb) {
+    const int n = g->w->rows - rb * QGEMM_ROWS;
+    return n < QGEMM_ROWS ? n : QGEMM_ROWS;
+}
+
+/* Output rows of vr vectors each (pitch 16 vr): pooled row i of row block rb. One vector a row: both window rows
+ * in one tile. Two or three: a tile a row, the upper row's values held (in top) until the lower row's arrive. */
+QG_TARGET QG_INLINE void taps_pool_row(const QGemmTaps *g, const TapsRows *k, int rb, int i, const int vr) {
+    __m512i acc[QGEMM_ROWS][QG_V];
+    __m512 top[QGEMM_ROWS][QG_V];
+    const int rows = block_rows(g, rb);
+    if (vr > 1) {
+        taps_acc(acc, g, k, rb, 2 * i * vr, vr);
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++)
+#pragma GCC unroll 3
+            for (int v = 0; v < vr; v++) top[r][v] = taps_y(k, r, acc[r][v], true);
+    }
+    taps_acc(acc, g, k, rb, (2 * i + 1) * vr - (vr == 1), vr == 1 ? 2 : vr);
+#pragma GCC unroll 8
+    for (int r = 0; r < QGEMM_ROWS; r++) {
+        if (r >= rows) break;
+        __m512 m[QG_V];
+        if (vr == 1) {
+            m[0] = _mm512_max_ps(taps_y(k, r, acc[r][0], true), taps_y(k, r, acc[r][1], true));
+        } else {
+#pragma GCC unroll 3
+            for (int v = 0; v < vr; v++) m[v] = _mm512_max_ps(top[r][v], taps_y(k, r, acc[r][v], true));
+        }
+        pool_columns(g->out + (size_t)(rb * QGEMM_ROWS + r) * g->ldo + (size_t)i * g->pool_w, m, vr, g->pool_w);
+    }
+}
+
+/* Any pitch: the relu'd outputs of row block rb in the pool buffer (taps_tile), then 16 windows of a row at a time
+ * from there: the two rows' maximum, then the even and the odd columns'. */
+QG_TARGET static void taps_pool_buffer(const QGemmTaps *g, int rb) {
+    const __m512i even = _mm512_loadu_si512((const void *)POOL_EVEN), odd = _mm512_loadu_si512((const void *)POOL_ODD);
+    const int PW = g->pool_w, rows = block_rows(g, rb);
+    const size_t step = 2 * (size_t)g->pitch; /* floats from one window row to the next */
+    for (int j = 0; j < PW; j += QGEMM_LANES) {
+        const int n = PW - j < QGEMM_LANES ? PW - j : QGEMM_LANES;
+        const __mmask16 m0 = lane_mask(2 * n), m1 = n > 8 ? lane_mask(2 * n - 16) : 0, mo = lane_mask(n);
+        for (int s = 0; s < rows; s++) {
+            const float *a = g->pool_buf + (size_t)s * g->n_vec * QGEMM_LANES + 2 * (size_t)j; /* (pixels) */
+            float *dst = g->out + (size_t)(rb * QGEMM_ROWS + s) * g->ldo + j;                  /* (pool_h, PW) */
+            for (int i = 0; i < g->pool_h; i++, a += step, dst += PW) {
+                const float *b = a + g->pitch;
+                const __m512 x0 = _mm512_max_ps(_mm512_maskz_loadu_ps(m0, a), _mm512_maskz_loadu_ps(m0, b));
+                const __m512 x1 = _mm512_max_ps(_mm512_maskz_loadu_ps(m1, a + 16), _mm512_maskz_loadu_ps(m1, b + 16));
+                const __m512 y = _mm512_max_ps(_mm512_permutex2var_ps(x0, even, x1),
+                                               _mm512_permutex2var_ps(x0, odd, x1));
+                _mm512_mask_storeu_ps(dst, mo, y);
+            }
+        }
+    }
+}
+
+/* ---- dispatch -------------------------------------------------------------------------------------------------- */
+
+/* Vectors [v0, v1) of row block rb, 3 at a time. */
+QG_TARGET QG_INLINE void taps_block(const QGemmTaps *g, const TapsRows *k, int rb, int v0, int v1, const int epi) {
+    for (int v = v0; v < v1; v += QG_V) {
+        const int V = v1 - v < QG_V ? v1 - v : QG_V;
+        if (V == 3) taps_tile(g, k, rb, v, 3, epi);
+        else if (V == 2) taps_tile(g, k, rb, v, 2, epi);
+        else taps_tile(g, k, rb, v, 1, epi);
+    }
+}
+
+/* Row block rb pooled: in registers when a row is whole vectors (up to 3), else through the pool buffer. */
+QG_TARGET static void taps_pool(const QGemmTaps *g, const TapsRows *k, int rb) {
+    const int vr = g->pitch % QGEMM_LANES ? 0 : g->pitch / QGEMM_LANES;
+    if (vr < 1 || vr > QG_V) {
+        taps_block(g, k, rb, 0, g->n_vec, QGEMM_EPI_RELU_POOL2);
+        taps_pool_buffer(g, rb);
+        return;
+    }
+    for (int i = 0; i < g->pool_h; i++) {
+        if (vr == 1) taps_pool_row(g, k, rb, i, 1);
+        else if (vr == 2) taps_pool_row(g, k, rb, i, 2);
+        else taps_pool_row(g, k, rb, i, 3);
+    }
+}
+
 QG_TARGET void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     const int rbs = g->w->row_blocks;
     rb0 = rb0 < 0 ? 0 : rb0, rb1 = rb1 > rbs ? rbs : rb1;
     v0 = v0 < 0 ? 0 : v0, v1 = v1 > g->n_vec ? g->n_vec : v1;
-    for (int rb = rb0; rb < rb1; rb++)
-        for (int v = v0; v < v1; v += QG_V) {
-            const int V = v1 - v < QG_V ? v1 - v : QG_V;
-            if (V == 3) taps_tile(g, rb, v, 3);
-            else if (V == 2) taps_tile(g, rb, v, 2);
-            else taps_tile(g, rb, v, 1);
-        }
+    for (int rb = rb0; rb < rb1; rb++) {
+        TapsRows k;
+        taps_rows(&k, g, rb);
+        if (g->epi == QGEMM_EPI_RELU_POOL2) taps_pool(g, &k, rb);
+        else if (g->epi == QGEMM_EPI_RELU) taps_block(g, &k, rb, v0, v1, QGEMM_EPI_RELU);
+        else taps_block(g, &k, rb, v0, v1, QGEMM_EPI_NONE);
+    }
 }
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
+/* The quantizer's constants in registers. */
+typedef struct {
+    __m512 s, lo, hi, big;
+    __m512i zero, absmask;
+} CodeRegs;
+
+QG_TARGET QG_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
+    return (CodeRegs){.s = _mm512_set1_ps(s), .lo = _mm512_set1_ps(lo), .hi = _mm512_set1_ps(hi),
+                      .big = _mm512_set1_ps(3.40282347e38f), .zero = _mm512_set1_epi32(zero),
+                      .absmask = _mm512_set1_epi32(0x7fffffff)};
+}
+
+/* The codes (int32 lanes, 0..255) of the lanes m of x; *bad gets the lanes that are NaN or infinite. */
+QG_TARGET QG_INLINE __m512i codes16(const CodeRegs *k, const float *x, __mmask16 m, __mmask16 *bad) {
+    const __m512 v = _mm512_maskz_loadu_ps(m, x);
+    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), k->absmask));
+    *bad |= _mm512_mask_cmp_ps_mask(m, a, k->big, _CMP_NLE_UQ);
+    /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
+    const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, k->s), k->lo), k->hi);
+    return _mm512_add_epi32(_mm512_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
+}
+
 QG_TARGET bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
-    const __m512 vs = _mm512_set1_ps(s), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-    const __m512 big = _mm512_set1_ps(3.40282347e38f);
-    const __m512i vz = _mm512_set1_epi32(zero), absmask = _mm512_set1_epi32(0x7fffffff);
+    const CodeRegs k = code_regs(s, lo, hi, zero);
+    /* 64 codes -> bytes in one store: the two packs leave dword 4 j + r holding codes 16 r + 4 j .. + 3 */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __mmask16 bad = 0;
-    for (size_t i = 0; i < n; i += QGEMM_LANES) {
-        const __mmask16 m = n - i >= QGEMM_LANES ? (__mmask16)0xFFFF : lane_mask((int)(n - i));
-        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), absmask));
-        bad |= _mm512_mask_cmp_ps_mask(m, a, big, _CMP_NLE_UQ); /* NaN or infinite */
-        /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
-        __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, vs), vlo), vhi);
-        __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), vz); /* round to nearest even (MXCSR default) */
-        _mm512_mask_cvtepi32_storeu_epi8(dst + i, m, c);
+    size_t i = 0;
+    for (; i + 4 * QGEMM_LANES <= n; i += 4 * QGEMM_LANES) {
+        const __m512i c0 = codes16(&k, x + i, 0xFFFF, &bad), c1 = codes16(&k, x + i + 16, 0xFFFF, &bad);
+        const __m512i c2 = codes16(&k, x + i + 32, 0xFFFF, &bad), c3 = codes16(&k, x + i + 48, 0xFFFF, &bad);
+        const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+        _mm512_storeu_si512((void *)(dst + i), _mm512_permutexvar_epi32(order, b));
     }
+    for (; i < n; i += QGEMM_LANES) {
+        const __mmask16 m = n - i >= QGEMM_LANES ? (__mmask16)0xFFFF : lane_mask((int)(n - i));
+        _mm512_mask_cvtepi32_storeu_epi8(dst + i, m, codes16(&k, x + i, m, &bad));
+    }
+    return bad == 0;
+}
+
+QG_TARGET bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows,
+                                        int n, const QGemmCodes *c) {
+    const CodeRegs k = code_regs(c->s, c->lo, c->hi, c->zero);
+    __mmask16 bad = 0;
+    for (int h = 0; h < rows; h++)
+        for (int i = 0; i < n; i += QGEMM_LANES) {
+            const __mmask16 m = lane_mask(n - i);
+            const size_t at = (size_t)h * ldx + (size_t)i;
+            __m512i d = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++) {
+                const __m512i u = x[b] ? codes16(&k, x[b] + at, m, &bad) : k.zero;
+                d = _mm512_or_si512(d, _mm512_slli_epi32(u, 8 * b));
+            }
+            _mm512_mask_storeu_epi32(dst + (size_t)h * ldd + (size_t)i, m, d);
+        }
     return bad == 0;
 }
 
@@ -264,6 +453,10 @@ void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
 void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
+}
+bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                              const QGemmCodes *c) {
+    return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
 }
 void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     qgemm_s8_ref(c, a, b, M, N, K);

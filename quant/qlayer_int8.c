@@ -22,7 +22,13 @@
  * of the padded width (q = oh * Wp + ow), and the taps kernel stores only
  * the lanes with ow < OW, packed, so each row lands in y's unpadded plane.
  * Any other stride: "cols", the im2col matrix in dwords of 4 consecutive
- * k, one tap per dword. Every image is one task (quantize, planes, taps).
+ * k, one tap per dword. Every image is one task (quantize, planes, taps);
+ * ch4 quantizes straight into its planes (qgemm_quantize_u8x4).
+ *
+ * A following relu, or relu and 2x2 max pool, runs in the kernels' epilogue
+ * (qlayer_int8_conv_fused, for the fused hook): no full-size output is
+ * written. When pooling, the padded row pitch is rounded up to 16, 32 or
+ * 48 where that is at most 3 vectors, so the kernels pool in registers.
  *
  * Scratch (codes, planes, output vector tables) comes from the tape's
  * arena; the packed weight is allocated once (qlayer_int8_prepare). */
@@ -185,13 +191,9 @@ QtStatus qlayer_int8_prepare(QLayer *q, QtError *err) {
 
 /* ---- the input's codes ----------------------------------------------------------------------------------------- */
 
-typedef struct {
-    float s, lo, hi; /* fake quantization's scale and clamp bounds in code units (zero point applied) */
-    int zero;        /* a_zero: the byte of the value 0 */
-} ActCodes;
-
-/* The static range as codes, checked as fake quantization checks a given scale and zero point. */
-static bool act_codes(Tape *t, const QLayer *q, ActCodes *a) {
+/* The static range as codes (s, lo, hi: fake quantization's scale and clamp bounds in code units, zero point
+ * applied; zero: a_zero, the byte of the value 0), checked as fake quantization checks a given scale and zero point. */
+static bool act_codes(Tape *t, const QLayer *q, QGemmCodes *a) {
     const QType *at = q->spec.act_qtype;
     float s = q->act_scale, zp = q->spec.act_symmetric ? 0.0f : q->act_zero_point;
     if (!(s > 0.0f) || isinf(s)) {
@@ -204,7 +206,7 @@ static bool act_codes(Tape *t, const QLayer *q, ActCodes *a) {
                      "codes %d..%d (calibrate again)", q->module->path, (double)zp, at->name, at->qmin, at->qmax);
         return false;
     }
-    *a = (ActCodes){.s = fq_effective_scale(s), .zero = (int)zp + (at->kind == QTYPE_KIND_INT ? 128 : 0)};
+    *a = (QGemmCodes){.s = fq_effective_scale(s), .zero = (int)zp + (at->kind == QTYPE_KIND_INT ? 128 : 0)};
     fq_int_code_bounds(at, false, zp, &a->lo, &a->hi); /* layer_input fake-quantizes without a narrow range */
     return true;
 }
@@ -255,7 +257,7 @@ static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
 typedef struct {
     QGemmDense d;
     const float *x; /* (N, in) */
-    ActCodes ac;
+    QGemmCodes ac;
     int rows;       /* per task */
     uint8_t *bad;   /* [tasks] */
 } DenseJob;
@@ -295,55 +297,56 @@ Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias) {
 typedef struct {
     ConvShape c;
     int N, H, W, OC, OH, OW, stride, pad;
-    int Hp, Wp;        /* the padded input (stride-1 groupings) */
+    int Hp, Wp;        /* the padded input's rows and row pitch (stride-1 groupings) */
     int pitch;         /* q per output row: Wp, or OW for cols */
     size_t plane;      /* dwords per group plane */
+    size_t out_img;    /* floats of one image's output */
     size_t scratch;    /* bytes of one thread's scratch */
+    size_t pool_at;    /* offset of the pool buffer in it */
     const float *x;    /* (N, C, H, W) */
-    ActCodes ac;
+    QGemmCodes ac;
     QGemmTaps g;       /* act and out set per image */
     uint8_t *work;     /* [pool threads * scratch] */
     uint8_t *bad;      /* [N] */
 } ConvJob;
 
-/* ch4: planes (ceil(C/4), plane) of 4 channels per padded pixel. */
-static void planes_ch4(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
-    const int C = j->c.C, H = j->H, W = j->W;
-    for (int g = 0; g < j->c.groups; g++) {
-        uint32_t *p = pl + (size_t)g * j->plane;
-        for (size_t i = 0; i < j->plane; i++) p[i] = fill;
-        const uint8_t *r[4];
-        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? codes + (size_t)(4 * g + k) * H * W : NULL;
-        for (int h = 0; h < H; h++) {
-            uint32_t *d = p + (size_t)(h + j->pad) * j->Wp + j->pad; /* [W] */
-            const size_t o = (size_t)h * W;
-            if (r[3]) {
-                for (int w = 0; w < W; w++)
-                    d[w] = r[0][o + w] | (uint32_t)r[1][o + w] << 8 | (uint32_t)r[2][o + w] << 16 |
-                           (uint32_t)r[3][o + w] << 24;
-            } else {
-                for (int w = 0; w < W; w++) {
-                    uint32_t v = fill;
-                    for (int k = 0; k < 4 && r[k]; k++)
-                        v = (v & ~(0xFFu << (8 * k))) | (uint32_t)r[k][o + w] << (8 * k);
-                    d[w] = v;
-                }
-            }
-        }
-    }
+static void fill_dwords(uint32_t *p, size_t n, uint32_t v) {
+    for (size_t i = 0; i < n; i++) p[i] = v;
 }
 
-/* kw4: planes (C, plane), dword q = padded pixels q..q+3 of one channel; bytes: scratch of plane + 4. */
-static void planes_kw4(uint32_t *pl, uint8_t *bytes, const uint8_t *codes, const ConvJob *j) {
-    for (int c = 0; c < j->c.C; c++) {
-        memset(bytes, j->ac.zero, j->plane + 4);
-        for (int h = 0; h < j->H; h++)
-            memcpy(bytes + (size_t)(h + j->pad) * j->Wp + j->pad, codes + ((size_t)c * j->H + h) * j->W, (size_t)j->W);
-        uint32_t *p = pl + (size_t)c * j->plane;
-        for (size_t q = 0; q < j->plane; q++)
-            p[q] = bytes[q] | (uint32_t)bytes[q + 1] << 8 | (uint32_t)bytes[q + 2] << 16 | (uint32_t)bytes[q + 3] << 24;
+/* ch4: planes (ceil(C/4), plane) of 4 channels per padded pixel, quantized straight from x (C, H, W): the
+ * padding is filled around the image. False for a value that is not finite. */
+static bool planes_ch4(uint32_t *pl, const float *x, const ConvJob *j) {
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    const int C = j->c.C, H = j->H, W = j->W, pad = j->pad, Wp = j->Wp;
+    bool ok = true;
+    for (int g = 0; g < j->c.groups; g++) {
+        uint32_t *p = pl + (size_t)g * j->plane;
+        fill_dwords(p, (size_t)pad * Wp + pad, fill); /* the rows above and the first row's left */
+        for (int h = 0; h + 1 < H; h++) fill_dwords(p + (size_t)(h + pad) * Wp + pad + W, (size_t)(Wp - W), fill);
+        const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W; /* the last row's right, the rows below, the tail */
+        fill_dwords(p + end, j->plane - end, fill);
+        const float *r[4];
+        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? x + (size_t)(4 * g + k) * H * W : NULL;
+        ok &= qgemm_quantize_u8x4(p + (size_t)pad * Wp + pad, (size_t)Wp, r, (size_t)W, H, W, &j->ac);
     }
+    return ok;
+}
+
+/* kw4: planes (C, plane), dword q = padded pixels q..q+3 of one channel; bytes: scratch of plane + 4. False for
+ * a value of x (C, H, W) that is not finite. */
+static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const ConvJob *j) {
+    const QGemmCodes *a = &j->ac;
+    bool ok = true;
+    for (int c = 0; c < j->c.C; c++) {
+        memset(bytes, a->zero, j->plane + 4);
+        for (int h = 0; h < j->H; h++)
+            ok &= qgemm_quantize_u8(bytes + (size_t)(h + j->pad) * j->Wp + j->pad, x + ((size_t)c * j->H + h) * j->W,
+                                    (size_t)j->W, a->s, a->lo, a->hi, a->zero);
+        uint32_t *p = pl + (size_t)c * j->plane;
+        for (size_t q = 0; q < j->plane; q++) memcpy(p + q, bytes + q, 4); /* the kernels read the bytes in order */
+    }
+    return ok;
 }
 
 /* cols: planes (ceil(K/4), plane), dword q = the 4 k of output pixel q, a_zero outside the image. */
@@ -373,16 +376,26 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     ConvJob *j = ctx;
     const size_t in_img = (size_t)j->c.C * j->H * j->W;
-    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* (C, H, W) */
-    uint32_t *planes = (uint32_t *)(codes + (in_img + 63) / 64 * 64);     /* (groups, plane) */
-    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane); /* kw4: [plane + 4] */
-    j->bad[n] = !qgemm_quantize_u8(codes, j->x + (size_t)n * in_img, in_img, j->ac.s, j->ac.lo, j->ac.hi, j->ac.zero);
-    if (j->c.mode == CONV_CH4) planes_ch4(planes, codes, j);
-    else if (j->c.mode == CONV_KW4) planes_kw4(planes, bytes, codes, j);
-    else planes_cols(planes, codes, j);
+    const float *x = j->x + (size_t)n * in_img;                              /* (C, H, W) */
+    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: (C, H, W) */
+    uint32_t *planes = (uint32_t *)(codes + (in_img + 63) / 64 * 64);        /* (groups, plane) */
+    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4] */
+    float *pool = (float *)(codes + j->pool_at);                             /* pooling: [8][16 n_vec] */
+    const QGemmCodes *a = &j->ac;
+    bool ok;
+    if (j->c.mode == CONV_CH4) {
+        ok = planes_ch4(planes, x, j);
+    } else if (j->c.mode == CONV_KW4) {
+        ok = planes_kw4(planes, bytes, x, j);
+    } else {
+        ok = qgemm_quantize_u8(codes, x, in_img, a->s, a->lo, a->hi, a->zero);
+        planes_cols(planes, codes, j);
+    }
+    j->bad[n] = !ok;
     QGemmTaps g = j->g;
     g.act = (const uint8_t *)planes;
-    g.out = g.out + (size_t)n * j->OC * j->OH * j->OW;
+    g.out = g.out + (size_t)n * j->out_img;
+    g.pool_buf = pool;
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
 }
 
@@ -391,13 +404,17 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     const ConvShape *c = &j->c;
     const bool cols = c->mode == CONV_COLS;
     j->Hp = j->H + 2 * j->pad, j->Wp = j->W + 2 * j->pad;
+    /* pooled rows of up to 3 whole vectors pool in registers (qgemm.h): a few columns more of padding for that */
+    const int wide = (j->Wp + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
+    if (j->g.epi == QGEMM_EPI_RELU_POOL2 && wide <= 3 * QGEMM_LANES) j->Wp = wide;
     j->pitch = cols ? j->OW : j->Wp;
     const int nq = j->OH * j->pitch, n_vec = (nq + QGEMM_LANES - 1) / QGEMM_LANES;
     /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns */
     size_t need = cols ? (size_t)n_vec * QGEMM_LANES : (size_t)j->Hp * j->Wp + (size_t)c->KW + 19;
     j->plane = (need + 15) / 16 * 16;
     const size_t in_img = (size_t)c->C * j->H * j->W;
-    j->scratch = ((in_img + 63) / 64 * 64 + (size_t)c->groups * j->plane * 4 + j->plane + 4 + 63) / 64 * 64;
+    j->pool_at = ((in_img + 63) / 64 * 64 + (size_t)c->groups * j->plane * 4 + j->plane + 4 + 63) / 64 * 64;
+    j->scratch = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
     int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
@@ -422,17 +439,26 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     return true;
 }
 
-Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
+Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi) {
     const int threads = threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
     ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
                  .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .x = x->value.data};
     if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
     j.c = conv_shape(q);
-    Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, OH, OW});
+    const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;
+    const int YH = pool ? OH / 2 : OH, YW = pool ? OW / 2 : OW;
+    j.g.epi = pool ? QGEMM_EPI_RELU_POOL2 : epi == CONV_EPI_RELU ? QGEMM_EPI_RELU : QGEMM_EPI_NONE;
+    Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, YH, YW});
     float *scale = out_scales(t, q, j.ac.s);
     if (!y || !scale || !conv_plan(t, &j)) return NULL;
-    j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)OH * OW;
+    j.out_img = (size_t)q->out * YH * YW;
+    j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
+    j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
     int8_run(threads, j.N, conv_task, &j);
     return inputs_finite(t, x, j.bad, j.N) ? y : NULL;
+}
+
+Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
+    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE);
 }

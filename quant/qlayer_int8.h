@@ -5,6 +5,7 @@
 
 #include <stdbool.h>
 
+#include "nn/ops.h"
 #include "nn/tape.h"
 #include "quant/qlayer.h"
 
@@ -19,5 +20,8 @@ bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var
 Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias);
 /* y (N, OC, OH, OW) from x (N, C, H, W), shapes checked by the caller. */
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW);
+/* The same with the following relu (and 2x2 max pool) folded in: y (N, OC, OH, OW), or (N, OC, OH/2, OW/2) for
+ * CONV_EPI_RELU_MAXPOOL2 (OH, OW >= 2), bit for bit qlayer_int8_conv, then nn_relu (then nn_maxpool2d(2, 2)). */
+Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi);
 
 #endif

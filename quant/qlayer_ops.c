@@ -435,14 +435,20 @@ static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
     return qlayer_weight_var(t, q);
 }
 
-/* conv2d with the following relu (and 2x2 max pool) folded in, on the
- * dequantized weight; declines (NULL, no error) for the int8 path and for
- * weights over one tile, which then run as the layer and separate ops. */
+/* conv2d with the following relu (and 2x2 max pool) folded in: on the
+ * integer kernels where the int8 path applies, else on the dequantized
+ * weight; declines (NULL, no error) for weights over one tile and, on the
+ * int8 path, for a bias of the wrong shape, which then run as the layer
+ * (which reports the bias) and separate ops. */
 static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
     QLayer *q = ctx;
     Var *bias = m->bias ? &m->bias->var : NULL;
     int OH = 0, OW = 0;
-    if (qlayer_int8_applies(t, q, x, bias) || !conv_check(t, q, x, &OH, &OW)) return NULL;
+    if (!conv_check(t, q, x, &OH, &OW)) return NULL;
+    if (qlayer_int8_applies(t, q, x, bias)) {
+        if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;
+        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi);
+    }
     Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
     return w && xin ? nn_conv2d_fused(t, xin, w, bias, m->spec.stride, m->spec.padding, epi) : NULL;
 }

@@ -1,9 +1,10 @@
 /* test_qgemm_x86.c - the integer kernels of qgemm.h: the AVX-512 VNNI
  * kernels (on a CPU that has them), the portable ones and the scalar
  * definitions agree bit for bit on odd shapes (int32 sums and float
- * outputs), split ranges give the whole, the activation quantizer equals
- * fake quantization's rounding, qgemm_s8 on both paths, the packers'
- * errors. Registers the quant_int8 suite (with test_qlayer_int8.c). On a
+ * outputs, with the taps' relu and relu + 2x2 max pool epilogues against
+ * nn's pool2x2_window), split ranges give the whole, the activation
+ * quantizers equal fake quantization's rounding (one plane, or four into
+ * dwords), qgemm_s8 on both paths, the packers' errors. Registers the quant_int8 suite (with test_qlayer_int8.c). On a
  * CPU without VNNI the "fast" runs are the portable kernels again. */
 #include <CUnit/CUnit.h>
 #include <float.h>
@@ -15,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/pool2x2.h"
 #include "nn/rng.h"
 #include "quant/qgemm.h"
 #include "quant/qt.h"
@@ -120,19 +122,60 @@ static void test_dense(void) {
 
 /* ---- taps ------------------------------------------------------------------------------------------------------ */
 
-static void taps_case(int rows, int taps, int n_vec, int a_zero, uint64_t seed) {
-    char what[96];
-    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d", rows, taps, n_vec, a_zero);
+/* The definition: y of row i at pixel q (vector q / 16, lane q % 16) for the taps at off. */
+static float taps_def(const uint8_t *act, const int32_t *off, const uint32_t *w, int taps, int a_zero, float scale,
+                      float bias, int i, int q) {
+    int64_t s = 0;
+    for (int t = 0; t < taps; t++)
+        for (int j = 0; j < 4; j++)
+            s += ((int64_t)act[4 * ((size_t)off[t] + (size_t)q) + j] - a_zero) *
+                 (int8_t)(uint8_t)(w[(size_t)i * taps + t] >> (8 * j));
+    return fmaf((float)s, scale, bias);
+}
+
+static float relu_def(float y) { return y > 0.0f ? y : 0.0f; }
+
+/* Random taps operands: offsets off [taps] in 0..40, act of n_vec vectors past the last offset, weights w
+ * (rows, taps), scale and bias [rows]. With relu, bias spreads y around 0, and row 2 has a NaN bias (relu gives
+ * 0). Free with taps_operands_free. */
+typedef struct {
+    int32_t *off;
+    uint8_t *act;
+    uint32_t *w;
+    float *scale, *bias;
+} TapsOperands;
+
+static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, Rng *r) {
+    TapsOperands o = {.off = xmalloc((size_t)taps * 4), .w = xmalloc((size_t)rows * taps * 4),
+                      .scale = xmalloc((size_t)rows * 4), .bias = xmalloc((size_t)rows * 4)};
+    int max_off = 0;
+    for (int t = 0; t < taps; t++) {
+        o.off[t] = (int32_t)rng_below(r, 41);
+        max_off = o.off[t] > max_off ? o.off[t] : max_off;
+    }
+    size_t n_act = (size_t)(max_off + QGEMM_LANES * n_vec) * 4; /* exactly what the kernels may read */
+    o.act = xmalloc(n_act);
+    fill_bytes(o.act, n_act, r);
+    fill_bytes((uint8_t *)o.w, (size_t)rows * taps * 4, r);
+    for (int i = 0; i < rows; i++) {
+        o.scale[i] = 1e-4f * (float)(1 + rng_below(r, 500));
+        o.bias[i] = relu ? 0.01f * (float)((int)rng_below(r, 201) - 100) : 0.5f * (float)i;
+    }
+    if (relu && rows > 2) o.bias[2] = NAN;
+    return o;
+}
+
+static void taps_operands_free(TapsOperands *o) {
+    free(o->off), free(o->act), free(o->w), free(o->scale), free(o->bias);
+}
+
+static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed) {
+    char what[128];
+    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d%s", rows, taps, n_vec, a_zero,
+             epi == QGEMM_EPI_RELU ? " relu" : "");
     Rng r;
     rng_init(&r, seed, 4);
-    int32_t *off = xmalloc((size_t)taps * 4);
-    int max_off = 0;
-    for (int t = 0; t < taps; t++) off[t] = (int32_t)rng_below(&r, 41), max_off = off[t] > max_off ? off[t] : max_off;
-    size_t n_act = (size_t)(max_off + QGEMM_LANES * n_vec) * 4; /* exactly what the kernels may read */
-    uint8_t *act = xmalloc(n_act);
-    fill_bytes(act, n_act, &r);
-    uint32_t *w = xmalloc((size_t)rows * taps * 4);
-    fill_bytes((uint8_t *)w, (size_t)rows * taps * 4, &r);
+    TapsOperands op = taps_operands(rows, taps, n_vec, epi != QGEMM_EPI_NONE, &r);
     uint16_t *mask = xmalloc((size_t)n_vec * 2);
     int32_t *pos = xmalloc((size_t)n_vec * 4);
     int total = 0;
@@ -142,26 +185,20 @@ static void taps_case(int rows, int taps, int n_vec, int a_zero, uint64_t seed) 
         mask[v] = (uint16_t)m, pos[v] = total, total += __builtin_popcount(m);
     }
     const size_t ldo = (size_t)total + 2, n_out = (size_t)rows * ldo;
-    float *scale = xmalloc((size_t)rows * 4), *bias = xmalloc((size_t)rows * 4);
-    for (int i = 0; i < rows; i++) scale[i] = 1e-4f * (float)(1 + rng_below(&r, 500)), bias[i] = 0.5f * (float)i;
     float *want = xmalloc(n_out * 4), *o1 = xmalloc(n_out * 4), *o2 = xmalloc(n_out * 4);
     memset(want, 0x5a, n_out * 4), memset(o1, 0x5a, n_out * 4), memset(o2, 0x5a, n_out * 4);
     for (int i = 0; i < rows; i++)
         for (int v = 0; v < n_vec; v++)
             for (int l = 0, at = 0; l < QGEMM_LANES; l++) {
                 if (!(mask[v] >> l & 1)) continue;
-                int64_t s = 0;
-                for (int t = 0; t < taps; t++)
-                    for (int j = 0; j < 4; j++)
-                        s += ((int64_t)act[4 * ((size_t)off[t] + (size_t)v * QGEMM_LANES + l) + j] - a_zero) *
-                             (int8_t)(uint8_t)(w[(size_t)i * taps + t] >> (8 * j));
-                want[(size_t)i * ldo + pos[v] + at++] = fmaf((float)s, scale[i], bias[i]);
+                float y = taps_def(op.act, op.off, op.w, taps, a_zero, op.scale[i], op.bias[i], i, v * QGEMM_LANES + l);
+                want[(size_t)i * ldo + pos[v] + at++] = epi == QGEMM_EPI_RELU ? relu_def(y) : y;
             }
     QGemmPackedTaps p;
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&p, w, rows, taps, &err), QT_OK);
-    QGemmTaps g = {.act = act, .tap_off = off, .n_vec = n_vec, .vec_mask = mask, .vec_pos = pos, .w = &p,
-                   .a_zero = a_zero, .out = o1, .ldo = ldo, .scale = scale, .bias = bias};
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&p, op.w, rows, taps, &err), QT_OK);
+    QGemmTaps g = {.act = op.act, .tap_off = op.off, .n_vec = n_vec, .vec_mask = mask, .vec_pos = pos, .w = &p,
+                   .a_zero = a_zero, .out = o1, .ldo = ldo, .scale = op.scale, .bias = op.bias, .epi = epi};
     for (int rb = 0; rb < p.row_blocks; rb++) /* in pieces: row blocks, vectors split in two */
         qgemm_taps(&g, rb, rb + 1, 0, n_vec / 2), qgemm_taps(&g, rb, rb + 1, n_vec / 2, n_vec);
     g.out = o2;
@@ -169,7 +206,53 @@ static void taps_case(int rows, int taps, int n_vec, int a_zero, uint64_t seed) 
     CU_ASSERT(same_or_say(o1, want, n_out * 4, what));
     CU_ASSERT(same_or_say(o2, want, n_out * 4, what));
     qgemm_packed_taps_free(&p);
-    free(off), free(act), free(w), free(mask), free(pos), free(scale), free(bias), free(want), free(o1), free(o2);
+    taps_operands_free(&op);
+    free(mask), free(pos), free(want), free(o1), free(o2);
+}
+
+/* The relu + 2x2 max pool epilogue: pixel q is output pixel (q / pitch, q % pitch) of an (OH, OW) output; the
+ * windows against pool2x2_window on the relu'd definition. Row 0 has all-zero weights: every window ties. */
+static void taps_pool_case(int rows, int taps, int pitch, int OH, int OW, int a_zero, uint64_t seed) {
+    char what[128];
+    snprintf(what, sizeof what, "taps pool rows %d taps %d pitch %d output %dx%d a_zero %d", rows, taps, pitch, OH,
+             OW, a_zero);
+    Rng r;
+    rng_init(&r, seed, 6);
+    const int n_vec = (OH * pitch + QGEMM_LANES - 1) / QGEMM_LANES, PH = OH / 2, PW = OW / 2;
+    TapsOperands op = taps_operands(rows, taps, n_vec, true, &r);
+    memset(op.w, 0, (size_t)taps * 4);
+    op.bias[0] = 0.75f;
+    const size_t ldo = (size_t)PH * PW + 3, n_out = (size_t)rows * ldo; /* a gap the kernels must not touch */
+    float *want = xmalloc(n_out * 4), *o1 = xmalloc(n_out * 4), *o2 = xmalloc(n_out * 4);
+    memset(want, 0x5a, n_out * 4), memset(o1, 0x5a, n_out * 4), memset(o2, 0x5a, n_out * 4);
+    for (int i = 0; i < rows; i++)
+        for (int ph = 0; ph < PH; ph++)
+            for (int pw = 0; pw < PW; pw++) {
+                float v[4];
+                for (int k = 0; k < 4; k++) {
+                    const int q = (2 * ph + k / 2) * pitch + 2 * pw + k % 2;
+                    v[k] = relu_def(taps_def(op.act, op.off, op.w, taps, a_zero, op.scale[i], op.bias[i], i, q));
+                }
+                int winner;
+                want[(size_t)i * ldo + (size_t)ph * PW + pw] = pool2x2_window(v[0], v[1], v[2], v[3], &winner);
+            }
+    QGemmPackedTaps p;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&p, op.w, rows, taps, &err), QT_OK);
+    float *buf = aligned_alloc(64, (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(buf);
+    QGemmTaps g = {.act = op.act, .tap_off = op.off, .n_vec = n_vec, .w = &p, .a_zero = a_zero, .out = o1, .ldo = ldo,
+                   .scale = op.scale, .bias = op.bias, .epi = QGEMM_EPI_RELU_POOL2, .pitch = pitch, .pool_h = PH,
+                   .pool_w = PW, .pool_buf = buf};
+    for (int rb = 0; rb < p.row_blocks; rb++) /* row blocks one by one; a vector range is ignored */
+        qgemm_taps(&g, rb, rb + 1, 1, n_vec / 2);
+    g.out = o2;
+    qgemm_taps_portable(&g, 0, p.row_blocks, 0, 0);
+    CU_ASSERT(same_or_say(o1, want, n_out * 4, what));
+    CU_ASSERT(same_or_say(o2, want, n_out * 4, what));
+    qgemm_packed_taps_free(&p);
+    taps_operands_free(&op);
+    free(buf), free(want), free(o1), free(o2);
 }
 
 static void test_taps(void) {
@@ -178,8 +261,27 @@ static void test_taps(void) {
     for (size_t i = 0; i < sizeof ROWS / sizeof *ROWS; i++)
         for (size_t j = 0; j < sizeof TAPS / sizeof *TAPS; j++)
             for (size_t k = 0; k < sizeof VECS / sizeof *VECS; k++)
-                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), seed), seed++;
-    taps_case(16, 2000, 5, 128, 7); /* 8000-long sums */
+                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), QGEMM_EPI_NONE, seed), seed++;
+    taps_case(16, 2000, 5, 128, QGEMM_EPI_NONE, 7); /* 8000-long sums */
+}
+
+static void test_taps_relu_pool(void) {
+    static const int ROWS[] = {1, 3, 8, 9, 33}, TAPS[] = {1, 3, 72}, VECS[] = {1, 3, 4, 14};
+    uint64_t seed = 300;
+    for (size_t i = 0; i < sizeof ROWS / sizeof *ROWS; i++)
+        for (size_t j = 0; j < sizeof TAPS / sizeof *TAPS; j++)
+            for (size_t k = 0; k < sizeof VECS / sizeof *VECS; k++)
+                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), QGEMM_EPI_RELU, seed), seed++;
+    /* {pitch, OH, OW}: rows of 1, 2 or 3 whole vectors (pooled in registers: the CNN's 16 and 32 pixels a row),
+     * other pitches (through the buffer), odd sizes (the last row or column is left out), windows past 16 columns,
+     * one window */
+    static const int GEO[][3] = {{16, 14, 14}, {32, 28, 28}, {16, 5, 16}, {32, 7, 31}, {48, 6, 45}, {48, 4, 48},
+                                 {48, 3, 33}, {30, 28, 28}, {9, 7, 7}, {11, 6, 11}, {40, 5, 37}, {2, 2, 2}, {5, 3, 4}};
+    for (size_t i = 0; i < sizeof GEO / sizeof *GEO; i++)
+        for (size_t j = 0; j < sizeof ROWS / sizeof *ROWS; j++) {
+            taps_pool_case(ROWS[j], 3, GEO[i][0], GEO[i][1], GEO[i][2], (int)(seed * 61 % 256), seed), seed++;
+            if (j % 2) taps_pool_case(ROWS[j], 72, GEO[i][0], GEO[i][1], GEO[i][2], 0, seed), seed++;
+        }
 }
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
@@ -218,14 +320,71 @@ static void quantize_case(size_t n, float s, int qmin, int qmax, int zp, int shi
     free(x), free(want), free(u1), free(u2);
 }
 
+/* Four planes (rows, ldx) to dwords (rows, ldd): byte k of a dword the code qgemm_quantize_u8 gives plane k's
+ * value, or zero for a missing plane (bit k of absent); nothing between rows is written. */
+static void quantize_x4_case(int rows, int n, int absent, uint64_t seed) {
+    char what[96];
+    snprintf(what, sizeof what, "four planes of %d x %d, absent 0x%x", rows, n, absent);
+    Rng r;
+    rng_init(&r, seed, 7);
+    const size_t ldx = (size_t)n + 3, ldd = (size_t)n + 2, nx = (size_t)rows * ldx, nd = (size_t)rows * ldd;
+    const QGemmCodes c = {.s = 0.021f, .lo = -100.0f, .hi = 155.0f, .zero = 100};
+    float *x = xmalloc(4 * nx * 4);
+    for (size_t i = 0; i < 4 * nx; i++) {
+        x[i] = ((float)rng_below(&r, 1u << 20) / (float)(1u << 20) - 0.5f) * 400.0f * c.s;
+        if (i % 5 == 0) x[i] = ((float)(int)rng_below(&r, 300) - 150.0f + 0.5f) * c.s; /* ties */
+    }
+    const float *planes[4];
+    for (int k = 0; k < 4; k++) planes[k] = absent >> k & 1 ? NULL : x + (size_t)k * nx;
+    uint32_t *want = xmalloc(nd * 4), *d1 = xmalloc(nd * 4), *d2 = xmalloc(nd * 4);
+    uint8_t *u = xmalloc((size_t)n);
+    memset(want, 0xa5, nd * 4), memset(d1, 0xa5, nd * 4), memset(d2, 0xa5, nd * 4);
+    for (int h = 0; h < rows; h++) {
+        for (int i = 0; i < n; i++) want[(size_t)h * ldd + i] = (uint32_t)c.zero * 0x01010101u;
+        for (int k = 0; k < 4; k++) {
+            if (!planes[k]) continue;
+            CU_ASSERT(qgemm_quantize_u8_portable(u, planes[k] + (size_t)h * ldx, (size_t)n, c.s, c.lo, c.hi, c.zero));
+            for (int i = 0; i < n; i++) {
+                uint32_t *d = &want[(size_t)h * ldd + i];
+                *d = (*d & ~(0xFFu << (8 * k))) | (uint32_t)u[i] << (8 * k);
+            }
+        }
+    }
+    CU_ASSERT(qgemm_quantize_u8x4(d1, ldd, planes, ldx, rows, n, &c));
+    CU_ASSERT(qgemm_quantize_u8x4_portable(d2, ldd, planes, ldx, rows, n, &c));
+    CU_ASSERT(same_or_say(d1, want, nd * 4, what));
+    CU_ASSERT(same_or_say(d2, want, nd * 4, what));
+    /* a NaN or an infinity in any present plane is reported; one between rows is never read */
+    for (int k = 0; k < 4; k++) {
+        if (!planes[k]) continue;
+        float *at = x + (size_t)k * nx + (size_t)(rows - 1) * ldx + (size_t)(n - 1), keep = *at;
+        *at = k % 2 ? NAN : INFINITY;
+        CU_ASSERT(!qgemm_quantize_u8x4(d1, ldd, planes, ldx, rows, n, &c));
+        CU_ASSERT(!qgemm_quantize_u8x4_portable(d2, ldd, planes, ldx, rows, n, &c));
+        *at = keep;
+        at = x + (size_t)k * nx + (size_t)n, keep = *at;
+        *at = NAN;
+        CU_ASSERT(qgemm_quantize_u8x4(d1, ldd, planes, ldx, rows, n, &c));
+        CU_ASSERT(qgemm_quantize_u8x4_portable(d2, ldd, planes, ldx, rows, n, &c));
+        *at = keep;
+    }
+    free(x), free(want), free(d1), free(d2), free(u);
+}
+
 static void test_quantize(void) {
-    static const size_t NS[] = {1, 15, 16, 17, 100, 1000};
+    static const size_t NS[] = {1, 15, 16, 17, 64, 100, 129, 1000};
     for (size_t i = 0; i < sizeof NS / sizeof *NS; i++) {
         quantize_case(NS[i], 0.037f, -128, 127, 0, 128, 10 + i);  /* int8 symmetric */
         quantize_case(NS[i], 0.011f, -128, 127, -20, 128, 20 + i); /* int8 with a zero point */
         quantize_case(NS[i], 0.02f, 0, 255, 37, 0, 30 + i);       /* uint8 with a zero point */
         quantize_case(NS[i], 0.5f, 0, 255, 0, 0, 40 + i);         /* uint8 symmetric */
     }
+    static const int ROWS[] = {1, 3, 14}, COLS[] = {1, 14, 16, 17, 40}, ABSENT[] = {0, 8, 14};
+    uint64_t seed = 50;
+    for (size_t i = 0; i < sizeof ROWS / sizeof *ROWS; i++)
+        for (size_t j = 0; j < sizeof COLS / sizeof *COLS; j++)
+            for (size_t k = 0; k < sizeof ABSENT / sizeof *ABSENT; k++)
+                quantize_x4_case(ROWS[i], COLS[j], ABSENT[k], seed++);
 }
 
 /* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
@@ -310,7 +469,8 @@ int register_quant_int8_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "dense kernels equal the definition", test_dense) ||
            !CU_add_test(s, "taps kernels equal the definition", test_taps) ||
+           !CU_add_test(s, "taps relu and relu + 2x2 max pool epilogues", test_taps_relu_pool) ||
            !CU_add_test(s, "activation codes equal fake quantization's", test_quantize) ||
            !CU_add_test(s, "qgemm_s8 on both paths", test_s8) ||
-           !CU_add_test(s, "dispatch and packing errors", test_dispatch_and_errors);
+           !CU_add_test(s, "dispatch and packing errors", test_dispatch_and_errors) || qlayer_int8_tests_add(s);
 }

@@ -3,7 +3,9 @@
  * (every plane grouping, strides, paddings, odd sizes), every activation
  * mode, per-channel and per-tensor weights; bit for bit across kernels and
  * thread counts; when the path is taken and when not; its errors; a model's
- * arena in the steady state. Part of the quant_int8 suite. */
+ * arena in the steady state; the fused hook's relu and relu + max pool on the
+ * int8 path bit for bit equal to the conv followed by nn's ops, alone and in
+ * a model. Part of the quant_int8 suite. */
 #include <CUnit/CUnit.h>
 #include <math.h>
 #include <stdio.h>
@@ -190,6 +192,143 @@ static void test_against_float(void) {
     for (size_t g = 0; g < sizeof GEOS / sizeof *GEOS; g++)
         for (int pt = 0; pt < 2; pt++)
             for (size_t a = 0; a < sizeof ACTS / sizeof *ACTS; a++) compare_case(&GEOS[g], pt, &ACTS[a], seed++);
+    qgemm_force_portable = false;
+}
+
+/* ---- relu and max pool folded in -------------------------------------------------------------------------------- */
+
+/* The installed layer's fused hook on x (batch N) against its int8 conv followed by the separate nn ops: relu,
+ * then maxpool2d(2, 2) where the output has a 2x2 window, and the hook with no epilogue against the layer. Bit
+ * for bit; false (with a message) if they differ. */
+static bool fused_matches(QLayer *q, const float *x, int N, const char *what) {
+    TestEnv e;
+    test_env_init(&e, 1);
+    e.tape.grad_enabled = false, e.tape.training = false;
+    Tape *t = &e.tape;
+    Module *mod = q->module;
+    int xs[4] = {N, mod->in_shape[0], mod->in_shape[1], mod->in_shape[2]};
+    Var *vx = test_var(&e, x, 4, xs, false);
+    Var *ref[3] = {qlayer_forward(t, q, vx), NULL, NULL};
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ref[0]);
+    ref[1] = nn_relu(t, ref[0]);
+    const bool pool = ref[0]->value.shape[2] >= 2 && ref[0]->value.shape[3] >= 2;
+    if (pool) ref[2] = nn_maxpool2d(t, ref[1], 2, 2);
+    static const ConvEpilogue EPI[] = {CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
+    bool same = true;
+    for (int k = 0; k < (pool ? 3 : 2); k++) {
+        Var *y = mod->fused_hook(t, mod, vx, mod->hook_ctx, EPI[k]);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(y); /* not declined: the int8 path has the epilogue */
+        bool ok = y->value.ndim == 4 && var_numel(y) == var_numel(ref[k]) &&
+                  !memcmp(y->value.shape, ref[k]->value.shape, sizeof y->value.shape) &&
+                  !memcmp(y->value.data, ref[k]->value.data, var_numel(y) * sizeof(float));
+        if (!ok) fprintf(stderr, "\n  %s: the fused epilogue %d differs from the separate ops\n", what, k);
+        same &= ok;
+    }
+    CU_ASSERT_EQUAL(t->n_nodes, 0);
+    test_env_free(&e);
+    return same;
+}
+
+static void fused_case(const Geo *g, const Act *a, bool nan_bias, uint64_t seed) {
+    char what[128];
+    snprintf(what, sizeof what, "%s, act %s%s%s", g->name, a->qtype, a->symmetric ? "" : " asym",
+             nan_bias ? ", a NaN bias" : "");
+    Model m;
+    model_for(&m, g, seed);
+    Module *mod = &m.modules[0];
+    if (nan_bias) mod->bias->var.value.data[1] = NAN; /* relu makes it 0 */
+    const int N = 3;
+    size_t nx = input_numel(mod, N);
+    float *x = qa_normal_sample(seed + 1, nx);
+    QLayer q;
+    layer_for(&q, mod, false, a);
+    set_act_range(&q, x, nx);
+    qlayer_install(&q);
+    /* fast kernels on one and two threads (every layer split), then the portable ones */
+    int8_kernels_default();
+    CU_ASSERT(fused_matches(&q, x, N, what));
+    gemm_set_threads(2);
+    qlayer_int8_parallel_min_macs = 0.0;
+    CU_ASSERT(fused_matches(&q, x, N, what));
+    qgemm_force_portable = true;
+    CU_ASSERT(fused_matches(&q, x, N, what));
+    int8_kernels_default();
+    gemm_set_threads(1);
+    qlayer_int8_parallel_min_macs = 4e6;
+    free(x);
+    qlayer_free(&q);
+    model_free(&m);
+}
+
+static void test_fused_epilogues(void) {
+    /* the CNN's two layers (the first kw4, the second ch4), odd output sizes (pooling leaves the last row and
+     * column out), a 1-pixel-wide output (no window: relu only) */
+    static const Geo MORE[] = {
+        {"conv1 of the CNN", 1, 28, 28, 32, 3, 1, 1},
+        {"conv2 of the CNN", 32, 14, 14, 64, 3, 1, 1},
+        {"conv ch4 C5 odd 7x9", 5, 7, 9, 11, 3, 1, 1},
+        {"conv 1 column", 4, 5, 1, 6, 1, 1, 0},
+    };
+    uint64_t seed = 900;
+    for (size_t i = 2; i < sizeof GEOS / sizeof *GEOS; i++) /* the conv geometries */
+        for (size_t a = 0; a < 2; a++) fused_case(&GEOS[i], &ACTS[a], i % 2, seed++);
+    for (size_t i = 0; i < sizeof MORE / sizeof *MORE; i++) fused_case(&MORE[i], &ACTS[i % 2], i == 2, seed++);
+    qgemm_force_portable = false;
+}
+
+/* A model with both fused forms (conv -> relu -> maxpool, conv -> relu) in eval: model_forward equals its modules
+ * run one by one (the int8 layers, then nn's relu and max pool), on both kernel families. */
+static void test_fused_model(void) {
+    enum { N = 5, C = 3, H = 10, W = 9 };
+    static const LayerSpec LS[] = {
+        {.type = LAYER_CONV2D, .name = "c1", .out_channels = 6, .kernel = 3, .padding = 1}, {.type = LAYER_RELU},
+        {.type = LAYER_MAXPOOL2D, .kernel = 2}, {.type = LAYER_CONV2D, .name = "c2", .out_channels = 9, .kernel = 3,
+        .padding = 1}, {.type = LAYER_RELU}, {.type = LAYER_FLATTEN}, {.type = LAYER_DENSE, .name = "fc", .units = 4},
+    };
+    const int n_layers = (int)(sizeof LS / sizeof *LS), conv[2] = {0, 3};
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (const int[]){C, H, W}, LS, n_layers, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 95, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    float *x = qa_normal_sample(96, N * C * H * W);
+    QLayer q[2];
+    for (int i = 0; i < 2; i++) {
+        layer_for(&q[i], &m.modules[conv[i]], false, &ACTS[i]);
+        qlayer_install(&q[i]);
+        qlayer_calib_begin(&q[i]);
+    }
+    TestEnv e;
+    test_env_init(&e, 1);
+    e.tape.grad_enabled = false, e.tape.training = false;
+    const int xs[4] = {N, C, H, W};
+    CU_ASSERT_PTR_NOT_NULL_FATAL(model_forward(&m, &e.tape, test_var(&e, x, 4, xs, false)));
+    for (int i = 0; i < 2; i++) CU_ASSERT_EQUAL_FATAL(qlayer_calib_end(&q[i], &err), QT_OK);
+    for (int portable = 0; portable < 2; portable++) {
+        int8_kernels_default();
+        qgemm_force_portable |= portable;
+        tape_reset(&e.tape);
+        Var *y = model_forward(&m, &e.tape, test_var(&e, x, 4, xs, false));
+        Var *z = test_var(&e, x, 4, xs, false);
+        for (int k = 0; z && k < n_layers; k++) {
+            Module *mk = &m.modules[k];
+            Tape *t = &e.tape;
+            z = mk->forward_hook ? mk->forward_hook(t, mk, z, mk->hook_ctx) : model_module_forward(t, mk, z);
+        }
+        CU_ASSERT_FATAL(y && z && var_numel(y) == (size_t)N * 4 && var_numel(z) == (size_t)N * 4);
+        CU_ASSERT(!memcmp(y->value.data, z->value.data, (size_t)N * 4 * sizeof(float)));
+        CU_ASSERT(q[0].int8 && q[1].int8 && e.tape.n_nodes == 0);
+    }
+    /* a non-finite input: the fused form fails with the float path's message */
+    x[17] = NAN;
+    tape_reset(&e.tape);
+    CU_ASSERT_PTR_NULL(model_forward(&m, &e.tape, test_var(&e, x, 4, xs, false)));
+    CU_ASSERT(e.tape.err.status == QT_ERR_VALUE && test_msg_has(&e.tape.err, "flat index"));
+    test_env_free(&e);
+    free(x);
+    qlayer_free(&q[0]), qlayer_free(&q[1]);
+    model_free(&m);
     qgemm_force_portable = false;
 }
 
@@ -436,5 +575,7 @@ int qlayer_int8_tests_add(CU_pSuite s) {
            !CU_add_test(s, "int8 path only without a gradient", test_path_choice) ||
            !CU_add_test(s, "unsupported formats", test_unsupported) ||
            !CU_add_test(s, "int8 forward errors", test_forward_errors) ||
-           !CU_add_test(s, "int8 model steady state", test_model_steady_state);
+           !CU_add_test(s, "int8 model steady state", test_model_steady_state) ||
+           !CU_add_test(s, "int8 conv with relu and max pool folded in", test_fused_epilogues) ||
+           !CU_add_test(s, "int8 model with fused convolutions", test_fused_model);
 }
