@@ -28,6 +28,7 @@ static char *dims_str(char *buf, size_t size, const IdxArray *a) {
 static QtStatus load_idx_pair(const char *images_path, const char *labels_path, IdxCache *cache, IdxArray *img,
                               IdxArray *lab, QtError *err) {
     char dims[64];
+    memset(lab, 0, sizeof *lab); /* the failure path below frees it, read or not */
     QtStatus st = idx_read_cached(images_path, cache, img, err);
     if (st != QT_OK) return st;
     if (img->ndim != 3) {
