@@ -10,6 +10,7 @@
 #   make bench-torch  the bench/configs measurements in qtrain, then in PyTorch
 #                   (Debian's python3-torch, installed if missing), side by side
 #   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
+#   make fuzz       the libFuzzer targets (clang), FUZZ_SECONDS each (fuzz/README.md)
 
 PKGS    := openblas hdf5 yaml-0.1 zlib
 CFLAGS  ?= -O2
@@ -122,6 +123,47 @@ bench-torch: deps torch-deps
 # Needs Debian's python3-torch, python3-h5py and python3-numpy.
 fixtures:
 	/usr/bin/python3 tests/make_fixtures.py tests/fixtures/torch_ref.h5
+
+# ---- fuzzing (fuzz/README.md) ---------------------------------------------------
+# The library and the harness compiled again by clang with libFuzzer's
+# coverage, ASan and UBSan into build/fuzz/; each target then runs for
+# FUZZ_SECONDS on its committed corpus fuzz/corpus/<target>/ (new inputs go
+# to build/fuzz/corpus/<target>/, crashes to build/fuzz/artifacts/<target>/).
+FUZZ_SECONDS ?= 60
+FUZZ_CC      ?= clang
+FUZZ_BUILD   := build/fuzz
+FUZZ_TARGETS := config idx checkpoint
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+FUZZ_CFLAGS  := -O1 -g -std=gnu11 -Wall -Wextra -I. -MMD -MP $(FUZZ_SAN)
+FUZZ_HARNESS := tests/fuzz_harness.c tests/fuzz_h5edit.c $(wildcard tests/fuzz_entry_*.c)
+FUZZ_OBJS    := $(LIB_SRCS:%.c=$(FUZZ_BUILD)/%.o) $(FUZZ_HARNESS:%.c=$(FUZZ_BUILD)/%.o)
+FUZZ_BINS    := $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%)
+
+$(FUZZ_BUILD)/%.o: %.c | pkgcheck
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link $(PKG_CFLAGS) -c $< -o $@
+
+# nn/'s kernels (the forward pass run on a loaded model) keep the sanitizers
+# but not libFuzzer's coverage: tracing their inner loops made the checkpoint
+# target several times slower and guides nothing in the loaders.
+$(FUZZ_BUILD)/nn/%.o: nn/%.c | pkgcheck
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(PKG_CFLAGS) -c $< -o $@
+
+$(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/fuzz/fuzz_%.o $(FUZZ_OBJS)
+	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+
+# Kept after linking, so a second build compiles only what changed.
+.SECONDARY: $(FUZZ_OBJS) $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz/fuzz_%.o)
+
+.PHONY: fuzz fuzz-build
+fuzz-build: $(FUZZ_BINS)
+
+fuzz: deps
+	@command -v $(FUZZ_CC) >/dev/null 2>&1 || { echo "fuzz: $(FUZZ_CC) not found; install Debian's clang and" \
+	  "libclang-rt-dev (or set FUZZ_CC)" >&2; exit 1; }
+	$(MAKE) --no-print-directory fuzz-build
+	OPENBLAS_NUM_THREADS=1 sh fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 clean:
 	rm -rf build

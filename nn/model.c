@@ -2,6 +2,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,31 @@ static char *shape_str(char *buf, size_t size, int ndim, const int *shape) {
 }
 
 /* ---- shape inference ----------------------------------------------------- */
+
+/* What a model may hold: per example, at most 2^28 values in and out of
+ * every layer (shapes and their products stay far inside int), and 2^28
+ * parameters in all (1 GiB of float32, as much again for the gradients).
+ * Checked before anything is allocated, so a config with a typo (padding
+ * 1231) is refused with its cause instead of reserving tens of GB. */
+#define MODEL_VALUES_MAX ((int64_t)1 << 28)
+
+static int64_t shape_values(int ndim, const int *shape) {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    return n;
+}
+
+/* The values of m's parameters (weight and bias), from its spec and input shape. */
+static int64_t module_param_values(const Module *m) {
+    const LayerSpec *s = &m->spec;
+    int64_t out = m->out_shape[0], bias = s->no_bias ? 0 : out;
+    switch (s->type) {
+    case LAYER_DENSE: return out * m->in_shape[0] + bias;
+    case LAYER_CONV2D: return out * m->in_shape[0] * s->kernel * s->kernel + bias;
+    case LAYER_LAYERNORM: return 2 * (int64_t)m->in_shape[m->in_ndim - 1];
+    default: return 0;
+    }
+}
 
 /* Fills m->out_shape from m->in_shape; the number of params it needs in *n_params. */
 static QtStatus module_infer(Module *m, int *n_params, QtError *err) {
@@ -182,6 +208,21 @@ static QtStatus module_alloc_params(Module *m, Param *slots, QtError *err) {
     return param_alloc(&slots[1], m->path, "bias", 1, (int[]){out}, err);
 }
 
+/* The limits above, for module m just inferred; its parameters are added to *param_values. */
+static QtStatus check_values(const Module *m, int64_t *param_values, QtError *err) {
+    char shape[64];
+    if (shape_values(m->out_ndim, m->out_shape) > MODEL_VALUES_MAX)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s) gives %s per example, more than 2^28 values; use "
+                            "fewer channels, less padding or a smaller input", m->path, layer_type_name(m->spec.type),
+                            shape_str(shape, sizeof shape, m->out_ndim, m->out_shape));
+    *param_values += module_param_values(m);
+    if (*param_values > MODEL_VALUES_MAX)
+        return qt_error_set(err, QT_ERR_CONFIG, "with layer '%s' (%s) the model has %lld parameters, more than the "
+                            "2^28 qtrain holds; use fewer units or channels, or a smaller input before it", m->path,
+                            layer_type_name(m->spec.type), (long long)*param_values);
+    return QT_OK;
+}
+
 QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const LayerSpec *layers, int n_layers,
                     QtError *err) {
     memset(m, 0, sizeof *m);
@@ -191,6 +232,10 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
         if (input_shape[i] < 1)
             return qt_error_set(err, QT_ERR_CONFIG, "model input dimension %d is %d; every dimension must be >= 1", i,
                                 input_shape[i]);
+    char in[64];
+    if (shape_values(input_ndim, input_shape) > MODEL_VALUES_MAX)
+        return qt_error_set(err, QT_ERR_CONFIG, "the model input %s has more than 2^28 values per example",
+                            shape_str(in, sizeof in, input_ndim, input_shape));
     if (n_layers < 1) return qt_error_set(err, QT_ERR_CONFIG, "the model has no layers");
     m->input_ndim = input_ndim;
     memcpy(m->input_shape, input_shape, (size_t)input_ndim * sizeof(int));
@@ -203,6 +248,7 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
     }
     int ndim = input_ndim, shape[3] = {1, 1, 1};
     memcpy(shape, input_shape, (size_t)input_ndim * sizeof(int));
+    int64_t param_values = 0;
     for (int i = 0; i < n_layers; i++) {
         Module *mod = &m->modules[m->n_modules++];
         mod->spec = layers[i];
@@ -225,6 +271,7 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
         memcpy(mod->in_shape, shape, sizeof shape);
         int n_params = 0;
         QtStatus st = module_infer(mod, &n_params, err);
+        if (st == QT_OK) st = check_values(mod, &param_values, err);
         if (st == QT_OK && n_params) st = module_alloc_params(mod, &m->params[m->n_params], err);
         if (st != QT_OK) {
             model_free(m);

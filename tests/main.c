@@ -31,7 +31,8 @@
     X(quant_qat)  \
     X(quant_qt)   \
     X(quant_int8) \
-    X(bench_cmd)
+    X(bench_cmd)  \
+    X(fuzz_regress)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

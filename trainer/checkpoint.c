@@ -391,8 +391,22 @@ static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtErr
     return st;
 }
 
+/* The counts of a run (steps, epochs, positions, examples) are at most 2^53:
+ * past that a double, which the schedule and the metrics count in, is no
+ * longer exact, and no run gets there. A negative or larger count is a
+ * damaged file, refused here rather than overflowing the step counter. */
+#define CKPT_COUNT_MAX ((int64_t)1 << 53)
+
+static QtStatus read_count(const H5ioFile *f, const char *obj, const char *name, int64_t *v, QtError *err) {
+    QtStatus st = h5io_attr_read_i64(f, obj, name, v, err);
+    if (st == QT_OK && (*v < 0 || *v > CKPT_COUNT_MAX))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is %lld, which is not a count of a run (0 "
+                          "to 2^53); the checkpoint is damaged", f->path, name, obj, (long long)*v);
+    return st;
+}
+
 static QtStatus read_optim(const H5ioFile *f, const Optimizer *o, Staged *sg, QtError *err) {
-    QtStatus st = h5io_attr_read_i64(f, "optim", "step", &sg->opt_step, err);
+    QtStatus st = read_count(f, "optim", "step", &sg->opt_step, err);
     float *m = sg->buf + sg->n_param_floats, *v = m + sg->n_opt_floats;
     for (int i = 0; st == QT_OK && i < o->n_params; i++) {
         const Tensor *t = &o->params[i]->var.value;
@@ -419,7 +433,7 @@ static QtStatus read_totals(const H5ioFile *f, CheckpointState *t, QtError *err)
                                 "(model.init_from)", f->path, names[i]);
     QtStatus st = h5io_attr_read_f64(f, "train", "train_s", &t->train_s, err);
     if (st == QT_OK) st = h5io_attr_read_f64(f, "train", "wall_s", &t->wall_s, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "trained_examples", &t->trained_examples, err);
+    if (st == QT_OK) st = read_count(f, "train", "trained_examples", &t->trained_examples, err);
     if (st == QT_OK) st = h5io_attr_read_f64(f, "train", "last_train_loss", &t->last_train_loss, err);
     return st;
 }
@@ -427,15 +441,15 @@ static QtStatus read_totals(const H5ioFile *f, CheckpointState *t, QtError *err)
 static QtStatus read_state(const H5ioFile *f, const CheckpointState *s, Staged *sg, QtError *err) {
     CheckpointState *t = &sg->state;
     *t = *s;
-    QtStatus st = h5io_attr_read_i64(f, "", "step", &t->step, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "data", "epoch", &t->epoch, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "data", "cursor", &t->cursor, err);
+    QtStatus st = read_count(f, "", "step", &t->step, err);
+    if (st == QT_OK) st = read_count(f, "data", "epoch", &t->epoch, err);
+    if (st == QT_OK) st = read_count(f, "data", "cursor", &t->cursor, err);
     if (st == QT_OK) st = h5io_attr_read_u64(f, "data", "seed", &t->seed, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "data", "n_train", &t->n_train, err);
+    if (st == QT_OK) st = read_count(f, "data", "n_train", &t->n_train, err);
     if (st == QT_OK) st = h5io_attr_read_f64(f, "train", "loss_sum", &t->log_loss_sum, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "correct", &t->log_correct, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "seen", &t->log_seen, err);
-    if (st == QT_OK) st = h5io_attr_read_i64(f, "train", "steps", &t->log_steps, err);
+    if (st == QT_OK) st = read_count(f, "train", "correct", &t->log_correct, err);
+    if (st == QT_OK) st = read_count(f, "train", "seen", &t->log_seen, err);
+    if (st == QT_OK) st = read_count(f, "train", "steps", &t->log_steps, err);
     if (st == QT_OK) st = read_totals(f, t, err);
     for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
         char g[CKPT_OBJ_MAX];

@@ -191,8 +191,8 @@ QtStatus cfg_to_int(QtError *err, const YNode *v, const char *path, int64_t lo, 
 }
 
 static QtStatus to_u64(QtError *err, const YNode *v, const char *path, uint64_t *out) {
-    const char *s = v->text;
-    bool ok = v->kind == YNODE_SCALAR && v->plain && s[*s == '+'] != '\0';
+    const char *s = v->kind == YNODE_SCALAR && v->plain ? v->text : ""; /* a mapping or sequence has no text */
+    bool ok = s[*s == '+'] != '\0';
     for (const char *p = s + (*s == '+'); ok && *p; p++) ok = is_digit(*p);
     if (ok) {
         errno = 0;

@@ -226,6 +226,11 @@ static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     if (r->opt->stop_at_step > 0 && r->opt->stop_at_step < s.step)
         return qt_error_set(err, QT_ERR_ARG, "--stop-at-step %" PRId64 " is before step %" PRId64 " of %s",
                             r->opt->stop_at_step, s.step, path);
+    if (s.cursor > r->train.n) /* checked here: the int batcher_seek takes would wrap a larger one */
+        return qt_error_set(err, QT_ERR_FORMAT,
+                            "cannot resume from %s: its data position (cursor %" PRId64 ") is past the %d training "
+                            "examples; the checkpoint is damaged",
+                            path, s.cursor, r->train.n);
     if ((st = batcher_seek(&r->batcher, s.epoch, (int)s.cursor, err)) != QT_OK) return st;
     r->step = r->saved_step = s.step;
     r->win_loss_sum = s.log_loss_sum;
