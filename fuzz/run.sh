@@ -21,9 +21,13 @@ for t in $targets; do
     [ -f "fuzz/$t.dict" ] && opts="$opts -dict=fuzz/$t.dict"
     [ "$t" = config ] && opts="$opts -max_len=8192"
     echo "fuzz: $t for $secs s on fuzz/corpus/$t (log: $log)"
+    # The harness's scratch files, on tmpfs where there is one; a crash skips
+    # the harness's own cleanup, so the directory is removed here.
+    tmp=$(mktemp -d /dev/shm/qtrain-fuzz-run-XXXXXX 2>/dev/null || mktemp -d)
     # shellcheck disable=SC2086 # opts is a list of options without spaces
-    "$bin" $opts "$scratch" "fuzz/corpus/$t" >"$log" 2>&1
+    TMPDIR=$tmp "$bin" $opts "$scratch" "fuzz/corpus/$t" >"$log" 2>&1
     rc=$?
+    rm -rf "$tmp"
     # The closing status line ("#N DONE cov: ... exec/s: ...") and "Done N runs in S second(s)".
     grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 | sed "s/^/  $t: /"
     grep -E '^Done [0-9]+ runs in' "$log" | tail -n 1 | sed "s/^/  $t: /"

@@ -41,9 +41,9 @@ const char *fuzz_scratch_dir(void) {
     if (scratch[0]) return scratch;
     if (scratch_failed) return NULL;
     struct stat sb;
-    const char *base = stat("/dev/shm", &sb) == 0 && S_ISDIR(sb.st_mode) && access("/dev/shm", W_OK) == 0
-                           ? "/dev/shm"
-                           : "/tmp";
+    const char *base = getenv("TMPDIR");
+    if (!base || !*base)
+        base = stat("/dev/shm", &sb) == 0 && S_ISDIR(sb.st_mode) && access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
     snprintf(scratch, sizeof scratch, "%s/qtrain-fuzz-XXXXXX", base);
     if (!mkdtemp(scratch)) {
         scratch[0] = '\0';

@@ -40,9 +40,10 @@ void fuzz_checkpoint_cleanup(void);
 
 /* ---- shared by the entry functions ---------------------------------------------- */
 
-/* A private scratch directory (on tmpfs when /dev/shm exists), made on
- * first use and removed with everything in it at exit; NULL if it cannot be
- * made. */
+/* A private scratch directory in $TMPDIR (else on tmpfs when /dev/shm
+ * exists, else in /tmp), made on first use and removed with everything in
+ * it at exit (a crash skips that: fuzz/run.sh runs each target in a
+ * $TMPDIR of its own and removes it); NULL if it cannot be made. */
 const char *fuzz_scratch_dir(void);
 /* Removes the scratch directory now (a later fuzz_scratch_dir makes a new one). */
 void fuzz_scratch_remove(void);
