@@ -68,16 +68,6 @@ DEQ_AVX2 static size_t run_avx2(const QDeqSpan *sp, size_t e, size_t n, float s,
     return j;
 }
 
-DEQ_AVX2 void qarray_deq_avx2(const QDeqSpan *sp, float *y) {
-    for (size_t k = 0; k < sp->n_groups; k++) {
-        const float s = sp->scale[k], zp = sp->zp ? sp->zp[k] : 0.0f;
-        const size_t e = sp->first + k * sp->glen;
-        float *yk = y + k * sp->glen;
-        size_t j = run_avx2(sp, e, sp->glen, s, zp, yk);
-        if (j < sp->glen) qarray_deq_run_tail(sp->codes, e + j, sp->glen - j, sp->bits, sp->lut, s, zp, sp->zp != NULL,
-                                              yk + j);
-    }
-}
 
 /* ---- AVX-512 -------------------------------------------------------------------------------------------- */
 
@@ -110,16 +100,24 @@ DEQ_AVX512 static size_t run_avx512(const QDeqSpan *sp, size_t e, size_t n, floa
     return j;
 }
 
-DEQ_AVX512 void qarray_deq_avx512(const QDeqSpan *sp, float *y) {
+/* ---- the drivers ------------------------------------------------------------------------------------------ */
+
+/* A span group by group: the vector run, then the scalar tail of each group. */
+typedef size_t (*DeqRunFn)(const QDeqSpan *sp, size_t e, size_t n, float s, float zp, float *y);
+
+static void deq_groups(const QDeqSpan *sp, float *y, DeqRunFn run) {
     for (size_t k = 0; k < sp->n_groups; k++) {
         const float s = sp->scale[k], zp = sp->zp ? sp->zp[k] : 0.0f;
         const size_t e = sp->first + k * sp->glen;
         float *yk = y + k * sp->glen;
-        size_t j = run_avx512(sp, e, sp->glen, s, zp, yk);
+        size_t j = run(sp, e, sp->glen, s, zp, yk);
         if (j < sp->glen) qarray_deq_run_tail(sp->codes, e + j, sp->glen - j, sp->bits, sp->lut, s, zp, sp->zp != NULL,
                                               yk + j);
     }
 }
+
+void qarray_deq_avx2(const QDeqSpan *sp, float *y) { deq_groups(sp, y, run_avx2); }
+void qarray_deq_avx512(const QDeqSpan *sp, float *y) { deq_groups(sp, y, run_avx512); }
 
 #else /* not x86: qarray_deq_cpu never reports these; they stay callable */
 
