@@ -32,7 +32,10 @@
     X(quant_qt)   \
     X(quant_int8) \
     X(bench_cmd)  \
-    X(fuzz_regress)
+    X(fuzz_regress) \
+    X(interrupt)  \
+    X(diskfull)   \
+    X(nonfinite)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

@@ -1,0 +1,25 @@
+/* test_proc.h - the qtrain binary as a child process, for the tests that
+ * signal, kill and resume it (QTRAIN_BIN, default build/qtrain). */
+#ifndef QTRAIN_TESTS_TEST_PROC_H
+#define QTRAIN_TESTS_TEST_PROC_H
+
+#include <stdbool.h>
+#include <sys/types.h>
+
+/* The binary the tests run: $QTRAIN_BIN, else build/qtrain. */
+const char *test_qtrain_bin(void);
+
+/* Starts the qtrain binary with args (NULL-terminated, without argv[0]);
+ * its stdout and stderr are appended to log_path. Returns the pid, or -1
+ * (with a message on stderr) if it cannot start. */
+pid_t test_proc_start(const char *log_path, const char *const *args);
+
+/* Waits for pid at most timeout_s seconds, then SIGKILLs it (and says so on
+ * stderr). Returns the raw wait status, or -1 if waitpid fails. */
+int test_proc_wait(pid_t pid, double timeout_s);
+
+/* Runs the binary to completion (test_proc_start + test_proc_wait). Returns
+ * its exit status, or -1 if it did not exit normally (a signal, a timeout). */
+int test_proc_run(const char *log_path, const char *const *args, double timeout_s);
+
+#endif
