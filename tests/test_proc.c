@@ -11,6 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "trainer/h5io.h"
+
 const char *test_qtrain_bin(void) {
     const char *bin = getenv("QTRAIN_BIN");
     return bin && bin[0] ? bin : "build/qtrain";
@@ -70,4 +72,72 @@ int test_proc_run(const char *log_path, const char *const *args, double timeout_
     if (pid < 0) return -1;
     int status = test_proc_wait(pid, timeout_s);
     return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* ---- comparing checkpoint files ---------------------------------------------------- */
+
+typedef struct {
+    const H5ioFile *a, *b;
+    const char *group;
+    int n;        /* datasets compared */
+    bool equal;
+} GroupCmp;
+
+static int compare_dataset(const char *rel, H5ioKind kind, void *ctx) {
+    GroupCmp *c = ctx;
+    if (kind != H5IO_DATASET) return 0;
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", c->group, rel);
+    H5ioInfo ia, ib;
+    QtError e = {0};
+    if (h5io_dataset_info(c->a, path, &ia, &e) != QT_OK || !h5io_is_f32(&ia)) return 0;
+    if (h5io_dataset_info(c->b, path, &ib, &e) != QT_OK || ia.rank != ib.rank || ia.numel != ib.numel) {
+        fprintf(stderr, "\n  %s: /%s missing or shaped differently in %s\n", c->a->path, path, c->b->path);
+        c->equal = false;
+        return 1;
+    }
+    int shape[H5IO_MAX_RANK];
+    for (int d = 0; d < ia.rank; d++) shape[d] = (int)ia.dims[d];
+    float *va = malloc(ia.numel * sizeof(float) + 1), *vb = malloc(ia.numel * sizeof(float) + 1);
+    bool same = va && vb && h5io_read_f32(c->a, path, va, ia.rank, shape, &e) == QT_OK &&
+                h5io_read_f32(c->b, path, vb, ia.rank, shape, &e) == QT_OK &&
+                memcmp(va, vb, ia.numel * sizeof(float)) == 0;
+    if (!same) fprintf(stderr, "\n  /%s differs between %s and %s %s\n", path, c->a->path, c->b->path, e.msg);
+    free(va), free(vb);
+    c->equal &= same;
+    c->n++;
+    return same ? 0 : 1;
+}
+
+static int count_f32(const char *rel, H5ioKind kind, void *ctx) {
+    (void)rel;
+    GroupCmp *c = ctx;
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", c->group, rel);
+    H5ioInfo info;
+    QtError e = {0};
+    if (kind == H5IO_DATASET && h5io_dataset_info(c->b, path, &info, &e) == QT_OK && h5io_is_f32(&info)) c->n--;
+    return 0;
+}
+
+bool test_ckpt_group_equal(const char *a, const char *b, const char *group) {
+    H5ioFile fa, fb;
+    QtError e = {0};
+    if (h5io_open(&fa, a, &e) != QT_OK) {
+        fprintf(stderr, "\n  %s\n", e.msg);
+        return false;
+    }
+    if (h5io_open(&fb, b, &e) != QT_OK) {
+        fprintf(stderr, "\n  %s\n", e.msg);
+        h5io_close(&fa, &e);
+        return false;
+    }
+    GroupCmp c = {.a = &fa, .b = &fb, .group = group, .equal = true};
+    bool ok = h5io_visit(&fa, group, compare_dataset, &c, NULL, &e) == QT_OK && c.equal && c.n > 0;
+    if (ok && h5io_visit(&fb, group, count_f32, &c, NULL, &e) == QT_OK && c.n != 0) {
+        fprintf(stderr, "\n  /%s of %s has other datasets than that of %s\n", group, b, a);
+        ok = false;
+    }
+    h5io_close(&fa, &e), h5io_close(&fb, &e);
+    return ok;
 }

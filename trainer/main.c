@@ -14,6 +14,7 @@
 #include "trainer/compare.h"
 #include "trainer/config.h"
 #include "trainer/demo.h"
+#include "trainer/interrupt.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"
 #include "trainer/version.h"
@@ -149,9 +150,13 @@ static int cmd_train(int argc, char **argv) {
     TrainOptions o = {.resume = a.resume, .quiet = a.quiet, .progress = isatty(STDERR_FILENO) == 1,
                       .stop_at_step = a.stop_at_step};
     TrainResult r;
+    if (interrupt_install() != 0) fprintf(stderr, "qtrain: warning: cannot handle SIGINT/SIGTERM (%s): a stop "
+                                          "signal will end the run without a checkpoint\n", strerror(errno));
     QtStatus st = train_run(cfg, &o, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
+    if (a.quiet && r.interrupted) printf("interrupted: steps:%lld\n", (long long)r.steps);
+    if (r.interrupted) return INTERRUPT_EXIT_STATUS;
     if (a.quiet && r.stopped) printf("stopped: steps:%lld\n", (long long)r.steps);
     else if (a.quiet && r.already_complete) printf("already complete: steps:%lld\n", (long long)r.steps);
     else if (a.quiet) printf("test_accuracy:%.4f test_loss:%.4f steps:%lld\n", r.test_accuracy, r.test_loss,

@@ -23,6 +23,7 @@
 #include "nn/schedule.h"
 #include "nn/tape.h"
 #include "trainer/checkpoint.h"
+#include "trainer/interrupt.h"
 #include "trainer/metrics.h"
 #include "trainer/net.h"
 #include "trainer/version.h"
@@ -237,7 +238,12 @@ static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     r->win_correct = s.log_correct, r->win_seen = s.log_seen, r->win_steps = s.log_steps;
     r->train_s = s.train_s, r->wall_before = s.wall_s;
     r->trained_examples = s.trained_examples, r->last_train_loss = s.last_train_loss;
-    r->already_complete = r->step == r->total_steps;
+    /* Complete once summary.json is written: a run stopped after its last
+     * step (a signal, or a crash during the final save) still owes its final
+     * evaluation, final.h5 and summary.json. */
+    char summary[CONFIG_PATH_MAX + 32];
+    snprintf(summary, sizeof summary, "%s/summary.json", r->cfg->run.out_dir);
+    r->already_complete = r->step == r->total_steps && access(summary, F_OK) == 0;
     return QT_OK;
 }
 
@@ -407,7 +413,8 @@ static QtStatus run_loop(Run *r, QtError *err) {
     int64_t window_examples = 0;
     QtStatus st = QT_OK;
     int64_t stop = r->opt->stop_at_step > 0 ? r->opt->stop_at_step : INT64_MAX;
-    while (st == QT_OK && r->step < r->total_steps && r->step < stop) {
+    /* A stop signal ends the loop after the step it lands in (interrupt.h). */
+    while (st == QT_OK && r->step < r->total_steps && r->step < stop && !interrupt_requested()) {
         double t0 = metrics_now();
         int64_t before = r->trained_examples;
         if ((st = run_step(r, err)) != QT_OK) break;
@@ -420,11 +427,12 @@ static QtStatus run_loop(Run *r, QtError *err) {
             st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
             window_examples = 0, train_window_s = 0.0;
         }
-        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
+        bool stopping = interrupt_requested() != 0; /* its checkpoint comes right after the loop */
+        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last && !stopping) {
             double tl, ta, vl, va;
             st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
         }
-        if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last)
+        if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last && !stopping)
             st = run_save(r, NULL, NULL, 0, err);
         progress_update(&r->progress, r->step, r->total_steps,
                         r->win_steps ? r->win_loss_sum / (double)r->win_steps : r->last_train_loss, metrics_now());
@@ -611,6 +619,30 @@ static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
     return QT_OK;
 }
 
+/* Stopped before the end (--stop-at-step, or a stop signal `sig`): a
+ * checkpoint to resume from, unless the newest one already holds this step
+ * or no step has run. A signal after the last step also stops here: the
+ * final evaluation then runs when the run is resumed. */
+static QtStatus run_stop_early(Run *r, TrainResult *res, int sig, QtError *err) {
+    char path[CONFIG_PATH_MAX + 32] = "";
+    QtStatus st = QT_OK;
+    if (r->saved_step != r->step && r->step > 0) st = run_save(r, NULL, path, sizeof path, err);
+    run_fill_result(r, res);
+    res->stopped = true;
+    res->interrupted = sig;
+    if (st != QT_OK) return st;
+    if (sig && r->step == 0)
+        run_say(r, "interrupted: %s before the first step; nothing to save\n", interrupt_signal_name(sig));
+    else if (sig)
+        run_say(r, "interrupted: %s at step:%" PRId64 " of %" PRId64 "; checkpoint of step %" PRId64 " in %s; "
+                "continue with --resume auto\n", interrupt_signal_name(sig), r->step, r->total_steps, r->step,
+                r->cfg->run.out_dir);
+    else
+        run_say(r, "stopped: step:%" PRId64 " of %" PRId64 "; continue with --resume auto\n", r->step,
+                r->total_steps);
+    return QT_OK;
+}
+
 QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, QtError *err) {
     Run r;
     memset(&r, 0, sizeof r);
@@ -629,16 +661,9 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
         r.tape.training = true;
         st = run_loop(&r, err);
-        if (st == QT_OK && r.step == r.total_steps) {
-            st = run_finish(&r, res, err);
-        } else if (st == QT_OK) { /* stopped early: leave a checkpoint to resume from */
-            char path[CONFIG_PATH_MAX + 32] = "";
-            if (r.saved_step != r.step) st = run_save(&r, NULL, path, sizeof path, err);
-            run_fill_result(&r, res);
-            res->stopped = true;
-            if (st == QT_OK) run_say(&r, "stopped: step:%" PRId64 " of %" PRId64 "; continue with --resume auto\n",
-                                     r.step, r.total_steps);
-        }
+        int sig = interrupt_requested();
+        if (st == QT_OK && r.step == r.total_steps && !sig) st = run_finish(&r, res, err);
+        else if (st == QT_OK) st = run_stop_early(&r, res, sig, err);
     }
     run_free(&r);
     return st;

@@ -20,7 +20,8 @@ typedef struct {
 
 typedef struct {
     int64_t steps;        /* optimizer steps at the end (counting resumed ones) */
-    bool stopped;         /* stopped early by stop_at_step: no final eval, no summary.json */
+    bool stopped;         /* stopped early (stop_at_step or a stop signal): no final eval, no summary.json */
+    int interrupted;      /* the stop signal (SIGINT, SIGTERM) that ended the run early, 0 if none */
     bool already_complete;/* --resume of a finished run: nothing was run or written */
     double epochs;        /* epochs done (fractional) */
     double test_loss, test_accuracy;

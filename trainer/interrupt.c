@@ -1,0 +1,48 @@
+/* interrupt.c - the stop request of SIGINT/SIGTERM (interrupt.h). */
+#include "trainer/interrupt.h"
+
+#include <signal.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Lock-free, so the handler may exchange it: of two signals arriving on two
+ * threads at once, exactly one sees the other's request. */
+static atomic_int stop_signal;
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the stop request must be lock-free to be touched by a signal handler");
+
+static void say(const char *msg) {
+    ssize_t unused = write(STDERR_FILENO, msg, strlen(msg));
+    (void)unused; /* nothing to do if stderr is gone */
+}
+
+/* Only async-signal-safe calls: write, _exit. */
+static void on_stop_signal(int sig) {
+    if (atomic_exchange(&stop_signal, sig) != 0) {
+        say("\nqtrain: second stop signal: exiting now; the checkpoint files are left as they were\n");
+        _exit(INTERRUPT_EXIT_STATUS);
+    }
+    say(sig == SIGTERM ? "\nqtrain: SIGTERM: stopping after the current step, with a checkpoint "
+                         "(send it again to exit at once)\n"
+                       : "\nqtrain: SIGINT: stopping after the current step, with a checkpoint "
+                         "(press Ctrl-C again to exit at once)\n");
+}
+
+int interrupt_install(void) {
+    atomic_store(&stop_signal, 0);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    /* SA_RESTART: a read or write the signal lands in carries on, so a save
+     * in progress completes instead of failing with EINTR. */
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGINT, &sa, NULL) != 0 || sigaction(SIGTERM, &sa, NULL) != 0) return -1;
+    return 0;
+}
+
+int interrupt_requested(void) { return atomic_load(&stop_signal); }
+
+const char *interrupt_signal_name(int sig) {
+    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal";
+}

@@ -1,0 +1,22 @@
+/* interrupt.h - SIGINT/SIGTERM for a training run: the first signal asks
+ * the run to stop after its current step, with a checkpoint (exit status
+ * 130); a second one exits at once, leaving every checkpoint file as it is
+ * (a save in flight leaves only its temp file, which the next save removes). */
+#ifndef QTRAIN_TRAINER_INTERRUPT_H
+#define QTRAIN_TRAINER_INTERRUPT_H
+
+/* The exit status of an interrupted run, as a shell reports Ctrl-C. */
+#define INTERRUPT_EXIT_STATUS 130
+
+/* Installs the handlers for SIGINT and SIGTERM and clears any earlier request.
+ * Returns 0, or -1 with errno set if sigaction fails. */
+int interrupt_install(void);
+
+/* The signal that asked the run to stop (SIGINT or SIGTERM), 0 if none.
+ * Without interrupt_install it stays 0, so library callers never stop. */
+int interrupt_requested(void);
+
+/* The signal's name for messages: "SIGINT", "SIGTERM" or "signal". */
+const char *interrupt_signal_name(int sig);
+
+#endif
