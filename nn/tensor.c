@@ -1,6 +1,9 @@
 #include "tensor.h"
 
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 size_t tensor_numel(const Tensor *t) {
     size_t n = 1;
@@ -38,4 +41,25 @@ bool tensor_set_shape(Tensor *t, int ndim, const int *shape) {
         if (numel > TENSOR_MAX_NUMEL) return false;
     }
     return true;
+}
+
+/* A float is NaN or infinite exactly when its exponent bits are all ones.
+ * Blocks are screened with an OR of the tests, which compilers vectorise
+ * (a float sum would not be reassociated), and only a block that holds a
+ * bad value is searched element by element. */
+size_t floats_first_nonfinite(const float *x, size_t n) {
+    enum { BLOCK = 1024 };
+    for (size_t b = 0; b < n; b += BLOCK) {
+        size_t e = n - b < BLOCK ? n : b + BLOCK;
+        uint32_t bad = 0;
+        for (size_t i = b; i < e; i++) {
+            uint32_t u;
+            memcpy(&u, &x[i], sizeof u);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (!bad) continue;
+        for (size_t i = b; i < e; i++)
+            if (!isfinite(x[i])) return i;
+    }
+    return n;
 }

@@ -36,5 +36,8 @@ bool tensor_same_shape(const Tensor *a, const Tensor *b);
 bool tensor_set_shape(Tensor *t, int ndim, const int *shape);
 
 static inline size_t var_numel(const Var *v) { return tensor_numel(&v->value); }
+/* The index of the first NaN or infinity of x[0..n), or n if every value is
+ * finite. One pass of integer exponent tests, which vectorise. */
+size_t floats_first_nonfinite(const float *x, size_t n);
 
 #endif

@@ -168,6 +168,20 @@ static QtStatus check_rng_names(const CheckpointState *s, QtError *err) {
     return QT_OK;
 }
 
+/* The numerical guards' state (trainer/guard.h), so a resumed run counts
+ * and reports as an uninterrupted one would. */
+static QtStatus write_guards(H5ioFile *f, const CheckpointState *s, QtError *err) {
+    const LossWatch *w = &s->loss_watch;
+    QtStatus st = h5io_attr_write_i64(f, "train", "nonfinite_skipped", s->nonfinite_skipped, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "nonfinite_streak", s->nonfinite_streak, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, "train", "loss_mean_fast", w->fast, err);
+    if (st == QT_OK) st = h5io_attr_write_f64(f, "train", "loss_mean_slow", w->slow, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "loss_mean_steps", w->steps, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "diverging", w->diverging, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "divergences", w->occurrences, err);
+    return st;
+}
+
 static QtStatus write_state(H5ioFile *f, const CheckpointState *s, QtError *err) {
     QtStatus st = h5io_group_create(f, "data", err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "data", "epoch", s->epoch, err);
@@ -183,6 +197,7 @@ static QtStatus write_state(H5ioFile *f, const CheckpointState *s, QtError *err)
     if (st == QT_OK) st = h5io_attr_write_f64(f, "train", "wall_s", s->wall_s, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "trained_examples", s->trained_examples, err);
     if (st == QT_OK) st = h5io_attr_write_f64(f, "train", "last_train_loss", s->last_train_loss, err);
+    if (st == QT_OK) st = write_guards(f, s, err);
     if (st == QT_OK) st = h5io_group_create(f, "rng", err);
     for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
         const Rng *r = s->rngs[i].rng;
@@ -379,6 +394,15 @@ typedef struct {
     Rng rngs[CHECKPOINT_MAX_RNGS];
 } Staged;
 
+/* A NaN or infinity in a stored tensor would train (or evaluate) to NaN
+ * without a word; a run never saves one (trainer/guard.h stops it first). */
+static QtStatus check_finite(const H5ioFile *f, const char *ds, const float *x, size_t n, QtError *err) {
+    size_t bad = floats_first_nonfinite(x, n);
+    if (bad == n) return QT_OK;
+    return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %zu; a checkpoint holds only finite values, "
+                        "so this one is damaged; resume from an earlier checkpoint", f->path, ds, (double)x[bad], bad);
+}
+
 static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtError *err) {
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < m->n_params; i++) {
@@ -386,6 +410,7 @@ static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtErr
         char ds[CKPT_OBJ_MAX];
         st = ckpt_obj_path(ds, "params", m->params[i].name, NULL, err);
         if (st == QT_OK && !m->params[i].released) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+        if (st == QT_OK && !m->params[i].released) st = check_finite(f, ds, dst, tensor_numel(t), err);
         dst += tensor_numel(t);
     }
     return st;
@@ -411,10 +436,13 @@ static QtStatus read_optim(const H5ioFile *f, const Optimizer *o, Staged *sg, Qt
     for (int i = 0; st == QT_OK && i < o->n_params; i++) {
         const Tensor *t = &o->params[i]->var.value;
         char ds[CKPT_OBJ_MAX];
-        if (o->m && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK)
-            st = h5io_read_f32(f, ds, m, t->ndim, t->shape, err);
-        if (st == QT_OK && o->v && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK)
-            st = h5io_read_f32(f, ds, v, t->ndim, t->shape, err);
+        size_t n = tensor_numel(t);
+        if (o->m && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK &&
+            (st = h5io_read_f32(f, ds, m, t->ndim, t->shape, err)) == QT_OK)
+            st = check_finite(f, ds, m, n, err);
+        if (st == QT_OK && o->v && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK &&
+            (st = h5io_read_f32(f, ds, v, t->ndim, t->shape, err)) == QT_OK)
+            st = check_finite(f, ds, v, n, err);
         m += tensor_numel(t);
         v += tensor_numel(t);
     }
@@ -438,6 +466,28 @@ static QtStatus read_totals(const H5ioFile *f, CheckpointState *t, QtError *err)
     return st;
 }
 
+/* The guards' state; a file written before they existed has none (zeros). */
+static QtStatus read_guards(const H5ioFile *f, CheckpointState *t, QtError *err) {
+    LossWatch *w = &t->loss_watch;
+    memset(w, 0, sizeof *w);
+    t->nonfinite_skipped = t->nonfinite_streak = 0;
+    if (!h5io_attr_exists(f, "train", "loss_mean_steps")) return QT_OK;
+    int64_t diverging = 0;
+    QtStatus st = read_count(f, "train", "nonfinite_skipped", &t->nonfinite_skipped, err);
+    if (st == QT_OK) st = read_count(f, "train", "nonfinite_streak", &t->nonfinite_streak, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, "train", "loss_mean_fast", &w->fast, err);
+    if (st == QT_OK) st = h5io_attr_read_f64(f, "train", "loss_mean_slow", &w->slow, err);
+    if (st == QT_OK) st = read_count(f, "train", "loss_mean_steps", &w->steps, err);
+    if (st == QT_OK) st = read_count(f, "train", "diverging", &diverging, err);
+    if (st == QT_OK) st = read_count(f, "train", "divergences", &w->occurrences, err);
+    if (st == QT_OK && (!isfinite(w->fast) || !isfinite(w->slow) || w->fast < 0 || w->slow < 0 || diverging > 1))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: the loss running means of /train (%g, %g) or its 'diverging' flag "
+                          "(%lld) are out of range; the checkpoint is damaged", f->path, w->fast, w->slow,
+                          (long long)diverging);
+    w->diverging = diverging == 1;
+    return st;
+}
+
 static QtStatus read_state(const H5ioFile *f, const CheckpointState *s, Staged *sg, QtError *err) {
     CheckpointState *t = &sg->state;
     *t = *s;
@@ -451,6 +501,7 @@ static QtStatus read_state(const H5ioFile *f, const CheckpointState *s, Staged *
     if (st == QT_OK) st = read_count(f, "train", "seen", &t->log_seen, err);
     if (st == QT_OK) st = read_count(f, "train", "steps", &t->log_steps, err);
     if (st == QT_OK) st = read_totals(f, t, err);
+    if (st == QT_OK) st = read_guards(f, t, err);
     for (int i = 0; st == QT_OK && i < s->n_rngs; i++) {
         char g[CKPT_OBJ_MAX];
         Rng *r = &sg->rngs[i];

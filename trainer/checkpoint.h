@@ -63,6 +63,7 @@
 #include "quant/qat.h"
 #include "quant/qlayer.h"
 #include "quant/qt.h"
+#include "trainer/guard.h"
 
 #define CHECKPOINT_FORMAT "qtrain"
 #define CHECKPOINT_VERSION 1
@@ -99,6 +100,9 @@ typedef struct {
     double wall_s;         /* wall seconds of the run, over all invocations */
     int64_t trained_examples; /* training examples processed, over all invocations */
     double last_train_loss;   /* mean loss of the last logged window; NaN if none yet */
+    int64_t nonfinite_skipped; /* steps whose update train.on_nonfinite: skip dropped */
+    int64_t nonfinite_streak;  /* of them, the latest steps in a row */
+    LossWatch loss_watch;     /* the divergence watch; absent from older files: all zero */
     struct {
         const char *name;  /* "dropout" */
         Rng *rng;          /* save: read from; load: restored into */

@@ -42,7 +42,9 @@ static const char *const DATA_KEYS[] = {"dataset", "dir", "cache_dir", "storage"
 static const char *const MODEL_KEYS[] = {"input", "layers", "init_from", "adapters_from"};
 static const char *const TRAIN_KEYS[] = {"epochs",    "steps",      "batch_size", "eval_batch_size",
                                          "optimizer", "schedule",   "grad_clip",  "eval_every",
-                                         "log_every", "checkpoint_every", "keep_last"};
+                                         "log_every", "checkpoint_every", "keep_last", "on_nonfinite",
+                                         "divergence_factor"};
+const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT] = {"stop", "skip"};
 const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist"};
 
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
@@ -450,6 +452,26 @@ static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc, Mod
     return check_shapes(err, mc, layers, dry);
 }
 
+static QtStatus load_guards(QtError *err, const YNode *m, TrainConfig *t) {
+    const YNode *action = cfg_field(m, "on_nonfinite");
+    char name[32];
+    QtStatus st = action ? cfg_to_str(err, action, "train.on_nonfinite", false, name, sizeof name) : QT_OK;
+    if (st == QT_OK && action) {
+        QtError inner = {0};
+        int idx = 0;
+        st = cfg_lookup_fail(err, action, "train.on_nonfinite",
+                             qt_name_lookup("train.on_nonfinite", name, NONFINITE_ACTION_NAMES, NONFINITE_COUNT,
+                                            &idx, &inner), &inner);
+        t->on_nonfinite = (NonfiniteAction)idx;
+    }
+    if (st == QT_OK) st = cfg_get_float(err, m, "train", "divergence_factor", CFG_NONNEG, &t->divergence_factor);
+    if (st == QT_OK && t->divergence_factor > 0.0f && t->divergence_factor <= 1.0f)
+        st = cfg_fail(err, cfg_field(m, "divergence_factor"), "train.divergence_factor",
+                      "%g would report every step whose loss is merely above its running mean; use 0 (off) or a "
+                      "factor above 1, e.g. 2", (double)t->divergence_factor);
+    return st;
+}
+
 static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
     const YNode *m = NULL;
     QtStatus st = cfg_section(err, root, "", "train", &m);
@@ -465,6 +487,7 @@ static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
     if (st == QT_OK) st = cfg_get_i64(err, m, "train", "log_every", 0, INT64_MAX, &t->log_every);
     if (st == QT_OK) st = cfg_get_i64(err, m, "train", "checkpoint_every", 0, INT64_MAX, &t->checkpoint_every);
     if (st == QT_OK) st = cfg_get_int(err, m, "train", "keep_last", 0, INT_MAX, &t->keep_last);
+    if (st == QT_OK) st = load_guards(err, m, t);
     return st;
 }
 
@@ -502,6 +525,7 @@ void config_default(Config *c) {
     t->schedule.gamma = 0.1f;
     t->log_every = 50;
     t->keep_last = 3;
+    t->divergence_factor = 2.0f;
     c->quant.calibration_batches = 16;
 }
 

@@ -68,6 +68,15 @@ typedef struct {
                                             /lora adapters (and lora.trainable modules) start a fresh run */
 } ModelConfig;
 
+/* train.on_nonfinite: what a step with a non-finite loss or gradient does. */
+typedef enum {
+    NONFINITE_STOP = 0, /* stop the run with the step, module and tensor named (the default) */
+    NONFINITE_SKIP,     /* drop that step's update, count it and go on */
+    NONFINITE_COUNT
+} NonfiniteAction;
+
+extern const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT]; /* "stop", "skip" */
+
 typedef struct {
     int64_t epochs;                 /* train.epochs, default 1, at most 10^6; 0 = evaluate only */
     int64_t steps;                  /* train.steps, default 0 = from epochs; overrides epochs when > 0; <= 10^12 */
@@ -82,6 +91,8 @@ typedef struct {
     int64_t log_every;              /* train.log_every (steps), default 50; 0 = only the last step */
     int64_t checkpoint_every;       /* train.checkpoint_every (steps), default 0 = final only */
     int keep_last;                  /* train.keep_last, default 3; 0 = keep all */
+    NonfiniteAction on_nonfinite;   /* train.on_nonfinite, default stop */
+    float divergence_factor;        /* train.divergence_factor, default 2; 0 = off, else > 1 (trainer/guard.h) */
 } TrainConfig;
 
 typedef enum {

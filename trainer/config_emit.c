@@ -160,8 +160,9 @@ static void put_train(FILE *f, const TrainConfig *t) {
         fprintf(f, "    step_size: %" PRId64 "\n    gamma: %s\n", s->step_size, fmt_float(a, sizeof a, s->gamma));
     fprintf(f,
             "  grad_clip: %s\n  eval_every: %" PRId64 "\n  log_every: %" PRId64 "\n  checkpoint_every: %" PRId64
-            "\n  keep_last: %d\n",
-            fmt_float(a, sizeof a, t->grad_clip), t->eval_every, t->log_every, t->checkpoint_every, t->keep_last);
+            "\n  keep_last: %d\n  on_nonfinite: %s\n  divergence_factor: %s\n",
+            fmt_float(a, sizeof a, t->grad_clip), t->eval_every, t->log_every, t->checkpoint_every, t->keep_last,
+            NONFINITE_ACTION_NAMES[t->on_nonfinite], fmt_float(b, sizeof b, t->divergence_factor));
 }
 
 static const char *bool_str(bool b) { return b ? "true" : "false"; }

@@ -14,6 +14,7 @@
 #include "nn/schedule.h"
 #include "nn/tape.h"
 #include "trainer/config.h"
+#include "trainer/guard.h"
 #include "trainer/metrics.h"
 #include "trainer/net.h"
 #include "trainer/train.h"
@@ -48,6 +49,9 @@ typedef struct {
     double train_s;         /* seconds in training steps, over all invocations */
     int64_t trained_examples; /* over all invocations */
     double last_train_loss; /* mean loss of the last logged window, NaN before the first */
+    int64_t nonfinite_skipped; /* steps whose update train.on_nonfinite: skip dropped, over all invocations */
+    int64_t nonfinite_streak;  /* of them, the latest steps in a row */
+    LossWatch loss_watch;   /* train.divergence_factor's running means (trainer/guard.h) */
 } Run;
 
 /* Everything a run needs that does not touch run.out_dir: the thread count,

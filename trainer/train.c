@@ -23,6 +23,7 @@
 #include "nn/schedule.h"
 #include "nn/tape.h"
 #include "trainer/checkpoint.h"
+#include "trainer/guard.h"
 #include "trainer/interrupt.h"
 #include "trainer/metrics.h"
 #include "trainer/net.h"
@@ -170,7 +171,9 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .n_train = r->train.n, .log_loss_sum = r->win_loss_sum, .log_correct = r->win_correct,
         .log_seen = r->win_seen, .log_steps = r->win_steps, .train_s = r->train_s,
         .wall_s = r->wall_before + metrics_now() - r->t_start, .trained_examples = r->trained_examples,
-        .last_train_loss = r->last_train_loss, .n_rngs = 1, .config_text = r->config_text,
+        .last_train_loss = r->last_train_loss, .nonfinite_skipped = r->nonfinite_skipped,
+        .nonfinite_streak = r->nonfinite_streak,
+        .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
         .net = net_checkpoint_parts(&r->net),
     };
     s.rngs[0].name = "dropout";
@@ -238,6 +241,8 @@ static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     r->win_correct = s.log_correct, r->win_seen = s.log_seen, r->win_steps = s.log_steps;
     r->train_s = s.train_s, r->wall_before = s.wall_s;
     r->trained_examples = s.trained_examples, r->last_train_loss = s.last_train_loss;
+    r->nonfinite_skipped = s.nonfinite_skipped, r->nonfinite_streak = s.nonfinite_streak;
+    r->loss_watch = s.loss_watch;
     /* Complete once summary.json is written: a run stopped after its last
      * step (a signal, or a crash during the final save) still owes its final
      * evaluation, final.h5 and summary.json. */
@@ -353,6 +358,60 @@ static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, do
     return st;
 }
 
+/* The divergence watch: reported once when an occurrence starts. */
+static void run_watch_loss(Run *r, double loss) {
+    double fast, slow, factor = r->cfg->train.divergence_factor;
+    if (!loss_watch_feed(&r->loss_watch, loss, factor, &fast, &slow)) return;
+    progress_clear(&r->progress);
+    fprintf(stderr, "qtrain: warning: step:%" PRId64 " the training loss is diverging: its mean over the last ~10 "
+            "steps, %.4f, is %.1fx its running mean %.4f (train.divergence_factor %g; occurrence %" PRId64 "); lower "
+            "train.optimizer.lr or set train.grad_clip\n", r->step + 1, fast, fast / slow, slow, factor,
+            r->loss_watch.occurrences);
+}
+
+/* Where the last good state of the run is, for a message about stopping. */
+static void run_last_good(const Run *r, char *buf, size_t cap) {
+    if (r->saved_step >= 0)
+        snprintf(buf, cap, "the last good checkpoint, step %" PRId64 ", is kept in %s", r->saved_step,
+                 r->cfg->run.out_dir);
+    else
+        snprintf(buf, cap, "no checkpoint had been written yet (set train.checkpoint_every to keep some)");
+}
+
+/* A step whose loss or gradients are not finite: stop (naming the step,
+ * module and tensor), or with train.on_nonfinite: skip drop its update. */
+static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_where, QtError *err) {
+    char where[512], good[CONFIG_PATH_MAX + 96];
+    if (grad_where) {
+        snprintf(where, sizeof where, "%s (the loss %.6g is finite)", grad_where, loss);
+    } else {
+        tape_reset(&r->tape); /* the step's values are not needed: the forward runs again, module by module */
+        guard_locate_nonfinite_forward(&r->net.model, &r->tape, x, r->net.trainable, r->net.n_trainable, where,
+                                       sizeof where);
+    }
+    int64_t step = r->step + 1;
+    run_last_good(r, good, sizeof good);
+    if (r->cfg->train.on_nonfinite == NONFINITE_STOP)
+        return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s is not finite: %s. Stopped "
+                            "without this step's update; %s. Lower train.optimizer.lr or set train.grad_clip, or set "
+                            "train.on_nonfinite: skip to drop such steps", step, grad_where ? "gradient" : "loss",
+                            where, good);
+    if (r->nonfinite_streak + 1 >= GUARD_MAX_SKIPS_IN_A_ROW)
+        return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s has not been finite for %d steps in "
+                            "a row (%" PRId64 " skipped in all): %s. Skipping cannot mend the model; stopped; %s. "
+                            "Lower train.optimizer.lr or set train.grad_clip", step,
+                            grad_where ? "gradient" : "loss", GUARD_MAX_SKIPS_IN_A_ROW,
+                            r->nonfinite_skipped + 1, where, good);
+    r->nonfinite_skipped++, r->nonfinite_streak++;
+    progress_clear(&r->progress);
+    fprintf(stderr, "qtrain: warning: step:%" PRId64 " skipped (train.on_nonfinite: skip, %" PRId64 " so far): the "
+            "%s is not finite: %s\n", step, r->nonfinite_skipped, grad_where ? "gradient" : "loss", where);
+    optim_zero_grad(&r->optim);
+    tape_reset(&r->tape);
+    r->step++; /* the batch is used up and the schedule moves on; the optimizer's own count does not */
+    return QT_OK;
+}
+
 /* One optimizer step on the next batch. */
 QtStatus run_step(Run *r, QtError *err) {
     Tape *t = &r->tape;
@@ -360,17 +419,24 @@ QtStatus run_step(Run *r, QtError *err) {
     int n = 0;
     if (batcher_next(&r->batcher, r->bx, r->by, &n, NULL, &e) != QT_OK)
         return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->step + 1, e.msg);
-    Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, n));
+    Var *x = run_wrap_batch(r, r->bx, n);
+    Var *logits = model_forward(&r->net.model, t, x);
+    /* the loss op refuses non-finite logits; they are this guard's to report */
+    if (logits && floats_first_nonfinite(logits->value.data, var_numel(logits)) < var_numel(logits))
+        return run_nonfinite(r, x, NAN, NULL, err);
     Var *loss = nn_softmax_cross_entropy(t, logits, r->by);
     if (tape_backward(t, loss) != QT_OK)
         return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->step + 1, t->err.msg);
     double l = loss->value.data[0];
-    if (!isfinite(l))
-        return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training loss is %g; lower "
-                            "train.optimizer.lr or set train.grad_clip", r->step + 1, l);
+    char grad_where[384];
+    if (!isfinite(l)) return run_nonfinite(r, x, l, NULL, err);
+    if (!guard_grads_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where))
+        return run_nonfinite(r, x, l, grad_where, err);
+    r->nonfinite_streak = 0;
     r->win_loss_sum += l;
     r->win_correct += count_correct(logits, r->by, n);
     r->win_seen += n, r->win_steps++;
+    run_watch_loss(r, l);
     if (r->cfg->train.grad_clip > 0)
         optim_clip_grad_norm(r->net.trainable, r->net.n_trainable, r->cfg->train.grad_clip);
     optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
@@ -386,8 +452,10 @@ QtStatus run_step(Run *r, QtError *err) {
 static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
     double loss = r->win_loss_sum / (double)r->win_steps, acc = (double)r->win_correct / (double)r->win_seen;
     double lr = lr_schedule_at(&r->sched, r->step - 1);
-    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f\n", r->step, run_epoch(r),
-            loss, acc, lr, samples_per_s);
+    char skipped[48] = ""; /* train.on_nonfinite: skip: the steps dropped so far, once there are any */
+    if (r->nonfinite_skipped > 0) snprintf(skipped, sizeof skipped, " skipped:%" PRId64, r->nonfinite_skipped);
+    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f%s\n", r->step, run_epoch(r),
+            loss, acc, lr, samples_per_s, skipped);
     r->win_loss_sum = 0.0;
     r->win_correct = r->win_seen = r->win_steps = 0;
     return metrics_write(&r->metrics, "train", r->step, run_epoch(r), loss, acc, lr, samples_per_s,
@@ -423,7 +491,7 @@ static QtStatus run_loop(Run *r, QtError *err) {
         window_examples += r->trained_examples - before;
         bool last = r->step == r->total_steps;
         if ((tc->log_every > 0 && r->step % tc->log_every == 0) || last) {
-            r->last_train_loss = r->win_loss_sum / (double)r->win_steps;
+            if (r->win_steps) r->last_train_loss = r->win_loss_sum / (double)r->win_steps; /* else all skipped */
             st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
             window_examples = 0, train_window_s = 0.0;
         }
@@ -486,6 +554,10 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
         snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
                  r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
+    if (!is_eval) {
+        json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
+        json_int(&w, "divergences", r->loss_watch.occurrences);
+    }
     json_number(&w, "peak_rss_mb", res->peak_rss_mb);
     if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
     json_end(&w);
