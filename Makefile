@@ -11,6 +11,8 @@
 #                   (Debian's python3-torch, installed if missing), side by side
 #   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
 #   make fuzz       the libFuzzer targets (clang), FUZZ_SECONDS each (fuzz/README.md)
+#   make memcheck   tiny end-to-end runs under valgrind's memcheck (Debian's valgrind, installed
+#                   if missing): fails on any memory error or leak (scripts/memcheck.sh)
 
 PKGS    := openblas hdf5 yaml-0.1 zlib
 CFLAGS  ?= -O2
@@ -49,7 +51,7 @@ TESTS  := $(BUILD)/tests/run_tests
 DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
 APT_ENV  := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: compare all deps pkgcheck test run bench bench-torch torch-deps fixtures clean
+.PHONY: compare all deps pkgcheck test run bench bench-torch torch-deps fixtures memcheck clean
 all: $(LIB) $(QTRAIN)
 
 deps:
@@ -123,6 +125,18 @@ bench-torch: deps torch-deps
 # Needs Debian's python3-torch, python3-h5py and python3-numpy.
 fixtures:
 	/usr/bin/python3 tests/make_fixtures.py tests/fixtures/torch_ref.h5
+
+# Train, resume, eval, QLoRA, QAT, QT and the other commands on the mini data
+# set under valgrind (about 75 s). Always the normal -O2 -g build (valgrind
+# cannot run ASan's), so memcheck sees the code that ships. Third-party
+# blocks kept by design: tests/valgrind.supp.
+memcheck: deps
+	@dpkg-query -W -f='$${Status}' valgrind 2>/dev/null | grep -q "install ok installed" || { \
+	  echo "deps: installing valgrind"; \
+	  if [ "$$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi; \
+	  $$sudo apt-get update -qq && $$sudo $(APT_ENV) apt-get install -y -qq --no-install-recommends valgrind; }
+	$(MAKE) --no-print-directory SANITIZE= build/qtrain
+	QTRAIN=./build/qtrain sh scripts/memcheck.sh
 
 # ---- fuzzing (fuzz/README.md) ---------------------------------------------------
 # The library and the harness compiled again by clang with libFuzzer's
