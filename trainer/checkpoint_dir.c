@@ -33,7 +33,8 @@ static bool parse_ckpt_name(const char *name, long long *step) {
     return true;
 }
 
-/* "<base>.tmp.<pid>" with base a checkpoint name of ours -> the writer's pid. */
+/* "<base>.tmp.<pid>" with base a checkpoint name of ours -> the writer's pid.
+ * adapters.h5 is one of ours too: a LoRA run writes it beside each checkpoint. */
 static bool parse_tmp_name(const char *name, const char *own, long *pid) {
     const char *t = strstr(name, ".h5.tmp.");
     if (!t) return false;
@@ -47,7 +48,7 @@ static bool parse_tmp_name(const char *name, const char *own, long *pid) {
     base[base_len] = '\0';
     long long step;
     if (!(parse_ckpt_name(base, &step) || strcmp(base, "last.h5") == 0 || strcmp(base, "final.h5") == 0 ||
-          strcmp(base, own) == 0))
+          strcmp(base, "adapters.h5") == 0 || strcmp(base, own) == 0))
         return false;
     *pid = strtol(digits, NULL, 10);
     return true;

@@ -25,14 +25,19 @@ void format_duration(char *buf, size_t cap, double seconds) {
 }
 
 /* Copies the rows of an existing metrics.csv with step <= keep into `out`.
- * A missing file is not an error: the resumed run may use a new out_dir. */
+ * A missing file is not an error: the resumed run may use a new out_dir. A
+ * last line without its newline is a row cut short (the disk filled up or
+ * the run was killed while appending it): its step may be cut short too, so
+ * it is dropped rather than kept as a bogus row that the next one would
+ * continue. */
 static void metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
     FILE *in = fopen(path, "r");
     if (!in) return;
     char line[512];
     bool header = true;
     while (fgets(line, sizeof line, in)) {
-        if (header) {
+        size_t len = strlen(line);
+        if (header || len == 0 || line[len - 1] != '\n') {
             header = false;
             continue;
         }
@@ -44,22 +49,33 @@ static void metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
     fclose(in);
 }
 
+/* What a user can do about a failed write, by errno. */
+static const char *write_hint(int e) {
+    if (e == ENOSPC || e == EDQUOT || e == EFBIG) return "free disk space or change run.out_dir";
+    if (e == EACCES || e == EPERM || e == EROFS || e == ENOENT || e == ENOTDIR)
+        return "make run.out_dir a writable directory";
+    return "check the disk and run.out_dir";
+}
+
 QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step, QtError *err) {
     memset(ml, 0, sizeof *ml);
     snprintf(ml->path, sizeof ml->path, "%s/metrics.csv", dir);
     char tmp[sizeof ml->path + 32];
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", ml->path, (long)getpid());
     FILE *f = fopen(tmp, "w");
-    if (!f)
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; make run.out_dir a writable directory", tmp,
-                            strerror(errno));
+    if (!f) {
+        int e = errno;
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", tmp, strerror(e), write_hint(e));
+    }
     fputs(METRICS_HEADER, f);
     if (keep_through_step >= 0) metrics_copy_rows(f, ml->path, keep_through_step);
-    if (fflush(f) != 0 || rename(tmp, ml->path) != 0) {
-        int e = errno;
+    /* ferror: a write that failed while copying, before this flush, is sticky. */
+    errno = 0;
+    if (fflush(f) != 0 || ferror(f) || rename(tmp, ml->path) != 0) {
+        int e = errno ? errno : EIO;
         fclose(f);
         remove(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", ml->path, strerror(e));
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", ml->path, strerror(e), write_hint(e));
     }
     /* The renamed file stays open: rows are appended to the real name. */
     ml->csv = f;
@@ -71,10 +87,9 @@ QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double e
     if (!ml->csv) return QT_OK;
     int n = fprintf(ml->csv, "%s,%" PRId64 ",%.4f,%.9g,%.9g,%.9g,%.1f,%.3f\n", split, step, epoch, loss, accuracy,
                     lr, samples_per_s, wall_s);
-    if (n < 0 || fflush(ml->csv) != 0)
-        return qt_error_set(err, QT_ERR_IO, "cannot append to %s: %s; free disk space or change run.out_dir",
-                            ml->path, strerror(errno));
-    return QT_OK;
+    if (n >= 0 && fflush(ml->csv) == 0) return QT_OK;
+    int e = errno;
+    return qt_error_set(err, QT_ERR_IO, "cannot append to %s: %s; %s", ml->path, strerror(e), write_hint(e));
 }
 
 void metrics_close(MetricsLog *ml) {
