@@ -155,8 +155,9 @@ static void test_save_in_dir_rotation(void) {
     DirRun r;
     dirrun_init(&r, 1, 1);
     /* Files that are not ours, a temp file of a dead process and one of a live one. */
-    const char *planted[] = {"notes.txt", "ckpt-abc.h5", "ckpt-00000001.h5.tmp.999999999", "ckpt-00000002.h5.tmp.1"};
-    for (int i = 0; i < 4; i++) {
+    const char *planted[] = {"notes.txt", "ckpt-abc.h5", "ckpt-00000001.h5.tmp.999999999", "ckpt-00000002.h5.tmp.1",
+                             "metrics.csv.tmp.999999999", "summary.json.tmp.999999999", "notes.txt.tmp.999999999"};
+    for (int i = 0; i < 7; i++) {
         char *p = test_path_join(dir, planted[i]);
         test_file_write(p, "x", 1);
         free(p);
@@ -176,6 +177,9 @@ static void test_save_in_dir_rotation(void) {
     CU_ASSERT(test_file_exists(dir, "notes.txt") && test_file_exists(dir, "ckpt-abc.h5"));
     CU_ASSERT_FALSE(test_file_exists(dir, "ckpt-00000001.h5.tmp.999999999"));
     CU_ASSERT(test_file_exists(dir, "ckpt-00000002.h5.tmp.1"));
+    CU_ASSERT_FALSE(test_file_exists(dir, "metrics.csv.tmp.999999999")); /* a run killed at its start */
+    CU_ASSERT_FALSE(test_file_exists(dir, "summary.json.tmp.999999999"));
+    CU_ASSERT(test_file_exists(dir, "notes.txt.tmp.999999999")); /* not a file of ours */
     char *last = test_path_join(dir, "last.h5");
     CU_ASSERT_EQUAL(saved_step(last), 40);
     struct stat a, b;

@@ -33,28 +33,31 @@ static bool parse_ckpt_name(const char *name, long long *step) {
     return true;
 }
 
-/* "<base>.tmp.<pid>" with base a checkpoint name of ours -> the writer's pid.
- * adapters.h5 is one of ours too: a LoRA run writes it beside each checkpoint. */
+/* "<base>.tmp.<pid>" with base a file a run writes atomically -> the
+ * writer's pid: checkpoints, adapters.h5 (beside each checkpoint of a LoRA
+ * run), metrics.csv (rewritten at start) and the closing JSON files. */
 static bool parse_tmp_name(const char *name, const char *own, long *pid) {
-    const char *t = strstr(name, ".h5.tmp.");
+    const char *t = strstr(name, ".tmp.");
     if (!t) return false;
-    const char *digits = t + 8, *q = digits;
+    const char *digits = t + 5, *q = digits;
     while (*q >= '0' && *q <= '9') q++;
     if (q == digits || *q || q - digits > 9) return false;
-    size_t base_len = (size_t)(t + 3 - name);
+    size_t base_len = (size_t)(t - name);
     char base[256];
     if (base_len >= sizeof base) return false;
     memcpy(base, name, base_len);
     base[base_len] = '\0';
+    static const char *const fixed[] = {"last.h5", "final.h5", "adapters.h5", "metrics.csv", "summary.json",
+                                        "eval.json"};
     long long step;
-    if (!(parse_ckpt_name(base, &step) || strcmp(base, "last.h5") == 0 || strcmp(base, "final.h5") == 0 ||
-          strcmp(base, "adapters.h5") == 0 || strcmp(base, own) == 0))
-        return false;
+    bool known = parse_ckpt_name(base, &step) || strcmp(base, own) == 0;
+    for (size_t i = 0; !known && i < sizeof fixed / sizeof *fixed; i++) known = strcmp(base, fixed[i]) == 0;
+    if (!known) return false;
     *pid = strtol(digits, NULL, 10);
     return true;
 }
 
-/* Removes temp files that a crashed save left behind: ours (no save of this
+/* Removes temp files that a crashed save or run left behind: ours (no save of this
  * process is in flight now) and those of processes that no longer exist. */
 static void remove_stale_tmps(const char *dir, const char *own) {
     DIR *d = opendir(dir);
