@@ -38,5 +38,17 @@ int qarray_blobs(const QArray *q, QArrayBlob *out);
  * lay it out, every buffer zeroed. */
 QtStatus qarray_alloc(QArray *q, int ndim, const int *shape, const QType *qtype, const QArrayOptions *options,
                       QtError *err);
+/* Checks blobs filled from a file for values quantization never stores and
+ * that would turn dequantized values into NaN, Inf or nonsense: a scale
+ * that is NaN, infinite, zero or negative in whatever form it is stored
+ * (float32, float16/bfloat16 bits, an e8m0 code 255; double quantization:
+ * a non-finite rebuilt scale, since a rebuilt one may be 0 or negative, or
+ * a block absmax that is not finite and > 0), an MX block whose shared
+ * scale is the NaN code 255, a zero point outside the format's code range
+ * (narrow range applied) or not finite, and an 8-bit float code that is
+ * NaN. QT_OK, or QT_ERR_FORMAT for the first such value, with a message
+ * that starts with the blob's name and the element index ("scale[3] =
+ * nan; ..."), so the caller prefixes where the blobs came from. */
+QtStatus qarray_check_stored(const QArray *q, QtError *err);
 
 #endif

@@ -1,6 +1,8 @@
 /* checkpoint_net.c - the /quant and /lora groups of a checkpoint (layout in
  * checkpoint.h): quantized base weights stored as their packed codes and
- * scales, static activation ranges, and LoRA adapters. */
+ * scales, static activation ranges, and LoRA adapters. Loading checks the
+ * stored scales, zero points and ranges before anything uses them: a value
+ * no run writes would otherwise load and turn every logit into NaN. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,6 +114,10 @@ QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err) {
 
 /* ---- reading ----------------------------------------------------------------------- */
 
+/* What to do about a value no run writes (a flipped bit, a file edited or written by another tool). */
+#define DAMAGED_HINT "the checkpoint is damaged: resume from an earlier checkpoint, or write it again (qtrain " \
+                     "quantize for a PTQ base, or the run that saved it)"
+
 #define QUANT_HINT "the checkpoint's base was quantized with other settings; use the quant rules it was written " \
                    "with (qtrain inspect %s shows them) or quantize the float base again"
 
@@ -181,7 +187,13 @@ static QtStatus read_blobs(const H5ioFile *f, const char *g, QArray *w, QtError 
             st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has dq_block %lld, the layout uses %d", f->path, g,
                               (long long)block, w->dq.block);
         w->dq.offset = (float)offset;
+        if (st == QT_OK && !isfinite(w->dq.offset))
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has dq_offset %g; the mean of the double-quantized "
+                              "scales is finite; " DAMAGED_HINT, f->path, g, offset);
     }
+    QtError e = {0};
+    if (st == QT_OK && qarray_check_stored(w, &e) != QT_OK)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s/%s; " DAMAGED_HINT, f->path, g, e.msg);
     return st;
 }
 
@@ -196,8 +208,30 @@ static QtStatus read_running_stats(const H5ioFile *f, const char *obj, CalibRunn
     if (st == QT_OK) st = h5io_attr_read_i64(f, obj, "count", &out->count, err);
     QtError e = {0};
     if (st == QT_OK && calib_running_check(out, &e) != QT_OK)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s", f->path, obj, e.msg);
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: %s; " DAMAGED_HINT, f->path, obj, e.msg);
     return st;
+}
+
+/* The static input scale and zero point, held to what the layer's forward (fake quantization and the int8
+ * path alike) accepts: a finite scale > 0 (qlayer_act_from_stats and a converted learned range write at least
+ * 1e-19; a smaller one acts as 1), and for an asymmetric range a zero point that is a whole code of the
+ * format's range; a symmetric layer stores 0 and never reads it. A scale <= 0 or NaN would otherwise leave the
+ * input unquantized without a word (act_ready is act_scale > 0). */
+static QtStatus check_act_range(const H5ioFile *f, const char *g, const QLayer *q, double s, double zp,
+                                QtError *err) {
+    const QType *t = q->spec.act_qtype;
+    float sf = (float)s; /* as the layer will hold it */
+    if (!(sf > 0.0f) || isinf(sf))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has scale %g (the static input range of module %s); a "
+                            "static activation scale must be finite and > 0; " DAMAGED_HINT, f->path, g, s,
+                            q->module->path);
+    bool asym = !q->spec.act_symmetric;
+    if (!isfinite(zp) || (asym && (zp < t->qmin || zp > t->qmax || zp != nearbyint(zp))))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has zero_point %g (the static input range of module %s); "
+                            "it must be %s %s's code range [%d, %d]; " DAMAGED_HINT, f->path, g, zp, q->module->path,
+                            asym ? "a whole number in" : "finite (0 when symmetric), and asymmetric a whole number in",
+                            t->name, t->qmin, t->qmax);
+    return QT_OK;
 }
 
 static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, float *scale_zp, QtError *err) {
@@ -212,6 +246,7 @@ static QtStatus read_act(const H5ioFile *f, const QLayer *q, CalibRunning *out, 
     double s = NAN, zp = 0.0;
     if (st == QT_OK) st = h5io_attr_read_f64(f, g, "scale", &s, err);
     if (st == QT_OK) st = h5io_attr_read_f64(f, g, "zero_point", &zp, err);
+    if (st == QT_OK) st = check_act_range(f, g, q, s, zp, err);
     scale_zp[0] = (float)s, scale_zp[1] = (float)zp;
     return st;
 }
@@ -365,6 +400,24 @@ static QtStatus read_qt(const H5ioFile *f, const CheckpointNet *net, CkptNetStag
     return st;
 }
 
+/* v [n] of a learned range, held to what the fake-quant op accepts: a tqt log2_t of either sign (a fresh range
+ * holds 0, threshold 1) and an lsq step size, each giving a scale in [1e-19, 3.4e38], so an lsq value <= 0 is
+ * refused. Training stops on a non-finite value (net_check_ranges) and the op on a scale outside that range, so
+ * a run could not go on from a checkpoint holding either. */
+static QtStatus check_range_values(const H5ioFile *f, const char *ds, const FqRange *r, const float *v, size_t n,
+                                   QtError *err) {
+    for (size_t i = 0; i < n; i++) {
+        float s = fq_range_scale(&r->spec, v[i]);
+        if (isfinite(v[i]) && s >= QARRAY_SCALE_MIN && !isinf(s)) continue;
+        bool lsq = r->spec.kind == FQ_RANGE_LSQ;
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s[%zu] = %g; a learned %s must be finite and give a scale "
+                            "in [1e-19, 3.4e38]%s; the checkpoint is damaged or the range diverged before it was "
+                            "saved: resume from an earlier checkpoint (with a lower quant.rules lr)", f->path, ds,
+                            i, (double)v[i], lsq ? "step size" : "log2 threshold", lsq ? " (it is the scale)" : "");
+    }
+    return QT_OK;
+}
+
 static QtStatus read_range(const H5ioFile *f, const char *state, const FqRange *r, float *dst, QtError *err) {
     char ds[CKPT_OBJ_MAX + 32], got[96], want[64];
     snprintf(ds, sizeof ds, "%s/%s", state, range_leaf(r));
@@ -378,6 +431,7 @@ static QtStatus read_range(const H5ioFile *f, const char *state, const FqRange *
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, this run's range %s", f->path, ds,
                           h5io_shape_str(&info, got, sizeof got), tensor_shape_str(t, want, sizeof want));
     if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+    if (st == QT_OK) st = check_range_values(f, ds, r, dst, tensor_numel(t), err);
     return st;
 }
 
