@@ -322,7 +322,7 @@ void optim_zero_grad(Optimizer *o) {
 
 static bool has_grad(const Param *p) { return p && p->trainable && p->var.grad; }
 
-double optim_clip_grad_norm(Param *const *params, int n_params, float max_norm) {
+double optim_grad_norm(Param *const *params, int n_params) {
     double sumsq = 0.0;
     for (int i = 0; i < n_params; i++) {
         if (!has_grad(params[i])) continue;
@@ -335,20 +335,28 @@ double optim_clip_grad_norm(Param *const *params, int n_params, float max_norm) 
         for (; j < n; j++) acc[0] += (double)g[j] * (double)g[j];
         sumsq += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
-    double norm = sqrt(sumsq);
-    if (!(max_norm > 0.0f)) return norm;
+    return sqrt(sumsq);
+}
+
+void optim_clip_grads_to_norm(Param *const *params, int n_params, double norm, float max_norm) {
+    if (!(max_norm > 0.0f)) return;
     /* torch: clip_coef = max_norm / (total_norm + 1e-6) on a float tensor,
      * where `scalar / tensor` is tensor.reciprocal() * scalar; then
      * clamp(max=1) and multiply, so a coefficient >= 1 changes nothing (and a
      * NaN norm, as in torch, turns every grad into NaN). */
     float coef = (1.0f / ((float)norm + 1e-6f)) * max_norm;
-    if (coef >= 1.0f) return norm;
+    if (coef >= 1.0f) return;
     for (int i = 0; i < n_params; i++) {
         if (!has_grad(params[i])) continue;
         float *g = params[i]->var.grad;
         size_t n = var_numel(&params[i]->var);
         for (size_t j = 0; j < n; j++) g[j] *= coef;
     }
+}
+
+double optim_clip_grad_norm(Param *const *params, int n_params, float max_norm) {
+    double norm = optim_grad_norm(params, n_params);
+    optim_clip_grads_to_norm(params, n_params, norm, max_norm);
     return norm;
 }
 

@@ -70,6 +70,11 @@ void optim_zero_grad(Optimizer *o);
  * max_norm / (norm + 1e-6) < 1, every such grad is scaled by that factor.
  * Returns the norm before clipping (Inf/NaN if a grad is not finite). */
 double optim_clip_grad_norm(Param *const *params, int n_params, float max_norm);
+/* Its two halves, for a caller that looks at the norm before clipping:
+ * the norm (non-finite exactly when a grad is), then the scaling by
+ * max_norm / (norm + 1e-6) when that is below 1 (nothing if max_norm <= 0). */
+double optim_grad_norm(Param *const *params, int n_params);
+void optim_clip_grads_to_norm(Param *const *params, int n_params, double norm, float max_norm);
 
 /* Bytes of moment/momentum buffers held (not counting the pointer arrays). */
 size_t optim_state_bytes(const Optimizer *o);

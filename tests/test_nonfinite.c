@@ -147,9 +147,13 @@ static float *copy_params(const Model *m, size_t *n_out) {
 
 /* A weight value poked to NaN: stop names the step, module and tensor;
  * skip drops exactly that step's update and the run goes on. */
-static void check_poked_step(bool skip) {
-    const char *ov[] = {skip ? "train.on_nonfinite=skip" : "train.on_nonfinite=stop"};
-    Config *c = load_tiny(skip ? "poke-skip" : "poke-stop", ov, 1);
+static void check_poked_step(bool skip, bool clip) {
+    /* with clipping, a non-finite gradient shows in the clipping norm; without, in a scan */
+    const char *ov[] = {skip ? "train.on_nonfinite=skip" : "train.on_nonfinite=stop",
+                        clip ? "train.grad_clip=1" : "train.grad_clip=0"};
+    char sub[32];
+    snprintf(sub, sizeof sub, "poke-%s-%d", skip ? "skip" : "stop", clip);
+    Config *c = load_tiny(sub, ov, 2);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     TrainOptions o = {.quiet = true};
     Run r;
@@ -191,8 +195,8 @@ static void check_poked_step(bool skip) {
     free(c);
 }
 
-static void test_poked_weight_stops(void) { check_poked_step(false); }
-static void test_poked_weight_skips(void) { check_poked_step(true); }
+static void test_poked_weight_stops(void) { check_poked_step(false, false), check_poked_step(false, true); }
+static void test_poked_weight_skips(void) { check_poked_step(true, false), check_poked_step(true, true); }
 
 /* An absurd learning rate blows the weights up: the run stops with the
  * step, module and tensor named, and the last good checkpoint loads. */

@@ -275,6 +275,22 @@ static void test_clip_grad_norm(void) {
     const float got5[2] = {g1[0], g2[0]};
     ASSERT_ALL_CLOSE(got5, want5, 2, 0.0, 5e-7);
     CU_ASSERT(got5[0] < 3.0f);
+
+    /* the two halves give the same bits as the whole */
+    g1[0] = 3.0f, g2[0] = 4.0f;
+    double norm = optim_grad_norm(params, 4);
+    optim_clip_grads_to_norm(params, 4, norm, 1.0f);
+    float h1 = g1[0], h2 = g2[0];
+    g1[0] = 3.0f, g2[0] = 4.0f;
+    CU_ASSERT_EQUAL(optim_clip_grad_norm(params, 4, 1.0f), norm);
+    CU_ASSERT(h1 == g1[0] && h2 == g2[0]);
+    /* a non-finite grad makes the norm non-finite (the trainer's guard relies on it) */
+    g1[0] = INFINITY;
+    CU_ASSERT(!isfinite(optim_grad_norm(params, 4)));
+    g1[0] = NAN;
+    CU_ASSERT(!isfinite(optim_grad_norm(params, 4)));
+    g1[0] = 3.4e38f, g2[0] = -3.4e38f; /* the largest finite grads: the double sum stays finite */
+    CU_ASSERT(isfinite(optim_grad_norm(params, 4)));
 }
 
 static void test_schedule_constant_warmup(void) {

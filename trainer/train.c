@@ -430,15 +430,21 @@ QtStatus run_step(Run *r, QtError *err) {
     double l = loss->value.data[0];
     char grad_where[384];
     if (!isfinite(l)) return run_nonfinite(r, x, l, NULL, err);
-    if (!guard_grads_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where))
+    /* With clipping, its norm pass finds a non-finite gradient for free (the
+     * norm is then non-finite too); without, one scan of the gradients. */
+    float clip = r->cfg->train.grad_clip;
+    double gnorm = clip > 0 ? optim_grad_norm(r->net.trainable, r->net.n_trainable) : 0.0;
+    if ((clip > 0 && !isfinite(gnorm)) || (clip <= 0 && !guard_grads_finite(r->net.trainable, r->net.n_trainable,
+                                                                             grad_where, sizeof grad_where))) {
+        guard_grads_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where);
         return run_nonfinite(r, x, l, grad_where, err);
+    }
     r->nonfinite_streak = 0;
     r->win_loss_sum += l;
     r->win_correct += count_correct(logits, r->by, n);
     r->win_seen += n, r->win_steps++;
     run_watch_loss(r, l);
-    if (r->cfg->train.grad_clip > 0)
-        optim_clip_grad_norm(r->net.trainable, r->net.n_trainable, r->cfg->train.grad_clip);
+    if (clip > 0) optim_clip_grads_to_norm(r->net.trainable, r->net.n_trainable, gnorm, clip);
     optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
     optim_zero_grad(&r->optim);
     QtStatus st = net_check_ranges(&r->net, r->step + 1, err);
