@@ -47,7 +47,7 @@ bool tensor_set_shape(Tensor *t, int ndim, const int *shape) {
  * Blocks are screened with an OR of the tests, which compilers vectorise
  * (a float sum would not be reassociated), and only a block that holds a
  * bad value is searched element by element. */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) /* clang links no resolver for it here */
 /* It runs over every gradient of every step: with AVX2 where the CPU has it
  * (chosen once, at load), a few percent of a small MLP's step less. */
 __attribute__((target_clones("avx2", "default")))
