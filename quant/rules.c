@@ -1,8 +1,60 @@
 /* rules.c - first-match rule lookup over module paths (rules.h). */
 #include "rules.h"
 
+#include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* glibc's regcomp copies the operand of every + and {n,m} (n, m copies),
+ * and nested ones multiply: "a+++...+" with 40 pluses asks for gigabytes.
+ * The product of the copy counts over the whole pattern bounds the nested
+ * product, so a pattern is refused when it passes RULE_COPIES_MAX. Adjacent
+ * repetition operators ("a++", "a*{2}") are undefined in POSIX and refused
+ * too. Returns 0, or -1 with msg filled. */
+#define RULE_COPIES_MAX 4096.0
+
+static int rule_check_repetition(const char *p, char *msg, size_t cap) {
+    double copies = 1.0;
+    bool after_rep = false;
+    for (size_t i = 0; p[i]; i++) {
+        char c = p[i];
+        if (c == '\\' && p[i + 1]) { /* an escaped character is a literal */
+            i++, after_rep = false;
+            continue;
+        }
+        if (c == '[') { /* a bracket expression: its ']' first or after '^' is literal */
+            size_t j = i + 1;
+            if (p[j] == '^') j++;
+            if (p[j] == ']') j++;
+            while (p[j] && p[j] != ']') j++;
+            i = p[j] ? j : i;
+            after_rep = false;
+            continue;
+        }
+        bool rep = c == '+' || c == '*' || c == '?' || c == '{';
+        if (rep && after_rep) {
+            snprintf(msg, cap, "two repetition operators in a row at character %zu (undefined in POSIX); use one", i + 1);
+            return -1;
+        }
+        if (c == '+') copies *= 2.0;
+        if (c == '{') {
+            char *end;
+            double lo = strtod(p + i + 1, &end), hi = lo;
+            if (*end == ',') hi = end[1] == '}' ? lo + 1.0 : strtod(end + 1, &end);
+            copies *= (hi > lo ? hi : lo) + 1.0;
+            while (p[i] && p[i] != '}') i++;
+            if (!p[i]) break; /* regcomp reports the unclosed brace */
+        }
+        after_rep = rep;
+        if (copies > RULE_COPIES_MAX) {
+            snprintf(msg, cap, "its + and {n,m} repetitions would make regcomp copy parts of it more than %.0f times "
+                     "(each + doubles, {n,m} multiplies by m); use * or fewer repetitions", RULE_COPIES_MAX);
+            return -1;
+        }
+    }
+    return 0;
+}
 
 static int rule_compile_one(regex_t *re, const char *pattern, char *msg, size_t cap) {
     char full[RULE_PATTERN_MAX + 8];
@@ -20,7 +72,12 @@ QtStatus rule_set_compile(RuleSet *s, const void *rules, int n, size_t stride, Q
         return qt_error_set(err, QT_ERR_CONFIG, "%d rules; at most %d are supported", n, RULES_MAX);
     for (int i = 0; i < n; i++) {
         const RuleMatch *r = (const RuleMatch *)((const char *)rules + (size_t)i * stride);
-        char msg[160];
+        char msg[200];
+        if (rule_check_repetition(r->module_path, msg, sizeof msg) != 0) {
+            rule_set_free(s);
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: module_path \"%s\" is refused: %s", r->where,
+                                r->module_path, msg);
+        }
         if (rule_compile_one(&s->re[i], r->module_path, msg, sizeof msg) != 0) {
             rule_set_free(s);
             return qt_error_set(err, QT_ERR_CONFIG,

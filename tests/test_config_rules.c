@@ -182,6 +182,13 @@ static void test_rules_regex_error(void) {
                NAME ":14:7: quant.rules[1]", "module_path \"fc[\"", "regular expression", want);
     EXPECT_ERR(LORA "    - module_path: \"(head\"\n      rank: 4\n", NAME ":12:7: lora.rules[0]", "\"(head\"",
                "regular expression");
+    /* patterns that would make regcomp copy their parts exponentially (gigabytes) */
+    EXPECT_ERR(PTQ "    - {module_path: \"fc++++++++++++++++++++++++++++++++++++++1\", weight_qtype: int8}\n",
+               NAME ":13:7: quant.rules[0]", "two repetition operators in a row", "use one");
+    EXPECT_ERR(PTQ "    - {module_path: \"((((((((((((((f+)+)+)+)+)+)+)+)+)+)+)+)+)+)\", weight_qtype: int8}\n",
+               NAME ":13:7: quant.rules[0]", "more than 4096 times", "use *");
+    EXPECT_ERR(PTQ "    - {module_path: \"fc{1,5000}\", weight_qtype: int8}\n", NAME ":13:7: quant.rules[0]",
+               "more than 4096 times", "fc{1,5000}");
 }
 
 static void test_quant_errors(void) {
