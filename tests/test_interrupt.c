@@ -38,7 +38,7 @@ static double now_s(void) {
 
 /* The arguments of a training run of CONFIG into dir/name for `steps` steps
  * (checkpoint every 7: not a multiple of the logging or eval period);
- * `extra` (NULL-terminated, may be NULL) follows. Strings live in `buf`. */
+ * `extra` (NULL-terminated, may be NULL) follows. Strings live in `a`. */
 typedef struct {
     char out[512], steps[64], ckpt[64];
     const char *argv[24];

@@ -47,6 +47,7 @@ bool guard_grads_finite(Param *const *ps, int n, char *where, size_t cap) {
         n_bad++, last = i, last_index = bad;
     }
     if (n_bad == 0) return true;
+    if (!where || cap == 0) return false;
     char module[PARAM_NAME_MAX];
     const char *tensor;
     param_where(ps[last], module, sizeof module, &tensor);

@@ -33,6 +33,7 @@ typedef struct {
 bool loss_watch_feed(LossWatch *w, double loss, double factor, double *fast_mean, double *slow_mean);
 
 /* Whether every trainable parameter's gradient is finite. If not, `where`
+ * (may be NULL)
  * names the parameter nearest the loss (last in model order) whose gradient
  * holds a NaN or infinity: its module, tensor, first bad index and value,
  * and how many of the n tensors are affected. ps: [n]. */

@@ -434,8 +434,8 @@ QtStatus run_step(Run *r, QtError *err) {
      * norm is then non-finite too); without, one scan of the gradients. */
     float clip = r->cfg->train.grad_clip;
     double gnorm = clip > 0 ? optim_grad_norm(r->net.trainable, r->net.n_trainable) : 0.0;
-    if ((clip > 0 && !isfinite(gnorm)) || (clip <= 0 && !guard_grads_finite(r->net.trainable, r->net.n_trainable,
-                                                                             grad_where, sizeof grad_where))) {
+    bool finite = clip > 0 ? isfinite(gnorm) : guard_grads_finite(r->net.trainable, r->net.n_trainable, NULL, 0);
+    if (!finite) { /* name the tensor: only on this rare path is the scan repeated for it */
         guard_grads_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where);
         return run_nonfinite(r, x, l, grad_where, err);
     }
