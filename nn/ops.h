@@ -84,9 +84,10 @@ typedef struct {
 } ConvLowRank;
 /* nn_conv2d_fused plus scale * conv(conv(x, A), B). The forward and the
  * input gradient run on the merged weight w + scale * B A (formed once per
- * call); A's and B's gradients share each chunk's im2col with the base. No
- * (N, rank, OH, OW) or second (N, OC, OH, OW) tensor is held, and a frozen
- * w costs no weight gradient. B = 0 gives the base's output bit for bit.
+ * call); the forward also keeps A x (N, rank, OH, OW) for B's gradient, and
+ * the input gradient's product also gives scale B^T dy for A's. No second
+ * (N, OC, OH, OW) tensor is held, and a frozen w costs no weight gradient.
+ * B = 0 gives the base's output bit for bit.
  * lr NULL: nn_conv2d_fused. */
 Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
                              ConvEpilogue epi);

@@ -123,6 +123,11 @@ static const BlockCase block_cases[] = {
     {40, 1, 6, 6, 3, 3, 1, 1}, /* many samples: several chunks per task */
     {2, 2, 14, 14, 3, 3, 1, 1}, /* 7 windows a row: a group of four and an overlapping one */
     {2, 1, 17, 27, 2, 3, 1, 1}, /* odd sizes with groups of four: 13 windows a row, 8 rows */
+    /* With the rank-2 term of the low-rank tests, the cases above take A's and
+     * B's gradients from the full weight gradient, except {2, 3, 7, 5, 5}; these
+     * take the adapter's own products: */
+    {2, 4, 9, 9, 6, 3, 2, 0},   /* stride 2: dA as dt col^T */
+    {40, 3, 12, 12, 5, 3, 1, 1}, /* "same": dA as x dtcol^T, over several chunks per task */
 };
 
 /* Runs the block fused and as separate ops on the same inputs; returns
@@ -327,22 +332,33 @@ static void test_lowrank_matches_adapter_ops(void) {
 }
 
 static Var *lowrank_fn(Tape *t, Var **in, void *ctx) {
+    const FusedArgs *f = ctx;
     ConvLowRank lr = {in[2], in[3], 0.75f};
-    (void)ctx;
-    return nn_conv2d_fused_lowrank(t, in[0], in[1], NULL, &lr, 1, 1, CONV_EPI_NONE);
+    return nn_conv2d_fused_lowrank(t, in[0], in[1], NULL, &lr, f->stride, f->padding, CONV_EPI_NONE);
 }
 
+/* Every input trainable, the weight too, so each backward path of the
+ * low-rank term runs beside a weight gradient: OC 3 takes A's and B's
+ * gradients from the full one; OC 6 its own products, "same" (x dtcol^T)
+ * and strided (dt col^T). */
 static void test_lowrank_gradcheck(void) {
-    Rng r;
-    rng_init(&r, 99, RNG_STREAM_INIT);
-    float x[2 * 2 * 5 * 4], w[3 * 2 * 3 * 3], a[2 * 2 * 3 * 3], b[3 * 2];
-    rng_fill_normal(&r, x, sizeof x / 4, 0.0f, 1.0f);
-    rng_fill_normal(&r, w, sizeof w / 4, 0.0f, 1.0f);
-    rng_fill_normal(&r, a, sizeof a / 4, 0.0f, 1.0f);
-    rng_fill_normal(&r, b, sizeof b / 4, 0.0f, 1.0f);
-    GradcheckInput in[4] = {{x, 4, {2, 2, 5, 4}, true}, {w, 4, {3, 2, 3, 3}, true},
-                            {a, 4, {2, 2, 3, 3}, true}, {b, 4, {3, 2, 1, 1}, true}};
-    CU_ASSERT(gradcheck("conv2d low rank", lowrank_fn, NULL, in, 4, 1e-3, 2e-3, 1e-2));
+    static const struct {
+        int OC, H, W, stride, padding;
+    } cases[] = {{3, 5, 4, 1, 1}, {6, 5, 4, 1, 1}, {6, 7, 6, 2, 0}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        const int OC = cases[k].OC, H = cases[k].H, W = cases[k].W;
+        Rng r;
+        rng_init(&r, 99 + k, RNG_STREAM_INIT);
+        float x[2 * 2 * 7 * 6], w[6 * 2 * 3 * 3], a[2 * 2 * 3 * 3], b[6 * 2];
+        rng_fill_normal(&r, x, sizeof x / 4, 0.0f, 1.0f);
+        rng_fill_normal(&r, w, sizeof w / 4, 0.0f, 1.0f);
+        rng_fill_normal(&r, a, sizeof a / 4, 0.0f, 1.0f);
+        rng_fill_normal(&r, b, sizeof b / 4, 0.0f, 1.0f);
+        GradcheckInput in[4] = {{x, 4, {2, 2, H, W}, true}, {w, 4, {OC, 2, 3, 3}, true},
+                                {a, 4, {2, 2, 3, 3}, true}, {b, 4, {OC, 2, 1, 1}, true}};
+        FusedArgs f = {cases[k].stride, cases[k].padding, CONV_EPI_NONE};
+        CU_ASSERT(gradcheck("conv2d low rank", lowrank_fn, &f, in, 4, 1e-3, 2e-3, 1e-2));
+    }
 }
 
 static void test_fused_pool_too_small(void) {
