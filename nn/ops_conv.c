@@ -78,9 +78,10 @@ static void shift_plane(float *restrict dst, const float *restrict x_plane, int 
 
 /* dx_plane (H, W) += src (H, W) shifted back by (dh, dw): one contiguous
  * add over the entries whose row reads inside the plane, after zeroing
- * the wrapped-in columns (src is scratch). */
-/* always_inline: the clones of col2im_same_s1 vectorise it in their own ISA. */
-static inline __attribute__((always_inline)) void unshift_plane_add(float *restrict dx_plane, float *restrict src, int H, int W, int dh, int dw) {
+ * the wrapped-in columns (src is scratch). Always inlined, so each clone of
+ * col2im_same_s1 vectorises it in its own ISA. */
+static inline __attribute__((always_inline)) void unshift_plane_add(float *restrict dx_plane, float *restrict src,
+                                                                    int H, int W, int dh, int dw) {
     const long long plane = (long long)H * W, off = (long long)dh * W + dw;
     zero_wrapped_columns(src, H, W, dw);
     long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane;
@@ -234,7 +235,7 @@ typedef struct {
     float *w_merged;
     int ldw;          /* w_merged's row length, C*KH*KW + rank */
     float *u;         /* (N, rank, OH, OW) A x, saved by the forward for dB; NULL when not wanted */
-    bool da_by_dt_col; /* dA as x dtcol^T (conv_da_from_dt_col), the "same" stride-1 case */
+    bool da_by_dt_col; /* dA as dtcol x^T (conv_da_from_dt_col), the "same" stride-1 case */
 } Conv2dCtx;
 
 /* Output size along one axis, or 0 if the kernel does not fit the padded input. */
@@ -494,6 +495,11 @@ static void conv_add_da_flipped(float *g, const float *parts, const ConvDims *d,
     }
 }
 
+/* Whether the backward forms dt = scale B^T dpre: for A's own gradient only. */
+static bool conv_backward_wants_dt(const ConvJob *j) {
+    return j->c->rank && !j->c->lr_via_full && j->da_part;
+}
+
 /* One chunk's backward: dpre, then the weight gradient and dB, then one
  * product for the input gradient's dcol and (with A's gradient wanted) dt =
  * scale B^T dpre, dA from dt, and col2im. */
@@ -507,7 +513,7 @@ static void conv_backward_task(void *ctx, int task, int n_tasks) {
     float *dcol = j->dcol_floats ? dpre + j->prod_floats : col, *dtcol = dpre + j->prod_floats + j->dcol_floats;
     float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL;         /* (OC, C*KH*KW) */
     double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL;              /* (OC,) */
-    const bool low_rank = c->rank && !c->lr_via_full, want_dt = low_rank && j->da_part;
+    const bool low_rank = c->rank && !c->lr_via_full, want_dt = conv_backward_wants_dt(j);
     const bool need_col = dw || (want_dt && !c->da_by_dt_col);
     /* rows of w_merged^T to multiply: dcol's (for dx), then dt's */
     const int row_lo = j->dx ? 0 : ckk, row_hi = want_dt ? ckk + c->rank : (j->dx ? ckk : 0);
@@ -552,7 +558,7 @@ static float *conv_scratch(Tape *t, ConvJob *j, bool backward) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
     const size_t cols = (size_t)c->chunk * conv_plane(d), ckk = (size_t)conv_ckk(d);
-    const bool want_dt = backward && c->rank && !c->lr_via_full && j->da_part;
+    const bool want_dt = backward && conv_backward_wants_dt(j);
     j->col_floats = ckk * cols;
     j->prod_floats = (size_t)(backward ? d->OC : j->m_fwd) * cols;
     j->dcol_floats = 0;
