@@ -477,11 +477,18 @@ static void test_schedule_errors(void) {
     EXPECT_ERR(MLP "train:\n  schedule: {name: step}\n", NAME ":7:13:", "train.schedule.step_size", "missing");
     EXPECT_ERR(MLP "train:\n  schedule: {name: step, step_size: 0}\n", "train.schedule.step_size", ">= 1");
     EXPECT_ERR(MLP "train:\n  schedule: {name: step, step_size: 5, gamma: 0}\n", "train.schedule.gamma", "> 0");
-    EXPECT_ERR(MLP "train:\n  steps: 10\n  schedule: {name: cosine, warmup_steps: 10}\n", NAME ":8:42:",
-               "train.schedule.warmup_steps", "fewer than train.steps = 10");
     EXPECT_ERR(MLP "train:\n  optimizer: {lr: 0.01}\n  schedule: {name: cosine, min_lr: 0.1}\n", NAME ":8:36:",
                "train.schedule.min_lr", "at most train.optimizer.lr");
     EXPECT_ERR(MLP "train:\n  schedule: {warmup_steps: -1}\n", "train.schedule.warmup_steps", ">= 0");
+}
+
+/* A warmup as long as or longer than train.steps loads as written: the run clamps it (and says so). */
+static void test_long_warmup_loads(void) {
+    Config c;
+    QtError e = {0};
+    CU_ASSERT_EQUAL(load(&c, MLP "train:\n  steps: 10\n  schedule: {name: cosine, warmup_steps: 100}\n", NULL, 0, &e),
+                    QT_OK);
+    CU_ASSERT_EQUAL(c.train.schedule.warmup_steps, 100);
 }
 
 static void test_later_modes(void) {
@@ -604,6 +611,7 @@ int register_config_suite(void) {
            !CU_add_test(s, "shapes that do not chain", test_shape_errors) ||
            !CU_add_test(s, "transform errors", test_transform_errors) ||
            !CU_add_test(s, "schedule errors", test_schedule_errors) ||
+           !CU_add_test(s, "a warmup longer than train.steps loads (the run clamps it)", test_long_warmup_loads) ||
            !CU_add_test(s, "quant and lora sections", test_later_modes) ||
            !CU_add_test(s, "--set overrides", test_overrides) ||
            !CU_add_test(s, "files: names, I/O errors", test_files) ||

@@ -669,6 +669,8 @@ QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *e
     QtStatus st = h5io_open(&f, path, err);
     if (st != QT_OK) return st;
     st = check_header(&f, err);
+    if (st == QT_OK && !h5io_attr_exists(&f, "", "config"))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s holds no stored config (no 'config' attribute on /)", path);
     if (st == QT_OK) st = h5io_attr_read_str(&f, "", "config", config_text, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK && cst != QT_OK) {

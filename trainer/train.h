@@ -4,6 +4,7 @@
 #define QTRAIN_TRAINER_TRAIN_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "nn/error.h"
@@ -45,8 +46,21 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *r, QtE
 
 /* Evaluates the model of `checkpoint` (parameters, quantized base,
  * adapters) on the test split of cfg's data (and validation split, if
- * any); with write_json, writes <out_dir>/eval.json. */
+ * any); with write_json, writes eval.json beside the checkpoint (in its
+ * directory), never into cfg's run.out_dir. Evaluation does not check the
+ * training schedule or batch plan: it never trains. */
 QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *r,
                                QtError *err);
+/* The same, writing the JSON to json_path (NULL: none); its directory must exist. */
+QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *r,
+                                  QtError *err);
+
+/* mkdir -p path. `what` names the setting in messages ("run.out_dir",
+ * "--out"). created (cap bytes, may be NULL) receives the topmost directory
+ * this call made, "" if every one existed. */
+QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err);
+/* Undoes train_make_dirs after a failure: removes path and its parents up
+ * to `created`, each only if empty (what a run wrote stays). */
+void train_remove_created_dirs(const char *path, const char *created);
 
 #endif
