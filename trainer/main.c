@@ -225,9 +225,11 @@ static QtStatus eval_stored_config(Config *cfg, const CliArgs *a, QtError *err) 
     char *text = NULL, name[CONFIG_PATH_MAX + 16];
     snprintf(name, sizeof name, "%s:/config", a->checkpoint);
     QtStatus st = checkpoint_read_config(a->checkpoint, &text, err);
-    if (st == QT_ERR_FORMAT && strstr(err->msg, "holds no stored config"))
+    if (st == QT_ERR_FORMAT && strstr(err->msg, "holds no stored config")) {
+        qt_error_clear(err);
         return qt_error_set(err, QT_ERR_ARG, "%s holds no stored config; pass the config the model was trained with: "
                             "qtrain eval --config FILE --checkpoint %s", a->checkpoint, a->checkpoint);
+    }
     if (st == QT_OK) st = config_load_string(cfg, text, name, a->overrides, a->n_overrides, err);
     free(text);
     if (st == QT_OK && strcmp(cfg->data.cache_dir, "none") != 0 && !overrides_set(a, "data.cache_dir"))
