@@ -521,6 +521,12 @@ static void test_overrides(void) {
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP, ov2, 5, &e), QT_OK);
     CU_ASSERT(c.train.optim.kind == OPTIM_SGD && c.train.optim.momentum == 0.9f);
     CU_ASSERT(c.train.schedule.kind == SCHED_COSINE && c.train.steps == 100 && c.model.input_shape[0] == 16);
+    /* Index == length appends an item: a whole value, or a new mapping item built key by key. */
+    const char *ov4[] = {"data.transform.0=invert", "data.transform.1={limit: 9}", "model.layers.2.type=relu",
+                         "model.layers.3.name=out", "model.layers.3.type=dense", "model.layers.3.units=10"};
+    CU_ASSERT_EQUAL_FATAL(load(&c, MLP "data:\n  transform: []\n", ov4, 6, &e), QT_OK);
+    CU_ASSERT(c.data.n_transforms == 2 && c.data.transforms[1].limit == 9);
+    CU_ASSERT(c.model.n_layers == 4 && c.model.layers[3].units == 10);
     /* An empty value is null: the default again. */
     const char *ov3[] = {"train.batch_size="};
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP "train:\n  batch_size: 8\n", ov3, 1, &e), QT_OK);
@@ -531,7 +537,7 @@ static void test_overrides(void) {
     EXPECT_SET_ERR(MLP, "train.batchsize=3", "--set train.batchsize=3: train: unknown key 'batchsize'",
                    "did you mean 'batch_size'");
     EXPECT_SET_ERR(MLP, "model.layers.5.units=1", "--set model.layers.5.units=1", "model.layers[5]", "out of range",
-                   "2 items");
+                   "2 items", "index 2 adds one");
     EXPECT_SET_ERR(MLP, "model.layers.1.units.deep=1", "--set model.layers.1.units.deep=1",
                    "model.layers[1].units is a single value");
     EXPECT_SET_ERR(MLP, "model.layers.first.units=1", "model.layers is a sequence", "'first'");
