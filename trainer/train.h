@@ -33,7 +33,7 @@ typedef struct {
     int64_t params_trainable, params_frozen;
     int64_t model_bytes;  /* bytes held for the model: float params, quantized weights, adapters */
     double base_bits_per_param; /* the frozen base's storage * 8 / its parameters (32 for a float base) */
-    const char *mode;     /* "float", "ptq", "lora", "qlora" */
+    const char *mode;     /* net_mode_name: "float", "ptq", "lora", "qlora", "qat", "qat-lora", "qt" */
     double peak_rss_mb;   /* the process's peak resident set (getrusage) */
 } TrainResult;
 
