@@ -355,6 +355,37 @@ static void test_init_from_any_float(void) {
     CU_ASSERT(log_has("fc1/bias has shape (33,) in the checkpoint but (32,) in the model"));
 }
 
+/* ---- the README's examples ------------------------------------------------------------------ */
+
+/* scripts/readme-examples.sh runs every `qtrain ...` example of README.md on the mini data set (it lists what it
+ * substitutes and skips); 77 is its "cannot run here". */
+static void test_readme_examples_run(void) {
+    if (access("scripts/readme-examples.sh", X_OK) != 0 || access("/bin/bash", X_OK) != 0) {
+        fprintf(stderr, "\n  commands: skipped: scripts/readme-examples.sh or /bin/bash is missing\n");
+        return;
+    }
+    char log[PATH_MAX + 32], cmd[3 * PATH_MAX];
+    snprintf(log, sizeof log, "%s/readme-examples.log", tmp_root);
+    snprintf(cmd, sizeof cmd, "scripts/readme-examples.sh %s README.md >%s 2>&1", bin, log);
+    fflush(NULL);
+    int st = system(cmd);
+    int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    char *text = test_file_read(log, NULL);
+    if (code == 77) {
+        fprintf(stderr, "\n  commands: skipped: %s", text ? text : "(no reason given)\n");
+    } else {
+        if (code != 0) fprintf(stderr, "\n  scripts/readme-examples.sh exited %d:\n%s\n", code, text ? text : "");
+        CU_ASSERT_EQUAL(code, 0);
+        /* the extraction itself: the examples of every kind were found and run */
+        const char *kinds[] = {"ok      qtrain --config configs/qlora.yaml", "ok      qtrain eval --checkpoint",
+                               "ok      qtrain compare", "ok      qtrain merge", "ok      qtrain convert",
+                               "ok      qtrain quantize", "0 failed"};
+        for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+            CU_ASSERT(text && strstr(text, kinds[i]));
+    }
+    free(text);
+}
+
 int register_commands_suite(void) {
     CU_pSuite s = CU_add_suite("commands", commands_suite_init, commands_suite_cleanup);
     if (!s) return -1;
@@ -364,5 +395,6 @@ int register_commands_suite(void) {
            !CU_add_test(s, "eval.json beside the checkpoint or at --out; no config", test_eval_writes_beside_the_checkpoint) ||
            !CU_add_test(s, "compare creates its output directory", test_compare_in_a_fresh_directory) ||
            !CU_add_test(s, "a failed start leaves no directory it made", test_failed_start_leaves_nothing) ||
-           !CU_add_test(s, "init_from accepts float64 and float16 weights", test_init_from_any_float);
+           !CU_add_test(s, "init_from accepts float64 and float16 weights", test_init_from_any_float) ||
+           !CU_add_test(s, "the README's qtrain examples run on the mini data", test_readme_examples_run);
 }
