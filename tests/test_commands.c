@@ -151,6 +151,13 @@ static void test_eval_ignores_the_training_plan(void) {
     CU_ASSERT_EQUAL(cli("eval " TINY " --checkpoint %s/ev/final.h5 --set train.batch_size=100000 "
                         "--set data.drop_last=true --quiet", tmp_root), 0);
     CU_ASSERT(log_has("test_accuracy:"));
+    /* a `qtrain quantize` output stores such a config; eval takes it from there */
+    CU_ASSERT_EQUAL(cli("quantize " TINY " --checkpoint %s/ev/final.h5 --out %s/ev/int8.h5 --set quant.mode=ptq "
+                        "--set 'quant.rules=[{module_path: \".*\", weight_qtype: int8}]' --set train.steps=0 "
+                        "--set train.epochs=1 --set train.schedule.name=cosine --set train.schedule.warmup_steps=1000",
+                        tmp_root, tmp_root), 0);
+    CU_ASSERT_EQUAL(cli("eval --checkpoint %s/ev/int8.h5 --quiet", tmp_root), 0);
+    CU_ASSERT(log_has("test_accuracy:"));
 }
 
 /* A copy of src without the config attribute. */
