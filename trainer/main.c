@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "nn/gemm.h"
@@ -192,25 +191,6 @@ static int cmd_train(int argc, char **argv) {
     return 0;
 }
 
-/* Where eval.json goes: --out PATH (an existing directory gets PATH/eval.json), else beside the checkpoint.
- * Never the stored config's run.out_dir: a checkpoint's config must not decide where eval writes. */
-static int eval_json_path(const char *out, const char *checkpoint, char *path, size_t cap) {
-    struct stat sb;
-    int n;
-    if (out && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode)) n = snprintf(path, cap, "%s/eval.json", out);
-    else if (out) n = snprintf(path, cap, "%s", out);
-    else {
-        const char *slash = strrchr(checkpoint, '/');
-        n = slash ? snprintf(path, cap, "%.*s/eval.json", (int)(slash - checkpoint), checkpoint)
-                  : snprintf(path, cap, "eval.json");
-    }
-    if (n < 0 || (size_t)n >= cap) {
-        fprintf(stderr, "qtrain eval: the path of eval.json is too long (%s)\n", out ? "--out" : "--checkpoint");
-        return 2;
-    }
-    return 0;
-}
-
 /* Whether the overrides set `key`. */
 static bool overrides_set(const CliArgs *a, const char *key) {
     size_t n = strlen(key);
@@ -245,10 +225,9 @@ static int cmd_eval(int argc, char **argv) {
         return 2;
     }
     char json[CONFIG_PATH_MAX + 32];
-    int bad = eval_json_path(a.out, a.checkpoint, json, sizeof json);
-    if (bad) return bad;
-    Config *cfg = malloc(sizeof *cfg);
     QtError err = {0};
+    if (train_eval_json_path(a.checkpoint, a.out, json, sizeof json, &err) != QT_OK) return fail(&err, 2);
+    Config *cfg = malloc(sizeof *cfg);
     if (!cfg) return 1;
     QtStatus st;
     if (a.config) {

@@ -784,13 +784,19 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     return st;
 }
 
-/* <dir of checkpoint>/eval.json into path. */
-static QtStatus eval_json_beside(const char *checkpoint, char *path, size_t cap, QtError *err) {
-    const char *slash = strrchr(checkpoint, '/');
-    int n = slash ? snprintf(path, cap, "%.*s/eval.json", (int)(slash - checkpoint), checkpoint)
+QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err) {
+    struct stat sb;
+    int n;
+    if (out && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode)) n = snprintf(path, cap, "%s/eval.json", out);
+    else if (out) n = snprintf(path, cap, "%s", out);
+    else {
+        const char *slash = strrchr(checkpoint, '/');
+        n = slash ? snprintf(path, cap, "%.*s/eval.json", (int)(slash - checkpoint), checkpoint)
                   : snprintf(path, cap, "eval.json");
+    }
     if (n < 0 || (size_t)n >= cap)
-        return qt_error_set(err, QT_ERR_ARG, "checkpoint path too long (%zu characters)", strlen(checkpoint));
+        return qt_error_set(err, QT_ERR_ARG, "the path of eval.json is too long (%s has %zu characters)",
+                            out ? "--out" : "the checkpoint path", strlen(out ? out : checkpoint));
     return QT_OK;
 }
 
@@ -821,7 +827,7 @@ QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, con
 QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
                                QtError *err) {
     char path[CONFIG_PATH_MAX + 32];
-    QtStatus st = write_json ? eval_json_beside(checkpoint, path, sizeof path, err) : QT_OK;
+    QtStatus st = write_json ? train_eval_json_path(checkpoint, NULL, path, sizeof path, err) : QT_OK;
     if (st != QT_OK) return st;
     return train_eval_checkpoint_to(cfg, checkpoint, write_json ? path : NULL, res, err);
 }

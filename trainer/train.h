@@ -51,7 +51,11 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *r, QtE
  * training schedule or batch plan: it never trains. */
 QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *r,
                                QtError *err);
-/* The same, writing the JSON to json_path (NULL: none); its directory must exist. */
+/* Where eval.json goes: `out` (a file, or an existing directory to hold
+ * eval.json), or with out NULL beside the checkpoint. Never a config's
+ * run.out_dir: a checkpoint's stored config does not decide where eval writes. */
+QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err);
+/* The same evaluation, writing the JSON to json_path (NULL: none); its directory must exist. */
 QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *r,
                                   QtError *err);
 
