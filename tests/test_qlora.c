@@ -117,6 +117,44 @@ static void test_rules_first_full_match(void) {
     free(c);
 }
 
+/* A rule that matches only modules earlier rules (or lora.trainable) took is
+ * named with them, not sent to "check the regex". */
+static void test_rules_shadowed_warning(void) {
+    const char *ov[] = {"quant.rules.1.module_path=fc1|head", "lora.rules=[{module_path: \"conv1|fc1\", rank: 2}, "
+                        "{module_path: \"fc.*\", rank: 2}, {module_path: nothing, rank: 2}]"};
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "rules-shadow", ov, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    Net n;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_SHELL, &err), QT_OK);
+    FILE *f = tmpfile();
+    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 2);
+    rewind(f);
+    char line[1024] = "";
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "lora.rules[1]") && strstr(line, "matches fc1") && strstr(line, "lora.rules[0] took them"));
+    CU_ASSERT_PTR_NULL(strstr(line, "check the regex"));
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "lora.rules[2]") && strstr(line, "check the regex"));
+    fclose(f);
+    net_free(&n);
+    /* a rule whose only module is lora.trainable names that */
+    const char *ov2[] = {"quant.rules=[{module_path: conv1, weight_qtype: int8}, {module_path: fc1, weight_qtype: "
+                         "int8}, {module_path: head, weight_qtype: int8}]"};
+    Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "rules-shadow2", ov2, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c2, NET_SHELL, &err), QT_OK);
+    f = tmpfile();
+    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 1);
+    rewind(f);
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "quant.rules[2]") && strstr(line, "matches head") && strstr(line, "lora.trainable took"));
+    fclose(f);
+    net_free(&n);
+    free(c);
+    free(c2);
+}
+
 /* ---- adapter gradients over a quantized base ------------------------------------ */
 
 static void check_qbase_adapter(const char *name, const LayerSpec *layer, int in_ndim, const int *in_shape,
@@ -531,6 +569,8 @@ int register_qlora_suite(void) {
     return !CU_add_test(s, "adapter gradients over a quantized base (dense, conv)",
                         test_adapter_grads_over_quantized_base) ||
            !CU_add_test(s, "rules: first full match, op_types, unused-rule warning", test_rules_first_full_match) ||
+           !CU_add_test(s, "rules: a shadowed rule names the rule that took its modules",
+                        test_rules_shadowed_warning) ||
            !CU_add_test(s, "qlora run: learns, base bit-identical", test_qlora_run_learns_and_keeps_base) ||
            !CU_add_test(s, "qlora resume exact; adapters.h5 round trip", test_qlora_resume_is_exact) ||
            !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||
