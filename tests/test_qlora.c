@@ -558,7 +558,12 @@ static void test_bad_inputs(void) {
     char from[1200];
     snprintf(from, sizeof from, "model.adapters_from=%s", path_in("q1", "adapters.h5"));
     const char *other[] = {from, "lora.rules.0.rank=2"};
-    expect_run_error("e-adapters", other, 2, QT_ERR_FORMAT, "conv1", "shape");
+    expect_run_error("e-adapters", other, 2, QT_ERR_CONFIG, "conv1 was trained with rank 4", "gives rank 2");
+    /* the stored alpha and rslora win over nothing: a mismatch is refused, naming both values */
+    const char *alpha[] = {from, "lora.rules.0.alpha=4"};
+    expect_run_error("e-alpha", alpha, 2, QT_ERR_CONFIG, "rank 4, alpha 8, rslora false", "rank 4, alpha 4,");
+    const char *rs[] = {from, "lora.rules.0.rslora=true"};
+    expect_run_error("e-rslora", rs, 2, QT_ERR_CONFIG, "conv1 was trained with", "rslora true; set that rule");
     const char *nothing[] = {"lora.rules=[]", "lora.trainable=[]"};
     expect_run_error("e-nothing", nothing, 2, QT_ERR_CONFIG, "nothing to train", "epochs: 0");
 }

@@ -121,6 +121,15 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "step", s->step, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epochs_done, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "", "config", s->config_text ? s->config_text : "", err);
+    if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_hash", CHECKPOINT_BASE_HASH, err);
+    if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_sha256", s->base_sha256, err);
+    if (st == QT_OK && s->base_sha256)
+        st = h5io_attr_write_str(f, "", "base_init_from", s->base_init_from ? s->base_init_from : "", err);
+    if (st == QT_OK && s->lora_trainable) st = h5io_attr_write_str(f, "", "lora_trainable", s->lora_trainable, err);
+    if (st == QT_OK && s->merged_from) st = h5io_attr_write_str(f, "", "merged_from", s->merged_from, err);
+    if (st == QT_OK && s->merged_from)
+        st = h5io_attr_write_str(f, "", "merged_from_base_sha256",
+                                 s->merged_from_base_sha256 ? s->merged_from_base_sha256 : "", err);
     return st;
 }
 
@@ -608,6 +617,35 @@ QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *
     return load_parts(path, m, NULL, NULL, net, false, err);
 }
 
+/* The stored rank, alpha and rslora of each adapter against the run's rule:
+ * loading B A under another scale would change the model silently. A file
+ * without these attributes (not written by qtrain) is taken by shape only. */
+static QtStatus check_adapter_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_adapters; i++) {
+        const LoraAdapter *a = &net->adapters[i];
+        char g[CKPT_OBJ_MAX];
+        if ((st = ckpt_obj_path(g, "lora", a->module->path, NULL, err)) != QT_OK) break;
+        if (h5io_kind(f, g) != H5IO_GROUP || !h5io_attr_exists(f, g, "rank") || !h5io_attr_exists(f, g, "alpha") ||
+            !h5io_attr_exists(f, g, "rslora"))
+            continue;
+        int64_t rank = 0, rslora = 0;
+        double alpha = 0.0;
+        st = h5io_attr_read_i64(f, g, "rank", &rank, err);
+        if (st == QT_OK) st = h5io_attr_read_f64(f, g, "alpha", &alpha, err);
+        if (st == QT_OK) st = h5io_attr_read_i64(f, g, "rslora", &rslora, err);
+        if (st != QT_OK) break;
+        if (rank == a->spec.rank && (float)alpha == a->spec.alpha && (rslora != 0) == a->spec.rslora) continue;
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: the adapter of module %s was trained with rank %lld, alpha %g, "
+                          "rslora %s, but this run's lora rule for %s gives rank %d, alpha %g, rslora %s; set that "
+                          "rule's rank, alpha and rslora to the stored values (a rule of its own for %s if other "
+                          "modules differ), or the adapter's scale would change", f->path, a->module->path,
+                          (long long)rank, alpha, rslora ? "true" : "false", a->module->path, a->spec.rank,
+                          (double)a->spec.alpha, a->spec.rslora ? "true" : "false", a->module->path);
+    }
+    return st;
+}
+
 QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
     /* First: the file must not hold adapters this run lacks (another model or other rules). */
     char names[CKPT_MODULES_MAX][MODULE_NAME_MAX];
@@ -625,6 +663,7 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
             st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
                               "module %s, which this run's lora rules do not adapt", path, names[i]);
     }
+    if (st == QT_OK) st = check_adapter_specs(&f, net, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;
@@ -632,15 +671,13 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
     return load_parts(path, m, NULL, NULL, &lora, true, err);
 }
 
-QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net, const char *config_text,
-                                  QtError *err) {
+QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err) {
     H5ioFile f = H5IO_FILE_INIT;
-    CheckpointState s = {.last_train_loss = NAN, .config_text = config_text};
-    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
+    CheckpointNet lora = {.adapters = s->net.adapters, .n_adapters = s->net.n_adapters};
     void *image = NULL;
     size_t size = 0;
     QtStatus st = h5io_create_mem(&f, path, (size_t)1 << 20, err);
-    if (st == QT_OK) st = write_header(&f, &s, err);
+    if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = h5io_attr_write_str(&f, "", "contents", "adapters", err);
     if (st == QT_OK) st = write_params(&f, m, true, err);
     if (st == QT_OK) st = ckpt_write_lora(&f, &lora, err);
@@ -650,6 +687,35 @@ QtStatus checkpoint_save_adapters(const char *path, const Model *m, const Checkp
     if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
     free(image);
     return st;
+}
+
+/* A string attribute of the root into out[cap] ("" when absent). */
+static QtStatus read_root_str(const H5ioFile *f, const char *name, char *out, size_t cap, QtError *err) {
+    out[0] = '\0';
+    if (!h5io_attr_exists(f, "", name)) return QT_OK;
+    char *v = NULL;
+    QtStatus st = h5io_attr_read_str(f, "", name, &v, err);
+    if (st == QT_OK) snprintf(out, cap, "%s", v);
+    free(v);
+    return st;
+}
+
+QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, QtError *err) {
+    memset(p, 0, sizeof *p);
+    H5ioFile f = H5IO_FILE_INIT;
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    st = check_header(&f, err);
+    if (st == QT_OK) st = read_count(&f, "", "step", &p->step, err);
+    if (st == QT_OK) st = read_count(&f, "", "epoch", &p->epoch, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_sha256", p->base_sha256, sizeof p->base_sha256, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_init_from", p->base_init_from, sizeof p->base_init_from, err);
+    if (st == QT_OK) st = read_root_str(&f, "merged_from", p->merged_from, sizeof p->merged_from, err);
+    if (st == QT_OK)
+        st = read_root_str(&f, "merged_from_base_sha256", p->merged_from_base_sha256,
+                           sizeof p->merged_from_base_sha256, err);
+    QtStatus cst = h5io_close(&f, err);
+    return st == QT_OK ? cst : st;
 }
 
 QtStatus checkpoint_list_quant(const char *path, char (*paths)[MODULE_NAME_MAX], int cap, int *n, QtError *err) {

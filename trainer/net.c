@@ -314,10 +314,38 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     if (st == QT_OK && how == NET_FRESH && c->model.adapters_from[0]) {
         CheckpointNet parts = net_checkpoint_parts(n);
         QtError e = {0};
-        if (checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, &e) != QT_OK)
+        if (net_check_adapters_base(n, c->model.adapters_from, stderr, &e) != QT_OK ||
+            checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, &e) != QT_OK)
             st = qt_error_set(err, e.status, "%s: model.adapters_from: %s", c->source, e.msg);
     }
     if (st != QT_OK) net_free(n);
+    return st;
+}
+
+QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err) {
+    CheckpointProvenance *p = malloc(sizeof *p);
+    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    char mine[SHA256_HEX_CHARS];
+    CheckpointNet parts = net_checkpoint_parts(n);
+    QtStatus st = checkpoint_read_provenance(path, p, err);
+    if (st == QT_OK) st = checkpoint_base_sha256(&n->model, &parts, mine, err);
+    if (st == QT_OK && !p->base_sha256[0]) {
+        fprintf(warn, "qtrain: warning: %s records no base identity (base_sha256; written by an older qtrain?): "
+                "whether its adapters were trained on this run's base (sha256 %s) cannot be checked\n", path, mine);
+    } else if (st == QT_OK && strcmp(p->base_sha256, mine) != 0) {
+        const char *from = p->base_init_from[0] ? p->base_init_from : "no init_from";
+        if (n->cfg->lora.strict_base)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s was trained on another base (sha256 %s, from %s) than this "
+                              "run's (sha256 %s, from %s), and lora.strict_base is true; point model.init_from at "
+                              "the base it was trained on", path, p->base_sha256, from, mine,
+                              n->cfg->model.init_from[0] ? n->cfg->model.init_from : "no init_from");
+        else
+            fprintf(warn, "qtrain: warning: %s was trained on another base (sha256 %s, from %s) than this run's "
+                    "(sha256 %s, from %s); its adapters may not fit this base (lora.strict_base: true makes this an "
+                    "error)\n", path, p->base_sha256, from, mine,
+                    n->cfg->model.init_from[0] ? n->cfg->model.init_from : "no init_from");
+    }
+    free(p);
     return st;
 }
 

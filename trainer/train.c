@@ -42,6 +42,7 @@ void run_free(Run *r) {
     dataset_free(&r->train), dataset_free(&r->val), dataset_free(&r->test);
     free(r->bx), free(r->by), free(r->ex), free(r->ey);
     free(r->config_text);
+    free(r->lora_trainable);
 }
 
 /* mkdir -p. */
@@ -175,6 +176,7 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .nonfinite_streak = r->nonfinite_streak,
         .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
         .net = net_checkpoint_parts(&r->net),
+        .base_sha256 = r->base_sha256[0] ? r->base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
@@ -477,7 +479,8 @@ static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtEr
     if (st != QT_OK || !config_has_lora(r->cfg)) return st;
     char path[CONFIG_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/adapters.h5", r->cfg->run.out_dir);
-    return checkpoint_save_adapters(path, &r->net.model, &s.net, r->config_text, err);
+    s.lora_trainable = r->lora_trainable;
+    return checkpoint_save_adapters(path, &r->net.model, &s, err);
 }
 
 /* The step loop, from r->step to total_steps. */
@@ -672,6 +675,21 @@ QtStatus run_prepare(Run *r, bool fresh, QtError *err) {
     return fresh ? run_calibrate(r, err) : QT_OK;
 }
 
+/* A LoRA run's base identity, once its frozen values are final (loaded,
+ * quantized or resumed): every checkpoint and adapters.h5 records it. */
+static QtStatus run_note_base(Run *r, QtError *err) {
+    if (!config_has_lora(r->cfg)) return QT_OK;
+    const LoraConfig *l = &r->cfg->lora;
+    r->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
+    if (!r->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < l->n_trainable; i++) {
+        if (i) strcat(r->lora_trainable, ",");
+        strcat(r->lora_trainable, l->trainable[i]);
+    }
+    CheckpointNet parts = net_checkpoint_parts(&r->net);
+    return checkpoint_base_sha256(&r->net.model, &parts, r->base_sha256, err);
+}
+
 static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
     QtStatus st = QT_OK;
     if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
@@ -680,6 +698,7 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
+    if ((st = run_note_base(r, err)) != QT_OK) return st;
     return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
 }
 
