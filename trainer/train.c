@@ -177,6 +177,7 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
         .net = net_checkpoint_parts(&r->net),
         .base_sha256 = r->base_sha256[0] ? r->base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
+        .lora_trainable = r->lora_trainable,
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
@@ -479,7 +480,6 @@ static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtEr
     if (st != QT_OK || !config_has_lora(r->cfg)) return st;
     char path[CONFIG_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/adapters.h5", r->cfg->run.out_dir);
-    s.lora_trainable = r->lora_trainable;
     return checkpoint_save_adapters(path, &r->net.model, &s, err);
 }
 
