@@ -493,6 +493,57 @@ static void test_quantize_then_init_from(void) {
     free(c3);
 }
 
+/* A merged checkpoint says what it is: its base's mode, where it came from
+ * (the source and its base identity), in its attributes and in eval.json;
+ * n_quant modules remain quantized. */
+static void check_merged(const char *merged, const char *source, const char *mode, int n_quant) {
+    CheckpointProvenance *p = malloc(sizeof *p), *s = malloc(sizeof *s);
+    Config *c = malloc(sizeof *c);
+    CU_ASSERT_FATAL(p && s && c);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(merged, p, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(source, s, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(p->merged_from, source);
+    CU_ASSERT_EQUAL(strlen(s->base_sha256), 64);
+    CU_ASSERT_STRING_EQUAL(p->merged_from_base_sha256, s->base_sha256);
+    char paths[8][MODULE_NAME_MAX];
+    int n = -1;
+    CU_ASSERT_EQUAL(checkpoint_list_quant(merged, paths, 8, &n, &err), QT_OK);
+    CU_ASSERT_EQUAL(n, n_quant);
+    H5ioFile f = H5IO_FILE_INIT;
+    char *m = NULL;
+    CU_ASSERT_EQUAL_FATAL(h5io_open(&f, merged, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "", "mode", &m, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(m, mode);
+    CU_ASSERT_EQUAL(h5io_kind(&f, "lora"), H5IO_MISSING);
+    free(m);
+    h5io_close(&f, NULL);
+    /* qtrain eval of it: eval.json reports the mode and the source */
+    char *text = NULL;
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_config(merged, &text, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(config_load_string(c, text, "merged", NULL, 0, &err), QT_OK);
+    free(text);
+    snprintf(c->run.out_dir, sizeof c->run.out_dir, "%s/merged-eval-%s", tmp_root, mode);
+    TrainResult r;
+    CU_ASSERT_EQUAL_FATAL(train_eval_checkpoint(c, merged, true, &r, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, mode);
+    CU_ASSERT_STRING_EQUAL(r.merged_from, source);
+    char json[1200];
+    snprintf(json, sizeof json, "%s/eval.json", c->run.out_dir);
+    text = test_file_read(json, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
+    char want[160];
+    snprintf(want, sizeof want, "\"merged_from_base_sha256\": \"%s\"", s->base_sha256);
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, want));
+    snprintf(want, sizeof want, "\"mode\": \"%s\"", mode);
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, want));
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "\"merged_from\": "));
+    free(text);
+    free(p);
+    free(s);
+    free(c);
+}
+
 static void test_merge(void) {
     /* a float base: the merge is exact up to float rounding */
     const char *float_base[] = {"quant.mode=none", "quant.rules=[]"};
@@ -505,17 +556,33 @@ static void test_merge(void) {
     CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &r, &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(r.mode, "lora");
     MergeReport rep;
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), NULL, &rep,
-                                      &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), false, NULL,
+                                      &rep, &err), QT_OK);
     CU_ASSERT_EQUAL(rep.modules, 2);
+    CU_ASSERT_STRING_EQUAL(rep.mode, "float");
     CU_ASSERT_EQUAL(rep.weight_rel_rmse, 0.0);
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) <= 0.002);
     /* a quantized base: re-quantization costs a little */
     CU_ASSERT_EQUAL_FATAL(run(q, NULL, 0, &r, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), NULL, &rep, &err),
-                          QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), false, NULL, &rep,
+                                      &err), QT_OK);
     CU_ASSERT(rep.weight_rel_rmse > 0.0 && rep.weight_rel_rmse < 0.2);
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) < 0.1);
+    CU_ASSERT(rep.test_loss_before > 0.0 && rep.test_loss_after > 0.0 && isfinite(rep.test_loss_after));
+    CU_ASSERT_STRING_EQUAL(rep.mode, "ptq");
+    check_merged(path_in("m-q", "merged.h5"), path_in("m-q", "final.h5"), "ptq", 2);
+    /* --dequantize: a float model, the dequantized base plus the adapters, without re-quantization */
+    MergeReport deq;
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged-float.h5"), true, NULL, &deq,
+                                      &err), QT_OK);
+    CU_ASSERT(deq.dequantized);
+    CU_ASSERT_EQUAL(deq.weight_rel_rmse, 0.0);
+    CU_ASSERT_STRING_EQUAL(deq.mode, "float");
+    CU_ASSERT_EQUAL(deq.test_accuracy_before, rep.test_accuracy_before);
+    /* the same function as the adapters over the quantized base, up to float rounding */
+    CU_ASSERT(fabs(deq.test_accuracy_after - deq.test_accuracy_before) <= 0.002);
+    CU_ASSERT(fabs(deq.test_loss_after - deq.test_loss_before) < 1e-3);
+    check_merged(path_in("m-q", "merged-float.h5"), path_in("m-q", "final.h5"), "float", 0);
     free(c);
     free(q);
 }

@@ -121,6 +121,7 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "step", s->step, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epochs_done, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "", "config", s->config_text ? s->config_text : "", err);
+    if (st == QT_OK && s->mode) st = h5io_attr_write_str(f, "", "mode", s->mode, err);
     if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_hash", CHECKPOINT_BASE_HASH, err);
     if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_sha256", s->base_sha256, err);
     if (st == QT_OK && s->base_sha256)

@@ -111,7 +111,8 @@ typedef struct {
     int n_rngs;
     const char *config_text; /* save: the resolved YAML (may be NULL -> "") */
     CheckpointNet net;       /* /quant and /lora, saved and restored with the rest */
-    /* save only: where the model comes from (root attributes; NULL = not written) */
+    /* save only: what the model is and where it comes from (root attributes; NULL = not written) */
+    const char *mode;           /* "float", "ptq", "lora", "qlora", ... (net_mode_name; a merge's: its base's) */
     const char *base_sha256;    /* a LoRA run's frozen base: checkpoint_base_sha256 */
     const char *base_init_from; /* ...and the model.init_from it came from ("" = none) */
     const char *lora_trainable; /* adapters: lora.trainable, comma-separated ("" = none) */

@@ -177,7 +177,7 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
         .net = net_checkpoint_parts(&r->net),
         .base_sha256 = r->base_sha256[0] ? r->base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
-        .lora_trainable = r->lora_trainable,
+        .lora_trainable = r->lora_trainable, .mode = net_mode_name(&r->net),
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
@@ -533,6 +533,10 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_string(&w, "qtrain_version", QTRAIN_VERSION);
     json_string(&w, "mode", res->mode);
     json_string(&w, "checkpoint", ckpt);
+    if (res->merged_from[0]) {
+        json_string(&w, "merged_from", res->merged_from);
+        json_string(&w, "merged_from_base_sha256", res->merged_from_base_sha256);
+    }
     if (!is_eval) {
         json_int(&w, "steps", res->steps);
         json_number(&w, "epochs", res->epochs);
@@ -766,6 +770,21 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     return st;
 }
 
+/* A `qtrain merge` output holds no adapters, whatever its config's lora
+ * section says: it is reported as its base's mode, with where it came from. */
+static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult *res, QtError *err) {
+    CheckpointProvenance *p = malloc(sizeof *p);
+    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    QtStatus st = checkpoint_read_provenance(checkpoint, p, err);
+    if (st == QT_OK && p->merged_from[0]) {
+        snprintf(res->merged_from, sizeof res->merged_from, "%s", p->merged_from);
+        snprintf(res->merged_from_base_sha256, sizeof res->merged_from_base_sha256, "%s", p->merged_from_base_sha256);
+        res->mode = r->cfg->quant.mode == QUANT_MODE_NONE ? "float" : quant_mode_name(r->cfg->quant.mode);
+    }
+    free(p);
+    return st;
+}
+
 QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
                                QtError *err) {
     Run r;
@@ -784,6 +803,7 @@ QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool w
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);
     if (st == QT_OK) run_fill_result(&r, res);
+    if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
     if (st == QT_OK && write_json) {
         char path[CONFIG_PATH_MAX + 32];
         snprintf(path, sizeof path, "%s/eval.json", cfg->run.out_dir);
