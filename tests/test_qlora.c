@@ -339,7 +339,8 @@ static void base_sha256_from_file(const char *path, char hex[SHA256_HEX_CHARS]) 
         char shape[64] = "";
         size_t len = 0, numel = 1;
         for (int k = 0; k < nd; k++) {
-            len += (size_t)snprintf(shape + len, sizeof shape - len, "%s%llu", k ? "," : "", (unsigned long long)dims[k]);
+            len += (size_t)snprintf(shape + len, sizeof shape - len, "%s%llu", k ? "," : "",
+                                    (unsigned long long)dims[k]);
             numel *= (size_t)dims[k];
         }
         uint64_t bytes = numel * size;

@@ -618,35 +618,6 @@ QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *
     return load_parts(path, m, NULL, NULL, net, false, err);
 }
 
-/* The stored rank, alpha and rslora of each adapter against the run's rule:
- * loading B A under another scale would change the model silently. A file
- * without these attributes (not written by qtrain) is taken by shape only. */
-static QtStatus check_adapter_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err) {
-    QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < net->n_adapters; i++) {
-        const LoraAdapter *a = &net->adapters[i];
-        char g[CKPT_OBJ_MAX];
-        if ((st = ckpt_obj_path(g, "lora", a->module->path, NULL, err)) != QT_OK) break;
-        if (h5io_kind(f, g) != H5IO_GROUP || !h5io_attr_exists(f, g, "rank") || !h5io_attr_exists(f, g, "alpha") ||
-            !h5io_attr_exists(f, g, "rslora"))
-            continue;
-        int64_t rank = 0, rslora = 0;
-        double alpha = 0.0;
-        st = h5io_attr_read_i64(f, g, "rank", &rank, err);
-        if (st == QT_OK) st = h5io_attr_read_f64(f, g, "alpha", &alpha, err);
-        if (st == QT_OK) st = h5io_attr_read_i64(f, g, "rslora", &rslora, err);
-        if (st != QT_OK) break;
-        if (rank == a->spec.rank && (float)alpha == a->spec.alpha && (rslora != 0) == a->spec.rslora) continue;
-        st = qt_error_set(err, QT_ERR_CONFIG, "%s: the adapter of module %s was trained with rank %lld, alpha %g, "
-                          "rslora %s, but this run's lora rule for %s gives rank %d, alpha %g, rslora %s; set that "
-                          "rule's rank, alpha and rslora to the stored values (a rule of its own for %s if other "
-                          "modules differ), or the adapter's scale would change", f->path, a->module->path,
-                          (long long)rank, alpha, rslora ? "true" : "false", a->module->path, a->spec.rank,
-                          (double)a->spec.alpha, a->spec.rslora ? "true" : "false", a->module->path);
-    }
-    return st;
-}
-
 QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
     /* First: the file must not hold adapters this run lacks (another model or other rules). */
     char names[CKPT_MODULES_MAX][MODULE_NAME_MAX];
@@ -664,7 +635,7 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
             st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
                               "module %s, which this run's lora rules do not adapt", path, names[i]);
     }
-    if (st == QT_OK) st = check_adapter_specs(&f, net, err);
+    if (st == QT_OK) st = ckpt_check_lora_specs(&f, net, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;

@@ -3,7 +3,10 @@
  * Layout (format version 1; readable and writable from h5py):
  *   /                 attrs: format = "qtrain", version = 1 (int64),
  *                     qtrain_version (string), step, epoch (int64: whole epochs done),
- *                     config (string: the resolved YAML)
+ *                     config (string: the resolved YAML); optional: mode (string:
+ *                     net_mode_name, a merge's base mode), and for a LoRA run
+ *                     base_hash (CHECKPOINT_BASE_HASH), base_sha256, base_init_from,
+ *                     lora_trainable, for a merge merged_from, merged_from_base_sha256
  *   /params/<module>/<tensor>   float32, PyTorch layouts: dense weight (out, in),
  *                     conv weight (OC, C, KH, KW), biases (out,)
  *   /optim            attrs: optimizer ("adamw" | "sgd"), step (int64)
@@ -41,7 +44,7 @@
  *   /quant/<module>/grad/state   QT: attrs seed, stream, counter of the layer's
  *                     stochastic-rounding generator
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
- *                     1, 1), float32; attrs rank, alpha, scale, rslora
+ *                     1, 1), float32; attrs rank, alpha, scale, rslora, dropout, init
  * A released (quantized) weight is not under /params.
  *
  * Every file is written to "<name>.tmp.<pid>" in the same directory,

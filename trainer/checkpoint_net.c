@@ -318,6 +318,35 @@ QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStag
     return st;
 }
 
+/* The stored rank, alpha and rslora of each adapter against the run's rule:
+ * loading B A under another scale would change the model silently. A file
+ * without these attributes (not written by qtrain) is taken by shape only. */
+QtStatus ckpt_check_lora_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_adapters; i++) {
+        const LoraAdapter *a = &net->adapters[i];
+        char g[CKPT_OBJ_MAX];
+        if ((st = ckpt_obj_path(g, "lora", a->module->path, NULL, err)) != QT_OK) break;
+        if (h5io_kind(f, g) != H5IO_GROUP || !h5io_attr_exists(f, g, "rank") || !h5io_attr_exists(f, g, "alpha") ||
+            !h5io_attr_exists(f, g, "rslora"))
+            continue;
+        int64_t rank = 0, rslora = 0;
+        double alpha = 0.0;
+        st = h5io_attr_read_i64(f, g, "rank", &rank, err);
+        if (st == QT_OK) st = h5io_attr_read_f64(f, g, "alpha", &alpha, err);
+        if (st == QT_OK) st = h5io_attr_read_i64(f, g, "rslora", &rslora, err);
+        if (st != QT_OK) break;
+        if (rank == a->spec.rank && (float)alpha == a->spec.alpha && (rslora != 0) == a->spec.rslora) continue;
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: the adapter of module %s was trained with rank %lld, alpha %g, "
+                          "rslora %s, but this run's lora rule for %s gives rank %d, alpha %g, rslora %s; set that "
+                          "rule's rank, alpha and rslora to the stored values (a rule of its own for %s if other "
+                          "modules differ), or the adapter's scale would change", f->path, a->module->path,
+                          (long long)rank, alpha, rslora ? "true" : "false", a->module->path, a->spec.rank,
+                          (double)a->spec.alpha, a->spec.rslora ? "true" : "false", a->module->path);
+    }
+    return st;
+}
+
 /* ---- QAT state ---------------------------------------------------------------------------- */
 
 /* The dataset name of a learned range: the last part of its param name. */
