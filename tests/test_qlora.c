@@ -13,6 +13,7 @@
 #include "quant/qarray_io.h"
 #include "quant/qlayer.h"
 #include "test_lora.h"
+#include "test_proc.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
@@ -584,6 +585,16 @@ static void test_merge(void) {
     CU_ASSERT(fabs(deq.test_accuracy_after - deq.test_accuracy_before) <= 0.002);
     CU_ASSERT(fabs(deq.test_loss_after - deq.test_loss_before) < 1e-3);
     check_merged(path_in("m-q", "merged-float.h5"), path_in("m-q", "final.h5"), "float", 0);
+    /* the command line: --dequantize, and the accuracy and loss before and after on the last line */
+    char *log = path_in("m-q", "merge-cli.log");
+    const char *args[] = {"merge", "--dequantize", "--checkpoint", path_in("m-q", "final.h5"), "--out",
+                          path_in("m-q", "merged-cli.h5"), "--quiet", NULL};
+    CU_ASSERT_EQUAL(test_proc_run(log, args, 120.0), 0);
+    char *out = test_file_read(log, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+    CU_ASSERT(strstr(out, "merged:2 mode:float weight_rel_rmse:0 ") && strstr(out, "test_accuracy_before:") &&
+              strstr(out, "test_loss_before:") && strstr(out, "test_loss_after:"));
+    free(out);
     free(c);
     free(q);
 }
