@@ -121,6 +121,16 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "step", s->step, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epochs_done, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "", "config", s->config_text ? s->config_text : "", err);
+    if (st == QT_OK && s->mode) st = h5io_attr_write_str(f, "", "mode", s->mode, err);
+    if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_hash", CHECKPOINT_BASE_HASH, err);
+    if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_sha256", s->base_sha256, err);
+    if (st == QT_OK && s->base_sha256)
+        st = h5io_attr_write_str(f, "", "base_init_from", s->base_init_from ? s->base_init_from : "", err);
+    if (st == QT_OK && s->lora_trainable) st = h5io_attr_write_str(f, "", "lora_trainable", s->lora_trainable, err);
+    if (st == QT_OK && s->merged_from) st = h5io_attr_write_str(f, "", "merged_from", s->merged_from, err);
+    if (st == QT_OK && s->merged_from)
+        st = h5io_attr_write_str(f, "", "merged_from_base_sha256",
+                                 s->merged_from_base_sha256 ? s->merged_from_base_sha256 : "", err);
     return st;
 }
 
@@ -629,6 +639,7 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
             st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
                               "module %s, which this run's lora rules do not adapt", path, names[i]);
     }
+    if (st == QT_OK) st = ckpt_check_lora_specs(&f, net, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;
@@ -636,15 +647,13 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
     return load_parts(path, m, NULL, NULL, &lora, true, err);
 }
 
-QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net, const char *config_text,
-                                  QtError *err) {
+QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err) {
     H5ioFile f = H5IO_FILE_INIT;
-    CheckpointState s = {.last_train_loss = NAN, .config_text = config_text};
-    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
+    CheckpointNet lora = {.adapters = s->net.adapters, .n_adapters = s->net.n_adapters};
     void *image = NULL;
     size_t size = 0;
     QtStatus st = h5io_create_mem(&f, path, (size_t)1 << 20, err);
-    if (st == QT_OK) st = write_header(&f, &s, err);
+    if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = h5io_attr_write_str(&f, "", "contents", "adapters", err);
     if (st == QT_OK) st = write_params(&f, m, true, err);
     if (st == QT_OK) st = ckpt_write_lora(&f, &lora, err);
@@ -654,6 +663,35 @@ QtStatus checkpoint_save_adapters(const char *path, const Model *m, const Checkp
     if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
     free(image);
     return st;
+}
+
+/* A string attribute of the root into out[cap] ("" when absent). */
+static QtStatus read_root_str(const H5ioFile *f, const char *name, char *out, size_t cap, QtError *err) {
+    out[0] = '\0';
+    if (!h5io_attr_exists(f, "", name)) return QT_OK;
+    char *v = NULL;
+    QtStatus st = h5io_attr_read_str(f, "", name, &v, err);
+    if (st == QT_OK) snprintf(out, cap, "%s", v);
+    free(v);
+    return st;
+}
+
+QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, QtError *err) {
+    memset(p, 0, sizeof *p);
+    H5ioFile f = H5IO_FILE_INIT;
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    st = check_header(&f, err);
+    if (st == QT_OK) st = read_count(&f, "", "step", &p->step, err);
+    if (st == QT_OK) st = read_count(&f, "", "epoch", &p->epoch, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_sha256", p->base_sha256, sizeof p->base_sha256, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_init_from", p->base_init_from, sizeof p->base_init_from, err);
+    if (st == QT_OK) st = read_root_str(&f, "merged_from", p->merged_from, sizeof p->merged_from, err);
+    if (st == QT_OK)
+        st = read_root_str(&f, "merged_from_base_sha256", p->merged_from_base_sha256,
+                           sizeof p->merged_from_base_sha256, err);
+    QtStatus cst = h5io_close(&f, err);
+    return st == QT_OK ? cst : st;
 }
 
 QtStatus checkpoint_list_quant(const char *path, char (*paths)[MODULE_NAME_MAX], int cap, int *n, QtError *err) {

@@ -53,6 +53,9 @@ QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStage
  * with ckpt_staged_net_free). Either part of net may be empty. */
 QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
 QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
+/* The stored rank, alpha and rslora attributes of each of net's adapters
+ * against its spec (QT_ERR_CONFIG naming the module and both values). */
+QtStatus ckpt_check_lora_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err);
 /* Moves the staged data into net's layers and adapters. */
 void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net);
 void ckpt_staged_net_free(CkptNetStaged *sg);

@@ -136,6 +136,8 @@ typedef struct {
     char trainable[CONFIG_MAX_LAYERS][MODULE_NAME_MAX]; /* lora.trainable: modules trained in full (float,
                                                            unquantized, no adapter), e.g. a new head */
     int n_trainable;
+    bool strict_base;           /* lora.strict_base, default false: model.adapters_from over another base (its
+                                   stored base_sha256 differs from this run's) is an error, not a warning */
 } LoraConfig;
 
 typedef struct {

@@ -240,6 +240,7 @@ static void put_lora(FILE *f, const LoraConfig *l) {
         put_str(f, l->trainable[i]);
     }
     fputs("]\n", f);
+    fprintf(f, "  strict_base: %s\n", bool_str(l->strict_base));
 }
 
 char *config_to_yaml(const Config *c) {

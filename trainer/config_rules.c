@@ -18,7 +18,7 @@
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 static const char *const QUANT_KEYS[] = {"mode", "calibration_batches", "rules"};
-static const char *const LORA_KEYS[] = {"rules", "trainable"};
+static const char *const LORA_KEYS[] = {"rules", "trainable", "strict_base"};
 
 /* The first RK_MATCH_KEYS keys of both rule kinds are the match and skip. */
 enum { RK_MATCH_KEYS = 3 };
@@ -460,5 +460,6 @@ QtStatus cfg_load_lora(QtError *err, const YNode *root, const Model *dry, LoraCo
                         "a rule mapping such as {module_path: \".*\", rank: 8}", load_lora_rule, l->rules,
                         sizeof l->rules[0], &l->n_rules);
     if (st == QT_OK) st = load_trainable(err, cfg_field(m, "trainable"), dry, l);
+    if (st == QT_OK) st = cfg_get_bool(err, m, "lora", "strict_base", &l->strict_base);
     return st;
 }

@@ -270,18 +270,31 @@ static int cmd_quantize(int argc, char **argv) {
 
 static int cmd_merge(int argc, char **argv) {
     CliArgs a;
-    parse_args(argc, argv, " merge", true, &a);
+    bool dequantize = false;
+    char **rest = calloc((size_t)argc + 1, sizeof *rest);
+    int n_rest = 0;
+    if (!rest) return 1;
+    for (int i = 0; i < argc; i++) { /* --dequantize: a flag of merge alone, taken out before the common options */
+        bool is_value = i > 0 && (strcmp(argv[i - 1], "--checkpoint") == 0 || strcmp(argv[i - 1], "--out") == 0 ||
+                                  strcmp(argv[i - 1], "--config") == 0 || strcmp(argv[i - 1], "--set") == 0);
+        if (!is_value && strcmp(argv[i], "--dequantize") == 0) dequantize = true;
+        else rest[n_rest++] = argv[i];
+    }
+    parse_args(n_rest, rest, " merge", true, &a);
     if (!a.checkpoint || !a.out || a.config || a.n_overrides) {
         fprintf(stderr, "qtrain merge: give --checkpoint PATH and --out PATH (the config comes from the checkpoint)\n");
+        free(rest);
         return 2;
     }
     QtError err = {0};
     MergeReport rep;
-    if (tools_merge(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
-        return fail(&err, exit_status(&err));
-    printf("merged:%d weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f out:%s\n",
-           rep.modules, rep.weight_rel_rmse, rep.test_accuracy_before, rep.test_accuracy_after,
-           rep.test_accuracy_after - rep.test_accuracy_before, a.out);
+    QtStatus st = tools_merge(a.checkpoint, a.out, dequantize, a.quiet ? NULL : stdout, &rep, &err);
+    free(rest);
+    if (st != QT_OK) return fail(&err, exit_status(&err));
+    printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f "
+           "test_loss_before:%.4f test_loss_after:%.4f out:%s\n", rep.modules, rep.mode, rep.weight_rel_rmse,
+           rep.test_accuracy_before, rep.test_accuracy_after, rep.test_accuracy_after - rep.test_accuracy_before,
+           rep.test_loss_before, rep.test_loss_after, a.out);
     return 0;
 }
 

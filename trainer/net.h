@@ -57,6 +57,13 @@ typedef struct {
  * (NET_FRESH_TIMING does not).
  * Every error names the module, the rule or the file. */
 QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
+/* model.adapters_from `path` against n's base (net_build calls it with
+ * stderr before loading the adapters): the file's base_sha256 against
+ * checkpoint_base_sha256 of n. Another base is a warning to `warn` naming
+ * both hashes and init_from paths (QT_ERR_CONFIG with lora.strict_base); a
+ * file without the identity loads with a warning that the base cannot be
+ * checked. */
+QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err);
 void net_free(Net *n);
 
 /* The /quant and /lora parts for checkpoints. */

@@ -52,6 +52,8 @@ typedef struct {
     int64_t nonfinite_skipped; /* steps whose update train.on_nonfinite: skip dropped, over all invocations */
     int64_t nonfinite_streak;  /* of them, the latest steps in a row */
     LossWatch loss_watch;   /* train.divergence_factor's running means (trainer/guard.h) */
+    char base_sha256[SHA256_HEX_CHARS]; /* a LoRA run's frozen base (checkpoint_base_sha256); "" otherwise */
+    char *lora_trainable;   /* lora.trainable, comma-separated, for adapters.h5 (malloc'd) */
 } Run;
 
 /* Everything a run needs that does not touch run.out_dir: the thread count,

@@ -22,14 +22,21 @@ typedef struct {
                                     weights; 0 for a float base */
     double test_accuracy_before; /* the checkpoint with its adapters */
     double test_accuracy_after;  /* the merged checkpoint */
+    double test_loss_before, test_loss_after;
+    bool dequantized;            /* --dequantize: a float model */
+    const char *mode;            /* the merged checkpoint's: "float", "ptq", "qat" (its base's) */
 } MergeReport;
 
 /* Folds the LoRA adapters of `checkpoint` into its base and writes `out`
- * (no /lora; the config keeps lora.trainable but no rules). A float base
- * gets W + scale*B*A; a quantized base is dequantized, added to and
- * quantized again with the same rule. Both checkpoints are evaluated on the
- * test split of the stored config's data. Per-module errors go to log. */
-QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err);
+ * (no /lora; the config keeps lora.trainable but no rules; root attributes
+ * mode = the base's, merged_from = checkpoint and merged_from_base_sha256 =
+ * its base identity). A float base gets W + scale*B*A; a quantized base is
+ * dequantized, added to and quantized again with the same rule, or with
+ * dequantize stored as float32 (quant.mode none: no re-quantization error;
+ * PEFT's merge_and_unload). Both checkpoints are evaluated on the test
+ * split of the stored config's data. Per-module errors go to log. */
+QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, FILE *log, MergeReport *rep,
+                     QtError *err);
 
 typedef struct {
     int modules;                 /* QAT layers converted */

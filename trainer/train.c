@@ -42,6 +42,7 @@ void run_free(Run *r) {
     dataset_free(&r->train), dataset_free(&r->val), dataset_free(&r->test);
     free(r->bx), free(r->by), free(r->ex), free(r->ey);
     free(r->config_text);
+    free(r->lora_trainable);
 }
 
 QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err) {
@@ -207,6 +208,8 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .nonfinite_streak = r->nonfinite_streak,
         .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
         .net = net_checkpoint_parts(&r->net),
+        .base_sha256 = r->base_sha256[0] ? r->base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
+        .lora_trainable = r->lora_trainable, .mode = net_mode_name(&r->net),
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
@@ -509,7 +512,7 @@ static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtEr
     if (st != QT_OK || !config_has_lora(r->cfg)) return st;
     char path[CONFIG_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/adapters.h5", r->cfg->run.out_dir);
-    return checkpoint_save_adapters(path, &r->net.model, &s.net, r->config_text, err);
+    return checkpoint_save_adapters(path, &r->net.model, &s, err);
 }
 
 /* The step loop, from r->step to total_steps. */
@@ -564,6 +567,10 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_string(&w, "qtrain_version", QTRAIN_VERSION);
     json_string(&w, "mode", res->mode);
     json_string(&w, "checkpoint", ckpt);
+    if (res->merged_from[0]) {
+        json_string(&w, "merged_from", res->merged_from);
+        json_string(&w, "merged_from_base_sha256", res->merged_from_base_sha256);
+    }
     if (!is_eval) {
         json_int(&w, "steps", res->steps);
         json_number(&w, "epochs", res->epochs);
@@ -706,6 +713,21 @@ QtStatus run_prepare(Run *r, bool fresh, QtError *err) {
     return fresh ? run_calibrate(r, err) : QT_OK;
 }
 
+/* A LoRA run's base identity, once its frozen values are final (loaded,
+ * quantized or resumed): every checkpoint and adapters.h5 records it. */
+static QtStatus run_note_base(Run *r, QtError *err) {
+    if (!config_has_lora(r->cfg)) return QT_OK;
+    const LoraConfig *l = &r->cfg->lora;
+    r->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
+    if (!r->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < l->n_trainable; i++) {
+        if (i) strcat(r->lora_trainable, ",");
+        strcat(r->lora_trainable, l->trainable[i]);
+    }
+    CheckpointNet parts = net_checkpoint_parts(&r->net);
+    return checkpoint_base_sha256(&r->net.model, &parts, r->base_sha256, err);
+}
+
 /* created: the topmost directory of run.out_dir that this call made ("" if none). */
 static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size_t created_cap, QtError *err) {
     QtStatus st = QT_OK;
@@ -715,6 +737,7 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
+    if ((st = run_note_base(r, err)) != QT_OK) return st;
     return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
 }
 
@@ -784,6 +807,21 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     return st;
 }
 
+/* A `qtrain merge` output holds no adapters, whatever its config's lora
+ * section says: it is reported as its base's mode, with where it came from. */
+static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult *res, QtError *err) {
+    CheckpointProvenance *p = malloc(sizeof *p);
+    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    QtStatus st = checkpoint_read_provenance(checkpoint, p, err);
+    if (st == QT_OK && p->merged_from[0]) {
+        snprintf(res->merged_from, sizeof res->merged_from, "%s", p->merged_from);
+        snprintf(res->merged_from_base_sha256, sizeof res->merged_from_base_sha256, "%s", p->merged_from_base_sha256);
+        res->mode = r->cfg->quant.mode == QUANT_MODE_NONE ? "float" : quant_mode_name(r->cfg->quant.mode);
+    }
+    free(p);
+    return st;
+}
+
 QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err) {
     struct stat sb;
     int n;
@@ -819,6 +857,7 @@ QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, con
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);
     if (st == QT_OK) run_fill_result(&r, res);
+    if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
     if (st == QT_OK && json_path) st = write_json_atomically(json_path, &r, res, checkpoint, true, err);
     run_free(&r);
     return st;

@@ -33,7 +33,10 @@ typedef struct {
     int64_t params_trainable, params_frozen;
     int64_t model_bytes;  /* bytes held for the model: float params, quantized weights, adapters */
     double base_bits_per_param; /* the frozen base's storage * 8 / its parameters (32 for a float base) */
-    const char *mode;     /* net_mode_name: "float", "ptq", "lora", "qlora", "qat", "qat-lora", "qt" */
+    const char *mode;     /* net_mode_name: "float", "ptq", "lora", "qlora", "qat", "qat-lora", "qt"; a merged
+                             checkpoint's: its base's ("float", "ptq") */
+    char merged_from[4096];   /* eval of a `qtrain merge` output: the checkpoint it was merged from, else "" */
+    char merged_from_base_sha256[65]; /* ...and that checkpoint's base identity */
     double peak_rss_mb;   /* the process's peak resident set (getrusage) */
 } TrainResult;
 
