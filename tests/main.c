@@ -27,6 +27,7 @@
     X(config)     \
     X(checkpoint) \
     X(trainer)    \
+    X(commands)   \
     X(qlora)      \
     X(quant_qat)  \
     X(quant_qt)   \

@@ -478,11 +478,18 @@ static void test_schedule_errors(void) {
     EXPECT_ERR(MLP "train:\n  schedule: {name: step}\n", NAME ":7:13:", "train.schedule.step_size", "missing");
     EXPECT_ERR(MLP "train:\n  schedule: {name: step, step_size: 0}\n", "train.schedule.step_size", ">= 1");
     EXPECT_ERR(MLP "train:\n  schedule: {name: step, step_size: 5, gamma: 0}\n", "train.schedule.gamma", "> 0");
-    EXPECT_ERR(MLP "train:\n  steps: 10\n  schedule: {name: cosine, warmup_steps: 10}\n", NAME ":8:42:",
-               "train.schedule.warmup_steps", "fewer than train.steps = 10");
     EXPECT_ERR(MLP "train:\n  optimizer: {lr: 0.01}\n  schedule: {name: cosine, min_lr: 0.1}\n", NAME ":8:36:",
                "train.schedule.min_lr", "at most train.optimizer.lr");
     EXPECT_ERR(MLP "train:\n  schedule: {warmup_steps: -1}\n", "train.schedule.warmup_steps", ">= 0");
+}
+
+/* A warmup as long as or longer than train.steps loads as written: the run clamps it (and says so). */
+static void test_long_warmup_loads(void) {
+    Config c;
+    QtError e = {0};
+    CU_ASSERT_EQUAL(load(&c, MLP "train:\n  steps: 10\n  schedule: {name: cosine, warmup_steps: 100}\n", NULL, 0, &e),
+                    QT_OK);
+    CU_ASSERT_EQUAL(c.train.schedule.warmup_steps, 100);
 }
 
 static void test_later_modes(void) {
@@ -515,6 +522,12 @@ static void test_overrides(void) {
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP, ov2, 5, &e), QT_OK);
     CU_ASSERT(c.train.optim.kind == OPTIM_SGD && c.train.optim.momentum == 0.9f);
     CU_ASSERT(c.train.schedule.kind == SCHED_COSINE && c.train.steps == 100 && c.model.input_shape[0] == 16);
+    /* Index == length appends an item: a whole value, or a new mapping item built key by key. */
+    const char *ov4[] = {"data.transform.0=invert", "data.transform.1={limit: 9}", "model.layers.2.type=relu",
+                         "model.layers.3.name=out", "model.layers.3.type=dense", "model.layers.3.units=10"};
+    CU_ASSERT_EQUAL_FATAL(load(&c, MLP "data:\n  transform: []\n", ov4, 6, &e), QT_OK);
+    CU_ASSERT(c.data.n_transforms == 2 && c.data.transforms[1].limit == 9);
+    CU_ASSERT(c.model.n_layers == 4 && c.model.layers[3].units == 10);
     /* An empty value is null: the default again. */
     const char *ov3[] = {"train.batch_size="};
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP "train:\n  batch_size: 8\n", ov3, 1, &e), QT_OK);
@@ -525,7 +538,7 @@ static void test_overrides(void) {
     EXPECT_SET_ERR(MLP, "train.batchsize=3", "--set train.batchsize=3: train: unknown key 'batchsize'",
                    "did you mean 'batch_size'");
     EXPECT_SET_ERR(MLP, "model.layers.5.units=1", "--set model.layers.5.units=1", "model.layers[5]", "out of range",
-                   "2 items");
+                   "2 items", "index 2 adds one");
     EXPECT_SET_ERR(MLP, "model.layers.1.units.deep=1", "--set model.layers.1.units.deep=1",
                    "model.layers[1].units is a single value");
     EXPECT_SET_ERR(MLP, "model.layers.first.units=1", "model.layers is a sequence", "'first'");
@@ -605,6 +618,7 @@ int register_config_suite(void) {
            !CU_add_test(s, "shapes that do not chain", test_shape_errors) ||
            !CU_add_test(s, "transform errors", test_transform_errors) ||
            !CU_add_test(s, "schedule errors", test_schedule_errors) ||
+           !CU_add_test(s, "a warmup longer than train.steps loads (the run clamps it)", test_long_warmup_loads) ||
            !CU_add_test(s, "quant and lora sections", test_later_modes) ||
            !CU_add_test(s, "--set overrides", test_overrides) ||
            !CU_add_test(s, "files: names, I/O errors", test_files) ||

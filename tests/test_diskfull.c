@@ -65,7 +65,7 @@ typedef struct {
     char ref[PATH_CAP];    /* the uninterrupted run's out_dir (a normal directory) */
     char mnt[PATH_CAP];    /* the tmpfs mount point */
     char out[PATH_CAP];    /* the run on the tmpfs */
-    char eval[PATH_CAP];   /* out_dir of the `qtrain eval` runs, off the tmpfs */
+    char eval[PATH_CAP];   /* <eval>.json: the `qtrain eval` runs' --out, off the tmpfs */
     char log[PATH_CAP];    /* the output of every qtrain run */
 } Places;
 
@@ -163,9 +163,9 @@ static void expect_run_ok(Report *r, const Places *p, const char *what, const ch
 
 static void expect_loads(Report *r, const Places *p, const char *path) {
     char set[PATH_CAP + 32], what[PATH_CAP + 32];
-    snprintf(set, sizeof set, "run.out_dir=%s", p->eval);
+    snprintf(set, sizeof set, "%s.json", p->eval); /* off the tmpfs: eval.json beside the checkpoint would not fit */
     snprintf(what, sizeof what, "qtrain eval %s", path);
-    const char *args[] = {"eval", "--checkpoint", path, "--set", set, "--quiet", NULL};
+    const char *args[] = {"eval", "--checkpoint", path, "--out", set, "--quiet", NULL};
     expect_run_ok(r, p, what, args);
 }
 

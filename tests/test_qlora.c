@@ -525,13 +525,12 @@ static void check_merged(const char *merged, const char *source, const char *mod
     CU_ASSERT_EQUAL_FATAL(checkpoint_read_config(merged, &text, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(config_load_string(c, text, "merged", NULL, 0, &err), QT_OK);
     free(text);
-    snprintf(c->run.out_dir, sizeof c->run.out_dir, "%s/merged-eval-%s", tmp_root, mode);
+    char json[1200];
+    snprintf(json, sizeof json, "%s/merged-eval-%s.json", tmp_root, mode);
     TrainResult r;
-    CU_ASSERT_EQUAL_FATAL(train_eval_checkpoint(c, merged, true, &r, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(train_eval_checkpoint_to(c, merged, json, &r, &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(r.mode, mode);
     CU_ASSERT_STRING_EQUAL(r.merged_from, source);
-    char json[1200];
-    snprintf(json, sizeof json, "%s/eval.json", c->run.out_dir);
     text = test_file_read(json, NULL);
     CU_ASSERT_PTR_NOT_NULL_FATAL(text);
     char want[160];

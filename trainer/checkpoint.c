@@ -283,7 +283,7 @@ static QtStatus check_header(const H5ioFile *f, QtError *err) {
     return st;
 }
 
-/* A float32 dataset `ds` of exactly t's shape, or an error naming what
+/* A float dataset `ds` (float32 for optimizer state) of exactly t's shape, or an error naming what
  * `what` is ("parameter conv1/weight") and both shapes. */
 static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *what, const Tensor *t, bool model_hint,
                               QtError *err) {
@@ -301,9 +301,13 @@ static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *wha
     H5ioInfo info;
     QtStatus st = h5io_dataset_info(f, ds, &info, err);
     if (st != QT_OK) return st;
-    if (!h5io_is_f32(&info))
-        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s is %s in the checkpoint, expected float32%s",
-                            f->path, against, what, h5io_dtype_str(&info, ty, sizeof ty), hint);
+    /* A parameter may be any float type (numpy and h5py write float64 by default): HDF5 converts it to float32
+       on read. Optimizer state is only ever written by qtrain, as float32. */
+    bool any_float = info.cls == H5T_FLOAT && (info.size == 2 || info.size == 4 || info.size == 8);
+    if (model_hint ? !any_float : !h5io_is_f32(&info))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s is %s in the checkpoint, expected %s%s",
+                            f->path, against, what, h5io_dtype_str(&info, ty, sizeof ty),
+                            model_hint ? "float16, float32 or float64" : "float32", hint);
     if (!h5io_shape_equals(&info, t->ndim, t->shape))
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s has shape %s in the checkpoint but %s in "
                             "the model%s", f->path, against, what, h5io_shape_str(&info, got, sizeof got), want, hint);
@@ -707,6 +711,8 @@ QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *e
     QtStatus st = h5io_open(&f, path, err);
     if (st != QT_OK) return st;
     st = check_header(&f, err);
+    if (st == QT_OK && !h5io_attr_exists(&f, "", "config"))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s holds no stored config (no 'config' attribute on /)", path);
     if (st == QT_OK) st = h5io_attr_read_str(&f, "", "config", config_text, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK && cst != QT_OK) {

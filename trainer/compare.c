@@ -8,6 +8,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "trainer/train.h"
+
 /* ---- reading a run --------------------------------------------------------------------- */
 
 static char *read_text(const char *path, QtError *err) {
@@ -277,8 +279,9 @@ static QtStatus write_svg(const char *path, const CompareRun *runs, int n, QtErr
 }
 
 QtStatus compare_write(const CompareRun *runs, int n, const char *out_dir, FILE *table, QtError *err) {
-    if (mkdir(out_dir, 0777) != 0 && errno != EEXIST)
-        return qt_error_set(err, QT_ERR_IO, "cannot create %s: %s; give another --out", out_dir, strerror(errno));
+    /* with its parents: the default runs/compare in a fresh directory has none */
+    QtStatus st = train_make_dirs(out_dir, "--out", NULL, 0, err);
+    if (st != QT_OK) return st;
     if (table) write_table(table, runs, n);
     char path[1100];
     snprintf(path, sizeof path, "%s/compare.md", out_dir);

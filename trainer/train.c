@@ -45,27 +45,49 @@ void run_free(Run *r) {
     free(r->lora_trainable);
 }
 
-/* mkdir -p. */
-static QtStatus make_dirs(const char *path, QtError *err) {
+QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err) {
     char buf[CONFIG_PATH_MAX];
+    if (created && cap) created[0] = '\0';
     if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
-        return qt_error_set(err, QT_ERR_CONFIG, "run.out_dir: path too long (%zu characters)", strlen(path));
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: path too long (%zu characters)", what, strlen(path));
     for (char *p = buf + 1;; p++) {
         char c = *p;
         if (c != '/' && c != '\0') continue;
         *p = '\0';
-        if (mkdir(buf, 0777) != 0 && errno != EEXIST)
-            return qt_error_set(err, QT_ERR_IO, "cannot create the output directory %s: %s; set run.out_dir to a "
-                                "writable place", buf, strerror(errno));
+        if (mkdir(buf, 0777) == 0) {
+            if (created && cap && !created[0]) snprintf(created, cap, "%s", buf);
+        } else if (errno != EEXIST)
+            return qt_error_set(err, QT_ERR_IO, "cannot create the output directory %s: %s; set %s to a "
+                                "writable place", buf, strerror(errno), what);
         *p = c;
         if (c == '\0') break;
     }
     struct stat st;
     if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-        return qt_error_set(err, QT_ERR_IO, "run.out_dir %s exists but is not a directory", path);
+        return qt_error_set(err, QT_ERR_IO, "%s %s exists but is not a directory", what, path);
     if (access(path, W_OK | X_OK) != 0)
-        return qt_error_set(err, QT_ERR_IO, "run.out_dir %s is not writable: %s", path, strerror(errno));
+        return qt_error_set(err, QT_ERR_IO, "%s %s is not writable: %s", what, path, strerror(errno));
     return QT_OK;
+}
+
+void train_remove_created_dirs(const char *path, const char *created) {
+    if (!created || !created[0]) return;
+    char buf[CONFIG_PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return;
+    size_t top = strlen(created);
+    /* rmdir removes only an empty directory: whatever the run did write stays */
+    for (;;) {
+        size_t n = strlen(buf);
+        while (n > 1 && buf[n - 1] == '/') buf[--n] = '\0';
+        if (n < top || rmdir(buf) != 0 || n == top) return;
+        char *slash = strrchr(buf, '/');
+        if (!slash) return;
+        *slash = '\0';
+    }
+}
+
+static QtStatus make_dirs(const char *path, char *created, size_t cap, QtError *err) {
+    return train_make_dirs(path, "run.out_dir", created, cap, err);
 }
 
 static QtStatus run_load_data(Run *r, QtError *err) {
@@ -138,6 +160,16 @@ static QtStatus run_plan_steps(Run *r, QtError *err) {
     r->sched = tc->schedule;
     r->sched.base_lr = tc->optim.lr;
     r->sched.total_steps = r->total_steps;
+    /* A warmup longer than the run (a shipped config on the mini data set) is clamped to the run: the lr rises
+       to train.optimizer.lr at the last step. It depends on the config and the data only, so a resumed run
+       clamps alike; the stored config keeps the value as written. */
+    if (r->total_steps > 0 && r->sched.warmup_steps > r->total_steps) {
+        fprintf(stderr, "qtrain: warning: %s: train.schedule.warmup_steps %" PRId64 " is longer than the run's %"
+                PRId64 " steps (%s); the warmup is clamped to %" PRId64 " steps\n", r->cfg->source,
+                r->sched.warmup_steps, r->total_steps, tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch",
+                r->total_steps);
+        r->sched.warmup_steps = r->total_steps;
+    }
     QtError e = {0};
     if (r->total_steps > 0 && lr_schedule_validate(&r->sched, &e) != QT_OK)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: train.schedule: %s (the run has %" PRId64 " steps: %s)",
@@ -525,7 +557,9 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     char tmp[CONFIG_PATH_MAX + 64];
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
     FILE *f = fopen(tmp, "w");
-    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+    if (!f)
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(errno),
+                            is_eval ? "; write eval.json elsewhere with --out PATH" : "");
     JsonWriter w;
     json_begin(&w, f);
     json_string(&w, "name", r->cfg->run.name);
@@ -579,8 +613,8 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     if (!ok || rename(tmp, path) != 0) {
         int e = errno;
         remove(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or change run.out_dir", path,
-                            strerror(e));
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or %s", path, strerror(e),
+                            is_eval ? "give --out PATH" : "change run.out_dir");
     }
     return QT_OK;
 }
@@ -694,9 +728,10 @@ static QtStatus run_note_base(Run *r, QtError *err) {
     return checkpoint_base_sha256(&r->net.model, &parts, r->base_sha256, err);
 }
 
-static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
+/* created: the topmost directory of run.out_dir that this call made ("" if none). */
+static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size_t created_cap, QtError *err) {
     QtStatus st = QT_OK;
-    if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
+    if ((st = make_dirs(r->cfg->run.out_dir, created, created_cap, err)) != QT_OK) return st;
     if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
     if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
@@ -749,8 +784,8 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     r.cfg = cfg, r.opt = o, r.t_start = metrics_now(), r.saved_step = -1, r.last_train_loss = NAN;
-    char resumed[CONFIG_PATH_MAX + 32];
-    QtStatus st = run_setup(&r, resumed, sizeof resumed, err);
+    char resumed[CONFIG_PATH_MAX + 32], created[CONFIG_PATH_MAX];
+    QtStatus st = run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
     if (st == QT_OK && r.already_complete) {
         run_fill_result(&r, res);
         res->already_complete = true;
@@ -767,6 +802,8 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         else if (st == QT_OK) st = run_stop_early(&r, res, sig, err);
     }
     run_free(&r);
+    /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files). */
+    if (st != QT_OK) train_remove_created_dirs(cfg->run.out_dir, created);
     return st;
 }
 
@@ -785,30 +822,51 @@ static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult
     return st;
 }
 
-QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
-                               QtError *err) {
+QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err) {
+    struct stat sb;
+    int n;
+    if (out && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode)) n = snprintf(path, cap, "%s/eval.json", out);
+    else if (out) n = snprintf(path, cap, "%s", out);
+    else {
+        const char *slash = strrchr(checkpoint, '/');
+        n = slash ? snprintf(path, cap, "%.*s/eval.json", (int)(slash - checkpoint), checkpoint)
+                  : snprintf(path, cap, "eval.json");
+    }
+    if (n < 0 || (size_t)n >= cap)
+        return qt_error_set(err, QT_ERR_ARG, "the path of eval.json is too long (%s has %zu characters)",
+                            out ? "--out" : "the checkpoint path", strlen(out ? out : checkpoint));
+    return QT_OK;
+}
+
+QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
+                                  QtError *err) {
     Run r;
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     TrainOptions o = {.quiet = true}; /* the caller reports the result */
     r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
+    /* Evaluation never trains: no batcher and no schedule, so a config whose schedule does not fit its data
+       (or a batch larger than the data) still evaluates. */
+    r.steps_per_epoch = 1;
     gemm_set_threads(cfg->run.threads);
-    QtStatus st = write_json ? make_dirs(cfg->run.out_dir, err) : QT_OK;
-    if (st == QT_OK) st = run_load_data(&r, err);
+    QtStatus st = run_load_data(&r, err);
     if (st == QT_OK) st = run_build_model(&r, false, err);
     CheckpointNet parts = net_checkpoint_parts(&r.net);
     if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
-    if (st == QT_OK) st = run_plan_steps(&r, err);
     if (st == QT_OK) st = run_alloc(&r, err);
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);
     if (st == QT_OK) run_fill_result(&r, res);
     if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
-    if (st == QT_OK && write_json) {
-        char path[CONFIG_PATH_MAX + 32];
-        snprintf(path, sizeof path, "%s/eval.json", cfg->run.out_dir);
-        st = write_json_atomically(path, &r, res, checkpoint, true, err);
-    }
+    if (st == QT_OK && json_path) st = write_json_atomically(json_path, &r, res, checkpoint, true, err);
     run_free(&r);
     return st;
+}
+
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
+                               QtError *err) {
+    char path[CONFIG_PATH_MAX + 32];
+    QtStatus st = write_json ? train_eval_json_path(checkpoint, NULL, path, sizeof path, err) : QT_OK;
+    if (st != QT_OK) return st;
+    return train_eval_checkpoint_to(cfg, checkpoint, write_json ? path : NULL, res, err);
 }
