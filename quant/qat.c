@@ -140,6 +140,7 @@ QtStatus qat_layer_init(QatLayer *q, Module *m, const QLayerSpec *spec, const Qa
     q->fan_in = (int)(tensor_numel(w) / (size_t)q->out);
     /* laid out from q's own copy of the spec, so options.calib points into q */
     st = qlayer_layout(&q->spec, m, &q->w_ndim, q->w_shape, &q->w_options, err);
+    q->round_rng = qlayer_round_rng(0, 0); /* the trainer gives each layer its run's own stream */
     /* a learned input range gathers its calibration batches with amax_init, a static one with act_calib */
     calib_running_init(&q->act_stats, learned(qat) ? &q->qat.amax_init : &q->spec.act_calib);
     if (st == QT_OK && learned(qat)) st = init_ranges_params(q, err);
@@ -275,12 +276,21 @@ static Var *layer_input(Tape *t, QatLayer *q, Var *x) {
 
 /* The weight fake-quantized in its QArray view (out, fan_in) or (numel / T, T), back in its own shape. The
  * reshapes share the values and pass the gradient through, so the Param's grad receives the STE's. */
+void qat_layer_set_step(QatLayer *q, int64_t step) {
+    if (q) q->round_step = step;
+}
+
 static Var *quant_weight(Tape *t, QatLayer *q) {
     Var *w = &q->module->weight->var;
     Var *w2 = nn_reshape(t, w, q->w_ndim, q->w_shape);
+    QArrayOptions o = q->w_options;
+    Rng r = q->round_rng; /* the step's own noise, see qat_layer_set_step */
+    if (o.round == QROUND_STOCHASTIC) {
+        r.counter = (uint64_t)q->round_step * ((tensor_numel(&w->value) + 3) / 4);
+        o.rng = &r;
+    }
     Var *wq2 = has_range(&q->w_range) ? fq_range_apply(t, w2, &q->w_range)
-                                      : fq_fake_quant_qarray(t, w2, q->spec.weight_qtype, &q->w_options,
-                                                             FQ_STE_CLIPPED);
+                                      : fq_fake_quant_qarray(t, w2, q->spec.weight_qtype, &o, FQ_STE_CLIPPED);
     return nn_reshape(t, wq2, w->value.ndim, w->value.shape);
 }
 

@@ -77,6 +77,7 @@ typedef struct {
     bool narrow_range;          /* signed int: codes -qmax..qmax */
     QArrayScaleType scale_type; /* default float32 */
     bool double_quant;          /* compress the block scales (QLoRA) */
+    QRound rounding;            /* the weight's codes: default rne; stochastic draws from a generator of its own */
     const QType *act_qtype;     /* NULL: the input stays float */
     CalibSpec act_calib;        /* default absmax (minmax when !act_symmetric) */
     bool act_symmetric;         /* default true */
@@ -113,14 +114,26 @@ typedef struct {
 QtStatus qlayer_spec_check(const QLayerSpec *spec, const Module *m, QtError *err);
 
 /* The QArray shape and options for m's weight under spec (the layout
- * above). options->calib points into *spec, so spec must outlive it. */
+ * above). options->calib points into *spec, so spec must outlive it.
+ * options->round is spec->rounding; options->rng stays NULL: with
+ * stochastic rounding the caller points it at a generator before
+ * quantizing (qarray_alloc needs none). */
 QtStatus qlayer_layout(const QLayerSpec *spec, const Module *m, int *ndim, int shape[2], QArrayOptions *options,
                        QtError *err);
 
 /* Quantizes m's float weight (w: the weight's shape, usually
  * m->weight->var.value.data) into q. Does not release the float weight:
- * the caller does (param_release). On error q is left zeroed. */
+ * the caller does (param_release). On error q is left zeroed.
+ * Stochastic rounding (spec->rounding) draws from qlayer_round_rng(0, 0). */
 QtStatus qlayer_init_quantize(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, QtError *err);
+/* The same, stochastic rounding drawing from a copy of *rng (NULL: the
+ * default above), element i taking word i (qarray.h), so one generator
+ * state gives the same codes on every run. */
+QtStatus qlayer_init_quantize_rng(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, const Rng *rng,
+                                  QtError *err);
+/* The generator of module number `module`'s weight rounding in a run of
+ * `seed`: stream RNG_STREAM_WEIGHT_ROUNDING + (module << 40), counter 0. */
+Rng qlayer_round_rng(uint64_t seed, int module);
 /* Allocates q's QArray for this layout with zeroed codes and scales, to
  * be filled from a checkpoint through qarray_blobs. */
 QtStatus qlayer_init_empty(QLayer *q, Module *m, const QLayerSpec *spec, QtError *err);

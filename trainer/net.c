@@ -126,7 +126,8 @@ static QtStatus net_quantize_held(Net *n, QtError *err) {
         QLayer *q = &n->qlayers[i];
         if (q->module->weight->released) continue;
         QLayerSpec spec = q->spec;
-        st = qlayer_init_quantize(q, q->module, &spec, q->module->weight->var.value.data, err);
+        Rng rng = qlayer_round_rng(n->cfg->run.seed, (int)(q->module - n->model.modules));
+        st = qlayer_init_quantize_rng(q, q->module, &spec, q->module->weight->var.value.data, &rng, err);
         if (st == QT_OK) param_release(q->module->weight);
     }
     return st;
@@ -189,6 +190,7 @@ static QtStatus net_attach_qat(Net *n, NetInit how, QtError *err) {
         if (!qs) continue;
         QatLayer *q = &n->qat[k++];
         st = qat_layer_init(q, &n->model.modules[i], qs, &n->cfg->quant.rules[n->quant_rule[i]].qat, err);
+        if (st == QT_OK) q->round_rng = qlayer_round_rng(n->cfg->run.seed, i);
         if (st == QT_OK && how == NET_FRESH) st = qat_layer_init_ranges(q, err);
         if (st == QT_OK) qat_layer_install(q);
     }
@@ -543,9 +545,24 @@ void net_print_table(const Net *n, FILE *out) {
     }
 }
 
+void net_set_step(Net *n, int64_t step) {
+    for (int i = 0; i < n->n_qat; i++) qat_layer_set_step(&n->qat[i], step);
+}
+
 int net_print_unused_rules(const Net *n, FILE *out) {
     int count = 0;
     int nq = n->cfg->quant.mode == QUANT_MODE_NONE ? 0 : n->cfg->quant.n_rules;
+    for (int r = 0; r < nq; r++) {
+        const QuantRule *q = &n->cfg->quant.rules[r];
+        const QType *w = q->spec.weight_qtype, *a = q->spec.act_qtype;
+        bool w_clip = w && w->kind == QTYPE_KIND_UINT && q->spec.symmetric;
+        bool a_clip = a && a->kind == QTYPE_KIND_UINT && q->spec.act_symmetric;
+        if (q->skip || !(w_clip || a_clip)) continue;
+        fprintf(out, "qtrain: warning: %s: %s with %s clips every negative %s to 0 (allow_clip: true)\n", q->match.where,
+                w_clip ? "symmetric: true" : "act_symmetric: true", qtype_name(w_clip ? w : a),
+                w_clip ? "weight" : "input");
+        count++;
+    }
     for (int r = 0; r < nq; r++)
         if (n->quant_hits[r] == 0) {
             fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module; check the regex (it must "

@@ -70,6 +70,10 @@ QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *e
  * quantization range is not finite (NaN/Inf after an update). */
 QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err);
 
+/* The training step the next forward belongs to (QAT's stochastic weight
+ * rounding draws that step's noise: qat_layer_set_step). */
+void net_set_step(Net *n, int64_t step);
+
 /* "float", "ptq", "lora", "qlora", "qat" (the summary's mode). */
 const char *net_mode_name(const Net *n);
 
@@ -99,7 +103,8 @@ bool net_needs_act_calibration(const Net *n);
 
 /* The per-module table (which rule applied and what it resolved to). */
 void net_print_table(const Net *n, FILE *out);
-/* One warning line per rule that applied to no module; returns the count. */
+/* One warning line per rule that applied to no module, and per rule that
+ * lets an unsigned format clip negatives (allow_clip); returns the count. */
 int net_print_unused_rules(const Net *n, FILE *out);
 
 #endif
