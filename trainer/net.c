@@ -301,6 +301,9 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
                           "use quant.mode qat or ptq under lora rules, or train the QT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
+    /* the int8 path can be forced (tests, measurements); unset leaves the choice as it is */
+    const char *kernel = getenv("QTRAIN_INT8_KERNEL");
+    if (st == QT_OK && kernel) st = qlayer_int8_kernel_select(kernel, "QTRAIN_INT8_KERNEL", err);
     if (st == QT_OK) {
         Rng init;
         rng_init(&init, c->run.seed, RNG_STREAM_INIT);
@@ -504,6 +507,12 @@ static const LoraAdapter *net_find_adapter(const Net *n, const Module *m) {
     return NULL;
 }
 
+const char *net_int8_kernel(const Net *n) {
+    for (int i = 0; i < n->n_qlayers; i++)
+        if (qlayer_int8_supported(&n->qlayers[i])) return qlayer_int8_kernel();
+    return "none";
+}
+
 void net_print_table(const Net *n, FILE *out) {
     bool any_quant = n->cfg->quant.mode != QUANT_MODE_NONE, any_lora = config_has_lora(n->cfg);
     if (!any_quant && !any_lora) return;
@@ -543,6 +552,8 @@ void net_print_table(const Net *n, FILE *out) {
             snprintf(ld, sizeof ld, "[%d] skip", n->lora_rule[i]);
         fprintf(out, "  %-12s %-8s %-52s %s\n", m->path, layer_type_name(m->spec.type), qd, ld);
     }
+    /* which path int8 x int8 layers evaluate on: a CPU without VNNI emulates them in float */
+    if (n->n_qlayers > 0) fprintf(out, "  int8_kernel: %s\n", net_int8_kernel(n));
 }
 
 void net_set_step(Net *n, int64_t step) {

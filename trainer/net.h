@@ -101,7 +101,14 @@ QtStatus net_calib_end(Net *n, QtError *err);
 /* Whether any quantized layer has a static activation range to calibrate. */
 bool net_needs_act_calibration(const Net *n);
 
-/* The per-module table (which rule applied and what it resolved to). */
+/* The path the PTQ layers with int8 weights and inputs evaluate on
+ * (qlayer_int8_kernel: "vnni", "portable", "float-emulated"), or "none"
+ * when no layer qualifies. QTRAIN_INT8_KERNEL (vnni, portable, float,
+ * auto), read by net_build, forces the choice. */
+const char *net_int8_kernel(const Net *n);
+
+/* The per-module table (which rule applied and what it resolved to), and
+ * for a PTQ base its int8_kernel line. */
 void net_print_table(const Net *n, FILE *out);
 /* One warning line per rule that applied to no module, and per rule that
  * lets an unsigned format clip negatives (allow_clip); returns the count. */

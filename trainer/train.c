@@ -562,6 +562,7 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
         snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
                  r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
+    json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
     if (!is_eval) {
         json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
         json_int(&w, "divergences", r->loss_watch.occurrences);
