@@ -284,9 +284,9 @@ static Var *quant_weight(Tape *t, QatLayer *q) {
     Var *w = &q->module->weight->var;
     Var *w2 = nn_reshape(t, w, q->w_ndim, q->w_shape);
     QArrayOptions o = q->w_options;
-    Rng r = q->round_rng; /* the step's own noise, see qat_layer_set_step */
+    Rng r = q->round_rng; /* the step's own noise in training, step 0's elsewhere: see qat_layer_set_step */
     if (o.round == QROUND_STOCHASTIC) {
-        r.counter = (uint64_t)q->round_step * ((tensor_numel(&w->value) + 3) / 4);
+        r.counter = t->training ? (uint64_t)q->round_step * ((tensor_numel(&w->value) + 3) / 4) : 0;
         o.rng = &r;
     }
     Var *wq2 = has_range(&q->w_range) ? fq_range_apply(t, w2, &q->w_range)
@@ -442,7 +442,7 @@ QtStatus qat_layer_convert(const QatLayer *q, QLayer *out, QtError *err) {
         st = qlayer_init_empty(out, m, &q->spec, err);
         if (st == QT_OK) st = fill_learned_weight(q, out, w, err);
     } else {
-        st = qlayer_init_quantize(out, m, &q->spec, w, err);
+        st = qlayer_init_quantize_rng(out, m, &q->spec, w, &q->round_rng, err); /* stochastic: eval's draw */
     }
     if (st == QT_OK) st = convert_input(q, out, err);
     if (st != QT_OK) qlayer_free(out);

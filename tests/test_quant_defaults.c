@@ -327,7 +327,8 @@ static void load_trained(Net *n, const Config *c, const char *ckpt) {
 }
 
 /* QAT with stochastic weight rounding: stop + resume gives the straight run's weights bit for bit (each step's
- * noise follows from the step), and the noise is really drawn (rne trains to other weights). */
+ * noise follows from the step), the noise is really drawn (rne trains to other weights), and convert stores the
+ * codes evaluation uses. */
 static void test_qat_stochastic_resume(void) {
     const char *sr[] = {"quant.rules=[{module_path: \".*\", weight_qtype: int4, act_qtype: int8, "
                         "act_static_scale: true, rounding: stochastic}]"};
@@ -351,6 +352,12 @@ static void test_qat_stochastic_resume(void) {
     CU_ASSERT(!test_params_equal(&a.model, &n.model));
     CU_ASSERT_EQUAL(a.qat[0].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING);           /* conv1: module 0 */
     CU_ASSERT_EQUAL(a.qat[1].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING + (4ull << 40)); /* fc1: module 4 */
+    /* evaluation draws one fixed noise, the one convert stores: the PTQ model evaluates as the QAT one */
+    ConvertReport rep;
+    CU_ASSERT_EQUAL_FATAL(tools_convert(path_in("qsr-a", "final.h5"), path_in("qsr-a", "ptq.h5"), NULL, &rep, &err),
+                          QT_OK);
+    CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
+    CU_ASSERT(fabs(rep.test_loss_ptq - rep.test_loss_qat) < 1e-5);
     net_free(&a);
     net_free(&b);
     net_free(&n);

@@ -70,8 +70,8 @@ QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *e
  * quantization range is not finite (NaN/Inf after an update). */
 QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err);
 
-/* The training step the next forward belongs to (QAT's stochastic weight
- * rounding draws that step's noise: qat_layer_set_step). */
+/* The training step the next training forward belongs to (QAT's
+ * stochastic weight rounding draws that step's noise: qat_layer_set_step). */
 void net_set_step(Net *n, int64_t step);
 
 /* "float", "ptq", "lora", "qlora", "qat" (the summary's mode). */

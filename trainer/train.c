@@ -300,7 +300,6 @@ QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss
     QtError e = {0};
     if (dataset_fill_range(d, start, n, r->ex, r->ey, &e) != QT_OK)
         return qt_error_set(err, e.status, "evaluation at step %" PRId64 ": %s", r->step, e.msg);
-    net_set_step(&r->net, r->step);
     Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->ex, n));
     Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
     QtStatus st = QT_OK;
