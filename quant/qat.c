@@ -59,7 +59,8 @@ static QtStatus check_learned_weight(const QLayerSpec *spec, const QatSpec *qat,
                             qarray_scale_type_name(spec->scale_type));
     if (!spec->symmetric)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s learns a symmetric range without a zero point; "
-                            "set symmetric true (or learn_amax none for an asymmetric weight)", m->path, ln);
+                            "set symmetric true (with a uint format also allow_clip: true) or learn_amax none for "
+                            "an asymmetric weight", m->path, ln);
     if (spec->narrow_range)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s clamps to the format's full code range; "
                             "set narrow_range false (or learn_amax none)", m->path, ln);
@@ -75,7 +76,8 @@ static QtStatus check_learned_act(const QLayerSpec *spec, const QatSpec *qat, co
                             spec->act_qtype->name);
     if (!spec->act_symmetric)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s learns a symmetric input range without a zero "
-                            "point; set act_symmetric true (a uint act_qtype covers [0, t])", m->path, ln);
+                            "point; set act_symmetric true (a uint act_qtype then covers [0, t], clipping negative "
+                            "inputs: add allow_clip: true)", m->path, ln);
     return QT_OK;
 }
 
