@@ -61,6 +61,10 @@ static QtStatus check_learned_weight(const QLayerSpec *spec, const QatSpec *qat,
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s learns a symmetric range without a zero point; "
                             "set symmetric true (with a uint format also allow_clip: true) or learn_amax none for "
                             "an asymmetric weight", m->path, ln);
+    if (spec->rounding != QROUND_RNE)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s rounds to nearest (its range gradient is "
+                            "defined for rne); set rounding rne (or learn_amax none for rounding %s)", m->path, ln,
+                            qround_name(spec->rounding));
     if (spec->narrow_range)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s clamps to the format's full code range; "
                             "set narrow_range false (or learn_amax none)", m->path, ln);
@@ -276,11 +280,12 @@ static Var *layer_input(Tape *t, QatLayer *q, Var *x) {
 
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
 
-/* The weight fake-quantized in its QArray view (out, fan_in) or (numel / T, T), back in its own shape. The
- * reshapes share the values and pass the gradient through, so the Param's grad receives the STE's. */
 void qat_layer_set_step(QatLayer *q, int64_t step) {
     if (q) q->round_step = step;
 }
+
+/* The weight fake-quantized in its QArray view (out, fan_in) or (numel / T, T), back in its own shape. The
+ * reshapes share the values and pass the gradient through, so the Param's grad receives the STE's. */
 
 static Var *quant_weight(Tape *t, QatLayer *q) {
     Var *w = &q->module->weight->var;
