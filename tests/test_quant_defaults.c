@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "quant/qat.h"
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
 #include "test_util.h"
@@ -266,6 +267,65 @@ static void test_rounding_by_hand(void) {
     expect_codes(__LINE__, "stochastic, default generator", got, want);
 }
 
+/* The QAT layer's fake-quantized weight row, read through its forward: x = I (8 x 8), bias 0, so y[j] = w_q[j]. */
+static void qat_row(QRound mode, bool training, int64_t step, float out[8]) {
+    Model m;
+    QtError err = {0};
+    LayerSpec l = {.type = LAYER_DENSE, .units = 1, .name = "fc1"};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
+    Module *mod = &m.modules[0];
+    memcpy(mod->weight->var.value.data, ROW, sizeof ROW);
+    mod->bias->var.value.data[0] = 0.0f;
+    QLayerSpec s = qlayer_spec_default();
+    s.weight_qtype = qtype_find("int8", NULL);
+    s.rounding = mode;
+    QatLayer q;
+    CU_ASSERT_EQUAL_FATAL(qat_layer_init(&q, mod, &s, &(QatSpec){.amax_init = {.kind = CALIB_ABSMAX, .s = 1.0}}, &err),
+                          QT_OK);
+    q.round_rng = qlayer_round_rng(11, 3);
+    qat_layer_set_step(&q, step);
+    TestEnv e;
+    test_env_init(&e, 1);
+    e.tape.training = training;
+    float eye[64] = {0};
+    for (int i = 0; i < 8; i++) eye[i * 9] = 1.0f;
+    Var *y = qat_layer_forward(&e.tape, &q, test_var(&e, eye, 2, (const int[]){8, 8}, false));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+    memcpy(out, y->value.data, 8 * sizeof(float));
+    test_env_free(&e);
+    qat_layer_free(&q);
+    model_free(&m);
+}
+
+/* floor(ROW[i] + u_i), u_i from word i at the generator's counter `counter`. */
+static void stochastic_codes(Rng r, uint64_t counter, float want[8]) {
+    uint32_t words[8];
+    r.counter = counter;
+    rng_fill_u32(&r, words, 8);
+    for (int i = 0; i < 8; i++) want[i] = fminf(fmaxf(floorf(ROW[i] + rng_u32_to_unit(words[i])), -128.0f), 127.0f);
+}
+
+static void test_qat_rounding_by_hand(void) {
+    float got[8], want[8];
+    qat_row(QROUND_RNE, true, 0, got);
+    expect_codes(__LINE__, "qat rne", got, (const float[8]){127, 2, -2, 2, 0, -1, -2, 0});
+    qat_row(QROUND_HALF_AWAY, true, 0, got);
+    expect_codes(__LINE__, "qat half_away", got, (const float[8]){127, 3, -3, 2, 0, -1, -2, 1});
+    qat_row(QROUND_FLOOR, true, 0, got);
+    expect_codes(__LINE__, "qat floor", got, (const float[8]){127, 2, -3, 1, 0, -1, -2, 0});
+    /* training step 3 draws at counter 3 * ceil(8 / 4) = 6; evaluation at counter 0 whatever the step */
+    Rng r = qlayer_round_rng(11, 3);
+    stochastic_codes(r, 6, want);
+    qat_row(QROUND_STOCHASTIC, true, 3, got);
+    expect_codes(__LINE__, "qat stochastic, training step 3", got, want);
+    float step0[8];
+    stochastic_codes(r, 0, step0);
+    CU_ASSERT(memcmp(step0, want, sizeof want) != 0); /* the two draws tell the counters apart */
+    memcpy(want, step0, sizeof want);
+    qat_row(QROUND_STOCHASTIC, false, 3, got);
+    expect_codes(__LINE__, "qat stochastic, evaluation", got, want);
+}
+
 static bool qlayers_same_codes(const Net *a, const Net *b) {
     if (a->n_qlayers != b->n_qlayers) return false;
     for (int i = 0; i < a->n_qlayers; i++)
@@ -445,6 +505,7 @@ int register_quant_defaults_suite(void) {
            !CU_add_test(s, "ternary and binary scales are mean |w|", test_ternary_binary_scales) ||
            !CU_add_test(s, "nf4 defaults to blocks of 64", test_nf4_default_blocks) ||
            !CU_add_test(s, "rounding modes against codes by hand", test_rounding_by_hand) ||
+           !CU_add_test(s, "qat rounding modes against codes by hand", test_qat_rounding_by_hand) ||
            !CU_add_test(s, "ptq stochastic rounding: reproducible, per module", test_ptq_stochastic_reproducible) ||
            !CU_add_test(s, "qat stochastic rounding: exact resume", test_qat_stochastic_resume) ||
            !CU_add_test(s, "int8_kernel in summary.json and the rules table", test_int8_kernel_reported)
