@@ -243,7 +243,7 @@ static void test_quant_format_defaults(void) {
     Config c;
     /* unsigned formats: asymmetric (minmax) unless told otherwise; a symmetric uint clips negatives to 0 */
     CU_ASSERT_EQUAL_FATAL(load(&c, PTQ "    - {module_path: fc1, weight_qtype: uint8, act_qtype: uint8}\n"
-                                   "    - {module_path: head, weight_qtype: uint4, symmetric: true, allow_clip: true}\n",
+                                   "    - {module_path: head, weight_qtype: uint4, symmetric: true, allow_clip: on}\n",
                                NULL, 0), QT_OK);
     const QLayerSpec *s = &c.quant.rules[0].spec;
     CU_ASSERT(!s->symmetric && calib_is(&s->weight_calib, CALIB_MINMAX, 1.0, 0.0));

@@ -2,9 +2,10 @@
  * (quant/rules.h), each giving the modules it matches their PTQ or adapter
  * settings, and the modules LoRA trains in full.
  *
- * Every rule stores its settings resolved (the defaults filled in, the
- * weight calibration's default following `symmetric`), so config_to_yaml
- * prints what runs. A skip rule stores none: its spec stays zero. Rule
+ * Every rule stores its settings resolved (the defaults filled in: the
+ * symmetric flags and calibrations following the formats, nf4's block of
+ * 64), so config_to_yaml prints what runs. A skip rule stores none: its
+ * spec stays zero. Rule
  * structs are zeroed and filled field by field, never assigned whole, so
  * that two loads of one text compare equal byte for byte (padding too). */
 #include <limits.h>

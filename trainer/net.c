@@ -569,8 +569,8 @@ int net_print_unused_rules(const Net *n, FILE *out) {
         bool w_clip = w && w->kind == QTYPE_KIND_UINT && q->spec.symmetric;
         bool a_clip = a && a->kind == QTYPE_KIND_UINT && q->spec.act_symmetric;
         if (q->skip || !(w_clip || a_clip)) continue;
-        fprintf(out, "qtrain: warning: %s: %s with %s clips every negative %s to 0 (allow_clip: true)\n", q->match.where,
-                w_clip ? "symmetric: true" : "act_symmetric: true", qtype_name(w_clip ? w : a),
+        fprintf(out, "qtrain: warning: %s: %s with %s clips every negative %s to 0 (allow_clip: true)\n",
+                q->match.where, w_clip ? "symmetric: true" : "act_symmetric: true", qtype_name(w_clip ? w : a),
                 w_clip ? "weight" : "input");
         count++;
     }
