@@ -23,6 +23,7 @@
     X(quant_qarray) \
     X(quant_fake) \
     X(quant_qlayer) \
+    X(quant_defaults) \
     X(lora)       \
     X(config)     \
     X(checkpoint) \

@@ -107,8 +107,9 @@ typedef enum {
 typedef struct {
     RuleMatch match;    /* module_path, op_types */
     bool skip;          /* skip: true: matching modules stay float (and later rules are not consulted) */
+    bool allow_clip;    /* allow_clip: symmetric / act_symmetric true with an unsigned format (negatives clip to 0) */
     QLayerSpec spec;    /* weight_qtype ("none" = NULL: float), tile_size, per_tensor, weight_calibration,
-                           symmetric, narrow_range, scale_type, double_quant, act_qtype, act_calibration,
+                           symmetric, narrow_range, scale_type, double_quant, rounding, act_qtype, act_calibration,
                            act_symmetric */
     QatSpec qat;        /* qat mode only: learn_amax, amax_init, act_static_scale, lr */
     QtSpec qt;          /* qt mode only: bwd_qtype, bwd_calibration, bwd_weight_grad_tile_size,

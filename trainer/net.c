@@ -126,7 +126,8 @@ static QtStatus net_quantize_held(Net *n, QtError *err) {
         QLayer *q = &n->qlayers[i];
         if (q->module->weight->released) continue;
         QLayerSpec spec = q->spec;
-        st = qlayer_init_quantize(q, q->module, &spec, q->module->weight->var.value.data, err);
+        Rng rng = qlayer_round_rng(n->cfg->run.seed, (int)(q->module - n->model.modules));
+        st = qlayer_init_quantize_rng(q, q->module, &spec, q->module->weight->var.value.data, &rng, err);
         if (st == QT_OK) param_release(q->module->weight);
     }
     return st;
@@ -189,6 +190,7 @@ static QtStatus net_attach_qat(Net *n, NetInit how, QtError *err) {
         if (!qs) continue;
         QatLayer *q = &n->qat[k++];
         st = qat_layer_init(q, &n->model.modules[i], qs, &n->cfg->quant.rules[n->quant_rule[i]].qat, err);
+        if (st == QT_OK) q->round_rng = qlayer_round_rng(n->cfg->run.seed, i);
         if (st == QT_OK && how == NET_FRESH) st = qat_layer_init_ranges(q, err);
         if (st == QT_OK) qat_layer_install(q);
     }
@@ -299,6 +301,9 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
                           "use quant.mode qat or ptq under lora rules, or train the QT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
+    /* the int8 path can be forced (tests, measurements); unset leaves the choice as it is */
+    const char *kernel = getenv("QTRAIN_INT8_KERNEL");
+    if (st == QT_OK && kernel) st = qlayer_int8_kernel_select(kernel, "QTRAIN_INT8_KERNEL", err);
     if (st == QT_OK) {
         Rng init;
         rng_init(&init, c->run.seed, RNG_STREAM_INIT);
@@ -530,6 +535,12 @@ static const LoraAdapter *net_find_adapter(const Net *n, const Module *m) {
     return NULL;
 }
 
+const char *net_int8_kernel(const Net *n) {
+    for (int i = 0; i < n->n_qlayers; i++)
+        if (qlayer_int8_supported(&n->qlayers[i])) return qlayer_int8_kernel();
+    return "none";
+}
+
 void net_print_table(const Net *n, FILE *out) {
     bool any_quant = n->cfg->quant.mode != QUANT_MODE_NONE, any_lora = config_has_lora(n->cfg);
     if (!any_quant && !any_lora) return;
@@ -569,6 +580,12 @@ void net_print_table(const Net *n, FILE *out) {
             snprintf(ld, sizeof ld, "[%d] skip", n->lora_rule[i]);
         fprintf(out, "  %-12s %-8s %-52s %s\n", m->path, layer_type_name(m->spec.type), qd, ld);
     }
+    /* which path int8 x int8 layers evaluate on: a CPU without VNNI emulates them in float */
+    if (n->n_qlayers > 0) fprintf(out, "  int8_kernel: %s\n", net_int8_kernel(n));
+}
+
+void net_set_step(Net *n, int64_t step) {
+    for (int i = 0; i < n->n_qat; i++) qat_layer_set_step(&n->qat[i], step);
 }
 
 /* Whether rule `match` applies to module m on its own (earlier rules aside). */
@@ -612,6 +629,17 @@ static void net_warn_unused_rule(const Net *n, FILE *out, const RuleMatch *match
 int net_print_unused_rules(const Net *n, FILE *out) {
     int count = 0;
     int nq = n->cfg->quant.mode == QUANT_MODE_NONE ? 0 : n->cfg->quant.n_rules;
+    for (int r = 0; r < nq; r++) {
+        const QuantRule *q = &n->cfg->quant.rules[r];
+        const QType *w = q->spec.weight_qtype, *a = q->spec.act_qtype;
+        bool w_clip = w && w->kind == QTYPE_KIND_UINT && q->spec.symmetric;
+        bool a_clip = a && a->kind == QTYPE_KIND_UINT && q->spec.act_symmetric;
+        if (q->skip || !(w_clip || a_clip)) continue;
+        fprintf(out, "qtrain: warning: %s: %s with %s clips every negative %s to 0 (allow_clip: true)\n",
+                q->match.where, w_clip ? "symmetric: true" : "act_symmetric: true", qtype_name(w_clip ? w : a),
+                w_clip ? "weight" : "input");
+        count++;
+    }
     for (int r = 0; r < nq; r++)
         if (n->quant_hits[r] == 0) {
             net_warn_unused_rule(n, out, &n->cfg->quant.rules[r].match, n->quant_rule, "quant.rules");

@@ -77,6 +77,10 @@ QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *e
  * quantization range is not finite (NaN/Inf after an update). */
 QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err);
 
+/* The training step the next training forward belongs to (QAT's
+ * stochastic weight rounding draws that step's noise: qat_layer_set_step). */
+void net_set_step(Net *n, int64_t step);
+
 /* "float", "ptq", "lora", "qlora", "qat" (the summary's mode). */
 const char *net_mode_name(const Net *n);
 
@@ -104,9 +108,17 @@ QtStatus net_calib_end(Net *n, QtError *err);
 /* Whether any quantized layer has a static activation range to calibrate. */
 bool net_needs_act_calibration(const Net *n);
 
-/* The per-module table (which rule applied and what it resolved to). */
+/* The path the PTQ layers with int8 weights and inputs evaluate on
+ * (qlayer_int8_kernel: "vnni", "portable", "float-emulated"), or "none"
+ * when no layer qualifies. QTRAIN_INT8_KERNEL (vnni, portable, float,
+ * auto), read by net_build, forces the choice. */
+const char *net_int8_kernel(const Net *n);
+
+/* The per-module table (which rule applied and what it resolved to), and
+ * for a PTQ base its int8_kernel line. */
 void net_print_table(const Net *n, FILE *out);
-/* One warning line per rule that applied to no module; returns the count. */
+/* One warning line per rule that applied to no module, and per rule that
+ * lets an unsigned format clip negatives (allow_clip); returns the count. */
 int net_print_unused_rules(const Net *n, FILE *out);
 
 #endif

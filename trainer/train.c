@@ -455,6 +455,7 @@ QtStatus run_step(Run *r, QtError *err) {
     if (batcher_next(&r->batcher, r->bx, r->by, &n, NULL, &e) != QT_OK)
         return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->step + 1, e.msg);
     Var *x = run_wrap_batch(r, r->bx, n);
+    net_set_step(&r->net, r->step);
     Var *logits = model_forward(&r->net.model, t, x);
     /* the loss op refuses non-finite logits; they are this guard's to report */
     if (logits && floats_first_nonfinite(logits->value.data, var_numel(logits)) < var_numel(logits))
@@ -601,6 +602,7 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
         snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
                  r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
+    json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
     if (!is_eval) {
         json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
         json_int(&w, "divergences", r->loss_watch.occurrences);
