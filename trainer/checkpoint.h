@@ -56,6 +56,7 @@
 #include <stdio.h>
 
 #include "nn/error.h"
+#include "nn/fsutil.h"
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/rng.h"
@@ -110,6 +111,8 @@ typedef struct {
     int n_rngs;
     const char *config_text; /* save: the resolved YAML (may be NULL -> "") */
     CheckpointNet net;       /* /quant and /lora, saved and restored with the rest */
+    FsReplace replace;       /* save: what may be at the path already (0: anything, a run's own file in its
+                                locked out_dir; a user's --out: FS_REPLACE_NONE, or FS_REPLACE_REGULAR with --force) */
 } CheckpointState;
 
 /* Writes a complete checkpoint to `path` atomically (see above). opt may be

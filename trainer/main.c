@@ -25,10 +25,10 @@ static void usage(FILE *out) {
     fprintf(out,
             "usage: qtrain --config FILE [--resume PATH|auto] [--set KEY=VALUE]... [--stop-at-step N] [--quiet]\n"
             "       qtrain eval [--config FILE] --checkpoint PATH [--set KEY=VALUE]... [--quiet]\n"
-            "       qtrain quantize --config FILE --checkpoint PATH --out PATH [--set KEY=VALUE]...\n"
-            "       qtrain merge --checkpoint PATH --out PATH\n"
-            "       qtrain convert --checkpoint PATH --out PATH\n"
-            "       qtrain compare RUN_DIR... [--out DIR]\n"
+            "       qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...\n"
+            "       qtrain merge --checkpoint PATH --out PATH [--force]\n"
+            "       qtrain convert --checkpoint PATH --out PATH [--force]\n"
+            "       qtrain compare RUN_DIR... [--out DIR] [--force]\n"
             "       qtrain inspect PATH\n"
             "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
             "       qtrain bench --config FILE [--steps N] [--warmup N] [--eval-batches N] [--since-ns NS]\n"
@@ -75,6 +75,7 @@ typedef struct {
     const char *overrides[MAX_OVERRIDES];
     int n_overrides;
     bool quiet;
+    bool force; /* --out may replace a regular file */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -105,6 +106,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (!eval && strcmp(o, "--stop-at-step") == 0) a->stop_at_step = parse_positive(o, v), i++;
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
         else if (eval && strcmp(o, "--out") == 0 && strcmp(cmd, " eval") != 0) a->out = v, i++;
+        else if (eval && strcmp(o, "--force") == 0 && strcmp(cmd, " eval") != 0) a->force = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -213,7 +215,7 @@ static int cmd_quantize(int argc, char **argv) {
     QtError err = {0};
     if (!cfg) return 1;
     QtStatus st = config_load(cfg, a.config, a.overrides, a.n_overrides, &err);
-    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.quiet ? NULL : stdout, &err);
+    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &err);
     free(cfg);
     return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
@@ -227,7 +229,7 @@ static int cmd_merge(int argc, char **argv) {
     }
     QtError err = {0};
     MergeReport rep;
-    if (tools_merge(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
+    if (tools_merge(a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
         return fail(&err, exit_status(&err));
     printf("merged:%d weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f out:%s\n",
            rep.modules, rep.weight_rel_rmse, rep.test_accuracy_before, rep.test_accuracy_after,
@@ -238,8 +240,10 @@ static int cmd_merge(int argc, char **argv) {
 static int cmd_compare(int argc, char **argv) {
     const char *out = "runs/compare", *dirs[COMPARE_MAX_RUNS];
     int n = 0;
+    bool force = false;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = argv[++i];
+        else if (strcmp(argv[i], "--force") == 0) force = true;
         else if (argv[i][0] == '-') {
             fprintf(stderr, "qtrain compare: unknown option '%s' (see qtrain --help)\n", argv[i]);
             return 2;
@@ -258,7 +262,7 @@ static int cmd_compare(int argc, char **argv) {
     int loaded = 0;
     for (; st == QT_OK && loaded < n; loaded++)
         if ((st = compare_load_run(&runs[loaded], dirs[loaded], &err)) != QT_OK) break;
-    if (st == QT_OK) st = compare_write(runs, n, out, stdout, &err);
+    if (st == QT_OK) st = compare_write(runs, n, out, force, stdout, &err);
     if (st == QT_OK) printf("\nwrote %s/compare.md and %s/compare.svg\n", out, out);
     for (int i = 0; runs && i < loaded; i++) compare_run_free(&runs[i]);
     free(runs);
@@ -275,7 +279,7 @@ static int cmd_convert(int argc, char **argv) {
     }
     QtError err = {0};
     ConvertReport rep;
-    if (tools_convert(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
+    if (tools_convert(a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
         return fail(&err, exit_status(&err));
     printf("converted:%d test_accuracy_qat:%.4f test_accuracy_ptq:%.4f test_loss_qat:%.6f test_loss_ptq:%.6f out:%s\n",
            rep.modules, rep.test_accuracy_qat, rep.test_accuracy_ptq, rep.test_loss_qat, rep.test_loss_ptq, a.out);
