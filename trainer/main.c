@@ -266,7 +266,7 @@ static int cmd_compare(int argc, char **argv) {
     if (st == QT_OK) printf("\nwrote %s/compare.md and %s/compare.svg\n", out, out);
     for (int i = 0; runs && i < loaded; i++) compare_run_free(&runs[i]);
     free(runs);
-    return st == QT_OK ? 0 : fail(&err, 1);
+    return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
 static int cmd_convert(int argc, char **argv) {
