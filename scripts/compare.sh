@@ -28,4 +28,4 @@ step "QT: int4 gradients, round to nearest"
      --set quant.rules.0.bwd_qtype=int4 --set quant.rules.0.bwd_stochastic_rounding=none
 step "compare"
 "$Q" compare runs/pretrain runs/ptq runs/ptq-int4 runs/qat runs/float-4ep runs/qt runs/qt-bwd4-sr runs/qt-bwd4-rne \
-     --out runs/compare
+     --out runs/compare --force
