@@ -476,7 +476,7 @@ static void test_quantize_then_init_from(void) {
     char dir[1100];
     snprintf(dir, sizeof dir, "%s/qz-file", tmp_root);
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
-    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, NULL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, false, NULL, &err), QT_OK);
     TrainResult direct, via;
     CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &direct, &err), QT_OK);
     Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "qz2", pre, 2);
@@ -557,7 +557,7 @@ static void test_merge(void) {
     CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &r, &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(r.mode, "lora");
     MergeReport rep;
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), false, NULL,
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), false, false, NULL,
                                       &rep, &err), QT_OK);
     CU_ASSERT_EQUAL(rep.modules, 2);
     CU_ASSERT_STRING_EQUAL(rep.mode, "float");
@@ -565,7 +565,7 @@ static void test_merge(void) {
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) <= 0.002);
     /* a quantized base: re-quantization costs a little */
     CU_ASSERT_EQUAL_FATAL(run(q, NULL, 0, &r, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), false, NULL, &rep,
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), false, false, NULL, &rep,
                                       &err), QT_OK);
     CU_ASSERT(rep.weight_rel_rmse > 0.0 && rep.weight_rel_rmse < 0.2);
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) < 0.1);
@@ -574,7 +574,7 @@ static void test_merge(void) {
     check_merged(path_in("m-q", "merged.h5"), path_in("m-q", "final.h5"), "ptq", 2);
     /* --dequantize: a float model, the dequantized base plus the adapters, without re-quantization */
     MergeReport deq;
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged-float.h5"), true, NULL, &deq,
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged-float.h5"), true, false, NULL, &deq,
                                       &err), QT_OK);
     CU_ASSERT(deq.dequantized);
     CU_ASSERT_EQUAL(deq.weight_rel_rmse, 0.0);
@@ -681,7 +681,7 @@ static void test_qat_resume_and_convert(void) {
     net_free(&b);
     /* convert: the PTQ checkpoint evaluates as the QAT one, to the last example */
     ConvertReport rep;
-    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), NULL, &rep, &err);
+    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), false, NULL, &rep, &err);
     if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
     CU_ASSERT_EQUAL(rep.modules, 3);

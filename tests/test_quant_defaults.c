@@ -138,7 +138,7 @@ static void test_ternary_binary_scales(void) {
     char dir[1100];
     snprintf(dir, sizeof dir, "%s/tb", tmp_root);
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
-    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, NULL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, false, NULL, &err), QT_OK);
     Net q, f;
     CU_ASSERT_EQUAL_FATAL(net_build(&q, c, NET_SHELL, &err), QT_OK);
     CheckpointNet parts = net_checkpoint_parts(&q);
@@ -414,7 +414,7 @@ static void test_qat_stochastic_resume(void) {
     CU_ASSERT_EQUAL(a.qat[1].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING + (4ull << 40)); /* fc1: module 4 */
     /* evaluation draws one fixed noise, the one convert stores: the PTQ model evaluates as the QAT one */
     ConvertReport rep;
-    CU_ASSERT_EQUAL_FATAL(tools_convert(path_in("qsr-a", "final.h5"), path_in("qsr-a", "ptq.h5"), NULL, &rep, &err),
+    CU_ASSERT_EQUAL_FATAL(tools_convert(path_in("qsr-a", "final.h5"), path_in("qsr-a", "ptq.h5"), false, NULL, &rep, &err),
                           QT_OK);
     CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
     CU_ASSERT(fabs(rep.test_loss_ptq - rep.test_loss_qat) < 1e-5);

@@ -86,13 +86,13 @@ static QtStatus write_all(int fd, const void *buf, size_t len) {
     return QT_OK;
 }
 
-/* buf -> "<path>.tmp.<pid>", fsync, rename over path, fsync the directory.
+/* buf -> "<path>.tmp.<pid>", fsync, rename onto path, fsync the directory.
  * Until the rename, path is untouched; on failure the temp file is removed. */
-QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, QtError *err) {
+QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, FsReplace how, QtError *err) {
     char tmp[CKPT_PATH_MAX];
-    int n = snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    if (n < 0 || (size_t)n >= sizeof tmp) return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    int fd = fs_open_tmp(path, tmp, sizeof tmp);
+    if (fd < 0 && errno == ENAMETOOLONG)
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
     if (fd < 0) return ckpt_save_fail(err, path, "creating", tmp, errno);
     const char *what = "writing";
     if (write_all(fd, buf, len) != QT_OK) goto fail;
@@ -103,12 +103,18 @@ QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, QtErro
     fd = -1;
     if (rc != 0) goto fail;
     what = "renaming";
-    if (rename(tmp, path) != 0) goto fail;
+    if (fs_rename_tmp(tmp, path, how) != 0) goto fail;
     return ckpt_sync_parent_dir(path, err);
 fail:;
     int e = errno;
     if (fd >= 0) close(fd);
     unlink(tmp);
+    if (e == EEXIST && how == FS_REPLACE_NONE)
+        return qt_error_set(err, QT_ERR_IO, "cannot save %s: something appeared under that name while it was written; "
+                            "nothing was replaced; pass --force to replace a regular file, or give another path", path);
+    if (e == EEXIST && how == FS_REPLACE_REGULAR)
+        return qt_error_set(err, QT_ERR_IO, "cannot save %s: it is no longer a regular file; nothing was replaced; "
+                            "give another path", path);
     return ckpt_save_fail(err, path, what, tmp, e);
 }
 
@@ -254,7 +260,7 @@ QtStatus checkpoint_save(const char *path, const Model *m, const Optimizer *opt,
     void *image = NULL;
     size_t size = 0;
     st = build_image(path, m, opt, s, &image, &size, err);
-    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
+    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, s->replace, err);
     free(image);
     return st;
 }
@@ -660,7 +666,7 @@ QtStatus checkpoint_save_adapters(const char *path, const Model *m, const Checkp
     if (st == QT_OK) st = h5io_image(&f, &image, &size, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
-    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
+    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, FS_REPLACE_ANY, err);
     free(image);
     return st;
 }

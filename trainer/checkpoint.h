@@ -59,6 +59,7 @@
 #include <stdio.h>
 
 #include "nn/error.h"
+#include "nn/fsutil.h"
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/rng.h"
@@ -121,6 +122,8 @@ typedef struct {
     const char *lora_trainable; /* adapters: lora.trainable, comma-separated ("" = none) */
     const char *merged_from;    /* qtrain merge: the checkpoint whose adapters were folded in */
     const char *merged_from_base_sha256; /* ...and the base hash of that checkpoint */
+    FsReplace replace;       /* save: what may be at the path already (0: anything, a run's own file in its
+                                locked out_dir; a user's --out: FS_REPLACE_NONE, or FS_REPLACE_REGULAR with --force) */
 } CheckpointState;
 
 #define CHECKPOINT_BASE_HASH "qtrain-base-sha256-v1" /* the root attribute base_hash names the scheme */

@@ -53,16 +53,8 @@ static QtStatus layer_name(QtError *err, const YNode *m, const char *path, int i
     char full[96];
     cfg_join(full, sizeof full, path, "name");
     QtStatus st = cfg_to_str(err, v, full, false, s->name, sizeof s->name);
-    for (const char *p = s->name; st == QT_OK && *p; p++) {
-        char ch = *p;
-        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                  strchr("_.-", ch);
-        if (!ok)
-            st = cfg_fail(err, v, full,
-                          "expected letters, digits, '_', '.' and '-' only (module names appear in parameter paths "
-                          "and rules), got \"%s\"",
-                          s->name);
-    }
+    if (st == QT_OK)
+        st = cfg_check_name(err, v, full, s->name, "module names are group names in checkpoints and appear in rules");
     return st;
 }
 

@@ -41,14 +41,15 @@ static const CmdHelp CMD_HELP[] = {
      "            file, or an existing directory to hold eval.json). Without --config\n"
      "            the config stored in the checkpoint is used (its data.cache_dir only\n"
      "            if it is none; else the default cache).\n"},
-    {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--set KEY=VALUE]...",
+    {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...",
      "  quantize  post-training-quantize a float checkpoint by the config's quant rules\n"
      "            (weight-only, no data needed) into a PTQ checkpoint for model.init_from.\n"},
-    {"merge", "qtrain merge --checkpoint PATH --out PATH",
+    {"merge", "qtrain merge --checkpoint PATH --out PATH [--dequantize] [--force]",
      "  merge     fold a run's LoRA adapters into its base (a quantized base is\n"
      "            dequantized, added to and re-quantized) and report the merge error\n"
-     "            and the test accuracy before and after.\n"},
-    {"convert", "qtrain convert --checkpoint PATH --out PATH",
+     "            and the test accuracy and loss before and after. --dequantize\n"
+     "            writes a float model instead (no re-quantization error).\n"},
+    {"convert", "qtrain convert --checkpoint PATH --out PATH [--force]",
      "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
      "            the learned ranges) that evaluates exactly as it trained.\n"},
     {"compare", "qtrain compare RUN_DIR... [--out DIR]",
@@ -56,7 +57,8 @@ static const CmdHelp CMD_HELP[] = {
      "            table (formats, bits/param, size, accuracy, delta vs the first\n"
      "            float run, speed), and DIR/compare.md and DIR/compare.svg\n"
      "            (accuracy vs bits/param, training-loss curves); DIR defaults\n"
-     "            to runs/compare and is created with its parents.\n"},
+     "            to runs/compare and is created with its parents; compare.md and\n"
+     "            compare.svg replace regular files of those names there.\n"},
     {"inspect", "qtrain inspect PATH",
      "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
      "            total bytes.\n"},
@@ -102,6 +104,7 @@ typedef struct {
     const char *overrides[MAX_OVERRIDES];
     int n_overrides;
     bool quiet;
+    bool force; /* --out may replace a regular file */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -135,6 +138,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (!eval && strcmp(o, "--stop-at-step") == 0) a->stop_at_step = parse_positive(o, v), i++;
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
         else if (eval && strcmp(o, "--out") == 0) a->out = v, i++;
+        else if (eval && strcmp(o, "--force") == 0) a->force = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -263,7 +267,7 @@ static int cmd_quantize(int argc, char **argv) {
     QtError err = {0};
     if (!cfg) return 1;
     QtStatus st = config_load(cfg, a.config, a.overrides, a.n_overrides, &err);
-    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.quiet ? NULL : stdout, &err);
+    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &err);
     free(cfg);
     return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
@@ -288,7 +292,7 @@ static int cmd_merge(int argc, char **argv) {
     }
     QtError err = {0};
     MergeReport rep;
-    QtStatus st = tools_merge(a.checkpoint, a.out, dequantize, a.quiet ? NULL : stdout, &rep, &err);
+    QtStatus st = tools_merge(a.checkpoint, a.out, dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
     free(rest);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f "
@@ -331,7 +335,7 @@ static int cmd_compare(int argc, char **argv) {
     if (st == QT_OK) printf("\nwrote %s/compare.md and %s/compare.svg\n", out, out);
     for (int i = 0; runs && i < loaded; i++) compare_run_free(&runs[i]);
     free(runs);
-    return st == QT_OK ? 0 : fail(&err, 1);
+    return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
 static int cmd_convert(int argc, char **argv) {
@@ -344,7 +348,7 @@ static int cmd_convert(int argc, char **argv) {
     }
     QtError err = {0};
     ConvertReport rep;
-    if (tools_convert(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
+    if (tools_convert(a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
         return fail(&err, exit_status(&err));
     printf("converted:%d test_accuracy_qat:%.4f test_accuracy_ptq:%.4f test_loss_qat:%.6f test_loss_ptq:%.6f out:%s\n",
            rep.modules, rep.test_accuracy_qat, rep.test_accuracy_ptq, rep.test_loss_qat, rep.test_loss_ptq, a.out);

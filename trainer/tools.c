@@ -5,11 +5,31 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/fsutil.h"
 #include "trainer/checkpoint.h"
 #include "trainer/net.h"
+#include "trainer/rundir.h"
 #include "trainer/train.h"
 
-QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, FILE *log, QtError *err) {
+/* Writes a tool's output checkpoint: only where nothing is, or (force) over
+ * a regular file; in a run directory under its lock; stale temp files of
+ * dead writers of `out` removed first. */
+static QtStatus save_out(const char *out, bool force, const Model *m, CheckpointState *s, QtError *err) {
+    RunDirLock lock;
+    s->replace = force ? FS_REPLACE_REGULAR : FS_REPLACE_NONE;
+    QtStatus st = fs_check_out_path(out, force, "--out", err);
+    if (st == QT_OK) st = rundir_lock_if_run(out, &lock, err);
+    if (st != QT_OK) return st;
+    fs_remove_stale_tmps_of(out, 0);
+    st = checkpoint_save(out, m, NULL, s, err);
+    rundir_unlock(&lock, false);
+    return st;
+}
+
+QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, bool force, FILE *log,
+                        QtError *err) {
+    QtStatus out_st = fs_check_out_path(out, force, "--out", err); /* before the work, not only before the write */
+    if (out_st != QT_OK) return out_st;
     if (cfg->quant.mode != QUANT_MODE_PTQ)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: qtrain quantize needs quant.mode: ptq and quant rules (the mode "
                             "is %s)", cfg->source, quant_mode_name(cfg->quant.mode));
@@ -32,7 +52,7 @@ QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *o
     if (st == QT_OK && !text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK) {
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = net_checkpoint_parts(&n)};
-        st = checkpoint_save(out, &n.model, NULL, &s, err);
+        st = save_out(out, force, &n.model, &s, err);
     }
     if (st == QT_OK && log) {
         net_print_table(&n, log);
@@ -149,9 +169,11 @@ static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, FIL
     return st;
 }
 
-QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, FILE *log, MergeReport *rep,
+QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, bool force, FILE *log, MergeReport *rep,
                      QtError *err) {
     memset(rep, 0, sizeof *rep);
+    QtStatus out_st = fs_check_out_path(out, force, "--out", err); /* before the work, not only before the write */
+    if (out_st != QT_OK) return out_st;
     Config *c = malloc(sizeof *c), *merged = malloc(sizeof *merged);
     Net n, fl;
     memset(&n, 0, sizeof n);
@@ -192,7 +214,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, F
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .mode = mode, .merged_from = checkpoint,
                              .merged_from_base_sha256 = base};
         if (!dequantize) s.net = (CheckpointNet){.qlayers = n.qlayers, .n_qlayers = n.n_qlayers};
-        st = checkpoint_save(out, dequantize ? &fl.model : &n.model, NULL, &s, err);
+        st = save_out(out, force, dequantize ? &fl.model : &n.model, &s, err);
     }
     if (st == QT_OK) {
         rep->modules = n.n_adapters;
@@ -217,7 +239,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, F
 
 /* The converted model: the QAT net's float parameters, its converted layers
  * as the PTQ base, under a ptq config. */
-static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError *err) {
+static QtStatus convert_save(Net *n, const Config *ptq, const char *out, bool force, QtError *err) {
     QLayer *ql = calloc((size_t)n->n_qat + 1, sizeof *ql);
     if (!ql) return qt_error_set(err, QT_ERR_NOMEM, "out of memory converting");
     int k = 0;
@@ -230,7 +252,7 @@ static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError
         /* the float weights are now in the QLayers: released, they are not written under /params */
         for (int i = 0; i < n->n_qat; i++) param_release(n->qat[i].module->weight);
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = {.qlayers = ql, .n_qlayers = k}};
-        st = checkpoint_save(out, &n->model, NULL, &s, err);
+        st = save_out(out, force, &n->model, &s, err);
     }
     for (int i = 0; i < k; i++) qlayer_free(&ql[i]);
     free(ql);
@@ -238,8 +260,11 @@ static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError
     return st;
 }
 
-QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, ConvertReport *rep, QtError *err) {
+QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE *log, ConvertReport *rep,
+                       QtError *err) {
     memset(rep, 0, sizeof *rep);
+    QtStatus out_st = fs_check_out_path(out, force, "--out", err); /* before the work, not only before the write */
+    if (out_st != QT_OK) return out_st;
     Config *c = malloc(sizeof *c), *ptq = malloc(sizeof *ptq);
     Net n;
     memset(&n, 0, sizeof n);
@@ -256,7 +281,7 @@ QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, Conve
         *ptq = *c;
         ptq->quant.mode = QUANT_MODE_PTQ;
         ptq->model.init_from[0] = '\0';
-        st = convert_save(&n, ptq, out, err);
+        st = convert_save(&n, ptq, out, force, err);
     }
     if (st == QT_OK) rep->modules = n.n_qat;
     TrainResult a, b;

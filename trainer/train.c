@@ -15,6 +15,7 @@
 
 #include "data/dataset.h"
 #include "nn/arena.h"
+#include "nn/fsutil.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
 #include "nn/ops.h"
@@ -43,6 +44,7 @@ void run_free(Run *r) {
     free(r->bx), free(r->by), free(r->ex), free(r->ey);
     free(r->config_text);
     free(r->lora_trainable);
+    rundir_unlock(&r->lock, false);
 }
 
 QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err) {
@@ -551,16 +553,20 @@ static QtStatus run_loop(Run *r, QtError *err) {
     return st;
 }
 
-/* summary.json (training) or eval.json (is_eval): written to a temp name,
- * fsync'd and renamed, so a reader never sees half a file. */
+/* summary.json (training) or eval.json (is_eval): written to a temp name
+ * (fs_open_tmp: never through a symlink), fsync'd and renamed onto path as
+ * `how` allows, so a reader never sees half a file. */
 static QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
-                                      bool is_eval, QtError *err) {
+                                      bool is_eval, FsReplace how, QtError *err) {
     char tmp[CONFIG_PATH_MAX + 64];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f)
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(errno),
+    int fd = fs_open_tmp(path, tmp, sizeof tmp);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        int e = errno;
+        if (fd >= 0) close(fd), unlink(tmp);
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(e),
                             is_eval ? "; write eval.json elsewhere with --out PATH" : "");
+    }
     JsonWriter w;
     json_begin(&w, f);
     json_string(&w, "name", r->cfg->run.name);
@@ -612,7 +618,7 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_end(&w);
     bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
     ok = (fclose(f) == 0) && ok;
-    if (!ok || rename(tmp, path) != 0) {
+    if (!ok || fs_rename_tmp(tmp, path, how) != 0) {
         int e = errno;
         remove(tmp);
         return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or %s", path, strerror(e),
@@ -734,6 +740,8 @@ static QtStatus run_note_base(Run *r, QtError *err) {
 static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size_t created_cap, QtError *err) {
     QtStatus st = QT_OK;
     if ((st = make_dirs(r->cfg->run.out_dir, created, created_cap, err)) != QT_OK) return st;
+    /* before anything in out_dir is read: another run there would mix its files with ours */
+    if ((st = rundir_lock(r->cfg->run.out_dir, &r->lock, err)) != QT_OK) return st;
     if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
     if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
@@ -751,7 +759,7 @@ static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
     if (st != QT_OK) return st;
     run_fill_result(r, res);
     snprintf(path, sizeof path, "%s/summary.json", r->cfg->run.out_dir);
-    if ((st = write_json_atomically(path, r, res, final_path, false, err)) != QT_OK) return st;
+    if ((st = write_json_atomically(path, r, res, final_path, false, FS_REPLACE_ANY, err)) != QT_OK) return st;
     run_say(r, "done: steps:%" PRId64 " test_accuracy:%.4f test_loss:%.4f wall_s:%.1f samples/s:%.0f checkpoint:%s\n",
             res->steps, res->test_accuracy, res->test_loss, res->wall_s, res->samples_per_s, final_path);
     return QT_OK;
@@ -803,8 +811,10 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         if (st == QT_OK && r.step == r.total_steps && !sig) st = run_finish(&r, res, err);
         else if (st == QT_OK) st = run_stop_early(&r, res, sig, err);
     }
+    /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files): the
+       .lock it put there goes first, while still held. */
+    if (st != QT_OK && created[0]) rundir_unlock(&r.lock, true);
     run_free(&r);
-    /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files). */
     if (st != QT_OK) train_remove_created_dirs(cfg->run.out_dir, created);
     return st;
 }
@@ -840,6 +850,20 @@ QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *pat
     return QT_OK;
 }
 
+/* eval.json replaces only a regular file (never a symlink, device or FIFO)
+ * and, in a run directory, only while no live run holds its lock. */
+static QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
+                                QtError *err) {
+    RunDirLock lock;
+    QtStatus st = fs_check_out_path(path, true, "eval.json", err);
+    if (st == QT_OK) st = rundir_lock_if_run(path, &lock, err);
+    if (st != QT_OK) return st;
+    fs_remove_stale_tmps_of(path, 0);
+    st = write_json_atomically(path, r, res, ckpt, true, FS_REPLACE_REGULAR, err);
+    rundir_unlock(&lock, false);
+    return st;
+}
+
 QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
                                   QtError *err) {
     Run r;
@@ -860,7 +884,7 @@ QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, con
                                            &res->val_accuracy, err);
     if (st == QT_OK) run_fill_result(&r, res);
     if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
-    if (st == QT_OK && json_path) st = write_json_atomically(json_path, &r, res, checkpoint, true, err);
+    if (st == QT_OK && json_path) st = eval_write_json(json_path, &r, res, checkpoint, err);
     run_free(&r);
     return st;
 }
