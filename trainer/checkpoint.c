@@ -396,11 +396,23 @@ typedef struct {
 
 /* A NaN or infinity in a stored tensor would train (or evaluate) to NaN
  * without a word; a run never saves one (trainer/guard.h stops it first). */
-static QtStatus check_finite(const H5ioFile *f, const char *ds, const float *x, size_t n, QtError *err) {
+QtStatus ckpt_check_finite(const H5ioFile *f, const char *ds, const float *x, size_t n, QtError *err) {
     size_t bad = floats_first_nonfinite(x, n);
     if (bad == n) return QT_OK;
     return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %zu; a checkpoint holds only finite values, "
                         "so this one is damaged; resume from an earlier checkpoint", f->path, ds, (double)x[bad], bad);
+}
+
+/* AdamW's second moment is a running mean of squared gradients: never
+ * negative. A negative one loads without complaint and the next update
+ * takes its square root, turning the weight into NaN. */
+static QtStatus check_second_moment(const H5ioFile *f, const char *ds, const float *v, size_t n, QtError *err) {
+    for (size_t i = 0; i < n; i++)
+        if (v[i] < 0.0f)
+            return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %zu; AdamW's second moment v is a "
+                                "mean of squared gradients and never negative, so this checkpoint is damaged; resume "
+                                "from an earlier checkpoint", f->path, ds, (double)v[i], i);
+    return QT_OK;
 }
 
 static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtError *err) {
@@ -410,7 +422,7 @@ static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtErr
         char ds[CKPT_OBJ_MAX];
         st = ckpt_obj_path(ds, "params", m->params[i].name, NULL, err);
         if (st == QT_OK && !m->params[i].released) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
-        if (st == QT_OK && !m->params[i].released) st = check_finite(f, ds, dst, tensor_numel(t), err);
+        if (st == QT_OK && !m->params[i].released) st = ckpt_check_finite(f, ds, dst, tensor_numel(t), err);
         dst += tensor_numel(t);
     }
     return st;
@@ -439,10 +451,11 @@ static QtStatus read_optim(const H5ioFile *f, const Optimizer *o, Staged *sg, Qt
         size_t n = tensor_numel(t);
         if (o->m && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK &&
             (st = h5io_read_f32(f, ds, m, t->ndim, t->shape, err)) == QT_OK)
-            st = check_finite(f, ds, m, n, err);
+            st = ckpt_check_finite(f, ds, m, n, err);
         if (st == QT_OK && o->v && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK &&
             (st = h5io_read_f32(f, ds, v, t->ndim, t->shape, err)) == QT_OK)
-            st = check_finite(f, ds, v, n, err);
+            st = ckpt_check_finite(f, ds, v, n, err);
+        if (st == QT_OK && o->v) st = check_second_moment(f, ds, v, n, err);
         m += tensor_numel(t);
         v += tensor_numel(t);
     }

@@ -119,6 +119,21 @@ static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *no
     return st;
 }
 
+/* The merged model's float parameters must be finite before anything is
+ * written: a huge adapter (or a damaged one) overflows W + s B A, and a
+ * merged checkpoint holding inf would not load again. */
+static QtStatus merge_check_finite(const Net *n, const char *checkpoint, QtError *err) {
+    for (int i = 0; i < n->model.n_params; i++) {
+        const Param *p = &n->model.params[i];
+        size_t numel = var_numel(&p->var), bad = p->released ? numel : floats_first_nonfinite(p->var.value.data, numel);
+        if (bad < numel)
+            return qt_error_set(err, QT_ERR_VALUE, "merging the adapters of %s gives %s = %g at index %zu: the merged "
+                                "weight is not finite (the adapters are too large for float32); nothing was written",
+                                checkpoint, p->name, (double)p->var.value.data[bad], bad);
+    }
+    return QT_OK;
+}
+
 QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err) {
     memset(rep, 0, sizeof *rep);
     Config *c = malloc(sizeof *c), *merged = malloc(sizeof *merged);
@@ -133,6 +148,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeRe
     double err2 = 0.0, norm2 = 0.0;
     if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s:\n", n.n_adapters, checkpoint);
     for (int i = 0; st == QT_OK && i < n.n_adapters; i++) st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
+    if (st == QT_OK) st = merge_check_finite(&n, checkpoint, err);
     char *text = NULL;
     if (st == QT_OK) {
         *merged = *c;

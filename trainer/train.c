@@ -412,6 +412,21 @@ static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_wher
     return QT_OK;
 }
 
+/* An update that left a parameter non-finite from a finite loss and finite
+ * gradients (an overflowing step, a damaged optimizer state). It always
+ * stops, train.on_nonfinite: skip too: the update is applied and cannot be
+ * taken back (the optimizer's moments moved with it), and the state is not
+ * saved, so the newest checkpoint stays the last good one. */
+static QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtError *err) {
+    char good[CONFIG_PATH_MAX + 96];
+    run_last_good(r, good, sizeof good);
+    return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the optimizer update left a parameter non-finite: %s "
+                        "(the loss %.6g and the gradients were finite, so the update overflowed or the optimizer "
+                        "state is damaged). Stopped without saving this state (train.on_nonfinite: skip cannot undo "
+                        "an applied update); %s. Lower train.optimizer.lr or set train.grad_clip, or resume from an "
+                        "earlier checkpoint", r->step + 1, where, loss, good);
+}
+
 /* One optimizer step on the next batch. */
 QtStatus run_step(Run *r, QtError *err) {
     Tape *t = &r->tape;
@@ -447,6 +462,8 @@ QtStatus run_step(Run *r, QtError *err) {
     if (clip > 0) optim_clip_grads_to_norm(r->net.trainable, r->net.n_trainable, gnorm, clip);
     optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
     optim_zero_grad(&r->optim);
+    if (!guard_params_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where))
+        return run_nonfinite_update(r, l, grad_where, err);
     QtStatus st = net_check_ranges(&r->net, r->step + 1, err);
     if (st != QT_OK) return st;
     tape_reset(t);
