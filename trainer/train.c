@@ -518,11 +518,14 @@ static QtStatus run_loop(Run *r, QtError *err) {
             st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
             window_examples = 0, train_window_s = 0.0;
         }
-        bool stopping = interrupt_requested() != 0; /* its checkpoint comes right after the loop */
-        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last && !stopping) {
+        /* A stop signal's checkpoint comes right after the loop. A due
+         * evaluation still runs first: its rows belong to this step, and
+         * the resume starts after it. */
+        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
             double tl, ta, vl, va;
             st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
         }
+        bool stopping = interrupt_requested() != 0;
         if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last && !stopping)
             st = run_save(r, NULL, NULL, 0, err);
         progress_update(&r->progress, r->step, r->total_steps,
@@ -697,7 +700,18 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
-    return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
+    if ((st = metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err)) != QT_OK) return st;
+    /* A checkpoint at a step whose periodic evaluation left no row (a run
+     * of an earlier version stopped by a signal in that step skipped it):
+     * the evaluation runs now, so metrics.csv ends as an uninterrupted
+     * run's. The last step's evaluation is run_finish's. */
+    int64_t every = r->cfg->train.eval_every;
+    if (resumed[0] && every > 0 && r->step > 0 && r->step % every == 0 && r->step < r->total_steps &&
+        !r->metrics.kept_test_row) {
+        double tl, ta, vl, va;
+        st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
+    }
+    return st;
 }
 
 /* After the last step: evaluate, write final.h5 and summary.json. */
