@@ -5,6 +5,7 @@
  * of the same config ends. */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -288,6 +289,45 @@ static void test_sigint_at_eval_step_keeps_metrics_row(void) {
     assert_same_metrics(dir, ref);
 }
 
+/* The first SIGTERM ends a run stuck before its first step: here reading
+ * its training images from a FIFO that never delivers (as a hung file
+ * system or library would). It used to only ask for a stop after the
+ * current step, which never came. Opening the FIFO's write end succeeds
+ * only once qtrain has it open for reading: loading data, after the
+ * handlers are installed. */
+static bool child_ended(pid_t pid);
+
+static void test_sigterm_before_first_step_exits(void) {
+    char data[512], log[600], set_dir[600], set_out[600];
+    snprintf(data, sizeof data, "%s/fifo-data", tmp_root);
+    snprintf(log, sizeof log, "%s/fifo.log", tmp_root);
+    snprintf(set_dir, sizeof set_dir, "data.dir=%s", data);
+    snprintf(set_out, sizeof set_out, "run.out_dir=%s/fifo-run", tmp_root);
+    CU_ASSERT_FATAL(mkdir(data, 0777) == 0);
+    char *images = test_path_join(data, "train-images-idx3-ubyte"), *labels = test_path_join(data, "train-labels-idx1-ubyte");
+    CU_ASSERT_FATAL(mkfifo(images, 0600) == 0 && mkfifo(labels, 0600) == 0);
+    const char *args[] = {"--config", CONFIG, "--set", set_dir, "--set", set_out, "--set", "data.storage=memory",
+                          "--quiet", NULL};
+    pid_t pid = test_proc_start(log, args);
+    CU_ASSERT_FATAL(pid > 0);
+    int w = -1;
+    double t0 = now_s();
+    struct timespec nap = {0, 1000000};
+    while (w < 0 && now_s() - t0 < RUN_TIMEOUT_S && !child_ended(pid)) {
+        w = open(images, O_WRONLY | O_NONBLOCK | O_CLOEXEC); /* ENXIO until a reader has it open */
+        if (w < 0) nanosleep(&nap, NULL);
+    }
+    CU_ASSERT(w >= 0);
+    kill(pid, SIGTERM);
+    int status = test_proc_wait(pid, 60.0);
+    if (w >= 0) close(w);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 130);
+    char *text = test_file_read(log, NULL);
+    CU_ASSERT(text && strstr(text, "qtrain: SIGTERM before the first step: exiting now; nothing to save"));
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 130)) show_log(log);
+    free(text), free(images), free(labels);
+}
+
 /* Whether the child has ended (it is left for test_proc_wait to reap). */
 static bool child_ended(pid_t pid) {
     siginfo_t info;
@@ -436,6 +476,8 @@ int register_interrupt_suite(void) {
                         test_eval_step_interrupted_metrics_complete) ||
            !CU_add_test(s, "SIGINT at an eval step: the evaluation finishes, metrics.csv matches",
                         test_sigint_at_eval_step_keeps_metrics_row) ||
+           !CU_add_test(s, "SIGTERM before the first step (stuck loading data) exits at once",
+                        test_sigterm_before_first_step_exits) ||
            !CU_add_test(s, "SIGKILL at 10 random moments (half inside checkpoint writes), resume: bit-identical",
                         test_sigkill_at_random_moments_then_resume);
 }

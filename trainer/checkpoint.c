@@ -33,8 +33,7 @@ QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, Q
 static const char *save_hint(int e) {
     switch (e) {
     case ENOSPC:
-    case EDQUOT:
-    case EFBIG: return "free disk space or change run.out_dir";
+    case EDQUOT: return "free disk space or change run.out_dir";
     case ENOENT:
     case ENOTDIR: return "create the directory or change run.out_dir";
     case EACCES:
@@ -45,8 +44,9 @@ static const char *save_hint(int e) {
 }
 
 QtStatus ckpt_save_fail(QtError *err, const char *path, const char *what, const char *file, int e) {
+    char big[160];
     return qt_error_set(err, QT_ERR_IO, "cannot save checkpoint %s: %s %s failed: %s; %s", path, what, file,
-                        strerror(e), save_hint(e));
+                        strerror(e), e == EFBIG ? qt_file_too_large_hint(big, sizeof big) : save_hint(e));
 }
 
 /* fsync of the directory holding `path`, so a rename survives a crash.

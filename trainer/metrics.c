@@ -54,7 +54,9 @@ static bool metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
 
 /* What a user can do about a failed write, by errno. */
 static const char *write_hint(int e) {
-    if (e == ENOSPC || e == EDQUOT || e == EFBIG) return "free disk space or change run.out_dir";
+    static _Thread_local char big[160];
+    if (e == EFBIG) return qt_file_too_large_hint(big, sizeof big);
+    if (e == ENOSPC || e == EDQUOT) return "free disk space or change run.out_dir";
     if (e == EACCES || e == EPERM || e == EROFS || e == ENOENT || e == ENOTDIR)
         return "make run.out_dir a writable directory";
     return "check the disk and run.out_dir";

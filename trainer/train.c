@@ -592,8 +592,9 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     if (!ok || rename(tmp, path) != 0) {
         int e = errno;
         remove(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or change run.out_dir", path,
-                            strerror(e));
+        char big[160];
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
+                            e == EFBIG ? qt_file_too_large_hint(big, sizeof big) : "free disk space or change run.out_dir");
     }
     return QT_OK;
 }
@@ -769,10 +770,16 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         run_print_plan(&r, resumed);
         progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
         r.tape.training = true;
+        interrupt_set_phase(INTERRUPT_IN_LOOP);
         st = run_loop(&r, err);
         int sig = interrupt_requested();
-        if (st == QT_OK && r.step == r.total_steps && !sig) st = run_finish(&r, res, err);
-        else if (st == QT_OK) st = run_stop_early(&r, res, sig, err);
+        if (st == QT_OK && r.step == r.total_steps && !sig) {
+            interrupt_set_phase(INTERRUPT_FINISHING);
+            st = run_finish(&r, res, err);
+        } else if (st == QT_OK) {
+            st = run_stop_early(&r, res, sig, err);
+        }
+        interrupt_set_phase(INTERRUPT_OUTSIDE);
     }
     run_free(&r);
     return st;
