@@ -759,6 +759,7 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     memset(res, 0, sizeof *res);
     r.cfg = cfg, r.opt = o, r.t_start = metrics_now(), r.saved_step = -1, r.last_train_loss = NAN;
     char resumed[CONFIG_PATH_MAX + 32];
+    interrupt_set_phase(INTERRUPT_OUTSIDE); /* a stop signal while setting up ends the process at once */
     QtStatus st = run_setup(&r, resumed, sizeof resumed, err);
     if (st == QT_OK && r.already_complete) {
         run_fill_result(&r, res);
@@ -779,7 +780,6 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         } else if (st == QT_OK) {
             st = run_stop_early(&r, res, sig, err);
         }
-        interrupt_set_phase(INTERRUPT_OUTSIDE);
     }
     run_free(&r);
     return st;
