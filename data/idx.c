@@ -4,9 +4,13 @@
  * dimensions, then the elements in row-major order. zlib's gz* functions
  * read a plain file as-is, so one reader serves both. */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include "dataset.h"
@@ -18,6 +22,14 @@
 #define IDX_READ_CHUNK ((unsigned)1 << 20)
 /* How far past the payload to count trailing bytes before saying "at least". */
 #define IDX_TRAILING_COUNT_MAX ((uint64_t)1 << 26)
+/* A gzip'd IDX file may declare at most this many times its own size, once
+ * the declared data is past IDX_RATIO_FREE bytes. Image and label data
+ * compresses 2-5x (Fashion-MNIST 1.8x, MNIST 4.7x); only constant filler
+ * reaches deflate's ~1000x, and a header declaring that much is a
+ * decompression bomb (or damaged): it is refused before anything is
+ * inflated. Small files are exempt, so tiny test data of zeros still loads. */
+#define IDX_GZIP_RATIO_MAX 200
+#define IDX_RATIO_FREE ((uint64_t)64 << 20)
 
 static const char *idx_type_name(int type) {
     switch (type) {
@@ -140,6 +152,60 @@ static QtStatus idx_read_header(gzFile f, const char *path, IdxArray *out, uint6
     return idx_decode_dims(raw, ndim, path, out, n_elems, err);
 }
 
+/* "60000 x 28 x 28" into buf. */
+static void idx_dims_str(const IdxArray *a, char *buf, size_t cap) {
+    size_t n = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < a->ndim && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%d", i ? " x " : "", a->dims[i]);
+}
+
+/* The memory this process may still take, in bytes: MemAvailable, and
+ * below it the address-space limit (ulimit -v); UINT64_MAX if not known. */
+static uint64_t idx_memory_available(void) {
+    uint64_t avail = UINT64_MAX;
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[128];
+    unsigned long long kb;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+            avail = (uint64_t)kb * 1024u;
+            break;
+        }
+    if (f) fclose(f);
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY && (uint64_t)lim.rlim_cur < avail)
+        avail = (uint64_t)lim.rlim_cur;
+    return avail;
+}
+
+/* Bounds what the header makes the reader inflate, before any of it is:
+ * a gzip'd file declaring far more than its compressed size can honestly
+ * hold, and (in_memory) a payload larger than the memory left. A stream
+ * yielding more than declared is caught after the payload
+ * (idx_check_no_trailing), a shorter one as truncated. */
+static QtStatus idx_check_declared(gzFile f, const char *path, const IdxArray *shape, uint64_t n_elems, bool in_memory,
+                                   QtError *err) {
+    char dims[96];
+    idx_dims_str(shape, dims, sizeof dims);
+    struct stat sb;
+    if (!gzdirect(f) && n_elems > IDX_RATIO_FREE && stat(path, &sb) == 0 && sb.st_size > 0 &&
+        n_elems / (uint64_t)sb.st_size >= IDX_GZIP_RATIO_MAX)
+        return qt_error_set(err, QT_ERR_FORMAT,
+                            "IDX file '%s' declares %" PRIu64 " bytes of data (%s) in %lld gzip'd bytes, %" PRIu64
+                            " times its size; image and label data does not compress beyond a few times, so this is "
+                            "a decompression bomb or a damaged header, and it is not inflated; fetch the file again",
+                            path, n_elems, dims, (long long)sb.st_size, n_elems / (uint64_t)sb.st_size);
+    uint64_t avail = in_memory ? idx_memory_available() : UINT64_MAX;
+    if (n_elems > avail)
+        return qt_error_set(err, QT_ERR_NOMEM,
+                            "IDX file '%s' declares %" PRIu64 " bytes of data (%s), more than the %" PRIu64 " bytes "
+                            "of memory available (MemAvailable, ulimit -v); free memory, or keep an uninflated copy "
+                            "out of memory (data.storage: auto with a plain IDX file or a data.cache_dir)",
+                            path, n_elems, dims, avail);
+    return QT_OK;
+}
+
 /* Counts what follows the payload; *extra gets 0 for a file of the right length. */
 static QtStatus idx_count_trailing(gzFile f, const char *path, size_t done, uint64_t *extra, QtError *err) {
     uint8_t scratch[4096];
@@ -231,6 +297,7 @@ QtStatus idx_read(const char *path, IdxArray *out, QtError *err) {
     if (st != QT_OK) return st;
     uint64_t n_elems = 0;
     st = idx_read_header(f, path, out, &n_elems, err);
+    if (st == QT_OK) st = idx_check_declared(f, path, out, n_elems, true, err);
     if (st == QT_OK) {
         size_t header_len = 4 + 4 * (size_t)out->ndim;
         st = idx_read_payload(f, path, header_len, (size_t)n_elems, &out->data, err);
@@ -273,6 +340,7 @@ QtStatus idx_stream(const char *path, const IdxSink *sink, bool *refused, QtErro
     memset(&shape, 0, sizeof shape);
     uint64_t n_elems = 0;
     st = idx_read_header(f, path, &shape, &n_elems, err);
+    if (st == QT_OK) st = idx_check_declared(f, path, &shape, n_elems, false, err);
     if (st == QT_OK) {
         uint8_t hdr[IDX_HEADER_MAX];
         size_t header_len = 4 + 4 * (size_t)shape.ndim;

@@ -25,6 +25,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -382,9 +383,20 @@ static bool writer_begin(void *ctx, const IdxArray *shape, const uint8_t *hdr, s
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     snprintf(w->tmp, sizeof w->tmp, "%s.tmp.%ld.%09ld", w->name, (long)getpid(), (long)ts.tv_nsec);
+    cache_header(w->k, shape, hdr, hdr_len, w->head, &w->head_len);
+    /* The inflated copy must fit in the free space: else it is not begun
+     * (the data is then read into memory), rather than filling the disk. */
+    struct statvfs fs;
+    uint64_t need = w->head_len + shape->n_bytes;
+    if (statvfs(w->c->dir, &fs) == 0 && (uint64_t)fs.f_bavail * fs.f_frsize < need) {
+        w->err_no = ENOSPC;
+        snprintf(w->what, sizeof w->what, "the inflated copy of '%.300s' needs %llu bytes, the file system of the "
+                 "cache directory has %llu free", w->k->path, (unsigned long long)need,
+                 (unsigned long long)fs.f_bavail * fs.f_frsize);
+        return false;
+    }
     w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
     if (w->fd < 0) return writer_fail(w, "creating");
-    cache_header(w->k, shape, hdr, hdr_len, w->head, &w->head_len);
     w->crc = crc32(crc32(0L, Z_NULL, 0), hdr, (uInt)hdr_len);
     return write_all(w->fd, w->head, w->head_len) || writer_fail(w, "writing");
 }

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 
 QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...) {
     if (!err || err->status != QT_OK) return status;
@@ -50,4 +51,14 @@ QtStatus qt_name_lookup(const char *what, const char *name, const char *const *n
         snprintf(valid + len, sizeof valid - len, "%s%s", len ? ", " : "", names[i]);
     }
     return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name ? name : "(none)", valid);
+}
+
+const char *qt_file_too_large_hint(char *buf, size_t cap) {
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_FSIZE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+        snprintf(buf, cap, "file too large: the file-size limit (ulimit -f) is %llu bytes; raise it (ulimit -f "
+                 "unlimited)", (unsigned long long)lim.rlim_cur);
+    else
+        snprintf(buf, cap, "file too large for the file system; put the output on another file system");
+    return buf;
 }

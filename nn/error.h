@@ -43,6 +43,11 @@ void qt_error_clear(QtError *err);
 QtStatus qt_name_lookup(const char *what, const char *name, const char *const *names, int n_names, int *index,
                         QtError *err);
 
+/* What to do about a write that failed with EFBIG, into buf: the
+ * file-size limit (ulimit -f) and how to raise it, or, without a limit,
+ * the file system's largest file. Returns buf. */
+const char *qt_file_too_large_hint(char *buf, size_t cap);
+
 /* A short name for a status ("shape error"). */
 const char *qt_status_name(QtStatus status);
 

@@ -127,6 +127,20 @@ void gemm_blas_upgrade_and_exec(char **argv) {
     unsetenv("OPENBLAS_CORETYPE"); /* exec failed: nothing changed */
 }
 
+/* Debian's OpenBLAS 0.3 (x86_64) maps 128 MiB per buffer (seen in its
+ * mmap calls). Measured on tests/configs/tiny-mlp.yaml (2 cores): a run
+ * needs 203 MB of address space with OPENBLAS_NUM_THREADS=1 and 351 MB with
+ * its default of 2; below, it spins in blas_memory_alloc (or, near 340 MB,
+ * HDF5 crashes on a failed allocation). The base covers the libraries,
+ * thread stacks and a small run's data with some margin. */
+#define GEMM_BLAS_BUFFER_MB 128
+#define GEMM_BASE_MB 112
+
+size_t gemm_address_space_needed_mb(void) {
+    int n = openblas_get_num_threads();
+    return GEMM_BASE_MB + GEMM_BLAS_BUFFER_MB * (size_t)(n > 1 ? n : 1);
+}
+
 void gemm_set_threads(int threads) {
     if (threads <= 0) threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     openblas_set_num_threads(1); /* see parallel.h: the pool splits the work */

@@ -8,6 +8,7 @@
 #define QTRAIN_NN_GEMM_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* C (M, N) = alpha * op(A) * op(B) + beta * C.
@@ -37,6 +38,13 @@ const char *gemm_blas_core(void);
 /* Threads of the step (1 or more): OpenBLAS is set to one thread and
  * gemm_f32 splits a large product into bands run on the pool of
  * nn/parallel.h; products under a few MFLOP run whole. 0 = one per online core. */
+/* The address space (MB) below which OpenBLAS cannot run: it maps a
+ * buffer for each of its threads (its own server threads take theirs as
+ * they start, before main) and, when that fails, retries forever, so a
+ * process under a lower `ulimit -v` spins and never returns, not even from
+ * exit (which joins those threads). main refuses to start below it. */
+size_t gemm_address_space_needed_mb(void);
+
 void gemm_set_threads(int threads);
 int gemm_get_threads(void);
 

@@ -124,7 +124,7 @@ static void test_failed_save_leaves_no_trace(void) {
 
     /* A full disk, as far as this process can tell: writes past the size
      * limit fail with EFBIG (root is bound by it too). The old file stays. */
-    expect_save_fails(good, &r2, dir, "free disk space or change run.out_dir", n0 / 2);
+    expect_save_fails(good, &r2, dir, "file too large: the file-size limit (ulimit -f) is", n0 / 2);
 
     /* An unwritable directory (root ignores permissions, so only as a user). */
     if (geteuid() != 0) {

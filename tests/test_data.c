@@ -1,8 +1,16 @@
 /* test_data.c - IDX reading, data sets, transforms, the split and batches. */
+#define _GNU_SOURCE /* unshare */
+#include <dirent.h>
+#include <errno.h>
 #include <math.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "data/dataset.h"
@@ -200,6 +208,134 @@ static void test_idx_bad_inputs(void) {
     ASSERT_ERR(idx_read(crc, &a, &err), err, QT_ERR_FORMAT, "not a valid gzip stream", "zlib: incorrect data check");
     CU_ASSERT(strstr(err.msg, crc) != NULL);
     free(buf);
+    tmp_close(&t);
+}
+
+/* A gzip'd IDX file: header for dims, then `payload` bytes (byte i = i * 131
+ * if varied, else 0), written in 1 MB pieces. */
+static const char *write_gz_stream(TmpDir *t, const char *name, int ndim, const uint32_t *dims, size_t payload,
+                                   bool varied) {
+    const char *p = tmp_path(t, name);
+    gzFile f = gzopen(p, "wb");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    uint8_t hdr[4 + 4 * 4];
+    size_t hlen = idx_image(hdr, 0x08, ndim, dims, NULL, 0);
+    CU_ASSERT_EQUAL(gzwrite(f, hdr, (unsigned)hlen), (int)hlen);
+    enum { PIECE = 1 << 20 };
+    uint8_t *piece = calloc(PIECE, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(piece);
+    for (size_t done = 0; done < payload;) {
+        size_t n = payload - done < PIECE ? payload - done : PIECE;
+        for (size_t i = 0; varied && i < n; i++) piece[i] = (uint8_t)((done + i) * 131u);
+        CU_ASSERT_EQUAL_FATAL(gzwrite(f, piece, (unsigned)n), (int)n);
+        done += n;
+    }
+    free(piece);
+    CU_ASSERT_EQUAL(gzclose(f), Z_OK);
+    return p;
+}
+
+static int count_files(const char *dir) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d));) n += e->d_name[0] != '.';
+    if (d) closedir(d);
+    return d ? n : -1;
+}
+
+/* Decompression bombs: a small gzip whose header declares 196 MB of zeros
+ * is refused before anything is inflated (into memory or the cache); one
+ * whose stream inflates far past its declared 1000 bytes is refused after
+ * at most 64 MB of counting, holding only the declared bytes; a stream
+ * shorter than its header is the usual truncation error. */
+static void test_idx_decompression_bomb(void) {
+    TmpDir t;
+    CU_ASSERT_FATAL(tmp_open(&t));
+    const uint32_t big[3] = {250000, 28, 28}, small[3] = {10, 10, 10}, some[3] = {1000, 28, 28};
+    const char *bomb = write_gz_stream(&t, "bomb-idx3-ubyte.gz", 3, big, (size_t)250000 * 28 * 28, false);
+    IdxArray a;
+    QtError err = {0};
+    ASSERT_ERR(idx_read(bomb, &a, &err), err, QT_ERR_FORMAT, "declares 196000000 bytes of data (250000 x 28 x 28)",
+               "decompression bomb");
+    CU_ASSERT(strstr(err.msg, bomb) != NULL);
+    CU_ASSERT(a.data == NULL);
+    /* through a cache: refused the same way, nothing written */
+    const char *cache_dir = tmp_path(&t, "cache");
+    IdxCache cache;
+    idx_cache_init(&cache, cache_dir);
+    IdxFile file;
+    qt_error_clear(&err);
+    ASSERT_ERR(idx_open_cached(bomb, &cache, false, &file, &a, &err), err, QT_ERR_FORMAT, "decompression bomb", NULL);
+    CU_ASSERT(count_files(cache_dir) <= 0);
+    /* more than declared: at most IDX_TRAILING_COUNT_MAX counted, the sizes named */
+    const char *more = write_gz_stream(&t, "more-idx3-ubyte.gz", 3, small, 1000 + ((size_t)80 << 20), false);
+    qt_error_clear(&err);
+    ASSERT_ERR(idx_read(more, &a, &err), err, QT_ERR_FORMAT, "at least 67108864 bytes after the 1000 bytes",
+               "header or the file is damaged");
+    CU_ASSERT(strstr(err.msg, more) != NULL);
+    /* less than declared: truncated */
+    const char *less = write_gz_stream(&t, "less-idx3-ubyte.gz", 3, some, 1000, true);
+    qt_error_clear(&err);
+    ASSERT_ERR(idx_read(less, &a, &err), err, QT_ERR_FORMAT, "truncated", "promises 784000 bytes of data, only 1000");
+    tmp_close(&t);
+}
+
+/* The inflated copy must fit the cache directory's free space: on a 1 MB
+ * tmpfs a 2 MB file is not cached (a warning naming both sizes; no temp
+ * file), and the data loads from memory. The tmpfs needs a mount namespace
+ * (root); without one the test says it is skipped. */
+static void test_idx_cache_free_space(void) {
+    TmpDir t;
+    CU_ASSERT_FATAL(tmp_open(&t));
+    const uint32_t dims[1] = {2u << 20};
+    const char *src = write_gz_stream(&t, "two-mb-idx1-ubyte.gz", 1, dims, 2u << 20, true);
+    const char *mnt = tmp_path(&t, "small");
+    CU_ASSERT_FATAL(mkdir(mnt, 0700) == 0);
+    int pipefd[2];
+    CU_ASSERT_FATAL(pipe(pipefd) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    CU_ASSERT_FATAL(pid >= 0);
+    if (pid == 0) {
+        close(pipefd[0]);
+        char msg[1200] = "";
+        int code = 0;
+        if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+            mount("tmpfs", mnt, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m") != 0) {
+            snprintf(msg, sizeof msg, "no private tmpfs (%s)", strerror(errno));
+            code = 77;
+        } else {
+            IdxCache cache;
+            idx_cache_init(&cache, mnt);
+            IdxFile file;
+            IdxArray a;
+            QtError err = {0};
+            QtStatus st = idx_open_cached(src, &cache, false, &file, &a, &err);
+            bool in_memory = st == QT_OK && a.data && a.n_bytes == (2u << 20) && file.fd < 0;
+            snprintf(msg, sizeof msg, "%s", st == QT_OK ? cache.warning : err.msg);
+            code = !in_memory ? 1 : count_files(mnt) != 0 ? 2 : cache.writes != 0 ? 3 : 0;
+            idx_free(&a);
+            idx_file_close(&file);
+        }
+        ssize_t w = write(pipefd[1], msg, strlen(msg));
+        (void)w;
+        _exit(code);
+    }
+    close(pipefd[1]);
+    char msg[1200] = "";
+    ssize_t n = read(pipefd[0], msg, sizeof msg - 1);
+    msg[n > 0 ? n : 0] = '\0';
+    close(pipefd[0]);
+    int status = 0;
+    CU_ASSERT(waitpid(pid, &status, 0) == pid && WIFEXITED(status));
+    if (WEXITSTATUS(status) == 77) {
+        fprintf(stderr, "\n  skipped: %s\n", msg);
+    } else {
+        CU_ASSERT_EQUAL(WEXITSTATUS(status), 0);
+        CU_ASSERT(strstr(msg, "needs 20") && strstr(msg, "bytes, the file system of the cache directory has"));
+        CU_ASSERT(strstr(msg, src) != NULL);
+        if (WEXITSTATUS(status) != 0 || !strstr(msg, "needs 20")) fprintf(stderr, "\n  %s\n", msg);
+    }
     tmp_close(&t);
 }
 
@@ -761,6 +897,8 @@ int register_data_suite(void) {
     } tests[] = {
         {"idx_read plain and gzip'd", test_idx_roundtrip},
         {"idx_read rejects bad files", test_idx_bad_inputs},
+        {"IDX decompression bomb: refused by the declared size", test_idx_decompression_bomb},
+        {"IDX cache: an inflated copy larger than the free space is not written", test_idx_cache_free_space},
         {"dataset_load_idx", test_dataset_load_idx},
         {"fashion-mnist-mini", test_fashion_mnist_mini},
         {"fashion-mnist file names", test_fashion_mnist_files},

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -597,6 +598,97 @@ static void test_stale_adapters_tmp_removed(void) {
     test_tmpdir_remove(dir);
 }
 
+/* ---- resource limits (ulimit -v, ulimit -f) -------------------------------------------------- */
+
+#if defined(__SANITIZE_ADDRESS__)
+#define BUILT_WITH_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define BUILT_WITH_ASAN 1
+#endif
+#endif
+
+/* Under an address-space limit (ulimit -v) too small for OpenBLAS's
+ * buffers, qtrain used to spin forever in OpenBLAS's allocator (and ignore
+ * SIGTERM) or crash in HDF5; it now refuses at once, saying how much it
+ * needs. A hang is killed after the timeout and fails the test. */
+static void test_resource_limit_address_space(void) {
+#ifdef BUILT_WITH_ASAN
+    fprintf(stderr, "\n  skipped: AddressSanitizer reserves terabytes of address space, so a ulimit -v build "
+            "cannot start at all\n");
+    return;
+#endif
+    char *root = test_tmpdir_new(), out[PATH_CAP + 32], log[PATH_CAP + 32];
+    CU_ASSERT_PTR_NOT_NULL_FATAL(root);
+    snprintf(log, sizeof log, "%s/as.log", root);
+    const unsigned long long mb[] = {80, 200};
+    for (size_t i = 0; i < sizeof mb / sizeof *mb; i++) {
+        snprintf(out, sizeof out, "run.out_dir=%s/as-%llu", root, mb[i]);
+        const char *args[] = {"--config", CONFIG, "--set", out, "--quiet", NULL};
+        pid_t pid = test_proc_start_limited(log, args, RLIMIT_AS, mb[i] << 20);
+        CU_ASSERT_FATAL(pid > 0);
+        int status = test_proc_wait(pid, 60.0);
+        CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+        char *text = test_file_read(log, NULL), want[96];
+        snprintf(want, sizeof want, "of address space (OpenBLAS maps a 128 MB buffer");
+        CU_ASSERT(text && strstr(text, "qtrain: error: qtrain needs at least ") && strstr(text, want));
+        snprintf(want, sizeof want, "ulimit -v is %llu MB: raise it", mb[i]);
+        CU_ASSERT(text && strstr(text, want));
+        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 1)) fprintf(stderr, "\n  status %#x: %s\n", status, text);
+        free(text);
+    }
+    /* a roomy limit runs as usual */
+    snprintf(out, sizeof out, "run.out_dir=%s/as-roomy", root);
+    const char *args[] = {"--config", CONFIG, "--set", out, "--quiet", NULL};
+    pid_t pid = test_proc_start_limited(log, args, RLIMIT_AS, 2048ull << 20);
+    CU_ASSERT_FATAL(pid > 0);
+    int status = test_proc_wait(pid, RUN_TIMEOUT_S);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CU_ASSERT(test_tmpdir_remove(root));
+}
+
+/* A checkpoint larger than the file-size limit (ulimit -f): the save fails
+ * with EFBIG (SIGXFSZ used to kill the run without a word, leaving a
+ * partial temp file), the message says what to raise, no temp file stays,
+ * and the previous checkpoint is byte for byte as it was. */
+static void test_resource_limit_file_size(void) {
+    char *root = test_tmpdir_new(), dir[PATH_CAP], out[PATH_CAP + 32], log[PATH_CAP + 32];
+    CU_ASSERT_PTR_NOT_NULL_FATAL(root);
+    snprintf(dir, sizeof dir, "%s/fsize", root);
+    snprintf(out, sizeof out, "run.out_dir=%s", dir);
+    snprintf(log, sizeof log, "%s/fsize.log", root);
+    const char *first[] = {"--config", CONFIG, "--set", out, "--set", "train.steps=30", "--stop-at-step", "10",
+                           "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, first, RUN_TIMEOUT_S), 0);
+    char *ckpt = test_path_join(dir, "ckpt-00000010.h5");
+    size_t len = 0;
+    char *before = test_file_read(ckpt, &len);
+    CU_ASSERT_FATAL(before && len > (100u << 10)); /* the limit below is smaller than a checkpoint */
+    const char *resume[] = {"--config", CONFIG, "--set", out, "--set", "train.steps=30", "--resume", "auto",
+                            "--quiet", NULL};
+    pid_t pid = test_proc_start_limited(log, resume, RLIMIT_FSIZE, 100u << 10);
+    CU_ASSERT_FATAL(pid > 0);
+    int status = test_proc_wait(pid, RUN_TIMEOUT_S);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 1); /* not killed by SIGXFSZ */
+    char *text = test_file_read(log, NULL);
+    CU_ASSERT(text && strstr(text, "cannot save checkpoint ") && strstr(text, "File too large"));
+    CU_ASSERT(text && strstr(text, "file too large: the file-size limit (ulimit -f) is 102400 bytes; raise it"));
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 1)) fprintf(stderr, "\n  status %#x: %s\n", status, text);
+    DIR *d = opendir(dir);
+    bool tmp_left = false;
+    for (struct dirent *e; d && (e = readdir(d));) tmp_left |= strstr(e->d_name, ".tmp.") != NULL;
+    if (d) closedir(d);
+    CU_ASSERT(!tmp_left);
+    size_t len_after = 0;
+    char *after = test_file_read(ckpt, &len_after);
+    CU_ASSERT(after && len_after == len && memcmp(before, after, len) == 0);
+    char *config = NULL;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_read_config(ckpt, &config, &err), QT_OK);
+    free(config), free(text), free(before), free(after), free(ckpt);
+    CU_ASSERT(test_tmpdir_remove(root));
+}
+
 int register_diskfull_suite(void) {
     CU_pSuite s = CU_add_suite("diskfull", NULL, NULL);
     if (!s) return -1;
@@ -607,5 +699,9 @@ int register_diskfull_suite(void) {
            !CU_add_test(s, "a full disk at metrics.csv stops the run, resumes exactly", test_full_disk_at_metrics) ||
            !CU_add_test(s, "metrics.csv: a row cut short is dropped on resume", test_metrics_cut_row_dropped) ||
            !CU_add_test(s, "a dead writer's adapters.h5 temp file goes at the next save",
-                        test_stale_adapters_tmp_removed);
+                        test_stale_adapters_tmp_removed) ||
+           !CU_add_test(s, "resource limits: ulimit -v too small is refused at once, not a hang",
+                        test_resource_limit_address_space) ||
+           !CU_add_test(s, "resource limits: ulimit -f gives EFBIG, the previous checkpoint intact, no temp file",
+                        test_resource_limit_file_size);
 }

@@ -13,6 +13,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/guard.h"
 #include "trainer/run.h"
+#include "trainer/tools.h"
 #include "trainer/train.h"
 
 static char *tmp_root;
@@ -327,6 +328,123 @@ static void test_checkpoint_with_nan_is_refused(void) {
     free(final), free(c);
 }
 
+/* Sets every value of dataset ds in file path to `value` (all = true) or
+ * only index `at`; returns the old value at `at` (NAN on failure). */
+static float poke_dataset(const char *path, const char *ds, size_t at, float value, bool all) {
+    hid_t f = H5Fopen(path, H5F_ACC_RDWR, H5P_DEFAULT), d = f >= 0 ? H5Dopen2(f, ds, H5P_DEFAULT) : -1;
+    float old = NAN;
+    if (d >= 0) {
+        hid_t space = H5Dget_space(d);
+        size_t n = (size_t)H5Sget_simple_extent_npoints(space);
+        float *v = malloc(n * sizeof *v);
+        if (v && at < n && H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0) {
+            old = v[at];
+            for (size_t i = 0; i < n; i++)
+                if (all || i == at) v[i] = value;
+            if (H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) < 0) old = NAN;
+        }
+        free(v);
+        H5Sclose(space), H5Dclose(d);
+    }
+    if (f >= 0) H5Fclose(f);
+    return old;
+}
+
+/* AdamW's v < 0 is refused at load, naming file, dataset, index and value
+ * (it used to load and turn a weight into NaN at the next update). */
+static void test_negative_v_refused_at_load(void) {
+    const char *ov[] = {"train.steps=3"};
+    Config *c = load_tiny("neg-v", ov, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    TrainOptions o = {.quiet = true};
+    TrainResult res;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &res, &err), QT_OK);
+    char *final = test_path_join(c->run.out_dir, "final.h5");
+    CU_ASSERT_FATAL(isfinite(poke_dataset(final, "/optim/fc1/weight/v", 5, -0.25f, false)));
+    Run r;
+    CU_ASSERT_FATAL(prepare(&r, c, &o));
+    CheckpointState st = {.n_rngs = 0};
+    CU_ASSERT_EQUAL(checkpoint_load(final, &r.net.model, &r.optim, &st, &err), QT_ERR_FORMAT);
+    CU_ASSERT(test_msg_has(&err, final));
+    CU_ASSERT(test_msg_has(&err, "/optim/fc1/weight/v holds -0.25 at index 5"));
+    CU_ASSERT(test_msg_has(&err, "never negative"));
+    run_free(&r);
+    test_assert_hdf5_closed();
+    free(final), free(c);
+}
+
+/* A parameter made non-finite by the update itself (finite loss and
+ * gradients; here a negative second moment put in memory) stops the run in
+ * both on_nonfinite modes: skip cannot undo an applied update. The NaN is in
+ * fc1, whose ReLU would hide it from every later loss and gradient. */
+static void check_nonfinite_update(bool skip) {
+    const char *ov[] = {skip ? "train.on_nonfinite=skip" : "train.on_nonfinite=stop"};
+    Config *c = load_tiny(skip ? "bad-update-skip" : "bad-update-stop", ov, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    TrainOptions o = {.quiet = true};
+    Run r;
+    CU_ASSERT_FATAL(prepare(&r, c, &o));
+    QtError err = {0};
+    CU_ASSERT_EQUAL(run_step(&r, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.net.trainable[0]->name, "fc1/weight");
+    r.optim.v[0][9] = -1.0f;
+    CU_ASSERT_EQUAL(run_step(&r, &err), QT_ERR_VALUE);
+    CU_ASSERT(test_msg_has(&err, "step 2: the optimizer update left a parameter non-finite"));
+    CU_ASSERT(test_msg_has(&err, "module fc1, tensor weight holds "));
+    CU_ASSERT(test_msg_has(&err, "nan at index 9"));
+    CU_ASSERT(test_msg_has(&err, "cannot undo"));
+    CU_ASSERT_EQUAL(r.step, 1);
+    run_free(&r);
+    free(c);
+}
+
+static void test_nonfinite_update_stops(void) { check_nonfinite_update(false), check_nonfinite_update(true); }
+
+/* Adapters are checked like parameters at load, and merge checks the
+ * merged weights before it writes anything. */
+static void test_adapters_and_merge_checked(void) {
+    char out_dir[600];
+    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/lora-nan", tmp_root);
+    const char *ov[] = {out_dir, "quant.mode=none", "quant.rules=[]", "train.steps=4"};
+    Config *c = malloc(sizeof *c);
+    QtError err = {0};
+    CU_ASSERT_FATAL(c && config_load(c, "tests/configs/tiny-qlora.yaml", ov, 4, &err) == QT_OK);
+    TrainOptions o = {.quiet = true};
+    TrainResult res;
+    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &res, &err), QT_OK);
+    char *final = test_path_join(c->run.out_dir, "final.h5"), *adapters = test_path_join(c->run.out_dir, "adapters.h5");
+    char *merged = test_path_join(c->run.out_dir, "merged.h5");
+    MergeReport rep;
+    /* a NaN in an adapter: refused at load, by merge and by a run reading adapters_from */
+    float keep = poke_dataset(final, "/lora/fc1/A", 2, NAN, false);
+    CU_ASSERT_FATAL(isfinite(keep));
+    CU_ASSERT_EQUAL(tools_merge(final, merged, false, false, NULL, &rep, &err), QT_ERR_FORMAT);
+    CU_ASSERT(test_msg_has(&err, "/lora/fc1/A holds nan at index 2"));
+    CU_ASSERT(!test_file_exists(c->run.out_dir, "merged.h5"));
+    CU_ASSERT(isnan(poke_dataset(final, "/lora/fc1/A", 2, keep, false)));
+    CU_ASSERT(isfinite(poke_dataset(adapters, "/lora/fc1/B", 0, INFINITY, false)));
+    Config *c2 = malloc(sizeof *c2);
+    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/lora-from", tmp_root);
+    char from[700];
+    snprintf(from, sizeof from, "model.adapters_from=%s", adapters);
+    const char *ov2[] = {out_dir, "quant.mode=none", "quant.rules=[]", "train.steps=2", from};
+    CU_ASSERT_FATAL(c2 && config_load(c2, "tests/configs/tiny-qlora.yaml", ov2, 5, &err) == QT_OK);
+    err = (QtError){0};
+    CU_ASSERT_NOT_EQUAL(train_run(c2, &o, &res, &err), QT_OK);
+    CU_ASSERT(test_msg_has(&err, "/lora/fc1/B holds inf at index 0"));
+    /* finite but huge adapters overflow the merged weight: refused, nothing written */
+    CU_ASSERT(isfinite(poke_dataset(final, "/lora/fc1/A", 0, 1e30f, true)));
+    CU_ASSERT(isfinite(poke_dataset(final, "/lora/fc1/B", 0, 3e38f, true)));
+    err = (QtError){0};
+    CU_ASSERT_EQUAL(tools_merge(final, merged, false, false, NULL, &rep, &err), QT_ERR_VALUE);
+    CU_ASSERT(test_msg_has(&err, "fc1/weight = inf"));
+    CU_ASSERT(test_msg_has(&err, "nothing was written"));
+    CU_ASSERT(!test_file_exists(c->run.out_dir, "merged.h5"));
+    test_assert_hdf5_closed();
+    free(final), free(adapters), free(merged), free(c), free(c2);
+}
+
 static void test_config_keys(void) {
     const char *bad1[] = {"train.on_nonfinite=ignore"}, *bad2[] = {"train.divergence_factor=0.5"};
     const char *ok[] = {"train.on_nonfinite=skip", "train.divergence_factor=0"};
@@ -365,5 +483,10 @@ int register_nonfinite_suite(void) {
                         test_skip_gives_up_on_a_broken_model) ||
            !CU_add_test(s, "a diverging run is reported once", test_divergence_reported_in_a_run) ||
            !CU_add_test(s, "a checkpoint with a NaN or inf is refused", test_checkpoint_with_nan_is_refused) ||
+           !CU_add_test(s, "a negative AdamW second moment is refused at load", test_negative_v_refused_at_load) ||
+           !CU_add_test(s, "a parameter made non-finite by an update stops the run (stop and skip)",
+                        test_nonfinite_update_stops) ||
+           !CU_add_test(s, "non-finite adapters are refused at load; merge checks its weights before writing",
+                        test_adapters_and_merge_checked) ||
            !CU_add_test(s, "train.on_nonfinite and train.divergence_factor", test_config_keys);
 }

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -19,6 +20,10 @@ const char *test_qtrain_bin(void) {
 }
 
 pid_t test_proc_start(const char *log_path, const char *const *args) {
+    return test_proc_start_limited(log_path, args, -1, 0);
+}
+
+pid_t test_proc_start_limited(const char *log_path, const char *const *args, int resource, unsigned long long limit) {
     const char *argv[64];
     int n = 0;
     argv[n++] = test_qtrain_bin();
@@ -39,6 +44,11 @@ pid_t test_proc_start(const char *log_path, const char *const *args) {
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
+        struct rlimit lim = {(rlim_t)limit, (rlim_t)limit};
+        if (resource >= 0 && setrlimit(resource, &lim) != 0) {
+            fprintf(stderr, "setrlimit %d: %s\n", resource, strerror(errno));
+            _exit(127);
+        }
         execv(argv[0], (char *const *)argv);
         fprintf(stderr, "cannot run %s: %s\n", argv[0], strerror(errno));
         _exit(127);

@@ -14,6 +14,10 @@ const char *test_qtrain_bin(void);
  * (with a message on stderr) if it cannot start. */
 pid_t test_proc_start(const char *log_path, const char *const *args);
 
+/* test_proc_start with the child's resource limit `resource` (RLIMIT_AS,
+ * RLIMIT_FSIZE, ...) set to `limit` (soft and hard) before the exec. */
+pid_t test_proc_start_limited(const char *log_path, const char *const *args, int resource, unsigned long long limit);
+
 /* Waits for pid at most timeout_s seconds, then SIGKILLs it (and says so on
  * stderr). Returns the raw wait status, or -1 if waitpid fails. */
 int test_proc_wait(pid_t pid, double timeout_s);

@@ -5,7 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <hdf5.h>
 
@@ -639,6 +642,68 @@ static void test_compare(void) {
     CU_ASSERT(test_msg_has(&err, "summary.json"));
 }
 
+/* A run directory with a summary and the given metrics.csv rows. */
+static void write_fake_run(const char *dir, const char *name, const char *rows) {
+    CU_ASSERT_FATAL(mkdir(dir, 0777) == 0);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/summary.json", dir);
+    FILE *f = fopen(path, "w");
+    CU_ASSERT_FATAL(f != NULL);
+    fprintf(f, "{\n  \"name\": \"%s\",\n  \"mode\": \"float\",\n  \"test_accuracy\": 0.5\n}\n", name);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/metrics.csv", dir);
+    f = fopen(path, "w");
+    CU_ASSERT_FATAL(f != NULL);
+    fprintf(f, "split,step,epoch,loss,accuracy,lr,samples_per_s,wall_s\n%s", rows);
+    fclose(f);
+}
+
+/* compare on a metrics.csv with a row at step inf, and on one whose losses
+ * are near 1e-19: the tick loops used to run away (gigabytes of SVG). Run
+ * in a child with a 4 MB file-size limit and a 60 s alarm, so the old
+ * behaviour fails the test instead of filling the disk. */
+static void test_compare_bad_rows_stay_small(void) {
+    char inf_dir[1024], tiny_dir[1024], out[1024], log[1100];
+    snprintf(inf_dir, sizeof inf_dir, "%s/cmp-inf", tmp_root);
+    snprintf(tiny_dir, sizeof tiny_dir, "%s/cmp-tiny", tmp_root);
+    snprintf(out, sizeof out, "%s/cmp-bad", tmp_root);
+    snprintf(log, sizeof log, "%s/cmp-bad.log", tmp_root);
+    write_fake_run(inf_dir, "inf-step", "train,10,1.0,2.0,0.1,0.001,1.0,1.0\ntrain,inf,2.0,1.5,0.2,0.001,1.0,2.0\n"
+                   "train,30,3.0,nan,0.3,0.001,1.0,3.0\ntrain,40,4.0,1.0,0.4,0.001,1.0,4.0\n");
+    write_fake_run(tiny_dir, "tiny-loss", "train,10,1.0,3e-19,0.9,0.001,1.0,1.0\ntrain,20,2.0,1e-19,0.9,0.001,1.0,2.0\n");
+    fflush(NULL);
+    pid_t pid = fork();
+    CU_ASSERT_FATAL(pid >= 0);
+    if (pid == 0) {
+        struct rlimit lim = {4u << 20, 4u << 20};
+        setrlimit(RLIMIT_FSIZE, &lim);
+        alarm(60);
+        if (!freopen(log, "w", stderr)) _exit(3);
+        CompareRun runs[2];
+        QtError err = {0};
+        if (compare_load_run(&runs[0], inf_dir, &err) != QT_OK || compare_load_run(&runs[1], tiny_dir, &err) != QT_OK)
+            _exit(4);
+        int rc = compare_write(runs, 2, out, NULL, &err) == QT_OK ? (runs[0].n_points == 2 ? 0 : 5) : 6;
+        fflush(stderr);
+        _exit(rc);
+    }
+    int status = 0;
+    CU_ASSERT(waitpid(pid, &status, 0) == pid);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) fprintf(stderr, "\n  compare child: status %#x\n", status);
+    struct stat st;
+    char svg[1200];
+    snprintf(svg, sizeof svg, "%s/compare.svg", out);
+    CU_ASSERT(stat(svg, &st) == 0 && st.st_size < (1 << 20));
+    char *text = test_file_read(log, NULL), want[1200];
+    snprintf(want, sizeof want, "%s/metrics.csv:3: a train row with step inf", inf_dir);
+    CU_ASSERT(text && strstr(text, want));
+    snprintf(want, sizeof want, "%s/metrics.csv:4: a train row with step 30 and loss nan", inf_dir);
+    CU_ASSERT(text && strstr(text, want));
+    if (!text || !strstr(text, want)) fprintf(stderr, "\n  compare's warnings:\n%s\n", text ? text : "(none)");
+    free(text);
+}
+
 /* ---- QAT ------------------------------------------------------------------------------ */
 
 static void load_qat_net(Net *n, const Config *c, const char *ckpt) {
@@ -832,6 +897,8 @@ int register_qlora_suite(void) {
            !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||
            !CU_add_test(s, "merge: float exact, quantized small error", test_merge) ||
            !CU_add_test(s, "compare: table, compare.md, compare.svg", test_compare) ||
+           !CU_add_test(s, "compare: a step of inf or losses near 1e-19 give a small chart, bad rows named",
+                        test_compare_bad_rows_stay_small) ||
            !CU_add_test(s, "errors before training", test_bad_inputs) ||
            !CU_add_test(s, "qat: exact resume; convert evaluates as trained", test_qat_resume_and_convert) ||
            !CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors) ||

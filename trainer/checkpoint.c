@@ -33,8 +33,7 @@ QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, Q
 static const char *save_hint(int e) {
     switch (e) {
     case ENOSPC:
-    case EDQUOT:
-    case EFBIG: return "free disk space or change run.out_dir";
+    case EDQUOT: return "free disk space or change run.out_dir";
     case ENOENT:
     case ENOTDIR: return "create the directory or change run.out_dir";
     case EACCES:
@@ -45,8 +44,9 @@ static const char *save_hint(int e) {
 }
 
 QtStatus ckpt_save_fail(QtError *err, const char *path, const char *what, const char *file, int e) {
+    char big[160];
     return qt_error_set(err, QT_ERR_IO, "cannot save checkpoint %s: %s %s failed: %s; %s", path, what, file,
-                        strerror(e), save_hint(e));
+                        strerror(e), e == EFBIG ? qt_file_too_large_hint(big, sizeof big) : save_hint(e));
 }
 
 /* fsync of the directory holding `path`, so a rename survives a crash.
@@ -416,11 +416,23 @@ typedef struct {
 
 /* A NaN or infinity in a stored tensor would train (or evaluate) to NaN
  * without a word; a run never saves one (trainer/guard.h stops it first). */
-static QtStatus check_finite(const H5ioFile *f, const char *ds, const float *x, size_t n, QtError *err) {
+QtStatus ckpt_check_finite(const H5ioFile *f, const char *ds, const float *x, size_t n, QtError *err) {
     size_t bad = floats_first_nonfinite(x, n);
     if (bad == n) return QT_OK;
     return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %zu; a checkpoint holds only finite values, "
                         "so this one is damaged; resume from an earlier checkpoint", f->path, ds, (double)x[bad], bad);
+}
+
+/* AdamW's second moment is a running mean of squared gradients: never
+ * negative. A negative one loads without complaint and the next update
+ * takes its square root, turning the weight into NaN. */
+static QtStatus check_second_moment(const H5ioFile *f, const char *ds, const float *v, size_t n, QtError *err) {
+    for (size_t i = 0; i < n; i++)
+        if (v[i] < 0.0f)
+            return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %zu; AdamW's second moment v is a "
+                                "mean of squared gradients and never negative, so this checkpoint is damaged; resume "
+                                "from an earlier checkpoint", f->path, ds, (double)v[i], i);
+    return QT_OK;
 }
 
 static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtError *err) {
@@ -430,7 +442,7 @@ static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtErr
         char ds[CKPT_OBJ_MAX];
         st = ckpt_obj_path(ds, "params", m->params[i].name, NULL, err);
         if (st == QT_OK && !m->params[i].released) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
-        if (st == QT_OK && !m->params[i].released) st = check_finite(f, ds, dst, tensor_numel(t), err);
+        if (st == QT_OK && !m->params[i].released) st = ckpt_check_finite(f, ds, dst, tensor_numel(t), err);
         dst += tensor_numel(t);
     }
     return st;
@@ -459,10 +471,11 @@ static QtStatus read_optim(const H5ioFile *f, const Optimizer *o, Staged *sg, Qt
         size_t n = tensor_numel(t);
         if (o->m && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "m", err)) == QT_OK &&
             (st = h5io_read_f32(f, ds, m, t->ndim, t->shape, err)) == QT_OK)
-            st = check_finite(f, ds, m, n, err);
+            st = ckpt_check_finite(f, ds, m, n, err);
         if (st == QT_OK && o->v && (st = ckpt_obj_path(ds, "optim", o->params[i]->name, "v", err)) == QT_OK &&
             (st = h5io_read_f32(f, ds, v, t->ndim, t->shape, err)) == QT_OK)
-            st = check_finite(f, ds, v, n, err);
+            st = ckpt_check_finite(f, ds, v, n, err);
+        if (st == QT_OK && o->v) st = check_second_moment(f, ds, v, n, err);
         m += tensor_numel(t);
         v += tensor_numel(t);
     }

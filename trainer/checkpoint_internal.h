@@ -28,6 +28,10 @@ QtStatus ckpt_sync_parent_dir(const char *path, QtError *err);
  * rename, path is untouched; on failure the temp file is removed. */
 QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, FsReplace how, QtError *err);
 
+/* QT_ERR_FORMAT naming file, dataset ds, index and value if x[n] holds a
+ * NaN or an infinity. */
+QtStatus ckpt_check_finite(const H5ioFile *f, const char *ds, const float *x, size_t n, QtError *err);
+
 /* "a/b" or "a/b/c" into out[CKPT_OBJ_MAX]; QT_ERR_ARG if too long. */
 QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err);
 

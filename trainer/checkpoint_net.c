@@ -312,6 +312,7 @@ QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStag
                                   h5io_shape_str(&info, got, sizeof got), tensor_shape_str(t, want, sizeof want),
                                   a->spec.rank);
             if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
+            if (st == QT_OK) st = ckpt_check_finite(f, ds, dst, tensor_numel(t), err);
             dst += tensor_numel(t);
         }
     }

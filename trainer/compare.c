@@ -72,7 +72,10 @@ static void json_string_or(const char *text, const char *key, const char *dflt, 
     if (!json_find(text, key, out, cap) || !out[0]) snprintf(out, cap, "%s", dflt);
 }
 
-/* The train rows of metrics.csv: (step, loss). */
+/* The train rows of metrics.csv: (step, loss). A row whose step or loss is
+ * not a finite number (a damaged or hand-edited file) is skipped with a
+ * warning naming the file and line: an infinite step or loss has no place
+ * on the chart's axes. */
 static QtStatus read_curve(CompareRun *r, const char *path, QtError *err) {
     char *text = read_text(path, err);
     if (!text) return err->status;
@@ -80,9 +83,18 @@ static QtStatus read_curve(CompareRun *r, const char *path, QtError *err) {
     r->steps = malloc(cap * sizeof(double));
     r->losses = malloc(cap * sizeof(double));
     QtStatus st = r->steps && r->losses ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory reading %s", path);
-    for (char *line = strtok(text, "\n"); st == QT_OK && line; line = strtok(NULL, "\n")) {
+    int line_no = 0;
+    for (char *line = text, *next; st == QT_OK && line && *line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = '\0';
+        line_no++;
         double step, epoch, loss;
         if (strncmp(line, "train,", 6) != 0 || sscanf(line + 6, "%lf,%lf,%lf", &step, &epoch, &loss) != 3) continue;
+        if (!isfinite(step) || !isfinite(loss) || step < 0) {
+            fprintf(stderr, "qtrain: warning: %s:%d: a train row with step %g and loss %g is skipped (the step must "
+                    "be a finite count and the loss finite)\n", path, line_no, step, loss);
+            continue;
+        }
         if ((size_t)r->n_points == cap) {
             cap *= 2;
             double *s = realloc(r->steps, cap * sizeof(double)), *l = s ? realloc(r->losses, cap * sizeof(double)) : NULL;
@@ -192,8 +204,15 @@ static void svg_frame(FILE *f, const Panel *p, const char *title, const char *xl
             p->x0 - 48, p->y0 + p->h / 2, p->x0 - 48, p->y0 + p->h / 2, ylabel);
 }
 
+/* Ticks per axis at most: nice_step aims at ~5, and every tick loop counts
+ * its ticks, so no span (1e-19 wide, 1e300 long) can make it run away. */
+#define TICKS_MAX 20
+
 static void svg_yticks(FILE *f, const Panel *p, double step, const char *fmt) {
-    for (double y = ceil(p->ymin / step) * step; y <= p->ymax + 1e-9; y += step) {
+    double first = ceil(p->ymin / step) * step;
+    for (int k = 0; k < TICKS_MAX && isfinite(first); k++) {
+        double y = first + k * step;
+        if (y > p->ymax + 1e-6 * step) break;
         fprintf(f, "<line x1='%.1f' x2='%.1f' y1='%.1f' y2='%.1f' stroke='#ddd'/>\n", p->x0, p->x0 + p->w, py(p, y),
                 py(p, y));
         fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='end'>", p->x0 - 6, py(p, y) + 4);
@@ -203,6 +222,7 @@ static void svg_yticks(FILE *f, const Panel *p, double step, const char *fmt) {
 }
 
 static double nice_step(double span) {
+    if (!(span > 0) || !isfinite(span)) return 1.0; /* no data: any step; the tick loops count */
     double raw = span / 5.0, mag = pow(10.0, floor(log10(raw)));
     double r = raw / mag;
     return (r < 1.5 ? 1.0 : r < 3.5 ? 2.0 : r < 7.5 ? 5.0 : 10.0) * mag;
@@ -249,8 +269,9 @@ static void svg_loss_panel(FILE *f, const CompareRun *runs, int n) {
     svg_frame(f, &p, "training loss", "step", "mean loss per logged window");
     svg_yticks(f, &p, nice_step(p.ymax), "%.2g");
     double xs = nice_step(p.xmax);
-    for (double x = 0; x <= p.xmax + 1e-9; x += xs)
-        fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%.0f</text>\n", px(&p, x), p.y0 + p.h + 18, x);
+    for (int k = 0; k < TICKS_MAX && k * xs <= p.xmax + 1e-6 * xs; k++)
+        fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%.0f</text>\n", px(&p, k * xs), p.y0 + p.h + 18,
+                k * xs);
     for (int i = 0; i < n; i++) {
         const char *color = COLORS[(size_t)i % N_COLORS];
         if (runs[i].n_points > 0) {

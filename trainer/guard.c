@@ -70,6 +70,13 @@ static bool param_values_finite(const Param *p, char *where, size_t cap) {
     return false;
 }
 
+bool guard_params_finite(Param *const *ps, int n, char *where, size_t cap) {
+    char none[1];
+    for (int i = 0; i < n; i++)
+        if (!param_values_finite(ps[i], where && cap ? where : none, where && cap ? cap : sizeof none)) return false;
+    return true;
+}
+
 void guard_locate_nonfinite_forward(Model *m, Tape *t, Var *x, Param *const *ps, int n, char *where, size_t cap) {
     size_t bad;
     if (!tensor_finite(x->value.data, var_numel(x), &bad)) {

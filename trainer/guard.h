@@ -39,6 +39,13 @@ bool loss_watch_feed(LossWatch *w, double loss, double factor, double *fast_mean
  * and how many of the n tensors are affected. ps: [n]. */
 bool guard_grads_finite(Param *const *ps, int n, char *where, size_t cap);
 
+/* Whether every trainable parameter's value is finite (ps: [n]); if not,
+ * `where` (may be NULL) names the first one's module, tensor, index and
+ * value. Run after each optimizer update: finite gradients can still give a
+ * non-finite weight (an overflowing update, a damaged optimizer state), and
+ * a ReLU after it can hide the NaN from every later loss and gradient. */
+bool guard_params_finite(Param *const *ps, int n, char *where, size_t cap);
+
 /* Runs the forward pass of m on x again, module by module in inference mode
  * (forward only), and names in `where` the first place a non-finite value
  * appears: the input batch, a trainable parameter (ps: [n]), a module's

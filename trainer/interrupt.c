@@ -16,8 +16,24 @@ static void say(const char *msg) {
     (void)unused; /* nothing to do if stderr is gone */
 }
 
+static atomic_int phase; /* InterruptPhase */
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the phase must be lock-free to be read by a signal handler");
+
 /* Only async-signal-safe calls: write, _exit. */
 static void on_stop_signal(int sig) {
+    int where = atomic_load(&phase);
+    if (where == INTERRUPT_OUTSIDE) {
+        say(sig == SIGTERM ? "\nqtrain: SIGTERM before the first step: exiting now; nothing to save\n"
+                           : "\nqtrain: SIGINT before the first step: exiting now; nothing to save\n");
+        _exit(INTERRUPT_EXIT_STATUS);
+    }
+    if (where == INTERRUPT_FINISHING) {
+        say(sig == SIGTERM ? "\nqtrain: SIGTERM after the last step: exiting now; --resume auto runs the final "
+                             "evaluation and writes final.h5 again\n"
+                           : "\nqtrain: SIGINT after the last step: exiting now; --resume auto runs the final "
+                             "evaluation and writes final.h5 again\n");
+        _exit(INTERRUPT_EXIT_STATUS);
+    }
     if (atomic_exchange(&stop_signal, sig) != 0) {
         say("\nqtrain: second stop signal: exiting now; the checkpoint files are left as they were\n");
         _exit(INTERRUPT_EXIT_STATUS);
@@ -30,6 +46,7 @@ static void on_stop_signal(int sig) {
 
 int interrupt_install(void) {
     atomic_store(&stop_signal, 0);
+    atomic_store(&phase, INTERRUPT_OUTSIDE);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
@@ -42,6 +59,8 @@ int interrupt_install(void) {
 }
 
 int interrupt_requested(void) { return atomic_load(&stop_signal); }
+
+void interrupt_set_phase(InterruptPhase p) { atomic_store(&phase, (int)p); }
 
 const char *interrupt_signal_name(int sig) {
     return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal";

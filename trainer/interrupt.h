@@ -16,6 +16,15 @@ int interrupt_install(void);
  * Without interrupt_install it stays 0, so library callers never stop. */
 int interrupt_requested(void);
 
+/* Where a run is, for the handler: only inside the step loop (and the
+ * stop that follows it) is there a step to finish and a checkpoint to
+ * write; before it (loading data, building the model, resuming) and after
+ * it (the final evaluation and save, which --resume auto does again) the
+ * first signal exits at once, with a message, so a run stuck there (a slow
+ * or hung library call) still ends on one SIGTERM. */
+typedef enum { INTERRUPT_OUTSIDE, INTERRUPT_IN_LOOP, INTERRUPT_FINISHING } InterruptPhase;
+void interrupt_set_phase(InterruptPhase phase);
+
 /* The signal's name for messages: "SIGINT", "SIGTERM" or "signal". */
 const char *interrupt_signal_name(int sig);
 

@@ -1,11 +1,15 @@
 /* main.c - the qtrain command line. Only this layer decides to exit:
  * 0 success, 1 runtime failure, 2 usage or config error. */
+#include <cblas.h>
 #include <errno.h>
+#include <hdf5.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "nn/gemm.h"
@@ -451,7 +455,39 @@ static int cmd_bench(int argc, char **argv) {
     return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
+/* What must hold before any command runs; false after saying why. */
+static bool check_resources(void) {
+    /* A write past the file-size limit (ulimit -f) then fails with EFBIG,
+     * reported like a full disk, instead of killing the process without a
+     * word and leaving a partial temp file. */
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit lim;
+    size_t need = gemm_address_space_needed_mb();
+    if (getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur / (1024 * 1024) < need) {
+        int blas = openblas_get_num_threads();
+        fprintf(stderr, "qtrain: error: qtrain needs at least %zu MB of address space (OpenBLAS maps a 128 MB "
+                "buffer per thread, %d here, and retries forever when it cannot); ulimit -v is %llu MB: raise it "
+                "(ulimit -v unlimited)", need, blas, (unsigned long long)(lim.rlim_cur / (1024 * 1024)));
+        if (blas > 1)
+            fprintf(stderr, ", or set OPENBLAS_NUM_THREADS=1 (qtrain splits the work over run.threads itself; it "
+                    "then needs %zu MB)", need - (size_t)(blas - 1) * 128);
+        fputc('\n', stderr);
+        return false;
+    }
+    if (H5open() < 0) {
+        fprintf(stderr, "qtrain: error: the HDF5 library cannot be initialised (H5open failed); free memory or raise "
+                "ulimit -v\n");
+        return false;
+    }
+    return true;
+}
+
 int main(int argc, char **argv) {
+    if (!check_resources()) {
+        /* not exit(): OpenBLAS's threads may still be retrying their buffers, and exit would wait for them */
+        fflush(NULL);
+        _exit(1);
+    }
     gemm_blas_upgrade_and_exec(argv);
     if (argc < 2) {
         usage(stderr);

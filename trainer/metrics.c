@@ -32,9 +32,10 @@ void format_duration(char *buf, size_t cap, double seconds) {
  * the run was killed while appending it): its step may be cut short too, so
  * it is dropped rather than kept as a bogus row that the next one would
  * continue. */
-static void metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
+static bool metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
     FILE *in = fopen(path, "r");
-    if (!in) return;
+    bool test_at_keep = false;
+    if (!in) return false;
     char line[512];
     bool header = true;
     while (fgets(line, sizeof line, in)) {
@@ -47,13 +48,17 @@ static void metrics_copy_rows(FILE *out, const char *path, int64_t keep) {
         char *end = NULL;
         long long step = comma ? strtoll(comma + 1, &end, 10) : -1;
         if (comma && end != comma + 1 && step <= keep) fputs(line, out);
+        test_at_keep |= comma && end != comma + 1 && step == keep && strncmp(line, "test,", 5) == 0;
     }
     fclose(in);
+    return test_at_keep;
 }
 
 /* What a user can do about a failed write, by errno. */
 static const char *write_hint(int e) {
-    if (e == ENOSPC || e == EDQUOT || e == EFBIG) return "free disk space or change run.out_dir";
+    static _Thread_local char big[160];
+    if (e == EFBIG) return qt_file_too_large_hint(big, sizeof big);
+    if (e == ENOSPC || e == EDQUOT) return "free disk space or change run.out_dir";
     if (e == EACCES || e == EPERM || e == EROFS || e == ENOENT || e == ENOTDIR)
         return "make run.out_dir a writable directory";
     return "check the disk and run.out_dir";
@@ -71,7 +76,7 @@ QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step
         return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", tmp, strerror(e), write_hint(e));
     }
     fputs(METRICS_HEADER, f);
-    if (keep_through_step >= 0) metrics_copy_rows(f, ml->path, keep_through_step);
+    if (keep_through_step >= 0) ml->kept_test_row = metrics_copy_rows(f, ml->path, keep_through_step);
     /* ferror: a write that failed while copying, before this flush, is sticky. */
     errno = 0;
     if (fflush(f) != 0 || ferror(f) || rename(tmp, ml->path) != 0) {

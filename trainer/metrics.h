@@ -17,11 +17,13 @@
 typedef struct {
     FILE *csv;
     char path[1100];
+    bool kept_test_row; /* a resume kept a "test" row of step keep_through_step (its evaluation is done) */
 } MetricsLog;
 
 /* Opens <dir>/metrics.csv. keep_through_step < 0 starts a new file; >= 0
  * (a resume) keeps the existing rows with step <= keep_through_step and
- * drops later ones (written after the checkpoint by the run that stopped). */
+ * drops later ones (written after the checkpoint by the run that stopped),
+ * telling in kept_test_row whether that step's evaluation is among them. */
 QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step, QtError *err);
 /* Appends a row and flushes it; QT_ERR_IO (e.g. a full disk) if it fails. */
 QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,

@@ -139,6 +139,21 @@ static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *no
     return st;
 }
 
+/* The merged model's float parameters must be finite before anything is
+ * written: a huge adapter (or a damaged one) overflows W + s B A, and a
+ * merged checkpoint holding inf would not load again. */
+static QtStatus merge_check_finite(const Net *n, const char *checkpoint, QtError *err) {
+    for (int i = 0; i < n->model.n_params; i++) {
+        const Param *p = &n->model.params[i];
+        size_t numel = var_numel(&p->var), bad = p->released ? numel : floats_first_nonfinite(p->var.value.data, numel);
+        if (bad < numel)
+            return qt_error_set(err, QT_ERR_VALUE, "merging the adapters of %s gives %s = %g at index %zu: the merged "
+                                "weight is not finite (the adapters are too large for float32); nothing was written",
+                                checkpoint, p->name, (double)p->var.value.data[bad], bad);
+    }
+    return QT_OK;
+}
+
 /* --dequantize: the merged model in float (PEFT's merge_and_unload). out is
  * built from the merged config (quant.mode none) and every parameter taken
  * from n: a quantized weight dequantized, then every adapter's delta added. */
@@ -204,6 +219,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
     if (st == QT_OK && dequantize) st = merge_to_float(&n, merged, &fl, log, err);
     for (int i = 0; st == QT_OK && !dequantize && i < n.n_adapters; i++)
         st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
+    if (st == QT_OK) st = merge_check_finite(dequantize ? &fl : &n, checkpoint, err);
     char *text = NULL;
     if (st == QT_OK) {
         text = config_to_yaml(merged);

@@ -461,6 +461,21 @@ static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_wher
     return QT_OK;
 }
 
+/* An update that left a parameter non-finite from a finite loss and finite
+ * gradients (an overflowing step, a damaged optimizer state). It always
+ * stops, train.on_nonfinite: skip too: the update is applied and cannot be
+ * taken back (the optimizer's moments moved with it), and the state is not
+ * saved, so the newest checkpoint stays the last good one. */
+static QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtError *err) {
+    char good[CONFIG_PATH_MAX + 96];
+    run_last_good(r, good, sizeof good);
+    return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the optimizer update left a parameter non-finite: %s "
+                        "(the loss %.6g and the gradients were finite, so the update overflowed or the optimizer "
+                        "state is damaged). Stopped without saving this state (train.on_nonfinite: skip cannot undo "
+                        "an applied update); %s. Lower train.optimizer.lr or set train.grad_clip, or resume from an "
+                        "earlier checkpoint", r->step + 1, where, loss, good);
+}
+
 /* One optimizer step on the next batch. */
 QtStatus run_step(Run *r, QtError *err) {
     Tape *t = &r->tape;
@@ -497,6 +512,8 @@ QtStatus run_step(Run *r, QtError *err) {
     if (clip > 0) optim_clip_grads_to_norm(r->net.trainable, r->net.n_trainable, gnorm, clip);
     optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
     optim_zero_grad(&r->optim);
+    if (!guard_params_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where))
+        return run_nonfinite_update(r, l, grad_where, err);
     QtStatus st = net_check_ranges(&r->net, r->step + 1, err);
     if (st != QT_OK) return st;
     tape_reset(t);
@@ -551,11 +568,14 @@ static QtStatus run_loop(Run *r, QtError *err) {
             st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
             window_examples = 0, train_window_s = 0.0;
         }
-        bool stopping = interrupt_requested() != 0; /* its checkpoint comes right after the loop */
-        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last && !stopping) {
+        /* A stop signal's checkpoint comes right after the loop. A due
+         * evaluation still runs first: its rows belong to this step, and
+         * the resume starts after it. */
+        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
             double tl, ta, vl, va;
             st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
         }
+        bool stopping = interrupt_requested() != 0;
         if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last && !stopping)
             st = run_save(r, NULL, NULL, 0, err);
         progress_update(&r->progress, r->step, r->total_steps,
@@ -633,8 +653,11 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     if (!ok || fs_rename_tmp(tmp, path, how) != 0) {
         int e = errno;
         remove(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or %s", path, strerror(e),
-                            is_eval ? "give --out PATH" : "change run.out_dir");
+        char big[160];
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
+                            e == EFBIG ? qt_file_too_large_hint(big, sizeof big)
+                            : is_eval  ? "free disk space or give --out PATH"
+                                       : "free disk space or change run.out_dir");
     }
     return QT_OK;
 }
@@ -760,7 +783,18 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
     if ((st = run_note_base(r, err)) != QT_OK) return st;
-    return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
+    if ((st = metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err)) != QT_OK) return st;
+    /* A checkpoint at a step whose periodic evaluation left no row (a run
+     * of an earlier version stopped by a signal in that step skipped it):
+     * the evaluation runs now, so metrics.csv ends as an uninterrupted
+     * run's. The last step's evaluation is run_finish's. */
+    int64_t every = r->cfg->train.eval_every;
+    if (resumed[0] && every > 0 && r->step > 0 && r->step % every == 0 && r->step < r->total_steps &&
+        !r->metrics.kept_test_row) {
+        double tl, ta, vl, va;
+        st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
+    }
+    return st;
 }
 
 /* After the last step: evaluate, write final.h5 and summary.json. */
@@ -807,6 +841,7 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     memset(res, 0, sizeof *res);
     r.cfg = cfg, r.opt = o, r.t_start = metrics_now(), r.saved_step = -1, r.last_train_loss = NAN;
     char resumed[CONFIG_PATH_MAX + 32], created[CONFIG_PATH_MAX];
+    interrupt_set_phase(INTERRUPT_OUTSIDE); /* a stop signal while setting up ends the process at once */
     QtStatus st = run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
     if (st == QT_OK && r.already_complete) {
         run_fill_result(&r, res);
@@ -818,10 +853,15 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         run_print_plan(&r, resumed);
         progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
         r.tape.training = true;
+        interrupt_set_phase(INTERRUPT_IN_LOOP);
         st = run_loop(&r, err);
         int sig = interrupt_requested();
-        if (st == QT_OK && r.step == r.total_steps && !sig) st = run_finish(&r, res, err);
-        else if (st == QT_OK) st = run_stop_early(&r, res, sig, err);
+        if (st == QT_OK && r.step == r.total_steps && !sig) {
+            interrupt_set_phase(INTERRUPT_FINISHING);
+            st = run_finish(&r, res, err);
+        } else if (st == QT_OK) {
+            st = run_stop_early(&r, res, sig, err);
+        }
     }
     /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files): the
        .lock it put there goes first, while still held. */
