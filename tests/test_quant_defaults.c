@@ -13,6 +13,7 @@
 #include "quant/qat.h"
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
+#include "test_runs.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -20,32 +21,14 @@
 #include "trainer/tools.h"
 #include "trainer/train.h"
 
-static char *tmp_root;
-static char base_ckpt[1024];
+static TestRuns runs; /* the suite's directory and float base */
 
-/* path with out_dir under the suite's directory, model.init_from the float base (but for the base itself),
- * then the extra overrides. */
 static Config *load_cfg(const char *path, const char *sub, const char *const *extra, int n_extra) {
-    char out_dir[512], init[1100];
-    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
-    snprintf(init, sizeof init, "model.init_from=%s", base_ckpt);
-    const char *ov[24] = {out_dir, init};
-    int n = base_ckpt[0] ? 2 : 1;
-    for (int i = 0; i < n_extra && n < 24; i++) ov[n++] = extra[i];
-    Config *c = malloc(sizeof *c);
-    QtError err = {0};
-    if (c && config_load(c, path, ov, n, &err) != QT_OK) {
-        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
-        free(c);
-        return NULL;
-    }
-    return c;
+    return test_runs_config(&runs, path, sub, extra, n_extra);
 }
 
 static QtStatus run(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err) {
-    TrainOptions o = {.resume = resume, .quiet = true, .stop_at_step = stop_at};
-    fflush(stdout);
-    QtStatus st = train_run(c, &o, r, err);
+    QtStatus st = test_runs_train(c, resume, stop_at, r, err);
     if (st != QT_OK) fprintf(stderr, "\n  run: %s\n", err->msg);
     return st;
 }
@@ -60,32 +43,11 @@ static QtStatus ptq_eval(const char *sub, const char *rules, TrainResult *r) {
     return st;
 }
 
-static int defaults_suite_init(void) {
-    tmp_root = test_tmpdir_new();
-    if (!tmp_root) return -1;
-    base_ckpt[0] = '\0';
-    Config *c = load_cfg("tests/configs/tiny-base.yaml", "base", NULL, 0);
-    TrainResult r;
-    QtError err = {0};
-    QtStatus st = c ? run(c, NULL, 0, &r, &err) : QT_ERR_CONFIG;
-    snprintf(base_ckpt, sizeof base_ckpt, "%s/base/final.h5", tmp_root);
-    free(c);
-    return st == QT_OK ? 0 : -1;
-}
+static int defaults_suite_init(void) { return test_runs_init(&runs); }
 
-static int defaults_suite_cleanup(void) {
-    bool ok = test_tmpdir_remove(tmp_root);
-    tmp_root = NULL;
-    return ok ? 0 : -1;
-}
+static int defaults_suite_cleanup(void) { return test_runs_cleanup(&runs); }
 
-static char *path_in(const char *sub, const char *name) {
-    static char buf[4][1024];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s/%s", tmp_root, sub, name);
-    return buf[k];
-}
+static char *path_in(const char *sub, const char *name) { return test_runs_path(&runs, sub, name); }
 
 /* ---- unsigned formats -------------------------------------------------------------------------------------- */
 
@@ -136,15 +98,15 @@ static void test_ternary_binary_scales(void) {
     QtError err = {0};
     char *out = path_in("tb", "ptq.h5");
     char dir[1100];
-    snprintf(dir, sizeof dir, "%s/tb", tmp_root);
+    snprintf(dir, sizeof dir, "%s/tb", runs.root);
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
-    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, false, NULL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, runs.base_ckpt, out, false, NULL, &err), QT_OK);
     Net q, f;
     CU_ASSERT_EQUAL_FATAL(net_build(&q, c, NET_SHELL, &err), QT_OK);
     CheckpointNet parts = net_checkpoint_parts(&q);
     CU_ASSERT_EQUAL_FATAL(checkpoint_load_model(out, &q.model, &parts, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(net_build(&f, fc, NET_SHELL, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(base_ckpt, &f.model, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(runs.base_ckpt, &f.model, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(q.n_qlayers, 3);
     for (int i = 0; i < q.n_qlayers; i++) {
         const QLayer *l = &q.qlayers[i];
@@ -359,7 +321,7 @@ static void test_ptq_stochastic_reproducible(void) {
     Net f;
     Config *fl = load_cfg("tests/configs/tiny-base.yaml", "sr", NULL, 0);
     CU_ASSERT_EQUAL_FATAL(net_build(&f, fl, NET_SHELL, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(base_ckpt, &f.model, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(runs.base_ckpt, &f.model, &err), QT_OK);
     QLayer q;
     Rng r = qlayer_round_rng(5, 4);
     CU_ASSERT_STRING_EQUAL_FATAL(f.model.modules[4].path, "fc1");
