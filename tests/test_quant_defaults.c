@@ -170,16 +170,24 @@ static void test_nf4_default_blocks(void) {
  * 127.5 / (127 + 1/2) = 1 and each code is the rounded weight itself. */
 static const float ROW[8] = {127.5f, 2.5f, -2.5f, 1.5f, 0.3f, -0.7f, -1.5f, 0.5f};
 
-static void codes_for(QRound mode, const Rng *rng, float codes[8]) {
-    Model m;
+/* That layer in m (its module returned) and its spec in s: int8, rounded by mode. */
+static Module *row_layer(Model *m, QRound mode, QLayerSpec *s) {
     QtError err = {0};
     LayerSpec l = {.type = LAYER_DENSE, .units = 1, .name = "fc1"};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
-    Module *mod = &m.modules[0];
+    CU_ASSERT_EQUAL_FATAL(model_init(m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
+    Module *mod = &m->modules[0];
     memcpy(mod->weight->var.value.data, ROW, sizeof ROW);
-    QLayerSpec s = qlayer_spec_default();
-    s.weight_qtype = qtype_find("int8", NULL);
-    s.rounding = mode;
+    *s = qlayer_spec_default();
+    s->weight_qtype = qtype_find("int8", NULL);
+    s->rounding = mode;
+    return mod;
+}
+
+static void codes_for(QRound mode, const Rng *rng, float codes[8]) {
+    Model m;
+    QLayerSpec s;
+    Module *mod = row_layer(&m, mode, &s);
+    QtError err = {0};
     QLayer q;
     QtStatus st = qlayer_init_quantize_rng(&q, mod, &s, ROW, rng, &err);
     if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
@@ -232,15 +240,10 @@ static void test_rounding_by_hand(void) {
 /* The QAT layer's fake-quantized weight row, read through its forward: x = I (8 x 8), bias 0, so y[j] = w_q[j]. */
 static void qat_row(QRound mode, bool training, int64_t step, float out[8]) {
     Model m;
-    QtError err = {0};
-    LayerSpec l = {.type = LAYER_DENSE, .units = 1, .name = "fc1"};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
-    Module *mod = &m.modules[0];
-    memcpy(mod->weight->var.value.data, ROW, sizeof ROW);
+    QLayerSpec s;
+    Module *mod = row_layer(&m, mode, &s);
     mod->bias->var.value.data[0] = 0.0f;
-    QLayerSpec s = qlayer_spec_default();
-    s.weight_qtype = qtype_find("int8", NULL);
-    s.rounding = mode;
+    QtError err = {0};
     QatLayer q;
     CU_ASSERT_EQUAL_FATAL(qat_layer_init(&q, mod, &s, &(QatSpec){.amax_init = {.kind = CALIB_ABSMAX, .s = 1.0}}, &err),
                           QT_OK);
