@@ -1,5 +1,6 @@
-/* test_data.h - what the files of the data suite (test_data.c,
- * test_data_sets.c) share. */
+/* test_data.h - what the files of the data suites share: ASSERT_ERR
+ * (test_data.c, test_data_sets.c) and transform lists (test_data_sets.c,
+ * test_data_file.c). */
 #ifndef QTRAIN_TESTS_TEST_DATA_H
 #define QTRAIN_TESTS_TEST_DATA_H
 
@@ -8,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "data/dataset.h"
 #include "nn/error.h"
 
 /* Whether msg holds sub; a NULL sub is held by every message. */
@@ -23,6 +25,17 @@ static inline bool msg_has(const char *msg, const char *sub) { return !sub || st
                     (int)(want), (e).msg);                                                                   \
         CU_ASSERT(ok_);                                                                                      \
     } while (0)
+
+/* One data.transforms entry of each kind the tests build. */
+static inline Transform tf(TransformKind kind) { return (Transform){.kind = kind}; }
+
+static inline Transform tf_classes(int n, const int *classes) {
+    Transform t = {.kind = TRANSFORM_CLASSES, .n_classes = n};
+    memcpy(t.classes, classes, (size_t)n * sizeof *classes);
+    return t;
+}
+
+static inline Transform tf_limit(int limit) { return (Transform){.kind = TRANSFORM_LIMIT, .limit = limit}; }
 
 /* Adds the transform, split and batch tests (test_data_sets.c) to the data
  * suite s, after the others: 0, or -1 if CUnit cannot. */

@@ -40,16 +40,6 @@ static void free_pair(Dataset *tr, Dataset *te) {
     dataset_free(te);
 }
 
-static Transform tf(TransformKind kind) { return (Transform){.kind = kind}; }
-
-static Transform tf_classes(int n, const int *classes) {
-    Transform t = {.kind = TRANSFORM_CLASSES, .n_classes = n};
-    memcpy(t.classes, classes, (size_t)n * sizeof *classes);
-    return t;
-}
-
-static Transform tf_limit(int limit) { return (Transform){.kind = TRANSFORM_LIMIT, .limit = limit}; }
-
 static Transform tf_norm(float mean, float std) {
     return (Transform){.kind = TRANSFORM_NORMALIZE, .stats_given = true, .mean = mean, .std = std};
 }
