@@ -52,6 +52,23 @@ QtStatus test_runs_train(const Config *c, const char *resume, int64_t stop_at, T
     return train_run(c, &o, r, err);
 }
 
+char *test_runs_net_warnings(Net *n, const Config *c, NetInit how, int *count) {
+    QtError err = {0};
+    QtStatus st = net_build(n, c, how, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s: %s\n", c->source, err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    FILE *f = tmpfile();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    *count = net_print_unused_rules(n, f);
+    long len = ftell(f);
+    char *text = calloc((size_t)(len > 0 ? len : 0) + 1, 1);
+    rewind(f);
+    bool ok = text && len >= 0 && fread(text, 1, (size_t)len, f) == (size_t)len;
+    fclose(f);
+    CU_ASSERT_FATAL(ok);
+    return text;
+}
+
 char *test_runs_path(const TestRuns *tr, const char *sub, const char *name) {
     static char buf[4][1024];
     static int k;

@@ -2,13 +2,14 @@
  * configs on the shipped mini data set (qlora, quant_defaults): a suite
  * directory holding tests/configs/tiny-base.yaml's float base, trained once
  * by the suite's init, configs whose run.out_dir lies below it, and paths
- * there. */
+ * there; the unused-rule warnings of a config's net. */
 #ifndef QTRAIN_TESTS_TEST_RUNS_H
 #define QTRAIN_TESTS_TEST_RUNS_H
 
 #include <stdint.h>
 
 #include "nn/error.h"
+#include "trainer/net.h"
 #include "trainer/config.h"
 #include "trainer/train.h"
 
@@ -33,6 +34,11 @@ Config *test_runs_config(const TestRuns *tr, const char *path, const char *sub, 
  * (0: the end). stdout is flushed first, so the run's output (none when all
  * is well) does not interleave with CUnit's. */
 QtStatus test_runs_train(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err);
+
+/* Builds c's net as `how` into n (the test stops if it cannot) and returns
+ * the warnings net_print_unused_rules gives for it, one a line, malloc'd
+ * ("" for none); *count gets how many it counted. */
+char *test_runs_net_warnings(Net *n, const Config *c, NetInit how, int *count);
 
 /* "root/sub/name" in one of four static buffers, used in turn: up to four
  * may be alive at once. */
