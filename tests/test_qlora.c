@@ -208,13 +208,6 @@ static void assert_same_adapters(const Net *a, const Net *b) {
     CU_ASSERT(memcmp(ha->var.value.data, hb->var.value.data, var_numel(&ha->var) * 4) == 0);
 }
 
-static void load_net(Net *n, const Config *c, const char *ckpt) {
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet p = net_checkpoint_parts(n);
-    CU_ASSERT_EQUAL(checkpoint_load_model(ckpt, &n->model, &p, &err), QT_OK);
-}
-
 static void test_qlora_resume_is_exact(void) {
     Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "r-straight", NULL, 0);
     Config *s = load_cfg("tests/configs/tiny-qlora.yaml", "r-split", NULL, 0);
@@ -226,8 +219,8 @@ static void test_qlora_resume_is_exact(void) {
     CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
     Net a, b;
-    load_net(&a, c, path_in("r-straight", "final.h5"));
-    load_net(&b, s, path_in("r-split", "final.h5"));
+    test_runs_load_net(&a, c, path_in("r-straight", "final.h5"));
+    test_runs_load_net(&b, s, path_in("r-split", "final.h5"));
     assert_same_adapters(&a, &b);
     /* adapters.h5 holds the same adapters and head */
     Config *f = load_cfg("tests/configs/tiny-qlora.yaml", "r-from", NULL, 0);

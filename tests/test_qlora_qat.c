@@ -16,15 +16,6 @@
 
 /* ---- QAT ------------------------------------------------------------------------------ */
 
-static void load_qat_net(Net *n, const Config *c, const char *ckpt) {
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet p = net_checkpoint_parts(n);
-    QtStatus st = checkpoint_load_model(ckpt, &n->model, &p, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL(st, QT_OK);
-}
-
 static void test_qat_resume_and_convert(void) {
     Config *c = load_cfg("tests/configs/tiny-qat.yaml", "qat-a", NULL, 0);
     Config *s = load_cfg("tests/configs/tiny-qat.yaml", "qat-b", NULL, 0);
@@ -40,8 +31,8 @@ static void test_qat_resume_and_convert(void) {
     CU_ASSERT_EQUAL_FATAL(run(s, NULL, 7, &r, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
     Net a, b;
-    load_qat_net(&a, c, path_in("qat-a", "final.h5"));
-    load_qat_net(&b, s, path_in("qat-b", "final.h5"));
+    test_runs_load_net(&a, c, path_in("qat-a", "final.h5"));
+    test_runs_load_net(&b, s, path_in("qat-b", "final.h5"));
     CU_ASSERT(test_params_equal(&a.model, &b.model));
     CU_ASSERT_EQUAL_FATAL(a.n_trainable, b.n_trainable);
     for (int i = 0; i < a.n_trainable; i++)
@@ -85,8 +76,8 @@ static void test_qt_run_and_resume(void) {
     CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
     Net a, b;
-    load_qat_net(&a, c, path_in("qt-a", "final.h5"));
-    load_qat_net(&b, s, path_in("qt-b", "final.h5"));
+    test_runs_load_net(&a, c, path_in("qt-a", "final.h5"));
+    test_runs_load_net(&b, s, path_in("qt-b", "final.h5"));
     CU_ASSERT(test_params_equal(&a.model, &b.model));
     for (int i = 0; i < a.n_qt; i++) CU_ASSERT(a.qt[i].rng.counter == b.qt[i].rng.counter && a.qt[i].rng.counter > 0);
     net_free(&a);
@@ -109,7 +100,7 @@ static void test_qat_lora(void) {
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
     CU_ASSERT_STRING_EQUAL(r.mode, "qat-lora");
     Net a, base;
-    load_qat_net(&a, c, path_in("qat-lora", "final.h5"));
+    test_runs_load_net(&a, c, path_in("qat-lora", "final.h5"));
     Config *b = load_cfg("tests/configs/tiny-base.yaml", "unused", NULL, 0);
     CU_ASSERT_EQUAL_FATAL(net_build(&base, b, NET_SHELL, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(qlora_runs.base_ckpt, &base.model, &err), QT_OK);

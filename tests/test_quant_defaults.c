@@ -339,13 +339,6 @@ static void test_ptq_stochastic_reproducible(void) {
     free(fl);
 }
 
-static void load_trained(Net *n, const Config *c, const char *ckpt) {
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet p = net_checkpoint_parts(n);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_model(ckpt, &n->model, &p, &err), QT_OK);
-}
-
 /* QAT with stochastic weight rounding: stop + resume gives the straight run's weights bit for bit (each step's
  * noise follows from the step), the noise is really drawn (rne trains to other weights), and convert stores the
  * codes evaluation uses. */
@@ -365,9 +358,9 @@ static void test_qat_stochastic_resume(void) {
     CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(run(r0, NULL, 0, &r, &err), QT_OK);
     Net a, b, n;
-    load_trained(&a, c, path_in("qsr-a", "final.h5"));
-    load_trained(&b, s, path_in("qsr-b", "final.h5"));
-    load_trained(&n, r0, path_in("qsr-rne", "final.h5"));
+    test_runs_load_net(&a, c, path_in("qsr-a", "final.h5"));
+    test_runs_load_net(&b, s, path_in("qsr-b", "final.h5"));
+    test_runs_load_net(&n, r0, path_in("qsr-rne", "final.h5"));
     CU_ASSERT(test_params_equal(&a.model, &b.model));
     CU_ASSERT(!test_params_equal(&a.model, &n.model));
     CU_ASSERT_EQUAL(a.qat[0].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING);           /* conv1: module 0 */

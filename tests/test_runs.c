@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "test_util.h"
+#include "trainer/checkpoint.h"
 
 int test_runs_init(TestRuns *tr) {
     tr->base_ckpt[0] = '\0';
@@ -67,6 +68,15 @@ char *test_runs_net_warnings(Net *n, const Config *c, NetInit how, int *count) {
     fclose(f);
     CU_ASSERT_FATAL(ok);
     return text;
+}
+
+void test_runs_load_net(Net *n, const Config *c, const char *ckpt) {
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
+    CheckpointNet p = net_checkpoint_parts(n);
+    QtStatus st = checkpoint_load_model(ckpt, &n->model, &p, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
 }
 
 char *test_runs_path(const TestRuns *tr, const char *sub, const char *name) {

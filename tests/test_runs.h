@@ -2,7 +2,8 @@
  * configs on the shipped mini data set (qlora, quant_defaults): a suite
  * directory holding tests/configs/tiny-base.yaml's float base, trained once
  * by the suite's init, configs whose run.out_dir lies below it, and paths
- * there; the unused-rule warnings of a config's net. */
+ * there; a config's net, with its unused-rule warnings or a checkpoint's
+ * model. */
 #ifndef QTRAIN_TESTS_TEST_RUNS_H
 #define QTRAIN_TESTS_TEST_RUNS_H
 
@@ -39,6 +40,10 @@ QtStatus test_runs_train(const Config *c, const char *resume, int64_t stop_at, T
  * the warnings net_print_unused_rules gives for it, one a line, malloc'd
  * ("" for none); *count gets how many it counted. */
 char *test_runs_net_warnings(Net *n, const Config *c, NetInit how, int *count);
+
+/* Builds c's net as a shell into n and loads the model of checkpoint ckpt
+ * into it; the test stops (with the message) if either fails. */
+void test_runs_load_net(Net *n, const Config *c, const char *ckpt);
 
 /* "root/sub/name" in one of four static buffers, used in turn: up to four
  * may be alive at once. */
