@@ -17,6 +17,7 @@
 #include "data/dataset.h"
 #include "data/image_file.h"
 #include "nn/model.h"
+#include "test_data.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -132,16 +133,6 @@ static void assert_same_batches(const Dataset *a, const Dataset *b) {
     free(xa);
     free(xb);
 }
-
-static Transform tf(TransformKind kind) { return (Transform){.kind = kind}; }
-
-static Transform tf_classes(int n, const int *classes) {
-    Transform t = {.kind = TRANSFORM_CLASSES, .n_classes = n};
-    memcpy(t.classes, classes, (size_t)n * sizeof *classes);
-    return t;
-}
-
-static Transform tf_limit(int limit) { return (Transform){.kind = TRANSFORM_LIMIT, .limit = limit}; }
 
 /* ---- file and memory agree ---------------------------------------------------------- */
 

@@ -286,46 +286,17 @@ static void test_divergence_reported_in_a_run(void) {
     }
 }
 
-/* A checkpoint with a NaN parameter or optimizer moment is refused, naming
- * the dataset and the index. */
-static void test_checkpoint_with_nan_is_refused(void) {
+/* The tiny config in sub, trained 3 steps with o, for a test that damages
+ * its final.h5: *final gets that path (malloc'd). */
+static Config *train_tiny_3_steps(const char *sub, const TrainOptions *o, char **final) {
     const char *ov[] = {"train.steps=3"};
-    Config *c = load_tiny("nan-ckpt", ov, 1);
+    Config *c = load_tiny(sub, ov, 1);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
-    TrainOptions o = {.quiet = true};
     TrainResult res;
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &res, &err), QT_OK);
-    char *final = test_path_join(c->run.out_dir, "final.h5");
-    const char *datasets[] = {"/params/head/bias", "/optim/fc1/weight/v"};
-    for (int k = 0; k < 2; k++) {
-        hid_t f = H5Fopen(final, H5F_ACC_RDWR, H5P_DEFAULT), d = H5Dopen2(f, datasets[k], H5P_DEFAULT);
-        CU_ASSERT_FATAL(f >= 0 && d >= 0);
-        hid_t space = H5Dget_space(d);
-        hssize_t n = H5Sget_simple_extent_npoints(space);
-        float *v = malloc((size_t)n * sizeof *v);
-        CU_ASSERT(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0);
-        float keep = v[3];
-        v[3] = k ? INFINITY : NAN;
-        CU_ASSERT(H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0);
-        H5Dclose(d), H5Sclose(space), H5Fclose(f);
-        Run r;
-        CU_ASSERT_FATAL(prepare(&r, c, &o));
-        CheckpointState st = {.n_rngs = 0};
-        err = (QtError){0};
-        CU_ASSERT_EQUAL(checkpoint_load(final, &r.net.model, &r.optim, &st, &err), QT_ERR_FORMAT);
-        CU_ASSERT(test_msg_has(&err, datasets[k] + 1));
-        CU_ASSERT(test_msg_has(&err, k ? "holds inf at index 3" : "holds nan at index 3"));
-        run_free(&r);
-        /* mended again for the next case */
-        f = H5Fopen(final, H5F_ACC_RDWR, H5P_DEFAULT), d = H5Dopen2(f, datasets[k], H5P_DEFAULT);
-        v[3] = keep;
-        CU_ASSERT(H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0);
-        H5Dclose(d), H5Fclose(f);
-        free(v);
-    }
-    test_assert_hdf5_closed();
-    free(final), free(c);
+    CU_ASSERT_EQUAL_FATAL(train_run(c, o, &res, &err), QT_OK);
+    *final = test_path_join(c->run.out_dir, "final.h5");
+    return c;
 }
 
 /* Sets every value of dataset ds in file path to `value` (all = true) or
@@ -350,17 +321,39 @@ static float poke_dataset(const char *path, const char *ds, size_t at, float val
     return old;
 }
 
+/* A checkpoint with a NaN parameter or optimizer moment is refused, naming
+ * the dataset and the index. */
+static void test_checkpoint_with_nan_is_refused(void) {
+    TrainOptions o = {.quiet = true};
+    char *final = NULL;
+    Config *c = train_tiny_3_steps("nan-ckpt", &o, &final);
+    QtError err = {0};
+    const char *datasets[] = {"/params/head/bias", "/optim/fc1/weight/v"};
+    for (int k = 0; k < 2; k++) {
+        float keep = poke_dataset(final, datasets[k], 3, k ? INFINITY : NAN, false);
+        CU_ASSERT_FATAL(isfinite(keep));
+        Run r;
+        CU_ASSERT_FATAL(prepare(&r, c, &o));
+        CheckpointState st = {.n_rngs = 0};
+        err = (QtError){0};
+        CU_ASSERT_EQUAL(checkpoint_load(final, &r.net.model, &r.optim, &st, &err), QT_ERR_FORMAT);
+        CU_ASSERT(test_msg_has(&err, datasets[k] + 1));
+        CU_ASSERT(test_msg_has(&err, k ? "holds inf at index 3" : "holds nan at index 3"));
+        run_free(&r);
+        /* mended again for the next case */
+        poke_dataset(final, datasets[k], 3, keep, false);
+    }
+    test_assert_hdf5_closed();
+    free(final), free(c);
+}
+
 /* AdamW's v < 0 is refused at load, naming file, dataset, index and value
  * (it used to load and turn a weight into NaN at the next update). */
 static void test_negative_v_refused_at_load(void) {
-    const char *ov[] = {"train.steps=3"};
-    Config *c = load_tiny("neg-v", ov, 1);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     TrainOptions o = {.quiet = true};
-    TrainResult res;
+    char *final = NULL;
+    Config *c = train_tiny_3_steps("neg-v", &o, &final);
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &res, &err), QT_OK);
-    char *final = test_path_join(c->run.out_dir, "final.h5");
     CU_ASSERT_FATAL(isfinite(poke_dataset(final, "/optim/fc1/weight/v", 5, -0.25f, false)));
     Run r;
     CU_ASSERT_FATAL(prepare(&r, c, &o));

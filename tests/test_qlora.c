@@ -1,6 +1,7 @@
 /* test_qlora.c - PTQ bases, LoRA and QLoRA end to end on the shipped mini
  * data set: rules, runs, the frozen base, resume, adapters.h5, quantize,
- * merge, and the errors a user meets before training. */
+ * merge, and the errors a user meets before training. Its QAT and QT runs
+ * are test_qlora_qat.c's. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include "quant/qlayer.h"
 #include "test_lora.h"
 #include "test_proc.h"
+#include "test_qlora.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
@@ -27,58 +29,11 @@
 #include "trainer/tools.h"
 #include "trainer/train.h"
 
-static char *tmp_root;
-static char base_ckpt[1024];
+TestRuns qlora_runs; /* the suite's directory and float base (test_qlora.h) */
 
-static Config *load_cfg(const char *path, const char *sub, const char *const *extra, int n_extra) {
-    char out_dir[512], init[1100];
-    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
-    snprintf(init, sizeof init, "model.init_from=%s", base_ckpt);
-    const char *ov[20] = {out_dir, init};
-    int n = strstr(path, "base") ? 1 : 2;
-    for (int i = 0; i < n_extra && n < 20; i++) ov[n++] = extra[i];
-    Config *c = malloc(sizeof *c);
-    QtError err = {0};
-    if (c && config_load(c, path, ov, n, &err) != QT_OK) {
-        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
-        free(c);
-        return NULL;
-    }
-    return c;
-}
+static int qlora_suite_init(void) { return test_runs_init(&qlora_runs); }
 
-static QtStatus run(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err) {
-    TrainOptions o = {.resume = resume, .quiet = true, .stop_at_step = stop_at};
-    fflush(stdout);
-    return train_run(c, &o, r, err);
-}
-
-static int qlora_suite_init(void) {
-    tmp_root = test_tmpdir_new();
-    if (!tmp_root) return -1;
-    Config *c = load_cfg("tests/configs/tiny-base.yaml", "base", NULL, 0);
-    TrainResult r;
-    QtError err = {0};
-    QtStatus st = c ? run(c, NULL, 0, &r, &err) : QT_ERR_CONFIG;
-    if (st != QT_OK) fprintf(stderr, "\n  base run: %s\n", err.msg);
-    snprintf(base_ckpt, sizeof base_ckpt, "%s/base/final.h5", tmp_root);
-    free(c);
-    return st == QT_OK ? 0 : -1;
-}
-
-static int qlora_suite_cleanup(void) {
-    bool ok = test_tmpdir_remove(tmp_root);
-    tmp_root = NULL;
-    return ok ? 0 : -1;
-}
-
-static char *path_in(const char *sub, const char *name) {
-    static char buf[4][1024];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s/%s", tmp_root, sub, name);
-    return buf[k];
-}
+static int qlora_suite_cleanup(void) { return test_runs_cleanup(&qlora_runs); }
 
 /* Two QArrays hold the same bytes in every buffer. */
 static bool qarrays_equal(const QArray *a, const QArray *b) {
@@ -101,10 +56,8 @@ static void test_rules_first_full_match(void) {
     Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "rules", ov, 6);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     Net n;
-    QtError err = {0};
-    QtStatus st = net_build(&n, c, NET_SHELL, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    int count = 0;
+    char *warnings = test_runs_net_warnings(&n, c, NET_SHELL, &count);
     Module *conv1 = model_find_module(&n.model, "conv1"), *fc1 = model_find_module(&n.model, "fc1");
     /* "conv" is not a full match of conv1, so rule 1 applies to both */
     CU_ASSERT_EQUAL(n.quant_rule[conv1 - n.model.modules], 1);
@@ -114,13 +67,10 @@ static void test_rules_first_full_match(void) {
     /* the head is lora.trainable: neither quantized nor adapted; op_types keep conv1 from adapters */
     CU_ASSERT_EQUAL(n.n_adapters, 1);
     CU_ASSERT_PTR_EQUAL(n.adapters[0].module, fc1);
-    FILE *f = tmpfile();
-    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 1);
-    rewind(f);
-    char line[512] = "";
-    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
-    CU_ASSERT(strstr(line, "quant.rules[0]") && strstr(line, "\"conv\"") && strstr(line, "applies to no module"));
-    fclose(f);
+    CU_ASSERT_EQUAL(count, 1);
+    CU_ASSERT(strstr(warnings, "quant.rules[0]") && strstr(warnings, "\"conv\"") &&
+              strstr(warnings, "applies to no module"));
+    free(warnings);
     net_free(&n);
     free(c);
 }
@@ -133,31 +83,25 @@ static void test_rules_shadowed_warning(void) {
     Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "rules-shadow", ov, 2);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     Net n;
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_SHELL, &err), QT_OK);
-    FILE *f = tmpfile();
-    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 2);
-    rewind(f);
-    char line[1024] = "";
-    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    int count = 0;
+    char *line = test_runs_net_warnings(&n, c, NET_SHELL, &count), *second = strchr(line, '\n');
+    CU_ASSERT_EQUAL(count, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(second);
+    *second++ = '\0';
     CU_ASSERT(strstr(line, "lora.rules[1]") && strstr(line, "matches fc1") && strstr(line, "lora.rules[0] took them"));
     CU_ASSERT_PTR_NULL(strstr(line, "check the regex"));
-    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
-    CU_ASSERT(strstr(line, "lora.rules[2]") && strstr(line, "check the regex"));
-    fclose(f);
+    CU_ASSERT(strstr(second, "lora.rules[2]") && strstr(second, "check the regex"));
+    free(line);
     net_free(&n);
     /* a rule whose only module is lora.trainable names that */
     const char *ov2[] = {"quant.rules=[{module_path: conv1, weight_qtype: int8}, {module_path: fc1, weight_qtype: "
                          "int8}, {module_path: head, weight_qtype: int8}]"};
     Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "rules-shadow2", ov2, 1);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
-    CU_ASSERT_EQUAL_FATAL(net_build(&n, c2, NET_SHELL, &err), QT_OK);
-    f = tmpfile();
-    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 1);
-    rewind(f);
-    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    line = test_runs_net_warnings(&n, c2, NET_SHELL, &count);
+    CU_ASSERT_EQUAL(count, 1);
     CU_ASSERT(strstr(line, "quant.rules[2]") && strstr(line, "matches head") && strstr(line, "lora.trainable took"));
-    fclose(f);
+    free(line);
     net_free(&n);
     free(c);
     free(c2);
@@ -264,13 +208,6 @@ static void assert_same_adapters(const Net *a, const Net *b) {
     CU_ASSERT(memcmp(ha->var.value.data, hb->var.value.data, var_numel(&ha->var) * 4) == 0);
 }
 
-static void load_net(Net *n, const Config *c, const char *ckpt) {
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet p = net_checkpoint_parts(n);
-    CU_ASSERT_EQUAL(checkpoint_load_model(ckpt, &n->model, &p, &err), QT_OK);
-}
-
 static void test_qlora_resume_is_exact(void) {
     Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "r-straight", NULL, 0);
     Config *s = load_cfg("tests/configs/tiny-qlora.yaml", "r-split", NULL, 0);
@@ -282,8 +219,8 @@ static void test_qlora_resume_is_exact(void) {
     CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
     Net a, b;
-    load_net(&a, c, path_in("r-straight", "final.h5"));
-    load_net(&b, s, path_in("r-split", "final.h5"));
+    test_runs_load_net(&a, c, path_in("r-straight", "final.h5"));
+    test_runs_load_net(&b, s, path_in("r-split", "final.h5"));
     assert_same_adapters(&a, &b);
     /* adapters.h5 holds the same adapters and head */
     Config *f = load_cfg("tests/configs/tiny-qlora.yaml", "r-from", NULL, 0);
@@ -378,7 +315,7 @@ static void test_base_identity(void) {
     CU_ASSERT_EQUAL(p->step, 24);
     CU_ASSERT_EQUAL(p->epoch, 1);
     CU_ASSERT_EQUAL(strlen(p->base_sha256), 64);
-    CU_ASSERT_STRING_EQUAL(p->base_init_from, base_ckpt);
+    CU_ASSERT_STRING_EQUAL(p->base_init_from, qlora_runs.base_ckpt);
     /* every checkpoint of the run, and a run resumed on the same base, record the same identity */
     const char *same[][2] = {{"q1", "final.h5"}, {"q1", "ckpt-00000016.h5"}, {"r-split", "final.h5"},
                              {"q0", "final.h5"}};
@@ -477,9 +414,9 @@ static void test_quantize_then_init_from(void) {
     QtError err = {0};
     char *out = path_in("qz-file", "ptq.h5");
     char dir[1100];
-    snprintf(dir, sizeof dir, "%s/qz-file", tmp_root);
+    snprintf(dir, sizeof dir, "%s/qz-file", qlora_runs.root);
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
-    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, false, NULL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, qlora_runs.base_ckpt, out, false, NULL, &err), QT_OK);
     TrainResult direct, via;
     CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &direct, &err), QT_OK);
     Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "qz2", pre, 2);
@@ -529,7 +466,7 @@ static void check_merged(const char *merged, const char *source, const char *mod
     CU_ASSERT_EQUAL_FATAL(config_load_string(c, text, "merged", NULL, 0, &err), QT_OK);
     free(text);
     char json[1200];
-    snprintf(json, sizeof json, "%s/merged-eval-%s.json", tmp_root, mode);
+    snprintf(json, sizeof json, "%s/merged-eval-%s.json", qlora_runs.root, mode);
     TrainResult r;
     CU_ASSERT_EQUAL_FATAL(train_eval_checkpoint_to(c, merged, json, &r, &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(r.mode, mode);
@@ -609,7 +546,7 @@ static void test_compare(void) {
     QtError err = {0};
     for (int i = 0; i < 3; i++) {
         char d[1024];
-        snprintf(d, sizeof d, "%s/%s", tmp_root, dirs[i]);
+        snprintf(d, sizeof d, "%s/%s", qlora_runs.root, dirs[i]);
         CU_ASSERT_EQUAL_FATAL(compare_load_run(&runs[i], d, &err), QT_OK);
     }
     CU_ASSERT_STRING_EQUAL(runs[0].mode, "lora");
@@ -621,7 +558,7 @@ static void test_compare(void) {
     CU_ASSERT_EQUAL(runs[2].n_points, 6);  /* 24 steps logged every 4 */
     CU_ASSERT_EQUAL(runs[2].steps[5], 24.0);
     char out[1024];
-    snprintf(out, sizeof out, "%s/cmp", tmp_root);
+    snprintf(out, sizeof out, "%s/cmp", qlora_runs.root);
     FILE *table = tmpfile();
     CU_ASSERT_EQUAL(compare_write(runs, 3, out, table, &err), QT_OK);
     rewind(table);
@@ -638,7 +575,7 @@ static void test_compare(void) {
     CU_ASSERT(test_file_exists(out, "compare.md"));
     for (int i = 0; i < 3; i++) compare_run_free(&runs[i]);
     CompareRun none;
-    CU_ASSERT_EQUAL(compare_load_run(&none, tmp_root, &err), QT_ERR_IO);
+    CU_ASSERT_EQUAL(compare_load_run(&none, qlora_runs.root, &err), QT_ERR_IO);
     CU_ASSERT(test_msg_has(&err, "summary.json"));
 }
 
@@ -664,10 +601,10 @@ static void write_fake_run(const char *dir, const char *name, const char *rows) 
  * behaviour fails the test instead of filling the disk. */
 static void test_compare_bad_rows_stay_small(void) {
     char inf_dir[1024], tiny_dir[1024], out[1024], log[1100];
-    snprintf(inf_dir, sizeof inf_dir, "%s/cmp-inf", tmp_root);
-    snprintf(tiny_dir, sizeof tiny_dir, "%s/cmp-tiny", tmp_root);
-    snprintf(out, sizeof out, "%s/cmp-bad", tmp_root);
-    snprintf(log, sizeof log, "%s/cmp-bad.log", tmp_root);
+    snprintf(inf_dir, sizeof inf_dir, "%s/cmp-inf", qlora_runs.root);
+    snprintf(tiny_dir, sizeof tiny_dir, "%s/cmp-tiny", qlora_runs.root);
+    snprintf(out, sizeof out, "%s/cmp-bad", qlora_runs.root);
+    snprintf(log, sizeof log, "%s/cmp-bad.log", qlora_runs.root);
     write_fake_run(inf_dir, "inf-step", "train,10,1.0,2.0,0.1,0.001,1.0,1.0\ntrain,inf,2.0,1.5,0.2,0.001,1.0,2.0\n"
                    "train,30,3.0,nan,0.3,0.001,1.0,3.0\ntrain,40,4.0,1.0,0.4,0.001,1.0,4.0\n");
     write_fake_run(tiny_dir, "tiny-loss", "train,10,1.0,3e-19,0.9,0.001,1.0,1.0\ntrain,20,2.0,1e-19,0.9,0.001,1.0,2.0\n");
@@ -702,145 +639,6 @@ static void test_compare_bad_rows_stay_small(void) {
     CU_ASSERT(text && strstr(text, want));
     if (!text || !strstr(text, want)) fprintf(stderr, "\n  compare's warnings:\n%s\n", text ? text : "(none)");
     free(text);
-}
-
-/* ---- QAT ------------------------------------------------------------------------------ */
-
-static void load_qat_net(Net *n, const Config *c, const char *ckpt) {
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet p = net_checkpoint_parts(n);
-    QtStatus st = checkpoint_load_model(ckpt, &n->model, &p, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL(st, QT_OK);
-}
-
-static void test_qat_resume_and_convert(void) {
-    Config *c = load_cfg("tests/configs/tiny-qat.yaml", "qat-a", NULL, 0);
-    Config *s = load_cfg("tests/configs/tiny-qat.yaml", "qat-b", NULL, 0);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(s);
-    TrainResult r;
-    QtError err = {0};
-    QtStatus st = run(c, NULL, 0, &r, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
-    CU_ASSERT_STRING_EQUAL(r.mode, "qat");
-    CU_ASSERT(r.base_bits_per_param < 8.0);
-    CU_ASSERT_EQUAL_FATAL(run(s, NULL, 7, &r, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
-    Net a, b;
-    load_qat_net(&a, c, path_in("qat-a", "final.h5"));
-    load_qat_net(&b, s, path_in("qat-b", "final.h5"));
-    CU_ASSERT(test_params_equal(&a.model, &b.model));
-    CU_ASSERT_EQUAL_FATAL(a.n_trainable, b.n_trainable);
-    for (int i = 0; i < a.n_trainable; i++)
-        CU_ASSERT(memcmp(a.trainable[i]->var.value.data, b.trainable[i]->var.value.data,
-                         var_numel(&a.trainable[i]->var) * sizeof(float)) == 0);
-    /* a range gone non-finite stops the run naming the module and the step */
-    CU_ASSERT_EQUAL(net_check_ranges(&a, 5, &err), QT_OK);
-    a.qat[1].w_range.param.var.value.data[3] = NAN;
-    CU_ASSERT_EQUAL(net_check_ranges(&a, 5, &err), QT_ERR_VALUE);
-    CU_ASSERT(test_msg_has(&err, "step 5") && test_msg_has(&err, "fc1") && test_msg_has(&err, "log2_t"));
-    net_free(&a);
-    net_free(&b);
-    /* convert: the PTQ checkpoint evaluates as the QAT one, to the last example */
-    ConvertReport rep;
-    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), false, NULL, &rep, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
-    CU_ASSERT_EQUAL(rep.modules, 3);
-    CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
-    CU_ASSERT(fabs(rep.test_loss_ptq - rep.test_loss_qat) < 1e-5);
-    free(c);
-    free(s);
-}
-
-/* QT: the run learns, and stop + resume is bit-identical (the gradient
- * noise generators are restored with everything else). */
-static void test_qt_run_and_resume(void) {
-    const char *none[] = {"train.steps=0", "train.epochs=0"};
-    Config *c0 = load_cfg("tests/configs/tiny-qt.yaml", "qt-0", none, 2);
-    Config *c = load_cfg("tests/configs/tiny-qt.yaml", "qt-a", NULL, 0);
-    Config *s = load_cfg("tests/configs/tiny-qt.yaml", "qt-b", NULL, 0);
-    CU_ASSERT_FATAL(c0 && c && s);
-    TrainResult r0, r;
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(run(c0, NULL, 0, &r0, &err), QT_OK);
-    QtStatus st = run(c, NULL, 0, &r, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
-    CU_ASSERT_STRING_EQUAL(r.mode, "qt");
-    CU_ASSERT(r.test_loss < r0.test_loss); /* from the tiny base (init_from): further down */
-    CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
-    Net a, b;
-    load_qat_net(&a, c, path_in("qt-a", "final.h5"));
-    load_qat_net(&b, s, path_in("qt-b", "final.h5"));
-    CU_ASSERT(test_params_equal(&a.model, &b.model));
-    for (int i = 0; i < a.n_qt; i++) CU_ASSERT(a.qt[i].rng.counter == b.qt[i].rng.counter && a.qt[i].rng.counter > 0);
-    net_free(&a);
-    net_free(&b);
-    free(c0);
-    free(c);
-    free(s);
-}
-
-/* LoRA over a QAT model: the base is frozen (and fake-quantized in every
- * forward), the adapters, the head and the learned ranges train. */
-static void test_qat_lora(void) {
-    const char *ov[] = {"lora.rules=[{module_path: \"conv1|fc1\", rank: 2}]", "lora.trainable=[head]"};
-    Config *c = load_cfg("tests/configs/tiny-qat.yaml", "qat-lora", ov, 2);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
-    TrainResult r;
-    QtError err = {0};
-    QtStatus st = run(c, NULL, 0, &r, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
-    CU_ASSERT_STRING_EQUAL(r.mode, "qat-lora");
-    Net a, base;
-    load_qat_net(&a, c, path_in("qat-lora", "final.h5"));
-    Config *b = load_cfg("tests/configs/tiny-base.yaml", "unused", NULL, 0);
-    CU_ASSERT_EQUAL_FATAL(net_build(&base, b, NET_SHELL, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(base_ckpt, &base.model, &err), QT_OK);
-    const char *frozen[] = {"conv1/weight", "fc1/weight", "fc1/bias"};
-    for (int i = 0; i < 3; i++) {
-        const Param *p = model_find_param(&a.model, frozen[i]), *q = model_find_param(&base.model, frozen[i]);
-        CU_ASSERT(memcmp(p->var.value.data, q->var.value.data, var_numel(&p->var) * sizeof(float)) == 0);
-    }
-    const Param *h = model_find_param(&a.model, "head/weight"), *h0 = model_find_param(&base.model, "head/weight");
-    CU_ASSERT(memcmp(h->var.value.data, h0->var.value.data, var_numel(&h->var) * sizeof(float)) != 0);
-    CU_ASSERT_EQUAL(a.n_adapters, 2);
-    net_free(&a);
-    net_free(&base);
-    free(b);
-    free(c);
-}
-
-static void test_qat_config_errors(void) {
-    static const struct {
-        const char *ov[2];
-        const char *a, *b;
-    } cases[] = {
-        {{"quant.mode=ptq", NULL}, "act_static_scale", "quant.mode is ptq"},
-        {{"quant.rules.1.weight_qtype=fp8_e4m3", NULL}, "learn_amax", "weight_qtype"},
-        {{"quant.rules.1.double_quant=true", NULL}, "double_quant", "qat"},
-        {{"quant.rules.0.learn_amax=lsq", NULL}, "act_static_scale", "learn_amax"},
-        {{"quant.rules.1.bwd_qtype=int8", NULL}, "bwd_qtype", "quant.mode is qat"},
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char out_dir[512];
-        snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/qat-err", tmp_root);
-        const char *ov[2] = {out_dir, cases[i].ov[0]};
-        Config *c = malloc(sizeof *c);
-        QtError err = {0};
-        CU_ASSERT_EQUAL(config_load(c, "tests/configs/tiny-qat.yaml", ov, 2, &err), QT_ERR_CONFIG);
-        if (!test_msg_has(&err, cases[i].a) || !test_msg_has(&err, cases[i].b)) {
-            fprintf(stderr, "\n  case %zu: %s\n", i, err.msg);
-            CU_FAIL("message");
-        }
-        free(c);
-    }
 }
 
 /* ---- bad input ------------------------------------------------------------------ */
@@ -899,9 +697,5 @@ int register_qlora_suite(void) {
            !CU_add_test(s, "compare: table, compare.md, compare.svg", test_compare) ||
            !CU_add_test(s, "compare: a step of inf or losses near 1e-19 give a small chart, bad rows named",
                         test_compare_bad_rows_stay_small) ||
-           !CU_add_test(s, "errors before training", test_bad_inputs) ||
-           !CU_add_test(s, "qat: exact resume; convert evaluates as trained", test_qat_resume_and_convert) ||
-           !CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors) ||
-           !CU_add_test(s, "qt: learns; exact resume with gradient noise", test_qt_run_and_resume) ||
-           !CU_add_test(s, "qat + lora: frozen fake-quantized base, adapters train", test_qat_lora);
+           !CU_add_test(s, "errors before training", test_bad_inputs) || qlora_add_qat_tests(s) != 0;
 }

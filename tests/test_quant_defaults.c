@@ -13,6 +13,7 @@
 #include "quant/qat.h"
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
+#include "test_runs.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -20,32 +21,14 @@
 #include "trainer/tools.h"
 #include "trainer/train.h"
 
-static char *tmp_root;
-static char base_ckpt[1024];
+static TestRuns runs; /* the suite's directory and float base */
 
-/* path with out_dir under the suite's directory, model.init_from the float base (but for the base itself),
- * then the extra overrides. */
 static Config *load_cfg(const char *path, const char *sub, const char *const *extra, int n_extra) {
-    char out_dir[512], init[1100];
-    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
-    snprintf(init, sizeof init, "model.init_from=%s", base_ckpt);
-    const char *ov[24] = {out_dir, init};
-    int n = base_ckpt[0] ? 2 : 1;
-    for (int i = 0; i < n_extra && n < 24; i++) ov[n++] = extra[i];
-    Config *c = malloc(sizeof *c);
-    QtError err = {0};
-    if (c && config_load(c, path, ov, n, &err) != QT_OK) {
-        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
-        free(c);
-        return NULL;
-    }
-    return c;
+    return test_runs_config(&runs, path, sub, extra, n_extra);
 }
 
 static QtStatus run(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err) {
-    TrainOptions o = {.resume = resume, .quiet = true, .stop_at_step = stop_at};
-    fflush(stdout);
-    QtStatus st = train_run(c, &o, r, err);
+    QtStatus st = test_runs_train(c, resume, stop_at, r, err);
     if (st != QT_OK) fprintf(stderr, "\n  run: %s\n", err->msg);
     return st;
 }
@@ -60,32 +43,11 @@ static QtStatus ptq_eval(const char *sub, const char *rules, TrainResult *r) {
     return st;
 }
 
-static int defaults_suite_init(void) {
-    tmp_root = test_tmpdir_new();
-    if (!tmp_root) return -1;
-    base_ckpt[0] = '\0';
-    Config *c = load_cfg("tests/configs/tiny-base.yaml", "base", NULL, 0);
-    TrainResult r;
-    QtError err = {0};
-    QtStatus st = c ? run(c, NULL, 0, &r, &err) : QT_ERR_CONFIG;
-    snprintf(base_ckpt, sizeof base_ckpt, "%s/base/final.h5", tmp_root);
-    free(c);
-    return st == QT_OK ? 0 : -1;
-}
+static int defaults_suite_init(void) { return test_runs_init(&runs); }
 
-static int defaults_suite_cleanup(void) {
-    bool ok = test_tmpdir_remove(tmp_root);
-    tmp_root = NULL;
-    return ok ? 0 : -1;
-}
+static int defaults_suite_cleanup(void) { return test_runs_cleanup(&runs); }
 
-static char *path_in(const char *sub, const char *name) {
-    static char buf[4][1024];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s/%s", tmp_root, sub, name);
-    return buf[k];
-}
+static char *path_in(const char *sub, const char *name) { return test_runs_path(&runs, sub, name); }
 
 /* ---- unsigned formats -------------------------------------------------------------------------------------- */
 
@@ -109,15 +71,10 @@ static void test_uint8_matches_int8(void) {
     Config *c = load_cfg("tests/configs/tiny-base.yaml", "u-warn", ov, 2);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     Net n;
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK);
-    char *log = path_in("u-i8", "warn.txt");
-    FILE *f = fopen(log, "w+");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
-    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 1);
-    fclose(f);
-    char *text = test_file_read(log, NULL);
-    CU_ASSERT(text && strstr(text, "quant.rules[0]: symmetric: true with uint8 clips every negative weight to 0"));
+    int count = 0;
+    char *text = test_runs_net_warnings(&n, c, NET_FRESH, &count);
+    CU_ASSERT_EQUAL(count, 1);
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "quant.rules[0]: symmetric: true with uint8 clips every negative weight to 0"));
     free(text);
     net_free(&n);
     free(c);
@@ -136,15 +93,15 @@ static void test_ternary_binary_scales(void) {
     QtError err = {0};
     char *out = path_in("tb", "ptq.h5");
     char dir[1100];
-    snprintf(dir, sizeof dir, "%s/tb", tmp_root);
+    snprintf(dir, sizeof dir, "%s/tb", runs.root);
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
-    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, false, NULL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, runs.base_ckpt, out, false, NULL, &err), QT_OK);
     Net q, f;
     CU_ASSERT_EQUAL_FATAL(net_build(&q, c, NET_SHELL, &err), QT_OK);
     CheckpointNet parts = net_checkpoint_parts(&q);
     CU_ASSERT_EQUAL_FATAL(checkpoint_load_model(out, &q.model, &parts, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(net_build(&f, fc, NET_SHELL, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(base_ckpt, &f.model, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(runs.base_ckpt, &f.model, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(q.n_qlayers, 3);
     for (int i = 0; i < q.n_qlayers; i++) {
         const QLayer *l = &q.qlayers[i];
@@ -208,16 +165,24 @@ static void test_nf4_default_blocks(void) {
  * 127.5 / (127 + 1/2) = 1 and each code is the rounded weight itself. */
 static const float ROW[8] = {127.5f, 2.5f, -2.5f, 1.5f, 0.3f, -0.7f, -1.5f, 0.5f};
 
-static void codes_for(QRound mode, const Rng *rng, float codes[8]) {
-    Model m;
+/* That layer in m (its module returned) and its spec in s: int8, rounded by mode. */
+static Module *row_layer(Model *m, QRound mode, QLayerSpec *s) {
     QtError err = {0};
     LayerSpec l = {.type = LAYER_DENSE, .units = 1, .name = "fc1"};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
-    Module *mod = &m.modules[0];
+    CU_ASSERT_EQUAL_FATAL(model_init(m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
+    Module *mod = &m->modules[0];
     memcpy(mod->weight->var.value.data, ROW, sizeof ROW);
-    QLayerSpec s = qlayer_spec_default();
-    s.weight_qtype = qtype_find("int8", NULL);
-    s.rounding = mode;
+    *s = qlayer_spec_default();
+    s->weight_qtype = qtype_find("int8", NULL);
+    s->rounding = mode;
+    return mod;
+}
+
+static void codes_for(QRound mode, const Rng *rng, float codes[8]) {
+    Model m;
+    QLayerSpec s;
+    Module *mod = row_layer(&m, mode, &s);
+    QtError err = {0};
     QLayer q;
     QtStatus st = qlayer_init_quantize_rng(&q, mod, &s, ROW, rng, &err);
     if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
@@ -270,15 +235,10 @@ static void test_rounding_by_hand(void) {
 /* The QAT layer's fake-quantized weight row, read through its forward: x = I (8 x 8), bias 0, so y[j] = w_q[j]. */
 static void qat_row(QRound mode, bool training, int64_t step, float out[8]) {
     Model m;
-    QtError err = {0};
-    LayerSpec l = {.type = LAYER_DENSE, .units = 1, .name = "fc1"};
-    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (const int[]){8}, &l, 1, &err), QT_OK);
-    Module *mod = &m.modules[0];
-    memcpy(mod->weight->var.value.data, ROW, sizeof ROW);
+    QLayerSpec s;
+    Module *mod = row_layer(&m, mode, &s);
     mod->bias->var.value.data[0] = 0.0f;
-    QLayerSpec s = qlayer_spec_default();
-    s.weight_qtype = qtype_find("int8", NULL);
-    s.rounding = mode;
+    QtError err = {0};
     QatLayer q;
     CU_ASSERT_EQUAL_FATAL(qat_layer_init(&q, mod, &s, &(QatSpec){.amax_init = {.kind = CALIB_ABSMAX, .s = 1.0}}, &err),
                           QT_OK);
@@ -359,7 +319,7 @@ static void test_ptq_stochastic_reproducible(void) {
     Net f;
     Config *fl = load_cfg("tests/configs/tiny-base.yaml", "sr", NULL, 0);
     CU_ASSERT_EQUAL_FATAL(net_build(&f, fl, NET_SHELL, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(base_ckpt, &f.model, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(runs.base_ckpt, &f.model, &err), QT_OK);
     QLayer q;
     Rng r = qlayer_round_rng(5, 4);
     CU_ASSERT_STRING_EQUAL_FATAL(f.model.modules[4].path, "fc1");
@@ -377,13 +337,6 @@ static void test_ptq_stochastic_reproducible(void) {
     free(other);
     free(near);
     free(fl);
-}
-
-static void load_trained(Net *n, const Config *c, const char *ckpt) {
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(n, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet p = net_checkpoint_parts(n);
-    CU_ASSERT_EQUAL_FATAL(checkpoint_load_model(ckpt, &n->model, &p, &err), QT_OK);
 }
 
 /* QAT with stochastic weight rounding: stop + resume gives the straight run's weights bit for bit (each step's
@@ -405,9 +358,9 @@ static void test_qat_stochastic_resume(void) {
     CU_ASSERT_EQUAL_FATAL(run(s, "auto", 0, &r, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(run(r0, NULL, 0, &r, &err), QT_OK);
     Net a, b, n;
-    load_trained(&a, c, path_in("qsr-a", "final.h5"));
-    load_trained(&b, s, path_in("qsr-b", "final.h5"));
-    load_trained(&n, r0, path_in("qsr-rne", "final.h5"));
+    test_runs_load_net(&a, c, path_in("qsr-a", "final.h5"));
+    test_runs_load_net(&b, s, path_in("qsr-b", "final.h5"));
+    test_runs_load_net(&n, r0, path_in("qsr-rne", "final.h5"));
     CU_ASSERT(test_params_equal(&a.model, &b.model));
     CU_ASSERT(!test_params_equal(&a.model, &n.model));
     CU_ASSERT_EQUAL(a.qat[0].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING);           /* conv1: module 0 */

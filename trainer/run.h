@@ -1,6 +1,7 @@
 /* run.h - the state of one training run and the steps of its life that
- * `qtrain bench` shares with training (trainer/train.c). Internal to
- * trainer/: the public entry points are in train.h and bench.h. */
+ * `qtrain bench` shares with training (trainer/train.c), and what train.c
+ * shares with its parts (train_dirs.c, train_json.c, train_eval.c).
+ * Internal to trainer/: the public entry points are in train.h and bench.h. */
 #ifndef QTRAIN_TRAINER_RUN_H
 #define QTRAIN_TRAINER_RUN_H
 
@@ -9,6 +10,7 @@
 
 #include "data/dataset.h"
 #include "nn/arena.h"
+#include "nn/fsutil.h"
 #include "nn/optim.h"
 #include "nn/rng.h"
 #include "nn/schedule.h"
@@ -76,5 +78,32 @@ QtStatus run_step(Run *r, QtError *err);
  * the tape to inference (training and grad_enabled false). */
 QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
                         QtError *err);
+
+/* The parts of run_prepare that evaluating a checkpoint runs too
+ * (train_eval.c): the training, validation and test data; the model (fresh:
+ * from the seed, init_from and adapters_from; else a layout for a checkpoint
+ * to fill) with its optimizer; batch buffers, arena and tape. */
+QtStatus run_load_data(Run *r, QtError *err);
+QtStatus run_build_model(Run *r, bool fresh, QtError *err);
+QtStatus run_alloc(Run *r, QtError *err);
+/* Evaluates val (if any) and test, logs and records both in metrics.csv
+ * (once opened); *val_loss and *val_acc are -1 without a validation split. */
+QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
+                          QtError *err);
+/* res from the run's totals over all its invocations and the net's sizes. */
+void run_fill_result(const Run *r, TrainResult *res);
+
+/* train_dirs.c: whether dir holds nothing but the run's .lock (a failed
+ * start that wrote nothing). */
+bool dir_holds_only_lock(const char *dir);
+
+/* train_json.c: summary.json (is_eval false) or eval.json of a run and its
+ * result, written atomically onto path as `how` allows; ckpt is the
+ * checkpoint it names. */
+QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
+                               bool is_eval, FsReplace how, QtError *err);
+/* eval.json at path: only over a regular file, and only while no live run
+ * holds the lock of the directory it is in. */
+QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res, const char *ckpt, QtError *err);
 
 #endif

@@ -1,8 +1,9 @@
 /* train.c - a run: data and model from the config, the step loop, eval,
- * checkpoints with exact resume, metrics.csv and summary.json. */
+ * checkpoints with exact resume, metrics.csv and summary.json. Its run
+ * directories are train_dirs.c's, its JSON files train_json.c's and the
+ * evaluation of a checkpoint train_eval.c's. */
 #include "trainer/run.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -10,8 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <dirent.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "data/dataset.h"
@@ -48,63 +47,11 @@ void run_free(Run *r) {
     rundir_unlock(&r->lock, false);
 }
 
-QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err) {
-    char buf[CONFIG_PATH_MAX];
-    if (created && cap) created[0] = '\0';
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
-        return qt_error_set(err, QT_ERR_CONFIG, "%s: path too long (%zu characters)", what, strlen(path));
-    for (char *p = buf + 1;; p++) {
-        char c = *p;
-        if (c != '/' && c != '\0') continue;
-        *p = '\0';
-        if (mkdir(buf, 0777) == 0) {
-            if (created && cap && !created[0]) snprintf(created, cap, "%s", buf);
-        } else if (errno != EEXIST)
-            return qt_error_set(err, QT_ERR_IO, "cannot create the output directory %s: %s; set %s to a "
-                                "writable place", buf, strerror(errno), what);
-        *p = c;
-        if (c == '\0') break;
-    }
-    struct stat st;
-    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-        return qt_error_set(err, QT_ERR_IO, "%s %s exists but is not a directory", what, path);
-    if (access(path, W_OK | X_OK) != 0)
-        return qt_error_set(err, QT_ERR_IO, "%s %s is not writable: %s", what, path, strerror(errno));
-    return QT_OK;
-}
-
-void train_remove_created_dirs(const char *path, const char *created) {
-    if (!created || !created[0]) return;
-    char buf[CONFIG_PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return;
-    size_t top = strlen(created);
-    /* rmdir removes only an empty directory: whatever the run did write stays */
-    for (;;) {
-        size_t n = strlen(buf);
-        while (n > 1 && buf[n - 1] == '/') buf[--n] = '\0';
-        if (n < top || rmdir(buf) != 0 || n == top) return;
-        char *slash = strrchr(buf, '/');
-        if (!slash) return;
-        *slash = '\0';
-    }
-}
-
-/* Whether dir holds nothing but our .lock: a failed start that wrote nothing. */
-static bool dir_holds_only_lock(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return false;
-    bool only = true;
-    for (struct dirent *e; only && (e = readdir(d));)
-        only = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !strcmp(e->d_name, RUNDIR_LOCK_NAME);
-    closedir(d);
-    return only;
-}
-
 static QtStatus make_dirs(const char *path, char *created, size_t cap, QtError *err) {
     return train_make_dirs(path, "run.out_dir", created, cap, err);
 }
 
-static QtStatus run_load_data(Run *r, QtError *err) {
+QtStatus run_load_data(Run *r, QtError *err) {
     const DataConfig *dc = &r->cfg->data;
     IdxCache cache;
     idx_cache_init(&cache, dc->cache_dir);
@@ -143,7 +90,7 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
 /* init_from and adapters_from are read only by a fresh run: a resumed run
  * or an evaluation takes every value from its checkpoint (and must not need
  * the base file to still exist). */
-static QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
+QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
     const Config *c = r->cfg;
     NetInit how = !fresh ? NET_SHELL : r->base_from_seed ? NET_FRESH_TIMING : NET_FRESH;
     QtStatus st = net_build(&r->net, c, how, err);
@@ -192,7 +139,7 @@ static QtStatus run_plan_steps(Run *r, QtError *err) {
     return QT_OK;
 }
 
-static QtStatus run_alloc(Run *r, QtError *err) {
+QtStatus run_alloc(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
     size_t feat = (size_t)r->train.feat;
     /* No batch is ever larger than its data set. */
@@ -389,8 +336,8 @@ static void run_say(Run *r, const char *fmt, ...) {
 }
 
 /* Evaluates val (if any) and test, logs and records both. */
-static QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
-                                 QtError *err) {
+QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
+                          QtError *err) {
     double wall = r->wall_before + metrics_now() - r->t_start;
     *val_loss = *val_acc = -1.0;
     QtStatus st = QT_OK;
@@ -585,86 +532,9 @@ static QtStatus run_loop(Run *r, QtError *err) {
     return st;
 }
 
-/* summary.json (training) or eval.json (is_eval): written to a temp name
- * (fs_open_tmp: never through a symlink), fsync'd and renamed onto path as
- * `how` allows, so a reader never sees half a file. */
-static QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
-                                      bool is_eval, FsReplace how, QtError *err) {
-    char tmp[CONFIG_PATH_MAX + 64];
-    int fd = fs_open_tmp(path, tmp, sizeof tmp);
-    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
-    if (!f) {
-        int e = errno;
-        if (fd >= 0) close(fd), unlink(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(e),
-                            is_eval ? "; write eval.json elsewhere with --out PATH" : "");
-    }
-    JsonWriter w;
-    json_begin(&w, f);
-    json_string(&w, "name", r->cfg->run.name);
-    json_string(&w, "config", r->cfg->source);
-    json_string(&w, "qtrain_version", QTRAIN_VERSION);
-    json_string(&w, "mode", res->mode);
-    json_string(&w, "checkpoint", ckpt);
-    if (res->merged_from[0]) {
-        json_string(&w, "merged_from", res->merged_from);
-        json_string(&w, "merged_from_base_sha256", res->merged_from_base_sha256);
-    }
-    if (!is_eval) {
-        json_int(&w, "steps", res->steps);
-        json_number(&w, "epochs", res->epochs);
-    }
-    json_number(&w, "test_accuracy", res->test_accuracy);
-    json_number(&w, "test_loss", res->test_loss);
-    json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
-    json_number(&w, "val_loss", res->val_loss >= 0 ? res->val_loss : NAN);
-    json_int(&w, "test_examples", r->test.n);
-    json_int(&w, "val_examples", r->val.n);
-    if (!is_eval) {
-        json_number(&w, "train_loss", res->train_loss);
-        json_int(&w, "train_examples", r->train.n);
-        json_number(&w, "wall_s", res->wall_s);
-        json_number(&w, "train_s", r->train_s);
-        json_number(&w, "samples_per_s", res->samples_per_s);
-    }
-    json_int(&w, "params_trainable", res->params_trainable);
-    json_int(&w, "params_frozen", res->params_frozen);
-    json_int(&w, "model_bytes", res->model_bytes);
-    json_number(&w, "base_bits_per_param", res->base_bits_per_param);
-    char wf[256], af[128];
-    net_format_summary(&r->net, wf, sizeof wf, af, sizeof af);
-    json_string(&w, "weight_formats", wf);
-    json_string(&w, "act_formats", af);
-    char bf[64] = "none";
-    if (r->net.n_qt > 0 && r->net.qt[0].spec.bwd_qtype)
-        snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
-                 r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
-    json_string(&w, "bwd_format", bf);
-    json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
-    if (!is_eval) {
-        json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
-        json_int(&w, "divergences", r->loss_watch.occurrences);
-    }
-    json_number(&w, "peak_rss_mb", res->peak_rss_mb);
-    if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
-    json_end(&w);
-    bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
-    ok = (fclose(f) == 0) && ok;
-    if (!ok || fs_rename_tmp(tmp, path, how) != 0) {
-        int e = errno;
-        remove(tmp);
-        char big[160];
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
-                            e == EFBIG ? qt_file_too_large_hint(big, sizeof big)
-                            : is_eval  ? "free disk space or give --out PATH"
-                                       : "free disk space or change run.out_dir");
-    }
-    return QT_OK;
-}
-
 /* Totals over every invocation of the run (a resumed run carries them in
  * its checkpoint). */
-static void run_fill_result(const Run *r, TrainResult *res) {
+void run_fill_result(const Run *r, TrainResult *res) {
     res->steps = r->step;
     res->epochs = run_epoch(r);
     res->wall_s = r->wall_before + metrics_now() - r->t_start;
@@ -869,82 +739,4 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     run_free(&r);
     if (st != QT_OK) train_remove_created_dirs(cfg->run.out_dir, created);
     return st;
-}
-
-/* A `qtrain merge` output holds no adapters, whatever its config's lora
- * section says: it is reported as its base's mode, with where it came from. */
-static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult *res, QtError *err) {
-    CheckpointProvenance *p = malloc(sizeof *p);
-    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    QtStatus st = checkpoint_read_provenance(checkpoint, p, err);
-    if (st == QT_OK && p->merged_from[0]) {
-        snprintf(res->merged_from, sizeof res->merged_from, "%s", p->merged_from);
-        snprintf(res->merged_from_base_sha256, sizeof res->merged_from_base_sha256, "%s", p->merged_from_base_sha256);
-        res->mode = r->cfg->quant.mode == QUANT_MODE_NONE ? "float" : quant_mode_name(r->cfg->quant.mode);
-    }
-    free(p);
-    return st;
-}
-
-QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err) {
-    struct stat sb;
-    int n;
-    if (out && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode)) n = snprintf(path, cap, "%s/eval.json", out);
-    else if (out) n = snprintf(path, cap, "%s", out);
-    else {
-        const char *slash = strrchr(checkpoint, '/');
-        n = slash ? snprintf(path, cap, "%.*s/eval.json", (int)(slash - checkpoint), checkpoint)
-                  : snprintf(path, cap, "eval.json");
-    }
-    if (n < 0 || (size_t)n >= cap)
-        return qt_error_set(err, QT_ERR_ARG, "the path of eval.json is too long (%s has %zu characters)",
-                            out ? "--out" : "the checkpoint path", strlen(out ? out : checkpoint));
-    return QT_OK;
-}
-
-/* eval.json replaces only a regular file (never a symlink, device or FIFO)
- * and, in a run directory, only while no live run holds its lock. */
-static QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
-                                QtError *err) {
-    RunDirLock lock;
-    QtStatus st = fs_check_out_path(path, true, "eval.json", err);
-    if (st == QT_OK) st = rundir_lock_if_run(path, &lock, err);
-    if (st != QT_OK) return st;
-    fs_remove_stale_tmps_of(path, 0);
-    st = write_json_atomically(path, r, res, ckpt, true, FS_REPLACE_REGULAR, err);
-    rundir_unlock(&lock, false);
-    return st;
-}
-
-QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
-                                  QtError *err) {
-    Run r;
-    memset(&r, 0, sizeof r);
-    memset(res, 0, sizeof *res);
-    TrainOptions o = {.quiet = true}; /* the caller reports the result */
-    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
-    /* Evaluation never trains: no batcher and no schedule, so a config whose schedule does not fit its data
-       (or a batch larger than the data) still evaluates. */
-    r.steps_per_epoch = 1;
-    gemm_set_threads(cfg->run.threads);
-    QtStatus st = run_load_data(&r, err);
-    if (st == QT_OK) st = run_build_model(&r, false, err);
-    CheckpointNet parts = net_checkpoint_parts(&r.net);
-    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
-    if (st == QT_OK) st = run_alloc(&r, err);
-    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
-                                           &res->val_accuracy, err);
-    if (st == QT_OK) run_fill_result(&r, res);
-    if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
-    if (st == QT_OK && json_path) st = eval_write_json(json_path, &r, res, checkpoint, err);
-    run_free(&r);
-    return st;
-}
-
-QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
-                               QtError *err) {
-    char path[CONFIG_PATH_MAX + 32];
-    QtStatus st = write_json ? train_eval_json_path(checkpoint, NULL, path, sizeof path, err) : QT_OK;
-    if (st != QT_OK) return st;
-    return train_eval_checkpoint_to(cfg, checkpoint, write_json ? path : NULL, res, err);
 }

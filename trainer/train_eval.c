@@ -1,0 +1,61 @@
+/* train_eval.c - `qtrain eval`: a checkpoint's model on the test (and
+ * validation) split of its config's data, reported in eval.json. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/gemm.h"
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
+#include "trainer/metrics.h"
+#include "trainer/net.h"
+#include "trainer/run.h"
+
+/* A `qtrain merge` output holds no adapters, whatever its config's lora
+ * section says: it is reported as its base's mode, with where it came from. */
+static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult *res, QtError *err) {
+    CheckpointProvenance *p = malloc(sizeof *p);
+    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    QtStatus st = checkpoint_read_provenance(checkpoint, p, err);
+    if (st == QT_OK && p->merged_from[0]) {
+        snprintf(res->merged_from, sizeof res->merged_from, "%s", p->merged_from);
+        snprintf(res->merged_from_base_sha256, sizeof res->merged_from_base_sha256, "%s", p->merged_from_base_sha256);
+        res->mode = r->cfg->quant.mode == QUANT_MODE_NONE ? "float" : quant_mode_name(r->cfg->quant.mode);
+    }
+    free(p);
+    return st;
+}
+
+QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
+                                  QtError *err) {
+    Run r;
+    memset(&r, 0, sizeof r);
+    memset(res, 0, sizeof *res);
+    TrainOptions o = {.quiet = true}; /* the caller reports the result */
+    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
+    /* Evaluation never trains: no batcher and no schedule, so a config whose schedule does not fit its data
+       (or a batch larger than the data) still evaluates. */
+    r.steps_per_epoch = 1;
+    gemm_set_threads(cfg->run.threads);
+    QtStatus st = run_load_data(&r, err);
+    if (st == QT_OK) st = run_build_model(&r, false, err);
+    CheckpointNet parts = net_checkpoint_parts(&r.net);
+    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
+    if (st == QT_OK) st = run_alloc(&r, err);
+    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
+                                           &res->val_accuracy, err);
+    if (st == QT_OK) run_fill_result(&r, res);
+    if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
+    if (st == QT_OK && json_path) st = eval_write_json(json_path, &r, res, checkpoint, err);
+    run_free(&r);
+    return st;
+}
+
+QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
+                               QtError *err) {
+    char path[CONFIG_PATH_MAX + 32];
+    QtStatus st = write_json ? train_eval_json_path(checkpoint, NULL, path, sizeof path, err) : QT_OK;
+    if (st != QT_OK) return st;
+    return train_eval_checkpoint_to(cfg, checkpoint, write_json ? path : NULL, res, err);
+}

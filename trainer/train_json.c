@@ -1,0 +1,107 @@
+/* train_json.c - a run's result as JSON: summary.json after training,
+ * eval.json after evaluating a checkpoint. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nn/error.h"
+#include "nn/fsutil.h"
+#include "quant/qtype.h"
+#include "trainer/metrics.h"
+#include "trainer/net.h"
+#include "trainer/run.h"
+#include "trainer/rundir.h"
+#include "trainer/version.h"
+
+/* summary.json (training) or eval.json (is_eval): written to a temp name
+ * (fs_open_tmp: never through a symlink), fsync'd and renamed onto path as
+ * `how` allows, so a reader never sees half a file. */
+QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
+                               bool is_eval, FsReplace how, QtError *err) {
+    char tmp[CONFIG_PATH_MAX + 64];
+    int fd = fs_open_tmp(path, tmp, sizeof tmp);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        int e = errno;
+        if (fd >= 0) close(fd), unlink(tmp);
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(e),
+                            is_eval ? "; write eval.json elsewhere with --out PATH" : "");
+    }
+    JsonWriter w;
+    json_begin(&w, f);
+    json_string(&w, "name", r->cfg->run.name);
+    json_string(&w, "config", r->cfg->source);
+    json_string(&w, "qtrain_version", QTRAIN_VERSION);
+    json_string(&w, "mode", res->mode);
+    json_string(&w, "checkpoint", ckpt);
+    if (res->merged_from[0]) {
+        json_string(&w, "merged_from", res->merged_from);
+        json_string(&w, "merged_from_base_sha256", res->merged_from_base_sha256);
+    }
+    if (!is_eval) {
+        json_int(&w, "steps", res->steps);
+        json_number(&w, "epochs", res->epochs);
+    }
+    json_number(&w, "test_accuracy", res->test_accuracy);
+    json_number(&w, "test_loss", res->test_loss);
+    json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
+    json_number(&w, "val_loss", res->val_loss >= 0 ? res->val_loss : NAN);
+    json_int(&w, "test_examples", r->test.n);
+    json_int(&w, "val_examples", r->val.n);
+    if (!is_eval) {
+        json_number(&w, "train_loss", res->train_loss);
+        json_int(&w, "train_examples", r->train.n);
+        json_number(&w, "wall_s", res->wall_s);
+        json_number(&w, "train_s", r->train_s);
+        json_number(&w, "samples_per_s", res->samples_per_s);
+    }
+    json_int(&w, "params_trainable", res->params_trainable);
+    json_int(&w, "params_frozen", res->params_frozen);
+    json_int(&w, "model_bytes", res->model_bytes);
+    json_number(&w, "base_bits_per_param", res->base_bits_per_param);
+    char wf[256], af[128];
+    net_format_summary(&r->net, wf, sizeof wf, af, sizeof af);
+    json_string(&w, "weight_formats", wf);
+    json_string(&w, "act_formats", af);
+    char bf[64] = "none";
+    if (r->net.n_qt > 0 && r->net.qt[0].spec.bwd_qtype)
+        snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
+                 r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
+    json_string(&w, "bwd_format", bf);
+    json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
+    if (!is_eval) {
+        json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
+        json_int(&w, "divergences", r->loss_watch.occurrences);
+    }
+    json_number(&w, "peak_rss_mb", res->peak_rss_mb);
+    if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
+    json_end(&w);
+    bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok || fs_rename_tmp(tmp, path, how) != 0) {
+        int e = errno;
+        remove(tmp);
+        char big[160];
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
+                            e == EFBIG ? qt_file_too_large_hint(big, sizeof big)
+                            : is_eval  ? "free disk space or give --out PATH"
+                                       : "free disk space or change run.out_dir");
+    }
+    return QT_OK;
+}
+
+/* eval.json replaces only a regular file (never a symlink, device or FIFO)
+ * and, in a run directory, only while no live run holds its lock. */
+QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
+                         QtError *err) {
+    RunDirLock lock;
+    QtStatus st = fs_check_out_path(path, true, "eval.json", err);
+    if (st == QT_OK) st = rundir_lock_if_run(path, &lock, err);
+    if (st != QT_OK) return st;
+    fs_remove_stale_tmps_of(path, 0);
+    st = write_json_atomically(path, r, res, ckpt, true, FS_REPLACE_REGULAR, err);
+    rundir_unlock(&lock, false);
+    return st;
+}
