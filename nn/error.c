@@ -21,6 +21,19 @@ void qt_error_clear(QtError *err) {
     err->msg[0] = '\0';
 }
 
+const char *qt_clip(const char *s, char buf[QT_CLIP_BUF]) {
+    if (!s) s = "(null)";
+    size_t len = strlen(s), n = len < QT_CLIP_SHOW ? len : QT_CLIP_SHOW;
+    while (n < len && n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80) n--; /* not inside a UTF-8 character */
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        buf[i] = c < 0x20 || c == 0x7f ? '?' : (char)c;
+    }
+    buf[n] = '\0';
+    if (n < len) snprintf(buf + n, QT_CLIP_BUF - n, "...(%zu bytes)", len);
+    return buf;
+}
+
 const char *qt_status_name(QtStatus status) {
     switch (status) {
     case QT_OK: return "ok";

@@ -267,15 +267,17 @@ static int64_t attr_i64(hid_t obj, const char *name) {
     return v;
 }
 
-/* A variable-length string attribute, as h5py writes and reads them. */
+/* A fixed-length UTF-8 string attribute of exactly want's bytes (h5py reads
+ * it as bytes); never variable-length, which lives in the global heap. */
 static bool attr_str_is(hid_t obj, const char *name, const char *want) {
     hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
     if (a < 0) return false;
     hid_t t = H5Aget_type(a);
-    bool ok = H5Tis_variable_str(t) > 0;
-    char *s = NULL;
-    ok = ok && H5Aread(a, t, &s) >= 0 && s && strcmp(s, want) == 0;
-    if (s) H5free_memory(s);
+    size_t len = strlen(want);
+    bool ok = H5Tis_variable_str(t) == 0 && H5Tget_cset(t) == H5T_CSET_UTF8 && H5Tget_size(t) == (len ? len : 1);
+    char *s = calloc(len + 2, 1);
+    ok = ok && s && H5Aread(a, t, s) >= 0 && strcmp(s, want) == 0;
+    free(s);
     H5Tclose(t);
     H5Aclose(a);
     return ok;

@@ -8,14 +8,45 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
+
+/* Traversing an external link would open another file named by the file
+ * being read (any path on the machine, a FIFO that blocks the open, a file
+ * on a network mount). Checkpoints and adapter files come from anyone, so
+ * no external link is ever followed: the built-in class is replaced by one
+ * whose traversal fails. Creating and listing such links still works. */
+static hid_t elink_refuse_traverse(const char *link_name, hid_t cur_group, const void *lnkdata, size_t lnkdata_size,
+                                   hid_t lapl_id, hid_t dxpl_id) {
+    (void)link_name, (void)cur_group, (void)lnkdata, (void)lnkdata_size, (void)lapl_id, (void)dxpl_id;
+    return H5I_INVALID_HID;
+}
+
+static ssize_t elink_query(const char *link_name, const void *lnkdata, size_t lnkdata_size, void *buf,
+                           size_t buf_size) {
+    (void)link_name;
+    if (buf) memcpy(buf, lnkdata, buf_size < lnkdata_size ? buf_size : lnkdata_size);
+    return (ssize_t)lnkdata_size;
+}
+
+static const H5L_class_t ELINK_REFUSED = {
+    .version = H5L_LINK_CLASS_T_VERS,
+    .id = H5L_TYPE_EXTERNAL,
+    .comment = "external link (never followed by qtrain)",
+    .trav_func = elink_refuse_traverse,
+    .query_func = elink_query,
+};
 
 void h5io_init(void) {
     static bool done = false;
     if (done) return;
     H5open();
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    H5Lregister(&ELINK_REFUSED);
     done = true;
 }
 
@@ -293,9 +324,137 @@ static QtStatus info_from(const H5ioFile *f, const char *path, hid_t space, hid_
     return QT_OK;
 }
 
+/* ---- what an untrusted file may hold ------------------------------------------------
+ *
+ * Before a dataset's data is read, its storage is checked: the bytes must
+ * be in this file (no external storage, which names any file on the
+ * machine, and no virtual dataset, whose missing sources read as zeros),
+ * written (an unallocated dataset reads as its fill value), only through
+ * filters qtrain or Debian's libhdf5 write (deflate, shuffle, fletcher32),
+ * and in chunks no larger than the dataset (a 10-element dataset with a
+ * chunk of 2^28 elements makes HDF5 allocate the whole chunk). Opening a
+ * dataset reads only its header in 1.10, never an external or source file. */
+
+/* The filters of a chunked dataset that are accepted. */
+static bool filter_allowed(H5Z_filter_t id) {
+    return id == H5Z_FILTER_DEFLATE || id == H5Z_FILTER_SHUFFLE || id == H5Z_FILTER_FLETCHER32;
+}
+
+static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* "<file>: refusing dataset /<path>: <why>; ..." */
+static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const char *fmt, ...) {
+    char why[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    char shown[QT_CLIP_BUF];
+    return qt_error_set(err, QT_ERR_FORMAT, "%s: refusing dataset /%s: %s; qtrain reads only data stored in the file "
+                        "itself (see SECURITY in the README)", fname(f), qt_clip(show(path), shown), why);
+}
+
+static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t dcpl, QtError *err) {
+    hsize_t chunk[H5IO_MAX_RANK], dims[H5IO_MAX_RANK];
+    hid_t space = H5Dget_space(d);
+    int rank = space >= 0 ? H5Sget_simple_extent_ndims(space) : -1;
+    if (rank < 0 || rank > H5IO_MAX_RANK || (rank > 0 && H5Sget_simple_extent_dims(space, dims, NULL) < 0)) {
+        if (space >= 0) H5Sclose(space);
+        return h5_fail(err, QT_ERR_FORMAT, f, "read the shape of", path);
+    }
+    H5Sclose(space);
+    int crank = H5Pget_chunk(dcpl, H5IO_MAX_RANK, chunk);
+    if (crank != rank) return refuse(err, f, path, "its chunks have %d dimensions, the dataset %d", crank, rank);
+    for (int i = 0; i < rank; i++) {
+        /* A dimension of 0 still has chunks of at least 1. */
+        if (chunk[i] > (dims[i] ? dims[i] : 1))
+            return refuse(err, f, path, "its chunks are larger than the dataset (%llu > %llu in dimension %d), "
+                          "which makes HDF5 allocate memory for the whole chunk", (unsigned long long)chunk[i],
+                          (unsigned long long)dims[i], i);
+    }
+    int nf = H5Pget_nfilters(dcpl);
+    if (nf < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the filters of", path);
+    for (int i = 0; i < nf; i++) {
+        unsigned flags = 0, config = 0, cd[8];
+        size_t ncd = sizeof cd / sizeof cd[0];
+        char fname_[64] = "";
+        H5Z_filter_t id = H5Pget_filter2(dcpl, (unsigned)i, &flags, &ncd, cd, sizeof fname_, fname_, &config);
+        if (id < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the filters of", path);
+        if (!filter_allowed(id)) {
+            char shown[QT_CLIP_BUF];
+            return refuse(err, f, path, "it is stored through filter %d ('%s'); only deflate (gzip), shuffle and "
+                          "fletcher32 are accepted", (int)id, qt_clip(fname_, shown));
+        }
+    }
+    return QT_OK;
+}
+
+/* Whether dataset `d` (at `path`) may be read; the checks above. */
+static QtStatus dataset_check_storage(const H5ioFile *f, const char *path, hid_t d, QtError *err) {
+    hid_t dcpl = H5Dget_create_plist(d);
+    if (dcpl < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the storage layout of", path);
+    QtStatus st = QT_OK;
+    H5D_layout_t layout = H5Pget_layout(dcpl);
+    int n_ext = layout == H5D_CONTIGUOUS ? H5Pget_external_count(dcpl) : 0;
+    if (n_ext > 0) {
+        char name[256] = "", shown[QT_CLIP_BUF];
+        off_t off;
+        hsize_t size;
+        if (H5Pget_external(dcpl, 0, sizeof name, name, &off, &size) < 0) name[0] = '\0';
+        name[sizeof name - 1] = '\0';
+        st = refuse(err, f, path, "its data is stored in %d external file%s ('%s'%s)", n_ext, n_ext == 1 ? "" : "s",
+                    qt_clip(name, shown), n_ext > 1 ? ", ..." : "");
+    } else if (layout == H5D_VIRTUAL) {
+        st = refuse(err, f, path, "it is a virtual dataset (its data would come from other files)");
+    } else if (layout == H5D_CHUNKED) {
+        st = check_chunks(f, path, d, dcpl, err);
+    } else if (layout != H5D_CONTIGUOUS && layout != H5D_COMPACT) {
+        st = refuse(err, f, path, "its storage layout (%d) is not contiguous, chunked or compact", (int)layout);
+    } else if (n_ext < 0) {
+        st = h5_fail(err, QT_ERR_FORMAT, f, "read the storage layout of", path);
+    }
+    H5Pclose(dcpl);
+    if (st != QT_OK) return st;
+    hid_t space = H5Dget_space(d);
+    hssize_t np = space >= 0 ? H5Sget_simple_extent_npoints(space) : -1;
+    if (space >= 0) H5Sclose(space);
+    H5D_space_status_t status = H5D_SPACE_STATUS_ERROR;
+    if (np > 0 && (H5Dget_space_status(d, &status) < 0 || status != H5D_SPACE_STATUS_ALLOCATED))
+        return refuse(err, f, path, "its data was %s written (it would read as zeros)",
+                      status == H5D_SPACE_STATUS_PART_ALLOCATED ? "only partly" : "never");
+    return QT_OK;
+}
+
+/* Opens dataset `path` after checking that every component of the path is
+ * a hard link (no soft or external link is followed) and that its storage
+ * may be read (dataset_check_storage). */
+static QtStatus dataset_open(const H5ioFile *f, const char *path, hid_t *d, QtError *err) {
+    *d = H5I_INVALID_HID;
+    H5ioKind k = h5io_kind(f, path);
+    if (k != H5IO_DATASET) {
+        char shown[QT_CLIP_BUF];
+        if (k == H5IO_OTHER)
+            return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is a soft or external link or a named type, not a dataset "
+                                "(qtrain follows no links in a file)", fname(f), qt_clip(show(path), shown));
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no dataset /%s (a missing object, a group, or a path through a "
+                            "link, which qtrain does not follow)", fname(f), qt_clip(show(path), shown));
+    }
+    hid_t id = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
+    if (id < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    QtStatus st = dataset_check_storage(f, path, id, err);
+    if (st != QT_OK) {
+        H5Dclose(id);
+        return st;
+    }
+    *d = id;
+    return QT_OK;
+}
+
 QtStatus h5io_dataset_info(const H5ioFile *f, const char *path, H5ioInfo *info, QtError *err) {
-    hid_t d = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
-    if (d < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    hid_t d;
+    QtStatus st0 = dataset_open(f, path, &d, err);
+    if (st0 != QT_OK) return st0;
     hid_t space = H5Dget_space(d), type = H5Dget_type(d);
     QtStatus st = space < 0 || type < 0 ? h5_fail(err, QT_ERR_FORMAT, f, "read the type of", path)
                                         : info_from(f, path, space, type, info, err);
@@ -410,8 +569,8 @@ QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *dat
         return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, expected %s", fname(f), show(path),
                             h5io_shape_str(&info, got, sizeof got), h5io_shape_str(&e, exp, sizeof exp));
     }
-    hid_t d = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
-    if (d < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    hid_t d;
+    if ((st = dataset_open(f, path, &d, err)) != QT_OK) return st;
     if (H5Dread(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
         st = h5_fail(err, QT_ERR_FORMAT, f, "read dataset", path);
     H5Dclose(d);
@@ -420,9 +579,15 @@ QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *dat
 
 /* ---- attributes ------------------------------------------------------------------- */
 
+/* A group or dataset reached through hard links only. */
+static bool reachable(const H5ioFile *f, const char *obj) {
+    H5ioKind k = h5io_kind(f, obj);
+    return k == H5IO_GROUP || k == H5IO_DATASET;
+}
+
 bool h5io_attr_exists(const H5ioFile *f, const char *obj, const char *name) {
     h5io_init();
-    return h5io_exists(f, obj) && H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) > 0;
+    return reachable(f, obj) && H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) > 0;
 }
 
 /* Writes a scalar attribute of file type `ftype` from memory type `mtype`. */
@@ -473,26 +638,23 @@ QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, dou
     return attr_write(f, obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, err);
 }
 
-static QtStatus attr_write_string(H5ioFile *f, const char *obj, const char *name, const char *v, bool fixed,
-                                  QtError *err) {
+/* Fixed-length: the bytes sit in the attribute itself. A variable-length
+ * string would be stored in the file's global heap, and reading one back
+ * goes through code of libhdf5 that crashes or hangs on a damaged heap. */
+QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
     if (!v) v = "";
     hid_t t = H5Tcopy(H5T_C_S1);
     size_t len = strlen(v);
     herr_t ok = t < 0 ? -1 : H5Tset_cset(t, H5T_CSET_UTF8);
-    if (ok >= 0) ok = H5Tset_size(t, fixed ? (len ? len : 1) : H5T_VARIABLE);
-    if (ok >= 0 && fixed) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
-    QtStatus st = ok < 0 ? h5_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name)
-                         : attr_write(f, obj, name, t, t, fixed ? (const void *)v : (const void *)&v, err);
+    if (ok >= 0) ok = H5Tset_size(t, len ? len : 1);
+    if (ok >= 0) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
+    QtStatus st = ok < 0 ? h5_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name) : attr_write(f, obj, name, t, t, v, err);
     if (t >= 0) H5Tclose(t);
     return st;
 }
 
-QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
-    return attr_write_string(f, obj, name, v, false, err);
-}
-
 QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
-    return attr_write_string(f, obj, name, v, true, err);
+    return h5io_attr_write_str(f, obj, name, v, err);
 }
 
 /* Opens attribute `name` of `obj` as *a and reads its class and element
@@ -501,9 +663,9 @@ static QtStatus attr_open(const H5ioFile *f, const char *obj, const char *name, 
                           hssize_t *n, QtError *err) {
     h5io_init();
     *a = H5I_INVALID_HID;
-    if (!h5io_exists(f, obj))
-        return qt_error_set(err, QT_ERR_FORMAT, "%s: no object /%s (looking for its attribute '%s')", fname(f),
-                            show(obj), name);
+    if (!reachable(f, obj))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no group or dataset /%s (looking for its attribute '%s'; "
+                            "qtrain follows no links in a file)", fname(f), show(obj), name);
     if (H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) <= 0)
         return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has no attribute '%s'", fname(f), show(obj), name);
     hid_t id = H5Aopen_by_name(f->id, h5name(obj), name, H5P_DEFAULT, H5P_DEFAULT);
@@ -575,6 +737,96 @@ QtStatus h5io_attr_read_f64(const H5ioFile *f, const char *obj, const char *name
     return attr_read_scalar(f, obj, name, true, H5T_NATIVE_DOUBLE, v, err);
 }
 
+/* The longest string attribute read (a config is a few KiB). */
+#define ATTR_STR_MAX ((size_t)16 << 20)
+/* How long the reading of one variable-length string may take. */
+#define VLEN_READ_SECONDS 20
+
+/* Reads all of fd (at most cap bytes) into buf until EOF or the deadline;
+ * the byte count, or -1 on a timeout or error. */
+static ssize_t read_until_eof(int fd, char *buf, size_t cap, time_t deadline) {
+    size_t got = 0;
+    for (;;) {
+        time_t now = time(NULL);
+        if (now >= deadline) return -1;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int r = poll(&p, 1, (int)(deadline - now) * 1000);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        ssize_t n = read(fd, buf + got, cap - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return -1;
+        if (n == 0) return (ssize_t)got;
+        got += (size_t)n;
+        if (got == cap) return (ssize_t)got;
+    }
+}
+
+/* A variable-length string (h5py writes str attributes so) lives in the
+ * file's global heap, and libhdf5 1.10 reads it without checking the heap:
+ * a damaged byte there crashes the process or makes it loop. So the read
+ * runs in a child process: it sends back a status byte and the string, and
+ * a child that dies or takes longer than VLEN_READ_SECONDS means a damaged
+ * file, not a crash of qtrain. */
+static QtStatus attr_read_vlen(const H5ioFile *f, const char *obj, const char *name, hid_t a, hid_t mt, char **v,
+                               QtError *err) {
+    int fds[2];
+    if (pipe(fds) != 0)
+        return qt_error_set(err, QT_ERR_IO, "%s: cannot read attribute '%s' of /%s (pipe: %s)", fname(f), name,
+                            show(obj), strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return qt_error_set(err, QT_ERR_IO, "%s: cannot read attribute '%s' of /%s (fork: %s)", fname(f), name,
+                            show(obj), strerror(errno));
+    }
+    if (pid == 0) {
+        close(fds[0]);
+        char *s = NULL;
+        char ok = H5Aread(a, mt, &s) >= 0 ? 1 : 0;
+        size_t len = ok && s ? strnlen(s, ATTR_STR_MAX + 1) : 0;
+        if (write(fds[1], &ok, 1) == 1)
+            for (size_t done = 0; done < len;) {
+                ssize_t n = write(fds[1], s + done, len - done);
+                if (n <= 0) break;
+                done += (size_t)n;
+            }
+        _exit(0); /* no exit handlers: the parent's HDF5 state is the parent's */
+    }
+    close(fds[1]);
+    char *buf = malloc(ATTR_STR_MAX + 2);
+    ssize_t n = buf ? read_until_eof(fds[0], buf, ATTR_STR_MAX + 2, time(NULL) + VLEN_READ_SECONDS) : -1;
+    close(fds[0]);
+    kill(pid, SIGKILL); /* a child still reading (a loop on a damaged heap) */
+    int wst = 0;
+    pid_t w;
+    while ((w = waitpid(pid, &wst, 0)) < 0 && errno == EINTR) {}
+    bool exited = w == pid && WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
+    QtStatus st = QT_OK;
+    if (!buf) {
+        st = qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate attribute '%s'", fname(f), name);
+    } else if (n < 1 || !exited) {
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a variable-length string that cannot be "
+                          "read (libhdf5 %s on it): the file is damaged", fname(f), name, show(obj),
+                          n < 0 ? "did not finish" : "crashed");
+    } else if (buf[0] != 1) {
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: cannot read attribute '%s' of /%s (a damaged variable-length "
+                          "string)", fname(f), name, show(obj));
+    } else if ((size_t)n - 1 > ATTR_STR_MAX) {
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a string of more than %zu bytes", fname(f),
+                          name, show(obj), ATTR_STR_MAX);
+    } else {
+        memmove(buf, buf + 1, (size_t)n - 1);
+        buf[n - 1] = '\0';
+        char *shrunk = realloc(buf, (size_t)n);
+        *v = shrunk ? shrunk : buf;
+        buf = NULL;
+    }
+    free(buf);
+    return st;
+}
+
 /* Reads a scalar string attribute already open as `a` into a malloc'd copy. */
 static QtStatus attr_read_open_str(const H5ioFile *f, const char *obj, const char *name, hid_t a, char **v,
                                    QtError *err) {
@@ -583,16 +835,14 @@ static QtStatus attr_read_open_str(const H5ioFile *f, const char *obj, const cha
     QtStatus st = QT_OK;
     htri_t vlen = mt >= 0 ? H5Tis_variable_str(mt) : -1;
     size_t size = ft >= 0 ? H5Tget_size(ft) : 0;
-    if (vlen < 0 || (vlen == 0 && (H5Tset_size(mt, size + 1) < 0 || H5Tset_strpad(mt, H5T_STR_NULLTERM) < 0))) {
+    if (vlen == 0 && size > ATTR_STR_MAX) {
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a string of %zu bytes, more than %zu",
+                          fname(f), name, show(obj), size, ATTR_STR_MAX);
+    } else if (vlen < 0 ||
+               (vlen == 0 && (H5Tset_size(mt, size + 1) < 0 || H5Tset_strpad(mt, H5T_STR_NULLTERM) < 0))) {
         st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
     } else if (vlen) {
-        char *s = NULL;
-        if (H5Aread(a, mt, &s) < 0) {
-            st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
-        } else {
-            *v = strdup(s ? s : "");
-            if (s) H5free_memory(s);
-        }
+        st = attr_read_vlen(f, obj, name, a, mt, v, err);
     } else {
         *v = calloc(size + 1, 1);
         if (*v && H5Aread(a, mt, *v) < 0) {
@@ -727,6 +977,9 @@ static QtStatus list_group(const H5ioFile *f, const char *group, bool recursive,
                            bool *stopped, QtError *err) {
     h5io_init();
     if (stopped) *stopped = false;
+    if (h5io_kind(f, group) != H5IO_GROUP)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no group /%s (qtrain follows no links in a file)", fname(f),
+                            show(group));
     hid_t g = H5Gopen2(f->id, h5name(group), H5P_DEFAULT);
     if (g < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open group", group);
     ListCtx c = {.fn = fn, .ctx = ctx};
@@ -756,6 +1009,9 @@ static herr_t attr_cb(hid_t loc, const char *name, const H5A_info_t *info, void 
 
 QtStatus h5io_attr_iterate(const H5ioFile *f, const char *obj, H5ioAttrFn fn, void *ctx, QtError *err) {
     h5io_init();
+    if (!reachable(f, obj))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no group or dataset /%s (qtrain follows no links in a file)",
+                            fname(f), show(obj));
     hid_t o = H5Oopen(f->id, h5name(obj), H5P_DEFAULT);
     if (o < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open", obj);
     ListCtx c = {.attr_fn = fn, .ctx = ctx};
