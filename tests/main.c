@@ -35,7 +35,8 @@
     X(fuzz_regress) \
     X(interrupt)  \
     X(diskfull)   \
-    X(nonfinite)
+    X(nonfinite)  \
+    X(hostile)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

@@ -285,6 +285,9 @@ static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *wha
     if (k == H5IO_MISSING)
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s %s is missing from the checkpoint (/%s)%s",
                             f->path, against, what, want, ds, hint);
+    if (k == H5IO_OTHER)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s (%s) is a soft or external link, which qtrain does not "
+                            "follow (see SECURITY in the README)", f->path, ds, what);
     if (k != H5IO_DATASET)
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: /%s (%s) is not a dataset%s", f->path, against,
                             ds, what, hint);
@@ -718,7 +721,10 @@ static int inspect_object(const char *path, H5ioKind kind, void *data) {
         if (kind != H5IO_GROUP) return 0;
     }
     c->obj = path;
-    c->st = h5io_attr_iterate(c->f, path, inspect_attr, c, c->err);
+    /* inspect_attr stops the iteration with its error in c->st, which the
+     * iteration's own QT_OK must not overwrite. */
+    QtStatus st = h5io_attr_iterate(c->f, path, inspect_attr, c, c->err);
+    if (c->st == QT_OK) c->st = st;
     return c->st != QT_OK;
 }
 

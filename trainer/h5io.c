@@ -351,8 +351,8 @@ static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const 
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     char shown[QT_CLIP_BUF];
-    return qt_error_set(err, QT_ERR_FORMAT, "%s: refusing dataset /%s: %s; qtrain reads only data stored in the file "
-                        "itself (see SECURITY in the README)", fname(f), qt_clip(show(path), shown), why);
+    return qt_error_set(err, QT_ERR_FORMAT, "%s: refusing dataset /%s: %s (checkpoints and adapter files are "
+                        "untrusted input: see SECURITY in the README)", fname(f), qt_clip(show(path), shown), why);
 }
 
 static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t dcpl, QtError *err) {
@@ -390,6 +390,40 @@ static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t
     return QT_OK;
 }
 
+/* Whether every element of dataset d was written: a missing chunk or
+ * unallocated storage reads as the fill value. dcpl: the chunked dataset's
+ * creation properties, or H5I_INVALID_HID for another layout. For chunks,
+ * H5Dget_space_status compares the compressed bytes with the raw size, so
+ * the chunks are counted instead. */
+static QtStatus check_allocated(const H5ioFile *f, const char *path, hid_t d, hid_t dcpl, QtError *err) {
+    hid_t space = H5Dget_space(d);
+    hssize_t np = space >= 0 ? H5Sget_simple_extent_npoints(space) : -1;
+    hsize_t dims[H5IO_MAX_RANK], chunk[H5IO_MAX_RANK];
+    int rank = space >= 0 ? H5Sget_simple_extent_dims(space, dims, NULL) : -1;
+    if (space >= 0) H5Sclose(space);
+    if (np < 0 || rank < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the shape of", path);
+    if (np == 0) return QT_OK;
+    bool partly = false, none = false;
+    if (dcpl >= 0) {
+        /* check_chunks has checked the chunk's rank and extent */
+        hsize_t want = 1, have = 0;
+        hid_t fs = H5Dget_space(d);
+        herr_t r = fs < 0 || H5Pget_chunk(dcpl, H5IO_MAX_RANK, chunk) != rank ? -1 : H5Dget_num_chunks(d, fs, &have);
+        if (fs >= 0) H5Sclose(fs);
+        if (r < 0) return h5_fail(err, QT_ERR_FORMAT, f, "count the chunks of", path);
+        for (int i = 0; i < rank; i++) want *= (dims[i] + chunk[i] - 1) / chunk[i];
+        none = have == 0;
+        partly = !none && have < want;
+    } else {
+        H5D_space_status_t status = H5D_SPACE_STATUS_ERROR;
+        if (H5Dget_space_status(d, &status) < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the storage of", path);
+        none = status != H5D_SPACE_STATUS_ALLOCATED;
+    }
+    if (none || partly)
+        return refuse(err, f, path, "its data was %s written (it would read as zeros)", partly ? "only partly" : "never");
+    return QT_OK;
+}
+
 /* Whether dataset `d` (at `path`) may be read; the checks above. */
 static QtStatus dataset_check_storage(const H5ioFile *f, const char *path, hid_t d, QtError *err) {
     hid_t dcpl = H5Dget_create_plist(d);
@@ -414,16 +448,9 @@ static QtStatus dataset_check_storage(const H5ioFile *f, const char *path, hid_t
     } else if (n_ext < 0) {
         st = h5_fail(err, QT_ERR_FORMAT, f, "read the storage layout of", path);
     }
+    if (st == QT_OK) st = check_allocated(f, path, d, layout == H5D_CHUNKED ? dcpl : H5I_INVALID_HID, err);
     H5Pclose(dcpl);
-    if (st != QT_OK) return st;
-    hid_t space = H5Dget_space(d);
-    hssize_t np = space >= 0 ? H5Sget_simple_extent_npoints(space) : -1;
-    if (space >= 0) H5Sclose(space);
-    H5D_space_status_t status = H5D_SPACE_STATUS_ERROR;
-    if (np > 0 && (H5Dget_space_status(d, &status) < 0 || status != H5D_SPACE_STATUS_ALLOCATED))
-        return refuse(err, f, path, "its data was %s written (it would read as zeros)",
-                      status == H5D_SPACE_STATUS_PART_ALLOCATED ? "only partly" : "never");
-    return QT_OK;
+    return st;
 }
 
 /* Opens dataset `path` after checking that every component of the path is
