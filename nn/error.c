@@ -10,8 +10,9 @@ QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...) {
     err->status = status;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    int n = vsnprintf(err->msg, sizeof err->msg, fmt, ap);
     va_end(ap);
+    if (n >= (int)sizeof err->msg) memcpy(err->msg + sizeof err->msg - 4, "...", 4); /* cut: say so */
     return status;
 }
 
@@ -62,5 +63,7 @@ QtStatus qt_name_lookup(const char *what, const char *name, const char *const *n
         size_t len = strlen(valid);
         snprintf(valid + len, sizeof valid - len, "%s%s", len ? ", " : "", names[i]);
     }
-    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name ? name : "(none)", valid);
+    char shown[QT_CLIP_BUF];
+    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name ? qt_clip(name, shown) : "(none)",
+                        valid);
 }

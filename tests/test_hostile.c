@@ -15,6 +15,8 @@
  *   filter       a parameter through the lossy scale-offset filter
  *   chunk_huge   a parameter chunked as 2^22 elements (a memory bomb)
  *   unalloc      a parameter never written (it reads as zeros)
+ *   bomb_small   a parameter in one deflated chunk that inflates to 64 KiB
+ *   bomb_big     ... to 8 MiB (libhdf5 would inflate all of it)
  *   vlen_damaged the root 'format' attribute as a variable-length string
  *                whose global heap entry is damaged
  *
@@ -29,6 +31,7 @@
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "test_proc.h"
 #include "test_util.h"
@@ -100,12 +103,12 @@ static int hostile_suite_cleanup(void) {
 
 typedef enum {
     EXT_PASSWD, EXT_FIFO, VDS_MISSING, VDS_FIFO, ELINK_PARAM, ELINK_GROUP, SOFT_LINK, FILTER, CHUNK_HUGE, UNALLOC,
-    VLEN_DAMAGED
+    BOMB_SMALL, BOMB_BIG, VLEN_DAMAGED
 } Hostile;
 
 static const char *const HOSTILE_NAMES[] = {"ext_passwd", "ext_fifo", "vds_missing", "vds_fifo", "elink_param",
                                             "elink_group", "soft_link", "filter", "chunk_huge", "unalloc",
-                                            "vlen_damaged"};
+                                            "bomb_small", "bomb_big", "vlen_damaged"};
 
 /* The rank and shape of dataset ds of f; -1 if there is none. */
 static int ds_dims(hid_t f, const char *ds, hsize_t *dims) {
@@ -230,6 +233,23 @@ static const char *craft(Hostile h, const char *src, const char *name, const cha
         break;
     }
     case UNALLOC: ok = replace_dataset(f, ds, dcpl, false, false); break;
+    case BOMB_SMALL:
+    case BOMB_BIG: { /* one chunk of the whole dataset, written raw: a stream of zeros far longer than it */
+        hsize_t chunk[H5S_MAX_RANK], off[H5S_MAX_RANK] = {0};
+        int rank = ds_dims(f, ds, chunk);
+        uLong n = h == BOMB_SMALL ? 1ul << 16 : 8ul << 20;
+        uLongf packed_n = compressBound(n);
+        Bytef *zeros = calloc(n, 1), *packed = malloc(packed_n);
+        ok = rank > 0 && zeros && packed && compress2(packed, &packed_n, zeros, n, 9) == Z_OK &&
+             H5Pset_chunk(dcpl, rank, chunk) >= 0 && H5Pset_deflate(dcpl, 9) >= 0 &&
+             replace_dataset(f, ds, dcpl, false, false);
+        hid_t d = ok ? H5Dopen2(f, ds, H5P_DEFAULT) : H5I_INVALID_HID;
+        ok = d >= 0 && H5Dwrite_chunk(d, H5P_DEFAULT, 0, off, packed_n, packed) >= 0;
+        if (d >= 0) H5Dclose(d);
+        free(zeros);
+        free(packed);
+        break;
+    }
     case VLEN_DAMAGED: {
         hid_t t = H5Tcopy(H5T_C_S1), s = H5Screate(H5S_SCALAR);
         const char *v = "qtrain";
@@ -349,7 +369,7 @@ static void test_base_files(void) {
 /* The same in a LoRA run's checkpoint (merge) and its adapters.h5 (model.adapters_from). */
 static void test_lora_files(void) {
     static const Hostile hs[] = {EXT_PASSWD, EXT_FIFO, VDS_MISSING, VDS_FIFO, ELINK_PARAM, FILTER, CHUNK_HUGE,
-                                 UNALLOC};
+                                 UNALLOC, BOMB_SMALL};
     const char *ds = "/lora/fc1/A";
     for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) {
         const char *file = craft(hs[i], lora_ckpt, "lora", ds);
@@ -407,6 +427,48 @@ static void test_accepted_layouts(void) {
     test_assert_hdf5_closed();
 }
 
+/* In-process, through h5io: a chunked dataset with one of its chunks
+ * written is refused (H5Dget_space_status calls compressed chunks partly
+ * allocated, so the chunks are counted); an external link cannot be
+ * traversed even by a direct HDF5 call once h5io_init ran. */
+static void test_partly_written_and_elink(void) {
+    const char *path = path_in("partly.h5"), *other = path_in("other.h5");
+    hid_t f = H5Fcreate(other, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    hid_t g = H5Gcreate2(f, "g", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Gclose(g);
+    H5Fclose(f);
+    f = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    hsize_t dims[1] = {8}, chunk[1] = {4}, start[1] = {0}, count[1] = {4};
+    H5Pset_chunk(dcpl, 1, chunk);
+    H5Pset_deflate(dcpl, 1);
+    hid_t s = H5Screate_simple(1, dims, NULL), ms = H5Screate_simple(1, count, NULL);
+    hid_t d = H5Dcreate2(f, "w", H5T_IEEE_F32LE, s, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    float w[4] = {1, 2, 3, 4};
+    H5Sselect_hyperslab(s, H5S_SELECT_SET, start, NULL, count, NULL);
+    CU_ASSERT(H5Dwrite(d, H5T_NATIVE_FLOAT, ms, s, H5P_DEFAULT, w) >= 0);
+    H5Dclose(d);
+    H5Sclose(ms);
+    H5Sclose(s);
+    H5Pclose(dcpl);
+    CU_ASSERT(H5Lcreate_external(other, "/g", f, "ext", H5P_DEFAULT, H5P_DEFAULT) >= 0);
+    hid_t o = H5Oopen(f, "ext", H5P_DEFAULT);
+    CU_ASSERT(o < 0); /* not followed */
+    if (o >= 0) H5Oclose(o);
+    H5Fclose(f);
+
+    H5ioFile hf = H5IO_FILE_INIT;
+    QtError err = {0}, e1 = {0}, e2 = {0};
+    CU_ASSERT_EQUAL_FATAL(h5io_open(&hf, path, &err), QT_OK);
+    float got[8];
+    CU_ASSERT_EQUAL(h5io_read_f32(&hf, "w", got, 1, (int[]){8}, &e1), QT_ERR_FORMAT);
+    CU_ASSERT(test_msg_has(&e1, "refusing dataset /w: its data was only partly written"));
+    CU_ASSERT_EQUAL(h5io_attr_read_i64(&hf, "ext", "x", &(int64_t){0}, &e2), QT_ERR_FORMAT);
+    CU_ASSERT(test_msg_has(&e2, "no group or dataset /ext"));
+    CU_ASSERT_EQUAL(h5io_close(&hf, &err), QT_OK);
+    test_assert_hdf5_closed();
+}
+
 /* Messages cut what a file says: a 100 KB attribute shows 200 bytes. */
 static void test_clip(void) {
     char *big = malloc(100001);
@@ -429,5 +491,7 @@ int register_hostile_suite(void) {
     return !CU_add_test(s, "base checkpoints: every loader refuses each, naming it", test_base_files) ||
            !CU_add_test(s, "LoRA checkpoints and adapters.h5: merge, adapters_from", test_lora_files) ||
            !CU_add_test(s, "h5py's chunked, filtered, vlen-string files still load", test_accepted_layouts) ||
+           !CU_add_test(s, "partly written chunks refused, external links not traversable",
+                        test_partly_written_and_elink) ||
            !CU_add_test(s, "messages cut strings from files", test_clip);
 }

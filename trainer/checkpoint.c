@@ -699,14 +699,16 @@ static int inspect_attr(const char *name, void *data) {
     char value[512];
     c->st = h5io_attr_format(c->f, c->obj, name, INSPECT_STR_MAX, value, sizeof value, c->err);
     if (c->st != QT_OK) return 1;
-    fprintf(c->out, "    @%s = %s\n", name, value);
+    /* names and values come from the file: no control characters (terminal escapes) reach the terminal */
+    char shown_name[QT_CLIP_BUF], shown_value[QT_CLIP_BUF];
+    fprintf(c->out, "    @%s = %s\n", qt_clip(name, shown_name), qt_clip(value, shown_value));
     return 0;
 }
 
 static int inspect_object(const char *path, H5ioKind kind, void *data) {
     InspectCtx *c = data;
-    char full[CKPT_OBJ_MAX * 4];
-    snprintf(full, sizeof full, "/%s", path);
+    char full[CKPT_OBJ_MAX * 4], shown[QT_CLIP_BUF];
+    snprintf(full, sizeof full, "/%s", qt_clip(path, shown));
     if (kind == H5IO_DATASET) {
         H5ioInfo info;
         char ty[32], shape[128];

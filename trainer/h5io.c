@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 /* Traversing an external link would open another file named by the file
  * being read (any path on the machine, a FIFO that blocks the open, a file
@@ -355,6 +356,74 @@ static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const 
                         "untrusted input: see SECURITY in the README)", fname(f), qt_clip(show(path), shown), why);
 }
 
+/* Inflates src[n] into out[cap]: 1 if it is one whole deflate stream of
+ * at most cap bytes, 0 if it is longer (it stops there) or damaged. */
+static int inflate_within(const unsigned char *src, size_t n, unsigned char *out, size_t cap) {
+    z_stream z;
+    memset(&z, 0, sizeof z);
+    if (inflateInit(&z) != Z_OK) return 0;
+    z.next_in = (unsigned char *)src;
+    z.avail_in = (uInt)n;
+    z.next_out = out;
+    z.avail_out = (uInt)cap;
+    int r = inflate(&z, Z_FINISH);
+    inflateEnd(&z);
+    return r == Z_STREAM_END;
+}
+
+/* Deflate expands up to ~1000-fold, and libhdf5 1.10 inflates a chunk into
+ * a buffer it doubles until the stream ends, whatever the chunk's size: a
+ * 1 MB stream in a 40-byte chunk would take 1 GB. So every stored chunk is
+ * checked first: no larger than its data could need compressed (deflate
+ * adds at most ~0.1% to incompressible data, fletcher32 4 bytes), and a
+ * deflated one is inflated here into at most the chunk's own size.
+ * kd, kf: the pipeline positions of deflate and fletcher32 (-1: none). */
+static QtStatus check_stored_chunks(const H5ioFile *f, const char *path, hid_t d, int rank, const hsize_t *chunk,
+                                    int kd, int kf, QtError *err) {
+    hid_t type = H5Dget_type(d);
+    size_t raw = type >= 0 ? H5Tget_size(type) : 0;
+    if (type >= 0) H5Tclose(type);
+    for (int i = 0; i < rank; i++) raw *= (size_t)chunk[i];
+    if (raw == 0 || raw > ((size_t)1 << 32)) return refuse(err, f, path, "its chunks hold %zu bytes", raw);
+    size_t max_stored = raw + raw / 500 + 64;
+    hsize_t n = 0;
+    hid_t fs = H5Dget_space(d);
+    if (fs < 0 || H5Dget_num_chunks(d, fs, &n) < 0) {
+        if (fs >= 0) H5Sclose(fs);
+        return h5_fail(err, QT_ERR_FORMAT, f, "count the chunks of", path);
+    }
+    unsigned char *in = kd >= 0 ? malloc(max_stored) : NULL, *out = kd >= 0 ? malloc(raw) : NULL;
+    QtStatus st = kd >= 0 && (!in || !out) ? qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate a chunk of /%s",
+                                                           fname(f), show(path))
+                                           : QT_OK;
+    for (hsize_t i = 0; st == QT_OK && i < n; i++) {
+        hsize_t off[H5IO_MAX_RANK] = {0}, size = 0;
+        unsigned mask = 0;
+        haddr_t addr = 0;
+        uint32_t mask32 = 0;
+        if (H5Dget_chunk_info(d, fs, i, off, &mask, &addr, &size) < 0) {
+            st = h5_fail(err, QT_ERR_FORMAT, f, "read the chunk index of", path);
+        } else if (size > max_stored) {
+            st = refuse(err, f, path, "chunk %llu is stored in %llu bytes, more than its %zu bytes of data can need "
+                        "(a decompression bomb?)", (unsigned long long)i, (unsigned long long)size, raw);
+        } else if (kd >= 0 && !(mask & (1u << kd))) {
+            size_t len = (size_t)size;
+            if (H5Dread_chunk(d, H5P_DEFAULT, off, &mask32, in) < 0) {
+                st = h5_fail(err, QT_ERR_FORMAT, f, "read a chunk of", path);
+            } else {
+                if (kf > kd && !(mask & (1u << kf))) len = len >= 4 ? len - 4 : 0; /* fletcher32's checksum */
+                if (!inflate_within(in, len, out, raw))
+                    st = refuse(err, f, path, "chunk %llu does not inflate to at most its %zu bytes (damaged, or a "
+                                "decompression bomb)", (unsigned long long)i, raw);
+            }
+        }
+    }
+    free(in);
+    free(out);
+    H5Sclose(fs);
+    return st;
+}
+
 static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t dcpl, QtError *err) {
     hsize_t chunk[H5IO_MAX_RANK], dims[H5IO_MAX_RANK];
     hid_t space = H5Dget_space(d);
@@ -373,8 +442,9 @@ static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t
                           "which makes HDF5 allocate memory for the whole chunk", (unsigned long long)chunk[i],
                           (unsigned long long)dims[i], i);
     }
-    int nf = H5Pget_nfilters(dcpl);
+    int nf = H5Pget_nfilters(dcpl), kd = -1, kf = -1;
     if (nf < 0) return h5_fail(err, QT_ERR_FORMAT, f, "read the filters of", path);
+    if (nf > 30) return refuse(err, f, path, "it is stored through %d filters", nf);
     for (int i = 0; i < nf; i++) {
         unsigned flags = 0, config = 0, cd[8];
         size_t ncd = sizeof cd / sizeof cd[0];
@@ -386,8 +456,14 @@ static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t
             return refuse(err, f, path, "it is stored through filter %d ('%s'); only deflate (gzip), shuffle and "
                           "fletcher32 are accepted", (int)id, qt_clip(fname_, shown));
         }
+        /* h5py and qtrain's tests write shuffle, deflate, fletcher32 in this order, each once */
+        if ((id == H5Z_FILTER_DEFLATE && kd >= 0) || (id == H5Z_FILTER_FLETCHER32 && kf >= 0) ||
+            (id == H5Z_FILTER_SHUFFLE && (kd >= 0 || kf >= 0)) || (id == H5Z_FILTER_DEFLATE && kf >= 0))
+            return refuse(err, f, path, "its filters are not in the order shuffle, deflate, fletcher32");
+        if (id == H5Z_FILTER_DEFLATE) kd = i;
+        if (id == H5Z_FILTER_FLETCHER32) kf = i;
     }
-    return QT_OK;
+    return check_stored_chunks(f, path, d, rank, chunk, kd, kf, err);
 }
 
 /* Whether every element of dataset d was written: a missing chunk or
