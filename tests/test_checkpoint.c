@@ -589,6 +589,11 @@ static void test_h5io_roundtrip(void) {
     CU_ASSERT_EQUAL(h5io_attr_write_u64(&f, "lora/fc", "big", UINT64_MAX, &err), QT_OK);
     CU_ASSERT_EQUAL(h5io_attr_write_f64(&f, "lora/fc", "alpha", 0.1, &err), QT_OK);
     CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "note", "h\xc3\xa9llo", &err), QT_OK);
+    char *long_str = malloc(100001); /* too long for an object header: written variable-length */
+    memset(long_str, 'y', 100000);
+    long_str[100000] = '\0';
+    CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "long", long_str, &err), QT_OK);
+    free(long_str);
     CU_ASSERT_EQUAL(h5io_attr_write_str_fixed(&f, "quant/fc/weight", "qtype", "int4", &err), QT_OK);
     QtError e0 = {0};
     CU_ASSERT_EQUAL(h5io_group_create(&f, "quant/fc/weight/scale/x", &e0), QT_ERR_FORMAT); /* under a dataset */
@@ -633,6 +638,10 @@ static void test_h5io_roundtrip(void) {
     CU_ASSERT(fixed && strcmp(fixed, "int4") == 0);
     free(s);
     free(fixed);
+    char *long_back = NULL;
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "/", "long", &long_back, &err), QT_OK);
+    CU_ASSERT(long_back && strlen(long_back) == 100000 && long_back[99999] == 'y');
+    free(long_back);
     CU_ASSERT_EQUAL(err.status, QT_OK);
     if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
 

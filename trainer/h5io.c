@@ -741,17 +741,26 @@ QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, dou
     return attr_write(f, obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, err);
 }
 
+/* The longest fixed-length string attribute: an attribute lives in its
+ * object's header, whose messages HDF5 limits to 64 KiB. */
+#define ATTR_FIXED_MAX 60000
+
 /* Fixed-length: the bytes sit in the attribute itself. A variable-length
  * string would be stored in the file's global heap, and reading one back
- * goes through code of libhdf5 that crashes or hangs on a damaged heap. */
+ * goes through code of libhdf5 that crashes or hangs on a damaged heap
+ * (h5io_attr_read_str reads such strings in a child process). Only a
+ * string too long for an object header (a config of 60 KB) is written
+ * variable-length, as the one way to store it. */
 QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
     if (!v) v = "";
     hid_t t = H5Tcopy(H5T_C_S1);
     size_t len = strlen(v);
+    bool fixed = len <= ATTR_FIXED_MAX;
     herr_t ok = t < 0 ? -1 : H5Tset_cset(t, H5T_CSET_UTF8);
-    if (ok >= 0) ok = H5Tset_size(t, len ? len : 1);
-    if (ok >= 0) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
-    QtStatus st = ok < 0 ? h5_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name) : attr_write(f, obj, name, t, t, v, err);
+    if (ok >= 0) ok = H5Tset_size(t, !fixed ? H5T_VARIABLE : len ? len : 1);
+    if (ok >= 0 && fixed) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
+    QtStatus st = ok < 0 ? h5_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name)
+                         : attr_write(f, obj, name, t, t, fixed ? (const void *)v : (const void *)&v, err);
     if (t >= 0) H5Tclose(t);
     return st;
 }

@@ -124,8 +124,9 @@ QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *nam
 QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err);
 QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, double v, QtError *err);
 /* Fixed-length UTF-8, null-padded, of strlen(v) bytes (h5py reads bytes).
- * Never variable-length: those live in the global heap, which libhdf5
- * reads unchecked (see h5io_attr_read_str). */
+ * Variable-length strings live in the global heap, which libhdf5 reads
+ * unchecked (see h5io_attr_read_str), so only a string of more than 60000
+ * bytes, too long for an object header, is written variable-length. */
 QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err);
 /* The same as h5io_attr_write_str. */
 QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err);
