@@ -469,6 +469,48 @@ static void test_partly_written_and_elink(void) {
     test_assert_hdf5_closed();
 }
 
+/* inspect shows a file's names and strings without control characters (a
+ * terminal escape) and cut: an attribute named with an escape, holding
+ * 100 KB on one line. */
+static void test_inspect_strings(void) {
+    const char *path = path_in("strings.h5"), *out = path_in("inspect.txt");
+    size_t n = 0;
+    char *bytes = test_file_read(base_ckpt, &n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(bytes);
+    test_file_write(path, bytes, n);
+    free(bytes);
+    hid_t f = H5Fopen(path, H5F_ACC_RDWR, H5P_DEFAULT);
+    CU_ASSERT_FATAL(f >= 0);
+    char *big = malloc(100001);
+    memset(big, 'z', 100000);
+    big[100000] = '\0';
+    big[10] = '\033';
+    hid_t t = H5Tcopy(H5T_C_S1), sc = H5Screate(H5S_SCALAR);
+    H5Tset_size(t, H5T_VARIABLE);
+    hid_t a = H5Acreate2(f, "note\033[2J", t, sc, H5P_DEFAULT, H5P_DEFAULT);
+    CU_ASSERT(a >= 0 && H5Awrite(a, t, &big) >= 0);
+    if (a >= 0) H5Aclose(a);
+    H5Tclose(t);
+    H5Sclose(sc);
+    H5Fclose(f);
+    free(big);
+    const char *args[] = {"inspect", path, NULL};
+    unlink(out);
+    CU_ASSERT_EQUAL(test_proc_run(out, args, RUN_TIMEOUT_S), 0);
+    char *text = test_file_read(out, &n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
+    CU_ASSERT_PTR_NULL(memchr(text, '\033', n));
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "@note?[2J = \"zzzzzzzzzz?zzz"));
+    size_t longest = 0;
+    for (char *p = text, *e; *p; p = *e ? e + 1 : e) {
+        e = strchr(p, '\n');
+        if (!e) e = p + strlen(p);
+        if ((size_t)(e - p) > longest) longest = (size_t)(e - p);
+    }
+    CU_ASSERT(longest < 300);
+    free(text);
+}
+
 /* Messages cut what a file says: a 100 KB attribute shows 200 bytes. */
 static void test_clip(void) {
     char *big = malloc(100001);
@@ -482,6 +524,10 @@ static void test_clip(void) {
     CU_ASSERT(strncmp(c, "xxx??x", 6) == 0);
     CU_ASSERT_PTR_NOT_NULL(strstr(c, "...(100000 bytes)"));
     CU_ASSERT_STRING_EQUAL(qt_clip("short", buf), "short");
+    QtError e = {0};
+    qt_error_set(&e, QT_ERR_FORMAT, "x %s", big); /* a message cut at 1 KiB says so */
+    CU_ASSERT_EQUAL(strlen(e.msg), QT_ERROR_MSG_MAX - 1);
+    CU_ASSERT_STRING_EQUAL(e.msg + QT_ERROR_MSG_MAX - 4, "...");
     free(big);
 }
 
@@ -493,5 +539,6 @@ int register_hostile_suite(void) {
            !CU_add_test(s, "h5py's chunked, filtered, vlen-string files still load", test_accepted_layouts) ||
            !CU_add_test(s, "partly written chunks refused, external links not traversable",
                         test_partly_written_and_elink) ||
+           !CU_add_test(s, "inspect shows file strings cut, without control characters", test_inspect_strings) ||
            !CU_add_test(s, "messages cut strings from files", test_clip);
 }
