@@ -203,7 +203,8 @@ static const char *craft(Hostile h, const char *src, const char *name, const cha
     case VDS_MISSING: ok = make_virtual(f, ds, path_in("missing-source.h5")); break;
     case VDS_FIFO: ok = make_virtual(f, ds, fifo_path); break;
     case ELINK_PARAM:
-        ok = H5Ldelete(f, ds, H5P_DEFAULT) >= 0 && H5Lcreate_external(fifo_path, ds, f, ds, H5P_DEFAULT, H5P_DEFAULT) >= 0;
+        ok = H5Ldelete(f, ds, H5P_DEFAULT) >= 0 &&
+             H5Lcreate_external(fifo_path, ds, f, ds, H5P_DEFAULT, H5P_DEFAULT) >= 0;
         break;
     case ELINK_GROUP:
         ok = H5Ldelete(f, "/data", H5P_DEFAULT) >= 0 &&
@@ -335,7 +336,8 @@ static void expect_refused(Loader l, const char *file, const char *what, const c
     if (listed) rc = 1;
     bool named = strstr(log, what) != NULL;
     bool leaked = strstr(log, "root:") != NULL;
-    if (getenv("QTRAIN_TEST_VERBOSE")) fprintf(stderr, "\n  %s on %s: exit %d:\n%s\n", LOADER_NAMES[l], hostile, rc, log);
+    if (getenv("QTRAIN_TEST_VERBOSE")) /* every output, to read the messages */
+        fprintf(stderr, "\n  %s on %s: exit %d:\n%s\n", LOADER_NAMES[l], hostile, rc, log);
     if (rc != 1 && rc != 2)
         fprintf(stderr, "\n  %s on %s: exit status %d (-1: killed, a hang?), expected a refusal; output:\n%s\n",
                 LOADER_NAMES[l], hostile, rc, log);
