@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -274,8 +275,8 @@ QtStatus h5io_attr_read_vlen(const H5ioFile *f, const char *obj, const char *nam
         setrlimit(RLIMIT_CORE, &(struct rlimit){0, 0}); /* a crash here is expected on a damaged file: no core */
         char *s = NULL;
         char ok = H5Aread(a, mt, &s) >= 0 ? 1 : 0;
-        size_t len = ok && s ? strnlen(s, H5IO_ATTR_STR_MAX + 1) : 0;
-        if (write(fds[1], &ok, 1) == 1)
+        uint64_t len = ok && s ? strnlen(s, H5IO_ATTR_STR_MAX + 1) : 0;
+        if (write(fds[1], &ok, 1) == 1 && write(fds[1], &len, sizeof len) == sizeof len)
             for (size_t done = 0; done < len;) {
                 ssize_t n = write(fds[1], s + done, len - done);
                 if (n <= 0) break;
@@ -284,31 +285,32 @@ QtStatus h5io_attr_read_vlen(const H5ioFile *f, const char *obj, const char *nam
         _exit(0); /* no exit handlers: the parent's HDF5 state is the parent's */
     }
     close(fds[1]);
-    char *buf = malloc(H5IO_ATTR_STR_MAX + 2);
-    ssize_t n = buf ? read_until_eof(fds[0], buf, H5IO_ATTR_STR_MAX + 2, time(NULL) + VLEN_READ_SECONDS) : -1;
+    /* status byte, length, bytes: a child that died while writing sent fewer */
+    const size_t head = 1 + sizeof(uint64_t), cap = head + H5IO_ATTR_STR_MAX + 1;
+    char *buf = malloc(cap);
+    ssize_t n = buf ? read_until_eof(fds[0], buf, cap, time(NULL) + VLEN_READ_SECONDS) : -1;
     close(fds[0]);
     kill(pid, SIGKILL); /* a child still reading (a loop on a damaged heap) */
-    int wst = 0;
-    pid_t w;
-    while ((w = waitpid(pid, &wst, 0)) < 0 && errno == EINTR) {}
-    bool exited = w == pid && WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+    uint64_t len = 0;
+    if (n >= (ssize_t)head) memcpy(&len, buf + 1, sizeof len);
     QtStatus st = QT_OK;
     if (!buf) {
         st = qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate attribute '%s'", h5io_fname(f), name);
-    } else if (n < 1 || !exited) {
+    } else if (n < (ssize_t)head || (buf[0] == 1 && len != (uint64_t)n - head)) {
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a variable-length string that cannot be "
                           "read (libhdf5 %s on it): the file is damaged", h5io_fname(f), name, h5io_show(obj),
                           n < 0 ? "did not finish" : "crashed");
     } else if (buf[0] != 1) {
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: cannot read attribute '%s' of /%s (a damaged variable-length "
                           "string)", h5io_fname(f), name, h5io_show(obj));
-    } else if ((size_t)n - 1 > H5IO_ATTR_STR_MAX) {
+    } else if (len > H5IO_ATTR_STR_MAX) {
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a string of more than %zu bytes",
                           h5io_fname(f), name, h5io_show(obj), H5IO_ATTR_STR_MAX);
     } else {
-        memmove(buf, buf + 1, (size_t)n - 1);
-        buf[n - 1] = '\0';
-        char *shrunk = realloc(buf, (size_t)n);
+        memmove(buf, buf + head, (size_t)len);
+        buf[len] = '\0';
+        char *shrunk = realloc(buf, (size_t)len + 1);
         *v = shrunk ? shrunk : buf;
         buf = NULL;
     }
