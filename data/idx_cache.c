@@ -31,6 +31,7 @@
 
 #include "dataset.h"
 #include "idx_internal.h"
+#include "nn/fsutil.h"
 
 #define CACHE_MAGIC "qtidxc\0\1"
 #define CACHE_MAGIC_STEM 6 /* bytes of the magic shared by every version */
@@ -38,6 +39,9 @@
 #define CACHE_CHUNK ((size_t)1 << 20) /* read and CRC a chunk while it is in cache */
 #define CACHE_NAME_MAX IDX_FILE_PATH_MAX
 #define CACHE_DIR_MODE 0700 /* as the XDG base directory spec asks for directories it creates */
+/* A temp file of a dead writer is removed once this old: processes of another pid namespace share the directory
+ * and look dead from here, but a live writer touches its file every moment. */
+#define CACHE_STALE_TMP_S 600
 
 /* What identifies one version of a source file. */
 typedef struct {
@@ -373,11 +377,12 @@ static bool writer_begin(void *ctx, const IdxArray *shape, const uint8_t *hdr, s
         w->err_no = errno;
         return false;
     }
+    fs_remove_stale_tmps_of(w->name, CACHE_STALE_TMP_S); /* those of writers that crashed or were killed */
     /* pid and clock: unique even among processes of different pid namespaces sharing the directory */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     snprintf(w->tmp, sizeof w->tmp, "%s.tmp.%ld.%09ld", w->name, (long)getpid(), (long)ts.tv_nsec);
-    w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
     if (w->fd < 0) return writer_fail(w, "creating");
     cache_header(w->k, shape, hdr, hdr_len, w->head, &w->head_len);
     w->crc = crc32(crc32(0L, Z_NULL, 0), hdr, (uInt)hdr_len);

@@ -25,6 +25,7 @@ enum {
     RNG_STREAM_DROPOUT = 3,
     RNG_STREAM_ROUNDING = 4,
     RNG_STREAM_LORA = 5,      /* adapter initialisation */
+    RNG_STREAM_WEIGHT_ROUNDING = 6, /* stochastic rounding of PTQ / QAT weights, + (module << 40) */
 };
 
 /* The raw block function: 4 x 32 random bits for a counter and a key. */

@@ -35,10 +35,10 @@ QtStatus lr_schedule_validate(const LrSchedule *s, QtError *err) {
         return qt_error_set(err, QT_ERR_CONFIG, "%s lr schedule: warmup_steps = %" PRId64 " must be >= 0", k,
                             s->warmup_steps);
     if (s->kind == SCHED_COSINE) {
-        if (s->total_steps <= s->warmup_steps)
+        if (s->total_steps < s->warmup_steps)
             return qt_error_set(err, QT_ERR_CONFIG,
                                 "cosine lr schedule: total_steps = %" PRId64
-                                " must be greater than warmup_steps = %" PRId64,
+                                " must be at least warmup_steps = %" PRId64,
                                 s->total_steps, s->warmup_steps);
         if (!(s->min_lr >= 0.0f && s->min_lr <= s->base_lr))
             return qt_error_set(err, QT_ERR_CONFIG, "cosine lr schedule: min_lr = %g must be in [0, base_lr = %g]",

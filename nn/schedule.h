@@ -37,7 +37,8 @@ const char *sched_kind_name(SchedKind kind);
 QtStatus sched_kind_parse(const char *name, SchedKind *out, QtError *err);
 
 /* QT_ERR_CONFIG with a message naming the field: base_lr must be finite and
- * >= 0, warmup_steps >= 0; cosine needs total_steps > warmup_steps and
+ * >= 0, warmup_steps >= 0; cosine needs total_steps >= warmup_steps (equal:
+ * the whole run warms up, the cosine part is empty) and
  * 0 <= min_lr <= base_lr; step needs step_size >= 1 and gamma > 0. */
 QtStatus lr_schedule_validate(const LrSchedule *s, QtError *err);
 

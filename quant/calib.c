@@ -17,11 +17,13 @@ static const char *const KIND_NAMES[] = {
     [CALIB_ENTROPY] = "entropy",
     [CALIB_3SD] = "3sd",
     [CALIB_KL_J] = "kl_j",
+    [CALIB_MEAN_ABS] = "mean_abs",
 };
 
 /* Every message about a malformed method lists these. */
 #define CALIB_FORMS                                                                                               \
-    "absmax, absmax,s, minmax, minmax,s, rms,s, fixed,a, fixed,min,max, percentile,p, mse, entropy, 3sd, kl_j"
+    "absmax, absmax,s, minmax, minmax,s, rms,s, fixed,a, fixed,min,max, percentile,p, mse, entropy, 3sd, kl_j, "   \
+    "mean_abs"
 
 /* The longest method string parse accepts; real ones are far shorter. */
 #define CALIB_TEXT_MAX 128
@@ -120,7 +122,8 @@ static QtStatus spec_check_numbers(const CalibSpec *s, const char *text, QtError
     case CALIB_MSE:
     case CALIB_ENTROPY:
     case CALIB_3SD:
-    case CALIB_KL_J: break;
+    case CALIB_KL_J:
+    case CALIB_MEAN_ABS: break;
     default:
         return qt_error_set(err, QT_ERR_CONFIG, "calibration method %d is not one of: " CALIB_FORMS, (int)s->kind);
     }
@@ -483,6 +486,13 @@ static double calib_3sd(const CalibData *d) {
     return fabs(mean) + 3.0 * sqrt(var / (double)d->n);
 }
 
+/* The sum in double, as qarray's ternary/binary default sums it, so both give the same float. */
+static double calib_mean_abs(const CalibData *d) {
+    double sum = 0.0;
+    for (size_t i = 0; i < d->n; i++) sum += fabsf(d->x[i]);
+    return sum / (double)d->n;
+}
+
 static double calib_rms(const CalibData *d) {
     double sq = 0.0;
     for (size_t i = 0; i < d->n; i++) sq += (double)d->x[i] * d->x[i];
@@ -542,6 +552,7 @@ static void compute_range(const CalibSpec *spec, const CalibData *d, const Calib
     case CALIB_ENTROPY: t = calib_entropy(d, q->levels, work); break;
     case CALIB_3SD: t = calib_3sd(d); break;
     case CALIB_KL_J: t = calib_kl_j(d, q->levels, work); break;
+    case CALIB_MEAN_ABS: t = calib_mean_abs(d); break;
     default: break;
     }
     *lo = -t, *hi = t;

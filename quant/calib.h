@@ -13,6 +13,7 @@
  *   entropy               TensorRT-style histogram KL divergence
  *   3sd                   TQT initialiser: t = |mean x| + 3 * std x
  *   kl_j                  TQT initialiser: Settle et al. 2018, Algorithm 1
+ *   mean_abs              symmetric, t = mean |x| (BitNet b1.58's absmean, XNOR-Net's alpha)
  *
  * Symmetric methods give lo = -t, hi = t. minmax returns the data's own
  * extremes (both may be negative); an asymmetric format widens them to
@@ -73,6 +74,11 @@
  *   more; the bin edge keeps t <= amax, as with entropy.) Needs 2 * B
  *   doubles of workspace.
  *
+ * mean_abs: t = sum |x| / n, the sum in double, rounded to float once. The
+ *   scale of ternary (BitNet b1.58's absmean, Ma et al. 2024) and binary
+ *   (XNOR-Net's alpha = mean |x|, Rastegari et al. 2016), where t maps to
+ *   the code +1; for an int format it clips most of the data.
+ *
  * Degenerate data: n = 0, or amax = 0, give the range (0, 0) for every
  * method but fixed; callers turn the zero scale into 1 (DESIGN: a scale
  * below ~1e-19 becomes 1). A NaN or Inf in x is QT_ERR_VALUE naming the
@@ -96,6 +102,7 @@ typedef enum {
     CALIB_ENTROPY,
     CALIB_3SD,
     CALIB_KL_J,
+    CALIB_MEAN_ABS,
     CALIB_COUNT
 } CalibKind;
 
@@ -154,7 +161,7 @@ float calib_quant_int_symmetric(float x, float lo, float hi, const CalibQuant *q
 float calib_quant_int_asymmetric(float x, float lo, float hi, const CalibQuant *q);
 
 /* "absmax", "minmax", "rms", "fixed", "percentile", "mse", "entropy", "3sd",
- * "kl_j"; "unknown" outside the enum. */
+ * "kl_j", "mean_abs"; "unknown" outside the enum. */
 const char *calib_kind_name(CalibKind kind);
 
 /* Parses one of the forms above into *out. QT_ERR_CONFIG with a message

@@ -59,7 +59,12 @@ static QtStatus check_learned_weight(const QLayerSpec *spec, const QatSpec *qat,
                             qarray_scale_type_name(spec->scale_type));
     if (!spec->symmetric)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s learns a symmetric range without a zero point; "
-                            "set symmetric true (or learn_amax none for an asymmetric weight)", m->path, ln);
+                            "set symmetric true (with a uint format also allow_clip: true) or learn_amax none for "
+                            "an asymmetric weight", m->path, ln);
+    if (spec->rounding != QROUND_RNE)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s rounds to nearest (its range gradient is "
+                            "defined for rne); set rounding rne (or learn_amax none for rounding %s)", m->path, ln,
+                            qround_name(spec->rounding));
     if (spec->narrow_range)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s clamps to the format's full code range; "
                             "set narrow_range false (or learn_amax none)", m->path, ln);
@@ -75,7 +80,8 @@ static QtStatus check_learned_act(const QLayerSpec *spec, const QatSpec *qat, co
                             spec->act_qtype->name);
     if (!spec->act_symmetric)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: learn_amax: %s learns a symmetric input range without a zero "
-                            "point; set act_symmetric true (a uint act_qtype covers [0, t])", m->path, ln);
+                            "point; set act_symmetric true (a uint act_qtype then covers [0, t], clipping negative "
+                            "inputs: add allow_clip: true)", m->path, ln);
     return QT_OK;
 }
 
@@ -140,6 +146,7 @@ QtStatus qat_layer_init(QatLayer *q, Module *m, const QLayerSpec *spec, const Qa
     q->fan_in = (int)(tensor_numel(w) / (size_t)q->out);
     /* laid out from q's own copy of the spec, so options.calib points into q */
     st = qlayer_layout(&q->spec, m, &q->w_ndim, q->w_shape, &q->w_options, err);
+    q->round_rng = qlayer_round_rng(0, 0); /* the trainer gives each layer its run's own stream */
     /* a learned input range gathers its calibration batches with amax_init, a static one with act_calib */
     calib_running_init(&q->act_stats, learned(qat) ? &q->qat.amax_init : &q->spec.act_calib);
     if (st == QT_OK && learned(qat)) st = init_ranges_params(q, err);
@@ -273,14 +280,24 @@ static Var *layer_input(Tape *t, QatLayer *q, Var *x) {
 
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
 
+void qat_layer_set_step(QatLayer *q, int64_t step) {
+    if (q) q->round_step = step;
+}
+
 /* The weight fake-quantized in its QArray view (out, fan_in) or (numel / T, T), back in its own shape. The
  * reshapes share the values and pass the gradient through, so the Param's grad receives the STE's. */
+
 static Var *quant_weight(Tape *t, QatLayer *q) {
     Var *w = &q->module->weight->var;
     Var *w2 = nn_reshape(t, w, q->w_ndim, q->w_shape);
+    QArrayOptions o = q->w_options;
+    Rng r = q->round_rng; /* the step's own noise in training, step 0's elsewhere: see qat_layer_set_step */
+    if (o.round == QROUND_STOCHASTIC) {
+        r.counter = t->training ? (uint64_t)q->round_step * ((tensor_numel(&w->value) + 3) / 4) : 0;
+        o.rng = &r;
+    }
     Var *wq2 = has_range(&q->w_range) ? fq_range_apply(t, w2, &q->w_range)
-                                      : fq_fake_quant_qarray(t, w2, q->spec.weight_qtype, &q->w_options,
-                                                             FQ_STE_CLIPPED);
+                                      : fq_fake_quant_qarray(t, w2, q->spec.weight_qtype, &o, FQ_STE_CLIPPED);
     return nn_reshape(t, wq2, w->value.ndim, w->value.shape);
 }
 
@@ -432,7 +449,7 @@ QtStatus qat_layer_convert(const QatLayer *q, QLayer *out, QtError *err) {
         st = qlayer_init_empty(out, m, &q->spec, err);
         if (st == QT_OK) st = fill_learned_weight(q, out, w, err);
     } else {
-        st = qlayer_init_quantize(out, m, &q->spec, w, err);
+        st = qlayer_init_quantize_rng(out, m, &q->spec, w, &q->round_rng, err); /* stochastic: eval's draw */
     }
     if (st == QT_OK) st = convert_input(q, out, err);
     if (st != QT_OK) qlayer_free(out);

@@ -63,6 +63,8 @@ typedef struct {
     CalibRunning act_stats;  /* act_static_scale, or the calibration batches of a learned input range */
     bool calibrating;        /* qat_layer_calib_begin..end: observe the input, no input quantization */
     bool ranges_ready;       /* learned ranges initialised (init_ranges and calib_end, or a checkpoint) */
+    Rng round_rng;           /* spec.rounding stochastic: seed and stream; the counter comes from round_step */
+    int64_t round_step;      /* the training step the next forward belongs to (qat_layer_set_step) */
 } QatLayer;
 
 /* "none", "tqt", "lsq"; "unknown" outside the enum. */
@@ -85,6 +87,17 @@ QtStatus qat_layer_init_ranges(QatLayer *q, QtError *err);
 /* Installs the QAT forward as the module's forward_hook. */
 void qat_layer_install(QatLayer *q);
 
+/* Stochastic weight rounding (spec.rounding): every training forward
+ * (tape->training) of step s draws the noise of round_rng with its counter
+ * set to s * ceil(numel / 4), the blocks one draw takes, so each step has
+ * noise of its own that depends on nothing but (seed, stream, s): a resumed
+ * run, which restores the step, draws it again bit for bit without any
+ * generator state in the checkpoint. The trainer calls this before each
+ * step's forward. Every other forward (evaluation, calibration) draws
+ * counter 0, the draw qat_layer_convert quantizes with, so the converted
+ * layer evaluates exactly as the QAT layer does. */
+void qat_layer_set_step(QatLayer *q, int64_t step);
+
 /* The layer's forward with fake-quantized weight and input (see above). */
 Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x);
 
@@ -100,7 +113,8 @@ QtStatus qat_layer_calib_end(QatLayer *q, QtError *err);
 /* A frozen PTQ layer (out, installed by the caller) that evaluates exactly
  * as this QAT layer does in eval: the current weight quantized with the
  * learned range (codes clamp(round(w / s)), the scale stored in its type)
- * or, without one, by qlayer_init_quantize with the same options; and the
+ * or, without one, by qlayer_init_quantize_rng with the same options (and
+ * round_rng, stochastic rounding's evaluation draw); and the
  * input's static scale (learned, or the running statistics). A dynamic
  * input range has no PTQ equivalent: QT_ERR_CONFIG naming the module and
  * act_static_scale / learn_amax as the fix. */

@@ -72,6 +72,11 @@ static QtStatus check_tiling(const QLayerSpec *spec, const Module *m, size_t num
         return qt_error_set(err, QT_ERR_CONFIG, "%s: the weight's %zu elements are not a multiple of %s's block of "
                             "%d, which cannot change; quantize this module with another format", m->path, numel,
                             t->name, T);
+    if (T > 0 && numel % (size_t)T != 0 && t->kind == QTYPE_KIND_LUT && T == QARRAY_NF4_BLOCK)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: the weight's %zu elements are not a multiple of tile_size %d "
+                            "(%s's default block, bitsandbytes'); set tile_size to one that divides %zu (e.g. %zu), "
+                            "or tile_size: 0 for one scale per output channel", m->path, numel, T, t->name, numel,
+                            divisor_below(numel, (size_t)T));
     if (T > 0 && numel % (size_t)T != 0)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: the weight's %zu elements are not a multiple of tile_size %d; "
                             "choose a tile that divides %zu (e.g. %zu)", m->path, numel, T, numel,
@@ -116,7 +121,8 @@ QtStatus qlayer_layout(const QLayerSpec *spec, const Module *m, int *ndim, int s
     o.narrow_range = spec->narrow_range;
     o.scale_type = spec->scale_type;
     o.zp_type = QARRAY_ZP_INT32;
-    o.round = QROUND_RNE;
+    o.round = spec->rounding;
+    o.rng = NULL;
     o.double_quant = spec->double_quant;
     *options = o;
     return QT_OK;
@@ -180,6 +186,8 @@ QtStatus qlayer_spec_check(const QLayerSpec *spec, const Module *m, QtError *err
     snprintf(who, sizeof who, "%s: weight", m->path);
     QArrayPlan p;
     QtError inner = {0};
+    Rng any = qlayer_round_rng(0, 0); /* the plan wants a generator for stochastic rounding; none is drawn */
+    if (o.round == QROUND_STOCHASTIC) o.rng = &any;
     if (qarray_plan_make(&p, who, ndim, shape, spec->weight_qtype, &o, &inner) != QT_OK)
         return qt_error_set(err, QT_ERR_CONFIG, "%s", inner.msg);
     return check_act(spec, m, err);
@@ -232,7 +240,18 @@ static QtStatus layer_setup(QLayer *q, Module *m, const QLayerSpec *spec, int *n
     return QT_OK;
 }
 
+Rng qlayer_round_rng(uint64_t seed, int module) {
+    Rng r;
+    rng_init(&r, seed, RNG_STREAM_WEIGHT_ROUNDING + ((uint64_t)module << 40));
+    return r;
+}
+
 QtStatus qlayer_init_quantize(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, QtError *err) {
+    return qlayer_init_quantize_rng(q, m, spec, w, NULL, err);
+}
+
+QtStatus qlayer_init_quantize_rng(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, const Rng *rng,
+                                  QtError *err) {
     if (!q) return qt_error_set(err, QT_ERR_ARG, "qlayer_init_quantize: no QLayer");
     int ndim, shape[2];
     QtStatus st = layer_setup(q, m, spec, &ndim, shape, err);
@@ -240,7 +259,11 @@ QtStatus qlayer_init_quantize(QLayer *q, Module *m, const QLayerSpec *spec, cons
         st = qt_error_set(err, QT_ERR_ARG, "%s: no float weight to quantize (it was released?)", m->path);
     if (st == QT_OK) {
         QtError inner = {0};
-        st = qarray_quantize(&q->weight, w, ndim, shape, q->spec.weight_qtype, &q->options, &inner);
+        /* the generator lives for this call only: q->options keeps rng NULL */
+        Rng r = rng ? *rng : qlayer_round_rng(0, 0);
+        QArrayOptions o = q->options;
+        if (o.round == QROUND_STOCHASTIC) o.rng = &r;
+        st = qarray_quantize(&q->weight, w, ndim, shape, q->spec.weight_qtype, &o, &inner);
         if (st != QT_OK) qt_error_set(err, st, "%s: quantizing the weight: %s", m->path, inner.msg);
     }
     if (st != QT_OK) memset(q, 0, sizeof *q);
@@ -337,6 +360,7 @@ void qlayer_describe(const QLayer *q, char *buf, size_t cap) {
     if (!qtype_is_block(t) && s->scale_type != QARRAY_SCALE_F32)
         APPEND(" %s scales", qarray_scale_type_name(s->scale_type));
     if (s->double_quant) APPEND(" +dq");
+    if (s->rounding != QROUND_RNE) APPEND(" %s", qround_name(s->rounding));
     if (!qtype_is_block(t)) {
         calib_format(&s->weight_calib, calib, sizeof calib);
         APPEND(" %s", calib);

@@ -44,7 +44,8 @@
  * That is the fake-quantized float forward up to float rounding; the
  * kernels (AVX-512 VNNI or portable C) agree bit for bit. It needs a CPU
  * with AVX-512 VNNI, or qgemm_force_portable: the portable kernels are
- * slower than fake quantization + sgemm, so elsewhere the float path stays.
+ * slower than fake quantization + sgemm, so elsewhere the float path stays
+ * (qlayer_int8_kernel says which path runs; a run reports it).
  * A forward that needs a gradient always takes the float path, whose
  * backward needs the dequantized bands anyway, so training sees the same
  * numbers it always did. The weight is packed into the kernels' layout
@@ -77,6 +78,7 @@ typedef struct {
     bool narrow_range;          /* signed int: codes -qmax..qmax */
     QArrayScaleType scale_type; /* default float32 */
     bool double_quant;          /* compress the block scales (QLoRA) */
+    QRound rounding;            /* the weight's codes: default rne; stochastic draws from a generator of its own */
     const QType *act_qtype;     /* NULL: the input stays float */
     CalibSpec act_calib;        /* default absmax (minmax when !act_symmetric) */
     bool act_symmetric;         /* default true */
@@ -113,14 +115,26 @@ typedef struct {
 QtStatus qlayer_spec_check(const QLayerSpec *spec, const Module *m, QtError *err);
 
 /* The QArray shape and options for m's weight under spec (the layout
- * above). options->calib points into *spec, so spec must outlive it. */
+ * above). options->calib points into *spec, so spec must outlive it.
+ * options->round is spec->rounding; options->rng stays NULL: with
+ * stochastic rounding the caller points it at a generator before
+ * quantizing (qarray_alloc needs none). */
 QtStatus qlayer_layout(const QLayerSpec *spec, const Module *m, int *ndim, int shape[2], QArrayOptions *options,
                        QtError *err);
 
 /* Quantizes m's float weight (w: the weight's shape, usually
  * m->weight->var.value.data) into q. Does not release the float weight:
- * the caller does (param_release). On error q is left zeroed. */
+ * the caller does (param_release). On error q is left zeroed.
+ * Stochastic rounding (spec->rounding) draws from qlayer_round_rng(0, 0). */
 QtStatus qlayer_init_quantize(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, QtError *err);
+/* The same, stochastic rounding drawing from a copy of *rng (NULL: the
+ * default above), element i taking word i (qarray.h), so one generator
+ * state gives the same codes on every run. */
+QtStatus qlayer_init_quantize_rng(QLayer *q, Module *m, const QLayerSpec *spec, const float *w, const Rng *rng,
+                                  QtError *err);
+/* The generator of module number `module`'s weight rounding in a run of
+ * `seed`: stream RNG_STREAM_WEIGHT_ROUNDING + (module << 40), counter 0. */
+Rng qlayer_round_rng(uint64_t seed, int module);
 /* Allocates q's QArray for this layout with zeroed codes and scales, to
  * be filled from a checkpoint through qarray_blobs. */
 QtStatus qlayer_init_empty(QLayer *q, Module *m, const QLayerSpec *spec, QtError *err);
@@ -162,6 +176,17 @@ QtStatus qlayer_act_from_stats(QLayer *q, QtError *err);
 
 /* Tests and benchmarks set this to keep every forward on the float path. */
 extern bool qlayer_int8_disable;
+
+/* The path a supported layer's gradient-free forward takes now: "vnni"
+ * (AVX-512 VNNI kernels), "portable" (the C kernels, qgemm_force_portable),
+ * or "float-emulated" (fake quantization + sgemm: qlayer_int8_disable, or a
+ * CPU without VNNI). There is no AVX2 integer kernel. */
+const char *qlayer_int8_kernel(void);
+/* Applies a choice by name, for tests and for measuring: "vnni" (an error
+ * naming `what` on a CPU without it), "portable", "float", or "auto" / ""
+ * (the default: vnni where the CPU has it, else float-emulated).
+ * QT_ERR_CONFIG naming `what` and the names otherwise. */
+QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *err);
 
 /* Whether q's formats allow the int8 path (the calibrated range is not
  * checked: a layer is supported before its calibration). */

@@ -74,6 +74,31 @@ static const char *unsupported_why(const QLayer *q) {
     return NULL;
 }
 
+const char *qlayer_int8_kernel(void) {
+    if (qlayer_int8_disable) return "float-emulated";
+    if (qgemm_force_portable) return "portable";
+    return qgemm_cpu_has_vnni() ? "vnni" : "float-emulated";
+}
+
+QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *err) {
+    if (!name || !*name || strcmp(name, "auto") == 0) {
+        qlayer_int8_disable = false, qgemm_force_portable = false;
+    } else if (strcmp(name, "vnni") == 0) {
+        if (!qgemm_cpu_has_vnni())
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: vnni: this CPU (or OS) has no AVX-512 VNNI; choose "
+                                "portable, float or auto", what);
+        qlayer_int8_disable = false, qgemm_force_portable = false;
+    } else if (strcmp(name, "portable") == 0) {
+        qlayer_int8_disable = false, qgemm_force_portable = true;
+    } else if (strcmp(name, "float") == 0) {
+        qlayer_int8_disable = true, qgemm_force_portable = false;
+    } else {
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown int8 kernel '%s'; expected vnni, portable, float or auto",
+                            what, name);
+    }
+    return QT_OK;
+}
+
 bool qlayer_int8_supported(const QLayer *q) { return q && q->module && !unsupported_why(q); }
 
 bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var *bias) {

@@ -23,10 +23,12 @@
     X(quant_qarray) \
     X(quant_fake) \
     X(quant_qlayer) \
+    X(quant_defaults) \
     X(lora)       \
     X(config)     \
     X(checkpoint) \
     X(trainer)    \
+    X(commands)   \
     X(qlora)      \
     X(quant_qat)  \
     X(quant_qt)   \
@@ -36,6 +38,7 @@
     X(interrupt)  \
     X(diskfull)   \
     X(nonfinite)  \
+    X(fssafe)     \
     X(hostile)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);

@@ -158,6 +158,27 @@ static void test_bench_eval_only(void) {
     check_common(out, "evalonly");
     CU_ASSERT_FALSE(has_line(out, "bench:train"));
     CU_ASSERT_PTR_NOT_NULL(strstr(out, "first:eval"));
+    /* nf4 layers have no integer path */
+    CU_ASSERT_PTR_NOT_NULL(strstr(out, " int8_kernel:none\n"));
+    free(out);
+}
+
+/* A w8a8 base: the lines say which int8 path the evaluation took, here the forced portable kernels. */
+static void test_bench_int8_kernel(void) {
+    char args[1024], *out = NULL;
+    snprintf(args, sizeof args, "bench --config tests/configs/tiny-base.yaml --set run.out_dir=%s/w8a8 "
+             "--set quant.mode=ptq --set 'quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: uint8}]' "
+             "--set train.steps=0 --set train.epochs=0 --eval-batches 1", tmp_root);
+    CU_ASSERT_EQUAL(run_qtrain("QTRAIN_INT8_KERNEL=portable", args, &out), 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+    check_common(out, "w8a8");
+    const char *config = strstr(out, "bench:config "), *eval = strstr(out, "bench:eval ");
+    CU_ASSERT(config && eval);
+    if (config && eval) {
+        CU_ASSERT(strstr(config, " int8_kernel:portable\n") == strchr(config, '\n') - strlen(" int8_kernel:portable"));
+        CU_ASSERT(strstr(eval, " int8_kernel:portable\n") == strchr(eval, '\n') - strlen(" int8_kernel:portable"));
+    }
+    if (!config || !eval || !strstr(out, "int8_kernel:portable")) fprintf(stderr, "\n%s\n", out);
     free(out);
 }
 
@@ -193,5 +214,6 @@ int register_bench_cmd_suite(void) {
     return !CU_add_test(s, "bench: float run prints parsable figures, writes nothing", test_bench_float) ||
            !CU_add_test(s, "bench: QLoRA without init_from uses the fresh base", test_bench_qlora_fresh_base) ||
            !CU_add_test(s, "bench: train.epochs 0 benchmarks evaluation only", test_bench_eval_only) ||
+           !CU_add_test(s, "bench: the int8 path on its lines", test_bench_int8_kernel) ||
            !CU_add_test(s, "bench: usage errors exit 2 with a message", test_bench_usage_errors);
 }

@@ -166,6 +166,21 @@ static void test_percentile_uniform(void) {
     free(x);
 }
 
+static void test_mean_abs(void) {
+    /* {-3, 1, -0.5, 1.5}: |x| sums to 6, so t = 1.5, symmetric. */
+    const float x[] = {-3.0f, 1.0f, -0.5f, 1.5f};
+    CalibRange r = range_of("mean_abs", x, 4, NULL);
+    CU_ASSERT_EQUAL(r.hi, 1.5f);
+    CU_ASSERT_EQUAL(r.lo, -1.5f);
+    /* asymmetric quantizers get the same symmetric range */
+    CalibQuant qa = calib_quant_int(8, true);
+    CU_ASSERT_EQUAL(range_of("mean_abs", x, 4, &qa).hi, 1.5f);
+    /* 0.1 three times and 0.2: the sum in double, (float)(0.5 / 4) */
+    const float y[] = {0.1f, -0.1f, 0.1f, -0.2f};
+    double sum = (double)0.1f * 3 + (double)0.2f;
+    CU_ASSERT_EQUAL(range_of("mean_abs", y, 4, NULL).hi, (float)(sum / 4.0));
+}
+
 static void test_3sd(void) {
     /* {1, 2, 3, 4}: mean 2.5, population variance (2.25 + 0.25) * 2 / 4 = 1.25. */
     const float x[] = {1.0f, 2.0f, 3.0f, 4.0f};
@@ -502,6 +517,7 @@ static void test_parse_round_trip(void) {
         {"Entropy", "entropy"},
         {"3sd", "3sd"},
         {"kl_j", "kl_j"},
+        {" Mean_Abs ", "mean_abs"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         CalibSpec a, b;
@@ -522,6 +538,7 @@ static void test_parse_round_trip(void) {
     CU_ASSERT_EQUAL_FATAL(calib_parse(buf, &back, NULL), QT_OK);
     CU_ASSERT_EQUAL(back.s, 1.0 / 3.0);
     CU_ASSERT_STRING_EQUAL(calib_kind_name(CALIB_KL_J), "kl_j");
+    CU_ASSERT_STRING_EQUAL(calib_kind_name(CALIB_MEAN_ABS), "mean_abs");
     CU_ASSERT_STRING_EQUAL(calib_kind_name(CALIB_COUNT), "unknown");
 }
 
@@ -644,6 +661,7 @@ int register_quant_calib_suite(void) {
         {"percentile: selection vs sorting", test_percentile_vs_sort},
         {"percentile 99 of uniform samples", test_percentile_uniform},
         {"3sd: small array and normal samples", test_3sd},
+        {"mean_abs: mean |x| by hand", test_mean_abs},
         {"int quantizer round trips", test_quant_int},
         {"mse: uniform 8-bit near absmax", test_mse_uniform},
         {"mse: Gaussian 4-bit near the integrated optimum", test_mse_gauss_4bit},

@@ -15,6 +15,7 @@
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/h5io.h"
+#include "trainer/sha256.h"
 
 /* ---- fixtures ---------------------------------------------------------------------- */
 
@@ -665,6 +666,49 @@ static void test_h5io_roundtrip(void) {
 /* test_checkpoint_dir.c: failed saves and run directories. */
 extern int checkpoint_dir_tests_add(CU_pSuite s);
 
+/* ---- SHA-256: the FIPS 180-4 examples (one, two and "long" message blocks, and the empty message) ---- */
+
+static void sha256_of(const void *msg, size_t len, size_t chunk, char hex[SHA256_HEX_CHARS]) {
+    Sha256 s;
+    uint8_t d[SHA256_DIGEST_BYTES];
+    sha256_init(&s);
+    for (size_t off = 0; off < len; off += chunk)
+        sha256_update(&s, (const char *)msg + off, len - off < chunk ? len - off : chunk);
+    sha256_final(&s, d);
+    sha256_hex(d, hex);
+}
+
+static void test_sha256_fips_vectors(void) {
+    static const struct {
+        const char *msg, *digest;
+    } v[] = {
+        {"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"},
+        {"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
+        {"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+         "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"},
+        {"abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqrlmnopqrsmnopqrst"
+         "nopqrstu",
+         "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1"},
+    };
+    char hex[SHA256_HEX_CHARS];
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        size_t len = strlen(v[i].msg);
+        sha256_of(v[i].msg, len, len ? len : 1, hex); /* in one piece */
+        CU_ASSERT_STRING_EQUAL(hex, v[i].digest);
+        sha256_of(v[i].msg, len, 1, hex); /* byte by byte: the partial-block path */
+        CU_ASSERT_STRING_EQUAL(hex, v[i].digest);
+    }
+    size_t n = 1000000; /* one million 'a' */
+    char *a = malloc(n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(a);
+    memset(a, 'a', n);
+    sha256_of(a, n, n, hex);
+    CU_ASSERT_STRING_EQUAL(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+    sha256_of(a, n, 997, hex);
+    CU_ASSERT_STRING_EQUAL(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+    free(a);
+}
+
 int register_checkpoint_suite(void) {
     CU_pSuite s = CU_add_suite("checkpoint", NULL, NULL);
     if (!s) return -1;
@@ -678,5 +722,7 @@ int register_checkpoint_suite(void) {
            !CU_add_test(s, "load_params", test_load_params) ||
            !CU_add_test(s, "run totals: zero state saves, required to resume", test_run_totals) ||
            !CU_add_test(s, "inspect listing", test_inspect) ||
-           !CU_add_test(s, "h5io datasets and attributes", test_h5io_roundtrip) || checkpoint_dir_tests_add(s) != 0;
+           !CU_add_test(s, "h5io datasets and attributes", test_h5io_roundtrip) ||
+           !CU_add_test(s, "SHA-256: FIPS 180-4 test vectors", test_sha256_fips_vectors) ||
+           checkpoint_dir_tests_add(s) != 0;
 }

@@ -277,7 +277,7 @@ static void test_to_yaml_round_trip(void) {
     CU_ASSERT_EQUAL_FATAL(load(&c, FULL, NULL, 0, &e), QT_OK);
     check_round_trip(&c);
     /* Strings that need quoting, an sgd and a cosine schedule, odd floats. */
-    const char *odd = "run: {name: 'my run: #1 \"q\" \\\\', out_dir: 'a b/c'}\n"
+    const char *odd = "run: {name: odd, out_dir: 'my run: #1 \"q\" \\\\'}\n"
                       "data: {dir: 'yes', val_fraction: 0.3}\n"
                       "model:\n"
                       "  input: [16]\n"
@@ -290,14 +290,14 @@ static void test_to_yaml_round_trip(void) {
                       "  schedule: {name: cosine, warmup_steps: 5, min_lr: 1.17549435e-38}\n"
                       "  grad_clip: 3.40282347e38\n";
     CU_ASSERT_EQUAL_FATAL(load(&c, odd, NULL, 0, &e), QT_OK);
-    CU_ASSERT_STRING_EQUAL(c.run.name, "my run: #1 \"q\" \\\\");
+    CU_ASSERT_STRING_EQUAL(c.run.out_dir, "my run: #1 \"q\" \\\\");
     CU_ASSERT_STRING_EQUAL(c.model.layers[0].name, "123");
     check_round_trip(&c);
     /* The text itself: every section and key, defaults filled in, readable. */
     char *text = config_to_yaml(&c);
     CU_ASSERT_PTR_NOT_NULL_FATAL(text);
     const char *want[] = {
-        "run:\n  name: \"my run: #1 \\\"q\\\" \\\\\\\\\"\n",
+        "  out_dir: \"my run: #1 \\\"q\\\" \\\\\\\\\"\n",
         "  seed: 1\n",
         "  dir: \"yes\"\n",
         "  transform: []\n",
@@ -310,7 +310,8 @@ static void test_to_yaml_round_trip(void) {
         "    min_lr: 1.1754944e-38\n", /* the shortest text that reads back exactly */
         "  grad_clip: 3.4028235e+38\n",
         "  keep_last: 3\n",
-        "quant:\n  mode: none\n  calibration_batches: 16\n  rules: []\nlora:\n  rules: []\n  trainable: []\n",
+        "quant:\n  mode: none\n  calibration_batches: 16\n  rules: []\nlora:\n  rules: []\n  trainable: []\n"
+        "  strict_base: false\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         if (!strstr(text, want[i])) fprintf(stderr, "\n  missing %s in:\n%s", want[i], text);
@@ -380,6 +381,33 @@ static void test_range_errors(void) {
                "momentum > 0");
     EXPECT_ERR(MLP "run: {name: a/b}\n", NAME ":6:13:", "run.name", "'/'");
     EXPECT_ERR(MLP "run: {name: ''}\n", NAME ":6:13:", "run.name", "non-empty");
+}
+
+/* run.name names runs/<name> and a layer's name an HDF5 group: ".", ".." and whatever is not an identifier broke a
+ * run late (trained, then nothing saved, or files outside runs/); now the config is refused, naming key and line. */
+static void test_name_rules(void) {
+    EXPECT_ERR(MLP "run: {name: '..'}\n", NAME ":6:13:", "run.name", "not starting with '.'", "\"..\"");
+    EXPECT_ERR(MLP "run: {name: .}\n", NAME ":6:13:", "run.name", "\".\"");
+    EXPECT_ERR(MLP "run: {name: .hidden}\n", NAME ":6:13:", "run.name");
+    EXPECT_ERR(MLP "run: {name: -x}\n", NAME ":6:13:", "run.name", "'-'");
+    EXPECT_ERR(MLP "run: {name: 'my run'}\n", NAME ":6:13:", "run.name", "letters, digits");
+    EXPECT_SET_ERR(MLP, "run.name=..", "--set run.name=..", "run.name");
+    const char *dot_layer = "model:\n  input: [1, 4, 4]\n  layers:\n    - {type: flatten, name: .}\n"
+                            "    - {type: dense, units: 3}\n";
+    EXPECT_ERR(dot_layer, NAME ":4:29:", "model.layers[0].name", "\".\"");
+    const char *dash_layer = "model:\n  input: [1, 4, 4]\n  layers:\n    - {type: flatten}\n"
+                             "    - {type: dense, units: 3, name: '-fc'}\n";
+    EXPECT_ERR(dash_layer, NAME ":5:", "model.layers[1].name", "'-'");
+    EXPECT_ERR(MLP "run: {out_dir: \"runs/a\\nb\"}\n", NAME ":6:16:", "run.out_dir", "control character");
+    EXPECT_ERR(MLP "data: {dir: \"d\\tx\"}\n", NAME ":6:13:", "data.dir", "control character");
+    /* what stays allowed: dots and dashes inside, digits first */
+    Config c;
+    QtError e = {0};
+    const char *ok = "run: {name: v1.2_lr-3}\nmodel:\n  input: [1, 4, 4]\n  layers:\n    - {type: flatten}\n"
+                     "    - {type: dense, units: 3, name: 1fc.out-x}\n";
+    QtStatus st = load(&c, ok, NULL, 0, &e);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", e.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
 }
 
 static void test_unknown_keys(void) {
@@ -477,11 +505,18 @@ static void test_schedule_errors(void) {
     EXPECT_ERR(MLP "train:\n  schedule: {name: step}\n", NAME ":7:13:", "train.schedule.step_size", "missing");
     EXPECT_ERR(MLP "train:\n  schedule: {name: step, step_size: 0}\n", "train.schedule.step_size", ">= 1");
     EXPECT_ERR(MLP "train:\n  schedule: {name: step, step_size: 5, gamma: 0}\n", "train.schedule.gamma", "> 0");
-    EXPECT_ERR(MLP "train:\n  steps: 10\n  schedule: {name: cosine, warmup_steps: 10}\n", NAME ":8:42:",
-               "train.schedule.warmup_steps", "fewer than train.steps = 10");
     EXPECT_ERR(MLP "train:\n  optimizer: {lr: 0.01}\n  schedule: {name: cosine, min_lr: 0.1}\n", NAME ":8:36:",
                "train.schedule.min_lr", "at most train.optimizer.lr");
     EXPECT_ERR(MLP "train:\n  schedule: {warmup_steps: -1}\n", "train.schedule.warmup_steps", ">= 0");
+}
+
+/* A warmup as long as or longer than train.steps loads as written: the run clamps it (and says so). */
+static void test_long_warmup_loads(void) {
+    Config c;
+    QtError e = {0};
+    CU_ASSERT_EQUAL(load(&c, MLP "train:\n  steps: 10\n  schedule: {name: cosine, warmup_steps: 100}\n", NULL, 0, &e),
+                    QT_OK);
+    CU_ASSERT_EQUAL(c.train.schedule.warmup_steps, 100);
 }
 
 static void test_later_modes(void) {
@@ -501,12 +536,12 @@ static void test_overrides(void) {
     Config c;
     QtError e;
     const char *ov1[] = {"train.batch_size=16", "model.layers.1.units=7", "train.optimizer.betas=[0.5, 0.6]",
-                         "run.name=a=b", "data.transform=[invert, {limit: 9}]", "train.batch_size=24"};
+                         "run.out_dir=a=b", "data.transform=[invert, {limit: 9}]", "train.batch_size=24"};
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP "train:\n  batch_size: 8\n", ov1, 6, &e), QT_OK);
     CU_ASSERT_EQUAL(c.train.batch_size, 24); /* in order: the last one wins */
     CU_ASSERT_EQUAL(c.model.layers[1].units, 7);
     CU_ASSERT(c.train.optim.beta1 == 0.5f && c.train.optim.beta2 == 0.6f);
-    CU_ASSERT_STRING_EQUAL(c.run.name, "a=b");
+    CU_ASSERT_STRING_EQUAL(c.run.out_dir, "a=b");
     CU_ASSERT(c.data.n_transforms == 2 && c.data.transforms[1].limit == 9);
     /* New keys and whole sections are created on the way. */
     const char *ov2[] = {"train.optimizer.name=sgd", "train.optimizer.momentum=0.9", "train.schedule.name=cosine",
@@ -514,6 +549,12 @@ static void test_overrides(void) {
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP, ov2, 5, &e), QT_OK);
     CU_ASSERT(c.train.optim.kind == OPTIM_SGD && c.train.optim.momentum == 0.9f);
     CU_ASSERT(c.train.schedule.kind == SCHED_COSINE && c.train.steps == 100 && c.model.input_shape[0] == 16);
+    /* Index == length appends an item: a whole value, or a new mapping item built key by key. */
+    const char *ov4[] = {"data.transform.0=invert", "data.transform.1={limit: 9}", "model.layers.2.type=relu",
+                         "model.layers.3.name=out", "model.layers.3.type=dense", "model.layers.3.units=10"};
+    CU_ASSERT_EQUAL_FATAL(load(&c, MLP "data:\n  transform: []\n", ov4, 6, &e), QT_OK);
+    CU_ASSERT(c.data.n_transforms == 2 && c.data.transforms[1].limit == 9);
+    CU_ASSERT(c.model.n_layers == 4 && c.model.layers[3].units == 10);
     /* An empty value is null: the default again. */
     const char *ov3[] = {"train.batch_size="};
     CU_ASSERT_EQUAL_FATAL(load(&c, MLP "train:\n  batch_size: 8\n", ov3, 1, &e), QT_OK);
@@ -524,7 +565,7 @@ static void test_overrides(void) {
     EXPECT_SET_ERR(MLP, "train.batchsize=3", "--set train.batchsize=3: train: unknown key 'batchsize'",
                    "did you mean 'batch_size'");
     EXPECT_SET_ERR(MLP, "model.layers.5.units=1", "--set model.layers.5.units=1", "model.layers[5]", "out of range",
-                   "2 items");
+                   "2 items", "index 2 adds one");
     EXPECT_SET_ERR(MLP, "model.layers.1.units.deep=1", "--set model.layers.1.units.deep=1",
                    "model.layers[1].units is a single value");
     EXPECT_SET_ERR(MLP, "model.layers.first.units=1", "model.layers is a sequence", "'first'");
@@ -599,11 +640,13 @@ int register_config_suite(void) {
            !CU_add_test(s, "type errors", test_type_errors) ||
            !CU_add_test(s, "range errors", test_range_errors) ||
            !CU_add_test(s, "unknown keys, did you mean", test_unknown_keys) ||
+           !CU_add_test(s, "run.name '..' and a layer named '.' are refused", test_name_rules) ||
            !CU_add_test(s, "unknown names list the valid ones", test_enum_errors) ||
            !CU_add_test(s, "layer errors", test_layer_errors) ||
            !CU_add_test(s, "shapes that do not chain", test_shape_errors) ||
            !CU_add_test(s, "transform errors", test_transform_errors) ||
            !CU_add_test(s, "schedule errors", test_schedule_errors) ||
+           !CU_add_test(s, "a warmup longer than train.steps loads (the run clamps it)", test_long_warmup_loads) ||
            !CU_add_test(s, "quant and lora sections", test_later_modes) ||
            !CU_add_test(s, "--set overrides", test_overrides) ||
            !CU_add_test(s, "files: names, I/O errors", test_files) ||

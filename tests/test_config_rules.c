@@ -47,7 +47,7 @@ static const char *const RULES =
     "      double_quant: false\n"
     "      act_qtype: int8\n"
     "      act_symmetric: false\n"
-    "    - {module_path: \".*\", weight_qtype: int8}\n" /* 28 */
+    "    - {module_path: \".*\", weight_qtype: int8, rounding: half-away, allow_clip: yes}\n" /* 28 */
     "    - module_path: fc1\n"                   /* 29 */
     "      op_types: [dense, conv2d]\n"
     "      weight_qtype: none\n"
@@ -123,6 +123,8 @@ static void test_rules_values(void) {
     CU_ASSERT(s->tile_size == 0 && !s->per_tensor && s->symmetric && !s->narrow_range && !s->double_quant);
     CU_ASSERT(calib_is(&s->weight_calib, CALIB_ABSMAX, 1.0, 0.0) && s->scale_type == QARRAY_SCALE_F32);
     CU_ASSERT(s->act_qtype == NULL && s->act_symmetric && calib_is(&s->act_calib, CALIB_ABSMAX, 1.0, 0.0));
+    CU_ASSERT(s->rounding == QROUND_HALF_AWAY && r[2].allow_clip);
+    CU_ASSERT(r[1].spec.rounding == QROUND_RNE && !r[1].allow_clip);
 
     s = &r[3].spec;
     CU_ASSERT_EQUAL(r[3].match.op_types, (1u << LAYER_DENSE) | (1u << LAYER_CONV2D));
@@ -236,6 +238,63 @@ static void test_quant_errors(void) {
                "true or false");
 }
 
+/* Resolved defaults that follow the format, and the keys that guard them. */
+static void test_quant_format_defaults(void) {
+    Config c;
+    /* unsigned formats: asymmetric (minmax) unless told otherwise; a symmetric uint clips negatives to 0 */
+    CU_ASSERT_EQUAL_FATAL(load(&c, PTQ "    - {module_path: fc1, weight_qtype: uint8, act_qtype: uint8}\n"
+                                   "    - {module_path: head, weight_qtype: uint4, symmetric: true, allow_clip: on}\n",
+                               NULL, 0), QT_OK);
+    const QLayerSpec *s = &c.quant.rules[0].spec;
+    CU_ASSERT(!s->symmetric && calib_is(&s->weight_calib, CALIB_MINMAX, 1.0, 0.0));
+    CU_ASSERT(!s->act_symmetric && calib_is(&s->act_calib, CALIB_MINMAX, 1.0, 0.0));
+    CU_ASSERT(c.quant.rules[1].allow_clip && c.quant.rules[1].spec.symmetric);
+    CU_ASSERT(calib_is(&c.quant.rules[1].spec.weight_calib, CALIB_ABSMAX, 1.0, 0.0));
+    EXPECT_ERR(PTQ "    - {module_path: fc1, weight_qtype: uint8, symmetric: true}\n", NAME ":13:58:",
+               "quant.rules[0].symmetric", "uint8", "clips to 0", "allow_clip: true");
+    EXPECT_ERR(PTQ "    - {module_path: fc1, weight_qtype: int8, act_qtype: uint8, act_symmetric: true}\n",
+               "quant.rules[0].act_symmetric", "uint8", "allow_clip: true");
+    EXPECT_ERR(PTQ "    - {module_path: fc1, weight_qtype: int8, allow_clip: 2}\n", "quant.rules[0].allow_clip",
+               "true or false");
+    /* ternary and binary: mean |x| (BitNet b1.58's absmean, XNOR-Net); an explicit method stays */
+    CU_ASSERT_EQUAL_FATAL(load(&c, PTQ "    - {module_path: fc1, weight_qtype: ternary}\n"
+                                   "    - {module_path: head, weight_qtype: binary}\n"
+                                   "    - {module_path: conv1, weight_qtype: ternary, weight_calibration: absmax}\n",
+                               NULL, 0), QT_OK);
+    CU_ASSERT(calib_is(&c.quant.rules[0].spec.weight_calib, CALIB_MEAN_ABS, 1.0, 0.0));
+    CU_ASSERT(calib_is(&c.quant.rules[1].spec.weight_calib, CALIB_MEAN_ABS, 1.0, 0.0));
+    CU_ASSERT(calib_is(&c.quant.rules[2].spec.weight_calib, CALIB_ABSMAX, 1.0, 0.0));
+    /* entropy is for activations only */
+    EXPECT_ERR(PTQ "    - {module_path: fc1, weight_qtype: int8, weight_calibration: entropy}\n",
+               "quant.rules[0].weight_calibration", "activations", "absmax", "mse", "kl_j", "mean_abs");
+    CU_ASSERT_EQUAL(load(&c, PTQ "    - {module_path: fc1, weight_qtype: int8, act_qtype: int8, "
+                             "act_calibration: entropy, weight_calibration: kl_j}\n", NULL, 0), QT_OK);
+    /* nf4: blocks of 64 unless tile_size (0: per channel) or per_tensor says otherwise */
+    CU_ASSERT_EQUAL_FATAL(load(&c, PTQ "    - {module_path: fc1, weight_qtype: nf4}\n"
+                                   "    - {module_path: head, weight_qtype: nf4, tile_size: 0}\n"
+                                   "    - {module_path: conv1, weight_qtype: nf4, per_tensor: true}\n"
+                                   "    - {module_path: x, weight_qtype: int4}\n",
+                               NULL, 0), QT_OK);
+    CU_ASSERT_EQUAL(c.quant.rules[0].spec.tile_size, 64);
+    CU_ASSERT_EQUAL(c.quant.rules[1].spec.tile_size, 0);
+    CU_ASSERT(c.quant.rules[2].spec.tile_size == 0 && c.quant.rules[2].spec.per_tensor);
+    CU_ASSERT_EQUAL(c.quant.rules[3].spec.tile_size, 0);
+    /* rounding: every mode by name; not in qt; not with a learned range */
+    const char *names[] = {"rne", "half_away", "floor", "stochastic"};
+    for (int k = 0; k < 4; k++) {
+        char text[1024];
+        snprintf(text, sizeof text, PTQ "    - {module_path: fc1, weight_qtype: int8, rounding: %s}\n", names[k]);
+        CU_ASSERT_EQUAL_FATAL(load(&c, text, NULL, 0), QT_OK);
+        CU_ASSERT_EQUAL(c.quant.rules[0].spec.rounding, (QRound)k);
+    }
+    EXPECT_ERR(PTQ "    - {module_path: fc1, weight_qtype: int8, rounding: up}\n", "quant.rules[0].rounding", "'up'",
+               "rne, half_away, floor, stochastic");
+    EXPECT_ERR(MODEL "quant:\n  mode: qt\n  rules:\n    - {module_path: fc1, weight_qtype: int8, rounding: floor}\n",
+               "quant.rules[0].rounding", "ptq and qat");
+    EXPECT_ERR(MODEL "quant:\n  mode: qat\n  rules:\n    - {module_path: fc1, weight_qtype: int8, learn_amax: lsq, "
+                     "rounding: stochastic}\n", "quant.rules[0].rounding", "learn_amax lsq");
+}
+
 static void test_lora_errors(void) {
     EXPECT_ERR(LORA "    - module_path: fc1\n      rank: 0\n", NAME ":13:13:", "lora.rules[0].rank", ">= 1", "\"0\"");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: -3}\n", NAME ":12:32:", "lora.rules[0].rank", ">= 1");
@@ -322,7 +381,9 @@ static void test_rules_round_trip(void) {
         "    - module_path: \"conv.*\"\n      op_types: [conv2d]\n      skip: false\n      weight_qtype: int4\n"
         "      tile_size: 9\n      per_tensor: false\n      weight_calibration: \"percentile,99.9\"\n"
         "      symmetric: false\n      narrow_range: false\n      scale_type: bfloat16\n      double_quant: false\n"
+        "      rounding: rne\n      allow_clip: false\n"
         "      act_qtype: int8\n      act_calibration: minmax\n      act_symmetric: false\n",
+        "      rounding: half_away\n      allow_clip: true\n",
         "    - module_path: fc1\n      op_types: [dense, conv2d]\n      skip: false\n      weight_qtype: none\n",
         "      act_qtype: fp8_e4m3\n      act_calibration: mse\n",
         "lora:\n  rules:\n    - module_path: conv1\n      op_types: []\n      skip: true\n"
@@ -357,6 +418,8 @@ static void test_rules_resume(void) {
     EXPECT_FIXED("quant.calibration_batches=8", "quant.calibration_batches");
     EXPECT_FIXED("quant.rules.1.tile_size=0", "quant.rules[1]");
     EXPECT_FIXED("quant.rules.1.act_calibration=absmax", "quant.rules[1]");
+    EXPECT_FIXED("quant.rules.1.rounding=stochastic", "quant.rules[1]");
+    EXPECT_FIXED("quant.rules.1.allow_clip=true", "quant.rules[1]");
     EXPECT_FIXED("quant.rules.3.op_types=[dense]", "quant.rules[3]");
     EXPECT_FIXED("quant.rules.0.module_path=fc1", "quant.rules[0]");
     EXPECT_FIXED("quant.rules=[{module_path: head, skip: true}]", "quant.rules[1]"); /* rules removed */
@@ -424,6 +487,7 @@ void config_rules_tests_add(CU_pSuite s) {
     CU_add_test(s, "quant and lora: defaults, empty sections", test_rules_defaults);
     CU_add_test(s, "rules: a bad regex names rule, pattern, regerror", test_rules_regex_error);
     CU_add_test(s, "quant: errors with their place", test_quant_errors);
+    CU_add_test(s, "quant: defaults that follow the format", test_quant_format_defaults);
     CU_add_test(s, "lora: errors with their place", test_lora_errors);
     CU_add_test(s, "rules: to_yaml round trip", test_rules_round_trip);
     CU_add_test(s, "rules: diff for resume", test_rules_resume);

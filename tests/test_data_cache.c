@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -159,6 +160,41 @@ static void test_cache_write_then_hit(void) {
 static void set_mtime(const char *path, time_t sec, long nsec) {
     struct timespec ts[2] = {{sec, nsec}, {sec, nsec}};
     CU_ASSERT_EQUAL(utimensat(AT_FDCWD, path, ts, 0), 0);
+}
+
+/* A temp file of a killed writer stayed forever. Now a write removes those of its own file whose writer is dead and
+ * that are old enough (pid namespaces sharing the directory show live writers as dead): a fresh one, one of a live
+ * pid and one of another file stay. */
+static void test_cache_stale_tmps_removed(void) {
+    Tmp t;
+    tmp_open(&t);
+    const char *dir = tmp_path(&t, "cache"), *src = tmp_path(&t, "a.gz");
+    write_gz_idx(src, 100, 1);
+    IdxCache c;
+    IdxArray a;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(read_through(dir, src, &c, &a, &err), QT_OK);
+    idx_free(&a);
+    char *name = only_cache_file(dir), planted[4][1200];
+    snprintf(planted[0], sizeof planted[0], "%s.tmp.999999999.123456789", name); /* dead, old: removed */
+    snprintf(planted[1], sizeof planted[1], "%s.tmp.999999999.1", name);         /* dead, fresh: kept */
+    snprintf(planted[2], sizeof planted[2], "%s.tmp.%ld.2", name, (long)getppid()); /* alive, old: kept */
+    snprintf(planted[3], sizeof planted[3], "%s/other.idx.tmp.999999999.3", dir);  /* not this file's: kept */
+    for (int i = 0; i < 4; i++) {
+        int fd = open(planted[i], O_WRONLY | O_CREAT | O_EXCL, 0600);
+        CU_ASSERT_FATAL(fd >= 0);
+        close(fd);
+        if (i != 1) set_mtime(planted[i], time(NULL) - 3600, 0);
+    }
+    CU_ASSERT_EQUAL(unlink(name), 0); /* so the next read writes the copy again */
+    CU_ASSERT_EQUAL_FATAL(read_through(dir, src, &c, &a, &err), QT_OK);
+    CU_ASSERT_EQUAL(c.writes, 1);
+    idx_free(&a);
+    CU_ASSERT_NOT_EQUAL(access(planted[0], F_OK), 0);
+    for (int i = 1; i < 4; i++) CU_ASSERT_EQUAL(access(planted[i], F_OK), 0);
+    for (int i = 1; i < 4; i++) unlink(planted[i]);
+    free(name);
+    tmp_close(&t);
 }
 
 static void test_cache_changed_source(void) {
@@ -518,6 +554,7 @@ int register_data_cache_suite(void) {
     if (!s) return -1;
     int failed = !CU_add_test(s, "first load writes, second reads: same data", test_cache_write_then_hit) ||
            !CU_add_test(s, "a changed source is inflated again", test_cache_changed_source) ||
+           !CU_add_test(s, "stale IDX cache temp files are removed", test_cache_stale_tmps_removed) ||
            !CU_add_test(s, "damaged copies are reported and rebuilt", test_cache_damaged_rebuilt) ||
            !CU_add_test(s, "unwritable directory: one warning, data loads", test_cache_unwritable) ||
            !CU_add_test(s, "none, plain files, source errors", test_cache_off_and_plain) ||

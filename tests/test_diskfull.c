@@ -65,7 +65,7 @@ typedef struct {
     char ref[PATH_CAP];    /* the uninterrupted run's out_dir (a normal directory) */
     char mnt[PATH_CAP];    /* the tmpfs mount point */
     char out[PATH_CAP];    /* the run on the tmpfs */
-    char eval[PATH_CAP];   /* out_dir of the `qtrain eval` runs, off the tmpfs */
+    char eval[PATH_CAP];   /* <eval>.json: the `qtrain eval` runs' --out, off the tmpfs */
     char log[PATH_CAP];    /* the output of every qtrain run */
 } Places;
 
@@ -163,9 +163,9 @@ static void expect_run_ok(Report *r, const Places *p, const char *what, const ch
 
 static void expect_loads(Report *r, const Places *p, const char *path) {
     char set[PATH_CAP + 32], what[PATH_CAP + 32];
-    snprintf(set, sizeof set, "run.out_dir=%s", p->eval);
+    snprintf(set, sizeof set, "%s.json", p->eval); /* off the tmpfs: eval.json beside the checkpoint would not fit */
     snprintf(what, sizeof what, "qtrain eval %s", path);
-    const char *args[] = {"eval", "--checkpoint", path, "--set", set, "--quiet", NULL};
+    const char *args[] = {"eval", "--checkpoint", path, "--out", set, "--quiet", NULL};
     expect_run_ok(r, p, what, args);
 }
 
@@ -484,8 +484,8 @@ static void places_init(Places *p, const char *root) {
 /* The uninterrupted run on a normal directory, keeping every checkpoint,
  * then the scenario on a tmpfs sized from its files: what the run holds
  * when the failing write starts (checkpoints, adapters.h5, a page of
- * metrics.csv) plus half of the file that write makes, so the failure comes
- * mid-file; for metrics.csv, which is appended to, nothing more. */
+ * metrics.csv, a page of .lock) plus half of the file that write makes, so
+ * the failure comes mid-file; for metrics.csv, appended to, nothing more. */
 static void check_disk_full(const Scenario *sc) {
     char *root = test_tmpdir_new();
     Places p;
@@ -502,7 +502,7 @@ static void check_disk_full(const Scenario *sc) {
     size_t ckpt = (file_size(p.ref, sc->first_ckpt) + page - 1) / page;
     size_t adapters = sc->lora ? (file_size(p.ref, "adapters.h5") + page - 1) / page : 0;
     CU_ASSERT_FATAL(ckpt > 0 && (adapters > 0 || !sc->lora));
-    size_t held = ckpt + adapters + 1, half = 0;
+    size_t held = ckpt + adapters + 1 + 1 /* .lock */, half = 0;
     if (sc->full_at == FULL_AT_CKPT) half = ckpt / 2;
     if (sc->full_at == FULL_AT_ADAPTERS) held += ckpt, half = adapters / 2;
     size_t disk = (held + half) * page;
@@ -518,8 +518,8 @@ static void test_full_disk_at_checkpoint(void) {
                    .keep_last = 1,
                    .first_ckpt = "ckpt-00000010.h5",
                    .message = "qtrain: error: cannot save checkpoint %s/ckpt-00000020.h5: ",
-                   .after_failure = "ckpt-00000010.h5 last.h5 metrics.csv",
-                   .after_resume = "ckpt-00000020.h5 final.h5 last.h5 metrics.csv summary.json"};
+                   .after_failure = ".lock ckpt-00000010.h5 last.h5 metrics.csv",
+                   .after_resume = ".lock ckpt-00000020.h5 final.h5 last.h5 metrics.csv summary.json"};
     check_disk_full(&sc);
 }
 
@@ -532,8 +532,8 @@ static void test_full_disk_at_lora_adapters(void) {
                    .lora = true,
                    .first_ckpt = "ckpt-00000010.h5",
                    .message = "qtrain: error: cannot save checkpoint %s/adapters.h5: ",
-                   .after_failure = "adapters.h5 ckpt-00000010.h5 ckpt-00000020.h5 last.h5 metrics.csv",
-                   .after_resume = "adapters.h5 ckpt-00000010.h5 ckpt-00000020.h5 final.h5 last.h5 metrics.csv "
+                   .after_failure = ".lock adapters.h5 ckpt-00000010.h5 ckpt-00000020.h5 last.h5 metrics.csv",
+                   .after_resume = ".lock adapters.h5 ckpt-00000010.h5 ckpt-00000020.h5 final.h5 last.h5 metrics.csv "
                                    "summary.json"};
     check_disk_full(&sc);
 }
@@ -548,8 +548,8 @@ static void test_full_disk_at_metrics(void) {
                    .keep_last = 1,
                    .first_ckpt = "ckpt-00000050.h5",
                    .message = "qtrain: error: cannot append to %s/metrics.csv: ",
-                   .after_failure = "ckpt-00000050.h5 last.h5 metrics.csv",
-                   .after_resume = "ckpt-00000100.h5 final.h5 last.h5 metrics.csv summary.json"};
+                   .after_failure = ".lock ckpt-00000050.h5 last.h5 metrics.csv",
+                   .after_resume = ".lock ckpt-00000100.h5 final.h5 last.h5 metrics.csv summary.json"};
     check_disk_full(&sc);
 }
 

@@ -411,8 +411,15 @@ static void expect_bad_schedule(const LrSchedule *s, const char *field) {
 }
 
 static void test_bad_schedule(void) {
-    LrSchedule s = {.kind = SCHED_COSINE, .base_lr = 0.1f, .warmup_steps = 10, .total_steps = 10};
+    LrSchedule s = {.kind = SCHED_COSINE, .base_lr = 0.1f, .warmup_steps = 10, .total_steps = 9};
     expect_bad_schedule(&s, "total_steps");
+    /* a run that is all warmup (the trainer clamps a longer warmup to the run): the lr reaches base_lr at the
+       last step */
+    s.total_steps = 10;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(lr_schedule_validate(&s, &err), QT_OK);
+    CU_ASSERT_EQUAL(lr_schedule_at(&s, 9), 0.1f);
+    CU_ASSERT_EQUAL(lr_schedule_at(&s, 4), (float)(0.1 * 5 / 10));
     s.total_steps = 20;
     s.min_lr = 0.5f;
     expect_bad_schedule(&s, "min_lr");

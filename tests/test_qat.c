@@ -284,6 +284,14 @@ static void test_check_errors(void) {
         CU_ASSERT_STRING_EQUAL(err.msg, err2.msg);
         qat_layer_free(&q);
     }
+    /* a learned range rounds to nearest only */
+    QatSpec lq = qt_qspec(QAT_LEARN_LSQ, false);
+    QLayerSpec ls = qt_wspec("int8", 0, QARRAY_SCALE_F32);
+    ls.rounding = QROUND_STOCHASTIC;
+    QtError lerr = {0};
+    CU_ASSERT_EQUAL(qat_layer_check(&ls, &lq, mod, &lerr), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&lerr, "fc1: learn_amax: lsq") && test_msg_has(&lerr, "rounding rne") &&
+              test_msg_has(&lerr, "stochastic"));
     /* valid ones */
     const QatErr ok[] = {
         {"tqt", "int8", 0, false, false, false, QARRAY_SCALE_POF2, "int8", false, QAT_LEARN_TQT, false, false, {0}},

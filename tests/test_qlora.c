@@ -7,15 +7,20 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <hdf5.h>
+
 #include "lora/lora.h"
 #include "quant/qarray_io.h"
 #include "quant/qlayer.h"
 #include "test_lora.h"
+#include "test_proc.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
 #include "trainer/config.h"
+#include "trainer/h5io.h"
 #include "trainer/net.h"
+#include "trainer/sha256.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"
 
@@ -115,6 +120,44 @@ static void test_rules_first_full_match(void) {
     fclose(f);
     net_free(&n);
     free(c);
+}
+
+/* A rule that matches only modules earlier rules (or lora.trainable) took is
+ * named with them, not sent to "check the regex". */
+static void test_rules_shadowed_warning(void) {
+    const char *ov[] = {"quant.rules.1.module_path=fc1|head", "lora.rules=[{module_path: \"conv1|fc1\", rank: 2}, "
+                        "{module_path: \"fc.*\", rank: 2}, {module_path: nothing, rank: 2}]"};
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "rules-shadow", ov, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    Net n;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_SHELL, &err), QT_OK);
+    FILE *f = tmpfile();
+    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 2);
+    rewind(f);
+    char line[1024] = "";
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "lora.rules[1]") && strstr(line, "matches fc1") && strstr(line, "lora.rules[0] took them"));
+    CU_ASSERT_PTR_NULL(strstr(line, "check the regex"));
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "lora.rules[2]") && strstr(line, "check the regex"));
+    fclose(f);
+    net_free(&n);
+    /* a rule whose only module is lora.trainable names that */
+    const char *ov2[] = {"quant.rules=[{module_path: conv1, weight_qtype: int8}, {module_path: fc1, weight_qtype: "
+                         "int8}, {module_path: head, weight_qtype: int8}]"};
+    Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "rules-shadow2", ov2, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c2, NET_SHELL, &err), QT_OK);
+    f = tmpfile();
+    CU_ASSERT_EQUAL(net_print_unused_rules(&n, f), 1);
+    rewind(f);
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, f));
+    CU_ASSERT(strstr(line, "quant.rules[2]") && strstr(line, "matches head") && strstr(line, "lora.trainable took"));
+    fclose(f);
+    net_free(&n);
+    free(c);
+    free(c2);
 }
 
 /* ---- adapter gradients over a quantized base ------------------------------------ */
@@ -253,6 +296,175 @@ static void test_qlora_resume_is_exact(void) {
     free(f);
 }
 
+/* ---- where a file comes from -------------------------------------------------- */
+
+typedef struct {
+    char names[64][192];
+    int n;
+} NameList;
+
+static herr_t collect_dataset(hid_t g, const char *name, const H5L_info_t *info, void *data) {
+    (void)info;
+    NameList *l = data;
+    H5O_info_t oi;
+    if (H5Oget_info_by_name(g, name, &oi, H5P_DEFAULT) < 0 || oi.type != H5O_TYPE_DATASET || l->n == 64) return 0;
+    char mod[64], t[64], extra[64];
+    /* params/<module>/<tensor> of a frozen module (head is lora.trainable), quant/<module>/weight/<blob> */
+    if ((sscanf(name, "params/%63[^/]/%63[^/]%63s", mod, t, extra) == 2 && strcmp(mod, "head") != 0) ||
+        sscanf(name, "quant/%63[^/]/weight/%63[^/]%63s", mod, t, extra) == 2)
+        snprintf(l->names[l->n++], sizeof l->names[0], "%s", name);
+    return 0;
+}
+
+static int cmp_names(const void *a, const void *b) { return strcmp(a, b); }
+
+/* checkpoint.h's definition of the base hash, recomputed from the file with the HDF5 API alone. */
+static void base_sha256_from_file(const char *path, char hex[SHA256_HEX_CHARS]) {
+    hex[0] = '\0';
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    CU_ASSERT_FATAL(f >= 0);
+    NameList *l = calloc(1, sizeof *l);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(l);
+    H5Lvisit(f, H5_INDEX_NAME, H5_ITER_INC, collect_dataset, l);
+    qsort(l->names, (size_t)l->n, sizeof l->names[0], cmp_names);
+    Sha256 s;
+    sha256_init(&s);
+    for (int i = 0; i < l->n; i++) {
+        hid_t d = H5Dopen2(f, l->names[i], H5P_DEFAULT), ty = H5Dget_type(d), sp = H5Dget_space(d);
+        size_t size = H5Tget_size(ty);
+        bool fl = H5Tget_class(ty) == H5T_FLOAT, sg = !fl && H5Tget_sign(ty) == H5T_SGN_2;
+        const char *dtype = fl ? "float32" : sg ? "int32" : size == 1 ? "uint8" : "uint16";
+        hid_t mem = fl ? H5T_NATIVE_FLOAT : sg ? H5T_NATIVE_INT32 : size == 1 ? H5T_NATIVE_UINT8 : H5T_NATIVE_UINT16;
+        hsize_t dims[8];
+        int nd = H5Sget_simple_extent_dims(sp, dims, NULL);
+        char shape[64] = "";
+        size_t len = 0, numel = 1;
+        for (int k = 0; k < nd; k++) {
+            len += (size_t)snprintf(shape + len, sizeof shape - len, "%s%llu", k ? "," : "",
+                                    (unsigned long long)dims[k]);
+            numel *= (size_t)dims[k];
+        }
+        uint64_t bytes = numel * size;
+        uint8_t *buf = malloc(bytes ? bytes : 1), le[8];
+        CU_ASSERT(H5Dread(d, mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf) >= 0);
+        for (int k = 0; k < 8; k++) le[k] = (uint8_t)(bytes >> (8 * k));
+        sha256_update(&s, l->names[i], strlen(l->names[i]) + 1);
+        sha256_update(&s, dtype, strlen(dtype) + 1);
+        sha256_update(&s, shape, strlen(shape) + 1);
+        sha256_update(&s, le, 8);
+        sha256_update(&s, buf, bytes);
+        free(buf);
+        H5Sclose(sp), H5Tclose(ty), H5Dclose(d);
+    }
+    uint8_t dg[SHA256_DIGEST_BYTES];
+    sha256_final(&s, dg);
+    sha256_hex(dg, hex);
+    /* conv1/bias, fc1/bias; conv1's qvalue, scale; fc1's qvalue, scale, scale_absmax (double quantization) */
+    CU_ASSERT(l->n == 7);
+    free(l);
+    H5Fclose(f);
+}
+
+static void test_base_identity(void) {
+    /* adapters.h5 of q1 (24 steps of 16 per epoch, trained by the qlora run test) */
+    CheckpointProvenance *p = malloc(sizeof *p), *q = malloc(sizeof *q);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(p);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(q);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(path_in("q1", "adapters.h5"), p, &err), QT_OK);
+    CU_ASSERT_EQUAL(p->step, 24);
+    CU_ASSERT_EQUAL(p->epoch, 1);
+    CU_ASSERT_EQUAL(strlen(p->base_sha256), 64);
+    CU_ASSERT_STRING_EQUAL(p->base_init_from, base_ckpt);
+    /* every checkpoint of the run, and a run resumed on the same base, record the same identity */
+    const char *same[][2] = {{"q1", "final.h5"}, {"q1", "ckpt-00000016.h5"}, {"r-split", "final.h5"},
+                             {"q0", "final.h5"}};
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(path_in(same[i][0], same[i][1]), q, &err), QT_OK);
+        CU_ASSERT_STRING_EQUAL(q->base_sha256, p->base_sha256);
+    }
+    char hex[SHA256_HEX_CHARS];
+    base_sha256_from_file(path_in("q1", "final.h5"), hex);
+    CU_ASSERT_STRING_EQUAL(hex, p->base_sha256);
+    /* the adapter config: per-module dropout and init, and lora.trainable */
+    H5ioFile f = H5IO_FILE_INIT;
+    CU_ASSERT_EQUAL_FATAL(h5io_open(&f, path_in("q1", "adapters.h5"), &err), QT_OK);
+    double dropout = 0;
+    char *s = NULL;
+    CU_ASSERT_EQUAL(h5io_attr_read_f64(&f, "lora/fc1", "dropout", &dropout, &err), QT_OK);
+    CU_ASSERT(fabs(dropout - 0.1) < 1e-6);
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "lora/fc1", "init", &s, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(s, "default");
+    free(s);
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "", "lora_trainable", &s, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(s, "head");
+    free(s);
+    h5io_close(&f, NULL);
+
+    /* adapters over another base (fc1 int8 instead of nf4): a warning naming both hashes */
+    const char *other[] = {"quant.rules.1.weight_qtype=int8", "quant.rules.1.tile_size=0",
+                           "quant.rules.1.double_quant=false"};
+    Config *c = load_cfg("tests/configs/tiny-qlora.yaml", "id-other", other, 3);
+    Config *same_cfg = load_cfg("tests/configs/tiny-qlora.yaml", "id-same", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(same_cfg);
+    Net n;
+    char line[1024] = "";
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, same_cfg, NET_FRESH, &err), QT_OK);
+    FILE *w = tmpfile();
+    CU_ASSERT_EQUAL(net_check_adapters_base(&n, path_in("q1", "adapters.h5"), w, &err), QT_OK);
+    CU_ASSERT_EQUAL(ftell(w), 0); /* the same base: nothing to say */
+    fclose(w);
+    net_free(&n);
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK);
+    char mine[SHA256_HEX_CHARS];
+    CheckpointNet parts = net_checkpoint_parts(&n);
+    CU_ASSERT_EQUAL(checkpoint_base_sha256(&n.model, &parts, mine, &err), QT_OK);
+    CU_ASSERT_STRING_NOT_EQUAL(mine, p->base_sha256);
+    w = tmpfile();
+    CU_ASSERT_EQUAL(net_check_adapters_base(&n, path_in("q1", "adapters.h5"), w, &err), QT_OK);
+    rewind(w);
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, w));
+    CU_ASSERT(strstr(line, "warning") && strstr(line, "another base") && strstr(line, p->base_sha256) &&
+              strstr(line, mine));
+    fclose(w);
+    c->lora.strict_base = true; /* n reads its config */
+    CU_ASSERT_EQUAL(net_check_adapters_base(&n, path_in("q1", "adapters.h5"), stderr, &err), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&err, p->base_sha256) && test_msg_has(&err, mine) && test_msg_has(&err, "strict_base"));
+    c->lora.strict_base = false;
+    /* a file without the identity (an older qtrain's): loads, with a warning that the base cannot be checked */
+    size_t size = 0;
+    char *bytes = test_file_read(path_in("q1", "adapters.h5"), &size);
+    char *old = path_in("q1", "old-adapters.h5");
+    test_file_write(old, bytes, size);
+    free(bytes);
+    hid_t h = H5Fopen(old, H5F_ACC_RDWR, H5P_DEFAULT);
+    CU_ASSERT_FATAL(h >= 0);
+    CU_ASSERT(H5Adelete_by_name(h, "/", "base_sha256", H5P_DEFAULT) >= 0);
+    H5Fclose(h);
+    w = tmpfile();
+    CU_ASSERT_EQUAL(net_check_adapters_base(&n, old, w, &err), QT_OK);
+    rewind(w);
+    CU_ASSERT_PTR_NOT_NULL(fgets(line, sizeof line, w));
+    CU_ASSERT(strstr(line, "no base identity") && strstr(line, "cannot be checked"));
+    fclose(w);
+    net_free(&n);
+    /* lora.strict_base: true through the config: the run is refused before training */
+    char from[1200];
+    snprintf(from, sizeof from, "model.adapters_from=%s", path_in("q1", "adapters.h5"));
+    const char *strict[] = {other[0], other[1], other[2], from, "lora.strict_base=true"};
+    Config *cs = load_cfg("tests/configs/tiny-qlora.yaml", "id-strict", strict, 5);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(cs);
+    TrainResult r;
+    CU_ASSERT_EQUAL(run(cs, NULL, 0, &r, &err), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&err, "another base") && test_msg_has(&err, p->base_sha256));
+    free(cs);
+    free(c);
+    free(same_cfg);
+    free(p);
+    free(q);
+}
+
 /* ---- quantize and merge ------------------------------------------------------ */
 
 static void test_quantize_then_init_from(void) {
@@ -264,7 +476,7 @@ static void test_quantize_then_init_from(void) {
     char dir[1100];
     snprintf(dir, sizeof dir, "%s/qz-file", tmp_root);
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0777), 0);
-    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, NULL, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_quantize(c, base_ckpt, out, false, NULL, &err), QT_OK);
     TrainResult direct, via;
     CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &direct, &err), QT_OK);
     Config *c2 = load_cfg("tests/configs/tiny-qlora.yaml", "qz2", pre, 2);
@@ -283,6 +495,56 @@ static void test_quantize_then_init_from(void) {
     free(c3);
 }
 
+/* A merged checkpoint says what it is: its base's mode, where it came from
+ * (the source and its base identity), in its attributes and in eval.json;
+ * n_quant modules remain quantized. */
+static void check_merged(const char *merged, const char *source, const char *mode, int n_quant) {
+    CheckpointProvenance *p = malloc(sizeof *p), *s = malloc(sizeof *s);
+    Config *c = malloc(sizeof *c);
+    CU_ASSERT_FATAL(p && s && c);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(merged, p, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(source, s, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(p->merged_from, source);
+    CU_ASSERT_EQUAL(strlen(s->base_sha256), 64);
+    CU_ASSERT_STRING_EQUAL(p->merged_from_base_sha256, s->base_sha256);
+    char paths[8][MODULE_NAME_MAX];
+    int n = -1;
+    CU_ASSERT_EQUAL(checkpoint_list_quant(merged, paths, 8, &n, &err), QT_OK);
+    CU_ASSERT_EQUAL(n, n_quant);
+    H5ioFile f = H5IO_FILE_INIT;
+    char *m = NULL;
+    CU_ASSERT_EQUAL_FATAL(h5io_open(&f, merged, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "", "mode", &m, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(m, mode);
+    CU_ASSERT_EQUAL(h5io_kind(&f, "lora"), H5IO_MISSING);
+    free(m);
+    h5io_close(&f, NULL);
+    /* qtrain eval of it: eval.json reports the mode and the source */
+    char *text = NULL;
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_config(merged, &text, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(config_load_string(c, text, "merged", NULL, 0, &err), QT_OK);
+    free(text);
+    char json[1200];
+    snprintf(json, sizeof json, "%s/merged-eval-%s.json", tmp_root, mode);
+    TrainResult r;
+    CU_ASSERT_EQUAL_FATAL(train_eval_checkpoint_to(c, merged, json, &r, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(r.mode, mode);
+    CU_ASSERT_STRING_EQUAL(r.merged_from, source);
+    text = test_file_read(json, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
+    char want[160];
+    snprintf(want, sizeof want, "\"merged_from_base_sha256\": \"%s\"", s->base_sha256);
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, want));
+    snprintf(want, sizeof want, "\"mode\": \"%s\"", mode);
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, want));
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "\"merged_from\": "));
+    free(text);
+    free(p);
+    free(s);
+    free(c);
+}
+
 static void test_merge(void) {
     /* a float base: the merge is exact up to float rounding */
     const char *float_base[] = {"quant.mode=none", "quant.rules=[]"};
@@ -295,17 +557,43 @@ static void test_merge(void) {
     CU_ASSERT_EQUAL_FATAL(run(c, NULL, 0, &r, &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(r.mode, "lora");
     MergeReport rep;
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), NULL, &rep,
-                                      &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-float", "final.h5"), path_in("m-float", "merged.h5"), false, false, NULL,
+                                      &rep, &err), QT_OK);
     CU_ASSERT_EQUAL(rep.modules, 2);
+    CU_ASSERT_STRING_EQUAL(rep.mode, "float");
     CU_ASSERT_EQUAL(rep.weight_rel_rmse, 0.0);
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) <= 0.002);
     /* a quantized base: re-quantization costs a little */
     CU_ASSERT_EQUAL_FATAL(run(q, NULL, 0, &r, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), NULL, &rep, &err),
-                          QT_OK);
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged.h5"), false, false, NULL, &rep,
+                                      &err), QT_OK);
     CU_ASSERT(rep.weight_rel_rmse > 0.0 && rep.weight_rel_rmse < 0.2);
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) < 0.1);
+    CU_ASSERT(rep.test_loss_before > 0.0 && rep.test_loss_after > 0.0 && isfinite(rep.test_loss_after));
+    CU_ASSERT_STRING_EQUAL(rep.mode, "ptq");
+    check_merged(path_in("m-q", "merged.h5"), path_in("m-q", "final.h5"), "ptq", 2);
+    /* --dequantize: a float model, the dequantized base plus the adapters, without re-quantization */
+    MergeReport deq;
+    CU_ASSERT_EQUAL_FATAL(tools_merge(path_in("m-q", "final.h5"), path_in("m-q", "merged-float.h5"), true, false, NULL, &deq,
+                                      &err), QT_OK);
+    CU_ASSERT(deq.dequantized);
+    CU_ASSERT_EQUAL(deq.weight_rel_rmse, 0.0);
+    CU_ASSERT_STRING_EQUAL(deq.mode, "float");
+    CU_ASSERT_EQUAL(deq.test_accuracy_before, rep.test_accuracy_before);
+    /* the same function as the adapters over the quantized base, up to float rounding */
+    CU_ASSERT(fabs(deq.test_accuracy_after - deq.test_accuracy_before) <= 0.002);
+    CU_ASSERT(fabs(deq.test_loss_after - deq.test_loss_before) < 1e-3);
+    check_merged(path_in("m-q", "merged-float.h5"), path_in("m-q", "final.h5"), "float", 0);
+    /* the command line: --dequantize, and the accuracy and loss before and after on the last line */
+    char *log = path_in("m-q", "merge-cli.log");
+    const char *args[] = {"merge", "--dequantize", "--checkpoint", path_in("m-q", "final.h5"), "--out",
+                          path_in("m-q", "merged-cli.h5"), "--quiet", NULL};
+    CU_ASSERT_EQUAL(test_proc_run(log, args, 120.0), 0);
+    char *out = test_file_read(log, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+    CU_ASSERT(strstr(out, "merged:2 mode:float weight_rel_rmse:0 ") && strstr(out, "test_accuracy_before:") &&
+              strstr(out, "test_loss_before:") && strstr(out, "test_loss_after:"));
+    free(out);
     free(c);
     free(q);
 }
@@ -393,7 +681,7 @@ static void test_qat_resume_and_convert(void) {
     net_free(&b);
     /* convert: the PTQ checkpoint evaluates as the QAT one, to the last example */
     ConvertReport rep;
-    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), NULL, &rep, &err);
+    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), false, NULL, &rep, &err);
     if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
     CU_ASSERT_EQUAL(rep.modules, 3);
@@ -520,7 +808,12 @@ static void test_bad_inputs(void) {
     char from[1200];
     snprintf(from, sizeof from, "model.adapters_from=%s", path_in("q1", "adapters.h5"));
     const char *other[] = {from, "lora.rules.0.rank=2"};
-    expect_run_error("e-adapters", other, 2, QT_ERR_FORMAT, "conv1", "shape");
+    expect_run_error("e-adapters", other, 2, QT_ERR_CONFIG, "conv1 was trained with rank 4", "gives rank 2");
+    /* the stored alpha and rslora win over nothing: a mismatch is refused, naming both values */
+    const char *alpha[] = {from, "lora.rules.0.alpha=4"};
+    expect_run_error("e-alpha", alpha, 2, QT_ERR_CONFIG, "rank 4, alpha 8, rslora false", "rank 4, alpha 4,");
+    const char *rs[] = {from, "lora.rules.0.rslora=true"};
+    expect_run_error("e-rslora", rs, 2, QT_ERR_CONFIG, "conv1 was trained with", "rslora true; set that rule");
     const char *nothing[] = {"lora.rules=[]", "lora.trainable=[]"};
     expect_run_error("e-nothing", nothing, 2, QT_ERR_CONFIG, "nothing to train", "epochs: 0");
 }
@@ -531,8 +824,11 @@ int register_qlora_suite(void) {
     return !CU_add_test(s, "adapter gradients over a quantized base (dense, conv)",
                         test_adapter_grads_over_quantized_base) ||
            !CU_add_test(s, "rules: first full match, op_types, unused-rule warning", test_rules_first_full_match) ||
+           !CU_add_test(s, "rules: a shadowed rule names the rule that took its modules",
+                        test_rules_shadowed_warning) ||
            !CU_add_test(s, "qlora run: learns, base bit-identical", test_qlora_run_learns_and_keeps_base) ||
            !CU_add_test(s, "qlora resume exact; adapters.h5 round trip", test_qlora_resume_is_exact) ||
+           !CU_add_test(s, "base identity: recorded, recomputable, checked on adapters_from", test_base_identity) ||
            !CU_add_test(s, "quantize, then init_from the PTQ file", test_quantize_then_init_from) ||
            !CU_add_test(s, "merge: float exact, quantized small error", test_merge) ||
            !CU_add_test(s, "compare: table, compare.md, compare.svg", test_compare) ||

@@ -192,9 +192,10 @@ static QtStatus bench_eval(Bench *b, const BenchOptions *o, FILE *out, QtError *
     if (st == QT_OK) {
         qsort(ms, (size_t)o->eval_batches, sizeof *ms, cmp_double);
         fprintf(out, "bench:eval model:%s mode:%s batch:%d batches:%d samples_per_s:%.1f batch_ms:%.3f "
-                "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f\n", b->model_name, net_mode_name(&r->net), bs,
-                o->eval_batches, (double)o->eval_batches * bs / timed_s, timed_s * 1e3 / o->eval_batches,
-                ms[o->eval_batches / 2], ms[0], t_stats > 0 ? g.core_seconds / t_stats : 0.0);
+                "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f int8_kernel:%s\n", b->model_name,
+                net_mode_name(&r->net), bs, o->eval_batches, (double)o->eval_batches * bs / timed_s,
+                timed_s * 1e3 / o->eval_batches, ms[o->eval_batches / 2], ms[0],
+                t_stats > 0 ? g.core_seconds / t_stats : 0.0, net_int8_kernel(&r->net));
     }
     free(ms);
     return st;
@@ -204,9 +205,10 @@ static void bench_print_header(const Bench *b, FILE *out) {
     const Run *r = &b->run;
     const Config *c = r->cfg;
     fprintf(out, "bench:config name:%s config:%s model:%s mode:%s batch:%d eval_batch:%d threads:%d "
-            "params_trainable:%zu params_frozen:%zu train_steps:%" PRId64 "\n", c->run.name, c->source,
-            b->model_name, net_mode_name(&r->net), c->train.batch_size, c->train.eval_batch_size, gemm_get_threads(),
-            net_params_trainable(&r->net), net_params_frozen(&r->net), r->total_steps);
+            "params_trainable:%zu params_frozen:%zu train_steps:%" PRId64 " int8_kernel:%s\n", c->run.name,
+            c->source, b->model_name, net_mode_name(&r->net), c->train.batch_size, c->train.eval_batch_size,
+            gemm_get_threads(), net_params_trainable(&r->net), net_params_frozen(&r->net), r->total_steps,
+            net_int8_kernel(&r->net));
     fprintf(out, "bench:blas core:%s threads:%d\n", gemm_blas_core(), gemm_get_threads());
     fflush(out);
 }

@@ -86,13 +86,13 @@ static QtStatus write_all(int fd, const void *buf, size_t len) {
     return QT_OK;
 }
 
-/* buf -> "<path>.tmp.<pid>", fsync, rename over path, fsync the directory.
+/* buf -> "<path>.tmp.<pid>", fsync, rename onto path, fsync the directory.
  * Until the rename, path is untouched; on failure the temp file is removed. */
-QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, QtError *err) {
+QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, FsReplace how, QtError *err) {
     char tmp[CKPT_PATH_MAX];
-    int n = snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    if (n < 0 || (size_t)n >= sizeof tmp) return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    int fd = fs_open_tmp(path, tmp, sizeof tmp);
+    if (fd < 0 && errno == ENAMETOOLONG)
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
     if (fd < 0) return ckpt_save_fail(err, path, "creating", tmp, errno);
     const char *what = "writing";
     if (write_all(fd, buf, len) != QT_OK) goto fail;
@@ -103,12 +103,18 @@ QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, QtErro
     fd = -1;
     if (rc != 0) goto fail;
     what = "renaming";
-    if (rename(tmp, path) != 0) goto fail;
+    if (fs_rename_tmp(tmp, path, how) != 0) goto fail;
     return ckpt_sync_parent_dir(path, err);
 fail:;
     int e = errno;
     if (fd >= 0) close(fd);
     unlink(tmp);
+    if (e == EEXIST && how == FS_REPLACE_NONE)
+        return qt_error_set(err, QT_ERR_IO, "cannot save %s: something appeared under that name while it was written; "
+                            "nothing was replaced; pass --force to replace a regular file, or give another path", path);
+    if (e == EEXIST && how == FS_REPLACE_REGULAR)
+        return qt_error_set(err, QT_ERR_IO, "cannot save %s: it is no longer a regular file; nothing was replaced; "
+                            "give another path", path);
     return ckpt_save_fail(err, path, what, tmp, e);
 }
 
@@ -121,6 +127,16 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "step", s->step, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "", "epoch", s->epochs_done, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "", "config", s->config_text ? s->config_text : "", err);
+    if (st == QT_OK && s->mode) st = h5io_attr_write_str(f, "", "mode", s->mode, err);
+    if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_hash", CHECKPOINT_BASE_HASH, err);
+    if (st == QT_OK && s->base_sha256) st = h5io_attr_write_str(f, "", "base_sha256", s->base_sha256, err);
+    if (st == QT_OK && s->base_sha256)
+        st = h5io_attr_write_str(f, "", "base_init_from", s->base_init_from ? s->base_init_from : "", err);
+    if (st == QT_OK && s->lora_trainable) st = h5io_attr_write_str(f, "", "lora_trainable", s->lora_trainable, err);
+    if (st == QT_OK && s->merged_from) st = h5io_attr_write_str(f, "", "merged_from", s->merged_from, err);
+    if (st == QT_OK && s->merged_from)
+        st = h5io_attr_write_str(f, "", "merged_from_base_sha256",
+                                 s->merged_from_base_sha256 ? s->merged_from_base_sha256 : "", err);
     return st;
 }
 
@@ -244,7 +260,7 @@ QtStatus checkpoint_save(const char *path, const Model *m, const Optimizer *opt,
     void *image = NULL;
     size_t size = 0;
     st = build_image(path, m, opt, s, &image, &size, err);
-    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
+    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, s->replace, err);
     free(image);
     return st;
 }
@@ -273,7 +289,7 @@ static QtStatus check_header(const H5ioFile *f, QtError *err) {
     return st;
 }
 
-/* A float32 dataset `ds` of exactly t's shape, or an error naming what
+/* A float dataset `ds` (float32 for optimizer state) of exactly t's shape, or an error naming what
  * `what` is ("parameter conv1/weight") and both shapes. */
 static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *what, const Tensor *t, bool model_hint,
                               QtError *err) {
@@ -294,9 +310,13 @@ static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *wha
     H5ioInfo info;
     QtStatus st = h5io_dataset_info(f, ds, &info, err);
     if (st != QT_OK) return st;
-    if (!h5io_is_f32(&info))
-        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s is %s in the checkpoint, expected float32%s",
-                            f->path, against, what, h5io_dtype_str(&info, ty, sizeof ty), hint);
+    /* A parameter may be any float type (numpy and h5py write float64 by default): HDF5 converts it to float32
+       on read. Optimizer state is only ever written by qtrain, as float32. */
+    bool any_float = info.cls == H5T_FLOAT && (info.size == 2 || info.size == 4 || info.size == 8);
+    if (model_hint ? !any_float : !h5io_is_f32(&info))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s is %s in the checkpoint, expected %s%s",
+                            f->path, against, what, h5io_dtype_str(&info, ty, sizeof ty),
+                            model_hint ? "float16, float32 or float64" : "float32", hint);
     if (!h5io_shape_equals(&info, t->ndim, t->shape))
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s has shape %s in the checkpoint but %s in "
                             "the model%s", f->path, against, what, h5io_shape_str(&info, got, sizeof got), want, hint);
@@ -628,6 +648,7 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
             st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
                               "module %s, which this run's lora rules do not adapt", path, names[i]);
     }
+    if (st == QT_OK) st = ckpt_check_lora_specs(&f, net, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;
@@ -635,24 +656,51 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
     return load_parts(path, m, NULL, NULL, &lora, true, err);
 }
 
-QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net, const char *config_text,
-                                  QtError *err) {
+QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err) {
     H5ioFile f = H5IO_FILE_INIT;
-    CheckpointState s = {.last_train_loss = NAN, .config_text = config_text};
-    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
+    CheckpointNet lora = {.adapters = s->net.adapters, .n_adapters = s->net.n_adapters};
     void *image = NULL;
     size_t size = 0;
     QtStatus st = h5io_create_mem(&f, path, (size_t)1 << 20, err);
-    if (st == QT_OK) st = write_header(&f, &s, err);
+    if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = h5io_attr_write_str(&f, "", "contents", "adapters", err);
     if (st == QT_OK) st = write_params(&f, m, true, err);
     if (st == QT_OK) st = ckpt_write_lora(&f, &lora, err);
     if (st == QT_OK) st = h5io_image(&f, &image, &size, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
-    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, err);
+    if (st == QT_OK) st = ckpt_write_atomic(path, image, size, FS_REPLACE_ANY, err);
     free(image);
     return st;
+}
+
+/* A string attribute of the root into out[cap] ("" when absent). */
+static QtStatus read_root_str(const H5ioFile *f, const char *name, char *out, size_t cap, QtError *err) {
+    out[0] = '\0';
+    if (!h5io_attr_exists(f, "", name)) return QT_OK;
+    char *v = NULL;
+    QtStatus st = h5io_attr_read_str(f, "", name, &v, err);
+    if (st == QT_OK) snprintf(out, cap, "%s", v);
+    free(v);
+    return st;
+}
+
+QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, QtError *err) {
+    memset(p, 0, sizeof *p);
+    H5ioFile f = H5IO_FILE_INIT;
+    QtStatus st = h5io_open(&f, path, err);
+    if (st != QT_OK) return st;
+    st = check_header(&f, err);
+    if (st == QT_OK) st = read_count(&f, "", "step", &p->step, err);
+    if (st == QT_OK) st = read_count(&f, "", "epoch", &p->epoch, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_sha256", p->base_sha256, sizeof p->base_sha256, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_init_from", p->base_init_from, sizeof p->base_init_from, err);
+    if (st == QT_OK) st = read_root_str(&f, "merged_from", p->merged_from, sizeof p->merged_from, err);
+    if (st == QT_OK)
+        st = read_root_str(&f, "merged_from_base_sha256", p->merged_from_base_sha256,
+                           sizeof p->merged_from_base_sha256, err);
+    QtStatus cst = h5io_close(&f, err);
+    return st == QT_OK ? cst : st;
 }
 
 QtStatus checkpoint_list_quant(const char *path, char (*paths)[MODULE_NAME_MAX], int cap, int *n, QtError *err) {
@@ -672,6 +720,8 @@ QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *e
     QtStatus st = h5io_open(&f, path, err);
     if (st != QT_OK) return st;
     st = check_header(&f, err);
+    if (st == QT_OK && !h5io_attr_exists(&f, "", "config"))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s holds no stored config (no 'config' attribute on /)", path);
     if (st == QT_OK) st = h5io_attr_read_str(&f, "", "config", config_text, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK && cst != QT_OK) {

@@ -3,7 +3,10 @@
  * Layout (format version 1; readable and writable from h5py):
  *   /                 attrs: format = "qtrain", version = 1 (int64),
  *                     qtrain_version (string), step, epoch (int64: whole epochs done),
- *                     config (string: the resolved YAML)
+ *                     config (string: the resolved YAML); optional: mode (string:
+ *                     net_mode_name, a merge's base mode), and for a LoRA run
+ *                     base_hash (CHECKPOINT_BASE_HASH), base_sha256, base_init_from,
+ *                     lora_trainable, for a merge merged_from, merged_from_base_sha256
  *   /params/<module>/<tensor>   float32, PyTorch layouts: dense weight (out, in),
  *                     conv weight (OC, C, KH, KW), biases (out,)
  *   /optim            attrs: optimizer ("adamw" | "sgd"), step (int64)
@@ -41,7 +44,7 @@
  *   /quant/<module>/grad/state   QT: attrs seed, stream, counter of the layer's
  *                     stochastic-rounding generator
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
- *                     1, 1), float32; attrs rank, alpha, scale, rslora
+ *                     1, 1), float32; attrs rank, alpha, scale, rslora, dropout, init
  * A released (quantized) weight is not under /params.
  *
  * Every file is written to "<name>.tmp.<pid>" in the same directory,
@@ -56,6 +59,7 @@
 #include <stdio.h>
 
 #include "nn/error.h"
+#include "nn/fsutil.h"
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/rng.h"
@@ -64,6 +68,7 @@
 #include "quant/qlayer.h"
 #include "quant/qt.h"
 #include "trainer/guard.h"
+#include "trainer/sha256.h"
 
 #define CHECKPOINT_FORMAT "qtrain"
 #define CHECKPOINT_VERSION 1
@@ -110,7 +115,29 @@ typedef struct {
     int n_rngs;
     const char *config_text; /* save: the resolved YAML (may be NULL -> "") */
     CheckpointNet net;       /* /quant and /lora, saved and restored with the rest */
+    /* save only: what the model is and where it comes from (root attributes; NULL = not written) */
+    const char *mode;           /* "float", "ptq", "lora", "qlora", ... (net_mode_name; a merge's: its base's) */
+    const char *base_sha256;    /* a LoRA run's frozen base: checkpoint_base_sha256 */
+    const char *base_init_from; /* ...and the model.init_from it came from ("" = none) */
+    const char *lora_trainable; /* adapters: lora.trainable, comma-separated ("" = none) */
+    const char *merged_from;    /* qtrain merge: the checkpoint whose adapters were folded in */
+    const char *merged_from_base_sha256; /* ...and the base hash of that checkpoint */
+    FsReplace replace;       /* save: what may be at the path already (0: anything, a run's own file in its
+                                locked out_dir; a user's --out: FS_REPLACE_NONE, or FS_REPLACE_REGULAR with --force) */
 } CheckpointState;
+
+#define CHECKPOINT_BASE_HASH "qtrain-base-sha256-v1" /* the root attribute base_hash names the scheme */
+#define CHECKPOINT_PROV_PATH_MAX 4096
+
+/* The provenance attributes of a file's root ("" when absent: a file
+ * written before they existed, or not by a LoRA run or a merge). */
+typedef struct {
+    int64_t step, epoch;
+    char base_sha256[SHA256_HEX_CHARS];
+    char base_init_from[CHECKPOINT_PROV_PATH_MAX];
+    char merged_from[CHECKPOINT_PROV_PATH_MAX];
+    char merged_from_base_sha256[SHA256_HEX_CHARS];
+} CheckpointProvenance;
 
 /* Writes a complete checkpoint to `path` atomically (see above). opt may be
  * NULL (no /optim group). On failure nothing is left under `path` that was
@@ -134,15 +161,35 @@ QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err);
  * empty), without optimizer or run state: for evaluation and merging. */
 QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *net, QtError *err);
 
-/* adapters.h5: the header, /params of the trainable model parameters only
- * (the lora.trainable modules) and /lora. */
-QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointNet *net,
-                                  const char *config_text, QtError *err);
-/* model.adapters_from: /lora for every adapter of net and /params for every
- * trainable model parameter, from an adapters.h5 or a full checkpoint. An
- * adapter the file lacks, one it has that the run does not, or a shape that
- * differs is an error naming the first such module. */
+/* adapters.h5: the header (s: step, epochs_done, config_text and the
+ * provenance fields base_sha256, base_init_from, lora_trainable), /params
+ * of the trainable model parameters only (the lora.trainable modules) and
+ * /lora. */
+QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err);
+/* model.adapters_from: /lora for every adapter of s->net and /params for
+ * every trainable model parameter, from an adapters.h5 or a full
+ * checkpoint. An adapter the file lacks, one it has that the run does not,
+ * a shape that differs, or stored rank, alpha or rslora attributes that
+ * differ from the run's rule for that module are errors naming the first
+ * such module. */
 QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err);
+
+/* The identity of a LoRA run's frozen base (CHECKPOINT_BASE_HASH), as 64
+ * hex digits: SHA-256 over the datasets of the frozen base as a checkpoint
+ * stores them -- every /params/<module>/<tensor> of a parameter the run does
+ * not train (all but the adapters and the lora.trainable modules), and
+ * every dataset directly under /quant/<module>/weight (qvalue, scale,
+ * zero_point, scale_absmax: the packed codes and scales) -- taken in
+ * bytewise order of their names without the leading '/', each as
+ *   name NUL dtype NUL shape NUL u64le(byte count) bytes
+ * with dtype numpy's name ("float32", "uint8", "uint16", "int32"), shape
+ * the dimensions in decimal joined by ',' ("8,1,3,3"; "72"), and the bytes
+ * the little-endian elements in row-major order, as stored. Attributes
+ * (quantization formats, activation ranges) are not hashed.
+ * scripts/base_sha256.py recomputes it from a checkpoint. */
+QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS], QtError *err);
+/* The root provenance attributes of path (see CheckpointProvenance). */
+QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, QtError *err);
 /* The module paths under /quant of a checkpoint (a PTQ base from `qtrain
  * quantize`), up to cap of them, into paths[i][MODULE_NAME_MAX]; *n = the
  * count (0 for a float checkpoint). */

@@ -6,7 +6,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +14,7 @@
 #include <unistd.h>
 
 #include "checkpoint_internal.h"
+#include "nn/fsutil.h"
 
 static QtStatus path_join(char *out, size_t cap, const char *dir, const char *name, QtError *err) {
     int n = snprintf(out, cap, "%s/%s", dir, name);
@@ -33,44 +33,22 @@ static bool parse_ckpt_name(const char *name, long long *step) {
     return true;
 }
 
-/* "<base>.tmp.<pid>" with base a file a run writes atomically -> the
- * writer's pid: checkpoints, adapters.h5 (beside each checkpoint of a LoRA
- * run), metrics.csv (rewritten at start) and the closing JSON files. */
-static bool parse_tmp_name(const char *name, const char *own, long *pid) {
-    const char *t = strstr(name, ".tmp.");
-    if (!t) return false;
-    const char *digits = t + 5, *q = digits;
-    while (*q >= '0' && *q <= '9') q++;
-    if (q == digits || *q || q - digits > 9) return false;
-    size_t base_len = (size_t)(t - name);
-    char base[256];
-    if (base_len >= sizeof base) return false;
-    memcpy(base, name, base_len);
-    base[base_len] = '\0';
+/* Whether base is a file a run writes atomically as "<base>.tmp.<pid>":
+ * checkpoints, adapters.h5 (beside each checkpoint of a LoRA run),
+ * metrics.csv (rewritten at start), the closing JSON files and `own` (ctx). */
+static bool run_owns_tmp(const char *base, void *ctx) {
     static const char *const fixed[] = {"last.h5", "final.h5", "adapters.h5", "metrics.csv", "summary.json",
                                         "eval.json"};
     long long step;
-    bool known = parse_ckpt_name(base, &step) || strcmp(base, own) == 0;
+    bool known = parse_ckpt_name(base, &step) || strcmp(base, (const char *)ctx) == 0;
     for (size_t i = 0; !known && i < sizeof fixed / sizeof *fixed; i++) known = strcmp(base, fixed[i]) == 0;
-    if (!known) return false;
-    *pid = strtol(digits, NULL, 10);
-    return true;
+    return known;
 }
 
 /* Removes temp files that a crashed save or run left behind: ours (no save of this
  * process is in flight now) and those of processes that no longer exist. */
 static void remove_stale_tmps(const char *dir, const char *own) {
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        long pid;
-        if (!parse_tmp_name(e->d_name, own, &pid)) continue;
-        if (pid != (long)getpid() && !(kill((pid_t)pid, 0) != 0 && errno == ESRCH)) continue;
-        char p[CKPT_PATH_MAX];
-        if (path_join(p, sizeof p, dir, e->d_name, NULL) == QT_OK) unlink(p);
-    }
-    closedir(d);
+    fs_remove_stale_tmps(dir, run_owns_tmp, (void *)own, true, 0);
 }
 
 static QtStatus read_whole_file(const char *path, void **buf, size_t *len, QtError *err) {
@@ -128,7 +106,7 @@ static QtStatus update_last(const char *dir, const char *saved, QtError *err) {
     void *buf = NULL;
     size_t len = 0;
     st = read_whole_file(saved, &buf, &len, err);
-    if (st == QT_OK) st = ckpt_write_atomic(last, buf, len, err);
+    if (st == QT_OK) st = ckpt_write_atomic(last, buf, len, FS_REPLACE_ANY, err);
     free(buf);
     return st;
 }

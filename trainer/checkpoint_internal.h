@@ -23,10 +23,10 @@ QtStatus ckpt_save_fail(QtError *err, const char *path, const char *what, const 
 /* fsync of the directory holding `path`, so a rename into it survives a crash. */
 QtStatus ckpt_sync_parent_dir(const char *path, QtError *err);
 
-/* buf[len] -> "<path>.tmp.<pid>", fsync, rename over path, fsync the
- * directory. Until the rename, path is untouched; on failure the temp file
- * is removed. */
-QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, QtError *err);
+/* buf[len] -> "<path>.tmp.<pid>" (fs_open_tmp: never through a symlink),
+ * fsync, rename onto path as `how` allows, fsync the directory. Until the
+ * rename, path is untouched; on failure the temp file is removed. */
+QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, FsReplace how, QtError *err);
 
 /* "a/b" or "a/b/c" into out[CKPT_OBJ_MAX]; QT_ERR_ARG if too long. */
 QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err);
@@ -53,6 +53,9 @@ QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStage
  * with ckpt_staged_net_free). Either part of net may be empty. */
 QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
 QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
+/* The stored rank, alpha and rslora attributes of each of net's adapters
+ * against its spec (QT_ERR_CONFIG naming the module and both values). */
+QtStatus ckpt_check_lora_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err);
 /* Moves the staged data into net's layers and adapters. */
 void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net);
 void ckpt_staged_net_free(CkptNetStaged *sg);

@@ -9,6 +9,7 @@
 
 #include "checkpoint_internal.h"
 #include "quant/qarray_io.h"
+#include "trainer/sha256.h"
 
 static const char *granularity_name(const QLayer *q) {
     if (q->spec.tile_size > 0 || qtype_is_block(q->spec.weight_qtype)) return "block";
@@ -108,6 +109,8 @@ QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err) {
         if (st == QT_OK) st = h5io_attr_write_f64(f, g, "alpha", a->spec.alpha, err);
         if (st == QT_OK) st = h5io_attr_write_f64(f, g, "scale", a->scale, err);
         if (st == QT_OK) st = h5io_attr_write_i64(f, g, "rslora", a->spec.rslora, err);
+        if (st == QT_OK) st = h5io_attr_write_f64(f, g, "dropout", a->spec.dropout, err);
+        if (st == QT_OK) st = h5io_attr_write_str(f, g, "init", lora_init_name(a->spec.init), err);
     }
     return st;
 }
@@ -315,6 +318,35 @@ QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStag
             if (st == QT_OK) st = h5io_read_f32(f, ds, dst, t->ndim, t->shape, err);
             dst += tensor_numel(t);
         }
+    }
+    return st;
+}
+
+/* The stored rank, alpha and rslora of each adapter against the run's rule:
+ * loading B A under another scale would change the model silently. A file
+ * without these attributes (not written by qtrain) is taken by shape only. */
+QtStatus ckpt_check_lora_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < net->n_adapters; i++) {
+        const LoraAdapter *a = &net->adapters[i];
+        char g[CKPT_OBJ_MAX];
+        if ((st = ckpt_obj_path(g, "lora", a->module->path, NULL, err)) != QT_OK) break;
+        if (h5io_kind(f, g) != H5IO_GROUP || !h5io_attr_exists(f, g, "rank") || !h5io_attr_exists(f, g, "alpha") ||
+            !h5io_attr_exists(f, g, "rslora"))
+            continue;
+        int64_t rank = 0, rslora = 0;
+        double alpha = 0.0;
+        st = h5io_attr_read_i64(f, g, "rank", &rank, err);
+        if (st == QT_OK) st = h5io_attr_read_f64(f, g, "alpha", &alpha, err);
+        if (st == QT_OK) st = h5io_attr_read_i64(f, g, "rslora", &rslora, err);
+        if (st != QT_OK) break;
+        if (rank == a->spec.rank && (float)alpha == a->spec.alpha && (rslora != 0) == a->spec.rslora) continue;
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: the adapter of module %s was trained with rank %lld, alpha %g, "
+                          "rslora %s, but this run's lora rule for %s gives rank %d, alpha %g, rslora %s; set that "
+                          "rule's rank, alpha and rslora to the stored values (a rule of its own for %s if other "
+                          "modules differ), or the adapter's scale would change", f->path, a->module->path,
+                          (long long)rank, alpha, rslora ? "true" : "false", a->module->path, a->spec.rank,
+                          (double)a->spec.alpha, a->spec.rslora ? "true" : "false", a->module->path);
     }
     return st;
 }
@@ -554,4 +586,81 @@ QtStatus ckpt_list_group(const H5ioFile *f, const char *group, char (*names)[MOD
                           f->path, group, cap, MODULE_NAME_MAX - 1);
     if (st == QT_OK) *n = c.n;
     return st;
+}
+
+/* ---- the base's identity ---------------------------------------------------------------- */
+
+/* One dataset of the frozen base, as checkpoint.h's hash definition sees it. */
+typedef struct {
+    char name[CKPT_OBJ_MAX + 16]; /* "params/fc1/bias", "quant/fc1/weight/qvalue" */
+    const char *dtype;            /* "float32", "uint8", "uint16", "int32" (numpy's names) */
+    char shape[64];               /* "32", "8,1,3,3" */
+    const void *data;             /* little-endian elements, as stored */
+    size_t bytes;
+} BaseRecord;
+
+static int base_record_cmp(const void *a, const void *b) {
+    return strcmp(((const BaseRecord *)a)->name, ((const BaseRecord *)b)->name);
+}
+
+static const char *blob_dtype(QArrayBlobType t) {
+    switch (t) {
+    case QARRAY_BLOB_U8: return "uint8";
+    case QARRAY_BLOB_U16: return "uint16";
+    case QARRAY_BLOB_I32: return "int32";
+    case QARRAY_BLOB_F32: return "float32";
+    }
+    return "uint8";
+}
+
+static size_t blob_elem_size(QArrayBlobType t) { return t == QARRAY_BLOB_U8 ? 1 : t == QARRAY_BLOB_U16 ? 2 : 4; }
+
+static void hash_u64le(Sha256 *s, uint64_t v) {
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++) b[i] = (uint8_t)(v >> (8 * i));
+    sha256_update(s, b, sizeof b);
+}
+
+QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS], QtError *err) {
+    size_t cap = (size_t)m->n_params + (size_t)net->n_qlayers * QARRAY_MAX_BLOBS + 1, n = 0;
+    BaseRecord *r = calloc(cap, sizeof *r);
+    if (!r) return qt_error_set(err, QT_ERR_NOMEM, "out of memory hashing the base");
+    for (int i = 0; i < m->n_params; i++) {
+        const Param *p = &m->params[i];
+        if (p->trainable || p->released) continue;
+        const Tensor *t = &p->var.value;
+        snprintf(r[n].name, sizeof r[n].name, "params/%s", p->name);
+        r[n].dtype = "float32";
+        size_t len = 0;
+        for (int d = 0; d < t->ndim; d++)
+            len += (size_t)snprintf(r[n].shape + len, sizeof r[n].shape - len, "%s%d", d ? "," : "", t->shape[d]);
+        r[n].data = t->data;
+        r[n++].bytes = tensor_numel(t) * sizeof(float);
+    }
+    for (int i = 0; i < net->n_qlayers; i++) {
+        QArrayBlob blobs[QARRAY_MAX_BLOBS];
+        int nb = qarray_blobs(&net->qlayers[i].weight, blobs);
+        for (int b = 0; b < nb; b++) {
+            snprintf(r[n].name, sizeof r[n].name, "quant/%s/weight/%s", net->qlayers[i].module->path, blobs[b].name);
+            r[n].dtype = blob_dtype(blobs[b].type);
+            snprintf(r[n].shape, sizeof r[n].shape, "%zu", blobs[b].count);
+            r[n].data = blobs[b].data;
+            r[n++].bytes = blobs[b].count * blob_elem_size(blobs[b].type);
+        }
+    }
+    qsort(r, n, sizeof *r, base_record_cmp);
+    Sha256 s;
+    sha256_init(&s);
+    for (size_t i = 0; i < n; i++) {
+        sha256_update(&s, r[i].name, strlen(r[i].name) + 1);
+        sha256_update(&s, r[i].dtype, strlen(r[i].dtype) + 1);
+        sha256_update(&s, r[i].shape, strlen(r[i].shape) + 1);
+        hash_u64le(&s, r[i].bytes);
+        sha256_update(&s, r[i].data, r[i].bytes);
+    }
+    uint8_t digest[SHA256_DIGEST_BYTES];
+    sha256_final(&s, digest);
+    sha256_hex(digest, hex);
+    free(r);
+    return QT_OK;
 }

@@ -7,6 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include "nn/fsutil.h"
+
+#include "trainer/train.h"
 
 /* ---- reading a run --------------------------------------------------------------------- */
 
@@ -264,33 +269,71 @@ static void svg_loss_panel(FILE *f, const CompareRun *runs, int n) {
     }
 }
 
+/* An output file of compare: created as a temp file (fs_open_tmp) that
+ * out_close renames onto path. */
+static FILE *out_open(const char *path, char *tmp, size_t cap, QtError *err) {
+    fs_remove_stale_tmps_of(path, 0);
+    int fd = fs_open_tmp(path, tmp, cap);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        int e = errno;
+        if (fd >= 0) close(fd), unlink(tmp);
+        qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; give another --out", tmp, strerror(e));
+    }
+    return f;
+}
+
+/* compare.md and compare.svg are qtrain's own outputs in a directory given
+ * for them: a regular file there is replaced, as eval.json is; a symlink,
+ * device or FIFO never (fs_check_out_path). */
+static QtStatus out_close(FILE *f, const char *tmp, const char *path, QtError *err) {
+    bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = fclose(f) == 0 && ok;
+    if (ok && fs_rename_tmp(tmp, path, FS_REPLACE_REGULAR) == 0) return QT_OK;
+    int e = errno;
+    unlink(tmp);
+    if (e == EEXIST)
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: it is no longer a regular file; nothing was replaced",
+                            path);
+    return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(e));
+}
+
 static QtStatus write_svg(const char *path, const CompareRun *runs, int n, QtError *err) {
-    FILE *f = fopen(path, "w");
-    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    char tmp[1200];
+    FILE *f = out_open(path, tmp, sizeof tmp, err);
+    if (!f) return QT_ERR_IO;
     fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='1180' height='440' font-family='sans-serif' "
                "font-size='12'>\n<rect width='100%%' height='100%%' fill='white'/>\n");
     svg_accuracy_panel(f, runs, n);
     svg_loss_panel(f, runs, n);
     fputs("</svg>\n", f);
-    if (fclose(f) != 0) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    return QT_OK;
+    return out_close(f, tmp, path, err);
 }
 
 QtStatus compare_write(const CompareRun *runs, int n, const char *out_dir, FILE *table, QtError *err) {
-    if (mkdir(out_dir, 0777) != 0 && errno != EEXIST)
-        return qt_error_set(err, QT_ERR_IO, "cannot create %s: %s; give another --out", out_dir, strerror(errno));
-    if (table) write_table(table, runs, n);
-    char path[1100];
+    struct stat sb;
+    if (lstat(out_dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        return qt_error_set(err, QT_ERR_ARG, "--out %s is not a directory (%s); give a directory", out_dir,
+                            S_ISLNK(sb.st_mode) ? "a symbolic link" : "another kind of file");
+    /* with its parents: the default runs/compare in a fresh directory has none */
+    QtStatus st = train_make_dirs(out_dir, "--out", NULL, 0, err);
+    if (st != QT_OK) return st;
+    char path[1100], svg[1100], tmp[1200];
     snprintf(path, sizeof path, "%s/compare.md", out_dir);
-    FILE *f = fopen(path, "w");
-    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; give another --out", path, strerror(errno));
+    snprintf(svg, sizeof svg, "%s/compare.svg", out_dir);
+    /* both checked before either is written */
+    st = fs_check_out_path(path, true, "compare --out:", err);
+    if (st == QT_OK) st = fs_check_out_path(svg, true, "compare --out:", err);
+    if (st != QT_OK) return st;
+    if (table) write_table(table, runs, n);
+    FILE *f = out_open(path, tmp, sizeof tmp, err);
+    if (!f) return QT_ERR_IO;
     fprintf(f, "# Runs compared\n\n");
     write_table(f, runs, n);
     fprintf(f, "\nbits/param: bytes held for the frozen base (quantized weights with their scales, and float "
                "parameters) x 8 / its parameters; 32 for a float model. Runs:");
     for (int i = 0; i < n; i++) fprintf(f, "%s `%s`", i ? "," : "", runs[i].dir);
     fprintf(f, ".\n\n![accuracy vs bits per parameter, and training loss](compare.svg)\n");
-    if (fclose(f) != 0) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    snprintf(path, sizeof path, "%s/compare.svg", out_dir);
-    return write_svg(path, runs, n, err);
+    if ((st = out_close(f, tmp, path, err)) != QT_OK) return st;
+    return write_svg(svg, runs, n, err);
 }

@@ -11,6 +11,7 @@
 #ifndef QTRAIN_TRAINER_COMPARE_H
 #define QTRAIN_TRAINER_COMPARE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -37,7 +38,10 @@ QtStatus compare_load_run(CompareRun *r, const char *dir, QtError *err);
 void compare_run_free(CompareRun *r);
 
 /* Prints the table to `table` (may be NULL) and writes out_dir/compare.md
- * and out_dir/compare.svg (out_dir is created if needed). */
+ * and out_dir/compare.svg (out_dir is created if needed; a symlink there is
+ * refused). Each file must be new or a regular file, which is replaced
+ * (fs_check_out_path: never a symlink, device or FIFO); both are checked
+ * before either is written. */
 QtStatus compare_write(const CompareRun *runs, int n, const char *out_dir, FILE *table, QtError *err);
 
 #endif

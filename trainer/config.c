@@ -242,6 +242,23 @@ QtStatus cfg_to_str(QtError *err, const YNode *v, const char *path, bool allow_e
     return QT_OK;
 }
 
+QtStatus cfg_check_name(QtError *err, const YNode *v, const char *path, const char *name, const char *why) {
+    bool ok = name[0] && name[0] != '.' && name[0] != '-';
+    for (const char *p = name; ok && *p; p++)
+        ok = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || strchr("_.-", *p);
+    if (ok) return QT_OK;
+    return cfg_fail(err, v, path, "expected letters, digits, '_', '-' and '.' only, not starting with '.' or '-' (%s), "
+                    "got \"%s\"", why, name);
+}
+
+QtStatus cfg_check_path(QtError *err, const YNode *v, const char *path, const char *value) {
+    for (const char *p = value; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            return cfg_fail(err, v, path, "the path contains a control character (byte 0x%02x at offset %zu); give a "
+                            "path without them", (unsigned)(unsigned char)*p, (size_t)(p - value));
+    return QT_OK;
+}
+
 void cfg_set_str(char *out, size_t size, const char *s) {
     memset(out, 0, size);
     snprintf(out, size, "%s", s);
@@ -312,13 +329,14 @@ static QtStatus load_run(QtError *err, const YNode *root, RunConfig *r) {
     if (st == QT_OK) st = cfg_check_keys(err, m, "run", RUN_KEYS, N_OF(RUN_KEYS), ~0u, "run");
     if (st == QT_OK) st = cfg_get_str(err, m, "run", "name", false, r->name, sizeof r->name);
     const YNode *name = cfg_field(m, "name");
-    if (st == QT_OK && name && strchr(r->name, '/'))
-        st = cfg_fail(err, name, "run.name", "must not contain '/' (it names the directory runs/<name>), got \"%s\"",
-                      r->name);
+    if (st == QT_OK && name)
+        st = cfg_check_name(err, name, "run.name", r->name, "it names the directory runs/<name>; no '/'");
     char dir[CONFIG_PATH_MAX];
     snprintf(dir, sizeof dir, "runs/%s", r->name);
     cfg_set_str(r->out_dir, sizeof r->out_dir, dir);
     if (st == QT_OK) st = cfg_get_str(err, m, "run", "out_dir", false, r->out_dir, sizeof r->out_dir);
+    const YNode *out_dir = cfg_field(m, "out_dir");
+    if (st == QT_OK && out_dir) st = cfg_check_path(err, out_dir, "run.out_dir", r->out_dir);
     const YNode *seed = cfg_field(m, "seed");
     if (st == QT_OK && seed) st = to_u64(err, seed, "run.seed", &r->seed);
     if (st == QT_OK) st = cfg_get_int(err, m, "run", "threads", 0, THREADS_MAX, &r->threads);
@@ -337,6 +355,7 @@ static QtStatus load_cache_dir(QtError *err, const YNode *v, DataConfig *d) {
                             "or none (no cache), got %s; write none to turn the cache off",
                             v->text);
     QtStatus st = cfg_to_str(err, v, "data.cache_dir", true, d->cache_dir, sizeof d->cache_dir);
+    if (st == QT_OK) st = cfg_check_path(err, v, "data.cache_dir", d->cache_dir);
     if (st == QT_OK && strcasecmp(d->cache_dir, "none") == 0) cfg_set_str(d->cache_dir, sizeof d->cache_dir, "none");
     return st;
 }
@@ -356,6 +375,7 @@ static QtStatus load_data(QtError *err, const YNode *root, DataConfig *d) {
         if (st == QT_OK) cfg_set_str(d->dataset, sizeof d->dataset, CONFIG_DATASETS[idx]);
     }
     if (st == QT_OK) st = cfg_get_str(err, m, "data", "dir", false, d->dir, sizeof d->dir);
+    if (st == QT_OK && cfg_field(m, "dir")) st = cfg_check_path(err, cfg_field(m, "dir"), "data.dir", d->dir);
     if (st == QT_OK) st = load_cache_dir(err, cfg_field(m, "cache_dir"), d);
     const YNode *storage = cfg_field(m, "storage");
     if (st == QT_OK && storage) st = cfg_to_str(err, storage, "data.storage", false, name, sizeof name);
@@ -448,6 +468,10 @@ static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc, Mod
     st = cfg_get_str(err, m, "model", "init_from", true, mc->init_from, sizeof mc->init_from);
     if (st == QT_OK)
         st = cfg_get_str(err, m, "model", "adapters_from", true, mc->adapters_from, sizeof mc->adapters_from);
+    if (st == QT_OK && cfg_field(m, "init_from"))
+        st = cfg_check_path(err, cfg_field(m, "init_from"), "model.init_from", mc->init_from);
+    if (st == QT_OK && cfg_field(m, "adapters_from"))
+        st = cfg_check_path(err, cfg_field(m, "adapters_from"), "model.adapters_from", mc->adapters_from);
     if (st != QT_OK) return st;
     return check_shapes(err, mc, layers, dry);
 }

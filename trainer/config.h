@@ -107,8 +107,9 @@ typedef enum {
 typedef struct {
     RuleMatch match;    /* module_path, op_types */
     bool skip;          /* skip: true: matching modules stay float (and later rules are not consulted) */
+    bool allow_clip;    /* allow_clip: symmetric / act_symmetric true with an unsigned format (negatives clip to 0) */
     QLayerSpec spec;    /* weight_qtype ("none" = NULL: float), tile_size, per_tensor, weight_calibration,
-                           symmetric, narrow_range, scale_type, double_quant, act_qtype, act_calibration,
+                           symmetric, narrow_range, scale_type, double_quant, rounding, act_qtype, act_calibration,
                            act_symmetric */
     QatSpec qat;        /* qat mode only: learn_amax, amax_init, act_static_scale, lr */
     QtSpec qt;          /* qt mode only: bwd_qtype, bwd_calibration, bwd_weight_grad_tile_size,
@@ -136,6 +137,8 @@ typedef struct {
     char trainable[CONFIG_MAX_LAYERS][MODULE_NAME_MAX]; /* lora.trainable: modules trained in full (float,
                                                            unquantized, no adapter), e.g. a new head */
     int n_trainable;
+    bool strict_base;           /* lora.strict_base, default false: model.adapters_from over another base (its
+                                   stored base_sha256 differs from this run's) is an error, not a warning */
 } LoraConfig;
 
 typedef struct {

@@ -49,6 +49,7 @@ static bool quant_rules_equal(const QuantRule *a, const QuantRule *b) {
            x->tile_size == y->tile_size && x->per_tensor == y->per_tensor &&
            calibs_equal(&x->weight_calib, &y->weight_calib) && x->symmetric == y->symmetric &&
            x->narrow_range == y->narrow_range && x->scale_type == y->scale_type && x->double_quant == y->double_quant &&
+           x->rounding == y->rounding && a->allow_clip == b->allow_clip &&
            x->act_qtype == y->act_qtype && calibs_equal(&x->act_calib, &y->act_calib) &&
            x->act_symmetric == y->act_symmetric && a->qat.learn_amax == b->qat.learn_amax &&
            calibs_equal(&a->qat.amax_init, &b->qat.amax_init) && a->qat.act_static_scale == b->qat.act_static_scale &&

@@ -208,6 +208,7 @@ static void put_quant(FILE *f, const QuantConfig *q) {
         fprintf(f, "      symmetric: %s\n      narrow_range: %s\n      scale_type: %s\n      double_quant: %s\n",
                 bool_str(s->symmetric), bool_str(s->narrow_range), qarray_scale_type_name(s->scale_type),
                 bool_str(s->double_quant));
+        fprintf(f, "      rounding: %s\n      allow_clip: %s\n", qround_name(s->rounding), bool_str(r->allow_clip));
         put_key_str(f, "      ", "act_qtype", s->act_qtype ? qtype_name(s->act_qtype) : "none");
         calib_format(&s->act_calib, b, sizeof b);
         put_key_str(f, "      ", "act_calibration", b);
@@ -240,6 +241,7 @@ static void put_lora(FILE *f, const LoraConfig *l) {
         put_str(f, l->trainable[i]);
     }
     fputs("]\n", f);
+    fprintf(f, "  strict_base: %s\n", bool_str(l->strict_base));
 }
 
 char *config_to_yaml(const Config *c) {

@@ -53,16 +53,8 @@ static QtStatus layer_name(QtError *err, const YNode *m, const char *path, int i
     char full[96];
     cfg_join(full, sizeof full, path, "name");
     QtStatus st = cfg_to_str(err, v, full, false, s->name, sizeof s->name);
-    for (const char *p = s->name; st == QT_OK && *p; p++) {
-        char ch = *p;
-        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                  strchr("_.-", ch);
-        if (!ok)
-            st = cfg_fail(err, v, full,
-                          "expected letters, digits, '_', '.' and '-' only (module names appear in parameter paths "
-                          "and rules), got \"%s\"",
-                          s->name);
-    }
+    if (st == QT_OK)
+        st = cfg_check_name(err, v, full, s->name, "module names are group names in checkpoints and appear in rules");
     return st;
 }
 
@@ -327,14 +319,11 @@ static QtStatus check_schedule(QtError *err, const YNode *train, const YNode *m,
         return cfg_fail(err, cfg_field(m, "min_lr"), "train.schedule.min_lr",
                         "expected at most train.optimizer.lr = %g for a cosine schedule, got %g", (double)t->optim.lr,
                         (double)s->min_lr);
-    if (s->kind == SCHED_COSINE && t->steps > 0 && s->warmup_steps >= t->steps)
-        return cfg_fail(err, cfg_field(m, "warmup_steps"), "train.schedule.warmup_steps",
-                        "expected fewer than train.steps = %" PRId64 " for a cosine schedule, got %" PRId64, t->steps,
-                        s->warmup_steps);
-    /* The library's own check as a backstop; total_steps is known only when steps is given. */
+    /* The library's own check as a backstop. A warmup longer than the run is not an error: the run clamps it
+       (run_plan_steps), as only then is the run's length known. */
     LrSchedule probe = *s;
     probe.base_lr = t->optim.lr;
-    probe.total_steps = t->steps > 0 ? t->steps : s->warmup_steps + 1;
+    probe.total_steps = s->warmup_steps;
     QtError inner = {0};
     if (lr_schedule_validate(&probe, &inner) == QT_OK) return QT_OK;
     const YNode *at = m ? m : train;

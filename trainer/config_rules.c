@@ -2,9 +2,10 @@
  * (quant/rules.h), each giving the modules it matches their PTQ or adapter
  * settings, and the modules LoRA trains in full.
  *
- * Every rule stores its settings resolved (the defaults filled in, the
- * weight calibration's default following `symmetric`), so config_to_yaml
- * prints what runs. A skip rule stores none: its spec stays zero. Rule
+ * Every rule stores its settings resolved (the defaults filled in: the
+ * symmetric flags and calibrations following the formats, nf4's block of
+ * 64), so config_to_yaml prints what runs. A skip rule stores none: its
+ * spec stays zero. Rule
  * structs are zeroed and filled field by field, never assigned whole, so
  * that two loads of one text compare equal byte for byte (padding too). */
 #include <limits.h>
@@ -18,7 +19,7 @@
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 static const char *const QUANT_KEYS[] = {"mode", "calibration_batches", "rules"};
-static const char *const LORA_KEYS[] = {"rules", "trainable"};
+static const char *const LORA_KEYS[] = {"rules", "trainable", "strict_base"};
 
 /* The first RK_MATCH_KEYS keys of both rule kinds are the match and skip. */
 enum { RK_MATCH_KEYS = 3 };
@@ -26,7 +27,8 @@ static const char *const QUANT_RULE_KEYS[] = {
     "module_path", "op_types",     "skip",       "weight_qtype", "tile_size", "per_tensor",      "weight_calibration",
     "symmetric",   "narrow_range", "scale_type", "double_quant", "act_qtype", "act_calibration", "act_symmetric",
     "learn_amax",  "amax_init",    "act_static_scale", "lr",  "disable_channelwise_axes",
-    "bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size", "bwd_stochastic_rounding", "channelwise_noise_axes"};
+    "bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size", "bwd_stochastic_rounding", "channelwise_noise_axes",
+    "rounding",    "allow_clip"};
 /* The keys only quant.mode qt reads. */
 static const char *const QT_ONLY_KEYS[] = {"bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size",
                                            "bwd_stochastic_rounding", "channelwise_noise_axes"};
@@ -124,10 +126,55 @@ static void calib_copy(CalibSpec *dst, const CalibSpec *src) {
     dst->fixed_minmax = src->fixed_minmax;
 }
 
-/* absmax for a symmetric range, minmax for an asymmetric one. */
-static void calib_default(CalibSpec *c, bool symmetric) {
-    const CalibSpec d = {.kind = symmetric ? CALIB_ABSMAX : CALIB_MINMAX, .s = 1.0};
+/* absmax for a symmetric range, minmax for an asymmetric one; mean |x| for
+ * ternary and binary (BitNet b1.58's absmean, XNOR-Net's alpha). */
+static void calib_default(CalibSpec *c, bool symmetric, const QType *t) {
+    bool mean_abs = t && (t->kind == QTYPE_KIND_TERNARY || t->kind == QTYPE_KIND_BINARY);
+    const CalibSpec d = {.kind = mean_abs ? CALIB_MEAN_ABS : symmetric ? CALIB_ABSMAX : CALIB_MINMAX, .s = 1.0};
     calib_copy(c, &d);
+}
+
+static bool is_unsigned(const QType *t) { return t && t->kind == QTYPE_KIND_UINT; }
+
+/* `symmetric` (or `act_symmetric`) for a format: unsigned formats default
+ * to an asymmetric range, since a symmetric one has no negative codes and
+ * clips every negative value to 0. Saying `true` for one anyway is an
+ * error unless the rule also says allow_clip: true (a ReLU output is
+ * non-negative; net_print_unused_rules then warns). */
+static QtStatus load_symmetric(QtError *err, const YNode *item, const char *path, const char *key, const QType *t,
+                               bool allow_clip, bool *out) {
+    *out = !is_unsigned(t);
+    QtStatus st = cfg_get_bool(err, item, path, key, out);
+    if (st != QT_OK || !is_unsigned(t) || !*out || allow_clip) return st;
+    char full[128];
+    return cfg_fail(err, cfg_field(item, key), cfg_join(full, sizeof full, path, key),
+                    "true with the unsigned format %s has no negative codes, so every negative value clips to 0; "
+                    "remove it (unsigned formats default to an asymmetric range with a zero point), or add "
+                    "allow_clip: true if the data cannot be negative (e.g. after a ReLU)", qtype_name(t));
+}
+
+/* Entropy calibration is TensorRT's for activations: its histogram's KL
+ * divergence rewards covering the bulk of many values, and on a small
+ * weight channel (tens of values) it clips the few that matter to a tiny
+ * range. */
+static QtStatus check_weight_calib(QtError *err, const YNode *item, const char *path, const CalibSpec *c) {
+    if (c->kind != CALIB_ENTROPY) return QT_OK;
+    char full[128];
+    return cfg_fail(err, cfg_field(item, "weight_calibration"), cfg_join(full, sizeof full, path,
+                    "weight_calibration"), "entropy is a calibration for activations (a histogram over many "
+                    "values): on a weight channel it collapses small channels to a tiny range; for weights use "
+                    "absmax, minmax, mse, percentile,p, rms,s, fixed,a, 3sd, kl_j or mean_abs");
+}
+
+static QtStatus load_rounding(QtError *err, const YNode *item, const char *path, QRound *out) {
+    const YNode *v = cfg_field(item, "rounding");
+    if (!v) return QT_OK;
+    char full[128], name[32];
+    QtError inner = {0};
+    cfg_join(full, sizeof full, path, "rounding");
+    QtStatus st = cfg_to_str(err, v, full, false, name, sizeof name);
+    if (st == QT_OK) st = cfg_lookup_fail(err, v, full, qround_parse(name, out, &inner), &inner);
+    return st;
 }
 
 static void spec_defaults(QLayerSpec *s) {
@@ -140,6 +187,7 @@ static void spec_defaults(QLayerSpec *s) {
     s->narrow_range = d.narrow_range;
     s->scale_type = d.scale_type;
     s->double_quant = d.double_quant;
+    s->rounding = d.rounding;
     s->act_qtype = d.act_qtype;
     calib_copy(&s->act_calib, &d.act_calib);
     s->act_symmetric = d.act_symmetric;
@@ -176,7 +224,8 @@ static QtStatus load_calib(QtError *err, const YNode *map, const char *path, con
     return st;
 }
 
-static QtStatus load_weight_settings(QtError *err, const YNode *item, const char *path, QLayerSpec *s) {
+static QtStatus load_weight_settings(QtError *err, const YNode *item, const char *path, bool allow_clip,
+                                     QLayerSpec *s) {
     char full[128];
     if (!cfg_field(item, "weight_qtype"))
         return cfg_fail(err, item, cfg_join(full, sizeof full, path, "weight_qtype"),
@@ -188,13 +237,19 @@ static QtStatus load_weight_settings(QtError *err, const YNode *item, const char
     bool no_axes = false; /* QAT's name for per-tensor scales (ModelOpt's disable_channelwise_axes) */
     if (st == QT_OK) st = cfg_get_bool(err, item, path, "disable_channelwise_axes", &no_axes);
     s->per_tensor = s->per_tensor || no_axes;
+    /* nf4 without a tile_size: bitsandbytes' blocks of 64 (tile_size: 0 asks for one scale per channel) */
+    if (s->weight_qtype && s->weight_qtype->kind == QTYPE_KIND_LUT && !cfg_field(item, "tile_size") &&
+        !s->per_tensor)
+        s->tile_size = QARRAY_NF4_BLOCK;
     if (st == QT_OK && s->per_tensor && s->tile_size > 0)
         st = cfg_fail(err, cfg_field(item, "per_tensor"), cfg_join(full, sizeof full, path, "per_tensor"),
                       "applies only with tile_size 0 (one scale for the whole weight), but tile_size is %d",
                       s->tile_size);
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "symmetric", &s->symmetric);
-    calib_default(&s->weight_calib, s->symmetric);
+    if (st == QT_OK) st = load_symmetric(err, item, path, "symmetric", s->weight_qtype, allow_clip, &s->symmetric);
+    calib_default(&s->weight_calib, s->symmetric, s->weight_qtype);
     if (st == QT_OK) st = load_calib(err, item, path, "weight_calibration", &s->weight_calib);
+    if (st == QT_OK) st = check_weight_calib(err, item, path, &s->weight_calib);
+    if (st == QT_OK) st = load_rounding(err, item, path, &s->rounding);
     if (st == QT_OK) st = cfg_get_bool(err, item, path, "narrow_range", &s->narrow_range);
     const YNode *v = cfg_field(item, "scale_type");
     if (st == QT_OK && v) {
@@ -296,6 +351,10 @@ static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *pat
     if (!r->skip && mode == QUANT_MODE_QT && r->spec.double_quant)
         return cfg_fail(err, cfg_field(item, "double_quant"), cfg_join(full, sizeof full, path, "double_quant"),
                         "does not apply to quant.mode qt (it compresses the stored scales of a frozen base)");
+    if (!r->skip && mode == QUANT_MODE_QT && r->spec.rounding != QROUND_RNE)
+        return cfg_fail(err, cfg_field(item, "rounding"), cfg_join(full, sizeof full, path, "rounding"),
+                        "applies to quant.mode ptq and qat (the weight's codes); qt rounds its forward to nearest "
+                        "(bwd_stochastic_rounding rounds its gradients)");
     if (r->skip || mode != QUANT_MODE_QAT) return QT_OK;
     if (r->spec.double_quant)
         return cfg_fail(err, cfg_field(item, "double_quant"), cfg_join(full, sizeof full, path, "double_quant"),
@@ -309,6 +368,11 @@ static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *pat
                         "%s learns the range of an integer grid, but %s is %s; use an int/uint format there or "
                         "learn_amax: none", qat_learn_name(r->qat.learn_amax), int_grid_w ? "act_qtype" : "weight_qtype",
                         int_grid_w ? qtype_name(a) : (w ? qtype_name(w) : "none"));
+    if (r->qat.learn_amax != QAT_LEARN_NONE && r->spec.rounding != QROUND_RNE)
+        return cfg_fail(err, cfg_field(item, "rounding"), cfg_join(full, sizeof full, path, "rounding"),
+                        "%s with learn_amax %s: a learned range rounds to nearest (its gradient is defined for rne); "
+                        "use learn_amax: none or rounding: rne", qround_name(r->spec.rounding),
+                        qat_learn_name(r->qat.learn_amax));
     if (r->qat.act_static_scale && (!a || r->qat.learn_amax != QAT_LEARN_NONE))
         return cfg_fail(err, cfg_field(item, "act_static_scale"),
                         cfg_join(full, sizeof full, path, "act_static_scale"),
@@ -324,10 +388,12 @@ static QtStatus load_quant_rule(QtError *err, const YNode *item, const char *pat
     if (st != QT_OK || r->skip) return st;
     QLayerSpec *s = &r->spec;
     spec_defaults(s);
-    st = load_weight_settings(err, item, path, s);
+    st = cfg_get_bool(err, item, path, "allow_clip", &r->allow_clip);
+    if (st == QT_OK) st = load_weight_settings(err, item, path, r->allow_clip, s);
     if (st == QT_OK) st = load_qtype(err, item, path, "act_qtype", "(keep the input float)", &s->act_qtype);
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "act_symmetric", &s->act_symmetric);
-    calib_default(&s->act_calib, s->act_symmetric);
+    if (st == QT_OK)
+        st = load_symmetric(err, item, path, "act_symmetric", s->act_qtype, r->allow_clip, &s->act_symmetric);
+    calib_default(&s->act_calib, s->act_symmetric, NULL);
     if (st == QT_OK) st = load_calib(err, item, path, "act_calibration", &s->act_calib);
     if (st == QT_OK) st = load_qat_settings(err, item, path, &r->qat);
     if (st == QT_OK) st = load_qt_settings(err, item, path, &r->qt);
@@ -460,5 +526,6 @@ QtStatus cfg_load_lora(QtError *err, const YNode *root, const Model *dry, LoraCo
                         "a rule mapping such as {module_path: \".*\", rank: 8}", load_lora_rule, l->rules,
                         sizeof l->rules[0], &l->n_rules);
     if (st == QT_OK) st = load_trainable(err, cfg_field(m, "trainable"), dry, l);
+    if (st == QT_OK) st = cfg_get_bool(err, m, "lora", "strict_base", &l->strict_base);
     return st;
 }

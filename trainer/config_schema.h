@@ -48,6 +48,13 @@ QtStatus cfg_to_int(QtError *err, const YNode *v, const char *path, int64_t lo, 
 QtStatus cfg_to_number(QtError *err, const YNode *v, const char *path, CfgRange r, double *out);
 QtStatus cfg_to_bool(QtError *err, const YNode *v, const char *path, bool *out);
 QtStatus cfg_to_str(QtError *err, const YNode *v, const char *path, bool allow_empty, char *out, size_t size);
+/* A name that becomes a file or group name (run.name, a layer's name):
+ * letters, digits, '_', '-' and '.', not starting with '.' or '-', so never
+ * ".", "..", a hidden file or an option. `why` ends the message. */
+QtStatus cfg_check_name(QtError *err, const YNode *v, const char *path, const char *name, const char *why);
+/* A path value (run.out_dir, data.dir, ...): no control characters (a NUL
+ * the YAML reader refuses already; the length cfg_to_str checks). */
+QtStatus cfg_check_path(QtError *err, const YNode *v, const char *path, const char *value);
 /* Copies s into out[size] with the rest zeroed, so Configs compare bytewise. */
 void cfg_set_str(char *out, size_t size, const char *s);
 

@@ -21,53 +21,82 @@
 
 #define MAX_OVERRIDES 64
 
+/* Each command's synopsis and description: `qtrain CMD --help` prints its own, `qtrain --help` all. */
+typedef struct {
+    const char *name, *synopsis, *help;
+} CmdHelp;
+
+static const CmdHelp CMD_HELP[] = {
+    {"train",
+     "qtrain [train] --config FILE [--resume PATH|auto] [--set KEY=VALUE]... [--stop-at-step N] [--quiet]",
+     "  (train)   train per the YAML config; writes metrics.csv, summary.json and\n"
+     "            checkpoints (ckpt-<step>.h5, last.h5, final.h5) into run.out_dir.\n"
+     "            --resume PATH continues from a checkpoint bit for bit; --resume auto\n"
+     "            takes the newest checkpoint in run.out_dir (or starts fresh if none).\n"
+     "            --set train.optimizer.lr=3e-4 overrides one key (repeatable).\n"
+     "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"},
+    {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--set KEY=VALUE]... [--quiet]",
+     "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
+     "            any); writes eval.json beside the checkpoint, or to --out PATH (a\n"
+     "            file, or an existing directory to hold eval.json). Without --config\n"
+     "            the config stored in the checkpoint is used (its data.cache_dir only\n"
+     "            if it is none; else the default cache).\n"},
+    {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...",
+     "  quantize  post-training-quantize a float checkpoint by the config's quant rules\n"
+     "            (weight-only, no data needed) into a PTQ checkpoint for model.init_from.\n"},
+    {"merge", "qtrain merge --checkpoint PATH --out PATH [--dequantize] [--force]",
+     "  merge     fold a run's LoRA adapters into its base (a quantized base is\n"
+     "            dequantized, added to and re-quantized) and report the merge error\n"
+     "            and the test accuracy and loss before and after. --dequantize\n"
+     "            writes a float model instead (no re-quantization error).\n"},
+    {"convert", "qtrain convert --checkpoint PATH --out PATH [--force]",
+     "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
+     "            the learned ranges) that evaluates exactly as it trained.\n"},
+    {"compare", "qtrain compare RUN_DIR... [--out DIR]",
+     "  compare   runs side by side from their summary.json and metrics.csv: a\n"
+     "            table (formats, bits/param, size, accuracy, delta vs the first\n"
+     "            float run, speed), and DIR/compare.md and DIR/compare.svg\n"
+     "            (accuracy vs bits/param, training-loss curves); DIR defaults\n"
+     "            to runs/compare and is created with its parents; compare.md and\n"
+     "            compare.svg replace regular files of those names there.\n"},
+    {"inspect", "qtrain inspect PATH",
+     "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
+     "            total bytes.\n"},
+    {"demo", "qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]",
+     "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"},
+    {"bench",
+     "qtrain bench --config FILE [--steps N] [--warmup N] [--eval-batches N] [--since-ns NS]\n"
+     "                    [--set KEY=VALUE]...",
+     "  bench     time the config's run, set up as training sets it up but writing nothing:\n"
+     "            --warmup (10) untimed and --steps (100) timed training steps, batch\n"
+     "            loading included, a GEMM-accounting pass, --eval-batches (40)\n"
+     "            forward-only test batches; prints bench: lines (samples/s, step ms,\n"
+     "            GEMM share, peak RSS, start-up). --since-ns NS: the caller's\n"
+     "            CLOCK_REALTIME nanoseconds at process start, e.g. $(date +%s%N).\n"},
+};
+#define N_CMDS ((int)(sizeof CMD_HELP / sizeof CMD_HELP[0]))
+
+static const char EXIT_HELP[] = "Exit status: 0 success, 1 runtime failure, 2 usage or config error.\n";
+
 static void usage(FILE *out) {
-    fprintf(out,
-            "usage: qtrain --config FILE [--resume PATH|auto] [--set KEY=VALUE]... [--stop-at-step N] [--quiet]\n"
-            "       qtrain eval [--config FILE] --checkpoint PATH [--set KEY=VALUE]... [--quiet]\n"
-            "       qtrain quantize --config FILE --checkpoint PATH --out PATH [--set KEY=VALUE]...\n"
-            "       qtrain merge --checkpoint PATH --out PATH\n"
-            "       qtrain convert --checkpoint PATH --out PATH\n"
-            "       qtrain compare RUN_DIR... [--out DIR]\n"
-            "       qtrain inspect PATH\n"
-            "       qtrain demo [--steps N] [--batch-size B] [--seed S] [--threads T] [--quiet]\n"
-            "       qtrain bench --config FILE [--steps N] [--warmup N] [--eval-batches N] [--since-ns NS]\n"
-            "                    [--set KEY=VALUE]...\n"
-            "       qtrain --help | --version\n"
-            "\n"
-            "  (train)   train per the YAML config; writes metrics.csv, summary.json and\n"
-            "            checkpoints (ckpt-<step>.h5, last.h5, final.h5) into run.out_dir.\n"
-            "            --resume PATH continues from a checkpoint bit for bit; --resume auto\n"
-            "            takes the newest checkpoint in run.out_dir (or starts fresh if none).\n"
-            "            --set train.optimizer.lr=3e-4 overrides one key (repeatable).\n"
-            "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"
-            "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
-            "            any); writes eval.json into run.out_dir. Without --config the\n"
-            "            config stored in the checkpoint is used.\n"
-            "  quantize  post-training-quantize a float checkpoint by the config's quant rules\n"
-            "            (weight-only, no data needed) into a PTQ checkpoint for model.init_from.\n"
-            "  merge     fold a run's LoRA adapters into its base (a quantized base is\n"
-            "            dequantized, added to and re-quantized) and report the merge error\n"
-            "            and the test accuracy before and after.\n"
-            "  compare   runs side by side from their summary.json and metrics.csv: a\n"
-            "            table (formats, bits/param, size, accuracy, delta vs the first\n"
-            "            float run, speed), and DIR/compare.md and DIR/compare.svg\n"
-            "            (accuracy vs bits/param, training-loss curves); DIR defaults\n"
-            "            to runs/compare.\n"
-            "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
-            "            the learned ranges) that evaluates exactly as it trained.\n"
-            "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
-            "            total bytes.\n"
-            "  demo      train a small MLP on synthetic spirals: an engine check without data.\n"
-            "  bench     time the config's run, set up as training sets it up but writing nothing:\n"
-            "            --warmup (10) untimed and --steps (100) timed training steps, batch\n"
-            "            loading included, a GEMM-accounting pass, --eval-batches (40)\n"
-            "            forward-only test batches; prints bench: lines (samples/s, step ms,\n"
-            "            GEMM share, peak RSS, start-up). --since-ns NS: the caller's\n"
-            "            CLOCK_REALTIME nanoseconds at process start, e.g. $(date +%%s%%N).\n"
-            "\n"
-            "Exit status: 0 success, 1 runtime failure, 2 usage or config error.\n");
+    for (int i = 0; i < N_CMDS; i++) fprintf(out, "%s %s\n", i ? "      " : "usage:", CMD_HELP[i].synopsis);
+    fprintf(out, "       qtrain --help | --version | CMD --help\n\n");
+    for (int i = 0; i < N_CMDS; i++) fputs(CMD_HELP[i].help, out);
+    fprintf(out, "\n%s", EXIT_HELP);
 }
+
+/* `qtrain cmd --help`: that command's usage only, on stdout, exit 0. */
+static void cmd_help_exit(const char *cmd) {
+    for (int i = 0; i < N_CMDS; i++) {
+        if (strcmp(CMD_HELP[i].name, cmd) != 0) continue;
+        printf("usage: %s\n\n%s\n%s", CMD_HELP[i].synopsis, CMD_HELP[i].help, EXIT_HELP);
+        exit(0);
+    }
+    usage(stdout);
+    exit(0);
+}
+
+static bool is_help(const char *arg) { return strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0; }
 
 typedef struct {
     const char *config, *resume, *checkpoint, *out;
@@ -75,6 +104,7 @@ typedef struct {
     const char *overrides[MAX_OVERRIDES];
     int n_overrides;
     bool quiet;
+    bool force; /* --out may replace a regular file */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -91,6 +121,9 @@ static long parse_positive(const char *opt, const char *value) {
 /* Parses the options shared by training and eval; exits 2 on a bad one. */
 static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArgs *a) {
     memset(a, 0, sizeof *a);
+    const char *name = cmd[0] ? cmd + 1 : "train";
+    for (int i = 0; i < argc; i++) /* --help anywhere wins, even after an option missing its value */
+        if (is_help(argv[i]) && (i == 0 || strcmp(argv[i - 1], "--set") != 0)) cmd_help_exit(name);
     for (int i = 0; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes_value = strcmp(o, "--config") == 0 || strcmp(o, "--set") == 0 ||
@@ -104,7 +137,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (!eval && strcmp(o, "--resume") == 0) a->resume = v, i++;
         else if (!eval && strcmp(o, "--stop-at-step") == 0) a->stop_at_step = parse_positive(o, v), i++;
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
-        else if (eval && strcmp(o, "--out") == 0 && strcmp(cmd, " eval") != 0) a->out = v, i++;
+        else if (eval && strcmp(o, "--out") == 0) a->out = v, i++;
+        else if (eval && strcmp(o, "--force") == 0) a->force = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -112,10 +146,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
             }
             a->overrides[a->n_overrides++] = v, i++;
         } else if (strcmp(o, "--quiet") == 0 || strcmp(o, "-q") == 0) a->quiet = true;
-        else if (strcmp(o, "--help") == 0 || strcmp(o, "-h") == 0) {
-            usage(stdout);
-            exit(0);
-        }
+        else if (is_help(o)) cmd_help_exit(name);
         else {
             fprintf(stderr, "qtrain%s: unknown option '%s' (see qtrain --help)\n", cmd, o);
             exit(2);
@@ -164,15 +195,43 @@ static int cmd_train(int argc, char **argv) {
     return 0;
 }
 
+/* Whether the overrides set `key`. */
+static bool overrides_set(const CliArgs *a, const char *key) {
+    size_t n = strlen(key);
+    for (int i = 0; i < a->n_overrides; i++)
+        if (strncmp(a->overrides[i], key, n) == 0 && a->overrides[i][n] == '=') return true;
+    return false;
+}
+
+/* The config stored in the checkpoint. Its data.cache_dir is kept only when it is `none` (no writes): a stored
+ * config does not choose a directory for eval to write into; --set data.cache_dir=DIR does. */
+static QtStatus eval_stored_config(Config *cfg, const CliArgs *a, QtError *err) {
+    char *text = NULL, name[CONFIG_PATH_MAX + 16];
+    snprintf(name, sizeof name, "%s:/config", a->checkpoint);
+    QtStatus st = checkpoint_read_config(a->checkpoint, &text, err);
+    if (st == QT_ERR_FORMAT && strstr(err->msg, "holds no stored config")) {
+        qt_error_clear(err);
+        return qt_error_set(err, QT_ERR_ARG, "%s holds no stored config; pass the config the model was trained with: "
+                            "qtrain eval --config FILE --checkpoint %s", a->checkpoint, a->checkpoint);
+    }
+    if (st == QT_OK) st = config_load_string(cfg, text, name, a->overrides, a->n_overrides, err);
+    free(text);
+    if (st == QT_OK && strcmp(cfg->data.cache_dir, "none") != 0 && !overrides_set(a, "data.cache_dir"))
+        cfg->data.cache_dir[0] = '\0';
+    return st;
+}
+
 static int cmd_eval(int argc, char **argv) {
     CliArgs a;
     parse_args(argc, argv, " eval", true, &a);
     if (!a.checkpoint) {
-        fprintf(stderr, "qtrain eval: --checkpoint PATH is required (see qtrain --help)\n");
+        fprintf(stderr, "qtrain eval: --checkpoint PATH is required (see qtrain eval --help)\n");
         return 2;
     }
-    Config *cfg = malloc(sizeof *cfg);
+    char json[CONFIG_PATH_MAX + 32];
     QtError err = {0};
+    if (train_eval_json_path(a.checkpoint, a.out, json, sizeof json, &err) != QT_OK) return fail(&err, 2);
+    Config *cfg = malloc(sizeof *cfg);
     if (!cfg) return 1;
     QtStatus st;
     if (a.config) {
@@ -181,24 +240,19 @@ static int cmd_eval(int argc, char **argv) {
             return fail(&err, 2);
         }
         st = QT_OK;
-    } else {
-        char *text = NULL, name[CONFIG_PATH_MAX + 16];
-        snprintf(name, sizeof name, "%s:/config", a.checkpoint);
-        st = checkpoint_read_config(a.checkpoint, &text, &err);
-        if (st == QT_OK) st = config_load_string(cfg, text, name, a.overrides, a.n_overrides, &err);
-        free(text);
-    }
+    } else st = eval_stored_config(cfg, &a, &err);
     if (st != QT_OK) {
         free(cfg);
         return fail(&err, exit_status(&err));
     }
     TrainResult r;
-    st = train_eval_checkpoint(cfg, a.checkpoint, true, &r, &err);
+    st = train_eval_checkpoint_to(cfg, a.checkpoint, json, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     printf("test_accuracy:%.4f test_loss:%.4f", r.test_accuracy, r.test_loss);
     if (r.val_accuracy >= 0) printf(" val_accuracy:%.4f val_loss:%.4f", r.val_accuracy, r.val_loss);
     printf("\n");
+    if (!a.quiet) printf("wrote %s\n", json);
     return 0;
 }
 
@@ -213,33 +267,52 @@ static int cmd_quantize(int argc, char **argv) {
     QtError err = {0};
     if (!cfg) return 1;
     QtStatus st = config_load(cfg, a.config, a.overrides, a.n_overrides, &err);
-    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.quiet ? NULL : stdout, &err);
+    if (st == QT_OK) st = tools_quantize(cfg, a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &err);
     free(cfg);
     return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
 static int cmd_merge(int argc, char **argv) {
     CliArgs a;
-    parse_args(argc, argv, " merge", true, &a);
+    bool dequantize = false;
+    char **rest = calloc((size_t)argc + 1, sizeof *rest);
+    int n_rest = 0;
+    if (!rest) return 1;
+    for (int i = 0; i < argc; i++) { /* --dequantize: a flag of merge alone, taken out before the common options */
+        bool is_value = i > 0 && (strcmp(argv[i - 1], "--checkpoint") == 0 || strcmp(argv[i - 1], "--out") == 0 ||
+                                  strcmp(argv[i - 1], "--config") == 0 || strcmp(argv[i - 1], "--set") == 0);
+        if (!is_value && strcmp(argv[i], "--dequantize") == 0) dequantize = true;
+        else rest[n_rest++] = argv[i];
+    }
+    parse_args(n_rest, rest, " merge", true, &a);
     if (!a.checkpoint || !a.out || a.config || a.n_overrides) {
         fprintf(stderr, "qtrain merge: give --checkpoint PATH and --out PATH (the config comes from the checkpoint)\n");
+        free(rest);
         return 2;
     }
     QtError err = {0};
     MergeReport rep;
-    if (tools_merge(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
-        return fail(&err, exit_status(&err));
-    printf("merged:%d weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f out:%s\n",
-           rep.modules, rep.weight_rel_rmse, rep.test_accuracy_before, rep.test_accuracy_after,
-           rep.test_accuracy_after - rep.test_accuracy_before, a.out);
+    QtStatus st = tools_merge(a.checkpoint, a.out, dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
+    free(rest);
+    if (st != QT_OK) return fail(&err, exit_status(&err));
+    printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f "
+           "test_loss_before:%.4f test_loss_after:%.4f out:%s\n", rep.modules, rep.mode, rep.weight_rel_rmse,
+           rep.test_accuracy_before, rep.test_accuracy_after, rep.test_accuracy_after - rep.test_accuracy_before,
+           rep.test_loss_before, rep.test_loss_after, a.out);
     return 0;
 }
 
 static int cmd_compare(int argc, char **argv) {
     const char *out = "runs/compare", *dirs[COMPARE_MAX_RUNS];
     int n = 0;
+    for (int i = 0; i < argc; i++)
+        if (is_help(argv[i])) cmd_help_exit("compare");
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = argv[++i];
+        else if (strcmp(argv[i], "--out") == 0) {
+            fprintf(stderr, "qtrain compare: --out needs a value\n");
+            return 2;
+        }
         else if (argv[i][0] == '-') {
             fprintf(stderr, "qtrain compare: unknown option '%s' (see qtrain --help)\n", argv[i]);
             return 2;
@@ -262,7 +335,7 @@ static int cmd_compare(int argc, char **argv) {
     if (st == QT_OK) printf("\nwrote %s/compare.md and %s/compare.svg\n", out, out);
     for (int i = 0; runs && i < loaded; i++) compare_run_free(&runs[i]);
     free(runs);
-    return st == QT_OK ? 0 : fail(&err, 1);
+    return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
 static int cmd_convert(int argc, char **argv) {
@@ -275,7 +348,7 @@ static int cmd_convert(int argc, char **argv) {
     }
     QtError err = {0};
     ConvertReport rep;
-    if (tools_convert(a.checkpoint, a.out, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
+    if (tools_convert(a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
         return fail(&err, exit_status(&err));
     printf("converted:%d test_accuracy_qat:%.4f test_accuracy_ptq:%.4f test_loss_qat:%.6f test_loss_ptq:%.6f out:%s\n",
            rep.modules, rep.test_accuracy_qat, rep.test_accuracy_ptq, rep.test_loss_qat, rep.test_loss_ptq, a.out);
@@ -283,6 +356,8 @@ static int cmd_convert(int argc, char **argv) {
 }
 
 static int cmd_inspect(int argc, char **argv) {
+    for (int i = 0; i < argc; i++)
+        if (is_help(argv[i])) cmd_help_exit("inspect");
     if (argc != 1) {
         fprintf(stderr, "qtrain inspect: give exactly one checkpoint path\n");
         return 2;
@@ -294,6 +369,8 @@ static int cmd_inspect(int argc, char **argv) {
 
 static int cmd_demo(int argc, char **argv) {
     DemoOptions o = demo_options_default();
+    for (int i = 0; i < argc; i++)
+        if (is_help(argv[i])) cmd_help_exit("demo");
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--steps") == 0) o.steps = (int)parse_positive(a, v), i++;
@@ -302,8 +379,7 @@ static int cmd_demo(int argc, char **argv) {
         else if (strcmp(a, "--threads") == 0) o.threads = (int)parse_positive(a, v), i++;
         else if (strcmp(a, "--quiet") == 0) o.quiet = true;
         else {
-            fprintf(stderr, "qtrain demo: unknown option '%s'\n", a);
-            usage(stderr);
+            fprintf(stderr, "qtrain demo: unknown option '%s' (see qtrain demo --help)\n", a);
             return 2;
         }
     }
@@ -337,10 +413,7 @@ static int cmd_bench(int argc, char **argv) {
     int n_overrides = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            usage(stdout);
-            exit(0);
-        }
+        if (is_help(a)) cmd_help_exit("bench");
         bool known = strcmp(a, "--config") == 0 || strcmp(a, "--steps") == 0 || strcmp(a, "--warmup") == 0 ||
                      strcmp(a, "--eval-batches") == 0 || strcmp(a, "--since-ns") == 0 || strcmp(a, "--set") == 0;
         if (!known) {

@@ -9,6 +9,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "nn/fsutil.h"
+
 #define METRICS_HEADER "split,step,epoch,loss,accuracy,lr,samples_per_s,wall_s\n"
 
 double metrics_now(void) {
@@ -61,10 +63,11 @@ QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step
     memset(ml, 0, sizeof *ml);
     snprintf(ml->path, sizeof ml->path, "%s/metrics.csv", dir);
     char tmp[sizeof ml->path + 32];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", ml->path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
+    int fd = fs_open_tmp(ml->path, tmp, sizeof tmp); /* never through a symlink planted under the temp name */
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!f) {
         int e = errno;
+        if (fd >= 0) close(fd), unlink(tmp);
         return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", tmp, strerror(e), write_hint(e));
     }
     fputs(METRICS_HEADER, f);

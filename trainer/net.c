@@ -126,7 +126,8 @@ static QtStatus net_quantize_held(Net *n, QtError *err) {
         QLayer *q = &n->qlayers[i];
         if (q->module->weight->released) continue;
         QLayerSpec spec = q->spec;
-        st = qlayer_init_quantize(q, q->module, &spec, q->module->weight->var.value.data, err);
+        Rng rng = qlayer_round_rng(n->cfg->run.seed, (int)(q->module - n->model.modules));
+        st = qlayer_init_quantize_rng(q, q->module, &spec, q->module->weight->var.value.data, &rng, err);
         if (st == QT_OK) param_release(q->module->weight);
     }
     return st;
@@ -189,6 +190,7 @@ static QtStatus net_attach_qat(Net *n, NetInit how, QtError *err) {
         if (!qs) continue;
         QatLayer *q = &n->qat[k++];
         st = qat_layer_init(q, &n->model.modules[i], qs, &n->cfg->quant.rules[n->quant_rule[i]].qat, err);
+        if (st == QT_OK) q->round_rng = qlayer_round_rng(n->cfg->run.seed, i);
         if (st == QT_OK && how == NET_FRESH) st = qat_layer_init_ranges(q, err);
         if (st == QT_OK) qat_layer_install(q);
     }
@@ -299,6 +301,9 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
                           "use quant.mode qat or ptq under lora rules, or train the QT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
+    /* the int8 path can be forced (tests, measurements); unset leaves the choice as it is */
+    const char *kernel = getenv("QTRAIN_INT8_KERNEL");
+    if (st == QT_OK && kernel) st = qlayer_int8_kernel_select(kernel, "QTRAIN_INT8_KERNEL", err);
     if (st == QT_OK) {
         Rng init;
         rng_init(&init, c->run.seed, RNG_STREAM_INIT);
@@ -314,10 +319,38 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     if (st == QT_OK && how == NET_FRESH && c->model.adapters_from[0]) {
         CheckpointNet parts = net_checkpoint_parts(n);
         QtError e = {0};
-        if (checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, &e) != QT_OK)
+        if (net_check_adapters_base(n, c->model.adapters_from, stderr, &e) != QT_OK ||
+            checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, &e) != QT_OK)
             st = qt_error_set(err, e.status, "%s: model.adapters_from: %s", c->source, e.msg);
     }
     if (st != QT_OK) net_free(n);
+    return st;
+}
+
+QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err) {
+    CheckpointProvenance *p = malloc(sizeof *p);
+    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    char mine[SHA256_HEX_CHARS];
+    CheckpointNet parts = net_checkpoint_parts(n);
+    QtStatus st = checkpoint_read_provenance(path, p, err);
+    if (st == QT_OK) st = checkpoint_base_sha256(&n->model, &parts, mine, err);
+    if (st == QT_OK && !p->base_sha256[0]) {
+        fprintf(warn, "qtrain: warning: %s records no base identity (base_sha256; written by an older qtrain?): "
+                "whether its adapters were trained on this run's base (sha256 %s) cannot be checked\n", path, mine);
+    } else if (st == QT_OK && strcmp(p->base_sha256, mine) != 0) {
+        const char *from = p->base_init_from[0] ? p->base_init_from : "no init_from";
+        if (n->cfg->lora.strict_base)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s was trained on another base (sha256 %s, from %s) than this "
+                              "run's (sha256 %s, from %s), and lora.strict_base is true; point model.init_from at "
+                              "the base it was trained on", path, p->base_sha256, from, mine,
+                              n->cfg->model.init_from[0] ? n->cfg->model.init_from : "no init_from");
+        else
+            fprintf(warn, "qtrain: warning: %s was trained on another base (sha256 %s, from %s) than this run's "
+                    "(sha256 %s, from %s); its adapters may not fit this base (lora.strict_base: true makes this an "
+                    "error)\n", path, p->base_sha256, from, mine,
+                    n->cfg->model.init_from[0] ? n->cfg->model.init_from : "no init_from");
+    }
+    free(p);
     return st;
 }
 
@@ -502,6 +535,12 @@ static const LoraAdapter *net_find_adapter(const Net *n, const Module *m) {
     return NULL;
 }
 
+const char *net_int8_kernel(const Net *n) {
+    for (int i = 0; i < n->n_qlayers; i++)
+        if (qlayer_int8_supported(&n->qlayers[i])) return qlayer_int8_kernel();
+    return "none";
+}
+
 void net_print_table(const Net *n, FILE *out) {
     bool any_quant = n->cfg->quant.mode != QUANT_MODE_NONE, any_lora = config_has_lora(n->cfg);
     if (!any_quant && !any_lora) return;
@@ -541,23 +580,74 @@ void net_print_table(const Net *n, FILE *out) {
             snprintf(ld, sizeof ld, "[%d] skip", n->lora_rule[i]);
         fprintf(out, "  %-12s %-8s %-52s %s\n", m->path, layer_type_name(m->spec.type), qd, ld);
     }
+    /* which path int8 x int8 layers evaluate on: a CPU without VNNI emulates them in float */
+    if (n->n_qlayers > 0) fprintf(out, "  int8_kernel: %s\n", net_int8_kernel(n));
+}
+
+void net_set_step(Net *n, int64_t step) {
+    for (int i = 0; i < n->n_qat; i++) qat_layer_set_step(&n->qat[i], step);
+}
+
+/* Whether rule `match` applies to module m on its own (earlier rules aside). */
+static bool rule_applies(const RuleMatch *match, const Module *m) {
+    if (match->op_types && !(match->op_types & (1u << m->spec.type))) return false;
+    return rule_pattern_matches(match->module_path, m->path) == 1;
+}
+
+/* The warning for a rule that is the first match for no module: when it does
+ * match modules, the earlier rules (or lora.trainable) that took them are
+ * named; "check the regex" only when it matches none at all. */
+static void net_warn_unused_rule(const Net *n, FILE *out, const RuleMatch *match, const int *taken_by,
+                                 const char *section) {
+    char mods[256] = "", takers[256] = "";
+    bool seen[RULES_MAX] = {false}, by_trainable = false;
+    size_t ml = 0, tl = 0;
+    for (int i = 0; i < n->model.n_modules; i++) {
+        const Module *m = &n->model.modules[i];
+        if (!module_has_matrix_weight(m) || !rule_applies(match, m)) continue;
+        if (ml < sizeof mods) ml += (size_t)snprintf(mods + ml, sizeof mods - ml, "%s%s", ml ? ", " : "", m->path);
+        if (n->is_trainable[i]) by_trainable = true;
+        else if (taken_by[i] >= 0) seen[taken_by[i]] = true;
+    }
+    if (!mods[0]) {
+        fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module; check the regex (it must "
+                "match a whole module path) and its op_types\n", match->where, match->module_path);
+        return;
+    }
+    for (int r = 0; r < RULES_MAX; r++)
+        if (seen[r] && tl < sizeof takers)
+            tl += (size_t)snprintf(takers + tl, sizeof takers - tl, "%s%s[%d]", tl ? ", " : "", section, r);
+    if (by_trainable && tl < sizeof takers)
+        snprintf(takers + tl, sizeof takers - tl, "%slora.trainable", tl ? ", " : "");
+    fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module: it matches %s, but %s took them "
+            "first (%s)\n", match->where, match->module_path, mods, takers,
+            tl ? "the first rule that applies wins; move this rule earlier or narrow the one that took them"
+               : "lora.trainable modules train in full and take no rule; drop the rule or the module from "
+                 "lora.trainable");
 }
 
 int net_print_unused_rules(const Net *n, FILE *out) {
     int count = 0;
     int nq = n->cfg->quant.mode == QUANT_MODE_NONE ? 0 : n->cfg->quant.n_rules;
+    for (int r = 0; r < nq; r++) {
+        const QuantRule *q = &n->cfg->quant.rules[r];
+        const QType *w = q->spec.weight_qtype, *a = q->spec.act_qtype;
+        bool w_clip = w && w->kind == QTYPE_KIND_UINT && q->spec.symmetric;
+        bool a_clip = a && a->kind == QTYPE_KIND_UINT && q->spec.act_symmetric;
+        if (q->skip || !(w_clip || a_clip)) continue;
+        fprintf(out, "qtrain: warning: %s: %s with %s clips every negative %s to 0 (allow_clip: true)\n",
+                q->match.where, w_clip ? "symmetric: true" : "act_symmetric: true", qtype_name(w_clip ? w : a),
+                w_clip ? "weight" : "input");
+        count++;
+    }
     for (int r = 0; r < nq; r++)
         if (n->quant_hits[r] == 0) {
-            fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module; check the regex (it must "
-                    "match a whole module path) and its op_types\n", n->cfg->quant.rules[r].match.where,
-                    n->cfg->quant.rules[r].match.module_path);
+            net_warn_unused_rule(n, out, &n->cfg->quant.rules[r].match, n->quant_rule, "quant.rules");
             count++;
         }
     for (int r = 0; r < n->cfg->lora.n_rules; r++)
         if (n->lora_hits[r] == 0) {
-            fprintf(out, "qtrain: warning: %s (module_path \"%s\") applies to no module; check the regex (it must "
-                    "match a whole module path) and its op_types\n", n->cfg->lora.rules[r].match.where,
-                    n->cfg->lora.rules[r].match.module_path);
+            net_warn_unused_rule(n, out, &n->cfg->lora.rules[r].match, n->lora_rule, "lora.rules");
             count++;
         }
     return count;

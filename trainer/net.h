@@ -57,6 +57,13 @@ typedef struct {
  * (NET_FRESH_TIMING does not).
  * Every error names the module, the rule or the file. */
 QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
+/* model.adapters_from `path` against n's base (net_build calls it with
+ * stderr before loading the adapters): the file's base_sha256 against
+ * checkpoint_base_sha256 of n. Another base is a warning to `warn` naming
+ * both hashes and init_from paths (QT_ERR_CONFIG with lora.strict_base); a
+ * file without the identity loads with a warning that the base cannot be
+ * checked. */
+QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err);
 void net_free(Net *n);
 
 /* The /quant and /lora parts for checkpoints. */
@@ -69,6 +76,10 @@ QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *e
 /* QT_ERR_VALUE naming the module, the range and `step` if a learned
  * quantization range is not finite (NaN/Inf after an update). */
 QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err);
+
+/* The training step the next training forward belongs to (QAT's
+ * stochastic weight rounding draws that step's noise: qat_layer_set_step). */
+void net_set_step(Net *n, int64_t step);
 
 /* "float", "ptq", "lora", "qlora", "qat" (the summary's mode). */
 const char *net_mode_name(const Net *n);
@@ -97,9 +108,17 @@ QtStatus net_calib_end(Net *n, QtError *err);
 /* Whether any quantized layer has a static activation range to calibrate. */
 bool net_needs_act_calibration(const Net *n);
 
-/* The per-module table (which rule applied and what it resolved to). */
+/* The path the PTQ layers with int8 weights and inputs evaluate on
+ * (qlayer_int8_kernel: "vnni", "portable", "float-emulated"), or "none"
+ * when no layer qualifies. QTRAIN_INT8_KERNEL (vnni, portable, float,
+ * auto), read by net_build, forces the choice. */
+const char *net_int8_kernel(const Net *n);
+
+/* The per-module table (which rule applied and what it resolved to), and
+ * for a PTQ base its int8_kernel line. */
 void net_print_table(const Net *n, FILE *out);
-/* One warning line per rule that applied to no module; returns the count. */
+/* One warning line per rule that applied to no module, and per rule that
+ * lets an unsigned format clip negatives (allow_clip); returns the count. */
 int net_print_unused_rules(const Net *n, FILE *out);
 
 #endif

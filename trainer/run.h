@@ -17,6 +17,7 @@
 #include "trainer/guard.h"
 #include "trainer/metrics.h"
 #include "trainer/net.h"
+#include "trainer/rundir.h"
 #include "trainer/train.h"
 
 typedef struct {
@@ -52,6 +53,9 @@ typedef struct {
     int64_t nonfinite_skipped; /* steps whose update train.on_nonfinite: skip dropped, over all invocations */
     int64_t nonfinite_streak;  /* of them, the latest steps in a row */
     LossWatch loss_watch;   /* train.divergence_factor's running means (trainer/guard.h) */
+    char base_sha256[SHA256_HEX_CHARS]; /* a LoRA run's frozen base (checkpoint_base_sha256); "" otherwise */
+    char *lora_trainable;   /* lora.trainable, comma-separated, for adapters.h5 (malloc'd) */
+    RunDirLock lock;        /* out_dir's .lock, held from run_setup until run_free */
 } Run;
 
 /* Everything a run needs that does not touch run.out_dir: the thread count,

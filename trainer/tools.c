@@ -5,11 +5,31 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/fsutil.h"
 #include "trainer/checkpoint.h"
 #include "trainer/net.h"
+#include "trainer/rundir.h"
 #include "trainer/train.h"
 
-QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, FILE *log, QtError *err) {
+/* Writes a tool's output checkpoint: only where nothing is, or (force) over
+ * a regular file; in a run directory under its lock; stale temp files of
+ * dead writers of `out` removed first. */
+static QtStatus save_out(const char *out, bool force, const Model *m, CheckpointState *s, QtError *err) {
+    RunDirLock lock;
+    s->replace = force ? FS_REPLACE_REGULAR : FS_REPLACE_NONE;
+    QtStatus st = fs_check_out_path(out, force, "--out", err);
+    if (st == QT_OK) st = rundir_lock_if_run(out, &lock, err);
+    if (st != QT_OK) return st;
+    fs_remove_stale_tmps_of(out, 0);
+    st = checkpoint_save(out, m, NULL, s, err);
+    rundir_unlock(&lock, false);
+    return st;
+}
+
+QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, bool force, FILE *log,
+                        QtError *err) {
+    QtStatus out_st = fs_check_out_path(out, force, "--out", err); /* before the work, not only before the write */
+    if (out_st != QT_OK) return out_st;
     if (cfg->quant.mode != QUANT_MODE_PTQ)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: qtrain quantize needs quant.mode: ptq and quant rules (the mode "
                             "is %s)", cfg->source, quant_mode_name(cfg->quant.mode));
@@ -32,7 +52,7 @@ QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *o
     if (st == QT_OK && !text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK) {
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = net_checkpoint_parts(&n)};
-        st = checkpoint_save(out, &n.model, NULL, &s, err);
+        st = save_out(out, force, &n.model, &s, err);
     }
     if (st == QT_OK && log) {
         net_print_table(&n, log);
@@ -119,46 +139,98 @@ static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *no
     return st;
 }
 
-QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err) {
+/* --dequantize: the merged model in float (PEFT's merge_and_unload). out is
+ * built from the merged config (quant.mode none) and every parameter taken
+ * from n: a quantized weight dequantized, then every adapter's delta added. */
+static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, FILE *log, QtError *err) {
+    QtStatus st = net_build(out, merged, NET_SHELL, err);
+    for (int i = 0; st == QT_OK && i < out->model.n_params; i++) {
+        Param *p = &out->model.params[i];
+        const Param *src = model_find_param((Model *)&n->model, p->name);
+        if (!src || var_numel(&src->var) != var_numel(&p->var)) {
+            st = qt_error_set(err, QT_ERR_FORMAT, "merging: parameter %s of the float model has no counterpart of "
+                              "its size in the checkpoint's model", p->name);
+            break;
+        }
+        const QLayer *q = NULL;
+        for (int k = 0; src->released && k < n->n_qlayers; k++)
+            if (n->qlayers[k].module->weight == src) q = &n->qlayers[k];
+        if (q) qlayer_dequantize_weight(q, p->var.value.data);
+        else memcpy(p->var.value.data, src->var.value.data, var_numel(&p->var) * sizeof(float));
+    }
+    for (int i = 0; st == QT_OK && i < n->n_adapters; i++) {
+        const LoraAdapter *a = &n->adapters[i];
+        Module *m = model_find_module(&out->model, a->module->path);
+        lora_adapter_merge(a, m->weight->var.value.data);
+        const QLayer *q = find_qlayer(n, a->module);
+        if (log) fprintf(log, "  %-12s %s base: %sW += %g * B A, stored float32\n", m->path,
+                         q ? qtype_name(q->spec.weight_qtype) : "float", q ? "dequantize, " : "", (double)a->scale);
+    }
+    return st;
+}
+
+QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, bool force, FILE *log, MergeReport *rep,
+                     QtError *err) {
     memset(rep, 0, sizeof *rep);
+    QtStatus out_st = fs_check_out_path(out, force, "--out", err); /* before the work, not only before the write */
+    if (out_st != QT_OK) return out_st;
     Config *c = malloc(sizeof *c), *merged = malloc(sizeof *merged);
-    Net n;
+    Net n, fl;
     memset(&n, 0, sizeof n);
+    memset(&fl, 0, sizeof fl);
     QtStatus st = c && merged ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK) st = load_stored_config(checkpoint, c, err);
     if (st == QT_OK && c->lora.n_rules == 0)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters (its config has no lora rules): nothing to "
                           "merge", checkpoint);
     if (st == QT_OK) st = load_checkpoint_net(checkpoint, c, &n, err);
-    double err2 = 0.0, norm2 = 0.0;
-    if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s:\n", n.n_adapters, checkpoint);
-    for (int i = 0; st == QT_OK && i < n.n_adapters; i++) st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
-    char *text = NULL;
+    char base[SHA256_HEX_CHARS] = "";
+    CheckpointNet src = net_checkpoint_parts(&n);
+    if (st == QT_OK) st = checkpoint_base_sha256(&n.model, &src, base, err); /* before the base changes */
     if (st == QT_OK) {
         *merged = *c;
         merged->lora.n_rules = 0; /* the adapters are in the weights now; trainable modules stay as they are */
         memset(merged->lora.rules, 0, sizeof merged->lora.rules);
         merged->model.adapters_from[0] = '\0';
+        if (dequantize) { /* a float model: no quantized base, no QAT/QT state */
+            merged->quant.mode = QUANT_MODE_NONE;
+            merged->quant.n_rules = 0;
+            memset(merged->quant.rules, 0, sizeof merged->quant.rules);
+        }
+    }
+    double err2 = 0.0, norm2 = 0.0;
+    if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s%s:\n", n.n_adapters, checkpoint,
+                                    dequantize ? " into a float model" : "");
+    if (st == QT_OK && dequantize) st = merge_to_float(&n, merged, &fl, log, err);
+    for (int i = 0; st == QT_OK && !dequantize && i < n.n_adapters; i++)
+        st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
+    char *text = NULL;
+    if (st == QT_OK) {
         text = config_to_yaml(merged);
         if (!text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     }
+    const char *mode = merged->quant.mode == QUANT_MODE_NONE ? "float" : quant_mode_name(merged->quant.mode);
     if (st == QT_OK) {
-        CheckpointState s = {.last_train_loss = NAN, .config_text = text,
-                             .net = {.qlayers = n.qlayers, .n_qlayers = n.n_qlayers}};
-        st = checkpoint_save(out, &n.model, NULL, &s, err);
+        CheckpointState s = {.last_train_loss = NAN, .config_text = text, .mode = mode, .merged_from = checkpoint,
+                             .merged_from_base_sha256 = base};
+        if (!dequantize) s.net = (CheckpointNet){.qlayers = n.qlayers, .n_qlayers = n.n_qlayers};
+        st = save_out(out, force, dequantize ? &fl.model : &n.model, &s, err);
     }
     if (st == QT_OK) {
         rep->modules = n.n_adapters;
+        rep->dequantized = dequantize;
         rep->weight_rel_rmse = norm2 > 0 ? sqrt(err2 / norm2) : 0.0;
+        rep->mode = mode;
     }
     TrainResult before, after;
     if (st == QT_OK) st = train_eval_checkpoint(c, checkpoint, false, &before, err);
     if (st == QT_OK) st = train_eval_checkpoint(merged, out, false, &after, err);
     if (st == QT_OK) {
-        rep->test_accuracy_before = before.test_accuracy;
-        rep->test_accuracy_after = after.test_accuracy;
+        rep->test_accuracy_before = before.test_accuracy, rep->test_loss_before = before.test_loss;
+        rep->test_accuracy_after = after.test_accuracy, rep->test_loss_after = after.test_loss;
     }
     if (n.cfg) net_free(&n);
+    if (fl.cfg) net_free(&fl);
     free(text);
     free(c);
     free(merged);
@@ -167,7 +239,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeRe
 
 /* The converted model: the QAT net's float parameters, its converted layers
  * as the PTQ base, under a ptq config. */
-static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError *err) {
+static QtStatus convert_save(Net *n, const Config *ptq, const char *out, bool force, QtError *err) {
     QLayer *ql = calloc((size_t)n->n_qat + 1, sizeof *ql);
     if (!ql) return qt_error_set(err, QT_ERR_NOMEM, "out of memory converting");
     int k = 0;
@@ -180,7 +252,7 @@ static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError
         /* the float weights are now in the QLayers: released, they are not written under /params */
         for (int i = 0; i < n->n_qat; i++) param_release(n->qat[i].module->weight);
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = {.qlayers = ql, .n_qlayers = k}};
-        st = checkpoint_save(out, &n->model, NULL, &s, err);
+        st = save_out(out, force, &n->model, &s, err);
     }
     for (int i = 0; i < k; i++) qlayer_free(&ql[i]);
     free(ql);
@@ -188,8 +260,11 @@ static QtStatus convert_save(Net *n, const Config *ptq, const char *out, QtError
     return st;
 }
 
-QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, ConvertReport *rep, QtError *err) {
+QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE *log, ConvertReport *rep,
+                       QtError *err) {
     memset(rep, 0, sizeof *rep);
+    QtStatus out_st = fs_check_out_path(out, force, "--out", err); /* before the work, not only before the write */
+    if (out_st != QT_OK) return out_st;
     Config *c = malloc(sizeof *c), *ptq = malloc(sizeof *ptq);
     Net n;
     memset(&n, 0, sizeof n);
@@ -206,7 +281,7 @@ QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, Conve
         *ptq = *c;
         ptq->quant.mode = QUANT_MODE_PTQ;
         ptq->model.init_from[0] = '\0';
-        st = convert_save(&n, ptq, out, err);
+        st = convert_save(&n, ptq, out, force, err);
     }
     if (st == QT_OK) rep->modules = n.n_qat;
     TrainResult a, b;

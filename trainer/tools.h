@@ -8,13 +8,19 @@
 #include "nn/error.h"
 #include "trainer/config.h"
 
+/* `out`, in every tool: a new file, or with force a regular file to replace;
+ * anything else (a directory, symlink, device, FIFO) is refused with
+ * QT_ERR_ARG before any work (nn/fsutil.h: fs_check_out_path). In a run
+ * directory the write takes its lock (trainer/rundir.h). */
+
 /* PTQ of the float checkpoint `checkpoint` by cfg's weight-only quant rules,
  * without data (Qwix's quantize_params): writes `out`, a checkpoint whose
  * quantized modules are under /quant and whose other parameters are under
  * /params, with cfg (init_from = checkpoint) as its config. A rule with an
  * act_qtype is refused: static activation ranges need calibration data.
  * The rule table and the sizes go to log (NULL: silent). */
-QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, FILE *log, QtError *err);
+QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *out, bool force, FILE *log,
+                        QtError *err);
 
 typedef struct {
     int modules;                 /* adapters folded */
@@ -22,14 +28,21 @@ typedef struct {
                                     weights; 0 for a float base */
     double test_accuracy_before; /* the checkpoint with its adapters */
     double test_accuracy_after;  /* the merged checkpoint */
+    double test_loss_before, test_loss_after;
+    bool dequantized;            /* --dequantize: a float model */
+    const char *mode;            /* the merged checkpoint's: "float", "ptq", "qat" (its base's) */
 } MergeReport;
 
 /* Folds the LoRA adapters of `checkpoint` into its base and writes `out`
- * (no /lora; the config keeps lora.trainable but no rules). A float base
- * gets W + scale*B*A; a quantized base is dequantized, added to and
- * quantized again with the same rule. Both checkpoints are evaluated on the
- * test split of the stored config's data. Per-module errors go to log. */
-QtStatus tools_merge(const char *checkpoint, const char *out, FILE *log, MergeReport *rep, QtError *err);
+ * (no /lora; the config keeps lora.trainable but no rules; root attributes
+ * mode = the base's, merged_from = checkpoint and merged_from_base_sha256 =
+ * its base identity). A float base gets W + scale*B*A; a quantized base is
+ * dequantized, added to and quantized again with the same rule, or with
+ * dequantize stored as float32 (quant.mode none: no re-quantization error;
+ * PEFT's merge_and_unload). Both checkpoints are evaluated on the test
+ * split of the stored config's data. Per-module errors go to log. */
+QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, bool force, FILE *log, MergeReport *rep,
+                     QtError *err);
 
 typedef struct {
     int modules;                 /* QAT layers converted */
@@ -43,6 +56,7 @@ typedef struct {
  * quantized with its learned (or calibrated) range and its input's static
  * scale (qat_layer_convert), the config's quant.mode set to ptq. Both are
  * evaluated on the stored config's test split. */
-QtStatus tools_convert(const char *checkpoint, const char *out, FILE *log, ConvertReport *rep, QtError *err);
+QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE *log, ConvertReport *rep,
+                       QtError *err);
 
 #endif

@@ -15,6 +15,7 @@
 
 #include "data/dataset.h"
 #include "nn/arena.h"
+#include "nn/fsutil.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
 #include "nn/ops.h"
@@ -42,29 +43,53 @@ void run_free(Run *r) {
     dataset_free(&r->train), dataset_free(&r->val), dataset_free(&r->test);
     free(r->bx), free(r->by), free(r->ex), free(r->ey);
     free(r->config_text);
+    free(r->lora_trainable);
+    rundir_unlock(&r->lock, false);
 }
 
-/* mkdir -p. */
-static QtStatus make_dirs(const char *path, QtError *err) {
+QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err) {
     char buf[CONFIG_PATH_MAX];
+    if (created && cap) created[0] = '\0';
     if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
-        return qt_error_set(err, QT_ERR_CONFIG, "run.out_dir: path too long (%zu characters)", strlen(path));
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: path too long (%zu characters)", what, strlen(path));
     for (char *p = buf + 1;; p++) {
         char c = *p;
         if (c != '/' && c != '\0') continue;
         *p = '\0';
-        if (mkdir(buf, 0777) != 0 && errno != EEXIST)
-            return qt_error_set(err, QT_ERR_IO, "cannot create the output directory %s: %s; set run.out_dir to a "
-                                "writable place", buf, strerror(errno));
+        if (mkdir(buf, 0777) == 0) {
+            if (created && cap && !created[0]) snprintf(created, cap, "%s", buf);
+        } else if (errno != EEXIST)
+            return qt_error_set(err, QT_ERR_IO, "cannot create the output directory %s: %s; set %s to a "
+                                "writable place", buf, strerror(errno), what);
         *p = c;
         if (c == '\0') break;
     }
     struct stat st;
     if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-        return qt_error_set(err, QT_ERR_IO, "run.out_dir %s exists but is not a directory", path);
+        return qt_error_set(err, QT_ERR_IO, "%s %s exists but is not a directory", what, path);
     if (access(path, W_OK | X_OK) != 0)
-        return qt_error_set(err, QT_ERR_IO, "run.out_dir %s is not writable: %s", path, strerror(errno));
+        return qt_error_set(err, QT_ERR_IO, "%s %s is not writable: %s", what, path, strerror(errno));
     return QT_OK;
+}
+
+void train_remove_created_dirs(const char *path, const char *created) {
+    if (!created || !created[0]) return;
+    char buf[CONFIG_PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return;
+    size_t top = strlen(created);
+    /* rmdir removes only an empty directory: whatever the run did write stays */
+    for (;;) {
+        size_t n = strlen(buf);
+        while (n > 1 && buf[n - 1] == '/') buf[--n] = '\0';
+        if (n < top || rmdir(buf) != 0 || n == top) return;
+        char *slash = strrchr(buf, '/');
+        if (!slash) return;
+        *slash = '\0';
+    }
+}
+
+static QtStatus make_dirs(const char *path, char *created, size_t cap, QtError *err) {
+    return train_make_dirs(path, "run.out_dir", created, cap, err);
 }
 
 static QtStatus run_load_data(Run *r, QtError *err) {
@@ -137,6 +162,16 @@ static QtStatus run_plan_steps(Run *r, QtError *err) {
     r->sched = tc->schedule;
     r->sched.base_lr = tc->optim.lr;
     r->sched.total_steps = r->total_steps;
+    /* A warmup longer than the run (a shipped config on the mini data set) is clamped to the run: the lr rises
+       to train.optimizer.lr at the last step. It depends on the config and the data only, so a resumed run
+       clamps alike; the stored config keeps the value as written. */
+    if (r->total_steps > 0 && r->sched.warmup_steps > r->total_steps) {
+        fprintf(stderr, "qtrain: warning: %s: train.schedule.warmup_steps %" PRId64 " is longer than the run's %"
+                PRId64 " steps (%s); the warmup is clamped to %" PRId64 " steps\n", r->cfg->source,
+                r->sched.warmup_steps, r->total_steps, tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch",
+                r->total_steps);
+        r->sched.warmup_steps = r->total_steps;
+    }
     QtError e = {0};
     if (r->total_steps > 0 && lr_schedule_validate(&r->sched, &e) != QT_OK)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: train.schedule: %s (the run has %" PRId64 " steps: %s)",
@@ -175,6 +210,8 @@ static CheckpointState run_checkpoint_state(Run *r) {
         .nonfinite_streak = r->nonfinite_streak,
         .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
         .net = net_checkpoint_parts(&r->net),
+        .base_sha256 = r->base_sha256[0] ? r->base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
+        .lora_trainable = r->lora_trainable, .mode = net_mode_name(&r->net),
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->dropout;
@@ -420,6 +457,7 @@ QtStatus run_step(Run *r, QtError *err) {
     if (batcher_next(&r->batcher, r->bx, r->by, &n, NULL, &e) != QT_OK)
         return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->step + 1, e.msg);
     Var *x = run_wrap_batch(r, r->bx, n);
+    net_set_step(&r->net, r->step);
     Var *logits = model_forward(&r->net.model, t, x);
     /* the loss op refuses non-finite logits; they are this guard's to report */
     if (logits && floats_first_nonfinite(logits->value.data, var_numel(logits)) < var_numel(logits))
@@ -477,7 +515,7 @@ static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtEr
     if (st != QT_OK || !config_has_lora(r->cfg)) return st;
     char path[CONFIG_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/adapters.h5", r->cfg->run.out_dir);
-    return checkpoint_save_adapters(path, &r->net.model, &s.net, r->config_text, err);
+    return checkpoint_save_adapters(path, &r->net.model, &s, err);
 }
 
 /* The step loop, from r->step to total_steps. */
@@ -515,14 +553,20 @@ static QtStatus run_loop(Run *r, QtError *err) {
     return st;
 }
 
-/* summary.json (training) or eval.json (is_eval): written to a temp name,
- * fsync'd and renamed, so a reader never sees half a file. */
+/* summary.json (training) or eval.json (is_eval): written to a temp name
+ * (fs_open_tmp: never through a symlink), fsync'd and renamed onto path as
+ * `how` allows, so a reader never sees half a file. */
 static QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
-                                      bool is_eval, QtError *err) {
+                                      bool is_eval, FsReplace how, QtError *err) {
     char tmp[CONFIG_PATH_MAX + 64];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
+    int fd = fs_open_tmp(path, tmp, sizeof tmp);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        int e = errno;
+        if (fd >= 0) close(fd), unlink(tmp);
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(e),
+                            is_eval ? "; write eval.json elsewhere with --out PATH" : "");
+    }
     JsonWriter w;
     json_begin(&w, f);
     json_string(&w, "name", r->cfg->run.name);
@@ -530,6 +574,10 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_string(&w, "qtrain_version", QTRAIN_VERSION);
     json_string(&w, "mode", res->mode);
     json_string(&w, "checkpoint", ckpt);
+    if (res->merged_from[0]) {
+        json_string(&w, "merged_from", res->merged_from);
+        json_string(&w, "merged_from_base_sha256", res->merged_from_base_sha256);
+    }
     if (!is_eval) {
         json_int(&w, "steps", res->steps);
         json_number(&w, "epochs", res->epochs);
@@ -560,6 +608,7 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
         snprintf(bf, sizeof bf, "%s%s", qtype_name(r->net.qt[0].spec.bwd_qtype),
                  r->net.qt[0].spec.bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
+    json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
     if (!is_eval) {
         json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
         json_int(&w, "divergences", r->loss_watch.occurrences);
@@ -569,11 +618,11 @@ static QtStatus write_json_atomically(const char *path, const Run *r, const Trai
     json_end(&w);
     bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
     ok = (fclose(f) == 0) && ok;
-    if (!ok || rename(tmp, path) != 0) {
+    if (!ok || fs_rename_tmp(tmp, path, how) != 0) {
         int e = errno;
         remove(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or change run.out_dir", path,
-                            strerror(e));
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or %s", path, strerror(e),
+                            is_eval ? "give --out PATH" : "change run.out_dir");
     }
     return QT_OK;
 }
@@ -672,14 +721,33 @@ QtStatus run_prepare(Run *r, bool fresh, QtError *err) {
     return fresh ? run_calibrate(r, err) : QT_OK;
 }
 
-static QtStatus run_setup(Run *r, char *resumed, size_t cap, QtError *err) {
+/* A LoRA run's base identity, once its frozen values are final (loaded,
+ * quantized or resumed): every checkpoint and adapters.h5 records it. */
+static QtStatus run_note_base(Run *r, QtError *err) {
+    if (!config_has_lora(r->cfg)) return QT_OK;
+    const LoraConfig *l = &r->cfg->lora;
+    r->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
+    if (!r->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < l->n_trainable; i++) {
+        if (i) strcat(r->lora_trainable, ",");
+        strcat(r->lora_trainable, l->trainable[i]);
+    }
+    CheckpointNet parts = net_checkpoint_parts(&r->net);
+    return checkpoint_base_sha256(&r->net.model, &parts, r->base_sha256, err);
+}
+
+/* created: the topmost directory of run.out_dir that this call made ("" if none). */
+static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size_t created_cap, QtError *err) {
     QtStatus st = QT_OK;
-    if ((st = make_dirs(r->cfg->run.out_dir, err)) != QT_OK) return st;
+    if ((st = make_dirs(r->cfg->run.out_dir, created, created_cap, err)) != QT_OK) return st;
+    /* before anything in out_dir is read: another run there would mix its files with ours */
+    if ((st = rundir_lock(r->cfg->run.out_dir, &r->lock, err)) != QT_OK) return st;
     if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
     if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
+    if ((st = run_note_base(r, err)) != QT_OK) return st;
     return metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err);
 }
 
@@ -691,7 +759,7 @@ static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
     if (st != QT_OK) return st;
     run_fill_result(r, res);
     snprintf(path, sizeof path, "%s/summary.json", r->cfg->run.out_dir);
-    if ((st = write_json_atomically(path, r, res, final_path, false, err)) != QT_OK) return st;
+    if ((st = write_json_atomically(path, r, res, final_path, false, FS_REPLACE_ANY, err)) != QT_OK) return st;
     run_say(r, "done: steps:%" PRId64 " test_accuracy:%.4f test_loss:%.4f wall_s:%.1f samples/s:%.0f checkpoint:%s\n",
             res->steps, res->test_accuracy, res->test_loss, res->wall_s, res->samples_per_s, final_path);
     return QT_OK;
@@ -726,8 +794,8 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     memset(&r, 0, sizeof r);
     memset(res, 0, sizeof *res);
     r.cfg = cfg, r.opt = o, r.t_start = metrics_now(), r.saved_step = -1, r.last_train_loss = NAN;
-    char resumed[CONFIG_PATH_MAX + 32];
-    QtStatus st = run_setup(&r, resumed, sizeof resumed, err);
+    char resumed[CONFIG_PATH_MAX + 32], created[CONFIG_PATH_MAX];
+    QtStatus st = run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
     if (st == QT_OK && r.already_complete) {
         run_fill_result(&r, res);
         res->already_complete = true;
@@ -743,33 +811,88 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
         if (st == QT_OK && r.step == r.total_steps && !sig) st = run_finish(&r, res, err);
         else if (st == QT_OK) st = run_stop_early(&r, res, sig, err);
     }
+    /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files): the
+       .lock it put there goes first, while still held. */
+    if (st != QT_OK && created[0]) rundir_unlock(&r.lock, true);
+    run_free(&r);
+    if (st != QT_OK) train_remove_created_dirs(cfg->run.out_dir, created);
+    return st;
+}
+
+/* A `qtrain merge` output holds no adapters, whatever its config's lora
+ * section says: it is reported as its base's mode, with where it came from. */
+static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult *res, QtError *err) {
+    CheckpointProvenance *p = malloc(sizeof *p);
+    if (!p) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    QtStatus st = checkpoint_read_provenance(checkpoint, p, err);
+    if (st == QT_OK && p->merged_from[0]) {
+        snprintf(res->merged_from, sizeof res->merged_from, "%s", p->merged_from);
+        snprintf(res->merged_from_base_sha256, sizeof res->merged_from_base_sha256, "%s", p->merged_from_base_sha256);
+        res->mode = r->cfg->quant.mode == QUANT_MODE_NONE ? "float" : quant_mode_name(r->cfg->quant.mode);
+    }
+    free(p);
+    return st;
+}
+
+QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err) {
+    struct stat sb;
+    int n;
+    if (out && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode)) n = snprintf(path, cap, "%s/eval.json", out);
+    else if (out) n = snprintf(path, cap, "%s", out);
+    else {
+        const char *slash = strrchr(checkpoint, '/');
+        n = slash ? snprintf(path, cap, "%.*s/eval.json", (int)(slash - checkpoint), checkpoint)
+                  : snprintf(path, cap, "eval.json");
+    }
+    if (n < 0 || (size_t)n >= cap)
+        return qt_error_set(err, QT_ERR_ARG, "the path of eval.json is too long (%s has %zu characters)",
+                            out ? "--out" : "the checkpoint path", strlen(out ? out : checkpoint));
+    return QT_OK;
+}
+
+/* eval.json replaces only a regular file (never a symlink, device or FIFO)
+ * and, in a run directory, only while no live run holds its lock. */
+static QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
+                                QtError *err) {
+    RunDirLock lock;
+    QtStatus st = fs_check_out_path(path, true, "eval.json", err);
+    if (st == QT_OK) st = rundir_lock_if_run(path, &lock, err);
+    if (st != QT_OK) return st;
+    fs_remove_stale_tmps_of(path, 0);
+    st = write_json_atomically(path, r, res, ckpt, true, FS_REPLACE_REGULAR, err);
+    rundir_unlock(&lock, false);
+    return st;
+}
+
+QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
+                                  QtError *err) {
+    Run r;
+    memset(&r, 0, sizeof r);
+    memset(res, 0, sizeof *res);
+    TrainOptions o = {.quiet = true}; /* the caller reports the result */
+    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
+    /* Evaluation never trains: no batcher and no schedule, so a config whose schedule does not fit its data
+       (or a batch larger than the data) still evaluates. */
+    r.steps_per_epoch = 1;
+    gemm_set_threads(cfg->run.threads);
+    QtStatus st = run_load_data(&r, err);
+    if (st == QT_OK) st = run_build_model(&r, false, err);
+    CheckpointNet parts = net_checkpoint_parts(&r.net);
+    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
+    if (st == QT_OK) st = run_alloc(&r, err);
+    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
+                                           &res->val_accuracy, err);
+    if (st == QT_OK) run_fill_result(&r, res);
+    if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
+    if (st == QT_OK && json_path) st = eval_write_json(json_path, &r, res, checkpoint, err);
     run_free(&r);
     return st;
 }
 
 QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *res,
                                QtError *err) {
-    Run r;
-    memset(&r, 0, sizeof r);
-    memset(res, 0, sizeof *res);
-    TrainOptions o = {.quiet = true}; /* the caller reports the result */
-    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
-    gemm_set_threads(cfg->run.threads);
-    QtStatus st = write_json ? make_dirs(cfg->run.out_dir, err) : QT_OK;
-    if (st == QT_OK) st = run_load_data(&r, err);
-    if (st == QT_OK) st = run_build_model(&r, false, err);
-    CheckpointNet parts = net_checkpoint_parts(&r.net);
-    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
-    if (st == QT_OK) st = run_plan_steps(&r, err);
-    if (st == QT_OK) st = run_alloc(&r, err);
-    if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
-                                           &res->val_accuracy, err);
-    if (st == QT_OK) run_fill_result(&r, res);
-    if (st == QT_OK && write_json) {
-        char path[CONFIG_PATH_MAX + 32];
-        snprintf(path, sizeof path, "%s/eval.json", cfg->run.out_dir);
-        st = write_json_atomically(path, &r, res, checkpoint, true, err);
-    }
-    run_free(&r);
-    return st;
+    char path[CONFIG_PATH_MAX + 32];
+    QtStatus st = write_json ? train_eval_json_path(checkpoint, NULL, path, sizeof path, err) : QT_OK;
+    if (st != QT_OK) return st;
+    return train_eval_checkpoint_to(cfg, checkpoint, write_json ? path : NULL, res, err);
 }

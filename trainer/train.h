@@ -4,6 +4,7 @@
 #define QTRAIN_TRAINER_TRAIN_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "nn/error.h"
@@ -32,7 +33,10 @@ typedef struct {
     int64_t params_trainable, params_frozen;
     int64_t model_bytes;  /* bytes held for the model: float params, quantized weights, adapters */
     double base_bits_per_param; /* the frozen base's storage * 8 / its parameters (32 for a float base) */
-    const char *mode;     /* "float", "ptq", "lora", "qlora" */
+    const char *mode;     /* net_mode_name: "float", "ptq", "lora", "qlora", "qat", "qat-lora", "qt"; a merged
+                             checkpoint's: its base's ("float", "ptq") */
+    char merged_from[4096];   /* eval of a `qtrain merge` output: the checkpoint it was merged from, else "" */
+    char merged_from_base_sha256[65]; /* ...and that checkpoint's base identity */
     double peak_rss_mb;   /* the process's peak resident set (getrusage) */
 } TrainResult;
 
@@ -45,8 +49,25 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *r, QtE
 
 /* Evaluates the model of `checkpoint` (parameters, quantized base,
  * adapters) on the test split of cfg's data (and validation split, if
- * any); with write_json, writes <out_dir>/eval.json. */
+ * any); with write_json, writes eval.json beside the checkpoint (in its
+ * directory), never into cfg's run.out_dir. Evaluation does not check the
+ * training schedule or batch plan: it never trains. */
 QtStatus train_eval_checkpoint(const Config *cfg, const char *checkpoint, bool write_json, TrainResult *r,
                                QtError *err);
+/* Where eval.json goes: `out` (a file, or an existing directory to hold
+ * eval.json), or with out NULL beside the checkpoint. Never a config's
+ * run.out_dir: a checkpoint's stored config does not decide where eval writes. */
+QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err);
+/* The same evaluation, writing the JSON to json_path (NULL: none); its directory must exist. */
+QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *r,
+                                  QtError *err);
+
+/* mkdir -p path. `what` names the setting in messages ("run.out_dir",
+ * "--out"). created (cap bytes, may be NULL) receives the topmost directory
+ * this call made, "" if every one existed. */
+QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err);
+/* Undoes train_make_dirs after a failure: removes path and its parents up
+ * to `created`, each only if empty (what a run wrote stays). */
+void train_remove_created_dirs(const char *path, const char *created);
 
 #endif

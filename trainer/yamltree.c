@@ -339,9 +339,14 @@ static QtStatus override_store(YNode *cur, const char *seg, const char *path, YN
                                QtError *err) {
     if (cur->kind == YNODE_SEQUENCE) {
         int idx = parse_index(seg);
-        ynode_free(cur->items[idx]);
-        cur->items[idx] = value;
-        return QT_OK;
+        if (idx < cur->n) {
+            ynode_free(cur->items[idx]);
+            cur->items[idx] = value;
+            return QT_OK;
+        }
+        if (node_append(cur, NULL, value)) return QT_OK; /* idx == n (override_step checked): a new last item */
+        ynode_free(value);
+        return qt_error_set(err, QT_ERR_NOMEM, "--set %s: out of memory adding %s[%d]", ov, path, idx);
     }
     int i = node_find_key(cur, seg);
     if (i >= 0) {
@@ -384,11 +389,19 @@ static QtStatus override_step(YNode *cur, const char *seg, const char *path, boo
             return qt_error_set(err, QT_ERR_CONFIG,
                                 "--set %s: %s is a sequence, so '%s' must be an item index (0 to %d)", ov, path, seg,
                                 cur->n - 1);
-        if (idx >= cur->n)
-            return qt_error_set(err, QT_ERR_CONFIG, "--set %s: %s[%d]: index out of range; %s has %d item%s", ov, path,
-                                idx, path, cur->n, cur->n == 1 ? "" : "s");
-        *next = last ? cur : cur->items[idx];
-        return QT_OK;
+        if (idx > cur->n)
+            return qt_error_set(err, QT_ERR_CONFIG, "--set %s: %s[%d]: index out of range; %s has %d item%s (index %d "
+                                "adds one at the end)", ov, path, idx, path, cur->n, cur->n == 1 ? "" : "s", cur->n);
+        if (last || idx < cur->n) {
+            *next = last ? cur : cur->items[idx];
+            return QT_OK;
+        }
+        /* one past the end, with keys below it (quant.rules.2.module_path=x): a new mapping item */
+        YNode *item = node_new(YNODE_MAPPING, ov, true, 0, 0);
+        if (!item) return qt_error_set(err, QT_ERR_NOMEM, "--set %s: out of memory", ov);
+        QtStatus st = override_store(cur, seg, path, item, ov, err);
+        if (st == QT_OK) *next = item;
+        return st;
     }
     YNode *child = ynode_get(cur, seg);
     if (last || child) {

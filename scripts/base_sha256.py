@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Recomputes the base identity (base_sha256, scheme qtrain-base-sha256-v1) of a
+qtrain checkpoint or adapters.h5's base checkpoint, as trainer/checkpoint.h
+defines it: SHA-256 over the frozen base's datasets -- every
+/params/<module>/<tensor> of a module not in lora.trainable, and every dataset
+directly under /quant/<module>/weight -- in bytewise order of their names
+(without the leading '/'), each as
+
+    name NUL dtype NUL shape NUL u64le(byte count) bytes
+
+dtype numpy's name (float32, uint8, uint16, int32), shape the dimensions in
+decimal joined by ',', bytes the little-endian elements in row-major order.
+
+usage: base_sha256.py CHECKPOINT [--trainable head,fc2]
+CHECKPOINT is any checkpoint of the LoRA run (ckpt-*.h5, final.h5): adapters.h5
+holds no base. lora.trainable defaults to the file's lora_trainable attribute."""
+import hashlib
+import struct
+import sys
+
+import h5py
+
+
+def base_sha256(path, trainable=None):
+    with h5py.File(path, "r") as f:
+        contents = f.attrs.get("contents", "")
+        if (contents.decode() if isinstance(contents, bytes) else contents) == "adapters":
+            sys.exit(f"{path} is an adapters.h5: it holds no base; give a checkpoint of the run")
+        if trainable is None:
+            t = f.attrs.get("lora_trainable", "")
+            t = t.decode() if isinstance(t, bytes) else t
+            trainable = [m for m in t.split(",") if m]
+        names = []
+
+        def visit(name, obj):
+            if not isinstance(obj, h5py.Dataset):
+                return
+            parts = name.split("/")
+            if parts[0] == "params" and len(parts) == 3 and parts[1] not in trainable:
+                names.append(name)
+            elif parts[0] == "quant" and len(parts) == 4 and parts[2] == "weight":
+                names.append(name)
+
+        f.visititems(visit)
+        h = hashlib.sha256()
+        for name in sorted(names, key=lambda s: s.encode()):
+            d = f[name]
+            data = d[()].astype(d.dtype.newbyteorder("<")).tobytes()
+            shape = ",".join(str(n) for n in d.shape)
+            h.update(name.encode() + b"\0" + str(d.dtype).encode() + b"\0" + shape.encode() + b"\0")
+            h.update(struct.pack("<Q", len(data)) + data)
+        return h.hexdigest()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] != "--trainable"):
+        sys.exit(__doc__)
+    print(base_sha256(sys.argv[1], sys.argv[3].split(",") if len(sys.argv) == 4 else None))
