@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -86,6 +87,17 @@ void train_remove_created_dirs(const char *path, const char *created) {
         if (!slash) return;
         *slash = '\0';
     }
+}
+
+/* Whether dir holds nothing but our .lock: a failed start that wrote nothing. */
+static bool dir_holds_only_lock(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return false;
+    bool only = true;
+    for (struct dirent *e; only && (e = readdir(d));)
+        only = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !strcmp(e->d_name, RUNDIR_LOCK_NAME);
+    closedir(d);
+    return only;
 }
 
 static QtStatus make_dirs(const char *path, char *created, size_t cap, QtError *err) {
@@ -813,7 +825,7 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     }
     /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files): the
        .lock it put there goes first, while still held. */
-    if (st != QT_OK && created[0]) rundir_unlock(&r.lock, true);
+    if (st != QT_OK && created[0] && dir_holds_only_lock(cfg->run.out_dir)) rundir_unlock(&r.lock, true);
     run_free(&r);
     if (st != QT_OK) train_remove_created_dirs(cfg->run.out_dir, created);
     return st;
