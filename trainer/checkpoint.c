@@ -276,9 +276,10 @@ static QtStatus check_header(const H5ioFile *f, QtError *err) {
                             "%s is an HDF5 file but not a qtrain checkpoint (no 'format' attribute)", f->path);
     char *fmt = NULL;
     QtStatus st = h5io_attr_read_str(f, "", "format", &fmt, err);
+    char shown[QT_CLIP_BUF];
     if (st == QT_OK && strcmp(fmt, CHECKPOINT_FORMAT) != 0)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s is an HDF5 file but not a qtrain checkpoint (its format is '%.64s')",
-                          f->path, fmt);
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is an HDF5 file but not a qtrain checkpoint (its format is '%s')",
+                          f->path, qt_clip(fmt, shown));
     free(fmt);
     int64_t version = 0;
     if (st == QT_OK) st = h5io_attr_read_i64(f, "", "version", &version, err);
@@ -370,9 +371,10 @@ static QtStatus check_params(const H5ioFile *f, const Model *m, QtError *err) {
     snprintf(ds, sizeof ds, "params/%s", c.extra);
     if (c.extra_kind == H5IO_DATASET && h5io_dataset_info(f, ds, &info, NULL) == QT_OK)
         snprintf(desc, sizeof desc, " %s", h5io_shape_str(&info, shape, sizeof shape));
+    char shown[QT_CLIP_BUF];
     return qt_error_set(err, QT_ERR_FORMAT, "%s does not match the model: the checkpoint has %s %s%s that the model "
                         "does not have; " MODEL_HINT, f->path, c.extra_kind == H5IO_DATASET ? "parameter" : "module",
-                        c.extra, desc, f->path);
+                        qt_clip(c.extra, shown), desc, f->path);
 }
 
 static QtStatus check_optim(const H5ioFile *f, const Optimizer *o, QtError *err) {
@@ -382,10 +384,11 @@ static QtStatus check_optim(const H5ioFile *f, const Optimizer *o, QtError *err)
                             "a new run from its parameters (model.init_from) instead of resuming", f->path);
     char *name = NULL;
     QtStatus st = h5io_attr_read_str(f, "optim", "optimizer", &name, err);
+    char shown[QT_CLIP_BUF];
     if (st == QT_OK && strcmp(name, want) != 0)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s was written by optimizer '%.32s' but this run uses '%s'; resume with "
                           "train.optimizer.name: %.32s, or start a new run from its parameters (model.init_from)",
-                          f->path, name, want, name);
+                          f->path, qt_clip(name, shown), want, shown);
     free(name);
     for (int i = 0; st == QT_OK && i < o->n_params; i++) {
         const Param *p = o->params[i];

@@ -127,9 +127,10 @@ QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err) {
 static QtStatus check_str_attr(const H5ioFile *f, const char *g, const char *name, const char *want, QtError *err) {
     char *got = NULL;
     QtStatus st = h5io_attr_read_str(f, g, name, &got, err);
+    char shown[QT_CLIP_BUF];
     if (st == QT_OK && strcasecmp(got, want) != 0)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has %s '%.40s' but this run's rule gives '%s'; " QUANT_HINT,
-                          f->path, g, name, got, want, f->path);
+                          f->path, g, name, qt_clip(got, shown), want, f->path);
     free(got);
     return st;
 }
