@@ -98,7 +98,9 @@ static inline QtStatus h5io_write_f32(H5ioFile *f, const char *path, const float
  * (contiguous, chunked or compact; no external storage, no virtual
  * dataset), written (its storage allocated, unless it has no elements),
  * filtered only by deflate, shuffle or fletcher32, in chunks no larger
- * than the dataset. Otherwise QT_ERR_FORMAT "refusing dataset /<path>: ...". */
+ * than the dataset, each stored no larger than it needs and inflating to at
+ * most its size (h5io_safe.c). Otherwise QT_ERR_FORMAT "refusing dataset
+ * /<path>: ...". */
 
 /* Reads dataset `path` into data (memtype) after checking that it has
  * exactly the shape (ndim, shape) and the same type class as memtype
