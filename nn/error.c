@@ -11,8 +11,9 @@ QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...) {
     err->status = status;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    int n = vsnprintf(err->msg, sizeof err->msg, fmt, ap);
     va_end(ap);
+    if (n >= (int)sizeof err->msg) memcpy(err->msg + sizeof err->msg - 4, "...", 4); /* cut: say so */
     return status;
 }
 
@@ -20,6 +21,19 @@ void qt_error_clear(QtError *err) {
     if (!err) return;
     err->status = QT_OK;
     err->msg[0] = '\0';
+}
+
+const char *qt_clip(const char *s, char buf[QT_CLIP_BUF]) {
+    if (!s) s = "(null)";
+    size_t len = strlen(s), n = len < QT_CLIP_SHOW ? len : QT_CLIP_SHOW;
+    while (n < len && n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80) n--; /* not inside a UTF-8 character */
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        buf[i] = c < 0x20 || c == 0x7f ? '?' : (char)c;
+    }
+    buf[n] = '\0';
+    if (n < len) snprintf(buf + n, QT_CLIP_BUF - n, "...(%zu bytes)", len);
+    return buf;
 }
 
 const char *qt_status_name(QtStatus status) {
@@ -50,7 +64,9 @@ QtStatus qt_name_lookup(const char *what, const char *name, const char *const *n
         size_t len = strlen(valid);
         snprintf(valid + len, sizeof valid - len, "%s%s", len ? ", " : "", names[i]);
     }
-    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name ? name : "(none)", valid);
+    char shown[QT_CLIP_BUF];
+    return qt_error_set(err, QT_ERR_ARG, "unknown %s '%s' (valid: %s)", what, name ? qt_clip(name, shown) : "(none)",
+                        valid);
 }
 
 const char *qt_file_too_large_hint(char *buf, size_t cap) {

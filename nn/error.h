@@ -36,6 +36,14 @@ QtStatus qt_error_set(QtError *err, QtStatus status, const char *fmt, ...)
 
 void qt_error_clear(QtError *err);
 
+/* A string from a file (an attribute's value, a name, a config line) as a
+ * message shows it: its first QT_CLIP_SHOW bytes, then "...(N bytes)" if it
+ * is longer, with control characters (newlines, terminal escapes) as '?'.
+ * Returns buf. A file can hold megabytes in one attribute. */
+#define QT_CLIP_SHOW 200
+#define QT_CLIP_BUF (QT_CLIP_SHOW + 32)
+const char *qt_clip(const char *s, char buf[QT_CLIP_BUF]);
+
 /* Finds `name` (case-insensitive) in names[0..n_names-1] and sets *index.
  * Otherwise QT_ERR_ARG with "unknown <what> '<name>' (valid: a, b, c)".
  * Every option parsed from a config goes through here, so every message

@@ -3,12 +3,16 @@
  * failed edit is simply skipped. */
 #include "fuzz_h5edit.h"
 
+#include <errno.h>
 #include <hdf5.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+
+#include "fuzz_harness.h"
 
 #define MAX_LINKS 512
 #define MAX_OPS 48
@@ -378,12 +382,33 @@ static void ds_copy_free(DsCopy *c) {
     c->type = H5I_INVALID_HID;
 }
 
+/* Whether d's data is in this file, in chunks of at most 2^20 elements:
+ * the editor never reads what op_storage made (a FIFO blocks its reader). */
+static bool storage_plain(hid_t d) {
+    hid_t dcpl = H5Dget_create_plist(d);
+    if (dcpl < 0) return false;
+    H5D_layout_t layout = H5Pget_layout(dcpl);
+    bool ok = layout == H5D_COMPACT || (layout == H5D_CONTIGUOUS && H5Pget_external_count(dcpl) == 0);
+    if (layout == H5D_CHUNKED) {
+        hsize_t chunk[H5S_MAX_RANK], n = 1;
+        int rank = H5Pget_chunk(dcpl, H5S_MAX_RANK, chunk);
+        for (int k = 0; k < rank; k++) n *= chunk[k];
+        ok = rank > 0 && n <= ((hsize_t)1 << 20);
+    }
+    H5Pclose(dcpl);
+    return ok;
+}
+
 /* The dataset's raw contents (fixed-size types only; small ones). */
 static bool ds_read(hid_t f, const char *path, DsCopy *c) {
     memset(c, 0, sizeof *c);
     c->type = H5I_INVALID_HID;
     hid_t d = H5Dopen2(f, path, H5P_DEFAULT);
     if (d < 0) return false;
+    if (!storage_plain(d)) {
+        H5Dclose(d);
+        return false;
+    }
     hid_t s = H5Dget_space(d);
     c->type = H5Dget_type(d);
     bool ok = s >= 0 && c->type >= 0 && H5Tis_variable_str(c->type) == 0 && H5Tdetect_class(c->type, H5T_VLEN) == 0;
@@ -549,6 +574,8 @@ static void op_poke_ds(hid_t f, Reader *r, const Links *l) {
     ds_copy_free(&c);
 }
 
+static const char *fifo_path(void);
+
 /* ---- links and objects --------------------------------------------------------------- */
 
 static void op_move(hid_t f, Reader *r, const Links *l) {
@@ -580,7 +607,12 @@ static void op_add(hid_t f, Reader *r, const Links *l) {
     }
     case 2: H5Lcreate_hard(f, target, f, path, H5P_DEFAULT, H5P_DEFAULT); break;
     case 3: H5Lcreate_soft(n & 1 ? target : "/nowhere", f, path, H5P_DEFAULT, H5P_DEFAULT); break;
-    default: H5Lcreate_external("qtrain-fuzz-missing.h5", "/params", f, path, H5P_DEFAULT, H5P_DEFAULT); break;
+    default: {
+        const char *file = n & 2 ? fifo_path() : NULL; /* opening the FIFO would block */
+        H5Lcreate_external(file ? file : "qtrain-fuzz-missing.h5", n & 4 ? target : "/params", f, path, H5P_DEFAULT,
+                           H5P_DEFAULT);
+        break;
+    }
     }
 }
 
@@ -611,6 +643,133 @@ static void op_copy(hid_t f, Reader *r, const Links *l) {
     if (H5Ldelete(f, dst, H5P_DEFAULT) >= 0) H5Lcreate_hard(f, src, f, dst, H5P_DEFAULT, H5P_DEFAULT);
 }
 
+/* ---- storage a loader must refuse -------------------------------------------------------- */
+
+/* A FIFO nobody writes, in the scratch directory: external storage, virtual
+ * sources and external links point at it, so a loader that opened one would
+ * block until libFuzzer's timeout reports it. NULL if it cannot be made. */
+static const char *fifo_path(void) {
+    static char path[512];
+    static bool tried = false;
+    if (tried) return path[0] ? path : NULL;
+    tried = true;
+    const char *dir = fuzz_scratch_dir();
+    if (!dir || snprintf(path, sizeof path, "%s/fifo", dir) >= (int)sizeof path ||
+        (mkfifo(path, 0600) != 0 && errno != EEXIST))
+        path[0] = '\0';
+    return path[0] ? path : NULL;
+}
+
+/* The same dataset (type, shape, contents) stored another way: external
+ * (in the FIFO), virtual (from the FIFO or a missing file), chunked beyond
+ * its extent, through a filter qtrain refuses (scale-offset, n-bit, an
+ * unregistered optional one) or one it accepts (shuffle, fletcher32,
+ * deflate in chunks within the dataset, compact), or never written. */
+static void op_storage(hid_t f, Reader *r, const Links *l) {
+    const char *path = pick(r, l);
+    DsCopy old;
+    if (!is_kind(f, path, H5I_DATASET) || !ds_read(f, path, &old)) return;
+    uint8_t how = u8(r) % 11, grow = u8(r);
+    const char *fifo = fifo_path();
+    hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    hsize_t max[H5S_MAX_RANK], chunk[H5S_MAX_RANK];
+    bool unlimited = false, write = true, ok = old.rank > 0 && old.numel > 0 && dcpl >= 0;
+    for (int k = 0; k < old.rank; k++) chunk[k] = old.dims[k];
+    hid_t s = H5I_INVALID_HID;
+    switch (ok ? how : 255) {
+    case 0:
+        ok = fifo && H5Pset_external(dcpl, fifo, 0, H5F_UNLIMITED) >= 0;
+        write = false;
+        break;
+    case 1:
+    case 2:
+        s = H5Screate_simple(old.rank, old.dims, NULL);
+        ok = s >= 0 && (how == 2 || fifo) &&
+             H5Pset_virtual(dcpl, s, how == 1 ? fifo : "qtrain-fuzz-missing.h5", "/x", s) >= 0;
+        write = false;
+        break;
+    case 3: { /* chunks larger than the dataset, of at most about 2^20 elements */
+        hsize_t rest = 1;
+        for (int k = 1; k < old.rank; k++) rest *= old.dims[k];
+        chunk[0] = old.dims[0] + 1 + grow % (1 + ((hsize_t)1 << 20) / (rest ? rest : 1));
+        unlimited = true;
+        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 && H5Pset_deflate(dcpl, 1) >= 0;
+        break;
+    }
+    case 4:
+        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 &&
+             (H5Tget_class(old.type) == H5T_FLOAT ? H5Pset_scaleoffset(dcpl, H5Z_SO_FLOAT_DSCALE, 2)
+                                                  : H5Pset_scaleoffset(dcpl, H5Z_SO_INT, 0)) >= 0;
+        break;
+    case 5: ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 && H5Pset_nbit(dcpl) >= 0; break;
+    case 6:
+        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 &&
+             H5Pset_filter(dcpl, (H5Z_filter_t)(32000 + grow % 8), H5Z_FLAG_OPTIONAL, 0, NULL) >= 0;
+        break;
+    case 7: /* accepted: shuffle, deflate and fletcher32 in chunks within the dataset */
+        chunk[0] = 1 + grow % old.dims[0];
+        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 && H5Pset_shuffle(dcpl) >= 0 && H5Pset_deflate(dcpl, 6) >= 0 &&
+             H5Pset_fletcher32(dcpl) >= 0;
+        break;
+    case 8: ok = old.numel * old.esize < 32768 && H5Pset_layout(dcpl, H5D_COMPACT) >= 0; break; /* accepted */
+    case 9: write = false; break; /* never written */
+    default: /* only partly written: chunks of one row, the first written */
+        chunk[0] = 1;
+        ok = old.dims[0] > 1 && H5Pset_chunk(dcpl, old.rank, chunk) >= 0;
+        write = false;
+        break;
+    }
+    for (int k = 0; k < old.rank; k++) max[k] = unlimited ? H5S_UNLIMITED : old.dims[k];
+    if (s >= 0) H5Sclose(s);
+    s = ok ? H5Screate_simple(old.rank, old.dims, max) : H5I_INVALID_HID;
+    hid_t d = s >= 0 && H5Ldelete(f, path, H5P_DEFAULT) >= 0
+                  ? H5Dcreate2(f, path, old.type, s, H5P_DEFAULT, dcpl, H5P_DEFAULT) : H5I_INVALID_HID;
+    if (d >= 0 && write) H5Dwrite(d, old.type, H5S_ALL, H5S_ALL, H5P_DEFAULT, old.buf);
+    if (d >= 0 && how == 10) { /* the first row only */
+        hsize_t start[H5S_MAX_RANK] = {0}, count[H5S_MAX_RANK];
+        memcpy(count, old.dims, sizeof count);
+        count[0] = 1;
+        hid_t fs = H5Dget_space(d), ms = H5Screate_simple(old.rank, count, NULL);
+        if (fs >= 0 && ms >= 0 && H5Sselect_hyperslab(fs, H5S_SELECT_SET, start, NULL, count, NULL) >= 0)
+            H5Dwrite(d, old.type, ms, fs, H5P_DEFAULT, old.buf);
+        if (ms >= 0) H5Sclose(ms);
+        if (fs >= 0) H5Sclose(fs);
+    }
+    if (d >= 0) H5Dclose(d);
+    if (s >= 0) H5Sclose(s);
+    if (dcpl >= 0) H5Pclose(dcpl);
+    ds_copy_free(&old);
+}
+
+/* Float elements negated: one, or all (an AdamW second moment v below zero,
+ * a negative scale, range or step size). */
+static void op_negate(hid_t f, Reader *r, const Links *l) {
+    const char *path = pick(r, l);
+    DsCopy c;
+    if (!is_kind(f, path, H5I_DATASET) || !ds_read(f, path, &c)) return;
+    uint16_t at = u16(r);
+    bool all = at & 1;
+    if (c.numel > 0 && H5Tget_class(c.type) == H5T_FLOAT && H5Tget_order(c.type) != H5T_ORDER_BE &&
+        (c.esize == 4 || c.esize == 8)) {
+        for (size_t k = all ? 0 : at % c.numel; k < (all ? c.numel : at % c.numel + 1); k++) {
+            uint8_t *e = (uint8_t *)c.buf + k * c.esize;
+            e[c.esize - 1] ^= 0x80; /* the sign bit; a zero becomes -0 */
+            if (!all && c.esize == 4) { /* a zero: a small negative number instead */
+                float x;
+                memcpy(&x, e, 4);
+                if (x == 0.0f) x = -1e-3f;
+                memcpy(e, &x, 4);
+            }
+        }
+        hid_t d = H5Dopen2(f, path, H5P_DEFAULT);
+        if (d >= 0) {
+            H5Dwrite(d, c.type, H5S_ALL, H5S_ALL, H5P_DEFAULT, c.buf);
+            H5Dclose(d);
+        }
+    }
+    ds_copy_free(&c);
+}
+
 /* ---- the script ------------------------------------------------------------------------ */
 
 static void apply(hid_t f, Reader *r) {
@@ -619,6 +778,11 @@ static void apply(hid_t f, Reader *r) {
     for (int k = 0; k < MAX_OPS && r->i < r->n; k++) {
         list_links(f, l);
         uint8_t op = u8(r);
+        if (op >= FUZZ_H5EDIT_STORAGE_OP) { /* opcodes added later: the older ones keep their meaning */
+            if (op < FUZZ_H5EDIT_NEGATE_OP) op_storage(f, r, l);
+            else op_negate(f, r, l);
+            continue;
+        }
         switch (op % FUZZ_H5EDIT_OPS) {
         case 0: {
             const char *path = pick(r, l);

@@ -16,7 +16,15 @@
  *   7 add a group, dataset, hard, soft or external link
  *   8 replace a group by a dataset or a dataset by a group
  *   9 put an object in another's place (a second hard link to it)
- *  10 rewrite an attribute's value with another shape */
+ *  10 rewrite an attribute's value with another shape
+ * and, for opcode bytes from 0xf0 on (so that the ops above keep their
+ * opcodes in older inputs):
+ *  0xf0-0xf9 store a dataset another way: external storage, a virtual
+ *     dataset, chunks larger than the dataset, a filter qtrain refuses or
+ *     accepts, compact, never or partly written (external files, virtual
+ *     sources and external links point at a FIFO in the scratch
+ *     directory: a loader that opened one would block)
+ *  0xfa-0xff negate one or all elements of a float dataset (an AdamW v) */
 #ifndef QTRAIN_TESTS_FUZZ_H5EDIT_H
 #define QTRAIN_TESTS_FUZZ_H5EDIT_H
 
@@ -24,6 +32,8 @@
 #include <stdint.h>
 
 #define FUZZ_H5EDIT_OPS 11
+#define FUZZ_H5EDIT_STORAGE_OP 0xf0
+#define FUZZ_H5EDIT_NEGATE_OP 0xfa
 
 /* Applies script[size] to a copy of the HDF5 file image base[base_size];
  * *out gets the edited image (malloc'd; the caller frees), *out_size its

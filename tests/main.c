@@ -38,7 +38,8 @@
     X(interrupt)  \
     X(diskfull)   \
     X(nonfinite)  \
-    X(fssafe)
+    X(fssafe)     \
+    X(hostile)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
 SUITES(DECLARE)

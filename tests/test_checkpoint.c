@@ -268,15 +268,17 @@ static int64_t attr_i64(hid_t obj, const char *name) {
     return v;
 }
 
-/* A variable-length string attribute, as h5py writes and reads them. */
+/* A fixed-length UTF-8 string attribute of exactly want's bytes (h5py reads
+ * it as bytes); never variable-length, which lives in the global heap. */
 static bool attr_str_is(hid_t obj, const char *name, const char *want) {
     hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
     if (a < 0) return false;
     hid_t t = H5Aget_type(a);
-    bool ok = H5Tis_variable_str(t) > 0;
-    char *s = NULL;
-    ok = ok && H5Aread(a, t, &s) >= 0 && s && strcmp(s, want) == 0;
-    if (s) H5free_memory(s);
+    size_t len = strlen(want);
+    bool ok = H5Tis_variable_str(t) == 0 && H5Tget_cset(t) == H5T_CSET_UTF8 && H5Tget_size(t) == (len ? len : 1);
+    char *s = calloc(len + 2, 1);
+    ok = ok && s && H5Aread(a, t, s) >= 0 && strcmp(s, want) == 0;
+    free(s);
     H5Tclose(t);
     H5Aclose(a);
     return ok;
@@ -588,6 +590,11 @@ static void test_h5io_roundtrip(void) {
     CU_ASSERT_EQUAL(h5io_attr_write_u64(&f, "lora/fc", "big", UINT64_MAX, &err), QT_OK);
     CU_ASSERT_EQUAL(h5io_attr_write_f64(&f, "lora/fc", "alpha", 0.1, &err), QT_OK);
     CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "note", "h\xc3\xa9llo", &err), QT_OK);
+    char *long_str = malloc(100001); /* too long for an object header: written variable-length */
+    memset(long_str, 'y', 100000);
+    long_str[100000] = '\0';
+    CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "long", long_str, &err), QT_OK);
+    free(long_str);
     CU_ASSERT_EQUAL(h5io_attr_write_str_fixed(&f, "quant/fc/weight", "qtype", "int4", &err), QT_OK);
     QtError e0 = {0};
     CU_ASSERT_EQUAL(h5io_group_create(&f, "quant/fc/weight/scale/x", &e0), QT_ERR_FORMAT); /* under a dataset */
@@ -632,6 +639,10 @@ static void test_h5io_roundtrip(void) {
     CU_ASSERT(fixed && strcmp(fixed, "int4") == 0);
     free(s);
     free(fixed);
+    char *long_back = NULL;
+    CU_ASSERT_EQUAL(h5io_attr_read_str(&f, "/", "long", &long_back, &err), QT_OK);
+    CU_ASSERT(long_back && strlen(long_back) == 100000 && long_back[99999] == 'y');
+    free(long_back);
     CU_ASSERT_EQUAL(err.status, QT_OK);
     if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
 

@@ -276,9 +276,10 @@ static QtStatus check_header(const H5ioFile *f, QtError *err) {
                             "%s is an HDF5 file but not a qtrain checkpoint (no 'format' attribute)", f->path);
     char *fmt = NULL;
     QtStatus st = h5io_attr_read_str(f, "", "format", &fmt, err);
+    char shown[QT_CLIP_BUF];
     if (st == QT_OK && strcmp(fmt, CHECKPOINT_FORMAT) != 0)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s is an HDF5 file but not a qtrain checkpoint (its format is '%.64s')",
-                          f->path, fmt);
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is an HDF5 file but not a qtrain checkpoint (its format is '%s')",
+                          f->path, qt_clip(fmt, shown));
     free(fmt);
     int64_t version = 0;
     if (st == QT_OK) st = h5io_attr_read_i64(f, "", "version", &version, err);
@@ -301,6 +302,9 @@ static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *wha
     if (k == H5IO_MISSING)
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: %s %s is missing from the checkpoint (/%s)%s",
                             f->path, against, what, want, ds, hint);
+    if (k == H5IO_OTHER)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s (%s) is a soft or external link, which qtrain does not "
+                            "follow (see SECURITY in the README)", f->path, ds, what);
     if (k != H5IO_DATASET)
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: /%s (%s) is not a dataset%s", f->path, against,
                             ds, what, hint);
@@ -367,9 +371,10 @@ static QtStatus check_params(const H5ioFile *f, const Model *m, QtError *err) {
     snprintf(ds, sizeof ds, "params/%s", c.extra);
     if (c.extra_kind == H5IO_DATASET && h5io_dataset_info(f, ds, &info, NULL) == QT_OK)
         snprintf(desc, sizeof desc, " %s", h5io_shape_str(&info, shape, sizeof shape));
+    char shown[QT_CLIP_BUF];
     return qt_error_set(err, QT_ERR_FORMAT, "%s does not match the model: the checkpoint has %s %s%s that the model "
                         "does not have; " MODEL_HINT, f->path, c.extra_kind == H5IO_DATASET ? "parameter" : "module",
-                        c.extra, desc, f->path);
+                        qt_clip(c.extra, shown), desc, f->path);
 }
 
 static QtStatus check_optim(const H5ioFile *f, const Optimizer *o, QtError *err) {
@@ -379,10 +384,11 @@ static QtStatus check_optim(const H5ioFile *f, const Optimizer *o, QtError *err)
                             "a new run from its parameters (model.init_from) instead of resuming", f->path);
     char *name = NULL;
     QtStatus st = h5io_attr_read_str(f, "optim", "optimizer", &name, err);
+    char shown[QT_CLIP_BUF];
     if (st == QT_OK && strcmp(name, want) != 0)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s was written by optimizer '%.32s' but this run uses '%s'; resume with "
                           "train.optimizer.name: %.32s, or start a new run from its parameters (model.init_from)",
-                          f->path, name, want, name);
+                          f->path, qt_clip(name, shown), want, shown);
     free(name);
     for (int i = 0; st == QT_OK && i < o->n_params; i++) {
         const Param *p = o->params[i];
@@ -759,14 +765,16 @@ static int inspect_attr(const char *name, void *data) {
     char value[512];
     c->st = h5io_attr_format(c->f, c->obj, name, INSPECT_STR_MAX, value, sizeof value, c->err);
     if (c->st != QT_OK) return 1;
-    fprintf(c->out, "    @%s = %s\n", name, value);
+    /* names and values come from the file: no control characters (terminal escapes) reach the terminal */
+    char shown_name[QT_CLIP_BUF], shown_value[QT_CLIP_BUF];
+    fprintf(c->out, "    @%s = %s\n", qt_clip(name, shown_name), qt_clip(value, shown_value));
     return 0;
 }
 
 static int inspect_object(const char *path, H5ioKind kind, void *data) {
     InspectCtx *c = data;
-    char full[CKPT_OBJ_MAX * 4];
-    snprintf(full, sizeof full, "/%s", path);
+    char full[CKPT_OBJ_MAX * 4], shown[QT_CLIP_BUF];
+    snprintf(full, sizeof full, "/%s", qt_clip(path, shown));
     if (kind == H5IO_DATASET) {
         H5ioInfo info;
         char ty[32], shape[128];
@@ -781,7 +789,10 @@ static int inspect_object(const char *path, H5ioKind kind, void *data) {
         if (kind != H5IO_GROUP) return 0;
     }
     c->obj = path;
-    c->st = h5io_attr_iterate(c->f, path, inspect_attr, c, c->err);
+    /* inspect_attr stops the iteration with its error in c->st, which the
+     * iteration's own QT_OK must not overwrite. */
+    QtStatus st = h5io_attr_iterate(c->f, path, inspect_attr, c, c->err);
+    if (c->st == QT_OK) c->st = st;
     return c->st != QT_OK;
 }
 

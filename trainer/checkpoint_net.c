@@ -127,9 +127,10 @@ QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err) {
 static QtStatus check_str_attr(const H5ioFile *f, const char *g, const char *name, const char *want, QtError *err) {
     char *got = NULL;
     QtStatus st = h5io_attr_read_str(f, g, name, &got, err);
+    char shown[QT_CLIP_BUF];
     if (st == QT_OK && strcasecmp(got, want) != 0)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has %s '%.40s' but this run's rule gives '%s'; " QUANT_HINT,
-                          f->path, g, name, got, want, f->path);
+                          f->path, g, name, qt_clip(got, shown), want, f->path);
     free(got);
     return st;
 }
@@ -204,6 +205,10 @@ static QtStatus read_blobs(const H5ioFile *f, const char *g, QArray *w, QtError 
 static QtStatus read_running_stats(const H5ioFile *f, const char *obj, CalibRunning *out, QtError *err) {
     char *calib = NULL;
     QtStatus st = h5io_attr_read_str(f, obj, "calibration", &calib, err);
+    char shown[QT_CLIP_BUF];
+    if (st == QT_OK && strlen(calib) > 64) /* calib_parse's messages quote it whole */
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s: calibration '%s' is not one; " DAMAGED_HINT, f->path, obj,
+                          qt_clip(calib, shown));
     if (st == QT_OK) st = calib_parse(calib, &out->spec, err);
     free(calib);
     if (st == QT_OK) st = h5io_attr_read_f64(f, obj, "lo_mean", &out->lo_mean, err);

@@ -1,5 +1,6 @@
 /* h5io.c - HDF5 helpers with messages that name the file and the object. */
 #include "h5io.h"
+#include "h5io_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,11 +12,38 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* Traversing an external link would open another file named by the file
+ * being read (any path on the machine, a FIFO that blocks the open, a file
+ * on a network mount). Checkpoints and adapter files come from anyone, so
+ * no external link is ever followed: the built-in class is replaced by one
+ * whose traversal fails. Creating and listing such links still works. */
+static hid_t elink_refuse_traverse(const char *link_name, hid_t cur_group, const void *lnkdata, size_t lnkdata_size,
+                                   hid_t lapl_id, hid_t dxpl_id) {
+    (void)link_name, (void)cur_group, (void)lnkdata, (void)lnkdata_size, (void)lapl_id, (void)dxpl_id;
+    return H5I_INVALID_HID;
+}
+
+static ssize_t elink_query(const char *link_name, const void *lnkdata, size_t lnkdata_size, void *buf,
+                           size_t buf_size) {
+    (void)link_name;
+    if (buf) memcpy(buf, lnkdata, buf_size < lnkdata_size ? buf_size : lnkdata_size);
+    return (ssize_t)lnkdata_size;
+}
+
+static const H5L_class_t ELINK_REFUSED = {
+    .version = H5L_LINK_CLASS_T_VERS,
+    .id = H5L_TYPE_EXTERNAL,
+    .comment = "external link (never followed by qtrain)",
+    .trav_func = elink_refuse_traverse,
+    .query_func = elink_query,
+};
+
 void h5io_init(void) {
     static bool done = false;
     if (done) return;
     H5open();
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    H5Lregister(&ELINK_REFUSED);
     done = true;
 }
 
@@ -82,6 +110,13 @@ static QtStatus h5_fail_attr(QtError *err, QtStatus st, const H5ioFile *f, const
     return qt_error_set(err, st, "%s: cannot %s attribute '%s' of /%s (%s)", fname(f), what, name, show(obj),
                         reason);
 }
+
+/* For h5io_safe.c (h5io_internal.h). */
+QtStatus h5io_fail(QtError *err, QtStatus st, const H5ioFile *f, const char *what, const char *obj) {
+    return h5_fail(err, st, f, what, obj);
+}
+const char *h5io_fname(const H5ioFile *f) { return fname(f); }
+const char *h5io_show(const char *path) { return show(path); }
 
 /* ---- files ----------------------------------------------------------------------- */
 
@@ -293,9 +328,35 @@ static QtStatus info_from(const H5ioFile *f, const char *path, hid_t space, hid_
     return QT_OK;
 }
 
+/* Opens dataset `path` after checking that every component of the path is
+ * a hard link (no soft or external link is followed) and that its storage
+ * may be read (dataset_check_storage). */
+static QtStatus dataset_open(const H5ioFile *f, const char *path, hid_t *d, QtError *err) {
+    *d = H5I_INVALID_HID;
+    H5ioKind k = h5io_kind(f, path);
+    if (k != H5IO_DATASET) {
+        char shown[QT_CLIP_BUF];
+        if (k == H5IO_OTHER)
+            return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is a soft or external link or a named type, not a dataset "
+                                "(qtrain follows no links in a file)", fname(f), qt_clip(show(path), shown));
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no dataset /%s (a missing object, a group, or a path through a "
+                            "link, which qtrain does not follow)", fname(f), qt_clip(show(path), shown));
+    }
+    hid_t id = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
+    if (id < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    QtStatus st = h5io_check_storage(f, path, id, err);
+    if (st != QT_OK) {
+        H5Dclose(id);
+        return st;
+    }
+    *d = id;
+    return QT_OK;
+}
+
 QtStatus h5io_dataset_info(const H5ioFile *f, const char *path, H5ioInfo *info, QtError *err) {
-    hid_t d = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
-    if (d < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    hid_t d;
+    QtStatus st0 = dataset_open(f, path, &d, err);
+    if (st0 != QT_OK) return st0;
     hid_t space = H5Dget_space(d), type = H5Dget_type(d);
     QtStatus st = space < 0 || type < 0 ? h5_fail(err, QT_ERR_FORMAT, f, "read the type of", path)
                                         : info_from(f, path, space, type, info, err);
@@ -410,8 +471,8 @@ QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *dat
         return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, expected %s", fname(f), show(path),
                             h5io_shape_str(&info, got, sizeof got), h5io_shape_str(&e, exp, sizeof exp));
     }
-    hid_t d = H5Dopen2(f->id, h5name(path), H5P_DEFAULT);
-    if (d < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open dataset", path);
+    hid_t d;
+    if ((st = dataset_open(f, path, &d, err)) != QT_OK) return st;
     if (H5Dread(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
         st = h5_fail(err, QT_ERR_FORMAT, f, "read dataset", path);
     H5Dclose(d);
@@ -420,9 +481,15 @@ QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *dat
 
 /* ---- attributes ------------------------------------------------------------------- */
 
+/* A group or dataset reached through hard links only. */
+static bool reachable(const H5ioFile *f, const char *obj) {
+    H5ioKind k = h5io_kind(f, obj);
+    return k == H5IO_GROUP || k == H5IO_DATASET;
+}
+
 bool h5io_attr_exists(const H5ioFile *f, const char *obj, const char *name) {
     h5io_init();
-    return h5io_exists(f, obj) && H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) > 0;
+    return reachable(f, obj) && H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) > 0;
 }
 
 /* Writes a scalar attribute of file type `ftype` from memory type `mtype`. */
@@ -473,13 +540,23 @@ QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, dou
     return attr_write(f, obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, err);
 }
 
-static QtStatus attr_write_string(H5ioFile *f, const char *obj, const char *name, const char *v, bool fixed,
-                                  QtError *err) {
+/* The longest fixed-length string attribute: an attribute lives in its
+ * object's header, whose messages HDF5 limits to 64 KiB. */
+#define ATTR_FIXED_MAX 60000
+
+/* Fixed-length: the bytes sit in the attribute itself. A variable-length
+ * string would be stored in the file's global heap, and reading one back
+ * goes through code of libhdf5 that crashes or hangs on a damaged heap
+ * (h5io_attr_read_str reads such strings in a child process). Only a
+ * string too long for an object header (a config of 60 KB) is written
+ * variable-length, as the one way to store it. */
+QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
     if (!v) v = "";
     hid_t t = H5Tcopy(H5T_C_S1);
     size_t len = strlen(v);
+    bool fixed = len <= ATTR_FIXED_MAX;
     herr_t ok = t < 0 ? -1 : H5Tset_cset(t, H5T_CSET_UTF8);
-    if (ok >= 0) ok = H5Tset_size(t, fixed ? (len ? len : 1) : H5T_VARIABLE);
+    if (ok >= 0) ok = H5Tset_size(t, !fixed ? H5T_VARIABLE : len ? len : 1);
     if (ok >= 0 && fixed) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
     QtStatus st = ok < 0 ? h5_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name)
                          : attr_write(f, obj, name, t, t, fixed ? (const void *)v : (const void *)&v, err);
@@ -487,12 +564,8 @@ static QtStatus attr_write_string(H5ioFile *f, const char *obj, const char *name
     return st;
 }
 
-QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
-    return attr_write_string(f, obj, name, v, false, err);
-}
-
 QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
-    return attr_write_string(f, obj, name, v, true, err);
+    return h5io_attr_write_str(f, obj, name, v, err);
 }
 
 /* Opens attribute `name` of `obj` as *a and reads its class and element
@@ -501,9 +574,9 @@ static QtStatus attr_open(const H5ioFile *f, const char *obj, const char *name, 
                           hssize_t *n, QtError *err) {
     h5io_init();
     *a = H5I_INVALID_HID;
-    if (!h5io_exists(f, obj))
-        return qt_error_set(err, QT_ERR_FORMAT, "%s: no object /%s (looking for its attribute '%s')", fname(f),
-                            show(obj), name);
+    if (!reachable(f, obj))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no group or dataset /%s (looking for its attribute '%s'; "
+                            "qtrain follows no links in a file)", fname(f), show(obj), name);
     if (H5Aexists_by_name(f->id, h5name(obj), name, H5P_DEFAULT) <= 0)
         return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has no attribute '%s'", fname(f), show(obj), name);
     hid_t id = H5Aopen_by_name(f->id, h5name(obj), name, H5P_DEFAULT, H5P_DEFAULT);
@@ -583,16 +656,14 @@ static QtStatus attr_read_open_str(const H5ioFile *f, const char *obj, const cha
     QtStatus st = QT_OK;
     htri_t vlen = mt >= 0 ? H5Tis_variable_str(mt) : -1;
     size_t size = ft >= 0 ? H5Tget_size(ft) : 0;
-    if (vlen < 0 || (vlen == 0 && (H5Tset_size(mt, size + 1) < 0 || H5Tset_strpad(mt, H5T_STR_NULLTERM) < 0))) {
+    if (vlen == 0 && size > H5IO_ATTR_STR_MAX) {
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a string of %zu bytes, more than %zu",
+                          fname(f), name, show(obj), size, H5IO_ATTR_STR_MAX);
+    } else if (vlen < 0 ||
+               (vlen == 0 && (H5Tset_size(mt, size + 1) < 0 || H5Tset_strpad(mt, H5T_STR_NULLTERM) < 0))) {
         st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
     } else if (vlen) {
-        char *s = NULL;
-        if (H5Aread(a, mt, &s) < 0) {
-            st = h5_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
-        } else {
-            *v = strdup(s ? s : "");
-            if (s) H5free_memory(s);
-        }
+        st = h5io_attr_read_vlen(f, obj, name, a, mt, v, err);
     } else {
         *v = calloc(size + 1, 1);
         if (*v && H5Aread(a, mt, *v) < 0) {
@@ -727,6 +798,9 @@ static QtStatus list_group(const H5ioFile *f, const char *group, bool recursive,
                            bool *stopped, QtError *err) {
     h5io_init();
     if (stopped) *stopped = false;
+    if (h5io_kind(f, group) != H5IO_GROUP)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no group /%s (qtrain follows no links in a file)", fname(f),
+                            show(group));
     hid_t g = H5Gopen2(f->id, h5name(group), H5P_DEFAULT);
     if (g < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open group", group);
     ListCtx c = {.fn = fn, .ctx = ctx};
@@ -756,6 +830,9 @@ static herr_t attr_cb(hid_t loc, const char *name, const H5A_info_t *info, void 
 
 QtStatus h5io_attr_iterate(const H5ioFile *f, const char *obj, H5ioAttrFn fn, void *ctx, QtError *err) {
     h5io_init();
+    if (!reachable(f, obj))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: no group or dataset /%s (qtrain follows no links in a file)",
+                            fname(f), show(obj));
     hid_t o = H5Oopen(f->id, h5name(obj), H5P_DEFAULT);
     if (o < 0) return h5_fail(err, QT_ERR_FORMAT, f, "open", obj);
     ListCtx c = {.attr_fn = fn, .ctx = ctx};

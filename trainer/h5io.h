@@ -91,6 +91,17 @@ static inline QtStatus h5io_write_f32(H5ioFile *f, const char *path, const float
                                       QtError *err) {
     return h5io_write(f, path, H5T_NATIVE_FLOAT, data, ndim, shape, err);
 }
+/* Every function that opens a dataset (h5io_dataset_info, h5io_read)
+ * first checks that each component of its path is a hard link (no soft or
+ * external link is followed; external links cannot be traversed at all
+ * once h5io_init ran) and that its data may be read: stored in this file
+ * (contiguous, chunked or compact; no external storage, no virtual
+ * dataset), written (its storage allocated, unless it has no elements),
+ * filtered only by deflate, shuffle or fletcher32, in chunks no larger
+ * than the dataset, each stored no larger than it needs and inflating to at
+ * most its size (h5io_safe.c). Otherwise QT_ERR_FORMAT "refusing dataset
+ * /<path>: ...". */
+
 /* Reads dataset `path` into data (memtype) after checking that it has
  * exactly the shape (ndim, shape) and the same type class as memtype
  * (QT_ERR_FORMAT naming both shapes or types otherwise). */
@@ -114,9 +125,12 @@ QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *nam
                              QtError *err);
 QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err);
 QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, double v, QtError *err);
-/* Variable-length UTF-8 (h5py reads it as str). */
+/* Fixed-length UTF-8, null-padded, of strlen(v) bytes (h5py reads bytes).
+ * Variable-length strings live in the global heap, which libhdf5 reads
+ * unchecked (see h5io_attr_read_str), so only a string of more than 60000
+ * bytes, too long for an object header, is written variable-length. */
 QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err);
-/* Fixed-length, null-padded, of strlen(v) bytes (h5py reads bytes). */
+/* The same as h5io_attr_write_str. */
 QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err);
 
 /* Reads need exactly one element. QT_ERR_FORMAT if the attribute is missing
@@ -126,7 +140,10 @@ QtStatus h5io_attr_read_i64(const H5ioFile *f, const char *obj, const char *name
 QtStatus h5io_attr_read_u64(const H5ioFile *f, const char *obj, const char *name, uint64_t *v, QtError *err);
 /* From a float or an integer attribute. */
 QtStatus h5io_attr_read_f64(const H5ioFile *f, const char *obj, const char *name, double *v, QtError *err);
-/* Fixed- or variable-length; *v is malloc'd (the caller frees). */
+/* Fixed- or variable-length, at most 16 MiB; *v is malloc'd (the caller
+ * frees). A variable-length string (h5py's str) is read in a child process,
+ * so a damaged global heap, on which libhdf5 crashes or loops, is a
+ * QT_ERR_FORMAT naming the attribute and not a crash. */
 QtStatus h5io_attr_read_str(const H5ioFile *f, const char *obj, const char *name, char **v, QtError *err);
 /* Any attribute's value as text: numbers (up to 8 of an array, then "..."),
  * strings quoted and cut to their first line and `max_str` characters with
