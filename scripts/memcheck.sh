@@ -115,6 +115,12 @@ train base tiny-base --set "data.cache_dir=$tmp/cache"
 # nf4 (+ double quantization) base with LoRA adapters on two threads, then the merge.
 train qlora tiny-qlora --set "$base" --set run.threads=2
 run merge merge --checkpoint "$tmp/tiny-qlora/final.h5" --out "$tmp/merged.h5"
+# The float merge, evaluated into a file of our choosing; new adapters started from the run's adapters.h5
+# (the base identity is checked); a PTQ base quantized with stochastic rounding.
+run merge-float merge --checkpoint "$tmp/tiny-qlora/final.h5" --out "$tmp/merged-float.h5" --dequantize
+run eval-out eval --checkpoint "$tmp/merged-float.h5" --out "$tmp/merged-eval.json"
+run adapters-from --config tests/configs/tiny-qlora.yaml --set "run.out_dir=$tmp/qlora2" --set train.steps=2 \
+    --set "$base" --set "model.adapters_from=$tmp/tiny-qlora/adapters.h5" --set quant.rules.0.rounding=stochastic
 run quantize quantize --config tests/configs/tiny-qlora.yaml --checkpoint "$tmp/tiny-base/final.h5" --out "$tmp/nf4.h5"
 run inspect inspect "$tmp/nf4.h5"
 # QAT (learned pof2 ranges, int4/int8) from the base, then its conversion to a PTQ checkpoint.
