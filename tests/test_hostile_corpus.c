@@ -235,7 +235,8 @@ static void replay_one(const Expect *x, const char *path) {
         char *snap_after = outside_snapshot();
         bool named = strstr(log, x->what) != NULL, leaked = strstr(log, "root:") != NULL;
         bool kept = snap && snap_after && strcmp(snap, snap_after) == 0;
-        if (getenv("QTRAIN_TEST_VERBOSE")) fprintf(stderr, "\n  %s on %s: exit %d:\n%s\n", CORPUS_LOADERS[l], path, rc, log);
+        if (getenv("QTRAIN_TEST_VERBOSE")) /* every output, to read the messages */
+            fprintf(stderr, "\n  %s on %s: exit %d:\n%s\n", CORPUS_LOADERS[l], path, rc, log);
         if (rc != 1 && rc != 2)
             fprintf(stderr, "\n  %s on %s: exit status %d (-1: killed, a hang?), expected a refusal; output:\n%s\n",
                     CORPUS_LOADERS[l], path, rc, log);
@@ -313,11 +314,15 @@ static void test_corpus_clean(void) {
         {lora, C_MERGE},
     };
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
-        char *log = NULL;
+        char *snap = outside_snapshot(), *log = NULL;
         int rc = corpus_load(runs[i].l, runs[i].file, &log);
+        char *snap_after = outside_snapshot();
         if (rc != 0) fprintf(stderr, "\n  %s on %s: exit %d:\n%s\n", CORPUS_LOADERS[runs[i].l], runs[i].file, rc, log);
         CU_ASSERT_EQUAL(rc, 0);
+        CU_ASSERT(snap && snap_after && strcmp(snap, snap_after) == 0); /* a loaded file's outputs go to --out too */
         free(log);
+        free(snap);
+        free(snap_after);
     }
 }
 
