@@ -51,7 +51,7 @@ TESTS  := $(BUILD)/tests/run_tests
 DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
 APT_ENV  := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: compare all deps pkgcheck test run bench bench-torch torch-deps fixtures memcheck clean
+.PHONY: compare all deps pkgcheck test run bench bench-torch torch-deps fixtures memcheck clean hostile-corpus
 all: $(LIB) $(QTRAIN)
 
 deps:
@@ -93,6 +93,12 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 test: deps
 	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
 	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS)
+
+# Remakes the committed hostile files of tests/hostile/ (the hostile suite
+# replays them); review and commit the result with tests/hostile/expect.txt.
+hostile-corpus: deps
+	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
+	QTRAIN_HOSTILE_WRITE=tests/hostile OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS) hostile
 
 # Pretrain (once) -> PTQ eval -> QLoRA fine-tune -> eval, then a table.
 run: deps

@@ -19,11 +19,17 @@
  *   bomb_big     ... to 8 MiB (libhdf5 would inflate all of it)
  *   vlen_damaged the root 'format' attribute as a variable-length string
  *                whose global heap entry is damaged
+ *   nan, negative    a dataset's first value NaN or -1 (for the corpus)
+ *   chunk_huge_raw   chunk_huge with one short chunk (a small file, for the corpus)
+ *
+ * The committed corpus tests/hostile/ is made by these and replayed by
+ * test_hostile_corpus.c.
  *
  * A FIFO that nobody writes blocks its reader, so a loader that touched one
  * would hang: every run has a timeout (test_proc), and a killed run fails. */
 #include <errno.h>
 #include <hdf5.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +39,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "test_hostile.h"
 #include "test_proc.h"
 #include "test_util.h"
 #include "trainer/h5io.h"
@@ -52,7 +59,7 @@ static char *path_in(const char *name) {
 }
 
 /* Runs qtrain with args; its exit status (-1: killed or a signal) and its output in *out (malloc'd). */
-static int qtrain_run(const char *const *args, char **out) {
+int hostile_qtrain_run(const char *const *args, char **out) {
     char *log = path_in("run.log");
     unlink(log);
     int rc = test_proc_run(log, args, RUN_TIMEOUT_S);
@@ -83,10 +90,10 @@ static int hostile_suite_init(void) {
                           "train.steps=2", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2",
                           "--quiet", NULL};
     char *log = NULL;
-    int rc = qtrain_run(base, &log);
+    int rc = hostile_qtrain_run(base, &log);
     if (rc == 0) {
         free(log);
-        rc = qtrain_run(lora, &log);
+        rc = hostile_qtrain_run(lora, &log);
     }
     if (rc != 0) fprintf(stderr, "\n  setup run: exit %d: %s\n", rc, log);
     free(log);
@@ -101,14 +108,12 @@ static int hostile_suite_cleanup(void) {
 
 /* ---- crafting ------------------------------------------------------------------------------ */
 
-typedef enum {
-    EXT_PASSWD, EXT_FIFO, VDS_MISSING, VDS_FIFO, ELINK_PARAM, ELINK_GROUP, SOFT_LINK, FILTER, CHUNK_HUGE, UNALLOC,
-    BOMB_SMALL, BOMB_BIG, VLEN_DAMAGED
-} Hostile;
+const char *const HOSTILE_NAMES[] = {"ext_passwd", "ext_fifo", "vds_missing", "vds_fifo", "elink_param",
+                                     "elink_group", "soft_link", "filter", "chunk_huge", "unalloc",
+                                     "bomb_small", "bomb_big", "vlen_damaged", "nan", "negative",
+                                     "chunk_huge_raw"};
 
-static const char *const HOSTILE_NAMES[] = {"ext_passwd", "ext_fifo", "vds_missing", "vds_fifo", "elink_param",
-                                            "elink_group", "soft_link", "filter", "chunk_huge", "unalloc",
-                                            "bomb_small", "bomb_big", "vlen_damaged"};
+const char *hostile_tmp(void) { return tmp_root; }
 
 /* The rank and shape of dataset ds of f; -1 if there is none. */
 static int ds_dims(hid_t f, const char *ds, hsize_t *dims) {
@@ -181,8 +186,25 @@ static bool damage_global_heap(const char *path) {
     return ok;
 }
 
-/* Copies src to <tmp>/<name>-<h>.h5 and makes it hostile at dataset ds. */
-static const char *craft(Hostile h, const char *src, const char *name, const char *ds) {
+/* Sets element 0 of float32 dataset ds of f to x. */
+static bool poke_first(hid_t f, const char *ds, float x) {
+    hsize_t dims[H5S_MAX_RANK], n = 1;
+    int rank = ds_dims(f, ds, dims);
+    for (int i = 0; i < rank; i++) n *= dims[i];
+    hid_t d = rank > 0 ? H5Dopen2(f, ds, H5P_DEFAULT) : H5I_INVALID_HID;
+    float *v = d >= 0 ? malloc(n * sizeof *v) : NULL;
+    bool ok = v && H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0;
+    if (ok) v[0] = x;
+    ok = ok && H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v) >= 0;
+    free(v);
+    if (d >= 0) H5Dclose(d);
+    return ok;
+}
+
+/* Copies src to <tmp>/<name>-<h>.h5 and makes it hostile at dataset ds.
+ * An external link or a virtual dataset's source points at `elsewhere`
+ * (NULL: the suite's FIFO, or a missing file in the temporary directory). */
+const char *hostile_craft(Hostile h, const char *src, const char *name, const char *ds, const char *elsewhere) {
     static char out[PATH_CAP];
     snprintf(out, sizeof out, "%s/%s-%s.h5", tmp_root, name, HOSTILE_NAMES[h]);
     size_t n = 0;
@@ -200,15 +222,15 @@ static const char *craft(Hostile h, const char *src, const char *name, const cha
         ok = H5Pset_external(dcpl, h == EXT_PASSWD ? "/etc/passwd" : fifo_path, 0, H5F_UNLIMITED) >= 0 &&
              replace_dataset(f, ds, dcpl, false, false);
         break;
-    case VDS_MISSING: ok = make_virtual(f, ds, path_in("missing-source.h5")); break;
-    case VDS_FIFO: ok = make_virtual(f, ds, fifo_path); break;
+    case VDS_MISSING: ok = make_virtual(f, ds, elsewhere ? elsewhere : path_in("missing-source.h5")); break;
+    case VDS_FIFO: ok = make_virtual(f, ds, elsewhere ? elsewhere : fifo_path); break;
     case ELINK_PARAM:
         ok = H5Ldelete(f, ds, H5P_DEFAULT) >= 0 &&
-             H5Lcreate_external(fifo_path, ds, f, ds, H5P_DEFAULT, H5P_DEFAULT) >= 0;
+             H5Lcreate_external(elsewhere ? elsewhere : fifo_path, ds, f, ds, H5P_DEFAULT, H5P_DEFAULT) >= 0;
         break;
     case ELINK_GROUP:
         ok = H5Ldelete(f, "/data", H5P_DEFAULT) >= 0 &&
-             H5Lcreate_external(fifo_path, "/data", f, "/data", H5P_DEFAULT, H5P_DEFAULT) >= 0;
+             H5Lcreate_external(elsewhere ? elsewhere : fifo_path, "/data", f, "/data", H5P_DEFAULT, H5P_DEFAULT) >= 0;
         break;
     case SOFT_LINK: {
         char target[256];
@@ -223,14 +245,26 @@ static const char *craft(Hostile h, const char *src, const char *name, const cha
              H5Pset_scaleoffset(dcpl, H5Z_SO_FLOAT_DSCALE, 1) >= 0 && replace_dataset(f, ds, dcpl, true, false);
         break;
     }
-    case CHUNK_HUGE: {
-        hsize_t chunk[H5S_MAX_RANK];
+    case CHUNK_HUGE:
+    case CHUNK_HUGE_RAW: {
+        hsize_t chunk[H5S_MAX_RANK], off[H5S_MAX_RANK] = {0};
         int rank = ds_dims(f, ds, chunk);
-        hsize_t rest = 1;
+        hsize_t rest = 1, n = chunk[0];
         for (int i = 1; i < rank; i++) rest *= chunk[i];
         chunk[0] = ((hsize_t)1 << 22) / rest; /* 16 MiB chunks, far beyond the dataset */
         ok = rank > 0 && H5Pset_chunk(dcpl, rank, chunk) >= 0 && H5Pset_deflate(dcpl, 9) >= 0 &&
-             replace_dataset(f, ds, dcpl, true, true);
+             replace_dataset(f, ds, dcpl, h == CHUNK_HUGE, true);
+        if (ok && h == CHUNK_HUGE_RAW) { /* one chunk of the dataset's size of zeros, deflated: a small file */
+            uLong len = (uLong)(n * rest * sizeof(float));
+            uLongf packed_n = compressBound(len);
+            Bytef *raw = calloc(len, 1), *packed = malloc(packed_n);
+            hid_t d = H5Dopen2(f, ds, H5P_DEFAULT);
+            ok = raw && packed && d >= 0 && compress2(packed, &packed_n, raw, len, 9) == Z_OK &&
+                 H5Dwrite_chunk(d, H5P_DEFAULT, 0, off, packed_n, packed) >= 0;
+            if (d >= 0) H5Dclose(d);
+            free(raw);
+            free(packed);
+        }
         break;
     }
     case UNALLOC: ok = replace_dataset(f, ds, dcpl, false, false); break;
@@ -263,6 +297,8 @@ static const char *craft(Hostile h, const char *src, const char *name, const cha
         H5Tclose(t);
         break;
     }
+    case NAN_VALUE: ok = poke_first(f, ds, NAN); break;
+    case NEGATIVE_VALUE: ok = poke_first(f, ds, -1.0f); break;
     }
     H5Pclose(dcpl);
     if (H5Fclose(f) < 0) ok = false;
@@ -330,7 +366,7 @@ static void expect_refused(Loader l, const char *file, const char *what, const c
     }
     }
     char *log = NULL;
-    int rc = qtrain_run(args, &log);
+    int rc = hostile_qtrain_run(args, &log);
     /* inspect lists a link as one, without following it */
     bool listed = l == L_INSPECT && strstr(hostile, "link") && rc == 0 && strstr(log, "not followed");
     if (listed) rc = 1;
@@ -356,7 +392,7 @@ static void test_base_files(void) {
     static const Loader loaders[] = {L_RESUME, L_INIT_FROM, L_EVAL, L_INSPECT, L_QUANTIZE};
     const char *ds = "/params/fc1/bias";
     for (int h = EXT_PASSWD; h <= VLEN_DAMAGED; h++) {
-        const char *file = craft((Hostile)h, base_ckpt, "base", ds);
+        const char *file = hostile_craft((Hostile)h, base_ckpt, "base", ds, NULL);
         CU_ASSERT_PTR_NOT_NULL(file);
         if (!file) continue;
         const char *what = h == VLEN_DAMAGED ? "'format'" : h == ELINK_GROUP ? "/data" : ds;
@@ -374,10 +410,10 @@ static void test_lora_files(void) {
                                  UNALLOC, BOMB_SMALL};
     const char *ds = "/lora/fc1/A";
     for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) {
-        const char *file = craft(hs[i], lora_ckpt, "lora", ds);
+        const char *file = hostile_craft(hs[i], lora_ckpt, "lora", ds, NULL);
         CU_ASSERT_PTR_NOT_NULL(file);
         if (file) expect_refused(L_MERGE, file, ds, HOSTILE_NAMES[hs[i]]);
-        file = craft(hs[i], lora_adapters, "adapters", ds);
+        file = hostile_craft(hs[i], lora_adapters, "adapters", ds, NULL);
         CU_ASSERT_PTR_NOT_NULL(file);
         if (file) expect_refused(L_ADAPTERS_FROM, file, ds, HOSTILE_NAMES[hs[i]]);
     }
@@ -536,7 +572,9 @@ static void test_clip(void) {
 int register_hostile_suite(void) {
     CU_pSuite s = CU_add_suite("hostile", hostile_suite_init, hostile_suite_cleanup);
     if (!s) return -1;
-    return !CU_add_test(s, "base checkpoints: every loader refuses each, naming it", test_base_files) ||
+    if (getenv("QTRAIN_HOSTILE_WRITE")) return hostile_corpus_add_tests(s); /* the generator alone */
+    return hostile_corpus_add_tests(s) ||
+           !CU_add_test(s, "base checkpoints: every loader refuses each, naming it", test_base_files) ||
            !CU_add_test(s, "LoRA checkpoints and adapters.h5: merge, adapters_from", test_lora_files) ||
            !CU_add_test(s, "h5py's chunked, filtered, vlen-string files still load", test_accepted_layouts) ||
            !CU_add_test(s, "partly written chunks refused, external links not traversable",
