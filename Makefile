@@ -155,7 +155,7 @@ FUZZ_BUILD   := build/fuzz
 FUZZ_TARGETS := config idx checkpoint
 FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS  := -O1 -g -std=gnu11 -Wall -Wextra -I. -MMD -MP $(FUZZ_SAN)
-FUZZ_HARNESS := tests/fuzz_harness.c tests/fuzz_h5edit.c $(wildcard tests/fuzz_entry_*.c)
+FUZZ_HARNESS := tests/fuzz_harness.c tests/fuzz_h5edit.c tests/fuzz_h5edit_storage.c $(wildcard tests/fuzz_entry_*.c)
 FUZZ_OBJS    := $(LIB_SRCS:%.c=$(FUZZ_BUILD)/%.o) $(FUZZ_HARNESS:%.c=$(FUZZ_BUILD)/%.o)
 FUZZ_BINS    := $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%)
 

@@ -3,34 +3,18 @@
  * failed edit is simply skipped. */
 #include "fuzz_h5edit.h"
 
-#include <errno.h>
 #include <hdf5.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
-#include "fuzz_harness.h"
+#include "fuzz_h5edit_internal.h"
 
-#define MAX_LINKS 512
 #define MAX_OPS 48
-#define NAME_MAX_LEN 256
 #define MAX_NUMEL 65536 /* elements of a rewritten dataset */
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
-
-typedef struct {
-    const uint8_t *p;
-    size_t n, i;
-} Reader;
-
-static uint8_t u8(Reader *r) { return r->i < r->n ? r->p[r->i++] : 0; }
-
-static uint16_t u16(Reader *r) {
-    uint16_t hi = u8(r);
-    return (uint16_t)(hi << 8 | u8(r));
-}
 
 static uint64_t u64(Reader *r) {
     uint64_t v = 0;
@@ -81,11 +65,6 @@ static double special_double(uint8_t k) {
 
 /* ---- the file's links -------------------------------------------------------------- */
 
-typedef struct {
-    char names[MAX_LINKS][NAME_MAX_LEN];
-    int n;
-} Links;
-
 static herr_t collect_link(hid_t g, const char *name, const H5L_info_t *info, void *data) {
     (void)g;
     (void)info;
@@ -101,9 +80,7 @@ static void list_links(hid_t f, Links *l) {
     H5Lvisit(f, H5_INDEX_NAME, H5_ITER_INC, collect_link, l);
 }
 
-static const char *pick(Reader *r, const Links *l) { return l->names[u8(r) % l->n]; }
-
-static bool is_kind(hid_t f, const char *path, H5I_type_t want) {
+bool is_kind(hid_t f, const char *path, H5I_type_t want) {
     if (strcmp(path, "/") == 0) return want == H5I_GROUP;
     H5L_info_t li;
     if (H5Lget_info(f, path, &li, H5P_DEFAULT) < 0 || li.type != H5L_TYPE_HARD) return false;
@@ -367,15 +344,7 @@ static void op_attr_space(hid_t f, Reader *r, const Links *l) {
 
 /* ---- datasets ---------------------------------------------------------------------- */
 
-typedef struct {
-    void *buf;      /* raw elements in the file type, or NULL */
-    size_t numel, esize;
-    hid_t type;     /* the file type (copy), or H5I_INVALID_HID */
-    int rank;
-    hsize_t dims[H5S_MAX_RANK];
-} DsCopy;
-
-static void ds_copy_free(DsCopy *c) {
+void ds_copy_free(DsCopy *c) {
     free(c->buf);
     if (c->type >= 0) H5Tclose(c->type);
     memset(c, 0, sizeof *c);
@@ -400,7 +369,7 @@ static bool storage_plain(hid_t d) {
 }
 
 /* The dataset's raw contents (fixed-size types only; small ones). */
-static bool ds_read(hid_t f, const char *path, DsCopy *c) {
+bool ds_read(hid_t f, const char *path, DsCopy *c) {
     memset(c, 0, sizeof *c);
     c->type = H5I_INVALID_HID;
     hid_t d = H5Dopen2(f, path, H5P_DEFAULT);
@@ -574,8 +543,6 @@ static void op_poke_ds(hid_t f, Reader *r, const Links *l) {
     ds_copy_free(&c);
 }
 
-static const char *fifo_path(void);
-
 /* ---- links and objects --------------------------------------------------------------- */
 
 static void op_move(hid_t f, Reader *r, const Links *l) {
@@ -643,103 +610,7 @@ static void op_copy(hid_t f, Reader *r, const Links *l) {
     if (H5Ldelete(f, dst, H5P_DEFAULT) >= 0) H5Lcreate_hard(f, src, f, dst, H5P_DEFAULT, H5P_DEFAULT);
 }
 
-/* ---- storage a loader must refuse -------------------------------------------------------- */
-
-/* A FIFO nobody writes, in the scratch directory: external storage, virtual
- * sources and external links point at it, so a loader that opened one would
- * block until libFuzzer's timeout reports it. NULL if it cannot be made. */
-static const char *fifo_path(void) {
-    static char path[512];
-    static bool tried = false;
-    if (tried) return path[0] ? path : NULL;
-    tried = true;
-    const char *dir = fuzz_scratch_dir();
-    if (!dir || snprintf(path, sizeof path, "%s/fifo", dir) >= (int)sizeof path ||
-        (mkfifo(path, 0600) != 0 && errno != EEXIST))
-        path[0] = '\0';
-    return path[0] ? path : NULL;
-}
-
-/* The same dataset (type, shape, contents) stored another way: external
- * (in the FIFO), virtual (from the FIFO or a missing file), chunked beyond
- * its extent, through a filter qtrain refuses (scale-offset, n-bit, an
- * unregistered optional one) or one it accepts (shuffle, fletcher32,
- * deflate in chunks within the dataset, compact), or never written. */
-static void op_storage(hid_t f, Reader *r, const Links *l) {
-    const char *path = pick(r, l);
-    DsCopy old;
-    if (!is_kind(f, path, H5I_DATASET) || !ds_read(f, path, &old)) return;
-    uint8_t how = u8(r) % 11, grow = u8(r);
-    const char *fifo = fifo_path();
-    hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
-    hsize_t max[H5S_MAX_RANK], chunk[H5S_MAX_RANK];
-    bool unlimited = false, write = true, ok = old.rank > 0 && old.numel > 0 && dcpl >= 0;
-    for (int k = 0; k < old.rank; k++) chunk[k] = old.dims[k];
-    hid_t s = H5I_INVALID_HID;
-    switch (ok ? how : 255) {
-    case 0:
-        ok = fifo && H5Pset_external(dcpl, fifo, 0, H5F_UNLIMITED) >= 0;
-        write = false;
-        break;
-    case 1:
-    case 2:
-        s = H5Screate_simple(old.rank, old.dims, NULL);
-        ok = s >= 0 && (how == 2 || fifo) &&
-             H5Pset_virtual(dcpl, s, how == 1 ? fifo : "qtrain-fuzz-missing.h5", "/x", s) >= 0;
-        write = false;
-        break;
-    case 3: { /* chunks larger than the dataset, of at most about 2^20 elements */
-        hsize_t rest = 1;
-        for (int k = 1; k < old.rank; k++) rest *= old.dims[k];
-        chunk[0] = old.dims[0] + 1 + grow % (1 + ((hsize_t)1 << 20) / (rest ? rest : 1));
-        unlimited = true;
-        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 && H5Pset_deflate(dcpl, 1) >= 0;
-        break;
-    }
-    case 4:
-        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 &&
-             (H5Tget_class(old.type) == H5T_FLOAT ? H5Pset_scaleoffset(dcpl, H5Z_SO_FLOAT_DSCALE, 2)
-                                                  : H5Pset_scaleoffset(dcpl, H5Z_SO_INT, 0)) >= 0;
-        break;
-    case 5: ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 && H5Pset_nbit(dcpl) >= 0; break;
-    case 6:
-        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 &&
-             H5Pset_filter(dcpl, (H5Z_filter_t)(32000 + grow % 8), H5Z_FLAG_OPTIONAL, 0, NULL) >= 0;
-        break;
-    case 7: /* accepted: shuffle, deflate and fletcher32 in chunks within the dataset */
-        chunk[0] = 1 + grow % old.dims[0];
-        ok = H5Pset_chunk(dcpl, old.rank, chunk) >= 0 && H5Pset_shuffle(dcpl) >= 0 && H5Pset_deflate(dcpl, 6) >= 0 &&
-             H5Pset_fletcher32(dcpl) >= 0;
-        break;
-    case 8: ok = old.numel * old.esize < 32768 && H5Pset_layout(dcpl, H5D_COMPACT) >= 0; break; /* accepted */
-    case 9: write = false; break; /* never written */
-    default: /* only partly written: chunks of one row, the first written */
-        chunk[0] = 1;
-        ok = old.dims[0] > 1 && H5Pset_chunk(dcpl, old.rank, chunk) >= 0;
-        write = false;
-        break;
-    }
-    for (int k = 0; k < old.rank; k++) max[k] = unlimited ? H5S_UNLIMITED : old.dims[k];
-    if (s >= 0) H5Sclose(s);
-    s = ok ? H5Screate_simple(old.rank, old.dims, max) : H5I_INVALID_HID;
-    hid_t d = s >= 0 && H5Ldelete(f, path, H5P_DEFAULT) >= 0
-                  ? H5Dcreate2(f, path, old.type, s, H5P_DEFAULT, dcpl, H5P_DEFAULT) : H5I_INVALID_HID;
-    if (d >= 0 && write) H5Dwrite(d, old.type, H5S_ALL, H5S_ALL, H5P_DEFAULT, old.buf);
-    if (d >= 0 && how == 10) { /* the first row only */
-        hsize_t start[H5S_MAX_RANK] = {0}, count[H5S_MAX_RANK];
-        memcpy(count, old.dims, sizeof count);
-        count[0] = 1;
-        hid_t fs = H5Dget_space(d), ms = H5Screate_simple(old.rank, count, NULL);
-        if (fs >= 0 && ms >= 0 && H5Sselect_hyperslab(fs, H5S_SELECT_SET, start, NULL, count, NULL) >= 0)
-            H5Dwrite(d, old.type, ms, fs, H5P_DEFAULT, old.buf);
-        if (ms >= 0) H5Sclose(ms);
-        if (fs >= 0) H5Sclose(fs);
-    }
-    if (d >= 0) H5Dclose(d);
-    if (s >= 0) H5Sclose(s);
-    if (dcpl >= 0) H5Pclose(dcpl);
-    ds_copy_free(&old);
-}
+/* ---- values a loader must refuse -------------------------------------------------------- */
 
 /* Float elements negated: one, or all (an AdamW second moment v below zero,
  * a negative scale, range or step size). */

@@ -4,7 +4,8 @@
  * temporary name, fsync'd, renamed and its directory fsync'd. Loading checks
  * the whole file against the model, optimizer and state first and reads into
  * a staging buffer, so a bad file never leaves a half-restored run. A run's
- * directory (ckpt-<step>.h5, last.h5, rotation) is checkpoint_dir.c's. */
+ * directory (ckpt-<step>.h5, last.h5, rotation) is checkpoint_dir.c's, the
+ * `qtrain inspect` listing checkpoint_inspect.c's. */
 #include "checkpoint.h"
 
 #include <errno.h>
@@ -17,8 +18,6 @@
 #include "checkpoint_internal.h"
 #include "h5io.h"
 #include "version.h"
-
-#define INSPECT_STR_MAX 60    /* string attributes longer than this are cut in listings */
 
 /* ---- small helpers -------------------------------------------------------------- */
 
@@ -746,67 +745,4 @@ QtStatus checkpoint_read_config(const char *path, char **config_text, QtError *e
         st = cst;
     }
     return st;
-}
-
-/* ---- inspect --------------------------------------------------------------------------------- */
-
-typedef struct {
-    const H5ioFile *f;
-    FILE *out;
-    const char *obj;        /* the object whose attributes are being listed */
-    QtError *err;
-    QtStatus st;
-    long long n_datasets;
-    unsigned long long bytes;
-} InspectCtx;
-
-static int inspect_attr(const char *name, void *data) {
-    InspectCtx *c = data;
-    char value[512];
-    c->st = h5io_attr_format(c->f, c->obj, name, INSPECT_STR_MAX, value, sizeof value, c->err);
-    if (c->st != QT_OK) return 1;
-    /* names and values come from the file: no control characters (terminal escapes) reach the terminal */
-    char shown_name[QT_CLIP_BUF], shown_value[QT_CLIP_BUF];
-    fprintf(c->out, "    @%s = %s\n", qt_clip(name, shown_name), qt_clip(value, shown_value));
-    return 0;
-}
-
-static int inspect_object(const char *path, H5ioKind kind, void *data) {
-    InspectCtx *c = data;
-    char full[CKPT_OBJ_MAX * 4], shown[QT_CLIP_BUF];
-    snprintf(full, sizeof full, "/%s", qt_clip(path, shown));
-    if (kind == H5IO_DATASET) {
-        H5ioInfo info;
-        char ty[32], shape[128];
-        if ((c->st = h5io_dataset_info(c->f, path, &info, c->err)) != QT_OK) return 1;
-        unsigned long long bytes = info.is_vlen_str ? 0 : (unsigned long long)info.numel * info.size;
-        fprintf(c->out, "%-36s %-8s %-16s %llu bytes\n", full, h5io_dtype_str(&info, ty, sizeof ty),
-                h5io_shape_str(&info, shape, sizeof shape), bytes);
-        c->n_datasets++;
-        c->bytes += bytes;
-    } else {
-        fprintf(c->out, "%-36s %s\n", full, kind == H5IO_GROUP ? "group" : "(link or named type, not followed)");
-        if (kind != H5IO_GROUP) return 0;
-    }
-    c->obj = path;
-    /* inspect_attr stops the iteration with its error in c->st, which the
-     * iteration's own QT_OK must not overwrite. */
-    QtStatus st = h5io_attr_iterate(c->f, path, inspect_attr, c, c->err);
-    if (c->st == QT_OK) c->st = st;
-    return c->st != QT_OK;
-}
-
-QtStatus checkpoint_inspect(const char *path, FILE *out, QtError *err) {
-    if (!path || !out) return qt_error_set(err, QT_ERR_ARG, "checkpoint_inspect: no path or no output");
-    H5ioFile f = H5IO_FILE_INIT;
-    QtStatus st = h5io_open(&f, path, err);
-    if (st != QT_OK) return st;
-    InspectCtx c = {.f = &f, .out = out, .err = err};
-    fprintf(out, "%s\n", path);
-    if (inspect_object("", H5IO_GROUP, &c) == 0) st = h5io_visit(&f, "", inspect_object, &c, NULL, err);
-    if (c.st != QT_OK) st = c.st;
-    if (st == QT_OK)
-        fprintf(out, "total: %lld datasets, %llu bytes of data\n", c.n_datasets, c.bytes);
-    QtStatus cst = h5io_close(&f, err);
-    return st != QT_OK ? st : cst;
 }
