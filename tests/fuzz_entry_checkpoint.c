@@ -381,7 +381,7 @@ int fuzz_checkpoint_one(const uint8_t *data, size_t size, char *why, size_t why_
     }
     ssize_t left = H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL);
     if (left > 0) {
-        snprintf(why, why_cap, "the edit script left %zd HDF5 objects open (a bug in fuzz_h5edit.c)", left);
+        snprintf(why, why_cap, "the edit script left %zd HDF5 objects open (a bug in fuzz_h5edit.c or fuzz_h5edit_storage.c)", left);
         free(image);
         return 1;
     }
