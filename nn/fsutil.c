@@ -119,15 +119,22 @@ void fs_remove_stale_tmps(const char *dir, FsTmpOwner owns, void *ctx, bool own_
 
 static bool owns_one(const char *base, void *ctx) { return strcmp(base, (const char *)ctx) == 0; }
 
+bool fs_parent_dir(const char *path, char *dir, size_t cap) {
+    const char *slash = strrchr(path, '/');
+    size_t len = !slash ? 1 : slash == path ? 1 : (size_t)(slash - path);
+    if (len >= cap) return false;
+    if (!slash || slash == path) memcpy(dir, slash ? "/" : ".", 2);
+    else {
+        memcpy(dir, path, len);
+        dir[len] = '\0';
+    }
+    return true;
+}
+
 void fs_remove_stale_tmps_of(const char *path, long min_age_s) {
     char dir[FS_PATH_MAX];
+    if (!fs_parent_dir(path, dir, sizeof dir)) return;
     const char *slash = strrchr(path, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else if (snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path) >= (int)sizeof dir)
-        return;
     const char *base = slash ? slash + 1 : path;
     if (!base[0]) return;
     fs_remove_stale_tmps(dir, owns_one, (void *)base, false, min_age_s);

@@ -57,6 +57,10 @@ typedef bool (*FsTmpOwner)(const char *base, void *ctx);
  * regular files are removed; errors are ignored (best effort). */
 void fs_remove_stale_tmps(const char *dir, FsTmpOwner owns, void *ctx, bool own_pid_is_stale, long min_age_s);
 
+/* The directory holding `path` into dir[cap]: "." for a bare name, "/" for
+ * a file at the root. False (dir untouched) when it does not fit. */
+bool fs_parent_dir(const char *path, char *dir, size_t cap);
+
 /* fs_remove_stale_tmps for the temp files of one output file `path`, in its
  * directory; this process's own are left alone. */
 void fs_remove_stale_tmps_of(const char *path, long min_age_s);

@@ -368,10 +368,23 @@ static void test_fsutil_units(void) {
     free(text);
 }
 
+/* fs_parent_dir: the one place that derives the directory a rename or lock lives in. */
+static void test_fs_parent_dir(void) {
+    char d[8];
+    CU_ASSERT(fs_parent_dir("a.h5", d, sizeof d) && strcmp(d, ".") == 0);
+    CU_ASSERT(fs_parent_dir("/a.h5", d, sizeof d) && strcmp(d, "/") == 0);
+    CU_ASSERT(fs_parent_dir("x/y/a.h5", d, sizeof d) && strcmp(d, "x/y") == 0);
+    CU_ASSERT(fs_parent_dir("1234567/a", d, sizeof d) && strcmp(d, "1234567") == 0);
+    strcpy(d, "keep");
+    CU_ASSERT_FALSE(fs_parent_dir("12345678/a", d, sizeof d)); /* does not fit: untouched */
+    CU_ASSERT_STRING_EQUAL(d, "keep");
+}
+
 int register_fssafe_suite(void) {
     CU_pSuite s = CU_add_suite("fssafe", suite_init, suite_clean);
     if (!s) return -1;
     int failed = !CU_add_test(s, "fs_check_out_path, temp names, no symlink followed", test_fsutil_units) ||
+                 !CU_add_test(s, "fs_parent_dir", test_fs_parent_dir) ||
                  !CU_add_test(s, "--out refuses a device, FIFO, directory and symlink", test_out_refuses_special_files) ||
                  !CU_add_test(s, "--out replaces a regular file only with --force", test_out_force) ||
                  !CU_add_test(s, "stale merge temp files are removed", test_stale_merge_tmps_removed) ||

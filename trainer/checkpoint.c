@@ -52,13 +52,8 @@ QtStatus ckpt_save_fail(QtError *err, const char *path, const char *what, const 
  * File systems that cannot sync directories (EINVAL) are accepted. */
 QtStatus ckpt_sync_parent_dir(const char *path, QtError *err) {
     char dir[CKPT_PATH_MAX];
-    const char *slash = strrchr(path, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    if (!fs_parent_dir(path, dir, sizeof dir))
+        return ckpt_save_fail(err, path, "finding the directory of", path, ENAMETOOLONG);
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return ckpt_save_fail(err, path, "opening directory", dir, errno);
     int rc = fsync(fd), e = errno;

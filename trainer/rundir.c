@@ -9,6 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "nn/fsutil.h"
+
 /* The pid that holds fd's lock: the kernel's answer, else what the file says. */
 static long lock_holder(int fd) {
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
@@ -65,10 +67,7 @@ QtStatus rundir_lock(const char *out_dir, RunDirLock *lk, QtError *err) {
 QtStatus rundir_lock_if_run(const char *file, RunDirLock *lk, QtError *err) {
     memset(lk, 0, sizeof *lk);
     char dir[4096], probe[4096 + 8];
-    const char *slash = strrchr(file, '/');
-    int n = !slash ? snprintf(dir, sizeof dir, ".") : slash == file ? snprintf(dir, sizeof dir, "/")
-                   : snprintf(dir, sizeof dir, "%.*s", (int)(slash - file), file);
-    if (n < 0 || (size_t)n >= sizeof dir) return qt_error_set(err, QT_ERR_ARG, "the path %s is too long", file);
+    if (!fs_parent_dir(file, dir, sizeof dir)) return qt_error_set(err, QT_ERR_ARG, "the path %s is too long", file);
     snprintf(probe, sizeof probe, "%s/%s", dir, RUNDIR_LOCK_NAME);
     struct stat sb;
     if (lstat(probe, &sb) != 0) return QT_OK; /* not a run directory */
