@@ -76,6 +76,31 @@ int fs_rename_tmp(const char *tmp, const char *path, FsReplace how) {
     return 0;
 }
 
+FILE *fs_fopen_tmp(const char *path, char *tmp, size_t cap) {
+    int fd = fs_open_tmp(path, tmp, cap);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f && fd >= 0) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        errno = e;
+    }
+    return f;
+}
+
+int fs_fcommit_tmp(FILE *f, const char *tmp, const char *path, FsReplace how) {
+    errno = 0;
+    /* ferror: a write that failed before this flush is sticky */
+    bool ok = fflush(f) == 0 && !ferror(f) && fsync(fileno(f)) == 0;
+    int e = ok ? 0 : errno ? errno : EIO;
+    if (fclose(f) != 0 && ok) ok = false, e = errno;
+    if (ok && fs_rename_tmp(tmp, path, how) == 0) return 0;
+    if (ok) e = errno;
+    unlink(tmp);
+    errno = e;
+    return -1;
+}
+
 bool fs_parse_tmp_name(const char *name, char *base, size_t cap, long *pid) {
     const char *t = strstr(name, ".tmp.");
     if (!t) return false;

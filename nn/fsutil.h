@@ -13,6 +13,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "nn/error.h"
 
@@ -41,6 +42,14 @@ int fs_open_tmp(const char *path, char *tmp, size_t cap);
  * lacks it). Returns 0, or -1 with errno set (EEXIST: something is at path
  * that `how` does not let us replace); the temp file stays on failure. */
 int fs_rename_tmp(const char *tmp, const char *path, FsReplace how);
+
+/* fs_open_tmp as a stdio stream; NULL with errno set (no temp file left). */
+FILE *fs_fopen_tmp(const char *path, char *tmp, size_t cap);
+
+/* Flushes, fsyncs and closes f (from fs_fopen_tmp) and renames tmp onto
+ * path as fs_rename_tmp does. Returns 0, or -1 with errno set; f is closed
+ * and the temp file removed either way. */
+int fs_fcommit_tmp(FILE *f, const char *tmp, const char *path, FsReplace how);
 
 /* "<base>.tmp.<pid>" or "<base>.tmp.<pid>.<digits>" -> base (into
  * base[cap]) and pid. False for any other name. */
