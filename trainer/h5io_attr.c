@@ -76,10 +76,6 @@ QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, con
     return st;
 }
 
-QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
-    return h5io_attr_write_str(f, obj, name, v, err);
-}
-
 /* Opens attribute `name` of `obj` as *a and reads its class and element
  * count; a missing object or attribute is QT_ERR_FORMAT naming both. */
 static QtStatus attr_open(const H5ioFile *f, const char *obj, const char *name, hid_t *a, H5T_class_t *cls,
