@@ -28,7 +28,8 @@ static const char *file_kind(mode_t m) {
 QtStatus fs_check_out_path(const char *path, bool force, const char *what, QtError *err) {
     if (!path || !path[0]) return qt_error_set(err, QT_ERR_ARG, "%s: the path is empty", what);
     if (strlen(path) >= FS_PATH_MAX - 32)
-        return qt_error_set(err, QT_ERR_ARG, "%s: the path is longer than %d bytes", what, FS_PATH_MAX - 32);
+        return qt_error_set(err, QT_ERR_ARG, "%s: the path is longer than %d bytes; give a shorter one", what,
+                            FS_PATH_MAX - 32);
     size_t len = strlen(path);
     if (path[len - 1] == '/') return qt_error_set(err, QT_ERR_ARG, "%s %s names a directory; give a file name", what,
                                                   path);

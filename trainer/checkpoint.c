@@ -86,7 +86,8 @@ QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, FsRepl
     char tmp[CKPT_PATH_MAX];
     int fd = fs_open_tmp(path, tmp, sizeof tmp);
     if (fd < 0 && errno == ENAMETOOLONG)
-        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long; give a shorter run.out_dir or --out",
+                            path);
     if (fd < 0) return ckpt_save_fail(err, path, "creating", tmp, errno);
     const char *what = "writing";
     if (write_all(fd, buf, len) != QT_OK) goto fail;

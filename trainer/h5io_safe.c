@@ -291,7 +291,8 @@ QtStatus h5io_attr_read_vlen(const H5ioFile *f, const char *obj, const char *nam
     if (n >= (ssize_t)head) memcpy(&len, buf + 1, sizeof len);
     QtStatus st = QT_OK;
     if (!buf) {
-        st = qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate attribute '%s'", h5io_fname(f), name);
+        st = qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory reading attribute '%s' of /%s", h5io_fname(f), name,
+                          h5io_show(obj));
     } else if (n < (ssize_t)head || (buf[0] == 1 && len != (uint64_t)n - head)) {
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a variable-length string that cannot be "
                           "read (libhdf5 %s on it): the file is damaged", h5io_fname(f), name, h5io_show(obj),
