@@ -28,9 +28,10 @@ QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, Q
     return QT_OK;
 }
 
-/* What a user can do about a failed write, by errno. */
-static const char *save_hint(int e) {
+/* What a user can do about a failed write, by errno (buf[cap]: room for the file-size limit's hint). */
+static const char *save_hint(int e, char *buf, size_t cap) {
     switch (e) {
+    case EFBIG: return qt_file_too_large_hint(buf, cap);
     case ENOSPC:
     case EDQUOT: return "free disk space or change run.out_dir";
     case ENOENT:
@@ -43,9 +44,9 @@ static const char *save_hint(int e) {
 }
 
 QtStatus ckpt_save_fail(QtError *err, const char *path, const char *what, const char *file, int e) {
-    char big[160];
+    char hint[160];
     return qt_error_set(err, QT_ERR_IO, "cannot save checkpoint %s: %s %s failed: %s; %s", path, what, file,
-                        strerror(e), e == EFBIG ? qt_file_too_large_hint(big, sizeof big) : save_hint(e));
+                        strerror(e), save_hint(e, hint, sizeof hint));
 }
 
 /* fsync of the directory holding `path`, so a rename survives a crash.
