@@ -28,7 +28,8 @@ static const char *file_kind(mode_t m) {
 QtStatus fs_check_out_path(const char *path, bool force, const char *what, QtError *err) {
     if (!path || !path[0]) return qt_error_set(err, QT_ERR_ARG, "%s: the path is empty", what);
     if (strlen(path) >= FS_PATH_MAX - 32)
-        return qt_error_set(err, QT_ERR_ARG, "%s: the path is longer than %d bytes", what, FS_PATH_MAX - 32);
+        return qt_error_set(err, QT_ERR_ARG, "%s: the path is longer than %d bytes; give a shorter one", what,
+                            FS_PATH_MAX - 32);
     size_t len = strlen(path);
     if (path[len - 1] == '/') return qt_error_set(err, QT_ERR_ARG, "%s %s names a directory; give a file name", what,
                                                   path);
@@ -76,6 +77,31 @@ int fs_rename_tmp(const char *tmp, const char *path, FsReplace how) {
     return 0;
 }
 
+FILE *fs_fopen_tmp(const char *path, char *tmp, size_t cap) {
+    int fd = fs_open_tmp(path, tmp, cap);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f && fd >= 0) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        errno = e;
+    }
+    return f;
+}
+
+int fs_fcommit_tmp(FILE *f, const char *tmp, const char *path, FsReplace how) {
+    errno = 0;
+    /* ferror: a write that failed before this flush is sticky */
+    bool ok = fflush(f) == 0 && !ferror(f) && fsync(fileno(f)) == 0;
+    int e = ok ? 0 : errno ? errno : EIO;
+    if (fclose(f) != 0 && ok) ok = false, e = errno;
+    if (ok && fs_rename_tmp(tmp, path, how) == 0) return 0;
+    if (ok) e = errno;
+    unlink(tmp);
+    errno = e;
+    return -1;
+}
+
 bool fs_parse_tmp_name(const char *name, char *base, size_t cap, long *pid) {
     const char *t = strstr(name, ".tmp.");
     if (!t) return false;
@@ -119,15 +145,22 @@ void fs_remove_stale_tmps(const char *dir, FsTmpOwner owns, void *ctx, bool own_
 
 static bool owns_one(const char *base, void *ctx) { return strcmp(base, (const char *)ctx) == 0; }
 
+bool fs_parent_dir(const char *path, char *dir, size_t cap) {
+    const char *slash = strrchr(path, '/');
+    size_t len = !slash ? 1 : slash == path ? 1 : (size_t)(slash - path);
+    if (len >= cap) return false;
+    if (!slash || slash == path) memcpy(dir, slash ? "/" : ".", 2);
+    else {
+        memcpy(dir, path, len);
+        dir[len] = '\0';
+    }
+    return true;
+}
+
 void fs_remove_stale_tmps_of(const char *path, long min_age_s) {
     char dir[FS_PATH_MAX];
+    if (!fs_parent_dir(path, dir, sizeof dir)) return;
     const char *slash = strrchr(path, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else if (snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path) >= (int)sizeof dir)
-        return;
     const char *base = slash ? slash + 1 : path;
     if (!base[0]) return;
     fs_remove_stale_tmps(dir, owns_one, (void *)base, false, min_age_s);

@@ -13,6 +13,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "nn/error.h"
 
@@ -42,6 +43,14 @@ int fs_open_tmp(const char *path, char *tmp, size_t cap);
  * that `how` does not let us replace); the temp file stays on failure. */
 int fs_rename_tmp(const char *tmp, const char *path, FsReplace how);
 
+/* fs_open_tmp as a stdio stream; NULL with errno set (no temp file left). */
+FILE *fs_fopen_tmp(const char *path, char *tmp, size_t cap);
+
+/* Flushes, fsyncs and closes f (from fs_fopen_tmp) and renames tmp onto
+ * path as fs_rename_tmp does. Returns 0, or -1 with errno set; f is closed
+ * and the temp file removed either way. */
+int fs_fcommit_tmp(FILE *f, const char *tmp, const char *path, FsReplace how);
+
 /* "<base>.tmp.<pid>" or "<base>.tmp.<pid>.<digits>" -> base (into
  * base[cap]) and pid. False for any other name. */
 bool fs_parse_tmp_name(const char *name, char *base, size_t cap, long *pid);
@@ -56,6 +65,10 @@ typedef bool (*FsTmpOwner)(const char *base, void *ctx);
  * another pid namespace shows as a dead pid; the age spares it). Only
  * regular files are removed; errors are ignored (best effort). */
 void fs_remove_stale_tmps(const char *dir, FsTmpOwner owns, void *ctx, bool own_pid_is_stale, long min_age_s);
+
+/* The directory holding `path` into dir[cap]: "." for a bare name, "/" for
+ * a file at the root. False (dir untouched) when it does not fit. */
+bool fs_parent_dir(const char *path, char *dir, size_t cap);
 
 /* fs_remove_stale_tmps for the temp files of one output file `path`, in its
  * directory; this process's own are left alone. */

@@ -368,10 +368,49 @@ static void test_fsutil_units(void) {
     free(text);
 }
 
+/* fs_parent_dir: the one place that derives the directory a rename or lock lives in. */
+static void test_fs_parent_dir(void) {
+    char d[8];
+    CU_ASSERT(fs_parent_dir("a.h5", d, sizeof d) && strcmp(d, ".") == 0);
+    CU_ASSERT(fs_parent_dir("/a.h5", d, sizeof d) && strcmp(d, "/") == 0);
+    CU_ASSERT(fs_parent_dir("x/y/a.h5", d, sizeof d) && strcmp(d, "x/y") == 0);
+    CU_ASSERT(fs_parent_dir("1234567/a", d, sizeof d) && strcmp(d, "1234567") == 0);
+    strcpy(d, "keep");
+    CU_ASSERT_FALSE(fs_parent_dir("12345678/a", d, sizeof d)); /* does not fit: untouched */
+    CU_ASSERT_STRING_EQUAL(d, "keep");
+}
+
+/* fs_fopen_tmp / fs_fcommit_tmp: the stream's bytes land under path; a
+ * refused rename leaves path as it was and no temp file behind. */
+static void test_fs_fcommit_tmp(void) {
+    const char *path = at("commit.txt");
+    char tmp[4200];
+    unlink(path);
+    FILE *f = fs_fopen_tmp(path, tmp, sizeof tmp);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    fputs("one", f);
+    CU_ASSERT_EQUAL(fs_fcommit_tmp(f, tmp, path, FS_REPLACE_NONE), 0);
+    char *text = test_file_read(path, NULL);
+    CU_ASSERT(text && strcmp(text, "one") == 0);
+    free(text);
+    f = fs_fopen_tmp(path, tmp, sizeof tmp);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    fputs("two", f);
+    errno = 0;
+    CU_ASSERT_EQUAL(fs_fcommit_tmp(f, tmp, path, FS_REPLACE_NONE), -1);
+    CU_ASSERT_EQUAL(errno, EEXIST);
+    CU_ASSERT_EQUAL(access(tmp, F_OK), -1);
+    text = test_file_read(path, NULL);
+    CU_ASSERT(text && strcmp(text, "one") == 0);
+    free(text);
+}
+
 int register_fssafe_suite(void) {
     CU_pSuite s = CU_add_suite("fssafe", suite_init, suite_clean);
     if (!s) return -1;
     int failed = !CU_add_test(s, "fs_check_out_path, temp names, no symlink followed", test_fsutil_units) ||
+                 !CU_add_test(s, "fs_parent_dir", test_fs_parent_dir) ||
+                 !CU_add_test(s, "fs_fopen_tmp, fs_fcommit_tmp", test_fs_fcommit_tmp) ||
                  !CU_add_test(s, "--out refuses a device, FIFO, directory and symlink", test_out_refuses_special_files) ||
                  !CU_add_test(s, "--out replaces a regular file only with --force", test_out_force) ||
                  !CU_add_test(s, "stale merge temp files are removed", test_stale_merge_tmps_removed) ||

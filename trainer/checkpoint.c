@@ -28,9 +28,10 @@ QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, Q
     return QT_OK;
 }
 
-/* What a user can do about a failed write, by errno. */
-static const char *save_hint(int e) {
+/* What a user can do about a failed write, by errno (buf[cap]: room for the file-size limit's hint). */
+static const char *save_hint(int e, char *buf, size_t cap) {
     switch (e) {
+    case EFBIG: return qt_file_too_large_hint(buf, cap);
     case ENOSPC:
     case EDQUOT: return "free disk space or change run.out_dir";
     case ENOENT:
@@ -43,22 +44,17 @@ static const char *save_hint(int e) {
 }
 
 QtStatus ckpt_save_fail(QtError *err, const char *path, const char *what, const char *file, int e) {
-    char big[160];
+    char hint[160];
     return qt_error_set(err, QT_ERR_IO, "cannot save checkpoint %s: %s %s failed: %s; %s", path, what, file,
-                        strerror(e), e == EFBIG ? qt_file_too_large_hint(big, sizeof big) : save_hint(e));
+                        strerror(e), save_hint(e, hint, sizeof hint));
 }
 
 /* fsync of the directory holding `path`, so a rename survives a crash.
  * File systems that cannot sync directories (EINVAL) are accepted. */
 QtStatus ckpt_sync_parent_dir(const char *path, QtError *err) {
     char dir[CKPT_PATH_MAX];
-    const char *slash = strrchr(path, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    if (!fs_parent_dir(path, dir, sizeof dir))
+        return ckpt_save_fail(err, path, "finding the directory of", path, ENAMETOOLONG);
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return ckpt_save_fail(err, path, "opening directory", dir, errno);
     int rc = fsync(fd), e = errno;
@@ -91,7 +87,8 @@ QtStatus ckpt_write_atomic(const char *path, const void *buf, size_t len, FsRepl
     char tmp[CKPT_PATH_MAX];
     int fd = fs_open_tmp(path, tmp, sizeof tmp);
     if (fd < 0 && errno == ENAMETOOLONG)
-        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long", path);
+        return qt_error_set(err, QT_ERR_ARG, "checkpoint path %s is too long; give a shorter run.out_dir or --out",
+                            path);
     if (fd < 0) return ckpt_save_fail(err, path, "creating", tmp, errno);
     const char *what = "writing";
     if (write_all(fd, buf, len) != QT_OK) goto fail;

@@ -1,5 +1,7 @@
-/* checkpoint_internal.h - the atomic-write helpers checkpoint.c shares with
- * checkpoint_dir.c (not a public interface: checkpoint.h is). */
+/* checkpoint_internal.h - what checkpoint.c, checkpoint_net.c,
+ * checkpoint_dir.c and checkpoint_inspect.c share: the atomic write, the
+ * finite-value check, object paths, and the /quant, /lora and QAT/QT state
+ * of checkpoint_net.c (not a public interface: checkpoint.h is). */
 #ifndef QTRAIN_TRAINER_CHECKPOINT_INTERNAL_H
 #define QTRAIN_TRAINER_CHECKPOINT_INTERNAL_H
 

@@ -1,8 +1,10 @@
 /* checkpoint_net.c - the /quant and /lora groups of a checkpoint (layout in
  * checkpoint.h): quantized base weights stored as their packed codes and
- * scales, static activation ranges, and LoRA adapters. Loading checks the
- * stored scales, zero points and ranges before anything uses them: a value
- * no run writes would otherwise load and turn every logit into NaN. */
+ * scales, static activation ranges, LoRA adapters, QAT ranges and QT
+ * generator states; and the base's identity (checkpoint_base_sha256).
+ * Loading checks the stored scales, zero points and ranges before anything
+ * uses them: a value no run writes would otherwise load and turn every
+ * logit into NaN. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include "nn/fsutil.h"
 
@@ -290,17 +289,12 @@ static void svg_loss_panel(FILE *f, const CompareRun *runs, int n) {
     }
 }
 
-/* An output file of compare: created as a temp file (fs_open_tmp) that
- * out_close renames onto path. */
+/* An output file of compare: a temp file (fs_fopen_tmp) that out_close
+ * renames onto path. */
 static FILE *out_open(const char *path, char *tmp, size_t cap, QtError *err) {
     fs_remove_stale_tmps_of(path, 0);
-    int fd = fs_open_tmp(path, tmp, cap);
-    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
-    if (!f) {
-        int e = errno;
-        if (fd >= 0) close(fd), unlink(tmp);
-        qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; give another --out", tmp, strerror(e));
-    }
+    FILE *f = fs_fopen_tmp(path, tmp, cap);
+    if (!f) qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; give another --out", tmp, strerror(errno));
     return f;
 }
 
@@ -308,15 +302,12 @@ static FILE *out_open(const char *path, char *tmp, size_t cap, QtError *err) {
  * for them: a regular file there is replaced, as eval.json is; a symlink,
  * device or FIFO never (fs_check_out_path). */
 static QtStatus out_close(FILE *f, const char *tmp, const char *path, QtError *err) {
-    bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
-    ok = fclose(f) == 0 && ok;
-    if (ok && fs_rename_tmp(tmp, path, FS_REPLACE_REGULAR) == 0) return QT_OK;
-    int e = errno;
-    unlink(tmp);
-    if (e == EEXIST)
+    if (fs_fcommit_tmp(f, tmp, path, FS_REPLACE_REGULAR) == 0) return QT_OK;
+    if (errno == EEXIST)
         return qt_error_set(err, QT_ERR_IO, "cannot write %s: it is no longer a regular file; nothing was replaced",
                             path);
-    return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s", path, strerror(e));
+    return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; free disk space or give another --out", path,
+                        strerror(errno));
 }
 
 static QtStatus write_svg(const char *path, const CompareRun *runs, int n, QtError *err) {

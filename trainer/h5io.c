@@ -339,7 +339,7 @@ static QtStatus info_from(const H5ioFile *f, const char *path, hid_t space, hid_
 
 /* Opens dataset `path` after checking that every component of the path is
  * a hard link (no soft or external link is followed) and that its storage
- * may be read (dataset_check_storage). */
+ * may be read (h5io_check_storage, h5io_safe.c). */
 static QtStatus dataset_open(const H5ioFile *f, const char *path, hid_t *d, QtError *err) {
     *d = H5I_INVALID_HID;
     H5ioKind k = h5io_kind(f, path);
@@ -362,15 +362,21 @@ static QtStatus dataset_open(const H5ioFile *f, const char *path, hid_t *d, QtEr
     return QT_OK;
 }
 
-QtStatus h5io_dataset_info(const H5ioFile *f, const char *path, H5ioInfo *info, QtError *err) {
-    hid_t d;
-    QtStatus st0 = dataset_open(f, path, &d, err);
-    if (st0 != QT_OK) return st0;
+/* The type and shape of open dataset d (at path). */
+static QtStatus dataset_info(const H5ioFile *f, const char *path, hid_t d, H5ioInfo *info, QtError *err) {
     hid_t space = H5Dget_space(d), type = H5Dget_type(d);
     QtStatus st = space < 0 || type < 0 ? h5_fail(err, QT_ERR_FORMAT, f, "read the type of", path)
                                         : info_from(f, path, space, type, info, err);
     if (type >= 0) H5Tclose(type);
     if (space >= 0) H5Sclose(space);
+    return st;
+}
+
+QtStatus h5io_dataset_info(const H5ioFile *f, const char *path, H5ioInfo *info, QtError *err) {
+    hid_t d;
+    QtStatus st = dataset_open(f, path, &d, err);
+    if (st != QT_OK) return st;
+    st = dataset_info(f, path, d, info, err);
     H5Dclose(d);
     return st;
 }
@@ -464,27 +470,25 @@ QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *dat
                    QtError *err) {
     hsize_t dims[H5IO_MAX_RANK];
     H5ioInfo info;
+    hid_t d = H5I_INVALID_HID;
+    /* one open: its storage check inflates every compressed chunk */
     QtStatus st = check_shape_arg(f, path, ndim, shape, dims, err);
-    if (st == QT_OK) st = h5io_dataset_info(f, path, &info, err);
-    if (st != QT_OK) return st;
+    if (st == QT_OK) st = dataset_open(f, path, &d, err);
+    if (st == QT_OK) st = dataset_info(f, path, d, &info, err);
     H5T_class_t want = H5Tget_class(memtype);
-    if (info.cls != want) {
-        char ty[32];
-        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is %s data, expected %s", fname(f), show(path),
-                            h5io_dtype_str(&info, ty, sizeof ty), h5io_class_name(want));
-    }
-    if (!h5io_shape_equals(&info, ndim, shape)) {
-        char got[128], exp[128];
+    char got[128], exp[128];
+    if (st == QT_OK && info.cls != want) {
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is %s data, expected %s", fname(f), show(path),
+                          h5io_dtype_str(&info, got, sizeof got), h5io_class_name(want));
+    } else if (st == QT_OK && !h5io_shape_equals(&info, ndim, shape)) {
         H5ioInfo e = {.rank = ndim};
         memcpy(e.dims, dims, (size_t)ndim * sizeof dims[0]);
-        return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, expected %s", fname(f), show(path),
-                            h5io_shape_str(&info, got, sizeof got), h5io_shape_str(&e, exp, sizeof exp));
-    }
-    hid_t d;
-    if ((st = dataset_open(f, path, &d, err)) != QT_OK) return st;
-    if (H5Dread(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has shape %s, expected %s", fname(f), show(path),
+                          h5io_shape_str(&info, got, sizeof got), h5io_shape_str(&e, exp, sizeof exp));
+    } else if (st == QT_OK && H5Dread(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) {
         st = h5_fail(err, QT_ERR_FORMAT, f, "read dataset", path);
-    H5Dclose(d);
+    }
+    if (d >= 0) H5Dclose(d);
     return st;
 }
 

@@ -130,8 +130,6 @@ QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, dou
  * unchecked (see h5io_attr_read_str), so only a string of more than 60000
  * bytes, too long for an object header, is written variable-length. */
 QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err);
-/* The same as h5io_attr_write_str. */
-QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err);
 
 /* Reads need exactly one element. QT_ERR_FORMAT if the attribute is missing
  * ("has no attribute") or of another class (a string where an integer is

@@ -15,16 +15,18 @@ bool h5io_attr_exists(const H5ioFile *f, const char *obj, const char *name) {
     return h5io_reachable(f, obj) && H5Aexists_by_name(f->id, h5io_h5name(obj), name, H5P_DEFAULT) > 0;
 }
 
-/* Writes a scalar attribute of file type `ftype` from memory type `mtype`. */
+/* Writes an attribute of file type `ftype` from memory type `mtype`: a
+ * scalar (n < 0) or n values in one dimension. */
 static QtStatus attr_write(H5ioFile *f, const char *obj, const char *name, hid_t ftype, hid_t mtype,
-                           const void *buf, QtError *err) {
+                           const void *buf, int n, QtError *err) {
     const char *o = h5io_h5name(obj);
     htri_t exists = H5Aexists_by_name(f->id, o, name, H5P_DEFAULT);
     if (exists < 0) return h5io_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
     if (exists > 0 && H5Adelete_by_name(f->id, o, name, H5P_DEFAULT) < 0)
         return h5io_fail_attr(err, QT_ERR_IO, f, "replace", obj, name);
     QtStatus st = QT_OK;
-    hid_t space = H5Screate(H5S_SCALAR);
+    hsize_t dims[1] = {(hsize_t)(n < 0 ? 0 : n)};
+    hid_t space = n < 0 ? H5Screate(H5S_SCALAR) : H5Screate_simple(1, dims, NULL);
     hid_t a = space < 0 ? H5I_INVALID_HID : H5Acreate_by_name(f->id, o, name, ftype, space, H5P_DEFAULT,
                                                                H5P_DEFAULT, H5P_DEFAULT);
     if (a < 0 || H5Awrite(a, mtype, buf) < 0) st = h5io_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
@@ -34,33 +36,20 @@ static QtStatus attr_write(H5ioFile *f, const char *obj, const char *name, hid_t
 }
 
 QtStatus h5io_attr_write_i64(H5ioFile *f, const char *obj, const char *name, int64_t v, QtError *err) {
-    return attr_write(f, obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, err);
+    return attr_write(f, obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, -1, err);
 }
 
 QtStatus h5io_attr_write_i64s(H5ioFile *f, const char *obj, const char *name, const int64_t *v, int n,
                               QtError *err) {
-    const char *o = h5io_h5name(obj);
-    htri_t exists = H5Aexists_by_name(f->id, o, name, H5P_DEFAULT);
-    if (exists < 0) return h5io_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
-    if (exists > 0 && H5Adelete_by_name(f->id, o, name, H5P_DEFAULT) < 0)
-        return h5io_fail_attr(err, QT_ERR_IO, f, "replace", obj, name);
-    hsize_t dims[1] = {(hsize_t)n};
-    QtStatus st = QT_OK;
-    hid_t space = H5Screate_simple(1, dims, NULL);
-    hid_t a = space < 0 ? H5I_INVALID_HID : H5Acreate_by_name(f->id, o, name, H5T_STD_I64LE, space, H5P_DEFAULT,
-                                                               H5P_DEFAULT, H5P_DEFAULT);
-    if (a < 0 || H5Awrite(a, H5T_NATIVE_INT64, v) < 0) st = h5io_fail_attr(err, QT_ERR_IO, f, "write", obj, name);
-    if (a >= 0) H5Aclose(a);
-    if (space >= 0) H5Sclose(space);
-    return st;
+    return attr_write(f, obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, v, n, err);
 }
 
 QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err) {
-    return attr_write(f, obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, err);
+    return attr_write(f, obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, -1, err);
 }
 
 QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, double v, QtError *err) {
-    return attr_write(f, obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, err);
+    return attr_write(f, obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, -1, err);
 }
 
 /* The longest fixed-length string attribute: an attribute lives in its
@@ -82,13 +71,9 @@ QtStatus h5io_attr_write_str(H5ioFile *f, const char *obj, const char *name, con
     if (ok >= 0) ok = H5Tset_size(t, !fixed ? H5T_VARIABLE : len ? len : 1);
     if (ok >= 0 && fixed) ok = H5Tset_strpad(t, H5T_STR_NULLPAD);
     QtStatus st = ok < 0 ? h5io_fail_attr(err, QT_ERR_IO, f, "prepare", obj, name)
-                         : attr_write(f, obj, name, t, t, fixed ? (const void *)v : (const void *)&v, err);
+                         : attr_write(f, obj, name, t, t, fixed ? (const void *)v : (const void *)&v, -1, err);
     if (t >= 0) H5Tclose(t);
     return st;
-}
-
-QtStatus h5io_attr_write_str_fixed(H5ioFile *f, const char *obj, const char *name, const char *v, QtError *err) {
-    return h5io_attr_write_str(f, obj, name, v, err);
 }
 
 /* Opens attribute `name` of `obj` as *a and reads its class and element

@@ -55,6 +55,10 @@ static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const 
                         qt_clip(h5io_show(path), shown), why);
 }
 
+static QtStatus unwritten(QtError *err, const H5ioFile *f, const char *path, bool partly) {
+    return refuse(err, f, path, "its data was %s written (it would read as zeros)", partly ? "only partly" : "never");
+}
+
 /* Inflates src[n] into out[cap]: 1 if it is one whole deflate stream of
  * at most cap bytes, 0 if it is longer (it stops there) or damaged. */
 static int inflate_within(const unsigned char *src, size_t n, unsigned char *out, size_t cap) {
@@ -76,9 +80,10 @@ static int inflate_within(const unsigned char *src, size_t n, unsigned char *out
  * checked first: no larger than its data could need compressed (deflate
  * adds at most ~0.1% to incompressible data, fletcher32 4 bytes), and a
  * deflated one is inflated here into at most the chunk's own size.
- * kd, kf: the pipeline positions of deflate and fletcher32 (-1: none). */
+ * kd, kf: the pipeline positions of deflate and fletcher32 (-1: none).
+ * *n_stored: how many chunks are stored. */
 static QtStatus check_stored_chunks(const H5ioFile *f, const char *path, hid_t d, int rank, const hsize_t *chunk,
-                                    int kd, int kf, QtError *err) {
+                                    int kd, int kf, hsize_t *n_stored, QtError *err) {
     hid_t type = H5Dget_type(d);
     size_t raw = type >= 0 ? H5Tget_size(type) : 0;
     if (type >= 0) H5Tclose(type);
@@ -120,9 +125,11 @@ static QtStatus check_stored_chunks(const H5ioFile *f, const char *path, hid_t d
     free(in);
     free(out);
     H5Sclose(fs);
+    *n_stored = n;
     return st;
 }
 
+/* The chunk shape, filters, stored chunks and their count of chunked dataset d. */
 static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t dcpl, QtError *err) {
     hsize_t chunk[H5IO_MAX_RANK], dims[H5IO_MAX_RANK];
     hid_t space = H5Dget_space(d);
@@ -136,6 +143,7 @@ static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t
     if (crank != rank) return refuse(err, f, path, "its chunks have %d dimensions, the dataset %d", crank, rank);
     for (int i = 0; i < rank; i++) {
         /* A dimension of 0 still has chunks of at least 1. */
+        if (chunk[i] == 0) return refuse(err, f, path, "its chunks have a dimension of 0");
         if (chunk[i] > (dims[i] ? dims[i] : 1))
             return refuse(err, f, path, "its chunks are larger than the dataset (%llu > %llu in dimension %d), "
                           "which makes HDF5 allocate memory for the whole chunk", (unsigned long long)chunk[i],
@@ -162,41 +170,27 @@ static QtStatus check_chunks(const H5ioFile *f, const char *path, hid_t d, hid_t
         if (id == H5Z_FILTER_DEFLATE) kd = i;
         if (id == H5Z_FILTER_FLETCHER32) kf = i;
     }
-    return check_stored_chunks(f, path, d, rank, chunk, kd, kf, err);
+    hsize_t have = 0, want = 1;
+    QtStatus st = check_stored_chunks(f, path, d, rank, chunk, kd, kf, &have, err);
+    if (st != QT_OK) return st;
+    /* Every element written: a missing chunk reads as the fill value. (H5Dget_space_status compares the
+     * compressed bytes with the raw size, so the chunks are counted instead.) No element: nothing to write. */
+    for (int i = 0; i < rank; i++) want *= (dims[i] + chunk[i] - 1) / chunk[i];
+    if (have < want) return unwritten(err, f, path, have > 0);
+    return QT_OK;
 }
 
-/* Whether every element of dataset d was written: a missing chunk or
- * unallocated storage reads as the fill value. dcpl: the chunked dataset's
- * creation properties, or H5I_INVALID_HID for another layout. For chunks,
- * H5Dget_space_status compares the compressed bytes with the raw size, so
- * the chunks are counted instead. */
-static QtStatus check_allocated(const H5ioFile *f, const char *path, hid_t d, hid_t dcpl, QtError *err) {
+/* Whether the contiguous or compact dataset d was written: unallocated
+ * storage reads as the fill value. */
+static QtStatus check_allocated(const H5ioFile *f, const char *path, hid_t d, QtError *err) {
     hid_t space = H5Dget_space(d);
     hssize_t np = space >= 0 ? H5Sget_simple_extent_npoints(space) : -1;
-    hsize_t dims[H5IO_MAX_RANK], chunk[H5IO_MAX_RANK];
-    int rank = space >= 0 ? H5Sget_simple_extent_dims(space, dims, NULL) : -1;
     if (space >= 0) H5Sclose(space);
-    if (np < 0 || rank < 0) return h5io_fail(err, QT_ERR_FORMAT, f, "read the shape of", path);
+    if (np < 0) return h5io_fail(err, QT_ERR_FORMAT, f, "read the shape of", path);
     if (np == 0) return QT_OK;
-    bool partly = false, none = false;
-    if (dcpl >= 0) {
-        /* check_chunks has checked the chunk's rank and extent */
-        hsize_t want = 1, have = 0;
-        hid_t fs = H5Dget_space(d);
-        herr_t r = fs < 0 || H5Pget_chunk(dcpl, H5IO_MAX_RANK, chunk) != rank ? -1 : H5Dget_num_chunks(d, fs, &have);
-        if (fs >= 0) H5Sclose(fs);
-        if (r < 0) return h5io_fail(err, QT_ERR_FORMAT, f, "count the chunks of", path);
-        for (int i = 0; i < rank; i++) want *= (dims[i] + chunk[i] - 1) / chunk[i];
-        none = have == 0;
-        partly = !none && have < want;
-    } else {
-        H5D_space_status_t status = H5D_SPACE_STATUS_ERROR;
-        if (H5Dget_space_status(d, &status) < 0) return h5io_fail(err, QT_ERR_FORMAT, f, "read the storage of", path);
-        none = status != H5D_SPACE_STATUS_ALLOCATED;
-    }
-    if (none || partly)
-        return refuse(err, f, path, "its data was %s written (it would read as zeros)",
-                      partly ? "only partly" : "never");
+    H5D_space_status_t status = H5D_SPACE_STATUS_ERROR;
+    if (H5Dget_space_status(d, &status) < 0) return h5io_fail(err, QT_ERR_FORMAT, f, "read the storage of", path);
+    if (status != H5D_SPACE_STATUS_ALLOCATED) return unwritten(err, f, path, false);
     return QT_OK;
 }
 
@@ -222,8 +216,9 @@ QtStatus h5io_check_storage(const H5ioFile *f, const char *path, hid_t d, QtErro
         st = refuse(err, f, path, "its storage layout (%d) is not contiguous, chunked or compact", (int)layout);
     } else if (n_ext < 0) {
         st = h5io_fail(err, QT_ERR_FORMAT, f, "read the storage layout of", path);
+    } else {
+        st = check_allocated(f, path, d, err);
     }
-    if (st == QT_OK) st = check_allocated(f, path, d, layout == H5D_CHUNKED ? dcpl : H5I_INVALID_HID, err);
     H5Pclose(dcpl);
     return st;
 }
@@ -296,7 +291,8 @@ QtStatus h5io_attr_read_vlen(const H5ioFile *f, const char *obj, const char *nam
     if (n >= (ssize_t)head) memcpy(&len, buf + 1, sizeof len);
     QtStatus st = QT_OK;
     if (!buf) {
-        st = qt_error_set(err, QT_ERR_NOMEM, "%s: cannot allocate attribute '%s'", h5io_fname(f), name);
+        st = qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory reading attribute '%s' of /%s", h5io_fname(f), name,
+                          h5io_show(obj));
     } else if (n < (ssize_t)head || (buf[0] == 1 && len != (uint64_t)n - head)) {
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s is a variable-length string that cannot be "
                           "read (libhdf5 %s on it): the file is damaged", h5io_fname(f), name, h5io_show(obj),

@@ -9,6 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "nn/fsutil.h"
+
 /* The pid that holds fd's lock: the kernel's answer, else what the file says. */
 static long lock_holder(int fd) {
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
@@ -22,7 +24,8 @@ QtStatus rundir_lock(const char *out_dir, RunDirLock *lk, QtError *err) {
     memset(lk, 0, sizeof *lk);
     int n = snprintf(lk->path, sizeof lk->path, "%s/%s", out_dir, RUNDIR_LOCK_NAME);
     if (n < 0 || (size_t)n >= sizeof lk->path)
-        return qt_error_set(err, QT_ERR_ARG, "the path %s/%s is too long", out_dir, RUNDIR_LOCK_NAME);
+        return qt_error_set(err, QT_ERR_ARG, "the path %s/%s is too long; give a shorter directory", out_dir,
+                            RUNDIR_LOCK_NAME);
     /* A holder that removes .lock (rundir_unlock(.., true)) may do so after we opened it: then we would lock
      * an unlinked file while another process locks the new one. Locking again catches that. */
     for (int attempt = 0; attempt < 8; attempt++) {
@@ -65,10 +68,8 @@ QtStatus rundir_lock(const char *out_dir, RunDirLock *lk, QtError *err) {
 QtStatus rundir_lock_if_run(const char *file, RunDirLock *lk, QtError *err) {
     memset(lk, 0, sizeof *lk);
     char dir[4096], probe[4096 + 8];
-    const char *slash = strrchr(file, '/');
-    int n = !slash ? snprintf(dir, sizeof dir, ".") : slash == file ? snprintf(dir, sizeof dir, "/")
-                   : snprintf(dir, sizeof dir, "%.*s", (int)(slash - file), file);
-    if (n < 0 || (size_t)n >= sizeof dir) return qt_error_set(err, QT_ERR_ARG, "the path %s is too long", file);
+    if (!fs_parent_dir(file, dir, sizeof dir))
+        return qt_error_set(err, QT_ERR_ARG, "the path %s is too long; give a shorter path", file);
     snprintf(probe, sizeof probe, "%s/%s", dir, RUNDIR_LOCK_NAME);
     struct stat sb;
     if (lstat(probe, &sb) != 0) return QT_OK; /* not a run directory */
