@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "nn/gemm.h"
+#include "quant/qlayer.h"
 #include "trainer/bench.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
@@ -502,6 +503,11 @@ int main(int argc, char **argv) {
         printf("qtrain %s\n", QTRAIN_VERSION);
         return 0;
     }
+    /* The int8 path can be forced (tests, measurements): read once, before any layer is built; it holds for the
+     * whole process. */
+    QtError kerr = {0};
+    if (qlayer_int8_kernel_select(getenv("QTRAIN_INT8_KERNEL"), "QTRAIN_INT8_KERNEL", &kerr) != QT_OK)
+        return fail(&kerr, 2);
     if (strcmp(cmd, "eval") == 0) return cmd_eval(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "quantize") == 0) return cmd_quantize(argc - 2, argv + 2);
