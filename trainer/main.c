@@ -110,6 +110,7 @@ typedef struct {
     int n_overrides;
     bool quiet;
     bool force; /* --out may replace a regular file */
+    bool dequantize; /* merge: write a float model */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -144,6 +145,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
         else if (eval && strcmp(o, "--out") == 0) a->out = v, i++;
         else if (eval && strcmp(o, "--force") == 0) a->force = true;
+        else if (strcmp(cmd, " merge") == 0 && strcmp(o, "--dequantize") == 0) a->dequantize = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -279,26 +281,14 @@ static int cmd_quantize(int argc, char **argv) {
 
 static int cmd_merge(int argc, char **argv) {
     CliArgs a;
-    bool dequantize = false;
-    char **rest = calloc((size_t)argc + 1, sizeof *rest);
-    int n_rest = 0;
-    if (!rest) return 1;
-    for (int i = 0; i < argc; i++) { /* --dequantize: a flag of merge alone, taken out before the common options */
-        bool is_value = i > 0 && (strcmp(argv[i - 1], "--checkpoint") == 0 || strcmp(argv[i - 1], "--out") == 0 ||
-                                  strcmp(argv[i - 1], "--config") == 0 || strcmp(argv[i - 1], "--set") == 0);
-        if (!is_value && strcmp(argv[i], "--dequantize") == 0) dequantize = true;
-        else rest[n_rest++] = argv[i];
-    }
-    parse_args(n_rest, rest, " merge", true, &a);
+    parse_args(argc, argv, " merge", true, &a);
     if (!a.checkpoint || !a.out || a.config || a.n_overrides) {
         fprintf(stderr, "qtrain merge: give --checkpoint PATH and --out PATH (the config comes from the checkpoint)\n");
-        free(rest);
         return 2;
     }
     QtError err = {0};
     MergeReport rep;
-    QtStatus st = tools_merge(a.checkpoint, a.out, dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
-    free(rest);
+    QtStatus st = tools_merge(a.checkpoint, a.out, a.dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f "
            "test_loss_before:%.4f test_loss_after:%.4f out:%s\n", rep.modules, rep.mode, rep.weight_rel_rmse,
