@@ -456,12 +456,13 @@ static bool check_resources(void) {
     size_t need = gemm_address_space_needed_mb();
     if (getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur / (1024 * 1024) < need) {
         int blas = openblas_get_num_threads();
-        fprintf(stderr, "qtrain: error: qtrain needs at least %zu MB of address space (OpenBLAS maps a 128 MB "
+        fprintf(stderr, "qtrain: error: qtrain needs at least %zu MB of address space (OpenBLAS maps a %d MB "
                 "buffer per thread, %d here, and retries forever when it cannot); ulimit -v is %llu MB: raise it "
-                "(ulimit -v unlimited)", need, blas, (unsigned long long)(lim.rlim_cur / (1024 * 1024)));
+                "(ulimit -v unlimited)", need, GEMM_BLAS_BUFFER_MB, blas,
+                (unsigned long long)(lim.rlim_cur / (1024 * 1024)));
         if (blas > 1)
             fprintf(stderr, ", or set OPENBLAS_NUM_THREADS=1 (qtrain splits the work over run.threads itself; it "
-                    "then needs %zu MB)", need - (size_t)(blas - 1) * 128);
+                    "then needs %zu MB)", need - (size_t)(blas - 1) * GEMM_BLAS_BUFFER_MB);
         fputc('\n', stderr);
         return false;
     }
