@@ -201,6 +201,14 @@ char *test_file_read(const char *path, size_t *n) {
     return b;
 }
 
+bool test_file_copy(const char *src, const char *dst) {
+    size_t n = 0;
+    char *bytes = test_file_read(src, &n);
+    if (bytes) test_file_write(dst, bytes, n);
+    free(bytes);
+    return bytes != NULL;
+}
+
 char *test_metrics_rows(const char *dir) {
     char *p = test_path_join(dir, "metrics.csv");
     char *text = p ? test_file_read(p, NULL) : NULL;
