@@ -21,7 +21,7 @@ _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the phase must be lock-free to be rea
 
 /* "qtrain: SIGTERM<rest>" in one write, then the exit. strlen and strcat
  * are async-signal-safe (POSIX.1-2008 TC2). */
-static void say_and_exit(int sig, const char *rest) {
+static _Noreturn void say_and_exit(int sig, const char *rest) {
     char msg[256] = "\nqtrain: ";
     strcat(msg, interrupt_signal_name(sig));
     if (strlen(msg) + strlen(rest) < sizeof msg) strcat(msg, rest);
