@@ -133,7 +133,6 @@ void gemm_blas_upgrade_and_exec(char **argv) {
  * its default of 2; below, it spins in blas_memory_alloc (or, near 340 MB,
  * HDF5 crashes on a failed allocation). The base covers the libraries,
  * thread stacks and a small run's data with some margin. */
-#define GEMM_BLAS_BUFFER_MB 128
 #define GEMM_BASE_MB 112
 
 size_t gemm_address_space_needed_mb(void) {

@@ -35,9 +35,8 @@ void gemm_blas_upgrade_and_exec(char **argv);
 /* The kernel family OpenBLAS runs, e.g. "Haswell", "SkylakeX". */
 const char *gemm_blas_core(void);
 
-/* Threads of the step (1 or more): OpenBLAS is set to one thread and
- * gemm_f32 splits a large product into bands run on the pool of
- * nn/parallel.h; products under a few MFLOP run whole. 0 = one per online core. */
+/* The MB OpenBLAS maps per thread (Debian's 0.3, x86_64; gemm.c). */
+#define GEMM_BLAS_BUFFER_MB 128
 /* The address space (MB) below which OpenBLAS cannot run: it maps a
  * buffer for each of its threads (its own server threads take theirs as
  * they start, before main) and, when that fails, retries forever, so a
@@ -45,6 +44,9 @@ const char *gemm_blas_core(void);
  * exit (which joins those threads). main refuses to start below it. */
 size_t gemm_address_space_needed_mb(void);
 
+/* Threads of the step (1 or more): OpenBLAS is set to one thread and
+ * gemm_f32 splits a large product into bands run on the pool of
+ * nn/parallel.h; products under a few MFLOP run whole. 0 = one per online core. */
 void gemm_set_threads(int threads);
 int gemm_get_threads(void);
 

@@ -162,11 +162,7 @@ static void test_eval_ignores_the_training_plan(void) {
 
 /* A copy of src without the config attribute. */
 static bool copy_without_config(const char *src, const char *dst) {
-    size_t n = 0;
-    char *bytes = test_file_read(src, &n);
-    if (!bytes) return false;
-    test_file_write(dst, bytes, n);
-    free(bytes);
+    if (!test_file_copy(src, dst)) return false;
     hid_t f = H5Fopen(dst, H5F_ACC_RDWR, H5P_DEFAULT);
     bool ok = f >= 0 && H5Adelete(f, "config") >= 0;
     if (f >= 0) H5Fclose(f);
@@ -282,11 +278,7 @@ static herr_t rewrite_one(hid_t group, const char *name, const H5O_info_t *info,
 
 /* A copy of checkpoint src whose parameters are stored as ftype. */
 static bool write_params_as(const char *src, const char *dst, hid_t ftype, bool wrong_shape) {
-    size_t n = 0;
-    char *bytes = test_file_read(src, &n);
-    if (!bytes) return false;
-    test_file_write(dst, bytes, n);
-    free(bytes);
+    if (!test_file_copy(src, dst)) return false;
     Rewrite r = {.f = H5Fopen(dst, H5F_ACC_RDWR, H5P_DEFAULT), .ftype = ftype, .wrong_shape = wrong_shape};
     if (r.f < 0) return false;
     /* the names first, as H5Ovisit must not see the group change under it */

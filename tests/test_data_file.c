@@ -561,24 +561,6 @@ static void load_final(const Config *c, Model *m) {
     CU_ASSERT_EQUAL(checkpoint_load_params(path, m, &err), QT_OK);
 }
 
-/* metrics.csv with only its first six columns: split,step,epoch,loss,accuracy,lr (no times). */
-static char *metrics_rows(const Config *c) {
-    char path[1100];
-    snprintf(path, sizeof path, "%s/metrics.csv", c->run.out_dir);
-    char *text = test_file_read(path, NULL);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
-    char *out = text;
-    int commas = 0;
-    for (const char *p = text; *p; p++) {
-        if (*p == '\n') commas = 0;
-        else if (*p == ',' && ++commas >= 6) continue;
-        else if (commas >= 6) continue;
-        *out++ = *p;
-    }
-    *out = '\0';
-    return text;
-}
-
 static void assert_same_run(const Config *a, const TrainResult *ra, const Config *b, const TrainResult *rb) {
     CU_ASSERT(ra->steps == 12 && rb->steps == 12);
     CU_ASSERT(ra->test_loss == rb->test_loss && ra->test_accuracy == rb->test_accuracy);
@@ -589,7 +571,8 @@ static void assert_same_run(const Config *a, const TrainResult *ra, const Config
     load_final(b, &mb);
     CU_ASSERT(test_params_equal(&ma, &mb));
     model_free(&ma), model_free(&mb);
-    char *xa = metrics_rows(a), *xb = metrics_rows(b);
+    char *xa = test_metrics_rows(a->run.out_dir), *xb = test_metrics_rows(b->run.out_dir);
+    CU_ASSERT_FATAL(xa && xb);
     if (strcmp(xa, xb) != 0) fprintf(stderr, "\n  metrics differ:\n%s\n-- vs --\n%s\n", xa, xb);
     CU_ASSERT_STRING_EQUAL(xa, xb);
     free(xa), free(xb);

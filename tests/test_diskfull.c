@@ -238,23 +238,6 @@ static void expect_same_data(Report *r, const char *got, const char *want) {
                            want);
 }
 
-/* The rows of metrics.csv without the two timing columns (malloc'd). */
-static char *metrics_rows(const char *dir) {
-    char *p = test_path_join(dir, "metrics.csv");
-    char *text = p ? test_file_read(p, NULL) : NULL;
-    free(p);
-    if (!text) return NULL;
-    char *out = calloc(strlen(text) + 1, 1), *o = out;
-    int commas = 0;
-    for (const char *s = text; out && *s; s++) {
-        if (*s == '\n') commas = 0;
-        else if (*s == ',' && ++commas >= 6) continue;
-        if (commas < 6) *o++ = *s;
-    }
-    free(text);
-    return out;
-}
-
 /* ---- the tmpfs --------------------------------------------------------------------------------- */
 
 static bool write_proc_file(const char *path, const char *text) {
@@ -387,7 +370,7 @@ static void expect_resume_exact(Report *r, const Scenario *sc, const Places *p, 
         expect_same_data(r, got, want);
         free(got), free(want);
     }
-    char *mg = metrics_rows(p->out), *mw = metrics_rows(p->ref);
+    char *mg = test_metrics_rows(p->out), *mw = test_metrics_rows(p->ref);
     if (EXPECT(r, mg && mw, "cannot read metrics.csv in %s or %s", p->out, p->ref))
         EXPECT(r, strcmp(mg, mw) == 0, "metrics.csv rows differ from the uninterrupted run's: %s -- vs -- %s", mg, mw);
     free(mg), free(mw);

@@ -198,31 +198,8 @@ static void test_stop_after_last_step_finishes_on_resume(void) {
     free(text), free(summary), free(final);
 }
 
-/* metrics.csv of dir without its timing columns (samples_per_s, wall_s):
- * what an interrupted and resumed run must reproduce exactly. */
-static char *metrics_without_timings(const char *dir) {
-    char *path = test_path_join(dir, "metrics.csv"), *text = test_file_read(path, NULL);
-    free(path);
-    if (!text) return NULL;
-    size_t len = strlen(text), o = 0;
-    char *out = malloc(len + 1);
-    for (char *line = text, *next; out && line && *line; line = next) {
-        next = strchr(line, '\n');
-        if (next) *next++ = '\0';
-        int commas = 0;
-        for (const char *c = line; *c && commas < 6; c++) {
-            commas += *c == ',';
-            if (commas < 6) out[o++] = *c;
-        }
-        out[o++] = '\n';
-    }
-    if (out) out[o] = '\0';
-    free(text);
-    return out;
-}
-
 static void assert_same_metrics(const char *dir, const char *ref_dir) {
-    char *got = metrics_without_timings(dir), *want = metrics_without_timings(ref_dir);
+    char *got = test_metrics_rows(dir), *want = test_metrics_rows(ref_dir);
     CU_ASSERT_PTR_NOT_NULL(got);
     CU_ASSERT_PTR_NOT_NULL(want);
     CU_ASSERT(got && want && strcmp(got, want) == 0);

@@ -534,6 +534,13 @@ static void test_merge(void) {
     CU_ASSERT(strstr(out, "merged:2 mode:float weight_rel_rmse:0 ") && strstr(out, "test_accuracy_before:") &&
               strstr(out, "test_loss_before:") && strstr(out, "test_loss_after:"));
     free(out);
+    /* --dequantize is merge's alone */
+    const char *conv[] = {"convert", "--dequantize", "--checkpoint", path_in("m-q", "final.h5"), "--out",
+                          path_in("m-q", "converted-cli.h5"), NULL};
+    CU_ASSERT_EQUAL(test_proc_run(log, conv, 120.0), 2);
+    out = test_file_read(log, NULL);
+    CU_ASSERT(out && strstr(out, "qtrain convert: unknown option '--dequantize'"));
+    free(out);
     free(c);
     free(q);
 }

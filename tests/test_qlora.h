@@ -5,6 +5,7 @@
 #define QTRAIN_TESTS_TEST_QLORA_H
 
 #include <CUnit/CUnit.h>
+#include <stdio.h>
 
 #include "test_runs.h"
 
@@ -17,6 +18,15 @@ static inline Config *load_cfg(const char *path, const char *sub, const char *co
 
 static inline QtStatus run(const Config *c, const char *resume, int64_t stop_at, TrainResult *r, QtError *err) {
     return test_runs_train(c, resume, stop_at, r, err);
+}
+
+/* run from scratch (or resume, up to stop_at) that must succeed: the test
+ * stops, with the message, if it does not. */
+static inline void run_ok(const Config *c, const char *resume, int64_t stop_at, TrainResult *r) {
+    QtError err = {0};
+    QtStatus st = run(c, resume, stop_at, r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s: %s\n", c->source, err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
 }
 
 static inline char *path_in(const char *sub, const char *name) { return test_runs_path(&qlora_runs, sub, name); }

@@ -23,9 +23,7 @@ static void test_qat_resume_and_convert(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(s);
     TrainResult r;
     QtError err = {0};
-    QtStatus st = run(c, NULL, 0, &r, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    run_ok(c, NULL, 0, &r);
     CU_ASSERT_STRING_EQUAL(r.mode, "qat");
     CU_ASSERT(r.base_bits_per_param < 8.0);
     CU_ASSERT_EQUAL_FATAL(run(s, NULL, 7, &r, &err), QT_OK);
@@ -47,7 +45,7 @@ static void test_qat_resume_and_convert(void) {
     net_free(&b);
     /* convert: the PTQ checkpoint evaluates as the QAT one, to the last example */
     ConvertReport rep;
-    st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), false, NULL, &rep, &err);
+    QtStatus st = tools_convert(path_in("qat-a", "final.h5"), path_in("qat-a", "ptq.h5"), false, NULL, &rep, &err);
     if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
     CU_ASSERT_EQUAL(rep.modules, 3);
@@ -68,9 +66,7 @@ static void test_qt_run_and_resume(void) {
     TrainResult r0, r;
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(run(c0, NULL, 0, &r0, &err), QT_OK);
-    QtStatus st = run(c, NULL, 0, &r, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    run_ok(c, NULL, 0, &r);
     CU_ASSERT_STRING_EQUAL(r.mode, "qt");
     CU_ASSERT(r.test_loss < r0.test_loss); /* from the tiny base (init_from): further down */
     CU_ASSERT_EQUAL_FATAL(run(s, NULL, 11, &r, &err), QT_OK);
@@ -95,9 +91,7 @@ static void test_qat_lora(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     TrainResult r;
     QtError err = {0};
-    QtStatus st = run(c, NULL, 0, &r, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
-    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    run_ok(c, NULL, 0, &r);
     CU_ASSERT_STRING_EQUAL(r.mode, "qat-lora");
     Net a, base;
     test_runs_load_net(&a, c, path_in("qat-lora", "final.h5"));

@@ -407,7 +407,8 @@ static void test_int8_kernel_reported(void) {
             fprintf(stderr, "\n  int8_kernel vnni: skipped: this CPU has no AVX-512 VNNI\n");
             continue;
         }
-        setenv("QTRAIN_INT8_KERNEL", paths[i].env, 1);
+        QtError kerr = {0};
+        CU_ASSERT_EQUAL(qlayer_int8_kernel_select(paths[i].env, "test", &kerr), QT_OK); /* as QTRAIN_INT8_KERNEL */
         CU_ASSERT_EQUAL(ptq_eval(paths[i].sub, w8a8, &res[i]), QT_OK);
         ran[i] = true;
         char got[32];
@@ -424,7 +425,7 @@ static void test_int8_kernel_reported(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     Net n;
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK); /* QTRAIN_INT8_KERNEL is still float */
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK); /* the choice is still float */
     char *log = path_in("k-float", "table.txt");
     FILE *f = fopen(log, "w+");
     CU_ASSERT_PTR_NOT_NULL_FATAL(f);
@@ -434,12 +435,10 @@ static void test_int8_kernel_reported(void) {
     CU_ASSERT(text && strstr(text, "\n  int8_kernel: float-emulated\n"));
     free(text);
     net_free(&n);
-    /* a wrong name is refused, naming the variable */
-    setenv("QTRAIN_INT8_KERNEL", "avx2", 1);
-    CU_ASSERT_EQUAL(net_build(&n, c, NET_FRESH, &err), QT_ERR_CONFIG);
+    /* a wrong name is refused, naming the variable (the binary's start: tests/test_bench_cmd.c) */
+    CU_ASSERT_EQUAL(qlayer_int8_kernel_select("avx2", "QTRAIN_INT8_KERNEL", &err), QT_ERR_CONFIG);
     CU_ASSERT(test_msg_has(&err, "QTRAIN_INT8_KERNEL") && test_msg_has(&err, "'avx2'") &&
               test_msg_has(&err, "vnni, portable, float or auto"));
-    unsetenv("QTRAIN_INT8_KERNEL");
     CU_ASSERT_EQUAL(qlayer_int8_kernel_select("auto", "test", &err), QT_OK);
     CU_ASSERT_STRING_EQUAL(qlayer_int8_kernel(), qgemm_cpu_has_vnni() ? "vnni" : "float-emulated");
     free(c);

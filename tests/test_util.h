@@ -87,6 +87,14 @@ void test_file_write(const char *path, const void *buf, size_t n);
  * *n gets its length if n is non-NULL. */
 char *test_file_read(const char *path, size_t *n);
 
+/* Copies the file src to dst (replacing it); false if src cannot be read. */
+bool test_file_copy(const char *src, const char *dst);
+
+/* dir/metrics.csv without its two timing columns (samples_per_s, wall_s),
+ * what runs that must agree (a resumed and an uninterrupted one) share;
+ * malloc'd, NULL if it cannot be read. */
+char *test_metrics_rows(const char *dir);
+
 /* Whether dir/name exists. */
 bool test_file_exists(const char *dir, const char *name);
 

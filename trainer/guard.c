@@ -62,6 +62,7 @@ bool guard_grads_finite(Param *const *ps, int n, char *where, size_t cap) {
 static bool param_values_finite(const Param *p, char *where, size_t cap) {
     size_t bad;
     if (!p || p->released || tensor_finite(p->var.value.data, var_numel(&p->var), &bad)) return true;
+    if (!where || cap == 0) return false;
     char module[PARAM_NAME_MAX];
     const char *tensor;
     param_where(p, module, sizeof module, &tensor);
@@ -71,9 +72,8 @@ static bool param_values_finite(const Param *p, char *where, size_t cap) {
 }
 
 bool guard_params_finite(Param *const *ps, int n, char *where, size_t cap) {
-    char none[1];
     for (int i = 0; i < n; i++)
-        if (!param_values_finite(ps[i], where && cap ? where : none, where && cap ? cap : sizeof none)) return false;
+        if (!param_values_finite(ps[i], where, cap)) return false;
     return true;
 }
 

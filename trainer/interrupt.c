@@ -19,21 +19,23 @@ static void say(const char *msg) {
 static atomic_int phase; /* InterruptPhase */
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the phase must be lock-free to be read by a signal handler");
 
-/* Only async-signal-safe calls: write, _exit. */
+/* "qtrain: SIGTERM<rest>" in one write, then the exit. strlen and strcat
+ * are async-signal-safe (POSIX.1-2008 TC2). */
+static _Noreturn void say_and_exit(int sig, const char *rest) {
+    char msg[256] = "\nqtrain: ";
+    strcat(msg, interrupt_signal_name(sig));
+    if (strlen(msg) + strlen(rest) < sizeof msg) strcat(msg, rest);
+    say(msg);
+    _exit(INTERRUPT_EXIT_STATUS);
+}
+
+/* Only async-signal-safe calls: write, string copies, _exit. */
 static void on_stop_signal(int sig) {
     int where = atomic_load(&phase);
-    if (where == INTERRUPT_OUTSIDE) {
-        say(sig == SIGTERM ? "\nqtrain: SIGTERM before the first step: exiting now; nothing to save\n"
-                           : "\nqtrain: SIGINT before the first step: exiting now; nothing to save\n");
-        _exit(INTERRUPT_EXIT_STATUS);
-    }
-    if (where == INTERRUPT_FINISHING) {
-        say(sig == SIGTERM ? "\nqtrain: SIGTERM after the last step: exiting now; --resume auto runs the final "
-                             "evaluation and writes final.h5 again\n"
-                           : "\nqtrain: SIGINT after the last step: exiting now; --resume auto runs the final "
-                             "evaluation and writes final.h5 again\n");
-        _exit(INTERRUPT_EXIT_STATUS);
-    }
+    if (where == INTERRUPT_OUTSIDE) say_and_exit(sig, " before the first step: exiting now; nothing to save\n");
+    if (where == INTERRUPT_FINISHING)
+        say_and_exit(sig, " after the last step: exiting now; --resume auto runs the final evaluation and writes "
+                          "final.h5 again\n");
     if (atomic_exchange(&stop_signal, sig) != 0) {
         say("\nqtrain: second stop signal: exiting now; the checkpoint files are left as they were\n");
         _exit(INTERRUPT_EXIT_STATUS);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "nn/gemm.h"
+#include "quant/qlayer.h"
 #include "trainer/bench.h"
 #include "trainer/checkpoint.h"
 #include "trainer/compare.h"
@@ -109,6 +110,7 @@ typedef struct {
     int n_overrides;
     bool quiet;
     bool force; /* --out may replace a regular file */
+    bool dequantize; /* merge: write a float model */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -143,6 +145,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
         else if (eval && strcmp(o, "--out") == 0) a->out = v, i++;
         else if (eval && strcmp(o, "--force") == 0) a->force = true;
+        else if (strcmp(cmd, " merge") == 0 && strcmp(o, "--dequantize") == 0) a->dequantize = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -278,26 +281,14 @@ static int cmd_quantize(int argc, char **argv) {
 
 static int cmd_merge(int argc, char **argv) {
     CliArgs a;
-    bool dequantize = false;
-    char **rest = calloc((size_t)argc + 1, sizeof *rest);
-    int n_rest = 0;
-    if (!rest) return 1;
-    for (int i = 0; i < argc; i++) { /* --dequantize: a flag of merge alone, taken out before the common options */
-        bool is_value = i > 0 && (strcmp(argv[i - 1], "--checkpoint") == 0 || strcmp(argv[i - 1], "--out") == 0 ||
-                                  strcmp(argv[i - 1], "--config") == 0 || strcmp(argv[i - 1], "--set") == 0);
-        if (!is_value && strcmp(argv[i], "--dequantize") == 0) dequantize = true;
-        else rest[n_rest++] = argv[i];
-    }
-    parse_args(n_rest, rest, " merge", true, &a);
+    parse_args(argc, argv, " merge", true, &a);
     if (!a.checkpoint || !a.out || a.config || a.n_overrides) {
         fprintf(stderr, "qtrain merge: give --checkpoint PATH and --out PATH (the config comes from the checkpoint)\n");
-        free(rest);
         return 2;
     }
     QtError err = {0};
     MergeReport rep;
-    QtStatus st = tools_merge(a.checkpoint, a.out, dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
-    free(rest);
+    QtStatus st = tools_merge(a.checkpoint, a.out, a.dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f "
            "test_loss_before:%.4f test_loss_after:%.4f out:%s\n", rep.modules, rep.mode, rep.weight_rel_rmse,
@@ -465,12 +456,13 @@ static bool check_resources(void) {
     size_t need = gemm_address_space_needed_mb();
     if (getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur / (1024 * 1024) < need) {
         int blas = openblas_get_num_threads();
-        fprintf(stderr, "qtrain: error: qtrain needs at least %zu MB of address space (OpenBLAS maps a 128 MB "
+        fprintf(stderr, "qtrain: error: qtrain needs at least %zu MB of address space (OpenBLAS maps a %d MB "
                 "buffer per thread, %d here, and retries forever when it cannot); ulimit -v is %llu MB: raise it "
-                "(ulimit -v unlimited)", need, blas, (unsigned long long)(lim.rlim_cur / (1024 * 1024)));
+                "(ulimit -v unlimited)", need, GEMM_BLAS_BUFFER_MB, blas,
+                (unsigned long long)(lim.rlim_cur / (1024 * 1024)));
         if (blas > 1)
             fprintf(stderr, ", or set OPENBLAS_NUM_THREADS=1 (qtrain splits the work over run.threads itself; it "
-                    "then needs %zu MB)", need - (size_t)(blas - 1) * 128);
+                    "then needs %zu MB)", need - (size_t)(blas - 1) * GEMM_BLAS_BUFFER_MB);
         fputc('\n', stderr);
         return false;
     }
@@ -502,6 +494,11 @@ int main(int argc, char **argv) {
         printf("qtrain %s\n", QTRAIN_VERSION);
         return 0;
     }
+    /* The int8 path can be forced (tests, measurements): read once, before any layer is built; it holds for the
+     * whole process. */
+    QtError kerr = {0};
+    if (qlayer_int8_kernel_select(getenv("QTRAIN_INT8_KERNEL"), "QTRAIN_INT8_KERNEL", &kerr) != QT_OK)
+        return fail(&kerr, 2);
     if (strcmp(cmd, "eval") == 0) return cmd_eval(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "quantize") == 0) return cmd_quantize(argc - 2, argv + 2);

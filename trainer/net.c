@@ -301,9 +301,6 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
                           "use quant.mode qat or ptq under lora rules, or train the QT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
-    /* the int8 path can be forced (tests, measurements); unset leaves the choice as it is */
-    const char *kernel = getenv("QTRAIN_INT8_KERNEL");
-    if (st == QT_OK && kernel) st = qlayer_int8_kernel_select(kernel, "QTRAIN_INT8_KERNEL", err);
     if (st == QT_OK) {
         Rng init;
         rng_init(&init, c->run.seed, RNG_STREAM_INIT);

@@ -111,7 +111,8 @@ bool net_needs_act_calibration(const Net *n);
 /* The path the PTQ layers with int8 weights and inputs evaluate on
  * (qlayer_int8_kernel: "vnni", "portable", "float-emulated"), or "none"
  * when no layer qualifies. QTRAIN_INT8_KERNEL (vnni, portable, float,
- * auto), read by net_build, forces the choice. */
+ * auto), read once by the qtrain binary at start, forces the choice
+ * (qlayer_int8_kernel_select). */
 const char *net_int8_kernel(const Net *n);
 
 /* The per-module table (which rule applied and what it resolved to), and

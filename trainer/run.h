@@ -93,9 +93,11 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
 /* res from the run's totals over all its invocations and the net's sizes. */
 void run_fill_result(const Run *r, TrainResult *res);
 
-/* train_dirs.c: whether dir holds nothing but the run's .lock (a failed
- * start that wrote nothing). */
-bool dir_holds_only_lock(const char *dir);
+/* train_dirs.c: after a failed run, removes the directories of run.out_dir
+ * that run_setup made (created: the topmost, "" if none), each only if it
+ * is empty but for the run's .lock: one the run wrote into stays, with its
+ * files. */
+void run_undo_failed_start(Run *r, const char *created);
 
 /* train_json.c: summary.json (is_eval false) or eval.json of a run and its
  * result, written atomically onto path as `how` allows; ckpt is the

@@ -733,10 +733,7 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
             st = run_stop_early(&r, res, sig, err);
         }
     }
-    /* A run that failed leaves no empty directory it made (one it wrote into stays, with its files): the
-       .lock it put there goes first, while still held. */
-    if (st != QT_OK && created[0] && dir_holds_only_lock(cfg->run.out_dir)) rundir_unlock(&r.lock, true);
+    if (st != QT_OK) run_undo_failed_start(&r, created); /* no empty directory left behind */
     run_free(&r);
-    if (st != QT_OK) train_remove_created_dirs(cfg->run.out_dir, created);
     return st;
 }

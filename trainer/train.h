@@ -66,8 +66,5 @@ QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, con
  * "--out"). created (cap bytes, may be NULL) receives the topmost directory
  * this call made, "" if every one existed. */
 QtStatus train_make_dirs(const char *path, const char *what, char *created, size_t cap, QtError *err);
-/* Undoes train_make_dirs after a failure: removes path and its parents up
- * to `created`, each only if empty (what a run wrote stays). */
-void train_remove_created_dirs(const char *path, const char *created);
 
 #endif

@@ -35,8 +35,8 @@ QtStatus train_make_dirs(const char *path, const char *what, char *created, size
     return QT_OK;
 }
 
-void train_remove_created_dirs(const char *path, const char *created) {
-    if (!created || !created[0]) return;
+/* Removes path and its parents up to `created`, each only if empty. */
+static void remove_created_dirs(const char *path, const char *created) {
     char buf[CONFIG_PATH_MAX];
     if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return;
     size_t top = strlen(created);
@@ -52,7 +52,7 @@ void train_remove_created_dirs(const char *path, const char *created) {
 }
 
 /* Whether dir holds nothing but our .lock: a failed start that wrote nothing. */
-bool dir_holds_only_lock(const char *dir) {
+static bool dir_holds_only_lock(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return false;
     bool only = true;
@@ -60,6 +60,13 @@ bool dir_holds_only_lock(const char *dir) {
         only = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !strcmp(e->d_name, RUNDIR_LOCK_NAME);
     closedir(d);
     return only;
+}
+
+void run_undo_failed_start(Run *r, const char *created) {
+    if (!created[0]) return;
+    const char *out = r->cfg->run.out_dir;
+    if (dir_holds_only_lock(out)) rundir_unlock(&r->lock, true); /* the .lock goes first, while still held */
+    remove_created_dirs(out, created);
 }
 
 QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *path, size_t cap, QtError *err) {
