@@ -207,11 +207,7 @@ static bool poke_first(hid_t f, const char *ds, float x) {
 const char *hostile_craft(Hostile h, const char *src, const char *name, const char *ds, const char *elsewhere) {
     static char out[PATH_CAP];
     snprintf(out, sizeof out, "%s/%s-%s.h5", tmp_root, name, HOSTILE_NAMES[h]);
-    size_t n = 0;
-    char *bytes = test_file_read(src, &n);
-    if (!bytes) return NULL;
-    test_file_write(out, bytes, n);
-    free(bytes);
+    if (!test_file_copy(src, out)) return NULL;
     hid_t f = H5Fopen(out, H5F_ACC_RDWR, H5P_DEFAULT);
     if (f < 0) return NULL;
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
@@ -512,11 +508,7 @@ static void test_partly_written_and_elink(void) {
  * 100 KB on one line. */
 static void test_inspect_strings(void) {
     const char *path = path_in("strings.h5"), *out = path_in("inspect.txt");
-    size_t n = 0;
-    char *bytes = test_file_read(base_ckpt, &n);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(bytes);
-    test_file_write(path, bytes, n);
-    free(bytes);
+    CU_ASSERT_FATAL(test_file_copy(base_ckpt, path));
     hid_t f = H5Fopen(path, H5F_ACC_RDWR, H5P_DEFAULT);
     CU_ASSERT_FATAL(f >= 0);
     char *big = malloc(100001);
@@ -535,6 +527,7 @@ static void test_inspect_strings(void) {
     const char *args[] = {"inspect", path, NULL};
     unlink(out);
     CU_ASSERT_EQUAL(test_proc_run(out, args, RUN_TIMEOUT_S), 0);
+    size_t n = 0;
     char *text = test_file_read(out, &n);
     CU_ASSERT_PTR_NOT_NULL_FATAL(text);
     CU_ASSERT_PTR_NULL(memchr(text, '\033', n));

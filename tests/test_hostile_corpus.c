@@ -57,14 +57,6 @@ static const CorpusKind CORPUS_KINDS[] = {
     {NAN_VALUE, "lora", "/lora/fc/A", NULL, "lora_nan_a.h5"},
 };
 
-static bool copy_file(const char *from, const char *to) {
-    size_t n = 0;
-    char *b = test_file_read(from, &n);
-    if (b) test_file_write(to, b, n);
-    free(b);
-    return b != NULL;
-}
-
 static bool run_ok(const char *const *args) {
     char *log = NULL;
     int rc = hostile_qtrain_run(args, &log);
@@ -96,7 +88,7 @@ static void test_corpus_write(void) {
     CU_ASSERT_FATAL(run_ok(base));
     snprintf(src, sizeof src, "%s/corpus-base/final.h5", tmp);
     snprintf(p, sizeof p, "%s/base.h5", clean);
-    CU_ASSERT_FATAL(copy_file(src, p));
+    CU_ASSERT_FATAL(test_file_copy(src, p));
     CU_ASSERT_FATAL(corpus_lora_run(p, "corpus-lora"));
     for (size_t i = 0; i < sizeof CORPUS_KINDS / sizeof CORPUS_KINDS[0]; i++) {
         const CorpusKind *k = &CORPUS_KINDS[i];
@@ -106,7 +98,7 @@ static void test_corpus_write(void) {
             snprintf(src, sizeof src, "%s/corpus-lora/%s.h5", tmp, strcmp(k->src, "lora") == 0 ? "final" : k->src);
         const char *made = hostile_craft(k->kind, src, k->src, k->ds, k->elsewhere);
         snprintf(p, sizeof p, "%s/%s", dir, k->file);
-        CU_ASSERT(made && copy_file(made, p));
+        CU_ASSERT(made && test_file_copy(made, p));
     }
 }
 

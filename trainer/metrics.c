@@ -68,11 +68,9 @@ QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step
     memset(ml, 0, sizeof *ml);
     snprintf(ml->path, sizeof ml->path, "%s/metrics.csv", dir);
     char tmp[sizeof ml->path + 32];
-    int fd = fs_open_tmp(ml->path, tmp, sizeof tmp); /* never through a symlink planted under the temp name */
-    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    FILE *f = fs_fopen_tmp(ml->path, tmp, sizeof tmp); /* never through a symlink planted under the temp name */
     if (!f) {
         int e = errno;
-        if (fd >= 0) close(fd), unlink(tmp);
         return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", tmp, strerror(e), write_hint(e));
     }
     fputs(METRICS_HEADER, f);

@@ -16,19 +16,15 @@
 #include "trainer/version.h"
 
 /* summary.json (training) or eval.json (is_eval): written to a temp name
- * (fs_open_tmp: never through a symlink), fsync'd and renamed onto path as
+ * (fs_fopen_tmp: never through a symlink), fsync'd and renamed onto path as
  * `how` allows, so a reader never sees half a file. */
 QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult *res, const char *ckpt,
                                bool is_eval, FsReplace how, QtError *err) {
     char tmp[CONFIG_PATH_MAX + 64];
-    int fd = fs_open_tmp(path, tmp, sizeof tmp);
-    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
-    if (!f) {
-        int e = errno;
-        if (fd >= 0) close(fd), unlink(tmp);
-        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(e),
+    FILE *f = fs_fopen_tmp(path, tmp, sizeof tmp);
+    if (!f)
+        return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s%s", tmp, strerror(errno),
                             is_eval ? "; write eval.json elsewhere with --out PATH" : "");
-    }
     JsonWriter w;
     json_begin(&w, f);
     json_string(&w, "name", r->cfg->run.name);
@@ -78,11 +74,8 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
     json_number(&w, "peak_rss_mb", res->peak_rss_mb);
     if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
     json_end(&w);
-    bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
-    ok = (fclose(f) == 0) && ok;
-    if (!ok || fs_rename_tmp(tmp, path, how) != 0) {
+    if (fs_fcommit_tmp(f, tmp, path, how) != 0) {
         int e = errno;
-        remove(tmp);
         char big[160];
         return qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
                             e == EFBIG ? qt_file_too_large_hint(big, sizeof big)
