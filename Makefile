@@ -37,7 +37,7 @@ PKG_LIBS   = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUNIT_CFLAGS = $(shell pkg-config --cflags cunit 2>/dev/null)
 CUNIT_LIBS   = $(shell pkg-config --libs cunit 2>/dev/null)
 
-LIB_SRCS   := $(wildcard nn/*.c quant/*.c lora/*.c data/*.c) $(filter-out trainer/main.c,$(wildcard trainer/*.c))
+LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c) $(filter-out trainer/main.c,$(wildcard trainer/*.c))
 LIB_OBJS   := $(LIB_SRCS:%.c=$(BUILD)/%.o)
 TEST_SRCS  := $(wildcard tests/*.c)
 TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)

@@ -24,15 +24,15 @@
 #include <string.h>
 #include <time.h>
 
-#include "nn/arena.h"
+#include "base/arena.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
-#include "nn/parallel.h"
-#include "nn/rng.h"
+#include "base/parallel.h"
+#include "base/rng.h"
 #include "nn/tape.h"
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
-#include "quant/qt.h"
+#include "quant/fqt.h"
 
 #define POOL_BATCHES 8
 #define CALIB_BATCHES 4

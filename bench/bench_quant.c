@@ -12,7 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "quant/qarray.h"
 
 #define ROWS 1024

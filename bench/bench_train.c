@@ -18,12 +18,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "nn/arena.h"
+#include "base/arena.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
 #include "nn/ops.h"
 #include "nn/optim.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/tape.h"
 
 #define N_CLASSES 10

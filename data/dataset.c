@@ -10,7 +10,7 @@
 
 #include "dataset.h"
 #include "image_file.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 
 #define FASHION_MNIST_CLASSES 10
 #define DATASET_PATH_MAX 4096

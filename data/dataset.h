@@ -24,7 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 #define IDX_MAX_DIMS 4
 #define DATASET_MAX_CLASSES 256

@@ -32,7 +32,7 @@
 
 #include "dataset.h"
 #include "idx_internal.h"
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 
 #define CACHE_MAGIC "qtidxc\0\1"
 #define CACHE_MAGIC_STEM 6 /* bytes of the magic shared by every version */

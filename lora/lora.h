@@ -30,10 +30,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/model.h"
 #include "nn/param.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/tape.h"
 
 typedef enum { LORA_INIT_DEFAULT = 0, LORA_INIT_GAUSSIAN, LORA_INIT_COUNT } LoraInit;

@@ -6,7 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "parallel.h"
+#include "base/parallel.h"
 
 static bool stats_on;
 /* One slot per pool thread (parallel_thread_index), a cache line apart. */

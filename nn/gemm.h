@@ -46,7 +46,7 @@ size_t gemm_address_space_needed_mb(void);
 
 /* Threads of the step (1 or more): OpenBLAS is set to one thread and
  * gemm_f32 splits a large product into bands run on the pool of
- * nn/parallel.h; products under a few MFLOP run whole. 0 = one per online core. */
+ * base/parallel.h; products under a few MFLOP run whole. 0 = one per online core. */
 void gemm_set_threads(int threads);
 int gemm_get_threads(void);
 

@@ -12,10 +12,10 @@
 #include <stddef.h>
 #include <stdio.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "ops.h"
 #include "param.h"
-#include "rng.h"
+#include "base/rng.h"
 #include "tape.h"
 
 #define MODULE_NAME_MAX 32

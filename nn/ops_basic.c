@@ -4,7 +4,7 @@
 
 #include "gemm.h"
 #include "ops.h"
-#include "parallel.h"
+#include "base/parallel.h"
 
 #define SHAPE_STR(v, buf) tensor_shape_str(&(v)->value, (buf), sizeof(buf))
 

@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "gemm.h"
-#include "parallel.h"
+#include "base/parallel.h"
 #include "pool2x2.h"
 
 #if defined(__SSE2__)
@@ -202,7 +202,7 @@ static void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, i
  * product fit in L2 (CONV_CHUNK_BUDGET bytes; counting the product matters
  * for a first conv, whose im2col is small but whose product, read again by
  * the epilogue, is OC/(C*KH*KW) times larger), and the chunks are shared out over the thread
- * pool in two contiguous ranges (nn/parallel.h). Per chunk the forward runs
+ * pool in two contiguous ranges (base/parallel.h). Per chunk the forward runs
  * im2col, one single-threaded sgemm into a (OC, chunk*OH*OW) scratch, and an
  * epilogue that adds the bias, applies the fused relu / 2x2 max pool and
  * writes the output in (N, OC, ...) order. Nothing of size C*KH*KW x

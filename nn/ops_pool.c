@@ -9,7 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "parallel.h"
+#include "base/parallel.h"
 #include "pool2x2.h"
 
 #define SHAPE_STR_MAX 64

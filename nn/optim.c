@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel.h"
+#include "base/parallel.h"
 
 OptimConfig optim_config_default(OptimKind kind) {
     OptimConfig c = {.kind = kind, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};

@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "param.h"
 
 typedef enum { OPTIM_SGD, OPTIM_ADAMW } OptimKind;

@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#include "error.h"
+#include "base/error.h"
 
 typedef enum { SCHED_CONSTANT, SCHED_COSINE, SCHED_STEP } SchedKind;
 

@@ -19,9 +19,9 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "arena.h"
-#include "error.h"
-#include "rng.h"
+#include "base/arena.h"
+#include "base/error.h"
+#include "base/rng.h"
 #include "tensor.h"
 
 #define TAPE_MAX_INPUTS 6 /* e.g. x, w, bias, scale, zero point of a quantized op */

@@ -90,7 +90,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 typedef enum {
     CALIB_ABSMAX,

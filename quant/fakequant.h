@@ -123,9 +123,9 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/param.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/tape.h"
 #include "quant/calib.h"
 #include "quant/qarray.h"

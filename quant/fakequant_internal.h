@@ -5,7 +5,7 @@
 
 #include <stdbool.h>
 
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/tape.h"
 #include "quant/qtype.h"
 

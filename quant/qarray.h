@@ -140,8 +140,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
-#include "nn/rng.h"
+#include "base/error.h"
+#include "base/rng.h"
 #include "quant/calib.h"
 #include "quant/qtype.h"
 
@@ -243,7 +243,7 @@ QtStatus qarray_quantize(QArray *out, const float *x, int ndim, const int *shape
 /* q -> out [numel], row-major in q's shape. Never allocates. Vectorised
  * for 4- and 8-bit codes where the CPU allows (AVX2, AVX-512; chosen at run
  * time); a large range (32768 elements or more per task) is split over the
- * step's thread pool (nn/parallel.h; serial inside a pool task). The bits
+ * step's thread pool (base/parallel.h; serial inside a pool task). The bits
  * are the same however it runs: every element is (code value - zero point)
  * * scale, two IEEE operations (qarray_deq.h). */
 void qarray_dequantize(const QArray *q, float *out);

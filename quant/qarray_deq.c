@@ -7,7 +7,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "nn/parallel.h"
+#include "base/parallel.h"
 #include "qarray.h"
 #include "qarray_plan.h"
 

@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "quant/qarray.h"
 
 typedef enum { QARRAY_BLOB_U8, QARRAY_BLOB_U16, QARRAY_BLOB_I32, QARRAY_BLOB_F32 } QArrayBlobType;

@@ -32,7 +32,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/model.h"
 #include "nn/tape.h"
 #include "quant/calib.h"

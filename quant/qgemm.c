@@ -21,7 +21,7 @@
 #include "nn/pool2x2.h"
 #include "qgemm.h"
 #include "qgemm_internal.h"
-#include "qt.h"
+#include "fqt.h"
 
 #define QG_KB 256 /* K per block */
 #define QG_NB 32  /* rows of b per block: 16 KiB of int16, in L1 with the a row */

@@ -30,7 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 #define QGEMM_LANES 16    /* int32 lanes of one vector: columns of a panel, pixels of a vector */
 #define QGEMM_ROWS 8      /* rows of one register tile */

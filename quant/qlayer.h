@@ -51,14 +51,14 @@
  * numbers it always did. The weight is packed into the kernels' layout
  * once, on the first int8 forward (or by qlayer_int8_prepare), and kept
  * until qlayer_free or qlayer_int8_release. Work is split over the step's
- * thread pool (nn/parallel.h). */
+ * thread pool (base/parallel.h). */
 #ifndef QTRAIN_QUANT_QLAYER_H
 #define QTRAIN_QUANT_QLAYER_H
 
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/model.h"
 #include "nn/tape.h"
 #include "quant/calib.h"

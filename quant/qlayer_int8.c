@@ -39,7 +39,7 @@
 #include <string.h>
 
 #include "fakequant_internal.h"
-#include "nn/parallel.h"
+#include "base/parallel.h"
 #include "qgemm.h"
 
 bool qlayer_int8_disable = false;
@@ -255,7 +255,7 @@ static bool ensure_packed(Tape *t, QLayer *q) {
 /* The threads a layer of this many multiply-adds uses. */
 static int threads_for(double macs) { return macs < qlayer_int8_parallel_min_macs ? 1 : parallel_get_threads(); }
 
-/* n_tasks tasks over the step's pool (nn/parallel.h), or all in the calling
+/* n_tasks tasks over the step's pool (base/parallel.h), or all in the calling
  * thread when threads is 1. Per-thread scratch is sized for the whole pool
  * and indexed by parallel_thread_index(), which holds for both. */
 static void int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {

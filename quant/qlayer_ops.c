@@ -17,7 +17,7 @@
 #include "fakequant.h"
 #include "nn/gemm.h"
 #include "nn/ops.h"
-#include "nn/parallel.h"
+#include "base/parallel.h"
 #include "qlayer.h"
 #include "qlayer_int8.h"
 #include "qlayer_ops.h"

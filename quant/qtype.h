@@ -27,7 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 typedef enum {
     QTYPE_KIND_INT,       /* signed two's complement, code units */

@@ -24,7 +24,7 @@
 
 #include "fuzz_h5edit.h"
 #include "fuzz_harness.h"
-#include "nn/arena.h"
+#include "base/arena.h"
 #include "nn/gemm.h"
 #include "nn/ops.h"
 #include "nn/tape.h"

@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 #define FUZZ_WHY_MAX 1200
 

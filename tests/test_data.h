@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "data/dataset.h"
-#include "nn/error.h"
+#include "base/error.h"
 
 /* Whether msg holds sub; a NULL sub is held by every message. */
 static inline bool msg_has(const char *msg, const char *sub) { return !sub || strstr(msg, sub) != NULL; }

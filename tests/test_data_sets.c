@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "data/dataset.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "test_data.h"
 #include "test_util.h"
 

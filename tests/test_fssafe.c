@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 #include "test_proc.h"
 #include "test_util.h"
 #include "trainer/rundir.h"

@@ -18,7 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "test_proc.h"
 #include "test_util.h"
 

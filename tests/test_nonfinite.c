@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/tensor.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"

@@ -7,8 +7,8 @@
 
 #include "nn/gemm.h"
 #include "nn/ops.h"
-#include "nn/parallel.h"
-#include "nn/rng.h"
+#include "base/parallel.h"
+#include "base/rng.h"
 #include "test_util.h"
 
 /* ---- the pool ------------------------------------------------------------ */

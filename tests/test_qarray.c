@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "quant/qarray.h"
 #include "test_qarray.h"
 #include "test_util.h"

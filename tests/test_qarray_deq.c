@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/parallel.h"
+#include "base/parallel.h"
 #include "quant/qarray_deq.h"
 #include "test_qarray.h"
 #include "test_util.h"

@@ -21,7 +21,7 @@
 
 /* ---- models, specs, layers --------------------------------------------------------------------------------------- */
 
-void qt_one_layer_model(Model *m, int ndim, const int *in_shape, const LayerSpec *l, uint64_t seed) {
+void qtest_one_layer_model(Model *m, int ndim, const int *in_shape, const LayerSpec *l, uint64_t seed) {
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(model_init(m, ndim, in_shape, l, 1, &err), QT_OK);
     Rng r;
@@ -32,17 +32,17 @@ void qt_one_layer_model(Model *m, int ndim, const int *in_shape, const LayerSpec
     for (size_t i = 0; b && i < var_numel(&b->var); i++) b->var.value.data[i] = 0.1f * (float)((int)i % 5 - 2);
 }
 
-void qt_dense_model(Model *m, int in, int out, uint64_t seed) {
-    qt_one_layer_model(m, 1, (const int[]){in}, &(LayerSpec){.type = LAYER_DENSE, .units = out, .name = "fc1"}, seed);
+void qtest_dense_model(Model *m, int in, int out, uint64_t seed) {
+    qtest_one_layer_model(m, 1, (const int[]){in}, &(LayerSpec){.type = LAYER_DENSE, .units = out, .name = "fc1"}, seed);
 }
 
-void qt_conv_model(Model *m, int C, int H, int W, int OC, int k, int stride, int pad, uint64_t seed) {
+void qtest_conv_model(Model *m, int C, int H, int W, int OC, int k, int stride, int pad, uint64_t seed) {
     LayerSpec l = {.type = LAYER_CONV2D, .out_channels = OC, .kernel = k, .stride = stride, .padding = pad,
                    .name = "conv1"};
-    qt_one_layer_model(m, 3, (const int[]){C, H, W}, &l, seed);
+    qtest_one_layer_model(m, 3, (const int[]){C, H, W}, &l, seed);
 }
 
-QLayerSpec qt_wspec(const char *qt, int tile, QArrayScaleType scale_type) {
+QLayerSpec qtest_wspec(const char *qt, int tile, QArrayScaleType scale_type) {
     QLayerSpec s = qlayer_spec_default();
     s.weight_qtype = qa_find(qt);
     s.tile_size = tile;
@@ -50,74 +50,74 @@ QLayerSpec qt_wspec(const char *qt, int tile, QArrayScaleType scale_type) {
     return s;
 }
 
-QatSpec qt_qspec(QatLearn learn, bool act_static) {
+QatSpec qtest_qspec(QatLearn learn, bool act_static) {
     QatSpec q = qat_spec_default();
     q.learn_amax = learn;
     q.act_static_scale = act_static;
     return q;
 }
 
-void qt_init_ok(QatLayer *q, Module *mod, const QLayerSpec *spec, const QatSpec *qs) {
+void qtest_init_ok(QatLayer *q, Module *mod, const QLayerSpec *spec, const QatSpec *qs) {
     QtError err = {0};
     QtStatus st = qat_layer_init(q, mod, spec, qs, &err);
     if (st != QT_OK) fprintf(stderr, "\n  qat_layer_init: %s\n", err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
 }
 
-size_t qt_input_numel(const Module *mod, int N) {
+size_t qtest_input_numel(const Module *mod, int N) {
     size_t n = (size_t)N;
     for (int d = 0; d < mod->in_ndim; d++) n *= (size_t)mod->in_shape[d];
     return n;
 }
 
 /* x's shape (N, in_shape...) -> xs; returns its ndim. */
-int qt_input_shape(const Module *mod, int N, int xs[4]) {
+int qtest_input_shape(const Module *mod, int N, int xs[4]) {
     xs[0] = N;
     for (int d = 0; d < mod->in_ndim; d++) xs[d + 1] = mod->in_shape[d];
     return mod->in_ndim + 1;
 }
 
-float *qt_copy_floats(const float *src, size_t n) {
+float *qtest_copy_floats(const float *src, size_t n) {
     float *d = qa_alloc_floats(n ? n : 1);
     if (src) memcpy(d, src, n * sizeof *d);
     else memset(d, 0, (n ? n : 1) * sizeof *d);
     return d;
 }
 
-void qt_zero(float *g, size_t n) {
+void qtest_zero(float *g, size_t n) {
     if (g) memset(g, 0, n * sizeof *g);
 }
 
-void qt_zero_grads(QatLayer *q) {
+void qtest_zero_grads(QatLayer *q) {
     Module *m = q->module;
-    qt_zero(m->weight->var.grad, var_numel(&m->weight->var));
-    if (m->bias) qt_zero(m->bias->var.grad, var_numel(&m->bias->var));
+    qtest_zero(m->weight->var.grad, var_numel(&m->weight->var));
+    if (m->bias) qtest_zero(m->bias->var.grad, var_numel(&m->bias->var));
     Param *p[2];
-    for (int i = 0, n = qat_layer_params(q, p); i < n; i++) qt_zero(p[i]->var.grad, var_numel(&p[i]->var));
+    for (int i = 0, n = qat_layer_params(q, p); i < n; i++) qtest_zero(p[i]->var.grad, var_numel(&p[i]->var));
 }
 
 
-void qt_run_free(QtRun *r) {
+void qtest_run_free(QtestRun *r) {
     free(r->y), free(r->dx), free(r->dw), free(r->db), free(r->dlw), free(r->dla);
     memset(r, 0, sizeof *r);
 }
 
-const float *qt_range_values(const FqRange *r) { return r->param.var.value.data; }
+const float *qtest_range_values(const FqRange *r) { return r->param.var.value.data; }
 
 /* The QAT layer on x (batch N), then its backward from a fixed random dy when `backward`. */
-void qt_run_qat(QatLayer *q, const float *x, int N, bool training, bool backward, QtRun *r) {
+void qtest_run_qat(QatLayer *q, const float *x, int N, bool training, bool backward, QtestRun *r) {
     Module *mod = q->module;
     TestEnv e;
     test_env_init(&e, 5);
     e.tape.training = training;
-    int xs[4], xnd = qt_input_shape(mod, N, xs);
+    int xs[4], xnd = qtest_input_shape(mod, N, xs);
     Var *vx = test_var(&e, x, xnd, xs, true);
-    qt_zero_grads(q);
+    qtest_zero_grads(q);
     Var *y = qat_layer_forward(&e.tape, q, vx);
     if (!y) fprintf(stderr, "\n  qat_layer_forward: %s\n", e.tape.err.msg);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
     memset(r, 0, sizeof *r);
-    r->ny = var_numel(y), r->nx = qt_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
+    r->ny = var_numel(y), r->nx = qtest_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
     r->nb = mod->bias ? var_numel(&mod->bias->var) : 0;
     r->nlw = q->w_range.n_channels;
     if (backward) {
@@ -125,33 +125,33 @@ void qt_run_qat(QatLayer *q, const float *x, int N, bool training, bool backward
         CU_ASSERT_EQUAL_FATAL(tape_backward_from(&e.tape, y, dy), QT_OK);
         free(dy);
     }
-    r->y = qt_copy_floats(y->value.data, r->ny);
-    r->dx = qt_copy_floats(vx->grad, r->nx);
-    r->dw = qt_copy_floats(mod->weight->var.grad, r->nw);
-    r->db = qt_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
-    r->dlw = qt_copy_floats(q->w_range.param.var.grad, r->nlw);
-    r->dla = qt_copy_floats(q->a_range.param.var.grad, 1);
+    r->y = qtest_copy_floats(y->value.data, r->ny);
+    r->dx = qtest_copy_floats(vx->grad, r->nx);
+    r->dw = qtest_copy_floats(mod->weight->var.grad, r->nw);
+    r->db = qtest_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
+    r->dlw = qtest_copy_floats(q->w_range.param.var.grad, r->nlw);
+    r->dla = qtest_copy_floats(q->a_range.param.var.grad, 1);
     test_env_free(&e);
 }
 
 /* The reference: the module's float op on leaves holding w and x, through fq_learned_quant with a copy of wr's
  * (ar's) values where given; without, w and x are taken as already fake-quantized. */
 
-void qt_run_ref(const QatLayer *q, const QtRef *ref, int N, QtRun *r) {
+void qtest_run_ref(const QatLayer *q, const QtestRef *ref, int N, QtestRun *r) {
     Module *mod = q->module;
     TestEnv e;
     test_env_init(&e, 5);
-    int xs[4], xnd = qt_input_shape(mod, N, xs);
+    int xs[4], xnd = qtest_input_shape(mod, N, xs);
     Var *vw = test_var(&e, ref->w, 2, q->w_shape, true), *w2 = vw, *vlw = NULL, *vla = NULL;
     if (ref->wr) {
-        vlw = test_var(&e, qt_range_values(ref->wr), 1, (const int[]){ref->wr->n_channels}, true);
+        vlw = test_var(&e, qtest_range_values(ref->wr), 1, (const int[]){ref->wr->n_channels}, true);
         w2 = fq_learned_quant(&e.tape, vw, vlw, &ref->wr->spec);
     }
     const Tensor *ws = &mod->weight->var.value;
     Var *wq = nn_reshape(&e.tape, w2, ws->ndim, ws->shape);
     Var *vx = test_var(&e, ref->x, xnd, xs, true), *xin = vx;
     if (ref->ar) {
-        vla = test_var(&e, qt_range_values(ref->ar), 1, (const int[]){1}, true);
+        vla = test_var(&e, qtest_range_values(ref->ar), 1, (const int[]){1}, true);
         xin = fq_learned_quant(&e.tape, vx, vla, &ref->ar->spec);
     }
     Var *b = mod->bias ? test_var(&e, mod->bias->var.value.data, 1, mod->bias->var.value.shape, true) : NULL;
@@ -160,22 +160,22 @@ void qt_run_ref(const QatLayer *q, const QtRef *ref, int N, QtRun *r) {
     if (!y) fprintf(stderr, "\n  reference: %s\n", e.tape.err.msg);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
     memset(r, 0, sizeof *r);
-    r->ny = var_numel(y), r->nx = qt_input_numel(mod, N), r->nw = tensor_numel(ws), r->nb = b ? var_numel(b) : 0;
+    r->ny = var_numel(y), r->nx = qtest_input_numel(mod, N), r->nw = tensor_numel(ws), r->nb = b ? var_numel(b) : 0;
     r->nlw = ref->wr ? (size_t)ref->wr->n_channels : 0;
     float *dy = qa_normal_sample(77, r->ny);
     CU_ASSERT_EQUAL_FATAL(tape_backward_from(&e.tape, y, dy), QT_OK);
     free(dy);
-    r->y = qt_copy_floats(y->value.data, r->ny);
-    r->dx = qt_copy_floats(vx->grad, r->nx);
-    r->dw = qt_copy_floats(vw->grad, r->nw);
-    r->db = qt_copy_floats(b ? b->grad : NULL, r->nb);
-    r->dlw = qt_copy_floats(vlw ? vlw->grad : NULL, r->nlw);
-    r->dla = qt_copy_floats(vla ? vla->grad : NULL, 1);
+    r->y = qtest_copy_floats(y->value.data, r->ny);
+    r->dx = qtest_copy_floats(vx->grad, r->nx);
+    r->dw = qtest_copy_floats(vw->grad, r->nw);
+    r->db = qtest_copy_floats(b ? b->grad : NULL, r->nb);
+    r->dlw = qtest_copy_floats(vlw ? vlw->grad : NULL, r->nlw);
+    r->dla = qtest_copy_floats(vla ? vla->grad : NULL, 1);
     test_env_free(&e);
 }
 
 /* qarray_quantize -> qarray_dequantize of x [numel] into a malloc'd array; *qa keeps the QArray (for its scales). */
-float *qt_qarray_round_trip(const float *x, int ndim, const int *shape, const QType *t, const QArrayOptions *o,
+float *qtest_qarray_round_trip(const float *x, int ndim, const int *shape, const QType *t, const QArrayOptions *o,
                                 QArray *qa) {
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(qarray_quantize(qa, x, ndim, shape, t, o, &err), QT_OK);
@@ -186,7 +186,7 @@ float *qt_qarray_round_trip(const float *x, int ndim, const int *shape, const QT
 
 /* g [n] with the clipped STE's mask of x under qa applied: element i passes where x / s lies in the
  * representable range [qmin - zp, qmax - zp] of its slice (QArray's rows of w_shape[1] or of the tensor). */
-void qt_apply_mask(float *g, const float *x, size_t n, const QArray *qa) {
+void qtest_apply_mask(float *g, const float *x, size_t n, const QArray *qa) {
     size_t per = n / qa->n_scales;
     const QType *t = qa->qtype;
     for (size_t i = 0; i < n; i++) {
@@ -251,19 +251,19 @@ static const QatErr QAT_ERRS[] = {
 };
 
 static QLayerSpec err_spec(const QatErr *c, QatSpec *qs) {
-    QLayerSpec s = qt_wspec(c->qt, c->tile, c->scale_type);
+    QLayerSpec s = qtest_wspec(c->qt, c->tile, c->scale_type);
     s.double_quant = c->dq, s.symmetric = !c->asym, s.narrow_range = c->narrow;
     if (c->asym) s.weight_calib = (CalibSpec){.kind = CALIB_MINMAX, .s = 1.0};
     if (c->act_qt) s.act_qtype = qa_find(c->act_qt);
     s.act_symmetric = !c->act_asym;
-    *qs = qt_qspec(c->learn, c->act_static);
+    *qs = qtest_qspec(c->learn, c->act_static);
     if (c->bad_init) qs->amax_init.s = -1.0;
     return s;
 }
 
 static void test_check_errors(void) {
     Model m;
-    qt_dense_model(&m, 32, 7, 61); /* 224 weights */
+    qtest_dense_model(&m, 32, 7, 61); /* 224 weights */
     Module *mod = &m.modules[0];
     for (size_t i = 0; i < sizeof QAT_ERRS / sizeof QAT_ERRS[0]; i++) {
         const QatErr *c = &QAT_ERRS[i];
@@ -285,8 +285,8 @@ static void test_check_errors(void) {
         qat_layer_free(&q);
     }
     /* a learned range rounds to nearest only */
-    QatSpec lq = qt_qspec(QAT_LEARN_LSQ, false);
-    QLayerSpec ls = qt_wspec("int8", 0, QARRAY_SCALE_F32);
+    QatSpec lq = qtest_qspec(QAT_LEARN_LSQ, false);
+    QLayerSpec ls = qtest_wspec("int8", 0, QARRAY_SCALE_F32);
     ls.rounding = QROUND_STOCHASTIC;
     QtError lerr = {0};
     CU_ASSERT_EQUAL(qat_layer_check(&ls, &lq, mod, &lerr), QT_ERR_CONFIG);
@@ -315,14 +315,14 @@ static void test_check_errors(void) {
 
 static void test_init_and_params(void) {
     Model m;
-    qt_dense_model(&m, 20, 6, 1);
+    qtest_dense_model(&m, 20, 6, 1);
     Module *mod = &m.modules[0];
     const float *w = mod->weight->var.value.data;
-    QLayerSpec spec = qt_wspec("int8", 0, QARRAY_SCALE_POF2);
+    QLayerSpec spec = qtest_wspec("int8", 0, QARRAY_SCALE_POF2);
     spec.act_qtype = qa_find("int8");
-    QatSpec qs = qt_qspec(QAT_LEARN_TQT, false);
+    QatSpec qs = qtest_qspec(QAT_LEARN_TQT, false);
     QatLayer q;
-    qt_init_ok(&q, mod, &spec, &qs);
+    qtest_init_ok(&q, mod, &spec, &qs);
     CU_ASSERT(q.out == 6 && q.fan_in == 20 && q.w_ndim == 2 && q.w_shape[0] == 6 && q.w_shape[1] == 20);
     CU_ASSERT(q.w_options.n_channelwise == 1 && q.w_options.calib == &q.spec.weight_calib);
     CU_ASSERT(mod->weight->trainable && mod->weight->var.requires_grad);
@@ -339,7 +339,7 @@ static void test_init_and_params(void) {
     CU_ASSERT_EQUAL_FATAL(qat_layer_init_ranges(&q, &err), QT_OK);
     for (int o = 0; o < 6; o++) { /* absmax: l = log2 max |w| of the row */
         float amax = qa_abs_max(w + o * 20, 20);
-        CU_ASSERT_DOUBLE_EQUAL(qt_range_values(&q.w_range)[o], log2(amax), 1e-6);
+        CU_ASSERT_DOUBLE_EQUAL(qtest_range_values(&q.w_range)[o], log2(amax), 1e-6);
     }
     CU_ASSERT(!q.ranges_ready); /* the input's comes from calibration */
     qat_layer_install(&q);
@@ -347,22 +347,22 @@ static void test_init_and_params(void) {
     qat_layer_free(&q);
 
     /* lsq per tensor, no input: one parameter, s = amax / p; ready after init_ranges */
-    spec = qt_wspec("int4", 0, QARRAY_SCALE_F32);
+    spec = qtest_wspec("int4", 0, QARRAY_SCALE_F32);
     spec.per_tensor = true;
-    qs = qt_qspec(QAT_LEARN_LSQ, false);
-    qt_init_ok(&q, mod, &spec, &qs);
+    qs = qtest_qspec(QAT_LEARN_LSQ, false);
+    qtest_init_ok(&q, mod, &spec, &qs);
     CU_ASSERT_EQUAL_FATAL(qat_layer_params(&q, p), 1);
     CU_ASSERT_STRING_EQUAL(p[0]->name, "fc1/weight/step_size");
     CU_ASSERT_EQUAL(q.w_range.n_channels, 1);
     CU_ASSERT_EQUAL_FATAL(qat_layer_init_ranges(&q, &err), QT_OK);
-    CU_ASSERT_DOUBLE_EQUAL(qt_range_values(&q.w_range)[0], qa_abs_max(w, 120) / 7.0, 1e-7);
+    CU_ASSERT_DOUBLE_EQUAL(qtest_range_values(&q.w_range)[0], qa_abs_max(w, 120) / 7.0, 1e-7);
     CU_ASSERT(q.ranges_ready);
     qat_layer_free(&q);
 
     /* no learned range: no parameters, init_ranges does nothing */
-    spec = qt_wspec("int4", 8, QARRAY_SCALE_F32);
-    qs = qt_qspec(QAT_LEARN_NONE, false);
-    qt_init_ok(&q, mod, &spec, &qs);
+    spec = qtest_wspec("int4", 8, QARRAY_SCALE_F32);
+    qs = qtest_qspec(QAT_LEARN_NONE, false);
+    qtest_init_ok(&q, mod, &spec, &qs);
     CU_ASSERT_EQUAL(qat_layer_params(&q, p), 0);
     CU_ASSERT_EQUAL(qat_layer_init_ranges(&q, &err), QT_OK);
     CU_ASSERT(q.w_ndim == 2 && q.w_shape[0] == 15 && q.w_shape[1] == 8);
@@ -377,20 +377,20 @@ static void test_init_and_params(void) {
 static void check_dynamic(QatLayer *q, int N, uint64_t seed, const char *what) {
     Module *mod = q->module;
     const float *w = mod->weight->var.value.data;
-    size_t nw = var_numel(&mod->weight->var), nx = qt_input_numel(mod, N);
+    size_t nw = var_numel(&mod->weight->var), nx = qtest_input_numel(mod, N);
     float *x = qa_normal_sample(seed, nx);
     QArray qw, qx = {0};
-    float *wq = qt_qarray_round_trip(w, q->w_ndim, q->w_shape, q->spec.weight_qtype, &q->w_options, &qw), *xq = x;
+    float *wq = qtest_qarray_round_trip(w, q->w_ndim, q->w_shape, q->spec.weight_qtype, &q->w_options, &qw), *xq = x;
     if (q->spec.act_qtype) { /* per tensor */
         QArrayOptions ao = {.calib = &q->spec.act_calib,
                             .range = q->spec.act_symmetric ? QARRAY_RANGE_SYMMETRIC : QARRAY_RANGE_ASYMMETRIC};
-        xq = qt_qarray_round_trip(x, 1, (const int[]){(int)nx}, q->spec.act_qtype, &ao, &qx);
+        xq = qtest_qarray_round_trip(x, 1, (const int[]){(int)nx}, q->spec.act_qtype, &ao, &qx);
     }
-    QtRun a, b;
-    qt_run_qat(q, x, N, true, true, &a);
-    qt_run_ref(q, &(QtRef){.w = wq, .x = xq}, N, &b);
-    qt_apply_mask(b.dw, w, nw, &qw);
-    if (q->spec.act_qtype) qt_apply_mask(b.dx, x, nx, &qx);
+    QtestRun a, b;
+    qtest_run_qat(q, x, N, true, true, &a);
+    qtest_run_ref(q, &(QtestRef){.w = wq, .x = xq}, N, &b);
+    qtest_apply_mask(b.dw, w, nw, &qw);
+    if (q->spec.act_qtype) qtest_apply_mask(b.dx, x, nx, &qx);
     char label[128];
     snprintf(label, sizeof label, "%s y", what);
     CU_ASSERT(fq_test_same_bits(a.y, b.y, a.ny, label));
@@ -404,7 +404,7 @@ static void check_dynamic(QatLayer *q, int N, uint64_t seed, const char *what) {
     size_t masked = 0, passed = 0;
     for (size_t i = 0; i < nw; i++) masked += a.dw[i] == 0.0f, passed += a.dw[i] != 0.0f;
     CU_ASSERT(masked > 0 && passed > masked);
-    qt_run_free(&a), qt_run_free(&b);
+    qtest_run_free(&a), qtest_run_free(&b);
     qarray_free(&qw), qarray_free(&qx);
     if (xq != x) free(xq);
     free(wq), free(x);
@@ -412,34 +412,34 @@ static void check_dynamic(QatLayer *q, int N, uint64_t seed, const char *what) {
 
 static void test_forward_dynamic(void) {
     Model dm, cm;
-    qt_dense_model(&dm, 24, 10, 11);
-    qt_conv_model(&cm, 4, 6, 6, 8, 3, 2, 1, 12); /* fan_in 36: blocks of 16 run across output channels */
+    qtest_dense_model(&dm, 24, 10, 11);
+    qtest_conv_model(&cm, 4, 6, 6, 8, 3, 2, 1, 12); /* fan_in 36: blocks of 16 run across output channels */
     QatLayer q;
-    QatSpec qs = qt_qspec(QAT_LEARN_NONE, false);
+    QatSpec qs = qtest_qspec(QAT_LEARN_NONE, false);
 
-    QLayerSpec spec = qt_wspec("int8", 0, QARRAY_SCALE_F32);
-    qt_init_ok(&q, &dm.modules[0], &spec, &qs);
+    QLayerSpec spec = qtest_wspec("int8", 0, QARRAY_SCALE_F32);
+    qtest_init_ok(&q, &dm.modules[0], &spec, &qs);
     check_dynamic(&q, 5, 13, "dense int8 per channel");
     qat_layer_free(&q);
-    qt_init_ok(&q, &cm.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &cm.modules[0], &spec, &qs);
     check_dynamic(&q, 2, 14, "conv int8 per channel");
     qat_layer_free(&q);
 
-    spec = qt_wspec("int4", 16, QARRAY_SCALE_F32);
-    qt_init_ok(&q, &cm.modules[0], &spec, &qs);
+    spec = qtest_wspec("int4", 16, QARRAY_SCALE_F32);
+    qtest_init_ok(&q, &cm.modules[0], &spec, &qs);
     CU_ASSERT(q.w_shape[0] == 8 * 36 / 16 && q.w_shape[1] == 16);
     check_dynamic(&q, 2, 15, "conv int4 blocks of 16");
     qat_layer_free(&q);
-    qt_init_ok(&q, &dm.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &dm.modules[0], &spec, &qs);
     check_dynamic(&q, 3, 16, "dense int4 blocks of 16");
     qat_layer_free(&q);
 
-    /* uint8 asymmetric input, calibrated per batch (minmax of normal data: a qt_zero point inside the codes) */
-    spec = qt_wspec("int8", 0, QARRAY_SCALE_F32);
+    /* uint8 asymmetric input, calibrated per batch (minmax of normal data: a qtest_zero point inside the codes) */
+    spec = qtest_wspec("int8", 0, QARRAY_SCALE_F32);
     spec.act_qtype = qa_find("uint8");
     spec.act_symmetric = false;
     spec.act_calib = (CalibSpec){.kind = CALIB_MINMAX, .s = 0.8}; /* some of x clips */
-    qt_init_ok(&q, &dm.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &dm.modules[0], &spec, &qs);
     check_dynamic(&q, 4, 17, "dense int8, uint8 asymmetric input");
     qat_layer_free(&q);
     model_free(&dm);
@@ -450,14 +450,14 @@ static void test_forward_dynamic(void) {
 
 /* The layer against the float op on fq_learned_quant of w and x (the same ranges): everything bit for bit. */
 static void check_learned(QatLayer *q, int N, uint64_t seed, const char *what) {
-    size_t nx = qt_input_numel(q->module, N);
+    size_t nx = qtest_input_numel(q->module, N);
     float *x = qa_normal_sample(seed, nx);
     for (size_t i = 0; i < nx; i++) x[i] *= 1.5f; /* beyond the calibrated range here and there */
-    QtRun a, b;
-    qt_run_qat(q, x, N, true, true, &a);
-    QtRef ref = {.w = q->module->weight->var.value.data, .wr = &q->w_range, .x = x,
+    QtestRun a, b;
+    qtest_run_qat(q, x, N, true, true, &a);
+    QtestRef ref = {.w = q->module->weight->var.value.data, .wr = &q->w_range, .x = x,
                .ar = q->a_range.param.var.value.data ? &q->a_range : NULL};
-    qt_run_ref(q, &ref, N, &b);
+    qtest_run_ref(q, &ref, N, &b);
     char label[128];
     const char *names[6] = {"y", "dw", "dx", "dbias", "dlog2_t/dstep weight", "dlog2_t/dstep input"};
     const float *av[6] = {a.y, a.dw, a.dx, a.db, a.dlw, a.dla}, *bv[6] = {b.y, b.dw, b.dx, b.db, b.dlw, b.dla};
@@ -468,18 +468,18 @@ static void check_learned(QatLayer *q, int N, uint64_t seed, const char *what) {
     }
     CU_ASSERT(a.dlw[0] != 0.0f);
     if (ref.ar) CU_ASSERT(a.dla[0] != 0.0f);
-    qt_run_free(&a), qt_run_free(&b);
+    qtest_run_free(&a), qtest_run_free(&b);
     free(x);
 }
 
 /* Initialises the ranges: the weight's from the weight, the input's from one calibration batch. */
-void qt_ranges_ok(QatLayer *q, const float *x, int N) {
+void qtest_ranges_ok(QatLayer *q, const float *x, int N) {
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(qat_layer_init_ranges(q, &err), QT_OK);
     qat_layer_calib_begin(q);
-    QtRun r;
-    qt_run_qat(q, x, N, false, false, &r);
-    qt_run_free(&r);
+    QtestRun r;
+    qtest_run_qat(q, x, N, false, false, &r);
+    qtest_run_free(&r);
     QtStatus st = qat_layer_calib_end(q, &err);
     if (st != QT_OK) fprintf(stderr, "\n  calib_end: %s\n", err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
@@ -487,8 +487,8 @@ void qt_ranges_ok(QatLayer *q, const float *x, int N) {
 
 static void test_gradients_learned(void) {
     Model dm, cm;
-    qt_dense_model(&dm, 24, 10, 21);
-    qt_conv_model(&cm, 3, 5, 5, 6, 3, 1, 1, 22);
+    qtest_dense_model(&dm, 24, 10, 21);
+    qtest_conv_model(&cm, 3, 5, 5, 6, 3, 1, 1, 22);
     struct {
         Model *m;
         const char *wq, *aq;
@@ -501,14 +501,14 @@ static void test_gradients_learned(void) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         Module *mod = &cases[i].m->modules[0];
-        QLayerSpec spec = qt_wspec(cases[i].wq, 0, cases[i].learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
+        QLayerSpec spec = qtest_wspec(cases[i].wq, 0, cases[i].learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
         spec.per_tensor = cases[i].per_tensor;
         if (cases[i].aq) spec.act_qtype = qa_find(cases[i].aq);
-        QatSpec qs = qt_qspec(cases[i].learn, false);
+        QatSpec qs = qtest_qspec(cases[i].learn, false);
         QatLayer q;
-        qt_init_ok(&q, mod, &spec, &qs);
-        float *x = qa_normal_sample(23 + i, qt_input_numel(mod, cases[i].N));
-        qt_ranges_ok(&q, x, cases[i].N);
+        qtest_init_ok(&q, mod, &spec, &qs);
+        float *x = qa_normal_sample(23 + i, qtest_input_numel(mod, cases[i].N));
+        qtest_ranges_ok(&q, x, cases[i].N);
         char what[96];
         snprintf(what, sizeof what, "%s %s %s%s", mod->path, qat_learn_name(cases[i].learn), cases[i].wq,
                  cases[i].per_tensor ? " per tensor" : "");
@@ -522,11 +522,11 @@ static void test_gradients_learned(void) {
 
 /* L = sum(y * R) of the layer in eval, in double. */
 static double qat_loss(QatLayer *q, const float *x, int N, const float *R) {
-    QtRun r;
-    qt_run_qat(q, x, N, false, false, &r);
+    QtestRun r;
+    qtest_run_qat(q, x, N, false, false, &r);
     double L = 0.0;
     for (size_t i = 0; i < r.ny; i++) L += (double)r.y[i] * R[i];
-    qt_run_free(&r);
+    qtest_run_free(&r);
     return L;
 }
 
@@ -556,14 +556,14 @@ static bool fd_matches(QatLayer *q, float *x, int N, const float *R, float *v, s
 static void check_fd(QatLearn learn, float w_param, float a_param) {
     enum { IN = 6, OUT = 4, N = 3 };
     Model m;
-    qt_dense_model(&m, IN, OUT, 31);
+    qtest_dense_model(&m, IN, OUT, 31);
     Module *mod = &m.modules[0];
-    QLayerSpec spec = qt_wspec("int4", 0, learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
+    QLayerSpec spec = qtest_wspec("int4", 0, learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
     spec.per_tensor = true;
     spec.act_qtype = qa_find("int4");
-    QatSpec qs = qt_qspec(learn, false);
+    QatSpec qs = qtest_qspec(learn, false);
     QatLayer q;
-    qt_init_ok(&q, mod, &spec, &qs);
+    qtest_init_ok(&q, mod, &spec, &qs);
     FqRange *rs[2] = {&q.w_range, &q.a_range};
     float vals[2] = {w_param, a_param}, edges[2][2];
     for (int k = 0; k < 2; k++) {
@@ -575,8 +575,8 @@ static void check_fd(QatLearn learn, float w_param, float a_param) {
     float *w0 = fq_test_spread_away(IN * OUT, 32, 1.3f * edges[0][1], edges[0], 2, 0.02f);
     float *x = fq_test_spread_away(N * IN, 33, 1.3f * edges[1][1], edges[1], 2, 0.02f);
     memcpy(mod->weight->var.value.data, w0, sizeof(float) * IN * OUT);
-    QtRun a;
-    qt_run_qat(&q, x, N, true, true, &a); /* dy = qa_normal_sample(77): R below */
+    QtestRun a;
+    qtest_run_qat(&q, x, N, true, true, &a); /* dy = qa_normal_sample(77): R below */
     float *R = qa_normal_sample(77, a.ny);
     const char *kind = qat_learn_name(learn);
     /* tqt steps l by 1e-3, lsq s by 0.1% */
@@ -588,7 +588,7 @@ static void check_fd(QatLearn learn, float w_param, float a_param) {
     CU_ASSERT(fd_matches(&q, x, N, R, q.a_range.param.var.value.data, 1, a.dla, eps_a, kind));
     /* both sides of both ranges are exercised */
     CU_ASSERT(a.dlw[0] != 0.0f && a.dla[0] != 0.0f);
-    qt_run_free(&a);
+    qtest_run_free(&a);
     free(R), free(w0), free(x);
     qat_layer_free(&q);
     model_free(&m);
@@ -601,8 +601,8 @@ static void test_gradients_fd(void) {
 
 /* ---- static input statistics ------------------------------------------------------------------------------------- */
 
-/* x [n] fake-quantized over the range [lo, hi] as a uint8 with a qt_zero point, the codes written out:
- * (clamp(rne(x / s), -zp, 255 - zp) + 0) s with qarray.h's scale and qt_zero point. */
+/* x [n] fake-quantized over the range [lo, hi] as a uint8 with a qtest_zero point, the codes written out:
+ * (clamp(rne(x / s), -zp, 255 - zp) + 0) s with qarray.h's scale and qtest_zero point. */
 static float *uint8_fq(const float *x, size_t n, CalibRange r) {
     const QType *t = qa_find("uint8");
     float s = qarray_scale_for_range(t, true, false, 0.0f, 255.0f, r.lo, r.hi);
@@ -616,13 +616,13 @@ static float *uint8_fq(const float *x, size_t n, CalibRange r) {
 /* The layer (dense, int8 weight per channel) against the float op on the round trip of w and on xq. */
 static void check_against(QatLayer *q, const float *x, const float *xq, int N, bool training, const char *what) {
     QArray qw;
-    float *wq = qt_qarray_round_trip(q->module->weight->var.value.data, 2, q->w_shape, q->spec.weight_qtype,
+    float *wq = qtest_qarray_round_trip(q->module->weight->var.value.data, 2, q->w_shape, q->spec.weight_qtype,
                                   &q->w_options, &qw);
-    QtRun a, b;
-    qt_run_qat(q, x, N, training, true, &a);
-    qt_run_ref(q, &(QtRef){.w = wq, .x = xq}, N, &b);
+    QtestRun a, b;
+    qtest_run_qat(q, x, N, training, true, &a);
+    qtest_run_ref(q, &(QtestRef){.w = wq, .x = xq}, N, &b);
     CU_ASSERT(fq_test_same_bits(a.y, b.y, a.ny, what));
-    qt_run_free(&a), qt_run_free(&b);
+    qtest_run_free(&a), qtest_run_free(&b);
     qarray_free(&qw);
     free(wq);
 }
@@ -630,14 +630,14 @@ static void check_against(QatLayer *q, const float *x, const float *xq, int N, b
 static void test_static_input(void) {
     enum { IN = 16, OUT = 5, N = 4, NX = N * IN };
     Model m;
-    qt_dense_model(&m, IN, OUT, 41);
-    QLayerSpec spec = qt_wspec("int8", 0, QARRAY_SCALE_F32);
+    qtest_dense_model(&m, IN, OUT, 41);
+    QLayerSpec spec = qtest_wspec("int8", 0, QARRAY_SCALE_F32);
     spec.act_qtype = qa_find("uint8");
     spec.act_symmetric = false;
     spec.act_calib = (CalibSpec){.kind = CALIB_MINMAX, .s = 1.0};
-    QatSpec qs = qt_qspec(QAT_LEARN_NONE, true);
+    QatSpec qs = qtest_qspec(QAT_LEARN_NONE, true);
     QatLayer q;
-    qt_init_ok(&q, &m.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &m.modules[0], &spec, &qs);
     float *x0 = qa_normal_sample(42, NX), x[3][NX];
     for (int k = 0; k < 3; k++)
         for (int i = 0; i < NX; i++) x[k][i] = x0[i] * (float)(k + 1) + 0.7f;
@@ -687,9 +687,9 @@ static void test_static_input(void) {
     CU_ASSERT(q.act_stats.count == 3 && q.act_stats.lo_mean == want.lo_mean && q.act_stats.hi_mean == want.hi_mean);
     free(xq);
     /* and eval again leaves them */
-    QtRun r;
-    qt_run_qat(&q, x[0], N, false, false, &r);
-    qt_run_free(&r);
+    QtestRun r;
+    qtest_run_qat(&q, x[0], N, false, false, &r);
+    qtest_run_free(&r);
     CU_ASSERT_EQUAL(q.act_stats.count, 3);
     free(x0);
     qat_layer_free(&q);
@@ -703,14 +703,14 @@ static void test_static_input(void) {
 static void check_calib_learned(QatLearn learn, const char *amax_init) {
     enum { IN = 16, OUT = 5, N = 4, NX = N * IN };
     Model m;
-    qt_dense_model(&m, IN, OUT, 51);
-    QLayerSpec spec = qt_wspec("int8", 0, learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
+    qtest_dense_model(&m, IN, OUT, 51);
+    QLayerSpec spec = qtest_wspec("int8", 0, learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
     spec.act_qtype = qa_find("int8");
-    QatSpec qs = qt_qspec(learn, false);
+    QatSpec qs = qtest_qspec(learn, false);
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(calib_parse(amax_init, &qs.amax_init, &err), QT_OK);
     QatLayer q;
-    qt_init_ok(&q, &m.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &m.modules[0], &spec, &qs);
     CU_ASSERT_EQUAL_FATAL(qat_layer_init_ranges(&q, &err), QT_OK);
     CU_ASSERT(!q.ranges_ready);
     float *x0 = qa_normal_sample(52, NX), x[NX];
@@ -730,16 +730,16 @@ static void check_calib_learned(QatLearn learn, const char *amax_init) {
             t = qa_abs_max(x, NX);
         }
         tsum += t;
-        QtRun a, b;
-        qt_run_qat(&q, x, N, false, true, &a);
-        qt_run_ref(&q, &(QtRef){.w = m.modules[0].weight->var.value.data, .wr = &q.w_range, .x = x}, N, &b);
+        QtestRun a, b;
+        qtest_run_qat(&q, x, N, false, true, &a);
+        qtest_run_ref(&q, &(QtestRef){.w = m.modules[0].weight->var.value.data, .wr = &q.w_range, .x = x}, N, &b);
         CU_ASSERT(fq_test_same_bits(a.y, b.y, a.ny, "calibrating y"));
         CU_ASSERT(fq_test_same_bits(a.dx, b.dx, a.nx, "calibrating dx"));
-        qt_run_free(&a), qt_run_free(&b);
+        qtest_run_free(&a), qtest_run_free(&b);
     }
     CU_ASSERT_EQUAL_FATAL(qat_layer_calib_end(&q, &err), QT_OK);
     CU_ASSERT(!q.calibrating && q.ranges_ready && q.act_stats.count == 3);
-    double t = tsum / 3, v = qt_range_values(&q.a_range)[0];
+    double t = tsum / 3, v = qtest_range_values(&q.a_range)[0];
     if (learn == QAT_LEARN_TQT) CU_ASSERT_DOUBLE_EQUAL(v, log2(t), 1e-6);
     if (learn == QAT_LEARN_LSQ) CU_ASSERT_DOUBLE_EQUAL(v, t / 127.0, 1e-6 * t / 127.0);
     free(x0);

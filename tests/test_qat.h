@@ -15,38 +15,38 @@
 typedef struct {
     float *y, *dx, *dw, *db, *dlw, *dla;
     size_t ny, nx, nw, nb, nlw;
-} QtRun;
+} QtestRun;
 
 typedef struct {
     const float *w;    /* [numel] in the layer's QArray view w_shape */
     const FqRange *wr; /* or NULL */
     const float *x;    /* [N * in] */
     const FqRange *ar; /* or NULL */
-} QtRef;
+} QtestRef;
 
 /* Models, specs and layers for the tests; one forward (and backward) of a
  * QAT layer, and the float reference it is checked against (test_qat.c). */
-void qt_one_layer_model(Model *m, int ndim, const int *in_shape, const LayerSpec *l, uint64_t seed);
-void qt_dense_model(Model *m, int in, int out, uint64_t seed);
-void qt_conv_model(Model *m, int C, int H, int W, int OC, int k, int stride, int pad, uint64_t seed);
-QLayerSpec qt_wspec(const char *qt, int tile, QArrayScaleType scale_type);
-QatSpec qt_qspec(QatLearn learn, bool act_static);
-void qt_init_ok(QatLayer *q, Module *mod, const QLayerSpec *spec, const QatSpec *qs);
-size_t qt_input_numel(const Module *mod, int N);
-int qt_input_shape(const Module *mod, int N, int xs[4]);
-float *qt_copy_floats(const float *src, size_t n);
-void qt_zero(float *g, size_t n);
-void qt_zero_grads(QatLayer *q);
-void qt_run_free(QtRun *r);
-const float *qt_range_values(const FqRange *r);
-void qt_run_qat(QatLayer *q, const float *x, int N, bool training, bool backward, QtRun *r);
-void qt_run_ref(const QatLayer *q, const QtRef *ref, int N, QtRun *r);
-float *qt_qarray_round_trip(const float *x, int ndim, const int *shape, const QType *t, const QArrayOptions *o,
+void qtest_one_layer_model(Model *m, int ndim, const int *in_shape, const LayerSpec *l, uint64_t seed);
+void qtest_dense_model(Model *m, int in, int out, uint64_t seed);
+void qtest_conv_model(Model *m, int C, int H, int W, int OC, int k, int stride, int pad, uint64_t seed);
+QLayerSpec qtest_wspec(const char *qt, int tile, QArrayScaleType scale_type);
+QatSpec qtest_qspec(QatLearn learn, bool act_static);
+void qtest_init_ok(QatLayer *q, Module *mod, const QLayerSpec *spec, const QatSpec *qs);
+size_t qtest_input_numel(const Module *mod, int N);
+int qtest_input_shape(const Module *mod, int N, int xs[4]);
+float *qtest_copy_floats(const float *src, size_t n);
+void qtest_zero(float *g, size_t n);
+void qtest_zero_grads(QatLayer *q);
+void qtest_run_free(QtestRun *r);
+const float *qtest_range_values(const FqRange *r);
+void qtest_run_qat(QatLayer *q, const float *x, int N, bool training, bool backward, QtestRun *r);
+void qtest_run_ref(const QatLayer *q, const QtestRef *ref, int N, QtestRun *r);
+float *qtest_qarray_round_trip(const float *x, int ndim, const int *shape, const QType *t, const QArrayOptions *o,
                                 QArray *qa);
-void qt_apply_mask(float *g, const float *x, size_t n, const QArray *qa);
+void qtest_apply_mask(float *g, const float *x, size_t n, const QArray *qa);
 
 /* Learned ranges ready: weights from the layer's weight, input over one calibration pass on x. */
-void qt_ranges_ok(QatLayer *q, const float *x, int N);
+void qtest_ranges_ok(QatLayer *q, const float *x, int N);
 
 /* test_qat_convert.c: conversion to a QLayer, the input ops, the arena's steady state. */
 int qat_convert_tests_add(CU_pSuite s);

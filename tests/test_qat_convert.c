@@ -24,9 +24,9 @@ static void train_steps(QatLayer *q, const float *x, int N, int steps) {
     int np = qat_layer_params(q, p);
     Param *w = q->module->weight;
     for (int s = 0; s < steps; s++) {
-        QtRun r;
-        qt_run_qat(q, x, N, true, true, &r);
-        qt_run_free(&r);
+        QtestRun r;
+        qtest_run_qat(q, x, N, true, true, &r);
+        qtest_run_free(&r);
         for (size_t i = 0; i < var_numel(&w->var); i++) w->var.value.data[i] -= 0.05f * w->var.grad[i];
         for (int k = 0; k < np; k++) {
             float lr = q->qat.learn_amax == QAT_LEARN_TQT ? 0.01f : 1e-4f;
@@ -41,17 +41,17 @@ static float *qat_weight(const QatLayer *q) {
     size_t n = var_numel(&q->module->weight->var);
     if (!q->w_range.param.var.value.data) {
         QArray qa;
-        float *y = qt_qarray_round_trip(w, q->w_ndim, q->w_shape, q->spec.weight_qtype, &q->w_options, &qa);
+        float *y = qtest_qarray_round_trip(w, q->w_ndim, q->w_shape, q->spec.weight_qtype, &q->w_options, &qa);
         qarray_free(&qa);
         return y;
     }
     TestEnv e;
     test_env_init(&e, 3);
     Var *vw = test_var(&e, w, 2, q->w_shape, false);
-    Var *vr = test_var(&e, qt_range_values(&q->w_range), 1, (const int[]){q->w_range.n_channels}, false);
+    Var *vr = test_var(&e, qtest_range_values(&q->w_range), 1, (const int[]){q->w_range.n_channels}, false);
     Var *y = fq_learned_quant(&e.tape, vw, vr, &q->w_range.spec);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
-    float *out = qt_copy_floats(y->value.data, n);
+    float *out = qtest_copy_floats(y->value.data, n);
     test_env_free(&e);
     return out;
 }
@@ -77,23 +77,23 @@ static void check_convert(QatLayer *q, const float *x, int N, const char *what) 
         CU_ASSERT_EQUAL(ql.weight.scale_type, tqt ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
         CU_ASSERT_EQUAL_FATAL(ql.weight.n_scales, (size_t)wr->n_channels);
         for (int c = 0; c < wr->n_channels; c++)
-            CU_ASSERT(qarray_scale_at(&ql.weight, (size_t)c) == fq_range_scale(&wr->spec, qt_range_values(wr)[c]));
+            CU_ASSERT(qarray_scale_at(&ql.weight, (size_t)c) == fq_range_scale(&wr->spec, qtest_range_values(wr)[c]));
     }
     if (ar->param.var.value.data)
-        CU_ASSERT(ql.act_scale == fq_range_scale(&ar->spec, qt_range_values(ar)[0]) && ql.act_zero_point == 0.0f);
+        CU_ASSERT(ql.act_scale == fq_range_scale(&ar->spec, qtest_range_values(ar)[0]) && ql.act_zero_point == 0.0f);
     /* eval of both */
-    QtRun a;
-    qt_run_qat(q, x, N, false, false, &a);
+    QtestRun a;
+    qtest_run_qat(q, x, N, false, false, &a);
     TestEnv e;
     test_env_init(&e, 4);
-    int xs[4], xnd = qt_input_shape(q->module, N, xs);
+    int xs[4], xnd = qtest_input_shape(q->module, N, xs);
     Var *y = qlayer_forward(&e.tape, &ql, test_var(&e, x, xnd, xs, false));
     if (!y) fprintf(stderr, "\n  %s: qlayer_forward: %s\n", what, e.tape.err.msg);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
     snprintf(label, sizeof label, "%s y", what);
     CU_ASSERT(fq_test_same_bits(y->value.data, a.y, a.ny, label));
     test_env_free(&e);
-    qt_run_free(&a);
+    qtest_run_free(&a);
     free(deq), free(fq);
     qlayer_free(&ql);
 }
@@ -125,28 +125,28 @@ static const ConvertCase CONVERT_CASES[] = {
 
 static void test_convert(void) {
     Model dm, cm;
-    qt_dense_model(&dm, 24, 10, 61);
-    qt_conv_model(&cm, 4, 6, 6, 8, 3, 1, 1, 62); /* fan_in 36, 288 weights */
+    qtest_dense_model(&dm, 24, 10, 61);
+    qtest_conv_model(&cm, 4, 6, 6, 8, 3, 1, 1, 62); /* fan_in 36, 288 weights */
     for (size_t i = 0; i < sizeof CONVERT_CASES / sizeof CONVERT_CASES[0]; i++) {
         const ConvertCase *c = &CONVERT_CASES[i];
         Module *mod = c->conv ? &cm.modules[0] : &dm.modules[0];
         int N = c->conv ? 2 : 5;
-        QLayerSpec spec = qt_wspec(c->wq, c->tile, c->learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
+        QLayerSpec spec = qtest_wspec(c->wq, c->tile, c->learn == QAT_LEARN_TQT ? QARRAY_SCALE_POF2 : QARRAY_SCALE_F32);
         spec.per_tensor = c->per_tensor;
         if (c->aq) spec.act_qtype = qa_find(c->aq);
         spec.act_symmetric = !c->act_asym;
         if (c->act_asym) spec.act_calib = (CalibSpec){.kind = CALIB_MINMAX, .s = 1.0};
-        QatSpec qs = qt_qspec(c->learn, c->learn == QAT_LEARN_NONE && c->aq);
+        QatSpec qs = qtest_qspec(c->learn, c->learn == QAT_LEARN_NONE && c->aq);
         /* the weights are trained below; start each case from the same ones */
         size_t nw = var_numel(&mod->weight->var);
-        float *w0 = qt_copy_floats(mod->weight->var.value.data, nw);
+        float *w0 = qtest_copy_floats(mod->weight->var.value.data, nw);
         QatLayer q;
-        qt_init_ok(&q, mod, &spec, &qs);
-        float *x = qa_normal_sample(63 + i, qt_input_numel(mod, N));
-        for (size_t k = 0; c->act_asym && k < qt_input_numel(mod, N); k++) x[k] += 0.8f; /* a qt_zero point not 0 */
-        qt_ranges_ok(&q, x, N);
+        qtest_init_ok(&q, mod, &spec, &qs);
+        float *x = qa_normal_sample(63 + i, qtest_input_numel(mod, N));
+        for (size_t k = 0; c->act_asym && k < qtest_input_numel(mod, N); k++) x[k] += 0.8f; /* a qtest_zero point not 0 */
+        qtest_ranges_ok(&q, x, N);
         train_steps(&q, x, N, 3);
-        for (size_t k = 0; k < qt_input_numel(mod, N); k++) x[k] *= 1.5f; /* some of it beyond the range */
+        for (size_t k = 0; k < qtest_input_numel(mod, N); k++) x[k] *= 1.5f; /* some of it beyond the range */
         char what[96];
         snprintf(what, sizeof what, "%s %s %s%s, input %s", mod->path, qat_learn_name(c->learn), c->wq,
                  c->per_tensor ? " per tensor" : "", c->aq ? c->aq : "float");
@@ -162,12 +162,12 @@ static void test_convert(void) {
 /* A dynamic input range has no frozen equivalent; without an act_qtype the weight alone converts. */
 static void test_convert_dynamic_input(void) {
     Model m;
-    qt_dense_model(&m, 12, 4, 71);
-    QLayerSpec spec = qt_wspec("int8", 0, QARRAY_SCALE_F32);
+    qtest_dense_model(&m, 12, 4, 71);
+    QLayerSpec spec = qtest_wspec("int8", 0, QARRAY_SCALE_F32);
     spec.act_qtype = qa_find("int8");
-    QatSpec qs = qt_qspec(QAT_LEARN_NONE, false);
+    QatSpec qs = qtest_qspec(QAT_LEARN_NONE, false);
     QatLayer q;
-    qt_init_ok(&q, &m.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &m.modules[0], &spec, &qs);
     QLayer ql;
     memset(&ql, 0x5a, sizeof ql);
     QtError err = {0};
@@ -177,7 +177,7 @@ static void test_convert_dynamic_input(void) {
     CU_ASSERT(ql.module == NULL && ql.weight.codes == NULL);
     qat_layer_free(&q);
     spec.act_qtype = NULL;
-    qt_init_ok(&q, &m.modules[0], &spec, &qs);
+    qtest_init_ok(&q, &m.modules[0], &spec, &qs);
     float *x = qa_normal_sample(72, 36);
     check_convert(&q, x, 3, "fc1 int8, no input format");
     free(x);
@@ -228,17 +228,17 @@ static void test_steady_state(void) {
     Model m;
     QtError err = {0};
     test_small_cnn(&m, 91);
-    QLayerSpec cs = qt_wspec("int8", 0, QARRAY_SCALE_POF2);
+    QLayerSpec cs = qtest_wspec("int8", 0, QARRAY_SCALE_POF2);
     cs.act_qtype = qa_find("int8");
-    QLayerSpec ds = qt_wspec("int4", 16, QARRAY_SCALE_F32); /* 144 x 10 in blocks of 16 */
+    QLayerSpec ds = qtest_wspec("int4", 16, QARRAY_SCALE_F32); /* 144 x 10 in blocks of 16 */
     ds.act_qtype = qa_find("uint8");
     ds.act_symmetric = false;
     ds.act_calib = (CalibSpec){.kind = CALIB_PERCENTILE, .s = 1.0, .p = 99.0}; /* needs workspace */
-    QatSpec cq = qt_qspec(QAT_LEARN_TQT, false), dq = qt_qspec(QAT_LEARN_NONE, true);
+    QatSpec cq = qtest_qspec(QAT_LEARN_TQT, false), dq = qtest_qspec(QAT_LEARN_NONE, true);
     QatLayer q[2];
     Module *mods[2] = {&m.modules[0], &m.modules[2]};
-    qt_init_ok(&q[0], mods[0], &cs, &cq);
-    qt_init_ok(&q[1], mods[1], &ds, &dq);
+    qtest_init_ok(&q[0], mods[0], &cs, &cq);
+    qtest_init_ok(&q[1], mods[1], &ds, &dq);
     for (int i = 0; i < 2; i++) {
         qat_layer_install(&q[i]);
         CU_ASSERT_EQUAL(qat_layer_init_ranges(&q[i], &err), QT_OK);

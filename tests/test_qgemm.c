@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/rng.h"
-#include "quant/qt.h"
-#include "test_qt.h"
+#include "base/rng.h"
+#include "quant/fqt.h"
+#include "test_fqt.h"
 
 /* ---- the integer GEMM -------------------------------------------------------------------------------------------- */
 

@@ -17,9 +17,9 @@
 #include <string.h>
 
 #include "nn/pool2x2.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "quant/qgemm.h"
-#include "quant/qt.h"
+#include "quant/fqt.h"
 #include "test_int8.h"
 #include "test_util.h"
 

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "nn/ops.h"
-#include "nn/parallel.h"
+#include "base/parallel.h"
 #include "quant/fakequant.h"
 #include "quant/qarray_io.h"
 #include "quant/qlayer.h"

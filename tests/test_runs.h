@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "trainer/net.h"
 #include "trainer/config.h"
 #include "trainer/train.h"

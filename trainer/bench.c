@@ -14,7 +14,7 @@
 
 #include "nn/gemm.h"
 #include "nn/model.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "trainer/metrics.h"
 #include "trainer/run.h"
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "trainer/config.h"
 
 #define BENCH_DEFAULT_STEPS 100

@@ -58,15 +58,15 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "nn/error.h"
-#include "nn/fsutil.h"
+#include "base/error.h"
+#include "base/fsutil.h"
 #include "nn/model.h"
 #include "nn/optim.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "lora/lora.h"
 #include "quant/qat.h"
 #include "quant/qlayer.h"
-#include "quant/qt.h"
+#include "quant/fqt.h"
 #include "trainer/guard.h"
 #include "trainer/sha256.h"
 
@@ -86,7 +86,7 @@ typedef struct {
     int n_adapters;
     QatLayer *qat;          /* [n_qat] learned ranges and input statistics -> /quant/<module>/{weight,input}/state */
     int n_qat;
-    QtLayer *qt;            /* [n_qt] gradient-rounding noise generators -> /quant/<module>/grad/state */
+    FqtLayer *qt;            /* [n_qt] gradient-rounding noise generators -> /quant/<module>/grad/state */
     int n_qt;
 } CheckpointNet;
 

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "checkpoint_internal.h"
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 
 static QtStatus path_join(char *out, size_t cap, const char *dir, const char *name, QtError *err) {
     int n = snprintf(out, cap, "%s/%s", dir, name);

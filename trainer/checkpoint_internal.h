@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "quant/calib.h"
 #include "quant/qarray.h"
 #include "trainer/checkpoint.h"
@@ -47,7 +47,7 @@ typedef struct {
     float *lora;          /* A then B of every adapter, in order */
     float *qat_ranges;    /* learned range values of every QAT layer, weight then input, in order */
     CalibRunning *qat_act;/* [n_qat] input statistics */
-    Rng *qt_rngs;         /* [n_qt] */
+    Rng *fqt_rngs;         /* [n_qt] */
     int n_weights;        /* QArrays allocated so far (for freeing) */
 } CkptNetStaged;
 

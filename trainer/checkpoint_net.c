@@ -398,7 +398,7 @@ static QtStatus write_qat_one(H5ioFile *f, const QatLayer *q, QtError *err) {
     return st;
 }
 
-static QtStatus write_qt_one(H5ioFile *f, const QtLayer *q, QtError *err) {
+static QtStatus write_qt_one(H5ioFile *f, const FqtLayer *q, QtError *err) {
     char g[CKPT_OBJ_MAX], t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
     QtStatus st = ckpt_obj_path(g, "quant", q->module->path, NULL, err);
     if (st == QT_OK) st = ckpt_obj_path(t, "quant", q->module->path, "grad", err);
@@ -422,8 +422,8 @@ QtStatus ckpt_write_qat(H5ioFile *f, const CheckpointNet *net, QtError *err) {
 
 static QtStatus read_qt(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err) {
     if (net->n_qt == 0) return QT_OK;
-    sg->qt_rngs = calloc((size_t)net->n_qt, sizeof *sg->qt_rngs);
-    if (!sg->qt_rngs) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
+    sg->fqt_rngs = calloc((size_t)net->n_qt, sizeof *sg->fqt_rngs);
+    if (!sg->fqt_rngs) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < net->n_qt; i++) {
         char t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
@@ -433,9 +433,9 @@ static QtStatus read_qt(const H5ioFile *f, const CheckpointNet *net, CkptNetStag
             st = qt_error_set(err, QT_ERR_FORMAT, "%s: the gradient-rounding state of module %s (/%s) is missing; "
                               "the checkpoint was not written by a qt run with these rules", f->path,
                               net->qt[i].module->path, state);
-        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "seed", &sg->qt_rngs[i].seed, err);
-        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "stream", &sg->qt_rngs[i].stream, err);
-        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "counter", &sg->qt_rngs[i].counter, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "seed", &sg->fqt_rngs[i].seed, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "stream", &sg->fqt_rngs[i].stream, err);
+        if (st == QT_OK) st = h5io_attr_read_u64(f, state, "counter", &sg->fqt_rngs[i].counter, err);
     }
     return st;
 }
@@ -511,7 +511,7 @@ QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStage
 }
 
 void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net) {
-    for (int i = 0; sg->qt_rngs && i < net->n_qt; i++) net->qt[i].rng = sg->qt_rngs[i];
+    for (int i = 0; sg->fqt_rngs && i < net->n_qt; i++) net->qt[i].rng = sg->fqt_rngs[i];
     const float *r = sg->qat_ranges;
     for (int i = 0; r && i < net->n_qat; i++) {
         QatLayer *q = &net->qat[i];
@@ -556,7 +556,7 @@ void ckpt_staged_net_free(CkptNetStaged *sg) {
     free(sg->lora);
     free(sg->qat_ranges);
     free(sg->qat_act);
-    free(sg->qt_rngs);
+    free(sg->fqt_rngs);
     memset(sg, 0, sizeof *sg);
 }
 

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 
 #include "trainer/train.h"
 

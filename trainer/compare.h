@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 #define COMPARE_MAX_RUNS 32
 

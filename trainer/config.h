@@ -22,14 +22,14 @@
 
 #include "data/dataset.h"
 #include "lora/lora.h"
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "nn/schedule.h"
 #include "quant/qat.h"
 #include "quant/qlayer.h"
-#include "quant/qt.h"
-#include "quant/rules.h"
+#include "quant/fqt.h"
+#include "trainer/rules.h"
 
 #define CONFIG_PATH_MAX 1024
 #define CONFIG_NAME_MAX 64
@@ -99,7 +99,7 @@ typedef enum {
     QUANT_MODE_NONE = 0, /* float32 */
     QUANT_MODE_PTQ,      /* frozen post-training-quantized base (quant/qlayer.h) */
     QUANT_MODE_QAT,      /* fake-quantized weights and inputs in training (quant/qat.h) */
-    QUANT_MODE_QT,       /* quantized forward GEMMs and quantized backward (quant/qt.h) */
+    QUANT_MODE_QT,       /* quantized forward GEMMs and quantized backward (quant/fqt.h) */
     QUANT_MODE_COUNT
 } QuantMode;
 
@@ -112,7 +112,7 @@ typedef struct {
                            symmetric, narrow_range, scale_type, double_quant, rounding, act_qtype, act_calibration,
                            act_symmetric */
     QatSpec qat;        /* qat mode only: learn_amax, amax_init, act_static_scale, lr */
-    QtSpec qt;          /* qt mode only: bwd_qtype, bwd_calibration, bwd_weight_grad_tile_size,
+    FqtSpec qt;          /* qt mode only: bwd_qtype, bwd_calibration, bwd_weight_grad_tile_size,
                            bwd_stochastic_rounding, channelwise_noise_axes (formats from spec) */
 } QuantRule;
 

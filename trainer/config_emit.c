@@ -181,15 +181,15 @@ static void put_match(FILE *f, const RuleMatch *m, bool skip) {
     fprintf(f, "]\n      skip: %s\n", bool_str(skip));
 }
 
-static void put_qt(FILE *f, const QtSpec *q) {
+static void put_qt(FILE *f, const FqtSpec *q) {
     char c[64];
     calib_format(&q->bwd_calib, c, sizeof c);
     put_key_str(f, "      ", "bwd_qtype", q->bwd_qtype ? qtype_name(q->bwd_qtype) : "none");
     put_key_str(f, "      ", "bwd_calibration", c);
     fprintf(f, "      bwd_weight_grad_tile_size: %d\n      bwd_stochastic_rounding: %s\n",
             q->bwd_weight_grad_tile_size, q->bwd_stochastic ? "uniform" : "none");
-    fprintf(f, "      channelwise_noise_axes: [%s]\n", q->noise_axes == (QT_NOISE_ROWS | QT_NOISE_COLS) ? "0, 1"
-                                                        : q->noise_axes == QT_NOISE_COLS ? "1" : "0");
+    fprintf(f, "      channelwise_noise_axes: [%s]\n", q->noise_axes == (FQT_NOISE_ROWS | FQT_NOISE_COLS) ? "0, 1"
+                                                        : q->noise_axes == FQT_NOISE_COLS ? "1" : "0");
 }
 
 static void put_quant(FILE *f, const QuantConfig *q) {

@@ -1,5 +1,5 @@
 /* config_rules.c - the quant and lora sections: ordered lists of rules
- * (quant/rules.h), each giving the modules it matches their PTQ or adapter
+ * (trainer/rules.h), each giving the modules it matches their PTQ or adapter
  * settings, and the modules LoRA trains in full.
  *
  * Every rule stores its settings resolved (the defaults filled in: the
@@ -30,7 +30,7 @@ static const char *const QUANT_RULE_KEYS[] = {
     "bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size", "bwd_stochastic_rounding", "channelwise_noise_axes",
     "rounding",    "allow_clip"};
 /* The keys only quant.mode qt reads. */
-static const char *const QT_ONLY_KEYS[] = {"bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size",
+static const char *const FQT_ONLY_KEYS[] = {"bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size",
                                            "bwd_stochastic_rounding", "channelwise_noise_axes"};
 /* The keys only quant.mode qat reads. */
 static const char *const QAT_ONLY_KEYS[] = {"learn_amax", "amax_init", "act_static_scale", "lr"};
@@ -306,13 +306,13 @@ static QtStatus load_noise_axes(QtError *err, const YNode *item, const char *pat
     return QT_OK;
 }
 
-static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *path, QtSpec *q) {
-    const QtSpec d = qt_spec_default();
+static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *path, FqtSpec *q) {
+    const FqtSpec d = fqt_spec_default();
     q->weight_qtype = q->act_qtype = q->bwd_qtype = NULL;
     calib_copy(&q->bwd_calib, &d.bwd_calib);
     q->bwd_weight_grad_tile_size = d.bwd_weight_grad_tile_size;
     q->bwd_stochastic = d.bwd_stochastic;
-    q->noise_axes = QT_NOISE_ROWS;
+    q->noise_axes = FQT_NOISE_ROWS;
     QtStatus st = load_qtype(err, item, path, "bwd_qtype", "(the float backward of QAT)", &q->bwd_qtype);
     if (st == QT_OK) st = load_calib(err, item, path, "bwd_calibration", &q->bwd_calib);
     if (st == QT_OK) st = cfg_get_int(err, item, path, "bwd_weight_grad_tile_size", 0, INT_MAX,
@@ -338,9 +338,9 @@ static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *pa
  * stored scales), a learned range on a format without an integer grid. */
 static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *path, const QuantRule *r, QuantMode mode) {
     char full[128];
-    for (size_t k = 0; mode != QUANT_MODE_QT && k < N_OF(QT_ONLY_KEYS); k++)
-        if (cfg_field(item, QT_ONLY_KEYS[k]))
-            return cfg_fail(err, cfg_field(item, QT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, QT_ONLY_KEYS[k]),
+    for (size_t k = 0; mode != QUANT_MODE_QT && k < N_OF(FQT_ONLY_KEYS); k++)
+        if (cfg_field(item, FQT_ONLY_KEYS[k]))
+            return cfg_fail(err, cfg_field(item, FQT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, FQT_ONLY_KEYS[k]),
                             "applies to quant.mode qt (the quantized backward), but quant.mode is %s; remove it or "
                             "set quant.mode: qt", quant_mode_name(mode));
     for (size_t k = 0; mode != QUANT_MODE_QAT && k < N_OF(QAT_ONLY_KEYS); k++)

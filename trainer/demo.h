@@ -6,7 +6,7 @@
 
 #include <stdbool.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 typedef struct {
     int steps;      /* optimizer steps */

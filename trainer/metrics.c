@@ -9,7 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 
 #define METRICS_HEADER "split,step,epoch,loss,accuracy,lr,samples_per_s,wall_s\n"
 

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 typedef struct {
     FILE *csv;

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "quant/qarray_io.h"
 
 static bool module_has_matrix_weight(const Module *m) {
@@ -81,7 +81,7 @@ static QtStatus net_check_specs(Net *n, QtError *err) {
         const QuantRule *rule = qs ? &n->cfg->quant.rules[n->quant_rule[i]] : NULL;
         QtStatus chk = !qs                     ? QT_OK
                        : mode == QUANT_MODE_QAT ? qat_layer_check(qs, &rule->qat, m, &e)
-                       : mode == QUANT_MODE_QT  ? qt_layer_check(&rule->qt, m, &e)
+                       : mode == QUANT_MODE_QT  ? fqt_layer_check(&rule->qt, m, &e)
                                                 : qlayer_spec_check(qs, m, &e);
         if (chk != QT_OK)
             st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->quant.rules[n->quant_rule[i]].match.where, e.msg);
@@ -207,11 +207,11 @@ static QtStatus net_attach_qt(Net *n, QtError *err) {
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
         if (!net_quant_spec(n, i)) continue;
-        QtLayer *q = &n->qt[k++];
+        FqtLayer *q = &n->qt[k++];
         uint64_t stream = RNG_STREAM_ROUNDING + ((uint64_t)k << 40); /* apart from the shuffle's 2 + (epoch << 8) */
-        st = qt_layer_init(q, &n->model.modules[i], &n->cfg->quant.rules[n->quant_rule[i]].qt, n->cfg->run.seed,
+        st = fqt_layer_init(q, &n->model.modules[i], &n->cfg->quant.rules[n->quant_rule[i]].qt, n->cfg->run.seed,
                            stream, err);
-        if (st == QT_OK) qt_layer_install(q);
+        if (st == QT_OK) fqt_layer_install(q);
     }
     return st;
 }
@@ -429,7 +429,7 @@ static double net_qat_bits_per_param(const Net *n) {
         if (!quantized) bytes += (double)var_numel(&p->var) * sizeof(float);
     }
     for (int k = 0; k < n->n_qt; k++) { /* per output channel, float32 scales */
-        const QtLayer *q = &n->qt[k];
+        const FqtLayer *q = &n->qt[k];
         bytes += (double)q->out * ((double)q->fan_in * q->spec.weight_qtype->bits / 8.0 + sizeof(float));
     }
     for (int k = 0; k < n->n_qat; k++) {
@@ -484,7 +484,7 @@ void net_format_summary(const Net *n, char *weights, size_t wcap, char *acts, si
         if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
     }
     for (int i = 0; i < n->n_qt; i++) {
-        const QtSpec *s = &n->qt[i].spec;
+        const FqtSpec *s = &n->qt[i].spec;
         char f[64];
         snprintf(f, sizeof f, "%s/ch", qtype_name(s->weight_qtype));
         list_add_unique(weights, wcap, f);

@@ -2,7 +2,7 @@
  * LoRA adapters attached by the config's rules.
  *
  * Building resolves, for every dense/conv2d module, the first quant rule and
- * the first lora rule that apply (quant/rules.h), checks each resolved
+ * the first lora rule that apply (trainer/rules.h), checks each resolved
  * setting against the module (format, tile, rank), and records rules that
  * applied to nothing. With quant or lora in use, the model's own
  * parameters are frozen, except those of lora.trainable modules; the
@@ -17,7 +17,7 @@
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "quant/qat.h"
-#include "quant/qt.h"
+#include "quant/fqt.h"
 #include "quant/qlayer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -38,7 +38,7 @@ typedef struct {
     bool base_from_seed;      /* NET_FRESH_TIMING: a PTQ base without init_from quantizes the initialisation */
     QatLayer *qat;            /* [n_qat] fake-quantized trained layers (qat), in module order */
     int n_qat;
-    QtLayer *qt;              /* [n_qt] quantized-GEMM trained layers (qt), in module order */
+    FqtLayer *qt;              /* [n_qt] quantized-GEMM trained layers (qt), in module order */
     int n_qt;
     LoraAdapter *adapters;    /* [n_adapters] in module order */
     int n_adapters;

@@ -9,10 +9,10 @@
 #include <stdint.h>
 
 #include "data/dataset.h"
-#include "nn/arena.h"
-#include "nn/fsutil.h"
+#include "base/arena.h"
+#include "base/fsutil.h"
 #include "nn/optim.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/schedule.h"
 #include "nn/tape.h"
 #include "trainer/config.h"

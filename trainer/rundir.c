@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 
 /* The pid that holds fd's lock: the kernel's answer, else what the file says. */
 static long lock_holder(int fd) {

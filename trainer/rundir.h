@@ -16,7 +16,7 @@
 
 #include <stdbool.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 #define RUNDIR_LOCK_NAME ".lock"
 

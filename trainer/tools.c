@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/fsutil.h"
+#include "base/fsutil.h"
 #include "trainer/checkpoint.h"
 #include "trainer/net.h"
 #include "trainer/rundir.h"

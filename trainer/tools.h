@@ -5,12 +5,12 @@
 #include <stdbool.h>
 #include <stdio.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "trainer/config.h"
 
 /* `out`, in every tool: a new file, or with force a regular file to replace;
  * anything else (a directory, symlink, device, FIFO) is refused with
- * QT_ERR_ARG before any work (nn/fsutil.h: fs_check_out_path). In a run
+ * QT_ERR_ARG before any work (base/fsutil.h: fs_check_out_path). In a run
  * directory the write takes its lock (trainer/rundir.h). */
 
 /* PTQ of the float checkpoint `checkpoint` by cfg's weight-only quant rules,

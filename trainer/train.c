@@ -14,13 +14,13 @@
 #include <unistd.h>
 
 #include "data/dataset.h"
-#include "nn/arena.h"
-#include "nn/fsutil.h"
+#include "base/arena.h"
+#include "base/fsutil.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
 #include "nn/ops.h"
 #include "nn/optim.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/schedule.h"
 #include "nn/tape.h"
 #include "trainer/checkpoint.h"

@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "trainer/config.h"
 
 typedef struct {

@@ -6,8 +6,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "nn/error.h"
-#include "nn/fsutil.h"
+#include "base/error.h"
+#include "base/fsutil.h"
 #include "quant/qtype.h"
 #include "trainer/metrics.h"
 #include "trainer/net.h"

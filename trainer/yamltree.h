@@ -15,7 +15,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 #define YTREE_MAX_DEPTH 64
 

@@ -1,4 +1,4 @@
-/* test_qt.h - the quant_qt suite's parts in other files. */
+/* test_fqt.h - the quant_qt suite's parts in other files. */
 #ifndef QTRAIN_TESTS_TEST_QT_H
 #define QTRAIN_TESTS_TEST_QT_H
 

@@ -1,4 +1,4 @@
-/* test_qt.c - quantized training: the integer GEMM (test_qgemm.c), the
+/* test_fqt.c - quantized training: the integer GEMM (test_qgemm.c), the
  * spec's checks, the forward and the float backward against a QAT
  * layer of the same formats, the quantized backward against a hand-written
  * reference (round to nearest and stochastic, rows/columns noise, tiles of
@@ -11,65 +11,65 @@
 #include <string.h>
 
 #include "quant/qat.h"
-#include "quant/qt.h"
+#include "quant/fqt.h"
 #include "test_qarray.h"
 #include "test_qat.h"
-#include "test_qt.h"
+#include "test_fqt.h"
 #include "test_util.h"
 
 /* ---- specs, layers, runs ----------------------------------------------------------------------------------------- */
 
-static QtSpec spec_of(const char *wt, const char *at, const char *bwd) {
-    QtSpec s = qt_spec_default();
+static FqtSpec spec_of(const char *wt, const char *at, const char *bwd) {
+    FqtSpec s = fqt_spec_default();
     s.weight_qtype = wt ? qa_find(wt) : NULL;
     s.act_qtype = at ? qa_find(at) : NULL;
     s.bwd_qtype = bwd ? qa_find(bwd) : NULL;
     return s;
 }
 
-static void init_ok(QtLayer *q, Module *mod, const QtSpec *spec, uint64_t stream) {
+static void init_ok(FqtLayer *q, Module *mod, const FqtSpec *spec, uint64_t stream) {
     QtError err = {0};
-    QtStatus st = qt_layer_init(q, mod, spec, 42, stream, &err);
-    if (st != QT_OK) fprintf(stderr, "\n  qt_layer_init: %s\n", err.msg);
+    QtStatus st = fqt_layer_init(q, mod, spec, 42, stream, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  fqt_layer_init: %s\n", err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
 }
 
 /* The QAT layer a QT layer without bwd_qtype equals: weight per channel, dynamic input per tensor. */
 static void qat_twin(QatLayer *qa, Module *mod, const char *wt, const char *at) {
-    QLayerSpec s = qt_wspec(wt, 0, QARRAY_SCALE_F32);
+    QLayerSpec s = qtest_wspec(wt, 0, QARRAY_SCALE_F32);
     s.act_qtype = qa_find(at);
-    QatSpec qs = qt_qspec(QAT_LEARN_NONE, false);
-    qt_init_ok(qa, mod, &s, &qs);
+    QatSpec qs = qtest_qspec(QAT_LEARN_NONE, false);
+    qtest_init_ok(qa, mod, &s, &qs);
 }
 
 static void zero_module_grads(Module *m) {
-    qt_zero(m->weight->var.grad, var_numel(&m->weight->var));
-    if (m->bias) qt_zero(m->bias->var.grad, var_numel(&m->bias->var));
+    qtest_zero(m->weight->var.grad, var_numel(&m->weight->var));
+    if (m->bias) qtest_zero(m->bias->var.grad, var_numel(&m->bias->var));
 }
 
-/* The QT layer on x (batch N) and its backward from dy (NULL: the dy qt_run_qat uses), copied out. */
-static void run_qt(QtLayer *q, const float *x, int N, const float *dy, QtRun *r) {
+/* The QT layer on x (batch N) and its backward from dy (NULL: the dy qtest_run_qat uses), copied out. */
+static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r) {
     Module *mod = q->module;
     TestEnv e;
     test_env_init(&e, 5);
-    int xs[4], xnd = qt_input_shape(mod, N, xs);
+    int xs[4], xnd = qtest_input_shape(mod, N, xs);
     Var *vx = test_var(&e, x, xnd, xs, true);
     zero_module_grads(mod);
-    Var *y = qt_layer_forward(&e.tape, q, vx);
-    if (!y) fprintf(stderr, "\n  qt_layer_forward: %s\n", e.tape.err.msg);
+    Var *y = fqt_layer_forward(&e.tape, q, vx);
+    if (!y) fprintf(stderr, "\n  fqt_layer_forward: %s\n", e.tape.err.msg);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
     memset(r, 0, sizeof *r);
-    r->ny = var_numel(y), r->nx = qt_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
+    r->ny = var_numel(y), r->nx = qtest_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
     r->nb = mod->bias ? var_numel(&mod->bias->var) : 0;
     float *own = dy ? NULL : qa_normal_sample(77, r->ny);
     QtStatus st = tape_backward_from(&e.tape, y, dy ? dy : own);
     if (st != QT_OK) fprintf(stderr, "\n  backward: %s\n", e.tape.err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
     free(own);
-    r->y = qt_copy_floats(y->value.data, r->ny);
-    r->dx = qt_copy_floats(vx->grad, r->nx);
-    r->dw = qt_copy_floats(mod->weight->var.grad, r->nw);
-    r->db = qt_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
+    r->y = qtest_copy_floats(y->value.data, r->ny);
+    r->dx = qtest_copy_floats(vx->grad, r->nx);
+    r->dw = qtest_copy_floats(mod->weight->var.grad, r->nw);
+    r->db = qtest_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
     test_env_free(&e);
 }
 
@@ -93,7 +93,7 @@ typedef struct {
     int rows, out, K;
 } Geom;
 
-static Geom geom_of(const QtLayer *q, int N) {
+static Geom geom_of(const FqtLayer *q, int N) {
     const Module *m = q->module;
     Geom g = {.conv = m->spec.type == LAYER_CONV2D, .N = N, .out = q->out, .K = q->fan_in, .rows = N};
     if (g.conv) {
@@ -136,14 +136,14 @@ typedef struct {
 
 static float noise_at(const Noise *z, int r, int o) {
     if (!z || !z->u) return 0.0f;
-    if (z->axes == QT_NOISE_COLS) return z->u[o];
-    if (z->axes == (QT_NOISE_ROWS | QT_NOISE_COLS)) return z->u[(size_t)r * z->out + o];
+    if (z->axes == FQT_NOISE_COLS) return z->u[o];
+    if (z->axes == (FQT_NOISE_ROWS | FQT_NOISE_COLS)) return z->u[(size_t)r * z->out + o];
     return z->u[r];
 }
 
 /* The noise a layer whose rng is at `from` draws for `rows` x `out`: malloc'd. */
 static float *draw_noise(Rng from, unsigned axes, int rows, int out) {
-    size_t n = axes == QT_NOISE_COLS ? (size_t)out : axes == QT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
+    size_t n = axes == FQT_NOISE_COLS ? (size_t)out : axes == FQT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
     uint32_t *w = malloc(n * sizeof *w);
     float *u = qa_alloc_floats(n);
     rng_fill_u32(&from, w, n);
@@ -215,14 +215,14 @@ typedef struct {
     float *wq, *xq;
 } Operands;
 
-static void operands_of(const QtLayer *q, const float *x, size_t nx, Operands *op) {
+static void operands_of(const FqtLayer *q, const float *x, size_t nx, Operands *op) {
     const QType *at = q->spec.act_qtype ? q->spec.act_qtype : q->spec.weight_qtype;
     QArrayOptions wo = qa_channelwise(0), xo = {.range = QARRAY_RANGE_SYMMETRIC};
     wo.range = QARRAY_RANGE_SYMMETRIC;
     memset(op, 0, sizeof *op);
-    op->wq = qt_qarray_round_trip(q->module->weight->var.value.data, 2, (const int[]){q->out, q->fan_in},
+    op->wq = qtest_qarray_round_trip(q->module->weight->var.value.data, 2, (const int[]){q->out, q->fan_in},
                                   q->spec.weight_qtype, &wo, &op->qw);
-    op->xq = qt_qarray_round_trip(x, 1, (const int[]){(int)nx}, at, &xo, &op->qx);
+    op->xq = qtest_qarray_round_trip(x, 1, (const int[]){(int)nx}, at, &xo, &op->qx);
 }
 
 static void operands_free(Operands *op) {
@@ -232,24 +232,24 @@ static void operands_free(Operands *op) {
 
 /* The layer's quantized backward (int formats of bwd_bits) against the reference for one x and dy; the noise is
  * what the layer's rng draws from its state before the step. */
-static void check_against_ref(QtLayer *q, int N, uint64_t seed, int bwd_bits, const char *what) {
+static void check_against_ref(FqtLayer *q, int N, uint64_t seed, int bwd_bits, const char *what) {
     Module *mod = q->module;
     Geom G = geom_of(q, N);
-    size_t nx = qt_input_numel(mod, N), nw = (size_t)q->out * q->fan_in, ny = (size_t)G.rows * G.out;
+    size_t nx = qtest_input_numel(mod, N), nw = (size_t)q->out * q->fan_in, ny = (size_t)G.rows * G.out;
     float *x = qa_normal_sample(seed, nx), *dy = qa_normal_sample(seed + 1, ny);
     Operands op;
     operands_of(q, x, nx, &op);
-    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : QT_NOISE_ROWS;
+    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : FQT_NOISE_ROWS;
     float *u = q->spec.bwd_stochastic ? draw_noise(q->rng, axes, G.rows, G.out) : NULL;
     Noise z = {.u = u, .axes = axes, .out = G.out};
-    QtRun a;
+    QtestRun a;
     run_qt(q, x, N, dy, &a);
     float *g = grad_rows_of(&G, dy), *gr = qa_alloc_floats(ny), *gc = qa_alloc_floats(ny);
     float *dx = qa_alloc_floats(nx), *dw = qa_alloc_floats(nw), *db = qa_alloc_floats(G.out);
     quant_grad_ref(&G, g, bwd_bits, q->spec.bwd_weight_grad_tile_size, &z, gr, gc);
     grads_ref(&G, gr, gc, op.wq, op.xq, nx, dx, dw);
-    qt_apply_mask(dx, x, nx, &op.qx);
-    qt_apply_mask(dw, mod->weight->var.value.data, nw, &op.qw);
+    qtest_apply_mask(dx, x, nx, &op.qx);
+    qtest_apply_mask(dw, mod->weight->var.value.data, nw, &op.qw);
     for (int o = 0; o < G.out; o++) {
         double s = 0.0;
         for (int r = 0; r < G.rows; r++) s += g[(size_t)r * G.out + o];
@@ -262,7 +262,7 @@ static void check_against_ref(QtLayer *q, int N, uint64_t seed, int bwd_bits, co
     CU_ASSERT(close_to(a.dw, dw, nw, label));
     snprintf(label, sizeof label, "%s db", what);
     CU_ASSERT(close_to(a.db, db, (size_t)G.out, label));
-    qt_run_free(&a);
+    qtest_run_free(&a);
     operands_free(&op);
     free(x), free(dy), free(u), free(g), free(gr), free(gc), free(dx), free(dw), free(db);
 }
@@ -270,26 +270,26 @@ static void check_against_ref(QtLayer *q, int N, uint64_t seed, int bwd_bits, co
 /* ---- setup and checks -------------------------------------------------------------------------------------------- */
 
 static void test_init_and_install(void) {
-    QtSpec d = qt_spec_default();
+    FqtSpec d = fqt_spec_default();
     CU_ASSERT(!d.weight_qtype && !d.act_qtype && !d.bwd_qtype);
     CU_ASSERT(d.bwd_calib.kind == CALIB_ABSMAX && d.bwd_calib.s == 1.0);
-    CU_ASSERT(d.bwd_weight_grad_tile_size == 0 && !d.bwd_stochastic && d.noise_axes == QT_NOISE_ROWS);
+    CU_ASSERT(d.bwd_weight_grad_tile_size == 0 && !d.bwd_stochastic && d.noise_axes == FQT_NOISE_ROWS);
     Model m;
-    qt_conv_model(&m, 2, 6, 5, 4, 3, 1, 1, 3);
+    qtest_conv_model(&m, 2, 6, 5, 4, 3, 1, 1, 3);
     Module *mod = &m.modules[0];
-    QtSpec s = spec_of("int8", NULL, "int8");
-    QtLayer q;
+    FqtSpec s = spec_of("int8", NULL, "int8");
+    FqtLayer q;
     init_ok(&q, mod, &s, 9);
     CU_ASSERT(q.module == mod && q.out == 4 && q.fan_in == 18 && q.spec.weight_qtype == qa_find("int8"));
     CU_ASSERT(q.rng.seed == 42 && q.rng.stream == 9 && q.rng.counter == 0);
-    qt_layer_install(&q);
+    fqt_layer_install(&q);
     CU_ASSERT(mod->forward_hook != NULL && mod->hook_ctx == &q);
     /* the model's forward goes through the layer */
     float *x = qa_normal_sample(4, 2 * 2 * 6 * 5);
     TestEnv e;
     test_env_init(&e, 1);
     Var *vx = tape_wrap(&e.tape, x, 4, (const int[]){2, 2, 6, 5});
-    Var *y1 = model_forward(&m, &e.tape, vx), *y2 = qt_layer_forward(&e.tape, &q, vx);
+    Var *y1 = model_forward(&m, &e.tape, vx), *y2 = fqt_layer_forward(&e.tape, &q, vx);
     CU_ASSERT_FATAL(y1 && y2);
     CU_ASSERT(var_numel(y1) == 2 * 4 * 6 * 5 && memcmp(y1->value.data, y2->value.data, var_numel(y1) * 4) == 0);
     test_env_free(&e);
@@ -304,9 +304,9 @@ typedef struct {
     unsigned axes;
     bool bad_calib;
     const char *has[3]; /* besides the module path */
-} QtErrCase;
+} FqtErrCase;
 
-static const QtErrCase QT_ERRS[] = {
+static const FqtErrCase FQT_ERRS[] = {
     {"no weight format", NULL, NULL, NULL, 0, false, 1, false, {"weight_qtype", "not set"}},
     {"nf4 weight", "nf4", NULL, NULL, 0, false, 1, false, {"weight_qtype: nf4 is a lookup format"}},
     {"mx weight", "mxfp4", NULL, NULL, 0, false, 1, false, {"weight_qtype: mxfp4", "block format"}},
@@ -324,8 +324,8 @@ static const QtErrCase QT_ERRS[] = {
     {"tile without bwd_qtype", "int4", NULL, NULL, 8, false, 1, false, {"bwd_weight_grad_tile_size", "bwd_qtype"}},
 };
 
-static QtSpec err_spec(const QtErrCase *c) {
-    QtSpec s = spec_of(c->wt, c->at, c->bwd);
+static FqtSpec err_spec(const FqtErrCase *c) {
+    FqtSpec s = spec_of(c->wt, c->at, c->bwd);
     s.bwd_weight_grad_tile_size = c->tile;
     s.bwd_stochastic = c->stochastic;
     s.noise_axes = c->axes;
@@ -335,48 +335,48 @@ static QtSpec err_spec(const QtErrCase *c) {
 
 static void test_check_errors(void) {
     Model m;
-    qt_dense_model(&m, 12, 5, 2);
+    qtest_dense_model(&m, 12, 5, 2);
     Module *mod = &m.modules[0];
-    for (size_t i = 0; i < sizeof QT_ERRS / sizeof QT_ERRS[0]; i++) {
-        const QtErrCase *c = &QT_ERRS[i];
-        QtSpec s = err_spec(c);
+    for (size_t i = 0; i < sizeof FQT_ERRS / sizeof FQT_ERRS[0]; i++) {
+        const FqtErrCase *c = &FQT_ERRS[i];
+        FqtSpec s = err_spec(c);
         QtError err = {0};
-        QtStatus st = qt_layer_check(&s, mod, &err);
+        QtStatus st = fqt_layer_check(&s, mod, &err);
         if (st != QT_ERR_CONFIG) fprintf(stderr, "\n  %s: status %d (%s)\n", c->name, (int)st, err.msg);
         CU_ASSERT_EQUAL(st, QT_ERR_CONFIG);
         CU_ASSERT(strncmp(err.msg, "fc1: ", 5) == 0);
         for (int k = 0; k < 3 && c->has[k]; k++) CU_ASSERT(test_msg_has(&err, c->has[k]));
-        QtLayer q;
+        FqtLayer q;
         memset(&q, 0x5a, sizeof q);
         QtError err2 = {0};
-        CU_ASSERT_EQUAL(qt_layer_init(&q, mod, &s, 1, 2, &err2), QT_ERR_CONFIG);
+        CU_ASSERT_EQUAL(fqt_layer_init(&q, mod, &s, 1, 2, &err2), QT_ERR_CONFIG);
         CU_ASSERT(q.module == NULL);
         CU_ASSERT_STRING_EQUAL(err.msg, err2.msg);
     }
     /* valid ones */
-    const QtErrCase ok[] = {
+    const FqtErrCase ok[] = {
         {"int8", "int8", NULL, NULL, 0, false, 0, false, {0}},
         {"mixed", "int4", "fp8_e4m3", "fp8_e5m2", 16, true, 3, false, {0}},
         {"uint input", "e3m4", "uint8", "int4", 0, true, 2, false, {0}},
     };
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
-        QtSpec s = err_spec(&ok[i]);
+        FqtSpec s = err_spec(&ok[i]);
         QtError err = {0};
-        QtStatus st = qt_layer_check(&s, mod, &err);
+        QtStatus st = fqt_layer_check(&s, mod, &err);
         if (st != QT_OK) fprintf(stderr, "\n  %s: %s\n", ok[i].name, err.msg);
         CU_ASSERT_EQUAL(st, QT_OK);
     }
-    QtSpec s = spec_of("int8", NULL, NULL);
+    FqtSpec s = spec_of("int8", NULL, NULL);
     QtError err = {0};
-    CU_ASSERT_EQUAL(qt_layer_check(NULL, mod, &err), QT_ERR_ARG);
-    CU_ASSERT_EQUAL(qt_layer_init(NULL, mod, &s, 1, 2, &err), QT_ERR_ARG);
+    CU_ASSERT_EQUAL(fqt_layer_check(NULL, mod, &err), QT_ERR_ARG);
+    CU_ASSERT_EQUAL(fqt_layer_init(NULL, mod, &s, 1, 2, &err), QT_ERR_ARG);
     model_free(&m);
 
     /* a module without a weight matrix */
     LayerSpec relu = {.type = LAYER_RELU, .name = "act"};
-    qt_one_layer_model(&m, 1, (const int[]){8}, &relu, 1);
+    qtest_one_layer_model(&m, 1, (const int[]){8}, &relu, 1);
     err = (QtError){0};
-    CU_ASSERT_EQUAL(qt_layer_check(&s, &m.modules[0], &err), QT_ERR_CONFIG);
+    CU_ASSERT_EQUAL(fqt_layer_check(&s, &m.modules[0], &err), QT_ERR_CONFIG);
     CU_ASSERT(strncmp(err.msg, "act: ", 5) == 0 && test_msg_has(&err, "relu") && test_msg_has(&err, "dense"));
     model_free(&m);
 }
@@ -384,26 +384,26 @@ static void test_check_errors(void) {
 /* Errors of the forward and backward go to the tape, naming the module. */
 static void test_forward_errors(void) {
     Model m;
-    qt_dense_model(&m, 6, 3, 4);
-    QtSpec s = spec_of("int8", NULL, "int8");
-    QtLayer q;
+    qtest_dense_model(&m, 6, 3, 4);
+    FqtSpec s = spec_of("int8", NULL, "int8");
+    FqtLayer q;
     init_ok(&q, &m.modules[0], &s, 1);
     TestEnv e;
     test_env_init(&e, 1);
     float x[12] = {0};
-    CU_ASSERT_PTR_NULL(qt_layer_forward(&e.tape, &q, tape_wrap(&e.tape, x, 2, (const int[]){3, 4})));
+    CU_ASSERT_PTR_NULL(fqt_layer_forward(&e.tape, &q, tape_wrap(&e.tape, x, 2, (const int[]){3, 4})));
     CU_ASSERT(e.tape.err.status == QT_ERR_SHAPE && test_msg_has(&e.tape.err, "fc1") &&
               test_msg_has(&e.tape.err, "(3, 4)"));
     tape_reset(&e.tape);
     x[7] = NAN;
-    CU_ASSERT_PTR_NULL(qt_layer_forward(&e.tape, &q, tape_wrap(&e.tape, x, 2, (const int[]){2, 6})));
+    CU_ASSERT_PTR_NULL(fqt_layer_forward(&e.tape, &q, tape_wrap(&e.tape, x, 2, (const int[]){2, 6})));
     CU_ASSERT(e.tape.err.status == QT_ERR_VALUE && test_msg_has(&e.tape.err, "fc1") &&
               test_msg_has(&e.tape.err, "input"));
     /* a NaN gradient cannot be quantized */
     tape_reset(&e.tape);
     x[7] = 0.5f;
     Var *vx = test_var(&e, x, 2, (const int[]){2, 6}, true);
-    Var *y = qt_layer_forward(&e.tape, &q, vx);
+    Var *y = fqt_layer_forward(&e.tape, &q, vx);
     CU_ASSERT_FATAL(y != NULL);
     const float dy[6] = {1.0f, NAN, 0.0f, 1.0f, 2.0f, 3.0f};
     CU_ASSERT_EQUAL(tape_backward_from(&e.tape, y, dy), QT_ERR_VALUE);
@@ -417,15 +417,15 @@ static void test_forward_errors(void) {
 /* QT without bwd_qtype against the QAT layer of the same formats: y, dx, dw and dbias to float rounding. */
 static void check_equals_qat(Model *m, int N, const char *wt, const char *at, uint64_t seed) {
     Module *mod = &m->modules[0];
-    QtLayer q;
-    QtSpec s = spec_of(wt, at, NULL);
+    FqtLayer q;
+    FqtSpec s = spec_of(wt, at, NULL);
     init_ok(&q, mod, &s, 1);
     QatLayer qa;
     qat_twin(&qa, mod, wt, at);
-    float *x = qa_normal_sample(seed, qt_input_numel(mod, N));
-    QtRun a, b;
+    float *x = qa_normal_sample(seed, qtest_input_numel(mod, N));
+    QtestRun a, b;
     run_qt(&q, x, N, NULL, &a);
-    qt_run_qat(&qa, x, N, true, true, &b);
+    qtest_run_qat(&qa, x, N, true, true, &b);
     char label[96];
     const char *kind = mod->spec.type == LAYER_CONV2D ? "conv" : "dense";
     snprintf(label, sizeof label, "%s %s/%s y", kind, wt, at);
@@ -444,7 +444,7 @@ static void check_equals_qat(Model *m, int N, const char *wt, const char *at, ui
     CU_ASSERT(zw < a.nw && zx < a.nx);
     if (qa_find(wt)->kind == QTYPE_KIND_INT) CU_ASSERT(zw > 0);
     if (qa_find(at)->kind == QTYPE_KIND_UINT) CU_ASSERT(zx > 0);
-    qt_run_free(&a), qt_run_free(&b);
+    qtest_run_free(&a), qtest_run_free(&b);
     qat_layer_free(&qa);
     free(x);
 }
@@ -460,7 +460,7 @@ static const char *const FORMATS[][2] = {
 static void test_dense_equals_qat(void) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
         Model m;
-        qt_dense_model(&m, 37, 11, 20 + i);
+        qtest_dense_model(&m, 37, 11, 20 + i);
         check_equals_qat(&m, 5, FORMATS[i][0], FORMATS[i][1], 30 + i);
         model_free(&m);
     }
@@ -469,12 +469,12 @@ static void test_dense_equals_qat(void) {
 static void test_conv_equals_qat(void) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
         Model m;
-        qt_conv_model(&m, 3, 7, 6, 5, 3, 2, 1, 40 + i); /* stride 2, padding 1 */
+        qtest_conv_model(&m, 3, 7, 6, 5, 3, 2, 1, 40 + i); /* stride 2, padding 1 */
         check_equals_qat(&m, 2, FORMATS[i][0], FORMATS[i][1], 50 + i);
         model_free(&m);
     }
     Model m;
-    qt_conv_model(&m, 2, 5, 5, 3, 2, 1, 0, 60); /* even kernel, no padding, batch 1 */
+    qtest_conv_model(&m, 2, 5, 5, 3, 2, 1, 0, 60); /* even kernel, no padding, batch 1 */
     check_equals_qat(&m, 1, "int8", "int8", 61);
     model_free(&m);
 }
@@ -483,9 +483,9 @@ static void test_conv_equals_qat(void) {
 
 static void test_backward_rne(void) {
     Model m;
-    qt_dense_model(&m, 9, 5, 70);
-    QtLayer q;
-    QtSpec s = spec_of("int8", NULL, "int8");
+    qtest_dense_model(&m, 9, 5, 70);
+    FqtLayer q;
+    FqtSpec s = spec_of("int8", NULL, "int8");
     s.bwd_weight_grad_tile_size = 4; /* 6 rows: tiles of 4 and 2 */
     init_ok(&q, &m.modules[0], &s, 1);
     check_against_ref(&q, 6, 71, 8, "dense int8 tile 4");
@@ -495,7 +495,7 @@ static void test_backward_rne(void) {
     check_against_ref(&q, 6, 72, 4, "dense int4");
     model_free(&m);
 
-    qt_conv_model(&m, 2, 6, 7, 4, 3, 2, 1, 73);
+    qtest_conv_model(&m, 2, 6, 7, 4, 3, 2, 1, 73);
     s = spec_of("int8", "int8", "int8");
     s.bwd_weight_grad_tile_size = 5; /* over 2 * 3 * 4 = 24 pixel rows */
     init_ok(&q, &m.modules[0], &s, 1);
@@ -505,12 +505,12 @@ static void test_backward_rne(void) {
 }
 
 static void test_backward_stochastic(void) {
-    static const unsigned AXES[] = {QT_NOISE_ROWS, QT_NOISE_COLS, QT_NOISE_ROWS | QT_NOISE_COLS};
+    static const unsigned AXES[] = {FQT_NOISE_ROWS, FQT_NOISE_COLS, FQT_NOISE_ROWS | FQT_NOISE_COLS};
     for (int i = 0; i < 3; i++) {
         Model m;
-        qt_dense_model(&m, 9, 5, 80 + i);
-        QtLayer q;
-        QtSpec s = spec_of("int8", NULL, "int4");
+        qtest_dense_model(&m, 9, 5, 80 + i);
+        FqtLayer q;
+        FqtSpec s = spec_of("int8", NULL, "int4");
         s.bwd_stochastic = true;
         s.noise_axes = AXES[i];
         s.bwd_weight_grad_tile_size = 3;
@@ -519,16 +519,16 @@ static void test_backward_stochastic(void) {
         snprintf(what, sizeof what, "dense stochastic axes %u", AXES[i]);
         check_against_ref(&q, 6, 90 + i, 4, what);
         check_against_ref(&q, 6, 90 + i, 4, what); /* the next step, fresh noise */
-        uint64_t per_step = AXES[i] == QT_NOISE_ROWS ? 2 : AXES[i] == QT_NOISE_COLS ? 2 : 8; /* ceil(n / 4) */
+        uint64_t per_step = AXES[i] == FQT_NOISE_ROWS ? 2 : AXES[i] == FQT_NOISE_COLS ? 2 : 8; /* ceil(n / 4) */
         CU_ASSERT_EQUAL(q.rng.counter, 2 * per_step);
         model_free(&m);
     }
     Model m;
-    qt_conv_model(&m, 2, 5, 6, 3, 3, 2, 1, 95);
-    QtLayer q;
-    QtSpec s = spec_of("int8", "int8", "int8");
+    qtest_conv_model(&m, 2, 5, 6, 3, 3, 2, 1, 95);
+    FqtLayer q;
+    FqtSpec s = spec_of("int8", "int8", "int8");
     s.bwd_stochastic = true;
-    s.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
+    s.noise_axes = FQT_NOISE_ROWS | FQT_NOISE_COLS;
     init_ok(&q, &m.modules[0], &s, 8);
     check_against_ref(&q, 2, 96, 8, "conv stochastic");
     model_free(&m);
@@ -539,7 +539,7 @@ static void test_backward_stochastic(void) {
 static void noise_pattern(unsigned axes, bool up[8][16]) {
     enum { N = 8, D = 16 };
     Model m;
-    qt_dense_model(&m, D, D, 100);
+    qtest_dense_model(&m, D, D, 100);
     Module *mod = &m.modules[0];
     float *w = mod->weight->var.value.data;
     for (int i = 0; i < D * D; i++) w[i] = i % (D + 1) == 0 ? 1.0f : 0.0f;
@@ -549,12 +549,12 @@ static void noise_pattern(unsigned axes, bool up[8][16]) {
         int r = i / D, o = i % D;
         g[i] = o == r ? 127.5f : (float)((r * 7 + o * 3) % 100 - 50) + 0.5f;
     }
-    QtSpec s = spec_of("int8", NULL, "int8");
+    FqtSpec s = spec_of("int8", NULL, "int8");
     s.bwd_stochastic = true;
     s.noise_axes = axes;
-    QtLayer q;
+    FqtLayer q;
     init_ok(&q, mod, &s, 11);
-    QtRun a;
+    QtestRun a;
     run_qt(&q, x, N, g, &a);
     float wdiag = 127.0f * (1.0f / 127.5f); /* deq of the code 127 at scale 1 / 127.5 */
     for (int i = 0; i < N * D; i++) {
@@ -564,14 +564,14 @@ static void noise_pattern(unsigned axes, bool up[8][16]) {
         CU_ASSERT(fabsf(gq - (g[i] + 0.5f)) < 1e-3f || fabsf(gq - (g[i] - 0.5f)) < 1e-3f);
         up[r][o] = gq > g[i];
     }
-    qt_run_free(&a);
+    qtest_run_free(&a);
     model_free(&m);
 }
 
 static void test_noise_axes(void) {
     bool up[8][16];
     /* rows only: a row rounds all its halfway elements the same way, and rows differ */
-    noise_pattern(QT_NOISE_ROWS, up);
+    noise_pattern(FQT_NOISE_ROWS, up);
     int rows_up = 0;
     for (int r = 0; r < 8; r++) {
         int o0 = r == 0 ? 1 : 0, same = 1;
@@ -582,7 +582,7 @@ static void test_noise_axes(void) {
     }
     CU_ASSERT(rows_up > 0 && rows_up < 8);
     /* columns only: a column rounds the same way in every row */
-    noise_pattern(QT_NOISE_COLS, up);
+    noise_pattern(FQT_NOISE_COLS, up);
     int cols_up = 0;
     for (int o = 8; o < 16; o++) { /* columns 8..15 hold no row's extreme */
         int same = 1;
@@ -592,7 +592,7 @@ static void test_noise_axes(void) {
     }
     CU_ASSERT(cols_up > 0 && cols_up < 8);
     /* both: elements of one row differ */
-    noise_pattern(QT_NOISE_ROWS | QT_NOISE_COLS, up);
+    noise_pattern(FQT_NOISE_ROWS | FQT_NOISE_COLS, up);
     int mixed = 0;
     for (int r = 1; r < 8; r++) {
         int n_up = 0;
@@ -608,11 +608,11 @@ static void test_noise_axes(void) {
 static void test_stochastic_unbiased(void) {
     enum { N = 4, IN = 8, OUT = 6, DRAWS = 2000 };
     Model m;
-    qt_dense_model(&m, IN, OUT, 110);
+    qtest_dense_model(&m, IN, OUT, 110);
     Module *mod = &m.modules[0];
-    QtSpec s = spec_of("int8", NULL, "int4");
+    FqtSpec s = spec_of("int8", NULL, "int4");
     s.bwd_stochastic = true;
-    QtLayer q;
+    FqtLayer q;
     init_ok(&q, mod, &s, 12);
     float *x = qa_normal_sample(111, N * IN), *dy = qa_normal_sample(112, N * OUT);
     Operands op;
@@ -635,7 +635,7 @@ static void test_stochastic_unbiased(void) {
             tol[r * IN + i] = (float)(4.0 * 0.5 * sc * wsum / sqrt((double)DRAWS)) + 1e-6f;
         }
     }
-    qt_apply_mask(expect, x, N * IN, &op.qx);
+    qtest_apply_mask(expect, x, N * IN, &op.qx);
     Arena a;
     Tape t;
     CU_ASSERT_FATAL(arena_init(&a, 1 << 16) == 0);
@@ -647,7 +647,7 @@ static void test_stochastic_unbiased(void) {
         memcpy(vx->value.data, x, sizeof x[0] * N * IN);
         vx->requires_grad = true;
         zero_module_grads(mod);
-        Var *y = qt_layer_forward(&t, &q, vx);
+        Var *y = fqt_layer_forward(&t, &q, vx);
         CU_ASSERT_FATAL(y && tape_backward_from(&t, y, dy) == QT_OK);
         for (int i = 0; i < N * IN; i++) sum[i] += vx->grad[i];
         if (d == 0) memcpy(first, vx->grad, sizeof first);
@@ -674,17 +674,17 @@ static void test_stochastic_unbiased(void) {
 /* The same rng state gives the same gradients; another stream or the next step other ones. */
 static void test_determinism(void) {
     Model m;
-    qt_dense_model(&m, 10, 7, 120);
+    qtest_dense_model(&m, 10, 7, 120);
     Module *mod = &m.modules[0];
-    QtSpec s = spec_of("int8", "int8", "int8");
+    FqtSpec s = spec_of("int8", "int8", "int8");
     s.bwd_stochastic = true;
-    s.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
-    QtLayer a, b, c;
+    s.noise_axes = FQT_NOISE_ROWS | FQT_NOISE_COLS;
+    FqtLayer a, b, c;
     init_ok(&a, mod, &s, 3);
     init_ok(&b, mod, &s, 3);
     init_ok(&c, mod, &s, 4);
     float *x = qa_normal_sample(121, 4 * 10);
-    QtRun ra, rb, rc, rd;
+    QtestRun ra, rb, rc, rd;
     Rng saved = a.rng;
     run_qt(&a, x, 4, NULL, &ra);
     run_qt(&b, x, 4, NULL, &rb);
@@ -694,11 +694,11 @@ static void test_determinism(void) {
     CU_ASSERT(memcmp(ra.dx, rc.dx, ra.nx * 4) != 0 && memcmp(ra.dw, rc.dw, ra.nw * 4) != 0);
     run_qt(&a, x, 4, NULL, &rd); /* the next step */
     CU_ASSERT(memcmp(ra.dx, rd.dx, ra.nx * 4) != 0);
-    qt_run_free(&rd);
+    qtest_run_free(&rd);
     a.rng = saved; /* a resumed run */
     run_qt(&a, x, 4, NULL, &rd);
     CU_ASSERT(memcmp(ra.dx, rd.dx, ra.nx * 4) == 0 && memcmp(ra.dw, rd.dw, ra.nw * 4) == 0);
-    qt_run_free(&ra), qt_run_free(&rb), qt_run_free(&rc), qt_run_free(&rd);
+    qtest_run_free(&ra), qtest_run_free(&rb), qtest_run_free(&rc), qtest_run_free(&rd);
     free(x);
     model_free(&m);
 }
@@ -708,13 +708,13 @@ static void test_determinism(void) {
 static void test_tile_scales(void) {
     enum { N = 6, IN = 5, OUT = 4 };
     Model m;
-    qt_dense_model(&m, IN, OUT, 130);
+    qtest_dense_model(&m, IN, OUT, 130);
     float *x = qa_normal_sample(131, N * IN), *dy = qa_normal_sample(132, N * OUT);
-    QtRun r[3];
+    QtestRun r[3];
     for (int i = 0; i < 3; i++) {
-        QtSpec s = spec_of("int8", NULL, "int8");
+        FqtSpec s = spec_of("int8", NULL, "int8");
         s.bwd_weight_grad_tile_size = i;
-        QtLayer q;
+        FqtLayer q;
         init_ok(&q, &m.modules[0], &s, 1);
         run_qt(&q, x, N, dy, &r[i]);
         if (i == 1) check_against_ref(&q, N, 133, 8, "tile 1");
@@ -722,7 +722,7 @@ static void test_tile_scales(void) {
     size_t bw = sizeof(float) * OUT * IN, bx = sizeof(float) * N * IN;
     CU_ASSERT(memcmp(r[0].dw, r[1].dw, bw) != 0 && memcmp(r[0].dw, r[2].dw, bw) != 0 && memcmp(r[1].dw, r[2].dw, bw));
     CU_ASSERT(memcmp(r[0].dx, r[1].dx, bx) == 0 && memcmp(r[0].dx, r[2].dx, bx) == 0);
-    for (int i = 0; i < 3; i++) qt_run_free(&r[i]);
+    for (int i = 0; i < 3; i++) qtest_run_free(&r[i]);
     free(x), free(dy);
     model_free(&m);
 }
@@ -733,15 +733,15 @@ static void test_steady_state(void) {
     enum { N = 4, C = 2, H = 6, W = 6, OC = 4, CLASSES = 10 };
     Model m;
     test_small_cnn(&m, 140);
-    QtSpec cs = spec_of("int8", "int8", "int8"), ds = spec_of("fp8_e4m3", "int8", "fp8_e5m2");
+    FqtSpec cs = spec_of("int8", "int8", "int8"), ds = spec_of("fp8_e4m3", "int8", "fp8_e5m2");
     cs.bwd_stochastic = true;
-    cs.noise_axes = QT_NOISE_ROWS | QT_NOISE_COLS;
+    cs.noise_axes = FQT_NOISE_ROWS | FQT_NOISE_COLS;
     cs.bwd_weight_grad_tile_size = 7;
     ds.bwd_calib = (CalibSpec){.kind = CALIB_PERCENTILE, .s = 1.0, .p = 99.0}; /* needs workspace */
-    QtLayer q[2];
+    FqtLayer q[2];
     init_ok(&q[0], &m.modules[0], &cs, 1);
     init_ok(&q[1], &m.modules[2], &ds, 2);
-    qt_layer_install(&q[0]), qt_layer_install(&q[1]);
+    fqt_layer_install(&q[0]), fqt_layer_install(&q[1]);
     Arena a;
     Tape t;
     CU_ASSERT_FATAL(arena_init(&a, 4096) == 0);

@@ -18,7 +18,7 @@
  * one draw of the layer's rng per step, in the order of rng_fill_u32:
  * [rows] (rows only), [out] (columns only) or [rows * out] row-major (both);
  * element (r, o) of both quantized copies of g takes the same one. */
-#include "qt.h"
+#include "fqt.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -29,12 +29,12 @@
 #include "qarray_plan.h"
 
 /* The integer GEMM's sums stay inside int32 for fan_in below 2^17 (|code product| <= 2^14). */
-#define QT_INT_FAN_IN_MAX (1 << 17)
+#define FQT_INT_FAN_IN_MAX (1 << 17)
 
 static const char OP[] = "qt";
 
-QtSpec qt_spec_default(void) {
-    return (QtSpec){.bwd_calib = {.kind = CALIB_ABSMAX, .s = 1.0}, .noise_axes = QT_NOISE_ROWS};
+FqtSpec fqt_spec_default(void) {
+    return (FqtSpec){.bwd_calib = {.kind = CALIB_ABSMAX, .s = 1.0}, .noise_axes = FQT_NOISE_ROWS};
 }
 
 /* ---- checks ------------------------------------------------------------------------------------------------------ */
@@ -71,11 +71,11 @@ static QtStatus check_module(const Module *m, QtError *err) {
 }
 
 /* The backward's settings. */
-static QtStatus check_backward(const QtSpec *spec, const Module *m, QtError *err) {
+static QtStatus check_backward(const FqtSpec *spec, const Module *m, QtError *err) {
     if (spec->bwd_weight_grad_tile_size < 0)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: bwd_weight_grad_tile_size: %d is negative; give 0 (one scale per "
                             "column of the gradient) or the rows per scale", m->path, spec->bwd_weight_grad_tile_size);
-    if (spec->noise_axes & ~(unsigned)(QT_NOISE_ROWS | QT_NOISE_COLS))
+    if (spec->noise_axes & ~(unsigned)(FQT_NOISE_ROWS | FQT_NOISE_COLS))
         return qt_error_set(err, QT_ERR_CONFIG, "%s: channelwise_noise_axes: %u names axes other than the rows (1) "
                             "and columns (2) of the gradient", m->path, spec->noise_axes);
     QtError inner = {0};
@@ -97,8 +97,8 @@ static QtStatus check_backward(const QtSpec *spec, const Module *m, QtError *err
     return st;
 }
 
-QtStatus qt_layer_check(const QtSpec *spec, const Module *m, QtError *err) {
-    if (!spec || !m) return qt_error_set(err, QT_ERR_ARG, "qt_layer_check: NULL spec or module");
+QtStatus fqt_layer_check(const FqtSpec *spec, const Module *m, QtError *err) {
+    if (!spec || !m) return qt_error_set(err, QT_ERR_ARG, "fqt_layer_check: NULL spec or module");
     QtStatus st = check_module(m, err);
     if (st != QT_OK) return st;
     if (!spec->weight_qtype)
@@ -112,10 +112,10 @@ QtStatus qt_layer_check(const QtSpec *spec, const Module *m, QtError *err) {
 
 /* ---- setup ------------------------------------------------------------------------------------------------------- */
 
-QtStatus qt_layer_init(QtLayer *q, Module *m, const QtSpec *spec, uint64_t seed, uint64_t stream, QtError *err) {
-    if (!q) return qt_error_set(err, QT_ERR_ARG, "qt_layer_init: no QtLayer");
+QtStatus fqt_layer_init(FqtLayer *q, Module *m, const FqtSpec *spec, uint64_t seed, uint64_t stream, QtError *err) {
+    if (!q) return qt_error_set(err, QT_ERR_ARG, "fqt_layer_init: no FqtLayer");
     memset(q, 0, sizeof *q);
-    QtStatus st = qt_layer_check(spec, m, err);
+    QtStatus st = fqt_layer_check(spec, m, err);
     if (st != QT_OK) return st;
     q->module = m;
     q->spec = *spec;
@@ -126,14 +126,14 @@ QtStatus qt_layer_init(QtLayer *q, Module *m, const QtSpec *spec, uint64_t seed,
     return QT_OK;
 }
 
-static Var *qt_hook(Tape *t, Module *m, Var *x, void *ctx) {
+static Var *fqt_hook(Tape *t, Module *m, Var *x, void *ctx) {
     (void)m;
-    return qt_layer_forward(t, ctx, x);
+    return fqt_layer_forward(t, ctx, x);
 }
 
-void qt_layer_install(QtLayer *q) {
+void fqt_layer_install(FqtLayer *q) {
     if (!q || !q->module) return;
-    q->module->forward_hook = qt_hook;
+    q->module->forward_hook = fqt_hook;
     q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
     q->module->weight_hook = NULL;
     q->module->hook_ctx = q;
@@ -166,26 +166,26 @@ static void format_values(const QType *t, float *lut /* [1 << bits] */) {
     for (uint32_t c = 0; c < (1u << t->bits); c++) lut[c] = qtype_decode(t, c);
 }
 
-static const QType *act_format(const QtLayer *q) {
+static const QType *act_format(const FqtLayer *q) {
     return q->spec.act_qtype ? q->spec.act_qtype : q->spec.weight_qtype;
 }
 
 /* Whether the codes of both operands are signed integers an int8 holds, summed exactly in int32. */
 static bool integer_gemm(const QType *wt, const QType *at, int fan_in) {
     return wt->kind == QTYPE_KIND_INT && at->kind == QTYPE_KIND_INT && wt->bits <= 8 && at->bits <= 8 &&
-           fan_in < QT_INT_FAN_IN_MAX;
+           fan_in < FQT_INT_FAN_IN_MAX;
 }
 
 /* The convolution's sizes; the input is (N, C, H, W), the output (N, OC, OH, OW). */
 typedef struct {
     int N, C, H, W, KH, KW, OH, OW, stride, padding;
-} QtConvGeom;
+} FqtConvGeom;
 
 /* A QT node's saved state (arena). Rows of X and g: the batch (dense) or the output pixels (n, oh, ow) (conv). */
 typedef struct {
-    QtLayer *q;            /* its Rng draws the backward's noise */
+    FqtLayer *q;            /* its Rng draws the backward's noise */
     bool conv;
-    QtConvGeom cg;         /* conv only */
+    FqtConvGeom cg;         /* conv only */
     int rows, out, fan_in;
     float sx;              /* the input's scale (per tensor) */
     float x_lo, x_hi;      /* the input's representable range in units of sx: the clipped STE passes inside */
@@ -194,14 +194,14 @@ typedef struct {
     const float *wd;       /* (out, fan_in) deq(W) */
     const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
     const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
-} QtCtx;
+} FqtCtx;
 
-static void qt_backward(Tape *t, const TapeNode *node);
+static void fqt_backward(Tape *t, const TapeNode *node);
 
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
 
 /* rows and, for conv, the geometry of x against the weight; false with the tape error set. */
-static bool input_geometry(Tape *t, const QtLayer *q, const Var *x, QtCtx *c) {
+static bool input_geometry(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c) {
     const Module *m = q->module;
     const Tensor *w = &m->weight->var.value;
     char sx[64], sw[64];
@@ -231,19 +231,19 @@ static bool input_geometry(Tape *t, const QtLayer *q, const Var *x, QtCtx *c) {
                      INT_MAX);
         return false;
     }
-    c->cg = (QtConvGeom){xs[0], xs[1], xs[2], xs[3], w->shape[2], w->shape[3], (int)oh, (int)ow, s, p};
+    c->cg = (FqtConvGeom){xs[0], xs[1], xs[2], xs[3], w->shape[2], w->shape[3], (int)oh, (int)ow, s, p};
     c->rows = (int)(xs[0] * oh * ow);
     return true;
 }
 
 /* Sets the tape error for an error of `inner` while quantizing `what`. */
-static bool quant_failed(Tape *t, const QtLayer *q, const char *what, const QtError *inner) {
+static bool quant_failed(Tape *t, const FqtLayer *q, const char *what, const QtError *inner) {
     qt_error_set(&t->err, inner->status, "%s (%s): quantizing %s: %s", q->module->path, OP, what, inner->msg);
     return false;
 }
 
 /* W (out, fan_in) per output channel: scales sw, values wd and, for the integer GEMM, the codes *wc. */
-static bool quantize_weight(Tape *t, const QtLayer *q, QtCtx *c, bool integer, int8_t **wc) {
+static bool quantize_weight(Tape *t, const FqtLayer *q, FqtCtx *c, bool integer, int8_t **wc) {
     const QType *wt = q->spec.weight_qtype;
     int out = c->out, K = c->fan_in;
     const float *w = q->module->weight->var.value.data; /* (out, fan_in) */
@@ -274,7 +274,7 @@ static bool quantize_weight(Tape *t, const QtLayer *q, QtCtx *c, bool integer, i
 
 /* rows (rows, C*KH*KW) = the receptive field of every output pixel (n, oh, ow) of x (N, C, H, W), one byte per
  * element, 0 for the padding (the code and the integer value of 0 alike). */
-static void gather_patches(uint8_t *rows, const uint8_t *x, const QtConvGeom *g) {
+static void gather_patches(uint8_t *rows, const uint8_t *x, const FqtConvGeom *g) {
     const size_t ckk = (size_t)g->C * g->KH * g->KW, plane = (size_t)g->H * g->W;
     uint8_t *dst = rows;
     for (int n = 0; n < g->N; n++)
@@ -295,7 +295,7 @@ static void gather_patches(uint8_t *rows, const uint8_t *x, const QtConvGeom *g)
 }
 
 /* x per tensor: the scale sx and X, as integer codes xc (integer GEMM) or values xd. */
-static bool quantize_input(Tape *t, const QtLayer *q, const Var *x, QtCtx *c, bool integer) {
+static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, bool integer) {
     const QType *at = act_format(q);
     size_t numel = var_numel(x);
     QArrayOptions o = {.range = QARRAY_RANGE_SYMMETRIC}; /* no axes: one scale */
@@ -333,7 +333,7 @@ static bool quantize_input(Tape *t, const QtLayer *q, const Var *x, QtCtx *c, bo
 
 /* y = X W^T (+ bias) laid out as the module's op lays it: (N, out), or (N, OC, OH, OW) from the product's
  * (N*OH*OW, OC). */
-static bool forward_product(Tape *t, const QtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
+static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
     size_t n = (size_t)c->rows * c->out;
     const float *b = bias ? bias->value.data : NULL;
     float *prod = c->conv ? tape_alloc(t, n * sizeof *prod) : y->value.data; /* (rows, out) */
@@ -365,10 +365,10 @@ static bool forward_product(Tape *t, const QtCtx *c, const int8_t *wc, const Var
     return true;
 }
 
-Var *qt_layer_forward(Tape *t, QtLayer *q, Var *x) {
+Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x) {
     if (!t || !x) return NULL;
     if (!q || !q->module || !q->spec.weight_qtype) {
-        qt_error_set(&t->err, QT_ERR_ARG, "qt_layer_forward: the QT layer is not initialised");
+        qt_error_set(&t->err, QT_ERR_ARG, "fqt_layer_forward: the QT layer is not initialised");
         return NULL;
     }
     Module *m = q->module;
@@ -377,9 +377,9 @@ Var *qt_layer_forward(Tape *t, QtLayer *q, Var *x) {
                      "takes either PTQ or QT)", m->path);
         return NULL;
     }
-    QtCtx *c = tape_alloc(t, sizeof *c);
+    FqtCtx *c = tape_alloc(t, sizeof *c);
     if (!c) return NULL;
-    *c = (QtCtx){.q = q, .conv = m->spec.type == LAYER_CONV2D, .out = q->out, .fan_in = q->fan_in};
+    *c = (FqtCtx){.q = q, .conv = m->spec.type == LAYER_CONV2D, .out = q->out, .fan_in = q->fan_in};
     bool integer = integer_gemm(q->spec.weight_qtype, act_format(q), q->fan_in);
     int8_t *wc = NULL;
     if (!input_geometry(t, q, x, c) || !quantize_weight(t, q, c, integer, &wc) || !quantize_input(t, q, x, c, integer))
@@ -388,13 +388,13 @@ Var *qt_layer_forward(Tape *t, QtLayer *q, Var *x) {
                      : tape_new_var(t, 2, (const int[]){c->rows, c->out});
     Var *bias = m->bias ? &m->bias->var : NULL;
     if (!y || !forward_product(t, c, wc, bias, y)) return NULL;
-    return tape_record(t, OP, qt_backward, y, (Var *[]){x, &m->weight->var, bias}, 3, c) ? y : NULL;
+    return tape_record(t, OP, fqt_backward, y, (Var *[]){x, &m->weight->var, bias}, 3, c) ? y : NULL;
 }
 
 /* ---- the backward ------------------------------------------------------------------------------------------------ */
 
 /* g (rows, out): dy (N, out) itself, or regrouped from dy (N, OC, OH, OW) into one row per output pixel. */
-static const float *grad_rows(Tape *t, const QtCtx *c, const float *dy) {
+static const float *grad_rows(Tape *t, const FqtCtx *c, const float *dy) {
     if (!c->conv) return dy;
     float *g = tape_alloc(t, (size_t)c->rows * c->out * sizeof *g);
     if (!g) return NULL;
@@ -409,7 +409,7 @@ static const float *grad_rows(Tape *t, const QtCtx *c, const float *dy) {
 }
 
 /* dbias (out,) += the column sums of g, each in double. */
-static bool bias_grad(Tape *t, const QtCtx *c, Var *bias, const float *g) {
+static bool bias_grad(Tape *t, const FqtCtx *c, Var *bias, const float *g) {
     float *db = tape_grad(t, bias);
     double *acc = tape_alloc(t, (size_t)c->out * sizeof *acc);
     if (!db || !acc) return false;
@@ -432,18 +432,18 @@ typedef struct {
 static float noise_at(const Noise *z, int r, int o) {
     if (!z->u) return 0.0f;
     switch (z->axes) {
-    case QT_NOISE_COLS: return z->u[o];
-    case QT_NOISE_ROWS | QT_NOISE_COLS: return z->u[(size_t)r * z->out + o];
+    case FQT_NOISE_COLS: return z->u[o];
+    case FQT_NOISE_ROWS | FQT_NOISE_COLS: return z->u[(size_t)r * z->out + o];
     default: return z->u[r];
     }
 }
 
 /* One step's noise from the layer's rng: the same count for the same shape, drawn whichever products need it. */
-static bool noise_draw(Tape *t, QtLayer *q, int rows, int out, Noise *z) {
-    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : QT_NOISE_ROWS;
+static bool noise_draw(Tape *t, FqtLayer *q, int rows, int out, Noise *z) {
+    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : FQT_NOISE_ROWS;
     *z = (Noise){.axes = axes, .out = out};
     if (!q->spec.bwd_stochastic) return true;
-    size_t n = axes == QT_NOISE_COLS ? (size_t)out : axes == QT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
+    size_t n = axes == FQT_NOISE_COLS ? (size_t)out : axes == FQT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
     float *u = tape_alloc(t, n * sizeof *u);
     if (!u) return false;
     RngUniforms ru;
@@ -461,14 +461,14 @@ typedef struct {
     Noise z;
 } GradQuant;
 
-static bool grad_failed(Tape *t, const QtCtx *c, const char *what, int index, const QtError *inner) {
+static bool grad_failed(Tape *t, const FqtCtx *c, const char *what, int index, const QtError *inner) {
     qt_error_set(&t->err, inner->status, "%s (%s): quantizing the gradient's %s %d: %s", c->q->module->path, OP, what,
                  index, inner->msg);
     return false;
 }
 
 /* gr (rows, out) = g quantized per row, the non-contracting axis of dX = g W. */
-static bool quant_rows(Tape *t, const QtCtx *c, const GradQuant *gq, const float *g, float *gr) {
+static bool quant_rows(Tape *t, const FqtCtx *c, const GradQuant *gq, const float *g, float *gr) {
     const int out = c->out;
     for (int r = 0; r < c->rows; r++) {
         const float *row = g + (size_t)r * out;
@@ -486,7 +486,7 @@ static bool quant_rows(Tape *t, const QtCtx *c, const GradQuant *gq, const float
 
 /* gc (rows, out) = g quantized per column, the non-contracting axis of dW = g^T X, with one scale per tile of
  * `tile` rows along the contraction (the last tile may be shorter); buf [tile] holds a column's tile. */
-static bool quant_cols(Tape *t, const QtCtx *c, const GradQuant *gq, const float *g, int tile, float *buf,
+static bool quant_cols(Tape *t, const FqtCtx *c, const GradQuant *gq, const float *g, int tile, float *buf,
                        float *gc) {
     const int out = c->out;
     for (int o = 0; o < out; o++)
@@ -506,9 +506,9 @@ static bool quant_cols(Tape *t, const QtCtx *c, const GradQuant *gq, const float
 }
 
 /* The quantized g of each product that is wanted (g_row for dX, g_col for dW; NULL: not wanted). */
-static bool quantize_grad(Tape *t, const QtCtx *c, const float *g, const float **g_row, const float **g_col) {
-    QtLayer *q = c->q;
-    const QtSpec *s = &q->spec;
+static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float **g_row, const float **g_col) {
+    FqtLayer *q = c->q;
+    const FqtSpec *s = &q->spec;
     const int rows = c->rows, out = c->out;
     int tile = s->bwd_weight_grad_tile_size > 0 && s->bwd_weight_grad_tile_size < rows ? s->bwd_weight_grad_tile_size
                                                                                        : rows;
@@ -540,7 +540,7 @@ static bool quantize_grad(Tape *t, const QtCtx *c, const float *g, const float *
 /* ---- the backward's products ------------------------------------------------------------------------------------- */
 
 /* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. */
-static bool input_grad(Tape *t, const QtCtx *c, Var *x, const float *g_row) {
+static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row) {
     const size_t nx = var_numel(x);
     const int rows = c->rows, out = c->out, K = c->fan_in;
     float *dx = tape_grad(t, x), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
@@ -548,7 +548,7 @@ static bool input_grad(Tape *t, const QtCtx *c, Var *x, const float *g_row) {
     if (!c->conv) {
         gemm_f32(false, false, rows, K, out, 1.0f, g_row, out, c->wd, K, 0.0f, tmp, K);
     } else {
-        const QtConvGeom *g = &c->cg;
+        const FqtConvGeom *g = &c->cg;
         float *dcol = tape_alloc(t, (size_t)K * rows * sizeof *dcol); /* (C*KH*KW, N*OH*OW) */
         if (!dcol) return false;
         gemm_f32(true, true, K, rows, out, 1.0f, c->wd, K, g_row, out, 0.0f, dcol, rows);
@@ -564,7 +564,7 @@ static bool input_grad(Tape *t, const QtCtx *c, Var *x, const float *g_row) {
 }
 
 /* dW += g_col^T deq(X) where W / sw[row] lies in [w_lo, w_hi]. */
-static bool weight_grad(Tape *t, const QtCtx *c, Var *w, const float *g_col) {
+static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
     const int rows = c->rows, out = c->out, K = c->fan_in;
     const size_t nX = (size_t)rows * K, nw = (size_t)out * K;
     const float *X = c->xd; /* (rows, fan_in) */
@@ -587,8 +587,8 @@ static bool weight_grad(Tape *t, const QtCtx *c, Var *w, const float *g_col) {
     return true;
 }
 
-static void qt_backward(Tape *t, const TapeNode *node) {
-    const QtCtx *c = node->ctx;
+static void fqt_backward(Tape *t, const TapeNode *node) {
+    const FqtCtx *c = node->ctx;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const float *g = grad_rows(t, c, node->out->grad); /* (rows, out) */
     if (!g) return;

@@ -36,9 +36,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/model.h"
-#include "nn/rng.h"
+#include "base/rng.h"
 #include "nn/tape.h"
 #include "quant/calib.h"
 #include "quant/qtype.h"
@@ -56,7 +56,7 @@ void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, in
 
 /* ---- the layer --------------------------------------------------------------------------------- */
 
-enum { QT_NOISE_ROWS = 1u, QT_NOISE_COLS = 2u };
+enum { FQT_NOISE_ROWS = 1u, FQT_NOISE_COLS = 2u };
 
 typedef struct {
     const QType *weight_qtype;        /* forward W; int/uint/float formats (no blocks, no LUT) */
@@ -65,27 +65,27 @@ typedef struct {
     CalibSpec bwd_calib;              /* g's range per slice; default absmax */
     int bwd_weight_grad_tile_size;    /* rows of g per scale in dW's g (0: all rows) */
     bool bwd_stochastic;              /* bwd_stochastic_rounding: uniform */
-    unsigned noise_axes;              /* QT_NOISE_ROWS | QT_NOISE_COLS; 0 means rows */
-} QtSpec;
+    unsigned noise_axes;              /* FQT_NOISE_ROWS | FQT_NOISE_COLS; 0 means rows */
+} FqtSpec;
 
 /* Defaults: absmax, no tile, round to nearest, noise along rows. */
-QtSpec qt_spec_default(void);
+FqtSpec fqt_spec_default(void);
 
 typedef struct {
     Module *module;                   /* dense or conv2d, weight trainable float */
-    QtSpec spec;
+    FqtSpec spec;
     int out, fan_in;
     Rng rng;                          /* stochastic rounding noise; a checkpoint saves it with the run's */
-} QtLayer;
+} FqtLayer;
 
 /* Checks spec against module m; messages start with the module path and
  * name the key (e.g. "bwd_qtype: nf4 is a lookup format"). */
-QtStatus qt_layer_check(const QtSpec *spec, const Module *m, QtError *err);
+QtStatus fqt_layer_check(const FqtSpec *spec, const Module *m, QtError *err);
 /* The noise generator starts at (seed, stream, 0); give each layer its own stream. */
-QtStatus qt_layer_init(QtLayer *q, Module *m, const QtSpec *spec, uint64_t seed, uint64_t stream, QtError *err);
-void qt_layer_install(QtLayer *q);
+QtStatus fqt_layer_init(FqtLayer *q, Module *m, const FqtSpec *spec, uint64_t seed, uint64_t stream, QtError *err);
+void fqt_layer_install(FqtLayer *q);
 
 /* The layer's forward (see above); records the quantized backward. */
-Var *qt_layer_forward(Tape *t, QtLayer *q, Var *x);
+Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x);
 
 #endif

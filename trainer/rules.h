@@ -12,7 +12,7 @@
 #include <regex.h>
 #include <stdbool.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 #include "nn/model.h"
 
 #define RULE_PATTERN_MAX 256

@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdio.h>
 
-#include "nn/error.h"
+#include "base/error.h"
 
 /* What the final rename may replace. */
 typedef enum {
