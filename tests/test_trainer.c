@@ -8,7 +8,7 @@
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
-#include "trainer/demo.h"
+#include "cli/demo.h"
 #include "trainer/train.h"
 
 static void test_demo_learns_spirals(void) {
