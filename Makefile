@@ -137,7 +137,11 @@ $(LIB): $(LIB_OBJS)
 $(QTRAIN): $(BUILD)/cli/main.o $(CLI_OBJS) $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
+# A suite file whose register_NAME_suite main.c does not list would never run.
 $(TESTS): $(TEST_OBJS) $(CLI_OBJS) $(LIB)
+	@for s in $$(sed -n 's/^int register_\([a-z0-9_]*\)_suite(void).*/\1/p' $(TEST_SRCS)); do \
+	  grep -q "X($$s)" tests/main.c || { echo "tests: register_$${s}_suite is not listed in tests/main.c's" \
+	  "SUITES; add X($$s) there" >&2; exit 1; }; done
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(CUNIT_LIBS) $(LDLIBS)
 
 shared: $(SHLIB)
