@@ -83,7 +83,7 @@ TEST_DEBS := libcunit1-dev
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures memcheck \
-	clean hostile-corpus shared install uninstall
+	clean hostile-corpus shared examples install uninstall
 all: $(LIB) $(QTRAIN)
 
 # $(call apt_install,PACKAGES): installs those of PACKAGES that are missing.
@@ -145,6 +145,13 @@ $(TESTS): $(TEST_OBJS) $(CLI_OBJS) $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(CUNIT_LIBS) $(LDLIBS)
 
 shared: $(SHLIB)
+
+# examples/*.c against the library in the tree (installed: docs/LIBRARY.md).
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
+examples: $(EXAMPLES)
+$(BUILD)/examples/%: examples/%.c include/qtrain.h $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Iinclude $< -o $@ $(LDFLAGS) $(LIB) $(PKG_LIBS) $(LDLIBS)
 
 # Linked against its dependencies, so a program linking -lqtrain alone loads them.
 $(SHLIB): $(PIC_OBJS)
