@@ -153,9 +153,12 @@ $(BUILD)/examples/%: examples/%.c include/qtrain.h $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Iinclude $< -o $@ $(LDFLAGS) $(LIB) $(PKG_LIBS) $(LDLIBS)
 
-# Linked against its dependencies, so a program linking -lqtrain alone loads them.
+# Linked against its dependencies, so a program linking -lqtrain alone loads
+# them; exports only qtrain_* (include/qtrain.h), the internals stay local.
 $(SHLIB): $(PIC_OBJS)
-	$(CC) $(LDFLAGS) -shared -Wl,-soname,$(SONAME) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+	printf '{ global: qtrain_*; local: *; };\n' > $(BUILD)/libqtrain.map
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,$(SONAME) -Wl,--version-script=$(BUILD)/libqtrain.map $(PIC_OBJS) -o $@ \
+	  $(PKG_LIBS) $(LDLIBS)
 
 # Requires.private/Libs.private: what `pkg-config --static --libs qtrain`
 # adds for linking libqtrain.a; a shared link needs only -lqtrain.
