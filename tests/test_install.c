@@ -4,6 +4,7 @@
  * `pkg-config --cflags --libs qtrain` against it, run on the mini data set
  * and checked against the qtrain binary on the same config. */
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +103,104 @@ int register_runner_suite(void) {
            !CU_add_test(s, "a skip shows in the summary", test_skip_shows_in_summary);
 }
 
+/* ---- the installed library ------------------------------------------------------------------------------- */
+
+/* The number after `key` ("test_accuracy:" in the example's output,
+ * "\"test_accuracy\": " in summary.json and eval.json) in the file at
+ * path; NaN if it is not there. */
+static double number_after(const char *path, const char *key) {
+    char *text = test_file_read(path, NULL);
+    const char *at = text ? strstr(text, key) : NULL;
+    double v = at ? strtod(at + strlen(key), NULL) : NAN;
+    free(text);
+    return v;
+}
+
+/* make install into a temporary prefix; examples/finetune.c built by
+ * pkg-config's flags against it, linked to libqtrain.so and to libqtrain.a;
+ * both run on the mini data set give the test accuracy and loss that the
+ * installed qtrain gives on the same config, to the last bit (a float
+ * training and a QLoRA fine-tune of its checkpoint), and `qtrain eval`
+ * reads the example's checkpoint to the same numbers; make uninstall then
+ * leaves the prefix empty. */
+static void test_install_example_matches_cli(void) {
+    if (!have_tools("make cc pkg-config")) {
+        test_skip("make, cc or pkg-config is missing");
+        return;
+    }
+    char *dir = test_tmpdir_new(), cmd[8 * PATH_MAX], log[PATH_MAX], path[PATH_MAX], want[PATH_MAX];
+    snprintf(log, sizeof log, "%s/log", dir);
+    /* the normal build whatever this runner's: an ASan library would not link into a plain program */
+    const char *make = "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory -j2 SANITIZE=";
+    snprintf(cmd, sizeof cmd, "%s install PREFIX=%s/prefix", make, dir);
+    int code = run_shell(cmd, log);
+    if (code != 0) show_log("make install", log);
+    CU_ASSERT_EQUAL_FATAL(code, 0);
+    const char *installed[] = {"bin/qtrain", "lib/libqtrain.a", "lib/libqtrain.so", "lib/libqtrain.so.0",
+                               "include/qtrain.h", "lib/pkgconfig/qtrain.pc"};
+    for (size_t i = 0; i < sizeof installed / sizeof *installed; i++) {
+        snprintf(path, sizeof path, "%s/prefix/%s", dir, installed[i]);
+        if (access(path, R_OK) != 0) fprintf(stderr, "\n  not installed: %s\n", path);
+        CU_ASSERT_EQUAL(access(path, R_OK), 0);
+    }
+
+    /* the example, against the shared and the static library */
+    const char *pc = "PKG_CONFIG_PATH=\"$P/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}\"";
+    snprintf(cmd, sizeof cmd, "P=%s/prefix; export %s; cc -std=gnu11 -Wall -Wextra -Werror examples/finetune.c "
+             "$(pkg-config --cflags --libs qtrain) -o %s/finetune-shared && cc examples/finetune.c "
+             "$(pkg-config --cflags qtrain) $(pkg-config --static --libs qtrain | sed 's/-lqtrain\\b/-l:libqtrain.a/') "
+             "-o %s/finetune-static", dir, pc, dir, dir);
+    code = run_shell(cmd, log);
+    if (code != 0) show_log("building examples/finetune.c with pkg-config", log);
+    CU_ASSERT_EQUAL_FATAL(code, 0);
+
+    /* a float training, then a QLoRA fine-tune of its checkpoint: the installed qtrain, and the example */
+    snprintf(cmd, sizeof cmd, "%s/prefix/bin/qtrain --config tests/configs/tiny-base.yaml --set run.out_dir=%s/base "
+             "--quiet && %s/prefix/bin/qtrain --config tests/configs/tiny-qlora.yaml --set run.out_dir=%s/qlora "
+             "--set model.init_from=%s/base/final.h5 --quiet", dir, dir, dir, dir, dir);
+    code = run_shell(cmd, log);
+    if (code != 0) show_log("qtrain on tiny-base.yaml and tiny-qlora.yaml", log);
+    CU_ASSERT_EQUAL_FATAL(code, 0);
+    struct {
+        const char *binary, *config, *set, *cli_dir;
+    } runs[] = {{"finetune-static", "tiny-base", "", "base"},
+                {"finetune-shared", "tiny-qlora", "model.init_from=%s/base/final.h5", "qlora"}};
+    for (int i = 0; i < 2; i++) {
+        char set[PATH_MAX], out[PATH_MAX];
+        snprintf(set, sizeof set, runs[i].set, dir);
+        snprintf(out, sizeof out, "%s/%s.out", dir, runs[i].binary);
+        snprintf(cmd, sizeof cmd, "LD_LIBRARY_PATH=%s/prefix/lib %s/%s tests/configs/%s.yaml %s/%s.h5 %s >%s", dir,
+                 dir, runs[i].binary, runs[i].config, dir, runs[i].binary, set, out);
+        code = run_shell(cmd, log);
+        if (code != 0) show_log(runs[i].binary, log);
+        CU_ASSERT_EQUAL_FATAL(code, 0);
+        snprintf(want, sizeof want, "%s/%s/summary.json", dir, runs[i].cli_dir);
+        double acc = number_after(out, "test_accuracy:"), loss = number_after(out, "test_loss:");
+        double cli_acc = number_after(want, "\"test_accuracy\": "), cli_loss = number_after(want, "\"test_loss\": ");
+        if (!(acc == cli_acc && loss == cli_loss))
+            fprintf(stderr, "\n  %s on %s: test accuracy %.17g loss %.17g; qtrain: %.17g, %.17g\n", runs[i].binary,
+                    runs[i].config, acc, loss, cli_acc, cli_loss);
+        CU_ASSERT(isfinite(acc) && acc > 0.0 && acc == cli_acc);
+        CU_ASSERT(isfinite(loss) && loss == cli_loss);
+    }
+    /* the fine-tune's checkpoint, evaluated by the qtrain command */
+    snprintf(cmd, sizeof cmd, "%s/prefix/bin/qtrain eval --checkpoint %s/finetune-shared.h5 --out %s/eval.json --quiet",
+             dir, dir, dir);
+    code = run_shell(cmd, log);
+    if (code != 0) show_log("qtrain eval of the example's checkpoint", log);
+    CU_ASSERT_EQUAL(code, 0);
+    snprintf(path, sizeof path, "%s/eval.json", dir);
+    snprintf(want, sizeof want, "%s/qlora/summary.json", dir);
+    CU_ASSERT_EQUAL(number_after(path, "\"test_accuracy\": "), number_after(want, "\"test_accuracy\": "));
+
+    snprintf(cmd, sizeof cmd, "%s uninstall PREFIX=%s/prefix && test -z \"$(ls -A %s/prefix)\"", make, dir, dir);
+    code = run_shell(cmd, log);
+    if (code != 0) show_log("make uninstall (the prefix must be left empty)", log);
+    CU_ASSERT_EQUAL(code, 0);
+    test_tmpdir_remove(dir);
+}
+
 int register_install_suite(void) {
     CU_pSuite s = CU_add_suite("install", NULL, NULL);
-    return !s;
+    return !s || !CU_add_test(s, "make install, the example via pkg-config = qtrain", test_install_example_matches_cli);
 }
