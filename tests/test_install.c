@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "include/qtrain.h"
 #include "test_proc.h"
 #include "test_util.h"
 
@@ -200,7 +201,69 @@ static void test_install_example_matches_cli(void) {
     test_tmpdir_remove(dir);
 }
 
+/* ---- the API in this process --------------------------------------------------------------------------- */
+
+/* Steps run to steps_done == until; false (with the message) on a failure. */
+static bool api_steps_until(qtrain_run *run, int64_t until) {
+    while (qtrain_run_steps_done(run) < until) {
+        double loss = NAN;
+        qtrain_status st = qtrain_run_step(run, &loss);
+        if (st != QTRAIN_OK || !isfinite(loss)) {
+            fprintf(stderr, "\n  step %lld: %s\n", (long long)qtrain_run_steps_done(run), qtrain_last_error());
+            return false;
+        }
+    }
+    return true;
+}
+
+/* A run saved halfway and loaded by qtrain_run_load ends where the run
+ * without the break ends (the same test accuracy and loss, bit for bit);
+ * the plan's end, a missing file and a mistyped key are errors with a
+ * message. */
+static void test_api_save_load_continues(void) {
+    char *dir = test_tmpdir_new(), *half = test_path_join(dir, "half.h5");
+    const char *sets[] = {"train.steps=12"};
+    qtrain_config *cfg = NULL;
+    CU_ASSERT_EQUAL_FATAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", sets, 1), QTRAIN_OK);
+    qtrain_run *whole = NULL, *first = NULL, *second = NULL;
+    qtrain_metrics a, b;
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_new(&whole, cfg), QTRAIN_OK);
+    CU_ASSERT_EQUAL(qtrain_run_steps_total(whole), 12);
+    CU_ASSERT_FATAL(api_steps_until(whole, 12));
+    CU_ASSERT_EQUAL(qtrain_run_step(whole, NULL), QTRAIN_ERR_ARG); /* the plan is done */
+    CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "raise train.steps"));
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_evaluate(whole, &a), QTRAIN_OK);
+
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_new(&first, cfg), QTRAIN_OK);
+    CU_ASSERT_FATAL(api_steps_until(first, 5));
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_save(first, half), QTRAIN_OK);
+    qtrain_run_free(first);
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_load(&second, cfg, half), QTRAIN_OK);
+    CU_ASSERT_EQUAL(qtrain_run_steps_done(second), 5);
+    CU_ASSERT_FATAL(api_steps_until(second, 12));
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_evaluate(second, &b), QTRAIN_OK);
+    CU_ASSERT_EQUAL(b.step, 12);
+    CU_ASSERT(a.test_accuracy == b.test_accuracy && a.test_loss == b.test_loss && a.test_accuracy > 0.2);
+    if (!(a.test_accuracy == b.test_accuracy && a.test_loss == b.test_loss))
+        fprintf(stderr, "\n  whole %.17g %.17g, saved and loaded %.17g %.17g\n", a.test_accuracy, a.test_loss,
+                b.test_accuracy, b.test_loss);
+    qtrain_run_free(whole);
+    qtrain_run_free(second);
+    qtrain_config_free(cfg);
+
+    cfg = NULL;
+    CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/no-such.yaml", NULL, 0), QTRAIN_ERR_IO);
+    CU_ASSERT_PTR_NULL(cfg);
+    CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "no-such.yaml"));
+    const char *typo[] = {"train.stpes=3"};
+    CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", typo, 1), QTRAIN_ERR_CONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "steps"));
+    free(half);
+    test_tmpdir_remove(dir);
+}
+
 int register_install_suite(void) {
     CU_pSuite s = CU_add_suite("install", NULL, NULL);
-    return !s || !CU_add_test(s, "make install, the example via pkg-config = qtrain", test_install_example_matches_cli);
+    return !s || !CU_add_test(s, "make install, the example via pkg-config = qtrain", test_install_example_matches_cli) ||
+           !CU_add_test(s, "qtrain_run_load continues a saved run exactly", test_api_save_load_continues);
 }
