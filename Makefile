@@ -8,6 +8,7 @@
 #   make            libqtrain.a and the qtrain binary (build/); needs no CUnit
 #   make shared     build/libqtrain.so.MAJOR.MINOR.PATCH (soname libqtrain.so.MAJOR) from
 #                   -fPIC objects in build/pic/
+#   make examples   examples/*.c against build/libqtrain.a, into build/examples/
 #   make install    PREFIX=/usr/local (and DESTDIR=): bin/qtrain, lib/libqtrain.a,
 #                   lib/libqtrain.so*, include/qtrain.h, lib/pkgconfig/qtrain.pc (docs/LIBRARY.md)
 #   make uninstall  the same PREFIX and DESTDIR: removes exactly those files (and then
