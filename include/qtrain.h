@@ -75,7 +75,8 @@
  * THREADS
  *
  * run.threads in the config sets the threads of the matrix products
- * (OpenBLAS) and of qtrain's own kernels; results do not depend on it.
+ * (OpenBLAS) and of qtrain's own kernels, for the whole process: the run
+ * built last decides. Two runs may live side by side, stepped in turn.
  */
 #ifndef QTRAIN_H
 #define QTRAIN_H
