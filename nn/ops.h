@@ -85,9 +85,9 @@ typedef struct {
 /* nn_conv2d_fused plus scale * conv(conv(x, A), B) (ops_conv_lowrank.c).
  * The forward and the input gradient run on the merged weight
  * w + scale * B A (formed once per call). A's and B's gradients take the
- * cheaper of two routes for the sizes (conv_lowrank_grad_choose,
+ * cheapest of three routes for the sizes (ConvLowRankGrad,
  * ops_conv_internal.h): from the full weight gradient, or from their own
- * products, for which the forward keeps A x (N, rank, OH, OW) for B's and
+ * products (two forms of dA's), for which the forward keeps A x (N, rank, OH, OW) for B's and
  * the input gradient's product also gives scale B^T dy for A's. No second
  * (N, OC, OH, OW) tensor is held, and a frozen w costs no weight gradient
  * unless the first route wants it. B = 0 gives the base's output bit for
