@@ -22,10 +22,13 @@
 #include "trainer/rundir.h"
 #include "trainer/train.h"
 
-/* A run is made of parts, each with one owner (the functions that make and
- * free it) and one lifetime. All live from run_init to run_free; run_free
- * frees each part through its owner, and is safe on a partial setup (every
- * free takes a zeroed part). */
+/* A run is made of parts, each with one owner: the functions that make and
+ * free it. run_init zeroes them all; a training run then makes them in the
+ * order dir, data, model, plan, work, log (run_setup), and run_free frees
+ * each through its owner (every free accepts a zeroed or half-made part).
+ * What a checkpoint stores outlives the process: the model, the plan's
+ * position, the dropout generator, the log's window, the clock's totals and
+ * the guards are restored into a resumed invocation's parts. */
 
 /* The data: the training, validation and test splits. Owner:
  * run_load_data / run_data_free. Read-only once loaded. */
@@ -106,10 +109,10 @@ typedef struct {
 } RunDir;
 
 typedef struct {
-    /* The inputs, borrowed from the caller for the run's lifetime (run_init). */
+    /* The inputs: cfg and opt borrowed from run_init's caller until run_free. */
     const Config *cfg;
     const TrainOptions *opt;
-    bool base_from_seed;    /* qtrain bench: a PTQ base without init_from is the quantized initialisation */
+    bool base_from_seed;    /* set by qtrain bench: a PTQ base without init_from is the quantized initialisation */
     RunData data;
     RunModel model;
     RunPlan plan;

@@ -1,6 +1,5 @@
 /* train_eval.c - `qtrain eval`: a checkpoint's model on the test (and
  * validation) split of its config's data, reported in eval.json. */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,7 +7,6 @@
 #include "nn/gemm.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
-#include "trainer/metrics.h"
 #include "trainer/net.h"
 #include "trainer/run.h"
 
