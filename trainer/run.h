@@ -153,7 +153,8 @@ QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss
 QtStatus run_load_data(Run *r, QtError *err);
 QtStatus run_build_model(Run *r, bool fresh, QtError *err);
 QtStatus run_alloc(Run *r, QtError *err);
-/* Their frees, each of its own part; safe on a part made in part. */
+/* Their frees, each of its own part: safe on a part made in part, and
+ * each leaves its part zeroed, so run_free may follow. */
 void run_data_free(RunData *d);
 void run_model_free(RunModel *m);
 void run_work_free(RunWork *w);
@@ -168,7 +169,7 @@ void run_fill_result(const Run *r, TrainResult *res);
  * directory made, "" if none) and takes its lock, before anything in it is
  * read: another run there would mix its files with ours. */
 QtStatus run_dir_open(Run *r, char *created, size_t cap, QtError *err);
-/* Frees the config text and lora.trainable and releases the lock. */
+/* Frees the config text and lora.trainable and releases the lock; leaves d zeroed. */
 void run_dir_close(RunDir *d);
 /* train_dirs.c: after a failed run, removes the directories of run.out_dir
  * that run_dir_open made (created: the topmost, "" if none), each only if it

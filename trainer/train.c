@@ -41,22 +41,34 @@ void run_init(Run *r, const Config *cfg, const TrainOptions *opt) {
     r->log.last_train_loss = NAN;
 }
 
-void run_data_free(RunData *d) { dataset_free(&d->train), dataset_free(&d->val), dataset_free(&d->test); }
+/* Each part's free leaves it zeroed: run_free may follow. */
+void run_data_free(RunData *d) {
+    dataset_free(&d->train), dataset_free(&d->val), dataset_free(&d->test);
+    memset(d, 0, sizeof *d);
+}
 
 void run_model_free(RunModel *m) {
     optim_free(&m->optim);
     net_free(&m->net);
+    memset(m, 0, sizeof *m);
 }
 
-static void run_plan_free(RunPlan *p) { batcher_free(&p->batcher); }
+static void run_plan_free(RunPlan *p) {
+    batcher_free(&p->batcher);
+    memset(p, 0, sizeof *p);
+}
 
 void run_work_free(RunWork *w) {
     tape_free(&w->tape);
     arena_free(&w->arena);
     free(w->bx), free(w->by), free(w->ex), free(w->ey);
+    memset(w, 0, sizeof *w);
 }
 
-static void run_log_close(RunLog *l) { metrics_close(&l->metrics); }
+static void run_log_close(RunLog *l) {
+    metrics_close(&l->metrics);
+    memset(l, 0, sizeof *l);
+}
 
 void run_free(Run *r) {
     run_log_close(&r->log);

@@ -72,6 +72,7 @@ void run_dir_close(RunDir *d) {
     free(d->config_text);
     free(d->lora_trainable);
     rundir_unlock(&d->lock, false);
+    memset(d, 0, sizeof *d);
 }
 
 void run_undo_failed_start(Run *r, const char *created) {
