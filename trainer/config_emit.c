@@ -1,6 +1,9 @@
 /* config_emit.c - config_to_yaml: the resolved Config as YAML that loads
- * back into the same Config. */
+ * back into the same Config, written from the schema's tables in their row
+ * order (which is therefore the order of the stored config), and the parts
+ * a table cannot write. */
 #include <inttypes.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,64 +108,27 @@ static void put_layer(FILE *f, const LayerSpec *s) {
     fputs("}\n", f);
 }
 
-static void put_run_data(FILE *f, const Config *c) {
-    char a[48];
-    fputs("run:\n", f);
-    put_key_str(f, "  ", "name", c->run.name);
-    put_key_str(f, "  ", "out_dir", c->run.out_dir);
-    fprintf(f, "  seed: %" PRIu64 "\n  threads: %d\n", c->run.seed, c->run.threads);
-    const DataConfig *d = &c->data;
-    fputs("data:\n", f);
-    put_key_str(f, "  ", "dataset", d->dataset);
-    put_key_str(f, "  ", "dir", d->dir);
-    put_key_str(f, "  ", "cache_dir", d->cache_dir);
-    fprintf(f, "  storage: %s\n", data_storage_name(d->storage));
-    fputs(d->n_transforms ? "  transform:\n" : "  transform: []\n", f);
+void cfg_emit_transforms(FILE *f, const char *indent, const void *section) {
+    const DataConfig *d = section;
+    fprintf(f, "%stransform:%s\n", indent, d->n_transforms ? "" : " []");
     for (int i = 0; i < d->n_transforms; i++) {
-        fputs("    - ", f);
+        fprintf(f, "%s  - ", indent);
         put_transform(f, &d->transforms[i]);
         fputc('\n', f);
     }
-    fprintf(f, "  val_fraction: %s\n  shuffle: %s\n  drop_last: %s\n", fmt_double(a, sizeof a, d->val_fraction),
-            d->shuffle ? "true" : "false", d->drop_last ? "true" : "false");
 }
 
-static void put_model(FILE *f, const ModelConfig *m) {
-    fputs("model:\n  input: [", f);
+void cfg_emit_input(FILE *f, const char *indent, const void *section) {
+    const ModelConfig *m = section;
+    fprintf(f, "%sinput: [", indent);
     for (int i = 0; i < m->input_ndim; i++) fprintf(f, "%s%d", i ? ", " : "", m->input_shape[i]);
-    fputs(m->n_layers ? "]\n  layers:\n" : "]\n  layers: []\n", f);
-    for (int i = 0; i < m->n_layers; i++) put_layer(f, &m->layers[i]);
-    put_key_str(f, "  ", "init_from", m->init_from);
-    put_key_str(f, "  ", "adapters_from", m->adapters_from);
+    fputs("]\n", f);
 }
 
-static void put_train(FILE *f, const TrainConfig *t) {
-    char a[32], b[32];
-    fprintf(f,
-            "train:\n  epochs: %" PRId64 "\n  steps: %" PRId64 "\n  batch_size: %d\n  eval_batch_size: %d\n"
-            "  optimizer:\n    name: %s\n",
-            t->epochs, t->steps, t->batch_size, t->eval_batch_size, optim_kind_name(t->optim.kind));
-    const OptimConfig *o = &t->optim;
-    fprintf(f, "    lr: %s\n    weight_decay: %s\n", fmt_float(a, sizeof a, o->lr),
-            fmt_float(b, sizeof b, o->weight_decay));
-    if (o->kind == OPTIM_ADAMW) {
-        fprintf(f, "    betas: [%s, ", fmt_float(a, sizeof a, o->beta1));
-        fprintf(f, "%s]\n    eps: %s\n", fmt_float(a, sizeof a, o->beta2), fmt_float(b, sizeof b, o->eps));
-    } else {
-        fprintf(f, "    momentum: %s\n    dampening: %s\n    nesterov: %s\n", fmt_float(a, sizeof a, o->momentum),
-                fmt_float(b, sizeof b, o->dampening), o->nesterov ? "true" : "false");
-    }
-    const LrSchedule *s = &t->schedule;
-    fprintf(f, "  schedule:\n    name: %s\n    warmup_steps: %" PRId64 "\n", sched_kind_name(s->kind),
-            s->warmup_steps);
-    if (s->kind == SCHED_COSINE) fprintf(f, "    min_lr: %s\n", fmt_float(a, sizeof a, s->min_lr));
-    if (s->kind == SCHED_STEP)
-        fprintf(f, "    step_size: %" PRId64 "\n    gamma: %s\n", s->step_size, fmt_float(a, sizeof a, s->gamma));
-    fprintf(f,
-            "  grad_clip: %s\n  eval_every: %" PRId64 "\n  log_every: %" PRId64 "\n  checkpoint_every: %" PRId64
-            "\n  keep_last: %d\n  on_nonfinite: %s\n  divergence_factor: %s\n",
-            fmt_float(a, sizeof a, t->grad_clip), t->eval_every, t->log_every, t->checkpoint_every, t->keep_last,
-            NONFINITE_ACTION_NAMES[t->on_nonfinite], fmt_float(b, sizeof b, t->divergence_factor));
+void cfg_emit_layers(FILE *f, const char *indent, const void *section) {
+    const ModelConfig *m = section;
+    fprintf(f, "%slayers:%s\n", indent, m->n_layers ? "" : " []");
+    for (int i = 0; i < m->n_layers; i++) put_layer(f, &m->layers[i]);
 }
 
 static const char *bool_str(bool b) { return b ? "true" : "false"; }
@@ -192,9 +158,9 @@ static void put_qt(FILE *f, const FqtSpec *q) {
                                                         : q->noise_axes == FQT_NOISE_COLS ? "1" : "0");
 }
 
-static void put_quant(FILE *f, const QuantConfig *q) {
-    fprintf(f, "quant:\n  mode: %s\n  calibration_batches: %d\n", quant_mode_name(q->mode), q->calibration_batches);
-    fputs(q->n_rules ? "  rules:\n" : "  rules: []\n", f);
+void cfg_emit_quant_rules(FILE *f, const char *indent, const void *section) {
+    const QuantConfig *q = section;
+    fprintf(f, "%srules:%s\n", indent, q->n_rules ? "" : " []");
     for (int i = 0; i < q->n_rules; i++) {
         const QuantRule *r = &q->rules[i];
         put_match(f, &r->match, r->skip);
@@ -224,8 +190,9 @@ static void put_quant(FILE *f, const QuantConfig *q) {
     }
 }
 
-static void put_lora(FILE *f, const LoraConfig *l) {
-    fputs(l->n_rules ? "lora:\n  rules:\n" : "lora:\n  rules: []\n", f);
+void cfg_emit_lora_rules(FILE *f, const char *indent, const void *section) {
+    const LoraConfig *l = section;
+    fprintf(f, "%srules:%s\n", indent, l->n_rules ? "" : " []");
     for (int i = 0; i < l->n_rules; i++) {
         const LoraRule *r = &l->rules[i];
         put_match(f, &r->match, r->skip);
@@ -235,13 +202,52 @@ static void put_lora(FILE *f, const LoraConfig *l) {
                 r->spec.rank, fmt_float(a, sizeof a, r->spec.alpha), fmt_float(b, sizeof b, r->spec.dropout),
                 bool_str(r->spec.rslora), lora_init_name(r->spec.init));
     }
-    fputs("  trainable: [", f);
+}
+
+void cfg_emit_trainable(FILE *f, const char *indent, const void *section) {
+    const LoraConfig *l = section;
+    fprintf(f, "%strainable: [", indent);
     for (int i = 0; i < l->n_trainable; i++) {
         if (i) fputs(", ", f);
         put_str(f, l->trainable[i]);
     }
     fputs("]\n", f);
-    fprintf(f, "  strict_base: %s\n", bool_str(l->strict_base));
+}
+
+void cfg_emit_table(FILE *f, const CfgTable *t, const char *indent, const void *section) {
+    int kind = cfg_table_kind(t, section);
+    char a[48], b[48], deeper[32];
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        if (!cfg_row_applies(row, kind)) continue;
+        const char *field = (const char *)section + row->offset;
+        switch (row->type) {
+        case CFG_T_STR:
+        case CFG_T_PATH:
+        case CFG_T_NAME: put_key_str(f, indent, row->key, field); break;
+        case CFG_T_BOOL: fprintf(f, "%s%s: %s\n", indent, row->key, bool_str(*(const bool *)field)); break;
+        case CFG_T_INT: fprintf(f, "%s%s: %d\n", indent, row->key, *(const int *)field); break;
+        case CFG_T_I64: fprintf(f, "%s%s: %" PRId64 "\n", indent, row->key, *(const int64_t *)field); break;
+        case CFG_T_U64: fprintf(f, "%s%s: %" PRIu64 "\n", indent, row->key, *(const uint64_t *)field); break;
+        case CFG_T_FLOAT:
+            fprintf(f, "%s%s: %s\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field));
+            break;
+        case CFG_T_DOUBLE:
+            fprintf(f, "%s%s: %s\n", indent, row->key, fmt_double(a, sizeof a, *(const double *)field));
+            break;
+        case CFG_T_ENUM: fprintf(f, "%s%s: %s\n", indent, row->key, row->name_of(*(const int *)field)); break;
+        case CFG_T_FLOAT2:
+            fprintf(f, "%s%s: [%s, %s]\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field),
+                    fmt_float(b, sizeof b, *(const float *)((const char *)section + row->offset2)));
+            break;
+        case CFG_T_SECTION:
+            fprintf(f, "%s%s:\n", indent, row->key);
+            snprintf(deeper, sizeof deeper, "%s  ", indent);
+            cfg_emit_table(f, row->sub, deeper, field);
+            break;
+        case CFG_T_PART: row->part->emit(f, indent, section); break;
+        }
+    }
 }
 
 char *config_to_yaml(const Config *c) {
@@ -249,11 +255,7 @@ char *config_to_yaml(const Config *c) {
     size_t size = 0;
     FILE *f = open_memstream(&text, &size);
     if (!f) return NULL;
-    put_run_data(f, c);
-    put_model(f, &c->model);
-    put_train(f, &c->train);
-    put_quant(f, &c->quant);
-    put_lora(f, &c->lora);
+    cfg_emit_table(f, &CFG_ROOT, "", c);
     bool failed = ferror(f) != 0;
     if (fclose(f) != 0 || failed) {
         free(text);
