@@ -180,6 +180,12 @@ char *config_to_yaml(const Config *c);
 void config_diff_for_resume(const Config *stored, const Config *now, char *fixed, size_t fixed_cap, char *changed,
                             size_t changed_cap);
 
+/* The config reference as Markdown (malloc'd; the caller frees; NULL only if
+ * memory runs out): every key of the schema with its default, allowed
+ * values, what a resume does with it and its meaning. `qtrain config --doc`
+ * prints it; docs/CONFIG.md is its output. */
+char *config_doc_markdown(void);
+
 /* Levenshtein distance (for "did you mean"); exposed for tests. */
 int config_edit_distance(const char *a, const char *b);
 

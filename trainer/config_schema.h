@@ -122,6 +122,8 @@ struct CfgTable {
     int kind_key;                /* the row whose enum value selects which rows apply (kinds); -1: none */
     void (*kind_defaults)(void *section, int kind); /* resets the kind's defaults once its name is read */
     CfgAfterFn after;
+    const char *(*kind_name)(int); /* the names of the rows' kinds, for the docs (else the kind row's names) */
+    int n_kinds;
     const char *missing;         /* a required section: the message when it is absent; NULL = optional */
     const char *doc;             /* a paragraph for docs/CONFIG.md */
 };

@@ -231,16 +231,16 @@ static const CfgKey OPTIM_KEYS[] = {
     {.key = "betas", .type = CFG_T_FLOAT2, F(OptimConfig, beta1), .offset2 = offsetof(OptimConfig, beta2),
      .range = FRACTION, .names_what = "a sequence of two numbers [beta1, beta2]", .def_by_kind = true,
      .kinds = BIT(OPTIM_ADAMW), REPORTED,
-     .resume_as = "train.optimizer.betas/eps", .doc_default = "[0.9, 0.999]", .doc = "AdamW's moment decays"},
+     .resume_as = "train.optimizer.betas/eps", .doc_default = "[0.9, 0.999]", .doc = "the moments' decay rates"},
     {.key = "eps", .type = CFG_T_FLOAT, F(OptimConfig, eps), .range = CFG_POSITIVE, .def_by_kind = true,
      .kinds = BIT(OPTIM_ADAMW), REPORTED, .resume_as = "train.optimizer.betas/eps", .doc_default = "1e-8",
-     .doc = "AdamW's denominator term"},
+     .doc = "added to the denominator"},
     {.key = "momentum", .type = CFG_T_FLOAT, F(OptimConfig, momentum), .range = CFG_NONNEG, .def_by_kind = true,
      .kinds = BIT(OPTIM_SGD), REPORTED, .resume_as = "train.optimizer.momentum/dampening/nesterov",
-     .doc_default = "0", .doc = "SGD momentum"},
+     .doc_default = "0", .doc = "momentum"},
     {.key = "dampening", .type = CFG_T_FLOAT, F(OptimConfig, dampening), .range = CFG_ANY, .def_by_kind = true,
      .kinds = BIT(OPTIM_SGD), REPORTED, .resume_as = "train.optimizer.momentum/dampening/nesterov",
-     .doc_default = "0", .doc = "SGD dampening of the momentum"},
+     .doc_default = "0", .doc = "dampening of the momentum"},
     {.key = "nesterov", .type = CFG_T_BOOL, F(OptimConfig, nesterov), .def_by_kind = true, .kinds = BIT(OPTIM_SGD),
      REPORTED, .resume_as = "train.optimizer.momentum/dampening/nesterov", .doc_default = "false",
      .doc = "Nesterov momentum (needs momentum > 0 and dampening 0)"},
@@ -257,12 +257,12 @@ static const CfgKey SCHED_KEYS[] = {
             "value as written, and a resumed run clamps alike"},
     {.key = "min_lr", .type = CFG_T_FLOAT, F(LrSchedule, min_lr), .range = CFG_NONNEG, .def = 0,
      .kinds = BIT(SCHED_COSINE), REPORTED, .resume_as = "train.schedule",
-     .doc = "cosine: the lr at the last step, at most `train.optimizer.lr`"},
+     .doc = "the lr at the last step, at most `train.optimizer.lr`"},
     {.key = "step_size", .type = CFG_T_I64, F(LrSchedule, step_size), .imin = 1, .imax = INT64_MAX, .def = 0,
      .kinds = BIT(SCHED_STEP), REPORTED, .resume_as = "train.schedule", .doc_default = "(required)",
-     .doc = "step: optimizer steps between lr drops"},
+     .doc = "optimizer steps between lr drops"},
     {.key = "gamma", .type = CFG_T_FLOAT, F(LrSchedule, gamma), .range = CFG_POSITIVE, .def = 0.1,
-     .kinds = BIT(SCHED_STEP), REPORTED, .resume_as = "train.schedule", .doc = "step: the factor of each drop"},
+     .kinds = BIT(SCHED_STEP), REPORTED, .resume_as = "train.schedule", .doc = "the factor of each drop"},
 };
 
 static const CfgTable OPTIM_TABLE = {
@@ -285,9 +285,9 @@ static const CfgKey TRAIN_KEYS[] = {
     {.key = "eval_batch_size", .type = CFG_T_INT, F(TrainConfig, eval_batch_size), .imin = 1, .imax = BATCH_MAX,
      .def = 256, .doc = "evaluation batch"},
     {.key = "optimizer", .type = CFG_T_SECTION, F(TrainConfig, optim), .sub = &OPTIM_TABLE,
-     .doc = "the optimizer (train.optimizer below)"},
+     .doc = "the optimizer"},
     {.key = "schedule", .type = CFG_T_SECTION, F(TrainConfig, schedule), .sub = &SCHED_TABLE,
-     .doc = "the learning-rate schedule (train.schedule below)"},
+     .doc = "the learning-rate schedule"},
     {.key = "grad_clip", .type = CFG_T_FLOAT, F(TrainConfig, grad_clip), .range = CFG_NONNEG, .def = 0, REPORTED,
      .doc_default = "0 (off)", .doc = "clip the global gradient L2 norm"},
     {.key = "eval_every", .type = CFG_T_I64, F(TrainConfig, eval_every), .imin = 0, .imax = INT64_MAX, .def = 0,
@@ -337,8 +337,13 @@ static const CfgKey LORA_KEYS[] = {
 
 static const CfgTable RUN_TABLE = {.path = "run", .owner = "run", .keys = RUN_KEYS, .n = N_OF(RUN_KEYS),
                                    .kind_key = -1};
-static const CfgTable DATA_TABLE = {.path = "data", .owner = "data", .keys = DATA_KEYS, .n = N_OF(DATA_KEYS),
-                                    .kind_key = -1};
+static const CfgTable DATA_TABLE = {
+    .path = "data", .owner = "data", .keys = DATA_KEYS, .n = N_OF(DATA_KEYS), .kind_key = -1,
+    .doc = "Transforms apply to training and test data alike, in the order listed: `normalize` (x = (x − mean) / "
+           "std; without values they are measured on the training set as transformed so far, before the "
+           "validation split: the population mean and std over every pixel, in double), `transpose` (x[c][i][j] "
+           "→ x[c][j][i]), `invert` (x → 1 − x), `{classes: [a, b, ...]}` (keep only these labels, relabelled "
+           "0..k−1 in the listed order), `{limit: N}` (keep the first N examples of each of train and test)."};
 static const CfgTable MODEL_TABLE = {
     .path = "model", .owner = "model", .keys = MODEL_KEYS, .n = N_OF(MODEL_KEYS), .kind_key = -1,
     .after = cfg_model_after,
@@ -375,24 +380,24 @@ static const CfgKey LAYER_KEYS[] = {
     {.key = "type", .type = CFG_T_ENUM, O(LayerSpec, type), .size = 64, .name_of = layer_name,
      .n_names = LAYER_COUNT, .names_what = "layer type", .doc_default = "(required)", .doc = "the layer"},
     {.key = "units", .type = CFG_T_INT, F(LayerSpec, units), .imin = 1, .imax = LAYER_SIZE_MAX,
-     .kinds = BIT(LAYER_DENSE), .doc_default = "(required)", .doc = "dense: its outputs"},
+     .kinds = BIT(LAYER_DENSE), .doc_default = "(required)", .doc = "its outputs"},
     {.key = "out_channels", .type = CFG_T_INT, F(LayerSpec, out_channels), .imin = 1, .imax = LAYER_SIZE_MAX,
-     .kinds = BIT(LAYER_CONV2D), .doc_default = "(required)", .doc = "conv2d: its output channels"},
+     .kinds = BIT(LAYER_CONV2D), .doc_default = "(required)", .doc = "its output channels"},
     {.key = "kernel", .type = CFG_T_INT, F(LayerSpec, kernel), .imin = 1, .imax = LAYER_WINDOW_MAX,
-     .kinds = WINDOWED, .doc_default = "(required)", .doc = "conv2d, maxpool2d, avgpool2d: the window's size"},
+     .kinds = WINDOWED, .doc_default = "(required)", .doc = "the window's size"},
     {.key = "stride", .type = CFG_T_INT, F(LayerSpec, stride), .imin = 1, .imax = LAYER_WINDOW_MAX,
      .kinds = WINDOWED, .doc_default = "1 (conv2d), = kernel (pools)", .doc = "the window's step"},
     {.key = "padding", .type = CFG_T_INT, F(LayerSpec, padding), .imin = 0, .imax = LAYER_WINDOW_MAX,
-     .kinds = BIT(LAYER_CONV2D), .doc = "conv2d: zeros around the input"},
+     .kinds = BIT(LAYER_CONV2D), .doc = "zeros around the input"},
     {.key = "p", .type = CFG_T_FLOAT, F(LayerSpec, p), .range = FRACTION, .def = 0.5, .kinds = BIT(LAYER_DROPOUT),
-     .doc = "dropout: the probability of zeroing an input"},
-    {.key = "eps", .type = CFG_T_FLOAT, F(LayerSpec, eps), .range = CFG_POSITIVE, .def = 1e-5,
-     .kinds = BIT(LAYER_LAYERNORM), .doc = "layernorm: added to the variance"},
+     .doc = "the probability of zeroing an input"},
+    {.key = "eps", .type = CFG_T_FLOAT, F(LayerSpec, eps), .range = CFG_POSITIVE, .def = 1e-5, .doc_default = "1e-5",
+     .kinds = BIT(LAYER_LAYERNORM), .doc = "added to the variance"},
     {.key = "bias", .type = CFG_T_PART, .kinds = WEIGHTED, .doc_default = "true", .doc_values = "true, false",
-     .doc = "dense, conv2d: whether the layer has a bias"},
+     .doc = "whether the layer has a bias"},
     {.key = "init", .type = CFG_T_PART, .kinds = WEIGHTED, .doc_default = "`default`",
      .doc_values = "`default` (PyTorch's), `xavier_uniform`, `xavier_normal`, `normal`",
-     .doc = "dense, conv2d: how the weight starts"},
+     .doc = "how the weight starts"},
     {.key = "init_std", .type = CFG_T_FLOAT, F(LayerSpec, init_std), .range = CFG_POSITIVE, .def = 0.02,
      .kinds = WEIGHTED, .doc = "the std of `init: normal` (only with it)"},
 };
@@ -449,30 +454,30 @@ static const CfgKey QUANT_RULE_KEYS[] = {
      .doc_values = "true, false", .doc = "a symmetric input range; `true` with `uint8` needs `allow_clip`"},
     {.key = "learn_amax", .type = CFG_T_PART, QAT_ONLY, .doc_default = "`none`",
      .doc_values = "`none`, `tqt`, `lsq`",
-     .doc = "qat: `tqt` (log2 of the range learned, power-of-two scales: needs `scale_type: pof2`) or `lsq` (step "
+     .doc = "`tqt` (log2 of the range learned, power-of-two scales: needs `scale_type: pof2`) or `lsq` (step "
             "size learned); int/uint formats, no `tile_size`"},
     {.key = "amax_init", .type = CFG_T_PART, QAT_ONLY, .doc_default = "`absmax`",
-     .doc_values = "a calibration method", .doc = "qat: how learned ranges start (TQT's `3sd`, `kl_j`)"},
+     .doc_values = "a calibration method", .doc = "how learned ranges start (TQT's `3sd`, `kl_j`)"},
     {.key = "act_static_scale", .type = CFG_T_BOOL, F(QuantRule, qat.act_static_scale), QAT_ONLY,
-     .doc = "qat without learned ranges: the input's range is the running mean of per-batch ranges (else "
+     .doc = "without learned ranges: the input's range is the running mean of per-batch ranges (else "
             "calibrated on every batch)"},
     {.key = "lr", .type = CFG_T_FLOAT, F(QuantRule, qat.lr), .range = CFG_NONNEG, QAT_ONLY,
-     .doc = "qat: the learned ranges' own learning rate (0: the optimizer's)"},
+     .doc = "the learned ranges' own learning rate (0: the optimizer's)"},
     {.key = "disable_channelwise_axes", .type = CFG_T_PART, .doc_default = "false", .doc_values = "true, false",
      .doc = "the same as `per_tensor`"},
     {.key = "bwd_qtype", .type = CFG_T_PART, QT_ONLY, .doc_default = "`none`",
      .doc_values = "an int or float format, or `none`",
-     .doc = "qt: the format of the incoming gradient in both backward GEMMs; `none`: QAT's float backward"},
+     .doc = "the format of the incoming gradient in both backward GEMMs; `none`: QAT's float backward"},
     {.key = "bwd_calibration", .type = CFG_T_PART, QT_ONLY, .doc_default = "`absmax`",
-     .doc_values = "a calibration method", .doc = "qt: the gradient's range per row (dX) / per column (dW)"},
+     .doc_values = "a calibration method", .doc = "the gradient's range per row (dX) / per column (dW)"},
     {.key = "bwd_weight_grad_tile_size", .type = CFG_T_INT, F(QuantRule, qt.bwd_weight_grad_tile_size), .imin = 0,
      .imax = INT_MAX, QT_ONLY,
-     .doc = "qt: rows of the gradient per scale in the weight-gradient GEMM (0: all)"},
+     .doc = "rows of the gradient per scale in the weight-gradient GEMM (0: all)"},
     {.key = "bwd_stochastic_rounding", .type = CFG_T_PART, QT_ONLY, .doc_default = "`none`",
-     .doc_values = "`none`, `uniform`", .doc = "qt: `uniform`: floor(v + u), u ~ U[0, 1), unbiased"},
+     .doc_values = "`none`, `uniform`", .doc = "`uniform`: floor(v + u), u ~ U[0, 1), unbiased"},
     {.key = "channelwise_noise_axes", .type = CFG_T_PART, QT_ONLY, .doc_default = "`[0]`",
      .doc_values = "`[0]`, `[1]`, `[0, 1]`",
-     .doc = "qt: the gradient axes the noise varies along (0: rows, 1: columns); shared along the others"},
+     .doc = "the gradient axes the noise varies along (0: rows, 1: columns); shared along the others"},
     {.key = "rounding", .type = CFG_T_PART, .doc_default = "`rne`",
      .doc_values = "`rne`, `half_away`, `floor`, `stochastic`",
      .doc = "how the weight's codes round (stochastic: floor(v + u), u from the run's seed on a stream per "
@@ -484,7 +489,7 @@ static const CfgKey QUANT_RULE_KEYS[] = {
 
 const CfgTable CFG_QUANT_RULE_TABLE = {
     .path = "quant.rules[]", .owner = "a quant rule", .keys = QUANT_RULE_KEYS, .n = N_OF(QUANT_RULE_KEYS),
-    .kind_key = -1,
+    .kind_key = -1, .kind_name = mode_name, .n_kinds = QUANT_MODE_COUNT,
     .doc = "A rule's settings are stored resolved (defaults that follow the format filled in). Keys marked qat or "
            "qt apply only in that `quant.mode`."};
 
