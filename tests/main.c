@@ -26,6 +26,7 @@
     X(quant_defaults) \
     X(lora)       \
     X(config)     \
+    X(config_schema) \
     X(checkpoint) \
     X(trainer)    \
     X(commands)   \
