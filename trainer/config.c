@@ -1,4 +1,5 @@
-/* config.c - the config schema: a YAML tree into a checked Config.
+/* config.c - the config loader: a YAML tree into a checked Config, driven
+ * by the schema's tables (config_table.c): conversions, ranges, defaults.
  *
  * Value rules (the same for every key):
  *   - A key given as null (`key:` or `key: null`) keeps its default.
@@ -253,20 +254,6 @@ void cfg_set_str(char *out, size_t size, const char *s) {
     snprintf(out, size, "%s", s);
 }
 
-QtStatus cfg_get_i64(QtError *err, const YNode *map, const char *path, const char *key, int64_t lo, int64_t hi,
-                     int64_t *out) {
-    const YNode *v = cfg_field(map, key);
-    char full[256];
-    return v ? cfg_to_int(err, v, cfg_join(full, sizeof full, path, key), lo, hi, out) : QT_OK;
-}
-
-QtStatus cfg_get_int(QtError *err, const YNode *map, const char *path, const char *key, int lo, int hi, int *out) {
-    int64_t x = *out;
-    QtStatus st = cfg_get_i64(err, map, path, key, lo, hi, &x);
-    *out = (int)x;
-    return st;
-}
-
 QtStatus cfg_get_float(QtError *err, const YNode *map, const char *path, const char *key, CfgRange r, float *out) {
     const YNode *v = cfg_field(map, key);
     char full[256];
@@ -281,21 +268,6 @@ QtStatus cfg_get_bool(QtError *err, const YNode *map, const char *path, const ch
     const YNode *v = cfg_field(map, key);
     char full[256];
     return v ? cfg_to_bool(err, v, cfg_join(full, sizeof full, path, key), out) : QT_OK;
-}
-
-QtStatus cfg_get_str(QtError *err, const YNode *map, const char *path, const char *key, bool allow_empty, char *out,
-                     size_t size) {
-    const YNode *v = cfg_field(map, key);
-    char full[256];
-    return v ? cfg_to_str(err, v, cfg_join(full, sizeof full, path, key), allow_empty, out, size) : QT_OK;
-}
-
-QtStatus cfg_section(QtError *err, const YNode *parent, const char *path, const char *key, const YNode **out) {
-    char full[256];
-    *out = cfg_field(parent, key);
-    if (*out && (*out)->kind != YNODE_MAPPING)
-        return cfg_fail_expected(err, *out, cfg_join(full, sizeof full, path, key), "a mapping of keys", "");
-    return QT_OK;
 }
 
 QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStatus st, const QtError *inner) {

@@ -100,19 +100,6 @@ static void put_default(FILE *f, const CfgKey *row) {
     }
 }
 
-/* Into buf, through a memory stream (for the tests and the cells alike). */
-typedef void (*CellFn)(FILE *f, const CfgKey *row);
-static void cell(CellFn fn, const CfgKey *row, char *buf, size_t size) {
-    FILE *f = fmemopen(buf, size, "w");
-    buf[0] = '\0';
-    if (!f) return;
-    fn(f, row);
-    fclose(f);
-}
-
-void cfg_doc_values(const CfgKey *row, char *buf, size_t size) { cell(put_values, row, buf, size); }
-void cfg_doc_default(const CfgKey *row, char *buf, size_t size) { cell(put_default, row, buf, size); }
-
 /* The kinds a row applies to, "adamw" or "qat", from its table's kind names. */
 static void put_kinds(FILE *f, const CfgTable *t, const CfgKey *row) {
     const char *(*name)(int) = t->kind_key >= 0 ? t->keys[t->kind_key].name_of : t->kind_name;

@@ -1,5 +1,7 @@
-/* config_schema.h - helpers shared by the config loader's files (not a
- * public interface: config.h is). Every function reports errors as
+/* config_schema.h - the config schema's types and the helpers shared by
+ * the config loader's files (not a public interface: config.h is). The
+ * tables themselves, and how to add a key (one row plus its use), are in
+ * config_table.c. Every function reports errors as
  * "<where>: <key.path>: <what>" through cfg_fail and returns QT_ERR_CONFIG. */
 #ifndef QTRAIN_TRAINER_CONFIG_SCHEMA_H
 #define QTRAIN_TRAINER_CONFIG_SCHEMA_H
@@ -154,9 +156,6 @@ QtStatus cfg_load_table(QtError *err, const YNode *parent, const char *key, cons
                         void *parent_section, CfgCtx *ctx);
 /* The section's keys as YAML at indent (config_emit.c). */
 void cfg_emit_table(FILE *f, const CfgTable *t, const char *indent, const void *section);
-/* A row's allowed values and default as docs/CONFIG.md writes them (config_doc.c). */
-void cfg_doc_values(const CfgKey *row, char *buf, size_t size);
-void cfg_doc_default(const CfgKey *row, char *buf, size_t size);
 
 QtStatus cfg_fail(QtError *err, const YNode *at, const char *path, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -173,8 +172,6 @@ QtStatus cfg_check_keys(QtError *err, const YNode *map, const char *path, const 
 
 /* The value of key in map; NULL when absent or null (meaning: the default). */
 const YNode *cfg_field(const YNode *map, const char *key);
-/* A child mapping of parent: NULL when absent or null; any other kind is an error. */
-QtStatus cfg_section(QtError *err, const YNode *parent, const char *path, const char *key, const YNode **out);
 
 /* Conversions of one node, `path` being its full key path. */
 QtStatus cfg_to_int(QtError *err, const YNode *v, const char *path, int64_t lo, int64_t hi, int64_t *out);
@@ -192,13 +189,8 @@ QtStatus cfg_check_path(QtError *err, const YNode *v, const char *path, const ch
 void cfg_set_str(char *out, size_t size, const char *s);
 
 /* Conversions of map[key] (path is the map's); absent or null leaves *out as it is. */
-QtStatus cfg_get_i64(QtError *err, const YNode *map, const char *path, const char *key, int64_t lo, int64_t hi,
-                     int64_t *out);
-QtStatus cfg_get_int(QtError *err, const YNode *map, const char *path, const char *key, int lo, int hi, int *out);
 QtStatus cfg_get_float(QtError *err, const YNode *map, const char *path, const char *key, CfgRange r, float *out);
 QtStatus cfg_get_bool(QtError *err, const YNode *map, const char *path, const char *key, bool *out);
-QtStatus cfg_get_str(QtError *err, const YNode *map, const char *path, const char *key, bool allow_empty, char *out,
-                     size_t size);
 /* Wraps a failed name lookup's message (which lists the valid names) with the location. */
 QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStatus st, const QtError *inner);
 
