@@ -112,7 +112,7 @@ static void test_doc_command(void) {
     test_tmpdir_remove(dir);
 }
 
-/* ---- values a row takes ------------------------------------------------------------------------------------------- */
+/* ---- values a row takes ---------------------------------------------------------------------------------------- */
 
 /* --set overrides that another key needs: the row's kind (the first it applies to) and keys it depends on;
  * with_value: those that the row's value (not its default) needs too. */
@@ -249,8 +249,10 @@ static void test_every_key_round_trips(void) {
         char *yaml = ok ? config_to_yaml(c) : NULL;
         ok = ok && yaml && config_load_string(back, yaml, "resolved", NULL, 0, &e) == QT_OK;
         cfg_set_str(back->source, sizeof back->source, c->source);
-        for (int j = 0; ok && j < c->quant.n_rules; j++) /* where a rule was read differs, and only that */
-            memcpy(back->quant.rules[j].match.where, c->quant.rules[j].match.where, sizeof c->quant.rules[j].match.where);
+        for (int j = 0; ok && j < c->quant.n_rules; j++) { /* where a rule was read differs, and only that */
+            RuleMatch *m = &back->quant.rules[j].match;
+            memcpy(m->where, c->quant.rules[j].match.where, sizeof m->where);
+        }
         ok = ok && memcmp(c, back, sizeof *c) == 0;
         char *again = ok ? config_to_yaml(back) : NULL;
         ok = ok && again && strcmp(yaml, again) == 0;
@@ -263,6 +265,17 @@ static void test_every_key_round_trips(void) {
     free(c);
     free(back);
 }
+
+/* Every table fits the key check's 32-bit mask, and its keys are unique. */
+static void check_table(const CfgTable *t) {
+    CU_ASSERT(t->n > 0 && t->n <= 32);
+    for (int i = 0; i < t->n; i++) {
+        for (int j = 0; j < i; j++) CU_ASSERT(strcmp(t->keys[i].key, t->keys[j].key) != 0);
+        if (t->keys[i].sub) check_table(t->keys[i].sub);
+    }
+}
+
+static void test_tables_are_sound(void) { check_table(&CFG_ROOT); }
 
 /* ---- errors ----------------------------------------------------------------------------------------------------- */
 
@@ -365,6 +378,7 @@ int register_config_schema_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "docs/CONFIG.md is config --doc's output", test_doc_matches_file) ||
            !CU_add_test(s, "config --doc through the binary lists every key", test_doc_command) ||
+           !CU_add_test(s, "tables fit the key check, keys unique", test_tables_are_sound) ||
            !CU_add_test(s, "every loaded default is its row's", test_defaults_are_the_rows) ||
            !CU_add_test(s, "every key round-trips through config_to_yaml", test_every_key_round_trips) ||
            !CU_add_test(s, "a value outside a row's range is refused naming key and range",

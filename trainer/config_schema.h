@@ -120,7 +120,7 @@ struct CfgTable {
     const char *path;            /* "train.optimizer"; "" for the top level */
     const char *owner;           /* for "does not apply to <owner>": "the %s optimizer" takes the kind's name */
     const CfgKey *keys;
-    int n;
+    int n;                       /* at most 32 (the key check's bit mask) */
     int kind_key;                /* the row whose enum value selects which rows apply (kinds); -1: none */
     void (*kind_defaults)(void *section, int kind); /* resets the kind's defaults once its name is read */
     CfgAfterFn after;
