@@ -15,6 +15,34 @@
 
 #include "config_schema.h"
 
+/* Whether a scalar row's field differs. */
+static bool row_differs(const CfgKey *row, const void *sa, const void *sb) {
+    const char *a = (const char *)sa + row->offset, *b = (const char *)sb + row->offset;
+    switch (row->type) {
+    case CFG_T_STR:
+    case CFG_T_PATH:
+    case CFG_T_NAME: return strcmp(a, b) != 0;
+    case CFG_T_BOOL: return *(const bool *)a != *(const bool *)b;
+    case CFG_T_INT:
+    case CFG_T_ENUM: return *(const int *)a != *(const int *)b;
+    case CFG_T_I64: return *(const int64_t *)a != *(const int64_t *)b;
+    case CFG_T_U64: return *(const uint64_t *)a != *(const uint64_t *)b;
+    case CFG_T_FLOAT: return *(const float *)a != *(const float *)b;
+    case CFG_T_DOUBLE: return *(const double *)a != *(const double *)b;
+    case CFG_T_FLOAT2:
+        return *(const float *)a != *(const float *)b ||
+               *(const float *)((const char *)sa + row->offset2) != *(const float *)((const char *)sb + row->offset2);
+    default: return false;
+    }
+}
+
+/* Every row of the layer table, and the bias (stored as no_bias). */
+static bool layers_equal(const LayerSpec *a, const LayerSpec *b) {
+    for (int i = 0; i < CFG_LAYER_TABLE.n; i++)
+        if (CFG_LAYER_TABLE.keys[i].type != CFG_T_PART && row_differs(&CFG_LAYER_TABLE.keys[i], a, b)) return false;
+    return a->no_bias == b->no_bias;
+}
+
 int cfg_diff_transforms(const void *sa, const void *sb) {
     const DataConfig *a = sa, *b = sb;
     if (a->n_transforms != b->n_transforms) return -2;
@@ -32,13 +60,6 @@ int cfg_diff_input(const void *sa, const void *sb) {
     const ModelConfig *a = sa, *b = sb;
     bool same = a->input_ndim == b->input_ndim && memcmp(a->input_shape, b->input_shape, sizeof a->input_shape) == 0;
     return same ? -1 : -2;
-}
-
-static bool layers_equal(const LayerSpec *a, const LayerSpec *b) {
-    return a->type == b->type && strcmp(a->name, b->name) == 0 && a->units == b->units &&
-           a->out_channels == b->out_channels && a->kernel == b->kernel && a->stride == b->stride &&
-           a->padding == b->padding && a->p == b->p && a->eps == b->eps && a->no_bias == b->no_bias &&
-           a->init == b->init && a->init_std == b->init_std;
 }
 
 /* Rules compare by what they do; `where` (the file position) may differ. */
@@ -105,27 +126,6 @@ int cfg_diff_layers(const void *sa, const void *sb) {
     for (int i = 0; i < a->n_layers; i++)
         if (!layers_equal(&a->layers[i], &b->layers[i])) return i;
     return -1;
-}
-
-/* Whether a scalar row's field differs. */
-static bool row_differs(const CfgKey *row, const void *sa, const void *sb) {
-    const char *a = (const char *)sa + row->offset, *b = (const char *)sb + row->offset;
-    switch (row->type) {
-    case CFG_T_STR:
-    case CFG_T_PATH:
-    case CFG_T_NAME: return strcmp(a, b) != 0;
-    case CFG_T_BOOL: return *(const bool *)a != *(const bool *)b;
-    case CFG_T_INT:
-    case CFG_T_ENUM: return *(const int *)a != *(const int *)b;
-    case CFG_T_I64: return *(const int64_t *)a != *(const int64_t *)b;
-    case CFG_T_U64: return *(const uint64_t *)a != *(const uint64_t *)b;
-    case CFG_T_FLOAT: return *(const float *)a != *(const float *)b;
-    case CFG_T_DOUBLE: return *(const double *)a != *(const double *)b;
-    case CFG_T_FLOAT2:
-        return *(const float *)a != *(const float *)b ||
-               *(const float *)((const char *)sa + row->offset2) != *(const float *)((const char *)sb + row->offset2);
-    default: return false;
-    }
 }
 
 /* The first fixed key of table t that differs, as "path.key" or "path.key[i]" in out; false if none. */

@@ -83,27 +83,25 @@ static void put_transform(FILE *f, const Transform *t) {
     }
 }
 
-/* One layer in flow style, with the keys that apply to its type. */
+/* One layer in flow style: the rows of its table that apply to its type, in their order (init_std only with
+ * init: normal). */
 static void put_layer(FILE *f, const LayerSpec *s) {
+    const CfgTable *t = &CFG_LAYER_TABLE;
     char a[32];
-    fputs("    - {name: ", f);
-    put_str(f, s->name);
-    fprintf(f, ", type: %s", layer_type_name(s->type));
-    switch (s->type) {
-    case LAYER_DENSE: fprintf(f, ", units: %d", s->units); break;
-    case LAYER_CONV2D:
-        fprintf(f, ", out_channels: %d, kernel: %d, stride: %d, padding: %d", s->out_channels, s->kernel, s->stride,
-                s->padding);
-        break;
-    case LAYER_MAXPOOL2D:
-    case LAYER_AVGPOOL2D: fprintf(f, ", kernel: %d, stride: %d", s->kernel, s->stride); break;
-    case LAYER_DROPOUT: fprintf(f, ", p: %s", fmt_float(a, sizeof a, s->p)); break;
-    case LAYER_LAYERNORM: fprintf(f, ", eps: %s", fmt_float(a, sizeof a, s->eps)); break;
-    default: break;
-    }
-    if (s->type == LAYER_DENSE || s->type == LAYER_CONV2D) {
-        fprintf(f, ", bias: %s, init: %s", s->no_bias ? "false" : "true", init_kind_name(s->init));
-        if (s->init == INIT_NORMAL) fprintf(f, ", init_std: %s", fmt_float(a, sizeof a, s->init_std));
+    fputs("    - {", f);
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        const char *field = (const char *)s + row->offset;
+        if (!cfg_row_applies(row, (int)s->type) || (field == (const char *)&s->init_std && s->init != INIT_NORMAL))
+            continue;
+        fprintf(f, "%s%s: ", i ? ", " : "", row->key);
+        switch (row->type) {
+        case CFG_T_STR: put_str(f, field); break;
+        case CFG_T_INT: fprintf(f, "%d", *(const int *)field); break;
+        case CFG_T_FLOAT: fputs(fmt_float(a, sizeof a, *(const float *)field), f); break;
+        case CFG_T_ENUM: fputs(row->name_of(*(const int *)field), f); break;
+        default: fputs(s->no_bias ? "false" : "true", f); break; /* bias, stored as no_bias */
+        }
     }
     fputs("}\n", f);
 }

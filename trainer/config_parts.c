@@ -72,14 +72,8 @@ static QtStatus layer_options(QtError *err, const YNode *m, const char *path, La
     bool bias = true;
     QtStatus st = cfg_get_bool(err, m, path, "bias", &bias);
     s->no_bias = !bias;
-    const YNode *init = cfg_field(m, "init");
-    char full[96], name[64];
-    if (st == QT_OK && init) {
-        cfg_join(full, sizeof full, path, "init");
-        QtError inner = {0};
-        st = cfg_to_str(err, init, full, false, name, sizeof name);
-        if (st == QT_OK) st = cfg_lookup_fail(err, init, full, init_kind_parse(name, &s->init, &inner), &inner);
-    }
+    char full[96];
+    if (st == QT_OK) st = cfg_load_key(err, m, path, T, "init", s);
     const YNode *std = cfg_field(m, "init_std");
     if (st == QT_OK && std && s->init != INIT_NORMAL)
         return cfg_fail(err, std, cfg_join(full, sizeof full, path, "init_std"),

@@ -57,6 +57,7 @@ static const char *optim_name(int k) { return optim_kind_name((OptimKind)k); }
 static const char *sched_name(int k) { return sched_kind_name((SchedKind)k); }
 static const char *mode_name(int k) { return quant_mode_name((QuantMode)k); }
 static const char *layer_name(int k) { return layer_type_name((LayerType)k); }
+static const char *init_name(int k) { return init_kind_name((InitKind)k); }
 
 /* ---- checks of one key --------------------------------------------------------------------------------------- */
 
@@ -373,9 +374,10 @@ const CfgTable CFG_ROOT = {.path = "", .owner = "the top level", .keys = ROOT_KE
 #define WEIGHTED (BIT(LAYER_DENSE) | BIT(LAYER_CONV2D))
 #define WINDOWED (BIT(LAYER_CONV2D) | BIT(LAYER_MAXPOOL2D) | BIT(LAYER_AVGPOOL2D))
 
-/* The kinds are layer types; the loader is cfg_load_layer (config_parts.c). */
+/* The kinds are layer types; the loader is cfg_load_layer (config_parts.c), whose defaults and required keys
+ * follow the type. The order is the order of a layer's keys in the resolved YAML. */
 static const CfgKey LAYER_KEYS[] = {
-    {.key = "name", .type = CFG_T_PART, .doc_default = "`<type><index>`, e.g. `relu1`",
+    {.key = "name", .type = CFG_T_STR, F(LayerSpec, name), .doc_default = "`<type><index>`, e.g. `relu1`",
      .doc_values = "like `run.name`", .doc = "the module path used in checkpoints and rules"},
     {.key = "type", .type = CFG_T_ENUM, O(LayerSpec, type), .size = 64, .name_of = layer_name,
      .n_names = LAYER_COUNT, .names_what = "layer type", .doc_default = "(required)", .doc = "the layer"},
@@ -395,7 +397,8 @@ static const CfgKey LAYER_KEYS[] = {
      .kinds = BIT(LAYER_LAYERNORM), .doc = "added to the variance"},
     {.key = "bias", .type = CFG_T_PART, .kinds = WEIGHTED, .doc_default = "true", .doc_values = "true, false",
      .doc = "whether the layer has a bias"},
-    {.key = "init", .type = CFG_T_PART, .kinds = WEIGHTED, .doc_default = "`default`",
+    {.key = "init", .type = CFG_T_ENUM, O(LayerSpec, init), .size = 64, .name_of = init_name, .n_names = INIT_COUNT,
+     .names_what = "init", .kinds = WEIGHTED, .doc_default = "`default`",
      .doc_values = "`default` (PyTorch's), `xavier_uniform`, `xavier_normal`, `normal`",
      .doc = "how the weight starts"},
     {.key = "init_std", .type = CFG_T_FLOAT, F(LayerSpec, init_std), .range = CFG_POSITIVE, .def = 0.02,
