@@ -88,10 +88,13 @@ static bool quant_rules_equal(const QuantRule *a, const QuantRule *b) {
            a->qt.bwd_stochastic == b->qt.bwd_stochastic && a->qt.noise_axes == b->qt.noise_axes;
 }
 
+/* The match, then every other row of the lora rule table. */
 static bool lora_rules_equal(const LoraRule *a, const LoraRule *b) {
-    const LoraSpec *x = &a->spec, *y = &b->spec;
-    return matches_equal(&a->match, &b->match) && a->skip == b->skip && x->rank == y->rank && x->alpha == y->alpha &&
-           x->dropout == y->dropout && x->rslora == y->rslora && x->init == y->init;
+    if (!matches_equal(&a->match, &b->match)) return false;
+    for (int i = 0; i < CFG_LORA_RULE_TABLE.n; i++)
+        if (CFG_LORA_RULE_TABLE.keys[i].type != CFG_T_PART && row_differs(&CFG_LORA_RULE_TABLE.keys[i], a, b))
+            return false;
+    return true;
 }
 
 /* The first index where two rule lists differ (a rule added or removed

@@ -130,6 +130,7 @@ void cfg_emit_layers(FILE *f, const char *indent, const void *section) {
 }
 
 static const char *bool_str(bool b) { return b ? "true" : "false"; }
+static void emit_row(FILE *f, const char *indent, const CfgKey *row, const void *section);
 
 /* A rule's first lines: module_path, op_types ([] = any) and skip. */
 static void put_match(FILE *f, const RuleMatch *m, bool skip) {
@@ -194,11 +195,8 @@ void cfg_emit_lora_rules(FILE *f, const char *indent, const void *section) {
     for (int i = 0; i < l->n_rules; i++) {
         const LoraRule *r = &l->rules[i];
         put_match(f, &r->match, r->skip);
-        if (r->skip) continue;
-        char a[32], b[32];
-        fprintf(f, "      rank: %d\n      alpha: %s\n      dropout: %s\n      rslora: %s\n      init: %s\n",
-                r->spec.rank, fmt_float(a, sizeof a, r->spec.alpha), fmt_float(b, sizeof b, r->spec.dropout),
-                bool_str(r->spec.rslora), lora_init_name(r->spec.init));
+        for (int k = RULE_MATCH_KEYS; !r->skip && k < CFG_LORA_RULE_TABLE.n; k++)
+            emit_row(f, "      ", &CFG_LORA_RULE_TABLE.keys[k], r);
     }
 }
 
@@ -212,40 +210,40 @@ void cfg_emit_trainable(FILE *f, const char *indent, const void *section) {
     fputs("]\n", f);
 }
 
+/* One scalar or section row as "<indent><key>: <value>\n" (and the lines under it). */
+static void emit_row(FILE *f, const char *indent, const CfgKey *row, const void *section) {
+    char a[48], b[48], deeper[32];
+    const char *field = (const char *)section + row->offset;
+    switch (row->type) {
+    case CFG_T_STR:
+    case CFG_T_PATH:
+    case CFG_T_NAME: put_key_str(f, indent, row->key, field); break;
+    case CFG_T_BOOL: fprintf(f, "%s%s: %s\n", indent, row->key, bool_str(*(const bool *)field)); break;
+    case CFG_T_INT: fprintf(f, "%s%s: %d\n", indent, row->key, *(const int *)field); break;
+    case CFG_T_I64: fprintf(f, "%s%s: %" PRId64 "\n", indent, row->key, *(const int64_t *)field); break;
+    case CFG_T_U64: fprintf(f, "%s%s: %" PRIu64 "\n", indent, row->key, *(const uint64_t *)field); break;
+    case CFG_T_FLOAT: fprintf(f, "%s%s: %s\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field)); break;
+    case CFG_T_DOUBLE:
+        fprintf(f, "%s%s: %s\n", indent, row->key, fmt_double(a, sizeof a, *(const double *)field));
+        break;
+    case CFG_T_ENUM: fprintf(f, "%s%s: %s\n", indent, row->key, row->name_of(*(const int *)field)); break;
+    case CFG_T_FLOAT2:
+        fprintf(f, "%s%s: [%s, %s]\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field),
+                fmt_float(b, sizeof b, *(const float *)((const char *)section + row->offset2)));
+        break;
+    case CFG_T_SECTION:
+        fprintf(f, "%s%s:\n", indent, row->key);
+        snprintf(deeper, sizeof deeper, "%s  ", indent);
+        cfg_emit_table(f, row->sub, deeper, field);
+        break;
+    case CFG_T_PART: row->part->emit(f, indent, section); break;
+    }
+}
+
 void cfg_emit_table(FILE *f, const CfgTable *t, const char *indent, const void *section) {
     int kind = cfg_table_kind(t, section);
-    char a[48], b[48], deeper[32];
-    for (int i = 0; i < t->n; i++) {
-        const CfgKey *row = &t->keys[i];
-        if (!cfg_row_applies(row, kind)) continue;
-        const char *field = (const char *)section + row->offset;
-        switch (row->type) {
-        case CFG_T_STR:
-        case CFG_T_PATH:
-        case CFG_T_NAME: put_key_str(f, indent, row->key, field); break;
-        case CFG_T_BOOL: fprintf(f, "%s%s: %s\n", indent, row->key, bool_str(*(const bool *)field)); break;
-        case CFG_T_INT: fprintf(f, "%s%s: %d\n", indent, row->key, *(const int *)field); break;
-        case CFG_T_I64: fprintf(f, "%s%s: %" PRId64 "\n", indent, row->key, *(const int64_t *)field); break;
-        case CFG_T_U64: fprintf(f, "%s%s: %" PRIu64 "\n", indent, row->key, *(const uint64_t *)field); break;
-        case CFG_T_FLOAT:
-            fprintf(f, "%s%s: %s\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field));
-            break;
-        case CFG_T_DOUBLE:
-            fprintf(f, "%s%s: %s\n", indent, row->key, fmt_double(a, sizeof a, *(const double *)field));
-            break;
-        case CFG_T_ENUM: fprintf(f, "%s%s: %s\n", indent, row->key, row->name_of(*(const int *)field)); break;
-        case CFG_T_FLOAT2:
-            fprintf(f, "%s%s: [%s, %s]\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field),
-                    fmt_float(b, sizeof b, *(const float *)((const char *)section + row->offset2)));
-            break;
-        case CFG_T_SECTION:
-            fprintf(f, "%s%s:\n", indent, row->key);
-            snprintf(deeper, sizeof deeper, "%s  ", indent);
-            cfg_emit_table(f, row->sub, deeper, field);
-            break;
-        case CFG_T_PART: row->part->emit(f, indent, section); break;
-        }
-    }
+    for (int i = 0; i < t->n; i++)
+        if (cfg_row_applies(&t->keys[i], kind)) emit_row(f, indent, &t->keys[i], section);
 }
 
 char *config_to_yaml(const Config *c) {

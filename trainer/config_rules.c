@@ -20,8 +20,6 @@
 
 #define QR (&CFG_QUANT_RULE_TABLE)
 #define LR (&CFG_LORA_RULE_TABLE)
-/* The first RK_MATCH_KEYS rows of both rule tables are the match and skip. */
-enum { RK_MATCH_KEYS = 3 };
 
 /* ---- what a rule matches ------------------------------------------------------------ */
 
@@ -72,7 +70,7 @@ static QtStatus load_match(QtError *err, const YNode *item, const char *path, co
     for (int k = 0; st == QT_OK && *skip && k < item->n; k++) {
         const char *key = item->keys[k]->text;
         bool match_key = false;
-        for (int i = 0; i < RK_MATCH_KEYS; i++) match_key = match_key || strcmp(key, QR->keys[i].key) == 0;
+        for (int i = 0; i < RULE_MATCH_KEYS; i++) match_key = match_key || strcmp(key, QR->keys[i].key) == 0;
         if (!match_key && !ynode_is_null(item->items[k]))
             st = cfg_fail(err, item->keys[k], cfg_join(full, sizeof full, path, key),
                           "skip: true takes no other settings; remove %s or the skip", key);
@@ -450,14 +448,7 @@ static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path
         st = cfg_fail(err, cfg_field(item, "dropout"), cfg_join(full, sizeof full, path, "dropout"),
                       "rounds to 1 as a float; expected a value below 1");
     if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "rslora", r);
-    const YNode *v = cfg_field(item, "init");
-    if (st == QT_OK && v) {
-        char name[64];
-        QtError inner = {0};
-        cfg_join(full, sizeof full, path, "init");
-        st = cfg_to_str(err, v, full, false, name, sizeof name);
-        if (st == QT_OK) st = cfg_lookup_fail(err, v, full, lora_init_parse(name, &s->init, &inner), &inner);
-    }
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "init", r);
     return st;
 }
 

@@ -130,7 +130,9 @@ struct CfgTable {
     const char *doc;             /* a paragraph for docs/CONFIG.md */
 };
 
-/* The tables (config_table.c). CFG_ROOT's rows are the sections of Config. */
+/* The tables (config_table.c). CFG_ROOT's rows are the sections of Config. Both rule tables start with
+ * RULE_MATCH_KEYS rows: module_path, op_types and skip. */
+enum { RULE_MATCH_KEYS = 3 };
 extern const CfgTable CFG_ROOT;
 extern const CfgTable CFG_LAYER_TABLE, CFG_QUANT_RULE_TABLE, CFG_LORA_RULE_TABLE;
 

@@ -58,6 +58,7 @@ static const char *sched_name(int k) { return sched_kind_name((SchedKind)k); }
 static const char *mode_name(int k) { return quant_mode_name((QuantMode)k); }
 static const char *layer_name(int k) { return layer_type_name((LayerType)k); }
 static const char *init_name(int k) { return init_kind_name((InitKind)k); }
+static const char *lora_init(int k) { return lora_init_name((LoraInit)k); }
 
 /* ---- checks of one key --------------------------------------------------------------------------------------- */
 
@@ -496,6 +497,7 @@ const CfgTable CFG_QUANT_RULE_TABLE = {
     .doc = "A rule's settings are stored resolved (defaults that follow the format filled in). Keys marked qat or "
            "qt apply only in that `quant.mode`."};
 
+/* After the match and skip, the order is the order of a rule's keys in the resolved YAML. */
 static const CfgKey LORA_RULE_KEYS[] = {
     {.key = "module_path", .type = CFG_T_PART, .doc_default = "(required)", .doc_values = "a POSIX extended regex",
      .doc = "as in `quant.rules`"},
@@ -510,7 +512,8 @@ static const CfgKey LORA_RULE_KEYS[] = {
     {.key = "dropout", .type = CFG_T_FLOAT, F(LoraRule, spec.dropout), .range = FRACTION, .def = 0,
      .doc = "dropout on the adapter's input"},
     {.key = "rslora", .type = CFG_T_BOOL, F(LoraRule, spec.rslora), .def = 0, .doc = "rank-stabilized scale"},
-    {.key = "init", .type = CFG_T_PART, .doc_default = "`default`", .doc_values = "`default`, `gaussian`",
+    {.key = "init", .type = CFG_T_ENUM, O(LoraRule, spec.init), .size = 64, .name_of = lora_init,
+     .n_names = LORA_INIT_COUNT, .names_what = "lora init", .def_str = "default",
      .doc = "`default` (A kaiming-uniform, B = 0) or `gaussian` (A ~ N(0, 1/rank²), B = 0)"},
 };
 
