@@ -72,20 +72,19 @@ static bool calibs_equal(const CalibSpec *a, const CalibSpec *b) {
            a->fixed_minmax == b->fixed_minmax;
 }
 
+/* The match, every scalar row of the quant rule table, and the settings a row cannot hold. */
 static bool quant_rules_equal(const QuantRule *a, const QuantRule *b) {
+    for (int i = 0; i < CFG_QUANT_RULE_TABLE.n; i++)
+        if (CFG_QUANT_RULE_TABLE.keys[i].type != CFG_T_PART && row_differs(&CFG_QUANT_RULE_TABLE.keys[i], a, b))
+            return false;
     const QLayerSpec *x = &a->spec, *y = &b->spec;
-    return matches_equal(&a->match, &b->match) && a->skip == b->skip && x->weight_qtype == y->weight_qtype &&
-           x->tile_size == y->tile_size && x->per_tensor == y->per_tensor &&
+    return matches_equal(&a->match, &b->match) && x->weight_qtype == y->weight_qtype &&
            calibs_equal(&x->weight_calib, &y->weight_calib) && x->symmetric == y->symmetric &&
-           x->narrow_range == y->narrow_range && x->scale_type == y->scale_type && x->double_quant == y->double_quant &&
-           x->rounding == y->rounding && a->allow_clip == b->allow_clip &&
-           x->act_qtype == y->act_qtype && calibs_equal(&x->act_calib, &y->act_calib) &&
-           x->act_symmetric == y->act_symmetric && a->qat.learn_amax == b->qat.learn_amax &&
-           calibs_equal(&a->qat.amax_init, &b->qat.amax_init) && a->qat.act_static_scale == b->qat.act_static_scale &&
-           a->qat.lr == b->qat.lr && a->qt.bwd_qtype == b->qt.bwd_qtype &&
-           calibs_equal(&a->qt.bwd_calib, &b->qt.bwd_calib) &&
-           a->qt.bwd_weight_grad_tile_size == b->qt.bwd_weight_grad_tile_size &&
-           a->qt.bwd_stochastic == b->qt.bwd_stochastic && a->qt.noise_axes == b->qt.noise_axes;
+           x->scale_type == y->scale_type && x->rounding == y->rounding && x->act_qtype == y->act_qtype &&
+           calibs_equal(&x->act_calib, &y->act_calib) && x->act_symmetric == y->act_symmetric &&
+           calibs_equal(&a->qat.amax_init, &b->qat.amax_init) && a->qt.bwd_qtype == b->qt.bwd_qtype &&
+           calibs_equal(&a->qt.bwd_calib, &b->qt.bwd_calib) && a->qt.bwd_stochastic == b->qt.bwd_stochastic &&
+           a->qt.noise_axes == b->qt.noise_axes;
 }
 
 /* The match, then every other row of the lora rule table. */

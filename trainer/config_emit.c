@@ -146,13 +146,19 @@ static void put_match(FILE *f, const RuleMatch *m, bool skip) {
     fprintf(f, "]\n      skip: %s\n", bool_str(skip));
 }
 
-static void put_qt(FILE *f, const FqtSpec *q) {
+/* A quant rule's scalar key as its row writes it. */
+static void put_rule_key(FILE *f, const char *key, const QuantRule *r) {
+    emit_row(f, "      ", cfg_table_row(&CFG_QUANT_RULE_TABLE, key), r);
+}
+
+static void put_qt(FILE *f, const QuantRule *r) {
+    const FqtSpec *q = &r->qt;
     char c[64];
     calib_format(&q->bwd_calib, c, sizeof c);
     put_key_str(f, "      ", "bwd_qtype", q->bwd_qtype ? qtype_name(q->bwd_qtype) : "none");
     put_key_str(f, "      ", "bwd_calibration", c);
-    fprintf(f, "      bwd_weight_grad_tile_size: %d\n      bwd_stochastic_rounding: %s\n",
-            q->bwd_weight_grad_tile_size, q->bwd_stochastic ? "uniform" : "none");
+    put_rule_key(f, "bwd_weight_grad_tile_size", r);
+    fprintf(f, "      bwd_stochastic_rounding: %s\n", q->bwd_stochastic ? "uniform" : "none");
     fprintf(f, "      channelwise_noise_axes: [%s]\n", q->noise_axes == (FQT_NOISE_ROWS | FQT_NOISE_COLS) ? "0, 1"
                                                         : q->noise_axes == FQT_NOISE_COLS ? "1" : "0");
 }
@@ -168,24 +174,27 @@ void cfg_emit_quant_rules(FILE *f, const char *indent, const void *section) {
         char a[64], b[64];
         calib_format(&s->weight_calib, a, sizeof a);
         put_key_str(f, "      ", "weight_qtype", s->weight_qtype ? qtype_name(s->weight_qtype) : "none");
-        fprintf(f, "      tile_size: %d\n      per_tensor: %s\n", s->tile_size, bool_str(s->per_tensor));
+        put_rule_key(f, "tile_size", r);
+        put_rule_key(f, "per_tensor", r);
         put_key_str(f, "      ", "weight_calibration", a);
-        fprintf(f, "      symmetric: %s\n      narrow_range: %s\n      scale_type: %s\n      double_quant: %s\n",
-                bool_str(s->symmetric), bool_str(s->narrow_range), qarray_scale_type_name(s->scale_type),
-                bool_str(s->double_quant));
-        fprintf(f, "      rounding: %s\n      allow_clip: %s\n", qround_name(s->rounding), bool_str(r->allow_clip));
+        fprintf(f, "      symmetric: %s\n", bool_str(s->symmetric));
+        put_rule_key(f, "narrow_range", r);
+        fprintf(f, "      scale_type: %s\n", qarray_scale_type_name(s->scale_type));
+        put_rule_key(f, "double_quant", r);
+        fprintf(f, "      rounding: %s\n", qround_name(s->rounding));
+        put_rule_key(f, "allow_clip", r);
         put_key_str(f, "      ", "act_qtype", s->act_qtype ? qtype_name(s->act_qtype) : "none");
         calib_format(&s->act_calib, b, sizeof b);
         put_key_str(f, "      ", "act_calibration", b);
         fprintf(f, "      act_symmetric: %s\n", bool_str(s->act_symmetric));
-        if (q->mode == QUANT_MODE_QT) put_qt(f, &r->qt);
+        if (q->mode == QUANT_MODE_QT) put_qt(f, r);
         if (q->mode != QUANT_MODE_QAT) continue;
-        char c[64], lr[32];
+        char c[64];
         calib_format(&r->qat.amax_init, c, sizeof c);
-        fprintf(f, "      learn_amax: %s\n", qat_learn_name(r->qat.learn_amax));
+        put_rule_key(f, "learn_amax", r);
         put_key_str(f, "      ", "amax_init", c);
-        fprintf(f, "      act_static_scale: %s\n      lr: %s\n", bool_str(r->qat.act_static_scale),
-                fmt_float(lr, sizeof lr, r->qat.lr));
+        put_rule_key(f, "act_static_scale", r);
+        put_rule_key(f, "lr", r);
     }
 }
 

@@ -256,15 +256,7 @@ static QtStatus load_qat_settings(QtError *err, const YNode *item, const char *p
     calib_copy(&q->amax_init, &d.amax_init);
     q->act_static_scale = d.act_static_scale;
     q->lr = d.lr;
-    const YNode *v = cfg_field(item, "learn_amax");
-    QtStatus st = QT_OK;
-    if (v) {
-        char full[128], name[64];
-        QtError inner = {0};
-        cfg_join(full, sizeof full, path, "learn_amax");
-        st = cfg_to_str(err, v, full, false, name, sizeof name);
-        if (st == QT_OK) st = cfg_lookup_fail(err, v, full, qat_learn_parse(name, &q->learn_amax, &inner), &inner);
-    }
+    QtStatus st = cfg_load_key(err, item, path, QR, "learn_amax", r);
     if (st == QT_OK) st = load_calib(err, item, path, "amax_init", &q->amax_init);
     if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "act_static_scale", r);
     if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "lr", r);

@@ -59,6 +59,7 @@ static const char *mode_name(int k) { return quant_mode_name((QuantMode)k); }
 static const char *layer_name(int k) { return layer_type_name((LayerType)k); }
 static const char *init_name(int k) { return init_kind_name((InitKind)k); }
 static const char *lora_init(int k) { return lora_init_name((LoraInit)k); }
+static const char *learn_name(int k) { return qat_learn_name((QatLearn)k); }
 
 /* ---- checks of one key --------------------------------------------------------------------------------------- */
 
@@ -456,8 +457,8 @@ static const CfgKey QUANT_RULE_KEYS[] = {
      .doc_values = "a calibration method", .doc = "how the input's range is calibrated"},
     {.key = "act_symmetric", .type = CFG_T_PART, .doc_default = "true (false for `uint8`)",
      .doc_values = "true, false", .doc = "a symmetric input range; `true` with `uint8` needs `allow_clip`"},
-    {.key = "learn_amax", .type = CFG_T_PART, QAT_ONLY, .doc_default = "`none`",
-     .doc_values = "`none`, `tqt`, `lsq`",
+    {.key = "learn_amax", .type = CFG_T_ENUM, O(QuantRule, qat.learn_amax), .size = 64, .name_of = learn_name,
+     .n_names = QAT_LEARN_COUNT, .names_what = "learn_amax", .def_str = "none", QAT_ONLY,
      .doc = "`tqt` (log2 of the range learned, power-of-two scales: needs `scale_type: pof2`) or `lsq` (step "
             "size learned); int/uint formats, no `tile_size`"},
     {.key = "amax_init", .type = CFG_T_PART, QAT_ONLY, .doc_default = "`absmax`",
