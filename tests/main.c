@@ -27,6 +27,7 @@
     X(quant_defaults) \
     X(lora)       \
     X(config)     \
+    X(config_schema) \
     X(checkpoint) \
     X(trainer)    \
     X(commands)   \
