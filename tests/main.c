@@ -41,6 +41,7 @@
     X(diskfull)   \
     X(nonfinite)  \
     X(fssafe)     \
+    X(decode_py)  \
     X(hostile)
 
 #define DECLARE(name) __attribute__((weak)) int register_##name##_suite(void);
