@@ -78,6 +78,9 @@ static const CmdHelp CMD_HELP[] = {
      "            forward-only test batches; prints bench: lines (samples/s, step ms,\n"
      "            GEMM share, peak RSS, start-up). --since-ns NS: the caller's\n"
      "            CLOCK_REALTIME nanoseconds at process start, e.g. $(date +%s%N).\n"},
+    {"config", "qtrain config --doc",
+     "  config    --doc prints the config reference (every key: default, values, what a\n"
+     "            resume does with it, meaning) as Markdown, as in docs/CONFIG.md.\n"},
 };
 #define N_CMDS ((int)(sizeof CMD_HELP / sizeof CMD_HELP[0]))
 
@@ -446,6 +449,19 @@ static int cmd_bench(int argc, char **argv) {
     return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
+static int cmd_config(int argc, char **argv) {
+    if (argc == 1 && is_help(argv[0])) cmd_help_exit("config");
+    if (argc != 1 || strcmp(argv[0], "--doc") != 0) {
+        fprintf(stderr, "qtrain config: give --doc (see qtrain config --help)\n");
+        return 2;
+    }
+    char *doc = config_doc_markdown();
+    if (!doc) return fprintf(stderr, "qtrain config: out of memory\n"), 1;
+    fputs(doc, stdout);
+    free(doc);
+    return fflush(stdout) == 0 ? 0 : 1;
+}
+
 /* What must hold before any command runs; false after saying why. */
 static bool check_resources(void) {
     /* A write past the file-size limit (ulimit -f) then fails with EFBIG,
@@ -507,6 +523,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "compare") == 0) return cmd_compare(argc - 2, argv + 2);
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
+    if (strcmp(cmd, "config") == 0) return cmd_config(argc - 2, argv + 2);
     if (strcmp(cmd, "train") == 0) return cmd_train(argc - 2, argv + 2);
     if (cmd[0] == '-') return cmd_train(argc - 1, argv + 1);
     fprintf(stderr, "qtrain: unknown command '%s' (see qtrain --help)\n", cmd);

@@ -12,12 +12,13 @@
 #   - every example with --config gets --set data.dir=<repo>/data/fashion-mnist-mini
 #     --set data.cache_dir=none, and a training example --set train.epochs=1
 #     unless its config only evaluates (epochs: 0) or it sets train.epochs;
-#   - --stop-at-step N becomes --stop-at-step 5 in its own run.out_dir
-#     (runs/stop-example), which is then resumed with --resume auto;
+#   - --stop-at-step N becomes --stop-at-step 5; when the README resumes it
+#     itself (the same line with --resume auto instead of --stop-at-step N,
+#     later), that line continues the stopped run; otherwise the stop runs
+#     in its own run.out_dir (runs/stop-example), then resumed here with
+#     --resume auto;
 #   - training examples run first, in README order, then the other commands
-#     (eval, inspect, compare, convert, quantize, merge, demo need those runs);
-#   - runs/ptq-int4 (the int4 PTQ of configs/qat.yaml's comment) is made
-#     before them, for `qtrain compare ... runs/ptq-int4 runs/qat`.
+#     (eval, inspect, compare, convert, quantize, merge need those runs).
 # Skipped, and why:
 #   - `qtrain --help | --version | CMD --help`: a synopsis of three forms, not
 #     one command (the commands suite runs --help of every command).
@@ -98,12 +99,19 @@ example() {
         extra+=(--set train.epochs=1)
     fi
     if [ -n "$stop" ]; then
-        extra+=(--set run.out_dir=runs/stop-example)
-        run "$line" "${args[@]}" "${extra[@]}"
         local -a resume=()
         for ((i = 0; i < ${#args[@]}; i++)); do
             if [ "${args[i]}" = --stop-at-step ]; then i=$((i + 1)); else resume+=("${args[i]}"); fi
         done
+        local e
+        for e in "${examples[@]}"; do
+            if [ "$e" = "${resume[*]} --resume auto" ]; then # the README resumes it itself
+                run "$line" "${args[@]}" "${extra[@]}"
+                return
+            fi
+        done
+        extra+=(--set run.out_dir=runs/stop-example)
+        run "$line" "${args[@]}" "${extra[@]}"
         run "$line (resumed)" "${resume[@]}" "${extra[@]}" --resume auto
         return
     fi
@@ -118,8 +126,6 @@ for line in "${examples[@]}"; do # training first: the other commands read its r
     if [[ $line == *"|"* ]]; then continue; fi
     if [[ $line == --config* ]]; then example "$line"; fi
 done
-run "--config configs/ptq.yaml --set quant.rules.0.weight_qtype=int4 --set run.out_dir=runs/ptq-int4 (for compare)" \
-    --config configs/ptq.yaml --set quant.rules.0.weight_qtype=int4 --set run.out_dir=runs/ptq-int4 "${data_sets[@]}"
 for line in "${examples[@]}"; do
     if [[ $line == *"|"* ]]; then
         echo "skipped qtrain $line (a synopsis, not one command)"

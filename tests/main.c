@@ -14,6 +14,7 @@
     X(nn_core)    \
     X(nn_ops)     \
     X(nn_conv)    \
+    X(nn_conv_lowrank) \
     X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \
@@ -28,6 +29,7 @@
     X(quant_defaults) \
     X(lora)       \
     X(config)     \
+    X(config_schema) \
     X(checkpoint) \
     X(trainer)    \
     X(commands)   \
@@ -41,6 +43,7 @@
     X(diskfull)   \
     X(nonfinite)  \
     X(fssafe)     \
+    X(decode_py)  \
     X(hostile)    \
     X(runner)     \
     X(install)

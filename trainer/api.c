@@ -26,10 +26,9 @@ struct qtrain_config {
 };
 
 struct qtrain_run {
-    Run run;
+    Run run;             /* run.dir holds no out_dir: only what checkpoints record (config text, base identity) */
     Config cfg;          /* the run's own copy: run.cfg points here */
     TrainOptions opt;    /* run.opt points here; quiet unless qtrain_run_set_verbose */
-    char *lora_trainable; /* lora.trainable, comma-separated, for checkpoints (malloc'd) */
 };
 
 static _Thread_local char last_error[QT_ERROR_MSG_MAX];
@@ -120,9 +119,7 @@ static qtrain_status run_new(qtrain_run **out, const qtrain_config *cfg) {
     if (!q) return api_fail_msg(QT_ERR_NOMEM, "out of memory for a run");
     q->cfg = cfg->cfg;
     q->opt.quiet = true;
-    Run *r = &q->run;
-    r->cfg = &q->cfg, r->opt = &q->opt;
-    r->t_start = metrics_now(), r->saved_step = -1, r->last_train_loss = NAN;
+    run_init(&q->run, &q->cfg, &q->opt);
     *out = q;
     return QTRAIN_OK;
 }
@@ -134,35 +131,57 @@ static qtrain_status run_fail(qtrain_run **out, const QtError *e, QtStatus st) {
     return api_fail(e, st);
 }
 
+/* What every checkpoint records of the run, once its model is final (train.c's
+ * run_dir_note, without a run directory): the resolved config and, for a
+ * LoRA run, lora.trainable and the base identity. run_free frees them. */
+static QtStatus run_note(Run *r, QtError *err) {
+    RunDir *d = &r->dir;
+    d->config_text = config_to_yaml(r->cfg);
+    if (!d->config_text) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing the resolved config");
+    if (!config_has_lora(r->cfg)) return QT_OK;
+    const LoraConfig *l = &r->cfg->lora;
+    d->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
+    if (!d->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < l->n_trainable; i++) {
+        if (i) strcat(d->lora_trainable, ",");
+        strcat(d->lora_trainable, l->trainable[i]);
+    }
+    CheckpointNet parts = net_checkpoint_parts(&r->model.net);
+    return checkpoint_base_sha256(&r->model.net.model, &parts, d->base_sha256, err);
+}
+
 qtrain_status qtrain_run_new(qtrain_run **run, const qtrain_config *cfg) {
     qtrain_status s = run_new(run, cfg);
     if (s != QTRAIN_OK) return s;
+    Run *r = &(*run)->run;
     QtError e = {0};
-    QtStatus st = run_prepare(&(*run)->run, true, &e);
+    QtStatus st = run_prepare(r, true, &e);
+    if (st == QT_OK) st = run_note(r, &e);
     if (st != QT_OK) return run_fail(run, &e, st);
-    net_print_unused_rules(&(*run)->run.net, stderr); /* a rule that applies nowhere is a likely typo */
+    net_print_unused_rules(&r->model.net, stderr); /* a rule that applies nowhere is a likely typo */
     return QTRAIN_OK;
 }
 
-/* What a checkpoint holds besides parameters and optimizer state, from the
- * run (train.c's run_checkpoint_state, for a file outside a run directory). */
-static CheckpointState run_state(qtrain_run *q) {
-    Run *r = &q->run;
+/* What a checkpoint holds besides parameters and optimizer state (train.c's
+ * run_checkpoint_state), for a file the caller names. */
+static CheckpointState run_state(Run *r) {
     CheckpointState s = {
-        .step = r->step, .epochs_done = r->step / r->steps_per_epoch, .epoch = r->batcher.epoch,
-        .cursor = r->batcher.cursor, .seed = r->cfg->run.seed,
-        .n_train = r->train.n, .log_loss_sum = r->win_loss_sum, .log_correct = r->win_correct,
-        .log_seen = r->win_seen, .log_steps = r->win_steps, .train_s = r->train_s,
-        .wall_s = r->wall_before + metrics_now() - r->t_start, .trained_examples = r->trained_examples,
-        .last_train_loss = r->last_train_loss, .nonfinite_skipped = r->nonfinite_skipped,
-        .nonfinite_streak = r->nonfinite_streak,
-        .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
-        .net = net_checkpoint_parts(&r->net),
-        .base_init_from = r->cfg->model.init_from, .lora_trainable = q->lora_trainable,
-        .mode = net_mode_name(&r->net), .replace = FS_REPLACE_REGULAR,
+        .step = r->plan.step, .epochs_done = r->plan.step / r->plan.steps_per_epoch, .epoch = r->plan.batcher.epoch,
+        .cursor = r->plan.batcher.cursor, .seed = r->cfg->run.seed,
+        .n_train = r->data.train.n, .log_loss_sum = r->log.win_loss_sum, .log_correct = r->log.win_correct,
+        .log_seen = r->log.win_seen, .log_steps = r->log.win_steps, .train_s = r->clock.train_s,
+        .wall_s = r->clock.wall_before + metrics_now() - r->clock.t_start,
+        .trained_examples = r->clock.trained_examples,
+        .last_train_loss = r->log.last_train_loss, .nonfinite_skipped = r->guards.nonfinite_skipped,
+        .nonfinite_streak = r->guards.nonfinite_streak,
+        .loss_watch = r->guards.loss_watch, .n_rngs = 1, .config_text = r->dir.config_text,
+        .net = net_checkpoint_parts(&r->model.net),
+        .base_sha256 = r->dir.base_sha256[0] ? r->dir.base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
+        .lora_trainable = r->dir.lora_trainable, .mode = net_mode_name(&r->model.net),
+        .replace = FS_REPLACE_REGULAR,
     };
     s.rngs[0].name = "dropout";
-    s.rngs[0].rng = &r->dropout;
+    s.rngs[0].rng = &r->work.dropout;
     return s;
 }
 
@@ -170,27 +189,29 @@ qtrain_status qtrain_run_load(qtrain_run **run, const qtrain_config *cfg, const 
     if (!checkpoint) return api_fail_msg(QT_ERR_ARG, "qtrain_run_load: the checkpoint path is NULL");
     qtrain_status s = run_new(run, cfg);
     if (s != QTRAIN_OK) return s;
-    qtrain_run *q = *run;
-    Run *r = &q->run;
+    Run *r = &(*run)->run;
     QtError e = {0};
     QtStatus st = run_prepare(r, false, &e);
     if (st != QT_OK) return run_fail(run, &e, st);
-    CheckpointState cs = run_state(q);
-    if ((st = checkpoint_load(checkpoint, &r->net.model, &r->optim, &cs, &e)) != QT_OK) return run_fail(run, &e, st);
-    if (cs.n_train != r->train.n || cs.step > r->total_steps || cs.cursor > r->train.n)
+    CheckpointState cs = run_state(r);
+    if ((st = checkpoint_load(checkpoint, &r->model.net.model, &r->model.optim, &cs, &e)) != QT_OK)
+        return run_fail(run, &e, st);
+    if (cs.n_train != r->data.train.n || cs.step > r->plan.total_steps || cs.cursor > r->data.train.n)
         return run_fail(run, &e, qt_error_set(&e, QT_ERR_CONFIG, "cannot continue %s with this config: it is at step "
                                               "%lld of %lld training examples, the config plans %lld steps over %d; "
                                               "load it with the config it was trained with "
                                               "(qtrain_config_from_checkpoint)", checkpoint, (long long)cs.step,
-                                              (long long)cs.n_train, (long long)r->total_steps, r->train.n));
-    if ((st = batcher_seek(&r->batcher, cs.epoch, (int)cs.cursor, &e)) != QT_OK) return run_fail(run, &e, st);
-    r->step = r->saved_step = cs.step;
-    r->win_loss_sum = cs.log_loss_sum;
-    r->win_correct = cs.log_correct, r->win_seen = cs.log_seen, r->win_steps = cs.log_steps;
-    r->train_s = cs.train_s, r->wall_before = cs.wall_s;
-    r->trained_examples = cs.trained_examples, r->last_train_loss = cs.last_train_loss;
-    r->nonfinite_skipped = cs.nonfinite_skipped, r->nonfinite_streak = cs.nonfinite_streak;
-    r->loss_watch = cs.loss_watch;
+                                              (long long)cs.n_train, (long long)r->plan.total_steps, r->data.train.n));
+    /* train.c's run_resume_from, without the run directory */
+    if ((st = batcher_seek(&r->plan.batcher, cs.epoch, (int)cs.cursor, &e)) != QT_OK) return run_fail(run, &e, st);
+    r->plan.step = r->dir.saved_step = cs.step;
+    r->log.win_loss_sum = cs.log_loss_sum;
+    r->log.win_correct = cs.log_correct, r->log.win_seen = cs.log_seen, r->log.win_steps = cs.log_steps;
+    r->clock.train_s = cs.train_s, r->clock.wall_before = cs.wall_s;
+    r->clock.trained_examples = cs.trained_examples, r->log.last_train_loss = cs.last_train_loss;
+    r->guards.nonfinite_skipped = cs.nonfinite_skipped, r->guards.nonfinite_streak = cs.nonfinite_streak;
+    r->guards.loss_watch = cs.loss_watch;
+    if ((st = run_note(r, &e)) != QT_OK) return run_fail(run, &e, st);
     return QTRAIN_OK;
 }
 
@@ -198,8 +219,8 @@ void qtrain_run_set_verbose(qtrain_run *run, int verbose) {
     if (run) run->opt.quiet = !verbose;
 }
 
-int64_t qtrain_run_steps_done(const qtrain_run *run) { return run ? run->run.step : 0; }
-int64_t qtrain_run_steps_total(const qtrain_run *run) { return run ? run->run.total_steps : 0; }
+int64_t qtrain_run_steps_done(const qtrain_run *run) { return run ? run->run.plan.step : 0; }
+int64_t qtrain_run_steps_total(const qtrain_run *run) { return run ? run->run.plan.total_steps : 0; }
 int64_t qtrain_run_steps_left(const qtrain_run *run) {
     return run ? qtrain_run_steps_total(run) - qtrain_run_steps_done(run) : 0;
 }
@@ -208,16 +229,16 @@ qtrain_status qtrain_run_step(qtrain_run *run, double *loss) {
     if (loss) *loss = NAN;
     if (!run) return api_fail_msg(QT_ERR_ARG, "qtrain_run_step: the run is NULL");
     Run *r = &run->run;
-    if (r->step >= r->total_steps)
+    if (r->plan.step >= r->plan.total_steps)
         return api_fail_msg(QT_ERR_ARG, "the run has done all %lld steps of its plan; raise train.steps or "
-                            "train.epochs in its config for more", (long long)r->total_steps);
-    double before = r->win_loss_sum;
-    int64_t steps_before = r->win_steps;
+                            "train.epochs in its config for more", (long long)r->plan.total_steps);
+    double before = r->log.win_loss_sum;
+    int64_t steps_before = r->log.win_steps;
     QtError e = {0};
-    r->tape.training = true;
+    r->work.tape.training = true;
     QtStatus st = run_step(r, &e);
     if (st != QT_OK) return api_fail(&e, st);
-    if (loss && r->win_steps > steps_before) *loss = r->win_loss_sum - before; /* else the step was skipped */
+    if (loss && r->log.win_steps > steps_before) *loss = r->log.win_loss_sum - before; /* else the step was skipped */
     return QTRAIN_OK;
 }
 
@@ -266,38 +287,19 @@ qtrain_status qtrain_evaluate_checkpoint(const qtrain_config *cfg, const char *c
     return QTRAIN_OK;
 }
 
-/* lora.trainable, comma-separated, as adapters.h5 and checkpoints record it. */
-static QtStatus run_lora_trainable(qtrain_run *q, QtError *err) {
-    if (q->lora_trainable || !config_has_lora(&q->cfg)) return QT_OK;
-    const LoraConfig *l = &q->cfg.lora;
-    q->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
-    if (!q->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < l->n_trainable; i++) {
-        if (i) strcat(q->lora_trainable, ",");
-        strcat(q->lora_trainable, l->trainable[i]);
-    }
-    return QT_OK;
-}
-
 qtrain_status qtrain_run_save(qtrain_run *run, const char *path) {
     if (!run || !path) return api_fail_msg(QT_ERR_ARG, "qtrain_run_save: the run or path is NULL");
     Run *r = &run->run;
     QtError e = {0};
-    char base_sha256[SHA256_HEX_CHARS] = "";
-    QtStatus st = run_lora_trainable(run, &e);
-    CheckpointState s = run_state(run);
-    if (st == QT_OK && config_has_lora(&run->cfg) && (st = checkpoint_base_sha256(&r->net.model, &s.net, base_sha256,
-                                                                                  &e)) == QT_OK)
-        s.base_sha256 = base_sha256; /* a LoRA run's base identity, as train.c records it */
-    if (st == QT_OK) st = checkpoint_save(path, &r->net.model, &r->optim, &s, &e);
+    CheckpointState s = run_state(r);
+    QtStatus st = checkpoint_save(path, &r->model.net.model, &r->model.optim, &s, &e);
     if (st != QT_OK) return api_fail(&e, st);
-    r->saved_step = r->step;
+    r->dir.saved_step = r->plan.step;
     return QTRAIN_OK;
 }
 
 void qtrain_run_free(qtrain_run *run) {
     if (!run) return;
     run_free(&run->run);
-    free(run->lora_trainable);
     free(run);
 }

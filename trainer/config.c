@@ -1,4 +1,5 @@
-/* config.c - the config schema: a YAML tree into a checked Config.
+/* config.c - the config loader: a YAML tree into a checked Config, driven
+ * by the schema's tables (config_table.c): conversions, ranges, defaults.
  *
  * Value rules (the same for every key):
  *   - A key given as null (`key:` or `key: null`) keeps its default.
@@ -30,20 +31,9 @@
 #include "config_schema.h"
 #include "yamltree.h"
 
-#define BATCH_MAX (1 << 20)
-#define THREADS_MAX 4096
 #define INPUT_DIM_MAX 65536
 #define INPUT_NUMEL_MAX (1 << 28)
 
-static const char *const TOP_KEYS[] = {"run", "data", "model", "train", "quant", "lora"};
-static const char *const RUN_KEYS[] = {"name", "out_dir", "seed", "threads"};
-static const char *const DATA_KEYS[] = {"dataset", "dir", "cache_dir", "storage", "transform", "val_fraction",
-                                        "shuffle", "drop_last"};
-static const char *const MODEL_KEYS[] = {"input", "layers", "init_from", "adapters_from"};
-static const char *const TRAIN_KEYS[] = {"epochs",    "steps",      "batch_size", "eval_batch_size",
-                                         "optimizer", "schedule",   "grad_clip",  "eval_every",
-                                         "log_every", "checkpoint_every", "keep_last", "on_nonfinite",
-                                         "divergence_factor"};
 const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT] = {"stop", "skip"};
 const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist"};
 
@@ -264,20 +254,6 @@ void cfg_set_str(char *out, size_t size, const char *s) {
     snprintf(out, size, "%s", s);
 }
 
-QtStatus cfg_get_i64(QtError *err, const YNode *map, const char *path, const char *key, int64_t lo, int64_t hi,
-                     int64_t *out) {
-    const YNode *v = cfg_field(map, key);
-    char full[256];
-    return v ? cfg_to_int(err, v, cfg_join(full, sizeof full, path, key), lo, hi, out) : QT_OK;
-}
-
-QtStatus cfg_get_int(QtError *err, const YNode *map, const char *path, const char *key, int lo, int hi, int *out) {
-    int64_t x = *out;
-    QtStatus st = cfg_get_i64(err, map, path, key, lo, hi, &x);
-    *out = (int)x;
-    return st;
-}
-
 QtStatus cfg_get_float(QtError *err, const YNode *map, const char *path, const char *key, CfgRange r, float *out) {
     const YNode *v = cfg_field(map, key);
     char full[256];
@@ -288,32 +264,10 @@ QtStatus cfg_get_float(QtError *err, const YNode *map, const char *path, const c
     return st;
 }
 
-static QtStatus get_double(QtError *err, const YNode *map, const char *path, const char *key, CfgRange r,
-                           double *out) {
-    const YNode *v = cfg_field(map, key);
-    char full[256];
-    return v ? cfg_to_number(err, v, cfg_join(full, sizeof full, path, key), r, out) : QT_OK;
-}
-
 QtStatus cfg_get_bool(QtError *err, const YNode *map, const char *path, const char *key, bool *out) {
     const YNode *v = cfg_field(map, key);
     char full[256];
     return v ? cfg_to_bool(err, v, cfg_join(full, sizeof full, path, key), out) : QT_OK;
-}
-
-QtStatus cfg_get_str(QtError *err, const YNode *map, const char *path, const char *key, bool allow_empty, char *out,
-                     size_t size) {
-    const YNode *v = cfg_field(map, key);
-    char full[256];
-    return v ? cfg_to_str(err, v, cfg_join(full, sizeof full, path, key), allow_empty, out, size) : QT_OK;
-}
-
-QtStatus cfg_section(QtError *err, const YNode *parent, const char *path, const char *key, const YNode **out) {
-    char full[256];
-    *out = cfg_field(parent, key);
-    if (*out && (*out)->kind != YNODE_MAPPING)
-        return cfg_fail_expected(err, *out, cfg_join(full, sizeof full, path, key), "a mapping of keys", "");
-    return QT_OK;
 }
 
 QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStatus st, const QtError *inner) {
@@ -321,75 +275,176 @@ QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStat
     return cfg_fail(err, at, path, "%s", inner->msg);
 }
 
-/* ---- sections ------------------------------------------------------------------ */
+/* ---- the tables ------------------------------------------------------------------ */
 
-static QtStatus load_run(QtError *err, const YNode *root, RunConfig *r) {
-    const YNode *m = NULL;
-    QtStatus st = cfg_section(err, root, "", "run", &m);
-    if (st == QT_OK) st = cfg_check_keys(err, m, "run", RUN_KEYS, N_OF(RUN_KEYS), ~0u, "run");
-    if (st == QT_OK) st = cfg_get_str(err, m, "run", "name", false, r->name, sizeof r->name);
-    const YNode *name = cfg_field(m, "name");
-    if (st == QT_OK && name)
-        st = cfg_check_name(err, name, "run.name", r->name, "it names the directory runs/<name>; no '/'");
-    char dir[CONFIG_PATH_MAX];
-    snprintf(dir, sizeof dir, "runs/%s", r->name);
-    cfg_set_str(r->out_dir, sizeof r->out_dir, dir);
-    if (st == QT_OK) st = cfg_get_str(err, m, "run", "out_dir", false, r->out_dir, sizeof r->out_dir);
-    const YNode *out_dir = cfg_field(m, "out_dir");
-    if (st == QT_OK && out_dir) st = cfg_check_path(err, out_dir, "run.out_dir", r->out_dir);
-    const YNode *seed = cfg_field(m, "seed");
-    if (st == QT_OK && seed) st = to_u64(err, seed, "run.seed", &r->seed);
-    if (st == QT_OK) st = cfg_get_int(err, m, "run", "threads", 0, THREADS_MAX, &r->threads);
-    return st;
+const CfgKey *cfg_table_row(const CfgTable *t, const char *key) {
+    for (int i = 0; i < t->n; i++)
+        if (strcmp(t->keys[i].key, key) == 0) return &t->keys[i];
+    return NULL;
 }
 
-/* data.cache_dir: a directory, "" for the default place, or none. A plain
- * boolean is refused rather than taken as a directory named "false". */
-static QtStatus load_cache_dir(QtError *err, const YNode *v, DataConfig *d) {
-    static const char *const bools[] = {"true", "false", "yes", "no", "on", "off"};
-    if (!v) return QT_OK;
-    for (int i = 0; v->kind == YNODE_SCALAR && v->plain && i < N_OF(bools); i++)
-        if (strcasecmp(v->text, bools[i]) == 0)
-            return cfg_fail(err, v, "data.cache_dir",
-                            "expected a directory, \"\" (the default, $XDG_CACHE_HOME/qtrain or ~/.cache/qtrain) "
-                            "or none (no cache), got %s; write none to turn the cache off",
-                            v->text);
-    QtStatus st = cfg_to_str(err, v, "data.cache_dir", true, d->cache_dir, sizeof d->cache_dir);
-    if (st == QT_OK) st = cfg_check_path(err, v, "data.cache_dir", d->cache_dir);
-    if (st == QT_OK && strcasecmp(d->cache_dir, "none") == 0) cfg_set_str(d->cache_dir, sizeof d->cache_dir, "none");
-    return st;
+bool cfg_row_applies(const CfgKey *row, int kind) { return kind < 0 || !row->kinds || (row->kinds & (1u << kind)); }
+
+int cfg_table_kind(const CfgTable *t, const void *section) {
+    return t->kind_key < 0 ? -1 : *(const int *)((const char *)section + t->keys[t->kind_key].offset);
 }
 
-static QtStatus load_data(QtError *err, const YNode *root, DataConfig *d) {
-    const YNode *m = NULL;
-    QtStatus st = cfg_section(err, root, "", "data", &m);
-    if (st == QT_OK) st = cfg_check_keys(err, m, "data", DATA_KEYS, N_OF(DATA_KEYS), ~0u, "data");
-    const YNode *ds = cfg_field(m, "dataset");
-    char name[CONFIG_NAME_MAX];
-    if (st == QT_OK && ds) st = cfg_to_str(err, ds, "data.dataset", false, name, sizeof name);
-    if (st == QT_OK && ds) {
-        QtError inner = {0};
-        int idx = 0;
-        st = cfg_lookup_fail(err, ds, "data.dataset",
-                             qt_name_lookup("dataset", name, CONFIG_DATASETS, CONFIG_N_DATASETS, &idx, &inner), &inner);
-        if (st == QT_OK) cfg_set_str(d->dataset, sizeof d->dataset, CONFIG_DATASETS[idx]);
+QtStatus cfg_check_table_keys(QtError *err, const YNode *map, const CfgTable *t, const char *path, int kind,
+                              const char *owner) {
+    const char *keys[32];
+    unsigned allowed = 0;
+    for (int i = 0; i < t->n && i < 32; i++) {
+        keys[i] = t->keys[i].key;
+        if (cfg_row_applies(&t->keys[i], kind)) allowed |= 1u << i;
     }
-    if (st == QT_OK) st = cfg_get_str(err, m, "data", "dir", false, d->dir, sizeof d->dir);
-    if (st == QT_OK && cfg_field(m, "dir")) st = cfg_check_path(err, cfg_field(m, "dir"), "data.dir", d->dir);
-    if (st == QT_OK) st = load_cache_dir(err, cfg_field(m, "cache_dir"), d);
-    const YNode *storage = cfg_field(m, "storage");
-    if (st == QT_OK && storage) st = cfg_to_str(err, storage, "data.storage", false, name, sizeof name);
-    if (st == QT_OK && storage) {
-        QtError inner = {0};
-        st = cfg_lookup_fail(err, storage, "data.storage", data_storage_parse(name, &d->storage, &inner), &inner);
+    return cfg_check_keys(err, map, path, keys, t->n < 32 ? t->n : 32, allowed, owner ? owner : t->owner);
+}
+
+/* One of the row's names; *idx its index. */
+static QtStatus load_name(QtError *err, const YNode *v, const char *path, const CfgKey *row, int *idx) {
+    char name[CONFIG_PATH_MAX];
+    const char *names[64];
+    size_t size = row->size && row->size < sizeof name ? row->size : sizeof name;
+    QtStatus st = cfg_to_str(err, v, path, false, name, size);
+    if (st != QT_OK) return st;
+    for (int i = 0; i < row->n_names && i < 64; i++) names[i] = row->name_of(i);
+    QtError inner = {0};
+    int n = row->n_names < 64 ? row->n_names : 64;
+    return cfg_lookup_fail(err, v, path, qt_name_lookup(row->names_what, name, names, n, idx, &inner), &inner);
+}
+
+/* [a, b], each in the row's range (names_what says what the pair is). */
+static QtStatus load_pair(QtError *err, const YNode *v, const char *path, const CfgKey *row, void *section) {
+    if (v->kind != YNODE_SEQUENCE || v->n != 2) return cfg_fail_expected(err, v, path, row->names_what, "");
+    float *dst[2] = {(float *)((char *)section + row->offset), (float *)((char *)section + row->offset2)};
+    CfgRange r = row->range;
+    r.is_float = true;
+    for (int j = 0; j < 2; j++) {
+        char item[300];
+        snprintf(item, sizeof item, "%s[%d]", path, j);
+        double x = 0;
+        QtStatus st = cfg_to_number(err, v->items[j], item, r, &x);
+        if (st != QT_OK) return st;
+        *dst[j] = (float)x;
     }
-    if (st == QT_OK) st = cfg_load_transforms(err, cfg_field(m, "transform"), d);
-    const CfgRange fraction = {0.0, 1.0, false, true, false};
-    if (st == QT_OK) st = get_double(err, m, "data", "val_fraction", fraction, &d->val_fraction);
-    if (st == QT_OK) st = cfg_get_bool(err, m, "data", "shuffle", &d->shuffle);
-    if (st == QT_OK) st = cfg_get_bool(err, m, "data", "drop_last", &d->drop_last);
+    return QT_OK;
+}
+
+/* The value v (present) of a scalar row into its field. */
+static QtStatus load_value(QtError *err, const YNode *v, const char *path, const CfgKey *row, void *section) {
+    char *field = (char *)section + row->offset;
+    QtStatus st = QT_OK;
+    int64_t i = 0;
+    double x = 0;
+    int k = 0;
+    CfgRange r = row->range;
+    switch (row->type) {
+    case CFG_T_STR: return cfg_to_str(err, v, path, row->empty_ok, field, row->size);
+    case CFG_T_PATH:
+        st = cfg_to_str(err, v, path, row->empty_ok, field, row->size);
+        return st == QT_OK ? cfg_check_path(err, v, path, field) : st;
+    case CFG_T_BOOL: return cfg_to_bool(err, v, path, (bool *)field);
+    case CFG_T_INT:
+        if ((st = cfg_to_int(err, v, path, row->imin, row->imax, &i)) == QT_OK) *(int *)field = (int)i;
+        return st;
+    case CFG_T_I64: return cfg_to_int(err, v, path, row->imin, row->imax, (int64_t *)field);
+    case CFG_T_U64: return to_u64(err, v, path, (uint64_t *)field);
+    case CFG_T_FLOAT:
+        r.is_float = true;
+        if ((st = cfg_to_number(err, v, path, r, &x)) == QT_OK) *(float *)field = (float)x;
+        return st;
+    case CFG_T_DOUBLE: return cfg_to_number(err, v, path, r, (double *)field);
+    case CFG_T_ENUM:
+        if ((st = load_name(err, v, path, row, &k)) == QT_OK) *(int *)field = k;
+        return st;
+    case CFG_T_NAME:
+        if ((st = load_name(err, v, path, row, &k)) == QT_OK) cfg_set_str(field, row->size, row->name_of(k));
+        return st;
+    case CFG_T_FLOAT2: return load_pair(err, v, path, row, section);
+    default: return qt_error_set(err, QT_ERR_ARG, "%s: not a scalar key of the schema", path);
+    }
+}
+
+QtStatus cfg_load_row(QtError *err, const YNode *map, const char *path, const CfgKey *row, void *section) {
+    const YNode *v = cfg_field(map, row->key);
+    char full[256];
+    cfg_join(full, sizeof full, path, row->key);
+    QtStatus st = v ? load_value(err, v, full, row, section) : QT_OK;
+    if (st == QT_OK && row->check) st = row->check(err, v, full, section);
     return st;
 }
+
+QtStatus cfg_load_key(QtError *err, const YNode *map, const char *path, const CfgTable *t, const char *key,
+                      void *section) {
+    const CfgKey *row = cfg_table_row(t, key);
+    if (!row) return qt_error_set(err, QT_ERR_ARG, "%s.%s: not in the schema", t->path, key);
+    return cfg_load_row(err, map, path, row, section);
+}
+
+QtStatus cfg_load_table(QtError *err, const YNode *parent, const char *key, const CfgTable *t, void *section,
+                        void *parent_section, CfgCtx *ctx) {
+    const YNode *m = cfg_field(parent, key);
+    if (m && m->kind != YNODE_MAPPING) return cfg_fail_expected(err, m, t->path, "a mapping of keys", "");
+    if (!m && t->missing) return cfg_fail(err, parent, t->path, "%s", t->missing);
+    QtStatus st = QT_OK;
+    char owner[64];
+    int kind = -1;
+    snprintf(owner, sizeof owner, "%s", t->owner);
+    if (t->kind_key >= 0) {
+        /* The kind first, so that its defaults apply to whatever keys are not given, in any key order. */
+        const CfgKey *kind_row = &t->keys[t->kind_key];
+        if ((st = cfg_load_row(err, m, t->path, kind_row, section)) != QT_OK) return st;
+        kind = cfg_table_kind(t, section);
+        if (t->kind_defaults) t->kind_defaults(section, kind);
+        snprintf(owner, sizeof owner, t->owner, kind_row->name_of(kind));
+    }
+    st = cfg_check_table_keys(err, m, t, t->path, kind, owner);
+    for (int i = 0; st == QT_OK && i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        if (i == t->kind_key || !cfg_row_applies(row, kind)) continue;
+        if (row->type == CFG_T_SECTION)
+            st = cfg_load_table(err, m, row->key, row->sub, (char *)section + row->offset, section, ctx);
+        else if (row->type == CFG_T_PART)
+            st = row->part->load(err, cfg_field(m, row->key), m, section, ctx);
+        else
+            st = cfg_load_row(err, m, t->path, row, section);
+    }
+    if (st == QT_OK && t->after) st = t->after(err, m, parent, section, parent_section, ctx);
+    return st;
+}
+
+void cfg_table_defaults(const CfgTable *t, void *section) {
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        char *field = (char *)section + row->offset;
+        if (row->def_by_kind) continue;
+        switch (row->type) {
+        case CFG_T_STR:
+        case CFG_T_PATH:
+        case CFG_T_NAME: cfg_set_str(field, row->size, row->def_str ? row->def_str : ""); break;
+        case CFG_T_BOOL: *(bool *)field = row->def != 0; break;
+        case CFG_T_INT: *(int *)field = (int)row->def; break;
+        case CFG_T_I64: *(int64_t *)field = (int64_t)row->def; break;
+        case CFG_T_U64: *(uint64_t *)field = (uint64_t)row->def; break;
+        case CFG_T_FLOAT: *(float *)field = (float)row->def; break;
+        case CFG_T_DOUBLE: *(double *)field = row->def; break;
+        case CFG_T_ENUM:
+            *(int *)field = 0;
+            for (int k = 0; row->def_str && k < row->n_names; k++)
+                if (strcmp(row->name_of(k), row->def_str) == 0) *(int *)field = k;
+            break;
+        case CFG_T_FLOAT2:
+            *(float *)field = (float)row->def;
+            *(float *)((char *)section + row->offset2) = (float)row->def;
+            break;
+        case CFG_T_SECTION: cfg_table_defaults(row->sub, field); break;
+        default: break; /* parts start zeroed */
+        }
+    }
+    if (t->kind_defaults) t->kind_defaults(section, cfg_table_kind(t, section));
+}
+
+/* ---- parts ------------------------------------------------------------------------ */
 
 static QtStatus load_input(QtError *err, const YNode *v, const YNode *model, ModelConfig *mc) {
     if (!v) return cfg_fail(err, model, "model.input", "missing; give the per-example input shape, [C, H, W] or "
@@ -440,17 +495,14 @@ static QtStatus check_shapes(QtError *err, const ModelConfig *mc, const YNode *l
     return cfg_fail(err, layers->items[bad], path, "%s", inner.msg);
 }
 
-/* QT_OK exactly when *dry holds the dry model. */
-static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc, Model *dry) {
-    const YNode *m = NULL;
-    QtStatus st = cfg_section(err, root, "", "model", &m);
-    if (st != QT_OK) return st;
-    if (!m)
-        return cfg_fail(err, root, "model", "missing; a config needs model.input and model.layers (see "
-                                            "tests/configs/tiny-mlp.yaml)");
-    if ((st = cfg_check_keys(err, m, "model", MODEL_KEYS, N_OF(MODEL_KEYS), ~0u, "model")) != QT_OK) return st;
-    if ((st = load_input(err, cfg_field(m, "input"), m, mc)) != QT_OK) return st;
-    const YNode *layers = cfg_field(m, "layers");
+QtStatus cfg_part_load_input(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx) {
+    (void)ctx;
+    return load_input(err, v, map, section);
+}
+
+QtStatus cfg_part_load_layers(QtError *err, const YNode *layers, const YNode *m, void *section, CfgCtx *ctx) {
+    (void)ctx;
+    ModelConfig *mc = section;
     if (!layers) return cfg_fail(err, m, "model.layers", "missing; give a list of layers, e.g. [{type: flatten}, "
                                                          "{type: dense, units: 10}]");
     if (layers->kind != YNODE_SEQUENCE || layers->n == 0)
@@ -462,70 +514,30 @@ static QtStatus load_model(QtError *err, const YNode *root, ModelConfig *mc, Mod
     for (int i = 0; i < layers->n; i++) {
         char path[64];
         snprintf(path, sizeof path, "model.layers[%d]", i);
-        if ((st = cfg_load_layer(err, layers->items[i], path, i, &mc->layers[i])) != QT_OK) return st;
+        QtStatus st = cfg_load_layer(err, layers->items[i], path, i, &mc->layers[i]);
+        if (st != QT_OK) return st;
         mc->n_layers = i + 1;
     }
-    st = cfg_get_str(err, m, "model", "init_from", true, mc->init_from, sizeof mc->init_from);
-    if (st == QT_OK)
-        st = cfg_get_str(err, m, "model", "adapters_from", true, mc->adapters_from, sizeof mc->adapters_from);
-    if (st == QT_OK && cfg_field(m, "init_from"))
-        st = cfg_check_path(err, cfg_field(m, "init_from"), "model.init_from", mc->init_from);
-    if (st == QT_OK && cfg_field(m, "adapters_from"))
-        st = cfg_check_path(err, cfg_field(m, "adapters_from"), "model.adapters_from", mc->adapters_from);
-    if (st != QT_OK) return st;
-    return check_shapes(err, mc, layers, dry);
+    return QT_OK;
 }
 
-static QtStatus load_guards(QtError *err, const YNode *m, TrainConfig *t) {
-    const YNode *action = cfg_field(m, "on_nonfinite");
-    char name[32];
-    QtStatus st = action ? cfg_to_str(err, action, "train.on_nonfinite", false, name, sizeof name) : QT_OK;
-    if (st == QT_OK && action) {
-        QtError inner = {0};
-        int idx = 0;
-        st = cfg_lookup_fail(err, action, "train.on_nonfinite",
-                             qt_name_lookup("train.on_nonfinite", name, NONFINITE_ACTION_NAMES, NONFINITE_COUNT,
-                                            &idx, &inner), &inner);
-        t->on_nonfinite = (NonfiniteAction)idx;
-    }
-    if (st == QT_OK) st = cfg_get_float(err, m, "train", "divergence_factor", CFG_NONNEG, &t->divergence_factor);
-    if (st == QT_OK && t->divergence_factor > 0.0f && t->divergence_factor <= 1.0f)
-        st = cfg_fail(err, cfg_field(m, "divergence_factor"), "train.divergence_factor",
-                      "%g would report every step whose loss is merely above its running mean; use 0 (off) or a "
-                      "factor above 1, e.g. 2", (double)t->divergence_factor);
-    return st;
-}
-
-static QtStatus load_train(QtError *err, const YNode *root, TrainConfig *t) {
-    const YNode *m = NULL;
-    QtStatus st = cfg_section(err, root, "", "train", &m);
-    if (st == QT_OK) st = cfg_check_keys(err, m, "train", TRAIN_KEYS, N_OF(TRAIN_KEYS), ~0u, "train");
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "epochs", 0, 1000000, &t->epochs);
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "steps", 0, 1000000000000LL, &t->steps);
-    if (st == QT_OK) st = cfg_get_int(err, m, "train", "batch_size", 1, BATCH_MAX, &t->batch_size);
-    if (st == QT_OK) st = cfg_get_int(err, m, "train", "eval_batch_size", 1, BATCH_MAX, &t->eval_batch_size);
-    if (st == QT_OK) st = cfg_load_optimizer(err, m, &t->optim);
-    if (st == QT_OK) st = cfg_load_schedule(err, m, t);
-    if (st == QT_OK) st = cfg_get_float(err, m, "train", "grad_clip", CFG_NONNEG, &t->grad_clip);
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "eval_every", 0, INT64_MAX, &t->eval_every);
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "log_every", 0, INT64_MAX, &t->log_every);
-    if (st == QT_OK) st = cfg_get_i64(err, m, "train", "checkpoint_every", 0, INT64_MAX, &t->checkpoint_every);
-    if (st == QT_OK) st = cfg_get_int(err, m, "train", "keep_last", 0, INT_MAX, &t->keep_last);
-    if (st == QT_OK) st = load_guards(err, m, t);
+/* The model's shapes chain; on success ctx->dry is the model (for the checks that need module paths). */
+QtStatus cfg_model_after(QtError *err, const YNode *m, const YNode *parent_map, void *section, void *parent,
+                         CfgCtx *ctx) {
+    (void)parent_map, (void)parent;
+    QtStatus st = check_shapes(err, section, cfg_field(m, "layers"), &ctx->dry);
+    ctx->have_dry = st == QT_OK;
     return st;
 }
 
 static QtStatus load_root(QtError *err, const YNode *root, Config *c) {
-    QtStatus st = cfg_check_keys(err, root, "", TOP_KEYS, N_OF(TOP_KEYS), ~0u, "the top level");
-    if (st == QT_OK) st = load_run(err, root, &c->run);
-    if (st == QT_OK) st = load_data(err, root, &c->data);
-    Model dry;
-    if (st == QT_OK) st = load_model(err, root, &c->model, &dry);
-    if (st != QT_OK) return st;
-    st = load_train(err, root, &c->train);
-    if (st == QT_OK) st = cfg_load_quant(err, root, &c->quant);
-    if (st == QT_OK) st = cfg_load_lora(err, root, &dry, &c->lora);
-    model_free(&dry);
+    CfgCtx ctx = {.have_dry = false};
+    QtStatus st = cfg_check_table_keys(err, root, &CFG_ROOT, "", -1, NULL);
+    for (int i = 0; st == QT_OK && i < CFG_ROOT.n; i++) {
+        const CfgKey *row = &CFG_ROOT.keys[i];
+        st = cfg_load_table(err, root, row->key, row->sub, (char *)c + row->offset, c, &ctx);
+    }
+    if (ctx.have_dry) model_free(&ctx.dry);
     return st;
 }
 
@@ -533,24 +545,7 @@ static QtStatus load_root(QtError *err, const YNode *root, Config *c) {
 
 void config_default(Config *c) {
     memset(c, 0, sizeof *c);
-    cfg_set_str(c->run.name, sizeof c->run.name, "run");
-    cfg_set_str(c->run.out_dir, sizeof c->run.out_dir, "runs/run");
-    c->run.seed = 1;
-    cfg_set_str(c->data.dataset, sizeof c->data.dataset, CONFIG_DATASETS[0]);
-    cfg_set_str(c->data.dir, sizeof c->data.dir, "/usr/share/datasets/fashion-mnist");
-    c->data.storage = DATA_STORAGE_AUTO;
-    c->data.shuffle = true;
-    TrainConfig *t = &c->train;
-    t->epochs = 1;
-    t->batch_size = 64;
-    t->eval_batch_size = 256;
-    cfg_optim_defaults(&t->optim, OPTIM_ADAMW);
-    t->schedule.kind = SCHED_CONSTANT;
-    t->schedule.gamma = 0.1f;
-    t->log_every = 50;
-    t->keep_last = 3;
-    t->divergence_factor = 2.0f;
-    c->quant.calibration_batches = 16;
+    cfg_table_defaults(&CFG_ROOT, c);
 }
 
 static QtStatus load_text(Config *c, const char *text, size_t len, const char *name, const char *const *overrides,

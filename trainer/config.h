@@ -12,7 +12,11 @@
  *
  * config_to_yaml() writes the resolved config (every key, defaults filled
  * in); loading that text gives back the same Config. It is printed at the
- * start of a run and stored in every checkpoint. */
+ * start of a run and stored in every checkpoint.
+ *
+ * Every key is one row of the schema (trainer/config_table.c), which the
+ * loader, the defaults, config_to_yaml, the resume comparison and
+ * docs/CONFIG.md (config_doc_markdown) all follow. */
 #ifndef QTRAIN_TRAINER_CONFIG_H
 #define QTRAIN_TRAINER_CONFIG_H
 
@@ -171,7 +175,7 @@ QtStatus config_load_string(Config *c, const char *text, const char *name, const
 char *config_to_yaml(const Config *c);
 
 /* What differs between the config stored in a checkpoint and the one
- * resuming it. `fixed` gets the first key that must not change (it decides
+ * resuming it, as each key's row says. `fixed` gets the first key that must not change (it decides
  * the data order or the model: data.* but dir, model.* but init_from and
  * adapters_from, run.seed, train.batch_size, anything in quant or lora),
  * e.g. "model.layers[3]", or "" if none;
@@ -179,6 +183,12 @@ char *config_to_yaml(const Config *c);
  * (optimizer, schedule, epochs/steps, grad_clip), or "". */
 void config_diff_for_resume(const Config *stored, const Config *now, char *fixed, size_t fixed_cap, char *changed,
                             size_t changed_cap);
+
+/* The config reference as Markdown (malloc'd; the caller frees; NULL only if
+ * memory runs out): every key of the schema with its default, allowed
+ * values, what a resume does with it and its meaning. `qtrain config --doc`
+ * prints it; docs/CONFIG.md is its output. */
+char *config_doc_markdown(void);
 
 /* Levenshtein distance (for "did you mean"); exposed for tests. */
 int config_edit_distance(const char *a, const char *b);

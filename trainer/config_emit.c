@@ -1,6 +1,9 @@
 /* config_emit.c - config_to_yaml: the resolved Config as YAML that loads
- * back into the same Config. */
+ * back into the same Config, written from the schema's tables in their row
+ * order (which is therefore the order of the stored config), and the parts
+ * a table cannot write. */
 #include <inttypes.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,92 +83,54 @@ static void put_transform(FILE *f, const Transform *t) {
     }
 }
 
-/* One layer in flow style, with the keys that apply to its type. */
+/* One layer in flow style: the rows of its table that apply to its type, in their order (init_std only with
+ * init: normal). */
 static void put_layer(FILE *f, const LayerSpec *s) {
+    const CfgTable *t = &CFG_LAYER_TABLE;
     char a[32];
-    fputs("    - {name: ", f);
-    put_str(f, s->name);
-    fprintf(f, ", type: %s", layer_type_name(s->type));
-    switch (s->type) {
-    case LAYER_DENSE: fprintf(f, ", units: %d", s->units); break;
-    case LAYER_CONV2D:
-        fprintf(f, ", out_channels: %d, kernel: %d, stride: %d, padding: %d", s->out_channels, s->kernel, s->stride,
-                s->padding);
-        break;
-    case LAYER_MAXPOOL2D:
-    case LAYER_AVGPOOL2D: fprintf(f, ", kernel: %d, stride: %d", s->kernel, s->stride); break;
-    case LAYER_DROPOUT: fprintf(f, ", p: %s", fmt_float(a, sizeof a, s->p)); break;
-    case LAYER_LAYERNORM: fprintf(f, ", eps: %s", fmt_float(a, sizeof a, s->eps)); break;
-    default: break;
-    }
-    if (s->type == LAYER_DENSE || s->type == LAYER_CONV2D) {
-        fprintf(f, ", bias: %s, init: %s", s->no_bias ? "false" : "true", init_kind_name(s->init));
-        if (s->init == INIT_NORMAL) fprintf(f, ", init_std: %s", fmt_float(a, sizeof a, s->init_std));
+    fputs("    - {", f);
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        const char *field = (const char *)s + row->offset;
+        if (!cfg_row_applies(row, (int)s->type) || (field == (const char *)&s->init_std && s->init != INIT_NORMAL))
+            continue;
+        fprintf(f, "%s%s: ", i ? ", " : "", row->key);
+        switch (row->type) {
+        case CFG_T_STR: put_str(f, field); break;
+        case CFG_T_INT: fprintf(f, "%d", *(const int *)field); break;
+        case CFG_T_FLOAT: fputs(fmt_float(a, sizeof a, *(const float *)field), f); break;
+        case CFG_T_ENUM: fputs(row->name_of(*(const int *)field), f); break;
+        default: fputs(s->no_bias ? "false" : "true", f); break; /* bias, stored as no_bias */
+        }
     }
     fputs("}\n", f);
 }
 
-static void put_run_data(FILE *f, const Config *c) {
-    char a[48];
-    fputs("run:\n", f);
-    put_key_str(f, "  ", "name", c->run.name);
-    put_key_str(f, "  ", "out_dir", c->run.out_dir);
-    fprintf(f, "  seed: %" PRIu64 "\n  threads: %d\n", c->run.seed, c->run.threads);
-    const DataConfig *d = &c->data;
-    fputs("data:\n", f);
-    put_key_str(f, "  ", "dataset", d->dataset);
-    put_key_str(f, "  ", "dir", d->dir);
-    put_key_str(f, "  ", "cache_dir", d->cache_dir);
-    fprintf(f, "  storage: %s\n", data_storage_name(d->storage));
-    fputs(d->n_transforms ? "  transform:\n" : "  transform: []\n", f);
+void cfg_emit_transforms(FILE *f, const char *indent, const void *section) {
+    const DataConfig *d = section;
+    fprintf(f, "%stransform:%s\n", indent, d->n_transforms ? "" : " []");
     for (int i = 0; i < d->n_transforms; i++) {
-        fputs("    - ", f);
+        fprintf(f, "%s  - ", indent);
         put_transform(f, &d->transforms[i]);
         fputc('\n', f);
     }
-    fprintf(f, "  val_fraction: %s\n  shuffle: %s\n  drop_last: %s\n", fmt_double(a, sizeof a, d->val_fraction),
-            d->shuffle ? "true" : "false", d->drop_last ? "true" : "false");
 }
 
-static void put_model(FILE *f, const ModelConfig *m) {
-    fputs("model:\n  input: [", f);
+void cfg_emit_input(FILE *f, const char *indent, const void *section) {
+    const ModelConfig *m = section;
+    fprintf(f, "%sinput: [", indent);
     for (int i = 0; i < m->input_ndim; i++) fprintf(f, "%s%d", i ? ", " : "", m->input_shape[i]);
-    fputs(m->n_layers ? "]\n  layers:\n" : "]\n  layers: []\n", f);
-    for (int i = 0; i < m->n_layers; i++) put_layer(f, &m->layers[i]);
-    put_key_str(f, "  ", "init_from", m->init_from);
-    put_key_str(f, "  ", "adapters_from", m->adapters_from);
+    fputs("]\n", f);
 }
 
-static void put_train(FILE *f, const TrainConfig *t) {
-    char a[32], b[32];
-    fprintf(f,
-            "train:\n  epochs: %" PRId64 "\n  steps: %" PRId64 "\n  batch_size: %d\n  eval_batch_size: %d\n"
-            "  optimizer:\n    name: %s\n",
-            t->epochs, t->steps, t->batch_size, t->eval_batch_size, optim_kind_name(t->optim.kind));
-    const OptimConfig *o = &t->optim;
-    fprintf(f, "    lr: %s\n    weight_decay: %s\n", fmt_float(a, sizeof a, o->lr),
-            fmt_float(b, sizeof b, o->weight_decay));
-    if (o->kind == OPTIM_ADAMW) {
-        fprintf(f, "    betas: [%s, ", fmt_float(a, sizeof a, o->beta1));
-        fprintf(f, "%s]\n    eps: %s\n", fmt_float(a, sizeof a, o->beta2), fmt_float(b, sizeof b, o->eps));
-    } else {
-        fprintf(f, "    momentum: %s\n    dampening: %s\n    nesterov: %s\n", fmt_float(a, sizeof a, o->momentum),
-                fmt_float(b, sizeof b, o->dampening), o->nesterov ? "true" : "false");
-    }
-    const LrSchedule *s = &t->schedule;
-    fprintf(f, "  schedule:\n    name: %s\n    warmup_steps: %" PRId64 "\n", sched_kind_name(s->kind),
-            s->warmup_steps);
-    if (s->kind == SCHED_COSINE) fprintf(f, "    min_lr: %s\n", fmt_float(a, sizeof a, s->min_lr));
-    if (s->kind == SCHED_STEP)
-        fprintf(f, "    step_size: %" PRId64 "\n    gamma: %s\n", s->step_size, fmt_float(a, sizeof a, s->gamma));
-    fprintf(f,
-            "  grad_clip: %s\n  eval_every: %" PRId64 "\n  log_every: %" PRId64 "\n  checkpoint_every: %" PRId64
-            "\n  keep_last: %d\n  on_nonfinite: %s\n  divergence_factor: %s\n",
-            fmt_float(a, sizeof a, t->grad_clip), t->eval_every, t->log_every, t->checkpoint_every, t->keep_last,
-            NONFINITE_ACTION_NAMES[t->on_nonfinite], fmt_float(b, sizeof b, t->divergence_factor));
+void cfg_emit_layers(FILE *f, const char *indent, const void *section) {
+    const ModelConfig *m = section;
+    fprintf(f, "%slayers:%s\n", indent, m->n_layers ? "" : " []");
+    for (int i = 0; i < m->n_layers; i++) put_layer(f, &m->layers[i]);
 }
 
 static const char *bool_str(bool b) { return b ? "true" : "false"; }
+static void emit_row(FILE *f, const char *indent, const CfgKey *row, const void *section);
 
 /* A rule's first lines: module_path, op_types ([] = any) and skip. */
 static void put_match(FILE *f, const RuleMatch *m, bool skip) {
@@ -181,20 +146,26 @@ static void put_match(FILE *f, const RuleMatch *m, bool skip) {
     fprintf(f, "]\n      skip: %s\n", bool_str(skip));
 }
 
-static void put_qt(FILE *f, const FqtSpec *q) {
+/* A quant rule's scalar key as its row writes it. */
+static void put_rule_key(FILE *f, const char *key, const QuantRule *r) {
+    emit_row(f, "      ", cfg_table_row(&CFG_QUANT_RULE_TABLE, key), r);
+}
+
+static void put_qt(FILE *f, const QuantRule *r) {
+    const FqtSpec *q = &r->qt;
     char c[64];
     calib_format(&q->bwd_calib, c, sizeof c);
     put_key_str(f, "      ", "bwd_qtype", q->bwd_qtype ? qtype_name(q->bwd_qtype) : "none");
     put_key_str(f, "      ", "bwd_calibration", c);
-    fprintf(f, "      bwd_weight_grad_tile_size: %d\n      bwd_stochastic_rounding: %s\n",
-            q->bwd_weight_grad_tile_size, q->bwd_stochastic ? "uniform" : "none");
+    put_rule_key(f, "bwd_weight_grad_tile_size", r);
+    fprintf(f, "      bwd_stochastic_rounding: %s\n", q->bwd_stochastic ? "uniform" : "none");
     fprintf(f, "      channelwise_noise_axes: [%s]\n", q->noise_axes == (FQT_NOISE_ROWS | FQT_NOISE_COLS) ? "0, 1"
                                                         : q->noise_axes == FQT_NOISE_COLS ? "1" : "0");
 }
 
-static void put_quant(FILE *f, const QuantConfig *q) {
-    fprintf(f, "quant:\n  mode: %s\n  calibration_batches: %d\n", quant_mode_name(q->mode), q->calibration_batches);
-    fputs(q->n_rules ? "  rules:\n" : "  rules: []\n", f);
+void cfg_emit_quant_rules(FILE *f, const char *indent, const void *section) {
+    const QuantConfig *q = section;
+    fprintf(f, "%srules:%s\n", indent, q->n_rules ? "" : " []");
     for (int i = 0; i < q->n_rules; i++) {
         const QuantRule *r = &q->rules[i];
         put_match(f, &r->match, r->skip);
@@ -203,45 +174,85 @@ static void put_quant(FILE *f, const QuantConfig *q) {
         char a[64], b[64];
         calib_format(&s->weight_calib, a, sizeof a);
         put_key_str(f, "      ", "weight_qtype", s->weight_qtype ? qtype_name(s->weight_qtype) : "none");
-        fprintf(f, "      tile_size: %d\n      per_tensor: %s\n", s->tile_size, bool_str(s->per_tensor));
+        put_rule_key(f, "tile_size", r);
+        put_rule_key(f, "per_tensor", r);
         put_key_str(f, "      ", "weight_calibration", a);
-        fprintf(f, "      symmetric: %s\n      narrow_range: %s\n      scale_type: %s\n      double_quant: %s\n",
-                bool_str(s->symmetric), bool_str(s->narrow_range), qarray_scale_type_name(s->scale_type),
-                bool_str(s->double_quant));
-        fprintf(f, "      rounding: %s\n      allow_clip: %s\n", qround_name(s->rounding), bool_str(r->allow_clip));
+        fprintf(f, "      symmetric: %s\n", bool_str(s->symmetric));
+        put_rule_key(f, "narrow_range", r);
+        fprintf(f, "      scale_type: %s\n", qarray_scale_type_name(s->scale_type));
+        put_rule_key(f, "double_quant", r);
+        fprintf(f, "      rounding: %s\n", qround_name(s->rounding));
+        put_rule_key(f, "allow_clip", r);
         put_key_str(f, "      ", "act_qtype", s->act_qtype ? qtype_name(s->act_qtype) : "none");
         calib_format(&s->act_calib, b, sizeof b);
         put_key_str(f, "      ", "act_calibration", b);
         fprintf(f, "      act_symmetric: %s\n", bool_str(s->act_symmetric));
-        if (q->mode == QUANT_MODE_QT) put_qt(f, &r->qt);
+        if (q->mode == QUANT_MODE_QT) put_qt(f, r);
         if (q->mode != QUANT_MODE_QAT) continue;
-        char c[64], lr[32];
+        char c[64];
         calib_format(&r->qat.amax_init, c, sizeof c);
-        fprintf(f, "      learn_amax: %s\n", qat_learn_name(r->qat.learn_amax));
+        put_rule_key(f, "learn_amax", r);
         put_key_str(f, "      ", "amax_init", c);
-        fprintf(f, "      act_static_scale: %s\n      lr: %s\n", bool_str(r->qat.act_static_scale),
-                fmt_float(lr, sizeof lr, r->qat.lr));
+        put_rule_key(f, "act_static_scale", r);
+        put_rule_key(f, "lr", r);
     }
 }
 
-static void put_lora(FILE *f, const LoraConfig *l) {
-    fputs(l->n_rules ? "lora:\n  rules:\n" : "lora:\n  rules: []\n", f);
+void cfg_emit_lora_rules(FILE *f, const char *indent, const void *section) {
+    const LoraConfig *l = section;
+    fprintf(f, "%srules:%s\n", indent, l->n_rules ? "" : " []");
     for (int i = 0; i < l->n_rules; i++) {
         const LoraRule *r = &l->rules[i];
         put_match(f, &r->match, r->skip);
-        if (r->skip) continue;
-        char a[32], b[32];
-        fprintf(f, "      rank: %d\n      alpha: %s\n      dropout: %s\n      rslora: %s\n      init: %s\n",
-                r->spec.rank, fmt_float(a, sizeof a, r->spec.alpha), fmt_float(b, sizeof b, r->spec.dropout),
-                bool_str(r->spec.rslora), lora_init_name(r->spec.init));
+        for (int k = RULE_MATCH_KEYS; !r->skip && k < CFG_LORA_RULE_TABLE.n; k++)
+            emit_row(f, "      ", &CFG_LORA_RULE_TABLE.keys[k], r);
     }
-    fputs("  trainable: [", f);
+}
+
+void cfg_emit_trainable(FILE *f, const char *indent, const void *section) {
+    const LoraConfig *l = section;
+    fprintf(f, "%strainable: [", indent);
     for (int i = 0; i < l->n_trainable; i++) {
         if (i) fputs(", ", f);
         put_str(f, l->trainable[i]);
     }
     fputs("]\n", f);
-    fprintf(f, "  strict_base: %s\n", bool_str(l->strict_base));
+}
+
+/* One scalar or section row as "<indent><key>: <value>\n" (and the lines under it). */
+static void emit_row(FILE *f, const char *indent, const CfgKey *row, const void *section) {
+    char a[48], b[48], deeper[32];
+    const char *field = (const char *)section + row->offset;
+    switch (row->type) {
+    case CFG_T_STR:
+    case CFG_T_PATH:
+    case CFG_T_NAME: put_key_str(f, indent, row->key, field); break;
+    case CFG_T_BOOL: fprintf(f, "%s%s: %s\n", indent, row->key, bool_str(*(const bool *)field)); break;
+    case CFG_T_INT: fprintf(f, "%s%s: %d\n", indent, row->key, *(const int *)field); break;
+    case CFG_T_I64: fprintf(f, "%s%s: %" PRId64 "\n", indent, row->key, *(const int64_t *)field); break;
+    case CFG_T_U64: fprintf(f, "%s%s: %" PRIu64 "\n", indent, row->key, *(const uint64_t *)field); break;
+    case CFG_T_FLOAT: fprintf(f, "%s%s: %s\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field)); break;
+    case CFG_T_DOUBLE:
+        fprintf(f, "%s%s: %s\n", indent, row->key, fmt_double(a, sizeof a, *(const double *)field));
+        break;
+    case CFG_T_ENUM: fprintf(f, "%s%s: %s\n", indent, row->key, row->name_of(*(const int *)field)); break;
+    case CFG_T_FLOAT2:
+        fprintf(f, "%s%s: [%s, %s]\n", indent, row->key, fmt_float(a, sizeof a, *(const float *)field),
+                fmt_float(b, sizeof b, *(const float *)((const char *)section + row->offset2)));
+        break;
+    case CFG_T_SECTION:
+        fprintf(f, "%s%s:\n", indent, row->key);
+        snprintf(deeper, sizeof deeper, "%s  ", indent);
+        cfg_emit_table(f, row->sub, deeper, field);
+        break;
+    case CFG_T_PART: row->part->emit(f, indent, section); break;
+    }
+}
+
+void cfg_emit_table(FILE *f, const CfgTable *t, const char *indent, const void *section) {
+    int kind = cfg_table_kind(t, section);
+    for (int i = 0; i < t->n; i++)
+        if (cfg_row_applies(&t->keys[i], kind)) emit_row(f, indent, &t->keys[i], section);
 }
 
 char *config_to_yaml(const Config *c) {
@@ -249,11 +260,7 @@ char *config_to_yaml(const Config *c) {
     size_t size = 0;
     FILE *f = open_memstream(&text, &size);
     if (!f) return NULL;
-    put_run_data(f, c);
-    put_model(f, &c->model);
-    put_train(f, &c->train);
-    put_quant(f, &c->quant);
-    put_lora(f, &c->lora);
+    cfg_emit_table(f, &CFG_ROOT, "", c);
     bool failed = ferror(f) != 0;
     if (fclose(f) != 0 || failed) {
         free(text);

@@ -18,24 +18,8 @@
 #define BIT(k) (1u << (k))
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
-static const char *const QUANT_KEYS[] = {"mode", "calibration_batches", "rules"};
-static const char *const LORA_KEYS[] = {"rules", "trainable", "strict_base"};
-
-/* The first RK_MATCH_KEYS keys of both rule kinds are the match and skip. */
-enum { RK_MATCH_KEYS = 3 };
-static const char *const QUANT_RULE_KEYS[] = {
-    "module_path", "op_types",     "skip",       "weight_qtype", "tile_size", "per_tensor",      "weight_calibration",
-    "symmetric",   "narrow_range", "scale_type", "double_quant", "act_qtype", "act_calibration", "act_symmetric",
-    "learn_amax",  "amax_init",    "act_static_scale", "lr",  "disable_channelwise_axes",
-    "bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size", "bwd_stochastic_rounding", "channelwise_noise_axes",
-    "rounding",    "allow_clip"};
-/* The keys only quant.mode qt reads. */
-static const char *const FQT_ONLY_KEYS[] = {"bwd_qtype", "bwd_calibration", "bwd_weight_grad_tile_size",
-                                           "bwd_stochastic_rounding", "channelwise_noise_axes"};
-/* The keys only quant.mode qat reads. */
-static const char *const QAT_ONLY_KEYS[] = {"learn_amax", "amax_init", "act_static_scale", "lr"};
-static const char *const LORA_RULE_KEYS[] = {"module_path", "op_types", "skip",   "rank",
-                                             "alpha",       "dropout",  "rslora", "init"};
+#define QR (&CFG_QUANT_RULE_TABLE)
+#define LR (&CFG_LORA_RULE_TABLE)
 
 /* ---- what a rule matches ------------------------------------------------------------ */
 
@@ -86,7 +70,7 @@ static QtStatus load_match(QtError *err, const YNode *item, const char *path, co
     for (int k = 0; st == QT_OK && *skip && k < item->n; k++) {
         const char *key = item->keys[k]->text;
         bool match_key = false;
-        for (int i = 0; i < RK_MATCH_KEYS; i++) match_key = match_key || strcmp(key, QUANT_RULE_KEYS[i]) == 0;
+        for (int i = 0; i < RULE_MATCH_KEYS; i++) match_key = match_key || strcmp(key, QR->keys[i].key) == 0;
         if (!match_key && !ynode_is_null(item->items[k]))
             st = cfg_fail(err, item->keys[k], cfg_join(full, sizeof full, path, key),
                           "skip: true takes no other settings; remove %s or the skip", key);
@@ -224,16 +208,17 @@ static QtStatus load_calib(QtError *err, const YNode *map, const char *path, con
     return st;
 }
 
-static QtStatus load_weight_settings(QtError *err, const YNode *item, const char *path, bool allow_clip,
-                                     QLayerSpec *s) {
+static QtStatus load_weight_settings(QtError *err, const YNode *item, const char *path, QuantRule *r) {
+    QLayerSpec *s = &r->spec;
+    bool allow_clip = r->allow_clip;
     char full[128];
     if (!cfg_field(item, "weight_qtype"))
         return cfg_fail(err, item, cfg_join(full, sizeof full, path, "weight_qtype"),
                         "missing; a quant rule needs weight_qtype, a format such as int8 or nf4 (or none to keep "
                         "the weights float), unless it has skip: true");
     QtStatus st = load_qtype(err, item, path, "weight_qtype", "(keep the weights float)", &s->weight_qtype);
-    if (st == QT_OK) st = cfg_get_int(err, item, path, "tile_size", 0, INT_MAX, &s->tile_size);
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "per_tensor", &s->per_tensor);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "tile_size", r);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "per_tensor", r);
     bool no_axes = false; /* QAT's name for per-tensor scales (ModelOpt's disable_channelwise_axes) */
     if (st == QT_OK) st = cfg_get_bool(err, item, path, "disable_channelwise_axes", &no_axes);
     s->per_tensor = s->per_tensor || no_axes;
@@ -250,7 +235,7 @@ static QtStatus load_weight_settings(QtError *err, const YNode *item, const char
     if (st == QT_OK) st = load_calib(err, item, path, "weight_calibration", &s->weight_calib);
     if (st == QT_OK) st = check_weight_calib(err, item, path, &s->weight_calib);
     if (st == QT_OK) st = load_rounding(err, item, path, &s->rounding);
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "narrow_range", &s->narrow_range);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "narrow_range", r);
     const YNode *v = cfg_field(item, "scale_type");
     if (st == QT_OK && v) {
         char name[64];
@@ -260,28 +245,21 @@ static QtStatus load_weight_settings(QtError *err, const YNode *item, const char
         if (st == QT_OK)
             st = cfg_lookup_fail(err, v, full, qarray_scale_type_parse(name, &s->scale_type, &inner), &inner);
     }
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "double_quant", &s->double_quant);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "double_quant", r);
     return st;
 }
 
-static QtStatus load_qat_settings(QtError *err, const YNode *item, const char *path, QatSpec *q) {
+static QtStatus load_qat_settings(QtError *err, const YNode *item, const char *path, QuantRule *r) {
+    QatSpec *q = &r->qat;
     const QatSpec d = qat_spec_default();
     q->learn_amax = d.learn_amax;
     calib_copy(&q->amax_init, &d.amax_init);
     q->act_static_scale = d.act_static_scale;
     q->lr = d.lr;
-    const YNode *v = cfg_field(item, "learn_amax");
-    QtStatus st = QT_OK;
-    if (v) {
-        char full[128], name[64];
-        QtError inner = {0};
-        cfg_join(full, sizeof full, path, "learn_amax");
-        st = cfg_to_str(err, v, full, false, name, sizeof name);
-        if (st == QT_OK) st = cfg_lookup_fail(err, v, full, qat_learn_parse(name, &q->learn_amax, &inner), &inner);
-    }
+    QtStatus st = cfg_load_key(err, item, path, QR, "learn_amax", r);
     if (st == QT_OK) st = load_calib(err, item, path, "amax_init", &q->amax_init);
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "act_static_scale", &q->act_static_scale);
-    if (st == QT_OK) st = cfg_get_float(err, item, path, "lr", CFG_NONNEG, &q->lr);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "act_static_scale", r);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "lr", r);
     return st;
 }
 
@@ -306,7 +284,8 @@ static QtStatus load_noise_axes(QtError *err, const YNode *item, const char *pat
     return QT_OK;
 }
 
-static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *path, FqtSpec *q) {
+static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *path, QuantRule *r) {
+    FqtSpec *q = &r->qt;
     const FqtSpec d = fqt_spec_default();
     q->weight_qtype = q->act_qtype = q->bwd_qtype = NULL;
     calib_copy(&q->bwd_calib, &d.bwd_calib);
@@ -315,8 +294,7 @@ static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *pa
     q->noise_axes = FQT_NOISE_ROWS;
     QtStatus st = load_qtype(err, item, path, "bwd_qtype", "(the float backward of QAT)", &q->bwd_qtype);
     if (st == QT_OK) st = load_calib(err, item, path, "bwd_calibration", &q->bwd_calib);
-    if (st == QT_OK) st = cfg_get_int(err, item, path, "bwd_weight_grad_tile_size", 0, INT_MAX,
-                                      &q->bwd_weight_grad_tile_size);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, QR, "bwd_weight_grad_tile_size", r);
     const YNode *v = cfg_field(item, "bwd_stochastic_rounding");
     if (st == QT_OK && v) {
         char full[128], name[32];
@@ -338,16 +316,20 @@ static QtStatus load_qt_settings(QtError *err, const YNode *item, const char *pa
  * stored scales), a learned range on a format without an integer grid. */
 static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *path, const QuantRule *r, QuantMode mode) {
     char full[128];
-    for (size_t k = 0; mode != QUANT_MODE_QT && k < N_OF(FQT_ONLY_KEYS); k++)
-        if (cfg_field(item, FQT_ONLY_KEYS[k]))
-            return cfg_fail(err, cfg_field(item, FQT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, FQT_ONLY_KEYS[k]),
+    for (int i = 0; mode != QUANT_MODE_QT && i < QR->n; i++) {
+        const char *key = QR->keys[i].key;
+        if (QR->keys[i].kinds == 1u << QUANT_MODE_QT && cfg_field(item, key))
+            return cfg_fail(err, cfg_field(item, key), cfg_join(full, sizeof full, path, key),
                             "applies to quant.mode qt (the quantized backward), but quant.mode is %s; remove it or "
                             "set quant.mode: qt", quant_mode_name(mode));
-    for (size_t k = 0; mode != QUANT_MODE_QAT && k < N_OF(QAT_ONLY_KEYS); k++)
-        if (cfg_field(item, QAT_ONLY_KEYS[k]))
-            return cfg_fail(err, cfg_field(item, QAT_ONLY_KEYS[k]), cfg_join(full, sizeof full, path, QAT_ONLY_KEYS[k]),
+    }
+    for (int i = 0; mode != QUANT_MODE_QAT && i < QR->n; i++) {
+        const char *key = QR->keys[i].key;
+        if (QR->keys[i].kinds == 1u << QUANT_MODE_QAT && cfg_field(item, key))
+            return cfg_fail(err, cfg_field(item, key), cfg_join(full, sizeof full, path, key),
                             "applies to quant.mode qat, but quant.mode is %s; remove it or set quant.mode: qat",
                             quant_mode_name(mode));
+    }
     if (!r->skip && mode == QUANT_MODE_QT && r->spec.double_quant)
         return cfg_fail(err, cfg_field(item, "double_quant"), cfg_join(full, sizeof full, path, "double_quant"),
                         "does not apply to quant.mode qt (it compresses the stored scales of a frozen base)");
@@ -383,47 +365,40 @@ static QtStatus check_rule_mode(QtError *err, const YNode *item, const char *pat
 static QtStatus load_quant_rule(QtError *err, const YNode *item, const char *path, void *rule) {
     QuantRule *r = rule;
     memset(r, 0, sizeof *r);
-    QtStatus st = cfg_check_keys(err, item, path, QUANT_RULE_KEYS, N_OF(QUANT_RULE_KEYS), ~0u, "a quant rule");
+    QtStatus st = cfg_check_table_keys(err, item, QR, path, -1, NULL);
     if (st == QT_OK) st = load_match(err, item, path, "quant rule", &r->match, &r->skip);
     if (st != QT_OK || r->skip) return st;
     QLayerSpec *s = &r->spec;
     spec_defaults(s);
-    st = cfg_get_bool(err, item, path, "allow_clip", &r->allow_clip);
-    if (st == QT_OK) st = load_weight_settings(err, item, path, r->allow_clip, s);
+    st = cfg_load_key(err, item, path, QR, "allow_clip", r);
+    if (st == QT_OK) st = load_weight_settings(err, item, path, r);
     if (st == QT_OK) st = load_qtype(err, item, path, "act_qtype", "(keep the input float)", &s->act_qtype);
     if (st == QT_OK)
         st = load_symmetric(err, item, path, "act_symmetric", s->act_qtype, r->allow_clip, &s->act_symmetric);
     calib_default(&s->act_calib, s->act_symmetric, NULL);
     if (st == QT_OK) st = load_calib(err, item, path, "act_calibration", &s->act_calib);
-    if (st == QT_OK) st = load_qat_settings(err, item, path, &r->qat);
-    if (st == QT_OK) st = load_qt_settings(err, item, path, &r->qt);
+    if (st == QT_OK) st = load_qat_settings(err, item, path, r);
+    if (st == QT_OK) st = load_qt_settings(err, item, path, r);
     r->qt.weight_qtype = s->weight_qtype;
     r->qt.act_qtype = s->act_qtype;
     return st;
 }
 
-QtStatus cfg_load_quant(QtError *err, const YNode *root, QuantConfig *q) {
-    const YNode *m = NULL;
-    QtStatus st = cfg_section(err, root, "", "quant", &m);
-    if (st == QT_OK) st = cfg_check_keys(err, m, "quant", QUANT_KEYS, N_OF(QUANT_KEYS), ~0u, "quant");
+QtStatus cfg_part_load_quant_rules(QtError *err, const YNode *rules, const YNode *map, void *section, CfgCtx *ctx) {
+    (void)map, (void)ctx;
+    QuantConfig *q = section;
+    return load_rules(err, rules, "quant.rules", "a rule mapping such as {module_path: \"fc.*\", weight_qtype: int8}",
+                      load_quant_rule, q->rules, sizeof q->rules[0], &q->n_rules);
+}
+
+/* quant.mode and quant.rules agree, and every rule suits the mode. */
+QtStatus cfg_quant_after(QtError *err, const YNode *m, const YNode *parent_map, void *section, void *parent,
+                         CfgCtx *ctx) {
+    (void)parent_map, (void)parent, (void)ctx;
+    const QuantConfig *q = section;
     const YNode *mode = cfg_field(m, "mode"), *rules = cfg_field(m, "rules");
-    if (st == QT_OK && mode) {
-        const char *names[QUANT_MODE_COUNT];
-        for (int i = 0; i < QUANT_MODE_COUNT; i++) names[i] = quant_mode_name((QuantMode)i);
-        char name[64];
-        QtError inner = {0};
-        int k = 0;
-        st = cfg_to_str(err, mode, "quant.mode", false, name, sizeof name);
-        if (st == QT_OK)
-            st = cfg_lookup_fail(err, mode, "quant.mode",
-                                 qt_name_lookup("quant mode", name, names, QUANT_MODE_COUNT, &k, &inner), &inner);
-        q->mode = (QuantMode)k;
-    }
-    if (st == QT_OK) st = cfg_get_int(err, m, "quant", "calibration_batches", 1, INT_MAX, &q->calibration_batches);
-    if (st == QT_OK)
-        st = load_rules(err, rules, "quant.rules", "a rule mapping such as {module_path: \"fc.*\", weight_qtype: int8}",
-                        load_quant_rule, q->rules, sizeof q->rules[0], &q->n_rules);
-    if (st == QT_OK && q->mode == QUANT_MODE_NONE && q->n_rules > 0)
+    QtStatus st = QT_OK;
+    if (q->mode == QUANT_MODE_NONE && q->n_rules > 0)
         st = cfg_fail(err, rules, "quant.rules",
                       "%d rule%s given, but quant.mode is none, which quantizes nothing; set quant.mode: ptq or qat to "
                       "apply them (or remove the rules)",
@@ -445,7 +420,7 @@ QtStatus cfg_load_quant(QtError *err, const YNode *root, QuantConfig *q) {
 static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path, void *rule) {
     LoraRule *r = rule;
     memset(r, 0, sizeof *r);
-    QtStatus st = cfg_check_keys(err, item, path, LORA_RULE_KEYS, N_OF(LORA_RULE_KEYS), ~0u, "a lora rule");
+    QtStatus st = cfg_check_table_keys(err, item, LR, path, -1, NULL);
     if (st == QT_OK) st = load_match(err, item, path, "lora rule", &r->match, &r->skip);
     if (st != QT_OK || r->skip) return st;
     LoraSpec *s = &r->spec;
@@ -454,26 +429,18 @@ static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path
         return cfg_fail(err, item, cfg_join(full, sizeof full, path, "rank"),
                         "missing; a lora rule needs rank, the adapters' inner dimension (e.g. 8), unless it has "
                         "skip: true");
-    st = cfg_get_int(err, item, path, "rank", 1, INT_MAX, &s->rank);
+    st = cfg_load_key(err, item, path, LR, "rank", r);
     s->alpha = (float)s->rank;
-    if (st == QT_OK) st = cfg_get_float(err, item, path, "alpha", CFG_POSITIVE, &s->alpha);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "alpha", r);
     if (st == QT_OK && s->alpha == 0.0f)
         st = cfg_fail(err, cfg_field(item, "alpha"), cfg_join(full, sizeof full, path, "alpha"),
                       "is too small for a float (it rounds to 0)");
-    if (st == QT_OK)
-        st = cfg_get_float(err, item, path, "dropout", (CfgRange){0.0, 1.0, false, true, true}, &s->dropout);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "dropout", r);
     if (st == QT_OK && s->dropout >= 1.0f)
         st = cfg_fail(err, cfg_field(item, "dropout"), cfg_join(full, sizeof full, path, "dropout"),
                       "rounds to 1 as a float; expected a value below 1");
-    if (st == QT_OK) st = cfg_get_bool(err, item, path, "rslora", &s->rslora);
-    const YNode *v = cfg_field(item, "init");
-    if (st == QT_OK && v) {
-        char name[64];
-        QtError inner = {0};
-        cfg_join(full, sizeof full, path, "init");
-        st = cfg_to_str(err, v, full, false, name, sizeof name);
-        if (st == QT_OK) st = cfg_lookup_fail(err, v, full, lora_init_parse(name, &s->init, &inner), &inner);
-    }
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "rslora", r);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "init", r);
     return st;
 }
 
@@ -489,7 +456,10 @@ static void list_param_modules(const Model *dry, char *buf, size_t size) {
     }
 }
 
-static QtStatus load_trainable(QtError *err, const YNode *v, const Model *dry, LoraConfig *l) {
+QtStatus cfg_part_load_trainable(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx) {
+    (void)map;
+    const Model *dry = &ctx->dry;
+    LoraConfig *l = section;
     if (!v) return QT_OK;
     if (v->kind != YNODE_SEQUENCE)
         return cfg_fail_expected(err, v, "lora.trainable", "a sequence of module names, e.g. [head]", "");
@@ -517,15 +487,9 @@ static QtStatus load_trainable(QtError *err, const YNode *v, const Model *dry, L
     return QT_OK;
 }
 
-QtStatus cfg_load_lora(QtError *err, const YNode *root, const Model *dry, LoraConfig *l) {
-    const YNode *m = NULL;
-    QtStatus st = cfg_section(err, root, "", "lora", &m);
-    if (st == QT_OK) st = cfg_check_keys(err, m, "lora", LORA_KEYS, N_OF(LORA_KEYS), ~0u, "lora");
-    if (st == QT_OK)
-        st = load_rules(err, cfg_field(m, "rules"), "lora.rules",
-                        "a rule mapping such as {module_path: \".*\", rank: 8}", load_lora_rule, l->rules,
-                        sizeof l->rules[0], &l->n_rules);
-    if (st == QT_OK) st = load_trainable(err, cfg_field(m, "trainable"), dry, l);
-    if (st == QT_OK) st = cfg_get_bool(err, m, "lora", "strict_base", &l->strict_base);
-    return st;
+QtStatus cfg_part_load_lora_rules(QtError *err, const YNode *rules, const YNode *map, void *section, CfgCtx *ctx) {
+    (void)map, (void)ctx;
+    LoraConfig *l = section;
+    return load_rules(err, rules, "lora.rules", "a rule mapping such as {module_path: \".*\", rank: 8}", load_lora_rule,
+                      l->rules, sizeof l->rules[0], &l->n_rules);
 }
