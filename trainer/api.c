@@ -198,8 +198,8 @@ qtrain_status qtrain_run_load(qtrain_run **run, const qtrain_config *cfg, const 
         return run_fail(run, &e, st);
     if (cs.n_train != r->data.train.n || cs.step > r->plan.total_steps || cs.cursor > r->data.train.n)
         return run_fail(run, &e, qt_error_set(&e, QT_ERR_CONFIG, "cannot continue %s with this config: it is at step "
-                                              "%lld of %lld training examples, the config plans %lld steps over %d; "
-                                              "load it with the config it was trained with "
+                                              "%lld, trained on %lld examples, and the config plans %lld steps over "
+                                              "%d; load it with the config it was trained with "
                                               "(qtrain_config_from_checkpoint)", checkpoint, (long long)cs.step,
                                               (long long)cs.n_train, (long long)r->plan.total_steps, r->data.train.n));
     /* train.c's run_resume_from, without the run directory */
