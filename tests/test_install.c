@@ -216,12 +216,14 @@ static bool api_steps_until(qtrain_run *run, int64_t until) {
     return true;
 }
 
-/* A run saved halfway and loaded by qtrain_run_load ends where the run
- * without the break ends (the same test accuracy and loss, bit for bit);
- * the plan's end, a missing file and a mistyped key are errors with a
+/* A run saved halfway and loaded by qtrain_run_load (with the config the
+ * checkpoint stores) ends where the run without the break ends (the same
+ * test accuracy and loss, bit for bit), and its saved end evaluates from
+ * the file to the same numbers; the plan's end, a checkpoint past a
+ * shorter plan, a missing file and a mistyped key are errors with a
  * message. */
 static void test_api_save_load_continues(void) {
-    char *dir = test_tmpdir_new(), *half = test_path_join(dir, "half.h5");
+    char *dir = test_tmpdir_new(), *half = test_path_join(dir, "half.h5"), *end = test_path_join(dir, "end.h5");
     const char *sets[] = {"train.steps=12"};
     qtrain_config *cfg = NULL;
     CU_ASSERT_EQUAL_FATAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", sets, 1), QTRAIN_OK);
@@ -233,12 +235,16 @@ static void test_api_save_load_continues(void) {
     CU_ASSERT_EQUAL(qtrain_run_step(whole, NULL), QTRAIN_ERR_ARG); /* the plan is done */
     CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "raise train.steps"));
     CU_ASSERT_EQUAL_FATAL(qtrain_run_evaluate(whole, &a), QTRAIN_OK);
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_save(whole, end), QTRAIN_OK);
 
     CU_ASSERT_EQUAL_FATAL(qtrain_run_new(&first, cfg), QTRAIN_OK);
     CU_ASSERT_FATAL(api_steps_until(first, 5));
     CU_ASSERT_EQUAL_FATAL(qtrain_run_save(first, half), QTRAIN_OK);
     qtrain_run_free(first);
-    CU_ASSERT_EQUAL_FATAL(qtrain_run_load(&second, cfg, half), QTRAIN_OK);
+    qtrain_config *stored = NULL; /* the config the checkpoint holds, as the run had it */
+    CU_ASSERT_EQUAL_FATAL(qtrain_config_from_checkpoint(&stored, half, NULL, 0), QTRAIN_OK);
+    CU_ASSERT_EQUAL_FATAL(qtrain_run_load(&second, stored, half), QTRAIN_OK);
+    qtrain_config_free(stored);
     CU_ASSERT_EQUAL(qtrain_run_steps_done(second), 5);
     CU_ASSERT_FATAL(api_steps_until(second, 12));
     CU_ASSERT_EQUAL_FATAL(qtrain_run_evaluate(second, &b), QTRAIN_OK);
@@ -251,6 +257,17 @@ static void test_api_save_load_continues(void) {
     qtrain_run_free(second);
     qtrain_config_free(cfg);
 
+    /* the saved end, evaluated from the file with its stored config */
+    CU_ASSERT_EQUAL(qtrain_evaluate_checkpoint(NULL, end, &b), QTRAIN_OK);
+    CU_ASSERT(b.step == 12 && b.test_accuracy == a.test_accuracy && b.test_loss == a.test_loss);
+    /* a plan shorter than the checkpoint's step cannot continue it */
+    const char *shorter[] = {"train.steps=3"};
+    CU_ASSERT_EQUAL_FATAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", shorter, 1), QTRAIN_OK);
+    CU_ASSERT_EQUAL(qtrain_run_load(&second, cfg, half), QTRAIN_ERR_CONFIG);
+    CU_ASSERT_PTR_NULL(second);
+    CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "qtrain_config_from_checkpoint"));
+    qtrain_config_free(cfg);
+
     cfg = NULL;
     CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/no-such.yaml", NULL, 0), QTRAIN_ERR_IO);
     CU_ASSERT_PTR_NULL(cfg);
@@ -258,7 +275,7 @@ static void test_api_save_load_continues(void) {
     const char *typo[] = {"train.stpes=3"};
     CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", typo, 1), QTRAIN_ERR_CONFIG);
     CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "steps"));
-    free(half);
+    free(half), free(end);
     test_tmpdir_remove(dir);
 }
 

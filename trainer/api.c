@@ -277,9 +277,14 @@ qtrain_status qtrain_evaluate_checkpoint(const qtrain_config *cfg, const char *c
     QtError e = {0};
     QtStatus st = train_eval_checkpoint_to(&cfg->cfg, checkpoint, NULL, &res, &e);
     qtrain_config_free(stored);
+    CheckpointProvenance *prov = st == QT_OK ? malloc(sizeof *prov) : NULL; /* the step: evaluation reads no plan */
+    if (st == QT_OK && !prov) st = qt_error_set(&e, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK) st = checkpoint_read_provenance(checkpoint, prov, &e);
+    int64_t step = st == QT_OK ? prov->step : 0;
+    free(prov);
     if (st != QT_OK) return api_fail(&e, st);
     *metrics = (qtrain_metrics){
-        .step = res.steps, .test_loss = res.test_loss, .test_accuracy = res.test_accuracy,
+        .step = step, .test_loss = res.test_loss, .test_accuracy = res.test_accuracy,
         .val_loss = res.val_loss, .val_accuracy = res.val_accuracy, .params_trainable = res.params_trainable,
         .params_frozen = res.params_frozen, .model_bytes = res.model_bytes,
         .base_bits_per_param = res.base_bits_per_param,
