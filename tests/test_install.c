@@ -219,7 +219,8 @@ static bool api_steps_until(qtrain_run *run, int64_t until) {
 /* A run saved halfway and loaded by qtrain_run_load (with the config the
  * checkpoint stores) ends where the run without the break ends (the same
  * test accuracy and loss, bit for bit), and its saved end evaluates from
- * the file to the same numbers; the plan's end, a checkpoint past a
+ * the file to the same numbers and quantizes to int8 (a config from YAML
+ * text) at about the float accuracy; the plan's end, a checkpoint past a
  * shorter plan, a missing file and a mistyped key are errors with a
  * message. */
 static void test_api_save_load_continues(void) {
@@ -260,6 +261,20 @@ static void test_api_save_load_continues(void) {
     /* the saved end, evaluated from the file with its stored config */
     CU_ASSERT_EQUAL(qtrain_evaluate_checkpoint(NULL, end, &b), QTRAIN_OK);
     CU_ASSERT(b.step == 12 && b.test_accuracy == a.test_accuracy && b.test_loss == a.test_loss);
+    /* PTQ of the saved end by a config given as YAML text: int8 weights, about the float accuracy */
+    char *yaml = test_file_read("tests/configs/tiny-base.yaml", NULL), *quant = test_path_join(dir, "int8.h5");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(yaml);
+    const char *rules = "quant:\n  mode: ptq\n  rules:\n    - {module_path: \".*\", weight_qtype: int8}\n";
+    char *text = malloc(strlen(yaml) + strlen(rules) + 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
+    strcat(strcpy(text, yaml), rules);
+    CU_ASSERT_EQUAL_FATAL(qtrain_config_parse(&cfg, text, "tiny-base+int8", NULL, 0), QTRAIN_OK);
+    CU_ASSERT_EQUAL(qtrain_quantize_checkpoint(cfg, end, quant), QTRAIN_OK);
+    qtrain_config_free(cfg);
+    qtrain_metrics q;
+    CU_ASSERT_EQUAL(qtrain_evaluate_checkpoint(NULL, quant, &q), QTRAIN_OK);
+    CU_ASSERT(q.base_bits_per_param < 9.0 && fabs(q.test_accuracy - a.test_accuracy) < 0.05);
+    free(yaml), free(text), free(quant);
     /* a plan shorter than the checkpoint's step cannot continue it */
     const char *shorter[] = {"train.steps=3"};
     CU_ASSERT_EQUAL_FATAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", shorter, 1), QTRAIN_OK);
@@ -282,5 +297,6 @@ static void test_api_save_load_continues(void) {
 int register_install_suite(void) {
     CU_pSuite s = CU_add_suite("install", NULL, NULL);
     return !s || !CU_add_test(s, "make install, the example via pkg-config = qtrain", test_install_example_matches_cli) ||
-           !CU_add_test(s, "qtrain_run_load continues a saved run exactly", test_api_save_load_continues);
+           !CU_add_test(s, "the API: a loaded run continues exactly; quantize, evaluate a file, errors",
+                           test_api_save_load_continues);
 }
