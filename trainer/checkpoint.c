@@ -654,8 +654,10 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
     QtStatus st = h5io_open(&f, path, err);
     if (st != QT_OK) return st;
     st = check_header(&f, err);
-    for (int k = 0; st == QT_OK && k < adapters.n_sets; k++)
-        if (adapters.sets[k].kind->check_adapters) st = adapters.sets[k].kind->check_adapters(&f, &adapters.sets[k], err);
+    for (int k = 0; st == QT_OK && k < adapters.n_sets; k++) {
+        const HookSet *set = &adapters.sets[k];
+        if (set->kind->check_adapters) st = set->kind->check_adapters(&f, set, err);
+    }
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;

@@ -45,7 +45,9 @@
  *                     stochastic-rounding generator
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
  *                     1, 1), float32; attrs rank, alpha, scale, rslora, dropout, init
- * A released (quantized) weight is not under /params.
+ * A released (quantized) weight is not under /params. /quant and /lora are
+ * the hook layers' (trainer/hook.h), each kind writing and reading its own
+ * part (trainer/hook_ptq.c, hook_lora.c, hook_qat.c, hook_fqt.c).
  *
  * Every file is written to "<name>.tmp.<pid>" in the same directory,
  * flushed, fsync'd, renamed over the real name and the directory fsync'd,

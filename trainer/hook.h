@@ -1,43 +1,44 @@
 /* hook.h - hook layers: what the config's quant and lora rules attach to a
  * dense or conv2d module over its own op, one kind per file.
  *
- *   kind   file         layer         rules         what it is
- *   ptq    hook_ptq.c   QLayer        quant (ptq)   a frozen quantized base weight (quant/qlayer.h)
- *   lora   hook_lora.c  LoraAdapter   lora          a low-rank adapter over the module's forward (lora/lora.h)
- *   qat    hook_qat.c   QatLayer      quant (qat)   fake-quantized training, learned ranges (quant/qat.h)
- *   qt     hook_fqt.c   FqtLayer      quant (qt)    quantized-GEMM training (quant/fqt.h)
+ *   kind  file         layer        rules        what it is
+ *   ptq   hook_ptq.c   QLayer       quant (ptq)  a frozen quantized base weight (quant/qlayer.h)
+ *   lora  hook_lora.c  LoraAdapter  lora         a low-rank adapter over the module's forward (lora/lora.h)
+ *   qat   hook_qat.c   QatLayer     quant (qat)  fake-quantized training, learned ranges (quant/qat.h)
+ *   qt    hook_fqt.c   FqtLayer     quant (qt)   quantized-GEMM training (quant/fqt.h)
  *
  * A kind is a const HookKind: the functions that build its layers on a Net
  * (which modules, check, attach and install, free, trainable parameters),
- * report them (the module table, formats, bytes) and keep them in a
- * checkpoint (save one layer, load it into a staging area, commit). Net
- * (net.h) holds every kind's layers as one HookSet per kind, in hook_kinds
- * order; a checkpoint's CheckpointNet is the same HookLayers. net.c,
- * checkpoint.c and checkpoint_net.c go over the kinds and never name one.
+ * report them (module table, formats, bytes) and keep them in a checkpoint
+ * (save one layer; load one into a staging area; commit). A Net (net.h)
+ * holds every kind's layers as one HookSet per kind, in hook_kinds order,
+ * and a checkpoint's CheckpointNet is the same HookLayers: net.c,
+ * checkpoint.c and checkpoint_net.c go over the kinds and name none.
  *
  * Order. hook_kinds[] is the order of the kinds' groups in a checkpoint and
- * of their parameters in the optimizer (after the model's own). Within one
- * module, the kinds that replace the op (wraps false) are checked and
+ * of their parameters in the optimizer's list (after the model's own).
+ * Per module, the kinds that replace the op (wraps false) are checked and
  * installed before those that wrap whatever forward is in place (an
  * adapter over a quantized base).
  *
- * Adding a kind (e.g. batch norm folding, DoRA):
- *   1. trainer/hook_NAME.c: the layer's functions and
- *      `const HookKind HOOK_NAME = {...}`; its layer struct starts with
- *      `Module *module`; its typed accessor (as net_qlayer below) if code
- *      outside works on its layers by their type (tools, tests). Required: name, layer_size, rules, applies, check,
- *      attach, free, group, save, staged_size, load, commit. Every other
- *      entry may be NULL (the kind has no such thing).
- *   2. Here: `extern const HookKind HOOK_NAME;` (and the accessor's
- *      declaration).
- *   3. hook.c: &HOOK_NAME in hook_kinds[] at the place its checkpoint group
- *      and optimizer parameters take (appending keeps every existing file
- *      and run as they are).
- * Its checkpoint layout (a group of its own, or state under /quant) is
- * documented with the others in checkpoint.h. Nothing else changes: net.c
- * builds, frees, lists, reports and calibrates it; the checkpoint writer and
- * reader save, check and restore it. The rules that select it are the
- * config's (quant.rules or lora.rules: HookRules). */
+ * Adding a kind (batch norm folding, DoRA, ...) takes:
+ *   1. trainer/hook_NAME.c: its layer struct, whose first member is
+ *      `Module *module`; its functions; `const HookKind HOOK_NAME = {...}`
+ *      with at least name, layer_size, rules, applies, check, attach, free,
+ *      group, save, staged_size, load and commit (every other entry may be
+ *      NULL: the kind has no such thing); and, if code elsewhere (tools,
+ *      tests) works on its layers by their type, an accessor like
+ *      net_qlayer.
+ *   2. Here: `extern const HookKind HOOK_NAME;` (and the accessor).
+ *   3. hook.c: &HOOK_NAME in hook_kinds[], where its checkpoint group and
+ *      optimizer parameters go; at the end, every existing run and file
+ *      stays exactly as it is.
+ *   4. checkpoint.h: its groups in the layout comment.
+ * Nothing else: net.c then builds, checks, frees, reports, calibrates and
+ * steps its layers, and the checkpoint writer and reader save, stage,
+ * check and restore them (with adapters.h5 when in_adapters_file). The
+ * config rules that select it are quant.rules or lora.rules (HookRules);
+ * a kind with rules of its own needs its keys in the config too. */
 #ifndef QTRAIN_TRAINER_HOOK_H
 #define QTRAIN_TRAINER_HOOK_H
 

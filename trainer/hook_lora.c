@@ -146,7 +146,8 @@ static QtStatus lora_check_adapters(const H5ioFile *f, const HookSet *set, QtErr
     if (h5io_kind(f, "lora") == H5IO_GROUP) st = ckpt_list_group(f, "lora", names, CKPT_MODULES_MAX, &n, err);
     for (int i = 0; st == QT_OK && i < n; i++) {
         bool known = false;
-        for (int k = 0; !known && k < set->n; k++) known = strcmp(names[i], hook_layer_module(hook_layer(set, k))->path) == 0;
+        for (int k = 0; !known && k < set->n; k++)
+            known = strcmp(names[i], hook_layer_module(hook_layer(set, k))->path) == 0;
         if (!known)
             st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
                               "module %s, which this run's lora rules do not adapt", f->path, names[i]);

@@ -63,7 +63,8 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
     json_string(&w, "act_formats", af);
     char bf[64] = "none";
     const FqtSpec *qt = net_hook_count(&r->net, &HOOK_FQT) > 0 ? &net_fqt_layer(&r->net, 0)->spec : NULL;
-    if (qt && qt->bwd_qtype) snprintf(bf, sizeof bf, "%s%s", qtype_name(qt->bwd_qtype), qt->bwd_stochastic ? "+sr" : "");
+    if (qt && qt->bwd_qtype)
+        snprintf(bf, sizeof bf, "%s%s", qtype_name(qt->bwd_qtype), qt->bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
     json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
     if (!is_eval) {
