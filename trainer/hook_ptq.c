@@ -174,7 +174,6 @@ static void ptq_table_note(const HookSet *set, FILE *out) {
     if (set->n > 0) fprintf(out, "  int8_kernel: %s\n", ptq_int8_kernel(set));
 }
 
-
 /* ---- checkpoints ---------------------------------------------------------------------- */
 
 static const char *granularity_name(const QLayer *q) {
@@ -198,7 +197,6 @@ static hid_t blob_memtype(QArrayBlobType t) {
     }
     return H5T_NATIVE_UINT8;
 }
-
 
 static QtStatus write_weight_attrs(H5ioFile *f, const char *g, const QLayer *q, QtError *err) {
     int64_t shape[4];

@@ -1,10 +1,9 @@
-/* net.c - model + quantized base + adapters, attached by the config's rules. */
+/* net.c - model + hook layers (quantized base, adapters, trained
+ * quantizers: trainer/hook.h), attached by the config's rules. */
 #include "net.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
 
 static bool module_has_matrix_weight(const Module *m) {
     return m->weight && (m->spec.type == LAYER_DENSE || m->spec.type == LAYER_CONV2D);
