@@ -55,7 +55,7 @@ Var *nn_flatten(Tape *t, Var *x);
 /* Layer normalisation over the last axis: x (..., D), gamma/beta (D,) or NULL. */
 Var *nn_layernorm(Tape *t, Var *x, Var *gamma, Var *beta, float eps);
 
-/* ---- convolution (ops_conv.c) and pooling (ops_pool.c) ---------------- */
+/* ---- convolution (ops_conv.c, ops_conv_lowrank.c) and pooling (ops_pool.c) */
 
 /* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL.
  * y: (N, OC, OH, OW), OH = (H + 2*padding - KH)/stride + 1 (likewise OW).
@@ -82,13 +82,16 @@ typedef struct {
     Var *B;      /* (OC, rank, 1, 1) */
     float scale;
 } ConvLowRank;
-/* nn_conv2d_fused plus scale * conv(conv(x, A), B). The forward and the
- * input gradient run on the merged weight w + scale * B A (formed once per
- * call); the forward also keeps A x (N, rank, OH, OW) for B's gradient, and
+/* nn_conv2d_fused plus scale * conv(conv(x, A), B) (ops_conv_lowrank.c).
+ * The forward and the input gradient run on the merged weight
+ * w + scale * B A (formed once per call). A's and B's gradients take the
+ * cheapest of three routes for the sizes (ConvLowRankGrad,
+ * ops_conv_internal.h): from the full weight gradient, or from their own
+ * products (two forms of dA's), for which the forward keeps A x (N, rank, OH, OW) for B's and
  * the input gradient's product also gives scale B^T dy for A's. No second
- * (N, OC, OH, OW) tensor is held, and a frozen w costs no weight gradient.
- * B = 0 gives the base's output bit for bit.
- * lr NULL: nn_conv2d_fused. */
+ * (N, OC, OH, OW) tensor is held, and a frozen w costs no weight gradient
+ * unless the first route wants it. B = 0 gives the base's output bit for
+ * bit. lr NULL: nn_conv2d_fused. */
 Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
                              ConvEpilogue epi);
 /* x: (N, C, H, W) -> (N, C, OH, OW), OH = (H - kernel)/stride + 1, no padding.

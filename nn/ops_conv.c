@@ -4,9 +4,11 @@
  * Convolution lowers to matrix products: im2col unrolls the receptive fields
  * of a chunk of samples into the columns of `col`, so
  *     y (OC, chunk*OH*OW) = w (OC, C*KH*KW) @ col (C*KH*KW, chunk*OH*OW)
- * (see nn_conv2d_fused below for the chunking). The `_ref` functions are
- * direct loops with no BLAS, for tests only. */
-#include "ops.h"
+ * (see nn_conv2d_fused below for the chunking). The pieces of a pass are
+ * shared with the low-rank form (ops_conv_lowrank.c) through
+ * ops_conv_internal.h. The `_ref` functions (ops_conv_ref.c) are direct
+ * loops with no BLAS, for tests only. */
+#include "ops_conv_internal.h"
 
 #include <limits.h>
 #include <math.h>
@@ -20,8 +22,6 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-
-#define SHAPE_STR_MAX 64 /* "(2147483647, 2147483647, 2147483647, 2147483647)" fits */
 
 /* ---- im2col / col2im ---------------------------------------------------- */
 
@@ -43,7 +43,7 @@ static void valid_output_range(int offset, int stride, int in_size, int out_size
  * plane shifted by (kh - padding, kw - padding), so it is one contiguous
  * copy, then the rows and the column that fell outside the plane (the copy
  * wrapped them around from the neighbouring row) are zeroed. */
-static bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padding, int OH, int OW) {
+bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padding, int OH, int OW) {
     return stride == 1 && OH == H && OW == W && KH == 2 * padding + 1 && KW == 2 * padding + 1;
 }
 
@@ -65,7 +65,7 @@ static void zero_wrapped_columns(float *p, int H, int W, int dw) {
 }
 
 /* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
-static void shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw) {
+void conv_shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw) {
     const long long plane = (long long)H * W, off = (long long)dh * W + dw;
     long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane; /* dst range reading inside x */
     if (lo > plane) lo = plane;
@@ -99,7 +99,7 @@ static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int 
             for (int kw = 0; kw < KW; kw++) {
                 float *row = col + ((size_t)(c * KH + kh) * KW + kw) * n_cols; /* [N*H*W] */
                 for (int n = 0; n < N; n++)
-                    shift_plane(row + (size_t)n * plane, x + ((size_t)n * C + c) * plane, H, W, kh - padding,
+                    conv_shift_plane(row + (size_t)n * plane, x + ((size_t)n * C + c) * plane, H, W, kh - padding,
                                 kw - padding);
             }
 }
@@ -190,8 +190,8 @@ void col2im(float *dx, const float *dcol, int N, int C, int H, int W, int KH, in
 
 /* col2im that may overwrite dcol (scratch): the fast path zeroes the
  * entries that read padding before its contiguous adds. */
-static void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride,
-                           int padding, int OH, int OW) {
+void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
+                    int OH, int OW) {
     if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) col2im_same_s1(dx, dcol, N, C, H, W, KH, KW, padding);
     else col2im(dx, dcol, N, C, H, W, KH, KW, stride, padding, OH, OW);
 }
@@ -211,43 +211,13 @@ static void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, i
  * keeps only its pooled output and one byte per window. */
 #define CONV_CHUNK_BUDGET (256u << 10)
 
-typedef struct {
-    int N, C, H, W;   /* input x */
-    int OC, KH, KW;   /* weight w, with C */
-    int OH, OW;       /* convolution output, before any pooling */
-} ConvDims;
-
-typedef struct {
-    ConvDims d;
-    int stride, padding;
-    ConvEpilogue epi;
-    int chunk;        /* samples per im2col chunk */
-    bool lr_via_full; /* the low-rank gradients from the full weight gradient (conv_low_rank_via_full) */
-    uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
-    int rank;         /* low-rank term's rank, 0 = none */
-    float scale;      /* its scale */
-    /* (OC + rank, C*KH*KW + rank), rank > 0 only: rows [0, OC) hold
-     * [w' | scale B] with w' = w + scale B A, rows OC.. hold [A | 0]. The
-     * forward reads its first C*KH*KW columns: w' for the output, A for the
-     * A col that dB wants. The input gradient reads its first OC rows
-     * transposed, [w' | scale B]^T, so one product gives dcol and dt =
-     * scale B^T dpre. */
-    float *w_merged;
-    int ldw;          /* w_merged's row length, C*KH*KW + rank */
-    float *u;         /* (N, rank, OH, OW) A x, saved by the forward for dB; NULL when not wanted */
-    bool da_by_dt_col; /* dA as dtcol x^T (conv_da_from_dt_col), the "same" stride-1 case */
-} Conv2dCtx;
-
 /* Output size along one axis, or 0 if the kernel does not fit the padded input. */
 static long long conv_out_size(int in, int kernel, int stride, int padding) {
     long long padded = (long long)in + 2LL * padding;
     return padded < kernel ? 0 : (padded - kernel) / stride + 1;
 }
 
-/* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL. QT_OK and d filled,
- * or the error, set on the tape. */
-static QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bias, int stride, int padding,
-                             ConvDims *d) {
+QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bias, int stride, int padding, ConvDims *d) {
     char xs[SHAPE_STR_MAX], ws[SHAPE_STR_MAX], bs[SHAPE_STR_MAX];
     tensor_shape_str(&x->value, xs, sizeof xs);
     tensor_shape_str(&w->value, ws, sizeof ws);
@@ -283,39 +253,34 @@ static QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bia
     return QT_OK;
 }
 
-/* Work shared by the tasks of one forward or backward pass. */
-typedef struct {
-    const Conv2dCtx *c;
-    const float *x;    /* (N, C, H, W) */
-    const float *w;    /* (OC, C*KH*KW) with row length ldw: the weight, or w_merged */
-    int ldw;
-    const float *bias; /* (OC,) or NULL */
-    float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
-    const float *dy;   /* backward: the output's gradient */
-    float *dx;         /* (N, C, H, W) accumulated, or NULL */
-    float *dw_part;    /* (n_tasks, OC, C*KH*KW) per-task dW, or NULL */
-    double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
-    /* (n_tasks, rank, C*KH*KW) per-task dA, or NULL; with da_by_dt_col
-     * (n_tasks, rank*KH*KW, C) with the kernel flipped (conv_da_from_dt_col) */
-    float *da_part;
-    float *dbb_part;   /* (n_tasks, OC, rank) per-task dB, or NULL */
-    int m_fwd;         /* rows of the forward product: OC, or OC + rank with A col */
-    /* per thread: col, then prod (the forward's product, the backward's dpre),
-     * then dcol when col must outlive the input gradient's product, then
-     * dt's im2col (rank*KH*KW, OH*OW) */
-    float *scratch;
-    size_t col_floats, prod_floats, dcol_floats, low_floats;
-} ConvJob;
-
-static int conv_ckk(const ConvDims *d) { return d->C * d->KH * d->KW; }
-static size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->OW; }
-
 /* Samples per chunk: as many as keep the chunk's im2col and product within the budget. */
 static int conv_chunk(const ConvDims *d) {
     size_t per_sample = (size_t)(conv_ckk(d) + d->OC) * conv_plane(d) * sizeof(float);
     size_t n = per_sample ? CONV_CHUNK_BUDGET / per_sample : 1;
     if (n < 1) n = 1;
     return n > (size_t)d->N ? d->N : (int)n;
+}
+
+Var *conv2d_new_output(Tape *t, const ConvDims *d, ConvEpilogue epi) {
+    const bool pooled = epi == CONV_EPI_RELU_MAXPOOL2;
+    if (pooled && (d->OH < 2 || d->OW < 2)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d+relu+maxpool2d: the convolution's output %dx%d is smaller than "
+                     "the 2x2 pooling window", d->OH, d->OW);
+        return NULL;
+    }
+    const int YH = pooled ? d->OH / 2 : d->OH, YW = pooled ? d->OW / 2 : d->OW;
+    return tape_new_var(t, 4, (const int[]){d->N, d->OC, YH, YW});
+}
+
+bool conv2d_ctx_init(Tape *t, Conv2dCtx *c, const ConvDims *d, int stride, int padding, ConvEpilogue epi,
+                     const Var *y) {
+    *c = (Conv2dCtx){.d = *d, .stride = stride, .padding = padding, .epi = epi, .chunk = conv_chunk(d)};
+    return epi != CONV_EPI_RELU_MAXPOOL2 || (c->winner = tape_alloc(t, var_numel(y)));
+}
+
+const char *conv2d_op_name(ConvEpilogue epi) {
+    static const char *const names[] = {"conv2d", "conv2d+relu", "conv2d+relu+maxpool2d"};
+    return names[epi];
 }
 
 /* Writes chunk sample s's output plane for channel oc from its product row
@@ -346,38 +311,29 @@ static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
     }
 }
 
-static float *conv_thread_scratch(const ConvJob *j) {
-    return j->scratch +
-           (size_t)parallel_thread_index() * (j->col_floats + j->prod_floats + j->dcol_floats + j->low_floats);
+float *conv_thread_scratch(const ConvJob *j) {
+    return j->scratch + (size_t)parallel_thread_index() * j->thread_floats;
 }
 
-static void conv_forward_task(void *ctx, int task, int n_tasks) {
-    const ConvJob *j = ctx;
+void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
-    const int ckk = conv_ckk(d);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
+    const int cols = nc * (int)plane;
+    im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
+           d->OW);
+    gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
+    for (int oc = 0; oc < d->OC; oc++)
+        for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
+}
+
+void conv_forward_task(void *ctx, int task, int n_tasks) {
+    const ConvJob *j = ctx;
+    const int chunk = j->c->chunk;
     float *col = conv_thread_scratch(j), *prod = col + j->col_floats;
     int lo, hi;
-    parallel_range(d->N, task, n_tasks, &lo, &hi);
-    for (int n0 = lo; n0 < hi; n0 += c->chunk) {
-        const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
-        im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
-               d->OW);
-        /* Two products, not one of m_fwd rows: sgemm may take another kernel
-         * path for more rows, and the output must not depend on whether A
-         * col is wanted (B = 0 gives the base's output bit for bit). */
-        gemm_f32(false, false, d->OC, cols, ckk, 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
-        if (j->m_fwd > d->OC)
-            gemm_f32(false, false, j->m_fwd - d->OC, cols, ckk, 1.0f, j->w + (size_t)d->OC * j->ldw, j->ldw, col, cols,
-                     0.0f, prod + (size_t)d->OC * cols, cols);
-        for (int oc = 0; oc < d->OC; oc++)
-            for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
-        for (int i = 0; i < j->m_fwd - d->OC; i++) /* A col, kept per sample for dB */
-            for (int s = 0; s < nc; s++)
-                memcpy(c->u + ((size_t)(n0 + s) * c->rank + i) * plane, prod + (size_t)(d->OC + i) * cols + s * plane,
-                       plane * sizeof(float));
-    }
+    parallel_range(j->c->d.N, task, n_tasks, &lo, &hi);
+    for (int n0 = lo; n0 < hi; n0 += chunk) conv_forward_chunk(j, col, prod, n0, hi - n0 < chunk ? hi - n0 : chunk);
 }
 
 /* The sum of g [n], or with y [n] given, of (y[p] > 0 ? g[p] : 0) (the
@@ -443,301 +399,118 @@ static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
     return j->db_part ? sum8_f32(g, y, (size_t)PH * PW) : 0.0;
 }
 
-/* dB += scale dpre (A x)^T for chunk samples [n0, n0 + nc), from the A x
- * the forward kept. */
-static void conv_backward_db(const ConvJob *j, const float *dpre, int n0, int nc, int cols, int task, bool first) {
-    const Conv2dCtx *c = j->c;
-    const int OC = c->d.OC, r = c->rank, plane = (int)conv_plane(&c->d);
-    for (int s = 0; s < nc; s++)
-        gemm_f32(false, true, OC, r, plane, c->scale, dpre + (size_t)s * plane, cols,
-                 c->u + (size_t)(n0 + s) * r * plane, plane, first && s == 0 ? 0.0f : 1.0f,
-                 j->dbb_part + (size_t)task * OC * r, r);
+void conv_pre_grads(const ConvJob *j, float *dpre, int n0, int nc, int task) {
+    const ConvDims *d = &j->c->d;
+    const size_t plane = conv_plane(d), cols = (size_t)nc * plane;
+    double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL; /* (OC,) */
+    for (int oc = 0; oc < d->OC; oc++)
+        for (int s = 0; s < nc; s++) {
+            double sum = conv_pre_grad(j, dpre + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
+            if (db) db[oc] += sum;
+        }
 }
 
-/* dA's share of chunk samples [n0, n0 + nc) in the "same" stride-1 case:
- *     dA[i, c, kh, kw] = sum_p dt[i, p] x[c, p + (kh - pad, kw - pad)]
- *                      = sum_p dt[i, p + (pad - kh, pad - kw)] x[c, p],
- * so with dtcol the im2col of dt (rank*KH*KW, OH*OW) it is dtcol x^T
- * (rank*KH*KW, C) with the kernel flipped (pad - kh = kh' - pad for
- * kh' = KH-1-kh). x needs no im2col, and the product's shape suits sgemm
- * far better than dt col^T's rank by C*KH*KW: for the reference CNN's conv2
- * (72 by 32 against 8 by 288, 196 long) OpenBLAS runs it ~2.7x faster. dt:
- * (rank, cols) for the chunk; dtcol: (rank*KH*KW, OH*OW) scratch. */
-static void conv_da_from_dt_col(const ConvJob *j, const float *dt, float *dtcol, int n0, int nc, int cols, int task,
-                                bool first) {
-    const Conv2dCtx *c = j->c;
-    const ConvDims *d = &c->d;
-    const int r = c->rank, kk = d->KH * d->KW;
-    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
-    for (int s = 0; s < nc; s++) {
-        for (int i = 0; i < r; i++)
-            for (int kh = 0; kh < d->KH; kh++)
-                for (int kw = 0; kw < d->KW; kw++)
-                    shift_plane(dtcol + ((size_t)i * kk + kh * d->KW + kw) * plane, dt + (size_t)i * cols + s * plane,
-                                d->H, d->W, kh - c->padding, kw - c->padding);
-        gemm_f32(false, true, r * kk, d->C, (int)plane, 1.0f, dtcol, (int)plane, j->x + (size_t)(n0 + s) * x_sample,
-                 (int)plane, first && s == 0 ? 0.0f : 1.0f, j->da_part + (size_t)task * r * d->C * kk, d->C);
-    }
-}
-
-/* g (rank, C, KH, KW) += the per-task partials of conv_da_from_dt_col
- * (n_tasks, rank*KH*KW, C), unflipped, summed in task order. */
-static void conv_add_da_flipped(float *g, const float *parts, const ConvDims *d, int r, int n_tasks) {
-    const int kk = d->KH * d->KW;
-    for (int k = 0; k < n_tasks; k++) {
-        const float *p = parts + (size_t)k * d->C * r * kk;
-        for (int i = 0; i < r; i++)
-            for (int ch = 0; ch < d->C; ch++)
-                for (int kh = 0; kh < d->KH; kh++)
-                    for (int kw = 0; kw < d->KW; kw++)
-                        g[(((size_t)i * d->C + ch) * d->KH + kh) * d->KW + kw] +=
-                            p[((size_t)i * kk + (d->KH - 1 - kh) * d->KW + (d->KW - 1 - kw)) * d->C + ch];
-    }
-}
-
-/* Whether the backward forms dt = scale B^T dpre: for A's own gradient only. */
-static bool conv_backward_wants_dt(const ConvJob *j) {
-    return j->c->rank && !j->c->lr_via_full && j->da_part;
-}
-
-/* One chunk's backward: dpre, then the weight gradient and dB, then one
- * product for the input gradient's dcol and (with A's gradient wanted) dt =
- * scale B^T dpre, dA from dt, and col2im. */
-static void conv_backward_task(void *ctx, int task, int n_tasks) {
+/* One chunk's backward: dpre, then the weight gradient from the chunk's
+ * im2col, then dcol = w^T dpre (in col's place) and col2im. */
+void conv_backward_task(void *ctx, int task, int n_tasks) {
     const ConvJob *j = ctx;
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
     const int ckk = conv_ckk(d);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats;
-    float *dcol = j->dcol_floats ? dpre + j->prod_floats : col, *dtcol = dpre + j->prod_floats + j->dcol_floats;
-    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL;         /* (OC, C*KH*KW) */
-    double *db = j->db_part ? j->db_part + (size_t)task * d->OC : NULL;              /* (OC,) */
-    const bool low_rank = c->rank && !c->lr_via_full, want_dt = conv_backward_wants_dt(j);
-    const bool need_col = dw || (want_dt && !c->da_by_dt_col);
-    /* rows of w_merged^T to multiply: dcol's (for dx), then dt's */
-    const int row_lo = j->dx ? 0 : ckk, row_hi = want_dt ? ckk + c->rank : (j->dx ? ckk : 0);
+    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL; /* (OC, C*KH*KW) */
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
         const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
-        for (int oc = 0; oc < d->OC; oc++)
-            for (int s = 0; s < nc; s++) {
-                double sum = conv_pre_grad(j, dpre + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
-                if (db) db[oc] += sum;
-            }
-        if (need_col)
+        conv_pre_grads(j, dpre, n0, nc, task);
+        if (dw) {
             im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
                    d->OH, d->OW);
-        if (dw) gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
-        if (low_rank && j->dbb_part) conv_backward_db(j, dpre, n0, nc, cols, task, n0 == lo);
-        if (row_hi > row_lo) /* dcol replaces col unless col is still wanted (dcol_floats) */
-            gemm_f32(true, false, row_hi - row_lo, cols, d->OC, 1.0f, j->w + row_lo, j->ldw, dpre, cols, 0.0f,
-                     dcol + (size_t)row_lo * cols, cols);
-        if (want_dt) {
-            const float *dt = dcol + (size_t)ckk * cols; /* (rank, cols) */
-            if (c->da_by_dt_col) conv_da_from_dt_col(j, dt, dtcol, n0, nc, cols, task, n0 == lo);
-            else
-                gemm_f32(false, true, c->rank, ckk, cols, 1.0f, dt, cols, col, cols, n0 == lo ? 0.0f : 1.0f,
-                         j->da_part + (size_t)task * c->rank * ckk, ckk);
+            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
         }
-        if (j->dx)
-            col2im_consume(j->dx + (size_t)n0 * x_sample, dcol, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
+        if (j->dx) {
+            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dpre, cols, 0.0f, col, cols);
+            col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
                            c->padding, d->OH, d->OW);
+        }
     }
 }
 
-static int conv_tasks(const ConvDims *d) {
+int conv_tasks(const ConvDims *d) {
     int t = parallel_get_threads();
     return t > d->N ? d->N : t;
 }
 
-/* The per-thread scratch of one pass (ConvJob.scratch), from the arena.
- * backward: sized for conv_backward_task, else for the forward. */
-static float *conv_scratch(Tape *t, ConvJob *j, bool backward) {
-    const Conv2dCtx *c = j->c;
-    const ConvDims *d = &c->d;
-    const size_t cols = (size_t)c->chunk * conv_plane(d), ckk = (size_t)conv_ckk(d);
-    const bool want_dt = backward && conv_backward_wants_dt(j);
-    j->col_floats = ckk * cols;
-    j->prod_floats = (size_t)(backward ? d->OC : j->m_fwd) * cols;
-    j->dcol_floats = 0;
-    j->low_floats = 0;
-    if (want_dt && c->da_by_dt_col) { /* dcol and dt replace col; dt's im2col one sample at a time */
-        j->col_floats += (size_t)c->rank * cols;
-        j->low_floats = (size_t)c->rank * d->KH * d->KW * conv_plane(d);
-    } else if (want_dt) { /* dA reads col after the product */
-        j->dcol_floats = (ckk + (size_t)c->rank) * cols;
-    }
-    const size_t per_thread = j->col_floats + j->prod_floats + j->dcol_floats + j->low_floats;
-    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * per_thread * sizeof(float));
+float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats) {
+    const size_t cols = (size_t)j->c->chunk * conv_plane(&j->c->d);
+    j->col_floats = col_rows * cols;
+    j->prod_floats = prod_rows * cols;
+    j->thread_floats = j->col_floats + j->prod_floats + extra_floats;
+    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
     return j->scratch;
 }
 
-/* grad [n] += the n_tasks partials [n_tasks][n], in task order: the same
- * result whichever thread ran which task. */
-static void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
+/* The same result whichever thread ran which task. */
+void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
     for (int k = 0; k < n_tasks; k++)
         for (size_t i = 0; i < n; i++) grad[i] += parts[(size_t)k * n + i];
 }
 
-/* Per-task partials for v's gradient, n floats each, or NULL (error on the tape). */
-static float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
+float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
     return v && v->requires_grad ? tape_alloc(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
 }
 
-/* Whether A's and B's gradients are cheaper through the full weight
- * gradient G = dpre col^T (OC x C*KH*KW per output position), as dA =
- * scale B^T G and dB = scale G A^T once per pass, than through the
- * adapter's own products (A col, dB, B^T dpre, dA: 2 rank (C*KH*KW + OC)
- * per position). A first convolution's few input taps make it so: the
- * reference CNN's conv1 needs 288 multiply-adds a position that way
- * against 656. */
-static bool conv_low_rank_via_full(const ConvDims *d, int rank) {
-    return rank && (long long)d->OC * conv_ckk(d) <= 2LL * rank * (conv_ckk(d) + d->OC);
+bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *bias, int n_tasks) {
+    const ConvDims *d = &j->c->d;
+    if (x->requires_grad && !(j->dx = tape_grad(t, x))) return false;
+    if (want_dw && !(j->dw_part = tape_alloc(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
+        return false;
+    if (bias && bias->requires_grad) {
+        if (!(j->db_part = tape_alloc(t, (size_t)n_tasks * d->OC * sizeof(double)))) return false;
+        memset(j->db_part, 0, (size_t)n_tasks * d->OC * sizeof(double));
+    }
+    return true;
 }
 
-/* dA += scale B^T G and dB += scale G A^T, G (OC, C*KH*KW) the full weight
- * gradient, each if wanted. */
-static void conv_low_rank_grads_from_full(Tape *t, const Conv2dCtx *c, Var *A, Var *B, const float *G) {
-    const int ckk = conv_ckk(&c->d), OC = c->d.OC, r = c->rank;
+void conv_add_bias_grad(Tape *t, const ConvJob *j, Var *bias, int n_tasks) {
     float *g;
-    if (A->requires_grad && (g = tape_grad(t, A)))
-        gemm_f32(true, false, r, ckk, OC, c->scale, B->value.data, r, G, ckk, 1.0f, g, ckk);
-    if (B->requires_grad && (g = tape_grad(t, B)))
-        gemm_f32(false, true, OC, r, ckk, c->scale, G, ckk, A->value.data, ckk, 1.0f, g, r);
+    if (!j->db_part || !(g = tape_grad(t, bias))) return;
+    for (int oc = 0; oc < j->c->d.OC; oc++) {
+        double acc = 0.0;
+        for (int k = 0; k < n_tasks; k++) acc += j->db_part[(size_t)k * j->c->d.OC + oc];
+        g[oc] += (float)acc;
+    }
 }
 
 static void conv2d_backward(Tape *t, const TapeNode *node) {
-    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2], *A = node->in[3], *B = node->in[4];
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const Conv2dCtx *c = node->ctx;
-    const ConvDims *d = &c->d;
-    const int ckk = conv_ckk(d), tasks = conv_tasks(d);
-    const size_t nw = (size_t)d->OC * ckk, na = (size_t)c->rank * ckk, nb = (size_t)d->OC * c->rank;
-    const bool want_b = bias && bias->requires_grad;
-    const bool want_lr = c->rank && (A->requires_grad || B->requires_grad), via_full = want_lr && c->lr_via_full;
-    ConvJob j = {.c = c, .x = x->value.data, .w = c->rank ? c->w_merged : w->value.data, .ldw = c->rank ? c->ldw : ckk,
-                 .y = node->out->value.data, .dy = node->out->grad};
-    if (x->requires_grad && !(j.dx = tape_grad(t, x))) return;
-    if (w->requires_grad || via_full) j.dw_part = tape_alloc(t, (size_t)tasks * nw * sizeof(float));
-    if (!via_full) {
-        j.da_part = conv_partials(t, A, tasks, na);
-        j.dbb_part = conv_partials(t, B, tasks, nb);
-    }
-    if (want_b && (j.db_part = tape_alloc(t, (size_t)tasks * d->OC * sizeof(double))))
-        memset(j.db_part, 0, (size_t)tasks * d->OC * sizeof(double));
-    if (!tape_ok(t) || !conv_scratch(t, &j, true)) return;
+    const int tasks = conv_tasks(&c->d);
+    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&c->d), .y = node->out->value.data,
+                 .dy = node->out->grad};
+    if (!conv_backward_alloc(t, &j, x, w->requires_grad, bias, tasks) ||
+        !conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, 0))
+        return;
     parallel_run(tasks, conv_backward_task, &j);
     float *g;
-    if (via_full) { /* the full gradient, summed in task order, then A's and B's from it */
-        float *G = tape_alloc(t, nw * sizeof *G);
-        if (!G) return;
-        memset(G, 0, nw * sizeof *G);
-        conv_add_partials(G, j.dw_part, tasks, nw);
-        if (w->requires_grad && (g = tape_grad(t, w)))
-            for (size_t i = 0; i < nw; i++) g[i] += G[i];
-        conv_low_rank_grads_from_full(t, c, A, B, G);
-    } else if (j.dw_part && (g = tape_grad(t, w))) {
-        conv_add_partials(g, j.dw_part, tasks, nw);
-    }
-    if (j.da_part && (g = tape_grad(t, A))) {
-        if (c->da_by_dt_col) conv_add_da_flipped(g, j.da_part, d, c->rank, tasks);
-        else conv_add_partials(g, j.da_part, tasks, na);
-    }
-    if (j.dbb_part && (g = tape_grad(t, B))) conv_add_partials(g, j.dbb_part, tasks, nb);
-    if (want_b && (g = tape_grad(t, bias)))
-        for (int oc = 0; oc < d->OC; oc++) {
-            double acc = 0.0;
-            for (int k = 0; k < tasks; k++) acc += j.db_part[(size_t)k * d->OC + oc];
-            g[oc] += (float)acc;
-        }
-}
-
-/* A (rank, C, KH, KW) and B (OC, rank, 1, 1) against x and w. */
-static bool conv_low_rank_check(Tape *t, const ConvLowRank *lr, const Var *w) {
-    const Var *A = lr->A, *B = lr->B;
-    const int *ws = w->value.shape;
-    bool ok = A && B && A->value.ndim == 4 && B->value.ndim == 4 && A->value.shape[1] == ws[1] &&
-              A->value.shape[2] == ws[2] && A->value.shape[3] == ws[3] && B->value.shape[0] == ws[0] &&
-              B->value.shape[1] == A->value.shape[0] && B->value.shape[2] == 1 && B->value.shape[3] == 1;
-    if (!ok) {
-        char as[SHAPE_STR_MAX] = "NULL", bs[SHAPE_STR_MAX] = "NULL", wss[SHAPE_STR_MAX];
-        if (A) tensor_shape_str(&A->value, as, sizeof as);
-        if (B) tensor_shape_str(&B->value, bs, sizeof bs);
-        tensor_shape_str(&w->value, wss, sizeof wss);
-        qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d low-rank term: A %s and B %s do not fit weight %s: want A "
-                     "(rank, C, KH, KW) and B (OC, rank, 1, 1)", as, bs, wss);
-    }
-    return ok;
-}
-
-/* Conv2dCtx.w_merged for w and lr in the arena, or NULL (error on the
- * tape). The forward and the input gradient run on this one weight: per
- * sample, the separate terms A col and B (A col) in the forward and A^T dt
- * in the backward cost more than the whole product B A does once per pass
- * (by a factor of the batch's output positions over the rank, with OC and
- * C*KH*KW rows). */
-static float *conv_merge_low_rank(Tape *t, const Var *w, const ConvLowRank *lr) {
-    const int OC = w->value.shape[0], ckk = (int)(var_numel(w) / (size_t)OC), r = lr->A->value.shape[0];
-    const int ldw = ckk + r;
-    const float *wv = w->value.data, *A = lr->A->value.data, *B = lr->B->value.data;
-    float *wm = tape_alloc(t, (size_t)(OC + r) * ldw * sizeof *wm);
-    if (!wm) return NULL;
-    for (int oc = 0; oc < OC; oc++) {
-        memcpy(wm + (size_t)oc * ldw, wv + (size_t)oc * ckk, (size_t)ckk * sizeof *wm);
-        for (int i = 0; i < r; i++) wm[(size_t)oc * ldw + ckk + i] = lr->scale * B[(size_t)oc * r + i];
-    }
-    for (int i = 0; i < r; i++) {
-        memcpy(wm + (size_t)(OC + i) * ldw, A + (size_t)i * ckk, (size_t)ckk * sizeof *wm);
-        memset(wm + (size_t)(OC + i) * ldw + ckk, 0, (size_t)r * sizeof *wm);
-    }
-    gemm_f32(false, false, OC, ckk, r, lr->scale, B, r, A, ckk, 1.0f, wm, ldw);
-    return wm;
-}
-
-Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
-                             ConvEpilogue epi) {
-    if (!t || !x || !w) return NULL;
-    ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
-    if (conv2d_check(t, x, w, bias, stride, padding, &d) != QT_OK) return NULL;
-    if (lr && !conv_low_rank_check(t, lr, w)) return NULL;
-    if (epi == CONV_EPI_RELU_MAXPOOL2 && (d.OH < 2 || d.OW < 2)) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d+relu+maxpool2d: the convolution's output %dx%d is smaller than "
-                     "the 2x2 pooling window", d.OH, d.OW);
-        return NULL;
-    }
-    const bool pooled = epi == CONV_EPI_RELU_MAXPOOL2;
-    const int YH = pooled ? d.OH / 2 : d.OH, YW = pooled ? d.OW / 2 : d.OW;
-    Var *y = tape_new_var(t, 4, (const int[]){d.N, d.OC, YH, YW});
-    Conv2dCtx *c = tape_alloc(t, sizeof *c);
-    if (!y || !c) return NULL;
-    *c = (Conv2dCtx){.d = d, .stride = stride, .padding = padding, .epi = epi, .rank = lr ? lr->A->value.shape[0] : 0,
-                     .scale = lr ? lr->scale : 0.0f};
-    c->chunk = conv_chunk(&d);
-    c->lr_via_full = conv_low_rank_via_full(&d, c->rank);
-    c->da_by_dt_col = conv_same_stride1(d.H, d.W, d.KH, d.KW, stride, padding, d.OH, d.OW);
-    if (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) return NULL;
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&d),
-                 .bias = bias ? bias->value.data : NULL, .y = y->value.data, .m_fwd = d.OC};
-    if (lr) {
-        if (!(c->w_merged = conv_merge_low_rank(t, w, lr))) return NULL;
-        j.w = c->w_merged;
-        j.ldw = c->ldw = conv_ckk(&d) + c->rank;
-        /* dB wants A x; the forward's product gives it for rank more rows */
-        if (t->grad_enabled && lr->B->requires_grad && !c->lr_via_full) {
-            if (!(c->u = tape_alloc(t, (size_t)d.N * c->rank * conv_plane(&d) * sizeof(float)))) return NULL;
-            j.m_fwd += c->rank;
-        }
-    }
-    if (!conv_scratch(t, &j, false)) return NULL;
-    parallel_run(conv_tasks(&d), conv_forward_task, &j);
-    static const char *const names[] = {"conv2d", "conv2d+relu", "conv2d+relu+maxpool2d"};
-    Var *in[5] = {x, w, bias, lr ? lr->A : NULL, lr ? lr->B : NULL};
-    return tape_record(t, names[epi], conv2d_backward, y, in, 5, c) ? y : NULL;
+    if (j.dw_part && (g = tape_grad(t, w))) conv_add_partials(g, j.dw_part, tasks, (size_t)c->d.OC * conv_ckk(&c->d));
+    conv_add_bias_grad(t, &j, bias, tasks);
 }
 
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
-    return nn_conv2d_fused_lowrank(t, x, w, bias, NULL, stride, padding, epi);
+    if (!t || !x || !w) return NULL;
+    ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
+    if (conv2d_check(t, x, w, bias, stride, padding, &d) != QT_OK) return NULL;
+    Var *y = conv2d_new_output(t, &d, epi);
+    Conv2dCtx *c = y ? tape_alloc(t, sizeof *c) : NULL;
+    if (!c || !conv2d_ctx_init(t, c, &d, stride, padding, epi, y)) return NULL;
+    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&d),
+                 .bias = bias ? bias->value.data : NULL, .y = y->value.data};
+    if (!conv_scratch(t, &j, (size_t)conv_ckk(&d), (size_t)d.OC, 0)) return NULL;
+    parallel_run(conv_tasks(&d), conv_forward_task, &j);
+    return tape_record(t, conv2d_op_name(epi), conv2d_backward, y, (Var *[]){x, w, bias}, 3, c) ? y : NULL;
 }
 
 Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {

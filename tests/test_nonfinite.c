@@ -123,14 +123,13 @@ static void test_grads_finite_names_module_and_tensor(void) {
 
 /* A prepared run of tiny-mlp (no out_dir use) for driving run_step. */
 static bool prepare(Run *r, Config *c, TrainOptions *o) {
-    memset(r, 0, sizeof *r);
-    r->cfg = c, r->opt = o, r->saved_step = -1, r->last_train_loss = NAN;
+    run_init(r, c, o);
     QtError err = {0};
     if (run_prepare(r, true, &err) != QT_OK) {
         fprintf(stderr, "\n  run_prepare: %s\n", err.msg);
         return false;
     }
-    r->tape.training = true;
+    r->work.tape.training = true;
     return true;
 }
 
@@ -162,34 +161,34 @@ static void check_poked_step(bool skip, bool clip) {
     QtError err = {0};
     CU_ASSERT_EQUAL(run_step(&r, &err), QT_OK);
     CU_ASSERT_EQUAL(run_step(&r, &err), QT_OK);
-    Param *w = &r.net.model.params[3]; /* a relu would hide a NaN in fc1 */
+    Param *w = &r.model.net.model.params[3]; /* a relu would hide a NaN in fc1 */
     CU_ASSERT_STRING_EQUAL(w->name, "head/bias");
     size_t n_before;
-    float *before = copy_params(&r.net.model, &n_before);
-    int64_t optim_step = r.optim.step;
+    float *before = copy_params(&r.model.net.model, &n_before);
+    int64_t optim_step = r.model.optim.step;
     float keep = w->var.value.data[7];
     w->var.value.data[7] = NAN;
     QtStatus st = run_step(&r, &err);
     w->var.value.data[7] = keep; /* as it was before the step */
     size_t n_after;
-    float *after = copy_params(&r.net.model, &n_after);
+    float *after = copy_params(&r.model.net.model, &n_after);
     /* either way the update was not applied and the optimizer did not count it */
     CU_ASSERT(n_before == n_after && memcmp(before, after, n_before * sizeof *before) == 0);
-    CU_ASSERT_EQUAL(r.optim.step, optim_step);
+    CU_ASSERT_EQUAL(r.model.optim.step, optim_step);
     if (!skip) {
         CU_ASSERT_EQUAL(st, QT_ERR_VALUE);
         CU_ASSERT(test_msg_has(&err, "step 3:"));
         CU_ASSERT(test_msg_has(&err, "module head, tensor bias holds nan at index 7"));
         CU_ASSERT(test_msg_has(&err, "train.on_nonfinite: skip"));
-        CU_ASSERT_EQUAL(r.step, 2);
+        CU_ASSERT_EQUAL(r.plan.step, 2);
     } else {
         CU_ASSERT_EQUAL(st, QT_OK);
-        CU_ASSERT_EQUAL(r.step, 3);
-        CU_ASSERT_EQUAL(r.nonfinite_skipped, 1);
-        CU_ASSERT_EQUAL(r.win_steps, 2); /* the skipped loss is not in the window */
+        CU_ASSERT_EQUAL(r.plan.step, 3);
+        CU_ASSERT_EQUAL(r.guards.nonfinite_skipped, 1);
+        CU_ASSERT_EQUAL(r.log.win_steps, 2); /* the skipped loss is not in the window */
         CU_ASSERT_EQUAL(run_step(&r, &err), QT_OK); /* and training goes on */
-        CU_ASSERT_EQUAL(r.optim.step, optim_step + 1);
-        CU_ASSERT_EQUAL(r.nonfinite_skipped, 1);
+        CU_ASSERT_EQUAL(r.model.optim.step, optim_step + 1);
+        CU_ASSERT_EQUAL(r.guards.nonfinite_skipped, 1);
     }
     free(before), free(after);
     run_free(&r);
@@ -223,10 +222,10 @@ static void test_exploding_run_stops_and_keeps_last_good(void) {
     Run r;
     CU_ASSERT_FATAL(prepare(&r, c, &o));
     CheckpointState st = {.n_rngs = 0};
-    CU_ASSERT_EQUAL(checkpoint_load(last, &r.net.model, &r.optim, &st, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load(last, &r.model.net.model, &r.model.optim, &st, &err), QT_OK);
     CU_ASSERT_EQUAL(st.step, good);
-    for (int i = 0; i < r.net.model.n_params; i++) {
-        const Var *v = &r.net.model.params[i].var;
+    for (int i = 0; i < r.model.net.model.n_params; i++) {
+        const Var *v = &r.model.net.model.params[i].var;
         CU_ASSERT_EQUAL(floats_first_nonfinite(v->value.data, var_numel(v)), var_numel(v));
     }
     run_free(&r);
@@ -336,7 +335,7 @@ static void test_checkpoint_with_nan_is_refused(void) {
         CU_ASSERT_FATAL(prepare(&r, c, &o));
         CheckpointState st = {.n_rngs = 0};
         err = (QtError){0};
-        CU_ASSERT_EQUAL(checkpoint_load(final, &r.net.model, &r.optim, &st, &err), QT_ERR_FORMAT);
+        CU_ASSERT_EQUAL(checkpoint_load(final, &r.model.net.model, &r.model.optim, &st, &err), QT_ERR_FORMAT);
         CU_ASSERT(test_msg_has(&err, datasets[k] + 1));
         CU_ASSERT(test_msg_has(&err, k ? "holds inf at index 3" : "holds nan at index 3"));
         run_free(&r);
@@ -358,7 +357,7 @@ static void test_negative_v_refused_at_load(void) {
     Run r;
     CU_ASSERT_FATAL(prepare(&r, c, &o));
     CheckpointState st = {.n_rngs = 0};
-    CU_ASSERT_EQUAL(checkpoint_load(final, &r.net.model, &r.optim, &st, &err), QT_ERR_FORMAT);
+    CU_ASSERT_EQUAL(checkpoint_load(final, &r.model.net.model, &r.model.optim, &st, &err), QT_ERR_FORMAT);
     CU_ASSERT(test_msg_has(&err, final));
     CU_ASSERT(test_msg_has(&err, "/optim/fc1/weight/v holds -0.25 at index 5"));
     CU_ASSERT(test_msg_has(&err, "never negative"));
@@ -380,14 +379,14 @@ static void check_nonfinite_update(bool skip) {
     CU_ASSERT_FATAL(prepare(&r, c, &o));
     QtError err = {0};
     CU_ASSERT_EQUAL(run_step(&r, &err), QT_OK);
-    CU_ASSERT_STRING_EQUAL(r.net.trainable[0]->name, "fc1/weight");
-    r.optim.v[0][9] = -1.0f;
+    CU_ASSERT_STRING_EQUAL(r.model.net.trainable[0]->name, "fc1/weight");
+    r.model.optim.v[0][9] = -1.0f;
     CU_ASSERT_EQUAL(run_step(&r, &err), QT_ERR_VALUE);
     CU_ASSERT(test_msg_has(&err, "step 2: the optimizer update left a parameter non-finite"));
     CU_ASSERT(test_msg_has(&err, "module fc1, tensor weight holds "));
     CU_ASSERT(test_msg_has(&err, "nan at index 9"));
     CU_ASSERT(test_msg_has(&err, "cannot undo"));
-    CU_ASSERT_EQUAL(r.step, 1);
+    CU_ASSERT_EQUAL(r.plan.step, 1);
     run_free(&r);
     free(c);
 }

@@ -2,13 +2,16 @@
  * mini data set: exact resume, outputs, and the CLI's errors and exit codes. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/demo.h"
+#include "trainer/run.h"
 #include "trainer/train.h"
 
 static void test_demo_learns_spirals(void) {
@@ -344,6 +347,53 @@ static void test_cli_exit_status(void) {
     CU_ASSERT_EQUAL(run_cli(args), 1);
 }
 
+/* A run's parts (run.h): run_init's start values; run_prepare makes the
+ * data, model, plan and work parts and leaves the run directory's part to
+ * training (no config text, no lock, no out_dir); each part's free leaves
+ * it zeroed, so run_free after it frees nothing twice. */
+static void test_run_parts(void) {
+    char out_dir[512], ov[600];
+    snprintf(out_dir, sizeof out_dir, "%s/parts", tmp_root);
+    snprintf(ov, sizeof ov, "run.out_dir=%s", out_dir);
+    const char *ovs[] = {ov};
+    Config *c = malloc(sizeof *c);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(config_load(c, "tests/configs/tiny-mlp.yaml", ovs, 1, &err), QT_OK);
+    TrainOptions o = {.quiet = true};
+    Run *r = malloc(sizeof *r);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(r);
+    memset(r, 0xA5, sizeof *r); /* run_init owes every field a value */
+    run_init(r, c, &o);
+    CU_ASSERT(r->cfg == c && r->opt == &o);
+    CU_ASSERT_EQUAL(r->dir.saved_step, -1);
+    CU_ASSERT(isnan(r->log.last_train_loss));
+    CU_ASSERT(r->clock.t_start > 0.0);
+    CU_ASSERT_EQUAL(r->plan.step, 0);
+    CU_ASSERT_EQUAL(r->guards.nonfinite_skipped, 0);
+    CU_ASSERT_PTR_NULL(r->work.bx);
+    CU_ASSERT_PTR_NULL(r->dir.config_text);
+    CU_ASSERT_EQUAL(run_prepare(r, true, &err), QT_OK);
+    CU_ASSERT_EQUAL(r->data.train.n + r->data.val.n, 512);
+    CU_ASSERT(r->model.net.n_trainable > 0);
+    CU_ASSERT_EQUAL(r->plan.total_steps, 20);
+    CU_ASSERT_EQUAL(r->plan.steps_per_epoch, 512 / 32);
+    CU_ASSERT(r->work.bx && r->work.by && r->work.ex && r->work.ey);
+    CU_ASSERT_PTR_NULL(r->dir.config_text);
+    CU_ASSERT_PTR_NULL(r->log.metrics.csv);
+    struct stat sb;
+    CU_ASSERT_NOT_EQUAL(stat(out_dir, &sb), 0); /* run_prepare does not touch run.out_dir */
+    run_work_free(&r->work);
+    run_model_free(&r->model);
+    run_data_free(&r->data);
+    CU_ASSERT_PTR_NULL(r->work.bx);
+    CU_ASSERT_EQUAL(r->model.net.n_trainable, 0);
+    CU_ASSERT_EQUAL(r->data.train.n, 0);
+    run_free(r); /* the freed parts are zero: nothing is freed twice */
+    free(r);
+    free(c);
+}
+
 int register_trainer_suite(void) {
     CU_pSuite s = CU_add_suite("trainer", trainer_suite_init, trainer_suite_cleanup);
     if (!s) return -1;
@@ -353,5 +403,6 @@ int register_trainer_suite(void) {
            !CU_add_test(s, "a run writes metrics, summary and checkpoints; eval agrees", test_run_outputs) ||
            !CU_add_test(s, "bad data dir, out_dir, input shape, checkpoints", test_bad_inputs) ||
            !CU_add_test(s, "resume: finished run, dirty out_dir, changed config, totals", test_resume_rules) ||
-           !CU_add_test(s, "CLI exit status 0/1/2", test_cli_exit_status);
+           !CU_add_test(s, "CLI exit status 0/1/2", test_cli_exit_status) ||
+           !CU_add_test(s, "a run's parts: start values, what run_prepare makes", test_run_parts);
 }

@@ -91,15 +91,15 @@ static void bench_name_model(const Model *m, char *buf, size_t cap) {
 /* The run as training sets it up for a fresh start. */
 static QtStatus bench_setup(Bench *b, const TrainOptions *topt, FILE *out, QtError *err) {
     Run *r = &b->run;
-    r->cfg = b->cfg, r->opt = topt, r->t_start = metrics_now(), r->saved_step = -1, r->last_train_loss = NAN;
+    run_init(r, b->cfg, topt);
     r->base_from_seed = b->cfg->quant.mode == QUANT_MODE_PTQ && !b->cfg->model.init_from[0];
     if (r->base_from_seed)
         fprintf(out, "note: model.init_from is not set: the quantized base is the fresh initialisation of run.seed "
                 "(timing only)\n");
     QtStatus st = run_prepare(r, true, err);
     if (st != QT_OK) return st;
-    net_print_unused_rules(&r->net, out);
-    bench_name_model(&r->net.model, b->model_name, sizeof b->model_name);
+    net_print_unused_rules(&r->model.net, out);
+    bench_name_model(&r->model.net.model, b->model_name, sizeof b->model_name);
     return QT_OK;
 }
 
@@ -113,13 +113,13 @@ static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError 
     Run *r = &b->run;
     double *ms = malloc((size_t)o->steps * sizeof *ms);
     if (!ms) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for %d step times", o->steps);
-    r->tape.training = true;
+    r->work.tape.training = true;
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < o->warmup; i++) {
         bench_mark_first(b);
         st = run_step(r, err);
     }
-    int64_t examples = r->trained_examples;
+    int64_t examples = r->clock.trained_examples;
     double t_begin = metrics_now();
     for (int i = 0; st == QT_OK && i < o->steps; i++) {
         bench_mark_first(b);
@@ -128,8 +128,8 @@ static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError 
         ms[i] = (metrics_now() - t0) * 1e3;
     }
     double timed_s = metrics_now() - t_begin;
-    examples = r->trained_examples - examples;
-    double loss = r->win_steps ? r->win_loss_sum / (double)r->win_steps : NAN;
+    examples = r->clock.trained_examples - examples;
+    double loss = r->log.win_steps ? r->log.win_loss_sum / (double)r->log.win_steps : NAN;
     int stats_steps = o->steps / 2 > 0 ? o->steps / 2 : 1;
     gemm_stats_reset();
     gemm_stats_enable(true);
@@ -142,8 +142,8 @@ static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError 
         qsort(ms, (size_t)o->steps, sizeof *ms, cmp_double);
         fprintf(out, "bench:train model:%s mode:%s batch:%d steps:%d warmup:%d samples_per_s:%.1f step_ms:%.3f "
                 "step_ms_median:%.3f step_ms_min:%.3f gemm_share:%.3f gemm_gflops:%.1f gemm_calls_per_step:%.1f "
-                "loss:%.4f\n", b->model_name, net_mode_name(&r->net), r->cfg->train.batch_size, o->steps, o->warmup,
-                (double)examples / timed_s, timed_s * 1e3 / o->steps, ms[o->steps / 2], ms[0],
+                "loss:%.4f\n", b->model_name, net_mode_name(&r->model.net), r->cfg->train.batch_size, o->steps,
+                o->warmup, (double)examples / timed_s, timed_s * 1e3 / o->steps, ms[o->steps / 2], ms[0],
                 t_stats > 0 ? g.core_seconds / t_stats : 0.0, g.seconds > 0 ? g.flops / g.core_seconds * 1e-9 : 0.0,
                 (double)g.calls / stats_steps, loss);
     }
@@ -159,10 +159,10 @@ static QtStatus bench_eval_pass(Bench *b, int batches, int *next, int bs, double
     int64_t correct = 0;
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < batches; i++) {
-        if (*next + bs > r->test.n) *next = 0;
+        if (*next + bs > r->data.test.n) *next = 0;
         bench_mark_first(b);
         double t0 = metrics_now();
-        st = run_eval_batch(r, &r->test, *next, bs, &loss_sum, &correct, err);
+        st = run_eval_batch(r, &r->data.test, *next, bs, &loss_sum, &correct, err);
         if (ms) ms[i] = (metrics_now() - t0) * 1e3;
         *next += bs;
     }
@@ -172,10 +172,10 @@ static QtStatus bench_eval_pass(Bench *b, int batches, int *next, int bs, double
 /* Forward-only batches of the test split at train.eval_batch_size. */
 static QtStatus bench_eval(Bench *b, const BenchOptions *o, FILE *out, QtError *err) {
     Run *r = &b->run;
-    int bs = r->cfg->train.eval_batch_size < r->test.n ? r->cfg->train.eval_batch_size : r->test.n, next = 0;
+    int bs = r->cfg->train.eval_batch_size < r->data.test.n ? r->cfg->train.eval_batch_size : r->data.test.n, next = 0;
     double *ms = malloc((size_t)o->eval_batches * sizeof *ms);
     if (!ms) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for %d batch times", o->eval_batches);
-    r->tape.training = false, r->tape.grad_enabled = false;
+    r->work.tape.training = false, r->work.tape.grad_enabled = false;
     QtStatus st = bench_eval_pass(b, BENCH_EVAL_WARMUP, &next, bs, NULL, err);
     double t0 = metrics_now();
     if (st == QT_OK) st = bench_eval_pass(b, o->eval_batches, &next, bs, ms, err);
@@ -188,14 +188,14 @@ static QtStatus bench_eval(Bench *b, const BenchOptions *o, FILE *out, QtError *
     t_stats = metrics_now() - t_stats;
     gemm_stats_enable(false);
     GemmStats g = gemm_stats_get();
-    r->tape.grad_enabled = true;
+    r->work.tape.grad_enabled = true;
     if (st == QT_OK) {
         qsort(ms, (size_t)o->eval_batches, sizeof *ms, cmp_double);
         fprintf(out, "bench:eval model:%s mode:%s batch:%d batches:%d samples_per_s:%.1f batch_ms:%.3f "
                 "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f int8_kernel:%s\n", b->model_name,
-                net_mode_name(&r->net), bs, o->eval_batches, (double)o->eval_batches * bs / timed_s,
+                net_mode_name(&r->model.net), bs, o->eval_batches, (double)o->eval_batches * bs / timed_s,
                 timed_s * 1e3 / o->eval_batches, ms[o->eval_batches / 2], ms[0],
-                t_stats > 0 ? g.core_seconds / t_stats : 0.0, net_int8_kernel(&r->net));
+                t_stats > 0 ? g.core_seconds / t_stats : 0.0, net_int8_kernel(&r->model.net));
     }
     free(ms);
     return st;
@@ -206,9 +206,9 @@ static void bench_print_header(const Bench *b, FILE *out) {
     const Config *c = r->cfg;
     fprintf(out, "bench:config name:%s config:%s model:%s mode:%s batch:%d eval_batch:%d threads:%d "
             "params_trainable:%zu params_frozen:%zu train_steps:%" PRId64 " int8_kernel:%s\n", c->run.name,
-            c->source, b->model_name, net_mode_name(&r->net), c->train.batch_size, c->train.eval_batch_size,
-            gemm_get_threads(), net_params_trainable(&r->net), net_params_frozen(&r->net), r->total_steps,
-            net_int8_kernel(&r->net));
+            c->source, b->model_name, net_mode_name(&r->model.net), c->train.batch_size, c->train.eval_batch_size,
+            gemm_get_threads(), net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
+            r->plan.total_steps, net_int8_kernel(&r->model.net));
     fprintf(out, "bench:blas core:%s threads:%d\n", gemm_blas_core(), gemm_get_threads());
     fflush(out);
 }
@@ -217,7 +217,7 @@ static void bench_print_tail(const Bench *b, const BenchOptions *o, bool trained
     struct rusage ru;
     double rss = getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
     fprintf(out, "bench:mem peak_rss_mb:%.1f arena_mb:%.2f\n", rss,
-            (double)arena_capacity(&b->run.arena) / (1024.0 * 1024.0));
+            (double)arena_capacity(&b->run.work.arena) / (1024.0 * 1024.0));
     if (b->have_first) {
         const char *clock = "";
         double s = bench_startup_s(b, o, &clock);
@@ -245,7 +245,7 @@ QtStatus bench_run(const Config *cfg, const BenchOptions *o, FILE *out, QtError 
     *b->cfg = *cfg;
     TrainOptions topt = {.quiet = true};
     st = bench_setup(b, &topt, out, err);
-    bool trains = st == QT_OK && b->run.total_steps > 0;
+    bool trains = st == QT_OK && b->run.plan.total_steps > 0;
     if (st == QT_OK) bench_print_header(b, out);
     if (trains) st = bench_train(b, o, out, err);
     if (st == QT_OK && o->eval_batches > 0) st = bench_eval(b, o, out, err);

@@ -22,51 +22,118 @@
 #include "trainer/rundir.h"
 #include "trainer/train.h"
 
+/* A run is made of parts, each with one owner: the functions that make and
+ * free it. run_init zeroes them all; a training run then makes them in the
+ * order dir, data, model, plan, work, log (run_setup), and run_free frees
+ * each through its owner (every free accepts a zeroed or half-made part).
+ * What a checkpoint stores outlives the process: the model, the plan's
+ * position, the dropout generator, the log's window, the clock's totals and
+ * the guards are restored into a resumed invocation's parts. */
+
+/* The data: the training, validation and test splits. Owner:
+ * run_load_data / run_data_free. Read-only once loaded. */
 typedef struct {
-    const Config *cfg;
-    const TrainOptions *opt;
     Dataset train, val, test;
+} RunData;
+
+/* The model and its optimizer. Owner: run_build_model / run_model_free.
+ * Changed by every step, and filled by a resume's checkpoint. */
+typedef struct {
     Net net;                /* the model with its quantized base and adapters */
     Optimizer optim;
-    Arena arena;
-    Tape tape;
-    Rng dropout;            /* the tape's generator: dropout masks */
-    Batcher batcher;
+} RunModel;
+
+/* The step plan and the run's place in it. Owner: run_plan_steps /
+ * run_plan_free (training and bench; an evaluation makes no plan and sets
+ * steps_per_epoch to 1 itself). step is advanced by run_step and restored
+ * with the batcher's position by a resume. */
+typedef struct {
+    Batcher batcher;        /* the order of the training examples and the position in it */
     LrSchedule sched;
     int64_t total_steps, steps_per_epoch;
     int64_t step;           /* optimizer steps done */
-    int64_t saved_step;     /* step of the newest checkpoint written by this invocation, -1 = none */
-    bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
-    bool base_from_seed;    /* qtrain bench: a PTQ base without init_from is the quantized initialisation */
+} RunPlan;
+
+/* The working memory of a step and of an evaluation batch. Owner:
+ * run_alloc / run_work_free. Allocated once, before the first step: the
+ * arena is reset after each step and batch, so the loop allocates nothing. */
+typedef struct {
     float *bx;              /* (batch_size, feat) training batch */
     int32_t *by;            /* [batch_size] */
     float *ex;              /* (eval_batch_size, feat) evaluation batch */
     int32_t *ey;            /* [eval_batch_size] */
-    double win_loss_sum;    /* training window since the last log line */
-    int64_t win_correct, win_seen, win_steps;
-    char *config_text;      /* resolved YAML, stored in checkpoints */
+    Arena arena;            /* a step's tensors */
+    Tape tape;              /* over arena; draws its dropout masks from dropout */
+    Rng dropout;            /* stored in checkpoints: a resumed run draws the same masks */
+} RunWork;
+
+/* What the run reports. Owner: run_log_open / run_log_close (metrics.csv;
+ * run_init starts the window empty and last_train_loss NaN, a resume
+ * restores both, and train_run starts the progress bar before the loop). */
+typedef struct {
     MetricsLog metrics;
     Progress progress;
+    double win_loss_sum;    /* training window since the last log line */
+    int64_t win_correct, win_seen, win_steps;
+    double last_train_loss; /* mean loss of the last logged window, NaN before the first */
+} RunLog;
+
+/* Time and throughput over every invocation of the run. Owner: run_init
+ * (this invocation's start); a resume restores the totals; nothing to free. */
+typedef struct {
     double t_start;         /* this invocation's start */
     double wall_before;     /* wall seconds of earlier invocations of this run (resume) */
     double train_s;         /* seconds in training steps, over all invocations */
     int64_t trained_examples; /* over all invocations */
-    double last_train_loss; /* mean loss of the last logged window, NaN before the first */
+} RunClock;
+
+/* The numerical guards (trainer/guard.h). Owner: run_init (zero); a
+ * resume restores them; nothing to free. */
+typedef struct {
     int64_t nonfinite_skipped; /* steps whose update train.on_nonfinite: skip dropped, over all invocations */
     int64_t nonfinite_streak;  /* of them, the latest steps in a row */
-    LossWatch loss_watch;   /* train.divergence_factor's running means (trainer/guard.h) */
+    LossWatch loss_watch;   /* train.divergence_factor's running means */
+} RunGuards;
+
+/* run.out_dir and what the run's checkpoints record. Owner: run_dir_open
+ * (makes out_dir, takes its lock) and run_dir_note (once the model is final:
+ * the config text and a LoRA run's base identity) / run_dir_close. Training
+ * only: bench and evaluation never open it. */
+typedef struct {
+    RunDirLock lock;        /* out_dir's .lock, held from run_dir_open until run_dir_close */
+    char *config_text;      /* resolved YAML, stored in checkpoints */
     char base_sha256[SHA256_HEX_CHARS]; /* a LoRA run's frozen base (checkpoint_base_sha256); "" otherwise */
     char *lora_trainable;   /* lora.trainable, comma-separated, for adapters.h5 (malloc'd) */
-    RunDirLock lock;        /* out_dir's .lock, held from run_setup until run_free */
+    int64_t saved_step;     /* step of the newest checkpoint written by this invocation, -1 = none */
+    bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
+} RunDir;
+
+typedef struct {
+    /* The inputs: cfg and opt borrowed from run_init's caller until run_free. */
+    const Config *cfg;
+    const TrainOptions *opt;
+    bool base_from_seed;    /* set by qtrain bench: a PTQ base without init_from is the quantized initialisation */
+    RunData data;
+    RunModel model;
+    RunPlan plan;
+    RunWork work;
+    RunLog log;
+    RunClock clock;
+    RunGuards guards;
+    RunDir dir;
 } Run;
+
+/* Starts a run of cfg with options opt: every part zeroed, the clock
+ * started, no checkpoint saved and no window logged yet. */
+void run_init(Run *r, const Config *cfg, const TrainOptions *opt);
 
 /* Everything a run needs that does not touch run.out_dir: the thread count,
  * data, model (fresh: from the seed, init_from and adapters_from; else
  * layouts for a checkpoint to fill), optimizer, step plan, batch buffers,
  * arena and tape, and for a fresh model the static activation calibration.
- * r->cfg and r->opt must be set and the rest zeroed. */
+ * r comes from run_init. */
 QtStatus run_prepare(Run *r, bool fresh, QtError *err);
-/* Frees what run_prepare (and the loop) made; safe on a partial setup. */
+/* Frees every part through its owner; safe on a partial setup. */
 void run_free(Run *r);
 
 /* One optimizer step on the next batch, its loading included. */
@@ -86,6 +153,11 @@ QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss
 QtStatus run_load_data(Run *r, QtError *err);
 QtStatus run_build_model(Run *r, bool fresh, QtError *err);
 QtStatus run_alloc(Run *r, QtError *err);
+/* Their frees, each of its own part: safe on a part made in part, and
+ * each leaves its part zeroed, so run_free may follow. */
+void run_data_free(RunData *d);
+void run_model_free(RunModel *m);
+void run_work_free(RunWork *w);
 /* Evaluates val (if any) and test, logs and records both in metrics.csv
  * (once opened); *val_loss and *val_acc are -1 without a validation split. */
 QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
@@ -93,8 +165,14 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
 /* res from the run's totals over all its invocations and the net's sizes. */
 void run_fill_result(const Run *r, TrainResult *res);
 
+/* train_dirs.c: makes run.out_dir with its parents (created: the topmost
+ * directory made, "" if none) and takes its lock, before anything in it is
+ * read: another run there would mix its files with ours. */
+QtStatus run_dir_open(Run *r, char *created, size_t cap, QtError *err);
+/* Frees the config text and lora.trainable and releases the lock; leaves d zeroed. */
+void run_dir_close(RunDir *d);
 /* train_dirs.c: after a failed run, removes the directories of run.out_dir
- * that run_setup made (created: the topmost, "" if none), each only if it
+ * that run_dir_open made (created: the topmost, "" if none), each only if it
  * is empty but for the run's .lock: one the run wrote into stays, with its
  * files. */
 void run_undo_failed_start(Run *r, const char *created);

@@ -33,33 +33,62 @@
 /* The first step's arena; it grows to the high-water mark once, then stays. */
 #define RUN_ARENA_INITIAL (4u << 20)
 
-void run_free(Run *r) {
-    metrics_close(&r->metrics);
-    batcher_free(&r->batcher);
-    optim_free(&r->optim);
-    net_free(&r->net);
-    tape_free(&r->tape);
-    arena_free(&r->arena);
-    dataset_free(&r->train), dataset_free(&r->val), dataset_free(&r->test);
-    free(r->bx), free(r->by), free(r->ex), free(r->ey);
-    free(r->config_text);
-    free(r->lora_trainable);
-    rundir_unlock(&r->lock, false);
+void run_init(Run *r, const Config *cfg, const TrainOptions *opt) {
+    memset(r, 0, sizeof *r);
+    r->cfg = cfg, r->opt = opt;
+    r->clock.t_start = metrics_now();
+    r->dir.saved_step = -1;
+    r->log.last_train_loss = NAN;
 }
 
-static QtStatus make_dirs(const char *path, char *created, size_t cap, QtError *err) {
-    return train_make_dirs(path, "run.out_dir", created, cap, err);
+/* Each part's free leaves it zeroed: run_free may follow. */
+void run_data_free(RunData *d) {
+    dataset_free(&d->train), dataset_free(&d->val), dataset_free(&d->test);
+    memset(d, 0, sizeof *d);
+}
+
+void run_model_free(RunModel *m) {
+    optim_free(&m->optim);
+    net_free(&m->net);
+    memset(m, 0, sizeof *m);
+}
+
+static void run_plan_free(RunPlan *p) {
+    batcher_free(&p->batcher);
+    memset(p, 0, sizeof *p);
+}
+
+void run_work_free(RunWork *w) {
+    tape_free(&w->tape);
+    arena_free(&w->arena);
+    free(w->bx), free(w->by), free(w->ex), free(w->ey);
+    memset(w, 0, sizeof *w);
+}
+
+static void run_log_close(RunLog *l) {
+    metrics_close(&l->metrics);
+    memset(l, 0, sizeof *l);
+}
+
+void run_free(Run *r) {
+    run_log_close(&r->log);
+    run_plan_free(&r->plan);
+    run_model_free(&r->model);
+    run_work_free(&r->work);
+    run_data_free(&r->data);
+    run_dir_close(&r->dir);
 }
 
 QtStatus run_load_data(Run *r, QtError *err) {
     const DataConfig *dc = &r->cfg->data;
     IdxCache cache;
     idx_cache_init(&cache, dc->cache_dir);
-    QtStatus st = dataset_load_fashion_mnist_stored(&r->train, &r->test, dc->dir, &cache, dc->storage, err);
+    QtStatus st = dataset_load_fashion_mnist_stored(&r->data.train, &r->data.test, dc->dir, &cache, dc->storage, err);
     /* even when quiet, like an unused rule: without the cache every start inflates the data again */
     if (cache.warning[0]) fprintf(stderr, "qtrain: warning: %s\n", cache.warning);
-    if (st == QT_OK) st = dataset_apply_transforms(&r->train, &r->test, dc->transforms, dc->n_transforms, err);
-    if (st == QT_OK) st = dataset_split_tail(&r->train, &r->val, dc->val_fraction, err);
+    if (st == QT_OK)
+        st = dataset_apply_transforms(&r->data.train, &r->data.test, dc->transforms, dc->n_transforms, err);
+    if (st == QT_OK) st = dataset_split_tail(&r->data.train, &r->data.val, dc->val_fraction, err);
     return st;
 }
 
@@ -67,7 +96,7 @@ QtStatus run_load_data(Run *r, QtError *err) {
  * and its output one logit per class. */
 static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
     const ModelConfig *mc = &r->cfg->model;
-    const Dataset *d = &r->train;
+    const Dataset *d = &r->data.train;
     int feat = 1;
     for (int i = 0; i < mc->input_ndim; i++) feat *= mc->input_shape[i];
     bool same = mc->input_ndim == d->ndim && memcmp(mc->input_shape, d->shape, sizeof(int) * (size_t)d->ndim) == 0;
@@ -77,7 +106,7 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
                             "values; set model.input to [%d, %d, %d] or [%d]",
                             r->cfg->source, feat, r->cfg->data.dataset, d->shape[0], d->shape[1], d->shape[2],
                             d->feat, d->shape[0], d->shape[1], d->shape[2], d->feat);
-    const Module *last = &r->net.model.modules[r->net.model.n_modules - 1];
+    const Module *last = &r->model.net.model.modules[r->model.net.model.n_modules - 1];
     if (last->out_ndim != 1 || last->out_shape[0] != d->n_classes)
         return qt_error_set(err, QT_ERR_CONFIG,
                             "%s: the last layer (%s) must give one logit per class: the data has %d classes, the "
@@ -93,87 +122,87 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
 QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
     const Config *c = r->cfg;
     NetInit how = !fresh ? NET_SHELL : r->base_from_seed ? NET_FRESH_TIMING : NET_FRESH;
-    QtStatus st = net_build(&r->net, c, how, err);
+    QtStatus st = net_build(&r->model.net, c, how, err);
     if (st != QT_OK) return st;
     if ((st = run_check_model_fits_data(r, err)) != QT_OK) return st;
-    if (r->net.n_trainable == 0) { /* a frozen PTQ model: evaluation only (run_check_trainable) */
-        r->optim.cfg = c->train.optim;
+    if (r->model.net.n_trainable == 0) { /* a frozen PTQ model: evaluation only (run_check_trainable) */
+        r->model.optim.cfg = c->train.optim;
         return QT_OK;
     }
-    st = optim_init(&r->optim, &c->train.optim, r->net.trainable, r->net.n_trainable, err);
-    if (st == QT_OK) st = net_set_range_lrs(&r->net, &r->optim, c->train.optim.lr, err);
+    st = optim_init(&r->model.optim, &c->train.optim, r->model.net.trainable, r->model.net.n_trainable, err);
+    if (st == QT_OK) st = net_set_range_lrs(&r->model.net, &r->model.optim, c->train.optim.lr, err);
     return st;
 }
 
 static QtStatus run_plan_steps(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
-    QtStatus st = batcher_init(&r->batcher, &r->train, tc->batch_size, r->cfg->data.shuffle, r->cfg->data.drop_last,
-                               r->cfg->run.seed, err);
+    QtStatus st = batcher_init(&r->plan.batcher, &r->data.train, tc->batch_size, r->cfg->data.shuffle,
+                               r->cfg->data.drop_last, r->cfg->run.seed, err);
     if (st != QT_OK) return st;
-    r->steps_per_epoch = batcher_steps_per_epoch(&r->batcher);
-    if (r->steps_per_epoch < 1)
+    r->plan.steps_per_epoch = batcher_steps_per_epoch(&r->plan.batcher);
+    if (r->plan.steps_per_epoch < 1)
         return qt_error_set(err, QT_ERR_CONFIG,
                             "%s: train.batch_size %d is larger than the %d training examples and data.drop_last "
                             "is true, so an epoch has no batch; lower the batch size or set drop_last: false",
-                            r->cfg->source, tc->batch_size, r->train.n);
+                            r->cfg->source, tc->batch_size, r->data.train.n);
     /* epochs <= 10^6 and steps per epoch < 2^31: no overflow */
-    r->total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->steps_per_epoch;
-    r->sched = tc->schedule;
-    r->sched.base_lr = tc->optim.lr;
-    r->sched.total_steps = r->total_steps;
+    r->plan.total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->plan.steps_per_epoch;
+    r->plan.sched = tc->schedule;
+    r->plan.sched.base_lr = tc->optim.lr;
+    r->plan.sched.total_steps = r->plan.total_steps;
     /* A warmup longer than the run (a shipped config on the mini data set) is clamped to the run: the lr rises
        to train.optimizer.lr at the last step. It depends on the config and the data only, so a resumed run
        clamps alike; the stored config keeps the value as written. */
-    if (r->total_steps > 0 && r->sched.warmup_steps > r->total_steps) {
+    if (r->plan.total_steps > 0 && r->plan.sched.warmup_steps > r->plan.total_steps) {
         fprintf(stderr, "qtrain: warning: %s: train.schedule.warmup_steps %" PRId64 " is longer than the run's %"
                 PRId64 " steps (%s); the warmup is clamped to %" PRId64 " steps\n", r->cfg->source,
-                r->sched.warmup_steps, r->total_steps, tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch",
-                r->total_steps);
-        r->sched.warmup_steps = r->total_steps;
+                r->plan.sched.warmup_steps, r->plan.total_steps,
+                tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch", r->plan.total_steps);
+        r->plan.sched.warmup_steps = r->plan.total_steps;
     }
     QtError e = {0};
-    if (r->total_steps > 0 && lr_schedule_validate(&r->sched, &e) != QT_OK)
+    if (r->plan.total_steps > 0 && lr_schedule_validate(&r->plan.sched, &e) != QT_OK)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: train.schedule: %s (the run has %" PRId64 " steps: %s)",
-                            r->cfg->source, e.msg, r->total_steps,
+                            r->cfg->source, e.msg, r->plan.total_steps,
                             tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch");
     return QT_OK;
 }
 
 QtStatus run_alloc(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
-    size_t feat = (size_t)r->train.feat;
+    size_t feat = (size_t)r->data.train.feat;
     /* No batch is ever larger than its data set. */
-    int bs = tc->batch_size < r->train.n ? tc->batch_size : r->train.n;
-    int eval_n = r->test.n > r->val.n ? r->test.n : r->val.n;
+    int bs = tc->batch_size < r->data.train.n ? tc->batch_size : r->data.train.n;
+    int eval_n = r->data.test.n > r->data.val.n ? r->data.test.n : r->data.val.n;
     int ebs = tc->eval_batch_size < eval_n ? tc->eval_batch_size : eval_n;
-    r->bx = malloc((size_t)(bs > 0 ? bs : 1) * feat * sizeof(float));
-    r->by = malloc((size_t)(bs > 0 ? bs : 1) * sizeof(int32_t));
-    r->ex = malloc((size_t)(ebs > 0 ? ebs : 1) * feat * sizeof(float));
-    r->ey = malloc((size_t)(ebs > 0 ? ebs : 1) * sizeof(int32_t));
-    r->config_text = config_to_yaml(r->cfg);
-    if (!r->bx || !r->by || !r->ex || !r->ey || !r->config_text || arena_init(&r->arena, RUN_ARENA_INITIAL) != 0)
+    r->work.bx = malloc((size_t)(bs > 0 ? bs : 1) * feat * sizeof(float));
+    r->work.by = malloc((size_t)(bs > 0 ? bs : 1) * sizeof(int32_t));
+    r->work.ex = malloc((size_t)(ebs > 0 ? ebs : 1) * feat * sizeof(float));
+    r->work.ey = malloc((size_t)(ebs > 0 ? ebs : 1) * sizeof(int32_t));
+    if (!r->work.bx || !r->work.by || !r->work.ex || !r->work.ey || arena_init(&r->work.arena, RUN_ARENA_INITIAL) != 0)
         return qt_error_set(err, QT_ERR_NOMEM, "out of memory allocating batches (batch_size %d, eval_batch_size %d)",
                             tc->batch_size, tc->eval_batch_size);
-    rng_init(&r->dropout, r->cfg->run.seed, RNG_STREAM_DROPOUT);
-    return tape_init(&r->tape, &r->arena, &r->dropout, err);
+    rng_init(&r->work.dropout, r->cfg->run.seed, RNG_STREAM_DROPOUT);
+    return tape_init(&r->work.tape, &r->work.arena, &r->work.dropout, err);
 }
 
 static CheckpointState run_checkpoint_state(Run *r) {
     CheckpointState s = {
-        .step = r->step, .epochs_done = r->step / r->steps_per_epoch, .epoch = r->batcher.epoch,
-        .cursor = r->batcher.cursor, .seed = r->cfg->run.seed,
-        .n_train = r->train.n, .log_loss_sum = r->win_loss_sum, .log_correct = r->win_correct,
-        .log_seen = r->win_seen, .log_steps = r->win_steps, .train_s = r->train_s,
-        .wall_s = r->wall_before + metrics_now() - r->t_start, .trained_examples = r->trained_examples,
-        .last_train_loss = r->last_train_loss, .nonfinite_skipped = r->nonfinite_skipped,
-        .nonfinite_streak = r->nonfinite_streak,
-        .loss_watch = r->loss_watch, .n_rngs = 1, .config_text = r->config_text,
-        .net = net_checkpoint_parts(&r->net),
-        .base_sha256 = r->base_sha256[0] ? r->base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
-        .lora_trainable = r->lora_trainable, .mode = net_mode_name(&r->net),
+        .step = r->plan.step, .epochs_done = r->plan.step / r->plan.steps_per_epoch, .epoch = r->plan.batcher.epoch,
+        .cursor = r->plan.batcher.cursor, .seed = r->cfg->run.seed,
+        .n_train = r->data.train.n, .log_loss_sum = r->log.win_loss_sum, .log_correct = r->log.win_correct,
+        .log_seen = r->log.win_seen, .log_steps = r->log.win_steps, .train_s = r->clock.train_s,
+        .wall_s = r->clock.wall_before + metrics_now() - r->clock.t_start,
+        .trained_examples = r->clock.trained_examples,
+        .last_train_loss = r->log.last_train_loss, .nonfinite_skipped = r->guards.nonfinite_skipped,
+        .nonfinite_streak = r->guards.nonfinite_streak,
+        .loss_watch = r->guards.loss_watch, .n_rngs = 1, .config_text = r->dir.config_text,
+        .net = net_checkpoint_parts(&r->model.net),
+        .base_sha256 = r->dir.base_sha256[0] ? r->dir.base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
+        .lora_trainable = r->dir.lora_trainable, .mode = net_mode_name(&r->model.net),
     };
     s.rngs[0].name = "dropout";
-    s.rngs[0].rng = &r->dropout;
+    s.rngs[0].rng = &r->work.dropout;
     return s;
 }
 
@@ -211,40 +240,40 @@ static QtStatus run_check_resume_config(Run *r, const char *path, QtError *err) 
 /* Restores everything that decides the rest of the run from `path`. */
 static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     CheckpointState s = run_checkpoint_state(r);
-    QtStatus st = checkpoint_load(path, &r->net.model, &r->optim, &s, err);
+    QtStatus st = checkpoint_load(path, &r->model.net.model, &r->model.optim, &s, err);
     if (st != QT_OK) return st;
-    if (s.n_train != r->train.n)
+    if (s.n_train != r->data.train.n)
         return qt_error_set(err, QT_ERR_CONFIG,
                             "cannot resume from %s: it was trained on %" PRId64 " training examples, this config "
                             "loads %d from %s; point data.dir at the same data or start a new run.out_dir",
-                            path, s.n_train, r->train.n, r->cfg->data.dir);
-    if (s.step > r->total_steps)
+                            path, s.n_train, r->data.train.n, r->cfg->data.dir);
+    if (s.step > r->plan.total_steps)
         return qt_error_set(err, QT_ERR_CONFIG,
                             "cannot resume from %s: it is at step %" PRId64 ", beyond this config's %" PRId64
                             " training steps; raise train.steps or train.epochs",
-                            path, s.step, r->total_steps);
+                            path, s.step, r->plan.total_steps);
     if (r->opt->stop_at_step > 0 && r->opt->stop_at_step < s.step)
         return qt_error_set(err, QT_ERR_ARG, "--stop-at-step %" PRId64 " is before step %" PRId64 " of %s",
                             r->opt->stop_at_step, s.step, path);
-    if (s.cursor > r->train.n) /* checked here: the int batcher_seek takes would wrap a larger one */
+    if (s.cursor > r->data.train.n) /* checked here: the int batcher_seek takes would wrap a larger one */
         return qt_error_set(err, QT_ERR_FORMAT,
                             "cannot resume from %s: its data position (cursor %" PRId64 ") is past the %d training "
                             "examples; the checkpoint is damaged",
-                            path, s.cursor, r->train.n);
-    if ((st = batcher_seek(&r->batcher, s.epoch, (int)s.cursor, err)) != QT_OK) return st;
-    r->step = r->saved_step = s.step;
-    r->win_loss_sum = s.log_loss_sum;
-    r->win_correct = s.log_correct, r->win_seen = s.log_seen, r->win_steps = s.log_steps;
-    r->train_s = s.train_s, r->wall_before = s.wall_s;
-    r->trained_examples = s.trained_examples, r->last_train_loss = s.last_train_loss;
-    r->nonfinite_skipped = s.nonfinite_skipped, r->nonfinite_streak = s.nonfinite_streak;
-    r->loss_watch = s.loss_watch;
+                            path, s.cursor, r->data.train.n);
+    if ((st = batcher_seek(&r->plan.batcher, s.epoch, (int)s.cursor, err)) != QT_OK) return st;
+    r->plan.step = r->dir.saved_step = s.step;
+    r->log.win_loss_sum = s.log_loss_sum;
+    r->log.win_correct = s.log_correct, r->log.win_seen = s.log_seen, r->log.win_steps = s.log_steps;
+    r->clock.train_s = s.train_s, r->clock.wall_before = s.wall_s;
+    r->clock.trained_examples = s.trained_examples, r->log.last_train_loss = s.last_train_loss;
+    r->guards.nonfinite_skipped = s.nonfinite_skipped, r->guards.nonfinite_streak = s.nonfinite_streak;
+    r->guards.loss_watch = s.loss_watch;
     /* Complete once summary.json is written: a run stopped after its last
      * step (a signal, or a crash during the final save) still owes its final
      * evaluation, final.h5 and summary.json. */
     char summary[CONFIG_PATH_MAX + 32];
     snprintf(summary, sizeof summary, "%s/summary.json", r->cfg->run.out_dir);
-    r->already_complete = r->step == r->total_steps && access(summary, F_OK) == 0;
+    r->dir.already_complete = r->plan.step == r->plan.total_steps && access(summary, F_OK) == 0;
     return QT_OK;
 }
 
@@ -285,29 +314,29 @@ static int count_correct(const Var *logits, const int32_t *y, int n) {
 /* A Var over the first n examples of a batch buffer, shaped (n, input...). */
 static Var *run_wrap_batch(Run *r, float *x, int n) {
     int shape[4] = {n};
-    const Model *m = &r->net.model;
+    const Model *m = &r->model.net.model;
     for (int i = 0; i < m->input_ndim; i++) shape[1 + i] = m->input_shape[i];
-    return tape_wrap(&r->tape, x, 1 + m->input_ndim, shape);
+    return tape_wrap(&r->work.tape, x, 1 + m->input_ndim, shape);
 }
 
 QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
                         QtError *err) {
-    Tape *t = &r->tape;
+    Tape *t = &r->work.tape;
     QtError e = {0};
-    if (dataset_fill_range(d, start, n, r->ex, r->ey, &e) != QT_OK)
-        return qt_error_set(err, e.status, "evaluation at step %" PRId64 ": %s", r->step, e.msg);
-    Var *logits = model_forward(&r->net.model, t, run_wrap_batch(r, r->ex, n));
-    Var *l = nn_softmax_cross_entropy(t, logits, r->ey);
+    if (dataset_fill_range(d, start, n, r->work.ex, r->work.ey, &e) != QT_OK)
+        return qt_error_set(err, e.status, "evaluation at step %" PRId64 ": %s", r->plan.step, e.msg);
+    Var *logits = model_forward(&r->model.net.model, t, run_wrap_batch(r, r->work.ex, n));
+    Var *l = nn_softmax_cross_entropy(t, logits, r->work.ey);
     QtStatus st = QT_OK;
-    if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->step, t->err.msg);
-    else *loss_sum += (double)l->value.data[0] * n, *correct += count_correct(logits, r->ey, n);
+    if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->plan.step, t->err.msg);
+    else *loss_sum += (double)l->value.data[0] * n, *correct += count_correct(logits, r->work.ey, n);
     tape_reset(t);
     return st;
 }
 
 /* Mean cross-entropy and accuracy over a whole data set, forward only. */
 static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *accuracy, QtError *err) {
-    Tape *t = &r->tape;
+    Tape *t = &r->work.tape;
     bool was_training = t->training, had_grad = t->grad_enabled;
     t->training = false, t->grad_enabled = false;
     double loss_sum = 0.0;
@@ -322,12 +351,12 @@ static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *acc
     return st;
 }
 
-static double run_epoch(const Run *r) { return (double)r->step / (double)r->steps_per_epoch; }
+static double run_epoch(const Run *r) { return (double)r->plan.step / (double)r->plan.steps_per_epoch; }
 
 static void run_say(Run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void run_say(Run *r, const char *fmt, ...) {
     if (r->opt->quiet) return;
-    progress_clear(&r->progress);
+    progress_clear(&r->log.progress);
     va_list ap;
     va_start(ap, fmt);
     vprintf(fmt, ap);
@@ -338,18 +367,20 @@ static void run_say(Run *r, const char *fmt, ...) {
 /* Evaluates val (if any) and test, logs and records both. */
 QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
                           QtError *err) {
-    double wall = r->wall_before + metrics_now() - r->t_start;
+    double wall = r->clock.wall_before + metrics_now() - r->clock.t_start;
     *val_loss = *val_acc = -1.0;
     QtStatus st = QT_OK;
-    if (r->val.n > 0 && (st = run_evaluate(r, &r->val, val_loss, val_acc, err)) == QT_OK) {
-        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f acc:%.4f\n", r->step, run_epoch(r),
+    if (r->data.val.n > 0 && (st = run_evaluate(r, &r->data.val, val_loss, val_acc, err)) == QT_OK) {
+        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f acc:%.4f\n", r->plan.step, run_epoch(r),
                 *val_loss, *val_acc);
-        st = metrics_write(&r->metrics, "val", r->step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall, err);
+        st = metrics_write(&r->log.metrics, "val", r->plan.step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall,
+                           err);
     }
-    if (st == QT_OK && (st = run_evaluate(r, &r->test, test_loss, test_acc, err)) == QT_OK) {
-        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f acc:%.4f\n", r->step, run_epoch(r),
+    if (st == QT_OK && (st = run_evaluate(r, &r->data.test, test_loss, test_acc, err)) == QT_OK) {
+        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f acc:%.4f\n", r->plan.step, run_epoch(r),
                 *test_loss, *test_acc);
-        st = metrics_write(&r->metrics, "test", r->step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0, wall, err);
+        st = metrics_write(&r->log.metrics, "test", r->plan.step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0,
+                           wall, err);
     }
     return st;
 }
@@ -357,18 +388,18 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
 /* The divergence watch: reported once when an occurrence starts. */
 static void run_watch_loss(Run *r, double loss) {
     double fast, slow, factor = r->cfg->train.divergence_factor;
-    if (!loss_watch_feed(&r->loss_watch, loss, factor, &fast, &slow)) return;
-    progress_clear(&r->progress);
+    if (!loss_watch_feed(&r->guards.loss_watch, loss, factor, &fast, &slow)) return;
+    progress_clear(&r->log.progress);
     fprintf(stderr, "qtrain: warning: step:%" PRId64 " the training loss is diverging: its mean over the last ~10 "
             "steps, %.4f, is %.1fx its running mean %.4f (train.divergence_factor %g; occurrence %" PRId64 "); lower "
-            "train.optimizer.lr or set train.grad_clip\n", r->step + 1, fast, fast / slow, slow, factor,
-            r->loss_watch.occurrences);
+            "train.optimizer.lr or set train.grad_clip\n", r->plan.step + 1, fast, fast / slow, slow, factor,
+            r->guards.loss_watch.occurrences);
 }
 
 /* Where the last good state of the run is, for a message about stopping. */
 static void run_last_good(const Run *r, char *buf, size_t cap) {
-    if (r->saved_step >= 0)
-        snprintf(buf, cap, "the last good checkpoint, step %" PRId64 ", is kept in %s", r->saved_step,
+    if (r->dir.saved_step >= 0)
+        snprintf(buf, cap, "the last good checkpoint, step %" PRId64 ", is kept in %s", r->dir.saved_step,
                  r->cfg->run.out_dir);
     else
         snprintf(buf, cap, "no checkpoint had been written yet (set train.checkpoint_every to keep some)");
@@ -381,30 +412,30 @@ static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_wher
     if (grad_where) {
         snprintf(where, sizeof where, "%s (the loss %.6g is finite)", grad_where, loss);
     } else {
-        tape_reset(&r->tape); /* the step's values are not needed: the forward runs again, module by module */
-        guard_locate_nonfinite_forward(&r->net.model, &r->tape, x, r->net.trainable, r->net.n_trainable, where,
-                                       sizeof where);
+        tape_reset(&r->work.tape); /* the step's values are not needed: the forward runs again, module by module */
+        guard_locate_nonfinite_forward(&r->model.net.model, &r->work.tape, x, r->model.net.trainable,
+                                       r->model.net.n_trainable, where, sizeof where);
     }
-    int64_t step = r->step + 1;
+    int64_t step = r->plan.step + 1;
     run_last_good(r, good, sizeof good);
     if (r->cfg->train.on_nonfinite == NONFINITE_STOP)
         return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s is not finite: %s. Stopped "
                             "without this step's update; %s. Lower train.optimizer.lr or set train.grad_clip, or set "
                             "train.on_nonfinite: skip to drop such steps", step, grad_where ? "gradient" : "loss",
                             where, good);
-    if (r->nonfinite_streak + 1 >= GUARD_MAX_SKIPS_IN_A_ROW)
+    if (r->guards.nonfinite_streak + 1 >= GUARD_MAX_SKIPS_IN_A_ROW)
         return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s has not been finite for %d steps in "
                             "a row (%" PRId64 " skipped in all): %s. Skipping cannot mend the model; stopped; %s. "
                             "Lower train.optimizer.lr or set train.grad_clip", step,
                             grad_where ? "gradient" : "loss", GUARD_MAX_SKIPS_IN_A_ROW,
-                            r->nonfinite_skipped + 1, where, good);
-    r->nonfinite_skipped++, r->nonfinite_streak++;
-    progress_clear(&r->progress);
+                            r->guards.nonfinite_skipped + 1, where, good);
+    r->guards.nonfinite_skipped++, r->guards.nonfinite_streak++;
+    progress_clear(&r->log.progress);
     fprintf(stderr, "qtrain: warning: step:%" PRId64 " skipped (train.on_nonfinite: skip, %" PRId64 " so far): the "
-            "%s is not finite: %s\n", step, r->nonfinite_skipped, grad_where ? "gradient" : "loss", where);
-    optim_zero_grad(&r->optim);
-    tape_reset(&r->tape);
-    r->step++; /* the batch is used up and the schedule moves on; the optimizer's own count does not */
+            "%s is not finite: %s\n", step, r->guards.nonfinite_skipped, grad_where ? "gradient" : "loss", where);
+    optim_zero_grad(&r->model.optim);
+    tape_reset(&r->work.tape);
+    r->plan.step++; /* the batch is used up and the schedule moves on; the optimizer's own count does not */
     return QT_OK;
 }
 
@@ -420,81 +451,84 @@ static QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtE
                         "(the loss %.6g and the gradients were finite, so the update overflowed or the optimizer "
                         "state is damaged). Stopped without saving this state (train.on_nonfinite: skip cannot undo "
                         "an applied update); %s. Lower train.optimizer.lr or set train.grad_clip, or resume from an "
-                        "earlier checkpoint", r->step + 1, where, loss, good);
+                        "earlier checkpoint", r->plan.step + 1, where, loss, good);
 }
 
 /* One optimizer step on the next batch. */
 QtStatus run_step(Run *r, QtError *err) {
-    Tape *t = &r->tape;
+    Tape *t = &r->work.tape;
     QtError e = {0};
     int n = 0;
-    if (batcher_next(&r->batcher, r->bx, r->by, &n, NULL, &e) != QT_OK)
-        return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->step + 1, e.msg);
-    Var *x = run_wrap_batch(r, r->bx, n);
-    net_set_step(&r->net, r->step);
-    Var *logits = model_forward(&r->net.model, t, x);
+    if (batcher_next(&r->plan.batcher, r->work.bx, r->work.by, &n, NULL, &e) != QT_OK)
+        return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->plan.step + 1, e.msg);
+    Var *x = run_wrap_batch(r, r->work.bx, n);
+    net_set_step(&r->model.net, r->plan.step);
+    Var *logits = model_forward(&r->model.net.model, t, x);
     /* the loss op refuses non-finite logits; they are this guard's to report */
     if (logits && floats_first_nonfinite(logits->value.data, var_numel(logits)) < var_numel(logits))
         return run_nonfinite(r, x, NAN, NULL, err);
-    Var *loss = nn_softmax_cross_entropy(t, logits, r->by);
+    Var *loss = nn_softmax_cross_entropy(t, logits, r->work.by);
     if (tape_backward(t, loss) != QT_OK)
-        return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->step + 1, t->err.msg);
+        return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->plan.step + 1, t->err.msg);
     double l = loss->value.data[0];
     char grad_where[384];
     if (!isfinite(l)) return run_nonfinite(r, x, l, NULL, err);
     /* With clipping, its norm pass finds a non-finite gradient for free (the
      * norm is then non-finite too); without, one scan of the gradients. */
     float clip = r->cfg->train.grad_clip;
-    double gnorm = clip > 0 ? optim_grad_norm(r->net.trainable, r->net.n_trainable) : 0.0;
-    bool finite = clip > 0 ? isfinite(gnorm) : guard_grads_finite(r->net.trainable, r->net.n_trainable, NULL, 0);
+    double gnorm = clip > 0 ? optim_grad_norm(r->model.net.trainable, r->model.net.n_trainable) : 0.0;
+    bool finite = clip > 0 ? isfinite(gnorm)
+                           : guard_grads_finite(r->model.net.trainable, r->model.net.n_trainable, NULL, 0);
     if (!finite) { /* name the tensor: only on this rare path is the scan repeated for it */
-        guard_grads_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where);
+        guard_grads_finite(r->model.net.trainable, r->model.net.n_trainable, grad_where, sizeof grad_where);
         return run_nonfinite(r, x, l, grad_where, err);
     }
-    r->nonfinite_streak = 0;
-    r->win_loss_sum += l;
-    r->win_correct += count_correct(logits, r->by, n);
-    r->win_seen += n, r->win_steps++;
+    r->guards.nonfinite_streak = 0;
+    r->log.win_loss_sum += l;
+    r->log.win_correct += count_correct(logits, r->work.by, n);
+    r->log.win_seen += n, r->log.win_steps++;
     run_watch_loss(r, l);
-    if (clip > 0) optim_clip_grads_to_norm(r->net.trainable, r->net.n_trainable, gnorm, clip);
-    optim_step(&r->optim, lr_schedule_at(&r->sched, r->step));
-    optim_zero_grad(&r->optim);
-    if (!guard_params_finite(r->net.trainable, r->net.n_trainable, grad_where, sizeof grad_where))
+    if (clip > 0) optim_clip_grads_to_norm(r->model.net.trainable, r->model.net.n_trainable, gnorm, clip);
+    optim_step(&r->model.optim, lr_schedule_at(&r->plan.sched, r->plan.step));
+    optim_zero_grad(&r->model.optim);
+    if (!guard_params_finite(r->model.net.trainable, r->model.net.n_trainable, grad_where, sizeof grad_where))
         return run_nonfinite_update(r, l, grad_where, err);
-    QtStatus st = net_check_ranges(&r->net, r->step + 1, err);
+    QtStatus st = net_check_ranges(&r->model.net, r->plan.step + 1, err);
     if (st != QT_OK) return st;
     tape_reset(t);
-    r->step++;
-    r->trained_examples += n;
+    r->plan.step++;
+    r->clock.trained_examples += n;
     return QT_OK;
 }
 
 static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
-    double loss = r->win_loss_sum / (double)r->win_steps, acc = (double)r->win_correct / (double)r->win_seen;
-    double lr = lr_schedule_at(&r->sched, r->step - 1);
+    double loss = r->log.win_loss_sum / (double)r->log.win_steps;
+    double acc = (double)r->log.win_correct / (double)r->log.win_seen;
+    double lr = lr_schedule_at(&r->plan.sched, r->plan.step - 1);
     char skipped[48] = ""; /* train.on_nonfinite: skip: the steps dropped so far, once there are any */
-    if (r->nonfinite_skipped > 0) snprintf(skipped, sizeof skipped, " skipped:%" PRId64, r->nonfinite_skipped);
-    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f%s\n", r->step, run_epoch(r),
+    if (r->guards.nonfinite_skipped > 0)
+        snprintf(skipped, sizeof skipped, " skipped:%" PRId64, r->guards.nonfinite_skipped);
+    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f%s\n", r->plan.step, run_epoch(r),
             loss, acc, lr, samples_per_s, skipped);
-    r->win_loss_sum = 0.0;
-    r->win_correct = r->win_seen = r->win_steps = 0;
-    return metrics_write(&r->metrics, "train", r->step, run_epoch(r), loss, acc, lr, samples_per_s,
-                         r->wall_before + metrics_now() - r->t_start, err);
+    r->log.win_loss_sum = 0.0;
+    r->log.win_correct = r->log.win_seen = r->log.win_steps = 0;
+    return metrics_write(&r->log.metrics, "train", r->plan.step, run_epoch(r), loss, acc, lr, samples_per_s,
+                         r->clock.wall_before + metrics_now() - r->clock.t_start, err);
 }
 
 /* A checkpoint in out_dir, and for a LoRA run adapters.h5 beside it. */
 static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtError *err) {
-    r->saved_step = r->step;
+    r->dir.saved_step = r->plan.step;
     CheckpointState s = run_checkpoint_state(r);
-    QtStatus st = checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->net.model,
-                                         &r->optim, &s, saved, cap, err);
+    QtStatus st = checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->model.net.model,
+                                         &r->model.optim, &s, saved, cap, err);
     if (st != QT_OK || !config_has_lora(r->cfg)) return st;
     char path[CONFIG_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/adapters.h5", r->cfg->run.out_dir);
-    return checkpoint_save_adapters(path, &r->net.model, &s, err);
+    return checkpoint_save_adapters(path, &r->model.net.model, &s, err);
 }
 
-/* The step loop, from r->step to total_steps. */
+/* The step loop, from r->plan.step to total_steps. */
 static QtStatus run_loop(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
     double train_window_s = 0.0;
@@ -502,49 +536,51 @@ static QtStatus run_loop(Run *r, QtError *err) {
     QtStatus st = QT_OK;
     int64_t stop = r->opt->stop_at_step > 0 ? r->opt->stop_at_step : INT64_MAX;
     /* A stop signal ends the loop after the step it lands in (interrupt.h). */
-    while (st == QT_OK && r->step < r->total_steps && r->step < stop && !interrupt_requested()) {
+    while (st == QT_OK && r->plan.step < r->plan.total_steps && r->plan.step < stop && !interrupt_requested()) {
         double t0 = metrics_now();
-        int64_t before = r->trained_examples;
+        int64_t before = r->clock.trained_examples;
         if ((st = run_step(r, err)) != QT_OK) break;
         double dt = metrics_now() - t0;
-        r->train_s += dt, train_window_s += dt;
-        window_examples += r->trained_examples - before;
-        bool last = r->step == r->total_steps;
-        if ((tc->log_every > 0 && r->step % tc->log_every == 0) || last) {
-            if (r->win_steps) r->last_train_loss = r->win_loss_sum / (double)r->win_steps; /* else all skipped */
+        r->clock.train_s += dt, train_window_s += dt;
+        window_examples += r->clock.trained_examples - before;
+        bool last = r->plan.step == r->plan.total_steps;
+        if ((tc->log_every > 0 && r->plan.step % tc->log_every == 0) || last) {
+            if (r->log.win_steps) /* else all skipped */
+                r->log.last_train_loss = r->log.win_loss_sum / (double)r->log.win_steps;
             st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
             window_examples = 0, train_window_s = 0.0;
         }
         /* A stop signal's checkpoint comes right after the loop. A due
          * evaluation still runs first: its rows belong to this step, and
          * the resume starts after it. */
-        if (st == QT_OK && tc->eval_every > 0 && r->step % tc->eval_every == 0 && !last) {
+        if (st == QT_OK && tc->eval_every > 0 && r->plan.step % tc->eval_every == 0 && !last) {
             double tl, ta, vl, va;
             st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
         }
         bool stopping = interrupt_requested() != 0;
-        if (st == QT_OK && tc->checkpoint_every > 0 && r->step % tc->checkpoint_every == 0 && !last && !stopping)
+        if (st == QT_OK && tc->checkpoint_every > 0 && r->plan.step % tc->checkpoint_every == 0 && !last && !stopping)
             st = run_save(r, NULL, NULL, 0, err);
-        progress_update(&r->progress, r->step, r->total_steps,
-                        r->win_steps ? r->win_loss_sum / (double)r->win_steps : r->last_train_loss, metrics_now());
+        progress_update(&r->log.progress, r->plan.step, r->plan.total_steps,
+                        r->log.win_steps ? r->log.win_loss_sum / (double)r->log.win_steps : r->log.last_train_loss,
+                        metrics_now());
     }
-    progress_clear(&r->progress);
+    progress_clear(&r->log.progress);
     return st;
 }
 
 /* Totals over every invocation of the run (a resumed run carries them in
  * its checkpoint). */
 void run_fill_result(const Run *r, TrainResult *res) {
-    res->steps = r->step;
+    res->steps = r->plan.step;
     res->epochs = run_epoch(r);
-    res->wall_s = r->wall_before + metrics_now() - r->t_start;
-    res->samples_per_s = r->train_s > 0 ? (double)r->trained_examples / r->train_s : 0.0;
-    res->train_loss = r->last_train_loss;
-    res->params_trainable = (int64_t)net_params_trainable(&r->net);
-    res->params_frozen = (int64_t)net_params_frozen(&r->net);
-    res->model_bytes = (int64_t)net_model_bytes(&r->net);
-    res->base_bits_per_param = net_base_bits_per_param(&r->net);
-    res->mode = net_mode_name(&r->net);
+    res->wall_s = r->clock.wall_before + metrics_now() - r->clock.t_start;
+    res->samples_per_s = r->clock.train_s > 0 ? (double)r->clock.trained_examples / r->clock.train_s : 0.0;
+    res->train_loss = r->log.last_train_loss;
+    res->params_trainable = (int64_t)net_params_trainable(&r->model.net);
+    res->params_frozen = (int64_t)net_params_frozen(&r->model.net);
+    res->model_bytes = (int64_t)net_model_bytes(&r->model.net);
+    res->base_bits_per_param = net_base_bits_per_param(&r->model.net);
+    res->mode = net_mode_name(&r->model.net);
     struct rusage ru;
     res->peak_rss_mb = getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
 }
@@ -553,11 +589,11 @@ static void run_print_plan(Run *r, const char *resumed) {
     if (r->opt->quiet) return;
     const Config *c = r->cfg;
     printf("qtrain %s: config %s\n--- resolved config ---\n%s--- end of config ---\n", QTRAIN_VERSION, c->source,
-           r->config_text);
+           r->dir.config_text);
     printf("data: %s from %s: %d train, %d val, %d test examples of (%d, %d, %d), %d classes\n", c->data.dataset,
-           c->data.dir, r->train.n, r->val.n, r->test.n, r->train.shape[0], r->train.shape[1], r->train.shape[2],
-           r->train.n_classes);
-    const char *images = dataset_image_file(&r->train);
+           c->data.dir, r->data.train.n, r->data.val.n, r->data.test.n, r->data.train.shape[0],
+           r->data.train.shape[1], r->data.train.shape[2], r->data.train.n_classes);
+    const char *images = dataset_image_file(&r->data.train);
     printf("data: images (data.storage %s) %s%s\n", data_storage_name(c->data.storage),
            images ? "read at every batch from " : "held in memory", images ? images : "");
     printf("blas: OpenBLAS %s kernels, %d threads\n", gemm_blas_core(), gemm_get_threads());
@@ -566,42 +602,42 @@ static void run_print_plan(Run *r, const char *resumed) {
         printf("blas: OPENBLAS_CORETYPE=%s pins older kernels than this CPU runs; unset it (or set "
                "OPENBLAS_CORETYPE=%s) for about twice the sgemm throughput\n", pinned, better);
     printf("model:\n");
-    model_print(&r->net.model, stdout);
+    model_print(&r->model.net.model, stdout);
     printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
-           r->total_steps, r->steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
+           r->plan.total_steps, r->plan.steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
            (double)c->train.optim.lr, sched_kind_name(c->train.schedule.kind), c->run.out_dir);
-    net_print_table(&r->net, stdout);
+    net_print_table(&r->model.net, stdout);
     if (c->quant.mode != QUANT_MODE_NONE || config_has_lora(c))
         printf("params: %zu trainable, %zu frozen; base %.3f bits/param; model %.1f KiB\n",
-               net_params_trainable(&r->net), net_params_frozen(&r->net), net_base_bits_per_param(&r->net),
-               (double)net_model_bytes(&r->net) / 1024.0);
+               net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
+               net_base_bits_per_param(&r->model.net), (double)net_model_bytes(&r->model.net) / 1024.0);
     if (c->model.init_from[0] && !resumed[0]) printf("init_from: %s\n", c->model.init_from);
     if (c->model.adapters_from[0] && !resumed[0]) printf("adapters_from: %s\n", c->model.adapters_from);
-    if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->step, run_epoch(r));
+    if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->plan.step, run_epoch(r));
     fflush(stdout);
 }
 
 /* Static activation ranges of a fresh PTQ base: the first
  * quant.calibration_batches training batches, in file order, forward only. */
 static QtStatus run_calibrate(Run *r, QtError *err) {
-    if (!net_needs_act_calibration(&r->net)) return QT_OK;
-    Tape *t = &r->tape;
-    int bs = r->cfg->train.batch_size < r->train.n ? r->cfg->train.batch_size : r->train.n;
+    if (!net_needs_act_calibration(&r->model.net)) return QT_OK;
+    Tape *t = &r->work.tape;
+    int bs = r->cfg->train.batch_size < r->data.train.n ? r->cfg->train.batch_size : r->data.train.n;
     int batches = r->cfg->quant.calibration_batches;
-    if ((int64_t)batches * bs > r->train.n) batches = r->train.n / bs;
+    if ((int64_t)batches * bs > r->data.train.n) batches = r->data.train.n / bs;
     t->training = false, t->grad_enabled = false;
-    net_calib_begin(&r->net);
+    net_calib_begin(&r->model.net);
     QtStatus st = QT_OK;
     for (int b = 0; b < batches && st == QT_OK; b++) {
         QtError e = {0};
-        if (dataset_fill_range(&r->train, b * bs, bs, r->bx, r->by, &e) != QT_OK)
+        if (dataset_fill_range(&r->data.train, b * bs, bs, r->work.bx, r->work.by, &e) != QT_OK)
             st = qt_error_set(err, e.status, "activation calibration, batch %d: %s", b, e.msg);
-        else if (!model_forward(&r->net.model, t, run_wrap_batch(r, r->bx, bs)))
+        else if (!model_forward(&r->model.net.model, t, run_wrap_batch(r, r->work.bx, bs)))
             st = qt_error_set(err, t->err.status, "activation calibration, batch %d: %s", b, t->err.msg);
         tape_reset(t);
     }
     t->grad_enabled = true;
-    if (st == QT_OK) st = net_calib_end(&r->net, err);
+    if (st == QT_OK) st = net_calib_end(&r->model.net, err);
     if (st == QT_OK && !r->opt->quiet)
         printf("calibrated static activation ranges on %d training batches of %d\n", batches, bs);
     return st;
@@ -609,7 +645,7 @@ static QtStatus run_calibrate(Run *r, QtError *err) {
 
 /* A run with steps needs something to train. */
 static QtStatus run_check_trainable(Run *r, QtError *err) {
-    if (r->total_steps == 0 || r->net.n_trainable > 0) return QT_OK;
+    if (r->plan.total_steps == 0 || r->model.net.n_trainable > 0) return QT_OK;
     return qt_error_set(err, QT_ERR_CONFIG, "%s: nothing to train: quant.mode %s freezes the model and there are no "
                         "LoRA adapters or lora.trainable modules; add lora rules, or set train.epochs: 0 to only "
                         "evaluate the quantized model", r->cfg->source, quant_mode_name(r->cfg->quant.mode));
@@ -626,41 +662,49 @@ QtStatus run_prepare(Run *r, bool fresh, QtError *err) {
     return fresh ? run_calibrate(r, err) : QT_OK;
 }
 
-/* A LoRA run's base identity, once its frozen values are final (loaded,
- * quantized or resumed): every checkpoint and adapters.h5 records it. */
-static QtStatus run_note_base(Run *r, QtError *err) {
+/* What every checkpoint records of the run, once its model is final
+ * (loaded, quantized or resumed): the resolved config and, for a LoRA run,
+ * lora.trainable and the base identity (adapters.h5 records them too). */
+static QtStatus run_dir_note(Run *r, QtError *err) {
+    RunDir *d = &r->dir;
+    d->config_text = config_to_yaml(r->cfg);
+    if (!d->config_text) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing the resolved config");
     if (!config_has_lora(r->cfg)) return QT_OK;
     const LoraConfig *l = &r->cfg->lora;
-    r->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
-    if (!r->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    d->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
+    if (!d->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < l->n_trainable; i++) {
-        if (i) strcat(r->lora_trainable, ",");
-        strcat(r->lora_trainable, l->trainable[i]);
+        if (i) strcat(d->lora_trainable, ",");
+        strcat(d->lora_trainable, l->trainable[i]);
     }
-    CheckpointNet parts = net_checkpoint_parts(&r->net);
-    return checkpoint_base_sha256(&r->net.model, &parts, r->base_sha256, err);
+    CheckpointNet parts = net_checkpoint_parts(&r->model.net);
+    return checkpoint_base_sha256(&r->model.net.model, &parts, d->base_sha256, err);
+}
+
+/* metrics.csv in out_dir: a new file, or a resumed run's with its rows
+ * through the checkpoint's step. */
+static QtStatus run_log_open(Run *r, bool resumed, QtError *err) {
+    return metrics_open(&r->log.metrics, r->cfg->run.out_dir, resumed ? r->plan.step : -1, err);
 }
 
 /* created: the topmost directory of run.out_dir that this call made ("" if none). */
 static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size_t created_cap, QtError *err) {
     QtStatus st = QT_OK;
-    if ((st = make_dirs(r->cfg->run.out_dir, created, created_cap, err)) != QT_OK) return st;
-    /* before anything in out_dir is read: another run there would mix its files with ours */
-    if ((st = rundir_lock(r->cfg->run.out_dir, &r->lock, err)) != QT_OK) return st;
+    if ((st = run_dir_open(r, created, created_cap, err)) != QT_OK) return st;
     if ((st = run_find_checkpoint(r, resumed, cap, err)) != QT_OK) return st;
     if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
-    if (r->already_complete) return QT_OK; /* leave every output of the finished run as it is */
-    if ((st = run_note_base(r, err)) != QT_OK) return st;
-    if ((st = metrics_open(&r->metrics, r->cfg->run.out_dir, resumed[0] ? r->step : -1, err)) != QT_OK) return st;
+    if (r->dir.already_complete) return QT_OK; /* leave every output of the finished run as it is */
+    if ((st = run_dir_note(r, err)) != QT_OK) return st;
+    if ((st = run_log_open(r, resumed[0], err)) != QT_OK) return st;
     /* A checkpoint at a step whose periodic evaluation left no row (a run
      * of an earlier version stopped by a signal in that step skipped it):
      * the evaluation runs now, so metrics.csv ends as an uninterrupted
      * run's. The last step's evaluation is run_finish's. */
     int64_t every = r->cfg->train.eval_every;
-    if (resumed[0] && every > 0 && r->step > 0 && r->step % every == 0 && r->step < r->total_steps &&
-        !r->metrics.kept_test_row) {
+    if (resumed[0] && every > 0 && r->plan.step > 0 && r->plan.step % every == 0 &&
+        r->plan.step < r->plan.total_steps && !r->log.metrics.kept_test_row) {
         double tl, ta, vl, va;
         st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
     }
@@ -688,45 +732,45 @@ static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
 static QtStatus run_stop_early(Run *r, TrainResult *res, int sig, QtError *err) {
     char path[CONFIG_PATH_MAX + 32] = "";
     QtStatus st = QT_OK;
-    if (r->saved_step != r->step && r->step > 0) st = run_save(r, NULL, path, sizeof path, err);
+    if (r->dir.saved_step != r->plan.step && r->plan.step > 0) st = run_save(r, NULL, path, sizeof path, err);
     run_fill_result(r, res);
     res->stopped = true;
     res->interrupted = sig;
     if (st != QT_OK) return st;
-    if (sig && r->step == 0)
+    if (sig && r->plan.step == 0)
         run_say(r, "interrupted: %s before the first step; nothing to save\n", interrupt_signal_name(sig));
     else if (sig)
         run_say(r, "interrupted: %s at step:%" PRId64 " of %" PRId64 "; checkpoint of step %" PRId64 " in %s; "
-                "continue with --resume auto\n", interrupt_signal_name(sig), r->step, r->total_steps, r->step,
-                r->cfg->run.out_dir);
+                "continue with --resume auto\n", interrupt_signal_name(sig), r->plan.step, r->plan.total_steps,
+                r->plan.step, r->cfg->run.out_dir);
     else
-        run_say(r, "stopped: step:%" PRId64 " of %" PRId64 "; continue with --resume auto\n", r->step,
-                r->total_steps);
+        run_say(r, "stopped: step:%" PRId64 " of %" PRId64 "; continue with --resume auto\n", r->plan.step,
+                r->plan.total_steps);
     return QT_OK;
 }
 
 QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, QtError *err) {
     Run r;
-    memset(&r, 0, sizeof r);
+    run_init(&r, cfg, o);
     memset(res, 0, sizeof *res);
-    r.cfg = cfg, r.opt = o, r.t_start = metrics_now(), r.saved_step = -1, r.last_train_loss = NAN;
     char resumed[CONFIG_PATH_MAX + 32], created[CONFIG_PATH_MAX];
     interrupt_set_phase(INTERRUPT_OUTSIDE); /* a stop signal while setting up ends the process at once */
     QtStatus st = run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
-    if (st == QT_OK && r.already_complete) {
+    if (st == QT_OK && r.dir.already_complete) {
         run_fill_result(&r, res);
         res->already_complete = true;
         run_say(&r, "done: the run in %s is already complete (step %" PRId64 " of %" PRId64 ", %s); nothing to do\n",
-                cfg->run.out_dir, r.step, r.total_steps, resumed);
+                cfg->run.out_dir, r.plan.step, r.plan.total_steps, resumed);
     } else if (st == QT_OK) {
-        net_print_unused_rules(&r.net, stderr); /* even when quiet: a rule that applies nowhere is a likely typo */
+        /* even when quiet: a rule that applies nowhere is a likely typo */
+        net_print_unused_rules(&r.model.net, stderr);
         run_print_plan(&r, resumed);
-        progress_init(&r.progress, o->progress && !o->quiet ? stderr : NULL, r.step, metrics_now());
-        r.tape.training = true;
+        progress_init(&r.log.progress, o->progress && !o->quiet ? stderr : NULL, r.plan.step, metrics_now());
+        r.work.tape.training = true;
         interrupt_set_phase(INTERRUPT_IN_LOOP);
         st = run_loop(&r, err);
         int sig = interrupt_requested();
-        if (st == QT_OK && r.step == r.total_steps && !sig) {
+        if (st == QT_OK && r.plan.step == r.plan.total_steps && !sig) {
             interrupt_set_phase(INTERRUPT_FINISHING);
             st = run_finish(&r, res, err);
         } else if (st == QT_OK) {

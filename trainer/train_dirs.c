@@ -1,9 +1,10 @@
 /* train_dirs.c - a run's directories: run.out_dir (and eval's --out) made
- * with its parents, taken back after a failed start, and where eval.json
- * goes. */
+ * with its parents and locked (the run's RunDir part), taken back after a
+ * failed start, and where eval.json goes. */
 #include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -62,10 +63,22 @@ static bool dir_holds_only_lock(const char *dir) {
     return only;
 }
 
+QtStatus run_dir_open(Run *r, char *created, size_t cap, QtError *err) {
+    QtStatus st = train_make_dirs(r->cfg->run.out_dir, "run.out_dir", created, cap, err);
+    return st == QT_OK ? rundir_lock(r->cfg->run.out_dir, &r->dir.lock, err) : st;
+}
+
+void run_dir_close(RunDir *d) {
+    free(d->config_text);
+    free(d->lora_trainable);
+    rundir_unlock(&d->lock, false);
+    memset(d, 0, sizeof *d);
+}
+
 void run_undo_failed_start(Run *r, const char *created) {
     if (!created[0]) return;
     const char *out = r->cfg->run.out_dir;
-    if (dir_holds_only_lock(out)) rundir_unlock(&r->lock, true); /* the .lock goes first, while still held */
+    if (dir_holds_only_lock(out)) rundir_unlock(&r->dir.lock, true); /* the .lock goes first, while still held */
     remove_created_dirs(out, created);
 }
 

@@ -1,6 +1,5 @@
 /* train_eval.c - `qtrain eval`: a checkpoint's model on the test (and
  * validation) split of its config's data, reported in eval.json. */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,7 +7,6 @@
 #include "nn/gemm.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
-#include "trainer/metrics.h"
 #include "trainer/net.h"
 #include "trainer/run.h"
 
@@ -30,18 +28,17 @@ static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult
 QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
                                   QtError *err) {
     Run r;
-    memset(&r, 0, sizeof r);
-    memset(res, 0, sizeof *res);
     TrainOptions o = {.quiet = true}; /* the caller reports the result */
-    r.cfg = cfg, r.opt = &o, r.t_start = metrics_now(), r.last_train_loss = NAN;
+    run_init(&r, cfg, &o);
+    memset(res, 0, sizeof *res);
     /* Evaluation never trains: no batcher and no schedule, so a config whose schedule does not fit its data
        (or a batch larger than the data) still evaluates. */
-    r.steps_per_epoch = 1;
+    r.plan.steps_per_epoch = 1;
     gemm_set_threads(cfg->run.threads);
     QtStatus st = run_load_data(&r, err);
     if (st == QT_OK) st = run_build_model(&r, false, err);
-    CheckpointNet parts = net_checkpoint_parts(&r.net);
-    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.net.model, &parts, err);
+    CheckpointNet parts = net_checkpoint_parts(&r.model.net);
+    if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.model.net.model, &parts, err);
     if (st == QT_OK) st = run_alloc(&r, err);
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);

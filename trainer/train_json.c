@@ -44,13 +44,13 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
     json_number(&w, "test_loss", res->test_loss);
     json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
     json_number(&w, "val_loss", res->val_loss >= 0 ? res->val_loss : NAN);
-    json_int(&w, "test_examples", r->test.n);
-    json_int(&w, "val_examples", r->val.n);
+    json_int(&w, "test_examples", r->data.test.n);
+    json_int(&w, "val_examples", r->data.val.n);
     if (!is_eval) {
         json_number(&w, "train_loss", res->train_loss);
-        json_int(&w, "train_examples", r->train.n);
+        json_int(&w, "train_examples", r->data.train.n);
         json_number(&w, "wall_s", res->wall_s);
-        json_number(&w, "train_s", r->train_s);
+        json_number(&w, "train_s", r->clock.train_s);
         json_number(&w, "samples_per_s", res->samples_per_s);
     }
     json_int(&w, "params_trainable", res->params_trainable);
@@ -58,21 +58,22 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
     json_int(&w, "model_bytes", res->model_bytes);
     json_number(&w, "base_bits_per_param", res->base_bits_per_param);
     char wf[256], af[128];
-    net_format_summary(&r->net, wf, sizeof wf, af, sizeof af);
+    net_format_summary(&r->model.net, wf, sizeof wf, af, sizeof af);
     json_string(&w, "weight_formats", wf);
     json_string(&w, "act_formats", af);
     char bf[64] = "none";
-    const FqtSpec *qt = net_hook_count(&r->net, &HOOK_FQT) > 0 ? &net_fqt_layer(&r->net, 0)->spec : NULL;
+    const Net *net = &r->model.net;
+    const FqtSpec *qt = net_hook_count(net, &HOOK_FQT) > 0 ? &net_fqt_layer(net, 0)->spec : NULL;
     if (qt && qt->bwd_qtype)
         snprintf(bf, sizeof bf, "%s%s", qtype_name(qt->bwd_qtype), qt->bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
-    json_string(&w, "int8_kernel", net_int8_kernel(&r->net));
+    json_string(&w, "int8_kernel", net_int8_kernel(&r->model.net));
     if (!is_eval) {
-        json_int(&w, "nonfinite_skipped", r->nonfinite_skipped);
-        json_int(&w, "divergences", r->loss_watch.occurrences);
+        json_int(&w, "nonfinite_skipped", r->guards.nonfinite_skipped);
+        json_int(&w, "divergences", r->guards.loss_watch.occurrences);
     }
     json_number(&w, "peak_rss_mb", res->peak_rss_mb);
-    if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->arena.high_water);
+    if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->work.arena.high_water);
     json_end(&w);
     if (fs_fcommit_tmp(f, tmp, path, how) != 0) {
         int e = errno;

@@ -1,0 +1,135 @@
+/* ops_conv_internal.h - what the plain convolution (ops_conv.c) shares with
+ * the fused low-rank one (ops_conv_lowrank.c): the geometry, the per-chunk
+ * pieces of the forward and backward passes, and the tasks that run them
+ * over the thread pool. Also the low-rank gradient strategies, which the
+ * tests force one by one. Internal to nn/ and its tests. */
+#ifndef QTRAIN_NN_OPS_CONV_INTERNAL_H
+#define QTRAIN_NN_OPS_CONV_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ops.h"
+
+#define SHAPE_STR_MAX 64 /* "(2147483647, 2147483647, 2147483647, 2147483647)" fits */
+
+typedef struct {
+    int N, C, H, W;   /* input x */
+    int OC, KH, KW;   /* weight w, with C */
+    int OH, OW;       /* convolution output, before any pooling */
+} ConvDims;
+
+/* The saved state of one convolution, for its backward. */
+typedef struct {
+    ConvDims d;
+    int stride, padding;
+    ConvEpilogue epi;
+    int chunk;        /* samples per im2col chunk */
+    uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
+} Conv2dCtx;
+
+/* Work shared by the tasks of one forward or backward pass. */
+typedef struct {
+    const Conv2dCtx *c;
+    const float *x;    /* (N, C, H, W) */
+    const float *w;    /* (OC, C*KH*KW) with row length ldw (the low-rank form's merged weight is wider) */
+    int ldw;
+    const float *bias; /* (OC,) or NULL */
+    float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
+    const float *dy;   /* backward: the output's gradient */
+    float *dx;         /* (N, C, H, W) accumulated, or NULL */
+    float *dw_part;    /* (n_tasks, OC, C*KH*KW) per-task dW, or NULL */
+    double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
+    /* per thread: col (col_floats), then prod (prod_floats: the forward's
+     * product, the backward's dpre), then what the low-rank backward adds */
+    float *scratch;
+    size_t col_floats, prod_floats, thread_floats;
+} ConvJob;
+
+static inline int conv_ckk(const ConvDims *d) { return d->C * d->KH * d->KW; }
+static inline size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->OW; }
+
+/* Whether the geometry is the "same" stride-1 one (OH == H, OW == W,
+ * padding (K-1)/2 on both axes), whose im2col rows are shifted planes. */
+bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padding, int OH, int OW);
+/* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
+void conv_shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw);
+/* col2im that may overwrite dcol (scratch). */
+void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
+                    int OH, int OW);
+
+/* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL. QT_OK and d
+ * filled, or the error, set on the tape. */
+QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bias, int stride, int padding, ConvDims *d);
+/* The output Var for d and epi, or NULL (error on the tape: no memory, or
+ * an output too small to pool). */
+Var *conv2d_new_output(Tape *t, const ConvDims *d, ConvEpilogue epi);
+/* Fills c for y = the convolution of d with epi, the pooling's winner
+ * bytes from the arena. false: no memory (error on the tape). */
+bool conv2d_ctx_init(Tape *t, Conv2dCtx *c, const ConvDims *d, int stride, int padding, ConvEpilogue epi,
+                     const Var *y);
+/* The tape op's name for epi. */
+const char *conv2d_op_name(ConvEpilogue epi);
+
+/* The tasks a pass of d is split into. */
+int conv_tasks(const ConvDims *d);
+/* Sizes the per-thread scratch (col_rows and prod_rows rows of a chunk's
+ * columns, plus extra_floats) and takes it from the arena; NULL on error. */
+float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats);
+/* The calling thread's part of j->scratch. */
+float *conv_thread_scratch(const ConvJob *j);
+
+/* One chunk of the forward, samples [n0, n0 + nc): im2col into col,
+ * prod (OC, nc*OH*OW) = w col, and the epilogue into j->y. */
+void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc);
+/* parallel_run task: the forward over the task's samples. */
+void conv_forward_task(void *ctx, int task, int n_tasks);
+/* dpre (OC, nc*OH*OW): the gradient before the epilogue of chunk samples
+ * [n0, n0 + nc); adds each row's sum to the task's dbias partial. */
+void conv_pre_grads(const ConvJob *j, float *dpre, int n0, int nc, int task);
+/* parallel_run task: dx, the dW partials and the dbias partials over the
+ * task's samples. */
+void conv_backward_task(void *ctx, int task, int n_tasks);
+/* The gradients' buffers for one backward: dx if x wants it, the per-task
+ * dW partials if want_dw, dbias's (zeroed) if bias wants it. false: no
+ * memory (error on the tape). */
+bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *bias, int n_tasks);
+/* Per-task partials for v's gradient, n floats each, or NULL (not wanted, or error on the tape). */
+float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n);
+/* grad [n] += the n_tasks partials [n_tasks][n], in task order. */
+void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n);
+/* bias's gradient += the sum of j's dbias partials, in task order. */
+void conv_add_bias_grad(Tape *t, const ConvJob *j, Var *bias, int n_tasks);
+
+/* ---- the fused low-rank convolution (ops_conv_lowrank.c) ------------------ */
+
+/* How the low-rank form's backward gets A's and B's gradients. Each gives
+ * the same gradients up to rounding; they differ in cost only. */
+typedef enum {
+    CONV_LR_GRAD_AUTO,  /* conv_lowrank_grad_choose picks one of the three below */
+    /* From the full weight gradient G = dpre col^T: dA = scale B^T G and
+     * dB = scale G A^T once per pass. */
+    CONV_LR_GRAD_FULL,
+    /* From the adapter's own products: dB from the A x the forward keeps,
+     * dt = scale B^T dpre with the input gradient's product, and dA = dt
+     * col^T, which keeps col alive through that product. */
+    CONV_LR_GRAD_COL,
+    /* As CONV_LR_GRAD_COL, but dA = im2col(dt) x^T with the kernel flipped:
+     * x needs no im2col. The "same" stride-1 geometry only. */
+    CONV_LR_GRAD_DTCOL,
+} ConvLowRankGrad;
+
+/* The strategy the low-rank form uses for a convolution of d with a
+ * rank-rank term (rank >= 1), from the sizes alone. */
+ConvLowRankGrad conv_lowrank_grad_choose(const ConvDims *d, int rank, int stride, int padding);
+
+/* nn_conv2d_fused_lowrank with the gradient strategy grad (AUTO: as
+ * conv_lowrank_grad_choose picks). CONV_LR_GRAD_DTCOL on another geometry
+ * is a QT_ERR_ARG error. lr must not be NULL. */
+Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
+                              ConvEpilogue epi, ConvLowRankGrad grad);
+/* The strategy the tape node of a low-rank convolution recorded. */
+ConvLowRankGrad conv_lowrank_node_grad(const TapeNode *node);
+
+#endif
