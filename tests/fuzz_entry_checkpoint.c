@@ -227,20 +227,21 @@ static uint64_t hash_param(uint64_t h, const Param *p) {
 static uint64_t hash_run(const Net *n, const Optimizer *opt, const Rng *dropout, const CheckpointState *s) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (int i = 0; i < n->model.n_params; i++) h = hash_param(h, &n->model.params[i]);
-    for (int i = 0; i < n->n_adapters; i++) h = hash_param(hash_param(h, &n->adapters[i].A), &n->adapters[i].B);
-    for (int i = 0; i < n->n_qlayers; i++) {
-        const QLayer *q = &n->qlayers[i];
+    for (int i = 0; i < net_hook_count(n, &HOOK_LORA); i++)
+        h = hash_param(hash_param(h, &net_adapter(n, i)->A), &net_adapter(n, i)->B);
+    for (int i = 0; i < net_hook_count(n, &HOOK_PTQ); i++) {
+        const QLayer *q = net_qlayer(n, i);
         h = hash_bytes(h, &q->weight, sizeof q->weight); /* a replaced QArray has other buffers */
         h = hash_bytes(h, &q->act_scale, sizeof q->act_scale);
         h = hash_bytes(h, &q->act_stats, sizeof q->act_stats);
     }
-    for (int i = 0; i < n->n_qat; i++) {
+    for (int i = 0; i < net_hook_count(n, &HOOK_QAT); i++) {
         Param *ps[2];
-        int k = qat_layer_params(&n->qat[i], ps);
+        int k = qat_layer_params(net_qat_layer(n, i), ps);
         for (int j = 0; j < k; j++) h = hash_param(h, ps[j]);
-        h = hash_bytes(h, &n->qat[i].act_stats, sizeof n->qat[i].act_stats);
+        h = hash_bytes(h, &net_qat_layer(n, i)->act_stats, sizeof(CalibRunning));
     }
-    for (int i = 0; i < n->n_qt; i++) h = hash_bytes(h, &n->qt[i].rng, sizeof n->qt[i].rng);
+    for (int i = 0; i < net_hook_count(n, &HOOK_FQT); i++) h = hash_bytes(h, &net_fqt_layer(n, i)->rng, sizeof(Rng));
     for (int i = 0; opt && i < opt->n_params; i++) {
         size_t k = var_numel(&opt->params[i]->var) * sizeof(float);
         if (opt->m) h = hash_bytes(h, opt->m[i], k);

@@ -665,6 +665,7 @@ static void test_h5io_roundtrip(void) {
 
 /* test_checkpoint_dir.c: failed saves and run directories. */
 extern int checkpoint_dir_tests_add(CU_pSuite s);
+extern int hook_tests_add(CU_pSuite s); /* test_hook.c */
 
 /* ---- SHA-256: the FIPS 180-4 examples (one, two and "long" message blocks, and the empty message) ---- */
 
@@ -724,5 +725,5 @@ int register_checkpoint_suite(void) {
            !CU_add_test(s, "inspect listing", test_inspect) ||
            !CU_add_test(s, "h5io datasets and attributes", test_h5io_roundtrip) ||
            !CU_add_test(s, "SHA-256: FIPS 180-4 test vectors", test_sha256_fips_vectors) ||
-           checkpoint_dir_tests_add(s) != 0;
+           checkpoint_dir_tests_add(s) != 0 || hook_tests_add(s) != 0;
 }

@@ -283,8 +283,8 @@ static void ckpt_layout_save(int k, const char *path) {
     QtError err = {0};
     bool ptq = c->quant.mode == QUANT_MODE_PTQ;
     QtStatus st = net_build(&n, c, ptq ? NET_FRESH_TIMING : NET_FRESH, &err);
-    for (int i = 0; st == QT_OK && i < n.n_qlayers; i++) {
-        QLayer *q = &n.qlayers[i];
+    for (int i = 0; st == QT_OK && i < net_hook_count(&n, &HOOK_PTQ); i++) {
+        QLayer *q = net_qlayer(&n, i);
         if (!q->spec.act_qtype) continue;
         calib_running_init(&q->act_stats, &q->spec.act_calib);
         q->act_stats.count = 3, q->act_stats.lo_mean = -1.5, q->act_stats.hi_mean = 2.5;

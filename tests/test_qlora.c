@@ -62,11 +62,11 @@ static void test_rules_first_full_match(void) {
     /* "conv" is not a full match of conv1, so rule 1 applies to both */
     CU_ASSERT_EQUAL(n.quant_rule[conv1 - n.model.modules], 1);
     CU_ASSERT_EQUAL(n.quant_rule[fc1 - n.model.modules], 1);
-    CU_ASSERT_EQUAL(n.n_qlayers, 2);
-    CU_ASSERT_STRING_EQUAL(qtype_name(n.qlayers[0].spec.weight_qtype), "int8");
+    CU_ASSERT_EQUAL(net_hook_count(&n, &HOOK_PTQ), 2);
+    CU_ASSERT_STRING_EQUAL(qtype_name(net_qlayer(&n, 0)->spec.weight_qtype), "int8");
     /* the head is lora.trainable: neither quantized nor adapted; op_types keep conv1 from adapters */
-    CU_ASSERT_EQUAL(n.n_adapters, 1);
-    CU_ASSERT_PTR_EQUAL(n.adapters[0].module, fc1);
+    CU_ASSERT_EQUAL(net_hook_count(&n, &HOOK_LORA), 1);
+    CU_ASSERT_PTR_EQUAL(net_adapter(&n, 0)->module, fc1);
     CU_ASSERT_EQUAL(count, 1);
     CU_ASSERT(strstr(warnings, "quant.rules[0]") && strstr(warnings, "\"conv\"") &&
               strstr(warnings, "applies to no module"));
@@ -183,11 +183,11 @@ static void test_qlora_run_learns_and_keeps_base(void) {
     Net a, b;
     CU_ASSERT_EQUAL_FATAL(net_build(&a, c, NET_SHELL, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(net_build(&b, c, NET_SHELL, &err), QT_OK);
-    CheckpointNet pa = net_checkpoint_parts(&a), pb = net_checkpoint_parts(&b);
-    CU_ASSERT_EQUAL(checkpoint_load_model(path_in("q0", "final.h5"), &a.model, &(CheckpointNet){
-                        .qlayers = pa.qlayers, .n_qlayers = pa.n_qlayers}, &err), QT_OK);
+    CheckpointNet pa = hook_layers_only(&a.hooks, &HOOK_PTQ), pb = net_checkpoint_parts(&b);
+    CU_ASSERT_EQUAL(checkpoint_load_model(path_in("q0", "final.h5"), &a.model, &pa, &err), QT_OK);
     CU_ASSERT_EQUAL(checkpoint_load_model(path_in("q1", "final.h5"), &b.model, &pb, &err), QT_OK);
-    for (int i = 0; i < a.n_qlayers; i++) CU_ASSERT(qarrays_equal(&a.qlayers[i].weight, &b.qlayers[i].weight));
+    for (int i = 0; i < net_hook_count(&a, &HOOK_PTQ); i++)
+        CU_ASSERT(qarrays_equal(&net_qlayer(&a, i)->weight, &net_qlayer(&b, i)->weight));
     Param *ba = model_find_param(&a.model, "fc1/bias"), *bb = model_find_param(&b.model, "fc1/bias");
     CU_ASSERT(memcmp(ba->var.value.data, bb->var.value.data, 32 * sizeof(float)) == 0);
     net_free(&a);
@@ -197,11 +197,11 @@ static void test_qlora_run_learns_and_keeps_base(void) {
 }
 
 static void assert_same_adapters(const Net *a, const Net *b) {
-    CU_ASSERT_EQUAL_FATAL(a->n_adapters, b->n_adapters);
-    for (int i = 0; i < a->n_adapters; i++) {
-        size_t na = var_numel(&a->adapters[i].A.var), nb = var_numel(&a->adapters[i].B.var);
-        CU_ASSERT(memcmp(a->adapters[i].A.var.value.data, b->adapters[i].A.var.value.data, na * 4) == 0);
-        CU_ASSERT(memcmp(a->adapters[i].B.var.value.data, b->adapters[i].B.var.value.data, nb * 4) == 0);
+    CU_ASSERT_EQUAL_FATAL(net_hook_count(a, &HOOK_LORA), net_hook_count(b, &HOOK_LORA));
+    for (int i = 0; i < net_hook_count(a, &HOOK_LORA); i++) {
+        size_t na = var_numel(&net_adapter(a, i)->A.var), nb = var_numel(&net_adapter(a, i)->B.var);
+        CU_ASSERT(memcmp(net_adapter(a, i)->A.var.value.data, net_adapter(b, i)->A.var.value.data, na * 4) == 0);
+        CU_ASSERT(memcmp(net_adapter(a, i)->B.var.value.data, net_adapter(b, i)->B.var.value.data, nb * 4) == 0);
     }
     const Param *ha = model_find_param((Model *)&a->model, "head/weight");
     const Param *hb = model_find_param((Model *)&b->model, "head/weight");

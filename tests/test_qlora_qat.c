@@ -38,7 +38,7 @@ static void test_qat_resume_and_convert(void) {
                          var_numel(&a.trainable[i]->var) * sizeof(float)) == 0);
     /* a range gone non-finite stops the run naming the module and the step */
     CU_ASSERT_EQUAL(net_check_ranges(&a, 5, &err), QT_OK);
-    a.qat[1].w_range.param.var.value.data[3] = NAN;
+    net_qat_layer(&a, 1)->w_range.param.var.value.data[3] = NAN;
     CU_ASSERT_EQUAL(net_check_ranges(&a, 5, &err), QT_ERR_VALUE);
     CU_ASSERT(test_msg_has(&err, "step 5") && test_msg_has(&err, "fc1") && test_msg_has(&err, "log2_t"));
     net_free(&a);
@@ -75,7 +75,9 @@ static void test_qt_run_and_resume(void) {
     test_runs_load_net(&a, c, path_in("qt-a", "final.h5"));
     test_runs_load_net(&b, s, path_in("qt-b", "final.h5"));
     CU_ASSERT(test_params_equal(&a.model, &b.model));
-    for (int i = 0; i < a.n_qt; i++) CU_ASSERT(a.qt[i].rng.counter == b.qt[i].rng.counter && a.qt[i].rng.counter > 0);
+    for (int i = 0; i < net_hook_count(&a, &HOOK_FQT); i++)
+        CU_ASSERT(net_fqt_layer(&a, i)->rng.counter == net_fqt_layer(&b, i)->rng.counter &&
+                  net_fqt_layer(&a, i)->rng.counter > 0);
     net_free(&a);
     net_free(&b);
     free(c0);
@@ -105,7 +107,7 @@ static void test_qat_lora(void) {
     }
     const Param *h = model_find_param(&a.model, "head/weight"), *h0 = model_find_param(&base.model, "head/weight");
     CU_ASSERT(memcmp(h->var.value.data, h0->var.value.data, var_numel(&h->var) * sizeof(float)) != 0);
-    CU_ASSERT_EQUAL(a.n_adapters, 2);
+    CU_ASSERT_EQUAL(net_hook_count(&a, &HOOK_LORA), 2);
     net_free(&a);
     net_free(&base);
     free(b);

@@ -102,9 +102,9 @@ static void test_ternary_binary_scales(void) {
     CU_ASSERT_EQUAL_FATAL(checkpoint_load_model(out, &q.model, &parts, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(net_build(&f, fc, NET_SHELL, &err), QT_OK);
     CU_ASSERT_EQUAL_FATAL(checkpoint_load_params(runs.base_ckpt, &f.model, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(q.n_qlayers, 3);
-    for (int i = 0; i < q.n_qlayers; i++) {
-        const QLayer *l = &q.qlayers[i];
+    CU_ASSERT_EQUAL_FATAL(net_hook_count(&q, &HOOK_PTQ), 3);
+    for (int i = 0; i < net_hook_count(&q, &HOOK_PTQ); i++) {
+        const QLayer *l = net_qlayer(&q, i);
         const Param *w = model_find_param(&f.model, strcmp(l->module->path, "fc1") == 0   ? "fc1/weight"
                                                     : strcmp(l->module->path, "head") == 0 ? "head/weight"
                                                                                             : "conv1/weight");
@@ -125,7 +125,7 @@ static void test_ternary_binary_scales(void) {
         }
         CU_ASSERT_EQUAL(bad, 0);
     }
-    CU_ASSERT(strcmp(q.qlayers[1].weight.qtype->name, "binary") == 0);
+    CU_ASSERT(strcmp(net_qlayer(&q, 1)->weight.qtype->name, "binary") == 0);
     net_free(&q);
     net_free(&f);
     free(c);
@@ -151,8 +151,8 @@ static void test_nf4_default_blocks(void) {
     c = load_cfg("tests/configs/tiny-base.yaml", "nf4", split, 2);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(n.n_qlayers, 3);
-    const QArray *conv = &n.qlayers[0].weight, *fc = &n.qlayers[1].weight;
+    CU_ASSERT_EQUAL_FATAL(net_hook_count(&n, &HOOK_PTQ), 3);
+    const QArray *conv = &net_qlayer(&n, 0)->weight, *fc = &net_qlayer(&n, 1)->weight;
     CU_ASSERT(conv->shape[0] == 8 && conv->shape[1] == 9 && conv->n_scales == 8); /* per channel */
     CU_ASSERT(fc->shape[0] == 1568 * 32 / 64 && fc->shape[1] == 64 && fc->n_scales == 1568 * 32 / 64);
     net_free(&n);
@@ -287,10 +287,10 @@ static void test_qat_rounding_by_hand(void) {
 }
 
 static bool qlayers_same_codes(const Net *a, const Net *b) {
-    if (a->n_qlayers != b->n_qlayers) return false;
-    for (int i = 0; i < a->n_qlayers; i++)
-        if (a->qlayers[i].weight.code_bytes != b->qlayers[i].weight.code_bytes ||
-            memcmp(a->qlayers[i].weight.codes, b->qlayers[i].weight.codes, a->qlayers[i].weight.code_bytes) != 0)
+    if (net_hook_count(a, &HOOK_PTQ) != net_hook_count(b, &HOOK_PTQ)) return false;
+    for (int i = 0; i < net_hook_count(a, &HOOK_PTQ); i++)
+        if (net_qlayer(a, i)->weight.code_bytes != net_qlayer(b, i)->weight.code_bytes ||
+            memcmp(net_qlayer(a, i)->weight.codes, net_qlayer(b, i)->weight.codes, net_qlayer(b, i)->weight.code_bytes))
             return false;
     return true;
 }
@@ -323,9 +323,9 @@ static void test_ptq_stochastic_reproducible(void) {
     QLayer q;
     Rng r = qlayer_round_rng(5, 4);
     CU_ASSERT_STRING_EQUAL_FATAL(f.model.modules[4].path, "fc1");
-    CU_ASSERT_EQUAL_FATAL(qlayer_init_quantize_rng(&q, &f.model.modules[4], &na.qlayers[1].spec,
+    CU_ASSERT_EQUAL_FATAL(qlayer_init_quantize_rng(&q, &f.model.modules[4], &net_qlayer(&na, 1)->spec,
                                                    f.model.modules[4].weight->var.value.data, &r, &err), QT_OK);
-    CU_ASSERT(memcmp(q.weight.codes, na.qlayers[1].weight.codes, q.weight.code_bytes) == 0);
+    CU_ASSERT(memcmp(q.weight.codes, net_qlayer(&na, 1)->weight.codes, q.weight.code_bytes) == 0);
     qlayer_free(&q);
     net_free(&f);
     net_free(&na);
@@ -363,8 +363,8 @@ static void test_qat_stochastic_resume(void) {
     test_runs_load_net(&n, r0, path_in("qsr-rne", "final.h5"));
     CU_ASSERT(test_params_equal(&a.model, &b.model));
     CU_ASSERT(!test_params_equal(&a.model, &n.model));
-    CU_ASSERT_EQUAL(a.qat[0].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING);           /* conv1: module 0 */
-    CU_ASSERT_EQUAL(a.qat[1].round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING + (4ull << 40)); /* fc1: module 4 */
+    CU_ASSERT_EQUAL(net_qat_layer(&a, 0)->round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING); /* conv1: module 0 */
+    CU_ASSERT_EQUAL(net_qat_layer(&a, 1)->round_rng.stream, RNG_STREAM_WEIGHT_ROUNDING + (4ull << 40)); /* fc1 */
     /* evaluation draws one fixed noise, the one convert stores: the PTQ model evaluates as the QAT one */
     ConvertReport rep;
     CU_ASSERT_EQUAL_FATAL(tools_convert(path_in("qsr-a", "final.h5"), path_in("qsr-a", "ptq.h5"), false, NULL, &rep, &err),

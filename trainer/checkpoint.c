@@ -231,9 +231,7 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
     QtStatus st = h5io_create_mem(&f, path, hint, err);
     if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = write_params(&f, m, false, err);
-    if (st == QT_OK) st = ckpt_write_quant(&f, &s->net, err);
-    if (st == QT_OK) st = ckpt_write_lora(&f, &s->net, err);
-    if (st == QT_OK) st = ckpt_write_qat(&f, &s->net, err);
+    if (st == QT_OK) st = ckpt_write_net(&f, &s->net, err);
     if (st == QT_OK && opt) st = write_optim(&f, opt, err);
     if (st == QT_OK) st = write_state(&f, s, err);
     if (st == QT_OK) st = h5io_image(&f, image, size, err);
@@ -612,9 +610,7 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
     st = check_header(&f, err);
     if (st == QT_OK) st = check_params(&f, m, err);
     if (st == QT_OK && opt) st = check_optim(&f, opt, err);
-    if (st == QT_OK && net) st = ckpt_read_quant(&f, net, &ns, err);
-    if (st == QT_OK && net) st = ckpt_read_lora(&f, net, &ns, err);
-    if (st == QT_OK && net) st = ckpt_read_qat(&f, net, &ns, err);
+    if (st == QT_OK && net) st = ckpt_read_net(&f, net, &ns, err);
     if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
     if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
     if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);
@@ -643,41 +639,41 @@ QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *
     return load_parts(path, m, NULL, NULL, net, false, err);
 }
 
+/* The layers of net's kinds that an adapters.h5 holds (HookKind.in_adapters_file). */
+static CheckpointNet adapters_part(const CheckpointNet *net) {
+    CheckpointNet a = {0};
+    for (int k = 0; k < net->n_sets; k++)
+        if (net->sets[k].kind->in_adapters_file) a.sets[a.n_sets++] = net->sets[k];
+    return a;
+}
+
 QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
-    /* First: the file must not hold adapters this run lacks (another model or other rules). */
-    char names[CKPT_MODULES_MAX][MODULE_NAME_MAX];
-    int n = 0;
+    /* First: the file's adapters against the run's (another model or other rules). */
+    CheckpointNet adapters = adapters_part(net);
     H5ioFile f = H5IO_FILE_INIT;
     QtStatus st = h5io_open(&f, path, err);
     if (st != QT_OK) return st;
     st = check_header(&f, err);
-    if (st == QT_OK && h5io_kind(&f, "lora") == H5IO_GROUP)
-        st = ckpt_list_group(&f, "lora", names, CKPT_MODULES_MAX, &n, err);
-    for (int i = 0; st == QT_OK && i < n; i++) {
-        bool known = false;
-        for (int k = 0; !known && k < net->n_adapters; k++) known = strcmp(names[i], net->adapters[k].module->path) == 0;
-        if (!known)
-            st = qt_error_set(err, QT_ERR_FORMAT, "%s does not match the run's adapters: it has a LoRA adapter for "
-                              "module %s, which this run's lora rules do not adapt", path, names[i]);
+    for (int k = 0; st == QT_OK && k < adapters.n_sets; k++) {
+        const HookSet *set = &adapters.sets[k];
+        if (set->kind->check_adapters) st = set->kind->check_adapters(&f, set, err);
     }
-    if (st == QT_OK) st = ckpt_check_lora_specs(&f, net, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;
-    CheckpointNet lora = {.adapters = net->adapters, .n_adapters = net->n_adapters};
-    return load_parts(path, m, NULL, NULL, &lora, true, err);
+    return load_parts(path, m, NULL, NULL, &adapters, true, err);
 }
 
 QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err) {
     H5ioFile f = H5IO_FILE_INIT;
-    CheckpointNet lora = {.adapters = s->net.adapters, .n_adapters = s->net.n_adapters};
+    CheckpointNet adapters = adapters_part(&s->net);
     void *image = NULL;
     size_t size = 0;
     QtStatus st = h5io_create_mem(&f, path, (size_t)1 << 20, err);
     if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = h5io_attr_write_str(&f, "", "contents", "adapters", err);
     if (st == QT_OK) st = write_params(&f, m, true, err);
-    if (st == QT_OK) st = ckpt_write_lora(&f, &lora, err);
+    if (st == QT_OK) st = ckpt_write_net(&f, &adapters, err);
     if (st == QT_OK) st = h5io_image(&f, &image, &size, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;

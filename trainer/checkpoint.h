@@ -45,7 +45,9 @@
  *                     stochastic-rounding generator
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
  *                     1, 1), float32; attrs rank, alpha, scale, rslora, dropout, init
- * A released (quantized) weight is not under /params.
+ * A released (quantized) weight is not under /params. /quant and /lora are
+ * the hook layers' (trainer/hook.h), each kind writing and reading its own
+ * part (trainer/hook_ptq.c, hook_lora.c, hook_qat.c, hook_fqt.c).
  *
  * Every file is written to "<name>.tmp.<pid>" in the same directory,
  * flushed, fsync'd, renamed over the real name and the directory fsync'd,
@@ -63,11 +65,8 @@
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "base/rng.h"
-#include "lora/lora.h"
-#include "quant/qat.h"
-#include "quant/qlayer.h"
-#include "quant/fqt.h"
 #include "trainer/guard.h"
+#include "trainer/hook.h"
 #include "trainer/sha256.h"
 
 #define CHECKPOINT_FORMAT "qtrain"
@@ -75,20 +74,12 @@
 #define CHECKPOINT_MAX_RNGS 4
 #define CKPT_LIST_MAX 128 /* modules checkpoint_list_quant reports at most */
 
-/* The parts of a model beyond its float parameters: quantized base layers
- * and LoRA adapters (both may be empty). Loading fills them in place: the
- * qlayers must have their layout (qlayer_init_empty or quantized) and the
- * adapters their A/B allocated. */
-typedef struct {
-    QLayer *qlayers;        /* [n_qlayers] -> /quant */
-    int n_qlayers;
-    LoraAdapter *adapters;  /* [n_adapters] -> /lora */
-    int n_adapters;
-    QatLayer *qat;          /* [n_qat] learned ranges and input statistics -> /quant/<module>/{weight,input}/state */
-    int n_qat;
-    FqtLayer *qt;            /* [n_qt] gradient-rounding noise generators -> /quant/<module>/grad/state */
-    int n_qt;
-} CheckpointNet;
+/* The parts of a model beyond its float parameters: its hook layers, a
+ * set per kind (trainer/hook.h), each kind saving and loading its own
+ * groups (/quant, /lora; any set may be empty). Loading fills them in place:
+ * the layers must have their layout (a PTQ layer qlayer_init_empty or
+ * quantized, an adapter its A/B allocated). */
+typedef HookLayers CheckpointNet;
 
 /* Everything besides parameters and optimizer state that decides the rest
  * of a run. */

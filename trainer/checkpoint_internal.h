@@ -1,7 +1,8 @@
 /* checkpoint_internal.h - what checkpoint.c, checkpoint_net.c,
  * checkpoint_dir.c and checkpoint_inspect.c share: the atomic write, the
- * finite-value check, object paths, and the /quant, /lora and QAT/QT state
- * of checkpoint_net.c (not a public interface: checkpoint.h is). */
+ * finite-value check, object paths, and the hook layers' part of
+ * checkpoint_net.c, which the hook kinds' files (trainer/hook_*.c) use too
+ * (not a public interface: checkpoint.h is). */
 #ifndef QTRAIN_TRAINER_CHECKPOINT_INTERNAL_H
 #define QTRAIN_TRAINER_CHECKPOINT_INTERNAL_H
 
@@ -37,34 +38,30 @@ QtStatus ckpt_check_finite(const H5ioFile *f, const char *ds, const float *x, si
 /* "a/b" or "a/b/c" into out[CKPT_OBJ_MAX]; QT_ERR_ARG if too long. */
 QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err);
 
-/* ---- /quant and /lora (checkpoint_net.c) ---- */
+/* What to do about a value no run writes (a flipped bit, a file edited or written by another tool). */
+#define DAMAGED_HINT "the checkpoint is damaged: resume from an earlier checkpoint, or write it again (qtrain " \
+                     "quantize for a PTQ base, or the run that saved it)"
 
-/* What a load reads before anything is applied. */
+/* ---- the hook layers (checkpoint_net.c, through each kind: trainer/hook.h) ---- */
+
+/* What a load reads before anything is applied: per set of the
+ * CheckpointNet (same index), its kind's staged state of every layer
+ * ([n] of staged_size bytes in layers). */
 typedef struct {
-    QArray *weights;      /* [n_qlayers] new QArrays laid out like the layers' own */
-    CalibRunning *act;    /* [n_qlayers] activation statistics (count 0 when the layer has none) */
-    float *act_scale;     /* [2 * n_qlayers] the stored input scale and zero point (NaN: none stored) */
-    float *lora;          /* A then B of every adapter, in order */
-    float *qat_ranges;    /* learned range values of every QAT layer, weight then input, in order */
-    CalibRunning *qat_act;/* [n_qat] input statistics */
-    Rng *fqt_rngs;         /* [n_qt] */
-    int n_weights;        /* QArrays allocated so far (for freeing) */
+    HookSet sets[HOOK_KINDS_MAX];
 } CkptNetStaged;
 
-QtStatus ckpt_write_quant(H5ioFile *f, const CheckpointNet *net, QtError *err);
-QtStatus ckpt_write_lora(H5ioFile *f, const CheckpointNet *net, QtError *err);
-QtStatus ckpt_write_qat(H5ioFile *f, const CheckpointNet *net, QtError *err);
-QtStatus ckpt_read_qat(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
-/* Checks every group net needs and reads it into sg (allocated here; free
- * with ckpt_staged_net_free). Either part of net may be empty. */
-QtStatus ckpt_read_quant(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
-QtStatus ckpt_read_lora(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
-/* The stored rank, alpha and rslora attributes of each of net's adapters
- * against its spec (QT_ERR_CONFIG naming the module and both values). */
-QtStatus ckpt_check_lora_specs(const H5ioFile *f, const CheckpointNet *net, QtError *err);
-/* Moves the staged data into net's layers and adapters. */
+/* Every layer of every kind, its top group made before its first layer. */
+QtStatus ckpt_write_net(H5ioFile *f, const CheckpointNet *net, QtError *err);
+/* Checks everything net's layers need and reads it into sg (allocated
+ * here; free with ckpt_staged_net_free, also on error). */
+QtStatus ckpt_read_net(const H5ioFile *f, const CheckpointNet *net, CkptNetStaged *sg, QtError *err);
+/* Moves the staged state into net's layers. */
 void ckpt_commit_net(CkptNetStaged *sg, const CheckpointNet *net);
 void ckpt_staged_net_free(CkptNetStaged *sg);
+/* CalibRunning stored as attributes of obj: calibration, lo_mean, hi_mean,
+ * count; checked (QT_ERR_FORMAT naming file and object). */
+QtStatus ckpt_read_running_stats(const H5ioFile *f, const char *obj, CalibRunning *out, QtError *err);
 /* The names of the direct children of `group` (module paths), up to cap;
  * more is QT_ERR_FORMAT. */
 QtStatus ckpt_list_group(const H5ioFile *f, const char *group, char (*names)[MODULE_NAME_MAX], int cap, int *n,

@@ -25,7 +25,7 @@
 
 #define H5IO_MAX_RANK 8
 
-typedef struct {
+typedef struct H5ioFile {
     hid_t id;       /* the open file; H5I_INVALID_HID when closed */
     char *path;     /* for messages (malloc'd copy); NULL when closed */
     bool writable;

@@ -1,26 +1,21 @@
-/* net.c - model + quantized base + adapters, attached by the config's rules. */
+/* net.c - model + hook layers (quantized base, adapters, trained
+ * quantizers: trainer/hook.h), attached by the config's rules. */
 #include "net.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "base/rng.h"
-#include "quant/qarray_io.h"
 
 static bool module_has_matrix_weight(const Module *m) {
     return m->weight && (m->spec.type == LAYER_DENSE || m->spec.type == LAYER_CONV2D);
 }
 
 void net_free(Net *n) {
-    /* the counts come before the arrays (net_check_specs), so either may be NULL */
-    for (int i = 0; n->adapters && i < n->n_adapters; i++) lora_adapter_free(&n->adapters[i]);
-    for (int i = 0; n->qlayers && i < n->n_qlayers; i++) qlayer_free(&n->qlayers[i]);
-    for (int i = 0; n->qat && i < n->n_qat; i++) qat_layer_free(&n->qat[i]);
-    free(n->qat);
-    free(n->qt);
-    free(n->adapters);
-    free(n->qlayers);
+    /* the counts come before the layers (net_check_specs), so layers may be NULL */
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->layers && i < set->n; i++) set->kind->free(hook_layer(set, i));
+        free(set->layers);
+    }
     free(n->trainable);
     free(n->quant_rule);
     free(n->lora_rule);
@@ -57,213 +52,65 @@ static QtStatus net_resolve_rules(Net *n, QtError *err) {
     return QT_OK;
 }
 
-static const QLayerSpec *net_quant_spec(const Net *n, int module) {
+const QLayerSpec *net_quant_spec(const Net *n, int module) {
     int r = n->quant_rule[module];
     if (r < 0 || n->cfg->quant.rules[r].skip || !n->cfg->quant.rules[r].spec.weight_qtype) return NULL;
     return &n->cfg->quant.rules[r].spec;
 }
 
-static const LoraSpec *net_lora_spec(const Net *n, int module) {
+const LoraSpec *net_lora_spec(const Net *n, int module) {
     int r = n->lora_rule[module];
     if (r < 0 || n->cfg->lora.rules[r].skip) return NULL;
     return &n->cfg->lora.rules[r].spec;
 }
 
-/* Every resolved setting against its module, before any value is read. */
+/* Where in the config the rule that gave module `module` its layer of `kind` is. */
+static const char *net_rule_where(const Net *n, const HookKind *kind, int module) {
+    if (kind->rules == HOOK_RULES_LORA) return n->cfg->lora.rules[n->lora_rule[module]].match.where;
+    return n->cfg->quant.rules[n->quant_rule[module]].match.where;
+}
+
+/* Every resolved setting against its module, before any value is read;
+ * counts each kind's layers. Per module, the kinds that replace the op
+ * come first (hook.h). */
 static QtStatus net_check_specs(Net *n, QtError *err) {
     QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
-        const Module *m = &n->model.modules[i];
-        const QLayerSpec *qs = net_quant_spec(n, i);
-        const LoraSpec *ls = net_lora_spec(n, i);
-        QtError e = {0};
-        QuantMode mode = n->cfg->quant.mode;
-        const QuantRule *rule = qs ? &n->cfg->quant.rules[n->quant_rule[i]] : NULL;
-        QtStatus chk = !qs                     ? QT_OK
-                       : mode == QUANT_MODE_QAT ? qat_layer_check(qs, &rule->qat, m, &e)
-                       : mode == QUANT_MODE_QT  ? fqt_layer_check(&rule->qt, m, &e)
-                                                : qlayer_spec_check(qs, m, &e);
-        if (chk != QT_OK)
-            st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->quant.rules[n->quant_rule[i]].match.where, e.msg);
-        else if (ls && lora_spec_check(ls, m, &e) != QT_OK)
-            st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", n->cfg->lora.rules[n->lora_rule[i]].match.where, e.msg);
-        if (qs && mode == QUANT_MODE_QAT) n->n_qat++;
-        else if (qs && mode == QUANT_MODE_QT) n->n_qt++;
-        else if (qs) n->n_qlayers++;
-        if (ls) n->n_adapters++;
-    }
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++)
+        for (int wraps = 0; wraps < 2; wraps++)
+            for (int k = 0; k < n->hooks.n_sets; k++) {
+                HookSet *set = &n->hooks.sets[k];
+                if (set->kind->wraps != (wraps == 1) || !set->kind->applies(n, i)) continue;
+                QtError e = {0};
+                if (st == QT_OK && set->kind->check(n, i, &e) != QT_OK)
+                    st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", net_rule_where(n, set->kind, i), e.msg);
+                set->n++;
+            }
     return st;
 }
 
-/* The modules a PTQ init_from holds quantized must be exactly those this
- * run quantizes... or a subset, the rest being quantized here from the
- * float weights the file holds. A module stored quantized that this run
- * keeps float cannot be undone. */
-static QtStatus net_check_stored_quant(const Net *n, const char (*stored)[MODULE_NAME_MAX], int n_stored,
-                                       QtError *err) {
-    for (int s = 0; s < n_stored; s++) {
-        const Module *m = model_find_module((Model *)&n->model, stored[s]);
-        int idx = m ? (int)(m - n->model.modules) : -1;
-        if (idx < 0 || !net_quant_spec(n, idx))
-            return qt_error_set(err, QT_ERR_CONFIG, "%s: model.init_from %s holds module %s quantized, but this "
-                                "config's quant rules keep it float; add a quant rule for it (the same format) or "
-                                "start from the float checkpoint", n->cfg->source, n->cfg->model.init_from, stored[s]);
-    }
-    return QT_OK;
-}
-
-static bool name_listed(const char (*names)[MODULE_NAME_MAX], int n, const char *path) {
-    for (int i = 0; i < n; i++)
-        if (strcmp(names[i], path) == 0) return true;
-    return false;
-}
-
-/* Quantizes every base layer whose float weight is still held (not
- * filled as stored from a PTQ file) and releases the float weight. */
-static QtStatus net_quantize_held(Net *n, QtError *err) {
+/* Makes every kind's layers with their layouts (values as `fresh` says)
+ * and installs them: the kinds that replace a module's op, then those that
+ * wrap it. */
+static QtStatus net_attach(Net *n, bool fresh, QtError *err) {
     QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
-        QLayer *q = &n->qlayers[i];
-        if (q->module->weight->released) continue;
-        QLayerSpec spec = q->spec;
-        Rng rng = qlayer_round_rng(n->cfg->run.seed, (int)(q->module - n->model.modules));
-        st = qlayer_init_quantize_rng(q, q->module, &spec, q->module->weight->var.value.data, &rng, err);
-        if (st == QT_OK) param_release(q->module->weight);
-    }
-    return st;
-}
-
-/* NET_FRESH: float parameters from init_from; modules the file holds
- * quantized are read as stored, the others quantized here. */
-static QtStatus net_load_base(Net *n, QtError *err) {
-    const Config *c = n->cfg;
-    const char *from = c->model.init_from;
-    char (*stored)[MODULE_NAME_MAX] = calloc(CKPT_LIST_MAX, MODULE_NAME_MAX);
-    if (!stored) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    int n_stored = 0;
-    QtError e = {0};
-    QtStatus st = checkpoint_list_quant(from, stored, CKPT_LIST_MAX, &n_stored, &e);
-    if (st == QT_OK) st = net_check_stored_quant(n, (const char(*)[MODULE_NAME_MAX])stored, n_stored, err);
-    /* Layouts for the stored ones; release every weight the file lacks in float. */
-    QLayer *tmp = calloc((size_t)n->n_qlayers + 1, sizeof *tmp);
-    int n_tmp = 0;
-    if (st == QT_OK && !tmp) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) {
-        QLayer *q = &n->qlayers[i];
-        if (!name_listed((const char(*)[MODULE_NAME_MAX])stored, n_stored, q->module->path)) continue;
-        QLayerSpec spec = q->spec; /* init starts by clearing q */
-        st = qlayer_init_empty(q, q->module, &spec, err);
-        if (st == QT_OK) {
-            param_release(q->module->weight);
-            tmp[n_tmp] = *q;
-            tmp[n_tmp++].spec.act_qtype = NULL; /* static input ranges are calibrated afresh on this run's data */
+    for (int wraps = 0; wraps < 2; wraps++)
+        for (int k = 0; st == QT_OK && k < n->hooks.n_sets; k++) {
+            HookSet *set = &n->hooks.sets[k];
+            if (set->kind->wraps != (wraps == 1) || set->n == 0) continue;
+            set->layers = calloc((size_t)set->n, set->kind->layer_size);
+            if (!set->layers) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
+            st = set->kind->attach(n, set, fresh, err);
         }
-    }
-    CheckpointNet parts = {.qlayers = tmp, .n_qlayers = n_tmp};
-    if (st == QT_OK && e.status == QT_OK && checkpoint_load_model(from, &n->model, &parts, &e) != QT_OK)
-        st = e.status;
-    if (st == QT_OK && e.status != QT_OK) st = e.status;
-    if (e.status != QT_OK) qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
-    /* Stored layers got new QArrays from the file: take them back. */
-    for (int i = 0, k = 0; i < n->n_qlayers && k < n_tmp; i++)
-        if (n->qlayers[i].module == tmp[k].module) {
-            const QType *act = n->qlayers[i].spec.act_qtype;
-            n->qlayers[i] = tmp[k++];
-            n->qlayers[i].spec.act_qtype = act;
-        }
-    if (st == QT_OK) st = net_quantize_held(n, err);
-    free(tmp);
-    free(stored);
     return st;
 }
 
-/* QAT layers over the (trainable) float weights; a fresh run initialises
- * learned weight ranges from the weights it starts with. */
-static QtStatus net_attach_qat(Net *n, NetInit how, QtError *err) {
-    if (n->n_qat == 0) return QT_OK;
-    n->qat = calloc((size_t)n->n_qat, sizeof *n->qat);
-    if (!n->qat) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
-    int k = 0;
-    QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
-        const QLayerSpec *qs = net_quant_spec(n, i);
-        if (!qs) continue;
-        QatLayer *q = &n->qat[k++];
-        st = qat_layer_init(q, &n->model.modules[i], qs, &n->cfg->quant.rules[n->quant_rule[i]].qat, err);
-        if (st == QT_OK) q->round_rng = qlayer_round_rng(n->cfg->run.seed, i);
-        if (st == QT_OK && how == NET_FRESH) st = qat_layer_init_ranges(q, err);
-        if (st == QT_OK) qat_layer_install(q);
-    }
-    return st;
-}
-
-/* QT layers over the (trainable) float weights, each with its own noise
- * stream for stochastic rounding of gradients. */
-static QtStatus net_attach_qt(Net *n, QtError *err) {
-    if (n->n_qt == 0) return QT_OK;
-    n->qt = calloc((size_t)n->n_qt, sizeof *n->qt);
-    if (!n->qt) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
-    int k = 0;
-    QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
-        if (!net_quant_spec(n, i)) continue;
-        FqtLayer *q = &n->qt[k++];
-        uint64_t stream = RNG_STREAM_ROUNDING + ((uint64_t)k << 40); /* apart from the shuffle's 2 + (epoch << 8) */
-        st = fqt_layer_init(q, &n->model.modules[i], &n->cfg->quant.rules[n->quant_rule[i]].qt, n->cfg->run.seed,
-                           stream, err);
-        if (st == QT_OK) fqt_layer_install(q);
-    }
-    return st;
-}
-
-/* Makes the qlayers and adapters with their layouts (values to come). */
-static QtStatus net_attach(Net *n, NetInit how, QtError *err) {
-    n->qlayers = calloc((size_t)n->n_qlayers + 1, sizeof *n->qlayers);
-    n->adapters = calloc((size_t)n->n_adapters + 1, sizeof *n->adapters);
-    if (!n->qlayers || !n->adapters) return qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
-    int nq = 0, na = 0;
-    QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && n->cfg->quant.mode == QUANT_MODE_PTQ && i < n->model.n_modules; i++) {
-        Module *m = &n->model.modules[i];
-        const QLayerSpec *qs = net_quant_spec(n, i);
-        if (qs) {
-            QLayer *q = &n->qlayers[nq++];
-            q->module = m; /* what net_load_base needs to find it; init_* fill the rest */
-            q->spec = *qs;
-            if (how == NET_SHELL && (st = qlayer_init_empty(q, m, qs, err)) == QT_OK) param_release(m->weight);
-        }
-    }
-    if (st == QT_OK && how == NET_FRESH && n->n_qlayers > 0) {
-        if (n->cfg->model.init_from[0]) st = net_load_base(n, err);
-        else if (n->base_from_seed) st = net_quantize_held(n, err);
-        else
-            return qt_error_set(err, QT_ERR_CONFIG, "%s: quant.mode ptq quantizes a trained model, but model.init_from "
-                                "is not set; point it at a float checkpoint (e.g. runs/pretrain/final.h5)",
-                                n->cfg->source);
-    }
-    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) qlayer_install(&n->qlayers[i]);
-    if (st == QT_OK) st = net_attach_qat(n, how, err);
-    if (st == QT_OK) st = net_attach_qt(n, err);
-    Rng rng;
-    rng_init(&rng, n->cfg->run.seed, RNG_STREAM_LORA);
-    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
-        const LoraSpec *ls = net_lora_spec(n, i);
-        if (!ls) continue;
-        LoraAdapter *a = &n->adapters[na];
-        if ((st = lora_adapter_init(a, &n->model.modules[i], ls, err)) != QT_OK) break;
-        na++;
-        lora_adapter_init_params(a, &rng);
-        lora_adapter_install(a);
-    }
-    n->n_adapters = na;
-    return st;
-}
-
-/* With quant or lora in use, only adapters and lora.trainable modules train. */
+/* With quant or lora in use, only adapters and lora.trainable modules
+ * train; then every hook layer's parameters, in hook_kinds order. */
 static QtStatus net_collect_trainable(Net *n, QtError *err) {
     bool adapted = n->cfg->quant.mode == QUANT_MODE_PTQ || config_has_lora(n->cfg);
-    n->trainable = calloc((size_t)n->model.n_params + 2 * (size_t)(n->n_adapters + n->n_qat) + 1,
-                          sizeof *n->trainable);
+    size_t cap = (size_t)n->model.n_params + 1;
+    for (int k = 0; k < n->hooks.n_sets; k++) cap += HOOK_PARAMS_MAX * (size_t)n->hooks.sets[k].n;
+    n->trainable = calloc(cap, sizeof *n->trainable);
     if (!n->trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < n->model.n_modules; i++) {
         Module *m = &n->model.modules[i];
@@ -274,12 +121,19 @@ static QtStatus net_collect_trainable(Net *n, QtError *err) {
             if (ps[k]->trainable) n->trainable[n->n_trainable++] = ps[k];
         }
     }
-    for (int i = 0; i < n->n_adapters; i++) {
-        n->trainable[n->n_trainable++] = &n->adapters[i].A;
-        n->trainable[n->n_trainable++] = &n->adapters[i].B;
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->params && i < set->n; i++)
+            n->n_trainable += set->kind->params(hook_layer(set, i), n->trainable + n->n_trainable);
     }
-    for (int i = 0; i < n->n_qat; i++) n->n_trainable += qat_layer_params(&n->qat[i], n->trainable + n->n_trainable);
     return QT_OK;
+}
+
+/* Whether a kind with layers here reads model.init_from itself (a PTQ base). */
+static bool net_hooks_load_init_from(const Net *n) {
+    for (int k = 0; k < n->hooks.n_sets; k++)
+        if (n->hooks.sets[k].kind->loads_init_from && n->hooks.sets[k].n > 0) return true;
+    return false;
 }
 
 QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
@@ -287,6 +141,8 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     n->cfg = c;
     n->base_from_seed = how == NET_FRESH_TIMING;
     if (n->base_from_seed) how = NET_FRESH;
+    n->hooks.n_sets = hook_n_kinds;
+    for (int k = 0; k < hook_n_kinds; k++) n->hooks.sets[k].kind = hook_kinds[k];
     QtStatus st = model_init(&n->model, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers,
                              err);
     if (st != QT_OK) return st;
@@ -305,13 +161,13 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
         Rng init;
         rng_init(&init, c->run.seed, RNG_STREAM_INIT);
         model_init_params(&n->model, &init);
-        if (how == NET_FRESH && c->model.init_from[0] && n->n_qlayers == 0) {
+        if (how == NET_FRESH && c->model.init_from[0] && !net_hooks_load_init_from(n)) {
             QtError e = {0};
             if (checkpoint_load_params(c->model.init_from, &n->model, &e) != QT_OK)
                 st = qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
         }
     }
-    if (st == QT_OK) st = net_attach(n, how, err);
+    if (st == QT_OK) st = net_attach(n, how == NET_FRESH, err);
     if (st == QT_OK) st = net_collect_trainable(n, err);
     if (st == QT_OK && how == NET_FRESH && c->model.adapters_from[0]) {
         CheckpointNet parts = net_checkpoint_parts(n);
@@ -351,41 +207,33 @@ QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtE
     return st;
 }
 
-CheckpointNet net_checkpoint_parts(const Net *n) {
-    CheckpointNet p = {.qlayers = n->qlayers, .n_qlayers = n->n_qlayers, .adapters = n->adapters,
-                       .n_adapters = n->n_adapters, .qat = n->qat, .n_qat = n->n_qat,
-                       .qt = n->qt, .n_qt = n->n_qt};
-    return p;
-}
+CheckpointNet net_checkpoint_parts(const Net *n) { return n->hooks; }
 
 QtStatus net_set_range_lrs(const Net *n, Optimizer *o, float base_lr, QtError *err) {
     QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->n_qat; i++) {
-        if (!(n->qat[i].qat.lr > 0.0f)) continue;
-        Param *ps[2];
-        int k = qat_layer_params(&n->qat[i], ps);
-        for (int j = 0; st == QT_OK && j < k; j++)
-            st = optim_set_lr_scale(o, ps[j], base_lr > 0 ? n->qat[i].qat.lr / base_lr : 1.0f, err);
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; st == QT_OK && set->kind->lr && set->kind->params && i < set->n; i++) {
+            void *layer = hook_layer(set, i);
+            float lr = set->kind->lr(layer);
+            if (!(lr > 0.0f)) continue;
+            Param *ps[HOOK_PARAMS_MAX];
+            int np = set->kind->params(layer, ps);
+            for (int j = 0; st == QT_OK && j < np; j++)
+                st = optim_set_lr_scale(o, ps[j], base_lr > 0 ? lr / base_lr : 1.0f, err);
+        }
     }
     return st;
 }
 
 QtStatus net_check_ranges(const Net *n, int64_t step, QtError *err) {
-    for (int i = 0; i < n->n_qat; i++) {
-        Param *ps[2];
-        int k = qat_layer_params(&n->qat[i], ps);
-        for (int j = 0; j < k; j++) {
-            size_t m = var_numel(&ps[j]->var);
-            for (size_t e = 0; e < m; e++)
-                if (!isfinite(ps[j]->var.value.data[e]))
-                    return qt_error_set(err, QT_ERR_VALUE, "step %lld: module %s: the learned range %s[%zu] is %g; "
-                                        "lower its lr (quant.rules[%d].lr) or train.optimizer.lr, or set "
-                                        "train.grad_clip", (long long)step, n->qat[i].module->path, ps[j]->name, e,
-                                        (double)ps[j]->var.value.data[e], n->quant_rule[n->qat[i].module -
-                                                                                          n->model.modules]);
-        }
+    QtStatus st = QT_OK;
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; st == QT_OK && set->kind->check_step && i < set->n; i++)
+            st = set->kind->check_step(n, hook_layer(set, i), step, err);
     }
-    return QT_OK;
+    return st;
 }
 
 const char *net_mode_name(const Net *n) {
@@ -411,47 +259,40 @@ size_t net_params_frozen(const Net *n) {
 
 size_t net_model_bytes(const Net *n) {
     size_t b = model_param_bytes(&n->model);
-    for (int i = 0; i < n->n_qlayers; i++) b += qlayer_bytes(&n->qlayers[i]);
-    for (int i = 0; i < n->n_adapters; i++) b += lora_adapter_param_count(&n->adapters[i]) * sizeof(float);
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->bytes && i < set->n; i++) b += set->kind->bytes(hook_layer(set, i));
+    }
     return b;
 }
 
-/* A QAT model's bits per parameter once converted: its quantized weights in
- * the layout `qtrain convert` gives them, the other parameters float. */
-static double net_qat_bits_per_param(const Net *n) {
-    double bytes = 0.0, count = 0.0;
-    for (int i = 0; i < n->model.n_params; i++) {
-        const Param *p = &n->model.params[i];
-        bool quantized = false;
-        for (int k = 0; k < n->n_qat && !quantized; k++) quantized = n->qat[k].module->weight == p;
-        for (int k = 0; k < n->n_qt && !quantized; k++) quantized = n->qt[k].module->weight == p;
-        count += (double)var_numel(&p->var);
-        if (!quantized) bytes += (double)var_numel(&p->var) * sizeof(float);
+/* Whether param p is a module weight a quantized model holds quantized (a layer of a kind with base_bytes). */
+static bool net_weight_quantized(const Net *n, const Param *p) {
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->base_bytes && i < set->n; i++)
+            if (hook_layer_module(hook_layer(set, i))->weight == p) return true;
     }
-    for (int k = 0; k < n->n_qt; k++) { /* per output channel, float32 scales */
-        const FqtLayer *q = &n->qt[k];
-        bytes += (double)q->out * ((double)q->fan_in * q->spec.weight_qtype->bits / 8.0 + sizeof(float));
-    }
-    for (int k = 0; k < n->n_qat; k++) {
-        QArray tmp;
-        const QatLayer *q = &n->qat[k];
-        if (qarray_alloc(&tmp, q->w_ndim, q->w_shape, q->spec.weight_qtype, &q->w_options, NULL) == QT_OK)
-            bytes += (double)qarray_bytes(&tmp);
-        qarray_free(&tmp);
-    }
-    return count > 0 ? bytes * 8.0 / count : 32.0;
+    return false;
 }
 
+/* A frozen base: its frozen parameters, float or quantized as held. A
+ * model whose quantized weights train (qat, qt): every parameter, the
+ * quantized weights in the layout `qtrain convert` gives them. */
 double net_base_bits_per_param(const Net *n) {
+    bool all = false;
+    for (int k = 0; k < n->hooks.n_sets; k++) all |= n->hooks.sets[k].kind->trains_weight && n->hooks.sets[k].n > 0;
     double bytes = 0.0, count = 0.0;
     for (int i = 0; i < n->model.n_params; i++) {
         const Param *p = &n->model.params[i];
-        if (p->trainable) continue;
+        if (p->trainable && !all) continue;
         count += (double)var_numel(&p->var);
-        if (!p->released) bytes += (double)var_numel(&p->var) * sizeof(float);
+        if (!p->released && !net_weight_quantized(n, p)) bytes += (double)var_numel(&p->var) * sizeof(float);
     }
-    for (int i = 0; i < n->n_qlayers; i++) bytes += (double)qlayer_bytes(&n->qlayers[i]);
-    if (n->n_qat > 0 || n->n_qt > 0) return net_qat_bits_per_param(n);
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->base_bytes && i < set->n; i++) bytes += set->kind->base_bytes(hook_layer(set, i));
+    }
     return count > 0 ? bytes * 8.0 / count : 32.0;
 }
 
@@ -466,76 +307,58 @@ static void list_add_unique(char *buf, size_t cap, const char *item) {
 
 void net_format_summary(const Net *n, char *weights, size_t wcap, char *acts, size_t acap) {
     weights[0] = acts[0] = '\0';
-    for (int i = 0; i < n->n_qlayers; i++) {
-        const QLayerSpec *s = &n->qlayers[i].spec;
-        char f[64], g[16];
-        if (s->tile_size > 0) snprintf(g, sizeof g, "%d", s->tile_size);
-        else snprintf(g, sizeof g, "%s", qtype_is_block(s->weight_qtype) ? "mx" : s->per_tensor ? "t" : "ch");
-        snprintf(f, sizeof f, "%s/%s%s", qtype_name(s->weight_qtype), g, s->double_quant ? "+dq" : "");
-        list_add_unique(weights, wcap, f);
-        if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
-    }
-    for (int i = 0; i < n->n_qat; i++) {
-        const QLayerSpec *s = &n->qat[i].spec;
-        char f[80];
-        snprintf(f, sizeof f, "%s/%s%s", qtype_name(s->weight_qtype), s->tile_size > 0 ? "blk" : s->per_tensor ? "t" : "ch",
-                 n->qat[i].qat.learn_amax ? (n->qat[i].qat.learn_amax == QAT_LEARN_TQT ? "+tqt" : "+lsq") : "");
-        list_add_unique(weights, wcap, f);
-        if (s->act_qtype) list_add_unique(acts, acap, qtype_name(s->act_qtype));
-    }
-    for (int i = 0; i < n->n_qt; i++) {
-        const FqtSpec *s = &n->qt[i].spec;
-        char f[64];
-        snprintf(f, sizeof f, "%s/ch", qtype_name(s->weight_qtype));
-        list_add_unique(weights, wcap, f);
-        list_add_unique(acts, acap, qtype_name(s->act_qtype ? s->act_qtype : s->weight_qtype));
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->formats && i < set->n; i++) {
+            char w[96], a[96];
+            set->kind->formats(hook_layer(set, i), w, sizeof w, a, sizeof a);
+            list_add_unique(weights, wcap, w);
+            if (a[0]) list_add_unique(acts, acap, a);
+        }
     }
     if (!weights[0]) snprintf(weights, wcap, "float32");
     if (!acts[0]) snprintf(acts, acap, "none");
 }
 
 void net_calib_begin(Net *n) {
-    for (int i = 0; i < n->n_qlayers; i++) qlayer_calib_begin(&n->qlayers[i]);
-    for (int i = 0; i < n->n_qat; i++) qat_layer_calib_begin(&n->qat[i]);
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->calib_begin && i < set->n; i++) set->kind->calib_begin(hook_layer(set, i));
+    }
 }
 
 QtStatus net_calib_end(Net *n, QtError *err) {
     QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->n_qlayers; i++) st = qlayer_calib_end(&n->qlayers[i], err);
-    for (int i = 0; st == QT_OK && i < n->n_qat; i++) st = qat_layer_calib_end(&n->qat[i], err);
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; st == QT_OK && set->kind->calib_end && i < set->n; i++)
+            st = set->kind->calib_end(hook_layer(set, i), err);
+    }
     return st;
 }
 
 bool net_needs_act_calibration(const Net *n) {
-    for (int i = 0; i < n->n_qlayers; i++)
-        if (n->qlayers[i].spec.act_qtype) return true;
-    for (int i = 0; i < n->n_qat; i++)
-        if (n->qat[i].spec.act_qtype && (n->qat[i].qat.learn_amax || n->qat[i].qat.act_static_scale)) return true;
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->needs_calib && i < set->n; i++)
+            if (set->kind->needs_calib(hook_layer(set, i))) return true;
+    }
     return false;
 }
 
-static const QLayer *net_find_qlayer(const Net *n, const Module *m) {
-    for (int i = 0; i < n->n_qlayers; i++)
-        if (n->qlayers[i].module == m) return &n->qlayers[i];
-    return NULL;
-}
-
-static const QatLayer *net_find_qat(const Net *n, const Module *m) {
-    for (int i = 0; i < n->n_qat; i++)
-        if (n->qat[i].module == m) return &n->qat[i];
-    return NULL;
-}
-
-static const LoraAdapter *net_find_adapter(const Net *n, const Module *m) {
-    for (int i = 0; i < n->n_adapters; i++)
-        if (n->adapters[i].module == m) return &n->adapters[i];
-    return NULL;
-}
-
-const char *net_int8_kernel(const Net *n) {
-    for (int i = 0; i < n->n_qlayers; i++)
-        if (qlayer_int8_supported(&n->qlayers[i])) return qlayer_int8_kernel();
-    return "none";
+/* The table cell of the layer of a kind attached by `rules` on module i: "[rule] description"; false if none. */
+static bool net_describe(const Net *n, HookRules rules, int i, char *buf, size_t cap) {
+    const Module *m = &n->model.modules[i];
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        const void *layer = set->kind->rules == rules && set->kind->describe ? hook_find(set, m) : NULL;
+        if (!layer) continue;
+        char d[128];
+        set->kind->describe(layer, d, sizeof d);
+        snprintf(buf, cap, "[%d] %s", rules == HOOK_RULES_LORA ? n->lora_rule[i] : n->quant_rule[i], d);
+        return true;
+    }
+    return false;
 }
 
 void net_print_table(const Net *n, FILE *out) {
@@ -546,43 +369,24 @@ void net_print_table(const Net *n, FILE *out) {
         const Module *m = &n->model.modules[i];
         if (!m->weight) continue;
         char qd[160] = "float (frozen)", ld[96] = "-";
-        const QLayer *q = net_find_qlayer(n, m);
-        const QatLayer *qa = net_find_qat(n, m);
-        const LoraAdapter *a = net_find_adapter(n, m);
-        if (n->is_trainable[i]) {
+        if (n->is_trainable[i])
             snprintf(qd, sizeof qd, "float, trained in full (lora.trainable)");
-        } else if (qa) {
-            const QLayerSpec *sp = &qa->spec;
-            char g[24];
-            if (sp->tile_size > 0) snprintf(g, sizeof g, "block %d", sp->tile_size);
-            else snprintf(g, sizeof g, "%s", sp->per_tensor ? "per-tensor" : "per-channel");
-            snprintf(qd, sizeof qd, "[%d] qat %s %s, learn %s, act %s%s", n->quant_rule[i], qtype_name(sp->weight_qtype),
-                     g, qat_learn_name(qa->qat.learn_amax), sp->act_qtype ? qtype_name(sp->act_qtype) : "float",
-                     sp->act_qtype && !qa->qat.learn_amax ? (qa->qat.act_static_scale ? " static" : " dynamic") : "");
-        } else if (q) {
-            char d[128];
-            qlayer_describe(q, d, sizeof d);
-            snprintf(qd, sizeof qd, "[%d] %s", n->quant_rule[i], d);
-        } else if (n->quant_rule[i] >= 0) {
+        else if (!net_describe(n, HOOK_RULES_QUANT, i, qd, sizeof qd) && n->quant_rule[i] >= 0)
             snprintf(qd, sizeof qd, "[%d] float (%s)", n->quant_rule[i],
                      n->cfg->quant.rules[n->quant_rule[i]].skip ? "skip" : "weight_qtype none");
-        } else if (!any_quant && !any_lora) {
-            snprintf(qd, sizeof qd, "float");
-        }
-        if (a)
-            snprintf(ld, sizeof ld, "[%d] rank %d alpha %g (scale %g)%s%s", n->lora_rule[i], a->spec.rank,
-                     (double)a->spec.alpha, (double)a->scale, a->spec.rslora ? " rslora" : "",
-                     a->spec.dropout > 0 ? " dropout" : "");
-        else if (n->lora_rule[i] >= 0)
+        if (!net_describe(n, HOOK_RULES_LORA, i, ld, sizeof ld) && n->lora_rule[i] >= 0)
             snprintf(ld, sizeof ld, "[%d] skip", n->lora_rule[i]);
         fprintf(out, "  %-12s %-8s %-52s %s\n", m->path, layer_type_name(m->spec.type), qd, ld);
     }
-    /* which path int8 x int8 layers evaluate on: a CPU without VNNI emulates them in float */
-    if (n->n_qlayers > 0) fprintf(out, "  int8_kernel: %s\n", net_int8_kernel(n));
+    for (int k = 0; k < n->hooks.n_sets; k++)
+        if (n->hooks.sets[k].kind->table_note) n->hooks.sets[k].kind->table_note(&n->hooks.sets[k], out);
 }
 
 void net_set_step(Net *n, int64_t step) {
-    for (int i = 0; i < n->n_qat; i++) qat_layer_set_step(&n->qat[i], step);
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        for (int i = 0; set->kind->set_step && i < set->n; i++) set->kind->set_step(hook_layer(set, i), step);
+    }
 }
 
 /* Whether rule `match` applies to module m on its own (earlier rules aside). */

@@ -21,6 +21,7 @@
 #include "quant/qlayer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
+#include "trainer/hook.h"
 
 typedef enum {
     NET_FRESH,    /* parameters from the seed, then model.init_from (quantized here, or a PTQ base as stored),
@@ -30,18 +31,12 @@ typedef enum {
                          quantized: for measuring speed only (qtrain bench) */
 } NetInit;
 
-typedef struct {
+typedef struct Net {
     const Config *cfg;
     Model model;
-    QLayer *qlayers;          /* [n_qlayers] quantized base layers (ptq), in module order */
-    int n_qlayers;
+    HookLayers hooks;         /* the hook layers the rules attached, a set per kind (trainer/hook.h: ptq quantized
+                                 base layers, lora adapters, qat and qt trained quantizers), each in module order */
     bool base_from_seed;      /* NET_FRESH_TIMING: a PTQ base without init_from quantizes the initialisation */
-    QatLayer *qat;            /* [n_qat] fake-quantized trained layers (qat), in module order */
-    int n_qat;
-    FqtLayer *qt;              /* [n_qt] quantized-GEMM trained layers (qt), in module order */
-    int n_qt;
-    LoraAdapter *adapters;    /* [n_adapters] in module order */
-    int n_adapters;
     Param **trainable;        /* [n_trainable] what the optimizer updates: adapters' A, B and lora.trainable
                                  modules' params (all params in a float or qat run, with qat's learned
                                  ranges) */
@@ -66,7 +61,7 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
 QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err);
 void net_free(Net *n);
 
-/* The /quant and /lora parts for checkpoints. */
+/* The hook layers for checkpoints (n->hooks). */
 CheckpointNet net_checkpoint_parts(const Net *n);
 
 /* Gives learned quantization ranges with their own `lr` in their rule that

@@ -58,7 +58,7 @@ QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *o
         net_print_table(&n, log);
         net_print_unused_rules(&n, log);
         fprintf(log, "quantized %d modules: base %.3f bits/param, model %.1f KiB (float: %.1f KiB) -> %s\n",
-                n.n_qlayers, net_base_bits_per_param(&n), (double)net_model_bytes(&n) / 1024.0,
+                net_hook_count(&n, &HOOK_PTQ), net_base_bits_per_param(&n), (double)net_model_bytes(&n) / 1024.0,
                 (double)model_param_count(&n.model, false) * 4.0 / 1024.0, out);
     }
     if (st == QT_OK || n.cfg) net_free(&n);
@@ -87,9 +87,7 @@ static QtStatus load_checkpoint_net(const char *checkpoint, const Config *c, Net
 }
 
 static const QLayer *find_qlayer(const Net *n, const Module *m) {
-    for (int i = 0; i < n->n_qlayers; i++)
-        if (n->qlayers[i].module == m) return &n->qlayers[i];
-    return NULL;
+    return hook_find(hook_layers_find(&n->hooks, &HOOK_PTQ), m);
 }
 
 /* Folds one adapter; for a quantized base adds the squared error of the
@@ -168,13 +166,13 @@ static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, FIL
             break;
         }
         const QLayer *q = NULL;
-        for (int k = 0; src->released && k < n->n_qlayers; k++)
-            if (n->qlayers[k].module->weight == src) q = &n->qlayers[k];
+        for (int k = 0; src->released && k < net_hook_count(n, &HOOK_PTQ); k++)
+            if (net_qlayer(n, k)->module->weight == src) q = net_qlayer(n, k);
         if (q) qlayer_dequantize_weight(q, p->var.value.data);
         else memcpy(p->var.value.data, src->var.value.data, var_numel(&p->var) * sizeof(float));
     }
-    for (int i = 0; st == QT_OK && i < n->n_adapters; i++) {
-        const LoraAdapter *a = &n->adapters[i];
+    for (int i = 0; st == QT_OK && i < net_hook_count(n, &HOOK_LORA); i++) {
+        const LoraAdapter *a = net_adapter(n, i);
         Module *m = model_find_module(&out->model, a->module->path);
         lora_adapter_merge(a, m->weight->var.value.data);
         const QLayer *q = find_qlayer(n, a->module);
@@ -214,11 +212,11 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
         }
     }
     double err2 = 0.0, norm2 = 0.0;
-    if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s%s:\n", n.n_adapters, checkpoint,
+    if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s%s:\n", net_hook_count(&n, &HOOK_LORA), checkpoint,
                                     dequantize ? " into a float model" : "");
     if (st == QT_OK && dequantize) st = merge_to_float(&n, merged, &fl, log, err);
-    for (int i = 0; st == QT_OK && !dequantize && i < n.n_adapters; i++)
-        st = merge_one(&n, &n.adapters[i], &err2, &norm2, log, err);
+    for (int i = 0; st == QT_OK && !dequantize && i < net_hook_count(&n, &HOOK_LORA); i++)
+        st = merge_one(&n, net_adapter(&n, i), &err2, &norm2, log, err);
     if (st == QT_OK) st = merge_check_finite(dequantize ? &fl : &n, checkpoint, err);
     char *text = NULL;
     if (st == QT_OK) {
@@ -229,11 +227,11 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
     if (st == QT_OK) {
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .mode = mode, .merged_from = checkpoint,
                              .merged_from_base_sha256 = base};
-        if (!dequantize) s.net = (CheckpointNet){.qlayers = n.qlayers, .n_qlayers = n.n_qlayers};
+        if (!dequantize) s.net = hook_layers_only(&n.hooks, &HOOK_PTQ);
         st = save_out(out, force, dequantize ? &fl.model : &n.model, &s, err);
     }
     if (st == QT_OK) {
-        rep->modules = n.n_adapters;
+        rep->modules = net_hook_count(&n, &HOOK_LORA);
         rep->dequantized = dequantize;
         rep->weight_rel_rmse = norm2 > 0 ? sqrt(err2 / norm2) : 0.0;
         rep->mode = mode;
@@ -256,18 +254,19 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
 /* The converted model: the QAT net's float parameters, its converted layers
  * as the PTQ base, under a ptq config. */
 static QtStatus convert_save(Net *n, const Config *ptq, const char *out, bool force, QtError *err) {
-    QLayer *ql = calloc((size_t)n->n_qat + 1, sizeof *ql);
+    int n_qat = net_hook_count(n, &HOOK_QAT);
+    QLayer *ql = calloc((size_t)n_qat + 1, sizeof *ql);
     if (!ql) return qt_error_set(err, QT_ERR_NOMEM, "out of memory converting");
     int k = 0;
     QtStatus st = QT_OK;
-    for (; st == QT_OK && k < n->n_qat; k++)
-        if ((st = qat_layer_convert(&n->qat[k], &ql[k], err)) != QT_OK) break;
+    for (; st == QT_OK && k < n_qat; k++)
+        if ((st = qat_layer_convert(net_qat_layer(n, k), &ql[k], err)) != QT_OK) break;
     char *text = st == QT_OK ? config_to_yaml(ptq) : NULL;
     if (st == QT_OK && !text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK) {
         /* the float weights are now in the QLayers: released, they are not written under /params */
-        for (int i = 0; i < n->n_qat; i++) param_release(n->qat[i].module->weight);
-        CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = {.qlayers = ql, .n_qlayers = k}};
+        for (int i = 0; i < n_qat; i++) param_release(net_qat_layer(n, i)->module->weight);
+        CheckpointState s = {.last_train_loss = NAN, .config_text = text, .net = hook_layers_one(&HOOK_PTQ, ql, k)};
         st = save_out(out, force, &n->model, &s, err);
     }
     for (int i = 0; i < k; i++) qlayer_free(&ql[i]);
@@ -299,7 +298,7 @@ QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE
         ptq->model.init_from[0] = '\0';
         st = convert_save(&n, ptq, out, force, err);
     }
-    if (st == QT_OK) rep->modules = n.n_qat;
+    if (st == QT_OK) rep->modules = net_hook_count(&n, &HOOK_QAT);
     TrainResult a, b;
     if (st == QT_OK) st = train_eval_checkpoint(c, checkpoint, false, &a, err);
     if (st == QT_OK) st = train_eval_checkpoint(ptq, out, false, &b, err);

@@ -62,9 +62,10 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
     json_string(&w, "weight_formats", wf);
     json_string(&w, "act_formats", af);
     char bf[64] = "none";
-    if (r->model.net.n_qt > 0 && r->model.net.qt[0].spec.bwd_qtype)
-        snprintf(bf, sizeof bf, "%s%s", qtype_name(r->model.net.qt[0].spec.bwd_qtype),
-                 r->model.net.qt[0].spec.bwd_stochastic ? "+sr" : "");
+    const Net *net = &r->model.net;
+    const FqtSpec *qt = net_hook_count(net, &HOOK_FQT) > 0 ? &net_fqt_layer(net, 0)->spec : NULL;
+    if (qt && qt->bwd_qtype)
+        snprintf(bf, sizeof bf, "%s%s", qtype_name(qt->bwd_qtype), qt->bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
     json_string(&w, "int8_kernel", net_int8_kernel(&r->model.net));
     if (!is_eval) {
