@@ -1,8 +1,20 @@
-# qtrain - build, test, benchmark.
+# qtrain - build, test, install, benchmark.
 #
-#   make            libqtrain.a and the qtrain binary (build/)
+# Layout: base/ nn/ quant/ lora/ data/ trainer/ are the library (libqtrain.a;
+# include/qtrain.h is its one public header, trainer/api.c implements it);
+# cli/ is what only the qtrain command runs (main.c, compare's table and
+# chart, demo, bench), linked into build/qtrain and the test runner only.
+#
+#   make            libqtrain.a and the qtrain binary (build/); needs no CUnit
+#   make shared     build/libqtrain.so.MAJOR.MINOR.PATCH (soname libqtrain.so.MAJOR) from
+#                   -fPIC objects in build/pic/
+#   make examples   examples/*.c against build/libqtrain.a, into build/examples/
+#   make install    PREFIX=/usr/local (and DESTDIR=): bin/qtrain, lib/libqtrain.a,
+#                   lib/libqtrain.so*, include/qtrain.h, lib/pkgconfig/qtrain.pc (docs/LIBRARY.md)
+#   make uninstall  the same PREFIX and DESTDIR: removes exactly those files (and then
+#                   bin/, lib/pkgconfig/, lib/, include/ if that left them empty)
 #   make deps       install the Debian packages qtrain needs, if missing
-#   make test       build and run the CUnit suites (installs deps first)
+#   make test       build and run the CUnit suites (installs deps and CUnit first)
 #   make test SANITIZE=1   the same under AddressSanitizer + UBSan
 #   make run        pretrain the CNN on Fashion-MNIST end to end (installs deps first)
 #   make bench      benchmarks (timings live here, never in tests): bench/*.c and
@@ -37,8 +49,11 @@ PKG_LIBS   = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUNIT_CFLAGS = $(shell pkg-config --cflags cunit 2>/dev/null)
 CUNIT_LIBS   = $(shell pkg-config --libs cunit 2>/dev/null)
 
-LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c) $(filter-out trainer/main.c,$(wildcard trainer/*.c))
+LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c trainer/*.c)
 LIB_OBJS   := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+# The commands' code beside main.c: in the binary and the test runner, never in the library.
+CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
+CLI_OBJS   := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 TEST_SRCS  := $(wildcard tests/*.c)
 TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)
 BENCH_SRCS := $(wildcard bench/*.c)
@@ -48,14 +63,33 @@ LIB    := $(BUILD)/libqtrain.a
 QTRAIN := $(BUILD)/qtrain
 TESTS  := $(BUILD)/tests/run_tests
 
-DEB_PKGS := libopenblas-dev libhdf5-dev libyaml-dev libcunit1-dev zlib1g-dev pkg-config dataset-fashion-mnist
-APT_ENV  := env DEBIAN_FRONTEND=noninteractive
+# The shared library: the version is include/qtrain.h's QTRAIN_VERSION_MAJOR/MINOR/PATCH.
+version_part = $(shell sed -n 's/^\#define QTRAIN_VERSION_$(1)  *\([0-9][0-9]*\).*/\1/p' include/qtrain.h 2>/dev/null)
+VERSION_MAJOR = $(call version_part,MAJOR)
+VERSION       = $(VERSION_MAJOR).$(call version_part,MINOR).$(call version_part,PATCH)
+PIC_BUILD := $(BUILD)/pic
+PIC_OBJS  := $(LIB_SRCS:%.c=$(PIC_BUILD)/%.o)
+SONAME    = libqtrain.so.$(VERSION_MAJOR)
+SHLIB     = $(BUILD)/libqtrain.so.$(VERSION)
+PC_FILE   := $(BUILD)/qtrain.pc
 
-.PHONY: compare all deps pkgcheck test run bench bench-torch torch-deps fixtures memcheck clean hostile-corpus
+PREFIX     ?= /usr/local
+BINDIR     := $(PREFIX)/bin
+LIBDIR     := $(PREFIX)/lib
+INCLUDEDIR := $(PREFIX)/include
+PCDIR      := $(LIBDIR)/pkgconfig
+
+DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
+TEST_DEBS := libcunit1-dev
+APT_ENV   := env DEBIAN_FRONTEND=noninteractive
+
+.PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures memcheck \
+	clean hostile-corpus shared examples install uninstall
 all: $(LIB) $(QTRAIN)
 
-deps:
-	@missing=""; for p in $(DEB_PKGS); do \
+# $(call apt_install,PACKAGES): installs those of PACKAGES that are missing.
+define apt_install
+	@missing=""; for p in $(1); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -63,40 +97,110 @@ deps:
 	  if [ "$$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi; \
 	  $$sudo apt-get update -qq && $$sudo $(APT_ENV) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+endef
+
+deps:
+	$(call apt_install,$(DEB_PKGS))
+
+# CUnit: only the test runner needs it.
+test-deps: deps
+	$(call apt_install,$(TEST_DEBS))
 
 $(BUILD)/%.o: %.c | pkgcheck
 	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(PKG_CFLAGS) -c $< -o $@
+
+$(BUILD)/tests/%.o: tests/%.c | pkgcheck pkgcheck-cunit
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(PKG_CFLAGS) $(CUNIT_CFLAGS) -c $< -o $@
+
+# The shared library's objects: the same sources, position-independent.
+$(PIC_BUILD)/%.o: %.c | pkgcheck
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fPIC $(PKG_CFLAGS) -c $< -o $@
 
 # A missing .pc file would otherwise empty every flag and surface as a
 # puzzling "cblas.h: No such file".
+define pkg_exists
+	@pkg-config --exists $(1) 2>/dev/null || { \
+	  echo "missing development packages (pkg-config cannot find: $$(for p in $(1); do \
+	  pkg-config --exists $$p 2>/dev/null || printf '%s ' $$p; done)); run 'make $(2)' (as root)" >&2; exit 1; }
+endef
 pkgcheck:
-	@pkg-config --exists $(PKGS) cunit 2>/dev/null || { \
-	  echo "missing development packages (pkg-config cannot find: $$(for p in $(PKGS) cunit; do \
-	  pkg-config --exists $$p 2>/dev/null || printf '%s ' $$p; done)); run 'make deps' (as root)" >&2; exit 1; }
+	$(call pkg_exists,$(PKGS),deps)
+pkgcheck-cunit:
+	$(call pkg_exists,cunit,test-deps)
 
 $(LIB): $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	$(AR) rcs $@ $^
 
-$(QTRAIN): $(BUILD)/trainer/main.o $(LIB)
+$(QTRAIN): $(BUILD)/cli/main.o $(CLI_OBJS) $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
-$(TESTS): $(TEST_OBJS) $(LIB)
+# A suite file whose register_NAME_suite main.c does not list would never run.
+$(TESTS): $(TEST_OBJS) $(CLI_OBJS) $(LIB)
+	@for s in $$(sed -n 's/^int register_\([a-z0-9_]*\)_suite(void).*/\1/p' $(TEST_SRCS)); do \
+	  grep -q "X($$s)" tests/main.c || { echo "tests: register_$${s}_suite is not listed in tests/main.c's" \
+	  "SUITES; add X($$s) there" >&2; exit 1; }; done
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(CUNIT_LIBS) $(LDLIBS)
+
+shared: $(SHLIB)
+
+# examples/*.c against the library in the tree (installed: docs/LIBRARY.md).
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
+examples: $(EXAMPLES)
+$(BUILD)/examples/%: examples/%.c include/qtrain.h $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Iinclude $< -o $@ $(LDFLAGS) $(LIB) $(PKG_LIBS) $(LDLIBS)
+
+# Linked against its dependencies, so a program linking -lqtrain alone loads
+# them; exports only qtrain_* (include/qtrain.h), the internals stay local.
+$(SHLIB): $(PIC_OBJS)
+	printf '{ global: qtrain_*; local: *; };\n' > $(BUILD)/libqtrain.map
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,$(SONAME) -Wl,--version-script=$(BUILD)/libqtrain.map $(PIC_OBJS) -o $@ \
+	  $(PKG_LIBS) $(LDLIBS)
+
+# Requires.private/Libs.private: what `pkg-config --static --libs qtrain`
+# adds for linking libqtrain.a; a shared link needs only -lqtrain.
+$(PC_FILE): Makefile include/qtrain.h
+	@mkdir -p $(dir $@)
+	printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$${prefix}/lib' \
+	  'includedir=$${prefix}/include' '' 'Name: qtrain' \
+	  'Description: quantization-aware training, QLoRA and post-training quantization of small networks on a CPU' \
+	  'Version: $(VERSION)' 'Requires.private: $(PKGS)' 'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lqtrain' \
+	  'Libs.private: $(LDLIBS)' > $@
+.PHONY: $(PC_FILE) # its prefix is the command line's PREFIX
+
+# The tests install into a temporary PREFIX with the objects already built.
+install: $(LIB) $(QTRAIN) $(SHLIB) $(PC_FILE)
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PCDIR)
+	install -m 755 $(QTRAIN) $(DESTDIR)$(BINDIR)/qtrain
+	install -m 644 $(LIB) $(DESTDIR)$(LIBDIR)/libqtrain.a
+	install -m 755 $(SHLIB) $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION)
+	ln -sf libqtrain.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(LIBDIR)/libqtrain.so
+	install -m 644 include/qtrain.h $(DESTDIR)$(INCLUDEDIR)/qtrain.h
+	install -m 644 $(PC_FILE) $(DESTDIR)$(PCDIR)/qtrain.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/qtrain $(DESTDIR)$(LIBDIR)/libqtrain.a $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION) \
+	  $(DESTDIR)$(LIBDIR)/$(SONAME) $(DESTDIR)$(LIBDIR)/libqtrain.so $(DESTDIR)$(INCLUDEDIR)/qtrain.h \
+	  $(DESTDIR)$(PCDIR)/qtrain.pc
+	-@rmdir $(DESTDIR)$(PCDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(BINDIR) 2>/dev/null || true
 
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
 # Tests run from the repository root (they read tests/fixtures/).
 # OPENBLAS_NUM_THREADS=1 keeps them deterministic and quiet on shared machines.
-test: deps
+test: test-deps
 	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
 	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS)
 
 # Remakes the committed hostile files of tests/hostile/ (the hostile suite
 # replays them); review and commit the result with tests/hostile/expect.txt.
-hostile-corpus: deps
+hostile-corpus: test-deps
 	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
 	QTRAIN_HOSTILE_WRITE=tests/hostile OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS) hostile
 

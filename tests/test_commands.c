@@ -360,7 +360,7 @@ static void test_init_from_any_float(void) {
  * substitutes and skips); 77 is its "cannot run here". */
 static void test_readme_examples_run(void) {
     if (access("scripts/readme-examples.sh", X_OK) != 0 || access("/bin/bash", X_OK) != 0) {
-        fprintf(stderr, "\n  commands: skipped: scripts/readme-examples.sh or /bin/bash is missing\n");
+        test_skip("scripts/readme-examples.sh or /bin/bash is missing");
         return;
     }
     char log[PATH_MAX + 32], cmd[3 * PATH_MAX];
@@ -371,7 +371,7 @@ static void test_readme_examples_run(void) {
     int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
     char *text = test_file_read(log, NULL);
     if (code == 77) {
-        fprintf(stderr, "\n  commands: skipped: %s", text ? text : "(no reason given)\n");
+        test_skip("%s", text ? text : "(no reason given)");
     } else {
         if (code != 0) fprintf(stderr, "\n  scripts/readme-examples.sh exited %d:\n%s\n", code, text ? text : "");
         CU_ASSERT_EQUAL(code, 0);

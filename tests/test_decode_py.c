@@ -204,7 +204,7 @@ static void test_python_decode_equals_qtrain(void) {
     char log[PATH_MAX];
     snprintf(log, sizeof log, "%s/python.log", tmp_root);
     if (access(PYTHON, X_OK) != 0) {
-        fprintf(stderr, "\n  decode_py: skipped: " PYTHON " is missing (Debian's python3)\n");
+        test_skip(PYTHON " is missing (Debian's python3)");
         return;
     }
     if (sh(log, PYTHON " -c 'import h5py, numpy'") != 0) {
@@ -212,8 +212,8 @@ static void test_python_decode_equals_qtrain(void) {
         size_t len = text ? strlen(text) : 0;
         while (len && text[len - 1] == '\n') text[--len] = 0;
         const char *last = text ? strrchr(text, '\n') : NULL; /* the exception's line */
-        fprintf(stderr, "\n  decode_py: skipped: " PYTHON " cannot import h5py and numpy (install python3-h5py "
-                "python3-numpy): %s\n", last ? last + 1 : text && *text ? text : "no output");
+        test_skip(PYTHON " cannot import h5py and numpy (install python3-h5py python3-numpy): %s",
+                  last ? last + 1 : text && *text ? text : "no output");
         free(text);
         return;
     }

@@ -407,7 +407,7 @@ static void apply_report(char *text, int status) {
             fprintf(stderr, "\n  diskfull: %s\n", msg);
             CU_assertImplementation(CU_FALSE, (unsigned)at, msg, __FILE__, "", CU_FALSE);
         } else if (strcmp(kind, "skip") == 0) {
-            fprintf(stderr, "\n  diskfull: skipped: %s\n", msg);
+            test_skip("%s", msg);
             skipped = true;
         } else if (show) {
             fprintf(stderr, "\n  [diskfull] %s\n", msg);
@@ -597,8 +597,7 @@ static void test_stale_adapters_tmp_removed(void) {
  * needs. A hang is killed after the timeout and fails the test. */
 static void test_resource_limit_address_space(void) {
 #ifdef BUILT_WITH_ASAN
-    fprintf(stderr, "\n  skipped: AddressSanitizer reserves terabytes of address space, so a ulimit -v build "
-            "cannot start at all\n");
+    test_skip("AddressSanitizer reserves terabytes of address space, so a ulimit -v build cannot start at all");
     return;
 #endif
     char *root = test_tmpdir_new(), out[PATH_CAP + 32], log[PATH_CAP + 32];

@@ -21,7 +21,7 @@
 #include "test_qlora.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
-#include "trainer/compare.h"
+#include "cli/compare.h"
 #include "trainer/config.h"
 #include "trainer/h5io.h"
 #include "trainer/net.h"

@@ -10,7 +10,7 @@
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
-#include "trainer/demo.h"
+#include "cli/demo.h"
 #include "trainer/run.h"
 #include "trainer/train.h"
 

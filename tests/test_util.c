@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <hdf5.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -286,4 +287,35 @@ void test_assert_steady_steps(Model *m, Tape *t, Arena *a, const float *x, const
     CU_ASSERT(grows > 0);
     CU_ASSERT_EQUAL(a->grow_count, grows);
     CU_ASSERT_EQUAL(t->cap_nodes, cap);
+}
+
+/* ---- skipped tests ------------------------------------------------------- */
+
+#define TEST_SKIPS_MAX 64
+
+static char test_skips[TEST_SKIPS_MAX][512];
+static int test_n_skips; /* may exceed TEST_SKIPS_MAX: the count stays right, the list keeps the first ones */
+
+void test_skip(const char *fmt, ...) {
+    CU_pTest t = CU_get_current_test();
+    char reason[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof reason, fmt, ap);
+    va_end(ap);
+    size_t n = strlen(reason);
+    while (n > 0 && reason[n - 1] == '\n') reason[--n] = '\0';
+    const char *name = t && t->pName ? t->pName : "(outside a test)";
+    fprintf(stderr, "\n  %s: skipped: %s\n", name, reason);
+    if (test_n_skips < TEST_SKIPS_MAX)
+        snprintf(test_skips[test_n_skips], sizeof test_skips[0], "%s: %s", name, reason);
+    test_n_skips++;
+}
+
+int test_skips_print(FILE *out) {
+    if (test_n_skips == 0) return 0;
+    fprintf(out, "\nskipped: %d (cannot run on this machine or in this build)\n", test_n_skips);
+    for (int i = 0; i < test_n_skips && i < TEST_SKIPS_MAX; i++) fprintf(out, "  %s\n", test_skips[i]);
+    if (test_n_skips > TEST_SKIPS_MAX) fprintf(out, "  ... and %d more\n", test_n_skips - TEST_SKIPS_MAX);
+    return test_n_skips;
 }

@@ -5,6 +5,7 @@
 #include <CUnit/CUnit.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "nn/model.h"
 #include "nn/tape.h"
@@ -107,6 +108,17 @@ void test_assert_hdf5_closed(void);
 
 /* Same parameter count, sizes and values, bit for bit. */
 bool test_params_equal(const Model *a, const Model *b);
+
+/* ---- skipped tests ------------------------------------------------------- */
+
+/* What cannot run here (a VNNI kernel on an AVX2 machine, a case that needs
+ * root, a missing tool) is reported, never passed in silence: prints
+ * "  <test>: skipped: <reason>" at once and keeps the line for the list that
+ * main.c prints after CUnit's summary ("skipped: N", then each). The test
+ * returns after it (or goes on without the part that cannot run). */
+void test_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The skips so far as that list into out; returns their count. */
+int test_skips_print(FILE *out);
 
 /* ---- the arena's steady state ------------------------------------------- */
 

@@ -8,8 +8,8 @@
  *   compare.md    the table in Markdown, and a link to the chart
  *   compare.svg   accuracy against bits per parameter (log2 axis), and the
  *                 training-loss curves of all runs against the step */
-#ifndef QTRAIN_TRAINER_COMPARE_H
-#define QTRAIN_TRAINER_COMPARE_H
+#ifndef QTRAIN_CLI_COMPARE_H
+#define QTRAIN_CLI_COMPARE_H
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -1,8 +1,8 @@
 /* demo.h - `qtrain demo`: an end-to-end training run on a synthetic problem
  * that needs no data files, exercising the whole engine (model, tape,
  * AdamW, warmup + cosine schedule, clipping, dropout, eval). */
-#ifndef QTRAIN_TRAINER_DEMO_H
-#define QTRAIN_TRAINER_DEMO_H
+#ifndef QTRAIN_CLI_DEMO_H
+#define QTRAIN_CLI_DEMO_H
 
 #include <stdbool.h>
 

@@ -11,8 +11,8 @@
  *   bench:eval     forward-only samples_per_s at train.eval_batch_size
  *   bench:mem      peak_rss_mb (getrusage), arena_mb (the step arena's capacity)
  *   bench:startup  first_step_s: process start to the start of the first step */
-#ifndef QTRAIN_TRAINER_BENCH_H
-#define QTRAIN_TRAINER_BENCH_H
+#ifndef QTRAIN_CLI_BENCH_H
+#define QTRAIN_CLI_BENCH_H
 
 #include <stdint.h>
 #include <stdio.h>

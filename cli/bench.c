@@ -1,7 +1,7 @@
 /* bench.c - `qtrain bench`: a config's training and evaluation speed,
  * memory and start-up time, measured on the run training would set up
  * (trainer/run.h), with nothing written to run.out_dir. */
-#include "trainer/bench.h"
+#include "cli/bench.h"
 
 #include <inttypes.h>
 #include <math.h>
