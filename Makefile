@@ -11,8 +11,8 @@
 #   make examples   examples/*.c against build/libqtrain.a, into build/examples/
 #   make install    PREFIX=/usr/local (and DESTDIR=): bin/qtrain, lib/libqtrain.a,
 #                   lib/libqtrain.so*, include/qtrain.h, lib/pkgconfig/qtrain.pc (docs/LIBRARY.md)
-#   make uninstall  the same PREFIX and DESTDIR: removes exactly those files (and then
-#                   bin/, lib/pkgconfig/, lib/, include/ if that left them empty)
+#   make uninstall  the same PREFIX and DESTDIR: removes exactly those files (directories
+#                   stay: /usr/local/lib may be empty and still be the system's)
 #   make deps       install the Debian packages qtrain needs, if missing
 #   make test       build and run the CUnit suites (installs deps and CUnit first)
 #   make test SANITIZE=1   the same under AddressSanitizer + UBSan
@@ -80,7 +80,7 @@ INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
 DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
-TEST_DEBS := libcunit1-dev
+TEST_DEBS := libcunit1-dev python3-h5py python3-numpy
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures memcheck \
@@ -187,7 +187,6 @@ uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/qtrain $(DESTDIR)$(LIBDIR)/libqtrain.a $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION) \
 	  $(DESTDIR)$(LIBDIR)/$(SONAME) $(DESTDIR)$(LIBDIR)/libqtrain.so $(DESTDIR)$(INCLUDEDIR)/qtrain.h \
 	  $(DESTDIR)$(PCDIR)/qtrain.pc
-	-@rmdir $(DESTDIR)$(PCDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(BINDIR) 2>/dev/null || true
 
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
