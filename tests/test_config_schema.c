@@ -112,6 +112,116 @@ static void test_doc_command(void) {
     test_tmpdir_remove(dir);
 }
 
+/* Cell `col` (0: key, 1: default, 2: values, 3: resume, 4: meaning) of the doc's row for `path`, trimmed; "" if
+ * there is no such row. */
+static void doc_cell(const char *doc, const char *path, int col, char *out, size_t size) {
+    char head[160];
+    snprintf(head, sizeof head, "| `%s` |", path);
+    const char *p = strstr(doc, head);
+    out[0] = '\0';
+    if (!p) return;
+    for (int c = 0; c < col; c++) {
+        p = strstr(p + 1, " | ");
+        if (!p) return;
+    }
+    p += 3;
+    size_t n = strcspn(p, "|\n");
+    while (n > 0 && p[n - 1] == ' ') n--;
+    snprintf(out, size, "%.*s", (int)n, p);
+}
+
+/* The class a resume gives every key of t (nested sections too), or NULL when they differ. */
+static const char *keys_resume(const CfgTable *t, CfgResume inherit) {
+    static const char *const names[] = {"free", "fixed", "reported"};
+    const char *name = NULL;
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        const char *r = row->type == CFG_T_SECTION ? keys_resume(row->sub, row->resume)
+                                                   : names[row->resume ? row->resume : inherit];
+        if (!r || (name && strcmp(name, r) != 0)) return NULL;
+        name = r;
+    }
+    return name;
+}
+
+/* Every row of t and of the tables under it says a default, its values with their type (an integer or a
+ * number), and for a section what a resume does with the section's keys. */
+static int check_doc_rows(const char *doc, const CfgTable *t) {
+    int bad = 0;
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        char path[128], def[256], values[256], resume[64];
+        snprintf(path, sizeof path, "%s.%s", t->path, row->key);
+        doc_cell(doc, path, 1, def, sizeof def);
+        doc_cell(doc, path, 2, values, sizeof values);
+        doc_cell(doc, path, 3, resume, sizeof resume);
+        const char *type_word = NULL;
+        if (!row->doc_values && (row->type == CFG_T_INT || row->type == CFG_T_I64 || row->type == CFG_T_U64))
+            type_word = "integer";
+        if (!row->doc_values && (row->type == CFG_T_FLOAT || row->type == CFG_T_DOUBLE || row->type == CFG_T_FLOAT2))
+            type_word = "number";
+        const char *want_resume = row->type == CFG_T_SECTION ? keys_resume(row->sub, row->resume) : NULL;
+        const char *why = !def[0]                                     ? "no default"
+                          : type_word && !strstr(values, type_word)   ? "values without their type"
+                          : want_resume && strcmp(resume, want_resume) ? "a resume class that is not its keys'"
+                                                                       : NULL;
+        if (why) fprintf(stderr, "\n  docs: %s has %s: default '%s', values '%s', resume '%s'\n", path, why, def,
+                         values, resume);
+        bad += why != NULL;
+    }
+    for (int i = 0; i < t->n; i++)
+        if (t->keys[i].sub) bad += check_doc_rows(doc, t->keys[i].sub);
+    return bad;
+}
+
+static void test_doc_rows_say_enough(void) {
+    char *doc = config_doc_markdown();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(doc);
+    int bad = 0;
+    for (int i = 0; i < CFG_ROOT.n; i++) bad += check_doc_rows(doc, CFG_ROOT.keys[i].sub);
+    CU_ASSERT_EQUAL(bad, 0);
+    char cell[64];
+    doc_cell(doc, "train.optimizer", 3, cell, sizeof cell); /* its keys are all reported */
+    CU_ASSERT_STRING_EQUAL(cell, "reported");
+    doc_cell(doc, "train.epochs", 2, cell, sizeof cell);
+    CU_ASSERT_STRING_EQUAL(cell, "an integer in [0, 1000000]");
+    free(doc);
+}
+
+/* The defaults the doc writes out by hand for a rule's symmetric flags follow the format: every unsigned format
+ * that loads with an asymmetric default is named there. */
+static void test_doc_symmetric_defaults(void) {
+    char *doc = config_doc_markdown();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(doc);
+    Config *c = malloc(sizeof *c);
+    int checked = 0;
+    for (int i = 0; i < qtype_count(); i++) {
+        const QType *t = qtype_at(i);
+        if (t->kind != QTYPE_KIND_UINT) continue;
+        static const char *const keys[][2] = {{"weight_qtype", "symmetric"}, {"act_qtype", "act_symmetric"}};
+        for (int k = 0; k < 2; k++) {
+            char rules[200], def[256], path[64], want[32];
+            snprintf(rules, sizeof rules, "quant.rules=[{module_path: \".*\", %s%s: %s}]",
+                     k ? "weight_qtype: int8, " : "", keys[k][0], qtype_name(t));
+            const char *ov[] = {"quant.mode=ptq", rules};
+            QtError e = {0};
+            if (config_load_string(c, MINIMAL, "t.yaml", ov, 2, &e) != QT_OK) continue; /* not a format here */
+            bool symmetric = k == 0 ? c->quant.rules[0].spec.symmetric : c->quant.rules[0].spec.act_symmetric;
+            snprintf(path, sizeof path, "quant.rules[].%s", keys[k][1]);
+            snprintf(want, sizeof want, "`%s`", qtype_name(t));
+            doc_cell(doc, path, 1, def, sizeof def);
+            bool ok = symmetric || strstr(def, want);
+            if (!ok) fprintf(stderr, "\n  docs: %s's default '%s' does not name %s, which defaults to false\n", path,
+                             def, want);
+            CU_ASSERT(ok);
+            checked++;
+        }
+    }
+    CU_ASSERT(checked >= 4);
+    free(c);
+    free(doc);
+}
+
 /* ---- values a row takes ---------------------------------------------------------------------------------------- */
 
 /* --set overrides that another key needs: the row's kind (the first it applies to) and keys it depends on;
@@ -378,6 +488,9 @@ int register_config_schema_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "docs/CONFIG.md is config --doc's output", test_doc_matches_file) ||
            !CU_add_test(s, "config --doc through the binary lists every key", test_doc_command) ||
+           !CU_add_test(s, "every doc row says its default, its values' type, a section's resume class",
+                        test_doc_rows_say_enough) ||
+           !CU_add_test(s, "the doc's symmetric defaults name every unsigned format", test_doc_symmetric_defaults) ||
            !CU_add_test(s, "tables fit the key check, keys unique", test_tables_are_sound) ||
            !CU_add_test(s, "every loaded default is its row's", test_defaults_are_the_rows) ||
            !CU_add_test(s, "every key round-trips through config_to_yaml", test_every_key_round_trips) ||

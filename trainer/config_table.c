@@ -455,8 +455,8 @@ static const CfgKey QUANT_RULE_KEYS[] = {
      .doc = "fake-quantize the layer's input per tensor with a calibrated static range"},
     {.key = "act_calibration", .type = CFG_T_PART, .doc_default = "`absmax` (`minmax` when not `act_symmetric`)",
      .doc_values = "a calibration method", .doc = "how the input's range is calibrated"},
-    {.key = "act_symmetric", .type = CFG_T_PART, .doc_default = "true (false for `uint8`)",
-     .doc_values = "true, false", .doc = "a symmetric input range; `true` with `uint8` needs `allow_clip`"},
+    {.key = "act_symmetric", .type = CFG_T_PART, .doc_default = "true (false for `uint4`, `uint8`)",
+     .doc_values = "true, false", .doc = "a symmetric input range; `true` with an unsigned format needs `allow_clip`"},
     {.key = "learn_amax", .type = CFG_T_ENUM, O(QuantRule, qat.learn_amax), .size = 64, .name_of = learn_name,
      .n_names = QAT_LEARN_COUNT, .names_what = "learn_amax", .def_str = "none", QAT_ONLY,
      .doc = "`tqt` (log2 of the range learned, power-of-two scales: needs `scale_type: pof2`) or `lsq` (step "
