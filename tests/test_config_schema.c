@@ -376,12 +376,35 @@ static void test_every_key_round_trips(void) {
     free(back);
 }
 
-/* Every table fits the key check's 32-bit mask, and its keys are unique. */
+/* The size of the field a scalar row's type reads and writes; 0 for a row without one of fixed size. */
+static size_t type_size(CfgType type) {
+    switch (type) {
+    case CFG_T_BOOL: return sizeof(bool);
+    case CFG_T_INT: return sizeof(int);
+    case CFG_T_I64: return sizeof(int64_t);
+    case CFG_T_U64: return sizeof(uint64_t);
+    case CFG_T_FLOAT:
+    case CFG_T_FLOAT2: return sizeof(float);
+    case CFG_T_DOUBLE: return sizeof(double);
+    default: return 0;
+    }
+}
+
+/* Every table fits the key check's 32-bit mask, and its keys are unique. A row declared with its field (size
+ * set) has the field its type reads; a string's buffer and an enum's name buffer hold every valid name. */
 static void check_table(const CfgTable *t) {
     CU_ASSERT(t->n > 0 && t->n <= 32);
     for (int i = 0; i < t->n; i++) {
-        for (int j = 0; j < i; j++) CU_ASSERT(strcmp(t->keys[i].key, t->keys[j].key) != 0);
-        if (t->keys[i].sub) check_table(t->keys[i].sub);
+        const CfgKey *row = &t->keys[i];
+        for (int j = 0; j < i; j++) CU_ASSERT(strcmp(row->key, t->keys[j].key) != 0);
+        bool ok = true;
+        if (type_size(row->type) && row->size) ok = row->size == type_size(row->type);
+        if (row->type == CFG_T_STR || row->type == CFG_T_PATH || row->type == CFG_T_NAME) ok = row->size > 1;
+        for (int k = 0; (row->type == CFG_T_ENUM || row->type == CFG_T_NAME) && k < row->n_names; k++)
+            ok = ok && row->size > strlen(row->name_of(k));
+        if (!ok) fprintf(stderr, "\n  %s.%s: its size %zu does not fit its type\n", t->path, row->key, row->size);
+        CU_ASSERT(ok);
+        if (row->sub) check_table(row->sub);
     }
 }
 
