@@ -410,6 +410,116 @@ static void check_table(const CfgTable *t) {
 
 static void test_tables_are_sound(void) { check_table(&CFG_ROOT); }
 
+/* ---- the rows of a layer and of a rule ------------------------------------------------------------------------- */
+
+/* A layer's and a rule's keys are loaded, written and compared by hand-written code (their defaults follow other
+ * keys), so a row there is not used by itself: each scalar row must change the loaded item when given, come back
+ * from config_to_yaml, and be refused on resume. A row the hand-written code forgets would be a key that is
+ * accepted and silently ignored. */
+typedef struct {
+    const char *base[3];  /* overrides of MINIMAL that give the row an item it applies to */
+    char set[200];        /* the override that gives the row its other value */
+    size_t item;          /* offset of the item (a layer, rule 0) in Config */
+    const char *fixed;    /* what a resume names */
+} ItemCase;
+
+/* The case for row of t; false when it has none (a kind row, which changes the item's kind). */
+static bool item_case(const CfgTable *t, int i, ItemCase *ic) {
+    const CfgKey *row = &t->keys[i];
+    memset(ic, 0, sizeof *ic);
+    if (row->type == CFG_T_PART || i == t->kind_key) return false;
+    if (t == &CFG_LAYER_TABLE) {
+        /* the first layer type the row applies to, as layer 1 of a model whose shapes chain */
+        static const char *const models[LAYER_COUNT] = {
+            [LAYER_DENSE] = "model.layers=[{type: flatten}, {type: dense, units: 3}]",
+            [LAYER_CONV2D] = "model.layers=[{type: relu}, {type: conv2d, out_channels: 2, kernel: 2}]",
+            [LAYER_MAXPOOL2D] = "model.layers=[{type: relu}, {type: maxpool2d, kernel: 2}, {type: flatten}]",
+            [LAYER_DROPOUT] = "model.layers=[{type: flatten}, {type: dropout}]",
+            [LAYER_LAYERNORM] = "model.layers=[{type: flatten}, {type: layernorm}]",
+        };
+        int k = 0;
+        while (row->kinds && !(row->kinds & (1u << k))) k++;
+        ic->base[0] = models[k];
+        if (!ic->base[0]) return false;
+        if (strcmp(row->key, "init_std") == 0) ic->base[1] = "model.layers.1.init=normal";
+        snprintf(ic->set, sizeof ic->set, "model.layers.1.%s=", row->key);
+        ic->item = offsetof(Config, model.layers[1]);
+        ic->fixed = "model.layers[1]";
+        return true;
+    }
+    bool quant = t == &CFG_QUANT_RULE_TABLE;
+    ic->item = quant ? offsetof(Config, quant.rules[0]) : offsetof(Config, lora.rules[0]);
+    ic->fixed = quant ? "quant.rules[0]" : "lora.rules[0]";
+    ic->base[0] = !quant                                 ? "lora.rules=[{module_path: \".*\", rank: 2}]"
+                  : row->kinds == 1u << QUANT_MODE_QAT ? "quant.mode=qat"
+                  : row->kinds == 1u << QUANT_MODE_QT  ? "quant.mode=qt"
+                                                        : "quant.mode=ptq";
+    if (quant) ic->base[1] = "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: int8}]";
+    if (strcmp(row->key, "skip") == 0) /* a skip rule takes no other key */
+        snprintf(ic->set, sizeof ic->set, "%s.rules=[{module_path: \".*\", skip: true}]#", quant ? "quant" : "lora");
+    else
+        snprintf(ic->set, sizeof ic->set, "%s.rules.0.%s=", quant ? "quant" : "lora", row->key);
+    return true;
+}
+
+static QtStatus load_case(Config *c, const ItemCase *ic, const char *set, QtError *e) {
+    const char *ov[4];
+    int n = 0;
+    for (int i = 0; i < 3 && ic->base[i]; i++) ov[n++] = ic->base[i];
+    if (set) ov[n++] = set;
+    return config_load_string(c, MINIMAL, "t.yaml", ov, n, e);
+}
+
+static void check_item_rows(const CfgTable *t, int *tried) {
+    Config *base = malloc(sizeof *base), *c = malloc(sizeof *c), *back = malloc(sizeof *back);
+    for (int i = 0; i < t->n; i++) {
+        ItemCase ic;
+        if (!item_case(t, i, &ic)) continue;
+        Row r = {.table = t, .row = &t->keys[i], .offset = ic.item};
+        snprintf(r.path, sizeof r.path, "%s.%s", t->path, t->keys[i].key);
+        QtError e = {0};
+        char value[96], set[300], fixed[128], changed[512];
+        bool ok = load_case(base, &ic, NULL, &e) == QT_OK;
+        other_value(&r, base, value, sizeof value);
+        if (ic.set[strlen(ic.set) - 1] == '#') snprintf(set, sizeof set, "%.*s", (int)strlen(ic.set) - 1, ic.set);
+        else snprintf(set, sizeof set, "%s%s", ic.set, value);
+        ok = ok && load_case(c, &ic, set, &e) == QT_OK && !field_equal(&r, c, base);
+        char *yaml = ok ? config_to_yaml(c) : NULL;
+        ok = ok && yaml && config_load_string(back, yaml, "resolved", NULL, 0, &e) == QT_OK;
+        if (ok) {
+            cfg_set_str(back->source, sizeof back->source, c->source);
+            for (int j = 0; j < c->quant.n_rules; j++) { /* where a rule was read differs, and only that */
+                RuleMatch *m = &back->quant.rules[j].match;
+                memcpy(m->where, c->quant.rules[j].match.where, sizeof m->where);
+            }
+            for (int j = 0; j < c->lora.n_rules; j++) {
+                RuleMatch *m = &back->lora.rules[j].match;
+                memcpy(m->where, c->lora.rules[j].match.where, sizeof m->where);
+            }
+            ok = memcmp(c, back, sizeof *c) == 0;
+            config_diff_for_resume(base, c, fixed, sizeof fixed, changed, sizeof changed);
+            ok = ok && strcmp(fixed, ic.fixed) == 0;
+        }
+        if (!ok) fprintf(stderr, "\n  %s (%s) is not read, written or compared as its row says (%s)\n", r.path, set,
+                         e.msg);
+        CU_ASSERT(ok);
+        free(yaml);
+        (*tried)++;
+    }
+    free(base);
+    free(c);
+    free(back);
+}
+
+static void test_item_rows_are_used(void) {
+    int tried = 0;
+    check_item_rows(&CFG_LAYER_TABLE, &tried);
+    check_item_rows(&CFG_QUANT_RULE_TABLE, &tried);
+    check_item_rows(&CFG_LORA_RULE_TABLE, &tried);
+    CU_ASSERT(tried >= 25);
+    if (tried < 25) fprintf(stderr, "\n  only %d rows of layers and rules were tried\n", tried);
+}
+
 /* ---- errors ----------------------------------------------------------------------------------------------------- */
 
 static bool load_fails_with(const Row *r, const char *value, const char *want) {
@@ -458,6 +568,7 @@ static void test_out_of_range_refused(void) {
         }
     }
     CU_ASSERT(tried >= 25);
+    if (tried < 25) fprintf(stderr, "\n  only %d rows of layers and rules were tried\n", tried);
 }
 
 /* key + "x": the loader's did-you-mean names the row's key, from the table's key list. */
@@ -517,6 +628,7 @@ int register_config_schema_suite(void) {
            !CU_add_test(s, "tables fit the key check, keys unique", test_tables_are_sound) ||
            !CU_add_test(s, "every loaded default is its row's", test_defaults_are_the_rows) ||
            !CU_add_test(s, "every key round-trips through config_to_yaml", test_every_key_round_trips) ||
+           !CU_add_test(s, "every row of a layer and a rule is read, written and compared", test_item_rows_are_used) ||
            !CU_add_test(s, "a value outside a row's range is refused naming key and range",
                         test_out_of_range_refused) ||
            !CU_add_test(s, "a misspelt key suggests the row's key", test_misspelt_keys_suggest_the_row) ||
