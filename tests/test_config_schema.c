@@ -145,7 +145,8 @@ static const char *keys_resume(const CfgTable *t, CfgResume inherit) {
 }
 
 /* Every row of t and of the tables under it says a default, its values with their type (an integer or a
- * number), and for a section what a resume does with the section's keys. */
+ * number), its meaning in a line (details go to the table's paragraph), and for a section what a resume does
+ * with the section's keys. */
 static int check_doc_rows(const char *doc, const CfgTable *t) {
     int bad = 0;
     for (int i = 0; i < t->n; i++) {
@@ -162,6 +163,7 @@ static int check_doc_rows(const char *doc, const CfgTable *t) {
             type_word = "number";
         const char *want_resume = row->type == CFG_T_SECTION ? keys_resume(row->sub, row->resume) : NULL;
         const char *why = !def[0]                                     ? "no default"
+                          : strlen(row->doc ? row->doc : "") > 250    ? "a meaning longer than a line (250 bytes)"
                           : type_word && !strstr(values, type_word)   ? "values without their type"
                           : want_resume && strcmp(resume, want_resume) ? "a resume class that is not its keys'"
                                                                        : NULL;
