@@ -417,12 +417,13 @@ static void test_tables_are_sound(void) { check_table(&CFG_ROOT); }
 /* A layer's and a rule's keys are loaded, written and compared by hand-written code (their defaults follow other
  * keys), so a row there is not used by itself: each scalar row must change the loaded item when given, come back
  * from config_to_yaml, and be refused on resume. A row the hand-written code forgets would be a key that is
- * accepted and silently ignored. */
+ * accepted and silently ignored. A misspelt key of the item is answered with the row's key. */
 typedef struct {
     const char *base[3];  /* overrides of MINIMAL that give the row an item it applies to */
     char set[200];        /* the override that gives the row its other value */
     size_t item;          /* offset of the item (a layer, rule 0) in Config */
     const char *fixed;    /* what a resume names */
+    const char *prefix;   /* the item's key path in an override, "model.layers.1." */
 } ItemCase;
 
 /* The case for row of t; false when it has none (a kind row, which changes the item's kind). */
@@ -447,11 +448,13 @@ static bool item_case(const CfgTable *t, int i, ItemCase *ic) {
         snprintf(ic->set, sizeof ic->set, "model.layers.1.%s=", row->key);
         ic->item = offsetof(Config, model.layers[1]);
         ic->fixed = "model.layers[1]";
+        ic->prefix = "model.layers.1.";
         return true;
     }
     bool quant = t == &CFG_QUANT_RULE_TABLE;
     ic->item = quant ? offsetof(Config, quant.rules[0]) : offsetof(Config, lora.rules[0]);
     ic->fixed = quant ? "quant.rules[0]" : "lora.rules[0]";
+    ic->prefix = quant ? "quant.rules.0." : "lora.rules.0.";
     ic->base[0] = !quant                                 ? "lora.rules=[{module_path: \".*\", rank: 2}]"
                   : row->kinds == 1u << QUANT_MODE_QAT ? "quant.mode=qat"
                   : row->kinds == 1u << QUANT_MODE_QT  ? "quant.mode=qt"
@@ -504,6 +507,13 @@ static void check_item_rows(const CfgTable *t, int *tried) {
         }
         if (!ok) fprintf(stderr, "\n  %s (%s) is not read, written or compared as its row says (%s)\n", r.path, set,
                          e.msg);
+        CU_ASSERT(ok);
+        /* and the key check's did-you-mean offers it */
+        char want[96];
+        snprintf(set, sizeof set, "%s%sx=1", ic.prefix, t->keys[i].key);
+        snprintf(want, sizeof want, "(did you mean '%s'?)", t->keys[i].key);
+        ok = load_case(c, &ic, set, &e) == QT_ERR_CONFIG && strstr(e.msg, want);
+        if (!ok) fprintf(stderr, "\n  %s: want '%s', got: %s\n", set, want, e.msg);
         CU_ASSERT(ok);
         free(yaml);
         (*tried)++;
