@@ -84,7 +84,7 @@ static void put_values(FILE *f, const CfgKey *row) {
 
 static void put_default(FILE *f, const CfgKey *row) {
     if (row->type == CFG_T_SECTION) {
-        fputs("its keys' (below)", f);
+        fputs("per key (below)", f);
         return;
     }
     if (row->doc_default) {
