@@ -112,6 +112,118 @@ static void test_doc_command(void) {
     test_tmpdir_remove(dir);
 }
 
+/* Cell `col` (0: key, 1: default, 2: values, 3: resume, 4: meaning) of the doc's row for `path`, trimmed; "" if
+ * there is no such row. */
+static void doc_cell(const char *doc, const char *path, int col, char *out, size_t size) {
+    char head[160];
+    snprintf(head, sizeof head, "| `%s` |", path);
+    const char *p = strstr(doc, head);
+    out[0] = '\0';
+    if (!p) return;
+    for (int c = 0; c < col; c++) {
+        p = strstr(p + 1, " | ");
+        if (!p) return;
+    }
+    p += 3;
+    size_t n = strcspn(p, "|\n");
+    while (n > 0 && p[n - 1] == ' ') n--;
+    snprintf(out, size, "%.*s", (int)n, p);
+}
+
+/* The class a resume gives every key of t (nested sections too), or NULL when they differ. */
+static const char *keys_resume(const CfgTable *t, CfgResume inherit) {
+    static const char *const names[] = {"free", "fixed", "reported"};
+    const char *name = NULL;
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        const char *r = row->type == CFG_T_SECTION ? keys_resume(row->sub, row->resume)
+                                                   : names[row->resume ? row->resume : inherit];
+        if (!r || (name && strcmp(name, r) != 0)) return NULL;
+        name = r;
+    }
+    return name;
+}
+
+/* Every row of t and of the tables under it says a default, its values with their type (an integer or a
+ * number), its meaning in a line (details go to the table's paragraph), and for a section what a resume does
+ * with the section's keys. */
+static int check_doc_rows(const char *doc, const CfgTable *t) {
+    int bad = 0;
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        char path[128], def[256], values[256], resume[64];
+        snprintf(path, sizeof path, "%s.%s", t->path, row->key);
+        doc_cell(doc, path, 1, def, sizeof def);
+        doc_cell(doc, path, 2, values, sizeof values);
+        doc_cell(doc, path, 3, resume, sizeof resume);
+        const char *type_word = NULL;
+        if (!row->doc_values && (row->type == CFG_T_INT || row->type == CFG_T_I64 || row->type == CFG_T_U64))
+            type_word = "integer";
+        if (!row->doc_values && (row->type == CFG_T_FLOAT || row->type == CFG_T_DOUBLE || row->type == CFG_T_FLOAT2))
+            type_word = "number";
+        const char *want_resume = row->type == CFG_T_SECTION ? keys_resume(row->sub, row->resume) : NULL;
+        const char *why = !def[0]                                     ? "no default"
+                          : strlen(row->doc ? row->doc : "") > 250    ? "a meaning longer than a line (250 bytes)"
+                          : type_word && !strstr(values, type_word)   ? "values without their type"
+                          : want_resume && strcmp(resume, want_resume) ? "a resume class that is not its keys'"
+                                                                       : NULL;
+        if (why) fprintf(stderr, "\n  docs: %s has %s: default '%s', values '%s', resume '%s'\n", path, why, def,
+                         values, resume);
+        bad += why != NULL;
+    }
+    for (int i = 0; i < t->n; i++)
+        if (t->keys[i].sub) bad += check_doc_rows(doc, t->keys[i].sub);
+    return bad;
+}
+
+static void test_doc_rows_say_enough(void) {
+    char *doc = config_doc_markdown();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(doc);
+    int bad = 0;
+    for (int i = 0; i < CFG_ROOT.n; i++) bad += check_doc_rows(doc, CFG_ROOT.keys[i].sub);
+    CU_ASSERT_EQUAL(bad, 0);
+    char cell[64];
+    doc_cell(doc, "train.optimizer", 3, cell, sizeof cell); /* its keys are all reported */
+    CU_ASSERT_STRING_EQUAL(cell, "reported");
+    doc_cell(doc, "train.epochs", 2, cell, sizeof cell);
+    CU_ASSERT_STRING_EQUAL(cell, "an integer in [0, 1000000]");
+    free(doc);
+}
+
+/* The defaults the doc writes out by hand for a rule's symmetric flags follow the format: every unsigned format
+ * that loads with an asymmetric default is named there. */
+static void test_doc_symmetric_defaults(void) {
+    char *doc = config_doc_markdown();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(doc);
+    Config *c = malloc(sizeof *c);
+    int checked = 0;
+    for (int i = 0; i < qtype_count(); i++) {
+        const QType *t = qtype_at(i);
+        if (t->kind != QTYPE_KIND_UINT) continue;
+        static const char *const keys[][2] = {{"weight_qtype", "symmetric"}, {"act_qtype", "act_symmetric"}};
+        for (int k = 0; k < 2; k++) {
+            char rules[200], def[256], path[64], want[32];
+            snprintf(rules, sizeof rules, "quant.rules=[{module_path: \".*\", %s%s: %s}]",
+                     k ? "weight_qtype: int8, " : "", keys[k][0], qtype_name(t));
+            const char *ov[] = {"quant.mode=ptq", rules};
+            QtError e = {0};
+            if (config_load_string(c, MINIMAL, "t.yaml", ov, 2, &e) != QT_OK) continue; /* not a format here */
+            bool symmetric = k == 0 ? c->quant.rules[0].spec.symmetric : c->quant.rules[0].spec.act_symmetric;
+            snprintf(path, sizeof path, "quant.rules[].%s", keys[k][1]);
+            snprintf(want, sizeof want, "`%s`", qtype_name(t));
+            doc_cell(doc, path, 1, def, sizeof def);
+            bool ok = symmetric || strstr(def, want);
+            if (!ok) fprintf(stderr, "\n  docs: %s's default '%s' does not name %s, which defaults to false\n", path,
+                             def, want);
+            CU_ASSERT(ok);
+            checked++;
+        }
+    }
+    CU_ASSERT(checked >= 4);
+    free(c);
+    free(doc);
+}
+
 /* ---- values a row takes ---------------------------------------------------------------------------------------- */
 
 /* --set overrides that another key needs: the row's kind (the first it applies to) and keys it depends on;
@@ -266,16 +378,159 @@ static void test_every_key_round_trips(void) {
     free(back);
 }
 
-/* Every table fits the key check's 32-bit mask, and its keys are unique. */
+/* The size of the field a scalar row's type reads and writes; 0 for a row without one of fixed size. */
+static size_t type_size(CfgType type) {
+    switch (type) {
+    case CFG_T_BOOL: return sizeof(bool);
+    case CFG_T_INT: return sizeof(int);
+    case CFG_T_I64: return sizeof(int64_t);
+    case CFG_T_U64: return sizeof(uint64_t);
+    case CFG_T_FLOAT:
+    case CFG_T_FLOAT2: return sizeof(float);
+    case CFG_T_DOUBLE: return sizeof(double);
+    default: return 0;
+    }
+}
+
+/* Every table fits the key check's 32-bit mask, and its keys are unique. A row declared with its field (size
+ * set) has the field its type reads; a string's buffer and an enum's name buffer hold every valid name. */
 static void check_table(const CfgTable *t) {
     CU_ASSERT(t->n > 0 && t->n <= 32);
     for (int i = 0; i < t->n; i++) {
-        for (int j = 0; j < i; j++) CU_ASSERT(strcmp(t->keys[i].key, t->keys[j].key) != 0);
-        if (t->keys[i].sub) check_table(t->keys[i].sub);
+        const CfgKey *row = &t->keys[i];
+        for (int j = 0; j < i; j++) CU_ASSERT(strcmp(row->key, t->keys[j].key) != 0);
+        bool ok = true;
+        if (type_size(row->type) && row->size) ok = row->size == type_size(row->type);
+        if (row->type == CFG_T_STR || row->type == CFG_T_PATH || row->type == CFG_T_NAME) ok = row->size > 1;
+        for (int k = 0; (row->type == CFG_T_ENUM || row->type == CFG_T_NAME) && k < row->n_names; k++)
+            ok = ok && row->size > strlen(row->name_of(k));
+        if (!ok) fprintf(stderr, "\n  %s.%s: its size %zu does not fit its type\n", t->path, row->key, row->size);
+        CU_ASSERT(ok);
+        if (row->sub) check_table(row->sub);
     }
 }
 
 static void test_tables_are_sound(void) { check_table(&CFG_ROOT); }
+
+/* ---- the rows of a layer and of a rule ------------------------------------------------------------------------- */
+
+/* A layer's and a rule's keys are loaded, written and compared by hand-written code (their defaults follow other
+ * keys), so a row there is not used by itself: each scalar row must change the loaded item when given, come back
+ * from config_to_yaml, and be refused on resume. A row the hand-written code forgets would be a key that is
+ * accepted and silently ignored. A misspelt key of the item is answered with the row's key. */
+typedef struct {
+    const char *base[3];  /* overrides of MINIMAL that give the row an item it applies to */
+    char set[200];        /* the override that gives the row its other value */
+    size_t item;          /* offset of the item (a layer, rule 0) in Config */
+    const char *fixed;    /* what a resume names */
+    const char *prefix;   /* the item's key path in an override, "model.layers.1." */
+} ItemCase;
+
+/* The case for row of t; false when it has none (a kind row, which changes the item's kind). */
+static bool item_case(const CfgTable *t, int i, ItemCase *ic) {
+    const CfgKey *row = &t->keys[i];
+    memset(ic, 0, sizeof *ic);
+    if (row->type == CFG_T_PART || i == t->kind_key) return false;
+    if (t == &CFG_LAYER_TABLE) {
+        /* the first layer type the row applies to, as layer 1 of a model whose shapes chain */
+        static const char *const models[LAYER_COUNT] = {
+            [LAYER_DENSE] = "model.layers=[{type: flatten}, {type: dense, units: 3}]",
+            [LAYER_CONV2D] = "model.layers=[{type: relu}, {type: conv2d, out_channels: 2, kernel: 2}]",
+            [LAYER_MAXPOOL2D] = "model.layers=[{type: relu}, {type: maxpool2d, kernel: 2}, {type: flatten}]",
+            [LAYER_DROPOUT] = "model.layers=[{type: flatten}, {type: dropout}]",
+            [LAYER_LAYERNORM] = "model.layers=[{type: flatten}, {type: layernorm}]",
+        };
+        int k = 0;
+        while (row->kinds && !(row->kinds & (1u << k))) k++;
+        ic->base[0] = models[k];
+        if (!ic->base[0]) return false;
+        if (strcmp(row->key, "init_std") == 0) ic->base[1] = "model.layers.1.init=normal";
+        snprintf(ic->set, sizeof ic->set, "model.layers.1.%s=", row->key);
+        ic->item = offsetof(Config, model.layers[1]);
+        ic->fixed = "model.layers[1]";
+        ic->prefix = "model.layers.1.";
+        return true;
+    }
+    bool quant = t == &CFG_QUANT_RULE_TABLE;
+    ic->item = quant ? offsetof(Config, quant.rules[0]) : offsetof(Config, lora.rules[0]);
+    ic->fixed = quant ? "quant.rules[0]" : "lora.rules[0]";
+    ic->prefix = quant ? "quant.rules.0." : "lora.rules.0.";
+    ic->base[0] = !quant                                 ? "lora.rules=[{module_path: \".*\", rank: 2}]"
+                  : row->kinds == 1u << QUANT_MODE_QAT ? "quant.mode=qat"
+                  : row->kinds == 1u << QUANT_MODE_QT  ? "quant.mode=qt"
+                                                        : "quant.mode=ptq";
+    if (quant) ic->base[1] = "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: int8}]";
+    if (strcmp(row->key, "skip") == 0) /* a skip rule takes no other key */
+        snprintf(ic->set, sizeof ic->set, "%s.rules=[{module_path: \".*\", skip: true}]#", quant ? "quant" : "lora");
+    else
+        snprintf(ic->set, sizeof ic->set, "%s.rules.0.%s=", quant ? "quant" : "lora", row->key);
+    return true;
+}
+
+static QtStatus load_case(Config *c, const ItemCase *ic, const char *set, QtError *e) {
+    const char *ov[4];
+    int n = 0;
+    for (int i = 0; i < 3 && ic->base[i]; i++) ov[n++] = ic->base[i];
+    if (set) ov[n++] = set;
+    return config_load_string(c, MINIMAL, "t.yaml", ov, n, e);
+}
+
+static void check_item_rows(const CfgTable *t, int *tried) {
+    Config *base = malloc(sizeof *base), *c = malloc(sizeof *c), *back = malloc(sizeof *back);
+    for (int i = 0; i < t->n; i++) {
+        ItemCase ic;
+        if (!item_case(t, i, &ic)) continue;
+        Row r = {.table = t, .row = &t->keys[i], .offset = ic.item};
+        snprintf(r.path, sizeof r.path, "%s.%s", t->path, t->keys[i].key);
+        QtError e = {0};
+        char value[96], set[300], fixed[128], changed[512];
+        bool ok = load_case(base, &ic, NULL, &e) == QT_OK;
+        other_value(&r, base, value, sizeof value);
+        if (ic.set[strlen(ic.set) - 1] == '#') snprintf(set, sizeof set, "%.*s", (int)strlen(ic.set) - 1, ic.set);
+        else snprintf(set, sizeof set, "%s%s", ic.set, value);
+        ok = ok && load_case(c, &ic, set, &e) == QT_OK && !field_equal(&r, c, base);
+        char *yaml = ok ? config_to_yaml(c) : NULL;
+        ok = ok && yaml && config_load_string(back, yaml, "resolved", NULL, 0, &e) == QT_OK;
+        if (ok) {
+            cfg_set_str(back->source, sizeof back->source, c->source);
+            for (int j = 0; j < c->quant.n_rules; j++) { /* where a rule was read differs, and only that */
+                RuleMatch *m = &back->quant.rules[j].match;
+                memcpy(m->where, c->quant.rules[j].match.where, sizeof m->where);
+            }
+            for (int j = 0; j < c->lora.n_rules; j++) {
+                RuleMatch *m = &back->lora.rules[j].match;
+                memcpy(m->where, c->lora.rules[j].match.where, sizeof m->where);
+            }
+            ok = memcmp(c, back, sizeof *c) == 0;
+            config_diff_for_resume(base, c, fixed, sizeof fixed, changed, sizeof changed);
+            ok = ok && strcmp(fixed, ic.fixed) == 0;
+        }
+        if (!ok) fprintf(stderr, "\n  %s (%s) is not read, written or compared as its row says (%s)\n", r.path, set,
+                         e.msg);
+        CU_ASSERT(ok);
+        /* and the key check's did-you-mean offers it */
+        char want[96];
+        snprintf(set, sizeof set, "%s%sx=1", ic.prefix, t->keys[i].key);
+        snprintf(want, sizeof want, "(did you mean '%s'?)", t->keys[i].key);
+        ok = load_case(c, &ic, set, &e) == QT_ERR_CONFIG && strstr(e.msg, want);
+        if (!ok) fprintf(stderr, "\n  %s: want '%s', got: %s\n", set, want, e.msg);
+        CU_ASSERT(ok);
+        free(yaml);
+        (*tried)++;
+    }
+    free(base);
+    free(c);
+    free(back);
+}
+
+static void test_item_rows_are_used(void) {
+    int tried = 0;
+    check_item_rows(&CFG_LAYER_TABLE, &tried);
+    check_item_rows(&CFG_QUANT_RULE_TABLE, &tried);
+    check_item_rows(&CFG_LORA_RULE_TABLE, &tried);
+    CU_ASSERT(tried >= 25);
+    if (tried < 25) fprintf(stderr, "\n  only %d rows of layers and rules were tried\n", tried);
+}
 
 /* ---- errors ----------------------------------------------------------------------------------------------------- */
 
@@ -325,6 +580,7 @@ static void test_out_of_range_refused(void) {
         }
     }
     CU_ASSERT(tried >= 25);
+    if (tried < 25) fprintf(stderr, "\n  only %d rows of layers and rules were tried\n", tried);
 }
 
 /* key + "x": the loader's did-you-mean names the row's key, from the table's key list. */
@@ -378,9 +634,13 @@ int register_config_schema_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "docs/CONFIG.md is config --doc's output", test_doc_matches_file) ||
            !CU_add_test(s, "config --doc through the binary lists every key", test_doc_command) ||
+           !CU_add_test(s, "every doc row says its default, its values' type, a section's resume class",
+                        test_doc_rows_say_enough) ||
+           !CU_add_test(s, "the doc's symmetric defaults name every unsigned format", test_doc_symmetric_defaults) ||
            !CU_add_test(s, "tables fit the key check, keys unique", test_tables_are_sound) ||
            !CU_add_test(s, "every loaded default is its row's", test_defaults_are_the_rows) ||
            !CU_add_test(s, "every key round-trips through config_to_yaml", test_every_key_round_trips) ||
+           !CU_add_test(s, "every row of a layer and a rule is read, written and compared", test_item_rows_are_used) ||
            !CU_add_test(s, "a value outside a row's range is refused naming key and range",
                         test_out_of_range_refused) ||
            !CU_add_test(s, "a misspelt key suggests the row's key", test_misspelt_keys_suggest_the_row) ||

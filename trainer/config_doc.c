@@ -39,15 +39,17 @@ static const char INTRO[] =
     "(the run no longer matches an uninterrupted one); *free* keys may change\n"
     "without a word.\n";
 
+/* The values say their type: "≥ 0" alone leaves open whether 2.5 is taken. */
 static void put_int_range(FILE *f, int64_t lo, int64_t hi) {
-    if (hi == INT64_MAX || hi == INT_MAX) fprintf(f, "≥ %" PRId64, lo);
-    else fprintf(f, "[%" PRId64 ", %" PRId64 "]", lo, hi);
+    if (hi == INT64_MAX || hi == INT_MAX) fprintf(f, "an integer ≥ %" PRId64, lo);
+    else fprintf(f, "an integer in [%" PRId64 ", %" PRId64 "]", lo, hi);
 }
 
-static void put_range(FILE *f, CfgRange r) {
-    if (isinf(r.lo) && isinf(r.hi)) fputs("any finite number", f);
-    else if (isinf(r.hi)) fprintf(f, "%s %g", r.lo_open ? ">" : "≥", r.lo);
-    else fprintf(f, "%c%g, %g%c", r.lo_open ? '(' : '[', r.lo, r.hi, r.hi_open ? ')' : ']');
+/* " ≥ 0", " > 0", " in [0, 1)"; nothing without bounds. */
+static void put_bounds(FILE *f, CfgRange r) {
+    if (isinf(r.lo) && isinf(r.hi)) return;
+    if (isinf(r.hi)) fprintf(f, " %s %g", r.lo_open ? ">" : "≥", r.lo);
+    else fprintf(f, " in %c%g, %g%c", r.lo_open ? '(' : '[', r.lo, r.hi, r.hi_open ? ')' : ']');
 }
 
 static void put_values(FILE *f, const CfgKey *row) {
@@ -61,12 +63,15 @@ static void put_values(FILE *f, const CfgKey *row) {
     case CFG_T_BOOL: fputs("true, false", f); break;
     case CFG_T_INT:
     case CFG_T_I64: put_int_range(f, row->imin, row->imax); break;
-    case CFG_T_U64: fputs("[0, 2^64 − 1]", f); break;
+    case CFG_T_U64: fputs("an integer in [0, 2^64 − 1]", f); break;
     case CFG_T_FLOAT:
-    case CFG_T_DOUBLE: put_range(f, row->range); break;
+    case CFG_T_DOUBLE:
+        fputs(isinf(row->range.lo) && isinf(row->range.hi) ? "any finite number" : "a number", f);
+        put_bounds(f, row->range);
+        break;
     case CFG_T_FLOAT2:
-        fputs("two numbers, each ", f);
-        put_range(f, row->range);
+        fputs("two numbers, each", f);
+        put_bounds(f, row->range);
         break;
     case CFG_T_ENUM:
     case CFG_T_NAME:
@@ -78,6 +83,10 @@ static void put_values(FILE *f, const CfgKey *row) {
 }
 
 static void put_default(FILE *f, const CfgKey *row) {
+    if (row->type == CFG_T_SECTION) {
+        fputs("per key (below)", f);
+        return;
+    }
     if (row->doc_default) {
         fputs(row->doc_default, f);
         return;
@@ -114,19 +123,35 @@ static void put_kinds(FILE *f, const CfgTable *t, const CfgKey *row) {
     fputs(" only.* ", f);
 }
 
+static const char *const RESUME_NAMES[] = {"free", "fixed", "reported"};
+
+/* What a resume does with a section's keys: theirs when they agree, else "per key". A section row's own
+ * class is not a key's: train.optimizer's keys are reported, not free. */
+static const char *section_resume(const CfgTable *t, CfgResume inherit) {
+    const char *name = NULL;
+    for (int i = 0; i < t->n; i++) {
+        const CfgKey *row = &t->keys[i];
+        const char *r = row->type == CFG_T_SECTION ? section_resume(row->sub, row->resume)
+                                                   : RESUME_NAMES[row->resume ? row->resume : inherit];
+        if (name && strcmp(name, r) != 0) return "per key";
+        name = r;
+    }
+    return name ? name : RESUME_NAMES[inherit];
+}
+
 /* inherit: what a resume does with the list whose items t describes (their keys alike). */
 static void put_table(FILE *f, const CfgTable *t, CfgResume inherit) {
     fprintf(f, "\n## %s\n\n", t->path);
     if (t->doc) fprintf(f, "%s\n\n", t->doc);
     fputs("| key | default | values | resume | meaning |\n| --- | --- | --- | --- | --- |\n", f);
-    static const char *const resume[] = {"free", "fixed", "reported"};
     for (int i = 0; i < t->n; i++) {
         const CfgKey *row = &t->keys[i];
         fprintf(f, "| `%s.%s` | ", t->path, row->key);
         put_default(f, row);
         fputs(" | ", f);
         put_values(f, row);
-        fprintf(f, " | %s | ", resume[row->resume ? row->resume : inherit]);
+        fprintf(f, " | %s | ", row->type == CFG_T_SECTION ? section_resume(row->sub, row->resume)
+                                                          : RESUME_NAMES[row->resume ? row->resume : inherit]);
         put_kinds(f, t, row);
         fprintf(f, "%s |\n", row->doc ? row->doc : "");
     }
