@@ -131,58 +131,16 @@ static qtrain_status run_fail(qtrain_run **out, const QtError *e, QtStatus st) {
     return api_fail(e, st);
 }
 
-/* What every checkpoint records of the run, once its model is final (train.c's
- * run_dir_note, without a run directory): the resolved config and, for a
- * LoRA run, lora.trainable and the base identity. run_free frees them. */
-static QtStatus run_note(Run *r, QtError *err) {
-    RunDir *d = &r->dir;
-    d->config_text = config_to_yaml(r->cfg);
-    if (!d->config_text) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing the resolved config");
-    if (!config_has_lora(r->cfg)) return QT_OK;
-    const LoraConfig *l = &r->cfg->lora;
-    d->lora_trainable = calloc((size_t)l->n_trainable + 1, MODULE_NAME_MAX + 1);
-    if (!d->lora_trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < l->n_trainable; i++) {
-        if (i) strcat(d->lora_trainable, ",");
-        strcat(d->lora_trainable, l->trainable[i]);
-    }
-    CheckpointNet parts = net_checkpoint_parts(&r->model.net);
-    return checkpoint_base_sha256(&r->model.net.model, &parts, d->base_sha256, err);
-}
-
 qtrain_status qtrain_run_new(qtrain_run **run, const qtrain_config *cfg) {
     qtrain_status s = run_new(run, cfg);
     if (s != QTRAIN_OK) return s;
     Run *r = &(*run)->run;
     QtError e = {0};
     QtStatus st = run_prepare(r, true, &e);
-    if (st == QT_OK) st = run_note(r, &e);
+    if (st == QT_OK) st = run_dir_note(r, &e);
     if (st != QT_OK) return run_fail(run, &e, st);
     net_print_unused_rules(&r->model.net, stderr); /* a rule that applies nowhere is a likely typo */
     return QTRAIN_OK;
-}
-
-/* What a checkpoint holds besides parameters and optimizer state (train.c's
- * run_checkpoint_state), for a file the caller names. */
-static CheckpointState run_state(Run *r) {
-    CheckpointState s = {
-        .step = r->plan.step, .epochs_done = r->plan.step / r->plan.steps_per_epoch, .epoch = r->plan.batcher.epoch,
-        .cursor = r->plan.batcher.cursor, .seed = r->cfg->run.seed,
-        .n_train = r->data.train.n, .log_loss_sum = r->log.win_loss_sum, .log_correct = r->log.win_correct,
-        .log_seen = r->log.win_seen, .log_steps = r->log.win_steps, .train_s = r->clock.train_s,
-        .wall_s = r->clock.wall_before + metrics_now() - r->clock.t_start,
-        .trained_examples = r->clock.trained_examples,
-        .last_train_loss = r->log.last_train_loss, .nonfinite_skipped = r->guards.nonfinite_skipped,
-        .nonfinite_streak = r->guards.nonfinite_streak,
-        .loss_watch = r->guards.loss_watch, .n_rngs = 1, .config_text = r->dir.config_text,
-        .net = net_checkpoint_parts(&r->model.net),
-        .base_sha256 = r->dir.base_sha256[0] ? r->dir.base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
-        .lora_trainable = r->dir.lora_trainable, .mode = net_mode_name(&r->model.net),
-        .replace = FS_REPLACE_REGULAR,
-    };
-    s.rngs[0].name = "dropout";
-    s.rngs[0].rng = &r->work.dropout;
-    return s;
 }
 
 qtrain_status qtrain_run_load(qtrain_run **run, const qtrain_config *cfg, const char *checkpoint) {
@@ -193,25 +151,14 @@ qtrain_status qtrain_run_load(qtrain_run **run, const qtrain_config *cfg, const 
     QtError e = {0};
     QtStatus st = run_prepare(r, false, &e);
     if (st != QT_OK) return run_fail(run, &e, st);
-    CheckpointState cs = run_state(r);
-    if ((st = checkpoint_load(checkpoint, &r->model.net.model, &r->model.optim, &cs, &e)) != QT_OK)
+    if ((st = run_restore(r, checkpoint, &e)) != QT_OK) {
+        /* The usual cause here: a config other than the one the run was trained with. */
+        if (st == QT_ERR_CONFIG)
+            snprintf(e.msg + strlen(e.msg), sizeof e.msg - strlen(e.msg),
+                     "; or load it with the config it was trained with (qtrain_config_from_checkpoint)");
         return run_fail(run, &e, st);
-    if (cs.n_train != r->data.train.n || cs.step > r->plan.total_steps || cs.cursor > r->data.train.n)
-        return run_fail(run, &e, qt_error_set(&e, QT_ERR_CONFIG, "cannot continue %s with this config: it is at step "
-                                              "%lld, trained on %lld examples, and the config plans %lld steps over "
-                                              "%d; load it with the config it was trained with "
-                                              "(qtrain_config_from_checkpoint)", checkpoint, (long long)cs.step,
-                                              (long long)cs.n_train, (long long)r->plan.total_steps, r->data.train.n));
-    /* train.c's run_resume_from, without the run directory */
-    if ((st = batcher_seek(&r->plan.batcher, cs.epoch, (int)cs.cursor, &e)) != QT_OK) return run_fail(run, &e, st);
-    r->plan.step = r->dir.saved_step = cs.step;
-    r->log.win_loss_sum = cs.log_loss_sum;
-    r->log.win_correct = cs.log_correct, r->log.win_seen = cs.log_seen, r->log.win_steps = cs.log_steps;
-    r->clock.train_s = cs.train_s, r->clock.wall_before = cs.wall_s;
-    r->clock.trained_examples = cs.trained_examples, r->log.last_train_loss = cs.last_train_loss;
-    r->guards.nonfinite_skipped = cs.nonfinite_skipped, r->guards.nonfinite_streak = cs.nonfinite_streak;
-    r->guards.loss_watch = cs.loss_watch;
-    if ((st = run_note(r, &e)) != QT_OK) return run_fail(run, &e, st);
+    }
+    if ((st = run_dir_note(r, &e)) != QT_OK) return run_fail(run, &e, st);
     return QTRAIN_OK;
 }
 
@@ -296,7 +243,8 @@ qtrain_status qtrain_run_save(qtrain_run *run, const char *path) {
     if (!run || !path) return api_fail_msg(QT_ERR_ARG, "qtrain_run_save: the run or path is NULL");
     Run *r = &run->run;
     QtError e = {0};
-    CheckpointState s = run_state(r);
+    CheckpointState s = run_checkpoint_state(r);
+    s.replace = FS_REPLACE_REGULAR; /* a path the caller names: only ever over a regular file */
     QtStatus st = checkpoint_save(path, &r->model.net.model, &r->model.optim, &s, &e);
     if (st != QT_OK) return api_fail(&e, st);
     r->dir.saved_step = r->plan.step;

@@ -164,6 +164,19 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
                           QtError *err);
 /* res from the run's totals over all its invocations and the net's sizes. */
 void run_fill_result(const Run *r, TrainResult *res);
+/* What a checkpoint holds besides parameters and optimizer state, pointing
+ * into r (a load fills r's parts through it). */
+CheckpointState run_checkpoint_state(Run *r);
+/* After run_prepare(r, false): loads the checkpoint at path and restores
+ * everything that decides the rest of the run (step, data position, the log
+ * window, clock totals, guards, dropout stream); refuses one trained on
+ * other data or past r's plan. The library API continues a run with it. */
+QtStatus run_restore(Run *r, const char *path, QtError *err);
+/* What every checkpoint records of the run, once its model is final
+ * (loaded, quantized or resumed): the resolved config and, for a LoRA run,
+ * lora.trainable and the base identity (adapters.h5 records them too).
+ * Needs no run directory: the library API calls it too. */
+QtStatus run_dir_note(Run *r, QtError *err);
 
 /* train_dirs.c: makes run.out_dir with its parents (created: the topmost
  * directory made, "" if none) and takes its lock, before anything in it is

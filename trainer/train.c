@@ -186,7 +186,7 @@ QtStatus run_alloc(Run *r, QtError *err) {
     return tape_init(&r->work.tape, &r->work.arena, &r->work.dropout, err);
 }
 
-static CheckpointState run_checkpoint_state(Run *r) {
+CheckpointState run_checkpoint_state(Run *r) {
     CheckpointState s = {
         .step = r->plan.step, .epochs_done = r->plan.step / r->plan.steps_per_epoch, .epoch = r->plan.batcher.epoch,
         .cursor = r->plan.batcher.cursor, .seed = r->cfg->run.seed,
@@ -238,7 +238,7 @@ static QtStatus run_check_resume_config(Run *r, const char *path, QtError *err) 
 }
 
 /* Restores everything that decides the rest of the run from `path`. */
-static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
+QtStatus run_restore(Run *r, const char *path, QtError *err) {
     CheckpointState s = run_checkpoint_state(r);
     QtStatus st = checkpoint_load(path, &r->model.net.model, &r->model.optim, &s, err);
     if (st != QT_OK) return st;
@@ -252,9 +252,6 @@ static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
                             "cannot resume from %s: it is at step %" PRId64 ", beyond this config's %" PRId64
                             " training steps; raise train.steps or train.epochs",
                             path, s.step, r->plan.total_steps);
-    if (r->opt->stop_at_step > 0 && r->opt->stop_at_step < s.step)
-        return qt_error_set(err, QT_ERR_ARG, "--stop-at-step %" PRId64 " is before step %" PRId64 " of %s",
-                            r->opt->stop_at_step, s.step, path);
     if (s.cursor > r->data.train.n) /* checked here: the int batcher_seek takes would wrap a larger one */
         return qt_error_set(err, QT_ERR_FORMAT,
                             "cannot resume from %s: its data position (cursor %" PRId64 ") is past the %d training "
@@ -268,6 +265,16 @@ static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
     r->clock.trained_examples = s.trained_examples, r->log.last_train_loss = s.last_train_loss;
     r->guards.nonfinite_skipped = s.nonfinite_skipped, r->guards.nonfinite_streak = s.nonfinite_streak;
     r->guards.loss_watch = s.loss_watch;
+    return QT_OK;
+}
+
+/* run_restore, and whether the run it continues is already complete. */
+static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
+    QtStatus st = run_restore(r, path, err);
+    if (st != QT_OK) return st;
+    if (r->opt->stop_at_step > 0 && r->opt->stop_at_step < r->plan.step)
+        return qt_error_set(err, QT_ERR_ARG, "--stop-at-step %" PRId64 " is before step %" PRId64 " of %s",
+                            r->opt->stop_at_step, r->plan.step, path);
     /* Complete once summary.json is written: a run stopped after its last
      * step (a signal, or a crash during the final save) still owes its final
      * evaluation, final.h5 and summary.json. */
@@ -662,10 +669,7 @@ QtStatus run_prepare(Run *r, bool fresh, QtError *err) {
     return fresh ? run_calibrate(r, err) : QT_OK;
 }
 
-/* What every checkpoint records of the run, once its model is final
- * (loaded, quantized or resumed): the resolved config and, for a LoRA run,
- * lora.trainable and the base identity (adapters.h5 records them too). */
-static QtStatus run_dir_note(Run *r, QtError *err) {
+QtStatus run_dir_note(Run *r, QtError *err) {
     RunDir *d = &r->dir;
     d->config_text = config_to_yaml(r->cfg);
     if (!d->config_text) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing the resolved config");
