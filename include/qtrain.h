@@ -9,7 +9,7 @@
  * THE IDEA
  *
  * A run is described by a config: the same YAML file the qtrain command
- * reads (README.md lists every key). The config says which data, which
+ * reads (docs/CONFIG.md lists every key). The config says which data, which
  * model, how to train, and two sets of rules that pick modules by path or
  * type:
  *   quant.rules  how each layer is quantized (quant.mode ptq: a frozen
@@ -213,7 +213,7 @@ qtrain_status qtrain_evaluate_checkpoint(const qtrain_config *cfg, const char *c
 /* Writes a complete checkpoint of the run to path (new, or a regular file
  * it replaces; atomically: a crash or a full disk never leaves half a
  * file): everything qtrain_run_load and `qtrain train --resume`, `eval`,
- * `merge`, `convert` and `inspect` read (README.md: checkpoint format). */
+ * `merge`, `convert` and `inspect` read (docs/CHECKPOINT.md). */
 qtrain_status qtrain_run_save(qtrain_run *run, const char *path);
 
 /* Frees the run (NULL does nothing). */

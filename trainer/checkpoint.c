@@ -298,7 +298,7 @@ static QtStatus check_dataset(const H5ioFile *f, const char *ds, const char *wha
                             f->path, against, what, want, ds, hint);
     if (k == H5IO_OTHER)
         return qt_error_set(err, QT_ERR_FORMAT, "%s: /%s (%s) is a soft or external link, which qtrain does not "
-                            "follow (see SECURITY in the README)", f->path, ds, what);
+                            "follow (see docs/SECURITY.md)", f->path, ds, what);
     if (k != H5IO_DATASET)
         return qt_error_set(err, QT_ERR_FORMAT, "%s does not match %s: /%s (%s) is not a dataset%s", f->path, against,
                             ds, what, hint);

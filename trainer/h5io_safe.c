@@ -1,7 +1,7 @@
 /* h5io_safe.c - what h5io checks before it reads from an untrusted file:
  * a dataset's storage (h5io_check_storage) and variable-length strings,
- * read in a child process (h5io_attr_read_vlen). See SECURITY in the
- * README for what is refused and why. */
+ * read in a child process (h5io_attr_read_vlen). See
+ * docs/SECURITY.md for what is refused and why. */
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
@@ -51,7 +51,7 @@ static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const 
     va_end(ap);
     char shown[QT_CLIP_BUF];
     return qt_error_set(err, QT_ERR_FORMAT, "%s: refusing dataset /%s: %s (checkpoints and adapter files are "
-                        "untrusted input: see SECURITY in the README)", h5io_fname(f),
+                        "untrusted input: see docs/SECURITY.md)", h5io_fname(f),
                         qt_clip(h5io_show(path), shown), why);
 }
 
