@@ -141,6 +141,15 @@ static void test_choice_follows_sizes(void) {
     CU_ASSERT_EQUAL(choose(4, 32, 14, 14, 64, 3, 1, 1, 200), CONV_LR_GRAD_FULL);
 }
 
+/* The input x and weight w of case k on e's tape, and its adapter (A, B, scale 1). */
+static ConvLowRank lr_vars(TestEnv *e, const LrCase *k, LrData *D, Var **x, Var **w) {
+    *x = test_var(e, D->x, 4, (const int[]){k->N, k->C, k->H, k->W}, true);
+    *w = test_var(e, D->w, 4, (const int[]){k->OC, k->C, k->K, k->K}, false);
+    Var *A = test_var(e, D->A, 4, (const int[]){k->rank, k->C, k->K, k->K}, true);
+    Var *B = test_var(e, D->B, 4, (const int[]){k->OC, k->rank, 1, 1}, true);
+    return (ConvLowRank){A, B, 1.0f};
+}
+
 /* nn_conv2d_fused_lowrank records the chosen route, a forced route is
  * recorded as forced, and the plain convolution records none. */
 static void test_routes_recorded(void) {
@@ -150,11 +159,8 @@ static void test_routes_recorded(void) {
     LrResult R;
     TestEnv e;
     test_env_init(&e, 1);
-    Var *x = test_var(&e, D.x, 4, (const int[]){k->N, k->C, k->H, k->W}, true);
-    Var *w = test_var(&e, D.w, 4, (const int[]){k->OC, k->C, k->K, k->K}, false);
-    Var *A = test_var(&e, D.A, 4, (const int[]){k->rank, k->C, k->K, k->K}, true);
-    Var *B = test_var(&e, D.B, 4, (const int[]){k->OC, k->rank, 1, 1}, true);
-    ConvLowRank lr = {A, B, 1.0f};
+    Var *x, *w;
+    ConvLowRank lr = lr_vars(&e, k, &D, &x, &w);
     CU_ASSERT_PTR_NOT_NULL_FATAL(nn_conv2d_fused_lowrank(&e.tape, x, w, NULL, &lr, 1, 1, CONV_EPI_RELU));
     CU_ASSERT_EQUAL(conv_lowrank_node_grad(&e.tape.nodes[e.tape.n_nodes - 1]), CONV_LR_GRAD_DTCOL);
     CU_ASSERT_PTR_NOT_NULL_FATAL(nn_conv2d_fused(&e.tape, x, w, NULL, 1, 1, CONV_EPI_RELU));
@@ -175,11 +181,8 @@ static void test_dtcol_needs_same_geometry(void) {
     lr_data_init(&D, k, 12);
     TestEnv e;
     test_env_init(&e, 1);
-    Var *x = test_var(&e, D.x, 4, (const int[]){k->N, k->C, k->H, k->W}, true);
-    Var *w = test_var(&e, D.w, 4, (const int[]){k->OC, k->C, k->K, k->K}, false);
-    Var *A = test_var(&e, D.A, 4, (const int[]){k->rank, k->C, k->K, k->K}, true);
-    Var *B = test_var(&e, D.B, 4, (const int[]){k->OC, k->rank, 1, 1}, true);
-    ConvLowRank lr = {A, B, 1.0f};
+    Var *x, *w;
+    ConvLowRank lr = lr_vars(&e, k, &D, &x, &w);
     CU_ASSERT_PTR_NULL(conv2d_lowrank_with_grad(&e.tape, x, w, NULL, &lr, k->stride, k->padding, CONV_EPI_NONE,
                                                 CONV_LR_GRAD_DTCOL));
     CU_ASSERT_EQUAL(e.tape.err.status, QT_ERR_ARG);
