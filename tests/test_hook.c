@@ -91,6 +91,34 @@ static void test_net_sets_and_order(void) {
     free(c);
 }
 
+/* The module table names each module's layer by its kind: a qt model's modules train quantized, not float. */
+static void test_table_describes_every_kind(void) {
+    static const struct {
+        const char *config, *want;
+    } cases[] = {
+        {"tests/configs/tiny-qlora.yaml", "[1] nf4"},
+        {"tests/configs/tiny-qat.yaml", "[1] qat int4"},
+        {"tests/configs/tiny-qt.yaml", "[0] qt int8 per-channel, act int8, bwd int8 sr"},
+    };
+    Config *c = malloc(sizeof *c);
+    CU_ASSERT_FATAL(c != NULL);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        Net *n = build(cases[i].config, NULL, 0, c);
+        char *text = NULL;
+        size_t len = 0;
+        FILE *out = open_memstream(&text, &len);
+        CU_ASSERT_FATAL(out != NULL);
+        net_print_table(n, out);
+        fclose(out);
+        CU_ASSERT_PTR_NOT_NULL(strstr(text, cases[i].want));
+        CU_ASSERT_PTR_NULL(strstr(text, "weight_qtype none")); /* every rule of these sets a weight_qtype */
+        if (!strstr(text, cases[i].want) || strstr(text, "weight_qtype none")) fprintf(stderr, "\n%s", text);
+        free(text);
+        net_free(n);
+    }
+    free(c);
+}
+
 /* ---- a toy kind: a gain per module, kept as an attribute of /toy/<module> ---- */
 
 typedef struct {
@@ -173,6 +201,8 @@ int hook_tests_add(CU_pSuite s) {
     return !CU_add_test(s, "hook kinds: every kind has the required entries", test_kinds_complete) ||
            !CU_add_test(s, "hook layers: a set per kind, adapters over the base, parameter order",
                         test_net_sets_and_order) ||
+           !CU_add_test(s, "hook layers: the module table describes every kind's layers",
+                        test_table_describes_every_kind) ||
            !CU_add_test(s, "hook layers: a new kind is saved, staged and restored unnamed",
                         test_new_kind_through_checkpoints);
 }

@@ -108,6 +108,35 @@ static void test_qat_lora(void) {
     const Param *h = model_find_param(&a.model, "head/weight"), *h0 = model_find_param(&base.model, "head/weight");
     CU_ASSERT(memcmp(h->var.value.data, h0->var.value.data, var_numel(&h->var) * sizeof(float)) != 0);
     CU_ASSERT_EQUAL(net_hook_count(&a, &HOOK_LORA), 2);
+    /* merged: the adapters in the float weights, the QAT layers' learned ranges kept (mode qat); the merged
+       checkpoint loads under its stored config, the QAT state with it */
+    MergeReport rep;
+    QtStatus st = tools_merge(path_in("qat-lora", "final.h5"), path_in("qat-lora", "merged.h5"), false, false, NULL,
+                              &rep, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    CU_ASSERT_EQUAL(rep.modules, 2);
+    CU_ASSERT_STRING_EQUAL(rep.mode, "qat");
+    Config *mc = malloc(sizeof *mc);
+    char *text = NULL;
+    CU_ASSERT_FATAL(mc != NULL);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_read_config(path_in("qat-lora", "merged.h5"), &text, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(config_load_string(mc, text, "merged", NULL, 0, &err), QT_OK);
+    Net m;
+    test_runs_load_net(&m, mc, path_in("qat-lora", "merged.h5"));
+    CU_ASSERT_EQUAL(net_hook_count(&m, &HOOK_LORA), 0);
+    CU_ASSERT_EQUAL_FATAL(net_hook_count(&m, &HOOK_QAT), net_hook_count(&a, &HOOK_QAT));
+    for (int i = 0; i < net_hook_count(&m, &HOOK_QAT); i++) {
+        Param *pa[HOOK_PARAMS_MAX], *pm[HOOK_PARAMS_MAX];
+        int k = qat_layer_params(net_qat_layer(&a, i), pa);
+        CU_ASSERT_EQUAL_FATAL(qat_layer_params(net_qat_layer(&m, i), pm), k);
+        for (int j = 0; j < k; j++)
+            CU_ASSERT(memcmp(pa[j]->var.value.data, pm[j]->var.value.data, var_numel(&pa[j]->var) * sizeof(float)) ==
+                      0);
+    }
+    net_free(&m);
+    free(text);
+    free(mc);
     net_free(&a);
     net_free(&base);
     free(b);

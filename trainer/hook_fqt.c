@@ -42,6 +42,14 @@ static void fqt_free(void *layer) { memset(layer, 0, sizeof(FqtLayer)); /* it ow
 
 /* ---- reporting ------------------------------------------------------------------------ */
 
+/* Its cell of the module table: without one the table took the module's rule for a float one. */
+static void fqt_describe(const void *layer, char *buf, size_t cap) {
+    const FqtSpec *s = &((const FqtLayer *)layer)->spec;
+    const QType *a = s->act_qtype ? s->act_qtype : s->weight_qtype;
+    snprintf(buf, cap, "qt %s per-channel, act %s, bwd %s%s", qtype_name(s->weight_qtype), qtype_name(a),
+             s->bwd_qtype ? qtype_name(s->bwd_qtype) : "float", s->bwd_qtype && s->bwd_stochastic ? " sr" : "");
+}
+
 static void fqt_formats(const void *layer, char *w, size_t wcap, char *a, size_t acap) {
     const FqtSpec *s = &((const FqtLayer *)layer)->spec;
     snprintf(w, wcap, "%s/ch", qtype_name(s->weight_qtype));
@@ -98,6 +106,7 @@ const HookKind HOOK_FQT = {
     .check = fqt_check,
     .attach = fqt_attach,
     .free = fqt_free,
+    .describe = fqt_describe,
     .formats = fqt_formats,
     .base_bytes = fqt_base_bytes,
     .group = "quant",

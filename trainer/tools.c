@@ -86,6 +86,15 @@ static QtStatus load_checkpoint_net(const char *checkpoint, const Config *c, Net
     return st;
 }
 
+/* The hook layers a merged model keeps: every kind's but the adapters' (HookKind.in_adapters_file), which are in
+ * the weights now: a quantized base, a QAT model's learned ranges and input statistics. */
+static CheckpointNet merged_parts(const Net *n) {
+    CheckpointNet p = {0};
+    for (int k = 0; k < n->hooks.n_sets; k++)
+        if (!n->hooks.sets[k].kind->in_adapters_file) p.sets[p.n_sets++] = n->hooks.sets[k];
+    return p;
+}
+
 static const QLayer *find_qlayer(const Net *n, const Module *m) {
     return hook_find(hook_layers_find(&n->hooks, &HOOK_PTQ), m);
 }
@@ -227,7 +236,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
     if (st == QT_OK) {
         CheckpointState s = {.last_train_loss = NAN, .config_text = text, .mode = mode, .merged_from = checkpoint,
                              .merged_from_base_sha256 = base};
-        if (!dequantize) s.net = hook_layers_only(&n.hooks, &HOOK_PTQ);
+        if (!dequantize) s.net = merged_parts(&n);
         st = save_out(out, force, dequantize ? &fl.model : &n.model, &s, err);
     }
     if (st == QT_OK) {
