@@ -197,6 +197,74 @@ static void test_new_kind_through_checkpoints(void) {
     test_tmpdir_remove(dir);
 }
 
+/* ---- kinds the Net checks: one that replaces every dense/conv module's op, one without checkpoint state ---- */
+
+static bool dense_or_conv(const Net *n, int module) {
+    LayerType t = n->model.modules[module].spec.type;
+    return t == LAYER_DENSE || t == LAYER_CONV2D;
+}
+static QtStatus refuse(const Net *n, int module, QtError *err) {
+    return qt_error_set(err, QT_ERR_CONFIG, "%s: refused by the test", n->model.modules[module].path);
+}
+static const HookKind REPLACER = {.name = "replacer", .layer_size = sizeof(ToyLayer), .applies = dense_or_conv,
+                                  .check = toy_check, .attach = toy_attach, .free = toy_free};
+static const HookKind REFUSER = {.name = "refuser", .layer_size = sizeof(ToyLayer), .wraps = true,
+                                 .applies = dense_or_conv, .check = refuse, .attach = toy_attach, .free = toy_free};
+
+/* n's sets plus one of `extra`, every count zero: what net_check_specs sees when a kind joins hook_kinds. */
+static Net with_kind(const Net *n, const HookKind *extra) {
+    Net t = *n;
+    for (int k = 0; k < t.hooks.n_sets; k++) t.hooks.sets[k].n = 0;
+    t.hooks.sets[t.hooks.n_sets++] = (HookSet){.kind = extra};
+    return t;
+}
+
+/* Two kinds that replace one module's op are refused, naming both; a
+ * kind that applies where no rule does reports the config's place, not a
+ * rule's (there is none to index). */
+static void test_specs_checked_per_module(void) {
+    Config *c = malloc(sizeof *c);
+    CU_ASSERT_FATAL(c != NULL);
+    Net *n = build("tests/configs/tiny-qlora.yaml", NULL, 0, c);
+    QtError err = {0};
+    Net t = with_kind(n, &REPLACER);
+    CU_ASSERT_EQUAL(net_check_specs(&t, &err), QT_ERR_CONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "module conv1 would be both a ptq and a replacer layer"));
+    net_free(n);
+
+    n = build("tests/configs/tiny-cnn.yaml", NULL, 0, c); /* no quant or lora rules */
+    t = with_kind(n, &REPLACER);
+    CU_ASSERT_EQUAL(net_check_specs(&t, &err), QT_OK);
+    CU_ASSERT(t.hooks.sets[t.hooks.n_sets - 1].n >= 2); /* every dense and conv module */
+    t = with_kind(n, &REFUSER);
+    err = (QtError){0};
+    CU_ASSERT_EQUAL(net_check_specs(&t, &err), QT_ERR_CONFIG);
+    CU_ASSERT(strncmp(err.msg, c->source, strlen(c->source)) == 0 && strstr(err.msg, "refused by the test"));
+    net_free(n);
+    free(c);
+}
+
+/* A kind without checkpoint state (group NULL) is neither written nor read. */
+static void test_stateless_kind_skipped_by_checkpoints(void) {
+    static const HookKind STATELESS = {.name = "stateless", .layer_size = sizeof(ToyLayer), .applies = toy_applies,
+                                       .check = toy_check, .attach = toy_attach, .free = toy_free};
+    LayerSpec l[2] = {{.type = LAYER_FLATTEN}, {.type = LAYER_DENSE, .units = 3}};
+    snprintf(l[1].name, sizeof l[1].name, "a");
+    int shape[1] = {5};
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, shape, l, 2, &err), QT_OK);
+    ToyLayer layers[1] = {{model_find_module(&m, "a"), 1.0f}};
+    char *dir = test_tmpdir_new(), *path = test_path_join(dir, "s.h5");
+    CheckpointState s = {.last_train_loss = NAN, .net = hook_layers_one(&STATELESS, layers, 1)};
+    CU_ASSERT_EQUAL(checkpoint_save(path, &m, NULL, &s, &err), QT_OK);
+    CheckpointNet net = hook_layers_one(&STATELESS, layers, 1);
+    CU_ASSERT_EQUAL(checkpoint_load_model(path, &m, &net, &err), QT_OK);
+    model_free(&m);
+    free(path);
+    test_tmpdir_remove(dir);
+}
+
 int hook_tests_add(CU_pSuite s) {
     return !CU_add_test(s, "hook kinds: every kind has the required entries", test_kinds_complete) ||
            !CU_add_test(s, "hook layers: a set per kind, adapters over the base, parameter order",
@@ -204,5 +272,9 @@ int hook_tests_add(CU_pSuite s) {
            !CU_add_test(s, "hook layers: the module table describes every kind's layers",
                         test_table_describes_every_kind) ||
            !CU_add_test(s, "hook layers: a new kind is saved, staged and restored unnamed",
-                        test_new_kind_through_checkpoints);
+                        test_new_kind_through_checkpoints) ||
+           !CU_add_test(s, "hook layers: one kind replaces a module's op; a kind without a rule is placed",
+                        test_specs_checked_per_module) ||
+           !CU_add_test(s, "hook layers: a kind without checkpoint state is skipped by checkpoints",
+                        test_stateless_kind_skipped_by_checkpoints);
 }

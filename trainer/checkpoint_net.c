@@ -16,7 +16,7 @@ QtStatus ckpt_write_net(H5ioFile *f, const CheckpointNet *net, QtError *err) {
     QtStatus st = QT_OK;
     for (int k = 0; st == QT_OK && k < net->n_sets; k++) {
         const HookSet *set = &net->sets[k];
-        if (set->n == 0) continue;
+        if (set->n == 0 || !set->kind->group) continue; /* no group: the kind keeps nothing in checkpoints */
         if (!h5io_exists(f, set->kind->group)) st = h5io_group_create(f, set->kind->group, err);
         for (int i = 0; st == QT_OK && i < set->n; i++) st = set->kind->save(f, hook_layer(set, i), err);
     }
@@ -49,7 +49,7 @@ QtStatus ckpt_read_net(const H5ioFile *f, const CheckpointNet *net, CkptNetStage
     QtStatus st = QT_OK;
     for (int k = 0; st == QT_OK && k < net->n_sets; k++) {
         const HookSet *set = &net->sets[k];
-        if (set->n == 0) continue;
+        if (set->n == 0 || !set->kind->group) continue;
         if (set->kind->check_file && (st = set->kind->check_file(f, set, err)) != QT_OK) break;
         char *staged = calloc((size_t)set->n, set->kind->staged_size);
         if (!staged) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", f->path);

@@ -24,9 +24,11 @@
  * Adding a kind (batch norm folding, DoRA, ...) takes:
  *   1. trainer/hook_NAME.c: its layer struct, whose first member is
  *      `Module *module`; its functions; `const HookKind HOOK_NAME = {...}`
- *      with at least name, layer_size, rules, applies, check, attach, free,
- *      group, save, staged_size, load and commit (every other entry may be
- *      NULL: the kind has no such thing); and, if code elsewhere (tools,
+ *      with at least name, layer_size, rules, applies, check, attach and
+ *      free, and for state in checkpoints group, save, staged_size, load and
+ *      commit (every other entry may be NULL: the kind has no such thing; a
+ *      layer has at most HOOK_PARAMS_MAX parameters; two kinds that replace
+ *      the op on one module are a config error); and, if code elsewhere (tools,
  *      tests) works on its layers by their type, an accessor like
  *      net_qlayer.
  *   2. Here: `extern const HookKind HOOK_NAME;` (and the accessor).
@@ -56,7 +58,7 @@
 #include "quant/qlayer.h"
 
 #define HOOK_KINDS_MAX 8  /* kinds hook_kinds may list */
-#define HOOK_PARAMS_MAX 2 /* trainable parameters one layer may have */
+#define HOOK_PARAMS_MAX 4 /* trainable parameters one layer may have (LoRA: A, B; DoRA would add a magnitude) */
 
 typedef struct Net Net;             /* net.h */
 typedef struct H5ioFile H5ioFile;   /* trainer/h5io.h */
@@ -124,7 +126,8 @@ struct HookKind {
     void (*table_note)(const HookSet *set, FILE *out); /* lines after the module table */
 
     /* ---- checkpoints (checkpoint_net.c; layout in checkpoint.h) ---- */
-    const char *group;   /* its top group ("quant", "lora"), made by the writer before the first layer */
+    const char *group;   /* its top group ("quant", "lora"), made by the writer before the first layer; NULL: the
+                            kind keeps no state in checkpoints (save, load, commit and staged_size then unused) */
     QtStatus (*save)(H5ioFile *f, const void *layer, QtError *err);
     /* Before any layer is read: what the file must hold for the whole set. */
     QtStatus (*check_file)(const H5ioFile *f, const HookSet *set, QtError *err);
@@ -165,6 +168,11 @@ HookLayers hook_layers_only(const HookLayers *h, const HookKind *kind);
 /* The resolved quant / lora rule setting of module `module`, NULL if none applies (or it is a skip rule). */
 const QLayerSpec *net_quant_spec(const Net *n, int module);
 const LoraSpec *net_lora_spec(const Net *n, int module);
+/* Every kind's resolved setting against its modules (kind->check), and at
+ * most one kind that replaces a module's op per module; counts each set's
+ * layers (sets' n, zero on entry). net_build runs it; tests run it on sets
+ * of their own kinds. */
+QtStatus net_check_specs(Net *n, QtError *err);
 
 /* ---- typed views of one kind's layers, for code that works on that kind (tools, tests) ---- */
 

@@ -66,25 +66,34 @@ const LoraSpec *net_lora_spec(const Net *n, int module) {
 
 /* Where in the config the rule that gave module `module` its layer of `kind` is. */
 static const char *net_rule_where(const Net *n, const HookKind *kind, int module) {
-    if (kind->rules == HOOK_RULES_LORA) return n->cfg->lora.rules[n->lora_rule[module]].match.where;
-    return n->cfg->quant.rules[n->quant_rule[module]].match.where;
+    int r = kind->rules == HOOK_RULES_LORA ? n->lora_rule[module] : n->quant_rule[module];
+    if (r < 0) return n->cfg->source; /* a kind that applies without a rule */
+    return kind->rules == HOOK_RULES_LORA ? n->cfg->lora.rules[r].match.where : n->cfg->quant.rules[r].match.where;
 }
 
 /* Every resolved setting against its module, before any value is read;
  * counts each kind's layers. Per module, the kinds that replace the op
- * come first (hook.h). */
-static QtStatus net_check_specs(Net *n, QtError *err) {
+ * come first (hook.h), and only one of them may: the second would install
+ * over the first unseen. */
+QtStatus net_check_specs(Net *n, QtError *err) {
     QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++)
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        const HookKind *replaces = NULL;
         for (int wraps = 0; wraps < 2; wraps++)
             for (int k = 0; k < n->hooks.n_sets; k++) {
                 HookSet *set = &n->hooks.sets[k];
                 if (set->kind->wraps != (wraps == 1) || !set->kind->applies(n, i)) continue;
                 QtError e = {0};
+                if (st == QT_OK && !set->kind->wraps && replaces)
+                    st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s would be both a %s and a %s layer, and "
+                                      "each replaces its op; let one rule apply to it", n->cfg->source,
+                                      n->model.modules[i].path, replaces->name, set->kind->name);
+                if (!set->kind->wraps) replaces = set->kind;
                 if (st == QT_OK && set->kind->check(n, i, &e) != QT_OK)
                     st = qt_error_set(err, QT_ERR_CONFIG, "%s: %s", net_rule_where(n, set->kind, i), e.msg);
                 set->n++;
             }
+    }
     return st;
 }
 
@@ -123,8 +132,15 @@ static QtStatus net_collect_trainable(Net *n, QtError *err) {
     }
     for (int k = 0; k < n->hooks.n_sets; k++) {
         const HookSet *set = &n->hooks.sets[k];
-        for (int i = 0; set->kind->params && i < set->n; i++)
-            n->n_trainable += set->kind->params(hook_layer(set, i), n->trainable + n->n_trainable);
+        for (int i = 0; set->kind->params && i < set->n; i++) {
+            Param *ps[HOOK_PARAMS_MAX + 1] = {0}; /* one spare: a kind that gives too many is refused, not obeyed */
+            int np = set->kind->params(hook_layer(set, i), ps);
+            if (np < 0 || np > HOOK_PARAMS_MAX)
+                return qt_error_set(err, QT_ERR_ARG, "hook kind %s gives %d parameters for module %s; at most "
+                                    "HOOK_PARAMS_MAX (%d) fit (trainer/hook.h)", set->kind->name, np,
+                                    hook_layer_module(hook_layer(set, i))->path, HOOK_PARAMS_MAX);
+            for (int p = 0; p < np; p++) n->trainable[n->n_trainable++] = ps[p];
+        }
     }
     return QT_OK;
 }
