@@ -61,7 +61,7 @@
  * The same steps, with an empty quant and lora section, pretrain a float
  * model; examples/finetune.c is this example as a complete program. Its
  * result is the qtrain command's on the same config, to the last digit:
- * both run the same code.
+ * both run the same code (on the same OpenBLAS kernels: docs/LIBRARY.md).
  *
  * ERRORS
  *
