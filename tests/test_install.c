@@ -267,7 +267,7 @@ static bool api_steps_until(qtrain_run *run, int64_t until) {
  * the file to the same numbers and quantizes to int8 (a config from YAML
  * text) at about the float accuracy; the plan's end, a checkpoint past a
  * shorter plan, a missing file and a mistyped key are errors with a
- * message. */
+ * message, and so are overrides passed as NULL. */
 static void test_api_save_load_continues(void) {
     char *dir = test_tmpdir_new(), *half = test_path_join(dir, "half.h5"), *end = test_path_join(dir, "end.h5");
     const char *sets[] = {"train.steps=12"};
@@ -335,6 +335,14 @@ static void test_api_save_load_continues(void) {
     const char *typo[] = {"train.stpes=3"};
     CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", typo, 1), QTRAIN_ERR_CONFIG);
     CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "steps"));
+    /* overrides that are not there are a bad argument, not a crash */
+    const char *holes[] = {"train.steps=3", NULL};
+    CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", NULL, 1), QTRAIN_ERR_ARG);
+    CU_ASSERT_PTR_NULL(cfg);
+    CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", holes, -1), QTRAIN_ERR_ARG);
+    CU_ASSERT_EQUAL(qtrain_config_parse(&cfg, "train: {steps: 3}\n", "text", holes, 2), QTRAIN_ERR_ARG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "override 1 of 2 is NULL"));
+    CU_ASSERT_PTR_NULL(cfg);
     free(half), free(end);
     test_tmpdir_remove(dir);
 }
@@ -342,6 +350,6 @@ static void test_api_save_load_continues(void) {
 int register_install_suite(void) {
     CU_pSuite s = CU_add_suite("install", NULL, NULL);
     return !s || !CU_add_test(s, "make install, the example via pkg-config = qtrain", test_install_example_matches_cli) ||
-           !CU_add_test(s, "the API: a loaded run continues exactly; quantize, evaluate a file, errors",
+           !CU_add_test(s, "the API: a loaded run continues exactly; quantize, evaluate a file, errors, NULL overrides",
                            test_api_save_load_continues);
 }
