@@ -71,7 +71,6 @@ PIC_BUILD := $(BUILD)/pic
 PIC_OBJS  := $(LIB_SRCS:%.c=$(PIC_BUILD)/%.o)
 SONAME    = libqtrain.so.$(VERSION_MAJOR)
 SHLIB     = $(BUILD)/libqtrain.so.$(VERSION)
-PC_FILE   := $(BUILD)/qtrain.pc
 
 PREFIX     ?= /usr/local
 BINDIR     := $(PREFIX)/bin
@@ -120,11 +119,15 @@ $(PIC_BUILD)/%.o: %.c | pkgcheck
 	$(CC) $(CFLAGS) -fPIC $(PKG_CFLAGS) -c $< -o $@
 
 # A missing .pc file would otherwise empty every flag and surface as a
-# puzzling "cblas.h: No such file".
+# puzzling "cblas.h: No such file". The message names each missing
+# pkg-config module with the Debian package that brings it.
+deb_of = openblas:libopenblas-dev hdf5:libhdf5-dev yaml-0.1:libyaml-dev zlib:zlib1g-dev cunit:libcunit1-dev
 define pkg_exists
-	@pkg-config --exists $(1) 2>/dev/null || { \
-	  echo "missing development packages (pkg-config cannot find: $$(for p in $(1); do \
-	  pkg-config --exists $$p 2>/dev/null || printf '%s ' $$p; done)); run 'make $(2)' (as root)" >&2; exit 1; }
+	@missing=""; for p in $(1); do pkg-config --exists $$p 2>/dev/null || missing="$$missing $$p"; done; \
+	[ -z "$$missing" ] || { debs=""; for p in $$missing; do for m in $(deb_of); do \
+	  [ "$${m%%:*}" = "$$p" ] && debs="$$debs $${m#*:}"; done; done; \
+	  echo "missing development packages: pkg-config cannot find$$missing (Debian:$$debs); run" \
+	  "'make $(2)' (as root) to install them, or point PKG_CONFIG_PATH at their .pc files" >&2; exit 1; }
 endef
 pkgcheck:
 	$(call pkg_exists,$(PKGS),deps)
@@ -162,18 +165,20 @@ $(SHLIB): $(PIC_OBJS)
 	  $(PKG_LIBS) $(LDLIBS)
 
 # Requires.private/Libs.private: what `pkg-config --static --libs qtrain`
-# adds for linking libqtrain.a; a shared link needs only -lqtrain.
-$(PC_FILE): Makefile include/qtrain.h
-	@mkdir -p $(dir $@)
-	printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$${prefix}/lib' \
-	  'includedir=$${prefix}/include' '' 'Name: qtrain' \
-	  'Description: quantization-aware training, QLoRA and post-training quantization of small networks on a CPU' \
-	  'Version: $(VERSION)' 'Requires.private: $(PKGS)' 'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lqtrain' \
-	  'Libs.private: $(LDLIBS)' > $@
-.PHONY: $(PC_FILE) # its prefix is the command line's PREFIX
+# adds for linking libqtrain.a; a shared link needs only -lqtrain. Written
+# straight into the destination with the command line's PREFIX: an install
+# of a tree already built writes nothing under build/, so `sudo make
+# install` leaves no root-owned file there to break the next build.
+define pc_text
+printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$${prefix}/lib' \
+  'includedir=$${prefix}/include' '' 'Name: qtrain' \
+  'Description: quantization-aware training, QLoRA and post-training quantization of small networks on a CPU' \
+  'Version: $(VERSION)' 'Requires.private: $(PKGS)' 'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lqtrain' \
+  'Libs.private: $(LDLIBS)'
+endef
 
 # The tests install into a temporary PREFIX with the objects already built.
-install: $(LIB) $(QTRAIN) $(SHLIB) $(PC_FILE)
+install: $(LIB) $(QTRAIN) $(SHLIB)
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PCDIR)
 	install -m 755 $(QTRAIN) $(DESTDIR)$(BINDIR)/qtrain
 	install -m 644 $(LIB) $(DESTDIR)$(LIBDIR)/libqtrain.a
@@ -181,7 +186,8 @@ install: $(LIB) $(QTRAIN) $(SHLIB) $(PC_FILE)
 	ln -sf libqtrain.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
 	ln -sf $(SONAME) $(DESTDIR)$(LIBDIR)/libqtrain.so
 	install -m 644 include/qtrain.h $(DESTDIR)$(INCLUDEDIR)/qtrain.h
-	install -m 644 $(PC_FILE) $(DESTDIR)$(PCDIR)/qtrain.pc
+	$(pc_text) > $(DESTDIR)$(PCDIR)/qtrain.pc
+	chmod 644 $(DESTDIR)$(PCDIR)/qtrain.pc
 
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/qtrain $(DESTDIR)$(LIBDIR)/libqtrain.a $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION) \

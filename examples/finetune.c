@@ -11,9 +11,9 @@
  * A QLoRA fine-tune of a pretrained float model:
  *   finetune configs/qlora.yaml runs/qlora.h5 model.init_from=runs/pretrain/final.h5
  *
- * Build against an installed libqtrain:
- *   cc examples/finetune.c $(pkg-config --cflags --libs qtrain) -o finetune
- * (add --static to pkg-config's options to link libqtrain.a). */
+ * Build against an installed libqtrain (libqtrain.so; docs/LIBRARY.md
+ * links libqtrain.a, which -lqtrain does not pick where both are installed):
+ *   cc examples/finetune.c $(pkg-config --cflags --libs qtrain) -o finetune */
 #include <stdio.h>
 
 #include <qtrain.h>

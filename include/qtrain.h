@@ -61,7 +61,7 @@
  * The same steps, with an empty quant and lora section, pretrain a float
  * model; examples/finetune.c is this example as a complete program. Its
  * result is the qtrain command's on the same config, to the last digit:
- * both run the same code.
+ * both run the same code (on the same OpenBLAS kernels: docs/LIBRARY.md).
  *
  * ERRORS
  *
@@ -156,7 +156,9 @@ typedef struct qtrain_run qtrain_run;
  * (quant.mode ptq: frozen quantized weights; qat, qt: quantized training);
  * attaches the LoRA adapters of lora.rules (and loads model.adapters_from);
  * makes the optimizer over what trains; calibrates static activation
- * ranges. Writes nothing: run.out_dir is the qtrain command's, not used here. */
+ * ranges. Writes no run files: run.out_dir is the qtrain command's, not
+ * used here. All it may write is the data cache: inflated copies
+ * of gzip'd data in data.cache_dir (by default ~/.cache/qtrain; none: off). */
 qtrain_status qtrain_run_new(qtrain_run **run, const qtrain_config *cfg);
 
 /* Builds the run of cfg and loads everything from `checkpoint`, a
@@ -205,7 +207,8 @@ qtrain_status qtrain_run_evaluate(qtrain_run *run, qtrain_metrics *metrics);
 
 /* Evaluates the checkpoint at path (parameters, quantized base, adapters)
  * on cfg's data, as `qtrain eval --config` does; cfg NULL: the config
- * stored in the checkpoint. Writes nothing. */
+ * stored in the checkpoint. Writes nothing but the data cache, as
+ * qtrain_run_new. */
 qtrain_status qtrain_evaluate_checkpoint(const qtrain_config *cfg, const char *checkpoint, qtrain_metrics *metrics);
 
 /* ---- 5. saving -------------------------------------------------------------------------------------------- */

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "include/qtrain.h"
+#include "nn/gemm.h"
 #include "test_proc.h"
 #include "test_util.h"
 
@@ -98,10 +99,38 @@ static void test_skip_shows_in_summary(void) {
     test_tmpdir_remove(dir);
 }
 
+/* Without CUnit's pkg-config file (PKG_CONFIG_LIBDIR: a copy of the system's .pc files but cunit.pc), the
+ * library and the qtrain command still build, and the test runner's check says which package to install. */
+static void test_make_without_cunit(void) {
+    if (getenv(SKIP_DEMO_ENV)) return;
+    if (!have_tools("make cc pkg-config")) {
+        test_skip("make, cc or pkg-config is missing");
+        return;
+    }
+    char *dir = test_tmpdir_new(), cmd[4096], log[PATH_MAX];
+    snprintf(log, sizeof log, "%s/make.log", dir);
+    snprintf(cmd, sizeof cmd, "mkdir %s/pc && for d in $(pkg-config --variable pc_path pkg-config | tr : ' '); do "
+             "for f in \"$d\"/*.pc; do [ -f \"$f\" ] && cp -n \"$f\" %s/pc/; done; done; rm -f %s/pc/cunit.pc; "
+             "unset PKG_CONFIG_PATH; export PKG_CONFIG_LIBDIR=%s/pc; ! pkg-config --exists cunit && "
+             "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory -j2 SANITIZE= build/libqtrain.a "
+             "build/qtrain && echo BUILT && ! env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory "
+             "SANITIZE= pkgcheck-cunit", dir, dir, dir, dir);
+    int code = run_shell(cmd, log);
+    char *text = test_file_read(log, NULL);
+    CU_ASSERT_EQUAL(code, 0);
+    CU_ASSERT(text && strstr(text, "BUILT"));
+    CU_ASSERT(text && strstr(text, "pkg-config cannot find cunit (Debian: libcunit1-dev)") &&
+              strstr(text, "'make test-deps'"));
+    if (code != 0 || !text || !strstr(text, "libcunit1-dev")) show_log("make without cunit.pc", log);
+    free(text);
+    test_tmpdir_remove(dir);
+}
+
 int register_runner_suite(void) {
     CU_pSuite s = CU_add_suite("runner", NULL, NULL);
     return !s || !CU_add_test(s, "a missing suite is a link error", test_missing_suite_is_link_error) ||
-           !CU_add_test(s, "a skip shows in the summary", test_skip_shows_in_summary);
+           !CU_add_test(s, "a skip shows in the summary", test_skip_shows_in_summary) ||
+           !CU_add_test(s, "make without CUnit builds; the test build names its package", test_make_without_cunit);
 }
 
 /* ---- the installed library ------------------------------------------------------------------------------- */
@@ -145,6 +174,17 @@ static void test_install_example_matches_cli(void) {
         CU_ASSERT_EQUAL(access(path, R_OK), 0);
     }
 
+    /* a second install of the built tree (as `sudo make install` after a build), staged by DESTDIR: it writes
+     * nothing under build/, where a root-owned file would break the next build, and qtrain.pc names PREFIX */
+    snprintf(cmd, sizeof cmd, "touch %s/stamp && %s install PREFIX=/usr/local DESTDIR=%s/stage && "
+             "test -z \"$(find build -maxdepth 1 -type f -newer %s/stamp)$(find build/pic -type f -newer %s/stamp)\" && "
+             "grep -qx 'prefix=/usr/local' %s/stage/usr/local/lib/pkgconfig/qtrain.pc && "
+             "%s uninstall PREFIX=/usr/local DESTDIR=%s/stage && test -z \"$(find %s/stage ! -type d)\"",
+             dir, make, dir, dir, dir, dir, make, dir, dir);
+    code = run_shell(cmd, log);
+    if (code != 0) show_log("make install DESTDIR= of a built tree (nothing new under build/), then uninstall", log);
+    CU_ASSERT_EQUAL(code, 0);
+
     /* the example, against the shared and the static library */
     const char *pc = "PKG_CONFIG_PATH=\"$P/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}\"";
     snprintf(cmd, sizeof cmd, "P=%s/prefix; export %s; cc -std=gnu11 -Wall -Wextra -Werror examples/finetune.c "
@@ -162,6 +202,11 @@ static void test_install_example_matches_cli(void) {
     code = run_shell(cmd, log);
     if (code != 0) show_log("qtrain on tiny-base.yaml and tiny-qlora.yaml", log);
     CU_ASSERT_EQUAL_FATAL(code, 0);
+    /* On an AVX-512 CPU whose OpenBLAS picks AVX2 kernels the qtrain command restarts itself with
+     * OPENBLAS_CORETYPE set (nn/gemm.h); a program gets the same kernels, and numbers, with the same setting. */
+    const char *upgrade = gemm_blas_core_upgrade();
+    char coretype[64] = "";
+    if (upgrade) snprintf(coretype, sizeof coretype, "OPENBLAS_CORETYPE=%s", upgrade);
     struct {
         const char *binary, *config, *set, *cli_dir;
     } runs[] = {{"finetune-static", "tiny-base", "", "base"},
@@ -170,8 +215,8 @@ static void test_install_example_matches_cli(void) {
         char set[PATH_MAX], out[PATH_MAX];
         snprintf(set, sizeof set, runs[i].set, dir);
         snprintf(out, sizeof out, "%s/%s.out", dir, runs[i].binary);
-        snprintf(cmd, sizeof cmd, "LD_LIBRARY_PATH=%s/prefix/lib %s/%s tests/configs/%s.yaml %s/%s.h5 %s >%s", dir,
-                 dir, runs[i].binary, runs[i].config, dir, runs[i].binary, set, out);
+        snprintf(cmd, sizeof cmd, "%s LD_LIBRARY_PATH=%s/prefix/lib %s/%s tests/configs/%s.yaml %s/%s.h5 %s >%s",
+                 coretype, dir, dir, runs[i].binary, runs[i].config, dir, runs[i].binary, set, out);
         code = run_shell(cmd, log);
         if (code != 0) show_log(runs[i].binary, log);
         CU_ASSERT_EQUAL_FATAL(code, 0);
@@ -222,7 +267,7 @@ static bool api_steps_until(qtrain_run *run, int64_t until) {
  * the file to the same numbers and quantizes to int8 (a config from YAML
  * text) at about the float accuracy; the plan's end, a checkpoint past a
  * shorter plan, a missing file and a mistyped key are errors with a
- * message. */
+ * message, and so are overrides passed as NULL. */
 static void test_api_save_load_continues(void) {
     char *dir = test_tmpdir_new(), *half = test_path_join(dir, "half.h5"), *end = test_path_join(dir, "end.h5");
     const char *sets[] = {"train.steps=12"};
@@ -290,6 +335,14 @@ static void test_api_save_load_continues(void) {
     const char *typo[] = {"train.stpes=3"};
     CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", typo, 1), QTRAIN_ERR_CONFIG);
     CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "steps"));
+    /* overrides that are not there are a bad argument, not a crash */
+    const char *holes[] = {"train.steps=3", NULL};
+    CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", NULL, 1), QTRAIN_ERR_ARG);
+    CU_ASSERT_PTR_NULL(cfg);
+    CU_ASSERT_EQUAL(qtrain_config_load(&cfg, "tests/configs/tiny-base.yaml", holes, -1), QTRAIN_ERR_ARG);
+    CU_ASSERT_EQUAL(qtrain_config_parse(&cfg, "train: {steps: 3}\n", "text", holes, 2), QTRAIN_ERR_ARG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(qtrain_last_error(), "override 1 of 2 is NULL"));
+    CU_ASSERT_PTR_NULL(cfg);
     free(half), free(end);
     test_tmpdir_remove(dir);
 }
@@ -297,6 +350,6 @@ static void test_api_save_load_continues(void) {
 int register_install_suite(void) {
     CU_pSuite s = CU_add_suite("install", NULL, NULL);
     return !s || !CU_add_test(s, "make install, the example via pkg-config = qtrain", test_install_example_matches_cli) ||
-           !CU_add_test(s, "the API: a loaded run continues exactly; quantize, evaluate a file, errors",
+           !CU_add_test(s, "the API: a loaded run continues exactly; quantize, evaluate a file, errors, NULL overrides",
                            test_api_save_load_continues);
 }

@@ -59,6 +59,10 @@ static qtrain_status config_new(qtrain_config **out, const char *path, const cha
     if (!out) return api_fail_msg(QT_ERR_ARG, "qtrain_config: the handle pointer is NULL");
     *out = NULL;
     if (!(path || text)) return api_fail_msg(QT_ERR_ARG, "qtrain_config: no path or YAML text given");
+    if (n < 0 || (n > 0 && !overrides))
+        return api_fail_msg(QT_ERR_ARG, "qtrain_config: %d overrides %s", n, n < 0 ? "(a negative count)" : "in NULL");
+    for (int i = 0; i < n; i++)
+        if (!overrides[i]) return api_fail_msg(QT_ERR_ARG, "qtrain_config: override %d of %d is NULL", i, n);
     qtrain_config *c = malloc(sizeof *c);
     if (!c) return api_fail_msg(QT_ERR_NOMEM, "out of memory for a config");
     QtError e = {0};

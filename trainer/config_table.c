@@ -9,14 +9,16 @@
  * writes docs/CONFIG.md.
  *
  * Adding a key is one row here plus its use. For example a hypothetical
- * train.print_every, an int64_t print_every field in TrainConfig:
+ * train.print_every, an int64_t print_every field in TrainConfig
+ * (trainer/config.h):
  *
  *     {.key = "print_every", .type = CFG_T_I64, F(TrainConfig, print_every), .imin = 0, .imax = INT64_MAX,
  *      .def = 0, .doc_default = "0 (off)", .doc = "print the loss every N steps"},
  *
  * in TRAIN_KEYS (its place there is its place in the resolved YAML), then
- * the code that reads cfg->train.print_every, then
- * `./build/qtrain config --doc > docs/CONFIG.md`. A key whose change on
+ * the code that reads cfg->train.print_every, then, after `make`,
+ * `./build/qtrain config --doc > docs/CONFIG.md` (the config_schema suite
+ * fails while docs/CONFIG.md and the tables disagree). A key whose change on
  * resume must be refused says .resume = CFG_RESUME_FIXED; one that is
  * reported, CFG_RESUME_REPORTED.
  *
