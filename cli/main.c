@@ -451,8 +451,14 @@ static int cmd_bench(int argc, char **argv) {
 
 static int cmd_config(int argc, char **argv) {
     if (argc == 1 && is_help(argv[0])) cmd_help_exit("config");
-    if (argc != 1 || strcmp(argv[0], "--doc") != 0) {
-        fprintf(stderr, "qtrain config: give --doc (see qtrain config --help)\n");
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], "--doc") != 0) {
+            fprintf(stderr, "qtrain config: unknown option '%s'; the command takes --doc alone (see qtrain config "
+                    "--help)\n", argv[i]);
+            return 2;
+        }
+    if (argc != 1) {
+        fprintf(stderr, "qtrain config: give --doc%s (see qtrain config --help)\n", argc ? " once" : "");
         return 2;
     }
     char *doc = config_doc_markdown();

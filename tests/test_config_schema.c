@@ -107,6 +107,10 @@ static void test_doc_command(void) {
     out = test_file_read(log, NULL);
     CU_ASSERT(out && strstr(out, "give --doc") && strstr(out, "usage: qtrain config --doc"));
     free(out);
+    CU_ASSERT_EQUAL(test_proc_run(log, (const char *const[]){"config", "--doc", "--x", NULL}, 60), 2);
+    out = test_file_read(log, NULL);
+    CU_ASSERT(out && strstr(out, "unknown option '--x'"));
+    free(out);
     free(log);
     free(doc);
     test_tmpdir_remove(dir);
