@@ -221,7 +221,8 @@ Var *nn_concat(Tape *t, Var *const *xs, int n) {
     const Tensor *x0 = &xs[0]->value;
     char s0[64], sk[64];
     if (x0->ndim < 2) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "concat: input 0 %s has no channel axis (want (N, C, ...))", SHAPE_STR(xs[0], s0));
+        qt_error_set(&t->err, QT_ERR_SHAPE, "concat: input 0 %s has no channel axis (want (N, C, ...))",
+                     SHAPE_STR(xs[0], s0));
         return NULL;
     }
     int C_out = 0;
