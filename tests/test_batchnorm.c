@@ -340,15 +340,56 @@ static void test_residual_block_grads(void) {
         bool done = gap > 0.02f;
         if (done) {
             args.pre[0] = args.pre[1] = NULL;
-            GradcheckInput gi[7] = {input(d[0], 4, xs, true),         input(d[1], 4, ws, true),
-                                    input(d[2], 1, (int[]){C}, true), input(d[3], 1, (int[]){C}, true), input(d[4], 4, ws, true),
-                                    input(d[5], 1, (int[]){C}, true), input(d[6], 1, (int[]){C}, true)};
+            const int cs[1] = {C};
+            GradcheckInput gi[7] = {input(d[0], 4, xs, true), input(d[1], 4, ws, true), input(d[2], 1, cs, true),
+                                    input(d[3], 1, cs, true), input(d[4], 4, ws, true), input(d[5], 1, cs, true),
+                                    input(d[6], 1, cs, true)};
             CU_ASSERT(gradcheck("residual block", run_block, &args, gi, 7, EPS, ATOL, RTOL));
         }
         for (int k = 0; k < 7; k++) free(d[k]);
         if (done) return;
     }
     CU_FAIL("no seed below 200 keeps the residual block's ReLU inputs away from 0");
+}
+
+/* The residual block's steps allocate only from the step arena: after the first step neither the arena nor
+ * the tape's node array grows (a small first arena, so the first step must grow it). */
+static void test_residual_block_steady(void) {
+    enum { N = 4, C = 3, NX = N * C * 8 * 8, NW = C * C * 9 };
+    float *d[7] = {random_data(NX, 1, -1.0f, 1.0f), random_data(NW, 2, -0.5f, 0.5f), random_data(C, 3, 0.5f, 1.5f),
+                   random_data(C, 4, -0.5f, 0.5f),  random_data(NW, 5, -0.5f, 0.5f), random_data(C, 6, 0.5f, 1.5f),
+                   random_data(C, 7, -0.5f, 0.5f)};
+    float *dy = random_data(NX, 8, -1.0f, 1.0f);
+    const int xs[4] = {N, C, 8, 8}, ws[4] = {C, C, 3, 3}, cs[1] = {C};
+    Arena arena;
+    Tape tape;
+    CU_ASSERT_FATAL(arena_init(&arena, 4096) == 0);
+    CU_ASSERT_FATAL(tape_init(&tape, &arena, NULL, NULL) == QT_OK);
+    BlockArgs args = {0};
+    test_bn_init(&args.bn1, C, 0.1f);
+    test_bn_init(&args.bn2, C, 0.1f);
+    size_t grows = 0, cap = 0;
+    for (int step = 0; step < 4; step++) {
+        tape_reset(&tape);
+        Var *in[7];
+        for (int k = 0; k < 7; k++) {
+            const bool w = k == 1 || k == 4;
+            in[k] = tape_wrap(&tape, d[k], k == 0 || w ? 4 : 1, k == 0 ? xs : w ? ws : cs);
+            CU_ASSERT_PTR_NOT_NULL_FATAL(in[k]);
+            in[k]->requires_grad = true;
+        }
+        Var *out = run_block(&tape, in, &args);
+        CU_ASSERT_FATAL(out && tape_backward_from(&tape, out, dy) == QT_OK && in[0]->grad);
+        if (step == 1) grows = arena.grow_count, cap = tape.cap_nodes;
+    }
+    CU_ASSERT(grows > 0);
+    CU_ASSERT_EQUAL(arena.grow_count, grows);
+    CU_ASSERT_EQUAL(tape.cap_nodes, cap);
+    CU_ASSERT_EQUAL(args.bn1.count, 4);
+    tape_free(&tape);
+    arena_free(&arena);
+    for (int k = 0; k < 7; k++) free(d[k]);
+    free(dy);
 }
 
 /* ---- bad input ------------------------------------------------------------------------------- */
@@ -503,9 +544,8 @@ static void pt_bn_group(hid_t f, const char *group, int ndim, const int *shape, 
         TestEnv e;
         test_env_init(&e, 1);
         e.tape.training = false;
-        Var *y = nn_batchnorm(&e.tape, test_var(&e, xe, ndim, shape, false),
-                              affine ? test_var(&e, w, 1, &C, false) : NULL, affine ? test_var(&e, b, 1, &C, false) : NULL,
-                              &bn.s);
+        Var *gv = affine ? test_var(&e, w, 1, &C, false) : NULL, *bv = affine ? test_var(&e, b, 1, &C, false) : NULL;
+        Var *y = nn_batchnorm(&e.tape, test_var(&e, xe, ndim, shape, false), gv, bv, &bn.s);
         CU_ASSERT_FATAL(y != NULL);
         snprintf(path, sizeof path, "%s/y_eval", group);
         pt_check(path, y->value.data, ye, n);
@@ -633,6 +673,7 @@ int register_nn_batchnorm_suite(void) {
            !CU_add_test(s, "batchnorm: 1 and 2 threads agree bit for bit", test_bn_threads_agree) ||
            !CU_add_test(s, "globalavgpool, concat, add: gradients and values", test_gap_concat_add) ||
            !CU_add_test(s, "residual block gradients end to end", test_residual_block_grads) ||
+           !CU_add_test(s, "residual block steps: no growth after the first", test_residual_block_steady) ||
            !CU_add_test(s, "bad shapes are refused, sizes named", test_bad_shapes) ||
            !CU_add_test(s, "PyTorch parity (torch_bn.h5)", test_torch_parity);
 }
