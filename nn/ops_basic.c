@@ -180,7 +180,10 @@ Var *nn_add(Tape *t, Var *a, Var *b) {
 
 /* ---- concat along the channel axis ---------------------------------------- */
 
-/* Every input, as a tape node holds at most TAPE_MAX_INPUTS of them. */
+/* Every input, as a tape node holds at most TAPE_MAX_INPUTS of them: the node
+ * records one representative input (one that needs a gradient, if any, so
+ * tape_record decides as it would on the whole list), and the backward
+ * accumulates into every input listed here. */
 typedef struct {
     Var **xs;     /* [n] */
     int n;
