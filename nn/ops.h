@@ -34,8 +34,12 @@ Var *nn_linear(Tape *t, Var *x, Var *w, Var *bias);
 
 /* y = x + bias broadcast along axis 1. x: (N, C) or (N, C, H, W); bias (C,). */
 Var *nn_bias_add(Tape *t, Var *x, Var *bias);
-/* y = a + b, same shapes. */
+/* y = a + b, same shapes. a and b may be the same Var (its gradient gets dy twice). */
 Var *nn_add(Tape *t, Var *a, Var *b);
+/* Concatenation along the channel axis 1: xs[0..n) of (N, Ci, ...), n >= 1,
+ * equal in every dim but axis 1; y: (N, sum Ci, ...). A Var may appear more
+ * than once. */
+Var *nn_concat(Tape *t, Var *const *xs, int n);
 /* y = s * x. */
 Var *nn_scale(Tape *t, Var *x, float s);
 Var *nn_relu(Tape *t, Var *x);
@@ -54,6 +58,40 @@ Var *nn_flatten(Tape *t, Var *x);
 
 /* Layer normalisation over the last axis: x (..., D), gamma/beta (D,) or NULL. */
 Var *nn_layernorm(Tape *t, Var *x, Var *gamma, Var *beta, float eps);
+
+/* Batch normalisation's settings and running statistics. The statistics are
+ * buffers, not parameters: no gradient, never touched by an optimizer. The
+ * caller owns them (allocates them for the run, initialises running_mean to 0,
+ * running_var to 1 and the count to 0 as PyTorch does, and checkpoints them);
+ * the op reads them, and updates them in the training form. */
+typedef struct {
+    float *running_mean;          /* (C,); NULL with running_var: keep no running
+                                     statistics (PyTorch's track_running_stats=False) */
+    float *running_var;           /* (C,) */
+    int64_t *num_batches_tracked; /* one counter, or NULL */
+    float momentum;               /* in [0, 1]: running = (1 - momentum) running + momentum batch (0.1) */
+    float eps;                    /* > 0, added to the variance (1e-5) */
+    bool frozen;                  /* normalise with the running statistics and leave them alone even when
+                                     the tape trains (a frozen base, BN statistics frozen for QAT) */
+} BatchNormState;
+
+/* Batch normalisation over every axis but the channel axis 1, as PyTorch's
+ * BatchNorm1d/2d. x: (N, C), (N, C, L) or (N, C, H, W); gamma, beta: (C,) or
+ * NULL (affine=False); y like x.
+ * The form follows t->training, as a module's training flag in PyTorch:
+ *  - training (and not bn->frozen), or no running statistics: normalise with
+ *    this batch's mean and biased variance; update the running mean and the
+ *    running variance with the unbiased one (N*inner/(N*inner-1) times the
+ *    biased), and add 1 to num_batches_tracked. The backward is the full
+ *    batch-norm gradient (through the mean and variance). Needs more than one
+ *    value per channel.
+ *  - otherwise (eval, or frozen): the affine map with the running statistics,
+ *    (x - running_mean) / sqrt(running_var + eps) * gamma + beta; nothing is
+ *    updated.
+ * The statistics are taken in double, two passes per channel (ops_norm.c).
+ * Channels run over the thread pool; the result is the same for any thread
+ * count. */
+Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 
 /* ---- convolution (ops_conv.c, ops_conv_lowrank.c) and pooling (ops_pool.c) */
 
@@ -98,6 +136,9 @@ Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRa
  * Max ties go to the first element in row-major window order. */
 Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride);
 Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride);
+/* x: (N, C, H, W) -> (N, C): the mean over H and W (PyTorch's
+ * adaptive_avg_pool2d(x, 1) flattened), summed in double. */
+Var *nn_globalavgpool(Tape *t, Var *x);
 /* For tests: true makes maxpool2d skip its 2x2/stride-2 fast path. */
 extern bool maxpool_force_generic;
 

@@ -178,6 +178,91 @@ Var *nn_add(Tape *t, Var *a, Var *b) {
     return tape_record(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
 }
 
+/* ---- concat along the channel axis ---------------------------------------- */
+
+/* Every input, as a tape node holds at most TAPE_MAX_INPUTS of them: the node
+ * records one representative input (one that needs a gradient, if any, so
+ * tape_record decides as it would on the whole list), and the backward
+ * accumulates into every input listed here. */
+typedef struct {
+    Var **xs;     /* [n] */
+    int n;
+    int N;        /* outer size: shape[0] */
+    size_t inner; /* product of the dims after axis 1 */
+    int C_out;    /* sum of the inputs' channels */
+} ConcatCtx;
+
+/* Sample s of input k is a block of Ck*inner floats at channel offset ck of
+ * the output's sample s. */
+static void concat_backward(Tape *t, const TapeNode *node) {
+    const ConcatCtx *c = node->ctx;
+    const float *dy = node->out->grad;
+    size_t off = 0; /* channel offset * inner */
+    for (int k = 0; k < c->n; k++) {
+        Var *v = c->xs[k];
+        const size_t block = (size_t)v->value.shape[1] * c->inner;
+        if (v->requires_grad) {
+            float *dv = tape_grad(t, v);
+            if (!dv) return;
+            for (int s = 0; s < c->N; s++) {
+                const float *src = dy + (size_t)s * c->C_out * c->inner + off;
+                float *dst = dv + (size_t)s * block;
+                for (size_t i = 0; i < block; i++) dst[i] += src[i];
+            }
+        }
+        off += block;
+    }
+}
+
+Var *nn_concat(Tape *t, Var *const *xs, int n) {
+    if (!xs || n < 1) {
+        qt_error_set(&t->err, QT_ERR_ARG, "concat: needs at least one input, got %d", n);
+        return NULL;
+    }
+    for (int k = 0; k < n; k++)
+        if (!xs[k]) return NULL;
+    const Tensor *x0 = &xs[0]->value;
+    char s0[64], sk[64];
+    if (x0->ndim < 2) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "concat: input 0 %s has no channel axis (want (N, C, ...))",
+                     SHAPE_STR(xs[0], s0));
+        return NULL;
+    }
+    int C_out = 0;
+    Var *rep = xs[0]; /* an input that needs a gradient, if any: decides whether a node is recorded */
+    for (int k = 0; k < n; k++) {
+        const Tensor *xk = &xs[k]->value;
+        bool fits = xk->ndim == x0->ndim && xk->shape[0] == x0->shape[0];
+        for (int d = 2; fits && d < x0->ndim; d++) fits = xk->shape[d] == x0->shape[d];
+        if (!fits) {
+            qt_error_set(&t->err, QT_ERR_SHAPE, "concat: input %d %s does not fit input 0 %s: all dims but the "
+                         "channel axis 1 must be equal", k, SHAPE_STR(xs[k], sk), SHAPE_STR(xs[0], s0));
+            return NULL;
+        }
+        C_out += xk->shape[1];
+        if (xs[k]->requires_grad && !rep->requires_grad) rep = xs[k];
+    }
+    int shape[TENSOR_MAX_DIMS];
+    memcpy(shape, x0->shape, sizeof shape);
+    shape[1] = C_out;
+    Var *y = tape_new_var(t, x0->ndim, shape);
+    ConcatCtx *c = tape_alloc(t, sizeof *c);
+    Var **list = tape_alloc(t, (size_t)n * sizeof *list);
+    if (!y || !c || !list) return NULL;
+    memcpy(list, xs, (size_t)n * sizeof *list);
+    const size_t inner = var_numel(xs[0]) / ((size_t)x0->shape[0] * x0->shape[1]);
+    *c = (ConcatCtx){list, n, x0->shape[0], inner, C_out};
+    size_t off = 0;
+    for (int k = 0; k < n; k++) {
+        const size_t block = (size_t)xs[k]->value.shape[1] * inner;
+        for (int s = 0; s < c->N; s++)
+            memcpy(y->value.data + (size_t)s * C_out * inner + off, xs[k]->value.data + (size_t)s * block,
+                   block * sizeof(float));
+        off += block;
+    }
+    return tape_record(t, "concat", concat_backward, y, (Var *[]){rep}, 1, c) ? y : NULL;
+}
+
 static void scale_backward(Tape *t, const TapeNode *node) {
     float s = *(const float *)node->ctx;
     float *dx = tape_grad(t, node->in[0]);

@@ -195,3 +195,42 @@ Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride) {
     Var *in[1] = {x};
     return tape_record(t, "avgpool2d", avgpool2d_backward, y, in, 1, ctx) ? y : NULL;
 }
+
+/* ---- global average pooling ----------------------------------------------------- */
+
+static void globalavgpool_backward(Tape *t, const TapeNode *node) {
+    Var *x = node->in[0];
+    float *dx = tape_grad(t, x); /* (N, C, H, W) */
+    if (!dx) return;
+    const float *dy = node->out->grad; /* (N, C) */
+    const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
+    const size_t area = (size_t)x->value.shape[2] * x->value.shape[3];
+    const float inv_area = (float)(1.0 / (double)area);
+    for (size_t p = 0; p < planes; p++) {
+        const float g = dy[p] * inv_area;
+        float *dxp = dx + p * area;
+        for (size_t i = 0; i < area; i++) dxp[i] += g;
+    }
+}
+
+Var *nn_globalavgpool(Tape *t, Var *x) {
+    if (!t || !x) return NULL;
+    if (x->value.ndim != 4) {
+        char xs[SHAPE_STR_MAX];
+        qt_error_set(&t->err, QT_ERR_SHAPE, "globalavgpool: input %s must be 4-D (N, C, H, W)",
+                     tensor_shape_str(&x->value, xs, sizeof xs));
+        return NULL;
+    }
+    const int *xd = x->value.shape;
+    Var *y = tape_new_var(t, 2, (const int[]){xd[0], xd[1]});
+    if (!y) return NULL;
+    const size_t planes = (size_t)xd[0] * xd[1], area = (size_t)xd[2] * xd[3];
+    for (size_t p = 0; p < planes; p++) {
+        const float *xp = x->value.data + p * area;
+        double acc = 0.0;
+        for (size_t i = 0; i < area; i++) acc += xp[i];
+        y->value.data[p] = (float)(acc / (double)area);
+    }
+    Var *in[1] = {x};
+    return tape_record(t, "globalavgpool", globalavgpool_backward, y, in, 1, NULL) ? y : NULL;
+}

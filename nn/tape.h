@@ -47,7 +47,7 @@ struct Tape {
                            the steady state */
     size_t n_nodes;
     size_t cap_nodes;
-    bool training;      /* dropout active (and, later, quantizer statistics) */
+    bool training;      /* dropout active, batch norm on batch statistics (and, later, quantizer statistics) */
     bool grad_enabled;  /* false: ops run forward only and record nothing */
     bool backward_done; /* set by tape_backward until the next reset */
     Rng *rng;           /* dropout masks; may be NULL if no op needs it */
