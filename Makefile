@@ -21,7 +21,7 @@
 #                   qtrain bench on every bench/configs/*.yaml (bench/run.sh)
 #   make bench-torch  the bench/configs measurements in qtrain, then in PyTorch
 #                   (Debian's python3-torch, installed if missing), side by side
-#   make fixtures   regenerate the PyTorch reference fixtures (needs torch)
+#   make fixtures   regenerate the PyTorch reference fixtures in tests/fixtures/ (needs torch)
 #   make fuzz       the libFuzzer targets (clang), FUZZ_SECONDS each (fuzz/README.md)
 #   make memcheck   tiny end-to-end runs under valgrind's memcheck (Debian's valgrind, installed
 #                   if missing): fails on any memory error or leak (scripts/memcheck.sh)
@@ -240,6 +240,7 @@ bench-torch: deps torch-deps
 # Needs Debian's python3-torch, python3-h5py and python3-numpy.
 fixtures:
 	/usr/bin/python3 tests/make_fixtures.py tests/fixtures/torch_ref.h5
+	/usr/bin/python3 tests/make_fixtures_bn.py tests/fixtures/torch_bn.h5
 
 # Train, resume, eval, QLoRA, QAT, QT and the other commands on the mini data
 # set under valgrind (about 75 s). Always the normal -O2 -g build (valgrind
