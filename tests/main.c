@@ -15,6 +15,7 @@
     X(nn_ops)     \
     X(nn_conv)    \
     X(nn_conv_lowrank) \
+    X(nn_conv_general) \
     X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \
