@@ -102,6 +102,11 @@ static void test_matches_ref(void) {
                 test_env_free(&e);
                 continue;
             }
+            /* the route: depthwise cases must run the direct loops, not a GEMM per channel */
+            const char *want_op = k->g.groups == k->C ? "conv2d_depthwise"
+                                  : k->g.groups > 1   ? "conv2d_grouped"
+                                                      : "conv2d_general";
+            CU_ASSERT_STRING_EQUAL(e.tape.nodes[e.tape.n_nodes - 1].op, want_op);
             const int OH = out_h(k), OW = out_w(k);
             CU_ASSERT(o.y->value.shape[0] == k->N && o.y->value.shape[1] == k->OC && o.y->value.shape[2] == OH &&
                       o.y->value.shape[3] == OW);
