@@ -188,9 +188,11 @@ static void dw_forward_task(void *ctx, int task, int n_tasks) {
 }
 
 /* One (sample, output channel) plane's backward: dx (H, W) += the taps of
- * w scattered from dy (OH, OW); acc[tap] += the tap's sum of dy * x. */
-static void dw_backward_plane(float *restrict dx, double *restrict acc, const float *restrict dy,
-                              const float *restrict x, const float *restrict w, const ConvGDims *d) {
+ * w scattered from dy (OH, OW); acc[tap] += the tap's sum of dy * x, taken
+ * column-wise in rowacc [OW] (scratch) first, so the products vectorise. */
+static void dw_backward_plane(float *restrict dx, double *restrict acc, float *restrict rowacc,
+                              const float *restrict dy, const float *restrict x, const float *restrict w,
+                              const ConvGDims *d) {
     const ConvGeom2d *g = &d->g;
     const int sw = g->stride_w, OW = d->OW;
     for (int kh = 0; kh < d->KH; kh++)
@@ -199,7 +201,7 @@ static void dw_backward_plane(float *restrict dx, double *restrict acc, const fl
             const int hoff = kh * g->dil_h - g->pad_h, woff = kw * g->dil_w - g->pad_w;
             int lo, hi;
             convg_valid_range(woff, sw, d->W, OW, &lo, &hi);
-            double tap = 0.0;
+            if (acc) memset(rowacc, 0, (size_t)OW * sizeof *rowacc);
             for (int oh = 0; oh < d->OH; oh++) {
                 const int ih = oh * g->stride_h + hoff;
                 if (ih < 0 || ih >= d->H) continue;
@@ -207,9 +209,10 @@ static void dw_backward_plane(float *restrict dx, double *restrict acc, const fl
                 const float *dyr = dy + (size_t)oh * OW;
                 if (acc) {
                     const float *xr = x + at;
-                    float s = 0.0f;
-                    for (int ow = lo; ow < hi; ow++) s += dyr[ow] * xr[(size_t)ow * sw];
-                    tap += s;
+                    if (sw == 1)
+                        for (int ow = lo; ow < hi; ow++) rowacc[ow] += dyr[ow] * xr[ow];
+                    else
+                        for (int ow = lo; ow < hi; ow++) rowacc[ow] += dyr[ow] * xr[(size_t)ow * sw];
                 }
                 if (dx) {
                     float *dxr = dx + at;
@@ -219,7 +222,11 @@ static void dw_backward_plane(float *restrict dx, double *restrict acc, const fl
                         for (int ow = lo; ow < hi; ow++) dxr[(size_t)ow * sw] += wv * dyr[ow];
                 }
             }
-            if (acc) acc[kh * d->KW + kw] += tap;
+            if (acc) {
+                double tap = 0.0;
+                for (int ow = lo; ow < hi; ow++) tap += rowacc[ow];
+                acc[kh * d->KW + kw] += tap;
+            }
         }
 }
 
@@ -230,6 +237,7 @@ static void dw_backward_task(void *ctx, int task, int n_tasks) {
     const ConvGDims *d = j->d;
     const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW, kk = (size_t)d->KH * d->KW;
     double *acc = j->dw ? (double *)(j->scratch + (size_t)parallel_thread_index() * j->thread_floats) : NULL;
+    float *rowacc = acc ? (float *)(acc + kk) : NULL; /* [OW] */
     int lo, hi;
     parallel_range(d->C, task, n_tasks, &lo, &hi);
     for (int c = lo; c < hi; c++)
@@ -237,7 +245,7 @@ static void dw_backward_task(void *ctx, int task, int n_tasks) {
             if (acc) memset(acc, 0, kk * sizeof *acc);
             for (int n = 0; n < d->N; n++) {
                 const size_t xi = ((size_t)n * d->C + c) * in_plane;
-                dw_backward_plane(j->dx ? j->dx + xi : NULL, acc, j->dy + ((size_t)n * d->OC + oc) * out_plane,
+                dw_backward_plane(j->dx ? j->dx + xi : NULL, acc, rowacc, j->dy + ((size_t)n * d->OC + oc) * out_plane,
                                   j->x + xi, j->w + oc * kk, d);
             }
             if (acc)
@@ -382,7 +390,9 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     if (!j.dx && !w->requires_grad) return;
     if (d->depthwise) {
         if (w->requires_grad && !(j.dw = tape_grad(t, w))) return;
-        j.thread_floats = j.dw ? (size_t)d->KH * d->KW * (sizeof(double) / sizeof(float)) : 0;
+        /* KH*KW doubles, then OW floats; even, so every thread's doubles stay aligned */
+        j.thread_floats = j.dw ? (size_t)d->KH * d->KW * (sizeof(double) / sizeof(float)) + (size_t)(d->OW + 1) / 2 * 2
+                               : 0;
         if (j.thread_floats &&
             !(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float))))
             return;
