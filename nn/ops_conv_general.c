@@ -253,6 +253,111 @@ static void dw_backward_task(void *ctx, int task, int n_tasks) {
         }
 }
 
+/* Stride 1 on both axes (every depthwise conv of DS-CNN, most of
+ * MobileNet's): the rows above are a few floats long. Instead the input
+ * plane is copied once into a zero-padded plane xp (Hp, Wp), and the output
+ * is computed at row stride Wp, so each tap is one contiguous multiply-add
+ * over the whole plane: yp[q] += w * xp[q + kh*dil_h*Wp + kw*dil_w], for q
+ * < L = (OH-1)*Wp + OW. The columns OW..Wp-1 of each yp row are junk and
+ * dropped (the backward zeroes them in its dy copy). */
+static inline bool dw_s1(const ConvGDims *d) { return d->g.stride_h == 1 && d->g.stride_w == 1; }
+static inline int dw_s1_hp(const ConvGDims *d) { return d->H + 2 * d->g.pad_h + d->g.pad_h_extra; }
+static inline int dw_s1_wp(const ConvGDims *d) { return d->W + 2 * d->g.pad_w + d->g.pad_w_extra; }
+
+/* xp (Hp, Wp) = x (H, W) with the padding's zeros around it. */
+static void dw_s1_pad(float *restrict xp, const float *restrict x, const ConvGDims *d) {
+    const int Wp = dw_s1_wp(d);
+    memset(xp, 0, (size_t)dw_s1_hp(d) * Wp * sizeof *xp);
+    for (int h = 0; h < d->H; h++)
+        memcpy(xp + (size_t)(h + d->g.pad_h) * Wp + d->g.pad_w, x + (size_t)h * d->W, (size_t)d->W * sizeof *xp);
+}
+
+/* The sum of a[i] * b[i] over [0, n): eight float lanes (vectorised), then in double. */
+static double dw_dot(const float *restrict a, const float *restrict b, size_t n) {
+    float lane[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) lane[k] += a[i + k] * b[i + k];
+    double s = 0.0;
+    for (; i < n; i++) s += (double)a[i] * b[i];
+    for (int k = 0; k < 8; k++) s += lane[k];
+    return s;
+}
+
+/* Task over (sample, input channel) planes: each padded once for its OC/C outputs. */
+static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
+    const ConvGJob *j = ctx;
+    const ConvGDims *d = j->d;
+    const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
+    const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW;
+    const size_t L = (size_t)(d->OH - 1) * Wp + d->OW;
+    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* (Hp, Wp) */
+    float *yp = xp + (size_t)dw_s1_hp(d) * Wp;                                     /* (OH, Wp) */
+    int lo, hi;
+    parallel_range(d->N * d->C, task, n_tasks, &lo, &hi);
+    for (int p = lo; p < hi; p++) {
+        const int n = p / d->C, c = p % d->C;
+        dw_s1_pad(xp, j->x + (size_t)p * in_plane, d);
+        for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
+            const float b = j->bias ? j->bias[oc] : 0.0f, *w = j->w + (size_t)oc * kk;
+            for (size_t q = 0; q < L; q++) yp[q] = b;
+            for (int kh = 0; kh < d->KH; kh++)
+                for (int kw = 0; kw < d->KW; kw++) {
+                    const float wv = w[kh * d->KW + kw];
+                    const float *restrict xs = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
+                    for (size_t q = 0; q < L; q++) yp[q] += wv * xs[q];
+                }
+            float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
+            for (int oh = 0; oh < d->OH; oh++)
+                memcpy(y + (size_t)oh * d->OW, yp + (size_t)oh * Wp, (size_t)d->OW * sizeof *y);
+        }
+    }
+}
+
+/* Task over input channels, as dw_backward_task: per sample the padded x
+ * (for the weight), a padded dx summed over the channel's outputs, then
+ * added into dx's plane. */
+static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
+    const ConvGJob *j = ctx;
+    const ConvGDims *d = j->d;
+    const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
+    const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW, pplane = (size_t)dw_s1_hp(d) * Wp;
+    const size_t L = (size_t)(d->OH - 1) * Wp + d->OW;
+    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* (Hp, Wp) */
+    float *dxp = xp + pplane;                                                      /* (Hp, Wp) */
+    float *dyp = dxp + pplane;                                                     /* (OH, Wp) */
+    int lo, hi;
+    parallel_range(d->C, task, n_tasks, &lo, &hi);
+    memset(dyp, 0, (size_t)d->OH * Wp * sizeof *dyp); /* the junk columns stay 0 */
+    for (int c = lo; c < hi; c++)
+        for (int n = 0; n < d->N; n++) {
+            const size_t xi = ((size_t)n * d->C + c) * in_plane;
+            if (j->dw) dw_s1_pad(xp, j->x + xi, d);
+            if (j->dx) memset(dxp, 0, pplane * sizeof *dxp);
+            for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
+                const float *dy = j->dy + ((size_t)n * d->OC + oc) * out_plane, *w = j->w + (size_t)oc * kk;
+                for (int oh = 0; oh < d->OH; oh++)
+                    memcpy(dyp + (size_t)oh * Wp, dy + (size_t)oh * d->OW, (size_t)d->OW * sizeof *dyp);
+                for (int kh = 0; kh < d->KH; kh++)
+                    for (int kw = 0; kw < d->KW; kw++) {
+                        const size_t off = (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
+                        if (j->dw) j->dw[(size_t)oc * kk + kh * d->KW + kw] += (float)dw_dot(dyp, xp + off, L);
+                        if (j->dx) {
+                            const float wv = w[kh * d->KW + kw];
+                            float *restrict dst = dxp + off;
+                            for (size_t q = 0; q < L; q++) dst[q] += wv * dyp[q];
+                        }
+                    }
+            }
+            if (j->dx)
+                for (int h = 0; h < d->H; h++) {
+                    float *restrict dst = j->dx + xi + (size_t)h * d->W;
+                    const float *restrict src = dxp + (size_t)(h + d->g.pad_h) * Wp + d->g.pad_w;
+                    for (int v = 0; v < d->W; v++) dst[v] += src[v];
+                }
+        }
+}
+
 /* ---- grouped: im2col + sgemm per sample and group ----------------------------- */
 
 /* col (Cg*KH*KW, OH*OW) of x (Cg, H, W): row (c, kh, kw), column (oh, ow). */
@@ -388,6 +493,13 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
         }
     }
     if (!j.dx && !w->requires_grad) return;
+    if (d->depthwise && dw_s1(d)) {
+        if (w->requires_grad && !(j.dw = tape_grad(t, w))) return;
+        j.thread_floats = (size_t)(2 * dw_s1_hp(d) + d->OH) * dw_s1_wp(d);
+        if (!(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float)))) return;
+        parallel_run(parallel_get_threads() < d->C ? parallel_get_threads() : d->C, dw_s1_backward_task, &j);
+        return;
+    }
     if (d->depthwise) {
         if (w->requires_grad && !(j.dw = tape_grad(t, w))) return;
         /* KH*KW doubles, then OW floats; even, so every thread's doubles stay aligned */
@@ -421,7 +533,12 @@ Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) 
     ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL,
                   .y = y->value.data};
     const int threads = parallel_get_threads();
-    if (d->depthwise) {
+    if (d->depthwise && dw_s1(d)) {
+        j.thread_floats = (size_t)(dw_s1_hp(d) + d->OH) * dw_s1_wp(d);
+        if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return NULL;
+        const int planes = d->N * d->C;
+        parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
+    } else if (d->depthwise) {
         const int planes = d->N * d->OC;
         parallel_run(threads < planes ? threads : planes, dw_forward_task, &j);
     } else {

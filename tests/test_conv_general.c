@@ -29,7 +29,8 @@ typedef struct {
 static const GCase cases[] = {
     {"grouped 2, 3x3", 2, 4, 7, 6, 6, 3, 3, {1, 1, 1, 1, 1, 1, 2, 0, 0}},
     {"grouped 2, pointwise (x read in place)", 3, 4, 5, 5, 6, 1, 1, {1, 1, 0, 0, 1, 1, 2, 0, 0}},
-    {"depthwise, stride 2", 2, 3, 8, 7, 3, 3, 3, {2, 2, 1, 1, 1, 1, 3, 0, 0}},
+    {"depthwise, stride 2 (row loops)", 2, 3, 8, 7, 3, 3, 3, {2, 2, 1, 1, 1, 1, 3, 0, 0}},
+    {"depthwise 3x3 'same' (padded-plane loops)", 3, 5, 9, 11, 5, 3, 3, {1, 1, 1, 1, 1, 1, 5, 0, 0}},
     {"depthwise multiplier 2, dilation 2", 2, 3, 7, 7, 6, 3, 3, {1, 1, 2, 2, 2, 2, 3, 0, 0}},
     {"depthwise 1x5, stride [1, 2]", 2, 4, 6, 9, 4, 1, 5, {1, 2, 0, 2, 1, 1, 4, 0, 0}},
     {"depthwise 2x2, 'same' extra row and column", 1, 2, 5, 4, 4, 2, 2, {1, 1, 0, 0, 1, 1, 2, 1, 1}},
