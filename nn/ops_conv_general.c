@@ -7,9 +7,11 @@
  *    both axes) is nn_conv2d itself (ops_conv.c), bit for bit;
  *  - depthwise (groups = C > 1, OC = C * multiplier) runs direct loops: an
  *    im2col + GEMM of one input channel at a time would be a 1-row product
- *    per plane. The forward splits the (sample, output channel) planes over
- *    the thread pool; the backward splits the input channels, so each task
- *    owns its channels' dx planes, weight taps and biases outright;
+ *    per plane. At stride 1 they run on a zero-padded copy of each plane,
+ *    one contiguous multiply-add per tap; other strides tap by tap along
+ *    the rows. The forward splits the planes over the thread pool; the
+ *    backward splits the input channels, so each task owns its channels'
+ *    dx planes and weight taps outright;
  *  - any other grouping: per sample and group, im2col (Cg*KH*KW, OH*OW)
  *    and one sgemm (a 1x1 stride-1 unpadded conv reads x in place). The
  *    weight gradient is summed in CONVG_PARTS fixed slices of the batch
