@@ -192,6 +192,34 @@ static void test_plain_is_conv2d(void) {
     test_env_free(&e);
 }
 
+/* Scratch comes from the step arena: after the first step (which grows a
+ * deliberately small arena) a step of every route allocates nothing. */
+static void test_steady_state_arena(void) {
+    for (size_t i = 0; i < N_CASES; i++) {
+        const GCase *k = &cases[i];
+        TestEnv e;
+        GRun o;
+        CU_ASSERT_FATAL(run_case(&e, k, true, 700 + i, &o)); /* the inputs, on e's arena */
+        Arena a;
+        Tape t;
+        CU_ASSERT_FATAL(arena_init(&a, 64) == 0 && tape_init(&t, &a, &e.rng, NULL) == QT_OK);
+        size_t grown_after_first = 0;
+        for (int step = 0; step < 3; step++) {
+            o.x->grad = o.w->grad = o.bias->grad = NULL; /* the step's grads live on t's arena */
+            Var *y = nn_conv2d_general(&t, o.x, o.w, o.bias, &k->g);
+            CU_ASSERT(y && tape_backward_from(&t, y, o.dy) == QT_OK);
+            if (step == 0) grown_after_first = a.grow_count;
+            tape_reset(&t);
+        }
+        CU_ASSERT(grown_after_first > 0);
+        if (a.grow_count != grown_after_first) fprintf(stderr, "\n  %s: the arena grew after the first step", k->what);
+        CU_ASSERT_EQUAL(a.grow_count, grown_after_first);
+        tape_free(&t);
+        arena_free(&a);
+        test_env_free(&e);
+    }
+}
+
 /* ---- finite differences ------------------------------------------------------ */
 
 typedef struct {
@@ -416,6 +444,7 @@ int register_nn_conv_general_suite(void) {
         {"general conv forward and accumulating backward match the direct loops", test_matches_ref},
         {"general conv gives the same bits at 1 and 2 threads", test_threads_identical},
         {"plain geometry equals nn_conv2d bit for bit", test_plain_is_conv2d},
+        {"general conv steps allocate nothing after the first", test_steady_state_arena},
         {"general conv gradcheck (groups, depthwise, strides, padding, dilation)", test_gradcheck},
         {"padding 'same' follows PyTorch 1.13", test_same_padding},
         {"general conv bad arguments name the sizes", test_bad_arguments},
