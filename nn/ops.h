@@ -132,6 +132,34 @@ typedef struct {
  * bit. lr NULL: nn_conv2d_fused. */
 Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
                              ConvEpilogue epi);
+/* The general convolution's geometry (ops_conv_general.c). Padding is
+ * pad_h rows on top and pad_h + pad_h_extra at the bottom (likewise pad_w,
+ * pad_w_extra on the left and right): the extra row or column is how
+ * PyTorch's padding='same' pads an even total (conv_geom2d_same). */
+typedef struct {
+    int stride_h, stride_w; /* >= 1 */
+    int pad_h, pad_w;       /* >= 0 */
+    int dil_h, dil_w;       /* >= 1; the kernel's taps lie dil apart */
+    int groups;             /* >= 1, divides C and OC; C = groups: depthwise */
+    int pad_h_extra, pad_w_extra; /* >= 0, usually 0 */
+} ConvGeom2d;
+/* Stride and padding on both axes, dilation 1, one group. */
+ConvGeom2d conv_geom2d(int stride, int padding);
+/* Sets g's padding to PyTorch 1.13's padding='same' for a KH x KW kernel at
+ * g's dilation: total dil*(K-1) per axis, half of it (rounded down) on the
+ * top/left, the rest on the bottom/right. Strides other than 1: QT_ERR_ARG
+ * (as PyTorch refuses them). */
+QtStatus conv_geom2d_same(ConvGeom2d *g, int KH, int KW, QtError *err);
+/* x: (N, C, H, W), w: (OC, C/groups, KH, KW), bias: (OC,) or NULL.
+ * y: (N, OC, OH, OW), OH = (H + 2*pad_h + pad_h_extra - dil_h*(KH-1) - 1)/stride_h + 1
+ * (likewise OW). Output channel oc sees input channels of group
+ * oc / (OC/groups). The plain geometry (one group, dilation 1, the same
+ * stride and padding on both axes) is nn_conv2d; depthwise (groups = C > 1,
+ * OC a multiple of C) runs direct loops; other groups im2col + sgemm per
+ * sample and group. Over the thread pool; a result does not depend on the
+ * thread count. */
+Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g);
+
 /* x: (N, C, H, W) -> (N, C, OH, OW), OH = (H - kernel)/stride + 1, no padding.
  * Max ties go to the first element in row-major window order. */
 Var *nn_maxpool2d(Tape *t, Var *x, int kernel, int stride);
@@ -187,5 +215,17 @@ void conv2d_forward_ref(float *y, const float *x, const float *w, const float *b
 /* Direct backward, for tests; accumulates into the non-NULL grads. */
 void conv2d_backward_ref(float *dx, float *dw, float *dbias, const float *dy, const float *x, const float *w,
                          int N, int C, int H, int W, int OC, int KH, int KW, int stride, int padding);
+/* Direct general convolution (groups, dilation, per-axis stride and
+ * padding), for tests: the `_ref` twin of nn_conv2d_general's kernels.
+ * y: (N, OC, OH, OW), x: (N, C, H, W), w: (OC, C/groups, KH, KW). */
+void conv2d_general_forward_ref(float *y, const float *x, const float *w, const float *bias, int N, int C, int H,
+                                int W, int OC, int KH, int KW, const ConvGeom2d *g);
+/* Its backward, accumulating into the non-NULL dx, dw, dbias. */
+void conv2d_general_backward_ref(float *dx, float *dw, float *dbias, const float *dy, const float *x,
+                                 const float *w, int N, int C, int H, int W, int OC, int KH, int KW,
+                                 const ConvGeom2d *g);
+/* Output size along one axis of the general convolution, 0 if the dilated
+ * kernel does not fit the padded input. */
+int conv_general_out_size(int in, int kernel, int stride, int pad_before, int pad_after, int dil);
 
 #endif
