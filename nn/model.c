@@ -13,7 +13,8 @@ static const char *const layer_names[LAYER_COUNT] = {
     [LAYER_DENSE] = "dense",         [LAYER_CONV2D] = "conv2d",       [LAYER_RELU] = "relu",
     [LAYER_GELU] = "gelu",           [LAYER_TANH] = "tanh",           [LAYER_SIGMOID] = "sigmoid",
     [LAYER_MAXPOOL2D] = "maxpool2d", [LAYER_AVGPOOL2D] = "avgpool2d", [LAYER_FLATTEN] = "flatten",
-    [LAYER_DROPOUT] = "dropout",     [LAYER_LAYERNORM] = "layernorm",
+    [LAYER_DROPOUT] = "dropout",     [LAYER_LAYERNORM] = "layernorm", [LAYER_BATCHNORM1D] = "batchnorm1d",
+    [LAYER_BATCHNORM2D] = "batchnorm2d", [LAYER_GLOBALAVGPOOL] = "globalavgpool",
 };
 
 static const char *const init_names[INIT_COUNT] = {
@@ -69,6 +70,8 @@ static int64_t module_param_values(const Module *m) {
     case LAYER_DENSE: return out * m->in_shape[0] + bias;
     case LAYER_CONV2D: return out * m->in_shape[0] * s->kernel * s->kernel + bias;
     case LAYER_LAYERNORM: return 2 * (int64_t)m->in_shape[m->in_ndim - 1];
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: return s->no_affine ? 0 : 2 * (int64_t)m->in_shape[0];
     default: return 0;
     }
 }
@@ -130,6 +133,29 @@ static QtStatus module_infer(Module *m, int *n_params, QtError *err) {
         return QT_OK;
     case LAYER_LAYERNORM:
         *n_params = 2;
+        return QT_OK;
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: {
+        /* Per example (C,) for batchnorm1d (the batch is (N, C)), (C, H, W) for batchnorm2d. */
+        int want = s->type == LAYER_BATCHNORM1D ? 1 : 3;
+        if (m->in_ndim != want)
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (%s) needs %s input per example, got %s%s", m->path,
+                                layer_type_name(s->type), want == 1 ? "(C,)" : "(C, H, W)", in,
+                                want == 1 ? "; use batchnorm2d on (C, H, W) or flatten first" : "; use batchnorm1d");
+        if (!(s->eps > 0.0f))
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): eps must be > 0", m->path,
+                                layer_type_name(s->type));
+        if (!(s->momentum >= 0.0f && s->momentum <= 1.0f))
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): momentum must be in [0, 1], got %g", m->path,
+                                layer_type_name(s->type), (double)s->momentum);
+        *n_params = s->no_affine ? 0 : 2;
+        return QT_OK;
+    }
+    case LAYER_GLOBALAVGPOOL:
+        if (m->in_ndim != 3)
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (globalavgpool) needs (C, H, W) input per example, "
+                                "got %s", m->path, in);
+        m->out_ndim = 1;
         return QT_OK;
     case LAYER_RELU:
     case LAYER_GELU:
@@ -199,13 +225,41 @@ static QtStatus module_alloc_params(Module *m, Param *slots, QtError *err) {
     } else if (s->type == LAYER_LAYERNORM) {
         out = m->in_shape[m->in_ndim - 1];
         st = param_alloc(&slots[0], m->path, "weight", 1, (int[]){out}, err);
+    } else if ((s->type == LAYER_BATCHNORM1D || s->type == LAYER_BATCHNORM2D) && !s->no_affine) {
+        out = m->in_shape[0];
+        st = param_alloc(&slots[0], m->path, "weight", 1, (int[]){out}, err);
     } else {
         m->weight = NULL;
         return QT_OK;
     }
-    if (st != QT_OK || (s->no_bias && s->type != LAYER_LAYERNORM)) return st;
+    if (st != QT_OK || (s->no_bias && (s->type == LAYER_DENSE || s->type == LAYER_CONV2D))) return st;
     m->bias = &slots[1];
     return param_alloc(&slots[1], m->path, "bias", 1, (int[]){out}, err);
+}
+
+static bool layer_is_batchnorm(LayerType t) { return t == LAYER_BATCHNORM1D || t == LAYER_BATCHNORM2D; }
+
+/* A batchnorm module's running statistics, as PyTorch starts them: mean 0, variance 1, no batches. */
+static QtStatus module_alloc_buffers(Module *m, QtError *err) {
+    if (!layer_is_batchnorm(m->spec.type)) return QT_OK;
+    size_t c = (size_t)m->in_shape[0];
+    m->running_mean = calloc(c, sizeof(float));
+    m->running_var = malloc(c * sizeof(float));
+    if (!m->running_mean || !m->running_var)
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the running statistics of '%s' (%zu channels)",
+                            m->path, c);
+    for (size_t i = 0; i < c; i++) m->running_var[i] = 1.0f;
+    m->num_batches_tracked = 0;
+    m->bn = (BatchNormState){.running_mean = m->running_mean, .running_var = m->running_var,
+                             .num_batches_tracked = &m->num_batches_tracked, .momentum = m->spec.momentum,
+                             .eps = m->spec.eps};
+    return QT_OK;
+}
+
+bool model_has_batchnorm(const Model *m) {
+    for (int i = 0; i < m->n_modules; i++)
+        if (layer_is_batchnorm(m->modules[i].spec.type)) return true;
+    return false;
 }
 
 /* The limits above, for module m just inferred; its parameters are added to *param_values. */
@@ -255,7 +309,7 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
         LayerSpec *s = &mod->spec;
         if (s->type == LAYER_CONV2D && s->stride == 0) s->stride = 1;
         if ((s->type == LAYER_MAXPOOL2D || s->type == LAYER_AVGPOOL2D) && s->stride == 0) s->stride = s->kernel;
-        if (s->type == LAYER_LAYERNORM && s->eps == 0.0f) s->eps = 1e-5f;
+        if ((s->type == LAYER_LAYERNORM || layer_is_batchnorm(s->type)) && s->eps == 0.0f) s->eps = 1e-5f;
         if (s->init == INIT_NORMAL && s->init_std == 0.0f) s->init_std = 0.02f;
         if (s->name[0])
             snprintf(mod->path, sizeof mod->path, "%s", s->name);
@@ -273,6 +327,7 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
         QtStatus st = module_infer(mod, &n_params, err);
         if (st == QT_OK) st = check_values(mod, &param_values, err);
         if (st == QT_OK && n_params) st = module_alloc_params(mod, &m->params[m->n_params], err);
+        if (st == QT_OK) st = module_alloc_buffers(mod, err);
         if (st != QT_OK) {
             model_free(m);
             return st;
@@ -293,6 +348,8 @@ void model_free(Model *m) {
             free(ps[k]->var.value.data);
             free(ps[k]->var.grad);
         }
+        free(m->modules[i].running_mean);
+        free(m->modules[i].running_var);
     }
     free(m->params);
     free(m->param_list);
@@ -307,7 +364,7 @@ static void module_init_params(Module *m, Rng *rng) {
     if (!m->weight) return;
     Var *w = &m->weight->var;
     size_t nw = var_numel(w);
-    if (s->type == LAYER_LAYERNORM) {
+    if (s->type == LAYER_LAYERNORM || layer_is_batchnorm(s->type)) {
         for (size_t i = 0; i < nw; i++) w->value.data[i] = 1.0f;
         if (m->bias) memset(m->bias->var.value.data, 0, var_numel(&m->bias->var) * sizeof(float));
         return;
@@ -374,6 +431,9 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     case LAYER_FLATTEN: return nn_flatten(t, x);
     case LAYER_DROPOUT: return nn_dropout(t, x, s->p);
     case LAYER_LAYERNORM: return nn_layernorm(t, x, w, b, s->eps);
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: return nn_batchnorm(t, x, w, b, &m->bn); /* batch or running statistics: t->training */
+    case LAYER_GLOBALAVGPOOL: return nn_globalavgpool(t, x);
     case LAYER_COUNT: break;
     }
     qt_error_set(&t->err, QT_ERR_ARG, "module '%s': unknown layer type", m->path);

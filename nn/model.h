@@ -10,6 +10,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "base/error.h"
@@ -32,6 +33,9 @@ typedef enum {
     LAYER_FLATTEN,
     LAYER_DROPOUT,
     LAYER_LAYERNORM,
+    LAYER_BATCHNORM1D,
+    LAYER_BATCHNORM2D,
+    LAYER_GLOBALAVGPOOL,
     LAYER_COUNT
 } LayerType;
 
@@ -52,8 +56,10 @@ typedef struct {
     int stride;                 /* conv2d (default 1), pools (default kernel) */
     int padding;                /* conv2d */
     float p;                    /* dropout probability */
-    float eps;                  /* layernorm (default 1e-5) */
+    float eps;                  /* layernorm, batchnorm (default 1e-5) */
+    float momentum;             /* batchnorm: the running statistics' update rate (default 0.1) */
     bool no_bias;               /* dense, conv2d: omit the bias */
+    bool no_affine;             /* batchnorm: no weight and bias (PyTorch's affine=False) */
     InitKind init;
     float init_std;             /* INIT_NORMAL (default 0.02) */
 } LayerSpec;
@@ -79,8 +85,16 @@ struct Module {
     char path[MODULE_NAME_MAX];         /* module path = name */
     int in_ndim, in_shape[3];           /* per example, without the batch axis */
     int out_ndim, out_shape[3];
-    Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); else NULL */
-    Param *bias;                        /* (out,) / (OC,) / (D,), or NULL */
+    Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); batchnorm (C,);
+                                           else NULL */
+    Param *bias;                        /* (out,) / (OC,) / (D,) / (C,), or NULL */
+    /* batchnorm: its running statistics, buffers owned by the module
+       (allocated in model_init, freed in model_free; no gradient), and the
+       op's state pointing at them. */
+    float *running_mean;                /* (C,), starts 0 */
+    float *running_var;                 /* (C,), starts 1 */
+    int64_t num_batches_tracked;
+    BatchNormState bn;
     ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
     ModuleFusedForwardFn fused_hook;    /* conv2d with a forward_hook: its fused form, or NULL (no fusing) */
     ModuleWeightFn weight_hook;         /* set with forward_hook by a quantized base, or NULL */
@@ -129,6 +143,8 @@ QtStatus param_unfreeze(Param *p, QtError *err);
 void param_release(Param *p);
 
 size_t model_param_count(const Model *m, bool trainable_only);
+/* Whether a module is a batchnorm1d/2d (it holds running statistics). */
+bool model_has_batchnorm(const Model *m);
 /* Bytes of parameter values (float32) actually held: released params
  * count 0. */
 size_t model_param_bytes(const Model *m);

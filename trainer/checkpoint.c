@@ -592,6 +592,14 @@ static QtStatus stage_alloc(Staged *sg, const Model *m, const Optimizer *opt, Qt
 static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, CheckpointState *s, const CheckpointNet *net,
                            bool trainable_only, QtError *err) {
     if (!path || !m) return qt_error_set(err, QT_ERR_ARG, "checkpoint_load: no path or no model");
+    /* A batch norm's running statistics are not in the format yet: loading its parameters alone would evaluate
+       or resume with statistics that never saw the data. */
+    for (int i = 0; i < m->n_modules; i++)
+        if (m->modules[i].running_mean)
+            return qt_error_set(err, QT_ERR_ARG, "%s: module '%s' (%s) keeps running statistics, which qtrain "
+                                "checkpoints do not hold yet, so a model with batch norm cannot be resumed, evaluated "
+                                "or initialised from a checkpoint; train it in one run", path, m->modules[i].path,
+                                layer_type_name(m->modules[i].spec.type));
     QtStatus st = s ? check_rng_names(s, err) : QT_OK;
     if (st != QT_OK) return st;
     H5ioFile f = H5IO_FILE_INIT;

@@ -100,7 +100,9 @@ static void put_layer(FILE *f, const LayerSpec *s) {
         case CFG_T_INT: fprintf(f, "%d", *(const int *)field); break;
         case CFG_T_FLOAT: fputs(fmt_float(a, sizeof a, *(const float *)field), f); break;
         case CFG_T_ENUM: fputs(row->name_of(*(const int *)field), f); break;
-        default: fputs(s->no_bias ? "false" : "true", f); break; /* bias, stored as no_bias */
+        default: /* bias and affine, stored as no_bias and no_affine */
+            fputs((strcmp(row->key, "affine") == 0 ? s->no_affine : s->no_bias) ? "false" : "true", f);
+            break;
         }
     }
     fputs("}\n", f);

@@ -68,6 +68,16 @@ static QtStatus layer_options(QtError *err, const YNode *m, const char *path, La
         s->eps = (float)cfg_table_row(T, "eps")->def;
         return cfg_load_key(err, m, path, T, "eps", s);
     }
+    if (s->type == LAYER_BATCHNORM1D || s->type == LAYER_BATCHNORM2D) {
+        s->eps = (float)cfg_table_row(T, "eps")->def;
+        s->momentum = (float)cfg_table_row(T, "momentum")->def;
+        bool affine = true;
+        QtStatus st = cfg_load_key(err, m, path, T, "eps", s);
+        if (st == QT_OK) st = cfg_load_key(err, m, path, T, "momentum", s);
+        if (st == QT_OK) st = cfg_get_bool(err, m, path, "affine", &affine);
+        s->no_affine = !affine;
+        return st;
+    }
     if (s->type != LAYER_DENSE && s->type != LAYER_CONV2D) return QT_OK;
     bool bias = true;
     QtStatus st = cfg_get_bool(err, m, path, "bias", &bias);

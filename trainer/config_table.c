@@ -379,6 +379,7 @@ const CfgTable CFG_ROOT = {.path = "", .owner = "the top level", .keys = ROOT_KE
 
 #define WEIGHTED (BIT(LAYER_DENSE) | BIT(LAYER_CONV2D))
 #define WINDOWED (BIT(LAYER_CONV2D) | BIT(LAYER_MAXPOOL2D) | BIT(LAYER_AVGPOOL2D))
+#define BATCHNORM (BIT(LAYER_BATCHNORM1D) | BIT(LAYER_BATCHNORM2D))
 
 /* The kinds are layer types; the loader is cfg_load_layer (config_parts.c), whose defaults and required keys
  * follow the type. The order is the order of a layer's keys in the resolved YAML. */
@@ -400,7 +401,11 @@ static const CfgKey LAYER_KEYS[] = {
     {.key = "p", .type = CFG_T_FLOAT, F(LayerSpec, p), .range = FRACTION, .def = 0.5, .kinds = BIT(LAYER_DROPOUT),
      .doc = "the probability of zeroing an input"},
     {.key = "eps", .type = CFG_T_FLOAT, F(LayerSpec, eps), .range = CFG_POSITIVE, .def = 1e-5, .doc_default = "1e-5",
-     .kinds = BIT(LAYER_LAYERNORM), .doc = "added to the variance"},
+     .kinds = BIT(LAYER_LAYERNORM) | BATCHNORM, .doc = "added to the variance"},
+    {.key = "momentum", .type = CFG_T_FLOAT, F(LayerSpec, momentum), .range = FRACTION, .def = 0.1, .kinds = BATCHNORM,
+     .doc = "the running statistics' update: running = (1 - momentum) running + momentum batch (PyTorch's)"},
+    {.key = "affine", .type = CFG_T_PART, .kinds = BATCHNORM, .doc_default = "true", .doc_values = "true, false",
+     .doc = "whether the layer has a weight (starts 1) and a bias (starts 0)"},
     {.key = "bias", .type = CFG_T_PART, .kinds = WEIGHTED, .doc_default = "true", .doc_values = "true, false",
      .doc = "whether the layer has a bias"},
     {.key = "init", .type = CFG_T_ENUM, O(LayerSpec, init), .size = 64, .name_of = init_name, .n_names = INIT_COUNT,
@@ -415,7 +420,9 @@ const CfgTable CFG_LAYER_TABLE = {
     .path = "model.layers[]", .owner = "a %s layer", .keys = LAYER_KEYS, .n = N_OF(LAYER_KEYS), .kind_key = 1,
     .doc = "Layers are mappings with a `type`; a key that does not apply to the layer's type (`units` on a "
            "conv2d) is an error. Types: dense, conv2d, relu, gelu, tanh, sigmoid, maxpool2d, avgpool2d, flatten, "
-           "dropout, layernorm."};
+           "dropout, layernorm, batchnorm1d, batchnorm2d, globalavgpool. A batchnorm normalizes with the batch's "
+           "statistics in training and with its running statistics (kept per module) in evaluation, as PyTorch's "
+           "BatchNorm1d/2d; globalavgpool is the mean over H and W, (C, H, W) -> (C,)."};
 
 /* ---- a rule -------------------------------------------------------------------------------------------------- */
 
