@@ -1,7 +1,8 @@
 /* test_model_graph.c - the layers of small real models reached from a
  * config: batchnorm1d/2d with the running statistics their modules own,
- * globalavgpool; their config keys and errors; a batch-norm CNN trained end
- * to end on the mini data set. */
+ * globalavgpool; the model as a DAG (inputs, add, concat); their config keys
+ * and errors; batch-norm and residual CNNs trained end to end on the mini
+ * data set. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -216,6 +217,211 @@ static void test_bn_config(void) {
     CU_ASSERT_PTR_NOT_NULL(strstr(e.msg, "needs (C, H, W)"));
 }
 
+/* ---- the DAG ------------------------------------------------------------------------ */
+
+static LayerSpec named(LayerType type, const char *name, const char *in0, const char *in1) {
+    LayerSpec s = {.type = type};
+    snprintf(s.name, sizeof s.name, "%s", name);
+    if (in0) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in0);
+    if (in1) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in1);
+    return s;
+}
+
+/* A DAG where fusion must hold back: r (conv c's relu) is read by the pool
+ * after it and by another layer, so only c + r fuse; c2 is read by r2 and by
+ * an add, so c2 does not fuse at all. Its output equals the ops run by hand. */
+static void test_dag_forward(void) {
+    LayerSpec layers[] = {
+        {.type = LAYER_CONV2D, .name = "c", .out_channels = 2, .kernel = 3, .stride = 1, .padding = 1},
+        named(LAYER_RELU, "r", NULL, NULL),
+        {.type = LAYER_MAXPOOL2D, .name = "p", .kernel = 2, .stride = 2},
+        {.type = LAYER_AVGPOOL2D, .name = "a", .kernel = 2, .stride = 2, .n_inputs = 1, .inputs = {"r"}},
+        named(LAYER_ADD, "s", "p", "a"),
+        {.type = LAYER_CONV2D, .name = "c2", .out_channels = 2, .kernel = 3, .stride = 1, .padding = 1},
+        named(LAYER_RELU, "r2", NULL, NULL),
+        named(LAYER_ADD, "s2", "r2", "c2"),
+        named(LAYER_CONCAT, "cat", "s2", "p"),
+        {.type = LAYER_FLATTEN, .name = "f"},
+        {.type = LAYER_DENSE, .name = "head", .units = 3},
+    };
+    enum { NL = sizeof layers / sizeof layers[0], N = 2 };
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){1, 6, 6}, layers, NL, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 5, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    CU_ASSERT_EQUAL(m.modules[1].n_consumers, 2);  /* r: p and a */
+    CU_ASSERT_EQUAL(m.modules[5].n_consumers, 2);  /* c2: r2 and s2 */
+    CU_ASSERT_EQUAL(m.modules[8].out_shape[0], 4); /* cat: 2 + 2 channels */
+    CU_ASSERT_EQUAL(m.modules[NL - 1].n_consumers, 1);
+    float x[N * 36];
+    rng_fill_normal(&r, x, N * 36, 0, 1);
+    TestEnv e;
+    test_env_init(&e, 1);
+    Tape *t = &e.tape;
+    Var *vx = test_var(&e, x, 4, (int[]){N, 1, 6, 6}, false);
+    Var *y = model_forward(&m, t, vx);
+    if (!y) fprintf(stderr, "\n  %s\n", t->err.msg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+    Var *w[4] = {&m.modules[0].weight->var, &m.modules[0].bias->var, &m.modules[5].weight->var,
+                 &m.modules[5].bias->var};
+    Var *rr = nn_relu(t, nn_conv2d(t, vx, w[0], w[1], 1, 1));
+    Var *pp = nn_maxpool2d(t, rr, 2, 2), *ss = nn_add(t, pp, nn_avgpool2d(t, rr, 2, 2));
+    Var *c2 = nn_conv2d(t, ss, w[2], w[3], 1, 1);
+    Var *cat = nn_concat(t, (Var *[]){nn_add(t, nn_relu(t, c2), c2), pp}, 2);
+    Var *ref = nn_linear(t, nn_flatten(t, cat), &m.modules[NL - 1].weight->var, &m.modules[NL - 1].bias->var);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ref);
+    for (int i = 0; i < N * 3; i++) CU_ASSERT_DOUBLE_EQUAL(y->value.data[i], ref->value.data[i], 1e-5);
+    /* module by module (as the non-finite guard re-runs it) gives the same */
+    tape_reset(t);
+    m.outs[0] = test_var(&e, x, 4, (int[]){N, 1, 6, 6}, false);
+    Var *last = NULL;
+    for (int i = 0; i < NL; i++) last = model_step(&m, t, i, m.outs);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(last);
+    for (int i = 0; i < N * 3; i++) CU_ASSERT_DOUBLE_EQUAL(last->value.data[i], ref->value.data[i], 1e-5);
+    /* model_print names what a module reads where it is not the previous one */
+    char buf[4096] = "";
+    FILE *f = fmemopen(buf, sizeof buf - 1, "w");
+    model_print(&m, f);
+    fclose(f);
+    CU_ASSERT_PTR_NOT_NULL(strstr(buf, "<- p, a\n"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(buf, "<- r\n"));
+    test_env_free(&e);
+    model_free(&m);
+}
+
+/* Finite differences of the loss through a residual block with batch norm
+ * (training mode: batch statistics) against the tape's gradients. */
+static void test_residual_block_grad(void) {
+    LayerSpec layers[] = {
+        {.type = LAYER_CONV2D, .name = "c1", .out_channels = 3, .kernel = 3, .stride = 1, .padding = 1,
+         .no_bias = true},
+        bn_layer(LAYER_BATCHNORM2D, "b1"),
+        named(LAYER_RELU, "r1", NULL, NULL),
+        {.type = LAYER_CONV2D, .name = "c2", .out_channels = 2, .kernel = 3, .stride = 1, .padding = 1,
+         .no_bias = true},
+        bn_layer(LAYER_BATCHNORM2D, "b2"),
+        named(LAYER_ADD, "sum", "b2", "input"),
+        named(LAYER_RELU, "r2", NULL, NULL),
+        {.type = LAYER_GLOBALAVGPOOL, .name = "gap"},
+        {.type = LAYER_DENSE, .name = "head", .units = 3},
+    };
+    enum { NL = sizeof layers / sizeof layers[0], N = 3, NX = N * 2 * 4 * 4 };
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){2, 4, 4}, layers, NL, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 9, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    for (int i = 0; i < m.n_params; i++) /* BN weights and biases away from 1 and 0 */
+        if (m.params[i].var.value.ndim == 1)
+            for (size_t j = 0; j < var_numel(&m.params[i].var); j++)
+                m.params[i].var.value.data[j] += 0.3f * (float)((int)j % 3) - 0.2f;
+    float x[NX];
+    rng_fill_normal(&r, x, NX, 0, 1);
+    int32_t labels[N] = {0, 2, 1};
+    TestEnv e;
+    test_env_init(&e, 1);
+    e.tape.training = true;
+    Var *vx = test_var(&e, x, 4, (int[]){N, 2, 4, 4}, false);
+    Var *loss = nn_softmax_cross_entropy(&e.tape, model_forward(&m, &e.tape, vx), labels);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(loss);
+    CU_ASSERT_EQUAL_FATAL(tape_backward(&e.tape, loss), QT_OK);
+    int checked = 0, bad = 0;
+    for (int i = 0; i < m.n_params; i++) {
+        Var *p = &m.params[i].var;
+        for (size_t j = 0; j < var_numel(p); j += 5) {
+            float p0 = p->value.data[j];
+            double l[2];
+            for (int sgn = 0; sgn < 2; sgn++) {
+                p->value.data[j] = p0 + (sgn ? -1e-3f : 1e-3f);
+                tape_reset(&e.tape);
+                e.tape.grad_enabled = false;
+                Var *vx2 = test_var(&e, x, 4, (int[]){N, 2, 4, 4}, false);
+                l[sgn] = nn_softmax_cross_entropy(&e.tape, model_forward(&m, &e.tape, vx2), labels)->value.data[0];
+            }
+            p->value.data[j] = p0;
+            double fd = (l[0] - l[1]) / 2e-3, an = p->grad[j];
+            if (fabs(fd - an) > 2e-3 + 2e-2 * fabs(fd)) {
+                fprintf(stderr, "\n  %s[%zu]: analytic %g, numeric %g", m.params[i].name, j, an, fd);
+                bad++;
+            }
+            checked++;
+        }
+    }
+    CU_ASSERT(checked > 20);
+    CU_ASSERT_EQUAL(bad, 0);
+    test_env_free(&e);
+    model_free(&m);
+}
+
+#define DAG_HEAD                   \
+    "model:\n"                     \
+    "  input: [2, 4, 4]\n"         \
+    "  layers:\n"                  \
+    "    - {name: a, type: conv2d, out_channels: 2, kernel: 3, padding: 1}\n" \
+    "    - {name: b, type: conv2d, out_channels: 3, kernel: 3, padding: 1}\n" \
+    "    - {name: p, type: maxpool2d, kernel: 2}\n"
+
+static void expect_dag_error(int line, const char *tail, const char *n1, const char *n2, const char *n3) {
+    char text[1024];
+    snprintf(text, sizeof text, DAG_HEAD "%s    - {type: flatten}\n    - {type: dense, units: 3}\n", tail);
+    Config c;
+    QtError e = {0};
+    QtStatus st = config_load_string(&c, text, NAME, NULL, 0, &e);
+    bool ok = st == QT_ERR_CONFIG && strstr(e.msg, n1) && (!n2 || strstr(e.msg, n2)) && (!n3 || strstr(e.msg, n3));
+    if (!ok) fprintf(stderr, "\n  %s:%d: status %d, message: %s\n", __FILE__, line, st, e.msg);
+    CU_assertImplementation(ok, (unsigned)line, "config error as expected", __FILE__, "", CU_FALSE);
+}
+
+static void test_dag_config(void) {
+    /* a valid DAG: its resolved YAML names the inputs, and loads back */
+    Config c;
+    QtError e = {0};
+    const char *ok = DAG_HEAD "    - {name: s, type: add, inputs: [a, input]}\n"
+                              "    - {name: j, type: concat, inputs: [s, b]}\n"
+                              "    - {type: flatten}\n    - {type: dense, units: 3}\n";
+    CU_ASSERT_EQUAL_FATAL(config_load_string(&c, ok, NAME, NULL, 0, &e), QT_OK);
+    CU_ASSERT_EQUAL(c.model.layers[3].n_inputs, 2);
+    CU_ASSERT_STRING_EQUAL(c.model.layers[3].inputs[1], "input");
+    char *yaml = config_to_yaml(&c);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(yaml);
+    CU_ASSERT_PTR_NOT_NULL(strstr(yaml, "{name: s, type: add, inputs: [a, input]}"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(yaml, "{name: j, type: concat, inputs: [s, b]}"));
+    CU_ASSERT_PTR_NULL(strstr(yaml, "{name: a, type: conv2d, inputs")); /* inputs only where given */
+    Config back;
+    CU_ASSERT_EQUAL(config_load_string(&back, yaml, "resolved", NULL, 0, &e), QT_OK);
+    char *again = config_to_yaml(&back);
+    CU_ASSERT(again && strcmp(again, yaml) == 0);
+    free(again);
+    free(yaml);
+    /* a config without inputs resolves as it always did: no inputs key anywhere */
+    Config cnn;
+    CU_ASSERT_EQUAL_FATAL(config_load(&cnn, "tests/configs/tiny-cnn.yaml", NULL, 0, &e), QT_OK);
+    yaml = config_to_yaml(&cnn);
+    CU_ASSERT(yaml && !strstr(yaml, "inputs"));
+    free(yaml);
+
+    /* each bad input: an error at the layer's line (7), naming what is wrong */
+    expect_dag_error(__LINE__, "    - {name: s, type: add, inputs: [a, nope]}\n", "t.yaml:7:", "'nope'",
+                     "no earlier layer");
+    expect_dag_error(__LINE__, "    - {name: s, type: add, inputs: [a, later]}\n    - {name: later, type: relu}\n",
+                     "t.yaml:7:", "'later', which comes later", NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: add, inputs: [a, t]}\n    - {name: t, type: relu, inputs: [s]}\n",
+                     "t.yaml:7:", "comes later", "cycles");
+    expect_dag_error(__LINE__, "    - {name: s, type: add, inputs: [a, b]}\n", "t.yaml:7:",
+                     "its inputs 'a' (2, 4, 4) and 'b' (3, 4, 4) differ in shape", NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: concat, inputs: [a, p]}\n", "t.yaml:7:",
+                     "its inputs 'a' (2, 4, 4) and 'p' (3, 2, 2) differ in more than the channel axis", NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: add, inputs: [s]}\n", "t.yaml:7:", "two or more inputs", NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: add}\n", "t.yaml:7:", "two or more inputs", NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: relu, inputs: [a, b]}\n", "t.yaml:7:", "reads one input", NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: relu, inputs: a}\n", "t.yaml:7:", "model.layers[3].inputs",
+                     NULL);
+    expect_dag_error(__LINE__, "    - {name: s, type: relu, inputs: [s]}\n", "t.yaml:7:", "names itself", NULL);
+}
+
 /* ---- end to end ---------------------------------------------------------------------- */
 
 static char *tmp_root;
@@ -278,6 +484,18 @@ static void test_bn_cnn_trains(void) {
     free(c);
 }
 
+static void test_res_cnn_trains(void) {
+    Config *c = load_run_config("tests/configs/tiny-res.yaml", "res");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtError err = {0};
+    TrainResult r;
+    TrainOptions o = {.quiet = true};
+    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &r, &err), QT_OK);
+    printf("(test accuracy %.3f) ", r.test_accuracy);
+    CU_ASSERT(r.test_accuracy > 0.2); /* 40 steps: well above chance (0.1) */
+    free(c);
+}
+
 int register_model_graph_suite(void) {
     CU_pSuite s = CU_add_suite("model_graph", graph_suite_init, graph_suite_cleanup);
     if (!s) return -1;
@@ -285,5 +503,9 @@ int register_model_graph_suite(void) {
            !CU_add_test(s, "batchnorm: batch statistics in training, running ones in eval", test_bn_train_and_eval) ||
            !CU_add_test(s, "batchnorm/globalavgpool on wrong shapes are errors", test_bn_shape_errors) ||
            !CU_add_test(s, "batchnorm config keys, defaults, resolved YAML, errors at their line", test_bn_config) ||
-           !CU_add_test(s, "a batch-norm CNN trains end to end; its checkpoints are not loaded", test_bn_cnn_trains);
+           !CU_add_test(s, "a batch-norm CNN trains end to end; its checkpoints are not loaded", test_bn_cnn_trains) ||
+           !CU_add_test(s, "DAG: merges, outputs kept, fusion only without other consumers", test_dag_forward) ||
+           !CU_add_test(s, "DAG: residual block with batch norm, finite differences", test_residual_block_grad) ||
+           !CU_add_test(s, "DAG: inputs in the config, resolved YAML, errors at the layer", test_dag_config) ||
+           !CU_add_test(s, "a residual CNN with batch norm trains end to end", test_res_cnn_trains);
 }

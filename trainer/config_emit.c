@@ -94,6 +94,14 @@ static void put_layer(FILE *f, const LayerSpec *s) {
         const char *field = (const char *)s + row->offset;
         if (!cfg_row_applies(row, (int)s->type) || (field == (const char *)&s->init_std && s->init != INIT_NORMAL))
             continue;
+        if (strcmp(row->key, "inputs") == 0) { /* only when given: a chain's YAML stays as it was */
+            for (int k = 0; k < s->n_inputs; k++) {
+                fputs(k ? ", " : ", inputs: [", f);
+                put_str(f, s->inputs[k]);
+            }
+            if (s->n_inputs) fputc(']', f);
+            continue;
+        }
         fprintf(f, "%s%s: ", i ? ", " : "", row->key);
         switch (row->type) {
         case CFG_T_STR: put_str(f, field); break;

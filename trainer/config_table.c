@@ -388,6 +388,9 @@ static const CfgKey LAYER_KEYS[] = {
      .doc_values = "like `run.name`", .doc = "the module path used in checkpoints and rules"},
     {.key = "type", .type = CFG_T_ENUM, O(LayerSpec, type), .size = 64, .name_of = layer_name,
      .n_names = LAYER_COUNT, .names_what = "layer type", .doc_default = "(required)", .doc = "the layer"},
+    {.key = "inputs", .type = CFG_T_PART, .doc_default = "the previous layer (the model's input for the first)",
+     .doc_values = "1 to 8 names of earlier layers, or `input` (the model's input, unless a layer is named so)",
+     .doc = "the outputs the layer reads: one, or two or more for `add` and `concat` (more below)"},
     {.key = "units", .type = CFG_T_INT, F(LayerSpec, units), .imin = 1, .imax = LAYER_SIZE_MAX,
      .kinds = BIT(LAYER_DENSE), .doc_default = "(required)", .doc = "its outputs"},
     {.key = "out_channels", .type = CFG_T_INT, F(LayerSpec, out_channels), .imin = 1, .imax = LAYER_SIZE_MAX,
@@ -420,8 +423,12 @@ const CfgTable CFG_LAYER_TABLE = {
     .path = "model.layers[]", .owner = "a %s layer", .keys = LAYER_KEYS, .n = N_OF(LAYER_KEYS), .kind_key = 1,
     .doc = "Layers are mappings with a `type`; a key that does not apply to the layer's type (`units` on a "
            "conv2d) is an error. Types: dense, conv2d, relu, gelu, tanh, sigmoid, maxpool2d, avgpool2d, flatten, "
-           "dropout, layernorm, batchnorm1d, batchnorm2d, globalavgpool. A batchnorm normalizes with the batch's "
-           "statistics in training and with its running statistics (kept per module) in evaluation, as PyTorch's "
+           "dropout, layernorm, batchnorm1d, batchnorm2d, globalavgpool, add, concat. A layer reads the previous "
+           "layer's output unless it names its `inputs`; the layers run in the order listed, so an input must be an "
+           "earlier layer (a later or unknown name is an error at the layer, and there are no cycles), and the "
+           "model's output is the last layer's. `add` sums two or more inputs of equal shape; `concat` joins two or "
+           "more along the channel axis (the features of a vector), their other dimensions equal. A batchnorm "
+           "normalizes with the batch's statistics in training and with its running statistics (kept per module) in evaluation, as PyTorch's "
            "BatchNorm1d/2d; globalavgpool is the mean over H and W, (C, H, W) -> (C,)."};
 
 /* ---- a rule -------------------------------------------------------------------------------------------------- */
