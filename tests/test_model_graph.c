@@ -8,12 +8,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nn/model.h"
 #include "nn/ops.h"
 #include "test_util.h"
+#include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/train.h"
+
+static char *tmp_root; /* the suite's scratch directory */
 
 static LayerSpec bn_layer(LayerType type, const char *name) {
     LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f};
@@ -215,6 +219,65 @@ static void test_bn_config(void) {
                         QT_OK);
     CU_ASSERT_PTR_NOT_NULL(strstr(e.msg, "t.yaml:5:"));
     CU_ASSERT_PTR_NOT_NULL(strstr(e.msg, "needs (C, H, W)"));
+}
+
+/* A PyTorch state_dict of BatchNorm1d(3) + Linear(3, 2) after three training
+ * steps, written with h5py in the checkpoint layout, loads as
+ * model.init_from does: parameters and running statistics bit for bit. */
+#define PYTHON "/usr/bin/python3"
+static const char TORCH_BN_SCRIPT[] =
+    "import sys, h5py, torch\n"
+    "torch.manual_seed(0)\n"
+    "m = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2)).train()\n"
+    "for _ in range(3): m(torch.randn(8, 3) * 2 + 1)\n"
+    "names = {'0': 'bn', '1': 'head'}\n"
+    "with h5py.File(sys.argv[1], 'w') as f, open(sys.argv[2], 'w') as out:\n"
+    "    f.attrs['format'] = 'qtrain'\n"
+    "    f.attrs['version'] = 1\n"
+    "    for k, v in m.state_dict().items():\n"
+    "        mod, t = k.split('.')\n"
+    "        g = 'buffers' if t in ('running_mean', 'running_var', 'num_batches_tracked') else 'params'\n"
+    "        f[g + '/' + names[mod] + '/' + t] = v.numpy()\n"
+    "        if g == 'buffers': out.write(' '.join(float(x).hex() for x in v.reshape(-1).tolist()) + '\\n')\n";
+
+static void test_bn_torch_state_dict(void) {
+    if (access(PYTHON, X_OK) != 0) {
+        test_skip(PYTHON " is missing (Debian's python3 with python3-torch and python3-h5py)");
+        return;
+    }
+    char script[1100], h5[1100], expect[1100], cmd[4096];
+    snprintf(script, sizeof script, "%s/torch_bn.py", tmp_root);
+    snprintf(h5, sizeof h5, "%s/torch_bn.h5", tmp_root);
+    snprintf(expect, sizeof expect, "%s/torch_bn.txt", tmp_root);
+    FILE *f = fopen(script, "w");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    fputs(TORCH_BN_SCRIPT, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, PYTHON " -c 'import torch, h5py' >/dev/null 2>&1");
+    fflush(NULL);
+    if (system(cmd) != 0) {
+        test_skip(PYTHON " cannot import torch and h5py (install python3-torch python3-h5py)");
+        return;
+    }
+    snprintf(cmd, sizeof cmd, PYTHON " %s %s %s", script, h5, expect);
+    CU_ASSERT_EQUAL_FATAL(system(cmd), 0);
+    LayerSpec layers[] = {bn_layer(LAYER_BATCHNORM1D, "bn"), {.type = LAYER_DENSE, .name = "head", .units = 2}};
+    Model m;
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (int[]){3}, layers, 2, NULL), QT_OK);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_load_params(h5, &m, &err), QT_OK);
+    if (err.status) fprintf(stderr, "\n  %s\n", err.msg);
+    char *text = test_file_read(expect, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
+    char *p = text, *end;
+    const Module *bn = &m.modules[0];
+    for (int k = 0; k < 3; k++, p = end) CU_ASSERT_EQUAL((float)strtod(p, &end), bn->running_mean[k]);
+    for (int k = 0; k < 3; k++, p = end) CU_ASSERT_EQUAL((float)strtod(p, &end), bn->running_var[k]);
+    CU_ASSERT_EQUAL((int64_t)strtod(p, &end), bn->num_batches_tracked);
+    CU_ASSERT_EQUAL(bn->num_batches_tracked, 3);
+    CU_ASSERT(bn->running_mean[0] != 0.0f);
+    free(text);
+    model_free(&m);
 }
 
 /* ---- the DAG ------------------------------------------------------------------------ */
@@ -424,7 +487,6 @@ static void test_dag_config(void) {
 
 /* ---- end to end ---------------------------------------------------------------------- */
 
-static char *tmp_root;
 
 static int graph_suite_init(void) {
     tmp_root = test_tmpdir_new();
@@ -451,49 +513,146 @@ static Config *load_run_config(const char *path, const char *sub) {
     return c;
 }
 
-/* conv2d (no bias) -> batchnorm2d -> relu -> globalavgpool -> dense learns; a
- * checkpoint of it cannot be loaded back while the format lacks the running
- * statistics (no resume or eval with statistics that never saw the data). */
+/* conv2d (no bias) -> batchnorm2d -> relu -> globalavgpool -> dense learns;
+ * eval of its final checkpoint (running statistics from /buffers) gives the
+ * run's test metrics. */
 static void test_bn_cnn_trains(void) {
-    Config *c = load_run_config("tests/configs/tiny-bn.yaml", "bn");
+    Config *c = load_run_config("tests/configs/tiny-bn.yaml", "bn-full");
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     QtError err = {0};
     TrainResult r;
-    TrainOptions o = {.quiet = true, .stop_at_step = 25};
-    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &r, &err), QT_OK);
-    CU_ASSERT(r.stopped);
-    TrainOptions again = {.quiet = true, .resume = "auto"};
-    QtStatus st = train_run(c, &again, &r, &err);
-    CU_ASSERT_NOT_EQUAL(st, QT_OK);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "module 'bn1' (batchnorm2d) keeps running statistics"));
-    free(c);
-
-    c = load_run_config("tests/configs/tiny-bn.yaml", "bn-full");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
-    qt_error_clear(&err);
     TrainOptions full = {.quiet = true};
     CU_ASSERT_EQUAL_FATAL(train_run(c, &full, &r, &err), QT_OK);
     printf("(test accuracy %.3f) ", r.test_accuracy);
     CU_ASSERT(r.test_accuracy > 0.25); /* 40 steps: well above chance (0.1) */
-    CU_ASSERT(isfinite(r.test_loss));
     char path[1100];
     snprintf(path, sizeof path, "%s/final.h5", c->run.out_dir);
     TrainResult ev;
-    CU_ASSERT_NOT_EQUAL(train_eval_checkpoint(c, path, false, &ev, &err), QT_OK);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "running statistics"));
+    CU_ASSERT_EQUAL(train_eval_checkpoint(c, path, false, &ev, &err), QT_OK);
+    CU_ASSERT_EQUAL(ev.test_accuracy, r.test_accuracy);
+    CU_ASSERT_EQUAL(ev.test_loss, r.test_loss);
     free(c);
 }
 
-static void test_res_cnn_trains(void) {
-    Config *c = load_run_config("tests/configs/tiny-res.yaml", "res");
-    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+static bool model_from(const Config *c, Model *m) {
     QtError err = {0};
-    TrainResult r;
-    TrainOptions o = {.quiet = true};
-    CU_ASSERT_EQUAL_FATAL(train_run(c, &o, &r, &err), QT_OK);
-    printf("(test accuracy %.3f) ", r.test_accuracy);
-    CU_ASSERT(r.test_accuracy > 0.2); /* 40 steps: well above chance (0.1) */
-    free(c);
+    return model_init(m, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers, &err) == QT_OK;
+}
+
+/* Parameters and batch-norm statistics of two checkpoints, bit for bit. */
+static void assert_same_state(const Config *c, const char *a, const char *b) {
+    Model ma, mb;
+    QtError err = {0};
+    CU_ASSERT_FATAL(model_from(c, &ma) && model_from(c, &mb));
+    CU_ASSERT_EQUAL(checkpoint_load_params(a, &ma, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(b, &mb, &err), QT_OK);
+    for (int i = 0; i < ma.n_params; i++)
+        CU_ASSERT(memcmp(ma.params[i].var.value.data, mb.params[i].var.value.data,
+                         var_numel(&ma.params[i].var) * sizeof(float)) == 0);
+    int n_bn = 0;
+    for (int i = 0; i < ma.n_modules; i++) {
+        const Module *x = &ma.modules[i], *y = &mb.modules[i];
+        if (!x->running_mean) continue;
+        n_bn++;
+        size_t bytes = (size_t)x->in_shape[0] * sizeof(float);
+        CU_ASSERT(memcmp(x->running_mean, y->running_mean, bytes) == 0);
+        CU_ASSERT(memcmp(x->running_var, y->running_var, bytes) == 0);
+        CU_ASSERT_EQUAL(x->num_batches_tracked, y->num_batches_tracked);
+        CU_ASSERT(x->num_batches_tracked > 0);
+        CU_ASSERT(x->running_var[0] != 1.0f); /* the statistics were read, not left at their start */
+    }
+    CU_ASSERT_EQUAL(n_bn, 3);
+    model_free(&ma), model_free(&mb);
+}
+
+/* The residual CNN with batch norm and dropout: 40 steps straight equal 13
+ * (mid-epoch: 22 steps an epoch), stop, resume, 27, bit for bit. */
+static void test_res_cnn_resume_exact(void) {
+    Config *a = load_run_config("tests/configs/tiny-res.yaml", "res-straight");
+    Config *b = load_run_config("tests/configs/tiny-res.yaml", "res-split");
+    CU_ASSERT_FATAL(a && b);
+    QtError err = {0};
+    TrainResult ra, rb;
+    TrainOptions o = {.quiet = true}, stop = {.quiet = true, .stop_at_step = 13}, resume = {.quiet = true,
+                                                                                           .resume = "auto"};
+    CU_ASSERT_EQUAL_FATAL(train_run(a, &o, &ra, &err), QT_OK);
+    printf("(test accuracy %.3f) ", ra.test_accuracy);
+    CU_ASSERT(ra.test_accuracy > 0.2); /* 40 steps: well above chance (0.1) */
+    CU_ASSERT_EQUAL_FATAL(train_run(b, &stop, &rb, &err), QT_OK);
+    CU_ASSERT(rb.stopped);
+    CU_ASSERT_EQUAL(rb.steps, 13);
+    CU_ASSERT_EQUAL_FATAL(train_run(b, &resume, &rb, &err), QT_OK);
+    CU_ASSERT_EQUAL(rb.steps, ra.steps);
+    CU_ASSERT_EQUAL(rb.test_accuracy, ra.test_accuracy);
+    CU_ASSERT_EQUAL(rb.test_loss, ra.test_loss);
+    char fa[1100], fb[1100];
+    snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
+    snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
+    assert_same_state(a, fa, fb);
+    free(a), free(b);
+}
+
+/* Saves m to tmp_root/name; returns the path. */
+static const char *save_to(Model *m, const char *name) {
+    static char path[1100];
+    snprintf(path, sizeof path, "%s/%s", tmp_root, name);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_save(path, m, NULL, NULL, &err), QT_OK);
+    return path;
+}
+
+static void expect_load_error(const char *path, const char *n1, const char *n2) {
+    Model m;
+    LayerSpec layers[] = {bn_layer(LAYER_BATCHNORM1D, "bn"), {.type = LAYER_DENSE, .name = "head", .units = 2}};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (int[]){3}, layers, 2, NULL), QT_OK);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_load_params(path, &m, &err), QT_ERR_FORMAT);
+    bool ok = strstr(err.msg, n1) && strstr(err.msg, n2);
+    if (!ok) fprintf(stderr, "\n  want '%s' and '%s' in: %s\n", n1, n2, err.msg);
+    CU_ASSERT(ok);
+    CU_ASSERT_EQUAL(m.modules[0].running_var[0], 1.0f); /* nothing applied */
+    model_free(&m);
+}
+
+/* /buffers round trip, and the checkpoints that are refused: none for a
+ * batch-norm module, a negative or non-finite statistic. */
+static void test_bn_buffers_in_checkpoints(void) {
+    LayerSpec layers[] = {bn_layer(LAYER_BATCHNORM1D, "bn"), {.type = LAYER_DENSE, .name = "head", .units = 2}};
+    Model m, back;
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 1, (int[]){3}, layers, 2, NULL), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(model_init(&back, 1, (int[]){3}, layers, 2, NULL), QT_OK);
+    Module *bn = &m.modules[0];
+    const float mean[3] = {0.25f, -1.5f, 3.0f}, var[3] = {0.5f, 2.0f, 1e-3f};
+    memcpy(bn->running_mean, mean, sizeof mean);
+    memcpy(bn->running_var, var, sizeof var);
+    bn->num_batches_tracked = 12345678901LL;
+    const char *path = save_to(&m, "bn-good.h5");
+    QtError err = {0};
+    CU_ASSERT_EQUAL(checkpoint_load_params(path, &back, &err), QT_OK);
+    CU_ASSERT(memcmp(back.modules[0].running_mean, mean, sizeof mean) == 0);
+    CU_ASSERT(memcmp(back.modules[0].running_var, var, sizeof var) == 0);
+    CU_ASSERT_EQUAL(back.modules[0].num_batches_tracked, 12345678901LL);
+    model_free(&back);
+
+    bn->running_var[1] = -0.5f;
+    expect_load_error(save_to(&m, "bn-negvar.h5"), "/buffers/bn/running_var holds -0.5 at index 1", "never negative");
+    bn->running_var[1] = INFINITY;
+    expect_load_error(save_to(&m, "bn-infvar.h5"), "/buffers/bn/running_var holds inf", "damaged");
+    bn->running_var[1] = 2.0f;
+    bn->running_mean[2] = NAN;
+    expect_load_error(save_to(&m, "bn-nanmean.h5"), "/buffers/bn/running_mean holds nan", "damaged");
+    /* a model without batch norm writes no /buffers: loading its file into one with batch norm names the module */
+    LayerSpec plain[] = {{.type = LAYER_DENSE, .name = "head", .units = 2}};
+    Model p;
+    CU_ASSERT_EQUAL_FATAL(model_init(&p, 1, (int[]){3}, plain, 1, NULL), QT_OK);
+    path = save_to(&p, "no-bn.h5");
+    model_free(&p);
+    float *keep = bn->running_mean;
+    bn->running_mean = NULL; /* saved as if the module had no statistics */
+    const char *stripped = save_to(&m, "bn-stripped.h5");
+    bn->running_mean = keep;
+    expect_load_error(stripped, "no dataset /buffers/bn/running_mean", "module 'bn' (batchnorm1d) needs its running");
+    model_free(&m);
 }
 
 int register_model_graph_suite(void) {
@@ -503,9 +662,12 @@ int register_model_graph_suite(void) {
            !CU_add_test(s, "batchnorm: batch statistics in training, running ones in eval", test_bn_train_and_eval) ||
            !CU_add_test(s, "batchnorm/globalavgpool on wrong shapes are errors", test_bn_shape_errors) ||
            !CU_add_test(s, "batchnorm config keys, defaults, resolved YAML, errors at their line", test_bn_config) ||
-           !CU_add_test(s, "a batch-norm CNN trains end to end; its checkpoints are not loaded", test_bn_cnn_trains) ||
+           !CU_add_test(s, "a batch-norm CNN trains end to end; eval of its checkpoint agrees", test_bn_cnn_trains) ||
+           !CU_add_test(s, "/buffers: statistics round trip; missing, negative, non-finite refused",
+                        test_bn_buffers_in_checkpoints) ||
+           !CU_add_test(s, "/buffers: a PyTorch state_dict written with h5py loads", test_bn_torch_state_dict) ||
            !CU_add_test(s, "DAG: merges, outputs kept, fusion only without other consumers", test_dag_forward) ||
            !CU_add_test(s, "DAG: residual block with batch norm, finite differences", test_residual_block_grad) ||
            !CU_add_test(s, "DAG: inputs in the config, resolved YAML, errors at the layer", test_dag_config) ||
-           !CU_add_test(s, "a residual CNN with batch norm trains end to end", test_res_cnn_trains);
+           !CU_add_test(s, "residual CNN with batch norm, dropout: resume is bit-identical", test_res_cnn_resume_exact);
 }
