@@ -149,25 +149,6 @@ static QtStatus write_params(H5ioFile *f, const Model *m, bool trainable_only, Q
     return st;
 }
 
-/* A batch norm's running statistics: /buffers/<module>/running_mean, running_var (float32, (C,)) and
- * num_batches_tracked (int64 scalar), as PyTorch's state_dict names them. No group without a batch norm. */
-static QtStatus write_buffers(H5ioFile *f, const Model *m, QtError *err) {
-    QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < m->n_modules; i++) {
-        const Module *mod = &m->modules[i];
-        if (!mod->running_mean) continue;
-        const int c = mod->in_shape[0];
-        char a[CKPT_OBJ_MAX], b[CKPT_OBJ_MAX], n[CKPT_OBJ_MAX];
-        st = ckpt_obj_path(a, "buffers", mod->path, "running_mean", err);
-        if (st == QT_OK) st = ckpt_obj_path(b, "buffers", mod->path, "running_var", err);
-        if (st == QT_OK) st = ckpt_obj_path(n, "buffers", mod->path, "num_batches_tracked", err);
-        if (st == QT_OK) st = h5io_write_f32(f, a, mod->running_mean, 1, &c, err);
-        if (st == QT_OK) st = h5io_write_f32(f, b, mod->running_var, 1, &c, err);
-        if (st == QT_OK) st = h5io_write(f, n, H5T_NATIVE_INT64, &mod->num_batches_tracked, 0, NULL, err);
-    }
-    return st;
-}
-
 static QtStatus write_optim(H5ioFile *f, const Optimizer *o, QtError *err) {
     QtStatus st = h5io_group_create(f, "optim", err);
     if (st == QT_OK) st = h5io_attr_write_str(f, "optim", "optimizer", optim_kind_name(o->cfg.kind), err);
@@ -250,7 +231,7 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
     QtStatus st = h5io_create_mem(&f, path, hint, err);
     if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = write_params(&f, m, false, err);
-    if (st == QT_OK) st = write_buffers(&f, m, err);
+    if (st == QT_OK) st = ckpt_write_buffers(&f, m, err);
     if (st == QT_OK) st = ckpt_write_net(&f, &s->net, err);
     if (st == QT_OK && opt) st = write_optim(&f, opt, err);
     if (st == QT_OK) st = write_state(&f, s, err);
@@ -468,56 +449,6 @@ static QtStatus read_params(const H5ioFile *f, const Model *m, float *dst, QtErr
     return st;
 }
 
-/* Every batch norm's running statistics, checked and read into staging: fbuf (2 C floats per module, mean then
- * variance) and ibuf (one count per module), in module order. A model without batch norm reads nothing. */
-static QtStatus read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64_t *ibuf, QtError *err) {
-    QtStatus st = QT_OK;
-    for (int i = 0; st == QT_OK && i < m->n_modules; i++) {
-        const Module *mod = &m->modules[i];
-        if (!mod->running_mean) continue;
-        const int c = mod->in_shape[0];
-        const char *names[3] = {"running_mean", "running_var", "num_batches_tracked"};
-        char ds[3][CKPT_OBJ_MAX];
-        for (int k = 0; st == QT_OK && k < 3; k++) {
-            st = ckpt_obj_path(ds[k], "buffers", mod->path, names[k], err);
-            if (st == QT_OK && h5io_kind(f, ds[k]) != H5IO_DATASET)
-                st = qt_error_set(err, QT_ERR_FORMAT, "%s has no dataset /%s: module '%s' (%s) needs its running "
-                                  "statistics under /buffers/%s (running_mean, running_var, num_batches_tracked); "
-                                  "a checkpoint written before batch norm was in the model, or without its buffers, "
-                                  "cannot be resumed, evaluated or used as model.init_from for it", f->path, ds[k],
-                                  mod->path, layer_type_name(mod->spec.type), mod->path);
-        }
-        if (st == QT_OK) st = h5io_read_f32(f, ds[0], fbuf, 1, &c, err);
-        if (st == QT_OK) st = ckpt_check_finite(f, ds[0], fbuf, (size_t)c, err);
-        if (st == QT_OK) st = h5io_read_f32(f, ds[1], fbuf + c, 1, &c, err);
-        if (st == QT_OK) st = ckpt_check_finite(f, ds[1], fbuf + c, (size_t)c, err);
-        for (int k = 0; st == QT_OK && k < c; k++)
-            if (fbuf[c + k] < 0.0f)
-                st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %d; a running variance is never "
-                                  "negative, so this checkpoint is damaged; use an earlier checkpoint", f->path, ds[1],
-                                  (double)fbuf[c + k], k);
-        if (st == QT_OK) st = h5io_read(f, ds[2], H5T_NATIVE_INT64, ibuf, 0, NULL, err);
-        if (st == QT_OK && *ibuf < 0)
-            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is %lld; a count of batches is never negative, so this "
-                              "checkpoint is damaged", f->path, ds[2], (long long)*ibuf);
-        fbuf += 2 * c;
-        ibuf++;
-    }
-    return st;
-}
-
-static void commit_buffers(Model *m, const float *fbuf, const int64_t *ibuf) {
-    for (int i = 0; i < m->n_modules; i++) {
-        Module *mod = &m->modules[i];
-        if (!mod->running_mean) continue;
-        const size_t c = (size_t)mod->in_shape[0];
-        memcpy(mod->running_mean, fbuf, c * sizeof(float));
-        memcpy(mod->running_var, fbuf + c, c * sizeof(float));
-        mod->num_batches_tracked = *ibuf++;
-        fbuf += 2 * c;
-    }
-}
-
 /* The counts of a run (steps, epochs, positions, examples) are at most 2^53:
  * past that a double, which the schedule and the metrics count in, is no
  * longer exact, and no run gets there. A negative or larger count is a
@@ -690,13 +621,13 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
     if (st == QT_OK && net) st = ckpt_read_net(&f, net, &ns, err);
     if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
     if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
-    if (st == QT_OK && n_bn) st = read_buffers(&f, m, bn_f, bn_i, err);
+    if (st == QT_OK && n_bn) st = ckpt_read_buffers(&f, m, bn_f, bn_i, err);
     if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);
     if (st == QT_OK && s) st = read_state(&f, s, &sg, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st == QT_OK) commit(&sg, m, opt, s);
-    if (st == QT_OK && n_bn) commit_buffers(m, bn_f, bn_i);
+    if (st == QT_OK && n_bn) ckpt_commit_buffers(m, bn_f, bn_i);
     if (st == QT_OK && net) ckpt_commit_net(&ns, net);
     for (int i = 0; i < m->n_params; i++)
         if (hidden[i]) m->params[i].released = false;
