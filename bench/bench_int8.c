@@ -270,11 +270,13 @@ static void run_layer(void *ctx) {
 static int bench_layer(Net *n, QLayer *q, const Args *a) {
     Module *m = q->module;
     tape_reset(&n->tape);
-    Var *x = tape_wrap(&n->tape, n->pool, n->x_ndim, n->x_shape);
-    for (int k = 0; x && &n->model.modules[k] != m; k++) {
-        Module *mk = &n->model.modules[k];
-        x = mk->forward_hook ? mk->forward_hook(&n->tape, mk, x, mk->hook_ctx) : model_module_forward(&n->tape, mk, x);
-    }
+    /* The modules before m, unfused, each on the outputs it reads; then m's input. */
+    Var **outs = n->model.outs;
+    outs[0] = tape_wrap(&n->tape, n->pool, n->x_ndim, n->x_shape);
+    const int mi = (int)(m - n->model.modules);
+    for (int k = 0; k < mi; k++)
+        if (!model_step(&n->model, &n->tape, k, outs)) return -1;
+    Var *x = outs[1 + m->inputs[0]];
     if (!x) return -1;
     LayerJob j = {.n = n, .q = q, .ndim = x->value.ndim};
     memcpy(j.shape, x->value.shape, sizeof j.shape);

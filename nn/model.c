@@ -13,7 +13,9 @@ static const char *const layer_names[LAYER_COUNT] = {
     [LAYER_DENSE] = "dense",         [LAYER_CONV2D] = "conv2d",       [LAYER_RELU] = "relu",
     [LAYER_GELU] = "gelu",           [LAYER_TANH] = "tanh",           [LAYER_SIGMOID] = "sigmoid",
     [LAYER_MAXPOOL2D] = "maxpool2d", [LAYER_AVGPOOL2D] = "avgpool2d", [LAYER_FLATTEN] = "flatten",
-    [LAYER_DROPOUT] = "dropout",     [LAYER_LAYERNORM] = "layernorm",
+    [LAYER_DROPOUT] = "dropout",     [LAYER_LAYERNORM] = "layernorm", [LAYER_BATCHNORM1D] = "batchnorm1d",
+    [LAYER_BATCHNORM2D] = "batchnorm2d", [LAYER_GLOBALAVGPOOL] = "globalavgpool", [LAYER_ADD] = "add",
+    [LAYER_CONCAT] = "concat",
 };
 
 static const char *const init_names[INIT_COUNT] = {
@@ -69,6 +71,8 @@ static int64_t module_param_values(const Module *m) {
     case LAYER_DENSE: return out * m->in_shape[0] + bias;
     case LAYER_CONV2D: return out * m->in_shape[0] * s->kernel * s->kernel + bias;
     case LAYER_LAYERNORM: return 2 * (int64_t)m->in_shape[m->in_ndim - 1];
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: return s->no_affine ? 0 : 2 * (int64_t)m->in_shape[0];
     default: return 0;
     }
 }
@@ -131,10 +135,35 @@ static QtStatus module_infer(Module *m, int *n_params, QtError *err) {
     case LAYER_LAYERNORM:
         *n_params = 2;
         return QT_OK;
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: {
+        /* Per example (C,) for batchnorm1d (the batch is (N, C)), (C, H, W) for batchnorm2d. */
+        int want = s->type == LAYER_BATCHNORM1D ? 1 : 3;
+        if (m->in_ndim != want)
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (%s) needs %s input per example, got %s%s", m->path,
+                                layer_type_name(s->type), want == 1 ? "(C,)" : "(C, H, W)", in,
+                                want == 1 ? "; use batchnorm2d on (C, H, W) or flatten first" : "; use batchnorm1d");
+        if (!(s->eps > 0.0f))
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): eps must be > 0", m->path,
+                                layer_type_name(s->type));
+        if (!(s->momentum >= 0.0f && s->momentum <= 1.0f))
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): momentum must be in [0, 1], got %g", m->path,
+                                layer_type_name(s->type), (double)s->momentum);
+        *n_params = s->no_affine ? 0 : 2;
+        return QT_OK;
+    }
+    case LAYER_GLOBALAVGPOOL:
+        if (m->in_ndim != 3)
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (globalavgpool) needs (C, H, W) input per example, "
+                                "got %s", m->path, in);
+        m->out_ndim = 1;
+        return QT_OK;
     case LAYER_RELU:
     case LAYER_GELU:
     case LAYER_TANH:
     case LAYER_SIGMOID:
+    case LAYER_ADD:    /* model_graph_resolve gave the merged shape as its input */
+    case LAYER_CONCAT:
         return QT_OK;
     case LAYER_COUNT:
         break;
@@ -199,13 +228,41 @@ static QtStatus module_alloc_params(Module *m, Param *slots, QtError *err) {
     } else if (s->type == LAYER_LAYERNORM) {
         out = m->in_shape[m->in_ndim - 1];
         st = param_alloc(&slots[0], m->path, "weight", 1, (int[]){out}, err);
+    } else if ((s->type == LAYER_BATCHNORM1D || s->type == LAYER_BATCHNORM2D) && !s->no_affine) {
+        out = m->in_shape[0];
+        st = param_alloc(&slots[0], m->path, "weight", 1, (int[]){out}, err);
     } else {
         m->weight = NULL;
         return QT_OK;
     }
-    if (st != QT_OK || (s->no_bias && s->type != LAYER_LAYERNORM)) return st;
+    if (st != QT_OK || (s->no_bias && (s->type == LAYER_DENSE || s->type == LAYER_CONV2D))) return st;
     m->bias = &slots[1];
     return param_alloc(&slots[1], m->path, "bias", 1, (int[]){out}, err);
+}
+
+static bool layer_is_batchnorm(LayerType t) { return t == LAYER_BATCHNORM1D || t == LAYER_BATCHNORM2D; }
+
+/* A batchnorm module's running statistics, as PyTorch starts them: mean 0, variance 1, no batches. */
+static QtStatus module_alloc_buffers(Module *m, QtError *err) {
+    if (!layer_is_batchnorm(m->spec.type)) return QT_OK;
+    size_t c = (size_t)m->in_shape[0];
+    m->running_mean = calloc(c, sizeof(float));
+    m->running_var = malloc(c * sizeof(float));
+    if (!m->running_mean || !m->running_var)
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the running statistics of '%s' (%zu channels)",
+                            m->path, c);
+    for (size_t i = 0; i < c; i++) m->running_var[i] = 1.0f;
+    m->num_batches_tracked = 0;
+    m->bn = (BatchNormState){.running_mean = m->running_mean, .running_var = m->running_var,
+                             .num_batches_tracked = &m->num_batches_tracked, .momentum = m->spec.momentum,
+                             .eps = m->spec.eps};
+    return QT_OK;
+}
+
+bool model_has_batchnorm(const Model *m) {
+    for (int i = 0; i < m->n_modules; i++)
+        if (layer_is_batchnorm(m->modules[i].spec.type)) return true;
+    return false;
 }
 
 /* The limits above, for module m just inferred; its parameters are added to *param_values. */
@@ -242,12 +299,11 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
     m->modules = calloc((size_t)n_layers, sizeof *m->modules);
     m->params = calloc((size_t)n_layers * 2, sizeof *m->params);
     m->param_list = calloc((size_t)n_layers * 2, sizeof *m->param_list);
-    if (!m->modules || !m->params || !m->param_list) {
+    m->outs = calloc((size_t)n_layers + 1, sizeof *m->outs);
+    if (!m->modules || !m->params || !m->param_list || !m->outs) {
         model_free(m);
         return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate a model of %d layers", n_layers);
     }
-    int ndim = input_ndim, shape[3] = {1, 1, 1};
-    memcpy(shape, input_shape, (size_t)input_ndim * sizeof(int));
     int64_t param_values = 0;
     for (int i = 0; i < n_layers; i++) {
         Module *mod = &m->modules[m->n_modules++];
@@ -255,7 +311,7 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
         LayerSpec *s = &mod->spec;
         if (s->type == LAYER_CONV2D && s->stride == 0) s->stride = 1;
         if ((s->type == LAYER_MAXPOOL2D || s->type == LAYER_AVGPOOL2D) && s->stride == 0) s->stride = s->kernel;
-        if (s->type == LAYER_LAYERNORM && s->eps == 0.0f) s->eps = 1e-5f;
+        if ((s->type == LAYER_LAYERNORM || layer_is_batchnorm(s->type)) && s->eps == 0.0f) s->eps = 1e-5f;
         if (s->init == INIT_NORMAL && s->init_std == 0.0f) s->init_std = 0.02f;
         if (s->name[0])
             snprintf(mod->path, sizeof mod->path, "%s", s->name);
@@ -267,21 +323,20 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
             model_free(m);
             return st;
         }
-        mod->in_ndim = ndim;
-        memcpy(mod->in_shape, shape, sizeof shape);
         int n_params = 0;
-        QtStatus st = module_infer(mod, &n_params, err);
+        QtStatus st = model_graph_resolve(m, i, layers, n_layers, err);
+        if (st == QT_OK) st = module_infer(mod, &n_params, err);
         if (st == QT_OK) st = check_values(mod, &param_values, err);
         if (st == QT_OK && n_params) st = module_alloc_params(mod, &m->params[m->n_params], err);
+        if (st == QT_OK) st = module_alloc_buffers(mod, err);
         if (st != QT_OK) {
             model_free(m);
             return st;
         }
         if (mod->weight) m->param_list[m->n_params] = &m->params[m->n_params], m->n_params++;
         if (mod->bias) m->param_list[m->n_params] = &m->params[m->n_params], m->n_params++;
-        ndim = mod->out_ndim;
-        memcpy(shape, mod->out_shape, sizeof shape);
     }
+    model_graph_count_consumers(m);
     return QT_OK;
 }
 
@@ -293,9 +348,12 @@ void model_free(Model *m) {
             free(ps[k]->var.value.data);
             free(ps[k]->var.grad);
         }
+        free(m->modules[i].running_mean);
+        free(m->modules[i].running_var);
     }
     free(m->params);
     free(m->param_list);
+    free(m->outs);
     free(m->modules);
     memset(m, 0, sizeof *m);
 }
@@ -307,7 +365,7 @@ static void module_init_params(Module *m, Rng *rng) {
     if (!m->weight) return;
     Var *w = &m->weight->var;
     size_t nw = var_numel(w);
-    if (s->type == LAYER_LAYERNORM) {
+    if (s->type == LAYER_LAYERNORM || layer_is_batchnorm(s->type)) {
         for (size_t i = 0; i < nw; i++) w->value.data[i] = 1.0f;
         if (m->bias) memset(m->bias->var.value.data, 0, var_numel(&m->bias->var) * sizeof(float));
         return;
@@ -374,6 +432,14 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     case LAYER_FLATTEN: return nn_flatten(t, x);
     case LAYER_DROPOUT: return nn_dropout(t, x, s->p);
     case LAYER_LAYERNORM: return nn_layernorm(t, x, w, b, s->eps);
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: return nn_batchnorm(t, x, w, b, &m->bn); /* batch or running statistics: t->training */
+    case LAYER_GLOBALAVGPOOL: return nn_globalavgpool(t, x);
+    case LAYER_ADD:
+    case LAYER_CONCAT:
+        qt_error_set(&t->err, QT_ERR_ARG, "module '%s' (%s) merges several inputs: run it with model_step", m->path,
+                     layer_type_name(s->type));
+        return NULL;
     case LAYER_COUNT: break;
     }
     qt_error_set(&t->err, QT_ERR_ARG, "module '%s': unknown layer type", m->path);
@@ -382,18 +448,22 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
 
 /* How many modules from i on run as one fused convolution: 3 for a
  * conv2d -> relu -> maxpool2d (kernel 2, stride 2), 2 for conv2d -> relu,
- * else 1. A hooked conv2d fuses only if its hook offers a fused form. */
+ * else 1. A hooked conv2d fuses only if its hook offers a fused form. Each
+ * fused-away output must have the next module as its only consumer: the
+ * fused op never makes it. */
 static int model_fusable_layers(const Model *m, int i) {
     const Module *c = &m->modules[i];
     if (c->spec.type != LAYER_CONV2D) return 1;
     if (c->forward_hook ? !c->fused_hook : !c->weight || c->weight->released) return 1;
     if (i + 1 >= m->n_modules) return 1;
     const Module *r = &m->modules[i + 1];
-    if (r->spec.type != LAYER_RELU || r->forward_hook) return 1;
+    if (r->spec.type != LAYER_RELU || r->forward_hook || !model_reads_previous(m, i + 1) || c->n_consumers != 1)
+        return 1;
     if (i + 2 >= m->n_modules) return 2;
     const Module *p = &m->modules[i + 2];
     bool pool = p->spec.type == LAYER_MAXPOOL2D && !p->forward_hook && p->spec.kernel == 2 && p->spec.stride == 2 &&
-                c->out_shape[1] >= 2 && c->out_shape[2] >= 2;
+                c->out_shape[1] >= 2 && c->out_shape[2] >= 2 && model_reads_previous(m, i + 2) &&
+                r->n_consumers == 1;
     return pool ? 3 : 2;
 }
 
@@ -409,25 +479,50 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
                      tensor_shape_str(&x->value, sx, sizeof sx), sm);
         return NULL;
     }
-    for (int i = 0; i < m->n_modules && x; i++) {
+    /* Every output stays a Var on the tape (its arena) until tape_reset, so a
+       later module can read any earlier one; outs only indexes them. */
+    Var **outs = m->outs;
+    outs[0] = x;
+    for (int i = 0; i < m->n_modules; i++) {
         Module *mod = &m->modules[i];
         int fused = model_fusable_layers(m, i);
         if (fused > 1) {
             static const ConvEpilogue epi[] = {CONV_EPI_NONE, CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
-            Var *b = mod->bias ? &mod->bias->var : NULL;
-            Var *y = mod->forward_hook
-                         ? mod->fused_hook(t, mod, x, mod->hook_ctx, epi[fused])
-                         : nn_conv2d_fused(t, x, &mod->weight->var, b, mod->spec.stride, mod->spec.padding, epi[fused]);
-            if (y || !tape_ok(t)) {
-                x = y;
+            Var *b = mod->bias ? &mod->bias->var : NULL, *in = outs[1 + mod->inputs[0]];
+            Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, epi[fused])
+                                       : nn_conv2d_fused(t, in, &mod->weight->var, b, mod->spec.stride,
+                                                         mod->spec.padding, epi[fused]);
+            if (!y && !tape_ok(t)) return NULL;
+            if (y) {
+                outs[i + fused] = y;
                 i += fused - 1;
                 continue;
             }
             /* the hook declined: run it and the layers after it one by one */
         }
-        x = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : model_module_forward(t, mod, x);
+        if (!model_step(m, t, i, outs)) return NULL;
     }
-    return x;
+    return outs[m->n_modules];
+}
+
+Var *model_step(Model *m, Tape *t, int i, Var **outs) {
+    Module *mod = &m->modules[i];
+    Var *xs[LAYER_INPUTS_MAX];
+    for (int k = 0; k < mod->n_inputs; k++)
+        if (!(xs[k] = outs[1 + mod->inputs[k]])) return outs[1 + i] = NULL;
+    Var *y;
+    if (mod->spec.type == LAYER_ADD || mod->spec.type == LAYER_CONCAT)
+        y = model_merge_forward(t, mod, xs);
+    else
+        y = mod->forward_hook ? mod->forward_hook(t, mod, xs[0], mod->hook_ctx) : model_module_forward(t, mod, xs[0]);
+    return outs[1 + i] = y;
+}
+
+Var *model_merge_forward(Tape *t, Module *m, Var *const *xs) {
+    if (m->spec.type == LAYER_CONCAT) return nn_concat(t, xs, m->n_inputs);
+    Var *y = xs[0];
+    for (int k = 1; k < m->n_inputs && y; k++) y = nn_add(t, y, xs[k]);
+    return y;
 }
 
 /* ---- queries ----------------------------------------------------------------- */
@@ -478,8 +573,12 @@ void model_print(const Model *m, FILE *out) {
     for (int i = 0; i < m->n_modules; i++) {
         const Module *mod = &m->modules[i];
         size_t np = (mod->weight ? var_numel(&mod->weight->var) : 0) + (mod->bias ? var_numel(&mod->bias->var) : 0);
-        fprintf(out, "  %-12s %-10s %-16s %zu\n", mod->path, layer_type_name(mod->spec.type),
+        fprintf(out, "  %-12s %-10s %-16s %zu", mod->path, layer_type_name(mod->spec.type),
                 shape_str(s, sizeof s, mod->out_ndim, mod->out_shape), np);
+        /* where a module does not read the one before it, what it reads */
+        for (int k = 0; mod->spec.n_inputs && k < mod->n_inputs; k++)
+            fprintf(out, "%s%s", k ? ", " : "  <- ", mod->inputs[k] < 0 ? "(input)" : m->modules[mod->inputs[k]].path);
+        fputc('\n', out);
     }
     fprintf(out, "  total params: %zu (%zu trainable), %.1f KiB held as float32\n", model_param_count(m, false),
             model_param_count(m, true), (double)model_param_bytes(m) / 1024.0);

@@ -1,15 +1,18 @@
-/* model.h - layers and the sequential model of named modules.
+/* model.h - layers and the model of named modules.
  *
  * A model is a list of modules; each module's name is its path ("conv1",
  * "fc1", "head"), and its parameters are named "<path>/weight" and
  * "<path>/bias", the names checkpoints and quantization/LoRA rules use.
- * Shapes are inferred once at model_init, so a config whose layers do not
- * chain is rejected before any data is touched. */
+ * A module reads the previous module's output, or the outputs its spec
+ * names (a DAG evaluated in list order, model_graph.c); the model's output
+ * is the last module's. Shapes are inferred once at model_init, so a config
+ * whose layers do not fit together is rejected before any data is touched. */
 #ifndef QTRAIN_NN_MODEL_H
 #define QTRAIN_NN_MODEL_H
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "base/error.h"
@@ -19,6 +22,9 @@
 #include "tape.h"
 
 #define MODULE_NAME_MAX 32
+#define LAYER_INPUTS_MAX 8
+/* The name of the model's input in LayerSpec.inputs (unless a layer has that name). */
+#define MODEL_INPUT_NAME "input"
 
 typedef enum {
     LAYER_DENSE,
@@ -32,6 +38,11 @@ typedef enum {
     LAYER_FLATTEN,
     LAYER_DROPOUT,
     LAYER_LAYERNORM,
+    LAYER_BATCHNORM1D,
+    LAYER_BATCHNORM2D,
+    LAYER_GLOBALAVGPOOL,
+    LAYER_ADD,    /* merge: the sum of two or more inputs of equal shape */
+    LAYER_CONCAT, /* merge: two or more inputs joined along the channel axis (the features of a vector) */
     LAYER_COUNT
 } LayerType;
 
@@ -52,10 +63,14 @@ typedef struct {
     int stride;                 /* conv2d (default 1), pools (default kernel) */
     int padding;                /* conv2d */
     float p;                    /* dropout probability */
-    float eps;                  /* layernorm (default 1e-5) */
+    float eps;                  /* layernorm, batchnorm (default 1e-5) */
+    float momentum;             /* batchnorm: the running statistics' update rate (default 0.1) */
     bool no_bias;               /* dense, conv2d: omit the bias */
+    bool no_affine;             /* batchnorm: no weight and bias (PyTorch's affine=False) */
     InitKind init;
     float init_std;             /* INIT_NORMAL (default 0.02) */
+    int n_inputs;               /* 0: the previous layer (the model's input for the first) */
+    char inputs[LAYER_INPUTS_MAX][MODULE_NAME_MAX]; /* earlier layers' names, or MODEL_INPUT_NAME */
 } LayerSpec;
 
 typedef struct Module Module;
@@ -79,8 +94,19 @@ struct Module {
     char path[MODULE_NAME_MAX];         /* module path = name */
     int in_ndim, in_shape[3];           /* per example, without the batch axis */
     int out_ndim, out_shape[3];
-    Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); else NULL */
-    Param *bias;                        /* (out,) / (OC,) / (D,), or NULL */
+    int n_inputs;                       /* >= 1 */
+    int inputs[LAYER_INPUTS_MAX];       /* earlier module indices, -1 = the model's input */
+    int n_consumers;                    /* later modules reading its output (+1 for the last: the model's output) */
+    Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); batchnorm (C,);
+                                           else NULL */
+    Param *bias;                        /* (out,) / (OC,) / (D,) / (C,), or NULL */
+    /* batchnorm: its running statistics, buffers owned by the module
+       (allocated in model_init, freed in model_free; no gradient), and the
+       op's state pointing at them. */
+    float *running_mean;                /* (C,), starts 0 */
+    float *running_var;                 /* (C,), starts 1 */
+    int64_t num_batches_tracked;
+    BatchNormState bn;
     ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
     ModuleFusedForwardFn fused_hook;    /* conv2d with a forward_hook: its fused form, or NULL (no fusing) */
     ModuleWeightFn weight_hook;         /* set with forward_hook by a quantized base, or NULL */
@@ -94,6 +120,8 @@ typedef struct {
     Param *params;                      /* [n_params], in module order */
     Param **param_list;                 /* [n_params] pointers into params, as optimizers take them */
     int n_params;
+    Var **outs;                         /* [n_modules + 1] model_forward's outputs of this pass: [0] the input,
+                                           [1 + i] module i's (tape Vars, in the tape's arena) */
 } Model;
 
 const char *layer_type_name(LayerType type);
@@ -115,6 +143,21 @@ Var *model_forward(Model *m, Tape *t, Var *x);
  * that wraps the layer (a LoRA adapter over a float base) calls for the
  * base. x: (N, in_shape...) -> (N, out_shape...). */
 Var *model_module_forward(Tape *t, Module *m, Var *x);
+/* Runs module i alone (its hook, its own op, or the merge) on the outputs
+ * so far, outs[0] the model's input and outs[1 + j] module j's, and stores
+ * its output in outs[1 + i]. What model_forward does per module when it
+ * does not fuse, and how a caller re-runs a model module by module. */
+Var *model_step(Model *m, Tape *t, int i, Var **outs);
+/* The module's merge (add, concat) of xs[0..m->n_inputs). */
+Var *model_merge_forward(Tape *t, Module *m, Var *const *xs);
+/* Whether module i reads the previous module alone: a chain's step. */
+bool model_reads_previous(const Model *m, int i);
+/* model_graph.c: resolves module i's inputs (its spec's names; none = the
+ * previous module) to indices and sets its in_shape (for a merge, the merged
+ * shape). layers: the whole list, for the error of a forward reference. */
+QtStatus model_graph_resolve(Model *m, int i, const LayerSpec *layers, int n_layers, QtError *err);
+/* model_graph.c: counts every module's consumers once all are resolved. */
+void model_graph_count_consumers(Model *m);
 /* The Var of a parameter for use on a tape (its value and persistent grad). */
 static inline Var *param_var(Param *p) { return &p->var; }
 
@@ -129,6 +172,8 @@ QtStatus param_unfreeze(Param *p, QtError *err);
 void param_release(Param *p);
 
 size_t model_param_count(const Model *m, bool trainable_only);
+/* Whether a module is a batchnorm1d/2d (it holds running statistics). */
+bool model_has_batchnorm(const Model *m);
 /* Bytes of parameter values (float32) actually held: released params
  * count 0. */
 size_t model_param_bytes(const Model *m);

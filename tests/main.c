@@ -20,6 +20,7 @@
     X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \
+    X(model_graph) \
     X(nn_torch)   \
     X(data)       \
     X(data_cache) \

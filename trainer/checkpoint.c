@@ -231,6 +231,7 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
     QtStatus st = h5io_create_mem(&f, path, hint, err);
     if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = write_params(&f, m, false, err);
+    if (st == QT_OK) st = ckpt_write_buffers(&f, m, err);
     if (st == QT_OK) st = ckpt_write_net(&f, &s->net, err);
     if (st == QT_OK && opt) st = write_optim(&f, opt, err);
     if (st == QT_OK) st = write_state(&f, s, err);
@@ -607,23 +608,34 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
         if (!m->params[i].trainable && !m->params[i].released) hidden[i] = m->params[i].released = true;
     Staged sg = {0};
     CkptNetStaged ns = {0};
-    st = check_header(&f, err);
+    /* Batch norm statistics: not in an adapters file (its base's come from the base checkpoint). */
+    size_t n_bn_floats = 0, n_bn = 0;
+    for (int i = 0; !trainable_only && i < m->n_modules; i++)
+        if (m->modules[i].running_mean) n_bn_floats += 2 * (size_t)m->modules[i].in_shape[0], n_bn++;
+    float *bn_f = malloc((n_bn_floats + 1) * sizeof *bn_f);
+    int64_t *bn_i = malloc((n_bn + 1) * sizeof *bn_i);
+    st = bn_f && bn_i ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", path);
+    if (st == QT_OK) st = check_header(&f, err);
     if (st == QT_OK) st = check_params(&f, m, err);
     if (st == QT_OK && opt) st = check_optim(&f, opt, err);
     if (st == QT_OK && net) st = ckpt_read_net(&f, net, &ns, err);
     if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
     if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
+    if (st == QT_OK && n_bn) st = ckpt_read_buffers(&f, m, bn_f, bn_i, err);
     if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);
     if (st == QT_OK && s) st = read_state(&f, s, &sg, err);
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st == QT_OK) commit(&sg, m, opt, s);
+    if (st == QT_OK && n_bn) ckpt_commit_buffers(m, bn_f, bn_i);
     if (st == QT_OK && net) ckpt_commit_net(&ns, net);
     for (int i = 0; i < m->n_params; i++)
         if (hidden[i]) m->params[i].released = false;
     free(hidden);
     ckpt_staged_net_free(&ns);
     free(sg.buf);
+    free(bn_f);
+    free(bn_i);
     return st;
 }
 

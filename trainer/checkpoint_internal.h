@@ -1,5 +1,5 @@
 /* checkpoint_internal.h - what checkpoint.c, checkpoint_net.c,
- * checkpoint_dir.c and checkpoint_inspect.c share: the atomic write, the
+ * checkpoint_buffers.c, checkpoint_dir.c and checkpoint_inspect.c share: the atomic write, the
  * finite-value check, object paths, and the hook layers' part of
  * checkpoint_net.c, which the hook kinds' files (trainer/hook_*.c) use too
  * (not a public interface: checkpoint.h is). */
@@ -37,6 +37,15 @@ QtStatus ckpt_check_finite(const H5ioFile *f, const char *ds, const float *x, si
 
 /* "a/b" or "a/b/c" into out[CKPT_OBJ_MAX]; QT_ERR_ARG if too long. */
 QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err);
+
+/* checkpoint_buffers.c: every batch norm's running statistics under /buffers/<module>/. */
+QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err);
+/* Checks and reads them into staging: fbuf (2 C floats per batch-norm module, mean then variance) and ibuf (one
+ * count per module), in module order. A missing dataset is an error naming the module; a negative or non-finite
+ * statistic or a negative count is a damaged file. */
+QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64_t *ibuf, QtError *err);
+/* Applies what ckpt_read_buffers staged. */
+void ckpt_commit_buffers(Model *m, const float *fbuf, const int64_t *ibuf);
 
 /* What to do about a value no run writes (a flipped bit, a file edited or written by another tool). */
 #define DAMAGED_HINT "the checkpoint is damaged: resume from an earlier checkpoint, or write it again (qtrain " \

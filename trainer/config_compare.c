@@ -40,7 +40,10 @@ static bool row_differs(const CfgKey *row, const void *sa, const void *sb) {
 static bool layers_equal(const LayerSpec *a, const LayerSpec *b) {
     for (int i = 0; i < CFG_LAYER_TABLE.n; i++)
         if (CFG_LAYER_TABLE.keys[i].type != CFG_T_PART && row_differs(&CFG_LAYER_TABLE.keys[i], a, b)) return false;
-    return a->no_bias == b->no_bias;
+    if (a->n_inputs != b->n_inputs) return false;
+    for (int k = 0; k < a->n_inputs; k++)
+        if (strcmp(a->inputs[k], b->inputs[k]) != 0) return false;
+    return a->no_bias == b->no_bias && a->no_affine == b->no_affine;
 }
 
 int cfg_diff_transforms(const void *sa, const void *sb) {

@@ -94,13 +94,23 @@ static void put_layer(FILE *f, const LayerSpec *s) {
         const char *field = (const char *)s + row->offset;
         if (!cfg_row_applies(row, (int)s->type) || (field == (const char *)&s->init_std && s->init != INIT_NORMAL))
             continue;
+        if (strcmp(row->key, "inputs") == 0) { /* only when given: a chain's YAML stays as it was */
+            for (int k = 0; k < s->n_inputs; k++) {
+                fputs(k ? ", " : ", inputs: [", f);
+                put_str(f, s->inputs[k]);
+            }
+            if (s->n_inputs) fputc(']', f);
+            continue;
+        }
         fprintf(f, "%s%s: ", i ? ", " : "", row->key);
         switch (row->type) {
         case CFG_T_STR: put_str(f, field); break;
         case CFG_T_INT: fprintf(f, "%d", *(const int *)field); break;
         case CFG_T_FLOAT: fputs(fmt_float(a, sizeof a, *(const float *)field), f); break;
         case CFG_T_ENUM: fputs(row->name_of(*(const int *)field), f); break;
-        default: fputs(s->no_bias ? "false" : "true", f); break; /* bias, stored as no_bias */
+        default: /* bias and affine, stored as no_bias and no_affine */
+            fputs((strcmp(row->key, "affine") == 0 ? s->no_affine : s->no_bias) ? "false" : "true", f);
+            break;
         }
     }
     fputs("}\n", f);

@@ -36,6 +36,26 @@ static QtStatus layer_name(QtError *err, const YNode *m, const char *path, int i
     return st;
 }
 
+/* inputs: a sequence of layer names (resolved by model_init, which knows the layers before this one). */
+static QtStatus layer_inputs(QtError *err, const YNode *m, const char *path, LayerSpec *s) {
+    const YNode *v = cfg_field(m, "inputs");
+    if (!v) return QT_OK;
+    char full[96];
+    cfg_join(full, sizeof full, path, "inputs");
+    if (v->kind != YNODE_SEQUENCE || v->n < 1 || v->n > LAYER_INPUTS_MAX)
+        return cfg_fail_expected(err, v, full, "a sequence of 1 to 8 names of earlier layers, e.g. [conv1, input]",
+                                 v->kind == YNODE_SEQUENCE ? " (of another length)" : "");
+    for (int j = 0; j < v->n; j++) {
+        char item[112];
+        snprintf(item, sizeof item, "%s[%d]", full, j);
+        QtStatus st = cfg_to_str(err, v->items[j], item, false, s->inputs[j], sizeof s->inputs[j]);
+        if (st == QT_OK) st = cfg_check_name(err, v->items[j], item, s->inputs[j], "it names an earlier layer");
+        if (st != QT_OK) return st;
+    }
+    s->n_inputs = v->n;
+    return QT_OK;
+}
+
 /* units, out_channels, kernel, stride, padding: required ones per type, and the stride default. */
 static QtStatus layer_sizes(QtError *err, const YNode *m, const char *path, LayerSpec *s) {
     QtStatus st = QT_OK;
@@ -67,6 +87,16 @@ static QtStatus layer_options(QtError *err, const YNode *m, const char *path, La
     if (s->type == LAYER_LAYERNORM) {
         s->eps = (float)cfg_table_row(T, "eps")->def;
         return cfg_load_key(err, m, path, T, "eps", s);
+    }
+    if (s->type == LAYER_BATCHNORM1D || s->type == LAYER_BATCHNORM2D) {
+        s->eps = (float)cfg_table_row(T, "eps")->def;
+        s->momentum = (float)cfg_table_row(T, "momentum")->def;
+        bool affine = true;
+        QtStatus st = cfg_load_key(err, m, path, T, "eps", s);
+        if (st == QT_OK) st = cfg_load_key(err, m, path, T, "momentum", s);
+        if (st == QT_OK) st = cfg_get_bool(err, m, path, "affine", &affine);
+        s->no_affine = !affine;
+        return st;
     }
     if (s->type != LAYER_DENSE && s->type != LAYER_CONV2D) return QT_OK;
     bool bias = true;
@@ -104,6 +134,7 @@ QtStatus cfg_load_layer(QtError *err, const YNode *m, const char *path, int inde
     snprintf(owner, sizeof owner, T->owner, layer_type_name(s->type));
     if (st == QT_OK) st = cfg_check_table_keys(err, m, T, path, (int)s->type, owner);
     if (st == QT_OK) st = layer_name(err, m, path, index, s);
+    if (st == QT_OK) st = layer_inputs(err, m, path, s);
     if (st == QT_OK) st = layer_sizes(err, m, path, s);
     if (st == QT_OK) st = layer_options(err, m, path, s);
     return st;

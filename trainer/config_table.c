@@ -211,7 +211,8 @@ static const CfgKey MODEL_KEYS[] = {
     {.key = "layers", .type = CFG_T_PART, .part = &CFG_PART_LAYERS, .sub = &CFG_LAYER_TABLE, FIXED,
      .doc_default = "(required)", .doc_values = "1 to 64 layers", .doc = "the layers, in order (model.layers[] below)"},
     {.key = "init_from", .type = CFG_T_PATH, F(ModelConfig, init_from), .empty_ok = true, .def_str = "",
-     .doc_default = "none", .doc = "load `/params` from a checkpoint (shapes must match)"},
+     .doc_default = "none",
+     .doc = "load `/params` (and a batch norm's `/buffers`) from a checkpoint (shapes must match)"},
     {.key = "adapters_from", .type = CFG_T_PATH, F(ModelConfig, adapters_from), .empty_ok = true, .def_str = "",
      .doc_default = "none",
      .doc = "start a fresh run's LoRA adapters (and `lora.trainable` modules) from a checkpoint's or an "
@@ -379,6 +380,7 @@ const CfgTable CFG_ROOT = {.path = "", .owner = "the top level", .keys = ROOT_KE
 
 #define WEIGHTED (BIT(LAYER_DENSE) | BIT(LAYER_CONV2D))
 #define WINDOWED (BIT(LAYER_CONV2D) | BIT(LAYER_MAXPOOL2D) | BIT(LAYER_AVGPOOL2D))
+#define BATCHNORM (BIT(LAYER_BATCHNORM1D) | BIT(LAYER_BATCHNORM2D))
 
 /* The kinds are layer types; the loader is cfg_load_layer (config_parts.c), whose defaults and required keys
  * follow the type. The order is the order of a layer's keys in the resolved YAML. */
@@ -387,6 +389,9 @@ static const CfgKey LAYER_KEYS[] = {
      .doc_values = "like `run.name`", .doc = "the module path used in checkpoints and rules"},
     {.key = "type", .type = CFG_T_ENUM, O(LayerSpec, type), .size = 64, .name_of = layer_name,
      .n_names = LAYER_COUNT, .names_what = "layer type", .doc_default = "(required)", .doc = "the layer"},
+    {.key = "inputs", .type = CFG_T_PART, .doc_default = "the previous layer (the model's input for the first)",
+     .doc_values = "1 to 8 names of earlier layers, or `input` (the model's input, unless a layer is named so)",
+     .doc = "the outputs the layer reads: one, or two or more for `add` and `concat` (more below)"},
     {.key = "units", .type = CFG_T_INT, F(LayerSpec, units), .imin = 1, .imax = LAYER_SIZE_MAX,
      .kinds = BIT(LAYER_DENSE), .doc_default = "(required)", .doc = "its outputs"},
     {.key = "out_channels", .type = CFG_T_INT, F(LayerSpec, out_channels), .imin = 1, .imax = LAYER_SIZE_MAX,
@@ -400,7 +405,11 @@ static const CfgKey LAYER_KEYS[] = {
     {.key = "p", .type = CFG_T_FLOAT, F(LayerSpec, p), .range = FRACTION, .def = 0.5, .kinds = BIT(LAYER_DROPOUT),
      .doc = "the probability of zeroing an input"},
     {.key = "eps", .type = CFG_T_FLOAT, F(LayerSpec, eps), .range = CFG_POSITIVE, .def = 1e-5, .doc_default = "1e-5",
-     .kinds = BIT(LAYER_LAYERNORM), .doc = "added to the variance"},
+     .kinds = BIT(LAYER_LAYERNORM) | BATCHNORM, .doc = "added to the variance"},
+    {.key = "momentum", .type = CFG_T_FLOAT, F(LayerSpec, momentum), .range = FRACTION, .def = 0.1, .kinds = BATCHNORM,
+     .doc = "the running statistics' update: running = (1 - momentum) running + momentum batch (PyTorch's)"},
+    {.key = "affine", .type = CFG_T_PART, .kinds = BATCHNORM, .doc_default = "true", .doc_values = "true, false",
+     .doc = "whether the layer has a weight (starts 1) and a bias (starts 0)"},
     {.key = "bias", .type = CFG_T_PART, .kinds = WEIGHTED, .doc_default = "true", .doc_values = "true, false",
      .doc = "whether the layer has a bias"},
     {.key = "init", .type = CFG_T_ENUM, O(LayerSpec, init), .size = 64, .name_of = init_name, .n_names = INIT_COUNT,
@@ -415,7 +424,13 @@ const CfgTable CFG_LAYER_TABLE = {
     .path = "model.layers[]", .owner = "a %s layer", .keys = LAYER_KEYS, .n = N_OF(LAYER_KEYS), .kind_key = 1,
     .doc = "Layers are mappings with a `type`; a key that does not apply to the layer's type (`units` on a "
            "conv2d) is an error. Types: dense, conv2d, relu, gelu, tanh, sigmoid, maxpool2d, avgpool2d, flatten, "
-           "dropout, layernorm."};
+           "dropout, layernorm, batchnorm1d, batchnorm2d, globalavgpool, add, concat. A layer reads the previous "
+           "layer's output unless it names its `inputs`; the layers run in the order listed, so an input must be an "
+           "earlier layer (a later or unknown name is an error at the layer, and there are no cycles), and the "
+           "model's output is the last layer's. `add` sums two or more inputs of equal shape; `concat` joins two or "
+           "more along the channel axis (the features of a vector), their other dimensions equal. A batchnorm "
+           "normalizes with the batch's statistics in training and with its running statistics (kept per module) in evaluation, as PyTorch's "
+           "BatchNorm1d/2d; globalavgpool is the mean over H and W, (C, H, W) -> (C,)."};
 
 /* ---- a rule -------------------------------------------------------------------------------------------------- */
 

@@ -88,11 +88,13 @@ void guard_locate_nonfinite_forward(Model *m, Tape *t, Var *x, Param *const *ps,
     bool training = t->training, grad = t->grad_enabled;
     t->training = false, t->grad_enabled = false;
     snprintf(where, cap, "the forward pass run again in inference mode is finite: the non-finite value comes from "
-             "a training-only op (dropout) or from the loss");
+             "a training-only op (dropout, a batch norm's batch statistics) or from the loss");
+    /* Module by module, each on the outputs it reads (the model may be a DAG), none fused. */
+    m->outs[0] = x;
     for (int i = 0; i < m->n_modules; i++) {
         Module *mod = &m->modules[i];
         if (!param_values_finite(mod->weight, where, cap) || !param_values_finite(mod->bias, where, cap)) break;
-        Var *y = mod->forward_hook ? mod->forward_hook(t, mod, x, mod->hook_ctx) : model_module_forward(t, mod, x);
+        Var *y = model_step(m, t, i, m->outs);
         if (!y) {
             snprintf(where, cap, "the forward pass could not be run again (%s)", t->err.msg);
             break;
@@ -102,7 +104,6 @@ void guard_locate_nonfinite_forward(Model *m, Tape *t, Var *x, Param *const *ps,
                      "(an overflow)", mod->path, layer_type_name(mod->spec.type), (double)y->value.data[bad], bad);
             break;
         }
-        x = y;
     }
     t->training = training, t->grad_enabled = grad;
 }

@@ -1,0 +1,138 @@
+/* model_graph.c - which outputs a module reads: the model as a DAG.
+ *
+ * A layer reads the previous layer's output unless it names its inputs
+ * (LayerSpec.inputs): earlier layers by name, or MODEL_INPUT_NAME for the
+ * model's input when no layer has that name. Only earlier layers may be
+ * named, so evaluating the list in order computes every input before it is
+ * read, and there can be no cycle. Merge layers (add, concat) read two or
+ * more inputs; every other layer reads one. */
+#include <stdio.h>
+#include <string.h>
+
+#include "model.h"
+
+static bool is_merge(LayerType t) { return t == LAYER_ADD || t == LAYER_CONCAT; }
+
+static char *shape_text(char *buf, size_t size, int ndim, const int *shape) {
+    Tensor t = {0};
+    tensor_set_shape(&t, ndim, shape);
+    return tensor_shape_str(&t, buf, size);
+}
+
+/* The name layer j of the list will get (its own, or model_init's automatic one). */
+static void layer_path(const LayerSpec *layers, int j, char *out, size_t cap) {
+    if (layers[j].name[0]) snprintf(out, cap, "%s", layers[j].name);
+    else snprintf(out, cap, "%s%d", layer_type_name(layers[j].type), j);
+}
+
+/* The index of input `name` of module i: an earlier module, or -1 for the model's input. */
+static QtStatus resolve_name(const Model *m, int i, const char *name, const LayerSpec *layers, int n_layers, int *out,
+                             QtError *err) {
+    const Module *mod = &m->modules[i];
+    const char *tn = layer_type_name(mod->spec.type);
+    for (int j = 0; j < i; j++)
+        if (strcmp(m->modules[j].path, name) == 0) return *out = j, QT_OK;
+    if (strcmp(name, MODEL_INPUT_NAME) == 0) {
+        bool taken = false;
+        for (int j = i; j < n_layers && !taken; j++) {
+            char p[MODULE_NAME_MAX];
+            layer_path(layers, j, p, sizeof p);
+            taken = strcmp(p, name) == 0;
+        }
+        if (!taken) return *out = -1, QT_OK;
+    }
+    if (strcmp(name, mod->path) == 0)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s) names itself as its input; a layer reads earlier "
+                            "layers only", mod->path, tn);
+    for (int j = i + 1; j < n_layers; j++) {
+        char p[MODULE_NAME_MAX];
+        layer_path(layers, j, p, sizeof p);
+        if (strcmp(p, name) == 0)
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s) reads '%s', which comes later (layer %d); layers "
+                                "run in the order listed, so an input must be an earlier layer (this also rules out "
+                                "cycles)", mod->path, tn, name, j);
+    }
+    return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s) reads '%s', which is no earlier layer; name an earlier "
+                        "layer, or '" MODEL_INPUT_NAME "' for the model's input", mod->path, tn, name);
+}
+
+/* The output shape of input k of module mod (k's index in mod->inputs). */
+static void input_shape(const Model *m, int idx, int *ndim, int *shape) {
+    shape[0] = shape[1] = shape[2] = 1;
+    if (idx < 0) {
+        *ndim = m->input_ndim;
+        memcpy(shape, m->input_shape, (size_t)m->input_ndim * sizeof(int));
+    } else {
+        *ndim = m->modules[idx].out_ndim;
+        memcpy(shape, m->modules[idx].out_shape, 3 * sizeof(int));
+    }
+}
+
+static const char *input_name(const Model *m, int idx) { return idx < 0 ? MODEL_INPUT_NAME : m->modules[idx].path; }
+
+/* A merge's input shape: add needs equal shapes, concat equal ones but for the channel axis (its sum). */
+static QtStatus merge_shape(Model *m, Module *mod, QtError *err) {
+    const bool add = mod->spec.type == LAYER_ADD;
+    int ndim, shape[3];
+    input_shape(m, mod->inputs[0], &ndim, shape);
+    for (int k = 1; k < mod->n_inputs; k++) {
+        int kd, ks[3];
+        input_shape(m, mod->inputs[k], &kd, ks);
+        bool fits = kd == ndim;
+        for (int d = add ? 0 : 1; fits && d < ndim; d++) fits = ks[d] == shape[d];
+        if (!fits) {
+            char a[64], b[64];
+            input_shape(m, mod->inputs[0], &ndim, shape);
+            return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (%s): its inputs '%s' %s and '%s' %s %s", mod->path,
+                                layer_type_name(mod->spec.type), input_name(m, mod->inputs[0]),
+                                shape_text(a, sizeof a, ndim, shape), input_name(m, mod->inputs[k]),
+                                shape_text(b, sizeof b, kd, ks),
+                                add ? "differ in shape; add needs equal shapes (a 1x1 conv2d on one path can match "
+                                      "them)"
+                                    : "differ in more than the channel axis; concat joins inputs whose other "
+                                      "dimensions are equal");
+        }
+        if (!add) shape[0] += ks[0];
+    }
+    mod->in_ndim = ndim;
+    memcpy(mod->in_shape, shape, sizeof shape);
+    return QT_OK;
+}
+
+QtStatus model_graph_resolve(Model *m, int i, const LayerSpec *layers, int n_layers, QtError *err) {
+    Module *mod = &m->modules[i];
+    const LayerSpec *s = &mod->spec;
+    const char *tn = layer_type_name(s->type);
+    if (s->n_inputs < 0 || s->n_inputs > LAYER_INPUTS_MAX)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): %d inputs; at most %d", mod->path, tn, s->n_inputs,
+                            LAYER_INPUTS_MAX);
+    if (is_merge(s->type) && s->n_inputs < 2)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s) merges two or more inputs; name them, e.g. "
+                            "inputs: [%s, %s]", mod->path, tn, i > 1 ? m->modules[i - 2].path : MODEL_INPUT_NAME,
+                            i > 0 ? m->modules[i - 1].path : MODEL_INPUT_NAME);
+    if (!is_merge(s->type) && s->n_inputs > 1)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s) reads one input, got %d; merge them first with an "
+                            "add or concat layer", mod->path, tn, s->n_inputs);
+    mod->n_inputs = s->n_inputs ? s->n_inputs : 1;
+    mod->inputs[0] = i - 1;
+    for (int k = 0; k < s->n_inputs; k++) {
+        QtStatus st = resolve_name(m, i, s->inputs[k], layers, n_layers, &mod->inputs[k], err);
+        if (st != QT_OK) return st;
+    }
+    if (is_merge(s->type)) return merge_shape(m, mod, err);
+    input_shape(m, mod->inputs[0], &mod->in_ndim, mod->in_shape);
+    return QT_OK;
+}
+
+void model_graph_count_consumers(Model *m) {
+    for (int i = 0; i < m->n_modules; i++) m->modules[i].n_consumers = 0;
+    for (int i = 0; i < m->n_modules; i++)
+        for (int k = 0; k < m->modules[i].n_inputs; k++)
+            if (m->modules[i].inputs[k] >= 0) m->modules[m->modules[i].inputs[k]].n_consumers++;
+    if (m->n_modules > 0) m->modules[m->n_modules - 1].n_consumers++;
+}
+
+bool model_reads_previous(const Model *m, int i) {
+    const Module *mod = &m->modules[i];
+    return mod->n_inputs == 1 && mod->inputs[0] == i - 1;
+}

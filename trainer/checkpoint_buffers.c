@@ -1,0 +1,72 @@
+/* checkpoint_buffers.c - a batch norm's running statistics in a checkpoint:
+ * /buffers/<module>/running_mean, running_var (float32, (C,)) and
+ * num_batches_tracked (int64 scalar), as PyTorch's state_dict names them. No
+ * /buffers group without a batch norm. */
+#include <string.h>
+
+#include "checkpoint_internal.h"
+
+QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < m->n_modules; i++) {
+        const Module *mod = &m->modules[i];
+        if (!mod->running_mean) continue;
+        const int c = mod->in_shape[0];
+        char a[CKPT_OBJ_MAX], b[CKPT_OBJ_MAX], n[CKPT_OBJ_MAX];
+        st = ckpt_obj_path(a, "buffers", mod->path, "running_mean", err);
+        if (st == QT_OK) st = ckpt_obj_path(b, "buffers", mod->path, "running_var", err);
+        if (st == QT_OK) st = ckpt_obj_path(n, "buffers", mod->path, "num_batches_tracked", err);
+        if (st == QT_OK) st = h5io_write_f32(f, a, mod->running_mean, 1, &c, err);
+        if (st == QT_OK) st = h5io_write_f32(f, b, mod->running_var, 1, &c, err);
+        if (st == QT_OK) st = h5io_write(f, n, H5T_NATIVE_INT64, &mod->num_batches_tracked, 0, NULL, err);
+    }
+    return st;
+}
+
+QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64_t *ibuf, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && i < m->n_modules; i++) {
+        const Module *mod = &m->modules[i];
+        if (!mod->running_mean) continue;
+        const int c = mod->in_shape[0];
+        const char *names[3] = {"running_mean", "running_var", "num_batches_tracked"};
+        char ds[3][CKPT_OBJ_MAX];
+        for (int k = 0; st == QT_OK && k < 3; k++) {
+            st = ckpt_obj_path(ds[k], "buffers", mod->path, names[k], err);
+            if (st == QT_OK && h5io_kind(f, ds[k]) != H5IO_DATASET)
+                st = qt_error_set(err, QT_ERR_FORMAT, "%s has no dataset /%s: module '%s' (%s) needs its running "
+                                  "statistics under /buffers/%s (running_mean, running_var, num_batches_tracked); "
+                                  "a checkpoint written before batch norm was in the model, or without its buffers, "
+                                  "cannot be resumed, evaluated or used as model.init_from for it", f->path, ds[k],
+                                  mod->path, layer_type_name(mod->spec.type), mod->path);
+        }
+        if (st == QT_OK) st = h5io_read_f32(f, ds[0], fbuf, 1, &c, err);
+        if (st == QT_OK) st = ckpt_check_finite(f, ds[0], fbuf, (size_t)c, err);
+        if (st == QT_OK) st = h5io_read_f32(f, ds[1], fbuf + c, 1, &c, err);
+        if (st == QT_OK) st = ckpt_check_finite(f, ds[1], fbuf + c, (size_t)c, err);
+        for (int k = 0; st == QT_OK && k < c; k++)
+            if (fbuf[c + k] < 0.0f)
+                st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s holds %g at index %d; a running variance is never "
+                                  "negative, so this checkpoint is damaged; use an earlier checkpoint", f->path, ds[1],
+                                  (double)fbuf[c + k], k);
+        if (st == QT_OK) st = h5io_read(f, ds[2], H5T_NATIVE_INT64, ibuf, 0, NULL, err);
+        if (st == QT_OK && *ibuf < 0)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is %lld; a count of batches is never negative, so this "
+                              "checkpoint is damaged", f->path, ds[2], (long long)*ibuf);
+        fbuf += 2 * c;
+        ibuf++;
+    }
+    return st;
+}
+
+void ckpt_commit_buffers(Model *m, const float *fbuf, const int64_t *ibuf) {
+    for (int i = 0; i < m->n_modules; i++) {
+        Module *mod = &m->modules[i];
+        if (!mod->running_mean) continue;
+        const size_t c = (size_t)mod->in_shape[0];
+        memcpy(mod->running_mean, fbuf, c * sizeof(float));
+        memcpy(mod->running_var, fbuf + c, c * sizeof(float));
+        mod->num_batches_tracked = *ibuf++;
+        fbuf += 2 * c;
+    }
+}
