@@ -176,6 +176,19 @@ static void test_fold_table(void) {
     CU_ASSERT_EQUAL(model_find_module(&n.model, "bn4")->bn_folded, BN_FOLD_INTO);
     free(text);
     net_free(&n);
+    /* a LoRA adapter on the producer: its output is normalised too, so the batch norm stays */
+    char from[1200];
+    snprintf(from, sizeof from, "model.init_from=%s", path);
+    const char *ov[] = {"quant.mode=ptq", "quant.rules=[{module_path: \".*\", weight_qtype: int8}]", from,
+                        "lora.rules=[{module_path: conv1, rank: 2}]"};
+    Config *l = load_config("tests/configs/tiny-bn-fold.yaml", "table-lora", ov, 4);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(l);
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, l, NET_FRESH, &err), QT_OK);
+    CU_ASSERT_STRING_EQUAL(n.bn_note[1], "bn1: not folded: conv1 has a LoRA adapter, whose output it normalises too");
+    CU_ASSERT_EQUAL(model_find_module(&n.model, "bn1")->bn_folded, BN_FOLD_NONE);
+    CU_ASSERT_EQUAL(model_find_module(&n.model, "bn4")->bn_folded, BN_FOLD_INTO);
+    net_free(&n);
+    free(l);
     model_free(&m);
     free(p);
     free(c);
@@ -244,6 +257,14 @@ static void check_ptq_model(const char *yaml, const char *tag, int n_bn) {
     CU_ASSERT_EQUAL(train_eval_checkpoint(p, quantized, false, &ev, &err), QT_OK);
     CU_ASSERT_EQUAL(ev.test_accuracy, rp.test_accuracy);
     CU_ASSERT_EQUAL(ev.test_loss, rp.test_loss);
+    /* the folded PTQ checkpoint as model.init_from: read as stored, not folded twice */
+    snprintf(sub, sizeof sub, "%s-ptq-again", tag);
+    Config *again = ptq_config(yaml, sub, ptq_ckpt, true);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(again);
+    CU_ASSERT_EQUAL(train_run(again, &quiet, &ev, &err), QT_OK);
+    CU_ASSERT_EQUAL(ev.test_accuracy, rp.test_accuracy);
+    CU_ASSERT_EQUAL(ev.test_loss, rp.test_loss);
+    free(again);
     CU_ASSERT_EQUAL(count_folded(c, float_ckpt, false), 0);
     CU_ASSERT_EQUAL(train_eval_checkpoint(c, float_ckpt, false, &ev, &err), QT_OK);
     CU_ASSERT_EQUAL(ev.test_loss, rf.test_loss);
