@@ -433,7 +433,10 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     case LAYER_DROPOUT: return nn_dropout(t, x, s->p);
     case LAYER_LAYERNORM: return nn_layernorm(t, x, w, b, s->eps);
     case LAYER_BATCHNORM1D:
-    case LAYER_BATCHNORM2D: return nn_batchnorm(t, x, w, b, &m->bn); /* batch or running statistics: t->training */
+    case LAYER_BATCHNORM2D:
+        if (m->bn_folded == BN_FOLD_BIAS) return nn_bias_add(t, x, b);
+        if (m->bn_folded == BN_FOLD_INTO) return x;
+        return nn_batchnorm(t, x, w, b, &m->bn); /* batch or running statistics: t->training */
     case LAYER_GLOBALAVGPOOL: return nn_globalavgpool(t, x);
     case LAYER_ADD:
     case LAYER_CONCAT:

@@ -73,6 +73,15 @@ typedef struct {
     char inputs[LAYER_INPUTS_MAX][MODULE_NAME_MAX]; /* earlier layers' names, or MODEL_INPUT_NAME */
 } LayerSpec;
 
+/* A batch norm folded into the layer that produces its input (its scale
+ * into that layer's weight, its shift into a bias): the module then passes
+ * its input on, adding its own bias when it carries the shift. */
+typedef enum {
+    BN_FOLD_NONE,  /* a batch norm of its own */
+    BN_FOLD_INTO,  /* y = x: the producer's weight and bias hold it all */
+    BN_FOLD_BIAS,  /* y = x + bias: the producer has no bias, so this module's bias holds the shift */
+} BnFold;
+
 typedef struct Module Module;
 
 /* Replaces a module's own forward (quant/ and lora/ install these; nn/
@@ -107,6 +116,8 @@ struct Module {
     float *running_var;                 /* (C,), starts 1 */
     int64_t num_batches_tracked;
     BatchNormState bn;
+    BnFold bn_folded;                   /* batchnorm: folded into the conv2d/dense before it (PTQ), whatever the
+                                           tape's mode; kept in checkpoints */
     ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
     ModuleFusedForwardFn fused_hook;    /* conv2d with a forward_hook: its fused form, or NULL (no fusing) */
     ModuleWeightFn weight_hook;         /* set with forward_hook by a quantized base, or NULL */

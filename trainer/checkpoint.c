@@ -613,7 +613,7 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
     for (int i = 0; !trainable_only && i < m->n_modules; i++)
         if (m->modules[i].running_mean) n_bn_floats += 2 * (size_t)m->modules[i].in_shape[0], n_bn++;
     float *bn_f = malloc((n_bn_floats + 1) * sizeof *bn_f);
-    int64_t *bn_i = malloc((n_bn + 1) * sizeof *bn_i);
+    int64_t *bn_i = malloc((2 * n_bn + 1) * sizeof *bn_i); /* num_batches_tracked, folded */
     st = bn_f && bn_i ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", path);
     if (st == QT_OK) st = check_header(&f, err);
     if (st == QT_OK) st = check_params(&f, m, err);

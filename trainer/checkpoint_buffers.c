@@ -1,7 +1,10 @@
 /* checkpoint_buffers.c - a batch norm's running statistics in a checkpoint:
  * /buffers/<module>/running_mean, running_var (float32, (C,)) and
  * num_batches_tracked (int64 scalar), as PyTorch's state_dict names them. No
- * /buffers group without a batch norm. */
+ * /buffers group without a batch norm. A batch norm folded into the layer
+ * before it (PTQ) has the attribute folded on /buffers/<module> (1: into the
+ * producer's weight and bias, 2: its own bias carries the shift; nn/model.h
+ * BnFold); without it the module is a batch norm of its own. */
 #include <string.h>
 
 #include "checkpoint_internal.h"
@@ -19,6 +22,9 @@ QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err) {
         if (st == QT_OK) st = h5io_write_f32(f, a, mod->running_mean, 1, &c, err);
         if (st == QT_OK) st = h5io_write_f32(f, b, mod->running_var, 1, &c, err);
         if (st == QT_OK) st = h5io_write(f, n, H5T_NATIVE_INT64, &mod->num_batches_tracked, 0, NULL, err);
+        if (st == QT_OK && mod->bn_folded != BN_FOLD_NONE && (st = ckpt_obj_path(a, "buffers", mod->path, NULL, err))
+            == QT_OK)
+            st = h5io_attr_write_i64(f, a, "folded", (int64_t)mod->bn_folded, err);
     }
     return st;
 }
@@ -53,8 +59,20 @@ QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64
         if (st == QT_OK && *ibuf < 0)
             st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s is %lld; a count of batches is never negative, so this "
                               "checkpoint is damaged", f->path, ds[2], (long long)*ibuf);
+        char g[CKPT_OBJ_MAX];
+        ibuf[1] = BN_FOLD_NONE;
+        if (st == QT_OK) st = ckpt_obj_path(g, "buffers", mod->path, NULL, err);
+        if (st == QT_OK && h5io_attr_exists(f, g, "folded")) st = h5io_attr_read_i64(f, g, "folded", &ibuf[1], err);
+        if (st == QT_OK && ibuf[1] != BN_FOLD_NONE && ibuf[1] != BN_FOLD_INTO && ibuf[1] != BN_FOLD_BIAS)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has folded %lld; a folded batch norm is 1 (into the layer "
+                              "before it) or 2 (its bias holds the shift), so this checkpoint is damaged", f->path, g,
+                              (long long)ibuf[1]);
+        if (st == QT_OK && ibuf[1] == BN_FOLD_BIAS && !mod->bias)
+            st = qt_error_set(err, QT_ERR_FORMAT, "%s: /%s has folded 2 (its bias holds the folded shift) but module "
+                              "'%s' has no bias (affine: false); the checkpoint was written for another model",
+                              f->path, g, mod->path);
         fbuf += 2 * c;
-        ibuf++;
+        ibuf += 2;
     }
     return st;
 }
@@ -66,7 +84,9 @@ void ckpt_commit_buffers(Model *m, const float *fbuf, const int64_t *ibuf) {
         const size_t c = (size_t)mod->in_shape[0];
         memcpy(mod->running_mean, fbuf, c * sizeof(float));
         memcpy(mod->running_var, fbuf + c, c * sizeof(float));
-        mod->num_batches_tracked = *ibuf++;
+        mod->num_batches_tracked = ibuf[0];
+        mod->bn_folded = (BnFold)ibuf[1];
+        ibuf += 2;
         fbuf += 2 * c;
     }
 }

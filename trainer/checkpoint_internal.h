@@ -41,7 +41,7 @@ QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, Q
 /* checkpoint_buffers.c: every batch norm's running statistics under /buffers/<module>/. */
 QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err);
 /* Checks and reads them into staging: fbuf (2 C floats per batch-norm module, mean then variance) and ibuf (one
- * count per module), in module order. A missing dataset is an error naming the module; a negative or non-finite
+ * count and the folded attribute (BnFold, 0 if absent) per module), in module order. A missing dataset is an error naming the module; a negative or non-finite
  * statistic or a negative count is a damaged file. */
 QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64_t *ibuf, QtError *err);
 /* Applies what ckpt_read_buffers staged. */

@@ -124,6 +124,7 @@ typedef struct {
     QuantMode mode;             /* quant.mode: none | ptq | qat | qt, default none */
     int calibration_batches;    /* quant.calibration_batches, default 16: training batches that calibrate
                                    static activation ranges (act_qtype) */
+    bool fold_bn;               /* quant.fold_bn, default true: ptq folds batch norms into the layer before them */
     QuantRule rules[RULES_MAX]; /* quant.rules, in order; first match wins */
     int n_rules;
 } QuantConfig;

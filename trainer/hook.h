@@ -21,7 +21,11 @@
  * installed before those that wrap whatever forward is in place (an
  * adapter over a quantized base).
  *
- * Adding a kind (batch norm folding, DoRA, ...) takes:
+ * Batch norm folding is no kind of its own: PTQ's attach folds each batch
+ * norm into the float layer before it (bn_fold.h) between loading
+ * model.init_from and quantizing, so the quantized weight is the folded one.
+ *
+ * Adding a kind (DoRA, ...) takes:
  *   1. trainer/hook_NAME.c: its layer struct, whose first member is
  *      `Module *module`; its functions; `const HookKind HOOK_NAME = {...}`
  *      with at least name, layer_size, rules, applies, check, attach and

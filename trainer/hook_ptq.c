@@ -3,7 +3,9 @@
  * run takes it from model.init_from (quantized here from the float
  * weights, or read as a PTQ checkpoint stores it); its checkpoint state is
  * /quant/<module>/weight (the packed codes and scales) and, with an
- * act_qtype, /quant/<module>/input (the static input range). Loading checks
+ * act_qtype, /quant/<module>/input (the static input range). Between
+ * loading and quantizing, batch norms fold into the layers before them
+ * (quant.fold_bn). Loading checks
  * the stored scales, zero points and ranges before anything uses them: a
  * value no run writes would otherwise load and turn every logit into NaN. */
 #include <math.h>
@@ -50,11 +52,14 @@ static bool name_listed(const char (*names)[MODULE_NAME_MAX], int n, const char 
     return false;
 }
 
-/* Quantizes every base layer whose float weight is still held (not
- * filled as stored from a PTQ file) and releases the float weight. */
-static QtStatus ptq_quantize_held(const Net *n, HookSet *set, QtError *err) {
+/* Folds the batch norms (quant.fold_bn, bn_fold.h) into the float weights
+ * just loaded, then quantizes every base layer whose float weight is still
+ * held (not filled as stored from a PTQ file) and releases the float
+ * weight: the quantized weight is the folded one. */
+static QtStatus ptq_quantize_held(Net *n, HookSet *set, QtError *err) {
     QLayer *ql = set->layers;
     QtStatus st = QT_OK;
+    net_fold_batchnorms(n);
     for (int i = 0; st == QT_OK && i < set->n; i++) {
         QLayer *q = &ql[i];
         if (q->module->weight->released) continue;

@@ -20,6 +20,7 @@ void net_free(Net *n) {
     free(n->quant_rule);
     free(n->lora_rule);
     free(n->is_trainable);
+    free(n->bn_note);
     model_free(&n->model);
     memset(n, 0, sizeof *n);
 }
@@ -166,7 +167,8 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     n->quant_rule = calloc((size_t)nm, sizeof *n->quant_rule);
     n->lora_rule = calloc((size_t)nm, sizeof *n->lora_rule);
     n->is_trainable = calloc((size_t)nm, sizeof *n->is_trainable);
-    if (!n->quant_rule || !n->lora_rule || !n->is_trainable)
+    n->bn_note = calloc((size_t)nm, sizeof *n->bn_note);
+    if (!n->quant_rule || !n->lora_rule || !n->is_trainable || !n->bn_note)
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
     if (st == QT_OK && c->quant.mode == QUANT_MODE_QT && config_has_lora(c))
         st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a quant.mode qt model are not supported yet; "
@@ -377,15 +379,28 @@ static bool net_describe(const Net *n, HookRules rules, int i, char *buf, size_t
     return false;
 }
 
+/* A batch norm's quant cell in a ptq model: what net_fold_batchnorms noted, or (a model read from a checkpoint)
+ * its state as read. */
+static void net_bn_cell(const Net *n, int i, char *buf, size_t cap) {
+    const Module *m = &n->model.modules[i];
+    const char *note = n->bn_note[i];
+    size_t skip = strlen(m->path) + 2; /* the note starts "<path>: " */
+    if (note[0] && strlen(note) >= skip) snprintf(buf, cap, "%s", note + skip);
+    else if (m->bn_folded != BN_FOLD_NONE) snprintf(buf, cap, "folded into %s", n->model.modules[m->inputs[0]].path);
+    else snprintf(buf, cap, "float (not folded)");
+}
+
 void net_print_table(const Net *n, FILE *out) {
     bool any_quant = n->cfg->quant.mode != QUANT_MODE_NONE, any_lora = config_has_lora(n->cfg);
     if (!any_quant && !any_lora) return;
     fprintf(out, "rules:\n  %-12s %-8s %-52s %s\n", "module", "type", "quant", "lora");
     for (int i = 0; i < n->model.n_modules; i++) {
         const Module *m = &n->model.modules[i];
-        if (!m->weight) continue;
+        if (!m->weight && !m->running_mean) continue;
         char qd[160] = "float (frozen)", ld[96] = "-";
-        if (n->is_trainable[i])
+        if (m->running_mean && n->cfg->quant.mode == QUANT_MODE_PTQ)
+            net_bn_cell(n, i, qd, sizeof qd);
+        else if (n->is_trainable[i])
             snprintf(qd, sizeof qd, "float, trained in full (lora.trainable)");
         else if (!net_describe(n, HOOK_RULES_QUANT, i, qd, sizeof qd) && n->quant_rule[i] >= 0)
             snprintf(qd, sizeof qd, "[%d] float (%s)", n->quant_rule[i],

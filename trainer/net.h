@@ -19,6 +19,7 @@
 #include "quant/qat.h"
 #include "quant/fqt.h"
 #include "quant/qlayer.h"
+#include "trainer/bn_fold.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/hook.h"
@@ -44,6 +45,8 @@ typedef struct Net {
     int *quant_rule;          /* [n_modules] rule index per module, -1 = none applied */
     int *lora_rule;           /* [n_modules] */
     bool *is_trainable;       /* [n_modules] listed in lora.trainable */
+    char (*bn_note)[BN_NOTE_MAX]; /* [n_modules] a batch norm's fold in a ptq run ("bn1: folded into conv1", "bn1: not
+                                 folded: conv1's output also feeds add1"), "" until net_fold_batchnorms */
     int quant_hits[RULES_MAX];
     int lora_hits[RULES_MAX];
 } Net;

@@ -180,6 +180,16 @@ static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, FIL
         if (q) qlayer_dequantize_weight(q, p->var.value.data);
         else memcpy(p->var.value.data, src->var.value.data, var_numel(&p->var) * sizeof(float));
     }
+    /* batch norms: their running statistics and whether they are folded (the folded weights came above) */
+    for (int i = 0; st == QT_OK && i < out->model.n_modules; i++) {
+        Module *m = &out->model.modules[i];
+        const Module *src = &n->model.modules[i];
+        if (!m->running_mean || !src->running_mean) continue;
+        memcpy(m->running_mean, src->running_mean, (size_t)m->in_shape[0] * sizeof(float));
+        memcpy(m->running_var, src->running_var, (size_t)m->in_shape[0] * sizeof(float));
+        m->num_batches_tracked = src->num_batches_tracked;
+        m->bn_folded = src->bn_folded;
+    }
     for (int i = 0; st == QT_OK && i < net_hook_count(n, &HOOK_LORA); i++) {
         const LoraAdapter *a = net_adapter(n, i);
         Module *m = model_find_module(&out->model, a->module->path);
