@@ -21,6 +21,7 @@
     X(nn_optim)   \
     X(nn_model)   \
     X(model_graph) \
+    X(conv_geom)  \
     X(nn_torch)   \
     X(data)       \
     X(data_cache) \
