@@ -49,6 +49,14 @@ QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err) {
     if (!m->weight || m->weight->var.value.ndim != want_ndim)
         return qt_error_set(err, QT_ERR_ARG, "%s: the %s layer has no %d-D weight for a lora adapter to act on",
                             m->path, layer_type_name(type), want_ndim);
+    if (type == LAYER_CONV2D && m->spec.groups > 1) {
+        if (m->spec.groups == m->in_shape[0])
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: a depthwise conv2d (groups = its %d input channels) takes no "
+                                "lora adapter: its per-channel kernels have no low-rank structure to adapt; adapt the "
+                                "pointwise (1x1) conv2d that follows it instead", m->path, m->spec.groups);
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: lora adapters on grouped conv2d layers (groups %d) are not "
+                            "supported yet; adapt a conv2d with groups 1 instead", m->path, m->spec.groups);
+    }
     int out = 0, fan_in = 0;
     weight_dims(m, &out, &fan_in);
     int max_rank = out < fan_in ? out : fan_in;
@@ -158,7 +166,7 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
  * declines (NULL, no error) and the layers run one by one. */
 static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
-    if (a->spec.dropout != 0.0f) return NULL;
+    if (a->spec.dropout != 0.0f || !m->conv_plain) return NULL;
     Var *w = NULL;
     if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
     else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);
@@ -189,8 +197,8 @@ Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x) {
     Var *xd = nn_dropout(t, x, a->spec.dropout);
     Var *u;
     if (m->spec.type == LAYER_CONV2D) {
-        /* h: (N, rank, OH, OW); u: (N, OC, OH, OW). */
-        Var *h = nn_conv2d(t, xd, &a->A.var, NULL, m->spec.stride, m->spec.padding);
+        /* h: (N, rank, OH, OW) (A at the base's geometry, one group); u: (N, OC, OH, OW). */
+        Var *h = model_conv_forward(t, m, xd, &a->A.var, NULL);
         u = nn_conv2d(t, h, &a->B.var, NULL, 1, 0);
     } else {
         /* h: (N, rank); u: (N, out). */

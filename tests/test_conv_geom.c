@@ -1,14 +1,22 @@
 /* test_conv_geom.c - conv2d's general geometry reached from a config: groups
  * (depthwise), [h, w] kernel/stride/padding, padding 'same', dilation; its
- * resolved YAML, weight shapes and init, errors at the layer's line, and a
- * depthwise-separable CNN trained end to end and resumed. */
+ * resolved YAML, weight shapes and init, errors at the layer's line, a
+ * depthwise-separable CNN trained end to end and resumed; and the hooks on
+ * it: PTQ (int8 declines grouped convs), QAT, QT's refusal, QLoRA on the
+ * pointwise convs and the refusal of adapters on a depthwise one. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "lora/lora.h"
 #include "nn/model.h"
 #include "nn/ops.h"
+#include "quant/qat.h"
+#include "quant/qgemm.h"
+#include "quant/qlayer.h"
+#include "quant/qtype.h"
+#include "test_proc.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -202,6 +210,252 @@ static void test_dw_cnn_trains_and_resumes(void) {
     free(a), free(b);
 }
 
+/* ---- the hooks on grouped convolutions ----------------------------------------------- */
+
+/* A depthwise, dilated conv quantized to int8 per output channel: one scale
+ * per channel over (OC, C/groups*KH*KW); its forward is the general
+ * convolution on the dequantized weight, bit for bit; the int8 kernels
+ * decline it (and take the same layer's plain twin). */
+static void test_ptq_grouped_layer(void) {
+    LayerSpec layers[] = {{.type = LAYER_CONV2D, .name = "dw", .out_channels = 4, .kernel = 3, .padding = 2,
+                           .dilation = 2, .groups = 4},
+                          {.type = LAYER_CONV2D, .name = "plain", .out_channels = 4, .kernel = 3, .padding = 1}};
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){4, 6, 6}, layers, 2, &err), QT_OK);
+    Rng rng;
+    rng_init(&rng, 9, 0);
+    model_init_params(&m, &rng);
+    QLayerSpec spec = qlayer_spec_default();
+    spec.weight_qtype = qtype_find("int8", NULL);
+    spec.act_qtype = qtype_find("int8", NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(spec.weight_qtype);
+    QLayer q[2];
+    for (int i = 0; i < 2; i++)
+        CU_ASSERT_EQUAL_FATAL(qlayer_init_quantize(&q[i], &m.modules[i], &spec, m.modules[i].weight->var.value.data,
+                                                   &err), QT_OK);
+    CU_ASSERT_EQUAL(q[0].weight.n_scales, 4); /* one per channel of the depthwise weight (4, 1, 3, 3) */
+    CU_ASSERT_EQUAL(q[0].fan_in, 9);
+    CU_ASSERT(!qlayer_int8_supported(&q[0]));
+    CU_ASSERT(qlayer_int8_supported(&q[1]));
+    float wdq[36];
+    qlayer_dequantize_weight(&q[0], wdq);
+    TestEnv e;
+    test_env_init(&e, 2);
+    float x[2 * 4 * 6 * 6];
+    for (int i = 0; i < (int)(sizeof x / sizeof x[0]); i++) x[i] = cosf(0.21f * (float)i);
+    Var *vx = test_var(&e, x, 4, (int[]){2, 4, 6, 6}, false);
+    Var *vw = test_var(&e, wdq, 4, (int[]){4, 1, 3, 3}, false);
+    Var *want = nn_conv2d_general(&e.tape, vx, vw, &m.modules[0].bias->var, &m.modules[0].geom);
+    qlayer_install(&q[0]);
+    Var *got = model_step(&m, &e.tape, 0, (Var *[]){vx, NULL, NULL});
+    CU_ASSERT_FATAL(want && got);
+    CU_ASSERT(memcmp(want->value.data, got->value.data, var_numel(want) * sizeof(float)) == 0);
+    test_env_free(&e);
+    for (int i = 0; i < 2; i++) qlayer_free(&q[i]);
+    model_free(&m);
+}
+
+/* The float depthwise-separable CNN, trained once for the tests below. */
+static TrainResult dw_base_result;
+
+static const char *dw_base(void) {
+    static char path[1100];
+    if (path[0]) return path;
+    Config *c = load_run_config("tests/configs/tiny-dw.yaml", "dw-base");
+    QtError err = {0};
+    TrainOptions o = {.quiet = true};
+    if (!c || train_run(c, &o, &dw_base_result, &err) != QT_OK) {
+        fprintf(stderr, "\n  dw-base: %s\n", err.msg);
+        free(c);
+        return NULL;
+    }
+    snprintf(path, sizeof path, "%s/final.h5", c->run.out_dir);
+    free(c);
+    return path;
+}
+
+static Config *dw_config(const char *sub, const char *const *ov, int n) {
+    char out_dir[512];
+    const char *all[8];
+    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
+    all[0] = out_dir;
+    for (int i = 0; i < n; i++) all[1 + i] = ov[i];
+    Config *c = malloc(sizeof *c);
+    QtError err = {0};
+    if (c && config_load(c, "tests/configs/tiny-dw.yaml", all, n + 1, &err) != QT_OK) {
+        fprintf(stderr, "\n  tiny-dw (%s): %s\n", sub, err.msg);
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* PTQ int8 (weights per channel, inputs calibrated) of the trained depthwise
+ * model evaluates close to float, on the int8 kernels where they apply; and
+ * `qtrain quantize` writes it and `qtrain eval` reads it back. */
+static void test_ptq_int8_dw_model(void) {
+    const char *base = dw_base();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(base);
+    char init[1200];
+    snprintf(init, sizeof init, "model.init_from=%s", base);
+    const char *ov[] = {init, "quant.mode=ptq",
+                        "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: int8}]", "train.steps=0",
+                        "train.epochs=0"};
+    Config *q = dw_config("dw-ptq", ov, 5);
+    CU_ASSERT_FATAL(q != NULL);
+    bool portable = qgemm_force_portable;
+    qgemm_force_portable = !qgemm_cpu_has_vnni(); /* the int8 kernels run here either way */
+    QtError err = {0};
+    TrainResult rq, rf = dw_base_result;
+    TrainOptions o = {.quiet = true};
+    QtStatus st = train_run(q, &o, &rq, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  ptq eval: %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    printf("(float %.3f, int8 %.3f) ", rf.test_accuracy, rq.test_accuracy);
+    CU_ASSERT(fabs(rq.test_accuracy - rf.test_accuracy) <= 0.03);
+    CU_ASSERT(fabs(rq.test_loss - rf.test_loss) <= 0.05 * rf.test_loss);
+    CU_ASSERT(rq.test_loss != rf.test_loss); /* it did quantize */
+    qgemm_force_portable = portable;
+    char out[1100], log[1100], rules[] = "quant.rules=[{module_path: \".*\", weight_qtype: int8}]";
+    snprintf(out, sizeof out, "%s/dw-int8.h5", tmp_root);
+    snprintf(log, sizeof log, "%s/dw-quantize.log", tmp_root);
+    const char *qargs[] = {"quantize", "--config", "tests/configs/tiny-dw.yaml", "--checkpoint",
+                           base, "--out", out, "--set", "quant.mode=ptq", "--set", rules, NULL};
+    CU_ASSERT_EQUAL(test_proc_run(log, qargs, 120.0), 0);
+    const char *eargs[] = {"eval", "--checkpoint", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL(test_proc_run(log, eargs, 120.0), 0);
+    char *text = test_file_read(log, NULL);
+    bool ok = text && strstr(text, "test_accuracy:");
+    if (!ok) fprintf(stderr, "\n  %s:\n%s\n", log, text ? text : "(none)");
+    CU_ASSERT(ok);
+    free(text);
+    free(q);
+}
+
+/* QAT (int8 weights per channel and int8 inputs) trains the depthwise model. */
+static void test_qat_dw_trains(void) {
+    const char *ov[] = {"quant.mode=qat", "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: int8}]"};
+    Config *c = dw_config("dw-qat", ov, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtError err = {0};
+    TrainResult r;
+    TrainOptions o = {.quiet = true};
+    QtStatus st = train_run(c, &o, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  qat: %s\n", err.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
+    printf("(test accuracy %.3f) ", r.test_accuracy);
+    CU_ASSERT(r.test_accuracy > 0.2);
+    /* its weight is one row per output channel: a depthwise conv gets one scale per channel */
+    Model m;
+    CU_ASSERT_FATAL(model_from(c, &m));
+    QLayerSpec spec = qlayer_spec_default();
+    spec.weight_qtype = qtype_find("int8", NULL);
+    QatSpec qs = qat_spec_default();
+    QatLayer ql;
+    Module *dw = model_find_module(&m, "dw");
+    CU_ASSERT_EQUAL_FATAL(qat_layer_init(&ql, dw, &spec, &qs, &err), QT_OK);
+    CU_ASSERT(ql.w_ndim == 2 && ql.w_shape[0] == 8 && ql.w_shape[1] == 9);
+    qat_layer_free(&ql);
+    model_free(&m);
+    free(c);
+}
+
+/* QT refuses the depthwise conv, naming it; QLoRA (nf4 base) with adapters
+ * on the pointwise conv trains from the float model; adapters on the
+ * depthwise conv are refused naming it and the pointwise conv to adapt. */
+static void test_qt_and_lora_on_dw(void) {
+    const char *qt[] = {"quant.mode=qt", "quant.rules=[{module_path: \".*\", weight_qtype: int8}]"};
+    Config *c = dw_config("dw-qt", qt, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtError err = {0};
+    TrainResult r;
+    TrainOptions o = {.quiet = true};
+    CU_ASSERT_EQUAL(train_run(c, &o, &r, &err), QT_ERR_CONFIG);
+    CU_ASSERT(strstr(err.msg, "dw") && strstr(err.msg, "grouped"));
+    free(c);
+
+    const char *base = dw_base();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(base);
+    char init[1200];
+    snprintf(init, sizeof init, "model.init_from=%s", base);
+    const char *ql[] = {init, "quant.mode=ptq",
+                        "quant.rules=[{module_path: \"conv1|dw|pw\", weight_qtype: nf4, tile_size: 8}]",
+                        "lora.rules=[{module_path: pw, rank: 4, alpha: 8}]", "lora.trainable=[head]"};
+    c = dw_config("dw-qlora", ql, 5);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    QtStatus st = train_run(c, &o, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  qlora: %s\n", err.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
+    printf("(qlora test accuracy %.3f) ", r.test_accuracy);
+    CU_ASSERT(r.test_accuracy > 0.2);
+    free(c);
+
+    /* a config error at the rule */
+    const char *bad[] = {"lora.rules=[{module_path: \"dw|pw\", rank: 2}]"};
+    c = dw_config("dw-lora-bad", bad, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    memset(&err, 0, sizeof err);
+    st = train_run(c, &o, &r, &err);
+    CU_ASSERT_EQUAL(st, QT_ERR_CONFIG);
+    bool ok = strstr(err.msg, "dw") && strstr(err.msg, "depthwise") && strstr(err.msg, "pointwise") &&
+              strstr(err.msg, "'pw'");
+    if (!ok) fprintf(stderr, "\n  message: %s\n", err.msg);
+    CU_ASSERT(ok);
+    free(c);
+}
+
+/* An adapter on a one-group conv with [h, w] kernel, 'same' padding and
+ * dilation: A runs at the base's geometry, so the adapted forward equals the
+ * merged weight's; a grouped (not depthwise) conv is refused as not
+ * supported, a depthwise one pointing at the pointwise conv. */
+static void test_lora_geometry(void) {
+    LayerSpec layers[] = {{.type = LAYER_CONV2D, .name = "c", .out_channels = 6, .kernel = 3, .kernel_w = 1,
+                           .stride = 1, .stride_w = 1, .padding_same = true, .dilation = 2, .dilation_w = 1},
+                          {.type = LAYER_CONV2D, .name = "g", .out_channels = 6, .kernel = 3, .padding = 1,
+                           .groups = 2},
+                          {.type = LAYER_CONV2D, .name = "d", .out_channels = 6, .kernel = 3, .padding = 1,
+                           .groups = 6}};
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){4, 7, 5}, layers, 3, &err), QT_OK);
+    Rng rng;
+    rng_init(&rng, 4, 0);
+    model_init_params(&m, &rng);
+    LoraSpec spec = {.rank = 2, .alpha = 2.0f};
+    LoraAdapter a;
+    CU_ASSERT_EQUAL(lora_spec_check(&spec, &m.modules[1], &err), QT_ERR_CONFIG);
+    CU_ASSERT(strstr(err.msg, "g:") && strstr(err.msg, "grouped") && strstr(err.msg, "not supported"));
+    memset(&err, 0, sizeof err);
+    CU_ASSERT_EQUAL(lora_spec_check(&spec, &m.modules[2], &err), QT_ERR_CONFIG);
+    CU_ASSERT(strstr(err.msg, "d:") && strstr(err.msg, "depthwise") && strstr(err.msg, "pointwise"));
+    CU_ASSERT_EQUAL_FATAL(lora_adapter_init(&a, &m.modules[0], &spec, &err), QT_OK);
+    const Tensor *A = &a.A.var.value;
+    CU_ASSERT(A->shape[0] == 2 && A->shape[1] == 4 && A->shape[2] == 3 && A->shape[3] == 1);
+    for (size_t i = 0; i < tensor_numel(A); i++) A->data[i] = 0.3f * sinf((float)i);
+    for (size_t i = 0; i < var_numel(&a.B.var); i++) a.B.var.value.data[i] = 0.2f * cosf((float)i);
+    TestEnv e;
+    test_env_init(&e, 5);
+    float x[2 * 4 * 7 * 5];
+    for (int i = 0; i < (int)(sizeof x / sizeof x[0]); i++) x[i] = sinf(0.13f * (float)i);
+    Var *vx = test_var(&e, x, 4, (int[]){2, 4, 7, 5}, false);
+    lora_adapter_install(&a);
+    Var *got = model_step(&m, &e.tape, 0, (Var *[]){vx, NULL, NULL, NULL});
+    float merged[6 * 4 * 3];
+    memcpy(merged, m.modules[0].weight->var.value.data, sizeof merged);
+    lora_adapter_merge(&a, merged);
+    Var *vw = test_var(&e, merged, 4, (int[]){6, 4, 3, 1}, false);
+    Var *want = model_conv_forward(&e.tape, &m.modules[0], vx, vw, &m.modules[0].bias->var);
+    CU_ASSERT_FATAL(got && want);
+    CU_ASSERT(got->value.shape[2] == 7 && got->value.shape[3] == 5); /* 'same' */
+    size_t worst = 0;
+    CU_ASSERT(test_close_ratio(got->value.data, want->value.data, var_numel(want), 1e-5, 1e-4, &worst) <= 1.0);
+    test_env_free(&e);
+    m.modules[0].forward_hook = NULL, m.modules[0].fused_hook = NULL;
+    lora_adapter_free(&a);
+    model_free(&m);
+}
+
 int register_conv_geom_suite(void) {
     CU_pSuite s = CU_add_suite("conv_geom", geom_suite_init, geom_suite_cleanup);
     if (!s) return -1;
@@ -210,5 +464,13 @@ int register_conv_geom_suite(void) {
            !CU_add_test(s, "conv2d geometry errors at the layer's line", test_geom_errors) ||
            !CU_add_test(s, "grouped/dilated conv2d: weight shape, init, forward, FLOPs", test_geom_model) ||
            !CU_add_test(s, "depthwise-separable CNN trains end to end; resume is bit-identical",
-                        test_dw_cnn_trains_and_resumes);
+                        test_dw_cnn_trains_and_resumes) ||
+           !CU_add_test(s, "PTQ of a grouped, dilated conv: per-channel scales, exact forward, no int8 kernel",
+                        test_ptq_grouped_layer) ||
+           !CU_add_test(s, "PTQ int8 of the depthwise model is close to float; quantize and eval run",
+                        test_ptq_int8_dw_model) ||
+           !CU_add_test(s, "QAT trains the depthwise model, one weight scale per channel", test_qat_dw_trains) ||
+           !CU_add_test(s, "QT refuses the depthwise conv; QLoRA on the pointwise conv trains; adapters on the "
+                        "depthwise conv are refused", test_qt_and_lora_on_dw) ||
+           !CU_add_test(s, "LoRA at a conv's geometry equals its merge; grouped convs refused", test_lora_geometry);
 }
