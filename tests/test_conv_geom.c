@@ -20,6 +20,7 @@
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
+#include "trainer/tools.h"
 #include "trainer/train.h"
 
 static char *tmp_root; /* the suite's scratch directory */
@@ -333,9 +334,11 @@ static void test_ptq_int8_dw_model(void) {
     free(q);
 }
 
-/* QAT (int8 weights per channel and int8 inputs) trains the depthwise model. */
+/* QAT (int8 weights per channel and int8 inputs) trains the depthwise
+ * model, and `convert` to PTQ evaluates exactly as the QAT model did. */
 static void test_qat_dw_trains(void) {
-    const char *ov[] = {"quant.mode=qat", "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: int8}]"};
+    const char *ov[] = {"quant.mode=qat", "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: int8, "
+                                          "act_static_scale: true}]"};
     Config *c = dw_config("dw-qat", ov, 2);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     QtError err = {0};
@@ -346,6 +349,16 @@ static void test_qat_dw_trains(void) {
     CU_ASSERT_EQUAL(st, QT_OK);
     printf("(test accuracy %.3f) ", r.test_accuracy);
     CU_ASSERT(r.test_accuracy > 0.2);
+    char ckpt[1100], out[1100];
+    snprintf(ckpt, sizeof ckpt, "%s/final.h5", c->run.out_dir);
+    snprintf(out, sizeof out, "%s/dw-qat-int8.h5", tmp_root);
+    ConvertReport rep = {0};
+    st = tools_convert(ckpt, out, false, NULL, &rep, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  convert: %s\n", err.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
+    CU_ASSERT_EQUAL(rep.modules, 4);
+    CU_ASSERT_EQUAL(rep.test_loss_ptq, rep.test_loss_qat);
+    CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
     /* its weight is one row per output channel: a depthwise conv gets one scale per channel */
     Model m;
     CU_ASSERT_FATAL(model_from(c, &m));
@@ -469,7 +482,8 @@ int register_conv_geom_suite(void) {
                         test_ptq_grouped_layer) ||
            !CU_add_test(s, "PTQ int8 of the depthwise model is close to float; quantize and eval run",
                         test_ptq_int8_dw_model) ||
-           !CU_add_test(s, "QAT trains the depthwise model, one weight scale per channel", test_qat_dw_trains) ||
+           !CU_add_test(s, "QAT trains the depthwise model, one weight scale per channel; convert is exact",
+                        test_qat_dw_trains) ||
            !CU_add_test(s, "QT refuses the depthwise conv; QLoRA on the pointwise conv trains; adapters on the "
                         "depthwise conv are refused", test_qt_and_lora_on_dw) ||
            !CU_add_test(s, "LoRA at a conv's geometry equals its merge; grouped convs refused", test_lora_geometry);
