@@ -418,15 +418,52 @@ static void test_qt_and_lora_on_dw(void) {
     free(c);
 }
 
-/* An adapter on a one-group conv with [h, w] kernel, 'same' padding and
- * dilation: A runs at the base's geometry, so the adapted forward equals the
- * merged weight's; a grouped (not depthwise) conv is refused as not
- * supported, a depthwise one pointing at the pointwise conv. */
+/* m.modules[i] with an adapter of rank 4 (A, B filled) equals its merged
+ * weight's forward, within float rounding. */
+static void check_lora_merge(Model *m, int i, const int *x_shape) {
+    Module *mod = &m->modules[i];
+    LoraSpec spec = {.rank = 4, .alpha = 2.0f};
+    LoraAdapter a;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(lora_adapter_init(&a, mod, &spec, &err), QT_OK);
+    const Tensor *A = &a.A.var.value, *B = &a.B.var.value, *W = &mod->weight->var.value;
+    int g = mod->spec.groups;
+    CU_ASSERT(A->shape[0] == 4 && A->shape[1] == W->shape[1] && A->shape[2] == W->shape[2] &&
+              A->shape[3] == W->shape[3]);
+    CU_ASSERT(B->shape[0] == W->shape[0] && B->shape[1] == 4 / g && B->shape[2] == 1 && B->shape[3] == 1);
+    for (size_t k = 0; k < tensor_numel(A); k++) A->data[k] = 0.3f * sinf((float)k);
+    for (size_t k = 0; k < tensor_numel(B); k++) B->data[k] = 0.2f * cosf((float)k);
+    TestEnv e;
+    test_env_init(&e, 5);
+    size_t n = (size_t)x_shape[0] * x_shape[1] * x_shape[2] * x_shape[3];
+    float *x = malloc(n * sizeof *x), *merged = malloc(tensor_numel(W) * sizeof *merged);
+    for (size_t k = 0; k < n; k++) x[k] = sinf(0.13f * (float)k);
+    Var *vx = test_var(&e, x, 4, x_shape, false);
+    lora_adapter_install(&a);
+    Var *outs[8] = {0};
+    outs[1 + mod->inputs[0]] = vx;
+    Var *got = model_step(m, &e.tape, i, outs);
+    memcpy(merged, W->data, tensor_numel(W) * sizeof *merged);
+    lora_adapter_merge(&a, merged);
+    Var *vw = test_var(&e, merged, 4, W->shape, false);
+    Var *want = model_conv_forward(&e.tape, mod, vx, vw, mod->bias ? &mod->bias->var : NULL);
+    CU_ASSERT_FATAL(got && want);
+    CU_ASSERT(test_close_ratio(got->value.data, want->value.data, var_numel(want), 1e-5, 1e-4, NULL) <= 1.0);
+    test_env_free(&e);
+    mod->forward_hook = NULL, mod->fused_hook = NULL;
+    lora_adapter_free(&a);
+    free(x), free(merged);
+}
+
+/* Adapters at a conv's geometry: a one-group conv with [h, w] kernel, 'same'
+ * padding and dilation, and a grouped conv with PEFT's shapes, each equal to
+ * its merge; a rank not a multiple of groups is refused, and a depthwise conv
+ * points at the pointwise conv. */
 static void test_lora_geometry(void) {
     LayerSpec layers[] = {{.type = LAYER_CONV2D, .name = "c", .out_channels = 6, .kernel = 3, .kernel_w = 1,
                            .stride = 1, .stride_w = 1, .padding_same = true, .dilation = 2, .dilation_w = 1},
-                          {.type = LAYER_CONV2D, .name = "g", .out_channels = 6, .kernel = 3, .padding = 1,
-                           .groups = 2},
+                          {.type = LAYER_CONV2D, .name = "g", .out_channels = 6, .kernel = 3, .stride = 2,
+                           .padding = 1, .groups = 2},
                           {.type = LAYER_CONV2D, .name = "d", .out_channels = 6, .kernel = 3, .padding = 1,
                            .groups = 6}};
     Model m;
@@ -435,38 +472,56 @@ static void test_lora_geometry(void) {
     Rng rng;
     rng_init(&rng, 4, 0);
     model_init_params(&m, &rng);
-    LoraSpec spec = {.rank = 2, .alpha = 2.0f};
-    LoraAdapter a;
+    LoraSpec spec = {.rank = 3, .alpha = 2.0f};
     CU_ASSERT_EQUAL(lora_spec_check(&spec, &m.modules[1], &err), QT_ERR_CONFIG);
-    CU_ASSERT(strstr(err.msg, "g:") && strstr(err.msg, "grouped") && strstr(err.msg, "not supported"));
+    CU_ASSERT(strstr(err.msg, "g:") && strstr(err.msg, "multiple of the conv2d's groups 2"));
     memset(&err, 0, sizeof err);
+    spec.rank = 2;
     CU_ASSERT_EQUAL(lora_spec_check(&spec, &m.modules[2], &err), QT_ERR_CONFIG);
     CU_ASSERT(strstr(err.msg, "d:") && strstr(err.msg, "depthwise") && strstr(err.msg, "pointwise"));
-    CU_ASSERT_EQUAL_FATAL(lora_adapter_init(&a, &m.modules[0], &spec, &err), QT_OK);
-    const Tensor *A = &a.A.var.value;
-    CU_ASSERT(A->shape[0] == 2 && A->shape[1] == 4 && A->shape[2] == 3 && A->shape[3] == 1);
-    for (size_t i = 0; i < tensor_numel(A); i++) A->data[i] = 0.3f * sinf((float)i);
-    for (size_t i = 0; i < var_numel(&a.B.var); i++) a.B.var.value.data[i] = 0.2f * cosf((float)i);
-    TestEnv e;
-    test_env_init(&e, 5);
-    float x[2 * 4 * 7 * 5];
-    for (int i = 0; i < (int)(sizeof x / sizeof x[0]); i++) x[i] = sinf(0.13f * (float)i);
-    Var *vx = test_var(&e, x, 4, (int[]){2, 4, 7, 5}, false);
-    lora_adapter_install(&a);
-    Var *got = model_step(&m, &e.tape, 0, (Var *[]){vx, NULL, NULL, NULL});
-    float merged[6 * 4 * 3];
-    memcpy(merged, m.modules[0].weight->var.value.data, sizeof merged);
-    lora_adapter_merge(&a, merged);
-    Var *vw = test_var(&e, merged, 4, (int[]){6, 4, 3, 1}, false);
-    Var *want = model_conv_forward(&e.tape, &m.modules[0], vx, vw, &m.modules[0].bias->var);
-    CU_ASSERT_FATAL(got && want);
-    CU_ASSERT(got->value.shape[2] == 7 && got->value.shape[3] == 5); /* 'same' */
-    size_t worst = 0;
-    CU_ASSERT(test_close_ratio(got->value.data, want->value.data, var_numel(want), 1e-5, 1e-4, &worst) <= 1.0);
-    test_env_free(&e);
-    m.modules[0].forward_hook = NULL, m.modules[0].fused_hook = NULL;
-    lora_adapter_free(&a);
+    check_lora_merge(&m, 0, (int[]){2, 4, 7, 5});
+    check_lora_merge(&m, 1, (int[]){2, 6, 7, 5});
     model_free(&m);
+}
+
+/* LoRA with PEFT's grouped shapes on a grouped pointwise conv (groups 2)
+ * over a float base: trains, resumes bit for bit after a stop, and merges
+ * into the conv with the same test loss. */
+static void test_grouped_lora_run(void) {
+    const char *g2 = "model.layers.6.groups=2";
+    Config *base = dw_config("g-base", &g2, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(base);
+    QtError err = {0};
+    TrainResult r, rs;
+    TrainOptions o = {.quiet = true}, stop = {.quiet = true, .stop_at_step = 13}, resume = {.quiet = true,
+                                                                                           .resume = "auto"};
+    CU_ASSERT_EQUAL_FATAL(train_run(base, &o, &r, &err), QT_OK);
+    char init[1200];
+    snprintf(init, sizeof init, "model.init_from=%s/final.h5", base->run.out_dir);
+    const char *ov[] = {g2, init, "lora.rules=[{module_path: pw, rank: 4}]", "lora.trainable=[head]",
+                        "train.checkpoint_every=5"};
+    Config *a = dw_config("g-lora", ov, 5), *b = dw_config("g-lora-split", ov, 5);
+    CU_ASSERT_FATAL(a && b);
+    QtStatus st = train_run(a, &o, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  grouped lora: %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    printf("(test accuracy %.3f) ", r.test_accuracy);
+    CU_ASSERT(r.test_accuracy > 0.2);
+    CU_ASSERT_EQUAL_FATAL(train_run(b, &stop, &rs, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(train_run(b, &resume, &rs, &err), QT_OK);
+    CU_ASSERT_EQUAL(rs.test_loss, r.test_loss);
+    CU_ASSERT_EQUAL(rs.test_accuracy, r.test_accuracy);
+    char ckpt[1100], out[1100];
+    snprintf(ckpt, sizeof ckpt, "%s/final.h5", a->run.out_dir);
+    snprintf(out, sizeof out, "%s/g-merged.h5", tmp_root);
+    MergeReport rep = {0};
+    st = tools_merge(ckpt, out, false, false, NULL, &rep, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  merge: %s\n", err.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
+    CU_ASSERT_EQUAL(rep.modules, 1);
+    CU_ASSERT(fabs(rep.test_loss_after - rep.test_loss_before) <= 1e-5 * rep.test_loss_before);
+    CU_ASSERT_EQUAL(rep.test_accuracy_after, rep.test_accuracy_before);
+    free(base), free(a), free(b);
 }
 
 int register_conv_geom_suite(void) {
@@ -486,5 +541,7 @@ int register_conv_geom_suite(void) {
                         test_qat_dw_trains) ||
            !CU_add_test(s, "QT refuses the depthwise conv; QLoRA on the pointwise conv trains; adapters on the "
                         "depthwise conv are refused", test_qt_and_lora_on_dw) ||
-           !CU_add_test(s, "LoRA at a conv's geometry equals its merge; grouped convs refused", test_lora_geometry);
+           !CU_add_test(s, "LoRA at a conv's geometry and groups (PEFT's shapes) equals its merge; bad ranks, depthwise refused", test_lora_geometry) ||
+           !CU_add_test(s, "grouped LoRA on a grouped pointwise conv trains, resumes exactly, merges",
+                        test_grouped_lora_run);
 }
