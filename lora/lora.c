@@ -49,6 +49,17 @@ QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err) {
     if (!m->weight || m->weight->var.value.ndim != want_ndim)
         return qt_error_set(err, QT_ERR_ARG, "%s: the %s layer has no %d-D weight for a lora adapter to act on",
                             m->path, layer_type_name(type), want_ndim);
+    if (type == LAYER_CONV2D && m->spec.groups > 1) {
+        if (m->spec.groups == m->in_shape[0])
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: a depthwise conv2d (groups = its %d input channels) takes no "
+                                "lora adapter: its per-channel kernels have no low-rank structure to adapt; adapt the "
+                                "pointwise (1x1) conv2d that follows it instead", m->path, m->spec.groups);
+        if (spec->rank % m->spec.groups)
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: lora rank %d must be a multiple of the conv2d's groups %d "
+                                "(PEFT's grouped adapter: A has rank/groups outputs per group); use rank %d",
+                                m->path, spec->rank, m->spec.groups,
+                                (spec->rank / m->spec.groups + 1) * m->spec.groups);
+    }
     int out = 0, fan_in = 0;
     weight_dims(m, &out, &fan_in);
     int max_rank = out < fan_in ? out : fan_in;
@@ -113,7 +124,10 @@ QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtEr
     } else {
         st = lora_param_alloc(&a->A, m->path, "lora_A", 4, (const int[]){r, w->shape[1], w->shape[2], w->shape[3]},
                               err);
-        if (st == QT_OK) st = lora_param_alloc(&a->B, m->path, "lora_B", 4, (const int[]){a->out, r, 1, 1}, err);
+        /* PEFT's shapes: A (rank, C/groups, KH, KW) at the base's geometry and groups, B (OC, rank/groups, 1, 1)
+           a grouped 1x1 convolution */
+        int g = m->spec.groups;
+        if (st == QT_OK) st = lora_param_alloc(&a->B, m->path, "lora_B", 4, (const int[]){a->out, r / g, 1, 1}, err);
     }
     if (st != QT_OK) lora_adapter_free(a);
     return st;
@@ -158,7 +172,7 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
  * declines (NULL, no error) and the layers run one by one. */
 static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
-    if (a->spec.dropout != 0.0f) return NULL;
+    if (a->spec.dropout != 0.0f || !m->conv_plain) return NULL;
     Var *w = NULL;
     if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
     else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);
@@ -189,9 +203,15 @@ Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x) {
     Var *xd = nn_dropout(t, x, a->spec.dropout);
     Var *u;
     if (m->spec.type == LAYER_CONV2D) {
-        /* h: (N, rank, OH, OW); u: (N, OC, OH, OW). */
-        Var *h = nn_conv2d(t, xd, &a->A.var, NULL, m->spec.stride, m->spec.padding);
-        u = nn_conv2d(t, h, &a->B.var, NULL, 1, 0);
+        /* h: (N, rank, OH, OW) (A at the base's geometry and groups); u: (N, OC, OH, OW), B per group. */
+        Var *h = model_conv_forward(t, m, xd, &a->A.var, NULL);
+        if (m->spec.groups == 1) {
+            u = nn_conv2d(t, h, &a->B.var, NULL, 1, 0);
+        } else {
+            ConvGeom2d g = conv_geom2d(1, 0);
+            g.groups = m->spec.groups;
+            u = nn_conv2d_general(t, h, &a->B.var, NULL, &g);
+        }
     } else {
         /* h: (N, rank); u: (N, out). */
         Var *h = nn_linear(t, xd, &a->A.var, NULL);
@@ -205,12 +225,14 @@ Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x) {
 /* scale * (B A)[o, j], the rank-long sum and the scaling in double and one
  * rounding to float at the end: B is (out, rank) in
  * either layout ((OC, rank, 1, 1) is the same row-major array), A is
- * (rank, fan_in). */
+ * (rank, fan_in). A grouped conv (groups g): B is (OC, rank/g), and output
+ * o of group o / (OC/g) sums over A's rows of that group. */
 static double delta_at(const LoraAdapter *a, int o, int j) {
     const float *A = a->A.var.value.data, *B = a->B.var.value.data;
-    int r = a->spec.rank;
+    int g = a->module->spec.type == LAYER_CONV2D ? a->module->spec.groups : 1;
+    int r = a->spec.rank / g, k0 = o / (a->out / g) * r;
     double acc = 0.0;
-    for (int k = 0; k < r; k++) acc += (double)B[(size_t)o * r + k] * A[(size_t)k * a->fan_in + j];
+    for (int k = 0; k < r; k++) acc += (double)B[(size_t)o * r + k] * A[(size_t)(k0 + k) * a->fan_in + j];
     return (double)a->scale * acc;
 }
 

@@ -52,8 +52,8 @@ typedef struct {
     LoraSpec spec;
     float scale;               /* alpha / rank, or alpha / sqrt(rank) */
     int out, fan_in;           /* the base weight as a matrix (out, fan_in) */
-    Param A;                   /* "<path>/lora_A": dense (rank, in); conv (rank, C, KH, KW) */
-    Param B;                   /* "<path>/lora_B": dense (out, rank); conv (OC, rank, 1, 1) */
+    Param A;                   /* "<path>/lora_A": dense (rank, in); conv (rank, C/groups, KH, KW) */
+    Param B;                   /* "<path>/lora_B": dense (out, rank); conv (OC, rank/groups, 1, 1) */
     ModuleForwardFn base_fn;   /* the base's forward hook when installed, or NULL: the module's own op */
     void *base_ctx;
     bool installed;

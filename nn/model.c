@@ -69,12 +69,70 @@ static int64_t module_param_values(const Module *m) {
     int64_t out = m->out_shape[0], bias = s->no_bias ? 0 : out;
     switch (s->type) {
     case LAYER_DENSE: return out * m->in_shape[0] + bias;
-    case LAYER_CONV2D: return out * m->in_shape[0] * s->kernel * s->kernel + bias;
+    case LAYER_CONV2D: return out * (m->in_shape[0] / s->groups) * s->kernel * s->kernel_w + bias;
     case LAYER_LAYERNORM: return 2 * (int64_t)m->in_shape[m->in_ndim - 1];
     case LAYER_BATCHNORM1D:
     case LAYER_BATCHNORM2D: return s->no_affine ? 0 : 2 * (int64_t)m->in_shape[0];
     default: return 0;
     }
+}
+
+/* conv2d's part of module_infer: its geometry, output shape and the checks
+ * (groups dividing the channels, 'same' at stride 1, a kernel that fits). */
+static QtStatus conv_infer(Module *m, int *n_params, QtError *err) {
+    const LayerSpec *s = &m->spec;
+    char in[64];
+    shape_str(in, sizeof in, m->in_ndim, m->in_shape);
+    if (m->in_ndim != 3)
+        return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (conv2d) needs (C, H, W) input per example, got %s",
+                            m->path, in);
+    if (s->kernel < 1 || s->kernel_w < 1)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): kernel must be >= 1", m->path);
+    if (s->stride < 1 || s->stride_w < 1)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): stride must be >= 1", m->path);
+    if (s->padding < 0 || s->padding_w < 0)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): padding must be >= 0", m->path);
+    if (s->dilation < 1 || s->dilation_w < 1)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): dilation must be >= 1", m->path);
+    if (s->out_channels < 1)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): out_channels must be >= 1", m->path);
+    int c = m->in_shape[0];
+    if (s->groups < 1 || c % s->groups || s->out_channels % s->groups)
+        return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): groups %d must divide its %d input channels "
+                            "(input %s) and its %d out_channels", m->path, s->groups, c, in, s->out_channels);
+    ConvGeom2d *g = &m->geom;
+    *g = (ConvGeom2d){.stride_h = s->stride, .stride_w = s->stride_w, .pad_h = s->padding, .pad_w = s->padding_w,
+                      .dil_h = s->dilation, .dil_w = s->dilation_w, .groups = s->groups};
+    if (s->padding_same) {
+        QtError e = {0};
+        if (conv_geom2d_same(g, s->kernel, s->kernel_w, &e) != QT_OK)
+            return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): padding 'same' needs stride 1, got stride "
+                                "[%d, %d] (as in PyTorch); give the padding as numbers instead", m->path, s->stride,
+                                s->stride_w);
+    }
+    int oh = conv_general_out_size(m->in_shape[1], s->kernel, g->stride_h, g->pad_h, g->pad_h + g->pad_h_extra,
+                                   g->dil_h);
+    int ow = conv_general_out_size(m->in_shape[2], s->kernel_w, g->stride_w, g->pad_w, g->pad_w + g->pad_w_extra,
+                                   g->dil_w);
+    bool square = s->kernel == s->kernel_w && s->dilation == 1 && s->dilation_w == 1 && !s->padding_same &&
+                  s->padding == s->padding_w;
+    if ((oh < 1 || ow < 1) && square)
+        return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (conv2d): kernel %d is larger than its input %s%s", m->path,
+                            s->kernel, in, s->padding ? " with padding" : "");
+    if (oh < 1 || ow < 1)
+        return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (conv2d): kernel %dx%d at dilation [%d, %d] spans %lldx%lld, "
+                            "larger than its input %s padded to %lldx%lld", m->path, s->kernel, s->kernel_w,
+                            s->dilation, s->dilation_w, (long long)s->dilation * (s->kernel - 1) + 1,
+                            (long long)s->dilation_w * (s->kernel_w - 1) + 1, in,
+                            (long long)m->in_shape[1] + 2LL * g->pad_h + g->pad_h_extra,
+                            (long long)m->in_shape[2] + 2LL * g->pad_w + g->pad_w_extra);
+    m->conv_plain = s->groups == 1 && s->dilation == 1 && s->dilation_w == 1 && s->kernel == s->kernel_w &&
+                    s->stride == s->stride_w && !s->padding_same && s->padding == s->padding_w;
+    m->out_shape[0] = s->out_channels;
+    m->out_shape[1] = oh;
+    m->out_shape[2] = ow;
+    *n_params = s->no_bias ? 1 : 2;
+    return QT_OK;
 }
 
 /* Fills m->out_shape from m->in_shape; the number of params it needs in *n_params. */
@@ -96,7 +154,7 @@ static QtStatus module_infer(Module *m, int *n_params, QtError *err) {
         m->out_shape[0] = s->units;
         *n_params = s->no_bias ? 1 : 2;
         return QT_OK;
-    case LAYER_CONV2D:
+    case LAYER_CONV2D: return conv_infer(m, n_params, err);
     case LAYER_MAXPOOL2D:
     case LAYER_AVGPOOL2D: {
         const char *tn = layer_type_name(s->type);
@@ -105,20 +163,13 @@ static QtStatus module_infer(Module *m, int *n_params, QtError *err) {
                                 m->path, tn, in);
         if (s->kernel < 1) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): kernel must be >= 1", m->path, tn);
         if (s->stride < 1) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): stride must be >= 1", m->path, tn);
-        int pad = s->type == LAYER_CONV2D ? s->padding : 0;
-        if (pad < 0) return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (%s): padding must be >= 0", m->path, tn);
+        int pad = 0;
         int oh = (m->in_shape[1] + 2 * pad - s->kernel) / s->stride + 1;
         int ow = (m->in_shape[2] + 2 * pad - s->kernel) / s->stride + 1;
         if (m->in_shape[1] + 2 * pad < s->kernel || m->in_shape[2] + 2 * pad < s->kernel)
             return qt_error_set(err, QT_ERR_SHAPE, "layer '%s' (%s): kernel %d is larger than its input %s%s", m->path,
                                 tn, s->kernel, in, pad ? " with padding" : "");
         m->out_shape[0] = m->in_shape[0];
-        if (s->type == LAYER_CONV2D) {
-            if (s->out_channels < 1)
-                return qt_error_set(err, QT_ERR_CONFIG, "layer '%s' (conv2d): out_channels must be >= 1", m->path);
-            m->out_shape[0] = s->out_channels;
-            *n_params = s->no_bias ? 1 : 2;
-        }
         m->out_shape[1] = oh;
         m->out_shape[2] = ow;
         return QT_OK;
@@ -224,7 +275,8 @@ static QtStatus module_alloc_params(Module *m, Param *slots, QtError *err) {
     if (s->type == LAYER_DENSE) {
         st = param_alloc(&slots[0], m->path, "weight", 2, (int[]){out, m->in_shape[0]}, err);
     } else if (s->type == LAYER_CONV2D) {
-        st = param_alloc(&slots[0], m->path, "weight", 4, (int[]){out, m->in_shape[0], s->kernel, s->kernel}, err);
+        st = param_alloc(&slots[0], m->path, "weight", 4, (int[]){out, m->in_shape[0] / s->groups, s->kernel, s->kernel_w},
+                         err);
     } else if (s->type == LAYER_LAYERNORM) {
         out = m->in_shape[m->in_ndim - 1];
         st = param_alloc(&slots[0], m->path, "weight", 1, (int[]){out}, err);
@@ -309,7 +361,13 @@ QtStatus model_init(Model *m, int input_ndim, const int *input_shape, const Laye
         Module *mod = &m->modules[m->n_modules++];
         mod->spec = layers[i];
         LayerSpec *s = &mod->spec;
-        if (s->type == LAYER_CONV2D && s->stride == 0) s->stride = 1;
+        if (s->type == LAYER_CONV2D) {
+            if (s->stride == 0) s->stride = 1;
+            if (s->kernel_w == 0) s->kernel_w = s->kernel, s->stride_w = s->stride, s->padding_w = s->padding;
+            if (s->dilation == 0) s->dilation = 1;
+            if (s->dilation_w == 0) s->dilation_w = s->dilation;
+            if (s->groups == 0) s->groups = 1;
+        }
         if ((s->type == LAYER_MAXPOOL2D || s->type == LAYER_AVGPOOL2D) && s->stride == 0) s->stride = s->kernel;
         if ((s->type == LAYER_LAYERNORM || layer_is_batchnorm(s->type)) && s->eps == 0.0f) s->eps = 1e-5f;
         if (s->init == INIT_NORMAL && s->init_std == 0.0f) s->init_std = 0.02f;
@@ -370,8 +428,8 @@ static void module_init_params(Module *m, Rng *rng) {
         if (m->bias) memset(m->bias->var.value.data, 0, var_numel(&m->bias->var) * sizeof(float));
         return;
     }
-    /* Dense (out, in): fan_in = in. Conv (OC, C, KH, KW): fan_in = C*KH*KW,
-     * fan_out = OC*KH*KW, as torch.nn.init computes them. */
+    /* Dense (out, in): fan_in = in. Conv (OC, C/groups, KH, KW): fan_in =
+     * C/groups*KH*KW, fan_out = OC*KH*KW, as torch.nn.init computes them. */
     size_t receptive = w->value.ndim == 4 ? (size_t)w->value.shape[2] * w->value.shape[3] : 1;
     double fan_in = (double)w->value.shape[1] * receptive;
     double fan_out = (double)w->value.shape[0] * receptive;
@@ -422,7 +480,7 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     Var *w = m->weight ? &m->weight->var : NULL, *b = m->bias ? &m->bias->var : NULL;
     switch (s->type) {
     case LAYER_DENSE: return nn_linear(t, x, w, b);
-    case LAYER_CONV2D: return nn_conv2d(t, x, w, b, s->stride, s->padding);
+    case LAYER_CONV2D: return model_conv_forward(t, m, x, w, b);
     case LAYER_RELU: return nn_relu(t, x);
     case LAYER_GELU: return nn_gelu(t, x);
     case LAYER_TANH: return nn_tanh(t, x);
@@ -449,6 +507,11 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
     return NULL;
 }
 
+Var *model_conv_forward(Tape *t, const Module *m, Var *x, Var *w, Var *bias) {
+    if (m->conv_plain) return nn_conv2d(t, x, w, bias, m->spec.stride, m->spec.padding);
+    return nn_conv2d_general(t, x, w, bias, &m->geom);
+}
+
 /* How many modules from i on run as one fused convolution: 3 for a
  * conv2d -> relu -> maxpool2d (kernel 2, stride 2), 2 for conv2d -> relu,
  * else 1. A hooked conv2d fuses only if its hook offers a fused form. Each
@@ -456,7 +519,7 @@ Var *model_module_forward(Tape *t, Module *m, Var *x) {
  * fused op never makes it. */
 static int model_fusable_layers(const Model *m, int i) {
     const Module *c = &m->modules[i];
-    if (c->spec.type != LAYER_CONV2D) return 1;
+    if (c->spec.type != LAYER_CONV2D || !c->conv_plain) return 1;
     if (c->forward_hook ? !c->fused_hook : !c->weight || c->weight->released) return 1;
     if (i + 1 >= m->n_modules) return 1;
     const Module *r = &m->modules[i + 1];
@@ -563,8 +626,8 @@ double model_forward_flops(const Model *m) {
         if (mod->spec.type == LAYER_DENSE)
             flops += 2.0 * mod->in_shape[0] * mod->out_shape[0];
         else if (mod->spec.type == LAYER_CONV2D)
-            flops += 2.0 * mod->out_shape[0] * mod->out_shape[1] * mod->out_shape[2] * mod->in_shape[0] *
-                     mod->spec.kernel * mod->spec.kernel;
+            flops += 2.0 * mod->out_shape[0] * mod->out_shape[1] * mod->out_shape[2] *
+                     (mod->in_shape[0] / mod->spec.groups) * mod->spec.kernel * mod->spec.kernel_w;
     }
     return flops;
 }
@@ -578,6 +641,11 @@ void model_print(const Model *m, FILE *out) {
         size_t np = (mod->weight ? var_numel(&mod->weight->var) : 0) + (mod->bias ? var_numel(&mod->bias->var) : 0);
         fprintf(out, "  %-12s %-10s %-16s %zu", mod->path, layer_type_name(mod->spec.type),
                 shape_str(s, sizeof s, mod->out_ndim, mod->out_shape), np);
+        const LayerSpec *c = &mod->spec;
+        if (c->type == LAYER_CONV2D && c->groups > 1)
+            fprintf(out, c->groups == mod->in_shape[0] ? "  depthwise" : "  groups %d", c->groups);
+        if (c->type == LAYER_CONV2D && (c->dilation > 1 || c->dilation_w > 1))
+            fprintf(out, "  dilation [%d, %d]", c->dilation, c->dilation_w);
         /* where a module does not read the one before it, what it reads */
         for (int k = 0; mod->spec.n_inputs && k < mod->n_inputs; k++)
             fprintf(out, "%s%s", k ? ", " : "  <- ", mod->inputs[k] < 0 ? "(input)" : m->modules[mod->inputs[k]].path);

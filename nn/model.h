@@ -62,6 +62,12 @@ typedef struct {
     int kernel;                 /* conv2d, pools */
     int stride;                 /* conv2d (default 1), pools (default kernel) */
     int padding;                /* conv2d */
+    /* conv2d's width axis: kernel_w 0 (a spec built in code) means square, all
+       three taken from kernel, stride, padding; the config always sets them. */
+    int kernel_w, stride_w, padding_w;
+    bool padding_same;          /* conv2d: PyTorch's padding='same' (stride 1); padding/padding_w unused */
+    int dilation, dilation_w;   /* conv2d: 0 = 1; dilation_w 0 = dilation */
+    int groups;                 /* conv2d: 0 = 1; = in channels: depthwise */
     float p;                    /* dropout probability */
     float eps;                  /* layernorm, batchnorm (default 1e-5) */
     float momentum;             /* batchnorm: the running statistics' update rate (default 0.1) */
@@ -106,7 +112,10 @@ struct Module {
     int n_inputs;                       /* >= 1 */
     int inputs[LAYER_INPUTS_MAX];       /* earlier module indices, -1 = the model's input */
     int n_consumers;                    /* later modules reading its output (+1 for the last: the model's output) */
-    Param *weight;                      /* dense (out, in); conv (OC, C, KH, KW); layernorm (D,); batchnorm (C,);
+    ConvGeom2d geom;                    /* conv2d: its geometry (stride, padding, dilation, groups) */
+    bool conv_plain;                    /* conv2d: square kernel, one group, dilation 1, the same stride and
+                                           padding on both axes: nn_conv2d (and its fused forms) runs it */
+    Param *weight;                      /* dense (out, in); conv (OC, C/groups, KH, KW); layernorm (D,); batchnorm (C,);
                                            else NULL */
     Param *bias;                        /* (out,) / (OC,) / (D,) / (C,), or NULL */
     /* batchnorm: its running statistics, buffers owned by the module
@@ -190,6 +199,10 @@ bool model_has_batchnorm(const Model *m);
 size_t model_param_bytes(const Model *m);
 /* Forward FLOPs per example (multiply-adds x 2) of dense and conv layers. */
 double model_forward_flops(const Model *m);
+/* A conv2d module's forward from its spec on a given weight w (OC, C/groups,
+ * KH, KW): nn_conv2d for the plain geometry, else nn_conv2d_general. What a
+ * hook that computes its own weight (quantized, fake-quantized) calls. */
+Var *model_conv_forward(Tape *t, const Module *m, Var *x, Var *w, Var *bias);
 /* A few lines: one per module with its path, type, output shape, params. */
 void model_print(const Model *m, FILE *out);
 

@@ -67,6 +67,12 @@ static QtStatus check_module(const Module *m, QtError *err) {
     if (!m->weight || m->weight->var.value.ndim != want)
         return qt_error_set(err, QT_ERR_CONFIG, "%s: the %s module has no %d-d weight for qt to quantize", m->path,
                             layer_type_name(m->spec.type), want);
+    if (m->spec.type == LAYER_CONV2D && !m->conv_plain)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: qt's integer GEMM runs plain convolutions (one group, dilation "
+                            "1, a square kernel, the same stride and padding on both axes), and this conv2d is %s; "
+                            "leave it float32 (narrow the rule's module_path) or use qat", m->path,
+                            m->spec.groups > 1 ? "grouped" : m->spec.dilation > 1 || m->spec.dilation_w > 1
+                                                                 ? "dilated" : "not the same on both axes");
     return QT_OK;
 }
 

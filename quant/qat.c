@@ -317,8 +317,7 @@ Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x) {
     Var *xin = wq ? layer_input(t, q, x) : NULL;
     if (!xin) return NULL;
     Var *bias = m->bias ? &m->bias->var : NULL;
-    return m->spec.type == LAYER_CONV2D ? nn_conv2d(t, xin, wq, bias, m->spec.stride, m->spec.padding)
-                                        : nn_linear(t, xin, wq, bias);
+    return m->spec.type == LAYER_CONV2D ? model_conv_forward(t, m, xin, wq, bias) : nn_linear(t, xin, wq, bias);
 }
 
 /* ---- input calibration ------------------------------------------------------------------------------------------- */

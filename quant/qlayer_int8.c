@@ -71,6 +71,9 @@ static const char *unsupported_why(const QLayer *q) {
         return "the weight has block scales (use one per output channel or per tensor: tile_size 0)";
     if (!is_int8_act(q->spec.act_qtype)) return "the input is not quantized to int8 or uint8 (act_qtype)";
     if (q->fan_in > QGEMM_K_MAX) return "fan_in is longer than an exact int32 sum allows";
+    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain)
+        return "the conv2d is grouped, dilated or not the same on both axes (the int8 kernels run plain "
+               "convolutions; it runs on its dequantized weight)";
     return NULL;
 }
 

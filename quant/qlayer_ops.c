@@ -370,6 +370,13 @@ static Var *qlayer_weight_var(Tape *t, const QLayer *q) {
  * fake-quantized weight gives the same bits as its converted QLayer. */
 static Var *conv_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
     int OH = 0, OW = 0;
+    if (!q->module->conv_plain) {
+        /* grouped, dilated or per-axis geometry: the dequantized weight (OC, C/groups, KH, KW), whole, then the
+           module's own convolution */
+        Var *w = tape_new_var(t, q->w_ndim, q->w_shape);
+        if (!w || !band_load(t, q, 0, q->out, w->value.data)) return NULL;
+        return model_conv_forward(t, q->module, x, w, bias);
+    }
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     Var *w = qlayer_weight_var(t, q);
     if (w) return nn_conv2d(t, x, w, bias, q->module->spec.stride, q->module->spec.padding);
@@ -411,7 +418,7 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
     const bool conv = q->module->spec.type == LAYER_CONV2D;
     if (qlayer_int8_applies(t, q, x, bias)) {
         /* nothing to record: the integer kernels (qlayer_int8.c) */
-        int OH = 0, OW = 0;
+        int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution */
         if (conv) return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv(t, q, x, bias, OH, OW) : NULL;
         return dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
@@ -431,7 +438,7 @@ static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx) {
 static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
     QLayer *q = ctx;
     (void)m;
-    if (q->spec.act_qtype || q->module->spec.type != LAYER_CONV2D) return NULL;
+    if (q->spec.act_qtype || q->module->spec.type != LAYER_CONV2D || !q->module->conv_plain) return NULL;
     return qlayer_weight_var(t, q);
 }
 
@@ -444,6 +451,7 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogu
     QLayer *q = ctx;
     Var *bias = m->bias ? &m->bias->var : NULL;
     int OH = 0, OW = 0;
+    if (!m->conv_plain) return NULL; /* model_forward fuses plain convolutions only */
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     if (qlayer_int8_applies(t, q, x, bias)) {
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;

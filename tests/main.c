@@ -22,6 +22,7 @@
     X(nn_model)   \
     X(model_graph) \
     X(bn_fold)    \
+    X(conv_geom)  \
     X(nn_torch)   \
     X(data)       \
     X(data_cache) \

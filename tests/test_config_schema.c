@@ -439,7 +439,8 @@ static bool item_case(const CfgTable *t, int i, ItemCase *ic) {
         /* the first layer type the row applies to, as layer 1 of a model whose shapes chain */
         static const char *const models[LAYER_COUNT] = {
             [LAYER_DENSE] = "model.layers=[{type: flatten}, {type: dense, units: 3}]",
-            [LAYER_CONV2D] = "model.layers=[{type: relu}, {type: conv2d, out_channels: 2, kernel: 2}]",
+            [LAYER_CONV2D] = "model.layers=[{type: conv2d, out_channels: 2, kernel: 1}, {type: conv2d, out_channels: 2, "
+                             "kernel: 2}]", /* 2 channels in: groups 2 fits */
             [LAYER_MAXPOOL2D] = "model.layers=[{type: relu}, {type: maxpool2d, kernel: 2}, {type: flatten}]",
             [LAYER_DROPOUT] = "model.layers=[{type: flatten}, {type: dropout}]",
             [LAYER_LAYERNORM] = "model.layers=[{type: flatten}, {type: layernorm}]",

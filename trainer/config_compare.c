@@ -43,7 +43,9 @@ static bool layers_equal(const LayerSpec *a, const LayerSpec *b) {
     if (a->n_inputs != b->n_inputs) return false;
     for (int k = 0; k < a->n_inputs; k++)
         if (strcmp(a->inputs[k], b->inputs[k]) != 0) return false;
-    return a->no_bias == b->no_bias && a->no_affine == b->no_affine;
+    return a->no_bias == b->no_bias && a->no_affine == b->no_affine && a->kernel_w == b->kernel_w &&
+           a->stride_w == b->stride_w && a->padding_w == b->padding_w && a->dilation_w == b->dilation_w &&
+           a->padding_same == b->padding_same;
 }
 
 int cfg_diff_transforms(const void *sa, const void *sb) {

@@ -83,6 +83,14 @@ static void put_transform(FILE *f, const Transform *t) {
     }
 }
 
+/* A conv2d's per-axis value (never the first key): an int when both axes agree, else [h, w]. */
+static void put_hw(FILE *f, const char *key, int h, int w) {
+    if (h == w)
+        fprintf(f, ", %s: %d", key, h);
+    else
+        fprintf(f, ", %s: [%d, %d]", key, h, w);
+}
+
 /* One layer in flow style: the rows of its table that apply to its type, in their order (init_std only with
  * init: normal). */
 static void put_layer(FILE *f, const LayerSpec *s) {
@@ -100,6 +108,29 @@ static void put_layer(FILE *f, const LayerSpec *s) {
                 put_str(f, s->inputs[k]);
             }
             if (s->n_inputs) fputc(']', f);
+            continue;
+        }
+        if (s->type == LAYER_CONV2D && (field == (const char *)&s->groups || field == (const char *)&s->dilation)) {
+            /* only when not 1, so the YAML of a plain conv2d stays as it was */
+            if (field == (const char *)&s->groups && s->groups > 1) fprintf(f, ", groups: %d", s->groups);
+            if (field == (const char *)&s->dilation && (s->dilation > 1 || s->dilation_w > 1))
+                put_hw(f, "dilation", s->dilation, s->dilation_w);
+            continue;
+        }
+        if (s->type == LAYER_CONV2D && field == (const char *)&s->padding && s->padding_same) {
+            fputs(", padding: same", f);
+            continue;
+        }
+        if (s->type == LAYER_CONV2D && field == (const char *)&s->kernel) {
+            put_hw(f, "kernel", s->kernel, s->kernel_w);
+            continue;
+        }
+        if (s->type == LAYER_CONV2D && field == (const char *)&s->stride) {
+            put_hw(f, "stride", s->stride, s->stride_w);
+            continue;
+        }
+        if (s->type == LAYER_CONV2D && field == (const char *)&s->padding) {
+            put_hw(f, "padding", s->padding, s->padding_w);
             continue;
         }
         fprintf(f, "%s%s: ", i ? ", " : "", row->key);

@@ -56,6 +56,59 @@ static QtStatus layer_inputs(QtError *err, const YNode *m, const char *path, Lay
     return QT_OK;
 }
 
+/* A conv2d's kernel, stride, padding or dilation: an int (both axes) or [h, w], each in the row's range; padding
+ * may also be `same` (*same set). An absent key leaves *h and *w as they are. */
+static QtStatus load_hw(QtError *err, const YNode *m, const char *path, const char *key, int *h, int *w, bool *same) {
+    const YNode *v = cfg_field(m, key);
+    if (!v) return QT_OK;
+    const CfgKey *row = cfg_table_row(T, key);
+    char full[96], item[112];
+    cfg_join(full, sizeof full, path, key);
+    if (same && v->kind == YNODE_SCALAR && strcmp(v->text, "same") == 0) {
+        *same = true;
+        *h = *w = 0;
+        return QT_OK;
+    }
+    int64_t x[2];
+    if (v->kind == YNODE_SEQUENCE) {
+        if (v->n != 2)
+            return cfg_fail_expected(err, v, full, same ? "an int, [h, w] or same" : "an int or [h, w]",
+                                     " (a sequence of another length)");
+        for (int j = 0; j < 2; j++) {
+            snprintf(item, sizeof item, "%s[%d]", full, j);
+            QtStatus st = cfg_to_int(err, v->items[j], item, row->imin, row->imax, &x[j]);
+            if (st != QT_OK) return st;
+        }
+    } else {
+        if (same && v->kind == YNODE_SCALAR && v->text && (v->text[0] < '0' || v->text[0] > '9') &&
+            v->text[0] != '-' && v->text[0] != '+')
+            return cfg_fail_expected(err, v, full, "an int, [h, w] or same", "");
+        QtStatus st = cfg_to_int(err, v, full, row->imin, row->imax, &x[0]);
+        if (st != QT_OK) return st;
+        x[1] = x[0];
+    }
+    *h = (int)x[0];
+    *w = (int)x[1];
+    return QT_OK;
+}
+
+/* A conv2d's geometry: kernel (required), stride, padding, dilation, groups. */
+static QtStatus conv_geometry(QtError *err, const YNode *m, const char *path, LayerSpec *s) {
+    char full[96];
+    if (!cfg_field(m, "kernel"))
+        return cfg_fail(err, m, cfg_join(full, sizeof full, path, "kernel"),
+                        "missing; a conv2d layer needs kernel (its size: an int or [h, w])");
+    s->stride = s->stride_w = 1;
+    s->dilation = s->dilation_w = 1;
+    s->groups = 1;
+    QtStatus st = load_hw(err, m, path, "kernel", &s->kernel, &s->kernel_w, NULL);
+    if (st == QT_OK) st = load_hw(err, m, path, "stride", &s->stride, &s->stride_w, NULL);
+    if (st == QT_OK) st = load_hw(err, m, path, "padding", &s->padding, &s->padding_w, &s->padding_same);
+    if (st == QT_OK) st = load_hw(err, m, path, "dilation", &s->dilation, &s->dilation_w, NULL);
+    if (st == QT_OK) st = cfg_load_key(err, m, path, T, "groups", s);
+    return st;
+}
+
 /* units, out_channels, kernel, stride, padding: required ones per type, and the stride default. */
 static QtStatus layer_sizes(QtError *err, const YNode *m, const char *path, LayerSpec *s) {
     QtStatus st = QT_OK;
@@ -63,10 +116,7 @@ static QtStatus layer_sizes(QtError *err, const YNode *m, const char *path, Laye
     case LAYER_DENSE: return required_int(err, m, path, "units", s, "(its outputs)");
     case LAYER_CONV2D:
         st = required_int(err, m, path, "out_channels", s, "(its output channels)");
-        if (st == QT_OK) st = required_int(err, m, path, "kernel", s, "(its size)");
-        s->stride = 1;
-        if (st == QT_OK) st = cfg_load_key(err, m, path, T, "stride", s);
-        if (st == QT_OK) st = cfg_load_key(err, m, path, T, "padding", s);
+        if (st == QT_OK) st = conv_geometry(err, m, path, s);
         return st;
     case LAYER_MAXPOOL2D:
     case LAYER_AVGPOOL2D:

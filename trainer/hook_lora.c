@@ -16,8 +16,23 @@ _Static_assert(offsetof(LoraAdapter, module) == 0, "a hook layer starts with its
 
 static bool lora_applies(const Net *n, int module) { return net_lora_spec(n, module) != NULL; }
 
+/* A depthwise conv's refusal names the pointwise conv that reads it (through
+ * batch norm and activations), the one to adapt instead. */
 static QtStatus lora_check(const Net *n, int module, QtError *err) {
-    return lora_spec_check(net_lora_spec(n, module), &n->model.modules[module], err);
+    QtStatus st = lora_spec_check(net_lora_spec(n, module), &n->model.modules[module], err);
+    const Module *m = &n->model.modules[module];
+    if (st != QT_OK && m->spec.type == LAYER_CONV2D && m->spec.groups > 1 && m->spec.groups == m->in_shape[0]) {
+        for (int i = module + 1; i < n->model.n_modules; i++) {
+            const Module *c = &n->model.modules[i];
+            if (c->spec.type == LAYER_CONV2D && c->spec.groups == 1) {
+                size_t len = strlen(err->msg);
+                snprintf(err->msg + len, sizeof err->msg - len, " ('%s')", c->path);
+                break;
+            }
+            if (c->spec.type == LAYER_DENSE || c->spec.type == LAYER_CONV2D) break;
+        }
+    }
+    return st;
 }
 
 /* Every adapter draws its A from one generator of the run's seed, in module order. */
