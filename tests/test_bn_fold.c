@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "nn/model.h"
+#include "test_runs.h"
 #include "test_util.h"
 #include "trainer/bn_fold.h"
 #include "trainer/checkpoint.h"
@@ -20,6 +21,7 @@
 #include "trainer/train.h"
 
 static char *tmp_root;
+static TestRuns runs; /* root = tmp_root, no float base */
 
 static LayerSpec spec_of(LayerType type, const char *name) {
     LayerSpec s = {.type = type};
@@ -114,18 +116,7 @@ static void test_fold_equals_conv_bn(void) {
 }
 
 static Config *load_config(const char *path, const char *sub, const char *const *extra, int n_extra) {
-    char out_dir[512];
-    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
-    const char *ov[8] = {out_dir};
-    for (int i = 0; i < n_extra && i < 7; i++) ov[1 + i] = extra[i];
-    Config *c = malloc(sizeof *c);
-    QtError err = {0};
-    if (c && config_load(c, path, ov, 1 + n_extra, &err) != QT_OK) {
-        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
-        free(c);
-        return NULL;
-    }
-    return c;
+    return test_runs_config(&runs, path, sub, extra, n_extra);
 }
 
 /* A PTQ int8 config of path over init_from, folding batch norms or not. */
@@ -352,13 +343,13 @@ static void test_merge_folded(void) {
 static void test_ptq_res(void) { check_ptq_model("tests/configs/tiny-res.yaml", "res", 3); }
 
 static int fold_suite_init(void) {
-    tmp_root = test_tmpdir_new();
+    runs.root = tmp_root = test_tmpdir_new();
     return tmp_root ? 0 : -1;
 }
 
 static int fold_suite_cleanup(void) {
     bool ok = test_tmpdir_remove(tmp_root);
-    tmp_root = NULL;
+    runs.root = tmp_root = NULL;
     return ok ? 0 : -1;
 }
 

@@ -17,6 +17,7 @@
 #include "quant/qlayer.h"
 #include "quant/qtype.h"
 #include "test_proc.h"
+#include "test_runs.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -24,6 +25,7 @@
 #include "trainer/train.h"
 
 static char *tmp_root; /* the suite's scratch directory */
+static TestRuns runs;  /* its runs: root = tmp_root, no float base */
 
 #define NAME "t.yaml"
 #define GEO_HEAD               \
@@ -39,12 +41,9 @@ static QtStatus load_layers(Config *c, const char *tail, QtError *e) {
 }
 
 static void expect_geo_error(int line, const char *tail, const char *n1, const char *n2, const char *n3) {
-    Config c;
-    QtError e = {0};
-    QtStatus st = load_layers(&c, tail, &e);
-    bool ok = st == QT_ERR_CONFIG && strstr(e.msg, n1) && (!n2 || strstr(e.msg, n2)) && (!n3 || strstr(e.msg, n3));
-    if (!ok) fprintf(stderr, "\n  %s:%d: status %d, message: %s\n", __FILE__, line, st, e.msg);
-    CU_assertImplementation(ok, (unsigned)line, "config error as expected", __FILE__, "", CU_FALSE);
+    char text[1024];
+    snprintf(text, sizeof text, GEO_HEAD "%s    - {type: flatten}\n    - {type: dense, units: 3}\n", tail);
+    test_expect_config_error(__FILE__, line, text, n1, n2, n3);
 }
 
 /* The keys load, the resolved YAML writes [h, w] only where the axes differ
@@ -147,28 +146,14 @@ static void test_geom_model(void) {
 /* ---- end to end ---------------------------------------------------------------------- */
 
 static int geom_suite_init(void) {
-    tmp_root = test_tmpdir_new();
+    runs.root = tmp_root = test_tmpdir_new();
     return tmp_root ? 0 : -1;
 }
 
 static int geom_suite_cleanup(void) {
     bool ok = test_tmpdir_remove(tmp_root);
-    tmp_root = NULL;
+    runs.root = tmp_root = NULL;
     return ok ? 0 : -1;
-}
-
-static Config *load_run_config(const char *path, const char *sub) {
-    char out_dir[512];
-    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
-    const char *ov[] = {out_dir};
-    Config *c = malloc(sizeof *c);
-    QtError err = {0};
-    if (c && config_load(c, path, ov, 1, &err) != QT_OK) {
-        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
-        free(c);
-        return NULL;
-    }
-    return c;
 }
 
 static bool model_from(const Config *c, Model *m) {
@@ -179,36 +164,23 @@ static bool model_from(const Config *c, Model *m) {
 /* The depthwise-separable CNN learns; 40 steps straight equal 13 (mid-epoch),
  * stop, resume, 27, bit for bit in every parameter. */
 static void test_dw_cnn_trains_and_resumes(void) {
-    Config *a = load_run_config("tests/configs/tiny-dw.yaml", "dw-straight");
-    Config *b = load_run_config("tests/configs/tiny-dw.yaml", "dw-split");
-    CU_ASSERT_FATAL(a && b);
+    int n_bn = 0;
+    double acc = test_runs_resume_exact(&runs, "tests/configs/tiny-dw.yaml", "dw", 13, &n_bn);
+    printf("(test accuracy %.3f) ", acc);
+    CU_ASSERT(acc > 0.2); /* 40 steps: well above chance (0.1) */
+    CU_ASSERT_EQUAL(n_bn, 3);
+    Config *c = test_runs_config(&runs, "tests/configs/tiny-dw.yaml", "dw-straight", NULL, 0);
+    CU_ASSERT_FATAL(c != NULL);
+    Model m;
     QtError err = {0};
-    TrainResult ra, rb;
-    TrainOptions o = {.quiet = true}, stop = {.quiet = true, .stop_at_step = 13}, resume = {.quiet = true,
-                                                                                           .resume = "auto"};
-    CU_ASSERT_EQUAL_FATAL(train_run(a, &o, &ra, &err), QT_OK);
-    printf("(test accuracy %.3f) ", ra.test_accuracy);
-    CU_ASSERT(ra.test_accuracy > 0.2); /* 40 steps: well above chance (0.1) */
-    CU_ASSERT_EQUAL_FATAL(train_run(b, &stop, &rb, &err), QT_OK);
-    CU_ASSERT_EQUAL(rb.steps, 13);
-    CU_ASSERT_EQUAL_FATAL(train_run(b, &resume, &rb, &err), QT_OK);
-    CU_ASSERT_EQUAL(rb.steps, ra.steps);
-    CU_ASSERT_EQUAL(rb.test_accuracy, ra.test_accuracy);
-    CU_ASSERT_EQUAL(rb.test_loss, ra.test_loss);
-    char fa[1100], fb[1100];
-    snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
-    snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
-    Model ma, mb;
-    CU_ASSERT_FATAL(model_from(a, &ma) && model_from(a, &mb));
-    CU_ASSERT_EQUAL(checkpoint_load_params(fa, &ma, &err), QT_OK);
-    CU_ASSERT_EQUAL(checkpoint_load_params(fb, &mb, &err), QT_OK);
-    Param *dw = model_find_param(&ma, "dw/weight");
-    CU_ASSERT(dw && dw->var.value.shape[0] == 8 && dw->var.value.shape[1] == 1);
-    for (int i = 0; i < ma.n_params; i++)
-        CU_ASSERT(memcmp(ma.params[i].var.value.data, mb.params[i].var.value.data,
-                         var_numel(&ma.params[i].var) * sizeof(float)) == 0);
-    model_free(&ma), model_free(&mb);
-    free(a), free(b);
+    char path[1100];
+    snprintf(path, sizeof path, "%s/final.h5", c->run.out_dir);
+    CU_ASSERT_FATAL(model_from(c, &m));
+    CU_ASSERT_EQUAL(checkpoint_load_params(path, &m, &err), QT_OK);
+    Param *dw = model_find_param(&m, "dw/weight");
+    CU_ASSERT(dw && dw->var.value.shape[0] == 8 && dw->var.value.shape[1] == 1); /* (OC, C/groups, KH, KW) */
+    model_free(&m);
+    free(c);
 }
 
 /* ---- the hooks on grouped convolutions ----------------------------------------------- */
@@ -263,7 +235,7 @@ static TrainResult dw_base_result;
 static const char *dw_base(void) {
     static char path[1100];
     if (path[0]) return path;
-    Config *c = load_run_config("tests/configs/tiny-dw.yaml", "dw-base");
+    Config *c = test_runs_config(&runs, "tests/configs/tiny-dw.yaml", "dw-base", NULL, 0);
     QtError err = {0};
     TrainOptions o = {.quiet = true};
     if (!c || train_run(c, &o, &dw_base_result, &err) != QT_OK) {

@@ -12,12 +12,14 @@
 
 #include "nn/model.h"
 #include "nn/ops.h"
+#include "test_runs.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/train.h"
 
 static char *tmp_root; /* the suite's scratch directory */
+static TestRuns runs;  /* its runs: root = tmp_root, no float base */
 
 static LayerSpec bn_layer(LayerType type, const char *name) {
     LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f};
@@ -430,12 +432,7 @@ static void test_residual_block_grad(void) {
 static void expect_dag_error(int line, const char *tail, const char *n1, const char *n2, const char *n3) {
     char text[1024];
     snprintf(text, sizeof text, DAG_HEAD "%s    - {type: flatten}\n    - {type: dense, units: 3}\n", tail);
-    Config c;
-    QtError e = {0};
-    QtStatus st = config_load_string(&c, text, NAME, NULL, 0, &e);
-    bool ok = st == QT_ERR_CONFIG && strstr(e.msg, n1) && (!n2 || strstr(e.msg, n2)) && (!n3 || strstr(e.msg, n3));
-    if (!ok) fprintf(stderr, "\n  %s:%d: status %d, message: %s\n", __FILE__, line, st, e.msg);
-    CU_assertImplementation(ok, (unsigned)line, "config error as expected", __FILE__, "", CU_FALSE);
+    test_expect_config_error(__FILE__, line, text, n1, n2, n3);
 }
 
 static void test_dag_config(void) {
@@ -489,35 +486,21 @@ static void test_dag_config(void) {
 
 
 static int graph_suite_init(void) {
-    tmp_root = test_tmpdir_new();
+    runs.root = tmp_root = test_tmpdir_new();
     return tmp_root ? 0 : -1;
 }
 
 static int graph_suite_cleanup(void) {
     bool ok = test_tmpdir_remove(tmp_root);
-    tmp_root = NULL;
+    runs.root = tmp_root = NULL;
     return ok ? 0 : -1;
-}
-
-static Config *load_run_config(const char *path, const char *sub) {
-    char out_dir[512];
-    snprintf(out_dir, sizeof out_dir, "run.out_dir=%s/%s", tmp_root, sub);
-    const char *ov[] = {out_dir};
-    Config *c = malloc(sizeof *c);
-    QtError err = {0};
-    if (c && config_load(c, path, ov, 1, &err) != QT_OK) {
-        fprintf(stderr, "\n  config %s: %s\n", path, err.msg);
-        free(c);
-        return NULL;
-    }
-    return c;
 }
 
 /* conv2d (no bias) -> batchnorm2d -> relu -> globalavgpool -> dense learns;
  * eval of its final checkpoint (running statistics from /buffers) gives the
  * run's test metrics. */
 static void test_bn_cnn_trains(void) {
-    Config *c = load_run_config("tests/configs/tiny-bn.yaml", "bn-full");
+    Config *c = test_runs_config(&runs, "tests/configs/tiny-bn.yaml", "bn-full", NULL, 0);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     QtError err = {0};
     TrainResult r;
@@ -534,62 +517,14 @@ static void test_bn_cnn_trains(void) {
     free(c);
 }
 
-static bool model_from(const Config *c, Model *m) {
-    QtError err = {0};
-    return model_init(m, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers, &err) == QT_OK;
-}
-
-/* Parameters and batch-norm statistics of two checkpoints, bit for bit. */
-static void assert_same_state(const Config *c, const char *a, const char *b) {
-    Model ma, mb;
-    QtError err = {0};
-    CU_ASSERT_FATAL(model_from(c, &ma) && model_from(c, &mb));
-    CU_ASSERT_EQUAL(checkpoint_load_params(a, &ma, &err), QT_OK);
-    CU_ASSERT_EQUAL(checkpoint_load_params(b, &mb, &err), QT_OK);
-    for (int i = 0; i < ma.n_params; i++)
-        CU_ASSERT(memcmp(ma.params[i].var.value.data, mb.params[i].var.value.data,
-                         var_numel(&ma.params[i].var) * sizeof(float)) == 0);
-    int n_bn = 0;
-    for (int i = 0; i < ma.n_modules; i++) {
-        const Module *x = &ma.modules[i], *y = &mb.modules[i];
-        if (!x->running_mean) continue;
-        n_bn++;
-        size_t bytes = (size_t)x->in_shape[0] * sizeof(float);
-        CU_ASSERT(memcmp(x->running_mean, y->running_mean, bytes) == 0);
-        CU_ASSERT(memcmp(x->running_var, y->running_var, bytes) == 0);
-        CU_ASSERT_EQUAL(x->num_batches_tracked, y->num_batches_tracked);
-        CU_ASSERT(x->num_batches_tracked > 0);
-        CU_ASSERT(x->running_var[0] != 1.0f); /* the statistics were read, not left at their start */
-    }
-    CU_ASSERT_EQUAL(n_bn, 3);
-    model_free(&ma), model_free(&mb);
-}
-
 /* The residual CNN with batch norm and dropout: 40 steps straight equal 13
  * (mid-epoch: 22 steps an epoch), stop, resume, 27, bit for bit. */
 static void test_res_cnn_resume_exact(void) {
-    Config *a = load_run_config("tests/configs/tiny-res.yaml", "res-straight");
-    Config *b = load_run_config("tests/configs/tiny-res.yaml", "res-split");
-    CU_ASSERT_FATAL(a && b);
-    QtError err = {0};
-    TrainResult ra, rb;
-    TrainOptions o = {.quiet = true}, stop = {.quiet = true, .stop_at_step = 13}, resume = {.quiet = true,
-                                                                                           .resume = "auto"};
-    CU_ASSERT_EQUAL_FATAL(train_run(a, &o, &ra, &err), QT_OK);
-    printf("(test accuracy %.3f) ", ra.test_accuracy);
-    CU_ASSERT(ra.test_accuracy > 0.2); /* 40 steps: well above chance (0.1) */
-    CU_ASSERT_EQUAL_FATAL(train_run(b, &stop, &rb, &err), QT_OK);
-    CU_ASSERT(rb.stopped);
-    CU_ASSERT_EQUAL(rb.steps, 13);
-    CU_ASSERT_EQUAL_FATAL(train_run(b, &resume, &rb, &err), QT_OK);
-    CU_ASSERT_EQUAL(rb.steps, ra.steps);
-    CU_ASSERT_EQUAL(rb.test_accuracy, ra.test_accuracy);
-    CU_ASSERT_EQUAL(rb.test_loss, ra.test_loss);
-    char fa[1100], fb[1100];
-    snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
-    snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
-    assert_same_state(a, fa, fb);
-    free(a), free(b);
+    int n_bn = 0;
+    double acc = test_runs_resume_exact(&runs, "tests/configs/tiny-res.yaml", "res", 13, &n_bn);
+    printf("(test accuracy %.3f) ", acc);
+    CU_ASSERT(acc > 0.2); /* 40 steps: well above chance (0.1) */
+    CU_ASSERT_EQUAL(n_bn, 3);
 }
 
 /* Saves m to tmp_root/name; returns the path. */

@@ -2,8 +2,10 @@
  * configs (test_runs.h). */
 #include "test_runs.h"
 
+#include <CUnit/CUnit.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "test_util.h"
 #include "trainer/checkpoint.h"
@@ -85,4 +87,65 @@ char *test_runs_path(const TestRuns *tr, const char *sub, const char *name) {
     k = (k + 1) % 4;
     snprintf(buf[k], sizeof buf[k], "%s/%s/%s", tr->root, sub, name);
     return buf[k];
+}
+
+int test_runs_assert_same_state(const Config *c, const char *a, const char *b) {
+    Model ma, mb;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&ma, c->model.input_ndim, c->model.input_shape, c->model.layers,
+                                     c->model.n_layers, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(model_init(&mb, c->model.input_ndim, c->model.input_shape, c->model.layers,
+                                     c->model.n_layers, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(a, &ma, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(b, &mb, &err), QT_OK);
+    for (int i = 0; i < ma.n_params; i++) {
+        size_t bytes = var_numel(&ma.params[i].var) * sizeof(float);
+        if (memcmp(ma.params[i].var.value.data, mb.params[i].var.value.data, bytes) != 0) {
+            fprintf(stderr, "\n  %s differs between %s and %s\n", ma.params[i].name, a, b);
+            CU_FAIL("parameters differ");
+        }
+    }
+    int n_bn = 0;
+    for (int i = 0; i < ma.n_modules; i++) {
+        const Module *x = &ma.modules[i], *y = &mb.modules[i];
+        if (!x->running_mean) continue;
+        n_bn++;
+        size_t bytes = (size_t)x->in_shape[0] * sizeof(float);
+        CU_ASSERT(memcmp(x->running_mean, y->running_mean, bytes) == 0);
+        CU_ASSERT(memcmp(x->running_var, y->running_var, bytes) == 0);
+        CU_ASSERT_EQUAL(x->num_batches_tracked, y->num_batches_tracked);
+        CU_ASSERT(x->num_batches_tracked > 0);
+        CU_ASSERT(x->running_var[0] != 1.0f); /* the statistics were read, not left at their start */
+    }
+    model_free(&ma), model_free(&mb);
+    return n_bn;
+}
+
+double test_runs_resume_exact(const TestRuns *tr, const char *path, const char *sub, int64_t stop_at, int *n_bn) {
+    char straight[256], split[256];
+    snprintf(straight, sizeof straight, "%s-straight", sub);
+    snprintf(split, sizeof split, "%s-split", sub);
+    Config *a = test_runs_config(tr, path, straight, NULL, 0), *b = test_runs_config(tr, path, split, NULL, 0);
+    double acc = -1.0;
+    QtError err = {0};
+    TrainResult ra, rb;
+    bool ok = a && b && test_runs_train(a, NULL, 0, &ra, &err) == QT_OK;
+    ok = ok && test_runs_train(b, NULL, stop_at, &rb, &err) == QT_OK;
+    CU_ASSERT(!ok || (rb.stopped && rb.steps == stop_at));
+    ok = ok && test_runs_train(b, "auto", 0, &rb, &err) == QT_OK;
+    if (!ok) fprintf(stderr, "\n  %s: %s\n", path, err.msg);
+    CU_ASSERT(ok);
+    if (ok) {
+        CU_ASSERT_EQUAL(rb.steps, ra.steps);
+        CU_ASSERT_EQUAL(rb.test_accuracy, ra.test_accuracy);
+        CU_ASSERT_EQUAL(rb.test_loss, ra.test_loss);
+        char fa[1100], fb[1100];
+        snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
+        snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
+        int n = test_runs_assert_same_state(a, fa, fb);
+        if (n_bn) *n_bn = n;
+        acc = ra.test_accuracy;
+    }
+    free(a), free(b);
+    return acc;
 }

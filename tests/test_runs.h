@@ -45,6 +45,17 @@ char *test_runs_net_warnings(Net *n, const Config *c, NetInit how, int *count);
  * into it; the test stops (with the message) if either fails. */
 void test_runs_load_net(Net *n, const Config *c, const char *ckpt);
 
+/* Asserts every parameter and batch-norm statistic of checkpoints a and b, loaded into c's model, equal bit
+ * for bit (naming a parameter that differs), and every statistic read from the files (a count above 0);
+ * returns the batch-norm modules compared. */
+int test_runs_assert_same_state(const Config *c, const char *a, const char *b);
+
+/* Trains path twice under tr->root (run.out_dir sub-straight and sub-split): straight through, and stopped
+ * after stop_at then resumed (--resume auto); asserts both end at the same step, test accuracy and loss with
+ * every parameter and batch-norm statistic of final.h5 equal bit for bit. Returns the straight run's test
+ * accuracy (-1 if a run failed); *n_bn gets the batch-norm modules compared (NULL: not wanted). */
+double test_runs_resume_exact(const TestRuns *tr, const char *path, const char *sub, int64_t stop_at, int *n_bn);
+
 /* "root/sub/name" in one of four static buffers, used in turn: up to four
  * may be alive at once. */
 char *test_runs_path(const TestRuns *tr, const char *sub, const char *name);

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
+#include "test_runs.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
@@ -85,26 +86,6 @@ static char *metrics_without_timings(const char *dir) {
     return out;
 }
 
-/* Every parameter of two checkpoints of the same model, bit for bit. */
-static void assert_same_params(const Config *c, const char *a, const char *b) {
-    Model ma, mb;
-    QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(model_init(&ma, c->model.input_ndim, c->model.input_shape, c->model.layers,
-                                     c->model.n_layers, &err), QT_OK);
-    CU_ASSERT_EQUAL_FATAL(model_init(&mb, c->model.input_ndim, c->model.input_shape, c->model.layers,
-                                     c->model.n_layers, &err), QT_OK);
-    CU_ASSERT_EQUAL(checkpoint_load_params(a, &ma, &err), QT_OK);
-    CU_ASSERT_EQUAL(checkpoint_load_params(b, &mb, &err), QT_OK);
-    for (int i = 0; i < ma.n_params; i++) {
-        size_t bytes = var_numel(&ma.params[i].var) * sizeof(float);
-        if (memcmp(ma.params[i].var.value.data, mb.params[i].var.value.data, bytes) != 0) {
-            fprintf(stderr, "\n  %s differs between %s and %s\n", ma.params[i].name, a, b);
-            CU_FAIL("parameters differ");
-        }
-    }
-    model_free(&ma), model_free(&mb);
-}
-
 /* N steps straight vs k steps, stop, resume, N - k steps. */
 static void check_exact_resume(const char *config, int64_t k) {
     char straight[64], split[64];
@@ -127,7 +108,7 @@ static void check_exact_resume(const char *config, int64_t k) {
     char fa[2048], fb[2048];
     snprintf(fa, sizeof fa, "%s/final.h5", a->run.out_dir);
     snprintf(fb, sizeof fb, "%s/final.h5", b->run.out_dir);
-    assert_same_params(a, fa, fb);
+    test_runs_assert_same_state(a, fa, fb);
     char *ma = metrics_without_timings(a->run.out_dir), *mb = metrics_without_timings(b->run.out_dir);
     CU_ASSERT_PTR_NOT_NULL(ma);
     CU_ASSERT_PTR_NOT_NULL(mb);

@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "trainer/config.h"
+
 void test_env_init(TestEnv *e, uint64_t seed) {
     memset(e, 0, sizeof *e);
     arena_init(&e->arena, 1 << 20);
@@ -318,4 +320,15 @@ int test_skips_print(FILE *out) {
     for (int i = 0; i < test_n_skips && i < TEST_SKIPS_MAX; i++) fprintf(out, "  %s\n", test_skips[i]);
     if (test_n_skips > TEST_SKIPS_MAX) fprintf(out, "  ... and %d more\n", test_n_skips - TEST_SKIPS_MAX);
     return test_n_skips;
+}
+
+void test_expect_config_error(const char *file, int line, const char *yaml, const char *n1, const char *n2,
+                              const char *n3) {
+    Config *c = malloc(sizeof *c);
+    QtError e = {0};
+    QtStatus st = c ? config_load_string(c, yaml, "t.yaml", NULL, 0, &e) : QT_ERR_NOMEM;
+    bool ok = st == QT_ERR_CONFIG && strstr(e.msg, n1) && (!n2 || strstr(e.msg, n2)) && (!n3 || strstr(e.msg, n3));
+    if (!ok) fprintf(stderr, "\n  %s:%d: status %d, message: %s\n", file, line, st, e.msg);
+    CU_assertImplementation(ok, (unsigned)line, "config error as expected", file, "", CU_FALSE);
+    free(c);
 }

@@ -131,4 +131,9 @@ void test_small_cnn(Model *m, uint64_t seed);
  * neither it nor the tape's node array grows after step 1. */
 void test_assert_steady_steps(Model *m, Tape *t, Arena *a, const float *x, const float *dy, int steps);
 
+/* Asserts, reported at file:line, that the YAML text fails config_load_string (as "t.yaml") with a config
+ * error whose message holds n1 and, unless NULL, n2 and n3; prints the message when not. */
+void test_expect_config_error(const char *file, int line, const char *yaml, const char *n1, const char *n2,
+                              const char *n3);
+
 #endif
