@@ -119,6 +119,42 @@ static void test_table_describes_every_kind(void) {
     free(c);
 }
 
+/* A module no rule hooks says whether it trains: a QT run's batch norm does, a QLoRA run's frozen base does not. */
+static void test_table_unhooked_modules(void) {
+    static const struct {
+        const char *config, *set, *want, *not;
+    } cases[] = {
+        {"tests/configs/tiny-bn.yaml",
+         "quant={mode: qt, rules: [{module_path: \"conv1|head\", weight_qtype: int8, act_qtype: int8, "
+         "bwd_qtype: int8}]}",
+         "float (trained)", "float (frozen)"},
+        {"tests/configs/tiny-bn.yaml", "lora={rules: [{module_path: head, rank: 2}]}", "float (frozen)",
+         "float (trained)"},
+    };
+    Config *c = malloc(sizeof *c);
+    CU_ASSERT_FATAL(c != NULL);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *ov[] = {cases[i].set};
+        Net *n = build(cases[i].config, ov, 1, c);
+        char *text = NULL;
+        size_t len = 0;
+        FILE *out = open_memstream(&text, &len);
+        CU_ASSERT_FATAL(out != NULL);
+        net_print_table(n, out);
+        fclose(out);
+        const char *bn = strstr(text, "  bn1 ");
+        CU_ASSERT_PTR_NOT_NULL(bn);
+        const char *eol = bn ? strchr(bn, '\n') : NULL;
+        bool ok = bn && eol && strstr(bn, cases[i].want) && strstr(bn, cases[i].want) < eol &&
+                  !(strstr(bn, cases[i].not) && strstr(bn, cases[i].not) < eol);
+        if (!ok) fprintf(stderr, "\n%s", text);
+        CU_ASSERT(ok);
+        free(text);
+        net_free(n);
+    }
+    free(c);
+}
+
 /* ---- a toy kind: a gain per module, kept as an attribute of /toy/<module> ---- */
 
 typedef struct {
@@ -271,6 +307,8 @@ int hook_tests_add(CU_pSuite s) {
                         test_net_sets_and_order) ||
            !CU_add_test(s, "hook layers: the module table describes every kind's layers",
                         test_table_describes_every_kind) ||
+           !CU_add_test(s, "hook layers: the module table says whether an unhooked module trains",
+                        test_table_unhooked_modules) ||
            !CU_add_test(s, "hook layers: a new kind is saved, staged and restored unnamed",
                         test_new_kind_through_checkpoints) ||
            !CU_add_test(s, "hook layers: one kind replaces a module's op; a kind without a rule is placed",

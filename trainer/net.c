@@ -397,7 +397,10 @@ void net_print_table(const Net *n, FILE *out) {
     for (int i = 0; i < n->model.n_modules; i++) {
         const Module *m = &n->model.modules[i];
         if (!m->weight && !m->running_mean) continue;
-        char qd[160] = "float (frozen)", ld[96] = "-";
+        /* a module no rule hooks: frozen under a frozen base (PTQ, LoRA), trained in QAT and QT runs */
+        bool trains = (m->weight && m->weight->trainable) || (m->bias && m->bias->trainable);
+        char qd[160], ld[96] = "-";
+        snprintf(qd, sizeof qd, "float (%s)", trains ? "trained" : "frozen");
         if (m->running_mean && n->cfg->quant.mode == QUANT_MODE_PTQ)
             net_bn_cell(n, i, qd, sizeof qd);
         else if (n->is_trainable[i])
