@@ -16,11 +16,11 @@ One group per case, /<case>/:
 """
 import sys
 
-import h5py
 import numpy as np
 import torch
 import torch.nn.functional as F
-from h5py import h5f, h5g, h5p
+
+from make_fixtures import new_file, new_group, put  # the same file and dataset settings
 
 # name: (N, C, H, W, OC, KH, KW, stride, padding ([h, w] or "same"), dilation, groups, bias)
 CASES = {
@@ -33,24 +33,6 @@ CASES = {
     "dilated":       (2, 4, 9, 9, 4, 3, 3, [1, 2], [2, 1], [2, 1], 2, True),
     "nonsquare_dw":  (2, 4, 6, 9, 4, 1, 5, [1, 1], [0, 2], [1, 1], 4, False),
 }
-
-
-def new_group(parent, name):
-    gcpl = h5p.create(h5p.GROUP_CREATE)
-    gcpl.set_obj_track_times(False)
-    return h5py.Group(h5g.create(parent.id, name.encode(), gcpl=gcpl))
-
-
-def new_file(path):
-    fapl = h5p.create(h5p.FILE_ACCESS)
-    fapl.set_libver_bounds(h5f.LIBVER_V18, h5f.LIBVER_V18)
-    fcpl = h5p.create(h5p.FILE_CREATE)
-    fcpl.set_obj_track_times(False)
-    return h5py.File(h5f.create(path.encode(), h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
-
-
-def put(group, name, value, dtype=np.float32):
-    return group.create_dataset(name, data=np.asarray(value, dtype=dtype), track_times=False)
 
 
 def same_padding(k, dil):
