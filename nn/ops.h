@@ -20,6 +20,17 @@
 
 #include "tape.h"
 
+/* Marks a kernel whose loops vectorise: it gets AVX-512 and AVX2 copies,
+ * the CPU's best chosen once at load (the default build targets baseline
+ * x86-64, 4-float vectors). fp-contract is off in every copy, so none fuses
+ * a multiply and an add the others round twice: all copies give the same
+ * bits. (clang, which builds the fuzz targets, links no resolver for it.) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NN_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
+#else
+#define NN_SIMD_CLONES
+#endif
+
 /* ---- matrix products ------------------------------------------------- */
 
 /* y = op(a) @ op(b). a: (M, K), or (K, M) if trans_a; b: (K, N), or (N, K)
@@ -88,8 +99,8 @@ typedef struct {
  *  - otherwise (eval, or frozen): the affine map with the running statistics,
  *    (x - running_mean) / sqrt(running_var + eps) * gamma + beta; nothing is
  *    updated.
- * The statistics are taken in double, two passes per channel (ops_norm.c).
- * Channels run over the thread pool; the result is the same for any thread
+ * The statistics come from one read of the input: float lanes per block of
+ * a channel, the blocks merged in double (batchnorm_stats). Channels run over the thread pool; the result is the same for any thread
  * count. */
 Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 
@@ -196,6 +207,25 @@ void layernorm_forward(float *y, float *mean, float *rstd, const float *x, const
                        const float *beta, int rows, int D, float eps);
 void layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
                         const float *gamma, const float *mean, const float *rstd, int rows, int D);
+
+/* Batch-norm kernels on x viewed as (N, C, inner), over channels [c0, c1)
+ * (ops_norm.c). Arrays indexed by channel are (C,).
+ * stats: mean and biased variance of each channel, in double. */
+void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
+/* The `_ref` twin: two serial passes in double. */
+void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
+/* y = (x - mean) * scale + beta (beta NULL: 0). */
+void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
+                     int C, size_t inner, int c0, int c1);
+/* sum_dy = sum dy, dot = sum dy (x - mean), per channel, in double. */
+void batchnorm_grad_sums(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
+                         int C, size_t inner, int c0, int c1);
+void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
+                             int C, size_t inner, int c0, int c1);
+/* dx (+= if accumulate, else =) (dy - k1 - (x - mean) k2) scale. */
+void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
+                          const float *scale, const float *k1, const float *k2, int N, int C, size_t inner, int c0,
+                          int c1);
 
 /* probs: (N, C) softmax of logits, saved for the backward; returns mean loss. */
 double softmax_cross_entropy_forward(float *probs, const float *logits, const int32_t *labels, int N, int C);

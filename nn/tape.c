@@ -70,6 +70,14 @@ float *tape_grad(Tape *t, Var *v) {
     return v->grad;
 }
 
+float *tape_grad_to_write(Tape *t, Var *v, bool *fresh) {
+    *fresh = false;
+    if (v->grad || v->is_param) return tape_grad(t, v);
+    v->grad = tape_alloc(t, var_numel(v) * sizeof(float));
+    *fresh = v->grad != NULL;
+    return v->grad;
+}
+
 bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
                  Var *const *in, int n_in, void *ctx) {
     bool needs = false;

@@ -71,6 +71,12 @@ void *tape_alloc(Tape *t, size_t bytes);
  * theirs already). NULL, with the tape error set, if memory runs out. */
 float *tape_grad(Tape *t, Var *v);
 
+/* The same for a backward that writes its whole gradient for v at once: if
+ * v has no grad yet, it is allocated uninitialised and *fresh set, and the
+ * caller must write (=) every element instead of adding into it (no zeroing
+ * pass, no read of zeros). Otherwise as tape_grad, *fresh false. */
+float *tape_grad_to_write(Tape *t, Var *v, bool *fresh);
+
 /* Appends a node if gradients are enabled and any input requires them, and
  * marks out->requires_grad accordingly. Returns false (tape error set) only
  * if the node array cannot grow. */

@@ -1,0 +1,94 @@
+/* test_kernels_fast.c - the vectorised kernels against their scalar `_ref` twins (batch-norm statistics and
+ * gradient sums, the depthwise stride-1 loops), and the gradients a backward writes instead of adding into
+ * zeros (tape_grad_to_write): the same values either way. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/ops.h"
+#include "test_util.h"
+
+static float *random_data(size_t n, uint64_t seed, float lo, float hi) {
+    float *x = malloc(n * sizeof(float));
+    Rng r;
+    rng_init(&r, seed, 7);
+    rng_fill_uniform(&r, x, n, lo, hi);
+    return x;
+}
+
+/* max |a - b| / (atol + rtol |b|) over [0, n), for doubles. */
+static double close_ratio_d(const double *a, const double *b, int n, double atol, double rtol) {
+    double worst = 0.0;
+    for (int i = 0; i < n; i++) {
+        const double r = fabs(a[i] - b[i]) / (atol + rtol * fabs(b[i]));
+        if (r > worst) worst = r;
+    }
+    return worst;
+}
+
+/* Shapes around the lane width (16) and the block (1024), a channel mean far from 0 against a small spread
+ * (the case a one-pass E[x^2] - E[x]^2 in float gets wrong) and a spread far larger than the mean. */
+static void test_bn_stats_match_ref(void) {
+    static const struct {
+        int N, C;
+        size_t inner;
+        float lo, hi;
+    } cases[] = {
+        {3, 2, 16, -1.0f, 1.0f},      {4, 3, 17, 0.0f, 5.0f},     {8, 5, 196, 99.9f, 100.1f},
+        {2, 3, 1100, -3.0f, 7.0f},    {5, 2, 2049, 1e3f, 1e3f + 1.0f}, {6, 4, 31, -1e-3f, 1e-3f},
+        {16, 3, 49, -20.0f, 20.0f},   {4, 6, 4, -1.0f, 3.0f} /* below the lane width: the ref kernel */,
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const int N = cases[k].N, C = cases[k].C;
+        const size_t inner = cases[k].inner, n = (size_t)N * C * inner;
+        float *x = random_data(n, 100 + k, cases[k].lo, cases[k].hi);
+        float *dy = random_data(n, 200 + k, -1.0f, 1.0f);
+        double m[8], v[8], mr[8], vr[8], s[8], d[8], sr[8], dr[8];
+        float mf[8];
+        batchnorm_stats(m, v, x, N, C, inner, 0, C);
+        batchnorm_stats_ref(mr, vr, x, N, C, inner, 0, C);
+        const double spread = (double)cases[k].hi - cases[k].lo;
+        /* the mean to a few float roundings of its size; the variance to 1e-5 of itself */
+        CU_ASSERT(close_ratio_d(m, mr, C, 1e-7 * spread, 4e-7) <= 1.0);
+        CU_ASSERT(close_ratio_d(v, vr, C, 0.0, 1e-5) <= 1.0);
+        for (int c = 0; c < C; c++) mf[c] = (float)mr[c];
+        batchnorm_grad_sums(s, d, dy, x, mf, N, C, inner, 0, C);
+        batchnorm_grad_sums_ref(sr, dr, dy, x, mf, N, C, inner, 0, C);
+        /* float lanes per block: a few roundings of the sum of |terms| */
+        const double terms = (double)N * inner;
+        CU_ASSERT(close_ratio_d(s, sr, C, 1e-6 * terms, 1e-6) <= 1.0);
+        CU_ASSERT(close_ratio_d(d, dr, C, 1e-6 * terms * spread, 1e-6) <= 1.0);
+        /* a sub-range of channels gives the same bits as the whole */
+        if (C > 1) {
+            double m1[8], v1[8];
+            batchnorm_stats(m1, v1, x, N, C, inner, 1, C);
+            CU_ASSERT(memcmp(m1 + 1, m + 1, (size_t)(C - 1) * sizeof *m) == 0);
+            CU_ASSERT(memcmp(v1 + 1, v + 1, (size_t)(C - 1) * sizeof *v) == 0);
+        }
+        free(x);
+        free(dy);
+    }
+}
+
+/* The input gradient written (a fresh buffer) equals the one added into zeros, bit for bit. */
+static void test_bn_grad_input_write_is_add(void) {
+    const int N = 3, C = 4;
+    const size_t inner = 37, n = (size_t)N * C * inner;
+    float *x = random_data(n, 1, -2.0f, 2.0f), *dy = random_data(n, 2, -1.0f, 1.0f);
+    float *a = calloc(n, sizeof(float)), *b = malloc(n * sizeof(float));
+    const float mean[4] = {0.1f, -0.2f, 0.3f, 0.0f}, scale[4] = {1.5f, 0.5f, 2.0f, 1.0f};
+    const float k1[4] = {0.01f, 0.02f, -0.03f, 0.0f}, k2[4] = {0.5f, 0.25f, 1.0f, 0.0f};
+    for (size_t i = 0; i < n; i++) b[i] = NAN;
+    batchnorm_grad_input(a, true, dy, x, mean, scale, k1, k2, N, C, inner, 0, C);
+    batchnorm_grad_input(b, false, dy, x, mean, scale, k1, k2, N, C, inner, 0, C);
+    CU_ASSERT(memcmp(a, b, n * sizeof(float)) == 0);
+    free(x), free(dy), free(a), free(b);
+}
+
+int register_nn_kernels_fast_suite(void) {
+    CU_pSuite s = CU_add_suite("nn_kernels_fast", NULL, NULL);
+    if (!s) return -1;
+    return !CU_add_test(s, "batchnorm statistics and gradient sums match their _ref twins", test_bn_stats_match_ref) ||
+           !CU_add_test(s, "batchnorm input gradient: written equals added into zeros",
+                        test_bn_grad_input_write_is_add);
+}
