@@ -195,6 +195,8 @@ Var *nn_mse(Tape *t, Var *pred, Var *target);
 
 void relu_forward(float *restrict y, const float *restrict x, size_t n);
 void relu_backward(float *restrict dx, const float *restrict dy, const float *restrict y, size_t n);
+/* dx = relu's gradient (written, not added); dx may be dy (in place). */
+void relu_backward_write(float *dx, const float *dy, const float *restrict y, size_t n);
 void gelu_forward(float *restrict y, const float *restrict x, size_t n);
 void gelu_backward(float *restrict dx, const float *restrict dy, const float *restrict x, size_t n);
 void tanh_forward(float *restrict y, const float *restrict x, size_t n);
@@ -222,7 +224,7 @@ void batchnorm_grad_sums(double *sum_dy, double *dot, const float *dy, const flo
                          int C, size_t inner, int c0, int c1);
 void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
                              int C, size_t inner, int c0, int c1);
-/* dx (+= if accumulate, else =) (dy - k1 - (x - mean) k2) scale. */
+/* dx (+= if accumulate, else =) (dy - k1 - (x - mean) k2) scale; dx may be dy. */
 void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
                           const float *scale, const float *k1, const float *k2, int N, int C, size_t inner, int c0,
                           int c1);

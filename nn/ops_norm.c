@@ -294,8 +294,8 @@ void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const flo
         const float m = mean[ch], a = scale[ch], p = k1[ch], q = k2[ch];
         for (int n = 0; n < N; n++) {
             const size_t off = n * stride + (size_t)ch * inner;
-            const float *restrict xp = x + off, *restrict dyp = dy + off;
-            float *restrict dxp = dx + off;
+            const float *restrict xp = x + off, *dyp = dy + off; /* dx may be dy */
+            float *dxp = dx + off;
             if (accumulate)
                 for (size_t i = 0; i < inner; i++) dxp[i] += (dyp[i] - p - (xp[i] - m) * q) * a;
             else
@@ -417,8 +417,13 @@ static void batchnorm_tape_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *gamma = node->in[1], *beta = node->in[2];
     BatchnormJob j = {.c = c, .x = x->value.data, .dy = node->out->grad,
                       .gamma = gamma ? gamma->value.data : NULL};
+    /* dx in place of dy when x has no gradient yet: the sums come first,
+     * then each dx element from its own dy and x only. */
     bool fresh = false;
-    j.dx = x->requires_grad ? tape_grad_to_write(t, x, &fresh) : NULL;
+    if (x->requires_grad && tape_grad_take(t, x, node->out))
+        j.dx = x->grad, fresh = true;
+    else
+        j.dx = x->requires_grad ? tape_grad_to_write(t, x, &fresh) : NULL;
     j.dx_accumulate = !fresh;
     j.dgamma = gamma && gamma->requires_grad ? tape_grad(t, gamma) : NULL;
     j.dbeta = beta && beta->requires_grad ? tape_grad(t, beta) : NULL;

@@ -3,7 +3,11 @@
  * Ops run eagerly: each computes its output at once and, if any input needs
  * a gradient, appends a node with its backward function and what it saved.
  * tape_backward() walks the nodes in reverse; every backward accumulates
- * (+=) into the grads of its inputs.
+ * (+=) into the grads of its inputs. Once a node's backward has run, its
+ * output's gradient is dead (every consumer ran before it): tape_backward
+ * hands the buffer to the next gradient allocated, so the step holds a few
+ * live gradients instead of one per op. An intermediate Var's grad is
+ * therefore not readable after tape_backward; inputs' and parameters' are.
  *
  * Errors poison instead of crashing: an op that fails returns NULL and
  * records the first error in tape->err; an op given a NULL input returns
@@ -51,6 +55,8 @@ struct Tape {
     bool grad_enabled;  /* false: ops run forward only and record nothing */
     bool backward_done; /* set by tape_backward until the next reset */
     Rng *rng;           /* dropout masks; may be NULL if no op needs it */
+    void *free_grads;   /* backward: arena gradient buffers no node reads any more, for the next
+                           tape_grad to take (a list threaded through the buffers themselves) */
     QtError err;        /* first error since the last reset */
 };
 
@@ -70,6 +76,12 @@ void *tape_alloc(Tape *t, size_t bytes);
 /* The grad of v, allocated zeroed from the arena on first use (params have
  * theirs already). NULL, with the tape error set, if memory runs out. */
 float *tape_grad(Tape *t, Var *v);
+
+/* For an elementwise backward that can compute v's gradient in place of
+ * its output's: if v has no grad yet, v takes over from->grad (the node's
+ * output gradient, which no one reads after this node) and true is
+ * returned; the caller then overwrites it in place. Otherwise false. */
+bool tape_grad_take(Tape *t, Var *v, Var *from);
 
 /* The same for a backward that writes its whole gradient for v at once: if
  * v has no grad yet, it is allocated uninitialised and *fresh set, and the

@@ -85,10 +85,71 @@ static void test_bn_grad_input_write_is_add(void) {
     free(x), free(dy), free(a), free(b);
 }
 
+/* A chain of relu, batchnorm, add and scale ops: each elementwise backward computes its input's gradient in
+ * place of its output's, and a dead output gradient is reused, so the backward takes a few buffers from the
+ * arena rather than one per op; the gradients are those of the same chain on a fresh arena each op. */
+static void test_backward_reuses_grads(void) {
+    enum { N = 4, C = 8, HW = 256, NX = N * C * HW, DEPTH = 12 };
+    const int shape[4] = {N, C, 16, 16};
+    float *x0 = random_data(NX, 5, -1.0f, 1.0f), *dy = random_data(NX, 6, -1.0f, 1.0f);
+    float ref[NX];
+    for (int pass = 0; pass < 2; pass++) {
+        TestEnv e;
+        test_env_init(&e, 3);
+        float mean[C], var[C];
+        int64_t count = 0;
+        for (int c = 0; c < C; c++) mean[c] = 0.0f, var[c] = 1.0f;
+        BatchNormState bn = {mean, var, &count, 0.1f, 1e-5f, false};
+        Var *x = test_var(&e, x0, 4, shape, true), *h = x;
+        for (int d = 0; d < DEPTH; d++) {
+            Var *r = nn_relu(&e.tape, nn_batchnorm(&e.tape, h, NULL, NULL, &bn));
+            h = d % 3 == 2 ? nn_add(&e.tape, r, h) : nn_scale(&e.tape, r, 1.0f + 0.01f * d);
+        }
+        CU_ASSERT_PTR_NOT_NULL_FATAL(h);
+        const size_t before = e.arena.used;
+        CU_ASSERT_FATAL(tape_backward_from(&e.tape, h, dy) == QT_OK);
+        const size_t grown = e.arena.used - before, bytes = NX * sizeof(float);
+        if (pass == 0) {
+            /* the seed, x's own and at most a few live ones; without reuse it would be ~3 per depth */
+            CU_ASSERT(grown <= 5 * bytes + 65536);
+            memcpy(ref, x->grad, sizeof ref);
+        } else {
+            CU_ASSERT(memcmp(ref, x->grad, sizeof ref) == 0); /* the same bits on a second tape */
+        }
+        test_env_free(&e);
+    }
+    free(x0), free(dy);
+}
+
+/* add(a, b) with both needing gradients: each gets dy in its own buffer (one may take dy's), and add(a, a)
+ * gives a 2 dy; relu of an input that already has a gradient adds into it. */
+static void test_add_relu_grads(void) {
+    enum { NX = 64 };
+    const int shape[2] = {4, 16};
+    float *a0 = random_data(NX, 1, -1.0f, 1.0f), *b0 = random_data(NX, 2, -1.0f, 1.0f);
+    float *dy = random_data(NX, 3, -1.0f, 1.0f);
+    TestEnv e;
+    test_env_init(&e, 1);
+    Var *a = test_var(&e, a0, 2, shape, true), *b = test_var(&e, b0, 2, shape, true);
+    Var *y = nn_add(&e.tape, a, b);
+    CU_ASSERT_FATAL(y && tape_backward_from(&e.tape, y, dy) == QT_OK);
+    CU_ASSERT(a->grad != b->grad);
+    CU_ASSERT(memcmp(a->grad, dy, sizeof(float) * NX) == 0 && memcmp(b->grad, dy, sizeof(float) * NX) == 0);
+    tape_reset(&e.tape);
+    a = test_var(&e, a0, 2, shape, true);
+    y = nn_add(&e.tape, nn_relu(&e.tape, a), nn_add(&e.tape, a, a)); /* relu(a) + 2a */
+    CU_ASSERT_FATAL(y && tape_backward_from(&e.tape, y, dy) == QT_OK);
+    for (int i = 0; i < NX; i++) CU_ASSERT(a->grad[i] == 2.0f * dy[i] + (a0[i] > 0.0f ? dy[i] : 0.0f));
+    test_env_free(&e);
+    free(a0), free(b0), free(dy);
+}
+
 int register_nn_kernels_fast_suite(void) {
     CU_pSuite s = CU_add_suite("nn_kernels_fast", NULL, NULL);
     if (!s) return -1;
     return !CU_add_test(s, "batchnorm statistics and gradient sums match their _ref twins", test_bn_stats_match_ref) ||
            !CU_add_test(s, "batchnorm input gradient: written equals added into zeros",
-                        test_bn_grad_input_write_is_add);
+                        test_bn_grad_input_write_is_add) ||
+           !CU_add_test(s, "backward: gradients in place and reused, same values", test_backward_reuses_grads) ||
+           !CU_add_test(s, "add and relu gradients: own buffers, accumulation", test_add_relu_grads);
 }
