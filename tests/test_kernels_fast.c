@@ -144,6 +144,52 @@ static void test_add_relu_grads(void) {
     free(a0), free(b0), free(dy);
 }
 
+/* The stride-1 depthwise loops (padded planes, DW_LANES outputs per chunk) against the direct loops on the
+ * shapes DS-CNN and MobileNet use (3x3 'same' on 14x14 and 7x7, a multiplier, a 5x5 dilated kernel), dx
+ * written into a fresh buffer and added into an existing one. */
+static void test_depthwise_s1_matches_ref(void) {
+    static const struct {
+        int N, C, H, W, OC, K;
+        ConvGeom2d g;
+    } cases[] = {
+        {3, 4, 14, 14, 4, 3, {1, 1, 1, 1, 1, 1, 4, 0, 0}},
+        {2, 3, 7, 7, 6, 3, {1, 1, 1, 1, 1, 1, 3, 0, 0}},
+        {2, 2, 13, 17, 2, 5, {1, 1, 4, 3, 2, 2, 2, 0, 1}},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const int N = cases[k].N, C = cases[k].C, H = cases[k].H, W = cases[k].W, OC = cases[k].OC, K = cases[k].K;
+        const ConvGeom2d *g = &cases[k].g;
+        const int OH = conv_general_out_size(H, K, 1, g->pad_h, g->pad_h + g->pad_h_extra, g->dil_h);
+        const int OW = conv_general_out_size(W, K, 1, g->pad_w, g->pad_w + g->pad_w_extra, g->dil_w);
+        const size_t nx = (size_t)N * C * H * W, nw = (size_t)OC * K * K, ny = (size_t)N * OC * OH * OW;
+        float *x = random_data(nx, 10 + k, -1.0f, 1.0f), *w = random_data(nw, 20 + k, -1.0f, 1.0f);
+        float *b = random_data((size_t)OC, 30 + k, -1.0f, 1.0f), *dy = random_data(ny, 40 + k, -1.0f, 1.0f);
+        float *yr = malloc(ny * sizeof(float)), *dxr = calloc(nx, sizeof(float)), *dwr = calloc(nw, sizeof(float));
+        conv2d_general_forward_ref(yr, x, w, b, N, C, H, W, OC, K, K, g);
+        conv2d_general_backward_ref(dxr, dwr, NULL, dy, x, w, N, C, H, W, OC, K, K, g);
+        for (int pass = 0; pass < 2; pass++) {
+            TestEnv e;
+            test_env_init(&e, 1);
+            Var *xv = test_var(&e, x, 4, (const int[]){N, C, H, W}, true);
+            Var *wv = test_var(&e, w, 4, (const int[]){OC, 1, K, K}, true);
+            Var *bv = test_var(&e, b, 1, (const int[]){OC}, false);
+            if (pass == 1) { /* an existing gradient of 1: the loops add into it */
+                xv->grad = tape_grad(&e.tape, xv);
+                for (size_t i = 0; i < nx; i++) xv->grad[i] = 1.0f;
+            }
+            Var *y = nn_conv2d_general(&e.tape, xv, wv, bv, g);
+            CU_ASSERT_FATAL(y && tape_backward_from(&e.tape, y, dy) == QT_OK);
+            ASSERT_ALL_CLOSE(y->value.data, yr, ny, 1e-5, 1e-5);
+            if (pass == 1)
+                for (size_t i = 0; i < nx; i++) xv->grad[i] -= 1.0f;
+            ASSERT_ALL_CLOSE(xv->grad, dxr, nx, 1e-5, 1e-5);
+            ASSERT_ALL_CLOSE(wv->grad, dwr, nw, 1e-4, 1e-5);
+            test_env_free(&e);
+        }
+        free(x), free(w), free(b), free(dy), free(yr), free(dxr), free(dwr);
+    }
+}
+
 int register_nn_kernels_fast_suite(void) {
     CU_pSuite s = CU_add_suite("nn_kernels_fast", NULL, NULL);
     if (!s) return -1;
@@ -151,5 +197,6 @@ int register_nn_kernels_fast_suite(void) {
            !CU_add_test(s, "batchnorm input gradient: written equals added into zeros",
                         test_bn_grad_input_write_is_add) ||
            !CU_add_test(s, "backward: gradients in place and reused, same values", test_backward_reuses_grads) ||
-           !CU_add_test(s, "add and relu gradients: own buffers, accumulation", test_add_relu_grads);
+           !CU_add_test(s, "add and relu gradients: own buffers, accumulation", test_add_relu_grads) ||
+           !CU_add_test(s, "depthwise stride-1 loops match the direct loops", test_depthwise_s1_matches_ref);
 }
