@@ -54,6 +54,10 @@ Var *nn_concat(Tape *t, Var *const *xs, int n);
 /* y = s * x. */
 Var *nn_scale(Tape *t, Var *x, float s);
 Var *nn_relu(Tape *t, Var *x);
+/* relu written over x's values (y shares x's buffer), for a caller that
+ * knows nothing else reads x and that x's producer's backward does not read
+ * it (model_graph_relu_in_place). The same values and gradients as nn_relu. */
+Var *nn_relu_inplace(Tape *t, Var *x);
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 Var *nn_gelu(Tape *t, Var *x);
 Var *nn_tanh(Tape *t, Var *x);

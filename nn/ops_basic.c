@@ -432,6 +432,21 @@ Var *nn_relu(Tape *t, Var *x) {
     return tape_record(t, "relu", relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
 }
 
+/* unary_forward's form of relu over y's own values (x is y). */
+NN_SIMD_CLONES
+static void relu_forward_self(float *y, const float *x, size_t n) {
+    (void)x;
+    for (size_t i = 0; i < n; i++) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
+}
+
+Var *nn_relu_inplace(Tape *t, Var *x) {
+    if (!x) return NULL;
+    Var *y = tape_wrap(t, x->value.data, x->value.ndim, x->value.shape);
+    if (!y) return NULL;
+    unary_forward(relu_forward_self, y->value.data, y->value.data, var_numel(y));
+    return tape_record(t, "relu", relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
+}
+
 DEFINE_UNARY(gelu, true)
 DEFINE_UNARY(tanh, false)
 DEFINE_UNARY(sigmoid, false)

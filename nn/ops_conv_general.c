@@ -557,6 +557,7 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
         j.thread_floats = dw_round(2 * dw_s1_plane(d) + dw_s1_margin(d) + dw_round(P) + kk * (2 + DW_LANES));
         if (!(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float)))) return;
         parallel_run(parallel_get_threads() < d->C ? parallel_get_threads() : d->C, dw_s1_backward_task, &j);
+        tape_release_buffer(t, j.scratch, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float));
         return;
     }
     if (d->depthwise) {
@@ -597,6 +598,7 @@ Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) 
         if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return NULL;
         const int planes = d->N * d->C;
         parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
+        tape_release_buffer(t, j.scratch, (size_t)threads * j.thread_floats * sizeof(float));
     } else if (d->depthwise) {
         const int planes = d->N * d->OC;
         parallel_run(threads < planes ? threads : planes, dw_forward_task, &j);

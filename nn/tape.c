@@ -28,36 +28,6 @@ void tape_reset(Tape *t) {
     arena_reset(t->arena);
 }
 
-void *tape_alloc(Tape *t, size_t bytes) {
-    void *p = arena_alloc(t->arena, bytes);
-    if (!p) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: the step arena could not grow by %zu bytes", bytes);
-    return p;
-}
-
-Var *tape_new_var(Tape *t, int ndim, const int *shape) {
-    Var *v = tape_alloc(t, sizeof *v);
-    if (!v) return NULL;
-    memset(v, 0, sizeof *v);
-    if (!tensor_set_shape(&v->value, ndim, shape)) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "tape_new_var: invalid shape (ndim %d; every dim must be >= 1)", ndim);
-        return NULL;
-    }
-    v->value.data = tape_alloc(t, tensor_numel(&v->value) * sizeof(float));
-    return v->value.data ? v : NULL;
-}
-
-Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape) {
-    Var *v = tape_alloc(t, sizeof *v);
-    if (!v) return NULL;
-    memset(v, 0, sizeof *v);
-    if (!tensor_set_shape(&v->value, ndim, shape)) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "tape_wrap: invalid shape (ndim %d; every dim must be >= 1)", ndim);
-        return NULL;
-    }
-    v->value.data = data;
-    return v;
-}
-
 /* A free gradient buffer: the header lives in the buffer's first bytes. */
 typedef struct FreeGrad {
     struct FreeGrad *next;
@@ -89,6 +59,37 @@ static void free_grad_put(Tape *t, float *buf, size_t bytes) {
     t->free_grads = f;
 }
 
+void *tape_alloc(Tape *t, size_t bytes) {
+    void *p = arena_alloc(t->arena, bytes);
+    if (!p) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: the step arena could not grow by %zu bytes", bytes);
+    return p;
+}
+
+Var *tape_new_var(Tape *t, int ndim, const int *shape) {
+    Var *v = tape_alloc(t, sizeof *v);
+    if (!v) return NULL;
+    memset(v, 0, sizeof *v);
+    if (!tensor_set_shape(&v->value, ndim, shape)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "tape_new_var: invalid shape (ndim %d; every dim must be >= 1)", ndim);
+        return NULL;
+    }
+    const size_t bytes = tensor_numel(&v->value) * sizeof(float);
+    if (!(v->value.data = free_grad_take(t, bytes))) v->value.data = tape_alloc(t, bytes);
+    return v->value.data ? v : NULL;
+}
+
+Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape) {
+    Var *v = tape_alloc(t, sizeof *v);
+    if (!v) return NULL;
+    memset(v, 0, sizeof *v);
+    if (!tensor_set_shape(&v->value, ndim, shape)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "tape_wrap: invalid shape (ndim %d; every dim must be >= 1)", ndim);
+        return NULL;
+    }
+    v->value.data = data;
+    return v;
+}
+
 /* An arena (or recycled) buffer for v's gradient, uninitialised. */
 static float *grad_alloc(Tape *t, Var *v) {
     const size_t bytes = var_numel(v) * sizeof(float);
@@ -96,6 +97,14 @@ static float *grad_alloc(Tape *t, Var *v) {
     if (!g) g = arena_alloc(t->arena, bytes);
     if (!g) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: no room for a gradient of %zu floats", var_numel(v));
     return g;
+}
+
+void tape_release_buffer(Tape *t, void *p, size_t bytes) {
+    if (p) free_grad_put(t, p, bytes);
+}
+
+void tape_release(Tape *t, Var *v) {
+    if (v && v->value.data) free_grad_put(t, v->value.data, var_numel(v) * sizeof(float));
 }
 
 bool tape_grad_take(Tape *t, Var *v, Var *from) {

@@ -55,8 +55,9 @@ struct Tape {
     bool grad_enabled;  /* false: ops run forward only and record nothing */
     bool backward_done; /* set by tape_backward until the next reset */
     Rng *rng;           /* dropout masks; may be NULL if no op needs it */
-    void *free_grads;   /* backward: arena gradient buffers no node reads any more, for the next
-                           tape_grad to take (a list threaded through the buffers themselves) */
+    void *free_grads;   /* arena float buffers no one reads any more (dead gradients in the backward,
+                           dead activations of a pass without gradients), for the next tape_grad or
+                           tape_new_var to take: a list threaded through the buffers themselves */
     QtError err;        /* first error since the last reset */
 };
 
@@ -71,6 +72,13 @@ Var *tape_new_var(Tape *t, int ndim, const int *shape);
 /* A Var whose value is the caller's buffer (not copied; must outlive the
  * step), e.g. a batch of inputs. No gradient. */
 Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape);
+/* Hands v's value buffer back for the next tape_new_var or gradient of this
+ * step: the caller knows nothing reads v's values any more (a forward
+ * without gradients, past v's last reader). v must come from tape_new_var. */
+void tape_release(Tape *t, Var *v);
+/* The same for an op's scratch (tape_alloc'd, `bytes` long) once the op is
+ * done with it. */
+void tape_release_buffer(Tape *t, void *p, size_t bytes);
 /* Arena memory for an op's saved state; sets the tape error on failure. */
 void *tape_alloc(Tape *t, size_t bytes);
 /* The grad of v, allocated zeroed from the arena on first use (params have

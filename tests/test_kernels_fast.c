@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/model.h"
 #include "nn/ops.h"
 #include "test_util.h"
 
@@ -190,6 +191,81 @@ static void test_depthwise_s1_matches_ref(void) {
     }
 }
 
+static LayerSpec layer(LayerType type, const char *name, const char *in0, const char *in1) {
+    LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f, .out_channels = 4, .kernel = 3, .stride = 1,
+                   .padding = 1, .no_bias = type == LAYER_CONV2D};
+    snprintf(s.name, sizeof s.name, "%s", name);
+    if (in0) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in0);
+    if (in1) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in1);
+    return s;
+}
+
+/* A stem and BLOCKS residual blocks (conv, bn, relu, conv, bn, add, relu), then flatten and a dense head.
+ * A relu after a batch norm or an add that nothing else reads runs in place; a pass without gradients
+ * hands dead activations back, so it holds a few of them, and gives the same logits as a pass that keeps
+ * them all (one with gradients, eval-mode batch norm). */
+static void test_model_activation_memory(void) {
+    enum { BLOCKS = 6, NL = 3 + 7 * BLOCKS + 2, N = 128, C = 4, HW = 16 };
+    LayerSpec layers[NL];
+    int n = 0;
+    layers[n++] = layer(LAYER_CONV2D, "c0", NULL, NULL);
+    layers[n++] = layer(LAYER_BATCHNORM2D, "b0", NULL, NULL);
+    layers[n++] = layer(LAYER_RELU, "r0", NULL, NULL);
+    char prev[16] = "r0", nm[7][16];
+    for (int b = 0; b < BLOCKS; b++) {
+        const char *kinds = "cbrcbar";
+        for (int k = 0; k < 7; k++) snprintf(nm[k], sizeof nm[k], "%c%d_%d", kinds[k], b, k);
+        layers[n++] = layer(LAYER_CONV2D, nm[0], NULL, NULL);
+        layers[n++] = layer(LAYER_BATCHNORM2D, nm[1], NULL, NULL);
+        layers[n++] = layer(LAYER_RELU, nm[2], NULL, NULL);
+        layers[n++] = layer(LAYER_CONV2D, nm[3], NULL, NULL);
+        layers[n++] = layer(LAYER_BATCHNORM2D, nm[4], NULL, NULL);
+        layers[n++] = layer(LAYER_ADD, nm[5], nm[4], prev);
+        layers[n++] = layer(LAYER_RELU, nm[6], NULL, NULL);
+        snprintf(prev, sizeof prev, "%s", nm[6]);
+    }
+    layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);
+    layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);
+    layers[n++].units = 3;
+    CU_ASSERT_EQUAL_FATAL(n, NL);
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){C, HW, HW}, layers, NL, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 5, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    float *x = random_data((size_t)N * C * HW * HW, 9, -1.0f, 1.0f);
+    const size_t act = (size_t)N * C * HW * HW * sizeof(float);
+    float logits[2][N * 3];
+    size_t used[2];
+    for (int pass = 0; pass < 2; pass++) {
+        TestEnv e;
+        test_env_init(&e, 1);
+        e.tape.training = false;
+        e.tape.grad_enabled = pass == 0;
+        Var *vx = test_var(&e, x, 4, (int[]){N, C, HW, HW}, false);
+        const size_t before = e.arena.used;
+        Var *y = model_forward(&m, &e.tape, vx);
+        CU_ASSERT_FATAL(y != NULL);
+        memcpy(logits[pass], y->value.data, sizeof logits[pass]);
+        used[pass] = e.arena.used - before;
+        if (pass == 0) {
+            /* r0 and every block's relus share their batch norm's or add's buffer */
+            CU_ASSERT(m.outs[1 + 2]->value.data == m.outs[1 + 1]->value.data);
+            CU_ASSERT(m.outs[1 + 3 + 6]->value.data == m.outs[1 + 3 + 5]->value.data);
+            CU_ASSERT(m.outs[1 + 3 + 2]->value.data == m.outs[1 + 3 + 1]->value.data);
+            CU_ASSERT(used[0] >= (size_t)(3 + 5 * BLOCKS) * act); /* every other activation kept */
+        } else {
+            /* a few activations and the convolutions' scratch, against all of them */
+            CU_ASSERT(used[1] * 3 < used[0]);
+        }
+        test_env_free(&e);
+    }
+    CU_ASSERT(memcmp(logits[0], logits[1], sizeof logits[0]) == 0);
+    free(x);
+    model_free(&m);
+}
+
 int register_nn_kernels_fast_suite(void) {
     CU_pSuite s = CU_add_suite("nn_kernels_fast", NULL, NULL);
     if (!s) return -1;
@@ -198,5 +274,7 @@ int register_nn_kernels_fast_suite(void) {
                         test_bn_grad_input_write_is_add) ||
            !CU_add_test(s, "backward: gradients in place and reused, same values", test_backward_reuses_grads) ||
            !CU_add_test(s, "add and relu gradients: own buffers, accumulation", test_add_relu_grads) ||
-           !CU_add_test(s, "depthwise stride-1 loops match the direct loops", test_depthwise_s1_matches_ref);
+           !CU_add_test(s, "depthwise stride-1 loops match the direct loops", test_depthwise_s1_matches_ref) ||
+           !CU_add_test(s, "model: relus in place, eval passes release dead activations",
+                        test_model_activation_memory);
 }
