@@ -24,9 +24,13 @@
  * the CPU's best chosen once at load (the default build targets baseline
  * x86-64, 4-float vectors). fp-contract is off in every copy, so none fuses
  * a multiply and an add the others round twice: all copies give the same
- * bits. (clang, which builds the fuzz targets, links no resolver for it.) */
+ * bits. Short copy loops stay loops rather than becoming memcpy calls (rows
+ * of a few floats). (clang, which builds the fuzz targets, links no
+ * resolver for it.) */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define NN_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
+#define NN_SIMD_CLONES                                                                                    \
+    __attribute__((target_clones("avx512f", "avx2", "default"),                                            \
+                   optimize("fp-contract=off", "no-tree-loop-distribute-patterns")))
 #else
 #define NN_SIMD_CLONES
 #endif

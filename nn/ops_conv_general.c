@@ -284,6 +284,11 @@ static inline size_t dw_s1_margin(const ConvGDims *d) {
     return dw_round((size_t)(d->KH - 1) * d->g.dil_h * dw_s1_wp(d) + (size_t)(d->KW - 1) * d->g.dil_w);
 }
 
+/* DW_LANES floats as one GCC vector (4 SSE registers, 2 AVX2 or 1 AVX-512
+ * in the clones); loaded and stored unaligned through memcpy. */
+typedef float DwVec __attribute__((vector_size(DW_LANES * sizeof(float))));
+#define DW_LOAD(v, p) memcpy(&(v), (p), sizeof(DwVec))
+
 /* The interior (rows r0.., columns c0..) of a padded plane (.., Wp) = src (rows, cols). */
 static inline void dw_put(float *restrict dst, int Wp, int r0, int c0, const float *restrict src, int rows,
                           int cols) {
@@ -301,16 +306,15 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
                               size_t L, const ConvGDims *d, int Wp, bool adjoint) {
     const int KH = d->KH, KW = d->KW;
     for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
-        float acc[DW_LANES];
-        for (int k = 0; k < DW_LANES; k++) acc[k] = b;
+        DwVec acc = {0}, v; /* vector variables: they stay in registers across the taps */
+        acc += b;
         for (int kh = 0; kh < KH; kh++)
             for (int kw = 0; kw < KW; kw++) {
                 const ptrdiff_t off = (ptrdiff_t)kh * d->g.dil_h * Wp + (ptrdiff_t)kw * d->g.dil_w;
-                const float wv = w[kh * KW + kw];
-                const float *restrict s = src + q0 + (adjoint ? -off : off);
-                for (int k = 0; k < DW_LANES; k++) acc[k] += wv * s[k];
+                DW_LOAD(v, src + q0 + (adjoint ? -off : off));
+                acc += w[kh * KW + kw] * v;
             }
-        for (int k = 0; k < DW_LANES; k++) dst[q0 + k] = acc[k];
+        memcpy(dst + q0, &acc, sizeof acc);
     }
 }
 
@@ -342,17 +346,21 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-/* acc[tap][lane] += dy[q] * xp[q + off(tap)] over q in [0, L) by chunks. */
+/* acc[tap][lane] = the sum of dy[q] * xp[q + off(tap)] over q in [0, L)
+ * by chunks, one tap at a time (its lanes stay in registers). */
 static inline void dw_s1_wgrad(float *restrict acc, const float *restrict dy, const float *restrict xp, size_t L,
                                const ConvGDims *d, int Wp) {
-    for (size_t q0 = 0; q0 < L; q0 += DW_LANES)
-        for (int kh = 0; kh < d->KH; kh++)
-            for (int kw = 0; kw < d->KW; kw++) {
-                const size_t off = (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
-                float *restrict a = acc + (size_t)(kh * d->KW + kw) * DW_LANES;
-                const float *restrict s = xp + q0 + off, *restrict g = dy + q0;
-                for (int k = 0; k < DW_LANES; k++) a[k] += g[k] * s[k];
+    for (int kh = 0; kh < d->KH; kh++)
+        for (int kw = 0; kw < d->KW; kw++) {
+            const float *restrict s = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
+            DwVec a = {0}, u, v;
+            for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
+                DW_LOAD(u, dy + q0);
+                DW_LOAD(v, s + q0);
+                a += u * v;
             }
+            memcpy(acc + (size_t)(kh * d->KW + kw) * DW_LANES, &a, sizeof a);
+        }
 }
 
 /* Task over input channels, as dw_backward_task: per sample the padded x
@@ -384,7 +392,6 @@ static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
                 dw_put(dyb + M, Wp, 0, 0, j->dy + ((size_t)n * d->OC + oc) * out_plane, d->OH, d->OW);
                 if (j->dw) {
                     dw_put(xp, Wp, d->g.pad_h, d->g.pad_w, j->x + xi, d->H, d->W);
-                    memset(lanes, 0, (size_t)kk * DW_LANES * sizeof *lanes);
                     dw_s1_wgrad(lanes, dyb + M, xp, L, d, Wp);
                     for (int t = 0; t < kk; t++) {
                         float s = 0.0f;
