@@ -24,6 +24,7 @@
     X(bn_fold)    \
     X(conv_geom)  \
     X(nn_torch)   \
+    X(graph_parity) \
     X(data)       \
     X(data_cache) \
     X(quant_qtype) \
