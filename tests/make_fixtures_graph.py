@@ -120,7 +120,8 @@ model:
     - {name: dw_bn, type: batchnorm2d}
     - {name: dw_relu, type: relu}
     - {name: pw, type: conv2d, out_channels: 6, kernel: 1, bias: false}
-    - {name: gc, type: conv2d, out_channels: 4, kernel: 3, padding: 2, dilation: 2, groups: 2, bias: false, inputs: [stem_relu]}
+    - {name: gc, type: conv2d, out_channels: 4, kernel: 3, padding: 2, dilation: 2, groups: 2, bias: false,
+       inputs: [stem_relu]}
     - {name: cat, type: concat, inputs: [pw, gc]}
     - {name: cat_bn, type: batchnorm2d}
     - {name: cat_relu, type: relu}

@@ -73,7 +73,8 @@ static double block_loss(Model *m, TestEnv *e, const float *x, const float *proj
         }
     }
     if (with_grad) {
-        for (int i = 0; i < m->n_params; i++) memset(m->params[i].var.grad, 0, var_numel(&m->params[i].var) * sizeof(float));
+        for (int i = 0; i < m->n_params; i++)
+            memset(m->params[i].var.grad, 0, var_numel(&m->params[i].var) * sizeof(float));
         if (tape_backward_from(&e->tape, out, proj) != QT_OK) {
             fprintf(stderr, "\n  backward failed: %s\n", e->tape.err.msg);
             return NAN;
