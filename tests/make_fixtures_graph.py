@@ -16,7 +16,7 @@ from 1 and 0 so a dropped gamma or beta shows):
   /catnet  stem conv 3->4 k3 p1 -> bn -> relu, then two branches of it: depthwise conv k3 p1 (groups 4) -> bn
            -> relu -> pointwise conv 4->6; and a grouped dilated conv 4->4 k3 p2 d2 (groups 2); concatenated
            on the channel axis (10) -> bn -> relu -> globalavgpool -> dense 10->5
-Each group:
+Each group (attributes: seed, optimizer, and config: the qtrain model config the test builds, which must equal its own):
   x, labels, params/       the batch and the initial parameters (running statistics start at 0 and 1)
   logits, loss, grads/, grad_x
                            one forward in train mode (batch statistics) and the backward of the mean softmax
