@@ -341,9 +341,9 @@ static const CfgKey LORA_KEYS[] = {
             "error instead of a warning"},
     {.key = "batchnorm", .type = CFG_T_ENUM, O(LoraConfig, batchnorm), .size = 32, .name_of = lora_bn_name,
      .n_names = LORA_BN_COUNT, .names_what = "lora.batchnorm", .def_str = "frozen", FIXED,
-     .doc = "the base's batch norms in a LoRA run: `frozen` (normalise with their running statistics, never update "
-            "them, weight and bias frozen) or `train` (batch statistics, running statistics updated, weight and bias "
-            "trained, all kept in adapters.h5); one listed in `lora.trainable` trains either way"},
+     .doc = "a LoRA run's base batch norms: `frozen` (running statistics, never updated; weight, bias frozen) or "
+            "`train` (as a float run; weights and statistics kept in adapters.h5); one in `lora.trainable` trains "
+            "either way"},
 };
 
 static const CfgTable RUN_TABLE = {.path = "run", .owner = "run", .keys = RUN_KEYS, .n = N_OF(RUN_KEYS),
