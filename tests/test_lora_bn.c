@@ -416,6 +416,62 @@ static void test_merge_equals_unmerged(void) {
     free(c), free(f);
 }
 
+/* ---- the base identity ------------------------------------------------------------ */
+
+/* scripts/base_sha256.py's hash of checkpoint `path` into hex; false (the test skipped) without Debian's python3
+ * and h5py. */
+static bool script_sha256(const char *path, char hex[SHA256_HEX_CHARS]) {
+    if (system("/usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1") != 0) {
+        test_skip("/usr/bin/python3 cannot import h5py and numpy (install python3-h5py python3-numpy): "
+                  "scripts/base_sha256.py not checked");
+        return false;
+    }
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 scripts/base_sha256.py '%s'", path);
+    FILE *p = popen(cmd, "r");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(p);
+    bool ok = fgets(hex, SHA256_HEX_CHARS, p) != NULL;
+    char rest[64];
+    while (fgets(rest, sizeof rest, p)) { /* the newline: read to the end, so the script never writes to a closed pipe */
+    }
+    CU_ASSERT_EQUAL(pclose(p), 0);
+    return ok;
+}
+
+/* A frozen batch norm's running statistics belong to the frozen base, so its identity covers them (adapters
+ * over a base with other statistics are found out); a trained one's are the run's, as its weights are. The
+ * script recomputes the identity from the file either way. */
+static void test_base_identity(void) {
+    const char *f_ov[] = {BN_LORA, SHIFTED, "train.steps=8"};
+    const char *t_ov[] = {RES_LORA, SHIFTED, "train.steps=8", "train.checkpoint_every=0", "lora.batchnorm=train"};
+    Config *f = cfg(bn_base, "tests/configs/tiny-bn.yaml", "id-frozen", f_ov, 3);
+    Config *t = cfg(res_base, "tests/configs/tiny-res.yaml", "id-train", t_ov, 5);
+    const Config *cs[2] = {f, t};
+    const char *bn_of[2] = {"bn1", "bn2"};
+    for (int k = 0; k < 2; k++) {
+        TrainResult r;
+        train_ok(cs[k], NULL, 0, &r);
+        CheckpointProvenance *p = malloc(sizeof *p);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(p);
+        QtError err = {0};
+        CU_ASSERT_EQUAL_FATAL(checkpoint_read_provenance(path_in(cs[k], "final.h5"), p, &err), QT_OK);
+        Net n;
+        test_runs_load_net(&n, cs[k], path_in(cs[k], "final.h5"));
+        CheckpointNet parts = net_checkpoint_parts(&n);
+        char mine[SHA256_HEX_CHARS], other[SHA256_HEX_CHARS], script[SHA256_HEX_CHARS];
+        CU_ASSERT_EQUAL(checkpoint_base_sha256(&n.model, &parts, mine, &err), QT_OK);
+        CU_ASSERT_STRING_EQUAL(mine, p->base_sha256);
+        if (script_sha256(path_in(cs[k], "final.h5"), script)) CU_ASSERT_STRING_EQUAL(script, mine);
+        model_find_module(&n.model, bn_of[k])->running_var[0] *= 2.0f;
+        CU_ASSERT_EQUAL(checkpoint_base_sha256(&n.model, &parts, other, &err), QT_OK);
+        if (k == 0) CU_ASSERT_STRING_NOT_EQUAL(other, mine); /* frozen: part of the base */
+        if (k == 1) CU_ASSERT_STRING_EQUAL(other, mine);     /* trained: the run's */
+        net_free(&n);
+        free(p);
+    }
+    free(f), free(t);
+}
+
 /* ---- QT: batch norm in float between quantized GEMMs --------------------------- */
 
 /* The train rows' losses of a run's metrics.csv: first and last, all finite. */
@@ -484,6 +540,8 @@ int register_lora_bn_suite(void) {
            !CU_add_test(s, "a batch norm in lora.trainable trains in full", test_trainable_bn_trains) ||
            !CU_add_test(s, "resume mid-epoch bit-exact, frozen and train", test_resume_exact) ||
            !CU_add_test(s, "merge evaluates as unmerged, frozen and train", test_merge_equals_unmerged) ||
+           !CU_add_test(s, "base identity: a frozen batch norm's statistics in, a trained one's out; the script "
+                        "agrees", test_base_identity) ||
            !CU_add_test(s, "qt: batch-norm CNN trains, float batch norm, resume exact", test_qt_bn) ||
            !CU_add_test(s, "qt: residual CNN trains, float batch norms, resume exact", test_qt_residual);
 }

@@ -176,8 +176,11 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
 /* The identity of a LoRA run's frozen base (CHECKPOINT_BASE_HASH), as 64
  * hex digits: SHA-256 over the datasets of the frozen base as a checkpoint
  * stores them -- every /params/<module>/<tensor> of a parameter the run does
- * not train (all but the adapters and the lora.trainable modules), and
- * every dataset directly under /quant/<module>/weight (qvalue, scale,
+ * not train (all but the adapters, the lora.trainable modules and with
+ * lora.batchnorm: train the batch norms), every
+ * /buffers/<module>/<statistic> of a frozen batch norm (BatchNormState.frozen:
+ * num_batches_tracked as dtype "int64", shape ""), and every dataset
+ * directly under /quant/<module>/weight (qvalue, scale,
  * zero_point, scale_absmax: the packed codes and scales) -- taken in
  * bytewise order of their names without the leading '/', each as
  *   name NUL dtype NUL shape NUL u64le(byte count) bytes
