@@ -432,8 +432,8 @@ void net_print_table(const Net *n, FILE *out) {
         char qd[160], ld[96] = "-";
         snprintf(qd, sizeof qd, "float (%s)", trains ? "trained" : "frozen");
         if (m->running_mean && any_lora && !n->is_trainable[i])
-            snprintf(qd, sizeof qd, "float (%s)", m->bn.frozen ? "frozen), lora.batchnorm: frozen"
-                                                               : "trained), lora.batchnorm: train");
+            snprintf(qd, sizeof qd, "float (%s), lora.batchnorm: %s", m->bn.frozen ? "frozen" : "trained",
+                     LORA_BATCHNORM_NAMES[n->cfg->lora.batchnorm]);
         else if (m->running_mean)
             snprintf(qd, sizeof qd, "float (%s)", m->bn.frozen ? "frozen" : "trained");
         if (m->running_mean && n->cfg->quant.mode == QUANT_MODE_PTQ)
