@@ -41,6 +41,7 @@
     X(trainer)    \
     X(commands)   \
     X(qlora)      \
+    X(lora_bn)    \
     X(quant_qat)  \
     X(quant_qt)   \
     X(quant_int8) \
