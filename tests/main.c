@@ -40,6 +40,7 @@
     X(checkpoint) \
     X(trainer)    \
     X(commands)   \
+    X(shipped_configs) \
     X(qlora)      \
     X(lora_bn)    \
     X(quant_qat)  \
