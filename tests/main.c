@@ -40,6 +40,7 @@
     X(commands)   \
     X(qlora)      \
     X(quant_qat)  \
+    X(quant_qat_bn) \
     X(quant_qt)   \
     X(quant_int8) \
     X(bench_cmd)  \
