@@ -8,6 +8,7 @@
  * tiny-bn, tiny-res and tiny-bn-fold evaluates exactly as the QAT model; a
  * resumed run across the freeze is bit-exact. */
 #include <CUnit/CUnit.h>
+#include <hdf5.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -302,6 +303,153 @@ static void test_fold_refused(void) {
     model_free(&m);
 }
 
+/* ---- PyTorch parity (tests/make_fixtures_qatbn.py) ---------------------------------------------------------------- */
+
+#define QB_FIXTURE "tests/fixtures/torch_qatbn.h5"
+#define QB_ATOL 1e-5
+#define QB_RTOL 1e-4
+
+/* "/case/name" of exactly n elements of memtype into out; false (printed) if missing or of another size. */
+static bool qb_read(hid_t f, const char *c, const char *name, hid_t memtype, void *out, size_t n) {
+    char path[128];
+    snprintf(path, sizeof path, "/%s/%s", c, name);
+    hid_t d = H5Dopen2(f, path, H5P_DEFAULT);
+    hid_t sp = d >= 0 ? H5Dget_space(d) : H5I_INVALID_HID;
+    hssize_t got = sp >= 0 ? H5Sget_simple_extent_npoints(sp) : -1;
+    bool ok = got == (hssize_t)n && H5Dread(d, memtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) >= 0;
+    if (!ok) fprintf(stderr, "\n  %s: %s missing or not of %zu elements (has %lld)\n", QB_FIXTURE, path, n,
+                     (long long)got);
+    if (sp >= 0) H5Sclose(sp);
+    if (d >= 0) H5Dclose(d);
+    CU_ASSERT(ok);
+    return ok;
+}
+
+static float *qb_floats(hid_t f, const char *c, const char *name, size_t n) {
+    float *buf = qa_alloc_floats(n);
+    if (!qb_read(f, c, name, H5T_NATIVE_FLOAT, buf, n)) CU_FAIL_FATAL("fixture");
+    return buf;
+}
+
+static double qb_worst;
+
+static void qb_check(const char *c, const char *what, int step, const float *got, const float *want, size_t n) {
+    double r = test_close_ratio(got, want, n, QB_ATOL, QB_RTOL, NULL);
+    if (r > qb_worst) qb_worst = r;
+    if (r > 1.0) fprintf(stderr, "\n  %s: %s step %d differs from torch:", c, what, step);
+    ASSERT_ALL_CLOSE(got, want, n, QB_ATOL, QB_RTOL);
+}
+
+typedef struct {
+    const char *name;
+    bool conv;
+    int N, in_shape[3], OC, stride;
+    bool bias;
+} QbCase;
+
+/* One case: the fixture's initial parameters and weight scales (a tqt int4 range per channel whose scale is
+ * torch's), its STEPS training steps (outputs, every gradient, the running statistics, SGD in between; the
+ * statistics frozen from step freeze_at, as qat_layer_set_step freezes them after quant.freeze_bn_after), then
+ * eval. */
+static void qb_case(hid_t f, const QbCase *k) {
+    const char *c = k->name;
+    LayerSpec l[2] = {spec_of(k->conv ? LAYER_CONV2D : LAYER_DENSE, "layer"),
+                      spec_of(k->conv ? LAYER_BATCHNORM2D : LAYER_BATCHNORM1D, "bn")};
+    if (k->conv) l[0].out_channels = k->OC, l[0].kernel = 3, l[0].stride = k->stride, l[0].padding = 1;
+    else l[0].units = k->OC;
+    l[0].no_bias = !k->bias;
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, k->conv ? 3 : 1, k->in_shape, l, 2, &err), QT_OK);
+    Module *mod = &m.modules[0], *b = &m.modules[1];
+    const int C = k->OC;
+    size_t nw = var_numel(&mod->weight->var), nx = input_numel(&m, k->N);
+    size_t ny = (size_t)k->N * (k->conv ? (size_t)C * b->in_shape[1] * b->in_shape[2] : (size_t)C);
+    int steps = 0, freeze_at = 0;
+    double lr = 0;
+    hid_t g = H5Gopen2(f, c, H5P_DEFAULT);
+    CU_ASSERT_FATAL(g >= 0);
+    hid_t a1 = H5Aopen(g, "steps", H5P_DEFAULT), a2 = H5Aopen(g, "freeze_at", H5P_DEFAULT),
+          a3 = H5Aopen(g, "lr", H5P_DEFAULT);
+    CU_ASSERT_FATAL(H5Aread(a1, H5T_NATIVE_INT, &steps) >= 0 && H5Aread(a2, H5T_NATIVE_INT, &freeze_at) >= 0 &&
+                    H5Aread(a3, H5T_NATIVE_DOUBLE, &lr) >= 0);
+    H5Aclose(a1), H5Aclose(a2), H5Aclose(a3), H5Gclose(g);
+    CU_ASSERT_FATAL(steps > freeze_at && freeze_at > 0);
+    /* the initial state */
+    struct {
+        const char *name;
+        float *dst;
+        size_t n;
+    } init[] = {{"params/layer/weight", mod->weight->var.value.data, nw},
+                {"params/layer/bias", k->bias ? mod->bias->var.value.data : NULL, (size_t)C},
+                {"params/bn/weight", b->weight->var.value.data, (size_t)C},
+                {"params/bn/bias", b->bias->var.value.data, (size_t)C},
+                {"params/bn/running_mean", b->running_mean, (size_t)C},
+                {"params/bn/running_var", b->running_var, (size_t)C}};
+    for (size_t i = 0; i < sizeof init / sizeof init[0]; i++)
+        if (init[i].dst) CU_ASSERT_FATAL(qb_read(f, c, init[i].name, H5T_NATIVE_FLOAT, init[i].dst, init[i].n));
+    QLayerSpec spec = qtest_wspec("int4", 0, QARRAY_SCALE_POF2);
+    QatSpec qs = qtest_qspec(QAT_LEARN_TQT, false);
+    QatLayer q;
+    qtest_init_ok(&q, mod, &spec, &qs);
+    CU_ASSERT_EQUAL_FATAL(qat_layer_fold_bn(&q, b, freeze_at, &err), QT_OK);
+    float *scale = qb_floats(f, c, "scale", (size_t)C);
+    for (int ch = 0; ch < C; ch++) { /* int4: s = 2^ceil(l) / 8 */
+        q.w_range.param.var.value.data[ch] = log2f(scale[ch]) + 3.0f;
+        CU_ASSERT_EQUAL(fq_range_scale(&q.w_range.spec, q.w_range.param.var.value.data[ch]), scale[ch]);
+    }
+    q.ranges_ready = true;
+    qat_layer_install(&q);
+    /* the steps */
+    const char *names[] = {"x", "dy", "y", "dx", "dweight", "dbias", "dgamma", "dbeta", "running_mean", "running_var"};
+    const size_t sizes[] = {nx, ny, ny, nx, nw, (size_t)C, (size_t)C, (size_t)C, (size_t)C, (size_t)C};
+    float *ref[10] = {0};
+    for (int i = 0; i < 10; i++)
+        if (i != 5 || k->bias) ref[i] = qb_floats(f, c, names[i], (size_t)steps * sizes[i]);
+    float *y = qa_alloc_floats(ny), *dx = qa_alloc_floats(nx);
+    Param *ps[4] = {mod->weight, k->bias ? mod->bias : NULL, b->weight, b->bias};
+    for (int s = 0; s < steps; s++) {
+        qat_layer_set_step(&q, s);
+        CU_ASSERT_EQUAL(b->bn.frozen, s >= freeze_at);
+        run_model(&m, ref[0] + (size_t)s * nx, k->N, true, ref[1] + (size_t)s * ny, y, ny, dx);
+        const float *got[10] = {NULL, NULL, y, dx, mod->weight->var.grad, k->bias ? mod->bias->var.grad : NULL,
+                                b->weight->var.grad, b->bias->var.grad, b->running_mean, b->running_var};
+        for (int i = 2; i < 10; i++)
+            if (ref[i]) qb_check(c, names[i], s, got[i], ref[i] + (size_t)s * sizes[i], sizes[i]);
+        for (int p = 0; p < 4; p++)
+            for (size_t i = 0; ps[p] && i < var_numel(&ps[p]->var); i++)
+                ps[p]->var.value.data[i] -= (float)lr * ps[p]->var.grad[i];
+    }
+    int64_t count = -1;
+    CU_ASSERT(qb_read(f, c, "num_batches_tracked", H5T_NATIVE_INT64, &count, 1) && count == freeze_at);
+    CU_ASSERT_EQUAL(b->num_batches_tracked, count);
+    float *xe = qb_floats(f, c, "x_eval", nx), *ye = qb_floats(f, c, "y_eval", ny);
+    run_model(&m, xe, k->N, false, NULL, y, ny, NULL);
+    qb_check(c, "y_eval", steps, y, ye, ny);
+    free(xe), free(ye), free(y), free(dx), free(scale);
+    for (int i = 0; i < 10; i++) free(ref[i]);
+    qat_layer_free(&q);
+    model_free(&m);
+}
+
+/* Measured with PyTorch 1.13: worst ratio to the tolerance printed with QT_TEST_SHOW_MSGS=1. */
+static void test_torch_parity(void) {
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    hid_t f = H5Fopen(QB_FIXTURE, H5F_ACC_RDONLY, H5P_DEFAULT);
+    if (f < 0) {
+        test_skip("cannot open %s (run from the repository root; regenerate it with /usr/bin/python3 "
+                  "tests/make_fixtures_qatbn.py %s)", QB_FIXTURE, QB_FIXTURE);
+        return;
+    }
+    static const QbCase cases[] = {{"convbn", true, 3, {3, 6, 6}, 4, 1, true},
+                                   {"convbn_nobias", true, 2, {2, 7, 7}, 3, 2, false},
+                                   {"linearbn", false, 6, {5}, 4, 1, true}};
+    qb_worst = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) qb_case(f, &cases[i]);
+    if (getenv("QT_TEST_SHOW_MSGS")) fprintf(stderr, "\n  torch_qatbn: worst ratio to the tolerance %.3g\n", qb_worst);
+    H5Fclose(f);
+}
+
 /* ---- runs -------------------------------------------------------------------------------------------------------- */
 
 static const char *const QAT_RULES[] = {
@@ -490,6 +638,7 @@ int register_quant_qat_bn_suite(void) {
            !CU_add_test(s, "eval form equals the folded layer; freezing holds the statistics",
                         test_eval_form_and_freeze) ||
            !CU_add_test(s, "a batch norm without a bias for the shift is refused", test_fold_refused) ||
+           !CU_add_test(s, "PyTorch parity: ConvBn2d, LinearBn1d (torch_qatbn.h5)", test_torch_parity) ||
            !CU_add_test(s, "which batch norms fold; the rules table; convert", test_fold_table_and_convert) ||
            !CU_add_test(s, "convert of tiny-bn is exact, its batch norm folded", test_convert_bn) ||
            !CU_add_test(s, "convert of tiny-res is exact, its batch norms folded", test_convert_res) ||
