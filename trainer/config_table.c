@@ -320,10 +320,8 @@ static const CfgKey QUANT_KEYS[] = {
      .doc = "training batches that calibrate static activation ranges (`act_qtype`)"},
     {.key = "fold_bn", .type = CFG_T_BOOL, F(QuantConfig, fold_bn), .def = 1, FIXED,
      .doc = "`ptq` and `qtrain quantize` fold each batch norm into the conv2d or dense layer whose output it alone "
-            "reads (eval-mode running statistics), then quantize the folded weight; a batch norm that cannot fold "
-            "stays float and the rules table says why; `qat` folds the same batch norms the way torch.ao's ConvBn "
-            "modules do: the folded weight is fake-quantized, the batch norm normalises with batch statistics in "
-            "training, and `qtrain convert` folds it"},
+            "reads, then quantize the folded weight (`qat`: trains it folded, as torch.ao's ConvBn); one that cannot "
+            "fold stays float, the rules table says why"},
     {.key = "freeze_bn_after", .type = CFG_T_INT, F(QuantConfig, freeze_bn_after), .imin = 0, .imax = INT_MAX,
      .def = 0, FIXED,
      .doc = "`qat`: after this many training steps the batch norms folded into QAT layers use their running "
