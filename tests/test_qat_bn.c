@@ -303,6 +303,61 @@ static void test_fold_refused(void) {
     model_free(&m);
 }
 
+/* A fresh learned weight range starts from the weight the layer quantizes: the folded one (absmax per channel of
+ * w gamma / sqrt(running_var + eps), tqt's log2 of it), not the raw weight. */
+static void test_range_from_folded(void) {
+    Model m;
+    bn_model(&m, true, true, 95);
+    QatLayer q;
+    qat_fold_on(&q, &m, "int8", QAT_LEARN_TQT);
+    Module *mod = &m.modules[0], *b = &m.modules[1];
+    const int C = q.out;
+    float *wf = qa_alloc_floats(var_numel(&mod->weight->var));
+    bn_fold_values(wf, NULL, mod->weight->var.value.data, NULL, b->weight->var.value.data, NULL, b->running_mean,
+                   b->running_var, b->bn.eps, C, (size_t)q.fan_in);
+    for (int c = 0; c < C; c++) {
+        float amax = qa_abs_max(wf + (size_t)c * q.fan_in, (size_t)q.fan_in),
+              raw = qa_abs_max(mod->weight->var.value.data + (size_t)c * q.fan_in, (size_t)q.fan_in);
+        CU_ASSERT_DOUBLE_EQUAL(q.w_range.param.var.value.data[c], log2(amax), 1e-6);
+        CU_ASSERT(fabs(log2(amax) - log2(raw)) > 1e-3); /* the fold changed it */
+    }
+    free(wf);
+    qat_layer_free(&q);
+    model_free(&m);
+}
+
+/* Training steps of a model with a folded QAT layer (conv 2 -> 4 + batch norm, flatten, dense 10) allocate
+ * nothing past step 1: the arena and the tape's node array stay as they are. */
+static void test_steady_state(void) {
+    LayerSpec l[4] = {spec_of(LAYER_CONV2D, "conv1"), spec_of(LAYER_BATCHNORM2D, "bn1"), spec_of(LAYER_FLATTEN, "flat"),
+                      spec_of(LAYER_DENSE, "head")};
+    l[0].out_channels = 4, l[0].kernel = 3, l[0].stride = 1, l[0].padding = 1, l[0].no_bias = true;
+    l[3].units = 10;
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (const int[]){2, 6, 6}, l, 4, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 96, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    QatLayer q;
+    qat_fold_on(&q, &m, "int4", QAT_LEARN_LSQ);
+    Arena a;
+    Tape t;
+    CU_ASSERT_FATAL(arena_init(&a, 4096) == 0);
+    CU_ASSERT_EQUAL_FATAL(tape_init(&t, &a, NULL, NULL), QT_OK);
+    t.training = true;
+    float *x = qa_normal_sample(97, 4 * 2 * 6 * 6), *dy = qa_normal_sample(98, 40);
+    qat_layer_set_step(&q, 0);
+    test_assert_steady_steps(&m, &t, &a, x, dy, 5);
+    CU_ASSERT_EQUAL(m.modules[1].num_batches_tracked, 5);
+    CU_ASSERT(q.w_range.param.var.grad[0] != 0.0f && m.modules[1].weight->var.grad[0] != 0.0f);
+    free(x), free(dy);
+    tape_free(&t);
+    arena_free(&a);
+    qat_layer_free(&q);
+    model_free(&m);
+}
+
 /* ---- PyTorch parity (tests/make_fixtures_qatbn.py) ---------------------------------------------------------------- */
 
 #define QB_FIXTURE "tests/fixtures/torch_qatbn.h5"
@@ -638,6 +693,8 @@ int register_quant_qat_bn_suite(void) {
            !CU_add_test(s, "eval form equals the folded layer; freezing holds the statistics",
                         test_eval_form_and_freeze) ||
            !CU_add_test(s, "a batch norm without a bias for the shift is refused", test_fold_refused) ||
+           !CU_add_test(s, "a learned weight range starts from the folded weight", test_range_from_folded) ||
+           !CU_add_test(s, "no arena growth after step 1", test_steady_state) ||
            !CU_add_test(s, "PyTorch parity: ConvBn2d, LinearBn1d (torch_qatbn.h5)", test_torch_parity) ||
            !CU_add_test(s, "which batch norms fold; the rules table; convert", test_fold_table_and_convert) ||
            !CU_add_test(s, "convert of tiny-bn is exact, its batch norm folded", test_convert_bn) ||
