@@ -304,6 +304,7 @@ void qat_layer_set_step(QatLayer *q, int64_t step) {
  * reshapes share the values and pass the gradient through, so the Param's grad receives the STE's. */
 
 static Var *quant_weight(Tape *t, QatLayer *q, Var *w) {
+    if (!w) return NULL;
     Var *w2 = nn_reshape(t, w, q->w_ndim, q->w_shape);
     QArrayOptions o = q->w_options;
     Rng r = q->round_rng; /* the step's own noise in training, step 0's elsewhere: see qat_layer_set_step */
@@ -320,7 +321,7 @@ static Var *layer_op(Tape *t, const Module *m, Var *x, Var *w, Var *bias) {
     return m->spec.type == LAYER_CONV2D ? model_conv_forward(t, m, x, w, bias) : nn_linear(t, x, w, bias);
 }
 
-/* ---- a batch norm folded in --------------------------------------------------------------------------------------- */
+/* ---- a batch norm folded in -------------------------------------------------------------------------------------- */
 
 /* The eval form's folded weight (like the module's) and shift (out,) of q's batch norm at its running statistics
  * (bn_fold_values), as constants on the tape: what `qtrain convert` writes. Either output may be NULL. */

@@ -91,7 +91,8 @@ def write_case(f, name, seed):
         m.bn.running_mean.copy_(randn(g, oc, scale=0.2))
         m.bn.running_var.copy_(torch.rand(oc, generator=g) + 0.5)
         # scales: a power of two per channel near amax / 6 of the initial folded weight, so the largest clip
-        folded = m.weight * (m.bn.weight / torch.sqrt(m.bn.running_var + m.bn.eps)).reshape([-1] + [1] * (m.weight.dim() - 1))
+        factor = m.bn.weight / torch.sqrt(m.bn.running_var + m.bn.eps)
+        folded = m.weight * factor.reshape([-1] + [1] * (m.weight.dim() - 1))
         amax = folded.abs().reshape(oc, -1).max(dim=1).values
         scale = torch.pow(2.0, torch.round(torch.log2(amax / 6.0)))
     m.weight_fake_quant.set_scale(scale)

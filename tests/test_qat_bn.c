@@ -204,11 +204,13 @@ static void test_folded_gradients(void) {
         run_model(&m, x, N, true, R, NULL, 0, dx);
         float *gw = qtest_copy_floats(mod->weight->var.grad, var_numel(&mod->weight->var));
         float *gb = bias ? qtest_copy_floats(mod->bias->var.grad, (size_t)C) : NULL;
-        float *gg = qtest_copy_floats(b->weight->var.grad, (size_t)C), *gbe = qtest_copy_floats(b->bias->var.grad, (size_t)C);
+        float *gg = qtest_copy_floats(b->weight->var.grad, (size_t)C);
+        float *gbe = qtest_copy_floats(b->bias->var.grad, (size_t)C);
         const char *what = conv ? (bias ? "conv2d+bias" : "conv2d") : (bias ? "dense+bias" : "dense");
         char name[64];
         snprintf(name, sizeof name, "%s weight", what);
-        CU_ASSERT(fd_check(&m, x, N, R, ny, rm, rv, mod->weight->var.value.data, var_numel(&mod->weight->var), gw, name));
+        size_t nw = var_numel(&mod->weight->var);
+        CU_ASSERT(fd_check(&m, x, N, R, ny, rm, rv, mod->weight->var.value.data, nw, gw, name));
         snprintf(name, sizeof name, "%s gamma", what);
         CU_ASSERT(fd_check(&m, x, N, R, ny, rm, rv, b->weight->var.value.data, (size_t)C, gg, name));
         snprintf(name, sizeof name, "%s beta", what);
@@ -358,7 +360,7 @@ static void test_steady_state(void) {
     model_free(&m);
 }
 
-/* ---- PyTorch parity (tests/make_fixtures_qatbn.py) ---------------------------------------------------------------- */
+/* ---- PyTorch parity (tests/make_fixtures_qatbn.py) --------------------------------------------------------------- */
 
 #define QB_FIXTURE "tests/fixtures/torch_qatbn.h5"
 #define QB_ATOL 1e-5

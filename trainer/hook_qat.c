@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "checkpoint_internal.h"
-#include "trainer/bn_fold.h"
 #include "quant/qarray_io.h"
+#include "trainer/bn_fold.h"
 #include "trainer/hook.h"
 #include "trainer/net.h"
 
