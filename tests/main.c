@@ -24,6 +24,8 @@
     X(bn_fold)    \
     X(conv_geom)  \
     X(nn_torch)   \
+    X(graph_parity) \
+    X(graph_checks) \
     X(data)       \
     X(data_cache) \
     X(quant_qtype) \
