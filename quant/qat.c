@@ -172,7 +172,7 @@ QtStatus qat_layer_init_ranges(QatLayer *q, QtError *err) {
         return qt_error_set(err, QT_ERR_ARG, "%s: the float weight was released, so its range cannot be initialised "
                             "(a QAT layer needs its float weight)", q->module->path);
     float *wf = NULL;
-    if (q->bn) { /* the weight the layer quantizes: folded at the batch norm's running statistics */
+    if (q->bn && q->bn->bn_folded == BN_FOLD_NONE) { /* the weight it quantizes: folded at the running statistics */
         const Module *bn = q->bn;
         wf = malloc((size_t)q->out * (size_t)q->fan_in * sizeof *wf);
         if (!wf) return qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory initialising the weight's range",
@@ -317,6 +317,10 @@ static Var *quant_weight(Tape *t, QatLayer *q, Var *w) {
     return nn_reshape(t, wq2, w->value.ndim, w->value.shape);
 }
 
+/* Whether q folds its batch norm: it has one, not already folded into the weights (a checkpoint's BnFold, which
+ * the batch norm's own forward then follows). */
+static bool folds_bn(const QatLayer *q) { return q->bn && q->bn->bn_folded == BN_FOLD_NONE; }
+
 static Var *layer_op(Tape *t, const Module *m, Var *x, Var *w, Var *bias) {
     return m->spec.type == LAYER_CONV2D ? model_conv_forward(t, m, x, w, bias) : nn_linear(t, x, w, bias);
 }
@@ -370,7 +374,7 @@ static Var *folded_forward(Tape *t, QatLayer *q, Var *x) {
 static Var *bn_hook(Tape *t, Module *bn, Var *x, void *ctx) {
     const QatLayer *q = ctx;
     if (!x) return NULL;
-    if (t->training) return model_module_forward(t, bn, x);
+    if (t->training || bn->bn_folded != BN_FOLD_NONE) return model_module_forward(t, bn, x);
     if (q->module->bias) return x;
     Var *shift = NULL;
     return folded_values(t, q, NULL, &shift) ? nn_bias_add(t, x, shift) : NULL;
@@ -401,7 +405,7 @@ Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x) {
                      "takes either PTQ or QAT)", m->path);
         return NULL;
     }
-    if (q->bn) return folded_forward(t, q, x);
+    if (folds_bn(q)) return folded_forward(t, q, x);
     Var *wq = quant_weight(t, q, &m->weight->var);
     Var *xin = wq ? layer_input(t, q, x) : NULL;
     if (!xin) return NULL;

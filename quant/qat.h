@@ -113,7 +113,9 @@ void qat_layer_set_step(QatLayer *q, int64_t step);
  * and the folded shift (bn_fold_values, nn/ops_chscale.h) as its bias, or,
  * without a bias, bn adds the shift: the model bn_fold_into gives, so
  * folding bn into the module before qat_layer_convert converts exactly.
- * Needs the layer's bias or bn's (affine). */
+ * Needs the layer's bias or bn's (affine). A batch norm already folded into
+ * the weights (bn->bn_folded, as a checkpoint holds it) is left to its own
+ * forward and the layer runs as without it. */
 QtStatus qat_layer_fold_bn(QatLayer *q, Module *bn, int64_t freeze_after, QtError *err);
 
 /* The layer's forward with fake-quantized weight and input (see above). */

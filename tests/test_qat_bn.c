@@ -286,6 +286,39 @@ static void test_eval_form_and_freeze(void) {
     }
 }
 
+/* A batch norm already folded into the weights (as a checkpoint of a folded model holds it) stays so: the QAT layer
+ * with it attached runs, in training and eval, bit for bit as a plain QAT layer on the folded model, and leaves the
+ * statistics alone. */
+static void test_already_folded(void) {
+    for (int k = 0; k < 2; k++) {
+        bool bias = k == 0;
+        Model m, f;
+        bn_model(&m, true, bias, 80 + (uint64_t)k);
+        bn_model(&f, true, bias, 80 + (uint64_t)k);
+        bn_fold_into(&m.modules[0], &m.modules[1]);
+        bn_fold_into(&f.modules[0], &f.modules[1]);
+        QatLayer q, qf;
+        qat_fold_on(&q, &m, "int4", QAT_LEARN_NONE);
+        QLayerSpec spec = qtest_wspec("int4", 0, QARRAY_SCALE_F32);
+        QatSpec qs = qtest_qspec(QAT_LEARN_NONE, false);
+        qtest_init_ok(&qf, &f.modules[0], &spec, &qs);
+        qat_layer_install(&qf);
+        const int N = 2;
+        size_t ny = (size_t)N * 3 * 25;
+        float *x = qa_normal_sample(85 + (uint64_t)k, input_numel(&m, N));
+        float *a = qa_alloc_floats(ny), *r = qa_alloc_floats(ny);
+        for (int training = 0; training < 2; training++) {
+            run_model(&m, x, N, training, NULL, a, ny, NULL);
+            run_model(&f, x, N, training, NULL, r, ny, NULL);
+            CU_ASSERT(fq_test_same_bits(a, r, ny, training ? "already folded, training" : "already folded, eval"));
+        }
+        CU_ASSERT_EQUAL(m.modules[1].num_batches_tracked, 0);
+        free(x), free(a), free(r);
+        qat_layer_free(&q), qat_layer_free(&qf);
+        model_free(&m), model_free(&f);
+    }
+}
+
 /* A batch norm without a bias (affine: false) after a layer without one has nowhere to keep the shift: refused. */
 static void test_fold_refused(void) {
     LayerSpec l[2] = {spec_of(LAYER_DENSE, "fc1"), spec_of(LAYER_BATCHNORM1D, "bn1")};
@@ -694,6 +727,7 @@ int register_quant_qat_bn_suite(void) {
            !CU_add_test(s, "folded QAT in training: finite differences", test_folded_gradients) ||
            !CU_add_test(s, "eval form equals the folded layer; freezing holds the statistics",
                         test_eval_form_and_freeze) ||
+           !CU_add_test(s, "a batch norm already folded stays so", test_already_folded) ||
            !CU_add_test(s, "a batch norm without a bias for the shift is refused", test_fold_refused) ||
            !CU_add_test(s, "a learned weight range starts from the folded weight", test_range_from_folded) ||
            !CU_add_test(s, "no arena growth after step 1", test_steady_state) ||

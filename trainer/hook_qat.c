@@ -40,7 +40,13 @@ static QtStatus qat_fold_batchnorms(Net *n, QatLayer *ql, int k, QtError *err) {
     for (int i = 0; st == QT_OK && n->bn_note && i < n->model.n_modules; i++) {
         Module *b = &n->model.modules[i];
         char *note = n->bn_note[i];
-        if (!b->running_mean || !net_bn_foldable(n, i, note)) continue;
+        if (!b->running_mean) continue;
+        if (b->bn_folded != BN_FOLD_NONE) { /* model.init_from holds it folded: it stays so */
+            snprintf(note, BN_NOTE_MAX, "%s: folded into %s (as model.init_from holds it)", b->path,
+                     n->model.modules[b->inputs[0]].path);
+            continue;
+        }
+        if (!net_bn_foldable(n, i, note)) continue;
         Module *p = &n->model.modules[b->inputs[0]];
         QatLayer *q = qat_layer_of(ql, k, p);
         if (!q)

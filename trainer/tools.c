@@ -281,7 +281,8 @@ static QtStatus convert_save(Net *n, const Config *ptq, const char *out, bool fo
     QtStatus st = QT_OK;
     for (; st == QT_OK && k < n_qat; k++) {
         QatLayer *q = net_qat_layer(n, k);
-        if (q->bn) bn_fold_into(q->module, q->bn); /* the QAT eval form's folded weight and shift, bit for bit */
+        if (q->bn && q->bn->bn_folded == BN_FOLD_NONE) /* the QAT eval form's folded weight and shift, bit for bit */
+            bn_fold_into(q->module, q->bn);
         if ((st = qat_layer_convert(q, &ql[k], err)) != QT_OK) break;
     }
     char *text = st == QT_OK ? config_to_yaml(ptq) : NULL;
