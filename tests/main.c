@@ -44,6 +44,7 @@
     X(qlora)      \
     X(lora_bn)    \
     X(quant_qat)  \
+    X(quant_qat_bn) \
     X(quant_qt)   \
     X(quant_int8) \
     X(bench_cmd)  \

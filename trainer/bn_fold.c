@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "nn/ops_chscale.h"
 #include "trainer/hook.h"
 #include "trainer/net.h"
 
@@ -15,12 +16,10 @@ void bn_fold_into(Module *producer, Module *bn) {
     float *gamma = bn->weight ? bn->weight->var.value.data : NULL;      /* (C,) or NULL (affine: false) */
     float *beta = bn->bias ? bn->bias->var.value.data : NULL;
     const size_t per = var_numel(&producer->weight->var) / (size_t)C;
+    /* in place: the shift goes to the producer's bias, or (none) to bn's */
+    bn_fold_values(w, b ? b : beta, w, b, gamma, beta, bn->running_mean, bn->running_var, bn->bn.eps, C, per);
     for (int c = 0; c < C; c++) {
-        double s = (gamma ? gamma[c] : 1.0) / sqrt((double)bn->running_var[c] + (double)bn->bn.eps);
-        for (size_t k = 0; k < per; k++) w[(size_t)c * per + k] = (float)(w[(size_t)c * per + k] * s);
-        double shift = ((b ? b[c] : 0.0) - bn->running_mean[c]) * s + (beta ? beta[c] : 0.0);
-        if (b) b[c] = (float)shift;
-        if (beta) beta[c] = b ? 0.0f : (float)shift;
+        if (b && beta) beta[c] = 0.0f;
         if (gamma) gamma[c] = 1.0f;
         bn->running_mean[c] = 0.0f;
         bn->running_var[c] = 1.0f;
@@ -81,6 +80,19 @@ static const char *run_keeps(const Net *n, int p, int i, char *buf, size_t cap) 
     return buf;
 }
 
+bool net_bn_foldable(const Net *n, int i, char *note) {
+    const Module *b = &n->model.modules[i];
+    if (!n->cfg->quant.fold_bn) {
+        snprintf(note, BN_NOTE_MAX, "%s: not folded (quant.fold_bn: false)", b->path);
+        return false;
+    }
+    if (!bn_fold_check(&n->model, i, note, BN_NOTE_MAX)) return false;
+    char buf[BN_NOTE_MAX];
+    const char *keep = run_keeps(n, b->inputs[0], i, buf, sizeof buf);
+    if (keep) snprintf(note, BN_NOTE_MAX, "%s", keep);
+    return !keep;
+}
+
 void net_fold_batchnorms(Net *n) {
     if (!n->bn_note) return;
     for (int i = 0; i < n->model.n_modules; i++) {
@@ -92,14 +104,6 @@ void net_fold_batchnorms(Net *n) {
                      n->model.modules[b->inputs[0]].path);
             continue;
         }
-        if (!n->cfg->quant.fold_bn) {
-            snprintf(note, BN_NOTE_MAX, "%s: not folded (quant.fold_bn: false)", b->path);
-            continue;
-        }
-        if (!bn_fold_check(&n->model, i, note, BN_NOTE_MAX)) continue;
-        char buf[BN_NOTE_MAX];
-        const char *keep = run_keeps(n, b->inputs[0], i, buf, sizeof buf);
-        if (keep) snprintf(note, BN_NOTE_MAX, "%s", keep);
-        else bn_fold_into(&n->model.modules[b->inputs[0]], b);
+        if (net_bn_foldable(n, i, note)) bn_fold_into(&n->model.modules[b->inputs[0]], b);
     }
 }

@@ -125,6 +125,8 @@ typedef struct {
     int calibration_batches;    /* quant.calibration_batches, default 16: training batches that calibrate
                                    static activation ranges (act_qtype) */
     bool fold_bn;               /* quant.fold_bn, default true: ptq folds batch norms into the layer before them */
+    int freeze_bn_after;        /* quant.freeze_bn_after, default 0 (never): qat's folded batch norms use and stop
+                                   updating their running statistics from this training step on */
     QuantRule rules[RULES_MAX]; /* quant.rules, in order; first match wins */
     int n_rules;
 } QuantConfig;

@@ -321,8 +321,12 @@ static const CfgKey QUANT_KEYS[] = {
      .doc = "training batches that calibrate static activation ranges (`act_qtype`)"},
     {.key = "fold_bn", .type = CFG_T_BOOL, F(QuantConfig, fold_bn), .def = 1, FIXED,
      .doc = "`ptq` and `qtrain quantize` fold each batch norm into the conv2d or dense layer whose output it alone "
-            "reads (eval-mode running statistics), then quantize the folded weight; a batch norm that cannot fold "
-            "stays float and the rules table says why"},
+            "reads, then quantize the folded weight (`qat`: trains it folded, as torch.ao's ConvBn); one that cannot "
+            "fold stays float, the rules table says why"},
+    {.key = "freeze_bn_after", .type = CFG_T_INT, F(QuantConfig, freeze_bn_after), .imin = 0, .imax = INT_MAX,
+     .def = 0, FIXED,
+     .doc = "`qat`: after this many training steps the batch norms folded into QAT layers use their running "
+            "statistics and stop updating them (torch's freeze_bn_stats); 0 = never"},
     {.key = "rules", .type = CFG_T_PART, .part = &CFG_PART_QUANT_RULES, .sub = &CFG_QUANT_RULE_TABLE, FIXED,
      .doc_default = "`[]`", .doc_values = "at most 32 rules",
      .doc = "ordered rules, the first that matches a module wins; `ptq`, `qat` and `qt` need at least one, `none` "

@@ -405,8 +405,8 @@ static bool net_describe(const Net *n, HookRules rules, int i, char *buf, size_t
     return false;
 }
 
-/* A batch norm's quant cell in a ptq model: what net_fold_batchnorms noted, or (a model read from a checkpoint)
- * its state as read. */
+/* A batch norm's quant cell in a ptq or qat model: what net_fold_batchnorms or qat's attach noted, or (a model read
+ * from a checkpoint) its state as read. */
 static void net_bn_cell(const Net *n, int i, char *buf, size_t cap) {
     const Module *m = &n->model.modules[i];
     const char *note = n->bn_note[i];
@@ -436,7 +436,7 @@ void net_print_table(const Net *n, FILE *out) {
                      LORA_BATCHNORM_NAMES[n->cfg->lora.batchnorm]);
         else if (m->running_mean)
             snprintf(qd, sizeof qd, "float (%s)", m->bn.frozen ? "frozen" : "trained");
-        if (m->running_mean && n->cfg->quant.mode == QUANT_MODE_PTQ)
+        if (m->running_mean && (n->cfg->quant.mode == QUANT_MODE_PTQ || n->cfg->quant.mode == QUANT_MODE_QAT))
             net_bn_cell(n, i, qd, sizeof qd);
         else if (n->is_trainable[i])
             snprintf(qd, sizeof qd, "float, trained in full (lora.trainable)");
