@@ -69,7 +69,9 @@ static const char *run_keeps(const Net *n, int p, int i, char *buf, size_t cap) 
     if (n->is_trainable[p] || n->is_trainable[i])
         snprintf(buf, cap, "%s: not folded: %s trains in full (lora.trainable)", b->path,
                  n->is_trainable[p] ? pm->path : b->path);
-    else if (net_bn_trains(n, i))
+    /* a frozen quantized weight cannot follow a batch norm that trains; QAT's folded form can (it refolds the
+       statistics every step) */
+    else if (n->cfg->quant.mode != QUANT_MODE_QAT && net_bn_trains(n, i))
         snprintf(buf, cap, "%s: not folded: it trains (lora.batchnorm: train)", b->path);
     else if (net_lora_spec(n, p))
         snprintf(buf, cap, "%s: not folded: %s has a LoRA adapter, whose output it normalises too", b->path, pm->path);
