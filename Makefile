@@ -242,6 +242,8 @@ fixtures:
 	/usr/bin/python3 tests/make_fixtures.py tests/fixtures/torch_ref.h5
 	/usr/bin/python3 tests/make_fixtures_bn.py tests/fixtures/torch_bn.h5
 	/usr/bin/python3 tests/make_fixtures_conv.py tests/fixtures/torch_conv.h5
+	/usr/bin/python3 tests/make_fixtures_graph.py tests/fixtures/torch_graph.h5
+	/usr/bin/python3 tests/make_fixtures_qatbn.py tests/fixtures/torch_qatbn.h5
 
 # Train, resume, eval, QLoRA, QAT, QT and the other commands on the mini data
 # set under valgrind (about 75 s). Always the normal -O2 -g build (valgrind

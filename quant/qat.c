@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "nn/ops.h"
+#include "nn/ops_chscale.h"
 #include "qarray_io.h"
 #include "qarray_plan.h"
 
@@ -170,7 +171,18 @@ QtStatus qat_layer_init_ranges(QatLayer *q, QtError *err) {
     if (!w)
         return qt_error_set(err, QT_ERR_ARG, "%s: the float weight was released, so its range cannot be initialised "
                             "(a QAT layer needs its float weight)", q->module->path);
+    float *wf = NULL;
+    if (q->bn && q->bn->bn_folded == BN_FOLD_NONE) { /* the weight it quantizes: folded at the running statistics */
+        const Module *bn = q->bn;
+        wf = malloc((size_t)q->out * (size_t)q->fan_in * sizeof *wf);
+        if (!wf) return qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory initialising the weight's range",
+                                     q->module->path);
+        bn_fold_values(wf, NULL, w, NULL, bn->weight ? bn->weight->var.value.data : NULL, NULL, bn->running_mean,
+                       bn->running_var, bn->bn.eps, q->out, (size_t)q->fan_in);
+        w = wf;
+    }
     QtStatus st = fq_range_calibrate(&q->w_range, w, 2, q->w_shape, &q->qat.amax_init, err);
+    free(wf);
     /* a learned input range is set by the calibration batches, which come after this */
     if (st == QT_OK && !has_range(&q->a_range)) q->ranges_ready = true;
     return st;
@@ -281,14 +293,18 @@ static Var *layer_input(Tape *t, QatLayer *q, Var *x) {
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
 
 void qat_layer_set_step(QatLayer *q, int64_t step) {
-    if (q) q->round_step = step;
+    if (!q) return;
+    q->round_step = step;
+    /* steps 0 .. freeze_after - 1 update the statistics; from then on they hold (and are never unfrozen here:
+       a batch norm frozen for another reason stays so) */
+    if (q->bn && q->bn_freeze_after > 0 && step >= q->bn_freeze_after) q->bn->bn.frozen = true;
 }
 
 /* The weight fake-quantized in its QArray view (out, fan_in) or (numel / T, T), back in its own shape. The
  * reshapes share the values and pass the gradient through, so the Param's grad receives the STE's. */
 
-static Var *quant_weight(Tape *t, QatLayer *q) {
-    Var *w = &q->module->weight->var;
+static Var *quant_weight(Tape *t, QatLayer *q, Var *w) {
+    if (!w) return NULL;
     Var *w2 = nn_reshape(t, w, q->w_ndim, q->w_shape);
     QArrayOptions o = q->w_options;
     Rng r = q->round_rng; /* the step's own noise in training, step 0's elsewhere: see qat_layer_set_step */
@@ -299,6 +315,82 @@ static Var *quant_weight(Tape *t, QatLayer *q) {
     Var *wq2 = has_range(&q->w_range) ? fq_range_apply(t, w2, &q->w_range)
                                       : fq_fake_quant_qarray(t, w2, q->spec.weight_qtype, &o, FQ_STE_CLIPPED);
     return nn_reshape(t, wq2, w->value.ndim, w->value.shape);
+}
+
+/* Whether q folds its batch norm: it has one, not already folded into the weights (a checkpoint's BnFold, which
+ * the batch norm's own forward then follows). */
+static bool folds_bn(const QatLayer *q) { return q->bn && q->bn->bn_folded == BN_FOLD_NONE; }
+
+static Var *layer_op(Tape *t, const Module *m, Var *x, Var *w, Var *bias) {
+    return m->spec.type == LAYER_CONV2D ? model_conv_forward(t, m, x, w, bias) : nn_linear(t, x, w, bias);
+}
+
+/* ---- a batch norm folded in -------------------------------------------------------------------------------------- */
+
+/* The eval form's folded weight (like the module's) and shift (out,) of q's batch norm at its running statistics
+ * (bn_fold_values), as constants on the tape: what `qtrain convert` writes. Either output may be NULL. */
+static bool folded_values(Tape *t, const QatLayer *q, Var **wf, Var **shift) {
+    const Module *m = q->module, *bn = q->bn;
+    const Tensor *w = &m->weight->var.value;
+    if (wf && !(*wf = tape_new_var(t, w->ndim, w->shape))) return false;
+    if (shift && !(*shift = tape_new_var(t, 1, (const int[]){q->out}))) return false;
+    bn_fold_values(wf ? (*wf)->value.data : NULL, shift ? (*shift)->value.data : NULL, w->data,
+                   m->bias ? m->bias->var.value.data : NULL, bn->weight ? bn->weight->var.value.data : NULL,
+                   bn->bias ? bn->bias->var.value.data : NULL, bn->running_mean, bn->running_var, bn->bn.eps, q->out,
+                   (size_t)q->fan_in);
+    return true;
+}
+
+/* The forward with q's batch norm folded in. Eval: the layer with the folded weight, fake-quantized, and (the
+ * layer having a bias) the folded shift as its bias; the batch norm then passes its input on, or adds the shift
+ * (bn_hook). Training: torch's ConvBn _forward_approximate: s = gamma / sqrt(running_var + eps) per output channel,
+ * y = op(x, fq(w * s)) / s + bias, which the batch norm then normalises with the batch's statistics (or, frozen,
+ * the running ones). */
+static Var *folded_forward(Tape *t, QatLayer *q, Var *x) {
+    Module *m = q->module, *bn = q->bn;
+    Var *bias = m->bias ? &m->bias->var : NULL;
+    if (!t->training) {
+        Var *wf = NULL, *shift = NULL;
+        if (!folded_values(t, q, &wf, bias ? &shift : NULL)) return NULL;
+        Var *wq = quant_weight(t, q, wf);
+        Var *xin = wq ? layer_input(t, q, x) : NULL;
+        return xin ? layer_op(t, m, xin, wq, shift) : NULL;
+    }
+    const int C = q->out;
+    Var *sd = tape_new_var(t, 1, &C);
+    if (!sd) return NULL;
+    for (int c = 0; c < C; c++) sd->value.data[c] = sqrtf(bn->running_var[c] + bn->bn.eps);
+    Var *s = bn->weight ? nn_chscale(t, &bn->weight->var, sd, 0, true) : tape_new_var(t, 1, &C);
+    if (s && !bn->weight)
+        for (int c = 0; c < C; c++) s->value.data[c] = 1.0f / sd->value.data[c];
+    Var *wq = quant_weight(t, q, nn_chscale(t, &m->weight->var, s, 0, false));
+    Var *xin = wq ? layer_input(t, q, x) : NULL;
+    Var *y = nn_chscale(t, xin ? layer_op(t, m, xin, wq, NULL) : NULL, s, 1, true);
+    return bias ? nn_bias_add(t, y, bias) : y;
+}
+
+/* The batch norm's forward: its own in training (batch statistics, or the running ones once frozen); in eval the
+ * layer before it has done its work, but for the shift when that layer has no bias to hold it. */
+static Var *bn_hook(Tape *t, Module *bn, Var *x, void *ctx) {
+    const QatLayer *q = ctx;
+    if (!x) return NULL;
+    if (t->training || bn->bn_folded != BN_FOLD_NONE) return model_module_forward(t, bn, x);
+    if (q->module->bias) return x;
+    Var *shift = NULL;
+    return folded_values(t, q, NULL, &shift) ? nn_bias_add(t, x, shift) : NULL;
+}
+
+QtStatus qat_layer_fold_bn(QatLayer *q, Module *bn, int64_t freeze_after, QtError *err) {
+    if (!q || !q->module || !bn || !bn->running_mean || bn->in_shape[0] != q->out || (!q->module->bias && !bn->bias))
+        return qt_error_set(err, QT_ERR_ARG, "qat_layer_fold_bn: %s cannot fold into the QAT layer %s",
+                            bn ? bn->path : "(none)", q && q->module ? q->module->path : "(none)");
+    q->bn = bn;
+    q->bn_freeze_after = freeze_after;
+    bn->forward_hook = bn_hook;
+    bn->fused_hook = NULL;
+    bn->weight_hook = NULL;
+    bn->hook_ctx = q;
+    return QT_OK;
 }
 
 Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x) {
@@ -313,11 +405,12 @@ Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x) {
                      "takes either PTQ or QAT)", m->path);
         return NULL;
     }
-    Var *wq = quant_weight(t, q);
+    if (folds_bn(q)) return folded_forward(t, q, x);
+    Var *wq = quant_weight(t, q, &m->weight->var);
     Var *xin = wq ? layer_input(t, q, x) : NULL;
     if (!xin) return NULL;
     Var *bias = m->bias ? &m->bias->var : NULL;
-    return m->spec.type == LAYER_CONV2D ? model_conv_forward(t, m, xin, wq, bias) : nn_linear(t, xin, wq, bias);
+    return layer_op(t, m, xin, wq, bias);
 }
 
 /* ---- input calibration ------------------------------------------------------------------------------------------- */

@@ -65,6 +65,8 @@ typedef struct {
     bool ranges_ready;       /* learned ranges initialised (init_ranges and calib_end, or a checkpoint) */
     Rng round_rng;           /* spec.rounding stochastic: seed and stream; the counter comes from round_step */
     int64_t round_step;      /* the training step the next forward belongs to (qat_layer_set_step) */
+    Module *bn;              /* a batch norm folded in (qat_layer_fold_bn), or NULL; not owned */
+    int64_t bn_freeze_after; /* bn's statistics freeze from this training step on (0: never) */
 } QatLayer;
 
 /* "none", "tqt", "lsq"; "unknown" outside the enum. */
@@ -98,6 +100,24 @@ void qat_layer_install(QatLayer *q);
  * layer evaluates exactly as the QAT layer does. */
 void qat_layer_set_step(QatLayer *q, int64_t step);
 
+/* Folds batch norm module bn, which alone reads this layer's output, into
+ * the layer as torch.ao's ConvBn/LinearBn modules do, and installs bn's
+ * forward (call before qat_layer_init_ranges, whose weight range then
+ * starts from the folded weight). In training the layer fake-quantizes
+ * w * s, s = gamma / sqrt(running_var + eps) per output channel, divides
+ * its output by s again and adds its bias; bn normalises that with the
+ * batch's statistics, or, from training step freeze_after on (> 0; 0:
+ * never), with its running statistics, which it no longer updates
+ * (BatchNormState.frozen, set by qat_layer_set_step). In eval the layer
+ * computes with the weight folded at the running statistics, fake-quantized,
+ * and the folded shift (bn_fold_values, nn/ops_chscale.h) as its bias, or,
+ * without a bias, bn adds the shift: the model bn_fold_into gives, so
+ * folding bn into the module before qat_layer_convert converts exactly.
+ * Needs the layer's bias or bn's (affine). A batch norm already folded into
+ * the weights (bn->bn_folded, as a checkpoint holds it) is left to its own
+ * forward and the layer runs as without it. */
+QtStatus qat_layer_fold_bn(QatLayer *q, Module *bn, int64_t freeze_after, QtError *err);
+
 /* The layer's forward with fake-quantized weight and input (see above). */
 Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x);
 
@@ -115,7 +135,9 @@ QtStatus qat_layer_calib_end(QatLayer *q, QtError *err);
  * learned range (codes clamp(round(w / s)), the scale stored in its type)
  * or, without one, by qlayer_init_quantize_rng with the same options (and
  * round_rng, stochastic rounding's evaluation draw); and the
- * input's static scale (learned, or the running statistics). A dynamic
+ * input's static scale (learned, or the running statistics). With a batch
+ * norm folded in (q->bn), the caller first folds it into the module's float
+ * weight and bias (trainer/bn_fold.h's bn_fold_into). A dynamic
  * input range has no PTQ equivalent: QT_ERR_CONFIG naming the module and
  * act_static_scale / learn_amax as the fix. */
 QtStatus qat_layer_convert(const QatLayer *q, QLayer *out, QtError *err);

@@ -2,13 +2,16 @@
 """Recomputes the base identity (base_sha256, scheme qtrain-base-sha256-v1) of a
 qtrain checkpoint or adapters.h5's base checkpoint, as trainer/checkpoint.h
 defines it: SHA-256 over the frozen base's datasets -- every
-/params/<module>/<tensor> of a module not in lora.trainable, and every dataset
-directly under /quant/<module>/weight -- in bytewise order of their names
+/params/<module>/<tensor> of a module not in lora.trainable (nor, with
+lora.batchnorm: train, of a batch norm: a module with /buffers), every
+/buffers/<module>/<statistic> of a batch norm kept frozen (lora.batchnorm:
+frozen, not in lora.trainable), and every dataset directly under
+/quant/<module>/weight -- in bytewise order of their names
 (without the leading '/'), each as
 
     name NUL dtype NUL shape NUL u64le(byte count) bytes
 
-dtype numpy's name (float32, uint8, uint16, int32), shape the dimensions in
+dtype numpy's name (float32, uint8, uint16, int32, int64), shape the dimensions in
 decimal joined by ',', bytes the little-endian elements in row-major order.
 
 usage: base_sha256.py CHECKPOINT [--trainable head,fc2]
@@ -30,13 +33,17 @@ def base_sha256(path, trainable=None):
             t = f.attrs.get("lora_trainable", "")
             t = t.decode() if isinstance(t, bytes) else t
             trainable = [m for m in t.split(",") if m]
+        bn_mode = f.attrs.get("lora_batchnorm", "frozen")
+        bn_trains = (bn_mode.decode() if isinstance(bn_mode, bytes) else bn_mode) == "train"
+        batchnorms = list(f["buffers"].keys()) if "buffers" in f else []
         names = []
 
         def visit(name, obj):
             if not isinstance(obj, h5py.Dataset):
                 return
             parts = name.split("/")
-            if parts[0] == "params" and len(parts) == 3 and parts[1] not in trainable:
+            frozen = parts[1] not in trainable and not (bn_trains and parts[1] in batchnorms)
+            if parts[0] in ("params", "buffers") and len(parts) == 3 and frozen:
                 names.append(name)
             elif parts[0] == "quant" and len(parts) == 4 and parts[2] == "weight":
                 names.append(name)

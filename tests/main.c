@@ -25,6 +25,8 @@
     X(bn_fold)    \
     X(conv_geom)  \
     X(nn_torch)   \
+    X(graph_parity) \
+    X(graph_checks) \
     X(data)       \
     X(data_cache) \
     X(quant_qtype) \
@@ -39,8 +41,11 @@
     X(checkpoint) \
     X(trainer)    \
     X(commands)   \
+    X(shipped_configs) \
     X(qlora)      \
+    X(lora_bn)    \
     X(quant_qat)  \
+    X(quant_qat_bn) \
     X(quant_qt)   \
     X(quant_int8) \
     X(bench_cmd)  \

@@ -310,7 +310,8 @@ static void test_to_yaml_round_trip(void) {
         "    min_lr: 1.1754944e-38\n", /* the shortest text that reads back exactly */
         "  grad_clip: 3.4028235e+38\n",
         "  keep_last: 3\n",
-        "quant:\n  mode: none\n  calibration_batches: 16\n  fold_bn: true\n  rules: []\nlora:\n  rules: []\n  trainable: []\n"
+        "quant:\n  mode: none\n  calibration_batches: 16\n  fold_bn: true\n  freeze_bn_after: 0\n  rules: []\nlora:\n"
+        "  rules: []\n  trainable: []\n"
         "  strict_base: false\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {

@@ -376,7 +376,7 @@ static void test_rules_round_trip(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(text);
     const char *want[] = {
         "  init_from: \"\"\n  adapters_from: \"\"\n",
-        "quant:\n  mode: ptq\n  calibration_batches: 4\n  fold_bn: true\n  rules:\n"
+        "quant:\n  mode: ptq\n  calibration_batches: 4\n  fold_bn: true\n  freeze_bn_after: 0\n  rules:\n"
         "    - module_path: head\n      op_types: []\n      skip: true\n"
         "    - module_path: \"conv.*\"\n      op_types: [conv2d]\n      skip: false\n      weight_qtype: int4\n"
         "      tile_size: 9\n      per_tensor: false\n      weight_calibration: \"percentile,99.9\"\n"

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "nn/ops_chscale.h"
 #include "trainer/hook.h"
 #include "trainer/net.h"
 
@@ -15,12 +16,10 @@ void bn_fold_into(Module *producer, Module *bn) {
     float *gamma = bn->weight ? bn->weight->var.value.data : NULL;      /* (C,) or NULL (affine: false) */
     float *beta = bn->bias ? bn->bias->var.value.data : NULL;
     const size_t per = var_numel(&producer->weight->var) / (size_t)C;
+    /* in place: the shift goes to the producer's bias, or (none) to bn's */
+    bn_fold_values(w, b ? b : beta, w, b, gamma, beta, bn->running_mean, bn->running_var, bn->bn.eps, C, per);
     for (int c = 0; c < C; c++) {
-        double s = (gamma ? gamma[c] : 1.0) / sqrt((double)bn->running_var[c] + (double)bn->bn.eps);
-        for (size_t k = 0; k < per; k++) w[(size_t)c * per + k] = (float)(w[(size_t)c * per + k] * s);
-        double shift = ((b ? b[c] : 0.0) - bn->running_mean[c]) * s + (beta ? beta[c] : 0.0);
-        if (b) b[c] = (float)shift;
-        if (beta) beta[c] = b ? 0.0f : (float)shift;
+        if (b && beta) beta[c] = 0.0f;
         if (gamma) gamma[c] = 1.0f;
         bn->running_mean[c] = 0.0f;
         bn->running_var[c] = 1.0f;
@@ -70,6 +69,10 @@ static const char *run_keeps(const Net *n, int p, int i, char *buf, size_t cap) 
     if (n->is_trainable[p] || n->is_trainable[i])
         snprintf(buf, cap, "%s: not folded: %s trains in full (lora.trainable)", b->path,
                  n->is_trainable[p] ? pm->path : b->path);
+    /* a frozen quantized weight cannot follow a batch norm that trains; QAT's folded form can (it refolds the
+       statistics every step) */
+    else if (n->cfg->quant.mode != QUANT_MODE_QAT && net_bn_trains(n, i))
+        snprintf(buf, cap, "%s: not folded: it trains (lora.batchnorm: train)", b->path);
     else if (net_lora_spec(n, p))
         snprintf(buf, cap, "%s: not folded: %s has a LoRA adapter, whose output it normalises too", b->path, pm->path);
     else if (pm->weight->released)
@@ -77,6 +80,19 @@ static const char *run_keeps(const Net *n, int p, int i, char *buf, size_t cap) 
     else
         return NULL;
     return buf;
+}
+
+bool net_bn_foldable(const Net *n, int i, char *note) {
+    const Module *b = &n->model.modules[i];
+    if (!n->cfg->quant.fold_bn) {
+        snprintf(note, BN_NOTE_MAX, "%s: not folded (quant.fold_bn: false)", b->path);
+        return false;
+    }
+    if (!bn_fold_check(&n->model, i, note, BN_NOTE_MAX)) return false;
+    char buf[BN_NOTE_MAX];
+    const char *keep = run_keeps(n, b->inputs[0], i, buf, sizeof buf);
+    if (keep) snprintf(note, BN_NOTE_MAX, "%s", keep);
+    return !keep;
 }
 
 void net_fold_batchnorms(Net *n) {
@@ -90,14 +106,6 @@ void net_fold_batchnorms(Net *n) {
                      n->model.modules[b->inputs[0]].path);
             continue;
         }
-        if (!n->cfg->quant.fold_bn) {
-            snprintf(note, BN_NOTE_MAX, "%s: not folded (quant.fold_bn: false)", b->path);
-            continue;
-        }
-        if (!bn_fold_check(&n->model, i, note, BN_NOTE_MAX)) continue;
-        char buf[BN_NOTE_MAX];
-        const char *keep = run_keeps(n, b->inputs[0], i, buf, sizeof buf);
-        if (keep) snprintf(note, BN_NOTE_MAX, "%s", keep);
-        else bn_fold_into(&n->model.modules[b->inputs[0]], b);
+        if (net_bn_foldable(n, i, note)) bn_fold_into(&n->model.modules[b->inputs[0]], b);
     }
 }

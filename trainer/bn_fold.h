@@ -30,6 +30,13 @@ void bn_fold_into(Module *producer, Module *bn);
  * add1"). */
 bool bn_fold_check(const Model *m, int bn, char *why, size_t cap);
 
+/* Whether the run folds batch norm module i (quant.fold_bn, bn_fold_check,
+ * and the run keeping neither it nor its producer as they are: trained in
+ * full, under a LoRA adapter, or held quantized by model.init_from); if
+ * not, note[BN_NOTE_MAX] says why, starting "<path>: ". Shared by ptq
+ * (net_fold_batchnorms) and qat (the folded QAT form, hook_qat.c). */
+bool net_bn_foldable(const Net *n, int i, char *note);
+
 /* quant.fold_bn in a ptq run: folds every batch norm that can fold whose
  * producer still holds its float weight (before the PTQ base quantizes it),
  * and notes per batch norm in n->bn_note what happened (for the rules

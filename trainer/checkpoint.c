@@ -129,6 +129,7 @@ static QtStatus write_header(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK && s->base_sha256)
         st = h5io_attr_write_str(f, "", "base_init_from", s->base_init_from ? s->base_init_from : "", err);
     if (st == QT_OK && s->lora_trainable) st = h5io_attr_write_str(f, "", "lora_trainable", s->lora_trainable, err);
+    if (st == QT_OK && s->lora_batchnorm) st = h5io_attr_write_str(f, "", "lora_batchnorm", s->lora_batchnorm, err);
     if (st == QT_OK && s->merged_from) st = h5io_attr_write_str(f, "", "merged_from", s->merged_from, err);
     if (st == QT_OK && s->merged_from)
         st = h5io_attr_write_str(f, "", "merged_from_base_sha256",
@@ -231,7 +232,7 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
     QtStatus st = h5io_create_mem(&f, path, hint, err);
     if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = write_params(&f, m, false, err);
-    if (st == QT_OK) st = ckpt_write_buffers(&f, m, err);
+    if (st == QT_OK) st = ckpt_write_buffers(&f, m, NULL, err);
     if (st == QT_OK) st = ckpt_write_net(&f, &s->net, err);
     if (st == QT_OK && opt) st = write_optim(&f, opt, err);
     if (st == QT_OK) st = write_state(&f, s, err);
@@ -591,7 +592,7 @@ static QtStatus stage_alloc(Staged *sg, const Model *m, const Optimizer *opt, Qt
 /* The common path of every load: check, stage, then apply. params: read
  * /params (all of the model's, or only its trainable ones). */
 static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, CheckpointState *s, const CheckpointNet *net,
-                           bool trainable_only, QtError *err) {
+                           bool trainable_only, const bool *bn_trained, QtError *err) {
     if (!path || !m) return qt_error_set(err, QT_ERR_ARG, "checkpoint_load: no path or no model");
     QtStatus st = s ? check_rng_names(s, err) : QT_OK;
     if (st != QT_OK) return st;
@@ -608,10 +609,12 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
         if (!m->params[i].trainable && !m->params[i].released) hidden[i] = m->params[i].released = true;
     Staged sg = {0};
     CkptNetStaged ns = {0};
-    /* Batch norm statistics: not in an adapters file (its base's come from the base checkpoint). */
+    /* Batch norm statistics: in an adapters file only those of the batch norms the run trains (bn_trained; the
+       others are the base's, from the base checkpoint). */
     size_t n_bn_floats = 0, n_bn = 0;
-    for (int i = 0; !trainable_only && i < m->n_modules; i++)
+    for (int i = 0; i < m->n_modules; i++)
         if (m->modules[i].running_mean) n_bn_floats += 2 * (size_t)m->modules[i].in_shape[0], n_bn++;
+    if (trainable_only && !bn_trained) n_bn = 0;
     float *bn_f = malloc((n_bn_floats + 1) * sizeof *bn_f);
     int64_t *bn_i = malloc((2 * n_bn + 1) * sizeof *bn_i); /* num_batches_tracked, folded */
     st = bn_f && bn_i ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory loading %s", path);
@@ -621,7 +624,7 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
     if (st == QT_OK && net) st = ckpt_read_net(&f, net, &ns, err);
     if (st == QT_OK) st = stage_alloc(&sg, m, opt, err);
     if (st == QT_OK) st = read_params(&f, m, sg.buf, err);
-    if (st == QT_OK && n_bn) st = ckpt_read_buffers(&f, m, bn_f, bn_i, err);
+    if (st == QT_OK && n_bn) st = ckpt_read_buffers(&f, m, trainable_only ? bn_trained : NULL, bn_f, bn_i, err);
     if (st == QT_OK && opt) st = read_optim(&f, opt, &sg, err);
     if (st == QT_OK && s) st = read_state(&f, s, &sg, err);
     QtStatus cst = h5io_close(&f, err);
@@ -640,15 +643,15 @@ static QtStatus load_parts(const char *path, Model *m, Optimizer *opt, Checkpoin
 }
 
 QtStatus checkpoint_load(const char *path, Model *m, Optimizer *opt, CheckpointState *s, QtError *err) {
-    return load_parts(path, m, opt, s, s ? &s->net : NULL, false, err);
+    return load_parts(path, m, opt, s, s ? &s->net : NULL, false, NULL, err);
 }
 
 QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err) {
-    return load_parts(path, m, NULL, NULL, NULL, false, err);
+    return load_parts(path, m, NULL, NULL, NULL, false, NULL, err);
 }
 
 QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
-    return load_parts(path, m, NULL, NULL, net, false, err);
+    return load_parts(path, m, NULL, NULL, net, false, NULL, err);
 }
 
 /* The layers of net's kinds that an adapters.h5 holds (HookKind.in_adapters_file). */
@@ -659,7 +662,8 @@ static CheckpointNet adapters_part(const CheckpointNet *net) {
     return a;
 }
 
-QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err) {
+QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, const bool *bn_trained,
+                                  QtError *err) {
     /* First: the file's adapters against the run's (another model or other rules). */
     CheckpointNet adapters = adapters_part(net);
     H5ioFile f = H5IO_FILE_INIT;
@@ -673,7 +677,7 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
     QtStatus cst = h5io_close(&f, err);
     if (st == QT_OK) st = cst;
     if (st != QT_OK) return st;
-    return load_parts(path, m, NULL, NULL, &adapters, true, err);
+    return load_parts(path, m, NULL, NULL, &adapters, true, bn_trained, err);
 }
 
 QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err) {
@@ -685,6 +689,7 @@ QtStatus checkpoint_save_adapters(const char *path, const Model *m, const Checkp
     if (st == QT_OK) st = write_header(&f, s, err);
     if (st == QT_OK) st = h5io_attr_write_str(&f, "", "contents", "adapters", err);
     if (st == QT_OK) st = write_params(&f, m, true, err);
+    if (st == QT_OK && s->bn_trained) st = ckpt_write_buffers(&f, m, s->bn_trained, err);
     if (st == QT_OK) st = ckpt_write_net(&f, &adapters, err);
     if (st == QT_OK) st = h5io_image(&f, &image, &size, err);
     QtStatus cst = h5io_close(&f, err);
@@ -715,6 +720,7 @@ QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, Q
     if (st == QT_OK) st = read_count(&f, "", "epoch", &p->epoch, err);
     if (st == QT_OK) st = read_root_str(&f, "base_sha256", p->base_sha256, sizeof p->base_sha256, err);
     if (st == QT_OK) st = read_root_str(&f, "base_init_from", p->base_init_from, sizeof p->base_init_from, err);
+    if (st == QT_OK) st = read_root_str(&f, "lora_batchnorm", p->lora_batchnorm, sizeof p->lora_batchnorm, err);
     if (st == QT_OK) st = read_root_str(&f, "merged_from", p->merged_from, sizeof p->merged_from, err);
     if (st == QT_OK)
         st = read_root_str(&f, "merged_from_base_sha256", p->merged_from_base_sha256,

@@ -6,7 +6,7 @@
  *                     config (string: the resolved YAML); optional: mode (string:
  *                     net_mode_name, a merge's base mode), and for a LoRA run
  *                     base_hash (CHECKPOINT_BASE_HASH), base_sha256, base_init_from,
- *                     lora_trainable, for a merge merged_from, merged_from_base_sha256
+ *                     lora_trainable, lora_batchnorm, for a merge merged_from, merged_from_base_sha256
  *   /params/<module>/<tensor>   float32, PyTorch layouts: dense weight (out, in),
  *                     conv weight (OC, C, KH, KW), biases (out,)
  *   /optim            attrs: optimizer ("adamw" | "sgd"), step (int64)
@@ -111,6 +111,9 @@ typedef struct {
     const char *base_sha256;    /* a LoRA run's frozen base: checkpoint_base_sha256 */
     const char *base_init_from; /* ...and the model.init_from it came from ("" = none) */
     const char *lora_trainable; /* adapters: lora.trainable, comma-separated ("" = none) */
+    const char *lora_batchnorm; /* a LoRA run: lora.batchnorm ("frozen", "train") */
+    const bool *bn_trained;     /* adapters.h5: [n_modules] the batch norms the run trains, whose running
+                                   statistics it keeps (net->bn_trained; NULL = none) */
     const char *merged_from;    /* qtrain merge: the checkpoint whose adapters were folded in */
     const char *merged_from_base_sha256; /* ...and the base hash of that checkpoint */
     FsReplace replace;       /* save: what may be at the path already (0: anything, a run's own file in its
@@ -126,6 +129,7 @@ typedef struct {
     int64_t step, epoch;
     char base_sha256[SHA256_HEX_CHARS];
     char base_init_from[CHECKPOINT_PROV_PATH_MAX];
+    char lora_batchnorm[16];  /* "frozen", "train" */
     char merged_from[CHECKPOINT_PROV_PATH_MAX];
     char merged_from_base_sha256[SHA256_HEX_CHARS];
 } CheckpointProvenance;
@@ -153,23 +157,30 @@ QtStatus checkpoint_load_params(const char *path, Model *m, QtError *err);
 QtStatus checkpoint_load_model(const char *path, Model *m, const CheckpointNet *net, QtError *err);
 
 /* adapters.h5: the header (s: step, epochs_done, config_text and the
- * provenance fields base_sha256, base_init_from, lora_trainable), /params
- * of the trainable model parameters only (the lora.trainable modules) and
- * /lora. */
+ * provenance fields base_sha256, base_init_from, lora_trainable,
+ * lora_batchnorm), /params of the trainable model parameters only (the
+ * lora.trainable modules, batch norms with lora.batchnorm: train), /buffers
+ * of the batch norms s->bn_trained marks, and /lora. */
 QtStatus checkpoint_save_adapters(const char *path, const Model *m, const CheckpointState *s, QtError *err);
 /* model.adapters_from: /lora for every adapter of s->net and /params for
  * every trainable model parameter, from an adapters.h5 or a full
- * checkpoint. An adapter the file lacks, one it has that the run does not,
+ * checkpoint, and /buffers for the batch norms bn_trained ([n_modules] or
+ * NULL) marks where the file has them (the others keep the base's
+ * statistics). An adapter the file lacks, one it has that the run does not,
  * a shape that differs, or stored rank, alpha or rslora attributes that
  * differ from the run's rule for that module are errors naming the first
  * such module. */
-QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, QtError *err);
+QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNet *net, const bool *bn_trained,
+                                  QtError *err);
 
 /* The identity of a LoRA run's frozen base (CHECKPOINT_BASE_HASH), as 64
  * hex digits: SHA-256 over the datasets of the frozen base as a checkpoint
  * stores them -- every /params/<module>/<tensor> of a parameter the run does
- * not train (all but the adapters and the lora.trainable modules), and
- * every dataset directly under /quant/<module>/weight (qvalue, scale,
+ * not train (all but the adapters, the lora.trainable modules and with
+ * lora.batchnorm: train the batch norms), every
+ * /buffers/<module>/<statistic> of a frozen batch norm (BatchNormState.frozen:
+ * num_batches_tracked as dtype "int64", shape ""), and every dataset
+ * directly under /quant/<module>/weight (qvalue, scale,
  * zero_point, scale_absmax: the packed codes and scales) -- taken in
  * bytewise order of their names without the leading '/', each as
  *   name NUL dtype NUL shape NUL u64le(byte count) bytes

@@ -1,7 +1,8 @@
 /* checkpoint_buffers.c - a batch norm's running statistics in a checkpoint:
  * /buffers/<module>/running_mean, running_var (float32, (C,)) and
  * num_batches_tracked (int64 scalar), as PyTorch's state_dict names them. No
- * /buffers group without a batch norm. A batch norm folded into the layer
+ * /buffers group without a batch norm (in an adapters.h5: without one the
+ * run trains). A batch norm folded into the layer
  * before it (PTQ) has the attribute folded on /buffers/<module> (1: into the
  * producer's weight and bias, 2: its own bias carries the shift; nn/model.h
  * BnFold); without it the module is a batch norm of its own. */
@@ -9,11 +10,11 @@
 
 #include "checkpoint_internal.h"
 
-QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err) {
+QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, const bool *only, QtError *err) {
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < m->n_modules; i++) {
         const Module *mod = &m->modules[i];
-        if (!mod->running_mean) continue;
+        if (!mod->running_mean || (only && !only[i])) continue;
         const int c = mod->in_shape[0];
         char a[CKPT_OBJ_MAX], b[CKPT_OBJ_MAX], n[CKPT_OBJ_MAX];
         st = ckpt_obj_path(a, "buffers", mod->path, "running_mean", err);
@@ -29,12 +30,30 @@ QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err) {
     return st;
 }
 
-QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64_t *ibuf, QtError *err) {
+/* A batch norm ckpt_read_buffers leaves as it is: its current state staged, so the commit keeps it. */
+static void stage_current(const Module *mod, float *fbuf, int64_t *ibuf) {
+    const size_t c = (size_t)mod->in_shape[0];
+    memcpy(fbuf, mod->running_mean, c * sizeof(float));
+    memcpy(fbuf + c, mod->running_var, c * sizeof(float));
+    ibuf[0] = mod->num_batches_tracked;
+    ibuf[1] = mod->bn_folded;
+}
+
+QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, const bool *only, float *fbuf, int64_t *ibuf,
+                           QtError *err) {
     QtStatus st = QT_OK;
     for (int i = 0; st == QT_OK && i < m->n_modules; i++) {
         const Module *mod = &m->modules[i];
         if (!mod->running_mean) continue;
         const int c = mod->in_shape[0];
+        char grp[CKPT_OBJ_MAX];
+        if (only && (!only[i] || ckpt_obj_path(grp, "buffers", mod->path, NULL, err) != QT_OK ||
+                     h5io_kind(f, grp) != H5IO_GROUP)) {
+            stage_current(mod, fbuf, ibuf);
+            fbuf += 2 * c;
+            ibuf += 2;
+            continue;
+        }
         const char *names[3] = {"running_mean", "running_var", "num_batches_tracked"};
         char ds[3][CKPT_OBJ_MAX];
         for (int k = 0; st == QT_OK && k < 3; k++) {

@@ -38,12 +38,15 @@ QtStatus ckpt_check_finite(const H5ioFile *f, const char *ds, const float *x, si
 /* "a/b" or "a/b/c" into out[CKPT_OBJ_MAX]; QT_ERR_ARG if too long. */
 QtStatus ckpt_obj_path(char *out, const char *a, const char *b, const char *c, QtError *err);
 
-/* checkpoint_buffers.c: every batch norm's running statistics under /buffers/<module>/. */
-QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, QtError *err);
+/* checkpoint_buffers.c: every batch norm's running statistics under /buffers/<module>/ (only: [n_modules] those
+ * of the modules it marks, an adapters.h5's; NULL: all). */
+QtStatus ckpt_write_buffers(H5ioFile *f, const Model *m, const bool *only, QtError *err);
 /* Checks and reads them into staging: fbuf (2 C floats per batch-norm module, mean then variance) and ibuf (one
  * count and the folded attribute (BnFold, 0 if absent) per module), in module order. A missing dataset is an error naming the module; a negative or non-finite
- * statistic or a negative count is a damaged file. */
-QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, float *fbuf, int64_t *ibuf, QtError *err);
+ * statistic or a negative count is a damaged file. only (an adapters.h5): [n_modules] the modules to read if the
+ * file has them; the others are staged as they are; NULL: all, each required. */
+QtStatus ckpt_read_buffers(const H5ioFile *f, const Model *m, const bool *only, float *fbuf, int64_t *ibuf,
+                           QtError *err);
 /* Applies what ckpt_read_buffers staged. */
 void ckpt_commit_buffers(Model *m, const float *fbuf, const int64_t *ibuf);
 

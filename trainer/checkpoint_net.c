@@ -146,7 +146,7 @@ static void hash_u64le(Sha256 *s, uint64_t v) {
 
 
 QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS], QtError *err) {
-    size_t cap = (size_t)m->n_params + 1, n = 0;
+    size_t cap = (size_t)m->n_params + 3 * (size_t)m->n_modules + 1, n = 0;
     for (int k = 0; k < net->n_sets; k++)
         if (net->sets[k].kind->frozen_weight) cap += (size_t)net->sets[k].n * QARRAY_MAX_BLOBS;
     BaseRecord *r = calloc(cap, sizeof *r);
@@ -162,6 +162,20 @@ QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char h
             len += (size_t)snprintf(r[n].shape + len, sizeof r[n].shape - len, "%s%d", d ? "," : "", t->shape[d]);
         r[n].data = t->data;
         r[n++].bytes = tensor_numel(t) * sizeof(float);
+    }
+    /* a frozen batch norm's running statistics are the base's too */
+    for (int i = 0; i < m->n_modules; i++) {
+        const Module *b = &m->modules[i];
+        if (!b->running_mean || !b->bn.frozen) continue;
+        const char *names[3] = {"running_mean", "running_var", "num_batches_tracked"};
+        const void *data[3] = {b->running_mean, b->running_var, &b->num_batches_tracked};
+        for (int k = 0; k < 3; k++) {
+            snprintf(r[n].name, sizeof r[n].name, "buffers/%s/%s", b->path, names[k]);
+            r[n].dtype = k < 2 ? "float32" : "int64";
+            if (k < 2) snprintf(r[n].shape, sizeof r[n].shape, "%d", b->in_shape[0]);
+            r[n].data = data[k];
+            r[n++].bytes = k < 2 ? (size_t)b->in_shape[0] * sizeof(float) : sizeof(int64_t);
+        }
     }
     for (int k = 0; k < net->n_sets; k++) {
         const HookSet *set = &net->sets[k];

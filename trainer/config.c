@@ -35,6 +35,7 @@
 #define INPUT_NUMEL_MAX (1 << 28)
 
 const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT] = {"stop", "skip"};
+const char *const LORA_BATCHNORM_NAMES[LORA_BN_COUNT] = {"frozen", "train"};
 const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist"};
 
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))

@@ -125,9 +125,21 @@ typedef struct {
     int calibration_batches;    /* quant.calibration_batches, default 16: training batches that calibrate
                                    static activation ranges (act_qtype) */
     bool fold_bn;               /* quant.fold_bn, default true: ptq folds batch norms into the layer before them */
+    int freeze_bn_after;        /* quant.freeze_bn_after, default 0 (never): qat's folded batch norms use and stop
+                                   updating their running statistics from this training step on */
     QuantRule rules[RULES_MAX]; /* quant.rules, in order; first match wins */
     int n_rules;
 } QuantConfig;
+
+/* lora.batchnorm: what a LoRA run (lora.rules or lora.trainable over a frozen base) does with the base's batch
+ * norms. A batch norm listed in lora.trainable trains in full either way. */
+typedef enum {
+    LORA_BN_FROZEN = 0, /* running statistics in training too, never updated; weight and bias frozen */
+    LORA_BN_TRAIN,      /* as in a float run: batch statistics, running statistics updated, weight and bias trained
+                           (adapters.h5 keeps them) */
+    LORA_BN_COUNT
+} LoraBatchnorm;
+extern const char *const LORA_BATCHNORM_NAMES[LORA_BN_COUNT]; /* "frozen", "train" */
 
 /* lora.rules[i] */
 typedef struct {
@@ -144,6 +156,7 @@ typedef struct {
     int n_trainable;
     bool strict_base;           /* lora.strict_base, default false: model.adapters_from over another base (its
                                    stored base_sha256 differs from this run's) is an error, not a warning */
+    LoraBatchnorm batchnorm;    /* lora.batchnorm, default frozen: the base's batch norms under adapters */
 } LoraConfig;
 
 typedef struct {

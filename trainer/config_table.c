@@ -55,6 +55,7 @@
 static const char *dataset_name(int k) { return CONFIG_DATASETS[k]; }
 static const char *storage_name(int k) { return data_storage_name((DataStorage)k); }
 static const char *nonfinite_name(int k) { return NONFINITE_ACTION_NAMES[k]; }
+static const char *lora_bn_name(int k) { return LORA_BATCHNORM_NAMES[k]; }
 static const char *optim_name(int k) { return optim_kind_name((OptimKind)k); }
 static const char *sched_name(int k) { return sched_kind_name((SchedKind)k); }
 static const char *mode_name(int k) { return quant_mode_name((QuantMode)k); }
@@ -320,8 +321,12 @@ static const CfgKey QUANT_KEYS[] = {
      .doc = "training batches that calibrate static activation ranges (`act_qtype`)"},
     {.key = "fold_bn", .type = CFG_T_BOOL, F(QuantConfig, fold_bn), .def = 1, FIXED,
      .doc = "`ptq` and `qtrain quantize` fold each batch norm into the conv2d or dense layer whose output it alone "
-            "reads (eval-mode running statistics), then quantize the folded weight; a batch norm that cannot fold "
-            "stays float and the rules table says why"},
+            "reads, then quantize the folded weight (`qat`: trains it folded, as torch.ao's ConvBn); one that cannot "
+            "fold stays float, the rules table says why"},
+    {.key = "freeze_bn_after", .type = CFG_T_INT, F(QuantConfig, freeze_bn_after), .imin = 0, .imax = INT_MAX,
+     .def = 0, FIXED,
+     .doc = "`qat`: after this many training steps the batch norms folded into QAT layers use their running "
+            "statistics and stop updating them (torch's freeze_bn_stats); 0 = never"},
     {.key = "rules", .type = CFG_T_PART, .part = &CFG_PART_QUANT_RULES, .sub = &CFG_QUANT_RULE_TABLE, FIXED,
      .doc_default = "`[]`", .doc_values = "at most 32 rules",
      .doc = "ordered rules, the first that matches a module wins; `ptq`, `qat` and `qt` need at least one, `none` "
@@ -338,6 +343,11 @@ static const CfgKey LORA_KEYS[] = {
     {.key = "strict_base", .type = CFG_T_BOOL, F(LoraConfig, strict_base), .def = 0,
      .doc = "`model.adapters_from` written over another base (its `base_sha256` differs from this run's) is an "
             "error instead of a warning"},
+    {.key = "batchnorm", .type = CFG_T_ENUM, O(LoraConfig, batchnorm), .size = 32, .name_of = lora_bn_name,
+     .n_names = LORA_BN_COUNT, .names_what = "lora.batchnorm", .def_str = "frozen", FIXED,
+     .doc = "a LoRA run's base batch norms: `frozen` (running statistics, never updated; weight, bias frozen) or "
+            "`train` (as a float run; weights and statistics kept in adapters.h5); one in `lora.trainable` trains "
+            "either way"},
 };
 
 static const CfgTable RUN_TABLE = {.path = "run", .owner = "run", .keys = RUN_KEYS, .n = N_OF(RUN_KEYS),

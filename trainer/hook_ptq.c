@@ -60,6 +60,15 @@ static QtStatus ptq_quantize_held(Net *n, HookSet *set, QtError *err) {
     QLayer *ql = set->layers;
     QtStatus st = QT_OK;
     net_fold_batchnorms(n);
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) { /* a batch norm held folded cannot train */
+        const Module *b = &n->model.modules[i];
+        if (b->bn_folded != BN_FOLD_NONE && net_bn_trains(n, i))
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: model.init_from %s holds batch norm %s folded into %s, so it "
+                              "cannot train (%s); start from the float checkpoint, or from one quantized with "
+                              "quant.fold_bn: false", n->cfg->source, n->cfg->model.init_from, b->path,
+                              n->model.modules[b->inputs[0]].path,
+                              n->is_trainable[i] ? "lora.trainable" : "lora.batchnorm: train");
+    }
     for (int i = 0; st == QT_OK && i < set->n; i++) {
         QLayer *q = &ql[i];
         if (q->module->weight->released) continue;

@@ -9,6 +9,7 @@
 
 #include "checkpoint_internal.h"
 #include "quant/qarray_io.h"
+#include "trainer/bn_fold.h"
 #include "trainer/hook.h"
 #include "trainer/net.h"
 
@@ -25,8 +26,39 @@ static QtStatus qat_check(const Net *n, int module, QtError *err) {
                            &n->model.modules[module], err);
 }
 
-/* QAT layers over the (trainable) float weights; a fresh run initialises
- * learned weight ranges from the weights it starts with. */
+/* The QAT layer of module p among set's first k, or NULL. */
+static QatLayer *qat_layer_of(QatLayer *ql, int k, const Module *p) {
+    for (int j = 0; j < k; j++)
+        if (ql[j].module == p) return &ql[j];
+    return NULL;
+}
+
+/* Folds each batch norm the run can fold (bn_fold.h's rules) into the QAT layer before it, noting in n->bn_note
+ * why the others stay float batch norms. */
+static QtStatus qat_fold_batchnorms(Net *n, QatLayer *ql, int k, QtError *err) {
+    QtStatus st = QT_OK;
+    for (int i = 0; st == QT_OK && n->bn_note && i < n->model.n_modules; i++) {
+        Module *b = &n->model.modules[i];
+        char *note = n->bn_note[i];
+        if (!b->running_mean) continue;
+        if (b->bn_folded != BN_FOLD_NONE) { /* model.init_from holds it folded: it stays so */
+            snprintf(note, BN_NOTE_MAX, "%s: folded into %s (as model.init_from holds it)", b->path,
+                     n->model.modules[b->inputs[0]].path);
+            continue;
+        }
+        if (!net_bn_foldable(n, i, note)) continue;
+        Module *p = &n->model.modules[b->inputs[0]];
+        QatLayer *q = qat_layer_of(ql, k, p);
+        if (!q)
+            snprintf(note, BN_NOTE_MAX, "%s: not folded: %s is not quantized (no qat rule)", b->path, p->path);
+        else if ((st = qat_layer_fold_bn(q, b, n->cfg->quant.freeze_bn_after, err)) == QT_OK)
+            snprintf(note, BN_NOTE_MAX, "%s: folded into %s's QAT weight", b->path, p->path);
+    }
+    return st;
+}
+
+/* QAT layers over the (trainable) float weights, with the batch norms after them folded in; a fresh run
+ * initialises learned weight ranges from the (folded) weights it starts with. */
 static QtStatus qat_attach(Net *n, HookSet *set, bool fresh, QtError *err) {
     QatLayer *ql = set->layers;
     int k = 0;
@@ -37,8 +69,11 @@ static QtStatus qat_attach(Net *n, HookSet *set, bool fresh, QtError *err) {
         st = qat_layer_init(q, &n->model.modules[i], net_quant_spec(n, i), &n->cfg->quant.rules[n->quant_rule[i]].qat,
                             err);
         if (st == QT_OK) q->round_rng = qlayer_round_rng(n->cfg->run.seed, i);
-        if (st == QT_OK && fresh) st = qat_layer_init_ranges(q, err);
-        if (st == QT_OK) qat_layer_install(q);
+    }
+    if (st == QT_OK) st = qat_fold_batchnorms(n, ql, k, err);
+    for (int j = 0; st == QT_OK && j < k; j++) {
+        if (fresh) st = qat_layer_init_ranges(&ql[j], err);
+        if (st == QT_OK) qat_layer_install(&ql[j]);
     }
     return st;
 }

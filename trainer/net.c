@@ -20,6 +20,7 @@ void net_free(Net *n) {
     free(n->quant_rule);
     free(n->lora_rule);
     free(n->is_trainable);
+    free(n->bn_trained);
     free(n->bn_note);
     model_free(&n->model);
     memset(n, 0, sizeof *n);
@@ -114,20 +115,34 @@ static QtStatus net_attach(Net *n, bool fresh, QtError *err) {
     return st;
 }
 
-/* With quant or lora in use, only adapters and lora.trainable modules
- * train; then every hook layer's parameters, in hook_kinds order. */
+/* A frozen base: a PTQ base or adapters (lora.rules, lora.trainable). */
+static bool net_base_frozen(const Net *n) { return n->cfg->quant.mode == QUANT_MODE_PTQ || config_has_lora(n->cfg); }
+
+bool net_bn_trains(const Net *n, int module) {
+    if (!n->model.modules[module].running_mean) return false;
+    if (!net_base_frozen(n) || n->is_trainable[module]) return true;
+    return config_has_lora(n->cfg) && n->cfg->lora.batchnorm == LORA_BN_TRAIN;
+}
+
+/* With quant or lora in use, only adapters, lora.trainable modules and
+ * (lora.batchnorm: train) batch norms train; then every hook layer's
+ * parameters, in hook_kinds order. A batch norm that does not train is
+ * frozen whole: its running statistics normalise in training too and are
+ * never updated (BatchNormState.frozen). */
 static QtStatus net_collect_trainable(Net *n, QtError *err) {
-    bool adapted = n->cfg->quant.mode == QUANT_MODE_PTQ || config_has_lora(n->cfg);
+    bool adapted = net_base_frozen(n);
     size_t cap = (size_t)n->model.n_params + 1;
     for (int k = 0; k < n->hooks.n_sets; k++) cap += HOOK_PARAMS_MAX * (size_t)n->hooks.sets[k].n;
     n->trainable = calloc(cap, sizeof *n->trainable);
     if (!n->trainable) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < n->model.n_modules; i++) {
         Module *m = &n->model.modules[i];
+        bool trains = m->running_mean ? net_bn_trains(n, i) : !adapted || n->is_trainable[i];
+        if (m->running_mean) m->bn.frozen = !trains, n->bn_trained[i] = trains;
         Param *ps[2] = {m->weight, m->bias};
         for (int k = 0; k < 2; k++) {
             if (!ps[k]) continue;
-            if (adapted && !n->is_trainable[i]) param_freeze(ps[k]);
+            if (!trains) param_freeze(ps[k]);
             if (ps[k]->trainable) n->trainable[n->n_trainable++] = ps[k];
         }
     }
@@ -168,7 +183,8 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     n->lora_rule = calloc((size_t)nm, sizeof *n->lora_rule);
     n->is_trainable = calloc((size_t)nm, sizeof *n->is_trainable);
     n->bn_note = calloc((size_t)nm, sizeof *n->bn_note);
-    if (!n->quant_rule || !n->lora_rule || !n->is_trainable || !n->bn_note)
+    n->bn_trained = calloc((size_t)nm, sizeof *n->bn_trained);
+    if (!n->quant_rule || !n->lora_rule || !n->is_trainable || !n->bn_note || !n->bn_trained)
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory building the model");
     if (st == QT_OK && c->quant.mode == QUANT_MODE_QT && config_has_lora(c))
         st = qt_error_set(err, QT_ERR_CONFIG, "%s: LoRA adapters over a quant.mode qt model are not supported yet; "
@@ -191,7 +207,7 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
         CheckpointNet parts = net_checkpoint_parts(n);
         QtError e = {0};
         if (net_check_adapters_base(n, c->model.adapters_from, stderr, &e) != QT_OK ||
-            checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, &e) != QT_OK)
+            checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, n->bn_trained, &e) != QT_OK)
             st = qt_error_set(err, e.status, "%s: model.adapters_from: %s", c->source, e.msg);
     }
     if (st != QT_OK) net_free(n);
@@ -204,6 +220,16 @@ QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtE
     char mine[SHA256_HEX_CHARS];
     CheckpointNet parts = net_checkpoint_parts(n);
     QtStatus st = checkpoint_read_provenance(path, p, err);
+    const char *bn_mode = LORA_BATCHNORM_NAMES[n->cfg->lora.batchnorm];
+    if (st == QT_OK && p->lora_batchnorm[0] && strcmp(p->lora_batchnorm, bn_mode) != 0 &&
+        model_has_batchnorm(&n->model))
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s was written with lora.batchnorm: %s but this run has "
+                          "lora.batchnorm: %s; its batch norms %s, so continuing it needs the same: set "
+                          "lora.batchnorm: %s", path, p->lora_batchnorm, bn_mode,
+                          strcmp(p->lora_batchnorm, "train") == 0
+                              ? "were trained with the adapters (it holds their weights and statistics)"
+                              : "are the base's (it holds none of their weights or statistics)",
+                          p->lora_batchnorm);
     if (st == QT_OK) st = checkpoint_base_sha256(&n->model, &parts, mine, err);
     if (st == QT_OK && !p->base_sha256[0]) {
         fprintf(warn, "qtrain: warning: %s records no base identity (base_sha256; written by an older qtrain?): "
@@ -379,8 +405,8 @@ static bool net_describe(const Net *n, HookRules rules, int i, char *buf, size_t
     return false;
 }
 
-/* A batch norm's quant cell in a ptq model: what net_fold_batchnorms noted, or (a model read from a checkpoint)
- * its state as read. */
+/* A batch norm's quant cell in a ptq or qat model: what net_fold_batchnorms or qat's attach noted, or (a model read
+ * from a checkpoint) its state as read. */
 static void net_bn_cell(const Net *n, int i, char *buf, size_t cap) {
     const Module *m = &n->model.modules[i];
     const char *note = n->bn_note[i];
@@ -388,6 +414,9 @@ static void net_bn_cell(const Net *n, int i, char *buf, size_t cap) {
     if (note[0] && strlen(note) >= skip) snprintf(buf, cap, "%s", note + skip);
     else if (m->bn_folded != BN_FOLD_NONE) snprintf(buf, cap, "folded into %s", n->model.modules[m->inputs[0]].path);
     else snprintf(buf, cap, "float (not folded)");
+    size_t len = strlen(buf);
+    if (m->bn_folded == BN_FOLD_NONE && m->bn.frozen && len < cap)
+        snprintf(buf + len, cap - len, " (frozen)");
 }
 
 void net_print_table(const Net *n, FILE *out) {
@@ -397,11 +426,17 @@ void net_print_table(const Net *n, FILE *out) {
     for (int i = 0; i < n->model.n_modules; i++) {
         const Module *m = &n->model.modules[i];
         if (!m->weight && !m->running_mean) continue;
-        /* a module no rule hooks: frozen under a frozen base (PTQ, LoRA), trained in QAT and QT runs */
+        /* a module no rule hooks: frozen under a frozen base (PTQ, LoRA), trained in QAT and QT runs; a batch
+           norm (float in every mode) as lora.batchnorm says under adapters */
         bool trains = (m->weight && m->weight->trainable) || (m->bias && m->bias->trainable);
         char qd[160], ld[96] = "-";
         snprintf(qd, sizeof qd, "float (%s)", trains ? "trained" : "frozen");
-        if (m->running_mean && n->cfg->quant.mode == QUANT_MODE_PTQ)
+        if (m->running_mean && any_lora && !n->is_trainable[i])
+            snprintf(qd, sizeof qd, "float (%s), lora.batchnorm: %s", m->bn.frozen ? "frozen" : "trained",
+                     LORA_BATCHNORM_NAMES[n->cfg->lora.batchnorm]);
+        else if (m->running_mean)
+            snprintf(qd, sizeof qd, "float (%s)", m->bn.frozen ? "frozen" : "trained");
+        if (m->running_mean && (n->cfg->quant.mode == QUANT_MODE_PTQ || n->cfg->quant.mode == QUANT_MODE_QAT))
             net_bn_cell(n, i, qd, sizeof qd);
         else if (n->is_trainable[i])
             snprintf(qd, sizeof qd, "float, trained in full (lora.trainable)");

@@ -5,8 +5,9 @@
  * the first lora rule that apply (trainer/rules.h), checks each resolved
  * setting against the module (format, tile, rank), and records rules that
  * applied to nothing. With quant or lora in use, the model's own
- * parameters are frozen, except those of lora.trainable modules; the
- * optimizer gets the adapters and those modules only. */
+ * parameters are frozen, except those of lora.trainable modules and, with
+ * lora.batchnorm: train, of batch norms; the optimizer gets the adapters
+ * and those modules only. */
 #ifndef QTRAIN_TRAINER_NET_H
 #define QTRAIN_TRAINER_NET_H
 
@@ -45,6 +46,8 @@ typedef struct Net {
     int *quant_rule;          /* [n_modules] rule index per module, -1 = none applied */
     int *lora_rule;           /* [n_modules] */
     bool *is_trainable;       /* [n_modules] listed in lora.trainable */
+    bool *bn_trained;         /* [n_modules] net_bn_trains: a batch norm whose statistics and affine parameters
+                                 train (adapters.h5 keeps them) */
     char (*bn_note)[BN_NOTE_MAX]; /* [n_modules] a batch norm's fold in a ptq run ("bn1: folded into conv1", "bn1: not
                                  folded: conv1's output also feeds add1"), "" until net_fold_batchnorms */
     int quant_hits[RULES_MAX];
@@ -60,9 +63,17 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
  * checkpoint_base_sha256 of n. Another base is a warning to `warn` naming
  * both hashes and init_from paths (QT_ERR_CONFIG with lora.strict_base); a
  * file without the identity loads with a warning that the base cannot be
- * checked. */
+ * checked. On a model with batch norms, a file written under another
+ * lora.batchnorm is QT_ERR_CONFIG (its batch norms were trained or were the
+ * base's). */
 QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err);
 void net_free(Net *n);
+
+/* Whether module `module` is a batch norm whose statistics and affine
+ * parameters train: always in a run without a frozen base (float, qat, qt);
+ * under one (ptq, lora) when listed in lora.trainable, or in a LoRA run
+ * with lora.batchnorm: train. */
+bool net_bn_trains(const Net *n, int module);
 
 /* The hook layers for checkpoints (n->hooks). */
 CheckpointNet net_checkpoint_parts(const Net *n);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/fsutil.h"
+#include "trainer/bn_fold.h"
 #include "trainer/checkpoint.h"
 #include "trainer/net.h"
 #include "trainer/rundir.h"
@@ -278,8 +279,12 @@ static QtStatus convert_save(Net *n, const Config *ptq, const char *out, bool fo
     if (!ql) return qt_error_set(err, QT_ERR_NOMEM, "out of memory converting");
     int k = 0;
     QtStatus st = QT_OK;
-    for (; st == QT_OK && k < n_qat; k++)
-        if ((st = qat_layer_convert(net_qat_layer(n, k), &ql[k], err)) != QT_OK) break;
+    for (; st == QT_OK && k < n_qat; k++) {
+        QatLayer *q = net_qat_layer(n, k);
+        if (q->bn && q->bn->bn_folded == BN_FOLD_NONE) /* the QAT eval form's folded weight and shift, bit for bit */
+            bn_fold_into(q->module, q->bn);
+        if ((st = qat_layer_convert(q, &ql[k], err)) != QT_OK) break;
+    }
     char *text = st == QT_OK ? config_to_yaml(ptq) : NULL;
     if (st == QT_OK && !text) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK) {

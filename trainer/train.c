@@ -200,6 +200,8 @@ CheckpointState run_checkpoint_state(Run *r) {
         .net = net_checkpoint_parts(&r->model.net),
         .base_sha256 = r->dir.base_sha256[0] ? r->dir.base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
         .lora_trainable = r->dir.lora_trainable, .mode = net_mode_name(&r->model.net),
+        .lora_batchnorm = config_has_lora(r->cfg) ? LORA_BATCHNORM_NAMES[r->cfg->lora.batchnorm] : NULL,
+        .bn_trained = r->model.net.bn_trained,
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->work.dropout;
