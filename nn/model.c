@@ -562,14 +562,14 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
             if (y) {
                 for (int q = i; q < i + fused - 1; q++) outs[1 + q] = NULL; /* never made */
                 outs[i + fused] = y;
-                if (!t->grad_enabled) model_graph_release_dead(m, t, i, i + fused - 1);
+                if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i + fused - 1);
                 i += fused - 1;
                 continue;
             }
             /* the hook declined: run it and the layers after it one by one */
         }
         if (!model_step(m, t, i, outs)) return NULL;
-        if (!t->grad_enabled) model_graph_release_dead(m, t, i, i);
+        if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
     }
     return outs[m->n_modules];
 }

@@ -142,6 +142,9 @@ typedef struct {
     int n_params;
     Var **outs;                         /* [n_modules + 1] model_forward's outputs of this pass: [0] the input,
                                            [1 + i] module i's (tape Vars, in the tape's arena) */
+    bool keep_outputs;                  /* model_forward leaves every output as computed (no relu in place,
+                                           nothing handed back in a pass without gradients): for a caller that
+                                           reads outs afterwards. Default false. */
 } Model;
 
 const char *layer_type_name(LayerType type);

@@ -162,7 +162,8 @@ static bool owns_output(const Module *mod) {
 
 bool model_graph_relu_in_place(const Model *m, int i) {
     const Module *r = &m->modules[i];
-    if (r->spec.type != LAYER_RELU || r->forward_hook || r->n_inputs != 1 || r->inputs[0] < 0) return false;
+    if (m->keep_outputs || r->spec.type != LAYER_RELU || r->forward_hook || r->n_inputs != 1 || r->inputs[0] < 0)
+        return false;
     const int j = r->inputs[0];
     const Module *p = &m->modules[j];
     const bool bn = (p->spec.type == LAYER_BATCHNORM1D || p->spec.type == LAYER_BATCHNORM2D) &&
