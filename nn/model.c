@@ -560,13 +560,16 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
                                                          mod->spec.padding, epi[fused]);
             if (!y && !tape_ok(t)) return NULL;
             if (y) {
+                for (int q = i; q < i + fused - 1; q++) outs[1 + q] = NULL; /* never made */
                 outs[i + fused] = y;
+                if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i + fused - 1);
                 i += fused - 1;
                 continue;
             }
             /* the hook declined: run it and the layers after it one by one */
         }
         if (!model_step(m, t, i, outs)) return NULL;
+        if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
     }
     return outs[m->n_modules];
 }
@@ -579,6 +582,8 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
     Var *y;
     if (mod->spec.type == LAYER_ADD || mod->spec.type == LAYER_CONCAT)
         y = model_merge_forward(t, mod, xs);
+    else if (model_graph_relu_in_place(m, i))
+        y = nn_relu_inplace(t, xs[0]); /* a batch norm's or add's output read by nothing else */
     else
         y = mod->forward_hook ? mod->forward_hook(t, mod, xs[0], mod->hook_ctx) : model_module_forward(t, mod, xs[0]);
     return outs[1 + i] = y;

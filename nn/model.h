@@ -142,6 +142,9 @@ typedef struct {
     int n_params;
     Var **outs;                         /* [n_modules + 1] model_forward's outputs of this pass: [0] the input,
                                            [1 + i] module i's (tape Vars, in the tape's arena) */
+    bool keep_outputs;                  /* model_forward leaves every output as computed (no relu in place,
+                                           nothing handed back in a pass without gradients): for a caller that
+                                           reads outs afterwards. Default false. */
 } Model;
 
 const char *layer_type_name(LayerType type);
@@ -178,6 +181,18 @@ bool model_reads_previous(const Model *m, int i);
 QtStatus model_graph_resolve(Model *m, int i, const LayerSpec *layers, int n_layers, QtError *err);
 /* model_graph.c: counts every module's consumers once all are resolved. */
 void model_graph_count_consumers(Model *m);
+/* model_graph.c: the last module reading module j's output (n_modules for
+ * the last module: the model's output), or -1 if none does. */
+int model_graph_last_reader(const Model *m, int j);
+/* model_graph.c: whether module i, a relu, may overwrite its input: the
+ * input is a batch norm's or an add's own output (neither backward reads
+ * it) that only this relu reads. */
+bool model_graph_relu_in_place(const Model *m, int i);
+/* model_graph.c: in a forward without gradients, after modules first..last
+ * (a fused group) ran, hands the outputs no later module reads back to the
+ * tape for the next outputs (tape_release), so an eval pass holds a few
+ * activations instead of all of them. */
+void model_graph_release_dead(Model *m, Tape *t, int first, int last);
 /* The Var of a parameter for use on a tape (its value and persistent grad). */
 static inline Var *param_var(Param *p) { return &p->var; }
 

@@ -136,3 +136,55 @@ bool model_reads_previous(const Model *m, int i) {
     const Module *mod = &m->modules[i];
     return mod->n_inputs == 1 && mod->inputs[0] == i - 1;
 }
+
+int model_graph_last_reader(const Model *m, int j) {
+    if (j == m->n_modules - 1) return m->n_modules;
+    int last = -1;
+    for (int i = j + 1; i < m->n_modules; i++)
+        for (int k = 0; k < m->modules[i].n_inputs; k++)
+            if (m->modules[i].inputs[k] == j) last = i;
+    return last;
+}
+
+/* Whether module j's output is a buffer its own op allocated: not its
+ * input's values (flatten's view, dropout's identity in eval, a batch norm
+ * folded into its producer) and not whatever a hook returns. */
+static bool owns_output(const Module *mod) {
+    if (mod->forward_hook) return false;
+    switch (mod->spec.type) {
+    case LAYER_FLATTEN:
+    case LAYER_DROPOUT: return false;
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: return mod->bn_folded != BN_FOLD_INTO;
+    default: return true;
+    }
+}
+
+bool model_graph_relu_in_place(const Model *m, int i) {
+    const Module *r = &m->modules[i];
+    if (m->keep_outputs || r->spec.type != LAYER_RELU || r->forward_hook || r->n_inputs != 1 || r->inputs[0] < 0)
+        return false;
+    const int j = r->inputs[0];
+    const Module *p = &m->modules[j];
+    const bool bn = (p->spec.type == LAYER_BATCHNORM1D || p->spec.type == LAYER_BATCHNORM2D) &&
+                    p->bn_folded == BN_FOLD_NONE;
+    return (bn || p->spec.type == LAYER_ADD) && !p->forward_hook && model_graph_last_reader(m, j) == i;
+}
+
+void model_graph_release_dead(Model *m, Tape *t, int first, int last) {
+    const Module *mod = &m->modules[first];
+    for (int k = 0; k < mod->n_inputs; k++) {
+        const int j = mod->inputs[k];
+        bool seen = false;
+        for (int q = 0; q < k; q++) seen |= mod->inputs[q] == j;
+        if (j < 0 || seen || model_graph_last_reader(m, j) != first || !owns_output(&m->modules[j])) continue;
+        Var *v = m->outs[1 + j];
+        if (!v) continue;
+        /* A later output still read may be this buffer (a flatten's view of it). */
+        bool alias = false;
+        for (int q = j + 1; q <= last && !alias; q++)
+            alias = m->outs[1 + q] && m->outs[1 + q]->value.data == v->value.data &&
+                    model_graph_last_reader(m, q) > first;
+        if (!alias) tape_release(t, v);
+    }
+}

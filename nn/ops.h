@@ -20,6 +20,21 @@
 
 #include "tape.h"
 
+/* Marks a kernel whose loops vectorise: it gets AVX-512 and AVX2 copies,
+ * the CPU's best chosen once at load (the default build targets baseline
+ * x86-64, 4-float vectors). fp-contract is off in every copy, so none fuses
+ * a multiply and an add the others round twice: all copies give the same
+ * bits. Short copy loops stay loops rather than becoming memcpy calls (rows
+ * of a few floats). (clang, which builds the fuzz targets, links no
+ * resolver for it.) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NN_SIMD_CLONES                                                                                    \
+    __attribute__((target_clones("avx512f", "avx2", "default"),                                            \
+                   optimize("fp-contract=off", "no-tree-loop-distribute-patterns")))
+#else
+#define NN_SIMD_CLONES
+#endif
+
 /* ---- matrix products ------------------------------------------------- */
 
 /* y = op(a) @ op(b). a: (M, K), or (K, M) if trans_a; b: (K, N), or (N, K)
@@ -43,6 +58,10 @@ Var *nn_concat(Tape *t, Var *const *xs, int n);
 /* y = s * x. */
 Var *nn_scale(Tape *t, Var *x, float s);
 Var *nn_relu(Tape *t, Var *x);
+/* relu written over x's values (y shares x's buffer), for a caller that
+ * knows nothing else reads x and that x's producer's backward does not read
+ * it (model_graph_relu_in_place). The same values and gradients as nn_relu. */
+Var *nn_relu_inplace(Tape *t, Var *x);
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 Var *nn_gelu(Tape *t, Var *x);
 Var *nn_tanh(Tape *t, Var *x);
@@ -88,8 +107,8 @@ typedef struct {
  *  - otherwise (eval, or frozen): the affine map with the running statistics,
  *    (x - running_mean) / sqrt(running_var + eps) * gamma + beta; nothing is
  *    updated.
- * The statistics are taken in double, two passes per channel (ops_norm.c).
- * Channels run over the thread pool; the result is the same for any thread
+ * The statistics come from one read of the input: float lanes per block of
+ * a channel, the blocks merged in double (batchnorm_stats). Channels run over the thread pool; the result is the same for any thread
  * count. */
 Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 
@@ -184,6 +203,8 @@ Var *nn_mse(Tape *t, Var *pred, Var *target);
 
 void relu_forward(float *restrict y, const float *restrict x, size_t n);
 void relu_backward(float *restrict dx, const float *restrict dy, const float *restrict y, size_t n);
+/* dx = relu's gradient (written, not added); dx may be dy (in place). */
+void relu_backward_write(float *dx, const float *dy, const float *restrict y, size_t n);
 void gelu_forward(float *restrict y, const float *restrict x, size_t n);
 void gelu_backward(float *restrict dx, const float *restrict dy, const float *restrict x, size_t n);
 void tanh_forward(float *restrict y, const float *restrict x, size_t n);
@@ -196,6 +217,25 @@ void layernorm_forward(float *y, float *mean, float *rstd, const float *x, const
                        const float *beta, int rows, int D, float eps);
 void layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy, const float *x,
                         const float *gamma, const float *mean, const float *rstd, int rows, int D);
+
+/* Batch-norm kernels on x viewed as (N, C, inner), over channels [c0, c1)
+ * (ops_norm.c). Arrays indexed by channel are (C,).
+ * stats: mean and biased variance of each channel, in double. */
+void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
+/* The `_ref` twin: two serial passes in double. */
+void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
+/* y = (x - mean) * scale + beta (beta NULL: 0). */
+void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
+                     int C, size_t inner, int c0, int c1);
+/* sum_dy = sum dy, dot = sum dy (x - mean), per channel, in double. */
+void batchnorm_grad_sums(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
+                         int C, size_t inner, int c0, int c1);
+void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
+                             int C, size_t inner, int c0, int c1);
+/* dx (+= if accumulate, else =) (dy - k1 - (x - mean) k2) scale; dx may be dy. */
+void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
+                          const float *scale, const float *k1, const float *k2, int N, int C, size_t inner, int c0,
+                          int c1);
 
 /* probs: (N, C) softmax of logits, saved for the backward; returns mean loss. */
 double softmax_cross_entropy_forward(float *probs, const float *logits, const int32_t *labels, int N, int C);

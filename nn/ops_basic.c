@@ -153,15 +153,26 @@ Var *nn_bias_add(Tape *t, Var *x, Var *bias) {
     return tape_record(t, "bias_add", bias_add_backward, y, (Var *[]){x, bias}, 2, NULL) ? y : NULL;
 }
 
+/* The first input without a gradient yet takes dy's buffer as its own (no
+ * copy), a second one gets a copy, and an input that has one adds dy in. */
 static void add_backward(Tape *t, const TapeNode *node) {
     const float *dy = node->out->grad;
     size_t n = var_numel(node->out);
+    bool taken = false; /* dy's buffer has one owner at most */
     for (int k = 0; k < 2; k++) {
         Var *v = node->in[k];
         if (!v->requires_grad) continue;
-        float *dv = tape_grad(t, v);
+        if (!taken && tape_grad_take(t, v, node->out)) {
+            taken = true;
+            continue;
+        }
+        bool fresh;
+        float *dv = tape_grad_to_write(t, v, &fresh);
         if (!dv) return;
-        for (size_t i = 0; i < n; i++) dv[i] += dy[i];
+        if (fresh)
+            memcpy(dv, dy, n * sizeof *dv);
+        else
+            for (size_t i = 0; i < n; i++) dv[i] += dy[i];
     }
 }
 
@@ -202,12 +213,16 @@ static void concat_backward(Tape *t, const TapeNode *node) {
         Var *v = c->xs[k];
         const size_t block = (size_t)v->value.shape[1] * c->inner;
         if (v->requires_grad) {
-            float *dv = tape_grad(t, v);
+            bool fresh;
+            float *dv = tape_grad_to_write(t, v, &fresh);
             if (!dv) return;
             for (int s = 0; s < c->N; s++) {
                 const float *src = dy + (size_t)s * c->C_out * c->inner + off;
                 float *dst = dv + (size_t)s * block;
-                for (size_t i = 0; i < block; i++) dst[i] += src[i];
+                if (fresh)
+                    memcpy(dst, src, block * sizeof *dst);
+                else
+                    for (size_t i = 0; i < block; i++) dst[i] += src[i];
             }
         }
         off += block;
@@ -283,14 +298,23 @@ Var *nn_scale(Tape *t, Var *x, float s) {
 
 /* ---- activations: kernels ------------------------------------------------ */
 
+NN_SIMD_CLONES
 void relu_forward(float *restrict y, const float *restrict x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
 }
+NN_SIMD_CLONES
 void relu_backward(float *restrict dx, const float *restrict dy, const float *restrict y, size_t n) {
     /* dy is loaded unconditionally so the select needs no branch. */
     for (size_t i = 0; i < n; i++) {
         float g = dy[i];
         dx[i] += y[i] > 0.0f ? g : 0.0f;
+    }
+}
+NN_SIMD_CLONES
+void relu_backward_write(float *dx, const float *dy, const float *restrict y, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float g = dy[i];
+        dx[i] = y[i] > 0.0f ? g : 0.0f;
     }
 }
 
@@ -381,7 +405,48 @@ static void unary_forward(UnaryForward fn, float *y, const float *x, size_t n) {
         return tape_record(t, #name, name##_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL; \
     }
 
-DEFINE_UNARY(relu, false)
+/* relu's: in place in dy's buffer when x has no gradient yet (the common
+ * case: x feeds only this relu), else written or added (relu_backward*). */
+static void relu_tape_backward(Tape *t, const TapeNode *node) {
+    Var *x = node->in[0];
+    const size_t n = var_numel(node->out);
+    const float *y = node->out->value.data, *dy = node->out->grad;
+    if (tape_grad_take(t, x, node->out)) {
+        relu_backward_write(x->grad, dy, y, n);
+        return;
+    }
+    bool fresh;
+    float *dx = tape_grad_to_write(t, x, &fresh);
+    if (!dx) return;
+    if (fresh)
+        relu_backward_write(dx, dy, y, n);
+    else
+        relu_backward(dx, dy, y, n);
+}
+
+Var *nn_relu(Tape *t, Var *x) {
+    if (!x) return NULL;
+    Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
+    if (!y) return NULL;
+    unary_forward(relu_forward, y->value.data, x->value.data, var_numel(x));
+    return tape_record(t, "relu", relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
+}
+
+/* unary_forward's form of relu over y's own values (x is y). */
+NN_SIMD_CLONES
+static void relu_forward_self(float *y, const float *x, size_t n) {
+    (void)x;
+    for (size_t i = 0; i < n; i++) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
+}
+
+Var *nn_relu_inplace(Tape *t, Var *x) {
+    if (!x) return NULL;
+    Var *y = tape_wrap(t, x->value.data, x->value.ndim, x->value.shape);
+    if (!y) return NULL;
+    unary_forward(relu_forward_self, y->value.data, y->value.data, var_numel(y));
+    return tape_record(t, "relu", relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
+}
+
 DEFINE_UNARY(gelu, true)
 DEFINE_UNARY(tanh, false)
 DEFINE_UNARY(sigmoid, false)

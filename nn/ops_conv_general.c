@@ -22,6 +22,7 @@
 #include "ops_conv_internal.h"
 
 #include <limits.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "gemm.h"
@@ -50,6 +51,7 @@ typedef struct {
     float *y;          /* forward: (N, OC, OH, OW) */
     const float *dy;   /* backward: (N, OC, OH, OW) */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
+    bool dx_accumulate; /* depthwise stride 1: false when dx is a fresh buffer it writes */
     float *dw;         /* depthwise: (OC, 1, KH, KW) accumulated; grouped: (CONVG_PARTS, OC, Cg*KH*KW) partials; or NULL */
     float *scratch;    /* per thread: thread_floats */
     size_t thread_floats;
@@ -256,107 +258,162 @@ static void dw_backward_task(void *ctx, int task, int n_tasks) {
 }
 
 /* Stride 1 on both axes (every depthwise conv of DS-CNN, most of
- * MobileNet's): the rows above are a few floats long. Instead the input
- * plane is copied once into a zero-padded plane xp (Hp, Wp), and the output
- * is computed at row stride Wp, so each tap is one contiguous multiply-add
- * over the whole plane: yp[q] += w * xp[q + kh*dil_h*Wp + kw*dil_w], for q
- * < L = (OH-1)*Wp + OW. The columns OW..Wp-1 of each yp row are junk and
- * dropped (the backward zeroes them in its dy copy). */
+ * MobileNet's): the rows are a few floats long (14 on a 28x28 input at
+ * stride 2 before), too short for vectors. Instead the input plane sits in
+ * a zero-padded plane xp (Hp, Wp), and the output is computed at row
+ * stride Wp, so all taps read one contiguous run: yp[q] = b + sum over taps
+ * of w[tap] * xp[q + off(tap)], off = kh*dil_h*Wp + kw*dil_w, for q < L =
+ * (OH-1)*Wp + OW. q runs in chunks of DW_LANES held in registers over all
+ * taps (one store per output); columns OW..Wp-1 of each yp row are junk and
+ * dropped. The scratch planes' padding is zeroed once per task and never
+ * written, so a plane costs the copy of its H*W interior and nothing else.
+ * The backward is the same loop on dy (padded the same way: its junk
+ * columns and margins stay zero), gathering dx at the interior of a padded
+ * plane; the weight gradient's taps are dot products over the same runs,
+ * in lanes per plane, summed over the batch in double. */
+#define DW_LANES 16
+
 static inline bool dw_s1(const ConvGDims *d) { return d->g.stride_h == 1 && d->g.stride_w == 1; }
 static inline int dw_s1_hp(const ConvGDims *d) { return d->H + 2 * d->g.pad_h + d->g.pad_h_extra; }
 static inline int dw_s1_wp(const ConvGDims *d) { return d->W + 2 * d->g.pad_w + d->g.pad_w_extra; }
-
-/* xp (Hp, Wp) = x (H, W) with the padding's zeros around it. */
-static void dw_s1_pad(float *restrict xp, const float *restrict x, const ConvGDims *d) {
-    const int Wp = dw_s1_wp(d);
-    memset(xp, 0, (size_t)dw_s1_hp(d) * Wp * sizeof *xp);
-    for (int h = 0; h < d->H; h++)
-        memcpy(xp + (size_t)(h + d->g.pad_h) * Wp + d->g.pad_w, x + (size_t)h * d->W, (size_t)d->W * sizeof *xp);
+static inline size_t dw_round(size_t n) { return (n + DW_LANES - 1) / DW_LANES * DW_LANES; }
+/* Floats of a padded plane with the slack a last chunk may read past it. */
+static inline size_t dw_s1_plane(const ConvGDims *d) { return dw_round((size_t)dw_s1_hp(d) * dw_s1_wp(d)) + DW_LANES; }
+/* The largest tap offset, rounded up: dy's front margin in the backward. */
+static inline size_t dw_s1_margin(const ConvGDims *d) {
+    return dw_round((size_t)(d->KH - 1) * d->g.dil_h * dw_s1_wp(d) + (size_t)(d->KW - 1) * d->g.dil_w);
 }
 
-/* The sum of a[i] * b[i] over [0, n): eight float lanes (vectorised), then in double. */
-static double dw_dot(const float *restrict a, const float *restrict b, size_t n) {
-    float lane[8] = {0};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) lane[k] += a[i + k] * b[i + k];
-    double s = 0.0;
-    for (; i < n; i++) s += (double)a[i] * b[i];
-    for (int k = 0; k < 8; k++) s += lane[k];
-    return s;
+/* DW_LANES floats as one GCC vector (4 SSE registers, 2 AVX2 or 1 AVX-512
+ * in the clones); loaded and stored unaligned through memcpy. */
+typedef float DwVec __attribute__((vector_size(DW_LANES * sizeof(float))));
+#define DW_LOAD(v, p) memcpy(&(v), (p), sizeof(DwVec))
+
+/* The interior (rows r0.., columns c0..) of a padded plane (.., Wp) = src (rows, cols). */
+static inline void dw_put(float *restrict dst, int Wp, int r0, int c0, const float *restrict src, int rows,
+                          int cols) {
+    for (int h = 0; h < rows; h++) {
+        float *restrict o = dst + (size_t)(h + r0) * Wp + c0;
+        const float *restrict s = src + (size_t)h * cols;
+        for (int v = 0; v < cols; v++) o[v] = s[v];
+    }
+}
+
+/* Every tap of w over the padded plane src at row stride Wp, into dst[0, L)
+ * (plus junk up to the next chunk); sign -1 reads src backwards from the
+ * tap offsets (the adjoint, for dx: src points at the margin's end). */
+static inline void dw_s1_taps(float *restrict dst, const float *restrict src, const float *restrict w, float b,
+                              size_t L, const ConvGDims *d, int Wp, bool adjoint) {
+    const int KH = d->KH, KW = d->KW;
+    for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
+        DwVec acc = {0}, v; /* vector variables: they stay in registers across the taps */
+        acc += b;
+        for (int kh = 0; kh < KH; kh++)
+            for (int kw = 0; kw < KW; kw++) {
+                const ptrdiff_t off = (ptrdiff_t)kh * d->g.dil_h * Wp + (ptrdiff_t)kw * d->g.dil_w;
+                DW_LOAD(v, src + q0 + (adjoint ? -off : off));
+                acc += w[kh * KW + kw] * v;
+            }
+        memcpy(dst + q0, &acc, sizeof acc);
+    }
 }
 
 /* Task over (sample, input channel) planes: each padded once for its OC/C outputs. */
+NN_SIMD_CLONES
 static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     const ConvGJob *j = ctx;
     const ConvGDims *d = j->d;
     const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
     const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW;
     const size_t L = (size_t)(d->OH - 1) * Wp + d->OW;
-    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* (Hp, Wp) */
-    float *yp = xp + (size_t)dw_s1_hp(d) * Wp;                                     /* (OH, Wp) */
+    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* dw_s1_plane */
+    float *yp = xp + dw_s1_plane(d);                                               /* dw_round(L) */
     int lo, hi;
     parallel_range(d->N * d->C, task, n_tasks, &lo, &hi);
+    memset(xp, 0, dw_s1_plane(d) * sizeof *xp);
     for (int p = lo; p < hi; p++) {
         const int n = p / d->C, c = p % d->C;
-        dw_s1_pad(xp, j->x + (size_t)p * in_plane, d);
+        dw_put(xp, Wp, d->g.pad_h, d->g.pad_w, j->x + (size_t)p * in_plane, d->H, d->W);
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
-            const float b = j->bias ? j->bias[oc] : 0.0f, *w = j->w + (size_t)oc * kk;
-            for (size_t q = 0; q < L; q++) yp[q] = b;
-            for (int kh = 0; kh < d->KH; kh++)
-                for (int kw = 0; kw < d->KW; kw++) {
-                    const float wv = w[kh * d->KW + kw];
-                    const float *restrict xs = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
-                    for (size_t q = 0; q < L; q++) yp[q] += wv * xs[q];
-                }
+            dw_s1_taps(yp, xp, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
-            for (int oh = 0; oh < d->OH; oh++)
-                memcpy(y + (size_t)oh * d->OW, yp + (size_t)oh * Wp, (size_t)d->OW * sizeof *y);
+            for (int oh = 0; oh < d->OH; oh++) {
+                float *restrict o = y + (size_t)oh * d->OW;
+                const float *restrict s = yp + (size_t)oh * Wp;
+                for (int v = 0; v < d->OW; v++) o[v] = s[v];
+            }
         }
     }
 }
 
+/* acc[tap][lane] = the sum of dy[q] * xp[q + off(tap)] over q in [0, L)
+ * by chunks, one tap at a time (its lanes stay in registers). */
+static inline void dw_s1_wgrad(float *restrict acc, const float *restrict dy, const float *restrict xp, size_t L,
+                               const ConvGDims *d, int Wp) {
+    for (int kh = 0; kh < d->KH; kh++)
+        for (int kw = 0; kw < d->KW; kw++) {
+            const float *restrict s = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
+            DwVec a = {0}, u, v;
+            for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
+                DW_LOAD(u, dy + q0);
+                DW_LOAD(v, s + q0);
+                a += u * v;
+            }
+            memcpy(acc + (size_t)(kh * d->KW + kw) * DW_LANES, &a, sizeof a);
+        }
+}
+
 /* Task over input channels, as dw_backward_task: per sample the padded x
- * (for the weight), a padded dx summed over the channel's outputs, then
- * added into dx's plane. */
+ * (for the weight), dy padded at row stride Wp, dx gathered at the padded
+ * plane's interior and summed over the channel's outputs. */
+NN_SIMD_CLONES
 static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
     const ConvGJob *j = ctx;
     const ConvGDims *d = j->d;
     const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
-    const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW, pplane = (size_t)dw_s1_hp(d) * Wp;
-    const size_t L = (size_t)(d->OH - 1) * Wp + d->OW;
-    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* (Hp, Wp) */
-    float *dxp = xp + pplane;                                                      /* (Hp, Wp) */
-    float *dyp = dxp + pplane;                                                     /* (OH, Wp) */
+    const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW, plane = dw_s1_plane(d);
+    const size_t L = (size_t)(d->OH - 1) * Wp + d->OW, M = dw_s1_margin(d);
+    /* the interior's span in the padded plane: its first element, and the end of its last row */
+    const size_t p0 = (size_t)d->g.pad_h * Wp + d->g.pad_w, P = (size_t)(d->H - 1) * Wp + d->W;
+    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* plane */
+    float *dyb = xp + plane;                        /* M zeros, then dy at row stride Wp: M + plane */
+    float *dxp = dyb + M + plane;                   /* dw_round(P) */
+    double *wacc = (double *)(dxp + dw_round(P));   /* [kk] */
+    float *lanes = (float *)(wacc + kk);            /* [kk][DW_LANES] */
     int lo, hi;
     parallel_range(d->C, task, n_tasks, &lo, &hi);
-    memset(dyp, 0, (size_t)d->OH * Wp * sizeof *dyp); /* the junk columns stay 0 */
+    memset(xp, 0, (plane + M + plane) * sizeof *xp);
     for (int c = lo; c < hi; c++)
-        for (int n = 0; n < d->N; n++) {
-            const size_t xi = ((size_t)n * d->C + c) * in_plane;
-            if (j->dw) dw_s1_pad(xp, j->x + xi, d);
-            if (j->dx) memset(dxp, 0, pplane * sizeof *dxp);
-            for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
-                const float *dy = j->dy + ((size_t)n * d->OC + oc) * out_plane, *w = j->w + (size_t)oc * kk;
-                for (int oh = 0; oh < d->OH; oh++)
-                    memcpy(dyp + (size_t)oh * Wp, dy + (size_t)oh * d->OW, (size_t)d->OW * sizeof *dyp);
-                for (int kh = 0; kh < d->KH; kh++)
-                    for (int kw = 0; kw < d->KW; kw++) {
-                        const size_t off = (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
-                        if (j->dw) j->dw[(size_t)oc * kk + kh * d->KW + kw] += (float)dw_dot(dyp, xp + off, L);
-                        if (j->dx) {
-                            const float wv = w[kh * d->KW + kw];
-                            float *restrict dst = dxp + off;
-                            for (size_t q = 0; q < L; q++) dst[q] += wv * dyp[q];
-                        }
+        for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
+            const float *w = j->w + (size_t)oc * kk;
+            if (j->dw) memset(wacc, 0, (size_t)kk * sizeof *wacc);
+            for (int n = 0; n < d->N; n++) {
+                const size_t xi = ((size_t)n * d->C + c) * in_plane;
+                dw_put(dyb + M, Wp, 0, 0, j->dy + ((size_t)n * d->OC + oc) * out_plane, d->OH, d->OW);
+                if (j->dw) {
+                    dw_put(xp, Wp, d->g.pad_h, d->g.pad_w, j->x + xi, d->H, d->W);
+                    dw_s1_wgrad(lanes, dyb + M, xp, L, d, Wp);
+                    for (int t = 0; t < kk; t++) {
+                        float s = 0.0f;
+                        for (int k = 0; k < DW_LANES; k++) s += lanes[t * DW_LANES + k];
+                        wacc[t] += s;
                     }
-            }
-            if (j->dx)
-                for (int h = 0; h < d->H; h++) {
-                    float *restrict dst = j->dx + xi + (size_t)h * d->W;
-                    const float *restrict src = dxp + (size_t)(h + d->g.pad_h) * Wp + d->g.pad_w;
-                    for (int v = 0; v < d->W; v++) dst[v] += src[v];
                 }
+                if (!j->dx) continue;
+                /* dx at padded position p0 + q is the sum over taps of w * dy[p0 + q - off] */
+                dw_s1_taps(dxp, dyb + M + p0, w, 0.0f, P, d, Wp, true);
+                const bool first = oc == c * d->OCg && !j->dx_accumulate;
+                for (int h = 0; h < d->H; h++) {
+                    float *restrict o = j->dx + xi + (size_t)h * d->W;
+                    const float *restrict s = dxp + (size_t)h * Wp;
+                    if (first)
+                        for (int v = 0; v < d->W; v++) o[v] = s[v];
+                    else
+                        for (int v = 0; v < d->W; v++) o[v] += s[v];
+                }
+            }
+            if (j->dw)
+                for (int t = 0; t < kk; t++) j->dw[(size_t)oc * kk + t] += (float)wacc[t];
         }
 }
 
@@ -480,8 +537,14 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const ConvGDims *d = node->ctx;
     const size_t out_plane = (size_t)d->OH * d->OW, ckk = (size_t)d->Cg * d->KH * d->KW;
-    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .dy = node->out->grad};
-    if (x->requires_grad && !(j.dx = tape_grad(t, x))) return;
+    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .dy = node->out->grad, .dx_accumulate = true};
+    if (x->requires_grad) {
+        /* the stride-1 depthwise loops write every element of dx; the others add */
+        bool fresh = false;
+        j.dx = d->depthwise && dw_s1(d) ? tape_grad_to_write(t, x, &fresh) : tape_grad(t, x);
+        if (!j.dx) return;
+        j.dx_accumulate = !fresh;
+    }
     if (bias && bias->requires_grad) {
         float *db = tape_grad(t, bias);
         if (!db) return;
@@ -497,9 +560,11 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     if (!j.dx && !w->requires_grad) return;
     if (d->depthwise && dw_s1(d)) {
         if (w->requires_grad && !(j.dw = tape_grad(t, w))) return;
-        j.thread_floats = (size_t)(2 * dw_s1_hp(d) + d->OH) * dw_s1_wp(d);
+        const size_t kk = (size_t)d->KH * d->KW, P = (size_t)(d->H - 1) * dw_s1_wp(d) + d->W;
+        j.thread_floats = dw_round(2 * dw_s1_plane(d) + dw_s1_margin(d) + dw_round(P) + kk * (2 + DW_LANES));
         if (!(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float)))) return;
         parallel_run(parallel_get_threads() < d->C ? parallel_get_threads() : d->C, dw_s1_backward_task, &j);
+        tape_release_buffer(t, j.scratch, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float));
         return;
     }
     if (d->depthwise) {
@@ -536,10 +601,11 @@ Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) 
                   .y = y->value.data};
     const int threads = parallel_get_threads();
     if (d->depthwise && dw_s1(d)) {
-        j.thread_floats = (size_t)(dw_s1_hp(d) + d->OH) * dw_s1_wp(d);
+        j.thread_floats = dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
         if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return NULL;
         const int planes = d->N * d->C;
         parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
+        tape_release_buffer(t, j.scratch, (size_t)threads * j.thread_floats * sizeof(float));
     } else if (d->depthwise) {
         const int planes = d->N * d->OC;
         parallel_run(threads < planes ? threads : planes, dw_forward_task, &j);

@@ -1,6 +1,7 @@
 /* ops_norm.c - layer normalisation over the last axis; batch normalisation
  * over all axes but the channel axis (1). */
 #include <math.h>
+#include <stdbool.h>
 
 #include "ops.h"
 #include "base/parallel.h"
@@ -104,9 +105,204 @@ Var *nn_layernorm(Tape *t, Var *x, Var *gamma, Var *beta, float eps) {
 
 /* x is viewed as (N, C, inner): inner = 1 for (N, C), L for (N, C, L), H*W for
  * (N, C, H, W). A channel's elements are N runs of `inner` floats, C*inner
- * apart. Every kernel below works on a range of channels, and a channel's
+ * apart. Every kernel works on a range of channels [c0, c1), and a channel's
  * arithmetic does not depend on the range it falls in, so splitting the
- * channels over any number of threads gives the same bits. */
+ * channels over any number of threads gives the same bits.
+ *
+ * The fast kernels cut each run into blocks of at most BN_BLOCK floats and
+ * sum a block in BN_LANES float lanes (independent chains the compiler
+ * vectorises; the plain `s += x[i]` in double of the `_ref` twins is one
+ * serial chain), then carry the blocks' sums in double: a float sum of a
+ * block of 1024 loses ~10 bits at worst, far less than the fixtures allow,
+ * and the double carry keeps a channel of 100k values from losing more.
+ * Runs shorter than BN_LANES take the `_ref` kernels (no block to speak of). */
+#define BN_LANES 16
+#define BN_BLOCK 1024
+
+/* The sum of x[0, n) in BN_LANES lanes, the lanes then added in order. */
+static inline float bn_block_sum(const float *restrict x, size_t n) {
+    float lane[BN_LANES] = {0};
+    size_t i = 0;
+    for (; i + BN_LANES <= n; i += BN_LANES)
+        for (int k = 0; k < BN_LANES; k++) lane[k] += x[i + k];
+    float s = 0.0f;
+    for (; i < n; i++) s += x[i];
+    for (int k = 0; k < BN_LANES; k++) s += lane[k];
+    return s;
+}
+
+/* *s1 = sum (x - c), *s2 = sum (x - c)^2 over x[0, n), in lanes. */
+static inline void bn_block_moments(const float *restrict x, size_t n, float c, float *s1, float *s2) {
+    float l1[BN_LANES] = {0}, l2[BN_LANES] = {0};
+    size_t i = 0;
+    for (; i + BN_LANES <= n; i += BN_LANES)
+        for (int k = 0; k < BN_LANES; k++) {
+            const float d = x[i + k] - c;
+            l1[k] += d;
+            l2[k] += d * d;
+        }
+    float a = 0.0f, b = 0.0f;
+    for (; i < n; i++) {
+        const float d = x[i] - c;
+        a += d;
+        b += d * d;
+    }
+    for (int k = 0; k < BN_LANES; k++) a += l1[k], b += l2[k];
+    *s1 = a;
+    *s2 = b;
+}
+
+/* *sdy = sum dy, *dot = sum dy (x - m) over [0, n), in lanes. */
+static inline void bn_block_grad_sums(const float *restrict dy, const float *restrict x, size_t n, float m, float *sdy,
+                               float *dot) {
+    float l1[BN_LANES] = {0}, l2[BN_LANES] = {0};
+    size_t i = 0;
+    for (; i + BN_LANES <= n; i += BN_LANES)
+        for (int k = 0; k < BN_LANES; k++) {
+            l1[k] += dy[i + k];
+            l2[k] += dy[i + k] * (x[i + k] - m);
+        }
+    float a = 0.0f, b = 0.0f;
+    for (; i < n; i++) {
+        a += dy[i];
+        b += dy[i] * (x[i] - m);
+    }
+    for (int k = 0; k < BN_LANES; k++) a += l1[k], b += l2[k];
+    *sdy = a;
+    *dot = b;
+}
+
+void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1) {
+    const size_t stride = (size_t)C * inner;
+    const double count = (double)N * (double)inner;
+    for (int ch = c0; ch < c1; ch++) {
+        double sum = 0.0, ss = 0.0;
+        for (int n = 0; n < N; n++) {
+            const float *xp = x + n * stride + (size_t)ch * inner;
+            for (size_t i = 0; i < inner; i++) sum += xp[i];
+        }
+        const double m = sum / count;
+        for (int n = 0; n < N; n++) {
+            const float *xp = x + n * stride + (size_t)ch * inner;
+            for (size_t i = 0; i < inner; i++) ss += ((double)xp[i] - m) * ((double)xp[i] - m);
+        }
+        mean[ch] = m;
+        var[ch] = ss / count;
+    }
+}
+
+/* One read of each block from memory: its sum gives a shift c near the
+ * block's mean, and the moments about c (re-reading the block from L1)
+ * give the block's mean and squared deviations without the cancellation
+ * of E[x^2] - E[x]^2. Blocks merge in double by Chan et al.'s pairwise
+ * update (count, mean, M2). */
+NN_SIMD_CLONES
+void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1) {
+    if (inner < BN_LANES) {
+        batchnorm_stats_ref(mean, var, x, N, C, inner, c0, c1);
+        return;
+    }
+    const size_t stride = (size_t)C * inner;
+    for (int ch = c0; ch < c1; ch++) {
+        double cnt = 0.0, m = 0.0, m2 = 0.0;
+        for (int n = 0; n < N; n++) {
+            const float *xp = x + n * stride + (size_t)ch * inner;
+            for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
+                const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
+                const float c = bn_block_sum(xp + i0, len) / (float)len;
+                float s1, s2;
+                bn_block_moments(xp + i0, len, c, &s1, &s2);
+                const double nb = (double)len, mb = c + (double)s1 / nb;
+                const double m2b = (double)s2 - (double)s1 * (double)s1 / nb;
+                const double tot = cnt + nb, delta = mb - m;
+                m += delta * nb / tot;
+                m2 += m2b + delta * delta * cnt * nb / tot;
+                cnt = tot;
+            }
+        }
+        mean[ch] = m;
+        var[ch] = (m2 > 0.0 ? m2 : 0.0) / cnt;
+    }
+}
+
+NN_SIMD_CLONES
+void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
+                     int C, size_t inner, int c0, int c1) {
+    const size_t stride = (size_t)C * inner;
+    for (int ch = c0; ch < c1; ch++) {
+        const float m = mean[ch], a = scale[ch], b = beta ? beta[ch] : 0.0f;
+        for (int n = 0; n < N; n++) {
+            const size_t off = n * stride + (size_t)ch * inner;
+            const float *restrict xp = x + off;
+            float *restrict yp = y + off;
+            for (size_t i = 0; i < inner; i++) yp[i] = (xp[i] - m) * a + b;
+        }
+    }
+}
+
+void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
+                             int C, size_t inner, int c0, int c1) {
+    const size_t stride = (size_t)C * inner;
+    for (int ch = c0; ch < c1; ch++) {
+        const float m = mean[ch];
+        double s = 0.0, d = 0.0;
+        for (int n = 0; n < N; n++) {
+            const size_t off = n * stride + (size_t)ch * inner;
+            const float *xp = x + off, *dyp = dy + off;
+            for (size_t i = 0; i < inner; i++) {
+                s += dyp[i];
+                d += (double)dyp[i] * (double)(xp[i] - m);
+            }
+        }
+        sum_dy[ch] = s;
+        dot[ch] = d;
+    }
+}
+
+NN_SIMD_CLONES
+void batchnorm_grad_sums(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
+                         int C, size_t inner, int c0, int c1) {
+    if (inner < BN_LANES) {
+        batchnorm_grad_sums_ref(sum_dy, dot, dy, x, mean, N, C, inner, c0, c1);
+        return;
+    }
+    const size_t stride = (size_t)C * inner;
+    for (int ch = c0; ch < c1; ch++) {
+        const float m = mean[ch];
+        double s = 0.0, d = 0.0;
+        for (int n = 0; n < N; n++) {
+            const size_t off = n * stride + (size_t)ch * inner;
+            for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
+                const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
+                float bs, bd;
+                bn_block_grad_sums(dy + off + i0, x + off + i0, len, m, &bs, &bd);
+                s += bs;
+                d += bd;
+            }
+        }
+        sum_dy[ch] = s;
+        dot[ch] = d;
+    }
+}
+
+NN_SIMD_CLONES
+void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
+                          const float *scale, const float *k1, const float *k2, int N, int C, size_t inner, int c0,
+                          int c1) {
+    const size_t stride = (size_t)C * inner;
+    for (int ch = c0; ch < c1; ch++) {
+        const float m = mean[ch], a = scale[ch], p = k1[ch], q = k2[ch];
+        for (int n = 0; n < N; n++) {
+            const size_t off = n * stride + (size_t)ch * inner;
+            const float *restrict xp = x + off, *dyp = dy + off; /* dx may be dy */
+            float *dxp = dx + off;
+            if (accumulate)
+                for (size_t i = 0; i < inner; i++) dxp[i] += (dyp[i] - p - (xp[i] - m) * q) * a;
+            else
+                for (size_t i = 0; i < inner; i++) dxp[i] = (dyp[i] - p - (xp[i] - m) * q) * a;
+        }
+    }
+}
 
 typedef struct {
     float *mean;   /* (C,): the statistics the forward normalised with */
@@ -121,60 +317,30 @@ typedef struct {
     const BatchNormState *bn;
     float *y;           /* forward: (N, C, inner) */
     float *dx;          /* backward: NULL if not needed */
+    bool dx_accumulate; /* false: dx is a fresh buffer, written rather than added to */
     float *dgamma, *dbeta;
     const float *x, *dy, *gamma, *beta;
+    float *scale;       /* (C,): invstd * gamma, the factor of y and of dx */
+    float *k1, *k2;     /* backward: (C,) scratch */
+    double *s1, *s2;    /* (C,) scratch: mean and variance, or sum dy and sum dy (x - mean) */
 } BatchnormJob;
 
-/* Statistics of channels [c0, c1) into c->mean/invstd, and the running update.
- *
- * Two passes in double: the mean, then the sum of squared deviations from it.
- * A channel of a conv layer holds N*H*W values (100k at batch 128 on 28x28),
- * where a float sum loses ~log2(100k) = 17 bits, and the one-pass
- * E[x^2] - E[x]^2 cancels catastrophically when |mean| >> std (a ReLU's
- * output, a layer without bias). Welford would also be stable, but costs a
- * division per element; the second pass re-reads data that was just read.
- * This is also what PyTorch's CPU kernel does (double accumulators, two
- * passes), so the statistics agree to rounding. */
-static void batchnorm_stats(const BatchnormJob *j, int c0, int c1) {
+/* Statistics of channels [c0, c1) into c->mean/invstd, and the running update. */
+static void batchnorm_stats_range(const BatchnormJob *j, int c0, int c1) {
     const BatchnormCtx *c = j->c;
     const BatchNormState *bn = j->bn;
-    const size_t stride = (size_t)c->C * c->inner;
     const double count = (double)c->N * (double)c->inner;
+    batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
     for (int ch = c0; ch < c1; ch++) {
-        double sum = 0.0, ss = 0.0;
-        for (int n = 0; n < c->N; n++) {
-            const float *xp = j->x + n * stride + (size_t)ch * c->inner;
-            for (size_t i = 0; i < c->inner; i++) sum += xp[i];
-        }
-        const double mean = sum / count;
-        for (int n = 0; n < c->N; n++) {
-            const float *xp = j->x + n * stride + (size_t)ch * c->inner;
-            for (size_t i = 0; i < c->inner; i++) ss += ((double)xp[i] - mean) * ((double)xp[i] - mean);
-        }
+        const double mean = j->s1[ch], var = j->s2[ch];
         c->mean[ch] = (float)mean;
-        c->invstd[ch] = (float)(1.0 / sqrt(ss / count + bn->eps));
+        c->invstd[ch] = (float)(1.0 / sqrt(var + bn->eps));
         if (bn->running_mean && !bn->frozen) {
             /* PyTorch: running = (1 - momentum) running + momentum batch, with
              * the unbiased variance (count > 1 is checked by the op). */
             const double m = bn->momentum;
             bn->running_mean[ch] = (float)((1.0 - m) * bn->running_mean[ch] + m * mean);
-            bn->running_var[ch] = (float)((1.0 - m) * bn->running_var[ch] + m * (ss / (count - 1.0)));
-        }
-    }
-}
-
-/* y = (x - mean) * (invstd * gamma) + beta over channels [c0, c1). */
-static void batchnorm_apply(const BatchnormJob *j, int c0, int c1) {
-    const BatchnormCtx *c = j->c;
-    const size_t stride = (size_t)c->C * c->inner;
-    for (int ch = c0; ch < c1; ch++) {
-        const float m = c->mean[ch], a = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
-        const float b = j->beta ? j->beta[ch] : 0.0f;
-        for (int n = 0; n < c->N; n++) {
-            const size_t off = n * stride + (size_t)ch * c->inner;
-            const float *xp = j->x + off;
-            float *yp = j->y + off;
-            for (size_t i = 0; i < c->inner; i++) yp[i] = (xp[i] - m) * a + b;
+            bn->running_var[ch] = (float)((1.0 - m) * bn->running_var[ch] + m * (var * count / (count - 1.0)));
         }
     }
 }
@@ -185,35 +351,22 @@ static void batchnorm_apply(const BatchnormJob *j, int c0, int c1) {
  *   training form (mean and var depend on x):
  *     dx = g invstd (dy - sum(dy)/M - xhat sum(dy xhat)/M)
  *   running statistics (constants): dx = g invstd dy.
- * The two channel sums are taken in double (as the statistics are). */
-static void batchnorm_grads(const BatchnormJob *j, int c0, int c1) {
+ * Two passes over dy and x: the two channel sums, then dx. */
+static void batchnorm_grads_range(const BatchnormJob *j, int c0, int c1) {
     const BatchnormCtx *c = j->c;
-    const size_t stride = (size_t)c->C * c->inner;
     const double count = (double)c->N * (double)c->inner;
+    batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
     for (int ch = c0; ch < c1; ch++) {
-        const float m = c->mean[ch], is = c->invstd[ch];
-        double sum_dy = 0.0, dot = 0.0; /* dot = sum dy (x - mean) */
-        for (int n = 0; n < c->N; n++) {
-            const size_t off = n * stride + (size_t)ch * c->inner;
-            const float *xp = j->x + off, *dyp = j->dy + off;
-            for (size_t i = 0; i < c->inner; i++) {
-                sum_dy += dyp[i];
-                dot += (double)dyp[i] * (double)(xp[i] - m);
-            }
-        }
+        const double sum_dy = j->s1[ch], dot = j->s2[ch], is = c->invstd[ch];
         if (j->dbeta) j->dbeta[ch] += (float)sum_dy;
         if (j->dgamma) j->dgamma[ch] += (float)(dot * is);
-        if (!j->dx) continue;
-        const float a = is * (j->gamma ? j->gamma[ch] : 1.0f);
-        const float k1 = c->batch ? (float)(sum_dy / count) : 0.0f;
-        const float k2 = c->batch ? (float)(dot * (double)is * (double)is / count) : 0.0f;
-        for (int n = 0; n < c->N; n++) {
-            const size_t off = n * stride + (size_t)ch * c->inner;
-            const float *xp = j->x + off, *dyp = j->dy + off;
-            float *dxp = j->dx + off;
-            for (size_t i = 0; i < c->inner; i++) dxp[i] += (dyp[i] - k1 - (xp[i] - m) * k2) * a;
-        }
+        j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
+        j->k1[ch] = c->batch ? (float)(sum_dy / count) : 0.0f;
+        j->k2[ch] = c->batch ? (float)(dot * is * is / count) : 0.0f;
     }
+    if (j->dx)
+        batchnorm_grad_input(j->dx, j->dx_accumulate, j->dy, j->x, c->mean, j->scale, j->k1, j->k2, c->N, c->C,
+                             c->inner, c0, c1);
 }
 
 typedef enum { BN_JOB_FORWARD, BN_JOB_BACKWARD } BatchnormJobKind;
@@ -225,14 +378,17 @@ typedef struct {
 
 static void batchnorm_task(void *ctx, int task, int n_tasks) {
     const BatchnormTask *bt = ctx;
+    const BatchnormJob *j = bt->job;
+    const BatchnormCtx *c = j->c;
     int c0, c1;
-    parallel_range(bt->job->c->C, task, n_tasks, &c0, &c1);
+    parallel_range(c->C, task, n_tasks, &c0, &c1);
     if (bt->kind == BN_JOB_BACKWARD) {
-        batchnorm_grads(bt->job, c0, c1);
+        batchnorm_grads_range(j, c0, c1);
         return;
     }
-    if (bt->job->c->batch) batchnorm_stats(bt->job, c0, c1);
-    batchnorm_apply(bt->job, c0, c1);
+    if (c->batch) batchnorm_stats_range(j, c0, c1);
+    for (int ch = c0; ch < c1; ch++) j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
+    batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
 }
 
 /* Channels split over the pool when the tensor is large enough to pay for
@@ -245,15 +401,33 @@ static void batchnorm_run(const BatchnormJob *job, BatchnormJobKind kind) {
     parallel_run(n_tasks, batchnorm_task, &bt);
 }
 
+/* The per-call scratch of a job: scale, k1, k2 (C floats each) and s1, s2 (C doubles each). */
+static bool batchnorm_job_scratch(Tape *t, BatchnormJob *j, int C) {
+    j->s1 = tape_alloc(t, 2 * (size_t)C * sizeof(double));
+    j->scale = tape_alloc(t, 3 * (size_t)C * sizeof(float));
+    if (!j->s1 || !j->scale) return false;
+    j->s2 = j->s1 + C;
+    j->k1 = j->scale + C;
+    j->k2 = j->k1 + C;
+    return true;
+}
+
 static void batchnorm_tape_backward(Tape *t, const TapeNode *node) {
     const BatchnormCtx *c = node->ctx;
     Var *x = node->in[0], *gamma = node->in[1], *beta = node->in[2];
     BatchnormJob j = {.c = c, .x = x->value.data, .dy = node->out->grad,
                       .gamma = gamma ? gamma->value.data : NULL};
-    j.dx = x->requires_grad ? tape_grad(t, x) : NULL;
+    /* dx in place of dy when x has no gradient yet: the sums come first,
+     * then each dx element from its own dy and x only. */
+    bool fresh = false;
+    if (x->requires_grad && tape_grad_take(t, x, node->out))
+        j.dx = x->grad, fresh = true;
+    else
+        j.dx = x->requires_grad ? tape_grad_to_write(t, x, &fresh) : NULL;
+    j.dx_accumulate = !fresh;
     j.dgamma = gamma && gamma->requires_grad ? tape_grad(t, gamma) : NULL;
     j.dbeta = beta && beta->requires_grad ? tape_grad(t, beta) : NULL;
-    if (!tape_ok(t)) return;
+    if (!tape_ok(t) || !batchnorm_job_scratch(t, &j, c->C)) return;
     batchnorm_run(&j, BN_JOB_BACKWARD);
 }
 
@@ -317,6 +491,7 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
         }
     BatchnormJob j = {.c = c, .bn = bn, .y = y->value.data, .x = x->value.data,
                       .gamma = gamma ? gamma->value.data : NULL, .beta = beta ? beta->value.data : NULL};
+    if (!batchnorm_job_scratch(t, &j, C)) return NULL;
     batchnorm_run(&j, BN_JOB_FORWARD);
     if (batch && bn->running_mean && bn->num_batches_tracked) (*bn->num_batches_tracked)++;
     return tape_record(t, "batchnorm", batchnorm_tape_backward, y, (Var *[]){x, gamma, beta}, 3, c) ? y : NULL;

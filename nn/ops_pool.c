@@ -200,7 +200,8 @@ Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride) {
 
 static void globalavgpool_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0];
-    float *dx = tape_grad(t, x); /* (N, C, H, W) */
+    bool fresh;
+    float *dx = tape_grad_to_write(t, x, &fresh); /* (N, C, H, W) */
     if (!dx) return;
     const float *dy = node->out->grad; /* (N, C) */
     const size_t planes = (size_t)x->value.shape[0] * x->value.shape[1];
@@ -209,7 +210,10 @@ static void globalavgpool_backward(Tape *t, const TapeNode *node) {
     for (size_t p = 0; p < planes; p++) {
         const float g = dy[p] * inv_area;
         float *dxp = dx + p * area;
-        for (size_t i = 0; i < area; i++) dxp[i] += g;
+        if (fresh)
+            for (size_t i = 0; i < area; i++) dxp[i] = g;
+        else
+            for (size_t i = 0; i < area; i++) dxp[i] += g;
     }
 }
 

@@ -23,8 +23,40 @@ void tape_free(Tape *t) {
 void tape_reset(Tape *t) {
     t->n_nodes = 0;
     t->backward_done = false;
+    t->free_grads = NULL;
     qt_error_clear(&t->err);
     arena_reset(t->arena);
+}
+
+/* A free gradient buffer: the header lives in the buffer's first bytes. */
+typedef struct FreeGrad {
+    struct FreeGrad *next;
+    size_t bytes;
+} FreeGrad;
+
+/* Buffers of fewer bytes than this are not kept (too small to hold the
+ * header, and not worth it). */
+#define FREE_GRAD_MIN 64
+
+/* The smallest free buffer of at least `bytes`, unlinked; NULL if none. */
+static void *free_grad_take(Tape *t, size_t bytes) {
+    FreeGrad **best = NULL;
+    for (FreeGrad **p = (FreeGrad **)&t->free_grads; *p; p = &(*p)->next)
+        if ((*p)->bytes >= bytes && (!best || (*p)->bytes < (*best)->bytes)) best = p;
+    if (!best) return NULL;
+    FreeGrad *f = *best;
+    *best = f->next;
+    return f;
+}
+
+static void free_grad_put(Tape *t, float *buf, size_t bytes) {
+    if (bytes < FREE_GRAD_MIN) return;
+    for (FreeGrad *p = t->free_grads; p; p = p->next)
+        if ((void *)p == (void *)buf) return; /* listed already (a buffer two Vars share) */
+    FreeGrad *f = (FreeGrad *)(void *)buf;
+    f->next = t->free_grads;
+    f->bytes = bytes;
+    t->free_grads = f;
 }
 
 void *tape_alloc(Tape *t, size_t bytes) {
@@ -41,7 +73,8 @@ Var *tape_new_var(Tape *t, int ndim, const int *shape) {
         qt_error_set(&t->err, QT_ERR_SHAPE, "tape_new_var: invalid shape (ndim %d; every dim must be >= 1)", ndim);
         return NULL;
     }
-    v->value.data = tape_alloc(t, tensor_numel(&v->value) * sizeof(float));
+    const size_t bytes = tensor_numel(&v->value) * sizeof(float);
+    if (!(v->value.data = free_grad_take(t, bytes))) v->value.data = tape_alloc(t, bytes);
     return v->value.data ? v : NULL;
 }
 
@@ -57,6 +90,30 @@ Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape) {
     return v;
 }
 
+/* An arena (or recycled) buffer for v's gradient, uninitialised. */
+static float *grad_alloc(Tape *t, Var *v) {
+    const size_t bytes = var_numel(v) * sizeof(float);
+    float *g = free_grad_take(t, bytes);
+    if (!g) g = arena_alloc(t->arena, bytes);
+    if (!g) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: no room for a gradient of %zu floats", var_numel(v));
+    return g;
+}
+
+void tape_release_buffer(Tape *t, void *p, size_t bytes) {
+    if (p) free_grad_put(t, p, bytes);
+}
+
+void tape_release(Tape *t, Var *v) {
+    if (v && v->value.data) free_grad_put(t, v->value.data, var_numel(v) * sizeof(float));
+}
+
+bool tape_grad_take(Tape *t, Var *v, Var *from) {
+    (void)t;
+    if (v->grad || v->is_param || !from->grad || from->is_param || var_numel(v) != var_numel(from)) return false;
+    v->grad = from->grad;
+    return true;
+}
+
 float *tape_grad(Tape *t, Var *v) {
     if (!v->grad && v->is_param) {
         /* A parameter's grad lives for the run; an arena buffer would dangle
@@ -65,8 +122,15 @@ float *tape_grad(Tape *t, Var *v) {
                                           "buffer; use param_unfreeze)");
         return NULL;
     }
-    if (!v->grad) v->grad = arena_calloc(t->arena, var_numel(v) * sizeof(float));
-    if (!v->grad) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: no room for a gradient of %zu floats", var_numel(v));
+    if (!v->grad && (v->grad = grad_alloc(t, v))) memset(v->grad, 0, var_numel(v) * sizeof(float));
+    return v->grad;
+}
+
+float *tape_grad_to_write(Tape *t, Var *v, bool *fresh) {
+    *fresh = false;
+    if (v->grad || v->is_param) return tape_grad(t, v);
+    v->grad = grad_alloc(t, v);
+    *fresh = v->grad != NULL;
     return v->grad;
 }
 
@@ -102,6 +166,16 @@ bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
     return true;
 }
 
+/* After node n's backward: its output's gradient is dead, unless an input
+ * took it over (tape_grad_take) or it is a parameter's. */
+static void release_out_grad(Tape *t, const TapeNode *n) {
+    Var *out = n->out;
+    if (out->is_param || !out->grad) return;
+    for (int k = 0; k < TAPE_MAX_INPUTS; k++)
+        if (n->in[k] && n->in[k]->grad == out->grad) return;
+    free_grad_put(t, out->grad, var_numel(out) * sizeof(float));
+}
+
 QtStatus tape_backward(Tape *t, Var *loss) {
     if (!tape_ok(t)) return t->err.status;
     if (!loss) return qt_error_set(&t->err, QT_ERR_ARG, "tape_backward: loss is NULL");
@@ -131,6 +205,7 @@ QtStatus tape_backward_from(Tape *t, Var *out, const float *dout) {
         if (!n->out->grad) continue; /* nothing flowed into this op's output */
         n->backward(t, n);
         if (!tape_ok(t)) break;
+        release_out_grad(t, n);
     }
     return t->err.status;
 }

@@ -3,7 +3,11 @@
  * Ops run eagerly: each computes its output at once and, if any input needs
  * a gradient, appends a node with its backward function and what it saved.
  * tape_backward() walks the nodes in reverse; every backward accumulates
- * (+=) into the grads of its inputs.
+ * (+=) into the grads of its inputs. Once a node's backward has run, its
+ * output's gradient is dead (every consumer ran before it): tape_backward
+ * hands the buffer to the next gradient allocated, so the step holds a few
+ * live gradients instead of one per op. An intermediate Var's grad is
+ * therefore not readable after tape_backward; inputs' and parameters' are.
  *
  * Errors poison instead of crashing: an op that fails returns NULL and
  * records the first error in tape->err; an op given a NULL input returns
@@ -51,6 +55,9 @@ struct Tape {
     bool grad_enabled;  /* false: ops run forward only and record nothing */
     bool backward_done; /* set by tape_backward until the next reset */
     Rng *rng;           /* dropout masks; may be NULL if no op needs it */
+    void *free_grads;   /* arena float buffers no one reads any more (dead gradients in the backward,
+                           dead activations of a pass without gradients), for the next tape_grad or
+                           tape_new_var to take: a list threaded through the buffers themselves */
     QtError err;        /* first error since the last reset */
 };
 
@@ -65,11 +72,30 @@ Var *tape_new_var(Tape *t, int ndim, const int *shape);
 /* A Var whose value is the caller's buffer (not copied; must outlive the
  * step), e.g. a batch of inputs. No gradient. */
 Var *tape_wrap(Tape *t, float *data, int ndim, const int *shape);
+/* Hands v's value buffer back for the next tape_new_var or gradient of this
+ * step: the caller knows nothing reads v's values any more (a forward
+ * without gradients, past v's last reader). v must come from tape_new_var. */
+void tape_release(Tape *t, Var *v);
+/* The same for an op's scratch (tape_alloc'd, `bytes` long) once the op is
+ * done with it. */
+void tape_release_buffer(Tape *t, void *p, size_t bytes);
 /* Arena memory for an op's saved state; sets the tape error on failure. */
 void *tape_alloc(Tape *t, size_t bytes);
 /* The grad of v, allocated zeroed from the arena on first use (params have
  * theirs already). NULL, with the tape error set, if memory runs out. */
 float *tape_grad(Tape *t, Var *v);
+
+/* For an elementwise backward that can compute v's gradient in place of
+ * its output's: if v has no grad yet, v takes over from->grad (the node's
+ * output gradient, which no one reads after this node) and true is
+ * returned; the caller then overwrites it in place. Otherwise false. */
+bool tape_grad_take(Tape *t, Var *v, Var *from);
+
+/* The same for a backward that writes its whole gradient for v at once: if
+ * v has no grad yet, it is allocated uninitialised and *fresh set, and the
+ * caller must write (=) every element instead of adding into it (no zeroing
+ * pass, no read of zeros). Otherwise as tape_grad, *fresh false. */
+float *tape_grad_to_write(Tape *t, Var *v, bool *fresh);
 
 /* Appends a node if gradients are enabled and any input requires them, and
  * marks out->requires_grad accordingly. Returns false (tape error set) only

@@ -17,6 +17,7 @@
     X(nn_conv_lowrank) \
     X(nn_batchnorm) \
     X(nn_conv_general) \
+    X(nn_kernels_fast) \
     X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \

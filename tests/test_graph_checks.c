@@ -45,6 +45,7 @@ static bool block_model(Model *m) {
         st = model_init(m, c->model.input_ndim, c->model.input_shape, c->model.layers, c->model.n_layers, &err);
     free(c);
     if (st != QT_OK) fprintf(stderr, "\n  block.yaml: %s\n", err.msg);
+    m->keep_outputs = st == QT_OK; /* block_loss reads the relus' inputs after the pass */
     return st == QT_OK;
 }
 
