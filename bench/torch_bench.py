@@ -467,9 +467,13 @@ def make_optimizer(params, cfg):
     fail("optimizer %r is not supported here" % name)
 
 
-def quantize_int8(model, types, data, cfg, input_shape):
-    """Static post-training quantization (eager mode, onednn): conv/dense + relu fused, observers calibrated
-    on the first quant.calibration_batches training batches in file order, then converted."""
+def quantize_int8(model, types, data, cfg, input_shape, fx=None):
+    """Static post-training quantization (onednn), observers calibrated on the first quant.calibration_batches
+    training batches in file order. The models of the old layer set (a chain of conv2d/dense/relu/pools/flatten/
+    dropout, as the mlp and cnn configs) go through eager mode: conv/dense + relu fused, the chain between a
+    QuantStub and a DeQuantStub. The others (batch norm, globalavgpool, add/concat; or fx=True) through FX graph
+    mode: prepare_fx folds each batch norm into the conv before it (conv + bn (+ relu) fused), quantizes the adds
+    and concatenations and the pools between them, convert_fx makes the int8 modules."""
     import numpy as np
     import torch
     import torch.ao.quantization as tq
@@ -479,21 +483,51 @@ def quantize_int8(model, types, data, cfg, input_shape):
             r = first_rule(quant.get("rules"), name, t)
             if not r or r.get("weight_qtype") != "int8" or r.get("act_qtype") not in ("int8", "uint8"):
                 fail("%s: PTQ here is int8 weights and int8 activations on every conv/dense" % name)
+    if not quant.get("fold_bn", True):
+        fail("quant.fold_bn: false is not emulated here (PyTorch's PTQ folds every batch norm)")
     torch.backends.quantized.engine = "onednn"
+    if fx is None:
+        fx = not isinstance(model, torch.nn.Sequential) or any(
+            t not in ("dense", "conv2d", "relu", "maxpool2d", "flatten", "dropout") for t in types.values())
+    model.eval()
+    bs = int(cfg["train"].get("batch_size", 64))
+    batches = min(int(quant.get("calibration_batches", 16)), len(data.train_x) // bs)
+
+    def calibrate(m):
+        with torch.inference_mode():
+            for b in range(batches):
+                x, _ = data.batch(data.train_x, data.train_y, np.arange(b * bs, (b + 1) * bs), input_shape)
+                m(x)
+
+    if fx:
+        from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+        kw = {}
+        try:
+            from torch.ao.quantization.backend_config import get_onednn_backend_config
+            kw["backend_config"] = get_onednn_backend_config()
+        except ImportError:
+            pass
+        # onednn's FX patterns have no nn.Flatten (it would dequantize around it); torch.flatten shares its
+        # input's quantization, as eager mode's nn.Flatten does
+        class Flatten(torch.nn.Module):
+            def forward(self, x):
+                return torch.flatten(x, 1)
+
+        for name, mod in list(model.named_children()):
+            if isinstance(mod, torch.nn.Flatten):
+                setattr(model, name, Flatten())
+        example = torch.zeros((1,) + tuple(input_shape))
+        prepared = prepare_fx(model, tq.get_default_qconfig_mapping("onednn"), (example,), **kw)
+        calibrate(prepared)
+        return convert_fx(prepared, **kw)
     names = list(types)
     fuse = [[a, b] for a, b in zip(names, names[1:]) if types[a] in ("dense", "conv2d") and types[b] == "relu"]
-    model.eval()
     tq.fuse_modules(model, fuse, inplace=True)
     wrapped = torch.nn.Sequential(OrderedDict([("quant", tq.QuantStub()), ("net", model),
                                                ("dequant", tq.DeQuantStub())]))
     wrapped.qconfig = tq.get_default_qconfig("onednn")
     tq.prepare(wrapped, inplace=True)
-    bs = int(cfg["train"].get("batch_size", 64))
-    batches = min(int(quant.get("calibration_batches", 16)), len(data.train_x) // bs)
-    with torch.inference_mode():
-        for b in range(batches):
-            x, _ = data.batch(data.train_x, data.train_y, np.arange(b * bs, (b + 1) * bs), input_shape)
-            wrapped(x)
+    calibrate(wrapped)
     tq.convert(wrapped, inplace=True)
     return wrapped
 
@@ -593,7 +627,7 @@ def cmd_run(args):
     trains = int(cfg["train"].get("steps", 0)) > 0 or epochs > 0
     if quant == "ptq" and not has_lora:
         mode, trains = "ptq", False
-        model = quantize_int8(model, types, data, cfg, input_shape)
+        model = quantize_int8(model, types, data, cfg, input_shape, {"fx": True, "eager": False}.get(args.ptq))
     elif quant in ("none", None):
         mode = "lora" if has_lora else "float"
         if has_lora:
@@ -892,6 +926,8 @@ def main():
     r.add_argument("--steps", type=int, default=100)
     r.add_argument("--warmup", type=int, default=10)
     r.add_argument("--eval-batches", type=int, default=40)
+    r.add_argument("--ptq", choices=("auto", "fx", "eager"), default="auto",
+                   help="PyTorch's PTQ mode (auto: eager for the old layer set, FX for the rest)")
     r.add_argument("--since-ns", type=int, default=0, help="CLOCK_REALTIME ns at process start ($(date +%%s%%N))")
     tr = sub.add_parser("train", help="train the config's model as configured; the test accuracy per epoch")
     tr.add_argument("--config", required=True)
