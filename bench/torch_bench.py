@@ -268,8 +268,10 @@ def build_model(cfg):
             dh, dw = pair_hw(spec.get("dilation", 1), "dilation")
             groups = int(spec.get("groups", 1))
             if spec.get("padding", 0) == "same":
-                padding = "same"
+                # an even total padding as explicit numbers (the same result; PyTorch's quantized conv2d takes
+                # only numbers), an odd one as "same" (its extra row and column at the bottom and right)
                 ext_h, ext_w = dh * (kh - 1), dw * (kw - 1)
+                padding = (ext_h // 2, ext_w // 2) if ext_h % 2 == 0 and ext_w % 2 == 0 else "same"
             else:
                 ph, pw = pair_hw(spec.get("padding", 0), "padding")
                 padding = (ph, pw)
@@ -278,7 +280,7 @@ def build_model(cfg):
             mod = nn.Conv2d(shape[0], oc, (kh, kw), stride=(sh, sw), padding=padding, dilation=(dh, dw),
                             groups=groups, bias=bias)
             init_weight(mod, spec)
-            if padding == "same":
+            if spec.get("padding", 0) == "same":
                 shape = [oc, shape[1], shape[2]]
             else:
                 shape = [oc, (shape[1] - ext_h - 1) // sh + 1, (shape[2] - ext_w - 1) // sw + 1]
@@ -628,6 +630,8 @@ def cmd_run(args):
     if quant == "ptq" and not has_lora:
         mode, trains = "ptq", False
         model = quantize_int8(model, types, data, cfg, input_shape, {"fx": True, "eager": False}.get(args.ptq))
+        for p in model.parameters():  # inference only (a batch norm that cannot fold keeps float parameters)
+            p.requires_grad_(False)
     elif quant in ("none", None):
         mode = "lora" if has_lora else "float"
         if has_lora:
@@ -698,7 +702,7 @@ def load_init_from(model, path):
             name = "/%s/%s/%s" % (group, mod, leaf)
             if name not in f or not isinstance(f[name], h5py.Dataset):
                 fail("model.init_from %s: no dataset %s (a float checkpoint of this model expected)" % (path, name))
-            v = torch.from_numpy(f[name][()]).reshape(t.shape).to(t.dtype)
+            v = torch.as_tensor(f[name][()]).reshape(t.shape).to(t.dtype)
             with torch.no_grad():
                 t.copy_(v)
 
@@ -730,7 +734,7 @@ def cmd_train(args):
     cfg = load_config(args.config)
     if args.epochs is not None:
         cfg["train"]["epochs"], cfg["train"]["steps"] = args.epochs, 0
-    threads = int(cfg["run"].get("threads", 0)) or os.cpu_count()
+    threads = args.threads or int(cfg["run"].get("threads", 0)) or os.cpu_count()
     torch.set_num_threads(threads)
     seed = int(cfg["run"].get("seed", 1))
     torch.manual_seed(seed)
@@ -765,6 +769,7 @@ def cmd_train(args):
           (cfg["run"].get("name", "run"), args.config, desc, mode, n, len(data.val_x), len(data.test_x), bs, total,
            per_epoch, torch.get_num_threads(), sum(p.numel() for p in params), torch.__version__))
     sys.stdout.flush()
+    log_every = int(cfg["train"].get("log_every", 50))
     rng = np.random.default_rng(seed)
     model.train()
     step, epoch, train_s, seen = 0, 0, 0.0, 0
@@ -790,6 +795,10 @@ def cmd_train(args):
             loss_n += len(y)
             seen += len(y)
             step += 1
+            if log_every and step % log_every == 0:
+                print("torch:step step:%d/%d epoch:%d loss:%.4f lr:%.6g elapsed_s:%.1f" %
+                      (step, total, epoch, float(loss), opt.param_groups[0]["lr"], train_s + time.perf_counter() - t0))
+                sys.stdout.flush()
         train_s += time.perf_counter() - t0
         val = ""
         if len(data.val_x):
@@ -799,6 +808,9 @@ def cmd_train(args):
         print("torch:eval epoch:%d step:%d train_loss:%.4f%s test_acc:%.4f test_loss:%.4f" %
               (epoch, step, loss_sum / max(loss_n, 1), val, test_acc, test_loss))
         sys.stdout.flush()
+    if total == 0:  # train.epochs 0: evaluate only
+        test_acc, test_loss = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape)
+        print("torch:eval epoch:0 step:0 test_acc:%.4f test_loss:%.4f" % (test_acc, test_loss))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     print("torch:final model:%s epochs:%d steps:%d test_acc:%.4f test_loss:%.4f samples_per_s:%.1f train_s:%.1f "
           "peak_rss_mb:%.1f" % (desc, epoch, step, test_acc, test_loss, seen / train_s if train_s else 0.0, train_s,
@@ -872,9 +884,9 @@ def cmd_table(args):
     def step_ratio(cfg_a, cfg_b):
         return ratio(num(q[cfg_a], "train", "step_ms"), num(q[cfg_b], "train", "step_ms"))
 
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("train samples/s", m, m, "train", "samples_per_s", target=">= 2.0x PyTorch", met=ge(2.0))
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("eval samples/s", m, m, "eval", "samples_per_s")
     for m in ("mlp", "cnn"):
         r = step_ratio(m + "-lora", m)
@@ -886,16 +898,16 @@ def cmd_table(args):
         row("QLoRA step samples/s", m, m + "-qlora", "train", "samples_per_s",
             target="QLoRA/LoRA step %s (<= 1.15)" % ("-" if r is None else "%.2f" % r),
             met=lambda a, b, _r, r=r: r is not None and r <= 1.15)
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("PTQ int8 eval samples/s", m, m + "-ptq-int8", "eval", "samples_per_s", target=">= 1.0x PyTorch",
             met=ge(1.0))
-    for m in ("mlp", "cnn"):
-        row("peak RSS MB (training)", m, m, "mem", "peak_rss_mb", target="<= 0.15x PyTorch" if m == "cnn" else "",
-            met=(lambda a, b, r: r is not None and r <= 0.15) if m == "cnn" else None)
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
+        row("peak RSS MB (training)", m, m, "mem", "peak_rss_mb", target="<= 0.15x PyTorch" if m != "mlp" else "",
+            met=(lambda a, b, r: r is not None and r <= 0.15) if m != "mlp" else None)
+    for m in MODELS:
         row("start-up to 1st step s", m, m, "startup", "first_step_s", unit="s", target="<= 0.2 s (qtrain)",
             met=lambda a, b, r: a is not None and a <= 0.2)
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("GEMM share of a step", m, m, "train", "gemm_share", unit="share")
     head = ("measurement", "model", "qtrain", "PyTorch", "qtrain/PyTorch", "target", "met")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
@@ -915,7 +927,9 @@ def cmd_table(args):
                                                                            ", ".join(missing)))
 
 
-CONFIGS = ["mlp", "cnn", "mlp-lora", "cnn-lora", "mlp-qlora", "cnn-qlora", "mlp-ptq-int8", "cnn-ptq-int8"]
+MODELS = ("mlp", "cnn", "resnet8", "dscnn")
+CONFIGS = ["mlp", "cnn", "resnet8", "dscnn", "mlp-lora", "cnn-lora", "mlp-qlora", "cnn-qlora", "mlp-ptq-int8",
+           "cnn-ptq-int8", "resnet8-ptq-int8", "dscnn-ptq-int8"]
 
 
 def main():
@@ -932,6 +946,7 @@ def main():
     tr = sub.add_parser("train", help="train the config's model as configured; the test accuracy per epoch")
     tr.add_argument("--config", required=True)
     tr.add_argument("--epochs", type=int, default=None, help="train this many epochs (overrides train.epochs/steps)")
+    tr.add_argument("--threads", type=int, default=0, help="PyTorch threads (default run.threads)")
     t = sub.add_parser("table", help="the side-by-side table of bench/run.sh's outputs")
     t.add_argument("--qtrain", required=True, help="directory of qtrain's <config>.txt outputs")
     t.add_argument("--torch", required=True, help="directory of this script's <config>.txt outputs")
@@ -942,8 +957,8 @@ def main():
             fail("--steps must be >= 1, --warmup and --eval-batches >= 0")
         cmd_run(args)
     elif args.cmd == "train":
-        if args.epochs is not None and args.epochs < 1:
-            fail("--epochs must be >= 1")
+        if args.epochs is not None and args.epochs < 0:
+            fail("--epochs must be >= 0")
         cmd_train(args)
     else:
         cmd_table(args)
