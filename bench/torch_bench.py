@@ -2,7 +2,8 @@
 """The PyTorch side of `make bench-torch`.
 
     torch_bench.py run --config bench/configs/cnn.yaml [--steps N] [--warmup N]
-                       [--eval-batches N] [--since-ns NS]
+                       [--eval-batches N] [--since-ns NS] [--ptq auto|fx|eager]
+    torch_bench.py train --config FILE [--epochs N] [--threads N]
     torch_bench.py table --qtrain DIR --torch DIR [--core NAME]
 
 `run` measures one bench config the way `qtrain bench` does and prints the
@@ -10,6 +11,10 @@ same `bench:` lines: the model, data, optimizer, LoRA/QLoRA and PTQ setup
 are read from the config itself (see bench/README.md for how each is made
 equivalent). Run each measurement in its own process, so that peak RSS and
 start-up are per measurement.
+
+`train` trains the config's model as configured on its data and prints the
+test accuracy after every epoch (`torch:eval`, `torch:final` lines): the
+PyTorch reference an accuracy of qtrain's is compared with.
 
 `table` reads the outputs of bench/run.sh (one <config>.txt per config in
 each directory) and prints the side-by-side table with the targets.
@@ -457,7 +462,7 @@ def make_optimizer(params, cfg):
     import torch
     o = cfg["train"].get("optimizer", {}) or {}
     name = o.get("name", "adamw")
-    lr = float(o.get("lr", 1e-3))
+    lr = float(o.get("lr", 1e-3 if name == "adamw" else 0.01))  # qtrain's defaults per optimizer
     if name == "adamw":
         betas = tuple(o.get("betas", (0.9, 0.999)))
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=float(o.get("eps", 1e-8)),
