@@ -39,7 +39,11 @@ cnn-lora 5 60 40
 mlp-qlora 20 400 200
 cnn-qlora 5 60 40
 mlp-ptq-int8 0 1 200
-cnn-ptq-int8 0 1 100"
+cnn-ptq-int8 0 1 100
+resnet8 3 20 20
+dscnn 3 15 20
+resnet8-ptq-int8 0 1 20
+dscnn-ptq-int8 0 1 20"
 
 if [ ! -x "$QTRAIN" ]; then
     echo "bench/run.sh: $QTRAIN is not an executable; run make first or set QTRAIN" >&2
@@ -126,7 +130,7 @@ function num(s, unit) {
     return s >= 100 ? sprintf("%.0f", s) : sprintf("%.1f", s)
 }
 function ratio(a, b) { return (a == "" || b == "" || b + 0 == 0) ? "" : a / b }
-function line(what, a, b) { printf "| %-30s | %10s | %10s |\n", what, a, b }
+function line(what, a, b, c, d) { printf "| %-30s | %10s | %10s | %10s | %10s |\n", what, a, b, c, d }
 # "*": the mean step (batch) is over 1.25x the median, a few slow steps pulled the figure down
 function noisy(c, kind,    mean, median) {
     mean = kind == "train" ? "step_ms" : kind == "eval" ? "batch_ms" : ""
@@ -135,21 +139,33 @@ function noisy(c, kind,    mean, median) {
     return ""
 }
 function cell(c, kind, k, unit) { return num(get(c, kind, k), unit) (k == "samples_per_s" ? noisy(c, kind) : "") }
+# "-" where a model has no such config (no LoRA or QLoRA configs for resnet8 and dscnn)
 function row(what, suffix, kind, k, unit) {
-    line(what, cell("mlp" suffix, kind, k, unit), cell("cnn" suffix, kind, k, unit))
+    line(what, cell("mlp" suffix, kind, k, unit), cell("cnn" suffix, kind, k, unit),
+         cell("resnet8" suffix, kind, k, unit), cell("dscnn" suffix, kind, k, unit))
+}
+# a text field as printed ("vnni", "float-emulated", ...)
+function text(c, kind, k) { return get(c, kind, k) == "" ? "-" : get(c, kind, k) }
+function srow(what, suffix, kind, k) {
+    line(what, text("mlp" suffix, kind, k), text("cnn" suffix, kind, k), text("resnet8" suffix, kind, k),
+         text("dscnn" suffix, kind, k))
 }
 function step_ratio(m, a, b) { return num(ratio(get(m a, "train", "step_ms"), get(m b, "train", "step_ms")), "f2") }
-function rrow(what, a, b) { line(what, step_ratio("mlp", a, b), step_ratio("cnn", a, b)) }
+function rrow(what, a, b) {
+    line(what, step_ratio("mlp", a, b), step_ratio("cnn", a, b), step_ratio("resnet8", a, b), step_ratio("dscnn", a, b))
+}
 END {
     printf "\nqtrain: batch 128, 2 threads, OpenBLAS %s kernels\n", core
-    line("measurement", "mlp", "cnn")
-    printf "|%s|%s|%s|\n", "--------------------------------", "------------", "------------"
+    line("measurement", "mlp", "cnn", "resnet8", "dscnn")
+    printf "|%s|%s|%s|%s|%s|\n", "--------------------------------", "------------", "------------", "------------",
+        "------------"
     row("train samples/s", "", "train", "samples_per_s")
     row("train step ms", "", "train", "step_ms", "f2")
     row("eval samples/s", "", "eval", "samples_per_s")
     row("LoRA step samples/s", "-lora", "train", "samples_per_s")
     row("QLoRA step samples/s", "-qlora", "train", "samples_per_s")
     row("PTQ int8 eval samples/s", "-ptq-int8", "eval", "samples_per_s")
+    srow("PTQ int8 kernel", "-ptq-int8", "eval", "int8_kernel")
     row("peak RSS MB (training)", "", "mem", "peak_rss_mb")
     row("start-up to 1st step s", "", "startup", "first_step_s", "s")
     row("GEMM share of a train step", "", "train", "gemm_share", "f2")

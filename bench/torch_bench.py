@@ -2,7 +2,8 @@
 """The PyTorch side of `make bench-torch`.
 
     torch_bench.py run --config bench/configs/cnn.yaml [--steps N] [--warmup N]
-                       [--eval-batches N] [--since-ns NS]
+                       [--eval-batches N] [--since-ns NS] [--ptq auto|fx|eager]
+    torch_bench.py train --config FILE [--epochs N] [--threads N]
     torch_bench.py table --qtrain DIR --torch DIR [--core NAME]
 
 `run` measures one bench config the way `qtrain bench` does and prints the
@@ -10,6 +11,10 @@ same `bench:` lines: the model, data, optimizer, LoRA/QLoRA and PTQ setup
 are read from the config itself (see bench/README.md for how each is made
 equivalent). Run each measurement in its own process, so that peak RSS and
 start-up are per measurement.
+
+`train` trains the config's model as configured on its data and prints the
+test accuracy after every epoch (`torch:eval`, `torch:final` lines): the
+PyTorch reference an accuracy of qtrain's is compared with.
 
 `table` reads the outputs of bench/run.sh (one <config>.txt per config in
 each directory) and prints the side-by-side table with the targets.
@@ -101,21 +106,35 @@ class Data:
         for t in d.get("transform", []) or []:
             name, arg = (t, None) if isinstance(t, str) else next(iter(t.items()))
             if name == "normalize":
-                if not arg or "mean" not in arg:
-                    fail("normalize without mean/std is not supported here")
-                self.scale /= arg["std"]
-                self.shift = (self.shift - arg["mean"]) / arg["std"]
+                if arg and ("mean" in arg or "std" in arg):
+                    mean, std = float(arg["mean"]), float(arg["std"])
+                else:  # measured on the training set as transformed so far: every pixel, population std
+                    counts = np.bincount(self.train_x.reshape(-1), minlength=256).astype(np.float64)
+                    v = np.arange(256, dtype=np.float64)
+                    n = counts.sum()
+                    mp = (counts * v).sum() / n
+                    sp = math.sqrt(max((counts * (v - mp) ** 2).sum() / n, 0.0))
+                    mean, std = self.scale * mp + self.shift, abs(self.scale) * sp
+                self.scale /= std
+                self.shift = (self.shift - mean) / std
             elif name == "invert":
                 self.scale, self.shift = -self.scale, 1.0 - self.shift
             elif name == "transpose":
                 self.train_x = np.ascontiguousarray(self.train_x.transpose(0, 2, 1))
                 self.test_x = np.ascontiguousarray(self.test_x.transpose(0, 2, 1))
+            elif name == "classes":  # keep these labels, relabelled 0..k-1 in the listed order
+                keep = np.isin(self.train_y, arg), np.isin(self.test_y, arg)
+                relabel = np.full(256, -1, dtype=np.int64)
+                relabel[list(arg)] = np.arange(len(arg))
+                self.train_x, self.train_y = self.train_x[keep[0]], relabel[self.train_y[keep[0]]]
+                self.test_x, self.test_y = self.test_x[keep[1]], relabel[self.test_y[keep[1]]]
             elif name == "limit":
                 self.train_x, self.train_y = self.train_x[:arg], self.train_y[:arg]
                 self.test_x, self.test_y = self.test_x[:arg], self.test_y[:arg]
             else:
                 fail("data transform %r is not supported here" % name)
         n_val = int(round(float(d.get("val_fraction", 0.0)) * len(self.train_x)))
+        self.val_x, self.val_y = self.train_x[len(self.train_x) - n_val:], self.train_y[len(self.train_x) - n_val:]
         if n_val:
             self.train_x, self.train_y = self.train_x[:-n_val], self.train_y[:-n_val]
 
@@ -151,53 +170,168 @@ class Batcher:
 
 # ---- model -------------------------------------------------------------------------------------------
 
-def build_model(cfg):
-    """nn.Sequential of the config's layers, named as qtrain names them ("<type><index>" unless named)."""
+def pair_hw(v, key):
+    """An int or [h, w] of a conv2d key as (h, w)."""
+    if isinstance(v, int):
+        return v, v
+    if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v):
+        return v[0], v[1]
+    fail("conv2d %s %r: an integer or [h, w] expected" % (key, v))
+
+
+def layer_name(spec, i):
+    return spec.get("name") or "%s%d" % (spec["type"], i)
+
+
+def init_weight(mod, spec):
+    """model.layers[].init: default (PyTorch's, already applied), xavier_uniform, xavier_normal, normal."""
     import torch.nn as nn
+    kind = spec.get("init", "default")
+    if kind == "xavier_uniform":
+        nn.init.xavier_uniform_(mod.weight)
+    elif kind == "xavier_normal":
+        nn.init.xavier_normal_(mod.weight)
+    elif kind == "normal":
+        nn.init.normal_(mod.weight, std=float(spec.get("init_std", 0.02)))
+    elif kind != "default":
+        fail("init %r is not supported here" % kind)
+
+
+def make_graph_classes():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class GlobalAvgPool(nn.Module):
+        """(N, C, H, W) -> (N, C): the mean over H and W, as qtrain's globalavgpool (traced through by FX)."""
+
+        def forward(self, x):
+            return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+
+    class Graph(nn.Module):
+        """The config's layers evaluated in config order, each reading the named outputs it lists (default: the
+        previous layer's, the model's input for the first). The plan is a fixed Python list, so FX traces the
+        forward into a flat graph of the modules (named as qtrain names them), adds and concatenations."""
+
+        def __init__(self, plan, modules):
+            super().__init__()
+            self.plan = plan  # [(name, type, [input index, -1 = the model's input])]
+            for name, mod in modules.items():
+                self.add_module(name, mod)
+
+        def forward(self, x):
+            outs = []
+            for name, t, inputs in self.plan:
+                xs = [x if k < 0 else outs[k] for k in inputs]
+                if t == "add":
+                    y = xs[0]
+                    for z in xs[1:]:
+                        y = y + z
+                elif t == "concat":
+                    y = torch.cat(xs, 1)
+                else:
+                    y = getattr(self, name)(xs[0])
+                outs.append(y)
+            return outs[-1]
+
+    return GlobalAvgPool, Graph
+
+
+def build_model(cfg):
+    """The config's model, its modules named as qtrain names them ("<type><index>" unless named): an
+    nn.Sequential when every layer reads the one before (as the mlp and cnn configs), else a Graph.
+    Returns (model, {name: type}, desc) with desc as qtrain bench names the model, e.g. "conv32-conv64-dense10"."""
+    import torch.nn as nn
+    GlobalAvgPool, Graph = make_graph_classes()
     m = cfg["model"]
-    shape = list(m["input"])
-    layers = OrderedDict()
-    types = {}
-    for i, spec in enumerate(m["layers"]):
-        t = spec["type"]
-        name = spec.get("name") or "%s%d" % (t, i)
-        bias = not spec.get("no_bias", False)
+    in_shape = list(m["input"])
+    specs = m["layers"]
+    names = [layer_name(s, i) for i, s in enumerate(specs)]
+    shapes, plan, modules, types, desc = [], [], OrderedDict(), OrderedDict(), []
+    chain = True
+    for i, spec in enumerate(specs):
+        t, name = spec["type"], names[i]
+        if "inputs" in spec:
+            chain = False
+            inputs = []
+            for n in spec["inputs"]:
+                if n in names[:i]:
+                    inputs.append(names.index(n))
+                elif n == "input" and n not in names:
+                    inputs.append(-1)
+                else:
+                    fail("layer %s reads %r, which is no earlier layer" % (name, n))
+        else:
+            inputs = [i - 1]
+        ins = [in_shape if k < 0 else shapes[k] for k in inputs]
+        shape = list(ins[0])
+        mod = None
+        bias = spec.get("bias", True)
         if t == "conv2d":
-            k, s, p = spec["kernel"], spec.get("stride", 1), spec.get("padding", 0)
-            mod = nn.Conv2d(shape[0], spec["out_channels"], k, stride=s, padding=p, bias=bias)
-            shape = [spec["out_channels"], (shape[1] + 2 * p - k) // s + 1, (shape[2] + 2 * p - k) // s + 1]
+            kh, kw = pair_hw(spec["kernel"], "kernel")
+            sh, sw = pair_hw(spec.get("stride", 1), "stride")
+            dh, dw = pair_hw(spec.get("dilation", 1), "dilation")
+            groups = int(spec.get("groups", 1))
+            if spec.get("padding", 0) == "same":
+                # an even total padding as explicit numbers (the same result; PyTorch's quantized conv2d takes
+                # only numbers), an odd one as "same" (its extra row and column at the bottom and right)
+                ext_h, ext_w = dh * (kh - 1), dw * (kw - 1)
+                padding = (ext_h // 2, ext_w // 2) if ext_h % 2 == 0 and ext_w % 2 == 0 else "same"
+            else:
+                ph, pw = pair_hw(spec.get("padding", 0), "padding")
+                padding = (ph, pw)
+                ext_h, ext_w = dh * (kh - 1) - 2 * ph, dw * (kw - 1) - 2 * pw
+            oc = spec["out_channels"]
+            mod = nn.Conv2d(shape[0], oc, (kh, kw), stride=(sh, sw), padding=padding, dilation=(dh, dw),
+                            groups=groups, bias=bias)
+            init_weight(mod, spec)
+            if spec.get("padding", 0) == "same":
+                shape = [oc, shape[1], shape[2]]
+            else:
+                shape = [oc, (shape[1] - ext_h - 1) // sh + 1, (shape[2] - ext_w - 1) // sw + 1]
+            desc.append("conv%d" % oc)
         elif t == "dense":
             mod = nn.Linear(shape[0], spec["units"], bias=bias)
+            init_weight(mod, spec)
             shape = [spec["units"]]
-        elif t == "relu":
-            mod = nn.ReLU()
-        elif t == "maxpool2d":
+            desc.append("dense%d" % spec["units"])
+        elif t in ("relu", "gelu", "tanh", "sigmoid"):
+            mod = {"relu": nn.ReLU, "gelu": lambda: nn.GELU(approximate="tanh"), "tanh": nn.Tanh,
+                   "sigmoid": nn.Sigmoid}[t]()
+        elif t in ("maxpool2d", "avgpool2d"):
             k = spec["kernel"]
             s = spec.get("stride", k)
-            mod = nn.MaxPool2d(k, stride=s)
+            mod = (nn.MaxPool2d if t == "maxpool2d" else nn.AvgPool2d)(k, stride=s)
             shape = [shape[0], (shape[1] - k) // s + 1, (shape[2] - k) // s + 1]
         elif t == "flatten":
             mod = nn.Flatten()
             shape = [math.prod(shape)]
         elif t == "dropout":
             mod = nn.Dropout(spec.get("p", 0.5))
+        elif t == "layernorm":
+            mod = nn.LayerNorm(shape[-1], eps=float(spec.get("eps", 1e-5)))
+        elif t in ("batchnorm1d", "batchnorm2d"):
+            mod = (nn.BatchNorm1d if t == "batchnorm1d" else nn.BatchNorm2d)(
+                shape[0], eps=float(spec.get("eps", 1e-5)), momentum=float(spec.get("momentum", 0.1)),
+                affine=bool(spec.get("affine", True)))
+        elif t == "globalavgpool":
+            mod = GlobalAvgPool()
+            shape = [shape[0]]
+        elif t == "add":
+            pass
+        elif t == "concat":
+            shape[0] = sum(s[0] for s in ins)
         else:
             fail("layer type %r is not supported here" % t)
-        layers[name] = mod
+        if mod is not None:
+            if "." in name:
+                fail("layer name %r: a '.' cannot name a PyTorch module" % name)
+            modules[name] = mod
+        shapes.append(shape)
+        plan.append((name, t, inputs))
         types[name] = t
-    return nn.Sequential(layers), types
-
-
-def model_desc(model):
-    """"conv32-conv64-dense128-dense10", as qtrain bench names the model."""
-    import torch.nn as nn
-    parts = []
-    for mod in model.children():
-        if isinstance(mod, nn.Conv2d):
-            parts.append("conv%d" % mod.out_channels)
-        elif isinstance(mod, nn.Linear):
-            parts.append("dense%d" % mod.out_features)
-    return "-".join(parts)
+    model = nn.Sequential(modules) if chain and len(modules) == len(specs) else Graph(plan, modules)
+    return model, types, "-".join(desc) or "none"
 
 
 def make_lora_classes():
@@ -255,9 +389,15 @@ def make_lora_classes():
                 p.requires_grad_(False)
             self.conv = isinstance(base, nn.Conv2d)
             if self.conv:
+                # PEFT's grouped shapes: A [r, C_in/groups, kh, kw] and B [C_out, r/groups, 1, 1], both grouped
                 oc, c, kh, kw = base.weight.shape
+                g = base.groups
+                if g > 1 and g == base.in_channels:
+                    fail("LoRA on a depthwise conv2d is not supported (adapt the pointwise conv after it)")
+                if rank % g:
+                    fail("LoRA rank %d is not divisible by the conv2d's groups %d" % (rank, g))
                 a = torch.empty(rank, c, kh, kw)
-                self.B = nn.Parameter(torch.zeros(oc, rank, 1, 1))
+                self.B = nn.Parameter(torch.zeros(oc, rank // g, 1, 1))
             else:
                 a = torch.empty(rank, base.in_features)
                 self.B = nn.Parameter(torch.zeros(base.out_features, rank))
@@ -270,8 +410,9 @@ def make_lora_classes():
             b = self.base
             w = self.qweight() if self.qweight is not None else b.weight
             if self.conv:
-                y = F.conv2d(x, w, b.bias, b.stride, b.padding)
-                return y + self.scale * F.conv2d(F.conv2d(x, self.A, None, b.stride, b.padding), self.B)
+                y = F.conv2d(x, w, b.bias, b.stride, b.padding, b.dilation, b.groups)
+                a = F.conv2d(x, self.A, None, b.stride, b.padding, b.dilation, b.groups)
+                return y + self.scale * F.conv2d(a, self.B, None, 1, 0, 1, b.groups)
             return F.linear(x, w, b.bias) + self.scale * F.linear(F.linear(x, self.A), self.B)
 
     return NF4Weight, LoraLayer
@@ -321,20 +462,25 @@ def make_optimizer(params, cfg):
     import torch
     o = cfg["train"].get("optimizer", {}) or {}
     name = o.get("name", "adamw")
-    lr = float(o.get("lr", 1e-3))
+    lr = float(o.get("lr", 1e-3 if name == "adamw" else 0.01))  # qtrain's defaults per optimizer
     if name == "adamw":
         betas = tuple(o.get("betas", (0.9, 0.999)))
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=float(o.get("eps", 1e-8)),
                                  weight_decay=float(o.get("weight_decay", 0.01)))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=float(o.get("momentum", 0.0)),
-                               weight_decay=float(o.get("weight_decay", 0.0)), nesterov=bool(o.get("nesterov", False)))
+                               dampening=float(o.get("dampening", 0.0)), weight_decay=float(o.get("weight_decay", 0.0)),
+                               nesterov=bool(o.get("nesterov", False)))
     fail("optimizer %r is not supported here" % name)
 
 
-def quantize_int8(model, types, data, cfg, input_shape):
-    """Static post-training quantization (eager mode, onednn): conv/dense + relu fused, observers calibrated
-    on the first quant.calibration_batches training batches in file order, then converted."""
+def quantize_int8(model, types, data, cfg, input_shape, fx=None):
+    """Static post-training quantization (onednn), observers calibrated on the first quant.calibration_batches
+    training batches in file order. The models of the old layer set (a chain of conv2d/dense/relu/pools/flatten/
+    dropout, as the mlp and cnn configs) go through eager mode: conv/dense + relu fused, the chain between a
+    QuantStub and a DeQuantStub. The others (batch norm, globalavgpool, add/concat; or fx=True) through FX graph
+    mode: prepare_fx folds each batch norm into the conv before it (conv + bn (+ relu) fused), quantizes the adds
+    and concatenations and the pools between them, convert_fx makes the int8 modules."""
     import numpy as np
     import torch
     import torch.ao.quantization as tq
@@ -344,21 +490,51 @@ def quantize_int8(model, types, data, cfg, input_shape):
             r = first_rule(quant.get("rules"), name, t)
             if not r or r.get("weight_qtype") != "int8" or r.get("act_qtype") not in ("int8", "uint8"):
                 fail("%s: PTQ here is int8 weights and int8 activations on every conv/dense" % name)
+    if not quant.get("fold_bn", True):
+        fail("quant.fold_bn: false is not emulated here (PyTorch's PTQ folds every batch norm)")
     torch.backends.quantized.engine = "onednn"
+    if fx is None:
+        fx = not isinstance(model, torch.nn.Sequential) or any(
+            t not in ("dense", "conv2d", "relu", "maxpool2d", "flatten", "dropout") for t in types.values())
+    model.eval()
+    bs = int(cfg["train"].get("batch_size", 64))
+    batches = min(int(quant.get("calibration_batches", 16)), len(data.train_x) // bs)
+
+    def calibrate(m):
+        with torch.inference_mode():
+            for b in range(batches):
+                x, _ = data.batch(data.train_x, data.train_y, np.arange(b * bs, (b + 1) * bs), input_shape)
+                m(x)
+
+    if fx:
+        from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+        kw = {}
+        try:
+            from torch.ao.quantization.backend_config import get_onednn_backend_config
+            kw["backend_config"] = get_onednn_backend_config()
+        except ImportError:
+            pass
+        # onednn's FX patterns have no nn.Flatten (it would dequantize around it); torch.flatten shares its
+        # input's quantization, as eager mode's nn.Flatten does
+        class Flatten(torch.nn.Module):
+            def forward(self, x):
+                return torch.flatten(x, 1)
+
+        for name, mod in list(model.named_children()):
+            if isinstance(mod, torch.nn.Flatten):
+                setattr(model, name, Flatten())
+        example = torch.zeros((1,) + tuple(input_shape))
+        prepared = prepare_fx(model, tq.get_default_qconfig_mapping("onednn"), (example,), **kw)
+        calibrate(prepared)
+        return convert_fx(prepared, **kw)
     names = list(types)
     fuse = [[a, b] for a, b in zip(names, names[1:]) if types[a] in ("dense", "conv2d") and types[b] == "relu"]
-    model.eval()
     tq.fuse_modules(model, fuse, inplace=True)
     wrapped = torch.nn.Sequential(OrderedDict([("quant", tq.QuantStub()), ("net", model),
                                                ("dequant", tq.DeQuantStub())]))
     wrapped.qconfig = tq.get_default_qconfig("onednn")
     tq.prepare(wrapped, inplace=True)
-    bs = int(cfg["train"].get("batch_size", 64))
-    batches = min(int(quant.get("calibration_batches", 16)), len(data.train_x) // bs)
-    with torch.inference_mode():
-        for b in range(batches):
-            x, _ = data.batch(data.train_x, data.train_y, np.arange(b * bs, (b + 1) * bs), input_shape)
-            wrapped(x)
+    calibrate(wrapped)
     tq.convert(wrapped, inplace=True)
     return wrapped
 
@@ -451,15 +627,16 @@ def cmd_run(args):
     torch.manual_seed(int(cfg["run"].get("seed", 1)))
     data = Data(cfg)
     input_shape = list(cfg["model"]["input"])
-    model, types = build_model(cfg)
-    desc = model_desc(model)
+    model, types, desc = build_model(cfg)
     quant = (cfg.get("quant") or {}).get("mode", "none")
     has_lora = bool((cfg.get("lora") or {}).get("rules") or (cfg.get("lora") or {}).get("trainable"))
     epochs = int(cfg["train"].get("epochs", 1))
     trains = int(cfg["train"].get("steps", 0)) > 0 or epochs > 0
     if quant == "ptq" and not has_lora:
         mode, trains = "ptq", False
-        model = quantize_int8(model, types, data, cfg, input_shape)
+        model = quantize_int8(model, types, data, cfg, input_shape, {"fx": True, "eager": False}.get(args.ptq))
+        for p in model.parameters():  # inference only (a batch norm that cannot fold keeps float parameters)
+            p.requires_grad_(False)
     elif quant in ("none", None):
         mode = "lora" if has_lora else "float"
         if has_lora:
@@ -489,6 +666,160 @@ def cmd_run(args):
     if "first_ns" in state:
         s, clock = startup_s(state["first_ns"], args.since_ns)
         print("bench:startup first_step_s:%.3f first:%s clock:%s" % (s, "train" if trains else "eval", clock))
+
+
+# ---- reference training ------------------------------------------------------------------------------
+
+def lr_at(cfg, step, total):
+    """train.schedule's lr at optimizer step `step` (0-based) of `total`, as nn/schedule.c computes it."""
+    o = cfg["train"].get("optimizer", {}) or {}
+    base = float(o.get("lr", 1e-3 if o.get("name", "adamw") == "adamw" else 0.01))
+    s = cfg["train"].get("schedule", {}) or {}
+    kind = s.get("name", "constant")
+    warmup = min(int(s.get("warmup_steps", 0)), total)  # clamped to the run, as qtrain does
+    if step < warmup:
+        return base * (step + 1) / warmup
+    after = step - warmup
+    if kind == "cosine":
+        span = total - warmup
+        p = min(after / span, 1.0) if span > 0 else 1.0
+        lo = float(s.get("min_lr", 0.0))
+        return lo + 0.5 * (base - lo) * (1.0 + math.cos(math.pi * p))
+    if kind == "step":
+        return base * float(s.get("gamma", 0.1)) ** (after // int(s["step_size"]))
+    if kind != "constant":
+        fail("lr schedule %r is not supported here" % kind)
+    return base
+
+
+def load_init_from(model, path):
+    """model.init_from: /params/<module>/<weight|bias> and a batch norm's /buffers/<module>/<statistic>."""
+    import h5py
+    import torch
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        fail("model.init_from %s: %s" % (path, e))
+    with f:
+        for key, t in list(model.state_dict(keep_vars=True).items()):
+            mod, leaf = key.rsplit(".", 1)
+            group = "buffers" if leaf in ("running_mean", "running_var", "num_batches_tracked") else "params"
+            name = "/%s/%s/%s" % (group, mod, leaf)
+            if name not in f or not isinstance(f[name], h5py.Dataset):
+                fail("model.init_from %s: no dataset %s (a float checkpoint of this model expected)" % (path, name))
+            v = torch.as_tensor(f[name][()]).reshape(t.shape).to(t.dtype)
+            with torch.no_grad():
+                t.copy_(v)
+
+
+def evaluate(model, data, x_all, y_all, bs, input_shape):
+    """(accuracy, mean loss) over a whole split, in eval mode."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    model.eval()
+    loss, correct = 0.0, 0
+    with torch.inference_mode():
+        for a in range(0, len(x_all), bs):
+            x, y = data.batch(x_all, y_all, np.arange(a, min(a + bs, len(x_all))), input_shape)
+            logits = model(x)
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+    model.train()
+    n = max(len(x_all), 1)
+    return correct / n, loss / n
+
+
+def cmd_train(args):
+    """Trains the config's model as configured (optimizer, schedule, batch, epochs or steps, seed, transforms,
+    grad clipping, dropout) on the config's data and prints the test accuracy after every epoch."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    cfg = load_config(args.config)
+    if args.epochs is not None:
+        cfg["train"]["epochs"], cfg["train"]["steps"] = args.epochs, 0
+    threads = args.threads or int(cfg["run"].get("threads", 0)) or os.cpu_count()
+    torch.set_num_threads(threads)
+    seed = int(cfg["run"].get("seed", 1))
+    torch.manual_seed(seed)
+    data = Data(cfg)
+    input_shape = list(cfg["model"]["input"])
+    model, types, desc = build_model(cfg)
+    if cfg["model"].get("init_from"):
+        load_init_from(model, cfg["model"]["init_from"])
+    quant = (cfg.get("quant") or {}).get("mode", "none") or "none"
+    lora = cfg.get("lora") or {}
+    has_lora = bool(lora.get("rules") or lora.get("trainable"))
+    if quant not in ("none", "ptq") or (quant == "ptq" and not has_lora):
+        fail("train: quant.mode %s is not trained here (float, LoRA and QLoRA configs are)" % quant)
+    mode = ("qlora" if quant == "ptq" else "lora") if has_lora else "float"
+    if has_lora:
+        apply_lora(model, types, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg)
+    bs = int(cfg["train"].get("batch_size", 64))
+    ebs = int(cfg["train"].get("eval_batch_size", 256))
+    shuffle = bool(cfg["data"].get("shuffle", True))
+    drop_last = bool(cfg["data"].get("drop_last", False))
+    grad_clip = float(cfg["train"].get("grad_clip", 0.0))
+    n = len(data.train_x)
+    per_epoch = n // bs if drop_last else (n + bs - 1) // bs
+    if per_epoch < 1:
+        fail("train: %d training examples make no batch of %d" % (n, bs))
+    steps = int(cfg["train"].get("steps", 0))
+    total = steps if steps > 0 else int(cfg["train"].get("epochs", 1)) * per_epoch
+    print("torch:config name:%s config:%s model:%s mode:%s train:%d val:%d test:%d batch:%d steps:%d "
+          "steps_per_epoch:%d threads:%d params_trainable:%d impl:pytorch-%s" %
+          (cfg["run"].get("name", "run"), args.config, desc, mode, n, len(data.val_x), len(data.test_x), bs, total,
+           per_epoch, torch.get_num_threads(), sum(p.numel() for p in params), torch.__version__))
+    sys.stdout.flush()
+    log_every = int(cfg["train"].get("log_every", 50))
+    rng = np.random.default_rng(seed)
+    model.train()
+    step, epoch, train_s, seen = 0, 0, 0.0, 0
+    test_acc = test_loss = float("nan")
+    while step < total:
+        order = rng.permutation(n) if shuffle else np.arange(n)
+        epoch += 1
+        t0 = time.perf_counter()
+        loss_sum, loss_n = 0.0, 0
+        for b in range(per_epoch):
+            if step >= total:
+                break
+            x, y = data.batch(data.train_x, data.train_y, order[b * bs:(b + 1) * bs], input_shape)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step, total)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss_sum += float(loss) * len(y)
+            loss_n += len(y)
+            seen += len(y)
+            step += 1
+            if log_every and step % log_every == 0:
+                print("torch:step step:%d/%d epoch:%d loss:%.4f lr:%.6g elapsed_s:%.1f" %
+                      (step, total, epoch, float(loss), opt.param_groups[0]["lr"], train_s + time.perf_counter() - t0))
+                sys.stdout.flush()
+        train_s += time.perf_counter() - t0
+        val = ""
+        if len(data.val_x):
+            va, vl = evaluate(model, data, data.val_x, data.val_y, ebs, input_shape)
+            val = " val_acc:%.4f val_loss:%.4f" % (va, vl)
+        test_acc, test_loss = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape)
+        print("torch:eval epoch:%d step:%d train_loss:%.4f%s test_acc:%.4f test_loss:%.4f" %
+              (epoch, step, loss_sum / max(loss_n, 1), val, test_acc, test_loss))
+        sys.stdout.flush()
+    if total == 0:  # train.epochs 0: evaluate only
+        test_acc, test_loss = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape)
+        print("torch:eval epoch:0 step:0 test_acc:%.4f test_loss:%.4f" % (test_acc, test_loss))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print("torch:final model:%s epochs:%d steps:%d test_acc:%.4f test_loss:%.4f samples_per_s:%.1f train_s:%.1f "
+          "peak_rss_mb:%.1f" % (desc, epoch, step, test_acc, test_loss, seen / train_s if train_s else 0.0, train_s,
+                                rss))
 
 
 # ---- the side-by-side table ---------------------------------------------------------------------------
@@ -558,9 +889,9 @@ def cmd_table(args):
     def step_ratio(cfg_a, cfg_b):
         return ratio(num(q[cfg_a], "train", "step_ms"), num(q[cfg_b], "train", "step_ms"))
 
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("train samples/s", m, m, "train", "samples_per_s", target=">= 2.0x PyTorch", met=ge(2.0))
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("eval samples/s", m, m, "eval", "samples_per_s")
     for m in ("mlp", "cnn"):
         r = step_ratio(m + "-lora", m)
@@ -572,16 +903,16 @@ def cmd_table(args):
         row("QLoRA step samples/s", m, m + "-qlora", "train", "samples_per_s",
             target="QLoRA/LoRA step %s (<= 1.15)" % ("-" if r is None else "%.2f" % r),
             met=lambda a, b, _r, r=r: r is not None and r <= 1.15)
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("PTQ int8 eval samples/s", m, m + "-ptq-int8", "eval", "samples_per_s", target=">= 1.0x PyTorch",
             met=ge(1.0))
-    for m in ("mlp", "cnn"):
-        row("peak RSS MB (training)", m, m, "mem", "peak_rss_mb", target="<= 0.15x PyTorch" if m == "cnn" else "",
-            met=(lambda a, b, r: r is not None and r <= 0.15) if m == "cnn" else None)
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
+        row("peak RSS MB (training)", m, m, "mem", "peak_rss_mb", target="<= 0.15x PyTorch" if m != "mlp" else "",
+            met=(lambda a, b, r: r is not None and r <= 0.15) if m != "mlp" else None)
+    for m in MODELS:
         row("start-up to 1st step s", m, m, "startup", "first_step_s", unit="s", target="<= 0.2 s (qtrain)",
             met=lambda a, b, r: a is not None and a <= 0.2)
-    for m in ("mlp", "cnn"):
+    for m in MODELS:
         row("GEMM share of a step", m, m, "train", "gemm_share", unit="share")
     head = ("measurement", "model", "qtrain", "PyTorch", "qtrain/PyTorch", "target", "met")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
@@ -601,7 +932,9 @@ def cmd_table(args):
                                                                            ", ".join(missing)))
 
 
-CONFIGS = ["mlp", "cnn", "mlp-lora", "cnn-lora", "mlp-qlora", "cnn-qlora", "mlp-ptq-int8", "cnn-ptq-int8"]
+MODELS = ("mlp", "cnn", "resnet8", "dscnn")
+CONFIGS = ["mlp", "cnn", "resnet8", "dscnn", "mlp-lora", "cnn-lora", "mlp-qlora", "cnn-qlora", "mlp-ptq-int8",
+           "cnn-ptq-int8", "resnet8-ptq-int8", "dscnn-ptq-int8"]
 
 
 def main():
@@ -612,7 +945,13 @@ def main():
     r.add_argument("--steps", type=int, default=100)
     r.add_argument("--warmup", type=int, default=10)
     r.add_argument("--eval-batches", type=int, default=40)
+    r.add_argument("--ptq", choices=("auto", "fx", "eager"), default="auto",
+                   help="PyTorch's PTQ mode (auto: eager for the old layer set, FX for the rest)")
     r.add_argument("--since-ns", type=int, default=0, help="CLOCK_REALTIME ns at process start ($(date +%%s%%N))")
+    tr = sub.add_parser("train", help="train the config's model as configured; the test accuracy per epoch")
+    tr.add_argument("--config", required=True)
+    tr.add_argument("--epochs", type=int, default=None, help="train this many epochs (overrides train.epochs/steps)")
+    tr.add_argument("--threads", type=int, default=0, help="PyTorch threads (default run.threads)")
     t = sub.add_parser("table", help="the side-by-side table of bench/run.sh's outputs")
     t.add_argument("--qtrain", required=True, help="directory of qtrain's <config>.txt outputs")
     t.add_argument("--torch", required=True, help="directory of this script's <config>.txt outputs")
@@ -622,6 +961,10 @@ def main():
         if args.steps < 1 or args.warmup < 0 or args.eval_batches < 0:
             fail("--steps must be >= 1, --warmup and --eval-batches >= 0")
         cmd_run(args)
+    elif args.cmd == "train":
+        if args.epochs is not None and args.epochs < 0:
+            fail("--epochs must be >= 0")
+        cmd_train(args)
     else:
         cmd_table(args)
 

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "test_util.h"
 
@@ -24,13 +25,9 @@ static int bench_suite_cleanup(void) {
     return 0;
 }
 
-/* Runs `qtrain <args>` (with `env` prepended to the command, may be "")
- * and returns its exit status (-1 if it did not exit); *out gets stdout and
- * stderr together (malloc'd). */
-static int run_qtrain(const char *env, const char *args, char **out) {
-    const char *bin = getenv("QTRAIN_BIN") ? getenv("QTRAIN_BIN") : "build/qtrain";
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s %s %s 2>&1", env, bin, args);
+/* Runs the shell command `cmd` and returns its exit status (-1 if it did
+ * not exit); *out gets stdout and stderr together (malloc'd). */
+static int run_shell(const char *cmd, char **out) {
     fflush(stdout);
     FILE *p = popen(cmd, "r");
     *out = NULL;
@@ -49,6 +46,15 @@ static int run_qtrain(const char *env, const char *args, char **out) {
     *out = buf;
     int st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Runs `qtrain <args>` (with `env` prepended to the command, may be "")
+ * as run_shell does. */
+static int run_qtrain(const char *env, const char *args, char **out) {
+    const char *bin = getenv("QTRAIN_BIN") ? getenv("QTRAIN_BIN") : "build/qtrain";
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s %s %s 2>&1", env, bin, args);
+    return run_shell(cmd, out);
 }
 
 /* The value of `key` on the output's line starting with `kind` + " "
@@ -188,6 +194,140 @@ static void test_bench_int8_kernel(void) {
     free(out);
 }
 
+/* bench/torch_bench.py on a DAG of every layer kind it maps (grouped, dilated, [h, w], same-padded and biasless
+ * conv2d, batchnorm2d/1d with eps, momentum and affine, concat, add, globalavgpool): `run` prints the bench lines
+ * with qtrain bench's model name and parameter count, PTQ int8 (FX mode) evaluates it, and `train` with
+ * model.init_from on qtrain's checkpoint and train.epochs 0 gives qtrain's own test accuracy and loss (the same
+ * function, data transforms and running statistics). Needs Debian's python3 with torch, yaml, numpy and h5py;
+ * without them the test says it is skipped and why. */
+#define TORCH_PYTHON "/usr/bin/python3"
+#define TORCH_BENCH TORCH_PYTHON " bench/torch_bench.py"
+
+static void write_dag_config(const char *path, const char *out_dir, const char *model_extra, const char *tail) {
+    char text[4096];
+    int n = snprintf(text, sizeof text,
+        "run: {name: tiny-dag, out_dir: %s, seed: 2, threads: 1}\n"
+        "data:\n"
+        "  dir: data/fashion-mnist-mini\n"
+        "  cache_dir: none\n"
+        "  transform: [{limit: 256}, normalize]\n"
+        "model:\n"
+        "  input: [1, 28, 28]\n%s"
+        "  layers:\n"
+        "    - {name: stem, type: conv2d, out_channels: 8, kernel: 3, stride: 2, padding: 1, bias: false}\n"
+        "    - {name: stem_bn, type: batchnorm2d, eps: 0.001, momentum: 0.2}\n"
+        "    - {name: trunk, type: relu}\n"
+        "    - {name: dw, type: conv2d, out_channels: 8, kernel: [3, 5], padding: same, groups: 8, bias: false}\n"
+        "    - {name: dw_bn, type: batchnorm2d, affine: false}\n"
+        "    - {name: pw, type: conv2d, out_channels: 8, kernel: 1}\n"
+        "    - {name: dil, type: conv2d, out_channels: 4, kernel: 3, padding: [2, 2], dilation: 2, groups: 2, "
+        "inputs: [trunk]}\n"
+        "    - {name: cat, type: concat, inputs: [pw, dil]}\n"
+        "    - {name: wide, type: conv2d, out_channels: 12, kernel: [1, 3], padding: [0, 1], inputs: [trunk]}\n"
+        "    - {name: sum, type: add, inputs: [cat, wide]}\n"
+        "    - {type: relu}\n"
+        "    - {type: globalavgpool}\n"
+        "    - {type: batchnorm1d}\n"
+        "    - {name: head, type: dense, units: 10}\n%s",
+        out_dir, model_extra, tail);
+    CU_ASSERT_FATAL(n > 0 && (size_t)n < sizeof text);
+    test_file_write(path, text, (size_t)n);
+}
+
+/* The value of `key` on the `kind` line as text (up to the next space), into buf; "" if missing. */
+static const char *text_field(const char *out, const char *kind, const char *key, char *buf, size_t cap) {
+    char head[64], k[64];
+    snprintf(head, sizeof head, "%s ", kind);
+    snprintf(k, sizeof k, " %s:", key);
+    buf[0] = '\0';
+    const char *line = out ? strstr(out, head) : NULL;
+    const char *f = line ? strstr(line, k) : NULL;
+    const char *end = line ? strchr(line, '\n') : NULL;
+    if (!f || (end && f > end)) return buf;
+    f += strlen(k);
+    size_t len = strcspn(f, " \n");
+    snprintf(buf, cap, "%.*s", (int)(len < cap ? len : cap - 1), f);
+    return buf;
+}
+
+static void test_torch_bench_dag(void) {
+    char cmd[2048], *out = NULL;
+    if (access(TORCH_PYTHON, X_OK) != 0) {
+        test_skip(TORCH_PYTHON " is missing (Debian's python3 with python3-torch)");
+        return;
+    }
+    if (run_shell(TORCH_PYTHON " -c 'import torch, yaml, numpy, h5py' 2>&1", &out) != 0) {
+        size_t len = out ? strlen(out) : 0;
+        while (len && out[len - 1] == '\n') out[--len] = '\0';
+        const char *last = out ? strrchr(out, '\n') : NULL; /* the exception's line */
+        test_skip(TORCH_PYTHON " cannot import torch, yaml, numpy and h5py (apt-get install python3-torch "
+                  "python3-h5py): %s", last ? last + 1 : out ? out : "no output");
+        free(out);
+        return;
+    }
+    free(out);
+    char *cfg = test_path_join(tmp_root, "dag.yaml"), *eval_cfg = test_path_join(tmp_root, "dag-eval.yaml");
+    char *ptq_cfg = test_path_join(tmp_root, "dag-ptq.yaml"), *run_dir = test_path_join(tmp_root, "dag");
+    char *ckpt = test_path_join(run_dir, "final.h5"), extra[1200];
+    write_dag_config(cfg, run_dir, "", "train: {steps: 20, batch_size: 16, eval_batch_size: 64}\n");
+    snprintf(extra, sizeof extra, "  init_from: %s\n", ckpt);
+    write_dag_config(eval_cfg, run_dir, extra, "train: {epochs: 0, eval_batch_size: 64}\n");
+    write_dag_config(ptq_cfg, run_dir, "",
+                     "train: {epochs: 0, batch_size: 16, eval_batch_size: 64}\n"
+                     "quant:\n  mode: ptq\n  calibration_batches: 2\n  rules:\n"
+                     "    - {module_path: \".*\", op_types: [conv2d, dense], weight_qtype: int8, act_qtype: uint8, "
+                     "act_symmetric: false}\n");
+
+    /* qtrain's view of the model, then the same config in PyTorch */
+    char args[1400], q_model[256], q_params[32], t_model[256], t_params[32];
+    snprintf(args, sizeof args, "bench --config %s --steps 1 --warmup 0 --eval-batches 1", cfg);
+    CU_ASSERT_EQUAL(run_qtrain("", args, &out), 0);
+    text_field(out, "bench:config", "model", q_model, sizeof q_model);
+    text_field(out, "bench:config", "params_trainable", q_params, sizeof q_params);
+    free(out);
+    CU_ASSERT_STRING_EQUAL(q_model, "conv8-conv8-conv8-conv4-conv12-dense10");
+    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 " TORCH_BENCH " run --config %s --steps 2 --warmup 1 "
+             "--eval-batches 1 2>&1", cfg);
+    CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+    text_field(out, "bench:config", "model", t_model, sizeof t_model);
+    text_field(out, "bench:config", "params_trainable", t_params, sizeof t_params);
+    CU_ASSERT_STRING_EQUAL(t_model, q_model);
+    CU_ASSERT_STRING_EQUAL(t_params, q_params);
+    CU_ASSERT(positive(field(out, "bench:train", "samples_per_s")));
+    CU_ASSERT(positive(field(out, "bench:eval", "samples_per_s")));
+    CU_ASSERT(positive(field(out, "bench:mem", "peak_rss_mb")));
+    CU_ASSERT(has_line(out, "bench:startup"));
+    if (!has_line(out, "bench:eval") || strcmp(t_params, q_params) != 0) fprintf(stderr, "\n%s\n", out);
+    free(out);
+
+    /* PTQ int8 in FX mode: the batch norms folded, the concat and add quantized */
+    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 " TORCH_BENCH " run --config %s --eval-batches 1 2>&1",
+             ptq_cfg);
+    CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+    CU_ASSERT(out && strstr(out, " mode:ptq ") && !has_line(out, "bench:train"));
+    CU_ASSERT(positive(field(out, "bench:eval", "samples_per_s")));
+    if (!has_line(out, "bench:eval")) fprintf(stderr, "\n%s\n", out ? out : "(no output)");
+    free(out);
+
+    /* the same function: qtrain's trained checkpoint evaluates alike in PyTorch */
+    snprintf(args, sizeof args, "--config %s", cfg);
+    CU_ASSERT_EQUAL_FATAL(run_qtrain("OPENBLAS_NUM_THREADS=1", args, &out), 0);
+    double q_acc = field(out, "done:", "test_accuracy"), q_loss = field(out, "done:", "test_loss");
+    free(out);
+    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 " TORCH_BENCH " train --config %s 2>&1", eval_cfg);
+    CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+    double t_acc = field(out, "torch:final", "test_acc"), t_loss = field(out, "torch:final", "test_loss");
+    CU_ASSERT(isfinite(q_acc) && isfinite(q_loss));
+    CU_ASSERT_DOUBLE_EQUAL(t_acc, q_acc, 1e-9);
+    CU_ASSERT_DOUBLE_EQUAL(t_loss, q_loss, 2e-4);
+    if (!(fabs(t_loss - q_loss) <= 2e-4))
+        fprintf(stderr, "\n  qtrain test_accuracy %g test_loss %g; PyTorch:\n%s\n", q_acc, q_loss,
+                out ? out : "(no output)");
+    free(out);
+    free(cfg), free(eval_cfg), free(ptq_cfg), free(run_dir), free(ckpt);
+}
+
 /* Usage errors: exit 2 and a message naming the problem. */
 static void test_bench_usage_errors(void) {
     static const struct {
@@ -221,5 +361,7 @@ int register_bench_cmd_suite(void) {
            !CU_add_test(s, "bench: QLoRA without init_from uses the fresh base", test_bench_qlora_fresh_base) ||
            !CU_add_test(s, "bench: train.epochs 0 benchmarks evaluation only", test_bench_eval_only) ||
            !CU_add_test(s, "bench: the int8 path on its lines", test_bench_int8_kernel) ||
-           !CU_add_test(s, "bench: usage errors exit 2 with a message", test_bench_usage_errors);
+           !CU_add_test(s, "bench: usage errors exit 2 with a message", test_bench_usage_errors) ||
+           !CU_add_test(s, "bench: torch_bench.py on a DAG with batch norm: qtrain's model and function",
+                        test_torch_bench_dag);
 }
