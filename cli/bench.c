@@ -190,12 +190,14 @@ static QtStatus bench_eval(Bench *b, const BenchOptions *o, FILE *out, QtError *
     GemmStats g = gemm_stats_get();
     r->work.tape.grad_enabled = true;
     if (st == QT_OK) {
+        int on, with;
+        net_int8_layers(&r->model.net, &on, &with);
         qsort(ms, (size_t)o->eval_batches, sizeof *ms, cmp_double);
         fprintf(out, "bench:eval model:%s mode:%s batch:%d batches:%d samples_per_s:%.1f batch_ms:%.3f "
-                "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f int8_kernel:%s\n", b->model_name,
+                "batch_ms_median:%.3f batch_ms_min:%.3f gemm_share:%.3f int8_kernel:%s int8_layers:%d/%d\n", b->model_name,
                 net_mode_name(&r->model.net), bs, o->eval_batches, (double)o->eval_batches * bs / timed_s,
                 timed_s * 1e3 / o->eval_batches, ms[o->eval_batches / 2], ms[0],
-                t_stats > 0 ? g.core_seconds / t_stats : 0.0, net_int8_kernel(&r->model.net));
+                t_stats > 0 ? g.core_seconds / t_stats : 0.0, net_int8_kernel(&r->model.net), on, with);
     }
     free(ms);
     return st;

@@ -62,6 +62,11 @@ static bool is_int8_act(const QType *a) {
     return a && (a->kind == QTYPE_KIND_INT || a->kind == QTYPE_KIND_UINT) && a->bits == 8;
 }
 
+/* The one reason that is the layer's shape, not its formats: such a layer has int8 weights and inputs but runs on
+ * its dequantized weight, and a run says how many of its int8 layers do (qlayer_int8_formats). */
+static const char INT8_WHY_GEOMETRY[] = "the conv2d is grouped, dilated or not the same on both axes (the int8 "
+                                        "kernels run plain convolutions; it runs on its dequantized weight)";
+
 /* Why q's formats exclude the int8 path, or NULL. */
 static const char *unsupported_why(const QLayer *q) {
     const QType *w = q->weight.qtype;
@@ -71,10 +76,14 @@ static const char *unsupported_why(const QLayer *q) {
         return "the weight has block scales (use one per output channel or per tensor: tile_size 0)";
     if (!is_int8_act(q->spec.act_qtype)) return "the input is not quantized to int8 or uint8 (act_qtype)";
     if (q->fan_in > QGEMM_K_MAX) return "fan_in is longer than an exact int32 sum allows";
-    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain)
-        return "the conv2d is grouped, dilated or not the same on both axes (the int8 kernels run plain "
-               "convolutions; it runs on its dequantized weight)";
+    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain) return INT8_WHY_GEOMETRY;
     return NULL;
+}
+
+bool qlayer_int8_formats(const QLayer *q) {
+    if (!q || !q->module) return false;
+    const char *why = unsupported_why(q);
+    return !why || why == INT8_WHY_GEOMETRY;
 }
 
 const char *qlayer_int8_kernel(void) {

@@ -182,7 +182,11 @@ static void test_bench_int8_kernel(void) {
     CU_ASSERT(config && eval);
     if (config && eval) {
         CU_ASSERT(strstr(config, " int8_kernel:portable\n") == strchr(config, '\n') - strlen(" int8_kernel:portable"));
-        CU_ASSERT(strstr(eval, " int8_kernel:portable\n") == strchr(eval, '\n') - strlen(" int8_kernel:portable"));
+        /* the eval line ends with how many int8 layers take the kernels, of those with int8 weights and inputs */
+        const char *k = strstr(eval, " int8_kernel:portable int8_layers:");
+        CU_ASSERT(k && k < strchr(eval, '\n'));
+        int on = -1, with = -1;
+        CU_ASSERT(k && sscanf(k, " int8_kernel:portable int8_layers:%d/%d", &on, &with) == 2 && on == with && on > 0);
     }
     if (!config || !eval || !strstr(out, "int8_kernel:portable")) fprintf(stderr, "\n%s\n", out);
     free(out);

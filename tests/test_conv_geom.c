@@ -211,6 +211,9 @@ static void test_ptq_grouped_layer(void) {
     CU_ASSERT_EQUAL(q[0].fan_in, 9);
     CU_ASSERT(!qlayer_int8_supported(&q[0]));
     CU_ASSERT(qlayer_int8_supported(&q[1]));
+    /* both have int8 weights and inputs: the depthwise one counts among a run's int8 layers, not on the kernels */
+    CU_ASSERT(qlayer_int8_formats(&q[0]));
+    CU_ASSERT(qlayer_int8_formats(&q[1]));
     float wdq[36];
     qlayer_dequantize_weight(&q[0], wdq);
     TestEnv e;
@@ -290,6 +293,13 @@ static void test_ptq_int8_dw_model(void) {
     CU_ASSERT(fabs(rq.test_loss - rf.test_loss) <= 0.05 * rf.test_loss);
     CU_ASSERT(rq.test_loss != rf.test_loss); /* it did quantize */
     qgemm_force_portable = portable;
+    /* summary.json counts the int8 layers and those on the kernels: conv1, pw, head, but not the depthwise dw */
+    char sum[1100];
+    snprintf(sum, sizeof sum, "%s/dw-ptq/summary.json", tmp_root);
+    char *js = test_file_read(sum, NULL);
+    CU_ASSERT(js && strstr(js, "\"int8_layers\": 4,") && strstr(js, "\"int8_kernel_layers\": 3,"));
+    if (js && !strstr(js, "\"int8_kernel_layers\": 3,")) fprintf(stderr, "\n%s\n", js);
+    free(js);
     char out[1100], log[1100], rules[] = "quant.rules=[{module_path: \".*\", weight_qtype: int8}]";
     snprintf(out, sizeof out, "%s/dw-int8.h5", tmp_root);
     snprintf(log, sizeof log, "%s/dw-quantize.log", tmp_root);

@@ -183,9 +183,34 @@ static const char *ptq_int8_kernel(const HookSet *set) {
 
 const char *net_int8_kernel(const Net *n) { return ptq_int8_kernel(hook_layers_find(&n->hooks, &HOOK_PTQ)); }
 
-/* which path int8 x int8 layers evaluate on: a CPU without VNNI emulates them in float */
+void net_int8_layers(const Net *n, int *on_kernel, int *with_int8) {
+    const HookSet *set = hook_layers_find(&n->hooks, &HOOK_PTQ);
+    *on_kernel = *with_int8 = 0;
+    for (int i = 0; set && i < set->n; i++) {
+        const QLayer *q = &((const QLayer *)set->layers)[i];
+        *on_kernel += qlayer_int8_supported(q);
+        *with_int8 += qlayer_int8_formats(q);
+    }
+}
+
+/* which path int8 x int8 layers evaluate on (a CPU without VNNI emulates them in float), and which of the layers
+   with int8 weights and inputs cannot take it (grouped or dilated convs run on their dequantized weights) */
 static void ptq_table_note(const HookSet *set, FILE *out) {
-    if (set->n > 0) fprintf(out, "  int8_kernel: %s\n", ptq_int8_kernel(set));
+    if (set->n <= 0) return;
+    fprintf(out, "  int8_kernel: %s", ptq_int8_kernel(set));
+    int on = 0, with = 0;
+    for (int i = 0; i < set->n; i++) {
+        const QLayer *q = &((const QLayer *)set->layers)[i];
+        on += qlayer_int8_supported(q), with += qlayer_int8_formats(q);
+    }
+    if (on < with) {
+        fprintf(out, " on %d of %d int8 layers; dequantized float (grouped or dilated conv2d):", on, with);
+        for (int i = 0; i < set->n; i++) {
+            const QLayer *q = &((const QLayer *)set->layers)[i];
+            if (qlayer_int8_formats(q) && !qlayer_int8_supported(q)) fprintf(out, " %s", q->module->path);
+        }
+    }
+    fputc('\n', out);
 }
 
 /* ---- checkpoints ---------------------------------------------------------------------- */

@@ -123,6 +123,9 @@ bool net_needs_act_calibration(const Net *n);
  * auto), read once by the qtrain binary at start, forces the choice
  * (qlayer_int8_kernel_select). */
 const char *net_int8_kernel(const Net *n);
+/* How many PTQ layers have int8 weights and inputs (*with_int8) and how many of them take the integer kernels
+ * (*on_kernel); the others are grouped or dilated convs, which run on their dequantized weights. */
+void net_int8_layers(const Net *n, int *on_kernel, int *with_int8);
 
 /* The per-module table (which rule applied and what it resolved to), and
  * for a PTQ base its int8_kernel line. */

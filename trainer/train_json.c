@@ -68,6 +68,10 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
         snprintf(bf, sizeof bf, "%s%s", qtype_name(qt->bwd_qtype), qt->bwd_stochastic ? "+sr" : "");
     json_string(&w, "bwd_format", bf);
     json_string(&w, "int8_kernel", net_int8_kernel(&r->model.net));
+    int int8_on, int8_with;
+    net_int8_layers(&r->model.net, &int8_on, &int8_with);
+    json_int(&w, "int8_layers", int8_with);
+    json_int(&w, "int8_kernel_layers", int8_on);
     if (!is_eval) {
         json_int(&w, "nonfinite_skipped", r->guards.nonfinite_skipped);
         json_int(&w, "divergences", r->guards.loss_watch.occurrences);
