@@ -443,12 +443,30 @@ int conv_tasks(const ConvDims *d) {
     return t > d->N ? d->N : t;
 }
 
+void *conv_buffer_take(Tape *t, size_t bytes) {
+    const size_t floats = (bytes + sizeof(float) - 1) / sizeof(float);
+    if (floats == 0 || floats > INT_MAX) return tape_alloc(t, bytes);
+    /* tape_new_var is the way to a buffer an earlier op of the step handed
+     * back; only its value buffer is used. */
+    Var *v = tape_new_var(t, 1, (const int[]){(int)floats});
+    return v ? v->value.data : NULL;
+}
+
+void conv_job_release(Tape *t, ConvJob *j, int n_tasks) {
+    const ConvDims *d = &j->c->d;
+    tape_release_buffer(t, j->scratch, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
+    tape_release_buffer(t, j->dw_part, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float));
+    tape_release_buffer(t, j->db_part, (size_t)n_tasks * d->OC * sizeof(double));
+    j->scratch = j->dw_part = NULL;
+    j->db_part = NULL;
+}
+
 float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats) {
     const size_t cols = (size_t)j->c->chunk * conv_plane(&j->c->d);
     j->col_floats = col_rows * cols;
     j->prod_floats = prod_rows * cols;
     j->thread_floats = j->col_floats + j->prod_floats + extra_floats;
-    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
+    j->scratch = conv_buffer_take(t, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
     return j->scratch;
 }
 
@@ -459,16 +477,16 @@ void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
 }
 
 float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
-    return v && v->requires_grad ? tape_alloc(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
+    return v && v->requires_grad ? conv_buffer_take(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
 }
 
 bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *bias, int n_tasks) {
     const ConvDims *d = &j->c->d;
     if (x->requires_grad && !(j->dx = tape_grad(t, x))) return false;
-    if (want_dw && !(j->dw_part = tape_alloc(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
+    if (want_dw && !(j->dw_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
         return false;
     if (bias && bias->requires_grad) {
-        if (!(j->db_part = tape_alloc(t, (size_t)n_tasks * d->OC * sizeof(double)))) return false;
+        if (!(j->db_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * sizeof(double)))) return false;
         memset(j->db_part, 0, (size_t)n_tasks * d->OC * sizeof(double));
     }
     return true;
@@ -497,6 +515,9 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     float *g;
     if (j.dw_part && (g = tape_grad(t, w))) conv_add_partials(g, j.dw_part, tasks, (size_t)c->d.OC * conv_ckk(&c->d));
     conv_add_bias_grad(t, &j, bias, tasks);
+    conv_job_release(t, &j, tasks);
+    /* the pooling winners are read by this pass alone */
+    tape_release_buffer(t, c->winner, var_numel(node->out));
 }
 
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
@@ -510,6 +531,7 @@ Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding
                  .bias = bias ? bias->value.data : NULL, .y = y->value.data};
     if (!conv_scratch(t, &j, (size_t)conv_ckk(&d), (size_t)d.OC, 0)) return NULL;
     parallel_run(conv_tasks(&d), conv_forward_task, &j);
+    conv_job_release(t, &j, conv_tasks(&d));
     return tape_record(t, conv2d_op_name(epi), conv2d_backward, y, (Var *[]){x, w, bias}, 3, c) ? y : NULL;
 }
 

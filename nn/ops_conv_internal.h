@@ -74,8 +74,16 @@ const char *conv2d_op_name(ConvEpilogue epi);
 
 /* The tasks a pass of d is split into. */
 int conv_tasks(const ConvDims *d);
+/* bytes of step memory for an op's scratch: a buffer an earlier op handed
+ * back (tape_release_buffer) if one is large enough, else the arena's.
+ * Uninitialised; NULL on error (on the tape). */
+void *conv_buffer_take(Tape *t, size_t bytes);
+/* Hands j's scratch, dW and dbias partials back to the tape once the pass
+ * (and the sums of its partials) is done: the next ops of the step reuse
+ * them instead of growing the arena. */
+void conv_job_release(Tape *t, ConvJob *j, int n_tasks);
 /* Sizes the per-thread scratch (col_rows and prod_rows rows of a chunk's
- * columns, plus extra_floats) and takes it from the arena; NULL on error. */
+ * columns, plus extra_floats) and takes it (conv_buffer_take); NULL on error. */
 float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats);
 /* The calling thread's part of j->scratch. */
 float *conv_thread_scratch(const ConvJob *j);
