@@ -92,6 +92,26 @@ static inline __attribute__((always_inline)) void unshift_plane_add(float *restr
     for (long long i = 0; i < hi - lo; i++) d[i] += s[i];
 }
 
+/* The same for the first of a plane's taps when dx_plane holds no gradient
+ * yet: written, not added, and zero where the tap reads padding. Each entry
+ * is 0.0f + src, as the add into a zeroed plane gives (a -0.0f turns into
+ * +0.0f the same way), so the two give the same bits. */
+static inline __attribute__((always_inline)) void unshift_plane_write(float *restrict dx_plane, float *restrict src,
+                                                                      int H, int W, int dh, int dw) {
+    const long long plane = (long long)H * W, off = (long long)dh * W + dw;
+    zero_wrapped_columns(src, H, W, dw);
+    long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane;
+    if (hi <= lo) { /* the tap reads only padding */
+        memset(dx_plane, 0, (size_t)plane * sizeof *dx_plane);
+        return;
+    }
+    memset(dx_plane, 0, (size_t)(lo + off) * sizeof *dx_plane);
+    float *restrict d = dx_plane + lo + off;
+    const float *restrict s = src + lo;
+    for (long long i = 0; i < hi - lo; i++) d[i] = 0.0f + s[i];
+    memset(dx_plane + hi + off, 0, (size_t)(plane - hi - off) * sizeof *dx_plane);
+}
+
 static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int padding) {
     const size_t plane = (size_t)H * W, n_cols = (size_t)N * plane;
     for (int c = 0; c < C; c++)
@@ -112,15 +132,21 @@ static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding) {
+static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding,
+                           bool write) {
     const size_t plane = (size_t)H * W, n_cols = (size_t)N * plane;
     for (int c = 0; c < C; c++)
         for (int kh = 0; kh < KH; kh++)
             for (int kw = 0; kw < KW; kw++) {
                 float *row = dcol + ((size_t)(c * KH + kh) * KW + kw) * n_cols; /* [N*H*W] */
-                for (int n = 0; n < N; n++)
-                    unshift_plane_add(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
-                                      kh - padding, kw - padding);
+                if (write && kh == 0 && kw == 0) /* the first tap of each of channel c's planes */
+                    for (int n = 0; n < N; n++)
+                        unshift_plane_write(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
+                                            kh - padding, kw - padding);
+                else
+                    for (int n = 0; n < N; n++)
+                        unshift_plane_add(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
+                                          kh - padding, kw - padding);
             }
 }
 
@@ -189,11 +215,18 @@ void col2im(float *dx, const float *dcol, int N, int C, int H, int W, int KH, in
 }
 
 /* col2im that may overwrite dcol (scratch): the fast path zeroes the
- * entries that read padding before its contiguous adds. */
+ * entries that read padding before its contiguous adds. With write, dx
+ * holds nothing yet and is written: the fast path's first tap writes each
+ * plane, the general path zeroes dx first (the chunk's part, while it is in
+ * cache). */
 void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
-                    int OH, int OW) {
-    if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) col2im_same_s1(dx, dcol, N, C, H, W, KH, KW, padding);
-    else col2im(dx, dcol, N, C, H, W, KH, KW, stride, padding, OH, OW);
+                    int OH, int OW, bool write) {
+    if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) {
+        col2im_same_s1(dx, dcol, N, C, H, W, KH, KW, padding, write);
+        return;
+    }
+    if (write) memset(dx, 0, (size_t)N * C * H * W * sizeof *dx);
+    col2im(dx, dcol, N, C, H, W, KH, KW, stride, padding, OH, OW);
 }
 
 /* ---- nn_conv2d and the fused conv blocks ----------------------------------- */
@@ -433,7 +466,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
         if (j->dx) {
             gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dpre, cols, 0.0f, col, cols);
             col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
-                           c->padding, d->OH, d->OW);
+                           c->padding, d->OH, d->OW, j->dx_fresh);
         }
     }
 }
@@ -482,7 +515,8 @@ float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
 
 bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *bias, int n_tasks) {
     const ConvDims *d = &j->c->d;
-    if (x->requires_grad && !(j->dx = tape_grad(t, x))) return false;
+    /* the first writer of x's gradient writes it instead of adding into zeros */
+    if (x->requires_grad && !(j->dx = tape_grad_to_write(t, x, &j->dx_fresh))) return false;
     if (want_dw && !(j->dw_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
         return false;
     if (bias && bias->requires_grad) {

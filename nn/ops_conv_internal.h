@@ -39,6 +39,7 @@ typedef struct {
     float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
     const float *dy;   /* backward: the output's gradient */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
+    bool dx_fresh;     /* dx uninitialised (tape_grad_to_write): each chunk writes its samples' part */
     float *dw_part;    /* (n_tasks, OC, C*KH*KW) per-task dW, or NULL */
     double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
     /* per thread: col (col_floats), then prod (prod_floats: the forward's
@@ -55,9 +56,10 @@ static inline size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->O
 bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padding, int OH, int OW);
 /* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
 void conv_shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw);
-/* col2im that may overwrite dcol (scratch). */
+/* col2im that may overwrite dcol (scratch); with write, dx (N, C, H, W)
+ * is written as if it had been zeroed first (the same bits). */
 void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
-                    int OH, int OW);
+                    int OH, int OW, bool write);
 
 /* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL. QT_OK and d
  * filled, or the error, set on the tape. */

@@ -181,7 +181,7 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
         }
         if (j->dx)
             col2im_consume(j->dx + (size_t)n0 * x_sample, dcol, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
-                           c->padding, d->OH, d->OW);
+                           c->padding, d->OH, d->OW, j->dx_fresh);
     }
 }
 
