@@ -317,7 +317,7 @@ const char *conv2d_op_name(ConvEpilogue epi) {
 }
 
 /* Writes chunk sample s's output plane for channel oc from its product row
- * row [OH*OW]. */
+ * row [OH*OW]; row may be that output plane itself (unpooled epilogues). */
 static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
@@ -355,6 +355,10 @@ void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int n
     const int cols = nc * (int)plane;
     im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
            d->OW);
+    /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
+     * product goes straight into y and the epilogue runs in place, the same
+     * operations on the same values without the copy through prod. */
+    if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
     gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
     for (int oc = 0; oc < d->OC; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
@@ -457,14 +461,23 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
         const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
-        conv_pre_grads(j, dpre, n0, nc, task);
+        const float *dp = dpre; /* (OC, cols) */
+        if (nc == 1 && c->epi == CONV_EPI_NONE) {
+            /* one sample's output gradient (OC, OH*OW) is dpre as it stands: read it in place, no copy */
+            dp = j->dy + (size_t)n0 * d->OC * plane;
+            if (j->db_part)
+                for (int oc = 0; oc < d->OC; oc++)
+                    j->db_part[(size_t)task * d->OC + oc] += sum8_f32(dp + (size_t)oc * plane, NULL, plane);
+        } else {
+            conv_pre_grads(j, dpre, n0, nc, task);
+        }
         if (dw) {
             im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
                    d->OH, d->OW);
-            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
+            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
         }
         if (j->dx) {
-            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dpre, cols, 0.0f, col, cols);
+            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dp, cols, 0.0f, col, cols);
             col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
                            c->padding, d->OH, d->OW, j->dx_fresh);
         }
