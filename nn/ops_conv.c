@@ -150,11 +150,57 @@ static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, i
             }
 }
 
+/* Stride 2 over an input exactly twice the output's size (H == 2 OH,
+ * W == 2 OW), every subsampling convolution of the reference networks:
+ * tap (kh, kw) reads input row 2 oh + kh - padding, a row of one parity
+ * shifted by whole rows (the same for columns). So each (sample, channel)
+ * plane is split once into its four parity planes (OH, OW), and each tap's
+ * part of col is a shifted copy of one of them (conv_shift_plane), as in
+ * the stride-1 case, instead of a strided gather row by row. The parity
+ * planes live on the stack: larger planes take the general loops. */
+#define CONV_S2_PARITY_MAX 4096 /* floats: 4 OH OW */
+
+static bool conv_stride2_parity(int H, int W, int stride, int OH, int OW) {
+    return stride == 2 && H == 2 * OH && W == 2 * OW && (size_t)4 * OH * OW <= CONV_S2_PARITY_MAX;
+}
+
+static void im2col_s2(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int padding, int OH,
+                      int OW) {
+    float parity[CONV_S2_PARITY_MAX]; /* (row parity, column parity, OH, OW) */
+    const size_t plane = (size_t)H * W, oplane = (size_t)OH * OW, n_cols = (size_t)N * oplane;
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) {
+            const float *x_plane = x + ((size_t)n * C + c) * plane; /* (H, W) */
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < OH; i++) {
+                    const float *x_row = x_plane + (size_t)(2 * i + r) * W;           /* [W] */
+                    float *even = parity + (size_t)(2 * r) * oplane + (size_t)i * OW, /* [OW] */
+                        *odd = even + oplane;
+                    for (int j = 0; j < OW; j++) {
+                        even[j] = x_row[2 * j];
+                        odd[j] = x_row[2 * j + 1];
+                    }
+                }
+            for (int kh = 0; kh < KH; kh++)
+                for (int kw = 0; kw < KW; kw++) {
+                    const int th = kh - padding, tw = kw - padding; /* the tap's input offset */
+                    const int rp = th & 1, cp = tw & 1;             /* its parities (th = -1 is odd) */
+                    float *row = col + ((size_t)(c * KH + kh) * KW + kw) * n_cols + (size_t)n * oplane;
+                    conv_shift_plane(row, parity + (size_t)(2 * rp + cp) * oplane, OH, OW, (th - rp) / 2,
+                                     (tw - cp) / 2);
+                }
+        }
+}
+
 /* col: (C*KH*KW, N*OH*OW), x: (N, C, H, W). */
 void im2col(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
             int OH, int OW) {
     if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) {
         im2col_same_s1(col, x, N, C, H, W, KH, KW, padding);
+        return;
+    }
+    if (conv_stride2_parity(H, W, stride, OH, OW)) {
+        im2col_s2(col, x, N, C, H, W, KH, KW, padding, OH, OW);
         return;
     }
     const size_t plane = (size_t)H * W;
