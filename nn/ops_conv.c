@@ -92,6 +92,26 @@ static inline __attribute__((always_inline)) void unshift_plane_add(float *restr
     for (long long i = 0; i < hi - lo; i++) d[i] += s[i];
 }
 
+/* The same for the first of a plane's taps when dx_plane holds no gradient
+ * yet: written, not added, and zero where the tap reads padding. Each entry
+ * is 0.0f + src, as the add into a zeroed plane gives (a -0.0f turns into
+ * +0.0f the same way), so the two give the same bits. */
+static inline __attribute__((always_inline)) void unshift_plane_write(float *restrict dx_plane, float *restrict src,
+                                                                      int H, int W, int dh, int dw) {
+    const long long plane = (long long)H * W, off = (long long)dh * W + dw;
+    zero_wrapped_columns(src, H, W, dw);
+    long long lo = off < 0 ? -off : 0, hi = off > 0 ? plane - off : plane;
+    if (hi <= lo) { /* the tap reads only padding */
+        memset(dx_plane, 0, (size_t)plane * sizeof *dx_plane);
+        return;
+    }
+    memset(dx_plane, 0, (size_t)(lo + off) * sizeof *dx_plane);
+    float *restrict d = dx_plane + lo + off;
+    const float *restrict s = src + lo;
+    for (long long i = 0; i < hi - lo; i++) d[i] = 0.0f + s[i];
+    memset(dx_plane + hi + off, 0, (size_t)(plane - hi - off) * sizeof *dx_plane);
+}
+
 static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int padding) {
     const size_t plane = (size_t)H * W, n_cols = (size_t)N * plane;
     for (int c = 0; c < C; c++)
@@ -112,16 +132,64 @@ static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding) {
+static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding,
+                           bool write) {
     const size_t plane = (size_t)H * W, n_cols = (size_t)N * plane;
     for (int c = 0; c < C; c++)
         for (int kh = 0; kh < KH; kh++)
             for (int kw = 0; kw < KW; kw++) {
                 float *row = dcol + ((size_t)(c * KH + kh) * KW + kw) * n_cols; /* [N*H*W] */
-                for (int n = 0; n < N; n++)
-                    unshift_plane_add(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
-                                      kh - padding, kw - padding);
+                if (write && kh == 0 && kw == 0) /* the first tap of each of channel c's planes */
+                    for (int n = 0; n < N; n++)
+                        unshift_plane_write(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
+                                            kh - padding, kw - padding);
+                else
+                    for (int n = 0; n < N; n++)
+                        unshift_plane_add(dx + ((size_t)n * C + c) * plane, row + (size_t)n * plane, H, W,
+                                          kh - padding, kw - padding);
             }
+}
+
+/* Stride 2 over an input exactly twice the output's size (H == 2 OH,
+ * W == 2 OW), every subsampling convolution of the reference networks:
+ * tap (kh, kw) reads input row 2 oh + kh - padding, a row of one parity
+ * shifted by whole rows (the same for columns). So each (sample, channel)
+ * plane is split once into its four parity planes (OH, OW), and each tap's
+ * part of col is a shifted copy of one of them (conv_shift_plane), as in
+ * the stride-1 case, instead of a strided gather row by row. The parity
+ * planes live on the stack: larger planes take the general loops. */
+#define CONV_S2_PARITY_MAX 4096 /* floats: 4 OH OW */
+
+static bool conv_stride2_parity(int H, int W, int stride, int OH, int OW) {
+    return stride == 2 && H == 2 * OH && W == 2 * OW && (size_t)4 * OH * OW <= CONV_S2_PARITY_MAX;
+}
+
+static void im2col_s2(float *col, const float *x, int N, int C, int H, int W, int KH, int KW, int padding, int OH,
+                      int OW) {
+    float parity[CONV_S2_PARITY_MAX]; /* (row parity, column parity, OH, OW) */
+    const size_t plane = (size_t)H * W, oplane = (size_t)OH * OW, n_cols = (size_t)N * oplane;
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) {
+            const float *x_plane = x + ((size_t)n * C + c) * plane; /* (H, W) */
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < OH; i++) {
+                    const float *x_row = x_plane + (size_t)(2 * i + r) * W;           /* [W] */
+                    float *even = parity + (size_t)(2 * r) * oplane + (size_t)i * OW, /* [OW] */
+                        *odd = even + oplane;
+                    for (int j = 0; j < OW; j++) {
+                        even[j] = x_row[2 * j];
+                        odd[j] = x_row[2 * j + 1];
+                    }
+                }
+            for (int kh = 0; kh < KH; kh++)
+                for (int kw = 0; kw < KW; kw++) {
+                    const int th = kh - padding, tw = kw - padding; /* the tap's input offset */
+                    const int rp = th & 1, cp = tw & 1;             /* its parities (th = -1 is odd) */
+                    float *row = col + ((size_t)(c * KH + kh) * KW + kw) * n_cols + (size_t)n * oplane;
+                    conv_shift_plane(row, parity + (size_t)(2 * rp + cp) * oplane, OH, OW, (th - rp) / 2,
+                                     (tw - cp) / 2);
+                }
+        }
 }
 
 /* col: (C*KH*KW, N*OH*OW), x: (N, C, H, W). */
@@ -129,6 +197,10 @@ void im2col(float *col, const float *x, int N, int C, int H, int W, int KH, int 
             int OH, int OW) {
     if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) {
         im2col_same_s1(col, x, N, C, H, W, KH, KW, padding);
+        return;
+    }
+    if (conv_stride2_parity(H, W, stride, OH, OW)) {
+        im2col_s2(col, x, N, C, H, W, KH, KW, padding, OH, OW);
         return;
     }
     const size_t plane = (size_t)H * W;
@@ -189,11 +261,18 @@ void col2im(float *dx, const float *dcol, int N, int C, int H, int W, int KH, in
 }
 
 /* col2im that may overwrite dcol (scratch): the fast path zeroes the
- * entries that read padding before its contiguous adds. */
+ * entries that read padding before its contiguous adds. With write, dx
+ * holds nothing yet and is written: the fast path's first tap writes each
+ * plane, the general path zeroes dx first (the chunk's part, while it is in
+ * cache). */
 void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
-                    int OH, int OW) {
-    if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) col2im_same_s1(dx, dcol, N, C, H, W, KH, KW, padding);
-    else col2im(dx, dcol, N, C, H, W, KH, KW, stride, padding, OH, OW);
+                    int OH, int OW, bool write) {
+    if (conv_same_stride1(H, W, KH, KW, stride, padding, OH, OW)) {
+        col2im_same_s1(dx, dcol, N, C, H, W, KH, KW, padding, write);
+        return;
+    }
+    if (write) memset(dx, 0, (size_t)N * C * H * W * sizeof *dx);
+    col2im(dx, dcol, N, C, H, W, KH, KW, stride, padding, OH, OW);
 }
 
 /* ---- nn_conv2d and the fused conv blocks ----------------------------------- */
@@ -284,7 +363,7 @@ const char *conv2d_op_name(ConvEpilogue epi) {
 }
 
 /* Writes chunk sample s's output plane for channel oc from its product row
- * row [OH*OW]. */
+ * row [OH*OW]; row may be that output plane itself (unpooled epilogues). */
 static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
@@ -322,6 +401,10 @@ void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int n
     const int cols = nc * (int)plane;
     im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
            d->OW);
+    /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
+     * product goes straight into y and the epilogue runs in place, the same
+     * operations on the same values without the copy through prod. */
+    if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
     gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
     for (int oc = 0; oc < d->OC; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
@@ -424,16 +507,25 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
         const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
-        conv_pre_grads(j, dpre, n0, nc, task);
+        const float *dp = dpre; /* (OC, cols) */
+        if (nc == 1 && c->epi == CONV_EPI_NONE) {
+            /* one sample's output gradient (OC, OH*OW) is dpre as it stands: read it in place, no copy */
+            dp = j->dy + (size_t)n0 * d->OC * plane;
+            if (j->db_part)
+                for (int oc = 0; oc < d->OC; oc++)
+                    j->db_part[(size_t)task * d->OC + oc] += sum8_f32(dp + (size_t)oc * plane, NULL, plane);
+        } else {
+            conv_pre_grads(j, dpre, n0, nc, task);
+        }
         if (dw) {
             im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
                    d->OH, d->OW);
-            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
+            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
         }
         if (j->dx) {
-            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dpre, cols, 0.0f, col, cols);
+            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dp, cols, 0.0f, col, cols);
             col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
-                           c->padding, d->OH, d->OW);
+                           c->padding, d->OH, d->OW, j->dx_fresh);
         }
     }
 }
@@ -443,12 +535,30 @@ int conv_tasks(const ConvDims *d) {
     return t > d->N ? d->N : t;
 }
 
+void *conv_buffer_take(Tape *t, size_t bytes) {
+    const size_t floats = (bytes + sizeof(float) - 1) / sizeof(float);
+    if (floats == 0 || floats > INT_MAX) return tape_alloc(t, bytes);
+    /* tape_new_var is the way to a buffer an earlier op of the step handed
+     * back; only its value buffer is used. */
+    Var *v = tape_new_var(t, 1, (const int[]){(int)floats});
+    return v ? v->value.data : NULL;
+}
+
+void conv_job_release(Tape *t, ConvJob *j, int n_tasks) {
+    const ConvDims *d = &j->c->d;
+    tape_release_buffer(t, j->scratch, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
+    tape_release_buffer(t, j->dw_part, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float));
+    tape_release_buffer(t, j->db_part, (size_t)n_tasks * d->OC * sizeof(double));
+    j->scratch = j->dw_part = NULL;
+    j->db_part = NULL;
+}
+
 float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats) {
     const size_t cols = (size_t)j->c->chunk * conv_plane(&j->c->d);
     j->col_floats = col_rows * cols;
     j->prod_floats = prod_rows * cols;
     j->thread_floats = j->col_floats + j->prod_floats + extra_floats;
-    j->scratch = tape_alloc(t, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
+    j->scratch = conv_buffer_take(t, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
     return j->scratch;
 }
 
@@ -459,16 +569,17 @@ void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
 }
 
 float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
-    return v && v->requires_grad ? tape_alloc(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
+    return v && v->requires_grad ? conv_buffer_take(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
 }
 
 bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *bias, int n_tasks) {
     const ConvDims *d = &j->c->d;
-    if (x->requires_grad && !(j->dx = tape_grad(t, x))) return false;
-    if (want_dw && !(j->dw_part = tape_alloc(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
+    /* the first writer of x's gradient writes it instead of adding into zeros */
+    if (x->requires_grad && !(j->dx = tape_grad_to_write(t, x, &j->dx_fresh))) return false;
+    if (want_dw && !(j->dw_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
         return false;
     if (bias && bias->requires_grad) {
-        if (!(j->db_part = tape_alloc(t, (size_t)n_tasks * d->OC * sizeof(double)))) return false;
+        if (!(j->db_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * sizeof(double)))) return false;
         memset(j->db_part, 0, (size_t)n_tasks * d->OC * sizeof(double));
     }
     return true;
@@ -497,6 +608,9 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     float *g;
     if (j.dw_part && (g = tape_grad(t, w))) conv_add_partials(g, j.dw_part, tasks, (size_t)c->d.OC * conv_ckk(&c->d));
     conv_add_bias_grad(t, &j, bias, tasks);
+    conv_job_release(t, &j, tasks);
+    /* the pooling winners are read by this pass alone */
+    tape_release_buffer(t, c->winner, var_numel(node->out));
 }
 
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
@@ -510,6 +624,7 @@ Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding
                  .bias = bias ? bias->value.data : NULL, .y = y->value.data};
     if (!conv_scratch(t, &j, (size_t)conv_ckk(&d), (size_t)d.OC, 0)) return NULL;
     parallel_run(conv_tasks(&d), conv_forward_task, &j);
+    conv_job_release(t, &j, conv_tasks(&d));
     return tape_record(t, conv2d_op_name(epi), conv2d_backward, y, (Var *[]){x, w, bias}, 3, c) ? y : NULL;
 }
 

@@ -39,6 +39,7 @@ typedef struct {
     float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
     const float *dy;   /* backward: the output's gradient */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
+    bool dx_fresh;     /* dx uninitialised (tape_grad_to_write): each chunk writes its samples' part */
     float *dw_part;    /* (n_tasks, OC, C*KH*KW) per-task dW, or NULL */
     double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
     /* per thread: col (col_floats), then prod (prod_floats: the forward's
@@ -55,9 +56,10 @@ static inline size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->O
 bool conv_same_stride1(int H, int W, int KH, int KW, int stride, int padding, int OH, int OW);
 /* dst (H, W) = x_plane (H, W) shifted by (dh, dw), zero outside. */
 void conv_shift_plane(float *restrict dst, const float *restrict x_plane, int H, int W, int dh, int dw);
-/* col2im that may overwrite dcol (scratch). */
+/* col2im that may overwrite dcol (scratch); with write, dx (N, C, H, W)
+ * is written as if it had been zeroed first (the same bits). */
 void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int stride, int padding,
-                    int OH, int OW);
+                    int OH, int OW, bool write);
 
 /* x: (N, C, H, W), w: (OC, C, KH, KW), bias: (OC,) or NULL. QT_OK and d
  * filled, or the error, set on the tape. */
@@ -74,8 +76,16 @@ const char *conv2d_op_name(ConvEpilogue epi);
 
 /* The tasks a pass of d is split into. */
 int conv_tasks(const ConvDims *d);
+/* bytes of step memory for an op's scratch: a buffer an earlier op handed
+ * back (tape_release_buffer) if one is large enough, else the arena's.
+ * Uninitialised; NULL on error (on the tape). */
+void *conv_buffer_take(Tape *t, size_t bytes);
+/* Hands j's scratch, dW and dbias partials back to the tape once the pass
+ * (and the sums of its partials) is done: the next ops of the step reuse
+ * them instead of growing the arena. */
+void conv_job_release(Tape *t, ConvJob *j, int n_tasks);
 /* Sizes the per-thread scratch (col_rows and prod_rows rows of a chunk's
- * columns, plus extra_floats) and takes it from the arena; NULL on error. */
+ * columns, plus extra_floats) and takes it (conv_buffer_take); NULL on error. */
 float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats);
 /* The calling thread's part of j->scratch. */
 float *conv_thread_scratch(const ConvJob *j);

@@ -181,7 +181,7 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
         }
         if (j->dx)
             col2im_consume(j->dx + (size_t)n0 * x_sample, dcol, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
-                           c->padding, d->OH, d->OW);
+                           c->padding, d->OH, d->OW, j->dx_fresh);
     }
 }
 
@@ -219,13 +219,14 @@ static void conv_lowrank_add_grads(Tape *t, const ConvLowRankJob *lj, Var *w, Va
     const size_t nw = (size_t)d->OC * conv_ckk(d), na = (size_t)lc->rank * conv_ckk(d), nb = (size_t)d->OC * lc->rank;
     float *g;
     if (via_full) { /* the full gradient, summed in task order, then A's and B's from it */
-        float *G = tape_alloc(t, nw * sizeof *G);
+        float *G = conv_buffer_take(t, nw * sizeof *G);
         if (!G) return;
         memset(G, 0, nw * sizeof *G);
         conv_add_partials(G, lj->job.dw_part, tasks, nw);
         if (w->requires_grad && (g = tape_grad(t, w)))
             for (size_t i = 0; i < nw; i++) g[i] += G[i];
         conv_low_rank_grads_from_full(t, lc, A, B, G);
+        tape_release_buffer(t, G, nw * sizeof *G);
     } else if (lj->job.dw_part && (g = tape_grad(t, w))) {
         conv_add_partials(g, lj->job.dw_part, tasks, nw);
     }
@@ -257,6 +258,9 @@ static void conv_lowrank_backward(Tape *t, const TapeNode *node) {
     else parallel_run(tasks, conv_backward_task, &lj.job);
     conv_lowrank_add_grads(t, &lj, w, A, B, via_full, tasks);
     conv_add_bias_grad(t, &lj.job, bias, tasks);
+    conv_job_release(t, &lj.job, tasks);
+    tape_release_buffer(t, lj.da_part, (size_t)tasks * lc->rank * conv_ckk(d) * sizeof(float));
+    tape_release_buffer(t, lj.dbb_part, (size_t)tasks * d->OC * lc->rank * sizeof(float));
 }
 
 ConvLowRankGrad conv_lowrank_node_grad(const TapeNode *node) {
@@ -346,6 +350,7 @@ Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowR
                          .lc = lc};
     if (!conv_scratch(t, &lj.job, (size_t)conv_ckk(&d), (size_t)d.OC + (lc->u ? (size_t)rank : 0), 0)) return NULL;
     parallel_run(conv_tasks(&d), conv_lowrank_forward_task, &lj);
+    conv_job_release(t, &lj.job, conv_tasks(&d));
     Var *in[5] = {x, w, bias, lr->A, lr->B};
     return tape_record(t, conv2d_op_name(epi), conv_lowrank_backward, y, in, 5, lc) ? y : NULL;
 }

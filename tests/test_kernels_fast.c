@@ -254,7 +254,9 @@ static void test_model_activation_memory(void) {
             CU_ASSERT(m.outs[1 + 2]->value.data == m.outs[1 + 1]->value.data);
             CU_ASSERT(m.outs[1 + 3 + 6]->value.data == m.outs[1 + 3 + 5]->value.data);
             CU_ASSERT(m.outs[1 + 3 + 2]->value.data == m.outs[1 + 3 + 1]->value.data);
-            CU_ASSERT(used[0] >= (size_t)(3 + 5 * BLOCKS) * act); /* every other activation kept */
+            /* every other activation kept: the stem's conv and batch norm, each block's five (the
+             * convolutions' scratch is handed back and reused, so it no longer pads the count) */
+            CU_ASSERT(used[0] >= (size_t)(2 + 5 * BLOCKS) * act);
         } else {
             /* a few activations and the convolutions' scratch, against all of them */
             CU_ASSERT(used[1] * 3 < used[0]);
