@@ -29,31 +29,46 @@ Each group (attributes: seed, optimizer, and config: the qtrain model config the
 """
 import copy
 import os
-import sys
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from make_fixtures import new_file, new_group, put, put_params  # the same file and dataset settings
+# the same file and dataset settings, and the same train-mode step and training (STEPS steps, gradients 0 or
+# above make_fixtures.py's MIN_GRAD)
+from make_fixtures import fixture_out, forward_backward, grads_ok, new_group, open_fixture, put, put_params, train
 
-STEPS = 5
 BATCH, IN_SHAPE, CLASSES = 4, (3, 7, 7), 5
 # A ReLU input closer than this to 0 could fall on the other side in a float32 implementation that sums in
 # another order (outputs of batch norm differ by a few 1e-7 between the two), flipping that element's gradient;
 # such draws are rejected. 1e-3 as in make_fixtures.py would reject nearly every draw of these ~3000 elements.
 KINK_MARGIN = 1e-4
-# Adam divides a gradient by its own RMS: a nonzero but tiny gradient is rounding noise whose update (~lr)
-# would not be reproducible, so gradients must be 0 or above this (as make_fixtures.py's MIN_GRAD).
-MIN_GRAD = 1e-5
 
 
 def conv(cin, cout, k, **kw):
     return nn.Conv2d(cin, cout, k, **kw)
 
 
-class ResNet(nn.Module):
+class StemNet(nn.Module):
+    """What both models start with: stem conv 3->4 k3 p1 (no bias) -> stem_bn -> relu, built first so that the
+    seeded initialization and the parameter order begin with it. relu() records each ReLU input in taps."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = conv(3, 4, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(4)
+
+    @staticmethod
+    def relu(h, taps):
+        taps.append(h)
+        return F.relu(h)
+
+    def stem_relu(self, x, taps):
+        return self.relu(self.stem_bn(self.stem(x)), taps)
+
+
+class ResNet(StemNet):
     CONFIG = """\
 model:
   input: [3, 7, 7]
@@ -82,8 +97,6 @@ model:
 
     def __init__(self):
         super().__init__()
-        self.stem = conv(3, 4, 3, padding=1, bias=False)
-        self.stem_bn = nn.BatchNorm2d(4)
         self.b1_conv1 = conv(4, 4, 3, padding=1, bias=False)
         self.b1_bn1 = nn.BatchNorm2d(4)
         self.b1_conv2 = conv(4, 4, 3, padding=1, bias=False)
@@ -96,19 +109,15 @@ model:
         self.head = nn.Linear(8, 5)
 
     def forward(self, x, taps):
-        def relu(h):
-            taps.append(h)
-            return F.relu(h)
-
-        s = relu(self.stem_bn(self.stem(x)))
-        h = relu(self.b1_bn1(self.b1_conv1(s)))
-        b1 = relu(self.b1_bn2(self.b1_conv2(h)) + s)
-        h = relu(self.b2_bn1(self.b2_conv1(b1)))
-        h = relu(self.b2_bn2(self.b2_conv2(h)) + self.b2_short(b1))
+        s = self.stem_relu(x, taps)
+        h = self.relu(self.b1_bn1(self.b1_conv1(s)), taps)
+        b1 = self.relu(self.b1_bn2(self.b1_conv2(h)) + s, taps)
+        h = self.relu(self.b2_bn1(self.b2_conv1(b1)), taps)
+        h = self.relu(self.b2_bn2(self.b2_conv2(h)) + self.b2_short(b1), taps)
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
-class CatNet(nn.Module):
+class CatNet(StemNet):
     CONFIG = """\
 model:
   input: [3, 7, 7]
@@ -131,8 +140,6 @@ model:
 
     def __init__(self):
         super().__init__()
-        self.stem = conv(3, 4, 3, padding=1, bias=False)
-        self.stem_bn = nn.BatchNorm2d(4)
         self.dw = conv(4, 4, 3, padding=1, groups=4, bias=False)
         self.dw_bn = nn.BatchNorm2d(4)
         self.pw = conv(4, 6, 1, bias=False)
@@ -141,13 +148,9 @@ model:
         self.head = nn.Linear(10, 5)
 
     def forward(self, x, taps):
-        def relu(h):
-            taps.append(h)
-            return F.relu(h)
-
-        s = relu(self.stem_bn(self.stem(x)))
-        a = self.pw(relu(self.dw_bn(self.dw(s))))
-        h = relu(self.cat_bn(torch.cat([a, self.gc(s)], 1)))
+        s = self.stem_relu(x, taps)
+        a = self.pw(self.relu(self.dw_bn(self.dw(s)), taps))
+        h = self.relu(self.cat_bn(torch.cat([a, self.gc(s)], 1)), taps)
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
@@ -170,8 +173,10 @@ def kinks_ok(taps):
     return all(t.detach().abs().min().item() >= KINK_MARGIN for t in taps)
 
 
-def grads_ok(model):
-    return all(not ((p.grad.abs() > 0) & (p.grad.abs() < MIN_GRAD)).any() for p in model.parameters())
+def step_ok(taps, model):
+    """The taps are the ReLU inputs (plain tensors); Adam divides a gradient by its own RMS, so a nonzero but tiny
+    gradient would be rounding noise whose update (~lr) is not reproducible: grads_ok rejects it."""
+    return kinks_ok(taps) and grads_ok(model)
 
 
 def draw(cls, seed):
@@ -189,36 +194,6 @@ def draw(cls, seed):
     return model, x, labels, x_eval
 
 
-def forward_backward(model, x, labels):
-    """logits, loss, grad of x of one train-mode step, or None if a ReLU input or gradient is too close to 0."""
-    model.train().zero_grad()
-    x = x.clone().requires_grad_(True)
-    taps = []
-    logits = model(x, taps)
-    loss = F.cross_entropy(logits, labels)
-    loss.backward()
-    if not kinks_ok(taps) or not grads_ok(model):
-        return None
-    return logits.detach(), loss.detach(), x.grad.detach()
-
-
-def train(model, x, labels, make_opt):
-    """STEPS steps on the batch: the loss before each, or None if a step came close to a kink."""
-    opt = make_opt(model.parameters())
-    model.train()
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        taps = []
-        loss = F.cross_entropy(model(x, taps), labels)
-        loss.backward()
-        if not kinks_ok(taps) or not grads_ok(model):
-            return None
-        losses.append(loss.item())
-        opt.step()
-    return np.array(losses, dtype=np.float32)
-
-
 def eval_logits(model, x_eval):
     model.eval()
     taps = []
@@ -232,12 +207,12 @@ def first_good(cls, make_opt, seed):
     for s in range(seed, seed + 1000):
         model, x, labels, x_eval = draw(cls, s)
         init = copy.deepcopy(model.state_dict())
-        fb = forward_backward(model, x, labels)
+        fb = forward_backward(model, x, labels, step_ok)
         if fb is None:
             continue
         trained = cls()
         trained.load_state_dict(init)
-        losses = train(trained, x, labels, make_opt)
+        losses = train(trained, x, labels, make_opt, step_ok)
         if losses is None:
             continue
         logits_eval = eval_logits(trained, x_eval)
@@ -277,17 +252,9 @@ def write_model(f, name, cls, make_opt, opt_desc, seed):
 
 
 def main():
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: /usr/bin/python3 tests/make_fixtures_graph.py tests/fixtures/torch_graph.h5")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.set_default_dtype(torch.float32)
-    out = sys.argv[1]
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with new_file(out) as f:
-        f.attrs["torch_version"] = f"{torch.__version__}"
-        f.attrs["generator"] = "tests/make_fixtures_graph.py (make fixtures)"
-        f.attrs["comment"] = "PyTorch float32 references for tests/test_graph_parity.c (see the generator's docstring)."
+    out = fixture_out("tests/make_fixtures_graph.py", "tests/fixtures/torch_graph.h5")
+    with open_fixture(out, "tests/make_fixtures_graph.py (make fixtures)",
+                      "PyTorch float32 references for tests/test_graph_parity.c (see the generator's docstring).") as f:
         seeds = [write_model(f, name, *spec) for name, spec in MODELS.items()]
     print(f"{out}: seeds {seeds}, {os.path.getsize(out)} bytes")
 
