@@ -234,11 +234,9 @@ def put_params(group, model, grads=False):
         put(new_group(group, module), tensor, (p.grad if grads else p).detach().numpy())
 
 
-def write_model(f, name, comment, seed, model, x, labels, fb):
+def put_step(g, model, x, labels, fb):
+    """The batch, the initial params/ and what forward_backward() returned (fb) of it: logits, loss, grads/, grad_x."""
     logits, loss, grad_x = fb
-    g = new_group(f, name)
-    g.attrs["comment"] = comment
-    g.attrs["seed"] = seed
     put(g, "x", x.numpy())
     put(g, "labels", labels.numpy(), np.int32)
     put_params(new_group(g, "params"), model)
@@ -246,6 +244,13 @@ def write_model(f, name, comment, seed, model, x, labels, fb):
     put(g, "loss", loss.numpy())
     put_params(new_group(g, "grads"), model, grads=True)
     put(g, "grad_x", grad_x.numpy())
+
+
+def write_model(f, name, comment, seed, model, x, labels, fb):
+    g = new_group(f, name)
+    g.attrs["comment"] = comment
+    g.attrs["seed"] = seed
+    put_step(g, model, x, labels, fb)
 
 
 def write_run(f, name, comment, losses, model):

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 # the same file and dataset settings, and the same train-mode step and training (STEPS steps, gradients 0 or
 # above make_fixtures.py's MIN_GRAD)
-from make_fixtures import fixture_out, forward_backward, grads_ok, new_group, open_fixture, put, put_params, train
+from make_fixtures import fixture_out, forward_backward, grads_ok, new_group, open_fixture, put, put_params, put_step
+from make_fixtures import train
 
 BATCH, IN_SHAPE, CLASSES = 4, (3, 7, 7), 5
 # A ReLU input closer than this to 0 could fall on the other side in a float32 implementation that sums in
@@ -52,7 +53,20 @@ def conv(cin, cout, k, **kw):
 
 class StemNet(nn.Module):
     """What both models start with: stem conv 3->4 k3 p1 (no bias) -> stem_bn -> relu, built first so that the
-    seeded initialization and the parameter order begin with it. relu() records each ReLU input in taps."""
+    seeded initialization and the parameter order begin with it. relu() records each ReLU input in taps. A model's
+    CONFIG is STEM_CONFIG, its own layers and HEAD_CONFIG (globalavgpool -> dense to the classes)."""
+    STEM_CONFIG = """\
+model:
+  input: [3, 7, 7]
+  layers:
+    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
+    - {name: stem_bn, type: batchnorm2d}
+    - {name: stem_relu, type: relu}
+"""
+    HEAD_CONFIG = """\
+    - {name: gap, type: globalavgpool}
+    - {name: head, type: dense, units: 5}
+"""
 
     def __init__(self):
         super().__init__()
@@ -69,13 +83,7 @@ class StemNet(nn.Module):
 
 
 class ResNet(StemNet):
-    CONFIG = """\
-model:
-  input: [3, 7, 7]
-  layers:
-    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
-    - {name: stem_bn, type: batchnorm2d}
-    - {name: stem_relu, type: relu}
+    CONFIG = StemNet.STEM_CONFIG + """\
     - {name: b1_conv1, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
     - {name: b1_bn1, type: batchnorm2d}
     - {name: b1_relu1, type: relu}
@@ -91,9 +99,7 @@ model:
     - {name: b2_short, type: conv2d, out_channels: 8, kernel: 1, stride: 2, inputs: [b1_relu2]}
     - {name: b2_add, type: add, inputs: [b2_bn2, b2_short]}
     - {name: b2_relu2, type: relu}
-    - {name: gap, type: globalavgpool}
-    - {name: head, type: dense, units: 5}
-"""
+""" + StemNet.HEAD_CONFIG
 
     def __init__(self):
         super().__init__()
@@ -118,13 +124,7 @@ model:
 
 
 class CatNet(StemNet):
-    CONFIG = """\
-model:
-  input: [3, 7, 7]
-  layers:
-    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
-    - {name: stem_bn, type: batchnorm2d}
-    - {name: stem_relu, type: relu}
+    CONFIG = StemNet.STEM_CONFIG + """\
     - {name: dw, type: conv2d, out_channels: 4, kernel: 3, padding: 1, groups: 4, bias: false}
     - {name: dw_bn, type: batchnorm2d}
     - {name: dw_relu, type: relu}
@@ -134,9 +134,7 @@ model:
     - {name: cat, type: concat, inputs: [pw, gc]}
     - {name: cat_bn, type: batchnorm2d}
     - {name: cat_relu, type: relu}
-    - {name: gap, type: globalavgpool}
-    - {name: head, type: dense, units: 5}
-"""
+""" + StemNet.HEAD_CONFIG
 
     def __init__(self):
         super().__init__()
@@ -225,18 +223,11 @@ def first_good(cls, make_opt, seed):
 
 def write_model(f, name, cls, make_opt, opt_desc, seed):
     s, model, x, labels, fb, trained, losses, x_eval, logits_eval = first_good(cls, make_opt, seed)
-    logits, loss, grad_x = fb
     g = new_group(f, name)
     g.attrs["seed"] = s
     g.attrs["optimizer"] = opt_desc
     g.attrs["config"] = cls.CONFIG
-    put(g, "x", x.numpy())
-    put(g, "labels", labels.numpy(), np.int32)
-    put_params(new_group(g, "params"), model)
-    put(g, "logits", logits.numpy())
-    put(g, "loss", loss.numpy())
-    put_params(new_group(g, "grads"), model, grads=True)
-    put(g, "grad_x", grad_x.numpy())
+    put_step(g, model, x, labels, fb)
     put(g, "losses", losses)
     put_params(new_group(g, "params_final"), trained)
     buffers = new_group(g, "buffers")
