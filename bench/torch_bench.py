@@ -550,21 +550,27 @@ def startup_s(first_ns, since_ns):
     return time.clock_gettime(time.CLOCK_BOOTTIME) - (time.time_ns() - first_ns) * 1e-9 - start, "proc-stat"
 
 
-def bench_train(model, opt, batcher, grad_clip, args, desc, mode, state):
+def train_step(model, opt, params, x, y, grad_clip):
+    """One optimizer step of the mean cross-entropy on (x, y), gradients clipped to norm grad_clip if > 0 (as
+    qtrain's train.grad_clip); returns the loss before the step (a tensor)."""
     import torch
     import torch.nn.functional as F
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def bench_train(model, opt, batcher, grad_clip, args, desc, mode, state):
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
 
     def step():
         x, y = batcher.next()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(train_step(model, opt, params, x, y, grad_clip))
 
     for _ in range(args.warmup):
         state.setdefault("first_ns", time.time_ns())
@@ -735,7 +741,6 @@ def cmd_train(args):
     grad clipping, dropout) on the config's data and prints the test accuracy after every epoch."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
     cfg = load_config(args.config)
     if args.epochs is not None:
         cfg["train"]["epochs"], cfg["train"]["steps"] = args.epochs, 0
@@ -790,12 +795,7 @@ def cmd_train(args):
             x, y = data.batch(data.train_x, data.train_y, order[b * bs:(b + 1) * bs], input_shape)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step, total)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(model, opt, params, x, y, grad_clip)
             loss_sum += float(loss) * len(y)
             loss_n += len(y)
             seen += len(y)

@@ -97,29 +97,36 @@ def grads_ok(model):
     return True
 
 
-def forward_backward(model, x, labels):
+def step_ok(taps, model):
+    return kinks_ok(taps) and grads_ok(model)
+
+
+# forward_backward() and train() run the model in train mode (batch statistics for batch norms) and hand each
+# step's taps and the model to `ok`, whose False rejects the draw; generators with other kinks pass their own.
+def forward_backward(model, x, labels, ok=step_ok):
     """logits, loss and grads (params and x) of one mean cross-entropy step; None if a kink is too close."""
     taps = []
-    model.zero_grad()
+    model.train().zero_grad()
     x = x.clone().requires_grad_(True)
     logits = model(x, taps)
     loss = F.cross_entropy(logits, labels)
     loss.backward()
-    if not kinks_ok(taps) or not grads_ok(model):
+    if not ok(taps, model):
         return None
     return logits.detach(), loss.detach(), x.grad.detach()
 
 
-def train(model, x, labels, make_opt):
+def train(model, x, labels, make_opt, ok=step_ok):
     """STEPS optimizer steps on one batch: the loss before each, or None if a step came close to a kink."""
     opt = make_opt(model.parameters())
+    model.train()
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
         taps = []
         loss = F.cross_entropy(model(x, taps), labels)
         loss.backward()
-        if not kinks_ok(taps) or not grads_ok(model):
+        if not ok(taps, model):
             return None
         losses.append(loss.item())
         opt.step()
@@ -189,6 +196,34 @@ def new_file(path):
     return h5py.File(h5f.create(path.encode(), h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
 
 
+def torch_deterministic():
+    """float32 on one thread with deterministic kernels: what makes a fixture the same on every run."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.set_default_dtype(torch.float32)
+
+
+def fixture_out(script, default_out):
+    """The output path, the only command-line argument of every generator."""
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: /usr/bin/python3 {script} {default_out}")
+    return sys.argv[1]
+
+
+def open_fixture(out, generator=None, comment=None):
+    """new_file(out) (its directory made first) with torch deterministic and the attributes every fixture file
+    carries: torch_version, then generator and comment when given (in this order, which the file's bytes keep)."""
+    torch_deterministic()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    f = new_file(out)
+    f.attrs["torch_version"] = f"{torch.__version__}"
+    if generator is not None:
+        f.attrs["generator"] = generator
+    if comment is not None:
+        f.attrs["comment"] = comment
+    return f
+
+
 def put(group, name, value, dtype=np.float32):
     return group.create_dataset(name, data=np.asarray(value, dtype=dtype), track_times=False)
 
@@ -199,11 +234,9 @@ def put_params(group, model, grads=False):
         put(new_group(group, module), tensor, (p.grad if grads else p).detach().numpy())
 
 
-def write_model(f, name, comment, seed, model, x, labels, fb):
+def put_step(g, model, x, labels, fb):
+    """The batch, the initial params/ and what forward_backward() returned (fb) of it: logits, loss, grads/, grad_x."""
     logits, loss, grad_x = fb
-    g = new_group(f, name)
-    g.attrs["comment"] = comment
-    g.attrs["seed"] = seed
     put(g, "x", x.numpy())
     put(g, "labels", labels.numpy(), np.int32)
     put_params(new_group(g, "params"), model)
@@ -211,6 +244,13 @@ def write_model(f, name, comment, seed, model, x, labels, fb):
     put(g, "loss", loss.numpy())
     put_params(new_group(g, "grads"), model, grads=True)
     put(g, "grad_x", grad_x.numpy())
+
+
+def write_model(f, name, comment, seed, model, x, labels, fb):
+    g = new_group(f, name)
+    g.attrs["comment"] = comment
+    g.attrs["seed"] = seed
+    put_step(g, model, x, labels, fb)
 
 
 def write_run(f, name, comment, losses, model):
@@ -239,22 +279,14 @@ def write_ce_extreme(f):
 
 
 def main():
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: make_fixtures.py OUT.h5")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.set_default_dtype(torch.float32)
-
+    out = fixture_out("tests/make_fixtures.py", "tests/fixtures/torch_ref.h5")
+    torch_deterministic()
     mlp_seed, mlp, x, labels, fb, runs = first_good_mlp(1)
     cnn_seed, cnn, cx, clabels, cfb = first_good_cnn(101)
 
-    out = sys.argv[1]
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with new_file(out) as f:
-        f.attrs["torch_version"] = f"{torch.__version__}"
-        f.attrs["generator"] = "tests/make_fixtures.py (make fixtures)"
-        f.attrs["comment"] = ("PyTorch float32 references for tests/test_torch.c. Params are named "
-                              "<module>/weight|bias in PyTorch layout; loss is the mean softmax cross-entropy.")
+    with open_fixture(out, "tests/make_fixtures.py (make fixtures)",
+                      "PyTorch float32 references for tests/test_torch.c. Params are named "
+                      "<module>/weight|bias in PyTorch layout; loss is the mean softmax cross-entropy.") as f:
         write_model(f, "mlp", "x(4,12) -> fc1 12->16 -> relu -> fc2 16->8 -> gelu(approximate='tanh') -> head 8->5; "
                     "logits, loss, grads of params and of x", mlp_seed, mlp, x, labels, fb)
         write_model(f, "cnn", "x(3,1,10,10) -> conv1 1->4 k3 p1 -> relu -> maxpool2d k2 -> conv2 4->6 k3 p1 s1 -> "

@@ -20,15 +20,12 @@ Groups:
   /resblock      x (2, 3, 6, 6) -> conv1 3->3 k3 p1 (no bias) -> bn1 -> relu -> conv2 3->3 k3 p1 (no bias) -> bn2
                  -> + x -> relu, in train mode: params/, y, dy, dx, grads/, running stats of bn1 and bn2 after it
 """
-import os
-import sys
-
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from make_fixtures import new_file, new_group, put
+from make_fixtures import fixture_out, new_group, open_fixture, put
 
 STEPS = 5
 # A ReLU pre-activation closer than this to 0 could flip between two float32 implementations.
@@ -161,17 +158,9 @@ def write_resblock(f):
 
 
 def main():
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: make_fixtures_bn.py OUT.h5")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.set_default_dtype(torch.float32)
-    out = sys.argv[1]
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with new_file(out) as f:
-        f.attrs["torch_version"] = f"{torch.__version__}"
-        f.attrs["generator"] = "tests/make_fixtures_bn.py"
-        f.attrs["comment"] = "PyTorch float32 references for tests/test_batchnorm.c (see the generator's docstring)."
+    out = fixture_out("tests/make_fixtures_bn.py", "tests/fixtures/torch_bn.h5")
+    with open_fixture(out, "tests/make_fixtures_bn.py",
+                      "PyTorch float32 references for tests/test_batchnorm.c (see the generator's docstring).") as f:
         write_bn(f, "bn1d", nn.BatchNorm1d(6), (8, 6), 1)
         write_bn(f, "bn2d", nn.BatchNorm2d(4), (3, 4, 4, 4), 2)
         write_bn(f, "bn2d_plain", nn.BatchNorm2d(3, affine=False, momentum=0.3), (2, 3, 3, 3), 3)

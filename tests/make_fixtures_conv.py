@@ -14,13 +14,11 @@ One group per case, /<case>/:
   y      F.conv2d(x, w, bias, ...)
   dy     a random upstream gradient; dx, dw, dbias: the gradients of sum(y * dy)
 """
-import sys
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from make_fixtures import new_file, new_group, put  # the same file and dataset settings
+from make_fixtures import fixture_out, new_file, new_group, put, torch_deterministic  # the same file settings
 
 # name: (N, C, H, W, OC, KH, KW, stride, padding ([h, w] or "same"), dilation, groups, bias)
 CASES = {
@@ -69,11 +67,9 @@ def write_case(f, name, case, seed):
 
 
 def main():
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: /usr/bin/python3 tests/make_fixtures_conv.py tests/fixtures/torch_conv.h5")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    with new_file(sys.argv[1]) as f:
+    out = fixture_out("tests/make_fixtures_conv.py", "tests/fixtures/torch_conv.h5")
+    torch_deterministic()
+    with new_file(out) as f:
         for i, (name, case) in enumerate(CASES.items()):
             write_case(f, name, case, 2000 + i)
 

@@ -29,38 +29,61 @@ Each group (attributes: seed, optimizer, and config: the qtrain model config the
 """
 import copy
 import os
-import sys
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from make_fixtures import new_file, new_group, put, put_params  # the same file and dataset settings
+# the same file and dataset settings, and the same train-mode step and training (STEPS steps, gradients 0 or
+# above make_fixtures.py's MIN_GRAD)
+from make_fixtures import fixture_out, forward_backward, grads_ok, new_group, open_fixture, put, put_params, put_step
+from make_fixtures import train
 
-STEPS = 5
 BATCH, IN_SHAPE, CLASSES = 4, (3, 7, 7), 5
 # A ReLU input closer than this to 0 could fall on the other side in a float32 implementation that sums in
 # another order (outputs of batch norm differ by a few 1e-7 between the two), flipping that element's gradient;
 # such draws are rejected. 1e-3 as in make_fixtures.py would reject nearly every draw of these ~3000 elements.
 KINK_MARGIN = 1e-4
-# Adam divides a gradient by its own RMS: a nonzero but tiny gradient is rounding noise whose update (~lr)
-# would not be reproducible, so gradients must be 0 or above this (as make_fixtures.py's MIN_GRAD).
-MIN_GRAD = 1e-5
 
 
 def conv(cin, cout, k, **kw):
     return nn.Conv2d(cin, cout, k, **kw)
 
 
-class ResNet(nn.Module):
-    CONFIG = """\
+class StemNet(nn.Module):
+    """What both models start with: stem conv 3->4 k3 p1 (no bias) -> stem_bn -> relu, built first so that the
+    seeded initialization and the parameter order begin with it. relu() records each ReLU input in taps. A model's
+    CONFIG is STEM_CONFIG, its own layers and HEAD_CONFIG (globalavgpool -> dense to the classes)."""
+    STEM_CONFIG = """\
 model:
   input: [3, 7, 7]
   layers:
     - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
     - {name: stem_bn, type: batchnorm2d}
     - {name: stem_relu, type: relu}
+"""
+    HEAD_CONFIG = """\
+    - {name: gap, type: globalavgpool}
+    - {name: head, type: dense, units: 5}
+"""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = conv(3, 4, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(4)
+
+    @staticmethod
+    def relu(h, taps):
+        taps.append(h)
+        return F.relu(h)
+
+    def stem_relu(self, x, taps):
+        return self.relu(self.stem_bn(self.stem(x)), taps)
+
+
+class ResNet(StemNet):
+    CONFIG = StemNet.STEM_CONFIG + """\
     - {name: b1_conv1, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
     - {name: b1_bn1, type: batchnorm2d}
     - {name: b1_relu1, type: relu}
@@ -76,14 +99,10 @@ model:
     - {name: b2_short, type: conv2d, out_channels: 8, kernel: 1, stride: 2, inputs: [b1_relu2]}
     - {name: b2_add, type: add, inputs: [b2_bn2, b2_short]}
     - {name: b2_relu2, type: relu}
-    - {name: gap, type: globalavgpool}
-    - {name: head, type: dense, units: 5}
-"""
+""" + StemNet.HEAD_CONFIG
 
     def __init__(self):
         super().__init__()
-        self.stem = conv(3, 4, 3, padding=1, bias=False)
-        self.stem_bn = nn.BatchNorm2d(4)
         self.b1_conv1 = conv(4, 4, 3, padding=1, bias=False)
         self.b1_bn1 = nn.BatchNorm2d(4)
         self.b1_conv2 = conv(4, 4, 3, padding=1, bias=False)
@@ -96,26 +115,16 @@ model:
         self.head = nn.Linear(8, 5)
 
     def forward(self, x, taps):
-        def relu(h):
-            taps.append(h)
-            return F.relu(h)
-
-        s = relu(self.stem_bn(self.stem(x)))
-        h = relu(self.b1_bn1(self.b1_conv1(s)))
-        b1 = relu(self.b1_bn2(self.b1_conv2(h)) + s)
-        h = relu(self.b2_bn1(self.b2_conv1(b1)))
-        h = relu(self.b2_bn2(self.b2_conv2(h)) + self.b2_short(b1))
+        s = self.stem_relu(x, taps)
+        h = self.relu(self.b1_bn1(self.b1_conv1(s)), taps)
+        b1 = self.relu(self.b1_bn2(self.b1_conv2(h)) + s, taps)
+        h = self.relu(self.b2_bn1(self.b2_conv1(b1)), taps)
+        h = self.relu(self.b2_bn2(self.b2_conv2(h)) + self.b2_short(b1), taps)
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
-class CatNet(nn.Module):
-    CONFIG = """\
-model:
-  input: [3, 7, 7]
-  layers:
-    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}
-    - {name: stem_bn, type: batchnorm2d}
-    - {name: stem_relu, type: relu}
+class CatNet(StemNet):
+    CONFIG = StemNet.STEM_CONFIG + """\
     - {name: dw, type: conv2d, out_channels: 4, kernel: 3, padding: 1, groups: 4, bias: false}
     - {name: dw_bn, type: batchnorm2d}
     - {name: dw_relu, type: relu}
@@ -125,14 +134,10 @@ model:
     - {name: cat, type: concat, inputs: [pw, gc]}
     - {name: cat_bn, type: batchnorm2d}
     - {name: cat_relu, type: relu}
-    - {name: gap, type: globalavgpool}
-    - {name: head, type: dense, units: 5}
-"""
+""" + StemNet.HEAD_CONFIG
 
     def __init__(self):
         super().__init__()
-        self.stem = conv(3, 4, 3, padding=1, bias=False)
-        self.stem_bn = nn.BatchNorm2d(4)
         self.dw = conv(4, 4, 3, padding=1, groups=4, bias=False)
         self.dw_bn = nn.BatchNorm2d(4)
         self.pw = conv(4, 6, 1, bias=False)
@@ -141,13 +146,9 @@ model:
         self.head = nn.Linear(10, 5)
 
     def forward(self, x, taps):
-        def relu(h):
-            taps.append(h)
-            return F.relu(h)
-
-        s = relu(self.stem_bn(self.stem(x)))
-        a = self.pw(relu(self.dw_bn(self.dw(s))))
-        h = relu(self.cat_bn(torch.cat([a, self.gc(s)], 1)))
+        s = self.stem_relu(x, taps)
+        a = self.pw(self.relu(self.dw_bn(self.dw(s)), taps))
+        h = self.relu(self.cat_bn(torch.cat([a, self.gc(s)], 1)), taps)
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
@@ -170,8 +171,10 @@ def kinks_ok(taps):
     return all(t.detach().abs().min().item() >= KINK_MARGIN for t in taps)
 
 
-def grads_ok(model):
-    return all(not ((p.grad.abs() > 0) & (p.grad.abs() < MIN_GRAD)).any() for p in model.parameters())
+def step_ok(taps, model):
+    """The taps are the ReLU inputs (plain tensors); Adam divides a gradient by its own RMS, so a nonzero but tiny
+    gradient would be rounding noise whose update (~lr) is not reproducible: grads_ok rejects it."""
+    return kinks_ok(taps) and grads_ok(model)
 
 
 def draw(cls, seed):
@@ -189,36 +192,6 @@ def draw(cls, seed):
     return model, x, labels, x_eval
 
 
-def forward_backward(model, x, labels):
-    """logits, loss, grad of x of one train-mode step, or None if a ReLU input or gradient is too close to 0."""
-    model.train().zero_grad()
-    x = x.clone().requires_grad_(True)
-    taps = []
-    logits = model(x, taps)
-    loss = F.cross_entropy(logits, labels)
-    loss.backward()
-    if not kinks_ok(taps) or not grads_ok(model):
-        return None
-    return logits.detach(), loss.detach(), x.grad.detach()
-
-
-def train(model, x, labels, make_opt):
-    """STEPS steps on the batch: the loss before each, or None if a step came close to a kink."""
-    opt = make_opt(model.parameters())
-    model.train()
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        taps = []
-        loss = F.cross_entropy(model(x, taps), labels)
-        loss.backward()
-        if not kinks_ok(taps) or not grads_ok(model):
-            return None
-        losses.append(loss.item())
-        opt.step()
-    return np.array(losses, dtype=np.float32)
-
-
 def eval_logits(model, x_eval):
     model.eval()
     taps = []
@@ -232,12 +205,12 @@ def first_good(cls, make_opt, seed):
     for s in range(seed, seed + 1000):
         model, x, labels, x_eval = draw(cls, s)
         init = copy.deepcopy(model.state_dict())
-        fb = forward_backward(model, x, labels)
+        fb = forward_backward(model, x, labels, step_ok)
         if fb is None:
             continue
         trained = cls()
         trained.load_state_dict(init)
-        losses = train(trained, x, labels, make_opt)
+        losses = train(trained, x, labels, make_opt, step_ok)
         if losses is None:
             continue
         logits_eval = eval_logits(trained, x_eval)
@@ -250,18 +223,11 @@ def first_good(cls, make_opt, seed):
 
 def write_model(f, name, cls, make_opt, opt_desc, seed):
     s, model, x, labels, fb, trained, losses, x_eval, logits_eval = first_good(cls, make_opt, seed)
-    logits, loss, grad_x = fb
     g = new_group(f, name)
     g.attrs["seed"] = s
     g.attrs["optimizer"] = opt_desc
     g.attrs["config"] = cls.CONFIG
-    put(g, "x", x.numpy())
-    put(g, "labels", labels.numpy(), np.int32)
-    put_params(new_group(g, "params"), model)
-    put(g, "logits", logits.numpy())
-    put(g, "loss", loss.numpy())
-    put_params(new_group(g, "grads"), model, grads=True)
-    put(g, "grad_x", grad_x.numpy())
+    put_step(g, model, x, labels, fb)
     put(g, "losses", losses)
     put_params(new_group(g, "params_final"), trained)
     buffers = new_group(g, "buffers")
@@ -277,17 +243,9 @@ def write_model(f, name, cls, make_opt, opt_desc, seed):
 
 
 def main():
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: /usr/bin/python3 tests/make_fixtures_graph.py tests/fixtures/torch_graph.h5")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.set_default_dtype(torch.float32)
-    out = sys.argv[1]
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with new_file(out) as f:
-        f.attrs["torch_version"] = f"{torch.__version__}"
-        f.attrs["generator"] = "tests/make_fixtures_graph.py (make fixtures)"
-        f.attrs["comment"] = "PyTorch float32 references for tests/test_graph_parity.c (see the generator's docstring)."
+    out = fixture_out("tests/make_fixtures_graph.py", "tests/fixtures/torch_graph.h5")
+    with open_fixture(out, "tests/make_fixtures_graph.py (make fixtures)",
+                      "PyTorch float32 references for tests/test_graph_parity.c (see the generator's docstring).") as f:
         seeds = [write_model(f, name, *spec) for name, spec in MODELS.items()]
     print(f"{out}: seeds {seeds}, {os.path.getsize(out)} bytes")
 

@@ -23,16 +23,13 @@ One group per case, /<case>/ (attributes eps, momentum, steps, freeze_at, lr):
 Each step: forward, backward of sum(y * dy), then SGD p -= lr * grad on every parameter. Steps from freeze_at on
 (0-based) run with freeze_bn_stats(): running statistics used, not updated.
 """
-import os
-import sys
-
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.intrinsic.qat as nniqat
 from torch.ao.quantization import QConfig
 
-from make_fixtures import new_file, new_group, put  # the same file and dataset settings
+from make_fixtures import fixture_out, new_group, open_fixture, put  # the same file and dataset settings
 
 STEPS = 5
 FREEZE_AT = 3
@@ -151,13 +148,7 @@ def write_case(f, name, seed):
 
 
 def main():
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.set_default_dtype(torch.float32)
-    out = sys.argv[1]
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with new_file(out) as f:
-        f.attrs["torch_version"] = f"{torch.__version__}"
+    with open_fixture(fixture_out("tests/make_fixtures_qatbn.py", "tests/fixtures/torch_qatbn.h5")) as f:
         for k, name in enumerate(CASES):
             write_case(f, name, 500 + k)
 

@@ -37,14 +37,21 @@
 #define CLASSES 5
 #define NX (BATCH * 3 * 7 * 7)
 
-/* The models, as the generator's CONFIG strings (the fixture holds its copy: they must agree). */
-static const char RESNET_YAML[] =
-    "model:\n"
-    "  input: [3, 7, 7]\n"
-    "  layers:\n"
-    "    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}\n"
-    "    - {name: stem_bn, type: batchnorm2d}\n"
+/* The models, as the generator's CONFIG strings (the fixture holds its copy: they must agree): the stem both
+ * start with (its StemNet.STEM_CONFIG), their own layers, the head both end with (StemNet.HEAD_CONFIG). */
+#define STEM_YAML                                                                                  \
+    "model:\n"                                                                                     \
+    "  input: [3, 7, 7]\n"                                                                         \
+    "  layers:\n"                                                                                  \
+    "    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}\n"      \
+    "    - {name: stem_bn, type: batchnorm2d}\n"                                                   \
     "    - {name: stem_relu, type: relu}\n"
+#define HEAD_YAML                                                                                  \
+    "    - {name: gap, type: globalavgpool}\n"                                                     \
+    "    - {name: head, type: dense, units: 5}\n"
+
+static const char RESNET_YAML[] =
+    STEM_YAML
     "    - {name: b1_conv1, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}\n"
     "    - {name: b1_bn1, type: batchnorm2d}\n"
     "    - {name: b1_relu1, type: relu}\n"
@@ -60,16 +67,10 @@ static const char RESNET_YAML[] =
     "    - {name: b2_short, type: conv2d, out_channels: 8, kernel: 1, stride: 2, inputs: [b1_relu2]}\n"
     "    - {name: b2_add, type: add, inputs: [b2_bn2, b2_short]}\n"
     "    - {name: b2_relu2, type: relu}\n"
-    "    - {name: gap, type: globalavgpool}\n"
-    "    - {name: head, type: dense, units: 5}\n";
+    HEAD_YAML;
 
 static const char CATNET_YAML[] =
-    "model:\n"
-    "  input: [3, 7, 7]\n"
-    "  layers:\n"
-    "    - {name: stem, type: conv2d, out_channels: 4, kernel: 3, padding: 1, bias: false}\n"
-    "    - {name: stem_bn, type: batchnorm2d}\n"
-    "    - {name: stem_relu, type: relu}\n"
+    STEM_YAML
     "    - {name: dw, type: conv2d, out_channels: 4, kernel: 3, padding: 1, groups: 4, bias: false}\n"
     "    - {name: dw_bn, type: batchnorm2d}\n"
     "    - {name: dw_relu, type: relu}\n"
@@ -79,8 +80,7 @@ static const char CATNET_YAML[] =
     "    - {name: cat, type: concat, inputs: [pw, gc]}\n"
     "    - {name: cat_bn, type: batchnorm2d}\n"
     "    - {name: cat_relu, type: relu}\n"
-    "    - {name: gap, type: globalavgpool}\n"
-    "    - {name: head, type: dense, units: 5}\n";
+    HEAD_YAML;
 
 typedef struct {
     const char *group; /* in the fixture */

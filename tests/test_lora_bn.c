@@ -174,6 +174,20 @@ static char *path_in(const Config *c, const char *name) {
     return buf[k];
 }
 
+/* The base c started from (its base_path) and the run's final.h5. */
+static void load_base_and_final(Net *base, Net *run, const Config *c, const char *base_path) {
+    load_base(base, c, base_path);
+    test_runs_load_net(run, c, path_in(c, "final.h5"));
+}
+
+/* Trains c from scratch (to a finite test loss), then load_base_and_final(). */
+static void train_and_load(Net *base, Net *run, const Config *c, const char *base_path) {
+    TrainResult r;
+    train_ok(c, NULL, 0, &r);
+    CU_ASSERT(isfinite(r.test_loss));
+    load_base_and_final(base, run, c, base_path);
+}
+
 /* ---- lora.batchnorm: frozen ---------------------------------------------------- */
 
 /* The default: the base's batch norm is part of the frozen base. The run leaves its statistics and affine
@@ -183,12 +197,8 @@ static void test_frozen_is_the_base(void) {
     const char *ov[] = {BN_LORA, SHIFTED, "train.steps=20", "train.optimizer.lr=0.01"};
     Config *c = cfg(bn_base, "tests/configs/tiny-bn.yaml", "frozen", ov, 4);
     CU_ASSERT_EQUAL(c->lora.batchnorm, LORA_BN_FROZEN);
-    TrainResult r;
-    train_ok(c, NULL, 0, &r);
-    CU_ASSERT(isfinite(r.test_loss));
     Net base, run, from;
-    load_base(&base, c, bn_base);
-    test_runs_load_net(&run, c, path_in(c, "final.h5"));
+    train_and_load(&base, &run, c, bn_base);
     CU_ASSERT(same_stats(&base, &run, "bn1"));
     CU_ASSERT(same_param(&base, &run, "bn1/weight"));
     CU_ASSERT(same_param(&base, &run, "bn1/bias"));
@@ -241,12 +251,8 @@ static void test_frozen_is_the_base(void) {
 static void test_train_is_kept_in_adapters(void) {
     const char *ov[] = {RES_LORA, SHIFTED, "train.steps=20", "train.checkpoint_every=0", "lora.batchnorm=train"};
     Config *c = cfg(res_base, "tests/configs/tiny-res.yaml", "train", ov, 5);
-    TrainResult r;
-    train_ok(c, NULL, 0, &r);
-    CU_ASSERT(isfinite(r.test_loss));
     Net base, run, from;
-    load_base(&base, c, res_base);
-    test_runs_load_net(&run, c, path_in(c, "final.h5"));
+    train_and_load(&base, &run, c, res_base);
     const char *bns[] = {"stem_bn", "bn1", "bn2"};
     for (int i = 0; i < 3; i++) {
         char w[64];
@@ -312,11 +318,8 @@ static void test_trainable_bn_trains(void) {
     const char *ov[] = {RES_LORA, SHIFTED, "lora.trainable=[bn1]", "train.steps=20", "train.checkpoint_every=0"};
     Config *c = cfg(res_base, "tests/configs/tiny-res.yaml", "trainable", ov, 5);
     CU_ASSERT_EQUAL(c->lora.batchnorm, LORA_BN_FROZEN);
-    TrainResult r;
-    train_ok(c, NULL, 0, &r);
     Net base, run, from;
-    load_base(&base, c, res_base);
-    test_runs_load_net(&run, c, path_in(c, "final.h5"));
+    train_and_load(&base, &run, c, res_base);
     CU_ASSERT(!same_stats(&base, &run, "bn1"));
     CU_ASSERT(!same_param(&base, &run, "bn1/weight"));
     CU_ASSERT(same_stats(&base, &run, "stem_bn"));
@@ -367,8 +370,7 @@ static void test_resume_exact(void) {
     /* the resumed half kept the batch norm frozen too: the base's statistics */
     Config *c = cfg(bn_base, "tests/configs/tiny-bn.yaml", "resume-frozen-split", frozen, 4);
     Net base, run;
-    load_base(&base, c, bn_base);
-    test_runs_load_net(&run, c, path_in(c, "final.h5"));
+    load_base_and_final(&base, &run, c, bn_base);
     CU_ASSERT(same_stats(&base, &run, "bn1"));
     net_free(&base), net_free(&run);
     free(c);
