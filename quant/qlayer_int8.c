@@ -389,21 +389,32 @@ static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const ConvJ
 /* cols: planes (ceil(K/4), plane), dword q = the 4 k of output pixel q, a_zero outside the image. */
 static void planes_cols(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
     const int KH = j->c.KH, KW = j->c.KW, K = j->c.C * KH * KW, P = j->OH * j->OW;
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    const uint32_t zero = (uint32_t)j->ac.zero, fill = zero * 0x01010101u;
     for (int g = 0; g < j->c.groups; g++) {
         uint32_t *p = pl + (size_t)g * j->plane;
-        for (int q = 0; q < P; q++) {
-            const int oh = q / j->OW, ow = q % j->OW;
-            uint32_t v = 0;
-            for (int b = 0; b < 4; b++) {
-                const int k = 4 * g + b, c = k / (KH * KW), kh = k / KW % KH, kw = k % KW;
-                const int ih = oh * j->stride + kh - j->pad, iw = ow * j->stride + kw - j->pad;
-                uint32_t u = (uint32_t)j->ac.zero;
-                if (k < K && ih >= 0 && ih < j->H && iw >= 0 && iw < j->W)
-                    u = codes[((size_t)c * j->H + ih) * j->W + iw];
-                v |= u << (8 * b);
+        /* the 4 k of this dword, decoded once per group rather than per pixel (the divisions dominated strided
+           convs); a k past K reads as the zero point */
+        const uint8_t *src[4];
+        int dh[4], dw[4];
+        bool real[4];
+        for (int b = 0; b < 4; b++) {
+            const int k = 4 * g + b, c = k / (KH * KW), kh = k / KW % KH, kw = k % KW;
+            real[b] = k < K;
+            src[b] = codes + (size_t)(real[b] ? c : 0) * j->H * j->W;
+            dh[b] = kh - j->pad, dw[b] = kw - j->pad;
+        }
+        for (int oh = 0; oh < j->OH; oh++) {
+            uint32_t *row = p + (size_t)oh * j->OW;
+            for (int ow = 0; ow < j->OW; ow++) {
+                uint32_t v = 0;
+                for (int b = 0; b < 4; b++) {
+                    const int ih = oh * j->stride + dh[b], iw = ow * j->stride + dw[b];
+                    uint32_t u = zero;
+                    if (real[b] && ih >= 0 && ih < j->H && iw >= 0 && iw < j->W) u = src[b][(size_t)ih * j->W + iw];
+                    v |= u << (8 * b);
+                }
+                row[ow] = v;
             }
-            p[q] = v;
         }
         for (size_t q = (size_t)P; q < j->plane; q++) p[q] = fill;
     }
