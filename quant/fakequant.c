@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "fakequant_internal.h"
+#include "nn/ops.h"
 #include "qarray_plan.h"
 
 #define LN2 0.69314718055994530942
@@ -234,6 +235,19 @@ static bool fq_check_spec(Tape *t, const char *op, const Var *x, const FakeQuant
     return fq_check_finite(t, op, x);
 }
 
+/* fmt_roundtrip of an integer format without float zero points, rounding to nearest even, over one row of a
+ * channel: the same operations in the same order (x is finite, fq_check_finite, so the comparisons clamp as fminf
+ * and fmaxf do, and -0 leaves as +0 either way), vectorised; the activations of every PTQ layer off the int8
+ * kernels pass here each batch. */
+NN_SIMD_CLONES static void fq_row_int_rne(float *y, const float *x, size_t n, float s, float lo, float hi) {
+    for (size_t j = 0; j < n; j++) {
+        float v = x[j] / s;
+        v = v < lo ? lo : v;
+        v = v > hi ? hi : v;
+        y[j] = (rintf(v) + 0.0f) * s;
+    }
+}
+
 /* y = roundtrip(x) with c's scales; records the backward. */
 static Var *fq_run(Tape *t, const char *op, Var *x, const FakeQuantSpec *spec, const Fmt *f, FqCtx *c) {
     Rng *rng;
@@ -244,10 +258,16 @@ static Var *fq_run(Tape *t, const char *op, Var *x, const FakeQuantSpec *spec, c
     rng_uniforms_init(&u, spec->skip_rounding ? NULL : rng, var_numel(x));
     const float *xv = x->value.data;
     float *yv = y->value.data;
+    const bool fast = f->is_int && !f->zp_float && !spec->skip_rounding && spec->round == QROUND_RNE;
     size_t i = 0;
     for (size_t o = 0; o < c->g.outer; o++)
         for (int ch = 0; ch < c->g.C; ch++) {
             float s = c->s[ch], zp = c->zp[ch], lo = c->elo[ch], hi = c->ehi[ch];
+            if (fast) {
+                fq_row_int_rne(yv + i, xv + i, c->g.inner, s, lo, hi);
+                i += c->g.inner;
+                continue;
+            }
             for (size_t j = 0; j < c->g.inner; j++, i++)
                 yv[i] = fmt_roundtrip(f, xv[i], s, zp, lo, hi, spec->round, rng_uniforms_next(&u), spec->skip_rounding);
         }
