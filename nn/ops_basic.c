@@ -118,6 +118,18 @@ Var *nn_linear(Tape *t, Var *x, Var *w, Var *bias) {
 /* ---- bias add, add, scale ------------------------------------------------ */
 
 /* x viewed as (outer, C, inner): (N, C) has inner 1; (N, C, H, W) inner H*W. */
+/* y[b][c][:] = x[b][c][:] + bias[c]: one bias value per (example, channel) plane, a vectorised inner loop with no
+ * division per element (the folded batch-norm shift of a biasless conv runs through here on every PTQ eval
+ * batch). y, x: (N, C, inner). */
+NN_SIMD_CLONES static void bias_add_planes(float *y, const float *x, const float *bias, int N, int C, size_t inner) {
+    for (int b = 0; b < N; b++)
+        for (int c = 0; c < C; c++) {
+            const size_t off = ((size_t)b * C + c) * inner;
+            const float bv = bias[c];
+            for (size_t j = 0; j < inner; j++) y[off + j] = x[off + j] + bv;
+        }
+}
+
 static void bias_add_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *bias = node->in[1];
     const float *dy = node->out->grad;
@@ -157,15 +169,7 @@ Var *nn_bias_add(Tape *t, Var *x, Var *bias) {
     size_t n = var_numel(x);
     int N = x->value.shape[0], C = x->value.shape[1];
     size_t inner = n / ((size_t)N * C);
-    /* one bias value per (example, channel) plane: a vectorisable inner loop, no division per element (the folded
-       batch-norm shift of a biasless conv runs through here on every PTQ eval batch) */
-    for (int b = 0; b < N; b++)
-        for (int c = 0; c < C; c++) {
-            size_t off = ((size_t)b * C + c) * inner;
-            const float bv = bias->value.data[c], *src = x->value.data + off;
-            float *dst = y->value.data + off;
-            for (size_t j = 0; j < inner; j++) dst[j] = src[j] + bv;
-        }
+    bias_add_planes(y->value.data, x->value.data, bias->value.data, N, C, inner);
     return tape_record(t, "bias_add", bias_add_backward, y, (Var *[]){x, bias}, 2, NULL) ? y : NULL;
 }
 
