@@ -107,7 +107,8 @@ static void check_fused(Model *m, const char *what) {
         CU_FAIL("fusion");
     }
     double dmax = 0, rmax = 0;
-    for (int i = 0; i < N_EX * 10; i++) dmax = fmax(dmax, fabs((double)got[i] - ref[i])), rmax = fmax(rmax, fabs(ref[i]));
+    for (int i = 0; i < N_EX * 10; i++)
+        dmax = fmax(dmax, fabs((double)got[i] - ref[i])), rmax = fmax(rmax, fabs(ref[i]));
     printf("(%s: max |diff| / max |y| = %.2e) ", what, dmax / rmax);
     CU_ASSERT(rmax > 0.1);
     CU_ASSERT(dmax <= 1e-5 * rmax);
