@@ -170,7 +170,7 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
  * (Module.weight_hook: a quantized base, dequantized), the adapter shares
  * each chunk's im2col with the base (nn_conv2d_fused_lowrank); otherwise it
  * declines (NULL, no error) and the layers run one by one. */
-static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
+static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
     if (a->spec.dropout != 0.0f || !m->conv_plain) return NULL;
     Var *w = NULL;
@@ -178,8 +178,7 @@ static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue 
     else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);
     if (!w) return NULL;
     ConvLowRank lr = {&a->A.var, &a->B.var, a->scale};
-    return nn_conv2d_fused_lowrank(t, x, w, m->bias ? &m->bias->var : NULL, &lr, m->spec.stride, m->spec.padding,
-                                   epi);
+    return nn_conv2d_fused_lowrank(t, x, w, bias, &lr, m->spec.stride, m->spec.padding, epi);
 }
 
 void lora_adapter_install(LoraAdapter *a) {

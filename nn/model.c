@@ -512,25 +512,49 @@ Var *model_conv_forward(Tape *t, const Module *m, Var *x, Var *w, Var *bias) {
     return nn_conv2d_general(t, x, w, bias, &m->geom);
 }
 
-/* How many modules from i on run as one fused convolution: 3 for a
- * conv2d -> relu -> maxpool2d (kernel 2, stride 2), 2 for conv2d -> relu,
- * else 1. A hooked conv2d fuses only if its hook offers a fused form. Each
- * fused-away output must have the next module as its only consumer: the
- * fused op never makes it. */
-static int model_fusable_layers(const Model *m, int i) {
+/* A run of modules model_forward computes as one convolution. */
+typedef struct {
+    int n;            /* modules it covers from the conv2d on; 1: no fusing */
+    ConvEpilogue epi;
+    Var *bias;        /* (OC,): the conv's bias or the shift of the batch norm folded after it, or NULL */
+} ConvFusion;
+
+/* Whether module j, a batch norm folded after the conv2d i before it that
+ * has no bias (BN_FOLD_BIAS: y = x + its bias), joins the conv as its bias.
+ * Not with Model.keep_outputs: a caller reads the conv's output. */
+static bool model_fusable_bn(const Model *m, int i, int j) {
+    const Module *c = &m->modules[i], *b = &m->modules[j];
+    return !m->keep_outputs && !c->bias && b->spec.type == LAYER_BATCHNORM2D && b->bn_folded == BN_FOLD_BIAS &&
+           !b->forward_hook && b->bias && var_numel(&b->bias->var) == (size_t)c->out_shape[0] &&
+           model_reads_previous(m, j) && c->n_consumers == 1;
+}
+
+/* Which modules from i on run as one fused convolution: a conv2d, then a
+ * batch norm folded into it as its bias (model_fusable_bn), then a relu
+ * (the relu epilogue), then a max pool (kernel 2, stride 2; the relu and
+ * pool epilogue); each part optional but the pool needs the relu. A hooked
+ * conv2d fuses only if its hook offers a fused form. Each fused-away output
+ * must have the next module as its only consumer: the fused op never makes
+ * it. */
+static ConvFusion model_fusable_layers(const Model *m, int i) {
+    ConvFusion f = {1, CONV_EPI_NONE, NULL};
     const Module *c = &m->modules[i];
-    if (c->spec.type != LAYER_CONV2D || !c->conv_plain) return 1;
-    if (c->forward_hook ? !c->fused_hook : !c->weight || c->weight->released) return 1;
-    if (i + 1 >= m->n_modules) return 1;
-    const Module *r = &m->modules[i + 1];
-    if (r->spec.type != LAYER_RELU || r->forward_hook || !model_reads_previous(m, i + 1) || c->n_consumers != 1)
-        return 1;
-    if (i + 2 >= m->n_modules) return 2;
-    const Module *p = &m->modules[i + 2];
+    if (c->spec.type != LAYER_CONV2D || !c->conv_plain) return f;
+    if (c->forward_hook ? !c->fused_hook : !c->weight || c->weight->released) return f;
+    f.bias = c->bias ? &c->bias->var : NULL;
+    int j = i + 1; /* the next module to fold in */
+    if (j < m->n_modules && model_fusable_bn(m, i, j)) f.bias = &m->modules[j++].bias->var;
+    if (j >= m->n_modules) return (f.n = j - i, f);
+    const Module *prev = &m->modules[j - 1], *r = &m->modules[j];
+    if (r->spec.type != LAYER_RELU || r->forward_hook || !model_reads_previous(m, j) || prev->n_consumers != 1)
+        return (f.n = j - i, f);
+    f.epi = CONV_EPI_RELU;
+    if (++j >= m->n_modules) return (f.n = j - i, f);
+    const Module *p = &m->modules[j];
     bool pool = p->spec.type == LAYER_MAXPOOL2D && !p->forward_hook && p->spec.kernel == 2 && p->spec.stride == 2 &&
-                c->out_shape[1] >= 2 && c->out_shape[2] >= 2 && model_reads_previous(m, i + 2) &&
-                r->n_consumers == 1;
-    return pool ? 3 : 2;
+                c->out_shape[1] >= 2 && c->out_shape[2] >= 2 && model_reads_previous(m, j) && r->n_consumers == 1;
+    if (pool) f.epi = CONV_EPI_RELU_MAXPOOL2, j++;
+    return (f.n = j - i, f);
 }
 
 Var *model_forward(Model *m, Tape *t, Var *x) {
@@ -551,19 +575,18 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
     outs[0] = x;
     for (int i = 0; i < m->n_modules; i++) {
         Module *mod = &m->modules[i];
-        int fused = model_fusable_layers(m, i);
-        if (fused > 1) {
-            static const ConvEpilogue epi[] = {CONV_EPI_NONE, CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
-            Var *b = mod->bias ? &mod->bias->var : NULL, *in = outs[1 + mod->inputs[0]];
-            Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, epi[fused])
-                                       : nn_conv2d_fused(t, in, &mod->weight->var, b, mod->spec.stride,
-                                                         mod->spec.padding, epi[fused]);
+        const ConvFusion f = model_fusable_layers(m, i);
+        if (f.n > 1) {
+            Var *in = outs[1 + mod->inputs[0]];
+            Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, f.bias, f.epi)
+                                       : nn_conv2d_fused(t, in, &mod->weight->var, f.bias, mod->spec.stride,
+                                                         mod->spec.padding, f.epi);
             if (!y && !tape_ok(t)) return NULL;
             if (y) {
-                for (int q = i; q < i + fused - 1; q++) outs[1 + q] = NULL; /* never made */
-                outs[i + fused] = y;
-                if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i + fused - 1);
-                i += fused - 1;
+                for (int q = i; q < i + f.n - 1; q++) outs[1 + q] = NULL; /* never made */
+                outs[i + f.n] = y;
+                if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i + f.n - 1);
+                i += f.n - 1;
                 continue;
             }
             /* the hook declined: run it and the layers after it one by one */

@@ -94,10 +94,12 @@ typedef struct Module Module;
  * knows nothing of them). x: (N, in_shape...). */
 typedef Var *(*ModuleForwardFn)(Tape *t, Module *m, Var *x, void *ctx);
 /* A conv2d hook's forward with the following relu (and 2x2 max pool)
- * folded in, as nn_conv2d_fused does for a plain conv2d; same ctx. NULL
- * with no error on the tape declines: model_forward then runs the hook and
- * the following layers one by one. */
-typedef Var *(*ModuleFusedForwardFn)(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi);
+ * folded in, as nn_conv2d_fused does for a plain conv2d; same ctx. bias:
+ * (OC,) or NULL, the bias to add, which is the conv's own (m->bias) or,
+ * for a conv without one, the shift of the batch norm folded after it
+ * (BN_FOLD_BIAS). NULL with no error on the tape declines: model_forward
+ * then runs the hook and the following layers one by one. */
+typedef Var *(*ModuleFusedForwardFn)(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi);
 /* The float weight a hooked module's forward computes with this step (a
  * quantized base's dequantized weight, in the tape's arena), for a hook
  * chained over it that wants to fold the layer into one op; NULL when the

@@ -447,9 +447,8 @@ static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
  * weight; declines (NULL, no error) for weights over one tile and, on the
  * int8 path, for a bias of the wrong shape, which then run as the layer
  * (which reports the bias) and separate ops. */
-static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, ConvEpilogue epi) {
+static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     QLayer *q = ctx;
-    Var *bias = m->bias ? &m->bias->var : NULL;
     int OH = 0, OW = 0;
     if (!m->conv_plain) return NULL; /* model_forward fuses plain convolutions only */
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;

@@ -25,6 +25,7 @@
     X(nn_model)   \
     X(model_graph) \
     X(bn_fold)    \
+    X(bn_fuse)    \
     X(conv_geom)  \
     X(nn_torch)   \
     X(graph_parity) \

@@ -216,7 +216,7 @@ static bool fused_matches(QLayer *q, const float *x, int N, const char *what) {
     static const ConvEpilogue EPI[] = {CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
     bool same = true;
     for (int k = 0; k < (pool ? 3 : 2); k++) {
-        Var *y = mod->fused_hook(t, mod, vx, mod->hook_ctx, EPI[k]);
+        Var *y = mod->fused_hook(t, mod, vx, mod->hook_ctx, mod->bias ? &mod->bias->var : NULL, EPI[k]);
         CU_ASSERT_PTR_NOT_NULL_FATAL(y); /* not declined: the int8 path has the epilogue */
         bool ok = y->value.ndim == 4 && var_numel(y) == var_numel(ref[k]) &&
                   !memcmp(y->value.shape, ref[k]->value.shape, sizeof y->value.shape) &&
