@@ -168,7 +168,10 @@ bool model_graph_relu_in_place(const Model *m, int i) {
     const Module *p = &m->modules[j];
     const bool bn = (p->spec.type == LAYER_BATCHNORM1D || p->spec.type == LAYER_BATCHNORM2D) &&
                     p->bn_folded == BN_FOLD_NONE;
-    return (bn || p->spec.type == LAYER_ADD) && !p->forward_hook && model_graph_last_reader(m, j) == i;
+    /* the only reader, not just the last: an earlier reader's backward (a conv's weight gradient) or a view of
+       it (dropout in eval, flatten) still needs the values */
+    return (bn || p->spec.type == LAYER_ADD) && !p->forward_hook && p->n_consumers == 1 &&
+           model_graph_last_reader(m, j) == i;
 }
 
 void model_graph_release_dead(Model *m, Tape *t, int first, int last) {

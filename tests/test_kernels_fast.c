@@ -268,6 +268,61 @@ static void test_model_activation_memory(void) {
     model_free(&m);
 }
 
+/* A batch norm's output read by a conv and then by a relu: the relu is its last reader but not its only one, and
+ * the conv's backward (its weight gradient) and a view of it in eval (dropout) read those values, so the relu must
+ * not overwrite them: with and without Model.keep_outputs the gradients and the eval output are the same bits. */
+static void test_relu_not_in_place_under_a_second_reader(void) {
+    enum { N = 4, C = 4, HW = 6 };
+    for (int kind = 0; kind < 2; kind++) { /* 0: a conv reads bn1 first (training); 1: a dropout (eval) */
+        LayerSpec layers[7];
+        int n = 0;
+        layers[n++] = layer(LAYER_CONV2D, "c0", NULL, NULL);
+        layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);
+        layers[n++] = layer(kind == 0 ? LAYER_CONV2D : LAYER_DROPOUT, "side", "bn1", NULL);
+        layers[n++] = layer(LAYER_RELU, "r", "bn1", NULL);
+        layers[n++] = layer(LAYER_ADD, "sum", "side", "r");
+        layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);
+        layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);
+        layers[n++].units = 3;
+        Model m;
+        QtError err = {0};
+        CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){C, HW, HW}, layers, n, &err), QT_OK);
+        CU_ASSERT(!model_graph_relu_in_place(&m, 3));
+        Rng r;
+        rng_init(&r, 11, RNG_STREAM_INIT);
+        model_init_params(&m, &r);
+        float *x = random_data((size_t)N * C * HW * HW, 3, -1.0f, 1.0f);
+        float out[2][N * 3];
+        float *grads[2] = {NULL, NULL};
+        const Param *w = m.modules[kind == 0 ? 2 : 0].weight;
+        const size_t nw = var_numel(&w->var);
+        for (int keep = 0; keep < 2; keep++) {
+            m.keep_outputs = keep;
+            TestEnv e;
+            test_env_init(&e, 1);
+            e.tape.training = kind == 0;
+            e.tape.grad_enabled = kind == 0;
+            memset(w->var.grad, 0, nw * sizeof(float));
+            Var *vx = test_var(&e, x, 4, (int[]){N, C, HW, HW}, false);
+            Var *y = model_forward(&m, &e.tape, vx);
+            CU_ASSERT_FATAL(y != NULL);
+            memcpy(out[keep], y->value.data, sizeof out[keep]);
+            if (kind == 0) {
+                float dy[N * 3];
+                for (int i = 0; i < N * 3; i++) dy[i] = (float)(i % 5) - 2.0f;
+                CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
+                grads[keep] = malloc(nw * sizeof(float));
+                memcpy(grads[keep], w->var.grad, nw * sizeof(float));
+            }
+            test_env_free(&e);
+        }
+        CU_ASSERT(memcmp(out[0], out[1], sizeof out[0]) == 0);
+        if (kind == 0) CU_ASSERT(memcmp(grads[0], grads[1], nw * sizeof(float)) == 0);
+        free(grads[0]), free(grads[1]), free(x);
+        model_free(&m);
+    }
+}
+
 int register_nn_kernels_fast_suite(void) {
     CU_pSuite s = CU_add_suite("nn_kernels_fast", NULL, NULL);
     if (!s) return -1;
@@ -277,6 +332,8 @@ int register_nn_kernels_fast_suite(void) {
            !CU_add_test(s, "backward: gradients in place and reused, same values", test_backward_reuses_grads) ||
            !CU_add_test(s, "add and relu gradients: own buffers, accumulation", test_add_relu_grads) ||
            !CU_add_test(s, "depthwise stride-1 loops match the direct loops", test_depthwise_s1_matches_ref) ||
+           !CU_add_test(s, "a relu that is not its input's only reader leaves it alone",
+                        test_relu_not_in_place_under_a_second_reader) ||
            !CU_add_test(s, "model: relus in place, eval passes release dead activations",
                         test_model_activation_memory);
 }
