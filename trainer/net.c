@@ -413,7 +413,9 @@ static void net_bn_cell(const Net *n, int i, char *buf, size_t cap) {
     const Module *m = &n->model.modules[i];
     const char *note = n->bn_note[i];
     size_t skip = strlen(m->path) + 2; /* the note starts "<path>: " */
-    if (note[0] && strlen(note) >= skip) snprintf(buf, cap, "%s", note + skip);
+    if (note[0] && strstr(note, "QAT weight") && !m->forward_hook) /* unfolded by a checkpoint (qat_layer_unfold_bn) */
+        snprintf(buf, cap, "float (not folded: the checkpoint's QAT layer has no folded_bn)");
+    else if (note[0] && strlen(note) >= skip) snprintf(buf, cap, "%s", note + skip);
     else if (m->bn_folded != BN_FOLD_NONE) snprintf(buf, cap, "folded into %s", n->model.modules[m->inputs[0]].path);
     else snprintf(buf, cap, "float (not folded)");
     size_t len = strlen(buf);
