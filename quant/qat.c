@@ -393,6 +393,14 @@ QtStatus qat_layer_fold_bn(QatLayer *q, Module *bn, int64_t freeze_after, QtErro
     return QT_OK;
 }
 
+void qat_layer_unfold_bn(QatLayer *q) {
+    if (!q || !q->bn) return;
+    Module *bn = q->bn;
+    if (bn->hook_ctx == q) bn->forward_hook = NULL, bn->fused_hook = NULL, bn->weight_hook = NULL, bn->hook_ctx = NULL;
+    q->bn = NULL;
+    q->bn_freeze_after = 0;
+}
+
 Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x) {
     if (!t || !x) return NULL;
     if (!q || !q->module || !q->spec.weight_qtype) {

@@ -117,6 +117,9 @@ void qat_layer_set_step(QatLayer *q, int64_t step);
  * the weights (bn->bn_folded, as a checkpoint holds it) is left to its own
  * forward and the layer runs as without it. */
 QtStatus qat_layer_fold_bn(QatLayer *q, Module *bn, int64_t freeze_after, QtError *err);
+/* Undoes qat_layer_fold_bn: the batch norm runs as a module of its own
+ * again and the layer as without it (a checkpoint whose layer trained so). */
+void qat_layer_unfold_bn(QatLayer *q);
 
 /* The layer's forward with fake-quantized weight and input (see above). */
 Var *qat_layer_forward(Tape *t, QatLayer *q, Var *x);

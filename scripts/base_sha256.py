@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Recomputes the base identity (base_sha256, scheme qtrain-base-sha256-v1) of a
+"""Recomputes the base identity (base_sha256, scheme qtrain-base-sha256-v2) of a
 qtrain checkpoint or adapters.h5's base checkpoint, as trainer/checkpoint.h
 defines it: SHA-256 over the frozen base's datasets -- every
 /params/<module>/<tensor> of a module not in lora.trainable (nor, with
@@ -13,8 +13,10 @@ frozen, not in lora.trainable), and every dataset directly under
 
 dtype numpy's name (float32, uint8, uint16, int32, int64), shape the dimensions in
 decimal joined by ',', bytes the little-endian elements in row-major order.
+Scheme qtrain-base-sha256-v1 (--v1; adapters.h5 files of older runs name it in
+base_hash) is the same without the /buffers datasets.
 
-usage: base_sha256.py CHECKPOINT [--trainable head,fc2]
+usage: base_sha256.py CHECKPOINT [--trainable head,fc2] [--v1]
 CHECKPOINT is any checkpoint of the LoRA run (ckpt-*.h5, final.h5): adapters.h5
 holds no base. lora.trainable defaults to the file's lora_trainable attribute."""
 import hashlib
@@ -24,7 +26,7 @@ import sys
 import h5py
 
 
-def base_sha256(path, trainable=None):
+def base_sha256(path, trainable=None, v1=False):
     with h5py.File(path, "r") as f:
         contents = f.attrs.get("contents", "")
         if (contents.decode() if isinstance(contents, bytes) else contents) == "adapters":
@@ -43,7 +45,7 @@ def base_sha256(path, trainable=None):
                 return
             parts = name.split("/")
             frozen = parts[1] not in trainable and not (bn_trains and parts[1] in batchnorms)
-            if parts[0] in ("params", "buffers") and len(parts) == 3 and frozen:
+            if parts[0] in ("params",) + (() if v1 else ("buffers",)) and len(parts) == 3 and frozen:
                 names.append(name)
             elif parts[0] == "quant" and len(parts) == 4 and parts[2] == "weight":
                 names.append(name)
@@ -60,6 +62,9 @@ def base_sha256(path, trainable=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] != "--trainable"):
+    args = sys.argv[1:]
+    v1 = "--v1" in args
+    args = [a for a in args if a != "--v1"]
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--trainable"):
         sys.exit(__doc__)
-    print(base_sha256(sys.argv[1], sys.argv[3].split(",") if len(sys.argv) == 4 else None))
+    print(base_sha256(args[0], args[2].split(",") if len(args) == 3 else None, v1))

@@ -5,6 +5,7 @@
  * adapters.h5 reloading to the same model, merge, resume; QT training of a
  * batch-norm CNN and a residual one with the batch norms in float. */
 #include <CUnit/CUnit.h>
+#include <hdf5.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -422,14 +423,14 @@ static void test_merge_equals_unmerged(void) {
 
 /* scripts/base_sha256.py's hash of checkpoint `path` into hex; false (the test skipped) without Debian's python3
  * and h5py. */
-static bool script_sha256(const char *path, char hex[SHA256_HEX_CHARS]) {
+static bool script_sha256(const char *path, const char *flags, char hex[SHA256_HEX_CHARS]) {
     if (system("/usr/bin/python3 -c 'import h5py, numpy' >/dev/null 2>&1") != 0) {
         test_skip("/usr/bin/python3 cannot import h5py and numpy (install python3-h5py python3-numpy): "
                   "scripts/base_sha256.py not checked");
         return false;
     }
     char cmd[1400];
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 scripts/base_sha256.py '%s'", path);
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 scripts/base_sha256.py '%s'%s", path, flags);
     FILE *p = popen(cmd, "r");
     CU_ASSERT_PTR_NOT_NULL_FATAL(p);
     bool ok = fgets(hex, SHA256_HEX_CHARS, p) != NULL;
@@ -438,6 +439,62 @@ static bool script_sha256(const char *path, char hex[SHA256_HEX_CHARS]) {
     }
     CU_ASSERT_EQUAL(pclose(p), 0);
     return ok;
+}
+
+/* A copy of adapters.h5 `src` at `dst` as an older qtrain wrote it: base_hash `scheme`, base_sha256 `hex`. */
+static void write_old_adapters(const char *src, const char *dst, const char *scheme, const char *hex) {
+    size_t size = 0;
+    char *bytes = test_file_read(src, &size);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(bytes);
+    test_file_write(dst, bytes, size);
+    free(bytes);
+    H5ioFile f = {H5Fopen(dst, H5F_ACC_RDWR, H5P_DEFAULT), (char *)dst, true};
+    CU_ASSERT_FATAL(f.id >= 0);
+    CU_ASSERT(H5Adelete_by_name(f.id, "/", "base_hash", H5P_DEFAULT) >= 0);
+    CU_ASSERT(H5Adelete_by_name(f.id, "/", "base_sha256", H5P_DEFAULT) >= 0);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "base_hash", scheme, &err), QT_OK);
+    CU_ASSERT_EQUAL(h5io_attr_write_str(&f, "", "base_sha256", hex, &err), QT_OK);
+    CU_ASSERT(H5Fclose(f.id) >= 0);
+}
+
+/* What net_check_adapters_base says about `path` over n (malloc'd; "" when nothing). */
+static char *adapters_check_says(const Net *n, const char *path) {
+    FILE *w = tmpfile();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(w);
+    QtError err = {0};
+    CU_ASSERT_EQUAL(net_check_adapters_base(n, path, w, &err), QT_OK);
+    char *out = calloc(4096, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+    rewind(w);
+    size_t got = fread(out, 1, 4095, w);
+    out[got] = '\0';
+    fclose(w);
+    return out;
+}
+
+/* adapters.h5 of an older qtrain names scheme v1, whose hash leaves out the frozen batch norms' statistics: over
+ * the very same base it loads without a word; a v1 hash under the v2 name is another base. */
+static void check_v1_adapters(const Config *c, const Net *n) {
+    char v1[SHA256_HEX_CHARS], v2[SHA256_HEX_CHARS];
+    CheckpointNet parts = net_checkpoint_parts(n);
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(checkpoint_base_sha256_v1(&n->model, &parts, v1, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(checkpoint_base_sha256(&n->model, &parts, v2, &err), QT_OK);
+    CU_ASSERT_STRING_NOT_EQUAL(v1, v2); /* the batch norm's statistics are in v2 only */
+    char script[SHA256_HEX_CHARS];
+    if (script_sha256(path_in(c, "final.h5"), " --v1", script)) CU_ASSERT_STRING_EQUAL(script, v1);
+    char old[1200], src[1200];
+    snprintf(old, sizeof old, "%s", path_in(c, "v1-adapters.h5"));
+    snprintf(src, sizeof src, "%s", path_in(c, "adapters.h5"));
+    write_old_adapters(src, old, CHECKPOINT_BASE_HASH_V1, v1);
+    char *said = adapters_check_says(n, old);
+    CU_ASSERT_STRING_EQUAL(said, "");
+    free(said);
+    write_old_adapters(src, old, CHECKPOINT_BASE_HASH, v1);
+    said = adapters_check_says(n, old);
+    CU_ASSERT(strstr(said, "another base") && strstr(said, v1) && strstr(said, v2));
+    free(said);
 }
 
 /* A frozen batch norm's running statistics belong to the frozen base, so its identity covers them (adapters
@@ -463,7 +520,8 @@ static void test_base_identity(void) {
         char mine[SHA256_HEX_CHARS], other[SHA256_HEX_CHARS], script[SHA256_HEX_CHARS];
         CU_ASSERT_EQUAL(checkpoint_base_sha256(&n.model, &parts, mine, &err), QT_OK);
         CU_ASSERT_STRING_EQUAL(mine, p->base_sha256);
-        if (script_sha256(path_in(cs[k], "final.h5"), script)) CU_ASSERT_STRING_EQUAL(script, mine);
+        if (script_sha256(path_in(cs[k], "final.h5"), "", script)) CU_ASSERT_STRING_EQUAL(script, mine);
+        if (k == 0) check_v1_adapters(cs[k], &n);
         model_find_module(&n.model, bn_of[k])->running_var[0] *= 2.0f;
         CU_ASSERT_EQUAL(checkpoint_base_sha256(&n.model, &parts, other, &err), QT_OK);
         if (k == 0) CU_ASSERT_STRING_NOT_EQUAL(other, mine); /* frozen: part of the base */

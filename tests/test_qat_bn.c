@@ -24,6 +24,7 @@
 #include "test_util.h"
 #include "trainer/bn_fold.h"
 #include "trainer/checkpoint.h"
+#include "trainer/h5io.h"
 #include "trainer/net.h"
 #include "trainer/tools.h"
 
@@ -713,6 +714,105 @@ static void test_resume_across_freeze(void) {
     CU_ASSERT_EQUAL(a, b);
 }
 
+/* The folded_bn marker of /quant/<module> in file path into out[cap] ("" without one). */
+static void marker_of(const char *path, const char *module, char *out, size_t cap) {
+    H5ioFile f = H5IO_FILE_INIT;
+    QtError err = {0};
+    char g[128], *v = NULL;
+    snprintf(g, sizeof g, "quant/%s", module);
+    out[0] = '\0';
+    CU_ASSERT_EQUAL_FATAL(h5io_open(&f, path, &err), QT_OK);
+    if (h5io_attr_exists(&f, g, "folded_bn")) CU_ASSERT_EQUAL(h5io_attr_read_str(&f, g, "folded_bn", &v, &err), QT_OK);
+    if (v) snprintf(out, cap, "%s", v);
+    free(v);
+    CU_ASSERT_EQUAL(h5io_close(&f, &err), QT_OK);
+}
+
+/* Loading checkpoint ckpt into c's net: its status, the message in err; with out, the net's eval output on a fixed
+ * input (N 4, 10 classes) and *unfolded the number of c's batch norms that run as modules of their own. */
+static QtStatus try_load(const Config *c, const char *ckpt, float *out, int *unfolded, QtError *err) {
+    Net n;
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_SHELL, err), QT_OK);
+    CheckpointNet p = net_checkpoint_parts(&n);
+    QtStatus st = checkpoint_load_model(ckpt, &n.model, &p, err);
+    if (st == QT_OK && out) {
+        size_t nx = input_numel(&n.model, 4);
+        float *x = qa_alloc_floats(nx);
+        for (size_t i = 0; i < nx; i++) x[i] = (float)((i * 37) % 101) / 101.0f;
+        run_model(&n.model, x, 4, false, NULL, out, 40, NULL);
+        free(x);
+        *unfolded = 0;
+        for (int i = 0; i < n.model.n_modules; i++)
+            *unfolded += n.model.modules[i].running_mean && !n.model.modules[i].forward_hook;
+        for (int i = 0; i < net_hook_count(&n, &HOOK_QAT); i++)
+            if (net_qat_layer(&n, i)->bn) CU_ASSERT(net_qat_layer(&n, i)->bn->forward_hook != NULL);
+    }
+    net_free(&n);
+    return st;
+}
+
+/* A QAT layer trained with a batch norm folded in names it in /quant/<module> folded_bn. A file without the marker
+ * (as qtrain wrote them before QAT folded batch norms, training the batch norm unfolded) loads unfolded, as it
+ * trained: the model quant.fold_bn: false builds, and it converts exactly; a marker this run does not fold is
+ * refused. The fresh run's file loads folded and converts exactly. */
+static void test_fold_marker(void) {
+    const char *ov[] = {"train.steps=10", "train.checkpoint_every=0"};
+    Config *c = test_runs_config(&runs, "tests/configs/tiny-res-qat.yaml", "marker", ov, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    TrainResult r;
+    QtError err = {0};
+    QtStatus st = test_runs_train(c, NULL, 0, &r, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    char ckpt[1024], old[1024], conv[1024], m[64];
+    snprintf(ckpt, sizeof ckpt, "%s", test_runs_path(&runs, "marker", "final.h5"));
+    snprintf(old, sizeof old, "%s", test_runs_path(&runs, "marker", "old.h5"));
+    snprintf(conv, sizeof conv, "%s", test_runs_path(&runs, "marker", "ptq.h5"));
+    const char *mods[4] = {"stem", "conv1", "conv2", "head"}, *bns[4] = {"stem_bn", "bn1", "bn2", ""};
+    for (int k = 0; k < 4; k++) {
+        marker_of(ckpt, mods[k], m, sizeof m);
+        CU_ASSERT_STRING_EQUAL(m, bns[k]);
+    }
+    float folded[40], unfolded[40], as_off[40];
+    int n_unf = -1;
+    CU_ASSERT_EQUAL(try_load(c, ckpt, folded, &n_unf, &err), QT_OK);
+    CU_ASSERT_EQUAL(n_unf, 0);
+    ConvertReport rep;
+    CU_ASSERT_EQUAL_FATAL(tools_convert(ckpt, conv, false, NULL, &rep, &err), QT_OK);
+    CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
+    CU_ASSERT_EQUAL(rep.test_loss_ptq, rep.test_loss_qat);
+
+    /* the markers removed: an older qtrain's file */
+    size_t size = 0;
+    char *bytes = test_file_read(ckpt, &size);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(bytes);
+    test_file_write(old, bytes, size);
+    free(bytes);
+    hid_t h = H5Fopen(old, H5F_ACC_RDWR, H5P_DEFAULT);
+    CU_ASSERT_FATAL(h >= 0);
+    for (int k = 0; k < 3; k++) {
+        char g[64];
+        snprintf(g, sizeof g, "/quant/%s", mods[k]);
+        CU_ASSERT(H5Adelete_by_name(h, g, "folded_bn", H5P_DEFAULT) >= 0);
+    }
+    H5Fclose(h);
+    CU_ASSERT_EQUAL(try_load(c, old, unfolded, &n_unf, &err), QT_OK);
+    CU_ASSERT_EQUAL(n_unf, 3);
+    CU_ASSERT(memcmp(unfolded, folded, sizeof folded) != 0);
+    CU_ASSERT_EQUAL(tools_convert(old, conv, true, NULL, &rep, &err), QT_OK);
+    CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
+    CU_ASSERT_EQUAL(rep.test_loss_ptq, rep.test_loss_qat);
+    /* ...the model quant.fold_bn: false builds from it, bit for bit; that run refuses the marked file */
+    c->quant.fold_bn = false;
+    CU_ASSERT_EQUAL(try_load(c, old, as_off, &n_unf, &err), QT_OK);
+    CU_ASSERT_EQUAL(n_unf, 3);
+    CU_ASSERT(memcmp(as_off, unfolded, sizeof as_off) == 0);
+    CU_ASSERT_EQUAL(try_load(c, ckpt, NULL, NULL, &err), QT_ERR_FORMAT);
+    CU_ASSERT(test_msg_has(&err, ckpt) && test_msg_has(&err, "module stem") && test_msg_has(&err, "stem_bn") &&
+              test_msg_has(&err, "folded_bn") && test_msg_has(&err, "fold_bn"));
+    free(c);
+}
+
 static int qat_bn_init(void) {
     runs.root = test_tmpdir_new();
     return runs.root ? 0 : -1;
@@ -736,5 +836,7 @@ int register_quant_qat_bn_suite(void) {
            !CU_add_test(s, "convert of tiny-bn is exact, its batch norm folded", test_convert_bn) ||
            !CU_add_test(s, "convert of tiny-res is exact, its batch norms folded", test_convert_res) ||
            !CU_add_test(s, "quant.freeze_bn_after stops the statistics", test_freeze_after) ||
-           !CU_add_test(s, "resume across the freeze is bit-exact", test_resume_across_freeze);
+           !CU_add_test(s, "resume across the freeze is bit-exact", test_resume_across_freeze) ||
+           !CU_add_test(s, "folded_bn marks a folded QAT layer; a file without it loads unfolded, as it trained",
+                        test_fold_marker);
 }

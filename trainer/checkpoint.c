@@ -718,6 +718,7 @@ QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, Q
     st = check_header(&f, err);
     if (st == QT_OK) st = read_count(&f, "", "step", &p->step, err);
     if (st == QT_OK) st = read_count(&f, "", "epoch", &p->epoch, err);
+    if (st == QT_OK) st = read_root_str(&f, "base_hash", p->base_hash, sizeof p->base_hash, err);
     if (st == QT_OK) st = read_root_str(&f, "base_sha256", p->base_sha256, sizeof p->base_sha256, err);
     if (st == QT_OK) st = read_root_str(&f, "base_init_from", p->base_init_from, sizeof p->base_init_from, err);
     if (st == QT_OK) st = read_root_str(&f, "lora_batchnorm", p->lora_batchnorm, sizeof p->lora_batchnorm, err);

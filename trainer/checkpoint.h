@@ -120,13 +120,17 @@ typedef struct {
                                 locked out_dir; a user's --out: FS_REPLACE_NONE, or FS_REPLACE_REGULAR with --force) */
 } CheckpointState;
 
-#define CHECKPOINT_BASE_HASH "qtrain-base-sha256-v1" /* the root attribute base_hash names the scheme */
+#define CHECKPOINT_BASE_HASH "qtrain-base-sha256-v2" /* the root attribute base_hash names the scheme */
+/* The scheme before frozen batch norms' statistics (/buffers) were hashed: adapters.h5 files of older runs carry
+ * it, and net_check_adapters_base compares them by it. */
+#define CHECKPOINT_BASE_HASH_V1 "qtrain-base-sha256-v1"
 #define CHECKPOINT_PROV_PATH_MAX 4096
 
 /* The provenance attributes of a file's root ("" when absent: a file
  * written before they existed, or not by a LoRA run or a merge). */
 typedef struct {
     int64_t step, epoch;
+    char base_hash[32];       /* the scheme of base_sha256 (CHECKPOINT_BASE_HASH or _V1) */
     char base_sha256[SHA256_HEX_CHARS];
     char base_init_from[CHECKPOINT_PROV_PATH_MAX];
     char lora_batchnorm[16];  /* "frozen", "train" */
@@ -190,6 +194,9 @@ QtStatus checkpoint_load_adapters(const char *path, Model *m, const CheckpointNe
  * (quantization formats, activation ranges) are not hashed.
  * scripts/base_sha256.py recomputes it from a checkpoint. */
 QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS], QtError *err);
+/* The same by scheme CHECKPOINT_BASE_HASH_V1: without the frozen batch norms' /buffers. */
+QtStatus checkpoint_base_sha256_v1(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS],
+                                   QtError *err);
 /* The root provenance attributes of path (see CheckpointProvenance). */
 QtStatus checkpoint_read_provenance(const char *path, CheckpointProvenance *p, QtError *err);
 /* The module paths under /quant of a checkpoint (a PTQ base from `qtrain

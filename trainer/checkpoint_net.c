@@ -144,8 +144,9 @@ static void hash_u64le(Sha256 *s, uint64_t v) {
     sha256_update(s, b, sizeof b);
 }
 
-
-QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS], QtError *err) {
+/* with_buffers: scheme v2 (CHECKPOINT_BASE_HASH) hashes the frozen batch norms' statistics, v1 does not. */
+static QtStatus base_sha256(const Model *m, const CheckpointNet *net, bool with_buffers, char hex[SHA256_HEX_CHARS],
+                            QtError *err) {
     size_t cap = (size_t)m->n_params + 3 * (size_t)m->n_modules + 1, n = 0;
     for (int k = 0; k < net->n_sets; k++)
         if (net->sets[k].kind->frozen_weight) cap += (size_t)net->sets[k].n * QARRAY_MAX_BLOBS;
@@ -164,7 +165,7 @@ QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char h
         r[n++].bytes = tensor_numel(t) * sizeof(float);
     }
     /* a frozen batch norm's running statistics are the base's too */
-    for (int i = 0; i < m->n_modules; i++) {
+    for (int i = 0; with_buffers && i < m->n_modules; i++) {
         const Module *b = &m->modules[i];
         if (!b->running_mean || !b->bn.frozen) continue;
         const char *names[3] = {"running_mean", "running_var", "num_batches_tracked"};
@@ -208,4 +209,13 @@ QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char h
     sha256_hex(digest, hex);
     free(r);
     return QT_OK;
+}
+
+QtStatus checkpoint_base_sha256(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS], QtError *err) {
+    return base_sha256(m, net, true, hex, err);
+}
+
+QtStatus checkpoint_base_sha256_v1(const Model *m, const CheckpointNet *net, char hex[SHA256_HEX_CHARS],
+                                   QtError *err) {
+    return base_sha256(m, net, false, hex, err);
 }

@@ -2,7 +2,10 @@
  * (quant/qat.h) of each module a quant.mode qat rule quantizes. The float
  * weight trains; the learned ranges are parameters of their own. Its
  * checkpoint state is under /quant/<module>/{weight,input}: the learned
- * ranges and the input's running statistics. */
+ * ranges and the input's running statistics; a layer that trains with a
+ * batch norm folded in says so in the attribute folded_bn of
+ * /quant/<module> (the batch norm's path); a file without it loads with
+ * the batch norm unfolded, as such a layer trained before QAT folded them. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,6 +165,7 @@ static QtStatus qat_save(H5ioFile *f, const void *layer, QtError *err) {
     char g[CKPT_OBJ_MAX], calib[64];
     QtStatus st = ckpt_obj_path(g, "quant", m, NULL, err);
     if (st == QT_OK) st = h5io_group_create(f, g, err);
+    if (st == QT_OK && q->bn) st = h5io_attr_write_str(f, g, "folded_bn", q->bn->path, err);
     const char *tensors[2] = {"weight", q->spec.act_qtype ? "input" : NULL};
     for (int k = 0; st == QT_OK && k < 2 && tensors[k]; k++) {
         char t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
@@ -219,9 +223,29 @@ static QtStatus read_range(const H5ioFile *f, const char *state, const FqRange *
     return st;
 }
 
+/* The layer's batch norm folded in (q->bn) against the file's folded_bn marker on /quant/<module> (g). A file
+ * without it was written before QAT folded batch norms: its layer trained with the batch norm after it unfolded, so
+ * it loads so (*unfold) rather than as another model. A marker this run does not fold is refused. */
+static QtStatus check_folded_bn(const H5ioFile *f, const char *g, const QatLayer *q, bool *unfold, QtError *err) {
+    char *marked = NULL;
+    QtStatus st = QT_OK;
+    if (h5io_kind(f, g) == H5IO_GROUP && h5io_attr_exists(f, g, "folded_bn"))
+        st = h5io_attr_read_str(f, g, "folded_bn", &marked, err);
+    const char *want = q->bn ? q->bn->path : NULL;
+    *unfold = st == QT_OK && want && !marked;
+    if (st == QT_OK && marked && (!want || strcmp(marked, want) != 0))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: module %s was trained with batch norm %s folded into its QAT "
+                          "weight (/%s attribute folded_bn), but this run %s%s; load it with the config it was "
+                          "written with (quant.fold_bn: true)", f->path, q->module->path, marked, g,
+                          want ? "folds " : "folds none into it", want ? want : "");
+    free(marked);
+    return st;
+}
+
 typedef struct {
     float *ranges;      /* the learned ranges' values, weight then input */
     CalibRunning act;   /* the input's statistics */
+    bool unfold;        /* the file's layer trained with its batch norm unfolded (check_folded_bn) */
 } QatStaged;
 
 static QtStatus qat_load(const H5ioFile *f, const void *layer, void *staged, QtError *err) {
@@ -236,7 +260,9 @@ static QtStatus qat_load(const H5ioFile *f, const void *layer, void *staged, QtE
     float *dst = sg->ranges;
     char t[CKPT_OBJ_MAX], state[CKPT_OBJ_MAX + 8];
     bool learned = q->qat.learn_amax != QAT_LEARN_NONE;
-    QtStatus st = ckpt_obj_path(t, "quant", q->module->path, "weight", err);
+    QtStatus st = ckpt_obj_path(t, "quant", q->module->path, NULL, err);
+    if (st == QT_OK) st = check_folded_bn(f, t, q, &sg->unfold, err);
+    if (st == QT_OK) st = ckpt_obj_path(t, "quant", q->module->path, "weight", err);
     snprintf(state, sizeof state, "%s/state", t);
     if (st == QT_OK && h5io_kind(f, state) != H5IO_GROUP)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: the QAT state of module %s (/%s) is missing; the checkpoint "
@@ -265,6 +291,7 @@ static void qat_commit(void *layer, void *staged) {
     }
     if (q->spec.act_qtype) q->act_stats = sg->act;
     q->ranges_ready = true;
+    if (sg->unfold) qat_layer_unfold_bn(q);
 }
 
 static void qat_staged_free(void *staged) { free(((QatStaged *)staged)->ranges); }

@@ -230,7 +230,9 @@ QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtE
                               ? "were trained with the adapters (it holds their weights and statistics)"
                               : "are the base's (it holds none of their weights or statistics)",
                           p->lora_batchnorm);
-    if (st == QT_OK) st = checkpoint_base_sha256(&n->model, &parts, mine, err);
+    /* a file of an older qtrain names scheme v1: compare by its definition */
+    bool v1 = strcmp(p->base_hash, CHECKPOINT_BASE_HASH_V1) == 0;
+    if (st == QT_OK) st = (v1 ? checkpoint_base_sha256_v1 : checkpoint_base_sha256)(&n->model, &parts, mine, err);
     if (st == QT_OK && !p->base_sha256[0]) {
         fprintf(warn, "qtrain: warning: %s records no base identity (base_sha256; written by an older qtrain?): "
                 "whether its adapters were trained on this run's base (sha256 %s) cannot be checked\n", path, mine);
@@ -411,7 +413,9 @@ static void net_bn_cell(const Net *n, int i, char *buf, size_t cap) {
     const Module *m = &n->model.modules[i];
     const char *note = n->bn_note[i];
     size_t skip = strlen(m->path) + 2; /* the note starts "<path>: " */
-    if (note[0] && strlen(note) >= skip) snprintf(buf, cap, "%s", note + skip);
+    if (note[0] && strstr(note, "QAT weight") && !m->forward_hook) /* unfolded by a checkpoint (qat_layer_unfold_bn) */
+        snprintf(buf, cap, "float (not folded: the checkpoint's QAT layer has no folded_bn)");
+    else if (note[0] && strlen(note) >= skip) snprintf(buf, cap, "%s", note + skip);
     else if (m->bn_folded != BN_FOLD_NONE) snprintf(buf, cap, "folded into %s", n->model.modules[m->inputs[0]].path);
     else snprintf(buf, cap, "float (not folded)");
     size_t len = strlen(buf);
