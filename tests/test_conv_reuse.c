@@ -11,14 +11,6 @@
 #include "nn/ops_conv_internal.h"
 #include "test_util.h"
 
-static float *random_data(size_t n, uint64_t seed, float lo, float hi) {
-    float *x = malloc(n * sizeof(float));
-    Rng r;
-    rng_init(&r, seed, 7);
-    rng_fill_uniform(&r, x, n, lo, hi);
-    return x;
-}
-
 /* DEPTH "same" 3x3 convolutions of C channels, weights and biases trained. Per convolution the forward's
  * scratch (im2col and product of a chunk, ~half an activation here) and the backward's (the same, plus the dW
  * partials) used to come from the arena anew; now one of each serves the whole chain. */
@@ -27,8 +19,8 @@ static void test_conv_scratch_reused(void) {
     const int shape[4] = {N, C, HW, HW};
     const int threads = parallel_get_threads();
     parallel_set_threads(1); /* one scratch slot: the sizes below are per thread */
-    float *x0 = random_data(NX, 11, -1.0f, 1.0f), *dy = random_data(NX, 12, -1.0f, 1.0f);
-    float *w0 = random_data((size_t)DEPTH * NW, 13, -0.2f, 0.2f), *b0 = random_data((size_t)DEPTH * C, 14, -0.1f, 0.1f);
+    float *x0 = test_random_uniform(NX, 11, -1.0f, 1.0f), *dy = test_random_uniform(NX, 12, -1.0f, 1.0f);
+    float *w0 = test_random_uniform((size_t)DEPTH * NW, 13, -0.2f, 0.2f), *b0 = test_random_uniform((size_t)DEPTH * C, 14, -0.1f, 0.1f);
     const size_t act = NX * sizeof(float);
     TestEnv e;
     test_env_init(&e, 3);
@@ -79,9 +71,9 @@ static void conv_case_dx(const ConvCase *cc, bool zeroed, float *out) {
     enum { N = 5 };
     const int xs[4] = {N, cc->C, cc->H, cc->W};
     const size_t nx = (size_t)N * cc->C * cc->H * cc->W, nw = (size_t)cc->OC * cc->C * cc->K * cc->K;
-    float *x0 = random_data(nx, 21, -1.0f, 1.0f), *w0 = random_data(nw, 22, -0.5f, 0.5f);
-    float *a0 = random_data((size_t)(cc->rank + 1) * cc->C * cc->K * cc->K, 23, -0.5f, 0.5f);
-    float *b0 = random_data((size_t)cc->OC * (cc->rank + 1), 24, -0.5f, 0.5f);
+    float *x0 = test_random_uniform(nx, 21, -1.0f, 1.0f), *w0 = test_random_uniform(nw, 22, -0.5f, 0.5f);
+    float *a0 = test_random_uniform((size_t)(cc->rank + 1) * cc->C * cc->K * cc->K, 23, -0.5f, 0.5f);
+    float *b0 = test_random_uniform((size_t)cc->OC * (cc->rank + 1), 24, -0.5f, 0.5f);
     TestEnv e;
     test_env_init(&e, 3);
     Var *x = test_var(&e, x0, 4, xs, true), *w = test_var(&e, w0, 4, (int[]){cc->OC, cc->C, cc->K, cc->K}, true);
@@ -94,7 +86,7 @@ static void conv_case_dx(const ConvCase *cc, bool zeroed, float *out) {
     Var *y = nn_conv2d_fused_lowrank(&e.tape, x, w, NULL, cc->rank > 0 ? &lr : NULL, cc->stride, cc->padding,
                                      cc->epi);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
-    float *dy = random_data(var_numel(y), 25, -1.0f, 1.0f);
+    float *dy = test_random_uniform(var_numel(y), 25, -1.0f, 1.0f);
     for (size_t i = 0; i < var_numel(y); i += 7) dy[i] = 0.0f; /* exact zeros: -0.0f sums where w < 0 */
     poison_free_buffers(&e.tape, x, y);
     if (zeroed) CU_ASSERT_PTR_NOT_NULL(tape_grad(&e.tape, x));
@@ -137,7 +129,7 @@ static void test_col2im_write_signed_zero(void) {
     for (int stride = 1; stride <= 2; stride++) {
         const int OH = (H + 2 - K) / stride + 1, OW = (W + 2 - K) / stride + 1;
         const size_t cols = (size_t)N * OH * OW, ndcol = (size_t)C * K * K * cols, nx = (size_t)N * C * H * W;
-        float *dcol = random_data(ndcol, 31, -1.0f, 1.0f), *dcol2 = malloc(ndcol * sizeof(float));
+        float *dcol = test_random_uniform(ndcol, 31, -1.0f, 1.0f), *dcol2 = malloc(ndcol * sizeof(float));
         for (size_t i = 0; i < (size_t)K * K * cols; i++) dcol[i] = -0.0f;
         memcpy(dcol2, dcol, ndcol * sizeof(float));
         float *written = malloc(nx * sizeof(float)), *added = calloc(nx, sizeof(float));

@@ -9,14 +9,6 @@
 #include "nn/ops.h"
 #include "test_util.h"
 
-static float *random_data(size_t n, uint64_t seed, float lo, float hi) {
-    float *x = malloc(n * sizeof(float));
-    Rng r;
-    rng_init(&r, seed, 7);
-    rng_fill_uniform(&r, x, n, lo, hi);
-    return x;
-}
-
 /* max |a - b| / (atol + rtol |b|) over [0, n), for doubles. */
 static double close_ratio_d(const double *a, const double *b, int n, double atol, double rtol) {
     double worst = 0.0;
@@ -42,8 +34,8 @@ static void test_bn_stats_match_ref(void) {
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         const int N = cases[k].N, C = cases[k].C;
         const size_t inner = cases[k].inner, n = (size_t)N * C * inner;
-        float *x = random_data(n, 100 + k, cases[k].lo, cases[k].hi);
-        float *dy = random_data(n, 200 + k, -1.0f, 1.0f);
+        float *x = test_random_uniform(n, 100 + k, cases[k].lo, cases[k].hi);
+        float *dy = test_random_uniform(n, 200 + k, -1.0f, 1.0f);
         double m[8], v[8], mr[8], vr[8], s[8], d[8], sr[8], dr[8];
         float mf[8];
         batchnorm_stats(m, v, x, N, C, inner, 0, C);
@@ -75,7 +67,7 @@ static void test_bn_stats_match_ref(void) {
 static void test_bn_grad_input_write_is_add(void) {
     const int N = 3, C = 4;
     const size_t inner = 37, n = (size_t)N * C * inner;
-    float *x = random_data(n, 1, -2.0f, 2.0f), *dy = random_data(n, 2, -1.0f, 1.0f);
+    float *x = test_random_uniform(n, 1, -2.0f, 2.0f), *dy = test_random_uniform(n, 2, -1.0f, 1.0f);
     float *a = calloc(n, sizeof(float)), *b = malloc(n * sizeof(float));
     const float mean[4] = {0.1f, -0.2f, 0.3f, 0.0f}, scale[4] = {1.5f, 0.5f, 2.0f, 1.0f};
     const float k1[4] = {0.01f, 0.02f, -0.03f, 0.0f}, k2[4] = {0.5f, 0.25f, 1.0f, 0.0f};
@@ -92,7 +84,7 @@ static void test_bn_grad_input_write_is_add(void) {
 static void test_backward_reuses_grads(void) {
     enum { N = 4, C = 8, HW = 256, NX = N * C * HW, DEPTH = 12 };
     const int shape[4] = {N, C, 16, 16};
-    float *x0 = random_data(NX, 5, -1.0f, 1.0f), *dy = random_data(NX, 6, -1.0f, 1.0f);
+    float *x0 = test_random_uniform(NX, 5, -1.0f, 1.0f), *dy = test_random_uniform(NX, 6, -1.0f, 1.0f);
     float ref[NX];
     for (int pass = 0; pass < 2; pass++) {
         TestEnv e;
@@ -127,8 +119,8 @@ static void test_backward_reuses_grads(void) {
 static void test_add_relu_grads(void) {
     enum { NX = 64 };
     const int shape[2] = {4, 16};
-    float *a0 = random_data(NX, 1, -1.0f, 1.0f), *b0 = random_data(NX, 2, -1.0f, 1.0f);
-    float *dy = random_data(NX, 3, -1.0f, 1.0f);
+    float *a0 = test_random_uniform(NX, 1, -1.0f, 1.0f), *b0 = test_random_uniform(NX, 2, -1.0f, 1.0f);
+    float *dy = test_random_uniform(NX, 3, -1.0f, 1.0f);
     TestEnv e;
     test_env_init(&e, 1);
     Var *a = test_var(&e, a0, 2, shape, true), *b = test_var(&e, b0, 2, shape, true);
@@ -163,8 +155,8 @@ static void test_depthwise_s1_matches_ref(void) {
         const int OH = conv_general_out_size(H, K, 1, g->pad_h, g->pad_h + g->pad_h_extra, g->dil_h);
         const int OW = conv_general_out_size(W, K, 1, g->pad_w, g->pad_w + g->pad_w_extra, g->dil_w);
         const size_t nx = (size_t)N * C * H * W, nw = (size_t)OC * K * K, ny = (size_t)N * OC * OH * OW;
-        float *x = random_data(nx, 10 + k, -1.0f, 1.0f), *w = random_data(nw, 20 + k, -1.0f, 1.0f);
-        float *b = random_data((size_t)OC, 30 + k, -1.0f, 1.0f), *dy = random_data(ny, 40 + k, -1.0f, 1.0f);
+        float *x = test_random_uniform(nx, 10 + k, -1.0f, 1.0f), *w = test_random_uniform(nw, 20 + k, -1.0f, 1.0f);
+        float *b = test_random_uniform((size_t)OC, 30 + k, -1.0f, 1.0f), *dy = test_random_uniform(ny, 40 + k, -1.0f, 1.0f);
         float *yr = malloc(ny * sizeof(float)), *dxr = calloc(nx, sizeof(float)), *dwr = calloc(nw, sizeof(float));
         conv2d_general_forward_ref(yr, x, w, b, N, C, H, W, OC, K, K, g);
         conv2d_general_backward_ref(dxr, dwr, NULL, dy, x, w, N, C, H, W, OC, K, K, g);
@@ -234,7 +226,7 @@ static void test_model_activation_memory(void) {
     Rng r;
     rng_init(&r, 5, RNG_STREAM_INIT);
     model_init_params(&m, &r);
-    float *x = random_data((size_t)N * C * HW * HW, 9, -1.0f, 1.0f);
+    float *x = test_random_uniform((size_t)N * C * HW * HW, 9, -1.0f, 1.0f);
     const size_t act = (size_t)N * C * HW * HW * sizeof(float);
     float logits[2][N * 3];
     size_t used[2];
@@ -291,7 +283,7 @@ static void test_relu_not_in_place_under_a_second_reader(void) {
         Rng r;
         rng_init(&r, 11, RNG_STREAM_INIT);
         model_init_params(&m, &r);
-        float *x = random_data((size_t)N * C * HW * HW, 3, -1.0f, 1.0f);
+        float *x = test_random_uniform((size_t)N * C * HW * HW, 3, -1.0f, 1.0f);
         float out[2][N * 3];
         float *grads[2] = {NULL, NULL};
         const Param *w = m.modules[kind == 0 ? 2 : 0].weight;

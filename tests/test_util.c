@@ -332,3 +332,12 @@ void test_expect_config_error(const char *file, int line, const char *yaml, cons
     CU_assertImplementation(ok, (unsigned)line, "config error as expected", file, "", CU_FALSE);
     free(c);
 }
+
+float *test_random_uniform(size_t n, uint64_t seed, float lo, float hi) {
+    float *x = malloc(n * sizeof(float));
+    if (!x) return NULL;
+    Rng r;
+    rng_init(&r, seed, 7);
+    rng_fill_uniform(&r, x, n, lo, hi);
+    return x;
+}

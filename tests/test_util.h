@@ -41,6 +41,9 @@ double test_close_ratio(const float *a, const float *b, size_t n, double atol, d
         CU_ASSERT(r_ <= 1.0);                                                                              \
     } while (0)
 
+/* n floats drawn uniformly from [lo, hi) by an Rng seeded with seed (stream 7); the caller frees them. */
+float *test_random_uniform(size_t n, uint64_t seed, float lo, float hi);
+
 /* ---- finite-difference gradient check ----------------------------------- */
 
 /* Builds an output from the inputs (already Vars on e->tape); NULL on error. */
