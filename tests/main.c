@@ -49,6 +49,7 @@
     X(lora_bn)    \
     X(quant_qat)  \
     X(quant_qat_bn) \
+    X(quant_qat_bn_runs) \
     X(quant_qt)   \
     X(quant_int8) \
     X(bench_cmd)  \

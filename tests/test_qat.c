@@ -763,3 +763,26 @@ int register_quant_qat_suite(void) {
            !CU_add_test(s, "static input statistics", test_static_input) ||
            !CU_add_test(s, "calibration of learned input ranges", test_calib_learned) || qat_convert_tests_add(s);
 }
+
+/* The model on x (N examples), training or eval; y copied into out[n_out] when out is given; with R, the backward
+ * of sum(y * R) into the parameters' grads (zeroed first) and x's into dx. */
+void qtest_run_model(Model *m, const float *x, int N, bool training, const float *R, float *out, size_t n_out,
+                     float *dx) {
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i].var.grad) memset(m->params[i].var.grad, 0, var_numel(&m->params[i].var) * sizeof(float));
+    TestEnv e;
+    test_env_init(&e, 2);
+    e.tape.training = training;
+    int xs[4], xnd = qtest_input_shape(&m->modules[0], N, xs);
+    Var *vx = test_var(&e, x, xnd, xs, dx != NULL);
+    Var *y = model_forward(m, &e.tape, vx);
+    if (!y) fprintf(stderr, "\n  model_forward: %s\n", e.tape.err.msg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+    if (out) {
+        CU_ASSERT_EQUAL_FATAL(var_numel(y), n_out);
+        memcpy(out, y->value.data, n_out * sizeof(float));
+    }
+    if (R) CU_ASSERT_EQUAL_FATAL(tape_backward_from(&e.tape, y, R), QT_OK);
+    if (dx) memcpy(dx, vx->grad, qtest_input_numel(&m->modules[0], N) * sizeof(float));
+    test_env_free(&e);
+}

@@ -38,6 +38,10 @@ float *qtest_copy_floats(const float *src, size_t n);
 void qtest_zero(float *g, size_t n);
 void qtest_zero_grads(QatLayer *q);
 void qtest_run_free(QtestRun *r);
+/* A whole model on x (N examples), training or eval; y copied into out[n_out] when out is given; with R, the
+ * backward of sum(y * R) into the parameters' grads (zeroed first) and x's into dx. */
+void qtest_run_model(Model *m, const float *x, int N, bool training, const float *R, float *out, size_t n_out,
+                     float *dx);
 const float *qtest_range_values(const FqRange *r);
 void qtest_run_qat(QatLayer *q, const float *x, int N, bool training, bool backward, QtestRun *r);
 void qtest_run_ref(const QatLayer *q, const QtestRef *ref, int N, QtestRun *r);
