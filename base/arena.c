@@ -66,6 +66,14 @@ void *arena_calloc(Arena *a, size_t bytes) {
     return p;
 }
 
+bool arena_give_back(Arena *a, void *p, size_t bytes) {
+    ArenaChunk *c = a->head;
+    if (!c || bytes > c->off || (unsigned char *)p != c->data + c->off - bytes) return false;
+    c->off -= bytes;
+    a->used -= bytes;
+    return true;
+}
+
 void arena_reset(Arena *a) {
     if (a->head && a->head->next) {
         /* More than one chunk: replace them by one block that fits the

@@ -9,6 +9,7 @@
 #ifndef QTRAIN_NN_ARENA_H
 #define QTRAIN_NN_ARENA_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #define ARENA_ALIGN 64 /* cache line; also what AVX-512 loads like */
@@ -34,6 +35,9 @@ void *arena_calloc(Arena *a, size_t bytes);
 /* Releases everything; coalesces chunks into one block of the high-water
  * size so the next step fits without growing. */
 void arena_reset(Arena *a);
+/* Takes back the newest bytes handed out: true if p..p+bytes (bytes a
+ * multiple of ARENA_ALIGN) ends where the next allocation would start. */
+bool arena_give_back(Arena *a, void *p, size_t bytes);
 /* Bytes the arena currently holds from the system. */
 size_t arena_capacity(const Arena *a);
 

@@ -586,6 +586,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
                 for (int q = i; q < i + f.n - 1; q++) outs[1 + q] = NULL; /* never made */
                 outs[i + f.n] = y;
                 if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i + f.n - 1);
+                else if (!m->keep_outputs) model_graph_train_memory(m, t, i, true);
                 i += f.n - 1;
                 continue;
             }
@@ -593,6 +594,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
         }
         if (!model_step(m, t, i, outs)) return NULL;
         if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
+        else if (!m->keep_outputs) model_graph_train_memory(m, t, i, false);
     }
     return outs[m->n_modules];
 }

@@ -195,6 +195,11 @@ bool model_graph_relu_in_place(const Model *m, int i);
  * tape for the next outputs (tape_release), so an eval pass holds a few
  * activations instead of all of them. */
 void model_graph_release_dead(Model *m, Tape *t, int first, int last);
+/* model_graph.c: in a training forward (gradients recorded, keep_outputs
+ * off), after module i's op (fused: the head of a fused run, whose output
+ * is not a module's): drops the values no backward reads and lets batch
+ * norm outputs be made again in the backward (tape_remake_set). */
+void model_graph_train_memory(Model *m, Tape *t, int i, bool fused);
 /* The Var of a parameter for use on a tape (its value and persistent grad). */
 static inline Var *param_var(Param *p) { return &p->var; }
 

@@ -191,3 +191,95 @@ void model_graph_release_dead(Model *m, Tape *t, int first, int last) {
         if (!alias) tape_release(t, v);
     }
 }
+
+/* ---- activation memory of a training step --------------------------------------------------------------------
+ * What the backward reads of module outputs, by the type of the op that reads them (unhooked modules only: a
+ * hook's op may keep what it likes):
+ *   conv2d, dense       their input (the weight gradient), not their output (no epilogue: see out_not_read)
+ *   batchnorm           its input, not its output
+ *   add, concat, gap    nothing
+ *   relu in place       its output, the buffer it shares with its input
+ * So, in a training forward, a value is
+ *   remade   a batch norm's output relu'd in place, read later only by the types above: dropped after its last
+ *            forward reader, made again from the batch norm's input where a backward reads it, handed back after
+ *            the relu's backward;
+ *   dead     read only by add, concat or gap, and not by its own backward: dropped after its last forward reader;
+ *   released after the batch norm's backward when it is the batch norm's input and has no other reader.
+ * Everything else stays until the step ends, as before. */
+
+static bool plain_module(const Module *mod) { return !mod->forward_hook; }
+
+static bool unfolded_bn(const Module *mod) {
+    return (mod->spec.type == LAYER_BATCHNORM1D || mod->spec.type == LAYER_BATCHNORM2D) &&
+           mod->bn_folded == BN_FOLD_NONE && plain_module(mod);
+}
+
+/* Whether every reader of module j's output is an unhooked module whose op reads what the table above says;
+ * values_read: conv2d and dense allowed too (they read their input), else only the value-free ones. */
+static bool readers_known(const Model *m, int j, bool values_read) {
+    if (j == m->n_modules - 1) return false; /* the model's output: the caller reads it */
+    for (int i = j + 1; i < m->n_modules; i++) {
+        const Module *r = &m->modules[i];
+        bool reads = false;
+        for (int k = 0; k < r->n_inputs; k++) reads |= r->inputs[k] == j;
+        if (!reads) continue;
+        if (!plain_module(r)) return false;
+        const LayerType ty = r->spec.type;
+        const bool value_free = ty == LAYER_ADD || ty == LAYER_CONCAT || ty == LAYER_GLOBALAVGPOOL;
+        if (!value_free && !(values_read && (ty == LAYER_CONV2D || ty == LAYER_DENSE))) return false;
+    }
+    return true;
+}
+
+/* Whether module j's own backward leaves its output unread and j made the buffer itself. */
+static bool out_not_read(const Model *m, int j) {
+    const Module *mod = &m->modules[j];
+    if (!plain_module(mod) || !owns_output(mod)) return false;
+    switch (mod->spec.type) {
+    case LAYER_CONV2D: /* a conv fused with an epilogue leaves outs[1 + j] NULL: never made */
+    case LAYER_DENSE:
+    case LAYER_ADD:
+    case LAYER_CONCAT:
+    case LAYER_GLOBALAVGPOOL: return true;
+    case LAYER_BATCHNORM1D:
+    case LAYER_BATCHNORM2D: return unfolded_bn(mod);
+    default: return false;
+    }
+}
+
+/* After module i's op (training, with gradients): marks what its output may shed in the backward. */
+static void mark_output(Model *m, Tape *t, int i) {
+    const Module *mod = &m->modules[i];
+    Var *y = m->outs[1 + i];
+    int bn = -1; /* the batch norm whose input the backward may hand back after it */
+    if (model_graph_relu_in_place(m, i)) {
+        const int p = mod->inputs[0];
+        if (unfolded_bn(&m->modules[p])) {
+            bn = p;
+            if (readers_known(m, i, true)) nn_batchnorm_remakeable(t, m->outs[1 + p], y);
+        }
+        tape_release_after(t, y, y); /* the relu's node reads the buffer last */
+    } else if (unfolded_bn(mod)) {
+        bn = i;
+    }
+    if (bn < 0) return;
+    const int q = m->modules[bn].inputs[0];
+    if (q >= 0 && m->modules[q].n_consumers == 1 && out_not_read(m, q) && m->outs[1 + q]) {
+        /* a cheap conv's output is made again where the batch norm's backward (or remake) reads it */
+        if (bn == i && m->modules[q].spec.type == LAYER_CONV2D) nn_conv2d_remakeable(t, m->outs[1 + q]);
+        tape_release_after(t, m->outs[1 + bn], m->outs[1 + q]);
+    }
+}
+
+void model_graph_train_memory(Model *m, Tape *t, int i, bool fused) {
+    if (!fused && m->outs[1 + i]) mark_output(m, t, i);
+    if (!fused && model_graph_relu_in_place(m, i)) return; /* its input's buffer is its output */
+    const Module *mod = &m->modules[i];
+    for (int k = 0; k < mod->n_inputs; k++) {
+        const int j = mod->inputs[k];
+        if (j < 0 || model_graph_last_reader(m, j) != i) continue;
+        Var *v = m->outs[1 + j];
+        if (!v) continue;
+        if (v->remake || (out_not_read(m, j) && readers_known(m, j, false))) tape_drop(t, v);
+    }
+}

@@ -111,6 +111,18 @@ typedef struct {
  * a channel, the blocks merged in double (batchnorm_stats). Channels run over the thread pool; the result is the same for any thread
  * count. */
 Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
+/* Lets the tape drop y, nn_batchnorm's recorded output (relu'd in place into
+ * relu_out by nn_relu_inplace, or relu_out NULL), and make it again from the
+ * node's input for the backward (tape_remake_set): the caller keeps that
+ * input until the node's backward. false if y's node is not found among the
+ * last few (not recorded) or out of memory (tape error set). */
+bool nn_batchnorm_remakeable(Tape *t, Var *y, Var *relu_out);
+/* The same for y, a recorded nn_conv2d (no epilogue) or nn_conv2d_general
+ * output, if remaking it is cheap: at most 27 multiply-adds per value (a
+ * first layer on few channels, a depthwise conv); false otherwise. Its
+ * input, weight and bias must stay (or be remakeable) until y's readers'
+ * backwards are done. */
+bool nn_conv2d_remakeable(Tape *t, Var *y);
 
 /* ---- convolution (ops_conv.c, ops_conv_lowrank.c) and pooling (ops_pool.c) */
 

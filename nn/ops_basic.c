@@ -206,7 +206,7 @@ Var *nn_add(Tape *t, Var *a, Var *b) {
     Var *y = tape_new_var(t, a->value.ndim, a->value.shape);
     if (!y) return NULL;
     for (size_t i = 0, n = var_numel(a); i < n; i++) y->value.data[i] = a->value.data[i] + b->value.data[i];
-    return tape_record(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
+    return tape_record_value_free(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
 }
 
 /* ---- concat along the channel axis ---------------------------------------- */
@@ -295,7 +295,7 @@ Var *nn_concat(Tape *t, Var *const *xs, int n) {
                    block * sizeof(float));
         off += block;
     }
-    return tape_record(t, "concat", concat_backward, y, (Var *[]){rep}, 1, c) ? y : NULL;
+    return tape_record_value_free(t, "concat", concat_backward, y, (Var *[]){rep}, 1, c) ? y : NULL;
 }
 
 static void scale_backward(Tape *t, const TapeNode *node) {

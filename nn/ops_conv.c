@@ -460,10 +460,13 @@ static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
     const size_t plane = conv_plane(d);
     if (c->epi != CONV_EPI_RELU_MAXPOOL2) {
         const size_t at = ((size_t)n * d->OC + oc) * plane;
-        const float *g = j->dy + at, *y = j->y + at;
-        if (c->epi == CONV_EPI_NONE) memcpy(row, g, plane * sizeof *row);
-        else
+        const float *g = j->dy + at;
+        if (c->epi == CONV_EPI_NONE) { /* the output may be gone (model_graph_train_memory): not read */
+            memcpy(row, g, plane * sizeof *row);
+        } else {
+            const float *y = j->y + at;
             for (size_t p = 0; p < plane; p++) row[p] = y[p] > 0.0f ? g[p] : 0.0f;
+        }
         return j->db_part ? sum8_f32(row, NULL, plane) : 0.0;
     }
     /* Only each window's winner gets the pooled gradient, and only if the
@@ -613,6 +616,16 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     tape_release_buffer(t, c->winner, var_numel(node->out));
 }
 
+/* The forward of c on x into y (c's output shape, before any pooling epilogue writes the smaller y). */
+static bool conv2d_forward_run(Tape *t, const Conv2dCtx *c, const Var *x, const Var *w, const Var *bias, float *y) {
+    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&c->d),
+                 .bias = bias ? bias->value.data : NULL, .y = y};
+    if (!conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, 0)) return false;
+    parallel_run(conv_tasks(&c->d), conv_forward_task, &j);
+    conv_job_release(t, &j, conv_tasks(&c->d));
+    return true;
+}
+
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
     if (!t || !x || !w) return NULL;
     ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
@@ -620,14 +633,39 @@ Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding
     Var *y = conv2d_new_output(t, &d, epi);
     Conv2dCtx *c = y ? tape_alloc(t, sizeof *c) : NULL;
     if (!c || !conv2d_ctx_init(t, c, &d, stride, padding, epi, y)) return NULL;
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&d),
-                 .bias = bias ? bias->value.data : NULL, .y = y->value.data};
-    if (!conv_scratch(t, &j, (size_t)conv_ckk(&d), (size_t)d.OC, 0)) return NULL;
-    parallel_run(conv_tasks(&d), conv_forward_task, &j);
-    conv_job_release(t, &j, conv_tasks(&d));
+    if (!conv2d_forward_run(t, c, x, w, bias, y->value.data)) return NULL;
     return tape_record(t, conv2d_op_name(epi), conv2d_backward, y, (Var *[]){x, w, bias}, 3, c) ? y : NULL;
 }
 
 Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
     return nn_conv2d_fused(t, x, w, bias, stride, padding, CONV_EPI_NONE);
+}
+
+/* ---- remaking a dropped output ------------------------------------------------ */
+
+/* A convolution costing at most this many multiply-adds per output value is
+ * remade in the backward rather than kept (nn_conv2d_remakeable): a first
+ * layer on 1 to 3 channels, a depthwise conv. Remaking a 16-channel 3x3 conv
+ * would cost as much as a third of its backward again. */
+#define CONV_REMAKE_MAX_MACS 27
+
+static void conv2d_remake(Tape *t, float *y, const void *ctx) {
+    const ConvRemake *r = ctx;
+    if (tape_value_ready(t, r->x)) conv2d_forward_run(t, r->ctx, r->x, r->w, r->bias, y);
+}
+
+bool nn_conv2d_remakeable(Tape *t, Var *y) {
+    for (size_t i = t->n_nodes, seen = 0; i-- > 0 && seen < 4; seen++) {
+        const TapeNode *n = &t->nodes[i];
+        if (n->out != y) continue;
+        if (n->backward == conv_general_backward_fn()) return conv_general_remakeable(t, n, CONV_REMAKE_MAX_MACS);
+        const Conv2dCtx *c = n->ctx;
+        if (n->backward != conv2d_backward || c->epi != CONV_EPI_NONE || conv_ckk(&c->d) > CONV_REMAKE_MAX_MACS)
+            return false;
+        ConvRemake *r = tape_alloc(t, sizeof *r);
+        if (!r) return false;
+        *r = (ConvRemake){c, n->in[0], n->in[1], n->in[2]};
+        return tape_remake_set(t, y, NULL, conv2d_remake, r);
+    }
+    return false;
 }

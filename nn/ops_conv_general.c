@@ -588,6 +588,43 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     if (j.dw && (g = tape_grad(t, w))) conv_add_partials(g, j.dw, parts, (size_t)d->OC * ckk);
 }
 
+/* The forward of d on x into y. */
+static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const Var *w, const Var *bias, float *y) {
+    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL, .y = y};
+    const int threads = parallel_get_threads();
+    if (d->depthwise && dw_s1(d)) {
+        j.thread_floats = dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
+        if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return false;
+        const int planes = d->N * d->C;
+        parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
+        tape_release_buffer(t, j.scratch, (size_t)threads * j.thread_floats * sizeof(float));
+    } else if (d->depthwise) {
+        const int planes = d->N * d->OC;
+        parallel_run(threads < planes ? threads : planes, dw_forward_task, &j);
+    } else {
+        j.thread_floats = d->in_place ? 1 : (size_t)d->Cg * d->KH * d->KW * d->OH * d->OW;
+        if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return false;
+        parallel_run(threads < d->N ? threads : d->N, grouped_forward_task, &j);
+    }
+    return true;
+}
+
+static void convg_remake(Tape *t, float *y, const void *ctx) {
+    const ConvRemake *r = ctx;
+    if (tape_value_ready(t, r->x)) convg_forward_run(t, r->ctx, r->x, r->w, r->bias, y);
+}
+
+TapeBackwardFn conv_general_backward_fn(void) { return conv_general_backward; }
+
+bool conv_general_remakeable(Tape *t, const TapeNode *n, int max_macs) {
+    const ConvGDims *d = n->ctx;
+    if (n->backward != conv_general_backward || d->Cg * d->KH * d->KW > max_macs) return false;
+    ConvRemake *r = tape_alloc(t, sizeof *r);
+    if (!r) return false;
+    *r = (ConvRemake){d, n->in[0], n->in[1], n->in[2]};
+    return tape_remake_set(t, n->out, NULL, convg_remake, r);
+}
+
 Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) {
     if (!t || !x || !w || !g) return NULL;
     if (conv_geom_plain(g)) return nn_conv2d(t, x, w, bias, g->stride_h, g->pad_h);
@@ -597,23 +634,7 @@ Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) 
     ConvGDims *d = y ? tape_alloc(t, sizeof *d) : NULL;
     if (!d) return NULL;
     *d = dims;
-    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL,
-                  .y = y->value.data};
-    const int threads = parallel_get_threads();
-    if (d->depthwise && dw_s1(d)) {
-        j.thread_floats = dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
-        if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return NULL;
-        const int planes = d->N * d->C;
-        parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
-        tape_release_buffer(t, j.scratch, (size_t)threads * j.thread_floats * sizeof(float));
-    } else if (d->depthwise) {
-        const int planes = d->N * d->OC;
-        parallel_run(threads < planes ? threads : planes, dw_forward_task, &j);
-    } else {
-        j.thread_floats = d->in_place ? 1 : (size_t)d->Cg * d->KH * d->KW * d->OH * d->OW;
-        if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return NULL;
-        parallel_run(threads < d->N ? threads : d->N, grouped_forward_task, &j);
-    }
+    if (!convg_forward_run(t, d, x, w, bias, y->value.data)) return NULL;
     const char *op = d->depthwise ? "conv2d_depthwise" : d->g.groups > 1 ? "conv2d_grouped" : "conv2d_general";
     return tape_record(t, op, conv_general_backward, y, (Var *[]){x, w, bias}, 3, d) ? y : NULL;
 }

@@ -29,6 +29,17 @@ typedef struct {
     uint8_t *winner;  /* (N, OC, OH/2, OW/2) 2x2 window winner 0..3, CONV_EPI_RELU_MAXPOOL2 only */
 } Conv2dCtx;
 
+/* What a convolution's remake reads (nn_conv2d_remakeable): its saved state and its node's inputs. */
+typedef struct {
+    const void *ctx;        /* Conv2dCtx or ConvGDims */
+    Var *x, *w, *bias;      /* bias may be NULL */
+} ConvRemake;
+
+/* ops_conv_general.c: the backward of its tape node, and the remake of that node's output when it costs at most
+ * max_macs multiply-adds per value (false otherwise, or out of memory). */
+TapeBackwardFn conv_general_backward_fn(void);
+bool conv_general_remakeable(Tape *t, const TapeNode *n, int max_macs);
+
 /* Work shared by the tasks of one forward or backward pass. */
 typedef struct {
     const Conv2dCtx *c;

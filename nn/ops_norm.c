@@ -310,6 +310,10 @@ typedef struct {
     bool batch;    /* the statistics came from this batch (the training form) */
     int N, C;
     size_t inner;
+    const float *scale; /* (C,): invstd * gamma as the forward used it (nn_batchnorm_remakeable) */
+    const float *beta;  /* (C,) or NULL */
+    Var *x;             /* the input (N, C, inner), read by a remake */
+    bool relu;          /* a remake applies the relu the caller ran in place on the output */
 } BatchnormCtx;
 
 typedef struct {
@@ -369,12 +373,21 @@ static void batchnorm_grads_range(const BatchnormJob *j, int c0, int c1) {
                              c->inner, c0, c1);
 }
 
-typedef enum { BN_JOB_FORWARD, BN_JOB_BACKWARD } BatchnormJobKind;
+typedef enum { BN_JOB_FORWARD, BN_JOB_BACKWARD, BN_JOB_REMAKE } BatchnormJobKind;
 
 typedef struct {
     const BatchnormJob *job;
     BatchnormJobKind kind;
 } BatchnormTask;
+
+/* relu over channels [c0, c1) of y (N, C, inner), in place: the values nn_relu_inplace left. */
+NN_SIMD_CLONES
+static void batchnorm_relu_channels(float *y, int N, int C, size_t inner, int c0, int c1) {
+    for (int n = 0; n < N; n++) {
+        float *p = y + ((size_t)n * C + c0) * inner;
+        for (size_t i = 0, len = (size_t)(c1 - c0) * inner; i < len; i++) p[i] = p[i] > 0.0f ? p[i] : 0.0f;
+    }
+}
 
 static void batchnorm_task(void *ctx, int task, int n_tasks) {
     const BatchnormTask *bt = ctx;
@@ -384,6 +397,11 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
     parallel_range(c->C, task, n_tasks, &c0, &c1);
     if (bt->kind == BN_JOB_BACKWARD) {
         batchnorm_grads_range(j, c0, c1);
+        return;
+    }
+    if (bt->kind == BN_JOB_REMAKE) {
+        batchnorm_apply(j->y, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
+        if (c->relu) batchnorm_relu_channels(j->y, c->N, c->C, c->inner, c0, c1);
         return;
     }
     if (c->batch) batchnorm_stats_range(j, c0, c1);
@@ -493,6 +511,28 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
                       .gamma = gamma ? gamma->value.data : NULL, .beta = beta ? beta->value.data : NULL};
     if (!batchnorm_job_scratch(t, &j, C)) return NULL;
     batchnorm_run(&j, BN_JOB_FORWARD);
+    c->scale = j.scale, c->beta = j.beta, c->x = x;
     if (batch && bn->running_mean && bn->num_batches_tracked) (*bn->num_batches_tracked)++;
     return tape_record(t, "batchnorm", batchnorm_tape_backward, y, (Var *[]){x, gamma, beta}, 3, c) ? y : NULL;
+}
+
+/* The output again from the input the node keeps, with the forward's own
+ * mean, scale and beta: the same floats, bit for bit. */
+static void batchnorm_remake(Tape *t, float *y, const void *ctx) {
+    const BatchnormCtx *c = ctx;
+    if (!tape_value_ready(t, c->x)) return;
+    BatchnormJob j = {.c = c, .y = y, .x = c->x->value.data};
+    batchnorm_run(&j, BN_JOB_REMAKE);
+}
+
+bool nn_batchnorm_remakeable(Tape *t, Var *y, Var *relu_out) {
+    for (size_t i = t->n_nodes, seen = 0; i-- > 0 && seen < 4; seen++) {
+        const TapeNode *n = &t->nodes[i];
+        if (n->out != y) continue;
+        if (n->backward != batchnorm_tape_backward) return false;
+        BatchnormCtx *c = n->ctx;
+        c->relu = relu_out != NULL;
+        return tape_remake_set(t, y, relu_out, batchnorm_remake, c);
+    }
+    return false;
 }

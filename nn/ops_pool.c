@@ -236,5 +236,5 @@ Var *nn_globalavgpool(Tape *t, Var *x) {
         y->value.data[p] = (float)(acc / (double)area);
     }
     Var *in[1] = {x};
-    return tape_record(t, "globalavgpool", globalavgpool_backward, y, in, 1, NULL) ? y : NULL;
+    return tape_record_value_free(t, "globalavgpool", globalavgpool_backward, y, in, 1, NULL) ? y : NULL;
 }

@@ -11,12 +11,17 @@ QtStatus tape_init(Tape *t, Arena *arena, Rng *rng, QtError *err) {
     t->training = true;
     t->cap_nodes = 256;
     t->nodes = malloc(t->cap_nodes * sizeof *t->nodes);
-    if (!t->nodes) return qt_error_set(err, QT_ERR_NOMEM, "tape_init: cannot allocate %zu tape nodes", t->cap_nodes);
+    if (!t->nodes || arena_init(&t->small, 64 << 10) != 0) {
+        free(t->nodes);
+        t->nodes = NULL;
+        return qt_error_set(err, QT_ERR_NOMEM, "tape_init: cannot allocate %zu tape nodes", t->cap_nodes);
+    }
     return QT_OK;
 }
 
 void tape_free(Tape *t) {
     free(t->nodes);
+    arena_free(&t->small);
     memset(t, 0, sizeof *t);
 }
 
@@ -26,41 +31,76 @@ void tape_reset(Tape *t) {
     t->free_grads = NULL;
     qt_error_clear(&t->err);
     arena_reset(t->arena);
+    arena_reset(&t->small);
 }
 
-/* A free gradient buffer: the header lives in the buffer's first bytes. */
+/* A free buffer (a dead gradient or activation): the header lives in the
+ * buffer's first bytes. The list is kept in address order and neighbours
+ * merge, so buffers freed one by one serve a larger request later; a request
+ * smaller than the buffer it takes leaves the rest listed; a free buffer that
+ * ends at the arena's top goes back to the arena. Without this, a step
+ * alternating 6 MB and 3 MB tensors leaves its memory in pieces too small for
+ * the next 6 MB gradient, and the arena grows instead. */
 typedef struct FreeGrad {
     struct FreeGrad *next;
-    size_t bytes;
+    size_t bytes; /* a multiple of ARENA_ALIGN */
 } FreeGrad;
 
 /* Buffers of fewer bytes than this are not kept (too small to hold the
  * header, and not worth it). */
-#define FREE_GRAD_MIN 64
+#define FREE_GRAD_MIN ARENA_ALIGN
 
-/* The smallest free buffer of at least `bytes`, unlinked; NULL if none. */
+static size_t free_grad_round(size_t bytes) { return (bytes + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN; }
+
+/* The smallest free buffer of at least `bytes` (its front part when larger), unlinked; NULL if none. */
 static void *free_grad_take(Tape *t, size_t bytes) {
+    bytes = free_grad_round(bytes);
     FreeGrad **best = NULL;
     for (FreeGrad **p = (FreeGrad **)&t->free_grads; *p; p = &(*p)->next)
         if ((*p)->bytes >= bytes && (!best || (*p)->bytes < (*best)->bytes)) best = p;
     if (!best) return NULL;
     FreeGrad *f = *best;
-    *best = f->next;
+    if (f->bytes - bytes >= FREE_GRAD_MIN) { /* the rest stays listed, in f's place */
+        FreeGrad *rest = (FreeGrad *)(void *)((char *)f + bytes);
+        rest->next = f->next;
+        rest->bytes = f->bytes - bytes;
+        *best = rest;
+    } else {
+        *best = f->next;
+    }
     return f;
 }
 
 static void free_grad_put(Tape *t, float *buf, size_t bytes) {
+    bytes = free_grad_round(bytes);
     if (bytes < FREE_GRAD_MIN) return;
-    for (FreeGrad *p = t->free_grads; p; p = p->next)
-        if ((void *)p == (void *)buf) return; /* listed already (a buffer two Vars share) */
+    char *b = (char *)buf;
+    FreeGrad *prev = NULL, *next = t->free_grads;
+    for (; next && (char *)next < b; prev = next, next = next->next) {}
+    /* already free (a buffer two Vars share, handed back by both) */
+    if (prev && b < (char *)prev + prev->bytes) return;
+    if (next && (char *)next == b) return;
     FreeGrad *f = (FreeGrad *)(void *)buf;
-    f->next = t->free_grads;
     f->bytes = bytes;
-    t->free_grads = f;
+    f->next = next;
+    if (next && b + bytes == (char *)next) f->bytes += next->bytes, f->next = next->next;
+    if (prev && (char *)prev + prev->bytes == b) {
+        prev->bytes += f->bytes, prev->next = f->next;
+        f = prev;
+    } else if (prev) {
+        prev->next = f;
+    } else {
+        t->free_grads = f;
+    }
+    if (!f->next && arena_give_back(t->arena, f, f->bytes)) { /* the arena's top: back to the arena */
+        FreeGrad **p = (FreeGrad **)&t->free_grads;
+        while (*p != f) p = &(*p)->next;
+        *p = NULL;
+    }
 }
 
 void *tape_alloc(Tape *t, size_t bytes) {
-    void *p = arena_alloc(t->arena, bytes);
+    void *p = arena_alloc(bytes <= TAPE_SMALL_BYTES ? &t->small : t->arena, bytes);
     if (!p) qt_error_set(&t->err, QT_ERR_NOMEM, "out of memory: the step arena could not grow by %zu bytes", bytes);
     return p;
 }
@@ -134,6 +174,65 @@ float *tape_grad_to_write(Tape *t, Var *v, bool *fresh) {
     return v->grad;
 }
 
+/* ---- activation memory ------------------------------------------------------ */
+
+static void value_forget(Var *v) {
+    if (v->remake) {
+        for (int k = 0; k < 2; k++)
+            if (v->remake->vars[k]) v->remake->vars[k]->value.data = NULL;
+    }
+    v->value.data = NULL;
+}
+
+bool tape_remake_set(Tape *t, Var *v, Var *also, TapeRemakeFn fn, const void *ctx) {
+    TapeRemake *r = tape_alloc(t, sizeof *r);
+    if (!r) return false;
+    *r = (TapeRemake){fn, ctx, {v, also}, var_numel(v) * sizeof(float)};
+    v->remake = r;
+    if (also) also->remake = r;
+    return true;
+}
+
+void tape_drop(Tape *t, Var *v) {
+    if (!v || !v->value.data) return;
+    free_grad_put(t, v->value.data, var_numel(v) * sizeof(float));
+    value_forget(v);
+}
+
+bool tape_release_after(Tape *t, Var *out, Var *v) {
+    for (size_t i = t->n_nodes, seen = 0; i-- > 0 && seen < 4; seen++) {
+        TapeNode *n = &t->nodes[i];
+        if (n->out != out) continue;
+        for (int k = 0; k < TAPE_NODE_RELEASES; k++)
+            if (!n->release[k] || n->release[k] == v) return (n->release[k] = v, true);
+        return false;
+    }
+    return false;
+}
+
+bool tape_value_ready(Tape *t, Var *v) {
+    if (!v || v->value.data || !v->remake) return tape_ok(t);
+    const TapeRemake *r = v->remake;
+    float *buf = free_grad_take(t, r->bytes);
+    if (!buf && !(buf = tape_alloc(t, r->bytes))) return false;
+    r->fn(t, buf, r->ctx);
+    for (int q = 0; q < 2; q++)
+        if (r->vars[q]) r->vars[q]->value.data = buf;
+    return tape_ok(t);
+}
+
+/* Before node n's backward: its inputs' dropped values, made again. */
+static bool remake_values(Tape *t, const TapeNode *n) {
+    bool ok = true;
+    for (int k = 0; ok && !n->value_free && k < TAPE_MAX_INPUTS; k++) ok = tape_value_ready(t, n->in[k]);
+    return ok;
+}
+
+static void release_values(Tape *t, const TapeNode *n) {
+    for (int k = 0; k < TAPE_NODE_RELEASES; k++)
+        if (n->release[k]) tape_drop(t, n->release[k]);
+}
+
 bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
                  Var *const *in, int n_in, void *ctx) {
     bool needs = false;
@@ -163,6 +262,14 @@ bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
     n->out = out;
     for (int i = 0; i < n_in; i++) n->in[i] = in[i];
     n->ctx = ctx;
+    return true;
+}
+
+bool tape_record_value_free(Tape *t, const char *op, TapeBackwardFn backward, Var *out, Var *const *in, int n_in,
+                            void *ctx) {
+    const size_t before = t->n_nodes;
+    if (!tape_record(t, op, backward, out, in, n_in, ctx)) return false;
+    if (t->n_nodes > before) t->nodes[t->n_nodes - 1].value_free = true;
     return true;
 }
 
@@ -202,10 +309,13 @@ QtStatus tape_backward_from(Tape *t, Var *out, const float *dout) {
     for (size_t i = 0, n = var_numel(out); i < n; i++) g[i] += dout[i];
     for (size_t i = t->n_nodes; i-- > 0;) {
         const TapeNode *n = &t->nodes[i];
-        if (!n->out->grad) continue; /* nothing flowed into this op's output */
-        n->backward(t, n);
-        if (!tape_ok(t)) break;
-        release_out_grad(t, n);
+        if (n->out->grad) { /* else nothing flowed into this op's output */
+            if (!remake_values(t, n)) break;
+            n->backward(t, n);
+            if (!tape_ok(t)) break;
+            release_out_grad(t, n);
+        }
+        release_values(t, n);
     }
     return t->err.status;
 }

@@ -28,6 +28,7 @@
 #include "base/rng.h"
 #include "tensor.h"
 
+#define TAPE_SMALL_BYTES 4096
 #define TAPE_MAX_INPUTS 6 /* e.g. x, w, bias, scale, zero point of a quantized op */
 
 typedef struct Tape Tape;
@@ -37,16 +38,37 @@ typedef struct TapeNode TapeNode;
  * require them (get them with tape_grad). */
 typedef void (*TapeBackwardFn)(Tape *tape, const TapeNode *node);
 
+#define TAPE_NODE_RELEASES 2
+
 struct TapeNode {
     const char *op;                 /* op name, for messages */
     TapeBackwardFn backward;
     Var *out;
     Var *in[TAPE_MAX_INPUTS];       /* NULL where unused */
     void *ctx;                      /* op-specific saved state (arena) */
+    Var *release[TAPE_NODE_RELEASES]; /* values no backward reads once this node's has run (tape_release_after) */
+    bool value_free;                /* the backward reads no input's value (tape_record_value_free) */
 };
 
+/* Writes the value of a dropped Var again: out [numel] from what ctx keeps;
+ * an input that was dropped too is made first (tape_value_ready). Errors go
+ * to the tape. */
+typedef void (*TapeRemakeFn)(Tape *t, float *out, const void *ctx);
+
+/* A value the forward may drop after its last forward reader and the
+ * backward makes again where a node reads it. Up to two Vars share the
+ * buffer (a batch norm's output and the relu applied to it in place). */
+typedef struct TapeRemake {
+    TapeRemakeFn fn;
+    const void *ctx;
+    Var *vars[2];   /* vars[1] may be NULL */
+    size_t bytes;
+} TapeRemake;
+
 struct Tape {
-    Arena *arena;       /* step arena: Vars, saved tensors, non-param grads */
+    Arena *arena;       /* step arena: values, saved tensors, non-param grads */
+    Arena small;        /* the step's allocations of at most TAPE_SMALL_BYTES (Vars, op contexts, per-channel
+                           scratch): apart, so the large buffers the step frees lie side by side and merge */
     TapeNode *nodes;    /* [cap_nodes]; kept across steps, so no malloc in
                            the steady state */
     size_t n_nodes;
@@ -97,11 +119,42 @@ bool tape_grad_take(Tape *t, Var *v, Var *from);
  * pass, no read of zeros). Otherwise as tape_grad, *fresh false. */
 float *tape_grad_to_write(Tape *t, Var *v, bool *fresh);
 
+/* ---- activation memory -----------------------------------------------------
+ * The forward of a training step keeps what the backward reads; these let
+ * the caller, who knows the graph, keep less. Each sets the buffer's Vars'
+ * value.data to NULL once it is handed back, so a read that should not
+ * happen fails at once instead of reading a reused buffer. */
+
+/* Lets v (and `also`, a Var sharing v's buffer, or NULL) be dropped and made
+ * again by fn(ctx). fn's inputs must be kept, or be remakeable, until the
+ * backward reads of v are over: the caller hands them back no earlier than
+ * the node that made v. false (tape error set) if out of memory. */
+bool tape_remake_set(Tape *t, Var *v, Var *also, TapeRemakeFn fn, const void *ctx);
+/* Hands v's buffer back now: its last forward reader has run. If v has a
+ * remake, the backward makes it again before a node that has it as an input
+ * (and is not value_free) runs; if not, no backward may read it (the caller
+ * knows its readers' backwards read no values). A node's own output is not
+ * made again for it: an op whose backward reads its output (relu in place)
+ * shares the buffer with its input. */
+void tape_drop(Tape *t, Var *v);
+/* Hands v's buffer back once the backward has passed the latest node whose
+ * output is `out` (run or skipped): no earlier node's backward reads v. false
+ * if there is no such node among the last few (then v is kept). */
+bool tape_release_after(Tape *t, Var *out, Var *v);
+/* v's value, made again if it was dropped (for a remake reading another
+ * dropped value). false (tape error set) if that fails. */
+bool tape_value_ready(Tape *t, Var *v);
+
 /* Appends a node if gradients are enabled and any input requires them, and
  * marks out->requires_grad accordingly. Returns false (tape error set) only
  * if the node array cannot grow. */
 bool tape_record(Tape *t, const char *op, TapeBackwardFn backward, Var *out,
                  Var *const *in, int n_in, void *ctx);
+
+/* tape_record for an op whose backward reads gradients only (add, concat,
+ * global average pool): a dropped input is not made again for it. */
+bool tape_record_value_free(Tape *t, const char *op, TapeBackwardFn backward, Var *out, Var *const *in, int n_in,
+                            void *ctx);
 
 /* Seeds d(loss)/d(loss) = 1 and runs every node's backward in reverse.
  * `loss` must have exactly one element. */

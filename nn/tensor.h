@@ -25,6 +25,7 @@ typedef struct Var {
     float *grad;           /* [numel] like value; NULL until first needed */
     bool requires_grad;    /* grads flow into this Var */
     bool is_param;         /* grad is a persistent buffer (not the arena's) */
+    struct TapeRemake *remake; /* how to make value again once the forward dropped it (tape.h), or NULL */
 } Var;
 
 size_t tensor_numel(const Tensor *t);

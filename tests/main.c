@@ -18,6 +18,7 @@
     X(nn_batchnorm) \
     X(nn_conv_general) \
     X(nn_kernels_fast) \
+    X(nn_train_memory) \
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
     X(nn_parallel) \
