@@ -332,6 +332,69 @@ QG_TARGET void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int
     }
 }
 
+/* ---- depthwise ------------------------------------------------------------------------------------------------- */
+
+/* Bytes b[k .. k + 15] widened to 16 dwords and shifted to byte k of each. */
+QG_TARGET QG_INLINE __m512i dw_bytes(const uint8_t *b, const int k) {
+    return _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(b + k))), 8 * k);
+}
+
+/* Row `row` (act_w bytes and on) -> its dwords of each quad q for the output columns 0 .. cols - 1, plane dwords
+ * apart: dst[q * plane + ow] = row[ow sw + 4 q + 0 .. 3]. Stride 1: the 4 bytes from 4 overlapping 16-byte loads,
+ * widened and shifted into place; stride 2: two 16-bit lanes (bytes 0, 1 and 2, 3 of the dword) from 32-byte
+ * loads 2 bytes apart; others one dword at a time. */
+QG_TARGET static void dw_gather(uint32_t *dst, size_t plane, const uint8_t *row, int kq, size_t cols, int sw) {
+    for (int q = 0; q < kq; q++, row += 4, dst += plane) {
+        if (sw == 1) {
+            for (size_t v = 0; v < cols; v += QGEMM_LANES) {
+                const uint8_t *b = row + v;
+                const __m512i x = _mm512_or_si512(_mm512_or_si512(dw_bytes(b, 0), dw_bytes(b, 1)),
+                                                  _mm512_or_si512(dw_bytes(b, 2), dw_bytes(b, 3)));
+                _mm512_store_si512((void *)(dst + v), x);
+            }
+        } else if (sw == 2) {
+            for (size_t v = 0; v < cols; v += QGEMM_LANES) {
+                const uint8_t *b = row + 2 * v;
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)b));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(b + 2)));
+                _mm512_store_si512((void *)(dst + v), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        } else {
+            for (size_t ow = 0; ow < cols; ow++) memcpy(dst + ow, row + ow * (size_t)sw, 4);
+        }
+    }
+}
+
+QG_TARGET void qgemm_dw_vnni(const QGemmDw *d) {
+    const QGemmPackedDw *w = d->w;
+    const int KH = w->kh, KQ = w->kq;
+    const size_t cols = ((size_t)d->ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
+    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, plane = rows * cols;
+    for (size_t r = 0; r < rows; r++) dw_gather(d->scratch + r * cols, plane, d->act + r * d->act_w, KQ, cols, d->sw);
+    for (int i = 0; i < d->n_oc; i++) {
+        const int oc = d->oc0 + i;
+        const int32_t *wc = w->data + (size_t)oc * KH * KQ; /* [KH][KQ] */
+        /* the accumulators start at minus the zero point's correction and so end at the corrected sums */
+        const __m512i c0 = _mm512_set1_epi32((int32_t)(0u - (uint32_t)d->a_zero * (uint32_t)w->sum[oc]));
+        const __m512 sc = _mm512_set1_ps(d->scale[oc]), bi = _mm512_set1_ps(d->bias ? d->bias[oc] : 0.0f);
+        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
+        for (int oh = 0; oh < d->oh_n; oh++) {
+            const uint32_t *base = d->scratch + (size_t)oh * d->sh * cols;
+            for (size_t v = 0; v < cols; v += QGEMM_LANES) {
+                __m512i acc = c0;
+                for (int r = 0; r < KH; r++)
+                    for (int q = 0; q < KQ; q++) {
+                        const __m512i a = _mm512_load_si512((const void *)(base + q * plane + r * cols + v));
+                        acc = _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(wc[r * KQ + q]));
+                    }
+                __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sc, bi);
+                if (d->relu) y = _mm512_max_ps(y, _mm512_setzero_ps()); /* nn's relu: see taps_y */
+                _mm512_mask_storeu_ps(out + (size_t)oh * d->ow_n + v, lane_mask(d->ow_n - (int)v), y);
+            }
+        }
+    }
+}
+
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
 /* The quantizer's constants in registers. */
@@ -451,6 +514,7 @@ void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     qgemm_dense_portable(d, row0, row1, p0, p1);
 }
 void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
+void qgemm_dw_vnni(const QGemmDw *d) { qgemm_dw_portable(d); }
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
 }

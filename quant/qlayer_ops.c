@@ -418,7 +418,8 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
     const bool conv = q->module->spec.type == LAYER_CONV2D;
     if (qlayer_int8_applies(t, q, x, bias)) {
         /* nothing to record: the integer kernels (qlayer_int8.c) */
-        int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution */
+        int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution, or one channel per group */
+        if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE);
         if (conv) return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv(t, q, x, bias, OH, OW) : NULL;
         return dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
