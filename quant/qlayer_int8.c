@@ -584,6 +584,11 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
     const ConvGeom2d *g = &m->geom;
     const int KH = q->w_shape[2], KW = q->w_shape[3];
     char sx[64];
+    if (!conv_is_dw(q)) {
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: qlayer_int8_conv_dw: not a conv2d of one input channel per group",
+                     m->path);
+        return NULL;
+    }
     if (x->value.ndim != 4 || x->value.shape[1] != g->groups || q->out % g->groups) {
         qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s does not fit the quantized conv2d layer (want (N, %d, H, W))",
                      m->path, tensor_shape_str(&x->value, sx, sizeof sx), g->groups);
