@@ -282,17 +282,10 @@ void qgemm_packed_dw_free(QGemmPackedDw *p) {
     memset(p, 0, sizeof *p);
 }
 
-/* Output columns rounded up to whole vectors: the VNNI kernel's row pitch. */
-static size_t dw_cols(int ow_n) { return ((size_t)ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES; }
-
-size_t qgemm_dw_slack(const QGemmPackedDw *w, int ow_n, int sw) {
-    /* the dwords of the padding columns and the vector loads (up to 32 bytes at a 2-byte offset) */
-    return dw_cols(ow_n) * (size_t)sw + 4 * (size_t)w->kq + 64;
-}
-
 size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh) {
     const size_t rows = (size_t)(oh_n - 1) * sh + (size_t)w->kh;
-    return ((size_t)w->kq * rows * dw_cols(ow_n) * sizeof(uint32_t) + 63) / 64 * 64;
+    const size_t cols = ((size_t)ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES; /* whole vectors */
+    return ((size_t)w->kq * rows * cols * sizeof(uint32_t) + 63) / 64 * 64;
 }
 
 void qgemm_dw_portable(const QGemmDw *d) {
@@ -300,18 +293,23 @@ void qgemm_dw_portable(const QGemmDw *d) {
     for (int i = 0; i < d->n_oc; i++) {
         const int oc = d->oc0 + i;
         const int32_t *wc = w->data + (size_t)oc * w->kh * w->kq; /* [kh][kq] */
-        const int32_t corr = (int32_t)((uint32_t)d->a_zero * (uint32_t)w->sum[oc]);
         const float scale = d->scale[oc], bias = d->bias ? d->bias[oc] : 0.0f;
         float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
         for (int oh = 0; oh < d->oh_n; oh++)
             for (int ow = 0; ow < d->ow_n; ow++) {
-                uint32_t acc = 0; /* wraps as vpdpbusd does; exact once corrected */
+                /* |u - a_zero| <= 255, |w| <= 128 and kh * kw <= QGEMM_K_MAX: the sum fits in int32 */
+                int32_t s = 0;
                 for (int r = 0; r < w->kh; r++) {
-                    const uint8_t *a = d->act + (size_t)(oh * d->sh + r) * d->act_w + (size_t)ow * d->sw; /* [kw] */
-                    for (int c = 0; c < w->kw; c++)
-                        acc += a[c] * (uint32_t)(int8_t)(uint8_t)((uint32_t)wc[r * w->kq + c / 4] >> (8 * (c % 4)));
+                    const int ih = oh * d->sh + r - d->pad_t;
+                    if (ih < 0 || ih >= d->in_h) continue; /* padding: u = a_zero */
+                    for (int c = 0; c < w->kw; c++) {
+                        const int iw = ow * d->sw + c - d->pad_l;
+                        if (iw < 0 || iw >= d->in_w) continue;
+                        const int8_t wt = (int8_t)(uint8_t)((uint32_t)wc[r * w->kq + c / 4] >> (8 * (c % 4)));
+                        s += ((int32_t)d->act[(size_t)ih * d->in_w + iw] - d->a_zero) * wt;
+                    }
                 }
-                const float y = fmaf((float)(int32_t)(acc - (uint32_t)corr), scale, bias);
+                const float y = fmaf((float)s, scale, bias);
                 out[(size_t)oh * d->ow_n + ow] = !d->relu || y > 0.0f ? y : 0.0f;
             }
     }

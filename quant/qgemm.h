@@ -179,19 +179,19 @@ QtStatus qgemm_pack_dw(QGemmPackedDw *p, const int8_t *w, int channels, int kh, 
 void qgemm_packed_dw_free(QGemmPackedDw *p);
 
 /* Output channels [oc0, oc0 + n_oc) of one image, all reading one input
- * channel's codes act, already padded (the padding holds a_zero, whose
- * term is then 0):
- *   s = sum over r < kh, c < kw of (act[(oh sh + r) act_w + ow sw + c] - a_zero) w[oc][r][c]
+ * channel's codes act (in_h, in_w), unpadded: code u(i, j) = act[i in_w + j]
+ * inside, a_zero (whose term is 0) in the padding around it, pad_t rows
+ * above and pad_l columns left (and below and right as far as the outputs
+ * reach):
+ *   s = sum over r < kh, c < kw of (u(oh sh + r - pad_t, ow sw + c - pad_l) - a_zero) w[oc][r][c]
  *   out[(oc - oc0) * oh_n * ow_n + oh * ow_n + ow] = fmaf((float)s, scale[oc], bias ? bias[oc] : 0),
- * relu'd if relu (as nn's relu: 0 unless y > 0). act holds the padded rows
- * (at least (oh_n - 1) sh + kh of act_w bytes) and then qgemm_dw_slack()
- * bytes more that the kernels may read (any values; their weights are 0).
- * The VNNI kernel first gathers each row's dwords of 4 codes for every
- * output column into scratch (qgemm_dw_scratch bytes, 64-byte aligned);
- * the portable one sums the bytes directly. */
+ * relu'd if relu (as nn's relu: 0 unless y > 0). The VNNI kernel first
+ * gathers each padded row's dwords of 4 codes for every output column into
+ * scratch (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so
+ * nothing outside act is read); the portable one sums the codes directly. */
 typedef struct {
-    const uint8_t *act;        /* (rows, act_w) + slack */
-    int act_w;
+    const uint8_t *act;        /* (in_h, in_w) */
+    int in_h, in_w, pad_t, pad_l;
     int oh_n, ow_n, sh, sw;    /* output rows and columns, strides */
     const QGemmPackedDw *w;
     int oc0, n_oc;
@@ -203,7 +203,6 @@ typedef struct {
     uint32_t *scratch;         /* VNNI: qgemm_dw_scratch bytes */
 } QGemmDw;
 
-size_t qgemm_dw_slack(const QGemmPackedDw *w, int ow_n, int sw);
 size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh);
 void qgemm_dw(const QGemmDw *d);
 /* The plain C definition (exact int32 sums, one fmaf), bit for bit the VNNI kernel's outputs. */

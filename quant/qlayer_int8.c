@@ -25,10 +25,24 @@
  * k, one tap per dword. Every image is one task (quantize, planes, taps);
  * ch4 quantizes straight into its planes (qgemm_quantize_u8x4).
  *
+ * Depthwise (conv_is_dw: every output channel reads one input channel,
+ * w (OC, 1, KH, KW), no dilation; any kernel, stride and padding per axis,
+ * 'same' included, M = OC / C output channels per input channel): each
+ * image is one task, its codes quantized in one pass, then per input
+ * channel qgemm_dw, which pads itself: VNNI gathers, for every padded row
+ * and output column, the dwords of 4 consecutive codes (one per quad of
+ * kernel columns; masked loads put a_zero outside the image), then one
+ * vpdpbusd per (kernel row, quad) for 16 output columns with the channel's
+ * weight dword broadcast. A dilated conv, one with several input channels
+ * per group, or one group of several channels with per-axis geometry, runs
+ * on its dequantized weight (INT8_WHY_GEOMETRY).
+ *
  * A following relu, or relu and 2x2 max pool, runs in the kernels' epilogue
  * (qlayer_int8_conv_fused, for the fused hook): no full-size output is
  * written. When pooling, the padded row pitch is rounded up to 16, 32 or
  * 48 where that is at most 3 vectors, so the kernels pool in registers.
+ * Depthwise (qlayer_int8_conv_dw): the relu in its kernel, the max pool
+ * over an input channel's relu'd outputs in scratch.
  *
  * Scratch (codes, planes, output vector tables) comes from the tape's
  * arena; the packed weight is allocated once (qlayer_int8_prepare). */
@@ -532,9 +546,7 @@ Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
 typedef struct {
     int N, C, H, W, M;   /* M: output channels per input channel (OC = M C) */
     int OH, OW, YH, YW;  /* the conv's output; y's (pooled or not) */
-    int pt, pl, Wp;      /* the padding on the top and the left; the padded row pitch */
-    size_t padded;       /* bytes of one padded channel with the kernels' slack */
-    size_t scratch;      /* bytes of one thread's scratch: the padded channel, the kernel's dwords, the pool buffer */
+    size_t scratch;      /* bytes of one thread's scratch: the image's codes, the kernel's dwords, the pool buffer */
     size_t dwords_at, pool_at;
     const float *x;      /* (N, C, H, W) */
     float *y;            /* (N, OC, YH, YW) */
@@ -555,28 +567,24 @@ static void dw_pool(float *y, const float *r, const DwJob *j) {
         }
 }
 
-/* One image: each input channel's codes into a padded plane (a_zero around it), then its M output channels. */
+/* One image: its codes in one pass, then each input channel's M output channels (the kernel pads). */
 static void dw_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     DwJob *j = ctx;
-    uint8_t *act = j->work + (size_t)parallel_thread_index() * j->scratch; /* (rows, Wp) + slack */
-    float *pooled = (float *)(act + j->pool_at);                            /* pooling: (M, OH, OW) */
+    const size_t plane = (size_t)j->H * j->W;
+    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* (C, H, W) */
+    float *pooled = (float *)(codes + j->pool_at);                            /* pooling: (M, OH, OW) */
     const QGemmCodes *a = &j->ac;
+    j->bad[n] = !qgemm_quantize_u8(codes, j->x + (size_t)n * j->C * plane, (size_t)j->C * plane, a->s, a->lo, a->hi,
+                                   a->zero);
     QGemmDw d = j->d;
-    d.act = act, d.scratch = (uint32_t *)(act + j->dwords_at);
-    bool ok = true;
+    d.scratch = (uint32_t *)(codes + j->dwords_at);
     for (int c = 0; c < j->C; c++) {
-        const float *xc = j->x + ((size_t)n * j->C + c) * j->H * j->W; /* (H, W) */
-        memset(act, a->zero, j->padded);
-        for (int h = 0; h < j->H; h++)
-            ok &= qgemm_quantize_u8(act + (size_t)(h + j->pt) * j->Wp + j->pl, xc + (size_t)h * j->W, (size_t)j->W,
-                                    a->s, a->lo, a->hi, a->zero);
         float *yc = j->y + ((size_t)n * j->C + c) * j->M * j->YH * j->YW; /* (M, YH, YW) */
-        d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
+        d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
         qgemm_dw(&d);
         if (j->pool) dw_pool(yc, pooled, j);
     }
-    j->bad[n] = !ok;
 }
 
 Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi) {
@@ -595,8 +603,7 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
         return NULL;
     }
     DwJob j = {.N = x->value.shape[0], .C = g->groups, .H = x->value.shape[2], .W = x->value.shape[3],
-               .M = q->out / g->groups, .pt = g->pad_h, .pl = g->pad_w, .x = x->value.data,
-               .pool = epi == CONV_EPI_RELU_MAXPOOL2};
+               .M = q->out / g->groups, .x = x->value.data, .pool = epi == CONV_EPI_RELU_MAXPOOL2};
     j.OH = conv_general_out_size(j.H, KH, g->stride_h, g->pad_h, g->pad_h + g->pad_h_extra, 1);
     j.OW = conv_general_out_size(j.W, KW, g->stride_w, g->pad_w, g->pad_w + g->pad_w_extra, 1);
     if (j.OH < (j.pool ? 2 : 1) || j.OW < (j.pool ? 2 : 1)) {
@@ -608,10 +615,7 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
     if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
     const QGemmPackedDw *pw = &q->int8->dw;
     j.YH = j.pool ? j.OH / 2 : j.OH, j.YW = j.pool ? j.OW / 2 : j.OW;
-    j.Wp = j.W + 2 * g->pad_w + g->pad_w_extra;
-    const size_t rows = (size_t)(j.OH - 1) * g->stride_h + (size_t)KH; /* the padded rows the kernel reads */
-    j.padded = rows * j.Wp + qgemm_dw_slack(pw, j.OW, g->stride_w);
-    j.dwords_at = (j.padded + 63) / 64 * 64;
+    j.dwords_at = ((size_t)j.C * j.H * j.W + 63) / 64 * 64;
     j.pool_at = j.dwords_at + qgemm_dw_scratch(pw, j.OH, j.OW, g->stride_h);
     j.scratch = j.pool_at + (j.pool ? ((size_t)j.M * j.OH * j.OW * sizeof(float) + 63) / 64 * 64 : 0);
     Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, j.YH, j.YW});
@@ -620,9 +624,9 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
     j.bad = tape_alloc(t, (size_t)j.N);
     if (!y || !scale || !j.work || !j.bad) return NULL;
     j.y = y->value.data;
-    j.d = (QGemmDw){.act_w = j.Wp, .oh_n = j.OH, .ow_n = j.OW, .sh = g->stride_h, .sw = g->stride_w, .w = pw,
-                    .n_oc = j.M, .a_zero = j.ac.zero, .scale = scale, .bias = bias ? bias->value.data : NULL,
-                    .relu = epi != CONV_EPI_NONE};
+    j.d = (QGemmDw){.in_h = j.H, .in_w = j.W, .pad_t = g->pad_h, .pad_l = g->pad_w, .oh_n = j.OH, .ow_n = j.OW,
+                    .sh = g->stride_h, .sw = g->stride_w, .w = pw, .n_oc = j.M, .a_zero = j.ac.zero, .scale = scale,
+                    .bias = bias ? bias->value.data : NULL, .relu = epi != CONV_EPI_NONE};
     int8_run(threads_for((double)j.N * j.OH * j.OW * q->out * q->fan_in), j.N, dw_task, &j);
     return inputs_finite(t, x, j.bad, j.N) ? y : NULL;
 }

@@ -451,7 +451,13 @@ static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
 static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     QLayer *q = ctx;
     int OH = 0, OW = 0;
-    if (!m->conv_plain) return NULL; /* model_forward fuses plain convolutions only */
+    if (!m->conv_plain) {
+        /* one input channel per group on the int8 path: its kernel has the epilogues; any other geometry declines
+           (nn_conv2d_fused is plain) */
+        if (!qlayer_int8_applies(t, q, x, bias) || (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)))
+            return NULL;
+        return qlayer_int8_conv_dw(t, q, x, bias, epi);
+    }
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     if (qlayer_int8_applies(t, q, x, bias)) {
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;

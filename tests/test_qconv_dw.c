@@ -28,51 +28,59 @@
 /* ---- the kernels ----------------------------------------------------------------------------------------------- */
 
 typedef struct {
-    int kh, kw, sh, sw, oh, ow, n_oc;
+    int kh, kw, sh, sw, h, w, pt, pl, n_oc; /* kernel, strides, input, padding on the top and the left, channels */
+    int oh, ow;                             /* set by kernel_case */
 } KGeo;
 
-/* out (n_oc, oh, ow) by the definition: int64 sums of (act - a_zero) w, one fmaf, relu. */
-static void dw_definition(float *out, const uint8_t *act, int act_w, const int8_t *w, const KGeo *g, int a_zero,
+/* out (n_oc, oh, ow) by the definition: int64 sums of (u - a_zero) w over the input (the padding's terms are 0),
+ * one fmaf, relu. */
+static void dw_definition(float *out, const uint8_t *act, const int8_t *w, const KGeo *g, int a_zero,
                           const float *scale, const float *bias, bool relu) {
     for (int oc = 0; oc < g->n_oc; oc++)
         for (int i = 0; i < g->oh; i++)
             for (int j = 0; j < g->ow; j++) {
                 int64_t s = 0;
                 for (int r = 0; r < g->kh; r++)
-                    for (int c = 0; c < g->kw; c++)
-                        s += ((int64_t)act[(size_t)(i * g->sh + r) * act_w + j * g->sw + c] - a_zero) *
-                             w[((size_t)oc * g->kh + r) * g->kw + c];
+                    for (int c = 0; c < g->kw; c++) {
+                        const int ih = i * g->sh + r - g->pt, iw = j * g->sw + c - g->pl;
+                        if (ih < 0 || ih >= g->h || iw < 0 || iw >= g->w) continue;
+                        s += ((int64_t)act[(size_t)ih * g->w + iw] - a_zero) * w[((size_t)oc * g->kh + r) * g->kw + c];
+                    }
                 float y = fmaf((float)(int32_t)s, scale[oc], bias ? bias[oc] : 0.0f);
                 out[((size_t)oc * g->oh + i) * g->ow + j] = !relu || y > 0.0f ? y : 0.0f;
             }
 }
 
-static void kernel_case(const KGeo *g, int a_zero, bool relu, bool bias, bool vnni, uint64_t seed) {
-    char what[160];
-    snprintf(what, sizeof what, "%dx%d kernel, stride [%d, %d], %dx%d out, %d channels, a_zero %d%s%s", g->kh, g->kw,
-             g->sh, g->sw, g->oh, g->ow, g->n_oc, a_zero, relu ? ", relu" : "", bias ? ", bias" : "");
-    const int rows = (g->oh - 1) * g->sh + g->kh, act_w = (g->ow - 1) * g->sw + g->kw + (int)(seed % 3);
+/* extra: rows and columns of padding below and right beyond pt and pl (padding 'same' of an even kernel). The
+ * codes sit in a buffer of exactly h * w bytes, so a read outside them is an error under the sanitizers. */
+static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool bias, bool vnni, uint64_t seed) {
+    KGeo g = *geo;
+    g.oh = (g.h + 2 * g.pt + extra - g.kh) / g.sh + 1, g.ow = (g.w + 2 * g.pl + extra - g.kw) / g.sw + 1;
+    CU_ASSERT_FATAL(g.oh >= 1 && g.ow >= 1);
+    char what[200];
+    snprintf(what, sizeof what, "%dx%d kernel, stride [%d, %d], input %dx%d, padding [%d, %d] + %d, %d channels, "
+             "a_zero %d%s%s", g.kh, g.kw, g.sh, g.sw, g.h, g.w, g.pt, g.pl, extra, g.n_oc, a_zero, relu ? ", relu" : "",
+             bias ? ", bias" : "");
     QGemmPackedDw p;
     QtError err = {0};
-    int8_t *w = malloc((size_t)g->n_oc * g->kh * g->kw);
-    float *scale = malloc((size_t)g->n_oc * sizeof *scale), *bi = malloc((size_t)g->n_oc * sizeof *bi);
+    const size_t nw = (size_t)g.n_oc * g.kh * g.kw, n_act = (size_t)g.h * g.w, n_out = (size_t)g.n_oc * g.oh * g.ow;
+    int8_t *w = malloc(nw);
+    float *scale = malloc((size_t)g.n_oc * sizeof *scale), *bi = malloc((size_t)g.n_oc * sizeof *bi);
+    uint8_t *act = malloc(n_act);
     Rng r;
     rng_init(&r, seed, 0);
-    for (int i = 0; i < g->n_oc * g->kh * g->kw; i++) w[i] = (int8_t)rng_below(&r, 256);
-    w[0] = -128, w[g->n_oc * g->kh * g->kw - 1] = 127; /* the extremes */
-    for (int i = 0; i < g->n_oc; i++) scale[i] = 1e-3f * (float)(1 + i % 5), bi[i] = 0.25f * (float)(i % 3) - 0.3f;
-    CU_ASSERT_EQUAL_FATAL(qgemm_pack_dw(&p, w, g->n_oc, g->kh, g->kw, &err), QT_OK);
-    const size_t n_act = (size_t)rows * act_w + qgemm_dw_slack(&p, g->ow, g->sw);
-    uint8_t *act = malloc(n_act);
+    for (size_t i = 0; i < nw; i++) w[i] = (int8_t)rng_below(&r, 256);
+    w[0] = -128, w[nw - 1] = 127; /* the extremes */
+    for (int i = 0; i < g.n_oc; i++) scale[i] = 1e-3f * (float)(1 + i % 5), bi[i] = 0.25f * (float)(i % 3) - 0.3f;
     for (size_t i = 0; i < n_act; i++) act[i] = (uint8_t)rng_below(&r, 256);
-    act[0] = 255, act[1] = 0;
-    const size_t n_out = (size_t)g->n_oc * g->oh * g->ow;
+    act[0] = 255, act[n_act - 1] = 0;
+    CU_ASSERT_EQUAL_FATAL(qgemm_pack_dw(&p, w, g.n_oc, g.kh, g.kw, &err), QT_OK);
     float *want = qa_alloc_floats(n_out), *got = qa_alloc_floats(n_out);
-    uint32_t *scratch = aligned_alloc(64, qgemm_dw_scratch(&p, g->oh, g->ow, g->sh) + 64);
-    dw_definition(want, act, act_w, w, g, a_zero, scale, bias ? bi : NULL, relu);
-    QGemmDw d = {.act = act, .act_w = act_w, .oh_n = g->oh, .ow_n = g->ow, .sh = g->sh, .sw = g->sw, .w = &p,
-                 .oc0 = 0, .n_oc = g->n_oc, .a_zero = a_zero, .out = got, .scale = scale, .bias = bias ? bi : NULL,
-                 .relu = relu, .scratch = scratch};
+    uint32_t *scratch = aligned_alloc(64, qgemm_dw_scratch(&p, g.oh, g.ow, g.sh));
+    dw_definition(want, act, w, &g, a_zero, scale, bias ? bi : NULL, relu);
+    QGemmDw d = {.act = act, .in_h = g.h, .in_w = g.w, .pad_t = g.pt, .pad_l = g.pl, .oh_n = g.oh, .ow_n = g.ow,
+                 .sh = g.sh, .sw = g.sw, .w = &p, .oc0 = 0, .n_oc = g.n_oc, .a_zero = a_zero, .out = got,
+                 .scale = scale, .bias = bias ? bi : NULL, .relu = relu, .scratch = scratch};
     qgemm_force_portable = !vnni;
     qgemm_dw(&d);
     qgemm_force_portable = false;
@@ -80,13 +88,13 @@ static void kernel_case(const KGeo *g, int a_zero, bool relu, bool bias, bool vn
     if (!same) fprintf(stderr, "\n  %s kernel, %s: differs from the definition\n", vnni ? "VNNI" : "portable", what);
     CU_ASSERT(same);
     /* a range of output channels writes only its own */
-    if (g->n_oc > 2) {
+    if (g.n_oc > 2) {
         memset(got, 0, n_out * sizeof *got);
-        d.oc0 = 1, d.n_oc = g->n_oc - 2;
+        d.oc0 = 1, d.n_oc = g.n_oc - 2;
         qgemm_force_portable = !vnni;
         qgemm_dw(&d);
         qgemm_force_portable = false;
-        const size_t plane = (size_t)g->oh * g->ow;
+        const size_t plane = (size_t)g.oh * g.ow;
         CU_ASSERT(!memcmp(want + plane, got, (n_out - 2 * plane) * sizeof *got));
     }
     free(w), free(scale), free(bi), free(act), free(want), free(got), free(scratch);
@@ -94,18 +102,21 @@ static void kernel_case(const KGeo *g, int a_zero, bool relu, bool bias, bool vn
 }
 
 static const KGeo KGEOS[] = {
-    {3, 3, 1, 1, 14, 14, 4}, {3, 3, 1, 1, 13, 13, 3}, {3, 3, 1, 1, 28, 28, 1}, {3, 3, 2, 2, 7, 7, 5},
-    {3, 3, 2, 2, 14, 14, 2}, {1, 5, 1, 1, 9, 17, 3},  {5, 1, 1, 2, 6, 33, 2},  {7, 7, 3, 3, 5, 4, 3},
-    {1, 1, 1, 1, 3, 16, 2},  {2, 9, 2, 1, 4, 31, 3},  {3, 3, 1, 3, 8, 1, 2},   {4, 6, 3, 2, 2, 19, 3},
+    {3, 3, 1, 1, 14, 14, 1, 1, 4, 0, 0}, {3, 3, 1, 1, 13, 13, 1, 1, 3, 0, 0}, {3, 3, 1, 1, 28, 28, 0, 0, 1, 0, 0},
+    {3, 3, 2, 2, 13, 13, 1, 1, 5, 0, 0}, {3, 3, 2, 2, 28, 28, 1, 1, 2, 0, 0}, {1, 5, 1, 1, 9, 17, 0, 2, 3, 0, 0},
+    {5, 1, 1, 2, 6, 65, 2, 0, 2, 0, 0},  {7, 7, 3, 3, 11, 9, 3, 3, 3, 0, 0},  {1, 1, 1, 1, 3, 16, 0, 0, 2, 0, 0},
+    {2, 9, 2, 1, 7, 31, 0, 4, 3, 0, 0},  {3, 3, 1, 3, 8, 1, 1, 1, 2, 0, 0},   {4, 6, 3, 2, 5, 40, 2, 3, 3, 0, 0},
+    {3, 3, 2, 2, 1, 2, 1, 1, 2, 0, 0},   {3, 5, 1, 1, 4, 3, 2, 6, 2, 0, 0},   {3, 3, 2, 2, 40, 47, 5, 9, 1, 0, 0},
 };
 
 static void kernels_on(bool vnni) {
     uint64_t seed = 3100;
     for (size_t i = 0; i < sizeof KGEOS / sizeof *KGEOS; i++)
-        for (int k = 0; k < 4; k++) kernel_case(&KGEOS[i], k == 0 ? 0 : k == 1 ? 128 : 77 + k, k & 1, k < 3, vnni, seed++);
-    /* 64 x 64 products at the largest codes: the exact sum needs all of int32's range */
-    const KGeo big = {64, 64, 1, 1, 2, 17, 2};
-    kernel_case(&big, 0, false, true, vnni, seed++);
+        for (int k = 0; k < 4; k++)
+            kernel_case(&KGEOS[i], k == 3, k == 0 ? 0 : k == 1 ? 128 : 77 + k, k & 1, k < 3, vnni, seed++);
+    /* 64 x 64 products at the largest codes: the exact sum needs much of int32's range */
+    const KGeo big = {64, 64, 1, 1, 65, 80, 0, 0, 2, 0, 0};
+    kernel_case(&big, 0, 0, false, true, vnni, seed++);
 }
 
 static void test_dw_kernel_portable(void) { kernels_on(false); }
@@ -211,8 +222,11 @@ static size_t dw_in_numel(const Module *mod, int N) {
     return (size_t)N * mod->in_shape[0] * mod->in_shape[1] * mod->in_shape[2];
 }
 
+/* dw_eval's epi past this: the installed layer's fused hook with epilogue epi - DW_HOOK. */
+#define DW_HOOK 10
+
 /* y of q on x (batch N), gradients off, no node recorded: malloc'd, or NULL with the tape error in *err. epi: the
- * layer's forward (CONV_EPI_NONE) or qlayer_int8_conv_dw with that epilogue. */
+ * layer's forward (-1), qlayer_int8_conv_dw with that epilogue, or the fused hook's (DW_HOOK + epilogue). */
 static float *dw_eval(QLayer *q, const float *x, int N, int epi, size_t *ny, QtError *err) {
     TestEnv e;
     test_env_init(&e, 1);
@@ -220,8 +234,10 @@ static float *dw_eval(QLayer *q, const float *x, int N, int epi, size_t *ny, QtE
     const Module *mod = q->module;
     const int xs[4] = {N, mod->in_shape[0], mod->in_shape[1], mod->in_shape[2]};
     Var *vx = test_var(&e, x, 4, xs, false);
-    Var *y = epi < 0 ? qlayer_forward(&e.tape, q, vx) : qlayer_int8_conv_dw(&e.tape, q, vx, mod->bias ?
-                                                                           &mod->bias->var : NULL, (ConvEpilogue)epi);
+    Var *bias = mod->bias ? &mod->bias->var : NULL, *y = NULL;
+    if (epi < 0) y = qlayer_forward(&e.tape, q, vx);
+    else if (epi < DW_HOOK) y = qlayer_int8_conv_dw(&e.tape, q, vx, bias, (ConvEpilogue)epi);
+    else y = mod->fused_hook(&e.tape, (Module *)mod, vx, mod->hook_ctx, bias, (ConvEpilogue)(epi - DW_HOOK));
     CU_ASSERT_EQUAL(e.tape.n_nodes, 0);
     float *out = NULL;
     if (y) {
@@ -336,6 +352,11 @@ static void test_dw_epilogues(void) {
         bool same = !memcmp(relu->value.data, yr, nr * sizeof *yr);
         if (!same) fprintf(stderr, "\n  %s: the relu epilogue differs from nn_relu\n", g->name);
         CU_ASSERT(same);
+        /* the installed layer's fused hook: the same bits */
+        qlayer_install(&q);
+        float *yh = dw_eval_all_kernels(&q, x, N, DW_HOOK + CONV_EPI_RELU, &nr, g->name);
+        CU_ASSERT(!memcmp(yh, yr, nr * sizeof *yr));
+        free(yh);
         if (OH >= 2 && OW >= 2) {
             float *yp = dw_eval_all_kernels(&q, x, N, CONV_EPI_RELU_MAXPOOL2, &np, g->name);
             Var *pool = nn_maxpool2d(&e.tape, relu, 2, 2);
@@ -343,7 +364,9 @@ static void test_dw_epilogues(void) {
             same = !memcmp(pool->value.data, yp, np * sizeof *yp);
             if (!same) fprintf(stderr, "\n  %s: the relu + max pool epilogue differs from nn's ops\n", g->name);
             CU_ASSERT(same);
-            free(yp);
+            yh = dw_eval_all_kernels(&q, x, N, DW_HOOK + CONV_EPI_RELU_MAXPOOL2, &np, g->name);
+            CU_ASSERT(!memcmp(yh, yp, np * sizeof *yp));
+            free(yp), free(yh);
         }
         test_env_free(&e);
         free(x), free(y), free(yr);
@@ -386,6 +409,12 @@ static void test_dw_fallbacks(void) {
         float *yf = dw_eval_ok(&q, x, 2, -1, &n2);
         qlayer_int8_disable = false;
         CU_ASSERT(n1 == n2 && !memcmp(y, yf, n1 * sizeof *y) && q.int8 == NULL);
+        /* and its fused hook declines (no error): the layer and separate ops run instead */
+        qlayer_install(&q);
+        QtError eh = {0};
+        float *yh = dw_eval(&q, x, 2, DW_HOOK + CONV_EPI_RELU, &n1, &eh);
+        CU_ASSERT(yh == NULL && eh.status == QT_OK);
+        free(yh);
         free(x), free(y), free(yf);
         qlayer_free(&q);
         model_free(&m);
