@@ -566,7 +566,8 @@ static double json_number(const char *text, const char *key) {
 /* tests/configs/tiny-dw.yaml trained, then PTQ with DS-CNN's rules (int8 weights; int8 inputs for conv1, uint8
  * with zero points for the rest): `qtrain eval` of its checkpoint on the VNNI, portable and float paths gives the
  * same accuracy, losses within 1e-4 of the float path's and VNNI's equal to portable's to the last digit, and all
- * four int8 layers, the depthwise one too, on the kernels. */
+ * four int8 layers, the depthwise one too, on the kernels. With the depthwise conv dilated, the rules table names
+ * it as the layer on its dequantized weight. */
 static void test_dw_ptq_eval_kernels(void) {
     char out[1100], init[1200], log[1100], ckpt[1100], json[1100];
     snprintf(out, sizeof out, "run.out_dir=%s/base", tmp_root);
@@ -607,6 +608,19 @@ static void test_dw_ptq_eval_kernels(void) {
     printf("(accuracy %.4f, loss float %.6f portable %.6f vnni %.6f) ", acc[0], loss[0], loss[1], loss[2]);
     CU_ASSERT(acc[0] > 0.2 && acc[1] == acc[0] && fabs(loss[1] - loss[0]) <= 1e-4 * loss[0]);
     if (qgemm_cpu_has_vnni()) CU_ASSERT(acc[2] == acc[0] && loss[2] == loss[1]);
+    /* the same with the depthwise conv dilated: it falls back, and the rules table names it */
+    char tlog[1100];
+    snprintf(out, sizeof out, "run.out_dir=%s/ptq-dilated", tmp_root);
+    snprintf(tlog, sizeof tlog, "%s/dilated.log", tmp_root);
+    const char *dil[] = {"--config", "tests/configs/tiny-dw.yaml", "--set", out, "--set", init, "--set",
+                         "model.layers.3.dilation=2", "--set", "quant.mode=ptq", "--set", ptq[9], "--set",
+                         "train.epochs=0", "--set", "train.steps=0", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(tlog, dil, 300.0), 0);
+    char *table = test_file_read(tlog, NULL);
+    const char *want = " on 3 of 4 int8 layers; dequantized float (grouped or dilated conv2d): dw\n";
+    CU_ASSERT(table && strstr(table, want));
+    if (!table || !strstr(table, want)) fprintf(stderr, "\n%s\n", table ? table : "(no output)");
+    free(table);
 }
 
 int register_quant_int8_dw_suite(void) {
