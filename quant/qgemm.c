@@ -241,6 +241,85 @@ void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     else qgemm_taps_portable(g, rb0, rb1, v0, v1);
 }
 
+/* ---- depthwise ------------------------------------------------------------------------------------------------- */
+
+QtStatus qgemm_pack_dw(QGemmPackedDw *p, const int8_t *w, int channels, int kh, int kw, QtError *err) {
+    memset(p, 0, sizeof *p);
+    if (!w || channels < 1 || kh < 1 || kw < 1 || (long long)kh * kw > QGEMM_K_MAX)
+        return qt_error_set(err, QT_ERR_ARG, "qgemm_pack_dw: a depthwise weight of %d channels and a %dx%d kernel "
+                            "cannot be packed (want channels >= 1 and 1 <= kh * kw <= %d, and weights)", channels, kh,
+                            kw, QGEMM_K_MAX);
+    const int kq = (kw + 3) / 4;
+    const size_t n = (size_t)channels * kh * kq;
+    p->data = alloc64(n * sizeof *p->data);
+    p->sum = alloc64((size_t)channels * sizeof *p->sum);
+    if (!p->data || !p->sum) {
+        qgemm_packed_dw_free(p);
+        return qt_error_set(err, QT_ERR_NOMEM, "qgemm_pack_dw: out of memory for a packed weight of %zu bytes",
+                            n * sizeof(int32_t));
+    }
+    for (int c = 0; c < channels; c++) {
+        int32_t sum = 0;
+        for (int r = 0; r < kh; r++)
+            for (int q = 0; q < kq; q++) {
+                uint32_t d = 0;
+                for (int j = 0; j < 4 && 4 * q + j < kw; j++) {
+                    const int8_t v = w[((size_t)c * kh + r) * kw + 4 * q + j];
+                    d |= (uint32_t)(uint8_t)v << (8 * j);
+                    sum += v;
+                }
+                p->data[((size_t)c * kh + r) * kq + q] = (int32_t)d;
+            }
+        p->sum[c] = sum;
+    }
+    p->channels = channels, p->kh = kh, p->kw = kw, p->kq = kq;
+    return QT_OK;
+}
+
+void qgemm_packed_dw_free(QGemmPackedDw *p) {
+    if (!p) return;
+    free(p->data), free(p->sum);
+    memset(p, 0, sizeof *p);
+}
+
+size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh) {
+    const size_t rows = (size_t)(oh_n - 1) * sh + (size_t)w->kh;
+    const size_t cols = ((size_t)ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES; /* whole vectors */
+    return ((size_t)w->kq * rows * cols * sizeof(uint32_t) + 63) / 64 * 64;
+}
+
+void qgemm_dw_portable(const QGemmDw *d) {
+    const QGemmPackedDw *w = d->w;
+    for (int i = 0; i < d->n_oc; i++) {
+        const int oc = d->oc0 + i;
+        const int32_t *wc = w->data + (size_t)oc * w->kh * w->kq; /* [kh][kq] */
+        const float scale = d->scale[oc], bias = d->bias ? d->bias[oc] : 0.0f;
+        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
+        for (int oh = 0; oh < d->oh_n; oh++)
+            for (int ow = 0; ow < d->ow_n; ow++) {
+                /* |u - a_zero| <= 255, |w| <= 128 and kh * kw <= QGEMM_K_MAX: the sum fits in int32 */
+                int32_t s = 0;
+                for (int r = 0; r < w->kh; r++) {
+                    const int ih = oh * d->sh + r - d->pad_t;
+                    if (ih < 0 || ih >= d->in_h) continue; /* padding: u = a_zero */
+                    for (int c = 0; c < w->kw; c++) {
+                        const int iw = ow * d->sw + c - d->pad_l;
+                        if (iw < 0 || iw >= d->in_w) continue;
+                        const int8_t wt = (int8_t)(uint8_t)((uint32_t)wc[r * w->kq + c / 4] >> (8 * (c % 4)));
+                        s += ((int32_t)d->act[(size_t)ih * d->in_w + iw] - d->a_zero) * wt;
+                    }
+                }
+                const float y = fmaf((float)s, scale, bias);
+                out[(size_t)oh * d->ow_n + ow] = !d->relu || y > 0.0f ? y : 0.0f;
+            }
+    }
+}
+
+void qgemm_dw(const QGemmDw *d) {
+    if (qgemm_use_vnni()) qgemm_dw_vnni(d);
+    else qgemm_dw_portable(d);
+}
+
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
 /* The byte of x: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, in plain

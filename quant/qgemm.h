@@ -158,6 +158,56 @@ typedef struct {
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 
+/* ---- depthwise: one input channel per output channel ------------------------------------------------------------ */
+
+/* The weight of a convolution whose every output channel reads one input
+ * channel (depthwise; w (OC, 1, KH, KW)), packed once: per output channel
+ * and kernel row, the kernel columns in dwords of 4 (a "quad"), byte j of
+ * quad q the int8 weight of column 4 q + j, 0 past KW:
+ *   data[(oc * kh + r) * kq + q] = w[oc][0][r][4 q + 0 .. 3].
+ * One dword meets 4 consecutive input codes of a row, one vpdpbusd. */
+typedef struct {
+    int channels, kh, kw;
+    int kq;            /* ceil(kw / 4) */
+    int32_t *data;     /* [channels][kh][kq], layout above */
+    int32_t *sum;      /* [channels] sum of each channel's kh * kw weights */
+} QGemmPackedDw;
+
+/* w (channels, kh * kw) int8 codes -> *p. channels, kh, kw >= 1, kh * kw <= QGEMM_K_MAX, else QT_ERR_ARG;
+ * QT_ERR_NOMEM. On error *p is zeroed. */
+QtStatus qgemm_pack_dw(QGemmPackedDw *p, const int8_t *w, int channels, int kh, int kw, QtError *err);
+void qgemm_packed_dw_free(QGemmPackedDw *p);
+
+/* Output channels [oc0, oc0 + n_oc) of one image, all reading one input
+ * channel's codes act (in_h, in_w), unpadded: code u(i, j) = act[i in_w + j]
+ * inside, a_zero (whose term is 0) in the padding around it, pad_t rows
+ * above and pad_l columns left (and below and right as far as the outputs
+ * reach):
+ *   s = sum over r < kh, c < kw of (u(oh sh + r - pad_t, ow sw + c - pad_l) - a_zero) w[oc][r][c]
+ *   out[(oc - oc0) * oh_n * ow_n + oh * ow_n + ow] = fmaf((float)s, scale[oc], bias ? bias[oc] : 0),
+ * relu'd if relu (as nn's relu: 0 unless y > 0). The VNNI kernel first
+ * gathers each padded row's dwords of 4 codes for every output column into
+ * scratch (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so
+ * nothing outside act is read); the portable one sums the codes directly. */
+typedef struct {
+    const uint8_t *act;        /* (in_h, in_w) */
+    int in_h, in_w, pad_t, pad_l;
+    int oh_n, ow_n, sh, sw;    /* output rows and columns, strides */
+    const QGemmPackedDw *w;
+    int oc0, n_oc;
+    int a_zero;                /* 0..255 */
+    float *out;                /* (n_oc, oh_n, ow_n) */
+    const float *scale;        /* [channels] */
+    const float *bias;         /* [channels] or NULL */
+    bool relu;
+    uint32_t *scratch;         /* VNNI: qgemm_dw_scratch bytes */
+} QGemmDw;
+
+size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh);
+void qgemm_dw(const QGemmDw *d);
+/* The plain C definition (exact int32 sums, one fmaf), bit for bit the VNNI kernel's outputs. */
+void qgemm_dw_portable(const QGemmDw *d);
+
 /* ---- quantizing activations ------------------------------------------------------------------------------------ */
 
 /* dst[i] = rint(clamp(x[i] / s, lo, hi)) + zero: fake quantization's codes

@@ -332,6 +332,106 @@ QG_TARGET void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int
     }
 }
 
+/* ---- depthwise ------------------------------------------------------------------------------------------------- */
+
+/* The lanes i < n whose input column c0 + i lies in [0, w): the bytes a masked load may read. */
+static inline uint32_t dw_cols_mask(int c0, int w, int n) {
+    const int lo = c0 < 0 ? -c0 : 0, hi = w - c0 < n ? w - c0 : n;
+    if (hi <= lo) return 0;
+    return (uint32_t)((((uint64_t)1 << hi) - 1) & ~(((uint64_t)1 << lo) - 1));
+}
+
+/* The dwords of quad q for output columns v .. v + 15 of every padded row: dst[r * cols] = the codes of input
+ * columns ow sw + 4 q - pad_l + 0 .. 3 of input row r - pad_t, a_zero outside the input. Stride 1: the 4 bytes
+ * from 4 overlapping 16-byte masked loads, widened and shifted into place; stride 2: two 16-bit lanes (bytes 0, 1
+ * and 2, 3 of the dword) from 32-byte masked loads 2 bytes apart; others one byte at a time. The masks (the lanes
+ * inside the input's columns) are the same for every row; a masked load reads no byte outside the row. */
+QG_TARGET static void dw_gather_cols(uint32_t *dst, size_t cols, size_t rows, const QGemmDw *d, int q, int v) {
+    const __m512i fill = _mm512_set1_epi32((int)((uint32_t)d->a_zero * 0x01010101u));
+    const __m256i z = _mm256_set1_epi8((char)d->a_zero);
+    const int c4 = v * d->sw + 4 * q - d->pad_l; /* the input column of output column v's first byte */
+    for (size_t r = 0; r < rows; r++, dst += cols) {
+        const int ih = (int)r - d->pad_t;
+        if (ih < 0 || ih >= d->in_h) _mm512_store_si512((void *)dst, fill);
+    }
+    dst -= rows * cols;
+    const size_t r0 = d->pad_t < (int)rows ? (size_t)d->pad_t : rows;
+    const size_t r1 = (size_t)d->pad_t + (size_t)d->in_h < rows ? (size_t)d->pad_t + (size_t)d->in_h : rows;
+    const uint8_t *row = r0 < r1 ? d->act + (r0 - (size_t)d->pad_t) * d->in_w : d->act; /* input row r0 - pad_t */
+    if (d->sw == 1) {
+        __mmask16 m[4];
+        for (int k = 0; k < 4; k++) m[k] = (__mmask16)dw_cols_mask(c4 + k, d->in_w, 16);
+        for (size_t r = r0; r < r1; r++, row += d->in_w) {
+            __m512i x = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m128i b = _mm_mask_loadu_epi8(_mm256_castsi256_si128(z), m[k], row + c4 + k);
+                x = _mm512_or_si512(x, _mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 8 * k));
+            }
+            _mm512_store_si512((void *)(dst + r * cols), x);
+        }
+    } else if (d->sw == 2) {
+        const __mmask32 m0 = dw_cols_mask(c4, d->in_w, 32), m1 = dw_cols_mask(c4 + 2, d->in_w, 32);
+        for (size_t r = r0; r < r1; r++, row += d->in_w) {
+            const __m256i lo = _mm256_mask_loadu_epi8(z, m0, row + c4);
+            const __m256i hi = _mm256_mask_loadu_epi8(z, m1, row + c4 + 2);
+            const __m512i x = _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16);
+            _mm512_store_si512((void *)(dst + r * cols), _mm512_or_si512(_mm512_cvtepu16_epi32(lo), x));
+        }
+    } else {
+        for (size_t r = r0; r < r1; r++, row += d->in_w)
+            for (int l = 0; l < QGEMM_LANES; l++) {
+                uint32_t x = 0;
+                for (int k = 0; k < 4; k++) {
+                    const int c = c4 + l * d->sw + k;
+                    x |= (uint32_t)(c >= 0 && c < d->in_w ? row[c] : d->a_zero) << (8 * k);
+                }
+                dst[r * cols + (size_t)l] = x;
+            }
+    }
+}
+
+/* Output channel oc's rows from the gathered dwords (KH and KQ constants where the caller knows them): one
+ * vpdpbusd per kernel row and quad for 16 output columns; the accumulators start at minus the zero point's
+ * correction and so end at the corrected sums. */
+QG_TARGET QG_INLINE void dw_dot(const QGemmDw *d, int oc, float *out, size_t cols, size_t plane, const int KH,
+                                const int KQ, const bool relu) {
+    const int32_t *wc = d->w->data + (size_t)oc * KH * KQ; /* [KH][KQ] */
+    const __m512i c0 = _mm512_set1_epi32((int32_t)(0u - (uint32_t)d->a_zero * (uint32_t)d->w->sum[oc]));
+    const __m512 sc = _mm512_set1_ps(d->scale[oc]), bi = _mm512_set1_ps(d->bias ? d->bias[oc] : 0.0f);
+    for (int oh = 0; oh < d->oh_n; oh++) {
+        const uint32_t *base = d->scratch + (size_t)oh * d->sh * cols;
+        for (size_t v = 0; v < cols; v += QGEMM_LANES) {
+            __m512i acc = c0;
+            for (int r = 0; r < KH; r++)
+                for (int q = 0; q < KQ; q++) {
+                    const __m512i a = _mm512_load_si512((const void *)(base + q * plane + r * cols + v));
+                    acc = _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(wc[r * KQ + q]));
+                }
+            __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sc, bi);
+            if (relu) y = _mm512_max_ps(y, _mm512_setzero_ps()); /* nn's relu: see taps_y */
+            _mm512_mask_storeu_ps(out + (size_t)oh * d->ow_n + v, lane_mask(d->ow_n - (int)v), y);
+        }
+    }
+}
+
+QG_TARGET void qgemm_dw_vnni(const QGemmDw *d) {
+    const int KH = d->w->kh, KQ = d->w->kq;
+    const size_t cols = ((size_t)d->ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
+    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, plane = rows * cols;
+    for (int q = 0; q < KQ; q++)
+        for (size_t v = 0; v < cols; v += QGEMM_LANES)
+            dw_gather_cols(d->scratch + q * plane + v, cols, rows, d, q, (int)v);
+    const bool k3 = KH == 3 && KQ == 1; /* 3 kernel rows of up to 4 columns (3x3): the loops unrolled */
+    for (int i = 0; i < d->n_oc; i++) {
+        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
+        if (k3 && d->relu) dw_dot(d, d->oc0 + i, out, cols, plane, 3, 1, true);
+        else if (k3) dw_dot(d, d->oc0 + i, out, cols, plane, 3, 1, false);
+        else if (d->relu) dw_dot(d, d->oc0 + i, out, cols, plane, KH, KQ, true);
+        else dw_dot(d, d->oc0 + i, out, cols, plane, KH, KQ, false);
+    }
+}
+
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
 /* The quantizer's constants in registers. */
@@ -451,6 +551,7 @@ void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     qgemm_dense_portable(d, row0, row1, p0, p1);
 }
 void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
+void qgemm_dw_vnni(const QGemmDw *d) { qgemm_dw_portable(d); }
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
 }

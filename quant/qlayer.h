@@ -191,8 +191,9 @@ QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *
 /* Whether q's formats allow the int8 path (the calibrated range is not
  * checked: a layer is supported before its calibration). */
 bool qlayer_int8_supported(const QLayer *q);
-/* Whether q has int8 weights and inputs the int8 path takes, whatever its geometry: a grouped or dilated conv2d
- * has them but is not supported (it runs on its dequantized weight). */
+/* Whether q has int8 weights and inputs the int8 path takes, whatever its geometry: a conv2d that is neither plain
+ * nor undilated with one input channel per group (depthwise) has them but is not supported (it runs on its
+ * dequantized weight). */
 bool qlayer_int8_formats(const QLayer *q);
 /* Packs the weight for the int8 path now rather than at the first int8
  * forward. QT_ERR_CONFIG naming the module and the reason if the formats do

@@ -25,10 +25,24 @@
  * k, one tap per dword. Every image is one task (quantize, planes, taps);
  * ch4 quantizes straight into its planes (qgemm_quantize_u8x4).
  *
+ * Depthwise (conv_is_dw: every output channel reads one input channel,
+ * w (OC, 1, KH, KW), no dilation; any kernel, stride and padding per axis,
+ * 'same' included, M = OC / C output channels per input channel): each
+ * image is one task, its codes quantized in one pass, then per input
+ * channel qgemm_dw, which pads itself: VNNI gathers, for every padded row
+ * and output column, the dwords of 4 consecutive codes (one per quad of
+ * kernel columns; masked loads put a_zero outside the image), then one
+ * vpdpbusd per (kernel row, quad) for 16 output columns with the channel's
+ * weight dword broadcast. A dilated conv, one with several input channels
+ * per group, or one group of several channels with per-axis geometry, runs
+ * on its dequantized weight (INT8_WHY_GEOMETRY).
+ *
  * A following relu, or relu and 2x2 max pool, runs in the kernels' epilogue
  * (qlayer_int8_conv_fused, for the fused hook): no full-size output is
  * written. When pooling, the padded row pitch is rounded up to 16, 32 or
  * 48 where that is at most 3 vectors, so the kernels pool in registers.
+ * Depthwise (qlayer_int8_conv_dw): the relu in its kernel, the max pool
+ * over an input channel's relu'd outputs in scratch.
  *
  * Scratch (codes, planes, output vector tables) comes from the tape's
  * arena; the packed weight is allocated once (qlayer_int8_prepare). */
@@ -40,6 +54,7 @@
 
 #include "fakequant_internal.h"
 #include "base/parallel.h"
+#include "nn/pool2x2.h"
 #include "qgemm.h"
 
 bool qlayer_int8_disable = false;
@@ -53,6 +68,7 @@ enum { CONV_CH4, CONV_KW4, CONV_COLS };
 struct QLayerInt8 {
     QGemmPackedB dense;    /* dense: the weight (out, fan_in) */
     QGemmPackedTaps taps;  /* conv2d: the weight as (OC, taps) dwords, taps as conv_shape orders them */
+    QGemmPackedDw dw;      /* depthwise conv2d (conv_is_dw): the weight (OC, 1, KH, KW) */
     float *w_scale;        /* [out] the weight's scale of each output channel */
 };
 
@@ -64,8 +80,19 @@ static bool is_int8_act(const QType *a) {
 
 /* The one reason that is the layer's shape, not its formats: such a layer has int8 weights and inputs but runs on
  * its dequantized weight, and a run says how many of its int8 layers do (qlayer_int8_formats). */
-static const char INT8_WHY_GEOMETRY[] = "the conv2d is grouped, dilated or not the same on both axes (the int8 "
-                                        "kernels run plain convolutions; it runs on its dequantized weight)";
+static const char INT8_WHY_GEOMETRY[] = "the conv2d is dilated, or grouped with more than one input channel per "
+                                        "group, or has one group of several input channels and a kernel, stride or "
+                                        "padding that differs between the axes or padding 'same' (the int8 kernels "
+                                        "run plain convolutions and undilated ones of one input channel per group, "
+                                        "such as depthwise; it runs on its dequantized weight)";
+
+/* A conv2d that is not plain but runs on the depthwise kernel: every output channel reads one input channel
+ * (w (OC, 1, KH, KW): groups = C, OC a multiple of C), no dilation; any kernel, stride and padding per axis. */
+static bool conv_is_dw(const QLayer *q) {
+    const Module *m = q->module;
+    return m->spec.type == LAYER_CONV2D && !m->conv_plain && q->w_shape[1] == 1 && m->geom.dil_h == 1 &&
+           m->geom.dil_w == 1;
+}
 
 /* Why q's formats exclude the int8 path, or NULL. */
 static const char *unsupported_why(const QLayer *q) {
@@ -76,7 +103,7 @@ static const char *unsupported_why(const QLayer *q) {
         return "the weight has block scales (use one per output channel or per tensor: tile_size 0)";
     if (!is_int8_act(q->spec.act_qtype)) return "the input is not quantized to int8 or uint8 (act_qtype)";
     if (q->fan_in > QGEMM_K_MAX) return "fan_in is longer than an exact int32 sum allows";
-    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain) return INT8_WHY_GEOMETRY;
+    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain && !conv_is_dw(q)) return INT8_WHY_GEOMETRY;
     return NULL;
 }
 
@@ -172,6 +199,7 @@ static void int8_free(QLayerInt8 *p) {
     if (!p) return;
     qgemm_packed_b_free(&p->dense);
     qgemm_packed_taps_free(&p->taps);
+    qgemm_packed_dw_free(&p->dw);
     free(p->w_scale);
     free(p);
 }
@@ -188,6 +216,8 @@ static QtStatus pack_weight(QLayerInt8 *p, const QLayer *q, QtError *err) {
     QtStatus st;
     if (q->module->spec.type != LAYER_CONV2D) {
         st = qgemm_pack_b(&p->dense, codes, q->out, q->fan_in, &inner);
+    } else if (conv_is_dw(q)) {
+        st = qgemm_pack_dw(&p->dw, codes, q->out, q->w_shape[2], q->w_shape[3], &inner);
     } else {
         ConvShape c = conv_shape(q);
         uint32_t *dw = malloc((size_t)q->out * c.taps * sizeof *dw);
@@ -509,4 +539,94 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
     return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE);
+}
+
+/* ---- depthwise conv2d ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int N, C, H, W, M;   /* M: output channels per input channel (OC = M C) */
+    int OH, OW, YH, YW;  /* the conv's output; y's (pooled or not) */
+    size_t scratch;      /* bytes of one thread's scratch: the image's codes, the kernel's dwords, the pool buffer */
+    size_t dwords_at, pool_at;
+    const float *x;      /* (N, C, H, W) */
+    float *y;            /* (N, OC, YH, YW) */
+    QGemmCodes ac;
+    QGemmDw d;           /* act, out, oc0, scratch set per channel */
+    bool pool;
+    uint8_t *work;       /* [pool threads * scratch] */
+    uint8_t *bad;        /* [N] */
+} DwJob;
+
+/* y (M, OH/2, OW/2) = the 2x2 maxima of r (M, OH, OW), as nn_maxpool2d(2, 2). */
+static void dw_pool(float *y, const float *r, const DwJob *j) {
+    for (int m = 0; m < j->M; m++, r += (size_t)j->OH * j->OW, y += (size_t)j->YH * j->YW)
+        for (int i = 0; i < j->YH; i++) {
+            const float *a = r + (size_t)2 * i * j->OW, *b = a + j->OW;
+            for (int k = 0, win; k < j->YW; k++)
+                y[(size_t)i * j->YW + k] = pool2x2_window(a[2 * k], a[2 * k + 1], b[2 * k], b[2 * k + 1], &win);
+        }
+}
+
+/* One image: its codes in one pass, then each input channel's M output channels (the kernel pads). */
+static void dw_task(void *ctx, int n, int n_tasks) {
+    (void)n_tasks;
+    DwJob *j = ctx;
+    const size_t plane = (size_t)j->H * j->W;
+    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* (C, H, W) */
+    float *pooled = (float *)(codes + j->pool_at);                            /* pooling: (M, OH, OW) */
+    const QGemmCodes *a = &j->ac;
+    j->bad[n] = !qgemm_quantize_u8(codes, j->x + (size_t)n * j->C * plane, (size_t)j->C * plane, a->s, a->lo, a->hi,
+                                   a->zero);
+    QGemmDw d = j->d;
+    d.scratch = (uint32_t *)(codes + j->dwords_at);
+    for (int c = 0; c < j->C; c++) {
+        float *yc = j->y + ((size_t)n * j->C + c) * j->M * j->YH * j->YW; /* (M, YH, YW) */
+        d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
+        qgemm_dw(&d);
+        if (j->pool) dw_pool(yc, pooled, j);
+    }
+}
+
+Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi) {
+    const Module *m = q->module;
+    const ConvGeom2d *g = &m->geom;
+    const int KH = q->w_shape[2], KW = q->w_shape[3];
+    char sx[64];
+    if (!conv_is_dw(q)) {
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: qlayer_int8_conv_dw: not a conv2d of one input channel per group",
+                     m->path);
+        return NULL;
+    }
+    if (x->value.ndim != 4 || x->value.shape[1] != g->groups || q->out % g->groups) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s does not fit the quantized conv2d layer (want (N, %d, H, W))",
+                     m->path, tensor_shape_str(&x->value, sx, sizeof sx), g->groups);
+        return NULL;
+    }
+    DwJob j = {.N = x->value.shape[0], .C = g->groups, .H = x->value.shape[2], .W = x->value.shape[3],
+               .M = q->out / g->groups, .x = x->value.data, .pool = epi == CONV_EPI_RELU_MAXPOOL2};
+    j.OH = conv_general_out_size(j.H, KH, g->stride_h, g->pad_h, g->pad_h + g->pad_h_extra, 1);
+    j.OW = conv_general_out_size(j.W, KW, g->stride_w, g->pad_w, g->pad_w + g->pad_w_extra, 1);
+    if (j.OH < (j.pool ? 2 : 1) || j.OW < (j.pool ? 2 : 1)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "%s: kernel %dx%d (stride [%d, %d], padding [%d, %d]) does not fit input "
+                     "%s%s", m->path, KH, KW, g->stride_h, g->stride_w, g->pad_h, g->pad_w,
+                     tensor_shape_str(&x->value, sx, sizeof sx), j.pool ? " with a 2x2 max pool after it" : "");
+        return NULL;
+    }
+    if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    const QGemmPackedDw *pw = &q->int8->dw;
+    j.YH = j.pool ? j.OH / 2 : j.OH, j.YW = j.pool ? j.OW / 2 : j.OW;
+    j.dwords_at = ((size_t)j.C * j.H * j.W + 63) / 64 * 64;
+    j.pool_at = j.dwords_at + qgemm_dw_scratch(pw, j.OH, j.OW, g->stride_h);
+    j.scratch = j.pool_at + (j.pool ? ((size_t)j.M * j.OH * j.OW * sizeof(float) + 63) / 64 * 64 : 0);
+    Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, j.YH, j.YW});
+    float *scale = out_scales(t, q, j.ac.s);
+    j.work = tape_alloc(t, (size_t)parallel_get_threads() * j.scratch);
+    j.bad = tape_alloc(t, (size_t)j.N);
+    if (!y || !scale || !j.work || !j.bad) return NULL;
+    j.y = y->value.data;
+    j.d = (QGemmDw){.in_h = j.H, .in_w = j.W, .pad_t = g->pad_h, .pad_l = g->pad_w, .oh_n = j.OH, .ow_n = j.OW,
+                    .sh = g->stride_h, .sw = g->stride_w, .w = pw, .n_oc = j.M, .a_zero = j.ac.zero, .scale = scale,
+                    .bias = bias ? bias->value.data : NULL, .relu = epi != CONV_EPI_NONE};
+    int8_run(threads_for((double)j.N * j.OH * j.OW * q->out * q->fan_in), j.N, dw_task, &j);
+    return inputs_finite(t, x, j.bad, j.N) ? y : NULL;
 }

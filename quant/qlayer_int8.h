@@ -24,4 +24,9 @@ Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW);
  * CONV_EPI_RELU_MAXPOOL2 (OH, OW >= 2), bit for bit qlayer_int8_conv, then nn_relu (then nn_maxpool2d(2, 2)). */
 Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi);
 
+/* A conv2d that is not plain but takes the int8 path (qlayer_int8_supported): one input channel per output
+ * channel, depthwise. y (N, OC, OH, OW) from x (N, C, H, W) under the module's geometry (per-axis stride and
+ * padding, 'same'), x's shape checked here; epi as qlayer_int8_conv_fused (the max pool needs OH, OW >= 2). */
+Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi);
+
 #endif

@@ -418,7 +418,8 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
     const bool conv = q->module->spec.type == LAYER_CONV2D;
     if (qlayer_int8_applies(t, q, x, bias)) {
         /* nothing to record: the integer kernels (qlayer_int8.c) */
-        int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution */
+        int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution, or one channel per group */
+        if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE);
         if (conv) return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv(t, q, x, bias, OH, OW) : NULL;
         return dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
@@ -450,7 +451,13 @@ static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
 static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     QLayer *q = ctx;
     int OH = 0, OW = 0;
-    if (!m->conv_plain) return NULL; /* model_forward fuses plain convolutions only */
+    if (!m->conv_plain) {
+        /* one input channel per group on the int8 path: its kernel has the epilogues; any other geometry declines
+           (nn_conv2d_fused is plain) */
+        if (!qlayer_int8_applies(t, q, x, bias) || (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)))
+            return NULL;
+        return qlayer_int8_conv_dw(t, q, x, bias, epi);
+    }
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     if (qlayer_int8_applies(t, q, x, bias)) {
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;

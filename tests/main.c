@@ -53,6 +53,7 @@
     X(quant_qat_bn_runs) \
     X(quant_qt)   \
     X(quant_int8) \
+    X(quant_int8_dw) \
     X(bench_cmd)  \
     X(fuzz_regress) \
     X(interrupt)  \
