@@ -539,7 +539,9 @@ static bool model_fusable_bn(const Model *m, int i, int j) {
 static ConvFusion model_fusable_layers(const Model *m, int i) {
     ConvFusion f = {1, CONV_EPI_NONE, NULL};
     const Module *c = &m->modules[i];
-    if (c->spec.type != LAYER_CONV2D || !c->conv_plain) return f;
+    /* nn_conv2d_fused runs plain convs; a hook's fused form may take others (the int8 depthwise kernel) and
+       declines what it cannot run */
+    if (c->spec.type != LAYER_CONV2D || (!c->conv_plain && !c->forward_hook)) return f;
     if (c->forward_hook ? !c->fused_hook : !c->weight || c->weight->released) return f;
     f.bias = c->bias ? &c->bias->var : NULL;
     int j = i + 1; /* the next module to fold in */

@@ -617,7 +617,7 @@ static void test_dw_ptq_eval_kernels(void) {
                          "train.epochs=0", "--set", "train.steps=0", NULL};
     CU_ASSERT_EQUAL_FATAL(test_proc_run(tlog, dil, 300.0), 0);
     char *table = test_file_read(tlog, NULL);
-    const char *want = " on 3 of 4 int8 layers; dequantized float (grouped or dilated conv2d): dw\n";
+    const char *want = " on 3 of 4 int8 layers; dequantized float (dilated, grouped or per-axis conv2d): dw\n";
     CU_ASSERT(table && strstr(table, want));
     if (!table || !strstr(table, want)) fprintf(stderr, "\n%s\n", table ? table : "(no output)");
     free(table);

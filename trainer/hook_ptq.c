@@ -194,7 +194,7 @@ void net_int8_layers(const Net *n, int *on_kernel, int *with_int8) {
 }
 
 /* which path int8 x int8 layers evaluate on (a CPU without VNNI emulates them in float), and which of the layers
-   with int8 weights and inputs cannot take it (grouped or dilated convs run on their dequantized weights) */
+   with int8 weights and inputs cannot take it (dilated, grouped or per-axis convs run on their dequantized weights) */
 static void ptq_table_note(const HookSet *set, FILE *out) {
     if (set->n <= 0) return;
     fprintf(out, "  int8_kernel: %s", ptq_int8_kernel(set));
@@ -204,7 +204,7 @@ static void ptq_table_note(const HookSet *set, FILE *out) {
         on += qlayer_int8_supported(q), with += qlayer_int8_formats(q);
     }
     if (on < with) {
-        fprintf(out, " on %d of %d int8 layers; dequantized float (grouped or dilated conv2d):", on, with);
+        fprintf(out, " on %d of %d int8 layers; dequantized float (dilated, grouped or per-axis conv2d):", on, with);
         for (int i = 0; i < set->n; i++) {
             const QLayer *q = &((const QLayer *)set->layers)[i];
             if (qlayer_int8_formats(q) && !qlayer_int8_supported(q)) fprintf(out, " %s", q->module->path);

@@ -124,7 +124,8 @@ bool net_needs_act_calibration(const Net *n);
  * (qlayer_int8_kernel_select). */
 const char *net_int8_kernel(const Net *n);
 /* How many PTQ layers have int8 weights and inputs (*with_int8) and how many of them take the integer kernels
- * (*on_kernel); the others are grouped or dilated convs, which run on their dequantized weights. */
+ * (*on_kernel); the others are dilated, grouped (several input channels per group) or per-axis convs, which run
+ * on their dequantized weights. */
 void net_int8_layers(const Net *n, int *on_kernel, int *with_int8);
 
 /* The per-module table (which rule applied and what it resolved to), and
