@@ -200,6 +200,7 @@ void dataset_free(Dataset *d) {
     image_file_free(d->file);
     free(d->pixels);
     free(d->labels);
+    free(d->targets);
     memset(d, 0, sizeof *d);
 }
 
@@ -604,6 +605,19 @@ QtStatus dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_
     }
     if (y) memcpy(y, d->labels + start, (size_t)n * sizeof *y);
     return QT_OK;
+}
+
+bool dataset_fill_targets(const Dataset *d, const uint32_t *idx, int n, float *t) {
+    if (!d->targets) return false;
+    const size_t k = (size_t)d->n_targets;
+    for (int i = 0; i < n; i++) memcpy(t + (size_t)i * k, d->targets + (size_t)idx[i] * k, k * sizeof *t);
+    return true;
+}
+
+bool dataset_fill_targets_range(const Dataset *d, int start, int n, float *t) {
+    if (!d->targets) return false;
+    memcpy(t, d->targets + (size_t)start * d->n_targets, (size_t)n * d->n_targets * sizeof *t);
+    return true;
 }
 
 /* The order of epoch b->epoch: identity, shuffled unless shuffle is off. */

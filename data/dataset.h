@@ -135,8 +135,11 @@ typedef struct {
     uint8_t *pixels;             /* [n][feat], owned; NULL when `file` holds the images */
     DatasetFile *file;           /* NULL: the images are in pixels; else they are read from this file at every
                                     batch (owned) */
-    int32_t *labels;             /* [n], in 0..n_classes-1, owned */
-    int n_classes;               /* 1 + largest label the data set can have (10 for Fashion-MNIST) */
+    int32_t *labels;             /* [n], in 0..n_classes-1, owned; NULL when the targets are values */
+    int n_classes;               /* 1 + largest label the data set can have (10 for Fashion-MNIST); 0 when the
+                                    targets are values */
+    float *targets;              /* [n][n_targets] continuous targets (regression), owned; NULL for class labels */
+    int n_targets;               /* values per example's target; 0 for class labels */
     float pixel_scale, pixel_shift; /* x = pixel_scale * p + pixel_shift (p the byte) */
 } Dataset;
 
@@ -213,6 +216,11 @@ QtStatus dataset_split_tail(Dataset *train, Dataset *val, double fraction, QtErr
 QtStatus dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float *x, int32_t *y, QtError *err);
 /* The same for the contiguous examples start..start+n-1. */
 QtStatus dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_t *y, QtError *err);
+/* The continuous targets of examples idx[0..n-1]: t (n, n_targets). A data
+ * set without them (class labels) leaves t alone and returns false. */
+bool dataset_fill_targets(const Dataset *d, const uint32_t *idx, int n, float *t);
+/* The same for the contiguous examples start..start+n-1. */
+bool dataset_fill_targets_range(const Dataset *d, int start, int n, float *t);
 
 /* Mini-batches over a data set for training. The order of epoch e is a
  * pure function of (seed, e): identity shuffled by Philox on stream
