@@ -589,7 +589,7 @@ QtStatus dataset_fill_batch(const Dataset *d, const uint32_t *idx, int n, float 
             convert_bytes(x + (size_t)i * feat, d->pixels + (size_t)idx[i] * feat, feat, d->pixel_scale,
                           d->pixel_shift);
     }
-    if (y)
+    if (y && d->labels)
         for (int i = 0; i < n; i++) y[i] = d->labels[idx[i]];
     return QT_OK;
 }
@@ -603,7 +603,7 @@ QtStatus dataset_fill_range(const Dataset *d, int start, int n, float *x, int32_
     } else {
         convert_bytes(x, d->pixels + (size_t)start * feat, (size_t)n * feat, d->pixel_scale, d->pixel_shift);
     }
-    if (y) memcpy(y, d->labels + start, (size_t)n * sizeof *y);
+    if (y && d->labels) memcpy(y, d->labels + start, (size_t)n * sizeof *y);
     return QT_OK;
 }
 
