@@ -30,7 +30,7 @@
 #include "nn/tape.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/net.h"
 #include "trainer/train.h"
 

@@ -14,7 +14,7 @@
 #include "nn/optim.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/sha256.h"
 
 /* ---- fixtures ---------------------------------------------------------------------- */

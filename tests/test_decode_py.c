@@ -18,7 +18,7 @@
 #include "quant/qarray_io.h"
 #include "test_proc.h"
 #include "test_util.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 
 #define PYTHON "/usr/bin/python3"
 

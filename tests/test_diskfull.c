@@ -32,7 +32,7 @@
 #include "test_proc.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/metrics.h"
 
 #define CONFIG "tests/configs/tiny-mlp.yaml"

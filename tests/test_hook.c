@@ -14,7 +14,7 @@
 
 #include "test_util.h"
 #include "trainer/checkpoint.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/hook.h"
 #include "trainer/net.h"
 

@@ -42,7 +42,7 @@
 #include "test_hostile.h"
 #include "test_proc.h"
 #include "test_util.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 
 #define RUN_TIMEOUT_S 120.0 /* a sanitizer build is slow; a run blocked on a FIFO is killed */
 #define PATH_CAP 1024

@@ -14,7 +14,7 @@
 #include "test_runs.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/net.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"

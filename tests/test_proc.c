@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 
 const char *test_qtrain_bin(void) {
     const char *bin = getenv("QTRAIN_BIN");

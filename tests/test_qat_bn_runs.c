@@ -19,7 +19,7 @@
 #include "test_util.h"
 #include "trainer/bn_fold.h"
 #include "trainer/checkpoint.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/net.h"
 #include "trainer/tools.h"
 

@@ -23,7 +23,7 @@
 #include "trainer/checkpoint.h"
 #include "cli/compare.h"
 #include "trainer/config.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 #include "trainer/net.h"
 #include "trainer/sha256.h"
 #include "trainer/tools.h"

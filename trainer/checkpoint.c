@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "checkpoint_internal.h"
-#include "h5io.h"
+#include "base/h5io.h"
 #include "version.h"
 
 /* ---- small helpers -------------------------------------------------------------- */

@@ -4,7 +4,7 @@
 
 #include "checkpoint.h"
 #include "checkpoint_internal.h"
-#include "h5io.h"
+#include "base/h5io.h"
 
 #define INSPECT_STR_MAX 60    /* string attributes longer than this are cut in listings */
 

@@ -12,7 +12,7 @@
 #include "quant/calib.h"
 #include "quant/qarray.h"
 #include "trainer/checkpoint.h"
-#include "trainer/h5io.h"
+#include "base/h5io.h"
 
 #define CKPT_OBJ_MAX 192      /* "optim/" + a param name + "/m" */
 #define CKPT_MODULES_MAX CKPT_LIST_MAX

@@ -65,7 +65,7 @@
 #define HOOK_PARAMS_MAX 4 /* trainable parameters one layer may have (LoRA: A, B; DoRA would add a magnitude) */
 
 typedef struct Net Net;             /* net.h */
-typedef struct H5ioFile H5ioFile;   /* trainer/h5io.h */
+typedef struct H5ioFile H5ioFile;   /* base/h5io.h */
 typedef struct HookKind HookKind;
 
 /* One kind's layers in a model, in module order. */

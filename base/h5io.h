@@ -13,8 +13,8 @@
  * from a failed H5Fclose of a file on disk (a full disk at close leaves an
  * ID that crashes the library's exit handler), and writing the bytes with
  * write(2) gives exact errors and control over fsync and rename. */
-#ifndef QTRAIN_TRAINER_H5IO_H
-#define QTRAIN_TRAINER_H5IO_H
+#ifndef QTRAIN_BASE_H5IO_H
+#define QTRAIN_BASE_H5IO_H
 
 #include <hdf5.h>
 #include <stdbool.h>

@@ -1,7 +1,7 @@
 /* h5io_internal.h - what h5io.c, h5io_attr.c and h5io_safe.c share; no
  * other file includes it. */
-#ifndef QTRAIN_TRAINER_H5IO_INTERNAL_H
-#define QTRAIN_TRAINER_H5IO_INTERNAL_H
+#ifndef QTRAIN_BASE_H5IO_INTERNAL_H
+#define QTRAIN_BASE_H5IO_INTERNAL_H
 
 #include "h5io.h"
 
