@@ -492,6 +492,51 @@ QtStatus h5io_read(const H5ioFile *f, const char *path, hid_t memtype, void *dat
     return st;
 }
 
+/* ---- a dataset held open -------------------------------------------------------------- */
+
+QtStatus h5io_dataset_open(const H5ioFile *f, const char *path, H5ioDataset *d, QtError *err) {
+    memset(d, 0, sizeof *d);
+    d->id = H5I_INVALID_HID;
+    hid_t id;
+    QtStatus st = dataset_open(f, path, &id, err);
+    if (st != QT_OK) return st;
+    if ((st = dataset_info(f, path, id, &d->info, err)) != QT_OK) {
+        H5Dclose(id);
+        return st;
+    }
+    d->id = id, d->f = f;
+    snprintf(d->path, sizeof d->path, "%s", path);
+    d->row_elems = 1;
+    for (int i = 1; i < d->info.rank; i++) d->row_elems *= d->info.dims[i];
+    return QT_OK;
+}
+
+QtStatus h5io_dataset_read_rows(const H5ioDataset *d, hid_t memtype, uint64_t row0, uint64_t k, void *out,
+                                QtError *err) {
+    const H5ioInfo *in = &d->info;
+    if (in->rank < 1 || row0 > in->dims[0] || k > in->dims[0] - row0)
+        return qt_error_set(err, QT_ERR_ARG, "%s: rows %llu..%llu of /%s, which has %llu", fname(d->f),
+                            (unsigned long long)row0, (unsigned long long)(row0 + k), show(d->path),
+                            (unsigned long long)(in->rank >= 1 ? in->dims[0] : 0));
+    if (k == 0) return QT_OK;
+    hsize_t start[H5IO_MAX_RANK] = {0}, count[H5IO_MAX_RANK];
+    for (int i = 0; i < in->rank; i++) count[i] = in->dims[i];
+    start[0] = row0, count[0] = k;
+    hid_t fspace = H5Dget_space(d->id), mspace = H5Screate_simple(in->rank, count, NULL);
+    QtStatus st = QT_OK;
+    if (fspace < 0 || mspace < 0 || H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start, NULL, count, NULL) < 0 ||
+        H5Dread(d->id, memtype, mspace, fspace, H5P_DEFAULT, out) < 0)
+        st = h5_fail(err, QT_ERR_FORMAT, d->f, "read rows of dataset", d->path);
+    if (mspace >= 0) H5Sclose(mspace);
+    if (fspace >= 0) H5Sclose(fspace);
+    return st;
+}
+
+void h5io_dataset_close(H5ioDataset *d) {
+    if (d && d->id >= 0) H5Dclose(d->id);
+    if (d) d->id = H5I_INVALID_HID;
+}
+
 /* ---- listing ---------------------------------------------------------------------------- */
 
 typedef struct {

@@ -112,6 +112,25 @@ static inline QtStatus h5io_read_f32(const H5ioFile *f, const char *path, float 
     return h5io_read(f, path, H5T_NATIVE_FLOAT, data, ndim, shape, err);
 }
 
+/* ---- a dataset held open, read in slices along its first axis ----------------- */
+
+/* An open dataset of an untrusted file, checked as h5io_read checks it. */
+typedef struct {
+    hid_t id;           /* H5I_INVALID_HID when closed */
+    const H5ioFile *f;  /* the file it is in (must stay open) */
+    char path[256];     /* for messages */
+    H5ioInfo info;
+    uint64_t row_elems; /* elements per index of the first axis (1 for rank 1) */
+} H5ioDataset;
+
+QtStatus h5io_dataset_open(const H5ioFile *f, const char *path, H5ioDataset *d, QtError *err);
+/* Rows row0..row0+k-1 (indices of the first axis) into out, converted to
+ * memtype (HDF5's conversion: the same class, any size and byte order).
+ * Rank >= 1. QT_ERR_ARG if the range is outside the dataset. */
+QtStatus h5io_dataset_read_rows(const H5ioDataset *d, hid_t memtype, uint64_t row0, uint64_t k, void *out,
+                                QtError *err);
+void h5io_dataset_close(H5ioDataset *d);
+
 /* ---- attributes (scalars, on the group or dataset `obj`) ---------------------- */
 
 bool h5io_attr_exists(const H5ioFile *f, const char *obj, const char *name);
@@ -123,6 +142,11 @@ QtStatus h5io_attr_write_i64s(H5ioFile *f, const char *obj, const char *name, co
 /* Reads an integer attribute of at most cap values into v, its count into *n. */
 QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *name, int64_t *v, int cap, int *n,
                              QtError *err);
+/* Up to cap numbers (integer or float) as doubles; *n gets their count. */
+QtStatus h5io_attr_read_f64s(const H5ioFile *f, const char *obj, const char *name, double *v, int cap, int *n,
+                             QtError *err);
+/* How many elements the attribute holds (a list of class names: its length), whatever their type. */
+QtStatus h5io_attr_numel(const H5ioFile *f, const char *obj, const char *name, int64_t *n, QtError *err);
 QtStatus h5io_attr_write_u64(H5ioFile *f, const char *obj, const char *name, uint64_t v, QtError *err);
 QtStatus h5io_attr_write_f64(H5ioFile *f, const char *obj, const char *name, double v, QtError *err);
 /* Fixed-length UTF-8, null-padded, of strlen(v) bytes (h5py reads bytes).

@@ -125,6 +125,38 @@ QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *nam
     return st;
 }
 
+QtStatus h5io_attr_read_f64s(const H5ioFile *f, const char *obj, const char *name, double *v, int cap, int *n,
+                             QtError *err) {
+    H5T_class_t cls = H5T_NO_CLASS;
+    hssize_t count = 0;
+    hid_t a;
+    QtStatus st = attr_open(f, obj, name, &a, &cls, &count, err);
+    if (st != QT_OK) return st;
+    if (cls != H5T_INTEGER && cls != H5T_FLOAT)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected numbers",
+                          h5io_fname(f), name, h5io_show(obj), h5io_class_name(cls));
+    else if (count < 0 || count > cap)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s has %lld values, expected at most %d",
+                          h5io_fname(f), name, h5io_show(obj), (long long)count, cap);
+    else if (H5Aread(a, H5T_NATIVE_DOUBLE, v) < 0)
+        st = h5io_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
+    else
+        *n = (int)count;
+    H5Aclose(a);
+    return st;
+}
+
+QtStatus h5io_attr_numel(const H5ioFile *f, const char *obj, const char *name, int64_t *n, QtError *err) {
+    H5T_class_t cls = H5T_NO_CLASS;
+    hssize_t count = 0;
+    hid_t a;
+    QtStatus st = attr_open(f, obj, name, &a, &cls, &count, err);
+    if (st != QT_OK) return st;
+    *n = count;
+    H5Aclose(a);
+    return QT_OK;
+}
+
 static QtStatus attr_read_scalar(const H5ioFile *f, const char *obj, const char *name, bool allow_float,
                                  hid_t mtype, void *out, QtError *err) {
     H5T_class_t cls = H5T_NO_CLASS;

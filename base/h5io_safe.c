@@ -50,8 +50,8 @@ static QtStatus refuse(QtError *err, const H5ioFile *f, const char *path, const 
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     char shown[QT_CLIP_BUF];
-    return qt_error_set(err, QT_ERR_FORMAT, "%s: refusing dataset /%s: %s (checkpoints and adapter files are "
-                        "untrusted input: see docs/SECURITY.md)", h5io_fname(f),
+    return qt_error_set(err, QT_ERR_FORMAT, "%s: refusing dataset /%s: %s (every HDF5 file qtrain reads, checkpoint, "
+                        "adapters or data set, is untrusted input: see docs/SECURITY.md)", h5io_fname(f),
                         qt_clip(h5io_show(path), shown), why);
 }
 

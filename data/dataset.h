@@ -28,6 +28,22 @@
 
 #define IDX_MAX_DIMS 4
 #define DATASET_MAX_CLASSES 256
+#define DATASET_MAX_CHANNELS 64 /* normalize's per-channel mean and std lists */
+
+/* How a data set's examples are stored, each converted to float32 per batch. */
+typedef enum {
+    DATA_ELEM_U8,  /* 1 byte; loaded with the map x = p / 255 (as IDX images) */
+    DATA_ELEM_I8,  /* 1 byte, signed; x = p */
+    DATA_ELEM_F16, /* IEEE half, 2 bytes; x = p */
+    DATA_ELEM_F32, /* 4 bytes; x = p */
+    DATA_ELEM_COUNT
+} DataElem;
+
+/* Bytes per element; "uint8", "int8", "float16", "float32". */
+size_t data_elem_bytes(DataElem e);
+const char *data_elem_name(DataElem e);
+/* The float of IEEE half h, exactly (subnormals, infinities and NaN too). */
+float data_half_to_float(uint16_t h);
 
 /* The contents of one IDX file (unsigned-byte element type only, 0x08). */
 typedef struct {
@@ -130,9 +146,10 @@ typedef struct DatasetFile DatasetFile;
 
 typedef struct {
     int n;                       /* examples */
-    int ndim, shape[3];          /* per example: (C, H, W); IDX images are (1, H, W) */
+    int ndim, shape[3];          /* per example: (C, H, W), IDX images (1, H, W); or (F,) feature vectors */
     int feat;                    /* elements per example = product of shape */
-    uint8_t *pixels;             /* [n][feat], owned; NULL when `file` holds the images */
+    DataElem elem;               /* how the elements are stored (DATA_ELEM_U8 = 0 for IDX) */
+    uint8_t *pixels;             /* [n][feat * data_elem_bytes(elem)], owned; NULL when `file` holds them */
     DatasetFile *file;           /* NULL: the images are in pixels; else they are read from this file at every
                                     batch (owned) */
     int32_t *labels;             /* [n], in 0..n_classes-1, owned; NULL when the targets are values */
@@ -140,7 +157,12 @@ typedef struct {
                                     targets are values */
     float *targets;              /* [n][n_targets] continuous targets (regression), owned; NULL for class labels */
     int n_targets;               /* values per example's target; 0 for class labels */
-    float pixel_scale, pixel_shift; /* x = pixel_scale * p + pixel_shift (p the byte) */
+    float pixel_scale, pixel_shift; /* x = pixel_scale * p + pixel_shift (p the stored value) */
+    float *chan_scale, *chan_shift; /* [shape[0]]: per channel (feature, for (F,) vectors) instead, once a
+                                       per-channel normalize made them differ; NULL: pixel_scale/shift for all */
+    int n_stats;                 /* > 0: the file gives the mean and std of its stored values (one, or one per
+                                    channel), which a normalize without values uses instead of measuring */
+    double stats_mean[DATASET_MAX_CHANNELS], stats_std[DATASET_MAX_CHANNELS];
 } Dataset;
 
 typedef enum {
@@ -156,7 +178,10 @@ typedef struct {
     TransformKind kind;
     bool stats_given;            /* normalize: mean/std given; if not, they are measured on
                                     the training set as it is at that point of the list */
-    float mean, std;             /* normalize */
+    float mean, std;             /* normalize, one for every value */
+    int n_stats;                 /* normalize: > 0: means/stds per channel (axis 0 of an example) instead */
+    float means[DATASET_MAX_CHANNELS], stds[DATASET_MAX_CHANNELS];
+    bool per_channel;            /* normalize without stats: measure them per channel (else over all values) */
     int classes[DATASET_MAX_CLASSES]; /* classes: the labels to keep, in their new order */
     int n_classes;
     int limit;                   /* limit: >= 1 */
@@ -185,6 +210,23 @@ QtStatus dataset_load_fashion_mnist_cached(Dataset *train, Dataset *test, const 
 /* The same with the images held as `storage` says. */
 QtStatus dataset_load_fashion_mnist_stored(Dataset *train, Dataset *test, const char *dir, IdxCache *cache,
                                            DataStorage storage, QtError *err);
+/* An HDF5 data file (docs/DATA.md's layout): /train and /test, /val when
+ * the file has it (val->n = 0 otherwise), each x (N, C, H, W), (N, H, W) or
+ * (N, F) of uint8, int8, float16 or float32 and y of integer class labels
+ * (N,) or float targets (N,) or (N, K). Classes: the root attribute
+ * `classes`' length, else 1 + the largest label; root attributes mean/std
+ * become train->stats_*. uint8 examples get the map p / 255, the others
+ * none. The examples stay in the file, read by hyperslab per batch, when
+ * storage is file, or auto and they take more than max_memory_bytes.
+ * Every error names the file and dataset and says what to do. */
+QtStatus dataset_load_hdf5(Dataset *train, Dataset *val, Dataset *test, const char *path, DataStorage storage,
+                           size_t max_memory_bytes, QtError *err);
+/* data.dataset: idx: an images and a labels IDX file for each of train and
+ * test (any IDX set: MNIST, KMNIST, EMNIST, your own); the classes are 1 +
+ * the largest label of either. */
+QtStatus dataset_load_idx_pairs(Dataset *train, Dataset *test, const char *train_x, const char *train_y,
+                                const char *test_x, const char *test_y, IdxCache *cache, DataStorage storage,
+                                QtError *err);
 void dataset_free(Dataset *d);
 /* The file the images are read from, or NULL when they are in memory. */
 const char *dataset_image_file(const Dataset *d);
@@ -198,6 +240,10 @@ const char *dataset_image_file(const Dataset *d);
  * error both sets are left as they were. */
 QtStatus dataset_apply_transforms(Dataset *train, Dataset *test, const Transform *transforms, int n,
                                   QtError *err);
+/* The same with a validation set loaded with them (an HDF5 file's /val; may
+ * be NULL), transformed as test is. */
+QtStatus dataset_apply_transforms3(Dataset *train, Dataset *val, Dataset *test, const Transform *transforms, int n,
+                                   QtError *err);
 
 /* Moves the last round(fraction * n) examples of `train` into `val` (a new
  * data set with the same shape and pixel map; for a file-backed `train`, one

@@ -60,8 +60,59 @@ QtStatus image_file_open(DatasetFile **out, IdxFile *f, QtError *err) {
     return st;
 }
 
+/* Opens f's HDF5 file and dataset (f->path, f->h5path). */
+static QtStatus image_file_h5_attach(DatasetFile *f, QtError *err) {
+    f->h5ds.id = H5I_INVALID_HID;
+    if (!(f->h5 = malloc(sizeof *f->h5)))
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the reader of '%s'", f->path);
+    *f->h5 = (H5ioFile)H5IO_FILE_INIT;
+    QtStatus st = h5io_open(f->h5, f->path, err);
+    if (st == QT_OK) st = h5io_dataset_open(f->h5, f->h5path, &f->h5ds, err);
+    return st;
+}
+
+QtStatus image_file_open_hdf5(DatasetFile **out, const char *path, const char *dset, int n_rows, size_t row_bytes,
+                              hid_t memtype, bool own_type, QtError *err) {
+    struct stat sb;
+    *out = NULL;
+    DatasetFile *d = calloc(1, sizeof *d);
+    if (!d) {
+        if (own_type) H5Tclose(memtype);
+        return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the reader of '%s'", path);
+    }
+    d->h5type = memtype, d->h5type_owned = own_type;
+    d->fd = open(path, O_RDONLY | O_CLOEXEC);
+    snprintf(d->path, sizeof d->path, "%s", path);
+    snprintf(d->h5path, sizeof d->h5path, "%s", dset);
+    d->row_bytes = row_bytes;
+    d->n_rows = n_rows;
+    d->channels = 1;
+    QtStatus st = QT_OK;
+    if (d->fd < 0 || fstat(d->fd, &sb) != 0)
+        st = qt_error_set(err, QT_ERR_IO, "cannot open data file '%s': %s", path, strerror(errno));
+    if (st == QT_OK) {
+        d->size = (uint64_t)sb.st_size;
+        d->mtime_s = (int64_t)sb.st_mtim.tv_sec;
+        d->mtime_ns = sb.st_mtim.tv_nsec;
+        st = image_file_h5_attach(d, err);
+    }
+    if (st == QT_OK) st = image_file_alloc_buf(d, err);
+    if (st != QT_OK) {
+        image_file_free(d);
+        return st;
+    }
+    *out = d;
+    return QT_OK;
+}
+
 void image_file_free(DatasetFile *f) {
     if (!f) return;
+    if (f->h5) {
+        h5io_dataset_close(&f->h5ds);
+        h5io_close(f->h5, NULL);
+        free(f->h5);
+    }
+    if (f->h5type_owned) H5Tclose(f->h5type);
     if (f->fd >= 0) close(f->fd);
     free(f->rows);
     free(f->buf);
@@ -86,9 +137,15 @@ QtStatus image_file_split(DatasetFile *f, int first, int k, DatasetFile **tail, 
     *tail = NULL;
     if (!t) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the reader of the validation images");
     *t = *f;
-    t->rows = NULL, t->buf = NULL;
+    t->rows = NULL, t->buf = NULL, t->h5 = NULL;
+    if (f->h5type_owned && (t->h5type = H5Tcopy(f->h5type)) < 0) t->h5type_owned = false, t->h5type = f->h5type;
     t->fd = fcntl(f->fd, F_DUPFD_CLOEXEC, 0);
     QtStatus st = QT_OK;
+    if (t->fd >= 0 && f->h5) st = image_file_h5_attach(t, err);
+    if (st != QT_OK) {
+        image_file_free(t);
+        return st;
+    }
     if (t->fd < 0)
         st = qt_error_set(err, QT_ERR_IO, "cannot open images file '%s' a second time for the validation set: %s",
                           f->path, strerror(errno));
@@ -129,6 +186,7 @@ static QtStatus image_file_check_unchanged(const DatasetFile *f, QtError *err) {
 
 /* Reads the k rows from file row r0 on into the buffer. */
 static QtStatus image_file_pread(const DatasetFile *f, uint32_t r0, int k, QtError *err) {
+    if (f->h5) return h5io_dataset_read_rows(&f->h5ds, f->h5type, r0, (uint64_t)k, f->buf, err);
     size_t len = (size_t)k * f->row_bytes, done = 0;
     uint64_t off = f->offset + (uint64_t)r0 * f->row_bytes;
     while (done < len) {

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "dataset.h"
+#include "base/h5io.h"
 
 /* The read buffer holds at most this many bytes of rows (at least one row). */
 #define IMAGE_FILE_BUF_BYTES ((size_t)256 << 10)
@@ -34,6 +35,12 @@ struct DatasetFile {
     int channels, side;
     uint8_t *buf;             /* [cap][row_bytes]: the read buffer */
     int cap;                  /* rows the buffer holds */
+    H5ioFile *h5;             /* an HDF5 data set: rows read from h5ds by hyperslab (fd only watches for
+                                 changes); NULL: rows read from fd with pread */
+    H5ioDataset h5ds;
+    hid_t h5type;             /* the memory type h5ds's rows are read as (owned when h5type_owned) */
+    bool h5type_owned;
+    char h5path[256];         /* the dataset's path in the file, to open it again for a split */
 };
 
 /* Called for each run of k rows read: examples i0..i0+k-1 of the request,
@@ -44,6 +51,11 @@ typedef void (*ImageRunFn)(void *ctx, int i0, const uint8_t *px, int k);
  * f's descriptor (f->fd is -1 afterwards), also on failure. */
 QtStatus image_file_open(DatasetFile **out, IdxFile *f, QtError *err);
 void image_file_free(DatasetFile *f);
+/* A data set's file over dataset `dset` of HDF5 file `path` (n_rows, then
+ * row_bytes per row as memtype gives them; memtype owned by the file when
+ * own_type). Rows are read by hyperslab; the dataset passed h5io's checks. */
+QtStatus image_file_open_hdf5(DatasetFile **out, const char *path, const char *dset, int n_rows, size_t row_bytes,
+                              hid_t memtype, bool own_type, QtError *err);
 
 static inline uint32_t image_file_row(const DatasetFile *f, uint32_t i) {
     return f->rows ? f->rows[i] : (uint32_t)f->first + i;

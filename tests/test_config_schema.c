@@ -245,6 +245,14 @@ static int companions(const Row *r, bool with_value, const char **ov, char (*buf
     if (strcmp(r->path, "train.optimizer.nesterov") == 0) ov[n++] = "train.optimizer.momentum=0.9";
     if (with_value && strcmp(r->path, "quant.mode") == 0)
         ov[n++] = "quant.rules=[{module_path: \".*\", weight_qtype: int8}]";
+    /* the data set's files: data.path is hdf5's, data.files npy's and idx's (all four) */
+    if (strcmp(r->path, "data.path") == 0) ov[n++] = "data.dataset=hdf5", ov[n++] = "data.path=data.h5";
+    if (with_value && strcmp(r->path, "data.dataset") == 0) ov[n++] = "data.path=data.h5";
+    if (strncmp(r->path, "data.files.", 11) == 0) {
+        static const char *const files[] = {"data.dataset=idx", "data.files.train_x=tx", "data.files.train_y=ty",
+                                            "data.files.test_x=sx", "data.files.test_y=sy"};
+        for (int k = 0; k < 5; k++) ov[n++] = files[k];
+    }
     return n;
 }
 
@@ -473,7 +481,7 @@ static bool item_case(const CfgTable *t, int i, ItemCase *ic) {
 }
 
 static QtStatus load_case(Config *c, const ItemCase *ic, const char *set, QtError *e) {
-    const char *ov[4];
+    const char *ov[8];
     int n = 0;
     for (int i = 0; i < 3 && ic->base[i]; i++) ov[n++] = ic->base[i];
     if (set) ov[n++] = set;

@@ -36,7 +36,7 @@
 
 const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT] = {"stop", "skip"};
 const char *const LORA_BATCHNORM_NAMES[LORA_BN_COUNT] = {"frozen", "train"};
-const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist"};
+const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist", "hdf5", "npy", "idx"};
 
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
@@ -104,7 +104,9 @@ QtStatus cfg_check_keys(QtError *err, const YNode *map, const char *path, const 
         for (int i = 0; i < n; i++) {
             if (!(allowed & (1u << i))) continue;
             int d = config_edit_distance(key->text, keys[i]);
-            if (d < best_d) best = i, best_d = d;
+            /* a tie goes to a key the typed one starts with (train_yx: train_y, not train_x) */
+            bool prefix = strncmp(key->text, keys[i], strlen(keys[i])) == 0;
+            if (d < best_d || (d == best_d && prefix)) best = i, best_d = d;
         }
         int limit = len / 3 > 2 ? len / 3 : 2;
         const char *what = path[0] ? "key" : "top-level key";

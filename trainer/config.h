@@ -47,9 +47,18 @@ typedef struct {
     int threads;                    /* run.threads, default 0 = all cores */
 } RunConfig;
 
+/* data.files: the four files of an npy or idx data set. */
 typedef struct {
-    char dataset[CONFIG_NAME_MAX];  /* data.dataset: "fashion-mnist" (the only one for now) */
+    char train_x[CONFIG_PATH_MAX], train_y[CONFIG_PATH_MAX], test_x[CONFIG_PATH_MAX], test_y[CONFIG_PATH_MAX];
+} DataFiles;
+
+typedef struct {
+    char dataset[CONFIG_NAME_MAX];  /* data.dataset: "fashion-mnist" (default), "hdf5", "npy", "idx" */
     char dir[CONFIG_PATH_MAX];      /* data.dir, default /usr/share/datasets/fashion-mnist */
+    char path[CONFIG_PATH_MAX];     /* data.path: the HDF5 file of data.dataset: hdf5 */
+    DataFiles files;                /* data.files: npy and idx data sets */
+    int max_memory_mb;              /* data.max_memory_mb, default 512: an HDF5 data set larger than this is read
+                                       per batch (data.storage: auto) */
     char cache_dir[CONFIG_PATH_MAX]; /* data.cache_dir: where inflated copies of gzip'd data files are kept
                                         (idx_cache_init); default "" = $XDG_CACHE_HOME/qtrain, else
                                         ~/.cache/qtrain; "none" = no cache */

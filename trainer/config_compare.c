@@ -54,6 +54,9 @@ int cfg_diff_transforms(const void *sa, const void *sb) {
     for (int i = 0; i < a->n_transforms; i++) {
         const Transform *x = &a->transforms[i], *y = &b->transforms[i];
         if (x->kind != y->kind || x->stats_given != y->stats_given || x->mean != y->mean || x->std != y->std ||
+            x->n_stats != y->n_stats || x->per_channel != y->per_channel ||
+            memcmp(x->means, y->means, sizeof(float) * (size_t)x->n_stats) != 0 ||
+            memcmp(x->stds, y->stds, sizeof(float) * (size_t)x->n_stats) != 0 ||
             x->limit != y->limit || x->n_classes != y->n_classes ||
             memcmp(x->classes, y->classes, sizeof(int) * (size_t)x->n_classes) != 0)
             return -2;

@@ -67,11 +67,21 @@ static void put_transform(FILE *f, const Transform *t) {
     const char *name = transform_kind_name(t->kind);
     switch (t->kind) {
     case TRANSFORM_NORMALIZE:
-        if (t->stats_given)
+        if (t->stats_given && t->n_stats > 0) {
+            for (int k = 0; k < 2; k++) {
+                fputs(k ? "], std: [" : "{normalize: {mean: [", f);
+                for (int c = 0; c < t->n_stats; c++)
+                    fprintf(f, "%s%s", c ? ", " : "", fmt_float(a, sizeof a, k ? t->stds[c] : t->means[c]));
+            }
+            fputs("]}}", f);
+        } else if (t->stats_given) {
             fprintf(f, "{normalize: {mean: %s, std: %s}}", fmt_float(a, sizeof a, t->mean),
                     fmt_float(b, sizeof b, t->std));
-        else
+        } else if (t->per_channel) {
+            fputs("{normalize: {per_channel: true}}", f);
+        } else {
             fputs(name, f);
+        }
         break;
     case TRANSFORM_CLASSES:
         fputs("{classes: [", f);

@@ -192,18 +192,49 @@ QtStatus cfg_load_layer(QtError *err, const YNode *m, const char *path, int inde
 
 /* ---- transforms ---------------------------------------------------------------- */
 
-static const char *const NORMALIZE_KEYS[] = {"mean", "std"};
+static const char *const NORMALIZE_KEYS[] = {"mean", "std", "per_channel"};
+
+/* normalize's mean and std as lists, one value per channel. */
+static QtStatus load_normalize_lists(QtError *err, const YNode *arg, const char *path, Transform *t) {
+    const YNode *m = cfg_field(arg, "mean"), *s = cfg_field(arg, "std");
+    if (m->kind != YNODE_SEQUENCE || s->kind != YNODE_SEQUENCE || m->n != s->n || m->n < 1 ||
+        m->n > DATASET_MAX_CHANNELS)
+        return cfg_fail(err, m->kind == YNODE_SEQUENCE ? s : m, path,
+                        "mean and std must both be numbers, or both lists of one value per channel (1 to %d, the "
+                        "same length)", DATASET_MAX_CHANNELS);
+    for (int c = 0; c < m->n; c++) {
+        char item[160];
+        snprintf(item, sizeof item, "%s.mean[%d]", path, c);
+        double mv = 0, sv = 0;
+        QtStatus st = cfg_to_number(err, m->items[c], item, CFG_ANY, &mv);
+        snprintf(item, sizeof item, "%s.std[%d]", path, c);
+        if (st == QT_OK) st = cfg_to_number(err, s->items[c], item, CFG_POSITIVE, &sv);
+        if (st != QT_OK) return st;
+        t->means[c] = (float)mv, t->stds[c] = (float)sv;
+    }
+    t->n_stats = m->n;
+    return QT_OK;
+}
 
 static QtStatus load_normalize(QtError *err, const YNode *arg, const char *path, Transform *t) {
     if (!arg || (arg->kind == YNODE_MAPPING && arg->n == 0)) return QT_OK; /* measured on the training set */
     if (arg->kind != YNODE_MAPPING)
         return cfg_fail_expected(err, arg, path, "nothing or a mapping {mean: M, std: S}", "");
-    QtStatus st = cfg_check_keys(err, arg, path, NORMALIZE_KEYS, 2, 3u, "normalize");
+    QtStatus st = cfg_check_keys(err, arg, path, NORMALIZE_KEYS, 3, 7u, "normalize");
     if (st != QT_OK) return st;
-    if (!cfg_field(arg, "mean") || !cfg_field(arg, "std"))
+    const bool m = cfg_field(arg, "mean") != NULL, s = cfg_field(arg, "std") != NULL;
+    if (cfg_field(arg, "per_channel")) {
+        if (m || s)
+            return cfg_fail(err, cfg_field(arg, "per_channel"), path,
+                            "per_channel measures the statistics; with mean and std given, give lists instead");
+        return cfg_get_bool(err, arg, path, "per_channel", &t->per_channel);
+    }
+    if (!m || !s)
         return cfg_fail(err, arg, path,
                         "needs both mean and std, or neither (to measure them on the training set)");
     t->stats_given = true;
+    if (cfg_field(arg, "mean")->kind == YNODE_SEQUENCE || cfg_field(arg, "std")->kind == YNODE_SEQUENCE)
+        return load_normalize_lists(err, arg, path, t);
     st = cfg_get_float(err, arg, path, "mean", CFG_ANY, &t->mean);
     if (st == QT_OK) st = cfg_get_float(err, arg, path, "std", CFG_POSITIVE, &t->std);
     return st;

@@ -15,7 +15,7 @@
 #include "config.h"
 #include "yamltree.h"
 
-#define CONFIG_N_DATASETS 1
+#define CONFIG_N_DATASETS 4
 extern const char *const CONFIG_DATASETS[CONFIG_N_DATASETS];
 
 /* Allowed values of a number: lo/hi (+-INFINITY for none), open or closed

@@ -178,12 +178,60 @@ static const CfgKey RUN_KEYS[] = {
      .doc = "threads of the step: qtrain's own pool (OpenBLAS itself runs single-threaded)"},
 };
 
+static const CfgKey FILES_KEYS[] = {
+    {.key = "train_x", .type = CFG_T_PATH, F(DataFiles, train_x), .empty_ok = true, .def_str = "",
+     .doc_default = "none", .doc = "the training examples"},
+    {.key = "train_y", .type = CFG_T_PATH, F(DataFiles, train_y), .empty_ok = true, .def_str = "",
+     .doc_default = "none", .doc = "the training labels or targets"},
+    {.key = "test_x", .type = CFG_T_PATH, F(DataFiles, test_x), .empty_ok = true, .def_str = "",
+     .doc_default = "none", .doc = "the test examples"},
+    {.key = "test_y", .type = CFG_T_PATH, F(DataFiles, test_y), .empty_ok = true, .def_str = "",
+     .doc_default = "none", .doc = "the test labels or targets"},
+};
+
+static const CfgTable FILES_TABLE = {
+    .path = "data.files", .owner = "data.files", .keys = FILES_KEYS, .n = N_OF(FILES_KEYS), .kind_key = -1,
+    .doc = "The four files of `data.dataset: npy` (NumPy `.npy`) or `idx` (IDX, `.gz` or plain): all four are "
+           "needed; see docs/DATA.md."};
+
+static QtStatus data_after(QtError *err, const YNode *m, const YNode *parent_map, void *section, void *parent,
+                           CfgCtx *ctx) {
+    (void)parent_map, (void)parent, (void)ctx;
+    const DataConfig *d = section;
+    const DataFiles *f = &d->files;
+    const bool fm = strcmp(d->dataset, "fashion-mnist") == 0, h5 = strcmp(d->dataset, "hdf5") == 0;
+    const bool any_file = f->train_x[0] || f->train_y[0] || f->test_x[0] || f->test_y[0];
+    const YNode *at = m ? cfg_field(m, "dataset") : NULL;
+    if (h5 && !d->path[0])
+        return cfg_fail(err, at ? at : m, "data.path", "data.dataset: hdf5 needs data.path, the HDF5 file to read");
+    if (!h5 && d->path[0])
+        return cfg_fail(err, cfg_field(m, "path"), "data.path",
+                        "is read by data.dataset: hdf5 only; this data set is %s (use data.%s)", d->dataset,
+                        fm ? "dir" : "files");
+    if ((fm || h5) && any_file)
+        return cfg_fail(err, cfg_field(m, "files"), "data.files", "is read by data.dataset: npy or idx only; this "
+                        "data set is %s (use data.%s)", d->dataset, fm ? "dir" : "path");
+    if (!fm && !h5 && !(f->train_x[0] && f->train_y[0] && f->test_x[0] && f->test_y[0]))
+        return cfg_fail(err, at ? at : m, "data.files",
+                        "data.dataset: %s needs data.files with train_x, train_y, test_x and test_y", d->dataset);
+    return QT_OK;
+}
+
 static const CfgKey DATA_KEYS[] = {
     {.key = "dataset", .type = CFG_T_NAME, F(DataConfig, dataset), .name_of = dataset_name,
      .n_names = CONFIG_N_DATASETS, .names_what = "dataset", .def_str = "fashion-mnist", FIXED,
-     .doc = "the only data set for now"},
+     .doc = "`fashion-mnist` (the IDX files in data.dir), `hdf5` (one file: data.path), `npy` or `idx` (four "
+            "files: data.files); docs/DATA.md"},
     {.key = "dir", .type = CFG_T_PATH, F(DataConfig, dir), .def_str = "/usr/share/datasets/fashion-mnist",
-     .doc = "directory of the four IDX files (`.gz` or plain)"},
+     .doc = "`fashion-mnist`: directory of the four IDX files (`.gz` or plain)"},
+    {.key = "path", .type = CFG_T_PATH, F(DataConfig, path), .empty_ok = true, .def_str = "",
+     .doc_default = "none", .doc = "`hdf5`: the data file (/train, /test, optional /val; docs/DATA.md)"},
+    {.key = "files", .type = CFG_T_SECTION, F(DataConfig, files), .sub = &FILES_TABLE,
+     .doc = "`npy`, `idx`: `{train_x, train_y, test_x, test_y}`"},
+    {.key = "max_memory_mb", .type = CFG_T_INT, F(DataConfig, max_memory_mb), .imin = 1, .imax = 1 << 24,
+     .def = 512,
+     .doc = "`hdf5` with `storage: auto`: examples taking more than this are read from the file per batch "
+            "(hyperslabs), else read once"},
     {.key = "cache_dir", .type = CFG_T_PATH, F(DataConfig, cache_dir), .empty_ok = true, .def_str = "",
      .check = check_cache_dir, .doc_default = "`\"\"` = $XDG_CACHE_HOME/qtrain, else ~/.cache/qtrain",
      .doc_values = "a directory, `\"\"` or `none`",
@@ -353,7 +401,7 @@ static const CfgKey LORA_KEYS[] = {
 static const CfgTable RUN_TABLE = {.path = "run", .owner = "run", .keys = RUN_KEYS, .n = N_OF(RUN_KEYS),
                                    .kind_key = -1};
 static const CfgTable DATA_TABLE = {
-    .path = "data", .owner = "data", .keys = DATA_KEYS, .n = N_OF(DATA_KEYS), .kind_key = -1,
+    .path = "data", .owner = "data", .keys = DATA_KEYS, .n = N_OF(DATA_KEYS), .kind_key = -1, .after = data_after,
     .doc = "Transforms apply to training and test data alike, in the order listed: `normalize` (x = (x − mean) / "
            "std; without values they are measured on the training set as transformed so far, before the "
            "validation split: the population mean and std over every pixel, in double), `transpose` (x[c][i][j] "

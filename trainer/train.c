@@ -79,16 +79,40 @@ void run_free(Run *r) {
     run_dir_close(&r->dir);
 }
 
+/* The configured data set's train, test and (an HDF5 file's /val) validation sets, as loaded. */
+static QtStatus run_load_sets(Run *r, IdxCache *cache, QtError *err) {
+    const DataConfig *dc = &r->cfg->data;
+    RunData *d = &r->data;
+    if (strcmp(dc->dataset, "hdf5") == 0)
+        return dataset_load_hdf5(&d->train, &d->val, &d->test, dc->path, dc->storage,
+                                 (size_t)dc->max_memory_mb << 20, err);
+    if (strcmp(dc->dataset, "idx") == 0)
+        return dataset_load_idx_pairs(&d->train, &d->test, dc->files.train_x, dc->files.train_y, dc->files.test_x,
+                                      dc->files.test_y, cache, dc->storage, err);
+    if (strcmp(dc->dataset, "npy") == 0)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: data.dataset: npy is not available in this build",
+                            r->cfg->source);
+    return dataset_load_fashion_mnist_stored(&d->train, &d->test, dc->dir, cache, dc->storage, err);
+}
+
 QtStatus run_load_data(Run *r, QtError *err) {
     const DataConfig *dc = &r->cfg->data;
     IdxCache cache;
     idx_cache_init(&cache, dc->cache_dir);
-    QtStatus st = dataset_load_fashion_mnist_stored(&r->data.train, &r->data.test, dc->dir, &cache, dc->storage, err);
+    QtStatus st = run_load_sets(r, &cache, err);
     /* even when quiet, like an unused rule: without the cache every start inflates the data again */
     if (cache.warning[0]) fprintf(stderr, "qtrain: warning: %s\n", cache.warning);
     if (st == QT_OK)
-        st = dataset_apply_transforms(&r->data.train, &r->data.test, dc->transforms, dc->n_transforms, err);
-    if (st == QT_OK) st = dataset_split_tail(&r->data.train, &r->data.val, dc->val_fraction, err);
+        st = dataset_apply_transforms3(&r->data.train, r->data.val.n > 0 ? &r->data.val : NULL, &r->data.test,
+                                       dc->transforms, dc->n_transforms, err);
+    if (st == QT_OK && r->data.val.n > 0 && dc->val_fraction > 0.0)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: data.val_fraction = %g, but '%s' has its own /val split; set "
+                          "data.val_fraction: 0 to use it, or remove /val from the file", r->cfg->source,
+                          dc->val_fraction, dc->path);
+    if (st == QT_OK && r->data.val.n == 0) {
+        dataset_free(&r->data.val);
+        st = dataset_split_tail(&r->data.train, &r->data.val, dc->val_fraction, err);
+    }
     return st;
 }
 
