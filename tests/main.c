@@ -19,6 +19,7 @@
     X(nn_conv_general) \
     X(nn_kernels_fast) \
     X(nn_train_memory) \
+    X(data_hdf5) \
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
     X(nn_parallel) \
