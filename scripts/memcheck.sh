@@ -130,6 +130,25 @@ run convert convert --checkpoint "$tmp/tiny-qat/final.h5" --out "$tmp/qat-ptq.h5
 train qt tiny-qt
 run compare compare "$tmp/tiny-mlp" "$tmp/tiny-qlora" "$tmp/tiny-qt" --out "$tmp/compare"
 run demo demo --steps 4 --threads 2
+# An HDF5 data set (3 channels, float32, chunked and gzip'd) read per batch, per-channel normalize; made with
+# Debian's python3-h5py (make test installs it), else this run is skipped with a line that says so.
+if /usr/bin/python3 -c 'import h5py, numpy' 2>/dev/null; then
+    /usr/bin/python3 - "$tmp/data.h5" <<'PY'
+import sys, h5py, numpy as np
+r = np.random.default_rng(1)
+with h5py.File(sys.argv[1], "w") as f:
+    for s, n in (("train", 96), ("test", 32)):
+        f.create_dataset(s + "/x", data=r.standard_normal((n, 3, 8, 8)).astype("float32"), chunks=(16, 3, 8, 8),
+                         compression="gzip")
+        f[s + "/y"] = r.integers(0, 4, n)
+PY
+    run hdf5-data --config tests/configs/tiny-mlp.yaml --set "run.out_dir=$tmp/h5" --set train.steps=4 \
+        --set data.dataset=hdf5 --set "data.path=$tmp/data.h5" --set data.storage=file \
+        --set 'data.transform=[{normalize: {per_channel: true}}]' --set 'model.input=[3, 8, 8]' \
+        --set model.layers.3.units=4
+else
+    echo "memcheck: hdf5-data      skipped: /usr/bin/python3 with h5py and numpy is needed to write its data file"
+fi
 # Error paths: a truncated checkpoint, and a base of another model for QLoRA.
 head -c 4096 "$tmp/tiny-mlp/final.h5" >"$tmp/truncated.h5"
 fails bad-ckpt eval --checkpoint "$tmp/truncated.h5"
