@@ -363,7 +363,8 @@ static void plan_commit(SetPlan *p, int n_classes, bool transpose) {
     d->pixel_shift = (float)p->shift[0];
     if (!uniform && (d->chan_scale = malloc((size_t)p->n_chan * sizeof(float))) &&
         (d->chan_shift = malloc((size_t)p->n_chan * sizeof(float)))) {
-        for (int c = 0; c < p->n_chan; c++) d->chan_scale[c] = (float)p->scale[c], d->chan_shift[c] = (float)p->shift[c];
+        for (int c = 0; c < p->n_chan; c++)
+            d->chan_scale[c] = (float)p->scale[c], d->chan_shift[c] = (float)p->shift[c];
     }
     if (transpose && d->pixels) convert_transpose_rows(d->pixels, d->n, d->shape[0], d->shape[1], d->elem);
 }

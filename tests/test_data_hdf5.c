@@ -317,7 +317,10 @@ static void test_transforms_per_channel_and_targets(void) {
     for (int c = 0; c < 3; c++) {
         double s = 0, s2 = 0;
         for (int i = 0; i < d[0].n; i++)
-            for (int p = 0; p < 20; p++) s += all[i * 60 + c * 20 + p], s2 += (double)all[i * 60 + c * 20 + p] * all[i * 60 + c * 20 + p];
+            for (int p = 0; p < 20; p++) {
+                const double v = all[i * 60 + c * 20 + p];
+                s += v, s2 += v * v;
+            }
         const double mean = s / (d[0].n * 20.0), var = s2 / (d[0].n * 20.0) - mean * mean;
         CU_ASSERT(fabs(mean) < 1e-5 && fabs(var - 1.0) < 1e-4);
     }

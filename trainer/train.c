@@ -623,11 +623,18 @@ static void run_print_plan(Run *r, const char *resumed) {
     const Config *c = r->cfg;
     printf("qtrain %s: config %s\n--- resolved config ---\n%s--- end of config ---\n", QTRAIN_VERSION, c->source,
            r->dir.config_text);
-    printf("data: %s from %s: %d train, %d val, %d test examples of (%d, %d, %d), %d classes\n", c->data.dataset,
-           c->data.dir, r->data.train.n, r->data.val.n, r->data.test.n, r->data.train.shape[0],
-           r->data.train.shape[1], r->data.train.shape[2], r->data.train.n_classes);
+    const Dataset *tr = &r->data.train;
+    const bool files = strcmp(c->data.dataset, "npy") == 0 || strcmp(c->data.dataset, "idx") == 0;
+    const char *from = strcmp(c->data.dataset, "hdf5") == 0 ? c->data.path : files ? c->data.files.train_x : c->data.dir;
+    char shape[64], what[64];
+    if (tr->ndim == 3) snprintf(shape, sizeof shape, "(%d, %d, %d)", tr->shape[0], tr->shape[1], tr->shape[2]);
+    else snprintf(shape, sizeof shape, "(%d,)", tr->shape[0]);
+    if (tr->labels) snprintf(what, sizeof what, "%d classes", tr->n_classes);
+    else snprintf(what, sizeof what, "%d target value%s", tr->n_targets, tr->n_targets == 1 ? "" : "s");
+    printf("data: %s from %s: %d train, %d val, %d test examples of %s %s, %s\n", c->data.dataset, from, tr->n,
+           r->data.val.n, r->data.test.n, shape, data_elem_name(tr->elem), what);
     const char *images = dataset_image_file(&r->data.train);
-    printf("data: images (data.storage %s) %s%s\n", data_storage_name(c->data.storage),
+    printf("data: examples (data.storage %s) %s%s\n", data_storage_name(c->data.storage),
            images ? "read at every batch from " : "held in memory", images ? images : "");
     printf("blas: OpenBLAS %s kernels, %d threads\n", gemm_blas_core(), gemm_get_threads());
     const char *better = gemm_blas_core_upgrade(), *pinned = getenv("OPENBLAS_CORETYPE");
