@@ -202,8 +202,8 @@ static const CfgKey DATA_KEYS[] = {
     {.key = "augment", .type = CFG_T_PART, .part = &CFG_PART_AUGMENT, FIXED, .doc_default = "`[]`",
      .doc_values = "`{random_crop: {size: s, padding: p}}`, `hflip`, `{hflip: {p: x}}`, `random_erase`, "
                    "`{random_erase: {p, scale, ratio, value}}`",
-     .doc = "random augmentation of training batches (never evaluation), applied in order after the transforms "
-            "(more above)"},
+     .doc = "random augmentation of training batches (never evaluation), applied in order after the transforms; "
+            "see docs/TRAINING.md"},
     {.key = "val_fraction", .type = CFG_T_DOUBLE, F(DataConfig, val_fraction), .range = FRACTION, .def = 0, FIXED,
      .doc = "last fraction of the training set held out for validation"},
     {.key = "shuffle", .type = CFG_T_BOOL, F(DataConfig, shuffle), .def = 1, FIXED,
