@@ -279,6 +279,14 @@ static void test_config_values(void) {
     CU_ASSERT_FATAL(st == QT_OK);
     CU_ASSERT(memcmp(&a->data.augment, &b->data.augment, sizeof a->data.augment) == 0);
     free(yaml);
+    /* --set reaches into the list by index, and appends */
+    const char *ov[] = {"data.augment.0.random_crop.padding=2", "data.augment.2={hflip: {p: 0.9}}",
+                        "data.augment.5=random_erase"};
+    st = config_load_string(b, text, "t.yaml", ov, 3, &e);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", e.msg);
+    CU_ASSERT_FATAL(st == QT_OK);
+    CU_ASSERT(b->data.augment.n == 6 && b->data.augment.items[0].padding == 2 && b->data.augment.items[2].p == 0.9f &&
+              b->data.augment.items[5].kind == AUGMENT_RANDOM_ERASE);
     /* none: an empty list, written as [] */
     st = config_load_string(b, MODEL, "t.yaml", NULL, 0, &e);
     CU_ASSERT_FATAL(st == QT_OK);
