@@ -75,7 +75,8 @@ static void test_crop_pixels(void) {
                 bool same = true;
                 for (int c = 0; c < 2; c++)
                     for (int i = 0; i < 3; i++)
-                        for (int j = 0; j < 4; j++) same = same && x[c * 12 + i * 4 + j] == padded[c][i + top][j + left];
+                        for (int j = 0; j < 4; j++)
+                            same = same && x[c * 12 + i * 4 + j] == padded[c][i + top][j + left];
                 if (same) seen[top][left]++, found++;
             }
         CU_ASSERT_EQUAL(found, 1);
@@ -167,7 +168,7 @@ static void test_erase_pixels(void) {
     }
 }
 
-/* ---- what the randomness depends on ------------------------------------------------------------------------------- */
+/* ---- what the randomness depends on ----------------------------------------------------------------------- */
 
 static AugmentList full_list(void) {
     AugmentList l;
@@ -241,7 +242,8 @@ static void test_check(void) {
     AugmentList small = list_of(crop_spec(6, 8, 2));
     qt_error_clear(&e);
     CU_ASSERT_EQUAL(augment_check(&small, 3, (int[]){3, 8, 8}, &e), QT_ERR_CONFIG);
-    CU_ASSERT(test_msg_has(&e, "size [6, 8] differs from the images' [8, 8]") && test_msg_has(&e, "set size to [8, 8]"));
+    CU_ASSERT(test_msg_has(&e, "size [6, 8] differs from the images' [8, 8]") &&
+              test_msg_has(&e, "set size to [8, 8]"));
 }
 
 /* ---- config --------------------------------------------------------------------------------------------------- */
@@ -333,7 +335,8 @@ static void test_config_errors(void) {
     test_expect_config_error(__FILE__, __LINE__, MODEL "data:\n  augment: hflip\n", "t.yaml:7:12:", "data.augment",
                              "a sequence of augmentations");
     test_expect_config_error(__FILE__, __LINE__,
-                             MODEL "data:\n  augment: [hflip, hflip, hflip, hflip, hflip, hflip, hflip, hflip, hflip]\n",
+                             MODEL "data:\n  augment: [hflip, hflip, hflip, hflip, hflip, hflip, hflip, hflip, "
+                                   "hflip]\n",
                              "t.yaml:7:12:", "at most 8 augmentations", NULL);
 }
 
