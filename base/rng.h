@@ -26,6 +26,7 @@ enum {
     RNG_STREAM_ROUNDING = 4,
     RNG_STREAM_LORA = 5,      /* adapter initialisation */
     RNG_STREAM_WEIGHT_ROUNDING = 6, /* stochastic rounding of PTQ / QAT weights, + (module << 40) */
+    RNG_STREAM_AUGMENT = 7,   /* training-batch augmentation, + (epoch << 8) (data/augment.h) */
 };
 
 /* The raw block function: 4 x 32 random bits for a counter and a key. */

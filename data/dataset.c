@@ -655,3 +655,8 @@ QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_o
     b->cursor += m;
     return QT_OK;
 }
+
+void batcher_last_batch(const Batcher *b, int n, const uint32_t **idx, int64_t *epoch) {
+    *idx = b->order + b->cursor - n;
+    *epoch = b->epoch;
+}

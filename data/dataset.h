@@ -299,5 +299,9 @@ QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err);
  * to. Never allocates. Errors are dataset_fill_batch's; the cursor then
  * stays on the batch that failed. */
 QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err);
+/* The batch batcher_next just gave (n its size): *idx gets its examples'
+ * indices in the data set (idx[0..n-1], valid until the next call) and
+ * *epoch its epoch, what a per-example augmentation depends on. */
+void batcher_last_batch(const Batcher *b, int n, const uint32_t **idx, int64_t *epoch);
 
 #endif

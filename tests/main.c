@@ -34,6 +34,7 @@
     X(graph_checks) \
     X(data)       \
     X(data_cache) \
+    X(augment)    \
     X(quant_qtype) \
     X(quant_calib) \
     X(quant_qarray) \

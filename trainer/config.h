@@ -24,6 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "data/augment.h"
 #include "data/dataset.h"
 #include "lora/lora.h"
 #include "base/error.h"
@@ -66,6 +67,7 @@ typedef struct {
                                        batch when there is one (file), else held in memory */
     Transform transforms[CONFIG_MAX_TRANSFORMS]; /* data.transform, in order */
     int n_transforms;
+    AugmentList augment;            /* data.augment: random augmentation of training batches, in order */
     double val_fraction;            /* data.val_fraction in [0, 1), default 0 */
     bool shuffle;                   /* data.shuffle, default true */
     bool drop_last;                 /* data.drop_last, default false */

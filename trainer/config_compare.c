@@ -64,6 +64,13 @@ int cfg_diff_transforms(const void *sa, const void *sb) {
     return -1;
 }
 
+/* AugmentSpec's every byte is set (augment_spec_default), so the specs compare bytewise. */
+int cfg_diff_augment(const void *sa, const void *sb) {
+    const DataConfig *a = sa, *b = sb;
+    if (a->augment.n != b->augment.n) return -2;
+    return memcmp(a->augment.items, b->augment.items, sizeof(AugmentSpec) * (size_t)a->augment.n) == 0 ? -1 : -2;
+}
+
 int cfg_diff_input(const void *sa, const void *sb) {
     const ModelConfig *a = sa, *b = sb;
     bool same = a->input_ndim == b->input_ndim && memcmp(a->input_shape, b->input_shape, sizeof a->input_shape) == 0;

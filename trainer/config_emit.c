@@ -167,6 +167,37 @@ void cfg_emit_transforms(FILE *f, const char *indent, const void *section) {
     }
 }
 
+/* Every setting written out, so the resolved config says what runs. */
+static void put_augment(FILE *f, const AugmentSpec *s) {
+    char a[32], b[32], c[32];
+    switch (s->kind) {
+    case AUGMENT_RANDOM_CROP:
+        if (s->size_h == s->size_w)
+            fprintf(f, "{random_crop: {size: %d, padding: %d}}", s->size_h, s->padding);
+        else
+            fprintf(f, "{random_crop: {size: [%d, %d], padding: %d}}", s->size_h, s->size_w, s->padding);
+        break;
+    case AUGMENT_HFLIP: fprintf(f, "{hflip: {p: %s}}", fmt_float(a, sizeof a, s->p)); break;
+    case AUGMENT_RANDOM_ERASE:
+        fprintf(f, "{random_erase: {p: %s, ", fmt_float(a, sizeof a, s->p));
+        fprintf(f, "scale: [%s, %s], ", fmt_float(b, sizeof b, s->scale[0]), fmt_float(c, sizeof c, s->scale[1]));
+        fprintf(f, "ratio: [%s, %s], ", fmt_float(b, sizeof b, s->ratio[0]), fmt_float(c, sizeof c, s->ratio[1]));
+        fprintf(f, "value: %s}}", fmt_float(a, sizeof a, s->value));
+        break;
+    default: fputs(augment_kind_name(s->kind), f); break;
+    }
+}
+
+void cfg_emit_augment(FILE *f, const char *indent, const void *section) {
+    const DataConfig *d = section;
+    fprintf(f, "%saugment:%s\n", indent, d->augment.n ? "" : " []");
+    for (int i = 0; i < d->augment.n; i++) {
+        fprintf(f, "%s  - ", indent);
+        put_augment(f, &d->augment.items[i]);
+        fputc('\n', f);
+    }
+}
+
 void cfg_emit_input(FILE *f, const char *indent, const void *section) {
     const ModelConfig *m = section;
     fprintf(f, "%sinput: [", indent);

@@ -315,3 +315,133 @@ QtStatus cfg_part_load_transforms(QtError *err, const YNode *v, const YNode *map
     }
     return QT_OK;
 }
+
+/* ---- augmentation ---------------------------------------------------------------- */
+
+#define AUGMENT_SIZE_MAX 65536 /* model.input's largest dimension */
+#define PROBABILITY ((CfgRange){0.0, 1.0, false, false, true})
+#define ERASE_SCALE ((CfgRange){0.0, 1.0, true, false, true})      /* (0, 1] */
+#define ERASE_RATIO ((CfgRange){0.0, INFINITY, true, false, true}) /* > 0 */
+#define ANY_FLOAT ((CfgRange){-INFINITY, INFINITY, false, false, true})
+
+static const char *const CROP_KEYS[] = {"size", "padding"};
+static const char *const HFLIP_KEYS[] = {"p"};
+static const char *const ERASE_KEYS[] = {"p", "scale", "ratio", "value"};
+
+/* random_crop's size: an int (square) or [h, w]. */
+static QtStatus load_crop_size(QtError *err, const YNode *arg, const char *path, AugmentSpec *s) {
+    char full[160], item[176];
+    const YNode *v = cfg_field(arg, "size");
+    cfg_join(full, sizeof full, path, "size");
+    if (!v) return cfg_fail(err, arg, full, "missing; random_crop needs the crop's size (an int or [h, w])");
+    int64_t x[2];
+    if (v->kind == YNODE_SEQUENCE) {
+        if (v->n != 2) return cfg_fail_expected(err, v, full, "an int or [h, w]", " (a sequence of another length)");
+        for (int j = 0; j < 2; j++) {
+            snprintf(item, sizeof item, "%s[%d]", full, j);
+            QtStatus st = cfg_to_int(err, v->items[j], item, 1, AUGMENT_SIZE_MAX, &x[j]);
+            if (st != QT_OK) return st;
+        }
+    } else {
+        QtStatus st = cfg_to_int(err, v, full, 1, AUGMENT_SIZE_MAX, &x[0]);
+        if (st != QT_OK) return st;
+        x[1] = x[0];
+    }
+    s->size_h = (int)x[0], s->size_w = (int)x[1];
+    return QT_OK;
+}
+
+/* random_erase's scale or ratio: [min, max], each in r, min <= max. Absent: the default stays. */
+static QtStatus load_range_pair(QtError *err, const YNode *arg, const char *path, const char *key, CfgRange r,
+                                float out[2]) {
+    const YNode *v = cfg_field(arg, key);
+    if (!v) return QT_OK;
+    char full[160], item[176];
+    cfg_join(full, sizeof full, path, key);
+    if (v->kind != YNODE_SEQUENCE || v->n != 2)
+        return cfg_fail_expected(err, v, full, "[min, max]", v->kind == YNODE_SEQUENCE ? " (of another length)" : "");
+    double x[2];
+    for (int j = 0; j < 2; j++) {
+        snprintf(item, sizeof item, "%s[%d]", full, j);
+        QtStatus st = cfg_to_number(err, v->items[j], item, r, &x[j]);
+        if (st != QT_OK) return st;
+    }
+    if (x[0] > x[1]) return cfg_fail(err, v, full, "min %g is larger than max %g; write [min, max]", x[0], x[1]);
+    out[0] = (float)x[0], out[1] = (float)x[1];
+    return QT_OK;
+}
+
+static QtStatus load_augment(QtError *err, const YNode *item, const char *path, AugmentSpec *s) {
+    const YNode *name = NULL, *arg = NULL;
+    if (item->kind == YNODE_SCALAR && !ynode_is_null(item)) {
+        name = item;
+    } else if (item->kind == YNODE_MAPPING && item->n == 1) {
+        name = item->keys[0];
+        arg = ynode_is_null(item->items[0]) ? NULL : item->items[0];
+    } else {
+        return cfg_fail_expected(err, item, path,
+                                 "an augmentation: hflip, random_erase, or a single-key mapping such as "
+                                 "{random_crop: {size: 28, padding: 4}}",
+                                 "");
+    }
+    AugmentKind kind = AUGMENT_HFLIP;
+    QtError inner = {0};
+    QtStatus st = cfg_lookup_fail(err, name, path, augment_kind_parse(name->text, &kind, &inner), &inner);
+    if (st != QT_OK) return st;
+    augment_spec_default(s, kind);
+    char full[128];
+    cfg_join(full, sizeof full, path, augment_kind_name(kind));
+    if (arg && arg->kind != YNODE_MAPPING)
+        return cfg_fail_expected(err, arg, full,
+                                 kind == AUGMENT_RANDOM_CROP ? "a mapping {size: S, padding: P}"
+                                                             : "nothing or a mapping",
+                                 "");
+    int64_t padding = 0;
+    switch (kind) {
+    case AUGMENT_RANDOM_CROP:
+        if (!arg)
+            return cfg_fail(err, item, full, "missing the crop's size, e.g. {random_crop: {size: 28, padding: 4}}");
+        st = cfg_check_keys(err, arg, full, CROP_KEYS, 2, 3u, "random_crop");
+        if (st == QT_OK) st = load_crop_size(err, arg, full, s);
+        if (st == QT_OK && cfg_field(arg, "padding")) {
+            char key[160];
+            st = cfg_to_int(err, cfg_field(arg, "padding"), cfg_join(key, sizeof key, full, "padding"), 0,
+                            AUGMENT_SIZE_MAX, &padding);
+            s->padding = (int)padding;
+        }
+        return st;
+    case AUGMENT_HFLIP:
+        st = cfg_check_keys(err, arg, full, HFLIP_KEYS, 1, 1u, "hflip");
+        if (st == QT_OK) st = cfg_get_float(err, arg, full, "p", PROBABILITY, &s->p);
+        return st;
+    case AUGMENT_RANDOM_ERASE:
+        st = cfg_check_keys(err, arg, full, ERASE_KEYS, 4, 15u, "random_erase");
+        if (st == QT_OK) st = cfg_get_float(err, arg, full, "p", PROBABILITY, &s->p);
+        if (st == QT_OK) st = load_range_pair(err, arg, full, "scale", ERASE_SCALE, s->scale);
+        if (st == QT_OK) st = load_range_pair(err, arg, full, "ratio", ERASE_RATIO, s->ratio);
+        if (st == QT_OK) st = cfg_get_float(err, arg, full, "value", ANY_FLOAT, &s->value);
+        return st;
+    default: return cfg_fail(err, item, path, "unsupported augmentation");
+    }
+}
+
+QtStatus cfg_part_load_augment(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx) {
+    (void)map, (void)ctx;
+    DataConfig *d = section;
+    if (!v) return QT_OK;
+    if (v->kind != YNODE_SEQUENCE)
+        return cfg_fail_expected(err, v, "data.augment",
+                                 "a sequence of augmentations, e.g. [{random_crop: {size: 28, padding: 4}}, hflip]",
+                                 "");
+    if (v->n > AUGMENT_MAX)
+        return cfg_fail(err, v, "data.augment", "expected at most %d augmentations, got %d", AUGMENT_MAX, v->n);
+    memset(&d->augment, 0, sizeof d->augment); /* items past n stay zero: Configs compare bytewise */
+    for (int i = 0; i < v->n; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "data.augment[%d]", i);
+        QtStatus st = load_augment(err, v->items[i], path, &d->augment.items[i]);
+        if (st != QT_OK) return st;
+        d->augment.n = i + 1;
+    }
+    return QT_OK;
+}

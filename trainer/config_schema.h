@@ -200,19 +200,23 @@ QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStat
  * config_rules.c, their emit in config_emit.c, their diff in config_compare.c). */
 extern const CfgPart CFG_PART_TRANSFORMS, CFG_PART_INPUT, CFG_PART_LAYERS, CFG_PART_QUANT_RULES, CFG_PART_LORA_RULES,
     CFG_PART_TRAINABLE;
+extern const CfgPart CFG_PART_AUGMENT;
 QtStatus cfg_part_load_transforms(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
+QtStatus cfg_part_load_augment(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 QtStatus cfg_part_load_input(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 QtStatus cfg_part_load_layers(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 QtStatus cfg_part_load_quant_rules(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 QtStatus cfg_part_load_lora_rules(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 QtStatus cfg_part_load_trainable(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 void cfg_emit_transforms(FILE *f, const char *indent, const void *section);
+void cfg_emit_augment(FILE *f, const char *indent, const void *section);
 void cfg_emit_input(FILE *f, const char *indent, const void *section);
 void cfg_emit_layers(FILE *f, const char *indent, const void *section);
 void cfg_emit_quant_rules(FILE *f, const char *indent, const void *section);
 void cfg_emit_lora_rules(FILE *f, const char *indent, const void *section);
 void cfg_emit_trainable(FILE *f, const char *indent, const void *section);
 int cfg_diff_transforms(const void *a, const void *b);
+int cfg_diff_augment(const void *a, const void *b);
 int cfg_diff_input(const void *a, const void *b);
 int cfg_diff_layers(const void *a, const void *b);
 int cfg_diff_quant_rules(const void *a, const void *b);

@@ -155,6 +155,7 @@ static QtStatus sched_after(QtError *err, const YNode *m, const YNode *train, vo
 /* ---- parts ------------------------------------------------------------------------------------------------- */
 
 const CfgPart CFG_PART_TRANSFORMS = {cfg_part_load_transforms, cfg_emit_transforms, cfg_diff_transforms};
+const CfgPart CFG_PART_AUGMENT = {cfg_part_load_augment, cfg_emit_augment, cfg_diff_augment};
 const CfgPart CFG_PART_INPUT = {cfg_part_load_input, cfg_emit_input, cfg_diff_input};
 const CfgPart CFG_PART_LAYERS = {cfg_part_load_layers, cfg_emit_layers, cfg_diff_layers};
 const CfgPart CFG_PART_QUANT_RULES = {cfg_part_load_quant_rules, cfg_emit_quant_rules, cfg_diff_quant_rules};
@@ -246,6 +247,11 @@ static const CfgKey DATA_KEYS[] = {
      .doc_values = "`normalize`, `{normalize: {mean: m, std: s}}`, `transpose`, `invert`, `{classes: [a, ...]}`, "
                    "`{limit: N}`",
      .doc = "list of transforms, applied in order after scaling pixels to [0, 1]"},
+    {.key = "augment", .type = CFG_T_PART, .part = &CFG_PART_AUGMENT, FIXED, .doc_default = "`[]`",
+     .doc_values = "`{random_crop: {size: s, padding: p}}`, `hflip`, `{hflip: {p: x}}`, `random_erase`, "
+                   "`{random_erase: {p, scale, ratio, value}}`",
+     .doc = "random augmentation of training batches (never evaluation), applied in order after the transforms; "
+            "see docs/TRAINING.md"},
     {.key = "val_fraction", .type = CFG_T_DOUBLE, F(DataConfig, val_fraction), .range = FRACTION, .def = 0, FIXED,
      .doc = "last fraction of the training set held out for validation"},
     {.key = "shuffle", .type = CFG_T_BOOL, F(DataConfig, shuffle), .def = 1, FIXED,

@@ -13,6 +13,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "data/augment.h"
 #include "data/dataset.h"
 #include "base/arena.h"
 #include "base/fsutil.h"
@@ -160,6 +161,9 @@ QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
 
 static QtStatus run_plan_steps(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
+    QtError ae = {0};
+    if (augment_check(&r->cfg->data.augment, r->data.train.ndim, r->data.train.shape, &ae) != QT_OK)
+        return qt_error_set(err, ae.status, "%s: %s", r->cfg->source, ae.msg);
     QtStatus st = batcher_init(&r->plan.batcher, &r->data.train, tc->batch_size, r->cfg->data.shuffle,
                                r->cfg->data.drop_last, r->cfg->run.seed, err);
     if (st != QT_OK) return st;
@@ -494,6 +498,12 @@ QtStatus run_step(Run *r, QtError *err) {
     int n = 0;
     if (batcher_next(&r->plan.batcher, r->work.bx, r->work.by, &n, NULL, &e) != QT_OK)
         return qt_error_set(err, e.status, "step %" PRId64 ": %s", r->plan.step + 1, e.msg);
+    if (r->cfg->data.augment.n > 0) { /* training batches only: evaluation never augments */
+        const uint32_t *idx;
+        int64_t epoch;
+        batcher_last_batch(&r->plan.batcher, n, &idx, &epoch);
+        augment_batch(&r->cfg->data.augment, r->cfg->run.seed, epoch, idx, n, r->data.train.shape, r->work.bx);
+    }
     Var *x = run_wrap_batch(r, r->work.bx, n);
     net_set_step(&r->model.net, r->plan.step);
     Var *logits = model_forward(&r->model.net.model, t, x);
