@@ -254,4 +254,13 @@ QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err);
  * stays on the batch that failed. */
 QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err);
 
+/* ---- dropping classes --------------------------------------------------------------------------------------- */
+
+/* Drops the examples whose label is one of classes[0..n_drop-1], keeping
+ * the others in their order with their labels (no relabelling; n_classes
+ * stays). *dropped (may be NULL) gets how many went. A set without class
+ * labels is QT_ERR_CONFIG (unless n_drop is 0). The memory of the dropped
+ * examples is kept until dataset_free. */
+QtStatus dataset_drop_classes(Dataset *d, const int *classes, int n_drop, int *dropped, QtError *err);
+
 #endif
