@@ -136,11 +136,11 @@ static QtStatus run_check_mse_fits(Run *r, const Module *last, QtError *err) {
     for (int i = 0; i < last->out_ndim; i++) got *= last->out_shape[i];
     if (got != want)
         return qt_error_set(err, QT_ERR_CONFIG,
-                            "%s: the last layer (%s) gives %d values per example, but %s has %d (%s); make the last "
-                            "layer give %d values (a dense layer's units)",
-                            r->cfg->source, last->path, got, input ? "data.target: input: the input" : "the target",
-                            want, input ? "the model must reconstruct every input value" : "one per target value",
-                            want);
+                            "%s: the last layer (%s) gives %d values per example, but %s %d values per example; make "
+                            "the last layer give %d values (a dense layer's units)",
+                            r->cfg->source, last->path, got,
+                            input ? "with data.target: input the model must reconstruct the input's"
+                                  : "train.loss: mse compares them with the data set's targets,", want, want);
     return QT_OK;
 }
 
