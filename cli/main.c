@@ -43,7 +43,8 @@ static const CmdHelp CMD_HELP[] = {
     {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--set KEY=VALUE]... [--quiet]",
      "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
      "            any); writes eval.json beside the checkpoint, or to --out PATH (a\n"
-     "            file, or an existing directory to hold eval.json). Without --config\n"
+     "            file, or an existing directory to hold eval.json); an autoencoder\n"
+     "            (data.target: input) also writes scores.csv there. Without --config\n"
      "            the config stored in the checkpoint is used (its data.cache_dir only\n"
      "            if it is none; else the default cache).\n"},
     {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...",

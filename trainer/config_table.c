@@ -209,9 +209,8 @@ static const CfgKey DATA_KEYS[] = {
      .doc = "drop an epoch's last partial batch"},
     {.key = "target", .type = CFG_T_ENUM, O(DataConfig, target), .size = 32, .name_of = target_name,
      .n_names = DATA_TARGET_COUNT, .names_what = "data.target", .def_str = "label", FIXED,
-     .doc = "what the model learns to output: `label` (the class labels, or the data set's value targets when it "
-            "has those) or `input` (the normalized input itself: an autoencoder; needs `train.loss: mse` and a "
-            "last layer with as many outputs as the input has values)"},
+     .doc = "what the model learns to output: `label` (class labels, or the data set's value targets) or `input` "
+            "(the normalized input: an autoencoder; needs `train.loss: mse` and one output per input value)"},
     {.key = "anomaly_classes", .type = CFG_T_PART, .part = &CFG_PART_ANOMALY, FIXED, .doc_default = "`[]`",
      .doc_values = "class labels, each once",
      .doc = "with `target: input`: examples of these classes are dropped from train and val and kept in test, "
