@@ -344,6 +344,31 @@ static void test_ae_resume_is_exact(void) {
     free(ma), free(mb), free(fa), free(fb), free(a), free(b);
 }
 
+/* The anomaly classes dropped from a file-backed training set (its row list) and its validation split give the
+ * same run as from memory, bit for bit. */
+static void test_ae_file_storage(void) {
+    char cache[1100];
+    snprintf(cache, sizeof cache, "data.cache_dir=%s/cache", runs.root);
+    const char *mem[] = {"data.storage=memory", "data.val_fraction=0.1"};
+    const char *file[] = {"data.storage=file", "data.val_fraction=0.1", cache};
+    Config *a = test_runs_config(&runs, AE_CONFIG, "ae-mem", mem, 2);
+    Config *b = test_runs_config(&runs, AE_CONFIG, "ae-file", file, 3);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(a);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    QtError err = {0};
+    TrainResult ra, rb;
+    CU_ASSERT_EQUAL_FATAL(test_runs_train(a, NULL, 0, &ra, &err), QT_OK);
+    if (test_runs_train(b, NULL, 0, &rb, &err) != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(err.status, QT_OK);
+    CU_ASSERT(ra.val_mse > 0);
+    CU_ASSERT(memcmp(&ra.test_mse, &rb.test_mse, sizeof ra.test_mse) == 0);
+    CU_ASSERT(memcmp(&ra.val_mse, &rb.val_mse, sizeof ra.val_mse) == 0);
+    CU_ASSERT(memcmp(&ra.test_auc, &rb.test_auc, sizeof ra.test_auc) == 0);
+    char *fa = test_path_join(a->run.out_dir, "final.h5"), *fb = test_path_join(b->run.out_dir, "final.h5");
+    test_runs_assert_same_state(a, fa, fb);
+    free(fa), free(fb), free(a), free(b);
+}
+
 /* Mann-Whitney by pairs, O(n^2): the definition the sort-based AUC must equal. */
 static double auc_by_pairs(const float *s, const bool *pos, int n) {
     double u = 0;
@@ -481,6 +506,7 @@ int register_tasks_suite(void) {
            !CU_add_test(s, "train.loss / data.target / data.anomaly_classes rules", test_task_config_rules) ||
            !CU_add_test(s, "tiny autoencoder: loss falls, mse summary", test_ae_trains) ||
            !CU_add_test(s, "tiny autoencoder: stop + resume is bit-identical", test_ae_resume_is_exact) ||
+           !CU_add_test(s, "tiny autoencoder: file storage drops the same examples", test_ae_file_storage) ||
            !CU_add_test(s, "tiny autoencoder: eval writes scores.csv and test_auc", test_ae_eval_scores) ||
            !CU_add_test(s, "tiny autoencoder: int8 PTQ, compare by mse", test_ae_ptq_int8) ||
            !CU_add_test(s, "tiny autoencoder: refusals", test_ae_refusals);

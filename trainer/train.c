@@ -442,7 +442,10 @@ static QtStatus run_eval_batch_sums(Run *r, const Dataset *d, int start, int n, 
     QtError e = {0};
     if (dataset_fill_range(d, start, n, r->work.ex, r->work.ey, &e) != QT_OK)
         return qt_error_set(err, e.status, "evaluation at step %" PRId64 ": %s", r->plan.step, e.msg);
-    if (r->work.et) dataset_fill_targets_range(d, start, n, r->work.et);
+    if (r->work.et && !dataset_fill_targets_range(d, start, n, r->work.et))
+        return qt_error_set(err, QT_ERR_FORMAT, "evaluation at step %" PRId64 ": the %s split has no value targets, "
+                            "though the training split has; the data set is inconsistent", r->plan.step,
+                            d == &r->data.test ? "test" : "validation");
     Var *out = model_forward(&r->model.net.model, t, run_wrap_batch(r, r->work.ex, n));
     Var *l = run_loss(r, out, r->work.ex, r->work.ey, r->work.et);
     QtStatus st = QT_OK;
