@@ -175,6 +175,18 @@ void run_work_free(RunWork *w);
  * (once opened); *val_loss and *val_acc are -1 without a validation split. */
 QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
                           QtError *err);
+/* train_tasks.c: data.anomaly_classes dropped from the training and
+ * validation splits once loaded; the test split must keep both kinds. */
+QtStatus run_drop_anomalies(Run *r, QtError *err);
+/* train_tasks.c: train.loss: mse needs value targets or data.target:
+ * input, and `last` (the model's last module) one output per target value. */
+QtStatus run_check_mse_fits(Run *r, const Module *last, QtError *err);
+/* train_tasks.c: the ROC AUC of work.scores over the test split, the
+ * anomaly classes positive (NaN without them). */
+double run_test_auc(Run *r);
+/* train_tasks.c: an eval line's numbers after "loss:": "acc:A", or for mse
+ * "mae:E" (and on the test split with anomaly classes " auc:U"). */
+void run_eval_tail(const Run *r, double acc, double mae, bool test, char *buf, size_t cap);
 /* res's test and val metrics from run_eval_and_log's results and r->eval:
  * accuracy for cross_entropy, mse and mae (accuracy NaN) for mse. */
 void run_fill_eval_result(const Run *r, TrainResult *res);

@@ -139,7 +139,8 @@ QtStatus eval_write_scores(const char *path, const Run *r, QtError *err) {
             int e = errno;
             char big[160];
             st = qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
-                              e == EFBIG ? qt_file_too_large_hint(big, sizeof big) : "free disk space or give --out PATH");
+                              e == EFBIG ? qt_file_too_large_hint(big, sizeof big)
+                                         : "free disk space or give --out PATH");
         }
     }
     rundir_unlock(&lock, false);
