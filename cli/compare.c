@@ -115,8 +115,8 @@ QtStatus compare_load_run(CompareRun *r, const char *dir, QtError *err) {
     char *text = read_text(path, err);
     if (!text) return err->status;
     QtStatus st = QT_OK;
-    if (!strstr(text, "\"test_accuracy\""))
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s is not a qtrain summary (no test_accuracy)", path);
+    if (!strstr(text, "\"test_accuracy\"") && !strstr(text, "\"test_mse\""))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is not a qtrain summary (no test_accuracy or test_mse)", path);
     if (st == QT_OK) {
         json_string_or(text, "name", dir, r->name, sizeof r->name);
         json_string_or(text, "mode", "float", r->mode, sizeof r->mode);
@@ -128,6 +128,8 @@ QtStatus compare_load_run(CompareRun *r, const char *dir, QtError *err) {
         r->bits_per_param = json_number_or(text, "base_bits_per_param", 32.0);
         r->model_bytes = (int64_t)json_number_or(text, "model_bytes", 0.0);
         r->test_accuracy = json_number_or(text, "test_accuracy", NAN);
+        r->mse = strstr(text, "\"test_mse\"") != NULL;
+        r->test_mse = json_number_or(text, "test_mse", NAN);
         r->samples_per_s = json_number_or(text, "samples_per_s", 0.0);
         r->wall_s = json_number_or(text, "wall_s", 0.0);
     }
@@ -147,25 +149,46 @@ void compare_run_free(CompareRun *r) {
 
 /* ---- the table ----------------------------------------------------------------------------- */
 
-static int first_float(const CompareRun *runs, int n) {
+/* The first float run that reports as `mse` does (accuracy or mse), or -1. */
+static int first_float(const CompareRun *runs, int n, bool mse) {
     for (int i = 0; i < n; i++)
-        if (strcmp(runs[i].mode, "float") == 0) return i;
+        if (strcmp(runs[i].mode, "float") == 0 && runs[i].mse == mse) return i;
     return -1;
 }
 
+/* How many of the runs are mse runs. */
+static int count_mse(const CompareRun *runs, int n) {
+    int k = 0;
+    for (int i = 0; i < n; i++) k += runs[i].mse;
+    return k;
+}
+
 static void write_table(FILE *f, const CompareRun *runs, int n) {
-    int base = first_float(runs, n);
-    fprintf(f, "| run | mode | weights | acts | bwd | bits/param | model KiB | test acc | Δ vs %s | samples/s | wall s |\n",
-            base >= 0 ? runs[base].name : "float (none)");
+    int n_mse = count_mse(runs, n);
+    int base = first_float(runs, n, n_mse == n), base_acc = first_float(runs, n, false);
+    int base_mse = first_float(runs, n, true);
+    const char *metric = n_mse == 0 ? "test acc" : n_mse == n ? "test mse" : "test acc (mse for mse runs)";
+    if (base < 0) base = base_acc >= 0 ? base_acc : base_mse;
+    fprintf(f, "| run | mode | weights | acts | bwd | bits/param | model KiB | %s | Δ vs %s | samples/s | wall s |\n",
+            metric, base >= 0 ? runs[base].name : "float (none)");
     fprintf(f, "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for (int i = 0; i < n; i++) {
         const CompareRun *r = &runs[i];
-        char delta[32] = "-";
-        if (base >= 0 && isfinite(r->test_accuracy) && isfinite(runs[base].test_accuracy))
-            snprintf(delta, sizeof delta, "%+.2f", 100.0 * (r->test_accuracy - runs[base].test_accuracy));
-        fprintf(f, "| %s | %s | %s | %s | %s | %.3f | %.1f | %.2f %% | %s | %.0f | %.1f |\n", r->name, r->mode,
-                r->weights, r->acts, r->bwd, r->bits_per_param, (double)r->model_bytes / 1024.0,
-                100.0 * r->test_accuracy, delta, r->samples_per_s, r->wall_s);
+        char delta[32] = "-", value[32];
+        /* each kind against the first float run of its kind */
+        int b = r->mse ? base_mse : base_acc;
+        if (r->mse) {
+            snprintf(value, sizeof value, "%.4f", r->test_mse);
+            if (b >= 0 && isfinite(r->test_mse) && isfinite(runs[b].test_mse))
+                snprintf(delta, sizeof delta, "%+.4f", r->test_mse - runs[b].test_mse);
+        } else {
+            snprintf(value, sizeof value, "%.2f %%", 100.0 * r->test_accuracy);
+            if (b >= 0 && isfinite(r->test_accuracy) && isfinite(runs[b].test_accuracy))
+                snprintf(delta, sizeof delta, "%+.2f", 100.0 * (r->test_accuracy - runs[b].test_accuracy));
+        }
+        fprintf(f, "| %s | %s | %s | %s | %s | %.3f | %.1f | %s | %s | %.0f | %.1f |\n", r->name, r->mode,
+                r->weights, r->acts, r->bwd, r->bits_per_param, (double)r->model_bytes / 1024.0, value, delta,
+                r->samples_per_s, r->wall_s);
     }
 }
 
@@ -227,27 +250,37 @@ static double nice_step(double span) {
     return (r < 1.5 ? 1.0 : r < 3.5 ? 2.0 : r < 7.5 ? 5.0 : 10.0) * mag;
 }
 
-/* Accuracy (%) against log2 bits per parameter. */
+/* What the left panel plots of a run: accuracy (%), or with mse the test mse. */
+static double panel_value(const CompareRun *r, bool mse) { return mse ? r->test_mse : 100.0 * r->test_accuracy; }
+
+/* Accuracy (%) against log2 bits per parameter; when every run is an mse
+ * run, test mse instead (in a mix, the mse runs have no point here). */
 static void svg_accuracy_panel(FILE *f, const CompareRun *runs, int n) {
-    Panel p = {80, 50, 400, 320, 1.0, 5.0, 100.0, 0.0};
+    bool mse = n > 0 && count_mse(runs, n) == n;
+    Panel p = {80, 50, 400, 320, 1.0, 5.0, mse ? INFINITY : 100.0, 0.0};
     for (int i = 0; i < n; i++) {
-        if (!isfinite(runs[i].test_accuracy)) continue;
-        double a = 100.0 * runs[i].test_accuracy;
+        double a = panel_value(&runs[i], mse);
+        if (!isfinite(a)) continue;
         p.ymin = fmin(p.ymin, a), p.ymax = fmax(p.ymax, a);
     }
-    if (p.ymin > p.ymax) p.ymin = 0, p.ymax = 100;
-    double pad = fmax(1.0, 0.1 * (p.ymax - p.ymin));
-    p.ymin = fmax(0.0, p.ymin - pad), p.ymax = fmin(100.0, p.ymax + pad);
-    if (p.ymax - p.ymin < 1e-6) p.ymax = p.ymin + 1.0;
-    svg_frame(f, &p, "test accuracy vs bits per parameter", "bits per base parameter (log2 axis)",
-              "test accuracy (%)");
-    svg_yticks(f, &p, nice_step(p.ymax - p.ymin), "%.1f");
+    if (p.ymin > p.ymax) p.ymin = 0, p.ymax = mse ? 1.0 : 100;
+    if (mse) {
+        double pad = fmax(1e-3, 0.1 * (p.ymax - p.ymin));
+        p.ymin = fmax(0.0, p.ymin - pad), p.ymax += pad;
+    } else {
+        double pad = fmax(1.0, 0.1 * (p.ymax - p.ymin));
+        p.ymin = fmax(0.0, p.ymin - pad), p.ymax = fmin(100.0, p.ymax + pad);
+    }
+    if (p.ymax - p.ymin < 1e-6) p.ymax = p.ymin + (mse ? 1e-3 : 1.0);
+    svg_frame(f, &p, mse ? "test mse vs bits per parameter" : "test accuracy vs bits per parameter",
+              "bits per base parameter (log2 axis)", mse ? "test mse (lower is better)" : "test accuracy (%)");
+    svg_yticks(f, &p, nice_step(p.ymax - p.ymin), mse ? "%.3g" : "%.1f");
     for (int b = 1; b <= 5; b++)
         fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%d</text>\n", px(&p, b), p.y0 + p.h + 18, 1 << b);
     for (int i = 0; i < n; i++) {
-        if (!isfinite(runs[i].test_accuracy)) continue;
+        if (!isfinite(panel_value(&runs[i], mse))) continue;
         double x = px(&p, log2(fmin(fmax(runs[i].bits_per_param, 2.0), 32.0)));
-        double y = py(&p, 100.0 * runs[i].test_accuracy);
+        double y = py(&p, panel_value(&runs[i], mse));
         fprintf(f, "<circle cx='%.1f' cy='%.1f' r='5' fill='%s'/>\n", x, y, COLORS[(size_t)i % N_COLORS]);
         fprintf(f, "<text x='%.1f' y='%.1f' font-size='11'>", x + 8, y - 6 - 12.0 * (i % 2));
         svg_text_escaped(f, runs[i].name);
@@ -345,7 +378,11 @@ QtStatus compare_write(const CompareRun *runs, int n, const char *out_dir, FILE 
     fprintf(f, "\nbits/param: bytes held for the frozen base (quantized weights with their scales, and float "
                "parameters) x 8 / its parameters; 32 for a float model. Runs:");
     for (int i = 0; i < n; i++) fprintf(f, "%s `%s`", i ? "," : "", runs[i].dir);
-    fprintf(f, ".\n\n![accuracy vs bits per parameter, and training loss](compare.svg)\n");
+    bool mse = n > 0 && count_mse(runs, n) == n;
+    if (count_mse(runs, n) > 0)
+        fprintf(f, ".\n\ntest mse: the mean squared error over every output value of a `train.loss: mse` run "
+                   "(lower is better); its Δ is against the first float mse run");
+    fprintf(f, ".\n\n![%s vs bits per parameter, and training loss](compare.svg)\n", mse ? "mse" : "accuracy");
     if ((st = out_close(f, tmp, path, err)) != QT_OK) return st;
     return write_svg(svg, runs, n, err);
 }

@@ -3,11 +3,14 @@
  * Each run directory's summary.json and metrics.csv give one row (run,
  * mode, weight/activation/backward formats, bits per base parameter, model
  * bytes, test accuracy, its difference from the first float run, training
- * samples/s, wall time) and one training-loss curve. The table goes to a
- * stream and, with the chart, into an output directory:
+ * samples/s, wall time) and one training-loss curve. A train.loss: mse run
+ * has no accuracy: its test mse stands in the accuracy's column (the header
+ * says which), its difference is taken from the first float mse run, and
+ * when every run is one the chart plots test mse instead of accuracy. The
+ * table goes to a stream and, with the chart, into an output directory:
  *   compare.md    the table in Markdown, and a link to the chart
- *   compare.svg   accuracy against bits per parameter (log2 axis), and the
- *                 training-loss curves of all runs against the step */
+ *   compare.svg   accuracy (or mse) against bits per parameter (log2 axis),
+ *                 and the training-loss curves of all runs against the step */
 #ifndef QTRAIN_CLI_COMPARE_H
 #define QTRAIN_CLI_COMPARE_H
 
@@ -25,7 +28,9 @@ typedef struct {
     char weights[256], acts[128], bwd[32]; /* formats, "float32" / "none" when absent */
     double bits_per_param;                 /* 32 for a float run */
     int64_t model_bytes;
-    double test_accuracy;                  /* NaN if missing */
+    double test_accuracy;                  /* NaN if missing (and for an mse run) */
+    bool mse;                              /* a train.loss: mse run: test_mse reports it */
+    double test_mse;                       /* NaN if missing */
     double samples_per_s, wall_s;
     double *steps, *losses;                /* [n_points] the metrics.csv train rows */
     int n_points;

@@ -43,7 +43,8 @@ static const CmdHelp CMD_HELP[] = {
     {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--set KEY=VALUE]... [--quiet]",
      "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
      "            any); writes eval.json beside the checkpoint, or to --out PATH (a\n"
-     "            file, or an existing directory to hold eval.json). Without --config\n"
+     "            file, or an existing directory to hold eval.json); an autoencoder\n"
+     "            (data.target: input) also writes scores.csv there. Without --config\n"
      "            the config stored in the checkpoint is used (its data.cache_dir only\n"
      "            if it is none; else the default cache).\n"},
     {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...",
@@ -200,8 +201,11 @@ static int cmd_train(int argc, char **argv) {
     if (r.interrupted) return INTERRUPT_EXIT_STATUS;
     if (a.quiet && r.stopped) printf("stopped: steps:%lld\n", (long long)r.steps);
     else if (a.quiet && r.already_complete) printf("already complete: steps:%lld\n", (long long)r.steps);
-    else if (a.quiet) printf("test_accuracy:%.4f test_loss:%.4f steps:%lld\n", r.test_accuracy, r.test_loss,
-                             (long long)r.steps);
+    else if (a.quiet) {
+        char what[96];
+        train_result_format(&r, what, sizeof what);
+        printf("%s steps:%lld\n", what, (long long)r.steps);
+    }
     return 0;
 }
 
@@ -259,10 +263,14 @@ static int cmd_eval(int argc, char **argv) {
     st = train_eval_checkpoint_to(cfg, a.checkpoint, json, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
-    printf("test_accuracy:%.4f test_loss:%.4f", r.test_accuracy, r.test_loss);
-    if (r.val_accuracy >= 0) printf(" val_accuracy:%.4f val_loss:%.4f", r.val_accuracy, r.val_loss);
+    char what[96];
+    train_result_format(&r, what, sizeof what);
+    printf("%s", what);
+    if (r.mse && r.val_mse >= 0) printf(" val_mse:%.4f val_mae:%.4f", r.val_mse, r.val_mae);
+    else if (!r.mse && r.val_accuracy >= 0) printf(" val_accuracy:%.4f val_loss:%.4f", r.val_accuracy, r.val_loss);
     printf("\n");
     if (!a.quiet) printf("wrote %s\n", json);
+    if (!a.quiet && r.scores_path[0]) printf("wrote %s\n", r.scores_path);
     return 0;
 }
 

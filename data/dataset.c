@@ -660,3 +660,38 @@ void batcher_last_batch(const Batcher *b, int n, const uint32_t **idx, int64_t *
     *idx = b->order + b->cursor - n;
     *epoch = b->epoch;
 }
+
+/* ---- dropping classes (anomaly detection's held-out classes) ---------------------------------------------------- */
+
+QtStatus dataset_drop_classes(Dataset *d, const int *classes, int n_drop, int *dropped, QtError *err) {
+    if (dropped) *dropped = 0;
+    if (n_drop <= 0 || d->n == 0) return QT_OK;
+    if (!d->labels)
+        return qt_error_set(err, QT_ERR_CONFIG, "cannot drop classes from a data set without class labels (its "
+                            "targets are %d values per example)", d->n_targets);
+    bool drop[DATASET_MAX_CLASSES] = {false};
+    for (int k = 0; k < n_drop; k++)
+        if (classes[k] >= 0 && classes[k] < DATASET_MAX_CLASSES) drop[classes[k]] = true;
+    uint32_t *keep = malloc((size_t)d->n * sizeof *keep);
+    if (!keep) return qt_error_set(err, QT_ERR_NOMEM, "out of memory dropping classes of %d examples", d->n);
+    int cnt = 0;
+    for (int i = 0; i < d->n; i++)
+        if (d->labels[i] < 0 || d->labels[i] >= DATASET_MAX_CLASSES || !drop[d->labels[i]]) keep[cnt++] = (uint32_t)i;
+    if (dropped) *dropped = d->n - cnt;
+    if (cnt == d->n) {
+        free(keep);
+        return QT_OK;
+    }
+    /* keep[] is increasing: moving example keep[i] down to i never overwrites one still to be moved. */
+    const size_t row = (size_t)d->feat * data_elem_bytes(d->elem), k = (size_t)d->n_targets;
+    for (int i = 0; i < cnt; i++) {
+        d->labels[i] = d->labels[keep[i]];
+        if (d->targets) memmove(d->targets + (size_t)i * k, d->targets + keep[i] * k, k * sizeof *d->targets);
+        if (d->pixels && keep[i] != (uint32_t)i)
+            memmove(d->pixels + (size_t)i * row, d->pixels + keep[i] * row, row);
+    }
+    d->n = cnt;
+    if (d->file && image_file_keep(d->file, keep, cnt)) keep = NULL; /* now the file's row list */
+    free(keep);
+    return QT_OK;
+}

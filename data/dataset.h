@@ -304,4 +304,13 @@ QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_o
  * *epoch its epoch, what a per-example augmentation depends on. */
 void batcher_last_batch(const Batcher *b, int n, const uint32_t **idx, int64_t *epoch);
 
+/* ---- dropping classes --------------------------------------------------------------------------------------- */
+
+/* Drops the examples whose label is one of classes[0..n_drop-1], keeping
+ * the others in their order with their labels (no relabelling; n_classes
+ * stays). *dropped (may be NULL) gets how many went. A set without class
+ * labels is QT_ERR_CONFIG (unless n_drop is 0). The memory of the dropped
+ * examples is kept until dataset_free. */
+QtStatus dataset_drop_classes(Dataset *d, const int *classes, int n_drop, int *dropped, QtError *err);
+
 #endif

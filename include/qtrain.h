@@ -193,9 +193,9 @@ qtrain_status qtrain_run_step(qtrain_run *run, double *loss);
 
 typedef struct {
     int64_t step;          /* optimizer steps done */
-    double test_loss;      /* mean cross-entropy over the test split */
-    double test_accuracy;  /* in [0, 1] */
-    double val_loss, val_accuracy; /* -1 without a validation split (data.val_fraction) */
+    double test_loss;      /* mean cross-entropy over the test split (train.loss: mse: the mean squared error) */
+    double test_accuracy;  /* in [0, 1]; NaN for a train.loss: mse run, which has no classes */
+    double val_loss, val_accuracy; /* -1 without a validation split (data.val_fraction); accuracy NaN as above */
     int64_t params_trainable, params_frozen;
     int64_t model_bytes;   /* float parameters, quantized weights and adapters */
     double base_bits_per_param; /* 32 for a float base, about 4.1 for NF4 with double quantization */

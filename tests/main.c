@@ -61,6 +61,7 @@
     X(interrupt)  \
     X(diskfull)   \
     X(nonfinite)  \
+    X(tasks)      \
     X(fssafe)     \
     X(decode_py)  \
     X(hostile)    \

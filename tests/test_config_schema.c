@@ -243,6 +243,7 @@ static int companions(const Row *r, bool with_value, const char **ov, char (*buf
         if (strcmp(t->path, "train.schedule") == 0 && k == SCHED_STEP) ov[n++] = "train.schedule.step_size=5";
     }
     if (strcmp(r->path, "train.optimizer.nesterov") == 0) ov[n++] = "train.optimizer.momentum=0.9";
+    if (strcmp(r->path, "data.target") == 0) ov[n++] = "train.loss=mse"; /* target: input needs it */
     if (with_value && strcmp(r->path, "quant.mode") == 0)
         ov[n++] = "quant.rules=[{module_path: \".*\", weight_qtype: int8}]";
     /* the data set's files: data.path is hdf5's, data.files npy's and idx's (all four) */

@@ -35,6 +35,8 @@
 #define INPUT_NUMEL_MAX (1 << 28)
 
 const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT] = {"stop", "skip"};
+const char *const LOSS_KIND_NAMES[LOSS_COUNT] = {"cross_entropy", "mse"};
+const char *const DATA_TARGET_NAMES[DATA_TARGET_COUNT] = {"label", "input"};
 const char *const LORA_BATCHNORM_NAMES[LORA_BN_COUNT] = {"frozen", "train"};
 const char *const CONFIG_DATASETS[CONFIG_N_DATASETS] = {"fashion-mnist", "hdf5", "npy", "idx"};
 
@@ -531,6 +533,27 @@ QtStatus cfg_model_after(QtError *err, const YNode *m, const YNode *parent_map, 
     QtStatus st = check_shapes(err, section, cfg_field(m, "layers"), &ctx->dry);
     ctx->have_dry = st == QT_OK;
     return st;
+}
+
+/* What the model learns (data.target) and the loss that measures it
+ * (train.loss) agree. `root` is the top-level mapping; the data section
+ * is loaded before train. */
+QtStatus cfg_train_after(QtError *err, const YNode *m, const YNode *root, void *section, void *parent, CfgCtx *ctx) {
+    (void)ctx;
+    const TrainConfig *t = section;
+    const DataConfig *d = &((const Config *)parent)->data;
+    const YNode *data = cfg_field(root, "data");
+    if (d->target == DATA_TARGET_INPUT && t->loss == LOSS_CROSS_ENTROPY) {
+        const YNode *loss = cfg_field(m, "loss");
+        return cfg_fail(err, loss ? loss : cfg_field(data, "target"), loss ? "train.loss" : "data.target",
+                        "data.target: input trains the model to reconstruct its input, which train.loss: "
+                        "cross_entropy cannot measure (it needs class labels); set train.loss: mse");
+    }
+    if (d->n_anomaly_classes > 0 && d->target != DATA_TARGET_INPUT)
+        return cfg_fail(err, cfg_field(data, "anomaly_classes"), "data.anomaly_classes",
+                        "needs data.target: input: an example's anomaly score is the model's reconstruction error; "
+                        "set data.target: input and train.loss: mse (or remove data.anomaly_classes)");
+    return QT_OK;
 }
 
 static QtStatus load_root(QtError *err, const YNode *root, Config *c) {

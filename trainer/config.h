@@ -48,6 +48,15 @@ typedef struct {
     int threads;                    /* run.threads, default 0 = all cores */
 } RunConfig;
 
+/* data.target: what the model is trained to output. */
+typedef enum {
+    DATA_TARGET_LABEL = 0, /* the data set's class labels, or its value targets when it has those (the default) */
+    DATA_TARGET_INPUT,     /* the (normalized) input itself: an autoencoder */
+    DATA_TARGET_COUNT
+} DataTarget;
+
+extern const char *const DATA_TARGET_NAMES[DATA_TARGET_COUNT]; /* "label", "input" */
+
 /* data.files: the four files of an npy or idx data set. */
 typedef struct {
     char train_x[CONFIG_PATH_MAX], train_y[CONFIG_PATH_MAX], test_x[CONFIG_PATH_MAX], test_y[CONFIG_PATH_MAX];
@@ -71,6 +80,10 @@ typedef struct {
     double val_fraction;            /* data.val_fraction in [0, 1), default 0 */
     bool shuffle;                   /* data.shuffle, default true */
     bool drop_last;                 /* data.drop_last, default false */
+    DataTarget target;              /* data.target, default label */
+    int anomaly_classes[DATASET_MAX_CLASSES]; /* data.anomaly_classes: labels dropped from train and val, kept in
+                                                 test as the positives of the AUC (needs data.target: input) */
+    int n_anomaly_classes;          /* 0 = none */
 } DataConfig;
 
 typedef struct {
@@ -92,11 +105,21 @@ typedef enum {
 
 extern const char *const NONFINITE_ACTION_NAMES[NONFINITE_COUNT]; /* "stop", "skip" */
 
+/* train.loss. */
+typedef enum {
+    LOSS_CROSS_ENTROPY = 0, /* softmax cross-entropy against class labels (the default) */
+    LOSS_MSE,               /* mean squared error against value targets or the input, mean over every value */
+    LOSS_COUNT
+} LossKind;
+
+extern const char *const LOSS_KIND_NAMES[LOSS_COUNT]; /* "cross_entropy", "mse" */
+
 typedef struct {
     int64_t epochs;                 /* train.epochs, default 1, at most 10^6; 0 = evaluate only */
     int64_t steps;                  /* train.steps, default 0 = from epochs; overrides epochs when > 0; <= 10^12 */
     int batch_size;                 /* train.batch_size, default 64 */
     int eval_batch_size;            /* train.eval_batch_size, default 256 */
+    LossKind loss;                  /* train.loss, default cross_entropy */
     OptimConfig optim;              /* train.optimizer: name, lr, weight_decay, betas, eps,
                                        momentum, dampening, nesterov */
     LrSchedule schedule;            /* train.schedule: name, warmup_steps, min_lr, step_size, gamma;

@@ -71,6 +71,13 @@ int cfg_diff_augment(const void *sa, const void *sb) {
     return memcmp(a->augment.items, b->augment.items, sizeof(AugmentSpec) * (size_t)a->augment.n) == 0 ? -1 : -2;
 }
 
+int cfg_diff_anomaly(const void *sa, const void *sb) {
+    const DataConfig *a = sa, *b = sb;
+    bool same = a->n_anomaly_classes == b->n_anomaly_classes &&
+                memcmp(a->anomaly_classes, b->anomaly_classes, sizeof(int) * (size_t)a->n_anomaly_classes) == 0;
+    return same ? -1 : -2;
+}
+
 int cfg_diff_input(const void *sa, const void *sb) {
     const ModelConfig *a = sa, *b = sb;
     bool same = a->input_ndim == b->input_ndim && memcmp(a->input_shape, b->input_shape, sizeof a->input_shape) == 0;

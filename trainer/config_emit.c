@@ -205,6 +205,13 @@ void cfg_emit_input(FILE *f, const char *indent, const void *section) {
     fputs("]\n", f);
 }
 
+void cfg_emit_anomaly(FILE *f, const char *indent, const void *section) {
+    const DataConfig *d = section;
+    fprintf(f, "%sanomaly_classes: [", indent);
+    for (int i = 0; i < d->n_anomaly_classes; i++) fprintf(f, "%s%d", i ? ", " : "", d->anomaly_classes[i]);
+    fputs("]\n", f);
+}
+
 void cfg_emit_layers(FILE *f, const char *indent, const void *section) {
     const ModelConfig *m = section;
     fprintf(f, "%slayers:%s\n", indent, m->n_layers ? "" : " []");

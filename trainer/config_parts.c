@@ -445,3 +445,26 @@ QtStatus cfg_part_load_augment(QtError *err, const YNode *v, const YNode *map, v
     }
     return QT_OK;
 }
+
+/* data.anomaly_classes: [] or absent = none. */
+QtStatus cfg_part_load_anomaly(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx) {
+    (void)map, (void)ctx;
+    DataConfig *d = section;
+    d->n_anomaly_classes = 0;
+    if (!v || ynode_is_null(v) || (v->kind == YNODE_SEQUENCE && v->n == 0)) return QT_OK;
+    if (v->kind != YNODE_SEQUENCE || v->n > DATASET_MAX_CLASSES)
+        return cfg_fail_expected(err, v, "data.anomaly_classes", "a sequence of class labels, e.g. [9]", "");
+    for (int j = 0; j < v->n; j++) {
+        char item[64];
+        snprintf(item, sizeof item, "data.anomaly_classes[%d]", j);
+        int64_t x = 0;
+        QtStatus st = cfg_to_int(err, v->items[j], item, 0, DATASET_MAX_CLASSES - 1, &x);
+        if (st != QT_OK) return st;
+        for (int k = 0; k < j; k++)
+            if (d->anomaly_classes[k] == (int)x)
+                return cfg_fail(err, v->items[j], item, "class %d is listed twice (first as item %d)", (int)x, k);
+        d->anomaly_classes[j] = (int)x;
+        d->n_anomaly_classes = j + 1;
+    }
+    return QT_OK;
+}

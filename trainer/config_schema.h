@@ -199,7 +199,7 @@ QtStatus cfg_lookup_fail(QtError *err, const YNode *at, const char *path, QtStat
 /* The parts of the tables that a row cannot express (their load in config.c, config_parts.c and
  * config_rules.c, their emit in config_emit.c, their diff in config_compare.c). */
 extern const CfgPart CFG_PART_TRANSFORMS, CFG_PART_INPUT, CFG_PART_LAYERS, CFG_PART_QUANT_RULES, CFG_PART_LORA_RULES,
-    CFG_PART_TRAINABLE;
+    CFG_PART_TRAINABLE, CFG_PART_ANOMALY;
 extern const CfgPart CFG_PART_AUGMENT;
 QtStatus cfg_part_load_transforms(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
 QtStatus cfg_part_load_augment(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
@@ -222,10 +222,17 @@ int cfg_diff_layers(const void *a, const void *b);
 int cfg_diff_quant_rules(const void *a, const void *b);
 int cfg_diff_lora_rules(const void *a, const void *b);
 int cfg_diff_trainable(const void *a, const void *b);
+/* data.anomaly_classes (config_parts.c, config_emit.c, config_compare.c). */
+QtStatus cfg_part_load_anomaly(QtError *err, const YNode *v, const YNode *map, void *section, CfgCtx *ctx);
+void cfg_emit_anomaly(FILE *f, const char *indent, const void *section);
+int cfg_diff_anomaly(const void *a, const void *b);
 /* The tables' checks across keys that need more than the table (config.c, config_rules.c). */
 QtStatus cfg_model_after(QtError *err, const YNode *map, const YNode *parent_map, void *section, void *parent,
                          CfgCtx *ctx);
 QtStatus cfg_quant_after(QtError *err, const YNode *map, const YNode *parent_map, void *section, void *parent,
+                         CfgCtx *ctx);
+/* train.loss against data.target and data.anomaly_classes (the data section is loaded first). */
+QtStatus cfg_train_after(QtError *err, const YNode *map, const YNode *parent_map, void *section, void *parent,
                          CfgCtx *ctx);
 
 /* config_parts.c */

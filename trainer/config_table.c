@@ -55,6 +55,8 @@
 static const char *dataset_name(int k) { return CONFIG_DATASETS[k]; }
 static const char *storage_name(int k) { return data_storage_name((DataStorage)k); }
 static const char *nonfinite_name(int k) { return NONFINITE_ACTION_NAMES[k]; }
+static const char *loss_name(int k) { return LOSS_KIND_NAMES[k]; }
+static const char *target_name(int k) { return DATA_TARGET_NAMES[k]; }
 static const char *lora_bn_name(int k) { return LORA_BATCHNORM_NAMES[k]; }
 static const char *optim_name(int k) { return optim_kind_name((OptimKind)k); }
 static const char *sched_name(int k) { return sched_kind_name((SchedKind)k); }
@@ -161,6 +163,7 @@ const CfgPart CFG_PART_LAYERS = {cfg_part_load_layers, cfg_emit_layers, cfg_diff
 const CfgPart CFG_PART_QUANT_RULES = {cfg_part_load_quant_rules, cfg_emit_quant_rules, cfg_diff_quant_rules};
 const CfgPart CFG_PART_LORA_RULES = {cfg_part_load_lora_rules, cfg_emit_lora_rules, cfg_diff_lora_rules};
 const CfgPart CFG_PART_TRAINABLE = {cfg_part_load_trainable, cfg_emit_trainable, cfg_diff_trainable};
+const CfgPart CFG_PART_ANOMALY = {cfg_part_load_anomaly, cfg_emit_anomaly, cfg_diff_anomaly};
 
 /* ---- run, data, model ------------------------------------------------------------------------------------------ */
 
@@ -258,6 +261,15 @@ static const CfgKey DATA_KEYS[] = {
      .doc = "reshuffle the training set every epoch"},
     {.key = "drop_last", .type = CFG_T_BOOL, F(DataConfig, drop_last), .def = 0, FIXED,
      .doc = "drop an epoch's last partial batch"},
+    {.key = "target", .type = CFG_T_ENUM, O(DataConfig, target), .size = 32, .name_of = target_name,
+     .n_names = DATA_TARGET_COUNT, .names_what = "data.target", .def_str = "label", FIXED,
+     .doc = "what the model learns to output: `label` (class labels, or the data set's value targets) or `input` "
+            "(the normalized input: an autoencoder; needs `train.loss: mse` and one output per input value)"},
+    {.key = "anomaly_classes", .type = CFG_T_PART, .part = &CFG_PART_ANOMALY, FIXED, .doc_default = "`[]`",
+     .doc_values = "class labels, each once",
+     .doc = "with `target: input`: examples of these classes are dropped from train and val and kept in test, "
+            "where `qtrain eval` reports `test_auc`, the ROC AUC of the reconstruction error with them as the "
+            "positives"},
 };
 
 static const CfgKey MODEL_KEYS[] = {
@@ -340,6 +352,11 @@ static const CfgKey TRAIN_KEYS[] = {
      FIXED, .doc = "training batch"},
     {.key = "eval_batch_size", .type = CFG_T_INT, F(TrainConfig, eval_batch_size), .imin = 1, .imax = BATCH_MAX,
      .def = 256, .doc = "evaluation batch"},
+    {.key = "loss", .type = CFG_T_ENUM, O(TrainConfig, loss), .size = 32, .name_of = loss_name,
+     .n_names = LOSS_COUNT, .names_what = "train.loss", .def_str = "cross_entropy", FIXED,
+     .doc = "`cross_entropy` (softmax, against class labels; reports accuracy) or `mse` (mean squared error over "
+            "every output value, against value targets or, with `data.target: input`, the input; reports "
+            "`test_mse` and `test_mae`)"},
     {.key = "optimizer", .type = CFG_T_SECTION, F(TrainConfig, optim), .sub = &OPTIM_TABLE,
      .doc = "the optimizer"},
     {.key = "schedule", .type = CFG_T_SECTION, F(TrainConfig, schedule), .sub = &SCHED_TABLE,
@@ -426,7 +443,7 @@ static const CfgTable MODEL_TABLE = {
     .missing = "missing; a config needs model.input and model.layers (see tests/configs/tiny-mlp.yaml)",
     .doc = "The whole model is checked before any data is read: the layers' shapes must chain."};
 static const CfgTable TRAIN_TABLE = {.path = "train", .owner = "train", .keys = TRAIN_KEYS, .n = N_OF(TRAIN_KEYS),
-                                     .kind_key = -1};
+                                     .kind_key = -1, .after = cfg_train_after};
 static const CfgTable QUANT_TABLE = {.path = "quant", .owner = "quant", .keys = QUANT_KEYS, .n = N_OF(QUANT_KEYS),
                                      .kind_key = -1, .after = cfg_quant_after};
 static const CfgTable LORA_TABLE = {.path = "lora", .owner = "lora", .keys = LORA_KEYS, .n = N_OF(LORA_KEYS),

@@ -91,8 +91,10 @@ QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step
 QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
                        double lr, double samples_per_s, double wall_s, QtError *err) {
     if (!ml->csv) return QT_OK;
-    int n = fprintf(ml->csv, "%s,%" PRId64 ",%.4f,%.9g,%.9g,%.9g,%.1f,%.3f\n", split, step, epoch, loss, accuracy,
-                    lr, samples_per_s, wall_s);
+    char acc[32] = ""; /* empty for an mse run: pandas reads it as NaN, and no reader of the file takes "nan" */
+    if (!isnan(accuracy)) snprintf(acc, sizeof acc, "%.9g", accuracy);
+    int n = fprintf(ml->csv, "%s,%" PRId64 ",%.4f,%.9g,%s,%.9g,%.1f,%.3f\n", split, step, epoch, loss, acc, lr,
+                    samples_per_s, wall_s);
     if (n >= 0 && fflush(ml->csv) == 0) return QT_OK;
     int e = errno;
     return qt_error_set(err, QT_ERR_IO, "cannot append to %s: %s; %s", ml->path, strerror(e), write_hint(e));
@@ -101,6 +103,32 @@ QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double e
 void metrics_close(MetricsLog *ml) {
     if (ml->csv) fclose(ml->csv);
     ml->csv = NULL;
+}
+
+static int auc_item_cmp(const void *a, const void *b) {
+    float x = ((const AucItem *)a)->score, y = ((const AucItem *)b)->score;
+    return (x > y) - (x < y);
+}
+
+double metrics_roc_auc(AucItem *items, int n) {
+    int64_t pos = 0;
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(items[i].score)) return NAN;
+        pos += items[i].positive;
+    }
+    int64_t neg = n - pos;
+    if (pos == 0 || neg == 0) return NAN;
+    qsort(items, (size_t)n, sizeof *items, auc_item_cmp);
+    /* The positives' rank sum (ranks 1..n, a tie's ranks averaged), in halves to stay integral. */
+    int64_t rank2_sum = 0;
+    for (int i = 0; i < n;) {
+        int j = i, tied_pos = 0;
+        while (j < n && items[j].score == items[i].score) tied_pos += items[j++].positive;
+        rank2_sum += (int64_t)tied_pos * (int64_t)(i + 1 + j); /* twice the mean rank (i+1 + j) / 2 */
+        i = j;
+    }
+    double u = (double)rank2_sum / 2.0 - (double)pos * (double)(pos + 1) / 2.0;
+    return u / ((double)pos * (double)neg);
 }
 
 void progress_init(Progress *p, FILE *out, int64_t first_step, double now) {

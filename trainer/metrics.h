@@ -2,7 +2,9 @@
  *
  * metrics.csv has one row per logged training window and per evaluation:
  *   split,step,epoch,loss,accuracy,lr,samples_per_s,wall_s
- * split is train, val or test. Every column but the last two is a pure
+ * split is train, val or test. A train.loss: mse run's loss is the mean
+ * squared error and its accuracy cell is empty (there are no classes).
+ * Every column but the last two is a pure
  * function of the run's state, so a resumed run writes the same rows as an
  * uninterrupted one (samples_per_s and wall_s are timings). */
 #ifndef QTRAIN_TRAINER_METRICS_H
@@ -25,10 +27,25 @@ typedef struct {
  * drops later ones (written after the checkpoint by the run that stopped),
  * telling in kept_test_row whether that step's evaluation is among them. */
 QtStatus metrics_open(MetricsLog *ml, const char *dir, int64_t keep_through_step, QtError *err);
-/* Appends a row and flushes it; QT_ERR_IO (e.g. a full disk) if it fails. */
+/* Appends a row and flushes it; QT_ERR_IO (e.g. a full disk) if it fails.
+ * A NaN accuracy (an mse run) is written as an empty cell. */
 QtStatus metrics_write(MetricsLog *ml, const char *split, int64_t step, double epoch, double loss, double accuracy,
                        double lr, double samples_per_s, double wall_s, QtError *err);
 void metrics_close(MetricsLog *ml);
+
+/* One example of a scored set: its anomaly score and whether it is an anomaly. */
+typedef struct {
+    float score;
+    bool positive;
+} AucItem;
+
+/* The ROC AUC of items[0..n-1] with the positives as the class a higher
+ * score should pick out: the Mann-Whitney statistic U / (P * N), where a
+ * positive scored above a negative counts 1 and a tie counts 1/2 (ranks of
+ * tied scores averaged). Sorts items in place (no allocation). NaN when
+ * the set has no positive or no negative (the AUC is undefined) or a score
+ * is not finite. */
+double metrics_roc_auc(AucItem *items, int n);
 
 /* A one-line progress bar redrawn in place on a terminal. */
 typedef struct {

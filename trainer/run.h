@@ -62,6 +62,10 @@ typedef struct {
     int32_t *by;            /* [batch_size] */
     float *ex;              /* (eval_batch_size, feat) evaluation batch */
     int32_t *ey;            /* [eval_batch_size] */
+    float *bt, *et;         /* (batch_size, n_targets), (eval_batch_size, n_targets): a data set's value targets;
+                               NULL when it has class labels */
+    float *scores;          /* [test n]: each test example's reconstruction error (data.target: input), else NULL */
+    AucItem *auc;           /* [test n]: the AUC's work (data.anomaly_classes), else NULL */
     Arena arena;            /* a step's tensors */
     Tape tape;              /* over arena; draws its dropout masks from dropout */
     Rng dropout;            /* stored in checkpoints: a resumed run draws the same masks */
@@ -95,6 +99,14 @@ typedef struct {
     LossWatch loss_watch;   /* train.divergence_factor's running means */
 } RunGuards;
 
+/* What the latest evaluation measured besides loss and accuracy. Owner:
+ * run_init (NaN); nothing to free. */
+typedef struct {
+    double test_mae, val_mae; /* train.loss: mse: mean |output - target| over every value; NaN otherwise */
+    double test_auc;          /* data.anomaly_classes: the ROC AUC of the test reconstruction errors; NaN otherwise */
+    bool have_scores;         /* work.scores holds the test split's reconstruction errors */
+} RunEval;
+
 /* run.out_dir and what the run's checkpoints record. Owner: run_dir_open
  * (makes out_dir, takes its lock) and run_dir_note (once the model is final:
  * the config text and a LoRA run's base identity) / run_dir_close. Training
@@ -120,6 +132,7 @@ typedef struct {
     RunLog log;
     RunClock clock;
     RunGuards guards;
+    RunEval eval;
     RunDir dir;
 } Run;
 
@@ -162,6 +175,21 @@ void run_work_free(RunWork *w);
  * (once opened); *val_loss and *val_acc are -1 without a validation split. */
 QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *val_loss, double *val_acc,
                           QtError *err);
+/* train_tasks.c: data.anomaly_classes dropped from the training and
+ * validation splits once loaded; the test split must keep both kinds. */
+QtStatus run_drop_anomalies(Run *r, QtError *err);
+/* train_tasks.c: train.loss: mse needs value targets or data.target:
+ * input, and `last` (the model's last module) one output per target value. */
+QtStatus run_check_mse_fits(Run *r, const Module *last, QtError *err);
+/* train_tasks.c: the ROC AUC of work.scores over the test split, the
+ * anomaly classes positive (NaN without them). */
+double run_test_auc(Run *r);
+/* train_tasks.c: an eval line's numbers after "loss:": "acc:A", or for mse
+ * "mae:E" (and on the test split with anomaly classes " auc:U"). */
+void run_eval_tail(const Run *r, double acc, double mae, bool test, char *buf, size_t cap);
+/* res's test and val metrics from run_eval_and_log's results and r->eval:
+ * accuracy for cross_entropy, mse and mae (accuracy NaN) for mse. */
+void run_fill_eval_result(const Run *r, TrainResult *res);
 /* res from the run's totals over all its invocations and the net's sizes. */
 void run_fill_result(const Run *r, TrainResult *res);
 /* What a checkpoint holds besides parameters and optimizer state, pointing
@@ -198,5 +226,9 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
 /* eval.json at path: only over a regular file, and only while no live run
  * holds the lock of the directory it is in. */
 QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res, const char *ckpt, QtError *err);
+/* scores.csv at path (index,label,score: each test example's reconstruction
+ * error, label empty for a set without class labels), under the same rules
+ * as eval_write_json. */
+QtStatus eval_write_scores(const char *path, const Run *r, QtError *err);
 
 #endif

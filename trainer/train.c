@@ -40,6 +40,7 @@ void run_init(Run *r, const Config *cfg, const TrainOptions *opt) {
     r->clock.t_start = metrics_now();
     r->dir.saved_step = -1;
     r->log.last_train_loss = NAN;
+    r->eval.test_mae = r->eval.val_mae = r->eval.test_auc = NAN;
 }
 
 /* Each part's free leaves it zeroed: run_free may follow. */
@@ -63,6 +64,7 @@ void run_work_free(RunWork *w) {
     tape_free(&w->tape);
     arena_free(&w->arena);
     free(w->bx), free(w->by), free(w->ex), free(w->ey);
+    free(w->bt), free(w->et), free(w->scores), free(w->auc);
     memset(w, 0, sizeof *w);
 }
 
@@ -114,11 +116,13 @@ QtStatus run_load_data(Run *r, QtError *err) {
         dataset_free(&r->data.val);
         st = dataset_split_tail(&r->data.train, &r->data.val, dc->val_fraction, err);
     }
+    if (st == QT_OK) st = run_drop_anomalies(r, err);
     return st;
 }
 
 /* The model's input must be the data's example shape (or its flattening)
- * and its output one logit per class. */
+ * and its output one logit per class (cross_entropy) or one value per
+ * target value (mse). */
 static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
     const ModelConfig *mc = &r->cfg->model;
     const Dataset *d = &r->data.train;
@@ -132,6 +136,12 @@ static QtStatus run_check_model_fits_data(Run *r, QtError *err) {
                             r->cfg->source, feat, r->cfg->data.dataset, d->shape[0], d->shape[1], d->shape[2],
                             d->feat, d->shape[0], d->shape[1], d->shape[2], d->feat);
     const Module *last = &r->model.net.model.modules[r->model.net.model.n_modules - 1];
+    if (r->cfg->train.loss == LOSS_MSE) return run_check_mse_fits(r, last, err);
+    if (!d->labels)
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: the %s data set's targets are values (%d per example), not class labels, which "
+                            "train.loss: cross_entropy needs; set train.loss: mse (and give the last layer %d units)",
+                            r->cfg->source, r->cfg->data.dataset, d->n_targets, d->n_targets);
     if (last->out_ndim != 1 || last->out_shape[0] != d->n_classes)
         return qt_error_set(err, QT_ERR_CONFIG,
                             "%s: the last layer (%s) must give one logit per class: the data has %d classes, the "
@@ -207,7 +217,19 @@ QtStatus run_alloc(Run *r, QtError *err) {
     r->work.by = malloc((size_t)(bs > 0 ? bs : 1) * sizeof(int32_t));
     r->work.ex = malloc((size_t)(ebs > 0 ? ebs : 1) * feat * sizeof(float));
     r->work.ey = malloc((size_t)(ebs > 0 ? ebs : 1) * sizeof(int32_t));
-    if (!r->work.bx || !r->work.by || !r->work.ex || !r->work.ey || arena_init(&r->work.arena, RUN_ARENA_INITIAL) != 0)
+    bool more_ok = true;
+    size_t k = (size_t)r->data.train.n_targets;
+    if (r->data.train.targets) {
+        r->work.bt = malloc((size_t)(bs > 0 ? bs : 1) * k * sizeof(float));
+        r->work.et = malloc((size_t)(ebs > 0 ? ebs : 1) * k * sizeof(float));
+        more_ok = r->work.bt && r->work.et;
+    }
+    size_t n_test = (size_t)(r->data.test.n > 0 ? r->data.test.n : 1);
+    if (r->cfg->data.target == DATA_TARGET_INPUT && !(r->work.scores = malloc(n_test * sizeof(float))))
+        more_ok = false;
+    if (r->cfg->data.n_anomaly_classes > 0 && !(r->work.auc = malloc(n_test * sizeof(AucItem)))) more_ok = false;
+    if (!r->work.bx || !r->work.by || !r->work.ex || !r->work.ey || !more_ok ||
+        arena_init(&r->work.arena, RUN_ARENA_INITIAL) != 0)
         return qt_error_set(err, QT_ERR_NOMEM, "out of memory allocating batches (batch_size %d, eval_batch_size %d)",
                             tc->batch_size, tc->eval_batch_size);
     rng_init(&r->work.dropout, r->cfg->run.seed, RNG_STREAM_DROPOUT);
@@ -356,35 +378,99 @@ static Var *run_wrap_batch(Run *r, float *x, int n) {
     return tape_wrap(&r->work.tape, x, 1 + m->input_ndim, shape);
 }
 
-QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
-                        QtError *err) {
+/* The loss of a batch's output `out` (n, ...): cross-entropy against the
+ * labels y, or the mean squared error against the input x itself
+ * (data.target: input) or the value targets t, viewed in out's shape
+ * (run_check_mse_fits made the sizes agree). */
+static Var *run_loss(Run *r, Var *out, float *x, const int32_t *y, float *t) {
+    Tape *tp = &r->work.tape;
+    if (!out) return NULL;
+    if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) return nn_softmax_cross_entropy(tp, out, y);
+    float *want = r->cfg->data.target == DATA_TARGET_INPUT ? x : t;
+    return nn_mse(tp, out, tape_wrap(tp, want, out->value.ndim, out->value.shape));
+}
+
+/* An evaluation's running sums. */
+typedef struct {
+    double loss_sum;  /* n * each batch's mean loss */
+    int64_t correct;  /* cross_entropy: right predictions */
+    double abs_sum;   /* mse: sum of |output - target| over every value */
+    int64_t values;   /* mse: the values summed */
+} EvalSums;
+
+/* mse: the absolute errors, and with scores (n) each example's mean squared error. */
+static void run_sum_errors(const Var *out, const float *want, int n, EvalSums *sums, float *scores) {
+    size_t k = var_numel(out) / (size_t)n;
+    for (int i = 0; i < n; i++) {
+        const float *o = out->value.data + (size_t)i * k, *w = want + (size_t)i * k;
+        double sq = 0.0, ab = 0.0;
+        for (size_t j = 0; j < k; j++) {
+            double dlt = (double)o[j] - (double)w[j];
+            sq += dlt * dlt, ab += fabs(dlt);
+        }
+        sums->abs_sum += ab;
+        if (scores) scores[i] = (float)(sq / (double)k);
+    }
+    sums->values += (int64_t)k * n;
+}
+
+/* run_eval_batch with every sum; scores (may be NULL): [n] the examples' reconstruction errors. */
+static QtStatus run_eval_batch_sums(Run *r, const Dataset *d, int start, int n, EvalSums *sums, float *scores,
+                                    QtError *err) {
     Tape *t = &r->work.tape;
     QtError e = {0};
     if (dataset_fill_range(d, start, n, r->work.ex, r->work.ey, &e) != QT_OK)
         return qt_error_set(err, e.status, "evaluation at step %" PRId64 ": %s", r->plan.step, e.msg);
-    Var *logits = model_forward(&r->model.net.model, t, run_wrap_batch(r, r->work.ex, n));
-    Var *l = nn_softmax_cross_entropy(t, logits, r->work.ey);
+    if (r->work.et && !dataset_fill_targets_range(d, start, n, r->work.et))
+        return qt_error_set(err, QT_ERR_FORMAT, "evaluation at step %" PRId64 ": the %s split has no value targets, "
+                            "though the training split has; the data set is inconsistent", r->plan.step,
+                            d == &r->data.test ? "test" : "validation");
+    Var *out = model_forward(&r->model.net.model, t, run_wrap_batch(r, r->work.ex, n));
+    Var *l = run_loss(r, out, r->work.ex, r->work.ey, r->work.et);
     QtStatus st = QT_OK;
-    if (!l) st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->plan.step, t->err.msg);
-    else *loss_sum += (double)l->value.data[0] * n, *correct += count_correct(logits, r->work.ey, n);
+    if (!l) {
+        st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->plan.step, t->err.msg);
+    } else {
+        sums->loss_sum += (double)l->value.data[0] * n;
+        if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) sums->correct += count_correct(out, r->work.ey, n);
+        else run_sum_errors(out, r->cfg->data.target == DATA_TARGET_INPUT ? r->work.ex : r->work.et, n, sums, scores);
+    }
     tape_reset(t);
     return st;
 }
 
-/* Mean cross-entropy and accuracy over a whole data set, forward only. */
-static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *accuracy, QtError *err) {
+QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
+                        QtError *err) {
+    EvalSums sums = {0};
+    QtStatus st = run_eval_batch_sums(r, d, start, n, &sums, NULL, err);
+    *loss_sum += sums.loss_sum, *correct += sums.correct;
+    return st;
+}
+
+/* Mean loss over a whole data set, forward only, and accuracy
+ * (cross_entropy) or the mean absolute error (*mae; mse; accuracy NaN).
+ * With data.target: input, the test split's evaluation also records each
+ * example's reconstruction error (work.scores) and the AUC. */
+static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *accuracy, double *mae, QtError *err) {
     Tape *t = &r->work.tape;
     bool was_training = t->training, had_grad = t->grad_enabled;
     t->training = false, t->grad_enabled = false;
-    double loss_sum = 0.0;
-    int64_t correct = 0;
+    EvalSums sums = {0};
+    float *scores = d == &r->data.test ? r->work.scores : NULL;
     QtStatus st = QT_OK;
     int bs = r->cfg->train.eval_batch_size;
     for (int start = 0; start < d->n && st == QT_OK; start += bs)
-        st = run_eval_batch(r, d, start, d->n - start < bs ? d->n - start : bs, &loss_sum, &correct, err);
+        st = run_eval_batch_sums(r, d, start, d->n - start < bs ? d->n - start : bs, &sums,
+                                 scores ? scores + start : NULL, err);
     t->training = was_training, t->grad_enabled = had_grad;
-    *loss = d->n ? loss_sum / d->n : NAN;
-    *accuracy = d->n ? (double)correct / d->n : NAN;
+    bool mse = r->cfg->train.loss == LOSS_MSE;
+    *loss = d->n ? sums.loss_sum / d->n : NAN;
+    *accuracy = d->n && !mse ? (double)sums.correct / d->n : NAN;
+    *mae = sums.values ? sums.abs_sum / (double)sums.values : NAN;
+    if (scores) {
+        r->eval.have_scores = st == QT_OK;
+        r->eval.test_auc = st == QT_OK ? run_test_auc(r) : NAN;
+    }
     return st;
 }
 
@@ -406,16 +492,20 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
                           QtError *err) {
     double wall = r->clock.wall_before + metrics_now() - r->clock.t_start;
     *val_loss = *val_acc = -1.0;
+    r->eval.val_mae = NAN;
     QtStatus st = QT_OK;
-    if (r->data.val.n > 0 && (st = run_evaluate(r, &r->data.val, val_loss, val_acc, err)) == QT_OK) {
-        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f acc:%.4f\n", r->plan.step, run_epoch(r),
-                *val_loss, *val_acc);
+    char tail[64];
+    if (r->data.val.n > 0 && (st = run_evaluate(r, &r->data.val, val_loss, val_acc, &r->eval.val_mae, err)) == QT_OK) {
+        run_eval_tail(r, *val_acc, r->eval.val_mae, false, tail, sizeof tail);
+        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f %s\n", r->plan.step, run_epoch(r),
+                *val_loss, tail);
         st = metrics_write(&r->log.metrics, "val", r->plan.step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall,
                            err);
     }
-    if (st == QT_OK && (st = run_evaluate(r, &r->data.test, test_loss, test_acc, err)) == QT_OK) {
-        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f acc:%.4f\n", r->plan.step, run_epoch(r),
-                *test_loss, *test_acc);
+    if (st == QT_OK && (st = run_evaluate(r, &r->data.test, test_loss, test_acc, &r->eval.test_mae, err)) == QT_OK) {
+        run_eval_tail(r, *test_acc, r->eval.test_mae, true, tail, sizeof tail);
+        run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f %s\n", r->plan.step, run_epoch(r),
+                *test_loss, tail);
         st = metrics_write(&r->log.metrics, "test", r->plan.step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0,
                            wall, err);
     }
@@ -504,13 +594,16 @@ QtStatus run_step(Run *r, QtError *err) {
         batcher_last_batch(&r->plan.batcher, n, &idx, &epoch);
         augment_batch(&r->cfg->data.augment, r->cfg->run.seed, epoch, idx, n, r->data.train.shape, r->work.bx);
     }
+    /* the batch's examples are the n before the batcher's cursor */
+    if (r->work.bt)
+        dataset_fill_targets(&r->data.train, r->plan.batcher.order + r->plan.batcher.cursor - n, n, r->work.bt);
     Var *x = run_wrap_batch(r, r->work.bx, n);
     net_set_step(&r->model.net, r->plan.step);
     Var *logits = model_forward(&r->model.net.model, t, x);
     /* the loss op refuses non-finite logits; they are this guard's to report */
     if (logits && floats_first_nonfinite(logits->value.data, var_numel(logits)) < var_numel(logits))
         return run_nonfinite(r, x, NAN, NULL, err);
-    Var *loss = nn_softmax_cross_entropy(t, logits, r->work.by);
+    Var *loss = run_loss(r, logits, r->work.bx, r->work.by, r->work.bt);
     if (tape_backward(t, loss) != QT_OK)
         return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->plan.step + 1, t->err.msg);
     double l = loss->value.data[0];
@@ -528,7 +621,7 @@ QtStatus run_step(Run *r, QtError *err) {
     }
     r->guards.nonfinite_streak = 0;
     r->log.win_loss_sum += l;
-    r->log.win_correct += count_correct(logits, r->work.by, n);
+    if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) r->log.win_correct += count_correct(logits, r->work.by, n);
     r->log.win_seen += n, r->log.win_steps++;
     run_watch_loss(r, l);
     if (clip > 0) optim_clip_grads_to_norm(r->model.net.trainable, r->model.net.n_trainable, gnorm, clip);
@@ -546,13 +639,16 @@ QtStatus run_step(Run *r, QtError *err) {
 
 static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
     double loss = r->log.win_loss_sum / (double)r->log.win_steps;
-    double acc = (double)r->log.win_correct / (double)r->log.win_seen;
+    bool mse = r->cfg->train.loss == LOSS_MSE; /* no accuracy: an empty metrics cell, none in the line */
+    double acc = mse ? NAN : (double)r->log.win_correct / (double)r->log.win_seen;
     double lr = lr_schedule_at(&r->plan.sched, r->plan.step - 1);
+    char acc_s[32] = "";
+    if (!mse) snprintf(acc_s, sizeof acc_s, " acc:%.4f", acc);
     char skipped[48] = ""; /* train.on_nonfinite: skip: the steps dropped so far, once there are any */
     if (r->guards.nonfinite_skipped > 0)
         snprintf(skipped, sizeof skipped, " skipped:%" PRId64, r->guards.nonfinite_skipped);
-    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f acc:%.4f lr:%.6g samples/s:%.0f%s\n", r->plan.step, run_epoch(r),
-            loss, acc, lr, samples_per_s, skipped);
+    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f%s lr:%.6g samples/s:%.0f%s\n", r->plan.step, run_epoch(r),
+            loss, acc_s, lr, samples_per_s, skipped);
     r->log.win_loss_sum = 0.0;
     r->log.win_correct = r->log.win_seen = r->log.win_steps = 0;
     return metrics_write(&r->log.metrics, "train", r->plan.step, run_epoch(r), loss, acc, lr, samples_per_s,
@@ -765,10 +861,13 @@ static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
     if (st == QT_OK) st = run_save(r, "final.h5", final_path, sizeof final_path, err);
     if (st != QT_OK) return st;
     run_fill_result(r, res);
+    run_fill_eval_result(r, res);
     snprintf(path, sizeof path, "%s/summary.json", r->cfg->run.out_dir);
     if ((st = write_json_atomically(path, r, res, final_path, false, FS_REPLACE_ANY, err)) != QT_OK) return st;
-    run_say(r, "done: steps:%" PRId64 " test_accuracy:%.4f test_loss:%.4f wall_s:%.1f samples/s:%.0f checkpoint:%s\n",
-            res->steps, res->test_accuracy, res->test_loss, res->wall_s, res->samples_per_s, final_path);
+    char what[96];
+    train_result_format(res, what, sizeof what);
+    run_say(r, "done: steps:%" PRId64 " %s wall_s:%.1f samples/s:%.0f checkpoint:%s\n", res->steps, what,
+            res->wall_s, res->samples_per_s, final_path);
     return QT_OK;
 }
 

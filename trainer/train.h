@@ -27,6 +27,11 @@ typedef struct {
     double epochs;        /* epochs done (fractional) */
     double test_loss, test_accuracy;
     double val_loss, val_accuracy; /* -1 if there is no validation split */
+    bool mse;             /* train.loss: mse: the accuracies are NaN; test_mse/test_mae (= test_loss and the mean
+                             absolute error over every output value) report the model */
+    double test_mse, test_mae, val_mse, val_mae; /* mse runs (val_*: -1 without a validation split); NaN otherwise */
+    double test_auc;      /* data.anomaly_classes: ROC AUC of the test reconstruction errors; NaN otherwise */
+    char scores_path[4096]; /* `qtrain eval` of a data.target: input model: the scores.csv written, else "" */
     double train_loss;    /* mean over the last logging window; NaN if no step ran */
     double wall_s;        /* wall time of the run, over all its invocations */
     double samples_per_s; /* training examples per second of training time (eval and checkpoints excluded) */
@@ -39,6 +44,11 @@ typedef struct {
     char merged_from_base_sha256[65]; /* ...and that checkpoint's base identity */
     double peak_rss_mb;   /* the process's peak resident set (getrusage) */
 } TrainResult;
+
+/* The result's test metrics as `qtrain` prints them: "test_accuracy:A
+ * test_loss:L", or for an mse run "test_mse:M test_mae:E" and, with
+ * data.anomaly_classes, " test_auc:U". */
+void train_result_format(const TrainResult *res, char *buf, size_t cap);
 
 /* Trains per cfg, writing metrics.csv, summary.json and checkpoints into
  * cfg->run.out_dir; every checkpoint stores config_to_yaml(cfg). Returns a

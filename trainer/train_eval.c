@@ -1,5 +1,7 @@
 /* train_eval.c - `qtrain eval`: a checkpoint's model on the test (and
- * validation) split of its config's data, reported in eval.json. */
+ * validation) split of its config's data, reported in eval.json (and, for
+ * a data.target: input model, each test example's reconstruction error in
+ * scores.csv beside it). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +27,20 @@ static QtStatus run_note_merge(const Run *r, const char *checkpoint, TrainResult
     return st;
 }
 
+/* scores.csv goes where eval.json goes: in the same directory. */
+static QtStatus eval_scores_path(const char *json_path, TrainResult *res, QtError *err) {
+    const char *slash = strrchr(json_path, '/');
+    int dir_len = slash ? (int)(slash - json_path) : 0;
+    int n = snprintf(res->scores_path, sizeof res->scores_path, "%.*s%sscores.csv", dir_len, json_path,
+                     slash ? "/" : "");
+    if (n < 0 || (size_t)n >= sizeof res->scores_path) {
+        res->scores_path[0] = '\0';
+        return qt_error_set(err, QT_ERR_ARG, "the path of scores.csv beside %s is too long; give a shorter --out",
+                            json_path);
+    }
+    return QT_OK;
+}
+
 QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
                                   QtError *err) {
     Run r;
@@ -42,9 +58,11 @@ QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, con
     if (st == QT_OK) st = run_alloc(&r, err);
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);
-    if (st == QT_OK) run_fill_result(&r, res);
+    if (st == QT_OK) run_fill_result(&r, res), run_fill_eval_result(&r, res);
     if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
+    if (st == QT_OK && json_path && r.eval.have_scores) st = eval_scores_path(json_path, res, err);
     if (st == QT_OK && json_path) st = eval_write_json(json_path, &r, res, checkpoint, err);
+    if (st == QT_OK && res->scores_path[0]) st = eval_write_scores(res->scores_path, &r, err);
     run_free(&r);
     return st;
 }

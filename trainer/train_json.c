@@ -40,10 +40,23 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
         json_int(&w, "steps", res->steps);
         json_number(&w, "epochs", res->epochs);
     }
-    json_number(&w, "test_accuracy", res->test_accuracy);
+    if (res->mse) { /* no classes: the mean squared and absolute errors over every output value */
+        json_number(&w, "test_mse", res->test_mse);
+        json_number(&w, "test_mae", res->test_mae);
+        if (r->cfg->data.n_anomaly_classes > 0) json_number(&w, "test_auc", res->test_auc);
+    } else {
+        json_number(&w, "test_accuracy", res->test_accuracy);
+    }
     json_number(&w, "test_loss", res->test_loss);
-    json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
+    if (res->mse) {
+        json_number(&w, "val_mse", res->val_mse >= 0 ? res->val_mse : NAN);
+        json_number(&w, "val_mae", res->val_mae >= 0 ? res->val_mae : NAN);
+    } else {
+        json_number(&w, "val_accuracy", res->val_accuracy >= 0 ? res->val_accuracy : NAN);
+    }
     json_number(&w, "val_loss", res->val_loss >= 0 ? res->val_loss : NAN);
+    json_string(&w, "loss", LOSS_KIND_NAMES[r->cfg->train.loss]);
+    if (res->scores_path[0]) json_string(&w, "scores", res->scores_path);
     json_int(&w, "test_examples", r->data.test.n);
     json_int(&w, "val_examples", r->data.val.n);
     if (!is_eval) {
@@ -100,6 +113,36 @@ QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res,
     if (st != QT_OK) return st;
     fs_remove_stale_tmps_of(path, 0);
     st = write_json_atomically(path, r, res, ckpt, true, FS_REPLACE_REGULAR, err);
+    rundir_unlock(&lock, false);
+    return st;
+}
+
+QtStatus eval_write_scores(const char *path, const Run *r, QtError *err) {
+    RunDirLock lock;
+    QtStatus st = fs_check_out_path(path, true, "scores.csv", err);
+    if (st == QT_OK) st = rundir_lock_if_run(path, &lock, err);
+    if (st != QT_OK) return st;
+    fs_remove_stale_tmps_of(path, 0);
+    char tmp[CONFIG_PATH_MAX + 64];
+    FILE *f = fs_fopen_tmp(path, tmp, sizeof tmp);
+    if (!f) {
+        st = qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; write it elsewhere with --out PATH", tmp,
+                          strerror(errno));
+    } else {
+        const Dataset *d = &r->data.test;
+        fputs("index,label,score\n", f);
+        for (int i = 0; i < d->n; i++) {
+            if (d->labels) fprintf(f, "%d,%d,%.9g\n", i, (int)d->labels[i], (double)r->work.scores[i]);
+            else fprintf(f, "%d,,%.9g\n", i, (double)r->work.scores[i]);
+        }
+        if (fs_fcommit_tmp(f, tmp, path, FS_REPLACE_REGULAR) != 0) {
+            int e = errno;
+            char big[160];
+            st = qt_error_set(err, QT_ERR_IO, "cannot write %s: %s; %s", path, strerror(e),
+                              e == EFBIG ? qt_file_too_large_hint(big, sizeof big)
+                                         : "free disk space or give --out PATH");
+        }
+    }
     rundir_unlock(&lock, false);
     return st;
 }
