@@ -556,12 +556,13 @@ static void test_runs_hdf5_idx_equal_fashion_mnist(void) {
     for (int i = 0; i < 4; i++) free(c[i]);
 }
 
-/* A 3-channel 16x20 set of 7 classes, uint8 and float32 (read per batch): trains, stops, resumes to the bits of
- * a run straight through; with /val the file's own validation split is used (and val_fraction refused). */
+/* A 3-channel 16x20 set of 7 classes, uint8 and float32 (read per batch), augmented (crop, flip, erase): trains,
+ * stops mid-epoch, resumes to the bits of a run straight through. */
 static void test_runs_3channel_resume(void) {
     static const char yaml[] =
         "run: {seed: 3}\n"
-        "data: {dataset: hdf5, transform: [{normalize: {per_channel: true}}]}\n"
+        "data: {dataset: hdf5, transform: [{normalize: {per_channel: true}}],\n"
+        "       augment: [{random_crop: {size: [16, 20], padding: 2}}, {hflip: {p: 0.5}}, {random_erase: {p: 0.3}}]}\n"
         "model:\n  input: [3, 16, 20]\n  layers:\n"
         "    - {type: conv2d, out_channels: 6, kernel: 3, padding: 1}\n"
         "    - {type: batchnorm2d}\n    - {type: relu}\n    - {type: maxpool2d, kernel: 2}\n"
@@ -600,6 +601,36 @@ static void test_runs_3channel_resume(void) {
         test_runs_assert_same_state(a, fa, fb);
         free(a), free(b);
     }
+}
+
+/* Feature vectors (N, F) with float targets train a dense model on mse; image augmentation on them is refused
+ * before training, saying why. */
+static void test_runs_vectors(void) {
+    const GenSpec g = {64, 16, 2, {12}, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 4, 0, 2, 0};
+    char f[1024], cfg[1024], path[1100];
+    snprintf(f, sizeof f, "%s", tmp("vec.h5"));
+    snprintf(cfg, sizeof cfg, "%s", tmp("vec.yaml"));
+    CU_ASSERT_FATAL(write_gen(f, &g));
+    FILE *fy = fopen(cfg, "w");
+    fputs("data: {dataset: hdf5}\nmodel:\n  input: [12]\n  layers:\n    - {type: dense, units: 8}\n"
+          "    - {type: batchnorm1d}\n    - {type: relu}\n    - {type: dense, units: 2}\n"
+          "train: {loss: mse, epochs: 3, batch_size: 16}\n", fy);
+    fclose(fy);
+    snprintf(path, sizeof path, "data.path=%s", f);
+    const char *ov[] = {path, "data.augment=[{hflip: {p: 0.5}}]"};
+    Config *a = load_cfg(cfg, "vec-a", ov, 1), *b = load_cfg(cfg, "vec-b", ov, 2);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(a);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    TrainResult r;
+    QtError e = {0};
+    QtStatus st = run_cfg(a, NULL, 0, &r, &e);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", e.msg);
+    CU_ASSERT_EQUAL(st, QT_OK);
+    CU_ASSERT_EQUAL(r.steps, 12);
+    e = (QtError){0};
+    CU_ASSERT_EQUAL(run_cfg(b, NULL, 0, &r, &e), QT_ERR_CONFIG);
+    CU_ASSERT(strstr(e.msg, "augment") != NULL);
+    free(a), free(b);
 }
 
 /* A 2.1 GB uint8 file (2,750,000 examples of 28x28, contiguous) trains with the examples read per batch: the run's
@@ -678,8 +709,10 @@ int register_data_hdf5_suite(void) {
            !CU_add_test(s, "a NaN read per batch is named with its example and row", test_nan_found_per_batch) ||
            !CU_add_test(s, "runs on the mini set as IDX, HDF5 (once, per batch) and idx files: the same parameters",
                         test_runs_hdf5_idx_equal_fashion_mnist) ||
-           !CU_add_test(s, "a 3-channel 16x20 set of 7 classes, uint8 and float32: trains, resumes bit for bit",
+           !CU_add_test(s, "a 3-channel 16x20 set of 7 classes, uint8 and float32, augmented: resumes bit for bit",
                         test_runs_3channel_resume) ||
+           !CU_add_test(s, "feature vectors with float targets train on mse; augmentation of them is refused",
+                        test_runs_vectors) ||
            !CU_add_test(s, "a run over a 2 GB file, read per batch, peaks under 300 MB", test_run_over_a_2gb_file)
                ? -1
                : 0;
