@@ -48,12 +48,46 @@ def startup_s(first_ns, since_ns):
     return time.clock_gettime(time.CLOCK_BOOTTIME) - (time.time_ns() - first_ns) * 1e-9 - start, "proc-stat"
 
 
-def train_step(model, opt, params, x, y, grad_clip):
-    """One optimizer step of the mean cross-entropy on (x, y), gradients clipped to norm grad_clip if > 0 (as
-    qtrain's train.grad_clip); returns the loss before the step (a tensor)."""
-    import torch
+def is_mse(cfg):
+    """train.loss: mse (qtrain's default is cross_entropy); with data.target: input the batch is its own target."""
+    return (cfg["train"].get("loss") or "cross_entropy") == "mse"
+
+
+def objective(out, x, y, mse, reduction="mean"):
+    """The training loss: cross-entropy on the labels, or the mean squared error against the input itself."""
     import torch.nn.functional as F
-    loss = F.cross_entropy(model(x), y)
+    if mse:
+        return F.mse_loss(out, x.reshape(out.shape), reduction=reduction)
+    return F.cross_entropy(out, y, reduction=reduction)
+
+
+def roc_auc(scores, positive):
+    """ROC AUC as the Mann-Whitney statistic: ties count one half (average ranks); NaN without both kinds."""
+    import numpy as np
+    s = np.asarray(scores, dtype=np.float64)
+    pos = np.asarray(positive, dtype=bool)
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s), dtype=np.float64)
+    sorted_s = s[order]
+    i = 0
+    while i < len(s):
+        j = i
+        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def train_step(model, opt, params, x, y, grad_clip, mse=False):
+    """One optimizer step of the mean cross-entropy on (x, y) (or, mse, the mean squared error against x),
+    gradients clipped to norm grad_clip if > 0 (as qtrain's train.grad_clip); returns the loss before the step
+    (a tensor)."""
+    import torch
+    loss = objective(model(x), x, y, mse)
     loss.backward()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -216,21 +250,33 @@ def load_init_from(model, path):
                 t.copy_(v)
 
 
-def evaluate(model, data, x_all, y_all, bs, input_shape):
-    """(accuracy, mean loss) over a whole split, in eval mode."""
+def evaluate(model, data, x_all, y_all, bs, input_shape, mse=False):
+    """(accuracy, mean loss) over a whole split, in eval mode; with mse, (mean absolute error, mean squared
+    error, ROC AUC of the per-example squared error against data.anomaly_classes, NaN without them)."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
     model.eval()
-    loss, correct = 0.0, 0
+    loss, correct, abs_sum, scores = 0.0, 0, 0.0, []
     with torch.inference_mode():
         for a in range(0, len(x_all), bs):
             x, y = data.batch(x_all, y_all, np.arange(a, min(a + bs, len(x_all))), input_shape)
-            logits = model(x)
-            loss += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
+            out = model(x)
+            if mse:
+                d = out - x.reshape(out.shape)
+                per = (d * d).reshape(len(y), -1).mean(1)
+                scores.append(per.double().numpy())
+                loss += float(per.double().sum())
+                abs_sum += float(d.abs().reshape(len(y), -1).mean(1).double().sum())
+            else:
+                loss += float(objective(out, x, y, False, reduction="sum"))
+                correct += int((out.argmax(1) == y).sum())
     model.train()
     n = max(len(x_all), 1)
+    if mse:
+        auc = float("nan")
+        if data.anomalies and scores:
+            auc = roc_auc(np.concatenate(scores), np.isin(y_all, data.anomalies))
+        return abs_sum / n, loss / n, auc
     return correct / n, loss / n
 
 
@@ -281,7 +327,8 @@ def cmd_train(args):
     rng = np.random.default_rng(seed)
     model.train()
     step, epoch, train_s, seen = 0, 0, 0.0, 0
-    test_acc = test_loss = float("nan")
+    mse = is_mse(cfg)
+    te = (float("nan"),) * (3 if mse else 2)
     while step < total:
         order = rng.permutation(n) if shuffle else np.arange(n)
         epoch += 1
@@ -293,7 +340,7 @@ def cmd_train(args):
             x, y = data.batch(data.train_x, data.train_y, order[b * bs:(b + 1) * bs], input_shape)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step, total)
-            loss = train_step(model, opt, params, x, y, grad_clip)
+            loss = train_step(model, opt, params, x, y, grad_clip, mse)
             loss_sum += float(loss) * len(y)
             loss_n += len(y)
             seen += len(y)
@@ -305,19 +352,25 @@ def cmd_train(args):
         train_s += time.perf_counter() - t0
         val = ""
         if len(data.val_x):
-            va, vl = evaluate(model, data, data.val_x, data.val_y, ebs, input_shape)
-            val = " val_acc:%.4f val_loss:%.4f" % (va, vl)
-        test_acc, test_loss = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape)
-        print("torch:eval epoch:%d step:%d train_loss:%.4f%s test_acc:%.4f test_loss:%.4f" %
-              (epoch, step, loss_sum / max(loss_n, 1), val, test_acc, test_loss))
+            ve = evaluate(model, data, data.val_x, data.val_y, ebs, input_shape, mse)
+            val = (" val_mse:%.4f val_mae:%.4f" % (ve[1], ve[0])) if mse else (" val_acc:%.4f val_loss:%.4f" % ve)
+        te = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape, mse)
+        print("torch:eval epoch:%d step:%d train_loss:%.4f%s %s" %
+              (epoch, step, loss_sum / max(loss_n, 1), val, test_words(te, mse)))
         sys.stdout.flush()
     if total == 0:  # train.epochs 0: evaluate only
-        test_acc, test_loss = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape)
-        print("torch:eval epoch:0 step:0 test_acc:%.4f test_loss:%.4f" % (test_acc, test_loss))
+        te = evaluate(model, data, data.test_x, data.test_y, ebs, input_shape, mse)
+        print("torch:eval epoch:0 step:0 %s" % test_words(te, mse))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print("torch:final model:%s epochs:%d steps:%d test_acc:%.4f test_loss:%.4f samples_per_s:%.1f train_s:%.1f "
-          "peak_rss_mb:%.1f" % (desc, epoch, step, test_acc, test_loss, seen / train_s if train_s else 0.0, train_s,
-                                rss))
+    print("torch:final model:%s epochs:%d steps:%d %s samples_per_s:%.1f train_s:%.1f peak_rss_mb:%.1f" %
+          (desc, epoch, step, test_words(te, mse), seen / train_s if train_s else 0.0, train_s, rss))
+
+
+def test_words(te, mse):
+    """The test figures of evaluate()'s result, as qtrain names them."""
+    if mse:
+        return "test_mse:%.4f test_mae:%.4f test_auc:%.4f" % (te[1], te[0], te[2])
+    return "test_acc:%.4f test_loss:%.4f" % te
 
 
 # ---- the side-by-side table ---------------------------------------------------------------------------

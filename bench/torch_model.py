@@ -115,6 +115,13 @@ class Data:
         self.val_x, self.val_y = self.train_x[len(self.train_x) - n_val:], self.train_y[len(self.train_x) - n_val:]
         if n_val:
             self.train_x, self.train_y = self.train_x[:-n_val], self.train_y[:-n_val]
+        # data.anomaly_classes: training and validation never see them; the test set keeps them (qtrain's order)
+        anomalies = list(d.get("anomaly_classes") or [])
+        if anomalies:
+            keep = ~np.isin(self.train_y, anomalies), ~np.isin(self.val_y, anomalies)
+            self.train_x, self.train_y = self.train_x[keep[0]], self.train_y[keep[0]]
+            self.val_x, self.val_y = self.val_x[keep[1]], self.val_y[keep[1]]
+        self.anomalies = anomalies
 
     def batch(self, images, labels, idx, input_shape):
         import torch
