@@ -349,6 +349,11 @@ QtStatus npy_read_header_bytes(const uint8_t *buf, size_t len, uint64_t file_siz
                             "array with numpy.save (np.save('file.npy', a))",
                             what, start);
     }
+    if (avail == 0)
+        return qt_error_set(err, QT_ERR_FORMAT,
+                            ".npy file '%s' is empty (0 bytes); write the array with numpy.save (np.save('file.npy', "
+                            "a))",
+                            what);
     if (avail < 8)
         return qt_error_set(err, QT_ERR_FORMAT,
                             ".npy file '%s' is truncated: it is %" PRIu64 " bytes, shorter than the magic and "

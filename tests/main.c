@@ -33,6 +33,7 @@
     X(graph_checks) \
     X(data)       \
     X(data_cache) \
+    X(data_npy)   \
     X(quant_qtype) \
     X(quant_calib) \
     X(quant_qarray) \
