@@ -328,12 +328,10 @@ static QtStatus npy_check_sizes(NpyInfo *info, uint64_t file_size, const char *w
                         what, file_size, shape, npy_dtype_name(info->dtype), want, file_size - want);
 }
 
-QtStatus npy_read_header_bytes(const uint8_t *buf, size_t len, uint64_t file_size, NpyInfo *info, const char *what,
-                               QtError *err) {
-    if (!info) return qt_error_set(err, QT_ERR_ARG, "npy_read_header_bytes: no NpyInfo");
-    memset(info, 0, sizeof *info);
-    if (!what) what = "(memory)";
-    if (!buf && len > 0) return qt_error_set(err, QT_ERR_ARG, "npy_read_header_bytes: no buffer for '%s'", what);
+/* The magic, the version and the header's length, checked against the file's size; sets info->version and
+ * info->data_offset. */
+static QtStatus npy_read_preamble(const uint8_t *buf, size_t len, uint64_t file_size, NpyInfo *info,
+                                  const char *what, QtError *err) {
     uint64_t avail = len < file_size ? len : file_size;
     size_t cmp = avail < sizeof NPY_MAGIC ? (size_t)avail : sizeof NPY_MAGIC;
     if (memcmp(buf ? (const void *)buf : "", NPY_MAGIC, cmp) != 0) {
@@ -391,6 +389,19 @@ QtStatus npy_read_header_bytes(const uint8_t *buf, size_t len, uint64_t file_siz
         return qt_error_set(err, QT_ERR_ARG,
                             "npy_read_header_bytes: '%s': %zu bytes given, the header needs %" PRIu64, what, len,
                             info->data_offset);
+    return QT_OK;
+}
+
+QtStatus npy_read_header_bytes(const uint8_t *buf, size_t len, uint64_t file_size, NpyInfo *info, const char *what,
+                               QtError *err) {
+    if (!info) return qt_error_set(err, QT_ERR_ARG, "npy_read_header_bytes: no NpyInfo");
+    memset(info, 0, sizeof *info);
+    if (!what) what = "(memory)";
+    if (!buf && len > 0) return qt_error_set(err, QT_ERR_ARG, "npy_read_header_bytes: no buffer for '%s'", what);
+    QtStatus st = npy_read_preamble(buf, len, file_size, info, what, err);
+    if (st != QT_OK) return st;
+    size_t preamble = info->version == 1 ? 10 : 12;
+    uint64_t hlen = info->data_offset - preamble;
     const char *h = (const char *)buf + preamble;
     if (hlen == 0 || h[hlen - 1] != '\n')
         return qt_error_set(err, QT_ERR_FORMAT,
@@ -408,7 +419,7 @@ QtStatus npy_read_header_bytes(const uint8_t *buf, size_t len, uint64_t file_siz
     }
     NpyParser p = {.s = h, .n = (size_t)hlen - 1, .i = 0, .what = what, .err = err};
     bool fortran = false;
-    QtStatus st = npy_parse_dict(&p, info, &fortran);
+    st = npy_parse_dict(&p, info, &fortran);
     if (st != QT_OK) return st;
     /* One dimension (or none) is laid out the same in both orders. */
     if (fortran && info->ndim > 1)
