@@ -13,6 +13,7 @@
  *   config      a YAML config, loaded from a file as `qtrain --config` does;
  *               its comment lines "#@set key=value" are also --set overrides.
  *   idx         6 header bytes, then IDX (or gzip) bytes; see fuzz/README.md.
+ *   npy         a whole .npy file.
  *   checkpoint  an edit script applied to a small valid checkpoint written
  *               at init, or (starting with the HDF5 signature) a raw file;
  *               see fuzz/README.md. */
@@ -30,6 +31,8 @@
 int fuzz_config_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
 
 int fuzz_idx_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
+
+int fuzz_npy_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
 
 /* Builds the base checkpoints (a few tiny runs of tests/configs/, read
  * relative to the repository root, the working directory of `make fuzz` and

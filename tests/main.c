@@ -35,6 +35,7 @@
     X(data)       \
     X(data_cache) \
     X(augment)    \
+    X(data_npy)   \
     X(quant_qtype) \
     X(quant_calib) \
     X(quant_qarray) \

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fuzz_harness.h"
 #include "test_util.h"
@@ -81,6 +82,12 @@ static void test_idx_inputs(void) {
     CU_ASSERT(replay_dir("fuzz/corpus/idx", fuzz_idx_one) > 0);
 }
 
+/* No npy input has found a bug yet: tests/fuzz_regressions/npy/ is replayed once it exists. */
+static void test_npy_inputs(void) {
+    if (access("tests/fuzz_regressions/npy", F_OK) == 0) replay_dir("tests/fuzz_regressions/npy", fuzz_npy_one);
+    CU_ASSERT(replay_dir("fuzz/corpus/npy", fuzz_npy_one) > 0);
+}
+
 static void test_checkpoint_inputs(void) {
     char why[FUZZ_WHY_MAX] = "";
     int rc = fuzz_checkpoint_init(why, sizeof why);
@@ -101,5 +108,6 @@ int register_fuzz_regress_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "config: found inputs and seeds", test_config_inputs) ||
            !CU_add_test(s, "idx: found inputs and seeds", test_idx_inputs) ||
+           !CU_add_test(s, "npy: found inputs and seeds", test_npy_inputs) ||
            !CU_add_test(s, "checkpoint: found inputs and seeds", test_checkpoint_inputs);
 }
