@@ -221,6 +221,14 @@ QtStatus dataset_load_fashion_mnist_stored(Dataset *train, Dataset *test, const 
  * Every error names the file and dataset and says what to do. */
 QtStatus dataset_load_hdf5(Dataset *train, Dataset *val, Dataset *test, const char *path, DataStorage storage,
                            size_t max_memory_bytes, QtError *err);
+/* data.dataset: npy: four .npy files (data/npy.h's reader): x (N, C, H, W),
+ * (N, H, W) or (N, F) of uint8, int8, float16 or float32; y (N,) integer
+ * labels or (N,) / (N, K) float targets (float64 rounded to float32). The
+ * classes are 1 + the largest label of either split; the examples are read
+ * per batch under the same rule as dataset_load_hdf5. */
+QtStatus dataset_load_npy(Dataset *train, Dataset *test, const char *train_x, const char *train_y,
+                          const char *test_x, const char *test_y, DataStorage storage, size_t max_memory_bytes,
+                          QtError *err);
 /* data.dataset: idx: an images and a labels IDX file for each of train and
  * test (any IDX set: MNIST, KMNIST, EMNIST, your own); the classes are 1 +
  * the largest label of either. */

@@ -60,6 +60,32 @@ QtStatus image_file_open(DatasetFile **out, IdxFile *f, QtError *err) {
     return st;
 }
 
+QtStatus image_file_open_rows(DatasetFile **out, const char *path, uint64_t offset, int n_rows, size_t row_bytes,
+                              QtError *err) {
+    struct stat sb;
+    *out = NULL;
+    DatasetFile *d = calloc(1, sizeof *d);
+    if (!d) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the reader of '%s'", path);
+    d->fd = open(path, O_RDONLY | O_CLOEXEC);
+    snprintf(d->path, sizeof d->path, "%s", path);
+    d->offset = offset, d->row_bytes = row_bytes, d->n_rows = n_rows, d->channels = 1;
+    QtStatus st = QT_OK;
+    if (d->fd < 0 || fstat(d->fd, &sb) != 0)
+        st = qt_error_set(err, QT_ERR_IO, "cannot open data file '%s': %s", path, strerror(errno));
+    if (st == QT_OK) {
+        d->size = (uint64_t)sb.st_size;
+        d->mtime_s = (int64_t)sb.st_mtim.tv_sec;
+        d->mtime_ns = sb.st_mtim.tv_nsec;
+        st = image_file_alloc_buf(d, err);
+    }
+    if (st != QT_OK) {
+        image_file_free(d);
+        return st;
+    }
+    *out = d;
+    return QT_OK;
+}
+
 /* Opens f's HDF5 file and dataset (f->path, f->h5path). */
 static QtStatus image_file_h5_attach(DatasetFile *f, QtError *err) {
     f->h5ds.id = H5I_INVALID_HID;

@@ -51,6 +51,10 @@ typedef void (*ImageRunFn)(void *ctx, int i0, const uint8_t *px, int k);
  * f's descriptor (f->fd is -1 afterwards), also on failure. */
 QtStatus image_file_open(DatasetFile **out, IdxFile *f, QtError *err);
 void image_file_free(DatasetFile *f);
+/* A data set's file over rows of row_bytes from byte `offset` of the
+ * uncompressed file at path (a .npy file's data): opened here. */
+QtStatus image_file_open_rows(DatasetFile **out, const char *path, uint64_t offset, int n_rows, size_t row_bytes,
+                              QtError *err);
 /* A data set's file over dataset `dset` of HDF5 file `path` (n_rows, then
  * row_bytes per row as memtype gives them; memtype owned by the file when
  * own_type). Rows are read by hyperslab; the dataset passed h5io's checks. */

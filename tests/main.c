@@ -20,6 +20,7 @@
     X(nn_kernels_fast) \
     X(nn_train_memory) \
     X(data_hdf5) \
+    X(data_npy_sets) \
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
     X(nn_parallel) \

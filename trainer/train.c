@@ -93,8 +93,8 @@ static QtStatus run_load_sets(Run *r, IdxCache *cache, QtError *err) {
         return dataset_load_idx_pairs(&d->train, &d->test, dc->files.train_x, dc->files.train_y, dc->files.test_x,
                                       dc->files.test_y, cache, dc->storage, err);
     if (strcmp(dc->dataset, "npy") == 0)
-        return qt_error_set(err, QT_ERR_CONFIG, "%s: data.dataset: npy is not available in this build",
-                            r->cfg->source);
+        return dataset_load_npy(&d->train, &d->test, dc->files.train_x, dc->files.train_y, dc->files.test_x,
+                                dc->files.test_y, dc->storage, (size_t)dc->max_memory_mb << 20, err);
     return dataset_load_fashion_mnist_stored(&d->train, &d->test, dc->dir, cache, dc->storage, err);
 }
 
