@@ -59,8 +59,8 @@ def check_finite(name, a, what):
     bad = ~np.isfinite(a)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise InputError("%s: %s holds %s at index %s; qtrain refuses NaN and infinity: drop or fix those "
-                         "examples" % (name, what, a[idx], idx[0] if len(idx) == 1 else idx))
+        raise InputError("%s: %s at index %s is %s; qtrain refuses NaN and infinity: drop or fix that example" %
+                         (name, what, idx[0] if len(idx) == 1 else idx, a[idx]))
 
 
 def convert_examples(name, x, dtype):
@@ -75,7 +75,7 @@ def convert_examples(name, x, dtype):
         return x
     if target.kind in "iu":
         if x.dtype.kind not in "iub":
-            check_finite(name, x, "the examples")
+            check_finite(name, x, "an example value")
             if not np.array_equal(x, np.round(x)):
                 raise InputError("%s: --dtype %s needs whole numbers, but the examples hold fractions; scale and "
                                  "round them first, or use --dtype float32" % (name, dtype))
@@ -85,9 +85,9 @@ def convert_examples(name, x, dtype):
                              "or use --dtype float32" % (name, dtype, info.min, info.max, x.min(), x.max()))
         return x.astype(target)
     if x.dtype.kind == "f":
-        check_finite(name, x, "the examples")
+        check_finite(name, x, "an example value")
     y = x.astype(target)
-    check_finite(name, y, "the examples (after --dtype %s: too large for it)" % dtype)
+    check_finite(name, y, "an example value as %s (too large for it)" % dtype)
     return y
 
 
@@ -113,8 +113,8 @@ def targets_from_array(name, y):
     if y.ndim not in (1, 2):
         raise InputError("%s: float targets have shape %s; they must be (N,) or (N, K)" % (name, y.shape))
     t = y.astype(np.float32)
-    check_finite(name, y, "the targets")
-    check_finite(name, t, "the targets (as float32: too large for it)")
+    check_finite(name, y, "a target")
+    check_finite(name, t, "a target as float32 (too large for it)")
     return t
 
 
@@ -252,7 +252,7 @@ def from_npy(args):
         x, xsrc = arrays["%s_x" % s]
         y, ysrc = arrays["%s_y" % s]
         x = convert_examples(xsrc, x, args.dtype)
-        check_finite(xsrc, x, "the examples")
+        check_finite(xsrc, x, "an example value")
         if y.dtype.kind in "iu":
             y = labels_from_array(ysrc, y)
         elif y.dtype.kind == "f":
