@@ -229,7 +229,11 @@ def load_npy(path):
 def from_npy(args):
     arrays = {}
     if args.npz:
-        with load_npy(args.npz) as z:
+        z = load_npy(args.npz)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise InputError("%s: a single array, not an .npz archive; give it as --train-x or the like, or write "
+                             "the archive with numpy.savez" % args.npz)
+        with z:
             for key in z.files:
                 arrays[key] = (z[key], "%s:%s" % (args.npz, key))
     for s in SPLITS:
@@ -282,7 +286,7 @@ def parse_float(path, line, col, cell, what):
 def read_csv(path, label, targets):
     """(header, feature columns, rows of feature floats, label cells or target rows) of one CSV file."""
     try:
-        f = open(path, newline="")
+        f = open(path, newline="", encoding="utf-8-sig")  # a byte-order mark is not part of the first name
     except OSError as e:
         raise InputError("%s: cannot be read (%s)" % (path, e.strerror))
     with f:
@@ -311,6 +315,9 @@ def read_csv(path, label, targets):
                                  "column" % (path, line, len(row), len(header)))
             rows.append([parse_float(path, line, header[i], row[i].strip(), "feature") for i in fi])
             if label is not None:
+                if not row[wi[0]].strip():
+                    raise InputError("%s, line %d, column '%s': the label is empty; give every row its class" %
+                                     (path, line, label))
                 ys.append((line, row[wi[0]].strip()))
             else:
                 ys.append([parse_float(path, line, header[i], row[i].strip(), "target") for i in wi])

@@ -147,6 +147,7 @@ static const char GEN_PY[] =
     "    open('bad-cell.csv', 'w').write('a,b,label\\n1,2,x\\n3,oops,y\\n')\n"
     "    open('bad-nan.csv', 'w').write('a,b,label\\n1,nan,x\\n')\n"
     "    open('bad-nolabel.csv', 'w').write('a,b,kind\\n1,2,x\\n')\n"
+    "    open('bad-emptylabel.csv', 'w').write('a,b,label\\n1,2,x\\n3,4,\\n')\n"
     "    open('bad-neglabel.csv', 'w').write('a,b,label\\n1,2,0\\n3,4,-2\\n')\n"
     "    x = np.zeros((5, 4), np.float32); x[1, 2] = np.inf\n"
     "    np.save('bad-inf.npy', x); np.save('bad-f64.npy', np.zeros((5, 4)))\n"
@@ -430,6 +431,9 @@ static void test_refused_inputs(void) {
          "bad-nan.csv, line 2, column 'b': nan; qtrain refuses NaN and infinity"},
         {"csv --train bad-nolabel.csv --test bad-nolabel.csv --label label",
          "bad-nolabel.csv: no column 'label' in the header row (a, b, kind)"},
+        {"csv --train bad-emptylabel.csv --test bad-emptylabel.csv --label label",
+         "bad-emptylabel.csv, line 3, column 'label': the label is empty"},
+        {"npy --npz ok-x.npy", "ok-x.npy: a single array, not an .npz archive"},
         {"csv --train bad-neglabel.csv --test bad-neglabel.csv --label label",
          "bad-neglabel.csv, line 3: label -2 is negative"},
         {"npy --train-x bad-inf.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy",
