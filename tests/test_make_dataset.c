@@ -113,6 +113,11 @@ static const char GEN_PY[] =
     "        np.save('small_%s_y.npy' % s, np.arange(n) % 3)\n"
     "        np.save('half_%s_x.npy' % s, ((vals(n, (7,)) - 125) / 4.0).astype(np.float16))\n"
     "        np.save('half_%s_y.npy' % s, np.arange(n, dtype=np.int32) % 2)\n"
+    "    wx = ((vals(6, (70,)) - 125) / 4.0).astype(np.float32)\n"
+    "    np.save('wide_train_x.npy', wx); np.save('wide_train_y.npy', np.arange(6) % 2)\n"
+    "    np.save('wide_test_x.npy', wx[:2]); np.save('wide_test_y.npy', np.arange(2))\n"
+    "    v = wx.astype(np.float64)\n"
+    "    open('wide.stats', 'w').write('%r %r\\n' % (v.mean(), v.std()))\n"
     "def csv():\n"
     "    names = ['setosa', 'virginica', 'versicolor']\n"
     "    row = lambda i: {'f0': '%g' % (i * 0.5), 'f1': '%d' % -(i % 7), 'f2': '%g' % ((i * i) % 11 * 0.25),\n"
@@ -311,6 +316,15 @@ static void test_from_numpy(void) {
     } else {
         CU_FAIL("float16");
     }
+    /* 70 features, more than qtrain's 64 per-channel statistics: one mean and std over all values */
+    if (run_and_load(MKDS "npy --train-x wide_train_x.npy --train-y wide_train_y.npy --test-x wide_test_x.npy "
+                     "--test-y wide_test_y.npy --mean-std -o wide.h5", "wide.h5", d)) {
+        CU_ASSERT(d[0].ndim == 1 && d[0].shape[0] == 70 && d[0].elem == DATA_ELEM_F32);
+        CU_ASSERT(stats_are(&d[0], "wide.stats"));
+        free3(d);
+    } else {
+        CU_FAIL("70 features");
+    }
 }
 
 /* CSV files: string labels (sorted into 0..K-1, columns in another order in the test file, --mean-std), float
@@ -444,6 +458,8 @@ static void test_refused_inputs(void) {
          "bad-neg.npy: label -1 at index 2 is negative"},
         {"npy --train-x bad-f64.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy",
          "bad-f64.npy: the examples are float64; qtrain stores uint8, int8, float16 or float32"},
+        {"npy --train-x ok-x.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy --mean-std",
+         "--mean-std: channel 0 of the training examples is constant (std 0)"},
         {"images --train mixed --test mixed", "mixed/b/1.png: 3x3 pixels, but mixed/a/0.png is 5x4; give --size H W"},
         {"images --train empty --test empty", "empty/b: an empty class folder"},
     };
