@@ -157,6 +157,7 @@ static const char GEN_PY[] =
     "    x = np.zeros((5, 4), np.float32); x[1, 2] = np.inf\n"
     "    np.save('bad-inf.npy', x); np.save('bad-f64.npy', np.zeros((5, 4)))\n"
     "    np.save('ok-x.npy', np.zeros((5, 4), np.float32)); np.save('ok-y.npy', np.arange(5))\n"
+    "    np.save('bad-frac.npy', np.full((5, 4), 0.5)); np.save('bad-range.npy', np.full((5, 4), 300.0))\n"
     "    np.save('bad-y4.npy', np.arange(4)); np.save('bad-neg.npy', np.array([0, 1, -1, 2, 0]))\n"
     "def bad_images():\n"
     "    from PIL import Image\n"
@@ -458,6 +459,10 @@ static void test_refused_inputs(void) {
          "bad-neg.npy: label -1 at index 2 is negative"},
         {"npy --train-x bad-f64.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy",
          "bad-f64.npy: the examples are float64; qtrain stores uint8, int8, float16 or float32"},
+        {"npy --train-x bad-frac.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy --dtype int8",
+         "bad-frac.npy: --dtype int8 needs whole numbers"},
+        {"npy --train-x bad-range.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy --dtype uint8",
+         "bad-range.npy: --dtype uint8 holds 0..255, but the examples range over 300.0..300.0"},
         {"npy --train-x ok-x.npy --train-y ok-y.npy --test-x ok-x.npy --test-y ok-y.npy --mean-std",
          "--mean-std: channel 0 of the training examples is constant (std 0)"},
         {"images --train mixed --test mixed", "mixed/b/1.png: 3x3 pixels, but mixed/a/0.png is 5x4; give --size H W"},
