@@ -486,37 +486,51 @@ static void test_refused_inputs(void) {
     }
 }
 
-/* The CSV data set (3 features, 3 string classes, --mean-std) trains with the qtrain binary on a dense model,
- * normalized by the file's mean and std. */
+/* Runs the qtrain binary on `h5` with a dense model of `in` inputs and `out` outputs (with `loss`) for 6 steps in
+ * tmp_root/<name>-run; whether it exits 0 with final.h5 and a summary.json that holds `key`. */
+static bool trains(const char *name, const char *h5, int in, int out, const char *loss, const char *key) {
+    char yaml[2 * PATH_MAX + 600], dir[PATH_MAX], cfg[PATH_MAX], log[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s/%s-run", tmp_root, name);
+    snprintf(cfg, sizeof cfg, "%s/%s.yaml", tmp_root, name);
+    snprintf(log, sizeof log, "%s/%s-run.log", tmp_root, name);
+    snprintf(yaml, sizeof yaml,
+             "run: {seed: 1, out_dir: %s}\n"
+             "data: {dataset: hdf5, path: %s, cache_dir: none, transform: [{normalize: {per_channel: true}}]}\n"
+             "model:\n  input: [%d]\n  layers:\n"
+             "    - {name: fc1, type: dense, units: 8}\n    - {type: relu}\n    - {name: head, type: dense, units: %d}\n"
+             "train: {loss: %s, steps: 6, batch_size: 8, optimizer: {name: adamw, lr: 1e-2}, log_every: 2,"
+             " eval_every: 3, checkpoint_every: 3}\n",
+             dir, tmp(h5), in, out, loss);
+    test_file_write(cfg, yaml, strlen(yaml));
+    const char *args[] = {"--config", cfg, "--quiet", NULL};
+    int code = test_proc_run(log, args, 120.0);
+    if (code != 0) show_log(log);
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/summary.json", dir);
+    char *summary = test_file_read(path, NULL);
+    bool ok = code == 0 && summary && strstr(summary, "\"steps\": 6") && strstr(summary, key);
+    if (code == 0 && !ok) fprintf(stderr, "\n  %s: summary.json without 6 steps or %s: %s\n", name, key, summary);
+    free(summary);
+    snprintf(path, sizeof path, "%s/final.h5", dir);
+    return ok && access(path, F_OK) == 0;
+}
+
+/* The CSV data sets train with the qtrain binary on a dense model, normalized by the file's mean and std: the
+ * one of 3 string classes (3 features) on cross entropy, the one of two float targets on mse. */
 static void test_csv_trains(void) {
     if (!have_python("numpy, h5py", "python3-numpy python3-h5py")) return;
     CU_ASSERT_FATAL(gen("csv"));
     if (mkds(DOC_COMMANDS[DOC_CSV_LABELS]) != 0) {
         show_log(tmp("mkds.log"));
-        CU_FAIL_FATAL("make_dataset.py csv");
+        CU_FAIL_FATAL("make_dataset.py csv --label");
     }
-    char yaml[2 * PATH_MAX + 600];
-    snprintf(yaml, sizeof yaml,
-             "run: {seed: 1, out_dir: %s}\n"
-             "data: {dataset: hdf5, path: %s, cache_dir: none, transform: [{normalize: {per_channel: true}}]}\n"
-             "model:\n  input: [3]\n  layers:\n"
-             "    - {name: fc1, type: dense, units: 8}\n    - {type: relu}\n    - {name: head, type: dense, units: 3}\n"
-             "train: {steps: 6, batch_size: 8, optimizer: {name: adamw, lr: 1e-2}, log_every: 2, eval_every: 3,"
-             " checkpoint_every: 3}\n",
-             tmp("flowers-run"), tmp("flowers.h5"));
-    test_file_write(tmp("flowers.yaml"), yaml, strlen(yaml));
-    char cfg[PATH_MAX];
-    snprintf(cfg, sizeof cfg, "%s", tmp("flowers.yaml"));
-    const char *args[] = {"--config", cfg, "--quiet", NULL};
-    const char *log = tmp("flowers-run.log");
-    int code = test_proc_run(log, args, 120.0);
-    if (code != 0) show_log(log);
-    CU_ASSERT_EQUAL_FATAL(code, 0);
-    char *summary = test_file_read(tmp("flowers-run/summary.json"), NULL);
-    CU_ASSERT_PTR_NOT_NULL(summary);
-    CU_ASSERT(summary && strstr(summary, "\"steps\": 6"));
-    free(summary);
-    CU_ASSERT(access(tmp("flowers-run/final.h5"), F_OK) == 0);
+    CU_ASSERT(trains("flowers", "flowers.h5", 3, 3, "cross_entropy", "\"test_accuracy\""));
+    if (mkds(MKDS "csv --train sensors-train.csv --test sensors-test.csv --target y1,y2 --mean-std -o sensors-ms.h5")
+        != 0) {
+        show_log(tmp("mkds.log"));
+        CU_FAIL_FATAL("make_dataset.py csv --target");
+    }
+    CU_ASSERT(trains("sensors", "sensors-ms.h5", 3, 2, "mse", "\"test_mse\""));
 }
 
 /* docs/DATA.md shows each command the tests above run, as they run it. */
@@ -540,6 +554,6 @@ int register_make_dataset_suite(void) {
                         test_from_csv) ||
            !CU_add_test(s, "an image folder: exact pixels, classes, --mean-std; resized grayscale", test_from_images) ||
            !CU_add_test(s, "refused inputs: each a message and no file", test_refused_inputs) ||
-           !CU_add_test(s, "the CSV data set trains with qtrain", test_csv_trains) ||
+           !CU_add_test(s, "the CSV data sets train with qtrain: class labels, float targets on mse", test_csv_trains) ||
            !CU_add_test(s, "docs/DATA.md shows the commands tested", test_doc_shows_the_commands);
 }
