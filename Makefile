@@ -79,7 +79,7 @@ INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
 DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
-TEST_DEBS := libcunit1-dev python3-h5py python3-numpy
+TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures memcheck \

@@ -66,6 +66,7 @@
     X(tasks)      \
     X(fssafe)     \
     X(decode_py)  \
+    X(make_dataset) \
     X(hostile)    \
     X(runner)     \
     X(install)
