@@ -14,6 +14,8 @@
  *               its comment lines "#@set key=value" are also --set overrides.
  *   idx         6 header bytes, then IDX (or gzip) bytes; see fuzz/README.md.
  *   npy         a whole .npy file.
+ *   h5data      byte 0 picks one of four small HDF5 data files written at
+ *               init, the rest is an edit script applied to it (fuzz_h5edit.h).
  *   checkpoint  an edit script applied to a small valid checkpoint written
  *               at init, or (starting with the HDF5 signature) a raw file;
  *               see fuzz/README.md. */
@@ -33,6 +35,11 @@ int fuzz_config_one(const uint8_t *data, size_t size, char *why, size_t why_cap)
 int fuzz_idx_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
 
 int fuzz_npy_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
+
+/* Writes the base data files (once; fuzz_h5data_one calls it too). */
+int fuzz_h5data_init(char *why, size_t why_cap);
+int fuzz_h5data_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
+void fuzz_h5data_cleanup(void);
 
 /* Builds the base checkpoints (a few tiny runs of tests/configs/, read
  * relative to the repository root, the working directory of `make fuzz` and

@@ -88,6 +88,17 @@ static void test_npy_inputs(void) {
     CU_ASSERT(replay_dir("fuzz/corpus/npy", fuzz_npy_one) > 0);
 }
 
+/* No h5data input has found a bug yet: tests/fuzz_regressions/h5data/ is replayed once it exists. */
+static void test_h5data_inputs(void) {
+    char why[FUZZ_WHY_MAX] = "";
+    int rc = fuzz_h5data_init(why, sizeof why);
+    if (rc != 0) fprintf(stderr, "\n  %s\n", why);
+    CU_ASSERT_EQUAL_FATAL(rc, 0);
+    if (access("tests/fuzz_regressions/h5data", F_OK) == 0)
+        replay_dir("tests/fuzz_regressions/h5data", fuzz_h5data_one);
+    CU_ASSERT(replay_dir("fuzz/corpus/h5data", fuzz_h5data_one) > 0);
+}
+
 static void test_checkpoint_inputs(void) {
     char why[FUZZ_WHY_MAX] = "";
     int rc = fuzz_checkpoint_init(why, sizeof why);
@@ -99,6 +110,7 @@ static void test_checkpoint_inputs(void) {
 
 static int suite_cleanup(void) {
     fuzz_checkpoint_cleanup();
+    fuzz_h5data_cleanup();
     fuzz_scratch_remove();
     return 0;
 }
@@ -109,5 +121,6 @@ int register_fuzz_regress_suite(void) {
     return !CU_add_test(s, "config: found inputs and seeds", test_config_inputs) ||
            !CU_add_test(s, "idx: found inputs and seeds", test_idx_inputs) ||
            !CU_add_test(s, "npy: found inputs and seeds", test_npy_inputs) ||
+           !CU_add_test(s, "h5data: seeds", test_h5data_inputs) ||
            !CU_add_test(s, "checkpoint: found inputs and seeds", test_checkpoint_inputs);
 }
