@@ -104,20 +104,21 @@ static QtStatus attr_open(const H5ioFile *f, const char *obj, const char *name, 
     return st;
 }
 
-QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *name, int64_t *v, int cap, int *n,
-                             QtError *err) {
+/* Up to cap numbers of attribute `name` into v as mtype: integers, or (floats_too) integers or floats. */
+static QtStatus attr_read_array(const H5ioFile *f, const char *obj, const char *name, bool floats_too, hid_t mtype,
+                                void *v, int cap, int *n, QtError *err) {
     H5T_class_t cls = H5T_NO_CLASS;
     hssize_t count = 0;
     hid_t a;
     QtStatus st = attr_open(f, obj, name, &a, &cls, &count, err);
     if (st != QT_OK) return st;
-    if (cls != H5T_INTEGER)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected integers",
-                          h5io_fname(f), name, h5io_show(obj), h5io_class_name(cls));
+    if (!(cls == H5T_INTEGER || (floats_too && cls == H5T_FLOAT)))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected %s", h5io_fname(f),
+                          name, h5io_show(obj), h5io_class_name(cls), floats_too ? "numbers" : "integers");
     else if (count < 0 || count > cap)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s has %lld values, expected at most %d",
                           h5io_fname(f), name, h5io_show(obj), (long long)count, cap);
-    else if (H5Aread(a, H5T_NATIVE_INT64, v) < 0)
+    else if (H5Aread(a, mtype, v) < 0)
         st = h5io_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
     else
         *n = (int)count;
@@ -125,25 +126,14 @@ QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *nam
     return st;
 }
 
+QtStatus h5io_attr_read_i64s(const H5ioFile *f, const char *obj, const char *name, int64_t *v, int cap, int *n,
+                             QtError *err) {
+    return attr_read_array(f, obj, name, false, H5T_NATIVE_INT64, v, cap, n, err);
+}
+
 QtStatus h5io_attr_read_f64s(const H5ioFile *f, const char *obj, const char *name, double *v, int cap, int *n,
                              QtError *err) {
-    H5T_class_t cls = H5T_NO_CLASS;
-    hssize_t count = 0;
-    hid_t a;
-    QtStatus st = attr_open(f, obj, name, &a, &cls, &count, err);
-    if (st != QT_OK) return st;
-    if (cls != H5T_INTEGER && cls != H5T_FLOAT)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s holds %s data, expected numbers",
-                          h5io_fname(f), name, h5io_show(obj), h5io_class_name(cls));
-    else if (count < 0 || count > cap)
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: attribute '%s' of /%s has %lld values, expected at most %d",
-                          h5io_fname(f), name, h5io_show(obj), (long long)count, cap);
-    else if (H5Aread(a, H5T_NATIVE_DOUBLE, v) < 0)
-        st = h5io_fail_attr(err, QT_ERR_FORMAT, f, "read", obj, name);
-    else
-        *n = (int)count;
-    H5Aclose(a);
-    return st;
+    return attr_read_array(f, obj, name, true, H5T_NATIVE_DOUBLE, v, cap, n, err);
 }
 
 QtStatus h5io_attr_numel(const H5ioFile *f, const char *obj, const char *name, int64_t *n, QtError *err) {

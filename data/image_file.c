@@ -60,24 +60,28 @@ QtStatus image_file_open(DatasetFile **out, IdxFile *f, QtError *err) {
     return st;
 }
 
+/* The size and modification time of d's open file (d->fd, or -1: it could not be opened), which every read
+ * checks again (image_file_check_unchanged). */
+static QtStatus image_file_watch(DatasetFile *d, QtError *err) {
+    struct stat sb;
+    if (d->fd < 0 || fstat(d->fd, &sb) != 0)
+        return qt_error_set(err, QT_ERR_IO, "cannot open data file '%s': %s", d->path, strerror(errno));
+    d->size = (uint64_t)sb.st_size;
+    d->mtime_s = (int64_t)sb.st_mtim.tv_sec;
+    d->mtime_ns = sb.st_mtim.tv_nsec;
+    return QT_OK;
+}
+
 QtStatus image_file_open_rows(DatasetFile **out, const char *path, uint64_t offset, int n_rows, size_t row_bytes,
                               QtError *err) {
-    struct stat sb;
     *out = NULL;
     DatasetFile *d = calloc(1, sizeof *d);
     if (!d) return qt_error_set(err, QT_ERR_NOMEM, "cannot allocate the reader of '%s'", path);
     d->fd = open(path, O_RDONLY | O_CLOEXEC);
     snprintf(d->path, sizeof d->path, "%s", path);
     d->offset = offset, d->row_bytes = row_bytes, d->n_rows = n_rows, d->channels = 1;
-    QtStatus st = QT_OK;
-    if (d->fd < 0 || fstat(d->fd, &sb) != 0)
-        st = qt_error_set(err, QT_ERR_IO, "cannot open data file '%s': %s", path, strerror(errno));
-    if (st == QT_OK) {
-        d->size = (uint64_t)sb.st_size;
-        d->mtime_s = (int64_t)sb.st_mtim.tv_sec;
-        d->mtime_ns = sb.st_mtim.tv_nsec;
-        st = image_file_alloc_buf(d, err);
-    }
+    QtStatus st = image_file_watch(d, err);
+    if (st == QT_OK) st = image_file_alloc_buf(d, err);
     if (st != QT_OK) {
         image_file_free(d);
         return st;
@@ -99,7 +103,6 @@ static QtStatus image_file_h5_attach(DatasetFile *f, QtError *err) {
 
 QtStatus image_file_open_hdf5(DatasetFile **out, const char *path, const char *dset, int n_rows, size_t row_bytes,
                               hid_t memtype, bool own_type, QtError *err) {
-    struct stat sb;
     *out = NULL;
     DatasetFile *d = calloc(1, sizeof *d);
     if (!d) {
@@ -113,15 +116,8 @@ QtStatus image_file_open_hdf5(DatasetFile **out, const char *path, const char *d
     d->row_bytes = row_bytes;
     d->n_rows = n_rows;
     d->channels = 1;
-    QtStatus st = QT_OK;
-    if (d->fd < 0 || fstat(d->fd, &sb) != 0)
-        st = qt_error_set(err, QT_ERR_IO, "cannot open data file '%s': %s", path, strerror(errno));
-    if (st == QT_OK) {
-        d->size = (uint64_t)sb.st_size;
-        d->mtime_s = (int64_t)sb.st_mtim.tv_sec;
-        d->mtime_ns = sb.st_mtim.tv_nsec;
-        st = image_file_h5_attach(d, err);
-    }
+    QtStatus st = image_file_watch(d, err);
+    if (st == QT_OK) st = image_file_h5_attach(d, err);
     if (st == QT_OK) st = image_file_alloc_buf(d, err);
     if (st != QT_OK) {
         image_file_free(d);

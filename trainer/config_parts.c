@@ -258,19 +258,27 @@ static QtStatus load_classes(QtError *err, const YNode *arg, const char *path, T
     return QT_OK;
 }
 
-static QtStatus load_transform(QtError *err, const YNode *item, const char *path, Transform *t) {
-    const YNode *name = NULL, *arg = NULL;
+/* A list item that is a name (`normalize`) or a single-key mapping ({limit: 1000}): *name and *arg (NULL for
+ * none). false for anything else; the caller says what it expected. */
+static bool item_name_arg(const YNode *item, const YNode **name, const YNode **arg) {
+    *name = *arg = NULL;
     if (item->kind == YNODE_SCALAR && !ynode_is_null(item)) {
-        name = item;
-    } else if (item->kind == YNODE_MAPPING && item->n == 1) {
-        name = item->keys[0];
-        arg = ynode_is_null(item->items[0]) ? NULL : item->items[0];
-    } else {
+        *name = item;
+        return true;
+    }
+    if (item->kind != YNODE_MAPPING || item->n != 1) return false;
+    *name = item->keys[0];
+    *arg = ynode_is_null(item->items[0]) ? NULL : item->items[0];
+    return true;
+}
+
+static QtStatus load_transform(QtError *err, const YNode *item, const char *path, Transform *t) {
+    const YNode *name, *arg;
+    if (!item_name_arg(item, &name, &arg))
         return cfg_fail_expected(err, item, path,
                                  "a transform: normalize, transpose, invert, or a single-key mapping such as "
                                  "{limit: 1000}",
                                  "");
-    }
     QtError inner = {0};
     QtStatus st = cfg_lookup_fail(err, name, path, transform_kind_parse(name->text, &t->kind, &inner), &inner);
     if (st != QT_OK) return st;
@@ -372,18 +380,12 @@ static QtStatus load_range_pair(QtError *err, const YNode *arg, const char *path
 }
 
 static QtStatus load_augment(QtError *err, const YNode *item, const char *path, AugmentSpec *s) {
-    const YNode *name = NULL, *arg = NULL;
-    if (item->kind == YNODE_SCALAR && !ynode_is_null(item)) {
-        name = item;
-    } else if (item->kind == YNODE_MAPPING && item->n == 1) {
-        name = item->keys[0];
-        arg = ynode_is_null(item->items[0]) ? NULL : item->items[0];
-    } else {
+    const YNode *name, *arg;
+    if (!item_name_arg(item, &name, &arg))
         return cfg_fail_expected(err, item, path,
                                  "an augmentation: hflip, random_erase, or a single-key mapping such as "
                                  "{random_crop: {size: 28, padding: 4}}",
                                  "");
-    }
     AugmentKind kind = AUGMENT_HFLIP;
     QtError inner = {0};
     QtStatus st = cfg_lookup_fail(err, name, path, augment_kind_parse(name->text, &kind, &inner), &inner);
