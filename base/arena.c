@@ -74,6 +74,11 @@ bool arena_give_back(Arena *a, void *p, size_t bytes) {
     return true;
 }
 
+bool arena_is_unused(const Arena *a, const void *p) {
+    const ArenaChunk *c = a->head;
+    return c && (const unsigned char *)p >= c->data + c->off && (const unsigned char *)p < c->data + c->cap;
+}
+
 void arena_reset(Arena *a) {
     if (a->head && a->head->next) {
         /* More than one chunk: replace them by one block that fits the

@@ -38,6 +38,8 @@ void arena_reset(Arena *a);
 /* Takes back the newest bytes handed out: true if p..p+bytes (bytes a
  * multiple of ARENA_ALIGN) ends where the next allocation would start. */
 bool arena_give_back(Arena *a, void *p, size_t bytes);
+/* Whether p lies in the newest chunk past what is handed out (given back, or never handed out). */
+bool arena_is_unused(const Arena *a, const void *p);
 /* Bytes the arena currently holds from the system. */
 size_t arena_capacity(const Arena *a);
 

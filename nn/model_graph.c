@@ -254,11 +254,13 @@ static void mark_output(Model *m, Tape *t, int i) {
     int bn = -1; /* the batch norm whose input the backward may hand back after it */
     if (model_graph_relu_in_place(m, i)) {
         const int p = mod->inputs[0];
+        /* readers that make buffers of their own, and not the model's output (read after the backward) */
+        const bool known = readers_known(m, i, true);
         if (unfolded_bn(&m->modules[p])) {
             bn = p;
-            if (readers_known(m, i, true)) nn_batchnorm_remakeable(t, m->outs[1 + p], y);
+            if (known) nn_batchnorm_remakeable(t, m->outs[1 + p], y);
         }
-        tape_release_after(t, y, y); /* the relu's node reads the buffer last */
+        if (known) tape_release_after(t, y, y); /* the relu's node reads the buffer last */
     } else if (unfolded_bn(mod)) {
         bn = i;
     }

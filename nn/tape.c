@@ -75,6 +75,7 @@ static void free_grad_put(Tape *t, float *buf, size_t bytes) {
     bytes = free_grad_round(bytes);
     if (bytes < FREE_GRAD_MIN) return;
     char *b = (char *)buf;
+    if (arena_is_unused(t->arena, buf)) return; /* handed back once already, and given back to the arena since */
     FreeGrad *prev = NULL, *next = t->free_grads;
     for (; next && (char *)next < b; prev = next, next = next->next) {}
     /* already free (a buffer two Vars share, handed back by both) */

@@ -483,15 +483,19 @@ static void test_ae_refusals(void) {
     CU_ASSERT(text && strstr(text, "train.loss: cross_entropy cannot measure") && strstr(text, "set train.loss: mse"));
     CU_ASSERT(!test_file_exists(runs.root, "refused"));
     free(text);
-    const char *ov[] = {"data.anomaly_classes=[12]"};
-    Config *c = test_runs_config(&runs, AE_CONFIG, "ae-none", ov, 1);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
-    QtError err = {0};
-    TrainResult r;
-    CU_ASSERT_EQUAL(test_runs_train(c, NULL, 0, &r, &err), QT_ERR_CONFIG);
-    CU_ASSERT(test_msg_has(&err, "data.anomaly_classes [12]"));
-    CU_ASSERT(test_msg_has(&err, "are none of these classes"));
-    free(c), free(log), free(od);
+    /* a class the data does not have, alone or beside one it has: named, not ignored */
+    static const char *const lists[2] = {"data.anomaly_classes=[12]", "data.anomaly_classes=[9, 12]"};
+    for (int k = 0; k < 2; k++) {
+        Config *c = test_runs_config(&runs, AE_CONFIG, k ? "ae-typo" : "ae-none", &lists[k], 1);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+        QtError err = {0};
+        TrainResult r;
+        CU_ASSERT_EQUAL(test_runs_train(c, NULL, 0, &r, &err), QT_ERR_CONFIG);
+        CU_ASSERT(test_msg_has(&err, k ? "data.anomaly_classes [9, 12]" : "data.anomaly_classes [12]"));
+        CU_ASSERT(test_msg_has(&err, "names class 12, but the data has 10 classes"));
+        free(c);
+    }
+    free(log), free(od);
 }
 
 int register_tasks_suite(void) {

@@ -539,8 +539,11 @@ static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_wher
     if (grad_where) {
         snprintf(where, sizeof where, "%s (the loss %.6g is finite)", grad_where, loss);
     } else {
-        tape_reset(&r->work.tape); /* the step's values are not needed: the forward runs again, module by module */
-        guard_locate_nonfinite_forward(&r->model.net.model, &r->work.tape, x, r->model.net.trainable,
+        /* the step's values are not needed: the forward runs again, module by module, on the batch (a copy of
+           its Var: the one the step made lives in the arena the reset hands out again) */
+        Var batch = *x;
+        tape_reset(&r->work.tape);
+        guard_locate_nonfinite_forward(&r->model.net.model, &r->work.tape, &batch, r->model.net.trainable,
                                        r->model.net.n_trainable, where, sizeof where);
     }
     int64_t step = r->plan.step + 1;

@@ -21,6 +21,11 @@ QtStatus run_drop_anomalies(Run *r, QtError *err) {
     for (int i = 0; i < dc->n_anomaly_classes; i++)
         snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", i ? ", " : "", dc->anomaly_classes[i]);
     int dropped = 0, test_anomalies = 0;
+    for (int i = 0; i < dc->n_anomaly_classes; i++)
+        if (dc->anomaly_classes[i] >= r->data.train.n_classes)
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: data.anomaly_classes [%s] names class %d, but the data has "
+                                "%d classes (labels 0..%d); list classes the data has", r->cfg->source, list,
+                                dc->anomaly_classes[i], r->data.train.n_classes, r->data.train.n_classes - 1);
     QtError e = {0};
     QtStatus st = dataset_drop_classes(&r->data.train, dc->anomaly_classes, dc->n_anomaly_classes, &dropped, &e);
     if (st == QT_OK) st = dataset_drop_classes(&r->data.val, dc->anomaly_classes, dc->n_anomaly_classes, NULL, &e);
