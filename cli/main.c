@@ -40,13 +40,15 @@ static const CmdHelp CMD_HELP[] = {
      "            takes the newest checkpoint in run.out_dir (or starts fresh if none).\n"
      "            --set train.optimizer.lr=3e-4 overrides one key (repeatable).\n"
      "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"},
-    {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--set KEY=VALUE]... [--quiet]",
+    {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--dump-logits FILE.npy] [--set KEY=VALUE]... "
+             "[--quiet]",
      "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
      "            any); writes eval.json beside the checkpoint, or to --out PATH (a\n"
      "            file, or an existing directory to hold eval.json); an autoencoder\n"
      "            (data.target: input) also writes scores.csv there. Without --config\n"
      "            the config stored in the checkpoint is used (its data.cache_dir only\n"
-     "            if it is none; else the default cache).\n"},
+     "            if it is none; else the default cache). --dump-logits FILE.npy writes\n"
+     "            the test split's model outputs, (N, values) float32, for other tools.\n"},
     {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...",
      "  quantize  post-training-quantize a float checkpoint by the config's quant rules\n"
      "            (weight-only, no data needed) into a PTQ checkpoint for model.init_from.\n"},
@@ -109,6 +111,7 @@ static bool is_help(const char *arg) { return strcmp(arg, "--help") == 0 || strc
 
 typedef struct {
     const char *config, *resume, *checkpoint, *out;
+    const char *dump_logits; /* eval: the test outputs as a .npy file */
     long long stop_at_step;
     const char *overrides[MAX_OVERRIDES];
     int n_overrides;
@@ -138,7 +141,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes_value = strcmp(o, "--config") == 0 || strcmp(o, "--set") == 0 ||
                            (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) ||
-                           (eval && (strcmp(o, "--checkpoint") == 0 || strcmp(o, "--out") == 0));
+                           (eval && (strcmp(o, "--checkpoint") == 0 || strcmp(o, "--out") == 0)) ||
+                           (strcmp(cmd, " eval") == 0 && strcmp(o, "--dump-logits") == 0);
         if (takes_value && !v) {
             fprintf(stderr, "qtrain%s: %s needs a value\n", cmd, o);
             exit(2);
@@ -148,6 +152,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (!eval && strcmp(o, "--stop-at-step") == 0) a->stop_at_step = parse_positive(o, v), i++;
         else if (eval && strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
         else if (eval && strcmp(o, "--out") == 0) a->out = v, i++;
+        else if (strcmp(cmd, " eval") == 0 && strcmp(o, "--dump-logits") == 0) a->dump_logits = v, i++;
         else if (eval && strcmp(o, "--force") == 0) a->force = true;
         else if (strcmp(cmd, " merge") == 0 && strcmp(o, "--dequantize") == 0) a->dequantize = true;
         else if (strcmp(o, "--set") == 0) {
@@ -260,7 +265,11 @@ static int cmd_eval(int argc, char **argv) {
         return fail(&err, exit_status(&err));
     }
     TrainResult r;
-    st = train_eval_checkpoint_to(cfg, a.checkpoint, json, &r, &err);
+    if (a.dump_logits && fs_check_out_path(a.dump_logits, true, "--dump-logits", &err) != QT_OK) {
+        free(cfg);
+        return fail(&err, 2);
+    }
+    st = train_eval_checkpoint_dump(cfg, a.checkpoint, json, a.dump_logits, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
     char what[96];
@@ -271,6 +280,7 @@ static int cmd_eval(int argc, char **argv) {
     printf("\n");
     if (!a.quiet) printf("wrote %s\n", json);
     if (!a.quiet && r.scores_path[0]) printf("wrote %s\n", r.scores_path);
+    if (!a.quiet && a.dump_logits) printf("wrote %s\n", a.dump_logits);
     return 0;
 }
 

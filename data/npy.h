@@ -86,6 +86,11 @@ QtStatus npy_file_open(NpyFile *f, const char *path, QtError *err);
 QtStatus npy_file_read_rows(const NpyFile *f, uint64_t start, uint64_t n, void *buf, size_t cap, QtError *err);
 void npy_file_close(NpyFile *f);
 
+/* A version 1.0 .npy file of float32 ('<f4', C order) data of shape[ndim]
+ * in memory: *buf (malloc'd; the caller frees and writes it), *len. The
+ * header is padded to 64 bytes as NumPy does. */
+QtStatus npy_encode_f32(const float *data, int ndim, const int64_t *shape, void **buf, size_t *len, QtError *err);
+
 /* NumPy's name of the dtype ("float32", "uint8", ...). */
 const char *npy_dtype_name(NpyDtype dtype);
 /* Bytes per element of the dtype, 0 for an unknown one. */

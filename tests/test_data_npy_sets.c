@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "data/dataset.h"
+#include "data/npy.h"
 #include "test_proc.h"
 #include "test_util.h"
 #include "trainer/config.h"
@@ -249,6 +250,41 @@ static void test_runs_npy_equal_fashion_mnist(void) {
     }
 }
 
+/* qtrain eval --dump-logits: the test outputs as (N, 10) float32 .npy; their argmax gives eval's accuracy. */
+static void test_eval_dump_logits(void) {
+    char out[1100], ckpt[1200], npy[1200], log[1200];
+    snprintf(out, sizeof out, "run.out_dir=%s/dump-run", root);
+    snprintf(ckpt, sizeof ckpt, "%s/dump-run/final.h5", root);
+    snprintf(npy, sizeof npy, "%s/logits.npy", root);
+    snprintf(log, sizeof log, "%s/dump.log", root);
+    const char *train[] = {"--config", "tests/configs/tiny-mlp.yaml", "--set", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, train, 120), 0);
+    const char *eval[] = {"eval", "--checkpoint", ckpt, "--dump-logits", npy, NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, eval, 120), 0);
+    NpyFile f = {.fd = -1};
+    QtError e = {0};
+    CU_ASSERT_EQUAL_FATAL(npy_file_open(&f, npy, &e), QT_OK);
+    CU_ASSERT(f.info.dtype == NPY_F32 && f.info.ndim == 2 && f.info.shape[0] == 512 && f.info.shape[1] == 10);
+    float *x = malloc((size_t)f.info.n_bytes);
+    CU_ASSERT_EQUAL_FATAL(npy_file_read_rows(&f, 0, 512, x, f.info.n_bytes, &e), QT_OK);
+    npy_file_close(&f);
+    Dataset tr, te;
+    CU_ASSERT_EQUAL_FATAL(dataset_load_fashion_mnist(&tr, &te, "data/fashion-mnist-mini", &e), QT_OK);
+    int correct = 0;
+    for (int i = 0; i < 512; i++) {
+        int best = 0;
+        for (int k = 1; k < 10; k++) best = x[i * 10 + k] > x[i * 10 + best] ? k : best;
+        correct += best == te.labels[i];
+    }
+    char *text = test_file_read(log, NULL);
+    char want[64];
+    snprintf(want, sizeof want, "test_accuracy:%.4f", correct / 512.0);
+    CU_ASSERT(text && strstr(text, want) != NULL);
+    if (text && !strstr(text, want)) fprintf(stderr, "\n  want %s in:\n%s\n", want, text);
+    free(text), free(x);
+    dataset_free(&tr), dataset_free(&te);
+}
+
 int register_data_npy_sets_suite(void) {
     CU_pSuite s = CU_add_suite("data_npy_sets", suite_init, suite_cleanup);
     if (!s) return -1;
@@ -258,7 +294,9 @@ int register_data_npy_sets_suite(void) {
                         test_types_and_targets) ||
            !CU_add_test(s, "bad pairs of files: one error per kind, naming the file", test_bad_pairs) ||
            !CU_add_test(s, "runs on the mini set as .npy (once, per batch) end at the IDX run's parameters",
-                        test_runs_npy_equal_fashion_mnist)
+                        test_runs_npy_equal_fashion_mnist) ||
+           !CU_add_test(s, "eval --dump-logits writes the test outputs; their argmax is eval's accuracy",
+                        test_eval_dump_logits)
                ? -1
                : 0;
 }

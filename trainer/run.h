@@ -105,6 +105,9 @@ typedef struct {
     double test_mae, val_mae; /* train.loss: mse: mean |output - target| over every value; NaN otherwise */
     double test_auc;          /* data.anomaly_classes: the ROC AUC of the test reconstruction errors; NaN otherwise */
     bool have_scores;         /* work.scores holds the test split's reconstruction errors */
+    float *logits;            /* (test n, width): the test split's model outputs, when asked for (eval
+                                 --dump-logits; owned by the caller); NULL: not kept */
+    size_t logits_width;      /* values per example */
 } RunEval;
 
 /* run.out_dir and what the run's checkpoints record. Owner: run_dir_open

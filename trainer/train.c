@@ -414,9 +414,10 @@ static void run_sum_errors(const Var *out, const float *want, int n, EvalSums *s
     sums->values += (int64_t)k * n;
 }
 
-/* run_eval_batch with every sum; scores (may be NULL): [n] the examples' reconstruction errors. */
+/* run_eval_batch with every sum; scores (may be NULL): [n] the examples' reconstruction errors; logits (may be
+ * NULL): (n, width) the outputs. */
 static QtStatus run_eval_batch_sums(Run *r, const Dataset *d, int start, int n, EvalSums *sums, float *scores,
-                                    QtError *err) {
+                                    float *logits, QtError *err) {
     Tape *t = &r->work.tape;
     QtError e = {0};
     if (dataset_fill_range(d, start, n, r->work.ex, r->work.ey, &e) != QT_OK)
@@ -432,6 +433,7 @@ static QtStatus run_eval_batch_sums(Run *r, const Dataset *d, int start, int n, 
         st = qt_error_set(err, t->err.status, "evaluation at step %" PRId64 ": %s", r->plan.step, t->err.msg);
     } else {
         sums->loss_sum += (double)l->value.data[0] * n;
+        if (logits) memcpy(logits, out->value.data, var_numel(out) * sizeof(float));
         if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) sums->correct += count_correct(out, r->work.ey, n);
         else run_sum_errors(out, r->cfg->data.target == DATA_TARGET_INPUT ? r->work.ex : r->work.et, n, sums, scores);
     }
@@ -442,7 +444,7 @@ static QtStatus run_eval_batch_sums(Run *r, const Dataset *d, int start, int n, 
 QtStatus run_eval_batch(Run *r, const Dataset *d, int start, int n, double *loss_sum, int64_t *correct,
                         QtError *err) {
     EvalSums sums = {0};
-    QtStatus st = run_eval_batch_sums(r, d, start, n, &sums, NULL, err);
+    QtStatus st = run_eval_batch_sums(r, d, start, n, &sums, NULL, NULL, err);
     *loss_sum += sums.loss_sum, *correct += sums.correct;
     return st;
 }
@@ -457,11 +459,13 @@ static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *acc
     t->training = false, t->grad_enabled = false;
     EvalSums sums = {0};
     float *scores = d == &r->data.test ? r->work.scores : NULL;
+    float *logits = d == &r->data.test ? r->eval.logits : NULL;
     QtStatus st = QT_OK;
     int bs = r->cfg->train.eval_batch_size;
     for (int start = 0; start < d->n && st == QT_OK; start += bs)
         st = run_eval_batch_sums(r, d, start, d->n - start < bs ? d->n - start : bs, &sums,
-                                 scores ? scores + start : NULL, err);
+                                 scores ? scores + start : NULL,
+                                 logits ? logits + (size_t)start * r->eval.logits_width : NULL, err);
     t->training = was_training, t->grad_enabled = had_grad;
     bool mse = r->cfg->train.loss == LOSS_MSE;
     *loss = d->n ? sums.loss_sum / d->n : NAN;

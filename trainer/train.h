@@ -71,6 +71,10 @@ QtStatus train_eval_json_path(const char *checkpoint, const char *out, char *pat
 /* The same evaluation, writing the JSON to json_path (NULL: none); its directory must exist. */
 QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *r,
                                   QtError *err);
+/* The same, also writing the test split's outputs (N, values per example) to logits_path as a float32 .npy
+ * file (NULL: none; an existing regular file is replaced). */
+QtStatus train_eval_checkpoint_dump(const Config *cfg, const char *checkpoint, const char *json_path,
+                                    const char *logits_path, TrainResult *r, QtError *err);
 
 /* mkdir -p path. `what` names the setting in messages ("run.out_dir",
  * "--out"). created (cap bytes, may be NULL) receives the topmost directory

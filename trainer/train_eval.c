@@ -7,7 +7,9 @@
 #include <string.h>
 
 #include "nn/gemm.h"
+#include "data/npy.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_internal.h"
 #include "trainer/config.h"
 #include "trainer/net.h"
 #include "trainer/run.h"
@@ -41,8 +43,24 @@ static QtStatus eval_scores_path(const char *json_path, TrainResult *res, QtErro
     return QT_OK;
 }
 
+/* The test split's outputs (n, width) as a .npy file at path, written to a temporary name and renamed. */
+static QtStatus eval_write_logits(const char *path, const Run *r, QtError *err) {
+    void *buf = NULL;
+    size_t len = 0;
+    const int64_t shape[2] = {r->data.test.n, (int64_t)r->eval.logits_width};
+    QtStatus st = npy_encode_f32(r->eval.logits, 2, shape, &buf, &len, err);
+    if (st == QT_OK) st = ckpt_write_atomic(path, buf, len, FS_REPLACE_REGULAR, err);
+    free(buf);
+    return st;
+}
+
 QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, const char *json_path, TrainResult *res,
                                   QtError *err) {
+    return train_eval_checkpoint_dump(cfg, checkpoint, json_path, NULL, res, err);
+}
+
+QtStatus train_eval_checkpoint_dump(const Config *cfg, const char *checkpoint, const char *json_path,
+                                    const char *logits_path, TrainResult *res, QtError *err) {
     Run r;
     TrainOptions o = {.quiet = true}; /* the caller reports the result */
     run_init(&r, cfg, &o);
@@ -56,8 +74,19 @@ QtStatus train_eval_checkpoint_to(const Config *cfg, const char *checkpoint, con
     CheckpointNet parts = net_checkpoint_parts(&r.model.net);
     if (st == QT_OK) st = checkpoint_load_model(checkpoint, &r.model.net.model, &parts, err);
     if (st == QT_OK) st = run_alloc(&r, err);
+    if (st == QT_OK && logits_path) {
+        const Module *last = &r.model.net.model.modules[r.model.net.model.n_modules - 1];
+        size_t width = 1;
+        for (int i = 0; i < last->out_ndim; i++) width *= (size_t)last->out_shape[i];
+        r.eval.logits_width = width;
+        if (!(r.eval.logits = malloc(((size_t)r.data.test.n * width + 1) * sizeof(float))))
+            st = qt_error_set(err, QT_ERR_NOMEM, "out of memory for the test logits (%d x %zu)", r.data.test.n, width);
+    }
     if (st == QT_OK) st = run_eval_and_log(&r, &res->test_loss, &res->test_accuracy, &res->val_loss,
                                            &res->val_accuracy, err);
+    if (st == QT_OK && logits_path) st = eval_write_logits(logits_path, &r, err);
+    free(r.eval.logits);
+    r.eval.logits = NULL;
     if (st == QT_OK) run_fill_result(&r, res), run_fill_eval_result(&r, res);
     if (st == QT_OK) st = run_note_merge(&r, checkpoint, res, err);
     if (st == QT_OK && json_path && r.eval.have_scores) st = eval_scores_path(json_path, res, err);
