@@ -954,7 +954,7 @@ static QtStatus build_header(const char *path, const StWrite *t, int n, const ch
                                 qt_clip(w->name, shown));
         buf_put(b, n_meta > 0 || k > 0 ? "," : "", n_meta > 0 || k > 0);
         buf_json_string(b, w->name);
-        buf_put(b, ":{\"dtype\":\"F32\",\"shape\":[", 26);
+        buf_put(b, ":{\"dtype\":\"F32\",\"shape\":[", 25);
         for (int d = 0; d < w->ndim; d++) buf_printf(b, "%s%" PRId64, d ? "," : "", w->shape[d]);
         buf_printf(b, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", at, at + elems * 4);
         at += elems * 4;
