@@ -20,6 +20,7 @@
 #include "trainer/config.h"
 #include "cli/demo.h"
 #include "trainer/interrupt.h"
+#include "trainer/interop.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"
 #include "trainer/version.h"
@@ -60,6 +61,12 @@ static const CmdHelp CMD_HELP[] = {
     {"convert", "qtrain convert --checkpoint PATH --out PATH [--force]",
      "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
      "            the learned ranges) that evaluates exactly as it trained.\n"},
+    {"export", "qtrain export --checkpoint PATH --format safetensors|h5 --out PATH [--merge] [--force]",
+     "  export    a checkpoint's model for other tools: safetensors, a PyTorch\n"
+     "            state_dict (<module>.weight, .bias, batch-norm buffers) in float32,\n"
+     "            quantized weights dequantized as qtrain computes them; h5, a float\n"
+     "            qtrain checkpoint. --merge folds LoRA adapters in first (else they\n"
+     "            are left out).\n"},
     {"compare", "qtrain compare RUN_DIR... [--out DIR]",
      "  compare   runs side by side from their summary.json and metrics.csv: a\n"
      "            table (formats, bits/param, size, accuracy, delta vs the first\n"
@@ -118,6 +125,8 @@ typedef struct {
     bool quiet;
     bool force; /* --out may replace a regular file */
     bool dequantize; /* merge: write a float model */
+    const char *format; /* export */
+    bool merge;         /* export: fold adapters in */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -142,7 +151,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         bool takes_value = strcmp(o, "--config") == 0 || strcmp(o, "--set") == 0 ||
                            (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) ||
                            (eval && (strcmp(o, "--checkpoint") == 0 || strcmp(o, "--out") == 0)) ||
-                           (strcmp(cmd, " eval") == 0 && strcmp(o, "--dump-logits") == 0);
+                           (strcmp(cmd, " eval") == 0 && strcmp(o, "--dump-logits") == 0) ||
+                           (strcmp(cmd, " export") == 0 && strcmp(o, "--format") == 0);
         if (takes_value && !v) {
             fprintf(stderr, "qtrain%s: %s needs a value\n", cmd, o);
             exit(2);
@@ -155,6 +165,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (strcmp(cmd, " eval") == 0 && strcmp(o, "--dump-logits") == 0) a->dump_logits = v, i++;
         else if (eval && strcmp(o, "--force") == 0) a->force = true;
         else if (strcmp(cmd, " merge") == 0 && strcmp(o, "--dequantize") == 0) a->dequantize = true;
+        else if (strcmp(cmd, " export") == 0 && strcmp(o, "--format") == 0) a->format = v, i++;
+        else if (strcmp(cmd, " export") == 0 && strcmp(o, "--merge") == 0) a->merge = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -316,6 +328,19 @@ static int cmd_merge(int argc, char **argv) {
            rep.test_accuracy_before, rep.test_accuracy_after, rep.test_accuracy_after - rep.test_accuracy_before,
            rep.test_loss_before, rep.test_loss_after, a.out);
     return 0;
+}
+
+static int cmd_export(int argc, char **argv) {
+    CliArgs a;
+    parse_args(argc, argv, " export", true, &a);
+    if (!a.checkpoint || !a.out || !a.format || a.config || a.n_overrides) {
+        fprintf(stderr, "qtrain export: give --checkpoint PATH, --format safetensors|h5 and --out PATH (the model "
+                        "comes from the checkpoint)\n");
+        return 2;
+    }
+    QtError err = {0};
+    QtStatus st = interop_export(a.checkpoint, a.format, a.out, a.merge, a.force, a.quiet ? NULL : stdout, &err);
+    return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
 
 static int cmd_compare(int argc, char **argv) {
@@ -544,6 +569,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "quantize") == 0) return cmd_quantize(argc - 2, argv + 2);
     if (strcmp(cmd, "merge") == 0) return cmd_merge(argc - 2, argv + 2);
     if (strcmp(cmd, "convert") == 0) return cmd_convert(argc - 2, argv + 2);
+    if (strcmp(cmd, "export") == 0) return cmd_export(argc - 2, argv + 2);
     if (strcmp(cmd, "compare") == 0) return cmd_compare(argc - 2, argv + 2);
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);

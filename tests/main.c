@@ -21,6 +21,7 @@
     X(nn_train_memory) \
     X(data_hdf5) \
     X(data_npy_sets) \
+    X(interop) \
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
     X(nn_parallel) \

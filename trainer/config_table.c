@@ -279,7 +279,8 @@ static const CfgKey MODEL_KEYS[] = {
      .doc_default = "(required)", .doc_values = "1 to 64 layers", .doc = "the layers, in order (model.layers[] below)"},
     {.key = "init_from", .type = CFG_T_PATH, F(ModelConfig, init_from), .empty_ok = true, .def_str = "",
      .doc_default = "none",
-     .doc = "load `/params` (and a batch norm's `/buffers`) from a checkpoint (shapes must match)"},
+     .doc = "load `/params` (and a batch norm's `/buffers`) from a checkpoint, or a PyTorch state_dict from a "
+            "`.safetensors` file (docs/INTEROP.md); shapes must match"},
     {.key = "adapters_from", .type = CFG_T_PATH, F(ModelConfig, adapters_from), .empty_ok = true, .def_str = "",
      .doc_default = "none",
      .doc = "start a fresh run's LoRA adapters (and `lora.trainable` modules) from a checkpoint's or an "

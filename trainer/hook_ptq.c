@@ -15,6 +15,7 @@
 #include "checkpoint_internal.h"
 #include "quant/qarray_io.h"
 #include "trainer/hook.h"
+#include "trainer/interop.h"
 #include "trainer/net.h"
 
 _Static_assert(offsetof(QLayer, module) == 0, "a hook layer starts with its module (hook.h)");
@@ -90,6 +91,12 @@ static QtStatus ptq_load_base(Net *n, HookSet *set, QtError *err) {
     if (!stored) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     int n_stored = 0;
     QtError e = {0};
+    if (interop_is_safetensors(from)) { /* a float state_dict: every weight is quantized here */
+        free(stored);
+        QtStatus st = interop_load_safetensors(from, &n->model, &e);
+        if (st != QT_OK) return qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
+        return ptq_quantize_held(n, set, err);
+    }
     QtStatus st = checkpoint_list_quant(from, stored, CKPT_LIST_MAX, &n_stored, &e);
     if (st == QT_OK) st = ptq_check_stored(n, (const char(*)[MODULE_NAME_MAX])stored, n_stored, err);
     /* Layouts for the stored ones; release every weight the file lacks in float. */

@@ -1,6 +1,7 @@
 /* net.c - model + hook layers (quantized base, adapters, trained
  * quantizers: trainer/hook.h), attached by the config's rules. */
 #include "net.h"
+#include "interop.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -197,8 +198,10 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
         model_init_params(&n->model, &init);
         if (how == NET_FRESH && c->model.init_from[0] && !net_hooks_load_init_from(n)) {
             QtError e = {0};
-            if (checkpoint_load_params(c->model.init_from, &n->model, &e) != QT_OK)
-                st = qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
+            const QtStatus ls = interop_is_safetensors(c->model.init_from)
+                                    ? interop_load_safetensors(c->model.init_from, &n->model, &e)
+                                    : checkpoint_load_params(c->model.init_from, &n->model, &e);
+            if (ls != QT_OK) st = qt_error_set(err, e.status, "%s: model.init_from: %s", c->source, e.msg);
         }
     }
     if (st == QT_OK) st = net_attach(n, how == NET_FRESH, err);

@@ -165,7 +165,8 @@ static QtStatus merge_check_finite(const Net *n, const char *checkpoint, QtError
 /* --dequantize: the merged model in float (PEFT's merge_and_unload). out is
  * built from the merged config (quant.mode none) and every parameter taken
  * from n: a quantized weight dequantized, then every adapter's delta added. */
-static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, FILE *log, QtError *err) {
+static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, bool adapters, FILE *log,
+                               QtError *err) {
     QtStatus st = net_build(out, merged, NET_SHELL, err);
     for (int i = 0; st == QT_OK && i < out->model.n_params; i++) {
         Param *p = &out->model.params[i];
@@ -191,7 +192,7 @@ static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, FIL
         m->num_batches_tracked = src->num_batches_tracked;
         m->bn_folded = src->bn_folded;
     }
-    for (int i = 0; st == QT_OK && i < net_hook_count(n, &HOOK_LORA); i++) {
+    for (int i = 0; st == QT_OK && adapters && i < net_hook_count(n, &HOOK_LORA); i++) {
         const LoraAdapter *a = net_adapter(n, i);
         Module *m = model_find_module(&out->model, a->module->path);
         lora_adapter_merge(a, m->weight->var.value.data);
@@ -234,7 +235,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
     double err2 = 0.0, norm2 = 0.0;
     if (st == QT_OK && log) fprintf(log, "merging %d adapters of %s%s:\n", net_hook_count(&n, &HOOK_LORA), checkpoint,
                                     dequantize ? " into a float model" : "");
-    if (st == QT_OK && dequantize) st = merge_to_float(&n, merged, &fl, log, err);
+    if (st == QT_OK && dequantize) st = merge_to_float(&n, merged, &fl, true, log, err);
     for (int i = 0; st == QT_OK && !dequantize && i < net_hook_count(&n, &HOOK_LORA); i++)
         st = merge_one(&n, net_adapter(&n, i), &err2, &norm2, log, err);
     if (st == QT_OK) st = merge_check_finite(dequantize ? &fl : &n, checkpoint, err);
@@ -335,5 +336,42 @@ QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE
     if (n.cfg) net_free(&n);
     free(c);
     free(ptq);
+    return st;
+}
+
+QtStatus tools_float_net(const char *checkpoint, bool merge, Config *cfg, Net *out, FILE *log, QtError *err) {
+    memset(out, 0, sizeof *out);
+    Config *c = malloc(sizeof *c);
+    Net n;
+    memset(&n, 0, sizeof n);
+    QtStatus st = c ? load_stored_config(checkpoint, c, err) : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK && merge && c->lora.n_rules == 0)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters (its config has no lora rules): nothing to "
+                          "merge; leave out --merge", checkpoint);
+    if (st == QT_OK) st = load_checkpoint_net(checkpoint, c, &n, err);
+    if (st == QT_OK) {
+        *cfg = *c; /* a float model: no adapters, no quantized base, no QAT/QT state */
+        cfg->lora.n_rules = 0;
+        memset(cfg->lora.rules, 0, sizeof cfg->lora.rules);
+        cfg->model.adapters_from[0] = '\0';
+        cfg->model.init_from[0] = '\0';
+        cfg->quant.mode = QUANT_MODE_NONE;
+        cfg->quant.n_rules = 0;
+        memset(cfg->quant.rules, 0, sizeof cfg->quant.rules);
+        st = merge_to_float(&n, cfg, out, merge, log, err);
+        if (st == QT_OK) st = merge_check_finite(out, checkpoint, err);
+    }
+    if (n.cfg) net_free(&n);
+    if (st != QT_OK && out->cfg) net_free(out);
+    free(c);
+    return st;
+}
+
+QtStatus tools_save_float(const char *out, bool force, const Net *n, const char *from, QtError *err) {
+    char *text = config_to_yaml(n->cfg);
+    if (!text) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    CheckpointState s = {.last_train_loss = NAN, .config_text = text, .mode = "float", .merged_from = from};
+    QtStatus st = save_out(out, force, &n->model, &s, err);
+    free(text);
     return st;
 }

