@@ -82,7 +82,7 @@ DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config datas
 TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures memcheck \
+.PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures interop memcheck \
 	clean hostile-corpus shared examples install uninstall
 all: $(LIB) $(QTRAIN)
 
@@ -238,6 +238,12 @@ bench-torch: deps torch-deps
 	@QTRAIN=./$(QTRAIN) PYTHON=/usr/bin/python3 sh bench/run.sh --torch
 
 # Needs Debian's python3-torch, python3-h5py and python3-numpy.
+# The interop suite with Debian's PyTorch installed: PyTorch loads qtrain's exports (safetensors, a PEFT
+# adapter directory by PEFT's conventions) and reproduces qtrain's logits (docs/INTEROP.md). `make test` runs
+# the same suite and skips the PyTorch checks, visibly, where python3-torch is missing.
+interop: torch-deps $(BUILD)/tests/run_tests $(BUILD)/qtrain
+	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(BUILD)/qtrain ./$(BUILD)/tests/run_tests interop
+
 fixtures:
 	/usr/bin/python3 tests/make_fixtures.py tests/fixtures/torch_ref.h5
 	/usr/bin/python3 tests/make_fixtures_bn.py tests/fixtures/torch_bn.h5

@@ -61,12 +61,13 @@ static const CmdHelp CMD_HELP[] = {
     {"convert", "qtrain convert --checkpoint PATH --out PATH [--force]",
      "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
      "            the learned ranges) that evaluates exactly as it trained.\n"},
-    {"export", "qtrain export --checkpoint PATH --format safetensors|h5 --out PATH [--merge] [--force]",
+    {"export", "qtrain export --checkpoint PATH --format safetensors|peft|h5 --out PATH [--merge] [--force]",
      "  export    a checkpoint's model for other tools: safetensors, a PyTorch\n"
      "            state_dict (<module>.weight, .bias, batch-norm buffers) in float32,\n"
-     "            quantized weights dequantized as qtrain computes them; h5, a float\n"
-     "            qtrain checkpoint. --merge folds LoRA adapters in first (else they\n"
-     "            are left out).\n"},
+     "            quantized weights dequantized as qtrain computes them; peft, a LoRA\n"
+     "            run's adapters as a PEFT adapter directory with its base beside\n"
+     "            them; h5, a float qtrain checkpoint. --merge folds LoRA adapters in\n"
+     "            first (else they are left out).\n"},
     {"compare", "qtrain compare RUN_DIR... [--out DIR]",
      "  compare   runs side by side from their summary.json and metrics.csv: a\n"
      "            table (formats, bits/param, size, accuracy, delta vs the first\n"

@@ -192,6 +192,64 @@ static void test_wrong_model_refused(void) {
     }
 }
 
+/* A QLoRA run (nf4 base, adapters on a conv and a dense layer, the head trained in full) as a PEFT adapter
+ * directory: adapter_config.json's fields; PyTorch applying PEFT's conventions to base_model.safetensors
+ * reproduces the run's logits; refusals. */
+static void test_peft_export(void) {
+    char base[1200], out[1100], ql[1200], dir[1100], npy[1100], cmd[4096];
+    snprintf(base, sizeof base, "model.init_from=%s", runs.base_ckpt);
+    snprintf(out, sizeof out, "run.out_dir=%s/ql", runs.root);
+    const char *train[] = {"--config", "tests/configs/tiny-qlora.yaml", "--set", base, "--set", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("ql.log", train), 0);
+    snprintf(ql, sizeof ql, "%s/ql/final.h5", runs.root);
+    snprintf(dir, sizeof dir, "%s", path_in("peft"));
+    snprintf(npy, sizeof npy, "%s", path_in("ql-logits.npy"));
+    const char *ex[] = {"export", "--checkpoint", ql, "--format", "peft", "--out", dir, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("peft.log", ex), 0);
+    char *conf = test_file_read(path_in("peft/adapter_config.json"), NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(conf);
+    static const char *const want[] = {"\"peft_type\": \"LORA\"", "\"r\": 4", "\"lora_alpha\": 8",
+                                       "\"use_rslora\": false", "\"lora_dropout\": 0.1,", "\"bias\": \"none\"",
+                                       "\"target_modules\": [\"conv1\", \"fc1\"]",
+                                       "\"modules_to_save\": [\"head\"]"};
+    for (size_t k = 0; k < sizeof want / sizeof want[0]; k++) {
+        if (!strstr(conf, want[k])) fprintf(stderr, "\n  adapter_config.json lacks %s:\n%s\n", want[k], conf);
+        CU_ASSERT(strstr(conf, want[k]) != NULL);
+    }
+    free(conf);
+    StFile f;
+    QtError e = {0};
+    CU_ASSERT_EQUAL_FATAL(st_open(&f, path_in("peft/adapter_model.safetensors"), &e), QT_OK);
+    const StTensor *a = st_find(&f, "base_model.model.conv1.lora_A.weight");
+    const StTensor *b = st_find(&f, "base_model.model.fc1.lora_B.weight");
+    CU_ASSERT(a && a->ndim == 4 && a->shape[0] == 4 && a->shape[1] == 1 && a->shape[2] == 3);
+    CU_ASSERT(b && b->ndim == 2 && b->shape[0] == 32 && b->shape[1] == 4);
+    CU_ASSERT_PTR_NOT_NULL(st_find(&f, "base_model.model.head.weight"));
+    st_close(&f);
+    /* refusals: the directory exists; no adapters; --merge */
+    CU_ASSERT_EQUAL(qtrain("peft2.log", ex), 1);
+    const char *none[] = {"export", "--checkpoint", runs.base_ckpt, "--format", "peft", "--out", path_in("p2"), NULL};
+    CU_ASSERT_EQUAL(qtrain("peft3.log", none), 2);
+    const char *ev[] = {"eval", "--checkpoint", ql, "--out", path_in("ql.json"), "--dump-logits", npy, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("ql-dump.log", ev), 0);
+    if (access("/usr/bin/python3", X_OK) != 0) {
+        test_skip("interop: /usr/bin/python3 is missing (Debian's python3)");
+        return;
+    }
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 tests/peft_check.py --config "
+             "tests/configs/tiny-qlora.yaml --data-dir data/fashion-mnist-mini --adapter %s --logits %s >%s 2>&1",
+             dir, npy, path_in("peft-torch.log"));
+    int rc = system(cmd);
+    char *text = test_file_read(path_in("peft-torch.log"), NULL);
+    if (rc != 0 && text && strstr(text, "No module named")) {
+        test_skip("interop: /usr/bin/python3 cannot import torch and numpy (install python3-torch)");
+    } else {
+        if (rc != 0) fprintf(stderr, "\n  %s\n", text ? text : "(no output)");
+        CU_ASSERT(rc == 0 && text && strstr(text, "peft: ok") != NULL);
+    }
+    free(text);
+}
+
 int register_interop_suite(void) {
     CU_pSuite s = CU_add_suite("interop", suite_init, suite_cleanup);
     if (!s) return -1;
@@ -202,7 +260,9 @@ int register_interop_suite(void) {
            !CU_add_test(s, "an int8 PTQ model with folded batch norms exports what it evaluates; refusals",
                         test_quantized_exports) ||
            !CU_add_test(s, "init_from a safetensors file of another model names what does not fit",
-                        test_wrong_model_refused)
+                        test_wrong_model_refused) ||
+           !CU_add_test(s, "a QLoRA run as a PEFT directory: PEFT's conventions reproduce its logits; refusals",
+                        test_peft_export)
                ? -1
                : 0;
 }

@@ -98,12 +98,12 @@ static QtStatus collect(const Model *m, StWrite **out, int *n_out, float **bufs,
     return QT_OK;
 }
 
-static QtStatus export_safetensors(const char *checkpoint, const char *out, bool merge, const Net *fl, QtError *err) {
+QtStatus interop_write_state_dict(const char *out, const Model *m, const char *checkpoint, bool merge, QtError *err) {
     StWrite *w = NULL;
     float *bufs = NULL;
     char (*names)[ST_NAME_MAX] = NULL;
     int n = 0;
-    QtStatus st = collect(&fl->model, &w, &n, &bufs, &names, err);
+    QtStatus st = collect(m, &w, &n, &bufs, &names, err);
     const char *const meta[4][2] = {{"format", "pt"},
                                     {"qtrain_checkpoint", checkpoint},
                                     {"qtrain_merged", merge ? "true" : "false"},
@@ -116,9 +116,15 @@ static QtStatus export_safetensors(const char *checkpoint, const char *out, bool
 QtStatus interop_export(const char *checkpoint, const char *format, const char *out, bool merge, bool force,
                         FILE *log, QtError *err) {
     const bool st_fmt = strcmp(format, "safetensors") == 0, h5 = strcmp(format, "h5") == 0;
+    if (strcmp(format, "peft") == 0) {
+        if (merge)
+            return qt_error_set(err, QT_ERR_ARG, "qtrain export: --format peft writes the adapters apart from the "
+                                "base; --merge does not apply (use --format safetensors --merge for a merged model)");
+        return interop_export_peft(checkpoint, out, force, log, err);
+    }
     if (!st_fmt && !h5)
-        return qt_error_set(err, QT_ERR_ARG, "qtrain export: unknown --format '%s'; use safetensors or h5%s", format,
-                            strcmp(format, "peft") == 0 ? " (PEFT adapter directories are not written yet)" : "");
+        return qt_error_set(err, QT_ERR_ARG, "qtrain export: unknown --format '%s'; use safetensors, peft or h5",
+                            format);
     QtStatus st = fs_check_out_path(out, force, "--out", err);
     if (st != QT_OK) return st;
     Config *c = malloc(sizeof *c);
@@ -126,7 +132,7 @@ QtStatus interop_export(const char *checkpoint, const char *format, const char *
     Net fl;
     st = tools_float_net(checkpoint, merge, c, &fl, log, err);
     if (st == QT_OK) {
-        st = st_fmt ? export_safetensors(checkpoint, out, merge, &fl, err)
+        st = st_fmt ? interop_write_state_dict(out, &fl.model, checkpoint, merge, err)
                     : tools_save_float(out, force, &fl, checkpoint, err);
         if (st == QT_OK && log)
             fprintf(log, "exported %s%s as %s: %d tensors -> %s\n", checkpoint, merge ? " (adapters merged)" : "",

@@ -20,6 +20,15 @@ bool interop_is_safetensors(const char *path);
 QtStatus interop_export(const char *checkpoint, const char *format, const char *out, bool merge, bool force,
                         FILE *log, QtError *err);
 
+/* A float model's parameters and batch-norm buffers as a PyTorch state_dict in safetensors at out (replacing a
+ * regular file), recording the source checkpoint and whether adapters were merged. */
+QtStatus interop_write_state_dict(const char *out, const Model *m, const char *checkpoint, bool merge, QtError *err);
+
+/* `qtrain export --format peft`: the checkpoint's LoRA adapters as a PEFT adapter directory at dir (new, or
+ * existing with force): adapter_config.json, adapter_model.safetensors and base_model.safetensors (the float
+ * base). interop_peft.c. */
+QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force, FILE *log, QtError *err);
+
 /* model.init_from of a .safetensors file: every parameter and batch-norm
  * buffer of m by its state_dict name (num_batches_tracked optional), any
  * float dtype; a missing or extra tensor is an error listing them, a shape

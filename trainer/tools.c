@@ -375,3 +375,9 @@ QtStatus tools_save_float(const char *out, bool force, const Net *n, const char 
     free(text);
     return st;
 }
+
+QtStatus tools_load_net(const char *checkpoint, Config *c, Net *n, QtError *err) {
+    memset(n, 0, sizeof *n);
+    QtStatus st = load_stored_config(checkpoint, c, err);
+    return st == QT_OK ? load_checkpoint_net(checkpoint, c, n, err) : st;
+}

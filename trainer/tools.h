@@ -65,6 +65,10 @@ typedef struct {
  * outlive out, which points at it); net_free(out) after success. */
 QtStatus tools_float_net(const char *checkpoint, bool merge, Config *cfg, Net *out, FILE *log, QtError *err);
 
+/* The model a checkpoint holds as it trained (parameters, quantized base, adapters, quantizer state) under its
+ * stored config *c (c must outlive n); net_free(n) after success. */
+QtStatus tools_load_net(const char *checkpoint, Config *c, Net *n, QtError *err);
+
 /* n (a float model, tools_float_net) as a float checkpoint at out, recording `from` as its source. */
 QtStatus tools_save_float(const char *out, bool force, const Net *n, const char *from, QtError *err);
 
