@@ -232,6 +232,43 @@ static void test_peft_export(void) {
     CU_ASSERT_EQUAL(qtrain("peft3.log", none), 2);
     const char *ev[] = {"eval", "--checkpoint", ql, "--out", path_in("ql.json"), "--dump-logits", npy, NULL};
     CU_ASSERT_EQUAL_FATAL(qtrain("ql-dump.log", ev), 0);
+    /* back in: model.adapters_from of the directory gives the same adapters and head, bit for bit */
+    char from[1200], out2[1100];
+    snprintf(from, sizeof from, "model.adapters_from=%s", dir);
+    snprintf(out2, sizeof out2, "run.out_dir=%s/ql-back", runs.root);
+    const char *back[] = {"--config", "tests/configs/tiny-qlora.yaml", "--set", base, "--set", from, "--set", out2,
+                          "--set", "train.steps=0", "--set", "train.epochs=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("ql-back.log", back), 0);
+    CU_ASSERT(test_ckpt_group_within(ql, path_in("ql-back/final.h5"), "lora"));
+    CU_ASSERT(test_ckpt_group_within(ql, path_in("ql-back/final.h5"), "params/head"));
+    CU_ASSERT_EQUAL(eval_loss(path_in("ql-back/final.h5")), eval_loss(ql));
+    /* refused by name: DoRA, bias adapters, another rank */
+    static const char *const edits[3][2] = {{"\"use_dora\": false", "\"use_dora\": true"},
+                                           {"\"bias\": \"none\"", "\"bias\": \"lora_only\""},
+                                           {"\"r\": 4", "\"r\": 2"}};
+    static const char *const wants[3] = {"use_dora is true", "bias is \"lora_only\"", "has rank 2 and scale 4"};
+    char *orig = test_file_read(path_in("peft/adapter_config.json"), NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(orig);
+    for (int k = 0; k < 3; k++) {
+        char *edited = malloc(strlen(orig) + 64), *at = strstr(orig, edits[k][0]);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(at);
+        snprintf(edited, strlen(orig) + 64, "%.*s%s%s", (int)(at - orig), orig, edits[k][1], at + strlen(edits[k][0]));
+        FILE *fc = fopen(path_in("peft/adapter_config.json"), "w");
+        fputs(edited, fc);
+        fclose(fc);
+        snprintf(out2, sizeof out2, "run.out_dir=%s/ql-bad%d", runs.root, k);
+        CU_ASSERT_NOT_EQUAL(qtrain("ql-bad.log", back), 0);
+        char *text = test_file_read(path_in("ql-bad.log"), NULL);
+        if (!(text && strstr(text, wants[k])))
+            fprintf(stderr, "\n  want '%s' in: %s\n", wants[k], text ? text : "(no log)");
+        CU_ASSERT(text && strstr(text, wants[k]) != NULL);
+        free(text), free(edited);
+        unlink(path_in("ql-bad.log"));
+    }
+    FILE *fc = fopen(path_in("peft/adapter_config.json"), "w");
+    fputs(orig, fc);
+    fclose(fc);
+    free(orig);
     if (access("/usr/bin/python3", X_OK) != 0) {
         test_skip("interop: /usr/bin/python3 is missing (Debian's python3)");
         return;
@@ -261,7 +298,8 @@ int register_interop_suite(void) {
                         test_quantized_exports) ||
            !CU_add_test(s, "init_from a safetensors file of another model names what does not fit",
                         test_wrong_model_refused) ||
-           !CU_add_test(s, "a QLoRA run as a PEFT directory: PEFT's conventions reproduce its logits; refusals",
+           !CU_add_test(s, "a QLoRA run as a PEFT directory: PEFT's conventions reproduce its logits, it loads back bit "
+                           "for bit; refusals",
                         test_peft_export)
                ? -1
                : 0;

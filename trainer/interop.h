@@ -9,6 +9,8 @@
 #include "base/error.h"
 #include "nn/model.h"
 
+typedef struct Net Net;
+
 /* Whether path names a safetensors file (ends in ".safetensors"). */
 bool interop_is_safetensors(const char *path);
 
@@ -28,6 +30,14 @@ QtStatus interop_write_state_dict(const char *out, const Model *m, const char *c
  * existing with force): adapter_config.json, adapter_model.safetensors and base_model.safetensors (the float
  * base). interop_peft.c. */
 QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force, FILE *log, QtError *err);
+
+/* Whether path is a PEFT adapter directory (holds adapter_config.json). */
+bool interop_is_peft_dir(const char *path);
+/* model.adapters_from of a PEFT adapter directory: the run's adapters (its lora rules' modules, ranks and
+ * scales must be the directory's target_modules, r / rank_pattern and lora_alpha / alpha_pattern / use_rslora)
+ * and lora.trainable modules (modules_to_save) take the directory's tensors. DoRA, bias adapters and
+ * fan_in_fan_out are refused by name. interop_peft.c. */
+QtStatus interop_load_peft(const char *dir, Net *n, QtError *err);
 
 /* model.init_from of a .safetensors file: every parameter and batch-norm
  * buffer of m by its state_dict name (num_batches_tracked optional), any

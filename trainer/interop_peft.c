@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "base/safetensors.h"
 #include "interop.h"
@@ -29,6 +30,7 @@
 #include "trainer/hook.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"
+#include "trainer/yamltree.h"
 
 #define PEFT_PREFIX "base_model.model."
 
@@ -241,5 +243,186 @@ QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force
     if (base.cfg) net_free(&base);
     if (n.cfg) net_free(&n);
     free(w), free(names), free(bufs), free(json), free(c), free(fc);
+    return st;
+}
+
+/* ---- in: model.adapters_from of a PEFT adapter directory ------------------------------------------------------ */
+
+bool interop_is_peft_dir(const char *path) {
+    char p[4096];
+    struct stat sb;
+    snprintf(p, sizeof p, "%s/adapter_config.json", path);
+    return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode) && access(p, R_OK) == 0;
+}
+
+/* The whole file at path as text (NUL-terminated), at most 1 MB. */
+static char *read_text(const char *path, size_t *len, QtError *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        qt_error_set(err, QT_ERR_IO, "cannot open %s", path);
+        return NULL;
+    }
+    char *b = malloc((1u << 20) + 1);
+    size_t n = b ? fread(b, 1, 1u << 20, f) : 0;
+    const bool more = b && fgetc(f) != EOF;
+    fclose(f);
+    if (!b || more) {
+        free(b);
+        qt_error_set(err, b ? QT_ERR_FORMAT : QT_ERR_NOMEM, "%s is %s", path, b ? "larger than 1 MB" : "unreadable");
+        return NULL;
+    }
+    b[n] = '\0', *len = n;
+    return b;
+}
+
+/* A number field of the config (or def when absent or null). */
+static QtStatus json_number(const YNode *root, const char *key, double def, double *out, const char *path,
+                            QtError *err) {
+    const YNode *v = ynode_get(root, key);
+    *out = def;
+    if (!v || ynode_is_null(v)) return QT_OK;
+    char *end = NULL;
+    double x = v->kind == YNODE_SCALAR ? strtod(v->text, &end) : NAN;
+    if (!end || *end || !isfinite(x))
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: \"%s\" must be a number", path, key);
+    *out = x;
+    return QT_OK;
+}
+
+static bool json_true(const YNode *root, const char *key) {
+    const YNode *v = ynode_get(root, key);
+    return v && v->kind == YNODE_SCALAR && strcmp(v->text, "true") == 0;
+}
+
+/* The rank and PEFT scale adapter config `root` gives module `name`. */
+static QtStatus peft_rank_scale(const YNode *root, const char *name, int *rank, double *scale, const char *path,
+                                QtError *err) {
+    double r = 0, alpha = 0;
+    QtStatus st = json_number(root, "r", 8, &r, path, err);
+    if (st == QT_OK) st = json_number(root, "lora_alpha", 8, &alpha, path, err);
+    const YNode *rp = ynode_get(root, "rank_pattern"), *ap = ynode_get(root, "alpha_pattern");
+    if (st == QT_OK && rp && rp->kind == YNODE_MAPPING && ynode_get(rp, name))
+        st = json_number(rp, name, r, &r, path, err);
+    if (st == QT_OK && ap && ap->kind == YNODE_MAPPING && ynode_get(ap, name))
+        st = json_number(ap, name, alpha, &alpha, path, err);
+    if (st == QT_OK && !(r >= 1 && r == floor(r) && alpha > 0))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: module %s has r = %g, lora_alpha = %g; r must be a positive integer "
+                          "and lora_alpha > 0", path, name, r, alpha);
+    *rank = (int)r;
+    *scale = json_true(root, "use_rslora") ? alpha / sqrt(r) : alpha / r;
+    return st;
+}
+
+/* Every name in the JSON list `key` of root is in names[0..n) and the other way round: else an error. */
+static QtStatus same_modules(const YNode *root, const char *key, const char *const *names, int n, const char *path,
+                             const char *what, QtError *err) {
+    const YNode *v = ynode_get(root, key);
+    const int m = v && v->kind == YNODE_SEQUENCE ? v->n : 0;
+    if (v && !ynode_is_null(v) && v->kind != YNODE_SEQUENCE)
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: \"%s\" must be a list of module names (a regex string is "
+                            "not read by qtrain; list the modules)", path, key);
+    for (int i = 0; i < m; i++) {
+        bool found = false;
+        for (int j = 0; j < n && !found; j++) found = strcmp(v->items[i]->text ? v->items[i]->text : "", names[j]) == 0;
+        if (!found)
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: its %s lists module %s, which this run's %s does not", path,
+                                key, v->items[i]->text ? v->items[i]->text : "?", what);
+    }
+    for (int j = 0; j < n; j++) {
+        bool found = false;
+        for (int i = 0; i < m && !found; i++) found = v->items[i]->text && strcmp(v->items[i]->text, names[j]) == 0;
+        if (!found)
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: this run's %s has module %s, which its %s does not list",
+                                path, what, names[j], key);
+    }
+    return QT_OK;
+}
+
+/* Reads one tensor of the adapter file into dst after checking its shape against v's. */
+static QtStatus read_into(const StFile *f, const char *name, Var *v, const char *path, QtError *err) {
+    const StTensor *t = st_find(f, name);
+    if (!t) return qt_error_set(err, QT_ERR_FORMAT, "%s: adapter_model.safetensors lacks %s", path, name);
+    bool same = t->ndim == v->value.ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == v->value.shape[d];
+    if (!same) {
+        char want[64];
+        tensor_shape_str(&v->value, want, sizeof want);
+        return qt_error_set(err, QT_ERR_FORMAT, "%s: %s has %d dimensions of other sizes than this run's %s", path,
+                            name, t->ndim, want);
+    }
+    return st_read_f32(f, t, v->value.data, var_numel(v), err);
+}
+
+QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    size_t len = 0;
+    char *text = read_text(path, &len, err);
+    if (!text) return err->status;
+    YNode *root = NULL;
+    QtStatus st = ytree_parse(text, len, path, false, &root, err);
+    if (st == QT_OK && (!root || root->kind != YNODE_MAPPING))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s is not a JSON object", path);
+    const YNode *pt = st == QT_OK ? ynode_get(root, "peft_type") : NULL;
+    const YNode *bias = st == QT_OK ? ynode_get(root, "bias") : NULL;
+    if (st == QT_OK && (!pt || !pt->text || strcmp(pt->text, "LORA") != 0))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: peft_type is %s; qtrain reads LORA adapters only", path,
+                          pt && pt->text ? pt->text : "missing");
+    if (st == QT_OK && json_true(root, "use_dora"))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: use_dora is true; qtrain has no DoRA adapters (weight-decomposed "
+                          "LoRA): train them as LoRA", path);
+    if (st == QT_OK && bias && bias->text && strcmp(bias->text, "none") != 0)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: bias is \"%s\"; qtrain's adapters train no biases (bias \"none\")",
+                          path, bias->text);
+    if (st == QT_OK && json_true(root, "fan_in_fan_out"))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: fan_in_fan_out is true (GPT-2's Conv1D layout); qtrain's dense "
+                          "weights are (out, in): not supported", path);
+    const int na = net_hook_count(n, &HOOK_LORA);
+    const char **names = calloc((size_t)na + (size_t)n->model.n_modules + 1, sizeof *names);
+    if (st == QT_OK && !names) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    for (int i = 0; names && i < na; i++) names[i] = net_adapter(n, i)->module->path;
+    if (st == QT_OK) st = same_modules(root, "target_modules", names, na, path, "lora rules", err);
+    int nt = 0;
+    for (int i = 0; names && i < n->cfg->lora.n_trainable; i++) names[nt++] = n->cfg->lora.trainable[i];
+    if (st == QT_OK) st = same_modules(root, "modules_to_save", names, nt, path, "lora.trainable", err);
+    for (int i = 0; st == QT_OK && i < na; i++) {
+        const LoraAdapter *a = net_adapter(n, i);
+        int r = 0;
+        double scale = 0;
+        st = peft_rank_scale(root, a->module->path, &r, &scale, path, err);
+        if (st == QT_OK && (r != a->spec.rank || fabs(scale - a->scale) > 1e-6 * a->scale))
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s's adapter has rank %d and scale %g, this run's rank "
+                              "%d and scale %g; set the lora rule's rank, alpha and rslora to match", path,
+                              a->module->path, r, scale, a->spec.rank, (double)a->scale);
+    }
+    StFile f;
+    bool open = false;
+    if (st == QT_OK) {
+        snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+        open = (st = st_open(&f, path, err)) == QT_OK;
+    }
+    for (int i = 0; st == QT_OK && i < na; i++) {
+        LoraAdapter *a = net_adapter(n, i);
+        char name[ST_NAME_MAX];
+        snprintf(name, sizeof name, PEFT_PREFIX "%s.lora_A.weight", a->module->path);
+        st = read_into(&f, name, &a->A.var, path, err);
+        snprintf(name, sizeof name, PEFT_PREFIX "%s.lora_B.weight", a->module->path);
+        if (st == QT_OK) st = read_into(&f, name, &a->B.var, path, err);
+    }
+    for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
+        Module *mod = &n->model.modules[i];
+        if (!n->is_trainable[i]) continue;
+        Param *ps[2] = {mod->weight, mod->bias};
+        static const char *const pn[2] = {"weight", "bias"};
+        for (int j = 0; st == QT_OK && j < 2; j++) {
+            char name[ST_NAME_MAX];
+            snprintf(name, sizeof name, PEFT_PREFIX "%s.%s", mod->path, pn[j]);
+            if (ps[j]) st = read_into(&f, name, &ps[j]->var, path, err);
+        }
+    }
+    if (open) st_close(&f);
+    free(names);
+    ynode_free(root);
+    free(text);
     return st;
 }

@@ -209,9 +209,13 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     if (st == QT_OK && how == NET_FRESH && c->model.adapters_from[0]) {
         CheckpointNet parts = net_checkpoint_parts(n);
         QtError e = {0};
-        if (net_check_adapters_base(n, c->model.adapters_from, stderr, &e) != QT_OK ||
-            checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, n->bn_trained, &e) != QT_OK)
+        if (interop_is_peft_dir(c->model.adapters_from)) { /* a PEFT adapter directory: no base identity in it */
+            if (interop_load_peft(c->model.adapters_from, n, &e) != QT_OK)
+                st = qt_error_set(err, e.status, "%s: model.adapters_from: %s", c->source, e.msg);
+        } else if (net_check_adapters_base(n, c->model.adapters_from, stderr, &e) != QT_OK ||
+                   checkpoint_load_adapters(c->model.adapters_from, &n->model, &parts, n->bn_trained, &e) != QT_OK) {
             st = qt_error_set(err, e.status, "%s: model.adapters_from: %s", c->source, e.msg);
+        }
     }
     if (st != QT_OK) net_free(n);
     return st;
