@@ -283,9 +283,8 @@ static const CfgKey MODEL_KEYS[] = {
             "`.safetensors` file (docs/INTEROP.md); shapes must match"},
     {.key = "adapters_from", .type = CFG_T_PATH, F(ModelConfig, adapters_from), .empty_ok = true, .def_str = "",
      .doc_default = "none",
-     .doc = "start a fresh run's LoRA adapters (and `lora.trainable` modules) from a checkpoint's or an "
-            "`adapters.h5`'s `/lora`, or from a PEFT adapter directory (docs/INTEROP.md); its rank, alpha and "
-            "rslora must equal the run's rule for each module, and a qtrain file's base identity is checked"},
+     .doc = "start a fresh run's LoRA adapters (and `lora.trainable` modules) from a checkpoint, an "
+            "`adapters.h5` or a PEFT adapter directory (docs/INTEROP.md); ranks and scales must be the run's"},
 };
 
 /* ---- train --------------------------------------------------------------------------------------------------- */
