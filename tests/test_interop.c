@@ -287,6 +287,65 @@ static void test_peft_export(void) {
     free(text);
 }
 
+/* scripts/torch_import.py on a residual CNN defined in PyTorch (tests/torch_import_model.py): the config and
+ * weights it writes evaluate in qtrain to PyTorch's outputs within 1e-5 relative, and fine-tune; a model with a
+ * layer qtrain cannot express is reported by module name and type, nothing written. */
+static void test_torch_import(void) {
+    if (access("/usr/bin/python3", X_OK) != 0 ||
+        system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+        test_skip("interop: scripts/torch_import.py needs /usr/bin/python3 with torch (install python3-torch)");
+        return;
+    }
+    char cmd[4096], dir[1100], out[1100], cfg[1200], npy[1100];
+    snprintf(dir, sizeof dir, "%s", path_in("imported"));
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 scripts/torch_import.py "
+             "tests/torch_import_model.py:make --input 1,28,28 --out %s >%s 2>&1", dir, path_in("import.log"));
+    CU_ASSERT_EQUAL_FATAL(system(cmd), 0);
+    snprintf(cfg, sizeof cfg, "%s/config.yaml", dir);
+    snprintf(out, sizeof out, "run.out_dir=%s/imported-run", runs.root);
+    const char *run[] = {"--config", cfg, "--set", "data.dir=data/fashion-mnist-mini", "--set", out, "--set",
+                         "train.epochs=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("imported.log", run), 0);
+    snprintf(npy, sizeof npy, "%s", path_in("imported.npy"));
+    const char *ev[] = {"eval", "--checkpoint", path_in("imported-run/final.h5"), "--out", path_in("i.json"),
+                        "--dump-logits", npy, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("imported-eval.log", ev), 0);
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 tests/torch_import_check.py "
+             "tests/torch_import_model.py:make --config %s --data-dir data/fashion-mnist-mini --logits %s >%s 2>&1",
+             cfg, npy, path_in("import-check.log"));
+    int rc = system(cmd);
+    char *text = test_file_read(path_in("import-check.log"), NULL);
+    if (rc != 0) fprintf(stderr, "\n  %s\n", text ? text : "(no output)");
+    CU_ASSERT(rc == 0 && text && strstr(text, "torch_import: ok"));
+    free(text);
+    /* it fine-tunes: 30 steps from the imported weights, the training loss (metrics.csv) finite and falling */
+    snprintf(out, sizeof out, "run.out_dir=%s/imported-tune", runs.root);
+    const char *tune[] = {"--config", cfg, "--set", "data.dir=data/fashion-mnist-mini", "--set", out, "--set",
+                          "train.steps=30", "--set", "train.log_every=10", "--set", "train.optimizer.lr=0.01",
+                          "--quiet", NULL};
+    CU_ASSERT_EQUAL(qtrain("imported-tune.log", tune), 0);
+    char *csv = test_file_read(path_in("imported-tune/metrics.csv"), NULL);
+    double first = NAN, last = NAN;
+    for (char *line = csv ? strstr(csv, "\ntrain,") : NULL; line; line = strstr(line + 1, "\ntrain,")) {
+        const char *p = line + 1;
+        for (int comma = 0; comma < 3 && p; comma++) p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL;
+        if (!p) break;
+        last = strtod(p, NULL);
+        if (isnan(first)) first = last;
+    }
+    CU_ASSERT(isfinite(first) && isfinite(last) && last < first);
+    free(csv);
+    /* what qtrain cannot express: named, nothing written */
+    snprintf(dir, sizeof dir, "%s", path_in("bad-import"));
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 scripts/torch_import.py "
+             "tests/torch_import_model.py:bad --input 1,28,28 --out %s >%s 2>&1", dir, path_in("bad-import.log"));
+    CU_ASSERT_NOT_EQUAL(system(cmd), 0);
+    text = test_file_read(path_in("bad-import.log"), NULL);
+    CU_ASSERT(text && strstr(text, "up (Upsample): no qtrain layer for Upsample"));
+    CU_ASSERT(access(dir, F_OK) != 0);
+    free(text);
+}
+
 int register_interop_suite(void) {
     CU_pSuite s = CU_add_suite("interop", suite_init, suite_cleanup);
     if (!s) return -1;
@@ -298,9 +357,12 @@ int register_interop_suite(void) {
                         test_quantized_exports) ||
            !CU_add_test(s, "init_from a safetensors file of another model names what does not fit",
                         test_wrong_model_refused) ||
-           !CU_add_test(s, "a QLoRA run as a PEFT directory: PEFT's conventions reproduce its logits, it loads back bit "
-                           "for bit; refusals",
-                        test_peft_export)
+           !CU_add_test(s, "a QLoRA run as a PEFT directory: PEFT's conventions reproduce its logits, it loads "
+                           "back bit for bit; refusals",
+                        test_peft_export) ||
+           !CU_add_test(s, "scripts/torch_import.py: a residual CNN from PyTorch evaluates to its outputs, fine-tunes; "
+                           "what qtrain cannot express is named",
+                        test_torch_import)
                ? -1
                : 0;
 }
