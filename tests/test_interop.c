@@ -243,13 +243,15 @@ static void test_peft_export(void) {
     CU_ASSERT(test_ckpt_group_within(ql, path_in("ql-back/final.h5"), "params/head"));
     CU_ASSERT_EQUAL(eval_loss(path_in("ql-back/final.h5")), eval_loss(ql));
     /* refused by name: DoRA, bias adapters, another rank */
-    static const char *const edits[3][2] = {{"\"use_dora\": false", "\"use_dora\": true"},
+    static const char *const edits[4][2] = {{"\"use_dora\": false", "\"use_dora\": true"},
                                            {"\"bias\": \"none\"", "\"bias\": \"lora_only\""},
-                                           {"\"r\": 4", "\"r\": 2"}};
-    static const char *const wants[3] = {"use_dora is true", "bias is \"lora_only\"", "has rank 2 and scale 4"};
+                                           {"\"r\": 4", "\"r\": 2"},
+                                           {"\"peft_type\": \"LORA\"", "\"peft_type\": \"IA3\""}};
+    static const char *const wants[4] = {"use_dora is true", "bias is \"lora_only\"", "has rank 2 and scale 4",
+                                         "peft_type is IA3; qtrain reads LORA adapters only"};
     char *orig = test_file_read(path_in("peft/adapter_config.json"), NULL);
     CU_ASSERT_PTR_NOT_NULL_FATAL(orig);
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         char *edited = malloc(strlen(orig) + 64), *at = strstr(orig, edits[k][0]);
         CU_ASSERT_PTR_NOT_NULL_FATAL(at);
         snprintf(edited, strlen(orig) + 64, "%.*s%s%s", (int)(at - orig), orig, edits[k][1], at + strlen(edits[k][0]));
