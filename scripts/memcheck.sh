@@ -130,6 +130,11 @@ run convert convert --checkpoint "$tmp/tiny-qat/final.h5" --out "$tmp/qat-ptq.h5
 train qt tiny-qt
 run compare compare "$tmp/tiny-mlp" "$tmp/tiny-qlora" "$tmp/tiny-qt" --out "$tmp/compare"
 run demo demo --steps 4 --threads 2
+# Out to PyTorch and back: the float MLP as safetensors, a run started from it; the QLoRA run as a PEFT directory.
+run export export --checkpoint "$tmp/tiny-mlp/final.h5" --format safetensors --out "$tmp/mlp.safetensors"
+run from-st --config tests/configs/tiny-mlp.yaml --set "run.out_dir=$tmp/from-st" --set train.steps=2 \
+    --set "model.init_from=$tmp/mlp.safetensors"
+run export-peft export --checkpoint "$tmp/tiny-qlora/final.h5" --format peft --out "$tmp/peft"
 # An HDF5 data set (3 channels, float32, chunked and gzip'd) read per batch, per-channel normalize; made with
 # Debian's python3-h5py (make test installs it), else this run is skipped with a line that says so.
 if /usr/bin/python3 -c 'import h5py, numpy' 2>/dev/null; then
