@@ -77,6 +77,8 @@ def _modules(path, f, top):
         _fail(path, top, "is a dataset, not a group")
 
     def visit(name, obj):
+        if isinstance(obj, h5py.Dataset) and "/" not in name:
+            _fail(path, f"{top}/{name}", f"is a dataset directly under /{top}, not in a module's group")
         if isinstance(obj, h5py.Group) and any(isinstance(v, h5py.Dataset) for v in obj.values()):
             out.append((name.replace("/", "."), obj))
     f[top].visititems(visit)
@@ -160,8 +162,15 @@ def _check_quant(path, name, g):
     if bad.size:
         _fail(path, name + "/scale", f"scale[{int(bad[0])}] decodes to {s[bad[0]]}; a scale must be finite"
               + ("" if dq else " and > 0"))
-    if "zero_point" in g and not np.all(np.isfinite(g["zero_point"][()].astype(np.float64))):
-        _fail(path, name + "/zero_point", "holds NaN or inf")
+    if "zero_point" in g:
+        # in the format's code range, narrow range applied, as quant/qarray_io.c checks it (NaN fails too)
+        zp = g["zero_point"][()].astype(np.float64)
+        hi = float(np.nanmax(lut))
+        lo = -hi if int(g.attrs.get("narrow_range", 0)) else float(np.nanmin(lut))
+        bad = np.flatnonzero(~((zp >= lo) & (zp <= hi)))
+        if bad.size:
+            _fail(path, name + "/zero_point", f"zero_point[{int(bad[0])}] = {zp[bad[0]]} is outside {qtype}'s "
+                  f"code range [{lo:g}, {hi:g}]")
 
 
 def _quant_weight(path, name, g):

@@ -536,6 +536,10 @@ static const char DAMAGE_PY[] =
     "case('asym-tern-bin.h5', 'zero_point count',\n"
     "     lambda f: replace(f, Q % 'conv1' + '/zero_point', f[Q % 'conv1' + '/zero_point'][1:]),\n"
     "     '/quant/conv1/weight/zero_point')\n"
+    "case('asym-tern-bin.h5', 'zero_point range', lambda f: poke(f, Q % 'conv1' + '/zero_point', 2, 300),\n"
+    "     '/quant/conv1/weight/zero_point')\n"
+    "case('int.h5', 'dataset outside a module', lambda f: f.create_dataset('params/w', data=np.ones(2, np.float32)),\n"
+    "     '/params/w')\n"
     "case('int.h5', 'NaN bias', lambda f: poke(f, 'params/conv1/bias', 2, np.nan), '/params/conv1/bias')\n"
     "case('int.h5', 'weight twice', lambda f: f.create_dataset('params/conv1/weight', data=np.zeros((8, 1, 3, 3),\n"
     "     np.float32)), \"gives 'conv1.weight' a second time\")\n"
@@ -575,7 +579,7 @@ static void test_h5_refuses_damage(void) {
     for (const char *p = text; p && (p = strstr(p, "ok ")); p += 3) ok += p == text || p[-1] == '\n';
     if (code != 0 || getenv("QT_TEST_SHOW_MSGS")) show_log(log);
     CU_ASSERT_EQUAL(code, 0);
-    CU_ASSERT_EQUAL(ok, 21);
+    CU_ASSERT_EQUAL(ok, 23);
     free(text);
 }
 
