@@ -64,13 +64,19 @@ def main():
     x, _ = data.batch(data.test_x, data.test_y, np.arange(len(data.test_x)), cfg["model"]["input"])
     with torch.no_grad():
         out = model(x).numpy()
-    q = np.load(a.logits)
+    compare(out, a.logits, a.rtol, "interop")
+
+
+def compare(out, logits_path, rtol, label):
+    """PyTorch's outputs against `qtrain eval --dump-logits`: exits naming the mismatch, or prints
+    "<label>: ok" and the largest relative difference."""
+    q = np.load(logits_path)
     if out.shape != q.shape:
-        sys.exit("interop: PyTorch gives %s outputs, qtrain %s" % (out.shape, q.shape))
+        sys.exit("%s: PyTorch gives %s outputs, qtrain %s" % (label, out.shape, q.shape))
     rel = float(np.abs(out - q).max() / max(np.abs(q).max(), 1e-30))
-    if not rel <= a.rtol:
-        sys.exit("interop: largest relative difference %.3g > %g" % (rel, a.rtol))
-    print("interop: ok, largest relative difference %.3g over %d outputs" % (rel, q.size))
+    if not rel <= rtol:
+        sys.exit("%s: largest relative difference %.3g > %g" % (label, rel, rtol))
+    print("%s: ok, largest relative difference %.3g over %d outputs" % (label, rel, q.size))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 sys.path.insert(0, HERE)
 import torch_model  # noqa: E402
-from interop_check import read_safetensors  # noqa: E402
+from interop_check import compare, read_safetensors  # noqa: E402
 
 PREFIX = "base_model.model."
 
@@ -67,13 +67,7 @@ def main():
     x, _ = data.batch(data.test_x, data.test_y, np.arange(len(data.test_x)), cfg["model"]["input"])
     with torch.no_grad():
         out = model(x).numpy()
-    q = np.load(a.logits)
-    if out.shape != q.shape:
-        sys.exit("peft: PyTorch gives %s outputs, qtrain %s" % (out.shape, q.shape))
-    rel = float(np.abs(out - q).max() / max(np.abs(q).max(), 1e-30))
-    if not rel <= a.rtol:
-        sys.exit("peft: largest relative difference %.3g > %g" % (rel, a.rtol))
-    print("peft: ok, largest relative difference %.3g over %d outputs" % (rel, q.size))
+    compare(out, a.logits, a.rtol, "peft")
 
 
 if __name__ == "__main__":

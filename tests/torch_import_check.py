@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_model  # noqa: E402
+from interop_check import compare  # noqa: E402
 
 
 def main():
@@ -37,13 +39,7 @@ def main():
     x, _ = data.batch(data.test_x, data.test_y, np.arange(len(data.test_x)), cfg["model"]["input"])
     with torch.no_grad():
         out = model(x).numpy()
-    q = np.load(a.logits)
-    if out.shape != q.shape:
-        sys.exit("torch_import: PyTorch gives %s outputs, qtrain %s" % (out.shape, q.shape))
-    rel = float(np.abs(out - q).max() / max(np.abs(q).max(), 1e-30))
-    if not rel <= a.rtol:
-        sys.exit("torch_import: largest relative difference %.3g > %g" % (rel, a.rtol))
-    print("torch_import: ok, largest relative difference %.3g over %d outputs" % (rel, q.size))
+    compare(out, a.logits, a.rtol, "torch_import")
 
 
 if __name__ == "__main__":
