@@ -565,9 +565,10 @@ static QtStatus check_tensors(StFile *f, const char *what, QtError *err) {
     qsort(idx, (size_t)f->n, sizeof *idx, by_name);
     for (int k = 1; k < f->n; k++)
         if (strcmp(f->tensors[idx[k - 1]].name, f->tensors[idx[k]].name) == 0) {
+            QtStatus st = qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' appears twice in "
+                                       "the header; the file is damaged", what, qt_clip(f->tensors[idx[k]].name, s1));
             free(idx);
-            return qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' appears twice in the "
-                                "header; the file is damaged", what, qt_clip(f->tensors[idx[k]].name, s1));
+            return st;
         }
     qsort(idx, (size_t)f->n, sizeof *idx, by_offset);
     uint64_t at = 0;
@@ -839,6 +840,8 @@ static void buf_put(Buf *b, const char *s, size_t n) {
     b->s[b->n] = 0;
 }
 
+static void buf_puts(Buf *b, const char *s) { buf_put(b, s, strlen(s)); }
+
 static void buf_printf(Buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void buf_printf(Buf *b, const char *fmt, ...) {
     char tmp[64];
@@ -954,7 +957,7 @@ static QtStatus build_header(const char *path, const StWrite *t, int n, const ch
                                 qt_clip(w->name, shown));
         buf_put(b, n_meta > 0 || k > 0 ? "," : "", n_meta > 0 || k > 0);
         buf_json_string(b, w->name);
-        buf_put(b, ":{\"dtype\":\"F32\",\"shape\":[", 26);
+        buf_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
         for (int d = 0; d < w->ndim; d++) buf_printf(b, "%s%" PRId64, d ? "," : "", w->shape[d]);
         buf_printf(b, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", at, at + elems * 4);
         at += elems * 4;
