@@ -89,7 +89,8 @@ static int check_header(const StFile *f, size_t size, char *why, size_t why_cap)
 /* Both parses agree: status, message and (accepted) everything parsed. */
 static int same(const StFile *a, const StFile *b, char *why, size_t why_cap) {
     bool eq = a->n == b->n && a->n_meta == b->n_meta && a->data_start == b->data_start &&
-              a->file_size == b->file_size && memcmp(a->tensors, b->tensors, (size_t)a->n * sizeof *a->tensors) == 0;
+              a->file_size == b->file_size &&
+              (a->n == 0 || memcmp(a->tensors, b->tensors, (size_t)a->n * sizeof *a->tensors) == 0);
     for (int m = 0; eq && m < a->n_meta; m++)
         eq = strcmp(a->meta[m].key, b->meta[m].key) == 0 && strcmp(a->meta[m].value, b->meta[m].value) == 0;
     if (!eq) snprintf(why, why_cap, "st_open and st_parse accepted the file with different contents");
