@@ -10,8 +10,12 @@
  * JSON (a strict parser, never evaluated; nesting, string escapes, number
  * ranges bounded), every dtype known, every shape's product times the
  * dtype's size equal to its byte range, ranges inside the data and not
- * overlapping, names unique and non-empty. Every error names the file (or
- * `what`), the tensor and what to do. */
+ * overlapping, names unique and non-empty. As the reference implementation
+ * does, the ranges, sorted, must also tile the data exactly: no gap between
+ * tensors and no bytes after the last one. A tensor object may hold only
+ * dtype, shape and data_offsets; no key may repeat. Every error names the
+ * file (or `what`), the tensor and what to do. docs/INTEROP.md lists what is
+ * read and refused. */
 #ifndef QTRAIN_BASE_SAFETENSORS_H
 #define QTRAIN_BASE_SAFETENSORS_H
 
@@ -100,8 +104,9 @@ typedef struct {
 /* Writes a safetensors file of F32 tensors t[0..n) (in that order, the data
  * 8-byte aligned as the reference implementation pads the header with
  * spaces) and metadata pairs meta[0..n_meta) (key, value: strings), to a
- * temporary name in path's directory, fsync'd and renamed over path, so a
- * reader never sees half a file. Names must be unique, non-empty, at most
+ * temporary name in path's directory, fsync'd and renamed over path (which
+ * may be nothing or a regular file: fs_rename_tmp's FS_REPLACE_REGULAR), so
+ * a reader never sees half a file. Names and metadata must be valid UTF-8. Names must be unique, non-empty, at most
  * ST_NAME_MAX - 1 bytes, and not "__metadata__". */
 QtStatus st_write_f32(const char *path, const StWrite *t, int n, const char *const (*meta)[2], int n_meta,
                       QtError *err);
