@@ -1,5 +1,5 @@
 /* safetensors.h - the safetensors file format, read from untrusted input and
- * written (safetensors.c).
+ * written (safetensors.c reads, safetensors_write.c writes).
  *
  * Layout: an 8-byte little-endian header length N, then N bytes of UTF-8
  * JSON: an object mapping each tensor name to {"dtype": "F32", "shape":
@@ -68,6 +68,11 @@ typedef struct {
     uint64_t data_start;         /* file offset of the data: 8 + header length */
     uint64_t file_size;
 } StFile;
+
+/* Whether the n bytes of s are valid UTF-8 (no overlong forms, surrogates
+ * or code points past U+10FFFF), as JSON text must be; *bad gets the offset
+ * of the first invalid byte (n when valid). */
+bool st_utf8_valid(const uint8_t *s, size_t n, size_t *bad);
 
 /* "F32", "F16", ...; its size in bytes. */
 const char *st_dtype_name(StDtype d);
