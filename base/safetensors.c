@@ -8,6 +8,7 @@
  * surrogate is refused) and the header must be valid UTF-8; numbers must be
  * non-negative integers without sign, fraction or exponent. The writer is
  * in safetensors_write.c. */
+#define _GNU_SOURCE /* qsort_r */
 #include "safetensors.h"
 
 #include <errno.h>
@@ -506,14 +507,16 @@ static QtStatus parse_header(Parser *p) {
 
 /* ---- the checks of the parsed header ---------------------------------------------------------------------------- */
 
-static const StFile *g_sort_file; /* qsort has no context argument; the parse is not reentrant across threads */
-
-static int by_name(const void *a, const void *b) {
-    return strcmp(g_sort_file->tensors[*(const int *)a].name, g_sort_file->tensors[*(const int *)b].name);
+/* qsort_r comparators of indices into the StFile's tensors (a context, not a global: files may be opened from
+ * several threads). */
+static int by_name(const void *a, const void *b, void *ctx) {
+    const StFile *f = ctx;
+    return strcmp(f->tensors[*(const int *)a].name, f->tensors[*(const int *)b].name);
 }
 
-static int by_offset(const void *a, const void *b) {
-    const StTensor *x = &g_sort_file->tensors[*(const int *)a], *y = &g_sort_file->tensors[*(const int *)b];
+static int by_offset(const void *a, const void *b, void *ctx) {
+    const StFile *f = ctx;
+    const StTensor *x = &f->tensors[*(const int *)a], *y = &f->tensors[*(const int *)b];
     if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
     if (x->end != y->end) return x->end < y->end ? -1 : 1;
     return *(const int *)a - *(const int *)b;
@@ -557,8 +560,7 @@ static QtStatus check_tensors(StFile *f, const char *what, QtError *err) {
     int *idx = malloc((size_t)(f->n ? f->n : 1) * sizeof *idx);
     if (!idx) return qt_error_set(err, QT_ERR_NOMEM, "out of memory checking the header of '%s'", what);
     for (int k = 0; k < f->n; k++) idx[k] = k;
-    g_sort_file = f;
-    qsort(idx, (size_t)f->n, sizeof *idx, by_name);
+    qsort_r(idx, (size_t)f->n, sizeof *idx, by_name, f);
     for (int k = 1; k < f->n; k++)
         if (strcmp(f->tensors[idx[k - 1]].name, f->tensors[idx[k]].name) == 0) {
             QtStatus st = qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' appears twice in "
@@ -566,7 +568,7 @@ static QtStatus check_tensors(StFile *f, const char *what, QtError *err) {
             free(idx);
             return st;
         }
-    qsort(idx, (size_t)f->n, sizeof *idx, by_offset);
+    qsort_r(idx, (size_t)f->n, sizeof *idx, by_offset, f);
     uint64_t at = 0;
     const StTensor *prev = NULL;
     for (int k = 0; k < f->n; k++) {
@@ -676,7 +678,7 @@ QtStatus st_open(StFile *f, const char *path, QtError *err) {
     if (fd < 0)
         return qt_error_set(err, QT_ERR_IO, "cannot open safetensors file '%s': %s; check the path", path,
                             strerror(errno));
-    struct stat sb;
+    struct stat sb = {0};
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         int e = errno;
         bool reg = S_ISREG(sb.st_mode);
@@ -781,7 +783,7 @@ QtStatus st_read_f32(const StFile *f, const StTensor *t, float *out, size_t n, Q
         return qt_error_set(err, QT_ERR_ARG, "st_read_f32: '%s' is a header parsed from memory, not an open file",
                             f->path);
     if (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16 && t->dtype != ST_F64)
-        return qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' is %s, an integer type, where "
+        return qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' is %s, not a float type, where "
                             "floating-point weights are expected (F32, F16, BF16 or F64); convert it before saving",
                             f->path, qt_clip(t->name, s1), st_dtype_name(t->dtype));
     size_t bytes = st_dtype_bytes(t->dtype);
