@@ -271,7 +271,7 @@ memcheck: deps
 FUZZ_SECONDS ?= 60
 FUZZ_CC      ?= clang
 FUZZ_BUILD   := build/fuzz
-FUZZ_TARGETS := config idx npy h5data checkpoint
+FUZZ_TARGETS := config idx npy safetensors h5data checkpoint
 FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS  := -O1 -g -std=gnu11 -Wall -Wextra -I. -MMD -MP $(FUZZ_SAN)
 FUZZ_HARNESS := tests/fuzz_harness.c tests/fuzz_h5edit.c tests/fuzz_h5edit_storage.c $(wildcard tests/fuzz_entry_*.c)

@@ -6,21 +6,20 @@
  * strings) and nothing else, so nesting is bounded by construction. Strings
  * take every JSON escape (\uXXXX with surrogate pairs becomes UTF-8; a lone
  * surrogate is refused) and the header must be valid UTF-8; numbers must be
- * non-negative integers without sign, fraction or exponent. */
+ * non-negative integers without sign, fraction or exponent. The writer is
+ * in safetensors_write.c. */
+#define _GNU_SOURCE /* qsort_r */
 #include "safetensors.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include "fsutil.h"
 
 static const char *const DTYPE_NAMES[ST_DTYPE_COUNT] = {"F64", "F32", "F16", "BF16", "I64",
                                                        "I32", "I16", "I8",  "U8",   "BOOL"};
@@ -278,9 +277,7 @@ static QtStatus parse_uint_array(Parser *p, uint64_t *v, int cap, int *count, ui
     }
 }
 
-/* Whether the n bytes of s are valid UTF-8 (no overlong forms, surrogates or code points past U+10FFFF); *bad the
- * offset of the first invalid byte. */
-static bool utf8_valid(const uint8_t *s, size_t n, size_t *bad) {
+bool st_utf8_valid(const uint8_t *s, size_t n, size_t *bad) {
     size_t i = 0;
     while (i < n) {
         uint8_t c = s[i];
@@ -476,7 +473,7 @@ static QtStatus parse_tensor(Parser *p, char *name, size_t name_len, int *cap) {
 
 static QtStatus parse_header(Parser *p) {
     size_t bad;
-    if (!utf8_valid(p->s, p->n, &bad)) {
+    if (!st_utf8_valid(p->s, p->n, &bad)) {
         p->i = bad;
         return perr(p, "a byte that is not valid UTF-8 (JSON text is UTF-8)", NULL, NULL);
     }
@@ -510,14 +507,16 @@ static QtStatus parse_header(Parser *p) {
 
 /* ---- the checks of the parsed header ---------------------------------------------------------------------------- */
 
-static const StFile *g_sort_file; /* qsort has no context argument; the parse is not reentrant across threads */
-
-static int by_name(const void *a, const void *b) {
-    return strcmp(g_sort_file->tensors[*(const int *)a].name, g_sort_file->tensors[*(const int *)b].name);
+/* qsort_r comparators of indices into the StFile's tensors (a context, not a global: files may be opened from
+ * several threads). */
+static int by_name(const void *a, const void *b, void *ctx) {
+    const StFile *f = ctx;
+    return strcmp(f->tensors[*(const int *)a].name, f->tensors[*(const int *)b].name);
 }
 
-static int by_offset(const void *a, const void *b) {
-    const StTensor *x = &g_sort_file->tensors[*(const int *)a], *y = &g_sort_file->tensors[*(const int *)b];
+static int by_offset(const void *a, const void *b, void *ctx) {
+    const StFile *f = ctx;
+    const StTensor *x = &f->tensors[*(const int *)a], *y = &f->tensors[*(const int *)b];
     if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
     if (x->end != y->end) return x->end < y->end ? -1 : 1;
     return *(const int *)a - *(const int *)b;
@@ -561,15 +560,15 @@ static QtStatus check_tensors(StFile *f, const char *what, QtError *err) {
     int *idx = malloc((size_t)(f->n ? f->n : 1) * sizeof *idx);
     if (!idx) return qt_error_set(err, QT_ERR_NOMEM, "out of memory checking the header of '%s'", what);
     for (int k = 0; k < f->n; k++) idx[k] = k;
-    g_sort_file = f;
-    qsort(idx, (size_t)f->n, sizeof *idx, by_name);
+    qsort_r(idx, (size_t)f->n, sizeof *idx, by_name, f);
     for (int k = 1; k < f->n; k++)
         if (strcmp(f->tensors[idx[k - 1]].name, f->tensors[idx[k]].name) == 0) {
+            QtStatus st = qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' appears twice in "
+                                       "the header; the file is damaged", what, qt_clip(f->tensors[idx[k]].name, s1));
             free(idx);
-            return qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' appears twice in the "
-                                "header; the file is damaged", what, qt_clip(f->tensors[idx[k]].name, s1));
+            return st;
         }
-    qsort(idx, (size_t)f->n, sizeof *idx, by_offset);
+    qsort_r(idx, (size_t)f->n, sizeof *idx, by_offset, f);
     uint64_t at = 0;
     const StTensor *prev = NULL;
     for (int k = 0; k < f->n; k++) {
@@ -679,7 +678,7 @@ QtStatus st_open(StFile *f, const char *path, QtError *err) {
     if (fd < 0)
         return qt_error_set(err, QT_ERR_IO, "cannot open safetensors file '%s': %s; check the path", path,
                             strerror(errno));
-    struct stat sb;
+    struct stat sb = {0};
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         int e = errno;
         bool reg = S_ISREG(sb.st_mode);
@@ -784,7 +783,7 @@ QtStatus st_read_f32(const StFile *f, const StTensor *t, float *out, size_t n, Q
         return qt_error_set(err, QT_ERR_ARG, "st_read_f32: '%s' is a header parsed from memory, not an open file",
                             f->path);
     if (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16 && t->dtype != ST_F64)
-        return qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' is %s, an integer type, where "
+        return qt_error_set(err, QT_ERR_FORMAT, "safetensors file '%s': tensor '%s' is %s, not a float type, where "
                             "floating-point weights are expected (F32, F16, BF16 or F64); convert it before saving",
                             f->path, qt_clip(t->name, s1), st_dtype_name(t->dtype));
     size_t bytes = st_dtype_bytes(t->dtype);
@@ -811,211 +810,5 @@ QtStatus st_read_f32(const StFile *f, const StTensor *t, float *out, size_t n, Q
         for (size_t j = 0; j < k; j++) out[done + j] = decode(t->dtype, chunk + j * bytes);
         done += k;
     }
-    return QT_OK;
-}
-
-/* ---- the writer ------------------------------------------------------------------------------------------------ */
-
-typedef struct {
-    char *s;
-    size_t n, cap;
-    bool oom;
-} Buf;
-
-static void buf_put(Buf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t c = b->cap ? b->cap : 256;
-        while (c < b->n + n + 1) c *= 2;
-        char *g = realloc(b->s, c);
-        if (!g) {
-            b->oom = true;
-            return;
-        }
-        b->s = g, b->cap = c;
-    }
-    memcpy(b->s + b->n, s, n);
-    b->n += n;
-    b->s[b->n] = 0;
-}
-
-static void buf_printf(Buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void buf_printf(Buf *b, const char *fmt, ...) {
-    char tmp[64];
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (k > 0) buf_put(b, tmp, (size_t)k < sizeof tmp ? (size_t)k : sizeof tmp - 1);
-}
-
-/* s as a JSON string: quotes, backslashes and control characters escaped, other bytes (UTF-8) as they are. */
-static void buf_json_string(Buf *b, const char *s) {
-    buf_put(b, "\"", 1);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') {
-            char e[2] = {'\\', (char)c};
-            buf_put(b, e, 2);
-        } else if (c < 0x20) buf_printf(b, "\\u%04x", c);
-        else buf_put(b, (const char *)&c, 1);
-    }
-    buf_put(b, "\"", 1);
-}
-
-/* Whether the writer may use s as a key: valid UTF-8 (the reader, and every JSON reader, refuses anything else). */
-static QtStatus check_write_str(const char *path, const char *s, const char *what, bool name, QtError *err) {
-    char shown[QT_CLIP_BUF];
-    size_t bad;
-    if (!s) return qt_error_set(err, QT_ERR_ARG, "st_write_f32 '%s': a %s is NULL", path, what);
-    size_t len = strlen(s);
-    if (!utf8_valid((const uint8_t *)s, len, &bad))
-        return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': %s '%s' is not valid UTF-8 (byte "
-                            "%zu)", path, what, qt_clip(s, shown), bad);
-    if (name && (len == 0 || len >= ST_NAME_MAX))
-        return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': %s '%s' is %s", path, what,
-                            qt_clip(s, shown), len ? "longer than 255 bytes" : "empty");
-    return QT_OK;
-}
-
-static int by_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
-
-/* Whether some two of the n strings s[] are equal; *dup the one. */
-static QtStatus find_dup(const char **s, int n, const char **dup, QtError *err) {
-    *dup = NULL;
-    if (n < 2) return QT_OK;
-    const char **c = malloc((size_t)n * sizeof *c);
-    if (!c) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing a safetensors file");
-    memcpy(c, s, (size_t)n * sizeof *c);
-    qsort(c, (size_t)n, sizeof *c, by_str);
-    for (int k = 1; k < n && !*dup; k++)
-        if (strcmp(c[k - 1], c[k]) == 0) *dup = c[k];
-    free(c);
-    return QT_OK;
-}
-
-/* The header JSON (padded with spaces so the data starts at a multiple of 8) into b; the checks of the arguments. */
-static QtStatus build_header(const char *path, const StWrite *t, int n, const char *const (*meta)[2], int n_meta,
-                             Buf *b, QtError *err) {
-    char shown[QT_CLIP_BUF];
-    const char **names = malloc((size_t)(n + n_meta + 1) * sizeof *names);
-    if (!names) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing safetensors file '%s'", path);
-    QtStatus st = QT_OK;
-    const char *dup = NULL;
-    for (int k = 0; st == QT_OK && k < n_meta; k++) {
-        st = check_write_str(path, meta[k][0], "metadata key", false, err);
-        if (st == QT_OK) st = check_write_str(path, meta[k][1], "metadata value", false, err);
-        names[k] = meta[k][0];
-    }
-    if (st == QT_OK) st = find_dup(names, n_meta, &dup, err);
-    if (st == QT_OK && dup)
-        st = qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': metadata key '%s' given twice", path,
-                          qt_clip(dup, shown));
-    for (int k = 0; st == QT_OK && k < n; k++) {
-        st = check_write_str(path, t[k].name, "tensor name", true, err);
-        if (st == QT_OK && strcmp(t[k].name, "__metadata__") == 0)
-            st = qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': '__metadata__' is not a tensor "
-                              "name (the format reserves it)", path);
-        names[k] = t[k].name;
-    }
-    if (st == QT_OK) st = find_dup(names, n, &dup, err);
-    if (st == QT_OK && dup)
-        st = qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': tensor '%s' given twice", path,
-                          qt_clip(dup, shown));
-    free(names);
-    if (st != QT_OK) return st;
-    buf_put(b, "{", 1);
-    if (n_meta > 0) {
-        buf_put(b, "\"__metadata__\":{", 16);
-        for (int k = 0; k < n_meta; k++) {
-            if (k) buf_put(b, ",", 1);
-            buf_json_string(b, meta[k][0]);
-            buf_put(b, ":", 1);
-            buf_json_string(b, meta[k][1]);
-        }
-        buf_put(b, "}", 1);
-    }
-    uint64_t at = 0;
-    for (int k = 0; k < n; k++) {
-        const StWrite *w = &t[k];
-        if (w->ndim < 0 || w->ndim > ST_MAX_DIMS)
-            return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': tensor '%s' has %d dimensions "
-                                "(0 to %d)", path, qt_clip(w->name, shown), w->ndim, ST_MAX_DIMS);
-        uint64_t elems = 1;
-        for (int d = 0; d < w->ndim; d++) {
-            if (w->shape[d] < 0 || (w->shape[d] > 0 && elems > (UINT64_MAX / 4 - at) / (uint64_t)w->shape[d]))
-                return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': tensor '%s' has a "
-                                    "negative or too large dimension %" PRId64, path, qt_clip(w->name, shown),
-                                    w->shape[d]);
-            elems *= (uint64_t)w->shape[d];
-        }
-        if (elems > 0 && !w->data)
-            return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': tensor '%s' has no data", path,
-                                qt_clip(w->name, shown));
-        buf_put(b, n_meta > 0 || k > 0 ? "," : "", n_meta > 0 || k > 0);
-        buf_json_string(b, w->name);
-        buf_put(b, ":{\"dtype\":\"F32\",\"shape\":[", 25);
-        for (int d = 0; d < w->ndim; d++) buf_printf(b, "%s%" PRId64, d ? "," : "", w->shape[d]);
-        buf_printf(b, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", at, at + elems * 4);
-        at += elems * 4;
-    }
-    buf_put(b, "}", 1);
-    while (!b->oom && b->n % 8) buf_put(b, " ", 1);
-    if (b->oom) return qt_error_set(err, QT_ERR_NOMEM, "out of memory writing safetensors file '%s'", path);
-    if (b->n > ST_HEADER_MAX)
-        return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': its header would be %zu bytes, "
-                            "more than readers accept (%" PRIu64 ")", path, b->n, ST_HEADER_MAX);
-    return QT_OK;
-}
-
-static QtStatus write_error(const char *path, int e, QtError *err) {
-    char hint[256] = "";
-    if (e == EFBIG) qt_file_too_large_hint(hint, sizeof hint);
-    return qt_error_set(err, QT_ERR_IO, "cannot write safetensors file '%s': %s%s%s", path, strerror(e),
-                        *hint ? "; " : "", hint);
-}
-
-QtStatus st_write_f32(const char *path, const StWrite *t, int n, const char *const (*meta)[2], int n_meta,
-                      QtError *err) {
-    if (!path || !*path || n < 0 || n_meta < 0 || (n > 0 && !t) || (n_meta > 0 && !meta))
-        return qt_error_set(err, QT_ERR_ARG, "st_write_f32: no path, or no tensors or metadata where counted");
-    Buf b = {0};
-    QtStatus st = build_header(path, t, n, meta, n_meta, &b, err);
-    if (st != QT_OK) {
-        free(b.s);
-        return st;
-    }
-    char tmp[ST_PATH_MAX + 64];
-    FILE *fp = fs_fopen_tmp(path, tmp, sizeof tmp);
-    if (!fp) {
-        free(b.s);
-        return write_error(path, errno, err);
-    }
-    uint8_t len[8];
-    for (int k = 0; k < 8; k++) len[k] = (uint8_t)((uint64_t)b.n >> (8 * k));
-    bool ok = fwrite(len, 1, 8, fp) == 8 && fwrite(b.s, 1, b.n, fp) == b.n;
-    free(b.s);
-    uint8_t chunk[4096];
-    for (int k = 0; ok && k < n; k++) {
-        size_t elems = 1;
-        for (int d = 0; d < t[k].ndim; d++) elems *= (size_t)t[k].shape[d];
-        for (size_t i = 0; ok && i < elems;) {
-            size_t m = elems - i < sizeof chunk / 4 ? elems - i : sizeof chunk / 4;
-            for (size_t j = 0; j < m; j++) {
-                uint32_t u;
-                memcpy(&u, &t[k].data[i + j], 4);
-                for (int q = 0; q < 4; q++) chunk[4 * j + (size_t)q] = (uint8_t)(u >> (8 * q));
-            }
-            ok = fwrite(chunk, 1, m * 4, fp) == m * 4;
-            i += m;
-        }
-    }
-    int e = ok ? 0 : errno ? errno : EIO;
-    if (!ok) {
-        fclose(fp);
-        unlink(tmp);
-        return write_error(path, e, err);
-    }
-    if (fs_fcommit_tmp(fp, tmp, path, FS_REPLACE_REGULAR) != 0) return write_error(path, errno, err);
     return QT_OK;
 }

@@ -1,5 +1,5 @@
 /* safetensors.h - the safetensors file format, read from untrusted input and
- * written (safetensors.c).
+ * written (safetensors.c reads, safetensors_write.c writes).
  *
  * Layout: an 8-byte little-endian header length N, then N bytes of UTF-8
  * JSON: an object mapping each tensor name to {"dtype": "F32", "shape":
@@ -10,8 +10,12 @@
  * JSON (a strict parser, never evaluated; nesting, string escapes, number
  * ranges bounded), every dtype known, every shape's product times the
  * dtype's size equal to its byte range, ranges inside the data and not
- * overlapping, names unique and non-empty. Every error names the file (or
- * `what`), the tensor and what to do. */
+ * overlapping, names unique and non-empty. As the reference implementation
+ * does, the ranges, sorted, must also tile the data exactly: no gap between
+ * tensors and no bytes after the last one. A tensor object may hold only
+ * dtype, shape and data_offsets; no key may repeat. Every error names the
+ * file (or `what`), the tensor and what to do. docs/INTEROP.md lists what is
+ * read and refused. */
 #ifndef QTRAIN_BASE_SAFETENSORS_H
 #define QTRAIN_BASE_SAFETENSORS_H
 
@@ -65,6 +69,11 @@ typedef struct {
     uint64_t file_size;
 } StFile;
 
+/* Whether the n bytes of s are valid UTF-8 (no overlong forms, surrogates
+ * or code points past U+10FFFF), as JSON text must be; *bad gets the offset
+ * of the first invalid byte (n when valid). */
+bool st_utf8_valid(const uint8_t *s, size_t n, size_t *bad);
+
 /* "F32", "F16", ...; its size in bytes. */
 const char *st_dtype_name(StDtype d);
 size_t st_dtype_bytes(StDtype d);
@@ -100,8 +109,9 @@ typedef struct {
 /* Writes a safetensors file of F32 tensors t[0..n) (in that order, the data
  * 8-byte aligned as the reference implementation pads the header with
  * spaces) and metadata pairs meta[0..n_meta) (key, value: strings), to a
- * temporary name in path's directory, fsync'd and renamed over path, so a
- * reader never sees half a file. Names must be unique, non-empty, at most
+ * temporary name in path's directory, fsync'd and renamed over path (which
+ * may be nothing or a regular file: fs_rename_tmp's FS_REPLACE_REGULAR), so
+ * a reader never sees half a file. Names and metadata must be valid UTF-8. Names must be unique, non-empty, at most
  * ST_NAME_MAX - 1 bytes, and not "__metadata__". */
 QtStatus st_write_f32(const char *path, const StWrite *t, int n, const char *const (*meta)[2], int n_meta,
                       QtError *err);

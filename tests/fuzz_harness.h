@@ -14,6 +14,7 @@
  *               its comment lines "#@set key=value" are also --set overrides.
  *   idx         6 header bytes, then IDX (or gzip) bytes; see fuzz/README.md.
  *   npy         a whole .npy file.
+ *   safetensors a whole .safetensors file.
  *   h5data      byte 0 picks one of four small HDF5 data files written at
  *               init, the rest is an edit script applied to it (fuzz_h5edit.h).
  *   checkpoint  an edit script applied to a small valid checkpoint written
@@ -35,6 +36,8 @@ int fuzz_config_one(const uint8_t *data, size_t size, char *why, size_t why_cap)
 int fuzz_idx_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
 
 int fuzz_npy_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
+
+int fuzz_safetensors_one(const uint8_t *data, size_t size, char *why, size_t why_cap);
 
 /* Writes the base data files (once; fuzz_h5data_one calls it too). */
 int fuzz_h5data_init(char *why, size_t why_cap);

@@ -38,6 +38,7 @@
     X(data_cache) \
     X(augment)    \
     X(data_npy)   \
+    X(safetensors) \
     X(quant_qtype) \
     X(quant_calib) \
     X(quant_qarray) \

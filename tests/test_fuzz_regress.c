@@ -88,6 +88,13 @@ static void test_npy_inputs(void) {
     CU_ASSERT(replay_dir("fuzz/corpus/npy", fuzz_npy_one) > 0);
 }
 
+/* No safetensors input has found a bug yet: tests/fuzz_regressions/safetensors/ is replayed once it exists. */
+static void test_safetensors_inputs(void) {
+    if (access("tests/fuzz_regressions/safetensors", F_OK) == 0)
+        replay_dir("tests/fuzz_regressions/safetensors", fuzz_safetensors_one);
+    CU_ASSERT(replay_dir("fuzz/corpus/safetensors", fuzz_safetensors_one) > 0);
+}
+
 /* No h5data input has found a bug yet: tests/fuzz_regressions/h5data/ is replayed once it exists. */
 static void test_h5data_inputs(void) {
     char why[FUZZ_WHY_MAX] = "";
@@ -121,6 +128,7 @@ int register_fuzz_regress_suite(void) {
     return !CU_add_test(s, "config: found inputs and seeds", test_config_inputs) ||
            !CU_add_test(s, "idx: found inputs and seeds", test_idx_inputs) ||
            !CU_add_test(s, "npy: found inputs and seeds", test_npy_inputs) ||
+           !CU_add_test(s, "safetensors: found inputs and seeds", test_safetensors_inputs) ||
            !CU_add_test(s, "h5data: seeds", test_h5data_inputs) ||
            !CU_add_test(s, "checkpoint: found inputs and seeds", test_checkpoint_inputs);
 }
