@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,4 +165,16 @@ void fs_remove_stale_tmps_of(const char *path, long min_age_s) {
     const char *base = slash ? slash + 1 : path;
     if (!base[0]) return;
     fs_remove_stale_tmps(dir, owns_one, (void *)base, false, min_age_s);
+}
+
+int fs_pread_full(int fd, void *buf, size_t len, uint64_t off, size_t *got) {
+    *got = 0;
+    while (*got < len) {
+        ssize_t r = pread(fd, (uint8_t *)buf + *got, len - *got, (off_t)(off + *got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -1;
+        if (r == 0) break;
+        *got += (size_t)r;
+    }
+    return 0;
 }

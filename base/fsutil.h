@@ -13,6 +13,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "base/error.h"
@@ -73,5 +74,9 @@ bool fs_parent_dir(const char *path, char *dir, size_t cap);
 /* fs_remove_stale_tmps for the temp files of one output file `path`, in its
  * directory; this process's own are left alone. */
 void fs_remove_stale_tmps_of(const char *path, long min_age_s);
+
+/* pread of exactly len bytes at off (EINTR retried): 0, with *got the bytes read before the end of the file;
+ * -1 (errno set) on a read error. */
+int fs_pread_full(int fd, void *buf, size_t len, uint64_t off, size_t *got);
 
 #endif

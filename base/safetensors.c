@@ -10,6 +10,7 @@
  * in safetensors_write.c. */
 #define _GNU_SOURCE /* qsort_r */
 #include "safetensors.h"
+#include "fsutil.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -652,19 +653,6 @@ QtStatus st_parse(StFile *f, const uint8_t *buf, size_t len, uint64_t file_size,
     return QT_OK;
 }
 
-/* pread of exactly len bytes at off; *got the bytes read before the end of the file. */
-static int pread_full(int fd, void *buf, size_t len, uint64_t off, size_t *got) {
-    *got = 0;
-    while (*got < len) {
-        ssize_t r = pread(fd, (uint8_t *)buf + *got, len - *got, (off_t)(off + *got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return -1;
-        if (r == 0) break;
-        *got += (size_t)r;
-    }
-    return 0;
-}
-
 QtStatus st_open(StFile *f, const char *path, QtError *err) {
     if (!f) return qt_error_set(err, QT_ERR_ARG, "st_open: no StFile");
     memset(f, 0, sizeof *f);
@@ -689,7 +677,7 @@ QtStatus st_open(StFile *f, const char *path, QtError *err) {
     uint64_t size = (uint64_t)sb.st_size;
     uint8_t head[8];
     size_t got = 0;
-    if (pread_full(fd, head, 8, 0, &got) != 0) {
+    if (fs_pread_full(fd, head, 8, 0, &got) != 0) {
         int e = errno;
         close(fd);
         return qt_error_set(err, QT_ERR_IO, "cannot read safetensors file '%s': %s", path, strerror(e));
@@ -705,7 +693,7 @@ QtStatus st_open(StFile *f, const char *path, QtError *err) {
         close(fd);
         return qt_error_set(err, QT_ERR_NOMEM, "out of memory reading the header of safetensors file '%s'", path);
     }
-    if (pread_full(fd, buf, want, 0, &got) != 0) {
+    if (fs_pread_full(fd, buf, want, 0, &got) != 0) {
         int e = errno;
         free(buf);
         close(fd);
@@ -801,7 +789,7 @@ QtStatus st_read_f32(const StFile *f, const StTensor *t, float *out, size_t n, Q
     size_t done = 0, per = sizeof chunk / bytes;
     while (done < n) {
         size_t k = n - done < per ? n - done : per, got;
-        if (pread_full(f->fd, chunk, k * bytes, off + done * bytes, &got) != 0)
+        if (fs_pread_full(f->fd, chunk, k * bytes, off + done * bytes, &got) != 0)
             return qt_error_set(err, QT_ERR_IO, "cannot read tensor '%s' of safetensors file '%s': %s",
                                 qt_clip(t->name, s1), f->path, strerror(errno));
         if (got < k * bytes)

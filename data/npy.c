@@ -8,6 +8,7 @@
  * to the final '\n'. Anything else is refused with the byte it stopped at,
  * so a damaged header never turns into a plausible shape. */
 #include "npy.h"
+#include "base/fsutil.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -432,19 +433,6 @@ QtStatus npy_read_header_bytes(const uint8_t *buf, size_t len, uint64_t file_siz
 
 /* ---- files -------------------------------------------------------------------------------------------------------- */
 
-/* pread of exactly len bytes at off; *got the bytes read before the end of the file. */
-static int npy_pread_full(int fd, void *buf, size_t len, uint64_t off, size_t *got) {
-    *got = 0;
-    while (*got < len) {
-        ssize_t r = pread(fd, (uint8_t *)buf + *got, len - *got, (off_t)(off + *got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return -1;
-        if (r == 0) break;
-        *got += (size_t)r;
-    }
-    return 0;
-}
-
 /* Opens path (O_NONBLOCK, so a FIFO does not block: it is then refused as
  * not a regular file) and reads its header into info; *fd_out keeps the
  * descriptor on success. */
@@ -474,7 +462,7 @@ static QtStatus npy_open_info(const char *path, NpyInfo *info, int *fd_out, QtEr
         close(fd);
         return qt_error_set(err, QT_ERR_NOMEM, "out of memory reading the header of .npy file '%s'", path);
     }
-    if (npy_pread_full(fd, head, want, 0, &got) != 0) {
+    if (fs_pread_full(fd, head, want, 0, &got) != 0) {
         int e = errno;
         free(head);
         close(fd);
@@ -528,7 +516,7 @@ QtStatus npy_file_read_rows(const NpyFile *f, uint64_t start, uint64_t n, void *
                             "not fit in %zu bytes", n, f->row_bytes, f->path, cap);
     size_t len = (size_t)(n * f->row_bytes), got = 0;
     uint64_t off = f->info.data_offset + start * f->row_bytes;
-    if (npy_pread_full(f->fd, buf, len, off, &got) != 0)
+    if (fs_pread_full(f->fd, buf, len, off, &got) != 0)
         return qt_error_set(err, QT_ERR_IO, "cannot read rows %" PRIu64 "..%" PRIu64 " of .npy file '%s': %s", start,
                             start + n, f->path, strerror(errno));
     if (got < len) {
