@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -253,6 +254,13 @@ static QtStatus eval_stored_config(Config *cfg, const CliArgs *a, QtError *err) 
     return st;
 }
 
+/* Whether a and b name one file (an existing one: the same device and inode; else the same text). */
+static bool same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    if (stat(a, &sa) == 0 && stat(b, &sb) == 0) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    return strcmp(a, b) == 0;
+}
+
 static int cmd_eval(int argc, char **argv) {
     CliArgs a;
     parse_args(argc, argv, " eval", true, &a);
@@ -278,9 +286,19 @@ static int cmd_eval(int argc, char **argv) {
         return fail(&err, exit_status(&err));
     }
     TrainResult r;
-    if (a.dump_logits && fs_check_out_path(a.dump_logits, true, "--dump-logits", &err) != QT_OK) {
-        free(cfg);
-        return fail(&err, 2);
+    if (a.dump_logits) {
+        const char *others[3] = {a.checkpoint, a.config, json};
+        for (int k = 0; k < 3; k++)
+            if (others[k] && same_file(a.dump_logits, others[k])) {
+                fprintf(stderr, "qtrain eval: --dump-logits %s is %s; give the logits a file of their own\n",
+                        a.dump_logits, k == 0 ? "the checkpoint" : k == 1 ? "the config" : "where eval.json goes");
+                free(cfg);
+                return 2;
+            }
+        if (fs_check_out_path(a.dump_logits, a.force, "--dump-logits", &err) != QT_OK) {
+            free(cfg);
+            return fail(&err, 2);
+        }
     }
     st = train_eval_checkpoint_dump(cfg, a.checkpoint, json, a.dump_logits, &r, &err);
     free(cfg);

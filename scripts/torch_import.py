@@ -78,8 +78,11 @@ def module_spec(m):
     if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
         if not m.track_running_stats:
             raise Unsupported("a batch norm without running statistics")
+        if m.momentum is None:
+            raise Unsupported("momentum None (a cumulative average): qtrain's running statistics are an "
+                              "exponential average; set a momentum")
         s = {"type": "batchnorm2d" if isinstance(m, nn.BatchNorm2d) else "batchnorm1d", "eps": m.eps,
-             "momentum": m.momentum if m.momentum is not None else 0.1}
+             "momentum": m.momentum}
         if not m.affine:
             s["affine"] = False
         return s
@@ -96,6 +99,10 @@ def module_spec(m):
         return {"type": "dropout", "p": m.p}
     if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
         k, st = pair(m.kernel_size), pair(m.stride if m.stride is not None else m.kernel_size)
+        if getattr(m, "ceil_mode", False) or pair(getattr(m, "dilation", 1)) != [1, 1] or \
+                getattr(m, "divisor_override", None) is not None or not getattr(m, "count_include_pad", True):
+            raise Unsupported("ceil_mode, dilation, divisor_override or count_include_pad=False (qtrain pools "
+                              "floor-sized, undilated windows)")
         if k[0] != k[1] or st[0] != st[1] or pair(m.padding) != [0, 0]:
             raise Unsupported("a pool of kernel %s, stride %s, padding %s (square, unpadded only)" %
                               (k, st, m.padding))
@@ -111,6 +118,10 @@ def function_spec(node):
     """The qtrain layer of a call_function / call_method node, or raises Unsupported."""
     t = node.target
     if t in (operator.add, torch.add) or t == "add":
+        if node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2:
+            raise Unsupported("add with alpha %s" % node.kwargs.get("alpha", node.args[2:]))
+        if not all(isinstance(x, torch.fx.Node) for x in node.args[:2]):
+            raise Unsupported("add of a constant (qtrain's add sums two layers' outputs)")
         return {"type": "add"}
     if t in (F.relu, torch.relu) or t == "relu":
         return {"type": "relu"}
@@ -119,7 +130,7 @@ def function_spec(node):
         if t in (torch.flatten, "flatten") and (args[:1] or [1])[0] == 1 and node.kwargs.get("end_dim", -1) == -1:
             return {"type": "flatten"}
         if t in ("view", "reshape") and len(args) == 2 and args[1] == -1:
-            return {"type": "flatten"}
+            return {"type": "flatten"}  # x.view(n, -1), x.view(x.size(0), -1)
         raise Unsupported("%s with arguments %s" % (t, args))
     if t is torch.cat:
         if node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) != 1:
@@ -141,6 +152,9 @@ def trace(model):
             continue
         if node.op == "output":
             continue
+        if node.op == "call_method" and node.target == "size" and all(
+                u.op == "call_method" and u.target in ("view", "reshape") for u in node.users):
+            continue  # x.size(0) feeding x.view(x.size(0), -1): the batch size, no layer
         if node.op == "get_attr":
             problems.append("%s: a tensor read from the model (get_attr %s)" % (node.name, node.target))
             continue
@@ -148,8 +162,8 @@ def trace(model):
             if node.op == "call_module":
                 m = mods[node.target]
                 spec, name = module_spec(m), qname(node.target)
-                if name in used and any(True for _ in m.parameters()):
-                    raise Unsupported("called twice: qtrain layers share no weights")
+                if name in used and m.state_dict():
+                    raise Unsupported("called twice: qtrain layers share no weights or statistics")
                 for k, v in m.state_dict().items():
                     state[name + "." + k] = v
             else:
@@ -162,6 +176,8 @@ def trace(model):
         srcs = [a for a in node.args if isinstance(a, torch.fx.Node)]
         if spec["type"] == "concat":
             srcs = list(node.args[0])
+        elif spec["type"] != "add":
+            srcs = srcs[:1]  # the data; a view's batch size (x.size(0)) is no layer's input
         ins = [names.get(s.name, qname(s.name)) for s in srcs]
         if len(ins) > 1 or (ins and (srcs[0].name != prev)):
             spec["inputs"] = ins

@@ -151,6 +151,35 @@ static void test_quantized_exports(void) {
     CU_ASSERT(isfinite(lq));
     CU_ASSERT(fabs(lf - lq) <= 1e-6 * fabs(lq));
     if (!(fabs(lf - lq) <= 1e-6 * fabs(lq))) fprintf(stderr, "\n  ptq %.9g, float export %.9g\n", lq, lf);
+    /* a folded batch norm without affine parameters: exported without them, and the export loads back */
+    snprintf(out, sizeof out, "run.out_dir=%s/bn-na", runs.root);
+    const char *bn[] = {"--config", "tests/configs/tiny-bn.yaml", "--set", out, "--set", "model.layers.0.bias=true",
+                        "--set", "model.layers.1.affine=false", "--set", "train.steps=4", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-na.log", bn), 0);
+    snprintf(from, sizeof from, "model.init_from=%s/bn-na/final.h5", runs.root);
+    snprintf(out, sizeof out, "run.out_dir=%s/bn-na-ptq", runs.root);
+    const char *bnq[] = {"--config", "tests/configs/tiny-bn.yaml", "--set", out, "--set", from, "--set",
+                         "model.layers.0.bias=true", "--set", "model.layers.1.affine=false", "--set", "quant.mode=ptq",
+                         "--set", "quant.rules=[{module_path: \".*\", weight_qtype: int8}]", "--set", "train.epochs=0",
+                         "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-na-ptq.log", bnq), 0);
+    snprintf(st_path, sizeof st_path, "%s", path_in("bn-na.safetensors"));
+    const char *exb[] = {"export", "--checkpoint", path_in("bn-na-ptq/final.h5"), "--format", "safetensors", "--out",
+                         st_path, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", exb), 0);
+    StFile fb;
+    QtError eb = {0};
+    CU_ASSERT_EQUAL_FATAL(st_open(&fb, st_path, &eb), QT_OK);
+    CU_ASSERT(st_find(&fb, "bn1.running_var") && !st_find(&fb, "bn1.weight") && !st_find(&fb, "bn1.bias"));
+    st_close(&fb);
+    snprintf(from, sizeof from, "model.init_from=%s", st_path);
+    snprintf(out, sizeof out, "run.out_dir=%s/bn-na-back", runs.root);
+    const char *bnb[] = {"--config", "tests/configs/tiny-bn.yaml", "--set", out, "--set", from, "--set",
+                         "model.layers.0.bias=true", "--set", "model.layers.1.affine=false", "--set", "train.epochs=0",
+                         "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-na-back.log", bnb), 0);
+    const double lp = eval_loss(path_in("bn-na-ptq/final.h5")), lb = eval_loss(path_in("bn-na-back/final.h5"));
+    CU_ASSERT(isfinite(lp) && fabs(lb - lp) <= 1e-6 * fabs(lp));
     /* --merge of a run without adapters is refused; export of a format it does not write too */
     const char *merge[] = {"export", "--checkpoint", ckpt, "--format", "safetensors", "--merge", "--out",
                            path_in("none.safetensors"), NULL};
@@ -243,6 +272,10 @@ static void test_peft_export(void) {
     CU_ASSERT(test_ckpt_group_within(ql, path_in("ql-back/final.h5"), "params/head"));
     CU_ASSERT_EQUAL(eval_loss(path_in("ql-back/final.h5")), eval_loss(ql));
     /* refused by name: DoRA, bias adapters, another rank */
+    /* eval --dump-logits never over the checkpoint it evaluates */
+    const char *over[] = {"eval", "--checkpoint", ql, "--dump-logits", ql, NULL};
+    CU_ASSERT_EQUAL(qtrain("over.log", over), 2);
+    CU_ASSERT(eval_loss(ql) == eval_loss(ql) && isfinite(eval_loss(ql)));
     static const char *const edits[4][2] = {{"\"use_dora\": false", "\"use_dora\": true"},
                                            {"\"bias\": \"none\"", "\"bias\": \"lora_only\""},
                                            {"\"r\": 4", "\"r\": 2"},
@@ -348,6 +381,53 @@ static void test_torch_import(void) {
     free(text);
 }
 
+/* lora.batchnorm: train: the trained batch norm is one of PEFT's modules_to_save, statistics included, and the
+ * directory loads back to the run's loss bit for bit; a grouped conv's adapter is refused (PEFT's is another
+ * function). */
+static void test_peft_batchnorm_and_groups(void) {
+    char out[1100], from[1200], dir[1100], run_ck[1200];
+    snprintf(out, sizeof out, "run.out_dir=%s/bn-base", runs.root);
+    const char *base[] = {"--config", "tests/configs/tiny-bn.yaml", "--set", out, "--set", "train.steps=6", "--quiet",
+                          NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-base.log", base), 0);
+    snprintf(from, sizeof from, "model.init_from=%s/bn-base/final.h5", runs.root);
+    snprintf(out, sizeof out, "run.out_dir=%s/bn-lora", runs.root);
+    const char *lora[] = {"--config", "tests/configs/tiny-bn.yaml", "--set", out, "--set", from, "--set",
+                          "lora.rules=[{module_path: conv1, rank: 4, alpha: 8}]", "--set", "lora.trainable=[head]",
+                          "--set", "lora.batchnorm=train", "--set", "train.steps=6", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-lora.log", lora), 0);
+    snprintf(run_ck, sizeof run_ck, "%s/bn-lora/final.h5", runs.root);
+    snprintf(dir, sizeof dir, "%s", path_in("bn-peft"));
+    const char *ex[] = {"export", "--checkpoint", run_ck, "--format", "peft", "--out", dir, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-peft.log", ex), 0);
+    char *conf = test_file_read(path_in("bn-peft/adapter_config.json"), NULL);
+    CU_ASSERT(conf && strstr(conf, "\"modules_to_save\": [\"bn1\", \"head\"]"));
+    if (conf && !strstr(conf, "\"modules_to_save\": [\"bn1\", \"head\"]")) fprintf(stderr, "\n%s\n", conf);
+    free(conf);
+    char ad[1200];
+    snprintf(ad, sizeof ad, "model.adapters_from=%s", dir);
+    snprintf(out, sizeof out, "run.out_dir=%s/bn-back", runs.root);
+    const char *back[] = {"--config", "tests/configs/tiny-bn.yaml", "--set", out, "--set", from, "--set", ad, "--set",
+                          "lora.rules=[{module_path: conv1, rank: 4, alpha: 8}]", "--set", "lora.trainable=[head]",
+                          "--set", "lora.batchnorm=train", "--set", "train.steps=0", "--set", "train.epochs=0",
+                          "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("bn-back.log", back), 0);
+    CU_ASSERT_EQUAL(eval_loss(path_in("bn-back/final.h5")), eval_loss(run_ck));
+    /* a grouped conv's adapter: refused, naming the module */
+    snprintf(out, sizeof out, "run.out_dir=%s/dw-lora", runs.root);
+    const char *dw[] = {"--config", "tests/configs/tiny-dw.yaml", "--set", out, "--set",
+                        "lora.rules=[{module_path: pw, rank: 2}]", "--set", "model.layers.6.groups=2", "--set",
+                        "train.steps=2", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("dw-lora.log", dw), 0);
+    char ck[1200];
+    snprintf(ck, sizeof ck, "%s/dw-lora/final.h5", runs.root);
+    const char *exd[] = {"export", "--checkpoint", ck, "--format", "peft", "--out", path_in("dw-peft"), NULL};
+    CU_ASSERT_EQUAL(qtrain("dw-peft.log", exd), 2);
+    char *text = test_file_read(path_in("dw-peft.log"), NULL);
+    CU_ASSERT(text && strstr(text, "pw is a grouped conv"));
+    free(text);
+}
+
 int register_interop_suite(void) {
     CU_pSuite s = CU_add_suite("interop", suite_init, suite_cleanup);
     if (!s) return -1;
@@ -362,6 +442,8 @@ int register_interop_suite(void) {
            !CU_add_test(s, "a QLoRA run as a PEFT directory: PEFT's conventions reproduce its logits, it loads "
                            "back bit for bit; refusals",
                         test_peft_export) ||
+           !CU_add_test(s, "PEFT export: a trained batch norm saved with its statistics; a grouped conv refused",
+                        test_peft_batchnorm_and_groups) ||
            !CU_add_test(s, "scripts/torch_import.py: a residual CNN from PyTorch evaluates to its outputs, fine-tunes; "
                            "what qtrain cannot express is named",
                         test_torch_import)

@@ -76,7 +76,8 @@ static QtStatus collect(const Model *m, StWrite **out, int *n_out, float **bufs,
         const int C = mod->in_shape[0];
         const bool folded = mod->bn_folded != BN_FOLD_NONE;
         static const char *const tensors[5] = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"};
-        for (int t = folded ? 0 : 2; t < 5; t++) {
+        /* a folded batch norm without affine parameters (affine: false) is written without them, as PyTorch's */
+        for (int t = folded && !mod->spec.no_affine ? 0 : 2; t < 5; t++) {
             float *dst = b + at;
             const int len = t == 4 ? 1 : C;
             for (int c = 0; c < len; c++) {
@@ -135,8 +136,7 @@ QtStatus interop_export(const char *checkpoint, const char *format, const char *
         st = st_fmt ? interop_write_state_dict(out, &fl.model, checkpoint, merge, err)
                     : tools_save_float(out, force, &fl, checkpoint, err);
         if (st == QT_OK && log)
-            fprintf(log, "exported %s%s as %s: %d tensors -> %s\n", checkpoint, merge ? " (adapters merged)" : "",
-                    format, fl.model.n_params, out);
+            fprintf(log, "exported %s%s as %s -> %s\n", checkpoint, merge ? " (adapters merged)" : "", format, out);
         net_free(&fl);
     }
     free(c);

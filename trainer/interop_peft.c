@@ -83,6 +83,10 @@ static void put_num(Text *t, double v) {
     puts_(t, b);
 }
 
+/* Whether module i is one of PEFT's modules_to_save: trained in full (lora.trainable), or a batch norm that
+ * lora.batchnorm: train trains. */
+static bool peft_saved(const Net *n, int i) { return n->is_trainable[i] || (n->bn_trained && n->bn_trained[i]); }
+
 /* PEFT's lora_alpha for adapter a: the alpha whose scale (alpha / r, or / sqrt(r)) is a's. */
 static double peft_alpha(const LoraAdapter *a) {
     return a->spec.rslora ? (double)a->scale * sqrt((double)a->spec.rank) : (double)a->scale * a->spec.rank;
@@ -123,13 +127,13 @@ static char *config_json(const Net *n, QtError *err) {
         put_str(&t, a->module->path), puts_(&t, ": "), put_num(&t, peft_alpha(a));
     }
     puts_(&t, "},\n  \"modules_to_save\": ");
-    const LoraConfig *lc = &n->cfg->lora;
-    if (lc->n_trainable == 0) puts_(&t, "null");
-    for (int i = 0; i < lc->n_trainable; i++) {
-        puts_(&t, i ? ", " : "[");
-        put_str(&t, lc->trainable[i]);
+    int saved = 0;
+    for (int i = 0; i < n->model.n_modules; i++) {
+        if (!peft_saved(n, i)) continue;
+        puts_(&t, saved++ ? ", " : "[");
+        put_str(&t, n->model.modules[i].path);
     }
-    if (lc->n_trainable) puts_(&t, "]");
+    puts_(&t, saved ? "]" : "null");
     puts_(&t, "\n}\n");
     if (t.oom) {
         free(t.buf);
@@ -147,7 +151,7 @@ static QtStatus adapter_tensors(const Net *n, StWrite **out, int *n_out, char (*
     int cap = 2 * na;
     size_t floats = 0;
     for (int i = 0; i < m->n_modules; i++)
-        if (n->is_trainable[i])
+        if (peft_saved(n, i))
             cap += 5, floats += m->modules[i].running_mean ? 2 * (size_t)m->modules[i].in_shape[0] + 1 : 0;
     StWrite *w = calloc((size_t)cap + 1, sizeof *w);
     char (*nm)[ST_NAME_MAX] = calloc((size_t)cap + 1, sizeof *nm);
@@ -169,7 +173,7 @@ static QtStatus adapter_tensors(const Net *n, StWrite **out, int *n_out, char (*
     size_t at = 0;
     for (int i = 0; i < m->n_modules; i++) {
         const Module *mod = &m->modules[i];
-        if (!n->is_trainable[i]) continue;
+        if (!peft_saved(n, i)) continue;
         const Param *ps[2] = {mod->weight, mod->bias};
         static const char *const pn[2] = {"weight", "bias"};
         for (int j = 0; j < 2; j++) {
@@ -208,6 +212,13 @@ QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force
     if (st == QT_OK && net_hook_count(&n, &HOOK_LORA) == 0)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters: nothing for PEFT (export the model with "
                           "--format safetensors)", checkpoint);
+    for (int i = 0; st == QT_OK && i < net_hook_count(&n, &HOOK_LORA); i++)
+        if (net_adapter(&n, i)->module->spec.groups > 1)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s is a grouped conv; qtrain's adapter there is grouped "
+                              "like the conv (lora_A of %d input channels per group), PEFT's lora_A is not, so the two "
+                              "compute different functions: export the merged model instead (--format safetensors "
+                              "--merge)", checkpoint, net_adapter(&n, i)->module->path,
+                              net_adapter(&n, i)->module->in_shape[0] / net_adapter(&n, i)->module->spec.groups);
     for (int i = 0; st == QT_OK && i < net_hook_count(&n, &HOOK_LORA); i++)
         if (net_adapter(&n, i)->spec.rslora != net_adapter(&n, 0)->spec.rslora ||
             net_adapter(&n, i)->spec.dropout != net_adapter(&n, 0)->spec.dropout)
@@ -353,6 +364,30 @@ static QtStatus read_into(const StFile *f, const char *name, Var *v, const char 
     return st_read_f32(f, t, v->value.data, var_numel(v), err);
 }
 
+/* A saved batch norm's running statistics (and its count, when the file has it). */
+static QtStatus read_bn_stats(const StFile *f, Module *mod, const char *path, int *n_read, QtError *err) {
+    const int C = mod->in_shape[0];
+    Var v = {.value = {.data = mod->running_mean, .ndim = 1, .shape = {C, 1, 1, 1}}};
+    char name[ST_NAME_MAX];
+    snprintf(name, sizeof name, PEFT_PREFIX "%s.running_mean", mod->path);
+    QtStatus st = read_into(f, name, &v, path, err);
+    v.value.data = mod->running_var;
+    snprintf(name, sizeof name, PEFT_PREFIX "%s.running_var", mod->path);
+    if (st == QT_OK) st = read_into(f, name, &v, path, err);
+    *n_read += 2;
+    snprintf(name, sizeof name, PEFT_PREFIX "%s.num_batches_tracked", mod->path);
+    const StTensor *t = st_find(f, name);
+    if (st == QT_OK && t) {
+        float c = 0.0f;
+        if (t->dtype != ST_I64 && t->dtype != ST_I32) {
+            st = st_read_f32(f, t, &c, 1, err);
+            if (st == QT_OK) mod->num_batches_tracked = c >= 0.0f ? (int64_t)c : 0;
+        }
+        (*n_read)++;
+    }
+    return st;
+}
+
 QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
     char path[4096];
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
@@ -374,6 +409,8 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
     if (st == QT_OK && bias && bias->text && strcmp(bias->text, "none") != 0)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: bias is \"%s\"; qtrain's adapters train no biases (bias \"none\")",
                           path, bias->text);
+    if (st == QT_OK && json_true(root, "lora_bias"))
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s: lora_bias is true; qtrain's adapters have no bias on lora_B", path);
     if (st == QT_OK && json_true(root, "fan_in_fan_out"))
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: fan_in_fan_out is true (GPT-2's Conv1D layout); qtrain's dense "
                           "weights are (out, in): not supported", path);
@@ -383,8 +420,10 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
     for (int i = 0; names && i < na; i++) names[i] = net_adapter(n, i)->module->path;
     if (st == QT_OK) st = same_modules(root, "target_modules", names, na, path, "lora rules", err);
     int nt = 0;
-    for (int i = 0; names && i < n->cfg->lora.n_trainable; i++) names[nt++] = n->cfg->lora.trainable[i];
-    if (st == QT_OK) st = same_modules(root, "modules_to_save", names, nt, path, "lora.trainable", err);
+    for (int i = 0; names && i < n->model.n_modules; i++)
+        if (peft_saved(n, i)) names[nt++] = n->model.modules[i].path;
+    if (st == QT_OK)
+        st = same_modules(root, "modules_to_save", names, nt, path, "lora.trainable (and lora.batchnorm: train)", err);
     for (int i = 0; st == QT_OK && i < na; i++) {
         const LoraAdapter *a = net_adapter(n, i);
         int r = 0;
@@ -409,17 +448,23 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
         snprintf(name, sizeof name, PEFT_PREFIX "%s.lora_B.weight", a->module->path);
         if (st == QT_OK) st = read_into(&f, name, &a->B.var, path, err);
     }
+    int n_read = 2 * na;
     for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
         Module *mod = &n->model.modules[i];
-        if (!n->is_trainable[i]) continue;
+        if (!peft_saved(n, i)) continue;
         Param *ps[2] = {mod->weight, mod->bias};
         static const char *const pn[2] = {"weight", "bias"};
         for (int j = 0; st == QT_OK && j < 2; j++) {
             char name[ST_NAME_MAX];
             snprintf(name, sizeof name, PEFT_PREFIX "%s.%s", mod->path, pn[j]);
-            if (ps[j]) st = read_into(&f, name, &ps[j]->var, path, err);
+            if (ps[j]) st = read_into(&f, name, &ps[j]->var, path, err), n_read++;
         }
+        if (st == QT_OK && mod->running_mean) st = read_bn_stats(&f, mod, path, &n_read, err);
     }
+    if (st == QT_OK && n_read != f.n)
+        st = qt_error_set(err, QT_ERR_FORMAT, "%s holds %d tensors, but this run reads %d (each adapter's lora_A and "
+                          "lora_B, each saved module's parameters and batch-norm buffers): a lora_B bias or a tensor "
+                          "of another module is not read", path, f.n, n_read);
     if (open) st_close(&f);
     free(names);
     ynode_free(root);
