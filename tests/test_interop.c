@@ -379,6 +379,13 @@ static void test_torch_import(void) {
     CU_ASSERT(text && strstr(text, "up (Upsample): no qtrain layer for Upsample"));
     CU_ASSERT(access(dir, F_OK) != 0);
     free(text);
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 scripts/torch_import.py "
+             "tests/torch_import_model.py:bad2 --input 1,28,28 --out %s >%s 2>&1", dir, path_in("bad-import.log"));
+    CU_ASSERT_NOT_EQUAL(system(cmd), 0);
+    text = test_file_read(path_in("bad-import.log"), NULL);
+    CU_ASSERT(text && strstr(text, "bn (BatchNorm2d): momentum None") && strstr(text, "add with alpha 2"));
+    CU_ASSERT(access(dir, F_OK) != 0);
+    free(text);
 }
 
 /* lora.batchnorm: train: the trained batch norm is one of PEFT's modules_to_save, statistics included, and the

@@ -49,3 +49,17 @@ class Bad(nn.Module):
         return self.fc(torch.flatten(self.up(self.conv(x)), 1))
 def bad():
     return Bad()
+
+
+class Bad2(nn.Module):
+    """A cumulative-average batch norm and an add with alpha: each named, nothing written."""
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4, momentum=None)
+        self.fc = nn.Linear(4 * 28 * 28, 10)
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return self.fc(torch.add(y, y, alpha=2).view(x.size(0), -1))
+def bad2():
+    return Bad2()
