@@ -49,8 +49,10 @@ PKG_LIBS   = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUNIT_CFLAGS = $(shell pkg-config --cflags cunit 2>/dev/null)
 CUNIT_LIBS   = $(shell pkg-config --libs cunit 2>/dev/null)
 
-LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c trainer/*.c)
-LIB_OBJS   := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c device/*.c trainer/*.c)
+# The device runtime's text, embedded for `qtrain export --format c` (scripts/embed.sh).
+RT_EMBED   := device/qtrain_rt.h device/qtrain_rt.c
+LIB_OBJS   := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(BUILD)/gen/rt_source.o
 # The commands' code beside main.c: in the binary and the test runner, never in the library.
 CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
 CLI_OBJS   := $(CLI_SRCS:%.c=$(BUILD)/%.o)
@@ -68,7 +70,7 @@ version_part = $(shell sed -n 's/^\#define QTRAIN_VERSION_$(1)  *\([0-9][0-9]*\)
 VERSION_MAJOR = $(call version_part,MAJOR)
 VERSION       = $(VERSION_MAJOR).$(call version_part,MINOR).$(call version_part,PATCH)
 PIC_BUILD := $(BUILD)/pic
-PIC_OBJS  := $(LIB_SRCS:%.c=$(PIC_BUILD)/%.o)
+PIC_OBJS  := $(LIB_SRCS:%.c=$(PIC_BUILD)/%.o) $(PIC_BUILD)/gen/rt_source.o
 SONAME    = libqtrain.so.$(VERSION_MAJOR)
 SHLIB     = $(BUILD)/libqtrain.so.$(VERSION)
 
@@ -112,6 +114,17 @@ $(BUILD)/%.o: %.c | pkgcheck
 $(BUILD)/tests/%.o: tests/%.c | pkgcheck pkgcheck-cunit
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(PKG_CFLAGS) $(CUNIT_CFLAGS) -c $< -o $@
+
+$(BUILD)/gen/rt_source.c: $(RT_EMBED) scripts/embed.sh
+	@mkdir -p $(dir $@)
+	sh scripts/embed.sh $@ export_rt_h device/qtrain_rt.h export_rt_c device/qtrain_rt.c
+
+$(BUILD)/gen/rt_source.o: $(BUILD)/gen/rt_source.c
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(PIC_BUILD)/gen/rt_source.o: $(BUILD)/gen/rt_source.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fPIC -c $< -o $@
 
 # The shared library's objects: the same sources, position-independent.
 $(PIC_BUILD)/%.o: %.c | pkgcheck
