@@ -536,10 +536,12 @@ void npy_file_close(NpyFile *f) {
     f->fd = -1;
 }
 
-QtStatus npy_encode_f32(const float *data, int ndim, const int64_t *shape, void **buf, size_t *len, QtError *err) {
+/* The .npy file of data (elements of esize bytes, NumPy's descr). */
+static QtStatus npy_encode(const void *data, const char *descr, size_t esize, int ndim, const int64_t *shape,
+                           void **buf, size_t *len, QtError *err) {
     *buf = NULL, *len = 0;
     if (ndim < 0 || ndim > NPY_MAX_DIMS)
-        return qt_error_set(err, QT_ERR_ARG, "npy_encode_f32: %d dimensions (0 to %d)", ndim, NPY_MAX_DIMS);
+        return qt_error_set(err, QT_ERR_ARG, "npy_encode: %d dimensions (0 to %d)", ndim, NPY_MAX_DIMS);
     char dims[NPY_MAX_DIMS * 24 + 8] = "", dict[NPY_MAX_DIMS * 24 + 96];
     size_t at = 0;
     uint64_t n = 1;
@@ -548,8 +550,9 @@ QtStatus npy_encode_f32(const float *data, int ndim, const int64_t *shape, void 
         n *= (uint64_t)shape[i];
     }
     if (ndim == 1) snprintf(dims + at, sizeof dims - at, ",");
-    const int d = snprintf(dict, sizeof dict, "{'descr': '<f4', 'fortran_order': False, 'shape': (%s), }", dims);
-    const size_t head = 10 + (size_t)d + 1, pad = (64 - head % 64) % 64, total = head + pad + n * sizeof(float);
+    const int d = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }", descr,
+                           dims);
+    const size_t head = 10 + (size_t)d + 1, pad = (64 - head % 64) % 64, total = head + pad + n * esize;
     uint8_t *b = malloc(total);
     if (!b) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for a .npy file of %zu bytes", total);
     const size_t hlen = (size_t)d + pad + 1;
@@ -558,7 +561,15 @@ QtStatus npy_encode_f32(const float *data, int ndim, const int64_t *shape, void 
     memcpy(b + 10, dict, (size_t)d);
     memset(b + 10 + d, ' ', pad);
     b[head + pad - 1] = '\n';
-    memcpy(b + head + pad, data, n * sizeof(float)); /* little-endian hosts only, as the reader */
+    memcpy(b + head + pad, data, n * esize); /* little-endian hosts only, as the reader */
     *buf = b, *len = total;
     return QT_OK;
+}
+
+QtStatus npy_encode_f32(const float *data, int ndim, const int64_t *shape, void **buf, size_t *len, QtError *err) {
+    return npy_encode(data, "<f4", sizeof(float), ndim, shape, buf, len, err);
+}
+
+QtStatus npy_encode_i8(const int8_t *data, int ndim, const int64_t *shape, void **buf, size_t *len, QtError *err) {
+    return npy_encode(data, "|i1", 1, ndim, shape, buf, len, err);
 }

@@ -90,6 +90,8 @@ void npy_file_close(NpyFile *f);
  * in memory: *buf (malloc'd; the caller frees and writes it), *len. The
  * header is padded to 64 bytes as NumPy does. */
 QtStatus npy_encode_f32(const float *data, int ndim, const int64_t *shape, void **buf, size_t *len, QtError *err);
+/* The same for int8 data ('|i1'). */
+QtStatus npy_encode_i8(const int8_t *data, int ndim, const int64_t *shape, void **buf, size_t *len, QtError *err);
 
 /* NumPy's name of the dtype ("float32", "uint8", ...). */
 const char *npy_dtype_name(NpyDtype dtype);
