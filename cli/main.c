@@ -2,6 +2,7 @@
  * 0 success, 1 runtime failure, 2 usage or config error. */
 #include <cblas.h>
 #include <errno.h>
+#include <math.h>
 #include <hdf5.h>
 #include <limits.h>
 #include <signal.h>
@@ -21,6 +22,8 @@
 #include "trainer/config.h"
 #include "cli/demo.h"
 #include "trainer/interrupt.h"
+#include "trainer/eval_int.h"
+#include "trainer/export_c.h"
 #include "trainer/interop.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"
@@ -129,6 +132,8 @@ typedef struct {
     bool dequantize; /* merge: write a float model */
     const char *format; /* export */
     bool merge;         /* export: fold adapters in */
+    bool integer;       /* eval: the integer program (what export --format c ships) */
+    const char *name;   /* export --format c: the C identifier prefix */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -154,7 +159,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
                            (!eval && (strcmp(o, "--resume") == 0 || strcmp(o, "--stop-at-step") == 0)) ||
                            (eval && (strcmp(o, "--checkpoint") == 0 || strcmp(o, "--out") == 0)) ||
                            (strcmp(cmd, " eval") == 0 && strcmp(o, "--dump-logits") == 0) ||
-                           (strcmp(cmd, " export") == 0 && strcmp(o, "--format") == 0);
+                           (strcmp(cmd, " export") == 0 &&
+                            (strcmp(o, "--format") == 0 || strcmp(o, "--name") == 0));
         if (takes_value && !v) {
             fprintf(stderr, "qtrain%s: %s needs a value\n", cmd, o);
             exit(2);
@@ -169,6 +175,8 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (strcmp(cmd, " merge") == 0 && strcmp(o, "--dequantize") == 0) a->dequantize = true;
         else if (strcmp(cmd, " export") == 0 && strcmp(o, "--format") == 0) a->format = v, i++;
         else if (strcmp(cmd, " export") == 0 && strcmp(o, "--merge") == 0) a->merge = true;
+        else if (strcmp(cmd, " export") == 0 && strcmp(o, "--name") == 0) a->name = v, i++;
+        else if (strcmp(cmd, " eval") == 0 && strcmp(o, "--integer") == 0) a->integer = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
                 fprintf(stderr, "qtrain%s: more than %d --set options\n", cmd, MAX_OVERRIDES);
@@ -300,6 +308,18 @@ static int cmd_eval(int argc, char **argv) {
             return fail(&err, 2);
         }
     }
+    if (a.integer) {
+        IntEvalResult ir;
+        st = eval_int_checkpoint(cfg, a.checkpoint, a.dump_logits, &ir, &err);
+        free(cfg);
+        if (st != QT_OK) return fail(&err, exit_status(&err));
+        if (ir.mse) printf("integer test_mse:%.6f", ir.loss);
+        else printf("integer test_accuracy:%.4f test_loss:%.4f", ir.accuracy, ir.loss);
+        printf(" examples:%d logits_scale:%.9g logits_zero_point:%d arena_bytes:%zu macs:%.0f\n", ir.n,
+               (double)ir.out_scale, (int)ir.out_zp, ir.arena_bytes, ir.macs);
+        if (!a.quiet && a.dump_logits) printf("wrote %s\n", a.dump_logits);
+        return 0;
+    }
     st = train_eval_checkpoint_dump(cfg, a.checkpoint, json, a.dump_logits, &r, &err);
     free(cfg);
     if (st != QT_OK) return fail(&err, exit_status(&err));
@@ -358,6 +378,30 @@ static int cmd_export(int argc, char **argv) {
         return 2;
     }
     QtError err = {0};
+    if (strcmp(a.format, "c") == 0) {
+        if (a.merge) {
+            fprintf(stderr, "qtrain export: --format c merges a LoRA run's adapters by itself; drop --merge\n");
+            return 2;
+        }
+        ExportCReport r;
+        if (export_c(a.checkpoint, a.out, a.name, a.force, a.quiet ? NULL : stdout, &r, &err) != QT_OK)
+            return fail(&err, exit_status(&err));
+        printf("export:c ops:%d conv2d:%d dense:%d int4_layers:%d macs:%.0f weight_bytes:%zu const_bytes:%zu "
+               "arena_bytes:%zu ram_bytes:%zu", r.ops, r.conv_layers, r.dense_layers, r.int4_layers, r.macs,
+               r.weight_bytes, r.const_bytes, r.arena_bytes, r.arena_bytes + r.io_bytes);
+        if (r.code_measured)
+            printf(" flash_bytes:%ld m4_text:%ld m4_rodata:%ld m4_bss:%ld", r.text_bytes + r.rodata_bytes,
+                   r.text_bytes, r.rodata_bytes, r.bss_bytes);
+        else printf(" flash_bytes:unmeasured(no arm-none-eabi-gcc)");
+        if (isnan(r.test_accuracy)) printf(" integer_test_mse:%.6f", r.test_loss);
+        else printf(" integer_test_accuracy:%.4f", r.test_accuracy);
+        printf(" examples:%d out:%s\n", r.test_examples, a.out);
+        return 0;
+    }
+    if (a.name) {
+        fprintf(stderr, "qtrain export: --name names the C program of --format c\n");
+        return 2;
+    }
     QtStatus st = interop_export(a.checkpoint, a.format, a.out, a.merge, a.force, a.quiet ? NULL : stdout, &err);
     return st == QT_OK ? 0 : fail(&err, exit_status(&err));
 }
