@@ -22,6 +22,7 @@
     X(data_hdf5) \
     X(data_npy_sets) \
     X(interop) \
+    X(device_export) \
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
     X(nn_parallel) \
