@@ -45,15 +45,17 @@ static const CmdHelp CMD_HELP[] = {
      "            takes the newest checkpoint in run.out_dir (or starts fresh if none).\n"
      "            --set train.optimizer.lr=3e-4 overrides one key (repeatable).\n"
      "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"},
-    {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--dump-logits FILE.npy] [--set KEY=VALUE]... "
-             "[--quiet]",
+    {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--dump-logits FILE.npy] [--integer] "
+             "[--set KEY=VALUE]... [--quiet]",
      "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
      "            any); writes eval.json beside the checkpoint, or to --out PATH (a\n"
      "            file, or an existing directory to hold eval.json); an autoencoder\n"
      "            (data.target: input) also writes scores.csv there. Without --config\n"
      "            the config stored in the checkpoint is used (its data.cache_dir only\n"
      "            if it is none; else the default cache). --dump-logits FILE.npy writes\n"
-     "            the test split's model outputs, (N, values) float32, for other tools.\n"},
+     "            the test split's model outputs, (N, values) float32, for other tools.\n"
+     "            --integer runs the integer program export --format c writes (same\n"
+     "            runtime, same logits); --dump-logits then writes its int8 codes.\n"},
     {"quantize", "qtrain quantize --config FILE --checkpoint PATH --out PATH [--force] [--set KEY=VALUE]...",
      "  quantize  post-training-quantize a float checkpoint by the config's quant rules\n"
      "            (weight-only, no data needed) into a PTQ checkpoint for model.init_from.\n"},
@@ -65,13 +67,17 @@ static const CmdHelp CMD_HELP[] = {
     {"convert", "qtrain convert --checkpoint PATH --out PATH [--force]",
      "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
      "            the learned ranges) that evaluates exactly as it trained.\n"},
-    {"export", "qtrain export --checkpoint PATH --format safetensors|peft|h5 --out PATH [--merge] [--force]",
+    {"export", "qtrain export --checkpoint PATH --format safetensors|peft|h5|c --out PATH [--merge] [--name NAME] "
+               "[--force]",
      "  export    a checkpoint's model for other tools: safetensors, a PyTorch\n"
      "            state_dict (<module>.weight, .bias, batch-norm buffers) in float32,\n"
      "            quantized weights dequantized as qtrain computes them; peft, a LoRA\n"
      "            run's adapters as a PEFT adapter directory with its base beside\n"
      "            them; h5, a float qtrain checkpoint. --merge folds LoRA adapters in\n"
-     "            first (else they are left out).\n"},
+     "            first (else they are left out). c: int8 C99 for a device (NAME.h/.c,\n"
+     "            the runtime, main_example.c, Makefile, export.json) in the new\n"
+     "            directory PATH, from a PTQ checkpoint with static int8 input ranges\n"
+     "            (QAT converted, LoRA merged on the way); --name sets the C prefix.\n"},
     {"compare", "qtrain compare RUN_DIR... [--out DIR]",
      "  compare   runs side by side from their summary.json and metrics.csv: a\n"
      "            table (formats, bits/param, size, accuracy, delta vs the first\n"
@@ -373,7 +379,7 @@ static int cmd_export(int argc, char **argv) {
     CliArgs a;
     parse_args(argc, argv, " export", true, &a);
     if (!a.checkpoint || !a.out || !a.format || a.config || a.n_overrides) {
-        fprintf(stderr, "qtrain export: give --checkpoint PATH, --format safetensors|h5 and --out PATH (the model "
+        fprintf(stderr, "qtrain export: give --checkpoint PATH, --format safetensors|peft|h5|c and --out PATH (the model "
                         "comes from the checkpoint)\n");
         return 2;
     }

@@ -266,6 +266,9 @@ static void test_lora_merged(void) {
     const char *args[] = {"--config", path_in("lora.yaml"), "--set", out, "--set", init, "--quiet", NULL};
     CU_ASSERT_EQUAL_FATAL(qtrain("lora.log", args), 0);
     const char *run = path_in("lora/final.h5"), *merged = path_in("lora-merged.h5");
+    /* eval --integer leaves nothing out silently: the adapters must be folded in first */
+    const char *iargs[] = {"eval", "--checkpoint", run, "--integer", "--quiet", NULL};
+    CU_ASSERT_EQUAL(qtrain("lora-eval.log", iargs), 2);
     const char *margs[] = {"merge", "--checkpoint", run, "--out", merged, "--quiet", NULL};
     CU_ASSERT_EQUAL_FATAL(qtrain("merge.log", margs), 0);
     size_t n = 0;

@@ -27,6 +27,10 @@ QtStatus eval_int_load(Run *r, const char *checkpoint, IntProgram *p, QtError *e
                             "checkpoint with int8 weights and static int8 input ranges (qtrain export --format c "
                             "converts a QAT checkpoint and merges adapters on the way)", checkpoint,
                             net_mode_name(&r->model.net));
+    if (config_has_lora(r->cfg))
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: a %s checkpoint: its adapters are not in the integer program; "
+                            "fold them in first (qtrain merge), or let qtrain export --format c merge them on the way",
+                            checkpoint, net_mode_name(&r->model.net));
     const Net *n = &r->model.net;
     float (*range)[2] = malloc((size_t)n->model.n_modules * sizeof *range);
     if (!range) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");

@@ -124,7 +124,7 @@ QtStatus interop_export(const char *checkpoint, const char *format, const char *
         return interop_export_peft(checkpoint, out, force, log, err);
     }
     if (!st_fmt && !h5)
-        return qt_error_set(err, QT_ERR_ARG, "qtrain export: unknown --format '%s'; use safetensors, peft or h5",
+        return qt_error_set(err, QT_ERR_ARG, "qtrain export: unknown --format '%s'; use safetensors, peft, h5 or c",
                             format);
     QtStatus st = fs_check_out_path(out, force, "--out", err);
     if (st != QT_OK) return st;
