@@ -205,6 +205,30 @@ static void test_resnet_identical(void) {
 
 static void test_dscnn_identical(void) { check_model(ptq("tiny-dw", trained("tiny-dw"), "p-dw", W8A8), "x-dw", "dw"); }
 
+/* MLPerf Tiny's ResNet-8 and DS-CNN (bench/configs), a few steps on the mini set, then their static int8 PTQ
+ * (bench/configs/MODEL-ptq-int8.yaml: int8 conv1 input, uint8 elsewhere, batch norms folded). */
+static void check_mlperf(const char *model) {
+    char cfg[256], out[1200], init[1200], dir[64];
+    snprintf(cfg, sizeof cfg, "bench/configs/%s.yaml", model);
+    snprintf(out, sizeof out, "run.out_dir=%s/f-%s", runs.root, model);
+    const char *targs[] = {"--config", cfg, "--set", out, "--set", "data.dir=data/fashion-mnist-mini", "--set",
+                           "data.cache_dir=none", "--set", "train.epochs=1", "--set", "run.threads=2", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("mlperf.log", targs), 0);
+    snprintf(cfg, sizeof cfg, "bench/configs/%s-ptq-int8.yaml", model);
+    snprintf(out, sizeof out, "run.out_dir=%s/p-%s", runs.root, model);
+    snprintf(init, sizeof init, "model.init_from=%s/f-%s/final.h5", runs.root, model);
+    const char *pargs[] = {"--config", cfg, "--set", out, "--set", init, "--set", "data.dir=data/fashion-mnist-mini",
+                           "--set", "data.cache_dir=none", "--set", "quant.calibration_batches=2", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("mlperf.log", pargs), 0);
+    char ckpt[1200];
+    snprintf(ckpt, sizeof ckpt, "%s/p-%s/final.h5", runs.root, model);
+    snprintf(dir, sizeof dir, "x-%s", model);
+    check_model(ckpt, dir, model);
+}
+
+static void test_resnet8_identical(void) { check_mlperf("resnet8"); }
+static void test_dscnn_mlperf_identical(void) { check_mlperf("dscnn"); }
+
 /* int4 weights, packed two per byte; the portable and the AVX2 kernels give the same bits. */
 static void test_int4_portable_simd(void) {
     const char *ckpt = ptq("tiny-base", runs.base_ckpt, "p-int4",
@@ -379,6 +403,8 @@ int register_device_export_suite(void) {
     if (!CU_add_test(s, "cnn: exported program = eval --integer", test_cnn_identical) ||
         !CU_add_test(s, "residual BN CNN: identical logits", test_resnet_identical) ||
         !CU_add_test(s, "depthwise CNN: identical logits", test_dscnn_identical) ||
+        !CU_add_test(s, "MLPerf Tiny ResNet-8: identical logits", test_resnet8_identical) ||
+        !CU_add_test(s, "MLPerf Tiny DS-CNN: identical logits", test_dscnn_mlperf_identical) ||
         !CU_add_test(s, "int4 weights; portable = AVX2 = eval", test_int4_portable_simd) ||
         !CU_add_test(s, "QAT checkpoint converted on the way", test_qat_converted) ||
         !CU_add_test(s, "LoRA over int8 merged on the way", test_lora_merged) ||
