@@ -3,7 +3,8 @@
 # valgrind's memcheck, each of which must end with no error and no heap block
 # left at exit (lost or still reachable), apart from the third-party blocks
 # tests/valgrind.supp names. Covers float training stopped and resumed, eval,
-# the conv/dropout/SGD path, PTQ + QLoRA, merge, quantize, QAT + convert, QT,
+# the conv/dropout/SGD path, PTQ + QLoRA, merge, quantize, QAT + convert, the C
+# export and the integer evaluation, QT,
 # inspect, compare and demo, and two runs that must fail cleanly. qtrain's
 # thread pool is on (run.threads, one thread per core unless set; 2 in some).
 # Prints one line per run with valgrind's error and leak summaries; stops at
@@ -126,6 +127,9 @@ run inspect inspect "$tmp/nf4.h5"
 # QAT (learned pof2 ranges, int4/int8) from the base, then its conversion to a PTQ checkpoint.
 train qat tiny-qat --set "$base" --set quant.calibration_batches=1
 run convert convert --checkpoint "$tmp/tiny-qat/final.h5" --out "$tmp/qat-ptq.h5"
+# To the device: the QAT run as int8 C (converted on the way), and the integer program of its conversion.
+run export-c export --format c --checkpoint "$tmp/tiny-qat/final.h5" --out "$tmp/device-c"
+run eval-integer eval --integer --checkpoint "$tmp/qat-ptq.h5" --dump-logits "$tmp/integer.npy"
 # QT: int8 GEMMs forward and backward with stochastic rounding.
 train qt tiny-qt
 run compare compare "$tmp/tiny-mlp" "$tmp/tiny-qlora" "$tmp/tiny-qt" --out "$tmp/compare"

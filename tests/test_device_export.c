@@ -340,6 +340,23 @@ static void test_arm_qemu(void) {
     free(want);
 }
 
+/* --out with a space and a quote: the files land there, and the Cortex-M4 build still measures. */
+static void test_awkward_path(void) {
+    const char *ckpt = ptq("tiny-base", runs.base_ckpt, "p-path", W8A8);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(ckpt);
+    char out[1200];
+    snprintf(out, sizeof out, "%s/it's a dir", runs.root);
+    const char *args[] = {"export", "--format", "c", "--checkpoint", ckpt, "--out", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("path.log", args), 0);
+    CU_ASSERT(test_file_exists(out, "model.c"));
+    char json_path[1300];
+    snprintf(json_path, sizeof json_path, "%s/export.json", out);
+    char *json = test_file_read(json_path, NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(json);
+    if (have("arm-none-eabi-gcc")) CU_ASSERT_PTR_NOT_NULL(strstr(json, "\"cortex_m4\": {\"text\": "));
+    free(json);
+}
+
 /* An export that fails: status 1, the message names what, and nothing is left at out (nor beside it). */
 static void expect_refused(const char *ckpt, const char *out, const char *what) {
     const char *log = path_in("refused.log");
@@ -409,6 +426,7 @@ int register_device_export_suite(void) {
         !CU_add_test(s, "QAT checkpoint converted on the way", test_qat_converted) ||
         !CU_add_test(s, "LoRA over int8 merged on the way", test_lora_merged) ||
         !CU_add_test(s, "aarch64 and armhf under qemu; Cortex-M4 sizes", test_arm_qemu) ||
+        !CU_add_test(s, "an --out path with a space and a quote", test_awkward_path) ||
         !CU_add_test(s, "bad input: clear errors, no directory", test_bad_inputs))
         return -1;
     return 0;

@@ -479,20 +479,33 @@ static QtStatus write_json(const char *dir, const Emit *e, const ExportCReport *
 
 /* ---- Cortex-M4 sizes ------------------------------------------------------------------------------------------- */
 
+/* s as one shell word: in single quotes, each ' written as '\'' (out: cap bytes, at least 4 |s| + 3). */
+static void shell_quote(char *out, size_t cap, const char *s) {
+    size_t k = 0;
+    out[k++] = '\'';
+    for (; *s && k + 6 < cap; s++) {
+        if (*s == '\'') memcpy(out + k, "'\\''", 4), k += 4;
+        else out[k++] = *s;
+    }
+    out[k++] = '\'';
+    out[k] = 0;
+}
+
 /* Compiles NAME.c and qtrain_rt.c for a Cortex-M4 with arm-none-eabi-gcc, when it is installed, and reads the
  * sections' sizes; the objects go to a scratch directory. Never an error: the report says whether it measured. */
 static void measure_m4(const char *dir, const char *name, ExportCReport *r) {
     r->code_measured = false;
     if (system("command -v arm-none-eabi-gcc >/dev/null 2>&1 && command -v arm-none-eabi-size >/dev/null 2>&1") != 0)
         return;
-    char tmp[] = "/tmp/qtrain-m4-XXXXXX", cmd[12000];
+    char tmp[] = "/tmp/qtrain-m4-XXXXXX", cmd[24000], qdir[17000];
     if (!mkdtemp(tmp)) return;
+    shell_quote(qdir, sizeof qdir, dir); /* the name is a C identifier and tmp is ours: no quoting needed */
     snprintf(cmd, sizeof cmd,
-             "cd '%s' && arm-none-eabi-gcc -std=c99 -mcpu=cortex-m4 -mthumb -Os -ffunction-sections -fdata-sections "
-             "-Wall -Wextra -Werror -c '%s.c' -o '%s/m.o' && arm-none-eabi-gcc -std=c99 -mcpu=cortex-m4 -mthumb -Os "
-             "-ffunction-sections -fdata-sections -Wall -Wextra -Werror -c qtrain_rt.c -o '%s/r.o' && "
-             "arm-none-eabi-size -A '%s/m.o' '%s/r.o' > '%s/size.txt' 2>/dev/null",
-             dir, name, tmp, tmp, tmp, tmp, tmp);
+             "cd %s && arm-none-eabi-gcc -std=c99 -mcpu=cortex-m4 -mthumb -Os -ffunction-sections -fdata-sections "
+             "-Wall -Wextra -Werror -c %s.c -o %s/m.o 2>/dev/null && arm-none-eabi-gcc -std=c99 -mcpu=cortex-m4 "
+             "-mthumb -Os -ffunction-sections -fdata-sections -Wall -Wextra -Werror -c qtrain_rt.c -o %s/r.o "
+             "2>/dev/null && arm-none-eabi-size -A %s/m.o %s/r.o > %s/size.txt 2>/dev/null",
+             qdir, name, tmp, tmp, tmp, tmp, tmp);
     if (system(cmd) == 0) {
         char path[64];
         snprintf(path, sizeof path, "%s/size.txt", tmp);
@@ -508,7 +521,7 @@ static void measure_m4(const char *dir, const char *name, ExportCReport *r) {
         }
         if (f) fclose(f), r->code_measured = true;
     }
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmp);
     if (system(cmd) != 0) { /* a scratch directory left in /tmp harms nothing */
     }
 }
