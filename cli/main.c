@@ -314,6 +314,11 @@ static int cmd_eval(int argc, char **argv) {
             return fail(&err, 2);
         }
     }
+    if (a.integer && a.out) {
+        fprintf(stderr, "qtrain eval: --integer writes no eval.json; drop --out (its result is the printed line)\n");
+        free(cfg);
+        return 2;
+    }
     if (a.integer) {
         IntEvalResult ir;
         st = eval_int_checkpoint(cfg, a.checkpoint, a.dump_logits, &ir, &err);
@@ -396,8 +401,9 @@ static int cmd_export(int argc, char **argv) {
                "arena_bytes:%zu ram_bytes:%zu", r.ops, r.conv_layers, r.dense_layers, r.int4_layers, r.macs,
                r.weight_bytes, r.const_bytes, r.arena_bytes, r.arena_bytes + r.io_bytes);
         if (r.code_measured)
-            printf(" flash_bytes:%ld m4_text:%ld m4_rodata:%ld m4_bss:%ld", r.text_bytes + r.rodata_bytes,
-                   r.text_bytes, r.rodata_bytes, r.bss_bytes);
+            printf(" flash_bytes:%ld m4_text:%ld m4_rodata:%ld m4_data:%ld m4_bss:%ld",
+                   r.text_bytes + r.rodata_bytes + r.data_bytes, r.text_bytes, r.rodata_bytes, r.data_bytes,
+                   r.bss_bytes);
         else printf(" flash_bytes:unmeasured(no arm-none-eabi-gcc)");
         if (isnan(r.test_accuracy)) printf(" integer_test_mse:%.6f", r.test_loss);
         else printf(" integer_test_accuracy:%.4f", r.test_accuracy);

@@ -9,10 +9,15 @@
  * from a QAT checkpoint (converted on the way) and a LoRA run over an int8
  * base (merged on the way). Cross-compiled for aarch64 and armhf (NEON) and
  * run under qemu-user: identical again; compiled for a Cortex-M4, whose
- * sizes export.json reports. Bad input: a float checkpoint, a layer without
- * a static input range, an nf4 base, an unsupported layer, an existing
- * directory: each a clear error and no directory. Each cross tool that is
- * not installed is a visible skip. */
+ * sizes export.json reports. MLPerf Tiny's ResNet-8 and DS-CNN, a relu whose
+ * input another layer also reads, module names that sanitise alike, and the
+ * transpose/invert/classes transforms (applied on the device) export too;
+ * the integer argmax agrees with `qtrain eval`'s on at least 90 % of the
+ * examples, so the program computes the model and not only itself. Bad
+ * input: a float checkpoint, a layer without a static input range, an nf4
+ * layer, a float layer, a gelu, an existing directory, bad names: each a
+ * clear error and no directory. Each cross tool that is not installed is a
+ * visible skip. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -89,8 +94,9 @@ static const char *ptq(const char *name, const char *from, const char *id, const
     static char ckpt[4][1100];
     static int k;
     k = (k + 1) % 4;
-    char src[256];
-    snprintf(src, sizeof src, "tests/configs/%s.yaml", name);
+    char src[1200];
+    if (strchr(name, '/')) snprintf(src, sizeof src, "%s", name);
+    else snprintf(src, sizeof src, "tests/configs/%s.yaml", name);
     char *text = test_file_read(src, NULL);
     if (!text) return NULL;
     char *train = strstr(text, "\ntrain:");
@@ -168,16 +174,63 @@ static bool run_matches(const char *dir, const char *name, const char *cc, const
     return ok;
 }
 
-/* Export, build with the host compiler, and compare. */
-static void check_model(const char *ckpt, const char *dir, const char *name) {
+/* The share of test examples whose largest integer logit (q, n bytes) is the largest of `qtrain eval`'s float
+ * logits of ckpt: the integer program must compute the model, not merely agree with itself. -1 on failure. */
+static double argmax_agreement(const char *ckpt, const int8_t *q, size_t n) {
+    const char *npy = path_in("float.npy");
+    unlink(npy);
+    const char *args[] = {"eval", "--checkpoint", ckpt, "--dump-logits", npy, "--out", path_in("eval.json"),
+                          "--quiet", NULL};
+    if (qtrain("eval.log", args) != 0) return -1;
+    size_t len = 0;
+    char *buf = test_file_read(npy, &len);
+    if (!buf || len < 10) {
+        free(buf);
+        return -1;
+    }
+    const size_t head = 10 + (size_t)(uint8_t)buf[8] + 256 * (size_t)(uint8_t)buf[9];
+    const float *f = (const float *)(buf + head);
+    const size_t nf = (len - head) / sizeof(float);
+    if (nf != n || n == 0) {
+        free(buf);
+        return -1;
+    }
+    const char *shape = strstr(buf + 10, "'shape': (");
+    long rows = shape ? strtol(shape + strlen("'shape': ("), NULL, 10) : 0;
+    if (rows <= 0) {
+        free(buf);
+        return -1;
+    }
+    const size_t K = n / (size_t)rows;
+    long same = 0;
+    for (long r = 0; r < rows; r++) {
+        size_t a = 0, b = 0;
+        for (size_t k = 1; k < K; k++) {
+            if (q[r * K + k] > q[r * K + a]) a = k;
+            if (f[r * K + k] > f[r * K + b]) b = k;
+        }
+        same += a == b;
+    }
+    free(buf);
+    return (double)same / (double)rows;
+}
+
+/* Export, build with the host compiler, and compare; the integer argmax must agree with qtrain eval's on at least
+ * `agree` of the examples. */
+static void check_model_agree(const char *ckpt, const char *dir, const char *name, double agree) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(ckpt);
     size_t n = 0;
     int8_t *want = integer_logits(ckpt, &n);
     CU_ASSERT_PTR_NOT_NULL_FATAL(want);
+    const double a = argmax_agreement(ckpt, want, n);
+    if (a < agree) fprintf(stderr, "\n  %s: integer argmax agrees with qtrain eval on %.4f of the examples\n", ckpt, a);
+    CU_ASSERT(a >= agree);
     CU_ASSERT_EQUAL_FATAL(export_c(ckpt, dir, name), 0);
     CU_ASSERT(run_matches(dir, name, "cc", "-O2", "", want, n));
     free(want);
 }
+
+static void check_model(const char *ckpt, const char *dir, const char *name) { check_model_agree(ckpt, dir, name, 0.9); }
 
 static void test_cnn_identical(void) {
     check_model(ptq("tiny-base", runs.base_ckpt, "p-cnn", W8A8), "x-cnn", "cnn");
@@ -228,6 +281,88 @@ static void check_mlperf(const char *model) {
 
 static void test_resnet8_identical(void) { check_mlperf("resnet8"); }
 static void test_dscnn_mlperf_identical(void) { check_mlperf("dscnn"); }
+
+/* A float model of tiny-base.yaml's data and training with these layers (and data.transform items), trained into
+ * root/f-ID; its config path in *cfg_out (static until the next call). */
+static const char *custom(const char *id, const char *layers, const char *transforms, const char **cfg_out) {
+    static char cfg[1100], ckpt[1100];
+    char yaml[8192], out[1200];
+    snprintf(yaml, sizeof yaml,
+             "run: {name: %s, out_dir: runs/x, seed: 5}\n"
+             "data:\n  dir: data/fashion-mnist-mini\n  cache_dir: none\n  transform:\n    - {limit: 512}\n%s"
+             "model:\n  input: [1, 28, 28]\n  layers:\n%s"
+             "train:\n  steps: 40\n  batch_size: 32\n  optimizer: {name: adamw, lr: 0.003}\n", id, transforms, layers);
+    snprintf(cfg, sizeof cfg, "%s/%s.yaml", runs.root, id);
+    test_file_write(cfg, yaml, strlen(yaml));
+    snprintf(out, sizeof out, "run.out_dir=%s/f-%s", runs.root, id);
+    const char *args[] = {"--config", cfg, "--set", out, "--quiet", NULL};
+    *cfg_out = cfg;
+    if (qtrain("custom.log", args) != 0) return NULL;
+    snprintf(ckpt, sizeof ckpt, "%s/f-%s/final.h5", runs.root, id);
+    return ckpt;
+}
+
+/* A relu whose class reaches a value something else reads: the other reader must see that value unclamped
+ * (through a dropout before the relu, and through a max pool before it). */
+static void test_relu_shared_values(void) {
+    const char *cfg;
+    const char *f = custom("relu-dropout",
+                           "    - {name: c1, type: conv2d, out_channels: 6, kernel: 3, padding: 1}\n"
+                           "    - {name: d, type: dropout, p: 0.1}\n"
+                           "    - {name: r, type: relu}\n"
+                           "    - {name: c2, type: conv2d, out_channels: 6, kernel: 3, padding: 1}\n"
+                           "    - {name: s, type: add, inputs: [c2, c1]}\n"
+                           "    - {type: globalavgpool}\n"
+                           "    - {name: head, type: dense, units: 10}\n", "", &cfg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    check_model_agree(ptq(cfg, f, "p-relu-dropout", W8A8), "x-relu-dropout", "rd", 0.9);
+    f = custom("relu-pool",
+               "    - {name: c1, type: conv2d, out_channels: 6, kernel: 3, padding: 1}\n"
+               "    - {name: p, type: maxpool2d, kernel: 2}\n"
+               "    - {name: r, type: relu}\n"
+               "    - {name: g1, type: globalavgpool}\n"
+               "    - {name: g2, type: globalavgpool, inputs: [c1]}\n"
+               "    - {name: cat, type: concat, inputs: [g1, g2]}\n"
+               "    - {name: head, type: dense, units: 10}\n", "", &cfg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    check_model_agree(ptq(cfg, f, "p-relu-pool", W8A8), "x-relu-pool", "rp", 0.9);
+}
+
+/* Module names that sanitise alike, a module named like the program's own functions, a scale that is a whole
+ * number: the C still compiles (and matches). */
+static void test_awkward_names(void) {
+    const char *cfg;
+    const char *f = custom("names",
+                           "    - {name: a-b, type: conv2d, out_channels: 4, kernel: 3, padding: 1}\n"
+                           "    - {name: a_b, type: relu}\n"
+                           "    - {name: arena, type: maxpool2d, kernel: 2}\n"
+                           "    - {name: predict, type: flatten}\n"
+                           "    - {name: run, type: dense, units: 10}\n",
+                           "    - {normalize: {mean: 0.0, std: 0.00392156862745098}}\n", &cfg);
+    if (!f) {
+        test_skip("module names a-b and a_b: the config does not take them (names are [A-Za-z0-9_])");
+        return;
+    }
+    check_model_agree(ptq(cfg, f, "p-names", W8A8), "x-names", "m", 0.9);
+}
+
+/* data.transform transposes and keeps three classes: the device sees the stored images and labels; predict
+ * transposes, and main_example maps the labels (and skips the other classes). */
+static void test_transforms(void) {
+    const char *cfg;
+    const char *f = custom("transforms",
+                           "    - {name: c1, type: conv2d, out_channels: 4, kernel: 3, padding: 1}\n"
+                           "    - {type: relu}\n"
+                           "    - {type: maxpool2d, kernel: 2}\n"
+                           "    - {type: flatten}\n"
+                           "    - {name: head, type: dense, units: 3}\n",
+                           "    - transpose\n    - invert\n    - {classes: [7, 1, 3]}\n", &cfg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+    check_model_agree(ptq(cfg, f, "p-transforms", W8A8), "x-transforms", "tr", 0.9);
+    char *src = test_file_read(path_in("x-transforms/tr.c"), NULL);
+    CU_ASSERT_PTR_NOT_NULL(src && strstr(src, "\"Sneaker\", \"Trouser\", \"Dress\""));
+    free(src);
+}
 
 /* int4 weights, packed two per byte; the portable and the AVX2 kernels give the same bits. */
 static void test_int4_portable_simd(void) {
@@ -395,6 +530,17 @@ static void test_bad_inputs(void) {
                            "act_symmetric: false}\n");
     CU_ASSERT_PTR_NOT_NULL_FATAL(part);
     expect_refused(part, out, "fc1: a float dense layer");
+    /* a layer with no integer form */
+    const char *cfg;
+    const char *g = custom("gelu",
+                           "    - {name: c1, type: conv2d, out_channels: 4, kernel: 3, padding: 1}\n"
+                           "    - {name: act, type: gelu}\n"
+                           "    - {type: flatten}\n"
+                           "    - {name: head, type: dense, units: 10}\n", "", &cfg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(g);
+    const char *gp = ptq(cfg, g, "p-gelu", W8A8);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(gp);
+    expect_refused(gp, out, "act: a gelu layer has no integer form");
     /* an existing directory, without and with --force when it is not an export */
     char keep[1100];
     snprintf(keep, sizeof keep, "%s", path_in("keep"));
@@ -410,6 +556,11 @@ static void test_bad_inputs(void) {
     /* a name that is no C identifier */
     const char *a3[] = {"export", "--format", "c", "--checkpoint", ptq8, "--out", out, "--name", "9lives", NULL};
     CU_ASSERT_EQUAL(qtrain("name.log", a3), 2);
+    const char *a4[] = {"export", "--format", "c", "--checkpoint", ptq8, "--out", out, "--name", "qrt_model", NULL};
+    CU_ASSERT_EQUAL(qtrain("name.log", a4), 2);
+    /* eval --integer writes no eval.json: --out is refused rather than ignored */
+    const char *a5[] = {"eval", "--integer", "--checkpoint", ptq8, "--out", path_in("e.json"), NULL};
+    CU_ASSERT_EQUAL(qtrain("name.log", a5), 2);
     struct stat s;
     CU_ASSERT_NOT_EQUAL(stat(out, &s), 0);
 }
@@ -427,6 +578,9 @@ int register_device_export_suite(void) {
         !CU_add_test(s, "LoRA over int8 merged on the way", test_lora_merged) ||
         !CU_add_test(s, "aarch64 and armhf under qemu; Cortex-M4 sizes", test_arm_qemu) ||
         !CU_add_test(s, "an --out path with a space and a quote", test_awkward_path) ||
+        !CU_add_test(s, "a relu never clamps values another layer reads", test_relu_shared_values) ||
+        !CU_add_test(s, "module names that collide as C identifiers", test_awkward_names) ||
+        !CU_add_test(s, "transpose and classes transforms on the device", test_transforms) ||
         !CU_add_test(s, "bad input: clear errors, no directory", test_bad_inputs))
         return -1;
     return 0;

@@ -12,7 +12,7 @@
 
 typedef struct {
     size_t weight_bytes;     /* weights as stored (int4 packed two per byte) */
-    size_t const_bytes;      /* biases, requantization multipliers and shifts, the input table, op descriptions */
+    size_t const_bytes;      /* biases, requantization multipliers and shifts, the input table */
     size_t arena_bytes;      /* the one static arena */
     size_t io_bytes;         /* the caller's input and output */
     double macs;             /* multiply-accumulates per inference */
@@ -21,7 +21,8 @@ typedef struct {
     double test_loss;
     int test_examples;
     bool code_measured;      /* arm-none-eabi-gcc was found: the Cortex-M4 sizes below are measured */
-    long text_bytes, rodata_bytes, bss_bytes; /* NAME.c + qtrain_rt.c, -mcpu=cortex-m4 -mthumb -Os */
+    long text_bytes, rodata_bytes, data_bytes, bss_bytes; /* NAME.c + qtrain_rt.c, -mcpu=cortex-m4 -mthumb -Os;
+                                                             flash = text + rodata + data */
 } ExportCReport;
 
 /* The runtime's text (generated at build time from device/qtrain_rt.[ch] by scripts/embed.sh). */

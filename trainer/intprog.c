@@ -179,16 +179,24 @@ static const QLayer *qlayer_of(const Net *n, const Module *m) {
 
 /* ---- checks and value classes ---------------------------------------------------------------------------------- */
 
+static bool transparent(const Model *m, int i);
+
+/* Whether a relu at module i may clamp its class's values: nothing but the chain leading to it reads any value
+ * of the chain back to the op that made them (else a reader of an earlier value would see it clamped). */
+static bool relu_owns_chain(const Model *m, int i) {
+    for (int v = m->modules[i].inputs[0];; v = m->modules[v].inputs[0]) {
+        if (v < 0 || m->modules[v].n_consumers != 1) return false;
+        if (!transparent(m, v)) return true;
+    }
+}
+
 static bool transparent(const Model *m, int i) {
     const Module *mod = &m->modules[i];
     switch (mod->spec.type) {
     case LAYER_MAXPOOL2D:
     case LAYER_FLATTEN:
     case LAYER_DROPOUT: return true;
-    case LAYER_RELU: { /* a relu shares its input's range when nothing else reads that input */
-        const int in = mod->inputs[0];
-        return in < 0 ? false : m->modules[in].n_consumers == 1;
-    }
+    case LAYER_RELU: return relu_owns_chain(m, i);
     case LAYER_BATCHNORM1D:
     case LAYER_BATCHNORM2D: return mod->bn_folded != BN_FOLD_NONE;
     default: return false;
@@ -585,7 +593,19 @@ static QtStatus lower_relu(Lower *L, int i) {
     return QT_OK;
 }
 
+static QtStatus lower_module_ops(Lower *L, int i);
+
+/* Module i's ops, each noting the range of the value it writes. */
 static QtStatus lower_module(Lower *L, int i) {
+    const int first = L->p->n_ops;
+    QtStatus st = lower_module_ops(L, i);
+    const QParams *o = qp_value(L, i);
+    for (int k = first; st == QT_OK && k < L->p->n_ops; k++)
+        L->p->ops[k].out_scale = o->s, L->p->ops[k].out_zero_point = qp_zp(o);
+    return st;
+}
+
+static QtStatus lower_module_ops(Lower *L, int i) {
     const Module *mod = &L->m->modules[i];
     switch (mod->spec.type) {
     case LAYER_DENSE:

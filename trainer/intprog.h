@@ -10,7 +10,9 @@
  *                   static range is the rule's act_qtype (int8 or uint8);
  *                   a batch norm folded after it gives its bias;
  *   relu            the clamp of the op before it (act_min = zero point)
- *                   when it is that op's only reader, else qrt_relu;
+ *                   when it is that op's only reader, else qrt_relu in
+ *                   place when nothing else reads the values back to that
+ *                   op, else a requantized copy with the clamp;
  *   maxpool2d, flatten, dropout, a folded batch norm
  *                   keep the scale and zero point (flatten, dropout and the
  *                   batch norm write nothing);
@@ -38,7 +40,7 @@ typedef enum {
     IOP_MAXPOOL,
     IOP_AVGPOOL,   /* also globalavgpool */
     IOP_ADD,
-    IOP_REQUANT,   /* one input of a concat, or a value whose readers want another range */
+    IOP_REQUANT,   /* one input of a concat, or a relu whose input something else reads too (with the clamp) */
     IOP_RELU,
 } IntOpKind;
 
@@ -62,6 +64,8 @@ typedef struct {
         } relu;
     } p;
     double macs;              /* multiply-accumulates per inference */
+    float out_scale;          /* the written value's scale and zero point (real = scale * (code - zero point)) */
+    int32_t out_zero_point;
 } IntOp;
 
 typedef struct {
