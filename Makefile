@@ -58,7 +58,8 @@ CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
 CLI_OBJS   := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 TEST_SRCS  := $(wildcard tests/*.c)
 TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)
-BENCH_SRCS := $(wildcard bench/*.c)
+# export_timing.c is built against an export's directory by bench/export_bench.sh, not with the library.
+BENCH_SRCS := $(filter-out bench/export_timing.c,$(wildcard bench/*.c))
 BENCH_BINS := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 
 LIB    := $(BUILD)/libqtrain.a
