@@ -4,15 +4,17 @@
  *   cc -std=c99 -O2 [-DQRT_PORTABLE | -march=native] -I EXPORT_DIR \
  *      -DEXPORT_NAME=cnn -DEXPORT_UPPER=CNN -DEXPORT_HEADER='"cnn.h"' \
  *      bench/export_timing.c EXPORT_DIR/cnn.c EXPORT_DIR/qtrain_rt.c -o export_timing
- *   ./export_timing IMAGES LABELS [--seconds S] [--warmup S]
+ *   ./export_timing IMAGES LABELS [--seconds S] [--warmup S] [--min-images N]
  *
  * IMAGES, LABELS: uncompressed IDX files of uint8 (Fashion-MNIST's
  * t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte). NAME_predict runs on
  * the images in file order, cycling through the set: first untimed for
  * --warmup seconds (default 0.3), then timed for --seconds (default 2.5),
- * one clock read per image. The accuracy is over the distinct images the
- * warm-up and the timed run covered (every image once at most), a sanity
- * check that the program is the trained model, not a measurement.
+ * one clock read per image, and on past --seconds until --min-images
+ * images (default 10) were timed. The accuracy is over the distinct images
+ * the warm-up and the timed run covered (every image once at most; all of
+ * them with --min-images the set's size), a sanity check that the program is
+ * the trained model, not a measurement.
  *
  * Prints one line:
  *   export:timing name:cnn simd:avx2 images:N seconds:S images_per_s:X us_per_image:U us_per_image_min:M
@@ -94,6 +96,16 @@ static unsigned char *load_idx(const char *path, long *count, long *size) {
     return b;
 }
 
+static long parse_count(const char *opt, const char *v) {
+    char *end;
+    long n = v ? strtol(v, &end, 10) : -1;
+    if (!v || *end || n < 1 || n > 1000000000L) {
+        fprintf(stderr, "export_timing: %s needs an integer in [1, 1e9], got '%s'\n", opt, v ? v : "(nothing)");
+        exit(2);
+    }
+    return n;
+}
+
 static double parse_seconds(const char *opt, const char *v) {
     char *end;
     double s = v ? strtod(v, &end) : -1.0;
@@ -107,18 +119,20 @@ static double parse_seconds(const char *opt, const char *v) {
 int main(int argc, char **argv) {
     const char *images = NULL, *labels = NULL;
     double seconds = 2.5, warmup = 0.3;
+    long min_images = 10;
     for (int k = 1; k < argc; k++) {
         if (strcmp(argv[k], "--seconds") == 0) seconds = parse_seconds(argv[k], argv[k + 1]), k++;
         else if (strcmp(argv[k], "--warmup") == 0) warmup = parse_seconds(argv[k], argv[k + 1]), k++;
+        else if (strcmp(argv[k], "--min-images") == 0) min_images = parse_count(argv[k], argv[k + 1]), k++;
         else if (argv[k][0] != '-' && !images) images = argv[k];
         else if (argv[k][0] != '-' && !labels) labels = argv[k];
         else {
-            fprintf(stderr, "usage: %s IMAGES LABELS [--seconds S] [--warmup S]\n", argv[0]);
+            fprintf(stderr, "usage: %s IMAGES LABELS [--seconds S] [--warmup S] [--min-images N]\n", argv[0]);
             return 2;
         }
     }
     if (!labels) {
-        fprintf(stderr, "usage: %s IMAGES LABELS [--seconds S] [--warmup S]\n", argv[0]);
+        fprintf(stderr, "usage: %s IMAGES LABELS [--seconds S] [--warmup S] [--min-images N]\n", argv[0]);
         return 2;
     }
     long n, size, ny, ysize;
@@ -156,7 +170,7 @@ int main(int argc, char **argv) {
         t = now_s();
         if (t - last < best) best = t - last;
         last = t;
-    } while (t - start < seconds || count < 10);
+    } while (t - start < seconds || count < min_images);
     double wall = t - start, per_s = (double)count / wall;
     printf("export:timing name:%s simd:%s images:%ld seconds:%.3f images_per_s:%.1f us_per_image:%.2f "
            "us_per_image_min:%.2f macs:%.0f mmac_per_s:%.1f accuracy:%.4f accuracy_images:%ld\n",
