@@ -47,7 +47,8 @@ NAME=cnn
 
 case "$OUT" in
     build/*|./build/*) ;;
-    *) echo "bench/export_bench.sh: EXPORT_BENCH_OUT=$OUT is not under build/ (the script replaces directories there)" >&2
+    *) echo "bench/export_bench.sh: EXPORT_BENCH_OUT=$OUT is not under build/ (the script replaces" \
+            "directories there)" >&2
        exit 2 ;;
 esac
 case "$OUT" in *..*) echo "bench/export_bench.sh: EXPORT_BENCH_OUT=$OUT must not contain '..'" >&2; exit 2 ;; esac
@@ -181,19 +182,25 @@ MACS=$(field "$OUT/c-portable.txt" export:timing macs)
 [ -n "$MACS" ] || MACS=$(field "$OUT/c-native.txt" export:timing macs)
 [ -n "$MACS" ] || MACS=$(field "$OUT/export.txt" export:c macs)
 SIMD=$(field "$OUT/c-native.txt" export:timing simd)
+row() { printf '%s|%s|%s|%s|%s\n' "$@"; } # key, what, images/s, target ratio, accuracy
+timing() { field "$OUT/c-$1.txt" export:timing "$2"; }
+torch_per_s() { sed -n "s/^export:torch_eval batch:$1 .*images_per_s:\([^ ]*\).*/\1/p" "$OUT/torch.txt" 2>/dev/null; }
 {
-    echo "portable|exported C, -O2 -DQRT_PORTABLE|$(field "$OUT/c-portable.txt" export:timing images_per_s)|0.5|$(field "$OUT/c-portable.txt" export:timing accuracy)"
-    echo "simd|exported C, -O2 -march=native (${SIMD:-?})|$(field "$OUT/c-native.txt" export:timing images_per_s)|1.0|$(field "$OUT/c-native.txt" export:timing accuracy)"
-    echo "evalint|qtrain eval --integer, 1 thread *|$(per_s "${EVAL_INT_MS:-}")||$(sed -n 's/^integer test_accuracy:\([^ ]*\).*/\1/p' "$OUT/eval-integer.txt" 2>/dev/null)"
-    echo "eval|qtrain eval (int8 kernels), 1 thread *|$(per_s "${EVAL_MS:-}")||$(sed -n 's/^test_accuracy:\([^ ]*\).*/\1/p' "$OUT/eval.txt" 2>/dev/null)"
-    echo "bench|qtrain bench int8 eval, 1 thread, b128|$(field "$OUT/bench.txt" bench:eval samples_per_s)||"
+    row portable "exported C, -O2 -DQRT_PORTABLE" "$(timing portable images_per_s)" 0.5 "$(timing portable accuracy)"
+    row simd "exported C, -O2 -march=native (${SIMD:-?})" "$(timing native images_per_s)" 1.0 \
+        "$(timing native accuracy)"
+    row evalint "qtrain eval --integer, 1 thread *" "$(per_s "${EVAL_INT_MS:-}")" "" \
+        "$(sed -n 's/^integer test_accuracy:\([^ ]*\).*/\1/p' "$OUT/eval-integer.txt" 2>/dev/null)"
+    row eval "qtrain eval (int8 kernels), 1 thread *" "$(per_s "${EVAL_MS:-}")" "" \
+        "$(sed -n 's/^test_accuracy:\([^ ]*\).*/\1/p' "$OUT/eval.txt" 2>/dev/null)"
+    row bench "qtrain bench int8 eval, 1 thread, b128" "$(field "$OUT/bench.txt" bench:eval samples_per_s)" "" ""
     if [ "$TORCH" = yes ]; then
         acc=$(field "$OUT/torch.txt" export:torch accuracy)
-        echo "torch1|PyTorch int8, 1 thread, batch 1|$(sed -n 's/^export:torch_eval batch:1 .*images_per_s:\([^ ]*\).*/\1/p' "$OUT/torch.txt")||$acc"
-        echo "torch128|PyTorch int8, 1 thread, batch 128|$(sed -n 's/^export:torch_eval batch:128 .*images_per_s:\([^ ]*\).*/\1/p' "$OUT/torch.txt")||$acc"
+        row torch1 "PyTorch int8, 1 thread, batch 1" "$(torch_per_s 1)" "" "$acc"
+        row torch128 "PyTorch int8, 1 thread, batch 128" "$(torch_per_s 128)" "" "$acc"
     else
-        echo "torch1|PyTorch int8, 1 thread, batch 1|$TORCH||"
-        echo "torch128|PyTorch int8, 1 thread, batch 128|$TORCH||"
+        row torch1 "PyTorch int8, 1 thread, batch 1" "$TORCH" "" ""
+        row torch128 "PyTorch int8, 1 thread, batch 128" "$TORCH" "" ""
     fi
 } >"$OUT/table.txt"
 ENGINE=$(field "$OUT/torch.txt" export:torch engine)
@@ -204,8 +211,9 @@ echo "CPU: ${CPU_MODEL:-?} (${CPU_ISA:-no avx2/vnni/amx flags}); C: $($CC --vers
 [ "$TORCH" = yes ] && echo "PyTorch: ${TORCH_IMPL:-?}, quantized engine ${ENGINE:-?}"
 awk -F'|' -v macs="${MACS:-0}" '
 function num(s) { return s == "" ? "-" : s + 0 >= 100 ? sprintf("%.0f", s) : sprintf("%.1f", s) }
-function ratio(a, b) { return (a == "" || b == "" || b !~ /^[0-9.]+$/ || b + 0 == 0) ? "-" : sprintf("%.2f", a / b) }
-function met(a, b, t) { return (a == "" || b == "" || b !~ /^[0-9.]+$/ || b + 0 == 0) ? "?" : a / b >= t ? "yes" : "NO" }
+function known(a, b) { return a != "" && b != "" && b ~ /^[0-9.]+$/ && b + 0 > 0 }
+function ratio(a, b) { return !known(a, b) ? "-" : sprintf(a / b >= 0.1 ? "%.2f" : "%.4f", a / b) }
+function met(a, b, t) { return !known(a, b) ? "?" : a / b >= t ? "yes" : "NO" }
 { key[NR] = $1; what[NR] = $2; v[NR] = $3; target[NR] = $4; acc[NR] = $5; row[$1] = NR }
 END {
     b1 = v[row["torch1"]]; b128 = v[row["torch128"]]
@@ -215,13 +223,17 @@ END {
         "-----------", "-----------", "---------------------", "----------"
     for (i = 1; i <= NR; i++) {
         skipped = v[i] != "" && v[i] !~ /^[0-9.]+$/
-        t = target[i] == "" ? "-" : sprintf(">= %.1fx: %s / %s", target[i], met(v[i], b1, target[i]), met(v[i], b128, target[i]))
+        t = target[i] == "" ? "-" : sprintf(">= %.1fx: %s / %s", target[i], met(v[i], b1, target[i]),
+                                            met(v[i], b128, target[i]))
         if (skipped) { printf "| %-42s | %s\n", what[i], v[i]; continue }
         printf "| %-42s | %9s | %8s | %9s | %9s | %-19s | %8s |\n", what[i], num(v[i]),
             v[i] == "" ? "-" : num(v[i] * macs / 1e6), key[i] ~ /^torch/ ? "-" : ratio(v[i], b1),
             key[i] ~ /^torch/ ? "-" : ratio(v[i], b128), t, acc[i] == "" ? "-" : acc[i]
     }
-    print "* whole command over the test set: process start, checkpoint and data loading, every image; the other rows time inference only"
+    print "* the whole command over the test set: process start, checkpoint and data loading, every image; " \
+        "the other rows time inference only"
+    print "accuracy: a sanity check (the same trained model everywhere); the exported C rows over the first " \
+        "test images they reached (accuracy_images in c-*.txt), the others over the whole test set"
 }' "$OUT/table.txt"
 
 warn_busy
