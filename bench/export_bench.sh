@@ -82,7 +82,7 @@ warn_busy() {
 # step LOG WHAT COMMAND...: runs the command, its stdout and stderr into $OUT/LOG.txt; on failure says so.
 # STEP_MS is its wall time in milliseconds.
 step() {
-    log="$OUT/$1.txt" what=$2
+    name=$1 log="$OUT/$1.txt" what=$2
     shift 2
     printf '  %-44s' "$what"
     t0=$(date +%s%N)
@@ -91,7 +91,7 @@ step() {
     t1=$(date +%s%N)
     STEP_MS=$(( (t1 - t0) / 1000000 ))
     if [ $rc -ne 0 ]; then
-        failed="$failed $1"
+        failed="$failed $name"
         echo " FAILED (exit $rc), see $log:"
         tail -n 3 "$log" | sed 's/^/    /'
         return 1
