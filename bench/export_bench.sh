@@ -42,7 +42,7 @@ OUT=${EXPORT_BENCH_OUT:-build/bench/export}
 SECONDS_EACH=${EXPORT_BENCH_SECONDS:-2.5}
 DATA=/usr/share/datasets/fashion-mnist
 DIR=$(dirname "$0")
-ROOT=$(dirname "$DIR")
+ROOT=$(cd "$DIR/.." && pwd) || exit 2
 NAME=cnn
 
 case "$OUT" in
