@@ -21,6 +21,9 @@
 #                   qtrain bench on every bench/configs/*.yaml (bench/run.sh)
 #   make bench-torch  the bench/configs measurements in qtrain, then in PyTorch
 #                   (Debian's python3-torch, installed if missing), side by side
+#   make bench-export  the CNN exported as C (qtrain export --format c) against qtrain's
+#                   int8 paths and PyTorch's int8 (if installed), one core each
+#                   (bench/export_bench.sh); make bench runs it last
 #   make fixtures   regenerate the PyTorch reference fixtures in tests/fixtures/ (needs torch)
 #   make fuzz       the libFuzzer targets (clang), FUZZ_SECONDS each (fuzz/README.md)
 #   make memcheck   tiny end-to-end runs under valgrind's memcheck (Debian's valgrind, installed
@@ -58,7 +61,8 @@ CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
 CLI_OBJS   := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 TEST_SRCS  := $(wildcard tests/*.c)
 TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)
-BENCH_SRCS := $(wildcard bench/*.c)
+# export_timing.c is built against an export's directory by bench/export_bench.sh, not with the library.
+BENCH_SRCS := $(filter-out bench/export_timing.c,$(wildcard bench/*.c))
 BENCH_BINS := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 
 LIB    := $(BUILD)/libqtrain.a
@@ -84,7 +88,7 @@ DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config datas
 TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures interop memcheck \
+.PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \
 	clean hostile-corpus shared examples install uninstall
 all: $(LIB) $(QTRAIN)
 
@@ -236,6 +240,13 @@ bench: deps
 	$(MAKE) --no-print-directory $(BENCH_BINS) $(QTRAIN)
 	@for b in $(BENCH_BINS); do ./$$b || exit 1; done
 	@QTRAIN=./$(QTRAIN) sh bench/run.sh
+	@$(MAKE) --no-print-directory bench-export
+
+# The exported C against qtrain and PyTorch on one core; PyTorch's rows say
+# "skipped" without python3-torch (make torch-deps installs it).
+bench-export: deps
+	$(MAKE) --no-print-directory $(QTRAIN)
+	@QTRAIN=./$(QTRAIN) PYTHON=/usr/bin/python3 sh bench/export_bench.sh
 
 # Debian's PyTorch (python3-torch brings numpy and yaml), for bench-torch.
 torch-deps:

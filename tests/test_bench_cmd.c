@@ -1,7 +1,8 @@
 /* test_bench_cmd.c - `qtrain bench` through the binary (QTRAIN_BIN, default
  * build/qtrain) on the shipped mini data set: the bench: lines parse, their
  * figures are positive and finite, nothing lands in run.out_dir, and bad
- * usage exits 2 with a message. No timing is judged here. */
+ * usage exits 2 with a message; and the harnesses of make bench-export. No
+ * timing is judged here. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -332,6 +333,183 @@ static void test_torch_bench_dag(void) {
     free(cfg), free(eval_cfg), free(ptq_cfg), free(run_dir), free(ckpt);
 }
 
+/* bench/export_timing.c and bench/export_torch.py (make bench-export) on a tiny PTQ w8a8 CNN of the mini data set:
+ * a float base of a few steps, PTQ with uint8 input ranges on every conv and dense (as configs/ptq-w8a8.yaml), then
+ * `qtrain export --format c`. The harness must build as C99 with every warning an error against the export and,
+ * made to cover the whole test set once, give the export's own integer accuracy: it times the trained program, not
+ * something else. Speeds are only checked to be positive and consistent with the MAC count. */
+static void write_export_configs(const char *float_cfg, const char *ptq_cfg, const char *float_dir,
+                                 const char *ptq_dir) {
+    static const char common[] =
+        "data:\n"
+        "  dir: data/fashion-mnist-mini\n"
+        "  cache_dir: none\n"
+        "  transform: [{normalize: {mean: 0.2860, std: 0.3530}}]\n"
+        "model:\n"
+        "  input: [1, 28, 28]\n"
+        "  layers:\n"
+        "    - {name: conv1, type: conv2d, out_channels: 4, kernel: 3, padding: 1}\n"
+        "    - {type: relu}\n"
+        "    - {type: maxpool2d, kernel: 2}\n"
+        "    - {type: flatten}\n"
+        "    - {name: head, type: dense, units: 10}\n";
+    char text[4096];
+    int n = snprintf(text, sizeof text, "run: {name: et-float, out_dir: %s, seed: 3, threads: 1}\n%s"
+                     "train: {steps: 30, batch_size: 32, optimizer: {name: adamw, lr: 0.003}}\n", float_dir, common);
+    CU_ASSERT_FATAL(n > 0 && (size_t)n < sizeof text);
+    test_file_write(float_cfg, text, (size_t)n);
+    n = snprintf(text, sizeof text, "run: {name: et-ptq, out_dir: %s, seed: 3, threads: 1}\n%s"
+                 "  init_from: %s/final.h5\n"
+                 "quant:\n  mode: ptq\n  calibration_batches: 4\n  rules:\n"
+                 "    - {module_path: \".*\", op_types: [conv2d, dense], weight_qtype: int8, act_qtype: uint8, "
+                 "act_symmetric: false}\n"
+                 "train: {epochs: 0, batch_size: 32}\n", ptq_dir, common, float_dir);
+    CU_ASSERT_FATAL(n > 0 && (size_t)n < sizeof text);
+    test_file_write(ptq_cfg, text, (size_t)n);
+}
+
+/* The tiny PTQ checkpoint and its C export, made once for the export tests: the paths (under tmp_root), the
+ * export's integer test accuracy and MACs per example; false if a step failed. */
+static bool export_fixture(char **float_cfg, char **ptq_cfg, char **float_ckpt, char **c_dir, double *int_acc,
+                           double *macs) {
+    static bool made, ok;
+    static double acc, m;
+    *float_cfg = test_path_join(tmp_root, "et-float.yaml");
+    *ptq_cfg = test_path_join(tmp_root, "et-ptq.yaml");
+    char *float_dir = test_path_join(tmp_root, "et-float"), *ptq_dir = test_path_join(tmp_root, "et-ptq");
+    *float_ckpt = test_path_join(float_dir, "final.h5");
+    *c_dir = test_path_join(tmp_root, "et-c");
+    if (!made) {
+        made = true;
+        write_export_configs(*float_cfg, *ptq_cfg, float_dir, ptq_dir);
+        char args[2048], *out = NULL;
+        snprintf(args, sizeof args, "--config %s --quiet", *float_cfg);
+        ok = run_qtrain("OPENBLAS_NUM_THREADS=1", args, &out) == 0;
+        if (!ok) fprintf(stderr, "\n  float run: %s\n", out ? out : "(no output)");
+        free(out), out = NULL;
+        snprintf(args, sizeof args, "--config %s --quiet", *ptq_cfg);
+        if (ok && run_qtrain("OPENBLAS_NUM_THREADS=1", args, &out) != 0) {
+            fprintf(stderr, "\n  ptq run: %s\n", out ? out : "(no output)");
+            ok = false;
+        }
+        free(out), out = NULL;
+        snprintf(args, sizeof args, "export --format c --checkpoint %s/final.h5 --out %s --name tiny --quiet", ptq_dir,
+                 *c_dir);
+        if (ok && run_qtrain("OPENBLAS_NUM_THREADS=1", args, &out) != 0) {
+            fprintf(stderr, "\n  export: %s\n", out ? out : "(no output)");
+            ok = false;
+        }
+        acc = field(out, "export:c", "integer_test_accuracy");
+        m = field(out, "export:c", "macs");
+        ok = ok && isfinite(acc) && positive(m);
+        free(out);
+    }
+    free(float_dir), free(ptq_dir);
+    *int_acc = acc, *macs = m;
+    CU_ASSERT(ok);
+    return ok;
+}
+
+static void test_export_timing(void) {
+    char *float_cfg, *ptq_cfg, *float_ckpt, *c_dir, cmd[4096], *out = NULL;
+    double int_acc, macs;
+    const char *cc = getenv("CC") && *getenv("CC") ? getenv("CC") : "cc";
+    snprintf(cmd, sizeof cmd, "%s --version >/dev/null 2>&1", cc);
+    if (system(cmd) != 0) {
+        test_skip("no C compiler (%s) to build bench/export_timing.c with", cc);
+        return;
+    }
+    if (export_fixture(&float_cfg, &ptq_cfg, &float_ckpt, &c_dir, &int_acc, &macs)) {
+        char *bin = test_path_join(tmp_root, "export_timing"), *images = test_path_join(tmp_root, "t10k-images");
+        char *labels = test_path_join(tmp_root, "t10k-labels");
+        snprintf(cmd, sizeof cmd, "gunzip -c data/fashion-mnist-mini/t10k-images-idx3-ubyte.gz >%s && "
+                 "gunzip -c data/fashion-mnist-mini/t10k-labels-idx1-ubyte.gz >%s", images, labels);
+        CU_ASSERT_EQUAL_FATAL(system(cmd), 0);
+        snprintf(cmd, sizeof cmd, "%s -std=c99 -O2 -Wall -Wextra -Werror -DQRT_PORTABLE -I%s -DEXPORT_NAME=tiny "
+                 "-DEXPORT_UPPER=TINY '-DEXPORT_HEADER=\"tiny.h\"' bench/export_timing.c %s/tiny.c %s/qtrain_rt.c "
+                 "-o %s 2>&1", cc, c_dir, c_dir, c_dir, bin);
+        int st = run_shell(cmd, &out);
+        CU_ASSERT_EQUAL(st, 0);
+        if (st != 0) fprintf(stderr, "\n  %s\n%s\n", cmd, out ? out : "(no output)");
+        free(out), out = NULL;
+
+        /* the whole mini test set (1000 images) once at least: its accuracy is the export's */
+        snprintf(cmd, sizeof cmd, "%s %s %s --seconds 0 --warmup 0 --min-images 1000 2>&1", bin, images, labels);
+        CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+        char simd[32];
+        CU_ASSERT_STRING_EQUAL(text_field(out, "export:timing", "simd", simd, sizeof simd), "portable");
+        CU_ASSERT(field(out, "export:timing", "images") >= 1000);
+        CU_ASSERT_EQUAL(field(out, "export:timing", "accuracy_images"), 1000);
+        CU_ASSERT_DOUBLE_EQUAL(field(out, "export:timing", "accuracy"), int_acc, 1e-9);
+        CU_ASSERT_DOUBLE_EQUAL(field(out, "export:timing", "macs"), macs, 0.5);
+        double per_s = field(out, "export:timing", "images_per_s"), mmac = field(out, "export:timing", "mmac_per_s");
+        CU_ASSERT(positive(per_s) && positive(mmac));
+        CU_ASSERT(fabs(mmac - per_s * macs * 1e-6) <= 0.01 * mmac + 0.1);
+        if (!(field(out, "export:timing", "accuracy") == int_acc))
+            fprintf(stderr, "\n  export integer_test_accuracy %g; harness:\n%s\n", int_acc, out ? out : "(none)");
+        free(out), out = NULL;
+
+        /* data that is not the model's: exit 1 and why; a bad option: exit 2 */
+        snprintf(cmd, sizeof cmd, "%s %s %s 2>&1", bin, labels, labels);
+        CU_ASSERT_EQUAL(run_shell(cmd, &out), 1);
+        CU_ASSERT(out && strstr(out, "examples of 784 bytes"));
+        free(out), out = NULL;
+        snprintf(cmd, sizeof cmd, "%s %s %s 2>&1", bin, ptq_cfg, labels);
+        CU_ASSERT_EQUAL(run_shell(cmd, &out), 1);
+        CU_ASSERT(out && strstr(out, "not an IDX file of uint8"));
+        free(out), out = NULL;
+        snprintf(cmd, sizeof cmd, "%s %s %s --seconds soon 2>&1", bin, images, labels);
+        CU_ASSERT_EQUAL(run_shell(cmd, &out), 2);
+        CU_ASSERT(out && strstr(out, "--seconds needs seconds"));
+        free(out), out = NULL;
+        free(bin), free(images), free(labels);
+    }
+    free(float_cfg), free(ptq_cfg), free(float_ckpt), free(c_dir);
+}
+
+/* export_torch.py: the same model and weights quantized by PyTorch on one thread, timed at each batch size. */
+static void test_export_torch(void) {
+    char *float_cfg, *ptq_cfg, *float_ckpt, *c_dir, cmd[4096], *out = NULL;
+    double int_acc, macs;
+    if (run_shell(TORCH_PYTHON " -c 'import torch, yaml, numpy, h5py' 2>&1", &out) != 0) {
+        test_skip(TORCH_PYTHON " cannot import torch, yaml, numpy and h5py (apt-get install python3-torch "
+                  "python3-h5py)");
+        free(out);
+        return;
+    }
+    free(out), out = NULL;
+    if (export_fixture(&float_cfg, &ptq_cfg, &float_ckpt, &c_dir, &int_acc, &macs)) {
+        snprintf(cmd, sizeof cmd, TORCH_PYTHON " bench/export_torch.py --config %s --init-from %s --seconds 0.05 "
+                 "--warmup 0 --batches 1,16 2>&1", ptq_cfg, float_ckpt);
+        CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+        char engine[32];
+        text_field(out, "export:torch", "engine", engine, sizeof engine);
+        CU_ASSERT(strcmp(engine, "onednn") == 0 || strcmp(engine, "x86") == 0 || strcmp(engine, "fbgemm") == 0);
+        CU_ASSERT_EQUAL(field(out, "export:torch", "threads"), 1);
+        /* another quantizer (histogram observers) of the same float model: near qtrain's integer accuracy */
+        double acc = field(out, "export:torch", "accuracy");
+        CU_ASSERT(isfinite(acc) && fabs(acc - int_acc) < 0.05);
+        CU_ASSERT(positive(field(out, "export:torch_eval batch:1", "images_per_s")));
+        CU_ASSERT(positive(field(out, "export:torch_eval batch:16", "images_per_s")));
+        if (!has_line(out, "export:torch_eval batch:16") || !(fabs(acc - int_acc) < 0.05))
+            fprintf(stderr, "\n  qtrain integer accuracy %g; export_torch.py:\n%s\n", int_acc, out ? out : "(none)");
+        free(out);
+    }
+    free(float_cfg), free(ptq_cfg), free(float_ckpt), free(c_dir);
+}
+
+/* export_bench.sh replaces its run directories, so it refuses an output directory outside build/. */
+static void test_export_bench_out_dir(void) {
+    static const char *const bad[] = {"/tmp", "runs/bench", "build/../runs"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char cmd[256], *out = NULL;
+        snprintf(cmd, sizeof cmd, "EXPORT_BENCH_OUT=%s sh bench/export_bench.sh 2>&1", bad[i]);
+        CU_ASSERT_EQUAL(run_shell(cmd, &out), 2);
+        CU_ASSERT(out && strstr(out, "EXPORT_BENCH_OUT") && strstr(out, bad[i]));
+        free(out);
+    }
+}
+
 /* Usage errors: exit 2 and a message naming the problem. */
 static void test_bench_usage_errors(void) {
     static const struct {
@@ -367,5 +545,9 @@ int register_bench_cmd_suite(void) {
            !CU_add_test(s, "bench: the int8 path on its lines", test_bench_int8_kernel) ||
            !CU_add_test(s, "bench: usage errors exit 2 with a message", test_bench_usage_errors) ||
            !CU_add_test(s, "bench: torch_bench.py on a DAG with batch norm: qtrain's model and function",
-                        test_torch_bench_dag);
+                        test_torch_bench_dag) ||
+           !CU_add_test(s, "bench: export_timing.c builds as C99 against an export, times its accuracy",
+                        test_export_timing) ||
+           !CU_add_test(s, "bench: export_torch.py quantizes the same weights, one thread", test_export_torch) ||
+           !CU_add_test(s, "bench: export_bench.sh writes under build/ only", test_export_bench_out_dir);
 }
