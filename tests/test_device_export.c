@@ -232,6 +232,17 @@ static void check_model_agree(const char *ckpt, const char *dir, const char *nam
 
 static void check_model(const char *ckpt, const char *dir, const char *name) { check_model_agree(ckpt, dir, name, 0.9); }
 
+/* The export of `exported` (converted or merged on the way) against eval --integer of `reference`, the same
+ * conversion done by hand. */
+static void check_export_of(const char *exported, const char *reference, const char *dir, const char *name) {
+    size_t n = 0;
+    int8_t *want = integer_logits(reference, &n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(want);
+    CU_ASSERT_EQUAL_FATAL(export_c(exported, dir, name), 0);
+    CU_ASSERT(run_matches(dir, name, "cc", "-O2", "", want, n));
+    free(want);
+}
+
 static void test_cnn_identical(void) {
     check_model(ptq("tiny-base", runs.base_ckpt, "p-cnn", W8A8), "x-cnn", "cnn");
     /* the files an export holds */
@@ -397,12 +408,7 @@ static void test_qat_converted(void) {
     const char *qat = path_in("qat/final.h5"), *conv = path_in("qat-converted.h5");
     const char *cargs[] = {"convert", "--checkpoint", qat, "--out", conv, "--quiet", NULL};
     CU_ASSERT_EQUAL_FATAL(qtrain("convert.log", cargs), 0);
-    size_t n = 0;
-    int8_t *want = integer_logits(conv, &n);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(want);
-    CU_ASSERT_EQUAL_FATAL(export_c(qat, "x-qat", "qat"), 0);
-    CU_ASSERT(run_matches("x-qat", "qat", "cc", "-O2", "", want, n));
-    free(want);
+    check_export_of(qat, conv, "x-qat", "qat");
 }
 
 /* A LoRA run over an int8 base is merged (and re-quantized) on the way: as eval --integer of `qtrain merge`. */
@@ -430,12 +436,7 @@ static void test_lora_merged(void) {
     CU_ASSERT_EQUAL(qtrain("lora-eval.log", iargs), 2);
     const char *margs[] = {"merge", "--checkpoint", run, "--out", merged, "--quiet", NULL};
     CU_ASSERT_EQUAL_FATAL(qtrain("merge.log", margs), 0);
-    size_t n = 0;
-    int8_t *want = integer_logits(merged, &n);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(want);
-    CU_ASSERT_EQUAL_FATAL(export_c(run, "x-lora", "lora"), 0);
-    CU_ASSERT(run_matches("x-lora", "lora", "cc", "-O2", "", want, n));
-    free(want);
+    check_export_of(run, merged, "x-lora", "lora");
 }
 
 /* The residual model cross-compiled for aarch64 and armhf, NEON included, run under qemu-user. */
