@@ -1,0 +1,614 @@
+/* qtrain_rt.c - the integer kernels of qtrain_rt.h. Strict C99, no malloc,
+ * no libm, no written globals (reentrant).
+ *
+ * Every kernel has a plain-C path; the AVX2 and NEON paths replace only the
+ * inner loops (dot products, the depthwise taps, the requantization of a
+ * row) and compute the same integers: sums are exact in int32 and the
+ * requantization is qrt_rshift_round's, so every path writes the same int8.
+ *
+ * Convolutions take one of two shapes, chosen from the parameters alone (so
+ * qrt_conv2d_scratch is the same for every path):
+ *   - one input channel per group (depthwise, or a first layer on a single
+ *     channel): the input plane is copied once, as int16 x - in_zp with the
+ *     padding at 0, and each output row sums k_h * k_w shifted rows of it;
+ *   - otherwise an im2col of QRT_TILE_PX output pixels at a time (int16
+ *     x - in_zp, each pixel's K = in_c/groups * k_h * k_w values padded with
+ *     zeros to a multiple of 16), multiplied by two output channels' weights
+ *     widened to int16 the same way: one dot product of length K per output.
+ * In both the padding contributes exact zeros, so no zero-point correction
+ * is needed and the borders cost nothing in the inner loops. */
+#include "qtrain_rt.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && !defined(QRT_PORTABLE)
+#define QRT_AVX2 1
+#include <immintrin.h>
+#elif defined(__ARM_NEON) && !defined(QRT_PORTABLE)
+#define QRT_NEON 1
+#include <arm_neon.h>
+#endif
+
+#define QRT_TILE_PX 32  /* output pixels per im2col tile */
+#define QRT_KALIGN 16   /* im2col rows and widened weights are padded to this many values */
+#define QRT_ALIGN 32    /* the scratch is used from its first 32-byte aligned address */
+#define QRT_DW_TILE 64  /* output columns per depthwise accumulator block */
+#define QRT_CHUNK 256   /* int4 dense weights are unpacked this many at a time */
+
+static int qrt_imin(int a, int b) { return a < b ? a : b; }
+
+/* Weight i of a tensor of w_bits-wide values (4: two per byte, the even index in the low nibble). */
+static int8_t qrt_weight_at(int w_bits, const void *w, size_t i) {
+    if (w_bits == 4) {
+        unsigned b = ((const uint8_t *)w)[i >> 1];
+        unsigned nib = (i & 1u) ? b >> 4 : b & 15u;
+        return (int8_t)((int)(nib ^ 8u) - 8);
+    }
+    return ((const int8_t *)w)[i];
+}
+
+static void *qrt_align_ptr(void *p) {
+    uintptr_t a = (uintptr_t)p;
+    a = (a + (QRT_ALIGN - 1)) & ~(uintptr_t)(QRT_ALIGN - 1);
+    return (void *)a;
+}
+
+static size_t qrt_round_k(size_t k) { return (k + QRT_KALIGN - 1) / QRT_KALIGN * QRT_KALIGN; }
+
+/* ---- requantization of a row: y[j] = requant(bias + acc[j]) with one multiplier ---------------------------- */
+
+static void qrt_requant_row_tail(const int32_t *acc, int j, int n, int32_t bias, int32_t mult, int shift,
+                                 int32_t zp, int32_t lo, int32_t hi, int8_t *y) {
+    for (; j < n; j++) y[j] = qrt_requant(((int64_t)acc[j] + bias) * mult, shift, zp, lo, hi);
+}
+
+#if defined(QRT_AVX2)
+/* Arithmetic right shift of int64 lanes (AVX2 has none): ~((~r) >> n) for the negative ones, as qrt_rshift_round. */
+static __m256i qrt_srai64(__m256i r, __m128i cnt) {
+    __m256i s = _mm256_cmpgt_epi64(_mm256_setzero_si256(), r);
+    return _mm256_xor_si256(_mm256_srl_epi64(_mm256_xor_si256(r, s), cnt), s);
+}
+
+/* clamp(r, lo, hi) on int64 lanes. */
+static __m256i qrt_clamp64(__m256i r, __m256i lo, __m256i hi) {
+    r = _mm256_blendv_epi8(r, lo, _mm256_cmpgt_epi64(lo, r));
+    return _mm256_blendv_epi8(r, hi, _mm256_cmpgt_epi64(r, hi));
+}
+
+static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mult, int shift, int32_t zp, int32_t lo,
+                            int32_t hi, int8_t *y) {
+    const __m256i vb = _mm256_set1_epi32(bias), vm = _mm256_set1_epi32(mult);
+    const __m256i rnd = _mm256_set1_epi64x((int64_t)1 << (shift - 1));
+    const __m256i lo64 = _mm256_set1_epi64x((int64_t)lo - zp), hi64 = _mm256_set1_epi64x((int64_t)hi - zp);
+    const __m256i low32 = _mm256_set1_epi64x(0xffffffffLL), vzp = _mm256_set1_epi32(zp);
+    const __m128i cnt = _mm_cvtsi32_si128(shift);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256i a = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)), vb);
+        __m256i ev = _mm256_mul_epi32(a, vm);                        /* lanes 0, 2, 4, 6 as int64 */
+        __m256i od = _mm256_mul_epi32(_mm256_srli_epi64(a, 32), vm); /* lanes 1, 3, 5, 7 */
+        ev = qrt_clamp64(qrt_srai64(_mm256_add_epi64(ev, rnd), cnt), lo64, hi64);
+        od = qrt_clamp64(qrt_srai64(_mm256_add_epi64(od, rnd), cnt), lo64, hi64);
+        __m256i r = _mm256_or_si256(_mm256_and_si256(ev, low32), _mm256_slli_epi64(od, 32));
+        r = _mm256_add_epi32(r, vzp);
+        __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r, r), _mm256_packs_epi32(r, r));
+        int32_t w0 = _mm256_cvtsi256_si32(p8), w1 = _mm256_extract_epi32(p8, 4);
+        memcpy(y + j, &w0, 4);
+        memcpy(y + j + 4, &w1, 4);
+    }
+    qrt_requant_row_tail(acc, j, n, bias, mult, shift, zp, lo, hi, y);
+}
+#elif defined(QRT_NEON)
+static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mult, int shift, int32_t zp, int32_t lo,
+                            int32_t hi, int8_t *y) {
+    const int32x4_t vb = vdupq_n_s32(bias), vzp = vdupq_n_s32(zp), vlo = vdupq_n_s32(lo), vhi = vdupq_n_s32(hi);
+    const int32x2_t vm = vdup_n_s32(mult);
+    const int64x2_t rnd = vdupq_n_s64((int64_t)1 << (shift - 1)), nsh = vdupq_n_s64(-(int64_t)shift);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        int32x4_t r[2];
+        for (int h = 0; h < 2; h++) {
+            int32x4_t a = vaddq_s32(vld1q_s32(acc + j + 4 * h), vb);
+            /* vshlq_s64 by -shift is an arithmetic shift (floor); vqmovn saturates what int32 cannot hold,
+             * which the saturating zero-point add and the clamp keep outside [lo, hi]. */
+            int64x2_t p0 = vshlq_s64(vaddq_s64(vmull_s32(vget_low_s32(a), vm), rnd), nsh);
+            int64x2_t p1 = vshlq_s64(vaddq_s64(vmull_s32(vget_high_s32(a), vm), rnd), nsh);
+            int32x4_t q = vqaddq_s32(vcombine_s32(vqmovn_s64(p0), vqmovn_s64(p1)), vzp);
+            r[h] = vminq_s32(vmaxq_s32(q, vlo), vhi);
+        }
+        vst1_s8(y + j, vmovn_s16(vcombine_s16(vmovn_s32(r[0]), vmovn_s32(r[1]))));
+    }
+    qrt_requant_row_tail(acc, j, n, bias, mult, shift, zp, lo, hi, y);
+}
+#else
+static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mult, int shift, int32_t zp, int32_t lo,
+                            int32_t hi, int8_t *y) {
+    qrt_requant_row_tail(acc, 0, n, bias, mult, shift, zp, lo, hi, y);
+}
+#endif
+
+/* ---- dot products ---------------------------------------------------------------------------------------- */
+
+/* qrt_gemm_tile: acc0[i] = sum_k col[i][k] * w0[k] and acc1 likewise for w1 (NULL: one channel only) over the np
+ * rows of col (np, kp), kp a multiple of QRT_KALIGN (the padding is 0 in col and in w). */
+
+#if defined(QRT_AVX2)
+static int32_t qrt_hsum256(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
+                          int32_t *acc1) {
+    int i = 0;
+    if (w1) {
+        for (; i + 4 <= np; i += 4) {
+            const int16_t *c = col + (size_t)i * kp;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int k = 0; k < kp; k += 16) {
+                __m256i u = _mm256_loadu_si256((const __m256i *)(w0 + k));
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w1 + k));
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + k));
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + kp + k));
+                __m256i x2 = _mm256_loadu_si256((const __m256i *)(c + 2 * (size_t)kp + k));
+                __m256i x3 = _mm256_loadu_si256((const __m256i *)(c + 3 * (size_t)kp + k));
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x0, u));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x1, u));
+                a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x2, u));
+                a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x3, u));
+                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(x0, v));
+                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(x1, v));
+                b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(x2, v));
+                b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(x3, v));
+            }
+            /* Eight horizontal sums at once: [a0 a1 a2 a3 | b0 b1 b2 b3]. */
+            __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+            __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(b0, b1), _mm256_hadd_epi32(b2, b3));
+            __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+            _mm_storeu_si128((__m128i *)(acc0 + i), _mm256_castsi256_si128(s));
+            _mm_storeu_si128((__m128i *)(acc1 + i), _mm256_extracti128_si256(s, 1));
+        }
+    }
+    for (; i < np; i++) {
+        const int16_t *c = col + (size_t)i * kp;
+        __m256i a = _mm256_setzero_si256(), b = a;
+        for (int k = 0; k < kp; k += 16) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(c + k));
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(x, _mm256_loadu_si256((const __m256i *)(w0 + k))));
+            if (w1) b = _mm256_add_epi32(b, _mm256_madd_epi16(x, _mm256_loadu_si256((const __m256i *)(w1 + k))));
+        }
+        acc0[i] = qrt_hsum256(a);
+        if (w1) acc1[i] = qrt_hsum256(b);
+    }
+}
+#elif defined(QRT_NEON)
+static int32_t qrt_hsum_s32(int32x4_t v) {
+#if defined(__aarch64__)
+    return vaddvq_s32(v);
+#else
+    int32x2_t s = vadd_s32(vget_low_s32(v), vget_high_s32(v));
+    return vget_lane_s32(vpadd_s32(s, s), 0);
+#endif
+}
+
+static int32x4_t qrt_mla8(int32x4_t a, int16x8_t x, int16x8_t w) {
+    a = vmlal_s16(a, vget_low_s16(x), vget_low_s16(w));
+    return vmlal_s16(a, vget_high_s16(x), vget_high_s16(w));
+}
+
+static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
+                          int32_t *acc1) {
+    int i = 0;
+    if (w1) {
+        for (; i + 4 <= np; i += 4) {
+            const int16_t *c = col + (size_t)i * kp;
+            int32x4_t a[4], b[4];
+            for (int r = 0; r < 4; r++) a[r] = b[r] = vdupq_n_s32(0);
+            for (int k = 0; k < kp; k += 8) {
+                int16x8_t u = vld1q_s16(w0 + k), v = vld1q_s16(w1 + k);
+                for (int r = 0; r < 4; r++) {
+                    int16x8_t x = vld1q_s16(c + (size_t)r * kp + k);
+                    a[r] = qrt_mla8(a[r], x, u);
+                    b[r] = qrt_mla8(b[r], x, v);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                acc0[i + r] = qrt_hsum_s32(a[r]);
+                acc1[i + r] = qrt_hsum_s32(b[r]);
+            }
+        }
+    }
+    for (; i < np; i++) {
+        const int16_t *c = col + (size_t)i * kp;
+        int32x4_t a = vdupq_n_s32(0), b = a;
+        for (int k = 0; k < kp; k += 8) {
+            int16x8_t x = vld1q_s16(c + k);
+            a = qrt_mla8(a, x, vld1q_s16(w0 + k));
+            if (w1) b = qrt_mla8(b, x, vld1q_s16(w1 + k));
+        }
+        acc0[i] = qrt_hsum_s32(a);
+        if (w1) acc1[i] = qrt_hsum_s32(b);
+    }
+}
+#else
+static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
+                          int32_t *acc1) {
+    for (int i = 0; i < np; i++) {
+        const int16_t *c = col + (size_t)i * kp;
+        int32_t s0 = 0, s1 = 0;
+        for (int k = 0; k < kp; k++) s0 += (int32_t)c[k] * w0[k];
+        acc0[i] = s0;
+        if (w1) {
+            for (int k = 0; k < kp; k++) s1 += (int32_t)c[k] * w1[k];
+            acc1[i] = s1;
+        }
+    }
+}
+#endif
+
+/* out[r] = sum_k (x[k] - zp) * w[r][k] for rows r < rows (at most 4), k < n. */
+static void qrt_dot_rows_plain(const int8_t *x, int32_t zp, const int8_t *const *w, int rows, int k0, int n,
+                               int32_t *out) {
+    for (int r = 0; r < rows; r++) {
+        const int8_t *wr = w[r];
+        int32_t s = 0;
+        for (int k = k0; k < n; k++) s += ((int32_t)x[k] - zp) * wr[k];
+        out[r] += s;
+    }
+}
+
+#if defined(QRT_AVX2)
+static void qrt_dot_rows(const int8_t *x, int32_t zp, const int8_t *const *w, int rows, int n, int32_t *out) {
+    const __m256i vzp = _mm256_set1_epi16((int16_t)zp);
+    int k = 0;
+    if (rows == 4) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        for (; k + 16 <= n; k += 16) {
+            __m256i xv = _mm256_sub_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + k))), vzp);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[0] + k)))));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[1] + k)))));
+            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[2] + k)))));
+            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[3] + k)))));
+        }
+        __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        int32_t v[4];
+        _mm_storeu_si128((__m128i *)v, s);
+        for (int r = 0; r < 4; r++) out[r] += v[r];
+    } else {
+        for (int r = 0; r < rows; r++) {
+            __m256i a = _mm256_setzero_si256();
+            int kk = 0;
+            for (; kk + 16 <= n; kk += 16) {
+                __m256i xv = _mm256_sub_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + kk))), vzp);
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + kk)))));
+            }
+            out[r] += qrt_hsum256(a);
+            k = kk;
+        }
+    }
+    qrt_dot_rows_plain(x, zp, w, rows, k, n, out);
+}
+#elif defined(QRT_NEON)
+static void qrt_dot_rows(const int8_t *x, int32_t zp, const int8_t *const *w, int rows, int n, int32_t *out) {
+    const int16x8_t vzp = vdupq_n_s16((int16_t)zp);
+    int32x4_t a[4];
+    for (int r = 0; r < 4; r++) a[r] = vdupq_n_s32(0);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+        int16x8_t xv = vsubq_s16(vmovl_s8(vld1_s8(x + k)), vzp);
+        for (int r = 0; r < rows; r++) a[r] = qrt_mla8(a[r], xv, vmovl_s8(vld1_s8(w[r] + k)));
+    }
+    for (int r = 0; r < rows; r++) out[r] += qrt_hsum_s32(a[r]);
+    qrt_dot_rows_plain(x, zp, w, rows, k, n, out);
+}
+#else
+static void qrt_dot_rows(const int8_t *x, int32_t zp, const int8_t *const *w, int rows, int n, int32_t *out) {
+    qrt_dot_rows_plain(x, zp, w, rows, 0, n, out);
+}
+#endif
+
+/* ---- depthwise taps -------------------------------------------------------------------------------------- */
+
+/* acc[j] = sum_taps wk[t] * src[tap offset + j * sw] for j in [j0, nw); src is the padded plane (rows of wp) at
+ * the first input row and column of output column 0. */
+static void qrt_dw_row_plain(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw,
+                             const int16_t *wk, int j0, int nw, int32_t *acc) {
+    for (int j = j0; j < nw; j++) acc[j] = 0;
+    for (int kh = 0; kh < k_h; kh++)
+        for (int kw = 0; kw < k_w; kw++) {
+            const int16_t *s = src + (size_t)kh * dh * wp + (size_t)kw * dw;
+            int32_t w = wk[kh * k_w + kw];
+            if (sw == 1)
+                for (int j = j0; j < nw; j++) acc[j] += w * s[j];
+            else
+                for (int j = j0; j < nw; j++) acc[j] += w * s[(size_t)j * sw];
+        }
+}
+
+#if defined(QRT_AVX2)
+static void qrt_dw_row(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw, const int16_t *wk,
+                       int nw, int32_t *acc) {
+    int j = 0;
+    if (sw == 1)
+        for (; j + 16 <= nw; j += 16) {
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+            for (int kh = 0; kh < k_h; kh++)
+                for (int kw = 0; kw < k_w; kw++) {
+                    const int16_t *s = src + (size_t)kh * dh * wp + (size_t)kw * dw + j;
+                    /* |x - zp| <= 255 and |w| <= 128: the int16 product is exact. */
+                    __m256i m = _mm256_mullo_epi16(_mm256_loadu_si256((const __m256i *)s),
+                                                   _mm256_set1_epi16(wk[kh * k_w + kw]));
+                    a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(m)));
+                    a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(m, 1)));
+                }
+            _mm256_storeu_si256((__m256i *)(acc + j), a0);
+            _mm256_storeu_si256((__m256i *)(acc + j + 8), a1);
+        }
+    qrt_dw_row_plain(src, wp, k_h, k_w, dh, dw, sw, wk, j, nw, acc);
+}
+#elif defined(QRT_NEON)
+static void qrt_dw_row(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw, const int16_t *wk,
+                       int nw, int32_t *acc) {
+    int j = 0;
+    if (sw == 1)
+        for (; j + 8 <= nw; j += 8) {
+            int32x4_t a0 = vdupq_n_s32(0), a1 = a0;
+            for (int kh = 0; kh < k_h; kh++)
+                for (int kw = 0; kw < k_w; kw++) {
+                    int16x8_t v = vld1q_s16(src + (size_t)kh * dh * wp + (size_t)kw * dw + j);
+                    int16_t w = wk[kh * k_w + kw];
+                    a0 = vmlal_n_s16(a0, vget_low_s16(v), w);
+                    a1 = vmlal_n_s16(a1, vget_high_s16(v), w);
+                }
+            vst1q_s32(acc + j, a0);
+            vst1q_s32(acc + j + 4, a1);
+        }
+    qrt_dw_row_plain(src, wp, k_h, k_w, dh, dw, sw, wk, j, nw, acc);
+}
+#else
+static void qrt_dw_row(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw, const int16_t *wk,
+                       int nw, int32_t *acc) {
+    qrt_dw_row_plain(src, wp, k_h, k_w, dh, dw, sw, wk, 0, nw, acc);
+}
+#endif
+
+/* ---- convolution ----------------------------------------------------------------------------------------- */
+
+/* Input rows (or columns) the outputs read, from the first padded one: the padded plane's height (width). */
+static size_t qrt_span(int out, int stride, int k, int dil) {
+    return (size_t)(out - 1) * (size_t)stride + (size_t)(k - 1) * (size_t)dil + 1;
+}
+
+static int qrt_conv_one_in_channel(const qrt_conv2d_t *p) { return p->in_c / p->groups == 1; }
+
+size_t qrt_conv2d_scratch(const qrt_conv2d_t *p) {
+    if (p->out_h <= 0 || p->out_w <= 0 || p->out_c <= 0) return 0;
+    size_t kk = (size_t)p->k_h * (size_t)p->k_w;
+    if (qrt_conv_one_in_channel(p)) /* the taps (rounded up), then the padded plane */
+        return (qrt_round_k(kk) + qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h) *
+                                      qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w)) * sizeof(int16_t) + QRT_ALIGN;
+    size_t kp = qrt_round_k((size_t)(p->in_c / p->groups) * kk);
+    size_t px = (size_t)qrt_imin(p->out_h * p->out_w, QRT_TILE_PX);
+    return (px + 2) * kp * sizeof(int16_t) + QRT_ALIGN; /* the im2col tile, then two channels' weights */
+}
+
+/* One input channel per group: each group's plane as int16 x - in_zp with the padding at 0, then per output
+ * channel and row the taps summed over shifted rows of it. */
+static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
+    const int kk = p->k_h * p->k_w, cout_g = p->out_c / p->groups;
+    const size_t hp = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h);
+    const size_t wp = qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
+    const size_t n_out = (size_t)p->out_h * (size_t)p->out_w;
+    int16_t *wk = (int16_t *)qrt_align_ptr(scratch);
+    int16_t *plane = wk + qrt_round_k((size_t)kk);
+    int32_t acc[QRT_DW_TILE];
+    for (int g = 0; g < p->groups; g++) {
+        const int8_t *xg = x + (size_t)g * p->in_h * p->in_w;
+        for (size_t r = 0; r < hp; r++) {
+            long ih = (long)r - p->pad_t;
+            int16_t *dst = plane + r * wp;
+            if (ih < 0 || ih >= p->in_h) {
+                memset(dst, 0, wp * sizeof(int16_t));
+                continue;
+            }
+            const int8_t *src = xg + (size_t)ih * p->in_w;
+            for (size_t c = 0; c < wp; c++) {
+                long iw = (long)c - p->pad_l;
+                dst[c] = (int16_t)(iw >= 0 && iw < p->in_w ? src[iw] - p->in_zp : 0);
+            }
+        }
+        for (int j = 0; j < cout_g; j++) {
+            const int o = g * cout_g + j;
+            for (int t = 0; t < kk; t++) wk[t] = qrt_weight_at(p->w_bits, p->weight, (size_t)o * kk + (size_t)t);
+            for (int oh = 0; oh < p->out_h; oh++) {
+                const int16_t *row = plane + (size_t)oh * p->stride_h * wp;
+                int8_t *yr = y + (size_t)o * n_out + (size_t)oh * p->out_w;
+                for (int ow0 = 0; ow0 < p->out_w; ow0 += QRT_DW_TILE) {
+                    int nw = qrt_imin(QRT_DW_TILE, p->out_w - ow0);
+                    qrt_dw_row(row + (size_t)ow0 * p->stride_w, wp, p->k_h, p->k_w, p->dil_h, p->dil_w, p->stride_w,
+                               wk, nw, acc);
+                    qrt_requant_row(acc, nw, p->bias[o], p->mult[o], p->shift[o], p->out_zp, p->act_min, p->act_max,
+                                    yr + ow0);
+                }
+            }
+        }
+    }
+}
+
+/* Rows n0 .. n0+np of the im2col of group input xg (cin_g channels): int16 x - in_zp, 0 outside the image and
+ * from K to kp. */
+static void qrt_im2col(const qrt_conv2d_t *p, const int8_t *xg, int cin_g, int n0, int np, int kp, int16_t *col) {
+    const int zp = p->in_zp;
+    for (int i = 0; i < np; i++) {
+        const int n = n0 + i, oh = n / p->out_w, ow = n % p->out_w;
+        const int ih0 = oh * p->stride_h - p->pad_t, iw0 = ow * p->stride_w - p->pad_l;
+        const int inside_w = iw0 >= 0 && iw0 + (p->k_w - 1) * p->dil_w < p->in_w;
+        int16_t *c = col + (size_t)i * kp, *end = c + kp;
+        for (int ic = 0; ic < cin_g; ic++) {
+            const int8_t *plane = xg + (size_t)ic * p->in_h * p->in_w;
+            for (int kh = 0; kh < p->k_h; kh++) {
+                const int ih = ih0 + kh * p->dil_h;
+                if (ih < 0 || ih >= p->in_h) {
+                    for (int kw = 0; kw < p->k_w; kw++) *c++ = 0;
+                    continue;
+                }
+                const int8_t *row = plane + (size_t)ih * p->in_w;
+                if (inside_w) {
+                    for (int kw = 0; kw < p->k_w; kw++) *c++ = (int16_t)(row[iw0 + kw * p->dil_w] - zp);
+                } else {
+                    for (int kw = 0; kw < p->k_w; kw++) {
+                        const int iw = iw0 + kw * p->dil_w;
+                        *c++ = (int16_t)(iw >= 0 && iw < p->in_w ? row[iw] - zp : 0);
+                    }
+                }
+            }
+        }
+        while (c < end) *c++ = 0;
+    }
+}
+
+static void qrt_widen_weights(const qrt_conv2d_t *p, int o, int k, int kp, int16_t *wb) {
+    size_t base = (size_t)o * k;
+    if (p->w_bits == 8) {
+        const int8_t *w = (const int8_t *)p->weight + base;
+        for (int i = 0; i < k; i++) wb[i] = w[i];
+    } else {
+        for (int i = 0; i < k; i++) wb[i] = qrt_weight_at(p->w_bits, p->weight, base + (size_t)i);
+    }
+    for (int i = k; i < kp; i++) wb[i] = 0;
+}
+
+static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
+    const int cin_g = p->in_c / p->groups, cout_g = p->out_c / p->groups;
+    const int k = cin_g * p->k_h * p->k_w, kp = (int)qrt_round_k((size_t)k);
+    const int n_out = p->out_h * p->out_w, tile = qrt_imin(n_out, QRT_TILE_PX);
+    int16_t *col = (int16_t *)qrt_align_ptr(scratch);
+    int16_t *wb0 = col + (size_t)tile * kp, *wb1 = wb0 + kp;
+    int32_t acc0[QRT_TILE_PX], acc1[QRT_TILE_PX];
+    for (int g = 0; g < p->groups; g++) {
+        const int8_t *xg = x + (size_t)g * cin_g * p->in_h * p->in_w;
+        for (int n0 = 0; n0 < n_out; n0 += tile) {
+            const int np = qrt_imin(tile, n_out - n0);
+            qrt_im2col(p, xg, cin_g, n0, np, kp, col);
+            for (int j = 0; j < cout_g; j += 2) {
+                const int o = g * cout_g + j, two = j + 1 < cout_g;
+                qrt_widen_weights(p, o, k, kp, wb0);
+                if (two) qrt_widen_weights(p, o + 1, k, kp, wb1);
+                qrt_gemm_tile(col, np, kp, wb0, two ? wb1 : NULL, acc0, acc1);
+                for (int c = 0; c <= two; c++)
+                    qrt_requant_row(c ? acc1 : acc0, np, p->bias[o + c], p->mult[o + c], p->shift[o + c], p->out_zp,
+                                    p->act_min, p->act_max, y + (size_t)(o + c) * n_out + n0);
+            }
+        }
+    }
+}
+
+void qrt_conv2d(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
+    if (p->out_h <= 0 || p->out_w <= 0 || p->out_c <= 0) return;
+    if (qrt_conv_one_in_channel(p))
+        qrt_conv2d_one_in(p, x, y, scratch);
+    else
+        qrt_conv2d_im2col(p, x, y, scratch);
+}
+
+/* ---- dense ----------------------------------------------------------------------------------------------- */
+
+void qrt_dense(const qrt_dense_t *p, const int8_t *x, int8_t *y) {
+    const int n = p->in;
+    for (int o = 0; o < p->out; o += 4) {
+        const int rows = qrt_imin(4, p->out - o);
+        int32_t acc[4] = {0, 0, 0, 0};
+        if (p->w_bits == 8) {
+            const int8_t *w[4];
+            for (int r = 0; r < rows; r++) w[r] = (const int8_t *)p->weight + (size_t)(o + r) * n;
+            qrt_dot_rows(x, p->in_zp, w, rows, n, acc);
+        } else {
+            int8_t buf[4][QRT_CHUNK];
+            const int8_t *w[4] = {buf[0], buf[1], buf[2], buf[3]};
+            for (int k0 = 0; k0 < n; k0 += QRT_CHUNK) {
+                const int m = qrt_imin(QRT_CHUNK, n - k0);
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < m; i++)
+                        buf[r][i] = qrt_weight_at(4, p->weight, (size_t)(o + r) * n + (size_t)(k0 + i));
+                qrt_dot_rows(x + k0, p->in_zp, w, rows, m, acc);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            y[o + r] = qrt_requant(((int64_t)acc[r] + p->bias[o + r]) * p->mult[o + r], p->shift[o + r], p->out_zp,
+                                   p->act_min, p->act_max);
+    }
+}
+
+/* ---- pools, add, requant, relu, input quantization ------------------------------------------------------- */
+
+void qrt_maxpool2d(const qrt_maxpool2d_t *p, const int8_t *x, int8_t *y) {
+    for (int c = 0; c < p->c; c++) {
+        const int8_t *xc = x + (size_t)c * p->in_h * p->in_w;
+        for (int oh = 0; oh < p->out_h; oh++)
+            for (int ow = 0; ow < p->out_w; ow++) {
+                const int8_t *win = xc + (size_t)oh * p->stride_h * p->in_w + (size_t)ow * p->stride_w;
+                int8_t m = INT8_MIN;
+                for (int kh = 0; kh < p->k_h; kh++)
+                    for (int kw = 0; kw < p->k_w; kw++) {
+                        int8_t v = win[(size_t)kh * p->in_w + kw];
+                        m = v > m ? v : m;
+                    }
+                *y++ = m;
+            }
+    }
+}
+
+void qrt_avgpool2d(const qrt_avgpool2d_t *p, const int8_t *x, int8_t *y) {
+    const int32_t bias = -(int32_t)(p->k_h * p->k_w) * p->in_zp;
+    for (int c = 0; c < p->c; c++) {
+        const int8_t *xc = x + (size_t)c * p->in_h * p->in_w;
+        for (int oh = 0; oh < p->out_h; oh++)
+            for (int ow = 0; ow < p->out_w; ow++) {
+                const int8_t *win = xc + (size_t)oh * p->stride_h * p->in_w + (size_t)ow * p->stride_w;
+                int32_t s = 0;
+                for (int kh = 0; kh < p->k_h; kh++)
+                    for (int kw = 0; kw < p->k_w; kw++) s += win[(size_t)kh * p->in_w + kw];
+                *y++ = qrt_requant(((int64_t)s + bias) * p->mult, p->shift, p->out_zp, p->act_min, p->act_max);
+            }
+    }
+}
+
+void qrt_add(const qrt_add_t *p, const int8_t *a, const int8_t *b, int8_t *y) {
+    for (int i = 0; i < p->n; i++) {
+        int64_t v = (int64_t)(a[i] - p->a_zp) * p->a_mult + (int64_t)(b[i] - p->b_zp) * p->b_mult;
+        y[i] = qrt_requant(v, p->shift, p->out_zp, p->act_min, p->act_max);
+    }
+}
+
+void qrt_requant_n(const qrt_requant_t *p, const int8_t *x, int8_t *y) {
+    for (int i = 0; i < p->n; i++)
+        y[i] = qrt_requant((int64_t)(x[i] - p->in_zp) * p->mult, p->shift, p->out_zp, p->act_min, p->act_max);
+}
+
+void qrt_relu(int n, int32_t lo, const int8_t *x, int8_t *y) {
+    for (int i = 0; i < n; i++) y[i] = x[i] < lo ? (int8_t)lo : x[i];
+}
+
+void qrt_quantize_u8(int c, int hw, const int8_t *table, const uint8_t *x, int8_t *y) {
+    for (int ch = 0; ch < c; ch++) {
+        const int8_t *t = table + (size_t)ch * 256;
+        const uint8_t *xc = x + (size_t)ch * hw;
+        int8_t *yc = y + (size_t)ch * hw;
+        for (int i = 0; i < hw; i++) yc[i] = t[xc[i]];
+    }
+}
+
+const char *qrt_simd(void) {
+#if defined(QRT_AVX2)
+    return "avx2";
+#elif defined(QRT_NEON)
+    return "neon";
+#else
+    return "portable";
+#endif
+}
