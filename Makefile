@@ -49,7 +49,7 @@ PKG_LIBS   = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUNIT_CFLAGS = $(shell pkg-config --cflags cunit 2>/dev/null)
 CUNIT_LIBS   = $(shell pkg-config --libs cunit 2>/dev/null)
 
-LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c trainer/*.c)
+LIB_SRCS   := $(wildcard base/*.c nn/*.c quant/*.c lora/*.c data/*.c trainer/*.c device/*.c)
 LIB_OBJS   := $(LIB_SRCS:%.c=$(BUILD)/%.o)
 # The commands' code beside main.c: in the binary and the test runner, never in the library.
 CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
@@ -79,7 +79,7 @@ INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
 DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
-TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil
+TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch torch-deps fixtures interop memcheck \
