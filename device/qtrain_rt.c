@@ -34,7 +34,7 @@
 #define QRT_TILE_PX 32  /* output pixels per im2col tile */
 #define QRT_KALIGN 16   /* im2col rows and widened weights are padded to this many values */
 #define QRT_ALIGN 32    /* the scratch is used from its first 32-byte aligned address */
-#define QRT_DW_TILE 64  /* output columns per depthwise accumulator block */
+#define QRT_DW_ACC 256  /* depthwise accumulators: rows (or a row's columns) requantized at once */
 #define QRT_CHUNK 256   /* int4 dense weights are unpacked this many at a time */
 
 static int qrt_imin(int a, int b) { return a < b ? a : b; }
@@ -49,6 +49,21 @@ static int8_t qrt_weight_at(int w_bits, const void *w, size_t i) {
     return ((const int8_t *)w)[i];
 }
 
+/* dst[i] = weight start + i of an int4 tensor for i < m, a byte (two weights) at a time. */
+#define QRT_DEFINE_UNPACK4(name, type)                                                  \
+    static void name(const void *w, size_t start, int m, type *dst) {                   \
+        const uint8_t *b = (const uint8_t *)w + (start >> 1);                           \
+        int i = 0;                                                                       \
+        if ((start & 1u) && m > 0) dst[i++] = (type)((int)((*b++ >> 4) ^ 8u) - 8);      \
+        for (; i + 2 <= m; i += 2, b++) {                                                \
+            dst[i] = (type)((int)((*b & 15u) ^ 8u) - 8);                                 \
+            dst[i + 1] = (type)((int)((*b >> 4) ^ 8u) - 8);                              \
+        }                                                                                \
+        if (i < m) dst[i] = (type)((int)((*b & 15u) ^ 8u) - 8);                         \
+    }
+QRT_DEFINE_UNPACK4(qrt_unpack4_i8, int8_t)
+QRT_DEFINE_UNPACK4(qrt_unpack4_i16, int16_t)
+
 static void *qrt_align_ptr(void *p) {
     uintptr_t a = (uintptr_t)p;
     a = (a + (QRT_ALIGN - 1)) & ~(uintptr_t)(QRT_ALIGN - 1);
@@ -58,11 +73,6 @@ static void *qrt_align_ptr(void *p) {
 static size_t qrt_round_k(size_t k) { return (k + QRT_KALIGN - 1) / QRT_KALIGN * QRT_KALIGN; }
 
 /* ---- requantization of a row: y[j] = requant(bias + acc[j]) with one multiplier ---------------------------- */
-
-static void qrt_requant_row_tail(const int32_t *acc, int j, int n, int32_t bias, int32_t mult, int shift,
-                                 int32_t zp, int32_t lo, int32_t hi, int8_t *y) {
-    for (; j < n; j++) y[j] = qrt_requant(((int64_t)acc[j] + bias) * mult, shift, zp, lo, hi);
-}
 
 #if defined(QRT_AVX2)
 /* Arithmetic right shift of int64 lanes (AVX2 has none): ~((~r) >> n) for the negative ones, as qrt_rshift_round. */
@@ -84,9 +94,17 @@ static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mul
     const __m256i lo64 = _mm256_set1_epi64x((int64_t)lo - zp), hi64 = _mm256_set1_epi64x((int64_t)hi - zp);
     const __m256i low32 = _mm256_set1_epi64x(0xffffffffLL), vzp = _mm256_set1_epi32(zp);
     const __m128i cnt = _mm_cvtsi32_si128(shift);
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256i a = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)), vb);
+    int32_t tail_in[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int8_t tail_out[8];
+    for (int j = 0; j < n; j += 8) {
+        /* A last partial block runs on a zero-padded copy. */
+        const int32_t *src = acc + j;
+        int8_t *dst = y + j;
+        if (n - j < 8) {
+            memcpy(tail_in, src, (size_t)(n - j) * sizeof(int32_t));
+            src = tail_in, dst = tail_out;
+        }
+        __m256i a = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)src), vb);
         __m256i ev = _mm256_mul_epi32(a, vm);                        /* lanes 0, 2, 4, 6 as int64 */
         __m256i od = _mm256_mul_epi32(_mm256_srli_epi64(a, 32), vm); /* lanes 1, 3, 5, 7 */
         ev = qrt_clamp64(qrt_srai64(_mm256_add_epi64(ev, rnd), cnt), lo64, hi64);
@@ -95,10 +113,10 @@ static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mul
         r = _mm256_add_epi32(r, vzp);
         __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r, r), _mm256_packs_epi32(r, r));
         int32_t w0 = _mm256_cvtsi256_si32(p8), w1 = _mm256_extract_epi32(p8, 4);
-        memcpy(y + j, &w0, 4);
-        memcpy(y + j + 4, &w1, 4);
+        memcpy(dst, &w0, 4);
+        memcpy(dst + 4, &w1, 4);
+        if (dst == tail_out) memcpy(y + j, tail_out, (size_t)(n - j));
     }
-    qrt_requant_row_tail(acc, j, n, bias, mult, shift, zp, lo, hi, y);
 }
 #elif defined(QRT_NEON)
 static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mult, int shift, int32_t zp, int32_t lo,
@@ -106,11 +124,19 @@ static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mul
     const int32x4_t vb = vdupq_n_s32(bias), vzp = vdupq_n_s32(zp), vlo = vdupq_n_s32(lo), vhi = vdupq_n_s32(hi);
     const int32x2_t vm = vdup_n_s32(mult);
     const int64x2_t rnd = vdupq_n_s64((int64_t)1 << (shift - 1)), nsh = vdupq_n_s64(-(int64_t)shift);
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
+    int32_t tail_in[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int8_t tail_out[8];
+    for (int j = 0; j < n; j += 8) {
+        /* A last partial block runs on a zero-padded copy. */
+        const int32_t *src = acc + j;
+        int8_t *dst = y + j;
+        if (n - j < 8) {
+            memcpy(tail_in, src, (size_t)(n - j) * sizeof(int32_t));
+            src = tail_in, dst = tail_out;
+        }
         int32x4_t r[2];
         for (int h = 0; h < 2; h++) {
-            int32x4_t a = vaddq_s32(vld1q_s32(acc + j + 4 * h), vb);
+            int32x4_t a = vaddq_s32(vld1q_s32(src + 4 * h), vb);
             /* vshlq_s64 by -shift is an arithmetic shift (floor); vqmovn saturates what int32 cannot hold,
              * which the saturating zero-point add and the clamp keep outside [lo, hi]. */
             int64x2_t p0 = vshlq_s64(vaddq_s64(vmull_s32(vget_low_s32(a), vm), rnd), nsh);
@@ -118,14 +144,14 @@ static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mul
             int32x4_t q = vqaddq_s32(vcombine_s32(vqmovn_s64(p0), vqmovn_s64(p1)), vzp);
             r[h] = vminq_s32(vmaxq_s32(q, vlo), vhi);
         }
-        vst1_s8(y + j, vmovn_s16(vcombine_s16(vmovn_s32(r[0]), vmovn_s32(r[1]))));
+        vst1_s8(dst, vmovn_s16(vcombine_s16(vmovn_s32(r[0]), vmovn_s32(r[1]))));
+        if (dst == tail_out) memcpy(y + j, tail_out, (size_t)(n - j));
     }
-    qrt_requant_row_tail(acc, j, n, bias, mult, shift, zp, lo, hi, y);
 }
 #else
 static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mult, int shift, int32_t zp, int32_t lo,
                             int32_t hi, int8_t *y) {
-    qrt_requant_row_tail(acc, 0, n, bias, mult, shift, zp, lo, hi, y);
+    for (int j = 0; j < n; j++) y[j] = qrt_requant(((int64_t)acc[j] + bias) * mult, shift, zp, lo, hi);
 }
 #endif
 
@@ -314,66 +340,47 @@ static void qrt_dot_rows(const int8_t *x, int32_t zp, const int8_t *const *w, in
 
 /* ---- depthwise taps -------------------------------------------------------------------------------------- */
 
-/* acc[j] = sum_taps wk[t] * src[tap offset + j * sw] for j in [j0, nw); src is the padded plane (rows of wp) at
- * the first input row and column of output column 0. */
-static void qrt_dw_row_plain(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw,
-                             const int16_t *wk, int j0, int nw, int32_t *acc) {
-    for (int j = j0; j < nw; j++) acc[j] = 0;
-    for (int kh = 0; kh < k_h; kh++)
-        for (int kw = 0; kw < k_w; kw++) {
-            const int16_t *s = src + (size_t)kh * dh * wp + (size_t)kw * dw;
-            int32_t w = wk[kh * k_w + kw];
-            if (sw == 1)
-                for (int j = j0; j < nw; j++) acc[j] += w * s[j];
-            else
-                for (int j = j0; j < nw; j++) acc[j] += w * s[(size_t)j * sw];
-        }
-}
+/* acc[j] = sum_t wk[t] * src[off[t] + j] for j < nw: the plane is laid out so that every tap of a row of outputs
+ * reads a contiguous run (see qrt_conv2d_one_in). The SIMD paths work in whole blocks (16 or 8 outputs): they
+ * may read up to QRT_DW_SLACK values past src[off[t] + nw - 1] and write acc up to nw rounded up to 16. */
+#define QRT_DW_SLACK 16
 
 #if defined(QRT_AVX2)
-static void qrt_dw_row(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw, const int16_t *wk,
-                       int nw, int32_t *acc) {
-    int j = 0;
-    if (sw == 1)
-        for (; j + 16 <= nw; j += 16) {
-            __m256i a0 = _mm256_setzero_si256(), a1 = a0;
-            for (int kh = 0; kh < k_h; kh++)
-                for (int kw = 0; kw < k_w; kw++) {
-                    const int16_t *s = src + (size_t)kh * dh * wp + (size_t)kw * dw + j;
-                    /* |x - zp| <= 255 and |w| <= 128: the int16 product is exact. */
-                    __m256i m = _mm256_mullo_epi16(_mm256_loadu_si256((const __m256i *)s),
-                                                   _mm256_set1_epi16(wk[kh * k_w + kw]));
-                    a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(m)));
-                    a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(m, 1)));
-                }
-            _mm256_storeu_si256((__m256i *)(acc + j), a0);
-            _mm256_storeu_si256((__m256i *)(acc + j + 8), a1);
+static void qrt_dw_row(const int16_t *src, const int32_t *off, const int16_t *wk, int kk, int nw, int32_t *acc) {
+    for (int j = 0; j < nw; j += 16) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+        for (int t = 0; t < kk; t++) {
+            /* |x - zp| <= 255 and |w| <= 128: the int16 product is exact. */
+            __m256i m = _mm256_mullo_epi16(_mm256_loadu_si256((const __m256i *)(src + off[t] + j)),
+                                           _mm256_set1_epi16(wk[t]));
+            a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(m)));
+            a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(m, 1)));
         }
-    qrt_dw_row_plain(src, wp, k_h, k_w, dh, dw, sw, wk, j, nw, acc);
+        _mm256_storeu_si256((__m256i *)(acc + j), a0);
+        _mm256_storeu_si256((__m256i *)(acc + j + 8), a1);
+    }
 }
 #elif defined(QRT_NEON)
-static void qrt_dw_row(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw, const int16_t *wk,
-                       int nw, int32_t *acc) {
-    int j = 0;
-    if (sw == 1)
-        for (; j + 8 <= nw; j += 8) {
-            int32x4_t a0 = vdupq_n_s32(0), a1 = a0;
-            for (int kh = 0; kh < k_h; kh++)
-                for (int kw = 0; kw < k_w; kw++) {
-                    int16x8_t v = vld1q_s16(src + (size_t)kh * dh * wp + (size_t)kw * dw + j);
-                    int16_t w = wk[kh * k_w + kw];
-                    a0 = vmlal_n_s16(a0, vget_low_s16(v), w);
-                    a1 = vmlal_n_s16(a1, vget_high_s16(v), w);
-                }
-            vst1q_s32(acc + j, a0);
-            vst1q_s32(acc + j + 4, a1);
+static void qrt_dw_row(const int16_t *src, const int32_t *off, const int16_t *wk, int kk, int nw, int32_t *acc) {
+    for (int j = 0; j < nw; j += 8) {
+        int32x4_t a0 = vdupq_n_s32(0), a1 = a0;
+        for (int t = 0; t < kk; t++) {
+            int16x8_t v = vld1q_s16(src + off[t] + j);
+            a0 = vmlal_n_s16(a0, vget_low_s16(v), wk[t]);
+            a1 = vmlal_n_s16(a1, vget_high_s16(v), wk[t]);
         }
-    qrt_dw_row_plain(src, wp, k_h, k_w, dh, dw, sw, wk, j, nw, acc);
+        vst1q_s32(acc + j, a0);
+        vst1q_s32(acc + j + 4, a1);
+    }
 }
 #else
-static void qrt_dw_row(const int16_t *src, size_t wp, int k_h, int k_w, int dh, int dw, int sw, const int16_t *wk,
-                       int nw, int32_t *acc) {
-    qrt_dw_row_plain(src, wp, k_h, k_w, dh, dw, sw, wk, 0, nw, acc);
+static void qrt_dw_row(const int16_t *src, const int32_t *off, const int16_t *wk, int kk, int nw, int32_t *acc) {
+    for (int j = 0; j < nw; j++) acc[j] = 0;
+    for (int t = 0; t < kk; t++) {
+        const int16_t *s = src + off[t];
+        int32_t w = wk[t];
+        for (int j = 0; j < nw; j++) acc[j] += w * s[j];
+    }
 }
 #endif
 
@@ -386,54 +393,89 @@ static size_t qrt_span(int out, int stride, int k, int dil) {
 
 static int qrt_conv_one_in_channel(const qrt_conv2d_t *p) { return p->in_c / p->groups == 1; }
 
+/* The one-input-channel path's plane: hp rows of sw phases of wq values each (wq = ceil(wp / sw)); padded
+ * column c is at phase c % sw, index c / sw, so output column ow's tap kw is at a fixed offset plus ow. */
+typedef struct {
+    size_t hp, wq, row; /* row: values per plane row, sw * wq */
+} qrt_plane_t;
+
+static qrt_plane_t qrt_plane_geom(const qrt_conv2d_t *p) {
+    qrt_plane_t g;
+    size_t wp = qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
+    g.hp = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h);
+    g.wq = (wp + (size_t)p->stride_w - 1) / (size_t)p->stride_w;
+    g.row = g.wq * (size_t)p->stride_w;
+    return g;
+}
+
 size_t qrt_conv2d_scratch(const qrt_conv2d_t *p) {
     if (p->out_h <= 0 || p->out_w <= 0 || p->out_c <= 0) return 0;
     size_t kk = (size_t)p->k_h * (size_t)p->k_w;
-    if (qrt_conv_one_in_channel(p)) /* the taps (rounded up), then the padded plane */
-        return (qrt_round_k(kk) + qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h) *
-                                      qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w)) * sizeof(int16_t) + QRT_ALIGN;
+    if (qrt_conv_one_in_channel(p)) { /* the taps' offsets (int32) and weights (int16), then the plane */
+        qrt_plane_t g = qrt_plane_geom(p);
+        return qrt_round_k(kk) * (sizeof(int32_t) + sizeof(int16_t)) +
+               (g.hp * g.row + QRT_DW_SLACK) * sizeof(int16_t) + QRT_ALIGN;
+    }
     size_t kp = qrt_round_k((size_t)(p->in_c / p->groups) * kk);
     size_t px = (size_t)qrt_imin(p->out_h * p->out_w, QRT_TILE_PX);
     return (px + 2) * kp * sizeof(int16_t) + QRT_ALIGN; /* the im2col tile, then two channels' weights */
 }
 
-/* One input channel per group: each group's plane as int16 x - in_zp with the padding at 0, then per output
- * channel and row the taps summed over shifted rows of it. */
+/* One input channel per group: each group's plane as int16 x - in_zp with the padding at 0 (qrt_plane_t), then
+ * per output channel the k_h * k_w taps summed over contiguous runs of it, a few output rows at a time (packed in
+ * acc as they are in y) so that one requantization call covers them. */
 static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
-    const int kk = p->k_h * p->k_w, cout_g = p->out_c / p->groups;
-    const size_t hp = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h);
-    const size_t wp = qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
-    const size_t n_out = (size_t)p->out_h * (size_t)p->out_w;
-    int16_t *wk = (int16_t *)qrt_align_ptr(scratch);
+    const int kk = p->k_h * p->k_w, cout_g = p->out_c / p->groups, sw = p->stride_w;
+    const qrt_plane_t g = qrt_plane_geom(p);
+    const long wp = (long)qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
+    const size_t n_out = (size_t)p->out_h * p->out_w;
+    const int tw = qrt_imin(p->out_w, QRT_DW_ACC), rows = tw == p->out_w ? QRT_DW_ACC / tw : 1;
+    int32_t *off = (int32_t *)qrt_align_ptr(scratch);
+    int16_t *wk = (int16_t *)(off + qrt_round_k((size_t)kk));
     int16_t *plane = wk + qrt_round_k((size_t)kk);
-    int32_t acc[QRT_DW_TILE];
-    for (int g = 0; g < p->groups; g++) {
-        const int8_t *xg = x + (size_t)g * p->in_h * p->in_w;
-        for (size_t r = 0; r < hp; r++) {
-            long ih = (long)r - p->pad_t;
-            int16_t *dst = plane + r * wp;
-            if (ih < 0 || ih >= p->in_h) {
-                memset(dst, 0, wp * sizeof(int16_t));
-                continue;
-            }
-            const int8_t *src = xg + (size_t)ih * p->in_w;
-            for (size_t c = 0; c < wp; c++) {
-                long iw = (long)c - p->pad_l;
-                dst[c] = (int16_t)(iw >= 0 && iw < p->in_w ? src[iw] - p->in_zp : 0);
+    int32_t acc[QRT_DW_ACC + 16];
+    for (int kh = 0; kh < p->k_h; kh++)
+        for (int kw = 0; kw < p->k_w; kw++) {
+            int c = kw * p->dil_w;
+            off[kh * p->k_w + kw] = (int32_t)((size_t)kh * p->dil_h * g.row + (size_t)(c % sw) * g.wq + (size_t)(c / sw));
+        }
+    memset(plane + g.hp * g.row, 0, QRT_DW_SLACK * sizeof(int16_t));
+    for (int gi = 0; gi < p->groups; gi++) {
+        const int8_t *xg = x + (size_t)gi * p->in_h * p->in_w;
+        /* Phase ph holds padded columns c = q * sw + ph (input column c - pad_l): q in [qa, qb) are inside the
+         * image, the others padding. */
+        for (int ph = 0; ph < sw; ph++) {
+            long qw = (wp - ph + sw - 1) / sw, qa = p->pad_l > ph ? (p->pad_l - ph + sw - 1) / sw : 0;
+            long qb = (p->pad_l + p->in_w - ph + sw - 1) / sw;
+            qb = qb < qw ? qb : qw;
+            qa = qa < qb ? qa : qb;
+            for (size_t r = 0; r < g.hp; r++) {
+                long ih = (long)r - p->pad_t;
+                int16_t *d = plane + r * g.row + (size_t)ph * g.wq;
+                long q = 0;
+                if (ih >= 0 && ih < p->in_h) {
+                    const int8_t *src = xg + (size_t)ih * p->in_w + (qa * sw + ph - p->pad_l);
+                    for (; q < qa; q++) d[q] = 0;
+                    if (sw == 1)
+                        for (; q < qb; q++) d[q] = (int16_t)(src[q - qa] - p->in_zp);
+                    else
+                        for (; q < qb; q++) d[q] = (int16_t)(src[(q - qa) * sw] - p->in_zp);
+                }
+                for (; q < (long)g.wq; q++) d[q] = 0;
             }
         }
         for (int j = 0; j < cout_g; j++) {
-            const int o = g * cout_g + j;
+            const int o = gi * cout_g + j;
             for (int t = 0; t < kk; t++) wk[t] = qrt_weight_at(p->w_bits, p->weight, (size_t)o * kk + (size_t)t);
-            for (int oh = 0; oh < p->out_h; oh++) {
-                const int16_t *row = plane + (size_t)oh * p->stride_h * wp;
-                int8_t *yr = y + (size_t)o * n_out + (size_t)oh * p->out_w;
-                for (int ow0 = 0; ow0 < p->out_w; ow0 += QRT_DW_TILE) {
-                    int nw = qrt_imin(QRT_DW_TILE, p->out_w - ow0);
-                    qrt_dw_row(row + (size_t)ow0 * p->stride_w, wp, p->k_h, p->k_w, p->dil_h, p->dil_w, p->stride_w,
-                               wk, nw, acc);
-                    qrt_requant_row(acc, nw, p->bias[o], p->mult[o], p->shift[o], p->out_zp, p->act_min, p->act_max,
-                                    yr + ow0);
+            for (int oh0 = 0; oh0 < p->out_h; oh0 += rows) {
+                const int nr = qrt_imin(rows, p->out_h - oh0);
+                for (int ow0 = 0; ow0 < p->out_w; ow0 += tw) {
+                    const int nw = qrt_imin(tw, p->out_w - ow0); /* nr > 1 only when nw is the whole row */
+                    for (int r = 0; r < nr; r++)
+                        qrt_dw_row(plane + (size_t)(oh0 + r) * p->stride_h * g.row + ow0, off, wk, kk, nw,
+                                   acc + (size_t)r * nw);
+                    qrt_requant_row(acc, nr * nw, p->bias[o], p->mult[o], p->shift[o], p->out_zp, p->act_min,
+                                    p->act_max, y + (size_t)o * n_out + (size_t)oh0 * p->out_w + ow0);
                 }
             }
         }
@@ -478,7 +520,7 @@ static void qrt_widen_weights(const qrt_conv2d_t *p, int o, int k, int kp, int16
         const int8_t *w = (const int8_t *)p->weight + base;
         for (int i = 0; i < k; i++) wb[i] = w[i];
     } else {
-        for (int i = 0; i < k; i++) wb[i] = qrt_weight_at(p->w_bits, p->weight, base + (size_t)i);
+        qrt_unpack4_i16(p->weight, base, k, wb);
     }
     for (int i = k; i < kp; i++) wb[i] = 0;
 }
@@ -532,9 +574,7 @@ void qrt_dense(const qrt_dense_t *p, const int8_t *x, int8_t *y) {
             const int8_t *w[4] = {buf[0], buf[1], buf[2], buf[3]};
             for (int k0 = 0; k0 < n; k0 += QRT_CHUNK) {
                 const int m = qrt_imin(QRT_CHUNK, n - k0);
-                for (int r = 0; r < rows; r++)
-                    for (int i = 0; i < m; i++)
-                        buf[r][i] = qrt_weight_at(4, p->weight, (size_t)(o + r) * n + (size_t)(k0 + i));
+                for (int r = 0; r < rows; r++) qrt_unpack4_i8(p->weight, (size_t)(o + r) * n + (size_t)k0, m, buf[r]);
                 qrt_dot_rows(x + k0, p->in_zp, w, rows, m, acc);
             }
         }

@@ -244,6 +244,8 @@ static void rtc_case_conv(RtcRng *r, RtcResult *res, int big) {
         p.out_c = cout_g * p.groups;
         p.in_h = (int)rtc_int(r, 1, big ? 16 : 11);
         p.in_w = rtc_int(r, 0, 2) ? p.in_h : (int)rtc_int(r, 1, big ? 30 : 11);
+        if (big && rtc_int(r, 0, 3) == 0) /* rows longer than the kernels' accumulator blocks */
+            p.in_h = (int)rtc_int(r, 1, 3), p.in_w = (int)rtc_int(r, 200, 600);
         p.k_h = rtc_int(r, 0, 1) ? 3 : (int)rtc_int(r, 1, 5);
         p.k_w = rtc_int(r, 0, 2) ? p.k_h : (int)rtc_int(r, 1, 5);
         p.stride_h = rtc_int(r, 0, 1) ? 1 : (int)rtc_int(r, 1, 3);
