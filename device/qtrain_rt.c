@@ -50,19 +50,16 @@ static int8_t qrt_weight_at(int w_bits, const void *w, size_t i) {
 }
 
 /* dst[i] = weight start + i of an int4 tensor for i < m, a byte (two weights) at a time. */
-#define QRT_DEFINE_UNPACK4(name, type)                                                  \
-    static void name(const void *w, size_t start, int m, type *dst) {                   \
-        const uint8_t *b = (const uint8_t *)w + (start >> 1);                           \
-        int i = 0;                                                                       \
-        if ((start & 1u) && m > 0) dst[i++] = (type)((int)((*b++ >> 4) ^ 8u) - 8);      \
-        for (; i + 2 <= m; i += 2, b++) {                                                \
-            dst[i] = (type)((int)((*b & 15u) ^ 8u) - 8);                                 \
-            dst[i + 1] = (type)((int)((*b >> 4) ^ 8u) - 8);                              \
-        }                                                                                \
-        if (i < m) dst[i] = (type)((int)((*b & 15u) ^ 8u) - 8);                         \
+static void qrt_unpack4(const void *w, size_t start, int m, int8_t *dst) {
+    const uint8_t *b = (const uint8_t *)w + (start >> 1);
+    int i = 0;
+    if ((start & 1u) && m > 0) dst[i++] = (int8_t)((int)((*b++ >> 4) ^ 8u) - 8);
+    for (; i + 2 <= m; i += 2, b++) {
+        dst[i] = (int8_t)((int)((*b & 15u) ^ 8u) - 8);
+        dst[i + 1] = (int8_t)((int)((*b >> 4) ^ 8u) - 8);
     }
-QRT_DEFINE_UNPACK4(qrt_unpack4_i8, int8_t)
-QRT_DEFINE_UNPACK4(qrt_unpack4_i16, int16_t)
+    if (i < m) dst[i] = (int8_t)((int)((*b & 15u) ^ 8u) - 8);
+}
 
 static void *qrt_align_ptr(void *p) {
     uintptr_t a = (uintptr_t)p;
@@ -75,24 +72,25 @@ static size_t qrt_round_k(size_t k) { return (k + QRT_KALIGN - 1) / QRT_KALIGN *
 /* ---- requantization of a row: y[j] = requant(bias + acc[j]) with one multiplier ---------------------------- */
 
 #if defined(QRT_AVX2)
-/* Arithmetic right shift of int64 lanes (AVX2 has none): ~((~r) >> n) for the negative ones, as qrt_rshift_round. */
-static __m256i qrt_srai64(__m256i r, __m128i cnt) {
-    __m256i s = _mm256_cmpgt_epi64(_mm256_setzero_si256(), r);
-    return _mm256_xor_si256(_mm256_srl_epi64(_mm256_xor_si256(r, s), cnt), s);
-}
-
 /* clamp(r, lo, hi) on int64 lanes. */
 static __m256i qrt_clamp64(__m256i r, __m256i lo, __m256i hi) {
     r = _mm256_blendv_epi8(r, lo, _mm256_cmpgt_epi64(lo, r));
     return _mm256_blendv_epi8(r, hi, _mm256_cmpgt_epi64(r, hi));
 }
 
+/* AVX2 has no arithmetic int64 shift. With |acc * mult| < 2^62, u = (acc * mult + 2^(n-1) + 2^62) >> n as an
+ * unsigned (logical) shift is qrt_rshift_round(acc * mult, n) + 2^(62-n), non-negative and below 2^62: it is
+ * clamped with bounds moved by the same 2^(62-n), and its low 32 bits plus zp - 2^(62-n) (mod 2^32) are then
+ * the exact result, which lies in [lo, hi]. */
 static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mult, int shift, int32_t zp, int32_t lo,
                             int32_t hi, int8_t *y) {
+    const int64_t off = (int64_t)1 << (62 - shift);
+    int64_t zp_off = (int64_t)zp - (off & 0xffffffffLL); /* zp - 2^(62-n) mod 2^32, as an int32 */
+    if (zp_off < INT32_MIN) zp_off += (int64_t)1 << 32;
     const __m256i vb = _mm256_set1_epi32(bias), vm = _mm256_set1_epi32(mult);
-    const __m256i rnd = _mm256_set1_epi64x((int64_t)1 << (shift - 1));
-    const __m256i lo64 = _mm256_set1_epi64x((int64_t)lo - zp), hi64 = _mm256_set1_epi64x((int64_t)hi - zp);
-    const __m256i low32 = _mm256_set1_epi64x(0xffffffffLL), vzp = _mm256_set1_epi32(zp);
+    const __m256i rnd = _mm256_set1_epi64x(((int64_t)1 << (shift - 1)) + ((int64_t)1 << 62));
+    const __m256i lo64 = _mm256_set1_epi64x((int64_t)lo - zp + off), hi64 = _mm256_set1_epi64x((int64_t)hi - zp + off);
+    const __m256i vzp = _mm256_set1_epi32((int32_t)zp_off);
     const __m128i cnt = _mm_cvtsi32_si128(shift);
     int32_t tail_in[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int8_t tail_out[8];
@@ -107,10 +105,9 @@ static void qrt_requant_row(const int32_t *acc, int n, int32_t bias, int32_t mul
         __m256i a = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)src), vb);
         __m256i ev = _mm256_mul_epi32(a, vm);                        /* lanes 0, 2, 4, 6 as int64 */
         __m256i od = _mm256_mul_epi32(_mm256_srli_epi64(a, 32), vm); /* lanes 1, 3, 5, 7 */
-        ev = qrt_clamp64(qrt_srai64(_mm256_add_epi64(ev, rnd), cnt), lo64, hi64);
-        od = qrt_clamp64(qrt_srai64(_mm256_add_epi64(od, rnd), cnt), lo64, hi64);
-        __m256i r = _mm256_or_si256(_mm256_and_si256(ev, low32), _mm256_slli_epi64(od, 32));
-        r = _mm256_add_epi32(r, vzp);
+        ev = qrt_clamp64(_mm256_srl_epi64(_mm256_add_epi64(ev, rnd), cnt), lo64, hi64);
+        od = qrt_clamp64(_mm256_srl_epi64(_mm256_add_epi64(od, rnd), cnt), lo64, hi64);
+        __m256i r = _mm256_add_epi32(_mm256_blend_epi32(ev, _mm256_slli_epi64(od, 32), 0xaa), vzp);
         __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r, r), _mm256_packs_epi32(r, r));
         int32_t w0 = _mm256_cvtsi256_si32(p8), w1 = _mm256_extract_epi32(p8, 4);
         memcpy(dst, &w0, 4);
@@ -416,9 +413,11 @@ size_t qrt_conv2d_scratch(const qrt_conv2d_t *p) {
         return qrt_round_k(kk) * (sizeof(int32_t) + sizeof(int16_t)) +
                (g.hp * g.row + QRT_DW_SLACK) * sizeof(int16_t) + QRT_ALIGN;
     }
-    size_t kp = qrt_round_k((size_t)(p->in_c / p->groups) * kk);
+    /* The group's input channels-last and padded, the im2col tile, the group's weights (all int16). */
+    size_t cin_g = (size_t)(p->in_c / p->groups), kp = qrt_round_k(cin_g * kk);
     size_t px = (size_t)qrt_imin(p->out_h * p->out_w, QRT_TILE_PX);
-    return (px + 2) * kp * sizeof(int16_t) + QRT_ALIGN; /* the im2col tile, then two channels' weights */
+    size_t hwc = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h) * qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
+    return (hwc * cin_g + (px + (size_t)(p->out_c / p->groups)) * kp) * sizeof(int16_t) + QRT_ALIGN;
 }
 
 /* One input channel per group: each group's plane as int16 x - in_zp with the padding at 0 (qrt_plane_t), then
@@ -482,66 +481,89 @@ static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
     }
 }
 
-/* Rows n0 .. n0+np of the im2col of group input xg (cin_g channels): int16 x - in_zp, 0 outside the image and
- * from K to kp. */
-static void qrt_im2col(const qrt_conv2d_t *p, const int8_t *xg, int cin_g, int n0, int np, int kp, int16_t *col) {
-    const int zp = p->in_zp;
-    for (int i = 0; i < np; i++) {
-        const int n = n0 + i, oh = n / p->out_w, ow = n % p->out_w;
-        const int ih0 = oh * p->stride_h - p->pad_t, iw0 = ow * p->stride_w - p->pad_l;
-        const int inside_w = iw0 >= 0 && iw0 + (p->k_w - 1) * p->dil_w < p->in_w;
-        int16_t *c = col + (size_t)i * kp, *end = c + kp;
-        for (int ic = 0; ic < cin_g; ic++) {
-            const int8_t *plane = xg + (size_t)ic * p->in_h * p->in_w;
-            for (int kh = 0; kh < p->k_h; kh++) {
-                const int ih = ih0 + kh * p->dil_h;
-                if (ih < 0 || ih >= p->in_h) {
-                    for (int kw = 0; kw < p->k_w; kw++) *c++ = 0;
-                    continue;
-                }
-                const int8_t *row = plane + (size_t)ih * p->in_w;
-                if (inside_w) {
-                    for (int kw = 0; kw < p->k_w; kw++) *c++ = (int16_t)(row[iw0 + kw * p->dil_w] - zp);
-                } else {
-                    for (int kw = 0; kw < p->k_w; kw++) {
-                        const int iw = iw0 + kw * p->dil_w;
-                        *c++ = (int16_t)(iw >= 0 && iw < p->in_w ? row[iw] - zp : 0);
-                    }
-                }
-            }
+/* The general path. K runs over (kh, kw, ic) here, not the weights' (ic, kh, kw): with the group's input copied
+ * channels-last (HWC, int16 x - in_zp, the padding at 0) one kernel row of a pixel's im2col row is one contiguous
+ * run of k_w * cin_g values (or k_w runs of cin_g with dilation), and the weights are widened in that order once
+ * per call. */
+typedef struct {
+    int cin_g, cout_g, k, kp;
+    size_t hp, wp;
+} qrt_gemm_geom_t;
+
+/* The group's input xg (cin_g, in_h, in_w) as hwc (hp, wp, cin_g). */
+static void qrt_hwc_copy(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int8_t *xg, int16_t *hwc) {
+    const size_t plane = (size_t)p->in_h * p->in_w;
+    memset(hwc, 0, g->hp * g->wp * (size_t)g->cin_g * sizeof(int16_t));
+    for (int ih = 0; ih < p->in_h; ih++) {
+        long r = (long)ih + p->pad_t;
+        if (r >= (long)g->hp) break;
+        long c0 = p->pad_l, n = p->in_w;
+        if (c0 + n > (long)g->wp) n = (long)g->wp - c0;
+        for (long iw = 0; iw < n; iw++) {
+            int16_t *d = hwc + ((size_t)r * g->wp + (size_t)(c0 + iw)) * g->cin_g;
+            const int8_t *s = xg + (size_t)ih * p->in_w + (size_t)iw;
+            for (int ic = 0; ic < g->cin_g; ic++) d[ic] = (int16_t)(s[(size_t)ic * plane] - p->in_zp);
         }
-        while (c < end) *c++ = 0;
     }
 }
 
-static void qrt_widen_weights(const qrt_conv2d_t *p, int o, int k, int kp, int16_t *wb) {
-    size_t base = (size_t)o * k;
-    if (p->w_bits == 8) {
-        const int8_t *w = (const int8_t *)p->weight + base;
-        for (int i = 0; i < k; i++) wb[i] = w[i];
-    } else {
-        qrt_unpack4_i16(p->weight, base, k, wb);
+/* Rows n0 .. n0+np of the im2col (np, kp) from hwc, zero from K to kp. */
+static void qrt_im2col(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int16_t *hwc, int n0, int np,
+                       int16_t *col) {
+    const size_t run = (size_t)p->k_w * g->cin_g;
+    for (int i = 0; i < np; i++) {
+        const int n = n0 + i, oh = n / p->out_w, ow = n % p->out_w;
+        int16_t *c = col + (size_t)i * g->kp;
+        for (int kh = 0; kh < p->k_h; kh++) {
+            const int16_t *s = hwc + ((size_t)(oh * p->stride_h + kh * p->dil_h) * g->wp + (size_t)ow * p->stride_w) *
+                                         g->cin_g;
+            if (p->dil_w == 1) {
+                memcpy(c, s, run * sizeof(int16_t));
+            } else {
+                for (int kw = 0; kw < p->k_w; kw++)
+                    memcpy(c + (size_t)kw * g->cin_g, s + (size_t)kw * p->dil_w * g->cin_g, (size_t)g->cin_g * sizeof(int16_t));
+            }
+            c += run;
+        }
+        for (int k = g->k; k < g->kp; k++) col[(size_t)i * g->kp + k] = 0;
     }
-    for (int i = k; i < kp; i++) wb[i] = 0;
+}
+
+/* wb (cout_g, kp): output channels o0 .. o0+cout_g of the weights in (kh, kw, ic) order, zero from K to kp. */
+static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int o0, int16_t *wb) {
+    const int kk = p->k_h * p->k_w;
+    for (int j = 0; j < g->cout_g; j++) {
+        int16_t *w = wb + (size_t)j * g->kp;
+        const size_t base = (size_t)(o0 + j) * g->k;
+        for (int ic = 0; ic < g->cin_g; ic++)
+            for (int t = 0; t < kk; t++) {
+                size_t src = base + (size_t)ic * kk + (size_t)t;
+                w[(size_t)t * g->cin_g + ic] = p->w_bits == 8 ? ((const int8_t *)p->weight)[src]
+                                                              : qrt_weight_at(4, p->weight, src);
+            }
+        for (int k = g->k; k < g->kp; k++) w[k] = 0;
+    }
 }
 
 static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
-    const int cin_g = p->in_c / p->groups, cout_g = p->out_c / p->groups;
-    const int k = cin_g * p->k_h * p->k_w, kp = (int)qrt_round_k((size_t)k);
+    qrt_gemm_geom_t g;
+    g.cin_g = p->in_c / p->groups, g.cout_g = p->out_c / p->groups;
+    g.k = g.cin_g * p->k_h * p->k_w, g.kp = (int)qrt_round_k((size_t)g.k);
+    g.hp = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h), g.wp = qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
     const int n_out = p->out_h * p->out_w, tile = qrt_imin(n_out, QRT_TILE_PX);
-    int16_t *col = (int16_t *)qrt_align_ptr(scratch);
-    int16_t *wb0 = col + (size_t)tile * kp, *wb1 = wb0 + kp;
+    int16_t *hwc = (int16_t *)qrt_align_ptr(scratch);
+    int16_t *col = hwc + g.hp * g.wp * (size_t)g.cin_g, *wb = col + (size_t)tile * g.kp;
     int32_t acc0[QRT_TILE_PX], acc1[QRT_TILE_PX];
-    for (int g = 0; g < p->groups; g++) {
-        const int8_t *xg = x + (size_t)g * cin_g * p->in_h * p->in_w;
+    for (int gi = 0; gi < p->groups; gi++) {
+        qrt_hwc_copy(p, &g, x + (size_t)gi * g.cin_g * p->in_h * p->in_w, hwc);
+        qrt_widen_weights(p, &g, gi * g.cout_g, wb);
         for (int n0 = 0; n0 < n_out; n0 += tile) {
             const int np = qrt_imin(tile, n_out - n0);
-            qrt_im2col(p, xg, cin_g, n0, np, kp, col);
-            for (int j = 0; j < cout_g; j += 2) {
-                const int o = g * cout_g + j, two = j + 1 < cout_g;
-                qrt_widen_weights(p, o, k, kp, wb0);
-                if (two) qrt_widen_weights(p, o + 1, k, kp, wb1);
-                qrt_gemm_tile(col, np, kp, wb0, two ? wb1 : NULL, acc0, acc1);
+            qrt_im2col(p, &g, hwc, n0, np, col);
+            for (int j = 0; j < g.cout_g; j += 2) {
+                const int o = gi * g.cout_g + j, two = j + 1 < g.cout_g;
+                const int16_t *w0 = wb + (size_t)j * g.kp;
+                qrt_gemm_tile(col, np, g.kp, w0, two ? w0 + g.kp : NULL, acc0, acc1);
                 for (int c = 0; c <= two; c++)
                     qrt_requant_row(c ? acc1 : acc0, np, p->bias[o + c], p->mult[o + c], p->shift[o + c], p->out_zp,
                                     p->act_min, p->act_max, y + (size_t)(o + c) * n_out + n0);
@@ -574,7 +596,7 @@ void qrt_dense(const qrt_dense_t *p, const int8_t *x, int8_t *y) {
             const int8_t *w[4] = {buf[0], buf[1], buf[2], buf[3]};
             for (int k0 = 0; k0 < n; k0 += QRT_CHUNK) {
                 const int m = qrt_imin(QRT_CHUNK, n - k0);
-                for (int r = 0; r < rows; r++) qrt_unpack4_i8(p->weight, (size_t)(o + r) * n + (size_t)k0, m, buf[r]);
+                for (int r = 0; r < rows; r++) qrt_unpack4(p->weight, (size_t)(o + r) * n + (size_t)k0, m, buf[r]);
                 qrt_dot_rows(x + k0, p->in_zp, w, rows, m, acc);
             }
         }
