@@ -197,6 +197,13 @@ uninstall:
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
+# The device runtime's bench once more with the host's SIMD path (-march=native: AVX2 or NEON) beside
+# build/bench/rt_bench, which runs the library's build of the runtime (portable on a generic x86-64).
+BENCH_BINS += $(BUILD)/bench/rt_bench_native
+$(BUILD)/bench/rt_bench_native: bench/rt_bench.c device/qtrain_rt.c device/qtrain_rt.h
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -march=native -std=gnu11 -Wall -Wextra -I. bench/rt_bench.c device/qtrain_rt.c -o $@
+
 # Tests run from the repository root (they read tests/fixtures/).
 # OPENBLAS_NUM_THREADS=1 keeps them deterministic and quiet on shared machines.
 test: test-deps
