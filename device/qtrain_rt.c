@@ -26,6 +26,14 @@
 #if defined(__AVX2__) && !defined(QRT_PORTABLE)
 #define QRT_AVX2 1
 #include <immintrin.h>
+/* acc + madd(a, b): one instruction where the compiler may use AVX-VNNI (the same exact int32 sums). */
+#if defined(__AVXVNNI__)
+#define QRT_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QRT_DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define QRT_DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
 #elif defined(__ARM_NEON) && !defined(QRT_PORTABLE)
 #define QRT_NEON 1
 #include <arm_neon.h>
@@ -199,14 +207,14 @@ static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0,
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + kp + k));
                 __m256i x2 = _mm256_loadu_si256((const __m256i *)(c + 2 * (size_t)kp + k));
                 __m256i x3 = _mm256_loadu_si256((const __m256i *)(c + 3 * (size_t)kp + k));
-                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x0, u));
-                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x1, u));
-                a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x2, u));
-                a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x3, u));
-                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(x0, v));
-                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(x1, v));
-                b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(x2, v));
-                b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(x3, v));
+                a0 = QRT_DPWSSD(a0, x0, u);
+                a1 = QRT_DPWSSD(a1, x1, u);
+                a2 = QRT_DPWSSD(a2, x2, u);
+                a3 = QRT_DPWSSD(a3, x3, u);
+                b0 = QRT_DPWSSD(b0, x0, v);
+                b1 = QRT_DPWSSD(b1, x1, v);
+                b2 = QRT_DPWSSD(b2, x2, v);
+                b3 = QRT_DPWSSD(b3, x3, v);
             }
             /* Eight horizontal sums at once: [a0 a1 a2 a3 | b0 b1 b2 b3]. */
             __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
@@ -221,8 +229,8 @@ static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0,
         __m256i a = _mm256_setzero_si256(), b = a;
         for (int k = 0; k < kp; k += 16) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(c + k));
-            a = _mm256_add_epi32(a, _mm256_madd_epi16(x, _mm256_loadu_si256((const __m256i *)(w0 + k))));
-            if (w1) b = _mm256_add_epi32(b, _mm256_madd_epi16(x, _mm256_loadu_si256((const __m256i *)(w1 + k))));
+            a = QRT_DPWSSD(a, x, _mm256_loadu_si256((const __m256i *)(w0 + k)));
+            if (w1) b = QRT_DPWSSD(b, x, _mm256_loadu_si256((const __m256i *)(w1 + k)));
         }
         acc0[i] = qrt_hsum256(a);
         if (w1) acc1[i] = qrt_hsum256(b);
@@ -312,10 +320,10 @@ static void qrt_dot_rows(const int8_t *x, int32_t zp, const int8_t *const *w, in
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
         for (; k + 16 <= n; k += 16) {
             __m256i xv = _mm256_sub_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + k))), vzp);
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[0] + k)))));
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[1] + k)))));
-            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[2] + k)))));
-            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[3] + k)))));
+            a0 = QRT_DPWSSD(a0, xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[0] + k))));
+            a1 = QRT_DPWSSD(a1, xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[1] + k))));
+            a2 = QRT_DPWSSD(a2, xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[2] + k))));
+            a3 = QRT_DPWSSD(a3, xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[3] + k))));
         }
         __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
         __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
@@ -328,7 +336,7 @@ static void qrt_dot_rows(const int8_t *x, int32_t zp, const int8_t *const *w, in
             int kk = 0;
             for (; kk + 16 <= n; kk += 16) {
                 __m256i xv = _mm256_sub_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + kk))), vzp);
-                a = _mm256_add_epi32(a, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + kk)))));
+                a = QRT_DPWSSD(a, xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + kk))));
             }
             out[r] += qrt_hsum256(a);
             k = kk;

@@ -241,17 +241,29 @@ static void test_strict_compiles(void) {
     test_tmpdir_remove(dir);
 }
 
+/* Whether /proc/cpuinfo's flags list flag. */
+static bool cpu_has_flag(const char *flag) {
+    char *text = test_file_read("/proc/cpuinfo", NULL), pat[64];
+    snprintf(pat, sizeof pat, " %s", flag);
+    bool found = false;
+    for (const char *p = text ? strstr(text, pat) : NULL; p && !found; p = strstr(p + 1, pat))
+        found = p[strlen(pat)] == ' ' || p[strlen(pat)] == '\n';
+    free(text);
+    return found;
+}
+
 /* rt_check's fixed set gives no mismatch and the same hash of every output in each build that can run here
- * as in this library's build: host portable and AVX2 (gcc, and clang's AVX2), aarch64 and armhf NEON static
- * binaries under qemu. A missing compiler, qemu or AVX2 CPU is a skip that names it. */
+ * as in this library's build: host portable and AVX2 (gcc, clang, and gcc with AVX-VNNI's dot products),
+ * aarch64 and armhf NEON static binaries under qemu. A missing compiler, qemu or AVX2 CPU is a skip that names it. */
 static void test_cross_builds_agree(void) {
     static const struct {
         const char *label, *cc, *flags, *runner, *simd, *deb;
-        int need_avx2;
+        int need_avx2; /* 1: AVX2, 2: AVX2 and AVX-VNNI */
     } builds[] = {
         {"host portable", "cc", "-DQRT_PORTABLE", "", "portable", "gcc", 0},
         {"host AVX2", "cc", "-mavx2", "", "avx2", "gcc", 1},
         {"clang AVX2", "clang", "-mavx2", "", "avx2", "clang", 1},
+        {"host AVX2 + AVX-VNNI", "cc", "-mavx2 -mavxvnni", "", "avx2", "gcc", 2},
         {"aarch64 NEON", "aarch64-linux-gnu-gcc", "-static", "qemu-aarch64", "neon", "gcc-aarch64-linux-gnu qemu-user", 0},
         {"armhf NEON", "arm-linux-gnueabihf-gcc", "-static -mfpu=neon -mfloat-abi=hard", "qemu-arm", "neon",
          "gcc-arm-linux-gnueabihf qemu-user", 0},
@@ -272,6 +284,10 @@ static void test_cross_builds_agree(void) {
 #if defined(__x86_64__) || defined(__i386__)
         if (builds[i].need_avx2 && !__builtin_cpu_supports("avx2")) {
             test_skip("%s: this CPU has no AVX2", builds[i].label);
+            continue;
+        }
+        if (builds[i].need_avx2 == 2 && !cpu_has_flag("avx_vnni")) {
+            test_skip("%s: this CPU has no AVX-VNNI (avx_vnni in /proc/cpuinfo)", builds[i].label);
             continue;
         }
 #else
