@@ -288,13 +288,16 @@ static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0,
 #else
 static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
                           int32_t *acc1) {
+    /* Inner loops of a constant QRT_KALIGN values: a compiler vectorises them even at its cheapest cost model. */
     for (int i = 0; i < np; i++) {
         const int16_t *c = col + (size_t)i * kp;
         int32_t s0 = 0, s1 = 0;
-        for (int k = 0; k < kp; k++) s0 += (int32_t)c[k] * w0[k];
+        for (int k0 = 0; k0 < kp; k0 += QRT_KALIGN)
+            for (int k = k0; k < k0 + QRT_KALIGN; k++) s0 += (int32_t)c[k] * w0[k];
         acc0[i] = s0;
         if (w1) {
-            for (int k = 0; k < kp; k++) s1 += (int32_t)c[k] * w1[k];
+            for (int k0 = 0; k0 < kp; k0 += QRT_KALIGN)
+                for (int k = k0; k < k0 + QRT_KALIGN; k++) s1 += (int32_t)c[k] * w1[k];
             acc1[i] = s1;
         }
     }
@@ -307,7 +310,10 @@ static void qrt_dot_rows_plain(const int8_t *x, int32_t zp, const int8_t *const 
     for (int r = 0; r < rows; r++) {
         const int8_t *wr = w[r];
         int32_t s = 0;
-        for (int k = k0; k < n; k++) s += ((int32_t)x[k] - zp) * wr[k];
+        int k = k0;
+        for (; k + 16 <= n; k += 16) /* a constant trip count, which the compiler vectorises */
+            for (int i = k; i < k + 16; i++) s += ((int32_t)x[i] - zp) * wr[i];
+        for (; k < n; k++) s += ((int32_t)x[k] - zp) * wr[k];
         out[r] += s;
     }
 }
@@ -400,11 +406,16 @@ static void qrt_dw_row(const int16_t *src, const int32_t *off, const int16_t *wk
 }
 #else
 static void qrt_dw_row(const int16_t *src, const int32_t *off, const int16_t *wk, int kk, int nw, int32_t *acc) {
-    for (int j = 0; j < nw; j++) acc[j] = 0;
-    for (int t = 0; t < kk; t++) {
-        const int16_t *s = src + off[t];
-        int32_t w = wk[t];
-        for (int j = 0; j < nw; j++) acc[j] += w * s[j];
+    /* Whole blocks of 16 (the slack allows it): a constant trip count, which the compiler vectorises. */
+    for (int j0 = 0; j0 < nw; j0 += 16) {
+        int32_t a[16];
+        for (int j = 0; j < 16; j++) a[j] = 0;
+        for (int t = 0; t < kk; t++) {
+            const int16_t *s = src + off[t] + j0;
+            int32_t w = wk[t];
+            for (int j = 0; j < 16; j++) a[j] += w * s[j];
+        }
+        for (int j = 0; j < 16; j++) acc[j0 + j] = a[j];
     }
 }
 #endif
@@ -563,12 +574,15 @@ static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, i
     for (int j = 0; j < g->cout_g; j++) {
         int16_t *w = wb + (size_t)j * g->kp;
         const size_t base = (size_t)(o0 + j) * g->k;
-        for (int ic = 0; ic < g->cin_g; ic++)
-            for (int t = 0; t < kk; t++) {
-                size_t src = base + (size_t)ic * kk + (size_t)t;
-                w[(size_t)t * g->cin_g + ic] = p->w_bits == 8 ? ((const int8_t *)p->weight)[src]
-                                                              : qrt_weight_at(4, p->weight, src);
-            }
+        if (p->w_bits == 8) {
+            const int8_t *src = (const int8_t *)p->weight + base;
+            for (int ic = 0; ic < g->cin_g; ic++)
+                for (int t = 0; t < kk; t++) w[(size_t)t * g->cin_g + ic] = src[(size_t)ic * kk + (size_t)t];
+        } else {
+            for (int ic = 0; ic < g->cin_g; ic++)
+                for (int t = 0; t < kk; t++)
+                    w[(size_t)t * g->cin_g + ic] = qrt_weight_at(4, p->weight, base + (size_t)ic * kk + (size_t)t);
+        }
         for (int k = g->k; k < g->kp; k++) w[k] = 0;
     }
 }
