@@ -3,20 +3,28 @@
  *
  * Every kernel has a plain-C path; the AVX2 and NEON paths replace only the
  * inner loops (dot products, the depthwise taps, the requantization of a
- * row) and compute the same integers: sums are exact in int32 and the
- * requantization is qrt_rshift_round's, so every path writes the same int8.
+ * row, the int4 unpacking) and compute the same integers: sums are exact in
+ * int32 and the requantization is qrt_rshift_round's, so every path writes
+ * the same int8. Compiled for AVX-VNNI as well, the AVX2 path uses its
+ * vpdpwssd for madd + add (the same sums).
  *
  * Convolutions take one of two shapes, chosen from the parameters alone (so
  * qrt_conv2d_scratch is the same for every path):
  *   - one input channel per group (depthwise, or a first layer on a single
- *     channel): the input plane is copied once, as int16 x - in_zp with the
- *     padding at 0, and each output row sums k_h * k_w shifted rows of it;
- *   - otherwise an im2col of QRT_TILE_PX output pixels at a time (int16
- *     x - in_zp, each pixel's K = in_c/groups * k_h * k_w values padded with
- *     zeros to a multiple of 16), multiplied by two output channels' weights
- *     widened to int16 the same way: one dot product of length K per output.
+ *     channel): each group's plane is copied once as int16 x - in_zp with
+ *     the padding at 0, its columns split by stride phase so that every tap
+ *     of a row of outputs reads a contiguous run; each output sums its
+ *     k_h * k_w taps;
+ *   - otherwise the group's input is copied channels-last (int16 x - in_zp,
+ *     the padding at 0) and the group's weights are widened to int16 in the
+ *     same (kh, kw, ic) order, once per call; an im2col of QRT_TILE_PX
+ *     output pixels at a time (K = in_c/groups * k_h * k_w values per pixel,
+ *     one contiguous run per kernel row, zeros up to a multiple of 16) is
+ *     multiplied by two output channels at a time: one dot product of
+ *     length K per output.
  * In both the padding contributes exact zeros, so no zero-point correction
- * is needed and the borders cost nothing in the inner loops. */
+ * is needed and the borders cost nothing in the inner loops. Dense layers
+ * take (x - in_zp) * w directly, four output rows per pass over x. */
 #include "qtrain_rt.h"
 
 #include <stddef.h>
