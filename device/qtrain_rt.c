@@ -467,6 +467,28 @@ size_t qrt_conv2d_scratch(const qrt_conv2d_t *p) {
     return (hwc * cin_g + (px + (size_t)(p->out_c / p->groups)) * kp) * sizeof(int16_t) + QRT_ALIGN;
 }
 
+/* d[i] = src[2 i] - zp for i < n (a stride-2 plane's phase), reading only src[0 .. avail). */
+static void qrt_gather2(const int8_t *src, long n, long avail, int32_t zp, int16_t *d) {
+    long i = 0;
+#if defined(QRT_AVX2)
+    const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i vzp = _mm_set1_epi16((int16_t)zp);
+    for (; i + 8 <= n && 2 * i + 16 <= avail; i += 8) {
+        __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 2 * i)), evens);
+        _mm_storeu_si128((__m128i *)(d + i), _mm_sub_epi16(_mm_cvtepi8_epi16(v), vzp));
+    }
+#elif defined(QRT_NEON)
+    const int16x8_t vzp = vdupq_n_s16((int16_t)zp);
+    for (; i + 8 <= n && 2 * i + 16 <= avail; i += 8) {
+        int8x8x2_t v = vld2_s8(src + 2 * i);
+        vst1q_s16(d + i, vsubq_s16(vmovl_s8(v.val[0]), vzp));
+    }
+#else
+    (void)avail;
+#endif
+    for (; i < n; i++) d[i] = (int16_t)(src[2 * i] - zp);
+}
+
 /* One input channel per group: each group's plane as int16 x - in_zp with the padding at 0 (qrt_plane_t), then
  * per output channel the k_h * k_w taps summed over contiguous runs of it, a few output rows at a time (packed in
  * acc as they are in y) so that one requantization call covers them. */
@@ -480,6 +502,7 @@ static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
     int16_t *wk = (int16_t *)(off + qrt_round_k((size_t)kk));
     int16_t *plane = wk + qrt_round_k((size_t)kk);
     int32_t acc[QRT_DW_ACC + 16];
+    const int8_t *x_end = x + (size_t)p->in_c * p->in_h * p->in_w;
     for (int kh = 0; kh < p->k_h; kh++)
         for (int kw = 0; kw < p->k_w; kw++) {
             int c = kw * p->dil_w;
@@ -504,6 +527,8 @@ static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
                     for (; q < qa; q++) d[q] = 0;
                     if (sw == 1)
                         for (; q < qb; q++) d[q] = (int16_t)(src[q - qa] - p->in_zp);
+                    else if (sw == 2)
+                        qrt_gather2(src, qb - qa, x_end - src, p->in_zp, d + qa), q = qb;
                     else
                         for (; q < qb; q++) d[q] = (int16_t)(src[(q - qa) * sw] - p->in_zp);
                 }
