@@ -16,12 +16,12 @@
  *     of a row of outputs reads a contiguous run; each output sums its
  *     k_h * k_w taps;
  *   - otherwise the group's input is copied channels-last (int16 x - in_zp,
- *     the padding at 0) and the group's weights are widened to int16 in the
- *     same (kh, kw, ic) order, once per call; an im2col of QRT_TILE_PX
- *     output pixels at a time (K = in_c/groups * k_h * k_w values per pixel,
- *     one contiguous run per kernel row, zeros up to a multiple of 16) is
- *     multiplied by two output channels at a time: one dot product of
- *     length K per output.
+ *     the padding at 0) and its weights are widened to int16 in the same
+ *     (kh, kw, ic) order, QRT_WBLOCK output channels at a time; an im2col
+ *     of QRT_TILE_PX output pixels at a time (K = in_c/groups * k_h * k_w
+ *     values per pixel, one contiguous run per kernel row, zeros up to a
+ *     multiple of 16) is multiplied by two output channels at a time: one
+ *     dot product of length K per output.
  * In both the padding contributes exact zeros, so no zero-point correction
  * is needed and the borders cost nothing in the inner loops. Dense layers
  * take (x - in_zp) * w directly, four output rows per pass over x. */
@@ -48,6 +48,7 @@
 #endif
 
 #define QRT_TILE_PX 32  /* output pixels per im2col tile */
+#define QRT_WBLOCK 32   /* output channels whose weights are widened at a time (an even number) */
 #define QRT_KALIGN 16   /* im2col rows and widened weights are padded to this many values */
 #define QRT_ALIGN 32    /* the scratch is used from its first 32-byte aligned address */
 #define QRT_DW_ACC 256  /* depthwise accumulators: rows (or a row's columns) requantized at once */
@@ -464,7 +465,8 @@ size_t qrt_conv2d_scratch(const qrt_conv2d_t *p) {
     size_t cin_g = (size_t)(p->in_c / p->groups), kp = qrt_round_k(cin_g * kk);
     size_t px = (size_t)qrt_imin(p->out_h * p->out_w, QRT_TILE_PX);
     size_t hwc = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h) * qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
-    return (hwc * cin_g + (px + (size_t)(p->out_c / p->groups)) * kp) * sizeof(int16_t) + QRT_ALIGN;
+    size_t wblock = (size_t)qrt_imin(p->out_c / p->groups, QRT_WBLOCK);
+    return (hwc * cin_g + (px + wblock) * kp) * sizeof(int16_t) + QRT_ALIGN;
 }
 
 /* d[i] = src[2 i] - zp for i < n (a stride-2 plane's phase), reading only src[0 .. avail). */
@@ -601,10 +603,10 @@ static void qrt_im2col(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const in
     }
 }
 
-/* wb (cout_g, kp): output channels o0 .. o0+cout_g of the weights in (kh, kw, ic) order, zero from K to kp. */
-static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int o0, int16_t *wb) {
+/* wb (nc, kp): output channels o0 .. o0+nc of the weights in (kh, kw, ic) order, zero from K to kp. */
+static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int o0, int nc, int16_t *wb) {
     const int kk = p->k_h * p->k_w;
-    for (int j = 0; j < g->cout_g; j++) {
+    for (int j = 0; j < nc; j++) {
         int16_t *w = wb + (size_t)j * g->kp;
         const size_t base = (size_t)(o0 + j) * g->k;
         if (p->w_bits == 8) {
@@ -631,17 +633,22 @@ static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
     int32_t acc0[QRT_TILE_PX], acc1[QRT_TILE_PX];
     for (int gi = 0; gi < p->groups; gi++) {
         qrt_hwc_copy(p, &g, x + (size_t)gi * g.cin_g * p->in_h * p->in_w, hwc);
-        qrt_widen_weights(p, &g, gi * g.cout_g, wb);
-        for (int n0 = 0; n0 < n_out; n0 += tile) {
-            const int np = qrt_imin(tile, n_out - n0);
-            qrt_im2col(p, &g, hwc, n0, np, col);
-            for (int j = 0; j < g.cout_g; j += 2) {
-                const int o = gi * g.cout_g + j, two = j + 1 < g.cout_g;
-                const int16_t *w0 = wb + (size_t)j * g.kp;
-                qrt_gemm_tile(col, np, g.kp, w0, two ? w0 + g.kp : NULL, acc0, acc1);
-                for (int c = 0; c <= two; c++)
-                    qrt_requant_row(c ? acc1 : acc0, np, p->bias[o + c], p->mult[o + c], p->shift[o + c], p->out_zp,
-                                    p->act_min, p->act_max, y + (size_t)(o + c) * n_out + n0);
+        /* QRT_WBLOCK output channels' weights at a time (the scratch stays small); the im2col, a copy of runs, is
+         * redone for each block. */
+        for (int j0 = 0; j0 < g.cout_g; j0 += QRT_WBLOCK) {
+            const int nc = qrt_imin(QRT_WBLOCK, g.cout_g - j0);
+            qrt_widen_weights(p, &g, gi * g.cout_g + j0, nc, wb);
+            for (int n0 = 0; n0 < n_out; n0 += tile) {
+                const int np = qrt_imin(tile, n_out - n0);
+                qrt_im2col(p, &g, hwc, n0, np, col);
+                for (int j = 0; j < nc; j += 2) {
+                    const int o = gi * g.cout_g + j0 + j, two = j + 1 < nc;
+                    const int16_t *w0 = wb + (size_t)j * g.kp;
+                    qrt_gemm_tile(col, np, g.kp, w0, two ? w0 + g.kp : NULL, acc0, acc1);
+                    for (int c = 0; c <= two; c++)
+                        qrt_requant_row(c ? acc1 : acc0, np, p->bias[o + c], p->mult[o + c], p->shift[o + c],
+                                        p->out_zp, p->act_min, p->act_max, y + (size_t)(o + c) * n_out + n0);
+                }
             }
         }
     }
