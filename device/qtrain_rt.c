@@ -228,7 +228,8 @@ static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0,
             /* Eight horizontal sums at once: [a0 a1 a2 a3 | b0 b1 b2 b3]. */
             __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
             __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(b0, b1), _mm256_hadd_epi32(b2, b3));
-            __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+            __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
+                                         _mm256_permute2x128_si256(t0, t1, 0x31));
             _mm_storeu_si128((__m128i *)(acc0 + i), _mm256_castsi256_si128(s));
             _mm_storeu_si128((__m128i *)(acc1 + i), _mm256_extracti128_si256(s, 1));
         }
@@ -508,7 +509,8 @@ static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
     for (int kh = 0; kh < p->k_h; kh++)
         for (int kw = 0; kw < p->k_w; kw++) {
             int c = kw * p->dil_w;
-            off[kh * p->k_w + kw] = (int32_t)((size_t)kh * p->dil_h * g.row + (size_t)(c % sw) * g.wq + (size_t)(c / sw));
+            off[kh * p->k_w + kw] =
+                (int32_t)((size_t)kh * p->dil_h * g.row + (size_t)(c % sw) * g.wq + (size_t)(c / sw));
         }
     memset(plane + g.hp * g.row, 0, QRT_DW_SLACK * sizeof(int16_t));
     for (int gi = 0; gi < p->groups; gi++) {
@@ -595,7 +597,8 @@ static void qrt_im2col(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const in
                 memcpy(c, s, run * sizeof(int16_t));
             } else {
                 for (int kw = 0; kw < p->k_w; kw++)
-                    memcpy(c + (size_t)kw * g->cin_g, s + (size_t)kw * p->dil_w * g->cin_g, (size_t)g->cin_g * sizeof(int16_t));
+                    memcpy(c + (size_t)kw * g->cin_g, s + (size_t)kw * p->dil_w * g->cin_g,
+                           (size_t)g->cin_g * sizeof(int16_t));
             }
             c += run;
         }

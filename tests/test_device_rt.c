@@ -64,7 +64,8 @@ static void test_rshift_round(void) {
         {5, 1, 3},   {-5, 1, -2},  {3, 1, 2},    {-3, 1, -1},   {-1, 1, 0},   {1, 1, 1},     {0, 1, 0},
         {-6, 2, -1}, {-7, 2, -2},  {-2, 2, 0},   {-10, 2, -2},  {6, 2, 2},    {-4, 3, 0},    {-12, 3, -1},
         {-13, 3, -2}, {(int64_t)1 << 61, 62, 1}, {-((int64_t)3 << 61), 62, -1}, {-((int64_t)1 << 61), 62, 0},
-        {((int64_t)1 << 62) - 1, 62, 1}, {-((int64_t)1 << 62), 62, -1}, {-((int64_t)1 << 62) - ((int64_t)1 << 61), 62, -1},
+        {((int64_t)1 << 62) - 1, 62, 1}, {-((int64_t)1 << 62), 62, -1},
+        {-((int64_t)1 << 62) - ((int64_t)1 << 61), 62, -1},
         {(int64_t)INT32_MAX * INT32_MAX, 31, INT32_MAX - 1}, {-(int64_t)INT32_MAX * INT32_MAX, 31, -(INT32_MAX - 1)},
     };
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) {
@@ -264,7 +265,8 @@ static void test_cross_builds_agree(void) {
         {"host AVX2", "cc", "-mavx2", "", "avx2", "gcc", 1},
         {"clang AVX2", "clang", "-mavx2", "", "avx2", "clang", 1},
         {"host AVX2 + AVX-VNNI", "cc", "-mavx2 -mavxvnni", "", "avx2", "gcc", 2},
-        {"aarch64 NEON", "aarch64-linux-gnu-gcc", "-static", "qemu-aarch64", "neon", "gcc-aarch64-linux-gnu qemu-user", 0},
+        {"aarch64 NEON", "aarch64-linux-gnu-gcc", "-static", "qemu-aarch64", "neon", "gcc-aarch64-linux-gnu qemu-user",
+         0},
         {"armhf NEON", "arm-linux-gnueabihf-gcc", "-static -mfpu=neon -mfloat-abi=hard", "qemu-arm", "neon",
          "gcc-arm-linux-gnueabihf qemu-user", 0},
     };
@@ -298,7 +300,8 @@ static void test_cross_builds_agree(void) {
 #endif
         snprintf(log, sizeof log, "%s/build%zu.log", dir, i);
         snprintf(cmd, sizeof cmd,
-                 "%s " STRICT_FLAGS " %s -I. tests/device/rt_check.c device/qtrain_rt.c -o %s/rt_check%zu && %s %s/rt_check%zu",
+                 "%s " STRICT_FLAGS " %s -I. tests/device/rt_check.c device/qtrain_rt.c -o %s/rt_check%zu && "
+                 "%s %s/rt_check%zu",
                  builds[i].cc, builds[i].flags, dir, i, builds[i].runner, dir, i);
         int code = run_shell(cmd, log);
         char *text = test_file_read(log, NULL), simd[32] = "";

@@ -258,14 +258,16 @@ static void rtc_case_conv(RtcRng *r, RtcResult *res, int big) {
         pad_r = rtc_int(r, 0, 2) ? p.pad_l : (int)rtc_int(r, 0, 2);
         p.out_h = (p.in_h + p.pad_t + pad_b - p.dil_h * (p.k_h - 1) - 1) / p.stride_h + 1;
         p.out_w = (p.in_w + p.pad_l + pad_r - p.dil_w * (p.k_w - 1) - 1) / p.stride_w + 1;
-    } while (p.in_h + p.pad_t + pad_b < p.dil_h * (p.k_h - 1) + 1 || p.in_w + p.pad_l + pad_r < p.dil_w * (p.k_w - 1) + 1);
+    } while (p.in_h + p.pad_t + pad_b < p.dil_h * (p.k_h - 1) + 1 ||
+             p.in_w + p.pad_l + pad_r < p.dil_w * (p.k_w - 1) + 1);
     p.w_bits = rtc_int(r, 0, 2) ? 8 : 4;
     rtc_zps(r, &p.in_zp, &p.out_zp, &p.act_min, &p.act_max);
     size_t k = (size_t)(p.in_c / p.groups) * p.k_h * p.k_w, nx = (size_t)p.in_c * p.in_h * p.in_w;
     size_t ny = (size_t)p.out_c * p.out_h * p.out_w;
     int8_t *x = (int8_t *)rtc_alloc(nx), *y = rtc_out(ny), *want = (int8_t *)rtc_alloc(ny);
     void *w = rtc_weights(r, p.w_bits, (size_t)p.out_c * k);
-    int32_t *bias = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out_c), *mult = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out_c);
+    int32_t *bias = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out_c);
+    int32_t *mult = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out_c);
     int8_t *shift = (int8_t *)rtc_alloc((size_t)p.out_c);
     rtc_fill(r, x, nx);
     int64_t amax = (int64_t)k * 128 * (p.w_bits == 8 ? 64 : 4) / 4 + 1;
@@ -303,9 +305,11 @@ static void rtc_case_dense(RtcRng *r, RtcResult *res, int big) {
     p.out = (int)rtc_int(r, 1, big ? 40 : 13);
     p.w_bits = rtc_int(r, 0, 2) ? 8 : 4;
     rtc_zps(r, &p.in_zp, &p.out_zp, &p.act_min, &p.act_max);
-    int8_t *x = (int8_t *)rtc_alloc((size_t)p.in), *y = rtc_out((size_t)p.out), *want = (int8_t *)rtc_alloc((size_t)p.out);
+    int8_t *x = (int8_t *)rtc_alloc((size_t)p.in), *y = rtc_out((size_t)p.out);
+    int8_t *want = (int8_t *)rtc_alloc((size_t)p.out);
     void *w = rtc_weights(r, p.w_bits, (size_t)p.out * p.in);
-    int32_t *bias = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out), *mult = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out);
+    int32_t *bias = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out);
+    int32_t *mult = (int32_t *)rtc_alloc(sizeof(int32_t) * p.out);
     int8_t *shift = (int8_t *)rtc_alloc((size_t)p.out);
     rtc_fill(r, x, (size_t)p.in);
     int64_t amax = (int64_t)p.in * 128 * (p.w_bits == 8 ? 64 : 4) / 4 + 1;
