@@ -3,6 +3,7 @@
  *
  *   conv2d 32 -> 64, 3x3, padding 1, on 14x14 (im2col path)
  *   conv2d 16 -> 32, 3x3, padding 1, on 28x28
+ *   conv2d 64 -> 64, 3x3, padding 1, on 7x7
  *   conv2d  1 -> 16, 3x3, padding 1, on 28x28 (one input channel: the tap path)
  *   depthwise 64 channels, 3x3, padding 1, on 14x14 and stride 2 on 28x28
  *   dense 3136 -> 128, int8 and int4 weights
@@ -144,6 +145,7 @@ int main(int argc, char **argv) {
     }
     bench_conv("conv3x3_32to64_14x14", 32, 64, 14, 1, 1, seconds);
     bench_conv("conv3x3_16to32_28x28", 16, 32, 28, 1, 1, seconds);
+    bench_conv("conv3x3_64to64_7x7", 64, 64, 7, 1, 1, seconds);
     bench_conv("conv3x3_1to16_28x28", 1, 16, 28, 1, 1, seconds);
     bench_conv("dw3x3_64_14x14", 64, 64, 14, 64, 1, seconds);
     bench_conv("dw3x3_64_28x28_s2", 64, 64, 28, 64, 2, seconds);

@@ -34,11 +34,16 @@
 #if defined(__AVX2__) && !defined(QRT_PORTABLE)
 #define QRT_AVX2 1
 #include <immintrin.h>
-/* acc + madd(a, b): one instruction where the compiler may use AVX-VNNI (the same exact int32 sums). */
+/* acc + madd(a, b): one instruction where the compiler may use AVX-VNNI (the same exact int32 sums). With VNNI
+ * the general conv also takes uint8 x + 128 against int8 weights, four products per lane (QRT_DPBUSD). */
 #if defined(__AVXVNNI__)
+#define QRT_VNNI 1
 #define QRT_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#define QRT_DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32((acc), (a), (b))
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QRT_VNNI 1
 #define QRT_DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#define QRT_DPBUSD(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
 #else
 #define QRT_DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
@@ -202,6 +207,7 @@ static int32_t qrt_hsum256(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+#if !defined(QRT_VNNI) /* with VNNI the general conv is qrt_conv2d_im2col_u8's */
 static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
                           int32_t *acc1) {
     int i = 0;
@@ -246,6 +252,7 @@ static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0,
         if (w1) acc1[i] = qrt_hsum256(b);
     }
 }
+#endif
 #elif defined(QRT_NEON)
 static int32_t qrt_hsum_s32(int32x4_t v) {
 #if defined(__aarch64__)
@@ -557,6 +564,37 @@ static void qrt_conv2d_one_in(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
     }
 }
 
+#if defined(QRT_AVX2)
+/* c[j] = column j of the 16 x 16 bytes r[0..15] (SSE2's unpack network: bytes, words, dwords, qwords). */
+static void qrt_transpose16(const __m128i *r, __m128i *c) {
+    __m128i a[16], b[16];
+    for (int i = 0; i < 8; i++) { /* a[2i], a[2i+1]: columns 0-7 and 8-15 of rows 2i, 2i+1 */
+        a[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int q = 0; q < 4; q++) /* b[4q + m]: columns 4m .. 4m+3 of rows 4q .. 4q+3 */
+        for (int h = 0; h < 2; h++) {
+            b[4 * q + 2 * h] = _mm_unpacklo_epi16(a[4 * q + h], a[4 * q + 2 + h]);
+            b[4 * q + 2 * h + 1] = _mm_unpackhi_epi16(a[4 * q + h], a[4 * q + 2 + h]);
+        }
+    for (int o = 0; o < 2; o++) /* a[8o + n]: columns 2n, 2n+1 of rows 8o .. 8o+7 */
+        for (int m = 0; m < 4; m++) {
+            a[8 * o + 2 * m] = _mm_unpacklo_epi32(b[8 * o + m], b[8 * o + 4 + m]);
+            a[8 * o + 2 * m + 1] = _mm_unpackhi_epi32(b[8 * o + m], b[8 * o + 4 + m]);
+        }
+    for (int n = 0; n < 8; n++) {
+        c[2 * n] = _mm_unpacklo_epi64(a[n], a[8 + n]);
+        c[2 * n + 1] = _mm_unpackhi_epi64(a[n], a[8 + n]);
+    }
+}
+
+/* Whether the 16-byte loads of 16 weight rows of kk (src[i * kk + t0 ..], t0 < kk in steps of 16) stay before
+ * end. */
+static int qrt_rows16_fit(const int8_t *src, int kk, const int8_t *end) {
+    return (size_t)(end - src) >= (size_t)15 * kk + qrt_round_k((size_t)kk);
+}
+#endif
+
 /* The general path. K runs over (kh, kw, ic) here, not the weights' (ic, kh, kw): with the group's input copied
  * channels-last (HWC, int16 x - in_zp, the padding at 0) one kernel row of a pixel's im2col row is one contiguous
  * run of k_w * cin_g values (or k_w runs of cin_g with dilation), and the weights are widened in that order once
@@ -565,6 +603,16 @@ typedef struct {
     int cin_g, cout_g, k, kp;
     size_t hp, wp;
 } qrt_gemm_geom_t;
+
+static qrt_gemm_geom_t qrt_gemm_geom(const qrt_conv2d_t *p) {
+    qrt_gemm_geom_t g;
+    g.cin_g = p->in_c / p->groups, g.cout_g = p->out_c / p->groups;
+    g.k = g.cin_g * p->k_h * p->k_w, g.kp = (int)qrt_round_k((size_t)g.k);
+    g.hp = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h), g.wp = qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
+    return g;
+}
+
+#if !defined(QRT_VNNI)
 
 /* The group's input xg (cin_g, in_h, in_w) as hwc (hp, wp, cin_g). */
 static void qrt_hwc_copy(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int8_t *xg, int16_t *hwc) {
@@ -614,8 +662,24 @@ static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, i
         const size_t base = (size_t)(o0 + j) * g->k;
         if (p->w_bits == 8) {
             const int8_t *src = (const int8_t *)p->weight + base;
-            for (int ic = 0; ic < g->cin_g; ic++)
-                for (int t = 0; t < kk; t++) w[(size_t)t * g->cin_g + ic] = src[(size_t)ic * kk + (size_t)t];
+            int ic = 0;
+#if defined(QRT_AVX2)
+            const int8_t *end = (const int8_t *)p->weight + (size_t)p->out_c * g->k;
+            for (; ic + 16 <= g->cin_g && qrt_rows16_fit(src + (size_t)ic * kk, kk, end); ic += 16)
+                for (int t0 = 0; t0 < kk; t0 += 16) {
+                    __m128i r[16], c[16];
+                    for (int i = 0; i < 16; i++)
+                        r[i] = _mm_loadu_si128((const __m128i *)(src + (size_t)(ic + i) * kk + t0));
+                    qrt_transpose16(r, c);
+                    for (int j = 0; j < 16 && t0 + j < kk; j++) {
+                        int16_t *d = w + (size_t)(t0 + j) * g->cin_g + ic;
+                        _mm_storeu_si128((__m128i *)d, _mm_cvtepi8_epi16(c[j]));
+                        _mm_storeu_si128((__m128i *)(d + 8), _mm_cvtepi8_epi16(_mm_srli_si128(c[j], 8)));
+                    }
+                }
+#endif
+            for (int t = 0; t < kk; t++)
+                for (int i = ic; i < g->cin_g; i++) w[(size_t)t * g->cin_g + i] = src[(size_t)i * kk + (size_t)t];
         } else {
             for (int ic = 0; ic < g->cin_g; ic++)
                 for (int t = 0; t < kk; t++)
@@ -626,10 +690,7 @@ static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, i
 }
 
 static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
-    qrt_gemm_geom_t g;
-    g.cin_g = p->in_c / p->groups, g.cout_g = p->out_c / p->groups;
-    g.k = g.cin_g * p->k_h * p->k_w, g.kp = (int)qrt_round_k((size_t)g.k);
-    g.hp = qrt_span(p->out_h, p->stride_h, p->k_h, p->dil_h), g.wp = qrt_span(p->out_w, p->stride_w, p->k_w, p->dil_w);
+    const qrt_gemm_geom_t g = qrt_gemm_geom(p);
     const int n_out = p->out_h * p->out_w, tile = qrt_imin(n_out, QRT_TILE_PX);
     int16_t *hwc = (int16_t *)qrt_align_ptr(scratch);
     int16_t *col = hwc + g.hp * g.wp * (size_t)g.cin_g, *wb = col + (size_t)tile * g.kp;
@@ -656,6 +717,157 @@ static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
         }
     }
 }
+
+#else
+/* The general path with VNNI: the same layouts in uint8 x + 128 (the padding in_zp + 128) and int8 weights, K
+ * padded to 32, in the int16 path's scratch (each part fits in its int16 counterpart). sum (x + 128) * w is exact
+ * in int32 (vpdpbusd does not saturate), and bias - (in_zp + 128) * sum w turns it into the int16 path's sum. */
+static void qrt_hwc_copy_u8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int8_t *xg, uint8_t *hwc) {
+    const size_t plane = (size_t)p->in_h * p->in_w;
+    memset(hwc, p->in_zp + 128, g->hp * g->wp * (size_t)g->cin_g);
+    for (int ih = 0; ih < p->in_h; ih++) {
+        long r = (long)ih + p->pad_t;
+        if (r >= (long)g->hp) break;
+        long c0 = p->pad_l, n = p->in_w;
+        if (c0 + n > (long)g->wp) n = (long)g->wp - c0;
+        for (long iw = 0; iw < n; iw++) {
+            uint8_t *d = hwc + ((size_t)r * g->wp + (size_t)(c0 + iw)) * g->cin_g;
+            const int8_t *s = xg + (size_t)ih * p->in_w + (size_t)iw;
+            for (int ic = 0; ic < g->cin_g; ic++) d[ic] = (uint8_t)(s[(size_t)ic * plane] + 128);
+        }
+    }
+}
+
+static void qrt_im2col_u8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const uint8_t *hwc, int n0, int np,
+                          int kq, uint8_t *col) {
+    const size_t run = (size_t)p->k_w * g->cin_g;
+    for (int i = 0; i < np; i++) {
+        const int n = n0 + i, oh = n / p->out_w, ow = n % p->out_w;
+        uint8_t *c = col + (size_t)i * kq;
+        for (int kh = 0; kh < p->k_h; kh++) {
+            const uint8_t *s = hwc + ((size_t)(oh * p->stride_h + kh * p->dil_h) * g->wp + (size_t)ow * p->stride_w) *
+                                         g->cin_g;
+            if (p->dil_w == 1) {
+                memcpy(c, s, run);
+            } else {
+                for (int kw = 0; kw < p->k_w; kw++)
+                    memcpy(c + (size_t)kw * g->cin_g, s + (size_t)kw * p->dil_w * g->cin_g, (size_t)g->cin_g);
+            }
+            c += run;
+        }
+        memset(col + (size_t)i * kq + g->k, 0, (size_t)(kq - g->k));
+    }
+}
+
+/* wb (nc, kq) int8 in (kh, kw, ic) order, zero from K to kq, and each channel's sum of weights. */
+static void qrt_weights_s8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int o0, int nc, int kq, int8_t *wb,
+                           int32_t *sumw) {
+    const int kk = p->k_h * p->k_w;
+    for (int j = 0; j < nc; j++) {
+        int8_t *w = wb + (size_t)j * kq;
+        const size_t base = (size_t)(o0 + j) * g->k;
+        if (p->w_bits == 8) {
+            const int8_t *src = (const int8_t *)p->weight + base;
+            const int8_t *end = (const int8_t *)p->weight + (size_t)p->out_c * g->k;
+            int ic = 0;
+            for (; ic + 16 <= g->cin_g && qrt_rows16_fit(src + (size_t)ic * kk, kk, end); ic += 16)
+                for (int t0 = 0; t0 < kk; t0 += 16) {
+                    __m128i r[16], c[16];
+                    for (int i = 0; i < 16; i++)
+                        r[i] = _mm_loadu_si128((const __m128i *)(src + (size_t)(ic + i) * kk + t0));
+                    qrt_transpose16(r, c);
+                    for (int jj = 0; jj < 16 && t0 + jj < kk; jj++)
+                        _mm_storeu_si128((__m128i *)(w + (size_t)(t0 + jj) * g->cin_g + ic), c[jj]);
+                }
+            for (int t = 0; t < kk; t++)
+                for (int i = ic; i < g->cin_g; i++) w[(size_t)t * g->cin_g + i] = src[(size_t)i * kk + (size_t)t];
+        } else {
+            for (int ic = 0; ic < g->cin_g; ic++)
+                for (int t = 0; t < kk; t++)
+                    w[(size_t)t * g->cin_g + ic] = qrt_weight_at(4, p->weight, base + (size_t)ic * kk + (size_t)t);
+        }
+        memset(w + g->k, 0, (size_t)(kq - g->k));
+        __m256i a = _mm256_setzero_si256(); /* sum w as 1 * w, four bytes per lane */
+        for (int k = 0; k < kq; k += 32)
+            a = QRT_DPBUSD(a, _mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)(w + k)));
+        sumw[j] = qrt_hsum256(a);
+    }
+}
+
+static void qrt_gemm_tile_u8(const uint8_t *col, int np, int kq, const int8_t *w0, const int8_t *w1, int32_t *acc0,
+                             int32_t *acc1) {
+    int i = 0;
+    if (w1) {
+        for (; i + 4 <= np; i += 4) {
+            const uint8_t *c = col + (size_t)i * kq;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int k = 0; k < kq; k += 32) {
+                __m256i u = _mm256_loadu_si256((const __m256i *)(w0 + k));
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w1 + k));
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + k));
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + kq + k));
+                __m256i x2 = _mm256_loadu_si256((const __m256i *)(c + 2 * (size_t)kq + k));
+                __m256i x3 = _mm256_loadu_si256((const __m256i *)(c + 3 * (size_t)kq + k));
+                a0 = QRT_DPBUSD(a0, x0, u);
+                a1 = QRT_DPBUSD(a1, x1, u);
+                a2 = QRT_DPBUSD(a2, x2, u);
+                a3 = QRT_DPBUSD(a3, x3, u);
+                b0 = QRT_DPBUSD(b0, x0, v);
+                b1 = QRT_DPBUSD(b1, x1, v);
+                b2 = QRT_DPBUSD(b2, x2, v);
+                b3 = QRT_DPBUSD(b3, x3, v);
+            }
+            __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+            __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(b0, b1), _mm256_hadd_epi32(b2, b3));
+            __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
+                                         _mm256_permute2x128_si256(t0, t1, 0x31));
+            _mm_storeu_si128((__m128i *)(acc0 + i), _mm256_castsi256_si128(s));
+            _mm_storeu_si128((__m128i *)(acc1 + i), _mm256_extracti128_si256(s, 1));
+        }
+    }
+    for (; i < np; i++) {
+        const uint8_t *c = col + (size_t)i * kq;
+        __m256i a = _mm256_setzero_si256(), b = a;
+        for (int k = 0; k < kq; k += 32) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(c + k));
+            a = QRT_DPBUSD(a, x, _mm256_loadu_si256((const __m256i *)(w0 + k)));
+            if (w1) b = QRT_DPBUSD(b, x, _mm256_loadu_si256((const __m256i *)(w1 + k)));
+        }
+        acc0[i] = qrt_hsum256(a);
+        if (w1) acc1[i] = qrt_hsum256(b);
+    }
+}
+
+static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
+    const qrt_gemm_geom_t g = qrt_gemm_geom(p);
+    const int n_out = p->out_h * p->out_w, tile = qrt_imin(n_out, QRT_TILE_PX), kq = (g.k + 31) / 32 * 32;
+    uint8_t *hwc = (uint8_t *)qrt_align_ptr(scratch);
+    uint8_t *col = hwc + g.hp * g.wp * (size_t)g.cin_g * sizeof(int16_t);
+    int8_t *wb = (int8_t *)(col + (size_t)tile * g.kp * sizeof(int16_t));
+    int32_t acc0[QRT_TILE_PX], acc1[QRT_TILE_PX], sumw[QRT_WBLOCK];
+    const int64_t xoff = (int64_t)p->in_zp + 128;
+    for (int gi = 0; gi < p->groups; gi++) {
+        qrt_hwc_copy_u8(p, &g, x + (size_t)gi * g.cin_g * p->in_h * p->in_w, hwc);
+        for (int j0 = 0; j0 < g.cout_g; j0 += QRT_WBLOCK) {
+            const int nc = qrt_imin(QRT_WBLOCK, g.cout_g - j0);
+            qrt_weights_s8(p, &g, gi * g.cout_g + j0, nc, kq, wb, sumw);
+            for (int n0 = 0; n0 < n_out; n0 += tile) {
+                const int np = qrt_imin(tile, n_out - n0);
+                qrt_im2col_u8(p, &g, hwc, n0, np, kq, col);
+                for (int j = 0; j < nc; j += 2) {
+                    const int o = gi * g.cout_g + j0 + j, two = j + 1 < nc;
+                    const int8_t *w0 = wb + (size_t)j * kq;
+                    qrt_gemm_tile_u8(col, np, kq, w0, two ? w0 + kq : NULL, acc0, acc1);
+                    for (int c = 0; c <= two; c++)
+                        qrt_requant_row(c ? acc1 : acc0, np, (int32_t)(p->bias[o + c] - xoff * sumw[j + c]),
+                                        p->mult[o + c], p->shift[o + c], p->out_zp, p->act_min, p->act_max,
+                                        y + (size_t)(o + c) * n_out + n0);
+                }
+            }
+        }
+    }
+}
+#endif
 
 void qrt_conv2d(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
     if (p->out_h <= 0 || p->out_w <= 0 || p->out_c <= 0) return;
