@@ -6,7 +6,8 @@
  * row, the int4 unpacking) and compute the same integers: sums are exact in
  * int32 and the requantization is qrt_rshift_round's, so every path writes
  * the same int8. Compiled for AVX-VNNI as well, the AVX2 path uses its
- * vpdpwssd for madd + add (the same sums).
+ * vpdpwssd for madd + add, and its general conv multiplies uint8 x + 128 by
+ * int8 weights with vpdpbusd (the same sums after a per-channel correction).
  *
  * Convolutions take one of two shapes, chosen from the parameters alone (so
  * qrt_conv2d_scratch is the same for every path):
