@@ -598,8 +598,8 @@ static int qrt_rows16_fit(const int8_t *src, int kk, const int8_t *end) {
 
 /* The general path. K runs over (kh, kw, ic) here, not the weights' (ic, kh, kw): with the group's input copied
  * channels-last (HWC, int16 x - in_zp, the padding at 0) one kernel row of a pixel's im2col row is one contiguous
- * run of k_w * cin_g values (or k_w runs of cin_g with dilation), and the weights are widened in that order once
- * per call. */
+ * run of k_w * cin_g values (or k_w runs of cin_g with dilation), and the weights are reordered (and widened) to
+ * match, QRT_WBLOCK output channels at a time (16 x 16 byte transposes on x86). */
 typedef struct {
     int cin_g, cout_g, k, kp;
     size_t hp, wp;
@@ -672,10 +672,10 @@ static void qrt_widen_weights(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, i
                     for (int i = 0; i < 16; i++)
                         r[i] = _mm_loadu_si128((const __m128i *)(src + (size_t)(ic + i) * kk + t0));
                     qrt_transpose16(r, c);
-                    for (int j = 0; j < 16 && t0 + j < kk; j++) {
-                        int16_t *d = w + (size_t)(t0 + j) * g->cin_g + ic;
-                        _mm_storeu_si128((__m128i *)d, _mm_cvtepi8_epi16(c[j]));
-                        _mm_storeu_si128((__m128i *)(d + 8), _mm_cvtepi8_epi16(_mm_srli_si128(c[j], 8)));
+                    for (int jj = 0; jj < 16 && t0 + jj < kk; jj++) {
+                        int16_t *d = w + (size_t)(t0 + jj) * g->cin_g + ic;
+                        _mm_storeu_si128((__m128i *)d, _mm_cvtepi8_epi16(c[jj]));
+                        _mm_storeu_si128((__m128i *)(d + 8), _mm_cvtepi8_epi16(_mm_srli_si128(c[jj], 8)));
                     }
                 }
 #endif
