@@ -121,6 +121,32 @@ static void test_requant_clamp(void) {
 
 /* ---- the kernels against the reference ------------------------------------------------------------------- */
 
+/* The kernels round half up too: a dense layer whose accumulators are its biases -4 .. 3, multiplier 1, shift 1
+ * (-2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5), and a depthwise conv of the same values on 16 pixels. */
+static void test_kernels_round_half_up(void) {
+    static const int8_t want[8] = {-2, -1, -1, 0, 0, 1, 1, 2}, ones[16] = {1, 1, 1, 1, 1, 1, 1, 1};
+    int32_t bias[8], mult[8];
+    int8_t shift[8], y[16], x = 0, xs[16];
+    for (int i = 0; i < 8; i++) bias[i] = i - 4, mult[i] = 1, shift[i] = 1;
+    qrt_dense_t d;
+    memset(&d, 0, sizeof d);
+    d.in = 1, d.out = 8, d.w_bits = 8, d.weight = ones, d.bias = bias, d.mult = mult, d.shift = shift;
+    d.act_min = -128, d.act_max = 127;
+    qrt_dense(&d, &x, y);
+    CU_ASSERT_EQUAL(memcmp(y, want, 8), 0);
+    qrt_conv2d_t p;
+    memset(&p, 0, sizeof p);
+    p.in_c = p.out_c = p.groups = 1, p.in_h = p.out_h = 1, p.in_w = p.out_w = 16;
+    p.k_h = p.k_w = p.stride_h = p.stride_w = p.dil_h = p.dil_w = 1, p.w_bits = 8;
+    p.weight = ones, p.bias = &bias[4], p.mult = mult, p.shift = shift, p.act_min = -128, p.act_max = 127;
+    for (int i = 0; i < 16; i++) xs[i] = (int8_t)(i % 8 - 4);
+    unsigned char scratch[1024];
+    CU_ASSERT_FATAL(qrt_conv2d_scratch(&p) <= sizeof scratch);
+    qrt_conv2d(&p, xs, y, scratch);
+    CU_ASSERT_EQUAL(memcmp(y, want, 8), 0);
+    CU_ASSERT_EQUAL(memcmp(y + 8, want, 8), 0);
+}
+
 /* RANDOM_CASES of each kernel (conv2d with groups, depthwise, multipliers, strides, padding and dilation per axis,
  * int4 and int8 weights; dense; max, average and global average pools; add, requant_n, relu in and out of place;
  * input tables) on this build of the runtime against the int64 reference, guard bytes after every output. */
@@ -128,7 +154,7 @@ static void test_kernels_random(void) {
     RtcResult res;
     rtc_run(0x1234abcdULL, RANDOM_CASES, &res);
     if (res.mismatches) fprintf(stderr, "\n  %ld values differ; %s\n", res.mismatches, res.first);
-    CU_ASSERT_EQUAL(res.cases, 4L * RANDOM_CASES);
+    CU_ASSERT_EQUAL(res.cases, 4L * RANDOM_CASES + 3); /* and rtc_case_ties' three */
     CU_ASSERT_EQUAL(res.mismatches, 0);
 }
 
@@ -330,6 +356,7 @@ int register_device_rt_suite(void) {
     CU_pSuite s = CU_add_suite("device_rt", NULL, NULL);
     return !s || !CU_add_test(s, "qrt_rshift_round rounds half up, also at shift 1 and 62", test_rshift_round) ||
            !CU_add_test(s, "qrt_requant adds the zero point and clamps in int64", test_requant_clamp) ||
+           !CU_add_test(s, "the kernels round half up, negative ties too", test_kernels_round_half_up) ||
            !CU_add_test(s, "every kernel matches the int64 reference on random cases", test_kernels_random) ||
            !CU_add_test(s, "conv2d and dense on a small CNN's shapes", test_kernels_cnn_shapes) ||
            !CU_add_test(s, "the runtime includes only its allowed headers", test_includes) ||

@@ -426,12 +426,55 @@ static void rtc_case_elementwise(RtcRng *r, RtcResult *res) {
     free(a), free(b), free(want);
 }
 
+/* Exact .5 ties, negative ones too, on every kernel that requantizes an accumulator: dense (acc = its bias, every
+ * value in [-128, 127]), a 1x1 conv and a 1x1 depthwise conv on a 16x16 image of every int8 value (acc = x), each
+ * with multiplier 1 and shift 1, and multiplier 3 and shift 2. */
+static void rtc_case_ties(RtcResult *res) {
+    static int8_t x[2 * 256], y[2 * 256 + RTC_GUARD], want[2 * 256], w[4];
+    static int32_t bias[256], mult[256];
+    static int8_t shift[256];
+    for (int i = 0; i < 256; i++) {
+        x[i] = x[256 + i] = (int8_t)(i - 128);
+        bias[i] = i - 128;
+        mult[i] = i % 2 ? 3 : 1;
+        shift[i] = (int8_t)(i % 2 ? 2 : 1);
+    }
+    qrt_dense_t d;
+    memset(&d, 0, sizeof d);
+    d.in = 1, d.out = 256, d.w_bits = 8, d.act_min = -128, d.act_max = 127;
+    int8_t *ones = (int8_t *)rtc_alloc(256), zero = 0;
+    memset(ones, 1, 256);
+    d.weight = ones, d.bias = bias, d.mult = mult, d.shift = shift;
+    memset(y, 0x5a, sizeof y);
+    qrt_dense(&d, &zero, y);
+    rtc_ref_dense(&d, &zero, want);
+    rtc_compare(res, "dense ties", y, want, 256);
+    free(ones);
+    for (int dw = 0; dw < 2; dw++) {
+        static const int32_t zeros[2] = {0, 0}, mults[2] = {1, 3};
+        static const int8_t shifts[2] = {1, 2};
+        qrt_conv2d_t p;
+        memset(&p, 0, sizeof p);
+        p.in_c = p.out_c = 2, p.in_h = p.in_w = p.out_h = p.out_w = 16, p.groups = dw ? 2 : 1;
+        p.k_h = p.k_w = p.stride_h = p.stride_w = p.dil_h = p.dil_w = 1, p.w_bits = 8;
+        p.act_min = -128, p.act_max = 127;
+        w[0] = 1, w[1] = dw ? 1 : 0, w[2] = 0, w[3] = 1; /* depthwise: (1, 1); else (1, 0), (0, 1) */
+        p.weight = w, p.bias = zeros, p.mult = mults, p.shift = shifts;
+        unsigned char scratch[4096 + 64];
+        memset(y, 0x5a, sizeof y);
+        qrt_conv2d(&p, x, y, qrt_conv2d_scratch(&p) <= sizeof scratch ? scratch : NULL);
+        rtc_ref_conv2d(&p, x, want);
+        rtc_compare(res, dw ? "depthwise ties" : "conv2d ties", y, want, 512);
+    }
+}
+
 /* n cases of each kind from seed (one in eight conv and dense cases a larger one, as small CNNs have). */
 static void rtc_run(uint64_t seed, int n, RtcResult *res) {
     RtcRng r;
     r.s = seed;
     memset(res, 0, sizeof *res);
     res->hash = 0xcbf29ce484222325ULL;
+    rtc_case_ties(res);
     for (int i = 0; i < n; i++) {
         rtc_case_conv(&r, res, i % 8 == 7);
         rtc_case_dense(&r, res, i % 8 == 3);
