@@ -7,7 +7,8 @@
  * int32 and the requantization is qrt_rshift_round's, so every path writes
  * the same int8. Compiled for AVX-VNNI as well, the AVX2 path uses its
  * vpdpwssd for madd + add, and its general conv multiplies uint8 x + 128 by
- * int8 weights with vpdpbusd (the same sums after a per-channel correction).
+ * int8 weights with vpdpbusd (the same sums after a per-channel correction);
+ * AArch64 with the dotprod extension does the same with sdot on int8 x.
  *
  * Convolutions take one of two shapes, chosen from the parameters alone (so
  * qrt_conv2d_scratch is the same for every path):
@@ -51,6 +52,18 @@
 #elif defined(__ARM_NEON) && !defined(QRT_PORTABLE)
 #define QRT_NEON 1
 #include <arm_neon.h>
+#endif
+
+/* The general conv in 8 bits where a 4-way int8 dot product instruction exists (AVX-VNNI's vpdpbusd on uint8
+ * x + 128, AArch64's sdot on int8 x): QRT_I8_XOFF is added to the input bytes, K is padded to QRT_I8_KALIGN. */
+#if defined(QRT_VNNI)
+#define QRT_I8DOT 1
+#define QRT_I8_XOFF 128
+#define QRT_I8_KALIGN 32
+#elif defined(QRT_NEON) && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define QRT_I8DOT 1
+#define QRT_I8_XOFF 0
+#define QRT_I8_KALIGN 16
 #endif
 
 #define QRT_TILE_PX 32  /* output pixels per im2col tile */
@@ -208,7 +221,7 @@ static int32_t qrt_hsum256(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-#if !defined(QRT_VNNI) /* with VNNI the general conv is qrt_conv2d_im2col_u8's */
+#if !defined(QRT_I8DOT) /* otherwise the general conv is the 8-bit one */
 static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
                           int32_t *acc1) {
     int i = 0;
@@ -269,6 +282,7 @@ static int32x4_t qrt_mla8(int32x4_t a, int16x8_t x, int16x8_t w) {
     return vmlal_s16(a, vget_high_s16(x), vget_high_s16(w));
 }
 
+#if !defined(QRT_I8DOT)
 static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
                           int32_t *acc1) {
     int i = 0;
@@ -303,6 +317,7 @@ static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0,
         if (w1) acc1[i] = qrt_hsum_s32(b);
     }
 }
+#endif
 #else
 static void qrt_gemm_tile(const int16_t *col, int np, int kp, const int16_t *w0, const int16_t *w1, int32_t *acc0,
                           int32_t *acc1) {
@@ -613,7 +628,7 @@ static qrt_gemm_geom_t qrt_gemm_geom(const qrt_conv2d_t *p) {
     return g;
 }
 
-#if !defined(QRT_VNNI)
+#if !defined(QRT_I8DOT)
 
 /* The group's input xg (cin_g, in_h, in_w) as hwc (hp, wp, cin_g). */
 static void qrt_hwc_copy(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int8_t *xg, int16_t *hwc) {
@@ -720,12 +735,13 @@ static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
 }
 
 #else
-/* The general path with VNNI: the same layouts in uint8 x + 128 (the padding in_zp + 128) and int8 weights, K
- * padded to 32, in the int16 path's scratch (each part fits in its int16 counterpart). sum (x + 128) * w is exact
- * in int32 (vpdpbusd does not saturate), and bias - (in_zp + 128) * sum w turns it into the int16 path's sum. */
-static void qrt_hwc_copy_u8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int8_t *xg, uint8_t *hwc) {
+/* The general path in 8 bits: the same layouts in bytes x + QRT_I8_XOFF (the padding in_zp + QRT_I8_XOFF; uint8
+ * for vpdpbusd, int8 for sdot) and int8 weights, K padded to QRT_I8_KALIGN, in the int16 path's scratch (each part
+ * fits in its int16 counterpart). sum (x + XOFF) * w is exact in int32 (neither instruction saturates), and
+ * bias - (in_zp + XOFF) * sum w turns it into the int16 path's sum. */
+static void qrt_hwc_copy8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const int8_t *xg, uint8_t *hwc) {
     const size_t plane = (size_t)p->in_h * p->in_w;
-    memset(hwc, p->in_zp + 128, g->hp * g->wp * (size_t)g->cin_g);
+    memset(hwc, (uint8_t)(p->in_zp + QRT_I8_XOFF), g->hp * g->wp * (size_t)g->cin_g);
     for (int ih = 0; ih < p->in_h; ih++) {
         long r = (long)ih + p->pad_t;
         if (r >= (long)g->hp) break;
@@ -734,13 +750,13 @@ static void qrt_hwc_copy_u8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, con
         for (long iw = 0; iw < n; iw++) {
             uint8_t *d = hwc + ((size_t)r * g->wp + (size_t)(c0 + iw)) * g->cin_g;
             const int8_t *s = xg + (size_t)ih * p->in_w + (size_t)iw;
-            for (int ic = 0; ic < g->cin_g; ic++) d[ic] = (uint8_t)(s[(size_t)ic * plane] + 128);
+            for (int ic = 0; ic < g->cin_g; ic++) d[ic] = (uint8_t)(s[(size_t)ic * plane] + QRT_I8_XOFF);
         }
     }
 }
 
-static void qrt_im2col_u8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const uint8_t *hwc, int n0, int np,
-                          int kq, uint8_t *col) {
+static void qrt_im2col8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const uint8_t *hwc, int n0, int np,
+                        int kq, uint8_t *col) {
     const size_t run = (size_t)p->k_w * g->cin_g;
     for (int i = 0; i < np; i++) {
         const int n = n0 + i, oh = n / p->out_w, ow = n % p->out_w;
@@ -761,16 +777,17 @@ static void qrt_im2col_u8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, const
 }
 
 /* wb (nc, kq) int8 in (kh, kw, ic) order, zero from K to kq, and each channel's sum of weights. */
-static void qrt_weights_s8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int o0, int nc, int kq, int8_t *wb,
-                           int32_t *sumw) {
+static void qrt_weights8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int o0, int nc, int kq, int8_t *wb,
+                         int32_t *sumw) {
     const int kk = p->k_h * p->k_w;
     for (int j = 0; j < nc; j++) {
         int8_t *w = wb + (size_t)j * kq;
         const size_t base = (size_t)(o0 + j) * g->k;
         if (p->w_bits == 8) {
             const int8_t *src = (const int8_t *)p->weight + base;
-            const int8_t *end = (const int8_t *)p->weight + (size_t)p->out_c * g->k;
             int ic = 0;
+#if defined(QRT_AVX2)
+            const int8_t *end = (const int8_t *)p->weight + (size_t)p->out_c * g->k;
             for (; ic + 16 <= g->cin_g && qrt_rows16_fit(src + (size_t)ic * kk, kk, end); ic += 16)
                 for (int t0 = 0; t0 < kk; t0 += 16) {
                     __m128i r[16], c[16];
@@ -780,6 +797,7 @@ static void qrt_weights_s8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int 
                     for (int jj = 0; jj < 16 && t0 + jj < kk; jj++)
                         _mm_storeu_si128((__m128i *)(w + (size_t)(t0 + jj) * g->cin_g + ic), c[jj]);
                 }
+#endif
             for (int t = 0; t < kk; t++)
                 for (int i = ic; i < g->cin_g; i++) w[(size_t)t * g->cin_g + i] = src[(size_t)i * kk + (size_t)t];
         } else {
@@ -788,15 +806,22 @@ static void qrt_weights_s8(const qrt_conv2d_t *p, const qrt_gemm_geom_t *g, int 
                     w[(size_t)t * g->cin_g + ic] = qrt_weight_at(4, p->weight, base + (size_t)ic * kk + (size_t)t);
         }
         memset(w + g->k, 0, (size_t)(kq - g->k));
+#if defined(QRT_AVX2)
         __m256i a = _mm256_setzero_si256(); /* sum w as 1 * w, four bytes per lane */
         for (int k = 0; k < kq; k += 32)
             a = QRT_DPBUSD(a, _mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)(w + k)));
         sumw[j] = qrt_hsum256(a);
+#else
+        int32x4_t a = vdupq_n_s32(0);
+        for (int k = 0; k < kq; k += 16) a = vdotq_s32(a, vdupq_n_s8(1), vld1q_s8(w + k));
+        sumw[j] = qrt_hsum_s32(a);
+#endif
     }
 }
 
-static void qrt_gemm_tile_u8(const uint8_t *col, int np, int kq, const int8_t *w0, const int8_t *w1, int32_t *acc0,
-                             int32_t *acc1) {
+#if defined(QRT_AVX2)
+static void qrt_gemm_tile8(const uint8_t *col, int np, int kq, const int8_t *w0, const int8_t *w1, int32_t *acc0,
+                           int32_t *acc1) {
     int i = 0;
     if (w1) {
         for (; i + 4 <= np; i += 4) {
@@ -839,26 +864,64 @@ static void qrt_gemm_tile_u8(const uint8_t *col, int np, int kq, const int8_t *w
     }
 }
 
+#else
+static void qrt_gemm_tile8(const uint8_t *col, int np, int kq, const int8_t *w0, const int8_t *w1, int32_t *acc0,
+                           int32_t *acc1) {
+    int i = 0;
+    if (w1) {
+        for (; i + 4 <= np; i += 4) {
+            const int8_t *c = (const int8_t *)col + (size_t)i * kq;
+            int32x4_t a[4], b[4];
+            for (int r = 0; r < 4; r++) a[r] = b[r] = vdupq_n_s32(0);
+            for (int k = 0; k < kq; k += 16) {
+                int8x16_t u = vld1q_s8(w0 + k), v = vld1q_s8(w1 + k);
+                for (int r = 0; r < 4; r++) {
+                    int8x16_t x = vld1q_s8(c + (size_t)r * kq + k);
+                    a[r] = vdotq_s32(a[r], x, u);
+                    b[r] = vdotq_s32(b[r], x, v);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                acc0[i + r] = qrt_hsum_s32(a[r]);
+                acc1[i + r] = qrt_hsum_s32(b[r]);
+            }
+        }
+    }
+    for (; i < np; i++) {
+        const int8_t *c = (const int8_t *)col + (size_t)i * kq;
+        int32x4_t a = vdupq_n_s32(0), b = a;
+        for (int k = 0; k < kq; k += 16) {
+            int8x16_t x = vld1q_s8(c + k);
+            a = vdotq_s32(a, x, vld1q_s8(w0 + k));
+            if (w1) b = vdotq_s32(b, x, vld1q_s8(w1 + k));
+        }
+        acc0[i] = qrt_hsum_s32(a);
+        if (w1) acc1[i] = qrt_hsum_s32(b);
+    }
+}
+#endif
+
 static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
     const qrt_gemm_geom_t g = qrt_gemm_geom(p);
-    const int n_out = p->out_h * p->out_w, tile = qrt_imin(n_out, QRT_TILE_PX), kq = (g.k + 31) / 32 * 32;
+    const int n_out = p->out_h * p->out_w, tile = qrt_imin(n_out, QRT_TILE_PX);
+    const int kq = (g.k + QRT_I8_KALIGN - 1) / QRT_I8_KALIGN * QRT_I8_KALIGN;
     uint8_t *hwc = (uint8_t *)qrt_align_ptr(scratch);
     uint8_t *col = hwc + g.hp * g.wp * (size_t)g.cin_g * sizeof(int16_t);
     int8_t *wb = (int8_t *)(col + (size_t)tile * g.kp * sizeof(int16_t));
     int32_t acc0[QRT_TILE_PX], acc1[QRT_TILE_PX], sumw[QRT_WBLOCK];
-    const int64_t xoff = (int64_t)p->in_zp + 128;
+    const int64_t xoff = (int64_t)p->in_zp + QRT_I8_XOFF;
     for (int gi = 0; gi < p->groups; gi++) {
-        qrt_hwc_copy_u8(p, &g, x + (size_t)gi * g.cin_g * p->in_h * p->in_w, hwc);
+        qrt_hwc_copy8(p, &g, x + (size_t)gi * g.cin_g * p->in_h * p->in_w, hwc);
         for (int j0 = 0; j0 < g.cout_g; j0 += QRT_WBLOCK) {
             const int nc = qrt_imin(QRT_WBLOCK, g.cout_g - j0);
-            qrt_weights_s8(p, &g, gi * g.cout_g + j0, nc, kq, wb, sumw);
+            qrt_weights8(p, &g, gi * g.cout_g + j0, nc, kq, wb, sumw);
             for (int n0 = 0; n0 < n_out; n0 += tile) {
                 const int np = qrt_imin(tile, n_out - n0);
-                qrt_im2col_u8(p, &g, hwc, n0, np, kq, col);
+                qrt_im2col8(p, &g, hwc, n0, np, kq, col);
                 for (int j = 0; j < nc; j += 2) {
                     const int o = gi * g.cout_g + j0 + j, two = j + 1 < nc;
                     const int8_t *w0 = wb + (size_t)j * kq;
-                    qrt_gemm_tile_u8(col, np, kq, w0, two ? w0 + kq : NULL, acc0, acc1);
+                    qrt_gemm_tile8(col, np, kq, w0, two ? w0 + kq : NULL, acc0, acc1);
                     for (int c = 0; c <= two; c++)
                         qrt_requant_row(c ? acc1 : acc0, np, (int32_t)(p->bias[o + c] - xoff * sumw[j + c]),
                                         p->mult[o + c], p->shift[o + c], p->out_zp, p->act_min, p->act_max,

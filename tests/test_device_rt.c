@@ -249,6 +249,8 @@ static void test_strict_compiles(void) {
         {"clang portable", "clang", "-DQRT_PORTABLE", "clang"},
         {"clang AVX2", "clang", "-mavx2", "clang"},
         {"aarch64 NEON", "aarch64-linux-gnu-gcc", "", "gcc-aarch64-linux-gnu"},
+        {"aarch64 NEON + dotprod", "aarch64-linux-gnu-gcc", "-march=armv8.2-a+dotprod", "gcc-aarch64-linux-gnu"},
+        {"gcc AVX2 + AVX-VNNI", "gcc", "-mavx2 -mavxvnni", "gcc"},
         {"armhf NEON", "arm-linux-gnueabihf-gcc", "-mfpu=neon -mfloat-abi=hard", "gcc-arm-linux-gnueabihf"},
         {"Cortex-M4", "arm-none-eabi-gcc", "-mcpu=cortex-m4 -mthumb -Os", "gcc-arm-none-eabi libnewlib-arm-none-eabi"},
     };
@@ -281,7 +283,8 @@ static bool cpu_has_flag(const char *flag) {
 
 /* rt_check's fixed set gives no mismatch and the same hash of every output in each build that can run here
  * as in this library's build: host portable and AVX2 (gcc, clang, and gcc with AVX-VNNI's dot products),
- * aarch64 and armhf NEON static binaries under qemu. A missing compiler, qemu or AVX2 CPU is a skip that names it. */
+ * aarch64 (with and without the dotprod extension) and armhf NEON static binaries under qemu. A missing
+ * compiler, qemu or CPU feature is a skip that names it. */
 static void test_cross_builds_agree(void) {
     static const struct {
         const char *label, *cc, *flags, *runner, *simd, *deb;
@@ -293,6 +296,8 @@ static void test_cross_builds_agree(void) {
         {"host AVX2 + AVX-VNNI", "cc", "-mavx2 -mavxvnni", "", "avx2", "gcc", 2},
         {"aarch64 NEON", "aarch64-linux-gnu-gcc", "-static", "qemu-aarch64", "neon", "gcc-aarch64-linux-gnu qemu-user",
          0},
+        {"aarch64 NEON + dotprod", "aarch64-linux-gnu-gcc", "-static -march=armv8.2-a+dotprod", "qemu-aarch64", "neon",
+         "gcc-aarch64-linux-gnu qemu-user", 0},
         {"armhf NEON", "arm-linux-gnueabihf-gcc", "-static -mfpu=neon -mfloat-abi=hard", "qemu-arm", "neon",
          "gcc-arm-linux-gnueabihf qemu-user", 0},
     };
