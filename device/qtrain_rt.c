@@ -1,4 +1,4 @@
-/* qtrain_rt.c - the integer kernels of qtrain_rt.h. Strict C99, no malloc,
+/* qtrain_rt.c - the integer kernels of qtrain_rt.h. Strict C99, no heap,
  * no libm, no written globals (reentrant).
  *
  * Every kernel has a plain-C path; the AVX2 and NEON paths replace only the

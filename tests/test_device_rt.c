@@ -232,7 +232,7 @@ static void test_includes(void) {
         n++;
     }
     CU_ASSERT(n >= 4);
-    CU_ASSERT(strstr(text, "malloc(") == NULL && strstr(text, "free(") == NULL);
+    CU_ASSERT(strstr(text, "malloc") == NULL && strstr(text, "free(") == NULL); /* as the export's check greps */
     free(text);
     const char *simd = qrt_simd();
     CU_ASSERT(!strcmp(simd, "portable") || !strcmp(simd, "avx2") || !strcmp(simd, "neon"));
