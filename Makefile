@@ -85,7 +85,7 @@ INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
 DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
-TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil
+TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \
@@ -213,6 +213,13 @@ uninstall:
 
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+
+# The device runtime's bench once more with the host's SIMD path (-march=native: AVX2 or NEON) beside
+# build/bench/rt_bench, which runs the library's build of the runtime (portable on a generic x86-64).
+BENCH_BINS += $(BUILD)/bench/rt_bench_native
+$(BUILD)/bench/rt_bench_native: bench/rt_bench.c device/qtrain_rt.c device/qtrain_rt.h
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -march=native -std=gnu11 -Wall -Wextra -I. bench/rt_bench.c device/qtrain_rt.c -o $@
 
 # Tests run from the repository root (they read tests/fixtures/).
 # OPENBLAS_NUM_THREADS=1 keeps them deterministic and quiet on shared machines.

@@ -32,7 +32,9 @@ extern "C" {
 #endif
 
 /* floor((v + 2^(n-1)) / 2^n) for n in [1, 62], without relying on the
- * implementation-defined right shift of a negative number. */
+ * implementation-defined right shift of a negative number. v + 2^(n-1) must
+ * not overflow; the kernels' v (acc * mult, |acc| < 2^31, mult < 2^31) stay
+ * below 2^62 in magnitude. */
 static inline int64_t qrt_rshift_round(int64_t v, int n) {
     int64_t r = v + ((int64_t)1 << (n - 1));
     return r >= 0 ? (r >> n) : ~((~r) >> n);

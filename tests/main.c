@@ -61,6 +61,7 @@
     X(quant_qt)   \
     X(quant_int8) \
     X(quant_int8_dw) \
+    X(device_rt)  \
     X(bench_cmd)  \
     X(fuzz_regress) \
     X(interrupt)  \
