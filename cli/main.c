@@ -68,7 +68,7 @@ static const CmdHelp CMD_HELP[] = {
      "  convert   turn a QAT checkpoint into a PTQ one (real quantized weights with\n"
      "            the learned ranges) that evaluates exactly as it trained.\n"},
     {"export", "qtrain export --checkpoint PATH --format safetensors|peft|h5|c --out PATH [--merge] [--name NAME] "
-               "[--force]",
+               "[--low-ram] [--force]",
      "  export    a checkpoint's model for other tools: safetensors, a PyTorch\n"
      "            state_dict (<module>.weight, .bias, batch-norm buffers) in float32,\n"
      "            quantized weights dequantized as qtrain computes them; peft, a LoRA\n"
@@ -77,7 +77,8 @@ static const CmdHelp CMD_HELP[] = {
      "            first (else they are left out). c: int8 C99 for a device (NAME.h/.c,\n"
      "            the runtime, main_example.c, Makefile, export.json) in the new\n"
      "            directory PATH, from a PTQ checkpoint with static int8 input ranges\n"
-     "            (QAT converted, LoRA merged on the way); --name sets the C prefix.\n"},
+     "            (QAT converted, LoRA merged on the way); --name sets the C prefix,\n"
+     "            --low-ram runs the convs without scratch (a smaller arena, slower).\n"},
     {"compare", "qtrain compare RUN_DIR... [--out DIR]",
      "  compare   runs side by side from their summary.json and metrics.csv: a\n"
      "            table (formats, bits/param, size, accuracy, delta vs the first\n"
@@ -140,6 +141,7 @@ typedef struct {
     bool merge;         /* export: fold adapters in */
     bool integer;       /* eval: the integer program (what export --format c ships) */
     const char *name;   /* export --format c: the C identifier prefix */
+    bool low_ram;       /* export --format c: convs without scratch */
 } CliArgs;
 
 /* Parses a positive integer option value; exits 2 on garbage. */
@@ -182,6 +184,7 @@ static void parse_args(int argc, char **argv, const char *cmd, bool eval, CliArg
         else if (strcmp(cmd, " export") == 0 && strcmp(o, "--format") == 0) a->format = v, i++;
         else if (strcmp(cmd, " export") == 0 && strcmp(o, "--merge") == 0) a->merge = true;
         else if (strcmp(cmd, " export") == 0 && strcmp(o, "--name") == 0) a->name = v, i++;
+        else if (strcmp(cmd, " export") == 0 && strcmp(o, "--low-ram") == 0) a->low_ram = true;
         else if (strcmp(cmd, " eval") == 0 && strcmp(o, "--integer") == 0) a->integer = true;
         else if (strcmp(o, "--set") == 0) {
             if (a->n_overrides == MAX_OVERRIDES) {
@@ -395,7 +398,7 @@ static int cmd_export(int argc, char **argv) {
             return 2;
         }
         ExportCReport r;
-        if (export_c(a.checkpoint, a.out, a.name, a.force, a.quiet ? NULL : stdout, &r, &err) != QT_OK)
+        if (export_c(a.checkpoint, a.out, a.name, a.force, a.low_ram, a.quiet ? NULL : stdout, &r, &err) != QT_OK)
             return fail(&err, exit_status(&err));
         printf("export:c ops:%d conv2d:%d dense:%d int4_layers:%d macs:%.0f weight_bytes:%zu const_bytes:%zu "
                "arena_bytes:%zu ram_bytes:%zu", r.ops, r.conv_layers, r.dense_layers, r.int4_layers, r.macs,
@@ -410,8 +413,8 @@ static int cmd_export(int argc, char **argv) {
         printf(" examples:%d out:%s\n", r.test_examples, a.out);
         return 0;
     }
-    if (a.name) {
-        fprintf(stderr, "qtrain export: --name names the C program of --format c\n");
+    if (a.name || a.low_ram) {
+        fprintf(stderr, "qtrain export: --name and --low-ram are options of --format c\n");
         return 2;
     }
     QtStatus st = interop_export(a.checkpoint, a.format, a.out, a.merge, a.force, a.quiet ? NULL : stdout, &err);

@@ -933,8 +933,50 @@ static void qrt_conv2d_im2col(const qrt_conv2d_t *p, const int8_t *x, int8_t *y,
 }
 #endif
 
+/* The convolution without scratch, for a device short of RAM (the export's --low-ram): an output row at a time,
+ * QRT_ROW outputs in int32 on the stack, each weight applied along the row. Slower than the paths above; the same
+ * integers. */
+#define QRT_ROW 64
+static void qrt_conv2d_direct(const qrt_conv2d_t *p, const int8_t *x, int8_t *y) {
+    const int cpg = p->in_c / p->groups, opg = p->out_c / p->groups;
+    int32_t acc[QRT_ROW];
+    for (int o = 0; o < p->out_c; o++) {
+        const int8_t *xg = x + (size_t)(o / opg) * cpg * p->in_h * p->in_w;
+        const size_t w0 = (size_t)o * cpg * p->k_h * p->k_w;
+        for (int oh = 0; oh < p->out_h; oh++)
+            for (int ow0 = 0; ow0 < p->out_w; ow0 += QRT_ROW) {
+                const int n = qrt_imin(QRT_ROW, p->out_w - ow0);
+                for (int j = 0; j < n; j++) acc[j] = 0;
+                for (int c = 0; c < cpg; c++)
+                    for (int kh = 0; kh < p->k_h; kh++) {
+                        const int ih = oh * p->stride_h - p->pad_t + kh * p->dil_h;
+                        if (ih < 0 || ih >= p->in_h) continue; /* padding: in_zp, which adds 0 */
+                        const int8_t *row = xg + ((size_t)c * p->in_h + ih) * p->in_w;
+                        for (int kw = 0; kw < p->k_w; kw++) {
+                            const int w = qrt_weight_at(p->w_bits, p->weight,
+                                                        w0 + ((size_t)c * p->k_h + kh) * p->k_w + (size_t)kw);
+                            const int off = kw * p->dil_w - p->pad_l; /* iw = (ow0 + j) * stride_w + off */
+                            int j0 = 0, j1 = n;                       /* the j whose iw lies in the row */
+                            while (j0 < n && (ow0 + j0) * p->stride_w + off < 0) j0++;
+                            while (j1 > j0 && (ow0 + j1 - 1) * p->stride_w + off >= p->in_w) j1--;
+                            for (int j = j0; j < j1; j++)
+                                acc[j] += (row[(ow0 + j) * p->stride_w + off] - p->in_zp) * w;
+                        }
+                    }
+                int8_t *yr = y + ((size_t)o * p->out_h + oh) * p->out_w + ow0;
+                for (int j = 0; j < n; j++)
+                    yr[j] = qrt_requant(((int64_t)acc[j] + p->bias[o]) * p->mult[o], p->shift[o], p->out_zp,
+                                        p->act_min, p->act_max);
+            }
+    }
+}
+
 void qrt_conv2d(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch) {
     if (p->out_h <= 0 || p->out_w <= 0 || p->out_c <= 0) return;
+    if (!scratch && qrt_conv2d_scratch(p) > 0) {
+        qrt_conv2d_direct(p, x, y);
+        return;
+    }
     if (qrt_conv_one_in_channel(p))
         qrt_conv2d_one_in(p, x, y, scratch);
     else

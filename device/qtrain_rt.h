@@ -112,7 +112,8 @@ typedef struct {
  * compiler, so an arena planned once fits every build. */
 size_t qrt_conv2d_scratch(const qrt_conv2d_t *p);
 
-/* y must not overlap x or scratch. */
+/* y must not overlap x or scratch. scratch may be NULL: the kernel then runs a direct loop that needs none
+ * (slower; the same integers), for a device short of RAM. */
 void qrt_conv2d(const qrt_conv2d_t *p, const int8_t *x, int8_t *y, void *scratch);
 void qrt_dense(const qrt_dense_t *p, const int8_t *x, int8_t *y);
 void qrt_maxpool2d(const qrt_maxpool2d_t *p, const int8_t *x, int8_t *y);

@@ -260,11 +260,34 @@ static void test_cnn_identical(void) {
                        path_in("x-cnn"), path_in("x-cnn")), 1);
 }
 
+/* export.json's arena_bytes of root/dir, or -1. */
+static long json_arena(const char *dir) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/export.json", path_in(dir));
+    char *json = test_file_read(path, NULL);
+    const char *at = json ? strstr(json, "\"arena_bytes\": ") : NULL;
+    long v = at ? atol(at + strlen("\"arena_bytes\": ")) : -1;
+    free(json);
+    return v;
+}
+
 static void test_resnet_identical(void) {
-    check_model(ptq("tiny-res", trained("tiny-res"), "p-res",
-                    "    - {module_path: stem, weight_qtype: int8, act_qtype: int8}\n"
-                    "    - {module_path: \".*\", weight_qtype: int8, act_qtype: uint8, act_symmetric: false}\n"),
-                "x-res", "res");
+    const char *ckpt = ptq("tiny-res", trained("tiny-res"), "p-res",
+                           "    - {module_path: stem, weight_qtype: int8, act_qtype: int8}\n"
+                           "    - {module_path: \".*\", weight_qtype: int8, act_qtype: uint8, act_symmetric: false}\n");
+    check_model(ckpt, "x-res", "res");
+    /* --low-ram: the convs' direct loop, no scratch: a smaller arena, the same logits */
+    size_t n = 0;
+    int8_t *want = integer_logits(ckpt, &n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(want);
+    const char *args[] = {"export", "--format", "c", "--checkpoint", ckpt, "--out", path_in("x-res-low"), "--name",
+                          "res", "--low-ram", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("export.log", args), 0);
+    CU_ASSERT(run_matches("x-res-low", "res", "cc", "-O2 -march=native", "", want, n));
+    const long small = json_arena("x-res-low"), big = json_arena("x-res");
+    if (!(small > 0 && small < big)) fprintf(stderr, "\n  arena: --low-ram %ld bytes, default %ld\n", small, big);
+    CU_ASSERT(small > 0 && small < big);
+    free(want);
 }
 
 static void test_dscnn_identical(void) { check_model(ptq("tiny-dw", trained("tiny-dw"), "p-dw", W8A8), "x-dw", "dw"); }

@@ -13,7 +13,7 @@
 #include "trainer/checkpoint_internal.h"
 #include "trainer/run.h"
 
-QtStatus eval_int_load(Run *r, const char *checkpoint, IntProgram *p, QtError *err) {
+QtStatus eval_int_load(Run *r, const char *checkpoint, IntProgram *p, bool low_ram, QtError *err) {
     r->plan.steps_per_epoch = 1; /* no plan: evaluation and calibration only */
     gemm_set_threads(r->cfg->run.threads);
     QtStatus st = run_load_data(r, err);
@@ -36,7 +36,7 @@ QtStatus eval_int_load(Run *r, const char *checkpoint, IntProgram *p, QtError *e
     if (!range) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     st = intprog_calibrate(&r->model.net, &r->data.train, r->cfg->train.batch_size, r->cfg->quant.calibration_batches,
                            &r->work.tape, r->work.bx, range, err);
-    if (st == QT_OK) st = intprog_build(p, n, (const float (*)[2])range, &r->data.test, err);
+    if (st == QT_OK) st = intprog_build(p, n, (const float (*)[2])range, &r->data.test, low_ram, err);
     free(range);
     return st;
 }
@@ -149,7 +149,7 @@ QtStatus eval_int_checkpoint(const Config *cfg, const char *checkpoint, const ch
     run_init(&r, cfg, &o);
     IntProgram p;
     memset(&p, 0, sizeof p);
-    QtStatus st = eval_int_load(&r, checkpoint, &p, err);
+    QtStatus st = eval_int_load(&r, checkpoint, &p, false, err);
     int8_t *logits = NULL;
     if (st == QT_OK && logits_path && !(logits = malloc((size_t)r.data.test.n * p.out_size + 1)))
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory for the test logits");

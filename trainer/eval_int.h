@@ -26,8 +26,8 @@ typedef struct {
 
 /* r (run_init'ed with the checkpoint's config): its data, the checkpoint's model, the output ranges calibrated on
  * quant.calibration_batches training batches, and the program p built from them. run_free(r) and intprog_free(p)
- * afterwards, on success or not. */
-QtStatus eval_int_load(Run *r, const char *checkpoint, IntProgram *p, QtError *err);
+ * afterwards, on success or not. low_ram: as intprog_build's. */
+QtStatus eval_int_load(Run *r, const char *checkpoint, IntProgram *p, bool low_ram, QtError *err);
 /* Runs p on every example of d (threads: the pool's), scoring against the labels, or with target_input against
  * the float input, or the value targets. logits: (d->n, out_size) int8 output codes, or NULL. */
 QtStatus eval_int_run(const IntProgram *p, const Dataset *d, bool target_input, int8_t *logits, IntEvalResult *res,

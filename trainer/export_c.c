@@ -691,7 +691,7 @@ static QtStatus write_all(const char *dir, const Emit *e, ExportCReport *rep, Qt
     return st;
 }
 
-QtStatus export_c(const char *checkpoint, const char *out, const char *name, bool force, FILE *log,
+QtStatus export_c(const char *checkpoint, const char *out, const char *name, bool force, bool low_ram, FILE *log,
                   ExportCReport *rep, QtError *err) {
     memset(rep, 0, sizeof *rep);
     if (!name) name = "model";
@@ -727,7 +727,7 @@ QtStatus export_c(const char *checkpoint, const char *out, const char *name, boo
     IntProgram p;
     memset(&p, 0, sizeof p);
     if (cfg) run_init(&r, cfg, &o);
-    if (st == QT_OK) st = eval_int_load(&r, src, &p, err);
+    if (st == QT_OK) st = eval_int_load(&r, src, &p, low_ram, err);
     IntEvalResult ev = {0};
     if (st == QT_OK) st = eval_int_run(&p, &r.data.test, cfg->data.target == DATA_TARGET_INPUT, NULL, &ev, err);
     if (st == QT_OK) {

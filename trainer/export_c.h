@@ -29,9 +29,10 @@ typedef struct {
 extern const char export_rt_h[], export_rt_c[];
 
 /* Writes the program of `checkpoint` into the new directory out (with force, an existing directory holding an
- * export.json is replaced; nothing else is). name: the C prefix (NULL: "model"), [A-Za-z_][A-Za-z0-9_]*. On
+ * export.json is replaced; nothing else is). name: the C prefix (NULL: "model"), [A-Za-z_][A-Za-z0-9_]*.
+ * low_ram: the convs run without scratch (a smaller arena, slower). On
  * error nothing is left at out. log: progress and the report (NULL: silent). */
-QtStatus export_c(const char *checkpoint, const char *out, const char *name, bool force, FILE *log,
+QtStatus export_c(const char *checkpoint, const char *out, const char *name, bool force, bool low_ram, FILE *log,
                   ExportCReport *rep, QtError *err);
 
 #endif

@@ -123,6 +123,7 @@ typedef struct {
     int *buf;             /* [n_modules + 1] the buffer holding the value, -1 until made */
     int *op_of;           /* [n_modules + 1] the op that wrote the value's buffer last, or -1 */
     int cap_ops, cap_bufs;
+    bool low_ram;         /* no scratch for the convs */
     QtError *err;
 } Lower;
 
@@ -444,7 +445,7 @@ static QtStatus lower_layer(Lower *L, int i) {
         if (c->dil_w < 1) c->dil_w = 1;
         if (c->groups < 1) c->groups = 1;
         op->macs = (double)c->out_c * c->out_h * c->out_w * (c->in_c / c->groups) * c->k_h * c->k_w;
-        const size_t scratch = qrt_conv2d_scratch(c);
+        const size_t scratch = L->low_ram ? 0 : qrt_conv2d_scratch(c);
         if (scratch) {
             op->scratch = new_buf(L, scratch, opi);
             if (op->scratch < 0) return qt_error_set(L->err, QT_ERR_NOMEM, "out of memory");
@@ -686,11 +687,12 @@ static QtStatus build_table(IntProgram *p, const QParams *q, const Dataset *d, Q
 
 /* ---- build ----------------------------------------------------------------------------------------------------- */
 
-QtStatus intprog_build(IntProgram *p, const Net *n, const float (*range)[2], const Dataset *data, QtError *err) {
+QtStatus intprog_build(IntProgram *p, const Net *n, const float (*range)[2], const Dataset *data, bool low_ram,
+                       QtError *err) {
     memset(p, 0, sizeof *p);
     const Model *m = &n->model;
     const int N = m->n_modules;
-    Lower L = {.p = p, .n = n, .m = m, .range = range, .err = err};
+    Lower L = {.p = p, .n = n, .m = m, .range = range, .low_ram = low_ram, .err = err};
     L.cls = malloc((size_t)(N + 1) * sizeof *L.cls);
     L.qp = calloc((size_t)(N + 1), sizeof *L.qp);
     L.buf = malloc((size_t)(N + 1) * sizeof *L.buf);

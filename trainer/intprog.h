@@ -111,9 +111,11 @@ QtStatus intprog_calibrate(Net *n, const Dataset *train, int batch_size, int bat
                            float (*range)[2], QtError *err);
 
 /* Lowers n (a PTQ model) to p. range: intprog_calibrate's. data: the data set the input table is built for
- * (its element type, pixel map and shape). Anything the integer runtime cannot express is QT_ERR_CONFIG naming
+ * (its element type, pixel map and shape). low_ram: the convs get no scratch (qrt_conv2d's direct loop: a
+ * smaller arena, slower, the same integers). Anything the integer runtime cannot express is QT_ERR_CONFIG naming
  * the module and what to change. */
-QtStatus intprog_build(IntProgram *p, const Net *n, const float (*range)[2], const Dataset *data, QtError *err);
+QtStatus intprog_build(IntProgram *p, const Net *n, const float (*range)[2], const Dataset *data, bool low_ram,
+                       QtError *err);
 void intprog_free(IntProgram *p);
 
 /* One example: codes (in_size) -> out codes (out_size). arena: arena_bytes, 16-byte aligned. */
