@@ -142,6 +142,8 @@ harness() { # $1 = the variant's name, then the compiler flags
 }
 harness portable -DQRT_PORTABLE
 harness native -march=native
+# AVX2 alone, what an AVX2-only CPU (AMD Zen 3, say) runs, when this CPU has it
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then harness avx2 -mavx2; fi
 
 # 3. qtrain, one thread.
 step eval-integer "qtrain eval --integer (whole command)" env OPENBLAS_NUM_THREADS=1 "$QTRAIN" eval --integer \
@@ -177,6 +179,9 @@ torch_per_s() { sed -n "s/^export:torch_eval batch:$1 .*images_per_s:\([^ ]*\).*
     row portable "exported C, -O2 -DQRT_PORTABLE" "$(timing portable images_per_s)" 0.5 "$(timing portable accuracy)"
     row simd "exported C, -O2 -march=native (${SIMD:-?})" "$(timing native images_per_s)" 1.0 \
         "$(timing native accuracy)"
+    if [ -f "$OUT/c-avx2.txt" ]; then
+        row avx2 "exported C, -O2 -mavx2 (AVX2 alone)" "$(timing avx2 images_per_s)" 1.0 "$(timing avx2 accuracy)"
+    fi
     row evalint "qtrain eval --integer, 1 thread *" "$(per_s "${EVAL_INT_MS:-}")" "" \
         "$(sed -n 's/^integer test_accuracy:\([^ ]*\).*/\1/p' "$OUT/eval-integer.txt" 2>/dev/null)"
     row eval "qtrain eval (int8 kernels), 1 thread *" "$(per_s "${EVAL_MS:-}")" "" \
