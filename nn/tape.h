@@ -65,6 +65,18 @@ typedef struct TapeRemake {
     size_t bytes;
 } TapeRemake;
 
+/* Data-parallel training (trainer/dist.h): the ops that need statistics of
+ * the whole global batch, not of this process's part of it (batch norm with
+ * train.sync_bn), gather them from every rank through this. Each rank's tape
+ * makes the same calls in the same order; a rank's part never is empty. */
+typedef struct {
+    int world;          /* ranks taking part, >= 2 */
+    /* all (world, n): every rank's mine (n doubles), rank 0's first. QT_OK,
+     * or an error in err (the step then fails on every rank). */
+    QtStatus (*allgather)(void *ctx, const double *mine, size_t n, double *all, QtError *err);
+    void *ctx;
+} TapeSync;
+
 struct Tape {
     Arena *arena;       /* step arena: values, saved tensors, non-param grads */
     Arena small;        /* the step's allocations of at most TAPE_SMALL_BYTES (Vars, op contexts, per-channel
@@ -77,6 +89,8 @@ struct Tape {
     bool grad_enabled;  /* false: ops run forward only and record nothing */
     bool backward_done; /* set by tape_backward until the next reset */
     Rng *rng;           /* dropout masks; may be NULL if no op needs it */
+    const TapeSync *bn_sync; /* NULL: batch norm's batch statistics are this process's batch's; else the global
+                                batch's, gathered from every rank (train.sync_bn) */
     void *free_grads;   /* arena float buffers no one reads any more (dead gradients in the backward,
                            dead activations of a pass without gradients), for the next tape_grad or
                            tape_new_var to take: a list threaded through the buffers themselves */
