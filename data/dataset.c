@@ -639,7 +639,14 @@ QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err) {
     return QT_OK;
 }
 
-QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err) {
+void batcher_part(int m, int part, int parts, int *lo, int *n) {
+    int base = m / parts, extra = m % parts;
+    *lo = part * base + (part < extra ? part : extra);
+    *n = base + (part < extra ? 1 : 0);
+}
+
+QtStatus batcher_next_part(Batcher *b, int part, int parts, float *x, int32_t *y, int *n_batch, int *lo, int *n,
+                           QtError *err) {
     int left = b->d->n - b->cursor;
     if (b->drop_last ? left < b->batch_size : left <= 0) {
         b->epoch++;
@@ -647,13 +654,21 @@ QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_o
         batcher_make_order(b);
         left = b->d->n;
     }
-    int m = left < b->batch_size ? left : b->batch_size;
-    QtStatus st = dataset_fill_batch(b->d, b->order + b->cursor, m, x, y, err);
+    int m = left < b->batch_size ? left : b->batch_size, first, count;
+    batcher_part(m, part, parts, &first, &count);
+    QtStatus st = dataset_fill_batch(b->d, b->order + b->cursor + first, count, x, y, err);
     if (st != QT_OK) return st;
-    if (n) *n = m;
-    if (epoch_of_batch) *epoch_of_batch = b->epoch;
+    if (n_batch) *n_batch = m;
+    if (lo) *lo = first;
+    if (n) *n = count;
     b->cursor += m;
     return QT_OK;
+}
+
+QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err) {
+    QtStatus st = batcher_next_part(b, 0, 1, x, y, n, NULL, NULL, err);
+    if (st == QT_OK && epoch_of_batch) *epoch_of_batch = b->epoch;
+    return st;
 }
 
 void batcher_last_batch(const Batcher *b, int n, const uint32_t **idx, int64_t *epoch) {

@@ -307,6 +307,15 @@ QtStatus batcher_seek(Batcher *b, int64_t epoch, int cursor, QtError *err);
  * to. Never allocates. Errors are dataset_fill_batch's; the cursor then
  * stays on the batch that failed. */
 QtStatus batcher_next(Batcher *b, float *x, int32_t *y, int *n, int64_t *epoch_of_batch, QtError *err);
+/* Data-parallel training: the global batch batcher_next would give, of m
+ * examples, split in `parts` contiguous parts in order (the first m % parts
+ * one example longer); x, y get only part `part`, [*lo, *lo + *n) of the
+ * batch (n_batch: m). Only that part's examples are read (file-backed
+ * storage reads no other row); the position moves on by the whole batch. */
+QtStatus batcher_next_part(Batcher *b, int part, int parts, float *x, int32_t *y, int *n_batch, int *lo, int *n,
+                           QtError *err);
+/* Part `part` of `parts` of a batch of m: [*lo, *lo + *n). */
+void batcher_part(int m, int part, int parts, int *lo, int *n);
 /* The batch batcher_next just gave (n its size): *idx gets its examples'
  * indices in the data set (idx[0..n-1], valid until the next call) and
  * *epoch its epoch, what a per-example augmentation depends on. */

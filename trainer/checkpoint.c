@@ -192,6 +192,7 @@ static QtStatus write_guards(H5ioFile *f, const CheckpointState *s, QtError *err
     if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "loss_mean_steps", w->steps, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "diverging", w->diverging, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "divergences", w->occurrences, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, "train", "world_size", s->world_size > 0 ? s->world_size : 1, err);
     return st;
 }
 
@@ -244,6 +245,13 @@ static QtStatus build_image(const char *path, const Model *m, const Optimizer *o
         st = cst;
     }
     return st;
+}
+
+QtStatus checkpoint_save_image(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
+                               void **image, size_t *size, QtError *err) {
+    *image = NULL, *size = 0;
+    QtStatus st = check_rng_names(s, err);
+    return st == QT_OK ? build_image(path, m, opt, s, image, size, err) : st;
 }
 
 QtStatus checkpoint_save(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
@@ -506,6 +514,14 @@ static QtStatus read_guards(const H5ioFile *f, CheckpointState *t, QtError *err)
     LossWatch *w = &t->loss_watch;
     memset(w, 0, sizeof *w);
     t->nonfinite_skipped = t->nonfinite_streak = 0;
+    t->world_size = 1;
+    if (h5io_attr_exists(f, "train", "world_size")) {
+        QtStatus st = read_count(f, "train", "world_size", &t->world_size, err);
+        if (st != QT_OK) return st;
+        if (t->world_size < 1)
+            return qt_error_set(err, QT_ERR_FORMAT, "%s: /train world_size is %lld, not a number of ranks; the "
+                                "checkpoint is damaged", f->path, (long long)t->world_size);
+    }
     if (!h5io_attr_exists(f, "train", "loss_mean_steps")) return QT_OK;
     int64_t diverging = 0;
     QtStatus st = read_count(f, "train", "nonfinite_skipped", &t->nonfinite_skipped, err);

@@ -99,6 +99,7 @@ typedef struct {
     int64_t nonfinite_skipped; /* steps whose update train.on_nonfinite: skip dropped */
     int64_t nonfinite_streak;  /* of them, the latest steps in a row */
     LossWatch loss_watch;     /* the divergence watch; absent from older files: all zero */
+    int64_t world_size;       /* the ranks of a data-parallel run (dist.h) that wrote it; older files: 1 */
     struct {
         const char *name;  /* "dropout" */
         Rng *rng;          /* save: read from; load: restored into */
@@ -144,6 +145,12 @@ typedef struct {
  * full) and where. */
 QtStatus checkpoint_save(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
                          QtError *err);
+
+/* The bytes checkpoint_save would write (malloc'd, *image; the caller
+ * frees it): a data-parallel run hands its state from rank 0 to the others
+ * this way. `path` only names it in messages. */
+QtStatus checkpoint_save_image(const char *path, const Model *m, const Optimizer *opt, const CheckpointState *s,
+                               void **image, size_t *size, QtError *err);
 
 /* Restores parameters, optimizer state (if opt != NULL) and state (if
  * s != NULL: scalar fields, and every rng named in s->rngs from /rng/<name>)
