@@ -26,6 +26,12 @@
 #                   (bench/export_bench.sh); make bench runs it last
 #   make fixtures   regenerate the PyTorch reference fixtures in tests/fixtures/ (needs torch)
 #   make fuzz       the libFuzzer targets (clang), FUZZ_SECONDS each (fuzz/README.md)
+#   make MPI=1      also build/qtrain-mpi: data-parallel training under Open MPI's mpirun
+#                   (installs libopenmpi-dev and openmpi-bin if missing; docs/DISTRIBUTED.md)
+#   make test MPI=1 the tests with the Open MPI suite; plain `make test` runs it when Open MPI is
+#                   installed and reports it skipped otherwise
+#   make bench-mpi  1 process x 2 threads against 2 ranks x 1 thread, and the sum's latency and
+#                   bandwidth at the reference models' gradient sizes (bench/mpi_bench.sh)
 #   make memcheck   tiny end-to-end runs under valgrind's memcheck (Debian's valgrind, installed
 #                   if missing): fails on any memory error or leak (scripts/memcheck.sh)
 
@@ -88,9 +94,9 @@ DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config datas
 TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \
+.PHONY: mpi mpi-deps bench-mpi compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \
 	clean hostile-corpus shared examples install uninstall
-all: $(LIB) $(QTRAIN)
+all: $(LIB) $(QTRAIN) $(if $(filter 1,$(MPI)),mpi)
 
 # $(call apt_install,PACKAGES): installs those of PACKAGES that are missing.
 define apt_install
@@ -221,11 +227,41 @@ $(BUILD)/bench/rt_bench_native: bench/rt_bench.c device/qtrain_rt.c device/qtrai
 	@mkdir -p $(dir $@)
 	$(CC) -O2 -march=native -std=gnu11 -Wall -Wextra -I. bench/rt_bench.c device/qtrain_rt.c -o $@
 
+# ---- data-parallel training on Open MPI (docs/DISTRIBUTED.md) ----------------------
+# build/qtrain-mpi: cli/main.c built for MPI, with mpi/dist_mpi.c, over the same
+# library; libqtrain and build/qtrain never need MPI.
+MPICC      ?= mpicc
+MPI_DEBS   := libopenmpi-dev openmpi-bin
+QTRAIN_MPI := $(BUILD)/qtrain-mpi
+# Open MPI installed: mpicc and mpirun on PATH.
+have_mpi = $(shell command -v $(MPICC) >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && echo 1)
+
+mpi-deps: deps
+	$(call apt_install,$(MPI_DEBS))
+
+mpi: mpi-deps
+	$(MAKE) --no-print-directory $(QTRAIN_MPI)
+
+$(BUILD)/mpi/cli/main.o: cli/main.c | pkgcheck
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) $(PKG_CFLAGS) -DQTRAIN_MPI -c $< -o $@
+
+$(BUILD)/mpi/mpi/dist_mpi.o: mpi/dist_mpi.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -c $< -o $@
+
+$(QTRAIN_MPI): $(BUILD)/mpi/cli/main.o $(BUILD)/mpi/mpi/dist_mpi.o $(CLI_OBJS) $(LIB)
+	$(MPICC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+
+bench-mpi: mpi
+	QTRAIN=./$(QTRAIN_MPI) sh bench/mpi_bench.sh
+
 # Tests run from the repository root (they read tests/fixtures/).
 # OPENBLAS_NUM_THREADS=1 keeps them deterministic and quiet on shared machines.
-test: test-deps
-	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN)
-	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) ./$(TESTS)
+# With Open MPI (MPI=1 installs it) the mpi suite runs build/qtrain-mpi under mpirun.
+test: test-deps $(if $(filter 1,$(MPI)),mpi-deps)
+	$(MAKE) --no-print-directory $(TESTS) $(QTRAIN) $(if $(have_mpi),$(QTRAIN_MPI))
+	OPENBLAS_NUM_THREADS=1 QTRAIN_BIN=./$(QTRAIN) $(if $(have_mpi),QTRAIN_MPI_BIN=./$(QTRAIN_MPI)) ./$(TESTS)
 
 # Remakes the committed hostile files of tests/hostile/ (the hostile suite
 # replays them); review and commit the result with tests/hostile/expect.txt.

@@ -17,6 +17,10 @@
 #include "nn/gemm.h"
 #include "quant/qlayer.h"
 #include "cli/bench.h"
+#include "trainer/dist.h"
+#ifdef QTRAIN_MPI
+#include "mpi/dist_mpi.h"
+#endif
 #include "trainer/checkpoint.h"
 #include "cli/compare.h"
 #include "trainer/config.h"
@@ -211,6 +215,52 @@ static int fail(const QtError *err, int status) {
     return status;
 }
 
+/* The ranks of build/qtrain-mpi under mpirun (dist_mpi_start in main); rank 0 of 1 otherwise. */
+static Dist cli_dist;
+
+/* A failed run on one of several ranks: a failure the ranks agreed on ends each normally (rank 0, or the rank
+ * that failed, says why); any other leaves ranks waiting in a collective, so this rank ends the whole job. */
+static int fail_rank(const QtError *err, int status) {
+    Dist *d = &cli_dist;
+    if (!dist_is_multi(d)) return fail(err, status);
+    if (!d->said_elsewhere) {
+        if (d->rank == 0 && d->agreed) fprintf(stderr, "qtrain: error: %s\n", err->msg);
+        else fprintf(stderr, "qtrain: error: rank %d of %d: %s\n", d->rank, d->world, err->msg);
+    }
+    if (!d->agreed) {
+        fprintf(stderr, "qtrain: rank %d of %d ends the job (the other ranks cannot go on without it)\n", d->rank,
+                d->world);
+        dist_abort(d, status);
+    }
+    return status;
+}
+
+/* Rank 0's config on every rank: its resolved text, loaded again (the same values as a checkpoint's config).
+ * st: rank 0's config_load; a failure there ends every rank with its status (rank 0 says why). */
+static QtStatus share_config(Config *cfg, QtStatus st, QtError *err) {
+    Dist *d = &cli_dist;
+    char *text = d->rank == 0 && st == QT_OK ? config_to_yaml(cfg) : NULL;
+    int64_t head[2] = {d->rank == 0 && st == QT_OK && !text ? QT_ERR_NOMEM : st, text ? (int64_t)strlen(text) + 1 : 0};
+    QtError e = {0};
+    if (dist_bcast(d, head, sizeof head, 0, &e) != QT_OK) {
+        free(text);
+        return qt_error_set(err, e.status, "%s", e.msg);
+    }
+    if (head[0] != QT_OK) {
+        free(text);
+        d->agreed = true, d->said_elsewhere = d->rank != 0;
+        if (d->rank == 0 && st == QT_OK) return qt_error_set(err, QT_ERR_NOMEM, "out of memory sharing the config");
+        return d->rank == 0 ? st : qt_error_set(err, (QtStatus)head[0], "rank 0 could not load the config");
+    }
+    if (d->rank != 0 && !(text = malloc((size_t)head[1])))
+        return qt_error_set(err, QT_ERR_NOMEM, "rank %d: out of memory for the config", d->rank);
+    QtStatus bst = dist_bcast(d, text, (size_t)head[1], 0, &e);
+    if (bst == QT_OK && d->rank != 0) bst = config_load_string(cfg, text, cfg->source[0] ? cfg->source : "config", NULL,
+                                                               0, &e);
+    free(text);
+    return bst == QT_OK ? QT_OK : qt_error_set(err, e.status, "rank %d: %s", d->rank, e.msg);
+}
+
 static int cmd_train(int argc, char **argv) {
     CliArgs a;
     parse_args(argc, argv, "", false, &a);
@@ -218,21 +268,28 @@ static int cmd_train(int argc, char **argv) {
         fprintf(stderr, "qtrain: --config FILE is required (see qtrain --help)\n");
         return 2;
     }
-    Config *cfg = malloc(sizeof *cfg);
+    Config *cfg = calloc(1, sizeof *cfg);
     QtError err = {0};
     if (!cfg) return 1;
-    if (config_load(cfg, a.config, a.overrides, a.n_overrides, &err) != QT_OK) {
+    Dist *d = &cli_dist;
+    QtStatus cst = d->rank == 0 ? config_load(cfg, a.config, a.overrides, a.n_overrides, &err) : QT_OK;
+    if (dist_is_multi(d)) {
+        snprintf(cfg->source, sizeof cfg->source, "%s", a.config);
+        cst = share_config(cfg, cst, &err);
+    }
+    if (cst != QT_OK) {
         free(cfg);
-        return fail(&err, 2);
+        return fail_rank(&err, 2);
     }
     TrainOptions o = {.resume = a.resume, .quiet = a.quiet, .progress = isatty(STDERR_FILENO) == 1,
-                      .stop_at_step = a.stop_at_step};
+                      .stop_at_step = a.stop_at_step, .dist = dist_is_multi(d) ? d : NULL};
     TrainResult r;
     if (interrupt_install() != 0) fprintf(stderr, "qtrain: warning: cannot handle SIGINT/SIGTERM (%s): a stop "
                                           "signal will end the run without a checkpoint\n", strerror(errno));
     QtStatus st = train_run(cfg, &o, &r, &err);
     free(cfg);
-    if (st != QT_OK) return fail(&err, exit_status(&err));
+    if (st != QT_OK) return fail_rank(&err, exit_status(&err));
+    if (d->rank != 0) return r.interrupted ? INTERRUPT_EXIT_STATUS : 0; /* rank 0 reports */
     if (a.quiet && r.interrupted) printf("interrupted: steps:%lld\n", (long long)r.steps);
     if (r.interrupted) return INTERRUPT_EXIT_STATUS;
     if (a.quiet && r.stopped) printf("stopped: steps:%lld\n", (long long)r.steps);
@@ -617,13 +674,15 @@ static bool check_resources(void) {
     return true;
 }
 
-int main(int argc, char **argv) {
-    if (!check_resources()) {
-        /* not exit(): OpenBLAS's threads may still be retrying their buffers, and exit would wait for them */
-        fflush(NULL);
-        _exit(1);
+/* The command line's command; main's, after the checks that come first. */
+static int cli_main(int argc, char **argv) {
+    /* Only training runs on several ranks; another command's output would come once per rank. */
+    if (dist_is_multi(&cli_dist) && argc >= 2 && strcmp(argv[1], "train") != 0 && argv[1][0] != '-') {
+        if (cli_dist.rank == 0)
+            fprintf(stderr, "qtrain: '%s' runs in one process; under mpirun only training runs on several ranks "
+                    "(run it without mpirun, or with -np 1)\n", argv[1]);
+        return 2;
     }
-    gemm_blas_upgrade_and_exec(argv);
     if (argc < 2) {
         usage(stderr);
         return 2;
@@ -656,4 +715,23 @@ int main(int argc, char **argv) {
     if (cmd[0] == '-') return cmd_train(argc - 1, argv + 1);
     fprintf(stderr, "qtrain: unknown command '%s' (see qtrain --help)\n", cmd);
     return 2;
+}
+
+int main(int argc, char **argv) {
+    if (!check_resources()) {
+        /* not exit(): OpenBLAS's threads may still be retrying their buffers, and exit would wait for them */
+        fflush(NULL);
+        _exit(1);
+    }
+    gemm_blas_upgrade_and_exec(argv);
+    dist_init_single(&cli_dist);
+#ifdef QTRAIN_MPI
+    QtError merr = {0};
+    if (dist_mpi_start(&argc, &argv, &cli_dist, &merr) != QT_OK) return fail(&merr, 1);
+    int rc = cli_main(argc, argv);
+    dist_mpi_stop();
+    return rc;
+#else
+    return cli_main(argc, argv);
+#endif
 }

@@ -73,7 +73,8 @@
     X(make_dataset) \
     X(hostile)    \
     X(runner)     \
-    X(install)
+    X(install)    \
+    X(mpi)
 
 #define DECLARE(name) int register_##name##_suite(void);
 SUITES(DECLARE)

@@ -29,6 +29,10 @@ pid_t test_proc_start_limited(const char *log_path, const char *const *args, int
     argv[n++] = test_qtrain_bin();
     for (int i = 0; args[i] && n < 63; i++) argv[n++] = args[i];
     argv[n] = NULL;
+    return test_proc_spawn(log_path, argv, resource, limit);
+}
+
+pid_t test_proc_spawn(const char *log_path, const char *const *argv, int resource, unsigned long long limit) {
     int fd = open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) {
         fprintf(stderr, "\n  cannot open %s: %s\n", log_path, strerror(errno));
@@ -49,7 +53,7 @@ pid_t test_proc_start_limited(const char *log_path, const char *const *args, int
             fprintf(stderr, "setrlimit %d: %s\n", resource, strerror(errno));
             _exit(127);
         }
-        execv(argv[0], (char *const *)argv);
+        execvp(argv[0], (char *const *)argv);
         fprintf(stderr, "cannot run %s: %s\n", argv[0], strerror(errno));
         _exit(127);
     }

@@ -18,6 +18,10 @@ pid_t test_proc_start(const char *log_path, const char *const *args);
  * RLIMIT_FSIZE, ...) set to `limit` (soft and hard) before the exec. */
 pid_t test_proc_start_limited(const char *log_path, const char *const *args, int resource, unsigned long long limit);
 
+/* Starts argv (argv[0] searched on PATH, NULL-terminated) with stdout and
+ * stderr appended to log_path, and resource limited to limit if >= 0. */
+pid_t test_proc_spawn(const char *log_path, const char *const *argv, int resource, unsigned long long limit);
+
 /* Waits for pid at most timeout_s seconds, then SIGKILLs it (and says so on
  * stderr). Returns the raw wait status, or -1 if waitpid fails. */
 int test_proc_wait(pid_t pid, double timeout_s);

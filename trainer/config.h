@@ -125,6 +125,7 @@ typedef struct {
     LrSchedule schedule;            /* train.schedule: name, warmup_steps, min_lr, step_size, gamma;
                                        base_lr and total_steps are filled in by the trainer */
     float grad_clip;                /* train.grad_clip, default 0 = off */
+    bool sync_bn;                   /* train.sync_bn: batch statistics over every rank's part (dist.h) */
     int64_t eval_every;             /* train.eval_every (steps), default 0 = at the end only */
     int64_t log_every;              /* train.log_every (steps), default 50; 0 = only the last step */
     int64_t checkpoint_every;       /* train.checkpoint_every (steps), default 0 = final only */

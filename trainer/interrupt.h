@@ -1,4 +1,4 @@
-/* interrupt.h - SIGINT/SIGTERM for a training run: the first signal asks
+/* interrupt.h - SIGINT/SIGTERM (and SIGUSR1) for a training run: the first signal asks
  * the run to stop after its current step, with a checkpoint (exit status
  * 130); a second one exits at once, leaving every checkpoint file as it is
  * (a save in flight leaves only its temp file, which the next save removes). */
@@ -25,7 +25,7 @@ int interrupt_requested(void);
 typedef enum { INTERRUPT_OUTSIDE, INTERRUPT_IN_LOOP, INTERRUPT_FINISHING } InterruptPhase;
 void interrupt_set_phase(InterruptPhase phase);
 
-/* The signal's name for messages: "SIGINT", "SIGTERM" or "signal". */
+/* The signal's name for messages: "SIGINT", "SIGTERM", "SIGUSR1" or "signal". */
 const char *interrupt_signal_name(int sig);
 
 #endif

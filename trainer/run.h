@@ -16,6 +16,7 @@
 #include "nn/schedule.h"
 #include "nn/tape.h"
 #include "trainer/config.h"
+#include "trainer/dist.h"
 #include "trainer/guard.h"
 #include "trainer/metrics.h"
 #include "trainer/net.h"
@@ -123,6 +124,36 @@ typedef struct {
     bool already_complete;  /* resumed from a checkpoint at the last step: nothing to do */
 } RunDir;
 
+/* A region of state that is not a parameter but changes in a step (batch
+ * norms' running statistics, QAT input statistics): rank 0's copy goes to
+ * every rank after each step, as PyTorch DDP broadcasts buffers. */
+typedef struct {
+    void *p;
+    size_t bytes;
+} RunDistRegion;
+
+#define RUN_DIST_META 5 /* the doubles of a step's sum before the per-rank flags (train_dist.c) */
+
+/* Data-parallel training (train_dist.c). Owner: run_dist_alloc /
+ * run_dist_free. Unused (all zero but d) in one process. */
+typedef struct {
+    Dist *d;                /* borrowed from the options; NULL: one process */
+    bool live;              /* every rank holds the run's state: evaluation may split over the ranks */
+    float *grads;           /* [n_grad]: the trainable gradients packed for one sum */
+    size_t n_grad;
+    float *work;            /* [dist_sum_work_floats(n_grad or test n)] */
+    size_t work_n;
+    double *meta, *meta_work; /* [RUN_DIST_META + world], [world * that]: a step's loss, counts and flags */
+    RunDistRegion *regions; /* [n_regions] */
+    int n_regions;
+    unsigned char *regions_buf; /* [regions_bytes] */
+    size_t regions_bytes;
+    TapeSync tape_sync;     /* train.sync_bn: batch norm's gather */
+    int sig;                /* the stop signal the ranks agreed on after the last step, 0 = none */
+    int64_t ckpt_world;     /* the world size of the checkpoint resumed from (0: fresh) */
+    double step_comm_s;     /* seconds of the steps spent in collectives since the last log line */
+} RunDist;
+
 typedef struct {
     /* The inputs: cfg and opt borrowed from run_init's caller until run_free. */
     const Config *cfg;
@@ -137,6 +168,7 @@ typedef struct {
     RunGuards guards;
     RunEval eval;
     RunDir dir;
+    RunDist dist;
 } Run;
 
 /* Starts a run of cfg with options opt: every part zeroed, the clock
@@ -233,5 +265,42 @@ QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res,
  * error, label empty for a set without class labels), under the same rules
  * as eval_write_json. */
 QtStatus eval_write_scores(const char *path, const Run *r, QtError *err);
+
+/* ---- what train.c shares with train_dist.c ---- */
+
+/* Rank 0, or the one process: it alone writes out_dir and prints. */
+bool run_is_root(const Run *r);
+/* More than one rank. */
+bool run_is_dist(const Run *r);
+/* The stop signal: the one the ranks agreed on, or this process's. */
+int run_stop_signal(const Run *r);
+/* A Var over the first n examples of a batch buffer, shaped (n, input...). */
+Var *run_wrap_batch(Run *r, float *x, int n);
+/* The loss of a batch's output (cross-entropy or mse). */
+Var *run_loss(Run *r, Var *out, float *x, const int32_t *y, float *t);
+int run_count_correct(const Var *logits, const int32_t *y, int n);
+/* The divergence watch on a step's loss. */
+void run_watch_loss(Run *r, double loss);
+/* A step whose loss (is_loss) or gradient is not finite, at `where`: stop, or skip it (train.on_nonfinite). */
+QtStatus run_nonfinite_at(Run *r, bool is_loss, const char *where, QtError *err);
+/* An update that left a parameter non-finite: always stops. */
+QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtError *err);
+/* After the backward (in a data-parallel run, after the sum over the ranks) of a batch of n with mean loss l and
+ * `correct` right predictions: the gradient guard, clipping, the update, the parameter guard; the step is done. */
+QtStatus run_update(Run *r, double l, int64_t correct, int n, QtError *err);
+
+/* train_dist.c: the setup of every rank (rank 0 runs run_setup and hands its state to the others), the
+ * buffers of the step's sums, a step, the evaluation's sums, and the check that every rank holds the same model. */
+typedef QtStatus (*RunSetupFn)(Run *r, char *resumed, size_t cap, char *created, size_t created_cap, QtError *err);
+QtStatus run_dist_setup(Run *r, RunSetupFn setup, char *resumed, size_t cap, char *created, size_t created_cap,
+                        QtError *err);
+void run_dist_free(RunDist *d);
+QtStatus run_dist_step(Run *r, QtError *err);
+/* The evaluation's sums over the ranks (each evaluated batches rank, rank + world, ...): sums (n) doubles, and
+ * scores ([n_scores] or NULL: each rank's own entries, zero elsewhere). */
+QtStatus run_dist_eval_sums(Run *r, double *sums, int n, float *scores, int n_scores, QtError *err);
+/* Every rank's trainable parameters and buffers against rank 0's: an error (on every rank) naming the first rank
+ * that differs. Run before each checkpoint. */
+QtStatus run_dist_check_replicas(Run *r, QtError *err);
 
 #endif

@@ -41,7 +41,12 @@ void run_init(Run *r, const Config *cfg, const TrainOptions *opt) {
     r->dir.saved_step = -1;
     r->log.last_train_loss = NAN;
     r->eval.test_mae = r->eval.val_mae = r->eval.test_auc = NAN;
+    r->dist.d = opt->dist;
 }
+
+bool run_is_dist(const Run *r) { return dist_is_multi(r->dist.d); }
+bool run_is_root(const Run *r) { return !r->dist.d || r->dist.d->rank == 0; }
+int run_stop_signal(const Run *r) { return run_is_dist(r) ? r->dist.sig : interrupt_requested(); }
 
 /* Each part's free leaves it zeroed: run_free may follow. */
 void run_data_free(RunData *d) {
@@ -74,6 +79,7 @@ static void run_log_close(RunLog *l) {
 }
 
 void run_free(Run *r) {
+    run_dist_free(&r->dist);
     run_log_close(&r->log);
     run_plan_free(&r->plan);
     run_model_free(&r->model);
@@ -183,6 +189,15 @@ static QtStatus run_plan_steps(Run *r, QtError *err) {
                             "%s: train.batch_size %d is larger than the %d training examples and data.drop_last "
                             "is true, so an epoch has no batch; lower the batch size or set drop_last: false",
                             r->cfg->source, tc->batch_size, r->data.train.n);
+    int world = r->dist.d ? r->dist.d->world : 1, last = r->data.train.n % tc->batch_size;
+    if (world > 1 && (tc->batch_size < world || (!r->cfg->data.drop_last && last > 0 && last < world)))
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: train.batch_size %d over %d ranks leaves a rank without examples (%s); every rank "
+                            "needs a part of every batch: raise train.batch_size to at least %d%s, or run fewer ranks",
+                            r->cfg->source, tc->batch_size, world,
+                            tc->batch_size < world ? "each batch is smaller than the number of ranks"
+                                                   : "the last batch of each epoch is smaller than the number of ranks",
+                            world, tc->batch_size < world ? "" : ", or set data.drop_last: true");
     /* epochs <= 10^6 and steps per epoch < 2^31: no overflow */
     r->plan.total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->plan.steps_per_epoch;
     r->plan.sched = tc->schedule;
@@ -251,7 +266,7 @@ CheckpointState run_checkpoint_state(Run *r) {
         .base_sha256 = r->dir.base_sha256[0] ? r->dir.base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
         .lora_trainable = r->dir.lora_trainable, .mode = net_mode_name(&r->model.net),
         .lora_batchnorm = config_has_lora(r->cfg) ? LORA_BATCHNORM_NAMES[r->cfg->lora.batchnorm] : NULL,
-        .bn_trained = r->model.net.bn_trained,
+        .bn_trained = r->model.net.bn_trained, .world_size = r->dist.d ? r->dist.d->world : 1,
     };
     s.rngs[0].name = "dropout";
     s.rngs[0].rng = &r->work.dropout;
@@ -317,6 +332,7 @@ QtStatus run_restore(Run *r, const char *path, QtError *err) {
     r->clock.trained_examples = s.trained_examples, r->log.last_train_loss = s.last_train_loss;
     r->guards.nonfinite_skipped = s.nonfinite_skipped, r->guards.nonfinite_streak = s.nonfinite_streak;
     r->guards.loss_watch = s.loss_watch;
+    r->dist.ckpt_world = s.world_size;
     return QT_OK;
 }
 
@@ -359,7 +375,7 @@ static QtStatus run_find_checkpoint(Run *r, char *used, size_t cap, QtError *err
     return QT_OK;
 }
 
-static int count_correct(const Var *logits, const int32_t *y, int n) {
+int run_count_correct(const Var *logits, const int32_t *y, int n) {
     int classes = logits->value.shape[1], correct = 0;
     for (int i = 0; i < n; i++) {
         const float *z = logits->value.data + (size_t)i * (size_t)classes;
@@ -371,7 +387,7 @@ static int count_correct(const Var *logits, const int32_t *y, int n) {
 }
 
 /* A Var over the first n examples of a batch buffer, shaped (n, input...). */
-static Var *run_wrap_batch(Run *r, float *x, int n) {
+Var *run_wrap_batch(Run *r, float *x, int n) {
     int shape[4] = {n};
     const Model *m = &r->model.net.model;
     for (int i = 0; i < m->input_ndim; i++) shape[1 + i] = m->input_shape[i];
@@ -382,7 +398,7 @@ static Var *run_wrap_batch(Run *r, float *x, int n) {
  * labels y, or the mean squared error against the input x itself
  * (data.target: input) or the value targets t, viewed in out's shape
  * (run_check_mse_fits made the sizes agree). */
-static Var *run_loss(Run *r, Var *out, float *x, const int32_t *y, float *t) {
+Var *run_loss(Run *r, Var *out, float *x, const int32_t *y, float *t) {
     Tape *tp = &r->work.tape;
     if (!out) return NULL;
     if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) return nn_softmax_cross_entropy(tp, out, y);
@@ -434,7 +450,7 @@ static QtStatus run_eval_batch_sums(Run *r, const Dataset *d, int start, int n, 
     } else {
         sums->loss_sum += (double)l->value.data[0] * n;
         if (logits) memcpy(logits, out->value.data, var_numel(out) * sizeof(float));
-        if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) sums->correct += count_correct(out, r->work.ey, n);
+        if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) sums->correct += run_count_correct(out, r->work.ey, n);
         else run_sum_errors(out, r->cfg->data.target == DATA_TARGET_INPUT ? r->work.ex : r->work.et, n, sums, scores);
     }
     tape_reset(t);
@@ -462,10 +478,22 @@ static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *acc
     float *logits = d == &r->data.test ? r->eval.logits : NULL;
     QtStatus st = QT_OK;
     int bs = r->cfg->train.eval_batch_size;
-    for (int start = 0; start < d->n && st == QT_OK; start += bs)
+    /* Data-parallel: rank k evaluates batches k, k + world, ...; the sums (and each example's score) then go to
+       every rank */
+    bool split = run_is_dist(r) && r->dist.live;
+    int stride = split ? r->dist.d->world : 1, first = split ? r->dist.d->rank : 0;
+    if (split && scores) memset(scores, 0, (size_t)d->n * sizeof *scores);
+    for (int b = first; (int64_t)b * bs < d->n && st == QT_OK; b += stride) {
+        int start = b * bs;
         st = run_eval_batch_sums(r, d, start, d->n - start < bs ? d->n - start : bs, &sums,
                                  scores ? scores + start : NULL,
                                  logits ? logits + (size_t)start * r->eval.logits_width : NULL, err);
+    }
+    if (split && st == QT_OK) {
+        double v[4] = {sums.loss_sum, (double)sums.correct, sums.abs_sum, (double)sums.values};
+        st = run_dist_eval_sums(r, v, 4, scores, scores ? d->n : 0, err);
+        sums = (EvalSums){v[0], (int64_t)v[1], v[2], (int64_t)v[3]};
+    }
     t->training = was_training, t->grad_enabled = had_grad;
     bool mse = r->cfg->train.loss == LOSS_MSE;
     *loss = d->n ? sums.loss_sum / d->n : NAN;
@@ -482,7 +510,7 @@ static double run_epoch(const Run *r) { return (double)r->plan.step / (double)r-
 
 static void run_say(Run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void run_say(Run *r, const char *fmt, ...) {
-    if (r->opt->quiet) return;
+    if (r->opt->quiet || !run_is_root(r)) return;
     progress_clear(&r->log.progress);
     va_list ap;
     va_start(ap, fmt);
@@ -503,23 +531,25 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
         run_eval_tail(r, *val_acc, r->eval.val_mae, false, tail, sizeof tail);
         run_say(r, "eval step:%" PRId64 " epoch:%.2f split:val loss:%.4f %s\n", r->plan.step, run_epoch(r),
                 *val_loss, tail);
-        st = metrics_write(&r->log.metrics, "val", r->plan.step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0, wall,
-                           err);
+        if (run_is_root(r))
+            st = metrics_write(&r->log.metrics, "val", r->plan.step, run_epoch(r), *val_loss, *val_acc, 0.0, 0.0,
+                               wall, err);
     }
     if (st == QT_OK && (st = run_evaluate(r, &r->data.test, test_loss, test_acc, &r->eval.test_mae, err)) == QT_OK) {
         run_eval_tail(r, *test_acc, r->eval.test_mae, true, tail, sizeof tail);
         run_say(r, "eval step:%" PRId64 " epoch:%.2f split:test loss:%.4f %s\n", r->plan.step, run_epoch(r),
                 *test_loss, tail);
-        st = metrics_write(&r->log.metrics, "test", r->plan.step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0,
-                           wall, err);
+        if (run_is_root(r))
+            st = metrics_write(&r->log.metrics, "test", r->plan.step, run_epoch(r), *test_loss, *test_acc, 0.0, 0.0,
+                               wall, err);
     }
     return st;
 }
 
 /* The divergence watch: reported once when an occurrence starts. */
-static void run_watch_loss(Run *r, double loss) {
+void run_watch_loss(Run *r, double loss) {
     double fast, slow, factor = r->cfg->train.divergence_factor;
-    if (!loss_watch_feed(&r->guards.loss_watch, loss, factor, &fast, &slow)) return;
+    if (!loss_watch_feed(&r->guards.loss_watch, loss, factor, &fast, &slow) || !run_is_root(r)) return;
     progress_clear(&r->log.progress);
     fprintf(stderr, "qtrain: warning: step:%" PRId64 " the training loss is diverging: its mean over the last ~10 "
             "steps, %.4f, is %.1fx its running mean %.4f (train.divergence_factor %g; occurrence %" PRId64 "); lower "
@@ -539,7 +569,7 @@ static void run_last_good(const Run *r, char *buf, size_t cap) {
 /* A step whose loss or gradients are not finite: stop (naming the step,
  * module and tensor), or with train.on_nonfinite: skip drop its update. */
 static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_where, QtError *err) {
-    char where[512], good[CONFIG_PATH_MAX + 96];
+    char where[512];
     if (grad_where) {
         snprintf(where, sizeof where, "%s (the loss %.6g is finite)", grad_where, loss);
     } else {
@@ -550,23 +580,30 @@ static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_wher
         guard_locate_nonfinite_forward(&r->model.net.model, &r->work.tape, &batch, r->model.net.trainable,
                                        r->model.net.n_trainable, where, sizeof where);
     }
+    return run_nonfinite_at(r, !grad_where, where, err);
+}
+
+QtStatus run_nonfinite_at(Run *r, bool is_loss, const char *where, QtError *err) {
+    char good[CONFIG_PATH_MAX + 96];
     int64_t step = r->plan.step + 1;
     run_last_good(r, good, sizeof good);
     if (r->cfg->train.on_nonfinite == NONFINITE_STOP)
         return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s is not finite: %s. Stopped "
                             "without this step's update; %s. Lower train.optimizer.lr or set train.grad_clip, or set "
-                            "train.on_nonfinite: skip to drop such steps", step, grad_where ? "gradient" : "loss",
+                            "train.on_nonfinite: skip to drop such steps", step, is_loss ? "loss" : "gradient",
                             where, good);
     if (r->guards.nonfinite_streak + 1 >= GUARD_MAX_SKIPS_IN_A_ROW)
         return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s has not been finite for %d steps in "
                             "a row (%" PRId64 " skipped in all): %s. Skipping cannot mend the model; stopped; %s. "
                             "Lower train.optimizer.lr or set train.grad_clip", step,
-                            grad_where ? "gradient" : "loss", GUARD_MAX_SKIPS_IN_A_ROW,
+                            is_loss ? "loss" : "gradient", GUARD_MAX_SKIPS_IN_A_ROW,
                             r->guards.nonfinite_skipped + 1, where, good);
     r->guards.nonfinite_skipped++, r->guards.nonfinite_streak++;
     progress_clear(&r->log.progress);
-    fprintf(stderr, "qtrain: warning: step:%" PRId64 " skipped (train.on_nonfinite: skip, %" PRId64 " so far): the "
-            "%s is not finite: %s\n", step, r->guards.nonfinite_skipped, grad_where ? "gradient" : "loss", where);
+    if (run_is_root(r))
+        fprintf(stderr, "qtrain: warning: step:%" PRId64 " skipped (train.on_nonfinite: skip, %" PRId64 " so far): "
+                "the %s is not finite: %s\n", step, r->guards.nonfinite_skipped, is_loss ? "loss" : "gradient",
+                where);
     optim_zero_grad(&r->model.optim);
     tape_reset(&r->work.tape);
     r->plan.step++; /* the batch is used up and the schedule moves on; the optimizer's own count does not */
@@ -578,7 +615,7 @@ static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_wher
  * stops, train.on_nonfinite: skip too: the update is applied and cannot be
  * taken back (the optimizer's moments moved with it), and the state is not
  * saved, so the newest checkpoint stays the last good one. */
-static QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtError *err) {
+QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtError *err) {
     char good[CONFIG_PATH_MAX + 96];
     run_last_good(r, good, sizeof good);
     return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the optimizer update left a parameter non-finite: %s "
@@ -614,8 +651,13 @@ QtStatus run_step(Run *r, QtError *err) {
     if (tape_backward(t, loss) != QT_OK)
         return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", r->plan.step + 1, t->err.msg);
     double l = loss->value.data[0];
-    char grad_where[384];
     if (!isfinite(l)) return run_nonfinite(r, x, l, NULL, err);
+    int64_t correct = r->cfg->train.loss == LOSS_CROSS_ENTROPY ? run_count_correct(logits, r->work.by, n) : 0;
+    return run_update(r, l, correct, n, err);
+}
+
+QtStatus run_update(Run *r, double l, int64_t correct, int n, QtError *err) {
+    char grad_where[384];
     /* With clipping, its norm pass finds a non-finite gradient for free (the
      * norm is then non-finite too); without, one scan of the gradients. */
     float clip = r->cfg->train.grad_clip;
@@ -623,12 +665,14 @@ QtStatus run_step(Run *r, QtError *err) {
     bool finite = clip > 0 ? isfinite(gnorm)
                            : guard_grads_finite(r->model.net.trainable, r->model.net.n_trainable, NULL, 0);
     if (!finite) { /* name the tensor: only on this rare path is the scan repeated for it */
+        char where[512];
         guard_grads_finite(r->model.net.trainable, r->model.net.n_trainable, grad_where, sizeof grad_where);
-        return run_nonfinite(r, x, l, grad_where, err);
+        snprintf(where, sizeof where, "%s (the loss %.6g is finite)", grad_where, l);
+        return run_nonfinite_at(r, false, where, err);
     }
     r->guards.nonfinite_streak = 0;
     r->log.win_loss_sum += l;
-    if (r->cfg->train.loss == LOSS_CROSS_ENTROPY) r->log.win_correct += count_correct(logits, r->work.by, n);
+    r->log.win_correct += correct;
     r->log.win_seen += n, r->log.win_steps++;
     run_watch_loss(r, l);
     if (clip > 0) optim_clip_grads_to_norm(r->model.net.trainable, r->model.net.n_trainable, gnorm, clip);
@@ -638,13 +682,13 @@ QtStatus run_step(Run *r, QtError *err) {
         return run_nonfinite_update(r, l, grad_where, err);
     QtStatus st = net_check_ranges(&r->model.net, r->plan.step + 1, err);
     if (st != QT_OK) return st;
-    tape_reset(t);
+    tape_reset(&r->work.tape);
     r->plan.step++;
     r->clock.trained_examples += n;
     return QT_OK;
 }
 
-static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
+static QtStatus run_log_window(Run *r, double samples_per_s, double window_s, QtError *err) {
     double loss = r->log.win_loss_sum / (double)r->log.win_steps;
     bool mse = r->cfg->train.loss == LOSS_MSE; /* no accuracy: an empty metrics cell, none in the line */
     double acc = mse ? NAN : (double)r->log.win_correct / (double)r->log.win_seen;
@@ -654,10 +698,16 @@ static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
     char skipped[48] = ""; /* train.on_nonfinite: skip: the steps dropped so far, once there are any */
     if (r->guards.nonfinite_skipped > 0)
         snprintf(skipped, sizeof skipped, " skipped:%" PRId64, r->guards.nonfinite_skipped);
-    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f%s lr:%.6g samples/s:%.0f%s\n", r->plan.step, run_epoch(r),
-            loss, acc_s, lr, samples_per_s, skipped);
+    char comm[32] = ""; /* data-parallel: the share of the window's step time spent in the ranks' collectives */
+    if (run_is_dist(r)) {
+        snprintf(comm, sizeof comm, " comm:%.0f%%", window_s > 0 ? 100.0 * r->dist.step_comm_s / window_s : 0.0);
+        r->dist.step_comm_s = 0.0;
+    }
+    run_say(r, "step:%" PRId64 " epoch:%.2f loss:%.4f%s lr:%.6g samples/s:%.0f%s%s\n", r->plan.step, run_epoch(r),
+            loss, acc_s, lr, samples_per_s, comm, skipped);
     r->log.win_loss_sum = 0.0;
     r->log.win_correct = r->log.win_seen = r->log.win_steps = 0;
+    if (!run_is_root(r)) return QT_OK;
     return metrics_write(&r->log.metrics, "train", r->plan.step, run_epoch(r), loss, acc, lr, samples_per_s,
                          r->clock.wall_before + metrics_now() - r->clock.t_start, err);
 }
@@ -665,6 +715,10 @@ static QtStatus run_log_window(Run *r, double samples_per_s, QtError *err) {
 /* A checkpoint in out_dir, and for a LoRA run adapters.h5 beside it. */
 static QtStatus run_save(Run *r, const char *name, char *saved, size_t cap, QtError *err) {
     r->dir.saved_step = r->plan.step;
+    if (run_is_dist(r)) { /* every rank checks; rank 0 alone writes */
+        QtStatus st = run_dist_check_replicas(r, err);
+        if (st != QT_OK || !run_is_root(r)) return st;
+    }
     CheckpointState s = run_checkpoint_state(r);
     QtStatus st = checkpoint_save_in_dir(r->cfg->run.out_dir, name, r->cfg->train.keep_last, &r->model.net.model,
                                          &r->model.optim, &s, saved, cap, err);
@@ -682,10 +736,10 @@ static QtStatus run_loop(Run *r, QtError *err) {
     QtStatus st = QT_OK;
     int64_t stop = r->opt->stop_at_step > 0 ? r->opt->stop_at_step : INT64_MAX;
     /* A stop signal ends the loop after the step it lands in (interrupt.h). */
-    while (st == QT_OK && r->plan.step < r->plan.total_steps && r->plan.step < stop && !interrupt_requested()) {
+    while (st == QT_OK && r->plan.step < r->plan.total_steps && r->plan.step < stop && !run_stop_signal(r)) {
         double t0 = metrics_now();
         int64_t before = r->clock.trained_examples;
-        if ((st = run_step(r, err)) != QT_OK) break;
+        if ((st = run_is_dist(r) ? run_dist_step(r, err) : run_step(r, err)) != QT_OK) break;
         double dt = metrics_now() - t0;
         r->clock.train_s += dt, train_window_s += dt;
         window_examples += r->clock.trained_examples - before;
@@ -693,7 +747,8 @@ static QtStatus run_loop(Run *r, QtError *err) {
         if ((tc->log_every > 0 && r->plan.step % tc->log_every == 0) || last) {
             if (r->log.win_steps) /* else all skipped */
                 r->log.last_train_loss = r->log.win_loss_sum / (double)r->log.win_steps;
-            st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), err);
+            st = run_log_window(r, window_examples / (train_window_s > 0 ? train_window_s : 1e-9), train_window_s,
+                                err);
             window_examples = 0, train_window_s = 0.0;
         }
         /* A stop signal's checkpoint comes right after the loop. A due
@@ -703,7 +758,7 @@ static QtStatus run_loop(Run *r, QtError *err) {
             double tl, ta, vl, va;
             st = run_eval_and_log(r, &tl, &ta, &vl, &va, err);
         }
-        bool stopping = interrupt_requested() != 0;
+        bool stopping = run_stop_signal(r) != 0;
         if (st == QT_OK && tc->checkpoint_every > 0 && r->plan.step % tc->checkpoint_every == 0 && !last && !stopping)
             st = run_save(r, NULL, NULL, 0, err);
         progress_update(&r->log.progress, r->plan.step, r->plan.total_steps,
@@ -729,10 +784,15 @@ void run_fill_result(const Run *r, TrainResult *res) {
     res->mode = net_mode_name(&r->model.net);
     struct rusage ru;
     res->peak_rss_mb = getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
+    res->world_size = r->dist.d ? r->dist.d->world : 1;
+    /* the gradients' sum and the step's loss, counts and flags */
+    res->allreduce_bytes_per_step = run_is_dist(r) ? (double)(dist_sum_bytes_sent(r->dist.d, r->dist.n_grad) +
+                                                     (uint64_t)(r->dist.d->world - 1) * (RUN_DIST_META +
+                                                     (uint64_t)r->dist.d->world) * sizeof(double)) : 0.0;
 }
 
 static void run_print_plan(Run *r, const char *resumed) {
-    if (r->opt->quiet) return;
+    if (r->opt->quiet || !run_is_root(r)) return;
     const Config *c = r->cfg;
     printf("qtrain %s: config %s\n--- resolved config ---\n%s--- end of config ---\n", QTRAIN_VERSION, c->source,
            r->dir.config_text);
@@ -759,6 +819,17 @@ static void run_print_plan(Run *r, const char *resumed) {
     printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
            r->plan.total_steps, r->plan.steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
            (double)c->train.optim.lr, sched_kind_name(c->train.schedule.kind), c->run.out_dir);
+    if (run_is_dist(r)) {
+        const Dist *d = r->dist.d;
+        int lo = c->train.batch_size / d->world, hi = (c->train.batch_size + d->world - 1) / d->world;
+        char each[32];
+        snprintf(each, sizeof each, lo == hi ? "%d" : "%d-%d", lo, hi);
+        printf("dist: %d ranks (%s), each takes %s examples of every batch of %d; %zu trainable gradient values "
+               "summed per step in rank order (%.1f KB sent per rank); batch norm statistics %s\n", d->world,
+               d->ops->name, each, c->train.batch_size, r->dist.n_grad,
+               (double)dist_sum_bytes_sent(d, r->dist.n_grad) / 1000.0,
+               c->train.sync_bn ? "over every rank (train.sync_bn)" : "per rank");
+    }
     net_print_table(&r->model.net, stdout);
     if (c->quant.mode != QUANT_MODE_NONE || config_has_lora(c))
         printf("params: %zu trainable, %zu frozen; base %.3f bits/param; model %.1f KiB\n",
@@ -845,6 +916,12 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size
     if (resumed[0] && (st = run_check_resume_config(r, resumed, err)) != QT_OK) return st;
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
+    int world = r->dist.d ? r->dist.d->world : 1;
+    if (resumed[0] && r->dist.ckpt_world != world)
+        fprintf(stderr, "qtrain: warning: %s was written by a run on %" PRId64 " rank%s, this one runs on %d: the "
+                "run continues with the same global batches in the same order (no example is lost or repeated), "
+                "but not bit for bit as an uninterrupted run would\n", resumed, r->dist.ckpt_world,
+                r->dist.ckpt_world == 1 ? "" : "s", world);
     if (r->dir.already_complete) return QT_OK; /* leave every output of the finished run as it is */
     if ((st = run_dir_note(r, err)) != QT_OK) return st;
     if ((st = run_log_open(r, resumed[0], err)) != QT_OK) return st;
@@ -869,6 +946,7 @@ static QtStatus run_finish(Run *r, TrainResult *res, QtError *err) {
     if (st != QT_OK) return st;
     run_fill_result(r, res);
     run_fill_eval_result(r, res);
+    if (!run_is_root(r)) return QT_OK;
     snprintf(path, sizeof path, "%s/summary.json", r->cfg->run.out_dir);
     if ((st = write_json_atomically(path, r, res, final_path, false, FS_REPLACE_ANY, err)) != QT_OK) return st;
     char what[96];
@@ -908,7 +986,8 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     memset(res, 0, sizeof *res);
     char resumed[CONFIG_PATH_MAX + 32], created[CONFIG_PATH_MAX];
     interrupt_set_phase(INTERRUPT_OUTSIDE); /* a stop signal while setting up ends the process at once */
-    QtStatus st = run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
+    QtStatus st = run_is_dist(&r) ? run_dist_setup(&r, run_setup, resumed, sizeof resumed, created, sizeof created, err)
+                                  : run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
     if (st == QT_OK && r.dir.already_complete) {
         run_fill_result(&r, res);
         res->already_complete = true;
@@ -916,13 +995,14 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
                 cfg->run.out_dir, r.plan.step, r.plan.total_steps, resumed);
     } else if (st == QT_OK) {
         /* even when quiet: a rule that applies nowhere is a likely typo */
-        net_print_unused_rules(&r.model.net, stderr);
+        if (run_is_root(&r)) net_print_unused_rules(&r.model.net, stderr);
         run_print_plan(&r, resumed);
-        progress_init(&r.log.progress, o->progress && !o->quiet ? stderr : NULL, r.plan.step, metrics_now());
+        progress_init(&r.log.progress, o->progress && !o->quiet && run_is_root(&r) ? stderr : NULL, r.plan.step,
+                      metrics_now());
         r.work.tape.training = true;
         interrupt_set_phase(INTERRUPT_IN_LOOP);
         st = run_loop(&r, err);
-        int sig = interrupt_requested();
+        int sig = run_stop_signal(&r);
         if (st == QT_OK && r.plan.step == r.plan.total_steps && !sig) {
             interrupt_set_phase(INTERRUPT_FINISHING);
             st = run_finish(&r, res, err);

@@ -17,6 +17,7 @@ typedef struct {
     bool progress;        /* a progress bar with ETA on stderr (the CLI sets it when stderr is a TTY) */
     int64_t stop_at_step; /* > 0: stop after this step with a checkpoint, as an interrupted run would,
                              without the final eval (a later --resume continues); 0 = run to the end */
+    struct Dist *dist;    /* data-parallel ranks (trainer/dist.h); NULL = one process */
 } TrainOptions;
 
 typedef struct {
@@ -43,6 +44,8 @@ typedef struct {
     char merged_from[4096];   /* eval of a `qtrain merge` output: the checkpoint it was merged from, else "" */
     char merged_from_base_sha256[65]; /* ...and that checkpoint's base identity */
     double peak_rss_mb;   /* the process's peak resident set (getrusage) */
+    int world_size;       /* ranks that trained (1: one process) */
+    double allreduce_bytes_per_step; /* bytes each rank sent per step to sum the gradients (0 in one process) */
 } TrainResult;
 
 /* The result's test metrics as `qtrain` prints them: "test_accuracy:A

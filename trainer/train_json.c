@@ -65,6 +65,8 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
         json_number(&w, "wall_s", res->wall_s);
         json_number(&w, "train_s", r->clock.train_s);
         json_number(&w, "samples_per_s", res->samples_per_s);
+        json_int(&w, "world_size", res->world_size > 0 ? res->world_size : 1);
+        json_number(&w, "allreduce_bytes_per_step", res->allreduce_bytes_per_step);
     }
     json_int(&w, "params_trainable", res->params_trainable);
     json_int(&w, "params_frozen", res->params_frozen);

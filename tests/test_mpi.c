@@ -1,0 +1,452 @@
+/* test_mpi.c - data-parallel training end to end: build/qtrain-mpi under
+ * Open MPI's mpirun (QTRAIN_MPI_BIN, which `make test` sets when Open MPI
+ * is installed; `make test MPI=1` installs it). Without it every test says
+ * it is skipped and why.
+ *
+ * On the mini data set, float and QLoRA: reruns at 2 and 3 ranks give the
+ * same bits, a stop and resume at the same world size gives the bits of
+ * an uninterrupted run, N ranks match one process within float rounding,
+ * a resume at another world size continues, a killed rank ends the job
+ * with a message naming it, and batch norm with train.sync_bn matches one
+ * process. */
+#include <CUnit/CUnit.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/h5io.h"
+#include "test_proc.h"
+#include "test_util.h"
+
+static const char *mpi_bin(void) {
+    const char *b = getenv("QTRAIN_MPI_BIN");
+    return b && b[0] && access(b, X_OK) == 0 ? b : NULL;
+}
+
+/* Whether the suite can run; else one skip line says why. */
+static bool mpi_ready(void) {
+    if (!mpi_bin()) {
+        test_skip("no build/qtrain-mpi (QTRAIN_MPI_BIN unset): Open MPI is not installed; `make test MPI=1` "
+                  "installs libopenmpi-dev and openmpi-bin and runs this suite");
+        return false;
+    }
+    if (system("command -v mpirun >/dev/null 2>&1") != 0) {
+        test_skip("mpirun is not on PATH (Debian's openmpi-bin)");
+        return false;
+    }
+    return true;
+}
+
+/* mpirun -np np qtrain-mpi --config cfg --set run.out_dir=out --set run.threads=1 [extra...] -q, its output
+ * appended to out.log; the exit status (-1: a signal or the timeout). */
+static int mpi_run(int np, const char *cfg, const char *out, const char *const *extra, double timeout_s) {
+    char npv[16], outset[1024], log[1100];
+    snprintf(npv, sizeof npv, "%d", np);
+    snprintf(outset, sizeof outset, "run.out_dir=%s", out);
+    snprintf(log, sizeof log, "%s.log", out);
+    const char *argv[64] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", npv, mpi_bin(), "--config",
+                            cfg, "--set", outset, "--set", "run.threads=1", "-q"};
+    int n = 13;
+    for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    pid_t pid = test_proc_spawn(log, argv, -1, 0);
+    if (pid < 0) return -1;
+    int status = test_proc_wait(pid, timeout_s);
+    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The same config in one process of the plain binary. */
+static int one_run(const char *cfg, const char *out, const char *const *extra) {
+    char outset[1024], log[1100];
+    snprintf(outset, sizeof outset, "run.out_dir=%s", out);
+    snprintf(log, sizeof log, "%s.log", out);
+    const char *args[48] = {"--config", cfg, "--set", outset, "--set", "run.threads=1", "-q"};
+    int n = 7;
+    for (int i = 0; extra && extra[i] && n < 46; i++) args[n++] = extra[i];
+    args[n] = NULL;
+    return test_proc_run(log, args, 120);
+}
+
+static char *path_in(const char *dir, const char *name) { return test_path_join(dir, name); }
+
+/* Whether `log` (the file) holds `what`; prints the file if not. */
+static bool log_has(const char *log, const char *what) {
+    size_t n = 0;
+    char *text = test_file_read(log, &n);
+    bool ok = text && strstr(text, what);
+    if (!ok) fprintf(stderr, "\n  %s lacks '%s':\n%s\n", log, what, text ? text : "(unreadable)");
+    free(text);
+    return ok;
+}
+
+/* A number of summary.json: "key": value. NaN if absent. */
+static double summary_number(const char *dir, const char *key) {
+    char *p = path_in(dir, "summary.json"), pat[80];
+    size_t n = 0;
+    char *text = test_file_read(p, &n);
+    free(p);
+    double v = NAN;
+    snprintf(pat, sizeof pat, "\"%s\": ", key);
+    const char *at = text ? strstr(text, pat) : NULL;
+    if (at) v = strtod(at + strlen(pat), NULL);
+    free(text);
+    return v;
+}
+
+/* ---- two checkpoints within a relative tolerance ---- */
+
+typedef struct {
+    const H5ioFile *a, *b;
+    const char *group;
+    double worst;   /* the largest |a - b| / |a| (L2 norms) of a tensor */
+    int n;
+    bool ok;
+} CloseCmp;
+
+static int close_dataset(const char *rel, H5ioKind kind, void *ctx) {
+    CloseCmp *c = ctx;
+    if (kind != H5IO_DATASET) return 0;
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", c->group, rel);
+    H5ioInfo ia, ib;
+    QtError e = {0};
+    if (h5io_dataset_info(c->a, path, &ia, &e) != QT_OK || !h5io_is_f32(&ia)) return 0;
+    if (h5io_dataset_info(c->b, path, &ib, &e) != QT_OK || ia.numel != ib.numel) {
+        c->ok = false;
+        return 1;
+    }
+    int shape[H5IO_MAX_RANK];
+    for (int d = 0; d < ia.rank; d++) shape[d] = (int)ia.dims[d];
+    float *va = malloc(ia.numel * sizeof(float) + 1), *vb = malloc(ia.numel * sizeof(float) + 1);
+    if (va && vb && h5io_read_f32(c->a, path, va, ia.rank, shape, &e) == QT_OK &&
+        h5io_read_f32(c->b, path, vb, ia.rank, shape, &e) == QT_OK) {
+        double dd = 0, aa = 0;
+        for (size_t i = 0; i < ia.numel; i++) dd += ((double)va[i] - vb[i]) * ((double)va[i] - vb[i]), aa += (double)va[i] * va[i];
+        double rel = aa > 0 ? sqrt(dd / aa) : sqrt(dd);
+        if (rel > c->worst) c->worst = rel;
+        c->n++;
+    } else {
+        c->ok = false;
+    }
+    free(va), free(vb);
+    return 0;
+}
+
+/* The worst per-tensor relative difference of a's and b's float datasets below group; INFINITY if unreadable. */
+static double ckpt_rel_diff(const char *a, const char *b, const char *group) {
+    H5ioFile fa, fb;
+    QtError e = {0};
+    if (h5io_open(&fa, a, &e) != QT_OK) return INFINITY;
+    if (h5io_open(&fb, b, &e) != QT_OK) {
+        h5io_close(&fa, &e);
+        return INFINITY;
+    }
+    CloseCmp c = {.a = &fa, .b = &fb, .group = group, .ok = true};
+    bool ok = h5io_visit(&fa, group, close_dataset, &c, NULL, &e) == QT_OK && c.ok && c.n > 0;
+    h5io_close(&fa, &e), h5io_close(&fb, &e);
+    return ok ? c.worst : INFINITY;
+}
+
+static bool same_bits(const char *dir_a, const char *dir_b, const char *file, const char *group) {
+    char *a = path_in(dir_a, file), *b = path_in(dir_b, file);
+    bool ok = test_ckpt_group_within(a, b, group);
+    free(a), free(b);
+    return ok;
+}
+
+/* ---- the runs the tests share: made once ---- */
+
+static char *tmp;          /* the suite's directory */
+static char base_set[600]; /* "model.init_from=<tiny-base's final.h5>" for the QLoRA runs */
+
+static int suite_init(void) {
+    tmp = test_tmpdir_new();
+    return tmp ? 0 : 1;
+}
+
+static int suite_clean(void) {
+    test_tmpdir_remove(tmp);
+    return 0;
+}
+
+/* tiny-base's float model trained in one process: the QLoRA runs' base. */
+static bool make_base(void) {
+    if (base_set[0]) return true;
+    char *out = path_in(tmp, "base");
+    bool ok = one_run("tests/configs/tiny-base.yaml", out, (const char *[]){"--set", "train.steps=20", NULL}) == 0;
+    if (ok) snprintf(base_set, sizeof base_set, "model.init_from=%s/final.h5", out);
+    free(out);
+    return ok;
+}
+
+#define FLOAT_CFG "tests/configs/tiny-base.yaml"
+#define QLORA_CFG "tests/configs/tiny-qlora.yaml"
+
+/* 2 and 3 ranks against one process: the parameters within 1e-5 (per-tensor relative L2 norm) after 20 steps, the
+ * test loss within 1e-5 and the accuracy within one example; summary.json's world_size and bytes per step. */
+static void test_mpi_matches_one_process(void) {
+    if (!mpi_ready()) return;
+    const char *steps[] = {"--set", "train.steps=20", NULL};
+    char *one = path_in(tmp, "f1");
+    CU_ASSERT_EQUAL_FATAL(one_run(FLOAT_CFG, one, steps), 0);
+    for (int np = 2; np <= 3; np++) {
+        char name[16];
+        snprintf(name, sizeof name, "f%d", np);
+        char *out = path_in(tmp, name);
+        CU_ASSERT_EQUAL(mpi_run(np, FLOAT_CFG, out, steps, 120), 0);
+        char *a = path_in(one, "final.h5"), *b = path_in(out, "final.h5");
+        double d = ckpt_rel_diff(a, b, "params");
+        if (!(d <= 1e-5)) fprintf(stderr, "\n  %d ranks: parameters differ from one process by %g\n", np, d);
+        CU_ASSERT(d <= 1e-5);
+        CU_ASSERT(ckpt_rel_diff(a, b, "optim") <= 1e-5);
+        double l1 = summary_number(one, "test_loss"), ln = summary_number(out, "test_loss");
+        CU_ASSERT(fabs(l1 - ln) <= 1e-5 * fabs(l1));
+        double n_test = summary_number(one, "test_examples");
+        CU_ASSERT(fabs(summary_number(one, "test_accuracy") - summary_number(out, "test_accuracy")) * n_test <= 1.01);
+        CU_ASSERT_EQUAL(summary_number(out, "world_size"), np);
+        CU_ASSERT_EQUAL(summary_number(one, "world_size"), 1);
+        CU_ASSERT_EQUAL(summary_number(one, "allreduce_bytes_per_step"), 0);
+        /* tiny-base: 50,618 trainable values; 2 ranks send each value once, 3 ranks 2 x a third (and 8 + np
+           doubles of loss, counts and flags to each other rank) */
+        double want = np == 2 ? 50618.0 * 4 + 1 * (5 + 2) * 8 : 2.0 * 2 * 16873 * 4 + 2 * (5 + 3) * 8;
+        CU_ASSERT_EQUAL(summary_number(out, "allreduce_bytes_per_step"), want);
+        free(a), free(b), free(out);
+    }
+    free(one);
+}
+
+/* The same run twice at 2 and at 3 ranks: the same bits (float and QLoRA, whose adapters' dropout each rank
+ * draws). */
+static void test_mpi_reruns_identical(void) {
+    if (!mpi_ready() || !make_base()) return;
+    const char *fsteps[] = {"--set", "train.steps=12", NULL};
+    const char *qset[] = {"--set", base_set, "--set", "train.steps=12", NULL};
+    struct { const char *cfg, *tag; const char *const *extra; int np; } runs[] = {
+        {FLOAT_CFG, "rf", fsteps, 3}, {QLORA_CFG, "rq", qset, 2}, {QLORA_CFG, "rq", qset, 3}};
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        char na[32], nb[32];
+        snprintf(na, sizeof na, "%s%da", runs[i].tag, runs[i].np);
+        snprintf(nb, sizeof nb, "%s%db", runs[i].tag, runs[i].np);
+        char *a = path_in(tmp, na), *b = path_in(tmp, nb);
+        CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, a, runs[i].extra, 120), 0);
+        CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, b, runs[i].extra, 120), 0);
+        CU_ASSERT(same_bits(a, b, "final.h5", "params"));
+        CU_ASSERT(same_bits(a, b, "final.h5", "optim"));
+        char *ma = test_metrics_rows(a), *mb = test_metrics_rows(b);
+        CU_ASSERT(ma && mb && strcmp(ma, mb) == 0);
+        free(ma), free(mb), free(a), free(b);
+    }
+}
+
+/* --stop-at-step and --resume auto at the same world size: the uninterrupted run's bits (QLoRA at 2 ranks, float
+ * at 3). */
+static void test_mpi_resume_exact(void) {
+    if (!mpi_ready() || !make_base()) return;
+    const char *qset[] = {"--set", base_set, "--set", "train.steps=12", NULL};
+    const char *qstop[] = {"--set", base_set, "--set", "train.steps=12", "--stop-at-step", "5", NULL};
+    const char *qres[] = {"--set", base_set, "--set", "train.steps=12", "--resume", "auto", NULL};
+    const char *fset[] = {"--set", "train.steps=12", NULL};
+    const char *fstop[] = {"--set", "train.steps=12", "--stop-at-step", "7", NULL};
+    const char *fres[] = {"--set", "train.steps=12", "--resume", "auto", NULL};
+    struct { const char *cfg; const char *const *full; const char *const *stop; const char *const *res; int np;
+             const char *tag; } runs[] = {
+        {QLORA_CFG, qset, qstop, qres, 2, "xq"}, {FLOAT_CFG, fset, fstop, fres, 3, "xf"}};
+    for (size_t i = 0; i < 2; i++) {
+        char na[32], nb[32];
+        snprintf(na, sizeof na, "%s-full", runs[i].tag);
+        snprintf(nb, sizeof nb, "%s-resumed", runs[i].tag);
+        char *a = path_in(tmp, na), *b = path_in(tmp, nb);
+        CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, a, runs[i].full, 120), 0);
+        CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, b, runs[i].stop, 120), 0);
+        CU_ASSERT_FALSE(test_file_exists(b, "final.h5"));
+        CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, b, runs[i].res, 120), 0);
+        CU_ASSERT(same_bits(a, b, "final.h5", "params"));
+        CU_ASSERT(same_bits(a, b, "final.h5", "optim"));
+        char *ma = test_metrics_rows(a), *mb = test_metrics_rows(b);
+        CU_ASSERT(ma && mb && strcmp(ma, mb) == 0);
+        free(ma), free(mb), free(a), free(b);
+    }
+}
+
+/* Stopped at 2 ranks, resumed at 3: a warning, the same global batches (the run ends at its step count having
+ * seen steps x batch examples), and without dropout the uninterrupted 2-rank run's result within rounding. */
+static void test_mpi_resume_other_world(void) {
+    if (!mpi_ready()) return;
+    const char *full[] = {"--set", "train.steps=20", NULL};
+    const char *stop[] = {"--set", "train.steps=20", "--stop-at-step", "8", NULL};
+    const char *res[] = {"--set", "train.steps=20", "--resume", "auto", NULL};
+    char *a = path_in(tmp, "w-full"), *b = path_in(tmp, "w-2to3"), log[1100];
+    CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, a, full, 120), 0);
+    CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, b, stop, 120), 0);
+    CU_ASSERT_EQUAL(mpi_run(3, FLOAT_CFG, b, res, 120), 0);
+    snprintf(log, sizeof log, "%s.log", b);
+    CU_ASSERT(log_has(log, "was written by a run on 2 ranks, this one runs on 3"));
+    CU_ASSERT_EQUAL(summary_number(b, "world_size"), 3);
+    CU_ASSERT_EQUAL(summary_number(b, "steps"), 20);
+    char *fa = path_in(a, "final.h5"), *fb = path_in(b, "final.h5");
+    CU_ASSERT(ckpt_rel_diff(fa, fb, "params") <= 1e-5);
+    free(fa), free(fb), free(a), free(b);
+}
+
+/* The pid of rank `rank` of a running qtrain-mpi job (its OMPI_COMM_WORLD_RANK), or -1. */
+static pid_t rank_pid(int rank) {
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "for p in $(pgrep -f -- '%s --config'); do tr '\\0' '\\n' < /proc/$p/environ "
+             "2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=%d && echo $p; done", mpi_bin(), rank);
+    FILE *f = popen(cmd, "r");
+    long pid = -1;
+    if (f) {
+        if (fscanf(f, "%ld", &pid) != 1) pid = -1;
+        pclose(f);
+    }
+    return (pid_t)pid;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The newest ckpt-<step>.h5 in dir: its step, or -1. */
+static long newest_ckpt_step(const char *dir) {
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "ls '%s' 2>/dev/null | sed -n 's/^ckpt-0*\\([0-9][0-9]*\\)\\.h5$/\\1/p' | sort -n | "
+             "tail -1", dir);
+    FILE *f = popen(cmd, "r");
+    long step = -1;
+    if (f) {
+        if (fscanf(f, "%ld", &step) != 1) step = -1;
+        pclose(f);
+    }
+    return step;
+}
+
+/* Waits (at most timeout_s) until file `path` holds `what`. */
+static bool wait_for_text(const char *path, const char *what, double timeout_s) {
+    double t0 = now_s();
+    for (;;) {
+        size_t n = 0;
+        char *text = test_file_read(path, &n);
+        bool ok = text && strstr(text, what);
+        free(text);
+        if (ok) return true;
+        if (now_s() - t0 > timeout_s) return false;
+        usleep(20000);
+    }
+}
+
+/* A long run of np ranks in the background, logging every 20 steps (so a test sees it is in its step loop). */
+static pid_t start_long_run(int np, const char *out, const char *log, const char *const *extra) {
+    static char npv[16], outset[1024];
+    snprintf(npv, sizeof npv, "%d", np);
+    snprintf(outset, sizeof outset, "run.out_dir=%s", out);
+    const char *argv[40] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", npv, mpi_bin(), "--config",
+                            FLOAT_CFG, "--set", outset, "--set", "run.threads=1", "--set", "train.steps=200000",
+                            "--set", "train.log_every=20"};
+    int n = 16;
+    for (int i = 0; extra && extra[i] && n < 38; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    return test_proc_spawn(log, argv, -1, 0);
+}
+
+/* A rank killed (SIGKILL) in the middle of a run: the job ends within 30 s with a message naming the rank, and
+ * --resume auto (at 2 ranks) continues from the newest checkpoint. */
+static void test_mpi_killed_rank(void) {
+    if (!mpi_ready()) return;
+    char *out = path_in(tmp, "killed"), log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    pid_t job = start_long_run(3, out, log, (const char *[]){"--set", "train.checkpoint_every=20", NULL});
+    CU_ASSERT_FATAL(job > 0);
+    char *ck = path_in(out, "ckpt-00000020.h5");
+    double t0 = now_s();
+    while (access(ck, F_OK) != 0 && now_s() - t0 < 60) usleep(20000);
+    pid_t victim = rank_pid(1);
+    CU_ASSERT(victim > 0);
+    if (victim > 0) kill(victim, SIGKILL);
+    double t1 = now_s();
+    int status = test_proc_wait(job, 60);
+    double took = now_s() - t1;
+    CU_ASSERT(status != -1 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0));
+    CU_ASSERT(took < 30);
+    if (took >= 30) fprintf(stderr, "\n  the job took %.1f s to end after rank 1 was killed\n", took);
+    CU_ASSERT(log_has(log, "rank 1"));
+    long saved = newest_ckpt_step(out);
+    CU_ASSERT(saved >= 20);
+    char stop[32], want[48];
+    snprintf(stop, sizeof stop, "%ld", saved + 3);
+    snprintf(want, sizeof want, "ckpt-%08ld.h5", saved + 3);
+    const char *more[] = {"--set", "train.steps=200000", "--set", "train.checkpoint_every=20", "--resume", "auto",
+                          "--stop-at-step", stop, NULL};
+    CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, out, more, 120), 0);
+    CU_ASSERT(test_file_exists(out, want));
+    free(ck), free(out);
+}
+
+/* SIGUSR1 to mpirun (which passes it on to every rank as it is): every rank finishes its step, rank 0 writes the
+ * checkpoint, all exit 130 and so does mpirun; run on to a later step, the resumed run has the bits of a run that
+ * was never stopped. */
+static void test_mpi_signal_stop(void) {
+    if (!mpi_ready()) return;
+    char *out = path_in(tmp, "usr1"), *ref = path_in(tmp, "usr1-ref"), log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    pid_t job = start_long_run(2, out, log, NULL);
+    CU_ASSERT_FATAL(job > 0);
+    CU_ASSERT(wait_for_text(log, "step:20 ", 60));
+    kill(job, SIGUSR1);
+    int status = test_proc_wait(job, 60);
+    CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 130);
+    CU_ASSERT(log_has(log, "interrupted: SIGUSR1 at step:"));
+    long saved = newest_ckpt_step(out);
+    CU_ASSERT_FATAL(saved >= 20);
+    char stop[32], name[48];
+    snprintf(stop, sizeof stop, "%ld", saved + 5);
+    snprintf(name, sizeof name, "ckpt-%08ld.h5", saved + 5);
+    const char *more[] = {"--set", "train.steps=200000", "--resume", "auto", "--stop-at-step", stop, NULL};
+    const char *straight[] = {"--set", "train.steps=200000", "--stop-at-step", stop, NULL};
+    CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, out, more, 120), 0);
+    CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, ref, straight, 120), 0);
+    CU_ASSERT(same_bits(out, ref, name, "params"));
+    CU_ASSERT(same_bits(out, ref, name, "optim"));
+    free(out), free(ref);
+}
+
+/* Refusals: a batch too small for the ranks (a config error, said once by rank 0, exit 2, no MPI abort); a command
+ * other than training under mpirun. */
+static void test_mpi_refusals(void) {
+    if (!mpi_ready()) return;
+    char *out = path_in(tmp, "refused"), log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    CU_ASSERT_EQUAL(mpi_run(3, FLOAT_CFG, out, (const char *[]){"--set", "train.batch_size=2", NULL}, 60), 2);
+    CU_ASSERT(log_has(log, "train.batch_size 2 over 3 ranks leaves a rank without examples"));
+    size_t n = 0;
+    char *text = test_file_read(log, &n);
+    CU_ASSERT(text && !strstr(text, "MPI_ABORT"));
+    const char *first = text ? strstr(text, "leaves a rank") : NULL;
+    CU_ASSERT(first && !strstr(first + 1, "leaves a rank")); /* once */
+    free(text);
+    free(out);
+}
+
+int register_mpi_suite(void) {
+    CU_pSuite s = CU_add_suite("mpi", suite_init, suite_clean);
+    if (!s) return -1;
+    return CU_add_test(s, "2 and 3 ranks match one process within 1e-5; summary world_size, bytes per step",
+                       test_mpi_matches_one_process) &&
+                   CU_add_test(s, "reruns at 2 and 3 ranks are bit-identical (float, QLoRA)", test_mpi_reruns_identical) &&
+                   CU_add_test(s, "stop + resume at the same world size is bit-exact", test_mpi_resume_exact) &&
+                   CU_add_test(s, "resume at another world size continues, with a warning",
+                               test_mpi_resume_other_world) &&
+                   CU_add_test(s, "a killed rank ends the job within 30 s, naming it; resume works",
+                               test_mpi_killed_rank) &&
+                   CU_add_test(s, "SIGUSR1: every rank stops after its step, rank 0 checkpoints, exit 130",
+                               test_mpi_signal_stop) &&
+                   CU_add_test(s, "refusals: a batch too small for the ranks", test_mpi_refusals)
+               ? 0
+               : -1;
+}
