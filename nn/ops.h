@@ -107,6 +107,14 @@ typedef struct {
  *  - otherwise (eval, or frozen): the affine map with the running statistics,
  *    (x - running_mean) / sqrt(running_var + eps) * gamma + beta; nothing is
  *    updated.
+ * Data-parallel (t->bn_sync set, tape training, training form): the batch
+ * statistics are the global batch's, as PyTorch's SyncBatchNorm. Each rank's
+ * count, mean and variance are gathered (on the calling thread) and combined
+ * in rank order in double; the running update's unbiased factor takes the
+ * global count, and one value per channel on a rank is enough. The backward
+ * gathers sum dy and sum dy (x - mean) for dx; dgamma and dbeta stay this
+ * rank's sums (the ranks' parameter gradients are summed afterwards). A
+ * failed gather sets the tape error: NULL, or the backward stops.
  * The statistics come from one read of the input: float lanes per block of
  * a channel, the blocks merged in double (batchnorm_stats). Channels run over the thread pool; the result is the same for any thread
  * count. */

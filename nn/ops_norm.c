@@ -2,6 +2,7 @@
  * over all axes but the channel axis (1). */
 #include <math.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "ops.h"
 #include "base/parallel.h"
@@ -310,6 +311,8 @@ typedef struct {
     bool batch;    /* the statistics came from this batch (the training form) */
     int N, C;
     size_t inner;
+    double count;  /* values per channel the batch statistics cover: N*inner, or the global batch's with sync */
+    const TapeSync *sync; /* the batch statistics are the global batch's, gathered through it; else NULL */
     const float *scale; /* (C,): invstd * gamma as the forward used it (nn_batchnorm_remakeable) */
     const float *beta;  /* (C,) or NULL */
     Var *x;             /* the input (N, C, inner), read by a remake */
@@ -329,12 +332,12 @@ typedef struct {
     double *s1, *s2;    /* (C,) scratch: mean and variance, or sum dy and sum dy (x - mean) */
 } BatchnormJob;
 
-/* Statistics of channels [c0, c1) into c->mean/invstd, and the running update. */
-static void batchnorm_stats_range(const BatchnormJob *j, int c0, int c1) {
+/* The mean and variance in j->s1, j->s2 of channels [c0, c1) into
+ * c->mean/invstd, and the running update (unbiased over c->count values). */
+static void batchnorm_stats_finish(const BatchnormJob *j, int c0, int c1) {
     const BatchnormCtx *c = j->c;
     const BatchNormState *bn = j->bn;
-    const double count = (double)c->N * (double)c->inner;
-    batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
+    const double count = c->count;
     for (int ch = c0; ch < c1; ch++) {
         const double mean = j->s1[ch], var = j->s2[ch];
         c->mean[ch] = (float)mean;
@@ -349,17 +352,19 @@ static void batchnorm_stats_range(const BatchnormJob *j, int c0, int c1) {
     }
 }
 
-/* Gradients over channels [c0, c1), accumulated. With xhat = (x - mean) invstd,
- * M = N*inner values per channel, and g = gamma (or 1):
+/* Gradients over channels [c0, c1), accumulated, from the channel sums in
+ * j->s1, j->s2 (batchnorm_grad_sums). With xhat = (x - mean) invstd,
+ * M = c->count values per channel, and g = gamma (or 1):
  *   dbeta  = sum dy,  dgamma = sum dy xhat
  *   training form (mean and var depend on x):
  *     dx = g invstd (dy - sum(dy)/M - xhat sum(dy xhat)/M)
  *   running statistics (constants): dx = g invstd dy.
- * Two passes over dy and x: the two channel sums, then dx. */
-static void batchnorm_grads_range(const BatchnormJob *j, int c0, int c1) {
+ * Two passes over dy and x: the two channel sums, then dx. With sync the
+ * sums are the global batch's and dgamma, dbeta NULL (added by the caller
+ * from this rank's sums). */
+static void batchnorm_grads_finish(const BatchnormJob *j, int c0, int c1) {
     const BatchnormCtx *c = j->c;
-    const double count = (double)c->N * (double)c->inner;
-    batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
+    const double count = c->count;
     for (int ch = c0; ch < c1; ch++) {
         const double sum_dy = j->s1[ch], dot = j->s2[ch], is = c->invstd[ch];
         if (j->dbeta) j->dbeta[ch] += (float)sum_dy;
@@ -373,7 +378,19 @@ static void batchnorm_grads_range(const BatchnormJob *j, int c0, int c1) {
                              c->inner, c0, c1);
 }
 
-typedef enum { BN_JOB_FORWARD, BN_JOB_BACKWARD, BN_JOB_REMAKE } BatchnormJobKind;
+/* FORWARD and BACKWARD do all of an op's work per channel range; with sync
+ * each is split where the ranks' sums are gathered (on the calling thread:
+ * a collective must not run in a pool task): STATS then FORWARD_FINISH,
+ * GRAD_SUMS then BACKWARD_FINISH. A channel's arithmetic is the same either way. */
+typedef enum {
+    BN_JOB_FORWARD,
+    BN_JOB_STATS,
+    BN_JOB_FORWARD_FINISH,
+    BN_JOB_BACKWARD,
+    BN_JOB_GRAD_SUMS,
+    BN_JOB_BACKWARD_FINISH,
+    BN_JOB_REMAKE
+} BatchnormJobKind;
 
 typedef struct {
     const BatchnormJob *job;
@@ -395,16 +412,31 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
     const BatchnormCtx *c = j->c;
     int c0, c1;
     parallel_range(c->C, task, n_tasks, &c0, &c1);
-    if (bt->kind == BN_JOB_BACKWARD) {
-        batchnorm_grads_range(j, c0, c1);
+    switch (bt->kind) {
+    case BN_JOB_BACKWARD:
+        batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
+        batchnorm_grads_finish(j, c0, c1);
         return;
-    }
-    if (bt->kind == BN_JOB_REMAKE) {
+    case BN_JOB_GRAD_SUMS:
+        batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
+        return;
+    case BN_JOB_BACKWARD_FINISH:
+        batchnorm_grads_finish(j, c0, c1);
+        return;
+    case BN_JOB_REMAKE:
         batchnorm_apply(j->y, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
         if (c->relu) batchnorm_relu_channels(j->y, c->N, c->C, c->inner, c0, c1);
         return;
+    case BN_JOB_STATS:
+        batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
+        return;
+    case BN_JOB_FORWARD:
+        if (c->batch) batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
+        break;
+    case BN_JOB_FORWARD_FINISH:
+        break;
     }
-    if (c->batch) batchnorm_stats_range(j, c0, c1);
+    if (c->batch) batchnorm_stats_finish(j, c0, c1);
     for (int ch = c0; ch < c1; ch++) j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
     batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
 }
@@ -430,6 +462,83 @@ static bool batchnorm_job_scratch(Tape *t, BatchnormJob *j, int C) {
     return true;
 }
 
+/* The scratch of a gather of n doubles per rank: mine (n), then all (world, n);
+ * NULL with the tape error set. */
+static double *batchnorm_gather_buffer(Tape *t, const BatchnormCtx *c, size_t n) {
+    return tape_alloc(t, (1 + (size_t)c->sync->world) * n * sizeof(double));
+}
+
+/* all (world, n) = every rank's mine through c->sync, on the calling thread.
+ * QT_OK or the error set on the tape, naming the op, its channels and `what`. */
+static QtStatus batchnorm_gather(Tape *t, const BatchnormCtx *c, const double *mine, size_t n, double *all,
+                                 const char *what) {
+    const TapeSync *s = c->sync;
+    QtError e = {0};
+    QtStatus st = s->allgather(s->ctx, mine, n, all, &e);
+    if (st == QT_OK) return QT_OK;
+    return qt_error_set(&t->err, st, "batchnorm (%d channels): gathering the %s from %d ranks failed: %s", c->C,
+                        what, s->world, e.msg[0] ? e.msg : qt_status_name(st));
+}
+
+/* The scratch of batchnorm_gather_buffer back to the tape: only a block from
+ * the step arena goes on its free list (small ones live in the tape's small
+ * arena until the reset). */
+static void batchnorm_gather_done(Tape *t, const BatchnormCtx *c, double *buf, size_t n) {
+    const size_t bytes = (1 + (size_t)c->sync->world) * n * sizeof(double);
+    if (bytes > TAPE_SMALL_BYTES) tape_release_buffer(t, buf, bytes);
+}
+
+/* The global batch's statistics from every rank's [count, mean (C), var (C)]
+ * (in j->s1, j->s2 on entry, the global ones on return), combined in rank
+ * order in double: M = sum M_r, mean = sum M_r mean_r / M,
+ * var = sum M_r (var_r + (mean_r - mean)^2) / M; c->count becomes M. */
+static QtStatus batchnorm_sync_stats(Tape *t, BatchnormCtx *c, BatchnormJob *j) {
+    const int C = c->C, W = c->sync->world;
+    const size_t n = 1 + 2 * (size_t)C;
+    double *mine = batchnorm_gather_buffer(t, c, n);
+    if (!mine) return t->err.status;
+    double *all = mine + n;
+    mine[0] = c->count;
+    memcpy(mine + 1, j->s1, (size_t)C * sizeof(double));
+    memcpy(mine + 1 + C, j->s2, (size_t)C * sizeof(double));
+    if (batchnorm_gather(t, c, mine, n, all, "batch statistics") != QT_OK) return t->err.status;
+    double count = 0.0;
+    for (int r = 0; r < W; r++) count += all[(size_t)r * n];
+    for (int ch = 0; ch < C; ch++) {
+        double s = 0.0, v = 0.0;
+        for (int r = 0; r < W; r++) s += all[(size_t)r * n] * all[(size_t)r * n + 1 + ch];
+        const double mean = s / count;
+        for (int r = 0; r < W; r++) {
+            const double *a = all + (size_t)r * n, d = a[1 + ch] - mean;
+            v += a[0] * (a[1 + C + ch] + d * d);
+        }
+        j->s1[ch] = mean;
+        j->s2[ch] = v / count;
+    }
+    c->count = count;
+    batchnorm_gather_done(t, c, mine, n);
+    return QT_OK;
+}
+
+/* The global batch's sum dy and sum dy (x - mean) (j->s1, j->s2: this rank's
+ * on entry), summed over the ranks in rank order. */
+static QtStatus batchnorm_sync_grad_sums(Tape *t, const BatchnormCtx *c, BatchnormJob *j) {
+    const int C = c->C, W = c->sync->world;
+    const size_t n = 2 * (size_t)C;
+    double *mine = batchnorm_gather_buffer(t, c, n);
+    if (!mine) return t->err.status;
+    double *all = mine + n;
+    memcpy(mine, j->s1, n * sizeof(double)); /* s2 follows s1 (batchnorm_job_scratch) */
+    if (batchnorm_gather(t, c, mine, n, all, "gradient sums") != QT_OK) return t->err.status;
+    for (size_t i = 0; i < n; i++) {
+        double s = 0.0;
+        for (int r = 0; r < W; r++) s += all[(size_t)r * n + i];
+        j->s1[i] = s;
+    }
+    batchnorm_gather_done(t, c, mine, n);
+    return QT_OK;
+}
+
 static void batchnorm_tape_backward(Tape *t, const TapeNode *node) {
     const BatchnormCtx *c = node->ctx;
     Var *x = node->in[0], *gamma = node->in[1], *beta = node->in[2];
@@ -446,7 +555,22 @@ static void batchnorm_tape_backward(Tape *t, const TapeNode *node) {
     j.dgamma = gamma && gamma->requires_grad ? tape_grad(t, gamma) : NULL;
     j.dbeta = beta && beta->requires_grad ? tape_grad(t, beta) : NULL;
     if (!tape_ok(t) || !batchnorm_job_scratch(t, &j, c->C)) return;
-    batchnorm_run(&j, BN_JOB_BACKWARD);
+    /* Without dx nothing global is needed: dgamma and dbeta are this rank's sums. */
+    if (!c->sync || !j.dx) {
+        batchnorm_run(&j, BN_JOB_BACKWARD);
+        return;
+    }
+    batchnorm_run(&j, BN_JOB_GRAD_SUMS);
+    /* dgamma and dbeta from this rank's sums: the ranks' parameter gradients
+     * are summed afterwards, and the global sums here would count them world
+     * times. dx's terms take the global sums. */
+    for (int ch = 0; ch < c->C; ch++) {
+        if (j.dbeta) j.dbeta[ch] += (float)j.s1[ch];
+        if (j.dgamma) j.dgamma[ch] += (float)(j.s2[ch] * c->invstd[ch]);
+    }
+    j.dgamma = j.dbeta = NULL;
+    if (batchnorm_sync_grad_sums(t, c, &j) != QT_OK) return;
+    batchnorm_run(&j, BN_JOB_BACKWARD_FINISH);
 }
 
 /* Shapes and arguments; QT_OK or the error set on the tape. */
@@ -488,7 +612,11 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
     /* PyTorch's rule: batch statistics when the module trains (or keeps no
      * running statistics); a frozen state acts as eval whatever the tape. */
     const bool batch = !bn->running_mean || (t->training && !bn->frozen);
-    if (batch && (size_t)N * inner < 2) {
+    /* As PyTorch's SyncBatchNorm: the global batch's statistics only when
+     * training (an evaluation without running statistics stays local). */
+    const TapeSync *sync = batch && t->training ? t->bn_sync : NULL;
+    /* Synced, the global batch has at least one value per rank, so one here is enough. */
+    if (batch && !sync && (size_t)N * inner < 2) {
         char sx[64];
         qt_error_set(&t->err, QT_ERR_SHAPE, "batchnorm: batch statistics need more than 1 value per channel, "
                      "got input %s (use a batch of 2 or more, or eval mode)",
@@ -498,7 +626,8 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
     Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
     BatchnormCtx *c = tape_alloc(t, sizeof *c);
     if (!y || !c) return NULL;
-    *c = (BatchnormCtx){.batch = batch, .N = N, .C = C, .inner = inner};
+    *c = (BatchnormCtx){.batch = batch, .N = N, .C = C, .inner = inner, .count = (double)N * (double)inner,
+                        .sync = sync};
     c->mean = tape_alloc(t, (size_t)C * sizeof(float));
     c->invstd = tape_alloc(t, (size_t)C * sizeof(float));
     if (!c->mean || !c->invstd) return NULL;
@@ -510,7 +639,13 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
     BatchnormJob j = {.c = c, .bn = bn, .y = y->value.data, .x = x->value.data,
                       .gamma = gamma ? gamma->value.data : NULL, .beta = beta ? beta->value.data : NULL};
     if (!batchnorm_job_scratch(t, &j, C)) return NULL;
-    batchnorm_run(&j, BN_JOB_FORWARD);
+    if (sync) {
+        batchnorm_run(&j, BN_JOB_STATS);
+        if (batchnorm_sync_stats(t, c, &j) != QT_OK) return NULL;
+        batchnorm_run(&j, BN_JOB_FORWARD_FINISH);
+    } else {
+        batchnorm_run(&j, BN_JOB_FORWARD);
+    }
     c->scale = j.scale, c->beta = j.beta, c->x = x;
     if (batch && bn->running_mean && bn->num_batches_tracked) (*bn->num_batches_tracked)++;
     return tape_record(t, "batchnorm", batchnorm_tape_backward, y, (Var *[]){x, gamma, beta}, 3, c) ? y : NULL;
