@@ -186,6 +186,10 @@ static bool make_base(void) {
 
 #define FLOAT_CFG "tests/configs/tiny-base.yaml"
 #define QLORA_CFG "tests/configs/tiny-qlora.yaml"
+#define QAT_CFG "tests/configs/tiny-qat.yaml"
+#define QT_CFG "tests/configs/tiny-qt.yaml"
+#define RES_CFG "tests/configs/tiny-res.yaml"
+#define BN_CFG "tests/configs/tiny-bn.yaml"
 
 /* 2 and 3 ranks against one process: the parameters within 1e-5 (per-tensor relative L2 norm) after 20 steps, the
  * test loss within 1e-5 and the accuracy within one example; summary.json's world_size and bytes per step. */
@@ -220,14 +224,17 @@ static void test_mpi_matches_one_process(void) {
     free(one);
 }
 
-/* The same run twice at 2 and at 3 ranks: the same bits (float and QLoRA, whose adapters' dropout each rank
- * draws). */
+/* The same run twice at 2 and at 3 ranks: the same bits (float; QLoRA, whose adapters' dropout each rank draws;
+ * QAT, whose input statistics follow rank 0's; QT, whose gradient-rounding noise each rank draws; a residual
+ * batch-norm CNN with dropout, whose running statistics follow rank 0's). */
 static void test_mpi_reruns_identical(void) {
     if (!mpi_ready() || !make_base()) return;
     const char *fsteps[] = {"--set", "train.steps=12", NULL};
     const char *qset[] = {"--set", base_set, "--set", "train.steps=12", NULL};
+    const char *qat[] = {"--set", base_set, "--set", "train.steps=12", NULL};
     struct { const char *cfg, *tag; const char *const *extra; int np; } runs[] = {
-        {FLOAT_CFG, "rf", fsteps, 3}, {QLORA_CFG, "rq", qset, 2}, {QLORA_CFG, "rq", qset, 3}};
+        {FLOAT_CFG, "rf", fsteps, 3}, {QLORA_CFG, "rq", qset, 2}, {QLORA_CFG, "rq", qset, 3},
+        {QAT_CFG, "ra", qat, 2}, {QT_CFG, "rt", fsteps, 2}, {RES_CFG, "rr", fsteps, 3}};
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
         char na[32], nb[32];
         snprintf(na, sizeof na, "%s%da", runs[i].tag, runs[i].np);
@@ -255,8 +262,9 @@ static void test_mpi_resume_exact(void) {
     const char *fres[] = {"--set", "train.steps=12", "--resume", "auto", NULL};
     struct { const char *cfg; const char *const *full; const char *const *stop; const char *const *res; int np;
              const char *tag; } runs[] = {
-        {QLORA_CFG, qset, qstop, qres, 2, "xq"}, {FLOAT_CFG, fset, fstop, fres, 3, "xf"}};
-    for (size_t i = 0; i < 2; i++) {
+        {QLORA_CFG, qset, qstop, qres, 2, "xq"}, {FLOAT_CFG, fset, fstop, fres, 3, "xf"},
+        {QT_CFG, fset, fstop, fres, 2, "xt"}, {RES_CFG, fset, fstop, fres, 2, "xr"}};
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
         char na[32], nb[32];
         snprintf(na, sizeof na, "%s-full", runs[i].tag);
         snprintf(nb, sizeof nb, "%s-resumed", runs[i].tag);
@@ -291,6 +299,31 @@ static void test_mpi_resume_other_world(void) {
     char *fa = path_in(a, "final.h5"), *fb = path_in(b, "final.h5");
     CU_ASSERT(ckpt_rel_diff(fa, fb, "params") <= 1e-5);
     free(fa), free(fb), free(a), free(b);
+}
+
+/* Batch norm with train.sync_bn: 2 and 3 ranks normalise with the global batch's statistics, so they match one
+ * process within rounding (parameters and running statistics); with each rank's own statistics they do not. */
+static void test_mpi_sync_bn(void) {
+    if (!mpi_ready()) return;
+    const char *steps[] = {"--set", "train.steps=20", NULL};
+    const char *sync[] = {"--set", "train.steps=20", "--set", "train.sync_bn=true", NULL};
+    char *one = path_in(tmp, "bn1"), *a = path_in(one, "final.h5");
+    CU_ASSERT_EQUAL_FATAL(one_run(BN_CFG, one, sync), 0); /* no effect in one process */
+    for (int np = 2; np <= 3; np++) {
+        char name[16];
+        snprintf(name, sizeof name, "bnsync%d", np);
+        char *out = path_in(tmp, name), *b = path_in(out, "final.h5");
+        CU_ASSERT_EQUAL(mpi_run(np, BN_CFG, out, sync, 120), 0);
+        double dp = ckpt_rel_diff(a, b, "params"), db = ckpt_rel_diff(a, b, "buffers");
+        if (!(dp <= 1e-5 && db <= 1e-5)) fprintf(stderr, "\n  sync_bn, %d ranks: params %g, buffers %g\n", np, dp, db);
+        CU_ASSERT(dp <= 1e-5);
+        CU_ASSERT(db <= 1e-5);
+        free(out), free(b);
+    }
+    char *local = path_in(tmp, "bnlocal2"), *c = path_in(local, "final.h5");
+    CU_ASSERT_EQUAL(mpi_run(2, BN_CFG, local, steps, 120), 0);
+    CU_ASSERT(ckpt_rel_diff(a, c, "params") > 1e-3);
+    free(local), free(c), free(one), free(a);
 }
 
 /* The pid of rank `rank` of a running qtrain-mpi job (its OMPI_COMM_WORLD_RANK), or -1. */
@@ -442,6 +475,8 @@ int register_mpi_suite(void) {
                    CU_add_test(s, "stop + resume at the same world size is bit-exact", test_mpi_resume_exact) &&
                    CU_add_test(s, "resume at another world size continues, with a warning",
                                test_mpi_resume_other_world) &&
+                   CU_add_test(s, "train.sync_bn: 2 and 3 ranks match one process; per-rank statistics do not",
+                               test_mpi_sync_bn) &&
                    CU_add_test(s, "a killed rank ends the job within 30 s, naming it; resume works",
                                test_mpi_killed_rank) &&
                    CU_add_test(s, "SIGUSR1: every rank stops after its step, rank 0 checkpoints, exit 130",
