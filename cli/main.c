@@ -48,7 +48,9 @@ static const CmdHelp CMD_HELP[] = {
      "            --resume PATH continues from a checkpoint bit for bit; --resume auto\n"
      "            takes the newest checkpoint in run.out_dir (or starts fresh if none).\n"
      "            --set train.optimizer.lr=3e-4 overrides one key (repeatable).\n"
-     "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"},
+     "            --stop-at-step N stops after step N with a checkpoint, to be resumed.\n"
+     "            mpirun -np N build/qtrain-mpi --config FILE trains on N ranks (make\n"
+     "            MPI=1; docs/DISTRIBUTED.md).\n"},
     {"eval", "qtrain eval [--config FILE] --checkpoint PATH [--out PATH] [--dump-logits FILE.npy] [--integer] "
              "[--set KEY=VALUE]... [--quiet]",
      "  eval      evaluate a checkpoint on the test split (and validation split, if\n"
