@@ -75,6 +75,7 @@
     X(hostile)    \
     X(runner)     \
     X(install)    \
+    X(dist)       \
     X(mpi)
 
 #define DECLARE(name) int register_##name##_suite(void);
