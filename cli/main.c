@@ -256,9 +256,10 @@ static QtStatus share_config(Config *cfg, QtStatus st, QtError *err) {
     }
     if (d->rank != 0 && !(text = malloc((size_t)head[1])))
         return qt_error_set(err, QT_ERR_NOMEM, "rank %d: out of memory for the config", d->rank);
+    char name[sizeof cfg->source]; /* config_default clears cfg->source first */
+    snprintf(name, sizeof name, "%s", cfg->source);
     QtStatus bst = dist_bcast(d, text, (size_t)head[1], 0, &e);
-    if (bst == QT_OK && d->rank != 0) bst = config_load_string(cfg, text, cfg->source[0] ? cfg->source : "config", NULL,
-                                                               0, &e);
+    if (bst == QT_OK && d->rank != 0) bst = config_load_string(cfg, text, name, NULL, 0, &e);
     free(text);
     return bst == QT_OK ? QT_OK : qt_error_set(err, e.status, "rank %d: %s", d->rank, e.msg);
 }

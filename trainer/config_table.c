@@ -364,9 +364,8 @@ static const CfgKey TRAIN_KEYS[] = {
     {.key = "grad_clip", .type = CFG_T_FLOAT, F(TrainConfig, grad_clip), .range = CFG_NONNEG, .def = 0, REPORTED,
      .doc_default = "0 (off)", .doc = "clip the global gradient L2 norm"},
     {.key = "sync_bn", .type = CFG_T_BOOL, F(TrainConfig, sync_bn), .def = 0, REPORTED,
-     .doc = "data-parallel training (`mpirun -np N qtrain-mpi`): batch norms normalise with the statistics of the "
-            "whole global batch, gathered from every rank, as PyTorch's SyncBatchNorm; `false`: each rank's own part "
-            "(PyTorch DDP's default). No effect in one process"},
+     .doc = "`mpirun -np N qtrain-mpi`: batch norms use the whole global batch's statistics, gathered from every rank "
+            "(PyTorch's SyncBatchNorm); `false`: each rank's own part, as DDP. No effect in one process"},
     {.key = "eval_every", .type = CFG_T_I64, F(TrainConfig, eval_every), .imin = 0, .imax = INT64_MAX, .def = 0,
      .doc_default = "0 (end only)", .doc = "evaluate validation and test every N steps"},
     {.key = "log_every", .type = CFG_T_I64, F(TrainConfig, log_every), .imin = 0, .imax = INT64_MAX, .def = 50,
