@@ -98,58 +98,8 @@ static double summary_number(const char *dir, const char *key) {
     return v;
 }
 
-/* ---- two checkpoints within a relative tolerance ---- */
-
-typedef struct {
-    const H5ioFile *a, *b;
-    const char *group;
-    double worst;   /* the largest |a - b| / |a| (L2 norms) of a tensor */
-    int n;
-    bool ok;
-} CloseCmp;
-
-static int close_dataset(const char *rel, H5ioKind kind, void *ctx) {
-    CloseCmp *c = ctx;
-    if (kind != H5IO_DATASET) return 0;
-    char path[512];
-    snprintf(path, sizeof path, "%s/%s", c->group, rel);
-    H5ioInfo ia, ib;
-    QtError e = {0};
-    if (h5io_dataset_info(c->a, path, &ia, &e) != QT_OK || !h5io_is_f32(&ia)) return 0;
-    if (h5io_dataset_info(c->b, path, &ib, &e) != QT_OK || ia.numel != ib.numel) {
-        c->ok = false;
-        return 1;
-    }
-    int shape[H5IO_MAX_RANK];
-    for (int d = 0; d < ia.rank; d++) shape[d] = (int)ia.dims[d];
-    float *va = malloc(ia.numel * sizeof(float) + 1), *vb = malloc(ia.numel * sizeof(float) + 1);
-    if (va && vb && h5io_read_f32(c->a, path, va, ia.rank, shape, &e) == QT_OK &&
-        h5io_read_f32(c->b, path, vb, ia.rank, shape, &e) == QT_OK) {
-        double dd = 0, aa = 0;
-        for (size_t i = 0; i < ia.numel; i++) dd += ((double)va[i] - vb[i]) * ((double)va[i] - vb[i]), aa += (double)va[i] * va[i];
-        double rel = aa > 0 ? sqrt(dd / aa) : sqrt(dd);
-        if (rel > c->worst) c->worst = rel;
-        c->n++;
-    } else {
-        c->ok = false;
-    }
-    free(va), free(vb);
-    return 0;
-}
-
-/* The worst per-tensor relative difference of a's and b's float datasets below group; INFINITY if unreadable. */
 static double ckpt_rel_diff(const char *a, const char *b, const char *group) {
-    H5ioFile fa, fb;
-    QtError e = {0};
-    if (h5io_open(&fa, a, &e) != QT_OK) return INFINITY;
-    if (h5io_open(&fb, b, &e) != QT_OK) {
-        h5io_close(&fa, &e);
-        return INFINITY;
-    }
-    CloseCmp c = {.a = &fa, .b = &fb, .group = group, .ok = true};
-    bool ok = h5io_visit(&fa, group, close_dataset, &c, NULL, &e) == QT_OK && c.ok && c.n > 0;
-    h5io_close(&fa, &e), h5io_close(&fb, &e);
-    return ok ? c.worst : INFINITY;
+    return test_ckpt_group_rel_diff(a, b, group);
 }
 
 static bool same_bits(const char *dir_a, const char *dir_b, const char *file, const char *group) {
@@ -157,6 +107,15 @@ static bool same_bits(const char *dir_a, const char *dir_b, const char *file, co
     bool ok = test_ckpt_group_within(a, b, group);
     free(a), free(b);
     return ok;
+}
+
+/* Two finished runs with the same final parameters, optimizer state and metrics.csv, bit for bit. */
+static void assert_same_run(const char *a, const char *b) {
+    CU_ASSERT(same_bits(a, b, "final.h5", "params"));
+    CU_ASSERT(same_bits(a, b, "final.h5", "optim"));
+    char *ma = test_metrics_rows(a), *mb = test_metrics_rows(b);
+    CU_ASSERT(ma && mb && strcmp(ma, mb) == 0);
+    free(ma), free(mb);
 }
 
 /* ---- the runs the tests share: made once ---- */
@@ -249,11 +208,8 @@ static void test_mpi_reruns_identical(void) {
         char *a = path_in(tmp, na), *b = path_in(tmp, nb);
         CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, a, runs[i].extra, 120), 0);
         CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, b, runs[i].extra, 120), 0);
-        CU_ASSERT(same_bits(a, b, "final.h5", "params"));
-        CU_ASSERT(same_bits(a, b, "final.h5", "optim"));
-        char *ma = test_metrics_rows(a), *mb = test_metrics_rows(b);
-        CU_ASSERT(ma && mb && strcmp(ma, mb) == 0);
-        free(ma), free(mb), free(a), free(b);
+        assert_same_run(a, b);
+        free(a), free(b);
     }
 }
 
@@ -280,11 +236,8 @@ static void test_mpi_resume_exact(void) {
         CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, b, runs[i].stop, 120), 0);
         CU_ASSERT_FALSE(test_file_exists(b, "final.h5"));
         CU_ASSERT_EQUAL(mpi_run(runs[i].np, runs[i].cfg, b, runs[i].res, 120), 0);
-        CU_ASSERT(same_bits(a, b, "final.h5", "params"));
-        CU_ASSERT(same_bits(a, b, "final.h5", "optim"));
-        char *ma = test_metrics_rows(a), *mb = test_metrics_rows(b);
-        CU_ASSERT(ma && mb && strcmp(ma, mb) == 0);
-        free(ma), free(mb), free(a), free(b);
+        assert_same_run(a, b);
+        free(a), free(b);
     }
 }
 

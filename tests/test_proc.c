@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -94,36 +95,68 @@ typedef struct {
     const H5ioFile *a, *b;
     const char *group;
     int n;        /* datasets compared */
-    bool equal;
+    bool equal;   /* the same bits so far (test_ckpt_group_within), or every pair read (rel_diff) */
+    double worst; /* test_ckpt_group_rel_diff: the largest relative difference so far */
+    bool bits;    /* compare bits (else relative L2 norms) */
 } GroupCmp;
+
+/* A float32 dataset `path` of both files: 1 with *va, *vb (malloc'd) and *n, 0 if a's is not float32, -1 if b's is
+ * missing, shaped differently or unreadable (said on stderr). */
+static int read_pair(const GroupCmp *c, const char *path, float **va, float **vb, size_t *n) {
+    H5ioInfo ia, ib;
+    QtError e = {0};
+    *va = *vb = NULL;
+    if (h5io_dataset_info(c->a, path, &ia, &e) != QT_OK || !h5io_is_f32(&ia)) return 0;
+    if (h5io_dataset_info(c->b, path, &ib, &e) != QT_OK || ia.rank != ib.rank || ia.numel != ib.numel) {
+        fprintf(stderr, "\n  %s: /%s missing or shaped differently in %s\n", c->a->path, path, c->b->path);
+        return -1;
+    }
+    int shape[H5IO_MAX_RANK];
+    for (int d = 0; d < ia.rank; d++) shape[d] = (int)ia.dims[d];
+    *va = malloc(ia.numel * sizeof(float) + 1), *vb = malloc(ia.numel * sizeof(float) + 1);
+    *n = ia.numel;
+    if (*va && *vb && h5io_read_f32(c->a, path, *va, ia.rank, shape, &e) == QT_OK &&
+        h5io_read_f32(c->b, path, *vb, ia.rank, shape, &e) == QT_OK)
+        return 1;
+    fprintf(stderr, "\n  /%s: cannot read %s or %s: %s\n", path, c->a->path, c->b->path, e.msg);
+    free(*va), free(*vb);
+    return -1;
+}
 
 static int compare_dataset(const char *rel, H5ioKind kind, void *ctx) {
     GroupCmp *c = ctx;
     if (kind != H5IO_DATASET) return 0;
     char path[512];
     snprintf(path, sizeof path, "%s/%s", c->group, rel);
-    H5ioInfo ia, ib;
-    QtError e = {0};
-    if (h5io_dataset_info(c->a, path, &ia, &e) != QT_OK || !h5io_is_f32(&ia)) return 0;
-    if (h5io_dataset_info(c->b, path, &ib, &e) != QT_OK || ia.rank != ib.rank || ia.numel != ib.numel) {
-        fprintf(stderr, "\n  %s: /%s missing or shaped differently in %s\n", c->a->path, path, c->b->path);
+    float *va, *vb;
+    size_t n = 0;
+    int got = read_pair(c, path, &va, &vb, &n);
+    if (got == 0) return 0;
+    if (got < 0) {
         c->equal = false;
         return 1;
     }
-    int shape[H5IO_MAX_RANK];
-    for (int d = 0; d < ia.rank; d++) shape[d] = (int)ia.dims[d];
-    float *va = malloc(ia.numel * sizeof(float) + 1), *vb = malloc(ia.numel * sizeof(float) + 1);
-    bool same = va && vb && h5io_read_f32(c->a, path, va, ia.rank, shape, &e) == QT_OK &&
-                h5io_read_f32(c->b, path, vb, ia.rank, shape, &e) == QT_OK &&
-                memcmp(va, vb, ia.numel * sizeof(float)) == 0;
-    if (!same) fprintf(stderr, "\n  /%s differs between %s and %s %s\n", path, c->a->path, c->b->path, e.msg);
-    free(va), free(vb);
-    c->equal &= same;
     c->n++;
-    return same ? 0 : 1;
+    if (c->bits) {
+        bool same = memcmp(va, vb, n * sizeof(float)) == 0;
+        if (!same) fprintf(stderr, "\n  /%s differs between %s and %s\n", path, c->a->path, c->b->path);
+        c->equal &= same;
+        free(va), free(vb);
+        return same ? 0 : 1;
+    }
+    double dd = 0.0, aa = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)va[i] - (double)vb[i];
+        dd += d * d, aa += (double)va[i] * (double)va[i];
+    }
+    double r = aa > 0.0 ? sqrt(dd / aa) : sqrt(dd);
+    if (r > c->worst) c->worst = r;
+    free(va), free(vb);
+    return 0;
 }
 
-bool test_ckpt_group_within(const char *a, const char *b, const char *group) {
+/* Visits group of a against b. */
+static bool compare_group(const char *a, const char *b, GroupCmp *c) {
     H5ioFile fa, fb;
     QtError e = {0};
     if (h5io_open(&fa, a, &e) != QT_OK) {
@@ -135,8 +168,18 @@ bool test_ckpt_group_within(const char *a, const char *b, const char *group) {
         h5io_close(&fa, &e);
         return false;
     }
-    GroupCmp c = {.a = &fa, .b = &fb, .group = group, .equal = true};
-    bool ok = h5io_visit(&fa, group, compare_dataset, &c, NULL, &e) == QT_OK && c.equal && c.n > 0;
+    c->a = &fa, c->b = &fb, c->equal = true;
+    bool ok = h5io_visit(&fa, c->group, compare_dataset, c, NULL, &e) == QT_OK && c->equal && c->n > 0;
     h5io_close(&fa, &e), h5io_close(&fb, &e);
     return ok;
+}
+
+bool test_ckpt_group_within(const char *a, const char *b, const char *group) {
+    GroupCmp c = {.group = group, .bits = true};
+    return compare_group(a, b, &c);
+}
+
+double test_ckpt_group_rel_diff(const char *a, const char *b, const char *group) {
+    GroupCmp c = {.group = group};
+    return compare_group(a, b, &c) ? c.worst : INFINITY;
 }

@@ -35,4 +35,8 @@ int test_proc_run(const char *log_path, const char *const *args, double timeout_
  * Both ways round: the two groups are equal. */
 bool test_ckpt_group_within(const char *a, const char *b, const char *group);
 
+/* The largest relative difference |a - b| / |a| (L2 norms) of a float32 dataset below `group` in a and b (each in
+ * both, at least one), INFINITY if one is missing or unreadable (said on stderr). */
+double test_ckpt_group_rel_diff(const char *a, const char *b, const char *group);
+
 #endif
