@@ -67,8 +67,9 @@ CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
 CLI_OBJS   := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 TEST_SRCS  := $(wildcard tests/*.c)
 TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)
-# export_timing.c is built against an export's directory by bench/export_bench.sh, not with the library.
-BENCH_SRCS := $(filter-out bench/export_timing.c,$(wildcard bench/*.c))
+# export_timing.c is built against an export's directory by bench/export_bench.sh, not with the library;
+# allreduce_bench.c needs MPI (the MPI section below, make bench-mpi), so plain make bench never does.
+BENCH_SRCS := $(filter-out bench/export_timing.c bench/allreduce_bench.c,$(wildcard bench/*.c))
 BENCH_BINS := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 
 LIB    := $(BUILD)/libqtrain.a
@@ -253,7 +254,13 @@ $(BUILD)/mpi/mpi/dist_mpi.o: mpi/dist_mpi.c
 $(QTRAIN_MPI): $(BUILD)/mpi/cli/main.o $(BUILD)/mpi/mpi/dist_mpi.o $(CLI_OBJS) $(LIB)
 	$(MPICC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
+# dist_sum_floats over MPI_COMM_WORLD: the sum a training step runs, timed per message size.
+$(BUILD)/bench/allreduce_bench: bench/allreduce_bench.c $(BUILD)/mpi/mpi/dist_mpi.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) $^ -o $@ $(LDFLAGS) $(PKG_LIBS) $(LDLIBS)
+
 bench-mpi: mpi
+	$(MAKE) --no-print-directory $(QTRAIN) $(BUILD)/bench/allreduce_bench
 	QTRAIN=./$(QTRAIN_MPI) sh bench/mpi_bench.sh
 
 # Tests run from the repository root (they read tests/fixtures/).
