@@ -255,9 +255,13 @@ $(QTRAIN_MPI): $(BUILD)/mpi/cli/main.o $(BUILD)/mpi/mpi/dist_mpi.o $(CLI_OBJS) $
 	$(MPICC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
 # dist_sum_floats over MPI_COMM_WORLD: the sum a training step runs, timed per message size.
-$(BUILD)/bench/allreduce_bench: bench/allreduce_bench.c $(BUILD)/mpi/mpi/dist_mpi.o $(LIB)
+$(BUILD)/mpi/bench/allreduce_bench.o: bench/allreduce_bench.c
 	@mkdir -p $(dir $@)
-	$(MPICC) $(CFLAGS) $^ -o $@ $(LDFLAGS) $(PKG_LIBS) $(LDLIBS)
+	$(MPICC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/bench/allreduce_bench: $(BUILD)/mpi/bench/allreduce_bench.o $(BUILD)/mpi/mpi/dist_mpi.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(MPICC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
 bench-mpi: mpi
 	$(MAKE) --no-print-directory $(QTRAIN) $(BUILD)/bench/allreduce_bench
