@@ -2,8 +2,9 @@
 # bench/mpi_bench.sh - data-parallel training on this machine, and a scaling model fed by what it measures
 # (make bench-mpi; bench/README.md, "Data-parallel training").
 #
-# For each of bench/configs/cnn, cnn-lora, cnn-qlora and resnet8 (real Fashion-MNIST from the config's
-# data.dir; a config whose data is missing is skipped, visibly):
+# For each of bench/configs/cnn, cnn-lora, cnn-qlora, resnet8 and configs/resnet8-qlora.yaml (QLoRA, and as
+# float LoRA with quant.mode none) - real Fashion-MNIST from the config's data.dir; a config whose data is
+# missing is skipped, visibly:
 #   a. one process x 2 threads: `qtrain bench --set run.threads=2` (its bench:config line also gives the
 #      trainable value count: the floats a data-parallel step sums);
 #   b. 2 ranks x 1 thread: `mpirun -np 2 qtrain-mpi --set run.threads=1 --set train.steps=K`, samples/s and the
@@ -23,6 +24,7 @@
 #   BENCH_OUT  where the raw outputs go (default build/bench/mpi)
 # Exit status: 0 if every measurement ran (skipped configs included), 1 otherwise.
 set -u
+set -f # quant.rules=[] below is a value, not a pattern
 
 QTRAIN=${QTRAIN:-build/qtrain-mpi}
 QTRAIN1=${QTRAIN1:-build/qtrain}
@@ -31,12 +33,17 @@ MPIRUN=${MPIRUN:-mpirun}
 PYTHON=${PYTHON:-/usr/bin/python3}
 OUT=${BENCH_OUT:-build/bench/mpi}
 DIR=$(dirname "$0")
+ROOT=$DIR/..
 
-# config, warm-up and timed steps of (a), of (c), steps of (b): ~10-20 s per config in all.
-PLAN="cnn 3 40 25 100
-cnn-lora 3 60 40 150
-cnn-qlora 3 60 40 150
-resnet8 2 15 10 40"
+# name, config, warm-up and timed steps of (a), of (c), steps of (b) (~10-20 s per config in all), the run whose
+# final checkpoint is the float base (model.init_from: LoRA and QLoRA train over one; its values do not change
+# the speed) or -, then --set options of the config's own.
+PLAN="cnn bench/configs/cnn.yaml 3 40 25 80 -
+cnn-lora bench/configs/cnn-lora.yaml 3 50 30 120 cnn
+cnn-qlora bench/configs/cnn-qlora.yaml 3 50 30 120 cnn
+resnet8 bench/configs/resnet8.yaml 2 12 8 30 -
+resnet8-lora configs/resnet8-qlora.yaml 2 10 6 30 resnet8 --set quant.mode=none --set quant.rules=[]
+resnet8-qlora configs/resnet8-qlora.yaml 2 10 6 30 resnet8"
 
 for b in "$QTRAIN" "$QTRAIN1" "$ALLREDUCE"; do
     if [ ! -x "$b" ]; then
@@ -97,38 +104,36 @@ run() {
 }
 
 SIZES=""
-while read -r name warm steps psteps ksteps; do
-    cfg="$DIR/configs/$name.yaml"
+while read -r name cfg warm steps psteps ksteps from extra; do
+    cfg="$ROOT/$cfg"
     data=$(sed -n 's/^  dir: *//p' "$cfg" | head -n 1)
-    printf '  %-10s' "$name"
+    printf '  %-13s' "$name"
     if [ -n "$data" ] && [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
         echo " skipped: its data (data.dir $data) is missing; Debian's dataset-fashion-mnist (make deps) brings it"
         echo "mpi:skipped name:$name reason:data-missing" >>"$MEASURED"
         continue
     fi
+    base=""
+    if [ "$from" != - ]; then
+        if [ ! -f "$RUNS/$from/final.h5" ]; then
+            echo " skipped: it trains over the $from run's checkpoint (model.init_from), and that run failed"
+            failed="$failed $name"
+            continue
+        fi
+        base="--set model.init_from=$RUNS/$from/final.h5"
+    fi
     # (a) one process, 2 threads (qtrain runs its own pool; OpenBLAS one thread under it, as the tests run it)
     printf ' 1x2:'
-    run "$name-1x2" env OPENBLAS_NUM_THREADS=1 "$QTRAIN1" bench --config "$cfg" --set run.threads=2 \
+    run "$name-1x2" env OPENBLAS_NUM_THREADS=1 "$QTRAIN1" bench --config "$cfg" $base $extra --set run.threads=2 \
         --warmup "$warm" --steps "$steps" --eval-batches 5 || { failed="$failed $name-1x2"; continue; }
     # (c) one rank's part: 64 examples, 1 thread
     printf ' part:'
-    run "$name-part" env OPENBLAS_NUM_THREADS=1 "$QTRAIN1" bench --config "$cfg" --set run.threads=1 \
+    run "$name-part" env OPENBLAS_NUM_THREADS=1 "$QTRAIN1" bench --config "$cfg" $base $extra --set run.threads=1 \
         --set train.batch_size=64 --set train.eval_batch_size=64 --warmup "$warm" --steps "$psteps" \
         --eval-batches 20 || { failed="$failed $name-part"; continue; }
-    # (b) 2 ranks x 1 thread, five log windows; the first is the warm-up. Training LoRA or QLoRA needs a float
-    # base (model.init_from): the cnn run's final checkpoint, the same model (the speed ignores its values).
-    base=""
-    case $name in
-        *-lora | *-qlora)
-            if [ ! -f "$RUNS/cnn/final.h5" ]; then
-                echo " 2x1: skipped: it needs the cnn run's checkpoint as its model.init_from, and that run failed"
-                failed="$failed $name-2x1"
-                continue
-            fi
-            base="--set model.init_from=$RUNS/cnn/final.h5" ;;
-    esac
+    # (b) 2 ranks x 1 thread, five log windows; the first is the warm-up
     printf ' 2x1:'
-    run "$name-2x1" env OPENBLAS_NUM_THREADS=1 "$MPIRUN" $MPIFLAGS -np 2 "$QTRAIN" --config "$cfg" $base \
+    run "$name-2x1" env OPENBLAS_NUM_THREADS=1 "$MPIRUN" $MPIFLAGS -np 2 "$QTRAIN" --config "$cfg" $base $extra \
         --set run.threads=1 --set train.steps="$ksteps" --set train.log_every=$((ksteps / 5)) \
         --set train.schedule.warmup_steps=0 --set run.out_dir="$RUNS/$name" || { failed="$failed $name-2x1"; continue; }
     echo
@@ -158,8 +163,8 @@ $PLAN
 EOF
 
 # (b) the sum alone, 2 ranks on the loopback
-printf '  %-10s' allreduce
-if run allreduce "$MPIRUN" $MPIFLAGS -np 2 "$ALLREDUCE" $SIZES --seconds 0.2; then
+printf '  %-13s' allreduce
+if run allreduce "$MPIRUN" $MPIFLAGS -np 2 "$ALLREDUCE" $SIZES --seconds 0.15; then
     echo
     grep '^bench:allreduce' "$OUT/allreduce.txt" >>"$MEASURED"
 else
