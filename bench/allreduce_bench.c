@@ -79,8 +79,8 @@ static bool parse_size(Args *a, const char *v) {
     return add_size(a, label, (size_t)n);
 }
 
-/* Returns 0 to run, 1 to exit successfully (--help), -1 on a bad argument. */
-static int parse_args(int argc, char **argv, Args *a) {
+/* Returns 0 to run, 1 to exit successfully (--help), -1 on a bad argument. Rank 0 alone (loud) prints. */
+static int parse_args(int argc, char **argv, Args *a, bool loud) {
     *a = (Args){.warmup = 5, .seconds = 0.25};
     add_size(a, "tiny", TINY_FLOATS);
     bool sweep = true;
@@ -89,7 +89,7 @@ static int parse_args(int argc, char **argv, Args *a) {
         bool ok = true, takes_value = true;
         char *end;
         if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            usage(stdout);
+            if (loud) usage(stdout);
             return 1;
         } else if (!strcmp(opt, "--no-sweep")) {
             sweep = false, takes_value = false;
@@ -110,16 +110,19 @@ static int parse_args(int argc, char **argv, Args *a) {
             ok = false;
         }
         if (!ok) {
-            fprintf(stderr, "allreduce_bench: bad or incomplete option '%s%s%s' (too many sizes: at most %d)\n", opt,
-                    val && takes_value ? " " : "", val && takes_value ? val : "", MAX_SIZES);
-            usage(stderr);
+            if (loud) {
+                fprintf(stderr, "allreduce_bench: bad or incomplete option '%s%s%s'%s\n", opt,
+                        val && takes_value ? " " : "", val && takes_value ? val : "",
+                        !strcmp(opt, "--size") && a->n_sizes == MAX_SIZES ? " (too many sizes)" : "");
+                usage(stderr);
+            }
             return -1;
         }
         i += takes_value;
     }
     for (size_t b = SWEEP_MIN_BYTES; sweep && b <= SWEEP_MAX_BYTES; b *= 2)
         if (!add_size(a, "sweep", b / sizeof(float))) {
-            fprintf(stderr, "allreduce_bench: too many sizes (at most %d with the sweep)\n", MAX_SIZES);
+            if (loud) fprintf(stderr, "allreduce_bench: too many sizes (at most %d with the sweep)\n", MAX_SIZES);
             return -1;
         }
     return 0;
@@ -200,7 +203,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     Args a;
-    int pr = parse_args(argc, argv, &a);
+    int pr = parse_args(argc, argv, &a, d.rank == 0);
     if (pr != 0) {
         dist_mpi_stop();
         return pr > 0 ? 0 : 2;
