@@ -88,14 +88,19 @@ field() {
         print substr($i, length(k) + 2); exit } }' "$1"
 }
 
-# run LOG COMMAND...: stdout and stderr into $OUT/LOG.txt; on failure says so (and returns 1).
+# run LOG COMMAND...: stdout and stderr into $OUT/LOG.txt; on failure says so (and returns 1). A process killed
+# by SIGKILL (exit 137: never qtrain's own doing; on a shared machine, someone else's kill) is run once more.
 run() {
     log="$OUT/$1.txt"
     shift
-    t0=$(date +%s%N)
-    "$@" </dev/null >"$log" 2>&1
-    rc=$?
-    printf ' %s ms' "$(( ($(date +%s%N) - t0) / 1000000 ))"
+    for attempt in 1 2; do
+        t0=$(date +%s%N)
+        "$@" </dev/null >"$log" 2>&1
+        rc=$?
+        printf ' %s ms' "$(( ($(date +%s%N) - t0) / 1000000 ))"
+        [ $rc -eq 137 ] && [ $attempt -eq 1 ] || break
+        printf ' (killed by SIGKILL from outside, once more)'
+    done
     if [ $rc -ne 0 ]; then
         echo " FAILED (exit $rc), see $log:"
         tail -n 3 "$log" | sed 's/^/    /'
