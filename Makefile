@@ -30,8 +30,9 @@
 #                   (installs libopenmpi-dev and openmpi-bin if missing; docs/DISTRIBUTED.md)
 #   make test MPI=1 the tests with the Open MPI suite; plain `make test` runs it when Open MPI is
 #                   installed and reports it skipped otherwise
-#   make bench-mpi  1 process x 2 threads against 2 ranks x 1 thread, and the sum's latency and
-#                   bandwidth at the reference models' gradient sizes (bench/mpi_bench.sh)
+#   make bench-mpi  1 process x 2 threads against 2 ranks x 1 thread, the sum's latency and
+#                   bandwidth at the reference models' gradient sizes (build/bench/allreduce_bench),
+#                   and a scaling model for N machines on 10/25 Gb/s (bench/mpi_bench.sh)
 #   make memcheck   tiny end-to-end runs under valgrind's memcheck (Debian's valgrind, installed
 #                   if missing): fails on any memory error or leak (scripts/memcheck.sh)
 

@@ -175,8 +175,11 @@ def model(cpu, configs, sums, skipped):
             strong = lambda n: batch / n / s1
             row = [what, fmt(grad / 1e6, 3), fmt(1e3 * batch / s1, 1)]
             row += [fmt(n * batch / (weak(n) + t_comm(n))) for n in NODES]
-            cw, cs = crossover(weak, t_comm), crossover(strong, t_comm)
-            row += [str(cw) if cw else f"> {CROSS_MAX}", str(cs) if cs else f"> {CROSS_MAX}"]
+            if math.isnan(s1 + batch + grad):  # a figure missing from the config's line
+                row += ["-", "-"]
+            else:
+                cw, cs = crossover(weak, t_comm), crossover(strong, t_comm)
+                row += [str(cw) if cw else f"> {CROSS_MAX}", str(cs) if cs else f"> {CROSS_MAX}"]
             rows.append(row)
         table(["run", "gradient MB", "t_c ms"] + [f"N={n}" for n in NODES] +
               ["comm > compute from N (weak)", "(strong: global batch 128)"], rows)
