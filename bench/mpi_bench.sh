@@ -177,7 +177,11 @@ else
 fi
 
 echo
-"$PYTHON" "$DIR/mpi_scaling.py" "$MEASURED" || failed="$failed model"
+if grep -q '^mpi:config ' "$MEASURED"; then
+    "$PYTHON" "$DIR/mpi_scaling.py" "$MEASURED" || failed="$failed model"
+else
+    echo "No config was measured (see above): no table and no scaling model."
+fi
 warn_busy
 if [ -n "$failed" ]; then
     echo "bench/mpi_bench.sh: failed:$failed" >&2
