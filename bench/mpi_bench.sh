@@ -167,7 +167,7 @@ done <<EOF
 $PLAN
 EOF
 
-# (b) the sum alone, 2 ranks on the loopback
+# The sum alone, 2 ranks on the loopback
 printf '  %-13s' allreduce
 if run allreduce "$MPIRUN" $MPIFLAGS -np 2 "$ALLREDUCE" $SIZES --seconds 0.15; then
     echo
