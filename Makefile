@@ -30,8 +30,9 @@
 #                   (installs libopenmpi-dev and openmpi-bin if missing; docs/DISTRIBUTED.md)
 #   make test MPI=1 the tests with the Open MPI suite; plain `make test` runs it when Open MPI is
 #                   installed and reports it skipped otherwise
-#   make bench-mpi  1 process x 2 threads against 2 ranks x 1 thread, and the sum's latency and
-#                   bandwidth at the reference models' gradient sizes (bench/mpi_bench.sh)
+#   make bench-mpi  1 process x 2 threads against 2 ranks x 1 thread, the sum's latency and
+#                   bandwidth at the reference models' gradient sizes (build/bench/allreduce_bench),
+#                   and a scaling model for N machines on 10/25 Gb/s (bench/mpi_bench.sh)
 #   make memcheck   tiny end-to-end runs under valgrind's memcheck (Debian's valgrind, installed
 #                   if missing): fails on any memory error or leak (scripts/memcheck.sh)
 
@@ -67,8 +68,9 @@ CLI_SRCS   := $(filter-out cli/main.c,$(wildcard cli/*.c))
 CLI_OBJS   := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 TEST_SRCS  := $(wildcard tests/*.c)
 TEST_OBJS  := $(TEST_SRCS:%.c=$(BUILD)/%.o)
-# export_timing.c is built against an export's directory by bench/export_bench.sh, not with the library.
-BENCH_SRCS := $(filter-out bench/export_timing.c,$(wildcard bench/*.c))
+# export_timing.c is built against an export's directory by bench/export_bench.sh, not with the library;
+# allreduce_bench.c needs MPI (the MPI section below, make bench-mpi), so plain make bench never does.
+BENCH_SRCS := $(filter-out bench/export_timing.c bench/allreduce_bench.c,$(wildcard bench/*.c))
 BENCH_BINS := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 
 LIB    := $(BUILD)/libqtrain.a
@@ -253,7 +255,17 @@ $(BUILD)/mpi/mpi/dist_mpi.o: mpi/dist_mpi.c
 $(QTRAIN_MPI): $(BUILD)/mpi/cli/main.o $(BUILD)/mpi/mpi/dist_mpi.o $(CLI_OBJS) $(LIB)
 	$(MPICC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
 
+# dist_sum_floats over MPI_COMM_WORLD: the sum a training step runs, timed per message size.
+$(BUILD)/mpi/bench/allreduce_bench.o: bench/allreduce_bench.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/bench/allreduce_bench: $(BUILD)/mpi/bench/allreduce_bench.o $(BUILD)/mpi/mpi/dist_mpi.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(MPICC) $(LDFLAGS) $^ -o $@ $(PKG_LIBS) $(LDLIBS)
+
 bench-mpi: mpi
+	$(MAKE) --no-print-directory $(QTRAIN) $(BUILD)/bench/allreduce_bench
 	QTRAIN=./$(QTRAIN_MPI) sh bench/mpi_bench.sh
 
 # Tests run from the repository root (they read tests/fixtures/).
