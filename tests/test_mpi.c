@@ -286,11 +286,12 @@ static void test_mpi_sync_bn(void) {
     free(local), free(c), free(one), free(a);
 }
 
-/* The pid of rank `rank` of a running qtrain-mpi job (its OMPI_COMM_WORLD_RANK), or -1. */
-static pid_t rank_pid(int rank) {
+/* The pid of rank `rank` of the job that mpirun `job` runs on this machine (its children, by their
+ * OMPI_COMM_WORLD_RANK: no other process is looked at), or -1. */
+static pid_t rank_pid(pid_t job, int rank) {
     char cmd[256];
-    snprintf(cmd, sizeof cmd, "for p in $(pgrep -f -- '%s --config'); do tr '\\0' '\\n' < /proc/$p/environ "
-             "2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=%d && echo $p; done", mpi_bin(), rank);
+    snprintf(cmd, sizeof cmd, "for p in $(pgrep -P %ld); do tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | "
+             "grep -qx OMPI_COMM_WORLD_RANK=%d && echo $p; done", (long)job, rank);
     FILE *f = popen(cmd, "r");
     long pid = -1;
     if (f) {
@@ -360,7 +361,7 @@ static void test_mpi_killed_rank(void) {
     char *ck = path_in(out, "ckpt-00000020.h5");
     double t0 = now_s();
     while (access(ck, F_OK) != 0 && now_s() - t0 < 60) usleep(20000);
-    pid_t victim = rank_pid(1);
+    pid_t victim = rank_pid(job, 1);
     CU_ASSERT(victim > 0);
     if (victim > 0) kill(victim, SIGKILL);
     double t1 = now_s();
