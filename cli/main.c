@@ -731,6 +731,7 @@ int main(int argc, char **argv) {
 #ifdef QTRAIN_MPI
     QtError merr = {0};
     if (dist_mpi_start(&argc, &argv, &cli_dist, &merr) != QT_OK) return fail(&merr, 1);
+    atexit(dist_mpi_stop); /* the exit()s of option parsing and --help end MPI too */
     int rc = cli_main(argc, argv);
     dist_mpi_stop();
     return rc;

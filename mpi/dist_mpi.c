@@ -8,8 +8,6 @@
 #include <mpi.h>
 #include <stdio.h>
 
-static bool started;
-
 /* MPI counts are ints: larger messages go in pieces of at most this. */
 #define DIST_MPI_PIECE ((size_t)1 << 30)
 
@@ -17,10 +15,8 @@ static QtStatus mpi_failed(int rc, const char *what, size_t bytes, QtError *err)
     char text[MPI_MAX_ERROR_STRING] = "";
     int len = 0;
     MPI_Error_string(rc, text, &len);
-    int rank = -1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    return qt_error_set(err, QT_ERR_IO, "rank %d: MPI_%s of %zu bytes failed: %s (a rank died, or the network "
-                        "between the ranks failed)", rank, what, bytes, text);
+    return qt_error_set(err, QT_ERR_IO, "MPI_%s of %zu bytes failed: %s (a rank died, or the network between the "
+                        "ranks failed)", what, bytes, text);
 }
 
 static QtStatus mpi_bcast(void *ctx, void *buf, size_t bytes, int root, QtError *err) {
@@ -52,8 +48,11 @@ static QtStatus mpi_alltoall(void *ctx, const void *send, void *recv, size_t chu
     return rc == MPI_SUCCESS ? QT_OK : mpi_failed(rc, "Alltoall", chunk_bytes, err);
 }
 
+static bool started;
+
 static void mpi_abort(void *ctx, int code) {
     (void)ctx;
+    started = false; /* no MPI_Finalize after this (dist_mpi_stop runs at exit) */
     fflush(NULL);
     MPI_Abort(MPI_COMM_WORLD, code);
 }

@@ -156,6 +156,7 @@ static bool make_base(void) {
 #define QT_CFG "tests/configs/tiny-qt.yaml"
 #define RES_CFG "tests/configs/tiny-res.yaml"
 #define BN_CFG "tests/configs/tiny-bn.yaml"
+#define AE_CFG "tests/configs/tiny-ae.yaml"
 
 /* 2 and 3 ranks against one process: the parameters within 1e-5 (per-tensor relative L2 norm) after 20 steps, the
  * test loss within 1e-5 and the accuracy within one example; summary.json's world_size and bytes per step. */
@@ -336,12 +337,13 @@ static bool wait_for_text(const char *path, const char *what, double timeout_s) 
 }
 
 /* A long run of np ranks in the background, logging every 20 steps (so a test sees it is in its step loop). */
-static pid_t start_long_run(int np, const char *out, const char *log, const char *const *extra, int kill_after_s) {
+static pid_t start_long_run(const char *launcher, int np, const char *out, const char *log, const char *const *extra,
+                            int kill_after_s) {
     static char npv[16], outset[1024], after[16];
     snprintf(npv, sizeof npv, "%d", np);
     snprintf(after, sizeof after, "%d", kill_after_s);
     snprintf(outset, sizeof outset, "run.out_dir=%s", out);
-    const char *argv[40] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "odls_base_sigkill_timeout",
+    const char *argv[40] = {launcher, "--allow-run-as-root", "--oversubscribe", "--mca", "odls_base_sigkill_timeout",
                             after, "-np", npv, mpi_bin(), "--config", FLOAT_CFG, "--set", outset, "--set",
                             "run.threads=1", "--set", "train.steps=200000", "--set", "train.log_every=20"};
     int n = 19;
@@ -356,7 +358,7 @@ static void test_mpi_killed_rank(void) {
     if (!mpi_ready()) return;
     char *out = path_in(tmp, "killed"), log[1100];
     snprintf(log, sizeof log, "%s.log", out);
-    pid_t job = start_long_run(3, out, log, (const char *[]){"--set", "train.checkpoint_every=20", NULL}, 1);
+    pid_t job = start_long_run("mpirun", 3, out, log, (const char *[]){"--set", "train.checkpoint_every=20", NULL}, 1);
     CU_ASSERT_FATAL(job > 0);
     char *ck = path_in(out, "ckpt-00000020.h5");
     double t0 = now_s();
@@ -390,13 +392,14 @@ static void test_mpi_signal_stop(void) {
     if (!mpi_ready()) return;
     char *out = path_in(tmp, "usr1"), *ref = path_in(tmp, "usr1-ref"), log[1100];
     snprintf(log, sizeof log, "%s.log", out);
-    pid_t job = start_long_run(2, out, log, NULL, 1);
+    pid_t job = start_long_run("mpirun", 2, out, log, NULL, 1);
     CU_ASSERT_FATAL(job > 0);
     CU_ASSERT(wait_for_text(log, "step:20 ", 60));
     kill(job, SIGUSR1);
     int status = test_proc_wait(job, 60);
     CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 130);
     CU_ASSERT(log_has(log, "interrupted: SIGUSR1 at step:"));
+    CU_ASSERT(log_has(log, " comm:")); /* the step line's share of time in the ranks' sums */
     long saved = newest_ckpt_step(out);
     CU_ASSERT_FATAL(saved >= 20);
     char stop[32], name[48];
@@ -408,21 +411,99 @@ static void test_mpi_signal_stop(void) {
     CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, ref, straight, 120), 0);
     CU_ASSERT(same_bits(out, ref, name, "params"));
     CU_ASSERT(same_bits(out, ref, name, "optim"));
-    /* SIGINT to mpirun: it sends SIGTERM to every rank (and SIGKILL after odls_base_sigkill_timeout, raised to 5 s
-     * here so a loaded machine cannot cut the save short; mpirun then takes about twice that to end); the ranks stop
-     * after the step with a checkpoint; mpirun itself exits 1 (Open MPI's status for a job it was told to end). Its
-     * ranks' output after the signal may be lost with mpirun's forwarding: the checkpoint is what counts. */
-    char *out2 = path_in(tmp, "sigint"), log2[1100];
-    snprintf(log2, sizeof log2, "%s.log", out2);
-    pid_t job2 = start_long_run(2, out2, log2, NULL, 5);
-    CU_ASSERT_FATAL(job2 > 0);
-    CU_ASSERT(wait_for_text(log2, "step:20 ", 60));
-    kill(job2, SIGINT);
-    status = test_proc_wait(job2, 60);
-    CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) != 0);
-    CU_ASSERT(newest_ckpt_step(out2) >= 20);
-    CU_ASSERT(test_file_exists(out2, "last.h5"));
-    free(out2), free(out), free(ref);
+    /* Ctrl-C (SIGINT) and SIGTERM to scripts/qtrain-mpirun, which hands mpirun SIGUSR1 for them (mpirun itself
+     * would end the job on its own terms): the same clean stop, exit 130 */
+    const int sigs[2] = {SIGINT, SIGTERM};
+    for (int k = 0; k < 2; k++) {
+        char name2[32], log2[1100];
+        snprintf(name2, sizeof name2, "wrapped-%d", sigs[k]);
+        char *out2 = path_in(tmp, name2);
+        snprintf(log2, sizeof log2, "%s.log", out2);
+        pid_t job2 = start_long_run("scripts/qtrain-mpirun", 2, out2, log2, NULL, 1);
+        CU_ASSERT_FATAL(job2 > 0);
+        CU_ASSERT(wait_for_text(log2, "step:20 ", 60));
+        kill(job2, sigs[k]);
+        status = test_proc_wait(job2, 60);
+        CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 130);
+        CU_ASSERT(log_has(log2, "interrupted: SIGUSR1 at step:"));
+        CU_ASSERT(newest_ckpt_step(out2) >= 20);
+        free(out2);
+    }
+    free(out), free(ref);
+}
+
+/* An autoencoder (mse against the input, per-example scores split over the ranks, the anomaly AUC) with a
+ * batchnorm1d under train.sync_bn at 3 ranks: one process's test_mse, test_mae and AUC within 1e-5. With SGD:
+ * the bias of the dense layer before the batch norm has no true gradient, only rounding noise, which AdamW would
+ * turn into full-size steps in either run (docs/DISTRIBUTED.md). */
+static void test_mpi_autoencoder(void) {
+    if (!mpi_ready()) return;
+    const char *sync[] = {"--set", "train.steps=20", "--set", "train.sync_bn=true", "--set",
+                          "train.optimizer.name=sgd", "--set", "train.optimizer.lr=0.1", NULL};
+    char *one = path_in(tmp, "ae1"), *three = path_in(tmp, "ae3");
+    CU_ASSERT_EQUAL_FATAL(one_run(AE_CFG, one, sync), 0);
+    CU_ASSERT_EQUAL(mpi_run(3, AE_CFG, three, sync, 120), 0);
+    const char *keys[] = {"test_mse", "test_mae", "test_auc"};
+    for (int k = 0; k < 3; k++) {
+        double a = summary_number(one, keys[k]), b = summary_number(three, keys[k]);
+        if (!(fabs(a - b) <= 1e-5 * fabs(a))) fprintf(stderr, "\n  %s: one process %.9g, 3 ranks %.9g\n", keys[k], a, b);
+        CU_ASSERT(isfinite(a) && fabs(a - b) <= 1e-5 * fabs(a));
+    }
+    free(one), free(three);
+}
+
+/* What every rank sees alike is said once, by rank 0: a loss that is not finite (exit 1). The checkpoint records
+ * the world size; a finished run resumed at another world size has nothing to do (exit 0). */
+static void test_mpi_said_once(void) {
+    if (!mpi_ready()) return;
+    char *out = path_in(tmp, "nan"), log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    const char *huge[] = {"--set", "train.steps=20", "--set", "train.optimizer.lr=1e30", NULL};
+    CU_ASSERT_EQUAL(mpi_run(3, FLOAT_CFG, out, huge, 120), 1);
+    size_t n = 0;
+    char *text = test_file_read(log, &n);
+    const char *first = text ? strstr(text, "qtrain: error: ") : NULL;
+    CU_ASSERT(first && strstr(first, "finite") && !strstr(first + 1, "qtrain: error: "));
+    CU_ASSERT(text && !strstr(text, "MPI_ABORT"));
+    free(text);
+    char *done = path_in(tmp, "done3");
+    const char *steps[] = {"--set", "train.steps=6", NULL};
+    const char *again[] = {"--set", "train.steps=6", "--resume", "auto", NULL};
+    CU_ASSERT_EQUAL(mpi_run(3, FLOAT_CFG, done, steps, 120), 0);
+    char *final = path_in(done, "final.h5");
+    H5ioFile f;
+    QtError e = {0};
+    int64_t world = 0;
+    CU_ASSERT(h5io_open(&f, final, &e) == QT_OK && h5io_attr_read_i64(&f, "train", "world_size", &world, &e) == QT_OK);
+    h5io_close(&f, &e);
+    CU_ASSERT_EQUAL(world, 3);
+    CU_ASSERT_EQUAL(mpi_run(2, FLOAT_CFG, done, again, 120), 0);
+    snprintf(log, sizeof log, "%s.log", done);
+    CU_ASSERT(log_has(log, "already complete"));
+    free(final), free(done), free(out);
+}
+
+/* A rank > 0 that cannot set up (no TMPDIR for rank 0's state): every rank exits 1, the failing ranks say so, and a
+ * fresh run leaves no out_dir behind. */
+static void test_mpi_setup_failure(void) {
+    if (!mpi_ready()) return;
+    char *out = path_in(tmp, "nosetup"), log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    /* mpirun makes TMPDIR for its session files (as root, anywhere): it keeps them in /tmp here, and TMPDIR is a
+       directory nobody can make */
+    const char *old = getenv("TMPDIR");
+    char *keep = old ? strdup(old) : NULL;
+    setenv("TMPDIR", "/proc/qtrain-test-none", 1);
+    setenv("OMPI_MCA_orte_tmpdir_base", "/tmp", 1);
+    int st = mpi_run(2, FLOAT_CFG, out, (const char *[]){"--set", "train.steps=6", NULL}, 120);
+    if (keep) setenv("TMPDIR", keep, 1);
+    else unsetenv("TMPDIR");
+    unsetenv("OMPI_MCA_orte_tmpdir_base");
+    free(keep);
+    CU_ASSERT_EQUAL(st, 1);
+    CU_ASSERT(log_has(log, "qtrain: error: rank 1 of 2: cannot create a temporary file"));
+    CU_ASSERT(access(out, F_OK) != 0);
+    free(out);
 }
 
 /* Refusals: a batch too small for the ranks (a config error, said once by rank 0, exit 2, no MPI abort); a command
@@ -439,7 +520,20 @@ static void test_mpi_refusals(void) {
     const char *first = text ? strstr(text, "leaves a rank") : NULL;
     CU_ASSERT(first && !strstr(first + 1, "leaves a rank")); /* once */
     free(text);
-    free(out);
+    char *ae = path_in(tmp, "ae-bn1d"), aelog[1100];
+    snprintf(aelog, sizeof aelog, "%s.log", ae);
+    CU_ASSERT_EQUAL(mpi_run(3, AE_CFG, ae, (const char *[]){"--set", "train.batch_size=5", NULL}, 60), 2);
+    CU_ASSERT(log_has(aelog, "batchnorm1d 'bn' normalises over each rank's part of the batch"));
+    /* another command than training under mpirun */
+    char evlog[1100];
+    snprintf(evlog, sizeof evlog, "%s/eval-under-mpirun.log", tmp);
+    const char *argv[] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", mpi_bin(), "eval",
+                          "--checkpoint", "none.h5", NULL};
+    pid_t pid = test_proc_spawn(evlog, argv, -1, 0);
+    int status = pid > 0 ? test_proc_wait(pid, 60) : -1;
+    CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 2);
+    CU_ASSERT(log_has(evlog, "under mpirun only training runs on several ranks"));
+    free(ae), free(out);
 }
 
 int register_mpi_suite(void) {
@@ -455,9 +549,16 @@ int register_mpi_suite(void) {
                                test_mpi_sync_bn) &&
                    CU_add_test(s, "a killed rank ends the job within 30 s, naming it; resume works",
                                test_mpi_killed_rank) &&
-                   CU_add_test(s, "SIGUSR1 (exit 130) and SIGINT to mpirun: every rank stops after its step, rank 0 checkpoints",
+                   CU_add_test(s, "SIGUSR1 to mpirun, SIGINT/SIGTERM to qtrain-mpirun: a step, a checkpoint, exit 130",
                                test_mpi_signal_stop) &&
-                   CU_add_test(s, "refusals: a batch too small for the ranks", test_mpi_refusals)
+                   CU_add_test(s, "an autoencoder with sync_bn: test mse, mae and AUC at 3 ranks = one process",
+                               test_mpi_autoencoder) &&
+                   CU_add_test(s, "an error every rank sees is said once; world_size stored; a finished run resumed",
+                               test_mpi_said_once) &&
+                   CU_add_test(s, "a rank that cannot set up: every rank exits 1, no out_dir left",
+                               test_mpi_setup_failure) &&
+                   CU_add_test(s, "refusals: a batch too small for the ranks or a batchnorm1d, eval under mpirun",
+                               test_mpi_refusals)
                ? 0
                : -1;
 }

@@ -175,6 +175,27 @@ QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
     return st;
 }
 
+/* Several ranks with batch norms on each rank's own part: a batchnorm1d over one value per channel and example needs
+ * two examples on every rank, in every batch (one process needs two in the batch). */
+static QtStatus run_check_bn_parts(Run *r, int world, int last, QtError *err) {
+    const Model *m = &r->model.net.model;
+    const TrainConfig *tc = &r->cfg->train;
+    for (int i = 0; i < m->n_modules; i++) {
+        const Module *mod = &m->modules[i];
+        if (mod->spec.type != LAYER_BATCHNORM1D || mod->in_ndim != 1 || mod->bn.frozen) continue;
+        bool small_last = !r->cfg->data.drop_last && last > 0 && last < 2 * world;
+        if (tc->batch_size >= 2 * world && !small_last) return QT_OK;
+        return qt_error_set(err, QT_ERR_CONFIG,
+                            "%s: batchnorm1d '%s' normalises over each rank's part of the batch, which needs 2 "
+                            "examples or more on each of the %d ranks, but %s; raise train.batch_size to at least %d%s, "
+                            "set train.sync_bn: true (statistics over the whole batch), or run fewer ranks",
+                            r->cfg->source, mod->path, world,
+                            small_last ? "the last batch of each epoch is smaller" : "train.batch_size is smaller",
+                            2 * world, small_last ? " with data.drop_last: true" : "");
+    }
+    return QT_OK;
+}
+
 static QtStatus run_plan_steps(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
     QtError ae = {0};
@@ -198,6 +219,10 @@ static QtStatus run_plan_steps(Run *r, QtError *err) {
                             tc->batch_size < world ? "each batch is smaller than the number of ranks"
                                                    : "the last batch of each epoch is smaller than the number of ranks",
                             world, tc->batch_size < world ? "" : ", or set data.drop_last: true");
+    if (world > 1 && !r->cfg->train.sync_bn) {
+        QtStatus st = run_check_bn_parts(r, world, last, err);
+        if (st != QT_OK) return st;
+    }
     /* epochs <= 10^6 and steps per epoch < 2^31: no overflow */
     r->plan.total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->plan.steps_per_epoch;
     r->plan.sched = tc->schedule;
@@ -917,7 +942,7 @@ static QtStatus run_setup(Run *r, char *resumed, size_t cap, char *created, size
     if ((st = run_prepare(r, !resumed[0], err)) != QT_OK) return st;
     if (resumed[0] && (st = run_resume_from(r, resumed, err)) != QT_OK) return st;
     int world = r->dist.d ? r->dist.d->world : 1;
-    if (resumed[0] && r->dist.ckpt_world != world)
+    if (resumed[0] && r->dist.ckpt_world != world && !r->dir.already_complete) /* even when quiet: it decides bits */
         fprintf(stderr, "qtrain: warning: %s was written by a run on %" PRId64 " rank%s, this one runs on %d: the "
                 "run continues with the same global batches in the same order (no example is lost or repeated), "
                 "but not bit for bit as an uninterrupted run would\n", resumed, r->dist.ckpt_world,
@@ -989,7 +1014,7 @@ QtStatus train_run(const Config *cfg, const TrainOptions *o, TrainResult *res, Q
     QtStatus st = run_is_dist(&r) ? run_dist_setup(&r, run_setup, resumed, sizeof resumed, created, sizeof created, err)
                                   : run_setup(&r, resumed, sizeof resumed, created, sizeof created, err);
     if (st == QT_OK && r.dir.already_complete) {
-        run_fill_result(&r, res);
+        if (run_is_root(&r)) run_fill_result(&r, res); /* other ranks hold no model: rank 0 reports */
         res->already_complete = true;
         run_say(&r, "done: the run in %s is already complete (step %" PRId64 " of %" PRId64 ", %s); nothing to do\n",
                 cfg->run.out_dir, r.plan.step, r.plan.total_steps, resumed);

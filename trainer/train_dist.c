@@ -45,6 +45,7 @@ typedef struct {
     int64_t status;       /* QtStatus of rank 0's setup */
     int64_t image_bytes;  /* its state's checkpoint image that follows */
     int64_t complete;     /* the resumed run is already complete: nothing to do */
+    int64_t saved_step;   /* rank 0's newest checkpoint (-1: a fresh run) */
 } DistSetupHeader;
 
 /* A rank's state from rank 0's checkpoint image, through a private temporary file (the checkpoint loader reads
@@ -55,8 +56,8 @@ static QtStatus run_dist_restore_image(Run *r, const void *image, size_t size, Q
     snprintf(path, sizeof path, "%s/qtrain-rank%d-XXXXXX", tmp && tmp[0] ? tmp : "/tmp", r->dist.d->rank);
     int fd = mkstemp(path);
     if (fd < 0)
-        return qt_error_set(err, QT_ERR_IO, "rank %d: cannot create a temporary file %s for rank 0's state: %s; set "
-                            "TMPDIR to a writable directory", r->dist.d->rank, path, strerror(errno));
+        return qt_error_set(err, QT_ERR_IO, "cannot create a temporary file %s for rank 0's state: %s; set TMPDIR to "
+                            "a writable directory", path, strerror(errno));
     size_t done = 0;
     while (done < size) {
         ssize_t k = write(fd, (const char *)image + done, size - done);
@@ -66,8 +67,8 @@ static QtStatus run_dist_restore_image(Run *r, const void *image, size_t size, Q
     int werr = errno;
     close(fd);
     QtStatus st = done == size ? run_restore(r, path, err)
-                               : qt_error_set(err, QT_ERR_IO, "rank %d: cannot write rank 0's state (%zu bytes) to "
-                                              "%s: %s", r->dist.d->rank, size, path, strerror(werr));
+                               : qt_error_set(err, QT_ERR_IO, "cannot write rank 0's state (%zu bytes) to %s: %s",
+                                              size, path, strerror(werr));
     unlink(path);
     return st;
 }
@@ -95,8 +96,7 @@ static QtStatus run_dist_alloc(Run *r, QtError *err) {
     rd->meta_work = calloc(n_meta * (size_t)d->world, sizeof(double));
     rd->regions = calloc((size_t)(cap ? cap : 1), sizeof *rd->regions);
     if (!rd->grads || !rd->work || !rd->meta || !rd->meta_work || !rd->regions)
-        return qt_error_set(err, QT_ERR_NOMEM, "rank %d: out of memory for the gradient sums (%zu values)", d->rank,
-                            rd->n_grad);
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the gradient sums (%zu values)", rd->n_grad);
     for (int i = 0; i < m->n_modules; i++) {
         Module *mod = &m->modules[i];
         if (!mod->running_mean) continue;
@@ -111,7 +111,7 @@ static QtStatus run_dist_alloc(Run *r, QtError *err) {
     }
     for (int i = 0; i < rd->n_regions; i++) rd->regions_bytes += rd->regions[i].bytes;
     if (rd->regions_bytes && !(rd->regions_buf = malloc(rd->regions_bytes)))
-        return qt_error_set(err, QT_ERR_NOMEM, "rank %d: out of memory for the buffers' copy", d->rank);
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the buffers' copy (%zu bytes)", rd->regions_bytes);
     if (r->cfg->train.sync_bn) {
         rd->tape_sync = (TapeSync){.world = d->world, .allgather = run_dist_tape_allgather, .ctx = d};
         r->work.tape.bn_sync = &rd->tape_sync;
@@ -125,7 +125,7 @@ static QtStatus run_dist_agree(Run *r, QtStatus mine, QtError *err) {
     Dist *d = r->dist.d;
     int64_t *all = calloc((size_t)d->world, sizeof *all), st64 = mine;
     QtError e = {0};
-    if (!all) return qt_error_set(err, QT_ERR_NOMEM, "rank %d: out of memory", d->rank);
+    if (!all) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     QtStatus st = dist_allgather(d, &st64, sizeof st64, all, &e);
     if (st != QT_OK) {
         free(all);
@@ -158,7 +158,8 @@ QtStatus run_dist_setup(Run *r, RunSetupFn setup, char *resumed, size_t cap, cha
             st = checkpoint_save_image("rank 0's state", &r->model.net.model, &r->model.optim, &s, &image, &size,
                                        err);
         }
-        h = (DistSetupHeader){.status = st, .image_bytes = (int64_t)size, .complete = r->dir.already_complete};
+        h = (DistSetupHeader){.status = st, .image_bytes = (int64_t)size, .complete = r->dir.already_complete,
+                              .saved_step = r->dir.saved_step};
     }
     QtError e = {0};
     if (dist_bcast(d, &h, sizeof h, 0, &e) != QT_OK) {
@@ -176,8 +177,8 @@ QtStatus run_dist_setup(Run *r, RunSetupFn setup, char *resumed, size_t cap, cha
         return QT_OK;
     }
     if (d->rank != 0 && !(image = malloc((size_t)h.image_bytes)))
-        return qt_error_set(err, QT_ERR_NOMEM, "rank %d: out of memory for rank 0's state (%" PRId64 " bytes)",
-                            d->rank, h.image_bytes);
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory for rank 0's state (%" PRId64 " bytes)",
+                            h.image_bytes);
     if (dist_bcast(d, image, (size_t)h.image_bytes, 0, &e) != QT_OK) {
         free(image);
         return qt_error_set(err, e.status, "%s", e.msg);
@@ -187,7 +188,16 @@ QtStatus run_dist_setup(Run *r, RunSetupFn setup, char *resumed, size_t cap, cha
         if (st == QT_OK) st = run_dist_restore_image(r, image, (size_t)h.image_bytes, err);
     }
     free(image);
-    if ((st = run_dist_agree(r, st, err)) != QT_OK) return st;
+    if (d->rank != 0) r->dir.saved_step = h.saved_step;
+    if ((st = run_dist_agree(r, st, err)) != QT_OK) {
+        if (d->rank == 0 && !resumed[0]) { /* a fresh run that never started: no metrics.csv of it stays */
+            char path[CONFIG_PATH_MAX + 32];
+            metrics_close(&r->log.metrics);
+            snprintf(path, sizeof path, "%s/metrics.csv", r->cfg->run.out_dir);
+            unlink(path);
+        }
+        return st;
+    }
     if ((st = run_dist_alloc(r, err)) != QT_OK) return st;
     r->dist.live = true;
     return QT_OK;
@@ -258,7 +268,7 @@ QtStatus run_dist_step(Run *r, QtError *err) {
     int64_t step = r->plan.step + 1;
     double comm0 = d->comm_s;
     if (batcher_next_part(&r->plan.batcher, d->rank, d->world, r->work.bx, r->work.by, &m, &lo, &n, &e) != QT_OK)
-        return qt_error_set(err, e.status, "rank %d, step %" PRId64 ": %s", d->rank, step, e.msg);
+        return qt_error_set(err, e.status, "step %" PRId64 ": %s", step, e.msg);
     const uint32_t *idx = r->plan.batcher.order + r->plan.batcher.cursor - m + lo;
     if (r->cfg->data.augment.n > 0)
         augment_batch(&r->cfg->data.augment, r->cfg->run.seed, r->plan.batcher.epoch, idx, n, r->data.train.shape,
@@ -268,7 +278,7 @@ QtStatus run_dist_step(Run *r, QtError *err) {
     Var *x = run_wrap_batch(r, r->work.bx, n);
     net_set_step(&r->model.net, r->plan.step);
     Var *logits = model_forward(&r->model.net.model, t, x);
-    if (!logits) return qt_error_set(err, t->err.status, "rank %d, step %" PRId64 ": %s", d->rank, step, t->err.msg);
+    if (!logits) return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", step, t->err.msg);
     bool bad = floats_first_nonfinite(logits->value.data, var_numel(logits)) < var_numel(logits);
     double l = NAN;
     int64_t correct = 0;
@@ -286,7 +296,7 @@ QtStatus run_dist_step(Run *r, QtError *err) {
             if (!bad && r->cfg->train.loss == LOSS_CROSS_ENTROPY) correct = run_count_correct(logits, r->work.by, n);
         }
     }
-    if (st != QT_OK) return qt_error_set(err, t->err.status, "rank %d, step %" PRId64 ": %s", d->rank, step, t->err.msg);
+    if (st != QT_OK) return qt_error_set(err, t->err.status, "step %" PRId64 ": %s", step, t->err.msg);
     float *g = rd->grads;
     for (int i = 0; i < r->model.net.n_trainable; i++) {
         const Var *v = &r->model.net.trainable[i]->var;
@@ -318,8 +328,8 @@ QtStatus run_dist_step(Run *r, QtError *err) {
     } else {
         st = run_update(r, meta[META_LOSS] / (double)m, (int64_t)meta[META_CORRECT], m, err);
     }
-    if (st != QT_OK) {
-        d->agreed = true;
+    if (st != QT_OK) { /* the same error on every rank: rank 0 says it */
+        d->agreed = true, d->said_elsewhere = d->rank != 0;
         return st;
     }
     comm0 = d->comm_s;
@@ -352,18 +362,13 @@ QtStatus run_dist_check_replicas(Run *r, QtError *err) {
         const Var *v = &r->model.net.trainable[i]->var;
         h = fnv1a(h, v->value.data, var_numel(v) * sizeof(float));
     }
-    const Model *m = &r->model.net.model;
-    for (int i = 0; i < m->n_modules; i++)
-        if (m->modules[i].running_mean) {
-            size_t c = (size_t)m->modules[i].in_shape[0] * sizeof(float);
-            h = fnv1a(fnv1a(h, m->modules[i].running_mean, c), m->modules[i].running_var, c);
-        }
+    for (int i = 0; i < rd->n_regions; i++) h = fnv1a(h, rd->regions[i].p, rd->regions[i].bytes);
     uint64_t *all = (uint64_t *)rd->meta_work; /* world doubles' room at least */
     QtStatus st = dist_allgather(d, &h, sizeof h, all, err);
     if (st != QT_OK) return st;
     for (int k = 1; k < d->world; k++)
         if (all[k] != all[0]) {
-            d->agreed = true;
+            d->agreed = true, d->said_elsewhere = d->rank != 0;
             return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": rank %d's parameters differ from rank 0's "
                                 "(hash %016" PRIx64 " against %016" PRIx64 "): the ranks no longer train one model, "
                                 "so no checkpoint is written; the newest checkpoint in %s is the last good one. "
