@@ -19,10 +19,10 @@
  * portable loop's, the corrections are the same, and each float output is
  * one fused multiply-add: the results equal the portable kernels bit for bit.
  *
- * Dense (AVX2): tiles of 4 rows x 8 columns (half a packed panel): per group
+ * Dense (AVX2): tiles of 6 rows x 8 columns (half a packed panel): per group
  * of 4 k, the half panel's 32 weight bytes sign-extended into two vectors of
- * 4 columns, each row's 4 codes broadcast and zero-extended; 8 accumulators.
- * Dense (AVX-VNNI): tiles of 4 rows x 16 columns, one vpdpbusd per row and
+ * 4 columns, each row's 4 codes broadcast and zero-extended; 12 accumulators.
+ * Dense (AVX-VNNI): tiles of 6 rows x 16 columns, one vpdpbusd per row and
  * half panel, as the AVX-512 kernel with two 32-byte halves per group.
  * Taps: 8 rows (the packed row block) x 4 pixels (AVX2: each pixel's 4 codes
  * zero-extended, each row's 4 weights broadcast from the packed weight's
@@ -42,7 +42,7 @@
 #define QA_TARGET __attribute__((target("avx2,fma")))
 #define QV_TARGET __attribute__((target("avx2,fma,avxvnni")))
 #define QA_INLINE static inline __attribute__((always_inline))
-#define QA_ROWS 4 /* rows of a dense tile */
+#define QA_ROWS 6 /* rows of a dense tile */
 
 static inline uint32_t load_u32(const uint8_t *p, int n) {
     uint32_t v = 0; /* bytes past n stay 0 */
@@ -83,61 +83,64 @@ QA_TARGET QA_INLINE void dense_store8(const QGemmDense *d, __m256i sum, int i, i
     }
 }
 
+/* acc[r] += rows[r][4g .. 4g + n) times group g of a half panel (8 columns): the half's 32 weight bytes
+ * sign-extended into two vectors of 4 columns (0, 1 | 2, 3 and 4, 5 | 6, 7), each row's 4 codes zero-extended
+ * and repeated twice per 128-bit lane, so vpmaddwd leaves a column's four products in two adjacent lanes. */
+QA_TARGET QA_INLINE void dense_group_avx2(__m256i acc[QA_ROWS][2], const uint8_t *const *rows, const int8_t *half,
+                                          int g, const int n) {
+    const __m128i *src = (const __m128i *)(half + (size_t)g * 64);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_load_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_load_si128(src + 1));
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        const __m256i a = _mm256_unpacklo_epi8(_mm256_set1_epi32((int)load_u32(rows[r] + 4 * (size_t)g, n)),
+                                               _mm256_setzero_si256());
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, w0));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, w1));
+    }
+}
+
 /* Rows rows[0 .. R) (past nrows the first again, never stored) times columns 8 h .. 8 h + 7 of panel p. */
 QA_TARGET QA_INLINE void dense_tile_avx2(const QGemmDense *d, const uint8_t *const *rows, int i0, int nrows, int p,
                                          int h) {
     const QGemmPackedB *b = d->b;
     const int8_t *half = b->data + (size_t)p * b->k_groups * 64 + 32 * h; /* [k_groups] 32 of 64 bytes */
-    const __m256i zero = _mm256_setzero_si256();
     __m256i acc[QA_ROWS][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = zero;
-    const int k = b->k, full = k / 4;
-    for (int g = 0; g <= full; g++) {
-        const int n = g < full ? 4 : k % 4; /* the last group without reading past a row's end */
-        if (!n) break;
-        const __m128i *src = (const __m128i *)(half + (size_t)g * 64);
-        /* columns 0, 1 | 2, 3 and 4, 5 | 6, 7 of the half: 4 int16 weights each */
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_load_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_load_si128(src + 1));
-#pragma GCC unroll 4
-        for (int r = 0; r < QA_ROWS; r++) {
-            /* the row's 4 codes as int16, twice per 128-bit lane: one column's four products in two lanes */
-            const uint32_t x = n == 4 ? load_u32(rows[r] + 4 * (size_t)g, 4) : load_u32(rows[r] + 4 * (size_t)g, n);
-            const __m256i a = _mm256_unpacklo_epi8(_mm256_set1_epi32((int)x), zero);
-            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, w0));
-            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, w1));
-        }
-    }
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int full = b->k / 4;
+    for (int g = 0; g < full; g++) dense_group_avx2(acc, rows, half, g, 4); /* constant-size loads */
+    if (b->k % 4) dense_group_avx2(acc, rows, half, full, b->k % 4);  /* without reading past a row's end */
     const int j0 = p * QGEMM_LANES + 8 * h;
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < QA_ROWS; r++)
         if (r < nrows) dense_store8(d, pair_sums(acc[r][0], acc[r][1]), i0 + r, j0, b->n - j0);
 }
 
 /* The same with vpdpbusd: both halves of panel p at once. */
+QV_TARGET QA_INLINE void dense_group_avxvnni(__m256i acc[QA_ROWS][2], const uint8_t *const *rows, const int8_t *panel,
+                                             int g, const int n) {
+    const __m256i w0 = _mm256_load_si256((const __m256i *)(panel + (size_t)g * 64));
+    const __m256i w1 = _mm256_load_si256((const __m256i *)(panel + (size_t)g * 64 + 32));
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        const __m256i a = _mm256_set1_epi32((int)load_u32(rows[r] + 4 * (size_t)g, n));
+        acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], a, w0);
+        acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], a, w1);
+    }
+}
+
 QV_TARGET QA_INLINE void dense_tile_avxvnni(const QGemmDense *d, const uint8_t *const *rows, int i0, int nrows,
                                             int p) {
     const QGemmPackedB *b = d->b;
     const int8_t *panel = b->data + (size_t)p * b->k_groups * 64; /* [k_groups][64] */
     __m256i acc[QA_ROWS][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    const int k = b->k, full = k / 4;
-    for (int g = 0; g <= full; g++) {
-        const int n = g < full ? 4 : k % 4;
-        if (!n) break;
-        const __m256i w0 = _mm256_load_si256((const __m256i *)(panel + (size_t)g * 64));
-        const __m256i w1 = _mm256_load_si256((const __m256i *)(panel + (size_t)g * 64 + 32));
-#pragma GCC unroll 4
-        for (int r = 0; r < QA_ROWS; r++) {
-            const uint32_t x = n == 4 ? load_u32(rows[r] + 4 * (size_t)g, 4) : load_u32(rows[r] + 4 * (size_t)g, n);
-            const __m256i a = _mm256_set1_epi32((int)x);
-            acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], a, w0);
-            acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], a, w1);
-        }
-    }
+    const int full = b->k / 4;
+    for (int g = 0; g < full; g++) dense_group_avxvnni(acc, rows, panel, g, 4);
+    if (b->k % 4) dense_group_avxvnni(acc, rows, panel, full, b->k % 4);
     const int j0 = p * QGEMM_LANES;
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < QA_ROWS; r++) {
         if (r >= nrows) continue;
         dense_store8(d, acc[r][0], i0 + r, j0, b->n - j0);
