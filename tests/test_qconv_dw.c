@@ -623,6 +623,69 @@ static void test_dw_ptq_eval_kernels(void) {
     free(table);
 }
 
+/* tests/configs/tiny-cnn.yaml (conv1, relu and 2x2 max pool: the taps kernels' pooling epilogue, then a dense
+ * head) trained, then PTQ with int8 weights, int8 inputs for conv1 and uint8 with zero points for the head:
+ * `qtrain eval` of its checkpoint on every vector family the CPU has (QTRAIN_INT8_KERNEL vnni, avxvnni, avx2)
+ * gives portable's accuracy and loss to the last digit, both layers on the kernels; a family the CPU lacks is a
+ * skip, and forcing it an error naming the missing feature. */
+static void test_cnn_ptq_eval_vector_kernels(void) {
+    char out[1100], init[1200], log[1100], ckpt[1100], json[1100];
+    snprintf(out, sizeof out, "run.out_dir=%s/cnn", tmp_root);
+    snprintf(log, sizeof log, "%s/cnn.log", tmp_root);
+    const char *train[] = {"--config", "tests/configs/tiny-cnn.yaml", "--set", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, train, 300.0), 0);
+    snprintf(init, sizeof init, "model.init_from=%s/cnn/final.h5", tmp_root);
+    snprintf(out, sizeof out, "run.out_dir=%s/cnn-ptq", tmp_root);
+    const char *ptq[] = {"--config", "tests/configs/tiny-cnn.yaml", "--set", out, "--set", init, "--set",
+                         "quant.mode=ptq", "--set", "quant.rules=[{module_path: conv1, weight_qtype: int8, act_qtype: "
+                         "int8}, {module_path: head, weight_qtype: int8, act_qtype: uint8, act_symmetric: false}]",
+                         "--set", "train.epochs=0", "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, ptq, 300.0), 0);
+    snprintf(ckpt, sizeof ckpt, "%s/cnn-ptq/final.h5", tmp_root);
+    snprintf(json, sizeof json, "%s/cnn-ptq/eval.json", tmp_root);
+    static const struct {
+        const char *env, *reported, *needs;
+        QGemmIsa isa;
+    } K[] = {{"portable", "portable", NULL, QGEMM_ISA_PORTABLE},
+             {"float", "float-emulated", NULL, QGEMM_ISA_PORTABLE},
+             {"vnni", "vnni", "AVX-512 VNNI", QGEMM_ISA_AVX512_VNNI},
+             {"avxvnni", "avxvnni", "AVX-VNNI", QGEMM_ISA_AVXVNNI},
+             {"avx2", "avx2", "AVX2 and FMA", QGEMM_ISA_AVX2}};
+    double acc[5], loss[5];
+    for (int k = 0; k < 5; k++) {
+        acc[k] = loss[k] = NAN;
+        const char *eval[] = {"eval", "--checkpoint", ckpt, "--quiet", NULL};
+        setenv("QTRAIN_INT8_KERNEL", K[k].env, 1);
+        if (K[k].needs && !qgemm_cpu_has_isa(K[k].isa)) {
+            test_skip("qtrain eval on the %s kernels: this CPU (or OS) has no %s", K[k].env, K[k].needs);
+            int rc = test_proc_run(log, eval, 300.0); /* refused, naming what is missing */
+            unsetenv("QTRAIN_INT8_KERNEL");
+            char *text = test_file_read(log, NULL);
+            CU_ASSERT(rc == 2 && text && strstr(text, K[k].needs));
+            free(text);
+            continue;
+        }
+        int rc = test_proc_run(log, eval, 300.0);
+        unsetenv("QTRAIN_INT8_KERNEL");
+        CU_ASSERT_EQUAL_FATAL(rc, 0);
+        char *js = test_file_read(json, NULL), want[64];
+        snprintf(want, sizeof want, "\"int8_kernel\": \"%s\"", K[k].reported);
+        const bool counted = js && strstr(js, want) && strstr(js, "\"int8_layers\": 2,") &&
+                             strstr(js, "\"int8_kernel_layers\": 2,");
+        if (!counted) fprintf(stderr, "\n  %s: %s\n", K[k].env, js ? js : "(no eval.json)");
+        CU_ASSERT(counted);
+        acc[k] = json_number(js, "\"test_accuracy\": "), loss[k] = json_number(js, "\"test_loss\": ");
+        free(js);
+        if (k < 2) continue;
+        if (acc[k] != acc[0] || loss[k] != loss[0])
+            fprintf(stderr, "\n  %s: accuracy %.6f loss %.9g, portable %.6f %.9g\n", K[k].env, acc[k], loss[k], acc[0],
+                    loss[0]);
+        CU_ASSERT(acc[k] == acc[0] && loss[k] == loss[0]);
+    }
+    printf("(accuracy %.4f, loss portable %.6f float %.6f) ", acc[0], loss[0], loss[1]);
+    CU_ASSERT(acc[0] > 0.2 && fabs(loss[1] - loss[0]) <= 1e-4 * loss[0]);
+}
+
 int register_quant_int8_dw_suite(void) {
     CU_pSuite s = CU_add_suite("quant_int8_dw", dw_suite_init, dw_suite_cleanup);
     if (!s) return -1;
@@ -634,5 +697,7 @@ int register_quant_int8_dw_suite(void) {
            !CU_add_test(s, "dilated and grouped convs keep the float fallback", test_dw_fallbacks) ||
            !CU_add_test(s, "int8 depthwise forward errors", test_dw_errors) ||
            !CU_add_test(s, "int8 depthwise model steady state", test_dw_model_steady_state) ||
-           !CU_add_test(s, "PTQ of the depthwise model: qtrain eval on every kernel", test_dw_ptq_eval_kernels);
+           !CU_add_test(s, "PTQ of the depthwise model: qtrain eval on every kernel", test_dw_ptq_eval_kernels) ||
+           !CU_add_test(s, "PTQ of the CNN: qtrain eval on every vector family equals portable",
+                        test_cnn_ptq_eval_vector_kernels);
 }
