@@ -422,6 +422,38 @@ static void test_dw_fallbacks(void) {
     qgemm_force_portable = false;
 }
 
+/* The 256-bit families have no depthwise kernel: with AVX2 or AVX-VNNI chosen, a depthwise layer keeps the float
+ * path (as on a CPU without AVX-512 VNNI before those families existed), while a forced portable or the AVX-512
+ * family runs it on the integer kernel. */
+static void test_dw_vector_families(void) {
+    Model m;
+    dw_model(&m, &DW_GEOS[1], 3750);
+    const size_t nx = dw_in_numel(&m.modules[0], 2);
+    float *x = qa_normal_sample(3751, nx);
+    QLayer q;
+    dw_layer(&q, &m.modules[0], false, &ACTS[1]);
+    dw_act_range(&q, x, nx);
+    CU_ASSERT_FATAL(qlayer_int8_supported(&q));
+    Tape t = {0}; /* no gradient: only the kernel choice decides */
+    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AVX2, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX512_VNNI};
+    static const char *const NAMES[] = {"AVX2", "AVX-VNNI", "AVX-512 VNNI"};
+    for (int i = 0; i < 3; i++) {
+        if (!qgemm_cpu_has_isa(FAMILIES[i])) {
+            test_skip("a depthwise layer on the %s kernels: this CPU has no %s", NAMES[i], NAMES[i]);
+            continue;
+        }
+        qgemm_force_isa = FAMILIES[i];
+        CU_ASSERT_EQUAL(qlayer_int8_applies(&t, &q, NULL, NULL), FAMILIES[i] == QGEMM_ISA_AVX512_VNNI);
+        qgemm_force_portable = true;
+        CU_ASSERT(qlayer_int8_applies(&t, &q, NULL, NULL));
+        qgemm_force_portable = false;
+    }
+    qgemm_force_isa = -1;
+    free(x);
+    qlayer_free(&q);
+    model_free(&m);
+}
+
 /* ---- errors ---------------------------------------------------------------------------------------------------- */
 
 static void test_dw_errors(void) {
@@ -695,6 +727,7 @@ int register_quant_int8_dw_suite(void) {
            !CU_add_test(s, "int8 depthwise layer equals the float path", test_dw_against_float) ||
            !CU_add_test(s, "int8 depthwise relu and relu + max pool epilogues", test_dw_epilogues) ||
            !CU_add_test(s, "dilated and grouped convs keep the float fallback", test_dw_fallbacks) ||
+           !CU_add_test(s, "depthwise layers keep the float path on the 256-bit families", test_dw_vector_families) ||
            !CU_add_test(s, "int8 depthwise forward errors", test_dw_errors) ||
            !CU_add_test(s, "int8 depthwise model steady state", test_dw_model_steady_state) ||
            !CU_add_test(s, "PTQ of the depthwise model: qtrain eval on every kernel", test_dw_ptq_eval_kernels) ||
