@@ -352,11 +352,13 @@ void qgemm_dw_portable(const QGemmDw *d) {
     }
 }
 
-/* No 256-bit depthwise kernel: AVX2 and AVX-VNNI run the portable one (qlayer_int8.c keeps depthwise layers on
- * float emulation there unless the portable kernels are asked for). */
 void qgemm_dw(const QGemmDw *d) {
-    if (qgemm_use_vnni()) qgemm_dw_vnni(d);
-    else qgemm_dw_portable(d);
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AVX512_VNNI: qgemm_dw_vnni(d); break;
+    case QGEMM_ISA_AVXVNNI:
+    case QGEMM_ISA_AVX2: qgemm_dw_avx2(d); break;
+    default: qgemm_dw_portable(d); break;
+    }
 }
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */

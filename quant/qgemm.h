@@ -10,9 +10,10 @@
  * vpmaddwd, exact); else portable C (qgemm.c). The vector files use function
  * target attributes, so the binary still runs on any x86-64. All give the
  * same int32 sums and the same float outputs bit for bit; the tests compare
- * them. The 256-bit families cover dense, taps and the quantizers; the
- * depthwise kernel and qgemm_s8 have no 256-bit version and run portable C
- * there (qlayer_int8.c keeps depthwise layers on float emulation then).
+ * them. The 256-bit families cover dense, taps, depthwise (strides 1 and 2
+ * across; others portable C, which qlayer_int8.c leaves to float emulation)
+ * and the quantizers; qgemm_s8 has no 256-bit version and runs portable C
+ * there.
  *
  * vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes, adds the four
  * products and the int32 accumulator without saturation (the s variant
@@ -210,7 +211,8 @@ void qgemm_packed_dw_free(QGemmPackedDw *p);
  * relu'd if relu (as nn's relu: 0 unless y > 0). The VNNI kernel first
  * gathers each padded row's dwords of 4 codes for every output column into
  * scratch (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so
- * nothing outside act is read); the portable one sums the codes directly. */
+ * nothing outside act is read); the AVX2 one copies the padded rows there;
+ * the portable one sums the codes directly. */
 typedef struct {
     const uint8_t *act;        /* (in_h, in_w) */
     int in_h, in_w, pad_t, pad_l;
@@ -222,7 +224,7 @@ typedef struct {
     const float *scale;        /* [channels] */
     const float *bias;         /* [channels] or NULL */
     bool relu;
-    uint32_t *scratch;         /* VNNI: qgemm_dw_scratch bytes */
+    uint32_t *scratch;         /* VNNI, AVX2: qgemm_dw_scratch bytes */
 } QGemmDw;
 
 size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh);

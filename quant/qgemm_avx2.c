@@ -24,6 +24,9 @@
  * 4 columns, each row's 4 codes broadcast and zero-extended; 12 accumulators.
  * Dense (AVX-VNNI): tiles of 6 rows x 16 columns, one vpdpbusd per row and
  * half panel, as the AVX-512 kernel with two 32-byte halves per group.
+ * Depthwise (both families): vpmaddwd of codes against kernel-row weight
+ * pairs over padded rows in scratch, strides 1 and 2 across (others
+ * portable), see qgemm_dw_avx2.
  * Taps: 8 rows (the packed row block) x 4 pixels (AVX2: each pixel's 4 codes
  * zero-extended, each row's 4 weights broadcast from the packed weight's
  * int16 copy) or x 8 pixels (AVX-VNNI), the sums of a 16-pixel vector
@@ -316,6 +319,96 @@ QV_TARGET void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, 
     }
 }
 
+/* ---- depthwise ------------------------------------------------------------------------------------------------- */
+
+/* Bytes of one padded row in scratch: every column a 16-byte load of qgemm_dw_avx2 reaches. */
+static size_t dw_row_bytes(const QGemmDw *d) {
+    const size_t cols = ((size_t)d->ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
+    return cols * (size_t)d->sw + 2 * (((size_t)d->w->kw + 1) / 2) + 17;
+}
+
+/* The weight pair of kernel row r, columns 2 p and 2 p + 1 (0 past kw) of channel oc: two int16 in an int32, the
+ * operand of vpmaddwd against two consecutive codes. */
+static inline int32_t dw_pair(const QGemmPackedDw *w, int oc, int r, int p) {
+    const uint32_t q = (uint32_t)w->data[((size_t)oc * w->kh + r) * w->kq + (size_t)p / 2] >> (16 * (p % 2));
+    return (int32_t)(((uint32_t)(uint16_t)(int16_t)(int8_t)(uint8_t)q) | ((uint32_t)(uint16_t)(int16_t)(int8_t)(uint8_t)(q >> 8) << 16));
+}
+
+/* y = fmaf((float)(sum - corr), scale, bias), relu'd if asked, to out [n <= 8]. */
+QA_TARGET QA_INLINE void dw_store8(float *out, __m256i sum, __m256i corr, __m256 sc, __m256 bi, bool relu, int n) {
+    __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, corr)), sc, bi);
+    if (relu) y = _mm256_max_ps(y, _mm256_setzero_ps()); /* nn's relu: see taps_out */
+    if (n >= 8) _mm256_storeu_ps(out, y);
+    else if (n > 0) _mm256_maskstore_ps(out, lane_mask8(n), y);
+}
+
+/* The depthwise kernel for strides 1 and 2 across (qgemm_dw_avx2 checks): each padded input row once into
+ * scratch (a_zero outside the input: its terms cancel in the correction), then per output channel and row,
+ * vpmaddwd of 16 codes (as int16) against a kernel row's weight pair (2 p, 2 p + 1) broadcast: lane j sums the
+ * codes at 2 j + 2 p and 2 j + 2 p + 1 from the load's start. Stride 2 starts at 2 o0: lane j is output o0 + j,
+ * 8 outputs a load. Stride 1 needs two loads a pair, at o0 and o0 + 1, for the even and the odd outputs of 16,
+ * interleaved at the end. The sums wrap like the portable kernel's and the correction is a_zero times the
+ * channel's weight sum. */
+QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
+    const QGemmPackedDw *w = d->w;
+    const int KH = w->kh, KP = (w->kw + 1) / 2;
+    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, width = dw_row_bytes(d);
+    /* past stride 2 the codes of one output's pair are not where a lane meets them; the padded rows fit in
+     * qgemm_dw_scratch's bytes for any kernel (16 output columns at least), checked all the same */
+    if (d->sw > 2 || rows * width > qgemm_dw_scratch(w, d->oh_n, d->ow_n, d->sh)) {
+        qgemm_dw_portable(d);
+        return;
+    }
+    uint8_t *pad = (uint8_t *)d->scratch; /* (rows, width) */
+    for (size_t r = 0; r < rows; r++) {
+        uint8_t *dst = pad + r * width;
+        memset(dst, d->a_zero, width);
+        const long ih = (long)r - d->pad_t;
+        if (ih < 0 || ih >= d->in_h) continue;
+        const long x0 = d->pad_l > 0 ? d->pad_l : 0, x1 = (long)d->pad_l + d->in_w < (long)width ? d->pad_l + d->in_w : (long)width;
+        if (x1 > x0) memcpy(dst + x0, d->act + (size_t)ih * d->in_w + (x0 - d->pad_l), (size_t)(x1 - x0));
+    }
+    for (int i = 0; i < d->n_oc; i++) {
+        const int oc = d->oc0 + i;
+        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
+        const __m256i corr = _mm256_set1_epi32((int32_t)((uint32_t)d->a_zero * (uint32_t)w->sum[oc]));
+        const __m256 sc = _mm256_set1_ps(d->scale[oc]), bi = _mm256_set1_ps(d->bias ? d->bias[oc] : 0.0f);
+        for (int oh = 0; oh < d->oh_n; oh++) {
+            const uint8_t *top = pad + (size_t)oh * d->sh * width; /* the window's first padded row */
+            float *o = out + (size_t)oh * d->ow_n;
+            if (d->sw == 2) {
+                for (int o0 = 0; o0 < d->ow_n; o0 += 8) {
+                    __m256i acc = _mm256_setzero_si256();
+                    for (int r = 0; r < KH; r++)
+                        for (int p = 0; p < KP; p++) {
+                            const __m128i *at = (const __m128i *)(top + (size_t)r * width + 2 * (size_t)o0 + 2 * p);
+                            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(at));
+                            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(dw_pair(w, oc, r, p))));
+                        }
+                    dw_store8(o + o0, acc, corr, sc, bi, d->relu, d->ow_n - o0);
+                }
+                continue;
+            }
+            for (int o0 = 0; o0 < d->ow_n; o0 += 16) {
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                for (int r = 0; r < KH; r++)
+                    for (int p = 0; p < KP; p++) {
+                        const uint8_t *at = top + (size_t)r * width + (size_t)o0 + 2 * p;
+                        const __m256i wp = _mm256_set1_epi32(dw_pair(w, oc, r, p));
+                        const __m256i a0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at));
+                        const __m256i a1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + 1)));
+                        even = _mm256_add_epi32(even, _mm256_madd_epi16(a0, wp));
+                        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(a1, wp));
+                    }
+                /* outputs 0 1 2 3 | 8 9 10 11 and 4 5 6 7 | 12 13 14 15, then in order */
+                const __m256i lo = _mm256_unpacklo_epi32(even, odd), hi = _mm256_unpackhi_epi32(even, odd);
+                dw_store8(o + o0, _mm256_permute2x128_si256(lo, hi, 0x20), corr, sc, bi, d->relu, d->ow_n - o0);
+                dw_store8(o + o0 + 8, _mm256_permute2x128_si256(lo, hi, 0x31), corr, sc, bi, d->relu, d->ow_n - o0 - 8);
+            }
+        }
+    }
+}
+
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -396,6 +489,7 @@ void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qge
 void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     qgemm_taps_portable(g, rb0, rb1, v0, v1);
 }
+void qgemm_dw_avx2(const QGemmDw *d) { qgemm_dw_portable(d); }
 bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
 }

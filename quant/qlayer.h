@@ -43,8 +43,8 @@
  *   y = s_x * s_w[oc] * (sum - zero-point terms) + bias.
  * That is the fake-quantized float forward up to float rounding; the
  * kernels (AVX-512 VNNI, AVX-VNNI, AVX2 or portable C) agree bit for bit.
- * It needs a CPU with AVX2 and FMA at least (depthwise convs: AVX-512
- * VNNI), or qgemm_force_portable: the portable kernels are slower than
+ * It needs a CPU with AVX2 and FMA at least (depthwise convs with a
+ * stride past 2 across: AVX-512 VNNI), or qgemm_force_portable: the portable kernels are slower than
  * fake quantization + sgemm, so elsewhere the float path stays
  * (qlayer_int8_kernel says which path runs; a run reports it).
  * A forward that needs a gradient always takes the float path, whose
@@ -182,8 +182,8 @@ extern bool qlayer_int8_disable;
  * (AVX-512 VNNI kernels), "avxvnni" (256-bit vpdpbusd), "avx2" (AVX2 + FMA
  * kernels), "portable" (the C kernels, qgemm_force_portable), or
  * "float-emulated" (fake quantization + sgemm: qlayer_int8_disable, or a
- * CPU without AVX2). With avxvnni and avx2 a depthwise conv still takes the
- * float path: there is no 256-bit depthwise kernel. */
+ * CPU without AVX2). With avxvnni and avx2 a depthwise conv with a stride
+ * past 2 across takes the float path. */
 const char *qlayer_int8_kernel(void);
 /* Applies a choice by name, for tests and for measuring: "vnni",
  * "avxvnni", "avx2" (each an error naming `what` and the missing CPU

@@ -163,12 +163,12 @@ bool qlayer_int8_supported(const QLayer *q) { return q && q->module && !unsuppor
 bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var *bias) {
     if (qlayer_int8_disable || !q->act_ready || q->calibrating || !qlayer_int8_supported(q)) return false;
     /* without vector kernels the portable ones are slower than fake quantization + sgemm: keep the float path
-     * there unless the portable kernels are asked for. The 256-bit families (AVX2, AVX-VNNI) have no depthwise
-     * kernel: a depthwise conv keeps the float path with them, as before they existed. */
+     * there unless the portable kernels are asked for. The 256-bit families' depthwise kernel takes strides 1
+     * and 2 across (qgemm_dw_avx2): a depthwise conv with a longer stride keeps the float path with them. */
     if (!qgemm_force_portable) {
         const QGemmIsa isa = qgemm_isa();
         if (isa == QGEMM_ISA_PORTABLE) return false;
-        if (isa != QGEMM_ISA_AVX512_VNNI && conv_is_dw(q)) return false;
+        if (isa != QGEMM_ISA_AVX512_VNNI && conv_is_dw(q) && q->module->geom.stride_w > 2) return false;
     }
     return !(t->grad_enabled && (x->requires_grad || (bias && bias->requires_grad)));
 }
