@@ -57,7 +57,8 @@ bool qgemm_cpu_has_isa(QGemmIsa isa) { return isa >= 0 && isa <= QGEMM_ISA_AVX51
 
 QGemmIsa qgemm_isa(void) {
     if (qgemm_force_portable) return QGEMM_ISA_PORTABLE;
-    if (qgemm_force_isa >= 0) return qgemm_cpu_has_isa(qgemm_force_isa) ? (QGemmIsa)qgemm_force_isa : QGEMM_ISA_PORTABLE;
+    if (qgemm_force_isa >= 0)
+        return qgemm_cpu_has_isa(qgemm_force_isa) ? (QGemmIsa)qgemm_force_isa : QGEMM_ISA_PORTABLE;
     for (int isa = QGEMM_ISA_AVX512_VNNI; isa > QGEMM_ISA_PORTABLE; isa--)
         if (qgemm_cpu_has_isa(isa)) return (QGemmIsa)isa;
     return QGEMM_ISA_PORTABLE;

@@ -247,7 +247,8 @@ QA_TARGET static void taps_out(const QGemmTaps *g, int rb, int v, int32_t (*sums
             y[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x), sc, bi);
             if (relu) y[h] = _mm256_max_ps(y[h], _mm256_setzero_ps());
         }
-        float *dst = pool ? g->pool_buf + ((size_t)s * g->n_vec + v) * QGEMM_LANES : g->out + (size_t)r * g->ldo + g->vec_pos[v];
+        float *dst = pool ? g->pool_buf + ((size_t)s * g->n_vec + v) * QGEMM_LANES
+                          : g->out + (size_t)r * g->ldo + g->vec_pos[v];
         if (m == 0xFFFF) {
             _mm256_storeu_ps(dst, y[0]), _mm256_storeu_ps(dst + 8, y[1]);
         } else { /* the output lanes in order */
@@ -331,7 +332,8 @@ static size_t dw_row_bytes(const QGemmDw *d) {
  * operand of vpmaddwd against two consecutive codes. */
 static inline int32_t dw_pair(const QGemmPackedDw *w, int oc, int r, int p) {
     const uint32_t q = (uint32_t)w->data[((size_t)oc * w->kh + r) * w->kq + (size_t)p / 2] >> (16 * (p % 2));
-    return (int32_t)(((uint32_t)(uint16_t)(int16_t)(int8_t)(uint8_t)q) | ((uint32_t)(uint16_t)(int16_t)(int8_t)(uint8_t)(q >> 8) << 16));
+    const uint32_t lo = (uint16_t)(int16_t)(int8_t)(uint8_t)q, hi = (uint16_t)(int16_t)(int8_t)(uint8_t)(q >> 8);
+    return (int32_t)(lo | hi << 16);
 }
 
 /* y = fmaf((float)(sum - corr), scale, bias), relu'd if asked, to out [n <= 8]. */
@@ -365,7 +367,8 @@ QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
         memset(dst, d->a_zero, width);
         const long ih = (long)r - d->pad_t;
         if (ih < 0 || ih >= d->in_h) continue;
-        const long x0 = d->pad_l > 0 ? d->pad_l : 0, x1 = (long)d->pad_l + d->in_w < (long)width ? d->pad_l + d->in_w : (long)width;
+        const long x0 = d->pad_l > 0 ? d->pad_l : 0;
+        const long x1 = (long)d->pad_l + d->in_w < (long)width ? (long)d->pad_l + d->in_w : (long)width;
         if (x1 > x0) memcpy(dst + x0, d->act + (size_t)ih * d->in_w + (x0 - d->pad_l), (size_t)(x1 - x0));
     }
     for (int i = 0; i < d->n_oc; i++) {
