@@ -1,5 +1,6 @@
 /* qgemm.c - the integer GEMMs' dispatch, the weight packers, and the
- * portable kernels (qgemm.h); the AVX-512 VNNI kernels are in qgemm_x86.c.
+ * portable kernels (qgemm.h); the AVX-512 VNNI kernels are in qgemm_x86.c,
+ * the AVX-VNNI and AVX2 ones in qgemm_avx2.c.
  *
  * The portable kernels follow the packed layouts exactly as the vector ones
  * do and sum in uint32 (wrapping like vpdpbusd), so both give the same int32
@@ -27,25 +28,52 @@
 #define QG_NB 32  /* rows of b per block: 16 KiB of int16, in L1 with the a row */
 
 bool qgemm_force_portable = false;
+int qgemm_force_isa = -1;
 
-bool qgemm_cpu_has_vnni(void) {
-    static atomic_int has = -1; /* every thread that races here computes the same answer */
+bool qgemm_cpu_has_vnni(void) { return qgemm_cpu_has_isa(QGEMM_ISA_AVX512_VNNI); }
+
+/* Bit isa of the families this CPU runs; every thread that races here computes the same answer. */
+static int cpu_isas(void) {
+    static atomic_int has = -1;
     if (atomic_load(&has) < 0) {
+        int m = 1 << QGEMM_ISA_PORTABLE;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_cpu_init();
-        /* libgcc checks that the OS saves the AVX-512 state (XCR0) before reporting these */
-        atomic_store(&has, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"));
-#else
-        atomic_store(&has, 0);
+        /* libgcc checks that the OS saves the AVX and AVX-512 state (XCR0) before reporting these */
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+            m |= 1 << QGEMM_ISA_AVX2;
+            if (__builtin_cpu_supports("avxvnni")) m |= 1 << QGEMM_ISA_AVXVNNI;
+        }
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            m |= 1 << QGEMM_ISA_AVX512_VNNI;
 #endif
+        atomic_store(&has, m);
     }
-    return atomic_load(&has) > 0;
+    return atomic_load(&has);
 }
 
-bool qgemm_use_vnni(void) { return !qgemm_force_portable && qgemm_cpu_has_vnni(); }
+bool qgemm_cpu_has_isa(QGemmIsa isa) { return isa >= 0 && isa <= QGEMM_ISA_AVX512_VNNI && cpu_isas() >> isa & 1; }
 
-const char *qgemm_kernel_name(void) { return qgemm_use_vnni() ? "avx512-vnni" : "portable"; }
+QGemmIsa qgemm_isa(void) {
+    if (qgemm_force_portable) return QGEMM_ISA_PORTABLE;
+    if (qgemm_force_isa >= 0)
+        return qgemm_cpu_has_isa(qgemm_force_isa) ? (QGemmIsa)qgemm_force_isa : QGEMM_ISA_PORTABLE;
+    for (int isa = QGEMM_ISA_AVX512_VNNI; isa > QGEMM_ISA_PORTABLE; isa--)
+        if (qgemm_cpu_has_isa(isa)) return (QGemmIsa)isa;
+    return QGEMM_ISA_PORTABLE;
+}
+
+bool qgemm_use_vnni(void) { return qgemm_isa() == QGEMM_ISA_AVX512_VNNI; }
+
+const char *qgemm_kernel_name(void) {
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AVX512_VNNI: return "avx512-vnni";
+    case QGEMM_ISA_AVXVNNI: return "avxvnni";
+    case QGEMM_ISA_AVX2: return "avx2";
+    default: return "portable";
+    }
+}
 
 static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
@@ -95,10 +123,11 @@ QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int ta
     size_t n = (size_t)rb * taps * QGEMM_ROWS;
     p->data = alloc64(n * sizeof *p->data);
     p->row_sum = alloc64((size_t)rb * QGEMM_ROWS * sizeof *p->row_sum);
-    if (!p->data || !p->row_sum) {
+    p->wide = alloc64(4 * n * sizeof *p->wide);
+    if (!p->data || !p->row_sum || !p->wide) {
         qgemm_packed_taps_free(p);
         return qt_error_set(err, QT_ERR_NOMEM, "qgemm_pack_taps: out of memory for a packed weight of %zu bytes",
-                            n * sizeof(int32_t));
+                            n * (sizeof(int32_t) + 4 * sizeof(int16_t)));
     }
     memset(p->data, 0, n * sizeof *p->data);
     memset(p->row_sum, 0, (size_t)rb * QGEMM_ROWS * sizeof *p->row_sum);
@@ -111,13 +140,14 @@ QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int ta
         }
         p->row_sum[r] = sum;
     }
+    for (size_t i = 0; i < 4 * n; i++) p->wide[i] = (int8_t)(uint8_t)((uint32_t)p->data[i / 4] >> (8 * (i % 4)));
     p->rows = rows, p->taps = taps, p->row_blocks = rb;
     return QT_OK;
 }
 
 void qgemm_packed_taps_free(QGemmPackedTaps *p) {
     if (!p) return;
-    free(p->data), free(p->row_sum);
+    free(p->data), free(p->row_sum), free(p->wide);
     memset(p, 0, sizeof *p);
 }
 
@@ -160,8 +190,12 @@ void qgemm_dense_portable(const QGemmDense *d, int row0, int row1, int p0, int p
 }
 
 void qgemm_dense(const QGemmDense *d, int row0, int row1, int p0, int p1) {
-    if (qgemm_use_vnni()) qgemm_dense_vnni(d, row0, row1, p0, p1);
-    else qgemm_dense_portable(d, row0, row1, p0, p1);
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AVX512_VNNI: qgemm_dense_vnni(d, row0, row1, p0, p1); break;
+    case QGEMM_ISA_AVXVNNI: qgemm_dense_avxvnni(d, row0, row1, p0, p1); break;
+    case QGEMM_ISA_AVX2: qgemm_dense_avx2(d, row0, row1, p0, p1); break;
+    default: qgemm_dense_portable(d, row0, row1, p0, p1); break;
+    }
 }
 
 void qgemm_u8s8(int32_t *c, const uint8_t *a, int a_zero, const QGemmPackedB *b, int m) {
@@ -237,8 +271,12 @@ void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
 }
 
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
-    if (qgemm_use_vnni()) qgemm_taps_vnni(g, rb0, rb1, v0, v1);
-    else qgemm_taps_portable(g, rb0, rb1, v0, v1);
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AVX512_VNNI: qgemm_taps_vnni(g, rb0, rb1, v0, v1); break;
+    case QGEMM_ISA_AVXVNNI: qgemm_taps_avxvnni(g, rb0, rb1, v0, v1); break;
+    case QGEMM_ISA_AVX2: qgemm_taps_avx2(g, rb0, rb1, v0, v1); break;
+    default: qgemm_taps_portable(g, rb0, rb1, v0, v1); break;
+    }
 }
 
 /* ---- depthwise ------------------------------------------------------------------------------------------------- */
@@ -316,8 +354,12 @@ void qgemm_dw_portable(const QGemmDw *d) {
 }
 
 void qgemm_dw(const QGemmDw *d) {
-    if (qgemm_use_vnni()) qgemm_dw_vnni(d);
-    else qgemm_dw_portable(d);
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AVX512_VNNI: qgemm_dw_vnni(d); break;
+    case QGEMM_ISA_AVXVNNI:
+    case QGEMM_ISA_AVX2: qgemm_dw_avx2(d); break;
+    default: qgemm_dw_portable(d); break;
+    }
 }
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
@@ -341,6 +383,7 @@ bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s,
 
 bool qgemm_quantize_u8(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     if (qgemm_use_vnni()) return qgemm_quantize_u8_vnni(dst, x, n, s, lo, hi, zero);
+    if (qgemm_isa() != QGEMM_ISA_PORTABLE) return qgemm_quantize_u8_avx2(dst, x, n, s, lo, hi, zero);
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
 }
 
@@ -363,6 +406,7 @@ bool qgemm_quantize_u8x4_portable(uint32_t *dst, size_t ldd, const float *const 
 bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                          const QGemmCodes *c) {
     if (qgemm_use_vnni()) return qgemm_quantize_u8x4_vnni(dst, ldd, x, ldx, rows, n, c);
+    if (qgemm_isa() != QGEMM_ISA_PORTABLE) return qgemm_quantize_u8x4_avx2(dst, ldd, x, ldx, rows, n, c);
     return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
 }
 

@@ -2,11 +2,18 @@
  * codes, summed exactly in int32, for int8 inference (qlayer_int8.c) and for
  * quantized training's int8 x int8 product (qgemm_s8 in qt.h).
  *
- * Two kernel families, chosen once at run time: AVX-512 VNNI (vpdpbusd,
- * qgemm_x86.c, compiled with function target attributes so the binary still
- * runs on any x86-64) where the CPU and the OS have AVX-512 F/BW/VL/VNNI,
- * else portable C (qgemm.c). Both give the same int32 sums and the same
- * float outputs bit for bit; the tests compare them.
+ * Kernel families, chosen at run time (qgemm_isa), the best the CPU and the
+ * OS have: AVX-512 VNNI (vpdpbusd on 512 bits, qgemm_x86.c) where they have
+ * AVX-512 F/BW/VL/VNNI; else AVX-VNNI (vpdpbusd on 256 bits, qgemm_avx2.c:
+ * Intel Alder Lake and later, AMD Zen 5); else AVX2 + FMA (qgemm_avx2.c: no
+ * byte dot product there, so codes are widened to int16 and multiplied by
+ * vpmaddwd, exact); else portable C (qgemm.c). The vector files use function
+ * target attributes, so the binary still runs on any x86-64. All give the
+ * same int32 sums and the same float outputs bit for bit; the tests compare
+ * them. The 256-bit families cover dense, taps, depthwise (strides 1 and 2
+ * across; others portable C, which qlayer_int8.c leaves to float emulation)
+ * and the quantizers; qgemm_s8 has no 256-bit version and runs portable C
+ * there.
  *
  * vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes, adds the four
  * products and the int32 accumulator without saturation (the s variant
@@ -36,12 +43,27 @@
 #define QGEMM_ROWS 8      /* rows of one register tile */
 #define QGEMM_K_MAX 65536 /* longest sum that is exact for any codes: 65536 * 255 * 128 < 2^31 */
 
+/* The kernel families, slowest first. */
+typedef enum {
+    QGEMM_ISA_PORTABLE,
+    QGEMM_ISA_AVX2,        /* AVX2 and FMA */
+    QGEMM_ISA_AVXVNNI,     /* AVX2, FMA and AVX-VNNI */
+    QGEMM_ISA_AVX512_VNNI, /* AVX-512 F/BW/VL/VNNI */
+} QGemmIsa;
+
 /* Tests and benchmarks set this to run the portable kernels on any CPU. */
 extern bool qgemm_force_portable;
+/* A family to run instead of the best one (tests, benchmarks, QTRAIN_INT8_KERNEL), or -1 (the default): the
+ * best the CPU has. Set only a family qgemm_cpu_has_isa accepts; qgemm_force_portable still wins. */
+extern int qgemm_force_isa;
 
 /* Whether this CPU (and OS) can run the AVX-512 VNNI kernels. */
 bool qgemm_cpu_has_vnni(void);
-/* The kernels the dispatching functions run now: "avx512-vnni" or "portable". */
+/* Whether this CPU (and OS) can run family isa (PORTABLE: always). */
+bool qgemm_cpu_has_isa(QGemmIsa isa);
+/* The family the dispatching functions run now. */
+QGemmIsa qgemm_isa(void);
+/* The kernels the dispatching functions run now: "avx512-vnni", "avxvnni", "avx2" or "portable". */
 const char *qgemm_kernel_name(void);
 
 /* ---- dense: uint8 rows times a packed int8 weight ------------------------------------------------------------ */
@@ -109,6 +131,7 @@ typedef struct {
     int row_blocks;    /* ceil(rows / 8) */
     int32_t *data;     /* [row_blocks][taps][8], layout above; 64-byte aligned */
     int32_t *row_sum;  /* [row_blocks * 8] sum of the 4 * taps int8 weights of each row */
+    int16_t *wide;     /* [row_blocks][taps][8][4] data's bytes sign-extended: the AVX2 kernel's broadcasts */
 } QGemmPackedTaps;
 
 /* w (rows, taps) dwords, byte j of w[r][t] (little-endian) the int8 weight
@@ -188,7 +211,8 @@ void qgemm_packed_dw_free(QGemmPackedDw *p);
  * relu'd if relu (as nn's relu: 0 unless y > 0). The VNNI kernel first
  * gathers each padded row's dwords of 4 codes for every output column into
  * scratch (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so
- * nothing outside act is read); the portable one sums the codes directly. */
+ * nothing outside act is read); the AVX2 one copies the padded rows there;
+ * the portable one sums the codes directly. */
 typedef struct {
     const uint8_t *act;        /* (in_h, in_w) */
     int in_h, in_w, pad_t, pad_l;
@@ -200,7 +224,7 @@ typedef struct {
     const float *scale;        /* [channels] */
     const float *bias;         /* [channels] or NULL */
     bool relu;
-    uint32_t *scratch;         /* VNNI: qgemm_dw_scratch bytes */
+    uint32_t *scratch;         /* VNNI, AVX2: qgemm_dw_scratch bytes */
 } QGemmDw;
 
 size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh);

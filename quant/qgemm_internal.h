@@ -1,6 +1,6 @@
-/* qgemm_internal.h - the AVX-512 VNNI kernels behind qgemm.h's dispatching
- * functions (qgemm_x86.c). Internal to quant/: call them only when
- * qgemm_use_vnni() is true. */
+/* qgemm_internal.h - the vector kernels behind qgemm.h's dispatching
+ * functions: AVX-512 VNNI (qgemm_x86.c), AVX-VNNI and AVX2 (qgemm_avx2.c).
+ * Internal to quant/: call each only when qgemm_isa() is its family. */
 #ifndef QTRAIN_QUANT_QGEMM_INTERNAL_H
 #define QTRAIN_QUANT_QGEMM_INTERNAL_H
 
@@ -18,6 +18,16 @@ void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_dw_vnni(const QGemmDw *d);
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                              const QGemmCodes *c);
+/* AVX2 + FMA, and the same with 256-bit vpdpbusd (AVX-VNNI); the quantizers are the same for both. */
+void qgemm_dense_avx2(const QGemmDense *d, int row0, int row1, int p0, int p1);
+void qgemm_dense_avxvnni(const QGemmDense *d, int row0, int row1, int p0, int p1);
+void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+/* Depthwise for both 256-bit families (vpmaddwd); strides past 2 across run the portable kernel. */
+void qgemm_dw_avx2(const QGemmDw *d);
+bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
+bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                               const QGemmCodes *c);
 /* qt.h's qgemm_s8: c (M, N) = a (M, K) b (N, K)^T, int8 both. */
 void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);

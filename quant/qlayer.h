@@ -42,9 +42,10 @@
  * computes, times the weight's codes, summed exactly in int32, then
  *   y = s_x * s_w[oc] * (sum - zero-point terms) + bias.
  * That is the fake-quantized float forward up to float rounding; the
- * kernels (AVX-512 VNNI or portable C) agree bit for bit. It needs a CPU
- * with AVX-512 VNNI, or qgemm_force_portable: the portable kernels are
- * slower than fake quantization + sgemm, so elsewhere the float path stays
+ * kernels (AVX-512 VNNI, AVX-VNNI, AVX2 or portable C) agree bit for bit.
+ * It needs a CPU with AVX2 and FMA at least (depthwise convs with a
+ * stride past 2 across: AVX-512 VNNI), or qgemm_force_portable: the portable kernels are slower than
+ * fake quantization + sgemm, so elsewhere the float path stays
  * (qlayer_int8_kernel says which path runs; a run reports it).
  * A forward that needs a gradient always takes the float path, whose
  * backward needs the dequantized bands anyway, so training sees the same
@@ -178,14 +179,17 @@ QtStatus qlayer_act_from_stats(QLayer *q, QtError *err);
 extern bool qlayer_int8_disable;
 
 /* The path a supported layer's gradient-free forward takes now: "vnni"
- * (AVX-512 VNNI kernels), "portable" (the C kernels, qgemm_force_portable),
- * or "float-emulated" (fake quantization + sgemm: qlayer_int8_disable, or a
- * CPU without VNNI). There is no AVX2 integer kernel. */
+ * (AVX-512 VNNI kernels), "avxvnni" (256-bit vpdpbusd), "avx2" (AVX2 + FMA
+ * kernels), "portable" (the C kernels, qgemm_force_portable), or
+ * "float-emulated" (fake quantization + sgemm: qlayer_int8_disable, or a
+ * CPU without AVX2). With avxvnni and avx2 a depthwise conv with a stride
+ * past 2 across takes the float path. */
 const char *qlayer_int8_kernel(void);
-/* Applies a choice by name, for tests and for measuring: "vnni" (an error
- * naming `what` on a CPU without it), "portable", "float", or "auto" / ""
- * (the default: vnni where the CPU has it, else float-emulated).
- * QT_ERR_CONFIG naming `what` and the names otherwise. */
+/* Applies a choice by name, for tests and for measuring: "vnni",
+ * "avxvnni", "avx2" (each an error naming `what` and the missing CPU
+ * feature on a CPU without it), "portable", "float", or "auto" / "" (the
+ * default: the best of vnni, avxvnni and avx2 the CPU has, else
+ * float-emulated). QT_ERR_CONFIG naming `what` and the names otherwise. */
 QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *err);
 
 /* Whether q's formats allow the int8 path (the calibrated range is not

@@ -116,24 +116,44 @@ bool qlayer_int8_formats(const QLayer *q) {
 const char *qlayer_int8_kernel(void) {
     if (qlayer_int8_disable) return "float-emulated";
     if (qgemm_force_portable) return "portable";
-    return qgemm_cpu_has_vnni() ? "vnni" : "float-emulated";
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AVX512_VNNI: return "vnni";
+    case QGEMM_ISA_AVXVNNI: return "avxvnni";
+    case QGEMM_ISA_AVX2: return "avx2";
+    default: return "float-emulated";
+    }
 }
+
+/* The families QTRAIN_INT8_KERNEL names, with what the CPU needs for each. */
+static const struct {
+    const char *name, *needs;
+    QGemmIsa isa;
+} INT8_KERNELS[] = {
+    {"vnni", "AVX-512 VNNI", QGEMM_ISA_AVX512_VNNI},
+    {"avxvnni", "AVX-VNNI (with AVX2 and FMA)", QGEMM_ISA_AVXVNNI},
+    {"avx2", "AVX2 and FMA", QGEMM_ISA_AVX2},
+};
 
 QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *err) {
     if (!name || !*name || strcmp(name, "auto") == 0) {
-        qlayer_int8_disable = false, qgemm_force_portable = false;
-    } else if (strcmp(name, "vnni") == 0) {
-        if (!qgemm_cpu_has_vnni())
-            return qt_error_set(err, QT_ERR_CONFIG, "%s: vnni: this CPU (or OS) has no AVX-512 VNNI; choose "
-                                "portable, float or auto", what);
-        qlayer_int8_disable = false, qgemm_force_portable = false;
-    } else if (strcmp(name, "portable") == 0) {
-        qlayer_int8_disable = false, qgemm_force_portable = true;
+        qlayer_int8_disable = false, qgemm_force_portable = false, qgemm_force_isa = -1;
+        return QT_OK;
+    }
+    for (size_t i = 0; i < sizeof INT8_KERNELS / sizeof *INT8_KERNELS; i++) {
+        if (strcmp(name, INT8_KERNELS[i].name) != 0) continue;
+        if (!qgemm_cpu_has_isa(INT8_KERNELS[i].isa))
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: this CPU (or OS) has no %s; choose another of vnni, "
+                                "avxvnni, avx2, portable, float or auto", what, name, INT8_KERNELS[i].needs);
+        qlayer_int8_disable = false, qgemm_force_portable = false, qgemm_force_isa = INT8_KERNELS[i].isa;
+        return QT_OK;
+    }
+    if (strcmp(name, "portable") == 0) {
+        qlayer_int8_disable = false, qgemm_force_portable = true, qgemm_force_isa = -1;
     } else if (strcmp(name, "float") == 0) {
-        qlayer_int8_disable = true, qgemm_force_portable = false;
+        qlayer_int8_disable = true, qgemm_force_portable = false, qgemm_force_isa = -1;
     } else {
-        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown int8 kernel '%s'; expected vnni, portable, float or auto",
-                            what, name);
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown int8 kernel '%s'; expected vnni, avxvnni, avx2, "
+                            "portable, float or auto", what, name);
     }
     return QT_OK;
 }
@@ -142,9 +162,14 @@ bool qlayer_int8_supported(const QLayer *q) { return q && q->module && !unsuppor
 
 bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var *bias) {
     if (qlayer_int8_disable || !q->act_ready || q->calibrating || !qlayer_int8_supported(q)) return false;
-    /* without VNNI the portable kernels are slower than fake quantization + sgemm: keep the float path there
-     * unless the portable kernels are asked for */
-    if (!qgemm_cpu_has_vnni() && !qgemm_force_portable) return false;
+    /* without vector kernels the portable ones are slower than fake quantization + sgemm: keep the float path
+     * there unless the portable kernels are asked for. The 256-bit families' depthwise kernel takes strides 1
+     * and 2 across (qgemm_dw_avx2): a depthwise conv with a longer stride keeps the float path with them. */
+    if (!qgemm_force_portable) {
+        const QGemmIsa isa = qgemm_isa();
+        if (isa == QGEMM_ISA_PORTABLE) return false;
+        if (isa != QGEMM_ISA_AVX512_VNNI && conv_is_dw(q) && q->module->geom.stride_w > 2) return false;
+    }
     return !(t->grad_enabled && (x->requires_grad || (bias && bias->requires_grad)));
 }
 

@@ -51,9 +51,21 @@ static void dw_definition(float *out, const uint8_t *act, const int8_t *w, const
             }
 }
 
+/* The kernel family qgemm_dw runs: QGEMM_ISA_PORTABLE forces the portable kernel, another forces that family. */
+static void dw_family_on(QGemmIsa family) {
+    qgemm_force_portable = family == QGEMM_ISA_PORTABLE;
+    qgemm_force_isa = family == QGEMM_ISA_PORTABLE ? -1 : (int)family;
+}
+
+static void dw_family_off(void) { qgemm_force_portable = false, qgemm_force_isa = -1; }
+
+/* Codes only 0 or 255 and weights only -128 or 127 (what vpmaddubsw would saturate on), for kernels_on. */
+static bool dw_extremes;
+
 /* extra: rows and columns of padding below and right beyond pt and pl (padding 'same' of an even kernel). The
  * codes sit in a buffer of exactly h * w bytes, so a read outside them is an error under the sanitizers. */
-static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool bias, bool vnni, uint64_t seed) {
+static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool bias, QGemmIsa family,
+                        uint64_t seed) {
     KGeo g = *geo;
     g.oh = (g.h + 2 * g.pt + extra - g.kh) / g.sh + 1, g.ow = (g.w + 2 * g.pl + extra - g.kw) / g.sw + 1;
     CU_ASSERT_FATAL(g.oh >= 1 && g.ow >= 1);
@@ -74,6 +86,10 @@ static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool 
     for (int i = 0; i < g.n_oc; i++) scale[i] = 1e-3f * (float)(1 + i % 5), bi[i] = 0.25f * (float)(i % 3) - 0.3f;
     for (size_t i = 0; i < n_act; i++) act[i] = (uint8_t)rng_below(&r, 256);
     act[0] = 255, act[n_act - 1] = 0;
+    if (dw_extremes) {
+        for (size_t i = 0; i < nw; i++) w[i] = rng_below(&r, 2) ? 127 : -128;
+        for (size_t i = 0; i < n_act; i++) act[i] = rng_below(&r, 2) ? 255 : 0;
+    }
     CU_ASSERT_EQUAL_FATAL(qgemm_pack_dw(&p, w, g.n_oc, g.kh, g.kw, &err), QT_OK);
     float *want = qa_alloc_floats(n_out), *got = qa_alloc_floats(n_out);
     uint32_t *scratch = aligned_alloc(64, qgemm_dw_scratch(&p, g.oh, g.ow, g.sh));
@@ -81,19 +97,21 @@ static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool 
     QGemmDw d = {.act = act, .in_h = g.h, .in_w = g.w, .pad_t = g.pt, .pad_l = g.pl, .oh_n = g.oh, .ow_n = g.ow,
                  .sh = g.sh, .sw = g.sw, .w = &p, .oc0 = 0, .n_oc = g.n_oc, .a_zero = a_zero, .out = got,
                  .scale = scale, .bias = bias ? bi : NULL, .relu = relu, .scratch = scratch};
-    qgemm_force_portable = !vnni;
+    dw_family_on(family);
     qgemm_dw(&d);
-    qgemm_force_portable = false;
+    const char *kernel = qgemm_kernel_name();
+    dw_family_off();
     bool same = !memcmp(want, got, n_out * sizeof *got);
-    if (!same) fprintf(stderr, "\n  %s kernel, %s: differs from the definition\n", vnni ? "VNNI" : "portable", what);
+    if (!same) fprintf(stderr, "\n  %s kernel, %s%s: differs from the definition\n", kernel, what,
+                       dw_extremes ? ", extreme codes" : "");
     CU_ASSERT(same);
     /* a range of output channels writes only its own */
     if (g.n_oc > 2) {
         memset(got, 0, n_out * sizeof *got);
         d.oc0 = 1, d.n_oc = g.n_oc - 2;
-        qgemm_force_portable = !vnni;
+        dw_family_on(family);
         qgemm_dw(&d);
-        qgemm_force_portable = false;
+        dw_family_off();
         const size_t plane = (size_t)g.oh * g.ow;
         CU_ASSERT(!memcmp(want + plane, got, (n_out - 2 * plane) * sizeof *got));
     }
@@ -109,24 +127,43 @@ static const KGeo KGEOS[] = {
     {3, 3, 2, 2, 1, 2, 1, 1, 2, 0, 0},   {3, 5, 1, 1, 4, 3, 2, 6, 2, 0, 0},   {3, 3, 2, 2, 40, 47, 5, 9, 1, 0, 0},
 };
 
-static void kernels_on(bool vnni) {
+static void kernels_on(QGemmIsa family) {
     uint64_t seed = 3100;
     for (size_t i = 0; i < sizeof KGEOS / sizeof *KGEOS; i++)
         for (int k = 0; k < 4; k++)
-            kernel_case(&KGEOS[i], k == 3, k == 0 ? 0 : k == 1 ? 128 : 77 + k, k & 1, k < 3, vnni, seed++);
+            kernel_case(&KGEOS[i], k == 3, k == 0 ? 0 : k == 1 ? 128 : 77 + k, k & 1, k < 3, family, seed++);
     /* 64 x 64 products at the largest codes: the exact sum needs much of int32's range */
     const KGeo big = {64, 64, 1, 1, 65, 80, 0, 0, 2, 0, 0};
-    kernel_case(&big, 0, 0, false, true, vnni, seed++);
+    kernel_case(&big, 0, 0, false, true, family, seed++);
+    /* codes and weights only at their ends, zero points 0 .. 255 */
+    dw_extremes = true;
+    for (size_t i = 0; i < sizeof KGEOS / sizeof *KGEOS; i += 2)
+        kernel_case(&KGEOS[i], 0, (int)(i * 37 % 256), false, true, family, seed++);
+    kernel_case(&KGEOS[0], 0, 255, true, true, family, seed++);
+    dw_extremes = false;
 }
 
-static void test_dw_kernel_portable(void) { kernels_on(false); }
+static void test_dw_kernel_portable(void) { kernels_on(QGEMM_ISA_PORTABLE); }
 
 static void test_dw_kernel_vnni(void) {
     if (!qgemm_cpu_has_vnni()) {
         test_skip("the depthwise VNNI kernel: this CPU (or OS) has no AVX-512 VNNI");
         return;
     }
-    kernels_on(true);
+    kernels_on(QGEMM_ISA_AVX512_VNNI);
+}
+
+/* The 256-bit families share one depthwise kernel; each is run as qgemm_dw dispatches it. */
+static void test_dw_kernel_256(void) {
+    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
+    static const char *const NAMES[] = {"AVX-VNNI", "AVX2"};
+    for (int i = 0; i < 2; i++) {
+        if (!qgemm_cpu_has_isa(FAMILIES[i])) {
+            test_skip("the depthwise kernel on %s: this CPU (or OS) has no %s", NAMES[i], NAMES[i]);
+            continue;
+        }
+        kernels_on(FAMILIES[i]);
+    }
 }
 
 static void test_dw_pack_errors(void) {
@@ -422,6 +459,42 @@ static void test_dw_fallbacks(void) {
     qgemm_force_portable = false;
 }
 
+/* With the AVX2 or AVX-VNNI family chosen, a depthwise layer with a stride of 1 or 2 across takes the integer
+ * path (their depthwise kernel), one with stride 3 keeps the float path (the portable kernel would run); a forced
+ * portable or the AVX-512 family runs both on the integer kernels. */
+static void test_dw_vector_families(void) {
+    static const DwGeo S3 = {"dw 3x3 s3", 4, 1, 10, 13, 3, 3, 3, 3, 1, 1, false, 0, 0};
+    const DwGeo *geos[2] = {&DW_GEOS[1], &S3};
+    for (int gi = 0; gi < 2; gi++) {
+        Model m;
+        dw_model(&m, geos[gi], 3750 + (uint64_t)gi);
+        const size_t nx = dw_in_numel(&m.modules[0], 2);
+        float *x = qa_normal_sample(3752 + (uint64_t)gi, nx);
+        QLayer q;
+        dw_layer(&q, &m.modules[0], false, &ACTS[1]);
+        dw_act_range(&q, x, nx);
+        CU_ASSERT_FATAL(qlayer_int8_supported(&q));
+        Tape t = {0}; /* no gradient: only the kernel choice decides */
+        static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AVX2, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX512_VNNI};
+        static const char *const NAMES[] = {"AVX2", "AVX-VNNI", "AVX-512 VNNI"};
+        for (int i = 0; i < 3; i++) {
+            if (!qgemm_cpu_has_isa(FAMILIES[i])) {
+                if (gi == 0) test_skip("a depthwise layer on the %s kernels: this CPU has no %s", NAMES[i], NAMES[i]);
+                continue;
+            }
+            qgemm_force_isa = FAMILIES[i];
+            CU_ASSERT_EQUAL(qlayer_int8_applies(&t, &q, NULL, NULL), gi == 0 || FAMILIES[i] == QGEMM_ISA_AVX512_VNNI);
+            qgemm_force_portable = true;
+            CU_ASSERT(qlayer_int8_applies(&t, &q, NULL, NULL));
+            qgemm_force_portable = false;
+        }
+        qgemm_force_isa = -1;
+        free(x);
+        qlayer_free(&q);
+        model_free(&m);
+    }
+}
+
 /* ---- errors ---------------------------------------------------------------------------------------------------- */
 
 static void test_dw_errors(void) {
@@ -564,8 +637,9 @@ static double json_number(const char *text, const char *key) {
 }
 
 /* tests/configs/tiny-dw.yaml trained, then PTQ with DS-CNN's rules (int8 weights; int8 inputs for conv1, uint8
- * with zero points for the rest): `qtrain eval` of its checkpoint on the VNNI, portable and float paths gives the
- * same accuracy, losses within 1e-4 of the float path's and VNNI's equal to portable's to the last digit, and all
+ * with zero points for the rest): `qtrain eval` of its checkpoint on the float, portable and vector kernels (VNNI,
+ * AVX-VNNI, AVX2) gives the same accuracy, losses within 1e-4 of the float path's and the vector kernels' equal to
+ * portable's to the last digit, and all
  * four int8 layers, the depthwise one too, on the kernels. With the depthwise conv dilated, the rules table names
  * it as the layer on its dequantized weight. */
 static void test_dw_ptq_eval_kernels(void) {
@@ -584,12 +658,14 @@ static void test_dw_ptq_eval_kernels(void) {
     CU_ASSERT_EQUAL_FATAL(test_proc_run(log, ptq, 300.0), 0);
     snprintf(ckpt, sizeof ckpt, "%s/ptq/final.h5", tmp_root);
     snprintf(json, sizeof json, "%s/ptq/eval.json", tmp_root);
-    static const char *const KERNELS[] = {"float", "portable", "vnni"};
-    double acc[3] = {NAN, NAN, NAN}, loss[3] = {NAN, NAN, NAN};
-    for (int k = 0; k < 3; k++) {
-        if (k == 2 && !qgemm_cpu_has_vnni()) {
-            test_skip("qtrain eval on the VNNI kernels: this CPU (or OS) has no AVX-512 VNNI");
-            break;
+    static const char *const KERNELS[] = {"float", "portable", "vnni", "avxvnni", "avx2"};
+    static const QGemmIsa FAMILY[] = {QGEMM_ISA_PORTABLE, QGEMM_ISA_PORTABLE, QGEMM_ISA_AVX512_VNNI,
+                                      QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
+    double acc[5] = {NAN, NAN, NAN, NAN, NAN}, loss[5] = {NAN, NAN, NAN, NAN, NAN};
+    for (int k = 0; k < 5; k++) {
+        if (!qgemm_cpu_has_isa(FAMILY[k])) {
+            test_skip("qtrain eval on the %s kernels: this CPU (or OS) lacks them", KERNELS[k]);
+            continue;
         }
         setenv("QTRAIN_INT8_KERNEL", KERNELS[k], 1);
         const char *eval[] = {"eval", "--checkpoint", ckpt, "--quiet", NULL};
@@ -607,7 +683,8 @@ static void test_dw_ptq_eval_kernels(void) {
     }
     printf("(accuracy %.4f, loss float %.6f portable %.6f vnni %.6f) ", acc[0], loss[0], loss[1], loss[2]);
     CU_ASSERT(acc[0] > 0.2 && acc[1] == acc[0] && fabs(loss[1] - loss[0]) <= 1e-4 * loss[0]);
-    if (qgemm_cpu_has_vnni()) CU_ASSERT(acc[2] == acc[0] && loss[2] == loss[1]);
+    for (int k = 2; k < 5; k++) /* every vector family: portable's bits (the depthwise kernel included) */
+        if (qgemm_cpu_has_isa(FAMILY[k])) CU_ASSERT(acc[k] == acc[0] && loss[k] == loss[1]);
     /* the same with the depthwise conv dilated: it falls back, and the rules table names it */
     char tlog[1100];
     snprintf(out, sizeof out, "run.out_dir=%s/ptq-dilated", tmp_root);
@@ -623,16 +700,84 @@ static void test_dw_ptq_eval_kernels(void) {
     free(table);
 }
 
+/* tests/configs/tiny-cnn.yaml (conv1, relu and 2x2 max pool: the taps kernels' pooling epilogue, then a dense
+ * head) trained, then PTQ with int8 weights, int8 inputs for conv1 and uint8 with zero points for the head:
+ * `qtrain eval` of its checkpoint on every vector family the CPU has (QTRAIN_INT8_KERNEL vnni, avxvnni, avx2)
+ * gives portable's accuracy and loss to the last digit, both layers on the kernels; a family the CPU lacks is a
+ * skip, and forcing it an error naming the missing feature. */
+static void test_cnn_ptq_eval_vector_kernels(void) {
+    char out[1100], init[1200], log[1100], ckpt[1100], json[1100];
+    snprintf(out, sizeof out, "run.out_dir=%s/cnn", tmp_root);
+    snprintf(log, sizeof log, "%s/cnn.log", tmp_root);
+    const char *train[] = {"--config", "tests/configs/tiny-cnn.yaml", "--set", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, train, 300.0), 0);
+    snprintf(init, sizeof init, "model.init_from=%s/cnn/final.h5", tmp_root);
+    snprintf(out, sizeof out, "run.out_dir=%s/cnn-ptq", tmp_root);
+    const char *ptq[] = {"--config", "tests/configs/tiny-cnn.yaml", "--set", out, "--set", init, "--set",
+                         "quant.mode=ptq", "--set", "quant.rules=[{module_path: conv1, weight_qtype: int8, act_qtype: "
+                         "int8}, {module_path: head, weight_qtype: int8, act_qtype: uint8, act_symmetric: false}]",
+                         "--set", "train.epochs=0", "--set", "train.steps=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, ptq, 300.0), 0);
+    snprintf(ckpt, sizeof ckpt, "%s/cnn-ptq/final.h5", tmp_root);
+    snprintf(json, sizeof json, "%s/cnn-ptq/eval.json", tmp_root);
+    static const struct {
+        const char *env, *reported, *needs;
+        QGemmIsa isa;
+    } K[] = {{"portable", "portable", NULL, QGEMM_ISA_PORTABLE},
+             {"float", "float-emulated", NULL, QGEMM_ISA_PORTABLE},
+             {"vnni", "vnni", "AVX-512 VNNI", QGEMM_ISA_AVX512_VNNI},
+             {"avxvnni", "avxvnni", "AVX-VNNI", QGEMM_ISA_AVXVNNI},
+             {"avx2", "avx2", "AVX2 and FMA", QGEMM_ISA_AVX2}};
+    double acc[5], loss[5];
+    for (int k = 0; k < 5; k++) {
+        acc[k] = loss[k] = NAN;
+        const char *eval[] = {"eval", "--checkpoint", ckpt, "--quiet", NULL};
+        setenv("QTRAIN_INT8_KERNEL", K[k].env, 1);
+        if (K[k].needs && !qgemm_cpu_has_isa(K[k].isa)) {
+            test_skip("qtrain eval on the %s kernels: this CPU (or OS) has no %s", K[k].env, K[k].needs);
+            int rc = test_proc_run(log, eval, 300.0); /* refused, naming what is missing */
+            unsetenv("QTRAIN_INT8_KERNEL");
+            char *text = test_file_read(log, NULL);
+            CU_ASSERT(rc == 2 && text && strstr(text, K[k].needs));
+            free(text);
+            continue;
+        }
+        int rc = test_proc_run(log, eval, 300.0);
+        unsetenv("QTRAIN_INT8_KERNEL");
+        CU_ASSERT_EQUAL_FATAL(rc, 0);
+        char *js = test_file_read(json, NULL), want[64];
+        snprintf(want, sizeof want, "\"int8_kernel\": \"%s\"", K[k].reported);
+        const bool counted = js && strstr(js, want) && strstr(js, "\"int8_layers\": 2,") &&
+                             strstr(js, "\"int8_kernel_layers\": 2,");
+        if (!counted) fprintf(stderr, "\n  %s: %s\n", K[k].env, js ? js : "(no eval.json)");
+        CU_ASSERT(counted);
+        acc[k] = json_number(js, "\"test_accuracy\": "), loss[k] = json_number(js, "\"test_loss\": ");
+        free(js);
+        if (k < 2) continue;
+        if (acc[k] != acc[0] || loss[k] != loss[0])
+            fprintf(stderr, "\n  %s: accuracy %.6f loss %.9g, portable %.6f %.9g\n", K[k].env, acc[k], loss[k], acc[0],
+                    loss[0]);
+        CU_ASSERT(acc[k] == acc[0] && loss[k] == loss[0]);
+    }
+    printf("(accuracy %.4f, loss portable %.6f float %.6f) ", acc[0], loss[0], loss[1]);
+    CU_ASSERT(acc[0] > 0.2 && fabs(loss[1] - loss[0]) <= 1e-4 * loss[0]);
+}
+
 int register_quant_int8_dw_suite(void) {
     CU_pSuite s = CU_add_suite("quant_int8_dw", dw_suite_init, dw_suite_cleanup);
     if (!s) return -1;
     return !CU_add_test(s, "depthwise portable kernel equals the definition", test_dw_kernel_portable) ||
            !CU_add_test(s, "depthwise VNNI kernel equals the definition", test_dw_kernel_vnni) ||
+           !CU_add_test(s, "depthwise AVX-VNNI and AVX2 kernels equal the definition", test_dw_kernel_256) ||
            !CU_add_test(s, "depthwise packing and its errors", test_dw_pack_errors) ||
            !CU_add_test(s, "int8 depthwise layer equals the float path", test_dw_against_float) ||
            !CU_add_test(s, "int8 depthwise relu and relu + max pool epilogues", test_dw_epilogues) ||
            !CU_add_test(s, "dilated and grouped convs keep the float fallback", test_dw_fallbacks) ||
+           !CU_add_test(s, "depthwise layers on the 256-bit families: strides 1 and 2 integer",
+                        test_dw_vector_families) ||
            !CU_add_test(s, "int8 depthwise forward errors", test_dw_errors) ||
            !CU_add_test(s, "int8 depthwise model steady state", test_dw_model_steady_state) ||
-           !CU_add_test(s, "PTQ of the depthwise model: qtrain eval on every kernel", test_dw_ptq_eval_kernels);
+           !CU_add_test(s, "PTQ of the depthwise model: qtrain eval on every kernel", test_dw_ptq_eval_kernels) ||
+           !CU_add_test(s, "PTQ of the CNN: qtrain eval on every vector family equals portable",
+                        test_cnn_ptq_eval_vector_kernels);
 }

@@ -1,11 +1,12 @@
-/* test_qgemm_x86.c - the integer kernels of qgemm.h: the AVX-512 VNNI
- * kernels (on a CPU that has them), the portable ones and the scalar
- * definitions agree bit for bit on odd shapes (int32 sums and float
+/* test_qgemm_x86.c - the integer kernels of qgemm.h: each vector family
+ * (AVX-512 VNNI, AVX-VNNI, AVX2; a visible skip for each the CPU lacks),
+ * the portable kernels and the scalar definitions agree bit for bit on odd shapes (int32 sums and float
  * outputs, with the taps' relu and relu + 2x2 max pool epilogues against
  * nn's pool2x2_window), split ranges give the whole, the activation
  * quantizers equal fake quantization's rounding (one plane, or four into
  * dwords), qgemm_s8 on both paths, the packers' errors. Registers the quant_int8 suite (with test_qlayer_int8.c). On a
- * CPU without VNNI the "fast" runs are the portable kernels again. */
+ * CPU without any vector family the "fast" runs are the portable kernels
+ * again. */
 #include <CUnit/CUnit.h>
 #include <float.h>
 #include <math.h>
@@ -35,8 +36,31 @@ static void fill_bytes(uint8_t *p, size_t n, Rng *r) {
 
 static bool same_or_say(const void *a, const void *b, size_t bytes, const char *what) {
     if (memcmp(a, b, bytes) == 0) return true;
-    fprintf(stderr, "\n  %s differ\n", what);
+    fprintf(stderr, "\n  %s differ (%s kernels)\n", what, qgemm_kernel_name());
     return false;
+}
+
+/* The vector families, each run through the dispatching functions (qgemm_force_isa). */
+static const struct {
+    QGemmIsa isa;
+    const char *name;
+} FAMILIES[] = {{QGEMM_ISA_AVX512_VNNI, "AVX-512 VNNI"}, {QGEMM_ISA_AVXVNNI, "AVX-VNNI"}, {QGEMM_ISA_AVX2, "AVX2"}};
+
+/* cases() once per vector family the CPU has, a skip naming each it lacks; at least once (portable) anywhere. */
+static void for_each_family(void (*cases)(void), const char *what) {
+    int ran = 0;
+    for (size_t i = 0; i < sizeof FAMILIES / sizeof *FAMILIES; i++) {
+        if (!qgemm_cpu_has_isa(FAMILIES[i].isa)) {
+            test_skip("%s on the %s kernels: this CPU has no %s", what, FAMILIES[i].name, FAMILIES[i].name);
+            continue;
+        }
+        qgemm_force_isa = FAMILIES[i].isa;
+        CU_ASSERT_EQUAL(qgemm_isa(), FAMILIES[i].isa);
+        cases();
+        ran++;
+    }
+    qgemm_force_isa = -1;
+    if (!ran) cases();
 }
 
 /* ---- dense ----------------------------------------------------------------------------------------------------- */
@@ -51,18 +75,24 @@ static void dense_in_pieces(const QGemmDense *d, bool portable) {
         }
 }
 
-static void dense_case(int M, int N, int K, int a_zero, uint64_t seed, bool extremes) {
+/* extremes: 1, every code at the end that makes the longest sum; 2, each code at random at one end (a in
+ * {0, 255}, b in {-128, 127}: two such products overflow vpmaddubsw's int16). */
+static void dense_case(int M, int N, int K, int a_zero, uint64_t seed, int extremes) {
     char what[96];
-    snprintf(what, sizeof what, "dense (%d, %d, %d) a_zero %d%s", M, N, K, a_zero, extremes ? " extremes" : "");
+    snprintf(what, sizeof what, "dense (%d, %d, %d) a_zero %d%s", M, N, K, a_zero,
+             extremes == 1 ? " extremes" : extremes ? " mixed extremes" : "");
     Rng r;
     rng_init(&r, seed, 3);
     uint8_t *a = xmalloc((size_t)M * K); /* exactly M*K: reading past a row end is an ASan error */
     int8_t *b = xmalloc((size_t)N * K);
     fill_bytes(a, (size_t)M * K, &r);
     fill_bytes((uint8_t *)b, (size_t)N * K, &r);
-    if (extremes) {
+    if (extremes == 1) {
         memset(a, a_zero < 128 ? 255 : 0, (size_t)M * K);
         memset(b, 0x80, (size_t)N * K); /* -128 */
+    } else if (extremes) {
+        for (size_t i = 0; i < (size_t)M * K; i++) a[i] = rng_below(&r, 2) ? 255 : 0;
+        for (size_t i = 0; i < (size_t)N * K; i++) b[i] = rng_below(&r, 2) ? 127 : -128;
     }
     QGemmPackedB p;
     QtError err = {0};
@@ -107,18 +137,22 @@ static void dense_case(int M, int N, int K, int a_zero, uint64_t seed, bool extr
     free(a), free(b), free(ref), free(c1), free(c2), free(f1), free(f2), free(want), free(scale), free(bias);
 }
 
-static void test_dense(void) {
+static void dense_cases(void) {
     static const int MS[] = {1, 7, 8, 9, 23}, NS[] = {1, 15, 16, 17, 47, 49, 97}, KS[] = {1, 3, 4, 5, 63, 785};
     uint64_t seed = 1;
     for (size_t i = 0; i < sizeof MS / sizeof *MS; i++)
         for (size_t j = 0; j < sizeof NS / sizeof *NS; j++)
             for (size_t k = 0; k < sizeof KS / sizeof *KS; k++)
-                dense_case(MS[i], NS[j], KS[k], (int)(seed * 37 % 256), seed, false), seed++;
-    dense_case(13, 33, 3001, 128, 90, false);
-    dense_case(5, 18, 4099, 0, 91, true);      /* 255 * -128 summed */
-    dense_case(3, 17, 4098, 255, 92, true);    /* (0 - 255) * -128 summed */
-    dense_case(2, 3, QGEMM_K_MAX, 0, 93, true); /* the longest exact sum: -2^31 + 2^23 */
+                dense_case(MS[i], NS[j], KS[k], (int)(seed * 37 % 256), seed, 0), seed++;
+    dense_case(13, 33, 3001, 128, 90, 0);
+    dense_case(5, 18, 4099, 0, 91, 1);      /* 255 * -128 summed */
+    dense_case(3, 17, 4098, 255, 92, 1);    /* (0 - 255) * -128 summed */
+    dense_case(2, 3, QGEMM_K_MAX, 0, 93, 1); /* the longest exact sum: -2^31 + 2^23 */
+    for (int z = 0; z < 256; z += 51) dense_case(6, 21, 37, z, 94 + (uint64_t)z, 2); /* mixed extremes */
+    dense_case(9, 40, 1001, 255, 95, 2);
 }
+
+static void test_dense(void) { for_each_family(dense_cases, "dense"); }
 
 /* ---- taps ------------------------------------------------------------------------------------------------------ */
 
@@ -137,7 +171,8 @@ static float relu_def(float y) { return y > 0.0f ? y : 0.0f; }
 
 /* Random taps operands: offsets off [taps] in 0..40, act of n_vec vectors past the last offset, weights w
  * (rows, taps), scale and bias [rows]. With relu, bias spreads y around 0, and row 2 has a NaN bias (relu gives
- * 0). Free with taps_operands_free. */
+ * 0). extremes: codes only 0 or 255, weights only -128 or 127 (vpmaddubsw would saturate on them). Free with
+ * taps_operands_free. */
 typedef struct {
     int32_t *off;
     uint8_t *act;
@@ -145,7 +180,7 @@ typedef struct {
     float *scale, *bias;
 } TapsOperands;
 
-static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, Rng *r) {
+static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, bool extremes, Rng *r) {
     TapsOperands o = {.off = xmalloc((size_t)taps * 4), .w = xmalloc((size_t)rows * taps * 4),
                       .scale = xmalloc((size_t)rows * 4), .bias = xmalloc((size_t)rows * 4)};
     int max_off = 0;
@@ -157,6 +192,10 @@ static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, Rng 
     o.act = xmalloc(n_act);
     fill_bytes(o.act, n_act, r);
     fill_bytes((uint8_t *)o.w, (size_t)rows * taps * 4, r);
+    if (extremes) {
+        for (size_t i = 0; i < n_act; i++) o.act[i] = rng_below(r, 2) ? 255 : 0;
+        for (size_t i = 0; i < (size_t)rows * taps * 4; i++) ((uint8_t *)o.w)[i] = rng_below(r, 2) ? 0x7f : 0x80;
+    }
     for (int i = 0; i < rows; i++) {
         o.scale[i] = 1e-4f * (float)(1 + rng_below(r, 500));
         o.bias[i] = relu ? 0.01f * (float)((int)rng_below(r, 201) - 100) : 0.5f * (float)i;
@@ -169,13 +208,13 @@ static void taps_operands_free(TapsOperands *o) {
     free(o->off), free(o->act), free(o->w), free(o->scale), free(o->bias);
 }
 
-static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed) {
+static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed, bool extremes) {
     char what[128];
-    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d%s", rows, taps, n_vec, a_zero,
-             epi == QGEMM_EPI_RELU ? " relu" : "");
+    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d%s%s", rows, taps, n_vec, a_zero,
+             epi == QGEMM_EPI_RELU ? " relu" : "", extremes ? " extremes" : "");
     Rng r;
     rng_init(&r, seed, 4);
-    TapsOperands op = taps_operands(rows, taps, n_vec, epi != QGEMM_EPI_NONE, &r);
+    TapsOperands op = taps_operands(rows, taps, n_vec, epi != QGEMM_EPI_NONE, extremes, &r);
     uint16_t *mask = xmalloc((size_t)n_vec * 2);
     int32_t *pos = xmalloc((size_t)n_vec * 4);
     int total = 0;
@@ -212,14 +251,14 @@ static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, u
 
 /* The relu + 2x2 max pool epilogue: pixel q is output pixel (q / pitch, q % pitch) of an (OH, OW) output; the
  * windows against pool2x2_window on the relu'd definition. Row 0 has all-zero weights: every window ties. */
-static void taps_pool_case(int rows, int taps, int pitch, int OH, int OW, int a_zero, uint64_t seed) {
+static void taps_pool_case(int rows, int taps, int pitch, int OH, int OW, int a_zero, uint64_t seed, bool extremes) {
     char what[128];
-    snprintf(what, sizeof what, "taps pool rows %d taps %d pitch %d output %dx%d a_zero %d", rows, taps, pitch, OH,
-             OW, a_zero);
+    snprintf(what, sizeof what, "taps pool rows %d taps %d pitch %d output %dx%d a_zero %d%s", rows, taps, pitch, OH,
+             OW, a_zero, extremes ? " extremes" : "");
     Rng r;
     rng_init(&r, seed, 6);
     const int n_vec = (OH * pitch + QGEMM_LANES - 1) / QGEMM_LANES, PH = OH / 2, PW = OW / 2;
-    TapsOperands op = taps_operands(rows, taps, n_vec, true, &r);
+    TapsOperands op = taps_operands(rows, taps, n_vec, true, extremes, &r);
     memset(op.w, 0, (size_t)taps * 4);
     op.bias[0] = 0.75f;
     const size_t ldo = (size_t)PH * PW + 3, n_out = (size_t)rows * ldo; /* a gap the kernels must not touch */
@@ -255,23 +294,28 @@ static void taps_pool_case(int rows, int taps, int pitch, int OH, int OW, int a_
     free(buf), free(want), free(o1), free(o2);
 }
 
-static void test_taps(void) {
+static void taps_cases(void) {
     static const int ROWS[] = {1, 7, 8, 9, 33}, TAPS[] = {1, 3, 9, 72}, VECS[] = {1, 2, 3, 4, 14};
     uint64_t seed = 100;
     for (size_t i = 0; i < sizeof ROWS / sizeof *ROWS; i++)
         for (size_t j = 0; j < sizeof TAPS / sizeof *TAPS; j++)
             for (size_t k = 0; k < sizeof VECS / sizeof *VECS; k++)
-                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), QGEMM_EPI_NONE, seed), seed++;
-    taps_case(16, 2000, 5, 128, QGEMM_EPI_NONE, 7); /* 8000-long sums */
+                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), QGEMM_EPI_NONE, seed, false), seed++;
+    taps_case(16, 2000, 5, 128, QGEMM_EPI_NONE, 7, false); /* 8000-long sums */
+    for (int z = 0; z < 256; z += 51) /* zero points 0 .. 255 on codes and weights at their ends */
+        taps_case(9, 40, 3, z, z % 2 ? QGEMM_EPI_RELU : QGEMM_EPI_NONE, 8 + (uint64_t)z, true);
+    taps_case(8, 2000, 2, 0, QGEMM_EPI_NONE, 9, true);
 }
 
-static void test_taps_relu_pool(void) {
+static void test_taps(void) { for_each_family(taps_cases, "taps"); }
+
+static void taps_epi_cases(void) {
     static const int ROWS[] = {1, 3, 8, 9, 33}, TAPS[] = {1, 3, 72}, VECS[] = {1, 3, 4, 14};
     uint64_t seed = 300;
     for (size_t i = 0; i < sizeof ROWS / sizeof *ROWS; i++)
         for (size_t j = 0; j < sizeof TAPS / sizeof *TAPS; j++)
             for (size_t k = 0; k < sizeof VECS / sizeof *VECS; k++)
-                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), QGEMM_EPI_RELU, seed), seed++;
+                taps_case(ROWS[i], TAPS[j], VECS[k], (int)(seed * 61 % 256), QGEMM_EPI_RELU, seed, false), seed++;
     /* {pitch, OH, OW}: rows of 1, 2 or 3 whole vectors (pooled in registers: the CNN's 16 and 32 pixels a row),
      * other pitches (through the buffer), odd sizes (the last row or column is left out), windows past 16 columns,
      * one window */
@@ -279,10 +323,14 @@ static void test_taps_relu_pool(void) {
                                  {48, 3, 33}, {30, 28, 28}, {9, 7, 7}, {11, 6, 11}, {40, 5, 37}, {2, 2, 2}, {5, 3, 4}};
     for (size_t i = 0; i < sizeof GEO / sizeof *GEO; i++)
         for (size_t j = 0; j < sizeof ROWS / sizeof *ROWS; j++) {
-            taps_pool_case(ROWS[j], 3, GEO[i][0], GEO[i][1], GEO[i][2], (int)(seed * 61 % 256), seed), seed++;
-            if (j % 2) taps_pool_case(ROWS[j], 72, GEO[i][0], GEO[i][1], GEO[i][2], 0, seed), seed++;
+            taps_pool_case(ROWS[j], 3, GEO[i][0], GEO[i][1], GEO[i][2], (int)(seed * 61 % 256), seed, false), seed++;
+            if (j % 2) taps_pool_case(ROWS[j], 72, GEO[i][0], GEO[i][1], GEO[i][2], 0, seed, false), seed++;
         }
+    for (size_t i = 0; i < sizeof GEO / sizeof *GEO; i += 3) /* codes and weights at their ends */
+        taps_pool_case(9, 20, GEO[i][0], GEO[i][1], GEO[i][2], (int)(i * 29 % 256), seed, true), seed++;
 }
+
+static void test_taps_relu_pool(void) { for_each_family(taps_epi_cases, "taps relu and relu + 2x2 max pool"); }
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
@@ -371,7 +419,7 @@ static void quantize_x4_case(int rows, int n, int absent, uint64_t seed) {
     free(x), free(want), free(d1), free(d2), free(u);
 }
 
-static void test_quantize(void) {
+static void quantize_cases(void) {
     static const size_t NS[] = {1, 15, 16, 17, 64, 100, 129, 1000};
     for (size_t i = 0; i < sizeof NS / sizeof *NS; i++) {
         quantize_case(NS[i], 0.037f, -128, 127, 0, 128, 10 + i);  /* int8 symmetric */
@@ -386,6 +434,8 @@ static void test_quantize(void) {
             for (size_t k = 0; k < sizeof ABSENT / sizeof *ABSENT; k++)
                 quantize_x4_case(ROWS[i], COLS[j], ABSENT[k], seed++);
 }
+
+static void test_quantize(void) { for_each_family(quantize_cases, "activation codes"); }
 
 /* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
 
@@ -424,11 +474,24 @@ static void test_s8(void) {
 /* ---- dispatch and errors --------------------------------------------------------------------------------------- */
 
 static void test_dispatch_and_errors(void) {
-    const char *name = qgemm_kernel_name();
-    CU_ASSERT_STRING_EQUAL(name, qgemm_cpu_has_vnni() ? "avx512-vnni" : "portable");
-    qgemm_force_portable = true;
-    CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), "portable");
-    qgemm_force_portable = false;
+    /* the best family the CPU has, one asked for, portable over any */
+    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "avx512-vnni"};
+    QGemmIsa best = QGEMM_ISA_PORTABLE;
+    for (int isa = QGEMM_ISA_AVX2; isa <= QGEMM_ISA_AVX512_VNNI; isa++)
+        if (qgemm_cpu_has_isa(isa)) best = isa;
+    CU_ASSERT_EQUAL(qgemm_isa(), best);
+    CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), NAMES[best]);
+    CU_ASSERT_EQUAL(qgemm_cpu_has_vnni(), qgemm_cpu_has_isa(QGEMM_ISA_AVX512_VNNI));
+    CU_ASSERT(qgemm_cpu_has_isa(QGEMM_ISA_PORTABLE));
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+        if (!qgemm_cpu_has_isa(isa)) continue;
+        qgemm_force_isa = isa;
+        CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), NAMES[isa]);
+        qgemm_force_portable = true;
+        CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), "portable");
+        qgemm_force_portable = false;
+    }
+    qgemm_force_isa = -1;
 
     int8_t b[8] = {1, -2, 3, -4, 5, -6, 7, -8};
     uint32_t w[2] = {0x01020304u, 0xFFFEFDFCu};

@@ -42,6 +42,17 @@ static const Act ACTS[] = {{"int8", true}, {"uint8", false}, {"int8", false}, {"
  * kernels throughout. */
 static void int8_kernels_default(void) { qgemm_force_portable = !qgemm_cpu_has_vnni(); }
 
+/* The 256-bit families, each compared below with the other kernels where the CPU has it. */
+static const QGemmIsa WIDE256[] = {QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
+static const char *const WIDE256_NAME[] = {"AVX-VNNI", "AVX2"};
+
+/* A visible skip for each 256-bit family this CPU lacks (what: the comparison). */
+static void wide256_skips(const char *what) {
+    for (int i = 0; i < 2; i++)
+        if (!qgemm_cpu_has_isa(WIDE256[i])) test_skip("%s on the %s kernels: this CPU has no %s", what,
+                                                         WIDE256_NAME[i], WIDE256_NAME[i]);
+}
+
 static void model_for(Model *m, const Geo *g, uint64_t seed) {
     QtError err = {0};
     LayerSpec l = {.type = LAYER_DENSE, .units = g->OC, .name = "fc"};
@@ -153,6 +164,17 @@ static void compare_case(const Geo *g, bool per_tensor, const Act *a, uint64_t s
     float *y2 = eval_ok(&q, x, N, &n2);
     qgemm_force_portable = true;
     float *y3 = eval_ok(&q, x, N, &n2);
+    bool same_wide = true;
+    for (int i = 0; i < 2; i++) { /* the 256-bit families the CPU has, on two threads too */
+        if (!qgemm_cpu_has_isa(WIDE256[i])) continue;
+        qgemm_force_portable = false, qgemm_force_isa = WIDE256[i];
+        float *yw = eval_ok(&q, x, N, &n2);
+        same_wide &= n2 == ny && !memcmp(y1, yw, ny * sizeof *y1);
+        free(yw);
+    }
+    qgemm_force_isa = -1;
+    if (!same_wide) fprintf(stderr, "\n  %s: the 256-bit kernels' outputs differ\n", what);
+    CU_ASSERT(same_wide);
     int8_kernels_default();
     gemm_set_threads(1);
     qlayer_int8_parallel_min_macs = 4e6;
@@ -193,6 +215,7 @@ static void test_against_float(void) {
         for (int pt = 0; pt < 2; pt++)
             for (size_t a = 0; a < sizeof ACTS / sizeof *ACTS; a++) compare_case(&GEOS[g], pt, &ACTS[a], seed++);
     qgemm_force_portable = false;
+    wide256_skips("int8 layers against the float path");
 }
 
 /* ---- relu and max pool folded in -------------------------------------------------------------------------------- */
@@ -252,6 +275,13 @@ static void fused_case(const Geo *g, const Act *a, bool nan_bias, uint64_t seed)
     CU_ASSERT(fused_matches(&q, x, N, what));
     qgemm_force_portable = true;
     CU_ASSERT(fused_matches(&q, x, N, what));
+    qgemm_force_portable = false;
+    for (int i = 0; i < 2; i++) { /* the 256-bit families the CPU has */
+        if (!qgemm_cpu_has_isa(WIDE256[i])) continue;
+        qgemm_force_isa = WIDE256[i];
+        CU_ASSERT(fused_matches(&q, x, N, what));
+    }
+    qgemm_force_isa = -1;
     int8_kernels_default();
     gemm_set_threads(1);
     qlayer_int8_parallel_min_macs = 4e6;
@@ -274,6 +304,7 @@ static void test_fused_epilogues(void) {
         for (size_t a = 0; a < 2; a++) fused_case(&GEOS[i], &ACTS[a], i % 2, seed++);
     for (size_t i = 0; i < sizeof MORE / sizeof *MORE; i++) fused_case(&MORE[i], &ACTS[i % 2], i == 2, seed++);
     qgemm_force_portable = false;
+    wide256_skips("fused relu and max pool epilogues");
 }
 
 /* A model with both fused forms (conv -> relu -> maxpool, conv -> relu) in eval: model_forward equals its modules

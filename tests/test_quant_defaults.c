@@ -397,14 +397,21 @@ static void summary_kernel(const char *sub, char *out, size_t cap) {
 static void test_int8_kernel_reported(void) {
     const char *w8a8 = "quant.rules=[{module_path: \".*\", weight_qtype: int8, act_qtype: uint8}]";
     struct {
-        const char *env, *sub, *want;
-    } paths[] = {{"vnni", "k-vnni", "vnni"}, {"portable", "k-portable", "portable"}, {"float", "k-float",
-                                                                                       "float-emulated"}};
-    TrainResult res[3];
-    bool ran[3] = {false, false, false};
-    for (int i = 0; i < 3; i++) {
-        if (strcmp(paths[i].env, "vnni") == 0 && !qgemm_cpu_has_vnni()) {
-            test_skip("int8_kernel vnni: this CPU has no AVX-512 VNNI");
+        const char *env, *sub, *want, *needs;
+        QGemmIsa isa;
+    } paths[] = {{"vnni", "k-vnni", "vnni", "AVX-512 VNNI", QGEMM_ISA_AVX512_VNNI},
+                 {"portable", "k-portable", "portable", NULL, QGEMM_ISA_PORTABLE},
+                 {"float", "k-float", "float-emulated", NULL, QGEMM_ISA_PORTABLE},
+                 {"avxvnni", "k-avxvnni", "avxvnni", "AVX-VNNI", QGEMM_ISA_AVXVNNI},
+                 {"avx2", "k-avx2", "avx2", "AVX2 and FMA", QGEMM_ISA_AVX2}};
+    TrainResult res[5];
+    bool ran[5] = {false, false, false, false, false};
+    for (int i = 0; i < 5; i++) {
+        if (paths[i].needs && !qgemm_cpu_has_isa(paths[i].isa)) {
+            test_skip("int8_kernel %s: this CPU has no %s", paths[i].env, paths[i].needs);
+            QtError kerr = {0};
+            CU_ASSERT_EQUAL(qlayer_int8_kernel_select(paths[i].env, "test", &kerr), QT_ERR_CONFIG);
+            CU_ASSERT(test_msg_has(&kerr, paths[i].needs));
             continue;
         }
         QtError kerr = {0};
@@ -416,8 +423,10 @@ static void test_int8_kernel_reported(void) {
         if (strcmp(got, paths[i].want) != 0) fprintf(stderr, "\n  %s: int8_kernel '%s'\n", paths[i].env, got);
         CU_ASSERT_STRING_EQUAL(got, paths[i].want);
     }
-    /* the two integer kernels agree bit for bit; float emulation up to float rounding */
-    if (ran[0]) CU_ASSERT(res[0].test_accuracy == res[1].test_accuracy && res[0].test_loss == res[1].test_loss);
+    /* the integer kernels agree bit for bit; float emulation up to float rounding */
+    for (int i = 0; i < 5; i++)
+        if (ran[i] && i != 1 && i != 2)
+            CU_ASSERT(res[i].test_accuracy == res[1].test_accuracy && res[i].test_loss == res[1].test_loss);
     CU_ASSERT(fabs(res[2].test_loss - res[1].test_loss) < 1e-3);
     /* the rules table says it too */
     const char *ov[] = {"quant.mode=ptq", w8a8};
@@ -425,7 +434,8 @@ static void test_int8_kernel_reported(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
     Net n;
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK); /* the choice is still float */
+    CU_ASSERT_EQUAL(qlayer_int8_kernel_select("float", "test", &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c, NET_FRESH, &err), QT_OK);
     char *log = path_in("k-float", "table.txt");
     FILE *f = fopen(log, "w+");
     CU_ASSERT_PTR_NOT_NULL_FATAL(f);
@@ -436,11 +446,15 @@ static void test_int8_kernel_reported(void) {
     free(text);
     net_free(&n);
     /* a wrong name is refused, naming the variable (the binary's start: tests/test_bench_cmd.c) */
-    CU_ASSERT_EQUAL(qlayer_int8_kernel_select("avx2", "QTRAIN_INT8_KERNEL", &err), QT_ERR_CONFIG);
-    CU_ASSERT(test_msg_has(&err, "QTRAIN_INT8_KERNEL") && test_msg_has(&err, "'avx2'") &&
-              test_msg_has(&err, "vnni, portable, float or auto"));
+    CU_ASSERT_EQUAL(qlayer_int8_kernel_select("sse4", "QTRAIN_INT8_KERNEL", &err), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&err, "QTRAIN_INT8_KERNEL") && test_msg_has(&err, "'sse4'") &&
+              test_msg_has(&err, "vnni, avxvnni, avx2, portable, float or auto"));
     CU_ASSERT_EQUAL(qlayer_int8_kernel_select("auto", "test", &err), QT_OK);
-    CU_ASSERT_STRING_EQUAL(qlayer_int8_kernel(), qgemm_cpu_has_vnni() ? "vnni" : "float-emulated");
+    const char *best = qgemm_cpu_has_vnni()                        ? "vnni"
+                       : qgemm_cpu_has_isa(QGEMM_ISA_AVXVNNI) ? "avxvnni"
+                       : qgemm_cpu_has_isa(QGEMM_ISA_AVX2)    ? "avx2"
+                                                               : "float-emulated";
+    CU_ASSERT_STRING_EQUAL(qlayer_int8_kernel(), best);
     free(c);
     /* weight-only int8 has no integer path */
     TrainResult wo;

@@ -1,0 +1,505 @@
+/* qgemm_avx2.c - the 256-bit kernels of qgemm.h: AVX2 + FMA, and AVX-VNNI
+ * (vpdpbusd on ymm registers: Intel Alder Lake and later, AMD Zen 5).
+ *
+ * Every function carries a target attribute instead of a compiler flag, so
+ * this file builds with the project's flags and the binary still runs on
+ * any x86-64; qgemm.c calls these only when qgemm_isa() is their family.
+ * The AVX2 functions' target has no AVX-VNNI, so nothing the compiler makes
+ * of them needs more than AVX2 and FMA (AMD Zen 1 to 4, Intel Haswell on).
+ *
+ * AVX2 has no byte dot product that is exact for these codes: vpmaddubsw
+ * saturates its int16 pair sums (255 * 127 * 2 > 32767). Splitting each
+ * activation code a = 128 (a >> 7) + (a & 127) avoids the saturation at the
+ * price of two vpmaddubsw and two vpmaddwd per 32 products; widening both
+ * operands to int16 and multiplying by vpmaddwd (two products per int32
+ * lane, |sum| <= 2 * 255 * 128) is exact with one multiply per 16 products,
+ * 1.5 to 2 times faster measured (bench/README.md), and that is what the
+ * kernels here do. Each int32 lane then holds two of a
+ * group's four products; lanes are added pairwise (vphaddd) once a tile's
+ * sums are complete. The int32 sums wrap modulo 2^32 like vpdpbusd's and the
+ * portable loop's, the corrections are the same, and each float output is
+ * one fused multiply-add: the results equal the portable kernels bit for bit.
+ *
+ * Dense (AVX2): tiles of 6 rows x 8 columns (half a packed panel): per group
+ * of 4 k, the half panel's 32 weight bytes sign-extended into two vectors of
+ * 4 columns, each row's 4 codes broadcast and zero-extended; 12 accumulators.
+ * Dense (AVX-VNNI): tiles of 6 rows x 16 columns, one vpdpbusd per row and
+ * half panel, as the AVX-512 kernel with two 32-byte halves per group.
+ * Depthwise (both families): vpmaddwd of codes against kernel-row weight
+ * pairs over padded rows in scratch, strides 1 and 2 across (others
+ * portable), see qgemm_dw_avx2.
+ * Taps: 8 rows (the packed row block) x 4 pixels (AVX2: each pixel's 4 codes
+ * zero-extended, each row's 4 weights broadcast from the packed weight's
+ * int16 copy) or x 8 pixels (AVX-VNNI), the sums of a 16-pixel vector
+ * gathered in an int32 block, then the epilogue; relu + 2x2 max pool always
+ * goes through the pool buffer. */
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qgemm.h"
+#include "qgemm_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define QA_TARGET __attribute__((target("avx2,fma")))
+#define QV_TARGET __attribute__((target("avx2,fma,avxvnni")))
+#define QA_INLINE static inline __attribute__((always_inline))
+#define QA_ROWS 6 /* rows of a dense tile */
+
+static inline uint32_t load_u32(const uint8_t *p, int n) {
+    uint32_t v = 0; /* bytes past n stay 0 */
+    memcpy(&v, p, (size_t)n);
+    return v;
+}
+
+/* The lanes i < n (of 8) set: masked loads and stores. */
+QA_TARGET QA_INLINE __m256i lane_mask8(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Two vectors of pairwise partial sums (lanes 2i, 2i + 1 of x the halves of column i, columns 0..3 in x and 4..7
+ * in y, as vpmaddwd leaves them) -> the 8 column sums in order. */
+QA_TARGET QA_INLINE __m256i pair_sums(__m256i x, __m256i y) {
+    /* vphaddd gives, per 128-bit lane, x's two sums then y's: columns 0 1 4 5 | 2 3 6 7 */
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(x, y), 0xD8);
+}
+
+/* ---- dense ----------------------------------------------------------------------------------------------------- */
+
+/* Row i0 + r's 8 columns j0 .. j0 + 7 (n of them in the problem) from its sums: c_i32 or the float outputs. */
+QA_TARGET QA_INLINE void dense_store8(const QGemmDense *d, __m256i sum, int i, int j0, int n) {
+    const __m256i corr = _mm256_mullo_epi32(_mm256_set1_epi32(d->a_zero),
+                                            _mm256_loadu_si256((const __m256i *)(d->b->col_sum + j0)));
+    const __m256i s = _mm256_sub_epi32(sum, corr), m = lane_mask8(n);
+    const size_t at = (size_t)i * d->ldc + j0;
+    if (d->c_f32) {
+        const __m256 sc = _mm256_maskload_ps(d->scale + j0, m);
+        const __m256 bi = d->bias ? _mm256_maskload_ps(d->bias + j0, m) : _mm256_setzero_ps();
+        const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, bi);
+        if (n >= 8) _mm256_storeu_ps(d->c_f32 + at, y);
+        else _mm256_maskstore_ps(d->c_f32 + at, m, y);
+    } else if (n >= 8) {
+        _mm256_storeu_si256((__m256i *)(d->c_i32 + at), s);
+    } else {
+        _mm256_maskstore_epi32(d->c_i32 + at, m, s);
+    }
+}
+
+/* acc[r] += rows[r][4g .. 4g + n) times group g of a half panel (8 columns): the half's 32 weight bytes
+ * sign-extended into two vectors of 4 columns (0, 1 | 2, 3 and 4, 5 | 6, 7), each row's 4 codes zero-extended
+ * and repeated twice per 128-bit lane, so vpmaddwd leaves a column's four products in two adjacent lanes. */
+QA_TARGET QA_INLINE void dense_group_avx2(__m256i acc[QA_ROWS][2], const uint8_t *const *rows, const int8_t *half,
+                                          int g, const int n) {
+    const __m128i *src = (const __m128i *)(half + (size_t)g * 64);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_load_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_load_si128(src + 1));
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        const __m256i a = _mm256_unpacklo_epi8(_mm256_set1_epi32((int)load_u32(rows[r] + 4 * (size_t)g, n)),
+                                               _mm256_setzero_si256());
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, w0));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, w1));
+    }
+}
+
+/* Rows rows[0 .. R) (past nrows the first again, never stored) times columns 8 h .. 8 h + 7 of panel p. */
+QA_TARGET QA_INLINE void dense_tile_avx2(const QGemmDense *d, const uint8_t *const *rows, int i0, int nrows, int p,
+                                         int h) {
+    const QGemmPackedB *b = d->b;
+    const int8_t *half = b->data + (size_t)p * b->k_groups * 64 + 32 * h; /* [k_groups] 32 of 64 bytes */
+    __m256i acc[QA_ROWS][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int full = b->k / 4;
+    for (int g = 0; g < full; g++) dense_group_avx2(acc, rows, half, g, 4); /* constant-size loads */
+    if (b->k % 4) dense_group_avx2(acc, rows, half, full, b->k % 4);  /* without reading past a row's end */
+    const int j0 = p * QGEMM_LANES + 8 * h;
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++)
+        if (r < nrows) dense_store8(d, pair_sums(acc[r][0], acc[r][1]), i0 + r, j0, b->n - j0);
+}
+
+/* The same with vpdpbusd: both halves of panel p at once. */
+QV_TARGET QA_INLINE void dense_group_avxvnni(__m256i acc[QA_ROWS][2], const uint8_t *const *rows, const int8_t *panel,
+                                             int g, const int n) {
+    const __m256i w0 = _mm256_load_si256((const __m256i *)(panel + (size_t)g * 64));
+    const __m256i w1 = _mm256_load_si256((const __m256i *)(panel + (size_t)g * 64 + 32));
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        const __m256i a = _mm256_set1_epi32((int)load_u32(rows[r] + 4 * (size_t)g, n));
+        acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], a, w0);
+        acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], a, w1);
+    }
+}
+
+QV_TARGET QA_INLINE void dense_tile_avxvnni(const QGemmDense *d, const uint8_t *const *rows, int i0, int nrows,
+                                            int p) {
+    const QGemmPackedB *b = d->b;
+    const int8_t *panel = b->data + (size_t)p * b->k_groups * 64; /* [k_groups][64] */
+    __m256i acc[QA_ROWS][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int full = b->k / 4;
+    for (int g = 0; g < full; g++) dense_group_avxvnni(acc, rows, panel, g, 4);
+    if (b->k % 4) dense_group_avxvnni(acc, rows, panel, full, b->k % 4);
+    const int j0 = p * QGEMM_LANES;
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        if (r >= nrows) continue;
+        dense_store8(d, acc[r][0], i0 + r, j0, b->n - j0);
+        if (b->n > j0 + 8) dense_store8(d, acc[r][1], i0 + r, j0 + 8, b->n - j0 - 8);
+    }
+}
+
+/* The row pointers of the tile at row i (nr rows): rows past the end repeat the first. */
+static void tile_rows(const uint8_t **rows, const QGemmDense *d, int i, int nr) {
+    for (int r = 0; r < QA_ROWS; r++) rows[r] = d->a + (size_t)(i + (r < nr ? r : 0)) * d->lda;
+}
+
+static int clip(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+QA_TARGET void qgemm_dense_avx2(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    row0 = clip(row0, 0, d->m), row1 = clip(row1, row0, d->m);
+    p0 = clip(p0, 0, d->b->panels), p1 = clip(p1, p0, d->b->panels);
+    /* a panel stays in L1 while every row of the range passes */
+    for (int p = p0; p < p1; p++)
+        for (int i = row0; i < row1; i += QA_ROWS) {
+            const uint8_t *rows[QA_ROWS];
+            const int nr = row1 - i < QA_ROWS ? row1 - i : QA_ROWS;
+            tile_rows(rows, d, i, nr);
+            dense_tile_avx2(d, rows, i, nr, p, 0);
+            if (d->b->n > p * QGEMM_LANES + 8) dense_tile_avx2(d, rows, i, nr, p, 1);
+        }
+}
+
+QV_TARGET void qgemm_dense_avxvnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    row0 = clip(row0, 0, d->m), row1 = clip(row1, row0, d->m);
+    p0 = clip(p0, 0, d->b->panels), p1 = clip(p1, p0, d->b->panels);
+    for (int p = p0; p < p1; p++)
+        for (int i = row0; i < row1; i += QA_ROWS) {
+            const uint8_t *rows[QA_ROWS];
+            const int nr = row1 - i < QA_ROWS ? row1 - i : QA_ROWS;
+            tile_rows(rows, d, i, nr);
+            dense_tile_avxvnni(d, rows, i, nr, p);
+        }
+}
+
+/* ---- taps ------------------------------------------------------------------------------------------------------ */
+
+/* sums [8][16] = the uncorrected wrapped sums of row block rb (all 8 rows, padding rows' weights 0), vector v. */
+QA_TARGET static void taps_sums_avx2(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v) {
+    const int T = g->w->taps;
+    const int64_t *wb = (const int64_t *)g->w->wide + (size_t)rb * T * QGEMM_ROWS; /* [T][8] 4 int16 each */
+    const uint8_t *base = g->act + (size_t)v * 64;
+    for (int quarter = 0; quarter < 4; quarter++) { /* pixels 4 quarter .. + 3 */
+        __m256i acc[QGEMM_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++) acc[r] = _mm256_setzero_si256();
+        for (int t = 0; t < T; t++) {
+            /* 4 pixels' 4 codes as int16: pixels 0, 1 | 2, 3 */
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(base + 4 * (size_t)g->tap_off[t] + 16 * quarter));
+            const __m256i a = _mm256_cvtepu8_epi16(raw);
+#pragma GCC unroll 8
+            for (int r = 0; r < QGEMM_ROWS; r++)
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(a, _mm256_set1_epi64x(wb[t * QGEMM_ROWS + r])));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++) /* lanes 2i, 2i + 1 the halves of pixel i: 0 1 | 2 3 after the add */
+            _mm_storeu_si128((__m128i *)(sums[r] + 4 * quarter),
+                             _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r], acc[r]), 0x08)));
+    }
+}
+
+QV_TARGET static void taps_sums_avxvnni(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v) {
+    const int T = g->w->taps;
+    const int32_t *wb = g->w->data + (size_t)rb * T * QGEMM_ROWS; /* [T][8] */
+    const uint8_t *base = g->act + (size_t)v * 64;
+    for (int half = 0; half < 2; half++) { /* pixels 8 half .. + 7 */
+        __m256i acc[QGEMM_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++) acc[r] = _mm256_setzero_si256();
+        for (int t = 0; t < T; t++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(base + 4 * (size_t)g->tap_off[t] + 32 * half));
+#pragma GCC unroll 8
+            for (int r = 0; r < QGEMM_ROWS; r++)
+                acc[r] = _mm256_dpbusd_avx_epi32(acc[r], a, _mm256_set1_epi32(wb[t * QGEMM_ROWS + r]));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < QGEMM_ROWS; r++) _mm256_storeu_si256((__m256i *)(sums[r] + 8 * half), acc[r]);
+    }
+}
+
+/* Row block rb's outputs of vector v from its sums: y = fmaf((float)(sum - corr), scale, bias), relu'd
+ * (max(y, 0): 0 unless y > 0, a NaN included, as nn's relu) for the relu epilogues; stored to the vector's output
+ * lanes, or whole to the pool buffer. */
+QA_TARGET static void taps_out(const QGemmTaps *g, int rb, int v, int32_t (*sums)[QGEMM_LANES]) {
+    const bool relu = g->epi != QGEMM_EPI_NONE, pool = g->epi == QGEMM_EPI_RELU_POOL2;
+    const unsigned m = pool ? 0xFFFF : g->vec_mask[v];
+    if (!m) return;
+    for (int s = 0; s < QGEMM_ROWS; s++) {
+        const int r = rb * QGEMM_ROWS + s;
+        if (r >= g->w->rows) break;
+        const __m256i corr = _mm256_set1_epi32((int32_t)((uint32_t)g->a_zero * (uint32_t)g->w->row_sum[r]));
+        const __m256 sc = _mm256_set1_ps(g->scale[r]), bi = _mm256_set1_ps(g->bias ? g->bias[r] : 0.0f);
+        __m256 y[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i x = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(sums[s] + 8 * h)), corr);
+            y[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x), sc, bi);
+            if (relu) y[h] = _mm256_max_ps(y[h], _mm256_setzero_ps());
+        }
+        float *dst = pool ? g->pool_buf + ((size_t)s * g->n_vec + v) * QGEMM_LANES
+                          : g->out + (size_t)r * g->ldo + g->vec_pos[v];
+        if (m == 0xFFFF) {
+            _mm256_storeu_ps(dst, y[0]), _mm256_storeu_ps(dst + 8, y[1]);
+        } else { /* the output lanes in order */
+            float tmp[QGEMM_LANES];
+            _mm256_storeu_ps(tmp, y[0]), _mm256_storeu_ps(tmp + 8, y[1]);
+            for (int l = 0, at = 0; l < QGEMM_LANES; l++)
+                if (m >> l & 1) dst[at++] = tmp[l];
+        }
+    }
+}
+
+/* The 2x2 windows of row block rb's relu'd outputs in the pool buffer -> out. The values are >= +0 and never
+ * NaN, so any order of the maxima gives the bits pool2x2_window picks. 8 windows at a time: the two rows'
+ * maximum, then the even and the odd columns'. */
+QA_TARGET static void taps_pool_avx2(const QGemmTaps *g, int rb) {
+    const int PW = g->pool_w;
+    for (int s = 0; s < QGEMM_ROWS && rb * QGEMM_ROWS + s < g->w->rows; s++) {
+        const float *src = g->pool_buf + (size_t)s * g->n_vec * QGEMM_LANES; /* (pixels) */
+        float *dst = g->out + (size_t)(rb * QGEMM_ROWS + s) * g->ldo;         /* (pool_h, PW) */
+        for (int i = 0; i < g->pool_h; i++, dst += PW) {
+            const float *a = src + (size_t)2 * i * g->pitch, *b = a + g->pitch;
+            int j = 0;
+            for (; j + 8 <= PW; j += 8) { /* pixels 2 j .. 2 j + 15 < 2 PW <= pitch: inside the row */
+                const __m256 x0 = _mm256_max_ps(_mm256_loadu_ps(a + 2 * j), _mm256_loadu_ps(b + 2 * j));
+                const __m256 x1 = _mm256_max_ps(_mm256_loadu_ps(a + 2 * j + 8), _mm256_loadu_ps(b + 2 * j + 8));
+                /* windows 0 1 4 5 | 2 3 6 7, then in order */
+                const __m256 y = _mm256_max_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
+                _mm256_storeu_ps(dst + j, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(y), 0xD8)));
+            }
+            for (; j < PW; j++) {
+                const float x0 = a[2 * j] > a[2 * j + 1] ? a[2 * j] : a[2 * j + 1];
+                const float x1 = b[2 * j] > b[2 * j + 1] ? b[2 * j] : b[2 * j + 1];
+                dst[j] = x0 > x1 ? x0 : x1;
+            }
+        }
+    }
+}
+
+/* The ranges clipped as the portable kernel clips them (the pool epilogue takes every vector). */
+static void taps_ranges(const QGemmTaps *g, int *rb0, int *rb1, int *v0, int *v1) {
+    const bool pool = g->epi == QGEMM_EPI_RELU_POOL2;
+    *rb0 = clip(*rb0, 0, g->w->row_blocks), *rb1 = clip(*rb1, *rb0, g->w->row_blocks);
+    *v0 = pool ? 0 : clip(*v0, 0, g->n_vec), *v1 = pool ? g->n_vec : clip(*v1, *v0, g->n_vec);
+}
+
+QA_TARGET void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    _Alignas(32) int32_t sums[QGEMM_ROWS][QGEMM_LANES];
+    taps_ranges(g, &rb0, &rb1, &v0, &v1);
+    for (int rb = rb0; rb < rb1; rb++) {
+        for (int v = v0; v < v1; v++) {
+            if (g->epi != QGEMM_EPI_RELU_POOL2 && !g->vec_mask[v]) continue;
+            taps_sums_avx2(sums, g, rb, v);
+            taps_out(g, rb, v, sums);
+        }
+        if (g->epi == QGEMM_EPI_RELU_POOL2) taps_pool_avx2(g, rb);
+    }
+}
+
+QV_TARGET void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    _Alignas(32) int32_t sums[QGEMM_ROWS][QGEMM_LANES];
+    taps_ranges(g, &rb0, &rb1, &v0, &v1);
+    for (int rb = rb0; rb < rb1; rb++) {
+        for (int v = v0; v < v1; v++) {
+            if (g->epi != QGEMM_EPI_RELU_POOL2 && !g->vec_mask[v]) continue;
+            taps_sums_avxvnni(sums, g, rb, v);
+            taps_out(g, rb, v, sums);
+        }
+        if (g->epi == QGEMM_EPI_RELU_POOL2) taps_pool_avx2(g, rb);
+    }
+}
+
+/* ---- depthwise ------------------------------------------------------------------------------------------------- */
+
+/* Bytes of one padded row in scratch: every column a 16-byte load of qgemm_dw_avx2 reaches. */
+static size_t dw_row_bytes(const QGemmDw *d) {
+    const size_t cols = ((size_t)d->ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
+    return cols * (size_t)d->sw + 2 * (((size_t)d->w->kw + 1) / 2) + 17;
+}
+
+/* The weight pair of kernel row r, columns 2 p and 2 p + 1 (0 past kw) of channel oc: two int16 in an int32, the
+ * operand of vpmaddwd against two consecutive codes. */
+static inline int32_t dw_pair(const QGemmPackedDw *w, int oc, int r, int p) {
+    const uint32_t q = (uint32_t)w->data[((size_t)oc * w->kh + r) * w->kq + (size_t)p / 2] >> (16 * (p % 2));
+    const uint32_t lo = (uint16_t)(int16_t)(int8_t)(uint8_t)q, hi = (uint16_t)(int16_t)(int8_t)(uint8_t)(q >> 8);
+    return (int32_t)(lo | hi << 16);
+}
+
+/* y = fmaf((float)(sum - corr), scale, bias), relu'd if asked, to out [n <= 8]. */
+QA_TARGET QA_INLINE void dw_store8(float *out, __m256i sum, __m256i corr, __m256 sc, __m256 bi, bool relu, int n) {
+    __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, corr)), sc, bi);
+    if (relu) y = _mm256_max_ps(y, _mm256_setzero_ps()); /* nn's relu: see taps_out */
+    if (n >= 8) _mm256_storeu_ps(out, y);
+    else if (n > 0) _mm256_maskstore_ps(out, lane_mask8(n), y);
+}
+
+/* The depthwise kernel for strides 1 and 2 across (qgemm_dw_avx2 checks): each padded input row once into
+ * scratch (a_zero outside the input: its terms cancel in the correction), then per output channel and row,
+ * vpmaddwd of 16 codes (as int16) against a kernel row's weight pair (2 p, 2 p + 1) broadcast: lane j sums the
+ * codes at 2 j + 2 p and 2 j + 2 p + 1 from the load's start. Stride 2 starts at 2 o0: lane j is output o0 + j,
+ * 8 outputs a load. Stride 1 needs two loads a pair, at o0 and o0 + 1, for the even and the odd outputs of 16,
+ * interleaved at the end. The sums wrap like the portable kernel's and the correction is a_zero times the
+ * channel's weight sum. */
+QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
+    const QGemmPackedDw *w = d->w;
+    const int KH = w->kh, KP = (w->kw + 1) / 2;
+    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, width = dw_row_bytes(d);
+    /* past stride 2 the codes of one output's pair are not where a lane meets them; the padded rows fit in
+     * qgemm_dw_scratch's bytes for any kernel (16 output columns at least), checked all the same */
+    if (d->sw > 2 || rows * width > qgemm_dw_scratch(w, d->oh_n, d->ow_n, d->sh)) {
+        qgemm_dw_portable(d);
+        return;
+    }
+    uint8_t *pad = (uint8_t *)d->scratch; /* (rows, width) */
+    for (size_t r = 0; r < rows; r++) {
+        uint8_t *dst = pad + r * width;
+        memset(dst, d->a_zero, width);
+        const long ih = (long)r - d->pad_t;
+        if (ih < 0 || ih >= d->in_h) continue;
+        const long x0 = d->pad_l > 0 ? d->pad_l : 0;
+        const long x1 = (long)d->pad_l + d->in_w < (long)width ? (long)d->pad_l + d->in_w : (long)width;
+        if (x1 > x0) memcpy(dst + x0, d->act + (size_t)ih * d->in_w + (x0 - d->pad_l), (size_t)(x1 - x0));
+    }
+    for (int i = 0; i < d->n_oc; i++) {
+        const int oc = d->oc0 + i;
+        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
+        const __m256i corr = _mm256_set1_epi32((int32_t)((uint32_t)d->a_zero * (uint32_t)w->sum[oc]));
+        const __m256 sc = _mm256_set1_ps(d->scale[oc]), bi = _mm256_set1_ps(d->bias ? d->bias[oc] : 0.0f);
+        for (int oh = 0; oh < d->oh_n; oh++) {
+            const uint8_t *top = pad + (size_t)oh * d->sh * width; /* the window's first padded row */
+            float *o = out + (size_t)oh * d->ow_n;
+            if (d->sw == 2) {
+                for (int o0 = 0; o0 < d->ow_n; o0 += 8) {
+                    __m256i acc = _mm256_setzero_si256();
+                    for (int r = 0; r < KH; r++)
+                        for (int p = 0; p < KP; p++) {
+                            const __m128i *at = (const __m128i *)(top + (size_t)r * width + 2 * (size_t)o0 + 2 * p);
+                            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(at));
+                            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(dw_pair(w, oc, r, p))));
+                        }
+                    dw_store8(o + o0, acc, corr, sc, bi, d->relu, d->ow_n - o0);
+                }
+                continue;
+            }
+            for (int o0 = 0; o0 < d->ow_n; o0 += 16) {
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                for (int r = 0; r < KH; r++)
+                    for (int p = 0; p < KP; p++) {
+                        const uint8_t *at = top + (size_t)r * width + (size_t)o0 + 2 * p;
+                        const __m256i wp = _mm256_set1_epi32(dw_pair(w, oc, r, p));
+                        const __m256i a0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at));
+                        const __m256i a1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + 1)));
+                        even = _mm256_add_epi32(even, _mm256_madd_epi16(a0, wp));
+                        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(a1, wp));
+                    }
+                /* outputs 0 1 2 3 | 8 9 10 11 and 4 5 6 7 | 12 13 14 15, then in order */
+                const __m256i lo = _mm256_unpacklo_epi32(even, odd), hi = _mm256_unpackhi_epi32(even, odd);
+                dw_store8(o + o0, _mm256_permute2x128_si256(lo, hi, 0x20), corr, sc, bi, d->relu, d->ow_n - o0);
+                dw_store8(o + o0 + 8, _mm256_permute2x128_si256(lo, hi, 0x31), corr, sc, bi, d->relu, d->ow_n - o0 - 8);
+            }
+        }
+    }
+}
+
+/* ---- quantizing ------------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    __m256 s, lo, hi, big, absmask;
+    __m256i zero;
+} CodeRegs;
+
+QA_TARGET QA_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
+    return (CodeRegs){.s = _mm256_set1_ps(s), .lo = _mm256_set1_ps(lo), .hi = _mm256_set1_ps(hi),
+                      .big = _mm256_set1_ps(3.40282347e38f), .zero = _mm256_set1_epi32(zero),
+                      .absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))};
+}
+
+/* The codes (int32 lanes, 0..255) of the lanes m of x (masked-off lanes read as 0); *bad gets a lane that is NaN
+ * or infinite. */
+QA_TARGET QA_INLINE __m256i codes8(const CodeRegs *k, const float *x, __m256i m, bool full, __m256 *bad) {
+    const __m256 v = full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, m);
+    *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(_mm256_and_ps(v, k->absmask), k->big, _CMP_NLE_UQ));
+    /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
+    const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v, k->s), k->lo), k->hi);
+    return _mm256_add_epi32(_mm256_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
+}
+
+QA_TARGET bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
+    const CodeRegs k = code_regs(s, lo, hi, zero);
+    const __m256i all = _mm256_set1_epi32(-1);
+    /* 32 codes -> bytes in one store: the two packs leave dword 4 j + r (per 128-bit lane j) holding codes
+     * 8 r + 4 j .. + 3 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 bad = _mm256_setzero_ps();
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i c0 = codes8(&k, x + i, all, true, &bad), c1 = codes8(&k, x + i + 8, all, true, &bad);
+        const __m256i c2 = codes8(&k, x + i + 16, all, true, &bad), c3 = codes8(&k, x + i + 24, all, true, &bad);
+        const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_permutevar8x32_epi32(b, order));
+    }
+    for (; i < n; i += 8) {
+        const int left = n - i < 8 ? (int)(n - i) : 8;
+        _Alignas(32) int32_t c[8];
+        _mm256_store_si256((__m256i *)c, codes8(&k, x + i, lane_mask8(left), false, &bad));
+        for (int l = 0; l < left; l++) dst[i + l] = (uint8_t)c[l];
+    }
+    return _mm256_movemask_ps(bad) == 0;
+}
+
+QA_TARGET bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows,
+                                        int n, const QGemmCodes *c) {
+    const CodeRegs k = code_regs(c->s, c->lo, c->hi, c->zero);
+    __m256 bad = _mm256_setzero_ps();
+    for (int h = 0; h < rows; h++)
+        for (int i = 0; i < n; i += 8) {
+            const bool full = n - i >= 8;
+            const __m256i m = lane_mask8(n - i);
+            const size_t at = (size_t)h * ldx + (size_t)i;
+            __m256i d = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++) {
+                const __m256i u = x[b] ? codes8(&k, x[b] + at, m, full, &bad) : k.zero;
+                d = _mm256_or_si256(d, _mm256_slli_epi32(u, 8 * b));
+            }
+            uint32_t *o = dst + (size_t)h * ldd + (size_t)i;
+            if (full) _mm256_storeu_si256((__m256i *)o, d);
+            else _mm256_maskstore_epi32((int *)o, m, d);
+        }
+    return _mm256_movemask_ps(bad) == 0;
+}
+
+#else /* not x86: qgemm_isa() is always portable, so these are never called */
+
+void qgemm_dense_avx2(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    qgemm_dense_portable(d, row0, row1, p0, p1);
+}
+void qgemm_dense_avxvnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
+    qgemm_dense_portable(d, row0, row1, p0, p1);
+}
+void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
+void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    qgemm_taps_portable(g, rb0, rb1, v0, v1);
+}
+void qgemm_dw_avx2(const QGemmDw *d) { qgemm_dw_portable(d); }
+bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
+    return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);
+}
+bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
+                              const QGemmCodes *c) {
+    return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
+}
+
+#endif
