@@ -4,8 +4,9 @@
  *
  * Kernel families, chosen at run time (qgemm_isa), the best the CPU and the
  * OS have: AVX-512 VNNI (vpdpbusd on 512 bits, qgemm_x86.c) where they have
- * AVX-512 F/BW/VL/VNNI; else AVX-VNNI (vpdpbusd on 256 bits, qgemm_avx2.c:
- * Intel Alder Lake and later, AMD Zen 5); else AVX2 + FMA (qgemm_avx2.c: no
+ * AVX-512 F/BW/VL/VNNI (Intel Ice Lake servers on, AMD Zen 4 and 5); else
+ * AVX-VNNI (vpdpbusd on 256 bits, qgemm_avx2.c: Intel client chips from
+ * Alder Lake on); else AVX2 + FMA (qgemm_avx2.c: no
  * byte dot product there, so codes are widened to int16 and multiplied by
  * vpmaddwd, exact); else portable C (qgemm.c). The vector files use function
  * target attributes, so the binary still runs on any x86-64. All give the

@@ -1,11 +1,11 @@
 /* qgemm_avx2.c - the 256-bit kernels of qgemm.h: AVX2 + FMA, and AVX-VNNI
- * (vpdpbusd on ymm registers: Intel Alder Lake and later, AMD Zen 5).
+ * (vpdpbusd on ymm registers: Intel client chips from Alder Lake on, without AVX-512).
  *
  * Every function carries a target attribute instead of a compiler flag, so
  * this file builds with the project's flags and the binary still runs on
  * any x86-64; qgemm.c calls these only when qgemm_isa() is their family.
  * The AVX2 functions' target has no AVX-VNNI, so nothing the compiler makes
- * of them needs more than AVX2 and FMA (AMD Zen 1 to 4, Intel Haswell on).
+ * of them needs more than AVX2 and FMA (AMD Zen 1 to 3, Intel Haswell on).
  *
  * AVX2 has no byte dot product that is exact for these codes: vpmaddubsw
  * saturates its int16 pair sums (255 * 127 * 2 > 32767). Splitting each
@@ -185,12 +185,19 @@ QV_TARGET void qgemm_dense_avxvnni(const QGemmDense *d, int row0, int row1, int 
         }
 }
 
+/* 4 int16 weights as one int64 (memcpy: the array is int16_t, read without type punning) */
+static inline int64_t load_i64(const int16_t *p) {
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* ---- taps ------------------------------------------------------------------------------------------------------ */
 
 /* sums [8][16] = the uncorrected wrapped sums of row block rb (all 8 rows, padding rows' weights 0), vector v. */
 QA_TARGET static void taps_sums_avx2(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v) {
     const int T = g->w->taps;
-    const int64_t *wb = (const int64_t *)g->w->wide + (size_t)rb * T * QGEMM_ROWS; /* [T][8] 4 int16 each */
+    const int16_t *wb = g->w->wide + (size_t)rb * T * QGEMM_ROWS * 4; /* [T][8][4] int16 */
     const uint8_t *base = g->act + (size_t)v * 64;
     for (int quarter = 0; quarter < 4; quarter++) { /* pixels 4 quarter .. + 3 */
         __m256i acc[QGEMM_ROWS];
@@ -202,7 +209,8 @@ QA_TARGET static void taps_sums_avx2(int32_t (*sums)[QGEMM_LANES], const QGemmTa
             const __m256i a = _mm256_cvtepu8_epi16(raw);
 #pragma GCC unroll 8
             for (int r = 0; r < QGEMM_ROWS; r++)
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(a, _mm256_set1_epi64x(wb[t * QGEMM_ROWS + r])));
+                acc[r] = _mm256_add_epi32(
+                    acc[r], _mm256_madd_epi16(a, _mm256_set1_epi64x(load_i64(wb + (t * QGEMM_ROWS + r) * 4))));
         }
 #pragma GCC unroll 8
         for (int r = 0; r < QGEMM_ROWS; r++) /* lanes 2i, 2i + 1 the halves of pixel i: 0 1 | 2 3 after the add */

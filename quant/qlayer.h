@@ -199,6 +199,9 @@ bool qlayer_int8_supported(const QLayer *q);
  * nor undilated with one input channel per group (depthwise) has them but is not supported (it runs on its
  * dequantized weight). */
 bool qlayer_int8_formats(const QLayer *q);
+/* Whether q's int8 forward runs on the kernels int8_kernel names: supported, and not a depthwise conv with a stride
+ * beyond 2 across while the 256-bit kernels (avx2, avxvnni) are chosen (it keeps the float path there). */
+bool qlayer_int8_on_kernel(const QLayer *q);
 /* Packs the weight for the int8 path now rather than at the first int8
  * forward. QT_ERR_CONFIG naming the module and the reason if the formats do
  * not allow it; QT_ERR_NOMEM. Nothing to do if it is packed already. */

@@ -160,15 +160,23 @@ QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *
 
 bool qlayer_int8_supported(const QLayer *q) { return q && q->module && !unsupported_why(q); }
 
+/* The 256-bit families' depthwise kernel takes strides 1 and 2 across (qgemm_dw_avx2): a depthwise conv with a
+ * longer stride keeps the float path with them. */
+static bool dw_stride_beyond_256(const QLayer *q, QGemmIsa isa) {
+    return (isa == QGEMM_ISA_AVX2 || isa == QGEMM_ISA_AVXVNNI) && conv_is_dw(q) && q->module->geom.stride_w > 2;
+}
+
+bool qlayer_int8_on_kernel(const QLayer *q) {
+    return qlayer_int8_supported(q) && !dw_stride_beyond_256(q, qgemm_isa());
+}
+
 bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var *bias) {
     if (qlayer_int8_disable || !q->act_ready || q->calibrating || !qlayer_int8_supported(q)) return false;
     /* without vector kernels the portable ones are slower than fake quantization + sgemm: keep the float path
-     * there unless the portable kernels are asked for. The 256-bit families' depthwise kernel takes strides 1
-     * and 2 across (qgemm_dw_avx2): a depthwise conv with a longer stride keeps the float path with them. */
+     * there unless the portable kernels are asked for */
     if (!qgemm_force_portable) {
         const QGemmIsa isa = qgemm_isa();
-        if (isa == QGEMM_ISA_PORTABLE) return false;
-        if (isa != QGEMM_ISA_AVX512_VNNI && conv_is_dw(q) && q->module->geom.stride_w > 2) return false;
+        if (isa == QGEMM_ISA_PORTABLE || dw_stride_beyond_256(q, isa)) return false;
     }
     return !(t->grad_enabled && (x->requires_grad || (bias && bias->requires_grad)));
 }

@@ -636,6 +636,15 @@ static double json_number(const char *text, const char *key) {
     return at ? strtod(at + strlen(key), NULL) : NAN;
 }
 
+/* Whether files a and b hold the same bytes. */
+static bool same_file_bytes(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *x = test_file_read(a, &na), *y = test_file_read(b, &nb);
+    bool same = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x), free(y);
+    return same;
+}
+
 /* tests/configs/tiny-dw.yaml trained, then PTQ with DS-CNN's rules (int8 weights; int8 inputs for conv1, uint8
  * with zero points for the rest): `qtrain eval` of its checkpoint on the float, portable and vector kernels (VNNI,
  * AVX-VNNI, AVX2) gives the same accuracy, losses within 1e-4 of the float path's and the vector kernels' equal to
@@ -668,7 +677,9 @@ static void test_dw_ptq_eval_kernels(void) {
             continue;
         }
         setenv("QTRAIN_INT8_KERNEL", KERNELS[k], 1);
-        const char *eval[] = {"eval", "--checkpoint", ckpt, "--quiet", NULL};
+        char dump[1200];
+        snprintf(dump, sizeof dump, "%s/dw-logits-%s.npy", tmp_root, KERNELS[k]);
+        const char *eval[] = {"eval", "--checkpoint", ckpt, "--dump-logits", dump, "--quiet", NULL};
         int rc = test_proc_run(log, eval, 300.0);
         unsetenv("QTRAIN_INT8_KERNEL");
         CU_ASSERT_EQUAL_FATAL(rc, 0);
@@ -683,8 +694,16 @@ static void test_dw_ptq_eval_kernels(void) {
     }
     printf("(accuracy %.4f, loss float %.6f portable %.6f vnni %.6f) ", acc[0], loss[0], loss[1], loss[2]);
     CU_ASSERT(acc[0] > 0.2 && acc[1] == acc[0] && fabs(loss[1] - loss[0]) <= 1e-4 * loss[0]);
-    for (int k = 2; k < 5; k++) /* every vector family: portable's bits (the depthwise kernel included) */
-        if (qgemm_cpu_has_isa(FAMILY[k])) CU_ASSERT(acc[k] == acc[0] && loss[k] == loss[1]);
+    /* every vector family: portable's bits (the depthwise kernel included), logit for logit; the float path's
+       logits differ, so the comparison shows the kernels ran */
+    char dumps[5][1200];
+    for (int k = 0; k < 5; k++) snprintf(dumps[k], sizeof dumps[k], "%s/dw-logits-%s.npy", tmp_root, KERNELS[k]);
+    CU_ASSERT_FALSE(same_file_bytes(dumps[0], dumps[1]));
+    for (int k = 2; k < 5; k++)
+        if (qgemm_cpu_has_isa(FAMILY[k])) {
+            CU_ASSERT(acc[k] == acc[0] && loss[k] == loss[1]);
+            CU_ASSERT(same_file_bytes(dumps[k], dumps[1]));
+        }
     /* the same with the depthwise conv dilated: it falls back, and the rules table names it */
     char tlog[1100];
     snprintf(out, sizeof out, "run.out_dir=%s/ptq-dilated", tmp_root);
@@ -698,6 +717,44 @@ static void test_dw_ptq_eval_kernels(void) {
     CU_ASSERT(table && strstr(table, want));
     if (!table || !strstr(table, want)) fprintf(stderr, "\n%s\n", table ? table : "(no output)");
     free(table);
+    /* with a stride of 3 across, the 256-bit kernels keep the depthwise conv on the float path: the rules table and
+       eval.json's int8_kernel_layers count 3 of 4 there, 4 of 4 on the other kernels */
+    static const char *const WIDE[] = {"avx2", "avxvnni"};
+    static const QGemmIsa WIDE_ISA[] = {QGEMM_ISA_AVX2, QGEMM_ISA_AVXVNNI};
+    snprintf(out, sizeof out, "run.out_dir=%s/ptq-stride3", tmp_root);
+    const char *st3[] = {"--config", "tests/configs/tiny-dw.yaml", "--set", out, "--set", init, "--set",
+                         "model.layers.3.stride=3", "--set", "model.layers.3.padding=1", "--set", "quant.mode=ptq",
+                         "--set", ptq[9], "--set",
+                         "train.epochs=0", "--set", "train.steps=0", NULL};
+    for (int k = 0; k < 2; k++) {
+        if (!qgemm_cpu_has_isa(WIDE_ISA[k])) {
+            test_skip("a stride-3 depthwise conv on the %s kernels: this CPU (or OS) lacks them", WIDE[k]);
+            continue;
+        }
+        snprintf(tlog, sizeof tlog, "%s/stride3-%s.log", tmp_root, WIDE[k]);
+        setenv("QTRAIN_INT8_KERNEL", WIDE[k], 1);
+        int rc = test_proc_run(tlog, st3, 300.0);
+        char sckpt[1100];
+        snprintf(sckpt, sizeof sckpt, "%s/ptq-stride3/final.h5", tmp_root);
+        const char *ev[] = {"eval", "--checkpoint", sckpt, "--quiet", NULL};
+        int rc2 = rc == 0 ? test_proc_run(tlog, ev, 300.0) : -1;
+        unsetenv("QTRAIN_INT8_KERNEL");
+        CU_ASSERT_EQUAL(rc, 0);
+        CU_ASSERT_EQUAL(rc2, 0);
+        char *t3 = test_file_read(tlog, NULL), w3[160], sjson[1100];
+        snprintf(w3, sizeof w3, "int8_kernel: %s on 3 of 4 int8 layers; float-emulated (a depthwise stride over 2 "
+                 "across on the %s kernels): dw\n", WIDE[k], WIDE[k]);
+        CU_ASSERT(t3 && strstr(t3, w3));
+        if (!t3 || !strstr(t3, w3)) fprintf(stderr, "\n%s\n", t3 ? t3 : "(no output)");
+        free(t3);
+        snprintf(sjson, sizeof sjson, "%s/ptq-stride3/eval.json", tmp_root);
+        char *js = test_file_read(sjson, NULL);
+        CU_ASSERT(js && strstr(js, "\"int8_layers\": 4,") && strstr(js, "\"int8_kernel_layers\": 3,"));
+        free(js);
+        char path[1100];
+        snprintf(path, sizeof path, "%s/ptq-stride3", tmp_root);
+        test_tmpdir_remove(strdup(path)); /* the next kernel's run starts afresh */
+    }
 }
 
 /* tests/configs/tiny-cnn.yaml (conv1, relu and 2x2 max pool: the taps kernels' pooling epilogue, then a dense
@@ -731,7 +788,9 @@ static void test_cnn_ptq_eval_vector_kernels(void) {
     double acc[5], loss[5];
     for (int k = 0; k < 5; k++) {
         acc[k] = loss[k] = NAN;
-        const char *eval[] = {"eval", "--checkpoint", ckpt, "--quiet", NULL};
+        char dump[1200];
+        snprintf(dump, sizeof dump, "%s/cnn-logits-%s.npy", tmp_root, K[k].env);
+        const char *eval[] = {"eval", "--checkpoint", ckpt, "--dump-logits", dump, "--quiet", NULL};
         setenv("QTRAIN_INT8_KERNEL", K[k].env, 1);
         if (K[k].needs && !qgemm_cpu_has_isa(K[k].isa)) {
             test_skip("qtrain eval on the %s kernels: this CPU (or OS) has no %s", K[k].env, K[k].needs);
@@ -758,7 +817,14 @@ static void test_cnn_ptq_eval_vector_kernels(void) {
             fprintf(stderr, "\n  %s: accuracy %.6f loss %.9g, portable %.6f %.9g\n", K[k].env, acc[k], loss[k], acc[0],
                     loss[0]);
         CU_ASSERT(acc[k] == acc[0] && loss[k] == loss[0]);
+        char port[1200];
+        snprintf(port, sizeof port, "%s/cnn-logits-portable.npy", tmp_root);
+        CU_ASSERT(same_file_bytes(dump, port)); /* logit for logit */
     }
+    char fl[1200], port[1200];
+    snprintf(fl, sizeof fl, "%s/cnn-logits-float.npy", tmp_root);
+    snprintf(port, sizeof port, "%s/cnn-logits-portable.npy", tmp_root);
+    CU_ASSERT_FALSE(same_file_bytes(fl, port)); /* so the comparisons above show the kernels ran */
     printf("(accuracy %.4f, loss portable %.6f float %.6f) ", acc[0], loss[0], loss[1]);
     CU_ASSERT(acc[0] > 0.2 && fabs(loss[1] - loss[0]) <= 1e-4 * loss[0]);
 }

@@ -195,7 +195,7 @@ void net_int8_layers(const Net *n, int *on_kernel, int *with_int8) {
     *on_kernel = *with_int8 = 0;
     for (int i = 0; set && i < set->n; i++) {
         const QLayer *q = &((const QLayer *)set->layers)[i];
-        *on_kernel += qlayer_int8_supported(q);
+        *on_kernel += qlayer_int8_on_kernel(q);
         *with_int8 += qlayer_int8_formats(q);
     }
 }
@@ -208,13 +208,30 @@ static void ptq_table_note(const HookSet *set, FILE *out) {
     int on = 0, with = 0;
     for (int i = 0; i < set->n; i++) {
         const QLayer *q = &((const QLayer *)set->layers)[i];
-        on += qlayer_int8_supported(q), with += qlayer_int8_formats(q);
+        on += qlayer_int8_on_kernel(q), with += qlayer_int8_formats(q);
     }
     if (on < with) {
-        fprintf(out, " on %d of %d int8 layers; dequantized float (dilated, grouped or per-axis conv2d):", on, with);
+        int geometry = 0, strided = 0;
         for (int i = 0; i < set->n; i++) {
             const QLayer *q = &((const QLayer *)set->layers)[i];
-            if (qlayer_int8_formats(q) && !qlayer_int8_supported(q)) fprintf(out, " %s", q->module->path);
+            geometry += qlayer_int8_formats(q) && !qlayer_int8_supported(q);
+            strided += qlayer_int8_supported(q) && !qlayer_int8_on_kernel(q);
+        }
+        fprintf(out, " on %d of %d int8 layers", on, with);
+        if (geometry) {
+            fprintf(out, "; dequantized float (dilated, grouped or per-axis conv2d):");
+            for (int i = 0; i < set->n; i++) {
+                const QLayer *q = &((const QLayer *)set->layers)[i];
+                if (qlayer_int8_formats(q) && !qlayer_int8_supported(q)) fprintf(out, " %s", q->module->path);
+            }
+        }
+        if (strided) {
+            fprintf(out, "; float-emulated (a depthwise stride over 2 across on the %s kernels):",
+                    ptq_int8_kernel(set));
+            for (int i = 0; i < set->n; i++) {
+                const QLayer *q = &((const QLayer *)set->layers)[i];
+                if (qlayer_int8_supported(q) && !qlayer_int8_on_kernel(q)) fprintf(out, " %s", q->module->path);
+            }
         }
     }
     fputc('\n', out);
