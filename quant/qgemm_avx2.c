@@ -303,30 +303,30 @@ static void taps_ranges(const QGemmTaps *g, int *rb0, int *rb1, int *v0, int *v1
     *v0 = pool ? 0 : clip(*v0, 0, g->n_vec), *v1 = pool ? g->n_vec : clip(*v1, *v0, g->n_vec);
 }
 
-QA_TARGET void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+/* The sums of one row block and vector, for the two families. */
+typedef void (*TapsSumsFn)(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v);
+
+/* Every row block and vector of the clipped ranges through sums_fn, then the epilogue. (A call per block of 8
+ * rows x 16 pixels: the kernels, not this loop, carry the target attributes.) */
+static void taps_run(const QGemmTaps *g, int rb0, int rb1, int v0, int v1, TapsSumsFn sums_fn) {
     _Alignas(32) int32_t sums[QGEMM_ROWS][QGEMM_LANES];
     taps_ranges(g, &rb0, &rb1, &v0, &v1);
     for (int rb = rb0; rb < rb1; rb++) {
         for (int v = v0; v < v1; v++) {
             if (g->epi != QGEMM_EPI_RELU_POOL2 && !g->vec_mask[v]) continue;
-            taps_sums_avx2(sums, g, rb, v);
+            sums_fn(sums, g, rb, v);
             taps_out(g, rb, v, sums);
         }
         if (g->epi == QGEMM_EPI_RELU_POOL2) taps_pool_avx2(g, rb);
     }
 }
 
-QV_TARGET void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
-    _Alignas(32) int32_t sums[QGEMM_ROWS][QGEMM_LANES];
-    taps_ranges(g, &rb0, &rb1, &v0, &v1);
-    for (int rb = rb0; rb < rb1; rb++) {
-        for (int v = v0; v < v1; v++) {
-            if (g->epi != QGEMM_EPI_RELU_POOL2 && !g->vec_mask[v]) continue;
-            taps_sums_avxvnni(sums, g, rb, v);
-            taps_out(g, rb, v, sums);
-        }
-        if (g->epi == QGEMM_EPI_RELU_POOL2) taps_pool_avx2(g, rb);
-    }
+void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    taps_run(g, rb0, rb1, v0, v1, taps_sums_avx2);
+}
+
+void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    taps_run(g, rb0, rb1, v0, v1, taps_sums_avxvnni);
 }
 
 /* ---- depthwise ------------------------------------------------------------------------------------------------- */
