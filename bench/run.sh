@@ -38,6 +38,7 @@ mlp-lora 20 400 200
 cnn-lora 5 60 40
 mlp-qlora 20 400 200
 cnn-qlora 5 60 40
+cnn-qt 3 20 0
 mlp-ptq-int8 0 1 200
 cnn-ptq-int8 0 1 100
 resnet8 3 20 20
@@ -59,6 +60,12 @@ warn_busy
 # steps, eval batches. The start time is taken right before the process.
 measure() {
     side=$1 name=$2 warmup=$3 steps=$4 evals=$5
+    case "$side/$name" in
+    torch/*-qt) # QT has no PyTorch counterpart: what counts is qtrain's own QT step against its float step
+        printf '  %-7s %-14s skipped: no PyTorch counterpart (the QT / float step ratio is qtrain'"'"'s own)\n' \
+            "$side" "$name"
+        return ;;
+    esac
     cfg="$DIR/configs/$name.yaml" out="$OUT/$side/$name.txt"
     printf '  %-7s %-14s' "$side" "$name"
     since=$(date +%s%N)
@@ -158,6 +165,7 @@ END {
     row("GEMM share of a train step", "", "train", "gemm_share", "f2")
     rrow("LoRA step / full step", "-lora", "")
     rrow("QLoRA step / LoRA step", "-qlora", "-lora")
+    rrow("QT step / float step", "-qt", "")
     if (marked) print "* the mean step (batch) is over 1.25x the median: a few slow steps, usually other processes " \
         "on the machine, pull this figure down; the medians are in the raw outputs"
 }' "$OUT"/qtrain/*.txt
