@@ -736,6 +736,15 @@ int main(int argc, char **argv) {
     dist_mpi_stop();
     return rc;
 #else
+    /* build/qtrain started by mpirun: each rank would train the whole run on its own, all into one out_dir */
+    const char *world = getenv("OMPI_COMM_WORLD_SIZE"), *rank = getenv("OMPI_COMM_WORLD_RANK");
+    if (world && atoi(world) > 1) {
+        if (!rank || atoi(rank) == 0)
+            fprintf(stderr, "qtrain: error: started by mpirun with %s ranks, but this qtrain is built without MPI: "
+                    "each rank would train alone; run build/qtrain-mpi (make MPI=1) under mpirun, or qtrain without "
+                    "it\n", world);
+        return 2;
+    }
     return cli_main(argc, argv);
 #endif
 }

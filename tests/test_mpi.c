@@ -533,6 +533,15 @@ static void test_mpi_refusals(void) {
     int status = pid > 0 ? test_proc_wait(pid, 60) : -1;
     CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 2);
     CU_ASSERT(log_has(evlog, "under mpirun only training runs on several ranks"));
+    /* build/qtrain (no MPI) under mpirun: refused before any rank trains alone */
+    char plog[1100];
+    snprintf(plog, sizeof plog, "%s/plain-under-mpirun.log", tmp);
+    const char *plain[] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", test_qtrain_bin(),
+                           "--config", FLOAT_CFG, "--set", "run.out_dir=/nonexistent-never-made", NULL};
+    pid = test_proc_spawn(plog, plain, -1, 0);
+    status = pid > 0 ? test_proc_wait(pid, 60) : -1;
+    CU_ASSERT(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 2);
+    CU_ASSERT(log_has(plog, "this qtrain is built without MPI"));
     free(ae), free(out);
 }
 
