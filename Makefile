@@ -75,6 +75,7 @@ BENCH_BINS := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 
 LIB    := $(BUILD)/libqtrain.a
 QTRAIN := $(BUILD)/qtrain
+QTRAIN_MPI := $(BUILD)/qtrain-mpi
 TESTS  := $(BUILD)/tests/run_tests
 
 # The shared library: the version is include/qtrain.h's QTRAIN_VERSION_MAJOR/MINOR/PATCH.
@@ -203,9 +204,12 @@ printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$${prefix}/lib
 endef
 
 # The tests install into a temporary PREFIX with the objects already built.
-install: $(LIB) $(QTRAIN) $(SHLIB)
+# With MPI=1 also bin/qtrain-mpi and bin/qtrain-mpirun (docs/DISTRIBUTED.md).
+install: $(LIB) $(QTRAIN) $(SHLIB) $(if $(filter 1,$(MPI)),$(QTRAIN_MPI))
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PCDIR)
 	install -m 755 $(QTRAIN) $(DESTDIR)$(BINDIR)/qtrain
+	$(if $(filter 1,$(MPI)),install -m 755 $(QTRAIN_MPI) $(DESTDIR)$(BINDIR)/qtrain-mpi)
+	$(if $(filter 1,$(MPI)),install -m 755 scripts/qtrain-mpirun $(DESTDIR)$(BINDIR)/qtrain-mpirun)
 	install -m 644 $(LIB) $(DESTDIR)$(LIBDIR)/libqtrain.a
 	install -m 755 $(SHLIB) $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION)
 	ln -sf libqtrain.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
@@ -215,7 +219,8 @@ install: $(LIB) $(QTRAIN) $(SHLIB)
 	chmod 644 $(DESTDIR)$(PCDIR)/qtrain.pc
 
 uninstall:
-	rm -f $(DESTDIR)$(BINDIR)/qtrain $(DESTDIR)$(LIBDIR)/libqtrain.a $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION) \
+	rm -f $(DESTDIR)$(BINDIR)/qtrain $(DESTDIR)$(BINDIR)/qtrain-mpi $(DESTDIR)$(BINDIR)/qtrain-mpirun \
+	  $(DESTDIR)$(LIBDIR)/libqtrain.a $(DESTDIR)$(LIBDIR)/libqtrain.so.$(VERSION) \
 	  $(DESTDIR)$(LIBDIR)/$(SONAME) $(DESTDIR)$(LIBDIR)/libqtrain.so $(DESTDIR)$(INCLUDEDIR)/qtrain.h \
 	  $(DESTDIR)$(PCDIR)/qtrain.pc
 
@@ -234,7 +239,6 @@ $(BUILD)/bench/rt_bench_native: bench/rt_bench.c device/qtrain_rt.c device/qtrai
 # library; libqtrain and build/qtrain never need MPI.
 MPICC      ?= mpicc
 MPI_DEBS   := libopenmpi-dev openmpi-bin
-QTRAIN_MPI := $(BUILD)/qtrain-mpi
 # Open MPI installed: mpicc and mpirun on PATH.
 have_mpi = $(shell command -v $(MPICC) >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && echo 1)
 
