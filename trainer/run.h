@@ -266,6 +266,23 @@ QtStatus eval_write_json(const char *path, const Run *r, const TrainResult *res,
  * as eval_write_json. */
 QtStatus eval_write_scores(const char *path, const Run *r, QtError *err);
 
+/* ---- train.c's parts: train_resume.c, train_plan.c, train_guard.c ---- */
+
+/* Refuses a resume whose config would not continue the same run, and reports training keys that changed. */
+QtStatus run_check_resume_config(Run *r, const char *path, QtError *err);
+/* run_restore, and whether the run it continues is already complete. */
+QtStatus run_resume_from(Run *r, const char *path, QtError *err);
+/* The checkpoint to resume from into `used` ("" = a fresh start): --resume PATH, or --resume auto. */
+QtStatus run_find_checkpoint(Run *r, char *used, size_t cap, QtError *err);
+/* The step plan: the batcher, steps per epoch, total steps, the schedule; every rank's part of every batch. */
+QtStatus run_plan_steps(Run *r, QtError *err);
+/* The resolved config, data, model and plan at the start (rank 0, unless quiet). */
+void run_print_plan(Run *r, const char *resumed);
+/* Epochs done, fractional. */
+double run_epoch(const Run *r);
+/* A step whose loss (grad_where NULL: the forward is rerun on x to name the module) or gradient is not finite. */
+QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_where, QtError *err);
+
 /* ---- what train.c shares with train_dist.c ---- */
 
 /* Rank 0, or the one process: it alone writes out_dir and prints. */

@@ -1,7 +1,9 @@
 /* train.c - a run: data and model from the config, the step loop, eval,
  * checkpoints with exact resume, metrics.csv and summary.json. Its run
- * directories are train_dirs.c's, its JSON files train_json.c's and the
- * evaluation of a checkpoint train_eval.c's. */
+ * directories are train_dirs.c's, its JSON files train_json.c's, the
+ * evaluation of a checkpoint train_eval.c's, the step plan train_plan.c's,
+ * resuming train_resume.c's, the numerical guards train_guard.c's and a run
+ * on several ranks train_dist.c's. */
 #include "trainer/run.h"
 
 #include <inttypes.h>
@@ -175,77 +177,6 @@ QtStatus run_build_model(Run *r, bool fresh, QtError *err) {
     return st;
 }
 
-/* Several ranks with batch norms on each rank's own part: a batchnorm1d over one value per channel and example needs
- * two examples on every rank, in every batch (one process needs two in the batch). */
-static QtStatus run_check_bn_parts(Run *r, int world, int last, QtError *err) {
-    const Model *m = &r->model.net.model;
-    const TrainConfig *tc = &r->cfg->train;
-    for (int i = 0; i < m->n_modules; i++) {
-        const Module *mod = &m->modules[i];
-        if (mod->spec.type != LAYER_BATCHNORM1D || mod->in_ndim != 1 || mod->bn.frozen) continue;
-        bool small_last = !r->cfg->data.drop_last && last > 0 && last < 2 * world;
-        if (tc->batch_size >= 2 * world && !small_last) return QT_OK;
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "%s: batchnorm1d '%s' normalises over each rank's part of the batch, which needs 2 "
-                            "examples or more on each of the %d ranks, but %s; raise train.batch_size to at least %d%s, "
-                            "set train.sync_bn: true (statistics over the whole batch), or run fewer ranks",
-                            r->cfg->source, mod->path, world,
-                            small_last ? "the last batch of each epoch is smaller" : "train.batch_size is smaller",
-                            2 * world, small_last ? " with data.drop_last: true" : "");
-    }
-    return QT_OK;
-}
-
-static QtStatus run_plan_steps(Run *r, QtError *err) {
-    const TrainConfig *tc = &r->cfg->train;
-    QtError ae = {0};
-    if (augment_check(&r->cfg->data.augment, r->data.train.ndim, r->data.train.shape, &ae) != QT_OK)
-        return qt_error_set(err, ae.status, "%s: %s", r->cfg->source, ae.msg);
-    QtStatus st = batcher_init(&r->plan.batcher, &r->data.train, tc->batch_size, r->cfg->data.shuffle,
-                               r->cfg->data.drop_last, r->cfg->run.seed, err);
-    if (st != QT_OK) return st;
-    r->plan.steps_per_epoch = batcher_steps_per_epoch(&r->plan.batcher);
-    if (r->plan.steps_per_epoch < 1)
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "%s: train.batch_size %d is larger than the %d training examples and data.drop_last "
-                            "is true, so an epoch has no batch; lower the batch size or set drop_last: false",
-                            r->cfg->source, tc->batch_size, r->data.train.n);
-    int world = r->dist.d ? r->dist.d->world : 1, last = r->data.train.n % tc->batch_size;
-    if (world > 1 && (tc->batch_size < world || (!r->cfg->data.drop_last && last > 0 && last < world)))
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "%s: train.batch_size %d over %d ranks leaves a rank without examples (%s); every rank "
-                            "needs a part of every batch: raise train.batch_size to at least %d%s, or run fewer ranks",
-                            r->cfg->source, tc->batch_size, world,
-                            tc->batch_size < world ? "each batch is smaller than the number of ranks"
-                                                   : "the last batch of each epoch is smaller than the number of ranks",
-                            world, tc->batch_size < world ? "" : ", or set data.drop_last: true");
-    if (world > 1 && !r->cfg->train.sync_bn) {
-        QtStatus st = run_check_bn_parts(r, world, last, err);
-        if (st != QT_OK) return st;
-    }
-    /* epochs <= 10^6 and steps per epoch < 2^31: no overflow */
-    r->plan.total_steps = tc->steps > 0 ? tc->steps : tc->epochs * r->plan.steps_per_epoch;
-    r->plan.sched = tc->schedule;
-    r->plan.sched.base_lr = tc->optim.lr;
-    r->plan.sched.total_steps = r->plan.total_steps;
-    /* A warmup longer than the run (a shipped config on the mini data set) is clamped to the run: the lr rises
-       to train.optimizer.lr at the last step. It depends on the config and the data only, so a resumed run
-       clamps alike; the stored config keeps the value as written. */
-    if (r->plan.total_steps > 0 && r->plan.sched.warmup_steps > r->plan.total_steps) {
-        fprintf(stderr, "qtrain: warning: %s: train.schedule.warmup_steps %" PRId64 " is longer than the run's %"
-                PRId64 " steps (%s); the warmup is clamped to %" PRId64 " steps\n", r->cfg->source,
-                r->plan.sched.warmup_steps, r->plan.total_steps,
-                tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch", r->plan.total_steps);
-        r->plan.sched.warmup_steps = r->plan.total_steps;
-    }
-    QtError e = {0};
-    if (r->plan.total_steps > 0 && lr_schedule_validate(&r->plan.sched, &e) != QT_OK)
-        return qt_error_set(err, QT_ERR_CONFIG, "%s: train.schedule: %s (the run has %" PRId64 " steps: %s)",
-                            r->cfg->source, e.msg, r->plan.total_steps,
-                            tc->steps > 0 ? "train.steps" : "train.epochs x steps per epoch");
-    return QT_OK;
-}
-
 QtStatus run_alloc(Run *r, QtError *err) {
     const TrainConfig *tc = &r->cfg->train;
     size_t feat = (size_t)r->data.train.feat;
@@ -274,130 +205,6 @@ QtStatus run_alloc(Run *r, QtError *err) {
                             tc->batch_size, tc->eval_batch_size);
     rng_init(&r->work.dropout, r->cfg->run.seed, RNG_STREAM_DROPOUT);
     return tape_init(&r->work.tape, &r->work.arena, &r->work.dropout, err);
-}
-
-CheckpointState run_checkpoint_state(Run *r) {
-    CheckpointState s = {
-        .step = r->plan.step, .epochs_done = r->plan.step / r->plan.steps_per_epoch, .epoch = r->plan.batcher.epoch,
-        .cursor = r->plan.batcher.cursor, .seed = r->cfg->run.seed,
-        .n_train = r->data.train.n, .log_loss_sum = r->log.win_loss_sum, .log_correct = r->log.win_correct,
-        .log_seen = r->log.win_seen, .log_steps = r->log.win_steps, .train_s = r->clock.train_s,
-        .wall_s = r->clock.wall_before + metrics_now() - r->clock.t_start,
-        .trained_examples = r->clock.trained_examples,
-        .last_train_loss = r->log.last_train_loss, .nonfinite_skipped = r->guards.nonfinite_skipped,
-        .nonfinite_streak = r->guards.nonfinite_streak,
-        .loss_watch = r->guards.loss_watch, .n_rngs = 1, .config_text = r->dir.config_text,
-        .net = net_checkpoint_parts(&r->model.net),
-        .base_sha256 = r->dir.base_sha256[0] ? r->dir.base_sha256 : NULL, .base_init_from = r->cfg->model.init_from,
-        .lora_trainable = r->dir.lora_trainable, .mode = net_mode_name(&r->model.net),
-        .lora_batchnorm = config_has_lora(r->cfg) ? LORA_BATCHNORM_NAMES[r->cfg->lora.batchnorm] : NULL,
-        .bn_trained = r->model.net.bn_trained, .world_size = r->dist.d ? r->dist.d->world : 1,
-    };
-    s.rngs[0].name = "dropout";
-    s.rngs[0].rng = &r->work.dropout;
-    return s;
-}
-
-/* Refuses a resume whose config would not continue the same run, and
- * reports training keys that changed. */
-static QtStatus run_check_resume_config(Run *r, const char *path, QtError *err) {
-    char *text = NULL;
-    QtStatus st = checkpoint_read_config(path, &text, err);
-    if (st != QT_OK) return st;
-    Config *stored = malloc(sizeof *stored);
-    QtError e = {0};
-    char name[CONFIG_PATH_MAX + 16];
-    snprintf(name, sizeof name, "%s:/config", path);
-    if (!stored) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory reading the config of %s", path);
-    else if (config_load_string(stored, text, name, NULL, 0, &e) != QT_OK)
-        st = qt_error_set(err, QT_ERR_FORMAT, "cannot resume from %s: its stored config does not load: %s", path,
-                          e.msg);
-    free(text);
-    char fixed[96] = "", changed[512] = "";
-    if (st == QT_OK) config_diff_for_resume(stored, r->cfg, fixed, sizeof fixed, changed, sizeof changed);
-    free(stored);
-    if (st != QT_OK) return st;
-    if (fixed[0])
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "cannot resume from %s: %s differs from the checkpoint's config, so the resumed run "
-                            "would not continue the same run; restore it (`qtrain inspect %s` shows the stored "
-                            "config) or start afresh in another run.out_dir",
-                            path, fixed, path);
-    if (changed[0] && !r->opt->quiet)
-        fprintf(stderr, "qtrain: warning: resuming with a changed %s: the run continues, but will not match an "
-                "uninterrupted run of either config\n", changed);
-    return QT_OK;
-}
-
-/* Restores everything that decides the rest of the run from `path`. */
-QtStatus run_restore(Run *r, const char *path, QtError *err) {
-    CheckpointState s = run_checkpoint_state(r);
-    QtStatus st = checkpoint_load(path, &r->model.net.model, &r->model.optim, &s, err);
-    if (st != QT_OK) return st;
-    if (s.n_train != r->data.train.n)
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "cannot resume from %s: it was trained on %" PRId64 " training examples, this config "
-                            "loads %d from %s; point data.dir at the same data or start a new run.out_dir",
-                            path, s.n_train, r->data.train.n, r->cfg->data.dir);
-    if (s.step > r->plan.total_steps)
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "cannot resume from %s: it is at step %" PRId64 ", beyond this config's %" PRId64
-                            " training steps; raise train.steps or train.epochs",
-                            path, s.step, r->plan.total_steps);
-    if (s.cursor > r->data.train.n) /* checked here: the int batcher_seek takes would wrap a larger one */
-        return qt_error_set(err, QT_ERR_FORMAT,
-                            "cannot resume from %s: its data position (cursor %" PRId64 ") is past the %d training "
-                            "examples; the checkpoint is damaged",
-                            path, s.cursor, r->data.train.n);
-    if ((st = batcher_seek(&r->plan.batcher, s.epoch, (int)s.cursor, err)) != QT_OK) return st;
-    r->plan.step = r->dir.saved_step = s.step;
-    r->log.win_loss_sum = s.log_loss_sum;
-    r->log.win_correct = s.log_correct, r->log.win_seen = s.log_seen, r->log.win_steps = s.log_steps;
-    r->clock.train_s = s.train_s, r->clock.wall_before = s.wall_s;
-    r->clock.trained_examples = s.trained_examples, r->log.last_train_loss = s.last_train_loss;
-    r->guards.nonfinite_skipped = s.nonfinite_skipped, r->guards.nonfinite_streak = s.nonfinite_streak;
-    r->guards.loss_watch = s.loss_watch;
-    r->dist.ckpt_world = s.world_size;
-    return QT_OK;
-}
-
-/* run_restore, and whether the run it continues is already complete. */
-static QtStatus run_resume_from(Run *r, const char *path, QtError *err) {
-    QtStatus st = run_restore(r, path, err);
-    if (st != QT_OK) return st;
-    if (r->opt->stop_at_step > 0 && r->opt->stop_at_step < r->plan.step)
-        return qt_error_set(err, QT_ERR_ARG, "--stop-at-step %" PRId64 " is before step %" PRId64 " of %s",
-                            r->opt->stop_at_step, r->plan.step, path);
-    /* Complete once summary.json is written: a run stopped after its last
-     * step (a signal, or a crash during the final save) still owes its final
-     * evaluation, final.h5 and summary.json. */
-    char summary[CONFIG_PATH_MAX + 32];
-    snprintf(summary, sizeof summary, "%s/summary.json", r->cfg->run.out_dir);
-    r->dir.already_complete = r->plan.step == r->plan.total_steps && access(summary, F_OK) == 0;
-    return QT_OK;
-}
-
-/* The checkpoint to resume from into `used` ("" = a fresh start): --resume
- * PATH, or --resume auto = the newest in out_dir if any. A fresh start in an
- * out_dir that holds another run's checkpoints is refused: it would mix two
- * runs' files, and a later --resume auto would pick up the old one. */
-static QtStatus run_find_checkpoint(Run *r, char *used, size_t cap, QtError *err) {
-    const char *resume = r->opt->resume, *dir = r->cfg->run.out_dir;
-    used[0] = '\0';
-    if (resume && strcmp(resume, "auto") != 0) {
-        snprintf(used, cap, "%s", resume);
-        return QT_OK;
-    }
-    char latest[CONFIG_PATH_MAX + 32];
-    QtError none = {0};
-    bool have = checkpoint_find_latest(dir, latest, sizeof latest, &none) == QT_OK;
-    if (have && resume) snprintf(used, cap, "%s", latest);
-    else if (have)
-        return qt_error_set(err, QT_ERR_CONFIG,
-                            "run.out_dir %s already holds checkpoints of an earlier run (%s); continue it with "
-                            "--resume auto, or start afresh with another run.out_dir (or remove the old files)",
-                            dir, latest);
-    return QT_OK;
 }
 
 int run_count_correct(const Var *logits, const int32_t *y, int n) {
@@ -531,7 +338,7 @@ static QtStatus run_evaluate(Run *r, const Dataset *d, double *loss, double *acc
     return st;
 }
 
-static double run_epoch(const Run *r) { return (double)r->plan.step / (double)r->plan.steps_per_epoch; }
+double run_epoch(const Run *r) { return (double)r->plan.step / (double)r->plan.steps_per_epoch; }
 
 static void run_say(Run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void run_say(Run *r, const char *fmt, ...) {
@@ -569,85 +376,6 @@ QtStatus run_eval_and_log(Run *r, double *test_loss, double *test_acc, double *v
                                wall, err);
     }
     return st;
-}
-
-/* The divergence watch: reported once when an occurrence starts. */
-void run_watch_loss(Run *r, double loss) {
-    double fast, slow, factor = r->cfg->train.divergence_factor;
-    if (!loss_watch_feed(&r->guards.loss_watch, loss, factor, &fast, &slow) || !run_is_root(r)) return;
-    progress_clear(&r->log.progress);
-    fprintf(stderr, "qtrain: warning: step:%" PRId64 " the training loss is diverging: its mean over the last ~10 "
-            "steps, %.4f, is %.1fx its running mean %.4f (train.divergence_factor %g; occurrence %" PRId64 "); lower "
-            "train.optimizer.lr or set train.grad_clip\n", r->plan.step + 1, fast, fast / slow, slow, factor,
-            r->guards.loss_watch.occurrences);
-}
-
-/* Where the last good state of the run is, for a message about stopping. */
-static void run_last_good(const Run *r, char *buf, size_t cap) {
-    if (r->dir.saved_step >= 0)
-        snprintf(buf, cap, "the last good checkpoint, step %" PRId64 ", is kept in %s", r->dir.saved_step,
-                 r->cfg->run.out_dir);
-    else
-        snprintf(buf, cap, "no checkpoint had been written yet (set train.checkpoint_every to keep some)");
-}
-
-/* A step whose loss or gradients are not finite: stop (naming the step,
- * module and tensor), or with train.on_nonfinite: skip drop its update. */
-static QtStatus run_nonfinite(Run *r, Var *x, double loss, const char *grad_where, QtError *err) {
-    char where[512];
-    if (grad_where) {
-        snprintf(where, sizeof where, "%s (the loss %.6g is finite)", grad_where, loss);
-    } else {
-        /* the step's values are not needed: the forward runs again, module by module, on the batch (a copy of
-           its Var: the one the step made lives in the arena the reset hands out again) */
-        Var batch = *x;
-        tape_reset(&r->work.tape);
-        guard_locate_nonfinite_forward(&r->model.net.model, &r->work.tape, &batch, r->model.net.trainable,
-                                       r->model.net.n_trainable, where, sizeof where);
-    }
-    return run_nonfinite_at(r, !grad_where, where, err);
-}
-
-QtStatus run_nonfinite_at(Run *r, bool is_loss, const char *where, QtError *err) {
-    char good[CONFIG_PATH_MAX + 96];
-    int64_t step = r->plan.step + 1;
-    run_last_good(r, good, sizeof good);
-    if (r->cfg->train.on_nonfinite == NONFINITE_STOP)
-        return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s is not finite: %s. Stopped "
-                            "without this step's update; %s. Lower train.optimizer.lr or set train.grad_clip, or set "
-                            "train.on_nonfinite: skip to drop such steps", step, is_loss ? "loss" : "gradient",
-                            where, good);
-    if (r->guards.nonfinite_streak + 1 >= GUARD_MAX_SKIPS_IN_A_ROW)
-        return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the training %s has not been finite for %d steps in "
-                            "a row (%" PRId64 " skipped in all): %s. Skipping cannot mend the model; stopped; %s. "
-                            "Lower train.optimizer.lr or set train.grad_clip", step,
-                            is_loss ? "loss" : "gradient", GUARD_MAX_SKIPS_IN_A_ROW,
-                            r->guards.nonfinite_skipped + 1, where, good);
-    r->guards.nonfinite_skipped++, r->guards.nonfinite_streak++;
-    progress_clear(&r->log.progress);
-    if (run_is_root(r))
-        fprintf(stderr, "qtrain: warning: step:%" PRId64 " skipped (train.on_nonfinite: skip, %" PRId64 " so far): "
-                "the %s is not finite: %s\n", step, r->guards.nonfinite_skipped, is_loss ? "loss" : "gradient",
-                where);
-    optim_zero_grad(&r->model.optim);
-    tape_reset(&r->work.tape);
-    r->plan.step++; /* the batch is used up and the schedule moves on; the optimizer's own count does not */
-    return QT_OK;
-}
-
-/* An update that left a parameter non-finite from a finite loss and finite
- * gradients (an overflowing step, a damaged optimizer state). It always
- * stops, train.on_nonfinite: skip too: the update is applied and cannot be
- * taken back (the optimizer's moments moved with it), and the state is not
- * saved, so the newest checkpoint stays the last good one. */
-QtStatus run_nonfinite_update(Run *r, double loss, const char *where, QtError *err) {
-    char good[CONFIG_PATH_MAX + 96];
-    run_last_good(r, good, sizeof good);
-    return qt_error_set(err, QT_ERR_VALUE, "step %" PRId64 ": the optimizer update left a parameter non-finite: %s "
-                        "(the loss %.6g and the gradients were finite, so the update overflowed or the optimizer "
-                        "state is damaged). Stopped without saving this state (train.on_nonfinite: skip cannot undo "
-                        "an applied update); %s. Lower train.optimizer.lr or set train.grad_clip, or resume from an "
-                        "earlier checkpoint", r->plan.step + 1, where, loss, good);
 }
 
 /* One optimizer step on the next batch. */
@@ -814,56 +542,6 @@ void run_fill_result(const Run *r, TrainResult *res) {
     res->allreduce_bytes_per_step = run_is_dist(r) ? (double)(dist_sum_bytes_sent(r->dist.d, r->dist.n_grad) +
                                                      (uint64_t)(r->dist.d->world - 1) * (RUN_DIST_META +
                                                      (uint64_t)r->dist.d->world) * sizeof(double)) : 0.0;
-}
-
-static void run_print_plan(Run *r, const char *resumed) {
-    if (r->opt->quiet || !run_is_root(r)) return;
-    const Config *c = r->cfg;
-    printf("qtrain %s: config %s\n--- resolved config ---\n%s--- end of config ---\n", QTRAIN_VERSION, c->source,
-           r->dir.config_text);
-    const Dataset *tr = &r->data.train;
-    const bool files = strcmp(c->data.dataset, "npy") == 0 || strcmp(c->data.dataset, "idx") == 0;
-    const char *from = strcmp(c->data.dataset, "hdf5") == 0 ? c->data.path : files ? c->data.files.train_x : c->data.dir;
-    char shape[64], what[64];
-    if (tr->ndim == 3) snprintf(shape, sizeof shape, "(%d, %d, %d)", tr->shape[0], tr->shape[1], tr->shape[2]);
-    else snprintf(shape, sizeof shape, "(%d,)", tr->shape[0]);
-    if (tr->labels) snprintf(what, sizeof what, "%d classes", tr->n_classes);
-    else snprintf(what, sizeof what, "%d target value%s", tr->n_targets, tr->n_targets == 1 ? "" : "s");
-    printf("data: %s from %s: %d train, %d val, %d test examples of %s %s, %s\n", c->data.dataset, from, tr->n,
-           r->data.val.n, r->data.test.n, shape, data_elem_name(tr->elem), what);
-    const char *images = dataset_image_file(&r->data.train);
-    printf("data: examples (data.storage %s) %s%s\n", data_storage_name(c->data.storage),
-           images ? "read at every batch from " : "held in memory", images ? images : "");
-    printf("blas: OpenBLAS %s kernels, %d threads\n", gemm_blas_core(), gemm_get_threads());
-    const char *better = gemm_blas_core_upgrade(), *pinned = getenv("OPENBLAS_CORETYPE");
-    if (better && pinned)
-        printf("blas: OPENBLAS_CORETYPE=%s pins older kernels than this CPU runs; unset it (or set "
-               "OPENBLAS_CORETYPE=%s) for about twice the sgemm throughput\n", pinned, better);
-    printf("model:\n");
-    model_print(&r->model.net.model, stdout);
-    printf("plan: %" PRId64 " steps (%" PRId64 " per epoch, batch %d), %s lr %g, %s schedule, out_dir %s\n",
-           r->plan.total_steps, r->plan.steps_per_epoch, c->train.batch_size, optim_kind_name(c->train.optim.kind),
-           (double)c->train.optim.lr, sched_kind_name(c->train.schedule.kind), c->run.out_dir);
-    if (run_is_dist(r)) {
-        const Dist *d = r->dist.d;
-        int lo = c->train.batch_size / d->world, hi = (c->train.batch_size + d->world - 1) / d->world;
-        char each[32];
-        snprintf(each, sizeof each, lo == hi ? "%d" : "%d-%d", lo, hi);
-        printf("dist: %d ranks (%s), each takes %s examples of every batch of %d; %zu trainable gradient values "
-               "summed per step in rank order (%.1f KB sent per rank); batch norm statistics %s\n", d->world,
-               d->ops->name, each, c->train.batch_size, r->dist.n_grad,
-               (double)dist_sum_bytes_sent(d, r->dist.n_grad) / 1000.0,
-               c->train.sync_bn ? "over every rank (train.sync_bn)" : "per rank");
-    }
-    net_print_table(&r->model.net, stdout);
-    if (c->quant.mode != QUANT_MODE_NONE || config_has_lora(c))
-        printf("params: %zu trainable, %zu frozen; base %.3f bits/param; model %.1f KiB\n",
-               net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
-               net_base_bits_per_param(&r->model.net), (double)net_model_bytes(&r->model.net) / 1024.0);
-    if (c->model.init_from[0] && !resumed[0]) printf("init_from: %s\n", c->model.init_from);
-    if (c->model.adapters_from[0] && !resumed[0]) printf("adapters_from: %s\n", c->model.adapters_from);
-    if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->plan.step, run_epoch(r));
-    fflush(stdout);
 }
 
 /* Static activation ranges of a fresh PTQ base: the first
