@@ -24,6 +24,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/parallel.h"
+#include "fqt_kern.h"
 #include "nn/gemm.h"
 #include "nn/ops.h"
 #include "qarray_plan.h"
@@ -204,6 +206,35 @@ typedef struct {
 
 static void fqt_backward(Tape *t, const TapeNode *node);
 
+/* ---- splitting the elementwise work over the step's threads ---------------------------------------------------- */
+
+/* fn(ctx, lo, hi) over [0, n) in contiguous shares; every item's result depends on the item alone, so the split
+ * changes no bit. One share when the work (elements touched) is small. */
+typedef void (*ShareFn)(const void *ctx, int lo, int hi);
+typedef struct {
+    ShareFn fn;
+    const void *ctx;
+    int n;
+} Shares;
+
+static void share_task(void *arg, int task, int n_tasks) {
+    const Shares *sh = arg;
+    int lo, hi;
+    parallel_range(sh->n, task, n_tasks, &lo, &hi);
+    if (lo < hi) sh->fn(sh->ctx, lo, hi);
+}
+
+static void shares_run(int n, size_t work, ShareFn fn, const void *ctx) {
+    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads();
+    if (tasks > n) tasks = n;
+    if (tasks <= 1) {
+        if (n > 0) fn(ctx, 0, n);
+        return;
+    }
+    Shares sh = {fn, ctx, n};
+    parallel_run(tasks, share_task, &sh);
+}
+
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
 
 /* rows and, for conv, the geometry of x against the weight; false with the tape error set. */
@@ -261,6 +292,9 @@ static bool quantize_weight(Tape *t, const FqtLayer *q, FqtCtx *c, bool integer,
     float *sw = tape_alloc(t, (size_t)out * sizeof *sw), *wd = tape_alloc(t, (size_t)out * K * sizeof *wd);
     int8_t *codes = integer ? tape_alloc(t, (size_t)out * K) : NULL; /* (out, fan_in) */
     if (!sw || !wd || (integer && !codes)) return false;
+    plan_bounds(&p, &c->w_lo, &c->w_hi);
+    c->sw = sw, c->wd = wd, *wc = codes;
+    if (fqt_plan_fast(&p) && fqt_quant_rows(codes, wd, sw, w, out, K, &p, NULL)) return true;
     float lut[256];
     format_values(wt, lut);
     for (int r = 0; r < out; r++) {
@@ -273,31 +307,54 @@ static bool quantize_weight(Tape *t, const FqtLayer *q, FqtCtx *c, bool integer,
             if (codes) codes[(size_t)r * K + k] = (int8_t)v;
         }
     }
-    plan_bounds(&p, &c->w_lo, &c->w_hi);
-    c->sw = sw, c->wd = wd, *wc = codes;
     return true;
 }
 
 /* rows (rows, C*KH*KW) = the receptive field of every output pixel (n, oh, ow) of x (N, C, H, W), one byte per
- * element, 0 for the padding (the code and the integer value of 0 alike). */
-static void gather_patches(uint8_t *rows, const uint8_t *x, const FqtConvGeom *g) {
+ * element, 0 for the padding (the code and the integer value of 0 alike). Images [lo, hi). */
+typedef struct {
+    uint8_t *rows;
+    const uint8_t *x;
+    const FqtConvGeom *g;
+} PatchJob;
+
+static void gather_patches_part(const void *ctx, int lo, int hi) {
+    const PatchJob *j = ctx;
+    const FqtConvGeom *g = j->g;
     const size_t ckk = (size_t)g->C * g->KH * g->KW, plane = (size_t)g->H * g->W;
-    uint8_t *dst = rows;
-    for (int n = 0; n < g->N; n++)
+    /* [ow_lo, ow_hi): the output columns whose whole kernel row lies inside the input */
+    int ow_lo = (g->padding + g->stride - 1) / g->stride;
+    int ow_hi = g->W - g->KW + g->padding < 0 ? 0 : (g->W - g->KW + g->padding) / g->stride + 1;
+    if (ow_hi > g->OW) ow_hi = g->OW;
+    if (ow_lo > ow_hi) ow_lo = ow_hi;
+    uint8_t *dst = j->rows + (size_t)lo * g->OH * g->OW * ckk;
+    for (int n = lo; n < hi; n++)
         for (int oh = 0; oh < g->OH; oh++)
             for (int ow = 0; ow < g->OW; ow++, dst += ckk) {
                 uint8_t *d = dst;
+                const bool inside = ow >= ow_lo && ow < ow_hi;
                 for (int ch = 0; ch < g->C; ch++) {
-                    const uint8_t *xp = x + ((size_t)n * g->C + ch) * plane; /* (H, W) */
+                    const uint8_t *xp = j->x + ((size_t)n * g->C + ch) * plane; /* (H, W) */
                     for (int kh = 0; kh < g->KH; kh++, d += g->KW) {
-                        int ih = oh * g->stride + kh - g->padding;
-                        for (int kw = 0; kw < g->KW; kw++) {
-                            int iw = ow * g->stride + kw - g->padding;
-                            d[kw] = ih >= 0 && ih < g->H && iw >= 0 && iw < g->W ? xp[(size_t)ih * g->W + iw] : 0;
+                        int ih = oh * g->stride + kh - g->padding, iw0 = ow * g->stride - g->padding;
+                        if (ih < 0 || ih >= g->H) {
+                            memset(d, 0, (size_t)g->KW);
+                        } else if (inside) {
+                            memcpy(d, xp + (size_t)ih * g->W + iw0, (size_t)g->KW);
+                        } else {
+                            for (int kw = 0; kw < g->KW; kw++) {
+                                int iw = iw0 + kw;
+                                d[kw] = iw >= 0 && iw < g->W ? xp[(size_t)ih * g->W + iw] : 0;
+                            }
                         }
                     }
                 }
             }
+}
+
+static void gather_patches(uint8_t *rows, const uint8_t *x, const FqtConvGeom *g) {
+    PatchJob j = {rows, x, g};
+    shares_run(g->N, (size_t)g->N * g->OH * g->OW * g->C * g->KH * g->KW, gather_patches_part, &j);
 }
 
 /* x per tensor: the scale sx and X, as integer codes xc (integer GEMM) or values xd. */
@@ -307,18 +364,25 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
     QArrayOptions o = {.range = QARRAY_RANGE_SYMMETRIC}; /* no axes: one scale */
     QArrayPlan p;
     QtError inner = {0};
-    if (qarray_plan_make(&p, "act_qtype", x->value.ndim, x->value.shape, at, &o, &inner) != QT_OK ||
-        slice_scale(&p, x->value.data, numel, NULL, 0, &c->sx, &inner) != QT_OK)
+    if (qarray_plan_make(&p, "act_qtype", x->value.ndim, x->value.shape, at, &o, &inner) != QT_OK)
         return quant_failed(t, q, "the input", &inner);
     plan_bounds(&p, &c->x_lo, &c->x_hi);
     float lut[256];
     format_values(at, lut);
     /* one byte per element: the integer value for the integer GEMM, else the code */
     uint8_t *xb = tape_alloc(t, numel);
-    if (!xb) return false;
-    for (size_t i = 0; i < numel; i++) {
-        uint32_t code = qarray_plan_encode(&p, x->value.data[i], c->sx, 0.0f, QROUND_RNE, 0.0f);
-        xb[i] = integer ? (uint8_t)(int8_t)lut[code] : (uint8_t)code;
+    float *part = tape_alloc(t, (size_t)parallel_get_threads() * sizeof *part);
+    if (!xb || !part) return false;
+    if (fqt_plan_fast(&p) && fqt_quant_tensor((int8_t *)xb, NULL, &c->sx, part, x->value.data, numel, &p)) {
+        const uint8_t mask = (uint8_t)((1u << at->bits) - 1u); /* the integer value's low bits are its code */
+        for (size_t i = 0; !integer && mask != 0xff && i < numel; i++) xb[i] &= mask;
+    } else {
+        if (slice_scale(&p, x->value.data, numel, NULL, 0, &c->sx, &inner) != QT_OK)
+            return quant_failed(t, q, "the input", &inner);
+        for (size_t i = 0; i < numel; i++) {
+            uint32_t code = qarray_plan_encode(&p, x->value.data[i], c->sx, 0.0f, QROUND_RNE, 0.0f);
+            xb[i] = integer ? (uint8_t)(int8_t)lut[code] : (uint8_t)code;
+        }
     }
     size_t n = (size_t)c->rows * c->fan_in;
     uint8_t *rows = xb;
@@ -339,19 +403,53 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
 
 /* y = X W^T (+ bias) laid out as the module's op lays it: (N, out), or (N, OC, OH, OW) from the product's
  * (N*OH*OW, OC). */
+typedef struct {
+    const FqtCtx *c;
+    const int32_t *acc; /* (rows, out) the integer product, or NULL */
+    const float *prod;  /* (rows, out) the float product (acc NULL) */
+    const float *b;     /* [out] or NULL */
+    float *y;           /* (N, OC, OH, OW) */
+} LayoutJob;
+
+/* Images [lo, hi): y[n][o][px] = product (n*plane + px, o) (scaled: (acc * sx) * sw[o], the dense path's order)
+ * + bias. */
+static void conv_layout_part(const void *ctx, int lo, int hi) {
+    const LayoutJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    for (int img = lo; img < hi; img++)
+        for (int o = 0; o < c->out; o++) {
+            float *dst = j->y + ((size_t)img * c->out + o) * plane; /* [OH*OW] */
+            const size_t first = (size_t)img * plane * c->out + o;  /* then stride out */
+            const float bo = j->b ? j->b[o] : 0.0f;
+            if (j->acc) {
+                const float so = c->sw[o];
+                for (size_t px = 0; px < plane; px++) dst[px] = (float)j->acc[first + px * c->out] * c->sx * so + bo;
+            } else {
+                for (size_t px = 0; px < plane; px++) dst[px] = j->prod[first + px * c->out] + bo;
+            }
+        }
+}
+
 static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
     size_t n = (size_t)c->rows * c->out;
     const float *b = bias ? bias->value.data : NULL;
-    float *prod = c->conv ? tape_alloc(t, n * sizeof *prod) : y->value.data; /* (rows, out) */
-    if (!prod) return false;
+    LayoutJob j = {.c = c, .b = b, .y = y->value.data};
+    int32_t *acc = NULL;
+    float *prod = NULL;
     if (c->xc) {
-        int32_t *acc = tape_alloc(t, n * sizeof *acc); /* (rows, out) */
-        if (!acc) return false;
+        if (!(acc = tape_alloc(t, n * sizeof *acc))) return false; /* (rows, out) */
         qgemm_s8(acc, c->xc, wc, c->rows, c->out, c->fan_in);
+    }
+    if (!c->conv || !acc) {
+        prod = c->conv ? tape_alloc(t, n * sizeof *prod) : y->value.data; /* (rows, out) */
+        if (!prod) return false;
+    }
+    if (acc && !c->conv) {
         for (int r = 0; r < c->rows; r++)
             for (int o = 0; o < c->out; o++)
                 prod[(size_t)r * c->out + o] = (float)acc[(size_t)r * c->out + o] * c->sx * c->sw[o];
-    } else {
+    } else if (!acc) {
         gemm_f32(false, true, c->rows, c->out, c->fan_in, 1.0f, c->xd, c->fan_in, c->wd, c->fan_in, 0.0f, prod,
                  c->out);
     }
@@ -360,14 +458,8 @@ static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Va
             for (int o = 0; o < c->out; o++) prod[(size_t)r * c->out + o] += b[o];
         return true;
     }
-    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
-    for (int img = 0; img < c->cg.N; img++)
-        for (int o = 0; o < c->out; o++) {
-            float *dst = y->value.data + ((size_t)img * c->out + o) * plane; /* [OH*OW] */
-            const float *src = prod + (size_t)img * plane * c->out + o;     /* stride out */
-            float bo = b ? b[o] : 0.0f;
-            for (size_t px = 0; px < plane; px++) dst[px] = src[px * c->out] + bo;
-        }
+    j.acc = acc, j.prod = prod;
+    shares_run(c->cg.N, n, conv_layout_part, &j);
     return true;
 }
 
@@ -399,29 +491,59 @@ Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x) {
 
 /* ---- the backward ------------------------------------------------------------------------------------------------ */
 
-/* g (rows, out): dy (N, out) itself, or regrouped from dy (N, OC, OH, OW) into one row per output pixel. */
-static const float *grad_rows(Tape *t, const FqtCtx *c, const float *dy) {
+/* g (rows, out): dy (N, out) itself, or regrouped from dy (N, OC, OH, OW) into one row per output pixel; for conv,
+ * dbias's column sums db_acc [out] (double) on the way, added in row order as bias_grad adds them. */
+typedef struct {
+    const FqtCtx *c;
+    const float *dy; /* (N, OC, OH, OW) */
+    float *g;        /* (N*OH*OW, OC) */
+    double *db_acc;  /* [out] or NULL */
+} RegroupJob;
+
+/* Blocks [lo, hi) of eight channels, whose eight sums advance side by side. */
+static void regroup_part(const void *ctx, int block_lo, int block_hi) {
+    const RegroupJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const int lo = block_lo * 8, hi = block_hi * 8 < c->out ? block_hi * 8 : c->out;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    for (int o0 = lo; o0 < hi; o0 += 8) {
+        const int k_n = hi - o0 < 8 ? hi - o0 : 8;
+        double acc[8] = {0};
+        for (int n = 0; n < c->cg.N; n++) {
+            float *dst = j->g + (size_t)n * plane * c->out + o0; /* stride out */
+            const float *src = j->dy + ((size_t)n * c->out + o0) * plane;
+            for (size_t px = 0; px < plane; px++)
+                for (int k = 0; k < k_n; k++) {
+                    float v = src[(size_t)k * plane + px];
+                    dst[px * c->out + k] = v;
+                    acc[k] += v;
+                }
+        }
+        for (int k = 0; j->db_acc && k < k_n; k++) j->db_acc[o0 + k] = acc[k];
+    }
+}
+
+static const float *grad_rows(Tape *t, const FqtCtx *c, const float *dy, double *db_acc) {
     if (!c->conv) return dy;
     float *g = tape_alloc(t, (size_t)c->rows * c->out * sizeof *g);
     if (!g) return NULL;
-    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
-    for (int n = 0; n < c->cg.N; n++)
-        for (int o = 0; o < c->out; o++) {
-            const float *src = dy + ((size_t)n * c->out + o) * plane; /* [OH*OW] */
-            float *dst = g + (size_t)n * plane * c->out + o;          /* stride out */
-            for (size_t px = 0; px < plane; px++) dst[px * c->out] = src[px];
-        }
+    RegroupJob j = {c, dy, g, db_acc};
+    shares_run((c->out + 7) / 8, (size_t)c->rows * c->out, regroup_part, &j);
     return g;
 }
 
-/* dbias (out,) += the column sums of g, each in double. */
-static bool bias_grad(Tape *t, const FqtCtx *c, Var *bias, const float *g) {
+/* dbias (out,) += the column sums of g, each in double (conv: summed by grad_rows into acc). */
+static bool bias_grad(Tape *t, const FqtCtx *c, Var *bias, const float *g, const double *conv_acc) {
     float *db = tape_grad(t, bias);
     double *acc = tape_alloc(t, (size_t)c->out * sizeof *acc);
     if (!db || !acc) return false;
-    memset(acc, 0, (size_t)c->out * sizeof *acc);
-    for (int r = 0; r < c->rows; r++)
-        for (int o = 0; o < c->out; o++) acc[o] += g[(size_t)r * c->out + o];
+    if (conv_acc) {
+        memcpy(acc, conv_acc, (size_t)c->out * sizeof *acc);
+    } else {
+        memset(acc, 0, (size_t)c->out * sizeof *acc);
+        for (int r = 0; r < c->rows; r++)
+            for (int o = 0; o < c->out; o++) acc[o] += g[(size_t)r * c->out + o];
+    }
     for (int o = 0; o < c->out; o++) db[o] += (float)acc[o];
     return true;
 }
@@ -529,21 +651,62 @@ static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float 
     gq.work = gq.work_bytes ? tape_alloc(t, gq.work_bytes) : NULL;
     if ((gq.work_bytes && !gq.work) || !noise_draw(t, q, rows, out, &gq.z)) return false;
     for (uint32_t code = 0; code < (1u << s->bwd_qtype->bits); code++) gq.lut[code] = qtype_decode(s->bwd_qtype, code);
+    const bool fast = fqt_plan_fast(&gq.p);
+    const unsigned ax = gq.z.axes;
+    const FqtNoise nz = {.u = gq.z.u,
+                         .row_step = ax & FQT_NOISE_ROWS ? (ax & FQT_NOISE_COLS ? (size_t)out : 1) : 0,
+                         .col_step = ax & FQT_NOISE_COLS ? 1 : 0};
     size_t n = (size_t)rows * out;
     if (g_row) {
-        float *gr = tape_alloc(t, n * sizeof *gr);
-        if (!gr || !quant_rows(t, c, &gq, g, gr)) return false;
+        float *gr = tape_alloc(t, n * sizeof *gr), *srow = tape_alloc(t, (size_t)rows * sizeof *srow);
+        if (!gr || !srow) return false;
+        if (!(fast && fqt_quant_rows(NULL, gr, srow, g, rows, out, &gq.p, &nz)) && !quant_rows(t, c, &gq, g, gr))
+            return false;
         *g_row = gr;
     }
     if (g_col) {
+        const size_t tiles = ((size_t)rows + tile - 1) / tile;
         float *gc = tape_alloc(t, n * sizeof *gc), *buf = tape_alloc(t, (size_t)tile * sizeof *buf);
-        if (!gc || !buf || !quant_cols(t, c, &gq, g, tile, buf, gc)) return false;
+        float *sc = tape_alloc(t, tiles * out * sizeof *sc);
+        float *part = tape_alloc(t, (size_t)parallel_get_threads() * out * sizeof *part);
+        if (!gc || !buf || !sc || !part) return false;
+        if (!(fast && fqt_quant_cols(NULL, gc, sc, part, g, rows, out, tile, &gq.p, &nz)) &&
+            !quant_cols(t, c, &gq, g, tile, buf, gc))
+            return false;
         *g_col = gc;
     }
     return true;
 }
 
 /* ---- the backward's products ------------------------------------------------------------------------------------- */
+
+/* The clipped straight-through estimator's pass: d[i] += v[i] / s in [lo, hi] ? tmp[i] : 0, over chunks of
+ * CLIP_CHUNK elements (the input: one scale) or rows of `row` elements with one scale each (the weight). */
+#define CLIP_CHUNK 4096
+
+typedef struct {
+    float *d;
+    const float *v, *tmp, *s; /* s: [1] (s_step 0) or [rows] */
+    size_t n, row;
+    int s_step;
+    float lo, hi;
+} ClipJob;
+
+static void clip_part(const void *ctx, int lo, int hi) {
+    const ClipJob *j = ctx;
+    for (int r = lo; r < hi; r++) {
+        const size_t a = (size_t)r * j->row, b = a + j->row < j->n ? a + j->row : j->n;
+        const float s = j->s[(size_t)r * j->s_step];
+        for (size_t i = a; i < b; i++) {
+            float v = j->v[i] / s;
+            j->d[i] += v >= j->lo && v <= j->hi ? j->tmp[i] : 0.0f;
+        }
+    }
+}
+
+static void clip_run(ClipJob *j) {
+    shares_run((int)((j->n + j->row - 1) / j->row), j->n, clip_part, j);
+}
 
 /* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. */
 static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row) {
@@ -561,12 +724,23 @@ static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row) {
         memset(tmp, 0, nx * sizeof *tmp);
         col2im(tmp, dcol, g->N, g->C, g->H, g->W, g->KH, g->KW, g->stride, g->padding, g->OH, g->OW);
     }
-    const float *xv = x->value.data;
-    for (size_t i = 0; i < nx; i++) {
-        float v = xv[i] / c->sx;
-        dx[i] += v >= c->x_lo && v <= c->x_hi ? tmp[i] : 0.0f;
-    }
+    ClipJob j = {.d = dx, .v = x->value.data, .tmp = tmp, .s = &c->sx, .n = nx, .row = CLIP_CHUNK, .s_step = 0,
+                 .lo = c->x_lo, .hi = c->x_hi};
+    clip_run(&j);
     return true;
+}
+
+/* X (rows, fan_in) = xc * sx, rows [lo, hi). */
+typedef struct {
+    float *X;
+    const int8_t *xc;
+    float sx;
+    int K;
+} DeqJob;
+
+static void deq_part(const void *ctx, int lo, int hi) {
+    const DeqJob *j = ctx;
+    for (size_t i = (size_t)lo * j->K; i < (size_t)hi * j->K; i++) j->X[i] = (float)j->xc[i] * j->sx;
 }
 
 /* dW += g_col^T deq(X) where W / sw[row] lies in [w_lo, w_hi]. */
@@ -577,28 +751,28 @@ static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
     if (!X) {
         float *buf = tape_alloc(t, nX * sizeof *buf);
         if (!buf) return false;
-        for (size_t i = 0; i < nX; i++) buf[i] = (float)c->xc[i] * c->sx;
+        DeqJob dj = {buf, c->xc, c->sx, K};
+        shares_run(rows, nX, deq_part, &dj);
         X = buf;
     }
     float *dw = tape_grad(t, w), *tmp = tape_alloc(t, nw * sizeof *tmp); /* (out, fan_in) */
     if (!dw || !tmp) return false;
     gemm_f32(true, false, out, K, rows, 1.0f, g_col, out, X, K, 0.0f, tmp, K);
-    const float *wv = w->value.data;
-    for (int o = 0; o < out; o++)
-        for (int k = 0; k < K; k++) {
-            size_t i = (size_t)o * K + k;
-            float v = wv[i] / c->sw[o];
-            dw[i] += v >= c->w_lo && v <= c->w_hi ? tmp[i] : 0.0f;
-        }
+    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
+                 .lo = c->w_lo, .hi = c->w_hi};
+    clip_run(&j);
     return true;
 }
 
 static void fqt_backward(Tape *t, const TapeNode *node) {
     const FqtCtx *c = node->ctx;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
-    const float *g = grad_rows(t, c, node->out->grad); /* (rows, out) */
+    const bool want_b = bias && bias->requires_grad;
+    double *db_acc = want_b && c->conv ? tape_alloc(t, (size_t)c->out * sizeof *db_acc) : NULL;
+    if (want_b && c->conv && !db_acc) return;
+    const float *g = grad_rows(t, c, node->out->grad, db_acc); /* (rows, out) */
     if (!g) return;
-    if (bias && bias->requires_grad && !bias_grad(t, c, bias, g)) return;
+    if (want_b && !bias_grad(t, c, bias, g, db_acc)) return;
     bool want_x = x->requires_grad, want_w = w->requires_grad;
     if (!want_x && !want_w) return;
     const float *g_row = g, *g_col = g;

@@ -1,0 +1,354 @@
+/* fqt_kern.c - QT's int quantizers (fqt_kern.h): the scalar _ref kernels,
+ * the AVX2 ones (target attributes, so the file builds with the project's
+ * flags and runs anywhere; they are called only where CPUID reports AVX2)
+ * and the run-time choice between them. */
+#include "fqt_kern.h"
+
+#include <float.h>
+#include <math.h>
+
+#include "base/parallel.h"
+
+#include "qarray_plan.h"
+
+/* ---- the scalar rules -------------------------------------------------------------------------------------------- */
+
+bool fqt_absmax_ref(const float *x, size_t n, float *amax) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(x[i])) return false;
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+    }
+    *amax = m;
+    return true;
+}
+
+bool fqt_col_absmax_ref(float *amax, const float *g, int rows, int out) {
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < out; o++) {
+            float x = g[(size_t)r * out + o];
+            if (!isfinite(x)) return false;
+            float a = fabsf(x);
+            amax[o] = a > amax[o] ? a : amax[o];
+        }
+    return true;
+}
+
+/* One element: qarray_plan_encode's clamp and rounding of a symmetric int plan. */
+static inline float quant_one(float x, float s, float u, const FqtRound *r) {
+    float v = fminf(fmaxf(x / s, r->qmin), r->qmax);
+    return qarray_round_int(v, r->stochastic ? QROUND_STOCHASTIC : QROUND_RNE, u);
+}
+
+void fqt_quant_span_ref(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
+                        int u_step, const FqtRound *r) {
+    for (size_t i = 0; i < n; i++) {
+        float si = s[i * (size_t)s_step];
+        int32_t c = (int32_t)quant_one(x[i], si, r->stochastic ? u[i * (size_t)u_step] : 0.0f, r);
+        if (q) q[i] = (int8_t)c;
+        if (v) v[i] = (float)c * si;
+    }
+}
+
+/* ---- AVX2 -------------------------------------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define KERN_AVX2 __attribute__((target("avx2")))
+
+/* The 8 lanes' |x| and whether each is finite (|x| <= FLT_MAX is false for NaN and infinity). */
+KERN_AVX2 static inline __m256 abs8(__m256 x, __m256 *finite) {
+    __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    *finite = _mm256_and_ps(*finite, _mm256_cmp_ps(a, _mm256_set1_ps(3.40282347e38f), _CMP_LE_OQ));
+    return a;
+}
+
+KERN_AVX2 static bool absmax_avx2(const float *x, size_t n, float *amax) {
+    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m0 = _mm256_setzero_ps(), m1 = m0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_ps(m0, abs8(_mm256_loadu_ps(x + i), &all));
+        m1 = _mm256_max_ps(m1, abs8(_mm256_loadu_ps(x + i + 8), &all));
+    }
+    for (; i + 8 <= n; i += 8) m0 = _mm256_max_ps(m0, abs8(_mm256_loadu_ps(x + i), &all));
+    if (_mm256_movemask_ps(all) != 0xff) return false;
+    float lanes[8], m = 0.0f;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
+    float tail;
+    if (!fqt_absmax_ref(x + i, n - i, &tail)) return false;
+    *amax = tail > m ? tail : m;
+    return true;
+}
+
+KERN_AVX2 static bool col_absmax_avx2(float *amax, const float *g, int rows, int out) {
+    int o = 0;
+    for (; o + 8 <= out; o += 8) {
+        __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m = _mm256_loadu_ps(amax + o);
+        for (int r = 0; r < rows; r++) m = _mm256_max_ps(m, abs8(_mm256_loadu_ps(g + (size_t)r * out + o), &all));
+        if (_mm256_movemask_ps(all) != 0xff) return false;
+        _mm256_storeu_ps(amax + o, m);
+    }
+    for (; o < out; o++)
+        for (int r = 0; r < rows; r++) {
+            float x = g[(size_t)r * out + o];
+            if (!isfinite(x)) return false;
+            float a = fabsf(x);
+            amax[o] = a > amax[o] ? a : amax[o];
+        }
+    return true;
+}
+
+/* 8 int32 in [-128, 127] -> 8 bytes. */
+KERN_AVX2 static inline void store8_i8(int8_t *q, __m256i c) {
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)(void *)q, _mm_packs_epi16(w, w));
+}
+
+KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step,
+                                      const float *u, int u_step, const FqtRound *r) {
+    const __m256 qmin = _mm256_set1_ps(r->qmin), qmax = _mm256_set1_ps(r->qmax), one = _mm256_set1_ps(1.0f);
+    __m256 sv = _mm256_set1_ps(s[0]), uv = _mm256_set1_ps(r->stochastic ? u[0] : 0.0f);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        if (s_step) sv = _mm256_loadu_ps(s + i);
+        /* max first with the bound second: a NaN becomes qmin, as fmaxf(NaN, qmin) does */
+        __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), qmin), qmax);
+        if (r->stochastic) {
+            if (u_step) uv = _mm256_loadu_ps(u + i);
+            __m256 lo = _mm256_floor_ps(t);
+            __m256 up = _mm256_cmp_ps(uv, _mm256_sub_ps(one, _mm256_sub_ps(t, lo)), _CMP_GE_OQ);
+            t = _mm256_add_ps(lo, _mm256_and_ps(up, one));
+        } else {
+            t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
+        __m256i c = _mm256_cvtps_epi32(t); /* exact: t is an integer */
+        if (q) store8_i8(q + i, c);
+        if (v) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv));
+    }
+    if (i < n)
+        fqt_quant_span_ref(q ? q + i : NULL, v ? v + i : NULL, x + i, n - i, s + i * (size_t)s_step, s_step,
+                           r->stochastic ? u + i * (size_t)u_step : u, u_step, r);
+}
+
+static bool cpu_avx2(void) {
+    static int has = -1;
+    if (has < 0) has = __builtin_cpu_supports("avx2");
+    return has;
+}
+#else
+static bool cpu_avx2(void) { return false; }
+#endif
+
+/* ---- the choice -------------------------------------------------------------------------------------------------- */
+
+static bool force_portable;
+
+void fqt_kern_force_portable(bool on) { force_portable = on; }
+
+static bool use_avx2(void) { return !force_portable && cpu_avx2(); }
+
+const char *fqt_kern_name(void) { return use_avx2() ? "avx2" : "portable"; }
+
+bool fqt_absmax(const float *x, size_t n, float *amax) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) return absmax_avx2(x, n, amax);
+#endif
+    return fqt_absmax_ref(x, n, amax);
+}
+
+bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) return col_absmax_avx2(amax, g, rows, out);
+#endif
+    return fqt_col_absmax_ref(amax, g, rows, out);
+}
+
+void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
+                    int u_step, const FqtRound *r) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) {
+        quant_span_avx2(q, v, x, n, s, s_step, u, u_step, r);
+        return;
+    }
+#endif
+    fqt_quant_span_ref(q, v, x, n, s, s_step, u, u_step, r);
+}
+
+/* ---- the drivers ------------------------------------------------------------------------------------------------- */
+
+bool fqt_plan_fast(const QArrayPlan *p) {
+    return p->t->kind == QTYPE_KIND_INT && p->t->bits >= 2 && p->t->bits <= 8 && !p->asym && !p->zp_float &&
+           !p->mean_abs && p->calib.kind == CALIB_ABSMAX && p->scale_type == QARRAY_SCALE_F32;
+}
+
+/* The scale of a slice with max |x| = amax: calib_compute's absmax range (lo = -hi, in double, then float), then
+ * the plan's scale; false where calib_compute refuses the range (beyond float). */
+static bool amax_scale(const QArrayPlan *p, float amax, float *s) {
+    double t = amax > 0.0f ? p->calib.s * amax : 0.0;
+    if (!(t <= FLT_MAX)) return false;
+    *s = qarray_plan_scale(p, (float)-t, (float)t);
+    return true;
+}
+
+static FqtRound plan_round(const QArrayPlan *p, const FqtNoise *z) {
+    return (FqtRound){.qmin = p->qmin, .qmax = p->qmax, .stochastic = z && z->u};
+}
+
+/* A job over n items in contiguous shares: one task below ~32k elements of work, else one per thread. fn gets its
+ * task index (for per-task partials) and its share [lo, hi); ok[task] says whether it met only finite values. */
+typedef struct {
+    void (*fn)(void *ctx, int task, int lo, int hi, bool *ok);
+    void *ctx;
+    int n;
+    bool ok[PARALLEL_MAX_THREADS];
+} Split;
+
+static void split_task(void *arg, int task, int n_tasks) {
+    Split *sp = arg;
+    int lo, hi;
+    parallel_range(sp->n, task, n_tasks, &lo, &hi);
+    sp->ok[task] = true;
+    if (lo < hi) sp->fn(sp->ctx, task, lo, hi, &sp->ok[task]);
+}
+
+static int split_tasks(int n, size_t work) {
+    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads();
+    return tasks < n ? tasks : n > 0 ? n : 1;
+}
+
+/* Runs the job in `tasks` tasks; true if every task met only finite values. */
+static bool split_run(int tasks, int n, void (*fn)(void *, int, int, int, bool *), void *ctx) {
+    Split sp = {.fn = fn, .ctx = ctx, .n = n};
+    if (tasks <= 1) {
+        split_task(&sp, 0, 1);
+    } else {
+        parallel_run(tasks, split_task, &sp);
+    }
+    for (int i = 0; i < tasks; i++)
+        if (!sp.ok[i]) return false;
+    return true;
+}
+
+typedef struct {
+    int8_t *q;
+    float *v, *s, *part;
+    const float *x;
+    int rows, n;          /* rows: the rows' count; n: a row's length */
+    const QArrayPlan *p;
+    const FqtNoise *z;
+    FqtRound r;
+} QuantJob;
+
+static void rows_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    (void)task;
+    const QuantJob *j = ctx;
+    const FqtNoise *z = j->z;
+    for (int r = lo; r < hi; r++) {
+        const size_t off = (size_t)r * j->n;
+        float amax;
+        if (!fqt_absmax(j->x + off, (size_t)j->n, &amax) || !amax_scale(j->p, amax, &j->s[r])) {
+            *ok = false;
+            return;
+        }
+        const float *u = j->r.stochastic ? z->u + (size_t)r * z->row_step : NULL;
+        fqt_quant_span(j->q ? j->q + off : NULL, j->v ? j->v + off : NULL, j->x + off, (size_t)j->n, &j->s[r], 0, u,
+                       (int)(j->r.stochastic ? z->col_step : 0), &j->r);
+    }
+}
+
+bool fqt_quant_rows(int8_t *q, float *v, float *s, const float *x, int rows, int n, const QArrayPlan *p,
+                    const FqtNoise *z) {
+    QuantJob j = {.q = q, .v = v, .s = s, .x = x, .rows = rows, .n = n, .p = p, .z = z, .r = plan_round(p, z)};
+    return split_run(split_tasks(rows, (size_t)rows * n), rows, rows_task, &j);
+}
+
+/* Column maxima of rows [lo, hi) of the current tile (j->x points at its first row) into part [task][out]. */
+static void col_amax_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    const QuantJob *j = ctx;
+    float *m = j->part + (size_t)task * j->n;
+    for (int o = 0; o < j->n; o++) m[o] = 0.0f;
+    *ok = fqt_col_absmax(m, j->x + (size_t)lo * j->n, hi - lo, j->n);
+}
+
+/* Rows [lo, hi) of the current tile with the tile's column scales j->s [out]; j->rows is the tile's first row
+ * in the whole of g (the noise's row index). */
+static void cols_quant_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    (void)task, (void)ok;
+    const QuantJob *j = ctx;
+    const FqtNoise *z = j->z;
+    for (int r = lo; r < hi; r++) {
+        const size_t off = (size_t)r * j->n;
+        const float *u = j->r.stochastic ? z->u + (size_t)(j->rows + r) * z->row_step : NULL;
+        fqt_quant_span(j->q ? j->q + off : NULL, j->v ? j->v + off : NULL, j->x + off, (size_t)j->n, j->s, 1, u,
+                       (int)(j->r.stochastic ? z->col_step : 0), &j->r);
+    }
+}
+
+bool fqt_quant_cols(int8_t *q, float *v, float *s, float *part, const float *x, int rows, int out, int tile,
+                    const QArrayPlan *p, const FqtNoise *z) {
+    if (tile < 1 || tile > rows) tile = rows > 0 ? rows : 1;
+    for (int r0 = 0, t = 0; r0 < rows; r0 += tile, t++) {
+        const int n = rows - r0 < tile ? rows - r0 : tile;
+        const size_t off = (size_t)r0 * out;
+        float *st = s + (size_t)t * out;
+        QuantJob j = {.q = q ? q + off : NULL, .v = v ? v + off : NULL, .s = st, .part = part, .x = x + off,
+                      .rows = r0, .n = out, .p = p, .z = z, .r = plan_round(p, z)};
+        const int tasks = split_tasks(n, (size_t)n * out);
+        if (!split_run(tasks, n, col_amax_task, &j)) return false;
+        for (int o = 0; o < out; o++) {
+            float m = 0.0f;
+            for (int k = 0; k < tasks; k++) m = part[(size_t)k * out + o] > m ? part[(size_t)k * out + o] : m;
+            if (!amax_scale(p, m, &st[o])) return false;
+        }
+        split_run(tasks, n, cols_quant_task, &j);
+    }
+    return true;
+}
+
+/* A tensor in chunks of TENSOR_CHUNK elements (the last shorter). */
+#define TENSOR_CHUNK 4096
+
+typedef struct {
+    int8_t *q;
+    float *v, *part, s;
+    const float *x;
+    size_t n;
+    FqtRound r;
+} TensorJob;
+
+static void chunk_bounds(const TensorJob *j, int lo, int hi, size_t *a, size_t *b) {
+    *a = (size_t)lo * TENSOR_CHUNK;
+    *b = (size_t)hi * TENSOR_CHUNK < j->n ? (size_t)hi * TENSOR_CHUNK : j->n;
+}
+
+static void tensor_amax_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    TensorJob *j = ctx;
+    size_t a, b;
+    chunk_bounds(j, lo, hi, &a, &b);
+    *ok = fqt_absmax(j->x + a, b - a, &j->part[task]);
+}
+
+static void tensor_quant_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    (void)task, (void)ok;
+    const TensorJob *j = ctx;
+    size_t a, b;
+    chunk_bounds(j, lo, hi, &a, &b);
+    fqt_quant_span(j->q ? j->q + a : NULL, j->v ? j->v + a : NULL, j->x + a, b - a, &j->s, 0, NULL, 0, &j->r);
+}
+
+bool fqt_quant_tensor(int8_t *q, float *v, float *s, float *part, const float *x, size_t n, const QArrayPlan *p) {
+    if (n / TENSOR_CHUNK >= (size_t)INT32_MAX) return false;
+    const int chunks = (int)((n + TENSOR_CHUNK - 1) / TENSOR_CHUNK), tasks = split_tasks(chunks, n);
+    TensorJob j = {.q = q, .v = v, .part = part, .x = x, .n = n, .r = plan_round(p, NULL)};
+    for (int k = 0; k < tasks; k++) part[k] = 0.0f;
+    if (chunks > 0 && !split_run(tasks, chunks, tensor_amax_task, &j)) return false;
+    float m = 0.0f;
+    for (int k = 0; k < tasks; k++) m = part[k] > m ? part[k] : m;
+    if (!amax_scale(p, m, &j.s)) return false;
+    if (chunks > 0) split_run(tasks, chunks, tensor_quant_task, &j);
+    *s = j.s;
+    return true;
+}

@@ -1,0 +1,81 @@
+/* fqt_kern.h - QT's quantizers for its common case: a signed int format
+ * (int8, int4, ...) with a symmetric absmax range and no zero point, the
+ * rule of every operand QT quantizes by default (weights per row, inputs
+ * per tensor, gradients per row and per column).
+ *
+ * Each kernel gives, bit for bit, what QArray's scalar rules give
+ * (qarray_plan_encode, then qtype_decode of the code): x / s clamped to
+ * [qmin, qmax], then rounded, ties to even or stochastically (floor(v) + 1
+ * when u >= 1 - frac(v)), the value q * s. The AVX2 kernels do the same
+ * IEEE operations in the same order (a division, not a multiplication by
+ * 1/s), so they are exact twins of the _ref ones; tests compare them. The
+ * maxima are exact in any order, so splitting them over threads changes
+ * nothing. */
+#ifndef QTRAIN_QUANT_FQT_KERN_H
+#define QTRAIN_QUANT_FQT_KERN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qarray_plan.h"
+
+/* max |x[i]| over x [n] into *amax (0 for n = 0); false if an element is
+ * NaN or infinite (then *amax means nothing). */
+bool fqt_absmax(const float *x, size_t n, float *amax);
+bool fqt_absmax_ref(const float *x, size_t n, float *amax);
+
+/* amax [out] = max(amax, |g[r][o]|) over the rows of g (rows, out),
+ * row-major: the columns' maxima, updated; false if an element is not
+ * finite. */
+bool fqt_col_absmax(float *amax, const float *g, int rows, int out);
+bool fqt_col_absmax_ref(float *amax, const float *g, int rows, int out);
+
+/* A span's rounding: the code range and the mode. */
+typedef struct {
+    float qmin, qmax; /* integers, qmin < 0 < qmax */
+    bool stochastic;  /* floor(v) + (u >= 1 - frac(v)); else rint (ties to even) */
+} FqtRound;
+
+/* x [n] quantized element by element: scale s[i * s_step], uniform
+ * u[i * u_step] (steps 0 or 1; u unused unless stochastic). Writes the
+ * integer codes q [n] (if q) and the values q * s (if v). */
+void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
+                    int u_step, const FqtRound *r);
+void fqt_quant_span_ref(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
+                        int u_step, const FqtRound *r);
+
+/* ---- the drivers: whole operands, split over the step's threads ---------------------------------------------------- */
+
+/* Whether plan p is the case above: an int format of <= 8 bits, symmetric
+ * without a zero point, absmax calibration, float32 scales. */
+bool fqt_plan_fast(const QArrayPlan *p);
+
+/* Stochastic rounding's uniforms: element (r, o) takes
+ * u[r * row_step + o * col_step]; u NULL: round to nearest. */
+typedef struct {
+    const float *u;
+    size_t row_step, col_step;
+} FqtNoise;
+
+/* x (rows, n) quantized per row under p (fqt_plan_fast): s [rows] the
+ * scales, q (rows, n) the codes (if q), v (rows, n) the values (if v).
+ * False if x holds a non-finite value (nothing useful written: the
+ * general rules say why). */
+bool fqt_quant_rows(int8_t *q, float *v, float *s, const float *x, int rows, int n, const QArrayPlan *p,
+                    const FqtNoise *z);
+/* x (rows, out) quantized per column over tiles of `tile` rows (the last
+ * may be shorter): s [ceil(rows / tile) * out] the scales, tile-major.
+ * part [out * parallel_get_threads()] is scratch. */
+bool fqt_quant_cols(int8_t *q, float *v, float *s, float *part, const float *x, int rows, int out, int tile,
+                    const QArrayPlan *p, const FqtNoise *z);
+/* x [n] quantized with one scale *s, rounding to nearest. part
+ * [parallel_get_threads()] is scratch. */
+bool fqt_quant_tensor(int8_t *q, float *v, float *s, float *part, const float *x, size_t n, const QArrayPlan *p);
+
+/* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
+const char *fqt_kern_name(void);
+/* Tests: force the portable kernels (true) or go back to the CPU's best. */
+void fqt_kern_force_portable(bool on);
+
+#endif

@@ -1,0 +1,226 @@
+/* test_fqt_kern.c - QT's int quantizers (quant/fqt_kern.h): the AVX2
+ * kernels equal their scalar _ref twins bit for bit, and the drivers equal
+ * QArray's general rules (qarray_plan_encode over the calibrated range),
+ * the path QT takes for every other format, at 1 and 2 threads. */
+#include <CUnit/CUnit.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/parallel.h"
+#include "quant/fqt_kern.h"
+#include "quant/qarray_plan.h"
+#include "quant/qtype.h"
+#include "test_util.h"
+
+/* Data with the cases that decide a rounding: exact halves of the scale, values past the range, signed zeros,
+ * subnormals, and plain uniform values. */
+static float *edge_data(size_t n, uint64_t seed, float s) {
+    float *x = test_random_uniform(n, seed, -130.0f * s, 130.0f * s);
+    for (size_t i = 0; i < n; i++) switch (i % 9) {
+        case 1: x[i] = ((float)(int)(i % 41) - 20.0f + 0.5f) * s; break; /* a tie */
+        case 3: x[i] = i % 2 ? -0.0f : 0.0f; break;
+        case 5: x[i] = (i % 2 ? -1.0f : 1.0f) * 1e-40f; break;
+        case 7: x[i] = (i % 2 ? -1.0f : 1.0f) * 1e6f * s; break;
+        default: break;
+        }
+    return x;
+}
+
+static bool same_bits(const void *a, const void *b, size_t bytes) { return memcmp(a, b, bytes) == 0; }
+
+/* The twins tests compare the CPU's kernels with the _ref ones: without AVX2 both are the _ref. */
+static bool have_fast(const char *test) {
+    if (strcmp(fqt_kern_name(), "portable") != 0) return true;
+    test_skip("%s: this CPU has no AVX2, so the fast kernels are the portable ones", test);
+    return false;
+}
+
+static void test_absmax_twins(void) {
+    if (!have_fast("absmax: fast = ref")) return;
+    for (size_t n = 0; n < 70; n++) {
+        float *x = edge_data(n, 100 + n, 0.01f);
+        float a = -1.0f, b = -2.0f;
+        CU_ASSERT(fqt_absmax(x, n, &a) && fqt_absmax_ref(x, n, &b));
+        CU_ASSERT(a == b);
+        for (size_t bad = 0; bad < n; bad += 7) { /* NaN and infinity anywhere, also in a vector's lanes */
+            float keep = x[bad];
+            x[bad] = bad % 2 ? NAN : -INFINITY;
+            CU_ASSERT(!fqt_absmax(x, n, &a) && !fqt_absmax_ref(x, n, &b));
+            x[bad] = keep;
+        }
+        free(x);
+    }
+}
+
+static void test_col_absmax_twins(void) {
+    if (!have_fast("column absmax: fast = ref")) return;
+    const int shapes[][2] = {{1, 1}, {3, 8}, {17, 13}, {64, 32}, {5, 70}};
+    for (size_t k = 0; k < sizeof shapes / sizeof *shapes; k++) {
+        int rows = shapes[k][0], out = shapes[k][1];
+        float *g = edge_data((size_t)rows * out, 200 + k, 0.5f), a[70], b[70];
+        for (int o = 0; o < out; o++) a[o] = b[o] = (float)o * 0.1f; /* the maxima are updated, not reset */
+        CU_ASSERT(fqt_col_absmax(a, g, rows, out) && fqt_col_absmax_ref(b, g, rows, out));
+        CU_ASSERT(same_bits(a, b, (size_t)out * sizeof *a));
+        g[(size_t)(rows - 1) * out + out / 2] = NAN;
+        CU_ASSERT(!fqt_col_absmax(a, g, rows, out) && !fqt_col_absmax_ref(b, g, rows, out));
+        free(g);
+    }
+}
+
+static void test_span_twins(void) {
+    if (!have_fast("span: fast = ref")) return;
+    const FqtRound modes[] = {{-128, 127, false}, {-128, 127, true}, {-127, 127, false}, {-8, 7, true}};
+    for (size_t m = 0; m < sizeof modes / sizeof *modes; m++)
+        for (size_t n = 1; n < 70; n += 3)
+            for (int steps = 0; steps < 4; steps++) {
+                int s_step = steps & 1, u_step = steps >> 1;
+                float *x = edge_data(n, 300 + n, 0.02f), *s = test_random_uniform(n, 400 + n, 0.01f, 0.03f);
+                float *u = test_random_uniform(n, 500 + n, 0.0f, 1.0f);
+                for (size_t i = 0; i < n; i += 5) u[i] = i % 2 ? 0.5f : 0.0f; /* exactly at the threshold */
+                int8_t qa[70], qb[70];
+                float va[70], vb[70];
+                fqt_quant_span(qa, va, x, n, s, s_step, u, u_step, &modes[m]);
+                fqt_quant_span_ref(qb, vb, x, n, s, s_step, u, u_step, &modes[m]);
+                CU_ASSERT(same_bits(qa, qb, n) && same_bits(va, vb, n * sizeof *va));
+                fqt_quant_span(NULL, va, x, n, s, s_step, u, u_step, &modes[m]); /* either output alone */
+                fqt_quant_span(qa, NULL, x, n, s, s_step, u, u_step, &modes[m]);
+                CU_ASSERT(same_bits(qa, qb, n) && same_bits(va, vb, n * sizeof *va));
+                free(x), free(s), free(u);
+            }
+}
+
+/* The general rules: the slice's calibrated range, the plan's scale, qarray_plan_encode, the code's value. */
+static float general_scale(const QArrayPlan *p, const float *v, size_t n) {
+    CalibRange r;
+    QtError err = {0};
+    CU_ASSERT_FATAL(qarray_plan_slice_range(p, v, n, NULL, 0, &r, &err) == QT_OK);
+    return qarray_plan_scale(p, r.lo, r.hi);
+}
+
+static float general_value(const QArrayPlan *p, float x, float s, float u) {
+    return qtype_decode(p->t, qarray_plan_encode(p, x, s, 0.0f, p->round, u)) * s;
+}
+
+static void make_plan(QArrayPlan *p, const char *type, int rows, int out, bool sr, const CalibSpec *calib) {
+    QArrayOptions o = {.range = QARRAY_RANGE_SYMMETRIC, .round = sr ? QROUND_STOCHASTIC : QROUND_RNE,
+                       .calib = calib};
+    static Rng rng; /* the plan wants one for stochastic rounding; the tests give their own uniforms */
+    if (sr) o.rng = &rng;
+    QtError err = {0};
+    CU_ASSERT_FATAL(qtype_find(type, &err) != NULL);
+    CU_ASSERT_FATAL(qarray_plan_make(p, "test", 2, (const int[]){rows, out}, qtype_find(type, &err), &o, &err) ==
+                    QT_OK);
+}
+
+static void check_rows_and_cols(int threads) {
+    CU_ASSERT_FATAL(parallel_set_threads(threads) == threads);
+    const int rows = 700, out = 24; /* 16,800 values: big enough to split at 2 threads with tile 0 */
+    float *g = edge_data((size_t)rows * out, 600, 0.003f);
+    float *u = test_random_uniform((size_t)rows * out, 601, 0.0f, 1.0f);
+    float *v = malloc((size_t)rows * out * sizeof *v), *want = malloc((size_t)rows * out * sizeof *want);
+    float *s = malloc((size_t)rows * out * sizeof *s), *part = malloc(PARALLEL_MAX_THREADS * out * sizeof *part);
+    int8_t *q = malloc((size_t)rows * out);
+    float buf[700];
+    const FqtNoise noises[] = {{NULL, 0, 0}, {u, 1, 0}, {u, 0, 1}, {u, (size_t)out, 1}};
+    for (size_t k = 0; k < sizeof noises / sizeof *noises; k++) {
+        const FqtNoise *z = &noises[k];
+        QArrayPlan p;
+        make_plan(&p, k == 3 ? "int4" : "int8", rows, out, z->u != NULL, NULL);
+        CU_ASSERT_FATAL(fqt_plan_fast(&p));
+        /* per row */
+        CU_ASSERT(fqt_quant_rows(q, v, s, g, rows, out, &p, z));
+        for (int r = 0; r < rows; r++) {
+            float sr = general_scale(&p, g + (size_t)r * out, (size_t)out);
+            CU_ASSERT(s[r] == sr);
+            for (int o = 0; o < out; o++)
+                want[(size_t)r * out + o] = general_value(&p, g[(size_t)r * out + o], sr,
+                                                          z->u ? z->u[r * z->row_step + o * z->col_step] : 0.0f);
+        }
+        CU_ASSERT(same_bits(v, want, (size_t)rows * out * sizeof *v));
+        for (size_t i = 0; i < (size_t)rows * out; i++) CU_ASSERT_EQUAL_FATAL((float)q[i] * s[i / out], v[i]);
+        /* per column, over tiles (the last shorter) and over all rows */
+        for (int tile = 0; tile <= 300; tile += 300) {
+            int t_rows = tile ? tile : rows;
+            CU_ASSERT(fqt_quant_cols(NULL, v, s, part, g, rows, out, tile, &p, z));
+            for (int r0 = 0, t = 0; r0 < rows; r0 += t_rows, t++)
+                for (int o = 0; o < out; o++) {
+                    int n = rows - r0 < t_rows ? rows - r0 : t_rows;
+                    for (int i = 0; i < n; i++) buf[i] = g[(size_t)(r0 + i) * out + o];
+                    float sc = general_scale(&p, buf, (size_t)n);
+                    CU_ASSERT(s[(size_t)t * out + o] == sc);
+                    for (int i = 0; i < n; i++) {
+                        size_t r = (size_t)(r0 + i);
+                        want[r * out + o] = general_value(&p, buf[i], sc,
+                                                          z->u ? z->u[r * z->row_step + o * z->col_step] : 0.0f);
+                    }
+                }
+            CU_ASSERT(same_bits(v, want, (size_t)rows * out * sizeof *v));
+        }
+    }
+    /* one scale for the whole array */
+    QArrayPlan p;
+    make_plan(&p, "int8", rows, out, false, NULL);
+    float st;
+    CU_ASSERT(fqt_quant_tensor(q, v, &st, part, g, (size_t)rows * out, &p));
+    float sw = general_scale(&p, g, (size_t)rows * out);
+    CU_ASSERT(st == sw);
+    for (size_t i = 0; i < (size_t)rows * out; i++) {
+        CU_ASSERT_EQUAL_FATAL(v[i], general_value(&p, g[i], sw, 0.0f));
+        CU_ASSERT_EQUAL_FATAL((float)q[i] * sw, v[i]);
+    }
+    /* a non-finite value: false, so that the caller's general path says where */
+    g[(size_t)rows * out - 3] = INFINITY;
+    CU_ASSERT(!fqt_quant_rows(q, v, s, g, rows, out, &p, &noises[0]));
+    CU_ASSERT(!fqt_quant_cols(q, v, s, part, g, rows, out, 0, &p, &noises[0]));
+    CU_ASSERT(!fqt_quant_tensor(q, v, &st, part, g, (size_t)rows * out, &p));
+    free(g), free(u), free(v), free(want), free(s), free(part), free(q);
+    parallel_set_threads(1);
+}
+
+static void test_drivers_1_thread(void) { check_rows_and_cols(1); }
+static void test_drivers_2_threads(void) { check_rows_and_cols(2); }
+
+/* Drivers on the portable kernels too: the same bits. */
+static void test_drivers_portable(void) {
+    fqt_kern_force_portable(true);
+    CU_ASSERT_STRING_EQUAL(fqt_kern_name(), "portable");
+    check_rows_and_cols(2);
+    fqt_kern_force_portable(false);
+}
+
+static void test_plan_fast_cases(void) {
+    QArrayPlan p;
+    make_plan(&p, "int8", 4, 4, true, NULL);
+    CU_ASSERT(fqt_plan_fast(&p));
+    make_plan(&p, "int4", 4, 4, false, NULL);
+    CU_ASSERT(fqt_plan_fast(&p));
+    make_plan(&p, "fp8_e4m3", 4, 4, false, NULL);
+    CU_ASSERT(!fqt_plan_fast(&p)); /* a float format: the general rules */
+    make_plan(&p, "uint8", 4, 4, false, NULL);
+    CU_ASSERT(!fqt_plan_fast(&p));
+    CalibSpec pct = {.kind = CALIB_PERCENTILE, .p = 99.9, .s = 1.0};
+    make_plan(&p, "int8", 4, 4, false, &pct);
+    CU_ASSERT(!fqt_plan_fast(&p)); /* another calibration */
+    CalibSpec half = {.kind = CALIB_ABSMAX, .s = 0.5};
+    make_plan(&p, "int8", 4, 4, false, &half); /* absmax scaled: still the fast path, with its factor */
+    CU_ASSERT(fqt_plan_fast(&p));
+    float g[16], v[16], s[4], want;
+    for (int i = 0; i < 16; i++) g[i] = (float)(i - 7) * 0.37f;
+    CU_ASSERT(fqt_quant_rows(NULL, v, s, g, 4, 4, &p, &(FqtNoise){0}));
+    want = general_scale(&p, g, 4);
+    CU_ASSERT(s[0] == want);
+}
+
+int register_quant_qt_kern_suite(void) {
+    CU_pSuite s = CU_add_suite("quant_qt_kern", NULL, NULL);
+    if (!s) return 1;
+    printf("  quant_qt_kern: kernels %s\n", fqt_kern_name());
+    return !CU_add_test(s, "absmax: fast = ref", test_absmax_twins) ||
+           !CU_add_test(s, "column absmax: fast = ref", test_col_absmax_twins) ||
+           !CU_add_test(s, "span: fast = ref", test_span_twins) ||
+           !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
+           !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
+           !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
+           !CU_add_test(s, "which plans take the fast path", test_plan_fast_cases);
+}
