@@ -1,23 +1,16 @@
-/* qt.c - the quantized-training layer: the spec's checks, setup, the
+/* fqt.c - the quantized-training layer: the spec's checks, setup and the
  * forward on quantized operands (the integer GEMM for signed int formats,
- * the float GEMM of the dequantized operands otherwise) and the backward on
- * the quantized incoming gradient.
+ * the float GEMM of the dequantized operands otherwise); the backward is
+ * fqt_backward.c.
  *
  * The operands are quantized through QArray's own per-slice rules
  * (qarray_plan.h): W as the QArray (out, fan_in) with channelwise axis 0, x
  * as one slice, both symmetric absmax with float32 scales, so their values
  * are bit for bit those of QAT's dynamic fake quantization of the same
- * layer. A conv layer quantizes x once, then gathers the codes of every
+ * layer (int formats through fqt_kern.h's vectorised twins of those
+ * rules). A conv layer quantizes x once, then gathers the codes of every
  * receptive field into a row of X (one byte per element), so the patches
- * of the integer GEMM and of the float one come from the same codes.
- *
- * The backward quantizes g (rows, out) through the same rules with
- * bwd_calib: once per row for dX, once per column for dW, the column cut
- * into tiles of bwd_weight_grad_tile_size rows (the last tile takes what is
- * left, so any batch size works). Stochastic rounding's uniforms come from
- * one draw of the layer's rng per step, in the order of rng_fill_u32:
- * [rows] (rows only), [out] (columns only) or [rows * out] row-major (both);
- * element (r, o) of both quantized copies of g takes the same one. */
+ * of the integer GEMM and of the float one come from the same codes. */
 #include "fqt.h"
 
 #include <limits.h>
@@ -28,12 +21,13 @@
 #include "fqt_kern.h"
 #include "nn/gemm.h"
 #include "nn/ops.h"
+#include "fqt_internal.h"
 #include "qarray_plan.h"
 
 /* The integer GEMM's sums stay inside int32 for fan_in below 2^17 (|code product| <= 2^14). */
 #define FQT_INT_FAN_IN_MAX (1 << 17)
 
-static const char OP[] = "qt";
+static const char OP[] = FQT_OP;
 
 FqtSpec fqt_spec_default(void) {
     return (FqtSpec){.bwd_calib = {.kind = CALIB_ABSMAX, .s = 1.0}, .noise_axes = FQT_NOISE_ROWS};
@@ -160,7 +154,7 @@ static void plan_bounds(const QArrayPlan *p, float *lo, float *hi) {
 }
 
 /* The scale of the slice v [n] under plan p (calibrated, rounded to the scale type); work as calib_compute takes it. */
-static QtStatus slice_scale(const QArrayPlan *p, const float *v, size_t n, void *work, size_t work_bytes, float *s,
+QtStatus fqt_slice_scale(const QArrayPlan *p, const float *v, size_t n, void *work, size_t work_bytes, float *s,
                             QtError *err) {
     CalibRange r;
     uint32_t stored;
@@ -182,57 +176,6 @@ static const QType *act_format(const FqtLayer *q) {
 static bool integer_gemm(const QType *wt, const QType *at, int fan_in) {
     return wt->kind == QTYPE_KIND_INT && at->kind == QTYPE_KIND_INT && wt->bits <= 8 && at->bits <= 8 &&
            fan_in < FQT_INT_FAN_IN_MAX;
-}
-
-/* The convolution's sizes; the input is (N, C, H, W), the output (N, OC, OH, OW). */
-typedef struct {
-    int N, C, H, W, KH, KW, OH, OW, stride, padding;
-} FqtConvGeom;
-
-/* A QT node's saved state (arena). Rows of X and g: the batch (dense) or the output pixels (n, oh, ow) (conv). */
-typedef struct {
-    FqtLayer *q;            /* its Rng draws the backward's noise */
-    bool conv;
-    FqtConvGeom cg;         /* conv only */
-    int rows, out, fan_in;
-    float sx;              /* the input's scale (per tensor) */
-    float x_lo, x_hi;      /* the input's representable range in units of sx: the clipped STE passes inside */
-    float w_lo, w_hi;      /* the weight's, in units of its row's scale */
-    const float *sw;       /* [out] the weight's scale per output channel */
-    const float *wd;       /* (out, fan_in) deq(W) */
-    const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
-    const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
-} FqtCtx;
-
-static void fqt_backward(Tape *t, const TapeNode *node);
-
-/* ---- splitting the elementwise work over the step's threads ---------------------------------------------------- */
-
-/* fn(ctx, lo, hi) over [0, n) in contiguous shares; every item's result depends on the item alone, so the split
- * changes no bit. One share when the work (elements touched) is small. */
-typedef void (*ShareFn)(const void *ctx, int lo, int hi);
-typedef struct {
-    ShareFn fn;
-    const void *ctx;
-    int n;
-} Shares;
-
-static void share_task(void *arg, int task, int n_tasks) {
-    const Shares *sh = arg;
-    int lo, hi;
-    parallel_range(sh->n, task, n_tasks, &lo, &hi);
-    if (lo < hi) sh->fn(sh->ctx, lo, hi);
-}
-
-static void shares_run(int n, size_t work, ShareFn fn, const void *ctx) {
-    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads();
-    if (tasks > n) tasks = n;
-    if (tasks <= 1) {
-        if (n > 0) fn(ctx, 0, n);
-        return;
-    }
-    Shares sh = {fn, ctx, n};
-    parallel_run(tasks, share_task, &sh);
 }
 
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
@@ -274,7 +217,7 @@ static bool input_geometry(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c) 
 }
 
 /* Sets the tape error for an error of `inner` while quantizing `what`. */
-static bool quant_failed(Tape *t, const FqtLayer *q, const char *what, const QtError *inner) {
+bool fqt_quant_failed(Tape *t, const FqtLayer *q, const char *what, const QtError *inner) {
     qt_error_set(&t->err, inner->status, "%s (%s): quantizing %s: %s", q->module->path, OP, what, inner->msg);
     return false;
 }
@@ -288,7 +231,7 @@ static bool quantize_weight(Tape *t, const FqtLayer *q, FqtCtx *c, bool integer,
     QArrayPlan p;
     QtError inner = {0};
     if (qarray_plan_make(&p, "weight_qtype", 2, (const int[]){out, K}, wt, &o, &inner) != QT_OK)
-        return quant_failed(t, q, "the weight", &inner);
+        return fqt_quant_failed(t, q, "the weight", &inner);
     float *sw = tape_alloc(t, (size_t)out * sizeof *sw), *wd = tape_alloc(t, (size_t)out * K * sizeof *wd);
     int8_t *codes = integer ? tape_alloc(t, (size_t)out * K) : NULL; /* (out, fan_in) */
     if (!sw || !wd || (integer && !codes)) return false;
@@ -299,8 +242,8 @@ static bool quantize_weight(Tape *t, const FqtLayer *q, FqtCtx *c, bool integer,
     format_values(wt, lut);
     for (int r = 0; r < out; r++) {
         const float *row = w + (size_t)r * K;
-        if (slice_scale(&p, row, (size_t)K, NULL, 0, &sw[r], &inner) != QT_OK)
-            return quant_failed(t, q, "the weight", &inner);
+        if (fqt_slice_scale(&p, row, (size_t)K, NULL, 0, &sw[r], &inner) != QT_OK)
+            return fqt_quant_failed(t, q, "the weight", &inner);
         for (int k = 0; k < K; k++) {
             float v = lut[qarray_plan_encode(&p, row[k], sw[r], 0.0f, QROUND_RNE, 0.0f)];
             wd[(size_t)r * K + k] = v * sw[r];
@@ -354,7 +297,7 @@ static void gather_patches_part(const void *ctx, int lo, int hi) {
 
 static void gather_patches(uint8_t *rows, const uint8_t *x, const FqtConvGeom *g) {
     PatchJob j = {rows, x, g};
-    shares_run(g->N, (size_t)g->N * g->OH * g->OW * g->C * g->KH * g->KW, gather_patches_part, &j);
+    fqt_shares_run(g->N, (size_t)g->N * g->OH * g->OW * g->C * g->KH * g->KW, gather_patches_part, &j);
 }
 
 /* x per tensor: the scale sx and X, as integer codes xc (integer GEMM) or values xd. */
@@ -365,7 +308,7 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
     QArrayPlan p;
     QtError inner = {0};
     if (qarray_plan_make(&p, "act_qtype", x->value.ndim, x->value.shape, at, &o, &inner) != QT_OK)
-        return quant_failed(t, q, "the input", &inner);
+        return fqt_quant_failed(t, q, "the input", &inner);
     plan_bounds(&p, &c->x_lo, &c->x_hi);
     float lut[256];
     format_values(at, lut);
@@ -377,8 +320,8 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
         const uint8_t mask = (uint8_t)((1u << at->bits) - 1u); /* the integer value's low bits are its code */
         for (size_t i = 0; !integer && mask != 0xff && i < numel; i++) xb[i] &= mask;
     } else {
-        if (slice_scale(&p, x->value.data, numel, NULL, 0, &c->sx, &inner) != QT_OK)
-            return quant_failed(t, q, "the input", &inner);
+        if (fqt_slice_scale(&p, x->value.data, numel, NULL, 0, &c->sx, &inner) != QT_OK)
+            return fqt_quant_failed(t, q, "the input", &inner);
         for (size_t i = 0; i < numel; i++) {
             uint32_t code = qarray_plan_encode(&p, x->value.data[i], c->sx, 0.0f, QROUND_RNE, 0.0f);
             xb[i] = integer ? (uint8_t)(int8_t)lut[code] : (uint8_t)code;
@@ -459,7 +402,7 @@ static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Va
         return true;
     }
     j.acc = acc, j.prod = prod;
-    shares_run(c->cg.N, n, conv_layout_part, &j);
+    fqt_shares_run(c->cg.N, n, conv_layout_part, &j);
     return true;
 }
 
@@ -489,294 +432,28 @@ Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x) {
     return tape_record(t, OP, fqt_backward, y, (Var *[]){x, &m->weight->var, bias}, 3, c) ? y : NULL;
 }
 
-/* ---- the backward ------------------------------------------------------------------------------------------------ */
-
-/* g (rows, out): dy (N, out) itself, or regrouped from dy (N, OC, OH, OW) into one row per output pixel; for conv,
- * dbias's column sums db_acc [out] (double) on the way, added in row order as bias_grad adds them. */
-typedef struct {
-    const FqtCtx *c;
-    const float *dy; /* (N, OC, OH, OW) */
-    float *g;        /* (N*OH*OW, OC) */
-    double *db_acc;  /* [out] or NULL */
-} RegroupJob;
-
-/* Blocks [lo, hi) of eight channels, whose eight sums advance side by side. */
-static void regroup_part(const void *ctx, int block_lo, int block_hi) {
-    const RegroupJob *j = ctx;
-    const FqtCtx *c = j->c;
-    const int lo = block_lo * 8, hi = block_hi * 8 < c->out ? block_hi * 8 : c->out;
-    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
-    for (int o0 = lo; o0 < hi; o0 += 8) {
-        const int k_n = hi - o0 < 8 ? hi - o0 : 8;
-        double acc[8] = {0};
-        for (int n = 0; n < c->cg.N; n++) {
-            float *dst = j->g + (size_t)n * plane * c->out + o0; /* stride out */
-            const float *src = j->dy + ((size_t)n * c->out + o0) * plane;
-            for (size_t px = 0; px < plane; px++)
-                for (int k = 0; k < k_n; k++) {
-                    float v = src[(size_t)k * plane + px];
-                    dst[px * c->out + k] = v;
-                    acc[k] += v;
-                }
-        }
-        for (int k = 0; j->db_acc && k < k_n; k++) j->db_acc[o0 + k] = acc[k];
-    }
-}
-
-static const float *grad_rows(Tape *t, const FqtCtx *c, const float *dy, double *db_acc) {
-    if (!c->conv) return dy;
-    float *g = tape_alloc(t, (size_t)c->rows * c->out * sizeof *g);
-    if (!g) return NULL;
-    RegroupJob j = {c, dy, g, db_acc};
-    shares_run((c->out + 7) / 8, (size_t)c->rows * c->out, regroup_part, &j);
-    return g;
-}
-
-/* dbias (out,) += the column sums of g, each in double (conv: summed by grad_rows into acc). */
-static bool bias_grad(Tape *t, const FqtCtx *c, Var *bias, const float *g, const double *conv_acc) {
-    float *db = tape_grad(t, bias);
-    double *acc = tape_alloc(t, (size_t)c->out * sizeof *acc);
-    if (!db || !acc) return false;
-    if (conv_acc) {
-        memcpy(acc, conv_acc, (size_t)c->out * sizeof *acc);
-    } else {
-        memset(acc, 0, (size_t)c->out * sizeof *acc);
-        for (int r = 0; r < c->rows; r++)
-            for (int o = 0; o < c->out; o++) acc[o] += g[(size_t)r * c->out + o];
-    }
-    for (int o = 0; o < c->out; o++) db[o] += (float)acc[o];
-    return true;
-}
-
-/* ---- quantizing g ------------------------------------------------------------------------------------------------ */
-
-/* Stochastic rounding's uniforms: [rows] (rows only), [out] (columns only) or [rows * out] (both, row-major). */
-typedef struct {
-    const float *u; /* NULL: round to nearest */
-    unsigned axes;
-    int out;
-} Noise;
-
-static float noise_at(const Noise *z, int r, int o) {
-    if (!z->u) return 0.0f;
-    switch (z->axes) {
-    case FQT_NOISE_COLS: return z->u[o];
-    case FQT_NOISE_ROWS | FQT_NOISE_COLS: return z->u[(size_t)r * z->out + o];
-    default: return z->u[r];
-    }
-}
-
-/* One step's noise from the layer's rng: the same count for the same shape, drawn whichever products need it. */
-static bool noise_draw(Tape *t, FqtLayer *q, int rows, int out, Noise *z) {
-    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : FQT_NOISE_ROWS;
-    *z = (Noise){.axes = axes, .out = out};
-    if (!q->spec.bwd_stochastic) return true;
-    size_t n = axes == FQT_NOISE_COLS ? (size_t)out : axes == FQT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
-    float *u = tape_alloc(t, n * sizeof *u);
-    if (!u) return false;
-    RngUniforms ru;
-    rng_uniforms_init(&ru, &q->rng, n);
-    for (size_t i = 0; i < n; i++) u[i] = rng_uniforms_next(&ru);
-    z->u = u;
-    return true;
-}
+/* ---- splitting the elementwise work over the step's threads ---------------------------------------------------- */
 
 typedef struct {
-    QArrayPlan p;      /* bwd_qtype, symmetric, bwd_calib, the rounding */
-    float lut[256];    /* the value of every code */
-    void *work;        /* calibration workspace for the longest slice */
-    size_t work_bytes;
-    Noise z;
-} GradQuant;
+    FqtShareFn fn;
+    const void *ctx;
+    int n;
+} Shares;
 
-static bool grad_failed(Tape *t, const FqtCtx *c, const char *what, int index, const QtError *inner) {
-    qt_error_set(&t->err, inner->status, "%s (%s): quantizing the gradient's %s %d: %s", c->q->module->path, OP, what,
-                 index, inner->msg);
-    return false;
+static void share_task(void *arg, int task, int n_tasks) {
+    const Shares *sh = arg;
+    int lo, hi;
+    parallel_range(sh->n, task, n_tasks, &lo, &hi);
+    if (lo < hi) sh->fn(sh->ctx, lo, hi);
 }
 
-/* gr (rows, out) = g quantized per row, the non-contracting axis of dX = g W. */
-static bool quant_rows(Tape *t, const FqtCtx *c, const GradQuant *gq, const float *g, float *gr) {
-    const int out = c->out;
-    for (int r = 0; r < c->rows; r++) {
-        const float *row = g + (size_t)r * out;
-        float s;
-        QtError inner = {0};
-        if (slice_scale(&gq->p, row, (size_t)out, gq->work, gq->work_bytes, &s, &inner) != QT_OK)
-            return grad_failed(t, c, "row", r, &inner);
-        for (int o = 0; o < out; o++) {
-            uint32_t code = qarray_plan_encode(&gq->p, row[o], s, 0.0f, gq->p.round, noise_at(&gq->z, r, o));
-            gr[(size_t)r * out + o] = gq->lut[code] * s;
-        }
+void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx) {
+    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads();
+    if (tasks > n) tasks = n;
+    if (tasks <= 1) {
+        if (n > 0) fn(ctx, 0, n);
+        return;
     }
-    return true;
-}
-
-/* gc (rows, out) = g quantized per column, the non-contracting axis of dW = g^T X, with one scale per tile of
- * `tile` rows along the contraction (the last tile may be shorter); buf [tile] holds a column's tile. */
-static bool quant_cols(Tape *t, const FqtCtx *c, const GradQuant *gq, const float *g, int tile, float *buf,
-                       float *gc) {
-    const int out = c->out;
-    for (int o = 0; o < out; o++)
-        for (int r0 = 0; r0 < c->rows; r0 += tile) {
-            int n = c->rows - r0 < tile ? c->rows - r0 : tile;
-            for (int i = 0; i < n; i++) buf[i] = g[(size_t)(r0 + i) * out + o];
-            float s;
-            QtError inner = {0};
-            if (slice_scale(&gq->p, buf, (size_t)n, gq->work, gq->work_bytes, &s, &inner) != QT_OK)
-                return grad_failed(t, c, "column", o, &inner);
-            for (int i = 0; i < n; i++) {
-                uint32_t code = qarray_plan_encode(&gq->p, buf[i], s, 0.0f, gq->p.round, noise_at(&gq->z, r0 + i, o));
-                gc[(size_t)(r0 + i) * out + o] = gq->lut[code] * s;
-            }
-        }
-    return true;
-}
-
-/* The quantized g of each product that is wanted (g_row for dX, g_col for dW; NULL: not wanted). */
-static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float **g_row, const float **g_col) {
-    FqtLayer *q = c->q;
-    const FqtSpec *s = &q->spec;
-    const int rows = c->rows, out = c->out;
-    int tile = s->bwd_weight_grad_tile_size > 0 && s->bwd_weight_grad_tile_size < rows ? s->bwd_weight_grad_tile_size
-                                                                                       : rows;
-    bool sr = s->bwd_stochastic;
-    QArrayOptions o = {.calib = &s->bwd_calib, .range = QARRAY_RANGE_SYMMETRIC,
-                       .round = sr ? QROUND_STOCHASTIC : QROUND_RNE, .rng = sr ? &q->rng : NULL};
-    GradQuant gq;
-    QtError inner = {0};
-    if (qarray_plan_make(&gq.p, "bwd_qtype", 2, (const int[]){rows, out}, s->bwd_qtype, &o, &inner) != QT_OK)
-        return quant_failed(t, q, "the gradient", &inner);
-    gq.work_bytes = qarray_plan_work_bytes(&gq.p, (size_t)(out > tile ? out : tile));
-    gq.work = gq.work_bytes ? tape_alloc(t, gq.work_bytes) : NULL;
-    if ((gq.work_bytes && !gq.work) || !noise_draw(t, q, rows, out, &gq.z)) return false;
-    for (uint32_t code = 0; code < (1u << s->bwd_qtype->bits); code++) gq.lut[code] = qtype_decode(s->bwd_qtype, code);
-    const bool fast = fqt_plan_fast(&gq.p);
-    const unsigned ax = gq.z.axes;
-    const FqtNoise nz = {.u = gq.z.u,
-                         .row_step = ax & FQT_NOISE_ROWS ? (ax & FQT_NOISE_COLS ? (size_t)out : 1) : 0,
-                         .col_step = ax & FQT_NOISE_COLS ? 1 : 0};
-    size_t n = (size_t)rows * out;
-    if (g_row) {
-        float *gr = tape_alloc(t, n * sizeof *gr), *srow = tape_alloc(t, (size_t)rows * sizeof *srow);
-        if (!gr || !srow) return false;
-        if (!(fast && fqt_quant_rows(NULL, gr, srow, g, rows, out, &gq.p, &nz)) && !quant_rows(t, c, &gq, g, gr))
-            return false;
-        *g_row = gr;
-    }
-    if (g_col) {
-        const size_t tiles = ((size_t)rows + tile - 1) / tile;
-        float *gc = tape_alloc(t, n * sizeof *gc), *buf = tape_alloc(t, (size_t)tile * sizeof *buf);
-        float *sc = tape_alloc(t, tiles * out * sizeof *sc);
-        float *part = tape_alloc(t, (size_t)parallel_get_threads() * out * sizeof *part);
-        if (!gc || !buf || !sc || !part) return false;
-        if (!(fast && fqt_quant_cols(NULL, gc, sc, part, g, rows, out, tile, &gq.p, &nz)) &&
-            !quant_cols(t, c, &gq, g, tile, buf, gc))
-            return false;
-        *g_col = gc;
-    }
-    return true;
-}
-
-/* ---- the backward's products ------------------------------------------------------------------------------------- */
-
-/* The clipped straight-through estimator's pass: d[i] += v[i] / s in [lo, hi] ? tmp[i] : 0, over chunks of
- * CLIP_CHUNK elements (the input: one scale) or rows of `row` elements with one scale each (the weight). */
-#define CLIP_CHUNK 4096
-
-typedef struct {
-    float *d;
-    const float *v, *tmp, *s; /* s: [1] (s_step 0) or [rows] */
-    size_t n, row;
-    int s_step;
-    float lo, hi;
-} ClipJob;
-
-static void clip_part(const void *ctx, int lo, int hi) {
-    const ClipJob *j = ctx;
-    for (int r = lo; r < hi; r++) {
-        const size_t a = (size_t)r * j->row, b = a + j->row < j->n ? a + j->row : j->n;
-        const float s = j->s[(size_t)r * j->s_step];
-        for (size_t i = a; i < b; i++) {
-            float v = j->v[i] / s;
-            j->d[i] += v >= j->lo && v <= j->hi ? j->tmp[i] : 0.0f;
-        }
-    }
-}
-
-static void clip_run(ClipJob *j) {
-    shares_run((int)((j->n + j->row - 1) / j->row), j->n, clip_part, j);
-}
-
-/* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. */
-static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row) {
-    const size_t nx = var_numel(x);
-    const int rows = c->rows, out = c->out, K = c->fan_in;
-    float *dx = tape_grad(t, x), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
-    if (!dx || !tmp) return false;
-    if (!c->conv) {
-        gemm_f32(false, false, rows, K, out, 1.0f, g_row, out, c->wd, K, 0.0f, tmp, K);
-    } else {
-        const FqtConvGeom *g = &c->cg;
-        float *dcol = tape_alloc(t, (size_t)K * rows * sizeof *dcol); /* (C*KH*KW, N*OH*OW) */
-        if (!dcol) return false;
-        gemm_f32(true, true, K, rows, out, 1.0f, c->wd, K, g_row, out, 0.0f, dcol, rows);
-        memset(tmp, 0, nx * sizeof *tmp);
-        col2im(tmp, dcol, g->N, g->C, g->H, g->W, g->KH, g->KW, g->stride, g->padding, g->OH, g->OW);
-    }
-    ClipJob j = {.d = dx, .v = x->value.data, .tmp = tmp, .s = &c->sx, .n = nx, .row = CLIP_CHUNK, .s_step = 0,
-                 .lo = c->x_lo, .hi = c->x_hi};
-    clip_run(&j);
-    return true;
-}
-
-/* X (rows, fan_in) = xc * sx, rows [lo, hi). */
-typedef struct {
-    float *X;
-    const int8_t *xc;
-    float sx;
-    int K;
-} DeqJob;
-
-static void deq_part(const void *ctx, int lo, int hi) {
-    const DeqJob *j = ctx;
-    for (size_t i = (size_t)lo * j->K; i < (size_t)hi * j->K; i++) j->X[i] = (float)j->xc[i] * j->sx;
-}
-
-/* dW += g_col^T deq(X) where W / sw[row] lies in [w_lo, w_hi]. */
-static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
-    const int rows = c->rows, out = c->out, K = c->fan_in;
-    const size_t nX = (size_t)rows * K, nw = (size_t)out * K;
-    const float *X = c->xd; /* (rows, fan_in) */
-    if (!X) {
-        float *buf = tape_alloc(t, nX * sizeof *buf);
-        if (!buf) return false;
-        DeqJob dj = {buf, c->xc, c->sx, K};
-        shares_run(rows, nX, deq_part, &dj);
-        X = buf;
-    }
-    float *dw = tape_grad(t, w), *tmp = tape_alloc(t, nw * sizeof *tmp); /* (out, fan_in) */
-    if (!dw || !tmp) return false;
-    gemm_f32(true, false, out, K, rows, 1.0f, g_col, out, X, K, 0.0f, tmp, K);
-    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
-                 .lo = c->w_lo, .hi = c->w_hi};
-    clip_run(&j);
-    return true;
-}
-
-static void fqt_backward(Tape *t, const TapeNode *node) {
-    const FqtCtx *c = node->ctx;
-    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
-    const bool want_b = bias && bias->requires_grad;
-    double *db_acc = want_b && c->conv ? tape_alloc(t, (size_t)c->out * sizeof *db_acc) : NULL;
-    if (want_b && c->conv && !db_acc) return;
-    const float *g = grad_rows(t, c, node->out->grad, db_acc); /* (rows, out) */
-    if (!g) return;
-    if (want_b && !bias_grad(t, c, bias, g, db_acc)) return;
-    bool want_x = x->requires_grad, want_w = w->requires_grad;
-    if (!want_x && !want_w) return;
-    const float *g_row = g, *g_col = g;
-    if (c->q->spec.bwd_qtype && !quantize_grad(t, c, g, want_x ? &g_row : NULL, want_w ? &g_col : NULL)) return;
-    if (want_x && !input_grad(t, c, x, g_row)) return;
-    if (want_w) weight_grad(t, c, w, g_col);
+    Shares sh = {fn, ctx, n};
+    parallel_run(tasks, share_task, &sh);
 }

@@ -1,0 +1,313 @@
+/* fqt_backward.c - QT's backward (fqt.h): the quantized incoming gradient
+ * and the two products dX = g W and dW = g^T X, with the clipped
+ * straight-through estimator at the forward operands' ranges.
+ *
+ * g (rows, out) is quantized through QArray's rules with bwd_calib: once
+ * per row for dX, once per column for dW, the column cut into tiles of
+ * bwd_weight_grad_tile_size rows (the last tile takes what is left, so any
+ * batch size works). Stochastic rounding's uniforms come from one draw of
+ * the layer's rng per step, in the order of rng_fill_u32: [rows] (rows
+ * only), [out] (columns only) or [rows * out] row-major (both); element
+ * (r, o) of both quantized copies of g takes the same one. */
+#include <limits.h>
+#include <string.h>
+
+#include "base/parallel.h"
+#include "fqt_internal.h"
+#include "fqt_kern.h"
+#include "nn/gemm.h"
+#include "nn/ops.h"
+
+static const char OP[] = FQT_OP;
+
+/* ---- the backward ------------------------------------------------------------------------------------------------ */
+
+/* g (rows, out): dy (N, out) itself, or regrouped from dy (N, OC, OH, OW) into one row per output pixel; for conv,
+ * dbias's column sums db_acc [out] (double) on the way, added in row order as bias_grad adds them. */
+typedef struct {
+    const FqtCtx *c;
+    const float *dy; /* (N, OC, OH, OW) */
+    float *g;        /* (N*OH*OW, OC) */
+    double *db_acc;  /* [out] or NULL */
+} RegroupJob;
+
+/* Blocks [lo, hi) of eight channels, whose eight sums advance side by side. */
+static void regroup_part(const void *ctx, int block_lo, int block_hi) {
+    const RegroupJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const int lo = block_lo * 8, hi = block_hi * 8 < c->out ? block_hi * 8 : c->out;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    for (int o0 = lo; o0 < hi; o0 += 8) {
+        const int k_n = hi - o0 < 8 ? hi - o0 : 8;
+        double acc[8] = {0};
+        for (int n = 0; n < c->cg.N; n++) {
+            float *dst = j->g + (size_t)n * plane * c->out + o0; /* stride out */
+            const float *src = j->dy + ((size_t)n * c->out + o0) * plane;
+            for (size_t px = 0; px < plane; px++)
+                for (int k = 0; k < k_n; k++) {
+                    float v = src[(size_t)k * plane + px];
+                    dst[px * c->out + k] = v;
+                    acc[k] += v;
+                }
+        }
+        for (int k = 0; j->db_acc && k < k_n; k++) j->db_acc[o0 + k] = acc[k];
+    }
+}
+
+static const float *grad_rows(Tape *t, const FqtCtx *c, const float *dy, double *db_acc) {
+    if (!c->conv) return dy;
+    float *g = tape_alloc(t, (size_t)c->rows * c->out * sizeof *g);
+    if (!g) return NULL;
+    RegroupJob j = {c, dy, g, db_acc};
+    fqt_shares_run((c->out + 7) / 8, (size_t)c->rows * c->out, regroup_part, &j);
+    return g;
+}
+
+/* dbias (out,) += the column sums of g, each in double (conv: summed by grad_rows into acc). */
+static bool bias_grad(Tape *t, const FqtCtx *c, Var *bias, const float *g, const double *conv_acc) {
+    float *db = tape_grad(t, bias);
+    double *acc = tape_alloc(t, (size_t)c->out * sizeof *acc);
+    if (!db || !acc) return false;
+    if (conv_acc) {
+        memcpy(acc, conv_acc, (size_t)c->out * sizeof *acc);
+    } else {
+        memset(acc, 0, (size_t)c->out * sizeof *acc);
+        for (int r = 0; r < c->rows; r++)
+            for (int o = 0; o < c->out; o++) acc[o] += g[(size_t)r * c->out + o];
+    }
+    for (int o = 0; o < c->out; o++) db[o] += (float)acc[o];
+    return true;
+}
+
+/* ---- quantizing g ------------------------------------------------------------------------------------------------ */
+
+/* Stochastic rounding's uniforms: [rows] (rows only), [out] (columns only) or [rows * out] (both, row-major). */
+typedef struct {
+    const float *u; /* NULL: round to nearest */
+    unsigned axes;
+    int out;
+} Noise;
+
+static float noise_at(const Noise *z, int r, int o) {
+    if (!z->u) return 0.0f;
+    switch (z->axes) {
+    case FQT_NOISE_COLS: return z->u[o];
+    case FQT_NOISE_ROWS | FQT_NOISE_COLS: return z->u[(size_t)r * z->out + o];
+    default: return z->u[r];
+    }
+}
+
+/* One step's noise from the layer's rng: the same count for the same shape, drawn whichever products need it. */
+static bool noise_draw(Tape *t, FqtLayer *q, int rows, int out, Noise *z) {
+    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : FQT_NOISE_ROWS;
+    *z = (Noise){.axes = axes, .out = out};
+    if (!q->spec.bwd_stochastic) return true;
+    size_t n = axes == FQT_NOISE_COLS ? (size_t)out : axes == FQT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
+    float *u = tape_alloc(t, n * sizeof *u);
+    if (!u) return false;
+    RngUniforms ru;
+    rng_uniforms_init(&ru, &q->rng, n);
+    for (size_t i = 0; i < n; i++) u[i] = rng_uniforms_next(&ru);
+    z->u = u;
+    return true;
+}
+
+typedef struct {
+    QArrayPlan p;      /* bwd_qtype, symmetric, bwd_calib, the rounding */
+    float lut[256];    /* the value of every code */
+    void *work;        /* calibration workspace for the longest slice */
+    size_t work_bytes;
+    Noise z;
+} GradQuant;
+
+static bool grad_failed(Tape *t, const FqtCtx *c, const char *what, int index, const QtError *inner) {
+    qt_error_set(&t->err, inner->status, "%s (%s): quantizing the gradient's %s %d: %s", c->q->module->path, OP, what,
+                 index, inner->msg);
+    return false;
+}
+
+/* gr (rows, out) = g quantized per row, the non-contracting axis of dX = g W. */
+static bool quant_rows(Tape *t, const FqtCtx *c, const GradQuant *gq, const float *g, float *gr) {
+    const int out = c->out;
+    for (int r = 0; r < c->rows; r++) {
+        const float *row = g + (size_t)r * out;
+        float s;
+        QtError inner = {0};
+        if (fqt_slice_scale(&gq->p, row, (size_t)out, gq->work, gq->work_bytes, &s, &inner) != QT_OK)
+            return grad_failed(t, c, "row", r, &inner);
+        for (int o = 0; o < out; o++) {
+            uint32_t code = qarray_plan_encode(&gq->p, row[o], s, 0.0f, gq->p.round, noise_at(&gq->z, r, o));
+            gr[(size_t)r * out + o] = gq->lut[code] * s;
+        }
+    }
+    return true;
+}
+
+/* gc (rows, out) = g quantized per column, the non-contracting axis of dW = g^T X, with one scale per tile of
+ * `tile` rows along the contraction (the last tile may be shorter); buf [tile] holds a column's tile. */
+static bool quant_cols(Tape *t, const FqtCtx *c, const GradQuant *gq, const float *g, int tile, float *buf,
+                       float *gc) {
+    const int out = c->out;
+    for (int o = 0; o < out; o++)
+        for (int r0 = 0; r0 < c->rows; r0 += tile) {
+            int n = c->rows - r0 < tile ? c->rows - r0 : tile;
+            for (int i = 0; i < n; i++) buf[i] = g[(size_t)(r0 + i) * out + o];
+            float s;
+            QtError inner = {0};
+            if (fqt_slice_scale(&gq->p, buf, (size_t)n, gq->work, gq->work_bytes, &s, &inner) != QT_OK)
+                return grad_failed(t, c, "column", o, &inner);
+            for (int i = 0; i < n; i++) {
+                uint32_t code = qarray_plan_encode(&gq->p, buf[i], s, 0.0f, gq->p.round, noise_at(&gq->z, r0 + i, o));
+                gc[(size_t)(r0 + i) * out + o] = gq->lut[code] * s;
+            }
+        }
+    return true;
+}
+
+/* The quantized g of each product that is wanted (g_row for dX, g_col for dW; NULL: not wanted). */
+static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float **g_row, const float **g_col) {
+    FqtLayer *q = c->q;
+    const FqtSpec *s = &q->spec;
+    const int rows = c->rows, out = c->out;
+    int tile = s->bwd_weight_grad_tile_size > 0 && s->bwd_weight_grad_tile_size < rows ? s->bwd_weight_grad_tile_size
+                                                                                       : rows;
+    bool sr = s->bwd_stochastic;
+    QArrayOptions o = {.calib = &s->bwd_calib, .range = QARRAY_RANGE_SYMMETRIC,
+                       .round = sr ? QROUND_STOCHASTIC : QROUND_RNE, .rng = sr ? &q->rng : NULL};
+    GradQuant gq;
+    QtError inner = {0};
+    if (qarray_plan_make(&gq.p, "bwd_qtype", 2, (const int[]){rows, out}, s->bwd_qtype, &o, &inner) != QT_OK)
+        return fqt_quant_failed(t, q, "the gradient", &inner);
+    gq.work_bytes = qarray_plan_work_bytes(&gq.p, (size_t)(out > tile ? out : tile));
+    gq.work = gq.work_bytes ? tape_alloc(t, gq.work_bytes) : NULL;
+    if ((gq.work_bytes && !gq.work) || !noise_draw(t, q, rows, out, &gq.z)) return false;
+    for (uint32_t code = 0; code < (1u << s->bwd_qtype->bits); code++) gq.lut[code] = qtype_decode(s->bwd_qtype, code);
+    const bool fast = fqt_plan_fast(&gq.p);
+    const unsigned ax = gq.z.axes;
+    const FqtNoise nz = {.u = gq.z.u,
+                         .row_step = ax & FQT_NOISE_ROWS ? (ax & FQT_NOISE_COLS ? (size_t)out : 1) : 0,
+                         .col_step = ax & FQT_NOISE_COLS ? 1 : 0};
+    size_t n = (size_t)rows * out;
+    if (g_row) {
+        float *gr = tape_alloc(t, n * sizeof *gr), *srow = tape_alloc(t, (size_t)rows * sizeof *srow);
+        if (!gr || !srow) return false;
+        if (!(fast && fqt_quant_rows(NULL, gr, srow, g, rows, out, &gq.p, &nz)) && !quant_rows(t, c, &gq, g, gr))
+            return false;
+        *g_row = gr;
+    }
+    if (g_col) {
+        const size_t tiles = ((size_t)rows + tile - 1) / tile;
+        float *gc = tape_alloc(t, n * sizeof *gc), *buf = tape_alloc(t, (size_t)tile * sizeof *buf);
+        float *sc = tape_alloc(t, tiles * out * sizeof *sc);
+        float *part = tape_alloc(t, (size_t)parallel_get_threads() * out * sizeof *part);
+        if (!gc || !buf || !sc || !part) return false;
+        if (!(fast && fqt_quant_cols(NULL, gc, sc, part, g, rows, out, tile, &gq.p, &nz)) &&
+            !quant_cols(t, c, &gq, g, tile, buf, gc))
+            return false;
+        *g_col = gc;
+    }
+    return true;
+}
+
+/* ---- the backward's products ------------------------------------------------------------------------------------- */
+
+/* The clipped straight-through estimator's pass: d[i] += v[i] / s in [lo, hi] ? tmp[i] : 0, over chunks of
+ * CLIP_CHUNK elements (the input: one scale) or rows of `row` elements with one scale each (the weight). */
+#define CLIP_CHUNK 4096
+
+typedef struct {
+    float *d;
+    const float *v, *tmp, *s; /* s: [1] (s_step 0) or [rows] */
+    size_t n, row;
+    int s_step;
+    float lo, hi;
+} ClipJob;
+
+static void clip_part(const void *ctx, int lo, int hi) {
+    const ClipJob *j = ctx;
+    for (int r = lo; r < hi; r++) {
+        const size_t a = (size_t)r * j->row, b = a + j->row < j->n ? a + j->row : j->n;
+        const float s = j->s[(size_t)r * j->s_step];
+        for (size_t i = a; i < b; i++) {
+            float v = j->v[i] / s;
+            j->d[i] += v >= j->lo && v <= j->hi ? j->tmp[i] : 0.0f;
+        }
+    }
+}
+
+static void clip_run(ClipJob *j) {
+    fqt_shares_run((int)((j->n + j->row - 1) / j->row), j->n, clip_part, j);
+}
+
+/* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. */
+static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row) {
+    const size_t nx = var_numel(x);
+    const int rows = c->rows, out = c->out, K = c->fan_in;
+    float *dx = tape_grad(t, x), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
+    if (!dx || !tmp) return false;
+    if (!c->conv) {
+        gemm_f32(false, false, rows, K, out, 1.0f, g_row, out, c->wd, K, 0.0f, tmp, K);
+    } else {
+        const FqtConvGeom *g = &c->cg;
+        float *dcol = tape_alloc(t, (size_t)K * rows * sizeof *dcol); /* (C*KH*KW, N*OH*OW) */
+        if (!dcol) return false;
+        gemm_f32(true, true, K, rows, out, 1.0f, c->wd, K, g_row, out, 0.0f, dcol, rows);
+        memset(tmp, 0, nx * sizeof *tmp);
+        col2im(tmp, dcol, g->N, g->C, g->H, g->W, g->KH, g->KW, g->stride, g->padding, g->OH, g->OW);
+    }
+    ClipJob j = {.d = dx, .v = x->value.data, .tmp = tmp, .s = &c->sx, .n = nx, .row = CLIP_CHUNK, .s_step = 0,
+                 .lo = c->x_lo, .hi = c->x_hi};
+    clip_run(&j);
+    return true;
+}
+
+/* X (rows, fan_in) = xc * sx, rows [lo, hi). */
+typedef struct {
+    float *X;
+    const int8_t *xc;
+    float sx;
+    int K;
+} DeqJob;
+
+static void deq_part(const void *ctx, int lo, int hi) {
+    const DeqJob *j = ctx;
+    for (size_t i = (size_t)lo * j->K; i < (size_t)hi * j->K; i++) j->X[i] = (float)j->xc[i] * j->sx;
+}
+
+/* dW += g_col^T deq(X) where W / sw[row] lies in [w_lo, w_hi]. */
+static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
+    const int rows = c->rows, out = c->out, K = c->fan_in;
+    const size_t nX = (size_t)rows * K, nw = (size_t)out * K;
+    const float *X = c->xd; /* (rows, fan_in) */
+    if (!X) {
+        float *buf = tape_alloc(t, nX * sizeof *buf);
+        if (!buf) return false;
+        DeqJob dj = {buf, c->xc, c->sx, K};
+        fqt_shares_run(rows, nX, deq_part, &dj);
+        X = buf;
+    }
+    float *dw = tape_grad(t, w), *tmp = tape_alloc(t, nw * sizeof *tmp); /* (out, fan_in) */
+    if (!dw || !tmp) return false;
+    gemm_f32(true, false, out, K, rows, 1.0f, g_col, out, X, K, 0.0f, tmp, K);
+    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
+                 .lo = c->w_lo, .hi = c->w_hi};
+    clip_run(&j);
+    return true;
+}
+
+void fqt_backward(Tape *t, const TapeNode *node) {
+    const FqtCtx *c = node->ctx;
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
+    const bool want_b = bias && bias->requires_grad;
+    double *db_acc = want_b && c->conv ? tape_alloc(t, (size_t)c->out * sizeof *db_acc) : NULL;
+    if (want_b && c->conv && !db_acc) return;
+    const float *g = grad_rows(t, c, node->out->grad, db_acc); /* (rows, out) */
+    if (!g) return;
+    if (want_b && !bias_grad(t, c, bias, g, db_acc)) return;
+    bool want_x = x->requires_grad, want_w = w->requires_grad;
+    if (!want_x && !want_w) return;
+    const float *g_row = g, *g_col = g;
+    if (c->q->spec.bwd_qtype && !quantize_grad(t, c, g, want_x ? &g_row : NULL, want_w ? &g_col : NULL)) return;
+    if (want_x && !input_grad(t, c, x, g_row)) return;
+    if (want_w) weight_grad(t, c, w, g_col);
+}

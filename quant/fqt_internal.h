@@ -1,0 +1,47 @@
+/* fqt_internal.h - what QT's forward (fqt.c) and backward (fqt_backward.c)
+ * share: the saved state of a QT node and the helpers both use. Internal
+ * to quant/ and its tests. */
+#ifndef QTRAIN_QUANT_FQT_INTERNAL_H
+#define QTRAIN_QUANT_FQT_INTERNAL_H
+
+#include "fqt.h"
+#include "qarray_plan.h"
+
+#define FQT_OP "qt"
+
+/* The convolution's sizes; the input is (N, C, H, W), the output (N, OC, OH, OW). */
+typedef struct {
+    int N, C, H, W, KH, KW, OH, OW, stride, padding;
+} FqtConvGeom;
+
+/* A QT node's saved state (arena). Rows of X and g: the batch (dense) or the output pixels (n, oh, ow) (conv). */
+typedef struct {
+    FqtLayer *q;            /* its Rng draws the backward's noise */
+    bool conv;
+    FqtConvGeom cg;         /* conv only */
+    int rows, out, fan_in;
+    float sx;              /* the input's scale (per tensor) */
+    float x_lo, x_hi;      /* the input's representable range in units of sx: the clipped STE passes inside */
+    float w_lo, w_hi;      /* the weight's, in units of its row's scale */
+    const float *sw;       /* [out] the weight's scale per output channel */
+    const float *wd;       /* (out, fan_in) deq(W) */
+    const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
+    const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
+} FqtCtx;
+
+/* The backward of a QT node (fqt_backward.c). */
+void fqt_backward(Tape *t, const TapeNode *node);
+
+/* fn(ctx, lo, hi) over [0, n) in contiguous shares over the step's threads; every item's result depends on the
+ * item alone, so the split changes no bit. One share when the work (elements touched) is small. */
+typedef void (*FqtShareFn)(const void *ctx, int lo, int hi);
+void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx);
+
+/* The scale of the slice v [n] under plan p (calibrated, rounded to the scale type); work as calib_compute takes
+ * it. */
+QtStatus fqt_slice_scale(const QArrayPlan *p, const float *v, size_t n, void *work, size_t work_bytes, float *s,
+                         QtError *err);
+/* Sets the tape error for an error of `inner` while quantizing `what`; returns false. */
+bool fqt_quant_failed(Tape *t, const FqtLayer *q, const char *what, const QtError *inner);
+
+#endif
