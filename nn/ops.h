@@ -150,6 +150,13 @@ typedef enum {
  * full-resolution intermediates (a pooled block keeps one byte per window
  * for its backward). model_forward uses it for unhooked conv2d modules. */
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi);
+/* dx (N, C, H, W) = the input gradient of the plain convolution of a
+ * (N, C, H, W) input by w (OC, C*KH*KW) with stride and padding, for the
+ * output gradient dy (N, OC, OH, OW): nn_conv2d's own backward pass for
+ * dx, written, not added. For ops that run a forward of their own (QT's
+ * integer one); scratch from the tape. false: no memory (on the tape). */
+bool nn_conv2d_input_grad(Tape *t, float *dx, const float *dy, const float *w, int N, int C, int H, int W, int OC,
+                          int KH, int KW, int stride, int padding);
 
 /* A low-rank term added to the convolution's weight: w + scale * B A, as a
  * LoRA adapter on a conv2d layer computes it (A a convolution with w's

@@ -616,6 +616,20 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     tape_release_buffer(t, c->winner, var_numel(node->out));
 }
 
+bool nn_conv2d_input_grad(Tape *t, float *dx, const float *dy, const float *w, int N, int C, int H, int W, int OC,
+                          int KH, int KW, int stride, int padding) {
+    if (N <= 0) return true;
+    const int OH = (H + 2 * padding - KH) / stride + 1, OW = (W + 2 * padding - KW) / stride + 1;
+    const ConvDims d = {N, C, H, W, OC, KH, KW, OH, OW};
+    Conv2dCtx c;
+    if (!conv2d_ctx_init(t, &c, &d, stride, padding, CONV_EPI_NONE, NULL)) return false;
+    ConvJob j = {.c = &c, .w = w, .ldw = conv_ckk(&d), .dy = dy, .dx = dx, .dx_fresh = true};
+    if (!conv_scratch(t, &j, (size_t)conv_ckk(&d), (size_t)OC, 0)) return false;
+    parallel_run(conv_tasks(&d), conv_backward_task, &j);
+    conv_job_release(t, &j, conv_tasks(&d));
+    return true;
+}
+
 /* The forward of c on x into y (c's output shape, before any pooling epilogue writes the smaller y). */
 static bool conv2d_forward_run(Tape *t, const Conv2dCtx *c, const Var *x, const Var *w, const Var *bias, float *y) {
     ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&c->d),

@@ -335,6 +335,7 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
     }
     if (integer) {
         c->xc = (const int8_t *)rows;
+        c->xb = (const int8_t *)xb;
         return true;
     }
     float *xd = tape_alloc(t, n * sizeof *xd);
@@ -382,7 +383,7 @@ static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Va
     float *prod = NULL;
     if (c->xc) {
         if (!(acc = tape_alloc(t, n * sizeof *acc))) return false; /* (rows, out) */
-        qgemm_s8(acc, c->xc, wc, c->rows, c->out, c->fan_in);
+        fqt_qgemm_s8(acc, c->xc, wc, c->rows, c->out, c->fan_in);
     }
     if (!c->conv || !acc) {
         prod = c->conv ? tape_alloc(t, n * sizeof *prod) : y->value.data; /* (rows, out) */
@@ -456,4 +457,22 @@ void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx) {
     }
     Shares sh = {fn, ctx, n};
     parallel_run(tasks, share_task, &sh);
+}
+
+/* c (M, N) = a (M, K) b (N, K)^T in int8, rows [lo, hi) of a and c. */
+typedef struct {
+    int32_t *c;
+    const int8_t *a, *b;
+    int N, K;
+} S8Job;
+
+static void s8_part(const void *ctx, int lo, int hi) {
+    const S8Job *j = ctx;
+    qgemm_s8(j->c + (size_t)lo * j->N, j->a + (size_t)lo * j->K, j->b, hi - lo, j->N, j->K);
+}
+
+void fqt_qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    S8Job j = {c, a, b, N, K};
+    /* the work in units that make a split worth it at about 2^20 multiply-adds */
+    fqt_shares_run(M, (size_t)M * N * K >> 5, s8_part, &j);
 }

@@ -41,8 +41,13 @@ static void regroup_part(const void *ctx, int block_lo, int block_hi) {
         const int k_n = hi - o0 < 8 ? hi - o0 : 8;
         double acc[8] = {0};
         for (int n = 0; n < c->cg.N; n++) {
-            float *dst = j->g + (size_t)n * plane * c->out + o0; /* stride out */
             const float *src = j->dy + ((size_t)n * c->out + o0) * plane;
+            if (!j->g) { /* the sums alone */
+                for (size_t px = 0; px < plane; px++)
+                    for (int k = 0; k < k_n; k++) acc[k] += src[(size_t)k * plane + px];
+                continue;
+            }
+            float *dst = j->g + (size_t)n * plane * c->out + o0; /* stride out */
             for (size_t px = 0; px < plane; px++)
                 for (int k = 0; k < k_n; k++) {
                     float v = src[(size_t)k * plane + px];
@@ -165,28 +170,43 @@ static bool quant_cols(Tape *t, const FqtCtx *c, const GradQuant *gq, const floa
 }
 
 /* The quantized g of each product that is wanted (g_row for dX, g_col for dW; NULL: not wanted). */
-static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float **g_row, const float **g_col) {
+/* The rows of g per scale of dW's quantized g. */
+static int grad_tile(const FqtCtx *c) {
+    const int k = c->q->spec.bwd_weight_grad_tile_size;
+    return k > 0 && k < c->rows ? k : c->rows;
+}
+
+/* g's plan: bwd_qtype, symmetric, bwd_calib, the rounding. */
+static QtStatus grad_plan(const FqtCtx *c, QArrayPlan *p, QtError *err) {
     FqtLayer *q = c->q;
     const FqtSpec *s = &q->spec;
-    const int rows = c->rows, out = c->out;
-    int tile = s->bwd_weight_grad_tile_size > 0 && s->bwd_weight_grad_tile_size < rows ? s->bwd_weight_grad_tile_size
-                                                                                       : rows;
     bool sr = s->bwd_stochastic;
     QArrayOptions o = {.calib = &s->bwd_calib, .range = QARRAY_RANGE_SYMMETRIC,
                        .round = sr ? QROUND_STOCHASTIC : QROUND_RNE, .rng = sr ? &q->rng : NULL};
+    return qarray_plan_make(p, "bwd_qtype", 2, (const int[]){c->rows, c->out}, s->bwd_qtype, &o, err);
+}
+
+/* Noise element (r, o) of the draw z as FqtNoise addresses it. */
+static FqtNoise noise_steps(const Noise *z, int out) {
+    const unsigned ax = z->axes;
+    return (FqtNoise){.u = z->u,
+                      .row_step = ax & FQT_NOISE_ROWS ? (ax & FQT_NOISE_COLS ? (size_t)out : 1) : 0,
+                      .col_step = ax & FQT_NOISE_COLS ? 1 : 0};
+}
+
+static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float **g_row, const float **g_col) {
+    FqtLayer *q = c->q;
+    const FqtSpec *s = &q->spec;
+    const int rows = c->rows, out = c->out, tile = grad_tile(c);
     GradQuant gq;
     QtError inner = {0};
-    if (qarray_plan_make(&gq.p, "bwd_qtype", 2, (const int[]){rows, out}, s->bwd_qtype, &o, &inner) != QT_OK)
-        return fqt_quant_failed(t, q, "the gradient", &inner);
+    if (grad_plan(c, &gq.p, &inner) != QT_OK) return fqt_quant_failed(t, q, "the gradient", &inner);
     gq.work_bytes = qarray_plan_work_bytes(&gq.p, (size_t)(out > tile ? out : tile));
     gq.work = gq.work_bytes ? tape_alloc(t, gq.work_bytes) : NULL;
     if ((gq.work_bytes && !gq.work) || !noise_draw(t, q, rows, out, &gq.z)) return false;
     for (uint32_t code = 0; code < (1u << s->bwd_qtype->bits); code++) gq.lut[code] = qtype_decode(s->bwd_qtype, code);
     const bool fast = fqt_plan_fast(&gq.p);
-    const unsigned ax = gq.z.axes;
-    const FqtNoise nz = {.u = gq.z.u,
-                         .row_step = ax & FQT_NOISE_ROWS ? (ax & FQT_NOISE_COLS ? (size_t)out : 1) : 0,
-                         .col_step = ax & FQT_NOISE_COLS ? 1 : 0};
+    const FqtNoise nz = noise_steps(&gq.z, out);
     size_t n = (size_t)rows * out;
     if (g_row) {
         float *gr = tape_alloc(t, n * sizeof *gr), *srow = tape_alloc(t, (size_t)rows * sizeof *srow);
@@ -239,14 +259,20 @@ static void clip_run(ClipJob *j) {
     fqt_shares_run((int)((j->n + j->row - 1) / j->row), j->n, clip_part, j);
 }
 
-/* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. */
-static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row) {
+/* dx += g_row deq(W), through col2im for conv, where x / sx lies in [x_lo, x_hi]. g_row is (rows, out), or for
+ * conv with nchw the layer's output layout (N, OC, OH, OW), whose product is nn_conv2d's own input gradient. */
+static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row, bool nchw) {
     const size_t nx = var_numel(x);
     const int rows = c->rows, out = c->out, K = c->fan_in;
     float *dx = tape_grad(t, x), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
     if (!dx || !tmp) return false;
     if (!c->conv) {
         gemm_f32(false, false, rows, K, out, 1.0f, g_row, out, c->wd, K, 0.0f, tmp, K);
+    } else if (nchw) {
+        const FqtConvGeom *g = &c->cg;
+        if (!nn_conv2d_input_grad(t, tmp, g_row, c->wd, g->N, g->C, g->H, g->W, out, g->KH, g->KW, g->stride,
+                                  g->padding))
+            return false;
     } else {
         const FqtConvGeom *g = &c->cg;
         float *dcol = tape_alloc(t, (size_t)K * rows * sizeof *dcol); /* (C*KH*KW, N*OH*OW) */
@@ -295,8 +321,152 @@ static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
     return true;
 }
 
+/* ---- the integer backward --------------------------------------------------------------------------------------- */
+
+/* Xt's chunk [r0, r0 + L): the block (fan_in, L) at xt + r0 * fan_in, X's codes transposed (the im2col layout
+ * for conv); rows [lo, hi) of the block (the elements k of a patch). */
+typedef struct {
+    int8_t *xt;
+    const FqtCtx *c;
+    int r0, L;
+} XtJob;
+
+static void xt_part(const void *ctx, int lo, int hi) {
+    const XtJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const int K = c->fan_in, r1 = j->r0 + j->L;
+    for (int k = lo; k < hi; k++) {
+        int8_t *dst = j->xt + (size_t)j->r0 * K + (size_t)k * j->L; /* [L] */
+        if (!c->conv) {
+            for (int r = j->r0; r < r1; r++) *dst++ = c->xb[(size_t)r * K + k];
+            continue;
+        }
+        const FqtConvGeom *g = &c->cg;
+        const int P = g->OH * g->OW, ch = k / (g->KH * g->KW), kh = k / g->KW % g->KH, kw = k % g->KW;
+        const int s = g->stride, off = kw - g->padding; /* iw = ow * s + off */
+        /* [ow_lo, ow_hi): the output columns whose iw lies inside the row */
+        const int ow_lo = off >= 0 ? 0 : (-off + s - 1) / s;
+        int ow_hi = g->W - 1 - off < 0 ? 0 : (g->W - 1 - off) / s + 1;
+        if (ow_hi > g->OW) ow_hi = g->OW;
+        int n = j->r0 / P, oh = j->r0 % P / g->OW, ow = j->r0 % g->OW;
+        for (int r = j->r0; r < r1;) {
+            const int run = g->OW - ow < r1 - r ? g->OW - ow : r1 - r, ih = oh * s + kh - g->padding;
+            if (ih < 0 || ih >= g->H) {
+                memset(dst, 0, (size_t)run);
+            } else {
+                const int8_t *row = c->xb + (((size_t)n * g->C + ch) * g->H + ih) * g->W; /* [W] */
+                const int a = ow_lo > ow ? (ow_lo < ow + run ? ow_lo : ow + run) : ow;
+                const int b = ow_hi < ow + run ? (ow_hi > a ? ow_hi : a) : ow + run;
+                memset(dst, 0, (size_t)(a - ow));
+                if (s == 1) {
+                    memcpy(dst + (a - ow), row + a + off, (size_t)(b - a));
+                } else {
+                    for (int q = a; q < b; q++) dst[q - ow] = row[q * s + off];
+                }
+                memset(dst + (b - ow), 0, (size_t)(ow + run - b));
+            }
+            dst += run, r += run, ow += run;
+            if (ow == g->OW) {
+                ow = 0;
+                if (++oh == g->OH) oh = 0, n++;
+            }
+        }
+    }
+}
+
+/* dW += (sum over tiles t of A_t s_t) sx where W / sw[row] lies in [w_lo, w_hi]: A_t (out, fan_in) the exact
+ * integer product of tile t's codes of g (gq, chunk-major as fqt_quant_grad_cols lays them) with X's codes, s_t
+ * [out] its scales. */
+static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, const float *s_col, int tile) {
+    const int rows = c->rows, out = c->out, K = c->fan_in;
+    const size_t nw = (size_t)out * K;
+    int8_t *xt = tape_alloc(t, (size_t)rows * K);              /* chunk-major blocks (fan_in, L) */
+    int32_t *acc = tape_alloc(t, nw * sizeof *acc);            /* (fan_in, out): the chunk's product, transposed */
+    int64_t *sum = tape_alloc(t, nw * sizeof *sum);            /* (fan_in, out): the tile's so far */
+    float *tmp = tape_alloc(t, nw * sizeof *tmp), *dw = tape_grad(t, w); /* (out, fan_in) */
+    if (!xt || !acc || !sum || !tmp || !dw) return false;
+    memset(sum, 0, nw * sizeof *sum);
+    memset(tmp, 0, nw * sizeof *tmp);
+    for (int r0 = 0, ti = 0; r0 < rows;) {
+        const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
+        XtJob xj = {xt, c, r0, L};
+        fqt_shares_run(K, (size_t)K * L, xt_part, &xj);
+        /* X^T g: the output channels are the kernel's vector lanes */
+        fqt_qgemm_s8(acc, xt + (size_t)r0 * K, gq + (size_t)r0 * out, K, out, L);
+        for (size_t i = 0; i < nw; i++) sum[i] += acc[i];
+        if (r1 == rows || r1 % tile == 0) { /* the tile is complete: scale it */
+            const float *st = s_col + (size_t)ti * out;
+            for (int k = 0; k < K; k++)
+                for (int o = 0; o < out; o++) tmp[(size_t)o * K + k] += (float)sum[(size_t)k * out + o] * st[o];
+            memset(sum, 0, nw * sizeof *sum);
+            ti++;
+        }
+        r0 = r1;
+    }
+    for (size_t i = 0; i < nw; i++) tmp[i] *= c->sx;
+    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
+                 .lo = c->w_lo, .hi = c->w_hi};
+    clip_run(&j);
+    return true;
+}
+
+/* The backward of an all-integer layer (X's codes kept, g in an int format with absmax ranges): g quantized where
+ * it lies, (N, OC, OH, OW) or (N, out), no transposed copy; dX = g_row deq(W) through nn_conv2d's input gradient
+ * (conv) or one GEMM (dense); dW from integer products (weight_grad_int). The scales and codes are those of the
+ * general path (quantize_grad); the products' sums are exact (dW) or summed in another order (dX). false: the
+ * layer is not such a layer, nothing done. */
+static bool int_backward(Tape *t, const TapeNode *node) {
+    const FqtCtx *c = node->ctx;
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
+    QArrayPlan plan;
+    QtError inner = {0};
+    if (!c->xb || !c->q->spec.bwd_qtype || grad_plan(c, &plan, &inner) != QT_OK || !fqt_plan_fast(&plan))
+        return false;
+    const int out = c->out, rows = c->rows, tile = grad_tile(c);
+    const int N = c->conv ? c->cg.N : rows, P = c->conv ? c->cg.OH * c->cg.OW : 1;
+    const float *dy = node->out->grad; /* (N, out, P) */
+    if (bias && bias->requires_grad) {
+        double *db_acc = c->conv ? tape_alloc(t, (size_t)out * sizeof *db_acc) : NULL;
+        if (c->conv && !db_acc) return true;
+        if (c->conv) {
+            RegroupJob rj = {c, dy, NULL, db_acc};
+            fqt_shares_run((out + 7) / 8, (size_t)rows * out, regroup_part, &rj);
+        }
+        if (!bias_grad(t, c, bias, dy, db_acc)) return true;
+    }
+    const bool want_x = x->requires_grad, want_w = w->requires_grad;
+    Noise z;
+    if ((!want_x && !want_w) || !noise_draw(t, c->q, rows, out, &z)) return true;
+    const FqtNoise nz = noise_steps(&z, out);
+    float *g_row = NULL, *s_col = NULL;
+    int8_t *g_codes = NULL;
+    if (want_x) {
+        float *s_row = tape_alloc(t, (size_t)rows * sizeof *s_row);
+        float *part = tape_alloc(t, (size_t)parallel_get_threads() * P * sizeof *part);
+        g_row = tape_alloc(t, (size_t)rows * out * sizeof *g_row);
+        if (!s_row || !part || !g_row) return true;
+        if (!fqt_quant_grad_rows(g_row, s_row, part, dy, N, out, P, &plan, &nz)) goto not_finite;
+    }
+    if (want_w) {
+        s_col = tape_alloc(t, ((size_t)rows + tile - 1) / tile * out * sizeof *s_col);
+        g_codes = tape_alloc(t, (size_t)rows * out);
+        if (!s_col || !g_codes) return true;
+        if (!fqt_quant_grad_cols(g_codes, s_col, dy, N, out, P, tile, &plan, &nz)) goto not_finite;
+    }
+    if (want_x && !input_grad(t, c, x, g_row, true)) return true;
+    if (want_w) weight_grad_int(t, c, w, g_codes, s_col, tile);
+    return true;
+not_finite: { /* the general rules say where */
+    const float *g = grad_rows(t, c, dy, NULL), *unused;
+    if (g && quantize_grad(t, c, g, &unused, &unused))
+        qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the output gradient is not finite", c->q->module->path, OP);
+    return true;
+}
+}
+
 void fqt_backward(Tape *t, const TapeNode *node) {
     const FqtCtx *c = node->ctx;
+    if (int_backward(t, node)) return;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const bool want_b = bias && bias->requires_grad;
     double *db_acc = want_b && c->conv ? tape_alloc(t, (size_t)c->out * sizeof *db_acc) : NULL;
@@ -308,6 +478,6 @@ void fqt_backward(Tape *t, const TapeNode *node) {
     if (!want_x && !want_w) return;
     const float *g_row = g, *g_col = g;
     if (c->q->spec.bwd_qtype && !quantize_grad(t, c, g, want_x ? &g_row : NULL, want_w ? &g_col : NULL)) return;
-    if (want_x && !input_grad(t, c, x, g_row)) return;
+    if (want_x && !input_grad(t, c, x, g_row, false)) return;
     if (want_w) weight_grad(t, c, w, g_col);
 }

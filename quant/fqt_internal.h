@@ -26,6 +26,7 @@ typedef struct {
     const float *sw;       /* [out] the weight's scale per output channel */
     const float *wd;       /* (out, fan_in) deq(W) */
     const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
+    const int8_t *xb;      /* x's integer codes in x's layout ((N, C, H, W) or (N, fan_in)), with xc */
     const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
 } FqtCtx;
 
@@ -36,6 +37,9 @@ void fqt_backward(Tape *t, const TapeNode *node);
  * item alone, so the split changes no bit. One share when the work (elements touched) is small. */
 typedef void (*FqtShareFn)(const void *ctx, int lo, int hi);
 void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx);
+
+/* qgemm_s8 split over the step's threads by rows of a and c (exact sums: the split changes nothing). */
+void fqt_qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 
 /* The scale of the slice v [n] under plan p (calibrated, rounded to the scale type); work as calib_compute takes
  * it. */

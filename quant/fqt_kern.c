@@ -42,10 +42,10 @@ static inline float quant_one(float x, float s, float u, const FqtRound *r) {
 }
 
 void fqt_quant_span_ref(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
-                        int u_step, const FqtRound *r) {
+                        size_t u_step, const FqtRound *r) {
     for (size_t i = 0; i < n; i++) {
         float si = s[i * (size_t)s_step];
-        int32_t c = (int32_t)quant_one(x[i], si, r->stochastic ? u[i * (size_t)u_step] : 0.0f, r);
+        int32_t c = (int32_t)quant_one(x[i], si, r->stochastic ? u[i * u_step] : 0.0f, r);
         if (q) q[i] = (int8_t)c;
         if (v) v[i] = (float)c * si;
     }
@@ -108,7 +108,7 @@ KERN_AVX2 static inline void store8_i8(int8_t *q, __m256i c) {
 }
 
 KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step,
-                                      const float *u, int u_step, const FqtRound *r) {
+                                      const float *u, size_t u_step, const FqtRound *r) {
     const __m256 qmin = _mm256_set1_ps(r->qmin), qmax = _mm256_set1_ps(r->qmax), one = _mm256_set1_ps(1.0f);
     __m256 sv = _mm256_set1_ps(s[0]), uv = _mm256_set1_ps(r->stochastic ? u[0] : 0.0f);
     size_t i = 0;
@@ -117,7 +117,13 @@ KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_
         /* max first with the bound second: a NaN becomes qmin, as fmaxf(NaN, qmin) does */
         __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), qmin), qmax);
         if (r->stochastic) {
-            if (u_step) uv = _mm256_loadu_ps(u + i);
+            if (u_step == 1) {
+                uv = _mm256_loadu_ps(u + i);
+            } else if (u_step > 1) { /* a column of row-major noise */
+                float l[8];
+                for (int k = 0; k < 8; k++) l[k] = u[(i + (size_t)k) * u_step];
+                uv = _mm256_loadu_ps(l);
+            }
             __m256 lo = _mm256_floor_ps(t);
             __m256 up = _mm256_cmp_ps(uv, _mm256_sub_ps(one, _mm256_sub_ps(t, lo)), _CMP_GE_OQ);
             t = _mm256_add_ps(lo, _mm256_and_ps(up, one));
@@ -130,7 +136,7 @@ KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_
     }
     if (i < n)
         fqt_quant_span_ref(q ? q + i : NULL, v ? v + i : NULL, x + i, n - i, s + i * (size_t)s_step, s_step,
-                           r->stochastic ? u + i * (size_t)u_step : u, u_step, r);
+                           r->stochastic ? u + i * u_step : u, u_step, r);
 }
 
 static bool cpu_avx2(void) {
@@ -167,7 +173,7 @@ bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {
 }
 
 void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
-                    int u_step, const FqtRound *r) {
+                    size_t u_step, const FqtRound *r) {
 #if defined(__x86_64__) || defined(__i386__)
     if (use_avx2()) {
         quant_span_avx2(q, v, x, n, s, s_step, u, u_step, r);
@@ -255,7 +261,7 @@ static void rows_task(void *ctx, int task, int lo, int hi, bool *ok) {
         }
         const float *u = j->r.stochastic ? z->u + (size_t)r * z->row_step : NULL;
         fqt_quant_span(j->q ? j->q + off : NULL, j->v ? j->v + off : NULL, j->x + off, (size_t)j->n, &j->s[r], 0, u,
-                       (int)(j->r.stochastic ? z->col_step : 0), &j->r);
+                       j->r.stochastic ? z->col_step : 0, &j->r);
     }
 }
 
@@ -283,7 +289,7 @@ static void cols_quant_task(void *ctx, int task, int lo, int hi, bool *ok) {
         const size_t off = (size_t)r * j->n;
         const float *u = j->r.stochastic ? z->u + (size_t)(j->rows + r) * z->row_step : NULL;
         fqt_quant_span(j->q ? j->q + off : NULL, j->v ? j->v + off : NULL, j->x + off, (size_t)j->n, j->s, 1, u,
-                       (int)(j->r.stochastic ? z->col_step : 0), &j->r);
+                       j->r.stochastic ? z->col_step : 0, &j->r);
     }
 }
 
@@ -351,4 +357,113 @@ bool fqt_quant_tensor(int8_t *q, float *v, float *s, float *part, const float *x
     if (chunks > 0) split_run(tasks, chunks, tensor_quant_task, &j);
     *s = j.s;
     return true;
+}
+
+/* ---- the gradient in its (N, OC, P) layout ----------------------------------------------------------------------- */
+
+int fqt_dw_chunk_end(int r0, int rows, int tile) {
+    if (tile < 1 || tile > rows) tile = rows;
+    long long end = ((long long)r0 / tile + 1) * tile;
+    if (end > (long long)r0 + FQT_DW_CHUNK) end = (long long)r0 + FQT_DW_CHUNK;
+    return end < rows ? (int)end : rows;
+}
+
+typedef struct {
+    float *v, *s, *part;
+    int8_t *q;
+    const float *g;
+    int N, OC, P, tile;
+    const QArrayPlan *p;
+    const FqtNoise *z;
+    FqtRound r;
+} GradJob;
+
+/* Images [lo, hi): each pixel's scale from its channels' maximum, then every channel's plane. */
+static void grad_rows_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    const GradJob *j = ctx;
+    const size_t P = (size_t)j->P;
+    float *m = j->part + (size_t)task * P;
+    for (int n = lo; n < hi; n++) {
+        const float *gn = j->g + (size_t)n * j->OC * P; /* (OC, P) */
+        float *sn = j->s + (size_t)n * P;
+        for (size_t p = 0; p < P; p++) m[p] = 0.0f;
+        if (!fqt_col_absmax(m, gn, j->OC, (int)P)) {
+            *ok = false;
+            return;
+        }
+        for (size_t p = 0; p < P; p++)
+            if (!amax_scale(j->p, m[p], &sn[p])) {
+                *ok = false;
+                return;
+            }
+        for (int o = 0; o < j->OC; o++) {
+            const float *u = j->r.stochastic ? j->z->u + (size_t)n * P * j->z->row_step + o * j->z->col_step : NULL;
+            fqt_quant_span(NULL, j->v + ((size_t)n * j->OC + o) * P, gn + (size_t)o * P, P, sn, 1, u,
+                           j->r.stochastic ? j->z->row_step : 0, &j->r);
+        }
+    }
+}
+
+bool fqt_quant_grad_rows(float *v, float *s, float *part, const float *g, int N, int OC, int P, const QArrayPlan *p,
+                         const FqtNoise *z) {
+    if (P == 1) return fqt_quant_rows(NULL, v, s, g, N, OC, p, z); /* (N, OC) row-major: rows are contiguous */
+    GradJob j = {.v = v, .s = s, .part = part, .g = g, .N = N, .OC = OC, .P = P, .p = p, .z = z,
+                 .r = plan_round(p, z)};
+    return split_run(split_tasks(N, (size_t)N * OC * P), N, grad_rows_task, &j);
+}
+
+/* fn over the runs of rows [r0, r1) of column o: each run lies in one image's plane, contiguous in g. */
+#define FOR_RUNS(j, o, r0, r1, BODY)                                                                              \
+    for (int r_ = (r0); r_ < (r1);) {                                                                             \
+        const int n_ = r_ / (j)->P, p_ = r_ % (j)->P;                                                             \
+        const int len = (j)->P - p_ < (r1) - r_ ? (j)->P - p_ : (r1) - r_;                                        \
+        const float *src = (j)->g + ((size_t)n_ * (j)->OC + (o)) * (j)->P + p_;                                   \
+        const int r = r_;                                                                                         \
+        BODY;                                                                                                     \
+        r_ += len;                                                                                                \
+    }
+
+/* Channels [lo, hi): per tile, the column's maximum, then its codes chunk by chunk. */
+static void grad_cols_task(void *ctx, int task, int lo, int hi, bool *ok) {
+    (void)task;
+    const GradJob *j = ctx;
+    const int rows = j->N * j->P, tile = j->tile;
+    const FqtNoise *z = j->z;
+    for (int o = lo; o < hi; o++)
+        for (int t0 = 0, t = 0; t0 < rows; t0 += tile, t++) {
+            const int t1 = rows - t0 < tile ? rows : t0 + tile;
+            float amax = 0.0f, *st = &j->s[(size_t)t * j->OC + o];
+            FOR_RUNS(j, o, t0, t1, {
+                float a;
+                (void)r;
+                if (!fqt_absmax(src, (size_t)len, &a)) {
+                    *ok = false;
+                    return;
+                }
+                amax = a > amax ? a : amax;
+            })
+            if (!amax_scale(j->p, amax, st)) {
+                *ok = false;
+                return;
+            }
+            for (int c0 = t0; c0 < t1;) {
+                const int c1 = fqt_dw_chunk_end(c0, rows, tile), L = c1 - c0;
+                int8_t *dst = j->q + (size_t)c0 * j->OC + (size_t)o * L; /* [L] */
+                FOR_RUNS(j, o, c0, c1, {
+                    const float *u = j->r.stochastic ? z->u + (size_t)r * z->row_step + o * z->col_step : NULL;
+                    fqt_quant_span(dst + (r - c0), NULL, src, (size_t)len, st, 0, u,
+                                   j->r.stochastic ? z->row_step : 0, &j->r);
+                })
+                c0 = c1;
+            }
+        }
+}
+
+bool fqt_quant_grad_cols(int8_t *q, float *s, const float *g, int N, int OC, int P, int tile, const QArrayPlan *p,
+                         const FqtNoise *z) {
+    const int rows = N * P;
+    if (tile < 1 || tile > rows) tile = rows > 0 ? rows : 1;
+    GradJob j = {.s = s, .q = q, .g = g, .N = N, .OC = OC, .P = P, .tile = tile, .p = p, .z = z,
+                 .r = plan_round(p, z)};
+    return split_run(split_tasks(OC, (size_t)rows * OC), OC, grad_cols_task, &j);
 }

@@ -38,12 +38,13 @@ typedef struct {
 } FqtRound;
 
 /* x [n] quantized element by element: scale s[i * s_step], uniform
- * u[i * u_step] (steps 0 or 1; u unused unless stochastic). Writes the
- * integer codes q [n] (if q) and the values q * s (if v). */
+ * u[i * u_step] (s_step 0 or 1; u unused unless stochastic). Writes the
+ * integer codes q [n] (if q) and the values q * s (if v). u_step may
+ * also be larger than 1 (a column of row-major noise). */
 void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
-                    int u_step, const FqtRound *r);
+                    size_t u_step, const FqtRound *r);
 void fqt_quant_span_ref(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
-                        int u_step, const FqtRound *r);
+                        size_t u_step, const FqtRound *r);
 
 /* ---- the drivers: whole operands, split over the step's threads ---------------------------------------------------- */
 
@@ -72,6 +73,32 @@ bool fqt_quant_cols(int8_t *q, float *v, float *s, float *part, const float *x, 
 /* x [n] quantized with one scale *s, rounding to nearest. part
  * [parallel_get_threads()] is scratch. */
 bool fqt_quant_tensor(int8_t *q, float *v, float *s, float *part, const float *x, size_t n, const QArrayPlan *p);
+
+/* ---- the gradient as the layer's output gradient lays it ---------------------------------------------------------- */
+
+/* g (N, OC, P): P = OH*OW output pixels per channel (1 for a dense layer,
+ * whose g is (N, OC) row-major). QT's row r of g is the pixel (n, p), r =
+ * n*P + p, its column the channel o; noise element (r, o) as FqtNoise.
+ * These drivers quantize g in place of that layout, with no transposed
+ * copy, to what fqt_quant_rows / fqt_quant_cols give on the (N*P, OC)
+ * matrix. */
+
+/* The contraction of dW = g^T X runs in chunks: the tiles of the scales,
+ * cut further to at most FQT_DW_CHUNK rows so that an int8 x int8 sum
+ * stays inside int32 (127 * 128 * 2^16 < 2^31). Chunk k covers rows
+ * [r0, fqt_dw_chunk_end(r0, rows, tile)). */
+#define FQT_DW_CHUNK 65536
+int fqt_dw_chunk_end(int r0, int rows, int tile);
+
+/* Per row: s [N*P] the rows' scales, v (N, OC, P) the values. part
+ * [parallel_get_threads() * P] is scratch. */
+bool fqt_quant_grad_rows(float *v, float *s, float *part, const float *g, int N, int OC, int P, const QArrayPlan *p,
+                         const FqtNoise *z);
+/* Per column over tiles of `tile` rows (0: all), the codes chunk-major:
+ * chunk [r0, r1) is the block (OC, r1 - r0) at q + r0 * OC. s [tiles * OC]
+ * the scales, tile-major. */
+bool fqt_quant_grad_cols(int8_t *q, float *s, const float *g, int N, int OC, int P, int tile, const QArrayPlan *p,
+                         const FqtNoise *z);
 
 /* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
 const char *fqt_kern_name(void);

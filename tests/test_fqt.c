@@ -504,6 +504,38 @@ static void test_backward_rne(void) {
     model_free(&m);
 }
 
+/* The integer backward (g quantized in the output's layout, dW from int8 products in chunks, dX through the conv's
+ * own input gradient) over geometries whose patches cut the padding differently, every noise layout, tiles that
+ * split images, and a contraction longer than one int32 chunk (FQT_DW_CHUNK rows). */
+static void test_backward_integer_geometries(void) {
+    static const struct {
+        int C, H, W, OC, k, stride, pad, N, tile;
+        unsigned axes;
+        const char *bwd;
+    } CASES[] = {
+        {3, 9, 8, 5, 4, 3, 2, 2, 7, FQT_NOISE_COLS, "int8"},
+        {2, 11, 7, 9, 5, 2, 2, 3, 0, FQT_NOISE_ROWS, "int8"},
+        {4, 6, 6, 17, 3, 1, 1, 2, 13, FQT_NOISE_ROWS | FQT_NOISE_COLS, "int4"},
+        {1, 5, 9, 3, 2, 2, 0, 4, 0, FQT_NOISE_ROWS | FQT_NOISE_COLS, "int8"},
+        {1, 262, 256, 2, 1, 1, 0, 1, 0, FQT_NOISE_ROWS, "int8"}, /* 67,072 rows: two chunks of one tile */
+    };
+    for (size_t i = 0; i < sizeof CASES / sizeof *CASES; i++) {
+        Model m;
+        qtest_conv_model(&m, CASES[i].C, CASES[i].H, CASES[i].W, CASES[i].OC, CASES[i].k, CASES[i].stride,
+                         CASES[i].pad, 200 + i);
+        FqtLayer q;
+        FqtSpec s = spec_of("int8", "int8", CASES[i].bwd);
+        s.bwd_stochastic = true;
+        s.noise_axes = CASES[i].axes;
+        s.bwd_weight_grad_tile_size = CASES[i].tile;
+        init_ok(&q, &m.modules[0], &s, 11);
+        char what[64];
+        snprintf(what, sizeof what, "integer backward case %zu", i);
+        check_against_ref(&q, CASES[i].N, 210 + i, strcmp(CASES[i].bwd, "int4") == 0 ? 4 : 8, what);
+        model_free(&m);
+    }
+}
+
 static void test_backward_stochastic(void) {
     static const unsigned AXES[] = {FQT_NOISE_ROWS, FQT_NOISE_COLS, FQT_NOISE_ROWS | FQT_NOISE_COLS};
     for (int i = 0; i < 3; i++) {
@@ -768,6 +800,7 @@ int register_quant_qt_suite(void) {
            !CU_add_test(s, "conv equals QAT", test_conv_equals_qat) ||
            !CU_add_test(s, "quantized backward, round to nearest", test_backward_rne) ||
            !CU_add_test(s, "quantized backward, stochastic", test_backward_stochastic) ||
+           !CU_add_test(s, "integer backward, geometries", test_backward_integer_geometries) ||
            !CU_add_test(s, "noise axes", test_noise_axes) ||
            !CU_add_test(s, "stochastic rounding is unbiased", test_stochastic_unbiased) ||
            !CU_add_test(s, "determinism", test_determinism) ||

@@ -73,11 +73,12 @@ static void test_span_twins(void) {
     const FqtRound modes[] = {{-128, 127, false}, {-128, 127, true}, {-127, 127, false}, {-8, 7, true}};
     for (size_t m = 0; m < sizeof modes / sizeof *modes; m++)
         for (size_t n = 1; n < 70; n += 3)
-            for (int steps = 0; steps < 4; steps++) {
-                int s_step = steps & 1, u_step = steps >> 1;
+            for (int steps = 0; steps < 6; steps++) {
+                int s_step = steps & 1;
+                size_t u_step = (size_t)(steps >> 1) * (steps >> 1); /* 0, 1, 4: a column of row-major noise */
                 float *x = edge_data(n, 300 + n, 0.02f), *s = test_random_uniform(n, 400 + n, 0.01f, 0.03f);
-                float *u = test_random_uniform(n, 500 + n, 0.0f, 1.0f);
-                for (size_t i = 0; i < n; i += 5) u[i] = i % 2 ? 0.5f : 0.0f; /* exactly at the threshold */
+                float *u = test_random_uniform(n * 4, 500 + n, 0.0f, 1.0f);
+                for (size_t i = 0; i < n * 4; i += 5) u[i] = i % 2 ? 0.5f : 0.0f; /* exactly at the threshold */
                 int8_t qa[70], qb[70];
                 float va[70], vb[70];
                 fqt_quant_span(qa, va, x, n, s, s_step, u, u_step, &modes[m]);
@@ -189,6 +190,75 @@ static void test_drivers_portable(void) {
     fqt_kern_force_portable(false);
 }
 
+/* The drivers on g as the layer's output lays it, (N, OC, P), equal fqt_quant_rows / fqt_quant_cols on the
+ * (N*P, OC) matrix: the same scales, values and codes (the column codes chunk-major). */
+static void check_grad_layout(int N, int OC, int P, int tile, int z_kind, const char *type) {
+    const int rows = N * P;
+    const size_t n = (size_t)rows * OC;
+    float *g = edge_data(n, 700 + (size_t)P, 0.004f), *m = malloc(n * sizeof *m); /* m: (rows, OC) */
+    for (int i = 0; i < N; i++)
+        for (int o = 0; o < OC; o++)
+            for (int p = 0; p < P; p++) m[((size_t)i * P + p) * OC + o] = g[((size_t)i * OC + o) * P + p];
+    float *u = test_random_uniform(n, 701, 0.0f, 1.0f);
+    const FqtNoise zs[] = {{NULL, 0, 0}, {u, 1, 0}, {u, 0, 1}, {u, (size_t)OC, 1}};
+    const FqtNoise *z = &zs[z_kind];
+    QArrayPlan p;
+    make_plan(&p, type, rows, OC, z->u != NULL, NULL);
+    float *v = malloc(n * sizeof *v), *want = malloc(n * sizeof *want), *s = malloc((size_t)rows * sizeof *s);
+    float *s_want = malloc(n * sizeof *s_want);
+    float *part = malloc(PARALLEL_MAX_THREADS * (size_t)(P > OC ? P : OC) * sizeof *part);
+    int8_t *q = malloc(n), *q_want = malloc(n);
+    /* rows */
+    CU_ASSERT(fqt_quant_grad_rows(v, s, part, g, N, OC, P, &p, z));
+    CU_ASSERT(fqt_quant_rows(NULL, want, s_want, m, rows, OC, &p, z));
+    CU_ASSERT(same_bits(s, s_want, (size_t)rows * sizeof *s));
+    bool same = true;
+    for (int i = 0; i < N; i++)
+        for (int o = 0; o < OC; o++)
+            for (int pp = 0; pp < P; pp++)
+                same &= v[((size_t)i * OC + o) * P + pp] == want[((size_t)i * P + pp) * OC + o];
+    CU_ASSERT(same);
+    /* columns */
+    const int t_rows = tile > 0 && tile < rows ? tile : rows, tiles = (rows + t_rows - 1) / t_rows;
+    float *s_col = malloc((size_t)tiles * OC * sizeof *s_col);
+    CU_ASSERT(fqt_quant_grad_cols(q, s_col, g, N, OC, P, tile, &p, z));
+    CU_ASSERT(fqt_quant_cols(q_want, want, s_want, part, m, rows, OC, tile, &p, z));
+    CU_ASSERT(same_bits(s_col, s_want, (size_t)tiles * OC * sizeof *s_col));
+    same = true;
+    for (int r0 = 0; r0 < rows;) {
+        const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
+        for (int o = 0; o < OC; o++)
+            for (int r = r0; r < r1; r++) same &= q[(size_t)r0 * OC + (size_t)o * L + (r - r0)] == q_want[(size_t)r * OC + o];
+        r0 = r1;
+    }
+    CU_ASSERT(same);
+    free(g), free(m), free(u), free(v), free(want), free(s), free(s_want), free(part), free(q), free(q_want);
+    free(s_col);
+}
+
+static void test_grad_layout(void) {
+    for (int threads = 1; threads <= 2; threads++) {
+        CU_ASSERT_FATAL(parallel_set_threads(threads) == threads);
+        for (int z = 0; z < 4; z++) {
+            check_grad_layout(3, 13, 49, 0, z, "int8");   /* conv-like: 147 rows */
+            check_grad_layout(5, 8, 20, 33, z, "int4");   /* tiles that cut images */
+            check_grad_layout(40, 24, 1, 7, z, "int8");   /* dense: P = 1 */
+            check_grad_layout(2, 4, 600, 0, z, "int8");   /* big enough to split over threads */
+        }
+    }
+    check_grad_layout(1, 2, 70000, 0, 1, "int8"); /* two chunks of one tile */
+    parallel_set_threads(1);
+}
+
+static void test_chunk_ends(void) {
+    CU_ASSERT_EQUAL(fqt_dw_chunk_end(0, 10, 0), 10);
+    CU_ASSERT_EQUAL(fqt_dw_chunk_end(0, 10, 4), 4);
+    CU_ASSERT_EQUAL(fqt_dw_chunk_end(8, 10, 4), 10);
+    CU_ASSERT_EQUAL(fqt_dw_chunk_end(0, 200000, 0), FQT_DW_CHUNK);
+    CU_ASSERT_EQUAL(fqt_dw_chunk_end(FQT_DW_CHUNK, 200000, 100000), 100000);
+    CU_ASSERT_EQUAL(fqt_dw_chunk_end(100000, 200000, 100000), 100000 + FQT_DW_CHUNK);
+}
+
 static void test_plan_fast_cases(void) {
     QArrayPlan p;
     make_plan(&p, "int8", 4, 4, true, NULL);
@@ -222,5 +292,7 @@ int register_quant_qt_kern_suite(void) {
            !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
            !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
-           !CU_add_test(s, "which plans take the fast path", test_plan_fast_cases);
+           !CU_add_test(s, "which plans take the fast path", test_plan_fast_cases) ||
+           !CU_add_test(s, "g in the output's layout = the (rows, out) drivers", test_grad_layout) ||
+           !CU_add_test(s, "dW's contraction chunks", test_chunk_ends);
 }
