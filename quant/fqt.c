@@ -282,6 +282,9 @@ static void gather_patches_part(const void *ctx, int lo, int hi) {
                         int ih = oh * g->stride + kh - g->padding, iw0 = ow * g->stride - g->padding;
                         if (ih < 0 || ih >= g->H) {
                             memset(d, 0, (size_t)g->KW);
+                        } else if (inside && g->KW == 3) { /* the common kernel: no call per row */
+                            const uint8_t *src = xp + (size_t)ih * g->W + iw0;
+                            d[0] = src[0], d[1] = src[1], d[2] = src[2];
                         } else if (inside) {
                             memcpy(d, xp + (size_t)ih * g->W + iw0, (size_t)g->KW);
                         } else {
@@ -361,16 +364,21 @@ static void conv_layout_part(const void *ctx, int lo, int hi) {
     const LayoutJob *j = ctx;
     const FqtCtx *c = j->c;
     const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    enum { BLOCK = 64 }; /* pixels whose product rows stay in L1 while every channel reads them */
     for (int img = lo; img < hi; img++)
-        for (int o = 0; o < c->out; o++) {
-            float *dst = j->y + ((size_t)img * c->out + o) * plane; /* [OH*OW] */
-            const size_t first = (size_t)img * plane * c->out + o;  /* then stride out */
-            const float bo = j->b ? j->b[o] : 0.0f;
-            if (j->acc) {
-                const float so = c->sw[o];
-                for (size_t px = 0; px < plane; px++) dst[px] = (float)j->acc[first + px * c->out] * c->sx * so + bo;
-            } else {
-                for (size_t px = 0; px < plane; px++) dst[px] = j->prod[first + px * c->out] + bo;
+        for (size_t p0 = 0; p0 < plane; p0 += BLOCK) {
+            const size_t p1 = plane - p0 < BLOCK ? plane : p0 + BLOCK;
+            for (int o = 0; o < c->out; o++) {
+                float *dst = j->y + ((size_t)img * c->out + o) * plane; /* [OH*OW] */
+                const size_t first = (size_t)img * plane * c->out + o;  /* then stride out */
+                const float bo = j->b ? j->b[o] : 0.0f;
+                if (j->acc) {
+                    const float so = c->sw[o];
+                    for (size_t px = p0; px < p1; px++)
+                        dst[px] = (float)j->acc[first + px * c->out] * c->sx * so + bo;
+                } else {
+                    for (size_t px = p0; px < p1; px++) dst[px] = j->prod[first + px * c->out] + bo;
+                }
             }
         }
 }
