@@ -150,6 +150,15 @@ typedef enum {
  * full-resolution intermediates (a pooled block keeps one byte per window
  * for its backward). model_forward uses it for unhooked conv2d modules. */
 Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi);
+/* One output plane of the fused epilogue: y = epi(pre + b), pre (OH, OW)
+ * the convolution's plane without bias; y (OH, OW), or (OH/2, OW/2) with
+ * winner [OH/2 * OW/2] for the pool. And its backward: dpre (OH, OW), the
+ * gradient before the epilogue, from dy, y and winner as the forward left
+ * them (y unread for CONV_EPI_NONE). For ops that run a convolution of
+ * their own and fuse as nn_conv2d_fused does (the same bits). */
+void nn_conv_epilogue_plane(float *y, uint8_t *winner, const float *pre, float b, int OH, int OW, ConvEpilogue epi);
+void nn_conv_epilogue_grad_plane(float *dpre, const float *dy, const float *y, const uint8_t *winner, int OH, int OW,
+                                 ConvEpilogue epi);
 /* dx (N, C, H, W) = the input gradient of the plain convolution of a
  * (N, C, H, W) input by w (OC, C*KH*KW) with stride and padding, for the
  * output gradient dy (N, OC, OH, OW): nn_conv2d's own backward pass for

@@ -364,30 +364,33 @@ const char *conv2d_op_name(ConvEpilogue epi) {
 
 /* Writes chunk sample s's output plane for channel oc from its product row
  * row [OH*OW]; row may be that output plane itself (unpooled epilogues). */
-static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
-    const Conv2dCtx *c = j->c;
-    const ConvDims *d = &c->d;
-    const size_t plane = conv_plane(d);
-    const float b = j->bias ? j->bias[oc] : 0.0f;
-    if (c->epi == CONV_EPI_NONE) {
-        float *dst = j->y + ((size_t)n * d->OC + oc) * plane;
-        for (size_t p = 0; p < plane; p++) dst[p] = row[p] + b;
+void nn_conv_epilogue_plane(float *y, uint8_t *winner, const float *pre, float b, int OH, int OW, ConvEpilogue epi) {
+    const size_t plane = (size_t)OH * OW;
+    if (epi == CONV_EPI_NONE) {
+        for (size_t p = 0; p < plane; p++) y[p] = pre[p] + b;
         return;
     }
-    if (c->epi == CONV_EPI_RELU) {
-        float *dst = j->y + ((size_t)n * d->OC + oc) * plane;
+    if (epi == CONV_EPI_RELU) {
         for (size_t p = 0; p < plane; p++) {
-            float v = row[p] + b;
-            dst[p] = v > 0.0f ? v : 0.0f;
+            float v = pre[p] + b;
+            y[p] = v > 0.0f ? v : 0.0f;
         }
         return;
     }
-    const int PH = d->OH / 2, PW = d->OW / 2;
-    const size_t at = ((size_t)n * d->OC + oc) * PH * PW;
+    const int PH = OH / 2, PW = OW / 2;
     for (int ph = 0; ph < PH; ph++) {
-        const float *r0 = row + (size_t)(2 * ph) * d->OW;
-        pool2x2_relu_row(j->y + at + (size_t)ph * PW, c->winner + at + (size_t)ph * PW, r0, r0 + d->OW, b, PW);
+        const float *r0 = pre + (size_t)(2 * ph) * OW;
+        pool2x2_relu_row(y + (size_t)ph * PW, winner + (size_t)ph * PW, r0, r0 + OW, b, PW);
     }
+}
+
+static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
+    const Conv2dCtx *c = j->c;
+    const ConvDims *d = &c->d;
+    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(d->OH / 2) * (d->OW / 2) : conv_plane(d);
+    const size_t at = ((size_t)n * d->OC + oc) * out_plane;
+    nn_conv_epilogue_plane(j->y + at, c->winner ? c->winner + at : NULL, row, j->bias ? j->bias[oc] : 0.0f, d->OH,
+                           d->OW, c->epi);
 }
 
 float *conv_thread_scratch(const ConvJob *j) {
@@ -452,37 +455,42 @@ static double sum8_f32(const float *g, const float *y, size_t n) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* dpre row [OH*OW]: the gradient at the convolution's output (before the
- * epilogue) of sample n, channel oc. Returns the row's sum (the bias's share). */
-static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
-    const Conv2dCtx *c = j->c;
-    const ConvDims *d = &c->d;
-    const size_t plane = conv_plane(d);
-    if (c->epi != CONV_EPI_RELU_MAXPOOL2) {
-        const size_t at = ((size_t)n * d->OC + oc) * plane;
-        const float *g = j->dy + at;
-        if (c->epi == CONV_EPI_NONE) { /* the output may be gone (model_graph_train_memory): not read */
-            memcpy(row, g, plane * sizeof *row);
-        } else {
-            const float *y = j->y + at;
-            for (size_t p = 0; p < plane; p++) row[p] = y[p] > 0.0f ? g[p] : 0.0f;
-        }
-        return j->db_part ? sum8_f32(row, NULL, plane) : 0.0;
+void nn_conv_epilogue_grad_plane(float *dpre, const float *dy, const float *y, const uint8_t *winner, int OH, int OW,
+                                 ConvEpilogue epi) {
+    const size_t plane = (size_t)OH * OW;
+    if (epi == CONV_EPI_NONE) { /* the output may be gone (model_graph_train_memory): not read */
+        memcpy(dpre, dy, plane * sizeof *dpre);
+        return;
+    }
+    if (epi == CONV_EPI_RELU) {
+        for (size_t p = 0; p < plane; p++) dpre[p] = y[p] > 0.0f ? dy[p] : 0.0f;
+        return;
     }
     /* Only each window's winner gets the pooled gradient, and only if the
      * relu let it through: the pooled value is the winner's relu output.
      * The row pairs are written whole; a last odd row or column belongs to
      * no window. */
-    const int PH = d->OH / 2, PW = d->OW / 2, OW = d->OW;
-    const size_t at = ((size_t)n * d->OC + oc) * PH * PW;
-    const float *g = j->dy + at, *y = j->y + at;
+    const int PH = OH / 2, PW = OW / 2;
     for (int ph = 0; ph < PH; ph++) {
-        float *q0 = row + (size_t)(2 * ph) * OW, *q1 = q0 + OW;
-        pool2x2_relu_row_grad(q0, q1, g + (size_t)ph * PW, y + (size_t)ph * PW, c->winner + at + (size_t)ph * PW, PW);
+        float *q0 = dpre + (size_t)(2 * ph) * OW, *q1 = q0 + OW;
+        pool2x2_relu_row_grad(q0, q1, dy + (size_t)ph * PW, y + (size_t)ph * PW, winner + (size_t)ph * PW, PW);
         if (OW & 1) q0[OW - 1] = q1[OW - 1] = 0.0f;
     }
-    if (d->OH & 1) memset(row + (size_t)(d->OH - 1) * OW, 0, (size_t)OW * sizeof *row);
-    return j->db_part ? sum8_f32(g, y, (size_t)PH * PW) : 0.0;
+    if (OH & 1) memset(dpre + (size_t)(OH - 1) * OW, 0, (size_t)OW * sizeof *dpre);
+}
+
+/* dpre row [OH*OW]: the gradient at the convolution's output (before the
+ * epilogue) of sample n, channel oc. Returns the row's sum (the bias's share). */
+static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
+    const Conv2dCtx *c = j->c;
+    const ConvDims *d = &c->d;
+    const bool pooled = c->epi == CONV_EPI_RELU_MAXPOOL2;
+    const size_t out_plane = pooled ? (size_t)(d->OH / 2) * (d->OW / 2) : conv_plane(d);
+    const size_t at = ((size_t)n * d->OC + oc) * out_plane;
+    const float *g = j->dy + at, *y = c->epi == CONV_EPI_NONE ? NULL : j->y + at;
+    nn_conv_epilogue_grad_plane(row, g, y, pooled ? c->winner + at : NULL, d->OH, d->OW, c->epi);
+    if (!j->db_part) return 0.0;
+    return pooled ? sum8_f32(g, y, out_plane) : sum8_f32(row, NULL, conv_plane(d));
 }
 
 void conv_pre_grads(const ConvJob *j, float *dpre, int n0, int nc, int task) {
