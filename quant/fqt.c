@@ -128,15 +128,25 @@ QtStatus fqt_layer_init(FqtLayer *q, Module *m, const FqtSpec *spec, uint64_t se
     return QT_OK;
 }
 
+static Var *fqt_forward(Tape *t, FqtLayer *q, Var *x, Var *bias, ConvEpilogue epi);
+
 static Var *fqt_hook(Tape *t, Module *m, Var *x, void *ctx) {
     (void)m;
     return fqt_layer_forward(t, ctx, x);
 }
 
+/* conv2d with the following relu (and 2x2 max pool) folded in, as nn_conv2d_fused folds them: the same values and
+ * gradients as the separate ops. Declines (NULL, no error) a bias other than the module's own (a folded batch
+ * norm's), which then runs as separate ops. */
+static Var *fqt_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
+    if (bias != (m->bias ? &m->bias->var : NULL)) return NULL;
+    return fqt_forward(t, ctx, x, bias, epi);
+}
+
 void fqt_layer_install(FqtLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = fqt_hook;
-    q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
+    q->module->fused_hook = q->module->spec.type == LAYER_CONV2D ? fqt_fused_hook : NULL;
     q->module->weight_hook = NULL;
     q->module->hook_ctx = q;
 }
@@ -355,7 +365,9 @@ typedef struct {
     const int32_t *acc; /* (rows, out) the integer product, or NULL */
     const float *prod;  /* (rows, out) the float product (acc NULL) */
     const float *b;     /* [out] or NULL */
-    float *y;           /* (N, OC, OH, OW) */
+    float *y;           /* (N, OC, OH, OW), or the epilogue's output */
+    uint8_t *winner;    /* the pool's winners (CONV_EPI_RELU_MAXPOOL2) */
+    float *scratch;     /* fused: [threads][OC * OH * OW] one image's product planes per thread */
 } LayoutJob;
 
 /* Images [lo, hi): y[n][o][px] = product (n*plane + px, o) (scaled: (acc * sx) * sw[o], the dense path's order)
@@ -365,6 +377,32 @@ static void conv_layout_part(const void *ctx, int lo, int hi) {
     const FqtCtx *c = j->c;
     const size_t plane = (size_t)c->cg.OH * c->cg.OW;
     enum { BLOCK = 64 }; /* pixels whose product rows stay in L1 while every channel reads them */
+    if (c->epi != CONV_EPI_NONE) { /* the image's planes without bias, then the epilogue adds it */
+        float *pre = j->scratch + (size_t)parallel_thread_index() * c->out * plane; /* (OC, OH*OW) */
+        const bool pooled = c->epi == CONV_EPI_RELU_MAXPOOL2;
+        const size_t out_plane = pooled ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : plane;
+        for (int img = lo; img < hi; img++) {
+            for (size_t p0 = 0; p0 < plane; p0 += BLOCK) {
+                const size_t p1 = plane - p0 < BLOCK ? plane : p0 + BLOCK;
+                for (int o = 0; o < c->out; o++) {
+                    const size_t first = (size_t)img * plane * c->out + o; /* then stride out */
+                    float *dst = pre + (size_t)o * plane;
+                    if (j->acc) {
+                        const float so = c->sw[o];
+                        for (size_t px = p0; px < p1; px++) dst[px] = (float)j->acc[first + px * c->out] * c->sx * so;
+                    } else {
+                        for (size_t px = p0; px < p1; px++) dst[px] = j->prod[first + px * c->out];
+                    }
+                }
+            }
+            for (int o = 0; o < c->out; o++) {
+                const size_t at = ((size_t)img * c->out + o) * out_plane;
+                nn_conv_epilogue_plane(j->y + at, pooled ? j->winner + at : NULL, pre + (size_t)o * plane,
+                                       j->b ? j->b[o] : 0.0f, c->cg.OH, c->cg.OW, c->epi);
+            }
+        }
+        return;
+    }
     for (int img = lo; img < hi; img++)
         for (size_t p0 = 0; p0 < plane; p0 += BLOCK) {
             const size_t p1 = plane - p0 < BLOCK ? plane : p0 + BLOCK;
@@ -410,12 +448,16 @@ static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Va
             for (int o = 0; o < c->out; o++) prod[(size_t)r * c->out + o] += b[o];
         return true;
     }
-    j.acc = acc, j.prod = prod;
+    j.acc = acc, j.prod = prod, j.winner = (uint8_t *)c->winner;
+    if (c->epi != CONV_EPI_NONE &&
+        !(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * c->out * c->cg.OH * c->cg.OW * sizeof(float))))
+        return false;
     fqt_shares_run(c->cg.N, n, conv_layout_part, &j);
     return true;
 }
 
-Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x) {
+/* The layer's forward with epi fused after it (conv; CONV_EPI_NONE for dense), its bias added before epi. */
+static Var *fqt_forward(Tape *t, FqtLayer *q, Var *x, Var *bias, ConvEpilogue epi) {
     if (!t || !x) return NULL;
     if (!q || !q->module || !q->spec.weight_qtype) {
         qt_error_set(&t->err, QT_ERR_ARG, "fqt_layer_forward: the QT layer is not initialised");
@@ -429,16 +471,28 @@ Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x) {
     }
     FqtCtx *c = tape_alloc(t, sizeof *c);
     if (!c) return NULL;
-    *c = (FqtCtx){.q = q, .conv = m->spec.type == LAYER_CONV2D, .out = q->out, .fan_in = q->fan_in};
+    *c = (FqtCtx){.q = q, .conv = m->spec.type == LAYER_CONV2D, .out = q->out, .fan_in = q->fan_in, .epi = epi};
     bool integer = integer_gemm(q->spec.weight_qtype, act_format(q), q->fan_in);
     int8_t *wc = NULL;
     if (!input_geometry(t, q, x, c) || !quantize_weight(t, q, c, integer, &wc) || !quantize_input(t, q, x, c, integer))
         return NULL;
-    Var *y = c->conv ? tape_new_var(t, 4, (const int[]){c->cg.N, c->out, c->cg.OH, c->cg.OW})
+    const bool pooled = epi == CONV_EPI_RELU_MAXPOOL2;
+    if (pooled && (c->cg.OH < 2 || c->cg.OW < 2)) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "%s (%s): the %dx%d output is too small for the fused 2x2 max pool",
+                     m->path, OP, c->cg.OH, c->cg.OW);
+        return NULL;
+    }
+    const int OH = pooled ? c->cg.OH / 2 : c->cg.OH, OW = pooled ? c->cg.OW / 2 : c->cg.OW;
+    Var *y = c->conv ? tape_new_var(t, 4, (const int[]){c->cg.N, c->out, OH, OW})
                      : tape_new_var(t, 2, (const int[]){c->rows, c->out});
-    Var *bias = m->bias ? &m->bias->var : NULL;
-    if (!y || !forward_product(t, c, wc, bias, y)) return NULL;
+    if (!y || (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) || !forward_product(t, c, wc, bias, y))
+        return NULL;
     return tape_record(t, OP, fqt_backward, y, (Var *[]){x, &m->weight->var, bias}, 3, c) ? y : NULL;
+}
+
+Var *fqt_layer_forward(Tape *t, FqtLayer *q, Var *x) {
+    Var *bias = q && q->module && q->module->bias ? &q->module->bias->var : NULL;
+    return fqt_forward(t, q, x, bias, CONV_EPI_NONE);
 }
 
 /* ---- splitting the elementwise work over the step's threads ---------------------------------------------------- */

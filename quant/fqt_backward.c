@@ -321,6 +321,40 @@ static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
     return true;
 }
 
+/* ---- the fused epilogue ------------------------------------------------------------------------------------------ */
+
+/* dpre (N, OC, OH, OW) = the gradient before the fused epilogue, images [lo, hi). */
+typedef struct {
+    const FqtCtx *c;
+    float *dpre;
+    const float *dy, *y; /* the node's output gradient and value: the epilogue's shape */
+} EpiJob;
+
+static void epi_grad_part(const void *ctx, int lo, int hi) {
+    const EpiJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : plane;
+    for (int n = lo; n < hi; n++)
+        for (int o = 0; o < c->out; o++) {
+            const size_t at = ((size_t)n * c->out + o) * out_plane;
+            nn_conv_epilogue_grad_plane(j->dpre + ((size_t)n * c->out + o) * plane, j->dy + at, j->y + at,
+                                        c->winner ? c->winner + at : NULL, c->cg.OH, c->cg.OW, c->epi);
+        }
+}
+
+/* The gradient at the product's output: the node's output gradient, or before the fused epilogue. NULL: no
+ * memory (on the tape). */
+static const float *product_grad(Tape *t, const TapeNode *node) {
+    const FqtCtx *c = node->ctx;
+    if (c->epi == CONV_EPI_NONE) return node->out->grad;
+    float *dpre = tape_alloc(t, (size_t)c->rows * c->out * sizeof *dpre);
+    if (!dpre) return NULL;
+    EpiJob j = {c, dpre, node->out->grad, node->out->value.data};
+    fqt_shares_run(c->cg.N, (size_t)c->rows * c->out, epi_grad_part, &j);
+    return dpre;
+}
+
 /* ---- the integer backward --------------------------------------------------------------------------------------- */
 
 /* Xt's chunk [r0, r0 + L): the block (fan_in, L) at xt + r0 * fan_in, X's codes transposed (the im2col layout
@@ -415,7 +449,7 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
  * (conv) or one GEMM (dense); dW from integer products (weight_grad_int). The scales and codes are those of the
  * general path (quantize_grad); the products' sums are exact (dW) or summed in another order (dX). false: the
  * layer is not such a layer, nothing done. */
-static bool int_backward(Tape *t, const TapeNode *node) {
+static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
     const FqtCtx *c = node->ctx;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     QArrayPlan plan;
@@ -424,7 +458,6 @@ static bool int_backward(Tape *t, const TapeNode *node) {
         return false;
     const int out = c->out, rows = c->rows, tile = grad_tile(c);
     const int N = c->conv ? c->cg.N : rows, P = c->conv ? c->cg.OH * c->cg.OW : 1;
-    const float *dy = node->out->grad; /* (N, out, P) */
     if (bias && bias->requires_grad) {
         double *db_acc = c->conv ? tape_alloc(t, (size_t)out * sizeof *db_acc) : NULL;
         if (c->conv && !db_acc) return true;
@@ -466,12 +499,13 @@ not_finite: { /* the general rules say where */
 
 void fqt_backward(Tape *t, const TapeNode *node) {
     const FqtCtx *c = node->ctx;
-    if (int_backward(t, node)) return;
+    const float *dy = product_grad(t, node); /* (N, out, OH*OW) or (N, out) */
+    if (!dy || int_backward(t, node, dy)) return;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const bool want_b = bias && bias->requires_grad;
     double *db_acc = want_b && c->conv ? tape_alloc(t, (size_t)c->out * sizeof *db_acc) : NULL;
     if (want_b && c->conv && !db_acc) return;
-    const float *g = grad_rows(t, c, node->out->grad, db_acc); /* (rows, out) */
+    const float *g = grad_rows(t, c, dy, db_acc); /* (rows, out) */
     if (!g) return;
     if (want_b && !bias_grad(t, c, bias, g, db_acc)) return;
     bool want_x = x->requires_grad, want_w = w->requires_grad;

@@ -28,6 +28,8 @@ typedef struct {
     const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
     const int8_t *xb;      /* x's integer codes in x's layout ((N, C, H, W) or (N, fan_in)), with xc */
     const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
+    ConvEpilogue epi;      /* conv: the relu (and 2x2 max pool) fused after it (fqt's fused hook) */
+    const uint8_t *winner; /* (N, OC, OH/2, OW/2) the pool's winners, CONV_EPI_RELU_MAXPOOL2 only */
 } FqtCtx;
 
 /* The backward of a QT node (fqt_backward.c). */

@@ -73,6 +73,68 @@ static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun
     test_env_free(&e);
 }
 
+/* The fused hook (conv + relu (+ 2x2 max pool)) against the layer and the separate ops: the same bits of the
+ * output and of every gradient, on the integer path and on the float one (fp8 operands). */
+static void run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, bool fused, QtestRun *r) {
+    Module *mod = q->module;
+    TestEnv e;
+    test_env_init(&e, 5);
+    int xs[4], xnd = qtest_input_shape(mod, N, xs);
+    Var *vx = test_var(&e, x, xnd, xs, true);
+    zero_module_grads(mod);
+    Var *bias = mod->bias ? &mod->bias->var : NULL, *y;
+    if (fused) {
+        y = mod->fused_hook(&e.tape, mod, vx, q, bias, epi);
+    } else {
+        y = nn_relu(&e.tape, fqt_layer_forward(&e.tape, q, vx));
+        if (epi == CONV_EPI_RELU_MAXPOOL2) y = nn_maxpool2d(&e.tape, y, 2, 2);
+    }
+    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+    memset(r, 0, sizeof *r);
+    r->ny = var_numel(y), r->nx = qtest_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
+    r->nb = mod->bias ? var_numel(&mod->bias->var) : 0;
+    float *dy = qa_normal_sample(78, r->ny);
+    CU_ASSERT_EQUAL_FATAL(tape_backward_from(&e.tape, y, dy), QT_OK);
+    free(dy);
+    r->y = qtest_copy_floats(y->value.data, r->ny);
+    r->dx = qtest_copy_floats(vx->grad, r->nx);
+    r->dw = qtest_copy_floats(mod->weight->var.grad, r->nw);
+    r->db = qtest_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
+    test_env_free(&e);
+}
+
+static bool same_floats(const float *a, const float *b, size_t n) { return n == 0 || memcmp(a, b, n * sizeof *a) == 0; }
+
+static void test_fused_epilogue(void) {
+    static const struct {
+        int H, W, k, stride, pad;
+        const char *act;
+    } CASES[] = {{7, 6, 3, 1, 1, "int8"}, {9, 9, 4, 3, 1, "int8"}, {8, 7, 3, 2, 1, "fp8_e4m3"}};
+    for (size_t i = 0; i < sizeof CASES / sizeof *CASES; i++)
+        for (int e = CONV_EPI_RELU; e <= CONV_EPI_RELU_MAXPOOL2; e++) {
+            Model m;
+            qtest_conv_model(&m, 3, CASES[i].H, CASES[i].W, 5, CASES[i].k, CASES[i].stride, CASES[i].pad, 300 + i);
+            FqtLayer q;
+            FqtSpec s = spec_of("int8", CASES[i].act, "int8");
+            s.bwd_stochastic = true;
+            init_ok(&q, &m.modules[0], &s, 12);
+            fqt_layer_install(&q);
+            CU_ASSERT_PTR_NOT_NULL_FATAL(m.modules[0].fused_hook);
+            const int N = 3;
+            float *x = qa_normal_sample(310 + i, qtest_input_numel(&m.modules[0], N));
+            QtestRun a, b;
+            const Rng start = q.rng;
+            run_fused(&q, x, N, (ConvEpilogue)e, true, &a);
+            q.rng = start; /* the same noise for both */
+            run_fused(&q, x, N, (ConvEpilogue)e, false, &b);
+            CU_ASSERT(a.ny == b.ny && same_floats(a.y, b.y, a.ny));
+            CU_ASSERT(same_floats(a.dx, b.dx, a.nx) && same_floats(a.dw, b.dw, a.nw) && same_floats(a.db, b.db, a.nb));
+            qtest_run_free(&a), qtest_run_free(&b);
+            free(x);
+            model_free(&m);
+        }
+}
+
 /* a and b agree to 1e-5 of b's largest magnitude (and 1e-5 relative): float rounding, nothing more. */
 static bool close_to(const float *a, const float *b, size_t n, const char *what) {
     double amax = 0.0;
@@ -801,6 +863,7 @@ int register_quant_qt_suite(void) {
            !CU_add_test(s, "quantized backward, round to nearest", test_backward_rne) ||
            !CU_add_test(s, "quantized backward, stochastic", test_backward_stochastic) ||
            !CU_add_test(s, "integer backward, geometries", test_backward_integer_geometries) ||
+           !CU_add_test(s, "fused relu and pool = separate ops", test_fused_epilogue) ||
            !CU_add_test(s, "noise axes", test_noise_axes) ||
            !CU_add_test(s, "stochastic rounding is unbiased", test_stochastic_unbiased) ||
            !CU_add_test(s, "determinism", test_determinism) ||
