@@ -478,6 +478,11 @@ static void qgemm_s8_portable(int32_t *c, const int8_t *a, const int8_t *b, int 
 
 void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     if (M <= 0 || N <= 0) return;
-    if (K > 0 && qgemm_use_vnni()) qgemm_s8_vnni(c, a, b, M, N, K);
-    else qgemm_s8_portable(c, a, b, M, N, K);
+    const QGemmIsa isa = K > 0 ? qgemm_isa() : QGEMM_ISA_PORTABLE; /* K = 0: the portable loop writes the zeros */
+    switch (isa) {
+    case QGEMM_ISA_AVX512_VNNI: qgemm_s8_vnni(c, a, b, M, N, K); break;
+    case QGEMM_ISA_AVXVNNI: qgemm_s8_avxvnni(c, a, b, M, N, K); break;
+    case QGEMM_ISA_AVX2: qgemm_s8_avx2(c, a, b, M, N, K); break;
+    default: qgemm_s8_portable(c, a, b, M, N, K); break;
+    }
 }

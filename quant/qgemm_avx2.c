@@ -489,7 +489,123 @@ QA_TARGET bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *
     return _mm256_movemask_ps(bad) == 0;
 }
 
+/* ---- int8 x int8 (quantized training's qgemm_s8) --------------------------------------------------------------
+ * c (M, N) = a (M, K) b (N, K)^T, both signed. Blocks of 8 columns of b over S8A_KB k are packed into groups of 4 k
+ * (32 bytes: column j's 4 bytes at 4 j), then tiles of QA_ROWS rows of a run over the block; the block's sums go
+ * into c (the first k block) or are added to it (wrapping, as the other kernels' sums do).
+ * AVX2: a's 4 codes and the group's bytes sign-extended to int16, vpmaddwd: exact products, two per int32 lane.
+ * AVX-VNNI: vpdpbusd of a + 128 (a's codes with the sign bit flipped) against the group, minus 128 times the
+ * block's column sums. */
+
+#define S8A_KB 512 /* k per packed block: a multiple of 4 */
+
+/* b's columns [j0, j0 + jn) (jn <= 8) over k [k0, k0 + kn) -> pack [kg][8][4] (0 past the problem), and each
+ * column's sum over the block. */
+static void s8a_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg) {
+    memset(pack, 0, (size_t)kg * 32);
+    for (int j = 0; j < 8; j++) sum[j] = 0;
+    for (int j = 0; j < jn; j++) {
+        const int8_t *src = b + (size_t)(j0 + j) * K + k0;
+        int32_t t = 0;
+        for (int k = 0; k < kn; k++) {
+            pack[(size_t)(k / 4) * 32 + 4 * j + k % 4] = src[k];
+            t += src[k];
+        }
+        sum[j] = t;
+    }
+}
+
+/* The block's sums of one tile row into c's row i, columns j0 .. j0 + jn. */
+QA_TARGET QA_INLINE void s8a_store(int32_t *c, int N, int i, int j0, int jn, __m256i v, bool first) {
+    int32_t *dst = c + (size_t)i * N + j0;
+    if (jn >= 8) {
+        if (!first) v = _mm256_add_epi32(v, _mm256_loadu_si256((const __m256i *)dst));
+        _mm256_storeu_si256((__m256i *)dst, v);
+    } else {
+        const __m256i m = lane_mask8(jn);
+        if (!first) v = _mm256_add_epi32(v, _mm256_maskload_epi32((const int *)dst, m));
+        _mm256_maskstore_epi32((int *)dst, m, v);
+    }
+}
+
+QA_TARGET QA_INLINE void s8a_group_avx2(__m256i acc[QA_ROWS][2], const int8_t *const *rows, const int8_t *grp,
+                                        int g, const int n) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)grp));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)grp + 1));
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        const __m256i a = _mm256_cvtepi8_epi16(_mm_set1_epi32((int)load_u32((const uint8_t *)rows[r] + 4 * (size_t)g, n)));
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, w0));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, w1));
+    }
+}
+
+QA_TARGET void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
+    int32_t sum[8];
+    for (int j0 = 0; j0 < N; j0 += 8) {
+        const int jn = N - j0 < 8 ? N - j0 : 8;
+        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
+            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
+            s8a_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
+            for (int i = 0; i < M; i += QA_ROWS) {
+                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
+                const int8_t *rows[QA_ROWS];
+                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
+                __m256i acc[QA_ROWS][2];
+#pragma GCC unroll 6
+                for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+                for (int g = 0; g < full; g++) s8a_group_avx2(acc, rows, pack + (size_t)g * 32, g, 4);
+                if (kn % 4) s8a_group_avx2(acc, rows, pack + (size_t)full * 32, full, kn % 4);
+                for (int r = 0; r < nr; r++) s8a_store(c, N, i + r, j0, jn, pair_sums(acc[r][0], acc[r][1]), k0 == 0);
+            }
+        }
+    }
+}
+
+QV_TARGET QA_INLINE void s8a_group_avxvnni(__m256i acc[QA_ROWS], const int8_t *const *rows, const int8_t *grp, int g,
+                                           const int n) {
+    const __m256i w = _mm256_load_si256((const __m256i *)grp);
+#pragma GCC unroll 6
+    for (int r = 0; r < QA_ROWS; r++) {
+        /* a + 128: the sign bit flipped; bytes past n stay 0 in load_u32 and meet 0 weights */
+        const uint32_t u = load_u32((const uint8_t *)rows[r] + 4 * (size_t)g, n) ^ 0x80808080u;
+        acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_set1_epi32((int)u), w);
+    }
+}
+
+QV_TARGET void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
+    _Alignas(32) int32_t sum[8];
+    for (int j0 = 0; j0 < N; j0 += 8) {
+        const int jn = N - j0 < 8 ? N - j0 : 8;
+        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
+            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
+            s8a_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
+            const __m256i corr = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)sum), 7); /* 128 sum */
+            for (int i = 0; i < M; i += QA_ROWS) {
+                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
+                const int8_t *rows[QA_ROWS];
+                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
+                __m256i acc[QA_ROWS];
+#pragma GCC unroll 6
+                for (int r = 0; r < QA_ROWS; r++) acc[r] = _mm256_setzero_si256();
+                for (int g = 0; g < full; g++) s8a_group_avxvnni(acc, rows, pack + (size_t)g * 32, g, 4);
+                if (kn % 4) s8a_group_avxvnni(acc, rows, pack + (size_t)full * 32, full, kn % 4);
+                for (int r = 0; r < nr; r++) s8a_store(c, N, i + r, j0, jn, _mm256_sub_epi32(acc[r], corr), k0 == 0);
+            }
+        }
+    }
+}
+
 #else /* not x86: qgemm_isa() is always portable, so these are never called */
+
+void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref(c, a, b, M, N, K);
+}
+void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref(c, a, b, M, N, K);
+}
 
 void qgemm_dense_avx2(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     qgemm_dense_portable(d, row0, row1, p0, p1);

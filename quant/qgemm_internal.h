@@ -31,5 +31,7 @@ bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4]
                               const QGemmCodes *c);
 /* qt.h's qgemm_s8: c (M, N) = a (M, K) b (N, K)^T, int8 both. */
 void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 
 #endif
