@@ -106,9 +106,9 @@ static QtStatus bench_sgemm(Bench *b, QtError *err) {
        for the rest of the run */
     const size_t bytes = 2 * nn * sizeof(float);
     float *a = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    float *c = a + nn; /* A, used as B too; C */
     if (a == MAP_FAILED)
         return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the %dx%d sgemm of the benchmark", n, n);
+    float *c = a + nn; /* a: A, used as B too; c: C */
     for (size_t i = 0; i < nn; i++) a[i] = (float)((int)(i % 17) - 8) * (1.0f / 64.0f); /* no denormals */
     double secs[BENCH_SGEMM_MAX_REPS], timed = 0.0;
     gemm_f32(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, c, n);
@@ -332,7 +332,7 @@ QtStatus bench_run(const Config *cfg, const BenchOptions *o, FILE *out, QtError 
         QtError sg_err = {0};
         QtStatus sg = bench_sgemm(b, &sg_err);
         if (sg == QT_OK) bench_print_train(b, o, out);
-        else if (st == QT_OK) {
+        if (sg != QT_OK && st == QT_OK) {
             st = sg;
             if (err) *err = sg_err;
         }
