@@ -148,8 +148,16 @@ function step_ratio(m, a, b) { return num(ratio(get(m a, "train", "step_ms"), ge
 function rrow(what, a, b) {
     line(what, step_ratio("mlp", a, b), step_ratio("cnn", a, b), step_ratio("resnet8", a, b), step_ratio("dscnn", a, b))
 }
+# the LoRA bound: multiply-adds per sample (bench:train macs_per_sample) of the LoRA step over those of the full one
+function macs_ratio(m) { return ratio(get(m "-lora", "train", "macs_per_sample"), get(m, "train", "macs_per_sample")) }
+function mrow(what) {
+    line(what, num(macs_ratio("mlp"), "f2"), num(macs_ratio("cnn"), "f2"), num(macs_ratio("resnet8"), "f2"),
+         num(macs_ratio("dscnn"), "f2"))
+}
 END {
-    printf "\nqtrain: batch 128, 2 threads, OpenBLAS %s kernels\n", core
+    rate = get("cnn", "sgemm", "gflops")
+    printf "\nqtrain: batch 128, 2 threads, OpenBLAS %s kernels%s\n", core,
+        rate == "" ? "" : sprintf(", sgemm %.0f GFLOP/s (1024 cube, best of %d, cnn run)", rate, get("cnn", "sgemm", "reps"))
     line("measurement", "mlp", "cnn", "resnet8", "dscnn")
     printf "|%s|%s|%s|%s|%s|\n", "--------------------------------", "------------", "------------", "------------",
         "------------"
@@ -163,11 +171,16 @@ END {
     row("peak RSS MB (training)", "", "mem", "peak_rss_mb")
     row("start-up to 1st step s", "", "startup", "first_step_s", "s")
     row("GEMM share of a train step", "", "train", "gemm_share", "f2")
+    row("train step / GEMM-bound limit", "", "train", "of_bound", "f2")
     rrow("LoRA step / full step", "-lora", "")
+    mrow("LoRA bound (MACs LoRA / full)")
     rrow("QLoRA step / LoRA step", "-qlora", "-lora")
     rrow("QT step / float step", "-qt", "")
     if (marked) print "* the mean step (batch) is over 1.25x the median: a few slow steps, usually other processes " \
         "on the machine, pull this figure down; the medians are in the raw outputs"
+    lb = macs_ratio("cnn")
+    print "targets: the CNN train step at >= 0.75 of its GEMM-bound limit (multiply-adds per sample at the sgemm rate);"
+    printf "  the CNN LoRA step / full step <= 1.05x its LoRA bound (%s)\n", lb == "" ? "-" : sprintf("<= %.2f", 1.05 * lb)
 }' "$OUT"/qtrain/*.txt
 
 if [ $TORCH = 1 ]; then

@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -19,6 +20,14 @@
 #include "trainer/run.h"
 
 #define BENCH_EVAL_WARMUP 2 /* untimed evaluation batches before the timed ones */
+#define BENCH_SGEMM_N 1024     /* the square sgemm timed for the machine's rate (M = N = K) */
+/* Timed products after one warm-up: until they took BENCH_SGEMM_BUDGET_S,
+ * at least BENCH_SGEMM_MIN_REPS and at most BENCH_SGEMM_MAX_REPS. Many short
+ * products rather than a few long ones: on a shared machine the best of
+ * them is likelier to have had every core. */
+#define BENCH_SGEMM_MIN_REPS 3
+#define BENCH_SGEMM_MAX_REPS 30
+#define BENCH_SGEMM_BUDGET_S 0.2
 
 typedef struct {
     Run run;
@@ -26,6 +35,12 @@ typedef struct {
     char model_name[128];       /* e.g. "conv32-conv64-dense128-dense10" */
     struct timespec first_real, first_boot; /* when the first step (or eval batch) started */
     bool have_first;
+    StepMacs macs;              /* per example of a training step (net_step_macs) */
+    double sgemm_gflops, sgemm_gflops_median; /* the best and the median product of bench_sgemm */
+    int sgemm_reps;
+    /* the timed steps' figures (bench_train), printed once the sgemm rate is known (bench_print_train) */
+    bool trained;
+    double samples_per_s, step_ms, step_ms_median, step_ms_min, gemm_share, gemm_gflops, gemm_calls, loss;
 } Bench;
 
 BenchOptions bench_options_default(void) {
@@ -73,6 +88,46 @@ static double bench_startup_s(const Bench *b, const BenchOptions *o, const char 
     return start < 0 ? NAN : ts_seconds(&b->first_boot) - start;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The machine's sgemm rate at the run's threads, through gemm_f32 as every
+ * product of a step: a BENCH_SGEMM_N cube, timed as BENCH_SGEMM_* say. The
+ * best is the rate the bound is taken against (the most the machine gave),
+ * the median says how steady it was. Measured last, once peak RSS and
+ * start-up are read: the cube's 8 MB and the larger packing buffers it
+ * makes OpenBLAS touch (which stay resident) would raise the peak by MBs. */
+static QtStatus bench_sgemm(Bench *b, QtError *err) {
+    const int n = BENCH_SGEMM_N;
+    const size_t nn = (size_t)n * n;
+    /* mmap, not malloc: freeing a malloc'd block this large would raise glibc's mmap and trim thresholds
+       for the rest of the run */
+    const size_t bytes = 2 * nn * sizeof(float);
+    float *a = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (a == MAP_FAILED)
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the %dx%d sgemm of the benchmark", n, n);
+    float *c = a + nn; /* a: A, used as B too; c: C */
+    for (size_t i = 0; i < nn; i++) a[i] = (float)((int)(i % 17) - 8) * (1.0f / 64.0f); /* no denormals */
+    double secs[BENCH_SGEMM_MAX_REPS], timed = 0.0;
+    gemm_f32(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, c, n);
+    int reps = 0;
+    while (reps < BENCH_SGEMM_MAX_REPS && (reps < BENCH_SGEMM_MIN_REPS || timed < BENCH_SGEMM_BUDGET_S)) {
+        double t0 = metrics_now();
+        gemm_f32(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, c, n);
+        secs[reps] = metrics_now() - t0;
+        timed += secs[reps++];
+    }
+    munmap(a, bytes);
+    qsort(secs, (size_t)reps, sizeof *secs, cmp_double);
+    const double flops = 2.0 * n * n * n;
+    b->sgemm_gflops = flops / secs[0] * 1e-9;
+    b->sgemm_gflops_median = flops / secs[reps / 2] * 1e-9;
+    b->sgemm_reps = reps;
+    return QT_OK;
+}
+
 /* "dense512-dense256-dense10": the layers with weights, by width. */
 static void bench_name_model(const Model *m, char *buf, size_t cap) {
     size_t len = 0;
@@ -97,19 +152,16 @@ static QtStatus bench_setup(Bench *b, const TrainOptions *topt, FILE *out, QtErr
         fprintf(out, "note: model.init_from is not set: the quantized base is the fresh initialisation of run.seed "
                 "(timing only)\n");
     QtStatus st = run_prepare(r, true, err);
+    if (st == QT_OK) st = net_step_macs(&r->model.net, &b->macs, err);
     if (st != QT_OK) return st;
     net_print_unused_rules(&r->model.net, out);
     bench_name_model(&r->model.net.model, b->model_name, sizeof b->model_name);
     return QT_OK;
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* Timed training steps, then a pass with GEMM accounting on. */
-static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError *err) {
+/* Timed training steps, then a pass with GEMM accounting on; the figures
+ * go into b. */
+static QtStatus bench_train(Bench *b, const BenchOptions *o, QtError *err) {
     Run *r = &b->run;
     double *ms = malloc((size_t)o->steps * sizeof *ms);
     if (!ms) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for %d step times", o->steps);
@@ -140,15 +192,32 @@ static QtStatus bench_train(Bench *b, const BenchOptions *o, FILE *out, QtError 
     GemmStats g = gemm_stats_get();
     if (st == QT_OK) {
         qsort(ms, (size_t)o->steps, sizeof *ms, cmp_double);
-        fprintf(out, "bench:train model:%s mode:%s batch:%d steps:%d warmup:%d samples_per_s:%.1f step_ms:%.3f "
-                "step_ms_median:%.3f step_ms_min:%.3f gemm_share:%.3f gemm_gflops:%.1f gemm_calls_per_step:%.1f "
-                "loss:%.4f\n", b->model_name, net_mode_name(&r->model.net), r->cfg->train.batch_size, o->steps,
-                o->warmup, (double)examples / timed_s, timed_s * 1e3 / o->steps, ms[o->steps / 2], ms[0],
-                t_stats > 0 ? g.core_seconds / t_stats : 0.0, g.seconds > 0 ? g.flops / g.core_seconds * 1e-9 : 0.0,
-                (double)g.calls / stats_steps, loss);
+        b->trained = true;
+        b->samples_per_s = (double)examples / timed_s, b->step_ms = timed_s * 1e3 / o->steps;
+        b->step_ms_median = ms[o->steps / 2], b->step_ms_min = ms[0];
+        b->gemm_share = t_stats > 0 ? g.core_seconds / t_stats : 0.0;
+        b->gemm_gflops = g.seconds > 0 ? g.flops / g.core_seconds * 1e-9 : 0.0;
+        b->gemm_calls = (double)g.calls / stats_steps, b->loss = loss;
     }
     free(ms);
     return st;
+}
+
+/* The bench:sgemm line, then bench:train with the GEMM-bound limit: the
+ * step's multiply-adds at the sgemm rate. */
+static void bench_print_train(const Bench *b, const BenchOptions *o, FILE *out) {
+    const Run *r = &b->run;
+    double macs = step_macs_total(&b->macs);
+    double bound = macs > 0 ? b->sgemm_gflops * 1e9 / (2.0 * macs) : 0.0;
+    fprintf(out, "bench:sgemm m:%d n:%d k:%d threads:%d reps:%d gflops:%.1f gflops_median:%.1f\n", BENCH_SGEMM_N,
+            BENCH_SGEMM_N, BENCH_SGEMM_N, gemm_get_threads(), b->sgemm_reps, b->sgemm_gflops, b->sgemm_gflops_median);
+    fprintf(out, "bench:train model:%s mode:%s batch:%d steps:%d warmup:%d samples_per_s:%.1f step_ms:%.3f "
+            "step_ms_median:%.3f step_ms_min:%.3f gemm_share:%.3f gemm_gflops:%.1f gemm_calls_per_step:%.1f "
+            "loss:%.4f macs_per_sample:%.0f bound_samples_per_s:%.1f of_bound:%.3f macs_forward:%.0f "
+            "macs_backward_dx:%.0f macs_backward_dw:%.0f\n", b->model_name, net_mode_name(&r->model.net),
+            r->cfg->train.batch_size, o->steps, o->warmup, b->samples_per_s, b->step_ms, b->step_ms_median,
+            b->step_ms_min, b->gemm_share, b->gemm_gflops, b->gemm_calls, b->loss, macs, bound,
+            bound > 0 ? b->samples_per_s / bound : 0.0, b->macs.forward, b->macs.backward_dx, b->macs.backward_dw);
 }
 
 /* Eval batches cycle through the test split in full batches; ms (may be
@@ -249,9 +318,27 @@ QtStatus bench_run(const Config *cfg, const BenchOptions *o, FILE *out, QtError 
     st = bench_setup(b, &topt, out, err);
     bool trains = st == QT_OK && b->run.plan.total_steps > 0;
     if (st == QT_OK) bench_print_header(b, out);
-    if (trains) st = bench_train(b, o, out, err);
-    if (st == QT_OK && o->eval_batches > 0) st = bench_eval(b, o, out, err);
-    if (st == QT_OK) bench_print_tail(b, o, trains, out);
+    /* The eval, memory and start-up lines wait here for bench:train, which waits for the sgemm rate, measured
+       last (bench_sgemm); the lines keep their order. */
+    char *later_text = NULL;
+    size_t later_len = 0;
+    FILE *later = st == QT_OK ? open_memstream(&later_text, &later_len) : NULL;
+    if (st == QT_OK && !later) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory for the benchmark's output");
+    if (st == QT_OK && trains) st = bench_train(b, o, err);
+    if (st == QT_OK && o->eval_batches > 0) st = bench_eval(b, o, later, err);
+    if (st == QT_OK) bench_print_tail(b, o, trains, later);
+    if (later) fclose(later);
+    if (b->trained) { /* also when eval failed after it: the training figures stand */
+        QtError sg_err = {0};
+        QtStatus sg = bench_sgemm(b, &sg_err);
+        if (sg == QT_OK) bench_print_train(b, o, out);
+        if (sg != QT_OK && st == QT_OK) {
+            st = sg;
+            if (err) *err = sg_err;
+        }
+    }
+    if (later_text) fputs(later_text, out);
+    free(later_text);
     fflush(out);
     run_free(&b->run);
     free(b->cfg);

@@ -6,8 +6,13 @@
  * bench/README.md):
  *   bench:config   name, config file, model, mode, batch sizes, threads, params
  *   bench:blas     the OpenBLAS kernel family and thread count
+ *   bench:sgemm    (a run that trains) the best rate of a 1024 cube through
+ *                  gemm_f32 at the run's threads, timed after everything else
  *   bench:train    samples_per_s, step_ms (timed steps, batch loading included),
- *                  gemm_share (a separate pass with GEMM accounting on)
+ *                  gemm_share (a separate pass with GEMM accounting on),
+ *                  macs_per_sample (net_step_macs), bound_samples_per_s (the
+ *                  sgemm rate / 2 macs_per_sample: the GEMM-bound limit) and
+ *                  of_bound (samples_per_s / that limit)
  *   bench:eval     forward-only samples_per_s at train.eval_batch_size
  *   bench:mem      peak_rss_mb (getrusage), arena_mb (the step arena's capacity)
  *   bench:startup  first_step_s: process start to the start of the first step */
@@ -38,8 +43,8 @@ BenchOptions bench_options_default(void);
 
 /* Sets cfg's run up as training would (for a fresh start), then runs
  * o->warmup + o->steps training steps and a GEMM-accounting pass of half as
- * many, then o->eval_batches evaluation batches, and prints the bench:
- * lines to out. Writes nothing to run.out_dir. A quant.mode ptq config
+ * many, then o->eval_batches evaluation batches, then (if it trained) times
+ * the sgemm, and prints the bench: lines to out. Writes nothing to run.out_dir. A quant.mode ptq config
  * without model.init_from (which training refuses) is benchmarked on the
  * seed's fresh initialisation, written to a temporary checkpoint that is
  * removed again, with a note on out: the speed does not depend on the

@@ -103,8 +103,9 @@ static const CmdHelp CMD_HELP[] = {
      "  bench     time the config's run, set up as training sets it up but writing nothing:\n"
      "            --warmup (10) untimed and --steps (100) timed training steps, batch\n"
      "            loading included, a GEMM-accounting pass, --eval-batches (40)\n"
-     "            forward-only test batches; prints bench: lines (samples/s, step ms,\n"
-     "            GEMM share, peak RSS, start-up). --since-ns NS: the caller's\n"
+     "            forward-only test batches, then a 1024 sgemm (training runs); prints\n"
+     "            bench: lines (samples/s, step ms, GEMM share, the step's multiply-adds\n"
+     "            and its GEMM-bound limit, peak RSS, start-up). --since-ns NS: the caller's\n"
      "            CLOCK_REALTIME nanoseconds at process start, e.g. $(date +%s%N).\n"},
     {"config", "qtrain config --doc",
      "  config    --doc prints the config reference (every key: default, values, what a\n"

@@ -158,6 +158,25 @@ void lora_adapter_init_params(LoraAdapter *a, Rng *rng) {
 
 size_t lora_adapter_param_count(const LoraAdapter *a) { return var_numel(&a->A.var) + var_numel(&a->B.var); }
 
+void lora_adapter_macs(const LoraAdapter *a, bool input_grad, bool weight_grad, StepMacs *macs) {
+    const Module *m = a->module;
+    const double r = a->spec.rank, fan = a->fan_in, out = a->out;
+    if (m->spec.type == LAYER_DENSE) {
+        macs->forward += r * fan + out * r;
+        macs->backward_dx += out * r + (input_grad ? r * fan : 0.0);
+        macs->backward_dw += r * fan + out * r;
+        return;
+    }
+    const double pos = (double)m->out_shape[1] * m->out_shape[2], rb = r / m->spec.groups; /* B's inputs per output */
+    if (out * fan <= 2.0 * (r * fan + out * rb)) { /* through the full weight gradient */
+        if (!weight_grad) macs->backward_dw += pos * out * fan;
+        return;
+    }
+    macs->forward += pos * r * fan;
+    macs->backward_dx += pos * out * rb;
+    macs->backward_dw += pos * (r * fan + out * rb);
+}
+
 /* ---- forward ---------------------------------------------------------------------- */
 
 static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {

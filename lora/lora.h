@@ -91,4 +91,23 @@ void lora_adapter_merge(const LoraAdapter *a, float *w);
 /* Parameters of A and B together. */
 size_t lora_adapter_param_count(const LoraAdapter *a);
 
+/* Adds to *macs the multiply-adds per example the adapter puts into a
+ * training step, in the fewest a step needs; products made once per batch
+ * (which do not grow with it) are left out. fan = C/groups * KH * KW (conv)
+ * or in (dense); r = rank, g = groups (1 for dense); per output position:
+ *   conv2d: the forward and the input gradient run on the merged weight
+ *     w + scale B A (formed once per batch, ops_conv_lowrank.c), so the
+ *     adapter adds A col (r fan, forward: kept for dB), dt = scale B^T dy
+ *     (OC r/g, input gradient: for dA), dA (r fan) and dB (OC r/g); or,
+ *     when that is more than the module's full weight gradient (OC fan: a
+ *     first conv's few input taps), that gradient, from which dA and dB
+ *     follow once per batch (nothing more when the weight trains anyway:
+ *     weight_grad).
+ *   dense: its own products, as lora_adapter_forward runs them: x A^T
+ *     (r in) and h B^T (out r) forward, dh = dy B (out r) and, when the
+ *     module's input needs a gradient (input_grad), dh A (r in); dA (r in)
+ *     and dB (out r). Merging would cost out in r a batch: at batch sizes
+ *     near in out / (in + out) as much as it saves. */
+void lora_adapter_macs(const LoraAdapter *a, bool input_grad, bool weight_grad, StepMacs *macs);
+
 #endif

@@ -651,16 +651,17 @@ size_t model_param_bytes(const Model *m) {
     return n * sizeof(float);
 }
 
+double model_module_macs(const Module *mod) {
+    if (mod->spec.type == LAYER_DENSE) return (double)mod->in_shape[0] * mod->out_shape[0];
+    if (mod->spec.type == LAYER_CONV2D)
+        return (double)mod->out_shape[0] * mod->out_shape[1] * mod->out_shape[2] *
+               (mod->in_shape[0] / mod->spec.groups) * mod->spec.kernel * mod->spec.kernel_w;
+    return 0.0;
+}
+
 double model_forward_flops(const Model *m) {
     double flops = 0.0;
-    for (int i = 0; i < m->n_modules; i++) {
-        const Module *mod = &m->modules[i];
-        if (mod->spec.type == LAYER_DENSE)
-            flops += 2.0 * mod->in_shape[0] * mod->out_shape[0];
-        else if (mod->spec.type == LAYER_CONV2D)
-            flops += 2.0 * mod->out_shape[0] * mod->out_shape[1] * mod->out_shape[2] *
-                     (mod->in_shape[0] / mod->spec.groups) * mod->spec.kernel * mod->spec.kernel_w;
-    }
+    for (int i = 0; i < m->n_modules; i++) flops += 2.0 * model_module_macs(&m->modules[i]);
     return flops;
 }
 

@@ -221,6 +221,19 @@ bool model_has_batchnorm(const Model *m);
 size_t model_param_bytes(const Model *m);
 /* Forward FLOPs per example (multiply-adds x 2) of dense and conv layers. */
 double model_forward_flops(const Model *m);
+/* Multiply-adds per example of a module's forward product: out * in for a
+ * dense, OC * OH * OW * (C / groups) * KH * KW for a conv2d (depthwise and
+ * grouped alike), 0 for every other layer (their work is elementwise, not
+ * a product). The same count for the module's input gradient and weight
+ * gradient products. */
+double model_module_macs(const Module *m);
+/* Multiply-adds per example of a training step's products, by pass. */
+typedef struct {
+    double forward;     /* every product of the forward */
+    double backward_dx; /* input gradients (those of inputs that need one) */
+    double backward_dw; /* weight gradients (those of weights that train) */
+} StepMacs;
+static inline double step_macs_total(const StepMacs *s) { return s->forward + s->backward_dx + s->backward_dw; }
 /* A conv2d module's forward from its spec on a given weight w (OC, C/groups,
  * KH, KW): nn_conv2d for the plain geometry, else nn_conv2d_general. What a
  * hook that computes its own weight (quantized, fake-quantized) calls. */

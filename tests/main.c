@@ -56,6 +56,7 @@
     X(shipped_configs) \
     X(qlora)      \
     X(lora_bn)    \
+    X(step_macs)  \
     X(quant_qat)  \
     X(quant_qat_bn) \
     X(quant_qat_bn_runs) \

@@ -107,6 +107,31 @@ static void check_common(const char *out, const char *out_dir_name) {
     CU_ASSERT_FALSE(test_file_exists(tmp_root, out_dir_name));
 }
 
+/* The sgemm rate and the GEMM-bound limit on bench:train agree with each
+ * other as printed: bound = rate / (2 macs), of_bound = samples/s / bound,
+ * each within the rounding of the figures it is made of. */
+static void check_bound(const char *out) {
+    CU_ASSERT_EQUAL(field(out, "bench:sgemm", "m"), 1024);
+    CU_ASSERT_EQUAL(field(out, "bench:sgemm", "n"), 1024);
+    CU_ASSERT_EQUAL(field(out, "bench:sgemm", "k"), 1024);
+    CU_ASSERT(field(out, "bench:sgemm", "reps") >= 3 && field(out, "bench:sgemm", "reps") <= 30);
+    double rate = field(out, "bench:sgemm", "gflops"), median = field(out, "bench:sgemm", "gflops_median");
+    CU_ASSERT(positive(rate) && positive(median) && median <= rate); /* the rate is the best product's */
+    double macs = field(out, "bench:train", "macs_per_sample"), fwd = field(out, "bench:train", "macs_forward");
+    double dx = field(out, "bench:train", "macs_backward_dx"), dw = field(out, "bench:train", "macs_backward_dw");
+    CU_ASSERT(positive(macs) && positive(fwd) && dx >= 0 && dw >= 0);
+    CU_ASSERT_DOUBLE_EQUAL(macs, fwd + dx + dw, 1.5);
+    double bound = field(out, "bench:train", "bound_samples_per_s"), of = field(out, "bench:train", "of_bound");
+    double sps = field(out, "bench:train", "samples_per_s");
+    CU_ASSERT(positive(bound) && positive(of));
+    double want = rate * 1e9 / (2.0 * macs);
+    CU_ASSERT_DOUBLE_EQUAL(bound, want, want * 0.05 / rate + 0.05 + 1e-9);
+    CU_ASSERT_DOUBLE_EQUAL(of, sps / bound, 0.0005 + (sps / bound) * (0.05 / sps + 0.05 / bound) + 1e-9);
+    /* in the order of the lines: the rate, then the step it bounds, then the evaluation */
+    const char *sg = strstr(out, "bench:sgemm "), *tr = strstr(out, "bench:train "), *ev = strstr(out, "bench:eval ");
+    CU_ASSERT(sg && tr && sg < tr && (!ev || tr < ev));
+}
+
 static void check_train(const char *out) {
     CU_ASSERT(positive(field(out, "bench:train", "samples_per_s")));
     CU_ASSERT(positive(field(out, "bench:train", "step_ms")));
@@ -115,6 +140,7 @@ static void check_train(const char *out) {
     CU_ASSERT_EQUAL(field(out, "bench:train", "steps"), 3);
     double share = field(out, "bench:train", "gemm_share");
     CU_ASSERT(isfinite(share) && share > 0 && share <= 1);
+    check_bound(out);
 }
 
 static void test_bench_float(void) {
@@ -127,6 +153,12 @@ static void test_bench_float(void) {
     check_train(out);
     CU_ASSERT_PTR_NOT_NULL(strstr(out, "bench:train model:dense32-dense10 mode:float batch:32 "));
     CU_ASSERT_PTR_NOT_NULL(strstr(out, "first:train clock:since-ns"));
+    /* flatten 784 -> fc1 32 -> head 10: forward 784*32 + 32*10 = 25408; input gradient of the head alone
+       (fc1 reads the data): 320; every weight's gradient: 25408 */
+    CU_ASSERT_EQUAL(field(out, "bench:train", "macs_forward"), 25408);
+    CU_ASSERT_EQUAL(field(out, "bench:train", "macs_backward_dx"), 320);
+    CU_ASSERT_EQUAL(field(out, "bench:train", "macs_backward_dw"), 25408);
+    CU_ASSERT_EQUAL(field(out, "bench:train", "macs_per_sample"), 51136);
     if (strstr(out, "bench:train") == NULL) fprintf(stderr, "\n%s\n", out);
     free(out);
 }
@@ -164,6 +196,7 @@ static void test_bench_eval_only(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(out);
     check_common(out, "evalonly");
     CU_ASSERT_FALSE(has_line(out, "bench:train"));
+    CU_ASSERT_FALSE(has_line(out, "bench:sgemm")); /* the rate is for the training step's bound */
     CU_ASSERT_PTR_NOT_NULL(strstr(out, "first:eval"));
     /* nf4 layers have no integer path */
     CU_ASSERT_PTR_NOT_NULL(strstr(out, " int8_kernel:none\n"));

@@ -310,6 +310,40 @@ size_t net_params_frozen(const Net *n) {
     return k;
 }
 
+/* Whether a hook layer on m has parameters that train (an adapter's A and B, a learned range). */
+static bool net_module_hook_trains(const Net *n, const Module *m) {
+    for (int k = 0; k < n->hooks.n_sets; k++) {
+        const HookSet *set = &n->hooks.sets[k];
+        void *layer = set->kind->params ? hook_find(set, m) : NULL;
+        Param *ps[HOOK_PARAMS_MAX + 1];
+        if (layer && set->kind->params(layer, ps) > 0) return true;
+    }
+    return false;
+}
+
+QtStatus net_step_macs(const Net *n, StepMacs *macs, QtError *err) {
+    const Model *md = &n->model;
+    *macs = (StepMacs){0};
+    bool *grad = calloc((size_t)md->n_modules + 1, sizeof *grad); /* [n_modules] module i's output has a gradient */
+    if (!grad) return qt_error_set(err, QT_ERR_NOMEM, "out of memory counting the step's multiply-adds");
+    const HookSet *lora = hook_layers_find(&n->hooks, &HOOK_LORA);
+    for (int i = 0; i < md->n_modules; i++) {
+        const Module *m = &md->modules[i];
+        bool input_grad = false;
+        for (int k = 0; k < m->n_inputs; k++) input_grad |= m->inputs[k] >= 0 && grad[m->inputs[k]];
+        bool weight_grad = m->weight && m->weight->trainable;
+        grad[i] = input_grad || weight_grad || (m->bias && m->bias->trainable) || net_module_hook_trains(n, m);
+        double mm = model_module_macs(m);
+        macs->forward += mm;
+        if (input_grad) macs->backward_dx += mm;
+        if (weight_grad) macs->backward_dw += mm;
+        const LoraAdapter *a = hook_find(lora, m);
+        if (a) lora_adapter_macs(a, input_grad, weight_grad, macs);
+    }
+    free(grad);
+    return QT_OK;
+}
+
 size_t net_model_bytes(const Net *n) {
     size_t b = model_param_bytes(&n->model);
     for (int k = 0; k < n->hooks.n_sets; k++) {

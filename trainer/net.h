@@ -97,6 +97,15 @@ const char *net_mode_name(const Net *n);
  * weights counted by element). */
 size_t net_params_trainable(const Net *n);
 size_t net_params_frozen(const Net *n);
+/* Multiply-adds per training example of one training step's products
+ * (model_module_macs for dense and conv2d, the adapters' by
+ * lora_adapter_macs): the forward of every module; input gradients of the
+ * modules whose input needs one, i.e. some trainable parameter (a weight,
+ * a bias, an adapter, a learned range) comes before it (none for a first
+ * layer reading the data); weight gradients of the weights that train (a
+ * frozen base's do not). Counted from the shapes, not timed: qtrain bench
+ * divides the measured sgemm rate by it for the step's GEMM-bound limit. */
+QtStatus net_step_macs(const Net *n, StepMacs *macs, QtError *err);
 /* Bytes held for the model: float params not released + quantized weights +
  * adapters. */
 size_t net_model_bytes(const Net *n);
