@@ -42,11 +42,6 @@ static void regroup_part(const void *ctx, int block_lo, int block_hi) {
         double acc[8] = {0};
         for (int n = 0; n < c->cg.N; n++) {
             const float *src = j->dy + ((size_t)n * c->out + o0) * plane;
-            if (!j->g) { /* the sums alone */
-                for (size_t px = 0; px < plane; px++)
-                    for (int k = 0; k < k_n; k++) acc[k] += src[(size_t)k * plane + px];
-                continue;
-            }
             float *dst = j->g + (size_t)n * plane * c->out + o0; /* stride out */
             for (size_t px = 0; px < plane; px++)
                 for (int k = 0; k < k_n; k++) {
@@ -247,11 +242,7 @@ static void clip_part(const void *ctx, int lo, int hi) {
     const ClipJob *j = ctx;
     for (int r = lo; r < hi; r++) {
         const size_t a = (size_t)r * j->row, b = a + j->row < j->n ? a + j->row : j->n;
-        const float s = j->s[(size_t)r * j->s_step];
-        for (size_t i = a; i < b; i++) {
-            float v = j->v[i] / s;
-            j->d[i] += v >= j->lo && v <= j->hi ? j->tmp[i] : 0.0f;
-        }
+        fqt_ste_clip(j->d + a, j->v + a, j->tmp + a, b - a, j->s[(size_t)r * j->s_step], j->lo, j->hi);
     }
 }
 
@@ -319,6 +310,24 @@ static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
                  .lo = c->w_lo, .hi = c->w_hi};
     clip_run(&j);
     return true;
+}
+
+/* db_acc [out]: per channel, the sums of its planes (fqt_sum_f64) added image by image; channels [lo, hi). */
+typedef struct {
+    const FqtCtx *c;
+    const float *dy; /* (N, OC, OH*OW) */
+    double *db_acc;
+} BiasJob;
+
+static void bias_sums_part(const void *ctx, int lo, int hi) {
+    const BiasJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    for (int o = lo; o < hi; o++) {
+        double acc = 0.0;
+        for (int n = 0; n < c->cg.N; n++) acc += fqt_sum_f64(j->dy + ((size_t)n * c->out + o) * plane, plane);
+        j->db_acc[o] = acc;
+    }
 }
 
 /* ---- the fused epilogue ------------------------------------------------------------------------------------------ */
@@ -462,8 +471,8 @@ static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
         double *db_acc = c->conv ? tape_alloc(t, (size_t)out * sizeof *db_acc) : NULL;
         if (c->conv && !db_acc) return true;
         if (c->conv) {
-            RegroupJob rj = {c, dy, NULL, db_acc};
-            fqt_shares_run((out + 7) / 8, (size_t)rows * out, regroup_part, &rj);
+            BiasJob bj = {c, dy, db_acc};
+            fqt_shares_run(out, (size_t)rows * out, bias_sums_part, &bj);
         }
         if (!bias_grad(t, c, bias, dy, db_acc)) return true;
     }

@@ -51,6 +51,22 @@ void fqt_quant_span_ref(int8_t *q, float *v, const float *x, size_t n, const flo
     }
 }
 
+void fqt_ste_clip_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
+    for (size_t i = 0; i < n; i++) {
+        float q = v[i] / s;
+        d[i] += q >= lo && q <= hi ? tmp[i] : 0.0f;
+    }
+}
+
+double fqt_sum_f64(const float *x, size_t n) {
+    double a[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) a[k] += x[i + (size_t)k];
+    for (int k = 0; i < n; i++, k++) a[k] += x[i];
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 /* ---- AVX2 -------------------------------------------------------------------------------------------------------- */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -139,12 +155,36 @@ KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_
                            r->stochastic ? u + i * u_step : u, u_step, r);
 }
 
+KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, size_t n, float s, float lo,
+                                    float hi) {
+    const __m256 sv = _mm256_set1_ps(s), lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 q = _mm256_div_ps(_mm256_loadu_ps(v + i), sv);
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(q, lov, _CMP_GE_OQ), _mm256_cmp_ps(q, hiv, _CMP_LE_OQ));
+        _mm256_storeu_ps(d + i, _mm256_add_ps(_mm256_loadu_ps(d + i), _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
+    }
+    fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+}
+
 static bool cpu_avx2(void) {
     static int has = -1;
     if (has < 0) has = __builtin_cpu_supports("avx2");
     return has;
 }
 #else
+KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, size_t n, float s, float lo,
+                                    float hi) {
+    const __m256 sv = _mm256_set1_ps(s), lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 q = _mm256_div_ps(_mm256_loadu_ps(v + i), sv);
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(q, lov, _CMP_GE_OQ), _mm256_cmp_ps(q, hiv, _CMP_LE_OQ));
+        _mm256_storeu_ps(d + i, _mm256_add_ps(_mm256_loadu_ps(d + i), _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
+    }
+    fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+}
+
 static bool cpu_avx2(void) { return false; }
 #endif
 
@@ -170,6 +210,16 @@ bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {
     if (use_avx2()) return col_absmax_avx2(amax, g, rows, out);
 #endif
     return fqt_col_absmax_ref(amax, g, rows, out);
+}
+
+void fqt_ste_clip(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) {
+        ste_clip_avx2(d, v, tmp, n, s, lo, hi);
+        return;
+    }
+#endif
+    fqt_ste_clip_ref(d, v, tmp, n, s, lo, hi);
 }
 
 void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,

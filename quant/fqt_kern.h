@@ -100,6 +100,17 @@ bool fqt_quant_grad_rows(float *v, float *s, float *part, const float *g, int N,
 bool fqt_quant_grad_cols(int8_t *q, float *s, const float *g, int N, int OC, int P, int tile, const QArrayPlan *p,
                          const FqtNoise *z);
 
+/* ---- the backward's elementwise passes ---------------------------------------------------------------------------- */
+
+/* The sum of x [n] in double: eight partial sums over i mod 8, then
+ * ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); a fixed order. */
+double fqt_sum_f64(const float *x, size_t n);
+
+/* The clipped straight-through estimator: d[i] += tmp[i] where v[i] / s
+ * lies in [lo, hi], else += 0 (d, v, tmp [n]). */
+void fqt_ste_clip(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
+void fqt_ste_clip_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
+
 /* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
 const char *fqt_kern_name(void);
 /* Tests: force the portable kernels (true) or go back to the CPU's best. */

@@ -91,6 +91,20 @@ static void test_span_twins(void) {
             }
 }
 
+static void test_ste_clip_twins(void) {
+    if (!have_fast("STE clip: fast = ref")) return;
+    for (size_t n = 0; n < 70; n += 3) {
+        float *v = edge_data(n, 900 + n, 0.05f), *tmp = test_random_uniform(n, 901 + n, -1.0f, 1.0f);
+        float *a = test_random_uniform(n, 902 + n, -1.0f, 1.0f), *b = malloc((n ? n : 1) * sizeof *b);
+        for (size_t i = 0; i < n; i += 4) a[i] = i % 8 ? -0.0f : 0.0f; /* += 0 turns -0 into +0: the same in both */
+        memcpy(b, a, n * sizeof *a);
+        fqt_ste_clip(a, v, tmp, n, 0.05f, -128.0f, 127.0f);
+        fqt_ste_clip_ref(b, v, tmp, n, 0.05f, -128.0f, 127.0f);
+        CU_ASSERT(same_bits(a, b, n * sizeof *a));
+        free(v), free(tmp), free(a), free(b);
+    }
+}
+
 /* The general rules: the slice's calibrated range, the plan's scale, qarray_plan_encode, the code's value. */
 static float general_scale(const QArrayPlan *p, const float *v, size_t n) {
     CalibRange r;
@@ -289,6 +303,7 @@ int register_quant_qt_kern_suite(void) {
     return !CU_add_test(s, "absmax: fast = ref", test_absmax_twins) ||
            !CU_add_test(s, "column absmax: fast = ref", test_col_absmax_twins) ||
            !CU_add_test(s, "span: fast = ref", test_span_twins) ||
+           !CU_add_test(s, "STE clip: fast = ref", test_ste_clip_twins) ||
            !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
            !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
