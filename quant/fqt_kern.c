@@ -58,7 +58,7 @@ void fqt_ste_clip_ref(float *d, const float *v, const float *tmp, size_t n, floa
     }
 }
 
-double fqt_sum_f64(const float *x, size_t n) {
+double fqt_sum_f64_ref(const float *x, size_t n) {
     double a[8] = {0};
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -167,6 +167,21 @@ KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, 
     fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
 }
 
+/* fqt_sum_f64's eight partial sums as two vectors of four (i mod 8 in 0..3, 4..7): the same additions. */
+KERN_AVX2 static double sum_f64_avx2(const float *x, size_t n) {
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
+    }
+    double a[8];
+    _mm256_storeu_pd(a, lo);
+    _mm256_storeu_pd(a + 4, hi);
+    for (int k = 0; i < n; i++, k++) a[k] += x[i];
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 static bool cpu_avx2(void) {
     static int has = -1;
     if (has < 0) has = __builtin_cpu_supports("avx2");
@@ -183,6 +198,21 @@ KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, 
         _mm256_storeu_ps(d + i, _mm256_add_ps(_mm256_loadu_ps(d + i), _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
     }
     fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+}
+
+/* fqt_sum_f64's eight partial sums as two vectors of four (i mod 8 in 0..3, 4..7): the same additions. */
+KERN_AVX2 static double sum_f64_avx2(const float *x, size_t n) {
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
+    }
+    double a[8];
+    _mm256_storeu_pd(a, lo);
+    _mm256_storeu_pd(a + 4, hi);
+    for (int k = 0; i < n; i++, k++) a[k] += x[i];
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
 static bool cpu_avx2(void) { return false; }
@@ -210,6 +240,13 @@ bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {
     if (use_avx2()) return col_absmax_avx2(amax, g, rows, out);
 #endif
     return fqt_col_absmax_ref(amax, g, rows, out);
+}
+
+double fqt_sum_f64(const float *x, size_t n) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) return sum_f64_avx2(x, n);
+#endif
+    return fqt_sum_f64_ref(x, n);
 }
 
 void fqt_ste_clip(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {

@@ -105,6 +105,7 @@ bool fqt_quant_grad_cols(int8_t *q, float *s, const float *g, int N, int OC, int
 /* The sum of x [n] in double: eight partial sums over i mod 8, then
  * ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); a fixed order. */
 double fqt_sum_f64(const float *x, size_t n);
+double fqt_sum_f64_ref(const float *x, size_t n);
 
 /* The clipped straight-through estimator: d[i] += tmp[i] where v[i] / s
  * lies in [lo, hi], else += 0 (d, v, tmp [n]). */

@@ -91,6 +91,16 @@ static void test_span_twins(void) {
             }
 }
 
+static void test_sum_twins(void) {
+    if (!have_fast("sum: fast = ref")) return;
+    for (size_t n = 0; n < 300; n += 7) {
+        float *x = edge_data(n, 950 + n, 0.3f);
+        double a = fqt_sum_f64(x, n), b = fqt_sum_f64_ref(x, n);
+        CU_ASSERT(memcmp(&a, &b, sizeof a) == 0);
+        free(x);
+    }
+}
+
 static void test_ste_clip_twins(void) {
     if (!have_fast("STE clip: fast = ref")) return;
     for (size_t n = 0; n < 70; n += 3) {
@@ -304,6 +314,7 @@ int register_quant_qt_kern_suite(void) {
            !CU_add_test(s, "column absmax: fast = ref", test_col_absmax_twins) ||
            !CU_add_test(s, "span: fast = ref", test_span_twins) ||
            !CU_add_test(s, "STE clip: fast = ref", test_ste_clip_twins) ||
+           !CU_add_test(s, "sum: fast = ref", test_sum_twins) ||
            !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
            !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
