@@ -188,6 +188,10 @@ static bool integer_gemm(const QType *wt, const QType *at, int fan_in) {
            fan_in < FQT_INT_FAN_IN_MAX;
 }
 
+bool fqt_layer_integer(const FqtLayer *q) {
+    return q && q->spec.weight_qtype && integer_gemm(q->spec.weight_qtype, act_format(q), q->fan_in);
+}
+
 /* ---- the forward ------------------------------------------------------------------------------------------------- */
 
 /* rows and, for conv, the geometry of x against the weight; false with the tape error set. */

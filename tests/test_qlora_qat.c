@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant/fqt_kern.h"
+#include "quant/qgemm.h"
 #include "test_qlora.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
@@ -83,6 +85,46 @@ static void test_qt_run_and_resume(void) {
     free(c0);
     free(c);
     free(s);
+}
+
+/* QT's integer GEMMs are exact and its quantizers' vector kernels are twins of the scalar ones, so a QT run is
+ * the same bits on every int8 kernel family the CPU runs and on the portable quantizers; int8_kernel names the
+ * family. */
+static void test_qt_kernel_families(void) {
+    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
+    const char *ov[] = {"train.steps=6"};
+    Net ref;
+    bool have_ref = false;
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI + 1; isa++) {
+        const bool portable_quant = isa > QGEMM_ISA_AVX512_VNNI; /* last: the best family, scalar quantizers */
+        if (!portable_quant && !qgemm_cpu_has_isa((QGemmIsa)isa)) {
+            test_skip("qt on the %s int8 kernels: this CPU (or OS) lacks them", NAMES[isa]);
+            continue;
+        }
+        char name[32];
+        snprintf(name, sizeof name, "qt-isa-%d", isa);
+        Config *c = load_cfg("tests/configs/tiny-qt.yaml", name, ov, 1);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+        qgemm_force_isa = portable_quant ? -1 : isa;
+        fqt_kern_force_portable(portable_quant);
+        TrainResult r;
+        run_ok(c, NULL, 0, &r);
+        Net n;
+        test_runs_load_net(&n, c, path_in(name, "final.h5"));
+        if (!portable_quant) CU_ASSERT_STRING_EQUAL(net_int8_kernel(&n), NAMES[isa]);
+        qgemm_force_isa = -1;
+        fqt_kern_force_portable(false);
+        if (!have_ref) {
+            ref = n, have_ref = true;
+        } else {
+            const bool same = test_params_equal(&ref.model, &n.model);
+            if (!same) fprintf(stderr, "\n  qt on %s differs from portable\n", portable_quant ? "scalar quantizers" : NAMES[isa]);
+            CU_ASSERT(same);
+            net_free(&n);
+        }
+        free(c);
+    }
+    if (have_ref) net_free(&ref);
 }
 
 /* LoRA over a QAT model: the base is frozen (and fake-quantized in every
@@ -173,6 +215,7 @@ int qlora_add_qat_tests(CU_pSuite s) {
     bool ok = CU_add_test(s, "qat: exact resume; convert evaluates as trained", test_qat_resume_and_convert) &&
               CU_add_test(s, "qat: mode and field combinations", test_qat_config_errors) &&
               CU_add_test(s, "qt: learns; exact resume with gradient noise", test_qt_run_and_resume) &&
+              CU_add_test(s, "qt: the same bits on every int8 kernel family", test_qt_kernel_families) &&
               CU_add_test(s, "qat + lora: frozen fake-quantized base, adapters train", test_qat_lora);
     return ok ? 0 : -1;
 }

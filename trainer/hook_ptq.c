@@ -13,7 +13,9 @@
 #include <string.h>
 
 #include "checkpoint_internal.h"
+#include "quant/fqt.h"
 #include "quant/qarray_io.h"
+#include "quant/qgemm.h"
 #include "trainer/hook.h"
 #include "trainer/interop.h"
 #include "trainer/net.h"
@@ -188,7 +190,15 @@ static const char *ptq_int8_kernel(const HookSet *set) {
     return "none";
 }
 
-const char *net_int8_kernel(const Net *n) { return ptq_int8_kernel(hook_layers_find(&n->hooks, &HOOK_PTQ)); }
+const char *net_int8_kernel(const Net *n) {
+    const char *k = ptq_int8_kernel(hook_layers_find(&n->hooks, &HOOK_PTQ));
+    if (strcmp(k, "none") != 0) return k;
+    /* QT: its integer GEMMs, which run whatever the family (QTRAIN_INT8_KERNEL=float concerns PTQ alone) */
+    static const char *const QT_NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
+    for (int i = 0, c = net_hook_count(n, &HOOK_FQT); i < c; i++)
+        if (fqt_layer_integer(net_fqt_layer(n, i))) return qgemm_force_portable ? "portable" : QT_NAMES[qgemm_isa()];
+    return k;
+}
 
 void net_int8_layers(const Net *n, int *on_kernel, int *with_int8) {
     const HookSet *set = hook_layers_find(&n->hooks, &HOOK_PTQ);
