@@ -28,6 +28,16 @@
  * straight-through estimator (clipped at the operands' ranges) on the
  * dequantized forward operands.
  *
+ * How the products run (fqt_backward.c). Where the forward was integer
+ * and bwd_qtype takes fqt_kern.h's int rules, g is quantized in the
+ * output's own layout, dW is the exact int8 product of g's column codes
+ * and X's codes (qgemm_s8, contraction pieces of at most FQT_DW_CHUNK
+ * rows, scaled per tile), and dX = g_row deq(W) goes through the float
+ * convolution's input-gradient pass (or one GEMM for dense): the row
+ * scales of g and the channel scales of W share W's contraction axis, so
+ * dX has no integer form. Otherwise float GEMMs of the dequantized values.
+ * The codes, scales and noise are the same either way.
+ *
  * Scratch comes from the tape's arena; nothing is allocated per step. */
 #ifndef QTRAIN_QUANT_QT_H
 #define QTRAIN_QUANT_QT_H
@@ -48,9 +58,10 @@
 /* c (M, N) int32 = a (M, K) int8 x b (N, K)^T int8: both operands row-major
  * with K contiguous (the layout of X and W), exact integer arithmetic.
  * The fast kernel and its scalar _ref twin give identical results. The
- * fast kernel is AVX-512 VNNI where the CPU has it (qgemm.h: (a + 128) b^T
- * minus 128 times the row sums of b), else a portable int16 one
- * (qgemm_force_portable picks that one anywhere). */
+ * fast kernel is qgemm.h's family (qgemm_isa): AVX-512 VNNI or AVX-VNNI
+ * ((a + 128) b^T minus 128 times the row sums of b), AVX2 (int16 widening,
+ * vpmaddwd), else a portable int16 one (qgemm_force_portable picks that
+ * one anywhere). Exact, so every family gives the same sums. */
 void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 
