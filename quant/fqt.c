@@ -296,9 +296,17 @@ static void gather_patches_part(const void *ctx, int lo, int hi) {
                         int ih = oh * g->stride + kh - g->padding, iw0 = ow * g->stride - g->padding;
                         if (ih < 0 || ih >= g->H) {
                             memset(d, 0, (size_t)g->KW);
-                        } else if (inside && g->KW == 3) { /* the common kernel: no call per row */
+                        } else if (inside && g->KW == 3) {
+                            /* the common kernel: one 4-byte load and store, the 4th byte rewritten by the next
+                               row of the patch (the pixel's last row: 3 bytes); xb has 4 bytes of slack */
                             const uint8_t *src = xp + (size_t)ih * g->W + iw0;
-                            d[0] = src[0], d[1] = src[1], d[2] = src[2];
+                            if (ch < g->C - 1 || kh < g->KH - 1) {
+                                uint32_t v4;
+                                memcpy(&v4, src, 4);
+                                memcpy(d, &v4, 4);
+                            } else {
+                                d[0] = src[0], d[1] = src[1], d[2] = src[2];
+                            }
                         } else if (inside) {
                             memcpy(d, xp + (size_t)ih * g->W + iw0, (size_t)g->KW);
                         } else {
@@ -330,7 +338,7 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
     float lut[256];
     format_values(at, lut);
     /* one byte per element: the integer value for the integer GEMM, else the code */
-    uint8_t *xb = tape_alloc(t, numel);
+    uint8_t *xb = tape_alloc(t, numel + 4); /* 4 bytes of slack: gather_patches' 4-byte loads */
     float *part = tape_alloc(t, (size_t)parallel_get_threads() * sizeof *part);
     if (!xb || !part) return false;
     if (fqt_plan_fast(&p) && fqt_quant_tensor((int8_t *)xb, NULL, &c->sx, part, x->value.data, numel, &p)) {

@@ -236,13 +236,15 @@ typedef struct {
     size_t n, row;
     int s_step;
     float lo, hi;
+    bool write;               /* d not yet written (tape_grad_to_write): = instead of += */
 } ClipJob;
 
 static void clip_part(const void *ctx, int lo, int hi) {
     const ClipJob *j = ctx;
     for (int r = lo; r < hi; r++) {
         const size_t a = (size_t)r * j->row, b = a + j->row < j->n ? a + j->row : j->n;
-        fqt_ste_clip(j->d + a, j->v + a, j->tmp + a, b - a, j->s[(size_t)r * j->s_step], j->lo, j->hi);
+        (j->write ? fqt_ste_clip_write : fqt_ste_clip)(j->d + a, j->v + a, j->tmp + a, b - a,
+                                                        j->s[(size_t)r * j->s_step], j->lo, j->hi);
     }
 }
 
@@ -255,7 +257,8 @@ static void clip_run(ClipJob *j) {
 static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row, bool nchw) {
     const size_t nx = var_numel(x);
     const int rows = c->rows, out = c->out, K = c->fan_in;
-    float *dx = tape_grad(t, x), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
+    bool fresh = false;
+    float *dx = tape_grad_to_write(t, x, &fresh), *tmp = tape_alloc(t, nx * sizeof *tmp); /* x's shape */
     if (!dx || !tmp) return false;
     if (!c->conv) {
         gemm_f32(false, false, rows, K, out, 1.0f, g_row, out, c->wd, K, 0.0f, tmp, K);
@@ -273,7 +276,7 @@ static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row, boo
         col2im(tmp, dcol, g->N, g->C, g->H, g->W, g->KH, g->KW, g->stride, g->padding, g->OH, g->OW);
     }
     ClipJob j = {.d = dx, .v = x->value.data, .tmp = tmp, .s = &c->sx, .n = nx, .row = CLIP_CHUNK, .s_step = 0,
-                 .lo = c->x_lo, .hi = c->x_hi};
+                 .lo = c->x_lo, .hi = c->x_hi, .write = fresh};
     clip_run(&j);
     return true;
 }
@@ -425,24 +428,27 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
     const size_t nw = (size_t)out * K;
     int8_t *xt = tape_alloc(t, (size_t)rows * K);              /* chunk-major blocks (fan_in, L) */
     int32_t *acc = tape_alloc(t, nw * sizeof *acc);            /* (fan_in, out): the chunk's product, transposed */
-    int64_t *sum = tape_alloc(t, nw * sizeof *sum);            /* (fan_in, out): the tile's so far */
+    int64_t *sum = tape_alloc(t, nw * sizeof *sum);            /* (fan_in, out): a tile's chunks so far */
     float *tmp = tape_alloc(t, nw * sizeof *tmp), *dw = tape_grad(t, w); /* (out, fan_in) */
     if (!xt || !acc || !sum || !tmp || !dw) return false;
-    memset(sum, 0, nw * sizeof *sum);
-    memset(tmp, 0, nw * sizeof *tmp);
-    for (int r0 = 0, ti = 0; r0 < rows;) {
+    for (int r0 = 0, ti = 0, in_tile = 0; r0 < rows; in_tile++) {
         const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
+        const bool tile_done = r1 == rows || r1 % tile == 0;
         XtJob xj = {xt, c, r0, L};
         fqt_shares_run(K, (size_t)K * L, xt_part, &xj);
         /* X^T g: the output channels are the kernel's vector lanes */
         fqt_qgemm_s8(acc, xt + (size_t)r0 * K, gq + (size_t)r0 * out, K, out, L);
-        for (size_t i = 0; i < nw; i++) sum[i] += acc[i];
-        if (r1 == rows || r1 % tile == 0) { /* the tile is complete: scale it */
+        if (in_tile > 0 || !tile_done) /* a tile of several chunks: its sum in int64 */
+            for (size_t i = 0; i < nw; i++) sum[i] = (in_tile > 0 ? sum[i] : 0) + acc[i];
+        if (tile_done) { /* scale the tile */
             const float *st = s_col + (size_t)ti * out;
             for (int k = 0; k < K; k++)
-                for (int o = 0; o < out; o++) tmp[(size_t)o * K + k] += (float)sum[(size_t)k * out + o] * st[o];
-            memset(sum, 0, nw * sizeof *sum);
-            ti++;
+                for (int o = 0; o < out; o++) {
+                    const size_t i = (size_t)k * out + o;
+                    float v = (float)(in_tile > 0 ? sum[i] : (int64_t)acc[i]) * st[o];
+                    tmp[(size_t)o * K + k] = ti == 0 ? v : tmp[(size_t)o * K + k] + v;
+                }
+            ti++, in_tile = -1;
         }
         r0 = r1;
     }

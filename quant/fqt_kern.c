@@ -58,6 +58,13 @@ void fqt_ste_clip_ref(float *d, const float *v, const float *tmp, size_t n, floa
     }
 }
 
+void fqt_ste_clip_write_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
+    for (size_t i = 0; i < n; i++) {
+        float q = v[i] / s;
+        d[i] = 0.0f + (q >= lo && q <= hi ? tmp[i] : 0.0f);
+    }
+}
+
 double fqt_sum_f64_ref(const float *x, size_t n) {
     double a[8] = {0};
     size_t i = 0;
@@ -155,16 +162,19 @@ KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_
                            r->stochastic ? u + i * u_step : u, u_step, r);
 }
 
+/* write: d = 0 + masked tmp (the bits of a zeroed d), else d += masked tmp. */
 KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, size_t n, float s, float lo,
-                                    float hi) {
+                                    float hi, bool write) {
     const __m256 sv = _mm256_set1_ps(s), lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 q = _mm256_div_ps(_mm256_loadu_ps(v + i), sv);
         const __m256 in = _mm256_and_ps(_mm256_cmp_ps(q, lov, _CMP_GE_OQ), _mm256_cmp_ps(q, hiv, _CMP_LE_OQ));
-        _mm256_storeu_ps(d + i, _mm256_add_ps(_mm256_loadu_ps(d + i), _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
+        const __m256 base = write ? _mm256_setzero_ps() : _mm256_loadu_ps(d + i);
+        _mm256_storeu_ps(d + i, _mm256_add_ps(base, _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
     }
-    fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+    if (write) fqt_ste_clip_write_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+    else fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
 }
 
 /* fqt_sum_f64's eight partial sums as two vectors of four (i mod 8 in 0..3, 4..7): the same additions. */
@@ -188,16 +198,19 @@ static bool cpu_avx2(void) {
     return has;
 }
 #else
+/* write: d = 0 + masked tmp (the bits of a zeroed d), else d += masked tmp. */
 KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, size_t n, float s, float lo,
-                                    float hi) {
+                                    float hi, bool write) {
     const __m256 sv = _mm256_set1_ps(s), lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 q = _mm256_div_ps(_mm256_loadu_ps(v + i), sv);
         const __m256 in = _mm256_and_ps(_mm256_cmp_ps(q, lov, _CMP_GE_OQ), _mm256_cmp_ps(q, hiv, _CMP_LE_OQ));
-        _mm256_storeu_ps(d + i, _mm256_add_ps(_mm256_loadu_ps(d + i), _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
+        const __m256 base = write ? _mm256_setzero_ps() : _mm256_loadu_ps(d + i);
+        _mm256_storeu_ps(d + i, _mm256_add_ps(base, _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
     }
-    fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+    if (write) fqt_ste_clip_write_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
+    else fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
 }
 
 /* fqt_sum_f64's eight partial sums as two vectors of four (i mod 8 in 0..3, 4..7): the same additions. */
@@ -252,11 +265,21 @@ double fqt_sum_f64(const float *x, size_t n) {
 void fqt_ste_clip(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
 #if defined(__x86_64__) || defined(__i386__)
     if (use_avx2()) {
-        ste_clip_avx2(d, v, tmp, n, s, lo, hi);
+        ste_clip_avx2(d, v, tmp, n, s, lo, hi, false);
         return;
     }
 #endif
     fqt_ste_clip_ref(d, v, tmp, n, s, lo, hi);
+}
+
+void fqt_ste_clip_write(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) {
+        ste_clip_avx2(d, v, tmp, n, s, lo, hi, true);
+        return;
+    }
+#endif
+    fqt_ste_clip_write_ref(d, v, tmp, n, s, lo, hi);
 }
 
 void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,

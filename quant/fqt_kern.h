@@ -111,6 +111,10 @@ double fqt_sum_f64_ref(const float *x, size_t n);
  * lies in [lo, hi], else += 0 (d, v, tmp [n]). */
 void fqt_ste_clip(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
 void fqt_ste_clip_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
+/* The same into a d not yet written: d[i] = 0 + (tmp[i] or 0), the bits
+ * fqt_ste_clip leaves in a zeroed d. */
+void fqt_ste_clip_write(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
+void fqt_ste_clip_write_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
 
 /* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
 const char *fqt_kern_name(void);

@@ -111,6 +111,14 @@ static void test_ste_clip_twins(void) {
         fqt_ste_clip(a, v, tmp, n, 0.05f, -128.0f, 127.0f);
         fqt_ste_clip_ref(b, v, tmp, n, 0.05f, -128.0f, 127.0f);
         CU_ASSERT(same_bits(a, b, n * sizeof *a));
+        /* into an unwritten d: the bits of adding into zeros */
+        for (size_t i = 0; i < n; i++) a[i] = NAN, b[i] = 0.0f;
+        fqt_ste_clip_write(a, v, tmp, n, 0.05f, -128.0f, 127.0f);
+        fqt_ste_clip_ref(b, v, tmp, n, 0.05f, -128.0f, 127.0f);
+        CU_ASSERT(same_bits(a, b, n * sizeof *a));
+        for (size_t i = 0; i < n; i++) a[i] = NAN;
+        fqt_ste_clip_write_ref(a, v, tmp, n, 0.05f, -128.0f, 127.0f);
+        CU_ASSERT(same_bits(a, b, n * sizeof *a));
         free(v), free(tmp), free(a), free(b);
     }
 }
