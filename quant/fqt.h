@@ -64,6 +64,12 @@
  * one anywhere). Exact, so every family gives the same sums. */
 void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+/* c (M, N) = a (M, K) b (K, N): b row-major with rows ldb apart (N
+ * contiguous: the im2col layout of a conv's input codes), c's rows ldc
+ * apart, so column ranges of one product can run on different threads.
+ * The same kernel families and exactness as qgemm_s8. */
+void qgemm_s8_nn(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
+void qgemm_s8_nn_ref(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
 
 /* ---- the layer --------------------------------------------------------------------------------- */
 

@@ -476,6 +476,52 @@ static void qgemm_s8_portable(int32_t *c, const int8_t *a, const int8_t *b, int 
     }
 }
 
+void qgemm_s8_nn_ref(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            int32_t acc = 0;
+            for (int k = 0; k < K; k++) acc += (int32_t)a[(size_t)i * K + k] * (int32_t)b[(size_t)k * ldb + j];
+            c[(size_t)i * ldc + j] = acc;
+        }
+}
+
+/* The portable qgemm_s8_nn: a block of QG_NB columns of b widened and transposed into the layout of
+ * qgemm_s8_portable's, then the same dot products. */
+static void qgemm_s8_nn_portable(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N,
+                                 int K) {
+    _Alignas(64) int16_t bw[QG_NB * QG_KB]; /* (QG_NB, QG_KB) the current block of b, transposed */
+    _Alignas(64) int16_t aw[QG_KB];
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) c[(size_t)i * ldc + j] = 0;
+    for (int k0 = 0; k0 < K; k0 += QG_KB) {
+        int kn = K - k0 < QG_KB ? K - k0 : QG_KB;
+        for (int j0 = 0; j0 < N; j0 += QG_NB) {
+            int jn = N - j0 < QG_NB ? N - j0 : QG_NB;
+            for (int k = 0; k < kn; k++)
+                for (int j = 0; j < jn; j++) bw[(size_t)j * QG_KB + k] = b[(size_t)(k0 + k) * ldb + j0 + j];
+            for (int i = 0; i < M; i++) {
+                const int8_t *ar = a + (size_t)i * K + k0; /* [kn] */
+                for (int k = 0; k < kn; k++) aw[k] = ar[k];
+                int32_t *cr = c + (size_t)i * ldc + j0; /* [jn] */
+                int j = 0;
+                for (; j + 4 <= jn; j += 4) dot4_s16(cr + j, aw, bw + (size_t)j * QG_KB, kn);
+                for (; j < jn; j++) cr[j] += dot1_s16(aw, bw + (size_t)j * QG_KB, kn);
+            }
+        }
+    }
+}
+
+void qgemm_s8_nn(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    if (M <= 0 || N <= 0) return;
+    const QGemmIsa isa = K > 0 ? qgemm_isa() : QGEMM_ISA_PORTABLE; /* K = 0: the portable loop writes the zeros */
+    switch (isa) {
+    case QGEMM_ISA_AVX512_VNNI: qgemm_s8_nn_vnni(c, ldc, a, b, ldb, M, N, K); break;
+    case QGEMM_ISA_AVXVNNI: qgemm_s8_nn_avxvnni(c, ldc, a, b, ldb, M, N, K); break;
+    case QGEMM_ISA_AVX2: qgemm_s8_nn_avx2(c, ldc, a, b, ldb, M, N, K); break;
+    default: qgemm_s8_nn_portable(c, ldc, a, b, ldb, M, N, K); break;
+    }
+}
+
 void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     if (M <= 0 || N <= 0) return;
     const QGemmIsa isa = K > 0 ? qgemm_isa() : QGEMM_ISA_PORTABLE; /* K = 0: the portable loop writes the zeros */

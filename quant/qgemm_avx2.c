@@ -516,8 +516,8 @@ static void s8a_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0,
 }
 
 /* The block's sums of one tile row into c's row i, columns j0 .. j0 + jn. */
-QA_TARGET QA_INLINE void s8a_store(int32_t *c, int N, int i, int j0, int jn, __m256i v, bool first) {
-    int32_t *dst = c + (size_t)i * N + j0;
+QA_TARGET QA_INLINE void s8a_store(int32_t *c, int ldc, int i, int j0, int jn, __m256i v, bool first) {
+    int32_t *dst = c + (size_t)i * ldc + j0;
     if (jn >= 8) {
         if (!first) v = _mm256_add_epi32(v, _mm256_loadu_si256((const __m256i *)dst));
         _mm256_storeu_si256((__m256i *)dst, v);
@@ -598,8 +598,94 @@ QV_TARGET void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, in
     }
 }
 
+/* ---- int8 x int8, b as (K, N): qgemm_s8_nn ---------------------------------------------------------------------
+ * The same tiles; a group's 8 columns x 4 bytes are 4 rows of b, 8 bytes each, transposed in registers. */
+
+/* 8 bytes of b's row k from column j (n of them, the rest 0); 0 past the block's kn rows. */
+static inline __m128i nn_row8(const int8_t *b, int ldb, int k, int kn, int j, int n) {
+    if (k >= kn) return _mm_setzero_si128();
+    const int8_t *src = b + (size_t)k * ldb + j;
+    uint64_t v = 0;
+    memcpy(&v, src, (size_t)(n >= 8 ? 8 : n));
+    return _mm_cvtsi64_si128((long long)v);
+}
+
+/* b's columns [j0, j0 + jn) (jn <= 8) over its rows [k0, k0 + kn) -> pack [kg][8][4], as s8a_pack, and the sums. */
+QA_TARGET static void s8a_pack_nn(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
+                                  int kn, int kg) {
+    __m256i cs = _mm256_setzero_si256();
+    const int8_t *bk = b + (size_t)k0 * ldb;
+    for (int g = 0; g < kg; g++) {
+        __m128i r[4];
+        for (int t = 0; t < 4; t++) {
+            r[t] = nn_row8(bk, ldb, 4 * g + t, kn, j0, jn);
+            cs = _mm256_add_epi32(cs, _mm256_cvtepi8_epi32(r[t]));
+        }
+        const __m128i t01 = _mm_unpacklo_epi8(r[0], r[1]), t23 = _mm_unpacklo_epi8(r[2], r[3]);
+        __m128i *dst = (__m128i *)(void *)(pack + (size_t)g * 32);
+        _mm_store_si128(dst, _mm_unpacklo_epi16(t01, t23));     /* columns 0..3, 4 bytes each */
+        _mm_store_si128(dst + 1, _mm_unpackhi_epi16(t01, t23)); /* 4..7 */
+    }
+    _mm256_storeu_si256((__m256i *)(void *)sum, cs);
+}
+
+QA_TARGET void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
+    _Alignas(32) int32_t sum[8];
+    for (int j0 = 0; j0 < N; j0 += 8) {
+        const int jn = N - j0 < 8 ? N - j0 : 8;
+        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
+            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
+            s8a_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
+            for (int i = 0; i < M; i += QA_ROWS) {
+                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
+                const int8_t *rows[QA_ROWS];
+                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
+                __m256i acc[QA_ROWS][2];
+#pragma GCC unroll 6
+                for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+                for (int g = 0; g < full; g++) s8a_group_avx2(acc, rows, pack + (size_t)g * 32, g, 4);
+                if (kn % 4) s8a_group_avx2(acc, rows, pack + (size_t)full * 32, full, kn % 4);
+                for (int r = 0; r < nr; r++)
+                    s8a_store(c, ldc, i + r, j0, jn, pair_sums(acc[r][0], acc[r][1]), k0 == 0);
+            }
+        }
+    }
+}
+
+QV_TARGET void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N,
+                                   int K) {
+    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
+    _Alignas(32) int32_t sum[8];
+    for (int j0 = 0; j0 < N; j0 += 8) {
+        const int jn = N - j0 < 8 ? N - j0 : 8;
+        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
+            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
+            s8a_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
+            const __m256i corr = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)sum), 7); /* 128 sum */
+            for (int i = 0; i < M; i += QA_ROWS) {
+                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
+                const int8_t *rows[QA_ROWS];
+                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
+                __m256i acc[QA_ROWS];
+#pragma GCC unroll 6
+                for (int r = 0; r < QA_ROWS; r++) acc[r] = _mm256_setzero_si256();
+                for (int g = 0; g < full; g++) s8a_group_avxvnni(acc, rows, pack + (size_t)g * 32, g, 4);
+                if (kn % 4) s8a_group_avxvnni(acc, rows, pack + (size_t)full * 32, full, kn % 4);
+                for (int r = 0; r < nr; r++) s8a_store(c, ldc, i + r, j0, jn, _mm256_sub_epi32(acc[r], corr), k0 == 0);
+            }
+        }
+    }
+}
+
 #else /* not x86: qgemm_isa() is always portable, so these are never called */
 
+void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    qgemm_s8_nn_ref(c, ldc, a, b, ldb, M, N, K);
+}
+void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    qgemm_s8_nn_ref(c, ldc, a, b, ldb, M, N, K);
+}
 void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     qgemm_s8_ref(c, a, b, M, N, K);
 }

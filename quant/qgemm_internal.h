@@ -33,5 +33,9 @@ bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4]
 void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+/* qgemm_s8_nn's families. */
+void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
+void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
+void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
 
 #endif

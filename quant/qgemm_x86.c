@@ -545,7 +545,79 @@ QG_TARGET void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M
     }
 }
 
+/* ---- int8 x int8, b as (K, N) ------------------------------------------------------------------------------------
+ * qgemm_s8_nn: c (M, N) = a (M, K) b (K, N), b's rows ldb apart, c's ldc. The same tiles as qgemm_s8; only the
+ * packing differs: a group's 16 lanes x 4 bytes are 4 rows of b, 16 bytes each, transposed in registers. */
+
+/* 16 bytes of b's row k from column j (n of them, the rest 0). */
+static inline __m128i nn_row16(const int8_t *b, int ldb, int k, int kn, int j, int n) {
+    if (k >= kn) return _mm_setzero_si128();
+    const int8_t *src = b + (size_t)k * ldb + j;
+    if (n >= 16) return _mm_loadu_si128((const __m128i *)(const void *)src);
+    _Alignas(16) int8_t t[16] = {0};
+    memcpy(t, src, (size_t)(n > 0 ? n : 0));
+    return _mm_load_si128((const __m128i *)(const void *)t);
+}
+
+/* b's columns [j0, j0 + jn) (jn <= 48) over its rows [k0, k0 + kn) -> 3 panels of kg groups, as s8_pack lays
+ * them out, and each column's sum over the rows. */
+QG_TARGET static void s8_pack_nn(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
+                                 int kn, int kg) {
+    for (int v = 0; v < QG_V; v++) {
+        const int n = jn - v * QGEMM_LANES;
+        __m512i cs = _mm512_setzero_si512();
+        for (int g = 0; g < kg; g++) {
+            __m128i r[4];
+            for (int t = 0; t < 4; t++) r[t] = nn_row16(b + k0 * (size_t)ldb, ldb, 4 * g + t, kn, j0 + v * QGEMM_LANES, n);
+            for (int t = 0; t < 4; t++) cs = _mm512_add_epi32(cs, _mm512_cvtepi8_epi32(r[t]));
+            const __m128i t01l = _mm_unpacklo_epi8(r[0], r[1]), t01h = _mm_unpackhi_epi8(r[0], r[1]);
+            const __m128i t23l = _mm_unpacklo_epi8(r[2], r[3]), t23h = _mm_unpackhi_epi8(r[2], r[3]);
+            __m128i *dst = (__m128i *)(void *)(pack + ((size_t)v * kg + g) * 64);
+            _mm_store_si128(dst, _mm_unpacklo_epi16(t01l, t23l));     /* columns 0..3, 4 bytes each */
+            _mm_store_si128(dst + 1, _mm_unpackhi_epi16(t01l, t23l)); /* 4..7 */
+            _mm_store_si128(dst + 2, _mm_unpacklo_epi16(t01h, t23h)); /* 8..11 */
+            _mm_store_si128(dst + 3, _mm_unpackhi_epi16(t01h, t23h)); /* 12..15 */
+        }
+        _mm512_store_si512((void *)(sum + v * QGEMM_LANES), cs);
+    }
+}
+
+QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M, int N, int K, int i0, int j0, int k0,
+                                    int kn, const int8_t *pack, const int32_t *sum, int kg, const int V) {
+    const int nrows = M - i0 < QGEMM_ROWS ? M - i0 : QGEMM_ROWS;
+    const uint8_t *rows[QGEMM_ROWS];
+    for (int r = 0; r < QGEMM_ROWS; r++)
+        rows[r] = (const uint8_t *)a + (size_t)(i0 + (r < nrows ? r : 0)) * K + k0;
+    __m512i acc[QGEMM_ROWS][QG_V];
+    dense_acc(acc, rows, pack, (size_t)kg * 64, kn, V, true);
+    QGemmPackedB pb = {.n = N - j0, .k = kn, .k_groups = kg, .panels = V};
+    QGemmDense d = {.a_zero = 128, .b = &pb, .c_i32 = c + j0, .ldc = ldc};
+    dense_epilogue(&d, acc, sum, i0, nrows, 0, V, k0 > 0);
+}
+
+QG_TARGET void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    _Alignas(64) int8_t pack[QG_V * S8_KB / 4 * 64];
+    _Alignas(64) int32_t sum[QG_V * QGEMM_LANES];
+    for (int j0 = 0; j0 < N; j0 += QG_V * QGEMM_LANES) {
+        const int jn = N - j0 < QG_V * QGEMM_LANES ? N - j0 : QG_V * QGEMM_LANES;
+        const int V = (jn + QGEMM_LANES - 1) / QGEMM_LANES;
+        for (int k0 = 0; k0 < K; k0 += S8_KB) {
+            const int kn = K - k0 < S8_KB ? K - k0 : S8_KB, kg = (kn + 3) / 4;
+            s8_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
+            for (int i = 0; i < M; i += QGEMM_ROWS) {
+                if (V == 3) s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 3);
+                else if (V == 2) s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 2);
+                else s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 1);
+            }
+        }
+    }
+}
+
 #else /* not x86: qgemm_use_vnni() is always false, so these are never called */
+
+void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    qgemm_s8_nn_ref(c, ldc, a, b, ldb, M, N, K);
+}
 
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     qgemm_dense_portable(d, row0, row1, p0, p1);

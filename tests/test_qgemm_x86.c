@@ -469,6 +469,43 @@ static void s8_case(int M, int N, int K, uint64_t seed, bool extremes) {
     free(a), free(b), free(c1), free(c2), free(ref);
 }
 
+/* qgemm_s8_nn: b (K, N) with rows ldb apart, c's ldc, on every family the CPU runs and on the portable one. */
+static void s8_nn_case(int M, int N, int K, int pad, uint64_t seed, bool extremes) {
+    const int ldb = N + pad, ldc = N + 2 * pad;
+    size_t na = (size_t)M * K, nb = (size_t)K * ldb + 1, nc = (size_t)M * ldc;
+    int8_t *a = xmalloc(na + 1), *b = xmalloc(nb);
+    int32_t *c = xmalloc(nc * 4 + 4), *ref = xmalloc(nc * 4 + 4);
+    Rng r;
+    rng_init(&r, seed, 7);
+    fill_bytes((uint8_t *)a, na, &r);
+    fill_bytes((uint8_t *)b, nb, &r);
+    if (extremes) memset(a, 0x80, na), memset(b, 0x80, nb);
+    memset(ref, 0x77, nc * 4);
+    qgemm_s8_nn_ref(ref, ldc, a, b, ldb, M, N, K);
+    char what[96];
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+        if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
+        qgemm_force_isa = isa;
+        memset(c, 0x77, nc * 4); /* the gaps between rows keep the bytes they had, as ref's */
+        qgemm_s8_nn(c, ldc, a, b, ldb, M, N, K);
+        snprintf(what, sizeof what, "qgemm_s8_nn (%d, %d, %d) ldb %d isa %d", M, N, K, ldb, isa);
+        CU_ASSERT(same_or_say(c, ref, nc * 4, what));
+    }
+    qgemm_force_isa = -1;
+    free(a), free(b), free(c), free(ref);
+}
+
+static void test_s8_nn(void) {
+    static const int MS[] = {1, 6, 8, 9, 33}, NS[] = {1, 7, 8, 15, 16, 17, 47, 48, 49, 100},
+                     KS[] = {1, 3, 4, 9, 288, 511, 512, 513};
+    uint64_t seed = 400;
+    for (size_t i = 0; i < sizeof MS / sizeof *MS; i++)
+        for (size_t j = 0; j < sizeof NS / sizeof *NS; j++)
+            for (size_t k = 0; k < sizeof KS / sizeof *KS; k++) s8_nn_case(MS[i], NS[j], KS[k], (int)(k % 3), seed++, false);
+    s8_nn_case(3, 50, 1 << 16, 5, 1, true); /* (-128)^2 summed over 2^16 */
+    s8_nn_case(4, 5, 0, 1, 2, false);       /* no terms: zeros */
+}
+
 static void test_s8(void) {
     static const int MS[] = {1, 6, 7, 8, 9, 17}, NS[] = {1, 7, 8, 9, 16, 47, 48, 49, 97},
                      KS[] = {1, 5, 511, 512, 513, 3001};
@@ -544,5 +581,6 @@ int register_quant_int8_suite(void) {
            !CU_add_test(s, "taps relu and relu + 2x2 max pool epilogues", test_taps_relu_pool) ||
            !CU_add_test(s, "activation codes equal fake quantization's", test_quantize) ||
            !CU_add_test(s, "qgemm_s8 on both paths", test_s8) ||
+           !CU_add_test(s, "qgemm_s8_nn (b as K x N, strides) on every family", test_s8_nn) ||
            !CU_add_test(s, "dispatch and packing errors", test_dispatch_and_errors) || qlayer_int8_tests_add(s);
 }
