@@ -325,8 +325,63 @@ static void gather_patches(uint8_t *rows, const uint8_t *x, const FqtConvGeom *g
     fqt_shares_run(g->N, (size_t)g->N * g->OH * g->OW * g->C * g->KH * g->KW, gather_patches_part, &j);
 }
 
+/* Rows [lo, hi) of X^T's block (the elements k of a patch): fqt_gather_xt. */
+typedef struct {
+    int8_t *xt;
+    const FqtCtx *c;
+    int r0, L;
+} XtJob;
+
+static void xt_part(const void *ctx, int lo, int hi) {
+    const XtJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const int K = c->fan_in, r1 = j->r0 + j->L;
+    for (int k = lo; k < hi; k++) {
+        int8_t *dst = j->xt + (size_t)j->r0 * K + (size_t)k * j->L; /* [L] */
+        if (!c->conv) {
+            for (int r = j->r0; r < r1; r++) *dst++ = c->xb[(size_t)r * K + k];
+            continue;
+        }
+        const FqtConvGeom *g = &c->cg;
+        const int P = g->OH * g->OW, ch = k / (g->KH * g->KW), kh = k / g->KW % g->KH, kw = k % g->KW;
+        const int s = g->stride, off = kw - g->padding; /* iw = ow * s + off */
+        /* [ow_lo, ow_hi): the output columns whose iw lies inside the row */
+        const int ow_lo = off >= 0 ? 0 : (-off + s - 1) / s;
+        int ow_hi = g->W - 1 - off < 0 ? 0 : (g->W - 1 - off) / s + 1;
+        if (ow_hi > g->OW) ow_hi = g->OW;
+        int n = j->r0 / P, oh = j->r0 % P / g->OW, ow = j->r0 % g->OW;
+        for (int r = j->r0; r < r1;) {
+            const int run = g->OW - ow < r1 - r ? g->OW - ow : r1 - r, ih = oh * s + kh - g->padding;
+            if (ih < 0 || ih >= g->H) {
+                memset(dst, 0, (size_t)run);
+            } else {
+                const int8_t *row = c->xb + (((size_t)n * g->C + ch) * g->H + ih) * g->W; /* [W] */
+                const int a = ow_lo > ow ? (ow_lo < ow + run ? ow_lo : ow + run) : ow;
+                const int b = ow_hi < ow + run ? (ow_hi > a ? ow_hi : a) : ow + run;
+                memset(dst, 0, (size_t)(a - ow));
+                if (s == 1) {
+                    memcpy(dst + (a - ow), row + a + off, (size_t)(b - a));
+                } else {
+                    for (int q = a; q < b; q++) dst[q - ow] = row[q * s + off];
+                }
+                memset(dst + (b - ow), 0, (size_t)(ow + run - b));
+            }
+            dst += run, r += run, ow += run;
+            if (ow == g->OW) {
+                ow = 0;
+                if (++oh == g->OH) oh = 0, n++;
+            }
+        }
+    }
+}
+
+void fqt_gather_xt(int8_t *xt, const FqtCtx *c, int r0, int L) {
+    XtJob j = {xt, c, r0, L};
+    fqt_shares_run(c->fan_in, (size_t)c->fan_in * L, xt_part, &j);
+}
+
 /* x per tensor: the scale sx and X, as integer codes xc (integer GEMM) or values xd. */
-static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, bool integer) {
+static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, bool integer, bool xt_path) {
     const QType *at = act_format(q);
     size_t numel = var_numel(x);
     QArrayOptions o = {.range = QARRAY_RANGE_SYMMETRIC}; /* no axes: one scale */
@@ -351,6 +406,10 @@ static bool quantize_input(Tape *t, const FqtLayer *q, const Var *x, FqtCtx *c, 
             uint32_t code = qarray_plan_encode(&p, x->value.data[i], c->sx, 0.0f, QROUND_RNE, 0.0f);
             xb[i] = integer ? (uint8_t)(int8_t)lut[code] : (uint8_t)code;
         }
+    }
+    if (xt_path) { /* forward_product_xt gathers X^T from xb */
+        c->xb = (const int8_t *)xb;
+        return true;
     }
     size_t n = (size_t)c->rows * c->fan_in;
     uint8_t *rows = xb;
@@ -468,6 +527,73 @@ static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Va
     return true;
 }
 
+/* acc (out, rows) columns [r0 + lo, r0 + hi) = W X^T over a chunk of X^T (fan_in, L) at xt. */
+typedef struct {
+    int32_t *acc;
+    const int8_t *w, *xt;
+    int rows, out, K, L;
+} NnJob;
+
+static void nn_part(const void *ctx, int lo, int hi) {
+    const NnJob *j = ctx;
+    qgemm_s8_nn(j->acc + lo, j->rows, j->w, j->xt + lo, j->L, j->out, hi - lo, j->K);
+}
+
+/* y[n][o][p] from acc (out, rows) (the pixel's row n*P + p) as forward_product lays it out, images [lo, hi). */
+typedef struct {
+    const FqtCtx *c;
+    const int32_t *acc;
+    const float *b;
+    float *y, *scratch; /* scratch: [threads][OH*OW], fused epilogues */
+    uint8_t *winner;
+} NnLayoutJob;
+
+static void nn_layout_part(const void *ctx, int lo, int hi) {
+    const NnLayoutJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    const bool pooled = c->epi == CONV_EPI_RELU_MAXPOOL2;
+    const size_t out_plane = pooled ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : plane;
+    float *pre = j->scratch ? j->scratch + (size_t)parallel_thread_index() * plane : NULL;
+    for (int n = lo; n < hi; n++)
+        for (int o = 0; o < c->out; o++) {
+            const int32_t *src = j->acc + (size_t)o * c->rows + (size_t)n * plane; /* [OH*OW] */
+            const float so = c->sw[o], bo = j->b ? j->b[o] : 0.0f;
+            const size_t at = ((size_t)n * c->out + o) * out_plane;
+            if (c->epi == CONV_EPI_NONE) {
+                for (size_t p = 0; p < plane; p++) j->y[at + p] = (float)src[p] * c->sx * so + bo;
+                continue;
+            }
+            for (size_t p = 0; p < plane; p++) pre[p] = (float)src[p] * c->sx * so;
+            nn_conv_epilogue_plane(j->y + at, pooled ? j->winner + at : NULL, pre, bo, c->cg.OH, c->cg.OW, c->epi);
+        }
+}
+
+/* The conv's product as W (out, fan_in) X^T (fan_in, rows): X^T gathered chunk by chunk (the weight gradient's
+ * chunks, kept in c->xt for it), the integer sums (out, rows) then laid out (and the epilogue) as
+ * forward_product does: the same values. */
+static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
+    const int rows = c->rows, out = c->out, K = c->fan_in, tile = fqt_grad_tile(c);
+    int8_t *xt = tape_alloc(t, (size_t)rows * K);                   /* chunk-major blocks (fan_in, L) */
+    int32_t *acc = tape_alloc(t, (size_t)out * rows * sizeof *acc); /* (out, rows) */
+    if (!xt || !acc) return false;
+    for (int r0 = 0; r0 < rows;) {
+        const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
+        fqt_gather_xt(xt, c, r0, L);
+        NnJob nj = {acc + r0, wc, xt + (size_t)r0 * K, rows, out, K, L};
+        fqt_shares_run(L, (size_t)out * L * K >> 5, nn_part, &nj);
+        r0 = r1;
+    }
+    c->xt = xt;
+    NnLayoutJob lj = {.c = c, .acc = acc, .b = bias ? bias->value.data : NULL, .y = y->value.data,
+                      .winner = (uint8_t *)c->winner};
+    if (c->epi != CONV_EPI_NONE &&
+        !(lj.scratch = tape_alloc(t, (size_t)parallel_get_threads() * c->cg.OH * c->cg.OW * sizeof(float))))
+        return false;
+    fqt_shares_run(c->cg.N, (size_t)rows * out, nn_layout_part, &lj);
+    return true;
+}
+
 /* The layer's forward with epi fused after it (conv; CONV_EPI_NONE for dense), its bias added before epi. */
 static Var *fqt_forward(Tape *t, FqtLayer *q, Var *x, Var *bias, ConvEpilogue epi) {
     if (!t || !x) return NULL;
@@ -486,8 +612,10 @@ static Var *fqt_forward(Tape *t, FqtLayer *q, Var *x, Var *bias, ConvEpilogue ep
     *c = (FqtCtx){.q = q, .conv = m->spec.type == LAYER_CONV2D, .out = q->out, .fan_in = q->fan_in, .epi = epi};
     bool integer = integer_gemm(q->spec.weight_qtype, act_format(q), q->fan_in);
     int8_t *wc = NULL;
-    if (!input_geometry(t, q, x, c) || !quantize_weight(t, q, c, integer, &wc) || !quantize_input(t, q, x, c, integer))
-        return NULL;
+    if (!input_geometry(t, q, x, c)) return NULL;
+    /* a conv whose backward (if any) is integer multiplies W by X^T: the codes the weight gradient reads too */
+    const bool xt_path = c->conv && integer && (!t->grad_enabled || fqt_int_backward_applies(c));
+    if (!quantize_weight(t, q, c, integer, &wc) || !quantize_input(t, q, x, c, integer, xt_path)) return NULL;
     const bool pooled = epi == CONV_EPI_RELU_MAXPOOL2;
     if (pooled && (c->cg.OH < 2 || c->cg.OW < 2)) {
         qt_error_set(&t->err, QT_ERR_SHAPE, "%s (%s): the %dx%d output is too small for the fused 2x2 max pool",
@@ -497,7 +625,8 @@ static Var *fqt_forward(Tape *t, FqtLayer *q, Var *x, Var *bias, ConvEpilogue ep
     const int OH = pooled ? c->cg.OH / 2 : c->cg.OH, OW = pooled ? c->cg.OW / 2 : c->cg.OW;
     Var *y = c->conv ? tape_new_var(t, 4, (const int[]){c->cg.N, c->out, OH, OW})
                      : tape_new_var(t, 2, (const int[]){c->rows, c->out});
-    if (!y || (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) || !forward_product(t, c, wc, bias, y))
+    if (!y || (pooled && !(c->winner = tape_alloc(t, var_numel(y)))) ||
+        !(xt_path ? forward_product_xt(t, c, wc, bias, y) : forward_product(t, c, wc, bias, y)))
         return NULL;
     return tape_record(t, OP, fqt_backward, y, (Var *[]){x, &m->weight->var, bias}, 3, c) ? y : NULL;
 }

@@ -165,11 +165,6 @@ static bool quant_cols(Tape *t, const FqtCtx *c, const GradQuant *gq, const floa
 }
 
 /* The quantized g of each product that is wanted (g_row for dX, g_col for dW; NULL: not wanted). */
-/* The rows of g per scale of dW's quantized g. */
-static int grad_tile(const FqtCtx *c) {
-    const int k = c->q->spec.bwd_weight_grad_tile_size;
-    return k > 0 && k < c->rows ? k : c->rows;
-}
 
 /* g's plan: bwd_qtype, symmetric, bwd_calib, the rounding. */
 static QtStatus grad_plan(const FqtCtx *c, QArrayPlan *p, QtError *err) {
@@ -192,7 +187,7 @@ static FqtNoise noise_steps(const Noise *z, int out) {
 static bool quantize_grad(Tape *t, const FqtCtx *c, const float *g, const float **g_row, const float **g_col) {
     FqtLayer *q = c->q;
     const FqtSpec *s = &q->spec;
-    const int rows = c->rows, out = c->out, tile = grad_tile(c);
+    const int rows = c->rows, out = c->out, tile = fqt_grad_tile(c);
     GradQuant gq;
     QtError inner = {0};
     if (grad_plan(c, &gq.p, &inner) != QT_OK) return fqt_quant_failed(t, q, "the gradient", &inner);
@@ -369,64 +364,13 @@ static const float *product_grad(Tape *t, const TapeNode *node) {
 
 /* ---- the integer backward --------------------------------------------------------------------------------------- */
 
-/* Xt's chunk [r0, r0 + L): the block (fan_in, L) at xt + r0 * fan_in, X's codes transposed (the im2col layout
- * for conv); rows [lo, hi) of the block (the elements k of a patch). */
-typedef struct {
-    int8_t *xt;
-    const FqtCtx *c;
-    int r0, L;
-} XtJob;
-
-static void xt_part(const void *ctx, int lo, int hi) {
-    const XtJob *j = ctx;
-    const FqtCtx *c = j->c;
-    const int K = c->fan_in, r1 = j->r0 + j->L;
-    for (int k = lo; k < hi; k++) {
-        int8_t *dst = j->xt + (size_t)j->r0 * K + (size_t)k * j->L; /* [L] */
-        if (!c->conv) {
-            for (int r = j->r0; r < r1; r++) *dst++ = c->xb[(size_t)r * K + k];
-            continue;
-        }
-        const FqtConvGeom *g = &c->cg;
-        const int P = g->OH * g->OW, ch = k / (g->KH * g->KW), kh = k / g->KW % g->KH, kw = k % g->KW;
-        const int s = g->stride, off = kw - g->padding; /* iw = ow * s + off */
-        /* [ow_lo, ow_hi): the output columns whose iw lies inside the row */
-        const int ow_lo = off >= 0 ? 0 : (-off + s - 1) / s;
-        int ow_hi = g->W - 1 - off < 0 ? 0 : (g->W - 1 - off) / s + 1;
-        if (ow_hi > g->OW) ow_hi = g->OW;
-        int n = j->r0 / P, oh = j->r0 % P / g->OW, ow = j->r0 % g->OW;
-        for (int r = j->r0; r < r1;) {
-            const int run = g->OW - ow < r1 - r ? g->OW - ow : r1 - r, ih = oh * s + kh - g->padding;
-            if (ih < 0 || ih >= g->H) {
-                memset(dst, 0, (size_t)run);
-            } else {
-                const int8_t *row = c->xb + (((size_t)n * g->C + ch) * g->H + ih) * g->W; /* [W] */
-                const int a = ow_lo > ow ? (ow_lo < ow + run ? ow_lo : ow + run) : ow;
-                const int b = ow_hi < ow + run ? (ow_hi > a ? ow_hi : a) : ow + run;
-                memset(dst, 0, (size_t)(a - ow));
-                if (s == 1) {
-                    memcpy(dst + (a - ow), row + a + off, (size_t)(b - a));
-                } else {
-                    for (int q = a; q < b; q++) dst[q - ow] = row[q * s + off];
-                }
-                memset(dst + (b - ow), 0, (size_t)(ow + run - b));
-            }
-            dst += run, r += run, ow += run;
-            if (ow == g->OW) {
-                ow = 0;
-                if (++oh == g->OH) oh = 0, n++;
-            }
-        }
-    }
-}
-
 /* dW += (sum over tiles t of A_t s_t) sx where W / sw[row] lies in [w_lo, w_hi]: A_t (out, fan_in) the exact
  * integer product of tile t's codes of g (gq, chunk-major as fqt_quant_grad_cols lays them) with X's codes, s_t
  * [out] its scales. */
 static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, const float *s_col, int tile) {
     const int rows = c->rows, out = c->out, K = c->fan_in;
     const size_t nw = (size_t)out * K;
-    int8_t *xt = tape_alloc(t, (size_t)rows * K);              /* chunk-major blocks (fan_in, L) */
+    int8_t *xt = c->xt ? (int8_t *)c->xt : tape_alloc(t, (size_t)rows * K); /* chunk-major blocks (fan_in, L) */
     int32_t *acc = tape_alloc(t, nw * sizeof *acc);            /* (fan_in, out): the chunk's product, transposed */
     int64_t *sum = tape_alloc(t, nw * sizeof *sum);            /* (fan_in, out): a tile's chunks so far */
     float *tmp = tape_alloc(t, nw * sizeof *tmp), *dw = tape_grad(t, w); /* (out, fan_in) */
@@ -434,8 +378,7 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
     for (int r0 = 0, ti = 0, in_tile = 0; r0 < rows; in_tile++) {
         const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
         const bool tile_done = r1 == rows || r1 % tile == 0;
-        XtJob xj = {xt, c, r0, L};
-        fqt_shares_run(K, (size_t)K * L, xt_part, &xj);
+        if (!c->xt) fqt_gather_xt(xt, c, r0, L); /* else the forward's */
         /* X^T g: the output channels are the kernel's vector lanes */
         fqt_qgemm_s8(acc, xt + (size_t)r0 * K, gq + (size_t)r0 * out, K, out, L);
         if (in_tile > 0 || !tile_done) /* a tile of several chunks: its sum in int64 */
@@ -464,14 +407,19 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
  * (conv) or one GEMM (dense); dW from integer products (weight_grad_int). The scales and codes are those of the
  * general path (quantize_grad); the products' sums are exact (dW) or summed in another order (dX). false: the
  * layer is not such a layer, nothing done. */
+bool fqt_int_backward_applies(const FqtCtx *c) {
+    QArrayPlan plan;
+    QtError inner = {0};
+    return c->q->spec.bwd_qtype && grad_plan(c, &plan, &inner) == QT_OK && fqt_plan_fast(&plan);
+}
+
 static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
     const FqtCtx *c = node->ctx;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     QArrayPlan plan;
     QtError inner = {0};
-    if (!c->xb || !c->q->spec.bwd_qtype || grad_plan(c, &plan, &inner) != QT_OK || !fqt_plan_fast(&plan))
-        return false;
-    const int out = c->out, rows = c->rows, tile = grad_tile(c);
+    if (!c->xb || !fqt_int_backward_applies(c) || grad_plan(c, &plan, &inner) != QT_OK) return false;
+    const int out = c->out, rows = c->rows, tile = fqt_grad_tile(c);
     const int N = c->conv ? c->cg.N : rows, P = c->conv ? c->cg.OH * c->cg.OW : 1;
     if (bias && bias->requires_grad) {
         double *db_acc = c->conv ? tape_alloc(t, (size_t)out * sizeof *db_acc) : NULL;

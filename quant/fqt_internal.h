@@ -26,7 +26,8 @@ typedef struct {
     const float *sw;       /* [out] the weight's scale per output channel */
     const float *wd;       /* (out, fan_in) deq(W) */
     const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
-    const int8_t *xb;      /* x's integer codes in x's layout ((N, C, H, W) or (N, fan_in)), with xc */
+    const int8_t *xb;      /* x's integer codes in x's layout ((N, C, H, W) or (N, fan_in)), integer GEMM only */
+    const int8_t *xt;      /* conv on the integer path: X^T's codes, blocks (fan_in, L) per dW chunk, or NULL */
     const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
     ConvEpilogue epi;      /* conv: the relu (and 2x2 max pool) fused after it (fqt's fused hook) */
     const uint8_t *winner; /* (N, OC, OH/2, OW/2) the pool's winners, CONV_EPI_RELU_MAXPOOL2 only */
@@ -34,6 +35,16 @@ typedef struct {
 
 /* The backward of a QT node (fqt_backward.c). */
 void fqt_backward(Tape *t, const TapeNode *node);
+/* The rows of g per scale of dW's quantized g (bwd_weight_grad_tile_size, or all rows). */
+static inline int fqt_grad_tile(const FqtCtx *c) {
+    const int k = c->q->spec.bwd_weight_grad_tile_size;
+    return k > 0 && k < c->rows ? k : c->rows;
+}
+/* Whether the backward takes the integer path (given X's codes): g's format takes fqt_kern.h's int rules. */
+bool fqt_int_backward_applies(const FqtCtx *c);
+/* X^T's codes for rows [r0, r0 + L) (a dW chunk): the block (fan_in, L) at xt + r0 * fan_in, from c->xb (the
+ * im2col layout for conv, the transpose for dense), split over the threads. */
+void fqt_gather_xt(int8_t *xt, const FqtCtx *c, int r0, int L);
 
 /* fn(ctx, lo, hi) over [0, n) in contiguous shares over the step's threads; every item's result depends on the
  * item alone, so the split changes no bit. One share when the work (elements touched) is small. */
