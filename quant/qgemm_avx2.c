@@ -489,29 +489,69 @@ QA_TARGET bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *
     return _mm256_movemask_ps(bad) == 0;
 }
 
-/* ---- int8 x int8 (quantized training's qgemm_s8) --------------------------------------------------------------
- * c (M, N) = a (M, K) b (N, K)^T, both signed. Blocks of 8 columns of b over S8A_KB k are packed into groups of 4 k
- * (32 bytes: column j's 4 bytes at 4 j), then tiles of QA_ROWS rows of a run over the block; the block's sums go
- * into c (the first k block) or are added to it (wrapping, as the other kernels' sums do).
- * AVX2: a's 4 codes and the group's bytes sign-extended to int16, vpmaddwd: exact products, two per int32 lane.
- * AVX-VNNI: vpdpbusd of a + 128 (a's codes with the sign bit flipped) against the group, minus 128 times the
- * block's column sums. */
+/* ---- int8 x int8 (quantized training's qgemm_s8 and qgemm_s8_nn) ---------------------------------------------
+ * c (M, N) = a (M, K) b^T (qgemm_s8: b is (N, K)) or a b (qgemm_s8_nn: b is (K, N), rows ldb apart), both signed.
+ * Blocks of 8 columns of b over S8A_KB k are packed into groups of 4 k: 32 bytes, column j's 4 bytes at 4 j (a
+ * transpose of dwords for b (N, K), of bytes for b (K, N)). Then tiles of QA_ROWS rows of a run over the block,
+ * each row's block first copied to scratch in the form the inner loop broadcasts from memory (a load, no shuffle):
+ * AVX2: a and the group widened to int16, vpmaddwd (exact products, two per int32 lane, summed pairwise at the
+ * end); AVX-VNNI: a + 128 (the sign bit flipped) against the group's bytes, vpdpbusd, minus 128 times the block's
+ * column sums. The block's sums go into c (the first k block) or are added to it (wrapping, as the other kernels'
+ * sums do). */
 
-#define S8A_KB 512 /* k per packed block: a multiple of 4 */
+#define S8A_KB 512 /* k per packed block: a multiple of 32 */
 
-/* b's columns [j0, j0 + jn) (jn <= 8) over k [k0, k0 + kn) -> pack [kg][8][4] (0 past the problem), and each
- * column's sum over the block. */
-static void s8a_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg) {
-    memset(pack, 0, (size_t)kg * 32);
-    for (int j = 0; j < 8; j++) sum[j] = 0;
-    for (int j = 0; j < jn; j++) {
-        const int8_t *src = b + (size_t)(j0 + j) * K + k0;
-        int32_t t = 0;
-        for (int k = 0; k < kn; k++) {
-            pack[(size_t)(k / 4) * 32 + 4 * j + k % 4] = src[k];
-            t += src[k];
-        }
-        sum[j] = t;
+/* n bytes (n <= 32) at p, the rest 0. */
+QA_TARGET QA_INLINE __m256i load32_upto(const int8_t *p, int n) {
+    if (n >= 32) return _mm256_loadu_si256((const __m256i *)(const void *)p);
+    _Alignas(32) int8_t t[32] = {0};
+    if (n > 0) memcpy(t, p, (size_t)n);
+    return _mm256_load_si256((const __m256i *)(const void *)t);
+}
+
+/* b (N, K): columns [j0, j0 + jn) (jn <= 8) over k [k0, k0 + kn) -> pack [kg][8][4], 0 past the problem: eight
+ * groups at a time as an 8 x 8 transpose of dwords. */
+QA_TARGET static void s8a_pack_nt(int8_t *pack, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg) {
+    for (int g0 = 0; g0 < kg; g0 += 8) {
+        __m256i r[8];
+        for (int j = 0; j < 8; j++)
+            r[j] = j < jn ? load32_upto(b + (size_t)(j0 + j) * K + k0 + 4 * g0, kn - 4 * g0) : _mm256_setzero_si256();
+        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+        const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+        const __m256i grp[8] = {_mm256_permute2x128_si256(u0, u4, 0x20), _mm256_permute2x128_si256(u1, u5, 0x20),
+                                _mm256_permute2x128_si256(u2, u6, 0x20), _mm256_permute2x128_si256(u3, u7, 0x20),
+                                _mm256_permute2x128_si256(u0, u4, 0x31), _mm256_permute2x128_si256(u1, u5, 0x31),
+                                _mm256_permute2x128_si256(u2, u6, 0x31), _mm256_permute2x128_si256(u3, u7, 0x31)};
+        for (int g = 0; g < 8 && g0 + g < kg; g++)
+            _mm256_store_si256((__m256i *)(void *)(pack + (size_t)(g0 + g) * 32), grp[g]);
+    }
+}
+
+/* 8 bytes of b's row k from column j (n of them, the rest 0); 0 past the block's kn rows. */
+static inline __m128i nn_row8(const int8_t *b, int ldb, int k, int kn, int j, int n) {
+    if (k >= kn) return _mm_setzero_si128();
+    const int8_t *src = b + (size_t)k * ldb + j;
+    uint64_t v = 0;
+    memcpy(&v, src, (size_t)(n >= 8 ? 8 : n));
+    return _mm_cvtsi64_si128((long long)v);
+}
+
+/* b (K, N): the same pack, 4 rows of 8 bytes a group, transposed as bytes. */
+QA_TARGET static void s8a_pack_nn(int8_t *pack, const int8_t *b, int ldb, int j0, int jn, int k0, int kn, int kg) {
+    const int8_t *bk = b + (size_t)k0 * ldb;
+    for (int g = 0; g < kg; g++) {
+        __m128i r[4];
+        for (int t = 0; t < 4; t++) r[t] = nn_row8(bk, ldb, 4 * g + t, kn, j0, jn);
+        const __m128i t01 = _mm_unpacklo_epi8(r[0], r[1]), t23 = _mm_unpacklo_epi8(r[2], r[3]);
+        __m128i *dst = (__m128i *)(void *)(pack + (size_t)g * 32);
+        _mm_store_si128(dst, _mm_unpacklo_epi16(t01, t23));     /* columns 0..3, 4 bytes each */
+        _mm_store_si128(dst + 1, _mm_unpackhi_epi16(t01, t23)); /* 4..7 */
     }
 }
 
@@ -528,154 +568,152 @@ QA_TARGET QA_INLINE void s8a_store(int32_t *c, int ldc, int i, int j0, int jn, _
     }
 }
 
-QA_TARGET QA_INLINE void s8a_group_avx2(__m256i acc[QA_ROWS][2], const int8_t *const *rows, const int8_t *grp,
-                                        int g, const int n) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)grp));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)grp + 1));
-#pragma GCC unroll 6
-    for (int r = 0; r < QA_ROWS; r++) {
-        const __m256i a = _mm256_cvtepi8_epi16(_mm_set1_epi32((int)load_u32((const uint8_t *)rows[r] + 4 * (size_t)g, n)));
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, w0));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, w1));
-    }
-}
+#define S8A_MB 48 /* rows of a prepared at once per k block: a multiple of both tiles' heights */
+#define S8A_R2 4  /* AVX2 tile rows: 8 accumulators, the two weight vectors and a broadcast in 16 registers */
+#define S8A_RV 6  /* AVX-VNNI tile rows */
 
-QA_TARGET void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
-    int32_t sum[8];
-    for (int j0 = 0; j0 < N; j0 += 8) {
-        const int jn = N - j0 < 8 ? N - j0 : 8;
-        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
-            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
-            s8a_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
-            for (int i = 0; i < M; i += QA_ROWS) {
-                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
-                const int8_t *rows[QA_ROWS];
-                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
-                __m256i acc[QA_ROWS][2];
-#pragma GCC unroll 6
-                for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-                for (int g = 0; g < full; g++) s8a_group_avx2(acc, rows, pack + (size_t)g * 32, g, 4);
-                if (kn % 4) s8a_group_avx2(acc, rows, pack + (size_t)full * 32, full, kn % 4);
-                for (int r = 0; r < nr; r++) s8a_store(c, N, i + r, j0, jn, pair_sums(acc[r][0], acc[r][1]), k0 == 0);
+/* AVX2: rows [i0, i0 + mb) of a's k block [k0, k0 + kn) widened to int16, zero to 4 kg: aw [mb][S8A_KB]. */
+QA_TARGET static void s8a_prep_avx2(void *scratch, const int8_t *a, int K, int i0, int mb, int k0, int kn, int kg) {
+    int16_t (*aw)[S8A_KB] = scratch;
+    for (int r = 0; r < mb; r++) {
+        const int8_t *row = a + (size_t)(i0 + r) * K + k0;
+        for (int k = 0; k < 4 * kg; k += 16) {
+            __m128i v;
+            if (kn - k >= 16) {
+                v = _mm_loadu_si128((const __m128i *)(const void *)(row + k));
+            } else {
+                _Alignas(16) int8_t t[16] = {0};
+                if (kn > k) memcpy(t, row + k, (size_t)(kn - k));
+                v = _mm_load_si128((const __m128i *)(const void *)t);
             }
+            _mm256_storeu_si256((__m256i *)(void *)(aw[r] + k), _mm256_cvtepi8_epi16(v));
         }
     }
 }
 
-QV_TARGET QA_INLINE void s8a_group_avxvnni(__m256i acc[QA_ROWS], const int8_t *const *rows, const int8_t *grp, int g,
-                                           const int n) {
-    const __m256i w = _mm256_load_si256((const __m256i *)grp);
-#pragma GCC unroll 6
-    for (int r = 0; r < QA_ROWS; r++) {
-        /* a + 128: the sign bit flipped; bytes past n stay 0 in load_u32 and meet 0 weights */
-        const uint32_t u = load_u32((const uint8_t *)rows[r] + 4 * (size_t)g, n) ^ 0x80808080u;
-        acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_set1_epi32((int)u), w);
-    }
-}
-
-QV_TARGET void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
-    _Alignas(32) int32_t sum[8];
-    for (int j0 = 0; j0 < N; j0 += 8) {
-        const int jn = N - j0 < 8 ? N - j0 : 8;
-        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
-            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
-            s8a_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
-            const __m256i corr = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)sum), 7); /* 128 sum */
-            for (int i = 0; i < M; i += QA_ROWS) {
-                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
-                const int8_t *rows[QA_ROWS];
-                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
-                __m256i acc[QA_ROWS];
-#pragma GCC unroll 6
-                for (int r = 0; r < QA_ROWS; r++) acc[r] = _mm256_setzero_si256();
-                for (int g = 0; g < full; g++) s8a_group_avxvnni(acc, rows, pack + (size_t)g * 32, g, 4);
-                if (kn % 4) s8a_group_avxvnni(acc, rows, pack + (size_t)full * 32, full, kn % 4);
-                for (int r = 0; r < nr; r++) s8a_store(c, N, i + r, j0, jn, _mm256_sub_epi32(acc[r], corr), k0 == 0);
+/* AVX-VNNI: the same rows as a + 128 (the sign bit flipped; bytes past kn become 128 and meet 0 weights). */
+QV_TARGET static void s8a_prep_avxvnni(void *scratch, const int8_t *a, int K, int i0, int mb, int k0, int kn,
+                                       int kg) {
+    uint8_t (*au)[S8A_KB] = scratch;
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    for (int r = 0; r < mb; r++) {
+        const int8_t *row = a + (size_t)(i0 + r) * K + k0;
+        for (int k = 0; k < 4 * kg; k += 16) {
+            __m128i v;
+            if (kn - k >= 16) {
+                v = _mm_loadu_si128((const __m128i *)(const void *)(row + k));
+            } else {
+                _Alignas(16) int8_t t[16] = {0};
+                if (kn > k) memcpy(t, row + k, (size_t)(kn - k));
+                v = _mm_load_si128((const __m128i *)(const void *)t);
             }
+            _mm_storeu_si128((__m128i *)(void *)(au[r] + k), _mm_xor_si128(v, flip));
         }
     }
 }
 
-/* ---- int8 x int8, b as (K, N): qgemm_s8_nn ---------------------------------------------------------------------
- * The same tiles; a group's 8 columns x 4 bytes are 4 rows of b, 8 bytes each, transposed in registers. */
-
-/* 8 bytes of b's row k from column j (n of them, the rest 0); 0 past the block's kn rows. */
-static inline __m128i nn_row8(const int8_t *b, int ldb, int k, int kn, int j, int n) {
-    if (k >= kn) return _mm_setzero_si128();
-    const int8_t *src = b + (size_t)k * ldb + j;
-    uint64_t v = 0;
-    memcpy(&v, src, (size_t)(n >= 8 ? 8 : n));
-    return _mm_cvtsi64_si128((long long)v);
-}
-
-/* b's columns [j0, j0 + jn) (jn <= 8) over its rows [k0, k0 + kn) -> pack [kg][8][4], as s8a_pack, and the sums. */
-QA_TARGET static void s8a_pack_nn(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
-                                  int kn, int kg) {
-    __m256i cs = _mm256_setzero_si256();
-    const int8_t *bk = b + (size_t)k0 * ldb;
+/* AVX2: the prepared rows [0, mb) (c's rows i0 ..) times a packed block, into c's columns j0 .. j0 + jn. */
+QA_TARGET static void s8a_tiles_avx2(int32_t *c, int ldc, const void *scratch, int i0, int mb, int j0, int jn,
+                                     bool first, const int8_t *pack, int kg) {
+    const int16_t (*aw)[S8A_KB] = scratch;
+    _Alignas(32) int16_t w16[S8A_KB / 4 * 32];
     for (int g = 0; g < kg; g++) {
-        __m128i r[4];
-        for (int t = 0; t < 4; t++) {
-            r[t] = nn_row8(bk, ldb, 4 * g + t, kn, j0, jn);
-            cs = _mm256_add_epi32(cs, _mm256_cvtepi8_epi32(r[t]));
-        }
-        const __m128i t01 = _mm_unpacklo_epi8(r[0], r[1]), t23 = _mm_unpacklo_epi8(r[2], r[3]);
-        __m128i *dst = (__m128i *)(void *)(pack + (size_t)g * 32);
-        _mm_store_si128(dst, _mm_unpacklo_epi16(t01, t23));     /* columns 0..3, 4 bytes each */
-        _mm_store_si128(dst + 1, _mm_unpackhi_epi16(t01, t23)); /* 4..7 */
+        const __m256i v = _mm256_load_si256((const __m256i *)(const void *)(pack + (size_t)g * 32));
+        _mm256_store_si256((__m256i *)(void *)(w16 + (size_t)g * 32), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+        _mm256_store_si256((__m256i *)(void *)(w16 + (size_t)g * 32 + 16),
+                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
     }
-    _mm256_storeu_si256((__m256i *)(void *)sum, cs);
+    for (int i = 0; i < mb; i += S8A_R2) {
+        const int nr = mb - i < S8A_R2 ? mb - i : S8A_R2;
+        const int16_t *rows[S8A_R2];
+        for (int r = 0; r < S8A_R2; r++) rows[r] = aw[i + (r < nr ? r : 0)]; /* past the end: the first again */
+        __m256i acc[S8A_R2][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < S8A_R2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int g = 0; g < kg; g++) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(const void *)(w16 + (size_t)g * 32));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(const void *)(w16 + (size_t)g * 32 + 16));
+#pragma GCC unroll 4
+            for (int r = 0; r < S8A_R2; r++) {
+                int64_t q;
+                memcpy(&q, rows[r] + 4 * (size_t)g, 8); /* the row's 4 int16, broadcast by a load */
+                const __m256i av = _mm256_set1_epi64x(q);
+                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, w0));
+                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, w1));
+            }
+        }
+        for (int r = 0; r < nr; r++) s8a_store(c, ldc, i0 + i + r, j0, jn, pair_sums(acc[r][0], acc[r][1]), first);
+    }
 }
 
-QA_TARGET void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
-    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
-    _Alignas(32) int32_t sum[8];
-    for (int j0 = 0; j0 < N; j0 += 8) {
-        const int jn = N - j0 < 8 ? N - j0 : 8;
-        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
-            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
-            s8a_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
-            for (int i = 0; i < M; i += QA_ROWS) {
-                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
-                const int8_t *rows[QA_ROWS];
-                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
-                __m256i acc[QA_ROWS][2];
+/* AVX-VNNI: the same with the group's bytes as packed and the block's column sums (from the pack) as the
+ * correction. */
+QV_TARGET static void s8a_tiles_avxvnni(int32_t *c, int ldc, const void *scratch, int i0, int mb, int j0, int jn,
+                                        bool first, const int8_t *pack, int kg) {
+    const uint8_t (*au)[S8A_KB] = scratch;
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_setzero_si256();
+    for (int g = 0; g < kg; g++) { /* a column's 4 bytes: two pairs (vpmaddubsw), then the pairs (vpmaddwd) */
+        const __m256i v = _mm256_load_si256((const __m256i *)(const void *)(pack + (size_t)g * 32));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
+    }
+    const __m256i corr = _mm256_slli_epi32(sum, 7); /* 128 times the column sums */
+    for (int i = 0; i < mb; i += S8A_RV) {
+        const int nr = mb - i < S8A_RV ? mb - i : S8A_RV;
+        const uint8_t *rows[S8A_RV];
+        for (int r = 0; r < S8A_RV; r++) rows[r] = au[i + (r < nr ? r : 0)];
+        __m256i acc[S8A_RV];
 #pragma GCC unroll 6
-                for (int r = 0; r < QA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-                for (int g = 0; g < full; g++) s8a_group_avx2(acc, rows, pack + (size_t)g * 32, g, 4);
-                if (kn % 4) s8a_group_avx2(acc, rows, pack + (size_t)full * 32, full, kn % 4);
-                for (int r = 0; r < nr; r++)
-                    s8a_store(c, ldc, i + r, j0, jn, pair_sums(acc[r][0], acc[r][1]), k0 == 0);
+        for (int r = 0; r < S8A_RV; r++) acc[r] = _mm256_setzero_si256();
+        for (int g = 0; g < kg; g++) {
+            const __m256i w = _mm256_load_si256((const __m256i *)(const void *)(pack + (size_t)g * 32));
+#pragma GCC unroll 6
+            for (int r = 0; r < S8A_RV; r++) {
+                int32_t q;
+                memcpy(&q, rows[r] + 4 * (size_t)g, 4);
+                acc[r] = _mm256_dpbusd_avx_epi32(acc[r], _mm256_set1_epi32(q), w);
+            }
+        }
+        for (int r = 0; r < nr; r++) s8a_store(c, ldc, i0 + i + r, j0, jn, _mm256_sub_epi32(acc[r], corr), first);
+    }
+}
+
+typedef void (*S8aPrepFn)(void *scratch, const int8_t *a, int K, int i0, int mb, int k0, int kn, int kg);
+typedef void (*S8aTilesFn)(int32_t *c, int ldc, const void *scratch, int i0, int mb, int j0, int jn, bool first,
+                           const int8_t *pack, int kg);
+
+/* c (M, N) = a b^T (ldb < 0: b is (N, K)) or a b (b is (K, N), rows ldb apart): per k block, S8A_MB rows of a
+ * prepared once, then every packed column block against them. */
+static void s8a_run(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K,
+                    S8aPrepFn prep, S8aTilesFn tiles) {
+    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
+    _Alignas(32) int16_t scratch[S8A_MB][S8A_KB]; /* AVX2's int16 rows; AVX-VNNI uses half of each */
+    for (int k0 = 0; k0 < K; k0 += S8A_KB) {
+        const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4;
+        for (int i0 = 0; i0 < M; i0 += S8A_MB) {
+            const int mb = M - i0 < S8A_MB ? M - i0 : S8A_MB;
+            prep(scratch, a, K, i0, mb, k0, kn, kg);
+            for (int j0 = 0; j0 < N; j0 += 8) {
+                const int jn = N - j0 < 8 ? N - j0 : 8;
+                if (ldb < 0) s8a_pack_nt(pack, b, K, j0, jn, k0, kn, kg);
+                else s8a_pack_nn(pack, b, ldb, j0, jn, k0, kn, kg);
+                tiles(c, ldc, scratch, i0, mb, j0, jn, k0 == 0, pack, kg);
             }
         }
     }
 }
 
-QV_TARGET void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N,
-                                   int K) {
-    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
-    _Alignas(32) int32_t sum[8];
-    for (int j0 = 0; j0 < N; j0 += 8) {
-        const int jn = N - j0 < 8 ? N - j0 : 8;
-        for (int k0 = 0; k0 < K; k0 += S8A_KB) {
-            const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4, full = kn / 4;
-            s8a_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
-            const __m256i corr = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)sum), 7); /* 128 sum */
-            for (int i = 0; i < M; i += QA_ROWS) {
-                const int nr = M - i < QA_ROWS ? M - i : QA_ROWS;
-                const int8_t *rows[QA_ROWS];
-                for (int r = 0; r < QA_ROWS; r++) rows[r] = a + (size_t)(i + (r < nr ? r : 0)) * K + k0;
-                __m256i acc[QA_ROWS];
-#pragma GCC unroll 6
-                for (int r = 0; r < QA_ROWS; r++) acc[r] = _mm256_setzero_si256();
-                for (int g = 0; g < full; g++) s8a_group_avxvnni(acc, rows, pack + (size_t)g * 32, g, 4);
-                if (kn % 4) s8a_group_avxvnni(acc, rows, pack + (size_t)full * 32, full, kn % 4);
-                for (int r = 0; r < nr; r++) s8a_store(c, ldc, i + r, j0, jn, _mm256_sub_epi32(acc[r], corr), k0 == 0);
-            }
-        }
-    }
+void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    s8a_run(c, N, a, b, -1, M, N, K, s8a_prep_avx2, s8a_tiles_avx2);
+}
+void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    s8a_run(c, N, a, b, -1, M, N, K, s8a_prep_avxvnni, s8a_tiles_avxvnni);
+}
+void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    s8a_run(c, ldc, a, b, ldb, M, N, K, s8a_prep_avx2, s8a_tiles_avx2);
+}
+void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    s8a_run(c, ldc, a, b, ldb, M, N, K, s8a_prep_avxvnni, s8a_tiles_avxvnni);
 }
 
 #else /* not x86: qgemm_isa() is always portable, so these are never called */
