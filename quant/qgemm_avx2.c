@@ -555,6 +555,33 @@ QA_TARGET static void s8a_pack_nn(int8_t *pack, const int8_t *b, int ldb, int j0
     }
 }
 
+/* b (K, N): four blocks (32 columns, all inside the problem) at once, 4 rows of 32 bytes a group: pack4 [4][kg][32]
+ * holds what s8a_pack_nn gives each of them. */
+QA_TARGET static void s8a_pack_nn4(int8_t *pack4, const int8_t *b, int ldb, int j0, int k0, int kn, int kg) {
+    const int8_t *bk = b + (size_t)k0 * ldb + j0;
+    const size_t block = (size_t)kg * 32;
+    for (int g = 0; g < kg; g++) {
+        __m256i r[4];
+        for (int t = 0; t < 4; t++)
+            r[t] = 4 * g + t < kn ? _mm256_loadu_si256((const __m256i *)(const void *)(bk + (size_t)(4 * g + t) * ldb))
+                                  : _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) { /* columns 16 h .. 16 h + 15: blocks 2 h and 2 h + 1 */
+            const __m128i r0 = h ? _mm256_extracti128_si256(r[0], 1) : _mm256_castsi256_si128(r[0]);
+            const __m128i r1 = h ? _mm256_extracti128_si256(r[1], 1) : _mm256_castsi256_si128(r[1]);
+            const __m128i r2 = h ? _mm256_extracti128_si256(r[2], 1) : _mm256_castsi256_si128(r[2]);
+            const __m128i r3 = h ? _mm256_extracti128_si256(r[3], 1) : _mm256_castsi256_si128(r[3]);
+            const __m128i t01l = _mm_unpacklo_epi8(r0, r1), t23l = _mm_unpacklo_epi8(r2, r3);
+            const __m128i t01h = _mm_unpackhi_epi8(r0, r1), t23h = _mm_unpackhi_epi8(r2, r3);
+            __m128i *lo = (__m128i *)(void *)(pack4 + (size_t)(2 * h) * block + (size_t)g * 32);
+            __m128i *hi = (__m128i *)(void *)(pack4 + (size_t)(2 * h + 1) * block + (size_t)g * 32);
+            _mm_store_si128(lo, _mm_unpacklo_epi16(t01l, t23l));
+            _mm_store_si128(lo + 1, _mm_unpackhi_epi16(t01l, t23l));
+            _mm_store_si128(hi, _mm_unpacklo_epi16(t01h, t23h));
+            _mm_store_si128(hi + 1, _mm_unpackhi_epi16(t01h, t23h));
+        }
+    }
+}
+
 /* The block's sums of one tile row into c's row i, columns j0 .. j0 + jn. */
 QA_TARGET QA_INLINE void s8a_store(int32_t *c, int ldc, int i, int j0, int jn, __m256i v, bool first) {
     int32_t *dst = c + (size_t)i * ldc + j0;
@@ -686,18 +713,26 @@ typedef void (*S8aTilesFn)(int32_t *c, int ldc, const void *scratch, int i0, int
  * prepared once, then every packed column block against them. */
 static void s8a_run(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K,
                     S8aPrepFn prep, S8aTilesFn tiles) {
-    _Alignas(32) int8_t pack[S8A_KB / 4 * 32];
+    _Alignas(32) int8_t pack[4 * S8A_KB / 4 * 32];  /* up to 4 blocks (s8a_pack_nn4) */
     _Alignas(32) int16_t scratch[S8A_MB][S8A_KB]; /* AVX2's int16 rows; AVX-VNNI uses half of each */
     for (int k0 = 0; k0 < K; k0 += S8A_KB) {
         const int kn = K - k0 < S8A_KB ? K - k0 : S8A_KB, kg = (kn + 3) / 4;
+        const size_t block = (size_t)kg * 32;
         for (int i0 = 0; i0 < M; i0 += S8A_MB) {
             const int mb = M - i0 < S8A_MB ? M - i0 : S8A_MB;
             prep(scratch, a, K, i0, mb, k0, kn, kg);
-            for (int j0 = 0; j0 < N; j0 += 8) {
+            for (int j0 = 0; j0 < N;) {
+                if (ldb >= 0 && N - j0 >= 32) { /* four whole blocks of b (K, N) packed at once */
+                    s8a_pack_nn4(pack, b, ldb, j0, k0, kn, kg);
+                    for (int q = 0; q < 4; q++) tiles(c, ldc, scratch, i0, mb, j0 + 8 * q, 8, k0 == 0, pack + q * block, kg);
+                    j0 += 32;
+                    continue;
+                }
                 const int jn = N - j0 < 8 ? N - j0 : 8;
                 if (ldb < 0) s8a_pack_nt(pack, b, K, j0, jn, k0, kn, kg);
                 else s8a_pack_nn(pack, b, ldb, j0, jn, k0, kn, kg);
                 tiles(c, ldc, scratch, i0, mb, j0, jn, k0 == 0, pack, kg);
+                j0 += 8;
             }
         }
     }
