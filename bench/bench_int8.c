@@ -84,6 +84,42 @@ static void run_s8(void *ctx) {
     qgemm_s8(j->c, j->a, j->b, j->M, j->N, j->K);
 }
 
+static void run_s8_nn(void *ctx) {
+    KernelJob *j = ctx;
+    qgemm_s8_nn(j->c, j->N, j->a, j->b, j->N, j->M, j->N, j->K);
+}
+
+/* Quantized training's products on every int8 family this CPU runs, one thread: nn (b as K x N, the conv
+ * forward's W X^T) or nt (qgemm_s8: the weight gradient X^T g, a dense forward). */
+static int qt_shape(const char *layer, bool nn, int M, int N, int K, double seconds) {
+    size_t na = (size_t)M * K, nb = (size_t)N * K;
+    int8_t *a = malloc(na), *b = malloc(nb);
+    int32_t *c = malloc((size_t)M * N * sizeof *c);
+    if (!a || !b || !c) {
+        free(a), free(b), free(c);
+        return -1;
+    }
+    Rng r;
+    rng_init(&r, 9, 1);
+    for (size_t i = 0; i < na; i++) a[i] = (int8_t)(rng_below(&r, 256) - 128);
+    for (size_t i = 0; i < nb; i++) b[i] = (int8_t)(rng_below(&r, 256) - 128);
+    KernelJob j = {.a = a, .b = b, .c = c, .M = M, .N = N, .K = K};
+    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
+    printf("bench:qt_kernel model:cnn layer:%s kernel:%s m:%d n:%d k:%d threads:1", layer, nn ? "s8s8_nn" : "s8s8",
+           M, N, K);
+    const double ops = 2.0 * M * N * K;
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+        if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
+        qgemm_force_isa = isa;
+        double sec = best_of(nn ? run_s8_nn : run_s8, &j, isa == QGEMM_ISA_PORTABLE ? seconds / 4 : seconds);
+        printf(" %s_gops:%.1f", NAMES[isa], ops / sec * 1e-9);
+    }
+    qgemm_force_isa = -1;
+    printf("\n");
+    free(a), free(b), free(c);
+    return 0;
+}
+
 /* GOPS (2 M N K per second) fast and portable; returns -1 on an allocation failure. */
 static int kernel_shape(const char *model, const char *layer, bool s8, int M, int N, int K, double seconds) {
     size_t na = (size_t)M * K, nb = (size_t)N * K;
@@ -134,6 +170,13 @@ static int bench_kernels(const Args *a) {
     rc |= kernel_shape("cnn", "head", false, B, 10, 128, s);
     rc |= kernel_shape("mlp", "fc1", true, B, 512, 784, s);
     rc |= kernel_shape("cnn", "conv2_im2col", true, B * 196, 64, 288, s);
+    /* QT's CNN step (bench/configs/cnn-qt.yaml): each layer's forward and weight-gradient products */
+    rc |= qt_shape("conv1_forward", true, 32, B * 784 < 65536 ? B * 784 : 65536, 9, s);
+    rc |= qt_shape("conv2_forward", true, 64, B * 196, 288, s);
+    rc |= qt_shape("fc1_forward", false, B, 128, 3136, s);
+    rc |= qt_shape("conv1_dw", false, 9, 32, B * 784 < 65536 ? B * 784 : 65536, s);
+    rc |= qt_shape("conv2_dw", false, 288, 64, B * 196, s);
+    rc |= qt_shape("fc1_dw", false, 3136, 128, B, s);
     return rc;
 }
 
