@@ -332,6 +332,28 @@ typedef struct {
     int r0, L;
 } XtJob;
 
+/* dst (H, W) = src (H, W) shifted: dst[h][w] = src[h + dh][w + dw], 0 outside (|dh| < H, |dw| < W): the valid
+ * rows as one block copy, then the |dw| columns that wrapped into the neighbouring row set to 0. */
+static void xt_shifted_plane(int8_t *dst, const int8_t *src, int H, int W, int dh, int dw) {
+    const int h_lo = dh < 0 ? -dh : 0, h_hi = dh > 0 ? H - dh : H, adw = dw < 0 ? -dw : dw;
+    if (h_hi <= h_lo || adw >= W) {
+        memset(dst, 0, (size_t)H * W);
+        return;
+    }
+    memset(dst, 0, (size_t)h_lo * W);
+    memset(dst + (size_t)h_hi * W, 0, (size_t)(H - h_hi) * W);
+    const size_t n = (size_t)(h_hi - h_lo) * W - (size_t)adw;
+    int8_t *d = dst + (size_t)h_lo * W;
+    const int8_t *s0 = src + (size_t)(h_lo + dh) * W;
+    if (dw >= 0) {
+        memcpy(d, s0 + dw, n);
+        for (int h = h_lo; h < h_hi; h++) memset(dst + (size_t)h * W + (W - adw), 0, (size_t)adw);
+    } else {
+        memcpy(d + adw, s0, n);
+        for (int h = h_lo; h < h_hi; h++) memset(dst + (size_t)h * W, 0, (size_t)adw);
+    }
+}
+
 static void xt_part(const void *ctx, int lo, int hi) {
     const XtJob *j = ctx;
     const FqtCtx *c = j->c;
@@ -350,7 +372,14 @@ static void xt_part(const void *ctx, int lo, int hi) {
         int ow_hi = g->W - 1 - off < 0 ? 0 : (g->W - 1 - off) / s + 1;
         if (ow_hi > g->OW) ow_hi = g->OW;
         int n = j->r0 / P, oh = j->r0 % P / g->OW, ow = j->r0 % g->OW;
+        /* stride 1, output as large as the input: an image's plane is the input plane shifted, copied whole */
+        const bool same1 = s == 1 && g->OH == g->H && g->OW == g->W;
         for (int r = j->r0; r < r1;) {
+            if (same1 && oh == 0 && ow == 0 && r1 - r >= P) {
+                xt_shifted_plane(dst, c->xb + ((size_t)n * g->C + ch) * P, g->H, g->W, kh - g->padding, off);
+                dst += P, r += P, n++;
+                continue;
+            }
             const int run = g->OW - ow < r1 - r ? g->OW - ow : r1 - r, ih = oh * s + kh - g->padding;
             if (ih < 0 || ih >= g->H) {
                 memset(dst, 0, (size_t)run);
