@@ -407,6 +407,149 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
  * (conv) or one GEMM (dense); dW from integer products (weight_grad_int). The scales and codes are those of the
  * general path (quantize_grad); the products' sums are exact (dW) or summed in another order (dX). false: the
  * layer is not such a layer, nothing done. */
+/* ---- the conv's g in two passes ------------------------------------------------------------------------------
+ * Scan: each image's planes of g (made from the epilogue's gradient where one was fused) with their maxima, every
+ * row's (pixel's) maximum over the channels and each plane's sum (fqt_plane_stats); encode: each plane into the
+ * rows' values for dX and the column codes for dW. The scales, values, codes and bias sums are those of
+ * fqt_quant_grad_rows / fqt_quant_grad_cols and bias_sums_part; g is read twice instead of six times. */
+typedef struct {
+    const FqtCtx *c;
+    const float *dy, *y;  /* the node's output gradient and value (the epilogue's shape) */
+    float *g;             /* (N, OC, P): dpre where an epilogue was fused, else dy itself */
+    float *rowmax;        /* (N, P) */
+    float *colmax;        /* (N, OC) each plane's maximum */
+    double *bsum;         /* (N, OC) each plane's sum */
+    bool *finite;         /* [N] */
+} ScanJob;
+
+static void scan_part(const void *ctx, int lo, int hi) {
+    const ScanJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const size_t P = (size_t)c->cg.OH * c->cg.OW;
+    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : P;
+    for (int n = lo; n < hi; n++) {
+        float *rm = j->rowmax + (size_t)n * P;
+        memset(rm, 0, P * sizeof *rm);
+        bool ok = true;
+        for (int o = 0; o < c->out && ok; o++) {
+            const size_t at = (size_t)n * c->out + o;
+            float *plane = j->g + at * P;
+            if (c->epi != CONV_EPI_NONE)
+                nn_conv_epilogue_grad_plane(plane, j->dy + at * out_plane, j->y + at * out_plane,
+                                            c->winner ? c->winner + at * out_plane : NULL, c->cg.OH, c->cg.OW, c->epi);
+            ok = fqt_plane_stats(plane, P, rm, &j->colmax[at], &j->bsum[at]);
+        }
+        j->finite[n] = ok;
+    }
+}
+
+typedef struct {
+    const FqtCtx *c;
+    const float *g;             /* (N, OC, P) */
+    const float *s_row, *s_col; /* [N*P], [OC] (one tile) */
+    float *g_row;               /* (N, OC, P) or NULL */
+    int8_t *codes;              /* chunk-major (OC, L) blocks, or NULL */
+    const FqtNoise *z;
+    FqtRound r;
+} EncodeJob;
+
+static void encode_part(const void *ctx, int lo, int hi) {
+    const EncodeJob *j = ctx;
+    const FqtCtx *c = j->c;
+    const FqtNoise *z = j->z;
+    const int P = c->cg.OH * c->cg.OW, rows = c->rows, OC = c->out;
+    const size_t ustep = j->r.stochastic ? z->row_step : 0;
+    for (int n = lo; n < hi; n++)
+        for (int o = 0; o < OC; o++) {
+            const size_t at = ((size_t)n * OC + o) * P;
+            const float *g = j->g + at;
+            const size_t r0 = (size_t)n * P;
+            const float *u = j->r.stochastic ? z->u + r0 * z->row_step + o * z->col_step : NULL;
+            if (j->g_row) fqt_quant_span(NULL, j->g_row + at, g, (size_t)P, j->s_row + r0, 1, u, ustep, &j->r);
+            if (!j->codes) continue;
+            for (int a = (int)r0; a < (int)r0 + P;) { /* the plane's rows, cut where a dW chunk ends */
+                const int c0 = a / FQT_DW_CHUNK * FQT_DW_CHUNK, c1 = fqt_dw_chunk_end(c0, rows, rows);
+                const int b = c1 < (int)r0 + P ? c1 : (int)r0 + P, L = c1 - c0;
+                fqt_quant_span(j->codes + (size_t)c0 * OC + (size_t)o * L + (a - c0), NULL, g + (a - r0), (size_t)(b - a),
+                               &j->s_col[o], 0, u ? u + (size_t)(a - r0) * z->row_step : NULL, ustep, &j->r);
+                a = b;
+            }
+        }
+}
+
+/* The conv's integer backward (int_backward) with g scanned once: the bias, g_row, the codes for dW. */
+static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *plan) {
+    const FqtCtx *c = node->ctx;
+    Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
+    const int out = c->out, rows = c->rows, tile = fqt_grad_tile(c), N = c->cg.N, P = c->cg.OH * c->cg.OW;
+    const bool want_b = bias && bias->requires_grad, want_x = x->requires_grad, want_w = w->requires_grad;
+    if (!want_b && !want_x && !want_w) return;
+    ScanJob sj = {.c = c, .dy = node->out->grad, .y = node->out->value.data};
+    sj.g = c->epi == CONV_EPI_NONE ? node->out->grad : tape_alloc(t, (size_t)rows * out * sizeof(float));
+    sj.rowmax = tape_alloc(t, (size_t)rows * sizeof(float));
+    sj.colmax = tape_alloc(t, (size_t)N * out * sizeof(float));
+    sj.bsum = tape_alloc(t, (size_t)N * out * sizeof(double));
+    sj.finite = tape_alloc(t, (size_t)N * sizeof(bool));
+    double *db_acc = tape_alloc(t, (size_t)out * sizeof *db_acc);
+    if (!sj.g || !sj.rowmax || !sj.colmax || !sj.bsum || !sj.finite || !db_acc) return;
+    fqt_shares_run(N, (size_t)rows * out, scan_part, &sj);
+    bool finite = true;
+    for (int n = 0; n < N; n++) finite &= sj.finite[n];
+    if (!finite) { /* the general rules say where */
+        const float *g = grad_rows(t, c, sj.g, NULL), *unused;
+        if (g && quantize_grad(t, c, g, &unused, &unused))
+            qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the output gradient is not finite", c->q->module->path, OP);
+        return;
+    }
+    if (want_b) { /* each channel's plane sums in image order: bias_sums_part's additions */
+        for (int o = 0; o < out; o++) {
+            double acc = 0.0;
+            for (int n = 0; n < N; n++) acc += sj.bsum[(size_t)n * out + o];
+            db_acc[o] = acc;
+        }
+        if (!bias_grad(t, c, bias, NULL, db_acc)) return;
+    }
+    Noise z;
+    if ((!want_x && !want_w) || !noise_draw(t, c->q, rows, out, &z)) return;
+    const FqtNoise nz = noise_steps(&z, out);
+    EncodeJob ej = {.c = c, .g = sj.g, .z = &nz, .r = {.qmin = plan->qmin, .qmax = plan->qmax,
+                                                        .stochastic = nz.u != NULL}};
+    float *s_row = NULL, *s_col = NULL;
+    int8_t *codes = NULL;
+    if (want_x) {
+        s_row = tape_alloc(t, (size_t)rows * sizeof *s_row);
+        ej.g_row = tape_alloc(t, (size_t)rows * out * sizeof(float));
+        if (!s_row || !ej.g_row) return;
+        if (!fqt_scales_of_amax(plan, sj.rowmax, s_row, (size_t)rows)) goto range;
+    }
+    if (want_w) {
+        s_col = tape_alloc(t, ((size_t)rows + tile - 1) / tile * out * sizeof *s_col);
+        codes = tape_alloc(t, (size_t)rows * out);
+        if (!s_col || !codes) return;
+        if (tile >= rows) { /* one scale per column: the planes' maxima; the codes in the encode pass */
+            for (int o = 0; o < out; o++) {
+                float m = 0.0f;
+                for (int n = 0; n < N; n++) m = sj.colmax[(size_t)n * out + o] > m ? sj.colmax[(size_t)n * out + o] : m;
+                if (!fqt_scale_of_amax(plan, m, &s_col[o])) goto range;
+            }
+            ej.codes = codes, ej.s_col = s_col;
+        } else if (!fqt_quant_grad_cols(codes, s_col, sj.g, N, out, P, tile, plan, &nz)) { /* tiles cut planes */
+            goto range;
+        }
+    }
+    ej.s_row = s_row;
+    if (ej.g_row || ej.codes) fqt_shares_run(N, (size_t)rows * out, encode_part, &ej);
+    if (want_x && !input_grad(t, c, x, ej.g_row, true)) return;
+    if (want_w) weight_grad_int(t, c, w, codes, s_col, tile);
+    return;
+range: /* a scale beyond float: the general rules say where */
+    {
+        const float *g = grad_rows(t, c, sj.g, NULL), *unused;
+        if (g && quantize_grad(t, c, g, &unused, &unused))
+            qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the gradient's range exceeds float", c->q->module->path, OP);
+    }
+}
+
 bool fqt_int_backward_applies(const FqtCtx *c) {
     QArrayPlan plan;
     QtError inner = {0};
@@ -419,6 +562,10 @@ static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
     QArrayPlan plan;
     QtError inner = {0};
     if (!c->xb || !fqt_int_backward_applies(c) || grad_plan(c, &plan, &inner) != QT_OK) return false;
+    if (c->conv) {
+        int_backward_conv(t, node, &plan);
+        return true;
+    }
     const int out = c->out, rows = c->rows, tile = fqt_grad_tile(c);
     const int N = c->conv ? c->cg.N : rows, P = c->conv ? c->cg.OH * c->cg.OW : 1;
     if (bias && bias->requires_grad) {
@@ -462,7 +609,9 @@ not_finite: { /* the general rules say where */
 
 void fqt_backward(Tape *t, const TapeNode *node) {
     const FqtCtx *c = node->ctx;
-    const float *dy = product_grad(t, node); /* (N, out, OH*OW) or (N, out) */
+    /* the conv's integer backward makes the epilogue's gradient in its own scan */
+    const bool scans = c->conv && c->xb && fqt_int_backward_applies(c);
+    const float *dy = scans ? node->out->grad : product_grad(t, node); /* (N, out, OH*OW) or (N, out) */
     if (!dy || int_backward(t, node, dy)) return;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const bool want_b = bias && bias->requires_grad;

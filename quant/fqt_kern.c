@@ -65,6 +65,19 @@ void fqt_ste_clip_write_ref(float *d, const float *v, const float *tmp, size_t n
     }
 }
 
+bool fqt_plane_stats_ref(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(x[i])) return false;
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+        rowmax[i] = a > rowmax[i] ? a : rowmax[i];
+    }
+    *amax = m;
+    *sum = fqt_sum_f64_ref(x, n);
+    return true;
+}
+
 double fqt_sum_f64_ref(const float *x, size_t n) {
     double a[8] = {0};
     size_t i = 0;
@@ -192,6 +205,37 @@ KERN_AVX2 static double sum_f64_avx2(const float *x, size_t n) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
+/* fqt_plane_stats in one pass: the maxima as absmax_avx2's, the sums as sum_f64_avx2's (the same additions). */
+KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
+    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m = _mm256_setzero_ps();
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i), a = abs8(v, &all);
+        m = _mm256_max_ps(m, a);
+        _mm256_storeu_ps(rowmax + i, _mm256_max_ps(_mm256_loadu_ps(rowmax + i), a));
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    if (_mm256_movemask_ps(all) != 0xff) return false;
+    float lanes[8], mm = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int k = 0; k < 8; k++) mm = lanes[k] > mm ? lanes[k] : mm;
+    double acc[8];
+    _mm256_storeu_pd(acc, lo);
+    _mm256_storeu_pd(acc + 4, hi);
+    for (int k = 0; i < n; i++, k++) {
+        if (!isfinite(x[i])) return false;
+        const float a = fabsf(x[i]);
+        mm = a > mm ? a : mm;
+        rowmax[i] = a > rowmax[i] ? a : rowmax[i];
+        acc[k] += x[i];
+    }
+    *amax = mm;
+    *sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    return true;
+}
+
 static bool cpu_avx2(void) {
     static int has = -1;
     if (has < 0) has = __builtin_cpu_supports("avx2");
@@ -228,6 +272,37 @@ KERN_AVX2 static double sum_f64_avx2(const float *x, size_t n) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
+/* fqt_plane_stats in one pass: the maxima as absmax_avx2's, the sums as sum_f64_avx2's (the same additions). */
+KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
+    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m = _mm256_setzero_ps();
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i), a = abs8(v, &all);
+        m = _mm256_max_ps(m, a);
+        _mm256_storeu_ps(rowmax + i, _mm256_max_ps(_mm256_loadu_ps(rowmax + i), a));
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    if (_mm256_movemask_ps(all) != 0xff) return false;
+    float lanes[8], mm = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int k = 0; k < 8; k++) mm = lanes[k] > mm ? lanes[k] : mm;
+    double acc[8];
+    _mm256_storeu_pd(acc, lo);
+    _mm256_storeu_pd(acc + 4, hi);
+    for (int k = 0; i < n; i++, k++) {
+        if (!isfinite(x[i])) return false;
+        const float a = fabsf(x[i]);
+        mm = a > mm ? a : mm;
+        rowmax[i] = a > rowmax[i] ? a : rowmax[i];
+        acc[k] += x[i];
+    }
+    *amax = mm;
+    *sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    return true;
+}
+
 static bool cpu_avx2(void) { return false; }
 #endif
 
@@ -253,6 +328,13 @@ bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {
     if (use_avx2()) return col_absmax_avx2(amax, g, rows, out);
 #endif
     return fqt_col_absmax_ref(amax, g, rows, out);
+}
+
+bool fqt_plane_stats(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) return plane_stats_avx2(x, n, rowmax, amax, sum);
+#endif
+    return fqt_plane_stats_ref(x, n, rowmax, amax, sum);
 }
 
 double fqt_sum_f64(const float *x, size_t n) {
@@ -306,6 +388,21 @@ static bool amax_scale(const QArrayPlan *p, float amax, float *s) {
     double t = amax > 0.0f ? p->calib.s * amax : 0.0;
     if (!(t <= FLT_MAX)) return false;
     *s = qarray_plan_scale(p, (float)-t, (float)t);
+    return true;
+}
+
+bool fqt_scale_of_amax(const QArrayPlan *p, float amax, float *s) { return amax_scale(p, amax, s); }
+
+bool fqt_scales_of_amax(const QArrayPlan *p, const float *amax, float *s, size_t n) {
+    /* qarray_scale_for_range of a symmetric int plan, inlined: amax / qmax (narrow) or amax / (qmax + 1/2) */
+    const float div = p->narrow ? p->qmax : p->qmax + 0.5f;
+    const double c = p->calib.s;
+    for (size_t i = 0; i < n; i++) {
+        const double t = amax[i] > 0.0f ? c * amax[i] : 0.0;
+        if (!(t <= FLT_MAX)) return false;
+        const float v = (float)t / div;
+        s[i] = v >= QARRAY_SCALE_MIN && isfinite(v) ? v : 1.0f;
+    }
     return true;
 }
 

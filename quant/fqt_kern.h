@@ -116,6 +116,18 @@ void fqt_ste_clip_ref(float *d, const float *v, const float *tmp, size_t n, floa
 void fqt_ste_clip_write(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
 void fqt_ste_clip_write_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
 
+/* One plane of g in one pass: *amax = max |x[i]|, rowmax[i] = max(rowmax[i],
+ * |x[i]|) (the running maxima of the rows the plane crosses), *sum =
+ * fqt_sum_f64(x, n); false if an element is not finite. */
+bool fqt_plane_stats(const float *x, size_t n, float *rowmax, float *amax, double *sum);
+bool fqt_plane_stats_ref(const float *x, size_t n, float *rowmax, float *amax, double *sum);
+
+/* The scale of a slice whose max |x| is amax under plan p (fqt_plan_fast),
+ * as the drivers compute it; false where calibration refuses the range. */
+bool fqt_scale_of_amax(const QArrayPlan *p, float amax, float *s);
+/* The same for amax [n] into s [n], the int formula inlined. */
+bool fqt_scales_of_amax(const QArrayPlan *p, const float *amax, float *s, size_t n);
+
 /* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
 const char *fqt_kern_name(void);
 /* Tests: force the portable kernels (true) or go back to the CPU's best. */

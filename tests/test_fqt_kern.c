@@ -101,6 +101,49 @@ static void test_sum_twins(void) {
     }
 }
 
+static void test_plane_stats_twins(void) {
+    if (!have_fast("plane stats: fast = ref")) return;
+    for (size_t n = 0; n < 300; n += 11) {
+        float *x = edge_data(n, 960 + n, 0.2f), *ra = test_random_uniform(n, 961 + n, 0.0f, 5.0f);
+        float *rb = malloc((n ? n : 1) * sizeof *rb);
+        memcpy(rb, ra, n * sizeof *ra);
+        float ma = -1.0f, mb = -2.0f;
+        double sa = 1.0, sb = 2.0;
+        CU_ASSERT(fqt_plane_stats(x, n, ra, &ma, &sa) && fqt_plane_stats_ref(x, n, rb, &mb, &sb));
+        CU_ASSERT(ma == mb && memcmp(&sa, &sb, sizeof sa) == 0 && same_bits(ra, rb, n * sizeof *ra));
+        double s1 = fqt_sum_f64_ref(x, n);
+        CU_ASSERT(memcmp(&sa, &s1, sizeof sa) == 0); /* the same additions as the sum alone */
+        if (n > 0) {
+            x[n / 2] = NAN;
+            CU_ASSERT(!fqt_plane_stats(x, n, ra, &ma, &sa) && !fqt_plane_stats_ref(x, n, rb, &mb, &sb));
+        }
+        free(x), free(ra), free(rb);
+    }
+}
+
+/* The inlined scale formula equals the drivers' (calib_compute's range, then qarray_plan_scale). */
+static void test_scales_of_amax(void) {
+    static const char *const TYPES[] = {"int8", "int4"};
+    const CalibSpec calibs[] = {{.kind = CALIB_ABSMAX, .s = 1.0}, {.kind = CALIB_ABSMAX, .s = 0.7}};
+    float amax[64], s[64];
+    for (int i = 0; i < 64; i++) amax[i] = i == 0 ? 0.0f : i == 1 ? 1e-30f : ldexpf(1.0f + 0.013f * (float)i, i - 32);
+    for (int t = 0; t < 2; t++)
+        for (int k = 0; k < 2; k++)
+            for (int narrow = 0; narrow < 2; narrow++) {
+                QArrayOptions o = {.range = QARRAY_RANGE_SYMMETRIC, .calib = &calibs[k], .narrow_range = narrow};
+                QArrayPlan p;
+                QtError err = {0};
+                CU_ASSERT_FATAL(qarray_plan_make(&p, "test", 1, (const int[]){64}, qtype_find(TYPES[t], &err), &o,
+                                                 &err) == QT_OK);
+                CU_ASSERT(fqt_scales_of_amax(&p, amax, s, 64));
+                for (int i = 0; i < 64; i++) {
+                    float want;
+                    CU_ASSERT(fqt_scale_of_amax(&p, amax[i], &want));
+                    CU_ASSERT(memcmp(&s[i], &want, sizeof want) == 0);
+                }
+            }
+}
+
 static void test_ste_clip_twins(void) {
     if (!have_fast("STE clip: fast = ref")) return;
     for (size_t n = 0; n < 70; n += 3) {
@@ -323,6 +366,8 @@ int register_quant_qt_kern_suite(void) {
            !CU_add_test(s, "span: fast = ref", test_span_twins) ||
            !CU_add_test(s, "STE clip: fast = ref", test_ste_clip_twins) ||
            !CU_add_test(s, "sum: fast = ref", test_sum_twins) ||
+           !CU_add_test(s, "plane stats: fast = ref", test_plane_stats_twins) ||
+           !CU_add_test(s, "scales of maxima = the drivers' scale", test_scales_of_amax) ||
            !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
            !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
