@@ -590,10 +590,10 @@ static void nn_layout_part(const void *ctx, int lo, int hi) {
             const float so = c->sw[o], bo = j->b ? j->b[o] : 0.0f;
             const size_t at = ((size_t)n * c->out + o) * out_plane;
             if (c->epi == CONV_EPI_NONE) {
-                for (size_t p = 0; p < plane; p++) j->y[at + p] = (float)src[p] * c->sx * so + bo;
+                fqt_scale_i32(j->y + at, src, plane, c->sx, so, bo, true);
                 continue;
             }
-            for (size_t p = 0; p < plane; p++) pre[p] = (float)src[p] * c->sx * so;
+            fqt_scale_i32(pre, src, plane, c->sx, so, 0.0f, false);
             nn_conv_epilogue_plane(j->y + at, pooled ? j->winner + at : NULL, pre, bo, c->cg.OH, c->cg.OW, c->epi);
         }
 }

@@ -78,6 +78,13 @@ bool fqt_plane_stats_ref(const float *x, size_t n, float *rowmax, float *amax, d
     return true;
 }
 
+void fqt_scale_i32_ref(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
+    if (add_b)
+        for (size_t i = 0; i < n; i++) y[i] = (float)x[i] * s1 * s2 + b;
+    else
+        for (size_t i = 0; i < n; i++) y[i] = (float)x[i] * s1 * s2;
+}
+
 double fqt_sum_f64_ref(const float *x, size_t n) {
     double a[8] = {0};
     size_t i = 0;
@@ -236,6 +243,17 @@ KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, 
     return true;
 }
 
+/* No FMA in this target: the product is rounded before the bias is added, as in the scalar loop. */
+KERN_AVX2 static void scale_i32_avx2(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
+    const __m256 v1 = _mm256_set1_ps(s1), v2 = _mm256_set1_ps(s2), vb = _mm256_set1_ps(b);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(x + i))), v1), v2);
+        _mm256_storeu_ps(y + i, add_b ? _mm256_add_ps(v, vb) : v);
+    }
+    fqt_scale_i32_ref(y + i, x + i, n - i, s1, s2, b, add_b);
+}
+
 static bool cpu_avx2(void) {
     static int has = -1;
     if (has < 0) has = __builtin_cpu_supports("avx2");
@@ -303,6 +321,17 @@ KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, 
     return true;
 }
 
+/* No FMA in this target: the product is rounded before the bias is added, as in the scalar loop. */
+KERN_AVX2 static void scale_i32_avx2(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
+    const __m256 v1 = _mm256_set1_ps(s1), v2 = _mm256_set1_ps(s2), vb = _mm256_set1_ps(b);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(x + i))), v1), v2);
+        _mm256_storeu_ps(y + i, add_b ? _mm256_add_ps(v, vb) : v);
+    }
+    fqt_scale_i32_ref(y + i, x + i, n - i, s1, s2, b, add_b);
+}
+
 static bool cpu_avx2(void) { return false; }
 #endif
 
@@ -335,6 +364,16 @@ bool fqt_plane_stats(const float *x, size_t n, float *rowmax, float *amax, doubl
     if (use_avx2()) return plane_stats_avx2(x, n, rowmax, amax, sum);
 #endif
     return fqt_plane_stats_ref(x, n, rowmax, amax, sum);
+}
+
+void fqt_scale_i32(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (use_avx2()) {
+        scale_i32_avx2(y, x, n, s1, s2, b, add_b);
+        return;
+    }
+#endif
+    fqt_scale_i32_ref(y, x, n, s1, s2, b, add_b);
 }
 
 double fqt_sum_f64(const float *x, size_t n) {

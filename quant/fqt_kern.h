@@ -128,6 +128,11 @@ bool fqt_scale_of_amax(const QArrayPlan *p, float amax, float *s);
 /* The same for amax [n] into s [n], the int formula inlined. */
 bool fqt_scales_of_amax(const QArrayPlan *p, const float *amax, float *s, size_t n);
 
+/* y [n] = ((float)x[i] * s1) * s2, plus b when add_b: an integer product's
+ * outputs in the operations' own order. */
+void fqt_scale_i32(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b);
+void fqt_scale_i32_ref(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b);
+
 /* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
 const char *fqt_kern_name(void);
 /* Tests: force the portable kernels (true) or go back to the CPU's best. */

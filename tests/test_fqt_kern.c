@@ -144,6 +144,21 @@ static void test_scales_of_amax(void) {
             }
 }
 
+static void test_scale_i32_twins(void) {
+    if (!have_fast("int32 scaling: fast = ref")) return;
+    for (size_t n = 0; n < 100; n += 7) {
+        int32_t *x = malloc((n ? n : 1) * sizeof *x);
+        float *a = malloc((n ? n : 1) * sizeof *a), *b = malloc((n ? n : 1) * sizeof *b);
+        for (size_t i = 0; i < n; i++) x[i] = (int32_t)((i * 2654435761u) >> 3) - (1 << 28);
+        for (int add = 0; add < 2; add++) {
+            fqt_scale_i32(a, x, n, 0.0123f, 3.7e-3f, -0.25f, add);
+            fqt_scale_i32_ref(b, x, n, 0.0123f, 3.7e-3f, -0.25f, add);
+            CU_ASSERT(same_bits(a, b, n * sizeof *a));
+        }
+        free(x), free(a), free(b);
+    }
+}
+
 static void test_ste_clip_twins(void) {
     if (!have_fast("STE clip: fast = ref")) return;
     for (size_t n = 0; n < 70; n += 3) {
@@ -367,6 +382,7 @@ int register_quant_qt_kern_suite(void) {
            !CU_add_test(s, "STE clip: fast = ref", test_ste_clip_twins) ||
            !CU_add_test(s, "sum: fast = ref", test_sum_twins) ||
            !CU_add_test(s, "plane stats: fast = ref", test_plane_stats_twins) ||
+           !CU_add_test(s, "int32 scaling: fast = ref", test_scale_i32_twins) ||
            !CU_add_test(s, "scales of maxima = the drivers' scale", test_scales_of_amax) ||
            !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
