@@ -556,70 +556,70 @@ static bool forward_product(Tape *t, const FqtCtx *c, const int8_t *wc, const Va
     return true;
 }
 
-/* acc (out, rows) columns [r0 + lo, r0 + hi) = W X^T over a chunk of X^T (fan_in, L) at xt. */
-typedef struct {
-    int32_t *acc;
-    const int8_t *w, *xt;
-    int rows, out, K, L;
-} NnJob;
-
-static void nn_part(const void *ctx, int lo, int hi) {
-    const NnJob *j = ctx;
-    qgemm_s8_nn(j->acc + lo, j->rows, j->w, j->xt + lo, j->L, j->out, hi - lo, j->K);
-}
-
-/* y[n][o][p] from acc (out, rows) (the pixel's row n*P + p) as forward_product lays it out, images [lo, hi). */
+/* Images [lo, hi) of the conv's forward on the integer path: each image's product W X^T (out, OH*OW) into the
+ * thread's scratch (the image's columns of X^T, cut where a dW chunk ends), then laid out as y (N, OC, OH, OW)
+ * with the bias, or through the fused epilogue: the product never leaves the cache. */
 typedef struct {
     const FqtCtx *c;
-    const int32_t *acc;
-    const float *b;
-    float *y, *scratch; /* scratch: [threads][OH*OW], fused epilogues */
+    const int8_t *w, *xt; /* (out, fan_in); X^T chunk-major */
+    const float *b;       /* [out] or NULL */
+    float *y;
     uint8_t *winner;
-} NnLayoutJob;
+    int32_t *acc;         /* [threads][out * OH*OW] */
+    float *pre;           /* [threads][OH*OW], fused epilogues */
+    int tile;
+} NnJob;
 
-static void nn_layout_part(const void *ctx, int lo, int hi) {
-    const NnLayoutJob *j = ctx;
+static void nn_image_part(const void *ctx, int lo, int hi) {
+    const NnJob *j = ctx;
     const FqtCtx *c = j->c;
-    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
+    const int P = c->cg.OH * c->cg.OW, K = c->fan_in, rows = c->rows;
     const bool pooled = c->epi == CONV_EPI_RELU_MAXPOOL2;
-    const size_t out_plane = pooled ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : plane;
-    float *pre = j->scratch ? j->scratch + (size_t)parallel_thread_index() * plane : NULL;
-    for (int n = lo; n < hi; n++)
+    const size_t out_plane = pooled ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : (size_t)P;
+    const int th = parallel_thread_index();
+    int32_t *acc = j->acc + (size_t)th * c->out * P; /* (out, P) */
+    float *pre = j->pre ? j->pre + (size_t)th * P : NULL;
+    for (int n = lo; n < hi; n++) {
+        for (int a = n * P; a < (n + 1) * P;) { /* the image's columns, chunk by chunk */
+            int c0 = 0, c1 = fqt_dw_chunk_end(0, rows, j->tile);
+            while (c1 <= a) c0 = c1, c1 = fqt_dw_chunk_end(c0, rows, j->tile);
+            const int b = c1 < (n + 1) * P ? c1 : (n + 1) * P, L = c1 - c0;
+            qgemm_s8_nn(acc + (a - n * P), P, j->w, j->xt + (size_t)c0 * K + (a - c0), L, c->out, b - a, K);
+            a = b;
+        }
         for (int o = 0; o < c->out; o++) {
-            const int32_t *src = j->acc + (size_t)o * c->rows + (size_t)n * plane; /* [OH*OW] */
+            const int32_t *src = acc + (size_t)o * P;
             const float so = c->sw[o], bo = j->b ? j->b[o] : 0.0f;
             const size_t at = ((size_t)n * c->out + o) * out_plane;
             if (c->epi == CONV_EPI_NONE) {
-                fqt_scale_i32(j->y + at, src, plane, c->sx, so, bo, true);
+                fqt_scale_i32(j->y + at, src, (size_t)P, c->sx, so, bo, true);
                 continue;
             }
-            fqt_scale_i32(pre, src, plane, c->sx, so, 0.0f, false);
+            fqt_scale_i32(pre, src, (size_t)P, c->sx, so, 0.0f, false);
             nn_conv_epilogue_plane(j->y + at, pooled ? j->winner + at : NULL, pre, bo, c->cg.OH, c->cg.OW, c->epi);
         }
+    }
 }
 
 /* The conv's product as W (out, fan_in) X^T (fan_in, rows): X^T gathered chunk by chunk (the weight gradient's
- * chunks, kept in c->xt for it), the integer sums (out, rows) then laid out (and the epilogue) as
+ * chunks, kept in c->xt for it), then image by image the integer sums, laid out (and the epilogue) as
  * forward_product does: the same values. */
 static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
-    const int rows = c->rows, out = c->out, K = c->fan_in, tile = fqt_grad_tile(c);
-    int8_t *xt = tape_alloc(t, (size_t)rows * K);                   /* chunk-major blocks (fan_in, L) */
-    int32_t *acc = tape_alloc(t, (size_t)out * rows * sizeof *acc); /* (out, rows) */
-    if (!xt || !acc) return false;
+    const int rows = c->rows, out = c->out, K = c->fan_in, tile = fqt_grad_tile(c), P = c->cg.OH * c->cg.OW;
+    const int threads = parallel_get_threads();
+    int8_t *xt = tape_alloc(t, (size_t)rows * K); /* chunk-major blocks (fan_in, L) */
+    NnJob j = {.c = c, .w = wc, .xt = xt, .b = bias ? bias->value.data : NULL, .y = y->value.data,
+               .winner = (uint8_t *)c->winner, .tile = tile};
+    j.acc = tape_alloc(t, (size_t)threads * out * P * sizeof *j.acc);
+    if (c->epi != CONV_EPI_NONE) j.pre = tape_alloc(t, (size_t)threads * P * sizeof *j.pre);
+    if (!xt || !j.acc || (c->epi != CONV_EPI_NONE && !j.pre)) return false;
     for (int r0 = 0; r0 < rows;) {
-        const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
-        fqt_gather_xt(xt, c, r0, L);
-        NnJob nj = {acc + r0, wc, xt + (size_t)r0 * K, rows, out, K, L};
-        fqt_shares_run(L, (size_t)out * L * K >> 5, nn_part, &nj);
+        const int r1 = fqt_dw_chunk_end(r0, rows, tile);
+        fqt_gather_xt(xt, c, r0, r1 - r0);
         r0 = r1;
     }
     c->xt = xt;
-    NnLayoutJob lj = {.c = c, .acc = acc, .b = bias ? bias->value.data : NULL, .y = y->value.data,
-                      .winner = (uint8_t *)c->winner};
-    if (c->epi != CONV_EPI_NONE &&
-        !(lj.scratch = tape_alloc(t, (size_t)parallel_get_threads() * c->cg.OH * c->cg.OW * sizeof(float))))
-        return false;
-    fqt_shares_run(c->cg.N, (size_t)rows * out, nn_layout_part, &lj);
+    fqt_shares_run(c->cg.N, (size_t)rows * out * K >> 3, nn_image_part, &j);
     return true;
 }
 
