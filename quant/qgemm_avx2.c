@@ -39,6 +39,7 @@
 
 #include "qgemm.h"
 #include "qgemm_internal.h"
+#include "fqt.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
