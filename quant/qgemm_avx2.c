@@ -600,21 +600,21 @@ QA_TARGET QA_INLINE void s8a_store(int32_t *c, int ldc, int i, int j0, int jn, _
 #define S8A_R2 4  /* AVX2 tile rows: 8 accumulators, the two weight vectors and a broadcast in 16 registers */
 #define S8A_RV 6  /* AVX-VNNI tile rows */
 
+/* n bytes (n <= 16; none if n <= 0) at p, the rest 0. */
+static inline __m128i load16_upto(const int8_t *p, int n) {
+    if (n >= 16) return _mm_loadu_si128((const __m128i *)(const void *)p);
+    _Alignas(16) int8_t t[16] = {0};
+    if (n > 0) memcpy(t, p, (size_t)n);
+    return _mm_load_si128((const __m128i *)(const void *)t);
+}
+
 /* AVX2: rows [i0, i0 + mb) of a's k block [k0, k0 + kn) widened to int16, zero to 4 kg: aw [mb][S8A_KB]. */
 QA_TARGET static void s8a_prep_avx2(void *scratch, const int8_t *a, int K, int i0, int mb, int k0, int kn, int kg) {
     int16_t (*aw)[S8A_KB] = scratch;
     for (int r = 0; r < mb; r++) {
         const int8_t *row = a + (size_t)(i0 + r) * K + k0;
         for (int k = 0; k < 4 * kg; k += 16) {
-            __m128i v;
-            if (kn - k >= 16) {
-                v = _mm_loadu_si128((const __m128i *)(const void *)(row + k));
-            } else {
-                _Alignas(16) int8_t t[16] = {0};
-                if (kn > k) memcpy(t, row + k, (size_t)(kn - k));
-                v = _mm_load_si128((const __m128i *)(const void *)t);
-            }
-            _mm256_storeu_si256((__m256i *)(void *)(aw[r] + k), _mm256_cvtepi8_epi16(v));
+            _mm256_storeu_si256((__m256i *)(void *)(aw[r] + k), _mm256_cvtepi8_epi16(load16_upto(row + k, kn - k)));
         }
     }
 }
@@ -627,15 +627,7 @@ QV_TARGET static void s8a_prep_avxvnni(void *scratch, const int8_t *a, int K, in
     for (int r = 0; r < mb; r++) {
         const int8_t *row = a + (size_t)(i0 + r) * K + k0;
         for (int k = 0; k < 4 * kg; k += 16) {
-            __m128i v;
-            if (kn - k >= 16) {
-                v = _mm_loadu_si128((const __m128i *)(const void *)(row + k));
-            } else {
-                _Alignas(16) int8_t t[16] = {0};
-                if (kn > k) memcpy(t, row + k, (size_t)(kn - k));
-                v = _mm_load_si128((const __m128i *)(const void *)t);
-            }
-            _mm_storeu_si128((__m128i *)(void *)(au[r] + k), _mm_xor_si128(v, flip));
+            _mm_storeu_si128((__m128i *)(void *)(au[r] + k), _mm_xor_si128(load16_upto(row + k, kn - k), flip));
         }
     }
 }

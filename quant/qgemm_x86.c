@@ -513,8 +513,9 @@ static void s8_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, 
     }
 }
 
-QG_TARGET QG_INLINE void s8_tile(int32_t *c, const int8_t *a, int M, int N, int K, int i0, int j0, int k0, int kn,
-                                 const int8_t *pack, const int32_t *sum, int kg, const int V) {
+/* Rows [i0, i0 + 8) of a (rows K apart) times a packed block of panels into c (rows ldc apart) from column j0. */
+QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M, int N, int K, int i0, int j0, int k0,
+                                    int kn, const int8_t *pack, const int32_t *sum, int kg, const int V) {
     const int nrows = M - i0 < QGEMM_ROWS ? M - i0 : QGEMM_ROWS;
     const uint8_t *rows[QGEMM_ROWS];
     for (int r = 0; r < QGEMM_ROWS; r++)
@@ -523,8 +524,13 @@ QG_TARGET QG_INLINE void s8_tile(int32_t *c, const int8_t *a, int M, int N, int 
     dense_acc(acc, rows, pack, (size_t)kg * 64, kn, V, true);
     /* a + 128 was multiplied: subtract 128 * the column sums (a_zero 128 of the dense epilogue) */
     QGemmPackedB pb = {.n = N - j0, .k = kn, .k_groups = kg, .panels = V};
-    QGemmDense d = {.a_zero = 128, .b = &pb, .c_i32 = c + j0, .ldc = N};
+    QGemmDense d = {.a_zero = 128, .b = &pb, .c_i32 = c + j0, .ldc = ldc};
     dense_epilogue(&d, acc, sum, i0, nrows, 0, V, k0 > 0);
+}
+
+QG_TARGET QG_INLINE void s8_tile(int32_t *c, const int8_t *a, int M, int N, int K, int i0, int j0, int k0, int kn,
+                                 const int8_t *pack, const int32_t *sum, int kg, const int V) {
+    s8_tile_ld(c, N, a, M, N, K, i0, j0, k0, kn, pack, sum, kg, V);
 }
 
 QG_TARGET void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
@@ -580,19 +586,6 @@ QG_TARGET static void s8_pack_nn(int8_t *pack, int32_t *sum, const int8_t *b, in
         }
         _mm512_store_si512((void *)(sum + v * QGEMM_LANES), cs);
     }
-}
-
-QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M, int N, int K, int i0, int j0, int k0,
-                                    int kn, const int8_t *pack, const int32_t *sum, int kg, const int V) {
-    const int nrows = M - i0 < QGEMM_ROWS ? M - i0 : QGEMM_ROWS;
-    const uint8_t *rows[QGEMM_ROWS];
-    for (int r = 0; r < QGEMM_ROWS; r++)
-        rows[r] = (const uint8_t *)a + (size_t)(i0 + (r < nrows ? r : 0)) * K + k0;
-    __m512i acc[QGEMM_ROWS][QG_V];
-    dense_acc(acc, rows, pack, (size_t)kg * 64, kn, V, true);
-    QGemmPackedB pb = {.n = N - j0, .k = kn, .k_groups = kg, .panels = V};
-    QGemmDense d = {.a_zero = 128, .b = &pb, .c_i32 = c + j0, .ldc = ldc};
-    dense_epilogue(&d, acc, sum, i0, nrows, 0, V, k0 > 0);
 }
 
 QG_TARGET void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
