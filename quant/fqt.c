@@ -9,8 +9,11 @@
  * are bit for bit those of QAT's dynamic fake quantization of the same
  * layer (int formats through fqt_kern.h's vectorised twins of those
  * rules). A conv layer quantizes x once, then gathers the codes of every
- * receptive field into a row of X (one byte per element), so the patches
- * of the integer GEMM and of the float one come from the same codes. */
+ * receptive field (one byte per element): on the integer path as the
+ * columns of X^T for W X^T (qgemm_s8_nn, image by image, the product laid
+ * out or through the fused epilogue while in cache; the weight gradient
+ * reads the same X^T), otherwise as the rows of X for the float GEMM of
+ * the dequantized operands. */
 #include "fqt.h"
 
 #include <limits.h>
@@ -568,8 +571,18 @@ typedef struct {
     int32_t *acc;         /* [threads][out * OH*OW] */
     float *pre;           /* [threads][OH*OW], fused epilogues */
     int tile;
+    int split;            /* shares of the output channels per image: > 1 when the images are fewer than threads */
 } NnJob;
 
+/* The dW chunk [*c0, *c1) that holds row a: tiles start at multiples of tile, chunks at multiples of
+ * FQT_DW_CHUNK from their tile's start (fqt_dw_chunk_end). */
+static void chunk_of(int a, int rows, int tile, int *c0, int *c1) {
+    const int t0 = a / tile * tile;
+    *c0 = t0 + (a - t0) / FQT_DW_CHUNK * FQT_DW_CHUNK;
+    *c1 = fqt_dw_chunk_end(*c0, rows, tile);
+}
+
+/* Units [lo, hi) of j->split per image: unit u is image u / split, its output channels' share u % split. */
 static void nn_image_part(const void *ctx, int lo, int hi) {
     const NnJob *j = ctx;
     const FqtCtx *c = j->c;
@@ -579,15 +592,20 @@ static void nn_image_part(const void *ctx, int lo, int hi) {
     const int th = parallel_thread_index();
     int32_t *acc = j->acc + (size_t)th * c->out * P; /* (out, P) */
     float *pre = j->pre ? j->pre + (size_t)th * P : NULL;
-    for (int n = lo; n < hi; n++) {
+    for (int u = lo; u < hi; u++) {
+        const int n = u / j->split;
+        int o_lo, o_hi;
+        parallel_range(c->out, u % j->split, j->split, &o_lo, &o_hi);
+        if (o_lo >= o_hi) continue;
         for (int a = n * P; a < (n + 1) * P;) { /* the image's columns, chunk by chunk */
-            int c0 = 0, c1 = fqt_dw_chunk_end(0, rows, j->tile);
-            while (c1 <= a) c0 = c1, c1 = fqt_dw_chunk_end(c0, rows, j->tile);
+            int c0, c1;
+            chunk_of(a, rows, j->tile, &c0, &c1);
             const int b = c1 < (n + 1) * P ? c1 : (n + 1) * P, L = c1 - c0;
-            qgemm_s8_nn(acc + (a - n * P), P, j->w, j->xt + (size_t)c0 * K + (a - c0), L, c->out, b - a, K);
+            qgemm_s8_nn(acc + (size_t)o_lo * P + (a - n * P), P, j->w + (size_t)o_lo * K,
+                        j->xt + (size_t)c0 * K + (a - c0), L, o_hi - o_lo, b - a, K);
             a = b;
         }
-        for (int o = 0; o < c->out; o++) {
+        for (int o = o_lo; o < o_hi; o++) {
             const int32_t *src = acc + (size_t)o * P;
             const float so = c->sw[o], bo = j->b ? j->b[o] : 0.0f;
             const size_t at = ((size_t)n * c->out + o) * out_plane;
@@ -619,7 +637,9 @@ static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *
         r0 = r1;
     }
     c->xt = xt;
-    fqt_shares_run(c->cg.N, (size_t)rows * out * K >> 3, nn_image_part, &j);
+    j.split = c->cg.N >= threads ? 1 : (threads + c->cg.N - 1) / c->cg.N;
+    if (j.split > out) j.split = out;
+    fqt_shares_run(c->cg.N * j.split, (size_t)rows * out * K >> 3, nn_image_part, &j);
     return true;
 }
 

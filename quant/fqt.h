@@ -101,7 +101,7 @@ QtStatus fqt_layer_check(const FqtSpec *spec, const Module *m, QtError *err);
 /* The noise generator starts at (seed, stream, 0); give each layer its own stream. */
 QtStatus fqt_layer_init(FqtLayer *q, Module *m, const FqtSpec *spec, uint64_t seed, uint64_t stream, QtError *err);
 /* Whether the layer's forward (and weight gradient) run integer GEMMs: int formats of at most 8 bits on both
- * operands (qgemm_s8, whose kernel qgemm_kernel_name names). */
+ * operands (qgemm_s8 and qgemm_s8_nn, on the family qgemm_isa picks). */
 bool fqt_layer_integer(const FqtLayer *q);
 void fqt_layer_install(FqtLayer *q);
 

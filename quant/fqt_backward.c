@@ -431,13 +431,13 @@ static void scan_part(const void *ctx, int lo, int hi) {
         float *rm = j->rowmax + (size_t)n * P;
         memset(rm, 0, P * sizeof *rm);
         bool ok = true;
-        for (int o = 0; o < c->out && ok; o++) {
+        for (int o = 0; o < c->out; o++) { /* every plane made, even past a non-finite one: the error path reads g */
             const size_t at = (size_t)n * c->out + o;
             float *plane = j->g + at * P;
             if (c->epi != CONV_EPI_NONE)
                 nn_conv_epilogue_grad_plane(plane, j->dy + at * out_plane, j->y + at * out_plane,
                                             c->winner ? c->winner + at * out_plane : NULL, c->cg.OH, c->cg.OW, c->epi);
-            ok = fqt_plane_stats(plane, P, rm, &j->colmax[at], &j->bsum[at]);
+            if (ok) ok = fqt_plane_stats(plane, P, rm, &j->colmax[at], &j->bsum[at]);
         }
         j->finite[n] = ok;
     }
@@ -468,7 +468,7 @@ static void encode_part(const void *ctx, int lo, int hi) {
             if (j->g_row) fqt_quant_span(NULL, j->g_row + at, g, (size_t)P, j->s_row + r0, 1, u, ustep, &j->r);
             if (!j->codes) continue;
             for (int a = (int)r0; a < (int)r0 + P;) { /* the plane's rows, cut where a dW chunk ends */
-                const int c0 = a / FQT_DW_CHUNK * FQT_DW_CHUNK, c1 = fqt_dw_chunk_end(c0, rows, rows);
+                const int c0 = a / FQT_DW_CHUNK * FQT_DW_CHUNK, c1 = fqt_dw_chunk_end(c0, rows, rows); /* one tile */
                 const int b = c1 < (int)r0 + P ? c1 : (int)r0 + P, L = c1 - c0;
                 fqt_quant_span(j->codes + (size_t)c0 * OC + (size_t)o * L + (a - c0), NULL, g + (a - r0), (size_t)(b - a),
                                &j->s_col[o], 0, u ? u + (size_t)(a - r0) * z->row_step : NULL, ustep, &j->r);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/parallel.h"
 #include "quant/qat.h"
 #include "quant/fqt.h"
 #include "test_qarray.h"
@@ -598,6 +599,37 @@ static void test_backward_integer_geometries(void) {
     }
 }
 
+/* The integer path's work split over threads (by images, by output channels within an image when the batch is
+ * smaller than the thread count) changes no bit: 1, 2 and 3 threads on batches of 1 and 5, fused and not. */
+static void test_threads_same_bits(void) {
+    Model m;
+    qtest_conv_model(&m, 3, 10, 9, 7, 3, 1, 1, 320);
+    FqtLayer q;
+    FqtSpec s = spec_of("int8", "int8", "int8");
+    s.bwd_stochastic = true;
+    init_ok(&q, &m.modules[0], &s, 13);
+    fqt_layer_install(&q);
+    for (int N = 1; N <= 5; N += 4)
+        for (int e = CONV_EPI_NONE; e <= CONV_EPI_RELU_MAXPOOL2; e += 2) {
+            float *x = qa_normal_sample(330 + N, qtest_input_numel(&m.modules[0], N));
+            const Rng start = q.rng;
+            QtestRun r[3];
+            for (int th = 1; th <= 3; th++) {
+                CU_ASSERT_FATAL(parallel_set_threads(th) == th);
+                q.rng = start;
+                run_fused(&q, x, N, (ConvEpilogue)e, e != CONV_EPI_NONE, &r[th - 1]);
+            }
+            parallel_set_threads(1);
+            for (int k = 1; k < 3; k++) {
+                CU_ASSERT(same_floats(r[k].y, r[0].y, r[0].ny) && same_floats(r[k].dx, r[0].dx, r[0].nx));
+                CU_ASSERT(same_floats(r[k].dw, r[0].dw, r[0].nw) && same_floats(r[k].db, r[0].db, r[0].nb));
+            }
+            for (int k = 0; k < 3; k++) qtest_run_free(&r[k]);
+            free(x);
+        }
+    model_free(&m);
+}
+
 static void test_backward_stochastic(void) {
     static const unsigned AXES[] = {FQT_NOISE_ROWS, FQT_NOISE_COLS, FQT_NOISE_ROWS | FQT_NOISE_COLS};
     for (int i = 0; i < 3; i++) {
@@ -864,6 +896,7 @@ int register_quant_qt_suite(void) {
            !CU_add_test(s, "quantized backward, stochastic", test_backward_stochastic) ||
            !CU_add_test(s, "integer backward, geometries", test_backward_integer_geometries) ||
            !CU_add_test(s, "fused relu and pool = separate ops", test_fused_epilogue) ||
+           !CU_add_test(s, "1, 2, 3 threads, batches of 1 and 5: the same bits", test_threads_same_bits) ||
            !CU_add_test(s, "noise axes", test_noise_axes) ||
            !CU_add_test(s, "stochastic rounding is unbiased", test_stochastic_unbiased) ||
            !CU_add_test(s, "determinism", test_determinism) ||

@@ -496,7 +496,7 @@ static void s8_nn_case(int M, int N, int K, int pad, uint64_t seed, bool extreme
 }
 
 static void test_s8_nn(void) {
-    static const int MS[] = {1, 6, 8, 9, 33}, NS[] = {1, 7, 8, 15, 16, 17, 47, 48, 49, 100},
+    static const int MS[] = {1, 6, 8, 9, 33, 97}, NS[] = {1, 7, 8, 15, 16, 17, 47, 48, 49, 100},
                      KS[] = {1, 3, 4, 9, 288, 511, 512, 513};
     uint64_t seed = 400;
     for (size_t i = 0; i < sizeof MS / sizeof *MS; i++)
@@ -507,7 +507,7 @@ static void test_s8_nn(void) {
 }
 
 static void test_s8(void) {
-    static const int MS[] = {1, 6, 7, 8, 9, 17}, NS[] = {1, 7, 8, 9, 16, 47, 48, 49, 97},
+    static const int MS[] = {1, 6, 7, 8, 9, 17, 50}, NS[] = {1, 7, 8, 9, 16, 47, 48, 49, 97},
                      KS[] = {1, 5, 511, 512, 513, 3001};
     uint64_t seed = 200;
     for (size_t i = 0; i < sizeof MS / sizeof *MS; i++)
