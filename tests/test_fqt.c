@@ -318,7 +318,21 @@ static void check_against_ref(FqtLayer *q, int N, uint64_t seed, int bwd_bits, c
         for (int r = 0; r < G.rows; r++) s += g[(size_t)r * G.out + o];
         db[o] = (float)s;
     }
+    /* the forward too: y = deq(X) deq(W)^T + b, every output channel of every pixel */
+    float *y_ref = qa_alloc_floats(ny), *y_rows = grad_rows_of(&G, a.y);
+    for (int r = 0; r < G.rows; r++)
+        for (int o = 0; o < G.out; o++) {
+            double acc = mod->bias ? mod->bias->var.value.data[o] : 0.0;
+            for (int k = 0; k < G.K; k++) {
+                long xi = x_index(&G, r, k);
+                if (xi >= 0) acc += (double)op.xq[xi] * op.wq[(size_t)o * G.K + k];
+            }
+            y_ref[(size_t)r * G.out + o] = (float)acc;
+        }
     char label[96];
+    snprintf(label, sizeof label, "%s y", what);
+    CU_ASSERT(close_to(y_rows, y_ref, ny, label));
+    free(y_ref), free(y_rows);
     snprintf(label, sizeof label, "%s dx", what);
     CU_ASSERT(close_to(a.dx, dx, nx, label));
     snprintf(label, sizeof label, "%s dw", what);
@@ -627,6 +641,12 @@ static void test_threads_same_bits(void) {
             for (int k = 0; k < 3; k++) qtest_run_free(&r[k]);
             free(x);
         }
+    /* and against the hand reference, the one image's channels split over 2 and 3 threads */
+    for (int th = 2; th <= 3; th++) {
+        CU_ASSERT_FATAL(parallel_set_threads(th) == th);
+        check_against_ref(&q, 1, 340 + th, 8, "one image over threads");
+    }
+    parallel_set_threads(1);
     model_free(&m);
 }
 
