@@ -149,7 +149,7 @@ static void test_scale_i32_twins(void) {
     for (size_t n = 0; n < 100; n += 7) {
         int32_t *x = malloc((n ? n : 1) * sizeof *x);
         float *a = malloc((n ? n : 1) * sizeof *a), *b = malloc((n ? n : 1) * sizeof *b);
-        for (size_t i = 0; i < n; i++) x[i] = (int32_t)((i * 2654435761u) >> 3) - (1 << 28);
+        for (size_t i = 0; i < n; i++) x[i] = (int32_t)(((uint32_t)i * 2654435761u) >> 4) - (1 << 27);
         for (int add = 0; add < 2; add++) {
             fqt_scale_i32(a, x, n, 0.0123f, 3.7e-3f, -0.25f, add);
             fqt_scale_i32_ref(b, x, n, 0.0123f, 3.7e-3f, -0.25f, add);
