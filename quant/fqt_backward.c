@@ -364,6 +364,31 @@ static const float *product_grad(Tape *t, const TapeNode *node) {
 
 /* ---- the integer backward --------------------------------------------------------------------------------------- */
 
+/* tmp (out, fan_in) rows [lo, hi) += a tile's integer sums (fan_in, out) times its scales; the first tile writes,
+ * the last multiplies by sx after its addition. */
+typedef struct {
+    float *tmp;
+    const int32_t *acc; /* the tile's one chunk, or */
+    const int64_t *sum; /* its chunks' sum (NULL: acc) */
+    const float *st;    /* [out] */
+    float sx;
+    int K, out;
+    bool first, last;
+} TileJob;
+
+static void tile_part(const void *ctx, int lo, int hi) {
+    const TileJob *j = ctx;
+    for (int o = lo; o < hi; o++) {
+        float *row = j->tmp + (size_t)o * j->K;
+        for (int k = 0; k < j->K; k++) {
+            const size_t i = (size_t)k * j->out + o;
+            const float v = (float)(j->sum ? j->sum[i] : (int64_t)j->acc[i]) * j->st[o];
+            float r = j->first ? v : row[k] + v;
+            row[k] = j->last ? r * j->sx : r;
+        }
+    }
+}
+
 /* dW += (sum over tiles t of A_t s_t) sx where W / sw[row] lies in [w_lo, w_hi]: A_t (out, fan_in) the exact
  * integer product of tile t's codes of g (gq, chunk-major as fqt_quant_grad_cols lays them) with X's codes, s_t
  * [out] its scales. */
@@ -383,19 +408,14 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
         fqt_qgemm_s8(acc, xt + (size_t)r0 * K, gq + (size_t)r0 * out, K, out, L);
         if (in_tile > 0 || !tile_done) /* a tile of several chunks: its sum in int64 */
             for (size_t i = 0; i < nw; i++) sum[i] = (in_tile > 0 ? sum[i] : 0) + acc[i];
-        if (tile_done) { /* scale the tile */
-            const float *st = s_col + (size_t)ti * out;
-            for (int k = 0; k < K; k++)
-                for (int o = 0; o < out; o++) {
-                    const size_t i = (size_t)k * out + o;
-                    float v = (float)(in_tile > 0 ? sum[i] : (int64_t)acc[i]) * st[o];
-                    tmp[(size_t)o * K + k] = ti == 0 ? v : tmp[(size_t)o * K + k] + v;
-                }
+        if (tile_done) { /* scale the tile (and, after the last, multiply by sx) */
+            TileJob tj = {tmp, acc, in_tile > 0 ? sum : NULL, s_col + (size_t)ti * out, c->sx, K, out, ti == 0,
+                          r1 == rows};
+            fqt_shares_run(out, nw, tile_part, &tj);
             ti++, in_tile = -1;
         }
         r0 = r1;
     }
-    for (size_t i = 0; i < nw; i++) tmp[i] *= c->sx;
     ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
                  .lo = c->w_lo, .hi = c->w_hi};
     clip_run(&j);
