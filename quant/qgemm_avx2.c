@@ -510,9 +510,10 @@ QA_TARGET QA_INLINE __m256i load32_upto(const int8_t *p, int n) {
     return _mm256_load_si256((const __m256i *)(const void *)t);
 }
 
-/* b (N, K): columns [j0, j0 + jn) (jn <= 8) over k [k0, k0 + kn) -> pack [kg][8][4], 0 past the problem: eight
- * groups at a time as an 8 x 8 transpose of dwords. */
-QA_TARGET static void s8a_pack_nt(int8_t *pack, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg) {
+/* b (N, K): columns [j0, j0 + jn) (jn <= 8) over k [k0, k0 + kn) -> group g's 32 bytes (column j's 4 at 4 j) at
+ * pack + g * gstride, 0 past the problem: eight groups at a time as an 8 x 8 transpose of dwords. */
+QA_TARGET void qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0,
+                                      int kn, int kg) {
     for (int g0 = 0; g0 < kg; g0 += 8) {
         __m256i r[8];
         for (int j = 0; j < 8; j++)
@@ -530,7 +531,7 @@ QA_TARGET static void s8a_pack_nt(int8_t *pack, const int8_t *b, int K, int j0, 
                                 _mm256_permute2x128_si256(u0, u4, 0x31), _mm256_permute2x128_si256(u1, u5, 0x31),
                                 _mm256_permute2x128_si256(u2, u6, 0x31), _mm256_permute2x128_si256(u3, u7, 0x31)};
         for (int g = 0; g < 8 && g0 + g < kg; g++)
-            _mm256_store_si256((__m256i *)(void *)(pack + (size_t)(g0 + g) * 32), grp[g]);
+            _mm256_storeu_si256((__m256i *)(void *)(pack + (size_t)(g0 + g) * gstride), grp[g]);
     }
 }
 
@@ -722,7 +723,7 @@ static void s8a_run(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int l
                     continue;
                 }
                 const int jn = N - j0 < 8 ? N - j0 : 8;
-                if (ldb < 0) s8a_pack_nt(pack, b, K, j0, jn, k0, kn, kg);
+                if (ldb < 0) qgemm_s8_pack8_nt_avx2(pack, 32, b, K, j0, jn, k0, kn, kg);
                 else s8a_pack_nn(pack, b, ldb, j0, jn, k0, kn, kg);
                 tiles(c, ldc, scratch, i0, mb, j0, jn, k0 == 0, pack, kg);
                 j0 += 8;
@@ -745,6 +746,11 @@ void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, 
 }
 
 #else /* not x86: qgemm_isa() is always portable, so these are never called */
+
+void qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
+                            int kg) {
+    (void)pack, (void)gstride, (void)b, (void)K, (void)j0, (void)jn, (void)k0, (void)kn, (void)kg;
+}
 
 void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
     qgemm_s8_nn_ref(c, ldc, a, b, ldb, M, N, K);

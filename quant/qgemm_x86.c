@@ -496,24 +496,25 @@ QG_TARGET bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *
 
 /* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
 
-/* b's columns [j0, j0 + jn) over k [k0, k0 + kn) (jn <= 48, kn <= S8_KB) -> 3 panels of kg groups, and their
- * column sums. */
-static void s8_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg) {
-    memset(pack, 0, (size_t)QG_V * kg * 64);
-    memset(sum, 0, QG_V * QGEMM_LANES * sizeof *sum);
-    for (int j = 0; j < jn; j++) {
-        int8_t *dst = pack + (size_t)(j / QGEMM_LANES) * kg * 64 + (size_t)(j % QGEMM_LANES) * 4;
-        const int8_t *src = b + (size_t)(j0 + j) * K + k0;
-        int g = 0;
-        for (; 4 * g + 4 <= kn; g++) memcpy(dst + (size_t)g * 64, src + 4 * g, 4); /* a group's 4 bytes at once */
-        if (4 * g < kn) memcpy(dst + (size_t)g * 64, src + 4 * g, (size_t)(kn - 4 * g));
-        int32_t s = 0;
-        for (int kk = 0; kk < kn; kk++) s += src[kk];
-        sum[j] = s;
+/* b's columns [j0, j0 + jn) over k [k0, k0 + kn) (jn <= 48, kn <= S8_KB) -> 3 panels of kg groups (16 lanes of
+ * 4 bytes a group) and each column's sum: each panel's two halves of 8 lanes packed by the AVX2 dword transpose,
+ * then the lanes' sums as vpdpbusd of ones against each group. */
+QG_TARGET static void s8_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0,
+                                   int kn, int kg) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int v = 0; v < QG_V; v++) {
+        int8_t *panel = pack + (size_t)v * kg * 64;
+        for (int h = 0; h < 2; h++) {
+            const int first = v * QGEMM_LANES + 8 * h, n = jn - first;
+            qgemm_s8_pack8_nt_avx2(panel + 32 * h, 64, b, K, j0 + first, n < 0 ? 0 : n > 8 ? 8 : n, k0, kn, kg);
+        }
+        __m512i cs = _mm512_setzero_si512();
+        for (int g = 0; g < kg; g++)
+            cs = _mm512_dpbusd_epi32(cs, ones, _mm512_load_si512((const void *)(panel + (size_t)g * 64)));
+        _mm512_store_si512((void *)(sum + v * QGEMM_LANES), cs);
     }
 }
 
-/* Rows [i0, i0 + 8) of a (rows K apart) times a packed block of panels into c (rows ldc apart) from column j0. */
 QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M, int N, int K, int i0, int j0, int k0,
                                     int kn, const int8_t *pack, const int32_t *sum, int kg, const int V) {
     const int nrows = M - i0 < QGEMM_ROWS ? M - i0 : QGEMM_ROWS;
