@@ -529,28 +529,7 @@ QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M,
     dense_epilogue(&d, acc, sum, i0, nrows, 0, V, k0 > 0);
 }
 
-QG_TARGET QG_INLINE void s8_tile(int32_t *c, const int8_t *a, int M, int N, int K, int i0, int j0, int k0, int kn,
-                                 const int8_t *pack, const int32_t *sum, int kg, const int V) {
-    s8_tile_ld(c, N, a, M, N, K, i0, j0, k0, kn, pack, sum, kg, V);
-}
 
-QG_TARGET void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    _Alignas(64) int8_t pack[QG_V * S8_KB / 4 * 64];   /* 3 panels of the current block: 24 KiB */
-    _Alignas(64) int32_t sum[QG_V * QGEMM_LANES];
-    for (int j0 = 0; j0 < N; j0 += QG_V * QGEMM_LANES) {
-        const int jn = N - j0 < QG_V * QGEMM_LANES ? N - j0 : QG_V * QGEMM_LANES;
-        const int V = (jn + QGEMM_LANES - 1) / QGEMM_LANES;
-        for (int k0 = 0; k0 < K; k0 += S8_KB) {
-            const int kn = K - k0 < S8_KB ? K - k0 : S8_KB, kg = (kn + 3) / 4;
-            s8_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
-            for (int i = 0; i < M; i += QGEMM_ROWS) {
-                if (V == 3) s8_tile(c, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 3);
-                else if (V == 2) s8_tile(c, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 2);
-                else s8_tile(c, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 1);
-            }
-        }
-    }
-}
 
 /* ---- int8 x int8, b as (K, N) ------------------------------------------------------------------------------------
  * qgemm_s8_nn: c (M, N) = a (M, K) b (K, N), b's rows ldb apart, c's ldc. The same tiles as qgemm_s8; only the
@@ -589,15 +568,17 @@ QG_TARGET static void s8_pack_nn(int8_t *pack, int32_t *sum, const int8_t *b, in
     }
 }
 
-QG_TARGET void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
-    _Alignas(64) int8_t pack[QG_V * S8_KB / 4 * 64];
+/* c (M, N), rows ldc apart, = a b^T (ldb < 0: b is (N, K)) or a b (b is (K, N), rows ldb apart). */
+QG_TARGET static void s8_run(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    _Alignas(64) int8_t pack[QG_V * S8_KB / 4 * 64];   /* 3 panels of the current block: 24 KiB */
     _Alignas(64) int32_t sum[QG_V * QGEMM_LANES];
     for (int j0 = 0; j0 < N; j0 += QG_V * QGEMM_LANES) {
         const int jn = N - j0 < QG_V * QGEMM_LANES ? N - j0 : QG_V * QGEMM_LANES;
         const int V = (jn + QGEMM_LANES - 1) / QGEMM_LANES;
         for (int k0 = 0; k0 < K; k0 += S8_KB) {
             const int kn = K - k0 < S8_KB ? K - k0 : S8_KB, kg = (kn + 3) / 4;
-            s8_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
+            if (ldb < 0) s8_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
+            else s8_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
             for (int i = 0; i < M; i += QGEMM_ROWS) {
                 if (V == 3) s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 3);
                 else if (V == 2) s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 2);
@@ -605,6 +586,14 @@ QG_TARGET void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8
             }
         }
     }
+}
+
+QG_TARGET void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    s8_run(c, N, a, b, -1, M, N, K);
+}
+
+QG_TARGET void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    s8_run(c, ldc, a, b, ldb, M, N, K);
 }
 
 #else /* not x86: qgemm_use_vnni() is always false, so these are never called */
