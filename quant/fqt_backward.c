@@ -378,13 +378,17 @@ typedef struct {
 
 static void tile_part(const void *ctx, int lo, int hi) {
     const TileJob *j = ctx;
-    for (int o = lo; o < hi; o++) {
-        float *row = j->tmp + (size_t)o * j->K;
-        for (int k = 0; k < j->K; k++) {
-            const size_t i = (size_t)k * j->out + o;
-            const float v = (float)(j->sum ? j->sum[i] : (int64_t)j->acc[i]) * j->st[o];
-            float r = j->first ? v : row[k] + v;
-            row[k] = j->last ? r * j->sx : r;
+    enum { KB = 16 }; /* the sums' rows a block of k reads stay in cache while the channels pass */
+    for (int k0 = 0; k0 < j->K; k0 += KB) {
+        const int k1 = j->K - k0 < KB ? j->K : k0 + KB;
+        for (int o = lo; o < hi; o++) {
+            float *row = j->tmp + (size_t)o * j->K;
+            for (int k = k0; k < k1; k++) {
+                const size_t i = (size_t)k * j->out + o;
+                const float v = (float)(j->sum ? j->sum[i] : (int64_t)j->acc[i]) * j->st[o];
+                float r = j->first ? v : row[k] + v;
+                row[k] = j->last ? r * j->sx : r;
+            }
         }
     }
 }
@@ -570,6 +574,21 @@ range: /* a scale beyond float: the general rules say where */
     }
 }
 
+/* A dense layer's g (rows, out) quantized per column over tiles into chunk-major codes (fqt_quant_grad_cols's
+ * layout): fqt_quant_cols on the row-major g (its columns' maxima by vector, whole rows encoded), then the codes
+ * moved into their (out, L) blocks; part [threads * out] is scratch. false: a non-finite value. */
+static bool quant_dense_cols(int8_t *codes, int8_t *rm /* (rows, out) scratch */, float *part, float *s_col,
+                             const float *g, int rows, int out, int tile, const QArrayPlan *plan, const FqtNoise *z) {
+    if (!fqt_quant_cols(rm, NULL, s_col, part, g, rows, out, tile, plan, z)) return false;
+    for (int c0 = 0; c0 < rows;) {
+        const int c1 = fqt_dw_chunk_end(c0, rows, tile), L = c1 - c0;
+        for (int r = c0; r < c1; r++)
+            for (int o = 0; o < out; o++) codes[(size_t)c0 * out + (size_t)o * L + (r - c0)] = rm[(size_t)r * out + o];
+        c0 = c1;
+    }
+    return true;
+}
+
 bool fqt_int_backward_applies(const FqtCtx *c) {
     QArrayPlan plan;
     QtError inner = {0};
@@ -614,7 +633,10 @@ static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
         s_col = tape_alloc(t, ((size_t)rows + tile - 1) / tile * out * sizeof *s_col);
         g_codes = tape_alloc(t, (size_t)rows * out);
         if (!s_col || !g_codes) return true;
-        if (!fqt_quant_grad_cols(g_codes, s_col, dy, N, out, P, tile, &plan, &nz)) goto not_finite;
+        int8_t *rm = tape_alloc(t, (size_t)rows * out);
+        float *part = tape_alloc(t, (size_t)parallel_get_threads() * out * sizeof *part);
+        if (!rm || !part) return true;
+        if (!quant_dense_cols(g_codes, rm, part, s_col, dy, rows, out, tile, &plan, &nz)) goto not_finite;
     }
     if (want_x && !input_grad(t, c, x, g_row, true)) return true;
     if (want_w) weight_grad_int(t, c, w, g_codes, s_col, tile);
