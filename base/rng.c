@@ -1,6 +1,7 @@
 #include "rng.h"
 
 #include <math.h>
+#include <stdbool.h>
 
 /* Constants of the Philox4x32 family (Random123). */
 #define PHILOX_M0 0xD2511F53u
@@ -45,7 +46,7 @@ void rng_next_block(Rng *r, uint32_t out[4]) {
     r->counter++;
 }
 
-void rng_fill_u32(Rng *r, uint32_t *out, size_t n) {
+void rng_fill_u32_ref(Rng *r, uint32_t *out, size_t n) {
     uint32_t b[4];
     size_t i = 0;
     for (; i + 4 <= n; i += 4) rng_next_block(r, out + i);
@@ -53,6 +54,69 @@ void rng_fill_u32(Rng *r, uint32_t *out, size_t n) {
         rng_next_block(r, b);
         for (size_t j = 0; i < n; i++, j++) out[i] = b[j];
     }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define RNG_AVX2 __attribute__((target("avx2")))
+
+/* The high 32 bits of m * x in each 32-bit lane (vpmuludq takes the even lanes; the odd ones shifted down). */
+RNG_AVX2 static inline __m256i mulhi_epu32(__m256i x, __m256i m) {
+    const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(x, m), 32);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), m);
+    return _mm256_blend_epi32(even, odd, 0xAA); /* odd lanes: the high halves, already in place */
+}
+
+/* 8 blocks (32 words) from counter r->counter on, in the order of 8 rng_next_block calls: philox4x32_10 in 8
+ * lanes, then a 4 x 8 transpose. */
+RNG_AVX2 static void philox_x8(Rng *r, uint32_t *out) {
+    uint32_t lo[8], hi[8];
+    for (int i = 0; i < 8; i++) {
+        const uint64_t c = r->counter + (uint64_t)i;
+        lo[i] = (uint32_t)c, hi[i] = (uint32_t)(c >> 32);
+    }
+    __m256i c0 = _mm256_loadu_si256((const __m256i *)lo), c1 = _mm256_loadu_si256((const __m256i *)hi);
+    __m256i c2 = _mm256_set1_epi32((int)(uint32_t)r->stream), c3 = _mm256_set1_epi32((int)(uint32_t)(r->stream >> 32));
+    uint32_t k0 = (uint32_t)r->seed, k1 = (uint32_t)(r->seed >> 32);
+    const __m256i m0 = _mm256_set1_epi32((int)PHILOX_M0), m1 = _mm256_set1_epi32((int)PHILOX_M1);
+    for (int round = 0; round < 10; round++) {
+        const __m256i hi0 = mulhi_epu32(c0, m0), lo0 = _mm256_mullo_epi32(c0, m0);
+        const __m256i hi1 = mulhi_epu32(c2, m1), lo1 = _mm256_mullo_epi32(c2, m1);
+        const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+        const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)k1));
+        c0 = n0, c1 = lo1, c2 = n2, c3 = lo0;
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
+    }
+    /* lanes b of c0..c3 are words 4b .. 4b + 3 */
+    const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
+    const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
+    const __m256i b0 = _mm256_unpacklo_epi64(t0, t2), b1 = _mm256_unpackhi_epi64(t0, t2); /* blocks 0, 1 | 4, 5 */
+    const __m256i b2 = _mm256_unpacklo_epi64(t1, t3), b3 = _mm256_unpackhi_epi64(t1, t3); /* blocks 2, 3 | 6, 7 */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute2x128_si256(b0, b1, 0x20));
+    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_permute2x128_si256(b2, b3, 0x20));
+    _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute2x128_si256(b0, b1, 0x31));
+    _mm256_storeu_si256((__m256i *)(out + 24), _mm256_permute2x128_si256(b2, b3, 0x31));
+    r->counter += 8;
+}
+
+static bool rng_avx2(void) {
+    static int has = -1;
+    if (has < 0) has = __builtin_cpu_supports("avx2");
+    return has;
+}
+#endif
+
+bool rng_force_scalar;
+
+void rng_fill_u32(Rng *r, uint32_t *out, size_t n) {
+    size_t i = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    if (!rng_force_scalar && n >= 32 && rng_avx2())
+        for (; i + 32 <= n; i += 32) philox_x8(r, out + i);
+#endif
+    rng_fill_u32_ref(r, out + i, n - i);
 }
 
 void rng_fill_uniform(Rng *r, float *out, size_t n, float lo, float hi) {

@@ -10,6 +10,7 @@
 #define QTRAIN_NN_RNG_H
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef struct {
@@ -38,8 +39,13 @@ Rng rng_fork(const Rng *r, uint64_t stream);
 
 /* One block: 4 x 32 bits; advances the counter by one. */
 void rng_next_block(Rng *r, uint32_t out[4]);
-/* n x 32 bits; advances the counter by ceil(n/4) blocks. */
+/* n x 32 bits; advances the counter by ceil(n/4) blocks. Eight blocks at a
+ * time in AVX2 lanes where the CPU has it: the same words as the scalar
+ * block function (rng_fill_u32_ref), which tests compare. */
 void rng_fill_u32(Rng *r, uint32_t *out, size_t n);
+void rng_fill_u32_ref(Rng *r, uint32_t *out, size_t n);
+/* Tests: the scalar blocks only. */
+extern bool rng_force_scalar;
 /* Uniform floats in [lo, hi): 24 random bits each. */
 void rng_fill_uniform(Rng *r, float *out, size_t n, float lo, float hi);
 /* Normal floats (Box-Muller on pairs of uniforms). */

@@ -71,6 +71,34 @@ static void test_rng_state_is_the_whole_story(void) {
     CU_ASSERT_NOT_EQUAL(memcmp(first, again, sizeof first), 0);
 }
 
+/* The 8-lane Philox (AVX2) gives the scalar blocks' words and leaves the counter where they do: every length
+ * around the 32-word step, counters that carry into the high word, large seeds and streams. */
+static void test_rng_fill_lanes(void) {
+    static const uint64_t starts[] = {0, 5, 0xFFFFFFF9ull, 0x1234FFFFFFFEull};
+    static const size_t lens[] = {0, 1, 31, 32, 33, 63, 64, 100, 1000, 4099};
+    static uint32_t a[4100], b[4100];
+    for (size_t si = 0; si < sizeof starts / sizeof *starts; si++)
+        for (size_t li = 0; li < sizeof lens / sizeof *lens; li++) {
+            Rng x, y;
+            rng_init(&x, 0xDEADBEEFCAFEull + si, 0xABCDEF0123ull * (li + 1));
+            x.counter = starts[si];
+            y = x;
+            rng_fill_u32(&x, a, lens[li]);
+            rng_fill_u32_ref(&y, b, lens[li]);
+            CU_ASSERT(memcmp(a, b, lens[li] * sizeof *a) == 0);
+            CU_ASSERT_EQUAL(x.counter, y.counter);
+        }
+    /* and the scalar path alone when forced */
+    rng_force_scalar = true;
+    Rng x, y;
+    rng_init(&x, 3, 4);
+    y = x;
+    rng_fill_u32(&x, a, 100);
+    rng_fill_u32_ref(&y, b, 100);
+    rng_force_scalar = false;
+    CU_ASSERT(memcmp(a, b, 100 * sizeof *a) == 0);
+}
+
 /* Handing uniforms out in chunks gives word i of one big draw, across
  * chunk boundaries, and leaves the rng where that draw would. */
 static void test_rng_uniforms_match_one_draw(void) {
@@ -256,6 +284,7 @@ int register_nn_core_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "arena alignment, reset, steady state", test_arena_alignment_and_reset) ||
            !CU_add_test(s, "philox known answers", test_philox_known_answers) ||
+           !CU_add_test(s, "philox in 8 lanes = the scalar blocks", test_rng_fill_lanes) ||
            !CU_add_test(s, "rng state replays exactly", test_rng_state_is_the_whole_story) ||
            !CU_add_test(s, "rng distributions", test_rng_distributions) ||
            !CU_add_test(s, "sgemm matches naive loop", test_gemm_matches_ref) ||
