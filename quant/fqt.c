@@ -663,7 +663,8 @@ static Var *fqt_forward(Tape *t, FqtLayer *q, Var *x, Var *bias, ConvEpilogue ep
     int8_t *wc = NULL;
     if (!input_geometry(t, q, x, c)) return NULL;
     /* a conv whose backward (if any) is integer multiplies W by X^T: the codes the weight gradient reads too */
-    const bool xt_path = c->conv && integer && (!t->grad_enabled || fqt_int_backward_applies(c));
+    c->int_bwd = integer && fqt_int_backward_applies(c);
+    const bool xt_path = c->conv && integer && (!t->grad_enabled || c->int_bwd);
     if (!quantize_weight(t, q, c, integer, &wc) || !quantize_input(t, q, x, c, integer, xt_path)) return NULL;
     const bool pooled = epi == CONV_EPI_RELU_MAXPOOL2;
     if (pooled && (c->cg.OH < 2 || c->cg.OW < 2)) {

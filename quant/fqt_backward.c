@@ -276,6 +276,14 @@ static bool input_grad(Tape *t, const FqtCtx *c, Var *x, const float *g_row, boo
     return true;
 }
 
+/* dw (out, fan_in) += tmp where W / sw[row] lies in [w_lo, w_hi]. */
+static void weight_clip(const FqtCtx *c, float *dw, const Var *w, const float *tmp) {
+    const size_t nw = (size_t)c->out * c->fan_in;
+    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)c->fan_in, .s_step = 1,
+                 .lo = c->w_lo, .hi = c->w_hi};
+    clip_run(&j);
+}
+
 /* X (rows, fan_in) = xc * sx, rows [lo, hi). */
 typedef struct {
     float *X;
@@ -304,28 +312,8 @@ static bool weight_grad(Tape *t, const FqtCtx *c, Var *w, const float *g_col) {
     float *dw = tape_grad(t, w), *tmp = tape_alloc(t, nw * sizeof *tmp); /* (out, fan_in) */
     if (!dw || !tmp) return false;
     gemm_f32(true, false, out, K, rows, 1.0f, g_col, out, X, K, 0.0f, tmp, K);
-    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
-                 .lo = c->w_lo, .hi = c->w_hi};
-    clip_run(&j);
+    weight_clip(c, dw, w, tmp);
     return true;
-}
-
-/* db_acc [out]: per channel, the sums of its planes (fqt_sum_f64) added image by image; channels [lo, hi). */
-typedef struct {
-    const FqtCtx *c;
-    const float *dy; /* (N, OC, OH*OW) */
-    double *db_acc;
-} BiasJob;
-
-static void bias_sums_part(const void *ctx, int lo, int hi) {
-    const BiasJob *j = ctx;
-    const FqtCtx *c = j->c;
-    const size_t plane = (size_t)c->cg.OH * c->cg.OW;
-    for (int o = lo; o < hi; o++) {
-        double acc = 0.0;
-        for (int n = 0; n < c->cg.N; n++) acc += fqt_sum_f64(j->dy + ((size_t)n * c->out + o) * plane, plane);
-        j->db_acc[o] = acc;
-    }
 }
 
 /* ---- the fused epilogue ------------------------------------------------------------------------------------------ */
@@ -420,9 +408,7 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
         }
         r0 = r1;
     }
-    ClipJob j = {.d = dw, .v = w->value.data, .tmp = tmp, .s = c->sw, .n = nw, .row = (size_t)K, .s_step = 1,
-                 .lo = c->w_lo, .hi = c->w_hi};
-    clip_run(&j);
+    weight_clip(c, dw, w, tmp);
     return true;
 }
 
@@ -434,8 +420,8 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
 /* ---- the conv's g in two passes ------------------------------------------------------------------------------
  * Scan: each image's planes of g (made from the epilogue's gradient where one was fused) with their maxima, every
  * row's (pixel's) maximum over the channels and each plane's sum (fqt_plane_stats); encode: each plane into the
- * rows' values for dX and the column codes for dW. The scales, values, codes and bias sums are those of
- * fqt_quant_grad_rows / fqt_quant_grad_cols and bias_sums_part; g is read twice instead of six times. */
+ * rows' values for dX and the column codes for dW. The scales, values and codes are those of the row and column
+ * drivers (fqt_quant_rows / fqt_quant_grad_cols); g is read twice instead of once per pass. */
 typedef struct {
     const FqtCtx *c;
     const float *dy, *y;  /* the node's output gradient and value (the epilogue's shape) */
@@ -525,7 +511,7 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
             qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the output gradient is not finite", c->q->module->path, OP);
         return;
     }
-    if (want_b) { /* each channel's plane sums in image order: bias_sums_part's additions */
+    if (want_b) { /* each channel's plane sums (fqt_sum_f64's order) added in image order */
         for (int o = 0; o < out; o++) {
             double acc = 0.0;
             for (int n = 0; n < N; n++) acc += sj.bsum[(size_t)n * out + o];
@@ -600,22 +586,14 @@ static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     QArrayPlan plan;
     QtError inner = {0};
-    if (!c->xb || !fqt_int_backward_applies(c) || grad_plan(c, &plan, &inner) != QT_OK) return false;
+    if (!c->xb || !c->int_bwd || grad_plan(c, &plan, &inner) != QT_OK) return false;
     if (c->conv) {
         int_backward_conv(t, node, &plan);
         return true;
     }
+    /* dense: g is dy (rows, out) row-major */
     const int out = c->out, rows = c->rows, tile = fqt_grad_tile(c);
-    const int N = c->conv ? c->cg.N : rows, P = c->conv ? c->cg.OH * c->cg.OW : 1;
-    if (bias && bias->requires_grad) {
-        double *db_acc = c->conv ? tape_alloc(t, (size_t)out * sizeof *db_acc) : NULL;
-        if (c->conv && !db_acc) return true;
-        if (c->conv) {
-            BiasJob bj = {c, dy, db_acc};
-            fqt_shares_run(out, (size_t)rows * out, bias_sums_part, &bj);
-        }
-        if (!bias_grad(t, c, bias, dy, db_acc)) return true;
-    }
+    if (bias && bias->requires_grad && !bias_grad(t, c, bias, dy, NULL)) return true;
     const bool want_x = x->requires_grad, want_w = w->requires_grad;
     Noise z;
     if ((!want_x && !want_w) || !noise_draw(t, c->q, rows, out, &z)) return true;
@@ -624,10 +602,9 @@ static bool int_backward(Tape *t, const TapeNode *node, const float *dy) {
     int8_t *g_codes = NULL;
     if (want_x) {
         float *s_row = tape_alloc(t, (size_t)rows * sizeof *s_row);
-        float *part = tape_alloc(t, (size_t)parallel_get_threads() * P * sizeof *part);
         g_row = tape_alloc(t, (size_t)rows * out * sizeof *g_row);
-        if (!s_row || !part || !g_row) return true;
-        if (!fqt_quant_grad_rows(g_row, s_row, part, dy, N, out, P, &plan, &nz)) goto not_finite;
+        if (!s_row || !g_row) return true;
+        if (!fqt_quant_rows(NULL, g_row, s_row, dy, rows, out, &plan, &nz)) goto not_finite;
     }
     if (want_w) {
         s_col = tape_alloc(t, ((size_t)rows + tile - 1) / tile * out * sizeof *s_col);
@@ -652,7 +629,7 @@ not_finite: { /* the general rules say where */
 void fqt_backward(Tape *t, const TapeNode *node) {
     const FqtCtx *c = node->ctx;
     /* the conv's integer backward makes the epilogue's gradient in its own scan */
-    const bool scans = c->conv && c->xb && fqt_int_backward_applies(c);
+    const bool scans = c->conv && c->xb && c->int_bwd;
     const float *dy = scans ? node->out->grad : product_grad(t, node); /* (N, out, OH*OW) or (N, out) */
     if (!dy || int_backward(t, node, dy)) return;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];

@@ -28,6 +28,7 @@ typedef struct {
     const int8_t *xc;      /* (rows, fan_in) X's integer codes (the integer GEMM), or NULL */
     const int8_t *xb;      /* x's integer codes in x's layout ((N, C, H, W) or (N, fan_in)), integer GEMM only */
     const int8_t *xt;      /* conv on the integer path: X^T's codes, blocks (fan_in, L) per dW chunk, or NULL */
+    bool int_bwd;          /* integer forward and g's format takes the int rules: fqt_backward's integer path */
     const float *xd;       /* (rows, fan_in) deq(X) (the float GEMM), or NULL */
     ConvEpilogue epi;      /* conv: the relu (and 2x2 max pool) fused after it (fqt's fused hook) */
     const uint8_t *winner; /* (N, OC, OH/2, OW/2) the pool's winners, CONV_EPI_RELU_MAXPOOL2 only */

@@ -543,7 +543,7 @@ int fqt_dw_chunk_end(int r0, int rows, int tile) {
 }
 
 typedef struct {
-    float *v, *s, *part;
+    float *s;
     int8_t *q;
     const float *g;
     int N, OC, P, tile;
@@ -551,40 +551,6 @@ typedef struct {
     const FqtNoise *z;
     FqtRound r;
 } GradJob;
-
-/* Images [lo, hi): each pixel's scale from its channels' maximum, then every channel's plane. */
-static void grad_rows_task(void *ctx, int task, int lo, int hi, bool *ok) {
-    const GradJob *j = ctx;
-    const size_t P = (size_t)j->P;
-    float *m = j->part + (size_t)task * P;
-    for (int n = lo; n < hi; n++) {
-        const float *gn = j->g + (size_t)n * j->OC * P; /* (OC, P) */
-        float *sn = j->s + (size_t)n * P;
-        for (size_t p = 0; p < P; p++) m[p] = 0.0f;
-        if (!fqt_col_absmax(m, gn, j->OC, (int)P)) {
-            *ok = false;
-            return;
-        }
-        for (size_t p = 0; p < P; p++)
-            if (!amax_scale(j->p, m[p], &sn[p])) {
-                *ok = false;
-                return;
-            }
-        for (int o = 0; o < j->OC; o++) {
-            const float *u = j->r.stochastic ? j->z->u + (size_t)n * P * j->z->row_step + o * j->z->col_step : NULL;
-            fqt_quant_span(NULL, j->v + ((size_t)n * j->OC + o) * P, gn + (size_t)o * P, P, sn, 1, u,
-                           j->r.stochastic ? j->z->row_step : 0, &j->r);
-        }
-    }
-}
-
-bool fqt_quant_grad_rows(float *v, float *s, float *part, const float *g, int N, int OC, int P, const QArrayPlan *p,
-                         const FqtNoise *z) {
-    if (P == 1) return fqt_quant_rows(NULL, v, s, g, N, OC, p, z); /* (N, OC) row-major: rows are contiguous */
-    GradJob j = {.v = v, .s = s, .part = part, .g = g, .N = N, .OC = OC, .P = P, .p = p, .z = z,
-                 .r = plan_round(p, z)};
-    return split_run(split_tasks(N, (size_t)N * OC * P), N, grad_rows_task, &j);
-}
 
 /* fn over the runs of rows [r0, r1) of column o: each run lies in one image's plane, contiguous in g. */
 #define FOR_RUNS(j, o, r0, r1, BODY)                                                                              \

@@ -79,9 +79,8 @@ bool fqt_quant_tensor(int8_t *q, float *v, float *s, float *part, const float *x
 /* g (N, OC, P): P = OH*OW output pixels per channel (1 for a dense layer,
  * whose g is (N, OC) row-major). QT's row r of g is the pixel (n, p), r =
  * n*P + p, its column the channel o; noise element (r, o) as FqtNoise.
- * These drivers quantize g in place of that layout, with no transposed
- * copy, to what fqt_quant_rows / fqt_quant_cols give on the (N*P, OC)
- * matrix. */
+ * fqt_quant_grad_cols quantizes g's columns in that layout, with no
+ * transposed copy, to what fqt_quant_cols gives on the (N*P, OC) matrix. */
 
 /* The contraction of dW = g^T X runs in chunks: the tiles of the scales,
  * cut further to at most FQT_DW_CHUNK rows so that an int8 x int8 sum
@@ -90,10 +89,6 @@ bool fqt_quant_tensor(int8_t *q, float *v, float *s, float *part, const float *x
 #define FQT_DW_CHUNK 65536
 int fqt_dw_chunk_end(int r0, int rows, int tile);
 
-/* Per row: s [N*P] the rows' scales, v (N, OC, P) the values. part
- * [parallel_get_threads() * P] is scratch. */
-bool fqt_quant_grad_rows(float *v, float *s, float *part, const float *g, int N, int OC, int P, const QArrayPlan *p,
-                         const FqtNoise *z);
 /* Per column over tiles of `tile` rows (0: all), the codes chunk-major:
  * chunk [r0, r1) is the block (OC, r1 - r0) at q + r0 * OC. s [tiles * OC]
  * the scales, tile-major. */
