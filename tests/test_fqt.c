@@ -48,16 +48,25 @@ static void zero_module_grads(Module *m) {
     if (m->bias) qtest_zero(m->bias->var.grad, var_numel(&m->bias->var));
 }
 
-/* The QT layer on x (batch N) and its backward from dy (NULL: the dy qtest_run_qat uses), copied out. */
-static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r) {
+/* The QT layer on x (batch N) and its backward from dy (NULL: the dy qtest_run_qat uses), copied out. With epi,
+ * the relu (and 2x2 max pool) after it: through the fused hook (fused), or as the layer and the separate ops. */
+static void run_layer(FqtLayer *q, const float *x, int N, const float *dy, ConvEpilogue epi, bool fused,
+                      QtestRun *r) {
     Module *mod = q->module;
     TestEnv e;
     test_env_init(&e, 5);
     int xs[4], xnd = qtest_input_shape(mod, N, xs);
     Var *vx = test_var(&e, x, xnd, xs, true);
     zero_module_grads(mod);
-    Var *y = fqt_layer_forward(&e.tape, q, vx);
-    if (!y) fprintf(stderr, "\n  fqt_layer_forward: %s\n", e.tape.err.msg);
+    Var *y;
+    if (fused) {
+        y = mod->fused_hook(&e.tape, mod, vx, q, mod->bias ? &mod->bias->var : NULL, epi);
+    } else {
+        y = fqt_layer_forward(&e.tape, q, vx);
+        if (y && epi != CONV_EPI_NONE) y = nn_relu(&e.tape, y);
+        if (y && epi == CONV_EPI_RELU_MAXPOOL2) y = nn_maxpool2d(&e.tape, y, 2, 2);
+    }
+    if (!y) fprintf(stderr, "\n  forward: %s\n", e.tape.err.msg);
     CU_ASSERT_PTR_NOT_NULL_FATAL(y);
     memset(r, 0, sizeof *r);
     r->ny = var_numel(y), r->nx = qtest_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
@@ -74,34 +83,13 @@ static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun
     test_env_free(&e);
 }
 
-/* The fused hook (conv + relu (+ 2x2 max pool)) against the layer and the separate ops: the same bits of the
- * output and of every gradient, on the integer path and on the float one (fp8 operands). */
+static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r) {
+    run_layer(q, x, N, dy, CONV_EPI_NONE, false, r);
+}
+
+/* The fused hook against the layer and the separate ops (test_fused_epilogue): dy drawn as run_qt's. */
 static void run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, bool fused, QtestRun *r) {
-    Module *mod = q->module;
-    TestEnv e;
-    test_env_init(&e, 5);
-    int xs[4], xnd = qtest_input_shape(mod, N, xs);
-    Var *vx = test_var(&e, x, xnd, xs, true);
-    zero_module_grads(mod);
-    Var *bias = mod->bias ? &mod->bias->var : NULL, *y;
-    if (fused) {
-        y = mod->fused_hook(&e.tape, mod, vx, q, bias, epi);
-    } else {
-        y = nn_relu(&e.tape, fqt_layer_forward(&e.tape, q, vx));
-        if (epi == CONV_EPI_RELU_MAXPOOL2) y = nn_maxpool2d(&e.tape, y, 2, 2);
-    }
-    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
-    memset(r, 0, sizeof *r);
-    r->ny = var_numel(y), r->nx = qtest_input_numel(mod, N), r->nw = var_numel(&mod->weight->var);
-    r->nb = mod->bias ? var_numel(&mod->bias->var) : 0;
-    float *dy = qa_normal_sample(78, r->ny);
-    CU_ASSERT_EQUAL_FATAL(tape_backward_from(&e.tape, y, dy), QT_OK);
-    free(dy);
-    r->y = qtest_copy_floats(y->value.data, r->ny);
-    r->dx = qtest_copy_floats(vx->grad, r->nx);
-    r->dw = qtest_copy_floats(mod->weight->var.grad, r->nw);
-    r->db = qtest_copy_floats(mod->bias ? mod->bias->var.grad : NULL, r->nb);
-    test_env_free(&e);
+    run_layer(q, x, N, NULL, epi, fused, r);
 }
 
 static bool same_floats(const float *a, const float *b, size_t n) { return n == 0 || memcmp(a, b, n * sizeof *a) == 0; }

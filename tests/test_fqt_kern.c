@@ -280,8 +280,8 @@ static void test_drivers_portable(void) {
     fqt_kern_force_portable(false);
 }
 
-/* The drivers on g as the layer's output lays it, (N, OC, P), equal fqt_quant_rows / fqt_quant_cols on the
- * (N*P, OC) matrix: the same scales, values and codes (the column codes chunk-major). */
+/* The column driver on g as the layer's output lays it, (N, OC, P), equals fqt_quant_cols on the (N*P, OC)
+ * matrix: the same scales and codes (chunk-major). */
 static void check_grad_layout(int N, int OC, int P, int tile, int z_kind, const char *type) {
     const int rows = N * P;
     const size_t n = (size_t)rows * OC;
@@ -294,27 +294,15 @@ static void check_grad_layout(int N, int OC, int P, int tile, int z_kind, const 
     const FqtNoise *z = &zs[z_kind];
     QArrayPlan p;
     make_plan(&p, type, rows, OC, z->u != NULL, NULL);
-    float *v = malloc(n * sizeof *v), *want = malloc(n * sizeof *want), *s = malloc((size_t)rows * sizeof *s);
-    float *s_want = malloc(n * sizeof *s_want);
+    float *want = malloc(n * sizeof *want), *s_want = malloc(n * sizeof *s_want);
     float *part = malloc(PARALLEL_MAX_THREADS * (size_t)(P > OC ? P : OC) * sizeof *part);
     int8_t *q = malloc(n), *q_want = malloc(n);
-    /* rows */
-    CU_ASSERT(fqt_quant_grad_rows(v, s, part, g, N, OC, P, &p, z));
-    CU_ASSERT(fqt_quant_rows(NULL, want, s_want, m, rows, OC, &p, z));
-    CU_ASSERT(same_bits(s, s_want, (size_t)rows * sizeof *s));
-    bool same = true;
-    for (int i = 0; i < N; i++)
-        for (int o = 0; o < OC; o++)
-            for (int pp = 0; pp < P; pp++)
-                same &= v[((size_t)i * OC + o) * P + pp] == want[((size_t)i * P + pp) * OC + o];
-    CU_ASSERT(same);
-    /* columns */
     const int t_rows = tile > 0 && tile < rows ? tile : rows, tiles = (rows + t_rows - 1) / t_rows;
     float *s_col = malloc((size_t)tiles * OC * sizeof *s_col);
     CU_ASSERT(fqt_quant_grad_cols(q, s_col, g, N, OC, P, tile, &p, z));
     CU_ASSERT(fqt_quant_cols(q_want, want, s_want, part, m, rows, OC, tile, &p, z));
     CU_ASSERT(same_bits(s_col, s_want, (size_t)tiles * OC * sizeof *s_col));
-    same = true;
+    bool same = true;
     for (int r0 = 0; r0 < rows;) {
         const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
         for (int o = 0; o < OC; o++)
@@ -322,7 +310,7 @@ static void check_grad_layout(int N, int OC, int P, int tile, int z_kind, const 
         r0 = r1;
     }
     CU_ASSERT(same);
-    free(g), free(m), free(u), free(v), free(want), free(s), free(s_want), free(part), free(q), free(q_want);
+    free(g), free(m), free(u), free(want), free(s_want), free(part), free(q), free(q_want);
     free(s_col);
 }
 
@@ -388,6 +376,6 @@ int register_quant_qt_kern_suite(void) {
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
            !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
            !CU_add_test(s, "which plans take the fast path", test_plan_fast_cases) ||
-           !CU_add_test(s, "g in the output's layout = the (rows, out) drivers", test_grad_layout) ||
+           !CU_add_test(s, "g's columns in the output's layout = the (rows, out) driver", test_grad_layout) ||
            !CU_add_test(s, "dW's contraction chunks", test_chunk_ends);
 }
