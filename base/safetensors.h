@@ -98,15 +98,18 @@ const char *st_meta(const StFile *f, const char *key);
  * size since st_open is QT_ERR_IO. */
 QtStatus st_read_f32(const StFile *f, const StTensor *t, float *out, size_t n, QtError *err);
 
-/* One tensor to write: float32 data of shape[ndim]. */
+/* One tensor to write: float32 data of shape[ndim], or int64 data (I64:
+ * a count PyTorch keeps as int64, such as num_batches_tracked) when data_i64
+ * is set. */
 typedef struct {
     const char *name;
     const float *data;
     int ndim;
     int64_t shape[ST_MAX_DIMS];
+    const int64_t *data_i64; /* instead of data */
 } StWrite;
 
-/* Writes a safetensors file of F32 tensors t[0..n) (in that order, the data
+/* Writes a safetensors file of F32 (and I64) tensors t[0..n) (in that order, the data
  * 8-byte aligned as the reference implementation pads the header with
  * spaces) and metadata pairs meta[0..n_meta) (key, value: strings), to a
  * temporary name in path's directory, fsync'd and renamed over path (which

@@ -142,21 +142,22 @@ static QtStatus build_header(const char *path, const StWrite *t, int n, const ch
                                 "(0 to %d)", path, qt_clip(w->name, shown), w->ndim, ST_MAX_DIMS);
         uint64_t elems = 1;
         for (int d = 0; d < w->ndim; d++) {
-            if (w->shape[d] < 0 || (w->shape[d] > 0 && elems > (UINT64_MAX / 4 - at) / (uint64_t)w->shape[d]))
+            if (w->shape[d] < 0 || (w->shape[d] > 0 && elems > (UINT64_MAX / 8 - at) / (uint64_t)w->shape[d]))
                 return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': tensor '%s' has a "
                                     "negative or too large dimension %" PRId64, path, qt_clip(w->name, shown),
                                     w->shape[d]);
             elems *= (uint64_t)w->shape[d];
         }
-        if (elems > 0 && !w->data)
+        const uint64_t size = w->data_i64 ? 8 : 4;
+        if (elems > 0 && !w->data && !w->data_i64)
             return qt_error_set(err, QT_ERR_ARG, "cannot write safetensors file '%s': tensor '%s' has no data", path,
                                 qt_clip(w->name, shown));
         buf_put(b, n_meta > 0 || k > 0 ? "," : "", n_meta > 0 || k > 0);
         buf_json_string(b, w->name);
-        buf_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
+        buf_puts(b, w->data_i64 ? ":{\"dtype\":\"I64\",\"shape\":[" : ":{\"dtype\":\"F32\",\"shape\":[");
         for (int d = 0; d < w->ndim; d++) buf_printf(b, "%s%" PRId64, d ? "," : "", w->shape[d]);
-        buf_printf(b, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", at, at + elems * 4);
-        at += elems * 4;
+        buf_printf(b, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", at, at + elems * size);
+        at += elems * size;
     }
     buf_put(b, "}", 1);
     while (!b->oom && b->n % 8) buf_put(b, " ", 1);
@@ -198,14 +199,20 @@ QtStatus st_write_f32(const char *path, const StWrite *t, int n, const char *con
     for (int k = 0; ok && k < n; k++) {
         size_t elems = 1;
         for (int d = 0; d < t[k].ndim; d++) elems *= (size_t)t[k].shape[d];
+        const size_t size = t[k].data_i64 ? 8 : 4; /* little-endian whatever the host */
         for (size_t i = 0; ok && i < elems;) {
-            size_t m = elems - i < sizeof chunk / 4 ? elems - i : sizeof chunk / 4;
+            size_t m = elems - i < sizeof chunk / size ? elems - i : sizeof chunk / size;
             for (size_t j = 0; j < m; j++) {
-                uint32_t u;
-                memcpy(&u, &t[k].data[i + j], 4);
-                for (int q = 0; q < 4; q++) chunk[4 * j + (size_t)q] = (uint8_t)(u >> (8 * q));
+                uint64_t u;
+                if (t[k].data_i64) memcpy(&u, &t[k].data_i64[i + j], 8);
+                else {
+                    uint32_t v;
+                    memcpy(&v, &t[k].data[i + j], 4);
+                    u = v;
+                }
+                for (size_t q = 0; q < size; q++) chunk[size * j + q] = (uint8_t)(u >> (8 * q));
             }
-            ok = fwrite(chunk, 1, m * 4, fp) == m * 4;
+            ok = fwrite(chunk, 1, m * size, fp) == m * size;
             i += m;
         }
     }

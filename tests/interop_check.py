@@ -56,8 +56,9 @@ def main():
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or extra:
         sys.exit("interop: the export does not fit the model: missing %s, extra %s" % (missing, extra))
-    for k, v in want.items():  # num_batches_tracked is written as float32: PyTorch's int64 takes its value
-        sd[k] = sd[k].to(v.dtype)
+    for k, v in want.items():  # dtypes as PyTorch's own (num_batches_tracked: int64)
+        if sd[k].dtype != v.dtype:
+            sys.exit("interop: %s is %s in the export, %s in PyTorch" % (k, sd[k].dtype, v.dtype))
     model.load_state_dict(sd)
     model.eval()
     data = torch_model.Data(cfg)

@@ -44,8 +44,9 @@ def main():
     model, _, _ = torch_model.build_model(cfg)
     base = read_safetensors(os.path.join(a.adapter, "base_model.safetensors"))
     want = model.state_dict()
-    for k, v in want.items():
-        base[k] = base[k].to(v.dtype)
+    for k, v in want.items():  # dtypes as PyTorch's own (num_batches_tracked: int64)
+        if base[k].dtype != v.dtype:
+            sys.exit("peft: %s is %s in base_model.safetensors, %s in PyTorch" % (k, base[k].dtype, v.dtype))
     model.load_state_dict(base)
     ad = read_safetensors(os.path.join(a.adapter, "adapter_model.safetensors"))
     sd = model.state_dict()

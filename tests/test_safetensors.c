@@ -175,7 +175,7 @@ static void test_round_trip(void) {
 static void test_write_refusals(void) {
     float v = 1;
     char *path = test_path_join(tmp_root, "refused.safetensors");
-    StWrite w[2] = {{"a", &v, 0, {0}}, {"a", &v, 0, {0}}};
+    StWrite w[2] = {{.name = "a", .data = &v}, {.name = "a", .data = &v}};
     QtError err = {0};
     CU_ASSERT_EQUAL(st_write_f32(path, w, 2, NULL, 0, &err), QT_ERR_ARG);
     CU_ASSERT(test_msg_has(&err, "given twice"));
@@ -474,7 +474,8 @@ static const char NUMPY_READER[] =
     "data = b[8 + n:]\n"
     "meta = h.pop('__metadata__')\n"
     "assert meta == {'format': 'pt', 'note': '\\u00fc \"q\" \\\\'}, meta\n"
-    "assert list(h) == ['w', 'sca\\u0142ar', 'empty', 'b\\\\\"'], list(h)\n"
+    "assert list(h) == ['w', 'sca\\u0142ar', 'empty', 'b\\\\\"', 'count'], list(h)\n"
+    "c = h.pop('count')\n"
     "end = 0\n"
     "for k, (name, t) in enumerate(h.items()):\n"
     "    s, e = t['data_offsets']\n"
@@ -483,8 +484,10 @@ static const char NUMPY_READER[] =
     "    a = np.frombuffer(data[s:e], dtype='<f4').reshape(t['shape'])\n"
     "    want = (np.arange(a.size, dtype=np.float32) * np.float32(0.25) - np.float32(k)).reshape(t['shape'])\n"
     "    assert a.shape == tuple(t['shape']) and np.array_equal(a, want), (name, a, want)\n"
-    "assert end == len(data), (end, len(data))\n"
-    "print('ok', len(h))\n";
+    "assert c['dtype'] == 'I64' and c['shape'] == [2] and c['data_offsets'] == [end, end + 16], c\n"
+    "assert np.frombuffer(data[end:end + 16], dtype='<i8').tolist() == [-4, 1 << 40]\n"
+    "assert end + 16 == len(data), (end, len(data))\n"
+    "print('ok', len(h) + 1)\n";
 
 static int sh(const char *log, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int sh(const char *log, const char *fmt, ...) {
@@ -515,18 +518,22 @@ static void test_numpy_reads(void) {
     for (int i = 0; i < 6; i++) w[i] = (float)i * 0.25f;
     s[0] = -1;
     for (int i = 0; i < 3; i++) bq[i] = (float)i * 0.25f - 3;
-    StWrite t[4] = {{"w", w, 2, {2, 3}}, {"sca\xc5\x82" "ar", s, 0, {0}}, {"empty", NULL, 2, {0, 4}},
-                    {"b\\\"", bq, 1, {3}}};
+    const int64_t count[2] = {-4, (int64_t)1 << 40};
+    StWrite t[5] = {{.name = "w", .data = w, .ndim = 2, .shape = {2, 3}},
+                    {.name = "sca\xc5\x82" "ar", .data = s},
+                    {.name = "empty", .ndim = 2, .shape = {0, 4}},
+                    {.name = "b\\\"", .data = bq, .ndim = 1, .shape = {3}},
+                    {.name = "count", .data_i64 = count, .ndim = 1, .shape = {2}}};
     const char *const meta[2][2] = {{"format", "pt"}, {"note", "\xc3\xbc \"q\" \\"}};
     char *path = test_path_join(tmp_root, "np.safetensors"), *script = test_path_join(tmp_root, "reader.py");
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(st_write_f32(path, t, 4, meta, 2, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(st_write_f32(path, t, 5, meta, 2, &err), QT_OK);
     test_file_write(script, NUMPY_READER, sizeof NUMPY_READER - 1);
     int code = sh(log, PYTHON " %s %s", script, path);
     char *text = test_file_read(log, NULL);
     if (code != 0) fprintf(stderr, "\n%s\n", text ? text : "(no output)");
     CU_ASSERT_EQUAL(code, 0);
-    CU_ASSERT(text && strstr(text, "ok 4"));
+    CU_ASSERT(text && strstr(text, "ok 5"));
     free(text);
     free(script);
     free(path);

@@ -80,10 +80,9 @@ static QtStatus collect(const Model *m, StWrite **out, int *n_out, float **bufs,
         for (int t = folded && !mod->spec.no_affine ? 0 : 2; t < 5; t++) {
             float *dst = b + at;
             const int len = t == 4 ? 1 : C;
-            for (int c = 0; c < len; c++) {
+            for (int c = 0; c < len && t < 4; c++) {
                 float v;
-                if (t == 4) v = (float)mod->num_batches_tracked;
-                else if (!folded) v = t == 2 ? mod->running_mean[c] : mod->running_var[c];
+                if (!folded) v = t == 2 ? mod->running_mean[c] : mod->running_var[c];
                 else if (t == 0) v = 1.0f;
                 else if (t == 1) v = mod->bn_folded == BN_FOLD_BIAS && mod->bias ? mod->bias->var.value.data[c] : 0.0f;
                 else if (t == 2) v = 0.0f;
@@ -91,8 +90,10 @@ static QtStatus collect(const Model *m, StWrite **out, int *n_out, float **bufs,
                 dst[c] = v;
             }
             snprintf(nm[k], sizeof nm[k], "%s.%s", mod->path, tensors[t]);
-            w[k].name = nm[k], w[k].data = dst, w[k].ndim = t == 4 ? 0 : 1, w[k].shape[0] = C;
-            k++, at += (size_t)len;
+            w[k].name = nm[k], w[k].ndim = t == 4 ? 0 : 1, w[k].shape[0] = C;
+            if (t == 4) w[k].data_i64 = &mod->num_batches_tracked; /* int64, as PyTorch's buffer */
+            else w[k].data = dst;
+            k++, at += t == 4 ? 0 : (size_t)len;
         }
     }
     *out = w, *n_out = k, *bufs = b, *names = nm;
@@ -105,11 +106,10 @@ QtStatus interop_write_state_dict(const char *out, const Model *m, const char *c
     char (*names)[ST_NAME_MAX] = NULL;
     int n = 0;
     QtStatus st = collect(m, &w, &n, &bufs, &names, err);
-    const char *const meta[4][2] = {{"format", "pt"},
+    const char *const meta[3][2] = {{"format", "pt"},
                                     {"qtrain_checkpoint", checkpoint},
-                                    {"qtrain_merged", merge ? "true" : "false"},
-                                    {"qtrain_num_batches_tracked", "float32 (load_state_dict casts it to int64)"}};
-    if (st == QT_OK) st = st_write_f32(out, w, n, meta, 4, err);
+                                    {"qtrain_merged", merge ? "true" : "false"}};
+    if (st == QT_OK) st = st_write_f32(out, w, n, meta, 3, err);
     free(w), free(bufs), free(names);
     return st;
 }

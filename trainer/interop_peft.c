@@ -187,13 +187,16 @@ static QtStatus adapter_tensors(const Net *n, StWrite **out, int *n_out, char (*
         const int C = mod->in_shape[0];
         static const char *const bn[3] = {"running_mean", "running_var", "num_batches_tracked"};
         for (int j = 0; j < 3; j++, k++) {
-            float *dst = b + at;
-            const int len = j == 2 ? 1 : C;
-            for (int c = 0; c < len; c++)
-                dst[c] = j == 0 ? mod->running_mean[c] : j == 1 ? mod->running_var[c] : (float)mod->num_batches_tracked;
             snprintf(nm[k], sizeof nm[k], PEFT_PREFIX "%s.%s", mod->path, bn[j]);
-            w[k].name = nm[k], w[k].data = dst, w[k].ndim = j == 2 ? 0 : 1, w[k].shape[0] = C;
-            at += (size_t)len;
+            w[k].name = nm[k], w[k].ndim = j == 2 ? 0 : 1, w[k].shape[0] = C;
+            if (j == 2) { /* int64, as PyTorch's buffer */
+                w[k].data_i64 = &mod->num_batches_tracked;
+                continue;
+            }
+            float *dst = b + at;
+            for (int c = 0; c < C; c++) dst[c] = j == 0 ? mod->running_mean[c] : mod->running_var[c];
+            w[k].data = dst;
+            at += (size_t)C;
         }
     }
     *out = w, *n_out = k, *names = nm, *bufs = b;
