@@ -102,7 +102,9 @@ static QtStatus aq_make_dir(const char *dir, QtError *err) {
 }
 
 static const char *split_words(const char *split) {
-    if (strcmp(split, "holdout") == 0) return "the last 10% of the training set, held out";
+    if (strcmp(split, "holdout") == 0)
+        return "the last 10% of the training set, apart from the test split; the model saw it in training unless "
+               "data.val_fraction held it out";
     if (strcmp(split, "val") == 0) return "the validation split";
     return "the TEST split (--split test): choices made on it are judged on the same examples";
 }
