@@ -95,11 +95,12 @@ static const CmdHelp CMD_HELP[] = {
      "            compare.svg replace regular files of those names there.\n"},
     {"sensitivity", "qtrain sensitivity --config FILE --checkpoint PATH [--formats LIST] [--split val|test] [--out DIR] "
                     "[--force] [--set KEY=VALUE]... [--quiet]",
-     "  sensitivity  each dense/conv2d module of a float checkpoint quantized alone\n"
+     "  sensitivity\n"
+     "            each dense/conv2d module of a float checkpoint quantized alone\n"
      "            (weight-only PTQ, batch norms folded) in each of --formats (default\n"
      "            int8,int4,nf4,int2; NAME/ch per channel, NAME/N blocks): the loss and\n"
-     "            accuracy change on the validation split (or the training set's last\n"
-     "            10% held out; --split test to use the test split) and the bits per\n"
+     "            accuracy change on the validation split (without one, the training\n"
+     "            set's last 10%; --split test: the test split) and the bits per\n"
      "            weight; a table, DIR/sensitivity.csv and DIR/sensitivity.svg (DIR\n"
      "            defaults to sensitivity/ beside the checkpoint; --force replaces them).\n"},
     {"autoquant", "qtrain autoquant --config FILE --checkpoint PATH --budget BITS [--formats LIST] [--sensitivity CSV] "
