@@ -24,9 +24,8 @@ typedef struct {
     int n_overrides;
 } AqArgs;
 
-static int aq_fail(const char *cmd, const QtError *err) {
+static int aq_fail(const QtError *err) {
     fprintf(stderr, "qtrain: error: %s\n", err->msg);
-    (void)cmd;
     return err->status == QT_ERR_CONFIG || err->status == QT_ERR_ARG ? 2 : 1;
 }
 
@@ -253,7 +252,7 @@ int autoquant_cmd_sensitivity(int argc, char **argv) {
     if (st == QT_OK) printf("wrote %s and %s/sensitivity.svg\n", csv, dir);
     sens_table_free(&t);
     free(cfg);
-    return st == QT_OK ? 0 : aq_fail("sensitivity", &err);
+    return st == QT_OK ? 0 : aq_fail(&err);
 }
 
 /* ---- autoquant ---------------------------------------------------------------------------------- */
@@ -359,5 +358,5 @@ int autoquant_cmd_autoquant(int argc, char **argv) {
     free(rules), free(text), free(choice);
     sens_table_free(&t);
     free(cfg), free(ptq);
-    return st == QT_OK ? 0 : aq_fail("autoquant", &err);
+    return st == QT_OK ? 0 : aq_fail(&err);
 }

@@ -270,15 +270,25 @@ static void weights_sha256(const Model *m, char hex[65]) {
     sha256_hex(d, hex);
 }
 
-/* The resolved data section (what decides the examples and their order). */
+/* The resolved data section (what decides the examples and their order), but for the keys that only say where
+ * or how they are read (cache_dir, storage, max_memory_mb). */
 static QtStatus data_sha256(const Config *cfg, char hex[65], QtError *err) {
     char *text = config_to_yaml(cfg);
     if (!text) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     char *start = strstr(text, "\ndata:\n"), *end = start ? strstr(start + 1, "\nmodel:\n") : NULL;
     Sha256 h;
     sha256_init(&h);
-    if (start && end) sha256_update(&h, start, (size_t)(end - start));
-    else sha256_update(&h, text, strlen(text));
+    if (!start || !end) start = text, end = text + strlen(text);
+    /* where and how the examples are read changes none of them */
+    static const char *const SKIP[] = {"  cache_dir:", "  storage:", "  max_memory_mb:"};
+    for (const char *line = start; line < end;) {
+        const char *nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line) + 1 : strlen(line);
+        bool skip = false;
+        for (size_t k = 0; k < sizeof SKIP / sizeof SKIP[0]; k++) skip |= strncmp(line, SKIP[k], strlen(SKIP[k])) == 0;
+        if (!skip) sha256_update(&h, line, len);
+        line += len;
+    }
     free(text);
     uint8_t d[SHA256_DIGEST_BYTES];
     sha256_final(&h, d);
