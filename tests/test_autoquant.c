@@ -330,6 +330,18 @@ static void test_outputs_follow_the_house_rules(void) {
     CU_ASSERT(!test_file_exists(tmp_root, "rules2/sensitivity.csv")); /* checked before either is written */
 }
 
+static void test_help(void) {
+    CU_ASSERT_EQUAL(cli("sensitivity --help"), 0);
+    CU_ASSERT(log_has("usage: qtrain sensitivity --config FILE --checkpoint PATH"));
+    CU_ASSERT_EQUAL(cli("autoquant --config x.yaml -h"), 0);
+    CU_ASSERT(log_has("usage: qtrain autoquant --config FILE --checkpoint PATH --budget BITS"));
+    CU_ASSERT_EQUAL(cli("--help"), 0);
+    CU_ASSERT(log_has("qtrain sensitivity --config FILE"));
+    CU_ASSERT(log_has("qtrain autoquant --config FILE"));
+    CU_ASSERT_EQUAL(cli("autoquant --config x.yaml --bogus"), 2);
+    CU_ASSERT(log_has("unknown option '--bogus'"));
+}
+
 static void test_bad_input_exits_2(void) {
     if (!need_models()) return;
     CU_ASSERT_EQUAL(cli("sensitivity " CNN " --checkpoint %s/cnn/final.h5 --formats int8,int5x --out %s/bad", tmp_root,
@@ -386,5 +398,6 @@ int register_autoquant_suite(void) {
            !CU_add_test(s, "autoquant reproduces its choice from the CSV; its config runs",
                         test_autoquant_reproduces_its_choice_from_the_csv) ||
            !CU_add_test(s, "output files: --force, never over a directory", test_outputs_follow_the_house_rules) ||
+           !CU_add_test(s, "--help of both commands", test_help) ||
            !CU_add_test(s, "bad input: a clear error, exit 2", test_bad_input_exits_2);
 }
