@@ -139,9 +139,10 @@ static void write_svg_body(FILE *f, const SensTable *t) {
     if (hi - lo < 0.5) lo = fmin(lo, -0.5);
     double pad = 0.08 * (hi - lo);
     lo -= pad, hi += pad;
-    double x0 = 80, y0 = 60, h = 320, group = 28.0 * t->n_formats + 24, w = group * t->n_modules;
+    double x0 = 80, y0 = 60, h = 320, group = 28.0 * t->n_formats + 24;
+    double w = fmax(group * t->n_modules, 520.0); /* room for the title */
     fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%.0f' height='%.0f' font-family='sans-serif' "
-               "font-size='12'>\n<rect width='100%%' height='100%%' fill='white'/>\n", x0 + w + 150, y0 + h + 80);
+               "font-size='12'>\n<rect width='100%%' height='100%%' fill='white'/>\n", x0 + w + 150, y0 + h + 50);
     fprintf(f, "<text x='%.1f' y='30' text-anchor='middle' font-size='15'>accuracy change when one module is "
                "quantized (%s split, %d examples)</text>\n", x0 + w / 2, t->split, t->examples);
     fprintf(f, "<rect x='%.1f' y='%.1f' width='%.1f' height='%.1f' fill='none' stroke='#444'/>\n", x0, y0, w, h);
@@ -171,6 +172,8 @@ static void write_svg_body(FILE *f, const SensTable *t) {
         }
         fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle'>%s</text>\n", gx + 14.0 * t->n_formats - 2,
                 y0 + h + 18, t->entries[m * t->n_formats].module);
+        fprintf(f, "<text x='%.1f' y='%.1f' text-anchor='middle' font-size='10' fill='#555'>%lld weights</text>\n",
+                gx + 14.0 * t->n_formats - 2, y0 + h + 32, (long long)t->entries[m * t->n_formats].params);
     }
     for (int k = 0; k < t->n_formats; k++) {
         double ly = y0 + 14 + 18.0 * k;
