@@ -294,7 +294,7 @@ run: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
 	QTRAIN=./$(QTRAIN) sh scripts/main-job.sh
 
-# Float vs PTQ int8 / int4 vs QAT w4a8 on the full data, then qtrain compare.
+# Float vs PTQ int8 / int4 / nf4 / autoquant vs QAT w4a8 on the full data, then qtrain compare.
 compare: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
 	QTRAIN=./$(QTRAIN) sh scripts/compare.sh

@@ -16,6 +16,7 @@
 
 #include "nn/gemm.h"
 #include "quant/qlayer.h"
+#include "cli/autoquant.h"
 #include "cli/bench.h"
 #include "trainer/dist.h"
 #ifdef QTRAIN_MPI
@@ -92,6 +93,24 @@ static const CmdHelp CMD_HELP[] = {
      "            (accuracy vs bits/param, training-loss curves); DIR defaults\n"
      "            to runs/compare and is created with its parents; compare.md and\n"
      "            compare.svg replace regular files of those names there.\n"},
+    {"sensitivity", "qtrain sensitivity --config FILE --checkpoint PATH [--formats LIST] [--split val|test] [--out DIR] "
+                    "[--force] [--set KEY=VALUE]... [--quiet]",
+     "  sensitivity\n"
+     "            each dense/conv2d module of a float checkpoint quantized alone\n"
+     "            (weight-only PTQ, batch norms folded) in each of --formats (default\n"
+     "            int8,int4,nf4,int2; NAME/ch per channel, NAME/N blocks): the loss and\n"
+     "            accuracy change on the validation split (without one, the training\n"
+     "            set's last 10%; --split test: the test split) and the bits per\n"
+     "            weight; a table, DIR/sensitivity.csv and DIR/sensitivity.svg (DIR\n"
+     "            defaults to sensitivity/ beside the checkpoint; --force replaces them).\n"},
+    {"autoquant", "qtrain autoquant --config FILE --checkpoint PATH --budget BITS [--formats LIST] [--sensitivity CSV] "
+                  "[--split val|test] [--out DIR] [--force] [--set KEY=VALUE]... [--quiet]",
+     "  autoquant a format per module (or float32) with the least predicted loss change\n"
+     "            under BITS per weight (an exact knapsack over the sensitivity table,\n"
+     "            measured here or read from --sensitivity CSV); writes DIR/autoquant.yaml,\n"
+     "            a PTQ config qtrain --config runs (DIR defaults to autoquant-BITS/ beside\n"
+     "            the checkpoint), and prints its test accuracy and loss beside uniform\n"
+     "            int4 and nf4 per channel.\n"},
     {"inspect", "qtrain inspect PATH",
      "  inspect   list a checkpoint's groups, datasets (shape, dtype), attributes and\n"
      "            total bytes.\n"},
@@ -712,6 +731,11 @@ static int cli_main(int argc, char **argv) {
     if (strcmp(cmd, "convert") == 0) return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "export") == 0) return cmd_export(argc - 2, argv + 2);
     if (strcmp(cmd, "compare") == 0) return cmd_compare(argc - 2, argv + 2);
+    if (strcmp(cmd, "sensitivity") == 0 || strcmp(cmd, "autoquant") == 0) {
+        for (int i = 2; i < argc; i++)
+            if (is_help(argv[i]) && strcmp(argv[i - 1], "--set") != 0) cmd_help_exit(cmd);
+        return cmd[0] == 's' ? autoquant_cmd_sensitivity(argc - 2, argv + 2) : autoquant_cmd_autoquant(argc - 2, argv + 2);
+    }
     if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
     if (strcmp(cmd, "config") == 0) return cmd_config(argc - 2, argv + 2);

@@ -53,6 +53,7 @@
     X(checkpoint) \
     X(trainer)    \
     X(commands)   \
+    X(autoquant)  \
     X(shipped_configs) \
     X(qlora)      \
     X(lora_bn)    \
