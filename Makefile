@@ -43,7 +43,9 @@ CFLAGS  ?= -O2
 # libm, so sqrtf/expf loops can vectorise. No -ffast-math: IEEE results stay.
 CFLAGS  += -fvect-cost-model=cheap -fno-math-errno
 CFLAGS  += -std=gnu11 -Wall -Wextra -g -I. -MMD -MP
-LDLIBS  := -lm -lpthread
+# LAPACKE (liblapacke-dev) for LoRA's SVD initialisations (lora/lora_svd.c); Debian's lapacke.pc when present
+LAPACKE_LIBS = $(shell pkg-config --libs lapacke 2>/dev/null || echo -llapacke)
+LDLIBS  = $(LAPACKE_LIBS) -lm -lpthread
 
 BUILD := build
 ifeq ($(SANITIZE),1)
@@ -93,7 +95,7 @@ LIBDIR     := $(PREFIX)/lib
 INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
-DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
+DEB_PKGS  := libopenblas-dev liblapacke-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
 TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 

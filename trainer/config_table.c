@@ -37,6 +37,7 @@
 #include <strings.h>
 
 #include "config_schema.h"
+#include "lora/lora_svd.h"
 
 #define F(T, f) .offset = offsetof(T, f), .size = sizeof(((T *)0)->f)
 #define O(T, f) .offset = offsetof(T, f) /* an enum: .size is the longest name read */
@@ -408,6 +409,14 @@ static const CfgKey QUANT_KEYS[] = {
 };
 
 static const CfgKey LORA_KEYS[] = {
+    /* before rules: a rule without its own init takes lora.init */
+    {.key = "init", .type = CFG_T_ENUM, O(LoraConfig, init), .size = 64, .name_of = lora_init,
+     .n_names = LORA_INIT_COUNT, .names_what = "lora init", .def_str = "default", FIXED,
+     .doc = "the adapters' init for the rules that give no `init` of their own: `default`, `gaussian`, `pissa` or "
+            "`loftq` (lora.rules[] below; docs/TRAINING.md)"},
+    {.key = "loftq_iters", .type = CFG_T_INT, F(LoraConfig, loftq_iters), .imin = 1, .imax = LORA_LOFTQ_ITERS_MAX,
+     .def = 5, FIXED,
+     .doc = "`loftq`: alternations of quantizing W − s·B·A and taking B, A from the SVD of W − Q"},
     {.key = "rules", .type = CFG_T_PART, .part = &CFG_PART_LORA_RULES, .sub = &CFG_LORA_RULE_TABLE, FIXED,
      .doc_default = "`[]`", .doc_values = "at most 32 rules",
      .doc = "ordered rules giving modules adapters, the first that matches wins (lora.rules[] below)"},
@@ -633,7 +642,11 @@ static const CfgKey LORA_RULE_KEYS[] = {
     {.key = "rslora", .type = CFG_T_BOOL, F(LoraRule, spec.rslora), .def = 0, .doc = "rank-stabilized scale"},
     {.key = "init", .type = CFG_T_ENUM, O(LoraRule, spec.init), .size = 64, .name_of = lora_init,
      .n_names = LORA_INIT_COUNT, .names_what = "lora init", .def_str = "default",
-     .doc = "`default` (A kaiming-uniform, B = 0) or `gaussian` (A ~ N(0, 1/rank²), B = 0)"},
+     .doc_default = "`lora.init`",
+     .doc = "`default` (A kaiming-uniform, B = 0), `gaussian` (A ~ N(0, 1/rank²), B = 0), `pissa` (B, A the top-rank "
+            "singular triplets of the weight; the base keeps the residual, quantized under a quant rule) or `loftq` "
+            "(needs a ptq quant rule: B, A and the quantized base alternately fitted to the weight); `pissa` and "
+            "`loftq` change the base, on a fresh start only, and take no grouped conv2d"},
 };
 
 const CfgTable CFG_LORA_RULE_TABLE = {.path = "lora.rules[]", .owner = "a lora rule", .keys = LORA_RULE_KEYS,
