@@ -64,6 +64,10 @@ typedef struct {
     ModuleForwardFn base_fn;   /* the base's forward hook when installed, or NULL: the module's own op */
     void *base_ctx;
     bool installed;
+    /* pissa / loftq: the init's relative residual ||W - (Q + scale B A)||_F / ||W||_F and the default init's
+       (B = 0), lora_svd.h; kept with the adapter in checkpoints */
+    bool init_reported;
+    double init_rel_error, init_default_rel_error;
 } LoraAdapter;
 
 /* "default", "gaussian", "loftq", "pissa"; "unknown" outside the enum. */

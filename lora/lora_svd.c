@@ -102,20 +102,38 @@ QtStatus lora_svd_init(const float *w, int out, int fan_in, int r, float scale, 
             else memcpy(base, target, n * sizeof *base);
         }
     }
-    /* LoftQ: base holds Q_1 = quantize(W) already */
+    /* LoftQ: base holds Q_1 = quantize(W) already. A quantizer whose scales follow the input's range is no
+       projection, so an iteration can raise the error (2-bit blocks do): the best iterate is kept, its Q made again
+       from its own input (the quantizer is deterministic) so the base left behind is that iterate's. */
+    size_t nab = (size_t)r * fan_in + (size_t)out * r;
+    float *qin = iters > 0 ? malloc(n * sizeof *qin) : NULL, *best_in = iters > 0 ? malloc(n * sizeof *best_in) : NULL;
+    float *best_ab = iters > 0 ? malloc(nab * sizeof *best_ab) : NULL;
+    if (st == QT_OK && iters > 0 && (!qin || !best_in || !best_ab)) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    double best = INFINITY;
     for (int t = 0; st == QT_OK && t < iters; t++) {
-        if (t > 0) {
-            for (size_t i = 0; i < n; i++) target[i] = (float)((double)w[i] - lowrank[i]);
-            if ((st = quantize(qctx, target, base, err)) != QT_OK) break;
-        }
+        /* qin: this iterate's quantizer input, W - s B A of the last */
+        for (size_t i = 0; i < n; i++) qin[i] = t > 0 ? (float)((double)w[i] - lowrank[i]) : w[i];
+        if (t > 0 && (st = quantize(qctx, qin, base, err)) != QT_OK) break;
         for (size_t i = 0; i < n; i++) target[i] = w[i] - base[i];
         if ((st = factors_from_svd(target, out, fan_in, r, scale, u, sv, vt, a, b, err)) != QT_OK) break;
         lowrank_of(a, b, out, fan_in, r, scale, lowrank);
         rep->iter_error[t] = rel_error(w, base, lowrank, n);
         rep->iters = t + 1;
+        if (rep->iter_error[t] < best) {
+            best = rep->iter_error[t], rep->best_iter = t + 1;
+            memcpy(best_in, qin, n * sizeof *best_in);
+            memcpy(best_ab, a, (size_t)r * fan_in * sizeof *a);
+            memcpy(best_ab + (size_t)r * fan_in, b, (size_t)out * r * sizeof *b);
+        }
     }
+    if (st == QT_OK && iters > 0 && rep->best_iter != rep->iters) {
+        st = quantize(qctx, best_in, base, err);
+        memcpy(a, best_ab, (size_t)r * fan_in * sizeof *a);
+        memcpy(b, best_ab + (size_t)r * fan_in, (size_t)out * r * sizeof *b);
+    }
+    free(qin), free(best_in), free(best_ab);
     if (st == QT_OK) {
-        if (iters == 0) lowrank_of(a, b, out, fan_in, r, scale, lowrank);
+        lowrank_of(a, b, out, fan_in, r, scale, lowrank);
         rep->rel_error = rel_error(w, base, lowrank, n);
     }
     free(u), free(sv), free(vt), free(lowrank), free(target);
