@@ -102,36 +102,39 @@ QtStatus lora_svd_init(const float *w, int out, int fan_in, int r, float scale, 
             else memcpy(base, target, n * sizeof *base);
         }
     }
-    /* LoftQ: base holds Q_1 = quantize(W) already. A quantizer whose scales follow the input's range is no
-       projection, so an iteration can raise the error (2-bit blocks do): the best iterate is kept, its Q made again
-       from its own input (the quantizer is deterministic) so the base left behind is that iterate's. */
-    size_t nab = (size_t)r * fan_in + (size_t)out * r;
-    float *qin = iters > 0 ? malloc(n * sizeof *qin) : NULL, *best_in = iters > 0 ? malloc(n * sizeof *best_in) : NULL;
-    float *best_ab = iters > 0 ? malloc(nab * sizeof *best_ab) : NULL;
-    if (st == QT_OK && iters > 0 && (!qin || !best_in || !best_ab)) st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    double best = INFINITY;
+    /* LoftQ: base holds Q_1 = quantize(W) already. Each iteration minimises ||W - Q - L|| over one of Q, L with the
+       other fixed: L by the truncated SVD of W - Q (exact); Q by quantize(W - L), which is no exact minimiser (its
+       scales follow the input's range), so a new Q that fits W - L worse than the last is refused and the
+       iteration stops there, the last Q made again from its own input (the quantizer is deterministic) so the base
+       left behind is the kept one. The error never rises from one iteration to the next. */
+    float *qin = iters > 0 ? malloc(n * sizeof *qin) : NULL, *prev_in = iters > 0 ? malloc(n * sizeof *prev_in) : NULL;
+    float *prev_q = iters > 0 ? malloc(n * sizeof *prev_q) : NULL;
+    if (st == QT_OK && iters > 0 && (!qin || !prev_in || !prev_q))
+        st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (st == QT_OK && iters > 0) memcpy(prev_in, w, n * sizeof *prev_in);
     for (int t = 0; st == QT_OK && t < iters; t++) {
-        /* qin: this iterate's quantizer input, W - s B A of the last */
-        for (size_t i = 0; i < n; i++) qin[i] = t > 0 ? (float)((double)w[i] - lowrank[i]) : w[i];
-        if (t > 0 && (st = quantize(qctx, qin, base, err)) != QT_OK) break;
+        if (t > 0) {
+            for (size_t i = 0; i < n; i++) qin[i] = (float)((double)w[i] - lowrank[i]);
+            memcpy(prev_q, base, n * sizeof *base);
+            if ((st = quantize(qctx, qin, base, err)) != QT_OK) break;
+            double e_new = 0.0, e_old = 0.0;
+            for (size_t i = 0; i < n; i++) {
+                double dn = (double)qin[i] - base[i], dold = (double)qin[i] - prev_q[i];
+                e_new += dn * dn, e_old += dold * dold;
+            }
+            if (e_new > e_old) { /* a worse fit: keep the last Q (and its L) */
+                st = quantize(qctx, prev_in, base, err);
+                break;
+            }
+            memcpy(prev_in, qin, n * sizeof *qin);
+        }
         for (size_t i = 0; i < n; i++) target[i] = w[i] - base[i];
         if ((st = factors_from_svd(target, out, fan_in, r, scale, u, sv, vt, a, b, err)) != QT_OK) break;
         lowrank_of(a, b, out, fan_in, r, scale, lowrank);
         rep->iter_error[t] = rel_error(w, base, lowrank, n);
         rep->iters = t + 1;
-        if (rep->iter_error[t] < best) {
-            best = rep->iter_error[t], rep->best_iter = t + 1;
-            memcpy(best_in, qin, n * sizeof *best_in);
-            memcpy(best_ab, a, (size_t)r * fan_in * sizeof *a);
-            memcpy(best_ab + (size_t)r * fan_in, b, (size_t)out * r * sizeof *b);
-        }
     }
-    if (st == QT_OK && iters > 0 && rep->best_iter != rep->iters) {
-        st = quantize(qctx, best_in, base, err);
-        memcpy(a, best_ab, (size_t)r * fan_in * sizeof *a);
-        memcpy(b, best_ab + (size_t)r * fan_in, (size_t)out * r * sizeof *b);
-    }
-    free(qin), free(best_in), free(best_ab);
+    free(qin), free(prev_in), free(prev_q);
     if (st == QT_OK) {
         lowrank_of(a, b, out, fan_in, r, scale, lowrank);
         rep->rel_error = rel_error(w, base, lowrank, n);

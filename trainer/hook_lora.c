@@ -140,11 +140,13 @@ void net_print_lora_init(const Net *n, FILE *out) {
         const NetLoraInit *li = &n->lora_init[i];
         if (!li->ran) continue;
         const LoraSpec *ls = net_lora_spec(n, i);
-        fprintf(out, "lora_init: module=%s init=%s iters=%d best_iter=%d rel_error=%.6g default_rel_error=%.6g",
-                n->model.modules[i].path, lora_init_name(ls->init), li->report.iters, li->report.best_iter, li->report.rel_error,
+        fprintf(out, "lora_init: module=%s init=%s iters=%d rel_error=%.6g default_rel_error=%.6g",
+                n->model.modules[i].path, lora_init_name(ls->init), li->report.iters, li->report.rel_error,
                 li->report.default_rel_error);
         for (int t = 0; t < li->report.iters; t++)
             fprintf(out, "%s%.6g", t ? "," : " iter_errors=", li->report.iter_error[t]);
+        if (ls->init == LORA_INIT_LOFTQ && li->report.iters < n->cfg->lora.loftq_iters)
+            fprintf(out, " stopped=quantizer"); /* iteration iters + 1's Q fit W - s B A worse: the last one kept */
         fputc('\n', out);
     }
 }
