@@ -440,7 +440,7 @@ static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path
         st = cfg_fail(err, cfg_field(item, "dropout"), cfg_join(full, sizeof full, path, "dropout"),
                       "rounds to 1 as a float; expected a value below 1");
     if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "rslora", r);
-    /* absent: lora.init, filled in by cfg_part_load_lora_rules (-1 until then) */
+    /* absent: lora.init, filled in once the section is loaded (lora_after; -1 until then) */
     if (st == QT_OK && cfg_field(item, "init")) st = cfg_load_key(err, item, path, LR, "init", r);
     else if (st == QT_OK) s->init = (LoraInit)-1;
     return st;
@@ -492,9 +492,6 @@ QtStatus cfg_part_load_trainable(QtError *err, const YNode *v, const YNode *map,
 QtStatus cfg_part_load_lora_rules(QtError *err, const YNode *rules, const YNode *map, void *section, CfgCtx *ctx) {
     (void)map, (void)ctx;
     LoraConfig *l = section;
-    QtStatus st = load_rules(err, rules, "lora.rules", "a rule mapping such as {module_path: \".*\", rank: 8}",
-                             load_lora_rule, l->rules, sizeof l->rules[0], &l->n_rules);
-    for (int i = 0; i < l->n_rules; i++) /* lora.init loads before the rules (its row comes first) */
-        if ((int)l->rules[i].spec.init == -1) l->rules[i].spec.init = l->init;
-    return st;
+    return load_rules(err, rules, "lora.rules", "a rule mapping such as {module_path: \".*\", rank: 8}", load_lora_rule,
+                      l->rules, sizeof l->rules[0], &l->n_rules);
 }
