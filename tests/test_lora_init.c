@@ -16,7 +16,9 @@
 #include "test_proc.h"
 #include "test_runs.h"
 #include "test_util.h"
+#include "base/safetensors.h"
 #include "trainer/checkpoint.h"
+#include "trainer/interop.h"
 #include "trainer/net.h"
 #include "trainer/tools.h"
 #include "trainer/train.h"
@@ -354,6 +356,18 @@ static void test_report_loftq_and_pissa(void) {
         CU_ASSERT(fabs(se - e) <= 1e-5 * e);
         free(text), free(summary);
     }
+    /* qtrain quantize reports what the inits would make of the base it writes */
+    char log[1200], qout[1200];
+    snprintf(log, sizeof log, "%s", test_runs_path(&runs, "", "quantize.log"));
+    snprintf(qout, sizeof qout, "%s", test_runs_path(&runs, "", "quantized.h5"));
+    const char *args[] = {"quantize", "--config", "tests/configs/tiny-qlora.yaml", "--checkpoint", runs.base_ckpt,
+                          "--out", qout, "--set", "quant.rules.0.weight_qtype=int4", "--set",
+                          "quant.rules.1.weight_qtype=int4", "--set", "lora.init=loftq", NULL};
+    CU_ASSERT_EQUAL_FATAL(test_proc_run(log, args, 120.0), 0);
+    char *text = test_file_read(log, NULL);
+    CU_ASSERT(text && strstr(text, "lora_init: module=conv1 init=loftq iters=") &&
+              strstr(text, "lora_init: module=fc1 init=loftq iters="));
+    free(text);
 }
 
 /* A PiSSA base is the residual: its checkpoint's base differs from the default run's, and so does its identity. */
@@ -425,6 +439,40 @@ static void test_pissa_merge(void) {
     CU_ASSERT_EQUAL(rep.weight_rel_rmse, 0.0);
     CU_ASSERT(fabs(rep.test_accuracy_after - rep.test_accuracy_before) <= 0.002);
     CU_ASSERT(fabs(rep.test_loss_after - rep.test_loss_before) < 1e-3);
+    /* the PEFT export's base is the residual the adapters belong to: base + s B A is the merged weight */
+    char dir[1200], final[1200];
+    snprintf(dir, sizeof dir, "%s", test_runs_path(&runs, "m-pissa", "peft"));
+    snprintf(final, sizeof final, "%s", test_runs_path(&runs, "m-pissa", "final.h5"));
+    CU_ASSERT_EQUAL_FATAL(interop_export_peft(final, dir, false, NULL, &err), QT_OK);
+    Model fm, mm;
+    CU_ASSERT_EQUAL_FATAL(model_init(&fm, c->model.input_ndim, c->model.input_shape, L, c->model.n_layers, &err), QT_OK);
+    CU_ASSERT_EQUAL_FATAL(model_init(&mm, c->model.input_ndim, c->model.input_shape, L, c->model.n_layers, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(final, &fm, &err), QT_OK);
+    CU_ASSERT_EQUAL(checkpoint_load_params(merged, &mm, &err), QT_OK);
+    StFile bf, af;
+    char path[1300];
+    snprintf(path, sizeof path, "%s/base_model.safetensors", dir);
+    CU_ASSERT_EQUAL_FATAL(st_open(&bf, path, &err), QT_OK);
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    CU_ASSERT_EQUAL_FATAL(st_open(&af, path, &err), QT_OK);
+    const Param *res_w = model_find_param(&fm, "fc1/weight"), *mer_w = model_find_param(&mm, "fc1/weight");
+    const int out = 32, fan_in = 1568, rk = 4;
+    float *bw = malloc((size_t)out * fan_in * sizeof *bw), *a = malloc((size_t)rk * fan_in * sizeof *a),
+          *b = malloc((size_t)out * rk * sizeof *b);
+    const StTensor *tw = st_find(&bf, "fc1.weight"), *ta = st_find(&af, "base_model.model.fc1.lora_A.weight"),
+                   *tb = st_find(&af, "base_model.model.fc1.lora_B.weight");
+    CU_ASSERT_FATAL(tw && ta && tb);
+    CU_ASSERT_EQUAL(st_read_f32(&bf, tw, bw, (size_t)out * fan_in, &err), QT_OK);
+    CU_ASSERT_EQUAL(st_read_f32(&af, ta, a, (size_t)rk * fan_in, &err), QT_OK);
+    CU_ASSERT_EQUAL(st_read_f32(&af, tb, b, (size_t)out * rk, &err), QT_OK);
+    CU_ASSERT(memcmp(bw, res_w->var.value.data, (size_t)out * fan_in * sizeof *bw) == 0);
+    double *l = malloc((size_t)out * fan_in * sizeof *l), *want = malloc((size_t)out * fan_in * sizeof *want);
+    lowrank(a, b, out, fan_in, rk, 8.0f / 4.0f, l); /* tiny-qlora.yaml: alpha 8, rank 4 */
+    for (int i = 0; i < out * fan_in; i++) l[i] += bw[i], want[i] = mer_w->var.value.data[i];
+    CU_ASSERT(rel_diff(l, want, (size_t)out * fan_in) < 1e-6);
+    st_close(&bf), st_close(&af);
+    free(bw), free(a), free(b), free(l), free(want);
+    model_free(&fm), model_free(&mm);
     free(c0), free(c);
 }
 
@@ -511,9 +559,9 @@ int register_lora_init_suite(void) {
                         test_loftq_iterations) ||
            !CU_add_test(s, "resume exact: loftq over int4", test_resume_loftq_qlora) ||
            !CU_add_test(s, "resume exact: pissa over a float base", test_resume_pissa_float) ||
-           !CU_add_test(s, "report: the start's lines and summary.json", test_report_loftq_and_pissa) ||
+           !CU_add_test(s, "report: the start's lines, summary.json, qtrain quantize", test_report_loftq_and_pissa) ||
            !CU_add_test(s, "pissa base identity differs from the default's", test_pissa_base_identity) ||
-           !CU_add_test(s, "pissa float base: merge gives W back, merged = unmerged", test_pissa_merge) ||
+           !CU_add_test(s, "pissa float base: merge gives W back, merged = unmerged, PEFT export", test_pissa_merge) ||
            !CU_add_test(s, "pissa over a quantized base", test_pissa_qlora) ||
            !CU_add_test(s, "errors: loftq without a quant rule, adapters_from, iters, names, groups",
                         test_bad_inputs);
