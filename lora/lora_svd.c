@@ -102,39 +102,40 @@ QtStatus lora_svd_init(const float *w, int out, int fan_in, int r, float scale, 
             else memcpy(base, target, n * sizeof *base);
         }
     }
-    /* LoftQ: base holds Q_1 = quantize(W) already. Each iteration minimises ||W - Q - L|| over one of Q, L with the
-       other fixed: L by the truncated SVD of W - Q (exact); Q by quantize(W - L), which is no exact minimiser (its
-       scales follow the input's range), so a new Q that fits W - L worse than the last is refused and the
-       iteration stops there, the last Q made again from its own input (the quantizer is deterministic) so the base
-       left behind is the kept one. The error never rises from one iteration to the next. */
+    /* LoftQ: base holds Q_1 = quantize(W) already. Each iteration minimises ||W - Q - L|| over Q with L fixed, then
+       over L with Q fixed: L exactly (the truncated SVD of W - Q), Q only roughly (quantize(W - L): its scales follow
+       the input's range, so it is no exact projection), so an iteration can raise the error. Such an iteration is
+       undone and ends the loop: the last Q made again from its own input (the quantizer is deterministic, so the
+       base left behind is the kept one) and its A, B. The error never rises from one iteration to the next. */
+    size_t nab = (size_t)r * fan_in + (size_t)out * r;
     float *qin = iters > 0 ? malloc(n * sizeof *qin) : NULL, *prev_in = iters > 0 ? malloc(n * sizeof *prev_in) : NULL;
-    float *prev_q = iters > 0 ? malloc(n * sizeof *prev_q) : NULL;
-    if (st == QT_OK && iters > 0 && (!qin || !prev_in || !prev_q))
+    float *prev_ab = iters > 0 ? malloc(nab * sizeof *prev_ab) : NULL;
+    if (st == QT_OK && iters > 0 && (!qin || !prev_in || !prev_ab))
         st = qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK && iters > 0) memcpy(prev_in, w, n * sizeof *prev_in);
     for (int t = 0; st == QT_OK && t < iters; t++) {
         if (t > 0) {
             for (size_t i = 0; i < n; i++) qin[i] = (float)((double)w[i] - lowrank[i]);
-            memcpy(prev_q, base, n * sizeof *base);
+            memcpy(prev_ab, a, (size_t)r * fan_in * sizeof *a);
+            memcpy(prev_ab + (size_t)r * fan_in, b, (size_t)out * r * sizeof *b);
             if ((st = quantize(qctx, qin, base, err)) != QT_OK) break;
-            double e_new = 0.0, e_old = 0.0;
-            for (size_t i = 0; i < n; i++) {
-                double dn = (double)qin[i] - base[i], dold = (double)qin[i] - prev_q[i];
-                e_new += dn * dn, e_old += dold * dold;
-            }
-            if (e_new > e_old) { /* a worse fit: keep the last Q (and its L) */
-                st = quantize(qctx, prev_in, base, err);
-                break;
-            }
-            memcpy(prev_in, qin, n * sizeof *qin);
         }
         for (size_t i = 0; i < n; i++) target[i] = w[i] - base[i];
         if ((st = factors_from_svd(target, out, fan_in, r, scale, u, sv, vt, a, b, err)) != QT_OK) break;
         lowrank_of(a, b, out, fan_in, r, scale, lowrank);
-        rep->iter_error[t] = rel_error(w, base, lowrank, n);
+        double e = rel_error(w, base, lowrank, n);
+        if (t > 0 && e > rep->iter_error[t - 1]) { /* undone: the last iterate stays */
+            memcpy(a, prev_ab, (size_t)r * fan_in * sizeof *a);
+            memcpy(b, prev_ab + (size_t)r * fan_in, (size_t)out * r * sizeof *b);
+            st = quantize(qctx, prev_in, base, err);
+            rep->stopped = true;
+            break;
+        }
+        if (t > 0) memcpy(prev_in, qin, n * sizeof *qin);
+        rep->iter_error[t] = e;
         rep->iters = t + 1;
     }
-    free(qin), free(prev_in), free(prev_q);
+    free(qin), free(prev_in), free(prev_ab);
     if (st == QT_OK) {
         lowrank_of(a, b, out, fan_in, r, scale, lowrank);
         rep->rel_error = rel_error(w, base, lowrank, n);

@@ -6,15 +6,17 @@
  * (quantized, under a quant rule).
  * LoftQ (Li et al. 2023, arXiv 2310.08659): starting from s B A = 0,
  * alternately Q = quantize(W - s B A) and s B A = the rank-r truncated SVD
- * of W - Q, up to `iters` times; the base becomes the last Q. A new Q that
- * fits W - s B A worse than the last one (a quantizer whose scales follow
- * its input's range is no exact projection) ends the iterations, the last
- * Q kept: the error never rises from one iteration to the next.
+ * of W - Q, up to `iters` times; the base becomes the last Q. An
+ * iteration that raises the error (a quantizer whose scales follow its
+ * input's range is no exact projection) is undone and ends the loop: the
+ * error never rises from one iteration to the next.
  * Both split the singular values evenly between the factors:
  *   B = U_r sqrt(S_r) / sqrt(s),  A = sqrt(S_r) V_r^T / sqrt(s),
  * so s B A is exactly the truncated SVD. */
 #ifndef QTRAIN_LORA_LORA_SVD_H
 #define QTRAIN_LORA_LORA_SVD_H
+
+#include <stdbool.h>
 
 #include "base/error.h"
 
@@ -41,8 +43,8 @@ typedef QtStatus (*LoraQuantizeFn)(void *ctx, const float *target, float *deq, Q
 typedef struct {
     double rel_error;
     double default_rel_error;
-    int iters;                                /* LoftQ's iterations kept (0 for PiSSA): fewer than asked when a
-                                                 quantization step stopped fitting better */
+    int iters;                                /* LoftQ's iterations kept (0 for PiSSA) */
+    bool stopped;                             /* iteration iters + 1 raised the error and was undone */
     double iter_error[LORA_LOFTQ_ITERS_MAX];  /* [iters] */
 } LoraInitReport;
 

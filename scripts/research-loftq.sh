@@ -6,16 +6,17 @@
 # init against lora.init: loftq, 3 epochs each; then the table of
 # docs/BENCHMARKS.md ("LoftQ against the default init"). A finished run
 # (summary.json) is reused, an interrupted one resumed.
-#   ITERS=5 RANK=8 OUT=runs/research-loftq sh scripts/research-loftq.sh
+#   BITS="2 3 4" ITERS=5 RANK=8 OUT=runs/research-loftq sh scripts/research-loftq.sh
 set -e
 . scripts/lib.sh
 
 OUT=${OUT:-runs/research-loftq}
 ITERS=${ITERS:-5}
 RANK=${RANK:-8}
+BITS=${BITS:-2 3 4}
 pretrain_once
 mkdir -p "$OUT"
-for bits in 2 3 4; do
+for bits in $BITS; do
     for init in default loftq; do
         dir=$OUT/int$bits-$init
         step "QLoRA, int$bits base, lora.init $init (loftq_iters $ITERS, rank $RANK)"
@@ -23,7 +24,9 @@ for bits in 2 3 4; do
         "$Q" --config configs/qlora.yaml --resume auto --set run.name="qlora-int$bits-$init" \
              --set run.out_dir="$dir" --set quant.rules.0.weight_qtype=int$bits \
              --set quant.rules.1.weight_qtype=int$bits --set lora.init=$init --set lora.loftq_iters=$ITERS \
-             --set lora.rules.0.rank=$RANK --set lora.rules.0.alpha=$((2 * RANK)) | tee "$dir.log"
+             --set lora.rules.0.rank=$RANK --set lora.rules.0.alpha=$((2 * RANK)) > "$dir.log" 2>&1 ||
+            { tail -5 "$dir.log"; exit 1; }
+        grep -E '^(lora_init|done):' "$dir.log"
     done
 done
 
@@ -37,7 +40,7 @@ mean_err() {
 step "table ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), $(nproc) cores)"
 printf '| base | default init: test acc | LoftQ: test acc | difference (points) | rel. residual, default -> LoftQ (mean over modules) |\n'
 printf '|---|---|---|---|---|\n'
-for bits in 2 3 4; do
+for bits in $BITS; do
     d=$OUT/int$bits-default l=$OUT/int$bits-loftq
     ad=$(val "$d" test_accuracy) al=$(val "$l" test_accuracy)
     diff=$(awk -v a="$al" -v b="$ad" 'BEGIN {printf "%+.2f", (a - b) * 100}')

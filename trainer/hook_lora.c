@@ -145,8 +145,7 @@ void net_print_lora_init(const Net *n, FILE *out) {
                 li->report.default_rel_error);
         for (int t = 0; t < li->report.iters; t++)
             fprintf(out, "%s%.6g", t ? "," : " iter_errors=", li->report.iter_error[t]);
-        if (ls->init == LORA_INIT_LOFTQ && li->report.iters < n->cfg->lora.loftq_iters)
-            fprintf(out, " stopped=quantizer"); /* iteration iters + 1's Q fit W - s B A worse: the last one kept */
+        if (li->report.stopped) fprintf(out, " stopped=error_rose"); /* iteration iters + 1 was undone */
         fputc('\n', out);
     }
 }
