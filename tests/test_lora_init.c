@@ -315,6 +315,33 @@ static void test_resume_pissa_float(void) {
     check_resume("rp", ov, COUNT(ov));
 }
 
+/* LoftQ adapters go on from their run's checkpoint (their base) with init default: the same model, the same base
+ * identity (lora.strict_base would refuse another). */
+static void test_continue_loftq(void) {
+    char init[1300], from[1300], ck[1200];
+    snprintf(ck, sizeof ck, "%s", test_runs_path(&runs, "rl-straight", "final.h5"));
+    snprintf(init, sizeof init, "model.init_from=%s", ck);
+    snprintf(from, sizeof from, "model.adapters_from=%s", test_runs_path(&runs, "rl-straight", "adapters.h5"));
+    const char *ov[] = {INT4, init, from, "lora.strict_base=true"};
+    Config *c = cfg("cont", ov, COUNT(ov));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+    Net a, b;
+    QtError err = {0};
+    QtStatus st = net_build(&a, c, NET_FRESH, &err);
+    if (st != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    test_runs_load_net(&b, c, ck);
+    for (int i = 0; i < net_hook_count(&a, &HOOK_LORA); i++) {
+        const LoraAdapter *p = net_adapter(&a, i), *q = net_adapter(&b, i);
+        CU_ASSERT(memcmp(p->A.var.value.data, q->A.var.value.data, var_numel(&p->A.var) * 4) == 0);
+        CU_ASSERT(memcmp(p->B.var.value.data, q->B.var.value.data, var_numel(&p->B.var) * 4) == 0);
+    }
+    for (int i = 0; i < net_hook_count(&a, &HOOK_PTQ); i++)
+        CU_ASSERT(qarrays_equal(&net_qlayer(&a, i)->weight, &net_qlayer(&b, i)->weight));
+    net_free(&a), net_free(&b);
+    free(c);
+}
+
 /* The value after `key` in text, or NAN. */
 static double value_after(const char *text, const char *key) {
     const char *p = text ? strstr(text, key) : NULL;
@@ -559,6 +586,7 @@ int register_lora_init_suite(void) {
                         test_loftq_iterations) ||
            !CU_add_test(s, "resume exact: loftq over int4", test_resume_loftq_qlora) ||
            !CU_add_test(s, "resume exact: pissa over a float base", test_resume_pissa_float) ||
+           !CU_add_test(s, "loftq adapters go on from their run's checkpoint with init default", test_continue_loftq) ||
            !CU_add_test(s, "report: the start's lines, summary.json, qtrain quantize", test_report_loftq_and_pissa) ||
            !CU_add_test(s, "pissa base identity differs from the default's", test_pissa_base_identity) ||
            !CU_add_test(s, "pissa float base: merge gives W back, merged = unmerged, PEFT export", test_pissa_merge) ||
