@@ -5,8 +5,11 @@
 # blocks of 32, the others in blocks of 64, double-quantized scales), default
 # init against lora.init: loftq, 3 epochs each; then the table of
 # docs/BENCHMARKS.md ("LoftQ against the default init"). A finished run
-# (summary.json) is reused, an interrupted one resumed.
-#   BITS="2 3 4" ITERS=5 RANK=8 OUT=runs/research-loftq sh scripts/research-loftq.sh
+# (summary.json) is reused, an interrupted one resumed. The variables choose
+# other runs: the bit widths, the inits, LoftQ's iterations, the rank (its
+# alpha 2 x rank), the directory, and further --set overrides for every run.
+#   BITS="2 3 4" INITS="default loftq" ITERS=5 RANK=8 OUT=runs/research-loftq SETS="" \
+#     sh scripts/research-loftq.sh
 set -e
 . scripts/lib.sh
 
@@ -14,17 +17,22 @@ OUT=${OUT:-runs/research-loftq}
 ITERS=${ITERS:-5}
 RANK=${RANK:-8}
 BITS=${BITS:-2 3 4}
+INITS=${INITS:-default loftq}
+SETS=${SETS:-}
 pretrain_once
 mkdir -p "$OUT"
 for bits in $BITS; do
-    for init in default loftq; do
+    for init in $INITS; do
         dir=$OUT/int$bits-$init
-        step "QLoRA, int$bits base, lora.init $init (loftq_iters $ITERS, rank $RANK)"
+        step "QLoRA, int$bits base, lora.init $init (loftq_iters $ITERS, rank $RANK${SETS:+, $SETS})"
         if [ -f "$dir/summary.json" ]; then echo "$dir/summary.json exists: using it"; continue; fi
+        extra=""
+        for s in $SETS; do extra="$extra --set $s"; done
+        # shellcheck disable=SC2086 # $extra: one word per override
         "$Q" --config configs/qlora.yaml --resume auto --set run.name="qlora-int$bits-$init" \
              --set run.out_dir="$dir" --set quant.rules.0.weight_qtype=int$bits \
              --set quant.rules.1.weight_qtype=int$bits --set lora.init=$init --set lora.loftq_iters=$ITERS \
-             --set lora.rules.0.rank=$RANK --set lora.rules.0.alpha=$((2 * RANK)) > "$dir.log" 2>&1 ||
+             --set lora.rules.0.rank=$RANK --set lora.rules.0.alpha=$((2 * RANK)) $extra > "$dir.log" 2>&1 ||
             { tail -5 "$dir.log"; exit 1; }
         grep -E '^(lora_init|done):' "$dir.log"
     done
@@ -38,12 +46,17 @@ mean_err() {
         awk '{s += $1; n++} END {if (n) printf "%.4f", s / n; else printf "-"}'
 }
 step "table ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), $(nproc) cores)"
-printf '| base | default init: test acc | LoftQ: test acc | difference (points) | rel. residual, default -> LoftQ (mean over modules) |\n'
+printf '| base | lora.init | test acc | against default (points) | rel. residual ‖W − (Q + s·B·A)‖ / ‖W‖ (mean over modules) |\n'
 printf '|---|---|---|---|---|\n'
 for bits in $BITS; do
-    d=$OUT/int$bits-default l=$OUT/int$bits-loftq
-    ad=$(val "$d" test_accuracy) al=$(val "$l" test_accuracy)
-    diff=$(awk -v a="$al" -v b="$ad" 'BEGIN {printf "%+.2f", (a - b) * 100}')
-    printf '| int%s | %.4f | %.4f | %s | %s -> %s |\n' "$bits" "$ad" "$al" "$diff" "$(mean_err "$l" default_rel_error)" \
-        "$(mean_err "$l" rel_error)"
+    ad=""
+    [ -f "$OUT/int$bits-default/summary.json" ] && ad=$(val "$OUT/int$bits-default" test_accuracy)
+    for init in $INITS; do
+        d=$OUT/int$bits-$init
+        a=$(val "$d" test_accuracy)
+        diff=$([ -n "$ad" ] && awk -v a="$a" -v b="$ad" 'BEGIN {printf "%+.2f", (a - b) * 100}' || echo -)
+        err=$(mean_err "$d" rel_error)
+        [ "$init" = default ] && err=$(mean_err "$OUT/int$bits-loftq" default_rel_error)
+        printf '| int%s | %s | %.4f | %s | %s |\n' "$bits" "$init" "$a" "$diff" "$err"
+    done
 done
