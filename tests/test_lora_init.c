@@ -552,6 +552,17 @@ static void test_bad_inputs(void) {
     snprintf(from, sizeof from, "model.adapters_from=%s", test_runs_path(&runs, "rl-split", "adapters.h5"));
     const char *with_from[] = {INT4, from, "lora.init=loftq"};
     expect_error("e-from", with_from, COUNT(with_from), "tiny-qlora.yaml:33:7", "model.adapters_from loads trained ones");
+    /* a base model.init_from holds quantized (qtrain quantize's file, written by the report test): no float W */
+    char qfrom[1300];
+    snprintf(qfrom, sizeof qfrom, "model.init_from=%s", test_runs_path(&runs, "", "quantized.h5"));
+    const char *stored[] = {INT4, qfrom, "lora.init=loftq"};
+    expect_error("e-stored", stored, COUNT(stored), "tiny-qlora.yaml:33:7: lora.rules[0]: conv1: lora init loftq needs the float",
+                 "model.init_from holds it quantized");
+    /* qat: the base weight trains quantized */
+    const char *qat[] = {"quant.mode=qat", "quant.rules=[{module_path: \".*\", weight_qtype: int8}]",
+                         "lora.init=pissa"};
+    expect_error("e-qat", qat, COUNT(qat), "lora.rules[0]: conv1: lora init pissa changes the base weight",
+                 "quant.mode qat");
     /* the config: iterations, names, file:line */
     test_expect_config_error(__FILE__, __LINE__, LORA_YAML("  loftq_iters: 0\n", "fc, rank: 2"), "t.yaml:8:",
                              "lora.loftq_iters", "[1, 100]");

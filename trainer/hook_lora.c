@@ -24,12 +24,12 @@ static QtStatus lora_check(const Net *n, int module, QtError *err) {
     QtStatus st = lora_spec_check(ls, &n->model.modules[module], err);
     const Module *m = &n->model.modules[module];
     const QLayerSpec *qs = n->cfg->quant.mode != QUANT_MODE_NONE ? net_quant_spec(n, module) : NULL;
-    bool ptq_base = qs && qs->weight_qtype && n->cfg->quant.mode == QUANT_MODE_PTQ;
+    bool ptq_base = qs && n->cfg->quant.mode == QUANT_MODE_PTQ; /* qs: a format, not a float or skip rule */
     if (st == QT_OK && ls->init == LORA_INIT_LOFTQ && !ptq_base)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s: lora init loftq fits the adapter to a quantized base, but no quant "
                           "rule quantizes module %s (quant.mode %s); use init pissa, or add a quant rule for it with "
                           "quant.mode: ptq", m->path, m->path, quant_mode_name(n->cfg->quant.mode));
-    if (st == QT_OK && lora_init_is_svd(ls->init) && qs && !ptq_base && n->cfg->quant.mode != QUANT_MODE_PTQ)
+    if (st == QT_OK && lora_init_is_svd(ls->init) && qs && !ptq_base)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s: lora init %s changes the base weight, which quant.mode %s trains "
                           "quantized; use it over a float or ptq base, or init default", m->path,
                           lora_init_name(ls->init), quant_mode_name(n->cfg->quant.mode));
@@ -66,9 +66,9 @@ static QtStatus svd_quantize(void *ctx, const float *target, float *deq, QtError
     return st;
 }
 
-/* The adapter's scale and factor sizes, as lora_adapter_init will make them. */
+/* The adapter's scale, as lora_adapter_init computes it. */
 static float svd_scale(const LoraSpec *ls) {
-    return ls->rslora ? (float)(ls->alpha / sqrt((double)ls->rank)) : ls->alpha / (float)ls->rank;
+    return ls->rslora ? (float)(ls->alpha / sqrt((double)ls->rank)) : (float)((double)ls->alpha / ls->rank);
 }
 
 /* pissa / loftq on module i's float weight w: A, B staged in n->lora_init[i], base [numel] the new base (the
