@@ -43,7 +43,9 @@ CFLAGS  ?= -O2
 # libm, so sqrtf/expf loops can vectorise. No -ffast-math: IEEE results stay.
 CFLAGS  += -fvect-cost-model=cheap -fno-math-errno
 CFLAGS  += -std=gnu11 -Wall -Wextra -g -I. -MMD -MP
-LDLIBS  := -lm -lpthread
+# LAPACKE (liblapacke-dev) for LoRA's SVD initialisations (lora/lora_svd.c); Debian's lapacke.pc when present
+LAPACKE_LIBS = $(shell pkg-config --libs lapacke 2>/dev/null || echo -llapacke)
+LDLIBS  = $(LAPACKE_LIBS) -lm -lpthread
 
 BUILD := build
 ifeq ($(SANITIZE),1)
@@ -93,11 +95,11 @@ LIBDIR     := $(PREFIX)/lib
 INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
-DEB_PKGS  := libopenblas-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
+DEB_PKGS  := libopenblas-dev liblapacke-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
 TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
-.PHONY: mpi mpi-deps bench-mpi compare all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \
+.PHONY: mpi mpi-deps bench-mpi compare research all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \
 	clean hostile-corpus shared examples install uninstall
 all: $(LIB) $(QTRAIN) $(if $(filter 1,$(MPI)),mpi)
 
@@ -298,6 +300,11 @@ run: deps
 compare: deps
 	$(MAKE) --no-print-directory $(QTRAIN)
 	QTRAIN=./$(QTRAIN) sh scripts/compare.sh
+
+# QLoRA at int2 / int3 / int4, default init against LoftQ, on the full data (docs/BENCHMARKS.md).
+research: deps
+	$(MAKE) --no-print-directory $(QTRAIN)
+	QTRAIN=./$(QTRAIN) sh scripts/research-loftq.sh
 
 bench: deps
 	$(MAKE) --no-print-directory $(BENCH_BINS) $(QTRAIN)

@@ -12,6 +12,8 @@
 static const char *const lora_init_names[LORA_INIT_COUNT] = {
     [LORA_INIT_DEFAULT] = "default",
     [LORA_INIT_GAUSSIAN] = "gaussian",
+    [LORA_INIT_LOFTQ] = "loftq",
+    [LORA_INIT_PISSA] = "pissa",
 };
 
 const char *lora_init_name(LoraInit init) {
@@ -59,6 +61,11 @@ QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err) {
                                 "(PEFT's grouped adapter: A has rank/groups outputs per group); use rank %d",
                                 m->path, spec->rank, m->spec.groups,
                                 (spec->rank / m->spec.groups + 1) * m->spec.groups);
+        if (lora_init_is_svd(spec->init))
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: lora init %s takes A and B from the SVD of the whole weight, "
+                                "but this conv2d has %d groups (its adapter's B A is block-diagonal by group); give "
+                                "it init default or gaussian (a rule of its own)", m->path,
+                                lora_init_name(spec->init), m->spec.groups);
     }
     int out = 0, fan_in = 0;
     weight_dims(m, &out, &fan_in);
@@ -77,7 +84,7 @@ QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err) {
         return qt_error_set(err, QT_ERR_CONFIG, "%s: lora dropout must be in [0, 1), got %g", m->path,
                             (double)spec->dropout);
     if ((int)spec->init < 0 || (int)spec->init >= LORA_INIT_COUNT)
-        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown lora init %d (valid: default, gaussian)", m->path,
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown lora init %d (valid: default, gaussian, loftq, pissa)", m->path,
                             (int)spec->init);
     return QT_OK;
 }

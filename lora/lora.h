@@ -16,7 +16,11 @@
  * U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in or C*KH*KW
  * (kaiming-uniform with a = sqrt(5)), and sets B = 0, so a fresh adapter
  * leaves the base's output unchanged. `gaussian` draws A from
- * N(0, (1/rank)^2) (std 1/rank, as PEFT does) and B = 0.
+ * N(0, (1/rank)^2) (std 1/rank, as PEFT does) and B = 0. `pissa` and
+ * `loftq` take A and B from a truncated SVD of the base weight and change
+ * the base with them (lora_svd.h); they need the float weight, on a fresh
+ * start only (the net's LoRA hook runs them, trainer/hook_lora.c), and are
+ * refused on grouped convs (B would have to be block-diagonal).
  *
  * Dropout acts on the adapter's input only, and only in training (the
  * tape's training flag and rng, as nn_dropout).
@@ -36,7 +40,10 @@
 #include "base/rng.h"
 #include "nn/tape.h"
 
-typedef enum { LORA_INIT_DEFAULT = 0, LORA_INIT_GAUSSIAN, LORA_INIT_COUNT } LoraInit;
+typedef enum { LORA_INIT_DEFAULT = 0, LORA_INIT_GAUSSIAN, LORA_INIT_LOFTQ, LORA_INIT_PISSA, LORA_INIT_COUNT } LoraInit;
+
+/* pissa, loftq: A and B from an SVD of the base weight, which they change. */
+static inline bool lora_init_is_svd(LoraInit init) { return init == LORA_INIT_LOFTQ || init == LORA_INIT_PISSA; }
 
 /* One rule's resolved adapter settings (lora.rules[i] of the config). */
 typedef struct {
@@ -57,9 +64,13 @@ typedef struct {
     ModuleForwardFn base_fn;   /* the base's forward hook when installed, or NULL: the module's own op */
     void *base_ctx;
     bool installed;
+    /* pissa / loftq: the init's relative residual ||W - (Q + scale B A)||_F / ||W||_F and the default init's
+       (B = 0), lora_svd.h; kept with the adapter in checkpoints */
+    bool init_reported;
+    double init_rel_error, init_default_rel_error;
 } LoraAdapter;
 
-/* "default", "gaussian"; "unknown" outside the enum. */
+/* "default", "gaussian", "loftq", "pissa"; "unknown" outside the enum. */
 const char *lora_init_name(LoraInit init);
 /* Case-insensitive; QT_ERR_ARG listing the valid names otherwise. */
 QtStatus lora_init_parse(const char *name, LoraInit *out, QtError *err);
@@ -74,7 +85,8 @@ QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err);
 QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtError *err);
 void lora_adapter_free(LoraAdapter *a);
 /* A per spec.init from rng (rank * fan_in draws, in A's row-major order),
- * B = 0. */
+ * B = 0; pissa and loftq draw as default (the caller then sets A and B), so
+ * the other adapters' draws do not depend on them. */
 void lora_adapter_init_params(LoraAdapter *a, Rng *rng);
 
 /* Saves the module's current forward hook as the base and makes the

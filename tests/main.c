@@ -48,6 +48,7 @@
     X(quant_qlayer) \
     X(quant_defaults) \
     X(lora)       \
+    X(lora_init)  \
     X(config)     \
     X(config_schema) \
     X(checkpoint) \

@@ -537,7 +537,7 @@ static void test_spec_errors(void) {
     CU_ASSERT_EQUAL(init, LORA_INIT_DEFAULT);
     qt_error_clear(&err);
     CU_ASSERT_EQUAL(lora_init_parse("xavier", &init, &err), QT_ERR_ARG);
-    CU_ASSERT(test_msg_has(&err, "'xavier' (valid: default, gaussian)"));
+    CU_ASSERT(test_msg_has(&err, "'xavier' (valid: default, gaussian, loftq, pissa)"));
     CU_ASSERT_STRING_EQUAL(lora_init_name(LORA_INIT_GAUSSIAN), "gaussian");
     CU_ASSERT_STRING_EQUAL(lora_init_name(LORA_INIT_COUNT), "unknown");
 }

@@ -180,7 +180,7 @@ extern const char *const LORA_BATCHNORM_NAMES[LORA_BN_COUNT]; /* "frozen", "trai
 typedef struct {
     RuleMatch match;
     bool skip;          /* skip: true: matching modules get no adapter */
-    LoraSpec spec;      /* rank (required), alpha (default = rank), dropout (0), rslora (false), init (default) */
+    LoraSpec spec;      /* rank (required), alpha (default = rank), dropout (0), rslora (false), init (lora.init) */
 } LoraRule;
 
 typedef struct {
@@ -192,6 +192,8 @@ typedef struct {
     bool strict_base;           /* lora.strict_base, default false: model.adapters_from over another base (its
                                    stored base_sha256 differs from this run's) is an error, not a warning */
     LoraBatchnorm batchnorm;    /* lora.batchnorm, default frozen: the base's batch norms under adapters */
+    LoraInit init;              /* lora.init, default default: the init of the rules that give none */
+    int loftq_iters;            /* lora.loftq_iters, default 5: LoftQ's alternations (1..LORA_LOFTQ_ITERS_MAX) */
 } LoraConfig;
 
 typedef struct {

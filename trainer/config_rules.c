@@ -440,7 +440,9 @@ static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path
         st = cfg_fail(err, cfg_field(item, "dropout"), cfg_join(full, sizeof full, path, "dropout"),
                       "rounds to 1 as a float; expected a value below 1");
     if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "rslora", r);
-    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "init", r);
+    /* absent: lora.init, filled in once the section is loaded (lora_after; -1 until then) */
+    if (st == QT_OK && cfg_field(item, "init")) st = cfg_load_key(err, item, path, LR, "init", r);
+    else if (st == QT_OK) s->init = (LoraInit)-1;
     return st;
 }
 

@@ -37,6 +37,7 @@
 #include <strings.h>
 
 #include "config_schema.h"
+#include "lora/lora_svd.h"
 
 #define F(T, f) .offset = offsetof(T, f), .size = sizeof(((T *)0)->f)
 #define O(T, f) .offset = offsetof(T, f) /* an enum: .size is the longest name read */
@@ -422,7 +423,24 @@ static const CfgKey LORA_KEYS[] = {
      .doc = "a LoRA run's base batch norms: `frozen` (running statistics, never updated; weight, bias frozen) or "
             "`train` (as a float run; weights and statistics kept in adapters.h5); one in `lora.trainable` trains "
             "either way"},
+    {.key = "init", .type = CFG_T_ENUM, O(LoraConfig, init), .size = 64, .name_of = lora_init,
+     .n_names = LORA_INIT_COUNT, .names_what = "lora init", .def_str = "default", FIXED,
+     .doc = "the adapters' init for the rules that give no `init` of their own: `default`, `gaussian`, `pissa` or "
+            "`loftq` (lora.rules[] below; docs/TRAINING.md)"},
+    {.key = "loftq_iters", .type = CFG_T_INT, F(LoraConfig, loftq_iters), .imin = 1, .imax = LORA_LOFTQ_ITERS_MAX,
+     .def = 5, FIXED,
+     .doc = "`loftq`: alternations of quantizing W − s·B·A and taking B, A from the SVD of W − Q"},
 };
+
+/* A rule without an init of its own takes lora.init (load_lora_rule leaves it -1). */
+static QtStatus lora_after(QtError *err, const YNode *map, const YNode *parent_map, void *section, void *parent,
+                           CfgCtx *ctx) {
+    (void)err, (void)map, (void)parent_map, (void)parent, (void)ctx;
+    LoraConfig *l = section;
+    for (int i = 0; i < l->n_rules; i++)
+        if ((int)l->rules[i].spec.init == -1) l->rules[i].spec.init = l->init;
+    return QT_OK;
+}
 
 static const CfgTable RUN_TABLE = {.path = "run", .owner = "run", .keys = RUN_KEYS, .n = N_OF(RUN_KEYS),
                                    .kind_key = -1};
@@ -450,7 +468,7 @@ static const CfgTable TRAIN_TABLE = {.path = "train", .owner = "train", .keys = 
 static const CfgTable QUANT_TABLE = {.path = "quant", .owner = "quant", .keys = QUANT_KEYS, .n = N_OF(QUANT_KEYS),
                                      .kind_key = -1, .after = cfg_quant_after};
 static const CfgTable LORA_TABLE = {.path = "lora", .owner = "lora", .keys = LORA_KEYS, .n = N_OF(LORA_KEYS),
-                                    .kind_key = -1};
+                                    .kind_key = -1, .after = lora_after};
 
 static const CfgKey ROOT_KEYS[] = {
     {.key = "run", .type = CFG_T_SECTION, F(Config, run), .sub = &RUN_TABLE},
@@ -633,7 +651,10 @@ static const CfgKey LORA_RULE_KEYS[] = {
     {.key = "rslora", .type = CFG_T_BOOL, F(LoraRule, spec.rslora), .def = 0, .doc = "rank-stabilized scale"},
     {.key = "init", .type = CFG_T_ENUM, O(LoraRule, spec.init), .size = 64, .name_of = lora_init,
      .n_names = LORA_INIT_COUNT, .names_what = "lora init", .def_str = "default",
-     .doc = "`default` (A kaiming-uniform, B = 0) or `gaussian` (A ~ N(0, 1/rank²), B = 0)"},
+     .doc_default = "`lora.init`",
+     .doc = "`default` (A kaiming-uniform, B = 0), `gaussian` (A ~ N(0, 1/rank²), B = 0), `pissa` (B A the top "
+            "singular triplets of W, the base the rest) or `loftq` (a ptq base and B A fitted to W in turns); not on "
+            "grouped conv2d"},
 };
 
 const CfgTable CFG_LORA_RULE_TABLE = {.path = "lora.rules[]", .owner = "a lora rule", .keys = LORA_RULE_KEYS,

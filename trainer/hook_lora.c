@@ -3,6 +3,7 @@
  * module's own op or a quantized base), so it installs after the kinds
  * that replace the op. Its checkpoint state is /lora/<module> (A, B and
  * the rule's settings as attributes); an adapters.h5 holds it too. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,8 +20,19 @@ static bool lora_applies(const Net *n, int module) { return net_lora_spec(n, mod
 /* A depthwise conv's refusal names the pointwise conv that reads it (through
  * batch norm and activations), the one to adapt instead. */
 static QtStatus lora_check(const Net *n, int module, QtError *err) {
-    QtStatus st = lora_spec_check(net_lora_spec(n, module), &n->model.modules[module], err);
+    const LoraSpec *ls = net_lora_spec(n, module);
+    QtStatus st = lora_spec_check(ls, &n->model.modules[module], err);
     const Module *m = &n->model.modules[module];
+    const QLayerSpec *qs = n->cfg->quant.mode != QUANT_MODE_NONE ? net_quant_spec(n, module) : NULL;
+    bool ptq_base = qs && n->cfg->quant.mode == QUANT_MODE_PTQ; /* qs: a format, not a float or skip rule */
+    if (st == QT_OK && ls->init == LORA_INIT_LOFTQ && !ptq_base)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: lora init loftq fits the adapter to a quantized base, but no quant "
+                          "rule quantizes module %s (quant.mode %s); use init pissa, or add a quant rule for it with "
+                          "quant.mode: ptq", m->path, m->path, quant_mode_name(n->cfg->quant.mode));
+    if (st == QT_OK && lora_init_is_svd(ls->init) && qs && !ptq_base)
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: lora init %s changes the base weight, which quant.mode %s trains "
+                          "quantized; use it over a float or ptq base, or init default", m->path,
+                          lora_init_name(ls->init), quant_mode_name(n->cfg->quant.mode));
     if (st != QT_OK && m->spec.type == LAYER_CONV2D && m->spec.groups > 1 && m->spec.groups == m->in_shape[0]) {
         for (int i = module + 1; i < n->model.n_modules; i++) {
             const Module *c = &n->model.modules[i];
@@ -35,9 +47,112 @@ static QtStatus lora_check(const Net *n, int module, QtError *err) {
     return st;
 }
 
-/* Every adapter draws its A from one generator of the run's seed, in module order. */
+/* ---- pissa and loftq (lora_svd.h) ------------------------------------------------------ */
+
+/* The quantizer lora_svd_init alternates with: the PTQ hook's own call on the module's layer, so the base the last
+ * call leaves is exactly what the hook would have stored for that weight. */
+typedef struct {
+    QLayer *q;
+    Module *m;
+    QLayerSpec spec;
+    const Rng *rng;
+} SvdQuant;
+
+static QtStatus svd_quantize(void *ctx, const float *target, float *deq, QtError *err) {
+    SvdQuant *c = ctx;
+    qlayer_free(c->q); /* the previous iteration's codes */
+    QtStatus st = qlayer_init_quantize_rng(c->q, c->m, &c->spec, target, c->rng, err);
+    if (st == QT_OK) qlayer_dequantize_weight(c->q, deq);
+    return st;
+}
+
+/* The adapter's scale, as lora_adapter_init computes it. */
+static float svd_scale(const LoraSpec *ls) {
+    return ls->rslora ? (float)(ls->alpha / sqrt((double)ls->rank)) : (float)((double)ls->alpha / ls->rank);
+}
+
+/* pissa / loftq on module i's float weight w: A, B staged in n->lora_init[i], base [numel] the new base (the
+ * residual, or the dequantized quantized base with q). */
+static QtStatus svd_init_module(Net *n, int i, const float *w, QLayer *q, const Rng *round_rng, float *base,
+                                QtError *err) {
+    Module *m = &n->model.modules[i];
+    const LoraSpec *ls = net_lora_spec(n, i);
+    NetLoraInit *li = &n->lora_init[i];
+    int out = m->weight->var.value.shape[0], fan_in = (int)(var_numel(&m->weight->var) / (size_t)out), r = ls->rank;
+    free(li->ab);
+    li->ab = malloc(((size_t)r * fan_in + (size_t)out * r) * sizeof *li->ab);
+    if (!li->ab) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the lora init of %s", m->path);
+    SvdQuant sq = {.q = q, .m = m, .spec = q ? q->spec : (QLayerSpec){0}, .rng = round_rng};
+    int iters = ls->init == LORA_INIT_LOFTQ ? n->cfg->lora.loftq_iters : 0;
+    QtError e = {0};
+    QtStatus st = lora_svd_init(w, out, fan_in, r, svd_scale(ls), iters, q ? svd_quantize : NULL, &sq, li->ab,
+                                li->ab + (size_t)r * fan_in, base, &li->report, &e);
+    if (st != QT_OK) {
+        free(li->ab), li->ab = NULL;
+        return qt_error_set(err, st, "%s: lora init %s: %s", m->path, lora_init_name(ls->init), e.msg);
+    }
+    li->ran = true;
+    return QT_OK;
+}
+
+QtStatus net_lora_init_quantized(Net *n, QLayer *q, const Rng *round_rng, QtError *err) {
+    int i = (int)(q->module - n->model.modules);
+    size_t numel = var_numel(&q->module->weight->var);
+    float *base = malloc(numel * sizeof *base);
+    if (!base) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the lora init of %s", q->module->path);
+    QtStatus st = svd_init_module(n, i, q->module->weight->var.value.data, q, round_rng, base, err);
+    free(base);
+    return st;
+}
+
+/* A fresh adapter with init pissa / loftq: A and B as the PTQ hook staged them, or (pissa on a float base) from the
+ * module's weight, which becomes the residual. */
+static QtStatus svd_init_adapter(Net *n, int i, LoraAdapter *a, QtError *err) {
+    Module *m = a->module;
+    NetLoraInit *li = &n->lora_init[i];
+    QtStatus st = QT_OK;
+    if (!li->ab && !m->weight->released && !hook_find(hook_layers_find(&n->hooks, &HOOK_PTQ), m)) {
+        size_t numel = var_numel(&m->weight->var);
+        float *w = malloc(numel * sizeof *w);
+        if (!w) return qt_error_set(err, QT_ERR_NOMEM, "out of memory for the lora init of %s", m->path);
+        memcpy(w, m->weight->var.value.data, numel * sizeof *w);
+        st = svd_init_module(n, i, w, NULL, NULL, m->weight->var.value.data, err);
+        free(w);
+        if (st != QT_OK) return st;
+    }
+    if (!li->ab)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: lora init %s needs the float weight of module %s, but "
+                            "model.init_from holds it quantized; start from the float checkpoint, or give the module "
+                            "init default", n->cfg->lora.rules[n->lora_rule[i]].match.where, m->path,
+                            lora_init_name(a->spec.init), m->path);
+    size_t na = var_numel(&a->A.var), nb = var_numel(&a->B.var);
+    memcpy(a->A.var.value.data, li->ab, na * sizeof(float));
+    memcpy(a->B.var.value.data, li->ab + na, nb * sizeof(float));
+    free(li->ab), li->ab = NULL;
+    a->init_reported = true;
+    a->init_rel_error = li->report.rel_error;
+    a->init_default_rel_error = li->report.default_rel_error;
+    return QT_OK;
+}
+
+void net_print_lora_init(const Net *n, FILE *out) {
+    for (int i = 0; n->lora_init && i < n->model.n_modules; i++) {
+        const NetLoraInit *li = &n->lora_init[i];
+        if (!li->ran) continue;
+        const LoraSpec *ls = net_lora_spec(n, i);
+        fprintf(out, "lora_init: module=%s init=%s iters=%d rel_error=%.6g default_rel_error=%.6g",
+                n->model.modules[i].path, lora_init_name(ls->init), li->report.iters, li->report.rel_error,
+                li->report.default_rel_error);
+        for (int t = 0; t < li->report.iters; t++)
+            fprintf(out, "%s%.6g", t ? "," : " iter_errors=", li->report.iter_error[t]);
+        if (li->report.stopped) fprintf(out, " stopped=error_rose"); /* iteration iters + 1 was undone */
+        fputc('\n', out);
+    }
+}
+
+/* Every adapter draws its A from one generator of the run's seed, in module order (pissa and loftq too, then
+ * overwritten, so the others' draws do not depend on them). */
 static QtStatus lora_attach(Net *n, HookSet *set, bool fresh, QtError *err) {
-    (void)fresh; /* a checkpoint overwrites the values of a shell */
     LoraAdapter *ad = set->layers;
     Rng rng;
     rng_init(&rng, n->cfg->run.seed, RNG_STREAM_LORA);
@@ -50,6 +165,7 @@ static QtStatus lora_attach(Net *n, HookSet *set, bool fresh, QtError *err) {
         if ((st = lora_adapter_init(a, &n->model.modules[i], ls, err)) != QT_OK) break;
         na++;
         lora_adapter_init_params(a, &rng);
+        if (fresh && lora_init_is_svd(ls->init) && (st = svd_init_adapter(n, i, a, err)) != QT_OK) break;
         lora_adapter_install(a);
     }
     set->n = na;
@@ -93,6 +209,9 @@ static QtStatus lora_save(H5ioFile *f, const void *layer, QtError *err) {
     if (st == QT_OK) st = h5io_attr_write_i64(f, g, "rslora", a->spec.rslora, err);
     if (st == QT_OK) st = h5io_attr_write_f64(f, g, "dropout", a->spec.dropout, err);
     if (st == QT_OK) st = h5io_attr_write_str(f, g, "init", lora_init_name(a->spec.init), err);
+    if (st == QT_OK && a->init_reported) st = h5io_attr_write_f64(f, g, "init_rel_error", a->init_rel_error, err);
+    if (st == QT_OK && a->init_reported)
+        st = h5io_attr_write_f64(f, g, "init_default_rel_error", a->init_default_rel_error, err);
     return st;
 }
 
@@ -105,6 +224,8 @@ static QtStatus lora_check_file(const H5ioFile *f, const HookSet *set, QtError *
 
 typedef struct {
     float *ab; /* A then B */
+    bool init_reported;
+    double init_rel_error, init_default_rel_error;
 } LoraStaged;
 
 static QtStatus lora_load(const H5ioFile *f, const void *layer, void *staged, QtError *err) {
@@ -136,6 +257,13 @@ static QtStatus lora_load(const H5ioFile *f, const void *layer, void *staged, Qt
         if (st == QT_OK) st = ckpt_check_finite(f, ds, dst, tensor_numel(t), err);
         dst += tensor_numel(t);
     }
+    char g[CKPT_OBJ_MAX]; /* a pissa / loftq init's report, when the file has it */
+    if (st == QT_OK && ckpt_obj_path(g, "lora", a->module->path, NULL, err) == QT_OK &&
+        h5io_attr_exists(f, g, "init_rel_error") && h5io_attr_exists(f, g, "init_default_rel_error")) {
+        st = h5io_attr_read_f64(f, g, "init_rel_error", &sg->init_rel_error, err);
+        if (st == QT_OK) st = h5io_attr_read_f64(f, g, "init_default_rel_error", &sg->init_default_rel_error, err);
+        sg->init_reported = st == QT_OK;
+    }
     return st;
 }
 
@@ -145,6 +273,9 @@ static void lora_commit(void *layer, void *staged) {
     size_t na = var_numel(&a->A.var), nb = var_numel(&a->B.var);
     memcpy(a->A.var.value.data, src, na * sizeof(float));
     memcpy(a->B.var.value.data, src + na, nb * sizeof(float));
+    const LoraStaged *sg = staged;
+    a->init_reported = sg->init_reported;
+    a->init_rel_error = sg->init_rel_error, a->init_default_rel_error = sg->init_default_rel_error;
 }
 
 static void lora_staged_free(void *staged) { free(((LoraStaged *)staged)->ab); }

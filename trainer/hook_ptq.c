@@ -58,7 +58,9 @@ static bool name_listed(const char (*names)[MODULE_NAME_MAX], int n, const char 
 /* Folds the batch norms (quant.fold_bn, bn_fold.h) into the float weights
  * just loaded, then quantizes every base layer whose float weight is still
  * held (not filled as stored from a PTQ file) and releases the float
- * weight: the quantized weight is the folded one. */
+ * weight: the quantized weight is the folded one. A module whose adapter
+ * starts as pissa or loftq gets the base that init fits, and the init's A
+ * and B wait in the Net for the LoRA hook (net_lora_init_quantized). */
 static QtStatus ptq_quantize_held(Net *n, HookSet *set, QtError *err) {
     QLayer *ql = set->layers;
     QtStatus st = QT_OK;
@@ -76,8 +78,13 @@ static QtStatus ptq_quantize_held(Net *n, HookSet *set, QtError *err) {
         QLayer *q = &ql[i];
         if (q->module->weight->released) continue;
         QLayerSpec spec = q->spec;
-        Rng rng = qlayer_round_rng(n->cfg->run.seed, (int)(q->module - n->model.modules));
-        st = qlayer_init_quantize_rng(q, q->module, &spec, q->module->weight->var.value.data, &rng, err);
+        int mi = (int)(q->module - n->model.modules);
+        Rng rng = qlayer_round_rng(n->cfg->run.seed, mi);
+        const LoraSpec *ls = net_lora_spec(n, mi);
+        if (ls && lora_init_is_svd(ls->init)) /* pissa / loftq: the base they fit, and their A, B staged */
+            st = net_lora_init_quantized(n, q, &rng, err);
+        else
+            st = qlayer_init_quantize_rng(q, q->module, &spec, q->module->weight->var.value.data, &rng, err);
         if (st == QT_OK) param_release(q->module->weight);
     }
     return st;

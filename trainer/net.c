@@ -23,6 +23,8 @@ void net_free(Net *n) {
     free(n->is_trainable);
     free(n->bn_trained);
     free(n->bn_note);
+    for (int i = 0; n->lora_init && i < n->model.n_modules; i++) free(n->lora_init[i].ab);
+    free(n->lora_init);
     model_free(&n->model);
     memset(n, 0, sizeof *n);
 }
@@ -169,6 +171,26 @@ static bool net_hooks_load_init_from(const Net *n) {
     return false;
 }
 
+/* pissa / loftq build new adapters and a new base from model.init_from: with model.adapters_from (trained adapters,
+ * which belong to the base they were trained on) that is refused rather than silently skipped. */
+static QtStatus net_check_svd_inits(Net *n, QtError *err) {
+    bool any = false;
+    for (int i = 0; i < n->model.n_modules; i++) {
+        const LoraSpec *ls = net_lora_spec(n, i);
+        if (!ls || !lora_init_is_svd(ls->init)) continue;
+        any = true;
+        if (n->cfg->model.adapters_from[0])
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: lora init %s builds new adapters and changes the base of "
+                                "module %s, but model.adapters_from loads trained ones; to continue them, set init "
+                                "default and model.init_from to the checkpoint of the run that trained them (it holds "
+                                "their base), or drop model.adapters_from", n->cfg->lora.rules[n->lora_rule[i]].match.where,
+                                lora_init_name(ls->init), n->model.modules[i].path);
+    }
+    if (any && !(n->lora_init = calloc((size_t)n->model.n_modules, sizeof *n->lora_init)))
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    return QT_OK;
+}
+
 QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
     memset(n, 0, sizeof *n);
     n->cfg = c;
@@ -192,6 +214,7 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err) {
                           "use quant.mode qat or ptq under lora rules, or train the QT model in full", c->source);
     if (st == QT_OK) st = net_resolve_rules(n, err);
     if (st == QT_OK) st = net_check_specs(n, err);
+    if (st == QT_OK && how == NET_FRESH) st = net_check_svd_inits(n, err);
     if (st == QT_OK) {
         Rng init;
         rng_init(&init, c->run.seed, RNG_STREAM_INIT);

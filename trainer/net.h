@@ -15,6 +15,7 @@
 #include <stdio.h>
 
 #include "lora/lora.h"
+#include "lora/lora_svd.h"
 #include "nn/model.h"
 #include "nn/optim.h"
 #include "quant/qat.h"
@@ -33,6 +34,16 @@ typedef enum {
                          quantized: for measuring speed only (qtrain bench) */
 } NetInit;
 
+/* A fresh start's pissa or loftq init of one module (lora_svd.h): computed
+ * where the base is quantized (the PTQ hook, which then releases the float
+ * weight) and taken by the LoRA hook, or by the LoRA hook itself on a float
+ * base. */
+typedef struct {
+    float *ab;             /* A [rank * fan_in] then B [out * rank] staged for the adapter; NULL once taken or none */
+    bool ran;              /* report holds this module's init */
+    LoraInitReport report;
+} NetLoraInit;
+
 typedef struct Net {
     const Config *cfg;
     Model model;
@@ -50,6 +61,7 @@ typedef struct Net {
                                  train (adapters.h5 keeps them) */
     char (*bn_note)[BN_NOTE_MAX]; /* [n_modules] a batch norm's fold in a ptq run ("bn1: folded into conv1", "bn1: not
                                  folded: conv1's output also feeds add1"), "" until net_fold_batchnorms */
+    NetLoraInit *lora_init;   /* [n_modules] pissa / loftq inits of a fresh start (NULL: none ran) */
     int quant_hits[RULES_MAX];
     int lora_hits[RULES_MAX];
 } Net;
@@ -68,6 +80,16 @@ QtStatus net_build(Net *n, const Config *c, NetInit how, QtError *err);
  * base's). */
 QtStatus net_check_adapters_base(const Net *n, const char *path, FILE *warn, QtError *err);
 void net_free(Net *n);
+
+/* A fresh start's pissa / loftq init of the module q quantizes (the PTQ
+ * hook calls it instead of quantizing W itself): q becomes the init's
+ * quantized base (quantized with qlayer_init_quantize_rng from *round_rng,
+ * as the hook would), A and B are staged for the LoRA hook. */
+QtStatus net_lora_init_quantized(Net *n, QLayer *q, const Rng *round_rng, QtError *err);
+/* One line per module a pissa / loftq init ran on in this process:
+ * "lora_init: module=conv1 init=loftq iters=5 rel_error=... default_rel_error=... iter_errors=a,b,..."
+ * (the relative Frobenius errors of lora_svd.h); nothing if none ran. */
+void net_print_lora_init(const Net *n, FILE *out);
 
 /* Whether module `module` is a batch norm whose statistics and affine
  * parameters train: always in a run without a frozen base (float, qat, qt);

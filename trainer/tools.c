@@ -63,6 +63,17 @@ QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *o
                 (double)model_param_count(&n.model, false) * 4.0 / 1024.0, out);
     }
     if (st == QT_OK || n.cfg) net_free(&n);
+    /* lora rules with pissa / loftq: what those inits would make of this base, reported (the file keeps the plain
+       quantized base: a fitted base belongs with its adapters, which a training run makes) */
+    bool svd = false;
+    for (int i = 0; i < cfg->lora.n_rules; i++) svd |= !cfg->lora.rules[i].skip && lora_init_is_svd(cfg->lora.rules[i].spec.init);
+    if (st == QT_OK && svd && log) {
+        c->lora = cfg->lora;
+        if ((st = net_build(&n, c, NET_FRESH, err)) == QT_OK) {
+            net_print_lora_init(&n, log);
+            net_free(&n);
+        }
+    }
     free(text);
     free(c);
     return st;

@@ -91,6 +91,17 @@ QtStatus write_json_atomically(const char *path, const Run *r, const TrainResult
         json_int(&w, "nonfinite_skipped", r->guards.nonfinite_skipped);
         json_int(&w, "divergences", r->guards.loss_watch.occurrences);
     }
+    for (int i = 0; i < net_hook_count(net, &HOOK_LORA); i++) { /* a pissa / loftq init's residual (lora_svd.h) */
+        const LoraAdapter *a = net_adapter(net, i);
+        if (!a->init_reported) continue;
+        char key[MODULE_NAME_MAX + 48];
+        snprintf(key, sizeof key, "lora_init_%s", a->module->path);
+        json_string(&w, key, lora_init_name(a->spec.init));
+        snprintf(key, sizeof key, "lora_init_rel_error_%s", a->module->path);
+        json_number(&w, key, a->init_rel_error);
+        snprintf(key, sizeof key, "lora_init_default_rel_error_%s", a->module->path);
+        json_number(&w, key, a->init_default_rel_error);
+    }
     json_number(&w, "peak_rss_mb", res->peak_rss_mb);
     if (!is_eval) json_int(&w, "arena_bytes", (int64_t)r->work.arena.high_water);
     json_end(&w);

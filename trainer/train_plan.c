@@ -145,6 +145,7 @@ void run_print_plan(Run *r, const char *resumed) {
         printf("params: %zu trainable, %zu frozen; base %.3f bits/param; model %.1f KiB\n",
                net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
                net_base_bits_per_param(&r->model.net), (double)net_model_bytes(&r->model.net) / 1024.0);
+    if (!resumed[0]) net_print_lora_init(&r->model.net, stdout);
     if (c->model.init_from[0] && !resumed[0]) printf("init_from: %s\n", c->model.init_from);
     if (c->model.adapters_from[0] && !resumed[0]) printf("adapters_from: %s\n", c->model.adapters_from);
     if (resumed[0]) printf("resumed from %s at step %" PRId64 " (epoch %.2f)\n", resumed, r->plan.step, run_epoch(r));
