@@ -45,7 +45,11 @@ typedef struct {
     float dropout;   /* in [0, 1) */
     bool rslora;     /* scale alpha / sqrt(rank) */
     LoraInit init;
+    bool dora;       /* DoRA (lora_dora.h): a learned magnitude per output channel over the direction of W + scale B A */
 } LoraSpec;
+
+/* The base weight as floats (a quantized base dequantized): w [out * fan_in]. */
+typedef void (*LoraBaseWeightFn)(const void *ctx, float *w);
 
 typedef struct {
     Module *module;            /* dense or conv2d; not owned */
@@ -57,6 +61,9 @@ typedef struct {
     ModuleForwardFn base_fn;   /* the base's forward hook when installed, or NULL: the module's own op */
     void *base_ctx;
     bool installed;
+    Param M;                   /* DoRA only: "<path>/lora_magnitude" (out); unallocated otherwise */
+    LoraBaseWeightFn base_weight; /* DoRA over a quantized base: its dequantized weight; NULL: the module's weight */
+    const void *base_weight_ctx;
 } LoraAdapter;
 
 /* "default", "gaussian"; "unknown" outside the enum. */
@@ -80,15 +87,20 @@ void lora_adapter_init_params(LoraAdapter *a, Rng *rng);
 /* Saves the module's current forward hook as the base and makes the
  * adapter the module's forward. Install at most once. */
 void lora_adapter_install(LoraAdapter *a);
-/* base(x) + scale * B(A(dropout(x))), x and y as the module's. */
+/* base(x) + scale * B(A(dropout(x))), x and y as the module's (DoRA:
+ * lora_dora_forward). */
 Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x);
+/* The adapter's branch without the scale: B(A(xd)), xd the adapter's
+ * (dropped-out) input, shaped as the module's output. */
+Var *lora_adapter_branch(Tape *t, LoraAdapter *a, Var *xd);
 
 /* delta [out * fan_in] = scale * B A, in the base weight's layout. */
 void lora_adapter_delta(const LoraAdapter *a, float *delta);
-/* w [out * fan_in] += the delta: folds the adapter into a float weight. */
+/* w [out * fan_in] += the delta: folds the adapter into a float weight
+ * (DoRA: w = its merged weight, lora_dora_merge). */
 void lora_adapter_merge(const LoraAdapter *a, float *w);
 
-/* Parameters of A and B together. */
+/* Parameters of A and B (and a DoRA magnitude) together. */
 size_t lora_adapter_param_count(const LoraAdapter *a);
 
 /* Adds to *macs the multiply-adds per example the adapter puts into a

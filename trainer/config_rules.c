@@ -441,6 +441,7 @@ static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path
                       "rounds to 1 as a float; expected a value below 1");
     if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "rslora", r);
     if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "init", r);
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "dora", r);
     return st;
 }
 

@@ -634,6 +634,8 @@ static const CfgKey LORA_RULE_KEYS[] = {
     {.key = "init", .type = CFG_T_ENUM, O(LoraRule, spec.init), .size = 64, .name_of = lora_init,
      .n_names = LORA_INIT_COUNT, .names_what = "lora init", .def_str = "default",
      .doc = "`default` (A kaiming-uniform, B = 0) or `gaussian` (A ~ N(0, 1/rank²), B = 0)"},
+    {.key = "dora", .type = CFG_T_BOOL, F(LoraRule, spec.dora), .def = 0,
+     .doc = "DoRA: a learned magnitude per output channel times the direction of W + scale B A (docs/TRAINING.md)"},
 };
 
 const CfgTable CFG_LORA_RULE_TABLE = {.path = "lora.rules[]", .owner = "a lora rule", .keys = LORA_RULE_KEYS,
