@@ -55,6 +55,7 @@
     X(commands)   \
     X(shipped_configs) \
     X(qlora)      \
+    X(dora)       \
     X(lora_bn)    \
     X(step_macs)  \
     X(quant_qat)  \
