@@ -167,7 +167,7 @@ void lora_adapter_macs(const LoraAdapter *a, bool input_grad, bool weight_grad, 
     const Module *m = a->module;
     const double r = a->spec.rank, fan = a->fan_in, out = a->out;
     if (a->spec.dora) {
-        lora_dora_macs(a, input_grad, macs);
+        lora_dora_macs(a, input_grad, weight_grad, macs);
         return;
     }
     if (m->spec.type == LAYER_DENSE) {
@@ -200,7 +200,8 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
  * declines (NULL, no error) and the layers run one by one. */
 static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
-    if (a->spec.dropout != 0.0f || !m->conv_plain || a->spec.dora) return NULL;
+    if (a->spec.dora) return lora_dora_fused(t, a, x, bias, epi);
+    if (a->spec.dropout != 0.0f || !m->conv_plain) return NULL;
     Var *w = NULL;
     if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
     else if (m->weight_hook) w = m->weight_hook(t, m, a->base_ctx);

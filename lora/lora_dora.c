@@ -2,9 +2,16 @@
  * g = m / |W + scale B A|_c with its exact backward, the combination of
  * the base and the adapter branch under g, merging and the step's work.
  *
- * Two tape ops, each a plain forward and backward:
+ * Three tape ops, each a plain forward and backward:
  *   dora_gain     (M, A, B, W) -> g (out)
- *   dora_combine  (z, pz, u, g, bias) -> y = z + (g - 1)(pz - bias) + g scale u */
+ *   dora_combine  (z, pz, u, g, bias) -> y = z + (g - 1)(pz - bias) + g scale u
+ *   dora_weight   (M, A, B, W) -> W' = g V (W's shape)
+ * A conv without active dropout runs as one convolution on W' (dora_weight),
+ * its relu and pooling fused in when they follow (lora_dora_fused); a dense
+ * layer, and a conv under adapter dropout or over a base that does not
+ * lend its weight, runs the base and the branch (dora_gain, dora_combine):
+ * for a dense layer the branch's r (in + out) products per example are
+ * fewer than W''s gradient, in out. */
 #include "lora_dora.h"
 
 #include <math.h>
@@ -89,24 +96,9 @@ typedef struct {
     float *norms; /* (out) |V|_c */
 } DoraGainCtx;
 
-/* in: M (out), A, B, W (out, fan_in) (the base weight; a dequantized one needs no gradient).
- * dm = dg / |V|; d|V| = -dg m / |V|^2; dV = d|V| V / |V|; dB_k += scale dV_k A_k^T; dA_k += scale B_k^T dV_k;
- * dW += dV. */
-static void dora_gain_backward(Tape *t, const TapeNode *node) {
-    const DoraGainCtx *c = node->ctx;
-    const LoraAdapter *a = c->a;
-    Var *M = node->in[0], *A = node->in[1], *B = node->in[2], *W = node->in[3];
-    const float *dg = node->out->grad, *m = M->value.data;
+/* dV (out, fan_in) into A, B and W: dB_k += scale dV_k A_k^T; dA_k += scale B_k^T dV_k; dW += dV. */
+static void dora_dv_backward(Tape *t, const LoraAdapter *a, const float *dv, Var *A, Var *B, Var *W) {
     const int out = a->out, fan = a->fan_in, g = dora_groups(a), og = out / g, rg = a->spec.rank / g;
-    float *dm = M->requires_grad ? tape_grad(t, M) : NULL;
-    for (int o = 0; o < out; o++) {
-        float inv = inv_norm(c->norms[o]);
-        if (dm) dm[o] += dg[o] * inv;
-        float cv = (float)(-(double)dg[o] * m[o] * inv * inv * inv);
-        float *row = c->v + (size_t)o * fan;
-        for (int j = 0; j < fan; j++) row[j] *= cv;
-    }
-    const float *dv = c->v;
     if (B->requires_grad) {
         float *dB = tape_grad(t, B);
         if (!dB) return;
@@ -128,6 +120,25 @@ static void dora_gain_backward(Tape *t, const TapeNode *node) {
     }
 }
 
+/* in: M (out), A, B, W (out, fan_in) (the base weight; a dequantized one needs no gradient).
+ * dm = dg / |V|; d|V| = -dg m / |V|^2; dV = d|V| V / |V|, then dora_dv_backward. */
+static void dora_gain_backward(Tape *t, const TapeNode *node) {
+    const DoraGainCtx *c = node->ctx;
+    const LoraAdapter *a = c->a;
+    Var *M = node->in[0];
+    const float *dg = node->out->grad, *m = M->value.data;
+    const int fan = a->fan_in;
+    float *dm = M->requires_grad ? tape_grad(t, M) : NULL;
+    for (int o = 0; o < a->out; o++) {
+        float inv = inv_norm(c->norms[o]);
+        if (dm) dm[o] += dg[o] * inv;
+        float cv = (float)(-(double)dg[o] * m[o] * inv * inv * inv);
+        float *row = c->v + (size_t)o * fan;
+        for (int j = 0; j < fan; j++) row[j] *= cv;
+    }
+    dora_dv_backward(t, a, c->v, node->in[1], node->in[2], node->in[3]);
+}
+
 /* g (out) from M, A, B and the base weight w (out, fan_in as the module's weight). */
 static Var *dora_gain(Tape *t, const LoraAdapter *a, Var *w) {
     if (!w) return NULL;
@@ -142,6 +153,50 @@ static Var *dora_gain(Tape *t, const LoraAdapter *a, Var *w) {
     for (int o = 0; o < a->out; o++) g->value.data[o] = norms[o] > 0.0f ? m[o] / norms[o] : 0.0f;
     Var *in[4] = {(Var *)&a->M.var, (Var *)&a->A.var, (Var *)&a->B.var, w};
     return tape_record(t, "dora_gain", dora_gain_backward, g, in, 4, c) ? g : NULL;
+}
+
+/* ---- dora_weight: W' = g V, the merged weight ----------------------------------------------- */
+
+/* in: M (out), A, B, W as dora_gain's; out W' shaped as W.
+ * dg_o = sum_j dW'_oj V_oj; dm = dg / |V|; dV = g dW' + d|V| V / |V| with d|V| = -dg m / |V|^2; then
+ * dora_dv_backward. */
+static void dora_weight_backward(Tape *t, const TapeNode *node) {
+    const DoraGainCtx *c = node->ctx;
+    const LoraAdapter *a = c->a;
+    Var *M = node->in[0];
+    const float *dw = node->out->grad, *m = M->value.data;
+    const int fan = a->fan_in;
+    float *dm = M->requires_grad ? tape_grad(t, M) : NULL;
+    for (int o = 0; o < a->out; o++) {
+        float *row = c->v + (size_t)o * fan;
+        const float *drow = dw + (size_t)o * fan;
+        double dg = 0.0;
+        for (int j = 0; j < fan; j++) dg += (double)drow[j] * row[j];
+        float inv = inv_norm(c->norms[o]), g = m[o] * inv;
+        if (dm) dm[o] += (float)(dg * inv);
+        float cv = (float)(-dg * m[o] * inv * inv * inv);
+        for (int j = 0; j < fan; j++) row[j] = g * drow[j] + cv * row[j];
+    }
+    dora_dv_backward(t, a, c->v, node->in[1], node->in[2], node->in[3]);
+}
+
+/* W' (shaped as w) = m V / |V|_c from M, A, B and the base weight w. */
+static Var *dora_weight(Tape *t, const LoraAdapter *a, Var *w) {
+    if (!w) return NULL;
+    const size_t n = (size_t)a->out * a->fan_in;
+    Var *wp = tape_new_var(t, w->value.ndim, w->value.shape);
+    DoraGainCtx *c = tape_alloc(t, sizeof *c);
+    float *v = tape_alloc(t, n * sizeof(float)), *norms = tape_alloc(t, (size_t)a->out * sizeof(float));
+    if (!wp || !c || !v || !norms) return NULL;
+    *c = (DoraGainCtx){a, v, norms};
+    lora_dora_direction(a, w->value.data, v, norms);
+    const float *m = a->M.var.value.data;
+    for (int o = 0; o < a->out; o++) {
+        const float g = norms[o] > 0.0f ? m[o] / norms[o] : 0.0f;
+        for (int j = 0; j < a->fan_in; j++) wp->value.data[(size_t)o * a->fan_in + j] = g * v[(size_t)o * a->fan_in + j];
+    }
+    Var *in[4] = {(Var *)&a->M.var, (Var *)&a->A.var, (Var *)&a->B.var, w};
+    return tape_record(t, "dora_weight", dora_weight_backward, wp, in, 4, c) ? wp : NULL;
 }
 
 /* ---- dora_combine: y = z + (g - 1)(pz - bias) + g scale u ------------------------------- */
@@ -162,25 +217,36 @@ static void dora_combine_backward(Tape *t, const TapeNode *node) {
     const size_t n = var_numel(node->out), inner = c->inner;
     const size_t rows = n / inner; /* (example, channel) pairs */
     float *dz = z->requires_grad ? tape_grad(t, z) : NULL;
-    float *dpz = pz->requires_grad ? tape_grad(t, pz) : NULL;
+    float *dpz = pz->requires_grad && pz != z ? tape_grad(t, pz) : NULL;
     float *du = u->requires_grad ? tape_grad(t, u) : NULL;
     float *dg = gv->requires_grad ? tape_grad(t, gv) : NULL;
     float *db = bias && bias->requires_grad ? tape_grad(t, bias) : NULL;
     if (t->err.status != QT_OK) return;
-    const float *pzv = pz->value.data, *uv = u->value.data;
+    const float *pzv = pz->value.data, *uv = u->value.data, s = c->scale;
     for (size_t r = 0; r < rows; r++) {
         const int o = (int)(r % (size_t)c->out);
-        const float gm1 = g[o] - 1.0f, gs = g[o] * c->scale, bo = b ? b[o] : 0.0f;
-        double sg = 0.0, sb = 0.0;
-        for (size_t i = r * inner; i < (r + 1) * inner; i++) {
-            if (dz) dz[i] += dy[i];
-            if (dpz) dpz[i] += gm1 * dy[i];
-            if (du) du[i] += gs * dy[i];
-            sg += (double)dy[i] * ((pzv[i] - bo) + c->scale * uv[i]);
-            sb += dy[i];
+        const float gm1 = g[o] - 1.0f, gs = g[o] * s, bo = b ? b[o] : 0.0f;
+        const float *d = dy + r * inner;
+        /* one pass per gradient, each a plain loop the compiler vectorizes */
+        if (dz) {
+            float *q = dz + r * inner, k = pz == z ? g[o] : 1.0f; /* pz is z: dz gets dy + (g - 1) dy */
+            for (size_t i = 0; i < inner; i++) q[i] += k * d[i];
         }
-        if (dg) dg[o] += (float)sg;
-        if (db) db[o] -= (float)(gm1 * sb);
+        if (dpz && pz != z) {
+            float *q = dpz + r * inner;
+            for (size_t i = 0; i < inner; i++) q[i] += gm1 * d[i];
+        }
+        if (du) {
+            float *q = du + r * inner;
+            for (size_t i = 0; i < inner; i++) q[i] += gs * d[i];
+        }
+        if (dg || db) {
+            const float *p = pzv + r * inner, *uu = uv + r * inner;
+            float sg = 0.0f, sb = 0.0f;
+            for (size_t i = 0; i < inner; i++) sg += d[i] * ((p[i] - bo) + s * uu[i]), sb += d[i];
+            if (dg) dg[o] += sg;
+            if (db) db[o] -= gm1 * sb;
+        }
     }
 }
 
@@ -224,29 +290,65 @@ static Var *dora_base_weight(Tape *t, LoraAdapter *a) {
     return w;
 }
 
+/* The base weight a merged conv runs on: the float weight, or a quantized base's dequantized one when it lends it
+ * (Module.weight_hook: no activation quantization); NULL: the base must run as itself. */
+static Var *dora_merge_base(Tape *t, LoraAdapter *a) {
+    Module *m = a->module;
+    if (m->spec.type != LAYER_CONV2D) return NULL;
+    if (!a->base_fn) return m->weight && !m->weight->released ? &m->weight->var : NULL;
+    return m->weight_hook ? m->weight_hook(t, m, a->base_ctx) : NULL;
+}
+
+Var *lora_dora_fused(Tape *t, LoraAdapter *a, Var *x, Var *bias, ConvEpilogue epi) {
+    Module *m = a->module;
+    if (!x || !m->conv_plain || (t->training && a->spec.dropout > 0.0f)) return NULL;
+    Var *w = dora_merge_base(t, a);
+    return w ? nn_conv2d_fused(t, x, dora_weight(t, a, w), bias, m->spec.stride, m->spec.padding, epi) : NULL;
+}
+
 Var *lora_dora_forward(Tape *t, LoraAdapter *a, Var *x) {
     if (!x) return NULL;
     Module *m = a->module;
+    Var *bias = m->bias ? &m->bias->var : NULL;
+    if (!(t->training && a->spec.dropout > 0.0f)) {
+        /* a conv runs on the merged weight W' = g V: one convolution instead of the base's and the branch's */
+        Var *w = dora_merge_base(t, a);
+        if (w) return model_conv_forward(t, m, x, dora_weight(t, a, w), bias);
+    }
     Var *z = a->base_fn ? a->base_fn(t, m, x, a->base_ctx) : model_module_forward(t, m, x);
     Var *xd = nn_dropout(t, x, a->spec.dropout);
     /* PEFT's base_nobias(xd): with dropout active the base runs again on the dropped input; otherwise it is z */
     Var *pz = xd == x ? z : a->base_fn ? a->base_fn(t, m, xd, a->base_ctx) : model_module_forward(t, m, xd);
     Var *u = lora_adapter_branch(t, a, xd);
     Var *g = dora_gain(t, a, dora_base_weight(t, a));
-    return dora_combine(t, z, pz, u, g, m->bias ? &m->bias->var : NULL, a->scale);
+    return dora_combine(t, z, pz, u, g, bias, a->scale);
 }
 
 /* ---- work ---------------------------------------------------------------------------------- */
 
-/* Per example and output position, with fan = fan_in, r = rank, rg = r / groups: the branch's own products as
- * lora_adapter_forward's dense path runs them (a DoRA conv adapter does not fold into the base's conv: its
- * output is rescaled per channel), x A^T (r fan) and h B^T (out rg) forward, dh = dy B (out rg) and with an input
- * gradient dh A (r fan), dA (r fan) and dB (out rg); with adapter dropout the base's product again on the dropped
- * input (out fan) and its input gradient. */
-void lora_dora_macs(const LoraAdapter *a, bool input_grad, StepMacs *macs) {
+/* Whether a training step runs the adapter as one convolution on the merged weight (lora_dora_forward): a conv
+ * without adapter dropout over a float base or one that lends its weight (a quantized base without activation
+ * quantization; only a forward can ask it, so a conv base hook counts as lending, as qlayer_weight_hook does for
+ * weight-only formats). */
+static bool dora_merged(const LoraAdapter *a) {
+    const Module *m = a->module;
+    return m->spec.type == LAYER_CONV2D && a->spec.dropout == 0.0f && (!a->base_fn || m->weight_hook);
+}
+
+/* Per example and output position, with fan = fan_in, r = rank, rg = r / groups. A conv without adapter dropout
+ * runs on the merged weight, which replaces the base's product: what it adds is W''s gradient (out fan), unless
+ * the weight trains anyway. Otherwise the branch's own products as lora_adapter_forward's dense path runs them,
+ * x A^T (r fan) and h B^T (out rg) forward, dh = dy B (out rg) and with an input gradient dh A (r fan), dA (r
+ * fan) and dB (out rg); with adapter dropout the base's product again on the dropped input (out fan) and its
+ * input gradient. */
+void lora_dora_macs(const LoraAdapter *a, bool input_grad, bool weight_grad, StepMacs *macs) {
     const Module *m = a->module;
     const double r = a->spec.rank, fan = a->fan_in, out = a->out, rg = r / dora_groups(a);
     const double pos = m->spec.type == LAYER_CONV2D ? (double)m->out_shape[1] * m->out_shape[2] : 1.0;
+    if (dora_merged(a)) {
+        if (!weight_grad) macs->backward_dw += pos * out * fan;
+        return;
+    }
     macs->forward += pos * (r * fan + out * rg);
     macs->backward_dx += pos * (out * rg + (input_grad ? r * fan : 0.0));
     macs->backward_dw += pos * (r * fan + out * rg);
@@ -258,7 +360,7 @@ void lora_dora_macs(const LoraAdapter *a, bool input_grad, StepMacs *macs) {
 
 void lora_dora_batch_macs(const LoraAdapter *a, int batch, StepMacs *macs) {
     const double fan = a->fan_in, out = a->out, rg = (double)a->spec.rank / dora_groups(a);
-    const double per = batch > 0 ? 1.0 / batch : 1.0;
-    macs->forward += per * (out * rg * fan + out * fan);
-    macs->backward_dw += per * 2.0 * out * rg * fan;
+    const double per = batch > 0 ? 1.0 / batch : 1.0, merged = dora_merged(a) ? out * fan : 0.0;
+    macs->forward += per * (out * rg * fan + out * fan + merged);
+    macs->backward_dw += per * (2.0 * out * rg * fan + 2.0 * merged);
 }

@@ -42,12 +42,18 @@ QtStatus lora_dora_init_magnitude(LoraAdapter *a, const float *w, QtError *err);
 void lora_dora_merge(const LoraAdapter *a, float *w);
 /* The DoRA forward above, x and y as the module's. */
 Var *lora_dora_forward(Tape *t, LoraAdapter *a, Var *x);
+/* A conv2d's DoRA forward with its relu (and pooling) folded in, as one
+ * convolution on the merged weight; NULL, no error, where that does not
+ * apply (adapter dropout in training, a base that does not lend its
+ * weight, a general geometry): the layers then run one by one. */
+Var *lora_dora_fused(Tape *t, LoraAdapter *a, Var *x, Var *bias, ConvEpilogue epi);
 /* lora_adapter_macs of a DoRA adapter (per example; see lora_dora.c). */
-void lora_dora_macs(const LoraAdapter *a, bool input_grad, StepMacs *macs);
+void lora_dora_macs(const LoraAdapter *a, bool input_grad, bool weight_grad, StepMacs *macs);
 /* Adds to *macs the multiply-adds of a training step that do not grow
  * with the batch, per example of a batch of `batch`: forming V (out r/g
  * fan) and its norms (out fan) forward and, backward, dA and dB through
- * the norms (2 out r/g fan). */
+ * the norms (2 out r/g fan); on the merged weight also scaling it (out
+ * fan) and, backward, dg and dV (2 out fan). */
 void lora_dora_batch_macs(const LoraAdapter *a, int batch, StepMacs *macs);
 
 #endif

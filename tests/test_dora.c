@@ -36,6 +36,8 @@ typedef struct {
     LayerSpec layer;
     int x_ndim, x_shape[4];
     int rank;
+    int n_post;           /* layers after the adapted one (a relu and a pool the conv's fused hook folds in) */
+    LayerSpec post[2];
 } Case;
 
 static LayerSpec dense(int units) {
@@ -53,9 +55,9 @@ static LayerSpec conv(int oc, int k, int stride, int pad, int groups) {
 /* fan-ins that are multiples of 8, the quantized base's tile */
 static const Case *cases(void) {
     static Case c[3];
-    c[0] = (Case){"dense", 1, {8}, dense(5), 2, {3, 8}, 3};
-    c[1] = (Case){"conv", 3, {2, 5, 5}, conv(3, 2, 2, 1, 1), 4, {2, 2, 5, 5}, 2};
-    c[2] = (Case){"grouped conv", 3, {4, 4, 4}, conv(4, 2, 1, 0, 2), 4, {2, 4, 4, 4}, 2};
+    c[0] = (Case){"dense", 1, {8}, dense(5), 2, {3, 8}, 3, .n_post = 0};
+    c[1] = (Case){"conv", 3, {2, 5, 5}, conv(3, 2, 2, 1, 1), 4, {2, 2, 5, 5}, 2, .n_post = 0};
+    c[2] = (Case){"grouped conv", 3, {4, 4, 4}, conv(4, 2, 1, 0, 2), 4, {2, 4, 4, 4}, 2, .n_post = 0};
     return c;
 }
 
@@ -79,7 +81,9 @@ static void deq(const void *ctx, float *w) { qlayer_dequantize_weight(ctx, w); }
 static void rig_init(Rig *r, const Case *c, bool quant, float dropout, bool install, uint64_t seed) {
     memset(r, 0, sizeof *r);
     QtError err = {0};
-    CU_ASSERT_EQUAL_FATAL(model_init(&r->m, c->in_ndim, c->in_shape, &c->layer, 1, &err), QT_OK);
+    LayerSpec layers[3] = {c->layer};
+    for (int i = 0; i < c->n_post; i++) layers[1 + i] = c->post[i];
+    CU_ASSERT_EQUAL_FATAL(model_init(&r->m, c->in_ndim, c->in_shape, layers, 1 + c->n_post, &err), QT_OK);
     Rng rng;
     rng_init(&rng, seed, RNG_STREAM_INIT);
     model_init_params(&r->m, &rng);
@@ -251,6 +255,89 @@ static void check_grads(const Case *c, bool quant, float dropout, bool train_w, 
     rig_free(&r);
 }
 
+/* Whether a training forward of c's rig records an op named `op` (which path the adapter took). */
+static bool forward_records(Rig *r, const Case *c, const char *op) {
+    float x[YMAX];
+    fill_normal(x, case_numel(c), 1);
+    TestEnv e;
+    test_env_init(&e, 1);
+    Var *y = model_forward(&r->m, &e.tape, test_var(&e, x, c->x_ndim, c->x_shape, true));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+    bool found = false;
+    for (size_t i = 0; i < e.tape.n_nodes; i++) found |= strcmp(e.tape.nodes[i].op, op) == 0;
+    test_env_free(&e);
+    return found;
+}
+
+/* A conv without adapter dropout runs as one convolution on the merged weight (dora_weight), relu and pool folded
+ * in when they follow; with dropout, the base and the branch (dora_combine); a dense layer always the latter. */
+static void test_paths(void) {
+    Case fused = cases()[1];
+    fused.layer = conv(3, 3, 1, 1, 1);
+    fused.in_shape[0] = fused.x_shape[1] = 8; /* fan-in 72: whole tiles of 8 */
+    fused.in_shape[1] = fused.in_shape[2] = fused.x_shape[2] = fused.x_shape[3] = 6;
+    fused.x_shape[0] = 1;
+    fused.n_post = 2;
+    fused.post[0] = (LayerSpec){.type = LAYER_RELU};
+    fused.post[1] = (LayerSpec){.type = LAYER_MAXPOOL2D, .kernel = 2};
+    struct {
+        const Case *c;
+        float dropout;
+        const char *has, *lacks;
+    } runs[] = {{&cases()[1], 0.0f, "dora_weight", "dora_combine"}, {&cases()[1], 0.3f, "dora_combine", "dora_weight"},
+                {&cases()[0], 0.0f, "dora_combine", "dora_weight"}, {&fused, 0.0f, "dora_weight", "relu"},
+                {&fused, 0.3f, "dora_combine", "dora_weight"}};
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++)
+        for (int quant = 0; quant < 2; quant++) {
+            Rig r;
+            rig_init(&r, runs[i].c, quant, runs[i].dropout, true, 5);
+            bool has = forward_records(&r, runs[i].c, runs[i].has), lacks = !forward_records(&r, runs[i].c, runs[i].lacks);
+            if (!has || !lacks)
+                fprintf(stderr, "\n  %s dropout %g%s: expected %s and no %s\n", runs[i].c->what, (double)runs[i].dropout,
+                        quant ? " int4" : "", runs[i].has, runs[i].lacks);
+            CU_ASSERT(has && lacks);
+            rig_free(&r);
+        }
+    /* the fused path's output and gradients are the merged conv's followed by relu and pool as separate ops (whose
+       gradients test_grads checks against finite differences; here the kinks of relu and pool would make those
+       noisy) */
+    for (int quant = 0; quant < 2; quant++) {
+        float x[YMAX], y[2][YMAX], *g[2][4] = {{0}};
+        size_t n[4] = {0};
+        fill_normal(x, case_numel(&fused), 6);
+        for (int k = 0; k < 2; k++) {
+            Rig r;
+            rig_init(&r, &fused, quant, 0.0f, true, 7);
+            rig_randomize(&r, 8);
+            if (k) r.m.modules[0].fused_hook = NULL; /* the layers one by one */
+            TestEnv e;
+            test_env_init(&e, 1);
+            Var *xv = test_var(&e, x, fused.x_ndim, fused.x_shape, true);
+            Var *out = model_forward(&r.m, &e.tape, xv);
+            CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+            CU_ASSERT_EQUAL_FATAL(var_numel(out), (size_t)27);
+            memcpy(y[k], out->value.data, 27 * sizeof(float));
+            float dy[27];
+            fill_normal(dy, 27, 9);
+            CU_ASSERT_EQUAL_FATAL(tape_backward_from(&e.tape, out, dy), QT_OK);
+            const Var *vs[4] = {xv, &r.a.A.var, &r.a.B.var, &r.a.M.var};
+            for (int v = 0; v < 4; v++) {
+                n[v] = var_numel(vs[v]);
+                g[k][v] = malloc(n[v] * sizeof(float));
+                memcpy(g[k][v], vs[v]->grad, n[v] * sizeof(float));
+            }
+            test_env_free(&e);
+            rig_free(&r);
+        }
+        ASSERT_ALL_CLOSE(y[0], y[1], 27, 1e-6, 1e-5);
+        for (int v = 0; v < 4; v++) {
+            ASSERT_ALL_CLOSE(g[0][v], g[1][v], n[v], 1e-6, 1e-5);
+            free(g[0][v]);
+            free(g[1][v]);
+        }
+    }
+}
+
 static void test_grads(void) {
     for (int k = 0; k < 3; k++) {
         check_grads(&cases()[k], false, 0.0f, false, 40 + 10 * k);
@@ -348,9 +435,9 @@ static void test_torch_parity(void) {
         return;
     }
     /* the fixture's shapes (tests/make_fixtures_dora.py CASES), rank 2 or 4, alpha 3 */
-    Case d = {"dense", 1, {7}, dense(5), 2, {3, 7}, 2};
-    Case cv = {"conv", 3, {3, 6, 6}, conv(4, 3, 2, 1, 1), 4, {2, 3, 6, 6}, 2};
-    Case gc = {"grouped conv", 3, {4, 5, 5}, conv(6, 3, 1, 1, 2), 4, {2, 4, 5, 5}, 4};
+    Case d = {"dense", 1, {7}, dense(5), 2, {3, 7}, 2, .n_post = 0};
+    Case cv = {"conv", 3, {3, 6, 6}, conv(4, 3, 2, 1, 1), 4, {2, 3, 6, 6}, 2, .n_post = 0};
+    Case gc = {"grouped conv", 3, {4, 5, 5}, conv(6, 3, 1, 1, 2), 4, {2, 4, 5, 5}, 4, .n_post = 0};
     parity_case(&f, "dense", &d);
     parity_case(&f, "conv", &cv);
     parity_case(&f, "conv_grouped", &gc);
@@ -414,6 +501,19 @@ static void test_macs(void) {
                   (32.0 * 4 * 1568 + 32 * 1568 + 2.0 * 32 * 4 * 1568) / B;
     double want = step_macs_total(&l) - conv_l - fc_l + conv_d + fc_d;
     CU_ASSERT_DOUBLE_EQUAL(step_macs_total(&d), want, 1e-6 * want);
+    /* without adapter dropout conv1 runs on its merged weight: LoRA's conv1 count (its full weight gradient) and
+       the merged weight's per-batch work; fc1 loses the second base product */
+    net_free(&n);
+    const char *nodrop_ov[] = {"lora.rules.0.dropout=0"};
+    Config *c2 = test_runs_config(&dora_runs, "tests/configs/tiny-dora.yaml", "macs-nodrop", nodrop_ov, 1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(c2);
+    CU_ASSERT_EQUAL_FATAL(net_build(&n, c2, NET_SHELL, &err), QT_OK);
+    CU_ASSERT_EQUAL(net_step_macs(&n, &d, &err), QT_OK);
+    conv_d = pos * 72.0 + (8.0 * 4 * 9 + 8 * 9 + 8 * 9 + 2.0 * 8 * 4 * 9 + 2 * 8 * 9) / B;
+    fc_d = fc_l + (32.0 * 4 * 1568 + 32 * 1568 + 2.0 * 32 * 4 * 1568) / B;
+    want = step_macs_total(&l) - conv_l - fc_l + conv_d + fc_d;
+    CU_ASSERT_DOUBLE_EQUAL(step_macs_total(&d), want, 1e-6 * want);
+    free(c2);
     net_free(&n);
     net_free(&np);
     free(c);
@@ -609,6 +709,7 @@ int register_dora_suite(void) {
     return !CU_add_test(s, "magnitude starts at the channel norms (float, int4 base)", test_magnitude_init) ||
            !CU_add_test(s, "a fresh adapter leaves the output unchanged", test_fresh_is_identity) ||
            !CU_add_test(s, "gradients of x, A, B, m (and W) against finite differences", test_grads) ||
+           !CU_add_test(s, "merged-weight conv (fused relu and pool) or base and branch", test_paths) ||
            !CU_add_test(s, "forward and backward against PyTorch", test_torch_parity) ||
            !CU_add_test(s, "merged weight equals the unmerged adapter", test_merge_equals_unmerged) ||
            !CU_add_test(s, "the step's multiply-adds", test_macs) ||
