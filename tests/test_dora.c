@@ -571,6 +571,16 @@ static void test_runs_learn(void) {
     check_file_has_magnitude(p, "conv1", 8);
     check_file_has_magnitude(p, "fc1", 32);
     check_file_has_magnitude(test_runs_path(&dora_runs, "df", "final.h5"), "fc1", 32);
+    /* scripts/qtrain_h5.py reads it as PEFT's name */
+    if (system("/usr/bin/python3 -c 'import numpy, h5py' >/dev/null 2>&1") != 0) {
+        test_skip("dora: /usr/bin/python3 cannot import numpy and h5py (scripts/qtrain_h5.py's check)");
+    } else {
+        char cmd[2048];
+        snprintf(cmd, sizeof cmd, "/usr/bin/python3 -c \"import sys; sys.path.insert(0, 'scripts'); import qtrain_h5; "
+                 "d = qtrain_h5.load('%s'); sys.exit(0 if d['fc1.lora_magnitude_vector'].shape == (32,) and "
+                 "d['conv1.lora_magnitude_vector'].shape == (8,) else 1)\"", p);
+        CU_ASSERT_EQUAL(system(cmd), 0);
+    }
     free(c0);
     free(q);
     free(fl);
