@@ -94,7 +94,8 @@ Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x);
  * (dropped-out) input, shaped as the module's output. */
 Var *lora_adapter_branch(Tape *t, LoraAdapter *a, Var *xd);
 
-/* delta [out * fan_in] = scale * B A, in the base weight's layout. */
+/* delta [out * fan_in] = scale * B A, in the base weight's layout (a DoRA
+ * adapter's merged weight is no sum: lora_dora_merge). */
 void lora_adapter_delta(const LoraAdapter *a, float *delta);
 /* w [out * fan_in] += the delta: folds the adapter into a float weight
  * (DoRA: w = its merged weight, lora_dora_merge). */

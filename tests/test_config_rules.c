@@ -388,9 +388,9 @@ static void test_rules_round_trip(void) {
         "      act_qtype: fp8_e4m3\n      act_calibration: mse\n",
         "lora:\n  rules:\n    - module_path: conv1\n      op_types: []\n      skip: true\n"
         "    - module_path: \"fc.*|head\"\n      op_types: [dense]\n      skip: false\n      rank: 4\n"
-        "      alpha: 8.5\n      dropout: 0.1\n      rslora: true\n      init: gaussian\n"
+        "      alpha: 8.5\n      dropout: 0.1\n      rslora: true\n      init: gaussian\n      dora: false\n"
         "    - module_path: \".*\"\n      op_types: []\n      skip: false\n      rank: 2\n      alpha: 2\n"
-        "      dropout: 0\n      rslora: false\n      init: default\n  trainable: [head]\n",
+        "      dropout: 0\n      rslora: false\n      init: default\n      dora: false\n  trainable: [head]\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         if (!strstr(text, want[i])) fprintf(stderr, "\n  missing %s in:\n%s", want[i], text);

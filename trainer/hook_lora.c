@@ -41,7 +41,8 @@ static void dora_dequantize(const void *ctx, float *w) { qlayer_dequantize_weigh
 
 /* A DoRA adapter's base weight: the module's float weight, or a quantized
  * base's dequantized (the dequantizer kept for every forward); its
- * magnitude starts at the norms of W + scale B A. A base of another kind
+ * magnitude starts at the norms of W + scale B A, so this runs after
+ * anything that sets W, A or B at attach. A base of another kind
  * (QAT's or QT's fake-quantized weight, which trains) has no fixed W to
  * normalise and is refused. */
 static QtStatus dora_attach(Net *n, LoraAdapter *a, QtError *err) {
@@ -49,9 +50,10 @@ static QtStatus dora_attach(Net *n, LoraAdapter *a, QtError *err) {
     const QLayer *q = hook_find(hook_layers_find(&n->hooks, &HOOK_PTQ), m);
     if (!q && (m->forward_hook || !m->weight || m->weight->released))
         return qt_error_set(err, QT_ERR_CONFIG, "%s: dora: true needs a float or a post-training-quantized base "
-                            "weight, but this module's forward is a %s layer's; set dora: false in the lora rule "
-                            "matching %s, or use quant.mode ptq (QLoRA) or none", m->path,
-                            m->forward_hook ? "quantization-aware" : "weightless", m->path);
+                            "weight, but this module's forward is %s; set dora: false in the lora rule matching %s, or "
+                            "use quant.mode ptq (QLoRA) or none", m->path,
+                            m->forward_hook ? "a QAT or QT layer's (its fake-quantized weight trains)" : "weightless",
+                            m->path);
     if (!q) return lora_dora_init_magnitude(a, m->weight->var.value.data, err);
     a->base_weight = dora_dequantize;
     a->base_weight_ctx = q;
