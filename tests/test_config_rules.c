@@ -308,6 +308,7 @@ static void test_lora_errors(void) {
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, alpha: 0}\n", "lora.rules[0].alpha", "> 0");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, alpha: 1e-60}\n", "lora.rules[0].alpha", "rounds to 0");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, dropout: 1}\n", "lora.rules[0].dropout", "[0, 1)");
+    EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, dora: 3}\n", NAME ":12:41:", "lora.rules[0].dora", "true or false");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, dropout: 0.999999999}\n", "lora.rules[0].dropout",
                "rounds to 1");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, init: kaiming}\n", "lora.rules[0].init", "kaiming",

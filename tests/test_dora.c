@@ -685,8 +685,8 @@ static void expect_error(const char *sub, const char *const *ov, int n, QtStatus
 static void test_bad_inputs(void) {
     /* a base DoRA cannot normalise: QAT's fake-quantized weight */
     const char *qat[] = {"quant.mode=qat", "quant.rules=[{module_path: '.*', weight_qtype: int8}]"};
-    expect_error("e-qat", qat, 2, QT_ERR_CONFIG, "conv1: dora: true needs a float or a post-training-quantized",
-                 "set dora: false in the lora rule matching conv1");
+    expect_error("e-qat", qat, 2, QT_ERR_CONFIG, "lora.rules[0]: conv1: dora: true needs a float or a "
+                 "post-training-quantized", "is a QAT layer (its fake-quantized weight trains); set dora: false");
     /* adapters_from: plain LoRA adapters into a DoRA rule and DoRA adapters into a plain rule */
     const char *plain_ov[] = {"lora.rules.0.dora=false"};
     Config *p = cfg("e-plain-src", plain_ov, 1), *d = cfg("e-dora-src", NULL, 0);
@@ -704,10 +704,21 @@ static void test_bad_inputs(void) {
     const char *a2[] = {from_dora, "lora.rules.0.dora=false"};
     expect_error("e-from-dora", a2, 2, QT_ERR_CONFIG, "adapters.h5: the adapter of module conv1 is a DoRA adapter",
                  "lora/conv1/magnitude), but this run's lora rule for conv1 has dora: false; set dora: true");
-    /* a config error names the file and line */
+    /* a module type it cannot adapt: a depthwise conv, refused naming the rule, the module and what to adapt */
+    Config *c = malloc(sizeof *c);
+    QtError err = {0};
+    const char *dw[] = {"lora.rules=[{module_path: '.*', op_types: [conv2d], rank: 2, dora: true}]"};
+    CU_ASSERT_EQUAL_FATAL(config_load(c, "tests/configs/tiny-dw.yaml", dw, 1, &err), QT_OK);
+    Net n;
+    CU_ASSERT_EQUAL(net_build(&n, c, NET_SHELL, &err), QT_ERR_CONFIG);
+    if (!test_msg_has(&err, "lora.rules[0]: dw: a depthwise conv2d") || !test_msg_has(&err, "('pw')"))
+        fprintf(stderr, "\n  unexpected message: %s\n", err.msg);
+    CU_ASSERT(test_msg_has(&err, "lora.rules[0]: dw: a depthwise conv2d") && test_msg_has(&err, "('pw')"));
+    err = (QtError){0};
+    /* a value that is no boolean: the file, line and column (the --set) */
     const char *bad[] = {"lora.rules.0.dora=maybe"};
-    Config *c = test_runs_config(&dora_runs, "tests/configs/tiny-dora.yaml", "e-bool", bad, 1);
-    CU_ASSERT_PTR_NULL(c);
+    CU_ASSERT_EQUAL(config_load(c, "tests/configs/tiny-dora.yaml", bad, 1, &err), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&err, "lora.rules[0].dora: expected true or false, got \"maybe\""));
     free(c);
     free(p);
     free(d);

@@ -23,6 +23,10 @@ static bool lora_applies(const Net *n, int module) { return net_lora_spec(n, mod
 static QtStatus lora_check(const Net *n, int module, QtError *err) {
     QtStatus st = lora_spec_check(net_lora_spec(n, module), &n->model.modules[module], err);
     const Module *m = &n->model.modules[module];
+    if (st == QT_OK && net_lora_spec(n, module)->dora && (HOOK_QAT.applies(n, module) || HOOK_FQT.applies(n, module)))
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: dora: true needs a float or a post-training-quantized base weight, "
+                          "but this module is a %s layer (its fake-quantized weight trains); set dora: false, or use "
+                          "quant.mode ptq (QLoRA) or none", m->path, HOOK_QAT.applies(n, module) ? "QAT" : "QT");
     if (st != QT_OK && m->spec.type == LAYER_CONV2D && m->spec.groups > 1 && m->spec.groups == m->in_shape[0]) {
         for (int i = module + 1; i < n->model.n_modules; i++) {
             const Module *c = &n->model.modules[i];
