@@ -21,7 +21,7 @@
 #include "nn/gemm.h"
 #include "nn/ops.h"
 
-/* ---- the direction V = W + scale B A and its norms ------------------------------------ */
+/* ---- the direction V = W + scale B A and its norms ------------------------------------------- */
 
 /* Output channels per group of B and rows of A per group: a dense layer is one group. */
 static int dora_groups(const LoraAdapter *a) {
@@ -47,7 +47,8 @@ void lora_dora_direction(const LoraAdapter *a, const float *w, float *v, float *
 QtStatus lora_dora_init_magnitude(LoraAdapter *a, const float *w, QtError *err) {
     /* lora_dora_direction's own norms, so the gain m / |V|_c of the first forward is exactly 1 */
     float *v = malloc((size_t)a->out * a->fan_in * sizeof(float));
-    if (!v) return qt_error_set(err, QT_ERR_NOMEM, "out of memory initialising the DoRA magnitude of %s", a->module->path);
+    if (!v)
+        return qt_error_set(err, QT_ERR_NOMEM, "out of memory initialising the DoRA magnitude of %s", a->module->path);
     lora_dora_direction(a, w, v, a->M.var.value.data);
     free(v);
     return QT_OK;
@@ -88,7 +89,7 @@ void lora_dora_merge(const LoraAdapter *a, float *w) {
     free(norms);
 }
 
-/* ---- dora_gain: g = m / |W + scale B A|_c -------------------------------------------- */
+/* ---- dora_gain: g = m / |W + scale B A|_c ---------------------------------------------------- */
 
 typedef struct {
     const LoraAdapter *a;
@@ -103,15 +104,15 @@ static void dora_dv_backward(Tape *t, const LoraAdapter *a, const float *dv, Var
         float *dB = tape_grad(t, B);
         if (!dB) return;
         for (int k = 0; k < g; k++)
-            gemm_f32(false, true, og, rg, fan, a->scale, dv + (size_t)k * og * fan, fan, A->value.data + (size_t)k * rg * fan,
-                     fan, 1.0f, dB + (size_t)k * og * rg, rg);
+            gemm_f32(false, true, og, rg, fan, a->scale, dv + (size_t)k * og * fan, fan,
+                     A->value.data + (size_t)k * rg * fan, fan, 1.0f, dB + (size_t)k * og * rg, rg);
     }
     if (A->requires_grad) {
         float *dA = tape_grad(t, A);
         if (!dA) return;
         for (int k = 0; k < g; k++)
-            gemm_f32(true, false, rg, fan, og, a->scale, B->value.data + (size_t)k * og * rg, rg, dv + (size_t)k * og * fan,
-                     fan, 1.0f, dA + (size_t)k * rg * fan, fan);
+            gemm_f32(true, false, rg, fan, og, a->scale, B->value.data + (size_t)k * og * rg, rg,
+                     dv + (size_t)k * og * fan, fan, 1.0f, dA + (size_t)k * rg * fan, fan);
     }
     if (W && W->requires_grad) {
         float *dW = tape_grad(t, W);
@@ -155,7 +156,7 @@ static Var *dora_gain(Tape *t, const LoraAdapter *a, Var *w) {
     return tape_record(t, "dora_gain", dora_gain_backward, g, in, 4, c) ? g : NULL;
 }
 
-/* ---- dora_weight: W' = g V, the merged weight ----------------------------------------------- */
+/* ---- dora_weight: W' = g V, the merged weight ------------------------------------------------ */
 
 /* in: M (out), A, B, W as dora_gain's; out W' shaped as W.
  * dg_o = sum_j dW'_oj V_oj; dm = dg / |V|; dV = g dW' + d|V| V / |V| with d|V| = -dg m / |V|^2; then
@@ -193,13 +194,14 @@ static Var *dora_weight(Tape *t, const LoraAdapter *a, Var *w) {
     const float *m = a->M.var.value.data;
     for (int o = 0; o < a->out; o++) {
         const float g = norms[o] > 0.0f ? m[o] / norms[o] : 0.0f;
-        for (int j = 0; j < a->fan_in; j++) wp->value.data[(size_t)o * a->fan_in + j] = g * v[(size_t)o * a->fan_in + j];
+        const size_t row = (size_t)o * a->fan_in;
+        for (int j = 0; j < a->fan_in; j++) wp->value.data[row + j] = g * v[row + j];
     }
     Var *in[4] = {(Var *)&a->M.var, (Var *)&a->A.var, (Var *)&a->B.var, w};
     return tape_record(t, "dora_weight", dora_weight_backward, wp, in, 4, c) ? wp : NULL;
 }
 
-/* ---- dora_combine: y = z + (g - 1)(pz - bias) + g scale u ------------------------------- */
+/* ---- dora_combine: y = z + (g - 1)(pz - bias) + g scale u ------------------------------------ */
 
 typedef struct {
     float scale;
@@ -263,13 +265,14 @@ static Var *dora_combine(Tape *t, Var *z, Var *pz, Var *u, Var *gv, Var *bias, f
     for (size_t r = 0, rows = n / c->inner; r < rows; r++) {
         const int o = (int)(r % (size_t)out);
         const float gm1 = g[o] - 1.0f, gs = g[o] * scale, bo = b ? b[o] : 0.0f;
-        for (size_t i = r * c->inner; i < (r + 1) * c->inner; i++) y->value.data[i] = zv[i] + gm1 * (pzv[i] - bo) + gs * uv[i];
+        for (size_t i = r * c->inner; i < (r + 1) * c->inner; i++)
+            y->value.data[i] = zv[i] + gm1 * (pzv[i] - bo) + gs * uv[i];
     }
     Var *in[5] = {z, pz == z ? NULL : pz, u, gv, bias};
     return tape_record(t, "dora_combine", dora_combine_backward, y, in, 5, c) ? y : NULL;
 }
 
-/* ---- forward ------------------------------------------------------------------------------ */
+/* ---- forward --------------------------------------------------------------------------------- */
 
 /* The base weight as a Var (out, fan_in as the module's weight): the module's own (a float base, with its gradient
  * when it trains) or the quantized base's, dequantized into the step's arena. */
@@ -324,7 +327,7 @@ Var *lora_dora_forward(Tape *t, LoraAdapter *a, Var *x) {
     return dora_combine(t, z, pz, u, g, bias, a->scale);
 }
 
-/* ---- work ---------------------------------------------------------------------------------- */
+/* ---- work ------------------------------------------------------------------------------------ */
 
 /* Whether a training step runs the adapter as one convolution on the merged weight (lora_dora_forward): a conv
  * without adapter dropout over a float base or one that lends its weight (a quantized base without activation

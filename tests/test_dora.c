@@ -28,7 +28,7 @@ static TestRuns dora_runs;
 static int dora_suite_init(void) { return test_runs_init(&dora_runs); }
 static int dora_suite_cleanup(void) { return test_runs_cleanup(&dora_runs); }
 
-/* ---- a one-layer model with a DoRA adapter ---------------------------------------------------- */
+/* ---- a one-layer model with a DoRA adapter --------------------------------------------------- */
 
 typedef struct {
     const char *what;
@@ -152,7 +152,7 @@ static size_t forward_copy(Model *m, TestEnv *e, const float *x, const Case *c, 
     return n;
 }
 
-/* ---- the magnitude at init; a fresh adapter changes nothing ------------------------------------ */
+/* ---- the magnitude at init; a fresh adapter changes nothing ---------------------------------- */
 
 static void test_magnitude_init(void) {
     for (int k = 0; k < 3; k++)
@@ -168,7 +168,8 @@ static void test_magnitude_init(void) {
             CU_ASSERT_STRING_EQUAL(r.a.M.name, k == 0 ? "fc/lora_magnitude" : "conv/lora_magnitude");
             for (int o = 0; o < r.a.out; o++) {
                 double s2 = 0.0;
-                for (int j = 0; j < r.a.fan_in; j++) s2 += (double)w[(size_t)o * r.a.fan_in + j] * w[(size_t)o * r.a.fan_in + j];
+                const float *row = w + (size_t)o * r.a.fan_in;
+                for (int j = 0; j < r.a.fan_in; j++) s2 += (double)row[j] * row[j];
                 CU_ASSERT_DOUBLE_EQUAL(r.a.M.var.value.data[o], sqrt(s2), 1e-6 * sqrt(s2));
             }
             CU_ASSERT(r.a.M.trainable && r.a.M.var.requires_grad);
@@ -203,7 +204,7 @@ static void test_fresh_is_identity(void) {
         }
 }
 
-/* ---- gradients ----------------------------------------------------------------------------------- */
+/* ---- gradients ------------------------------------------------------------------------------- */
 
 typedef struct {
     Model *model;
@@ -291,10 +292,11 @@ static void test_paths(void) {
         for (int quant = 0; quant < 2; quant++) {
             Rig r;
             rig_init(&r, runs[i].c, quant, runs[i].dropout, true, 5);
-            bool has = forward_records(&r, runs[i].c, runs[i].has), lacks = !forward_records(&r, runs[i].c, runs[i].lacks);
+            bool has = forward_records(&r, runs[i].c, runs[i].has);
+            bool lacks = !forward_records(&r, runs[i].c, runs[i].lacks);
             if (!has || !lacks)
-                fprintf(stderr, "\n  %s dropout %g%s: expected %s and no %s\n", runs[i].c->what, (double)runs[i].dropout,
-                        quant ? " int4" : "", runs[i].has, runs[i].lacks);
+                fprintf(stderr, "\n  %s dropout %g%s: expected %s and no %s\n", runs[i].c->what,
+                        (double)runs[i].dropout, quant ? " int4" : "", runs[i].has, runs[i].lacks);
             CU_ASSERT(has && lacks);
             rig_free(&r);
         }
@@ -349,7 +351,7 @@ static void test_grads(void) {
     check_grads(&cases()[1], false, 0.0f, true, 72);
 }
 
-/* ---- parity with PyTorch --------------------------------------------------------------------------- */
+/* ---- parity with PyTorch --------------------------------------------------------------------- */
 
 #define DORA_FIXTURE "tests/fixtures/torch_dora.h5"
 
@@ -384,7 +386,8 @@ static void parity_case(H5ioFile *f, const char *group, const Case *c) {
     Rig r;
     rig_init(&r, c, false, 0.0f, true, 1);
     Module *mod = &r.m.modules[0];
-    float *W = fx_read(f, group, "W", &mod->weight->var.value, 0), *b = fx_read(f, group, "b", &mod->bias->var.value, 0);
+    float *W = fx_read(f, group, "W", &mod->weight->var.value, 0);
+    float *b = fx_read(f, group, "b", &mod->bias->var.value, 0);
     float *A = fx_read(f, group, "A", &r.a.A.var.value, 0), *B = fx_read(f, group, "B", &r.a.B.var.value, 0);
     float *m = fx_read(f, group, "m", &r.a.M.var.value, 0);
     size_t nx = case_numel(c);
@@ -444,7 +447,7 @@ static void test_torch_parity(void) {
     h5io_close(&f, &err);
 }
 
-/* ---- merging ------------------------------------------------------------------------------------------ */
+/* ---- merging --------------------------------------------------------------------------------- */
 
 /* The merged weight in a float model computes what the adapter computed: over the float base and over the
  * dequantized int4 base (merge --dequantize). */
@@ -466,7 +469,8 @@ static void test_merge_equals_unmerged(void) {
             lora_adapter_merge(&r.a, w);
             CU_ASSERT_EQUAL(forward_copy(&flat.m, &e, x, c, false, y2), n);
             double ratio = test_close_ratio(y2, y1, n, 1e-5, 1e-5, NULL);
-            if (ratio > 1.0) fprintf(stderr, "\n  %s%s: merged differs (ratio %g)\n", c->what, quant ? " int4" : "", ratio);
+            if (ratio > 1.0)
+                fprintf(stderr, "\n  %s%s: merged differs (ratio %g)\n", c->what, quant ? " int4" : "", ratio);
             CU_ASSERT(ratio <= 1.0);
             test_env_free(&e);
             rig_free(&r);
@@ -474,7 +478,7 @@ static void test_merge_equals_unmerged(void) {
         }
 }
 
-/* ---- the step's multiply-adds ------------------------------------------------------------------------------ */
+/* ---- the step's multiply-adds ---------------------------------------------------------------- */
 
 /* tiny-dora's conv1 (1 -> 8, 3x3, 28x28 out, rank 4, dropout 0.1, no input gradient) and fc1 (1568 -> 32,
  * input gradient), batch 32, counted by hand from lora_dora.h's accounting. */
@@ -520,7 +524,7 @@ static void test_macs(void) {
     free(p);
 }
 
-/* ---- runs ----------------------------------------------------------------------------------------------------- */
+/* ---- runs ------------------------------------------------------------------------------------ */
 
 static const char *FLOAT_BASE[] = {"quant.mode=none", "quant.rules=[]"};
 
@@ -668,7 +672,7 @@ static void test_merge_runs(void) {
     free(q);
 }
 
-/* ---- bad input ---------------------------------------------------------------------------------------------------- */
+/* ---- bad input ------------------------------------------------------------------------------- */
 
 static void expect_error(const char *sub, const char *const *ov, int n, QtStatus want, const char *a, const char *b) {
     Config *c = cfg(sub, ov, n);

@@ -236,8 +236,8 @@ QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force
         if (net_adapter(&n, i)->spec.rslora != net_adapter(&n, 0)->spec.rslora ||
             net_adapter(&n, i)->spec.dropout != net_adapter(&n, 0)->spec.dropout ||
             net_adapter(&n, i)->spec.dora != net_adapter(&n, 0)->spec.dora)
-            st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s's adapter differs from %s's in rslora, dropout or dora, "
-                              "which PEFT's adapter_config.json holds once for all modules", checkpoint,
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s's adapter differs from %s's in rslora, dropout or "
+                              "dora, which PEFT's adapter_config.json holds once for all modules", checkpoint,
                               net_adapter(&n, i)->module->path, net_adapter(&n, 0)->module->path);
     char *json = st == QT_OK ? config_json(&n, err) : NULL;
     if (st == QT_OK && !json) st = QT_ERR_NOMEM;
@@ -488,8 +488,8 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
     }
     if (st == QT_OK && n_read != f.n)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s holds %d tensors, but this run reads %d (each adapter's lora_A and "
-                          "lora_B (and DoRA's lora_magnitude_vector), each saved module's parameters and batch-norm buffers): a lora_B bias or a tensor "
-                          "of another module is not read", path, f.n, n_read);
+                          "lora_B (and DoRA's lora_magnitude_vector), each saved module's parameters and batch-norm "
+                          "buffers): a lora_B bias or a tensor of another module is not read", path, f.n, n_read);
     if (open) st_close(&f);
     free(names);
     ynode_free(root);
