@@ -23,7 +23,10 @@
  *
  * The base is whatever the module computed before the adapter was
  * installed: its own float op (a frozen float weight) or the forward hook
- * already in place (a quantized base, quant/qlayer.h). */
+ * already in place (a quantized base, quant/qlayer.h).
+ *
+ * A spec with dora makes the adapter DoRA's (lora_dora.h): a learned
+ * magnitude per output channel over the direction of W + scale B A. */
 #ifndef QTRAIN_LORA_LORA_H
 #define QTRAIN_LORA_LORA_H
 
