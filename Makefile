@@ -344,6 +344,7 @@ fixtures:
 	/usr/bin/python3 tests/make_fixtures_conv.py tests/fixtures/torch_conv.h5
 	/usr/bin/python3 tests/make_fixtures_graph.py tests/fixtures/torch_graph.h5
 	/usr/bin/python3 tests/make_fixtures_qatbn.py tests/fixtures/torch_qatbn.h5
+	/usr/bin/python3 tests/make_fixtures_dora.py tests/fixtures/torch_dora.h5
 
 # Train, resume, eval, QLoRA, QAT, QT and the other commands on the mini data
 # set under valgrind (about 75 s). Always the normal -O2 -g build (valgrind

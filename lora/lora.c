@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lora_dora.h"
 #include "nn/ops.h"
 
 static const char *const lora_init_names[LORA_INIT_COUNT] = {
@@ -136,6 +137,7 @@ QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtEr
         int g = m->spec.groups;
         if (st == QT_OK) st = lora_param_alloc(&a->B, m->path, "lora_B", 4, (const int[]){a->out, r / g, 1, 1}, err);
     }
+    if (st == QT_OK && spec->dora) st = lora_param_alloc(&a->M, m->path, "lora_magnitude", 1, &a->out, err);
     if (st != QT_OK) lora_adapter_free(a);
     return st;
 }
@@ -147,6 +149,7 @@ void lora_adapter_free(LoraAdapter *a) {
     if (!a) return;
     lora_param_free(&a->A);
     lora_param_free(&a->B);
+    lora_param_free(&a->M);
     memset(a, 0, sizeof *a);
 }
 
@@ -163,11 +166,17 @@ void lora_adapter_init_params(LoraAdapter *a, Rng *rng) {
     memset(B->value.data, 0, var_numel(B) * sizeof(float));
 }
 
-size_t lora_adapter_param_count(const LoraAdapter *a) { return var_numel(&a->A.var) + var_numel(&a->B.var); }
+size_t lora_adapter_param_count(const LoraAdapter *a) {
+    return var_numel(&a->A.var) + var_numel(&a->B.var) + (a->spec.dora ? var_numel(&a->M.var) : 0);
+}
 
 void lora_adapter_macs(const LoraAdapter *a, bool input_grad, bool weight_grad, StepMacs *macs) {
     const Module *m = a->module;
     const double r = a->spec.rank, fan = a->fan_in, out = a->out;
+    if (a->spec.dora) {
+        lora_dora_macs(a, input_grad, weight_grad, macs);
+        return;
+    }
     if (m->spec.type == LAYER_DENSE) {
         macs->forward += r * fan + out * r;
         macs->backward_dx += out * r + (input_grad ? r * fan : 0.0);
@@ -198,6 +207,7 @@ static Var *lora_forward_hook(Tape *t, Module *m, Var *x, void *ctx) {
  * declines (NULL, no error) and the layers run one by one. */
 static Var *lora_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     LoraAdapter *a = ctx;
+    if (a->spec.dora) return lora_dora_fused(t, a, x, bias, epi);
     if (a->spec.dropout != 0.0f || !m->conv_plain) return NULL;
     Var *w = NULL;
     if (!a->base_fn) w = m->weight && !m->weight->released ? &m->weight->var : NULL;
@@ -222,10 +232,17 @@ void lora_adapter_install(LoraAdapter *a) {
 
 Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x) {
     if (!x) return NULL;
+    if (a->spec.dora) return lora_dora_forward(t, a, x);
     Module *m = a->module;
     Var *base = a->base_fn ? a->base_fn(t, m, x, a->base_ctx) : model_module_forward(t, m, x);
     if (!base) return NULL;
     Var *xd = nn_dropout(t, x, a->spec.dropout);
+    return nn_add(t, base, nn_scale(t, lora_adapter_branch(t, a, xd), a->scale));
+}
+
+Var *lora_adapter_branch(Tape *t, LoraAdapter *a, Var *xd) {
+    if (!xd) return NULL;
+    Module *m = a->module;
     Var *u;
     if (m->spec.type == LAYER_CONV2D) {
         /* h: (N, rank, OH, OW) (A at the base's geometry and groups); u: (N, OC, OH, OW), B per group. */
@@ -242,7 +259,7 @@ Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x) {
         Var *h = nn_linear(t, xd, &a->A.var, NULL);
         u = nn_linear(t, h, &a->B.var, NULL);
     }
-    return nn_add(t, base, nn_scale(t, u, a->scale));
+    return u;
 }
 
 /* ---- merging ------------------------------------------------------------------------ */
@@ -271,6 +288,10 @@ void lora_adapter_delta(const LoraAdapter *a, float *delta) {
 /* Adds the float delta exactly as lora_adapter_delta rounds it, so
  * merge(w) == w + delta element by element. */
 void lora_adapter_merge(const LoraAdapter *a, float *w) {
+    if (a->spec.dora) {
+        lora_dora_merge(a, w);
+        return;
+    }
     for (int o = 0; o < a->out; o++)
         for (int j = 0; j < a->fan_in; j++) w[(size_t)o * a->fan_in + j] += (float)delta_at(a, o, j);
 }

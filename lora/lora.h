@@ -27,7 +27,10 @@
  *
  * The base is whatever the module computed before the adapter was
  * installed: its own float op (a frozen float weight) or the forward hook
- * already in place (a quantized base, quant/qlayer.h). */
+ * already in place (a quantized base, quant/qlayer.h).
+ *
+ * A spec with dora makes the adapter DoRA's (lora_dora.h): a learned
+ * magnitude per output channel over the direction of W + scale B A. */
 #ifndef QTRAIN_LORA_LORA_H
 #define QTRAIN_LORA_LORA_H
 
@@ -52,7 +55,11 @@ typedef struct {
     float dropout;   /* in [0, 1) */
     bool rslora;     /* scale alpha / sqrt(rank) */
     LoraInit init;
+    bool dora;       /* DoRA (lora_dora.h): a learned magnitude per output channel over the direction of W + scale B A */
 } LoraSpec;
+
+/* The base weight as floats (a quantized base dequantized): w [out * fan_in]. */
+typedef void (*LoraBaseWeightFn)(const void *ctx, float *w);
 
 typedef struct {
     Module *module;            /* dense or conv2d; not owned */
@@ -68,6 +75,9 @@ typedef struct {
        (B = 0), lora_svd.h; kept with the adapter in checkpoints */
     bool init_reported;
     double init_rel_error, init_default_rel_error;
+    Param M;                   /* DoRA only: "<path>/lora_magnitude" (out); unallocated otherwise */
+    LoraBaseWeightFn base_weight; /* DoRA over a quantized base: its dequantized weight; NULL: the module's weight */
+    const void *base_weight_ctx;
 } LoraAdapter;
 
 /* "default", "gaussian", "loftq", "pissa"; "unknown" outside the enum. */
@@ -92,15 +102,21 @@ void lora_adapter_init_params(LoraAdapter *a, Rng *rng);
 /* Saves the module's current forward hook as the base and makes the
  * adapter the module's forward. Install at most once. */
 void lora_adapter_install(LoraAdapter *a);
-/* base(x) + scale * B(A(dropout(x))), x and y as the module's. */
+/* base(x) + scale * B(A(dropout(x))), x and y as the module's (DoRA:
+ * lora_dora_forward). */
 Var *lora_adapter_forward(Tape *t, LoraAdapter *a, Var *x);
+/* The adapter's branch without the scale: B(A(xd)), xd the adapter's
+ * (dropped-out) input, shaped as the module's output. */
+Var *lora_adapter_branch(Tape *t, LoraAdapter *a, Var *xd);
 
-/* delta [out * fan_in] = scale * B A, in the base weight's layout. */
+/* delta [out * fan_in] = scale * B A, in the base weight's layout (a DoRA
+ * adapter's merged weight is no sum: lora_dora_merge). */
 void lora_adapter_delta(const LoraAdapter *a, float *delta);
-/* w [out * fan_in] += the delta: folds the adapter into a float weight. */
+/* w [out * fan_in] += the delta: folds the adapter into a float weight
+ * (DoRA: w = its merged weight, lora_dora_merge). */
 void lora_adapter_merge(const LoraAdapter *a, float *w);
 
-/* Parameters of A and B together. */
+/* Parameters of A and B (and a DoRA magnitude) together. */
 size_t lora_adapter_param_count(const LoraAdapter *a);
 
 /* Adds to *macs the multiply-adds per example the adapter puts into a

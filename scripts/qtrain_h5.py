@@ -15,7 +15,8 @@ load() maps the layout of docs/CHECKPOINT.md to state_dict names:
 /params/<module>/<tensor> -> "<module>.<tensor>" (weight, bias), /quant/<module>/weight
 (a frozen quantized weight) -> "<module>.weight", dequantized bit for bit as qtrain does
 (qtrain_decode.py's functions), /buffers/<module>/<statistic> -> "<module>.running_mean",
-"running_var", "num_batches_tracked", /lora/<module>/A, B -> "<module>.lora_A", "lora_B".
+"running_var", "num_batches_tracked", /lora/<module>/A, B -> "<module>.lora_A", "lora_B"
+(and a DoRA adapter's magnitude -> "<module>.lora_magnitude_vector", (out,)).
 A module path's "/" becomes ".". Arrays are float32 in PyTorch's shapes, num_batches_tracked
 an int64 scalar. Activation ranges, QAT's learned ranges, optimizer, RNG and data state are
 not part of a state_dict and are left out. A file qtrain would refuse (a wrong shape or count,
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qtrain_decode  # noqa: E402  (the per-format decode; this file only walks the layout)
 
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-LORA = {"A": "lora_A", "B": "lora_B"}
+LORA = {"A": "lora_A", "B": "lora_B", "magnitude": "lora_magnitude_vector"}
 
 
 class QtrainH5Error(ValueError):
@@ -233,7 +234,7 @@ def load(path):
         for module, g in _modules(path, f, "lora"):
             for t, ds in g.items():
                 if t not in LORA:
-                    _fail(path, ds.name[1:], "is not an adapter matrix (A or B)")
+                    _fail(path, ds.name[1:], "is not an adapter matrix (A or B) or a DoRA magnitude")
                 _put(path, out, f"{module}.{LORA[t]}", ds.name[1:], _float_array(path, ds))
     return dict(sorted(out.items()))  # each module's tensors together
 

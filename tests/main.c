@@ -57,6 +57,7 @@
     X(autoquant)  \
     X(shipped_configs) \
     X(qlora)      \
+    X(dora)       \
     X(lora_bn)    \
     X(step_macs)  \
     X(quant_qat)  \

@@ -6,7 +6,9 @@ alpha_pattern, target_modules, modules_to_save; adapter_model.safetensors:
 base_model.model.<module>.lora_A/lora_B.weight and the saved modules'
 tensors), puts base_model.safetensors into the config's model as PyTorch
 builds it (bench/torch_model.py), adds scale * B A to every target weight
-(scale = lora_alpha / r, or / sqrt(r) with use_rslora), loads the saved
+(scale = lora_alpha / r, or / sqrt(r) with use_rslora; with use_dora the
+weight becomes PEFT's DoRA merge m * V / |V|_c, V = W + scale B A, m its
+lora_magnitude_vector, the norm per output channel), loads the saved
 modules, evaluates the test split and compares with `qtrain eval
 --dump-logits`. Prints "peft: ok" or fails naming the mismatch."""
 import argparse
@@ -57,7 +59,12 @@ def main():
         A, B = ad[PREFIX + name + ".lora_A.weight"], ad[PREFIX + name + ".lora_B.weight"]
         W = sd[name + ".weight"]
         delta = (B.reshape(B.shape[0], -1).double() @ A.reshape(A.shape[0], -1).double()).reshape(W.shape)
-        sd[name + ".weight"] = (W.double() + scale * delta).float()
+        V = W.double() + scale * delta
+        if conf.get("use_dora"):
+            m = ad[PREFIX + name + ".lora_magnitude_vector"].double().reshape(-1)
+            norm = V.reshape(V.shape[0], -1).norm(dim=1)
+            V = V * (m / norm).reshape([-1] + [1] * (V.dim() - 1))
+        sd[name + ".weight"] = V.float()
     for name in conf.get("modules_to_save") or []:
         for k in list(sd):
             if k.startswith(name + "."):

@@ -308,6 +308,7 @@ static void test_lora_errors(void) {
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, alpha: 0}\n", "lora.rules[0].alpha", "> 0");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, alpha: 1e-60}\n", "lora.rules[0].alpha", "rounds to 0");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, dropout: 1}\n", "lora.rules[0].dropout", "[0, 1)");
+    EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, dora: 3}\n", NAME ":12:41:", "lora.rules[0].dora", "true or false");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, dropout: 0.999999999}\n", "lora.rules[0].dropout",
                "rounds to 1");
     EXPECT_ERR(LORA "    - {module_path: fc1, rank: 4, init: kaiming}\n", "lora.rules[0].init", "kaiming",
@@ -388,9 +389,9 @@ static void test_rules_round_trip(void) {
         "      act_qtype: fp8_e4m3\n      act_calibration: mse\n",
         "lora:\n  rules:\n    - module_path: conv1\n      op_types: []\n      skip: true\n"
         "    - module_path: \"fc.*|head\"\n      op_types: [dense]\n      skip: false\n      rank: 4\n"
-        "      alpha: 8.5\n      dropout: 0.1\n      rslora: true\n      init: gaussian\n"
+        "      alpha: 8.5\n      dropout: 0.1\n      rslora: true\n      init: gaussian\n      dora: false\n"
         "    - module_path: \".*\"\n      op_types: []\n      skip: false\n      rank: 2\n      alpha: 2\n"
-        "      dropout: 0\n      rslora: false\n      init: default\n  trainable: [head]\n",
+        "      dropout: 0\n      rslora: false\n      init: default\n      dora: false\n  trainable: [head]\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         if (!strstr(text, want[i])) fprintf(stderr, "\n  missing %s in:\n%s", want[i], text);

@@ -437,6 +437,71 @@ static void test_peft_batchnorm_and_groups(void) {
     free(text);
 }
 
+/* A DoRA run over the QLoRA base (tests/configs/tiny-dora.yaml) as a PEFT directory: use_dora true and each
+ * module's lora_magnitude_vector in PEFT's shapes; PyTorch merging PEFT's DoRA weight reproduces the run's logits;
+ * it loads back bit for bit through adapters_from, and a use_dora that is not the rule's dora is refused by name. */
+static void test_peft_dora(void) {
+    char base[1200], out[1100], ck[1200], dir[1100], npy[1100], cmd[4096];
+    snprintf(base, sizeof base, "model.init_from=%s", runs.base_ckpt);
+    snprintf(out, sizeof out, "run.out_dir=%s/dora", runs.root);
+    const char *train[] = {"--config", "tests/configs/tiny-dora.yaml", "--set", base, "--set", out, "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("dora.log", train), 0);
+    snprintf(ck, sizeof ck, "%s/dora/final.h5", runs.root);
+    snprintf(dir, sizeof dir, "%s", path_in("dora-peft"));
+    const char *ex[] = {"export", "--checkpoint", ck, "--format", "peft", "--out", dir, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("dora-peft.log", ex), 0);
+    char *conf = test_file_read(path_in("dora-peft/adapter_config.json"), NULL);
+    CU_ASSERT(conf && strstr(conf, "\"use_dora\": true"));
+    free(conf);
+    StFile f;
+    QtError e = {0};
+    CU_ASSERT_EQUAL_FATAL(st_open(&f, path_in("dora-peft/adapter_model.safetensors"), &e), QT_OK);
+    const StTensor *mc = st_find(&f, "base_model.model.conv1.lora_magnitude_vector");
+    const StTensor *mf = st_find(&f, "base_model.model.fc1.lora_magnitude_vector");
+    CU_ASSERT(mc && mc->ndim == 4 && mc->shape[0] == 1 && mc->shape[1] == 8 && mc->shape[2] == 1 && mc->shape[3] == 1);
+    CU_ASSERT(mf && mf->ndim == 1 && mf->shape[0] == 32);
+    st_close(&f);
+    /* back in, bit for bit */
+    char from[1200], out2[1100];
+    snprintf(from, sizeof from, "model.adapters_from=%s", dir);
+    snprintf(out2, sizeof out2, "run.out_dir=%s/dora-back", runs.root);
+    const char *back[] = {"--config", "tests/configs/tiny-dora.yaml", "--set", base, "--set", from, "--set", out2,
+                          "--set", "train.steps=0", "--set", "train.epochs=0", "--quiet", NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("dora-back.log", back), 0);
+    CU_ASSERT(test_ckpt_group_within(ck, path_in("dora-back/final.h5"), "lora"));
+    CU_ASSERT_EQUAL(eval_loss(path_in("dora-back/final.h5")), eval_loss(ck));
+    /* the directory's DoRA adapters into plain LoRA rules */
+    snprintf(out2, sizeof out2, "run.out_dir=%s/dora-plain", runs.root);
+    const char *plain[] = {"--config", "tests/configs/tiny-dora.yaml", "--set", base, "--set", from, "--set", out2,
+                           "--set", "lora.rules.0.dora=false", "--set", "train.steps=0", "--set", "train.epochs=0",
+                           "--quiet", NULL};
+    CU_ASSERT_NOT_EQUAL(qtrain("dora-plain.log", plain), 0);
+    char *text = test_file_read(path_in("dora-plain.log"), NULL);
+    CU_ASSERT(text && strstr(text, "use_dora is true but this run's lora rule for module conv1 has dora: false; set "
+                                   "dora: true in that rule"));
+    if (text && !strstr(text, "use_dora is true but")) fprintf(stderr, "\n%s\n", text);
+    free(text);
+    if (access("/usr/bin/python3", X_OK) != 0) {
+        test_skip("interop: /usr/bin/python3 is missing (Debian's python3)");
+        return;
+    }
+    snprintf(npy, sizeof npy, "%s", path_in("dora-logits.npy"));
+    const char *ev[] = {"eval", "--checkpoint", ck, "--out", path_in("dora.json"), "--dump-logits", npy, NULL};
+    CU_ASSERT_EQUAL_FATAL(qtrain("dora-dump.log", ev), 0);
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 tests/peft_check.py --config "
+             "tests/configs/tiny-dora.yaml --data-dir data/fashion-mnist-mini --adapter %s --logits %s >%s 2>&1",
+             dir, npy, path_in("dora-torch.log"));
+    int rc = system(cmd);
+    text = test_file_read(path_in("dora-torch.log"), NULL);
+    if (rc != 0 && text && strstr(text, "No module named")) {
+        test_skip("interop: /usr/bin/python3 cannot import torch and numpy (install python3-torch)");
+    } else {
+        if (rc != 0) fprintf(stderr, "\n  %s\n", text ? text : "(no output)");
+        CU_ASSERT(rc == 0 && text && strstr(text, "peft: ok") != NULL);
+    }
+    free(text);
+}
+
 int register_interop_suite(void) {
     CU_pSuite s = CU_add_suite("interop", suite_init, suite_cleanup);
     if (!s) return -1;
@@ -453,6 +518,8 @@ int register_interop_suite(void) {
                         test_peft_export) ||
            !CU_add_test(s, "PEFT export: a trained batch norm saved with its statistics; a grouped conv refused",
                         test_peft_batchnorm_and_groups) ||
+           !CU_add_test(s, "a DoRA run as a PEFT directory: lora_magnitude_vector, PyTorch's DoRA merge reproduces "
+                           "its logits, it loads back; a use_dora mismatch refused", test_peft_dora) ||
            !CU_add_test(s, "scripts/torch_import.py: a residual CNN from PyTorch evaluates to its outputs, fine-tunes; "
                            "what qtrain cannot express is named",
                         test_torch_import)

@@ -44,8 +44,9 @@
  *   /quant/<module>/grad/state   QT: attrs seed, stream, counter of the layer's
  *                     stochastic-rounding generator
  *   /lora/<module>    A (rank, in | rank, C, KH, KW), B (out, rank | OC, rank,
- *                     1, 1), float32; attrs rank, alpha, scale, rslora, dropout, init
- *                     (pissa, loftq: also init_rel_error, init_default_rel_error)
+ *                     1, 1), float32; attrs rank, alpha, scale, rslora, dropout, init, dora
+ *                     (pissa, loftq: also init_rel_error, init_default_rel_error);
+ *                     a DoRA adapter's magnitude (out), float32
  * A released (quantized) weight is not under /params. /quant and /lora are
  * the hook layers' (trainer/hook.h), each kind writing and reading its own
  * part (trainer/hook_ptq.c, hook_lora.c, hook_qat.c, hook_fqt.c).

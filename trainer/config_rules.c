@@ -443,6 +443,7 @@ static QtStatus load_lora_rule(QtError *err, const YNode *item, const char *path
     /* absent: lora.init, filled in once the section is loaded (lora_after; -1 until then) */
     if (st == QT_OK && cfg_field(item, "init")) st = cfg_load_key(err, item, path, LR, "init", r);
     else if (st == QT_OK) s->init = (LoraInit)-1;
+    if (st == QT_OK) st = cfg_load_key(err, item, path, LR, "dora", r);
     return st;
 }
 

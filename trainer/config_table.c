@@ -655,6 +655,8 @@ static const CfgKey LORA_RULE_KEYS[] = {
      .doc = "`default` (A kaiming-uniform, B = 0), `gaussian` (A ~ N(0, 1/rank²), B = 0), `pissa` (B A the top "
             "singular triplets of W, the base the rest) or `loftq` (a ptq base and B A fitted to W in turns); not on "
             "grouped conv2d"},
+    {.key = "dora", .type = CFG_T_BOOL, F(LoraRule, spec.dora), .def = 0,
+     .doc = "DoRA: a learned magnitude per output channel times the direction of W + scale B A (docs/TRAINING.md)"},
 };
 
 const CfgTable CFG_LORA_RULE_TABLE = {.path = "lora.rules[]", .owner = "a lora rule", .keys = LORA_RULE_KEYS,

@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "checkpoint_internal.h"
+#include "lora/lora_dora.h"
+#include "quant/qlayer.h"
 #include "trainer/hook.h"
 #include "trainer/net.h"
 
@@ -33,6 +35,10 @@ static QtStatus lora_check(const Net *n, int module, QtError *err) {
         st = qt_error_set(err, QT_ERR_CONFIG, "%s: lora init %s changes the base weight, which quant.mode %s trains "
                           "quantized; use it over a float or ptq base, or init default", m->path,
                           lora_init_name(ls->init), quant_mode_name(n->cfg->quant.mode));
+    if (st == QT_OK && net_lora_spec(n, module)->dora && (HOOK_QAT.applies(n, module) || HOOK_FQT.applies(n, module)))
+        st = qt_error_set(err, QT_ERR_CONFIG, "%s: dora: true needs a float or a post-training-quantized base weight, "
+                          "but this module is a %s layer (its fake-quantized weight trains); set dora: false, or use "
+                          "quant.mode ptq (QLoRA) or none", m->path, HOOK_QAT.applies(n, module) ? "QAT" : "QT");
     if (st != QT_OK && m->spec.type == LAYER_CONV2D && m->spec.groups > 1 && m->spec.groups == m->in_shape[0]) {
         for (int i = module + 1; i < n->model.n_modules; i++) {
             const Module *c = &n->model.modules[i];
@@ -150,6 +156,34 @@ void net_print_lora_init(const Net *n, FILE *out) {
     }
 }
 
+static void dora_dequantize(const void *ctx, float *w) { qlayer_dequantize_weight(ctx, w); }
+
+/* A DoRA adapter's base weight: the module's float weight, or a quantized
+ * base's dequantized (the dequantizer kept for every forward); its
+ * magnitude starts at the norms of W + scale B A, so this runs after
+ * anything that sets W, A or B at attach. A base of another kind
+ * (QAT's or QT's fake-quantized weight, which trains) has no fixed W to
+ * normalise and is refused. */
+static QtStatus dora_attach(Net *n, LoraAdapter *a, QtError *err) {
+    Module *m = a->module;
+    const QLayer *q = hook_find(hook_layers_find(&n->hooks, &HOOK_PTQ), m);
+    if (!q && (m->forward_hook || !m->weight || m->weight->released))
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: dora: true needs a float or a post-training-quantized base "
+                            "weight, but this module's forward is %s; set dora: false in the lora rule matching %s, or "
+                            "use quant.mode ptq (QLoRA) or none", m->path,
+                            m->forward_hook ? "a QAT or QT layer's (its fake-quantized weight trains)" : "weightless",
+                            m->path);
+    if (!q) return lora_dora_init_magnitude(a, m->weight->var.value.data, err);
+    a->base_weight = dora_dequantize;
+    a->base_weight_ctx = q;
+    float *w = malloc((size_t)a->out * a->fan_in * sizeof(float));
+    if (!w) return qt_error_set(err, QT_ERR_NOMEM, "out of memory initialising the DoRA adapter of %s", m->path);
+    qlayer_dequantize_weight(q, w);
+    QtStatus st = lora_dora_init_magnitude(a, w, err);
+    free(w);
+    return st;
+}
+
 /* Every adapter draws its A from one generator of the run's seed, in module order (pissa and loftq too, then
  * overwritten, so the others' draws do not depend on them). */
 static QtStatus lora_attach(Net *n, HookSet *set, bool fresh, QtError *err) {
@@ -166,6 +200,7 @@ static QtStatus lora_attach(Net *n, HookSet *set, bool fresh, QtError *err) {
         na++;
         lora_adapter_init_params(a, &rng);
         if (fresh && lora_init_is_svd(ls->init) && (st = svd_init_adapter(n, i, a, err)) != QT_OK) break;
+        if (ls->dora && (st = dora_attach(n, a, err)) != QT_OK) break;
         lora_adapter_install(a);
     }
     set->n = na;
@@ -178,15 +213,17 @@ static int lora_params(void *layer, Param **out) {
     LoraAdapter *a = layer;
     out[0] = &a->A;
     out[1] = &a->B;
-    return 2;
+    if (!a->spec.dora) return 2;
+    out[2] = &a->M;
+    return 3;
 }
 
 /* ---- reporting ------------------------------------------------------------------------ */
 
 static void lora_describe(const void *layer, char *buf, size_t cap) {
     const LoraAdapter *a = layer;
-    snprintf(buf, cap, "rank %d alpha %g (scale %g)%s%s", a->spec.rank, (double)a->spec.alpha, (double)a->scale,
-             a->spec.rslora ? " rslora" : "", a->spec.dropout > 0 ? " dropout" : "");
+    snprintf(buf, cap, "rank %d alpha %g (scale %g)%s%s%s", a->spec.rank, (double)a->spec.alpha, (double)a->scale,
+             a->spec.rslora ? " rslora" : "", a->spec.dropout > 0 ? " dropout" : "", a->spec.dora ? " dora" : "");
 }
 
 static size_t lora_bytes(const void *layer) { return lora_adapter_param_count(layer) * sizeof(float); }
@@ -203,6 +240,9 @@ static QtStatus lora_save(H5ioFile *f, const void *layer, QtError *err) {
         st = h5io_write_f32(f, ds, A->data, A->ndim, A->shape, err);
     if (st == QT_OK && (st = ckpt_obj_path(ds, "lora", a->module->path, "B", err)) == QT_OK)
         st = h5io_write_f32(f, ds, B->data, B->ndim, B->shape, err);
+    const Tensor *M = &a->M.var.value;
+    if (st == QT_OK && a->spec.dora && (st = ckpt_obj_path(ds, "lora", a->module->path, "magnitude", err)) == QT_OK)
+        st = h5io_write_f32(f, ds, M->data, M->ndim, M->shape, err);
     if (st == QT_OK) st = h5io_attr_write_i64(f, g, "rank", a->spec.rank, err);
     if (st == QT_OK) st = h5io_attr_write_f64(f, g, "alpha", a->spec.alpha, err);
     if (st == QT_OK) st = h5io_attr_write_f64(f, g, "scale", a->scale, err);
@@ -212,6 +252,7 @@ static QtStatus lora_save(H5ioFile *f, const void *layer, QtError *err) {
     if (st == QT_OK && a->init_reported) st = h5io_attr_write_f64(f, g, "init_rel_error", a->init_rel_error, err);
     if (st == QT_OK && a->init_reported)
         st = h5io_attr_write_f64(f, g, "init_default_rel_error", a->init_default_rel_error, err);
+    if (st == QT_OK) st = h5io_attr_write_i64(f, g, "dora", a->spec.dora, err);
     return st;
 }
 
@@ -223,10 +264,28 @@ static QtStatus lora_check_file(const H5ioFile *f, const HookSet *set, QtError *
 }
 
 typedef struct {
-    float *ab; /* A then B */
+    float *ab; /* A then B (then a DoRA magnitude) */
     bool init_reported;
     double init_rel_error, init_default_rel_error;
 } LoraStaged;
+
+/* A DoRA adapter's file must hold its magnitude, a plain one's none: a
+ * magnitude dropped or ignored would change the model silently. */
+static QtStatus dora_check_file(const H5ioFile *f, const LoraAdapter *a, QtError *err) {
+    char ds[CKPT_OBJ_MAX];
+    QtStatus st = ckpt_obj_path(ds, "lora", a->module->path, "magnitude", err);
+    if (st != QT_OK) return st;
+    bool has = h5io_kind(f, ds) == H5IO_DATASET;
+    if (a->spec.dora && !has)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: the adapter of module %s is a plain LoRA adapter (no /%s), but "
+                            "this run's lora rule for %s has dora: true; set dora: false in that rule, or point at the "
+                            "adapters of a DoRA run", f->path, a->module->path, ds, a->module->path);
+    if (!a->spec.dora && has)
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: the adapter of module %s is a DoRA adapter (it has /%s), but "
+                            "this run's lora rule for %s has dora: false; set dora: true in that rule", f->path,
+                            a->module->path, ds, a->module->path);
+    return QT_OK;
+}
 
 static QtStatus lora_load(const H5ioFile *f, const void *layer, void *staged, QtError *err) {
     const LoraAdapter *a = layer;
@@ -234,10 +293,10 @@ static QtStatus lora_load(const H5ioFile *f, const void *layer, void *staged, Qt
     sg->ab = malloc(lora_adapter_param_count(a) * sizeof(float));
     if (!sg->ab) return qt_error_set(err, QT_ERR_NOMEM, "out of memory loading the adapters of %s", f->path);
     float *dst = sg->ab;
-    const Param *ps[2] = {&a->A, &a->B};
-    const char *names[2] = {"A", "B"};
-    QtStatus st = QT_OK;
-    for (int k = 0; st == QT_OK && k < 2; k++) {
+    const Param *ps[3] = {&a->A, &a->B, &a->M};
+    const char *names[3] = {"A", "B", "magnitude"};
+    QtStatus st = dora_check_file(f, a, err);
+    for (int k = 0; st == QT_OK && k < (a->spec.dora ? 3 : 2); k++) {
         const Tensor *t = &ps[k]->var.value;
         char ds[CKPT_OBJ_MAX], want[64], got[96];
         H5ioInfo info;
@@ -276,6 +335,7 @@ static void lora_commit(void *layer, void *staged) {
     const LoraStaged *sg = staged;
     a->init_reported = sg->init_reported;
     a->init_rel_error = sg->init_rel_error, a->init_default_rel_error = sg->init_default_rel_error;
+    if (a->spec.dora) memcpy(a->M.var.value.data, src + na + nb, var_numel(&a->M.var) * sizeof(float));
 }
 
 static void lora_staged_free(void *staged) { free(((LoraStaged *)staged)->ab); }

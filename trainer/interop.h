@@ -35,8 +35,9 @@ QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force
 bool interop_is_peft_dir(const char *path);
 /* model.adapters_from of a PEFT adapter directory: the run's adapters (its lora rules' modules, ranks and
  * scales must be the directory's target_modules, r / rank_pattern and lora_alpha / alpha_pattern / use_rslora)
- * and lora.trainable modules (modules_to_save) take the directory's tensors. DoRA, bias adapters and
- * fan_in_fan_out are refused by name. interop_peft.c. */
+ * and lora.trainable modules (modules_to_save) take the directory's tensors; use_dora must be the rules' dora (a
+ * DoRA adapter reads lora_magnitude_vector too). Bias adapters and fan_in_fan_out are refused by name.
+ * interop_peft.c. */
 QtStatus interop_load_peft(const char *dir, Net *n, QtError *err);
 
 /* model.init_from of a .safetensors file: every parameter and batch-norm

@@ -7,10 +7,12 @@
  *                              other ranks in rank_pattern / alpha_pattern),
  *                              lora_dropout, target_modules (the adapted
  *                              modules' names), modules_to_save
- *                              (lora.trainable), bias "none"
+ *                              (lora.trainable), bias "none", use_dora
  *   adapter_model.safetensors  base_model.model.<module>.lora_A.weight
  *                              (r, in) or (r, C, kh, kw), .lora_B.weight
- *                              (out, r) or (out, r, 1, 1); for each
+ *                              (out, r) or (out, r, 1, 1); DoRA's
+ *                              .lora_magnitude_vector (out) or (1, OC, 1,
+ *                              1), the key and shapes PEFT saves; for each
  *                              module to save its parameters and
  *                              batch-norm buffers as base_model.model.<module>.<tensor>
  *   base_model.safetensors     the base the adapters were trained on, float32
@@ -107,7 +109,9 @@ static char *config_json(const Net *n, QtError *err) {
     puts_(&t, ",\n  \"lora_dropout\": ");
     put_num(&t, a0->spec.dropout);
     puts_(&t, ",\n  \"bias\": \"none\",\n  \"fan_in_fan_out\": false,\n  \"inference_mode\": true,\n"
-              "  \"init_lora_weights\": true,\n  \"use_dora\": false,\n  \"target_modules\": [");
+              "  \"init_lora_weights\": true,\n  \"use_dora\": ");
+    puts_(&t, a0->spec.dora ? "true" : "false");
+    puts_(&t, ",\n  \"target_modules\": [");
     for (int i = 0; i < na; i++) {
         if (i) puts_(&t, ", ");
         put_str(&t, net_adapter(n, i)->module->path);
@@ -148,7 +152,7 @@ static QtStatus adapter_tensors(const Net *n, StWrite **out, int *n_out, char (*
                                 float **bufs, QtError *err) {
     const int na = net_hook_count(n, &HOOK_LORA);
     const Model *m = &n->model;
-    int cap = 2 * na;
+    int cap = 3 * na;
     size_t floats = 0;
     for (int i = 0; i < m->n_modules; i++)
         if (peft_saved(n, i))
@@ -169,6 +173,15 @@ static QtStatus adapter_tensors(const Net *n, StWrite **out, int *n_out, char (*
             w[k].name = nm[k], w[k].data = ab[j]->var.value.data, w[k].ndim = ab[j]->var.value.ndim;
             for (int d = 0; d < w[k].ndim; d++) w[k].shape[d] = ab[j]->var.value.shape[d];
         }
+        if (!a->spec.dora) continue;
+        /* PEFT's magnitude: (out,) for a linear layer, (1, OC, 1, 1) for a conv (DoraConv2dLayer keeps the norm's
+           keepdim shape) */
+        snprintf(nm[k], sizeof nm[k], PEFT_PREFIX "%s.lora_magnitude_vector", a->module->path);
+        w[k].name = nm[k], w[k].data = a->M.var.value.data;
+        if (a->module->spec.type == LAYER_CONV2D) w[k].ndim = 4, w[k].shape[0] = 1, w[k].shape[1] = a->out,
+                                                  w[k].shape[2] = w[k].shape[3] = 1;
+        else w[k].ndim = 1, w[k].shape[0] = a->out;
+        k++;
     }
     size_t at = 0;
     for (int i = 0; i < m->n_modules; i++) {
@@ -224,9 +237,10 @@ QtStatus interop_export_peft(const char *checkpoint, const char *dir, bool force
                               net_adapter(&n, i)->module->in_shape[0] / net_adapter(&n, i)->module->spec.groups);
     for (int i = 0; st == QT_OK && i < net_hook_count(&n, &HOOK_LORA); i++)
         if (net_adapter(&n, i)->spec.rslora != net_adapter(&n, 0)->spec.rslora ||
-            net_adapter(&n, i)->spec.dropout != net_adapter(&n, 0)->spec.dropout)
-            st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s's adapter differs from %s's in rslora or dropout, "
-                              "which PEFT's adapter_config.json holds once for all modules", checkpoint,
+            net_adapter(&n, i)->spec.dropout != net_adapter(&n, 0)->spec.dropout ||
+            net_adapter(&n, i)->spec.dora != net_adapter(&n, 0)->spec.dora)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: module %s's adapter differs from %s's in rslora, dropout or "
+                              "dora, which PEFT's adapter_config.json holds once for all modules", checkpoint,
                               net_adapter(&n, i)->module->path, net_adapter(&n, 0)->module->path);
     char *json = st == QT_OK ? config_json(&n, err) : NULL;
     if (st == QT_OK && !json) st = QT_ERR_NOMEM;
@@ -406,9 +420,7 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
     if (st == QT_OK && (!pt || !pt->text || strcmp(pt->text, "LORA") != 0))
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: peft_type is %s; qtrain reads LORA adapters only", path,
                           pt && pt->text ? pt->text : "missing");
-    if (st == QT_OK && json_true(root, "use_dora"))
-        st = qt_error_set(err, QT_ERR_FORMAT, "%s: use_dora is true; qtrain has no DoRA adapters (weight-decomposed "
-                          "LoRA): train them as LoRA", path);
+    const bool dora = st == QT_OK && json_true(root, "use_dora");
     if (st == QT_OK && bias && bias->text && strcmp(bias->text, "none") != 0)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s: bias is \"%s\"; qtrain's adapters train no biases (bias \"none\")",
                           path, bias->text);
@@ -429,7 +441,12 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
         st = same_modules(root, "modules_to_save", names, nt, path, "lora.trainable (and lora.batchnorm: train)", err);
     for (int i = 0; st == QT_OK && i < na; i++) {
         const LoraAdapter *a = net_adapter(n, i);
+        if (a->spec.dora != dora)
+            st = qt_error_set(err, QT_ERR_CONFIG, "%s: use_dora is %s but this run's lora rule for module %s has dora: "
+                              "%s; set dora: %s in that rule", path, dora ? "true" : "false", a->module->path,
+                              a->spec.dora ? "true" : "false", dora ? "true" : "false");
         int r = 0;
+        if (st != QT_OK) break;
         double scale = 0;
         st = peft_rank_scale(root, a->module->path, &r, &scale, path, err);
         if (st == QT_OK && (r != a->spec.rank || fabs(scale - a->scale) > 1e-6 * a->scale))
@@ -450,8 +467,16 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
         st = read_into(&f, name, &a->A.var, path, err);
         snprintf(name, sizeof name, PEFT_PREFIX "%s.lora_B.weight", a->module->path);
         if (st == QT_OK) st = read_into(&f, name, &a->B.var, path, err);
+        if (st != QT_OK || !a->spec.dora) continue;
+        /* (out,), or a conv's (1, OC, 1, 1) */
+        snprintf(name, sizeof name, PEFT_PREFIX "%s.lora_magnitude_vector", a->module->path);
+        Var mv = {.value = {.data = a->M.var.value.data, .ndim = 1, .shape = {a->out, 1, 1, 1}}};
+        if (a->module->spec.type == LAYER_CONV2D)
+            mv.value.ndim = 4, mv.value.shape[0] = 1, mv.value.shape[1] = a->out;
+        st = read_into(&f, name, &mv, path, err);
     }
     int n_read = 2 * na;
+    for (int i = 0; i < na; i++) n_read += net_adapter(n, i)->spec.dora;
     for (int i = 0; st == QT_OK && i < n->model.n_modules; i++) {
         Module *mod = &n->model.modules[i];
         if (!peft_saved(n, i)) continue;
@@ -466,8 +491,8 @@ QtStatus interop_load_peft(const char *dir, Net *n, QtError *err) {
     }
     if (st == QT_OK && n_read != f.n)
         st = qt_error_set(err, QT_ERR_FORMAT, "%s holds %d tensors, but this run reads %d (each adapter's lora_A and "
-                          "lora_B, each saved module's parameters and batch-norm buffers): a lora_B bias or a tensor "
-                          "of another module is not read", path, f.n, n_read);
+                          "lora_B (and DoRA's lora_magnitude_vector), each saved module's parameters and batch-norm "
+                          "buffers): a lora_B bias or a tensor of another module is not read", path, f.n, n_read);
     if (open) st_close(&f);
     free(names);
     ynode_free(root);

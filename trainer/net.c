@@ -2,6 +2,7 @@
  * quantizers: trainer/hook.h), attached by the config's rules. */
 #include "net.h"
 #include "interop.h"
+#include "lora/lora_dora.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -362,6 +363,7 @@ QtStatus net_step_macs(const Net *n, StepMacs *macs, QtError *err) {
         if (weight_grad) macs->backward_dw += mm;
         const LoraAdapter *a = hook_find(lora, m);
         if (a) lora_adapter_macs(a, input_grad, weight_grad, macs);
+        if (a && a->spec.dora) lora_dora_batch_macs(a, n->cfg->train.batch_size, macs);
     }
     free(grad);
     return QT_OK;

@@ -118,7 +118,8 @@ static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *no
     QLayer *q = (QLayer *)find_qlayer(n, m);
     if (!q) {
         lora_adapter_merge(a, m->weight->var.value.data);
-        if (log) fprintf(log, "  %-12s float base: W += %g * B A\n", m->path, (double)a->scale);
+        if (log) fprintf(log, "  %-12s float base: W %s %g * B A%s\n", m->path, a->spec.dora ? "= m * dir(W +" : "+=",
+                         (double)a->scale, a->spec.dora ? ") (DoRA)" : "");
         return QT_OK;
     }
     size_t numel = (size_t)q->out * (size_t)q->fan_in;
@@ -150,8 +151,9 @@ static QtStatus merge_one(Net *n, const LoraAdapter *a, double *err2, double *no
             e += d * d, nn += (double)w[i] * w[i];
         }
         *err2 += e, *norm2 += nn;
-        if (log) fprintf(log, "  %-12s %s base: dequantize, add, re-quantize: relative RMSE %.3g\n", m->path,
-                         qtype_name(q->spec.weight_qtype), nn > 0 ? sqrt(e / nn) : 0.0);
+        if (log) fprintf(log, "  %-12s %s base: dequantize, %s, re-quantize: relative RMSE %.3g\n", m->path,
+                         qtype_name(q->spec.weight_qtype), a->spec.dora ? "fold the DoRA adapter" : "add",
+                         nn > 0 ? sqrt(e / nn) : 0.0);
     }
     free(w);
     free(back);
@@ -208,8 +210,9 @@ static QtStatus merge_to_float(const Net *n, const Config *merged, Net *out, boo
         Module *m = model_find_module(&out->model, a->module->path);
         lora_adapter_merge(a, m->weight->var.value.data);
         const QLayer *q = find_qlayer(n, a->module);
-        if (log) fprintf(log, "  %-12s %s base: %sW += %g * B A, stored float32\n", m->path,
-                         q ? qtype_name(q->spec.weight_qtype) : "float", q ? "dequantize, " : "", (double)a->scale);
+        if (log) fprintf(log, "  %-12s %s base: %sW %s %g * B A%s, stored float32\n", m->path,
+                         q ? qtype_name(q->spec.weight_qtype) : "float", q ? "dequantize, " : "",
+                         a->spec.dora ? "= m * dir(W +" : "+=", (double)a->scale, a->spec.dora ? ") (DoRA)" : "");
     }
     return st;
 }
