@@ -140,33 +140,13 @@ static void test_parse_formats(void) {
 
 static char *tmp_root;
 static char bin[PATH_MAX];
-static char last_log[PATH_MAX + 32];
 static bool have_models;
 
 #define CNN "--config tests/configs/tiny-cnn.yaml"
 
-static int cli(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int cli(const char *fmt, ...) {
-    static int n;
-    char args[4096], cmd[4096 + 2 * PATH_MAX + 64];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    snprintf(last_log, sizeof last_log, "%s/cli-%d.log", tmp_root, n++);
-    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 %s %s >%s 2>&1", bin, args, last_log);
-    fflush(NULL);
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-static bool log_has(const char *what) {
-    char *text = test_file_read(last_log, NULL);
-    bool has = text && strstr(text, what);
-    if (!has) fprintf(stderr, "\n  expected '%s' in the output of the command:\n%s\n", what, text ? text : "(none)");
-    free(text);
-    return has;
-}
+/* `qtrain ARGS` into a log under tmp_root (test_util.h); log_has looks in the last one. */
+#define cli(...) test_cli(bin, tmp_root, __VA_ARGS__)
+#define log_has test_cli_log_has
 
 static char *read_at(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static char *read_at(const char *fmt, ...) {
@@ -294,9 +274,9 @@ static void test_autoquant_reproduces_its_choice_from_the_csv(void) {
     char *c1 = read_at("%s/sensitivity.csv", d1), *c2 = read_at("%s/sens-aq/sensitivity.csv", tmp_root);
     CU_ASSERT(c1 && c2 && strcmp(c1, c2) == 0);
     /* the config runs as a PTQ run and evaluates what autoquant printed */
-    char *printed = test_file_read(last_log, NULL);
+    char *printed = test_file_read(test_cli_log(), NULL);
     CU_ASSERT_EQUAL_FATAL(cli("--config %s/autoquant.yaml -q", d2), 0);
-    char *run = test_file_read(last_log, NULL);
+    char *run = test_file_read(test_cli_log(), NULL);
     const char *row = printed ? strstr(printed, "\nautoquant-4.5 ") : NULL;
     double bpp = 0, acc = -1, loss = -1, racc = -2, rloss = -2;
     CU_ASSERT_FATAL(row && sscanf(row, " autoquant-4.5 %lf %lf %lf", &bpp, &acc, &loss) == 3);

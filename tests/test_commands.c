@@ -32,33 +32,10 @@ static int commands_suite_cleanup(void) {
     return ok ? 0 : -1;
 }
 
-static char last_log[PATH_MAX + 32];
 
-/* Runs `qtrain ARGS` (printf-style, through sh, from the repository root) with stdout and stderr into a log;
- * returns the exit status (-1: did not exit). The log's text is read by log_has. */
-static int cli(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int cli(const char *fmt, ...) {
-    static int n;
-    char args[4096], cmd[4096 + 2 * PATH_MAX + 64];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    snprintf(last_log, sizeof last_log, "%s/cli-%d.log", tmp_root, n++);
-    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 %s %s >%s 2>&1", bin, args, last_log);
-    fflush(NULL);
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-/* Whether the last cli() output holds `what`; prints the output if not. */
-static bool log_has(const char *what) {
-    char *text = test_file_read(last_log, NULL);
-    bool has = text && strstr(text, what);
-    if (!has) fprintf(stderr, "\n  expected '%s' in the output of the command:\n%s\n", what, text ? text : "(none)");
-    free(text);
-    return has;
-}
+/* `qtrain ARGS` into a log under tmp_root (test_util.h); log_has looks in the last one. */
+#define cli(...) test_cli(bin, tmp_root, __VA_ARGS__)
+#define log_has test_cli_log_has
 
 static bool path_exists(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static bool path_exists(const char *fmt, ...) {
@@ -338,7 +315,7 @@ static void test_init_from_any_float(void) {
     char want[256] = "", *text = NULL;
     CU_ASSERT_EQUAL(cli(TINY " --set run.out_dir=%s/i32 --set model.init_from=%s --set train.steps=0 "
                         "--set train.epochs=0 --quiet", tmp_root, src), 0);
-    text = test_file_read(last_log, NULL);
+    text = test_file_read(test_cli_log(), NULL);
     if (text) snprintf(want, sizeof want, "%.*s", (int)strcspn(text, "\n"), text);
     free(text);
     CU_ASSERT(strstr(want, "test_accuracy:") != NULL);

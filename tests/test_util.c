@@ -2,12 +2,14 @@
 
 #include <dirent.h>
 #include <hdf5.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "trainer/config.h"
@@ -340,4 +342,30 @@ float *test_random_uniform(size_t n, uint64_t seed, float lo, float hi) {
     rng_init(&r, seed, 7);
     rng_fill_uniform(&r, x, n, lo, hi);
     return x;
+}
+
+static char cli_log[PATH_MAX + 32];
+
+int test_cli(const char *bin, const char *dir, const char *fmt, ...) {
+    static int n;
+    char args[4096], cmd[4096 + 2 * PATH_MAX + 64];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(cli_log, sizeof cli_log, "%s/cli-%d.log", dir, n++);
+    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 %s %s >%s 2>&1", bin, args, cli_log);
+    fflush(NULL);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+const char *test_cli_log(void) { return cli_log; }
+
+bool test_cli_log_has(const char *what) {
+    char *text = test_file_read(cli_log, NULL);
+    bool has = text && strstr(text, what);
+    if (!has) fprintf(stderr, "\n  expected '%s' in the output of the command:\n%s\n", what, text ? text : "(none)");
+    free(text);
+    return has;
 }

@@ -99,6 +99,14 @@ bool test_file_copy(const char *src, const char *dst);
  * malloc'd, NULL if it cannot be read. */
 char *test_metrics_rows(const char *dir);
 
+/* Runs `bin ARGS` (ARGS printf-style, through sh, from the repository root, OpenBLAS on one thread) with
+ * stdout and stderr into dir/cli-N.log; returns the exit status (-1: did not exit). test_cli_log() is that
+ * log's path, test_cli_log_has() looks in it. */
+int test_cli(const char *bin, const char *dir, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+const char *test_cli_log(void);
+/* Whether the last test_cli output holds `what`; prints the output if not. */
+bool test_cli_log_has(const char *what);
+
 /* Whether dir/name exists. */
 bool test_file_exists(const char *dir, const char *name);
 
