@@ -524,6 +524,29 @@ static void test_pissa_qlora(void) {
     free(c), free(d);
 }
 
+/* DoRA over a pissa or loftq init: its magnitude starts at the norms of the fitted W + s B A, so the gain is 1; on
+ * a float base pissa's base + s B A is W, so the fresh model evaluates as the default init's (float rounding); over
+ * int4, loftq's start is nearer the float model than the default's. */
+static void test_dora_with_svd_inits(void) {
+    const char *pf[] = {FLOAT_BASE, "lora.rules.0.dora=true", "lora.init=pissa", "train.steps=0", "train.epochs=0"};
+    const char *df[] = {FLOAT_BASE, "lora.rules.0.dora=true", "train.steps=0", "train.epochs=0"};
+    const char *lq[] = {INT4, "lora.rules.0.dora=true", "lora.init=loftq", "train.steps=0", "train.epochs=0"};
+    const char *dq[] = {INT4, "lora.rules.0.dora=true", "train.steps=0", "train.epochs=0"};
+    const char *const *ovs[4] = {pf, df, lq, dq};
+    const int ns[4] = {COUNT(pf), COUNT(df), COUNT(lq), COUNT(dq)};
+    const char *subs[4] = {"dora-pissa", "dora-default", "dora-loftq", "dora-int4"};
+    TrainResult r[4];
+    for (int k = 0; k < 4; k++) {
+        Config *c = cfg(subs[k], ovs[k], ns[k]);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(c);
+        run_ok(c, NULL, 0, &r[k]);
+        free(c);
+    }
+    CU_ASSERT(fabs(r[0].test_loss - r[1].test_loss) <= 1e-5 * fabs(r[1].test_loss));
+    CU_ASSERT_DOUBLE_EQUAL(r[0].test_accuracy, r[1].test_accuracy, 1e-9);
+    CU_ASSERT(fabs(r[2].test_loss - r[1].test_loss) < fabs(r[3].test_loss - r[1].test_loss));
+}
+
 static void expect_error(const char *sub, const char *const *ov, int n, const char *a, const char *b) {
     Config *c = cfg(sub, ov, n);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
@@ -602,6 +625,7 @@ int register_lora_init_suite(void) {
            !CU_add_test(s, "pissa base identity differs from the default's", test_pissa_base_identity) ||
            !CU_add_test(s, "pissa float base: merge gives W back, merged = unmerged, PEFT export", test_pissa_merge) ||
            !CU_add_test(s, "pissa over a quantized base", test_pissa_qlora) ||
+           !CU_add_test(s, "dora over pissa and loftq starts from the fitted base", test_dora_with_svd_inits) ||
            !CU_add_test(s, "errors: loftq without a quant rule, adapters_from, iters, names, groups",
                         test_bad_inputs);
 }
