@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <CUnit/CUnit.h>
 
@@ -335,6 +336,7 @@ static void test_continue_loftq(void) {
         const LoraAdapter *p = net_adapter(&a, i), *q = net_adapter(&b, i);
         CU_ASSERT(memcmp(p->A.var.value.data, q->A.var.value.data, var_numel(&p->A.var) * 4) == 0);
         CU_ASSERT(memcmp(p->B.var.value.data, q->B.var.value.data, var_numel(&p->B.var) * 4) == 0);
+        CU_ASSERT(!p->init_reported); /* this run's init is default: no loftq residuals under its name */
     }
     for (int i = 0; i < net_hook_count(&a, &HOOK_PTQ); i++)
         CU_ASSERT(qarrays_equal(&net_qlayer(&a, i)->weight, &net_qlayer(&b, i)->weight));
@@ -500,6 +502,14 @@ static void test_pissa_merge(void) {
     st_close(&bf), st_close(&af);
     free(bw), free(a), free(b), free(l), free(want);
     model_free(&fm), model_free(&mm);
+    /* a float export of the base alone (no --merge) would be the residual, no model: refused, naming the ways out */
+    snprintf(path, sizeof path, "%s", test_runs_path(&runs, "m-pissa", "base.safetensors"));
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(interop_export(final, "safetensors", path, false, false, NULL, &err), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&err, "init pissa") && test_msg_has(&err, "--merge") && test_msg_has(&err, "peft"));
+    CU_ASSERT(access(path, F_OK) != 0);
+    qt_error_clear(&err);
+    CU_ASSERT_EQUAL(interop_export(final, "safetensors", path, true, false, NULL, &err), QT_OK);
     free(c0), free(c);
 }
 

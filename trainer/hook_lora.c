@@ -333,7 +333,9 @@ static void lora_commit(void *layer, void *staged) {
     memcpy(a->A.var.value.data, src, na * sizeof(float));
     memcpy(a->B.var.value.data, src + na, nb * sizeof(float));
     const LoraStaged *sg = staged;
-    a->init_reported = sg->init_reported;
+    /* the file's report belongs to the init that fitted its base: kept by a run of that init (a resume), not by one
+       that goes on from its adapters with init default */
+    a->init_reported = sg->init_reported && lora_init_is_svd(a->spec.init);
     a->init_rel_error = sg->init_rel_error, a->init_default_rel_error = sg->init_default_rel_error;
     if (a->spec.dora) memcpy(a->M.var.value.data, src + na + nb, var_numel(&a->M.var) * sizeof(float));
 }

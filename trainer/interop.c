@@ -130,6 +130,17 @@ QtStatus interop_export(const char *checkpoint, const char *format, const char *
     if (st != QT_OK) return st;
     Config *c = malloc(sizeof *c);
     if (!c) return qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    if (!merge && (st = tools_load_config(checkpoint, c, err)) == QT_OK) /* the base alone must be a model */
+        for (int i = 0; st == QT_OK && i < c->lora.n_rules; i++)
+            if (!c->lora.rules[i].skip && lora_init_is_svd(c->lora.rules[i].spec.init))
+                st = qt_error_set(err, QT_ERR_CONFIG, "%s: its lora rule %d has init %s, so its base is the residual "
+                                  "that init fitted, not a model without the adapters; export with --merge (the "
+                                  "trained model) or --format peft (that base and the adapters)", checkpoint, i,
+                                  lora_init_name(c->lora.rules[i].spec.init));
+    if (st != QT_OK) {
+        free(c);
+        return st;
+    }
     Net fl;
     st = tools_float_net(checkpoint, merge, c, &fl, log, err);
     if (st == QT_OK) {

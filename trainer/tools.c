@@ -79,7 +79,7 @@ QtStatus tools_quantize(const Config *cfg, const char *checkpoint, const char *o
     return st;
 }
 
-static QtStatus load_stored_config(const char *path, Config *c, QtError *err) {
+QtStatus tools_load_config(const char *path, Config *c, QtError *err) {
     char *text = NULL, name[CONFIG_PATH_MAX + 16];
     snprintf(name, sizeof name, "%s:/config", path);
     QtStatus st = checkpoint_read_config(path, &text, err);
@@ -227,7 +227,7 @@ QtStatus tools_merge(const char *checkpoint, const char *out, bool dequantize, b
     memset(&n, 0, sizeof n);
     memset(&fl, 0, sizeof fl);
     QtStatus st = c && merged ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    if (st == QT_OK) st = load_stored_config(checkpoint, c, err);
+    if (st == QT_OK) st = tools_load_config(checkpoint, c, err);
     if (st == QT_OK && c->lora.n_rules == 0)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters (its config has no lora rules): nothing to "
                           "merge", checkpoint);
@@ -323,7 +323,7 @@ QtStatus tools_convert(const char *checkpoint, const char *out, bool force, FILE
     Net n;
     memset(&n, 0, sizeof n);
     QtStatus st = c && ptq ? QT_OK : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
-    if (st == QT_OK) st = load_stored_config(checkpoint, c, err);
+    if (st == QT_OK) st = tools_load_config(checkpoint, c, err);
     if (st == QT_OK && c->quant.mode != QUANT_MODE_QAT)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s was written by a quant.mode %s run; qtrain convert turns a qat "
                           "checkpoint into a ptq one", checkpoint, quant_mode_name(c->quant.mode));
@@ -358,7 +358,7 @@ QtStatus tools_float_net(const char *checkpoint, bool merge, Config *cfg, Net *o
     Config *c = malloc(sizeof *c);
     Net n;
     memset(&n, 0, sizeof n);
-    QtStatus st = c ? load_stored_config(checkpoint, c, err) : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
+    QtStatus st = c ? tools_load_config(checkpoint, c, err) : qt_error_set(err, QT_ERR_NOMEM, "out of memory");
     if (st == QT_OK && merge && c->lora.n_rules == 0)
         st = qt_error_set(err, QT_ERR_CONFIG, "%s has no LoRA adapters (its config has no lora rules): nothing to "
                           "merge; leave out --merge", checkpoint);
@@ -392,6 +392,6 @@ QtStatus tools_save_float(const char *out, bool force, const Net *n, const char 
 
 QtStatus tools_load_net(const char *checkpoint, Config *c, Net *n, QtError *err) {
     memset(n, 0, sizeof *n);
-    QtStatus st = load_stored_config(checkpoint, c, err);
+    QtStatus st = tools_load_config(checkpoint, c, err);
     return st == QT_OK ? load_checkpoint_net(checkpoint, c, n, err) : st;
 }

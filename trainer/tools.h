@@ -65,6 +65,9 @@ typedef struct {
  * outlive out, which points at it); net_free(out) after success. */
 QtStatus tools_float_net(const char *checkpoint, bool merge, Config *cfg, Net *out, FILE *log, QtError *err);
 
+/* A checkpoint's stored config (its /config text) into *c. */
+QtStatus tools_load_config(const char *checkpoint, Config *c, QtError *err);
+
 /* The model a checkpoint holds as it trained (parameters, quantized base, adapters, quantizer state) under its
  * stored config *c (c must outlive n); net_free(n) after success. */
 QtStatus tools_load_net(const char *checkpoint, Config *c, Net *n, QtError *err);
