@@ -19,7 +19,7 @@
 typedef struct {
     const char *config, *checkpoint, *formats, *out, *sensitivity;
     double budget;
-    bool have_budget, use_test, force, quiet;
+    bool have_budget, use_test, force, quiet, formats_given;
     const char *overrides[AQ_OVERRIDES_MAX];
     int n_overrides;
 } AqArgs;
@@ -48,11 +48,11 @@ static int aq_parse(int argc, char **argv, const char *cmd, bool autoquant, AqAr
         if (takes && !v) return aq_usage(cmd, "%s needs a value", o);
         if (strcmp(o, "--config") == 0) a->config = v, i++;
         else if (strcmp(o, "--checkpoint") == 0) a->checkpoint = v, i++;
-        else if (strcmp(o, "--formats") == 0) a->formats = v, i++;
+        else if (strcmp(o, "--formats") == 0) a->formats = v, a->formats_given = true, i++;
         else if (strcmp(o, "--out") == 0) a->out = v, i++;
         else if (strcmp(o, "--split") == 0) {
             if (strcmp(v, "test") != 0 && strcmp(v, "val") != 0)
-                return aq_usage(cmd, "--split is val (the validation split, or the training set's held-out tail) "
+                return aq_usage(cmd, "--split is val (the validation split, or the training set's last 10%) "
                                 "or test, not '%s'", v);
             a->use_test = strcmp(v, "test") == 0, i++;
         } else if (strcmp(o, "--set") == 0) {
@@ -118,12 +118,21 @@ static void print_table(FILE *f, const SensTable *t) {
     for (int m = 0; m < t->n_modules; m++)
         for (int k = 0; k < t->n_formats; k++) {
             const SensEntry *e = &t->entries[m * t->n_formats + k];
+            if (e->bits < 0) {
+                fprintf(f, "%-14s %9lld %-8s %-10s %11s %11s %12s %10s  (%s)\n", e->module, (long long)e->params,
+                        e->format, e->layout, "-", "-", "-", "-", e->note);
+                continue;
+            }
             fprintf(f, "%-14s %9lld %-8s %-10s %11.3f %11lld %+12.5f %+9.2f%%\n", e->module, (long long)e->params,
                     e->format, e->layout, e->bits_per_param, (long long)(32 * e->params - e->bits), e->delta_loss,
                     100.0 * e->delta_accuracy);
         }
     fprintf(f, "bits: the quantized weight's storage (codes and scales, e.g. int4 per channel 4 + 32/fan_in per "
                "weight); weights only, biases and batch norms stay float32; saved against float32\n");
+    if (strcmp(t->split, "holdout") == 0)
+        fprintf(stderr, "qtrain: warning: the config has no validation split, so these changes were measured on the "
+                "last 10%% of the training set, which the model trained on; they understate what quantization costs "
+                "on unseen examples (train with data.val_fraction to hold examples out, or give --split test)\n");
 }
 
 static const char *const FMT_COLORS[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
@@ -303,8 +312,11 @@ static QtStatus autoquant_table(const AqArgs *a, const Config *cfg, const SensOp
     QtStatus st = sens_read_csv(a->sensitivity, &all, err);
     if (st == QT_OK) st = sens_identify(cfg, a->checkpoint, a->use_test, &now, err);
     if (st == QT_OK) st = sens_check_csv(&all, a->sensitivity, &now, err);
-    if (st == QT_OK) st = sens_table_select_formats(&all, o->formats, o->n_formats, t, err);
+    /* without --formats: every format the CSV measured */
+    if (st == QT_OK) st = a->formats_given ? sens_table_select_formats(&all, o->formats, o->n_formats, t, err)
+                                           : sens_table_select_formats(&all, all.formats, all.n_formats, t, err);
     if (st == QT_OK) printf("sensitivity from %s (%s split, %d examples)\n", a->sensitivity, t->split, t->examples);
+    if (st == QT_OK && !a->quiet) print_table(stdout, t);
     sens_table_free(&all);
     sens_table_free(&now);
     return st;

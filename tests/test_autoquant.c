@@ -1,7 +1,7 @@
 /* test_autoquant.c - per-module sensitivity and the choice of formats under a budget
  * (trainer/sensitivity.h, `qtrain sensitivity`, `qtrain autoquant`): the exact knapsack against exhaustive search
  * and on a case where upgrading by the best loss-per-bit ratio (greedy) is worse; the commands end to end on the
- * mini set (the held-out split, not the test split, by default; autoquant reproducing its choice from the CSV it
+ * mini set (the training set's tail, not the test split, by default; autoquant reproducing its choice from the CSV it
  * wrote; the written config runs as a PTQ run); and bad input, each a clear error with exit status 2. */
 #include <CUnit/CUnit.h>
 #include <limits.h>
@@ -287,6 +287,50 @@ static void test_autoquant_reproduces_its_choice_from_the_csv(void) {
     free(q1), free(q2), free(c1), free(c2), free(printed), free(run);
 }
 
+/* A format that does not fit a module (int4 in blocks of 16 on conv1's 36 weights) is listed as not available and
+ * never chosen; --sensitivity without --formats takes the CSV's formats; a CSV measured with another quant.fold_bn,
+ * or cut short, is refused by name. */
+static void test_unavailable_formats_and_csv_identity(void) {
+    if (!need_models()) return;
+    CU_ASSERT_EQUAL_FATAL(cli("sensitivity " CNN " --checkpoint %s/cnn/final.h5 --formats int8,int4/16 --out %s/na",
+                              tmp_root, tmp_root), 0);
+    CU_ASSERT(log_has("not available"));
+    char *csv = read_at("%s/na/sensitivity.csv", tmp_root);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(csv);
+    char cell[80];
+    csv_cell(csv, 1, 4, cell, sizeof cell); /* conv1, int4/16 */
+    CU_ASSERT_STRING_EQUAL(cell, "n/a");
+    csv_cell(csv, 1, 7, cell, sizeof cell);
+    CU_ASSERT_STRING_EQUAL(cell, "-1");
+    csv_cell(csv, 3, 4, cell, sizeof cell); /* head, int4/16: 7,840 weights, 490 blocks */
+    CU_ASSERT_STRING_EQUAL(cell, "int4/16");
+    /* no --formats: int4/16 (6 bits a weight) comes from the CSV; under 7 bits head must take it, conv1 cannot */
+    CU_ASSERT_EQUAL_FATAL(cli("autoquant " CNN " --checkpoint %s/cnn/final.h5 --budget 7 --sensitivity "
+                              "%s/na/sensitivity.csv --out %s/na-aq", tmp_root, tmp_root, tmp_root), 0);
+    char na_aq[PATH_MAX];
+    snprintf(na_aq, sizeof na_aq, "%s/na-aq", tmp_root);
+    char *q = quant_section(na_aq);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(q);
+    CU_ASSERT(strstr(q, "module_path: head") && strstr(q, "tile_size: 16"));
+    CU_ASSERT(!strstr(q, "module_path: conv1\n      op_types: []\n      skip: false\n      weight_qtype: int4"));
+    free(q);
+    /* another quant.fold_bn: the CSV is not this measurement's */
+    CU_ASSERT_EQUAL(cli("autoquant " CNN " --set quant.fold_bn=false --checkpoint %s/cnn/final.h5 --budget 4.5 "
+                        "--sensitivity %s/na/sensitivity.csv --out %s/na-fold", tmp_root, tmp_root, tmp_root), 2);
+    CU_ASSERT(log_has("quant.fold_bn"));
+    /* cut short after conv1's rows */
+    char *nl = strchr(csv, '\n');
+    for (int r = 0; nl && r < 2; r++) nl = strchr(nl + 1, '\n');
+    CU_ASSERT_PTR_NOT_NULL_FATAL(nl);
+    char cut[PATH_MAX];
+    snprintf(cut, sizeof cut, "%s/na/cut.csv", tmp_root);
+    test_file_write(cut, csv, (size_t)(nl + 1 - csv));
+    CU_ASSERT_EQUAL(cli("autoquant " CNN " --checkpoint %s/cnn/final.h5 --budget 4.5 --sensitivity %s --out "
+                        "%s/na-cut", tmp_root, cut, tmp_root), 2);
+    CU_ASSERT(log_has("incomplete: it has 1 of this model's 2 modules"));
+    free(csv);
+}
+
 static void test_outputs_follow_the_house_rules(void) {
     if (!need_models()) return;
     CU_ASSERT_EQUAL_FATAL(cli("sensitivity " CNN " --checkpoint %s/cnn/final.h5 --formats int8 --out %s/rules -q",
@@ -373,10 +417,12 @@ int register_autoquant_suite(void) {
            !CU_add_test(s, "sens_choose: bits per weight, float32 as a choice, a budget too small",
                         test_choose_under_budget) ||
            !CU_add_test(s, "--formats: names, /ch and /N, errors", test_parse_formats) ||
-           !CU_add_test(s, "sensitivity measures on held-out training examples, not the test split",
+           !CU_add_test(s, "sensitivity measures on the training set's tail, not the test split",
                         test_sensitivity_holds_out_training_examples) ||
            !CU_add_test(s, "autoquant reproduces its choice from the CSV; its config runs",
                         test_autoquant_reproduces_its_choice_from_the_csv) ||
+           !CU_add_test(s, "a format that does not fit is n/a; the CSV's formats, fold_bn and length",
+                        test_unavailable_formats_and_csv_identity) ||
            !CU_add_test(s, "output files: --force, never over a directory", test_outputs_follow_the_house_rules) ||
            !CU_add_test(s, "--help of both commands", test_help) ||
            !CU_add_test(s, "bad input: a clear error, exit 2", test_bad_input_exits_2);

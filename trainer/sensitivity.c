@@ -290,6 +290,9 @@ static QtStatus data_sha256(const Config *cfg, char hex[65], QtError *err) {
         line += len;
     }
     free(text);
+    /* batch-norm folding decides what each measured PTQ model is */
+    sha256_update(&h, cfg->quant.fold_bn ? "quant.fold_bn: true\n" : "quant.fold_bn: false\n",
+                  cfg->quant.fold_bn ? 20 : 21);
     uint8_t d[SHA256_DIGEST_BYTES];
     sha256_final(&h, d);
     sha256_hex(d, hex);
@@ -403,12 +406,20 @@ static QtStatus measure_one(SensRun *s, const Config *cfg, const char *checkpoin
     char rules[2 * MODULE_NAME_MAX + 128];
     int tile = format_tile(f, e);
     rule_line(rules, sizeof rules, "    ", e->module, f->qtype, tile);
-    QtStatus st = sens_ptq_config(cfg, rules, checkpoint, NULL, NULL, scratch, NULL, err);
-    if (st != QT_OK) return st;
-    e->tile = tile < 0 ? scratch->quant.rules[0].spec.tile_size : tile;
     snprintf(e->format, sizeof e->format, "%s", f->name);
+    QtError why = {0};
+    QtStatus st = sens_ptq_config(cfg, rules, checkpoint, NULL, NULL, scratch, NULL, &why);
+    if (st == QT_OK) e->tile = tile < 0 ? scratch->quant.rules[0].spec.tile_size : tile;
     SensEval ev;
-    if ((st = sens_run_build(s, scratch, err)) != QT_OK) return st;
+    if (st == QT_OK) st = sens_run_build(s, scratch, &why);
+    if (st == QT_ERR_CONFIG) { /* the format does not fit this module (a block that does not divide it): no option */
+        const char *msg = strstr(why.msg, "quant.rules[0]: ");
+        snprintf(e->layout, sizeof e->layout, "n/a");
+        e->tile = tile, e->bits = -1, e->bits_per_param = NAN, e->delta_loss = NAN, e->delta_accuracy = NAN;
+        snprintf(e->note, sizeof e->note, "%.159s", msg ? msg + strlen("quant.rules[0]: ") : why.msg);
+        return QT_OK;
+    }
+    if (st != QT_OK) return qt_error_set(err, st, "%s", why.msg);
     st = sens_run_eval(s, s->split, &ev, err);
     sens_run_drop(s);
     if (st != QT_OK) return st;
@@ -447,7 +458,9 @@ QtStatus sens_measure(const Config *cfg, const SensOptions *o, SensTable *t, QtE
         for (int f = 0; st == QT_OK && f < t->n_formats; f++) {
             SensEntry *e = &t->entries[m * t->n_formats + f];
             st = measure_one(&s, cfg, o->checkpoint, &o->formats[f], e, t, scratch, err);
-            if (st == QT_OK && o->log)
+            if (st == QT_OK && o->log && e->bits < 0)
+                fprintf(o->log, "  %-12s %-8s not available: %s\n", e->module, e->format, e->note), fflush(o->log);
+            else if (st == QT_OK && o->log)
                 fprintf(o->log, "  %-12s %-8s %-10s %7.3f bits/weight  delta loss %+.4f  delta accuracy %+.4f\n",
                         e->module, e->format, e->layout, e->bits_per_param, e->delta_loss, e->delta_accuracy),
                     fflush(o->log);

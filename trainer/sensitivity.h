@@ -10,8 +10,10 @@
  * (quant.fold_bn), and evaluated; the change of the loss and accuracy
  * against the float model is the module's sensitivity to that format. The
  * split is the validation split (data.val_fraction, or a data file's /val)
- * or, when the config has none, a fixed held-out part of the training set:
- * its last SENS_HOLDOUT_FRACTION (split "holdout"); the test split only
+ * or, when the config has none, a fixed part of the training set apart
+ * from the test split: its last SENS_HOLDOUT_FRACTION (split "holdout",
+ * seen in training unless data.val_fraction held it out; the commands
+ * warn); the test split only
  * when asked (split "test"), since the choice made from it would otherwise
  * be judged on the examples it was made on.
  *
@@ -66,9 +68,11 @@ typedef struct {
     char format[SENS_FORMAT_NAME_MAX]; /* SensFormat.name */
     char layout[SENS_FORMAT_NAME_MAX]; /* what the rule resolved to: "nf4/64", "int4/ch" */
     int tile;                        /* the tile_size the rule is written with (0: per channel) */
-    int64_t bits;                    /* the quantized weight's storage x 8 */
+    int64_t bits;                    /* the quantized weight's storage x 8; -1: the format does not fit the
+                                        module (a block that does not divide it), layout "n/a", the rest NaN */
     double bits_per_param;           /* bits / params */
     double delta_loss, delta_accuracy; /* against the float model on the split */
+    char note[160];                  /* bits -1: why (not in the CSV) */
 } SensEntry;
 
 /* Every module x format, module-major in model order. */

@@ -81,7 +81,9 @@ static QtStatus csv_row(char **f, SensTable *t, SensEntry *e, bool first, const 
     double base_loss = 0, base_acc = 0;
     if (!parse_num(f[10], &base_loss) || !parse_num(f[11], &base_acc))
         return csv_bad(err, path, line, "base_loss or base_accuracy is malformed");
-    if (e->params < 1 || e->bits < 1 || !isfinite(e->delta_loss))
+    if (e->bits == -1 && !isfinite(e->delta_loss)) /* a format that does not fit the module */
+        snprintf(e->note, sizeof e->note, "%s", "the format does not fit this module");
+    else if (e->params < 1 || e->bits < 1 || !isfinite(e->delta_loss))
         return csv_bad(err, path, line, "params, bits or delta_loss is out of range");
     if (first) {
         t->base_loss = base_loss, t->base_accuracy = base_acc;
@@ -183,6 +185,14 @@ QtStatus sens_check_csv(const SensTable *csv, const char *path, const SensTable 
         const SensEntry *a = &csv->entries[m * csv->n_formats], *b = &now->entries[m * (now->n_formats ? now->n_formats : 1)];
         same = strcmp(a->module, b->module) == 0 && a->params == b->params;
     }
+    bool prefix = !same && csv->n_modules < now->n_modules; /* a table cut short: its modules the model's first */
+    for (int m = 0; prefix && m < csv->n_modules; m++) {
+        const SensEntry *a = &csv->entries[m * csv->n_formats], *b = &now->entries[m * (now->n_formats ? now->n_formats : 1)];
+        prefix = strcmp(a->module, b->module) == 0 && a->params == b->params;
+    }
+    if (prefix)
+        return qt_error_set(err, QT_ERR_ARG, "--sensitivity %s is incomplete: it has %d of this model's %d modules "
+                            "(a measurement cut short?); %s", path, csv->n_modules, now->n_modules, hint);
     if (!same)
         return qt_error_set(err, QT_ERR_ARG, "--sensitivity %s was measured on another model (its modules or their "
                             "sizes differ from this config's); %s", path, hint);
@@ -191,7 +201,7 @@ QtStatus sens_check_csv(const SensTable *csv, const char *path, const SensTable 
                             "this checkpoint's %.12s...); %s", path, csv->weights_sha256, now->weights_sha256, hint);
     if (strcmp(csv->data_sha256, now->data_sha256) != 0)
         return qt_error_set(err, QT_ERR_ARG, "--sensitivity %s was measured with another data section of the config "
-                            "(data_sha256 differs); %s", path, hint);
+                            "or another quant.fold_bn (data_sha256 differs); %s", path, hint);
     if (strcmp(csv->split, now->split) != 0)
         return qt_error_set(err, QT_ERR_ARG, "--sensitivity %s was measured on the %s split, this run uses %s; %s",
                             path, csv->split, now->split, hint);
@@ -304,8 +314,8 @@ QtStatus sens_choose(const SensTable *t, double budget, int *choice, QtError *er
         params += row->params;
         int64_t lo = 32 * row->params;
         for (int f = 0; f < t->n_formats; f++) {
-            bits[m * k + f] = row[f].bits, delta[m * k + f] = row[f].delta_loss;
-            if (row[f].bits < lo) lo = row[f].bits;
+            bits[m * k + f] = row[f].bits, delta[m * k + f] = row[f].delta_loss; /* bits -1: no option */
+            if (row[f].bits >= 0 && row[f].bits < lo) lo = row[f].bits;
         }
         bits[m * k + t->n_formats] = 32 * row->params, delta[m * k + t->n_formats] = 0.0;
         least += lo;
