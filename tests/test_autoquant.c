@@ -407,6 +407,21 @@ static void test_bad_input_exits_2(void) {
     CU_ASSERT_EQUAL(cli("autoquant " CNN " --checkpoint %s/cnn/final.h5 --budget 8.5 --sensitivity %s --out %s/bad",
                         tmp_root, path, tmp_root), 2);
     CU_ASSERT(log_has("the header is not qtrain sensitivity's"));
+    /* ours, with a count no model has (cast to an integer it would overflow) */
+    char *good = read_at("%s/sens-cnn8/sensitivity.csv", tmp_root);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(good);
+    char *row = strchr(good, '\n'), *comma = row ? strchr(row + 1, ',') : NULL;
+    CU_ASSERT_PTR_NOT_NULL_FATAL(comma);
+    char *end = strchr(comma + 1, ',');
+    CU_ASSERT_PTR_NOT_NULL_FATAL(end);
+    char *big = malloc(strlen(good) + 64);
+    snprintf(big, strlen(good) + 64, "%.*s1e300%s", (int)(comma + 1 - good), good, end);
+    snprintf(path, sizeof path, "%s/big.csv", tmp_root);
+    test_file_write(path, big, strlen(big));
+    CU_ASSERT_EQUAL(cli("autoquant " CNN " --checkpoint %s/cnn/final.h5 --budget 8.5 --sensitivity %s --out %s/bad",
+                        tmp_root, path, tmp_root), 2);
+    CU_ASSERT(log_has("big.csv:2: a count (params, fan_in, tile, bits or examples) is out of range"));
+    free(big), free(good);
 }
 
 int register_autoquant_suite(void) {

@@ -2,6 +2,7 @@
  * format per module under a bits-per-weight budget (sensitivity.h). */
 #include <errno.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,6 +39,7 @@ QtStatus sens_write_csv(const SensTable *t, const char *path, bool force, QtErro
 }
 
 #define CSV_FIELDS 16
+#define SENS_CSV_ROWS_MAX (256 * SENS_FORMATS_MAX) /* csv_shape's modules x formats */
 
 /* Splits line (modified) at commas into f[CSV_FIELDS]; the count. */
 static int split_fields(char *line, char **f) {
@@ -69,6 +71,12 @@ static QtStatus csv_row(char **f, SensTable *t, SensEntry *e, bool first, const 
     const int num_idx[8] = {1, 2, 5, 6, 7, 8, 9, 13};
     for (int i = 0; i < 8; i++)
         if (!parse_num(f[num_idx[i]], &v[i])) return csv_bad(err, path, line, "a number is malformed");
+    /* params, fan_in, tile, bits, examples: whole numbers a model can have, before they are cast */
+    const int int_idx[5] = {0, 1, 2, 4, 7};
+    for (int i = 0; i < 5; i++)
+        if (!(v[int_idx[i]] >= -1.0 && v[int_idx[i]] <= 9007199254740992.0) || v[int_idx[i]] != floor(v[int_idx[i]]) ||
+            (int_idx[i] != 4 && int_idx[i] != 0 && v[int_idx[i]] > (double)INT32_MAX))
+            return csv_bad(err, path, line, "a count (params, fan_in, tile, bits or examples) is out of range");
     if (strlen(f[0]) >= MODULE_NAME_MAX || strlen(f[3]) >= SENS_FORMAT_NAME_MAX || strlen(f[4]) >= SENS_FORMAT_NAME_MAX ||
         strlen(f[12]) >= sizeof t->split || strlen(f[14]) != 64 || strlen(f[15]) != 64)
         return csv_bad(err, path, line, "a name or hash has the wrong length");
@@ -157,6 +165,10 @@ QtStatus sens_read_csv(const char *path, SensTable *t, QtError *err) {
         char *f[CSV_FIELDS];
         if (split_fields(line, f) != CSV_FIELDS) {
             st = csv_bad(err, path, lineno, "it does not have 16 fields");
+            break;
+        }
+        if (n == SENS_CSV_ROWS_MAX) { /* more modules x formats than a table can hold: not ours */
+            st = csv_bad(err, path, lineno, "it has more rows than 256 modules x 8 formats");
             break;
         }
         if (n == cap) {
