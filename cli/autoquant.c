@@ -251,6 +251,8 @@ int autoquant_cmd_sensitivity(int argc, char **argv) {
     char dir[4096], csv[4200];
     aq_out_dir(&a, "sensitivity", dir, sizeof dir);
     QtStatus st = cfg ? load_config(&a, cfg, &o, &err) : qt_error_set(&err, QT_ERR_NOMEM, "out of memory");
+    struct stat before;
+    const bool made = lstat(dir, &before) != 0; /* a refused run leaves no empty directory of its own behind */
     if (st == QT_OK) st = aq_make_dir(dir, &err);
     if (st == QT_OK) { /* refuse what cannot be replaced before the measurement */
         snprintf(csv, sizeof csv, "%s/sensitivity.csv", dir);
@@ -264,6 +266,7 @@ int autoquant_cmd_sensitivity(int argc, char **argv) {
     if (st == QT_OK) printf("wrote %s and %s/sensitivity.svg\n", csv, dir);
     sens_table_free(&t);
     free(cfg);
+    if (st != QT_OK && made) rmdir(dir); /* only if empty: a measured table stays */
     return st == QT_OK ? 0 : aq_fail(&err);
 }
 
@@ -338,6 +341,8 @@ int autoquant_cmd_autoquant(int argc, char **argv) {
     int *choice = NULL;
     char *rules = NULL, *text = NULL;
     QtStatus st = cfg && ptq ? load_config(&a, cfg, &o, &err) : qt_error_set(&err, QT_ERR_NOMEM, "out of memory");
+    struct stat before;
+    const bool made = lstat(dir, &before) != 0; /* a refused run leaves no empty directory of its own behind */
     if (st == QT_OK) st = aq_make_dir(dir, &err);
     if (st == QT_OK) st = fs_check_out_path(yaml_path, a.force, "--out:", &err);
     if (st == QT_OK) st = autoquant_table(&a, cfg, &o, dir, &t, &err);
@@ -373,5 +378,6 @@ int autoquant_cmd_autoquant(int argc, char **argv) {
     free(rules), free(text), free(choice);
     sens_table_free(&t);
     free(cfg), free(ptq);
+    if (st != QT_OK && made) rmdir(dir); /* only if empty: a measured table stays */
     return st == QT_OK ? 0 : aq_fail(&err);
 }

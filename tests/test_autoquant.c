@@ -384,6 +384,7 @@ static void test_bad_input_exits_2(void) {
                         "%s/bad-budget -q", tmp_root, tmp_root), 2);
     CU_ASSERT(log_has("is below"));
     CU_ASSERT(!test_file_exists(tmp_root, "bad-budget/autoquant.yaml"));
+
     /* a CSV of another model (the tiny MLP) */
     CU_ASSERT_EQUAL_FATAL(cli("sensitivity --config tests/configs/tiny-mlp.yaml --checkpoint %s/mlp/final.h5 "
                               "--formats int8 --out %s/sens-mlp -q", tmp_root, tmp_root), 0);
@@ -400,6 +401,11 @@ static void test_bad_input_exits_2(void) {
     CU_ASSERT_EQUAL(cli("autoquant " CNN " --checkpoint %s/cnn/final.h5 --budget 8.5 --formats int4 --sensitivity "
                         "%s/sens-cnn8/sensitivity.csv --out %s/bad", tmp_root, tmp_root, tmp_root), 2);
     CU_ASSERT(log_has("has no format int4"));
+    /* a budget refused with a table read from elsewhere: nothing written, so no directory left behind */
+    CU_ASSERT_EQUAL(cli("autoquant " CNN " --checkpoint %s/cnn/final.h5 --budget 1 --sensitivity "
+                        "%s/sens-cnn8/sensitivity.csv --out %s/bad-empty", tmp_root, tmp_root, tmp_root), 2);
+    CU_ASSERT(log_has("is below"));
+    CU_ASSERT(!test_file_exists(tmp_root, "bad-empty"));
     /* not a CSV of ours */
     char path[PATH_MAX];
     snprintf(path, sizeof path, "%s/junk.csv", tmp_root);
