@@ -456,10 +456,15 @@ static int cmd_merge(int argc, char **argv) {
     MergeReport rep;
     QtStatus st = tools_merge(a.checkpoint, a.out, a.dequantize, a.force, a.quiet ? NULL : stdout, &rep, &err);
     if (st != QT_OK) return fail(&err, exit_status(&err));
-    printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f delta:%+.4f "
-           "test_loss_before:%.4f test_loss_after:%.4f out:%s\n", rep.modules, rep.mode, rep.weight_rel_rmse,
-           rep.test_accuracy_before, rep.test_accuracy_after, rep.test_accuracy_after - rep.test_accuracy_before,
-           rep.test_loss_before, rep.test_loss_after, a.out);
+    if (isnan(rep.test_accuracy_before)) /* an mse model: its loss is the test mse, as training prints it */
+        printf("merged:%d mode:%s weight_rel_rmse:%.4g test_mse_before:%.6f test_mse_after:%.6f delta:%+.6f out:%s\n",
+               rep.modules, rep.mode, rep.weight_rel_rmse, rep.test_loss_before, rep.test_loss_after,
+               rep.test_loss_after - rep.test_loss_before, a.out);
+    else
+        printf("merged:%d mode:%s weight_rel_rmse:%.4g test_accuracy_before:%.4f test_accuracy_after:%.4f "
+               "delta:%+.4f test_loss_before:%.4f test_loss_after:%.4f out:%s\n", rep.modules, rep.mode,
+               rep.weight_rel_rmse, rep.test_accuracy_before, rep.test_accuracy_after,
+               rep.test_accuracy_after - rep.test_accuracy_before, rep.test_loss_before, rep.test_loss_after, a.out);
     return 0;
 }
 
@@ -549,8 +554,13 @@ static int cmd_convert(int argc, char **argv) {
     ConvertReport rep;
     if (tools_convert(a.checkpoint, a.out, a.force, a.quiet ? NULL : stdout, &rep, &err) != QT_OK)
         return fail(&err, exit_status(&err));
-    printf("converted:%d test_accuracy_qat:%.4f test_accuracy_ptq:%.4f test_loss_qat:%.6f test_loss_ptq:%.6f out:%s\n",
-           rep.modules, rep.test_accuracy_qat, rep.test_accuracy_ptq, rep.test_loss_qat, rep.test_loss_ptq, a.out);
+    if (isnan(rep.test_accuracy_qat)) /* an mse model */
+        printf("converted:%d test_mse_qat:%.6f test_mse_ptq:%.6f out:%s\n", rep.modules, rep.test_loss_qat,
+               rep.test_loss_ptq, a.out);
+    else
+        printf("converted:%d test_accuracy_qat:%.4f test_accuracy_ptq:%.4f test_loss_qat:%.6f test_loss_ptq:%.6f "
+               "out:%s\n", rep.modules, rep.test_accuracy_qat, rep.test_accuracy_ptq, rep.test_loss_qat,
+               rep.test_loss_ptq, a.out);
     return 0;
 }
 

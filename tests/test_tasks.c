@@ -472,6 +472,43 @@ static void test_ae_ptq_int8(void) {
 
 /* The binary refuses cross_entropy with target: input before touching run.out_dir; and anomaly classes the
  * test split lacks leave the AUC undefined, which is an error naming them. */
+/* `qtrain merge` and `qtrain convert` of autoencoder runs (LoRA over the float model; QAT) print the test mse
+ * before and after, not an accuracy, which an mse model does not have. */
+static void test_ae_merge_convert_print_mse(void) {
+    char init[1100];
+    snprintf(init, sizeof init, "model.init_from=%s/ae/final.h5", runs.root);
+    if (!test_file_exists(runs.root, "ae/final.h5")) {
+        test_skip("the autoencoder of test_ae_trains is missing (run the whole tasks suite)");
+        return;
+    }
+    const char *lo[] = {init, "lora.rules=[{module_path: enc, rank: 4}]", "lora.batchnorm=frozen", "train.steps=10"};
+    const char *qo[] = {"quant.mode=qat", "quant.rules=[{module_path: \".*\", weight_qtype: int8}]", "train.steps=10"};
+    Config *l = test_runs_config(&runs, AE_CONFIG, "ae-lora", lo, 4), *q = test_runs_config(&runs, AE_CONFIG, "ae-qat",
+                                                                                              qo, 3);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(l);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(q);
+    QtError err = {0};
+    TrainResult r;
+    if (test_runs_train(l, NULL, 0, &r, &err) != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(err.status, QT_OK);
+    if (test_runs_train(q, NULL, 0, &r, &err) != QT_OK) fprintf(stderr, "\n  %s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(err.status, QT_OK);
+    char *lc = test_path_join(runs.root, "ae-lora/final.h5"), *lm = test_path_join(runs.root, "ae-lora/merged.h5");
+    char *qc = test_path_join(runs.root, "ae-qat/final.h5"), *qm = test_path_join(runs.root, "ae-qat/ptq.h5");
+    char *log = test_path_join(runs.root, "ae-merge.log");
+    CU_ASSERT_EQUAL(test_proc_run(log, (const char *const[]){"merge", "--checkpoint", lc, "--out", lm, "-q", NULL},
+                                  120), 0);
+    char *text = test_file_read(log, NULL);
+    CU_ASSERT(text && strstr(text, "test_mse_before:") && strstr(text, "test_mse_after:") && !strstr(text, "nan"));
+    free(text);
+    CU_ASSERT_EQUAL(test_proc_run(log, (const char *const[]){"convert", "--checkpoint", qc, "--out", qm, "-q", NULL},
+                                  120), 0);
+    text = test_file_read(log, NULL);
+    CU_ASSERT(text && strstr(text, "test_mse_qat:") && strstr(text, "test_mse_ptq:") && !strstr(text, "nan"));
+    free(text);
+    free(lc), free(lm), free(qc), free(qm), free(log), free(l), free(q);
+}
+
 static void test_ae_refusals(void) {
     char *log = test_path_join(runs.root, "refused.log"), *od = test_path_join(runs.root, "refused");
     char set_out[1100];
@@ -513,5 +550,6 @@ int register_tasks_suite(void) {
            !CU_add_test(s, "tiny autoencoder: file storage drops the same examples", test_ae_file_storage) ||
            !CU_add_test(s, "tiny autoencoder: eval writes scores.csv and test_auc", test_ae_eval_scores) ||
            !CU_add_test(s, "tiny autoencoder: int8 PTQ, compare by mse", test_ae_ptq_int8) ||
+           !CU_add_test(s, "tiny autoencoder: merge and convert print the test mse", test_ae_merge_convert_print_mse) ||
            !CU_add_test(s, "tiny autoencoder: refusals", test_ae_refusals);
 }
