@@ -58,16 +58,7 @@ static void fill_normal(float *x, size_t n, uint64_t seed) {
 
 /* The model's output on x (no gradients) into y [YMAX]; its numel. */
 static size_t forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const int *shape, bool training, float *y) {
-    tape_reset(&e->tape);
-    e->tape.training = training;
-    e->tape.grad_enabled = false;
-    Var *out = model_forward(m, &e->tape, test_var(e, x, ndim, shape, false));
-    if (!out) fprintf(stderr, "\n  forward: %s\n", e->tape.err.msg);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
-    size_t n = var_numel(out);
-    CU_ASSERT_FATAL(n <= YMAX);
-    memcpy(y, out->value.data, n * sizeof(float));
-    return n;
+    return test_forward_copy(m, e, x, ndim, shape, training, y, YMAX);
 }
 
 /* The layers most tests adapt: dense, and conv with stride 2 and padding 1. */

@@ -369,3 +369,17 @@ bool test_cli_log_has(const char *what) {
     free(text);
     return has;
 }
+
+size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const int *shape, bool training, float *y,
+                         size_t cap) {
+    tape_reset(&e->tape);
+    e->tape.training = training;
+    e->tape.grad_enabled = false;
+    Var *out = model_forward(m, &e->tape, test_var(e, x, ndim, shape, false));
+    if (!out) fprintf(stderr, "\n  forward: %s\n", e->tape.err.msg);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+    size_t n = var_numel(out);
+    CU_ASSERT_FATAL(n <= cap);
+    memcpy(y, out->value.data, n * sizeof(float));
+    return n;
+}

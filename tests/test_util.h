@@ -25,6 +25,10 @@ void test_env_free(TestEnv *e);
 
 /* A Var in the env's arena holding a copy of data, requires_grad as given. */
 Var *test_var(TestEnv *e, const float *data, int ndim, const int *shape, bool requires_grad);
+/* m's output on x (ndim, shape; no gradients, the tape's training flag as given) into y [cap]; its numel
+ * (a failed forward or more than cap values fail the test). */
+size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const int *shape, bool training, float *y,
+                         size_t cap);
 
 /* max |a[i] - b[i]| / (atol + rtol * |b[i]|) over i: <= 1 means close.
  * *worst gets the index of the worst element if non-NULL. */
