@@ -116,6 +116,10 @@ static void lora_param_free(Param *p) {
     memset(p, 0, sizeof *p);
 }
 
+float lora_spec_scale(const LoraSpec *spec) {
+    return spec->rslora ? (float)(spec->alpha / sqrt((double)spec->rank)) : (float)((double)spec->alpha / spec->rank);
+}
+
 QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtError *err) {
     memset(a, 0, sizeof *a);
     QtStatus st = lora_spec_check(spec, m, err);
@@ -124,7 +128,7 @@ QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtEr
     int r = spec->rank;
     a->module = m;
     a->spec = *spec;
-    a->scale = spec->rslora ? (float)(spec->alpha / sqrt((double)r)) : (float)((double)spec->alpha / r);
+    a->scale = lora_spec_scale(spec);
     weight_dims(m, &a->out, &a->fan_in);
     if (m->spec.type == LAYER_DENSE) {
         st = lora_param_alloc(&a->A, m->path, "lora_A", 2, (const int[]){r, a->fan_in}, err);

@@ -90,6 +90,9 @@ QtStatus lora_init_parse(const char *name, LoraInit *out, QtError *err);
  * [0, 1)). Messages start with the module path. */
 QtStatus lora_spec_check(const LoraSpec *spec, const Module *m, QtError *err);
 
+/* The adapter's scale: alpha / rank, or alpha / sqrt(rank) with rslora. */
+float lora_spec_scale(const LoraSpec *spec);
+
 /* Allocates A and B (trainable, zeroed) for module m after
  * lora_spec_check. On error a is left zeroed. */
 QtStatus lora_adapter_init(LoraAdapter *a, Module *m, const LoraSpec *spec, QtError *err);

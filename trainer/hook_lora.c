@@ -72,11 +72,6 @@ static QtStatus svd_quantize(void *ctx, const float *target, float *deq, QtError
     return st;
 }
 
-/* The adapter's scale, as lora_adapter_init computes it. */
-static float svd_scale(const LoraSpec *ls) {
-    return ls->rslora ? (float)(ls->alpha / sqrt((double)ls->rank)) : (float)((double)ls->alpha / ls->rank);
-}
-
 /* pissa / loftq on module i's float weight w: A, B staged in n->lora_init[i], base [numel] the new base (the
  * residual, or the dequantized quantized base with q). */
 static QtStatus svd_init_module(Net *n, int i, const float *w, QLayer *q, const Rng *round_rng, float *base,
@@ -91,7 +86,7 @@ static QtStatus svd_init_module(Net *n, int i, const float *w, QLayer *q, const 
     SvdQuant sq = {.q = q, .m = m, .spec = q ? q->spec : (QLayerSpec){0}, .rng = round_rng};
     int iters = ls->init == LORA_INIT_LOFTQ ? n->cfg->lora.loftq_iters : 0;
     QtError e = {0};
-    QtStatus st = lora_svd_init(w, out, fan_in, r, svd_scale(ls), iters, q ? svd_quantize : NULL, &sq, li->ab,
+    QtStatus st = lora_svd_init(w, out, fan_in, r, lora_spec_scale(ls), iters, q ? svd_quantize : NULL, &sq, li->ab,
                                 li->ab + (size_t)r * fan_in, base, &li->report, &e);
     if (st != QT_OK) {
         free(li->ab), li->ab = NULL;
