@@ -218,6 +218,15 @@ static QtStatus write_text(const char *path, const char *text, bool force, QtErr
                         errno == EEXIST ? "something appeared there meanwhile; nothing was replaced" : strerror(errno));
 }
 
+/* DIR/sensitivity.csv and .svg may be written (refused before any measurement, so no work is lost). */
+static QtStatus check_table_files(const char *dir, bool force, QtError *err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/sensitivity.csv", dir);
+    QtStatus st = fs_check_out_path(path, force, "--out:", err);
+    snprintf(path, sizeof path, "%s/sensitivity.svg", dir);
+    return st == QT_OK ? fs_check_out_path(path, force, "--out:", err) : st;
+}
+
 /* DIR/sensitivity.csv and .svg: both checked before either is written. */
 static QtStatus write_table_files(const char *dir, const SensTable *t, bool force, char *csv, size_t cap,
                                   QtError *err) {
@@ -254,12 +263,7 @@ int autoquant_cmd_sensitivity(int argc, char **argv) {
     struct stat before;
     const bool made = lstat(dir, &before) != 0; /* a refused run leaves no empty directory of its own behind */
     if (st == QT_OK) st = aq_make_dir(dir, &err);
-    if (st == QT_OK) { /* refuse what cannot be replaced before the measurement */
-        snprintf(csv, sizeof csv, "%s/sensitivity.csv", dir);
-        st = fs_check_out_path(csv, a.force, "--out:", &err);
-        snprintf(csv, sizeof csv, "%s/sensitivity.svg", dir);
-        if (st == QT_OK) st = fs_check_out_path(csv, a.force, "--out:", &err);
-    }
+    if (st == QT_OK) st = check_table_files(dir, a.force, &err); /* before the measurement */
     if (st == QT_OK) st = sens_measure(cfg, &o, &t, &err);
     if (st == QT_OK) print_table(stdout, &t);
     if (st == QT_OK) st = write_table_files(dir, &t, a.force, csv, sizeof csv, &err);
@@ -345,6 +349,7 @@ int autoquant_cmd_autoquant(int argc, char **argv) {
     const bool made = lstat(dir, &before) != 0; /* a refused run leaves no empty directory of its own behind */
     if (st == QT_OK) st = aq_make_dir(dir, &err);
     if (st == QT_OK) st = fs_check_out_path(yaml_path, a.force, "--out:", &err);
+    if (st == QT_OK && !a.sensitivity) st = check_table_files(dir, a.force, &err); /* before the measurement */
     if (st == QT_OK) st = autoquant_table(&a, cfg, &o, dir, &t, &err);
     if (st == QT_OK && !(choice = calloc((size_t)t.n_modules, sizeof *choice)))
         st = qt_error_set(&err, QT_ERR_NOMEM, "out of memory");
