@@ -31,12 +31,12 @@ static int dora_groups(const LoraAdapter *a) {
 void lora_dora_direction(const LoraAdapter *a, const float *w, float *v, float *norms) {
     const int g = dora_groups(a), og = a->out / g, rg = a->spec.rank / g, fan = a->fan_in;
     const float *A = a->A.var.value.data, *B = a->B.var.value.data;
-    memcpy(v, w, (size_t)a->out * fan * sizeof(float));
+    if (v != w) memcpy(v, w, (size_t)a->out * fan * sizeof(float));
     /* group k: v[k rows] (og, fan) += scale B_k (og, rg) A_k (rg, fan) */
     for (int k = 0; k < g; k++)
         gemm_f32(false, false, og, fan, rg, a->scale, B + (size_t)k * og * rg, rg, A + (size_t)k * rg * fan, fan, 1.0f,
                  v + (size_t)k * og * fan, fan);
-    for (int o = 0; o < a->out; o++) {
+    for (int o = 0; norms && o < a->out; o++) {
         const float *row = v + (size_t)o * fan;
         double s2 = 0.0;
         for (int j = 0; j < fan; j++) s2 += (double)row[j] * row[j];
@@ -56,37 +56,20 @@ QtStatus lora_dora_init_magnitude(LoraAdapter *a, const float *w, QtError *err) 
 
 /* 1 / |V|_c, 0 for a zero row (whose direction is undefined; it stays zero) */
 static float inv_norm(float n) { return n > 0.0f ? 1.0f / n : 0.0f; }
+/* the gain m / |V|_c (a division, not m inv_norm: every path rounds it alike), 0 for a zero row */
+static float dora_g(float m, float n) { return n > 0.0f ? m / n : 0.0f; }
 
 void lora_dora_merge(const LoraAdapter *a, float *w) {
-    size_t n = (size_t)a->out * a->fan_in;
-    float *v = malloc(n * sizeof(float)), *norms = malloc((size_t)a->out * sizeof(float));
-    if (v && norms) {
-        lora_dora_direction(a, w, v, norms);
-        const float *m = a->M.var.value.data;
-        for (int o = 0; o < a->out; o++) {
-            /* the gain as the forward rounds it: the merged layer computes what the adapter did */
-            float g = norms[o] > 0.0f ? m[o] / norms[o] : 0.0f;
-            for (int j = 0; j < a->fan_in; j++) w[(size_t)o * a->fan_in + j] = g * v[(size_t)o * a->fan_in + j];
-        }
-    } else {
-        /* no memory for the scratch: one row at a time through the same formula */
-        for (int o = 0; o < a->out; o++) {
-            const int g = dora_groups(a), og = a->out / g, rg = a->spec.rank / g, k0 = o / og * rg;
-            const float *A = a->A.var.value.data, *B = a->B.var.value.data;
-            float *row = w + (size_t)o * a->fan_in;
-            double s2 = 0.0;
-            for (int j = 0; j < a->fan_in; j++) {
-                double acc = 0.0;
-                for (int k = 0; k < rg; k++) acc += (double)B[(size_t)o * rg + k] * A[(size_t)(k0 + k) * a->fan_in + j];
-                row[j] += (float)(a->scale * acc);
-                s2 += (double)row[j] * row[j];
-            }
-            float nrm = (float)sqrt(s2), gain = nrm > 0.0f ? a->M.var.value.data[o] / nrm : 0.0f;
-            for (int j = 0; j < a->fan_in; j++) row[j] *= gain;
-        }
+    lora_dora_direction(a, w, w, NULL); /* V in place: no scratch */
+    const float *m = a->M.var.value.data;
+    for (int o = 0; o < a->out; o++) {
+        float *row = w + (size_t)o * a->fan_in;
+        double s2 = 0.0; /* |V|_c and the gain as the forward rounds them: the merged layer computes what the
+                            adapter did */
+        for (int j = 0; j < a->fan_in; j++) s2 += (double)row[j] * row[j];
+        const float g = dora_g(m[o], (float)sqrt(s2));
+        for (int j = 0; j < a->fan_in; j++) row[j] = g * row[j];
     }
-    free(v);
-    free(norms);
 }
 
 /* ---- dora_gain: g = m / |W + scale B A|_c ---------------------------------------------------- */
@@ -140,18 +123,25 @@ static void dora_gain_backward(Tape *t, const TapeNode *node) {
     dora_dv_backward(t, a, c->v, node->in[1], node->in[2], node->in[3]);
 }
 
+/* The context both ops keep for their backward: V and its norms from w, in the step's arena; NULL if it is full. */
+static DoraGainCtx *dora_prepare(Tape *t, const LoraAdapter *a, const Var *w) {
+    DoraGainCtx *c = tape_alloc(t, sizeof *c);
+    float *v = tape_alloc(t, (size_t)a->out * a->fan_in * sizeof(float));
+    float *norms = tape_alloc(t, (size_t)a->out * sizeof(float));
+    if (!c || !v || !norms) return NULL;
+    *c = (DoraGainCtx){a, v, norms};
+    lora_dora_direction(a, w->value.data, v, norms);
+    return c;
+}
+
 /* g (out) from M, A, B and the base weight w (out, fan_in as the module's weight). */
 static Var *dora_gain(Tape *t, const LoraAdapter *a, Var *w) {
     if (!w) return NULL;
-    const size_t n = (size_t)a->out * a->fan_in;
     Var *g = tape_new_var(t, 1, &a->out);
-    DoraGainCtx *c = tape_alloc(t, sizeof *c);
-    float *v = tape_alloc(t, n * sizeof(float)), *norms = tape_alloc(t, (size_t)a->out * sizeof(float));
-    if (!g || !c || !v || !norms) return NULL;
-    *c = (DoraGainCtx){a, v, norms};
-    lora_dora_direction(a, w->value.data, v, norms);
+    DoraGainCtx *c = g ? dora_prepare(t, a, w) : NULL;
+    if (!c) return NULL;
     const float *m = a->M.var.value.data;
-    for (int o = 0; o < a->out; o++) g->value.data[o] = norms[o] > 0.0f ? m[o] / norms[o] : 0.0f;
+    for (int o = 0; o < a->out; o++) g->value.data[o] = dora_g(m[o], c->norms[o]);
     Var *in[4] = {(Var *)&a->M.var, (Var *)&a->A.var, (Var *)&a->B.var, w};
     return tape_record(t, "dora_gain", dora_gain_backward, g, in, 4, c) ? g : NULL;
 }
@@ -184,18 +174,14 @@ static void dora_weight_backward(Tape *t, const TapeNode *node) {
 /* W' (shaped as w) = m V / |V|_c from M, A, B and the base weight w. */
 static Var *dora_weight(Tape *t, const LoraAdapter *a, Var *w) {
     if (!w) return NULL;
-    const size_t n = (size_t)a->out * a->fan_in;
     Var *wp = tape_new_var(t, w->value.ndim, w->value.shape);
-    DoraGainCtx *c = tape_alloc(t, sizeof *c);
-    float *v = tape_alloc(t, n * sizeof(float)), *norms = tape_alloc(t, (size_t)a->out * sizeof(float));
-    if (!wp || !c || !v || !norms) return NULL;
-    *c = (DoraGainCtx){a, v, norms};
-    lora_dora_direction(a, w->value.data, v, norms);
+    DoraGainCtx *c = wp ? dora_prepare(t, a, w) : NULL;
+    if (!c) return NULL;
     const float *m = a->M.var.value.data;
     for (int o = 0; o < a->out; o++) {
-        const float g = norms[o] > 0.0f ? m[o] / norms[o] : 0.0f;
+        const float g = dora_g(m[o], c->norms[o]);
         const size_t row = (size_t)o * a->fan_in;
-        for (int j = 0; j < a->fan_in; j++) wp->value.data[row + j] = g * v[row + j];
+        for (int j = 0; j < a->fan_in; j++) wp->value.data[row + j] = g * c->v[row + j];
     }
     Var *in[4] = {(Var *)&a->M.var, (Var *)&a->A.var, (Var *)&a->B.var, w};
     return tape_record(t, "dora_weight", dora_weight_backward, wp, in, 4, c) ? wp : NULL;

@@ -30,8 +30,8 @@
 #include "lora.h"
 
 /* v [out * fan_in] = w + scale B A (B A per group for a grouped conv), and
- * norms [out] = |v|_c (summed in double); w is the base weight
- * [out * fan_in]. */
+ * norms [out] = |v|_c (summed in double; NULL: not computed); w is the base
+ * weight [out * fan_in], and v may be w (in place). */
 void lora_dora_direction(const LoraAdapter *a, const float *w, float *v, float *norms);
 /* M = |w + scale B A|_c over base weight w [out * fan_in]: |W|_c for a
  * fresh adapter (B = 0), and whatever A and B are, a gain of exactly 1, so
