@@ -35,7 +35,7 @@ void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, i
 void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 /* The AVX2 pack of 8 columns of b (N, K) for qgemm_s8 (qgemm_avx2.c): group g's 32 bytes at pack + g * gstride;
  * the AVX-512 kernel packs its 16-lane panels with it, two halves a group. */
-void qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
+bool qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
                             int kg);
 /* qgemm_s8_nn's families. */
 void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);

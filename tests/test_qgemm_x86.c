@@ -439,7 +439,25 @@ static void test_quantize(void) { for_each_family(quantize_cases, "activation co
 
 /* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
 
+/* Which side of an int8 x int8 product holds only bytes >= 0 (as activations after a ReLU): the AVX2 kernels take
+ * the unsigned-times-signed form there. S8_ONE_NEG: both >= 0 but for a's first byte and b's last element, so one
+ * row block and one column block fall back. */
+enum { S8_SIGNED, S8_A_POS, S8_B_POS, S8_ONE_NEG };
+
+static void s8_signs(int8_t *a, size_t na, int8_t *b, size_t nb, int signs, bool extremes) {
+    if (signs == S8_A_POS || signs == S8_ONE_NEG)
+        for (size_t i = 0; i < na; i++) a[i] = extremes ? 127 : (int8_t)(a[i] & 0x7f);
+    if (signs == S8_B_POS || signs == S8_ONE_NEG)
+        for (size_t i = 0; i < nb; i++) b[i] = extremes ? 127 : (int8_t)(b[i] & 0x7f);
+    if (signs == S8_ONE_NEG && na > 0) a[0] = -3;
+}
+
+static void s8_case_signs(int M, int N, int K, uint64_t seed, bool extremes, int signs);
 static void s8_case(int M, int N, int K, uint64_t seed, bool extremes) {
+    s8_case_signs(M, N, K, seed, extremes, S8_SIGNED);
+}
+
+static void s8_case_signs(int M, int N, int K, uint64_t seed, bool extremes, int signs) {
     size_t na = (size_t)M * K, nb = (size_t)N * K, nc = (size_t)M * N;
     int8_t *a = xmalloc(na), *b = xmalloc(nb);
     int32_t *c1 = xmalloc(nc * 4), *c2 = xmalloc(nc * 4), *ref = xmalloc(nc * 4);
@@ -448,6 +466,8 @@ static void s8_case(int M, int N, int K, uint64_t seed, bool extremes) {
     fill_bytes((uint8_t *)a, na, &r);
     fill_bytes((uint8_t *)b, nb, &r);
     if (extremes) memset(a, 0x80, na), memset(b, 0x80, nb);
+    s8_signs(a, na, b, nb, signs, extremes);
+    if (signs == S8_ONE_NEG && nb > 0) b[nb - 1] = -128;
     memset(c1, 0x5a, nc * 4), memset(c2, 0x3c, nc * 4);
     qgemm_s8_ref(ref, a, b, M, N, K);
     char what[64];
@@ -457,7 +477,7 @@ static void s8_case(int M, int N, int K, uint64_t seed, bool extremes) {
         qgemm_force_isa = isa;
         memset(c1, 0x5a, nc * 4);
         qgemm_s8(c1, a, b, M, N, K);
-        snprintf(what, sizeof what, "qgemm_s8 (%d, %d, %d) isa %d", M, N, K, isa);
+        snprintf(what, sizeof what, "qgemm_s8 (%d, %d, %d) isa %d signs %d", M, N, K, isa, signs);
         CU_ASSERT(same_or_say(c1, ref, nc * 4, what));
     }
     qgemm_force_isa = -1;
@@ -470,7 +490,12 @@ static void s8_case(int M, int N, int K, uint64_t seed, bool extremes) {
 }
 
 /* qgemm_s8_nn: b (K, N) with rows ldb apart, c's ldc, on every family the CPU runs and on the portable one. */
+static void s8_nn_case_signs(int M, int N, int K, int pad, uint64_t seed, bool extremes, int signs);
 static void s8_nn_case(int M, int N, int K, int pad, uint64_t seed, bool extremes) {
+    s8_nn_case_signs(M, N, K, pad, seed, extremes, S8_SIGNED);
+}
+
+static void s8_nn_case_signs(int M, int N, int K, int pad, uint64_t seed, bool extremes, int signs) {
     const int ldb = N + pad, ldc = N + 2 * pad;
     size_t na = (size_t)M * K, nb = (size_t)K * ldb + 1, nc = (size_t)M * ldc;
     int8_t *a = xmalloc(na + 1), *b = xmalloc(nb);
@@ -480,6 +505,8 @@ static void s8_nn_case(int M, int N, int K, int pad, uint64_t seed, bool extreme
     fill_bytes((uint8_t *)a, na, &r);
     fill_bytes((uint8_t *)b, nb, &r);
     if (extremes) memset(a, 0x80, na), memset(b, 0x80, nb);
+    s8_signs(a, na, b, nb, signs, extremes);
+    if (signs == S8_ONE_NEG && K > 0) b[(size_t)(K - 1) * ldb + N - 1] = -128;
     memset(ref, 0x77, nc * 4);
     qgemm_s8_nn_ref(ref, ldc, a, b, ldb, M, N, K);
     char what[96];
@@ -488,7 +515,7 @@ static void s8_nn_case(int M, int N, int K, int pad, uint64_t seed, bool extreme
         qgemm_force_isa = isa;
         memset(c, 0x77, nc * 4); /* the gaps between rows keep the bytes they had, as ref's */
         qgemm_s8_nn(c, ldc, a, b, ldb, M, N, K);
-        snprintf(what, sizeof what, "qgemm_s8_nn (%d, %d, %d) ldb %d isa %d", M, N, K, ldb, isa);
+        snprintf(what, sizeof what, "qgemm_s8_nn (%d, %d, %d) ldb %d isa %d signs %d", M, N, K, ldb, isa, signs);
         CU_ASSERT(same_or_say(c, ref, nc * 4, what));
     }
     qgemm_force_isa = -1;
@@ -503,6 +530,14 @@ static void test_s8_nn(void) {
         for (size_t j = 0; j < sizeof NS / sizeof *NS; j++)
             for (size_t k = 0; k < sizeof KS / sizeof *KS; k++) s8_nn_case(MS[i], NS[j], KS[k], (int)(k % 3), seed++, false);
     s8_nn_case(3, 50, 1 << 16, 5, 1, true); /* (-128)^2 summed over 2^16 */
+    /* one side >= 0 (the AVX2 u8 x s8 tiles), a block with one negative byte, 127 x -128 pairs at the int16 edge */
+    static const int PM[] = {1, 9, 64, 73}, PN[] = {5, 40, 100}, PK[] = {3, 288, 513};
+    for (int sg = S8_A_POS; sg <= S8_ONE_NEG; sg++)
+        for (size_t i = 0; i < sizeof PM / sizeof *PM; i++)
+            for (size_t j = 0; j < sizeof PN / sizeof *PN; j++)
+                for (size_t k = 0; k < sizeof PK / sizeof *PK; k++)
+                    s8_nn_case_signs(PM[i], PN[j], PK[k], (int)(k % 2), seed++, false, sg);
+    for (int sg = S8_A_POS; sg <= S8_B_POS; sg++) s8_nn_case_signs(5, 40, 4099, 1, 3, true, sg);
     s8_nn_case(4, 5, 0, 1, 2, false);       /* no terms: zeros */
 }
 
@@ -514,6 +549,12 @@ static void test_s8(void) {
         for (size_t j = 0; j < sizeof NS / sizeof *NS; j++)
             for (size_t k = 0; k < sizeof KS / sizeof *KS; k++) s8_case(MS[i], NS[j], KS[k], seed++, false);
     s8_case(3, 50, 1 << 16, 1, true); /* (-128)^2 summed over 2^16: 2^30 */
+    static const int PM[] = {1, 9, 72, 73, 300}, PN[] = {5, 64, 128, 129}, PK[] = {3, 513};
+    for (int sg = S8_A_POS; sg <= S8_ONE_NEG; sg++)
+        for (size_t i = 0; i < sizeof PM / sizeof *PM; i++)
+            for (size_t j = 0; j < sizeof PN / sizeof *PN; j++)
+                for (size_t k = 0; k < sizeof PK / sizeof *PK; k++) s8_case_signs(PM[i], PN[j], PK[k], seed++, false, sg);
+    for (int sg = S8_A_POS; sg <= S8_B_POS; sg++) s8_case_signs(5, 40, 4099, 4, true, sg);
     s8_case(9, 5, 0, 2, false);       /* no terms: zeros */
 }
 
