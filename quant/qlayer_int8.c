@@ -401,7 +401,8 @@ typedef struct {
     int pitch;         /* q per output row: Wp, or OW for cols */
     size_t plane;      /* dwords per group plane */
     size_t out_img;    /* floats of one image's output */
-    size_t scratch;    /* bytes of one thread's scratch */
+    size_t scratch;    /* bytes of one thread's scratch: cols' padded codes, the planes, kw4's bytes, the pool */
+    size_t planes_at;  /* offset of the planes in it */
     size_t pool_at;    /* offset of the pool buffer in it */
     const float *x;    /* (N, C, H, W) */
     QGemmCodes ac;
@@ -449,34 +450,51 @@ static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const ConvJ
     return ok;
 }
 
-/* cols: planes (ceil(K/4), plane), dword q = the 4 k of output pixel q, a_zero outside the image. */
-static void planes_cols(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
-    const int KH = j->c.KH, KW = j->c.KW, K = j->c.C * KH * KW, P = j->OH * j->OW;
-    const uint32_t zero = (uint32_t)j->ac.zero, fill = zero * 0x01010101u;
+/* cols: the image's codes padded by pad on every side with the zero point, (C, H + 2 pad, W + 2 pad), then a row
+ * of zero points that a k past K reads (cols_zero_at); quantized straight from x (C, H, W). False for a value that
+ * is not finite. */
+static size_t cols_zero_at(const ConvJob *j) {
+    return (size_t)j->c.C * (j->H + 2 * j->pad) * (j->W + 2 * j->pad);
+}
+
+static size_t cols_padded_bytes(const ConvJob *j) {
+    return cols_zero_at(j) + (size_t)j->OW * j->stride + 1;
+}
+
+static bool cols_pad(uint8_t *padded, const float *x, const ConvJob *j) {
+    const QGemmCodes *a = &j->ac;
+    const int PW = j->W + 2 * j->pad;
+    bool ok = true;
+    memset(padded, a->zero, cols_padded_bytes(j));
+    for (int c = 0; c < j->c.C; c++)
+        for (int h = 0; h < j->H; h++)
+            ok &= qgemm_quantize_u8(padded + ((size_t)c * (j->H + 2 * j->pad) + h + j->pad) * PW + j->pad,
+                                    x + ((size_t)c * j->H + h) * j->W, (size_t)j->W, a->s, a->lo, a->hi, a->zero);
+    return ok;
+}
+
+/* cols: planes (ceil(K/4), plane), dword q = the 4 k of output pixel q (k = (c, kh, kw)), from the padded codes:
+ * every read lands inside them, so the loop over pixels has no tests (a k past K reads the zero row). */
+static void planes_cols(uint32_t *pl, const uint8_t *padded, const ConvJob *j) {
+    const int KH = j->c.KH, KW = j->c.KW, K = j->c.C * KH * KW, P = j->OH * j->OW, S = j->stride;
+    const size_t PW = (size_t)j->W + 2 * (size_t)j->pad, img = (size_t)(j->H + 2 * j->pad) * PW;
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
     for (int g = 0; g < j->c.groups; g++) {
         uint32_t *p = pl + (size_t)g * j->plane;
-        /* the 4 k of this dword, decoded once per group rather than per pixel (the divisions dominated strided
-           convs); a k past K reads as the zero point */
         const uint8_t *src[4];
-        int dh[4], dw[4];
-        bool real[4];
+        size_t step[4]; /* bytes from one output row's sources to the next's */
         for (int b = 0; b < 4; b++) {
             const int k = 4 * g + b, c = k / (KH * KW), kh = k / KW % KH, kw = k % KW;
-            real[b] = k < K;
-            src[b] = codes + (size_t)(real[b] ? c : 0) * j->H * j->W;
-            dh[b] = kh - j->pad, dw[b] = kw - j->pad;
+            src[b] = k < K ? padded + (size_t)c * img + (size_t)kh * PW + (size_t)kw : padded + cols_zero_at(j);
+            step[b] = k < K ? (size_t)S * PW : 0;
         }
         for (int oh = 0; oh < j->OH; oh++) {
+            const uint8_t *s0 = src[0] + oh * step[0], *s1 = src[1] + oh * step[1];
+            const uint8_t *s2 = src[2] + oh * step[2], *s3 = src[3] + oh * step[3];
             uint32_t *row = p + (size_t)oh * j->OW;
             for (int ow = 0; ow < j->OW; ow++) {
-                uint32_t v = 0;
-                for (int b = 0; b < 4; b++) {
-                    const int ih = oh * j->stride + dh[b], iw = ow * j->stride + dw[b];
-                    uint32_t u = zero;
-                    if (real[b] && ih >= 0 && ih < j->H && iw >= 0 && iw < j->W) u = src[b][(size_t)ih * j->W + iw];
-                    v |= u << (8 * b);
-                }
-                row[ow] = v;
+                const size_t i = (size_t)ow * S;
+                row[ow] = (uint32_t)s0[i] | (uint32_t)s1[i] << 8 | (uint32_t)s2[i] << 16 | (uint32_t)s3[i] << 24;
             }
         }
         for (size_t q = (size_t)P; q < j->plane; q++) p[q] = fill;
@@ -486,20 +504,18 @@ static void planes_cols(uint32_t *pl, const uint8_t *codes, const ConvJob *j) {
 static void conv_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     ConvJob *j = ctx;
-    const size_t in_img = (size_t)j->c.C * j->H * j->W;
-    const float *x = j->x + (size_t)n * in_img;                              /* (C, H, W) */
-    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: (C, H, W) */
-    uint32_t *planes = (uint32_t *)(codes + (in_img + 63) / 64 * 64);        /* (groups, plane) */
+    const float *x = j->x + (size_t)n * j->c.C * j->H * j->W;                /* (C, H, W) */
+    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: the padded codes */
+    uint32_t *planes = (uint32_t *)(codes + j->planes_at);                   /* (groups, plane) */
     uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4] */
     float *pool = (float *)(codes + j->pool_at);                             /* pooling: [8][16 n_vec] */
-    const QGemmCodes *a = &j->ac;
     bool ok;
     if (j->c.mode == CONV_CH4) {
         ok = planes_ch4(planes, x, j);
     } else if (j->c.mode == CONV_KW4) {
         ok = planes_kw4(planes, bytes, x, j);
     } else {
-        ok = qgemm_quantize_u8(codes, x, in_img, a->s, a->lo, a->hi, a->zero);
+        ok = cols_pad(codes, x, j);
         planes_cols(planes, codes, j);
     }
     j->bad[n] = !ok;
@@ -523,8 +539,8 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns */
     size_t need = cols ? (size_t)n_vec * QGEMM_LANES : (size_t)j->Hp * j->Wp + (size_t)c->KW + 19;
     j->plane = (need + 15) / 16 * 16;
-    const size_t in_img = (size_t)c->C * j->H * j->W;
-    j->pool_at = ((in_img + 63) / 64 * 64 + (size_t)c->groups * j->plane * 4 + j->plane + 4 + 63) / 64 * 64;
+    j->planes_at = cols ? (cols_padded_bytes(j) + 63) / 64 * 64 : 0;
+    j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + j->plane + 4 + 63) / 64 * 64;
     j->scratch = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);

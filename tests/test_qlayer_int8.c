@@ -206,6 +206,8 @@ static const Geo GEOS[] = {
     {"conv ch4 no padding, wide", 4, 6, 37, 8, 3, 1, 0},
     {"conv cols stride 2", 4, 9, 7, 10, 3, 2, 1},
     {"conv cols stride 3 C1", 1, 10, 11, 4, 4, 3, 0},
+    {"conv cols 1x1 stride 2 C3 (K past the last dword)", 3, 9, 10, 5, 1, 2, 0},
+    {"conv cols stride 2 k5 pad2 C3", 3, 11, 8, 6, 5, 2, 2},
 };
 
 static void test_against_float(void) {
