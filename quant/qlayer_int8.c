@@ -451,8 +451,9 @@ static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const ConvJ
 }
 
 /* cols: the image's codes padded by pad on every side with the zero point, (C, H + 2 pad, W + 2 pad), then a row
- * of zero points that a k past K reads (cols_zero_at); quantized straight from x (C, H, W). False for a value that
- * is not finite. */
+ * of zero points that a k past K reads (cols_zero_at). x (C, H, W) is quantized in one call into codes (the
+ * quantizer's start-up per call cost more than the copy when it ran row by row), then copied row by row. False for
+ * a value that is not finite. */
 static size_t cols_zero_at(const ConvJob *j) {
     return (size_t)j->c.C * (j->H + 2 * j->pad) * (j->W + 2 * j->pad);
 }
@@ -461,15 +462,15 @@ static size_t cols_padded_bytes(const ConvJob *j) {
     return cols_zero_at(j) + (size_t)j->OW * j->stride + 1;
 }
 
-static bool cols_pad(uint8_t *padded, const float *x, const ConvJob *j) {
+static bool cols_pad(uint8_t *padded, uint8_t *codes, const float *x, const ConvJob *j) {
     const QGemmCodes *a = &j->ac;
     const int PW = j->W + 2 * j->pad;
-    bool ok = true;
+    const bool ok = qgemm_quantize_u8(codes, x, (size_t)j->c.C * j->H * j->W, a->s, a->lo, a->hi, a->zero);
     memset(padded, a->zero, cols_padded_bytes(j));
     for (int c = 0; c < j->c.C; c++)
         for (int h = 0; h < j->H; h++)
-            ok &= qgemm_quantize_u8(padded + ((size_t)c * (j->H + 2 * j->pad) + h + j->pad) * PW + j->pad,
-                                    x + ((size_t)c * j->H + h) * j->W, (size_t)j->W, a->s, a->lo, a->hi, a->zero);
+            memcpy(padded + ((size_t)c * (j->H + 2 * j->pad) + h + j->pad) * PW + j->pad,
+                   codes + ((size_t)c * j->H + h) * j->W, (size_t)j->W);
     return ok;
 }
 
@@ -507,7 +508,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     const float *x = j->x + (size_t)n * j->c.C * j->H * j->W;                /* (C, H, W) */
     uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: the padded codes */
     uint32_t *planes = (uint32_t *)(codes + j->planes_at);                   /* (groups, plane) */
-    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4] */
+    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4]; cols: (C, H, W) */
     float *pool = (float *)(codes + j->pool_at);                             /* pooling: [8][16 n_vec] */
     bool ok;
     if (j->c.mode == CONV_CH4) {
@@ -515,7 +516,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     } else if (j->c.mode == CONV_KW4) {
         ok = planes_kw4(planes, bytes, x, j);
     } else {
-        ok = cols_pad(codes, x, j);
+        ok = cols_pad(codes, bytes, x, j);
         planes_cols(planes, codes, j);
     }
     j->bad[n] = !ok;
@@ -540,7 +541,8 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     size_t need = cols ? (size_t)n_vec * QGEMM_LANES : (size_t)j->Hp * j->Wp + (size_t)c->KW + 19;
     j->plane = (need + 15) / 16 * 16;
     j->planes_at = cols ? (cols_padded_bytes(j) + 63) / 64 * 64 : 0;
-    j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + j->plane + 4 + 63) / 64 * 64;
+    const size_t bytes = cols ? (size_t)c->C * j->H * j->W : j->plane + 4;
+    j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
     j->scratch = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
