@@ -217,6 +217,33 @@ static void globalavgpool_backward(Tape *t, const TapeNode *node) {
     }
 }
 
+/* The mean of x [n] in double over eight interleaved partial sums combined in a fixed order: one chain would wait
+ * on the add latency for every element (it was 5 % of DS-CNN's int8 eval), and the order does not depend on the
+ * threads. */
+static float plane_mean(const float *x, size_t n) {
+    double acc[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += x[i + k];
+    for (int k = 0; i < n; i++, k++) acc[k] += x[i];
+    const double s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    return (float)(s / (double)n);
+}
+
+typedef struct {
+    float *y;       /* (planes) */
+    const float *x; /* (planes, area) */
+    int planes;
+    size_t area;
+} GapJob;
+
+static void gap_task(void *ctx, int task, int n_tasks) {
+    const GapJob *j = ctx;
+    int lo, hi;
+    parallel_range(j->planes, task, n_tasks, &lo, &hi);
+    for (int p = lo; p < hi; p++) j->y[p] = plane_mean(j->x + (size_t)p * j->area, j->area);
+}
+
 Var *nn_globalavgpool(Tape *t, Var *x) {
     if (!t || !x) return NULL;
     if (x->value.ndim != 4) {
@@ -228,13 +255,9 @@ Var *nn_globalavgpool(Tape *t, Var *x) {
     const int *xd = x->value.shape;
     Var *y = tape_new_var(t, 2, (const int[]){xd[0], xd[1]});
     if (!y) return NULL;
-    const size_t planes = (size_t)xd[0] * xd[1], area = (size_t)xd[2] * xd[3];
-    for (size_t p = 0; p < planes; p++) {
-        const float *xp = x->value.data + p * area;
-        double acc = 0.0;
-        for (size_t i = 0; i < area; i++) acc += xp[i];
-        y->value.data[p] = (float)(acc / (double)area);
-    }
+    GapJob j = {y->value.data, x->value.data, (int)((size_t)xd[0] * xd[1]), (size_t)xd[2] * xd[3]};
+    const int tasks = (size_t)j.planes * j.area < (1u << 16) ? 1 : parallel_get_threads();
+    parallel_run(tasks < j.planes ? tasks : j.planes, gap_task, &j);
     Var *in[1] = {x};
     return tape_record_value_free(t, "globalavgpool", globalavgpool_backward, y, in, 1, NULL) ? y : NULL;
 }

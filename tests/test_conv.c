@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/parallel.h"
+#include "base/rng.h"
 #include "nn/ops.h"
 #include "test_util.h"
 
@@ -583,6 +585,44 @@ static void test_conv2d_bad_inputs(void) {
     test_env_free(&e);
 }
 
+/* globalavgpool: each plane's mean (eight interleaved double sums) within float rounding of a long-double sum,
+ * the same bits on 1 and 2 threads (the planes go over the pool above 2^16 inputs), the gradient dy / area. */
+static void test_globalavgpool_threads_agree(void) {
+    enum { N = 40, C = 33, H = 7, W = 9 }; /* 83,160 inputs; an area not a multiple of 8 */
+    const size_t n = (size_t)N * C * H * W, planes = (size_t)N * C;
+    float *x = malloc(n * sizeof *x), *y[2], *dy = malloc(planes * sizeof *dy);
+    CU_ASSERT_FATAL(x && dy);
+    Rng r;
+    rng_init(&r, 77, 0);
+    rng_fill_uniform(&r, x, n, -1.0f, 3.0f);
+    for (size_t i = 0; i < n; i++) x[i] += (float)(i % 5) * 1e3f; /* offsets that cost a naive float sum bits */
+    for (size_t p = 0; p < planes; p++) dy[p] = (float)p;
+    const int before = parallel_get_threads();
+    for (int th = 0; th < 2; th++) {
+        parallel_set_threads(th + 1);
+        TestEnv e;
+        test_env_init(&e, 1);
+        Var *xv = test_var(&e, x, 4, (const int[]){N, C, H, W}, true);
+        Var *yv = nn_globalavgpool(&e.tape, xv);
+        CU_ASSERT_FATAL(yv && tape_backward_from(&e.tape, yv, dy) == QT_OK);
+        y[th] = malloc(planes * sizeof(float));
+        CU_ASSERT_FATAL(y[th] != NULL);
+        memcpy(y[th], yv->value.data, planes * sizeof(float));
+        for (size_t p = 0; p < planes; p += 97)
+            CU_ASSERT_DOUBLE_EQUAL(xv->grad[p * H * W + 5], dy[p] * (float)(1.0 / (H * W)), 1e-6 * (1 + dy[p]));
+        test_env_free(&e);
+    }
+    parallel_set_threads(before);
+    CU_ASSERT(memcmp(y[0], y[1], planes * sizeof(float)) == 0);
+    for (size_t p = 0; p < planes; p++) {
+        long double s = 0;
+        for (size_t i = 0; i < (size_t)H * W; i++) s += x[p * H * W + i];
+        const double ref = (double)(s / (H * W));
+        CU_ASSERT(fabs(y[0][p] - ref) <= 1e-7 * fabs(ref) + 1e-12);
+    }
+    free(x), free(dy), free(y[0]), free(y[1]);
+}
+
 static void test_pool_bad_inputs(void) {
     TestEnv e;
     test_env_init(&e, 9500);
@@ -657,6 +697,7 @@ int register_nn_conv_suite(void) {
         {"avgpool2d hand example", test_avgpool2d_hand_example},
         {"conv2d bad inputs", test_conv2d_bad_inputs},
         {"pool bad inputs", test_pool_bad_inputs},
+        {"globalavgpool: mean within rounding, same bits on 1 and 2 threads", test_globalavgpool_threads_agree},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
