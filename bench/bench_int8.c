@@ -89,9 +89,13 @@ static void run_s8_nn(void *ctx) {
     qgemm_s8_nn(j->c, j->N, j->a, j->b, j->N, j->M, j->N, j->K);
 }
 
+/* Which operand holds X's codes when they are >= 0, as QT's are after a ReLU (the AVX2 kernels multiply those as
+ * unsigned bytes): none (conv1's input, the normalized image), a or b. */
+enum { QT_X_SIGNED, QT_X_A, QT_X_B };
+
 /* Quantized training's products on every int8 family this CPU runs, one thread: nn (b as K x N, the conv
  * forward's W X^T) or nt (qgemm_s8: the weight gradient X^T g, a dense forward). */
-static int qt_shape(const char *layer, bool nn, int M, int N, int K, double seconds) {
+static int qt_shape(const char *layer, bool nn, int M, int N, int K, int x_side, double seconds) {
     size_t na = (size_t)M * K, nb = (size_t)N * K;
     int8_t *a = malloc(na), *b = malloc(nb);
     int32_t *c = malloc((size_t)M * N * sizeof *c);
@@ -103,10 +107,14 @@ static int qt_shape(const char *layer, bool nn, int M, int N, int K, double seco
     rng_init(&r, 9, 1);
     for (size_t i = 0; i < na; i++) a[i] = (int8_t)(rng_below(&r, 256) - 128);
     for (size_t i = 0; i < nb; i++) b[i] = (int8_t)(rng_below(&r, 256) - 128);
+    if (x_side == QT_X_A)
+        for (size_t i = 0; i < na; i++) a[i] = (int8_t)(a[i] & 0x7f);
+    if (x_side == QT_X_B)
+        for (size_t i = 0; i < nb; i++) b[i] = (int8_t)(b[i] & 0x7f);
     KernelJob j = {.a = a, .b = b, .c = c, .M = M, .N = N, .K = K};
     static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
-    printf("bench:qt_kernel model:cnn layer:%s kernel:%s m:%d n:%d k:%d threads:1", layer, nn ? "s8s8_nn" : "s8s8",
-           M, N, K);
+    printf("bench:qt_kernel model:cnn layer:%s kernel:%s m:%d n:%d k:%d x_codes:%s threads:1", layer,
+           nn ? "s8s8_nn" : "s8s8", M, N, K, x_side == QT_X_SIGNED ? "signed" : "nonneg");
     const double ops = 2.0 * M * N * K;
     for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
         if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
@@ -171,12 +179,12 @@ static int bench_kernels(const Args *a) {
     rc |= kernel_shape("mlp", "fc1", true, B, 512, 784, s);
     rc |= kernel_shape("cnn", "conv2_im2col", true, B * 196, 64, 288, s);
     /* QT's CNN step (bench/configs/cnn-qt.yaml): each layer's forward and weight-gradient products */
-    rc |= qt_shape("conv1_forward", true, 32, B * 784 < 65536 ? B * 784 : 65536, 9, s);
-    rc |= qt_shape("conv2_forward", true, 64, B * 196, 288, s);
-    rc |= qt_shape("fc1_forward", false, B, 128, 3136, s);
-    rc |= qt_shape("conv1_dw", false, 9, 32, B * 784 < 65536 ? B * 784 : 65536, s);
-    rc |= qt_shape("conv2_dw", false, 288, 64, B * 196, s);
-    rc |= qt_shape("fc1_dw", false, 3136, 128, B, s);
+    rc |= qt_shape("conv1_forward", true, 32, B * 784 < 65536 ? B * 784 : 65536, 9, QT_X_SIGNED, s);
+    rc |= qt_shape("conv2_forward", true, 64, B * 196, 288, QT_X_B, s);
+    rc |= qt_shape("fc1_forward", false, B, 128, 3136, QT_X_A, s);
+    rc |= qt_shape("conv1_dw", false, 9, 32, B * 784 < 65536 ? B * 784 : 65536, QT_X_SIGNED, s);
+    rc |= qt_shape("conv2_dw", false, 288, 64, B * 196, QT_X_A, s);
+    rc |= qt_shape("fc1_dw", false, 3136, 128, B, QT_X_A, s);
     return rc;
 }
 
