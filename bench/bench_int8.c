@@ -112,11 +112,11 @@ static int qt_shape(const char *layer, bool nn, int M, int N, int K, int x_side,
     if (x_side == QT_X_B)
         for (size_t i = 0; i < nb; i++) b[i] = (int8_t)(b[i] & 0x7f);
     KernelJob j = {.a = a, .b = b, .c = c, .M = M, .N = N, .K = K};
-    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
+    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni", "amx"}; /* by QGemmIsa */
     printf("bench:qt_kernel model:cnn layer:%s kernel:%s m:%d n:%d k:%d x_codes:%s threads:1", layer,
            nn ? "s8s8_nn" : "s8s8", M, N, K, x_side == QT_X_SIGNED ? "signed" : "nonneg");
     const double ops = 2.0 * M * N * K;
-    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AMX; isa++) {
         if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
         qgemm_force_isa = isa;
         double sec = best_of(nn ? run_s8_nn : run_s8, &j, isa == QGEMM_ISA_PORTABLE ? seconds / 4 : seconds);

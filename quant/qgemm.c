@@ -19,6 +19,10 @@
 #endif
 #include <math.h>
 #include <stdatomic.h>
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,6 +38,19 @@ bool qgemm_force_portable = false;
 int qgemm_force_isa = -1;
 
 bool qgemm_cpu_has_vnni(void) { return qgemm_cpu_has_isa(QGEMM_ISA_AVX512_VNNI); }
+
+/* AMX: CPUID leaf 7 EDX bits 24 (AMX-TILE) and 25 (AMX-INT8), and Linux's leave to use the tile data (XCR0 bit 18,
+ * granted per process by arch_prctl(ARCH_REQ_XCOMP_PERM); without it the first tile instruction faults). */
+static bool cpu_amx(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return false;
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
 
 /* Bit isa of the families this CPU runs; every thread that races here computes the same answer. */
 static int cpu_isas(void) {
@@ -51,29 +68,32 @@ static int cpu_isas(void) {
             if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1)) m |= 1 << QGEMM_ISA_AVXVNNI;
         }
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
             m |= 1 << QGEMM_ISA_AVX512_VNNI;
+            if (cpu_amx()) m |= 1 << QGEMM_ISA_AMX;
+        }
 #endif
         atomic_store(&has, m);
     }
     return atomic_load(&has);
 }
 
-bool qgemm_cpu_has_isa(QGemmIsa isa) { return isa >= 0 && isa <= QGEMM_ISA_AVX512_VNNI && cpu_isas() >> isa & 1; }
+bool qgemm_cpu_has_isa(QGemmIsa isa) { return isa >= 0 && isa <= QGEMM_ISA_AMX && cpu_isas() >> isa & 1; }
 
 QGemmIsa qgemm_isa(void) {
     if (qgemm_force_portable) return QGEMM_ISA_PORTABLE;
     if (qgemm_force_isa >= 0)
         return qgemm_cpu_has_isa(qgemm_force_isa) ? (QGemmIsa)qgemm_force_isa : QGEMM_ISA_PORTABLE;
-    for (int isa = QGEMM_ISA_AVX512_VNNI; isa > QGEMM_ISA_PORTABLE; isa--)
+    for (int isa = QGEMM_ISA_AMX; isa > QGEMM_ISA_PORTABLE; isa--)
         if (qgemm_cpu_has_isa(isa)) return (QGemmIsa)isa;
     return QGEMM_ISA_PORTABLE;
 }
 
-bool qgemm_use_vnni(void) { return qgemm_isa() == QGEMM_ISA_AVX512_VNNI; }
+bool qgemm_use_vnni(void) { return qgemm_isa() >= QGEMM_ISA_AVX512_VNNI; }
 
 const char *qgemm_kernel_name(void) {
     switch (qgemm_isa()) {
+    case QGEMM_ISA_AMX: return "amx";
     case QGEMM_ISA_AVX512_VNNI: return "avx512-vnni";
     case QGEMM_ISA_AVXVNNI: return "avxvnni";
     case QGEMM_ISA_AVX2: return "avx2";
@@ -197,6 +217,7 @@ void qgemm_dense_portable(const QGemmDense *d, int row0, int row1, int p0, int p
 
 void qgemm_dense(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     switch (qgemm_isa()) {
+    case QGEMM_ISA_AMX:
     case QGEMM_ISA_AVX512_VNNI: qgemm_dense_vnni(d, row0, row1, p0, p1); break;
     case QGEMM_ISA_AVXVNNI: qgemm_dense_avxvnni(d, row0, row1, p0, p1); break;
     case QGEMM_ISA_AVX2: qgemm_dense_avx2(d, row0, row1, p0, p1); break;
@@ -278,6 +299,7 @@ void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
 
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     switch (qgemm_isa()) {
+    case QGEMM_ISA_AMX:
     case QGEMM_ISA_AVX512_VNNI: qgemm_taps_vnni(g, rb0, rb1, v0, v1); break;
     case QGEMM_ISA_AVXVNNI: qgemm_taps_avxvnni(g, rb0, rb1, v0, v1); break;
     case QGEMM_ISA_AVX2: qgemm_taps_avx2(g, rb0, rb1, v0, v1); break;
@@ -361,6 +383,7 @@ void qgemm_dw_portable(const QGemmDw *d) {
 
 void qgemm_dw(const QGemmDw *d) {
     switch (qgemm_isa()) {
+    case QGEMM_ISA_AMX:
     case QGEMM_ISA_AVX512_VNNI: qgemm_dw_vnni(d); break;
     case QGEMM_ISA_AVXVNNI:
     case QGEMM_ISA_AVX2: qgemm_dw_avx2(d); break;
@@ -515,6 +538,7 @@ void qgemm_s8_nn(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb,
     if (M <= 0 || N <= 0) return;
     const QGemmIsa isa = K > 0 ? qgemm_isa() : QGEMM_ISA_PORTABLE; /* K = 0: the portable loop writes the zeros */
     switch (isa) {
+    case QGEMM_ISA_AMX: qgemm_s8_nn_amx(c, ldc, a, b, ldb, M, N, K); break;
     case QGEMM_ISA_AVX512_VNNI: qgemm_s8_nn_vnni(c, ldc, a, b, ldb, M, N, K); break;
     case QGEMM_ISA_AVXVNNI: qgemm_s8_nn_avxvnni(c, ldc, a, b, ldb, M, N, K); break;
     case QGEMM_ISA_AVX2: qgemm_s8_nn_avx2(c, ldc, a, b, ldb, M, N, K); break;
@@ -526,6 +550,7 @@ void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K)
     if (M <= 0 || N <= 0) return;
     const QGemmIsa isa = K > 0 ? qgemm_isa() : QGEMM_ISA_PORTABLE; /* K = 0: the portable loop writes the zeros */
     switch (isa) {
+    case QGEMM_ISA_AMX: qgemm_s8_amx(c, a, b, M, N, K); break;
     case QGEMM_ISA_AVX512_VNNI: qgemm_s8_vnni(c, a, b, M, N, K); break;
     case QGEMM_ISA_AVXVNNI: qgemm_s8_avxvnni(c, a, b, M, N, K); break;
     case QGEMM_ISA_AVX2: qgemm_s8_avx2(c, a, b, M, N, K); break;

@@ -50,6 +50,8 @@ typedef enum {
     QGEMM_ISA_AVX2,        /* AVX2 and FMA */
     QGEMM_ISA_AVXVNNI,     /* AVX2, FMA and AVX-VNNI */
     QGEMM_ISA_AVX512_VNNI, /* AVX-512 F/BW/VL/VNNI */
+    QGEMM_ISA_AMX,         /* AMX-TILE and AMX-INT8 with the above, and the OS's leave (Linux): tiles for the int8 x
+                              int8 products (qgemm_s8, qgemm_s8_nn); every other kernel runs its AVX-512 VNNI one */
 } QGemmIsa;
 
 /* Tests and benchmarks set this to run the portable kernels on any CPU. */

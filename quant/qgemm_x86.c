@@ -499,8 +499,8 @@ QG_TARGET bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *
 /* b's columns [j0, j0 + jn) over k [k0, k0 + kn) (jn <= 48, kn <= S8_KB) -> 3 panels of kg groups (16 lanes of
  * 4 bytes a group) and each column's sum: each panel's two halves of 8 lanes packed by the AVX2 dword transpose,
  * then the lanes' sums as vpdpbusd of ones against each group. */
-QG_TARGET static void s8_pack(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0,
-                                   int kn, int kg) {
+QG_TARGET void qgemm_s8_pack_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0,
+                                  int kn, int kg) {
     const __m512i ones = _mm512_set1_epi8(1);
     for (int v = 0; v < QG_V; v++) {
         int8_t *panel = pack + (size_t)v * kg * 64;
@@ -545,10 +545,10 @@ static inline __m128i nn_row16(const int8_t *b, int ldb, int k, int kn, int j, i
     return _mm_load_si128((const __m128i *)(const void *)t);
 }
 
-/* b's columns [j0, j0 + jn) (jn <= 48) over its rows [k0, k0 + kn) -> 3 panels of kg groups, as s8_pack lays
+/* b's columns [j0, j0 + jn) (jn <= 48) over its rows [k0, k0 + kn) -> 3 panels of kg groups, as qgemm_s8_pack_vnni lays
  * them out, and each column's sum over the rows. */
-QG_TARGET static void s8_pack_nn(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
-                                 int kn, int kg) {
+QG_TARGET void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
+                                     int kn, int kg) {
     for (int v = 0; v < QG_V; v++) {
         const int n = jn - v * QGEMM_LANES;
         __m512i cs = _mm512_setzero_si512();
@@ -577,8 +577,8 @@ QG_TARGET static void s8_run(int32_t *c, int ldc, const int8_t *a, const int8_t 
         const int V = (jn + QGEMM_LANES - 1) / QGEMM_LANES;
         for (int k0 = 0; k0 < K; k0 += S8_KB) {
             const int kn = K - k0 < S8_KB ? K - k0 : S8_KB, kg = (kn + 3) / 4;
-            if (ldb < 0) s8_pack(pack, sum, b, K, j0, jn, k0, kn, kg);
-            else s8_pack_nn(pack, sum, b, ldb, j0, jn, k0, kn, kg);
+            if (ldb < 0) qgemm_s8_pack_vnni(pack, sum, b, K, j0, jn, k0, kn, kg);
+            else qgemm_s8_pack_nn_vnni(pack, sum, b, ldb, j0, jn, k0, kn, kg);
             for (int i = 0; i < M; i += QGEMM_ROWS) {
                 if (V == 3) s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 3);
                 else if (V == 2) s8_tile_ld(c, ldc, a, M, N, K, i, j0, k0, kn, pack, sum, kg, 2);

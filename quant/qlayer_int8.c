@@ -117,6 +117,7 @@ const char *qlayer_int8_kernel(void) {
     if (qlayer_int8_disable) return "float-emulated";
     if (qgemm_force_portable) return "portable";
     switch (qgemm_isa()) {
+    case QGEMM_ISA_AMX: return "amx";
     case QGEMM_ISA_AVX512_VNNI: return "vnni";
     case QGEMM_ISA_AVXVNNI: return "avxvnni";
     case QGEMM_ISA_AVX2: return "avx2";
@@ -129,6 +130,7 @@ static const struct {
     const char *name, *needs;
     QGemmIsa isa;
 } INT8_KERNELS[] = {
+    {"amx", "AMX-INT8 with AVX-512 VNNI (and Linux's leave to use the tiles)", QGEMM_ISA_AMX},
     {"vnni", "AVX-512 VNNI", QGEMM_ISA_AVX512_VNNI},
     {"avxvnni", "AVX-VNNI (with AVX2 and FMA)", QGEMM_ISA_AVXVNNI},
     {"avx2", "AVX2 and FMA", QGEMM_ISA_AVX2},
@@ -142,8 +144,8 @@ QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *
     for (size_t i = 0; i < sizeof INT8_KERNELS / sizeof *INT8_KERNELS; i++) {
         if (strcmp(name, INT8_KERNELS[i].name) != 0) continue;
         if (!qgemm_cpu_has_isa(INT8_KERNELS[i].isa))
-            return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: this CPU (or OS) has no %s; choose another of vnni, "
-                                "avxvnni, avx2, portable, float or auto", what, name, INT8_KERNELS[i].needs);
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: this CPU (or OS) has no %s; choose another of amx, "
+                                "vnni, avxvnni, avx2, portable, float or auto", what, name, INT8_KERNELS[i].needs);
         qlayer_int8_disable = false, qgemm_force_portable = false, qgemm_force_isa = INT8_KERNELS[i].isa;
         return QT_OK;
     }
@@ -152,8 +154,8 @@ QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *
     } else if (strcmp(name, "float") == 0) {
         qlayer_int8_disable = true, qgemm_force_portable = false, qgemm_force_isa = -1;
     } else {
-        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown int8 kernel '%s'; expected vnni, avxvnni, avx2, "
-                            "portable, float or auto", what, name);
+        return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown int8 kernel '%s'; expected amx, vnni, avxvnni, "
+                            "avx2, portable, float or auto", what, name);
     }
     return QT_OK;
 }

@@ -44,7 +44,10 @@ static bool same_or_say(const void *a, const void *b, size_t bytes, const char *
 static const struct {
     QGemmIsa isa;
     const char *name;
-} FAMILIES[] = {{QGEMM_ISA_AVX512_VNNI, "AVX-512 VNNI"}, {QGEMM_ISA_AVXVNNI, "AVX-VNNI"}, {QGEMM_ISA_AVX2, "AVX2"}};
+} FAMILIES[] = {{QGEMM_ISA_AMX, "AMX"},
+                {QGEMM_ISA_AVX512_VNNI, "AVX-512 VNNI"},
+                {QGEMM_ISA_AVXVNNI, "AVX-VNNI"},
+                {QGEMM_ISA_AVX2, "AVX2"}};
 
 /* cases() once per vector family the CPU has, a skip naming each it lacks; at least once (portable) anywhere. */
 static void for_each_family(void (*cases)(void), const char *what) {
@@ -472,7 +475,7 @@ static void s8_case_signs(int M, int N, int K, uint64_t seed, bool extremes, int
     qgemm_s8_ref(ref, a, b, M, N, K);
     char what[64];
     /* every family this CPU runs (the ones it lacks are reported skipped by the suite's ISA tests) */
-    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AMX; isa++) {
         if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
         qgemm_force_isa = isa;
         memset(c1, 0x5a, nc * 4);
@@ -510,7 +513,7 @@ static void s8_nn_case_signs(int M, int N, int K, int pad, uint64_t seed, bool e
     memset(ref, 0x77, nc * 4);
     qgemm_s8_nn_ref(ref, ldc, a, b, ldb, M, N, K);
     char what[96];
-    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AMX; isa++) {
         if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
         qgemm_force_isa = isa;
         memset(c, 0x77, nc * 4); /* the gaps between rows keep the bytes they had, as ref's */
@@ -562,15 +565,15 @@ static void test_s8(void) {
 
 static void test_dispatch_and_errors(void) {
     /* the best family the CPU has, one asked for, portable over any */
-    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "avx512-vnni"};
+    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "avx512-vnni", "amx"};
     QGemmIsa best = QGEMM_ISA_PORTABLE;
-    for (int isa = QGEMM_ISA_AVX2; isa <= QGEMM_ISA_AVX512_VNNI; isa++)
+    for (int isa = QGEMM_ISA_AVX2; isa <= QGEMM_ISA_AMX; isa++)
         if (qgemm_cpu_has_isa(isa)) best = isa;
     CU_ASSERT_EQUAL(qgemm_isa(), best);
     CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), NAMES[best]);
     CU_ASSERT_EQUAL(qgemm_cpu_has_vnni(), qgemm_cpu_has_isa(QGEMM_ISA_AVX512_VNNI));
     CU_ASSERT(qgemm_cpu_has_isa(QGEMM_ISA_PORTABLE));
-    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI; isa++) {
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AMX; isa++) {
         if (!qgemm_cpu_has_isa(isa)) continue;
         qgemm_force_isa = isa;
         CU_ASSERT_STRING_EQUAL(qgemm_kernel_name(), NAMES[isa]);

@@ -91,12 +91,12 @@ static void test_qt_run_and_resume(void) {
  * the same bits on every int8 kernel family the CPU runs and on the portable quantizers; int8_kernel names the
  * family. */
 static void test_qt_kernel_families(void) {
-    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
+    static const char *const NAMES[] = {"portable", "avx2", "avxvnni", "vnni", "amx"};
     const char *ov[] = {"train.steps=6"};
     Net ref;
     bool have_ref = false;
-    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AVX512_VNNI + 1; isa++) {
-        const bool portable_quant = isa > QGEMM_ISA_AVX512_VNNI; /* last: the best family, scalar quantizers */
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AMX + 1; isa++) {
+        const bool portable_quant = isa > QGEMM_ISA_AMX; /* last: the best family, scalar quantizers */
         if (!portable_quant && !qgemm_cpu_has_isa((QGemmIsa)isa)) {
             test_skip("qt on the %s int8 kernels: this CPU (or OS) lacks them", NAMES[isa]);
             continue;

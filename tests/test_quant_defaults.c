@@ -403,10 +403,12 @@ static void test_int8_kernel_reported(void) {
                  {"portable", "k-portable", "portable", NULL, QGEMM_ISA_PORTABLE},
                  {"float", "k-float", "float-emulated", NULL, QGEMM_ISA_PORTABLE},
                  {"avxvnni", "k-avxvnni", "avxvnni", "AVX-VNNI", QGEMM_ISA_AVXVNNI},
-                 {"avx2", "k-avx2", "avx2", "AVX2 and FMA", QGEMM_ISA_AVX2}};
-    TrainResult res[5];
-    bool ran[5] = {false, false, false, false, false};
-    for (int i = 0; i < 5; i++) {
+                 {"avx2", "k-avx2", "avx2", "AVX2 and FMA", QGEMM_ISA_AVX2},
+                 {"amx", "k-amx", "amx", "AMX-INT8", QGEMM_ISA_AMX}};
+    enum { NP = sizeof paths / sizeof *paths };
+    TrainResult res[NP];
+    bool ran[NP] = {false};
+    for (int i = 0; i < NP; i++) {
         if (paths[i].needs && !qgemm_cpu_has_isa(paths[i].isa)) {
             test_skip("int8_kernel %s: this CPU has no %s", paths[i].env, paths[i].needs);
             QtError kerr = {0};
@@ -424,7 +426,7 @@ static void test_int8_kernel_reported(void) {
         CU_ASSERT_STRING_EQUAL(got, paths[i].want);
     }
     /* the integer kernels agree bit for bit; float emulation up to float rounding */
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < NP; i++)
         if (ran[i] && i != 1 && i != 2)
             CU_ASSERT(res[i].test_accuracy == res[1].test_accuracy && res[i].test_loss == res[1].test_loss);
     CU_ASSERT(fabs(res[2].test_loss - res[1].test_loss) < 1e-3);
@@ -448,9 +450,10 @@ static void test_int8_kernel_reported(void) {
     /* a wrong name is refused, naming the variable (the binary's start: tests/test_bench_cmd.c) */
     CU_ASSERT_EQUAL(qlayer_int8_kernel_select("sse4", "QTRAIN_INT8_KERNEL", &err), QT_ERR_CONFIG);
     CU_ASSERT(test_msg_has(&err, "QTRAIN_INT8_KERNEL") && test_msg_has(&err, "'sse4'") &&
-              test_msg_has(&err, "vnni, avxvnni, avx2, portable, float or auto"));
+              test_msg_has(&err, "amx, vnni, avxvnni, avx2, portable, float or auto"));
     CU_ASSERT_EQUAL(qlayer_int8_kernel_select("auto", "test", &err), QT_OK);
-    const char *best = qgemm_cpu_has_vnni()                        ? "vnni"
+    const char *best = qgemm_cpu_has_isa(QGEMM_ISA_AMX)           ? "amx"
+                       : qgemm_cpu_has_vnni()                      ? "vnni"
                        : qgemm_cpu_has_isa(QGEMM_ISA_AVXVNNI) ? "avxvnni"
                        : qgemm_cpu_has_isa(QGEMM_ISA_AVX2)    ? "avx2"
                                                                : "float-emulated";

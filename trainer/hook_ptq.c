@@ -201,7 +201,7 @@ const char *net_int8_kernel(const Net *n) {
     const char *k = ptq_int8_kernel(hook_layers_find(&n->hooks, &HOOK_PTQ));
     if (strcmp(k, "none") != 0) return k;
     /* QT: its integer GEMMs, which run whatever the family (QTRAIN_INT8_KERNEL=float concerns PTQ alone) */
-    static const char *const QT_NAMES[] = {"portable", "avx2", "avxvnni", "vnni"};
+    static const char *const QT_NAMES[] = {"portable", "avx2", "avxvnni", "vnni", "amx"}; /* by QGemmIsa */
     for (int i = 0, c = net_hook_count(n, &HOOK_FQT); i < c; i++)
         if (fqt_layer_integer(net_fqt_layer(n, i))) return qgemm_force_portable ? "portable" : QT_NAMES[qgemm_isa()];
     return k;
