@@ -114,15 +114,14 @@ QM_TARGET static void amx_rows(int32_t *c, int ldc, const int8_t *a, int M, int 
 /* c (M, N), rows ldc apart, = a b^T (ldb < 0: b is (N, K)) or a b (b is (K, N), rows ldb apart). */
 QM_TARGET static void amx_run(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
     _Alignas(64) int8_t pack[QM_V * QM_KB / 4 * 64]; /* 3 panels of 128 groups: 24 KiB */
-    _Alignas(64) int32_t sum[QM_V * QGEMM_LANES];    /* the packers' column sums, not needed here */
     amx_config();
     for (int j0 = 0; j0 < N; j0 += QM_V * 16) {
         const int jn = N - j0 < QM_V * 16 ? N - j0 : QM_V * 16, V = (jn + 15) / 16;
         for (int k0 = 0; k0 < K; k0 += QM_KB) {
             const int kn = K - k0 < QM_KB ? K - k0 : QM_KB;
             const int kg16 = (kn + 63) / 64 * 16; /* groups rounded up to whole tiles: the packers zero the rest */
-            if (ldb < 0) qgemm_s8_pack_vnni(pack, sum, b, K, j0, jn, k0, kn, kg16);
-            else qgemm_s8_pack_nn_vnni(pack, sum, b, ldb, j0, jn, k0, kn, kg16);
+            if (ldb < 0) qgemm_s8_pack_vnni(pack, NULL, b, K, j0, jn, k0, kn, kg16); /* no column sums */
+            else qgemm_s8_pack_nn_vnni(pack, NULL, b, ldb, j0, jn, k0, kn, kg16);
             for (int i = 0; i < M; i += 16)
                 amx_rows(c, ldc, a, M, K, i, j0, jn, V, k0, kn, pack, (size_t)kg16 * 64, k0 == 0);
         }

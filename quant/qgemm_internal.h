@@ -38,8 +38,8 @@ void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N
 bool qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
                             int kg);
 /* The AVX-512 VNNI kernels' packs of b for qgemm_s8 (b (N, K)) and qgemm_s8_nn (b (K, N)): 3 panels of kg groups
- * (16 columns x 4 bytes a group, zeros past the problem) and the columns' sums; the AMX kernels load the groups as
- * tile rows. */
+ * (16 columns x 4 bytes a group, zeros past the problem) and the columns' sums (none if sum is NULL); the AMX kernels
+ * load the groups as tile rows. */
 void qgemm_s8_pack_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg);
 void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0, int kn,
                            int kg);

@@ -508,6 +508,7 @@ QG_TARGET void qgemm_s8_pack_vnni(int8_t *pack, int32_t *sum, const int8_t *b, i
             const int first = v * QGEMM_LANES + 8 * h, n = jn - first;
             qgemm_s8_pack8_nt_avx2(panel + 32 * h, 64, b, K, j0 + first, n < 0 ? 0 : n > 8 ? 8 : n, k0, kn, kg);
         }
+        if (!sum) continue; /* the AMX kernels need no sums */
         __m512i cs = _mm512_setzero_si512();
         for (int g = 0; g < kg; g++)
             cs = _mm512_dpbusd_epi32(cs, ones, _mm512_load_si512((const void *)(panel + (size_t)g * 64)));
@@ -555,7 +556,8 @@ QG_TARGET void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b
         for (int g = 0; g < kg; g++) {
             __m128i r[4];
             for (int t = 0; t < 4; t++) r[t] = nn_row16(b + k0 * (size_t)ldb, ldb, 4 * g + t, kn, j0 + v * QGEMM_LANES, n);
-            for (int t = 0; t < 4; t++) cs = _mm512_add_epi32(cs, _mm512_cvtepi8_epi32(r[t]));
+            if (sum)
+                for (int t = 0; t < 4; t++) cs = _mm512_add_epi32(cs, _mm512_cvtepi8_epi32(r[t]));
             const __m128i t01l = _mm_unpacklo_epi8(r[0], r[1]), t01h = _mm_unpackhi_epi8(r[0], r[1]);
             const __m128i t23l = _mm_unpacklo_epi8(r[2], r[3]), t23h = _mm_unpackhi_epi8(r[2], r[3]);
             __m128i *dst = (__m128i *)(void *)(pack + ((size_t)v * kg + g) * 64);
@@ -564,7 +566,7 @@ QG_TARGET void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b
             _mm_store_si128(dst + 2, _mm_unpacklo_epi16(t01h, t23h)); /* 8..11 */
             _mm_store_si128(dst + 3, _mm_unpackhi_epi16(t01h, t23h)); /* 12..15 */
         }
-        _mm512_store_si512((void *)(sum + v * QGEMM_LANES), cs);
+        if (sum) _mm512_store_si512((void *)(sum + v * QGEMM_LANES), cs);
     }
 }
 
