@@ -173,6 +173,38 @@ Var *nn_bias_add(Tape *t, Var *x, Var *bias) {
     return tape_record(t, "bias_add", bias_add_backward, y, (Var *[]){x, bias}, 2, NULL) ? y : NULL;
 }
 
+/* y = a + b (b NULL: y += a) over [0, n), in contiguous ranges over the pool from ADD_PARALLEL_MIN elements
+ * on (the same values however they are split): a residual block's add is a pass over a whole activation. */
+#define ADD_PARALLEL_MIN (1 << 16)
+
+typedef struct {
+    float *y;
+    const float *a, *b;
+    size_t n;
+} AddJob;
+
+static void add_range(float *restrict y, const float *a, const float *b, size_t n) {
+    if (b)
+        for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+    else
+        for (size_t i = 0; i < n; i++) y[i] += a[i];
+}
+
+static void add_task(void *ctx, int task, int n_tasks) {
+    const AddJob *j = ctx;
+    const size_t lo = j->n * (size_t)task / (size_t)n_tasks, hi = j->n * (size_t)(task + 1) / (size_t)n_tasks;
+    add_range(j->y + lo, j->a + lo, j->b ? j->b + lo : NULL, hi - lo);
+}
+
+static void add_run(float *y, const float *a, const float *b, size_t n) {
+    if (n < ADD_PARALLEL_MIN || parallel_get_threads() == 1) {
+        add_range(y, a, b, n);
+        return;
+    }
+    AddJob j = {y, a, b, n};
+    parallel_run(parallel_get_threads(), add_task, &j);
+}
+
 /* The first input without a gradient yet takes dy's buffer as its own (no
  * copy), a second one gets a copy, and an input that has one adds dy in. */
 static void add_backward(Tape *t, const TapeNode *node) {
@@ -189,10 +221,8 @@ static void add_backward(Tape *t, const TapeNode *node) {
         bool fresh;
         float *dv = tape_grad_to_write(t, v, &fresh);
         if (!dv) return;
-        if (fresh)
-            memcpy(dv, dy, n * sizeof *dv);
-        else
-            for (size_t i = 0; i < n; i++) dv[i] += dy[i];
+        if (fresh) memcpy(dv, dy, n * sizeof *dv);
+        else add_run(dv, dy, NULL, n);
     }
 }
 
@@ -205,7 +235,7 @@ Var *nn_add(Tape *t, Var *a, Var *b) {
     }
     Var *y = tape_new_var(t, a->value.ndim, a->value.shape);
     if (!y) return NULL;
-    for (size_t i = 0, n = var_numel(a); i < n; i++) y->value.data[i] = a->value.data[i] + b->value.data[i];
+    add_run(y->value.data, a->value.data, b->value.data, var_numel(a));
     return tape_record_value_free(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
 }
 

@@ -373,6 +373,42 @@ static void test_fused_pool_too_small(void) {
     test_env_free(&e);
 }
 
+
+/* add over the pool (above 2^16 elements): y = a + b exactly, and the backward's accumulation dx += dy (a input
+ * used twice), the same on 1 and 2 threads. */
+static void test_add_threads_agree(void) {
+    enum { N = 6, C = 16, H = 28, W = 28 }; /* 75,264 elements */
+    const size_t n = (size_t)N * C * H * W;
+    float *a = malloc(n * 4), *b = malloc(n * 4), *y[2], *ga[2];
+    CU_ASSERT_FATAL(a && b);
+    Rng r;
+    rng_init(&r, 81, RNG_STREAM_INIT);
+    rng_fill_normal(&r, a, n, 0.0f, 1.0f);
+    rng_fill_normal(&r, b, n, 0.0f, 1.0f);
+    const int before = parallel_get_threads();
+    for (int th = 0; th < 2; th++) {
+        parallel_set_threads(th + 1);
+        TestEnv e;
+        test_env_init(&e, 3);
+        Var *av = test_var(&e, a, 4, (const int[]){N, C, H, W}, true);
+        Var *bv = test_var(&e, b, 4, (const int[]){N, C, H, W}, true);
+        Var *s1 = nn_add(&e.tape, av, bv), *s2 = nn_add(&e.tape, s1, av); /* a twice: its gradient accumulates */
+        CU_ASSERT_FATAL(s2 && tape_backward_from(&e.tape, s2, b) == QT_OK);
+        for (size_t i = 0; i < n; i++)
+            if (s1->value.data[i] != a[i] + b[i] || av->grad[i] != b[i] + b[i]) {
+                CU_FAIL("add or its gradient differs from the elementwise definition");
+                break;
+            }
+        y[th] = malloc(n * 4), ga[th] = malloc(n * 4);
+        CU_ASSERT_FATAL(y[th] && ga[th]);
+        memcpy(y[th], s2->value.data, n * 4), memcpy(ga[th], av->grad, n * 4);
+        test_env_free(&e);
+    }
+    parallel_set_threads(before);
+    CU_ASSERT(memcmp(y[0], y[1], n * 4) == 0 && memcmp(ga[0], ga[1], n * 4) == 0);
+    free(a), free(b), free(y[0]), free(y[1]), free(ga[0]), free(ga[1]);
+}
+
 int register_nn_parallel_suite(void) {
     CU_pSuite s = CU_add_suite("nn_parallel", NULL, NULL);
     if (!s) return -1;
@@ -384,5 +420,6 @@ int register_nn_parallel_suite(void) {
            !CU_add_test(s, "fused conv blocks: finite differences", test_fused_gradcheck) ||
            !CU_add_test(s, "low-rank conv equals the adapter as ops", test_lowrank_matches_adapter_ops) ||
            !CU_add_test(s, "low-rank conv: finite differences", test_lowrank_gradcheck) ||
-           !CU_add_test(s, "fused pool on a too small output", test_fused_pool_too_small);
+           !CU_add_test(s, "fused pool on a too small output", test_fused_pool_too_small) ||
+           !CU_add_test(s, "add: the definition's values, the same on 1 and 2 threads", test_add_threads_agree);
 }
