@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/parallel.h"
+#include "nn/ops.h" /* NN_SIMD_CLONES */
 
 OptimConfig optim_config_default(OptimKind kind) {
     OptimConfig c = {.kind = kind, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
@@ -196,6 +197,9 @@ typedef struct {
  *   exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2);
  *   denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps);
  *   param.addcdiv_(exp_avg, denom, value=-step_size)   # p + (value*m)/denom */
+/* The clones (AVX-512, AVX2, baseline) make the same IEEE operations in wider vectors, without contraction: the
+ * same bits; the divisions and the square root per element were most of the step's serial time on the MLP. */
+NN_SIMD_CLONES
 static void adamw_update(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, size_t n,
                          const AdamScalars *s) {
     const AdamScalars c = *s;
@@ -322,19 +326,22 @@ void optim_zero_grad(Optimizer *o) {
 
 static bool has_grad(const Param *p) { return p && p->trainable && p->var.grad; }
 
+/* The sum of g[j]^2 in double over eight interleaved chains (one chain would wait on the add latency per
+ * element), combined in a fixed order; the clones hold the same chains in their lanes. */
+NN_SIMD_CLONES
+static double sumsq8(const float *g, size_t n) {
+    double acc[8] = {0};
+    size_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) acc[k] += (double)g[j + k] * (double)g[j + k];
+    for (; j < n; j++) acc[0] += (double)g[j] * (double)g[j];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 double optim_grad_norm(Param *const *params, int n_params) {
     double sumsq = 0.0;
-    for (int i = 0; i < n_params; i++) {
-        if (!has_grad(params[i])) continue;
-        const float *g = params[i]->var.grad;
-        size_t n = var_numel(&params[i]->var), j = 0;
-        /* eight interleaved sums: one chain would wait on the add latency per element */
-        double acc[8] = {0};
-        for (; j + 8 <= n; j += 8)
-            for (int k = 0; k < 8; k++) acc[k] += (double)g[j + k] * (double)g[j + k];
-        for (; j < n; j++) acc[0] += (double)g[j] * (double)g[j];
-        sumsq += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    }
+    for (int i = 0; i < n_params; i++)
+        if (has_grad(params[i])) sumsq += sumsq8(params[i]->var.grad, var_numel(&params[i]->var));
     return sqrt(sumsq);
 }
 
