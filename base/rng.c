@@ -119,12 +119,15 @@ void rng_fill_u32(Rng *r, uint32_t *out, size_t n) {
     rng_fill_u32_ref(r, out + i, n - i);
 }
 
+/* The words through rng_fill_u32 (8 blocks at a time in AVX2) in chunks of whole blocks: the same words and the
+ * same counter at the end as one block per 4 values (a last partial block is used in part, as there). */
 void rng_fill_uniform(Rng *r, float *out, size_t n, float lo, float hi) {
-    uint32_t b[4];
-    float span = hi - lo;
-    for (size_t i = 0; i < n; i += 4) {
-        rng_next_block(r, b);
-        for (size_t j = 0; j < 4 && i + j < n; j++) out[i + j] = lo + span * rng_u32_to_unit(b[j]);
+    uint32_t b[256];
+    const float span = hi - lo;
+    for (size_t i = 0; i < n; i += 256) {
+        const size_t m = n - i < 256 ? n - i : 256;
+        rng_fill_u32(r, b, m);
+        for (size_t j = 0; j < m; j++) out[i + j] = lo + span * rng_u32_to_unit(b[j]);
     }
 }
 

@@ -118,6 +118,27 @@ static void test_rng_uniforms_match_one_draw(void) {
     CU_ASSERT_EQUAL(rng_uniforms_next(&u), 0.0f);
 }
 
+/* rng_fill_uniform (words in chunks through the vector Philox) against one block per 4 values: the same floats
+ * and the same counter after, at lengths around the chunk and block sizes. */
+static void test_rng_fill_uniform_blocks(void) {
+    static const size_t LENS[] = {1, 3, 4, 5, 31, 32, 33, 255, 256, 257, 1000, 1027};
+    static float got[1027], want[1027];
+    for (size_t li = 0; li < sizeof LENS / sizeof *LENS; li++) {
+        Rng x, y;
+        rng_init(&x, 11, 5);
+        x.counter = 7 + li;
+        y = x;
+        rng_fill_uniform(&x, got, LENS[li], -0.5f, 2.0f);
+        uint32_t b[4];
+        for (size_t i = 0; i < LENS[li]; i += 4) {
+            rng_next_block(&y, b);
+            for (size_t j = 0; j < 4 && i + j < LENS[li]; j++) want[i + j] = -0.5f + 2.5f * rng_u32_to_unit(b[j]);
+        }
+        CU_ASSERT(memcmp(got, want, LENS[li] * sizeof *got) == 0);
+        CU_ASSERT_EQUAL(x.counter, y.counter);
+    }
+}
+
 static void test_rng_distributions(void) {
     Rng r;
     rng_init(&r, 7, 1);
@@ -293,5 +314,6 @@ int register_nn_core_suite(void) {
            !CU_add_test(s, "tape accumulates fan-out", test_tape_accumulates_fanout) ||
            !CU_add_test(s, "tape refuses double backward and frozen-param grads", test_tape_refuses_misuse) ||
            !CU_add_test(s, "error keeps the first cause", test_error_keeps_first) ||
-           !CU_add_test(s, "chunked uniforms equal one draw", test_rng_uniforms_match_one_draw);
+           !CU_add_test(s, "chunked uniforms equal one draw", test_rng_uniforms_match_one_draw) ||
+           !CU_add_test(s, "rng_fill_uniform = one block per 4 values", test_rng_fill_uniform_blocks);
 }
