@@ -292,19 +292,38 @@ typedef float DwVec __attribute__((vector_size(DW_LANES * sizeof(float))));
 /* The interior (rows r0.., columns c0..) of a padded plane (.., Wp) = src (rows, cols). */
 static inline void dw_put(float *restrict dst, int Wp, int r0, int c0, const float *restrict src, int rows,
                           int cols) {
-    for (int h = 0; h < rows; h++) {
-        float *restrict o = dst + (size_t)(h + r0) * Wp + c0;
-        const float *restrict s = src + (size_t)h * cols;
-        for (int v = 0; v < cols; v++) o[v] = s[v];
-    }
+    for (int h = 0; h < rows; h++) /* rows of 14 floats: memcpy beats the scalar loop the compiler made */
+        memcpy(dst + (size_t)(h + r0) * Wp + c0, src + (size_t)h * cols, (size_t)cols * sizeof *src);
 }
 
 /* Every tap of w over the padded plane src at row stride Wp, into dst[0, L)
  * (plus junk up to the next chunk); sign -1 reads src backwards from the
  * tap offsets (the adjoint, for dx: src points at the margin's end). */
+/* The 3 x 3 undilated case of dw_s1_taps with the taps unrolled (the loops over them cost more than the
+ * arithmetic): the same products added in the same order, so the same bits. */
+static inline void dw_s1_taps33(float *restrict dst, const float *restrict src, const float *restrict w, float b,
+                                size_t L, int Wp, bool adjoint) {
+    const ptrdiff_t r = adjoint ? -(ptrdiff_t)Wp : (ptrdiff_t)Wp, c = adjoint ? -1 : 1;
+    const ptrdiff_t off[9] = {0, c, 2 * c, r, r + c, r + 2 * c, 2 * r, 2 * r + c, 2 * r + 2 * c};
+    for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
+        DwVec acc = {0}, v;
+        acc += b;
+#pragma GCC unroll 9
+        for (int t = 0; t < 9; t++) {
+            DW_LOAD(v, src + q0 + off[t]);
+            acc += w[t] * v;
+        }
+        memcpy(dst + q0, &acc, sizeof acc);
+    }
+}
+
 static inline void dw_s1_taps(float *restrict dst, const float *restrict src, const float *restrict w, float b,
                               size_t L, const ConvGDims *d, int Wp, bool adjoint) {
     const int KH = d->KH, KW = d->KW;
+    if (KH == 3 && KW == 3 && d->g.dil_h == 1 && d->g.dil_w == 1) {
+        dw_s1_taps33(dst, src, w, b, L, Wp, adjoint);
+        return;
+    }
     for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
         DwVec acc = {0}, v; /* vector variables: they stay in registers across the taps */
         acc += b;
@@ -337,11 +356,8 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
             dw_s1_taps(yp, xp, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
-            for (int oh = 0; oh < d->OH; oh++) {
-                float *restrict o = y + (size_t)oh * d->OW;
-                const float *restrict s = yp + (size_t)oh * Wp;
-                for (int v = 0; v < d->OW; v++) o[v] = s[v];
-            }
+            for (int oh = 0; oh < d->OH; oh++)
+                memcpy(y + (size_t)oh * d->OW, yp + (size_t)oh * Wp, (size_t)d->OW * sizeof *y);
         }
     }
 }
@@ -407,7 +423,7 @@ static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
                     float *restrict o = j->dx + xi + (size_t)h * d->W;
                     const float *restrict s = dxp + (size_t)h * Wp;
                     if (first)
-                        for (int v = 0; v < d->W; v++) o[v] = s[v];
+                        memcpy(o, s, (size_t)d->W * sizeof *o);
                     else
                         for (int v = 0; v < d->W; v++) o[v] += s[v];
                 }
