@@ -241,6 +241,25 @@ void batchnorm_apply(float *y, const float *x, const float *mean, const float *s
     }
 }
 
+/* batchnorm_apply then relu (y > 0 ? y : 0, as nn_relu_inplace) in one pass: the same floats. */
+NN_SIMD_CLONES
+static void batchnorm_apply_relu(float *y, const float *x, const float *mean, const float *scale, const float *beta,
+                                 int N, int C, size_t inner, int c0, int c1) {
+    const size_t stride = (size_t)C * inner;
+    for (int ch = c0; ch < c1; ch++) {
+        const float m = mean[ch], a = scale[ch], b = beta ? beta[ch] : 0.0f;
+        for (int n = 0; n < N; n++) {
+            const size_t off = n * stride + (size_t)ch * inner;
+            const float *restrict xp = x + off;
+            float *restrict yp = y + off;
+            for (size_t i = 0; i < inner; i++) {
+                const float v = (xp[i] - m) * a + b;
+                yp[i] = v > 0.0f ? v : 0.0f;
+            }
+        }
+    }
+}
+
 void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
                              int C, size_t inner, int c0, int c1) {
     const size_t stride = (size_t)C * inner;
@@ -397,15 +416,6 @@ typedef struct {
     BatchnormJobKind kind;
 } BatchnormTask;
 
-/* relu over channels [c0, c1) of y (N, C, inner), in place: the values nn_relu_inplace left. */
-NN_SIMD_CLONES
-static void batchnorm_relu_channels(float *y, int N, int C, size_t inner, int c0, int c1) {
-    for (int n = 0; n < N; n++) {
-        float *p = y + ((size_t)n * C + c0) * inner;
-        for (size_t i = 0, len = (size_t)(c1 - c0) * inner; i < len; i++) p[i] = p[i] > 0.0f ? p[i] : 0.0f;
-    }
-}
-
 static void batchnorm_task(void *ctx, int task, int n_tasks) {
     const BatchnormTask *bt = ctx;
     const BatchnormJob *j = bt->job;
@@ -424,8 +434,8 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
         batchnorm_grads_finish(j, c0, c1);
         return;
     case BN_JOB_REMAKE:
-        batchnorm_apply(j->y, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
-        if (c->relu) batchnorm_relu_channels(j->y, c->N, c->C, c->inner, c0, c1);
+        if (c->relu) batchnorm_apply_relu(j->y, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
+        else batchnorm_apply(j->y, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
         return;
     case BN_JOB_STATS:
         batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
