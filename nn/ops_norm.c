@@ -226,25 +226,11 @@ void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, si
     }
 }
 
-NN_SIMD_CLONES
-void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
-                     int C, size_t inner, int c0, int c1) {
-    const size_t stride = (size_t)C * inner;
-    for (int ch = c0; ch < c1; ch++) {
-        const float m = mean[ch], a = scale[ch], b = beta ? beta[ch] : 0.0f;
-        for (int n = 0; n < N; n++) {
-            const size_t off = n * stride + (size_t)ch * inner;
-            const float *restrict xp = x + off;
-            float *restrict yp = y + off;
-            for (size_t i = 0; i < inner; i++) yp[i] = (xp[i] - m) * a + b;
-        }
-    }
-}
-
-/* batchnorm_apply then relu (y > 0 ? y : 0, as nn_relu_inplace) in one pass: the same floats. */
-NN_SIMD_CLONES
-static void batchnorm_apply_relu(float *y, const float *x, const float *mean, const float *scale, const float *beta,
-                                 int N, int C, size_t inner, int c0, int c1) {
+/* y = (x - mean) * scale + beta, relu'd (y > 0 ? y : 0, as nn_relu_inplace) if relu; inlined into each clone
+ * with relu a constant. */
+static inline __attribute__((always_inline)) void bn_apply_channels(float *y, const float *x, const float *mean,
+                                                                    const float *scale, const float *beta, int N,
+                                                                    int C, size_t inner, int c0, int c1, bool relu) {
     const size_t stride = (size_t)C * inner;
     for (int ch = c0; ch < c1; ch++) {
         const float m = mean[ch], a = scale[ch], b = beta ? beta[ch] : 0.0f;
@@ -254,10 +240,23 @@ static void batchnorm_apply_relu(float *y, const float *x, const float *mean, co
             float *restrict yp = y + off;
             for (size_t i = 0; i < inner; i++) {
                 const float v = (xp[i] - m) * a + b;
-                yp[i] = v > 0.0f ? v : 0.0f;
+                yp[i] = relu ? (v > 0.0f ? v : 0.0f) : v;
             }
         }
     }
+}
+
+NN_SIMD_CLONES
+void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
+                     int C, size_t inner, int c0, int c1) {
+    bn_apply_channels(y, x, mean, scale, beta, N, C, inner, c0, c1, false);
+}
+
+/* batchnorm_apply then relu in one pass: the same floats. */
+NN_SIMD_CLONES
+static void batchnorm_apply_relu(float *y, const float *x, const float *mean, const float *scale, const float *beta,
+                                 int N, int C, size_t inner, int c0, int c1) {
+    bn_apply_channels(y, x, mean, scale, beta, N, C, inner, c0, c1, true);
 }
 
 void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
