@@ -183,7 +183,8 @@ typedef struct {
     size_t n;
 } AddJob;
 
-static void add_range(float *restrict y, const float *a, const float *b, size_t n) {
+/* y may be a (x + x: the backward's dy buffer is the first input's gradient, then added to): no restrict. */
+static void add_range(float *y, const float *a, const float *b, size_t n) {
     if (b)
         for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
     else

@@ -66,7 +66,7 @@ bool qgemm_cpu_has_vnni(void);
 bool qgemm_cpu_has_isa(QGemmIsa isa);
 /* The family the dispatching functions run now. */
 QGemmIsa qgemm_isa(void);
-/* The kernels the dispatching functions run now: "avx512-vnni", "avxvnni", "avx2" or "portable". */
+/* The kernels the dispatching functions run now: "amx", "avx512-vnni", "avxvnni", "avx2" or "portable". */
 const char *qgemm_kernel_name(void);
 
 /* ---- dense: uint8 rows times a packed int8 weight ------------------------------------------------------------ */

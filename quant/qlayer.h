@@ -178,17 +178,18 @@ QtStatus qlayer_act_from_stats(QLayer *q, QtError *err);
 /* Tests and benchmarks set this to keep every forward on the float path. */
 extern bool qlayer_int8_disable;
 
-/* The path a supported layer's gradient-free forward takes now: "vnni"
- * (AVX-512 VNNI kernels), "avxvnni" (256-bit vpdpbusd), "avx2" (AVX2 + FMA
+/* The path a supported layer's gradient-free forward takes now: "amx"
+ * (the AMX family: these layers run its AVX-512 VNNI kernels; QT's int8 x int8
+ * products its tiles), "vnni" (AVX-512 VNNI kernels), "avxvnni" (256-bit vpdpbusd), "avx2" (AVX2 + FMA
  * kernels), "portable" (the C kernels, qgemm_force_portable), or
  * "float-emulated" (fake quantization + sgemm: qlayer_int8_disable, or a
  * CPU without AVX2). With avxvnni and avx2 a depthwise conv with a stride
  * past 2 across takes the float path. */
 const char *qlayer_int8_kernel(void);
-/* Applies a choice by name, for tests and for measuring: "vnni",
+/* Applies a choice by name, for tests and for measuring: "amx", "vnni",
  * "avxvnni", "avx2" (each an error naming `what` and the missing CPU
  * feature on a CPU without it), "portable", "float", or "auto" / "" (the
- * default: the best of vnni, avxvnni and avx2 the CPU has, else
+ * default: the best of amx, vnni, avxvnni and avx2 the CPU has, else
  * float-emulated). QT_ERR_CONFIG naming `what` and the names otherwise. */
 QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *err);
 

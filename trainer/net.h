@@ -149,9 +149,9 @@ QtStatus net_calib_end(Net *n, QtError *err);
 bool net_needs_act_calibration(const Net *n);
 
 /* The path the PTQ layers with int8 weights and inputs evaluate on
- * (qlayer_int8_kernel: "vnni", "avxvnni", "avx2", "portable",
+ * (qlayer_int8_kernel: "amx", "vnni", "avxvnni", "avx2", "portable",
  * "float-emulated"), or "none" when no layer qualifies. QTRAIN_INT8_KERNEL
- * (vnni, avxvnni, avx2, portable, float, auto), read once by the qtrain binary at start, forces the choice
+ * (amx, vnni, avxvnni, avx2, portable, float, auto), read once by the qtrain binary at start, forces the choice
  * (qlayer_int8_kernel_select). */
 const char *net_int8_kernel(const Net *n);
 /* How many PTQ layers have int8 weights and inputs (*with_int8) and how many of them take the integer kernels
