@@ -415,16 +415,39 @@ typedef struct {
     BatchnormJobKind kind;
 } BatchnormTask;
 
+/* Channels a group: about BN_GROUP_BYTES of each operand, so that the second pass over a group (apply after the
+ * statistics, dx after the sums) reads it from L2 rather than memory. A channel's arithmetic does not depend on
+ * the grouping. */
+#define BN_GROUP_BYTES (512u << 10)
+
+static int batchnorm_group(const BatchnormCtx *c) {
+    const size_t per = (size_t)c->N * c->inner * sizeof(float);
+    const size_t g = per ? BN_GROUP_BYTES / per : 1;
+    return g < 1 ? 1 : g > (size_t)c->C ? c->C : (int)g;
+}
+
+/* The forward of channels [c0, c1) once their statistics are in j->s1, j->s2 (batch form) or c (running). */
+static void batchnorm_forward_finish(const BatchnormJob *j, int c0, int c1) {
+    const BatchnormCtx *c = j->c;
+    if (c->batch) batchnorm_stats_finish(j, c0, c1);
+    for (int ch = c0; ch < c1; ch++) j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
+    batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
+}
+
 static void batchnorm_task(void *ctx, int task, int n_tasks) {
     const BatchnormTask *bt = ctx;
     const BatchnormJob *j = bt->job;
     const BatchnormCtx *c = j->c;
     int c0, c1;
     parallel_range(c->C, task, n_tasks, &c0, &c1);
+    const int G = batchnorm_group(c);
     switch (bt->kind) {
     case BN_JOB_BACKWARD:
-        batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
-        batchnorm_grads_finish(j, c0, c1);
+        for (int g0 = c0; g0 < c1; g0 += G) {
+            const int g1 = c1 - g0 < G ? c1 : g0 + G;
+            batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, g0, g1);
+            batchnorm_grads_finish(j, g0, g1);
+        }
         return;
     case BN_JOB_GRAD_SUMS:
         batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
@@ -440,14 +463,16 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
         batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
         return;
     case BN_JOB_FORWARD:
-        if (c->batch) batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
-        break;
+        for (int g0 = c0; g0 < c1; g0 += G) {
+            const int g1 = c1 - g0 < G ? c1 : g0 + G;
+            if (c->batch) batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, g0, g1);
+            batchnorm_forward_finish(j, g0, g1);
+        }
+        return;
     case BN_JOB_FORWARD_FINISH:
-        break;
+        batchnorm_forward_finish(j, c0, c1);
+        return;
     }
-    if (c->batch) batchnorm_stats_finish(j, c0, c1);
-    for (int ch = c0; ch < c1; ch++) j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
-    batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
 }
 
 /* Channels split over the pool when the tensor is large enough to pay for
