@@ -1,5 +1,6 @@
 /* qgemm_internal.h - the vector kernels behind qgemm.h's dispatching
- * functions: AVX-512 VNNI (qgemm_x86.c), AVX-VNNI and AVX2 (qgemm_avx2.c).
+ * functions: AVX-512 VNNI (qgemm_x86.c), AVX-VNNI and AVX2 (qgemm_avx2.c; their int8 x int8 products in
+ * qgemm_s8_avx2.c), AMX (qgemm_amx.c).
  * Internal to quant/: call each only when qgemm_isa() is its family. */
 #ifndef QTRAIN_QUANT_QGEMM_INTERNAL_H
 #define QTRAIN_QUANT_QGEMM_INTERNAL_H
@@ -33,7 +34,7 @@ bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4]
 void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
-/* The AVX2 pack of 8 columns of b (N, K) for qgemm_s8 (qgemm_avx2.c): group g's 32 bytes at pack + g * gstride;
+/* The AVX2 pack of 8 columns of b (N, K) for qgemm_s8 (qgemm_s8_avx2.c): group g's 32 bytes at pack + g * gstride;
  * the AVX-512 kernel packs its 16-lane panels with it, two halves a group. */
 bool qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
                             int kg);
