@@ -223,20 +223,33 @@ static void test_wrong_model_refused(void) {
     }
 }
 
+/* Trains config from the shared base into <root>/<run> (log <run>.log), then exports its final.h5 as the PEFT
+ * directory path_in(peft) (log <peft>.log): the checkpoint's path into ck, the directory's into dir. Fatal on a
+ * failure. */
+static bool train_export_peft(const char *config, const char *run, const char *peft, char *ck, size_t ck_n,
+                              char *dir, size_t dir_n) {
+    char base[1200], out[1100], log[64];
+    snprintf(base, sizeof base, "model.init_from=%s", runs.base_ckpt);
+    snprintf(out, sizeof out, "run.out_dir=%s/%s", runs.root, run);
+    const char *train[] = {"--config", config, "--set", base, "--set", out, "--quiet", NULL};
+    snprintf(log, sizeof log, "%s.log", run);
+    if (qtrain(log, train) != 0) return false;
+    snprintf(ck, ck_n, "%s/%s/final.h5", runs.root, run);
+    snprintf(dir, dir_n, "%s", path_in(peft));
+    const char *ex[] = {"export", "--checkpoint", ck, "--format", "peft", "--out", dir, NULL};
+    snprintf(log, sizeof log, "%s.log", peft);
+    return qtrain(log, ex) == 0;
+}
+
 /* A QLoRA run (nf4 base, adapters on a conv and a dense layer, the head trained in full) as a PEFT adapter
  * directory: adapter_config.json's fields; PyTorch applying PEFT's conventions to base_model.safetensors
  * reproduces the run's logits; refusals. */
 static void test_peft_export(void) {
-    char base[1200], out[1100], ql[1200], dir[1100], npy[1100], cmd[4096];
+    char base[1200], ql[1200], dir[1100], npy[1100], cmd[4096];
+    CU_ASSERT_FATAL(train_export_peft("tests/configs/tiny-qlora.yaml", "ql", "peft", ql, sizeof ql, dir, sizeof dir));
     snprintf(base, sizeof base, "model.init_from=%s", runs.base_ckpt);
-    snprintf(out, sizeof out, "run.out_dir=%s/ql", runs.root);
-    const char *train[] = {"--config", "tests/configs/tiny-qlora.yaml", "--set", base, "--set", out, "--quiet", NULL};
-    CU_ASSERT_EQUAL_FATAL(qtrain("ql.log", train), 0);
-    snprintf(ql, sizeof ql, "%s/ql/final.h5", runs.root);
-    snprintf(dir, sizeof dir, "%s", path_in("peft"));
     snprintf(npy, sizeof npy, "%s", path_in("ql-logits.npy"));
     const char *ex[] = {"export", "--checkpoint", ql, "--format", "peft", "--out", dir, NULL};
-    CU_ASSERT_EQUAL_FATAL(qtrain("peft.log", ex), 0);
     char *conf = test_file_read(path_in("peft/adapter_config.json"), NULL);
     CU_ASSERT_PTR_NOT_NULL_FATAL(conf);
     static const char *const want[] = {"\"peft_type\": \"LORA\"", "\"r\": 4", "\"lora_alpha\": 8",
@@ -441,15 +454,10 @@ static void test_peft_batchnorm_and_groups(void) {
  * module's lora_magnitude_vector in PEFT's shapes; PyTorch merging PEFT's DoRA weight reproduces the run's logits;
  * it loads back bit for bit through adapters_from, and a use_dora that is not the rule's dora is refused by name. */
 static void test_peft_dora(void) {
-    char base[1200], out[1100], ck[1200], dir[1100], npy[1100], cmd[4096];
+    char base[1200], ck[1200], dir[1100], npy[1100], cmd[4096];
+    CU_ASSERT_FATAL(train_export_peft("tests/configs/tiny-dora.yaml", "dora", "dora-peft", ck, sizeof ck, dir,
+                                      sizeof dir));
     snprintf(base, sizeof base, "model.init_from=%s", runs.base_ckpt);
-    snprintf(out, sizeof out, "run.out_dir=%s/dora", runs.root);
-    const char *train[] = {"--config", "tests/configs/tiny-dora.yaml", "--set", base, "--set", out, "--quiet", NULL};
-    CU_ASSERT_EQUAL_FATAL(qtrain("dora.log", train), 0);
-    snprintf(ck, sizeof ck, "%s/dora/final.h5", runs.root);
-    snprintf(dir, sizeof dir, "%s", path_in("dora-peft"));
-    const char *ex[] = {"export", "--checkpoint", ck, "--format", "peft", "--out", dir, NULL};
-    CU_ASSERT_EQUAL_FATAL(qtrain("dora-peft.log", ex), 0);
     char *conf = test_file_read(path_in("dora-peft/adapter_config.json"), NULL);
     CU_ASSERT(conf && strstr(conf, "\"use_dora\": true"));
     free(conf);
