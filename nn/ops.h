@@ -157,6 +157,9 @@ Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding
  * them (y unread for CONV_EPI_NONE). For ops that run a convolution of
  * their own and fuse as nn_conv2d_fused does (the same bits). */
 void nn_conv_epilogue_plane(float *y, uint8_t *winner, const float *pre, float b, int OH, int OW, ConvEpilogue epi);
+/* The sum of g [n], or with y [n] given, of (y[p] > 0 ? g[p] : 0) (the relu's gradient), in double over eight
+ * interleaved partial sums combined in a fixed order: a bias gradient, a plane's mean. */
+double nn_sum8_f32(const float *g, const float *y, size_t n);
 void nn_conv_epilogue_grad_plane(float *dpre, const float *dy, const float *y, const uint8_t *winner, int OH, int OW,
                                  ConvEpilogue epi);
 /* dx (N, C, H, W) = the input gradient of the plain convolution of a

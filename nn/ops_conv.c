@@ -422,12 +422,9 @@ void conv_forward_task(void *ctx, int task, int n_tasks) {
     for (int n0 = lo; n0 < hi; n0 += chunk) conv_forward_chunk(j, col, prod, n0, hi - n0 < chunk ? hi - n0 : chunk);
 }
 
-/* The sum of g [n], or with y [n] given, of (y[p] > 0 ? g[p] : 0) (the
- * relu's gradient), in double over eight interleaved partial sums: one chain
- * would wait on the add latency for every element. The SSE2 lanes hold the
- * same eight chains, combined in the same order, so both paths give the
- * same bits. */
-static double sum8_f32(const float *g, const float *y, size_t n) {
+/* nn_sum8_f32: one chain would wait on the add latency for every element. The SSE2 lanes hold the same eight
+ * chains, combined in the same order, so both paths give the same bits. */
+double nn_sum8_f32(const float *g, const float *y, size_t n) {
     double acc[8] = {0};
     size_t i = 0;
 #if defined(__SSE2__)
@@ -490,7 +487,7 @@ static double conv_pre_grad(const ConvJob *j, float *row, int n, int oc) {
     const float *g = j->dy + at, *y = c->epi == CONV_EPI_NONE ? NULL : j->y + at;
     nn_conv_epilogue_grad_plane(row, g, y, pooled ? c->winner + at : NULL, d->OH, d->OW, c->epi);
     if (!j->db_part) return 0.0;
-    return pooled ? sum8_f32(g, y, out_plane) : sum8_f32(row, NULL, conv_plane(d));
+    return pooled ? nn_sum8_f32(g, y, out_plane) : nn_sum8_f32(row, NULL, conv_plane(d));
 }
 
 void conv_pre_grads(const ConvJob *j, float *dpre, int n0, int nc, int task) {
@@ -524,7 +521,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
             dp = j->dy + (size_t)n0 * d->OC * plane;
             if (j->db_part)
                 for (int oc = 0; oc < d->OC; oc++)
-                    j->db_part[(size_t)task * d->OC + oc] += sum8_f32(dp + (size_t)oc * plane, NULL, plane);
+                    j->db_part[(size_t)task * d->OC + oc] += nn_sum8_f32(dp + (size_t)oc * plane, NULL, plane);
         } else {
             conv_pre_grads(j, dpre, n0, nc, task);
         }
