@@ -150,36 +150,60 @@ KERN_AVX2 static inline void store8_i8(int8_t *q, __m256i c) {
     _mm_storel_epi64((__m128i *)(void *)q, _mm_packs_epi16(w, w));
 }
 
+/* The first k of 8 lanes set: a tail's mask for maskload/maskstore. */
+KERN_AVX2 static inline __m256i lanes_below(size_t k) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* 8 codes of quant_one: x / s clamped, then rounded to nearest even or stochastically against u. */
+KERN_AVX2 static inline __m256i quant8(__m256 x, __m256 sv, __m256 uv, __m256 qmin, __m256 qmax, bool stochastic) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    /* max first with the bound second: a NaN becomes qmin, as fmaxf(NaN, qmin) does */
+    __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(x, sv), qmin), qmax);
+    if (stochastic) {
+        __m256 lo = _mm256_floor_ps(t);
+        __m256 up = _mm256_cmp_ps(uv, _mm256_sub_ps(one, _mm256_sub_ps(t, lo)), _CMP_GE_OQ);
+        t = _mm256_add_ps(lo, _mm256_and_ps(up, one));
+    } else {
+        t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    return _mm256_cvtps_epi32(t); /* exact: t is an integer */
+}
+
+/* Lanes [0, k) of the noise at u, u_step apart (k <= 8). */
+KERN_AVX2 static inline __m256 noise8(const float *u, size_t u_step, size_t k) {
+    if (u_step == 1 && k == 8) return _mm256_loadu_ps(u);
+    float l[8] = {0};
+    for (size_t i = 0; i < k; i++) l[i] = u[i * u_step];
+    return _mm256_loadu_ps(l);
+}
+
 KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step,
                                       const float *u, size_t u_step, const FqtRound *r) {
-    const __m256 qmin = _mm256_set1_ps(r->qmin), qmax = _mm256_set1_ps(r->qmax), one = _mm256_set1_ps(1.0f);
+    const __m256 qmin = _mm256_set1_ps(r->qmin), qmax = _mm256_set1_ps(r->qmax);
     __m256 sv = _mm256_set1_ps(s[0]), uv = _mm256_set1_ps(r->stochastic ? u[0] : 0.0f);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         if (s_step) sv = _mm256_loadu_ps(s + i);
-        /* max first with the bound second: a NaN becomes qmin, as fmaxf(NaN, qmin) does */
-        __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), qmin), qmax);
-        if (r->stochastic) {
-            if (u_step == 1) {
-                uv = _mm256_loadu_ps(u + i);
-            } else if (u_step > 1) { /* a column of row-major noise */
-                float l[8];
-                for (int k = 0; k < 8; k++) l[k] = u[(i + (size_t)k) * u_step];
-                uv = _mm256_loadu_ps(l);
-            }
-            __m256 lo = _mm256_floor_ps(t);
-            __m256 up = _mm256_cmp_ps(uv, _mm256_sub_ps(one, _mm256_sub_ps(t, lo)), _CMP_GE_OQ);
-            t = _mm256_add_ps(lo, _mm256_and_ps(up, one));
-        } else {
-            t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        }
-        __m256i c = _mm256_cvtps_epi32(t); /* exact: t is an integer */
+        if (r->stochastic && u_step) uv = noise8(u + i * u_step, u_step, 8);
+        __m256i c = quant8(_mm256_loadu_ps(x + i), sv, uv, qmin, qmax, r->stochastic);
         if (q) store8_i8(q + i, c);
         if (v) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv));
     }
-    if (i < n)
-        fqt_quant_span_ref(q ? q + i : NULL, v ? v + i : NULL, x + i, n - i, s + i * (size_t)s_step, s_step,
-                           r->stochastic ? u + i * u_step : u, u_step, r);
+    if (i == n) return;
+    /* the tail in one masked vector: lanes past n read 0 / 1 and are not stored */
+    const size_t k = n - i;
+    const __m256i m = lanes_below(k);
+    const __m256 mf = _mm256_castsi256_ps(m);
+    if (s_step) sv = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_maskload_ps(s + i, m), mf);
+    if (r->stochastic && u_step) uv = noise8(u + i * u_step, u_step, k);
+    __m256i c = quant8(_mm256_maskload_ps(x + i, m), sv, uv, qmin, qmax, r->stochastic);
+    if (q) {
+        int8_t b[8];
+        store8_i8(b, c);
+        for (size_t j = 0; j < k; j++) q[i + j] = b[j];
+    }
+    if (v) _mm256_maskstore_ps(v + i, m, _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv));
 }
 
 /* write: d = 0 + masked tmp (the bits of a zeroed d), else d += masked tmp. */
@@ -251,7 +275,10 @@ KERN_AVX2 static void scale_i32_avx2(float *y, const int32_t *x, size_t n, float
         __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(x + i))), v1), v2);
         _mm256_storeu_ps(y + i, add_b ? _mm256_add_ps(v, vb) : v);
     }
-    fqt_scale_i32_ref(y + i, x + i, n - i, s1, s2, b, add_b);
+    if (i == n) return;
+    const __m256i m = lanes_below(n - i); /* the tail in one masked vector */
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_maskload_epi32((const int *)(x + i), m)), v1), v2);
+    _mm256_maskstore_ps(y + i, m, add_b ? _mm256_add_ps(v, vb) : v);
 }
 
 static bool cpu_avx2(void) {
