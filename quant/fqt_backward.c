@@ -422,11 +422,32 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
  * row's (pixel's) maximum over the channels and each plane's sum (fqt_plane_stats); encode: each plane into the
  * rows' values for dX and the column codes for dW. The scales, values and codes are those of the row and column
  * drivers (fqt_quant_rows / fqt_quant_grad_cols); g is read twice instead of once per pass. */
+/* Where a plane of g comes from: g itself (dy where no epilogue was fused, or kept whole), or remade from the
+ * epilogue's gradient into a thread's scratch plane, so that the scan and the encode read dy (a quarter of g's size
+ * under the 2x2 pool) rather than write and read all of g. */
 typedef struct {
     const FqtCtx *c;
     const float *dy, *y;  /* the node's output gradient and value (the epilogue's shape) */
-    float *g;             /* (N, OC, P): dpre where an epilogue was fused, else dy itself */
-    float *rowmax;        /* (N, P) */
+    float *g;             /* (N, OC, P) kept whole, or NULL: planes remade in scratch */
+    float *scratch;       /* (threads, P), with g NULL */
+} GradPlanes;
+
+/* Plane (n, o) of g: in g, or made in the calling thread's scratch. */
+static const float *grad_plane(const GradPlanes *gp, int n, int o) {
+    const FqtCtx *c = gp->c;
+    const size_t P = (size_t)c->cg.OH * c->cg.OW, at = (size_t)n * c->out + o;
+    if (gp->g) return gp->g + at * P;
+    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : P;
+    float *plane = gp->scratch + (size_t)parallel_thread_index() * P;
+    nn_conv_epilogue_grad_plane(plane, gp->dy + at * out_plane, gp->y + at * out_plane,
+                                c->winner ? c->winner + at * out_plane : NULL, c->cg.OH, c->cg.OW, c->epi);
+    return plane;
+}
+
+typedef struct {
+    GradPlanes gp;
+    bool make_g;          /* the scan writes g's planes (gp.g) from the epilogue's gradient */
+    float *rowmax;        /* (N, P), or NULL when dX is not wanted */
     float *colmax;        /* (N, OC) each plane's maximum */
     double *bsum;         /* (N, OC) each plane's sum */
     bool *finite;         /* [N] */
@@ -434,20 +455,22 @@ typedef struct {
 
 static void scan_part(const void *ctx, int lo, int hi) {
     const ScanJob *j = ctx;
-    const FqtCtx *c = j->c;
+    const FqtCtx *c = j->gp.c;
     const size_t P = (size_t)c->cg.OH * c->cg.OW;
     const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : P;
     for (int n = lo; n < hi; n++) {
-        float *rm = j->rowmax + (size_t)n * P;
-        memset(rm, 0, P * sizeof *rm);
+        float *rm = j->rowmax ? j->rowmax + (size_t)n * P : NULL;
+        if (rm) memset(rm, 0, P * sizeof *rm);
         bool ok = true;
-        for (int o = 0; o < c->out; o++) { /* every plane made, even past a non-finite one: the error path reads g */
+        for (int o = 0; o < c->out; o++) { /* a kept g is made whole, even past a non-finite plane */
             const size_t at = (size_t)n * c->out + o;
-            float *plane = j->g + at * P;
-            if (c->epi != CONV_EPI_NONE)
-                nn_conv_epilogue_grad_plane(plane, j->dy + at * out_plane, j->y + at * out_plane,
+            if (j->make_g) {
+                nn_conv_epilogue_grad_plane(j->gp.g + at * P, j->gp.dy + at * out_plane, j->gp.y + at * out_plane,
                                             c->winner ? c->winner + at * out_plane : NULL, c->cg.OH, c->cg.OW, c->epi);
-            if (ok) ok = fqt_plane_stats(plane, P, rm, &j->colmax[at], &j->bsum[at]);
+            } else if (!ok) {
+                break;
+            }
+            if (ok) ok = fqt_plane_stats(grad_plane(&j->gp, n, o), P, rm, &j->colmax[at], &j->bsum[at]);
         }
         j->finite[n] = ok;
     }
@@ -455,7 +478,7 @@ static void scan_part(const void *ctx, int lo, int hi) {
 
 typedef struct {
     const FqtCtx *c;
-    const float *g;             /* (N, OC, P) */
+    GradPlanes gp;              /* g's planes */
     const float *s_row, *s_col; /* [N*P], [OC] (one tile) */
     float *g_row;               /* (N, OC, P) or NULL */
     int8_t *codes;              /* chunk-major (OC, L) blocks, or NULL */
@@ -472,7 +495,7 @@ static void encode_part(const void *ctx, int lo, int hi) {
     for (int n = lo; n < hi; n++)
         for (int o = 0; o < OC; o++) {
             const size_t at = ((size_t)n * OC + o) * P;
-            const float *g = j->g + at;
+            const float *g = grad_plane(&j->gp, n, o);
             const size_t r0 = (size_t)n * P;
             const float *u = j->r.stochastic ? z->u + r0 * z->row_step + o * z->col_step : NULL;
             if (j->g_row) fqt_quant_span(NULL, j->g_row + at, g, (size_t)P, j->s_row + r0, 1, u, ustep, &j->r);
@@ -487,6 +510,11 @@ static void encode_part(const void *ctx, int lo, int hi) {
         }
 }
 
+/* All of g for the general rules' error paths: gp's, or made now. NULL: no memory (on the tape). */
+static const float *whole_g(Tape *t, const TapeNode *node, const GradPlanes *gp) {
+    return gp->g ? gp->g : product_grad(t, node);
+}
+
 /* The conv's integer backward (int_backward) with g scanned once: the bias, g_row, the codes for dW. */
 static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *plan) {
     const FqtCtx *c = node->ctx;
@@ -494,19 +522,24 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
     const int out = c->out, rows = c->rows, tile = fqt_grad_tile(c), N = c->cg.N, P = c->cg.OH * c->cg.OW;
     const bool want_b = bias && bias->requires_grad, want_x = x->requires_grad, want_w = w->requires_grad;
     if (!want_b && !want_x && !want_w) return;
-    ScanJob sj = {.c = c, .dy = node->out->grad, .y = node->out->value.data};
-    sj.g = c->epi == CONV_EPI_NONE ? node->out->grad : tape_alloc(t, (size_t)rows * out * sizeof(float));
-    sj.rowmax = tape_alloc(t, (size_t)rows * sizeof(float));
+    /* g whole only where the tiles' column pass reads it; else each pass remakes its planes from dy */
+    const bool epi = c->epi != CONV_EPI_NONE, keep_g = epi && want_w && tile < rows;
+    ScanJob sj = {.gp = {.c = c, .dy = node->out->grad, .y = node->out->value.data}, .make_g = keep_g};
+    if (!epi) sj.gp.g = node->out->grad;
+    else if (keep_g) sj.gp.g = tape_alloc(t, (size_t)rows * out * sizeof(float));
+    else sj.gp.scratch = tape_alloc(t, (size_t)parallel_get_threads() * P * sizeof(float));
+    sj.rowmax = want_x ? tape_alloc(t, (size_t)rows * sizeof(float)) : NULL;
     sj.colmax = tape_alloc(t, (size_t)N * out * sizeof(float));
     sj.bsum = tape_alloc(t, (size_t)N * out * sizeof(double));
     sj.finite = tape_alloc(t, (size_t)N * sizeof(bool));
     double *db_acc = tape_alloc(t, (size_t)out * sizeof *db_acc);
-    if (!sj.g || !sj.rowmax || !sj.colmax || !sj.bsum || !sj.finite || !db_acc) return;
+    if ((!sj.gp.g && !sj.gp.scratch) || (want_x && !sj.rowmax) || !sj.colmax || !sj.bsum || !sj.finite || !db_acc)
+        return;
     fqt_shares_run(N, (size_t)rows * out, scan_part, &sj);
     bool finite = true;
     for (int n = 0; n < N; n++) finite &= sj.finite[n];
     if (!finite) { /* the general rules say where */
-        const float *g = grad_rows(t, c, sj.g, NULL), *unused;
+        const float *g = grad_rows(t, c, whole_g(t, node, &sj.gp), NULL), *unused;
         if (g && quantize_grad(t, c, g, &unused, &unused))
             qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the output gradient is not finite", c->q->module->path, OP);
         return;
@@ -522,7 +555,7 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
     Noise z;
     if ((!want_x && !want_w) || !noise_draw(t, c->q, rows, out, &z)) return;
     const FqtNoise nz = noise_steps(&z, out);
-    EncodeJob ej = {.c = c, .g = sj.g, .z = &nz, .r = {.qmin = plan->qmin, .qmax = plan->qmax,
+    EncodeJob ej = {.c = c, .gp = sj.gp, .z = &nz, .r = {.qmin = plan->qmin, .qmax = plan->qmax,
                                                         .stochastic = nz.u != NULL}};
     float *s_row = NULL, *s_col = NULL;
     int8_t *codes = NULL;
@@ -543,7 +576,7 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
                 if (!fqt_scale_of_amax(plan, m, &s_col[o])) goto range;
             }
             ej.codes = codes, ej.s_col = s_col;
-        } else if (!fqt_quant_grad_cols(codes, s_col, sj.g, N, out, P, tile, plan, &nz)) { /* tiles cut planes */
+        } else if (!fqt_quant_grad_cols(codes, s_col, sj.gp.g, N, out, P, tile, plan, &nz)) { /* tiles cut planes */
             goto range;
         }
     }
@@ -554,7 +587,7 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
     return;
 range: /* a scale beyond float: the general rules say where */
     {
-        const float *g = grad_rows(t, c, sj.g, NULL), *unused;
+        const float *g = grad_rows(t, c, whole_g(t, node, &sj.gp), NULL), *unused;
         if (g && quantize_grad(t, c, g, &unused, &unused))
             qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the gradient's range exceeds float", c->q->module->path, OP);
     }

@@ -71,7 +71,7 @@ bool fqt_plane_stats_ref(const float *x, size_t n, float *rowmax, float *amax, d
         if (!isfinite(x[i])) return false;
         float a = fabsf(x[i]);
         m = a > m ? a : m;
-        rowmax[i] = a > rowmax[i] ? a : rowmax[i];
+        if (rowmax) rowmax[i] = a > rowmax[i] ? a : rowmax[i];
     }
     *amax = m;
     *sum = fqt_sum_f64_ref(x, n);
@@ -244,7 +244,7 @@ KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, 
     for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i), a = abs8(v, &all);
         m = _mm256_max_ps(m, a);
-        _mm256_storeu_ps(rowmax + i, _mm256_max_ps(_mm256_loadu_ps(rowmax + i), a));
+        if (rowmax) _mm256_storeu_ps(rowmax + i, _mm256_max_ps(_mm256_loadu_ps(rowmax + i), a));
         lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
         hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
     }
@@ -259,7 +259,7 @@ KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, 
         if (!isfinite(x[i])) return false;
         const float a = fabsf(x[i]);
         mm = a > mm ? a : mm;
-        rowmax[i] = a > rowmax[i] ? a : rowmax[i];
+        if (rowmax) rowmax[i] = a > rowmax[i] ? a : rowmax[i];
         acc[k] += x[i];
     }
     *amax = mm;

@@ -112,8 +112,9 @@ void fqt_ste_clip_write(float *d, const float *v, const float *tmp, size_t n, fl
 void fqt_ste_clip_write_ref(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi);
 
 /* One plane of g in one pass: *amax = max |x[i]|, rowmax[i] = max(rowmax[i],
- * |x[i]|) (the running maxima of the rows the plane crosses), *sum =
- * fqt_sum_f64(x, n); false if an element is not finite. */
+ * |x[i]|) (the running maxima of the rows the plane crosses; rowmax may be
+ * NULL when they are not wanted), *sum = fqt_sum_f64(x, n); false if an
+ * element is not finite. */
 bool fqt_plane_stats(const float *x, size_t n, float *rowmax, float *amax, double *sum);
 bool fqt_plane_stats_ref(const float *x, size_t n, float *rowmax, float *amax, double *sum);
 

@@ -49,14 +49,15 @@ static void zero_module_grads(Module *m) {
 }
 
 /* The QT layer on x (batch N) and its backward from dy (NULL: the dy qtest_run_qat uses), copied out. With epi,
- * the relu (and 2x2 max pool) after it: through the fused hook (fused), or as the layer and the separate ops. */
-static void run_layer(FqtLayer *q, const float *x, int N, const float *dy, ConvEpilogue epi, bool fused,
+ * the relu (and 2x2 max pool) after it: through the fused hook (fused), or as the layer and the separate ops.
+ * x_grad: x wants its gradient (else dx comes out as zeros). */
+static void run_layer(FqtLayer *q, const float *x, int N, const float *dy, ConvEpilogue epi, bool fused, bool x_grad,
                       QtestRun *r) {
     Module *mod = q->module;
     TestEnv e;
     test_env_init(&e, 5);
     int xs[4], xnd = qtest_input_shape(mod, N, xs);
-    Var *vx = test_var(&e, x, xnd, xs, true);
+    Var *vx = test_var(&e, x, xnd, xs, x_grad);
     zero_module_grads(mod);
     Var *y;
     if (fused) {
@@ -84,21 +85,27 @@ static void run_layer(FqtLayer *q, const float *x, int N, const float *dy, ConvE
 }
 
 static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r) {
-    run_layer(q, x, N, dy, CONV_EPI_NONE, false, r);
+    run_layer(q, x, N, dy, CONV_EPI_NONE, false, true, r);
 }
 
 /* The fused hook against the layer and the separate ops (test_fused_epilogue): dy drawn as run_qt's. */
-static void run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, bool fused, QtestRun *r) {
-    run_layer(q, x, N, NULL, epi, fused, r);
+static void run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, bool fused, bool x_grad, QtestRun *r) {
+    run_layer(q, x, N, NULL, epi, fused, x_grad, r);
 }
 
 static bool same_floats(const float *a, const float *b, size_t n) { return n == 0 || memcmp(a, b, n * sizeof *a) == 0; }
 
+/* The fused hook's backward remakes g's planes from the epilogue's gradient (or keeps g whole, with dW tiles), and
+ * skips the rows' maxima without dx: the same bits as the separate ops in each case. */
 static void test_fused_epilogue(void) {
     static const struct {
         int H, W, k, stride, pad;
         const char *act;
-    } CASES[] = {{7, 6, 3, 1, 1, "int8"}, {9, 9, 4, 3, 1, "int8"}, {8, 7, 3, 2, 1, "fp8_e4m3"}};
+        bool x_grad;
+        int tile;
+    } CASES[] = {{7, 6, 3, 1, 1, "int8", true, 0},     {9, 9, 4, 3, 1, "int8", true, 0},
+                 {8, 7, 3, 2, 1, "fp8_e4m3", true, 0}, {7, 6, 3, 1, 1, "int8", false, 0},
+                 {8, 8, 3, 1, 1, "int8", true, 7},     {8, 8, 3, 1, 1, "int8", false, 7}};
     for (size_t i = 0; i < sizeof CASES / sizeof *CASES; i++)
         for (int e = CONV_EPI_RELU; e <= CONV_EPI_RELU_MAXPOOL2; e++) {
             Model m;
@@ -106,6 +113,7 @@ static void test_fused_epilogue(void) {
             FqtLayer q;
             FqtSpec s = spec_of("int8", CASES[i].act, "int8");
             s.bwd_stochastic = true;
+            s.bwd_weight_grad_tile_size = CASES[i].tile;
             init_ok(&q, &m.modules[0], &s, 12);
             fqt_layer_install(&q);
             CU_ASSERT_PTR_NOT_NULL_FATAL(m.modules[0].fused_hook);
@@ -113,15 +121,45 @@ static void test_fused_epilogue(void) {
             float *x = qa_normal_sample(310 + i, qtest_input_numel(&m.modules[0], N));
             QtestRun a, b;
             const Rng start = q.rng;
-            run_fused(&q, x, N, (ConvEpilogue)e, true, &a);
+            run_fused(&q, x, N, (ConvEpilogue)e, true, CASES[i].x_grad, &a);
             q.rng = start; /* the same noise for both */
-            run_fused(&q, x, N, (ConvEpilogue)e, false, &b);
+            run_fused(&q, x, N, (ConvEpilogue)e, false, CASES[i].x_grad, &b);
             CU_ASSERT(a.ny == b.ny && same_floats(a.y, b.y, a.ny));
             CU_ASSERT(same_floats(a.dx, b.dx, a.nx) && same_floats(a.dw, b.dw, a.nw) && same_floats(a.db, b.db, a.nb));
             qtest_run_free(&a), qtest_run_free(&b);
             free(x);
             model_free(&m);
         }
+}
+
+/* A non-finite gradient through the fused hook is an error naming the module, whether g's planes were remade per
+ * pass or kept whole (dW tiles), with and without dx. */
+static void test_fused_nonfinite(void) {
+    for (int k = 0; k < 4; k++) {
+        Model m;
+        qtest_conv_model(&m, 3, 8, 8, 5, 3, 1, 1, 320);
+        FqtLayer q;
+        FqtSpec s = spec_of("int8", "int8", "int8");
+        s.bwd_weight_grad_tile_size = k & 1 ? 7 : 0;
+        init_ok(&q, &m.modules[0], &s, 13);
+        fqt_layer_install(&q);
+        Module *mod = &m.modules[0];
+        const int N = 2;
+        float *x = qa_normal_sample(321, qtest_input_numel(mod, N));
+        TestEnv e;
+        test_env_init(&e, 5);
+        int xs[4], xnd = qtest_input_shape(mod, N, xs);
+        Var *vx = test_var(&e, x, xnd, xs, k >= 2);
+        Var *y = mod->fused_hook(&e.tape, mod, vx, &q, mod->bias ? &mod->bias->var : NULL, CONV_EPI_RELU_MAXPOOL2);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+        float *dy = qa_normal_sample(322, var_numel(y));
+        for (size_t i = 0; i < var_numel(y); i++) dy[i] = y->value.data[i] > 0.0f ? NAN : dy[i];
+        CU_ASSERT_EQUAL(tape_backward_from(&e.tape, y, dy), QT_ERR_VALUE);
+        CU_ASSERT(test_msg_has(&e.tape.err, "conv1") && test_msg_has(&e.tape.err, "NaN"));
+        test_env_free(&e);
+        free(dy), free(x);
+        model_free(&m);
+    }
 }
 
 /* a and b agree to 1e-5 of b's largest magnitude (and 1e-5 relative): float rounding, nothing more. */
@@ -619,7 +657,7 @@ static void test_threads_same_bits(void) {
             for (int th = 1; th <= 3; th++) {
                 CU_ASSERT_FATAL(parallel_set_threads(th) == th);
                 q.rng = start;
-                run_fused(&q, x, N, (ConvEpilogue)e, e != CONV_EPI_NONE, &r[th - 1]);
+                run_fused(&q, x, N, (ConvEpilogue)e, e != CONV_EPI_NONE, true, &r[th - 1]);
             }
             parallel_set_threads(1);
             for (int k = 1; k < 3; k++) {
@@ -904,6 +942,7 @@ int register_quant_qt_suite(void) {
            !CU_add_test(s, "quantized backward, stochastic", test_backward_stochastic) ||
            !CU_add_test(s, "integer backward, geometries", test_backward_integer_geometries) ||
            !CU_add_test(s, "fused relu and pool = separate ops", test_fused_epilogue) ||
+           !CU_add_test(s, "fused hook: a non-finite gradient names the module", test_fused_nonfinite) ||
            !CU_add_test(s, "1, 2, 3 threads, batches of 1 and 5: the same bits", test_threads_same_bits) ||
            !CU_add_test(s, "noise axes", test_noise_axes) ||
            !CU_add_test(s, "stochastic rounding is unbiased", test_stochastic_unbiased) ||

@@ -111,6 +111,9 @@ static void test_plane_stats_twins(void) {
         double sa = 1.0, sb = 2.0;
         CU_ASSERT(fqt_plane_stats(x, n, ra, &ma, &sa) && fqt_plane_stats_ref(x, n, rb, &mb, &sb));
         CU_ASSERT(ma == mb && memcmp(&sa, &sb, sizeof sa) == 0 && same_bits(ra, rb, n * sizeof *ra));
+        ma = -1.0f, sa = 1.0; /* without the rows' maxima: the same plane maximum and sum */
+        CU_ASSERT(fqt_plane_stats(x, n, NULL, &ma, &sa) && ma == mb && memcmp(&sa, &sb, sizeof sa) == 0);
+        CU_ASSERT(fqt_plane_stats_ref(x, n, NULL, &ma, &sa) && ma == mb && memcmp(&sa, &sb, sizeof sa) == 0);
         double s1 = fqt_sum_f64_ref(x, n);
         CU_ASSERT(memcmp(&sa, &s1, sizeof sa) == 0); /* the same additions as the sum alone */
         if (n > 0) {
