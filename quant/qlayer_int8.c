@@ -22,7 +22,8 @@
  * of the padded width (q = oh * Wp + ow), and the taps kernel stores only
  * the lanes with ow < OW, packed, so each row lands in y's unpadded plane.
  * Any other stride: "cols", the im2col matrix in dwords of 4 consecutive
- * k, one tap per dword. Every image is one task (quantize, planes, taps);
+ * k, one tap per dword, gathered from a zero-point-padded copy of the
+ * codes (qgemm_gather_u8x4: 16 dwords a step at stride 2). Every image is one task (quantize, planes, taps);
  * ch4 quantizes straight into its planes (qgemm_quantize_u8x4).
  *
  * Depthwise (conv_is_dw: every output channel reads one input channel,
@@ -460,8 +461,8 @@ static size_t cols_zero_at(const ConvJob *j) {
     return (size_t)j->c.C * (j->H + 2 * j->pad) * (j->W + 2 * j->pad);
 }
 
-static size_t cols_padded_bytes(const ConvJob *j) {
-    return cols_zero_at(j) + (size_t)j->OW * j->stride + 1;
+static size_t cols_padded_bytes(const ConvJob *j) { /* with the slack qgemm_gather_u8x4 may read */
+    return cols_zero_at(j) + (size_t)j->OW * j->stride + 1 + QGEMM_GATHER_SLACK;
 }
 
 static bool cols_pad(uint8_t *padded, uint8_t *codes, const float *x, const ConvJob *j) {
@@ -492,13 +493,9 @@ static void planes_cols(uint32_t *pl, const uint8_t *padded, const ConvJob *j) {
             step[b] = k < K ? (size_t)S * PW : 0;
         }
         for (int oh = 0; oh < j->OH; oh++) {
-            const uint8_t *s0 = src[0] + oh * step[0], *s1 = src[1] + oh * step[1];
-            const uint8_t *s2 = src[2] + oh * step[2], *s3 = src[3] + oh * step[3];
-            uint32_t *row = p + (size_t)oh * j->OW;
-            for (int ow = 0; ow < j->OW; ow++) {
-                const size_t i = (size_t)ow * S;
-                row[ow] = (uint32_t)s0[i] | (uint32_t)s1[i] << 8 | (uint32_t)s2[i] << 16 | (uint32_t)s3[i] << 24;
-            }
+            const uint8_t *const row_src[4] = {src[0] + oh * step[0], src[1] + oh * step[1], src[2] + oh * step[2],
+                                               src[3] + oh * step[3]};
+            qgemm_gather_u8x4(p + (size_t)oh * j->OW, row_src, j->OW, S);
         }
         for (size_t q = (size_t)P; q < j->plane; q++) p[q] = fill;
     }

@@ -440,6 +440,40 @@ static void quantize_cases(void) {
 
 static void test_quantize(void) { for_each_family(quantize_cases, "activation codes"); }
 
+/* ---- the strided conv's dword gather ------------------------------------------------------------------------------ */
+
+/* qgemm_gather_u8x4 against the definition written here, for strides 1-3 and lengths about a vector: nothing
+ * written at or past dst[n], and the slack read past the last byte (QGEMM_GATHER_SLACK) inside the buffer. */
+static void gather_cases(void) {
+    Rng r;
+    rng_init(&r, 71, 3);
+    for (int stride = 1; stride <= 3; stride++)
+        for (int n = 1; n <= 40; n++) {
+            const size_t len = (size_t)(n - 1) * stride + 1 + QGEMM_GATHER_SLACK;
+            uint8_t *bytes = xmalloc(4 * len);
+            for (size_t i = 0; i < 4 * len; i++) bytes[i] = (uint8_t)rng_below(&r, 256);
+            const uint8_t *const src[4] = {bytes, bytes + len, bytes + 2 * len, bytes + 3 * len};
+            uint32_t want[48], got[48];
+            for (int i = 0; i < n; i++) {
+                const size_t at = (size_t)i * stride;
+                want[i] = (uint32_t)src[0][at] | (uint32_t)src[1][at] << 8 | (uint32_t)src[2][at] << 16 |
+                          (uint32_t)src[3][at] << 24;
+            }
+            for (int i = n; i < 48; i++) want[i] = 0xa5a5a5a5u;
+            memset(got, 0xa5, sizeof got);
+            qgemm_gather_u8x4(got, src, n, stride);
+            char what[64];
+            snprintf(what, sizeof what, "gather stride %d n %d", stride, n);
+            CU_ASSERT(same_or_say(got, want, sizeof got, what));
+            memset(got, 0xa5, sizeof got);
+            qgemm_gather_u8x4_portable(got, src, n, stride);
+            CU_ASSERT(same_or_say(got, want, sizeof got, what));
+            free(bytes);
+        }
+}
+
+static void test_gather(void) { for_each_family(gather_cases, "strided conv gather"); }
+
 /* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
 
 /* Which side of an int8 x int8 product holds only bytes >= 0 (as activations after a ReLU): the AVX2 kernels take
@@ -624,6 +658,7 @@ int register_quant_int8_suite(void) {
            !CU_add_test(s, "taps kernels equal the definition", test_taps) ||
            !CU_add_test(s, "taps relu and relu + 2x2 max pool epilogues", test_taps_relu_pool) ||
            !CU_add_test(s, "activation codes equal fake quantization's", test_quantize) ||
+           !CU_add_test(s, "strided conv gather (cols dwords) equals the definition", test_gather) ||
            !CU_add_test(s, "qgemm_s8 on both paths", test_s8) ||
            !CU_add_test(s, "qgemm_s8_nn (b as K x N, strides) on every family", test_s8_nn) ||
            !CU_add_test(s, "dispatch and packing errors", test_dispatch_and_errors) || qlayer_int8_tests_add(s);

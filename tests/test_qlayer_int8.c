@@ -208,6 +208,10 @@ static const Geo GEOS[] = {
     {"conv cols stride 3 C1", 1, 10, 11, 4, 4, 3, 0},
     {"conv cols 1x1 stride 2 C3 (K past the last dword)", 3, 9, 10, 5, 1, 2, 0},
     {"conv cols stride 2 k5 pad2 C3", 3, 11, 8, 6, 5, 2, 2},
+    {"conv cols stride 2 ResNet-8 stage 2 (16 -> 32, 28x28)", 16, 28, 28, 32, 3, 2, 1},
+    {"conv cols 1x1 stride 2 ResNet-8 shortcut (32 -> 64, 14x14)", 32, 14, 14, 64, 1, 2, 0},
+    {"conv cols stride 2, 8x8 output (the plane ends with the last row)", 5, 16, 16, 7, 3, 2, 1},
+    {"conv cols stride 2, wide rows (35 outputs)", 3, 5, 70, 4, 3, 2, 1},
 };
 
 static void test_against_float(void) {
