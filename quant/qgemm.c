@@ -439,17 +439,22 @@ bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], siz
     return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
 }
 
-void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], int n, int stride) {
-    const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
-    for (int i = 0; i < n; i++) {
-        const size_t at = (size_t)i * (size_t)stride;
-        dst[i] = (uint32_t)s0[at] | (uint32_t)s1[at] << 8 | (uint32_t)s2[at] << 16 | (uint32_t)s3[at] << 24;
+void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n,
+                                int stride) {
+    for (int h = 0; h < rows; h++) {
+        const uint8_t *s0 = src[0] + h * step[0], *s1 = src[1] + h * step[1];
+        const uint8_t *s2 = src[2] + h * step[2], *s3 = src[3] + h * step[3];
+        uint32_t *d = dst + (size_t)h * n;
+        for (int i = 0; i < n; i++) {
+            const size_t at = (size_t)i * (size_t)stride;
+            d[i] = (uint32_t)s0[at] | (uint32_t)s1[at] << 8 | (uint32_t)s2[at] << 16 | (uint32_t)s3[at] << 24;
+        }
     }
 }
 
-void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], int n, int stride) {
-    if (stride == 2 && qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_gather_u8x4_s2_avx2(dst, src, n);
-    else qgemm_gather_u8x4_portable(dst, src, n, stride);
+void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n, int stride) {
+    if (stride == 2 && qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_gather_u8x4_s2_avx2(dst, src, step, rows, n);
+    else qgemm_gather_u8x4_portable(dst, src, step, rows, n, stride);
 }
 
 /* ---- int8 x int8 (quantized training) -------------------------------------------------------------------------- */

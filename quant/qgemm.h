@@ -260,12 +260,14 @@ bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], siz
 bool qgemm_quantize_u8x4_portable(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                                   const QGemmCodes *c);
 
-/* Four strided byte rows to the taps kernels' dwords (a strided conv's im2col, "cols"): for i < n,
- *   dst[i] = src[0][i * stride] | src[1][i * stride] << 8 | src[2][i * stride] << 16 | src[3][i * stride] << 24.
- * Writes dst[0, n) only; may read up to QGEMM_GATHER_SLACK bytes past src[k] + (n - 1) * stride (the caller's
+/* Four strided byte sources to the taps kernels' dwords (a strided conv's im2col, "cols"), rows of n: for h < rows,
+ * i < n, with s_k = src[k] + h * step[k] and at = i * stride,
+ *   dst[h * n + i] = s_0[at] | s_1[at] << 8 | s_2[at] << 16 | s_3[at] << 24.
+ * Writes dst[0, rows * n) only; may read up to QGEMM_GATHER_SLACK bytes past a row's last byte (the caller's
  * buffer has them). The AVX2 families take stride 2 sixteen dwords at a time; the rest is the portable loop. */
 #define QGEMM_GATHER_SLACK 64
-void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], int n, int stride);
-void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], int n, int stride);
+void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n, int stride);
+void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n,
+                                int stride);
 
 #endif

@@ -492,11 +492,7 @@ static void planes_cols(uint32_t *pl, const uint8_t *padded, const ConvJob *j) {
             src[b] = k < K ? padded + (size_t)c * img + (size_t)kh * PW + (size_t)kw : padded + cols_zero_at(j);
             step[b] = k < K ? (size_t)S * PW : 0;
         }
-        for (int oh = 0; oh < j->OH; oh++) {
-            const uint8_t *const row_src[4] = {src[0] + oh * step[0], src[1] + oh * step[1], src[2] + oh * step[2],
-                                               src[3] + oh * step[3]};
-            qgemm_gather_u8x4(p + (size_t)oh * j->OW, row_src, j->OW, S);
-        }
+        qgemm_gather_u8x4(p, src, step, j->OH, j->OW, S);
         for (size_t q = (size_t)P; q < j->plane; q++) p[q] = fill;
     }
 }

@@ -442,34 +442,38 @@ static void test_quantize(void) { for_each_family(quantize_cases, "activation co
 
 /* ---- the strided conv's dword gather ------------------------------------------------------------------------------ */
 
-/* qgemm_gather_u8x4 against the definition written here, for strides 1-3 and lengths about a vector: nothing
- * written at or past dst[n], and the slack read past the last byte (QGEMM_GATHER_SLACK) inside the buffer. */
+/* qgemm_gather_u8x4 against the definition written here, for strides 1-3, rows of lengths about a vector, 1-3
+ * rows apart by a step that is or is not the row's own length (and 0: a repeated source): nothing written at or
+ * past dst[rows * n], and the slack read past a row's last byte (QGEMM_GATHER_SLACK) inside the buffer. */
 static void gather_cases(void) {
     Rng r;
     rng_init(&r, 71, 3);
     for (int stride = 1; stride <= 3; stride++)
-        for (int n = 1; n <= 40; n++) {
-            const size_t len = (size_t)(n - 1) * stride + 1 + QGEMM_GATHER_SLACK;
-            uint8_t *bytes = xmalloc(4 * len);
-            for (size_t i = 0; i < 4 * len; i++) bytes[i] = (uint8_t)rng_below(&r, 256);
-            const uint8_t *const src[4] = {bytes, bytes + len, bytes + 2 * len, bytes + 3 * len};
-            uint32_t want[48], got[48];
-            for (int i = 0; i < n; i++) {
-                const size_t at = (size_t)i * stride;
-                want[i] = (uint32_t)src[0][at] | (uint32_t)src[1][at] << 8 | (uint32_t)src[2][at] << 16 |
-                          (uint32_t)src[3][at] << 24;
+        for (int n = 1; n <= 40; n++)
+            for (int rows = 1; rows <= 3; rows++) {
+                const size_t step[4] = {(size_t)n * stride, (size_t)n * stride + 5, 0, 2 * (size_t)n * stride};
+                const size_t len = 2 * (size_t)n * stride * (rows - 1) + (size_t)(n - 1) * stride + 1 + QGEMM_GATHER_SLACK;
+                uint8_t *bytes = xmalloc(4 * len);
+                for (size_t i = 0; i < 4 * len; i++) bytes[i] = (uint8_t)rng_below(&r, 256);
+                const uint8_t *const src[4] = {bytes, bytes + len, bytes + 2 * len, bytes + 3 * len};
+                uint32_t want[128], got[128];
+                for (int h = 0; h < rows; h++)
+                    for (int i = 0; i < n; i++) {
+                        uint32_t d = 0;
+                        for (int k = 0; k < 4; k++) d |= (uint32_t)src[k][h * step[k] + (size_t)i * stride] << (8 * k);
+                        want[h * n + i] = d;
+                    }
+                for (int i = rows * n; i < 128; i++) want[i] = 0xa5a5a5a5u;
+                char what[64];
+                snprintf(what, sizeof what, "gather stride %d n %d rows %d", stride, n, rows);
+                memset(got, 0xa5, sizeof got);
+                qgemm_gather_u8x4(got, src, step, rows, n, stride);
+                CU_ASSERT(same_or_say(got, want, sizeof got, what));
+                memset(got, 0xa5, sizeof got);
+                qgemm_gather_u8x4_portable(got, src, step, rows, n, stride);
+                CU_ASSERT(same_or_say(got, want, sizeof got, what));
+                free(bytes);
             }
-            for (int i = n; i < 48; i++) want[i] = 0xa5a5a5a5u;
-            memset(got, 0xa5, sizeof got);
-            qgemm_gather_u8x4(got, src, n, stride);
-            char what[64];
-            snprintf(what, sizeof what, "gather stride %d n %d", stride, n);
-            CU_ASSERT(same_or_say(got, want, sizeof got, what));
-            memset(got, 0xa5, sizeof got);
-            qgemm_gather_u8x4_portable(got, src, n, stride);
-            CU_ASSERT(same_or_say(got, want, sizeof got, what));
-            free(bytes);
-        }
 }
 
 static void test_gather(void) { for_each_family(gather_cases, "strided conv gather"); }
