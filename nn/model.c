@@ -609,8 +609,13 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
     Var *y;
     if (mod->spec.type == LAYER_ADD || mod->spec.type == LAYER_CONCAT)
         y = model_merge_forward(t, mod, xs);
+    else if (model_graph_bn_relu(m, i))
+        y = nn_batchnorm_relu_inplace(t, xs[0]); /* the batch norm applied it (below) */
     else if (model_graph_relu_in_place(m, i))
         y = nn_relu_inplace(t, xs[0]); /* a batch norm's or add's output read by nothing else */
+    else if (model_graph_bn_relu_producer(m, i))
+        y = nn_batchnorm_relu(t, xs[0], mod->weight ? &mod->weight->var : NULL, mod->bias ? &mod->bias->var : NULL,
+                              &mod->bn);
     else
         y = mod->forward_hook ? mod->forward_hook(t, mod, xs[0], mod->hook_ctx) : model_module_forward(t, mod, xs[0]);
     return outs[1 + i] = y;

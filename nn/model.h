@@ -190,6 +190,12 @@ int model_graph_last_reader(const Model *m, int j);
  * input is a batch norm's or an add's own output (neither backward reads
  * it) that only this relu reads. */
 bool model_graph_relu_in_place(const Model *m, int i);
+/* model_graph.c: whether module j, a relu in place (above), reads a batch norm that runs as nn_batchnorm (no
+ * hook, not folded): the two then run as nn_batchnorm_relu and nn_batchnorm_relu_inplace, the relu applied in
+ * the batch norm's pass and its mask in the batch norm's backward. model_graph_bn_relu_producer: whether module
+ * i is the batch norm of such a pair. */
+bool model_graph_bn_relu(const Model *m, int j);
+bool model_graph_bn_relu_producer(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the
  * tape for the next outputs (tape_release), so an eval pass holds a few

@@ -174,6 +174,20 @@ bool model_graph_relu_in_place(const Model *m, int i) {
            model_graph_last_reader(m, j) == i;
 }
 
+static bool unfolded_bn(const Module *mod);
+
+bool model_graph_bn_relu(const Model *m, int j) {
+    return model_graph_relu_in_place(m, j) && unfolded_bn(&m->modules[m->modules[j].inputs[0]]);
+}
+
+bool model_graph_bn_relu_producer(const Model *m, int i) {
+    if (!unfolded_bn(&m->modules[i]) || m->modules[i].n_consumers != 1) return false;
+    for (int j = i + 1; j < m->n_modules; j++)
+        for (int k = 0; k < m->modules[j].n_inputs; k++)
+            if (m->modules[j].inputs[k] == i) return model_graph_bn_relu(m, j);
+    return false;
+}
+
 void model_graph_release_dead(Model *m, Tape *t, int first, int last) {
     const Module *mod = &m->modules[first];
     for (int k = 0; k < mod->n_inputs; k++) {
@@ -209,7 +223,7 @@ void model_graph_release_dead(Model *m, Tape *t, int first, int last) {
 
 static bool plain_module(const Module *mod) { return !mod->forward_hook; }
 
-static bool unfolded_bn(const Module *mod) {
+static bool unfolded_bn(const Module *mod) { /* a batch norm that runs as nn_batchnorm, in model_step */
     return (mod->spec.type == LAYER_BATCHNORM1D || mod->spec.type == LAYER_BATCHNORM2D) &&
            mod->bn_folded == BN_FOLD_NONE && plain_module(mod);
 }

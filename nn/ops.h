@@ -119,6 +119,14 @@ typedef struct {
  * a channel, the blocks merged in double (batchnorm_stats). Channels run over the thread pool; the result is the same for any thread
  * count. */
 Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
+/* relu(nn_batchnorm(...)) in two recorded nodes over one buffer, for a relu that is the batch norm's only reader:
+ * nn_batchnorm_relu applies the relu in the batch norm's own pass (its output is already relu'd), and
+ * nn_batchnorm_relu_inplace(t, y) on that output records the relu (in place, as nn_relu_inplace) without a pass
+ * of its own; in the backward the relu hands its gradient on unmasked and the batch norm's passes mask it, the
+ * mask made again from x. The same bits as nn_batchnorm then nn_relu_inplace, two passes fewer. Call
+ * nn_batchnorm_relu_inplace on every nn_batchnorm_relu output (error QT_ERR_ARG on any other y). */
+Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
+Var *nn_batchnorm_relu_inplace(Tape *t, Var *y);
 /* Lets the tape drop y, nn_batchnorm's recorded output (relu'd in place into
  * relu_out by nn_relu_inplace, or relu_out NULL), and make it again from the
  * node's input for the backward (tape_remake_set): the caller keeps that
@@ -266,15 +274,28 @@ void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C
 /* y = (x - mean) * scale + beta (beta NULL: 0). */
 void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
                      int C, size_t inner, int c0, int c1);
+/* The same, relu'd (y > 0 ? y : 0, as nn_relu_inplace): batchnorm_apply then the relu, in one pass. */
+void batchnorm_apply_relu(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
+                          int C, size_t inner, int c0, int c1);
 /* sum_dy = sum dy, dot = sum dy (x - mean), per channel, in double. */
 void batchnorm_grad_sums(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
                          int C, size_t inner, int c0, int c1);
 void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
                              int C, size_t inner, int c0, int c1);
+/* The same with dy the gradient of relu(y) rather than of y, y = (x - mean) * scale + beta as batchnorm_apply makes
+ * it: every dy is first masked as the relu's backward masks it (dy where y > 0, else 0), y made again from x. */
+void batchnorm_grad_sums_relu(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean,
+                              const float *scale, const float *beta, int N, int C, size_t inner, int c0, int c1);
+void batchnorm_grad_sums_relu_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean,
+                                  const float *scale, const float *beta, int N, int C, size_t inner, int c0, int c1);
 /* dx (+= if accumulate, else =) (dy - k1 - (x - mean) k2) scale; dx may be dy. */
 void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
                           const float *scale, const float *k1, const float *k2, int N, int C, size_t inner, int c0,
                           int c1);
+/* The same with dy masked as batchnorm_grad_sums_relu masks it (the forward's scale and beta). */
+void batchnorm_grad_input_relu(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
+                               const float *scale, const float *beta, const float *k1, const float *k2, int N, int C,
+                               size_t inner, int c0, int c1);
 
 /* probs: (N, C) softmax of logits, saved for the backward; returns mean loss. */
 double softmax_cross_entropy_forward(float *probs, const float *logits, const int32_t *labels, int N, int C);

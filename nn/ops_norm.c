@@ -104,225 +104,6 @@ Var *nn_layernorm(Tape *t, Var *x, Var *gamma, Var *beta, float eps) {
 
 /* ---- batch normalisation --------------------------------------------------- */
 
-/* x is viewed as (N, C, inner): inner = 1 for (N, C), L for (N, C, L), H*W for
- * (N, C, H, W). A channel's elements are N runs of `inner` floats, C*inner
- * apart. Every kernel works on a range of channels [c0, c1), and a channel's
- * arithmetic does not depend on the range it falls in, so splitting the
- * channels over any number of threads gives the same bits.
- *
- * The fast kernels cut each run into blocks of at most BN_BLOCK floats and
- * sum a block in BN_LANES float lanes (independent chains the compiler
- * vectorises; the plain `s += x[i]` in double of the `_ref` twins is one
- * serial chain), then carry the blocks' sums in double: a float sum of a
- * block of 1024 loses ~10 bits at worst, far less than the fixtures allow,
- * and the double carry keeps a channel of 100k values from losing more.
- * Runs shorter than BN_LANES take the `_ref` kernels (no block to speak of). */
-#define BN_LANES 16
-#define BN_BLOCK 1024
-
-/* The sum of x[0, n) in BN_LANES lanes, the lanes then added in order. */
-static inline float bn_block_sum(const float *restrict x, size_t n) {
-    float lane[BN_LANES] = {0};
-    size_t i = 0;
-    for (; i + BN_LANES <= n; i += BN_LANES)
-        for (int k = 0; k < BN_LANES; k++) lane[k] += x[i + k];
-    float s = 0.0f;
-    for (; i < n; i++) s += x[i];
-    for (int k = 0; k < BN_LANES; k++) s += lane[k];
-    return s;
-}
-
-/* *s1 = sum (x - c), *s2 = sum (x - c)^2 over x[0, n), in lanes. */
-static inline void bn_block_moments(const float *restrict x, size_t n, float c, float *s1, float *s2) {
-    float l1[BN_LANES] = {0}, l2[BN_LANES] = {0};
-    size_t i = 0;
-    for (; i + BN_LANES <= n; i += BN_LANES)
-        for (int k = 0; k < BN_LANES; k++) {
-            const float d = x[i + k] - c;
-            l1[k] += d;
-            l2[k] += d * d;
-        }
-    float a = 0.0f, b = 0.0f;
-    for (; i < n; i++) {
-        const float d = x[i] - c;
-        a += d;
-        b += d * d;
-    }
-    for (int k = 0; k < BN_LANES; k++) a += l1[k], b += l2[k];
-    *s1 = a;
-    *s2 = b;
-}
-
-/* *sdy = sum dy, *dot = sum dy (x - m) over [0, n), in lanes. */
-static inline void bn_block_grad_sums(const float *restrict dy, const float *restrict x, size_t n, float m, float *sdy,
-                               float *dot) {
-    float l1[BN_LANES] = {0}, l2[BN_LANES] = {0};
-    size_t i = 0;
-    for (; i + BN_LANES <= n; i += BN_LANES)
-        for (int k = 0; k < BN_LANES; k++) {
-            l1[k] += dy[i + k];
-            l2[k] += dy[i + k] * (x[i + k] - m);
-        }
-    float a = 0.0f, b = 0.0f;
-    for (; i < n; i++) {
-        a += dy[i];
-        b += dy[i] * (x[i] - m);
-    }
-    for (int k = 0; k < BN_LANES; k++) a += l1[k], b += l2[k];
-    *sdy = a;
-    *dot = b;
-}
-
-void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1) {
-    const size_t stride = (size_t)C * inner;
-    const double count = (double)N * (double)inner;
-    for (int ch = c0; ch < c1; ch++) {
-        double sum = 0.0, ss = 0.0;
-        for (int n = 0; n < N; n++) {
-            const float *xp = x + n * stride + (size_t)ch * inner;
-            for (size_t i = 0; i < inner; i++) sum += xp[i];
-        }
-        const double m = sum / count;
-        for (int n = 0; n < N; n++) {
-            const float *xp = x + n * stride + (size_t)ch * inner;
-            for (size_t i = 0; i < inner; i++) ss += ((double)xp[i] - m) * ((double)xp[i] - m);
-        }
-        mean[ch] = m;
-        var[ch] = ss / count;
-    }
-}
-
-/* One read of each block from memory: its sum gives a shift c near the
- * block's mean, and the moments about c (re-reading the block from L1)
- * give the block's mean and squared deviations without the cancellation
- * of E[x^2] - E[x]^2. Blocks merge in double by Chan et al.'s pairwise
- * update (count, mean, M2). */
-NN_SIMD_CLONES
-void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1) {
-    if (inner < BN_LANES) {
-        batchnorm_stats_ref(mean, var, x, N, C, inner, c0, c1);
-        return;
-    }
-    const size_t stride = (size_t)C * inner;
-    for (int ch = c0; ch < c1; ch++) {
-        double cnt = 0.0, m = 0.0, m2 = 0.0;
-        for (int n = 0; n < N; n++) {
-            const float *xp = x + n * stride + (size_t)ch * inner;
-            for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
-                const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
-                const float c = bn_block_sum(xp + i0, len) / (float)len;
-                float s1, s2;
-                bn_block_moments(xp + i0, len, c, &s1, &s2);
-                const double nb = (double)len, mb = c + (double)s1 / nb;
-                const double m2b = (double)s2 - (double)s1 * (double)s1 / nb;
-                const double tot = cnt + nb, delta = mb - m;
-                m += delta * nb / tot;
-                m2 += m2b + delta * delta * cnt * nb / tot;
-                cnt = tot;
-            }
-        }
-        mean[ch] = m;
-        var[ch] = (m2 > 0.0 ? m2 : 0.0) / cnt;
-    }
-}
-
-/* y = (x - mean) * scale + beta, relu'd (y > 0 ? y : 0, as nn_relu_inplace) if relu; inlined into each clone
- * with relu a constant. */
-static inline __attribute__((always_inline)) void bn_apply_channels(float *y, const float *x, const float *mean,
-                                                                    const float *scale, const float *beta, int N,
-                                                                    int C, size_t inner, int c0, int c1, bool relu) {
-    const size_t stride = (size_t)C * inner;
-    for (int ch = c0; ch < c1; ch++) {
-        const float m = mean[ch], a = scale[ch], b = beta ? beta[ch] : 0.0f;
-        for (int n = 0; n < N; n++) {
-            const size_t off = n * stride + (size_t)ch * inner;
-            const float *restrict xp = x + off;
-            float *restrict yp = y + off;
-            for (size_t i = 0; i < inner; i++) {
-                const float v = (xp[i] - m) * a + b;
-                yp[i] = relu ? (v > 0.0f ? v : 0.0f) : v;
-            }
-        }
-    }
-}
-
-NN_SIMD_CLONES
-void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
-                     int C, size_t inner, int c0, int c1) {
-    bn_apply_channels(y, x, mean, scale, beta, N, C, inner, c0, c1, false);
-}
-
-/* batchnorm_apply then relu in one pass: the same floats. */
-NN_SIMD_CLONES
-static void batchnorm_apply_relu(float *y, const float *x, const float *mean, const float *scale, const float *beta,
-                                 int N, int C, size_t inner, int c0, int c1) {
-    bn_apply_channels(y, x, mean, scale, beta, N, C, inner, c0, c1, true);
-}
-
-void batchnorm_grad_sums_ref(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
-                             int C, size_t inner, int c0, int c1) {
-    const size_t stride = (size_t)C * inner;
-    for (int ch = c0; ch < c1; ch++) {
-        const float m = mean[ch];
-        double s = 0.0, d = 0.0;
-        for (int n = 0; n < N; n++) {
-            const size_t off = n * stride + (size_t)ch * inner;
-            const float *xp = x + off, *dyp = dy + off;
-            for (size_t i = 0; i < inner; i++) {
-                s += dyp[i];
-                d += (double)dyp[i] * (double)(xp[i] - m);
-            }
-        }
-        sum_dy[ch] = s;
-        dot[ch] = d;
-    }
-}
-
-NN_SIMD_CLONES
-void batchnorm_grad_sums(double *sum_dy, double *dot, const float *dy, const float *x, const float *mean, int N,
-                         int C, size_t inner, int c0, int c1) {
-    if (inner < BN_LANES) {
-        batchnorm_grad_sums_ref(sum_dy, dot, dy, x, mean, N, C, inner, c0, c1);
-        return;
-    }
-    const size_t stride = (size_t)C * inner;
-    for (int ch = c0; ch < c1; ch++) {
-        const float m = mean[ch];
-        double s = 0.0, d = 0.0;
-        for (int n = 0; n < N; n++) {
-            const size_t off = n * stride + (size_t)ch * inner;
-            for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
-                const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
-                float bs, bd;
-                bn_block_grad_sums(dy + off + i0, x + off + i0, len, m, &bs, &bd);
-                s += bs;
-                d += bd;
-            }
-        }
-        sum_dy[ch] = s;
-        dot[ch] = d;
-    }
-}
-
-NN_SIMD_CLONES
-void batchnorm_grad_input(float *dx, bool accumulate, const float *dy, const float *x, const float *mean,
-                          const float *scale, const float *k1, const float *k2, int N, int C, size_t inner, int c0,
-                          int c1) {
-    const size_t stride = (size_t)C * inner;
-    for (int ch = c0; ch < c1; ch++) {
-        const float m = mean[ch], a = scale[ch], p = k1[ch], q = k2[ch];
-        for (int n = 0; n < N; n++) {
-            const size_t off = n * stride + (size_t)ch * inner;
-            const float *restrict xp = x + off, *dyp = dy + off; /* dx may be dy */
-            float *dxp = dx + off;
-            if (accumulate)
-                for (size_t i = 0; i < inner; i++) dxp[i] += (dyp[i] - p - (xp[i] - m) * q) * a;
-            else
-                for (size_t i = 0; i < inner; i++) dxp[i] = (dyp[i] - p - (xp[i] - m) * q) * a;
-        }
-    }
-}
-
 typedef struct {
     float *mean;   /* (C,): the statistics the forward normalised with */
     float *invstd; /* (C,): 1 / sqrt(var + eps) */
@@ -335,6 +116,9 @@ typedef struct {
     const float *beta;  /* (C,) or NULL */
     Var *x;             /* the input (N, C, inner), read by a remake */
     bool relu;          /* a remake applies the relu the caller ran in place on the output */
+    bool relu_fwd;      /* the forward applied the relu itself (nn_batchnorm_relu, whose relu node records it) */
+    bool relu_mask;     /* set by that relu's backward: the output gradient arrives unmasked, and this backward
+                         * masks it (batchnorm_grad_*_relu) instead of a pass of the relu's own */
 } BatchnormCtx;
 
 typedef struct {
@@ -391,9 +175,21 @@ static void batchnorm_grads_finish(const BatchnormJob *j, int c0, int c1) {
         j->k1[ch] = c->batch ? (float)(sum_dy / count) : 0.0f;
         j->k2[ch] = c->batch ? (float)(dot * is * is / count) : 0.0f;
     }
-    if (j->dx)
+    if (j->dx && c->relu_mask) /* the forward's scale: the same floats as j->scale */
+        batchnorm_grad_input_relu(j->dx, j->dx_accumulate, j->dy, j->x, c->mean, c->scale, c->beta, j->k1, j->k2,
+                                  c->N, c->C, c->inner, c0, c1);
+    else if (j->dx)
         batchnorm_grad_input(j->dx, j->dx_accumulate, j->dy, j->x, c->mean, j->scale, j->k1, j->k2, c->N, c->C,
                              c->inner, c0, c1);
+}
+
+/* The gradient's channel sums of channels [c0, c1), masked by the relu where it left that to this backward. */
+static void batchnorm_sums(const BatchnormJob *j, int c0, int c1) {
+    const BatchnormCtx *c = j->c;
+    if (c->relu_mask)
+        batchnorm_grad_sums_relu(j->s1, j->s2, j->dy, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
+    else
+        batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
 }
 
 /* FORWARD and BACKWARD do all of an op's work per channel range; with sync
@@ -431,7 +227,8 @@ static void batchnorm_forward_finish(const BatchnormJob *j, int c0, int c1) {
     const BatchnormCtx *c = j->c;
     if (c->batch) batchnorm_stats_finish(j, c0, c1);
     for (int ch = c0; ch < c1; ch++) j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
-    batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
+    if (c->relu_fwd) batchnorm_apply_relu(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
+    else batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
 }
 
 static void batchnorm_task(void *ctx, int task, int n_tasks) {
@@ -445,12 +242,12 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
     case BN_JOB_BACKWARD:
         for (int g0 = c0; g0 < c1; g0 += G) {
             const int g1 = c1 - g0 < G ? c1 : g0 + G;
-            batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, g0, g1);
+            batchnorm_sums(j, g0, g1);
             batchnorm_grads_finish(j, g0, g1);
         }
         return;
     case BN_JOB_GRAD_SUMS:
-        batchnorm_grad_sums(j->s1, j->s2, j->dy, j->x, c->mean, c->N, c->C, c->inner, c0, c1);
+        batchnorm_sums(j, c0, c1);
         return;
     case BN_JOB_BACKWARD_FINISH:
         batchnorm_grads_finish(j, c0, c1);
@@ -638,7 +435,7 @@ static QtStatus batchnorm_check(Tape *t, const Var *x, const Var *gamma, const V
     return QT_OK;
 }
 
-Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
+static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn, bool relu) {
     if (!x) return NULL;
     if (batchnorm_check(t, x, gamma, beta, bn) != QT_OK) return NULL;
     const int N = x->value.shape[0], C = x->value.shape[1];
@@ -661,7 +458,7 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
     BatchnormCtx *c = tape_alloc(t, sizeof *c);
     if (!y || !c) return NULL;
     *c = (BatchnormCtx){.batch = batch, .N = N, .C = C, .inner = inner, .count = (double)N * (double)inner,
-                        .sync = sync};
+                        .sync = sync, .relu_fwd = relu, .relu = relu};
     c->mean = tape_alloc(t, (size_t)C * sizeof(float));
     c->invstd = tape_alloc(t, (size_t)C * sizeof(float));
     if (!c->mean || !c->invstd) return NULL;
@@ -685,6 +482,57 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
     return tape_record(t, "batchnorm", batchnorm_tape_backward, y, (Var *[]){x, gamma, beta}, 3, c) ? y : NULL;
 }
 
+Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
+    return batchnorm_forward(t, x, gamma, beta, bn, false);
+}
+
+Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
+    return batchnorm_forward(t, x, gamma, beta, bn, true);
+}
+
+/* The recorded batch norm whose output is y, or NULL. */
+static BatchnormCtx *batchnorm_node_of(Tape *t, const Var *y) {
+    for (size_t i = t->n_nodes; i-- > 0;) {
+        const TapeNode *n = &t->nodes[i];
+        if (n->out == y) return n->backward == batchnorm_tape_backward ? n->ctx : NULL;
+    }
+    return NULL;
+}
+
+/* The relu of nn_batchnorm_relu_inplace: hands its gradient to the batch norm's output unmasked, and the batch
+ * norm's backward masks it in its own passes; where the batch norm's output has a gradient already (another
+ * reader), the relu's own backward instead. */
+static void batchnorm_relu_tape_backward(Tape *t, const TapeNode *node) {
+    BatchnormCtx *c = node->ctx;
+    Var *x = node->in[0];
+    if (tape_grad_take(t, x, node->out)) {
+        c->relu_mask = true;
+        return;
+    }
+    const size_t n = var_numel(node->out);
+    const float *y = node->out->value.data, *dy = node->out->grad;
+    bool fresh;
+    float *dx = tape_grad_to_write(t, x, &fresh);
+    if (!dx) return;
+    if (fresh) relu_backward_write(dx, dy, y, n);
+    else relu_backward(dx, dy, y, n);
+}
+
+Var *nn_batchnorm_relu_inplace(Tape *t, Var *y) {
+    if (!y) return NULL;
+    /* no gradient through y: its node was not recorded and neither is the relu's (the values are relu'd) */
+    if (!y->requires_grad) return tape_wrap(t, y->value.data, y->value.ndim, y->value.shape);
+    BatchnormCtx *c = batchnorm_node_of(t, y);
+    if (!c || !c->relu_fwd) {
+        qt_error_set(&t->err, QT_ERR_ARG, "batchnorm relu: the input is not the output of a recorded "
+                     "nn_batchnorm_relu (use nn_relu_inplace)");
+        return NULL;
+    }
+    Var *r = tape_wrap(t, y->value.data, y->value.ndim, y->value.shape);
+    if (!r) return NULL;
+    return tape_record(t, "relu", batchnorm_relu_tape_backward, r, (Var *[]){y}, 1, c) ? r : NULL;
+}
+
 /* The output again from the input the node keeps, with the forward's own
  * mean, scale and beta: the same floats, bit for bit. */
 static void batchnorm_remake(Tape *t, float *y, const void *ctx) {
@@ -700,7 +548,7 @@ bool nn_batchnorm_remakeable(Tape *t, Var *y, Var *relu_out) {
         if (n->out != y) continue;
         if (n->backward != batchnorm_tape_backward) return false;
         BatchnormCtx *c = n->ctx;
-        c->relu = relu_out != NULL;
+        c->relu = relu_out != NULL || c->relu_fwd;
         return tape_remake_set(t, y, relu_out, batchnorm_remake, c);
     }
     return false;

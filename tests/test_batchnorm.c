@@ -242,6 +242,92 @@ static void test_bn_threads_agree(void) {
     free(b);
 }
 
+/* ---- a relu after the batch norm, folded into its passes ----------------------------------------------------- */
+
+/* relu(bn(x)) either way: nn_batchnorm_relu + nn_batchnorm_relu_inplace (fused), or nn_batchnorm +
+ * nn_relu_inplace; with `twice`, the relu'd buffer is also read through the batch norm's own Var (add(r, y)), so
+ * the relu's backward finds a gradient there already and runs its own pass. */
+static Var *bn_relu_pair(Tape *t, Var *x, Var *g, Var *b, TestBn *bn, bool fused, bool twice) {
+    Var *y = fused ? nn_batchnorm_relu(t, x, g, b, &bn->s) : nn_batchnorm(t, x, g, b, &bn->s);
+    Var *r = fused ? nn_batchnorm_relu_inplace(t, y) : nn_relu_inplace(t, y);
+    return twice && r ? nn_add(t, r, y) : r;
+}
+
+static Var *run_bn_relu(Tape *t, Var **in, void *ctx) {
+    const BnArgs *a = ctx;
+    t->training = !a->eval;
+    return bn_relu_pair(t, in[0], a->affine ? in[1] : NULL, a->affine ? in[2] : NULL, a->bn, true, false);
+}
+
+/* The fused pair gives the separate ops' bits: the output, every gradient and the running statistics, train and
+ * eval, affine or not, runs shorter than a lane block (N, C) and longer (N, C, H, W), 1 and 2 threads, and with
+ * the relu's own backward pass (twice); and its gradients pass finite differences. */
+static void test_bn_relu_fused(void) {
+    static const int shapes[2][4] = {{9, 5, 1, 1}, {6, 4, 12, 11}};
+    const int before = parallel_get_threads();
+    for (int k = 0; k < 2; k++)
+        for (int mode = 0; mode < 8; mode++) {
+            const bool affine = mode & 1, eval = mode & 2, twice = mode & 4;
+            const int N = shapes[k][0], C = shapes[k][1], nd = k ? 4 : 2;
+            const size_t n = (size_t)N * C * shapes[k][2] * shapes[k][3];
+            float *x = random_data(n, 60 + k, -1.0f, 3.0f), *dy = random_data(n, 61 + k, -1.0f, 1.0f);
+            float *g = random_data(C, 62 + k, -1.5f, 1.5f), *b = random_data(C, 63 + k, -1.0f, 1.0f);
+            float *out[2][2][4];
+            float run[2][2][32];
+            for (int th = 0; th < 2; th++)
+                for (int fused = 0; fused < 2; fused++) {
+                    parallel_set_threads(th + 1);
+                    TestEnv e;
+                    test_env_init(&e, 1);
+                    e.tape.training = !eval;
+                    TestBn bn;
+                    test_bn_init(&bn, C, 0.1f);
+                    for (int c = 0; c < C; c++) bn.mean[c] = 0.2f * c, bn.var[c] = 0.5f + c;
+                    Var *xv = test_var(&e, x, nd, shapes[k], true);
+                    Var *gv = affine ? test_var(&e, g, 1, &C, true) : NULL;
+                    Var *bv = affine ? test_var(&e, b, 1, &C, true) : NULL;
+                    Var *r = bn_relu_pair(&e.tape, xv, gv, bv, &bn, fused, twice);
+                    CU_ASSERT_FATAL(r && tape_backward_from(&e.tape, r, dy) == QT_OK);
+                    const float *src[4] = {r->value.data, xv->grad, gv ? gv->grad : NULL, bv ? bv->grad : NULL};
+                    const size_t len[4] = {n, n, (size_t)C, (size_t)C};
+                    for (int q = 0; q < 4; q++) {
+                        out[th][fused][q] = calloc(len[q], sizeof(float));
+                        if (src[q]) memcpy(out[th][fused][q], src[q], len[q] * sizeof(float));
+                    }
+                    memcpy(run[th][fused], bn.mean, (size_t)C * sizeof(float));
+                    memcpy(run[th][fused] + 16, bn.var, (size_t)C * sizeof(float));
+                    test_env_free(&e);
+                }
+            parallel_set_threads(before);
+            const size_t len[4] = {n, n, (size_t)C, (size_t)C};
+            bool same = true;
+            for (int th = 0; th < 2; th++) {
+                for (int q = 0; q < 4; q++) same &= !memcmp(out[th][0][q], out[th][1][q], len[q] * sizeof(float));
+                same &= !memcmp(run[th][0], run[th][1], (size_t)C * sizeof(float)) &&
+                        !memcmp(run[th][0] + 16, run[th][1] + 16, (size_t)C * sizeof(float));
+                for (int q = 0; q < 4; q++) free(out[th][0][q]), free(out[th][1][q]);
+            }
+            if (!same) fprintf(stderr, "\n  batchnorm + relu %dd, mode %d: fused != separate\n", nd, mode);
+            CU_ASSERT(same);
+            if (!twice && k == 0) { /* small: no value within a step of the relu's kink */
+                TestBn bn;
+                test_bn_init(&bn, C, 0.1f);
+                BnArgs args = {&bn, affine, eval};
+                GradcheckInput ins[3] = {input(x, nd, shapes[k], true), input(g, 1, &C, true), input(b, 1, &C, true)};
+                CU_ASSERT(gradcheck("batchnorm + relu fused", run_bn_relu, &args, ins, affine ? 3 : 1, EPS, ATOL,
+                                    RTOL));
+            }
+            free(x), free(dy), free(g), free(b);
+        }
+    /* on a value no nn_batchnorm_relu made (and that wants a gradient): an error, not a silent relu */
+    TestEnv e;
+    test_env_init(&e, 1);
+    float v[4] = {1, -1, 2, -2};
+    CU_ASSERT_PTR_NULL(nn_batchnorm_relu_inplace(&e.tape, nn_relu(&e.tape, test_var(&e, v, 2, (int[]){2, 2}, true))));
+    CU_ASSERT(e.tape.err.status == QT_ERR_ARG && test_msg_has(&e.tape.err, "nn_batchnorm_relu"));
+    test_env_free(&e);
+}
+
 /* ---- global average pool, concat, add ------------------------------------------------------ */
 
 static Var *run_gap(Tape *t, Var **in, void *ctx) { (void)ctx; return nn_globalavgpool(t, in[0]); }
@@ -671,6 +757,7 @@ int register_nn_batchnorm_suite(void) {
            !CU_add_test(s, "batchnorm eval and frozen: the running affine map", test_bn_eval_is_affine) ||
            !CU_add_test(s, "batchnorm running statistics over steps", test_bn_running_stats) ||
            !CU_add_test(s, "batchnorm: 1 and 2 threads agree bit for bit", test_bn_threads_agree) ||
+           !CU_add_test(s, "batchnorm + relu fused = the separate ops, bit for bit", test_bn_relu_fused) ||
            !CU_add_test(s, "globalavgpool, concat, add: gradients and values", test_gap_concat_add) ||
            !CU_add_test(s, "residual block gradients end to end", test_residual_block_grads) ||
            !CU_add_test(s, "residual block steps: no growth after the first", test_residual_block_steady) ||

@@ -51,6 +51,34 @@ static void test_bn_stats_match_ref(void) {
         const double terms = (double)N * inner;
         CU_ASSERT(close_ratio_d(s, sr, C, 1e-6 * terms, 1e-6) <= 1.0);
         CU_ASSERT(close_ratio_d(d, dr, C, 1e-6 * terms * spread, 1e-6) <= 1.0);
+        /* masked by a relu after the batch norm: the same tolerance against the masked _ref, and the ref itself
+         * against the plain sums of dy masked by hand with batchnorm_apply's y */
+        float scale[8], beta[8];
+        for (int c = 0; c < C; c++) scale[c] = (float)(1.0 / sqrt(vr[c] + 1e-5)) * (c % 2 ? -0.7f : 1.3f),
+                                    beta[c] = 0.1f * (float)c - 0.15f;
+        batchnorm_grad_sums_relu(s, d, dy, x, mf, scale, beta, N, C, inner, 0, C);
+        batchnorm_grad_sums_relu_ref(sr, dr, dy, x, mf, scale, beta, N, C, inner, 0, C);
+        CU_ASSERT(close_ratio_d(s, sr, C, 1e-6 * terms, 1e-6) <= 1.0);
+        CU_ASSERT(close_ratio_d(d, dr, C, 1e-6 * terms * spread, 1e-6) <= 1.0);
+        {
+            float *y = malloc(n * sizeof *y), *gm = malloc(n * sizeof *gm);
+            batchnorm_apply(y, x, mf, scale, beta, N, C, inner, 0, C);
+            for (size_t i = 0; i < n; i++) gm[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+            double s2[8], d2[8];
+            batchnorm_grad_sums_ref(s2, d2, gm, x, mf, N, C, inner, 0, C);
+            CU_ASSERT(memcmp(s2, sr, (size_t)C * sizeof *s2) == 0 && memcmp(d2, dr, (size_t)C * sizeof *d2) == 0);
+            /* the masked input gradient = the plain one on the masked dy, bit for bit */
+            float k1[8], k2[8], *dxa = malloc(n * sizeof *dxa), *dxb = malloc(n * sizeof *dxb);
+            for (int c = 0; c < C; c++) k1[c] = 0.01f * (float)c, k2[c] = 0.02f - 0.003f * (float)c;
+            batchnorm_grad_input_relu(dxa, false, dy, x, mf, scale, beta, k1, k2, N, C, inner, 0, C);
+            batchnorm_grad_input(dxb, false, gm, x, mf, scale, k1, k2, N, C, inner, 0, C);
+            CU_ASSERT(memcmp(dxa, dxb, n * sizeof *dxa) == 0);
+            for (size_t i = 0; i < n; i++) dxa[i] = dxb[i] = 0.25f;
+            batchnorm_grad_input_relu(dxa, true, dy, x, mf, scale, beta, k1, k2, N, C, inner, 0, C);
+            batchnorm_grad_input(dxb, true, gm, x, mf, scale, k1, k2, N, C, inner, 0, C);
+            CU_ASSERT(memcmp(dxa, dxb, n * sizeof *dxa) == 0);
+            free(y), free(gm), free(dxa), free(dxb);
+        }
         /* a sub-range of channels gives the same bits as the whole */
         if (C > 1) {
             double m1[8], v1[8];
