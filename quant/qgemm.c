@@ -167,13 +167,23 @@ QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int ta
         p->row_sum[r] = sum;
     }
     for (size_t i = 0; i < 4 * n; i++) p->wide[i] = (int8_t)(uint8_t)((uint32_t)p->data[i / 4] >> (8 * (i % 4)));
+    if (taps % 16 == 0 && qgemm_cpu_has_isa(QGEMM_ISA_AMX)) { /* the AMX kernel's A tiles: w as it came, padded */
+        const size_t rows16 = (size_t)rb * QGEMM_ROWS + 8; /* a 16-row tile from any row block's first row */
+        if (!(p->tiles = alloc64(rows16 * taps * sizeof *p->tiles))) {
+            qgemm_packed_taps_free(p);
+            return qt_error_set(err, QT_ERR_NOMEM, "qgemm_pack_taps: out of memory for AMX tiles of %zu bytes",
+                                rows16 * taps * sizeof(int32_t));
+        }
+        memset(p->tiles, 0, rows16 * taps * sizeof *p->tiles);
+        memcpy(p->tiles, w, (size_t)rows * taps * sizeof *p->tiles);
+    }
     p->rows = rows, p->taps = taps, p->row_blocks = rb;
     return QT_OK;
 }
 
 void qgemm_packed_taps_free(QGemmPackedTaps *p) {
     if (!p) return;
-    free(p->data), free(p->row_sum), free(p->wide);
+    free(p->data), free(p->row_sum), free(p->wide), free(p->tiles);
     memset(p, 0, sizeof *p);
 }
 
@@ -297,9 +307,23 @@ void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     }
 }
 
+/* Whether the AMX kernel takes g (qgemm_taps): tiles packed, no pool, one strided operand. */
+static bool taps_amx_applies(const QGemmTaps *g) {
+    const int T = g->w->taps;
+    if (!g->w->tiles || g->epi == QGEMM_EPI_RELU_POOL2 || T % 16) return false;
+    const int32_t d = T > 1 ? g->tap_off[1] - g->tap_off[0] : 0;
+    if (d < 0) return false;
+    for (int t = 2; t < T; t++)
+        if (g->tap_off[t] - g->tap_off[t - 1] != d) return false;
+    return true;
+}
+
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     switch (qgemm_isa()) {
     case QGEMM_ISA_AMX:
+        if (taps_amx_applies(g)) qgemm_taps_amx(g, rb0, rb1, v0, v1);
+        else qgemm_taps_vnni(g, rb0, rb1, v0, v1);
+        break;
     case QGEMM_ISA_AVX512_VNNI: qgemm_taps_vnni(g, rb0, rb1, v0, v1); break;
     case QGEMM_ISA_AVXVNNI: qgemm_taps_avxvnni(g, rb0, rb1, v0, v1); break;
     case QGEMM_ISA_AVX2: qgemm_taps_avx2(g, rb0, rb1, v0, v1); break;

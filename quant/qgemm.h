@@ -135,6 +135,8 @@ typedef struct {
     int32_t *data;     /* [row_blocks][taps][8], layout above; 64-byte aligned */
     int32_t *row_sum;  /* [row_blocks * 8] sum of the 4 * taps int8 weights of each row */
     int16_t *wide;     /* [row_blocks][taps][8][4] data's bytes sign-extended: the AVX2 kernel's broadcasts */
+    int32_t *tiles;    /* [8 row_blocks + 8][taps] w row-major, 0 past rows: the AMX kernel's A tiles (16 rows from
+                        * any block's first); NULL unless the CPU has AMX and taps is a multiple of 16 */
 } QGemmPackedTaps;
 
 /* w (rows, taps) dwords, byte j of w[r][t] (little-endian) the int8 weight
@@ -180,7 +182,9 @@ typedef struct {
     float *pool_buf;           /* QGEMM_EPI_RELU_POOL2 only: [8][16 n_vec] floats, 64-byte aligned, overwritten */
 } QGemmTaps;
 
-/* Row blocks [rb0, rb1) and vectors [v0, v1); disjoint ranges may run on different threads. */
+/* Row blocks [rb0, rb1) and vectors [v0, v1); disjoint ranges may run on different threads. The AMX family
+ * runs the taps on tiles where they form one strided operand (tap t at off[0] + t d: a 1x1 convolution's channel
+ * quads), their count is a multiple of 16 and no pool follows; every other case takes the AVX-512 VNNI kernel. */
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 

@@ -1,14 +1,16 @@
 /* qgemm_amx.c - quantized training's int8 x int8 products (qgemm_s8, qgemm_s8_nn) on AMX tiles: TDPBSSD multiplies
  * a 16 x 64 tile of a's signed bytes by a 64 x 16 tile of b's (4 k of a column per dword, 16 columns a row) into a
  * 16 x 16 tile of int32, wrapping as the other kernels' sums do; exact integers, so the same bits as the portable
- * kernels. The AMX family runs these two products only: its u8 x s8 layers (PTQ) and depthwise kernels are the
- * AVX-512 VNNI ones, which every AMX CPU also has.
+ * kernels. Every AMX CPU also has AVX-512 VNNI, whose kernels the family runs for what the tiles do not take.
  *
  * b is packed as the AVX-512 VNNI kernels pack it (qgemm_s8_pack_vnni, _nn_vnni): panels of 16 columns, 64 bytes
  * a group of 4 k, which is a B tile's row; each panel's groups rounded up to a multiple of 16 with zeros so every
  * tile is whole. a's tiles are read in place (rows K bytes apart) where they lie inside a, else from a zero-padded
  * copy. Tile registers: 0-2 the C tiles of three panels, 3 the A tile, 4-6 the B tiles. C lives in c between k
- * blocks (a partial tile through a copy). The tile configuration is loaded per call and released at its end. */
+ * blocks (a partial tile through a copy). The tile configuration is loaded per call and released at its end.
+ *
+ * PTQ's convolution taps run here where they form one strided operand (qgemm_taps_amx, below); the rest of the
+ * family's u8 x s8 layers (other taps, dense, depthwise) are the AVX-512 VNNI kernels. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -137,7 +139,86 @@ void qgemm_s8_nn_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int 
     amx_run(c, ldc, a, b, ldb, M, N, K);
 }
 
+/* ---- PTQ taps on tiles ------------------------------------------------------------------------------------------
+ * qgemm_taps where tap t's activations lie at off[0] + t d (a 1x1 convolution's channel quads in the ch4 planes):
+ * 16 taps of a pixel run are then one B tile in place (rows d dwords apart, 16 pixels of 4 codes a row), and the
+ * weight's 16 rows by 16 taps one A tile in place (w->tiles, row-major). TDPBSUD takes A's signed weight bytes
+ * against B's unsigned codes, so each C tile holds the wrapped sums the VNNI kernel makes; the epilogue subtracts
+ * a_zero times the row sum (the VNNI kernel starts from it: the same int32 modulo 2^32) and applies y = fmaf(sum,
+ * scale, bias) and the relu as taps_y does. Rows come 16 at a time; a tile's rows past rb1 or the weight are
+ * computed (w->tiles is zero there) and not stored. Tiles 0-3: C of four vectors, 4: A, 5: B. */
+
+/* The outputs of one C tile: rows [r0, r_end) of vector v from its sums ctmp [16 rows][16 lanes]. */
+QM_TARGET static void taps_amx_store(const QGemmTaps *g, const int32_t (*ctmp)[16], int r0, int r_end, int v) {
+    const __mmask16 m = g->vec_mask[v];
+    if (!m) return;
+    const bool relu = g->epi == QGEMM_EPI_RELU;
+    for (int r = r0; r < r_end; r++) {
+        const uint32_t corr = (uint32_t)g->a_zero * (uint32_t)g->w->row_sum[r];
+        const __m512i sum = _mm512_sub_epi32(_mm512_load_si512((const void *)ctmp[r - r0]), _mm512_set1_epi32((int)corr));
+        __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(g->scale[r]),
+                                   _mm512_set1_ps(g->bias ? g->bias[r] : 0.0f));
+        if (relu) y = _mm512_max_ps(y, _mm512_setzero_ps()); /* NaN -> 0, as nn's relu */
+        float *o = g->out + (size_t)r * g->ldo + g->vec_pos[v];
+        if (m == 0xFFFF) {
+            _mm512_storeu_ps(o, y);
+        } else { /* the output lanes packed to the front, stored as one run */
+            y = _mm512_maskz_compress_ps(m, y);
+            _mm512_mask_storeu_ps(o, (__mmask16)((1u << __builtin_popcount(m)) - 1), y);
+        }
+    }
+}
+
+QM_TARGET void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    const QGemmPackedTaps *w = g->w;
+    const int T = w->taps;
+    rb0 = rb0 < 0 ? 0 : rb0, rb1 = rb1 > w->row_blocks ? w->row_blocks : rb1;
+    v0 = v0 < 0 ? 0 : v0, v1 = v1 > g->n_vec ? g->n_vec : v1;
+    if (rb0 >= rb1 || v0 >= v1) return;
+    const size_t d = 4 * (size_t)(g->tap_off[1] - g->tap_off[0]); /* bytes from one tap's row to the next */
+    const int row_end = rb1 * QGEMM_ROWS < w->rows ? rb1 * QGEMM_ROWS : w->rows;
+    _Alignas(64) int32_t ctmp[4][16][16];
+    amx_config();
+    for (int r0 = rb0 * QGEMM_ROWS; r0 < row_end; r0 += 16) {
+        const int r_end = r0 + 16 < row_end ? r0 + 16 : row_end;
+        for (int v = v0; v < v1; v += 4) {
+            const int nv = v1 - v < 4 ? v1 - v : 4;
+            /* the tile numbers are immediates: one branch per vector count */
+            _tile_zero(0);
+            if (nv > 1) _tile_zero(1);
+            if (nv > 2) _tile_zero(2);
+            if (nv > 3) _tile_zero(3);
+            for (int k = 0; k < T; k += 16) {
+                const uint8_t *b = g->act + 4 * ((size_t)g->tap_off[k] + (size_t)QGEMM_LANES * v);
+                _tile_loadd(4, w->tiles + (size_t)r0 * T + k, (size_t)T * 4);
+                _tile_loadd(5, b, d);
+                _tile_dpbsud(0, 4, 5);
+                if (nv > 1) {
+                    _tile_loadd(5, b + 64, d);
+                    _tile_dpbsud(1, 4, 5);
+                }
+                if (nv > 2) {
+                    _tile_loadd(5, b + 128, d);
+                    _tile_dpbsud(2, 4, 5);
+                }
+                if (nv > 3) {
+                    _tile_loadd(5, b + 192, d);
+                    _tile_dpbsud(3, 4, 5);
+                }
+            }
+            _tile_stored(0, ctmp[0], 64);
+            if (nv > 1) _tile_stored(1, ctmp[1], 64);
+            if (nv > 2) _tile_stored(2, ctmp[2], 64);
+            if (nv > 3) _tile_stored(3, ctmp[3], 64);
+            for (int c = 0; c < nv; c++) taps_amx_store(g, (const int32_t (*)[16])ctmp[c], r0, r_end, v + c);
+        }
+    }
+    _tile_release();
+}
+
 #else /* no AMX here: qgemm_cpu_has_isa(QGEMM_ISA_AMX) is false, so these are never called */
+
+void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
 
 void qgemm_s8_amx(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     qgemm_s8_ref(c, a, b, M, N, K);

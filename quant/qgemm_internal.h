@@ -16,6 +16,9 @@ bool qgemm_use_vnni(void);
 
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1);
 void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+/* The taps on AMX tiles (qgemm_amx.c) for the g qgemm_taps hands it: w->tiles set, taps a multiple of 16 at one
+ * stride, epi NONE or RELU. */
+void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_dw_vnni(const QGemmDw *d);
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,

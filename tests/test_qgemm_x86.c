@@ -183,12 +183,14 @@ typedef struct {
     float *scale, *bias;
 } TapsOperands;
 
-static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, bool extremes, Rng *r) {
+/* stride > 0: tap t at 3 + t stride (one strided operand, as a 1x1 convolution's channel quads: the AMX tiles);
+ * else offsets drawn in [0, 40]. */
+static TapsOperands taps_operands_at(int rows, int taps, int n_vec, bool relu, bool extremes, int stride, Rng *r) {
     TapsOperands o = {.off = xmalloc((size_t)taps * 4), .w = xmalloc((size_t)rows * taps * 4),
                       .scale = xmalloc((size_t)rows * 4), .bias = xmalloc((size_t)rows * 4)};
     int max_off = 0;
     for (int t = 0; t < taps; t++) {
-        o.off[t] = (int32_t)rng_below(r, 41);
+        o.off[t] = stride > 0 ? 3 + t * stride : (int32_t)rng_below(r, 41);
         max_off = o.off[t] > max_off ? o.off[t] : max_off;
     }
     size_t n_act = (size_t)(max_off + QGEMM_LANES * n_vec) * 4; /* exactly what the kernels may read */
@@ -207,17 +209,22 @@ static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, bool
     return o;
 }
 
+static TapsOperands taps_operands(int rows, int taps, int n_vec, bool relu, bool extremes, Rng *r) {
+    return taps_operands_at(rows, taps, n_vec, relu, extremes, 0, r);
+}
+
 static void taps_operands_free(TapsOperands *o) {
     free(o->off), free(o->act), free(o->w), free(o->scale), free(o->bias);
 }
 
-static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed, bool extremes) {
+static void taps_case_at(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed, bool extremes,
+                         int stride) {
     char what[128];
-    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d%s%s", rows, taps, n_vec, a_zero,
-             epi == QGEMM_EPI_RELU ? " relu" : "", extremes ? " extremes" : "");
+    snprintf(what, sizeof what, "taps rows %d taps %d vectors %d a_zero %d%s%s stride %d", rows, taps, n_vec, a_zero,
+             epi == QGEMM_EPI_RELU ? " relu" : "", extremes ? " extremes" : "", stride);
     Rng r;
     rng_init(&r, seed, 4);
-    TapsOperands op = taps_operands(rows, taps, n_vec, epi != QGEMM_EPI_NONE, extremes, &r);
+    TapsOperands op = taps_operands_at(rows, taps, n_vec, epi != QGEMM_EPI_NONE, extremes, stride, &r);
     uint16_t *mask = xmalloc((size_t)n_vec * 2);
     int32_t *pos = xmalloc((size_t)n_vec * 4);
     int total = 0;
@@ -250,6 +257,10 @@ static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, u
     qgemm_packed_taps_free(&p);
     taps_operands_free(&op);
     free(mask), free(pos), free(want), free(o1), free(o2);
+}
+
+static void taps_case(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed, bool extremes) {
+    taps_case_at(rows, taps, n_vec, a_zero, epi, seed, extremes, 0);
 }
 
 /* The relu + 2x2 max pool epilogue: pixel q is output pixel (q / pitch, q % pitch) of an (OH, OW) output; the
@@ -308,6 +319,16 @@ static void taps_cases(void) {
     for (int z = 0; z < 256; z += 51) /* zero points 0 .. 255 on codes and weights at their ends */
         taps_case(9, 40, 3, z, z % 2 ? QGEMM_EPI_RELU : QGEMM_EPI_NONE, 8 + (uint64_t)z, true);
     taps_case(8, 2000, 2, 0, QGEMM_EPI_NONE, 9, true);
+    /* taps at one stride, 16 of them a multiple (the AMX family's tiles; the others run them as any taps): rows
+     * that leave a tile half full or cross blocks, 1-7 vectors (a last group of fewer than 4), strides shorter and
+     * longer than a vector, relu, codes and weights at their ends, the K of DS-CNN's pointwise convs and more */
+    static const int SROWS[] = {1, 8, 12, 16, 24, 64, 70}, STAPS[] = {16, 32, 48}, SVECS[] = {1, 3, 4, 5, 7};
+    for (size_t i = 0; i < sizeof SROWS / sizeof *SROWS; i++)
+        for (size_t j = 0; j < sizeof STAPS / sizeof *STAPS; j++)
+            for (size_t k = 0; k < sizeof SVECS / sizeof *SVECS; k++, seed++)
+                taps_case_at(SROWS[i], STAPS[j], SVECS[k], (int)(seed * 37 % 256),
+                             seed % 2 ? QGEMM_EPI_RELU : QGEMM_EPI_NONE, seed, seed % 7 == 0,
+                             seed % 3 == 0 ? 5 : 16 * SVECS[k] + 4 * (int)(seed % 4));
 }
 
 static void test_taps(void) { for_each_family(taps_cases, "taps"); }

@@ -203,6 +203,8 @@ static const Geo GEOS[] = {
     {"conv ch4 C8 7x6", 8, 7, 6, 12, 3, 1, 1},
     {"conv ch4 C6 pad2", 6, 5, 9, 9, 3, 1, 2},
     {"conv ch4 1x1", 16, 4, 5, 3, 1, 1, 0},
+    {"conv ch4 1x1 C64 (16 taps at one stride: AMX tiles)", 64, 7, 9, 20, 1, 1, 0},
+    {"conv ch4 1x1 C128 14x14 (DS-CNN-like pointwise)", 128, 14, 14, 64, 1, 1, 0},
     {"conv ch4 no padding, wide", 4, 6, 37, 8, 3, 1, 0},
     {"conv cols stride 2", 4, 9, 7, 10, 3, 2, 1},
     {"conv cols stride 3 C1", 1, 10, 11, 4, 4, 3, 0},
