@@ -522,8 +522,9 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
     const int out = c->out, rows = c->rows, tile = fqt_grad_tile(c), N = c->cg.N, P = c->cg.OH * c->cg.OW;
     const bool want_b = bias && bias->requires_grad, want_x = x->requires_grad, want_w = w->requires_grad;
     if (!want_b && !want_x && !want_w) return;
-    /* g whole only where the tiles' column pass reads it; else each pass remakes its planes from dy */
-    const bool epi = c->epi != CONV_EPI_NONE, keep_g = epi && want_w && tile < rows;
+    /* g whole where dX reads it (the encode makes g_row from it, and remaking every plane twice cost more than it
+     * saved) or the tiles' column pass does; else (a first layer) each pass remakes its planes from dy */
+    const bool epi = c->epi != CONV_EPI_NONE, keep_g = epi && (want_x || (want_w && tile < rows));
     ScanJob sj = {.gp = {.c = c, .dy = node->out->grad, .y = node->out->value.data}, .make_g = keep_g};
     if (!epi) sj.gp.g = node->out->grad;
     else if (keep_g) sj.gp.g = tape_alloc(t, (size_t)rows * out * sizeof(float));
