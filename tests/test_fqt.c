@@ -1,8 +1,9 @@
 /* test_fqt.c - quantized training: the integer GEMM (test_qgemm.c), the
  * spec's checks, the forward and the float backward against a QAT
- * layer of the same formats, the quantized backward against a hand-written
- * reference (round to nearest and stochastic, rows/columns noise, tiles of
- * the weight gradient), the unbiasedness of stochastic rounding, the noise's
+ * layer of the same formats, the quantized backward against the hand-written
+ * reference of test_fqt_ref.c (round to nearest and stochastic, rows/columns
+ * noise, tiles of the weight gradient), the fused relu/pool hook against the
+ * separate ops, the unbiasedness of stochastic rounding, the noise's
  * determinism and the arena's steady state. */
 #include <CUnit/CUnit.h>
 #include <math.h>
@@ -84,7 +85,7 @@ static void run_layer(FqtLayer *q, const float *x, int N, const float *dy, ConvE
     test_env_free(&e);
 }
 
-static void run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r) {
+void fqtest_run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r) {
     run_layer(q, x, N, dy, CONV_EPI_NONE, false, true, r);
 }
 
@@ -160,214 +161,6 @@ static void test_fused_nonfinite(void) {
         free(dy), free(x);
         model_free(&m);
     }
-}
-
-/* a and b agree to 1e-5 of b's largest magnitude (and 1e-5 relative): float rounding, nothing more. */
-static bool close_to(const float *a, const float *b, size_t n, const char *what) {
-    double amax = 0.0;
-    for (size_t i = 0; i < n; i++) amax = fmax(amax, fabs((double)b[i]));
-    size_t worst = 0;
-    double ratio = test_close_ratio(a, b, n, 1e-5 * amax + 1e-30, 1e-5, &worst);
-    if (ratio > 1.0)
-        fprintf(stderr, "\n  %s[%zu]: %.9g vs %.9g (ratio %.3g, max |b| %g)\n", what, worst, (double)a[worst],
-                (double)b[worst], ratio, amax);
-    return ratio <= 1.0;
-}
-
-/* ---- geometry and the hand reference ----------------------------------------------------------------------------- */
-
-typedef struct {
-    bool conv;
-    int N, C, H, W, KH, KW, OH, OW, stride, pad;
-    int rows, out, K;
-} Geom;
-
-static Geom geom_of(const FqtLayer *q, int N) {
-    const Module *m = q->module;
-    Geom g = {.conv = m->spec.type == LAYER_CONV2D, .N = N, .out = q->out, .K = q->fan_in, .rows = N};
-    if (g.conv) {
-        const int *ws = m->weight->var.value.shape;
-        g.C = m->in_shape[0], g.H = m->in_shape[1], g.W = m->in_shape[2], g.KH = ws[2], g.KW = ws[3];
-        g.stride = m->spec.stride, g.pad = m->spec.padding;
-        g.OH = (g.H + 2 * g.pad - g.KH) / g.stride + 1, g.OW = (g.W + 2 * g.pad - g.KW) / g.stride + 1;
-        g.rows = N * g.OH * g.OW;
-    }
-    return g;
-}
-
-/* The flat index into x of element k of X's row r (the patch of output pixel r), or -1 for the padding. */
-static long x_index(const Geom *g, int r, int k) {
-    if (!g->conv) return (long)r * g->K + k;
-    int plane = g->OH * g->OW, n = r / plane, oh = r % plane / g->OW, ow = r % g->OW;
-    int c = k / (g->KH * g->KW), kh = k % (g->KH * g->KW) / g->KW, kw = k % g->KW;
-    int ih = oh * g->stride + kh - g->pad, iw = ow * g->stride + kw - g->pad;
-    if (ih < 0 || ih >= g->H || iw < 0 || iw >= g->W) return -1;
-    return (((long)n * g->C + c) * g->H + ih) * g->W + iw;
-}
-
-/* g (rows, out) from dy: one row per example (dense) or per output pixel (conv). */
-static float *grad_rows_of(const Geom *g, const float *dy) {
-    float *gr = qa_alloc_floats((size_t)g->rows * g->out);
-    int plane = g->conv ? g->OH * g->OW : 1;
-    for (int r = 0; r < g->rows; r++)
-        for (int o = 0; o < g->out; o++)
-            gr[(size_t)r * g->out + o] =
-                g->conv ? dy[((size_t)(r / plane) * g->out + o) * plane + r % plane] : dy[(size_t)r * g->out + o];
-    return gr;
-}
-
-/* Stochastic rounding's uniforms as the layer draws them. */
-typedef struct {
-    const float *u; /* NULL: round to nearest */
-    unsigned axes;
-    int out;
-} Noise;
-
-static float noise_at(const Noise *z, int r, int o) {
-    if (!z || !z->u) return 0.0f;
-    if (z->axes == FQT_NOISE_COLS) return z->u[o];
-    if (z->axes == (FQT_NOISE_ROWS | FQT_NOISE_COLS)) return z->u[(size_t)r * z->out + o];
-    return z->u[r];
-}
-
-/* The noise a layer whose rng is at `from` draws for `rows` x `out`: malloc'd. */
-static float *draw_noise(Rng from, unsigned axes, int rows, int out) {
-    size_t n = axes == FQT_NOISE_COLS ? (size_t)out : axes == FQT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
-    uint32_t *w = malloc(n * sizeof *w);
-    float *u = qa_alloc_floats(n);
-    rng_fill_u32(&from, w, n);
-    for (size_t i = 0; i < n; i++) u[i] = rng_u32_to_unit(w[i]);
-    free(w);
-    return u;
-}
-
-/* x quantized as one slice of a signed int format of `bits`, absmax (DESIGN: s = amax / (2^(b-1) - 1/2)), codes
- * clamped, then rounded: to nearest, or stochastically with u (up when u >= 1 - frac). */
-static float int_slice_scale(float amax, int bits) {
-    float s = amax / ((float)((1 << (bits - 1)) - 1) + 0.5f);
-    return s >= 1e-19f ? s : 1.0f;
-}
-
-static float int_quant(float x, float s, int bits, bool stochastic, float u) {
-    float qmax = (float)((1 << (bits - 1)) - 1), c = fminf(fmaxf(x / s, -qmax - 1.0f), qmax), lo = floorf(c);
-    float q = stochastic ? lo + (u >= 1.0f - (c - lo) ? 1.0f : 0.0f) : rintf(c);
-    return q * s;
-}
-
-/* gr, gc (rows, out): g quantized per row, and per column in tiles of `tile` rows (0: all). */
-static void quant_grad_ref(const Geom *G, const float *g, int bits, int tile, const Noise *z, float *gr, float *gc) {
-    int rows = G->rows, out = G->out, T = tile > 0 && tile < rows ? tile : rows;
-    bool sr = z && z->u;
-    for (int r = 0; r < rows; r++) {
-        float amax = 0.0f;
-        for (int o = 0; o < out; o++) amax = fmaxf(amax, fabsf(g[(size_t)r * out + o]));
-        float s = int_slice_scale(amax, bits);
-        for (int o = 0; o < out; o++)
-            gr[(size_t)r * out + o] = int_quant(g[(size_t)r * out + o], s, bits, sr, noise_at(z, r, o));
-    }
-    for (int o = 0; o < out; o++)
-        for (int r0 = 0; r0 < rows; r0 += T) {
-            int n = rows - r0 < T ? rows - r0 : T;
-            float amax = 0.0f;
-            for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(g[(size_t)(r0 + i) * out + o]));
-            float s = int_slice_scale(amax, bits);
-            for (int i = 0; i < n; i++) {
-                size_t at = (size_t)(r0 + i) * out + o;
-                gc[at] = int_quant(g[at], s, bits, sr, noise_at(z, r0 + i, o));
-            }
-        }
-}
-
-/* dx = mask_x (gr wq) through the patches, dw = mask_w (gc^T xq), both in double. */
-static void grads_ref(const Geom *G, const float *gr, const float *gc, const float *wq, const float *xq, size_t nx,
-                      float *dx, float *dw) {
-    size_t nw = (size_t)G->out * G->K;
-    double *ax = calloc(nx, sizeof *ax), *aw = calloc(nw, sizeof *aw);
-    CU_ASSERT_FATAL(ax && aw);
-    for (int r = 0; r < G->rows; r++)
-        for (int k = 0; k < G->K; k++) {
-            long i = x_index(G, r, k);
-            if (i < 0) continue;
-            for (int o = 0; o < G->out; o++) {
-                ax[i] += (double)gr[(size_t)r * G->out + o] * wq[(size_t)o * G->K + k];
-                aw[(size_t)o * G->K + k] += (double)gc[(size_t)r * G->out + o] * xq[i];
-            }
-        }
-    for (size_t i = 0; i < nx; i++) dx[i] = (float)ax[i];
-    for (size_t i = 0; i < nw; i++) dw[i] = (float)aw[i];
-    free(ax), free(aw);
-}
-
-/* The forward's operands as QArray round trips: w per output channel, x per tensor (symmetric). */
-typedef struct {
-    QArray qw, qx;
-    float *wq, *xq;
-} Operands;
-
-static void operands_of(const FqtLayer *q, const float *x, size_t nx, Operands *op) {
-    const QType *at = q->spec.act_qtype ? q->spec.act_qtype : q->spec.weight_qtype;
-    QArrayOptions wo = qa_channelwise(0), xo = {.range = QARRAY_RANGE_SYMMETRIC};
-    wo.range = QARRAY_RANGE_SYMMETRIC;
-    memset(op, 0, sizeof *op);
-    op->wq = qtest_qarray_round_trip(q->module->weight->var.value.data, 2, (const int[]){q->out, q->fan_in},
-                                  q->spec.weight_qtype, &wo, &op->qw);
-    op->xq = qtest_qarray_round_trip(x, 1, (const int[]){(int)nx}, at, &xo, &op->qx);
-}
-
-static void operands_free(Operands *op) {
-    qarray_free(&op->qw), qarray_free(&op->qx);
-    free(op->wq), free(op->xq);
-}
-
-/* The layer's quantized backward (int formats of bwd_bits) against the reference for one x and dy; the noise is
- * what the layer's rng draws from its state before the step. */
-static void check_against_ref(FqtLayer *q, int N, uint64_t seed, int bwd_bits, const char *what) {
-    Module *mod = q->module;
-    Geom G = geom_of(q, N);
-    size_t nx = qtest_input_numel(mod, N), nw = (size_t)q->out * q->fan_in, ny = (size_t)G.rows * G.out;
-    float *x = qa_normal_sample(seed, nx), *dy = qa_normal_sample(seed + 1, ny);
-    Operands op;
-    operands_of(q, x, nx, &op);
-    unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : FQT_NOISE_ROWS;
-    float *u = q->spec.bwd_stochastic ? draw_noise(q->rng, axes, G.rows, G.out) : NULL;
-    Noise z = {.u = u, .axes = axes, .out = G.out};
-    QtestRun a;
-    run_qt(q, x, N, dy, &a);
-    float *g = grad_rows_of(&G, dy), *gr = qa_alloc_floats(ny), *gc = qa_alloc_floats(ny);
-    float *dx = qa_alloc_floats(nx), *dw = qa_alloc_floats(nw), *db = qa_alloc_floats(G.out);
-    quant_grad_ref(&G, g, bwd_bits, q->spec.bwd_weight_grad_tile_size, &z, gr, gc);
-    grads_ref(&G, gr, gc, op.wq, op.xq, nx, dx, dw);
-    qtest_apply_mask(dx, x, nx, &op.qx);
-    qtest_apply_mask(dw, mod->weight->var.value.data, nw, &op.qw);
-    for (int o = 0; o < G.out; o++) {
-        double s = 0.0;
-        for (int r = 0; r < G.rows; r++) s += g[(size_t)r * G.out + o];
-        db[o] = (float)s;
-    }
-    /* the forward too: y = deq(X) deq(W)^T + b, every output channel of every pixel */
-    float *y_ref = qa_alloc_floats(ny), *y_rows = grad_rows_of(&G, a.y);
-    for (int r = 0; r < G.rows; r++)
-        for (int o = 0; o < G.out; o++) {
-            double acc = mod->bias ? mod->bias->var.value.data[o] : 0.0;
-            for (int k = 0; k < G.K; k++) {
-                long xi = x_index(&G, r, k);
-                if (xi >= 0) acc += (double)op.xq[xi] * op.wq[(size_t)o * G.K + k];
-            }
-            y_ref[(size_t)r * G.out + o] = (float)acc;
-        }
-    char label[96];
-    snprintf(label, sizeof label, "%s y", what);
-    CU_ASSERT(close_to(y_rows, y_ref, ny, label));
-    free(y_ref), free(y_rows);
-    snprintf(label, sizeof label, "%s dx", what);
-    CU_ASSERT(close_to(a.dx, dx, nx, label));
-    snprintf(label, sizeof label, "%s dw", what);
-    CU_ASSERT(close_to(a.dw, dw, nw, label));
-    snprintf(label, sizeof label, "%s db", what);
-    CU_ASSERT(close_to(a.db, db, (size_t)G.out, label));
-    qtest_run_free(&a);
-    operands_free(&op);
-    free(x), free(dy), free(u), free(g), free(gr), free(gc), free(dx), free(dw), free(db);
 }
 
 /* ---- setup and checks -------------------------------------------------------------------------------------------- */
@@ -527,18 +320,18 @@ static void check_equals_qat(Model *m, int N, const char *wt, const char *at, ui
     qat_twin(&qa, mod, wt, at);
     float *x = qa_normal_sample(seed, qtest_input_numel(mod, N));
     QtestRun a, b;
-    run_qt(&q, x, N, NULL, &a);
+    fqtest_run_qt(&q, x, N, NULL, &a);
     qtest_run_qat(&qa, x, N, true, true, &b);
     char label[96];
     const char *kind = mod->spec.type == LAYER_CONV2D ? "conv" : "dense";
     snprintf(label, sizeof label, "%s %s/%s y", kind, wt, at);
-    CU_ASSERT(a.ny == b.ny && close_to(a.y, b.y, a.ny, label));
+    CU_ASSERT(a.ny == b.ny && fqtest_close_to(a.y, b.y, a.ny, label));
     snprintf(label, sizeof label, "%s %s/%s dx", kind, wt, at);
-    CU_ASSERT(close_to(a.dx, b.dx, a.nx, label));
+    CU_ASSERT(fqtest_close_to(a.dx, b.dx, a.nx, label));
     snprintf(label, sizeof label, "%s %s/%s dw", kind, wt, at);
-    CU_ASSERT(close_to(a.dw, b.dw, a.nw, label));
+    CU_ASSERT(fqtest_close_to(a.dw, b.dw, a.nw, label));
     snprintf(label, sizeof label, "%s %s/%s db", kind, wt, at);
-    CU_ASSERT(close_to(a.db, b.db, a.nb, label));
+    CU_ASSERT(fqtest_close_to(a.db, b.db, a.nb, label));
     /* the clipped STE zeroed something: a positive extreme of an int slice (qmax + 1/2) or, for a symmetric
      * uint, the negative inputs */
     size_t zw = 0, zx = 0;
@@ -591,18 +384,18 @@ static void test_backward_rne(void) {
     FqtSpec s = spec_of("int8", NULL, "int8");
     s.bwd_weight_grad_tile_size = 4; /* 6 rows: tiles of 4 and 2 */
     init_ok(&q, &m.modules[0], &s, 1);
-    check_against_ref(&q, 6, 71, 8, "dense int8 tile 4");
+    fqtest_check_against_ref(&q, 6, 71, 8, "dense int8 tile 4");
     s.bwd_qtype = qa_find("int4");
     s.bwd_weight_grad_tile_size = 0;
     init_ok(&q, &m.modules[0], &s, 1);
-    check_against_ref(&q, 6, 72, 4, "dense int4");
+    fqtest_check_against_ref(&q, 6, 72, 4, "dense int4");
     model_free(&m);
 
     qtest_conv_model(&m, 2, 6, 7, 4, 3, 2, 1, 73);
     s = spec_of("int8", "int8", "int8");
     s.bwd_weight_grad_tile_size = 5; /* over 2 * 3 * 4 = 24 pixel rows */
     init_ok(&q, &m.modules[0], &s, 1);
-    check_against_ref(&q, 2, 74, 8, "conv int8 tile 5");
+    fqtest_check_against_ref(&q, 2, 74, 8, "conv int8 tile 5");
     CU_ASSERT_EQUAL(q.rng.counter, 0); /* round to nearest draws nothing */
     model_free(&m);
 }
@@ -634,7 +427,7 @@ static void test_backward_integer_geometries(void) {
         init_ok(&q, &m.modules[0], &s, 11);
         char what[64];
         snprintf(what, sizeof what, "integer backward case %zu", i);
-        check_against_ref(&q, CASES[i].N, 210 + i, strcmp(CASES[i].bwd, "int4") == 0 ? 4 : 8, what);
+        fqtest_check_against_ref(&q, CASES[i].N, 210 + i, strcmp(CASES[i].bwd, "int4") == 0 ? 4 : 8, what);
         model_free(&m);
     }
 }
@@ -670,7 +463,7 @@ static void test_threads_same_bits(void) {
     /* and against the hand reference, the one image's channels split over 2 and 3 threads */
     for (int th = 2; th <= 3; th++) {
         CU_ASSERT_FATAL(parallel_set_threads(th) == th);
-        check_against_ref(&q, 1, 340 + th, 8, "one image over threads");
+        fqtest_check_against_ref(&q, 1, 340 + th, 8, "one image over threads");
     }
     parallel_set_threads(1);
     model_free(&m);
@@ -689,8 +482,8 @@ static void test_backward_stochastic(void) {
         init_ok(&q, &m.modules[0], &s, 7);
         char what[64];
         snprintf(what, sizeof what, "dense stochastic axes %u", AXES[i]);
-        check_against_ref(&q, 6, 90 + i, 4, what);
-        check_against_ref(&q, 6, 90 + i, 4, what); /* the next step, fresh noise */
+        fqtest_check_against_ref(&q, 6, 90 + i, 4, what);
+        fqtest_check_against_ref(&q, 6, 90 + i, 4, what); /* the next step, fresh noise */
         uint64_t per_step = AXES[i] == FQT_NOISE_ROWS ? 2 : AXES[i] == FQT_NOISE_COLS ? 2 : 8; /* ceil(n / 4) */
         CU_ASSERT_EQUAL(q.rng.counter, 2 * per_step);
         model_free(&m);
@@ -702,7 +495,7 @@ static void test_backward_stochastic(void) {
     s.bwd_stochastic = true;
     s.noise_axes = FQT_NOISE_ROWS | FQT_NOISE_COLS;
     init_ok(&q, &m.modules[0], &s, 8);
-    check_against_ref(&q, 2, 96, 8, "conv stochastic");
+    fqtest_check_against_ref(&q, 2, 96, 8, "conv stochastic");
     model_free(&m);
 }
 
@@ -727,7 +520,7 @@ static void noise_pattern(unsigned axes, bool up[8][16]) {
     FqtLayer q;
     init_ok(&q, mod, &s, 11);
     QtestRun a;
-    run_qt(&q, x, N, g, &a);
+    fqtest_run_qt(&q, x, N, g, &a);
     float wdiag = 127.0f * (1.0f / 127.5f); /* deq of the code 127 at scale 1 / 127.5 */
     for (int i = 0; i < N * D; i++) {
         int r = i / D, o = i % D;
@@ -787,15 +580,15 @@ static void test_stochastic_unbiased(void) {
     FqtLayer q;
     init_ok(&q, mod, &s, 12);
     float *x = qa_normal_sample(111, N * IN), *dy = qa_normal_sample(112, N * OUT);
-    Operands op;
-    operands_of(&q, x, N * IN, &op);
+    FqtestOperands op;
+    fqtest_operands_of(&q, x, N * IN, &op);
     /* the expectation and the tolerance */
     float expect[N * IN], tol[N * IN], first[N * IN];
     double sum[N * IN] = {0};
     for (int r = 0; r < N; r++) {
         float amax = 0.0f;
         for (int o = 0; o < OUT; o++) amax = fmaxf(amax, fabsf(dy[r * OUT + o]));
-        float sc = int_slice_scale(amax, 4);
+        float sc = fqtest_int_slice_scale(amax, 4);
         for (int i = 0; i < IN; i++) {
             double e = 0.0, wsum = 0.0;
             for (int o = 0; o < OUT; o++) {
@@ -838,7 +631,7 @@ static void test_stochastic_unbiased(void) {
     CU_ASSERT(noisy > 0); /* one draw alone is off: the agreement is the averaging's */
     tape_free(&t);
     arena_free(&a);
-    operands_free(&op);
+    fqtest_operands_free(&op);
     free(x), free(dy);
     model_free(&m);
 }
@@ -858,17 +651,17 @@ static void test_determinism(void) {
     float *x = qa_normal_sample(121, 4 * 10);
     QtestRun ra, rb, rc, rd;
     Rng saved = a.rng;
-    run_qt(&a, x, 4, NULL, &ra);
-    run_qt(&b, x, 4, NULL, &rb);
-    run_qt(&c, x, 4, NULL, &rc);
+    fqtest_run_qt(&a, x, 4, NULL, &ra);
+    fqtest_run_qt(&b, x, 4, NULL, &rb);
+    fqtest_run_qt(&c, x, 4, NULL, &rc);
     CU_ASSERT(a.rng.counter == 7 && b.rng.counter == 7); /* 4 x 7 uniforms: 7 blocks */
     CU_ASSERT(memcmp(ra.dx, rb.dx, ra.nx * 4) == 0 && memcmp(ra.dw, rb.dw, ra.nw * 4) == 0);
     CU_ASSERT(memcmp(ra.dx, rc.dx, ra.nx * 4) != 0 && memcmp(ra.dw, rc.dw, ra.nw * 4) != 0);
-    run_qt(&a, x, 4, NULL, &rd); /* the next step */
+    fqtest_run_qt(&a, x, 4, NULL, &rd); /* the next step */
     CU_ASSERT(memcmp(ra.dx, rd.dx, ra.nx * 4) != 0);
     qtest_run_free(&rd);
     a.rng = saved; /* a resumed run */
-    run_qt(&a, x, 4, NULL, &rd);
+    fqtest_run_qt(&a, x, 4, NULL, &rd);
     CU_ASSERT(memcmp(ra.dx, rd.dx, ra.nx * 4) == 0 && memcmp(ra.dw, rd.dw, ra.nw * 4) == 0);
     qtest_run_free(&ra), qtest_run_free(&rb), qtest_run_free(&rc), qtest_run_free(&rd);
     free(x);
@@ -888,8 +681,8 @@ static void test_tile_scales(void) {
         s.bwd_weight_grad_tile_size = i;
         FqtLayer q;
         init_ok(&q, &m.modules[0], &s, 1);
-        run_qt(&q, x, N, dy, &r[i]);
-        if (i == 1) check_against_ref(&q, N, 133, 8, "tile 1");
+        fqtest_run_qt(&q, x, N, dy, &r[i]);
+        if (i == 1) fqtest_check_against_ref(&q, N, 133, 8, "tile 1");
     }
     size_t bw = sizeof(float) * OUT * IN, bx = sizeof(float) * N * IN;
     CU_ASSERT(memcmp(r[0].dw, r[1].dw, bw) != 0 && memcmp(r[0].dw, r[2].dw, bw) != 0 && memcmp(r[1].dw, r[2].dw, bw));
