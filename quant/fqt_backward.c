@@ -325,17 +325,21 @@ typedef struct {
     const float *dy, *y; /* the node's output gradient and value: the epilogue's shape */
 } EpiJob;
 
+/* dst (OH, OW) = plane (n, o) of the gradient before the fused epilogue, from dy and y (the epilogue's shape). */
+static void epi_grad_plane(const FqtCtx *c, float *dst, const float *dy, const float *y, int n, int o) {
+    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2)
+                                                              : (size_t)c->cg.OH * c->cg.OW;
+    const size_t at = ((size_t)n * c->out + o) * out_plane;
+    nn_conv_epilogue_grad_plane(dst, dy + at, y + at, c->winner ? c->winner + at : NULL, c->cg.OH, c->cg.OW, c->epi);
+}
+
 static void epi_grad_part(const void *ctx, int lo, int hi) {
     const EpiJob *j = ctx;
     const FqtCtx *c = j->c;
     const size_t plane = (size_t)c->cg.OH * c->cg.OW;
-    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : plane;
     for (int n = lo; n < hi; n++)
-        for (int o = 0; o < c->out; o++) {
-            const size_t at = ((size_t)n * c->out + o) * out_plane;
-            nn_conv_epilogue_grad_plane(j->dpre + ((size_t)n * c->out + o) * plane, j->dy + at, j->y + at,
-                                        c->winner ? c->winner + at : NULL, c->cg.OH, c->cg.OW, c->epi);
-        }
+        for (int o = 0; o < c->out; o++)
+            epi_grad_plane(c, j->dpre + ((size_t)n * c->out + o) * plane, j->dy, j->y, n, o);
 }
 
 /* The gradient at the product's output: the node's output gradient, or before the fused epilogue. NULL: no
@@ -422,9 +426,9 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
  * row's (pixel's) maximum over the channels and each plane's sum (fqt_plane_stats); encode: each plane into the
  * rows' values for dX and the column codes for dW. The scales, values and codes are those of the row and column
  * drivers (fqt_quant_rows / fqt_quant_grad_cols); g is read twice instead of once per pass. */
-/* Where a plane of g comes from: g itself (dy where no epilogue was fused, or kept whole), or remade from the
- * epilogue's gradient into a thread's scratch plane, so that the scan and the encode read dy (a quarter of g's size
- * under the 2x2 pool) rather than write and read all of g. */
+/* Where a plane of g comes from: g itself (dy where no epilogue was fused, or g kept whole), or, for a first layer
+ * under a fused epilogue, remade from the epilogue's gradient in a thread's scratch plane each time a pass reads
+ * it, so that no g of the layer's full size is stored. */
 typedef struct {
     const FqtCtx *c;
     const float *dy, *y;  /* the node's output gradient and value (the epilogue's shape) */
@@ -432,16 +436,13 @@ typedef struct {
     float *scratch;       /* (threads, P), with g NULL */
 } GradPlanes;
 
-/* Plane (n, o) of g: in g, or made in the calling thread's scratch. */
-static const float *grad_plane(const GradPlanes *gp, int n, int o) {
-    const FqtCtx *c = gp->c;
-    const size_t P = (size_t)c->cg.OH * c->cg.OW, at = (size_t)n * c->out + o;
-    if (gp->g) return gp->g + at * P;
-    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : P;
-    float *plane = gp->scratch + (size_t)parallel_thread_index() * P;
-    nn_conv_epilogue_grad_plane(plane, gp->dy + at * out_plane, gp->y + at * out_plane,
-                                c->winner ? c->winner + at * out_plane : NULL, c->cg.OH, c->cg.OW, c->epi);
-    return plane;
+/* Plane (n, o) of g: read from g, or made (in g with make, else in the calling thread's scratch). */
+static const float *grad_plane(const GradPlanes *gp, int n, int o, bool make) {
+    const size_t P = (size_t)gp->c->cg.OH * gp->c->cg.OW;
+    float *dst = gp->g ? gp->g + ((size_t)n * gp->c->out + o) * P : gp->scratch + (size_t)parallel_thread_index() * P;
+    if (gp->g && !make) return dst;
+    epi_grad_plane(gp->c, dst, gp->dy, gp->y, n, o);
+    return dst;
 }
 
 typedef struct {
@@ -457,20 +458,14 @@ static void scan_part(const void *ctx, int lo, int hi) {
     const ScanJob *j = ctx;
     const FqtCtx *c = j->gp.c;
     const size_t P = (size_t)c->cg.OH * c->cg.OW;
-    const size_t out_plane = c->epi == CONV_EPI_RELU_MAXPOOL2 ? (size_t)(c->cg.OH / 2) * (c->cg.OW / 2) : P;
     for (int n = lo; n < hi; n++) {
         float *rm = j->rowmax ? j->rowmax + (size_t)n * P : NULL;
         if (rm) memset(rm, 0, P * sizeof *rm);
         bool ok = true;
-        for (int o = 0; o < c->out; o++) { /* a kept g is made whole, even past a non-finite plane */
+        for (int o = 0; o < c->out && (ok || j->make_g); o++) { /* a kept g is made whole, past a non-finite plane */
+            const float *plane = grad_plane(&j->gp, n, o, j->make_g);
             const size_t at = (size_t)n * c->out + o;
-            if (j->make_g) {
-                nn_conv_epilogue_grad_plane(j->gp.g + at * P, j->gp.dy + at * out_plane, j->gp.y + at * out_plane,
-                                            c->winner ? c->winner + at * out_plane : NULL, c->cg.OH, c->cg.OW, c->epi);
-            } else if (!ok) {
-                break;
-            }
-            if (ok) ok = fqt_plane_stats(grad_plane(&j->gp, n, o), P, rm, &j->colmax[at], &j->bsum[at]);
+            if (ok) ok = fqt_plane_stats(plane, P, rm, &j->colmax[at], &j->bsum[at]);
         }
         j->finite[n] = ok;
     }
@@ -495,7 +490,7 @@ static void encode_part(const void *ctx, int lo, int hi) {
     for (int n = lo; n < hi; n++)
         for (int o = 0; o < OC; o++) {
             const size_t at = ((size_t)n * OC + o) * P;
-            const float *g = grad_plane(&j->gp, n, o);
+            const float *g = grad_plane(&j->gp, n, o, false);
             const size_t r0 = (size_t)n * P;
             const float *u = j->r.stochastic ? z->u + r0 * z->row_step + o * z->col_step : NULL;
             if (j->g_row) fqt_quant_span(NULL, j->g_row + at, g, (size_t)P, j->s_row + r0, 1, u, ustep, &j->r);
