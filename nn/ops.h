@@ -127,6 +127,9 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
  * nn_batchnorm_relu_inplace on every nn_batchnorm_relu output (error QT_ERR_ARG on any other y). */
 Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 Var *nn_batchnorm_relu_inplace(Tape *t, Var *y);
+/* The backward of a recorded relu node (in[0] x, out relu(x)): what nn_relu and nn_relu_inplace record, for ops
+ * that record relu nodes of their own and fall back to it. */
+void nn_relu_tape_backward(Tape *t, const TapeNode *node);
 /* Lets the tape drop y, nn_batchnorm's recorded output (relu'd in place into
  * relu_out by nn_relu_inplace, or relu_out NULL), and make it again from the
  * node's input for the backward (tape_remake_set): the caller keeps that

@@ -458,7 +458,7 @@ static void unary_forward(UnaryForward fn, float *y, const float *x, size_t n) {
 
 /* relu's: in place in dy's buffer when x has no gradient yet (the common
  * case: x feeds only this relu), else written or added (relu_backward*). */
-static void relu_tape_backward(Tape *t, const TapeNode *node) {
+void nn_relu_tape_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0];
     const size_t n = var_numel(node->out);
     const float *y = node->out->value.data, *dy = node->out->grad;
@@ -480,7 +480,7 @@ Var *nn_relu(Tape *t, Var *x) {
     Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
     if (!y) return NULL;
     unary_forward(relu_forward, y->value.data, x->value.data, var_numel(x));
-    return tape_record(t, "relu", relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
+    return tape_record(t, "relu", nn_relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
 }
 
 /* unary_forward's form of relu over y's own values (x is y). */
@@ -495,7 +495,7 @@ Var *nn_relu_inplace(Tape *t, Var *x) {
     Var *y = tape_wrap(t, x->value.data, x->value.ndim, x->value.shape);
     if (!y) return NULL;
     unary_forward(relu_forward_self, y->value.data, y->value.data, var_numel(y));
-    return tape_record(t, "relu", relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
+    return tape_record(t, "relu", nn_relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
 }
 
 DEFINE_UNARY(gelu, true)

@@ -504,18 +504,8 @@ static BatchnormCtx *batchnorm_node_of(Tape *t, const Var *y) {
  * reader), the relu's own backward instead. */
 static void batchnorm_relu_tape_backward(Tape *t, const TapeNode *node) {
     BatchnormCtx *c = node->ctx;
-    Var *x = node->in[0];
-    if (tape_grad_take(t, x, node->out)) {
-        c->relu_mask = true;
-        return;
-    }
-    const size_t n = var_numel(node->out);
-    const float *y = node->out->value.data, *dy = node->out->grad;
-    bool fresh;
-    float *dx = tape_grad_to_write(t, x, &fresh);
-    if (!dx) return;
-    if (fresh) relu_backward_write(dx, dy, y, n);
-    else relu_backward(dx, dy, y, n);
+    if (tape_grad_take(t, node->in[0], node->out)) c->relu_mask = true;
+    else nn_relu_tape_backward(t, node);
 }
 
 Var *nn_batchnorm_relu_inplace(Tape *t, Var *y) {
