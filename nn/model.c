@@ -616,6 +616,11 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
     else if (model_graph_bn_relu_producer(m, i))
         y = nn_batchnorm_relu(t, xs[0], mod->weight ? &mod->weight->var : NULL, mod->bias ? &mod->bias->var : NULL,
                               &mod->bn);
+    else if (model_graph_conv_bn(m, i) && !(mod->weight && mod->weight->released))
+        y = mod->conv_plain ? nn_conv2d_bn(t, xs[0], &mod->weight->var, mod->bias ? &mod->bias->var : NULL,
+                                           mod->spec.stride, mod->spec.padding)
+                            : nn_conv2d_general_bn(t, xs[0], &mod->weight->var, mod->bias ? &mod->bias->var : NULL,
+                                                   &mod->geom);
     else
         y = mod->forward_hook ? mod->forward_hook(t, mod, xs[0], mod->hook_ctx) : model_module_forward(t, mod, xs[0]);
     return outs[1 + i] = y;

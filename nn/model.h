@@ -196,6 +196,10 @@ bool model_graph_relu_in_place(const Model *m, int i);
  * i is the batch norm of such a pair. */
 bool model_graph_bn_relu(const Model *m, int j);
 bool model_graph_bn_relu_producer(const Model *m, int i);
+/* model_graph.c: whether module i is an unhooked conv2d whose only reader is a batch norm that runs as
+ * nn_batchnorm: it then runs as nn_conv2d_bn / nn_conv2d_general_bn, making the batch statistics' plane moments
+ * while its output planes are in cache. */
+bool model_graph_conv_bn(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the
  * tape for the next outputs (tape_release), so an eval pass holds a few

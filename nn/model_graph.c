@@ -175,6 +175,7 @@ bool model_graph_relu_in_place(const Model *m, int i) {
 }
 
 static bool unfolded_bn(const Module *mod);
+static bool plain_module(const Module *mod);
 
 bool model_graph_bn_relu(const Model *m, int j) {
     return model_graph_relu_in_place(m, j) && unfolded_bn(&m->modules[m->modules[j].inputs[0]]);
@@ -185,6 +186,15 @@ bool model_graph_bn_relu_producer(const Model *m, int i) {
     for (int j = i + 1; j < m->n_modules; j++)
         for (int k = 0; k < m->modules[j].n_inputs; k++)
             if (m->modules[j].inputs[k] == i) return model_graph_bn_relu(m, j);
+    return false;
+}
+
+bool model_graph_conv_bn(const Model *m, int i) {
+    const Module *c = &m->modules[i];
+    if (c->spec.type != LAYER_CONV2D || !plain_module(c) || c->n_consumers != 1) return false;
+    for (int j = i + 1; j < m->n_modules; j++)
+        for (int k = 0; k < m->modules[j].n_inputs; k++)
+            if (m->modules[j].inputs[k] == i) return k == 0 && unfolded_bn(&m->modules[j]);
     return false;
 }
 

@@ -228,6 +228,12 @@ QtStatus conv_geom2d_same(ConvGeom2d *g, int KH, int KW, QtError *err);
  * sample and group. Over the thread pool; a result does not depend on the
  * thread count. */
 Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g);
+/* nn_conv2d / nn_conv2d_general for a batch norm that is the output's only reader: the same output and backward,
+ * and in training (t->training) also y->moments, each output plane's batchnorm_plane_moments made while the plane
+ * is in cache (plain and depthwise routes, planes of 16 to 1024 values), which nn_batchnorm's batch statistics
+ * merge instead of reading y again: the same statistics, bit for bit. */
+Var *nn_conv2d_bn(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding);
+Var *nn_conv2d_general_bn(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g);
 
 /* x: (N, C, H, W) -> (N, C, OH, OW), OH = (H - kernel)/stride + 1, no padding.
  * Max ties go to the first element in row-major window order. */
@@ -272,6 +278,14 @@ void layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy,
  * (ops_norm.c). Arrays indexed by channel are (C,).
  * stats: mean and biased variance of each channel, in double. */
 void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
+/* A (sample, channel) plane of inner values (batchnorm_plane_fits: 16 to 1024) is one block of batchnorm_stats:
+ * batchnorm_plane_moments makes its m3[3] (the block's shift and its moments about it), by whoever writes the
+ * plane while it is in cache (a conv before the batch norm), and batchnorm_stats_planes merges the (N, C, 3)
+ * planes' m3 in batchnorm_stats's order: the same mean and variance, bit for bit, without reading x again. */
+bool batchnorm_plane_fits(size_t inner);
+/* m3 (P, 3) of the P planes x (P, inner), one after another. */
+void batchnorm_plane_moments(float *m3, const float *x, size_t inner, int P);
+void batchnorm_stats_planes(double *mean, double *var, const float *m3, int N, int C, size_t inner, int c0, int c1);
 /* The `_ref` twin: two serial passes in double. */
 void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
 /* y = (x - mean) * scale + beta (beta NULL: 0). */

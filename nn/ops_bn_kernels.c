@@ -22,37 +22,47 @@
 #define BN_LANES 16
 #define BN_BLOCK 1024
 
-/* The sum of x[0, n) in BN_LANES lanes, the lanes then added in order. */
-static inline float bn_block_sum(const float *restrict x, size_t n) {
-    float lane[BN_LANES] = {0};
+/* Each block's sums are BN_LANES float lanes over its whole lanes, a serial sum of the rest (its tail), and then
+ * the tail plus the lanes added in order. That last reduction is a chain of BN_LANES dependent adds: for short
+ * blocks (a 14x14 plane) it is most of a block's time, so the kernels below reduce BN_PLANES blocks at once, the
+ * blocks' chains interleaved (bn_reduce): every block still adds its own values in its own order, the same bits
+ * as one block at a time. */
+#define BN_PLANES 16
+
+/* lane[k] = the sum of x[i + k] over x[0, n)'s whole lanes; *tail = the serial sum of the rest. */
+static inline __attribute__((always_inline)) void bn_lanes_sum(float *restrict lane, float *restrict tail,
+                                                                const float *restrict x, size_t n) {
+    float l[BN_LANES] = {0};
     size_t i = 0;
     for (; i + BN_LANES <= n; i += BN_LANES)
-        for (int k = 0; k < BN_LANES; k++) lane[k] += x[i + k];
+        for (int k = 0; k < BN_LANES; k++) l[k] += x[i + k];
     float s = 0.0f;
     for (; i < n; i++) s += x[i];
-    for (int k = 0; k < BN_LANES; k++) s += lane[k];
-    return s;
+    for (int k = 0; k < BN_LANES; k++) lane[k] = l[k];
+    *tail = s;
 }
 
-/* *s1 = sum (x - c), *s2 = sum (x - c)^2 over x[0, n), in lanes. */
-static inline void bn_block_moments(const float *restrict x, size_t n, float c, float *s1, float *s2) {
-    float l1[BN_LANES] = {0}, l2[BN_LANES] = {0};
+/* The same for sum (x - c) (l1, *a) and sum (x - c)^2 (l2, *b). */
+static inline __attribute__((always_inline)) void bn_lanes_moments(float *restrict l1, float *restrict l2,
+                                                                    float *restrict a, float *restrict b,
+                                                                    const float *restrict x, size_t n, float c) {
+    float p[BN_LANES] = {0}, q[BN_LANES] = {0};
     size_t i = 0;
     for (; i + BN_LANES <= n; i += BN_LANES)
         for (int k = 0; k < BN_LANES; k++) {
             const float d = x[i + k] - c;
-            l1[k] += d;
-            l2[k] += d * d;
+            p[k] += d;
+            q[k] += d * d;
         }
-    float a = 0.0f, b = 0.0f;
+    float s = 0.0f, t = 0.0f;
     for (; i < n; i++) {
         const float d = x[i] - c;
-        a += d;
-        b += d * d;
+        s += d;
+        t += d * d;
     }
-    for (int k = 0; k < BN_LANES; k++) a += l1[k], b += l2[k];
-    *s1 = a;
-    *s2 = b;
+    for (int k = 0; k < BN_LANES; k++) l1[k] = p[k], l2[k] = q[k];
+    *a = s;
+    *b = t;
 }
 
 /* dy as the relu after the batch norm passes it back: dy where its output y = (x - m) a + b is > 0 (the relu's
@@ -62,28 +72,52 @@ static inline __attribute__((always_inline)) float bn_relu_dy(float dy, float x,
     return v > 0.0f ? dy : 0.0f;
 }
 
-/* *sdy = sum g, *dot = sum g (x - m) over [0, n), in lanes; g = dy, or dy masked by the relu (bn_relu_dy with a,
- * b) if relu (a constant where inlined). */
-static inline __attribute__((always_inline)) void bn_block_grad_sums(const float *restrict dy, const float *restrict x,
-                                                                     size_t n, float m, bool relu, float a, float b,
-                                                                     float *sdy, float *dot) {
-    float l1[BN_LANES] = {0}, l2[BN_LANES] = {0};
+/* The same for sum g (l1, *s) and sum g (x - m) (l2, *d); g = dy, or dy masked by the relu (bn_relu_dy with a, b)
+ * if relu (a constant where inlined). */
+static inline __attribute__((always_inline)) void bn_lanes_grad_sums(float *restrict l1, float *restrict l2,
+                                                                      float *restrict s, float *restrict d,
+                                                                      const float *restrict dy,
+                                                                      const float *restrict x, size_t n, float m,
+                                                                      bool relu, float a, float b) {
+    float p[BN_LANES] = {0}, q[BN_LANES] = {0};
     size_t i = 0;
     for (; i + BN_LANES <= n; i += BN_LANES)
         for (int k = 0; k < BN_LANES; k++) {
             const float g = relu ? bn_relu_dy(dy[i + k], x[i + k], m, a, b) : dy[i + k];
-            l1[k] += g;
-            l2[k] += g * (x[i + k] - m);
+            p[k] += g;
+            q[k] += g * (x[i + k] - m);
         }
-    float s = 0.0f, d = 0.0f;
+    float u = 0.0f, v = 0.0f;
     for (; i < n; i++) {
         const float g = relu ? bn_relu_dy(dy[i], x[i], m, a, b) : dy[i];
-        s += g;
-        d += g * (x[i] - m);
+        u += g;
+        v += g * (x[i] - m);
     }
-    for (int k = 0; k < BN_LANES; k++) s += l1[k], d += l2[k];
-    *sdy = s;
-    *dot = d;
+    for (int k = 0; k < BN_LANES; k++) l1[k] = p[k], l2[k] = q[k];
+    *s = u;
+    *d = v;
+}
+
+/* acc[p] += lane[p][0] + ... + lane[p][BN_LANES - 1], in that order, for the P blocks at once: the blocks' chains
+ * interleave (the loop over p is innermost). */
+static inline __attribute__((always_inline)) void bn_reduce(float *restrict acc, const float (*restrict lane)[BN_LANES],
+                                                             int P) {
+    for (int k = 0; k < BN_LANES; k++)
+        for (int p = 0; p < P; p++) acc[p] += lane[p][k];
+}
+
+/* m3[p] = {c, s1, s2} of the P <= BN_PLANES blocks x + p pitch of len values each (batchnorm_stats's block
+ * statistics: the shift c, the block's sum over len, and the moments about it), the reductions interleaved. */
+static inline __attribute__((always_inline)) void bn_planes_stats(float (*restrict m3)[3], const float *x, size_t pitch,
+                                                                   size_t len, int P) {
+    float l1[BN_PLANES][BN_LANES], l2[BN_PLANES][BN_LANES], a[BN_PLANES], b[BN_PLANES], c[BN_PLANES];
+    for (int p = 0; p < P; p++) bn_lanes_sum(l1[p], &a[p], x + (size_t)p * pitch, len);
+    bn_reduce(a, l1, P);
+    for (int p = 0; p < P; p++) c[p] = a[p] / (float)len;
+    for (int p = 0; p < P; p++) bn_lanes_moments(l1[p], l2[p], &a[p], &b[p], x + (size_t)p * pitch, len, c[p]);
+    bn_reduce(a, l1, P);
+    bn_reduce(b, l2, P);
+    for (int p = 0; p < P; p++) m3[p][0] = c[p], m3[p][1] = a[p], m3[p][2] = b[p];
 }
 
 void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1) {
@@ -105,11 +139,18 @@ void batchnorm_stats_ref(double *mean, double *var, const float *x, int N, int C
     }
 }
 
-/* One read of each block from memory: its sum gives a shift c near the
- * block's mean, and the moments about c (re-reading the block from L1)
- * give the block's mean and squared deviations without the cancellation
- * of E[x^2] - E[x]^2. Blocks merge in double by Chan et al.'s pairwise
- * update (count, mean, M2). */
+/* The block m3 of len values merged into a channel's running (count, mean, M2), in double, by Chan et al.'s
+ * pairwise update. */
+static inline void bn_block_merge(double *cnt, double *m, double *m2, size_t len, const float m3[3]) {
+    const double nb = (double)len, mb = m3[0] + (double)m3[1] / nb;
+    const double m2b = (double)m3[2] - (double)m3[1] * (double)m3[1] / nb;
+    const double tot = *cnt + nb, delta = mb - *m;
+    *m += delta * nb / tot;
+    *m2 += m2b + delta * delta * *cnt * nb / tot;
+    *cnt = tot;
+}
+
+/* One read of each block from memory (bn_planes_stats), the blocks merged in order (bn_block_merge). */
 NN_SIMD_CLONES
 void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1) {
     if (inner < BN_LANES) {
@@ -119,21 +160,44 @@ void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, si
     const size_t stride = (size_t)C * inner;
     for (int ch = c0; ch < c1; ch++) {
         double cnt = 0.0, m = 0.0, m2 = 0.0;
-        for (int n = 0; n < N; n++) {
-            const float *xp = x + n * stride + (size_t)ch * inner;
-            for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
-                const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
-                const float c = bn_block_sum(xp + i0, len) / (float)len;
-                float s1, s2;
-                bn_block_moments(xp + i0, len, c, &s1, &s2);
-                const double nb = (double)len, mb = c + (double)s1 / nb;
-                const double m2b = (double)s2 - (double)s1 * (double)s1 / nb;
-                const double tot = cnt + nb, delta = mb - m;
-                m += delta * nb / tot;
-                m2 += m2b + delta * delta * cnt * nb / tot;
-                cnt = tot;
+        if (inner <= BN_BLOCK) { /* a plane per sample, one block each: BN_PLANES samples' planes at once */
+            for (int n0 = 0; n0 < N; n0 += BN_PLANES) {
+                const int P = N - n0 < BN_PLANES ? N - n0 : BN_PLANES;
+                float m3[BN_PLANES][3];
+                bn_planes_stats(m3, x + (size_t)n0 * stride + (size_t)ch * inner, stride, inner, P);
+                for (int p = 0; p < P; p++) bn_block_merge(&cnt, &m, &m2, inner, m3[p]);
+            }
+        } else {
+            for (int n = 0; n < N; n++) {
+                const float *xp = x + n * stride + (size_t)ch * inner;
+                for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
+                    const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
+                    float m3[1][3];
+                    bn_planes_stats(m3, xp + i0, 0, len, 1);
+                    bn_block_merge(&cnt, &m, &m2, len, m3[0]);
+                }
             }
         }
+        mean[ch] = m;
+        var[ch] = (m2 > 0.0 ? m2 : 0.0) / cnt;
+    }
+}
+
+/* A plane of BN_LANES..BN_BLOCK values is one block of batchnorm_stats: its m3 can be made by whoever writes the
+ * plane, while it is in cache, and merged later by batchnorm_stats_planes. */
+bool batchnorm_plane_fits(size_t inner) { return inner >= BN_LANES && inner <= BN_BLOCK; }
+
+NN_SIMD_CLONES
+void batchnorm_plane_moments(float *m3, const float *x, size_t inner, int P) {
+    for (int p0 = 0; p0 < P; p0 += BN_PLANES)
+        bn_planes_stats((float (*)[3])(m3 + 3 * (size_t)p0), x + (size_t)p0 * inner, inner, inner,
+                        P - p0 < BN_PLANES ? P - p0 : BN_PLANES);
+}
+
+void batchnorm_stats_planes(double *mean, double *var, const float *m3, int N, int C, size_t inner, int c0, int c1) {
+    for (int ch = c0; ch < c1; ch++) {
+        double cnt = 0.0, m = 0.0, m2 = 0.0;
+        for (int n = 0; n < N; n++) bn_block_merge(&cnt, &m, &m2, inner, m3 + 3 * ((size_t)n * C + ch));
         mean[ch] = m;
         var[ch] = (m2 > 0.0 ? m2 : 0.0) / cnt;
     }
@@ -212,15 +276,20 @@ static inline __attribute__((always_inline)) void grad_sums_channels(double *sum
     for (int ch = c0; ch < c1; ch++) {
         const float m = mean[ch], a = relu ? scale[ch] : 0.0f, b = relu && beta ? beta[ch] : 0.0f;
         double s = 0.0, d = 0.0;
-        for (int n = 0; n < N; n++) {
-            const size_t off = n * stride + (size_t)ch * inner;
-            for (size_t i0 = 0; i0 < inner; i0 += BN_BLOCK) {
+        /* blocks of at most BN_BLOCK values: a plane per sample, or a plane's pieces; BN_PLANES at once */
+        const size_t pieces = (inner + BN_BLOCK - 1) / BN_BLOCK, blocks = (size_t)N * pieces;
+        for (size_t q0 = 0; q0 < blocks; q0 += BN_PLANES) {
+            const int P = blocks - q0 < BN_PLANES ? (int)(blocks - q0) : BN_PLANES;
+            float l1[BN_PLANES][BN_LANES], l2[BN_PLANES][BN_LANES], bs[BN_PLANES], bd[BN_PLANES];
+            for (int p = 0; p < P; p++) {
+                const size_t n = (q0 + p) / pieces, i0 = (q0 + p) % pieces * BN_BLOCK;
+                const size_t off = n * stride + (size_t)ch * inner + i0;
                 const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
-                float bs, bd;
-                bn_block_grad_sums(dy + off + i0, x + off + i0, len, m, relu, a, b, &bs, &bd);
-                s += bs;
-                d += bd;
+                bn_lanes_grad_sums(l1[p], l2[p], &bs[p], &bd[p], dy + off, x + off, len, m, relu, a, b);
             }
+            bn_reduce(bs, l1, P);
+            bn_reduce(bd, l2, P);
+            for (int p = 0; p < P; p++) s += bs[p], d += bd[p];
         }
         sum_dy[ch] = s;
         dot[ch] = d;

@@ -411,6 +411,9 @@ void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int n
     gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
     for (int oc = 0; oc < d->OC; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
+    if (j->moments) /* the chunk's output planes, just written, still in cache */
+        batchnorm_plane_moments(j->moments + 3 * (size_t)n0 * d->OC, j->y + (size_t)n0 * d->OC * plane, plane,
+                                nc * d->OC);
 }
 
 void conv_forward_task(void *ctx, int task, int n_tasks) {
@@ -635,29 +638,49 @@ bool nn_conv2d_input_grad(Tape *t, float *dx, const float *dy, const float *w, i
     return true;
 }
 
-/* The forward of c on x into y (c's output shape, before any pooling epilogue writes the smaller y). */
-static bool conv2d_forward_run(Tape *t, const Conv2dCtx *c, const Var *x, const Var *w, const Var *bias, float *y) {
+/* The forward of c on x into y (c's output shape, before any pooling epilogue writes the smaller y); with
+ * moments (N, OC, 3), no epilogue, each plane's batchnorm_plane_moments too. */
+static bool conv2d_forward_run(Tape *t, const Conv2dCtx *c, const Var *x, const Var *w, const Var *bias, float *y,
+                               float *moments) {
     ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&c->d),
-                 .bias = bias ? bias->value.data : NULL, .y = y};
+                 .bias = bias ? bias->value.data : NULL, .y = y, .moments = moments};
     if (!conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, 0)) return false;
     parallel_run(conv_tasks(&c->d), conv_forward_task, &j);
     conv_job_release(t, &j, conv_tasks(&c->d));
     return true;
 }
 
-Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
+bool conv_moments_take(Tape *t, float **m3, int N, int OC, int OH, int OW) {
+    *m3 = NULL;
+    if (!t->training || !batchnorm_plane_fits((size_t)OH * OW)) return true; /* the batch norm reads y itself */
+    return (*m3 = tape_alloc(t, (size_t)N * OC * 3 * sizeof(float))) != NULL;
+}
+
+static Var *conv2d_forward(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi,
+                           bool moments) {
     if (!t || !x || !w) return NULL;
     ConvDims d = {0}; /* zeroed only to quiet gcc: it cannot see that every error path returns */
     if (conv2d_check(t, x, w, bias, stride, padding, &d) != QT_OK) return NULL;
     Var *y = conv2d_new_output(t, &d, epi);
     Conv2dCtx *c = y ? tape_alloc(t, sizeof *c) : NULL;
     if (!c || !conv2d_ctx_init(t, c, &d, stride, padding, epi, y)) return NULL;
-    if (!conv2d_forward_run(t, c, x, w, bias, y->value.data)) return NULL;
+    float *m3 = NULL;
+    if (moments && epi == CONV_EPI_NONE && !conv_moments_take(t, &m3, d.N, d.OC, d.OH, d.OW)) return NULL;
+    if (!conv2d_forward_run(t, c, x, w, bias, y->value.data, m3)) return NULL;
+    y->moments = m3;
     return tape_record(t, conv2d_op_name(epi), conv2d_backward, y, (Var *[]){x, w, bias}, 3, c) ? y : NULL;
 }
 
+Var *nn_conv2d_fused(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding, ConvEpilogue epi) {
+    return conv2d_forward(t, x, w, bias, stride, padding, epi, false);
+}
+
 Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
-    return nn_conv2d_fused(t, x, w, bias, stride, padding, CONV_EPI_NONE);
+    return conv2d_forward(t, x, w, bias, stride, padding, CONV_EPI_NONE, false);
+}
+
+Var *nn_conv2d_bn(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
+    return conv2d_forward(t, x, w, bias, stride, padding, CONV_EPI_NONE, true);
 }
 
 /* ---- remaking a dropped output ------------------------------------------------ */
@@ -670,7 +693,7 @@ Var *nn_conv2d(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
 
 static void conv2d_remake(Tape *t, float *y, const void *ctx) {
     const ConvRemake *r = ctx;
-    if (tape_value_ready(t, r->x)) conv2d_forward_run(t, r->ctx, r->x, r->w, r->bias, y);
+    if (tape_value_ready(t, r->x)) conv2d_forward_run(t, r->ctx, r->x, r->w, r->bias, y, NULL);
 }
 
 bool nn_conv2d_remakeable(Tape *t, Var *y) {

@@ -49,6 +49,7 @@ typedef struct {
     const float *w;    /* (OC, Cg, KH, KW) */
     const float *bias; /* (OC,) or NULL */
     float *y;          /* forward: (N, OC, OH, OW) */
+    float *moments;    /* forward, depthwise: (N, OC, 3), each y plane's batchnorm_plane_moments, or NULL */
     const float *dy;   /* backward: (N, OC, OH, OW) */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
     bool dx_accumulate; /* depthwise stride 1: false when dx is a fresh buffer it writes */
@@ -188,6 +189,7 @@ static void dw_forward_task(void *ctx, int task, int n_tasks) {
         const int n = p / d->OC, oc = p % d->OC, c = oc / d->OCg;
         dw_forward_plane(j->y + (size_t)p * out_plane, j->x + ((size_t)n * d->C + c) * in_plane, j->w + oc * kk,
                          j->bias ? j->bias[oc] : 0.0f, d);
+        if (j->moments) batchnorm_plane_moments(j->moments + 3 * (size_t)p, j->y + (size_t)p * out_plane, out_plane, 1);
     }
 }
 
@@ -350,6 +352,9 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
     }
 }
 
+/* Output planes whose batch-norm moments the depthwise forward makes at once (batchnorm_plane_moments). */
+#define DW_MOMENT_PLANES 16
+
 /* Task over (sample, input channel) planes: each padded once for its OC/C outputs. */
 NN_SIMD_CLONES
 static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
@@ -363,6 +368,9 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     int lo, hi;
     parallel_range(d->N * d->C, task, n_tasks, &lo, &hi);
     memset(xp, 0, dw_s1_plane(d) * sizeof *xp);
+    /* the task's output planes are (n, oc) = [lo OCg, hi OCg) in order: their moments DW_MOMENT_PLANES at a time,
+     * while those are in cache */
+    size_t first = (size_t)lo * d->OCg;
     for (int p = lo; p < hi; p++) {
         const int n = p / d->C, c = p % d->C;
         dw_put(xp, Wp, d->g.pad_h, d->g.pad_w, j->x + (size_t)p * in_plane, d->H, d->W);
@@ -370,6 +378,11 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
             dw_s1_taps(yp, xp, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
             for (int oh = 0; oh < d->OH; oh++) dw_copy(y + (size_t)oh * d->OW, yp + (size_t)oh * Wp, (size_t)d->OW);
+        }
+        const size_t end = (size_t)(p + 1) * d->OCg;
+        if (j->moments && (end - first >= DW_MOMENT_PLANES || p + 1 == hi)) {
+            batchnorm_plane_moments(j->moments + 3 * first, j->y + first * out_plane, out_plane, (int)(end - first));
+            first = end;
         }
     }
 }
@@ -616,9 +629,12 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     if (j.dw && (g = tape_grad(t, w))) conv_add_partials(g, j.dw, parts, (size_t)d->OC * ckk);
 }
 
-/* The forward of d on x into y. */
-static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const Var *w, const Var *bias, float *y) {
-    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL, .y = y};
+/* The forward of d on x into y; with moments (N, OC, 3) (depthwise only), each plane's batchnorm_plane_moments
+ * too. */
+static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const Var *w, const Var *bias, float *y,
+                              float *moments) {
+    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL, .y = y,
+                  .moments = moments};
     const int threads = parallel_get_threads();
     if (d->depthwise && dw_s1(d)) {
         j.thread_floats = dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
@@ -639,7 +655,7 @@ static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const V
 
 static void convg_remake(Tape *t, float *y, const void *ctx) {
     const ConvRemake *r = ctx;
-    if (tape_value_ready(t, r->x)) convg_forward_run(t, r->ctx, r->x, r->w, r->bias, y);
+    if (tape_value_ready(t, r->x)) convg_forward_run(t, r->ctx, r->x, r->w, r->bias, y, NULL);
 }
 
 TapeBackwardFn conv_general_backward_fn(void) { return conv_general_backward; }
@@ -653,16 +669,29 @@ bool conv_general_remakeable(Tape *t, const TapeNode *n, int max_macs) {
     return tape_remake_set(t, n->out, NULL, convg_remake, r);
 }
 
-Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) {
+static Var *conv_general_forward(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g, bool moments) {
     if (!t || !x || !w || !g) return NULL;
-    if (conv_geom_plain(g)) return nn_conv2d(t, x, w, bias, g->stride_h, g->pad_h);
+    if (conv_geom_plain(g))
+        return moments ? nn_conv2d_bn(t, x, w, bias, g->stride_h, g->pad_h)
+                       : nn_conv2d(t, x, w, bias, g->stride_h, g->pad_h);
     ConvGDims dims = {0};
     if (conv_general_check(t, x, w, bias, g, &dims) != QT_OK) return NULL;
     Var *y = tape_new_var(t, 4, (const int[]){dims.N, dims.OC, dims.OH, dims.OW});
     ConvGDims *d = y ? tape_alloc(t, sizeof *d) : NULL;
     if (!d) return NULL;
     *d = dims;
-    if (!convg_forward_run(t, d, x, w, bias, y->value.data)) return NULL;
+    float *m3 = NULL; /* the grouped route's planes come out of one sgemm per group: the batch norm reads them */
+    if (moments && d->depthwise && !conv_moments_take(t, &m3, d->N, d->OC, d->OH, d->OW)) return NULL;
+    if (!convg_forward_run(t, d, x, w, bias, y->value.data, m3)) return NULL;
+    y->moments = m3;
     const char *op = d->depthwise ? "conv2d_depthwise" : d->g.groups > 1 ? "conv2d_grouped" : "conv2d_general";
     return tape_record(t, op, conv_general_backward, y, (Var *[]){x, w, bias}, 3, d) ? y : NULL;
+}
+
+Var *nn_conv2d_general(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) {
+    return conv_general_forward(t, x, w, bias, g, false);
+}
+
+Var *nn_conv2d_general_bn(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g) {
+    return conv_general_forward(t, x, w, bias, g, true);
 }

@@ -48,6 +48,7 @@ typedef struct {
     int ldw;
     const float *bias; /* (OC,) or NULL */
     float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
+    float *moments;    /* forward without an epilogue: (N, OC, 3), each output plane's batchnorm_plane_moments, or NULL */
     const float *dy;   /* backward: the output's gradient */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
     bool dx_fresh;     /* dx uninitialised (tape_grad_to_write): each chunk writes its samples' part */
@@ -82,6 +83,10 @@ Var *conv2d_new_output(Tape *t, const ConvDims *d, ConvEpilogue epi);
  * bytes from the arena. false: no memory (error on the tape). */
 bool conv2d_ctx_init(Tape *t, Conv2dCtx *c, const ConvDims *d, int stride, int padding, ConvEpilogue epi,
                      const Var *y);
+/* *m3 = step memory for the (N, OC, 3) plane moments of an output (OH, OW) a batch norm reads in training
+ * (batchnorm_plane_moments), or NULL where they are not made (eval, or planes batchnorm_plane_fits refuses: the
+ * batch norm reads the output itself). False when out of step memory (the error on the tape). */
+bool conv_moments_take(Tape *t, float **m3, int N, int OC, int OH, int OW);
 /* The tape op's name for epi. */
 const char *conv2d_op_name(ConvEpilogue epi);
 

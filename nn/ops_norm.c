@@ -132,7 +132,16 @@ typedef struct {
     float *scale;       /* (C,): invstd * gamma, the factor of y and of dx */
     float *k1, *k2;     /* backward: (C,) scratch */
     double *s1, *s2;    /* (C,) scratch: mean and variance, or sum dy and sum dy (x - mean) */
+    const float *moments; /* forward: x's planes' batchnorm_plane_moments (N, C, 3) made by its producer, or NULL */
 } BatchnormJob;
+
+/* The batch statistics of channels [c0, c1) into j->s1, j->s2: from the planes' moments x's producer made, or a
+ * read of x; the same bits either way. */
+static void batchnorm_stats_run(const BatchnormJob *j, int c0, int c1) {
+    const BatchnormCtx *c = j->c;
+    if (j->moments) batchnorm_stats_planes(j->s1, j->s2, j->moments, c->N, c->C, c->inner, c0, c1);
+    else batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
+}
 
 /* The mean and variance in j->s1, j->s2 of channels [c0, c1) into
  * c->mean/invstd, and the running update (unbiased over c->count values). */
@@ -257,12 +266,12 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
         else batchnorm_apply(j->y, j->x, c->mean, c->scale, c->beta, c->N, c->C, c->inner, c0, c1);
         return;
     case BN_JOB_STATS:
-        batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, c0, c1);
+        batchnorm_stats_run(j, c0, c1);
         return;
     case BN_JOB_FORWARD:
         for (int g0 = c0; g0 < c1; g0 += G) {
             const int g1 = c1 - g0 < G ? c1 : g0 + G;
-            if (c->batch) batchnorm_stats(j->s1, j->s2, j->x, c->N, c->C, c->inner, g0, g1);
+            if (c->batch) batchnorm_stats_run(j, g0, g1);
             batchnorm_forward_finish(j, g0, g1);
         }
         return;
@@ -468,7 +477,8 @@ static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormS
             c->invstd[ch] = (float)(1.0 / sqrt((double)bn->running_var[ch] + bn->eps));
         }
     BatchnormJob j = {.c = c, .bn = bn, .y = y->value.data, .x = x->value.data,
-                      .gamma = gamma ? gamma->value.data : NULL, .beta = beta ? beta->value.data : NULL};
+                      .gamma = gamma ? gamma->value.data : NULL, .beta = beta ? beta->value.data : NULL,
+                      .moments = batch && batchnorm_plane_fits(inner) ? x->moments : NULL};
     if (!batchnorm_job_scratch(t, &j, C)) return NULL;
     if (sync) {
         batchnorm_run(&j, BN_JOB_STATS);

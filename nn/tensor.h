@@ -26,6 +26,8 @@ typedef struct Var {
     bool requires_grad;    /* grads flow into this Var */
     bool is_param;         /* grad is a persistent buffer (not the arena's) */
     struct TapeRemake *remake; /* how to make value again once the forward dropped it (tape.h), or NULL */
+    const float *moments;  /* (N, C, 3) or NULL: each (sample, channel) plane's batch-norm block moments, made with
+                            * value by the op that wrote it (batchnorm_plane_moments) for the batch norm reading it */
 } Var;
 
 size_t tensor_numel(const Tensor *t);

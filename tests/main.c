@@ -16,6 +16,7 @@
     X(nn_conv)    \
     X(nn_conv_lowrank) \
     X(nn_batchnorm) \
+    X(nn_conv_bn) \
     X(bn_sync)    \
     X(nn_conv_general) \
     X(nn_kernels_fast) \
