@@ -287,7 +287,8 @@ void col2im_consume(float *dx, float *dcol, int N, int C, int H, int W, int KH, 
  * writes the output in (N, OC, ...) order. Nothing of size C*KH*KW x
  * N*OH*OW is ever held: the backward recomputes each chunk's im2col, which
  * costs far less than the memory traffic of keeping it, and a fused block
- * keeps only its pooled output and one byte per window. */
+ * keeps only its pooled output and one byte per window. A pointwise conv
+ * (conv_pointwise) runs one sample a chunk, with no copies at all. */
 #define CONV_CHUNK_BUDGET (256u << 10)
 
 /* Output size along one axis, or 0 if the kernel does not fit the padded input. */
@@ -332,8 +333,16 @@ QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bias, int 
     return QT_OK;
 }
 
+/* A 1x1 convolution at stride 1 without padding: one sample's input (C, H*W) is its own im2col matrix, and its
+ * output gradient (OC, H*W) the backward's dpre (without an epilogue), so a chunk of one sample reads both in
+ * place and writes dx straight from the product. */
+static bool conv_pointwise(const ConvDims *d) {
+    return d->KH == 1 && d->KW == 1 && d->OH == d->H && d->OW == d->W;
+}
+
 /* Samples per chunk: as many as keep the chunk's im2col and product within the budget. */
 static int conv_chunk(const ConvDims *d) {
+    if (conv_pointwise(d)) return 1;
     size_t per_sample = (size_t)(conv_ckk(d) + d->OC) * conv_plane(d) * sizeof(float);
     size_t n = per_sample ? CONV_CHUNK_BUDGET / per_sample : 1;
     if (n < 1) n = 1;
@@ -397,13 +406,14 @@ float *conv_thread_scratch(const ConvJob *j) {
     return j->scratch + (size_t)parallel_thread_index() * j->thread_floats;
 }
 
-void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc) {
+const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
     const int cols = nc * (int)plane;
-    im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
-           d->OW);
+    if (nc == 1 && conv_pointwise(d)) col = (float *)(j->x + (size_t)n0 * x_sample); /* read, never written */
+    else im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
+                d->OW);
     /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
      * product goes straight into y and the epilogue runs in place, the same
      * operations on the same values without the copy through prod. */
@@ -414,6 +424,7 @@ void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int n
     if (j->moments) /* the chunk's output planes, just written, still in cache */
         batchnorm_plane_moments(j->moments + 3 * (size_t)n0 * d->OC, j->y + (size_t)n0 * d->OC * plane, plane,
                                 nc * d->OC);
+    return col;
 }
 
 void conv_forward_task(void *ctx, int task, int n_tasks) {
@@ -528,12 +539,17 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
         } else {
             conv_pre_grads(j, dpre, n0, nc, task);
         }
+        const bool pw = nc == 1 && conv_pointwise(d);
         if (dw) {
-            im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
-                   d->OH, d->OW);
-            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
+            const float *xc = j->x + (size_t)n0 * x_sample;
+            if (!pw) im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
+            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, pw ? xc : col, cols, n0 == lo ? 0.0f : 1.0f, dw,
+                     ckk);
         }
-        if (j->dx) {
+        if (j->dx && pw) { /* dx's sample is the product itself */
+            gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dp, cols, j->dx_fresh ? 0.0f : 1.0f,
+                     j->dx + (size_t)n0 * x_sample, cols);
+        } else if (j->dx) {
             gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dp, cols, 0.0f, col, cols);
             col2im_consume(j->dx + (size_t)n0 * x_sample, col, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
                            c->padding, d->OH, d->OW, j->dx_fresh);

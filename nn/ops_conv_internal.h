@@ -107,8 +107,10 @@ float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size
 float *conv_thread_scratch(const ConvJob *j);
 
 /* One chunk of the forward, samples [n0, n0 + nc): im2col into col,
- * prod (OC, nc*OH*OW) = w col, and the epilogue into j->y. */
-void conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc);
+ * prod (OC, nc*OH*OW) = w col, and the epilogue into j->y. Returns the
+ * chunk's im2col matrix: col, or x itself for one sample of a pointwise
+ * conv (1x1, stride 1, no padding), which is read in place. */
+const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc);
 /* parallel_run task: the forward over the task's samples. */
 void conv_forward_task(void *ctx, int task, int n_tasks);
 /* dpre (OC, nc*OH*OW): the gradient before the epilogue of chunk samples

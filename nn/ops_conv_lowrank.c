@@ -69,13 +69,13 @@ static void conv_lowrank_forward_task(void *ctx, int task, int n_tasks) {
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
-        conv_forward_chunk(j, col, prod, n0, nc);
+        const float *xcol = conv_forward_chunk(j, col, prod, n0, nc); /* col, or x itself (a pointwise sample) */
         if (!lc->u) continue;
         /* A col in a second product, not as r more rows of the first: sgemm
          * may take another kernel path for more rows, and the output must
          * not depend on whether A col is wanted (B = 0 gives the base's
          * output bit for bit). */
-        gemm_f32(false, false, r, cols, ckk, 1.0f, j->w + (size_t)d->OC * j->ldw, j->ldw, col, cols, 0.0f,
+        gemm_f32(false, false, r, cols, ckk, 1.0f, j->w + (size_t)d->OC * j->ldw, j->ldw, xcol, cols, 0.0f,
                  prod + (size_t)d->OC * cols, cols);
         for (int i = 0; i < r; i++) /* kept per sample for dB */
             for (int s = 0; s < nc; s++)

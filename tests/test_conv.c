@@ -32,6 +32,7 @@ static const ConvCase conv_cases[] = {
     {1, 3, 3, 3, 7, 3, 1, 3, 2},    /* 3x1 kernel, stride 3: output 2x3 */
     {2, 3, 3, 7, 1, 5, 3, 2, 1},    /* kernel taller than the image, fits only with padding */
     {4, 1, 7, 7, 7, 1, 1, 2, 0},    /* 1x1 kernel, stride 2: pointwise subsampling */
+    {3, 5, 6, 7, 4, 1, 1, 1, 0},    /* 1x1 kernel, stride 1, no padding: x and dy read in place, dx written */
     {1, 3, 33, 1, 7, 3, 1, 2, 2},   /* W = 1 with padding 2: whole output columns are padding */
 };
 #define N_CONV_CASES (sizeof conv_cases / sizeof conv_cases[0])
@@ -174,8 +175,10 @@ static void test_conv2d_backward_matches_ref(void) {
 /* Backward must add to grads that already hold something (a parameter's grad
  * over several micro-batches) and leave inputs without requires_grad alone. */
 static void test_conv2d_backward_accumulates_and_skips(void) {
-    const ConvCase k = {2, 3, 7, 5, 4, 3, 3, 2, 1};
-    for (int variant = 0; variant < 2; variant++) {
+    /* a strided 3x3, and a pointwise conv (whose dx comes straight out of the product) */
+    static const ConvCase ks[2] = {{2, 3, 7, 5, 4, 3, 3, 2, 1}, {3, 6, 5, 4, 5, 1, 1, 1, 0}};
+    for (int variant = 0; variant < 4; variant++) {
+        const ConvCase k = ks[variant / 2];
         TestEnv e;
         test_env_init(&e, 5000 + variant);
         Rng r;
@@ -183,7 +186,7 @@ static void test_conv2d_backward_accumulates_and_skips(void) {
         ConvVars v = make_conv_vars(&e, &r, &k, true, true);
         size_t nx = var_numel(v.x), nw = var_numel(v.w);
         float *dx = zero_floats(&e, nx), *dw = zero_floats(&e, nw), *db = zero_floats(&e, (size_t)k.OC);
-        if (variant == 0) {
+        if (variant % 2 == 0) {
             /* Everything requires grad and already holds 0.25 / 0.5 / -1. */
             v.x->grad = arena_floats(&e, nx);
             v.w->grad = arena_floats(&e, nw);
@@ -204,13 +207,13 @@ static void test_conv2d_backward_accumulates_and_skips(void) {
         float *dy = arena_floats(&e, ny);
         rng_fill_normal(&r, dy, ny, 0.0f, 1.0f);
         CU_ASSERT_EQUAL(tape_backward_from(&e.tape, y, dy), QT_OK);
-        conv2d_backward_ref(variant == 0 ? dx : NULL, dw, variant == 0 ? db : NULL, dy, v.x->value.data,
+        conv2d_backward_ref(variant % 2 == 0 ? dx : NULL, dw, variant % 2 == 0 ? db : NULL, dy, v.x->value.data,
                             v.w->value.data, k.N, k.C, k.H, k.W, k.OC, k.KH, k.KW, k.stride, k.padding);
         const size_t positions = (size_t)k.N * conv_out(k.H, k.KH, k.stride, k.padding) *
                                  conv_out(k.W, k.KW, k.stride, k.padding);
         CU_ASSERT_PTR_NOT_NULL_FATAL(v.w->grad);
         ASSERT_ALL_CLOSE(v.w->grad, dw, nw, sum_atol(positions), SUM_RTOL);
-        if (variant == 0) {
+        if (variant % 2 == 0) {
             ASSERT_ALL_CLOSE(v.x->grad, dx, nx, sum_atol((size_t)k.OC * k.KH * k.KW), SUM_RTOL);
             ASSERT_ALL_CLOSE(v.bias->grad, db, (size_t)k.OC, sum_atol(positions), SUM_RTOL);
         } else {

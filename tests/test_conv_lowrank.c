@@ -27,6 +27,7 @@ static const LrCase lr_cases[] = {
     {2, 2, 9, 9, 6, 5, 1, 2, 3},  /* "same" with a 5x5 kernel */
     {3, 3, 9, 7, 8, 3, 2, 1, 2},  /* stride 2: no dt im2col */
     {2, 2, 6, 8, 5, 3, 1, 0, 1},  /* stride 1 without padding: not "same" */
+    {3, 4, 5, 6, 7, 1, 1, 0, 2},  /* pointwise: each sample's x read in place as its im2col */
 };
 #define N_LR_CASES (sizeof lr_cases / sizeof lr_cases[0])
 
