@@ -200,6 +200,10 @@ bool model_graph_bn_relu_producer(const Model *m, int i);
  * nn_batchnorm: it then runs as nn_conv2d_bn / nn_conv2d_general_bn, making the batch statistics' plane moments
  * while its output planes are in cache. */
 bool model_graph_conv_bn(const Model *m, int i);
+/* model_graph.c: whether module i is the batch norm of such a pair (model_graph_bn_relu_producer) whose relu's
+ * only reader is an unhooked depthwise stride-1 conv2d: in training the batch norm then runs as
+ * nn_batchnorm_relu_view, its output never written, and the conv reads it through the view. */
+bool model_graph_bn_relu_view(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the
  * tape for the next outputs (tape_release), so an eval pass holds a few

@@ -189,6 +189,21 @@ bool model_graph_bn_relu_producer(const Model *m, int i) {
     return false;
 }
 
+bool model_graph_bn_relu_view(const Model *m, int i) {
+    if (!model_graph_bn_relu_producer(m, i)) return false;
+    int j = -1, k = -1; /* the relu, then its reader */
+    for (int q = i + 1; q < m->n_modules && k < 0; q++)
+        for (int r = 0; r < m->modules[q].n_inputs; r++) {
+            if (j < 0 && m->modules[q].inputs[r] == i) j = q;
+            else if (j >= 0 && m->modules[q].inputs[r] == j) k = q;
+        }
+    if (k < 0 || m->modules[j].n_consumers != 1 || m->modules[k].inputs[0] != j || m->modules[k].n_inputs != 1)
+        return false;
+    const Module *c = &m->modules[k];
+    return c->spec.type == LAYER_CONV2D && plain_module(c) && !c->conv_plain && c->in_shape[0] > 1 &&
+           c->geom.groups == c->in_shape[0] && c->geom.stride_h == 1 && c->geom.stride_w == 1;
+}
+
 bool model_graph_conv_bn(const Model *m, int i) {
     const Module *c = &m->modules[i];
     if (c->spec.type != LAYER_CONV2D || !plain_module(c) || c->n_consumers != 1) return false;
@@ -306,6 +321,7 @@ void model_graph_train_memory(Model *m, Tape *t, int i, bool fused) {
         if (j < 0 || model_graph_last_reader(m, j) != i) continue;
         Var *v = m->outs[1 + j];
         if (!v) continue;
+        if (m->outs[1 + i] && m->outs[1 + i]->view) continue; /* the view's reader reads its input later */
         if (v->remake || (out_not_read(m, j) && readers_known(m, j, false))) tape_drop(t, v);
     }
 }

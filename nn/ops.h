@@ -127,6 +127,18 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
  * nn_batchnorm_relu_inplace on every nn_batchnorm_relu output (error QT_ERR_ARG on any other y). */
 Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 Var *nn_batchnorm_relu_inplace(Tape *t, Var *y);
+/* A value never written: relu((x - mean[c]) * scale[c] + beta[c]) per channel c of x (N, C, inner), as
+ * nn_batchnorm_relu would have written it (Var.view). */
+typedef struct NnAffineRelu {
+    Var *x;                           /* (N, C, inner): the batch norm's input */
+    const float *mean, *scale, *beta; /* (C,); beta may be NULL (0) */
+} NnAffineRelu;
+/* nn_batchnorm_relu without its output pass, for a relu whose only reader is a depthwise stride-1 conv
+ * (nn_conv2d_general), which reads the values through y->view as it pads each plane, in its forward and again
+ * in its backward: the batch statistics, the running update and the backward are nn_batchnorm_relu's, y's
+ * buffer is never made (value.data NULL), and no pass writes or remakes it. nn_batchnorm_relu_inplace on y
+ * passes the view on. Any other reader of y is an error. */
+Var *nn_batchnorm_relu_view(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 /* The backward of a recorded relu node (in[0] x, out relu(x)): what nn_relu and nn_relu_inplace record, for ops
  * that record relu nodes of their own and fall back to it. */
 void nn_relu_tape_backward(Tape *t, const TapeNode *node);
@@ -278,6 +290,9 @@ void layernorm_backward(float *dx, float *dgamma, float *dbeta, const float *dy,
  * (ops_norm.c). Arrays indexed by channel are (C,).
  * stats: mean and biased variance of each channel, in double. */
 void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, size_t inner, int c0, int c1);
+/* dst rows (rows, cols) at row stride ldd = relu((x - m) * a + b) of the contiguous x (rows, cols): the values
+ * batchnorm_apply_relu writes, bit for bit, for one plane (a reader of an NnAffineRelu view). */
+void batchnorm_relu_rows(float *dst, size_t ldd, const float *x, int rows, int cols, float m, float a, float b);
 /* A (sample, channel) plane of inner values (batchnorm_plane_fits: 16 to 1024) is one block of batchnorm_stats:
  * batchnorm_plane_moments makes its m3[3] (the block's shift and its moments about it), by whoever writes the
  * plane while it is in cache (a conv before the batch norm), and batchnorm_stats_planes merges the (N, C, 3)

@@ -50,6 +50,7 @@ typedef struct {
     const float *bias; /* (OC,) or NULL */
     float *y;          /* forward: (N, OC, OH, OW) */
     float *moments;    /* forward, depthwise: (N, OC, 3), each y plane's batchnorm_plane_moments, or NULL */
+    const NnAffineRelu *view; /* depthwise stride 1: x is view->x, read through the view's map (Var.view), or NULL */
     const float *dy;   /* backward: (N, OC, OH, OW) */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
     bool dx_accumulate; /* depthwise stride 1: false when dx is a fresh buffer it writes */
@@ -311,6 +312,19 @@ static inline void dw_put(float *restrict dst, int Wp, int r0, int c0, const flo
     for (int h = 0; h < rows; h++) dw_copy(dst + (size_t)(h + r0) * Wp + c0, src + (size_t)h * cols, (size_t)cols);
 }
 
+/* dw_put of x's plane (sample n, channel c): x itself, or made through the view's map as it is copied. */
+static inline void dw_put_x(float *restrict dst, int Wp, const ConvGJob *j, int n, int c) {
+    const ConvGDims *d = j->d;
+    const float *src = j->x + ((size_t)n * d->C + c) * d->H * d->W;
+    if (!j->view) {
+        dw_put(dst, Wp, d->g.pad_h, d->g.pad_w, src, d->H, d->W);
+        return;
+    }
+    const NnAffineRelu *v = j->view;
+    batchnorm_relu_rows(dst + (size_t)d->g.pad_h * Wp + d->g.pad_w, (size_t)Wp, src, d->H, d->W, v->mean[c],
+                        v->scale[c], v->beta ? v->beta[c] : 0.0f);
+}
+
 /* Every tap of w over the padded plane src at row stride Wp, into dst[0, L)
  * (plus junk up to the next chunk); sign -1 reads src backwards from the
  * tap offsets (the adjoint, for dx: src points at the margin's end). */
@@ -361,7 +375,7 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     const ConvGJob *j = ctx;
     const ConvGDims *d = j->d;
     const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
-    const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW;
+    const size_t out_plane = (size_t)d->OH * d->OW;
     const size_t L = (size_t)(d->OH - 1) * Wp + d->OW;
     float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* dw_s1_plane */
     float *yp = xp + dw_s1_plane(d);                                               /* dw_round(L) */
@@ -373,7 +387,7 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     size_t first = (size_t)lo * d->OCg;
     for (int p = lo; p < hi; p++) {
         const int n = p / d->C, c = p % d->C;
-        dw_put(xp, Wp, d->g.pad_h, d->g.pad_w, j->x + (size_t)p * in_plane, d->H, d->W);
+        dw_put_x(xp, Wp, j, n, c);
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
             dw_s1_taps(yp, xp, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
@@ -432,7 +446,7 @@ static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
                 const size_t xi = ((size_t)n * d->C + c) * in_plane;
                 dw_put(dyb + M, Wp, 0, 0, j->dy + ((size_t)n * d->OC + oc) * out_plane, d->OH, d->OW);
                 if (j->dw) {
-                    dw_put(xp, Wp, d->g.pad_h, d->g.pad_w, j->x + xi, d->H, d->W);
+                    dw_put_x(xp, Wp, j, n, c);
                     dw_s1_wgrad(lanes, dyb + M, xp, L, d, Wp);
                     for (int t = 0; t < kk; t++) {
                         float s = 0.0f;
@@ -578,7 +592,9 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const ConvGDims *d = node->ctx;
     const size_t out_plane = (size_t)d->OH * d->OW, ckk = (size_t)d->Cg * d->KH * d->KW;
-    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .dy = node->out->grad, .dx_accumulate = true};
+    if (x->view && !tape_value_ready(t, x->view->x)) return; /* the view's source, if it was dropped */
+    ConvGJob j = {.d = d, .x = x->view ? x->view->x->value.data : x->value.data, .w = w->value.data,
+                  .dy = node->out->grad, .dx_accumulate = true, .view = x->view};
     if (x->requires_grad) {
         /* the stride-1 depthwise loops write every element of dx; the others add */
         bool fresh = false;
@@ -633,8 +649,8 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
  * too. */
 static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const Var *w, const Var *bias, float *y,
                               float *moments) {
-    ConvGJob j = {.d = d, .x = x->value.data, .w = w->value.data, .bias = bias ? bias->value.data : NULL, .y = y,
-                  .moments = moments};
+    ConvGJob j = {.d = d, .x = x->view ? x->view->x->value.data : x->value.data, .w = w->value.data,
+                  .bias = bias ? bias->value.data : NULL, .y = y, .moments = moments, .view = x->view};
     const int threads = parallel_get_threads();
     if (d->depthwise && dw_s1(d)) {
         j.thread_floats = dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
@@ -655,7 +671,8 @@ static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const V
 
 static void convg_remake(Tape *t, float *y, const void *ctx) {
     const ConvRemake *r = ctx;
-    if (tape_value_ready(t, r->x)) convg_forward_run(t, r->ctx, r->x, r->w, r->bias, y, NULL);
+    if (tape_value_ready(t, r->x) && (!r->x->view || tape_value_ready(t, r->x->view->x)))
+        convg_forward_run(t, r->ctx, r->x, r->w, r->bias, y, NULL);
 }
 
 TapeBackwardFn conv_general_backward_fn(void) { return conv_general_backward; }
@@ -671,11 +688,22 @@ bool conv_general_remakeable(Tape *t, const TapeNode *n, int max_macs) {
 
 static Var *conv_general_forward(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g, bool moments) {
     if (!t || !x || !w || !g) return NULL;
+    if (conv_geom_plain(g) && x->view) {
+        qt_error_set(&t->err, QT_ERR_ARG, "conv2d: its input is a batch norm's view (nn_batchnorm_relu_view), which "
+                     "only the depthwise stride-1 route reads; this conv has one group");
+        return NULL;
+    }
     if (conv_geom_plain(g))
         return moments ? nn_conv2d_bn(t, x, w, bias, g->stride_h, g->pad_h)
                        : nn_conv2d(t, x, w, bias, g->stride_h, g->pad_h);
     ConvGDims dims = {0};
     if (conv_general_check(t, x, w, bias, g, &dims) != QT_OK) return NULL;
+    if (x->view && !(dims.depthwise && dw_s1(&dims))) {
+        qt_error_set(&t->err, QT_ERR_ARG, "conv2d: its input is a batch norm's view (nn_batchnorm_relu_view), which "
+                     "only the depthwise stride-1 route reads; this conv has %d groups and stride [%d, %d]",
+                     g->groups, g->stride_h, g->stride_w);
+        return NULL;
+    }
     Var *y = tape_new_var(t, 4, (const int[]){dims.N, dims.OC, dims.OH, dims.OW});
     ConvGDims *d = y ? tape_alloc(t, sizeof *d) : NULL;
     if (!d) return NULL;

@@ -117,6 +117,8 @@ typedef struct {
     Var *x;             /* the input (N, C, inner), read by a remake */
     bool relu;          /* a remake applies the relu the caller ran in place on the output */
     bool relu_fwd;      /* the forward applied the relu itself (nn_batchnorm_relu, whose relu node records it) */
+    bool no_output;     /* nn_batchnorm_relu_view: the output is never written, only viewed */
+    NnAffineRelu view;  /* nn_batchnorm_relu_view: how its reader makes the output */
     bool relu_mask;     /* set by that relu's backward: the output gradient arrives unmasked, and this backward
                          * masks it (batchnorm_grad_*_relu) instead of a pass of the relu's own */
 } BatchnormCtx;
@@ -236,6 +238,7 @@ static void batchnorm_forward_finish(const BatchnormJob *j, int c0, int c1) {
     const BatchnormCtx *c = j->c;
     if (c->batch) batchnorm_stats_finish(j, c0, c1);
     for (int ch = c0; ch < c1; ch++) j->scale[ch] = c->invstd[ch] * (j->gamma ? j->gamma[ch] : 1.0f);
+    if (c->no_output) return;
     if (c->relu_fwd) batchnorm_apply_relu(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
     else batchnorm_apply(j->y, j->x, c->mean, j->scale, j->beta, c->N, c->C, c->inner, c0, c1);
 }
@@ -444,7 +447,7 @@ static QtStatus batchnorm_check(Tape *t, const Var *x, const Var *gamma, const V
     return QT_OK;
 }
 
-static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn, bool relu) {
+static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn, bool relu, bool view) {
     if (!x) return NULL;
     if (batchnorm_check(t, x, gamma, beta, bn) != QT_OK) return NULL;
     const int N = x->value.shape[0], C = x->value.shape[1];
@@ -463,11 +466,11 @@ static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormS
                      tensor_shape_str(&x->value, sx, sizeof sx));
         return NULL;
     }
-    Var *y = tape_new_var(t, x->value.ndim, x->value.shape);
+    Var *y = view ? tape_wrap(t, NULL, x->value.ndim, x->value.shape) : tape_new_var(t, x->value.ndim, x->value.shape);
     BatchnormCtx *c = tape_alloc(t, sizeof *c);
     if (!y || !c) return NULL;
     *c = (BatchnormCtx){.batch = batch, .N = N, .C = C, .inner = inner, .count = (double)N * (double)inner,
-                        .sync = sync, .relu_fwd = relu, .relu = relu};
+                        .sync = sync, .relu_fwd = relu, .relu = relu, .no_output = view};
     c->mean = tape_alloc(t, (size_t)C * sizeof(float));
     c->invstd = tape_alloc(t, (size_t)C * sizeof(float));
     if (!c->mean || !c->invstd) return NULL;
@@ -476,7 +479,7 @@ static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormS
             c->mean[ch] = bn->running_mean[ch];
             c->invstd[ch] = (float)(1.0 / sqrt((double)bn->running_var[ch] + bn->eps));
         }
-    BatchnormJob j = {.c = c, .bn = bn, .y = y->value.data, .x = x->value.data,
+    BatchnormJob j = {.c = c, .bn = bn, .y = y->value.data, .x = x->value.data, /* y NULL with view: not written */
                       .gamma = gamma ? gamma->value.data : NULL, .beta = beta ? beta->value.data : NULL,
                       .moments = batch && batchnorm_plane_fits(inner) ? x->moments : NULL};
     if (!batchnorm_job_scratch(t, &j, C)) return NULL;
@@ -488,16 +491,24 @@ static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormS
         batchnorm_run(&j, BN_JOB_FORWARD);
     }
     c->scale = j.scale, c->beta = j.beta, c->x = x;
+    if (view) {
+        c->view = (NnAffineRelu){x, c->mean, c->scale, c->beta};
+        y->view = &c->view;
+    }
     if (batch && bn->running_mean && bn->num_batches_tracked) (*bn->num_batches_tracked)++;
     return tape_record(t, "batchnorm", batchnorm_tape_backward, y, (Var *[]){x, gamma, beta}, 3, c) ? y : NULL;
 }
 
 Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
-    return batchnorm_forward(t, x, gamma, beta, bn, false);
+    return batchnorm_forward(t, x, gamma, beta, bn, false, false);
 }
 
 Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
-    return batchnorm_forward(t, x, gamma, beta, bn, true);
+    return batchnorm_forward(t, x, gamma, beta, bn, true, false);
+}
+
+Var *nn_batchnorm_relu_view(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
+    return batchnorm_forward(t, x, gamma, beta, bn, true, true);
 }
 
 /* The recorded batch norm whose output is y, or NULL. */
@@ -515,13 +526,20 @@ static BatchnormCtx *batchnorm_node_of(Tape *t, const Var *y) {
 static void batchnorm_relu_tape_backward(Tape *t, const TapeNode *node) {
     BatchnormCtx *c = node->ctx;
     if (tape_grad_take(t, node->in[0], node->out)) c->relu_mask = true;
+    else if (c->no_output) /* the relu's own backward reads values that were never made */
+        qt_error_set(&t->err, QT_ERR_ARG, "batchnorm relu: the output of nn_batchnorm_relu_view has a gradient "
+                     "from a second reader (a view has exactly one)");
     else nn_relu_tape_backward(t, node);
 }
 
 Var *nn_batchnorm_relu_inplace(Tape *t, Var *y) {
     if (!y) return NULL;
     /* no gradient through y: its node was not recorded and neither is the relu's (the values are relu'd) */
-    if (!y->requires_grad) return tape_wrap(t, y->value.data, y->value.ndim, y->value.shape);
+    if (!y->requires_grad) {
+        Var *r = tape_wrap(t, y->value.data, y->value.ndim, y->value.shape);
+        if (r) r->view = y->view;
+        return r;
+    }
     BatchnormCtx *c = batchnorm_node_of(t, y);
     if (!c || !c->relu_fwd) {
         qt_error_set(&t->err, QT_ERR_ARG, "batchnorm relu: the input is not the output of a recorded "
@@ -530,6 +548,7 @@ Var *nn_batchnorm_relu_inplace(Tape *t, Var *y) {
     }
     Var *r = tape_wrap(t, y->value.data, y->value.ndim, y->value.shape);
     if (!r) return NULL;
+    r->view = y->view;
     return tape_record(t, "relu", batchnorm_relu_tape_backward, r, (Var *[]){y}, 1, c) ? r : NULL;
 }
 
@@ -543,6 +562,7 @@ static void batchnorm_remake(Tape *t, float *y, const void *ctx) {
 }
 
 bool nn_batchnorm_remakeable(Tape *t, Var *y, Var *relu_out) {
+    if (y->view) return false; /* never made in the first place */
     for (size_t i = t->n_nodes, seen = 0; i-- > 0 && seen < 4; seen++) {
         const TapeNode *n = &t->nodes[i];
         if (n->out != y) continue;

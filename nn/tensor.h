@@ -28,6 +28,8 @@ typedef struct Var {
     struct TapeRemake *remake; /* how to make value again once the forward dropped it (tape.h), or NULL */
     const float *moments;  /* (N, C, 3) or NULL: each (sample, channel) plane's batch-norm block moments, made with
                             * value by the op that wrote it (batchnorm_plane_moments) for the batch norm reading it */
+    const struct NnAffineRelu *view; /* or NULL: value.data is never written (NULL); the value is relu(an affine map
+                            * of another Var), which the one reader that knows computes as it reads (nn/ops.h) */
 } Var;
 
 size_t tensor_numel(const Tensor *t);

@@ -1,8 +1,9 @@
-/* test_conv_bn.c - a convolution whose only reader is a batch norm makes the batch statistics' plane moments while
- * its output planes are in cache (nn_conv2d_bn, nn_conv2d_general_bn, model_graph_conv_bn), and the batch norm
- * merges them instead of reading the output again: the kernels against batchnorm_stats, and the ops against the
- * plain conv and batch norm, bit for bit, on every route that makes them and on those that leave them to the
- * batch norm. */
+/* test_conv_bn.c - the passes a conv and the batch norm around it share: a convolution whose only reader is a
+ * batch norm makes the batch statistics' plane moments while its output planes are in cache (nn_conv2d_bn,
+ * nn_conv2d_general_bn, model_graph_conv_bn), and the batch norm merges them instead of reading the output again;
+ * a batch norm + relu whose only reader is a depthwise stride-1 conv is never written, the conv reading it through
+ * a view (nn_batchnorm_relu_view, model_graph_bn_relu_view). The kernels against their definition, the ops
+ * against the plain ones, bit for bit. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -287,6 +288,198 @@ static void test_model_conv_bn(void) {
     model_free(&m);
 }
 
+/* ---- a batch norm + relu read by a depthwise conv through a view ----------------------------------------- */
+
+typedef struct {
+    int N, C, H, W, M, K, pad, dil; /* M: output channels per input channel */
+    const char *what;
+} ViewCase;
+
+/* x -> batch norm (gamma, beta, running statistics) -> relu -> depthwise stride-1 conv -> backward from dy; view:
+ * the batch norm as nn_batchnorm_relu_view, else nn_batchnorm_relu. Results as ConvBnResult: the conv's output,
+ * dx, dw, dgamma, dbeta, running mean, running var. */
+static void view_run(const ViewCase *c, bool view, const float *x, const float *w, const float *gb, ConvBnResult *r) {
+    const int OC = c->M * c->C, OH = c->H + 2 * c->pad - c->dil * (c->K - 1), OW = c->W + 2 * c->pad - c->dil * (c->K - 1);
+    const size_t nx = (size_t)c->N * c->C * c->H * c->W, nw = (size_t)OC * c->K * c->K;
+    const size_t ny = (size_t)c->N * OC * OH * OW;
+    TestEnv e;
+    test_env_init(&e, 1);
+    e.tape.training = true;
+    float rm[64] = {0}, rv[64];
+    int64_t count = 0;
+    for (int k = 0; k < c->C; k++) rv[k] = 1.0f;
+    BatchNormState bn = {rm, rv, &count, 0.1f, 1e-5f, false};
+    Var *xv = test_var(&e, x, 4, (int[]){c->N, c->C, c->H, c->W}, true);
+    Var *wv = test_var(&e, w, 4, (int[]){OC, 1, c->K, c->K}, true);
+    Var *gv = test_var(&e, gb, 1, &c->C, true), *bv = test_var(&e, gb + c->C, 1, &c->C, true);
+    Var *b = view ? nn_batchnorm_relu_view(&e.tape, xv, gv, bv, &bn) : nn_batchnorm_relu(&e.tape, xv, gv, bv, &bn);
+    CU_ASSERT_FATAL(b != NULL);
+    CU_ASSERT((b->value.data == NULL) == view && (b->view != NULL) == view);
+    Var *rl = nn_batchnorm_relu_inplace(&e.tape, b);
+    CU_ASSERT_FATAL(rl != NULL);
+    CU_ASSERT((rl->view != NULL) == view);
+    ConvGeom2d g = conv_geom2d(1, c->pad);
+    g.groups = c->C, g.dil_h = g.dil_w = c->dil;
+    Var *y = nn_conv2d_general(&e.tape, rl, wv, NULL, &g);
+    CU_ASSERT_FATAL(y != NULL);
+    float *dy = test_random_uniform(ny, 78, -1.0f, 1.0f);
+    CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
+    const float *src[RESULTS] = {y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, rm, rv};
+    const size_t len[RESULTS] = {ny, nx, nw, (size_t)c->C, (size_t)c->C, (size_t)c->C, (size_t)c->C};
+    for (int q = 0; q < RESULTS; q++) {
+        r->n[q] = len[q];
+        r->v[q] = calloc(len[q], sizeof(float));
+        if (src[q]) memcpy(r->v[q], src[q], len[q] * sizeof(float));
+    }
+    free(dy);
+    test_env_free(&e);
+}
+
+/* The depthwise conv reading the batch norm + relu through its view gives the conv's output, every gradient and
+ * the running statistics of the written pair, bit for bit, on 1 and 2 threads: rows shorter than 8, 8 and over,
+ * a channel multiplier, dilation; the view's buffer is never made. */
+static void test_bn_relu_view_same_bits(void) {
+    static const ViewCase cases[] = {
+        {3, 4, 14, 14, 1, 3, 1, 1, "DS-CNN's 14x14, 3x3"},
+        {2, 3, 5, 6, 2, 3, 1, 1, "rows of 6, multiplier 2"},
+        {2, 2, 9, 11, 1, 3, 2, 2, "rows of 11, dilation 2"},
+        {2, 3, 8, 8, 1, 5, 2, 1, "rows of 8, 5x5"},
+    };
+    const int before = parallel_get_threads();
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        const ViewCase *c = &cases[k];
+        const size_t nx = (size_t)c->N * c->C * c->H * c->W, nw = (size_t)c->M * c->C * c->K * c->K;
+        float *x = test_random_uniform(nx, 60 + k, -2.0f, 2.0f), *w = test_random_uniform(nw, 70 + k, -0.5f, 0.5f);
+        float *gb = test_random_uniform(2 * (size_t)c->C, 80 + k, -1.0f, 1.0f); /* some gammas negative */
+        for (int th = 1; th <= 2; th++) {
+            parallel_set_threads(th);
+            ConvBnResult ref, got;
+            view_run(c, false, x, w, gb, &ref);
+            view_run(c, true, x, w, gb, &got);
+            for (int q = 0; q < RESULTS; q++) {
+                const bool same = !memcmp(ref.v[q], got.v[q], ref.n[q] * sizeof(float));
+                if (!same) fprintf(stderr, "\n  view, %s, %d thread(s): result %d differs\n", c->what, th, q);
+                CU_ASSERT(same);
+            }
+            conv_bn_result_free(&ref), conv_bn_result_free(&got);
+        }
+        free(x), free(w), free(gb);
+    }
+    parallel_set_threads(before);
+    /* only the depthwise stride-1 route reads a view: a plain conv and a strided depthwise one refuse it */
+    for (int kind = 0; kind < 2; kind++) {
+        TestEnv e;
+        test_env_init(&e, 1);
+        e.tape.training = true;
+        float xs[2 * 2 * 4 * 4], ws[2 * 2 * 9], rm[2] = {0}, rv[2] = {1, 1};
+        for (size_t i = 0; i < sizeof xs / sizeof *xs; i++) xs[i] = (float)(i % 7) - 3.0f;
+        for (size_t i = 0; i < sizeof ws / sizeof *ws; i++) ws[i] = 0.1f * (float)(i % 5);
+        int64_t count = 0;
+        BatchNormState bn = {rm, rv, &count, 0.1f, 1e-5f, false};
+        Var *b = nn_batchnorm_relu_view(&e.tape, test_var(&e, xs, 4, (int[]){2, 2, 4, 4}, true), NULL, NULL, &bn);
+        Var *rl = nn_batchnorm_relu_inplace(&e.tape, b);
+        CU_ASSERT_FATAL(rl != NULL);
+        ConvGeom2d g = conv_geom2d(kind ? 2 : 1, 1);
+        if (kind) g.groups = 2;
+        Var *w = test_var(&e, ws, 4, kind ? (int[]){2, 1, 3, 3} : (int[]){2, 2, 3, 3}, true);
+        CU_ASSERT_PTR_NULL(nn_conv2d_general(&e.tape, rl, w, NULL, &g));
+        CU_ASSERT(e.tape.err.status == QT_ERR_ARG && test_msg_has(&e.tape.err, "nn_batchnorm_relu_view"));
+        test_env_free(&e);
+    }
+}
+
+/* model_graph_bn_relu_view: a batch norm whose relu feeds a depthwise stride-1 conv alone (not a strided one, a
+ * plain conv, or a relu read twice); and a small depthwise-separable model (a first conv whose output the step
+ * would drop and remake, then batch norm, relu, depthwise conv, ..., pointwise conv) trains one step to the same
+ * loss, gradients and running statistics with the views (and the step's memory plan) as with every output kept,
+ * which runs neither. */
+static void test_model_bn_relu_view(void) {
+    enum { N = 4, C = 3, HW = 8 };
+    LayerSpec layers[16];
+    int n = 0;
+    layers[n] = layer(LAYER_CONV2D, "c0", NULL, NULL);          /* 0: 1 channel in: cheap, remade */
+    layers[n++].out_channels = C;
+    layers[n++] = layer(LAYER_BATCHNORM2D, "bn0", NULL, NULL);   /* 1: viewed */
+    layers[n++] = layer(LAYER_RELU, "r0", NULL, NULL);           /* 2 */
+    layers[n] = layer(LAYER_CONV2D, "dw", NULL, NULL);           /* 3: depthwise, stride 1 */
+    layers[n].out_channels = C, layers[n++].groups = C;
+    layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);   /* 4: its relu feeds a plain conv */
+    layers[n++] = layer(LAYER_RELU, "r1", NULL, NULL);           /* 5 */
+    layers[n] = layer(LAYER_CONV2D, "pw", NULL, NULL);           /* 6 */
+    layers[n].out_channels = C, layers[n].kernel = 1, layers[n++].padding = 0;
+    layers[n++] = layer(LAYER_BATCHNORM2D, "bn2", NULL, NULL);   /* 7: its relu feeds a strided depthwise conv */
+    layers[n++] = layer(LAYER_RELU, "r2", NULL, NULL);           /* 8 */
+    layers[n] = layer(LAYER_CONV2D, "dws", NULL, NULL);          /* 9 */
+    layers[n].out_channels = C, layers[n].groups = C, layers[n++].stride = 2;
+    layers[n++] = layer(LAYER_BATCHNORM2D, "bn3", NULL, NULL);   /* 10: viewed */
+    layers[n++] = layer(LAYER_RELU, "r3", NULL, NULL);           /* 11 */
+    layers[n] = layer(LAYER_CONV2D, "dw2", NULL, NULL);          /* 12 */
+    layers[n].out_channels = 2 * C, layers[n++].groups = C;
+    layers[n++] = layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL); /* 13 */
+    layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);         /* 14 */
+    layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);          /* 15 */
+    layers[n++].units = 3;
+    Model m;
+    QtError err = {0};
+    CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){1, HW, HW}, layers, n, &err), QT_OK);
+    CU_ASSERT(model_graph_bn_relu_view(&m, 1));
+    CU_ASSERT(!model_graph_bn_relu_view(&m, 4));
+    CU_ASSERT(!model_graph_bn_relu_view(&m, 7));
+    CU_ASSERT(model_graph_bn_relu_view(&m, 10));
+    CU_ASSERT(!model_graph_bn_relu_view(&m, 3));
+    Rng r;
+    rng_init(&r, 9, RNG_STREAM_INIT);
+    model_init_params(&m, &r);
+    float *x = test_random_uniform((size_t)N * HW * HW, 8, -1.0f, 1.0f);
+    float *res[2][64];
+    size_t len[64];
+    int np = 0;
+    for (int keep = 0; keep < 2; keep++) {
+        m.keep_outputs = keep;
+        for (int i = 0; i < m.n_params; i++) memset(m.params[i].var.grad, 0, var_numel(&m.params[i].var) * sizeof(float));
+        for (int i = 0; i < m.n_modules; i++)
+            if (m.modules[i].bn.running_mean) {
+                memset(m.modules[i].bn.running_mean, 0, (size_t)m.modules[i].out_shape[0] * sizeof(float));
+                for (int ch = 0; ch < m.modules[i].out_shape[0]; ch++) m.modules[i].bn.running_var[ch] = 1.0f;
+            }
+        TestEnv e;
+        test_env_init(&e, 1);
+        e.tape.training = true;
+        e.tape.grad_enabled = true;
+        Var *y = model_forward(&m, &e.tape, test_var(&e, x, 4, (int[]){N, 1, HW, HW}, false));
+        CU_ASSERT_FATAL(y != NULL);
+        if (!keep) CU_ASSERT(m.outs[2] && m.outs[2]->view && m.outs[11] && m.outs[11]->view);
+        float dy[N * 3];
+        for (int i = 0; i < N * 3; i++) dy[i] = (float)(i % 5) - 2.0f;
+        CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
+        np = 0;
+        res[keep][np] = malloc(sizeof dy), len[np] = N * 3;
+        memcpy(res[keep][np++], y->value.data, sizeof dy);
+        for (int i = 0; i < m.n_params && np < 60; i++) {
+            len[np] = var_numel(&m.params[i].var);
+            res[keep][np] = malloc(len[np] * sizeof(float));
+            memcpy(res[keep][np], m.params[i].var.grad, len[np] * sizeof(float));
+            np++;
+        }
+        for (int i = 0; i < m.n_modules && np < 62; i++)
+            if (m.modules[i].bn.running_var) {
+                len[np] = (size_t)m.modules[i].out_shape[0];
+                res[keep][np] = malloc(len[np] * sizeof(float));
+                memcpy(res[keep][np], m.modules[i].bn.running_var, len[np] * sizeof(float));
+                np++;
+            }
+        test_env_free(&e);
+    }
+    for (int q = 0; q < np; q++) {
+        const bool same = !memcmp(res[0][q], res[1][q], len[q] * sizeof(float));
+        if (!same) fprintf(stderr, "\n  model with views: result %d differs from the kept outputs'\n", q);
+        CU_ASSERT(same);
+        free(res[0][q]), free(res[1][q]);
+    }
+    free(x);
+    model_free(&m);
+}
+
 int register_nn_conv_bn_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv_bn", NULL, NULL);
     if (!s) return -1;
@@ -294,7 +487,11 @@ int register_nn_conv_bn_suite(void) {
                         test_plane_moments_kernel) ||
                    !CU_add_test(s, "conv made for a batch norm = conv + batch norm, bit for bit",
                                 test_conv_bn_same_bits) ||
-                   !CU_add_test(s, "model_graph_conv_bn and the model's forward", test_model_conv_bn)
+                   !CU_add_test(s, "model_graph_conv_bn and the model's forward", test_model_conv_bn) ||
+                   !CU_add_test(s, "batch norm + relu viewed by a depthwise conv = written, bit for bit",
+                                test_bn_relu_view_same_bits) ||
+                   !CU_add_test(s, "model_graph_bn_relu_view; a model's step with views = all outputs kept",
+                                test_model_bn_relu_view)
                ? -1
                : 0;
 }
