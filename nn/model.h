@@ -201,8 +201,8 @@ bool model_graph_bn_relu_producer(const Model *m, int i);
  * while its output planes are in cache. */
 bool model_graph_conv_bn(const Model *m, int i);
 /* model_graph.c: whether module i is the batch norm of such a pair (model_graph_bn_relu_producer) whose relu's
- * only reader is an unhooked depthwise stride-1 conv2d: in training the batch norm then runs as
- * nn_batchnorm_relu_view, its output never written, and the conv reads it through the view. */
+ * only reader is an unhooked conv2d of the plain geometry or a depthwise stride-1 one: in training the batch
+ * norm then runs as nn_batchnorm_relu_view, its output never written, and the conv reads it through the view. */
 bool model_graph_bn_relu_view(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the

@@ -199,9 +199,10 @@ bool model_graph_bn_relu_view(const Model *m, int i) {
         }
     if (k < 0 || m->modules[j].n_consumers != 1 || m->modules[k].inputs[0] != j || m->modules[k].n_inputs != 1)
         return false;
-    const Module *c = &m->modules[k];
-    return c->spec.type == LAYER_CONV2D && plain_module(c) && !c->conv_plain && c->in_shape[0] > 1 &&
-           c->geom.groups == c->in_shape[0] && c->geom.stride_h == 1 && c->geom.stride_w == 1;
+    const Module *c = &m->modules[k]; /* nn_conv2d's routes, and the depthwise stride-1 one, read a view */
+    return c->spec.type == LAYER_CONV2D && plain_module(c) &&
+           (c->conv_plain || (c->in_shape[0] > 1 && c->geom.groups == c->in_shape[0] && c->geom.stride_h == 1 &&
+                              c->geom.stride_w == 1));
 }
 
 bool model_graph_conv_bn(const Model *m, int i) {
@@ -323,5 +324,8 @@ void model_graph_train_memory(Model *m, Tape *t, int i, bool fused) {
         if (!v) continue;
         if (m->outs[1 + i] && m->outs[1 + i]->view) continue; /* the view's reader reads its input later */
         if (v->remake || (out_not_read(m, j) && readers_known(m, j, false))) tape_drop(t, v);
+        /* the view's reader has run: its source (the batch norm's input), kept for it, goes if it can be made
+         * again (the reader's backward and the batch norm's make it first) */
+        if (v->view && v->view->x->remake) tape_drop(t, v->view->x);
     }
 }

@@ -133,11 +133,12 @@ typedef struct NnAffineRelu {
     Var *x;                           /* (N, C, inner): the batch norm's input */
     const float *mean, *scale, *beta; /* (C,); beta may be NULL (0) */
 } NnAffineRelu;
-/* nn_batchnorm_relu without its output pass, for a relu whose only reader is a depthwise stride-1 conv
- * (nn_conv2d_general), which reads the values through y->view as it pads each plane, in its forward and again
- * in its backward: the batch statistics, the running update and the backward are nn_batchnorm_relu's, y's
+/* nn_batchnorm_relu without its output pass, for a relu whose only reader is a convolution of the plain
+ * geometry (nn_conv2d, nn_conv2d_fused: each chunk's input is made through the view into scratch before its
+ * im2col) or a depthwise stride-1 one (nn_conv2d_general: each plane made as it is padded), in its forward and
+ * again in its backward: the batch statistics, the running update and the backward are nn_batchnorm_relu's, y's
  * buffer is never made (value.data NULL), and no pass writes or remakes it. nn_batchnorm_relu_inplace on y
- * passes the view on. Any other reader of y is an error. */
+ * passes the view on. Other readers refuse it (QT_ERR_ARG) or must not be given it. */
 Var *nn_batchnorm_relu_view(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 /* The backward of a recorded relu node (in[0] x, out relu(x)): what nn_relu and nn_relu_inplace record, for ops
  * that record relu nodes of their own and fall back to it. */

@@ -406,14 +406,37 @@ float *conv_thread_scratch(const ConvJob *j) {
     return j->scratch + (size_t)parallel_thread_index() * j->thread_floats;
 }
 
+/* Floats of the thread scratch that hold a chunk's input made through a view (after col and prod). */
+static size_t conv_view_floats(const Conv2dCtx *c, const Var *x) {
+    return x->view ? (size_t)c->chunk * c->d.C * c->d.H * c->d.W : 0;
+}
+
+/* Samples [n0, n0 + nc) of the input (nc, C, H, W): x itself, or made through the view (the values the batch
+ * norm + relu would have written) into the thread's scratch after col and prod. */
+static const float *conv_chunk_input(const ConvJob *j, int n0, int nc) {
+    const ConvDims *d = &j->c->d;
+    const size_t in_plane = (size_t)d->H * d->W;
+    const float *x = j->x + (size_t)n0 * d->C * in_plane;
+    if (!j->view) return x;
+    float *buf = conv_thread_scratch(j) + j->col_floats + j->prod_floats;
+    const NnAffineRelu *v = j->view;
+    for (int s = 0; s < nc; s++)
+        for (int c = 0; c < d->C; c++) {
+            const size_t at = ((size_t)s * d->C + c) * in_plane;
+            batchnorm_relu_rows(buf + at, in_plane, x + at, 1, (int)in_plane, v->mean[c], v->scale[c],
+                                v->beta ? v->beta[c] : 0.0f);
+        }
+    return buf;
+}
+
 const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc) {
     const Conv2dCtx *c = j->c;
     const ConvDims *d = &c->d;
-    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
+    const size_t plane = conv_plane(d);
     const int cols = nc * (int)plane;
-    if (nc == 1 && conv_pointwise(d)) col = (float *)(j->x + (size_t)n0 * x_sample); /* read, never written */
-    else im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH,
-                d->OW);
+    const float *xc = conv_chunk_input(j, n0, nc);
+    if (nc == 1 && conv_pointwise(d)) col = (float *)xc; /* read, never written */
+    else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
     /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
      * product goes straight into y and the epilogue runs in place, the same
      * operations on the same values without the copy through prod. */
@@ -541,7 +564,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
         }
         const bool pw = nc == 1 && conv_pointwise(d);
         if (dw) {
-            const float *xc = j->x + (size_t)n0 * x_sample;
+            const float *xc = conv_chunk_input(j, n0, nc);
             if (!pw) im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
             gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, pw ? xc : col, cols, n0 == lo ? 0.0f : 1.0f, dw,
                      ckk);
@@ -626,10 +649,11 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
     const Conv2dCtx *c = node->ctx;
     const int tasks = conv_tasks(&c->d);
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&c->d), .y = node->out->value.data,
-                 .dy = node->out->grad};
+    if (x->view && !tape_value_ready(t, x->view->x)) return; /* the view's source, if it was dropped */
+    ConvJob j = {.c = c, .x = x->view ? x->view->x->value.data : x->value.data, .w = w->value.data,
+                 .ldw = conv_ckk(&c->d), .y = node->out->value.data, .dy = node->out->grad, .view = x->view};
     if (!conv_backward_alloc(t, &j, x, w->requires_grad, bias, tasks) ||
-        !conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, 0))
+        !conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, conv_view_floats(c, x)))
         return;
     parallel_run(tasks, conv_backward_task, &j);
     float *g;
@@ -658,9 +682,10 @@ bool nn_conv2d_input_grad(Tape *t, float *dx, const float *dy, const float *w, i
  * moments (N, OC, 3), no epilogue, each plane's batchnorm_plane_moments too. */
 static bool conv2d_forward_run(Tape *t, const Conv2dCtx *c, const Var *x, const Var *w, const Var *bias, float *y,
                                float *moments) {
-    ConvJob j = {.c = c, .x = x->value.data, .w = w->value.data, .ldw = conv_ckk(&c->d),
-                 .bias = bias ? bias->value.data : NULL, .y = y, .moments = moments};
-    if (!conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, 0)) return false;
+    ConvJob j = {.c = c, .x = x->view ? x->view->x->value.data : x->value.data, .w = w->value.data,
+                 .ldw = conv_ckk(&c->d), .bias = bias ? bias->value.data : NULL, .y = y, .moments = moments,
+                 .view = x->view};
+    if (!conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, conv_view_floats(c, x))) return false;
     parallel_run(conv_tasks(&c->d), conv_forward_task, &j);
     conv_job_release(t, &j, conv_tasks(&c->d));
     return true;
@@ -709,7 +734,8 @@ Var *nn_conv2d_bn(Tape *t, Var *x, Var *w, Var *bias, int stride, int padding) {
 
 static void conv2d_remake(Tape *t, float *y, const void *ctx) {
     const ConvRemake *r = ctx;
-    if (tape_value_ready(t, r->x)) conv2d_forward_run(t, r->ctx, r->x, r->w, r->bias, y, NULL);
+    if (tape_value_ready(t, r->x) && (!r->x->view || tape_value_ready(t, r->x->view->x)))
+        conv2d_forward_run(t, r->ctx, r->x, r->w, r->bias, y, NULL);
 }
 
 bool nn_conv2d_remakeable(Tape *t, Var *y) {

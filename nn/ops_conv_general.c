@@ -688,11 +688,6 @@ bool conv_general_remakeable(Tape *t, const TapeNode *n, int max_macs) {
 
 static Var *conv_general_forward(Tape *t, Var *x, Var *w, Var *bias, const ConvGeom2d *g, bool moments) {
     if (!t || !x || !w || !g) return NULL;
-    if (conv_geom_plain(g) && x->view) {
-        qt_error_set(&t->err, QT_ERR_ARG, "conv2d: its input is a batch norm's view (nn_batchnorm_relu_view), which "
-                     "only the depthwise stride-1 route reads; this conv has one group");
-        return NULL;
-    }
     if (conv_geom_plain(g))
         return moments ? nn_conv2d_bn(t, x, w, bias, g->stride_h, g->pad_h)
                        : nn_conv2d(t, x, w, bias, g->stride_h, g->pad_h);
@@ -700,8 +695,8 @@ static Var *conv_general_forward(Tape *t, Var *x, Var *w, Var *bias, const ConvG
     if (conv_general_check(t, x, w, bias, g, &dims) != QT_OK) return NULL;
     if (x->view && !(dims.depthwise && dw_s1(&dims))) {
         qt_error_set(&t->err, QT_ERR_ARG, "conv2d: its input is a batch norm's view (nn_batchnorm_relu_view), which "
-                     "only the depthwise stride-1 route reads; this conv has %d groups and stride [%d, %d]",
-                     g->groups, g->stride_h, g->stride_w);
+                     "only the plain and the depthwise stride-1 routes read; this conv has %d groups, stride [%d, %d] "
+                     "and dilation [%d, %d]", g->groups, g->stride_h, g->stride_w, g->dil_h, g->dil_w);
         return NULL;
     }
     Var *y = tape_new_var(t, 4, (const int[]){dims.N, dims.OC, dims.OH, dims.OW});

@@ -358,5 +358,10 @@ Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowR
 Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRank *lr, int stride, int padding,
                              ConvEpilogue epi) {
     if (!lr) return nn_conv2d_fused(t, x, w, bias, stride, padding, epi);
+    if (t && x && x->view) {
+        qt_error_set(&t->err, QT_ERR_ARG, "conv2d with a low-rank term: its input is a batch norm's view "
+                     "(nn_batchnorm_relu_view), which only the plain and depthwise convolutions read");
+        return NULL;
+    }
     return conv2d_lowrank_with_grad(t, x, w, bias, lr, stride, padding, epi, CONV_LR_GRAD_AUTO);
 }

@@ -292,6 +292,8 @@ static void test_model_conv_bn(void) {
 
 typedef struct {
     int N, C, H, W, M, K, pad, dil; /* M: output channels per input channel */
+    bool plain;                     /* one group (nn_conv2d's routes), else depthwise */
+    int stride;
     const char *what;
 } ViewCase;
 
@@ -299,8 +301,9 @@ typedef struct {
  * the batch norm as nn_batchnorm_relu_view, else nn_batchnorm_relu. Results as ConvBnResult: the conv's output,
  * dx, dw, dgamma, dbeta, running mean, running var. */
 static void view_run(const ViewCase *c, bool view, const float *x, const float *w, const float *gb, ConvBnResult *r) {
-    const int OC = c->M * c->C, OH = c->H + 2 * c->pad - c->dil * (c->K - 1), OW = c->W + 2 * c->pad - c->dil * (c->K - 1);
-    const size_t nx = (size_t)c->N * c->C * c->H * c->W, nw = (size_t)OC * c->K * c->K;
+    const int OC = c->M * c->C, OH = (c->H + 2 * c->pad - c->dil * (c->K - 1) - 1) / c->stride + 1;
+    const int OW = (c->W + 2 * c->pad - c->dil * (c->K - 1) - 1) / c->stride + 1, Cg = c->plain ? c->C : 1;
+    const size_t nx = (size_t)c->N * c->C * c->H * c->W, nw = (size_t)OC * Cg * c->K * c->K;
     const size_t ny = (size_t)c->N * OC * OH * OW;
     TestEnv e;
     test_env_init(&e, 1);
@@ -310,7 +313,7 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     for (int k = 0; k < c->C; k++) rv[k] = 1.0f;
     BatchNormState bn = {rm, rv, &count, 0.1f, 1e-5f, false};
     Var *xv = test_var(&e, x, 4, (int[]){c->N, c->C, c->H, c->W}, true);
-    Var *wv = test_var(&e, w, 4, (int[]){OC, 1, c->K, c->K}, true);
+    Var *wv = test_var(&e, w, 4, (int[]){OC, Cg, c->K, c->K}, true);
     Var *gv = test_var(&e, gb, 1, &c->C, true), *bv = test_var(&e, gb + c->C, 1, &c->C, true);
     Var *b = view ? nn_batchnorm_relu_view(&e.tape, xv, gv, bv, &bn) : nn_batchnorm_relu(&e.tape, xv, gv, bv, &bn);
     CU_ASSERT_FATAL(b != NULL);
@@ -318,8 +321,8 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     Var *rl = nn_batchnorm_relu_inplace(&e.tape, b);
     CU_ASSERT_FATAL(rl != NULL);
     CU_ASSERT((rl->view != NULL) == view);
-    ConvGeom2d g = conv_geom2d(1, c->pad);
-    g.groups = c->C, g.dil_h = g.dil_w = c->dil;
+    ConvGeom2d g = conv_geom2d(c->stride, c->pad);
+    g.groups = c->plain ? 1 : c->C, g.dil_h = g.dil_w = c->dil;
     Var *y = nn_conv2d_general(&e.tape, rl, wv, NULL, &g);
     CU_ASSERT_FATAL(y != NULL);
     float *dy = test_random_uniform(ny, 78, -1.0f, 1.0f);
@@ -335,20 +338,26 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     test_env_free(&e);
 }
 
-/* The depthwise conv reading the batch norm + relu through its view gives the conv's output, every gradient and
- * the running statistics of the written pair, bit for bit, on 1 and 2 threads: rows shorter than 8, 8 and over,
- * a channel multiplier, dilation; the view's buffer is never made. */
+/* A conv reading the batch norm + relu through its view gives the conv's output, every gradient and the running
+ * statistics of the written pair, bit for bit, on 1 and 2 threads; the view's buffer is never made. Depthwise
+ * stride 1: rows shorter than 8, 8 and over, a channel multiplier, dilation; plain: 3x3 "same", pointwise (the
+ * input read as its own im2col), strided, and planes of more than one chunk. */
 static void test_bn_relu_view_same_bits(void) {
     static const ViewCase cases[] = {
-        {3, 4, 14, 14, 1, 3, 1, 1, "DS-CNN's 14x14, 3x3"},
-        {2, 3, 5, 6, 2, 3, 1, 1, "rows of 6, multiplier 2"},
-        {2, 2, 9, 11, 1, 3, 2, 2, "rows of 11, dilation 2"},
-        {2, 3, 8, 8, 1, 5, 2, 1, "rows of 8, 5x5"},
+        {3, 4, 14, 14, 1, 3, 1, 1, false, 1, "depthwise: DS-CNN's 14x14, 3x3"},
+        {2, 3, 5, 6, 2, 3, 1, 1, false, 1, "depthwise: rows of 6, multiplier 2"},
+        {2, 2, 9, 11, 1, 3, 2, 2, false, 1, "depthwise: rows of 11, dilation 2"},
+        {2, 3, 8, 8, 1, 5, 2, 1, false, 1, "depthwise: rows of 8, 5x5"},
+        {3, 4, 9, 7, 2, 3, 1, 1, true, 1, "plain 3x3 same"},
+        {3, 5, 6, 6, 2, 1, 0, 1, true, 1, "plain pointwise"},
+        {2, 3, 11, 10, 2, 3, 1, 1, true, 2, "plain 3x3 stride 2"},
+        {5, 16, 28, 28, 1, 3, 1, 1, true, 1, "plain 3x3, one sample a chunk"},
     };
     const int before = parallel_get_threads();
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         const ViewCase *c = &cases[k];
-        const size_t nx = (size_t)c->N * c->C * c->H * c->W, nw = (size_t)c->M * c->C * c->K * c->K;
+        const size_t nx = (size_t)c->N * c->C * c->H * c->W;
+        const size_t nw = (size_t)c->M * c->C * (c->plain ? c->C : 1) * c->K * c->K;
         float *x = test_random_uniform(nx, 60 + k, -2.0f, 2.0f), *w = test_random_uniform(nw, 70 + k, -0.5f, 0.5f);
         float *gb = test_random_uniform(2 * (size_t)c->C, 80 + k, -1.0f, 1.0f); /* some gammas negative */
         for (int th = 1; th <= 2; th++) {
@@ -366,12 +375,13 @@ static void test_bn_relu_view_same_bits(void) {
         free(x), free(w), free(gb);
     }
     parallel_set_threads(before);
-    /* only the depthwise stride-1 route reads a view: a plain conv and a strided depthwise one refuse it */
+    /* only the plain and the depthwise stride-1 routes read a view: a grouped conv and a strided depthwise one
+     * refuse it */
     for (int kind = 0; kind < 2; kind++) {
         TestEnv e;
         test_env_init(&e, 1);
         e.tape.training = true;
-        float xs[2 * 2 * 4 * 4], ws[2 * 2 * 9], rm[2] = {0}, rv[2] = {1, 1};
+        float xs[2 * 2 * 4 * 4], ws[4 * 2 * 9], rm[2] = {0}, rv[2] = {1, 1};
         for (size_t i = 0; i < sizeof xs / sizeof *xs; i++) xs[i] = (float)(i % 7) - 3.0f;
         for (size_t i = 0; i < sizeof ws / sizeof *ws; i++) ws[i] = 0.1f * (float)(i % 5);
         int64_t count = 0;
@@ -379,17 +389,27 @@ static void test_bn_relu_view_same_bits(void) {
         Var *b = nn_batchnorm_relu_view(&e.tape, test_var(&e, xs, 4, (int[]){2, 2, 4, 4}, true), NULL, NULL, &bn);
         Var *rl = nn_batchnorm_relu_inplace(&e.tape, b);
         CU_ASSERT_FATAL(rl != NULL);
+        float xs4[2 * 4 * 4 * 4];
+        for (size_t i = 0; i < sizeof xs4 / sizeof *xs4; i++) xs4[i] = (float)(i % 7) - 3.0f;
         ConvGeom2d g = conv_geom2d(kind ? 2 : 1, 1);
-        if (kind) g.groups = 2;
-        Var *w = test_var(&e, ws, 4, kind ? (int[]){2, 1, 3, 3} : (int[]){2, 2, 3, 3}, true);
+        g.groups = 2;
+        Var *w = test_var(&e, ws, 4, kind ? (int[]){2, 1, 3, 3} : (int[]){4, 2, 3, 3}, true);
+        if (!kind) { /* 4 channels in 2 groups */
+            float rm4[4] = {0}, rv4[4] = {1, 1, 1, 1};
+            BatchNormState bn4 = {rm4, rv4, &count, 0.1f, 1e-5f, false};
+            rl = nn_batchnorm_relu_inplace(
+                &e.tape, nn_batchnorm_relu_view(&e.tape, test_var(&e, xs4, 4, (int[]){2, 4, 4, 4}, true), NULL, NULL,
+                                                &bn4));
+            CU_ASSERT_FATAL(rl != NULL);
+        }
         CU_ASSERT_PTR_NULL(nn_conv2d_general(&e.tape, rl, w, NULL, &g));
         CU_ASSERT(e.tape.err.status == QT_ERR_ARG && test_msg_has(&e.tape.err, "nn_batchnorm_relu_view"));
         test_env_free(&e);
     }
 }
 
-/* model_graph_bn_relu_view: a batch norm whose relu feeds a depthwise stride-1 conv alone (not a strided one, a
- * plain conv, or a relu read twice); and a small depthwise-separable model (a first conv whose output the step
+/* model_graph_bn_relu_view: a batch norm whose relu feeds a depthwise stride-1 conv or a plain conv alone (not a
+ * strided depthwise one); and a small depthwise-separable model (a first conv whose output the step
  * would drop and remake, then batch norm, relu, depthwise conv, ..., pointwise conv) trains one step to the same
  * loss, gradients and running statistics with the views (and the step's memory plan) as with every output kept,
  * which runs neither. */
@@ -403,7 +423,7 @@ static void test_model_bn_relu_view(void) {
     layers[n++] = layer(LAYER_RELU, "r0", NULL, NULL);           /* 2 */
     layers[n] = layer(LAYER_CONV2D, "dw", NULL, NULL);           /* 3: depthwise, stride 1 */
     layers[n].out_channels = C, layers[n++].groups = C;
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);   /* 4: its relu feeds a plain conv */
+    layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);   /* 4: viewed by a plain (pointwise) conv */
     layers[n++] = layer(LAYER_RELU, "r1", NULL, NULL);           /* 5 */
     layers[n] = layer(LAYER_CONV2D, "pw", NULL, NULL);           /* 6 */
     layers[n].out_channels = C, layers[n].kernel = 1, layers[n++].padding = 0;
@@ -423,7 +443,7 @@ static void test_model_bn_relu_view(void) {
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(model_init(&m, 3, (int[]){1, HW, HW}, layers, n, &err), QT_OK);
     CU_ASSERT(model_graph_bn_relu_view(&m, 1));
-    CU_ASSERT(!model_graph_bn_relu_view(&m, 4));
+    CU_ASSERT(model_graph_bn_relu_view(&m, 4));
     CU_ASSERT(!model_graph_bn_relu_view(&m, 7));
     CU_ASSERT(model_graph_bn_relu_view(&m, 10));
     CU_ASSERT(!model_graph_bn_relu_view(&m, 3));
@@ -448,7 +468,11 @@ static void test_model_bn_relu_view(void) {
         e.tape.grad_enabled = true;
         Var *y = model_forward(&m, &e.tape, test_var(&e, x, 4, (int[]){N, 1, HW, HW}, false));
         CU_ASSERT_FATAL(y != NULL);
-        if (!keep) CU_ASSERT(m.outs[2] && m.outs[2]->view && m.outs[11] && m.outs[11]->view);
+        if (!keep) CU_ASSERT(m.outs[2] && m.outs[2]->view && m.outs[5] && m.outs[5]->view && m.outs[11] &&
+                             m.outs[11]->view && m.outs[8] && !m.outs[8]->view);
+        /* c0's output, the view's source, read by the depthwise conv after bn0: dropped once that conv ran (it is
+         * made again for the backward), not held to the end of the step */
+        if (!keep) CU_ASSERT(m.outs[1] && m.outs[1]->value.data == NULL && m.outs[1]->remake);
         float dy[N * 3];
         for (int i = 0; i < N * 3; i++) dy[i] = (float)(i % 5) - 2.0f;
         CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
