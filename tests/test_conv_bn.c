@@ -144,6 +144,34 @@ typedef struct {
     size_t n[RESULTS];
 } ConvBnResult;
 
+/* A batch norm's running statistics as PyTorch starts them (mean 0, variance 1), for up to 64 channels. */
+typedef struct {
+    float mean[64], var[64];
+    int64_t count;
+    BatchNormState s;
+} RunBn;
+
+static void run_bn_init(RunBn *b, int C) {
+    CU_ASSERT_FATAL(C <= 64);
+    memset(b, 0, sizeof *b);
+    for (int k = 0; k < C; k++) b->var[k] = 1.0f;
+    b->s = (BatchNormState){b->mean, b->var, &b->count, 0.1f, 1e-5f, false};
+}
+
+/* The backward of out from a random dy of its size, then r = copies of the results (src[q], len[q] floats each;
+ * NULL: zeros). */
+static void backward_take(TestEnv *e, Var *out, const float *const src[RESULTS], const size_t len[RESULTS],
+                          ConvBnResult *r) {
+    float *dy = test_random_uniform(var_numel(out), 77, -1.0f, 1.0f);
+    CU_ASSERT_FATAL(tape_backward_from(&e->tape, out, dy) == QT_OK);
+    for (int q = 0; q < RESULTS; q++) {
+        r->n[q] = len[q];
+        r->v[q] = calloc(len[q], sizeof(float));
+        if (src[q]) memcpy(r->v[q], src[q], len[q] * sizeof(float));
+    }
+    free(dy);
+}
+
 /* conv -> batch norm (gamma, beta, running statistics) and a backward from dy, in training; with_moments: the
  * conv as the batch norm's producer (nn_conv2d_general_bn). *made: whether the conv's output carried moments. */
 static void conv_bn_run(const ConvBnCase *c, bool with_moments, bool training, const float *x, const float *w,
@@ -154,10 +182,8 @@ static void conv_bn_run(const ConvBnCase *c, bool with_moments, bool training, c
     TestEnv e;
     test_env_init(&e, 1);
     e.tape.training = training;
-    float rm[64] = {0}, rv[64];
-    int64_t count = 0;
-    for (int k = 0; k < c->OC; k++) rv[k] = 1.0f;
-    BatchNormState bn = {rm, rv, &count, 0.1f, 1e-5f, false};
+    RunBn bn;
+    run_bn_init(&bn, c->OC);
     Var *xv = test_var(&e, x, 4, (int[]){c->N, c->C, c->H, c->W}, true);
     Var *wv = test_var(&e, w, 4, (int[]){c->OC, c->C / c->groups, c->K, c->K}, true);
     Var *gv = test_var(&e, gb, 1, &c->OC, true), *bv = test_var(&e, gb + c->OC, 1, &c->OC, true);
@@ -166,18 +192,10 @@ static void conv_bn_run(const ConvBnCase *c, bool with_moments, bool training, c
     Var *y = with_moments ? nn_conv2d_general_bn(&e.tape, xv, wv, NULL, &g) : nn_conv2d_general(&e.tape, xv, wv, NULL, &g);
     CU_ASSERT_FATAL(y != NULL);
     *made = y->moments != NULL;
-    Var *z = nn_batchnorm(&e.tape, y, gv, bv, &bn);
+    Var *z = nn_batchnorm(&e.tape, y, gv, bv, &bn.s);
     CU_ASSERT_FATAL(z != NULL);
-    float *dy = test_random_uniform(ny, 77, -1.0f, 1.0f);
-    CU_ASSERT_FATAL(tape_backward_from(&e.tape, z, dy) == QT_OK);
-    const float *src[RESULTS] = {z->value.data, xv->grad, wv->grad, gv->grad, bv->grad, rm, rv};
-    const size_t len[RESULTS] = {ny, nx, nw, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC};
-    for (int q = 0; q < RESULTS; q++) {
-        r->n[q] = len[q];
-        r->v[q] = calloc(len[q], sizeof(float));
-        if (src[q]) memcpy(r->v[q], src[q], len[q] * sizeof(float));
-    }
-    free(dy);
+    backward_take(&e, z, (const float *[RESULTS]){z->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
+                  (const size_t[RESULTS]){ny, nx, nw, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC}, r);
     test_env_free(&e);
 }
 
@@ -234,15 +252,6 @@ static void test_conv_bn_same_bits(void) {
     parallel_set_threads(before);
 }
 
-static LayerSpec layer(LayerType type, const char *name, const char *in0, const char *in1) {
-    LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f, .out_channels = 4, .kernel = 3, .stride = 1,
-                   .padding = 1, .no_bias = type == LAYER_CONV2D};
-    snprintf(s.name, sizeof s.name, "%s", name);
-    if (in0) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in0);
-    if (in1) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in1);
-    return s;
-}
-
 /* model_graph_conv_bn: a conv whose only reader is a batch norm (its first input), not one with a second reader,
  * one read by a relu, or a batch norm read by a conv; model_forward then runs the conv so, and its output carries
  * the moments in training only. */
@@ -250,15 +259,15 @@ static void test_model_conv_bn(void) {
     enum { N = 3, C = 2, HW = 6 };
     LayerSpec layers[9];
     int n = 0;
-    layers[n++] = layer(LAYER_CONV2D, "c0", NULL, NULL);      /* 0: read by bn0 alone */
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn0", NULL, NULL); /* 1 */
-    layers[n++] = layer(LAYER_CONV2D, "c1", NULL, NULL);      /* 2: read by bn1 and the add */
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL); /* 3 */
-    layers[n++] = layer(LAYER_ADD, "sum", "bn1", "c1");        /* 4 */
-    layers[n++] = layer(LAYER_CONV2D, "c2", NULL, NULL);      /* 5: read by a relu */
-    layers[n++] = layer(LAYER_RELU, "r", NULL, NULL);          /* 6 */
-    layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);       /* 7 */
-    layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);        /* 8 */
+    layers[n++] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);      /* 0: read by bn0 alone */
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn0", NULL, NULL); /* 1 */
+    layers[n++] = test_layer(LAYER_CONV2D, "c1", NULL, NULL);      /* 2: read by bn1 and the add */
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL); /* 3 */
+    layers[n++] = test_layer(LAYER_ADD, "sum", "bn1", "c1");        /* 4 */
+    layers[n++] = test_layer(LAYER_CONV2D, "c2", NULL, NULL);      /* 5: read by a relu */
+    layers[n++] = test_layer(LAYER_RELU, "r", NULL, NULL);          /* 6 */
+    layers[n++] = test_layer(LAYER_FLATTEN, "f", NULL, NULL);       /* 7 */
+    layers[n] = test_layer(LAYER_DENSE, "head", NULL, NULL);        /* 8 */
     layers[n++].units = 3;
     Model m;
     QtError err = {0};
@@ -308,14 +317,12 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     TestEnv e;
     test_env_init(&e, 1);
     e.tape.training = true;
-    float rm[64] = {0}, rv[64];
-    int64_t count = 0;
-    for (int k = 0; k < c->C; k++) rv[k] = 1.0f;
-    BatchNormState bn = {rm, rv, &count, 0.1f, 1e-5f, false};
+    RunBn bn;
+    run_bn_init(&bn, c->C);
     Var *xv = test_var(&e, x, 4, (int[]){c->N, c->C, c->H, c->W}, true);
     Var *wv = test_var(&e, w, 4, (int[]){OC, Cg, c->K, c->K}, true);
     Var *gv = test_var(&e, gb, 1, &c->C, true), *bv = test_var(&e, gb + c->C, 1, &c->C, true);
-    Var *b = view ? nn_batchnorm_relu_view(&e.tape, xv, gv, bv, &bn) : nn_batchnorm_relu(&e.tape, xv, gv, bv, &bn);
+    Var *b = view ? nn_batchnorm_relu_view(&e.tape, xv, gv, bv, &bn.s) : nn_batchnorm_relu(&e.tape, xv, gv, bv, &bn.s);
     CU_ASSERT_FATAL(b != NULL);
     CU_ASSERT((b->value.data == NULL) == view && (b->view != NULL) == view);
     Var *rl = nn_batchnorm_relu_inplace(&e.tape, b);
@@ -325,16 +332,8 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     g.groups = c->plain ? 1 : c->C, g.dil_h = g.dil_w = c->dil;
     Var *y = nn_conv2d_general(&e.tape, rl, wv, NULL, &g);
     CU_ASSERT_FATAL(y != NULL);
-    float *dy = test_random_uniform(ny, 78, -1.0f, 1.0f);
-    CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
-    const float *src[RESULTS] = {y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, rm, rv};
-    const size_t len[RESULTS] = {ny, nx, nw, (size_t)c->C, (size_t)c->C, (size_t)c->C, (size_t)c->C};
-    for (int q = 0; q < RESULTS; q++) {
-        r->n[q] = len[q];
-        r->v[q] = calloc(len[q], sizeof(float));
-        if (src[q]) memcpy(r->v[q], src[q], len[q] * sizeof(float));
-    }
-    free(dy);
+    backward_take(&e, y, (const float *[RESULTS]){y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
+                  (const size_t[RESULTS]){ny, nx, nw, (size_t)c->C, (size_t)c->C, (size_t)c->C, (size_t)c->C}, r);
     test_env_free(&e);
 }
 
@@ -417,27 +416,27 @@ static void test_model_bn_relu_view(void) {
     enum { N = 4, C = 3, HW = 8 };
     LayerSpec layers[16];
     int n = 0;
-    layers[n] = layer(LAYER_CONV2D, "c0", NULL, NULL);          /* 0: 1 channel in: cheap, remade */
+    layers[n] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);          /* 0: 1 channel in: cheap, remade */
     layers[n++].out_channels = C;
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn0", NULL, NULL);   /* 1: viewed */
-    layers[n++] = layer(LAYER_RELU, "r0", NULL, NULL);           /* 2 */
-    layers[n] = layer(LAYER_CONV2D, "dw", NULL, NULL);           /* 3: depthwise, stride 1 */
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn0", NULL, NULL);   /* 1: viewed */
+    layers[n++] = test_layer(LAYER_RELU, "r0", NULL, NULL);           /* 2 */
+    layers[n] = test_layer(LAYER_CONV2D, "dw", NULL, NULL);           /* 3: depthwise, stride 1 */
     layers[n].out_channels = C, layers[n++].groups = C;
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);   /* 4: viewed by a plain (pointwise) conv */
-    layers[n++] = layer(LAYER_RELU, "r1", NULL, NULL);           /* 5 */
-    layers[n] = layer(LAYER_CONV2D, "pw", NULL, NULL);           /* 6 */
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);   /* 4: viewed by a plain (pointwise) conv */
+    layers[n++] = test_layer(LAYER_RELU, "r1", NULL, NULL);           /* 5 */
+    layers[n] = test_layer(LAYER_CONV2D, "pw", NULL, NULL);           /* 6 */
     layers[n].out_channels = C, layers[n].kernel = 1, layers[n++].padding = 0;
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn2", NULL, NULL);   /* 7: its relu feeds a strided depthwise conv */
-    layers[n++] = layer(LAYER_RELU, "r2", NULL, NULL);           /* 8 */
-    layers[n] = layer(LAYER_CONV2D, "dws", NULL, NULL);          /* 9 */
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn2", NULL, NULL);   /* 7: its relu feeds a strided depthwise conv */
+    layers[n++] = test_layer(LAYER_RELU, "r2", NULL, NULL);           /* 8 */
+    layers[n] = test_layer(LAYER_CONV2D, "dws", NULL, NULL);          /* 9 */
     layers[n].out_channels = C, layers[n].groups = C, layers[n++].stride = 2;
-    layers[n++] = layer(LAYER_BATCHNORM2D, "bn3", NULL, NULL);   /* 10: viewed */
-    layers[n++] = layer(LAYER_RELU, "r3", NULL, NULL);           /* 11 */
-    layers[n] = layer(LAYER_CONV2D, "dw2", NULL, NULL);          /* 12 */
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn3", NULL, NULL);   /* 10: viewed */
+    layers[n++] = test_layer(LAYER_RELU, "r3", NULL, NULL);           /* 11 */
+    layers[n] = test_layer(LAYER_CONV2D, "dw2", NULL, NULL);          /* 12 */
     layers[n].out_channels = 2 * C, layers[n++].groups = C;
-    layers[n++] = layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL); /* 13 */
-    layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);         /* 14 */
-    layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);          /* 15 */
+    layers[n++] = test_layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL); /* 13 */
+    layers[n++] = test_layer(LAYER_FLATTEN, "f", NULL, NULL);         /* 14 */
+    layers[n] = test_layer(LAYER_DENSE, "head", NULL, NULL);          /* 15 */
     layers[n++].units = 3;
     Model m;
     QtError err = {0};

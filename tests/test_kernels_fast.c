@@ -211,15 +211,6 @@ static void test_depthwise_s1_matches_ref(void) {
     }
 }
 
-static LayerSpec layer(LayerType type, const char *name, const char *in0, const char *in1) {
-    LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f, .out_channels = 4, .kernel = 3, .stride = 1,
-                   .padding = 1, .no_bias = type == LAYER_CONV2D};
-    snprintf(s.name, sizeof s.name, "%s", name);
-    if (in0) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in0);
-    if (in1) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in1);
-    return s;
-}
-
 /* A stem and BLOCKS residual blocks (conv, bn, relu, conv, bn, add, relu), then flatten and a dense head.
  * A relu after a batch norm or an add that nothing else reads runs in place; a pass without gradients
  * hands dead activations back, so it holds a few of them, and gives the same logits as a pass that keeps
@@ -228,24 +219,24 @@ static void test_model_activation_memory(void) {
     enum { BLOCKS = 6, NL = 3 + 7 * BLOCKS + 2, N = 128, C = 4, HW = 16 };
     LayerSpec layers[NL];
     int n = 0;
-    layers[n++] = layer(LAYER_CONV2D, "c0", NULL, NULL);
-    layers[n++] = layer(LAYER_BATCHNORM2D, "b0", NULL, NULL);
-    layers[n++] = layer(LAYER_RELU, "r0", NULL, NULL);
+    layers[n++] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);
+    layers[n++] = test_layer(LAYER_BATCHNORM2D, "b0", NULL, NULL);
+    layers[n++] = test_layer(LAYER_RELU, "r0", NULL, NULL);
     char prev[16] = "r0", nm[7][16];
     for (int b = 0; b < BLOCKS; b++) {
         const char *kinds = "cbrcbar";
         for (int k = 0; k < 7; k++) snprintf(nm[k], sizeof nm[k], "%c%d_%d", kinds[k], b, k);
-        layers[n++] = layer(LAYER_CONV2D, nm[0], NULL, NULL);
-        layers[n++] = layer(LAYER_BATCHNORM2D, nm[1], NULL, NULL);
-        layers[n++] = layer(LAYER_RELU, nm[2], NULL, NULL);
-        layers[n++] = layer(LAYER_CONV2D, nm[3], NULL, NULL);
-        layers[n++] = layer(LAYER_BATCHNORM2D, nm[4], NULL, NULL);
-        layers[n++] = layer(LAYER_ADD, nm[5], nm[4], prev);
-        layers[n++] = layer(LAYER_RELU, nm[6], NULL, NULL);
+        layers[n++] = test_layer(LAYER_CONV2D, nm[0], NULL, NULL);
+        layers[n++] = test_layer(LAYER_BATCHNORM2D, nm[1], NULL, NULL);
+        layers[n++] = test_layer(LAYER_RELU, nm[2], NULL, NULL);
+        layers[n++] = test_layer(LAYER_CONV2D, nm[3], NULL, NULL);
+        layers[n++] = test_layer(LAYER_BATCHNORM2D, nm[4], NULL, NULL);
+        layers[n++] = test_layer(LAYER_ADD, nm[5], nm[4], prev);
+        layers[n++] = test_layer(LAYER_RELU, nm[6], NULL, NULL);
         snprintf(prev, sizeof prev, "%s", nm[6]);
     }
-    layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);
-    layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);
+    layers[n++] = test_layer(LAYER_FLATTEN, "f", NULL, NULL);
+    layers[n] = test_layer(LAYER_DENSE, "head", NULL, NULL);
     layers[n++].units = 3;
     CU_ASSERT_EQUAL_FATAL(n, NL);
     Model m;
@@ -300,13 +291,13 @@ static void test_relu_not_in_place_under_a_second_reader(void) {
     for (int kind = 0; kind < 2; kind++) { /* 0: a conv reads bn1 first (training); 1: a dropout (eval) */
         LayerSpec layers[7];
         int n = 0;
-        layers[n++] = layer(LAYER_CONV2D, "c0", NULL, NULL);
-        layers[n++] = layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);
-        layers[n++] = layer(kind == 0 ? LAYER_CONV2D : LAYER_DROPOUT, "side", "bn1", NULL);
-        layers[n++] = layer(LAYER_RELU, "r", "bn1", NULL);
-        layers[n++] = layer(LAYER_ADD, "sum", "side", "r");
-        layers[n++] = layer(LAYER_FLATTEN, "f", NULL, NULL);
-        layers[n] = layer(LAYER_DENSE, "head", NULL, NULL);
+        layers[n++] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);
+        layers[n++] = test_layer(LAYER_BATCHNORM2D, "bn1", NULL, NULL);
+        layers[n++] = test_layer(kind == 0 ? LAYER_CONV2D : LAYER_DROPOUT, "side", "bn1", NULL);
+        layers[n++] = test_layer(LAYER_RELU, "r", "bn1", NULL);
+        layers[n++] = test_layer(LAYER_ADD, "sum", "side", "r");
+        layers[n++] = test_layer(LAYER_FLATTEN, "f", NULL, NULL);
+        layers[n] = test_layer(LAYER_DENSE, "head", NULL, NULL);
         layers[n++].units = 3;
         Model m;
         QtError err = {0};

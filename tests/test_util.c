@@ -383,3 +383,12 @@ size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const i
     memcpy(y, out->value.data, n * sizeof(float));
     return n;
 }
+
+LayerSpec test_layer(LayerType type, const char *name, const char *in0, const char *in1) {
+    LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f, .out_channels = 4, .kernel = 3, .stride = 1,
+                   .padding = 1, .no_bias = type == LAYER_CONV2D};
+    snprintf(s.name, sizeof s.name, "%s", name);
+    if (in0) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in0);
+    if (in1) snprintf(s.inputs[s.n_inputs++], MODULE_NAME_MAX, "%s", in1);
+    return s;
+}

@@ -25,6 +25,9 @@ void test_env_free(TestEnv *e);
 
 /* A Var in the env's arena holding a copy of data, requires_grad as given. */
 Var *test_var(TestEnv *e, const float *data, int ndim, const int *shape, bool requires_grad);
+/* A layer spec named name reading in0 (and in1; NULL: the previous layer / none): a conv2d is 4 channels, 3x3,
+ * stride 1, padding 1, no bias; a batch norm eps 1e-5, momentum 0.1. */
+LayerSpec test_layer(LayerType type, const char *name, const char *in0, const char *in1);
 /* m's output on x (ndim, shape; no gradients, the tape's training flag as given) into y [cap]; its numel
  * (a failed forward or more than cap values fail the test). */
 size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const int *shape, bool training, float *y,
