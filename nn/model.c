@@ -615,7 +615,7 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
         y = nn_relu_inplace(t, xs[0]); /* a batch norm's or add's output read by nothing else */
     else if (model_graph_bn_relu_producer(m, i) && t->grad_enabled && model_graph_bn_relu_view(m, i))
         y = nn_batchnorm_relu_view(t, xs[0], mod->weight ? &mod->weight->var : NULL,
-                                   mod->bias ? &mod->bias->var : NULL, &mod->bn); /* the depthwise conv reads it */
+                                   mod->bias ? &mod->bias->var : NULL, &mod->bn); /* its one reader, a conv, reads it */
     else if (model_graph_bn_relu_producer(m, i))
         y = nn_batchnorm_relu(t, xs[0], mod->weight ? &mod->weight->var : NULL, mod->bias ? &mod->bias->var : NULL,
                               &mod->bn);
