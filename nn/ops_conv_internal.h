@@ -48,7 +48,7 @@ typedef struct {
     int ldw;
     const float *bias; /* (OC,) or NULL */
     float *y;          /* forward: the output; backward: the saved output (relu epilogues) */
-    float *moments;    /* forward without an epilogue: (N, OC, 3), each output plane's batchnorm_plane_moments, or NULL */
+    float *moments;    /* forward, no epilogue: (N, OC, 3), each output plane's batchnorm_plane_moments, or NULL */
     const NnAffineRelu *view; /* x is view->x read through the view's map (Var.view; plain routes), or NULL */
     const float *dy;   /* backward: the output's gradient */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */

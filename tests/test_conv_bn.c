@@ -1,9 +1,9 @@
 /* test_conv_bn.c - the passes a conv and the batch norm around it share: a convolution whose only reader is a
  * batch norm makes the batch statistics' plane moments while its output planes are in cache (nn_conv2d_bn,
  * nn_conv2d_general_bn, model_graph_conv_bn), and the batch norm merges them instead of reading the output again;
- * a batch norm + relu whose only reader is a depthwise stride-1 conv is never written, the conv reading it through
- * a view (nn_batchnorm_relu_view, model_graph_bn_relu_view). The kernels against their definition, the ops
- * against the plain ones, bit for bit. */
+ * a batch norm + relu whose only reader is a plain or depthwise stride-1 conv is never written, the conv reading
+ * it through a view (nn_batchnorm_relu_view, model_graph_bn_relu_view). The kernels against their definition,
+ * the ops against the plain ones, bit for bit. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,7 +72,8 @@ static void def_grad_sums(double *sdy, double *dot, const float *dy, const float
         double s = 0.0, d = 0.0;
         for (int n = 0; n < N; n++)
             for (size_t i0 = 0; i0 < inner; i0 += DEF_BLOCK) {
-                const size_t off = ((size_t)n * C + ch) * inner + i0, len = inner - i0 < DEF_BLOCK ? inner - i0 : DEF_BLOCK;
+                const size_t off = ((size_t)n * C + ch) * inner + i0;
+                const size_t len = inner - i0 < DEF_BLOCK ? inner - i0 : DEF_BLOCK;
                 float bs, bd;
                 def_block_sums(dy + off, x + off, len, mean[ch], scale != NULL, scale ? scale[ch] : 0.0f,
                                beta ? beta[ch] : 0.0f, &bs, &bd);
@@ -189,12 +190,14 @@ static void conv_bn_run(const ConvBnCase *c, bool with_moments, bool training, c
     Var *gv = test_var(&e, gb, 1, &c->OC, true), *bv = test_var(&e, gb + c->OC, 1, &c->OC, true);
     ConvGeom2d g = conv_geom2d(c->stride, c->pad);
     g.groups = c->groups;
-    Var *y = with_moments ? nn_conv2d_general_bn(&e.tape, xv, wv, NULL, &g) : nn_conv2d_general(&e.tape, xv, wv, NULL, &g);
+    Var *y = with_moments ? nn_conv2d_general_bn(&e.tape, xv, wv, NULL, &g)
+                          : nn_conv2d_general(&e.tape, xv, wv, NULL, &g);
     CU_ASSERT_FATAL(y != NULL);
     *made = y->moments != NULL;
     Var *z = nn_batchnorm(&e.tape, y, gv, bv, &bn.s);
     CU_ASSERT_FATAL(z != NULL);
-    backward_take(&e, z, (const float *[RESULTS]){z->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
+    backward_take(&e, z,
+                  (const float *[RESULTS]){z->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
                   (const size_t[RESULTS]){ny, nx, nw, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC}, r);
     test_env_free(&e);
 }
@@ -205,8 +208,8 @@ static void conv_bn_result_free(ConvBnResult *r) {
 
 /* On every route (plain 3x3, 1x1, strided; depthwise at stride 1 and 2, with a channel multiplier), the conv
  * made for a batch norm gives the batch norm's output, every gradient and the running statistics of the plain
- * pair at the same thread count (1 and 2), bit for bit; the moments are made where the route and plane size allow, in training
- * only, and left to the batch norm elsewhere (grouped, planes under 16 or over 1024 values). */
+ * pair at the same thread count (1 and 2), bit for bit; the moments are made where the route and plane size
+ * allow, in training only, and left to the batch norm elsewhere (grouped, planes under 16 or over 1024 values). */
 static void test_conv_bn_same_bits(void) {
     static const ConvBnCase cases[] = {
         {3, 3, 8, 8, 4, 3, 1, 1, 1, true, "plain 3x3"},
@@ -297,7 +300,7 @@ static void test_model_conv_bn(void) {
     model_free(&m);
 }
 
-/* ---- a batch norm + relu read by a depthwise conv through a view ----------------------------------------- */
+/* ---- a batch norm + relu read by a conv through a view ---------------------------------------------------- */
 
 typedef struct {
     int N, C, H, W, M, K, pad, dil; /* M: output channels per input channel */
@@ -306,7 +309,7 @@ typedef struct {
     const char *what;
 } ViewCase;
 
-/* x -> batch norm (gamma, beta, running statistics) -> relu -> depthwise stride-1 conv -> backward from dy; view:
+/* x -> batch norm (gamma, beta, running statistics) -> relu -> conv (plain, or depthwise stride 1) -> backward; view:
  * the batch norm as nn_batchnorm_relu_view, else nn_batchnorm_relu. Results as ConvBnResult: the conv's output,
  * dx, dw, dgamma, dbeta, running mean, running var. */
 static void view_run(const ViewCase *c, bool view, const float *x, const float *w, const float *gb, ConvBnResult *r) {
@@ -332,7 +335,8 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     g.groups = c->plain ? 1 : c->C, g.dil_h = g.dil_w = c->dil;
     Var *y = nn_conv2d_general(&e.tape, rl, wv, NULL, &g);
     CU_ASSERT_FATAL(y != NULL);
-    backward_take(&e, y, (const float *[RESULTS]){y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
+    backward_take(&e, y,
+                  (const float *[RESULTS]){y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
                   (const size_t[RESULTS]){ny, nx, nw, (size_t)c->C, (size_t)c->C, (size_t)c->C, (size_t)c->C}, r);
     test_env_free(&e);
 }
@@ -455,7 +459,8 @@ static void test_model_bn_relu_view(void) {
     int np = 0;
     for (int keep = 0; keep < 2; keep++) {
         m.keep_outputs = keep;
-        for (int i = 0; i < m.n_params; i++) memset(m.params[i].var.grad, 0, var_numel(&m.params[i].var) * sizeof(float));
+        for (int i = 0; i < m.n_params; i++)
+            memset(m.params[i].var.grad, 0, var_numel(&m.params[i].var) * sizeof(float));
         for (int i = 0; i < m.n_modules; i++)
             if (m.modules[i].bn.running_mean) {
                 memset(m.modules[i].bn.running_mean, 0, (size_t)m.modules[i].out_shape[0] * sizeof(float));
@@ -511,7 +516,7 @@ int register_nn_conv_bn_suite(void) {
                    !CU_add_test(s, "conv made for a batch norm = conv + batch norm, bit for bit",
                                 test_conv_bn_same_bits) ||
                    !CU_add_test(s, "model_graph_conv_bn and the model's forward", test_model_conv_bn) ||
-                   !CU_add_test(s, "batch norm + relu viewed by a depthwise conv = written, bit for bit",
+                   !CU_add_test(s, "batch norm + relu viewed by a conv = written, bit for bit",
                                 test_bn_relu_view_same_bits) ||
                    !CU_add_test(s, "model_graph_bn_relu_view; a model's step with views = all outputs kept",
                                 test_model_bn_relu_view)
