@@ -342,8 +342,9 @@ static inline uint32_t dw_cols_mask(int c0, int w, int n) {
 }
 
 /* The dwords of quad q for output columns v .. v + 15 of every padded row: dst[r * cols] = the codes of input
- * columns ow sw + 4 q - pad_l + 0 .. 3 of input row r - pad_t, a_zero outside the input. Stride 1: the 4 bytes
- * from 4 overlapping 16-byte masked loads, widened and shifted into place; stride 2: two 16-bit lanes (bytes 0, 1
+ * columns ow sw + 4 q - pad_l + 0 .. 3 of input row r - pad_t, a_zero outside the input. Stride 1: one masked
+ * load of the row's bytes, its dwords spread over the 128-bit lanes (vpermd) and each lane's 4 overlapping
+ * windows picked by one byte shuffle; stride 2: two 16-bit lanes (bytes 0, 1
  * and 2, 3 of the dword) from 32-byte masked loads 2 bytes apart; others one byte at a time. The masks (the lanes
  * inside the input's columns) are the same for every row; a masked load reads no byte outside the row. */
 QG_TARGET static void dw_gather_cols(uint32_t *dst, size_t cols, size_t rows, const QGemmDw *d, int q, int v) {
@@ -359,16 +360,17 @@ QG_TARGET static void dw_gather_cols(uint32_t *dst, size_t cols, size_t rows, co
     const size_t r1 = (size_t)d->pad_t + (size_t)d->in_h < rows ? (size_t)d->pad_t + (size_t)d->in_h : rows;
     const uint8_t *row = r0 < r1 ? d->act + (r0 - (size_t)d->pad_t) * d->in_w : d->act; /* input row r0 - pad_t */
     if (d->sw == 1) {
-        __mmask16 m[4];
-        for (int k = 0; k < 4; k++) m[k] = (__mmask16)dw_cols_mask(c4 + k, d->in_w, 16);
+        /* the 19 bytes from c4 in one masked load; 128-bit lane j takes dwords j .. j + 3 of them (bytes 4 j ..
+         * 4 j + 15, of which the shuffle reads the first 7) and the byte shuffle makes its dword l of bytes l ..
+         * l + 3: columns 4 j + l + 0 .. 3 */
+        const __mmask64 m = (__mmask64)dw_cols_mask(c4, d->in_w, 32);
+        const __m512i fill64 = _mm512_set1_epi8((char)d->a_zero);
+        const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 1, 2, 3, 4, 2, 3, 4, 5, 3, 4, 5, 6);
+        const __m512i win = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 1, 2, 3, 4, 2, 3, 4, 5, 3, 4, 5, 6));
         for (size_t r = r0; r < r1; r++, row += d->in_w) {
-            __m512i x = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const __m128i b = _mm_mask_loadu_epi8(_mm256_castsi256_si128(z), m[k], row + c4 + k);
-                x = _mm512_or_si512(x, _mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 8 * k));
-            }
-            _mm512_store_si512((void *)(dst + r * cols), x);
+            const __m512i x = _mm512_mask_loadu_epi8(fill64, m, row + c4);
+            _mm512_store_si512((void *)(dst + r * cols),
+                               _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes, x), win));
         }
     } else if (d->sw == 2) {
         const __mmask32 m0 = dw_cols_mask(c4, d->in_w, 32), m1 = dw_cols_mask(c4 + 2, d->in_w, 32);
@@ -392,25 +394,32 @@ QG_TARGET static void dw_gather_cols(uint32_t *dst, size_t cols, size_t rows, co
 }
 
 /* Output channel oc's rows from the gathered dwords (KH and KQ constants where the caller knows them): one
- * vpdpbusd per kernel row and quad for 16 output columns; the accumulators start at minus the zero point's
- * correction and so end at the corrected sums. */
+ * vpdpbusd per kernel row and quad for 16 output columns, the channel's weight dwords broadcast once, two chains
+ * of sums a vector (exact int32 sums, wrapping alike in any order); the first chain starts at minus the zero
+ * point's correction, so the two end at the corrected sums. */
 QG_TARGET QG_INLINE void dw_dot(const QGemmDw *d, int oc, float *out, size_t cols, size_t plane, const int KH,
                                 const int KQ, const bool relu) {
     const int32_t *wc = d->w->data + (size_t)oc * KH * KQ; /* [KH][KQ] */
     const __m512i c0 = _mm512_set1_epi32((int32_t)(0u - (uint32_t)d->a_zero * (uint32_t)d->w->sum[oc]));
     const __m512 sc = _mm512_set1_ps(d->scale[oc]), bi = _mm512_set1_ps(d->bias ? d->bias[oc] : 0.0f);
-    for (int oh = 0; oh < d->oh_n; oh++) {
-        const uint32_t *base = d->scratch + (size_t)oh * d->sh * cols;
-        for (size_t v = 0; v < cols; v += QGEMM_LANES) {
-            __m512i acc = c0;
-            for (int r = 0; r < KH; r++)
-                for (int q = 0; q < KQ; q++) {
-                    const __m512i a = _mm512_load_si512((const void *)(base + q * plane + r * cols + v));
-                    acc = _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(wc[r * KQ + q]));
-                }
-            __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sc, bi);
+    const int oh_n = d->oh_n, ow_n = d->ow_n;
+    const size_t step = (size_t)d->sh * cols; /* from one output row's window to the next one's */
+    for (size_t v = 0; v < cols; v += QGEMM_LANES) {
+        const __mmask16 m = lane_mask(ow_n - (int)v);
+        const uint32_t *base = d->scratch + v;
+        float *o = out + v;
+        for (int oh = 0; oh < oh_n; oh++, base += step, o += ow_n) {
+            __m512i acc = c0, acc2 = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int t = 0; t < KH * KQ; t++) {
+                const int r = t / KQ, q = t % KQ;
+                const __m512i a = _mm512_load_si512((const void *)(base + q * plane + r * cols));
+                if (t & 1) acc2 = _mm512_dpbusd_epi32(acc2, a, _mm512_set1_epi32(wc[t]));
+                else acc = _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(wc[t]));
+            }
+            __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc, acc2)), sc, bi);
             if (relu) y = _mm512_max_ps(y, _mm512_setzero_ps()); /* nn's relu: see taps_y */
-            _mm512_mask_storeu_ps(out + (size_t)oh * d->ow_n + v, lane_mask(d->ow_n - (int)v), y);
+            _mm512_mask_storeu_ps(o, m, y);
         }
     }
 }
