@@ -372,10 +372,20 @@ void qgemm_packed_dw_free(QGemmPackedDw *p) {
     memset(p, 0, sizeof *p);
 }
 
+size_t qgemm_dw_avx2_width(const QGemmPackedDw *w, int ow_n, int sw) {
+    /* the furthest a load of 16 values reaches: o0 + 2 p + 1 + 15 at stride 1 (o0 < cols, a multiple of 16), 2 o0 +
+     * 2 p + 15 at stride 2 (o0 a multiple of 8), p < (kw + 1) / 2; whole chunks of 16 */
+    const size_t cols = ((size_t)ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
+    return ((size_t)(sw > 1 ? 2 : 1) * cols + 2 * (((size_t)w->kw + 1) / 2) + 15) / 16 * 16;
+}
+
 size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh) {
     const size_t rows = (size_t)(oh_n - 1) * sh + (size_t)w->kh;
     const size_t cols = ((size_t)ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES; /* whole vectors */
-    return ((size_t)w->kq * rows * cols * sizeof(uint32_t) + 63) / 64 * 64;
+    const size_t vnni = (size_t)w->kq * rows * cols * sizeof(uint32_t); /* the gathered dwords */
+    const size_t w16 = qgemm_dw_avx2_width(w, ow_n, 2);                 /* AVX2: int16 rows, weight pairs */
+    const size_t avx2 = rows * w16 * sizeof(int16_t) + (size_t)w->kh * ((w->kw + 1) / 2) * 4;
+    return ((vnni > avx2 ? vnni : avx2) + 63) / 64 * 64;
 }
 
 void qgemm_dw_portable(const QGemmDw *d) {

@@ -218,7 +218,8 @@ void qgemm_packed_dw_free(QGemmPackedDw *p);
  * relu'd if relu (as nn's relu: 0 unless y > 0). The VNNI kernel first
  * gathers each padded row's dwords of 4 codes for every output column into
  * scratch (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so
- * nothing outside act is read); the AVX2 one copies the padded rows there;
+ * nothing outside act is read); the AVX2 one widens the padded rows there
+ * to int16 (reading nothing outside act either);
  * the portable one sums the codes directly. */
 typedef struct {
     const uint8_t *act;        /* (in_h, in_w) */

@@ -26,8 +26,8 @@
  * Dense (AVX-VNNI): tiles of 6 rows x 16 columns, one vpdpbusd per row and
  * half panel, as the AVX-512 kernel with two 32-byte halves per group.
  * Depthwise (both families): vpmaddwd of codes against kernel-row weight
- * pairs over padded rows in scratch, strides 1 and 2 across (others
- * portable), see qgemm_dw_avx2.
+ * pairs over padded rows widened to int16 once in scratch, strides 1 and 2
+ * across (others portable), see qgemm_dw_avx2.
  * Taps: 8 rows (the packed row block) x 4 pixels (AVX2: each pixel's 4 codes
  * zero-extended, each row's 4 weights broadcast from the packed weight's
  * int16 copy) or x 8 pixels (AVX-VNNI), the sums of a 16-pixel vector
@@ -320,12 +320,6 @@ void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
 
 /* ---- depthwise ------------------------------------------------------------------------------------------------- */
 
-/* Bytes of one padded row in scratch: every column a 16-byte load of qgemm_dw_avx2 reaches. */
-static size_t dw_row_bytes(const QGemmDw *d) {
-    const size_t cols = ((size_t)d->ow_n + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
-    return cols * (size_t)d->sw + 2 * (((size_t)d->w->kw + 1) / 2) + 17;
-}
-
 /* The weight pair of kernel row r, columns 2 p and 2 p + 1 (0 past kw) of channel oc: two int16 in an int32, the
  * operand of vpmaddwd against two consecutive codes. */
 static inline int32_t dw_pair(const QGemmPackedDw *w, int oc, int r, int p) {
@@ -342,71 +336,134 @@ QA_TARGET QA_INLINE void dw_store8(float *out, __m256i sum, __m256i corr, __m256
     else if (n > 0) _mm256_maskstore_ps(out, lane_mask8(n), y);
 }
 
-/* The depthwise kernel for strides 1 and 2 across (qgemm_dw_avx2 checks): each padded input row once into
- * scratch (a_zero outside the input: its terms cancel in the correction), then per output channel and row,
- * vpmaddwd of 16 codes (as int16) against a kernel row's weight pair (2 p, 2 p + 1) broadcast: lane j sums the
- * codes at 2 j + 2 p and 2 j + 2 p + 1 from the load's start. Stride 2 starts at 2 o0: lane j is output o0 + j,
- * 8 outputs a load. Stride 1 needs two loads a pair, at o0 and o0 + 1, for the even and the odd outputs of 16,
- * interleaved at the end. The sums wrap like the portable kernel's and the correction is a_zero times the
- * channel's weight sum. */
+/* Chunk j (16 padded columns from 16 j) of every padded row of an input row: lane l takes byte l - lo of a 16-byte
+ * load at the chunk's first column inside the input, where lo <= l < hi, else a_zero. */
+typedef struct {
+    long lo, hi;
+    __m128i ctl, outside; /* the shuffle's control (negative: zero); the lanes outside, all ones */
+} DwChunk;
+
+QA_TARGET static DwChunk dw_chunk(const QGemmDw *d, size_t j) {
+    const long c0 = (long)j - d->pad_l; /* the input column of lane 0 */
+    DwChunk k = {.lo = c0 < 0 ? -c0 : 0, .hi = d->in_w - c0 < 16 ? d->in_w - c0 : 16};
+    if (k.hi <= k.lo) return k; /* no lane inside: not loaded */
+    const __m128i lane = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i in = _mm_andnot_si128(_mm_cmpgt_epi8(_mm_set1_epi8((char)k.lo), lane),
+                                        _mm_cmpgt_epi8(_mm_set1_epi8((char)k.hi), lane)); /* lo <= l < hi */
+    k.outside = _mm_xor_si128(in, _mm_set1_epi8(-1));
+    k.ctl = _mm_or_si128(_mm_and_si128(in, _mm_sub_epi8(lane, _mm_set1_epi8((char)k.lo))), k.outside); /* -1: zero */
+    return k;
+}
+
+/* The padded rows as int16 (rows, w16), a_zero outside the input: each chunk of 16 values from one 16-byte load
+ * of the input row, a byte shuffle and one widening, stored whole so that the products' loads can follow the
+ * stores. A load that would pass the end of act goes through a copy. */
+QA_TARGET static void dw_rows16(int16_t *rows16, const QGemmDw *d, size_t rows, size_t w16) {
+    enum { CHUNKS_MAX = 16 };
+    const __m256i fill = _mm256_set1_epi16((short)d->a_zero);
+    const __m128i fill8 = _mm_set1_epi8((char)d->a_zero);
+    const size_t n_act = (size_t)d->in_h * d->in_w, nc = w16 / 16;
+    DwChunk ck[CHUNKS_MAX];
+    for (size_t c = 0; c < nc && c < CHUNKS_MAX; c++) ck[c] = dw_chunk(d, 16 * c);
+    for (size_t r = 0; r < rows; r++) {
+        int16_t *dst = rows16 + r * w16;
+        const long ih = (long)r - d->pad_t;
+        for (size_t c = 0; c < nc; c++) {
+            const DwChunk k = c < CHUNKS_MAX ? ck[c] : dw_chunk(d, 16 * c);
+            if (ih < 0 || ih >= d->in_h || k.hi <= k.lo) {
+                _mm256_store_si256((__m256i *)(void *)(dst + 16 * c), fill);
+                continue;
+            }
+            const size_t at = (size_t)ih * d->in_w + (size_t)(16 * (long)c - d->pad_l + k.lo); /* lane lo's byte */
+            __m128i x;
+            if (at + 16 <= n_act) {
+                x = _mm_loadu_si128((const __m128i *)(const void *)(d->act + at));
+            } else {
+                uint8_t t[16] = {0};
+                memcpy(t, d->act + at, (size_t)(k.hi - k.lo));
+                x = _mm_loadu_si128((const __m128i *)(const void *)t);
+            }
+            const __m128i b = _mm_or_si128(_mm_shuffle_epi8(x, k.ctl), _mm_and_si128(k.outside, fill8));
+            _mm256_store_si256((__m256i *)(void *)(dst + 16 * c), _mm256_cvtepu8_epi16(b));
+        }
+    }
+}
+
+/* One output row of channel oc at stride 1 across, 16 outputs from o0: vpmaddwd of 16 codes against a kernel row's
+ * weight pair (2 p, 2 p + 1) broadcast, at o0 + 2 p for the even outputs and o0 + 2 p + 1 for the odd ones (lane j
+ * sums the codes at 2 j + 2 p and 2 j + 2 p + 1 from the load's start), interleaved at the end. */
+QA_TARGET QA_INLINE void dw_s1_16(const int16_t *top, size_t w16, const int32_t *pairs, const int KH, const int KP,
+                                  int o0, float *o, int n, __m256i corr, __m256 sc, __m256 bi, bool relu) {
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int t = 0; t < KH * KP; t++) {
+        const int16_t *at = top + (size_t)(t / KP) * w16 + o0 + 2 * (t % KP);
+        const __m256i wp = _mm256_set1_epi32(pairs[t]);
+        even = _mm256_add_epi32(even, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)at), wp));
+        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(at + 1)), wp));
+    }
+    /* outputs 0 2 4 6 8 10 12 14 and 1 3 ... 15: unpacking gives 0 1 2 3 | 8 9 10 11 and 4 5 6 7 | 12 13 14 15 */
+    const __m256i lo = _mm256_unpacklo_epi32(even, odd), hi = _mm256_unpackhi_epi32(even, odd);
+    dw_store8(o, _mm256_permute2x128_si256(lo, hi, 0x20), corr, sc, bi, relu, n);
+    dw_store8(o + 8, _mm256_permute2x128_si256(lo, hi, 0x31), corr, sc, bi, relu, n - 8);
+}
+
+/* The same at stride 2 across, 8 outputs from o0: lane j is output o0 + j, its codes at 2 (o0 + j) + 2 p. */
+QA_TARGET QA_INLINE void dw_s2_8(const int16_t *top, size_t w16, const int32_t *pairs, const int KH, const int KP,
+                                 int o0, float *o, int n, __m256i corr, __m256 sc, __m256 bi, bool relu) {
+    __m256i acc = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int t = 0; t < KH * KP; t++) {
+        const int16_t *at = top + (size_t)(t / KP) * w16 + 2 * (size_t)o0 + 2 * (t % KP);
+        const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)at),
+                                            _mm256_set1_epi32(pairs[t]));
+        if (t & 1) acc2 = _mm256_add_epi32(acc2, m);
+        else acc = _mm256_add_epi32(acc, m);
+    }
+    dw_store8(o, _mm256_add_epi32(acc, acc2), corr, sc, bi, relu, n);
+}
+
+/* Channel oc's outputs (KH, KP constants where the caller knows them). */
+QA_TARGET QA_INLINE void dw_channel(const QGemmDw *d, const int16_t *rows16, size_t w16, const int32_t *pairs,
+                                    int oc, float *out, const int KH, const int KP) {
+    const __m256i corr = _mm256_set1_epi32((int32_t)((uint32_t)d->a_zero * (uint32_t)d->w->sum[oc]));
+    const __m256 sc = _mm256_set1_ps(d->scale[oc]), bi = _mm256_set1_ps(d->bias ? d->bias[oc] : 0.0f);
+    const int oh_n = d->oh_n, ow_n = d->ow_n;
+    const bool relu = d->relu;
+    const size_t step = (size_t)d->sh * w16;
+    const int16_t *top = rows16; /* the window's first padded row */
+    for (int oh = 0; oh < oh_n; oh++, top += step, out += ow_n) {
+        if (d->sw == 2)
+            for (int o0 = 0; o0 < ow_n; o0 += 8) dw_s2_8(top, w16, pairs, KH, KP, o0, out + o0, ow_n - o0, corr, sc, bi,
+                                                          relu);
+        else
+            for (int o0 = 0; o0 < ow_n; o0 += 16) dw_s1_16(top, w16, pairs, KH, KP, o0, out + o0, ow_n - o0, corr, sc,
+                                                            bi, relu);
+    }
+}
+
+/* The depthwise kernel for strides 1 and 2 across: the padded input rows once as int16 (a_zero outside the input:
+ * its terms cancel in the correction, a_zero times the channel's weight sum), each channel's weight pairs once,
+ * then per output row and 16 (stride 1) or 8 (stride 2) outputs the products above. The sums wrap like the
+ * portable kernel's. */
 QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
     const QGemmPackedDw *w = d->w;
     const int KH = w->kh, KP = (w->kw + 1) / 2;
-    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, width = dw_row_bytes(d);
-    /* past stride 2 the codes of one output's pair are not where a lane meets them; the padded rows fit in
-     * qgemm_dw_scratch's bytes for any kernel (16 output columns at least), checked all the same */
-    if (d->sw > 2 || rows * width > qgemm_dw_scratch(w, d->oh_n, d->ow_n, d->sh)) {
+    if (d->sw > 2) { /* past stride 2 the codes of one output's pair are not where a lane meets them */
         qgemm_dw_portable(d);
         return;
     }
-    uint8_t *pad = (uint8_t *)d->scratch; /* (rows, width) */
-    for (size_t r = 0; r < rows; r++) {
-        uint8_t *dst = pad + r * width;
-        memset(dst, d->a_zero, width);
-        const long ih = (long)r - d->pad_t;
-        if (ih < 0 || ih >= d->in_h) continue;
-        const long x0 = d->pad_l > 0 ? d->pad_l : 0;
-        const long x1 = (long)d->pad_l + d->in_w < (long)width ? (long)d->pad_l + d->in_w : (long)width;
-        if (x1 > x0) memcpy(dst + x0, d->act + (size_t)ih * d->in_w + (x0 - d->pad_l), (size_t)(x1 - x0));
-    }
+    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, w16 = qgemm_dw_avx2_width(w, d->ow_n, d->sw);
+    int16_t *rows16 = (int16_t *)(void *)d->scratch;        /* (rows, w16) */
+    int32_t *pairs = (int32_t *)(void *)(rows16 + rows * w16); /* [KH * KP] */
+    dw_rows16(rows16, d, rows, w16);
     for (int i = 0; i < d->n_oc; i++) {
         const int oc = d->oc0 + i;
+        for (int r = 0; r < KH; r++)
+            for (int p = 0; p < KP; p++) pairs[r * KP + p] = dw_pair(w, oc, r, p);
         float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
-        const __m256i corr = _mm256_set1_epi32((int32_t)((uint32_t)d->a_zero * (uint32_t)w->sum[oc]));
-        const __m256 sc = _mm256_set1_ps(d->scale[oc]), bi = _mm256_set1_ps(d->bias ? d->bias[oc] : 0.0f);
-        for (int oh = 0; oh < d->oh_n; oh++) {
-            const uint8_t *top = pad + (size_t)oh * d->sh * width; /* the window's first padded row */
-            float *o = out + (size_t)oh * d->ow_n;
-            if (d->sw == 2) {
-                for (int o0 = 0; o0 < d->ow_n; o0 += 8) {
-                    __m256i acc = _mm256_setzero_si256();
-                    for (int r = 0; r < KH; r++)
-                        for (int p = 0; p < KP; p++) {
-                            const __m128i *at = (const __m128i *)(top + (size_t)r * width + 2 * (size_t)o0 + 2 * p);
-                            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(at));
-                            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(dw_pair(w, oc, r, p))));
-                        }
-                    dw_store8(o + o0, acc, corr, sc, bi, d->relu, d->ow_n - o0);
-                }
-                continue;
-            }
-            for (int o0 = 0; o0 < d->ow_n; o0 += 16) {
-                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-                for (int r = 0; r < KH; r++)
-                    for (int p = 0; p < KP; p++) {
-                        const uint8_t *at = top + (size_t)r * width + (size_t)o0 + 2 * p;
-                        const __m256i wp = _mm256_set1_epi32(dw_pair(w, oc, r, p));
-                        const __m256i a0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at));
-                        const __m256i a1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + 1)));
-                        even = _mm256_add_epi32(even, _mm256_madd_epi16(a0, wp));
-                        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(a1, wp));
-                    }
-                /* outputs 0 1 2 3 | 8 9 10 11 and 4 5 6 7 | 12 13 14 15, then in order */
-                const __m256i lo = _mm256_unpacklo_epi32(even, odd), hi = _mm256_unpackhi_epi32(even, odd);
-                dw_store8(o + o0, _mm256_permute2x128_si256(lo, hi, 0x20), corr, sc, bi, d->relu, d->ow_n - o0);
-                dw_store8(o + o0 + 8, _mm256_permute2x128_si256(lo, hi, 0x31), corr, sc, bi, d->relu, d->ow_n - o0 - 8);
-            }
-        }
+        if (KH == 3 && KP == 2) dw_channel(d, rows16, w16, pairs, oc, out, 3, 2); /* 3x3: unrolled */
+        else dw_channel(d, rows16, w16, pairs, oc, out, KH, KP);
     }
 }
 

@@ -28,8 +28,10 @@ void qgemm_dense_avx2(const QGemmDense *d, int row0, int row1, int p0, int p1);
 void qgemm_dense_avxvnni(const QGemmDense *d, int row0, int row1, int p0, int p1);
 void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_taps_avxvnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
-/* Depthwise for both 256-bit families (vpmaddwd); strides past 2 across run the portable kernel. */
+/* Depthwise for both 256-bit families (vpmaddwd); strides past 2 across run the portable kernel. Its padded rows
+ * are qgemm_dw_avx2_width int16 values (a multiple of 16); qgemm_dw_scratch counts them at stride 2. */
 void qgemm_dw_avx2(const QGemmDw *d);
+size_t qgemm_dw_avx2_width(const QGemmPackedDw *w, int ow_n, int sw);
 bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                               const QGemmCodes *c);
