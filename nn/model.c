@@ -559,6 +559,17 @@ static ConvFusion model_fusable_layers(const Model *m, int i) {
     return (f.n = j - i, f);
 }
 
+/* The module that alone reads module e's output, for Tape.handoff: in a forward without gradients whose outputs
+ * are not kept, a later module whose one input it is; else NULL (no reader, several, the model's output, or a
+ * merge). */
+static const Module *handoff_reader(const Model *m, const Tape *t, int e) {
+    if (t->grad_enabled || m->keep_outputs || e + 1 >= m->n_modules || m->modules[e].n_consumers != 1) return NULL;
+    for (int k = e + 1; k < m->n_modules; k++)
+        for (int q = 0; q < m->modules[k].n_inputs; q++)
+            if (m->modules[k].inputs[q] == e) return m->modules[k].n_inputs == 1 ? &m->modules[k] : NULL;
+    return NULL;
+}
+
 Var *model_forward(Model *m, Tape *t, Var *x) {
     if (!x) return NULL;
     bool fits = x->value.ndim == m->input_ndim + 1;
@@ -580,9 +591,11 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
         const ConvFusion f = model_fusable_layers(m, i);
         if (f.n > 1) {
             Var *in = outs[1 + mod->inputs[0]];
+            t->handoff = handoff_reader(m, t, i + f.n - 1);
             Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, f.bias, f.epi)
                                        : nn_conv2d_fused(t, in, &mod->weight->var, f.bias, mod->spec.stride,
                                                          mod->spec.padding, f.epi);
+            t->handoff = NULL;
             if (!y && !tape_ok(t)) return NULL;
             if (y) {
                 for (int q = i; q < i + f.n - 1; q++) outs[1 + q] = NULL; /* never made */
@@ -594,7 +607,10 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
             }
             /* the hook declined: run it and the layers after it one by one */
         }
-        if (!model_step(m, t, i, outs)) return NULL;
+        t->handoff = handoff_reader(m, t, i);
+        Var *y = model_step(m, t, i, outs);
+        t->handoff = NULL;
+        if (!y) return NULL;
         if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
         else if (!m->keep_outputs) model_graph_train_memory(m, t, i, false);
     }

@@ -94,6 +94,9 @@ struct Tape {
     void *free_grads;   /* arena float buffers no one reads any more (dead gradients in the backward,
                            dead activations of a pass without gradients), for the next tape_grad or
                            tape_new_var to take: a list threaded through the buffers themselves */
+    const struct Module *handoff; /* set by model_forward while an op runs whose output one module alone reads
+                                     (a forward without gradients): that module, whose hook may take the output as
+                                     its input codes (Var.codes); else NULL */
     QtError err;        /* first error since the last reset */
 };
 

@@ -18,6 +18,15 @@ typedef struct {
     int shape[TENSOR_MAX_DIMS];   /* shape[0..ndim-1]; unused dims are 1 */
 } Tensor;
 
+/* The int8 hand-off (quant/qlayer_int8.c): an output made only as the input codes of its one reader, an int8
+ * layer, u = rint(clamp(x / s, lo, hi)) + zero for every value x, one byte each in the value's layout. */
+typedef struct VarCodes {
+    const unsigned char *data; /* [numel]: the Var's own value buffer, whose 4 bytes a value leave at least 3 numel
+                                * bytes after the codes that a vector loop may read */
+    float s, lo, hi;
+    int zero;
+} VarCodes;
+
 /* A node of the autodiff graph. Parameters own their value and grad for the
  * whole run; every other Var lives in the step arena. */
 typedef struct Var {
@@ -30,6 +39,8 @@ typedef struct Var {
                             * value by the op that wrote it (batchnorm_plane_moments) for the batch norm reading it */
     const struct NnAffineRelu *view; /* or NULL: value.data is never written (NULL); the value is relu(an affine map
                             * of another Var), which the one reader that knows computes as it reads (nn/ops.h) */
+    const VarCodes *codes; /* or NULL: value.data holds the codes' bytes, not floats; only the one reader whose
+                            * input quantizer they are reads it (a forward without gradients, Tape.handoff) */
 } Var;
 
 size_t tensor_numel(const Tensor *t);

@@ -486,8 +486,24 @@ void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], cons
     }
 }
 
+void qgemm_interleave_u8x4_portable(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows,
+                                    int n) {
+    for (int h = 0; h < rows; h++)
+        for (int i = 0; i < n; i++) {
+            const size_t at = (size_t)h * lds + (size_t)i;
+            dst[(size_t)h * ldd + (size_t)i] = (uint32_t)src[0][at] | (uint32_t)src[1][at] << 8 |
+                                               (uint32_t)src[2][at] << 16 | (uint32_t)src[3][at] << 24;
+        }
+}
+
+void qgemm_interleave_u8x4(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows, int n) {
+    if (qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_interleave_u8x4_avx2(dst, ldd, src, lds, rows, n);
+    else qgemm_interleave_u8x4_portable(dst, ldd, src, lds, rows, n);
+}
+
 void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n, int stride) {
     if (stride == 2 && qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_gather_u8x4_s2_avx2(dst, src, step, rows, n);
+    else if (stride == 1 && qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_gather_u8x4_s1_avx2(dst, src, step, rows, n);
     else qgemm_gather_u8x4_portable(dst, src, step, rows, n, stride);
 }
 

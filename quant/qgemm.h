@@ -265,11 +265,19 @@ bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], siz
 bool qgemm_quantize_u8x4_portable(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                                   const QGemmCodes *c);
 
+/* qgemm_quantize_u8x4 from codes: four byte planes' rows to the taps kernels' dwords, for h < rows, i < n,
+ *   dst[h * ldd + i] = s0[h * lds + i] | s1[...] << 8 | s2[...] << 16 | s3[...] << 24,  sk = src[k].
+ * Writes those dwords only; may read up to 15 bytes past each source row's n-th byte. */
+void qgemm_interleave_u8x4(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows, int n);
+void qgemm_interleave_u8x4_portable(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows,
+                                    int n);
+
 /* Four strided byte sources to the taps kernels' dwords (a strided conv's im2col, "cols"), rows of n: for h < rows,
  * i < n, with s_k = src[k] + h * step[k] and at = i * stride,
  *   dst[h * n + i] = s_0[at] | s_1[at] << 8 | s_2[at] << 16 | s_3[at] << 24.
  * Writes dst[0, rows * n) only; may read up to QGEMM_GATHER_SLACK bytes past a row's last byte (the caller's
- * buffer has them). The AVX2 families take stride 2 sixteen dwords at a time; the rest is the portable loop. */
+ * buffer has them). The AVX2 families take strides 1 and 2 sixteen dwords at a time; the rest is the portable
+ * loop. */
 #define QGEMM_GATHER_SLACK 64
 void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n, int stride);
 void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n,

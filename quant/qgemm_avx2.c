@@ -543,30 +543,48 @@ QA_TARGET QA_INLINE __m128i even16(const uint8_t *src) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(v, 0xd8));
 }
 
-/* Sixteen dwords at a time: the four sources' even bytes interleaved as qgemm_s8_pack_nn_vnni interleaves its rows;
- * a row's last part of fewer than 16 through masked stores. */
+/* Sixteen dwords at a time (stride s): each source's 16 bytes (s 1) or its even bytes (s 2), interleaved as
+ * qgemm_s8_pack_nn_vnni interleaves its rows; a row's last part of fewer than 16 through masked stores. */
+QA_TARGET static inline __attribute__((always_inline)) void gather16(uint32_t *o, int left, const uint8_t *const s[4],
+                                                                     size_t at, const int stride) {
+    __m128i e[4];
+    for (int k = 0; k < 4; k++)
+        e[k] = stride == 1 ? _mm_loadu_si128((const __m128i *)(const void *)(s[k] + at)) : even16(s[k] + at);
+    const __m128i t01l = _mm_unpacklo_epi8(e[0], e[1]), t01h = _mm_unpackhi_epi8(e[0], e[1]);
+    const __m128i t23l = _mm_unpacklo_epi8(e[2], e[3]), t23h = _mm_unpackhi_epi8(e[2], e[3]);
+    const __m256i lo = _mm256_set_m128i(_mm_unpackhi_epi16(t01l, t23l), _mm_unpacklo_epi16(t01l, t23l));
+    const __m256i hi = _mm256_set_m128i(_mm_unpackhi_epi16(t01h, t23h), _mm_unpacklo_epi16(t01h, t23h));
+    if (left >= 16) {
+        _mm256_storeu_si256((__m256i *)(void *)o, lo);
+        _mm256_storeu_si256((__m256i *)(void *)(o + 8), hi);
+    } else {
+        _mm256_maskstore_epi32((int *)o, lane_mask8(left), lo);
+        if (left > 8) _mm256_maskstore_epi32((int *)(o + 8), lane_mask8(left - 8), hi);
+    }
+}
+
+QA_TARGET void qgemm_gather_u8x4_s1_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows,
+                                         int n) {
+    for (int h = 0; h < rows; h++) {
+        const uint8_t *s[4] = {src[0] + h * step[0], src[1] + h * step[1], src[2] + h * step[2], src[3] + h * step[3]};
+        for (int i = 0; i < n; i += 16) gather16(dst + (size_t)h * n + i, n - i, s, (size_t)i, 1);
+    }
+}
+
+QA_TARGET void qgemm_interleave_u8x4_avx2(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds,
+                                          int rows, int n) {
+    for (int h = 0; h < rows; h++) {
+        const size_t at = (size_t)h * lds;
+        const uint8_t *s[4] = {src[0] + at, src[1] + at, src[2] + at, src[3] + at};
+        for (int i = 0; i < n; i += 16) gather16(dst + (size_t)h * ldd + i, n - i, s, (size_t)i, 1);
+    }
+}
+
 QA_TARGET void qgemm_gather_u8x4_s2_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows,
                                          int n) {
     for (int h = 0; h < rows; h++) {
-        const uint8_t *s0 = src[0] + h * step[0], *s1 = src[1] + h * step[1];
-        const uint8_t *s2 = src[2] + h * step[2], *s3 = src[3] + h * step[3];
-        uint32_t *d = dst + (size_t)h * n;
-        for (int i = 0; i < n; i += 16) {
-            const size_t at = 2 * (size_t)i;
-            const __m128i e0 = even16(s0 + at), e1 = even16(s1 + at), e2 = even16(s2 + at), e3 = even16(s3 + at);
-            const __m128i t01l = _mm_unpacklo_epi8(e0, e1), t01h = _mm_unpackhi_epi8(e0, e1);
-            const __m128i t23l = _mm_unpacklo_epi8(e2, e3), t23h = _mm_unpackhi_epi8(e2, e3);
-            const __m256i lo = _mm256_set_m128i(_mm_unpackhi_epi16(t01l, t23l), _mm_unpacklo_epi16(t01l, t23l));
-            const __m256i hi = _mm256_set_m128i(_mm_unpackhi_epi16(t01h, t23h), _mm_unpacklo_epi16(t01h, t23h));
-            uint32_t *o = d + i;
-            if (n - i >= 16) {
-                _mm256_storeu_si256((__m256i *)(void *)o, lo);
-                _mm256_storeu_si256((__m256i *)(void *)(o + 8), hi);
-            } else {
-                _mm256_maskstore_epi32((int *)o, lane_mask8(n - i), lo);
-                if (n - i > 8) _mm256_maskstore_epi32((int *)(o + 8), lane_mask8(n - i - 8), hi);
-            }
-        }
+        const uint8_t *s[4] = {src[0] + h * step[0], src[1] + h * step[1], src[2] + h * step[2], src[3] + h * step[3]};
+        for (int i = 0; i < n; i += 16) gather16(dst + (size_t)h * n + i, n - i, s, 2 * (size_t)i, 2);
     }
 }
 
@@ -592,6 +610,12 @@ bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4]
 }
 void qgemm_gather_u8x4_s2_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n) {
     qgemm_gather_u8x4_portable(dst, src, step, rows, n, 2);
+}
+void qgemm_gather_u8x4_s1_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n) {
+    qgemm_gather_u8x4_portable(dst, src, step, rows, n, 1);
+}
+void qgemm_interleave_u8x4_avx2(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows, int n) {
+    qgemm_interleave_u8x4_portable(dst, ldd, src, lds, rows, n);
 }
 
 #endif

@@ -52,7 +52,10 @@
  * numbers it always did. The weight is packed into the kernels' layout
  * once, on the first int8 forward (or by qlayer_int8_prepare), and kept
  * until qlayer_free or qlayer_int8_release. Work is split over the step's
- * thread pool (base/parallel.h). */
+ * thread pool (base/parallel.h). An int8 conv2d whose output one int8
+ * conv2d alone reads hands it over as that reader's input codes
+ * (qlayer_int8.h, qlayer_int8_handoff): the same codes, never stored as
+ * floats. */
 #ifndef QTRAIN_QUANT_QLAYER_H
 #define QTRAIN_QUANT_QLAYER_H
 

@@ -45,6 +45,17 @@
  * Depthwise (qlayer_int8_conv_dw): the relu in its kernel, the max pool
  * over an input channel's relu'd outputs in scratch.
  *
+ * Hand-off. In a forward without gradients, model_forward names the module
+ * that alone reads an op's output (Tape.handoff). When the op is an int8
+ * conv2d and that reader one too (qlayer_int8_reads_codes), the op writes
+ * each image's output into its thread's scratch and quantizes it there with
+ * the reader's quantizer into its output Var's buffer (Var.codes: bytes, not
+ * floats); the reader takes the codes in place of quantizing: depthwise as
+ * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and
+ * cols copied. The same codes, so the same bits; the float output is never
+ * written to memory and read back. A non-finite output is then the
+ * producer's error, naming it.
+ *
  * Scratch (codes, planes, output vector tables) comes from the tape's
  * arena; the packed weight is allocated once (qlayer_int8_prepare). */
 #include "qlayer_int8.h"
@@ -296,16 +307,16 @@ QtStatus qlayer_int8_prepare(QLayer *q, QtError *err) {
 
 /* The static range as codes (s, lo, hi: fake quantization's scale and clamp bounds in code units, zero point
  * applied; zero: a_zero, the byte of the value 0), checked as fake quantization checks a given scale and zero point. */
-static bool act_codes(Tape *t, const QLayer *q, QGemmCodes *a) {
+static bool act_codes_err(const QLayer *q, QGemmCodes *a, QtError *err) {
     const QType *at = q->spec.act_qtype;
     float s = q->act_scale, zp = q->spec.act_symmetric ? 0.0f : q->act_zero_point;
     if (!(s > 0.0f) || isinf(s)) {
-        qt_error_set(&t->err, QT_ERR_VALUE, "%s: the static input scale is %g; it must be a finite number > 0 "
+        qt_error_set(err, QT_ERR_VALUE, "%s: the static input scale is %g; it must be a finite number > 0 "
                      "(calibrate again)", q->module->path, (double)s);
         return false;
     }
     if (!(zp >= (float)at->qmin && zp <= (float)at->qmax) || zp != rintf(zp)) {
-        qt_error_set(&t->err, QT_ERR_VALUE, "%s: the static input zero point %g is not a whole number within %s's "
+        qt_error_set(err, QT_ERR_VALUE, "%s: the static input zero point %g is not a whole number within %s's "
                      "codes %d..%d (calibrate again)", q->module->path, (double)zp, at->name, at->qmin, at->qmax);
         return false;
     }
@@ -313,6 +324,8 @@ static bool act_codes(Tape *t, const QLayer *q, QGemmCodes *a) {
     fq_int_code_bounds(at, false, zp, &a->lo, &a->hi); /* layer_input fake-quantizes without a narrow range */
     return true;
 }
+
+static bool act_codes(Tape *t, const QLayer *q, QGemmCodes *a) { return act_codes_err(q, a, &t->err); }
 
 /* s_x * s_w[o] for every output channel -> arena [out]. */
 static float *out_scales(Tape *t, const QLayer *q, float sx) {
@@ -352,6 +365,61 @@ static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
             qt_error_set(&t->err, QT_ERR_VALUE, "fake_quant: the input holds a value that is not finite");
         return false;
     }
+    return true;
+}
+
+/* ---- the int8 hand-off ------------------------------------------------------------------------------------------ */
+
+bool qlayer_int8_handoff = true;
+
+bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, VarCodes *c) {
+    if (!qlayer_int8_handoff || !q || !q->module || q->module->spec.type != LAYER_CONV2D) return false;
+    const Var none = {0}; /* no gradient: the forward has none */
+    QGemmCodes a;
+    QtError err = {0};
+    if (!qlayer_int8_applies(t, q, &none, NULL) || !act_codes_err(q, &a, &err)) return false;
+    *c = (VarCodes){.s = a.s, .lo = a.lo, .hi = a.hi, .zero = a.zero};
+    return true;
+}
+
+/* The codes of an input x: its hand-off's, which must be q's own (the producer asked qlayer_int8_reads_codes). */
+static const uint8_t *input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a) {
+    const VarCodes *c = x->codes;
+    if (c->s == a->s && c->lo == a->lo && c->hi == a->hi && c->zero == a->zero) return c->data;
+    qt_error_set(&t->err, QT_ERR_ARG, "%s: the input's int8 codes were made for another quantizer (the hand-off "
+                 "between layers went wrong; set QTRAIN_INT8_KERNEL=float to run without it)", q->module->path);
+    return NULL;
+}
+
+/* The output Var of a producer handing off: its float buffer holds the codes. */
+static Var *handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *hand) {
+    Var *y = tape_new_var(t, ndim, shape);
+    VarCodes *c = y ? tape_alloc(t, sizeof *c) : NULL;
+    if (!c) return NULL;
+    *c = *hand;
+    c->data = (const unsigned char *)y->value.data;
+    y->codes = c;
+    return y;
+}
+
+/* One image's output, made in scratch (n floats), to its codes; false for a value that is not finite. */
+static bool handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, size_t n) {
+    return qgemm_quantize_u8(dst, y, n, hand->s, hand->lo, hand->hi, hand->zero);
+}
+
+/* After the tasks, bad[i] for image i: 1, an input value not finite (inputs_finite's message; never for codes
+ * handed over, whose values were checked where they were made); 2, an output value the reader's quantizer cannot
+ * code. */
+static bool checks_pass(Tape *t, const QLayer *q, const Var *x, const uint8_t *bad, int n) {
+    uint8_t in = 0;
+    for (int i = 0; i < n; i++) in |= bad[i] & 1;
+    if (in) return inputs_finite(t, x, bad, n);
+    for (int i = 0; i < n; i++)
+        if (bad[i]) {
+            qt_error_set(&t->err, QT_ERR_VALUE, "%s: image %d of the output holds a value that is not finite (NaN or "
+                         "infinity), which the next layer's int8 input cannot code", q->module->path, i);
+            return false;
+        }
     return true;
 }
 
@@ -407,11 +475,15 @@ typedef struct {
     size_t scratch;    /* bytes of one thread's scratch: cols' padded codes, the planes, kw4's bytes, the pool */
     size_t planes_at;  /* offset of the planes in it */
     size_t pool_at;    /* offset of the pool buffer in it */
-    const float *x;    /* (N, C, H, W) */
+    size_t out_at;     /* offset of the image's output in it, handing off */
+    const float *x;    /* (N, C, H, W), or NULL: */
+    const uint8_t *xc; /* (N, C, H, W) the input's codes (Var.codes) */
     QGemmCodes ac;
     QGemmTaps g;       /* act and out set per image */
+    const VarCodes *hand; /* or NULL: the output goes to yc as its reader's codes */
+    uint8_t *yc;       /* (N, OC, YH, YW) */
     uint8_t *work;     /* [pool threads * scratch] */
-    uint8_t *bad;      /* [N] */
+    uint8_t *bad;      /* [N] 1: an input value not finite; 2: an output value, handing off */
 } ConvJob;
 
 static void fill_dwords(uint32_t *p, size_t n, uint32_t v) {
@@ -437,16 +509,37 @@ static bool planes_ch4(uint32_t *pl, const float *x, const ConvJob *j) {
     return ok;
 }
 
+/* ch4 from the input's codes xc (C, H, W): the same planes, the 4 channels' bytes interleaved (channels past C read
+ * zrow, H W + 16 zero points). */
+static void planes_ch4_codes(uint32_t *pl, const uint8_t *xc, const uint8_t *zrow, const ConvJob *j) {
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    const int C = j->c.C, H = j->H, W = j->W, pad = j->pad, Wp = j->Wp;
+    for (int g = 0; g < j->c.groups; g++) {
+        uint32_t *p = pl + (size_t)g * j->plane;
+        fill_dwords(p, (size_t)pad * Wp + pad, fill);
+        for (int h = 0; h + 1 < H; h++) fill_dwords(p + (size_t)(h + pad) * Wp + pad + W, (size_t)(Wp - W), fill);
+        const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W;
+        fill_dwords(p + end, j->plane - end, fill);
+        const uint8_t *r[4];
+        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? xc + (size_t)(4 * g + k) * H * W : zrow;
+        if (Wp == W) qgemm_interleave_u8x4(p, 0, r, 0, 1, H * W); /* unpadded rows follow each other: one run */
+        else qgemm_interleave_u8x4(p + (size_t)pad * Wp + pad, (size_t)Wp, r, (size_t)W, H, W);
+    }
+}
+
 /* kw4: planes (C, plane), dword q = padded pixels q..q+3 of one channel; bytes: scratch of plane + 4. False for
  * a value of x (C, H, W) that is not finite. */
-static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const ConvJob *j) {
+static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const uint8_t *xc, const ConvJob *j) {
     const QGemmCodes *a = &j->ac;
     bool ok = true;
     for (int c = 0; c < j->c.C; c++) {
         memset(bytes, a->zero, j->plane + 4);
-        for (int h = 0; h < j->H; h++)
-            ok &= qgemm_quantize_u8(bytes + (size_t)(h + j->pad) * j->Wp + j->pad, x + ((size_t)c * j->H + h) * j->W,
-                                    (size_t)j->W, a->s, a->lo, a->hi, a->zero);
+        for (int h = 0; h < j->H; h++) {
+            uint8_t *row = bytes + (size_t)(h + j->pad) * j->Wp + j->pad;
+            const size_t at = ((size_t)c * j->H + h) * j->W;
+            if (xc) memcpy(row, xc + at, (size_t)j->W); /* codes handed over */
+            else ok &= qgemm_quantize_u8(row, x + at, (size_t)j->W, a->s, a->lo, a->hi, a->zero);
+        }
         uint32_t *p = pl + (size_t)c * j->plane;
         for (size_t q = 0; q < j->plane; q++) memcpy(p + q, bytes + q, 4); /* the kernels read the bytes in order */
     }
@@ -465,10 +558,11 @@ static size_t cols_padded_bytes(const ConvJob *j) { /* with the slack qgemm_gath
     return cols_zero_at(j) + (size_t)j->OW * j->stride + 1 + QGEMM_GATHER_SLACK;
 }
 
-static bool cols_pad(uint8_t *padded, uint8_t *codes, const float *x, const ConvJob *j) {
+static bool cols_pad(uint8_t *padded, uint8_t *codes, const float *x, const uint8_t *xc, const ConvJob *j) {
     const QGemmCodes *a = &j->ac;
     const int PW = j->W + 2 * j->pad;
-    const bool ok = qgemm_quantize_u8(codes, x, (size_t)j->c.C * j->H * j->W, a->s, a->lo, a->hi, a->zero);
+    const bool ok = xc || qgemm_quantize_u8(codes, x, (size_t)j->c.C * j->H * j->W, a->s, a->lo, a->hi, a->zero);
+    if (xc) codes = (uint8_t *)(uintptr_t)xc; /* codes handed over: only read */
     memset(padded, a->zero, cols_padded_bytes(j));
     for (int c = 0; c < j->c.C; c++)
         for (int h = 0; h < j->H; h++)
@@ -500,26 +594,33 @@ static void planes_cols(uint32_t *pl, const uint8_t *padded, const ConvJob *j) {
 static void conv_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     ConvJob *j = ctx;
-    const float *x = j->x + (size_t)n * j->c.C * j->H * j->W;                /* (C, H, W) */
+    const size_t in_img = (size_t)j->c.C * j->H * j->W;
+    const float *x = j->x ? j->x + (size_t)n * in_img : NULL;               /* (C, H, W), or */
+    const uint8_t *xc = j->xc ? j->xc + (size_t)n * in_img : NULL;           /* its codes */
     uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: the padded codes */
     uint32_t *planes = (uint32_t *)(codes + j->planes_at);                   /* (groups, plane) */
-    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4]; cols: (C, H, W) */
+    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4]; cols: (C, H, W);
+                                                                              * ch4 from codes: a row of zero points */
     float *pool = (float *)(codes + j->pool_at);                             /* pooling: [8][16 n_vec] */
-    bool ok;
-    if (j->c.mode == CONV_CH4) {
+    bool ok = true;
+    if (j->c.mode == CONV_CH4 && xc) {
+        memset(bytes, j->ac.zero, (size_t)j->H * j->W + 16);
+        planes_ch4_codes(planes, xc, bytes, j);
+    } else if (j->c.mode == CONV_CH4) {
         ok = planes_ch4(planes, x, j);
     } else if (j->c.mode == CONV_KW4) {
-        ok = planes_kw4(planes, bytes, x, j);
+        ok = planes_kw4(planes, bytes, x, xc, j);
     } else {
-        ok = cols_pad(codes, bytes, x, j);
+        ok = cols_pad(codes, bytes, x, xc, j);
         planes_cols(planes, codes, j);
     }
-    j->bad[n] = !ok;
     QGemmTaps g = j->g;
     g.act = (const uint8_t *)planes;
-    g.out = g.out + (size_t)n * j->out_img;
+    g.out = j->hand ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    const bool out_ok = !j->hand || handoff_image(j->hand, j->yc + (size_t)n * j->out_img, g.out, j->out_img);
+    j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
 /* Tap offsets, the output lanes of each vector and the scratch size. */
@@ -536,9 +637,11 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     size_t need = cols ? (size_t)n_vec * QGEMM_LANES : (size_t)j->Hp * j->Wp + (size_t)c->KW + 19;
     j->plane = (need + 15) / 16 * 16;
     j->planes_at = cols ? (cols_padded_bytes(j) + 63) / 64 * 64 : 0;
-    const size_t bytes = cols ? (size_t)c->C * j->H * j->W : j->plane + 4;
+    size_t bytes = cols ? (size_t)c->C * j->H * j->W : j->plane + 4;
+    if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
     j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
-    j->scratch = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
+    j->out_at = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
+    j->scratch = j->out_at + (j->hand ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
     int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
@@ -563,28 +666,34 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     return true;
 }
 
-Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi) {
+Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi,
+                            const VarCodes *hand) {
     const int threads = threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
     ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
-                 .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .x = x->value.data};
+                 .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
     if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac))) return NULL;
+    if (!x->codes) j.x = x->value.data;
     j.c = conv_shape(q);
     const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;
     const int YH = pool ? OH / 2 : OH, YW = pool ? OW / 2 : OW;
     j.g.epi = pool ? QGEMM_EPI_RELU_POOL2 : epi == CONV_EPI_RELU ? QGEMM_EPI_RELU : QGEMM_EPI_NONE;
-    Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, YH, YW});
+    const int shape[4] = {j.N, q->out, YH, YW};
+    if ((size_t)j.N * q->out * YH * YW < 16) j.hand = hand = NULL; /* the readers' vector loads need the slack */
+    Var *y = hand ? handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
     float *scale = out_scales(t, q, j.ac.s);
-    if (!y || !scale || !conv_plan(t, &j)) return NULL;
     j.out_img = (size_t)q->out * YH * YW;
+    if (!y || !scale || !conv_plan(t, &j)) return NULL;
     j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
+    j.yc = (uint8_t *)y->value.data;
     int8_run(threads, j.N, conv_task, &j);
-    return inputs_finite(t, x, j.bad, j.N) ? y : NULL;
+    return checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
 }
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
-    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE);
+    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL);
 }
 
 /* ---- depthwise conv2d ------------------------------------------------------------------------------------------ */
@@ -592,15 +701,18 @@ Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
 typedef struct {
     int N, C, H, W, M;   /* M: output channels per input channel (OC = M C) */
     int OH, OW, YH, YW;  /* the conv's output; y's (pooled or not) */
-    size_t scratch;      /* bytes of one thread's scratch: the image's codes, the kernel's dwords, the pool buffer */
-    size_t dwords_at, pool_at;
-    const float *x;      /* (N, C, H, W) */
+    size_t scratch;      /* bytes of one thread's scratch: the image's codes, the kernel's dwords, the pool buffer,
+                          * the image's output (handing off) */
+    size_t dwords_at, pool_at, out_at;
+    const float *x;      /* (N, C, H, W), or NULL: */
+    const uint8_t *xc;   /* (N, C, H, W) the input's codes (Var.codes) */
     float *y;            /* (N, OC, YH, YW) */
+    const VarCodes *hand; /* or NULL: y's buffer takes the output as its reader's codes */
     QGemmCodes ac;
     QGemmDw d;           /* act, out, oc0, scratch set per channel */
     bool pool;
     uint8_t *work;       /* [pool threads * scratch] */
-    uint8_t *bad;        /* [N] */
+    uint8_t *bad;        /* [N] as ConvJob's */
 } DwJob;
 
 /* y (M, OH/2, OW/2) = the 2x2 maxima of r (M, OH, OW), as nn_maxpool2d(2, 2). */
@@ -613,27 +725,32 @@ static void dw_pool(float *y, const float *r, const DwJob *j) {
         }
 }
 
-/* One image: its codes in one pass, then each input channel's M output channels (the kernel pads). */
+/* One image: its codes in one pass (or as handed over), then each input channel's M output channels (the kernel
+ * pads); handing off, the image's output in scratch, then its codes. */
 static void dw_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     DwJob *j = ctx;
-    const size_t plane = (size_t)j->H * j->W;
-    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* (C, H, W) */
-    float *pooled = (float *)(codes + j->pool_at);                            /* pooling: (M, OH, OW) */
+    const size_t plane = (size_t)j->H * j->W, out_img = (size_t)j->C * j->M * j->YH * j->YW;
+    uint8_t *work = j->work + (size_t)parallel_thread_index() * j->scratch;
+    float *pooled = (float *)(work + j->pool_at); /* pooling: (M, OH, OW) */
     const QGemmCodes *a = &j->ac;
-    j->bad[n] = !qgemm_quantize_u8(codes, j->x + (size_t)n * j->C * plane, (size_t)j->C * plane, a->s, a->lo, a->hi,
-                                   a->zero);
+    const uint8_t *codes = j->xc ? j->xc + (size_t)n * j->C * plane : work; /* (C, H, W) */
+    const bool in_ok = j->xc || qgemm_quantize_u8(work, j->x + (size_t)n * j->C * plane, (size_t)j->C * plane, a->s,
+                                                  a->lo, a->hi, a->zero);
+    float *y = j->hand ? (float *)(work + j->out_at) : j->y + (size_t)n * out_img; /* (OC, YH, YW) */
     QGemmDw d = j->d;
-    d.scratch = (uint32_t *)(codes + j->dwords_at);
+    d.scratch = (uint32_t *)(work + j->dwords_at);
     for (int c = 0; c < j->C; c++) {
-        float *yc = j->y + ((size_t)n * j->C + c) * j->M * j->YH * j->YW; /* (M, YH, YW) */
+        float *yc = y + (size_t)c * j->M * j->YH * j->YW; /* (M, YH, YW) */
         d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
         qgemm_dw(&d);
         if (j->pool) dw_pool(yc, pooled, j);
     }
+    const bool out_ok = !j->hand || handoff_image(j->hand, (uint8_t *)j->y + (size_t)n * out_img, y, out_img);
+    j->bad[n] = (uint8_t)((in_ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
-Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi) {
+Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi, const VarCodes *hand) {
     const Module *m = q->module;
     const ConvGeom2d *g = &m->geom;
     const int KH = q->w_shape[2], KW = q->w_shape[3];
@@ -649,7 +766,7 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
         return NULL;
     }
     DwJob j = {.N = x->value.shape[0], .C = g->groups, .H = x->value.shape[2], .W = x->value.shape[3],
-               .M = q->out / g->groups, .x = x->value.data, .pool = epi == CONV_EPI_RELU_MAXPOOL2};
+               .M = q->out / g->groups, .pool = epi == CONV_EPI_RELU_MAXPOOL2, .hand = hand};
     j.OH = conv_general_out_size(j.H, KH, g->stride_h, g->pad_h, g->pad_h + g->pad_h_extra, 1);
     j.OW = conv_general_out_size(j.W, KW, g->stride_w, g->pad_w, g->pad_w + g->pad_w_extra, 1);
     if (j.OH < (j.pool ? 2 : 1) || j.OW < (j.pool ? 2 : 1)) {
@@ -659,12 +776,17 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
         return NULL;
     }
     if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac))) return NULL;
+    if (!x->codes) j.x = x->value.data;
     const QGemmPackedDw *pw = &q->int8->dw;
     j.YH = j.pool ? j.OH / 2 : j.OH, j.YW = j.pool ? j.OW / 2 : j.OW;
     j.dwords_at = ((size_t)j.C * j.H * j.W + 63) / 64 * 64;
     j.pool_at = j.dwords_at + qgemm_dw_scratch(pw, j.OH, j.OW, g->stride_h);
-    j.scratch = j.pool_at + (j.pool ? ((size_t)j.M * j.OH * j.OW * sizeof(float) + 63) / 64 * 64 : 0);
-    Var *y = tape_new_var(t, 4, (const int[]){j.N, q->out, j.YH, j.YW});
+    j.out_at = j.pool_at + (j.pool ? ((size_t)j.M * j.OH * j.OW * sizeof(float) + 63) / 64 * 64 : 0);
+    j.scratch = j.out_at + (hand ? ((size_t)q->out * j.YH * j.YW * sizeof(float) + 63) / 64 * 64 : 0);
+    const int shape[4] = {j.N, q->out, j.YH, j.YW};
+    if ((size_t)j.N * q->out * j.YH * j.YW < 16) j.hand = hand = NULL; /* as in qlayer_int8_conv_fused */
+    Var *y = hand ? handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
     float *scale = out_scales(t, q, j.ac.s);
     j.work = tape_alloc(t, (size_t)parallel_get_threads() * j.scratch);
     j.bad = tape_alloc(t, (size_t)j.N);
@@ -674,5 +796,5 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
                     .sh = g->stride_h, .sw = g->stride_w, .w = pw, .n_oc = j.M, .a_zero = j.ac.zero, .scale = scale,
                     .bias = bias ? bias->value.data : NULL, .relu = epi != CONV_EPI_NONE};
     int8_run(threads_for((double)j.N * j.OH * j.OW * q->out * q->fan_in), j.N, dw_task, &j);
-    return inputs_finite(t, x, j.bad, j.N) ? y : NULL;
+    return checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
 }

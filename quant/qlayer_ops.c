@@ -402,6 +402,24 @@ static Var *conv_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
 
 /* ---- the layer --------------------------------------------------------------------------------------- */
 
+static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx);
+
+/* The int8 hand-off: the codes the one reader of this op's output takes (Tape.handoff), if it is a quantized
+ * layer on the int8 path from codes; else NULL. */
+static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
+    const Module *r = t->handoff;
+    if (!r || r->forward_hook != qlayer_hook) return NULL;
+    return qlayer_int8_reads_codes(t, r->hook_ctx, c) ? c : NULL;
+}
+
+/* Codes handed over reach only a layer on the int8 path (the producer asked); false, with the error, otherwise. */
+static bool codes_read(Tape *t, const QLayer *q, const Var *x) {
+    if (!x->codes) return true;
+    qt_error_set(&t->err, QT_ERR_ARG, "%s: the input came as int8 codes, but this layer does not take the int8 path "
+                 "(set QTRAIN_INT8_KERNEL=float to run without the hand-off)", q->module->path);
+    return false;
+}
+
 Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
     if (!t || !x) return NULL;
     if (!q || !q->module || !q->weight.qtype) {
@@ -419,10 +437,15 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
     if (qlayer_int8_applies(t, q, x, bias)) {
         /* nothing to record: the integer kernels (qlayer_int8.c) */
         int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution, or one channel per group */
-        if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE);
-        if (conv) return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv(t, q, x, bias, OH, OW) : NULL;
-        return dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
+        VarCodes c;
+        const VarCodes *hand = conv ? handoff_codes(t, &c) : NULL;
+        if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE, hand);
+        if (conv)
+            return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, hand)
+                                                 : NULL;
+        return codes_read(t, q, x) && dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
+    if (!codes_read(t, q, x)) return NULL;
     Var *xin = layer_input(t, q, x);
     if (!xin) return NULL;
     return conv ? conv_forward(t, q, xin, bias) : dense_forward(t, q, xin, bias);
@@ -451,18 +474,20 @@ static Var *qlayer_weight_hook(Tape *t, Module *m, void *ctx) {
 static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, ConvEpilogue epi) {
     QLayer *q = ctx;
     int OH = 0, OW = 0;
+    VarCodes c;
     if (!m->conv_plain) {
         /* one input channel per group on the int8 path: its kernel has the epilogues; any other geometry declines
            (nn_conv2d_fused is plain) */
         if (!qlayer_int8_applies(t, q, x, bias) || (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)))
             return NULL;
-        return qlayer_int8_conv_dw(t, q, x, bias, epi);
+        return qlayer_int8_conv_dw(t, q, x, bias, epi, handoff_codes(t, &c));
     }
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     if (qlayer_int8_applies(t, q, x, bias)) {
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;
-        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi);
+        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, handoff_codes(t, &c));
     }
+    if (!codes_read(t, q, x)) return NULL;
     Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
     return w && xin ? nn_conv2d_fused(t, xin, w, bias, m->spec.stride, m->spec.padding, epi) : NULL;
 }

@@ -1,0 +1,228 @@
+/* test_int8_handoff.c - the int8 hand-off between layers (qlayer_int8.h: an int8 conv2d whose output one int8
+ * conv2d alone reads makes that reader's input codes itself): a model whose every conv-to-conv edge hands off
+ * (into a depthwise conv, a 1x1 and a padded 3x3 conv on channel quads, a strided conv's columns, a conv of one
+ * input channel on column quads; from a plain conv, a conv with relu + max pool, a depthwise conv) gives logits
+ * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
+ * threads; which outputs are codes; the arena in the steady state; a NaN bias in a producer named in the error;
+ * and qgemm_gather_u8x4 at stride 1 and qgemm_interleave_u8x4 against their portable loops. The
+ * quant_int8_handoff suite. */
+#include <CUnit/CUnit.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/gemm.h"
+#include "quant/qgemm.h"
+#include "quant/qlayer.h"
+#include "quant/qlayer_int8.h"
+#include "test_qarray.h"
+#include "test_util.h"
+
+/* ---- qgemm_gather_u8x4 at stride 1 --------------------------------------------------------------------------- */
+
+static void test_gather_s1(void) {
+    static const int NS[] = {1, 7, 14, 16, 17, 31, 33, 196};
+    Rng r;
+    rng_init(&r, 5100, 0);
+    for (size_t c = 0; c < sizeof NS / sizeof *NS; c++)
+        for (int rows = 1; rows <= 3; rows++) {
+            const int n = NS[c];
+            const size_t len = (size_t)rows * (n + 5) + QGEMM_GATHER_SLACK;
+            uint8_t *src = malloc(4 * len);
+            for (size_t i = 0; i < 4 * len; i++) src[i] = (uint8_t)rng_below(&r, 256);
+            const uint8_t *s[4] = {src, src + len, src + 2 * len + 3, src + len}; /* one source twice */
+            const size_t step[4] = {(size_t)n + 5, (size_t)n, (size_t)n + 1, (size_t)n + 5};
+            uint32_t *want = malloc((size_t)rows * n * 4 + 64), *got = malloc((size_t)rows * n * 4 + 64);
+            memset(got, 0xAB, (size_t)rows * n * 4 + 64);
+            memset(want, 0xAB, (size_t)rows * n * 4 + 64);
+            qgemm_gather_u8x4_portable(want, s, step, rows, n, 1);
+            qgemm_gather_u8x4(got, s, step, rows, n, 1); /* nothing written past rows * n either */
+            CU_ASSERT(!memcmp(want, got, (size_t)rows * n * 4 + 64));
+            /* the interleave: rows n + 5 bytes apart, written n + 3 dwords apart (the dwords between untouched) */
+            const size_t ld = (size_t)n + 3, nd = (size_t)rows * ld + 16;
+            uint32_t *iw = malloc(nd * 4), *ig = malloc(nd * 4);
+            memset(iw, 0xCD, nd * 4), memset(ig, 0xCD, nd * 4);
+            qgemm_interleave_u8x4_portable(iw, ld, s, (size_t)n + 5, rows, n);
+            qgemm_interleave_u8x4(ig, ld, s, (size_t)n + 5, rows, n);
+            CU_ASSERT(!memcmp(iw, ig, nd * 4));
+            free(src), free(want), free(got), free(iw), free(ig);
+        }
+}
+
+/* ---- a model of hand-offs ------------------------------------------------------------------------------------ */
+
+enum { N = 3, C = 3, H = 12, W = 14, CLASSES = 5, N_Q = 7 };
+
+/* c1 -> dw (depthwise) -> pw (1x1, channel quads, one run) -> c4 (3x3 padded, quads by row) with relu + max pool ->
+ * c5 (stride 2: columns) -> c6 (two input channels, 5x5: column quads) -> pool -> fc. Every conv has a relu, and
+ * a bias that keeps some of its outputs above 0. */
+static const LayerSpec LS[] = {
+    {.type = LAYER_CONV2D, .name = "c1", .out_channels = 8, .kernel = 3, .stride = 1, .padding = 1},
+    {.type = LAYER_RELU},
+    {.type = LAYER_CONV2D, .name = "dw", .out_channels = 8, .kernel = 3, .padding = 1, .groups = 8},
+    {.type = LAYER_RELU},
+    {.type = LAYER_CONV2D, .name = "pw", .out_channels = 12, .kernel = 1},
+    {.type = LAYER_RELU},
+    {.type = LAYER_CONV2D, .name = "c4", .out_channels = 8, .kernel = 3, .padding = 1},
+    {.type = LAYER_RELU},
+    {.type = LAYER_MAXPOOL2D, .kernel = 2, .stride = 2},
+    {.type = LAYER_CONV2D, .name = "c5", .out_channels = 2, .kernel = 3, .stride = 2, .padding = 1},
+    {.type = LAYER_RELU},
+    {.type = LAYER_CONV2D, .name = "c6", .out_channels = 4, .kernel = 5, .padding = 2},
+    {.type = LAYER_RELU},
+    {.type = LAYER_GLOBALAVGPOOL},
+    {.type = LAYER_DENSE, .name = "fc", .units = CLASSES},
+};
+static const int QUANTIZED[N_Q] = {0, 2, 4, 6, 9, 11, 14};
+/* the outputs made as codes: the relus after c1, dw, pw, c5 and the pool after c4 (the modules' indices) */
+static const int CODES[] = {1, 3, 5, 8, 10};
+
+typedef struct {
+    Model m;
+    QLayer q[N_Q];
+    Arena a;
+    Tape t;
+    float *x;
+} Net;
+
+static void net_init(Net *n) {
+    QtError err = {0};
+    memset(n, 0, sizeof *n);
+    CU_ASSERT_EQUAL_FATAL(model_init(&n->m, 3, (const int[]){C, H, W}, LS, sizeof LS / sizeof *LS, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 5200, RNG_STREAM_INIT);
+    model_init_params(&n->m, &r);
+    for (int i = 0; i < N_Q; i++) {
+        Param *b = n->m.modules[QUANTIZED[i]].bias;
+        for (int k = 0; b && k < b->var.value.shape[0]; k++) b->var.value.data[k] = 0.05f * (float)(k % 3) + 0.02f;
+    }
+    n->x = qa_normal_sample(5201, N * C * H * W);
+    for (int i = 0; i < N_Q; i++) {
+        Module *mod = &n->m.modules[QUANTIZED[i]];
+        QLayerSpec s = qlayer_spec_default();
+        s.weight_qtype = qa_find("int8");
+        s.act_qtype = qa_find(i % 2 ? "uint8" : "int8"); /* signed symmetric and unsigned with zero points */
+        s.act_symmetric = i % 2 == 0;
+        if (i % 2) s.act_calib = (CalibSpec){.kind = CALIB_MINMAX, .s = 1.0};
+        CU_ASSERT_EQUAL_FATAL(qlayer_init_quantize(&n->q[i], mod, &s, mod->weight->var.value.data, &err), QT_OK);
+        param_release(mod->weight);
+        qlayer_install(&n->q[i]);
+        qlayer_calib_begin(&n->q[i]);
+    }
+    CU_ASSERT_FATAL(arena_init(&n->a, 4096) == 0);
+    CU_ASSERT_EQUAL_FATAL(tape_init(&n->t, &n->a, NULL, NULL), QT_OK);
+    n->t.grad_enabled = false, n->t.training = false;
+    CU_ASSERT_PTR_NOT_NULL_FATAL(model_forward(&n->m, &n->t, tape_wrap(&n->t, n->x, 4, (const int[]){N, C, H, W})));
+    for (int i = 0; i < N_Q; i++) CU_ASSERT_EQUAL_FATAL(qlayer_calib_end(&n->q[i], &err), QT_OK);
+}
+
+static void net_free(Net *n) {
+    free(n->x);
+    tape_free(&n->t);
+    arena_free(&n->a);
+    for (int i = 0; i < N_Q; i++) qlayer_free(&n->q[i]);
+    model_free(&n->m);
+}
+
+/* The logits into y, with or without the hand-off; false if the forward failed. */
+static bool net_logits(Net *n, bool handoff, float *y) {
+    tape_reset(&n->t);
+    qlayer_int8_handoff = handoff;
+    Var *out = model_forward(&n->m, &n->t, tape_wrap(&n->t, n->x, 4, (const int[]){N, C, H, W}));
+    qlayer_int8_handoff = true;
+    if (out) memcpy(y, out->value.data, N * CLASSES * sizeof *y);
+    return out != NULL;
+}
+
+/* Whether module i's output came as codes. */
+static bool is_codes(const Net *n, int i) { return n->m.outs[1 + i] && n->m.outs[1 + i]->codes; }
+
+/* On each family and the portable kernels, 1 and 2 threads: the same logits with and without the hand-off, the
+ * expected outputs as codes (and none without it). */
+static void test_handoff_same_logits(void) {
+    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
+    Net n;
+    net_init(&n);
+    int ran = 0;
+    for (int f = -1; f < 4; f++) {
+        if (f >= 0 && !qgemm_cpu_has_isa(FAMILIES[f])) continue;
+        qgemm_force_portable = f < 0, qgemm_force_isa = f < 0 ? -1 : (int)FAMILIES[f];
+        for (int threads = 1; threads <= 2; threads++) {
+            gemm_set_threads(threads);
+            qlayer_int8_parallel_min_macs = threads > 1 ? 0.0 : 4e6;
+            float with[N * CLASSES], without[N * CLASSES];
+            CU_ASSERT_FATAL(net_logits(&n, false, without));
+            for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(!is_codes(&n, CODES[k]));
+            CU_ASSERT_FATAL(net_logits(&n, true, with));
+            for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(is_codes(&n, CODES[k]));
+            CU_ASSERT(!is_codes(&n, 12) && !is_codes(&n, 13)); /* c6's read by the pool, the pool's by fc */
+            const bool same = !memcmp(with, without, sizeof with);
+            if (!same) fprintf(stderr, "\n  family %d, %d threads: the hand-off changed the logits\n", f, threads);
+            CU_ASSERT(same);
+            ran++;
+        }
+    }
+    qgemm_force_portable = false, qgemm_force_isa = -1;
+    gemm_set_threads(1);
+    qlayer_int8_parallel_min_macs = 4e6;
+    CU_ASSERT(ran >= 2);
+    /* the logits differ between images: the codes of every layer reach them */
+    float y[N * CLASSES];
+    CU_ASSERT_FATAL(net_logits(&n, true, y));
+    CU_ASSERT(memcmp(y, y + CLASSES, CLASSES * sizeof *y) != 0 && memcmp(y, y + 2 * CLASSES, CLASSES * sizeof *y));
+    /* the float path is another computation: the comparison above is not vacuous */
+    float fl[N * CLASSES], i8[N * CLASSES];
+    CU_ASSERT_FATAL(net_logits(&n, true, i8));
+    qlayer_int8_disable = true;
+    CU_ASSERT_FATAL(net_logits(&n, true, fl));
+    qlayer_int8_disable = false;
+    CU_ASSERT(memcmp(fl, i8, sizeof fl) != 0);
+    ASSERT_ALL_CLOSE(i8, fl, (size_t)(N * CLASSES), 2e-3, 2e-3);
+    net_free(&n);
+}
+
+/* Steps with the hand-off take no more arena than the first. */
+static void test_handoff_steady_state(void) {
+    Net n;
+    net_init(&n);
+    float first[N * CLASSES], y[N * CLASSES];
+    CU_ASSERT_FATAL(net_logits(&n, true, first));
+    const size_t grown = n.a.grow_count;
+    for (int step = 0; step < 3; step++) {
+        CU_ASSERT_FATAL(net_logits(&n, true, y));
+        CU_ASSERT(!memcmp(first, y, sizeof y));
+    }
+    CU_ASSERT_EQUAL(n.a.grow_count, grown);
+    net_free(&n);
+}
+
+/* A producer whose output is not finite (an infinite bias in pw: its relu keeps it, as a NaN it would make 0): the
+ * forward fails, with the hand-off naming pw, without it where the reader quantizes, and works again with the
+ * bias restored. */
+static void test_handoff_nonfinite(void) {
+    Net n;
+    net_init(&n);
+    Param *b = n.m.modules[4].bias;
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    const float keep = b->var.value.data[1];
+    b->var.value.data[1] = INFINITY;
+    float y[N * CLASSES];
+    CU_ASSERT_FALSE(net_logits(&n, true, y));
+    CU_ASSERT_PTR_NOT_NULL(strstr(n.t.err.msg, "pw"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(n.t.err.msg, "not finite"));
+    CU_ASSERT_FALSE(net_logits(&n, false, y)); /* the reader's quantizer finds it */
+    CU_ASSERT_PTR_NOT_NULL(strstr(n.t.err.msg, "holds inf"));
+    b->var.value.data[1] = keep;
+    CU_ASSERT(net_logits(&n, true, y));
+    net_free(&n);
+}
+
+int register_quant_int8_handoff_suite(void) {
+    CU_pSuite s = CU_add_suite("quant_int8_handoff", NULL, NULL);
+    if (!s) return -1;
+    return !CU_add_test(s, "qgemm_gather_u8x4 at stride 1 and qgemm_interleave_u8x4 equal their portable loops",
+                        test_gather_s1) ||
+           !CU_add_test(s, "the hand-off leaves the logits bit for bit", test_handoff_same_logits) ||
+           !CU_add_test(s, "the hand-off in the steady state", test_handoff_steady_state) ||
+           !CU_add_test(s, "a producer's non-finite output is an error naming it", test_handoff_nonfinite);
+}
