@@ -470,14 +470,16 @@ QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
 typedef struct {
-    __m256 s, lo, hi, big, absmask;
+    __m256 s, r, lo, hi, big, edge, absmask;
     __m256i zero;
+    bool rcp; /* quotients through r = 1 / s (qgemm_rcp_ok) */
 } CodeRegs;
 
 QA_TARGET QA_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
-    return (CodeRegs){.s = _mm256_set1_ps(s), .lo = _mm256_set1_ps(lo), .hi = _mm256_set1_ps(hi),
-                      .big = _mm256_set1_ps(3.40282347e38f), .zero = _mm256_set1_epi32(zero),
-                      .absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))};
+    return (CodeRegs){.s = _mm256_set1_ps(s), .r = _mm256_set1_ps(1.0f / s), .lo = _mm256_set1_ps(lo),
+                      .hi = _mm256_set1_ps(hi), .big = _mm256_set1_ps(3.40282347e38f),
+                      .edge = _mm256_set1_ps(QGEMM_RCP_EDGE), .zero = _mm256_set1_epi32(zero),
+                      .absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), .rcp = qgemm_rcp_ok(s)};
 }
 
 /* The codes (int32 lanes, 0..255) of the lanes m of x (masked-off lanes read as 0); *bad gets a lane that is NaN
@@ -485,8 +487,17 @@ QA_TARGET QA_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
 QA_TARGET QA_INLINE __m256i codes8(const CodeRegs *k, const float *x, __m256i m, bool full, __m256 *bad) {
     const __m256 v = full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, m);
     *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(_mm256_and_ps(v, k->absmask), k->big, _CMP_NLE_UQ));
+    __m256 y;
+    if (k->rcp) { /* x r, unless a lane lies near a half (qgemm_rcp_ok) */
+        y = _mm256_mul_ps(v, k->r);
+        const __m256 i = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 dist = _mm256_and_ps(_mm256_sub_ps(y, i), k->absmask);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(dist, k->edge, _CMP_GT_OQ))) y = _mm256_div_ps(v, k->s);
+    } else {
+        y = _mm256_div_ps(v, k->s);
+    }
     /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
-    const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v, k->s), k->lo), k->hi);
+    const __m256 q = _mm256_min_ps(_mm256_max_ps(y, k->lo), k->hi);
     return _mm256_add_epi32(_mm256_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
 }
 

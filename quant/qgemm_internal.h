@@ -14,6 +14,14 @@
 /* The CPU has the kernels and qgemm_force_portable is off. */
 bool qgemm_use_vnni(void);
 
+/* The quantizers' quotients x / s through r = fl(1 / s): y = fl(x r) and fl(x / s) are each within 2^-22 |x / s|
+ * of x / s, so for |x / s| <= 256 within 2^-14 of it, and both round to the same integer unless x / s lies within
+ * 2^-14 of a half; a vector with a lane whose y lies within 2^-10 of a half (its distance to the nearest integer
+ * above QGEMM_RCP_EDGE) is divided instead. Past 256 both clamp to the same bound (|lo|, |hi| <= 255), and NaN and
+ * the infinities take the same bounds either way. r must be normal: s in [2^-125, 2^125]. */
+#define QGEMM_RCP_EDGE (0.5f - 0x1p-10f)
+static inline bool qgemm_rcp_ok(float s) { return s >= 0x1p-125f && s <= 0x1p125f; }
+
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1);
 void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 /* The taps on AMX tiles (qgemm_amx.c) for the g qgemm_taps hands it: w->tiles set, taps a multiple of 16 at one

@@ -445,14 +445,16 @@ QG_TARGET void qgemm_dw_vnni(const QGemmDw *d) {
 
 /* The quantizer's constants in registers. */
 typedef struct {
-    __m512 s, lo, hi, big;
+    __m512 s, r, lo, hi, big, edge;
     __m512i zero, absmask;
+    bool rcp; /* quotients through r = 1 / s (qgemm_rcp_ok) */
 } CodeRegs;
 
 QG_TARGET QG_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
-    return (CodeRegs){.s = _mm512_set1_ps(s), .lo = _mm512_set1_ps(lo), .hi = _mm512_set1_ps(hi),
-                      .big = _mm512_set1_ps(3.40282347e38f), .zero = _mm512_set1_epi32(zero),
-                      .absmask = _mm512_set1_epi32(0x7fffffff)};
+    return (CodeRegs){.s = _mm512_set1_ps(s), .r = _mm512_set1_ps(1.0f / s), .lo = _mm512_set1_ps(lo),
+                      .hi = _mm512_set1_ps(hi), .big = _mm512_set1_ps(3.40282347e38f),
+                      .edge = _mm512_set1_ps(QGEMM_RCP_EDGE), .zero = _mm512_set1_epi32(zero),
+                      .absmask = _mm512_set1_epi32(0x7fffffff), .rcp = qgemm_rcp_ok(s)};
 }
 
 /* The codes (int32 lanes, 0..255) of the lanes m of x; *bad gets the lanes that are NaN or infinite. */
@@ -460,8 +462,18 @@ QG_TARGET QG_INLINE __m512i codes16(const CodeRegs *k, const float *x, __mmask16
     const __m512 v = _mm512_maskz_loadu_ps(m, x);
     const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), k->absmask));
     *bad |= _mm512_mask_cmp_ps_mask(m, a, k->big, _CMP_NLE_UQ);
+    __m512 y;
+    if (k->rcp) { /* x r, unless a lane lies near a half (qgemm_rcp_ok) */
+        y = _mm512_mul_ps(v, k->r);
+        const __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, i)),
+                                                                 k->absmask));
+        if (_mm512_cmp_ps_mask(dist, k->edge, _CMP_GT_OQ)) y = _mm512_div_ps(v, k->s);
+    } else {
+        y = _mm512_div_ps(v, k->s);
+    }
     /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
-    const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, k->s), k->lo), k->hi);
+    const __m512 q = _mm512_min_ps(_mm512_max_ps(y, k->lo), k->hi);
     return _mm512_add_epi32(_mm512_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
 }
 

@@ -363,9 +363,13 @@ static void quantize_case(size_t n, float s, int qmin, int qmax, int zp, int shi
     rng_init(&r, seed, 5);
     float *x = xmalloc(n * 4);
     for (size_t i = 0; i < n; i++) {
-        switch (rng_below(&r, 4)) {
+        switch (rng_below(&r, 5)) {
         case 0: x[i] = ((float)(int)rng_below(&r, 600) - 300.0f + 0.5f) * s; break; /* ties */
         case 1: x[i] = (float)(int)rng_below(&r, 2000) * 1e3f - 1e6f; break;       /* clipped */
+        case 2: /* a few ulps either side of a tie: the quotient through 1 / s may round otherwise there */
+            x[i] = ((float)(int)rng_below(&r, 600) - 300.0f + 0.5f) * s;
+            for (int u = (int)rng_below(&r, 7) - 3; u != 0; u += u > 0 ? -1 : 1) x[i] = nextafterf(x[i], u * INFINITY);
+            break;
         default: x[i] = ((float)rng_below(&r, 1u << 20) / (float)(1u << 20) - 0.5f) * 300.0f * s; break;
         }
     }
@@ -450,6 +454,12 @@ static void quantize_cases(void) {
         quantize_case(NS[i], 0.011f, -128, 127, -20, 128, 20 + i); /* int8 with a zero point */
         quantize_case(NS[i], 0.02f, 0, 255, 37, 0, 30 + i);       /* uint8 with a zero point */
         quantize_case(NS[i], 0.5f, 0, 255, 0, 0, 40 + i);         /* uint8 symmetric */
+        /* scales whose reciprocal rounds (1 / 3, 0.1, 7e-4), a large one and one near the smallest normal */
+        quantize_case(NS[i], 1.0f / 3.0f, -128, 127, 0, 128, 60 + i);
+        quantize_case(NS[i], 0.1f, 0, 255, 13, 0, 70 + i);
+        quantize_case(NS[i], 7e-4f, -128, 127, 5, 128, 80 + i);
+        quantize_case(NS[i], 3e5f, 0, 255, 0, 0, 90 + i);
+        quantize_case(NS[i], 0x1p-124f, -128, 127, 0, 128, 100 + i);
     }
     static const int ROWS[] = {1, 3, 14}, COLS[] = {1, 14, 16, 17, 40}, ABSENT[] = {0, 8, 14};
     uint64_t seed = 50;
