@@ -501,6 +501,20 @@ QA_TARGET QA_INLINE __m256i codes8(const CodeRegs *k, const float *x, __m256i m,
     return _mm256_add_epi32(_mm256_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
 }
 
+/* The fast form of codes8 where k->rcp: y = x r, *odd getting the lanes within 2^-10 of a half or not finite (their
+ * distance is NaN), for which the caller runs codes8. */
+QA_TARGET QA_INLINE __m256 rcp8(const CodeRegs *k, const float *x, __m256i m, bool full, __m256 *odd) {
+    const __m256 y = _mm256_mul_ps(full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, m), k->r);
+    const __m256 i = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    *odd = _mm256_or_ps(*odd, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(y, i), k->absmask), k->edge, _CMP_NLE_UQ));
+    return y;
+}
+
+/* The codes of rcp8's y. */
+QA_TARGET QA_INLINE __m256i rcp_codes8(const CodeRegs *k, __m256 y) {
+    return _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, k->lo), k->hi)), k->zero);
+}
+
 QA_TARGET bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     const CodeRegs k = code_regs(s, lo, hi, zero);
     const __m256i all = _mm256_set1_epi32(-1);
@@ -510,8 +524,17 @@ QA_TARGET bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, fl
     __m256 bad = _mm256_setzero_ps();
     size_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        const __m256i c0 = codes8(&k, x + i, all, true, &bad), c1 = codes8(&k, x + i + 8, all, true, &bad);
-        const __m256i c2 = codes8(&k, x + i + 16, all, true, &bad), c3 = codes8(&k, x + i + 24, all, true, &bad);
+        __m256i c0, c1, c2, c3;
+        __m256 odd = _mm256_setzero_ps();
+        if (k.rcp) { /* one test for the 32 values: where none is odd, no division and no finiteness test */
+            const __m256 y0 = rcp8(&k, x + i, all, true, &odd), y1 = rcp8(&k, x + i + 8, all, true, &odd);
+            const __m256 y2 = rcp8(&k, x + i + 16, all, true, &odd), y3 = rcp8(&k, x + i + 24, all, true, &odd);
+            c0 = rcp_codes8(&k, y0), c1 = rcp_codes8(&k, y1), c2 = rcp_codes8(&k, y2), c3 = rcp_codes8(&k, y3);
+        }
+        if (!k.rcp || _mm256_movemask_ps(odd)) {
+            c0 = codes8(&k, x + i, all, true, &bad), c1 = codes8(&k, x + i + 8, all, true, &bad);
+            c2 = codes8(&k, x + i + 16, all, true, &bad), c3 = codes8(&k, x + i + 24, all, true, &bad);
+        }
         const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
         _mm256_storeu_si256((__m256i *)(dst + i), _mm256_permutevar8x32_epi32(b, order));
     }
@@ -534,10 +557,21 @@ QA_TARGET bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *
             const __m256i m = lane_mask8(n - i);
             const size_t at = (size_t)h * ldx + (size_t)i;
             __m256i d = _mm256_setzero_si256();
+            __m256 odd = _mm256_setzero_ps();
+            if (k.rcp) { /* as qgemm_quantize_u8_avx2: one test for the four */
 #pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) {
-                const __m256i u = x[b] ? codes8(&k, x[b] + at, m, full, &bad) : k.zero;
-                d = _mm256_or_si256(d, _mm256_slli_epi32(u, 8 * b));
+                for (int b = 0; b < 4; b++) {
+                    const __m256i u = x[b] ? rcp_codes8(&k, rcp8(&k, x[b] + at, m, full, &odd)) : k.zero;
+                    d = _mm256_or_si256(d, _mm256_slli_epi32(u, 8 * b));
+                }
+            }
+            if (!k.rcp || _mm256_movemask_ps(odd)) {
+                d = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int b = 0; b < 4; b++) {
+                    const __m256i u = x[b] ? codes8(&k, x[b] + at, m, full, &bad) : k.zero;
+                    d = _mm256_or_si256(d, _mm256_slli_epi32(u, 8 * b));
+                }
             }
             uint32_t *o = dst + (size_t)h * ldd + (size_t)i;
             if (full) _mm256_storeu_si256((__m256i *)o, d);

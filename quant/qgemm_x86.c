@@ -477,6 +477,21 @@ QG_TARGET QG_INLINE __m512i codes16(const CodeRegs *k, const float *x, __mmask16
     return _mm512_add_epi32(_mm512_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
 }
 
+/* The fast form of codes16 where k->rcp: y = x r for the lanes m of x (0 elsewhere), *odd getting the lanes that
+ * lie within 2^-10 of a half or are not finite (their distance is NaN), for which the caller runs codes16. */
+QG_TARGET QG_INLINE __m512 rcp16(const CodeRegs *k, const float *x, __mmask16 m, __mmask16 *odd) {
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x), k->r);
+    const __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, i)), k->absmask));
+    *odd |= _mm512_cmp_ps_mask(dist, k->edge, _CMP_NLE_UQ);
+    return y;
+}
+
+/* The codes of rcp16's y. */
+QG_TARGET QG_INLINE __m512i rcp_codes16(const CodeRegs *k, __m512 y) {
+    return _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(y, k->lo), k->hi)), k->zero);
+}
+
 QG_TARGET bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     const CodeRegs k = code_regs(s, lo, hi, zero);
     /* 64 codes -> bytes in one store: the two packs leave dword 4 j + r holding codes 16 r + 4 j .. + 3 */
@@ -484,8 +499,17 @@ QG_TARGET bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, fl
     __mmask16 bad = 0;
     size_t i = 0;
     for (; i + 4 * QGEMM_LANES <= n; i += 4 * QGEMM_LANES) {
-        const __m512i c0 = codes16(&k, x + i, 0xFFFF, &bad), c1 = codes16(&k, x + i + 16, 0xFFFF, &bad);
-        const __m512i c2 = codes16(&k, x + i + 32, 0xFFFF, &bad), c3 = codes16(&k, x + i + 48, 0xFFFF, &bad);
+        __m512i c0, c1, c2, c3;
+        __mmask16 odd = 0;
+        if (k.rcp) { /* one test for the 64 values: where none is odd, no division and no finiteness test */
+            const __m512 y0 = rcp16(&k, x + i, 0xFFFF, &odd), y1 = rcp16(&k, x + i + 16, 0xFFFF, &odd);
+            const __m512 y2 = rcp16(&k, x + i + 32, 0xFFFF, &odd), y3 = rcp16(&k, x + i + 48, 0xFFFF, &odd);
+            c0 = rcp_codes16(&k, y0), c1 = rcp_codes16(&k, y1), c2 = rcp_codes16(&k, y2), c3 = rcp_codes16(&k, y3);
+        }
+        if (!k.rcp || odd) {
+            c0 = codes16(&k, x + i, 0xFFFF, &bad), c1 = codes16(&k, x + i + 16, 0xFFFF, &bad);
+            c2 = codes16(&k, x + i + 32, 0xFFFF, &bad), c3 = codes16(&k, x + i + 48, 0xFFFF, &bad);
+        }
         const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
         _mm512_storeu_si512((void *)(dst + i), _mm512_permutexvar_epi32(order, b));
     }
@@ -505,10 +529,21 @@ QG_TARGET bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *
             const __mmask16 m = lane_mask(n - i);
             const size_t at = (size_t)h * ldx + (size_t)i;
             __m512i d = _mm512_setzero_si512();
+            __mmask16 odd = 0;
+            if (k.rcp) { /* as qgemm_quantize_u8_vnni: one test for the four */
 #pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) {
-                const __m512i u = x[b] ? codes16(&k, x[b] + at, m, &bad) : k.zero;
-                d = _mm512_or_si512(d, _mm512_slli_epi32(u, 8 * b));
+                for (int b = 0; b < 4; b++) {
+                    const __m512i u = x[b] ? rcp_codes16(&k, rcp16(&k, x[b] + at, m, &odd)) : k.zero;
+                    d = _mm512_or_si512(d, _mm512_slli_epi32(u, 8 * b));
+                }
+            }
+            if (!k.rcp || odd) {
+                d = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int b = 0; b < 4; b++) {
+                    const __m512i u = x[b] ? codes16(&k, x[b] + at, m, &bad) : k.zero;
+                    d = _mm512_or_si512(d, _mm512_slli_epi32(u, 8 * b));
+                }
             }
             _mm512_mask_storeu_epi32(dst + (size_t)h * ldd + (size_t)i, m, d);
         }
