@@ -52,7 +52,10 @@
  * the reader's quantizer into its output Var's buffer (Var.codes: bytes, not
  * floats); the reader takes the codes in place of quantizing: depthwise as
  * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and
- * cols copied. The same codes, so the same bits; the float output is never
+ * cols copied. For an unpadded stride-1 reader on ch4 (a pointwise conv) the
+ * producer quantizes straight into that reader's planes, 4 channels a dword
+ * (VarCodes.plane), which the reader uses as they are (or copies row by row
+ * into wider ones when its max pool widened them). The same codes, so the same bits; the float output is never
  * written to memory and read back. A non-finite output is then the
  * producer's error, naming it.
  *
@@ -370,22 +373,36 @@ static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
 
 /* ---- the int8 hand-off ------------------------------------------------------------------------------------------ */
 
+static void fill_dwords(uint32_t *p, size_t n, uint32_t v) {
+    for (size_t i = 0; i < n; i++) p[i] = v;
+}
+
+/* Dwords of a ch4 group plane over a padded image Hp x Wp for a KW-wide kernel: every tap of the last vector reads
+ * inside it (15 lanes past the last pixel, shifted by up to KH - 1 rows and KW + 3 columns). */
+static size_t ch4_plane(int Hp, int Wp, int KW) { return ((size_t)Hp * Wp + (size_t)KW + 19 + 15) / 16 * 16; }
+
 bool qlayer_int8_handoff = true;
 
-bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, VarCodes *c) {
+bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, VarCodes *c) {
     if (!qlayer_int8_handoff || !q || !q->module || q->module->spec.type != LAYER_CONV2D) return false;
     const Var none = {0}; /* no gradient: the forward has none */
     QGemmCodes a;
     QtError err = {0};
     if (!qlayer_int8_applies(t, q, &none, NULL) || !act_codes_err(q, &a, &err)) return false;
     *c = (VarCodes){.s = a.s, .lo = a.lo, .hi = a.hi, .zero = a.zero};
+    /* an unpadded stride-1 conv on channel quads takes them as its planes, where they fit the value's buffer */
+    const ConvShape cs = conv_shape(q);
+    if (q->module->conv_plain && cs.mode == CONV_CH4 && q->module->spec.padding == 0) {
+        const size_t plane = ch4_plane(shape[2], shape[3], cs.KW);
+        if ((size_t)cs.groups * plane <= (size_t)shape[1] * shape[2] * shape[3]) c->plane = plane;
+    }
     return true;
 }
 
 /* The codes of an input x: its hand-off's, which must be q's own (the producer asked qlayer_int8_reads_codes). */
-static const uint8_t *input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a) {
+static const uint8_t *input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a, bool quads) {
     const VarCodes *c = x->codes;
-    if (c->s == a->s && c->lo == a->lo && c->hi == a->hi && c->zero == a->zero) return c->data;
+    if (c->s == a->s && c->lo == a->lo && c->hi == a->hi && c->zero == a->zero && (quads || !c->plane)) return c->data;
     qt_error_set(&t->err, QT_ERR_ARG, "%s: the input's int8 codes were made for another quantizer (the hand-off "
                  "between layers went wrong; set QTRAIN_INT8_KERNEL=float to run without it)", q->module->path);
     return NULL;
@@ -402,9 +419,25 @@ static Var *handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *han
     return y;
 }
 
-/* One image's output, made in scratch (n floats), to its codes; false for a value that is not finite. */
-static bool handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, size_t n) {
-    return qgemm_quantize_u8(dst, y, n, hand->s, hand->lo, hand->hi, hand->zero);
+/* One image's output, made in scratch (C planes of P floats), to its codes at dst (the image's); false for a value
+ * that is not finite. */
+static bool handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P) {
+    if (!hand->plane) return qgemm_quantize_u8(dst, y, (size_t)C * P, hand->s, hand->lo, hand->hi, hand->zero);
+    const QGemmCodes a = {.s = hand->s, .lo = hand->lo, .hi = hand->hi, .zero = hand->zero};
+    bool ok = true;
+    for (int g = 0; g < (C + 3) / 4; g++) {
+        uint32_t *p = (uint32_t *)(void *)dst + (size_t)g * hand->plane;
+        const float *r[4];
+        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? y + (size_t)(4 * g + k) * P : NULL;
+        ok &= qgemm_quantize_u8x4(p, 0, r, 0, 1, (int)P, &a);
+        fill_dwords(p + P, hand->plane - P, (uint32_t)hand->zero * 0x01010101u); /* what the taps read past */
+    }
+    return ok;
+}
+
+/* The bytes of one image's codes at plane > 0 (handoff_var's layout). */
+static size_t handoff_image_bytes(const VarCodes *hand, int C, size_t P) {
+    return hand->plane ? (size_t)((C + 3) / 4) * hand->plane * 4 : (size_t)C * P;
 }
 
 /* After the tasks, bad[i] for image i: 1, an input value not finite (inputs_finite's message; never for codes
@@ -477,7 +510,8 @@ typedef struct {
     size_t pool_at;    /* offset of the pool buffer in it */
     size_t out_at;     /* offset of the image's output in it, handing off */
     const float *x;    /* (N, C, H, W), or NULL: */
-    const uint8_t *xc; /* (N, C, H, W) the input's codes (Var.codes) */
+    const uint8_t *xc; /* (N, C, H, W) the input's codes (Var.codes), or by channel quads: */
+    size_t xc_plane;   /* their Var.codes plane */
     QGemmCodes ac;
     QGemmTaps g;       /* act and out set per image */
     const VarCodes *hand; /* or NULL: the output goes to yc as its reader's codes */
@@ -485,10 +519,6 @@ typedef struct {
     uint8_t *work;     /* [pool threads * scratch] */
     uint8_t *bad;      /* [N] 1: an input value not finite; 2: an output value, handing off */
 } ConvJob;
-
-static void fill_dwords(uint32_t *p, size_t n, uint32_t v) {
-    for (size_t i = 0; i < n; i++) p[i] = v;
-}
 
 /* ch4: planes (ceil(C/4), plane) of 4 channels per padded pixel, quantized straight from x (C, H, W): the
  * padding is filled around the image. False for a value that is not finite. */
@@ -524,6 +554,23 @@ static void planes_ch4_codes(uint32_t *pl, const uint8_t *xc, const uint8_t *zro
         for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? xc + (size_t)(4 * g + k) * H * W : zrow;
         if (Wp == W) qgemm_interleave_u8x4(p, 0, r, 0, 1, H * W); /* unpadded rows follow each other: one run */
         else qgemm_interleave_u8x4(p + (size_t)pad * Wp + pad, (size_t)Wp, r, (size_t)W, H, W);
+    }
+}
+
+/* ch4 from codes by channel quads (xc_plane dwords a group, unpadded): each row copied into the padded planes. */
+static void planes_ch4_quads(uint32_t *pl, const uint32_t *xq, const ConvJob *j) {
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    const int H = j->H, W = j->W, pad = j->pad, Wp = j->Wp;
+    for (int g = 0; g < j->c.groups; g++) {
+        uint32_t *p = pl + (size_t)g * j->plane;
+        const uint32_t *src = xq + (size_t)g * j->xc_plane;
+        fill_dwords(p, (size_t)pad * Wp + pad, fill);
+        for (int h = 0; h < H; h++) {
+            memcpy(p + (size_t)(h + pad) * Wp + pad, src + (size_t)h * W, (size_t)W * 4);
+            if (h + 1 < H) fill_dwords(p + (size_t)(h + pad) * Wp + pad + W, (size_t)(Wp - W), fill);
+        }
+        const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W;
+        fill_dwords(p + end, j->plane - end, fill);
     }
 }
 
@@ -595,15 +642,19 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     ConvJob *j = ctx;
     const size_t in_img = (size_t)j->c.C * j->H * j->W;
-    const float *x = j->x ? j->x + (size_t)n * in_img : NULL;               /* (C, H, W), or */
-    const uint8_t *xc = j->xc ? j->xc + (size_t)n * in_img : NULL;           /* its codes */
+    const float *x = j->x ? j->x + (size_t)n * in_img : NULL; /* (C, H, W), or its codes: */
+    const uint8_t *xc = !j->xc ? NULL : j->xc + n * (j->xc_plane ? (size_t)j->c.groups * j->xc_plane * 4 : in_img);
     uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: the padded codes */
     uint32_t *planes = (uint32_t *)(codes + j->planes_at);                   /* (groups, plane) */
     uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4]; cols: (C, H, W);
                                                                               * ch4 from codes: a row of zero points */
     float *pool = (float *)(codes + j->pool_at);                             /* pooling: [8][16 n_vec] */
     bool ok = true;
-    if (j->c.mode == CONV_CH4 && xc) {
+    if (j->c.mode == CONV_CH4 && xc && j->xc_plane == j->plane && j->Wp == j->W) {
+        planes = (uint32_t *)(uintptr_t)xc; /* the producer made them: only read */
+    } else if (j->c.mode == CONV_CH4 && xc && j->xc_plane) {
+        planes_ch4_quads(planes, (const uint32_t *)(const void *)xc, j);
+    } else if (j->c.mode == CONV_CH4 && xc) {
         memset(bytes, j->ac.zero, (size_t)j->H * j->W + 16);
         planes_ch4_codes(planes, xc, bytes, j);
     } else if (j->c.mode == CONV_CH4) {
@@ -619,7 +670,9 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     g.out = j->hand ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
-    const bool out_ok = !j->hand || handoff_image(j->hand, j->yc + (size_t)n * j->out_img, g.out, j->out_img);
+    const size_t P = j->out_img / (size_t)j->OC;
+    const bool out_ok = !j->hand || handoff_image(j->hand, j->yc + n * handoff_image_bytes(j->hand, j->OC, P), g.out,
+                                                  j->OC, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
@@ -634,8 +687,7 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     j->pitch = cols ? j->OW : j->Wp;
     const int nq = j->OH * j->pitch, n_vec = (nq + QGEMM_LANES - 1) / QGEMM_LANES;
     /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns */
-    size_t need = cols ? (size_t)n_vec * QGEMM_LANES : (size_t)j->Hp * j->Wp + (size_t)c->KW + 19;
-    j->plane = (need + 15) / 16 * 16;
+    j->plane = cols ? (size_t)n_vec * QGEMM_LANES : ch4_plane(j->Hp, j->Wp, c->KW); /* n_vec vectors: whole */
     j->planes_at = cols ? (cols_padded_bytes(j) + 63) / 64 * 64 : 0;
     size_t bytes = cols ? (size_t)c->C * j->H * j->W : j->plane + 4;
     if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
@@ -672,9 +724,10 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
                  .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
     if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
-    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac))) return NULL;
-    if (!x->codes) j.x = x->value.data;
     j.c = conv_shape(q);
+    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac, j.c.mode == CONV_CH4))) return NULL;
+    if (!x->codes) j.x = x->value.data;
+    j.xc_plane = x->codes ? x->codes->plane : 0;
     const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;
     const int YH = pool ? OH / 2 : OH, YW = pool ? OW / 2 : OW;
     j.g.epi = pool ? QGEMM_EPI_RELU_POOL2 : epi == CONV_EPI_RELU ? QGEMM_EPI_RELU : QGEMM_EPI_NONE;
@@ -746,7 +799,10 @@ static void dw_task(void *ctx, int n, int n_tasks) {
         qgemm_dw(&d);
         if (j->pool) dw_pool(yc, pooled, j);
     }
-    const bool out_ok = !j->hand || handoff_image(j->hand, (uint8_t *)j->y + (size_t)n * out_img, y, out_img);
+    const int OC = j->C * j->M;
+    const size_t P = (size_t)j->YH * j->YW;
+    const bool out_ok = !j->hand || handoff_image(j->hand, (uint8_t *)j->y + n * handoff_image_bytes(j->hand, OC, P), y,
+                                                  OC, P);
     j->bad[n] = (uint8_t)((in_ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
@@ -776,7 +832,7 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
         return NULL;
     }
     if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
-    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac))) return NULL;
+    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac, false))) return NULL;
     if (!x->codes) j.x = x->value.data;
     const QGemmPackedDw *pw = &q->int8->dw;
     j.YH = j.pool ? j.OH / 2 : j.OH, j.YW = j.pool ? j.OW / 2 : j.OW;

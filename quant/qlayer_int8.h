@@ -17,8 +17,10 @@ extern double qlayer_int8_parallel_min_macs;
  * output while it is in cache, instead of a float output the reader quantizes: y's Var.codes, the same codes. */
 extern bool qlayer_int8_handoff;
 /* Whether q, read in this forward, takes the int8 path from codes (a conv2d, plain or one input channel per
- * group); if so, the codes its input quantizer makes in c (c->data unset). */
-bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, VarCodes *c);
+ * group); if so, the codes its input quantizer makes in c (c->data unset), for an input of shape (N, C, H, W)
+ * (shape[1..3] read): by channel quads in q's own planes (c->plane) where q is an unpadded stride-1 conv on them
+ * and they fit the value's buffer, else bytes. */
+bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, VarCodes *c);
 
 /* Whether this forward of q on x takes the int8 path: supported formats, a
  * calibrated range, not calibrating, and no gradient to record. */

@@ -408,8 +408,9 @@ static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx);
  * layer on the int8 path from codes; else NULL. */
 static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
     const Module *r = t->handoff;
-    if (!r || r->forward_hook != qlayer_hook) return NULL;
-    return qlayer_int8_reads_codes(t, r->hook_ctx, c) ? c : NULL;
+    if (!r || r->forward_hook != qlayer_hook || r->in_ndim != 3) return NULL;
+    const int shape[4] = {0, r->in_shape[0], r->in_shape[1], r->in_shape[2]}; /* its input: this op's output */
+    return qlayer_int8_reads_codes(t, r->hook_ctx, shape, c) ? c : NULL;
 }
 
 /* Codes handed over reach only a layer on the int8 path (the producer asked); false, with the error, otherwise. */

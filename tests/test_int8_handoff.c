@@ -1,7 +1,8 @@
 /* test_int8_handoff.c - the int8 hand-off between layers (qlayer_int8.h: an int8 conv2d whose output one int8
  * conv2d alone reads makes that reader's input codes itself): a model whose every conv-to-conv edge hands off
- * (into a depthwise conv, a 1x1 and a padded 3x3 conv on channel quads, a strided conv's columns, a conv of one
- * input channel on column quads; from a plain conv, a conv with relu + max pool, a depthwise conv) gives logits
+ * (into a depthwise conv as bytes; into 1x1 convs on channel quads as their planes, taken as they are or copied
+ * into wider ones; into a padded 3x3 conv as bytes interleaved; into a strided conv's columns and a two-channel
+ * conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv) gives logits
  * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
  * threads; which outputs are codes; the arena in the steady state; a NaN bias in a producer named in the error;
  * and qgemm_gather_u8x4 at stride 1 and qgemm_interleave_u8x4 against their portable loops. The
@@ -51,11 +52,12 @@ static void test_gather_s1(void) {
 
 /* ---- a model of hand-offs ------------------------------------------------------------------------------------ */
 
-enum { N = 3, C = 3, H = 12, W = 14, CLASSES = 5, N_Q = 7 };
+enum { N = 3, C = 3, H = 12, W = 14, CLASSES = 5, N_Q = 8 };
 
-/* c1 -> dw (depthwise) -> pw (1x1, channel quads, one run) -> c4 (3x3 padded, quads by row) with relu + max pool ->
- * c5 (stride 2: columns) -> c6 (two input channels, 5x5: column quads) -> pool -> fc. Every conv has a relu, and
- * a bias that keeps some of its outputs above 0. */
+/* c1 -> dw (depthwise: bytes) -> pw (1x1: channel quads, its planes as they are) -> c4 (3x3 padded: bytes, quads
+ * interleaved by row) -> pq (1x1 with relu + max pool: channel quads, copied into its wider planes) -> c5 (stride
+ * 2: bytes to columns) -> c6 (two input channels, 5x5: bytes to column quads) -> pool -> fc. Every conv has a
+ * relu, and a bias that keeps some of its outputs above 0. */
 static const LayerSpec LS[] = {
     {.type = LAYER_CONV2D, .name = "c1", .out_channels = 8, .kernel = 3, .stride = 1, .padding = 1},
     {.type = LAYER_RELU},
@@ -63,7 +65,9 @@ static const LayerSpec LS[] = {
     {.type = LAYER_RELU},
     {.type = LAYER_CONV2D, .name = "pw", .out_channels = 12, .kernel = 1},
     {.type = LAYER_RELU},
-    {.type = LAYER_CONV2D, .name = "c4", .out_channels = 8, .kernel = 3, .padding = 1},
+    {.type = LAYER_CONV2D, .name = "c4", .out_channels = 6, .kernel = 3, .padding = 1},
+    {.type = LAYER_RELU},
+    {.type = LAYER_CONV2D, .name = "pq", .out_channels = 8, .kernel = 1},
     {.type = LAYER_RELU},
     {.type = LAYER_MAXPOOL2D, .kernel = 2, .stride = 2},
     {.type = LAYER_CONV2D, .name = "c5", .out_channels = 2, .kernel = 3, .stride = 2, .padding = 1},
@@ -73,9 +77,11 @@ static const LayerSpec LS[] = {
     {.type = LAYER_GLOBALAVGPOOL},
     {.type = LAYER_DENSE, .name = "fc", .units = CLASSES},
 };
-static const int QUANTIZED[N_Q] = {0, 2, 4, 6, 9, 11, 14};
-/* the outputs made as codes: the relus after c1, dw, pw, c5 and the pool after c4 (the modules' indices) */
-static const int CODES[] = {1, 3, 5, 8, 10};
+static const int QUANTIZED[N_Q] = {0, 2, 4, 6, 8, 11, 13, 16};
+/* the outputs made as codes: the relus after c1, dw, pw, c4 and c5, the pool after pq (the modules' indices) */
+static const int CODES[] = {1, 3, 5, 7, 10, 12};
+/* of them, by channel quads: the outputs pw and pq read */
+static const int QUADS[] = {3, 7};
 
 typedef struct {
     Model m;
@@ -155,7 +161,10 @@ static void test_handoff_same_logits(void) {
             for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(!is_codes(&n, CODES[k]));
             CU_ASSERT_FATAL(net_logits(&n, true, with));
             for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(is_codes(&n, CODES[k]));
-            CU_ASSERT(!is_codes(&n, 12) && !is_codes(&n, 13)); /* c6's read by the pool, the pool's by fc */
+            for (size_t k = 0; k < sizeof QUADS / sizeof *QUADS; k++)
+                CU_ASSERT(is_codes(&n, QUADS[k]) && n.m.outs[1 + QUADS[k]]->codes->plane > 0);
+            CU_ASSERT(n.m.outs[1 + 5]->codes->plane == 0); /* c4 is padded: bytes */
+            CU_ASSERT(!is_codes(&n, 14) && !is_codes(&n, 15)); /* c6's read by the pool, the pool's by fc */
             const bool same = !memcmp(with, without, sizeof with);
             if (!same) fprintf(stderr, "\n  family %d, %d threads: the hand-off changed the logits\n", f, threads);
             CU_ASSERT(same);
@@ -202,7 +211,7 @@ static void test_handoff_steady_state(void) {
 static void test_handoff_nonfinite(void) {
     Net n;
     net_init(&n);
-    Param *b = n.m.modules[4].bias;
+    Param *b = n.m.modules[4].bias; /* pw */
     CU_ASSERT_PTR_NOT_NULL_FATAL(b);
     const float keep = b->var.value.data[1];
     b->var.value.data[1] = INFINITY;
