@@ -255,6 +255,9 @@ Var *nn_avgpool2d(Tape *t, Var *x, int kernel, int stride);
 /* x: (N, C, H, W) -> (N, C): the mean over H and W (PyTorch's
  * adaptive_avg_pool2d(x, 1) flattened), summed in double. */
 Var *nn_globalavgpool(Tape *t, Var *x);
+/* The mean of x [n] as nn_globalavgpool takes it: nn_sum8_f32's sum in double, divided by n, as float. An op that
+ * makes its output's Var.means for a globalavgpool reader computes them with this. */
+float nn_plane_mean(const float *x, size_t n);
 /* For tests: true makes maxpool2d skip its 2x2/stride-2 fast path. */
 extern bool maxpool_force_generic;
 

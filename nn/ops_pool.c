@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "base/parallel.h"
 #include "pool2x2.h"
@@ -219,7 +220,7 @@ static void globalavgpool_backward(Tape *t, const TapeNode *node) {
 
 /* The mean of x [n] through nn_sum8_f32's eight chains (one serial chain was 5 % of DS-CNN's int8 eval); the
  * order does not depend on the threads. */
-static float plane_mean(const float *x, size_t n) { return (float)(nn_sum8_f32(x, NULL, n) / (double)n); }
+float nn_plane_mean(const float *x, size_t n) { return (float)(nn_sum8_f32(x, NULL, n) / (double)n); }
 
 typedef struct {
     float *y;       /* (planes) */
@@ -232,7 +233,7 @@ static void gap_task(void *ctx, int task, int n_tasks) {
     const GapJob *j = ctx;
     int lo, hi;
     parallel_range(j->planes, task, n_tasks, &lo, &hi);
-    for (int p = lo; p < hi; p++) j->y[p] = plane_mean(j->x + (size_t)p * j->area, j->area);
+    for (int p = lo; p < hi; p++) j->y[p] = nn_plane_mean(j->x + (size_t)p * j->area, j->area);
 }
 
 Var *nn_globalavgpool(Tape *t, Var *x) {
@@ -247,6 +248,11 @@ Var *nn_globalavgpool(Tape *t, Var *x) {
     Var *y = tape_new_var(t, 2, (const int[]){xd[0], xd[1]});
     if (!y) return NULL;
     GapJob j = {y->value.data, x->value.data, (int)((size_t)xd[0] * xd[1]), (size_t)xd[2] * xd[3]};
+    if (x->means) { /* made by x's producer as it wrote x (never written then), the same means */
+        memcpy(y->value.data, x->means, (size_t)j.planes * sizeof *y->value.data);
+        Var *in[1] = {x};
+        return tape_record_value_free(t, "globalavgpool", globalavgpool_backward, y, in, 1, NULL) ? y : NULL;
+    }
     const int tasks = (size_t)j.planes * j.area < (1u << 16) ? 1 : parallel_get_threads();
     parallel_run(tasks < j.planes ? tasks : j.planes, gap_task, &j);
     Var *in[1] = {x};

@@ -44,6 +44,9 @@ typedef struct Var {
                             * of another Var), which the one reader that knows computes as it reads (nn/ops.h) */
     const VarCodes *codes; /* or NULL: value.data holds the codes' bytes, not floats; only the one reader whose
                             * input quantizer they are reads it (a forward without gradients, Tape.handoff) */
+    const float *means;    /* (N, C) or NULL: each plane's mean as nn_globalavgpool makes it (nn_plane_mean),
+                            * made by the op that wrote this Var for a globalavgpool that alone reads it; value.data
+                            * is then never written (a forward without gradients, Tape.handoff) */
 } Var;
 
 size_t tensor_numel(const Tensor *t);

@@ -55,7 +55,9 @@
  * cols copied. For an unpadded stride-1 reader on ch4 (a pointwise conv) the
  * producer quantizes straight into that reader's planes, 4 channels a dword
  * (VarCodes.plane), which the reader uses as they are (or copies row by row
- * into wider ones when its max pool widened them). The same codes, so the same bits; the float output is never
+ * into wider ones when its max pool widened them). One that a
+ * globalavgpool alone reads makes the pool's means (Var.means, nn_plane_mean
+ * on each plane in scratch) and never writes its output. The same codes, so the same bits; the float output is never
  * written to memory and read back. A non-finite output is then the
  * producer's error, naming it.
  *
@@ -516,6 +518,7 @@ typedef struct {
     QGemmTaps g;       /* act and out set per image */
     const VarCodes *hand; /* or NULL: the output goes to yc as its reader's codes */
     uint8_t *yc;       /* (N, OC, YH, YW) */
+    float *means;      /* (N, OC) or NULL: the output as its planes' means (nn_plane_mean) */
     uint8_t *work;     /* [pool threads * scratch] */
     uint8_t *bad;      /* [N] 1: an input value not finite; 2: an output value, handing off */
 } ConvJob;
@@ -667,12 +670,13 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     }
     QGemmTaps g = j->g;
     g.act = (const uint8_t *)planes;
-    g.out = j->hand ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
+    g.out = j->hand || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
     const size_t P = j->out_img / (size_t)j->OC;
     const bool out_ok = !j->hand || handoff_image(j->hand, j->yc + n * handoff_image_bytes(j->hand, j->OC, P), g.out,
                                                   j->OC, P);
+    for (int o = 0; j->means && o < j->OC; o++) j->means[(size_t)n * j->OC + o] = nn_plane_mean(g.out + o * P, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
@@ -693,7 +697,7 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
     j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
     j->out_at = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
-    j->scratch = j->out_at + (j->hand ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
+    j->scratch = j->out_at + (j->hand || j->means ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
     int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
@@ -719,7 +723,7 @@ static bool conv_plan(Tape *t, ConvJob *j) {
 }
 
 Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi,
-                            const VarCodes *hand) {
+                            const VarCodes *hand, bool means) {
     const int threads = threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
     ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
                  .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
@@ -736,6 +740,8 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     Var *y = hand ? handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
     float *scale = out_scales(t, q, j.ac.s);
     j.out_img = (size_t)q->out * YH * YW;
+    if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
+        return NULL;
     if (!y || !scale || !conv_plan(t, &j)) return NULL;
     j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
@@ -746,7 +752,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
 }
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
-    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL);
+    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL, false);
 }
 
 /* ---- depthwise conv2d ------------------------------------------------------------------------------------------ */
@@ -761,6 +767,7 @@ typedef struct {
     const uint8_t *xc;   /* (N, C, H, W) the input's codes (Var.codes) */
     float *y;            /* (N, OC, YH, YW) */
     const VarCodes *hand; /* or NULL: y's buffer takes the output as its reader's codes */
+    float *means;        /* (N, OC) or NULL: the output as its planes' means (nn_plane_mean) */
     QGemmCodes ac;
     QGemmDw d;           /* act, out, oc0, scratch set per channel */
     bool pool;
@@ -790,7 +797,7 @@ static void dw_task(void *ctx, int n, int n_tasks) {
     const uint8_t *codes = j->xc ? j->xc + (size_t)n * j->C * plane : work; /* (C, H, W) */
     const bool in_ok = j->xc || qgemm_quantize_u8(work, j->x + (size_t)n * j->C * plane, (size_t)j->C * plane, a->s,
                                                   a->lo, a->hi, a->zero);
-    float *y = j->hand ? (float *)(work + j->out_at) : j->y + (size_t)n * out_img; /* (OC, YH, YW) */
+    float *y = j->hand || j->means ? (float *)(work + j->out_at) : j->y + (size_t)n * out_img; /* (OC, YH, YW) */
     QGemmDw d = j->d;
     d.scratch = (uint32_t *)(work + j->dwords_at);
     for (int c = 0; c < j->C; c++) {
@@ -803,10 +810,11 @@ static void dw_task(void *ctx, int n, int n_tasks) {
     const size_t P = (size_t)j->YH * j->YW;
     const bool out_ok = !j->hand || handoff_image(j->hand, (uint8_t *)j->y + n * handoff_image_bytes(j->hand, OC, P), y,
                                                   OC, P);
+    for (int o = 0; j->means && o < OC; o++) j->means[(size_t)n * OC + o] = nn_plane_mean(y + o * P, P);
     j->bad[n] = (uint8_t)((in_ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
-Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi, const VarCodes *hand) {
+Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi, const VarCodes *hand, bool means) {
     const Module *m = q->module;
     const ConvGeom2d *g = &m->geom;
     const int KH = q->w_shape[2], KW = q->w_shape[3];
@@ -839,11 +847,13 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
     j.dwords_at = ((size_t)j.C * j.H * j.W + 63) / 64 * 64;
     j.pool_at = j.dwords_at + qgemm_dw_scratch(pw, j.OH, j.OW, g->stride_h);
     j.out_at = j.pool_at + (j.pool ? ((size_t)j.M * j.OH * j.OW * sizeof(float) + 63) / 64 * 64 : 0);
-    j.scratch = j.out_at + (hand ? ((size_t)q->out * j.YH * j.YW * sizeof(float) + 63) / 64 * 64 : 0);
+    j.scratch = j.out_at + (hand || means ? ((size_t)q->out * j.YH * j.YW * sizeof(float) + 63) / 64 * 64 : 0);
     const int shape[4] = {j.N, q->out, j.YH, j.YW};
     if ((size_t)j.N * q->out * j.YH * j.YW < 16) j.hand = hand = NULL; /* as in qlayer_int8_conv_fused */
     Var *y = hand ? handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
     float *scale = out_scales(t, q, j.ac.s);
+    if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
+        return NULL;
     j.work = tape_alloc(t, (size_t)parallel_get_threads() * j.scratch);
     j.bad = tape_alloc(t, (size_t)j.N);
     if (!y || !scale || !j.work || !j.bad) return NULL;

@@ -413,6 +413,12 @@ static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
     return qlayer_int8_reads_codes(t, r->hook_ctx, shape, c) ? c : NULL;
 }
 
+/* Whether this op's output goes to a globalavgpool alone (Tape.handoff), which then takes its planes' means. */
+static bool handoff_means(const Tape *t) {
+    const Module *r = t->handoff;
+    return qlayer_int8_handoff && r && r->spec.type == LAYER_GLOBALAVGPOOL && !r->forward_hook;
+}
+
 /* Codes handed over reach only a layer on the int8 path (the producer asked); false, with the error, otherwise. */
 static bool codes_read(Tape *t, const QLayer *q, const Var *x) {
     if (!x->codes) return true;
@@ -440,10 +446,12 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
         int OH = 0, OW = 0; /* qlayer_int8_supported: a plain convolution, or one channel per group */
         VarCodes c;
         const VarCodes *hand = conv ? handoff_codes(t, &c) : NULL;
-        if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE, hand);
+        const bool means = conv && handoff_means(t);
+        if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE, hand, means);
         if (conv)
-            return conv_check(t, q, x, &OH, &OW) ? qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, hand)
-                                                 : NULL;
+            return conv_check(t, q, x, &OH, &OW)
+                       ? qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, hand, means)
+                       : NULL;
         return codes_read(t, q, x) && dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
     if (!codes_read(t, q, x)) return NULL;
@@ -481,12 +489,12 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, 
            (nn_conv2d_fused is plain) */
         if (!qlayer_int8_applies(t, q, x, bias) || (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)))
             return NULL;
-        return qlayer_int8_conv_dw(t, q, x, bias, epi, handoff_codes(t, &c));
+        return qlayer_int8_conv_dw(t, q, x, bias, epi, handoff_codes(t, &c), handoff_means(t));
     }
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     if (qlayer_int8_applies(t, q, x, bias)) {
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;
-        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, handoff_codes(t, &c));
+        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, handoff_codes(t, &c), handoff_means(t));
     }
     if (!codes_read(t, q, x)) return NULL;
     Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;

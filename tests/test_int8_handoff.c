@@ -2,7 +2,8 @@
  * conv2d alone reads makes that reader's input codes itself): a model whose every conv-to-conv edge hands off
  * (into a depthwise conv as bytes; into 1x1 convs on channel quads as their planes, taken as they are or copied
  * into wider ones; into a padded 3x3 conv as bytes interleaved; into a strided conv's columns and a two-channel
- * conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv) gives logits
+ * conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv; and a conv's planes'
+ * means for the global average pool that reads it) gives logits
  * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
  * threads; which outputs are codes; the arena in the steady state; a NaN bias in a producer named in the error;
  * and qgemm_gather_u8x4 at stride 1 and qgemm_interleave_u8x4 against their portable loops. The
@@ -86,25 +87,28 @@ static const int QUADS[] = {3, 7};
 typedef struct {
     Model m;
     QLayer q[N_Q];
+    int n_q;
     Arena a;
     Tape t;
     float *x;
 } Net;
 
-static void net_init(Net *n) {
+/* The model of layers ls (n_ls) with its modules quantized[0 .. n_q) quantized, calibrated on x. */
+static void net_init_with(Net *n, const LayerSpec *ls, int n_ls, const int *quantized, int n_q) {
     QtError err = {0};
     memset(n, 0, sizeof *n);
-    CU_ASSERT_EQUAL_FATAL(model_init(&n->m, 3, (const int[]){C, H, W}, LS, sizeof LS / sizeof *LS, &err), QT_OK);
+    n->n_q = n_q;
+    CU_ASSERT_EQUAL_FATAL(model_init(&n->m, 3, (const int[]){C, H, W}, ls, n_ls, &err), QT_OK);
     Rng r;
     rng_init(&r, 5200, RNG_STREAM_INIT);
     model_init_params(&n->m, &r);
-    for (int i = 0; i < N_Q; i++) {
-        Param *b = n->m.modules[QUANTIZED[i]].bias;
+    for (int i = 0; i < n_q; i++) {
+        Param *b = n->m.modules[quantized[i]].bias;
         for (int k = 0; b && k < b->var.value.shape[0]; k++) b->var.value.data[k] = 0.05f * (float)(k % 3) + 0.02f;
     }
     n->x = qa_normal_sample(5201, N * C * H * W);
-    for (int i = 0; i < N_Q; i++) {
-        Module *mod = &n->m.modules[QUANTIZED[i]];
+    for (int i = 0; i < n_q; i++) {
+        Module *mod = &n->m.modules[quantized[i]];
         QLayerSpec s = qlayer_spec_default();
         s.weight_qtype = qa_find("int8");
         s.act_qtype = qa_find(i % 2 ? "uint8" : "int8"); /* signed symmetric and unsigned with zero points */
@@ -119,14 +123,16 @@ static void net_init(Net *n) {
     CU_ASSERT_EQUAL_FATAL(tape_init(&n->t, &n->a, NULL, NULL), QT_OK);
     n->t.grad_enabled = false, n->t.training = false;
     CU_ASSERT_PTR_NOT_NULL_FATAL(model_forward(&n->m, &n->t, tape_wrap(&n->t, n->x, 4, (const int[]){N, C, H, W})));
-    for (int i = 0; i < N_Q; i++) CU_ASSERT_EQUAL_FATAL(qlayer_calib_end(&n->q[i], &err), QT_OK);
+    for (int i = 0; i < n_q; i++) CU_ASSERT_EQUAL_FATAL(qlayer_calib_end(&n->q[i], &err), QT_OK);
 }
+
+static void net_init(Net *n) { net_init_with(n, LS, sizeof LS / sizeof *LS, QUANTIZED, N_Q); }
 
 static void net_free(Net *n) {
     free(n->x);
     tape_free(&n->t);
     arena_free(&n->a);
-    for (int i = 0; i < N_Q; i++) qlayer_free(&n->q[i]);
+    for (int i = 0; i < n->n_q; i++) qlayer_free(&n->q[i]);
     model_free(&n->m);
 }
 
@@ -159,12 +165,14 @@ static void test_handoff_same_logits(void) {
             float with[N * CLASSES], without[N * CLASSES];
             CU_ASSERT_FATAL(net_logits(&n, false, without));
             for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(!is_codes(&n, CODES[k]));
+            CU_ASSERT(n.m.outs[1 + 14]->means == NULL);
             CU_ASSERT_FATAL(net_logits(&n, true, with));
             for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(is_codes(&n, CODES[k]));
             for (size_t k = 0; k < sizeof QUADS / sizeof *QUADS; k++)
                 CU_ASSERT(is_codes(&n, QUADS[k]) && n.m.outs[1 + QUADS[k]]->codes->plane > 0);
             CU_ASSERT(n.m.outs[1 + 5]->codes->plane == 0); /* c4 is padded: bytes */
             CU_ASSERT(!is_codes(&n, 14) && !is_codes(&n, 15)); /* c6's read by the pool, the pool's by fc */
+            CU_ASSERT(n.m.outs[1 + 14]->means != NULL); /* c6 made the pool's means */
             const bool same = !memcmp(with, without, sizeof with);
             if (!same) fprintf(stderr, "\n  family %d, %d threads: the hand-off changed the logits\n", f, threads);
             CU_ASSERT(same);
@@ -187,6 +195,32 @@ static void test_handoff_same_logits(void) {
     qlayer_int8_disable = false;
     CU_ASSERT(memcmp(fl, i8, sizeof fl) != 0);
     ASSERT_ALL_CLOSE(i8, fl, (size_t)(N * CLASSES), 2e-3, 2e-3);
+    net_free(&n);
+}
+
+/* A depthwise conv's planes' means for the pool that alone reads it: the same logits, on the kernels and portable. */
+static void test_handoff_dw_means(void) {
+    static const LayerSpec DS[] = {
+        {.type = LAYER_CONV2D, .name = "c1", .out_channels = 8, .kernel = 3, .stride = 2, .padding = 1},
+        {.type = LAYER_RELU},
+        {.type = LAYER_CONV2D, .name = "dw", .out_channels = 8, .kernel = 3, .padding = 1, .groups = 8},
+        {.type = LAYER_RELU},
+        {.type = LAYER_GLOBALAVGPOOL},
+        {.type = LAYER_DENSE, .name = "fc", .units = CLASSES},
+    };
+    static const int DQ[] = {0, 2, 5};
+    Net n;
+    net_init_with(&n, DS, 6, DQ, 3);
+    for (int portable = 0; portable < 2; portable++) {
+        qgemm_force_portable = portable;
+        float with[N * CLASSES], without[N * CLASSES];
+        CU_ASSERT_FATAL(net_logits(&n, false, without));
+        CU_ASSERT(n.m.outs[1 + 3]->means == NULL);
+        CU_ASSERT_FATAL(net_logits(&n, true, with));
+        CU_ASSERT(n.m.outs[1 + 3]->means != NULL && is_codes(&n, 1));
+        CU_ASSERT(!memcmp(with, without, sizeof with));
+    }
+    qgemm_force_portable = false;
     net_free(&n);
 }
 
@@ -232,6 +266,7 @@ int register_quant_int8_handoff_suite(void) {
     return !CU_add_test(s, "qgemm_gather_u8x4 at stride 1 and qgemm_interleave_u8x4 equal their portable loops",
                         test_gather_s1) ||
            !CU_add_test(s, "the hand-off leaves the logits bit for bit", test_handoff_same_logits) ||
+           !CU_add_test(s, "a depthwise conv's means for the pool that reads it", test_handoff_dw_means) ||
            !CU_add_test(s, "the hand-off in the steady state", test_handoff_steady_state) ||
            !CU_add_test(s, "a producer's non-finite output is an error naming it", test_handoff_nonfinite);
 }

@@ -273,7 +273,7 @@ static float *dw_eval(QLayer *q, const float *x, int N, int epi, size_t *ny, QtE
     Var *vx = test_var(&e, x, 4, xs, false);
     Var *bias = mod->bias ? &mod->bias->var : NULL, *y = NULL;
     if (epi < 0) y = qlayer_forward(&e.tape, q, vx);
-    else if (epi < DW_HOOK) y = qlayer_int8_conv_dw(&e.tape, q, vx, bias, (ConvEpilogue)epi, NULL);
+    else if (epi < DW_HOOK) y = qlayer_int8_conv_dw(&e.tape, q, vx, bias, (ConvEpilogue)epi, NULL, false);
     else y = mod->fused_hook(&e.tape, (Module *)mod, vx, mod->hook_ctx, bias, (ConvEpilogue)(epi - DW_HOOK));
     CU_ASSERT_EQUAL(e.tape.n_nodes, 0);
     float *out = NULL;
