@@ -258,6 +258,8 @@ Var *nn_globalavgpool(Tape *t, Var *x);
 /* The mean of x [n] as nn_globalavgpool takes it: nn_sum8_f32's sum in double, divided by n, as float. An op that
  * makes its output's Var.means for a globalavgpool reader computes them with this. */
 float nn_plane_mean(const float *x, size_t n);
+/* out[p] = nn_plane_mean(x + p n, n) for p < planes, the same bits, four planes' eight sums side by side. */
+void nn_plane_means(float *out, const float *x, size_t planes, size_t n);
 /* For tests: true makes maxpool2d skip its 2x2/stride-2 fast path. */
 extern bool maxpool_force_generic;
 

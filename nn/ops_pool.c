@@ -222,6 +222,27 @@ static void globalavgpool_backward(Tape *t, const TapeNode *node) {
  * order does not depend on the threads. */
 float nn_plane_mean(const float *x, size_t n) { return (float)(nn_sum8_f32(x, NULL, n) / (double)n); }
 
+/* nn_sum8_f32's eight chains of a plane, four planes at a time: each chain still adds its own values in order
+ * (a vector lane a chain, whatever the copy), so the sums are nn_sum8_f32's; a plane alone waits on the latency
+ * of its eight chains' adds, four interleave. */
+NN_SIMD_CLONES void nn_plane_means(float *out, const float *x, size_t planes, size_t n) {
+    size_t p = 0;
+    for (; p + 4 <= planes; p += 4) {
+        double acc[4][8] = {{0}};
+        size_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int q = 0; q < 4; q++)
+                for (int c = 0; c < 8; c++) acc[q][c] += (double)x[(p + (size_t)q) * n + i + (size_t)c];
+        for (int q = 0; q < 4; q++) {
+            double *a = acc[q];
+            for (size_t k = i; k < n; k++) a[0] += (double)x[(p + (size_t)q) * n + k];
+            const double sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+            out[p + (size_t)q] = (float)(sum / (double)n);
+        }
+    }
+    for (; p < planes; p++) out[p] = nn_plane_mean(x + p * n, n);
+}
+
 typedef struct {
     float *y;       /* (planes) */
     const float *x; /* (planes, area) */
@@ -233,7 +254,7 @@ static void gap_task(void *ctx, int task, int n_tasks) {
     const GapJob *j = ctx;
     int lo, hi;
     parallel_range(j->planes, task, n_tasks, &lo, &hi);
-    for (int p = lo; p < hi; p++) j->y[p] = nn_plane_mean(j->x + (size_t)p * j->area, j->area);
+    nn_plane_means(j->y + lo, j->x + (size_t)lo * j->area, (size_t)(hi - lo), j->area);
 }
 
 Var *nn_globalavgpool(Tape *t, Var *x) {

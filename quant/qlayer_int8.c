@@ -676,7 +676,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     const size_t P = j->out_img / (size_t)j->OC;
     const bool out_ok = !j->hand || handoff_image(j->hand, j->yc + n * handoff_image_bytes(j->hand, j->OC, P), g.out,
                                                   j->OC, P);
-    for (int o = 0; j->means && o < j->OC; o++) j->means[(size_t)n * j->OC + o] = nn_plane_mean(g.out + o * P, P);
+    if (j->means) nn_plane_means(j->means + (size_t)n * j->OC, g.out, (size_t)j->OC, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 
@@ -810,7 +810,7 @@ static void dw_task(void *ctx, int n, int n_tasks) {
     const size_t P = (size_t)j->YH * j->YW;
     const bool out_ok = !j->hand || handoff_image(j->hand, (uint8_t *)j->y + n * handoff_image_bytes(j->hand, OC, P), y,
                                                   OC, P);
-    for (int o = 0; j->means && o < OC; o++) j->means[(size_t)n * OC + o] = nn_plane_mean(y + o * P, P);
+    if (j->means) nn_plane_means(j->means + (size_t)n * OC, y, (size_t)OC, P);
     j->bad[n] = (uint8_t)((in_ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
 

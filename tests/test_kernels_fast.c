@@ -338,6 +338,27 @@ static void test_relu_not_in_place_under_a_second_reader(void) {
     }
 }
 
+/* nn_plane_means (four planes side by side, in every SIMD copy) equals nn_plane_mean plane by plane, bit for bit:
+ * plane counts around 4, lengths around 8 and a 14x14 plane, values far apart in magnitude. */
+static void test_plane_means_match_mean(void) {
+    static const size_t PLANES[] = {1, 3, 4, 5, 8, 9}, NS[] = {1, 7, 8, 9, 15, 16, 17, 196, 301};
+    Rng r;
+    rng_init(&r, 6100, 0);
+    for (size_t a = 0; a < sizeof PLANES / sizeof *PLANES; a++)
+        for (size_t b = 0; b < sizeof NS / sizeof *NS; b++) {
+            const size_t P = PLANES[a], n = NS[b];
+            float *x = malloc(P * n * sizeof *x), want[9], got[9];
+            for (size_t i = 0; i < P * n; i++) {
+                const float u = (float)rng_below(&r, 1u << 20) / (float)(1u << 20) - 0.3f;
+                x[i] = u * (i % 5 == 0 ? 3e5f : i % 3 == 0 ? 1e-3f : 1.0f);
+            }
+            for (size_t p = 0; p < P; p++) want[p] = nn_plane_mean(x + p * n, n);
+            nn_plane_means(got, x, P, n);
+            CU_ASSERT(!memcmp(want, got, P * sizeof *got));
+            free(x);
+        }
+}
+
 int register_nn_kernels_fast_suite(void) {
     CU_pSuite s = CU_add_suite("nn_kernels_fast", NULL, NULL);
     if (!s) return -1;
@@ -347,6 +368,7 @@ int register_nn_kernels_fast_suite(void) {
            !CU_add_test(s, "backward: gradients in place and reused, same values", test_backward_reuses_grads) ||
            !CU_add_test(s, "add and relu gradients: own buffers, accumulation", test_add_relu_grads) ||
            !CU_add_test(s, "depthwise stride-1 loops match the direct loops", test_depthwise_s1_matches_ref) ||
+           !CU_add_test(s, "plane means four at a time match one at a time", test_plane_means_match_mean) ||
            !CU_add_test(s, "a relu that is not its input's only reader leaves it alone",
                         test_relu_not_in_place_under_a_second_reader) ||
            !CU_add_test(s, "model: relus in place, eval passes release dead activations",
