@@ -26,10 +26,10 @@
  * codes (qgemm_gather_u8x4: 16 dwords a step at stride 2). Every image is one task (quantize, planes, taps);
  * ch4 quantizes straight into its planes (qgemm_quantize_u8x4).
  *
- * Depthwise (conv_is_dw: every output channel reads one input channel,
- * w (OC, 1, KH, KW), no dilation; any kernel, stride and padding per axis,
- * 'same' included, M = OC / C output channels per input channel): each
- * image is one task, its codes quantized in one pass, then per input
+ * Depthwise (qlayer_int8_dw.c; qlayer_int8_conv_is_dw: every output channel
+ * reads one input channel, w (OC, 1, KH, KW), no dilation; any kernel,
+ * stride and padding per axis, 'same' included, M = OC / C output channels
+ * per input channel): each image is one task, its codes quantized in one pass, then per input
  * channel qgemm_dw, which pads itself: VNNI gathers, for every padded row
  * and output column, the dwords of 4 consecutive codes (one per quad of
  * kernel columns; masked loads put a_zero outside the image), then one
@@ -64,6 +64,7 @@
  * Scratch (codes, planes, output vector tables) comes from the tape's
  * arena; the packed weight is allocated once (qlayer_int8_prepare). */
 #include "qlayer_int8.h"
+#include "qlayer_int8_internal.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -71,7 +72,6 @@
 
 #include "fakequant_internal.h"
 #include "base/parallel.h"
-#include "nn/pool2x2.h"
 #include "qgemm.h"
 
 bool qlayer_int8_disable = false;
@@ -81,13 +81,6 @@ bool qlayer_int8_disable = false;
 double qlayer_int8_parallel_min_macs = 4e6;
 
 enum { CONV_CH4, CONV_KW4, CONV_COLS };
-
-struct QLayerInt8 {
-    QGemmPackedB dense;    /* dense: the weight (out, fan_in) */
-    QGemmPackedTaps taps;  /* conv2d: the weight as (OC, taps) dwords, taps as conv_shape orders them */
-    QGemmPackedDw dw;      /* depthwise conv2d (conv_is_dw): the weight (OC, 1, KH, KW) */
-    float *w_scale;        /* [out] the weight's scale of each output channel */
-};
 
 /* ---- eligibility ----------------------------------------------------------------------------------------------- */
 
@@ -105,7 +98,7 @@ static const char INT8_WHY_GEOMETRY[] = "the conv2d is dilated, or grouped with 
 
 /* A conv2d that is not plain but runs on the depthwise kernel: every output channel reads one input channel
  * (w (OC, 1, KH, KW): groups = C, OC a multiple of C), no dilation; any kernel, stride and padding per axis. */
-static bool conv_is_dw(const QLayer *q) {
+bool qlayer_int8_conv_is_dw(const QLayer *q) {
     const Module *m = q->module;
     return m->spec.type == LAYER_CONV2D && !m->conv_plain && q->w_shape[1] == 1 && m->geom.dil_h == 1 &&
            m->geom.dil_w == 1;
@@ -120,7 +113,7 @@ static const char *unsupported_why(const QLayer *q) {
         return "the weight has block scales (use one per output channel or per tensor: tile_size 0)";
     if (!is_int8_act(q->spec.act_qtype)) return "the input is not quantized to int8 or uint8 (act_qtype)";
     if (q->fan_in > QGEMM_K_MAX) return "fan_in is longer than an exact int32 sum allows";
-    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain && !conv_is_dw(q)) return INT8_WHY_GEOMETRY;
+    if (q->module->spec.type == LAYER_CONV2D && !q->module->conv_plain && !qlayer_int8_conv_is_dw(q)) return INT8_WHY_GEOMETRY;
     return NULL;
 }
 
@@ -182,7 +175,7 @@ bool qlayer_int8_supported(const QLayer *q) { return q && q->module && !unsuppor
 /* The 256-bit families' depthwise kernel takes strides 1 and 2 across (qgemm_dw_avx2): a depthwise conv with a
  * longer stride keeps the float path with them. */
 static bool dw_stride_beyond_256(const QLayer *q, QGemmIsa isa) {
-    return (isa == QGEMM_ISA_AVX2 || isa == QGEMM_ISA_AVXVNNI) && conv_is_dw(q) && q->module->geom.stride_w > 2;
+    return (isa == QGEMM_ISA_AVX2 || isa == QGEMM_ISA_AVXVNNI) && qlayer_int8_conv_is_dw(q) && q->module->geom.stride_w > 2;
 }
 
 bool qlayer_int8_on_kernel(const QLayer *q) {
@@ -268,7 +261,7 @@ static QtStatus pack_weight(QLayerInt8 *p, const QLayer *q, QtError *err) {
     QtStatus st;
     if (q->module->spec.type != LAYER_CONV2D) {
         st = qgemm_pack_b(&p->dense, codes, q->out, q->fan_in, &inner);
-    } else if (conv_is_dw(q)) {
+    } else if (qlayer_int8_conv_is_dw(q)) {
         st = qgemm_pack_dw(&p->dw, codes, q->out, q->w_shape[2], q->w_shape[3], &inner);
     } else {
         ConvShape c = conv_shape(q);
@@ -330,17 +323,17 @@ static bool act_codes_err(const QLayer *q, QGemmCodes *a, QtError *err) {
     return true;
 }
 
-static bool act_codes(Tape *t, const QLayer *q, QGemmCodes *a) { return act_codes_err(q, a, &t->err); }
+bool qlayer_int8_act_codes(Tape *t, const QLayer *q, QGemmCodes *a) { return act_codes_err(q, a, &t->err); }
 
 /* s_x * s_w[o] for every output channel -> arena [out]. */
-static float *out_scales(Tape *t, const QLayer *q, float sx) {
+float *qlayer_int8_out_scales(Tape *t, const QLayer *q, float sx) {
     float *s = tape_alloc(t, (size_t)q->out * sizeof *s);
     for (int o = 0; s && o < q->out; o++) s[o] = sx * q->int8->w_scale[o];
     return s;
 }
 
 /* Packs on first use; false with the tape error set. */
-static bool ensure_packed(Tape *t, QLayer *q) {
+bool qlayer_int8_ensure_packed(Tape *t, QLayer *q) {
     if (q->int8) return true;
     QtError e = {0};
     if (qlayer_int8_prepare(q, &e) == QT_OK) return true;
@@ -349,12 +342,12 @@ static bool ensure_packed(Tape *t, QLayer *q) {
 }
 
 /* The threads a layer of this many multiply-adds uses. */
-static int threads_for(double macs) { return macs < qlayer_int8_parallel_min_macs ? 1 : parallel_get_threads(); }
+int qlayer_int8_threads_for(double macs) { return macs < qlayer_int8_parallel_min_macs ? 1 : parallel_get_threads(); }
 
 /* n_tasks tasks over the step's pool (base/parallel.h), or all in the calling
  * thread when threads is 1. Per-thread scratch is sized for the whole pool
  * and indexed by parallel_thread_index(), which holds for both. */
-static void int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
+void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
     if (threads > 1) {
         parallel_run(n_tasks, fn, ctx);
         return;
@@ -402,7 +395,7 @@ bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, V
 }
 
 /* The codes of an input x: its hand-off's, which must be q's own (the producer asked qlayer_int8_reads_codes). */
-static const uint8_t *input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a, bool quads) {
+const uint8_t *qlayer_int8_input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a, bool quads) {
     const VarCodes *c = x->codes;
     if (c->s == a->s && c->lo == a->lo && c->hi == a->hi && c->zero == a->zero && (quads || !c->plane)) return c->data;
     qt_error_set(&t->err, QT_ERR_ARG, "%s: the input's int8 codes were made for another quantizer (the hand-off "
@@ -411,7 +404,7 @@ static const uint8_t *input_codes(Tape *t, const QLayer *q, const Var *x, const 
 }
 
 /* The output Var of a producer handing off: its float buffer holds the codes. */
-static Var *handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *hand) {
+Var *qlayer_int8_handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *hand) {
     Var *y = tape_new_var(t, ndim, shape);
     VarCodes *c = y ? tape_alloc(t, sizeof *c) : NULL;
     if (!c) return NULL;
@@ -423,7 +416,7 @@ static Var *handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *han
 
 /* One image's output, made in scratch (C planes of P floats), to its codes at dst (the image's); false for a value
  * that is not finite. */
-static bool handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P) {
+bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P) {
     if (!hand->plane) return qgemm_quantize_u8(dst, y, (size_t)C * P, hand->s, hand->lo, hand->hi, hand->zero);
     const QGemmCodes a = {.s = hand->s, .lo = hand->lo, .hi = hand->hi, .zero = hand->zero};
     bool ok = true;
@@ -437,15 +430,15 @@ static bool handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, in
     return ok;
 }
 
-/* The bytes of one image's codes at plane > 0 (handoff_var's layout). */
-static size_t handoff_image_bytes(const VarCodes *hand, int C, size_t P) {
+/* The bytes of one image's codes at plane > 0 (qlayer_int8_handoff_var's layout). */
+size_t qlayer_int8_handoff_image_bytes(const VarCodes *hand, int C, size_t P) {
     return hand->plane ? (size_t)((C + 3) / 4) * hand->plane * 4 : (size_t)C * P;
 }
 
 /* After the tasks, bad[i] for image i: 1, an input value not finite (inputs_finite's message; never for codes
  * handed over, whose values were checked where they were made); 2, an output value the reader's quantizer cannot
  * code. */
-static bool checks_pass(Tape *t, const QLayer *q, const Var *x, const uint8_t *bad, int n) {
+bool qlayer_int8_checks_pass(Tape *t, const QLayer *q, const Var *x, const uint8_t *bad, int n) {
     uint8_t in = 0;
     for (int i = 0; i < n; i++) in |= bad[i] & 1;
     if (in) return inputs_finite(t, x, bad, n);
@@ -480,21 +473,21 @@ static void dense_task(void *ctx, int task, int n_tasks) {
 
 Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias) {
     const int N = x->value.shape[0], in = q->fan_in, out = q->out;
-    const int threads = threads_for((double)N * in * out);
+    const int threads = qlayer_int8_threads_for((double)N * in * out);
     DenseJob j = {.x = x->value.data};
-    if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    if (!qlayer_int8_ensure_packed(t, q) || !qlayer_int8_act_codes(t, q, &j.ac)) return NULL;
     /* tasks of whole 8-row tiles, about two per thread so a slow one is evened out */
     int per = (N + 2 * threads - 1) / (2 * threads);
     j.rows = (per + QGEMM_ROWS - 1) / QGEMM_ROWS * QGEMM_ROWS;
     const int tasks = (N + j.rows - 1) / j.rows;
     Var *y = tape_new_var(t, 2, (const int[]){N, out});
     uint8_t *codes = tape_alloc(t, (size_t)N * in); /* (N, in) */
-    float *scale = out_scales(t, q, j.ac.s);
+    float *scale = qlayer_int8_out_scales(t, q, j.ac.s);
     j.bad = tape_alloc(t, (size_t)tasks);
     if (!y || !codes || !scale || !j.bad) return NULL;
     j.d = (QGemmDense){.a = codes, .lda = in, .m = N, .a_zero = j.ac.zero, .b = &q->int8->dense,
                        .c_f32 = y->value.data, .ldc = out, .scale = scale, .bias = bias ? bias->value.data : NULL};
-    int8_run(threads, tasks, dense_task, &j);
+    qlayer_int8_run(threads, tasks, dense_task, &j);
     return inputs_finite(t, x, j.bad, tasks) ? y : NULL;
 }
 
@@ -674,7 +667,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     g.pool_buf = pool;
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
     const size_t P = j->out_img / (size_t)j->OC;
-    const bool out_ok = !j->hand || handoff_image(j->hand, j->yc + n * handoff_image_bytes(j->hand, j->OC, P), g.out,
+    const bool out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, j->yc + n * qlayer_int8_handoff_image_bytes(j->hand, j->OC, P), g.out,
                                                   j->OC, P);
     if (j->means) nn_plane_means(j->means + (size_t)n * j->OC, g.out, (size_t)j->OC, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
@@ -724,12 +717,12 @@ static bool conv_plan(Tape *t, ConvJob *j) {
 
 Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi,
                             const VarCodes *hand, bool means) {
-    const int threads = threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
+    const int threads = qlayer_int8_threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
     ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
                  .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
-    if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
+    if (!qlayer_int8_ensure_packed(t, q) || !qlayer_int8_act_codes(t, q, &j.ac)) return NULL;
     j.c = conv_shape(q);
-    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac, j.c.mode == CONV_CH4))) return NULL;
+    if (x->codes && !(j.xc = qlayer_int8_input_codes(t, q, x, &j.ac, j.c.mode == CONV_CH4))) return NULL;
     if (!x->codes) j.x = x->value.data;
     j.xc_plane = x->codes ? x->codes->plane : 0;
     const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;
@@ -737,8 +730,8 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     j.g.epi = pool ? QGEMM_EPI_RELU_POOL2 : epi == CONV_EPI_RELU ? QGEMM_EPI_RELU : QGEMM_EPI_NONE;
     const int shape[4] = {j.N, q->out, YH, YW};
     if ((size_t)j.N * q->out * YH * YW < 16) j.hand = hand = NULL; /* the readers' vector loads need the slack */
-    Var *y = hand ? handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
-    float *scale = out_scales(t, q, j.ac.s);
+    Var *y = hand ? qlayer_int8_handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
+    float *scale = qlayer_int8_out_scales(t, q, j.ac.s);
     j.out_img = (size_t)q->out * YH * YW;
     if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
         return NULL;
@@ -747,120 +740,10 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
     j.yc = (uint8_t *)y->value.data;
-    int8_run(threads, j.N, conv_task, &j);
-    return checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
+    qlayer_int8_run(threads, j.N, conv_task, &j);
+    return qlayer_int8_checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
 }
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
     return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL, false);
-}
-
-/* ---- depthwise conv2d ------------------------------------------------------------------------------------------ */
-
-typedef struct {
-    int N, C, H, W, M;   /* M: output channels per input channel (OC = M C) */
-    int OH, OW, YH, YW;  /* the conv's output; y's (pooled or not) */
-    size_t scratch;      /* bytes of one thread's scratch: the image's codes, the kernel's dwords, the pool buffer,
-                          * the image's output (handing off) */
-    size_t dwords_at, pool_at, out_at;
-    const float *x;      /* (N, C, H, W), or NULL: */
-    const uint8_t *xc;   /* (N, C, H, W) the input's codes (Var.codes) */
-    float *y;            /* (N, OC, YH, YW) */
-    const VarCodes *hand; /* or NULL: y's buffer takes the output as its reader's codes */
-    float *means;        /* (N, OC) or NULL: the output as its planes' means (nn_plane_mean) */
-    QGemmCodes ac;
-    QGemmDw d;           /* act, out, oc0, scratch set per channel */
-    bool pool;
-    uint8_t *work;       /* [pool threads * scratch] */
-    uint8_t *bad;        /* [N] as ConvJob's */
-} DwJob;
-
-/* y (M, OH/2, OW/2) = the 2x2 maxima of r (M, OH, OW), as nn_maxpool2d(2, 2). */
-static void dw_pool(float *y, const float *r, const DwJob *j) {
-    for (int m = 0; m < j->M; m++, r += (size_t)j->OH * j->OW, y += (size_t)j->YH * j->YW)
-        for (int i = 0; i < j->YH; i++) {
-            const float *a = r + (size_t)2 * i * j->OW, *b = a + j->OW;
-            for (int k = 0, win; k < j->YW; k++)
-                y[(size_t)i * j->YW + k] = pool2x2_window(a[2 * k], a[2 * k + 1], b[2 * k], b[2 * k + 1], &win);
-        }
-}
-
-/* One image: its codes in one pass (or as handed over), then each input channel's M output channels (the kernel
- * pads); handing off, the image's output in scratch, then its codes. */
-static void dw_task(void *ctx, int n, int n_tasks) {
-    (void)n_tasks;
-    DwJob *j = ctx;
-    const size_t plane = (size_t)j->H * j->W, out_img = (size_t)j->C * j->M * j->YH * j->YW;
-    uint8_t *work = j->work + (size_t)parallel_thread_index() * j->scratch;
-    float *pooled = (float *)(work + j->pool_at); /* pooling: (M, OH, OW) */
-    const QGemmCodes *a = &j->ac;
-    const uint8_t *codes = j->xc ? j->xc + (size_t)n * j->C * plane : work; /* (C, H, W) */
-    const bool in_ok = j->xc || qgemm_quantize_u8(work, j->x + (size_t)n * j->C * plane, (size_t)j->C * plane, a->s,
-                                                  a->lo, a->hi, a->zero);
-    float *y = j->hand || j->means ? (float *)(work + j->out_at) : j->y + (size_t)n * out_img; /* (OC, YH, YW) */
-    QGemmDw d = j->d;
-    d.scratch = (uint32_t *)(work + j->dwords_at);
-    for (int c = 0; c < j->C; c++) {
-        float *yc = y + (size_t)c * j->M * j->YH * j->YW; /* (M, YH, YW) */
-        d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
-        qgemm_dw(&d);
-        if (j->pool) dw_pool(yc, pooled, j);
-    }
-    const int OC = j->C * j->M;
-    const size_t P = (size_t)j->YH * j->YW;
-    const bool out_ok = !j->hand || handoff_image(j->hand, (uint8_t *)j->y + n * handoff_image_bytes(j->hand, OC, P), y,
-                                                  OC, P);
-    if (j->means) nn_plane_means(j->means + (size_t)n * OC, y, (size_t)OC, P);
-    j->bad[n] = (uint8_t)((in_ok ? 0 : 1) | (out_ok ? 0 : 2));
-}
-
-Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi, const VarCodes *hand, bool means) {
-    const Module *m = q->module;
-    const ConvGeom2d *g = &m->geom;
-    const int KH = q->w_shape[2], KW = q->w_shape[3];
-    char sx[64];
-    if (!conv_is_dw(q)) {
-        qt_error_set(&t->err, QT_ERR_ARG, "%s: qlayer_int8_conv_dw: not a conv2d of one input channel per group",
-                     m->path);
-        return NULL;
-    }
-    if (x->value.ndim != 4 || x->value.shape[1] != g->groups || q->out % g->groups) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "%s: input %s does not fit the quantized conv2d layer (want (N, %d, H, W))",
-                     m->path, tensor_shape_str(&x->value, sx, sizeof sx), g->groups);
-        return NULL;
-    }
-    DwJob j = {.N = x->value.shape[0], .C = g->groups, .H = x->value.shape[2], .W = x->value.shape[3],
-               .M = q->out / g->groups, .pool = epi == CONV_EPI_RELU_MAXPOOL2, .hand = hand};
-    j.OH = conv_general_out_size(j.H, KH, g->stride_h, g->pad_h, g->pad_h + g->pad_h_extra, 1);
-    j.OW = conv_general_out_size(j.W, KW, g->stride_w, g->pad_w, g->pad_w + g->pad_w_extra, 1);
-    if (j.OH < (j.pool ? 2 : 1) || j.OW < (j.pool ? 2 : 1)) {
-        qt_error_set(&t->err, QT_ERR_SHAPE, "%s: kernel %dx%d (stride [%d, %d], padding [%d, %d]) does not fit input "
-                     "%s%s", m->path, KH, KW, g->stride_h, g->stride_w, g->pad_h, g->pad_w,
-                     tensor_shape_str(&x->value, sx, sizeof sx), j.pool ? " with a 2x2 max pool after it" : "");
-        return NULL;
-    }
-    if (!ensure_packed(t, q) || !act_codes(t, q, &j.ac)) return NULL;
-    if (x->codes && !(j.xc = input_codes(t, q, x, &j.ac, false))) return NULL;
-    if (!x->codes) j.x = x->value.data;
-    const QGemmPackedDw *pw = &q->int8->dw;
-    j.YH = j.pool ? j.OH / 2 : j.OH, j.YW = j.pool ? j.OW / 2 : j.OW;
-    j.dwords_at = ((size_t)j.C * j.H * j.W + 63) / 64 * 64;
-    j.pool_at = j.dwords_at + qgemm_dw_scratch(pw, j.OH, j.OW, g->stride_h);
-    j.out_at = j.pool_at + (j.pool ? ((size_t)j.M * j.OH * j.OW * sizeof(float) + 63) / 64 * 64 : 0);
-    j.scratch = j.out_at + (hand || means ? ((size_t)q->out * j.YH * j.YW * sizeof(float) + 63) / 64 * 64 : 0);
-    const int shape[4] = {j.N, q->out, j.YH, j.YW};
-    if ((size_t)j.N * q->out * j.YH * j.YW < 16) j.hand = hand = NULL; /* as in qlayer_int8_conv_fused */
-    Var *y = hand ? handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
-    float *scale = out_scales(t, q, j.ac.s);
-    if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
-        return NULL;
-    j.work = tape_alloc(t, (size_t)parallel_get_threads() * j.scratch);
-    j.bad = tape_alloc(t, (size_t)j.N);
-    if (!y || !scale || !j.work || !j.bad) return NULL;
-    j.y = y->value.data;
-    j.d = (QGemmDw){.in_h = j.H, .in_w = j.W, .pad_t = g->pad_h, .pad_l = g->pad_w, .oh_n = j.OH, .ow_n = j.OW,
-                    .sh = g->stride_h, .sw = g->stride_w, .w = pw, .n_oc = j.M, .a_zero = j.ac.zero, .scale = scale,
-                    .bias = bias ? bias->value.data : NULL, .relu = epi != CONV_EPI_NONE};
-    int8_run(threads_for((double)j.N * j.OH * j.OW * q->out * q->fan_in), j.N, dw_task, &j);
-    return checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
 }

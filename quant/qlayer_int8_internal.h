@@ -1,0 +1,44 @@
+/* qlayer_int8_internal.h - what the int8 forward's files share (qlayer_int8.c: eligibility, packing, the input's
+ * codes, the hand-off, dense and conv2d; qlayer_int8_dw.c: the depthwise conv2d). Internal to quant/. */
+#ifndef QTRAIN_QUANT_QLAYER_INT8_INTERNAL_H
+#define QTRAIN_QUANT_QLAYER_INT8_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/parallel.h"
+#include "qgemm.h"
+#include "qlayer_int8.h"
+
+struct QLayerInt8 {
+    QGemmPackedB dense;    /* dense: the weight (out, fan_in) */
+    QGemmPackedTaps taps;  /* conv2d: the weight as (OC, taps) dwords, taps as conv_shape orders them */
+    QGemmPackedDw dw;      /* depthwise conv2d (qlayer_int8_conv_is_dw): the weight (OC, 1, KH, KW) */
+    float *w_scale;        /* [out] the weight's scale of each output channel */
+};
+
+/* Every output channel reads one input channel (w (OC, 1, KH, KW), no dilation): the depthwise kernel's. */
+bool qlayer_int8_conv_is_dw(const QLayer *q);
+/* q's static input range as the kernels' codes; false with the tape error set. */
+bool qlayer_int8_act_codes(Tape *t, const QLayer *q, QGemmCodes *a);
+/* Packs q's weight on first use; false with the tape error set. */
+bool qlayer_int8_ensure_packed(Tape *t, QLayer *q);
+/* s_x * s_w[o] for every output channel -> arena [out]. */
+float *qlayer_int8_out_scales(Tape *t, const QLayer *q, float sx);
+/* The threads a layer of this many multiply-adds uses, and n_tasks tasks on them (all in the caller for 1). */
+int qlayer_int8_threads_for(double macs);
+void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx);
+/* x's hand-off codes, checked to be q's own (quads: channel quads allowed); NULL with the tape error set. */
+const uint8_t *qlayer_int8_input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a, bool quads);
+/* A producer's output Var whose buffer takes the codes hand describes (Var.codes). */
+Var *qlayer_int8_handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *hand);
+/* One image's output in scratch (C planes of P floats) to its codes at dst; false for a value not finite. */
+bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P);
+/* The bytes of one image's codes. */
+size_t qlayer_int8_handoff_image_bytes(const VarCodes *hand, int C, size_t P);
+/* After the tasks, bad[i] for image i: 1, an input value not finite; 2, an output value the reader's quantizer
+ * cannot code; false with the error. */
+bool qlayer_int8_checks_pass(Tape *t, const QLayer *q, const Var *x, const uint8_t *bad, int n);
+
+#endif
