@@ -503,7 +503,6 @@ void qgemm_interleave_u8x4(uint32_t *dst, size_t ldd, const uint8_t *const src[4
 
 void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n, int stride) {
     if (stride == 2 && qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_gather_u8x4_s2_avx2(dst, src, step, rows, n);
-    else if (stride == 1 && qgemm_isa() != QGEMM_ISA_PORTABLE) qgemm_gather_u8x4_s1_avx2(dst, src, step, rows, n);
     else qgemm_gather_u8x4_portable(dst, src, step, rows, n, stride);
 }
 

@@ -276,8 +276,7 @@ void qgemm_interleave_u8x4_portable(uint32_t *dst, size_t ldd, const uint8_t *co
  * i < n, with s_k = src[k] + h * step[k] and at = i * stride,
  *   dst[h * n + i] = s_0[at] | s_1[at] << 8 | s_2[at] << 16 | s_3[at] << 24.
  * Writes dst[0, rows * n) only; may read up to QGEMM_GATHER_SLACK bytes past a row's last byte (the caller's
- * buffer has them). The AVX2 families take strides 1 and 2 sixteen dwords at a time; the rest is the portable
- * loop. */
+ * buffer has them). The AVX2 families take stride 2 sixteen dwords at a time; the rest is the portable loop. */
 #define QGEMM_GATHER_SLACK 64
 void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n, int stride);
 void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n,

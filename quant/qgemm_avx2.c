@@ -608,14 +608,6 @@ QA_TARGET static inline __attribute__((always_inline)) void gather16(uint32_t *o
     }
 }
 
-QA_TARGET void qgemm_gather_u8x4_s1_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows,
-                                         int n) {
-    for (int h = 0; h < rows; h++) {
-        const uint8_t *s[4] = {src[0] + h * step[0], src[1] + h * step[1], src[2] + h * step[2], src[3] + h * step[3]};
-        for (int i = 0; i < n; i += 16) gather16(dst + (size_t)h * n + i, n - i, s, (size_t)i, 1);
-    }
-}
-
 QA_TARGET void qgemm_interleave_u8x4_avx2(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds,
                                           int rows, int n) {
     for (int h = 0; h < rows; h++) {
@@ -655,9 +647,6 @@ bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4]
 }
 void qgemm_gather_u8x4_s2_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n) {
     qgemm_gather_u8x4_portable(dst, src, step, rows, n, 2);
-}
-void qgemm_gather_u8x4_s1_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n) {
-    qgemm_gather_u8x4_portable(dst, src, step, rows, n, 1);
 }
 void qgemm_interleave_u8x4_avx2(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows, int n) {
     qgemm_interleave_u8x4_portable(dst, ldd, src, lds, rows, n);

@@ -43,9 +43,8 @@ size_t qgemm_dw_avx2_width(const QGemmPackedDw *w, int ow_n, int sw);
 bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8x4_avx2(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                               const QGemmCodes *c);
-/* qgemm_gather_u8x4 at strides 2 and 1 (qgemm_avx2.c), the whole of n. */
+/* qgemm_gather_u8x4 at stride 2 (qgemm_avx2.c), the whole of n. */
 void qgemm_gather_u8x4_s2_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n);
-void qgemm_gather_u8x4_s1_avx2(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n);
 /* qgemm_interleave_u8x4 (qgemm_avx2.c). */
 void qgemm_interleave_u8x4_avx2(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows, int n);
 /* qt.h's qgemm_s8: c (M, N) = a (M, K) b (N, K)^T, int8 both. */
