@@ -96,7 +96,7 @@ INCLUDEDIR := $(PREFIX)/include
 PCDIR      := $(LIBDIR)/pkgconfig
 
 DEB_PKGS  := libopenblas-dev liblapacke-dev libhdf5-dev libyaml-dev zlib1g-dev pkg-config dataset-fashion-mnist
-TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
+TEST_DEBS := libcunit1-dev python3-h5py python3-numpy python3-pil gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-user
 APT_ENV   := env DEBIAN_FRONTEND=noninteractive
 
 .PHONY: mpi mpi-deps bench-mpi compare research all deps test-deps pkgcheck pkgcheck-cunit test run bench bench-torch bench-export torch-deps fixtures interop memcheck \

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "quant/qat.h"
+#include "quant/qlayer.h"
 #include "test_qarray.h"
 #include "test_qat.h"
 #include "test_runs.h"
@@ -47,7 +48,9 @@ static int count_folded(const Config *c, const char *ckpt) {
 }
 
 /* Trains path (with the overrides) as QAT under sub, converts it, and asserts the converted checkpoint evaluates
- * exactly as the QAT one (test accuracy and loss) with n_folded batch norms folded into its quantized layers. */
+ * exactly as the QAT one (test accuracy and loss) on the float path (fake quantization and sgemm, as QAT computes),
+ * and within float rounding on the integer kernels (exact sums, rounded once: another order), with n_folded batch
+ * norms folded into its quantized layers. */
 static void check_convert(const char *path, const char *sub, const char *const *ov, int n_ov, int n_folded) {
     Config *c = test_runs_config(&runs, path, sub, ov, n_ov);
     CU_ASSERT_PTR_NOT_NULL_FATAL(c);
@@ -56,15 +59,22 @@ static void check_convert(const char *path, const char *sub, const char *const *
     QtStatus st = test_runs_train(c, NULL, 0, &r, &err);
     if (st != QT_OK) fprintf(stderr, "\n  %s: %s\n", path, err.msg);
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
-    ConvertReport rep;
+    ConvertReport rep, on_kernels;
     char *ckpt = test_runs_path(&runs, sub, "final.h5"), *out = test_runs_path(&runs, sub, "ptq.h5");
-    st = tools_convert(ckpt, out, false, NULL, &rep, &err);
+    st = tools_convert(ckpt, out, true, NULL, &on_kernels, &err);
     if (st != QT_OK) fprintf(stderr, "\n  convert %s: %s\n", path, err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, QT_OK);
+    qlayer_int8_disable = true;
+    st = tools_convert(ckpt, out, true, NULL, &rep, &err);
+    qlayer_int8_disable = false;
     CU_ASSERT_EQUAL_FATAL(st, QT_OK);
     printf("(%s: %.4f / %.6f) ", sub, rep.test_accuracy_qat, rep.test_loss_qat);
     CU_ASSERT_EQUAL(rep.test_accuracy_ptq, rep.test_accuracy_qat);
     CU_ASSERT_EQUAL(rep.test_loss_ptq, rep.test_loss_qat);
     CU_ASSERT(rep.test_accuracy_qat > 0.15);
+    CU_ASSERT_EQUAL(on_kernels.test_loss_qat, rep.test_loss_qat);
+    CU_ASSERT(fabs(on_kernels.test_accuracy_ptq - rep.test_accuracy_qat) <= 1.0 / 512); /* a tie may flip */
+    CU_ASSERT(fabs(on_kernels.test_loss_ptq - rep.test_loss_qat) <= 1e-5 * fabs(rep.test_loss_qat));
     Config *p = malloc(sizeof *p);
     char *text = NULL;
     CU_ASSERT_EQUAL_FATAL(checkpoint_read_config(out, &text, &err), QT_OK);
