@@ -230,6 +230,7 @@ void lora_adapter_install(LoraAdapter *a) {
     a->base_ctx = m->hook_ctx;
     m->forward_hook = lora_forward_hook;
     m->fused_hook = m->spec.type == LAYER_CONV2D ? lora_fused_hook : NULL;
+    m->fused_residual = false;
     m->hook_ctx = a;
     a->installed = true;
 }

@@ -517,7 +517,11 @@ typedef struct {
     int n;            /* modules it covers from the conv2d on; 1: no fusing */
     ConvEpilogue epi;
     Var *bias;        /* (OC,): the conv's bias or the shift of the batch norm folded after it, or NULL */
+    int residual;     /* an add's other input, summed in before the epilogue (Tape.residual): a module index
+                         (-1: the model's input), or RESIDUAL_NONE */
 } ConvFusion;
+
+#define RESIDUAL_NONE (-2)
 
 /* Whether module j, a batch norm folded after the conv2d i before it that
  * has no bias (BN_FOLD_BIAS: y = x + its bias), joins the conv as its bias.
@@ -529,15 +533,27 @@ static bool model_fusable_bn(const Model *m, int i, int j) {
            model_reads_previous(m, j) && c->n_consumers == 1;
 }
 
+/* The input of the add j other than module j - 1's output, when the add can join the fused conv i before it as a
+ * residual: an unhooked add of two inputs, j - 1 read by it alone, the other made before the conv (so before the
+ * fused op runs); RESIDUAL_NONE otherwise. */
+static int model_fusable_residual(const Model *m, int i, int j) {
+    const Module *a = &m->modules[j];
+    if (a->spec.type != LAYER_ADD || a->forward_hook || a->n_inputs != 2 || m->modules[j - 1].n_consumers != 1)
+        return RESIDUAL_NONE;
+    const int k = a->inputs[0] == j - 1 ? 1 : a->inputs[1] == j - 1 ? 0 : -1;
+    return k >= 0 && a->inputs[k] < i ? a->inputs[k] : RESIDUAL_NONE;
+}
+
 /* Which modules from i on run as one fused convolution: a conv2d, then a
- * batch norm folded into it as its bias (model_fusable_bn), then a relu
- * (the relu epilogue), then a max pool (kernel 2, stride 2; the relu and
- * pool epilogue); each part optional but the pool needs the relu. A hooked
- * conv2d fuses only if its hook offers a fused form. Each fused-away output
- * must have the next module as its only consumer: the fused op never makes
- * it. */
-static ConvFusion model_fusable_layers(const Model *m, int i) {
-    ConvFusion f = {1, CONV_EPI_NONE, NULL};
+ * batch norm folded into it as its bias (model_fusable_bn), then a residual
+ * add (model_fusable_residual; a hook with fused_residual, no gradients),
+ * then a relu (the relu epilogue), then a max pool (kernel 2, stride 2; the
+ * relu and pool epilogue, not after an add); each part optional but the
+ * pool needs the relu. A hooked conv2d fuses only if its hook offers a
+ * fused form. Each fused-away output must have the next module as its only
+ * consumer: the fused op never makes it. */
+static ConvFusion model_fusable_layers(const Model *m, const Tape *t, int i) {
+    ConvFusion f = {1, CONV_EPI_NONE, NULL, RESIDUAL_NONE};
     const Module *c = &m->modules[i];
     /* nn_conv2d_fused runs plain convs; a hook's fused form may take others (the int8 depthwise kernel) and
        declines what it cannot run */
@@ -547,11 +563,16 @@ static ConvFusion model_fusable_layers(const Model *m, int i) {
     int j = i + 1; /* the next module to fold in */
     if (j < m->n_modules && model_fusable_bn(m, i, j)) f.bias = &m->modules[j++].bias->var;
     if (j >= m->n_modules) return (f.n = j - i, f);
+    /* a residual add next, then perhaps a relu: a hook that takes it (no backward for the sum, so no gradients) */
+    if (c->forward_hook && c->fused_residual && !t->grad_enabled && !m->keep_outputs &&
+        (f.residual = model_fusable_residual(m, i, j)) != RESIDUAL_NONE)
+        j++;
+    if (j >= m->n_modules) return (f.n = j - i, f);
     const Module *prev = &m->modules[j - 1], *r = &m->modules[j];
     if (r->spec.type != LAYER_RELU || r->forward_hook || !model_reads_previous(m, j) || prev->n_consumers != 1)
         return (f.n = j - i, f);
     f.epi = CONV_EPI_RELU;
-    if (++j >= m->n_modules) return (f.n = j - i, f);
+    if (++j >= m->n_modules || f.residual != RESIDUAL_NONE) return (f.n = j - i, f); /* no pool after a sum */
     const Module *p = &m->modules[j];
     bool pool = p->spec.type == LAYER_MAXPOOL2D && !p->forward_hook && p->spec.kernel == 2 && p->spec.stride == 2 &&
                 c->out_shape[1] >= 2 && c->out_shape[2] >= 2 && model_reads_previous(m, j) && r->n_consumers == 1;
@@ -559,15 +580,20 @@ static ConvFusion model_fusable_layers(const Model *m, int i) {
     return (f.n = j - i, f);
 }
 
-/* The module that alone reads module e's output, for Tape.handoff: in a forward without gradients whose outputs
- * are not kept, a later module whose one input it is; else NULL (no reader, several, the model's output, or a
- * merge). */
-static const Module *handoff_reader(const Model *m, const Tape *t, int e) {
-    if (t->grad_enabled || m->keep_outputs || e + 1 >= m->n_modules || m->modules[e].n_consumers != 1) return NULL;
+/* The modules that read module e's output, for Tape.handoff: in a forward without gradients whose outputs are not
+ * kept, every later module reading it, when each has it as its one input and there are at most TAPE_HANDOFF_MAX;
+ * else none (no reader, a merge among them, or e the model's output). */
+static void handoff_readers(const Model *m, Tape *t, int e) {
+    t->n_handoff = 0;
+    if (t->grad_enabled || m->keep_outputs || e + 1 >= m->n_modules) return;
+    int n = 0;
     for (int k = e + 1; k < m->n_modules; k++)
         for (int q = 0; q < m->modules[k].n_inputs; q++)
-            if (m->modules[k].inputs[q] == e) return m->modules[k].n_inputs == 1 ? &m->modules[k] : NULL;
-    return NULL;
+            if (m->modules[k].inputs[q] == e) {
+                if (m->modules[k].n_inputs != 1 || n == TAPE_HANDOFF_MAX) return;
+                t->handoff[n++] = &m->modules[k];
+            }
+    if (n == m->modules[e].n_consumers) t->n_handoff = n;
 }
 
 Var *model_forward(Model *m, Tape *t, Var *x) {
@@ -588,28 +614,31 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
     outs[0] = x;
     for (int i = 0; i < m->n_modules; i++) {
         Module *mod = &m->modules[i];
-        const ConvFusion f = model_fusable_layers(m, i);
+        ConvFusion f = model_fusable_layers(m, t, i);
+        if (f.residual != RESIDUAL_NONE && !outs[1 + f.residual]) f.n = 1; /* not made (defensive): one by one */
         if (f.n > 1) {
             Var *in = outs[1 + mod->inputs[0]];
-            t->handoff = handoff_reader(m, t, i + f.n - 1);
+            handoff_readers(m, t, i + f.n - 1);
+            t->residual = f.residual != RESIDUAL_NONE ? outs[1 + f.residual] : NULL;
             Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, f.bias, f.epi)
                                        : nn_conv2d_fused(t, in, &mod->weight->var, f.bias, mod->spec.stride,
                                                          mod->spec.padding, f.epi);
-            t->handoff = NULL;
+            t->n_handoff = 0, t->residual = NULL;
             if (!y && !tape_ok(t)) return NULL;
             if (y) {
                 for (int q = i; q < i + f.n - 1; q++) outs[1 + q] = NULL; /* never made */
                 outs[i + f.n] = y;
-                if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i + f.n - 1);
+                if (!t->grad_enabled && !m->keep_outputs) /* the residual's last reader may be the add */
+                    for (int q = i; q < i + f.n; q++) model_graph_release_dead(m, t, q, i + f.n - 1);
                 else if (!m->keep_outputs) model_graph_train_memory(m, t, i, true);
                 i += f.n - 1;
                 continue;
             }
             /* the hook declined: run it and the layers after it one by one */
         }
-        t->handoff = handoff_reader(m, t, i);
+        handoff_readers(m, t, i);
         Var *y = model_step(m, t, i, outs);
-        t->handoff = NULL;
+        t->n_handoff = 0;
         if (!y) return NULL;
         if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
         else if (!m->keep_outputs) model_graph_train_memory(m, t, i, false);

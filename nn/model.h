@@ -131,6 +131,8 @@ struct Module {
                                            tape's mode; kept in checkpoints */
     ModuleForwardFn forward_hook;       /* NULL = the layer's own op */
     ModuleFusedForwardFn fused_hook;    /* conv2d with a forward_hook: its fused form, or NULL (no fusing) */
+    bool fused_residual;                /* fused_hook also takes a residual add before its epilogue (Tape.residual)
+                                           in a forward without gradients; set with it by the hook's installer */
     ModuleWeightFn weight_hook;         /* set with forward_hook by a quantized base, or NULL */
     void *hook_ctx;
 };

@@ -30,6 +30,7 @@
 
 #define TAPE_SMALL_BYTES 4096
 #define TAPE_MAX_INPUTS 6 /* e.g. x, w, bias, scale, zero point of a quantized op */
+#define TAPE_HANDOFF_MAX 4 /* readers of one output that can share its int8 codes (Tape.handoff) */
 
 typedef struct Tape Tape;
 typedef struct TapeNode TapeNode;
@@ -94,9 +95,14 @@ struct Tape {
     void *free_grads;   /* arena float buffers no one reads any more (dead gradients in the backward,
                            dead activations of a pass without gradients), for the next tape_grad or
                            tape_new_var to take: a list threaded through the buffers themselves */
-    const struct Module *handoff; /* set by model_forward while an op runs whose output one module alone reads
-                                     (a forward without gradients): that module, whose hook may take the output as
-                                     its input codes (Var.codes); else NULL */
+    const struct Module *handoff[TAPE_HANDOFF_MAX]; /* set by model_forward while an op runs whose output only
+                                     modules of one input read (a forward without gradients, at most
+                                     TAPE_HANDOFF_MAX of them): those modules, whose hooks may take the output as
+                                     their input codes (Var.codes), when they all take the same ones */
+    int n_handoff;      /* 0: no hand-off */
+    const Var *residual; /* set by model_forward while a fused_residual hook runs a conv whose output an add then
+                            sums with this earlier output (same shape) before the epilogue: y = epi(conv + residual);
+                            else NULL */
     QtError err;        /* first error since the last reset */
 };
 

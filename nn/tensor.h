@@ -42,8 +42,8 @@ typedef struct Var {
                             * value by the op that wrote it (batchnorm_plane_moments) for the batch norm reading it */
     const struct NnAffineRelu *view; /* or NULL: value.data is never written (NULL); the value is relu(an affine map
                             * of another Var), which the one reader that knows computes as it reads (nn/ops.h) */
-    const VarCodes *codes; /* or NULL: value.data holds the codes' bytes, not floats; only the one reader whose
-                            * input quantizer they are reads it (a forward without gradients, Tape.handoff) */
+    const VarCodes *codes; /* or NULL: value.data holds the codes' bytes, not floats; only the readers whose
+                            * input quantizer they are read it (a forward without gradients, Tape.handoff) */
     const float *means;    /* (N, C) or NULL: each plane's mean as nn_globalavgpool makes it (nn_plane_mean),
                             * made by the op that wrote this Var for a globalavgpool that alone reads it; value.data
                             * is then never written (a forward without gradients, Tape.handoff) */

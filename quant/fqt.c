@@ -150,6 +150,7 @@ void fqt_layer_install(FqtLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = fqt_hook;
     q->module->fused_hook = q->module->spec.type == LAYER_CONV2D ? fqt_fused_hook : NULL;
+    q->module->fused_residual = false;
     q->module->weight_hook = NULL;
     q->module->hook_ctx = q;
 }

@@ -197,6 +197,7 @@ void qat_layer_install(QatLayer *q) {
     if (!q || !q->module) return;
     q->module->forward_hook = qat_hook;
     q->module->fused_hook = NULL; /* no fused form: relu and pooling run as their own ops */
+    q->module->fused_residual = false;
     q->module->weight_hook = NULL;
     q->module->hook_ctx = q;
 }
@@ -388,6 +389,7 @@ QtStatus qat_layer_fold_bn(QatLayer *q, Module *bn, int64_t freeze_after, QtErro
     q->bn_freeze_after = freeze_after;
     bn->forward_hook = bn_hook;
     bn->fused_hook = NULL;
+    bn->fused_residual = false;
     bn->weight_hook = NULL;
     bn->hook_ctx = q;
     return QT_OK;

@@ -43,14 +43,19 @@
  * written. When pooling, the padded row pitch is rounded up to 16, 32 or
  * 48 where that is at most 3 vectors, so the kernels pool in registers.
  * Depthwise (qlayer_int8_conv_dw): the relu in its kernel, the max pool
- * over an input channel's relu'd outputs in scratch.
+ * over an input channel's relu'd outputs in scratch. A residual add (and
+ * its relu) that model_forward joins to a plain conv (Tape.residual, in a
+ * forward without gradients) runs after the kernel on each image's output
+ * while it is in cache (add_residual): the kernel's epilogue then has no
+ * relu, which must come after the sum.
  *
- * Hand-off. In a forward without gradients, model_forward names the module
- * that alone reads an op's output (Tape.handoff). When the op is an int8
- * conv2d and that reader one too (qlayer_int8_reads_codes), the op writes
+ * Hand-off. In a forward without gradients, model_forward names the modules
+ * that read an op's output when each reads it alone (Tape.handoff). When
+ * the op is an int8 conv2d and they are too, all with one quantizer and
+ * layout (qlayer_int8_reads_codes), the op writes
  * each image's output into its thread's scratch and quantizes it there with
- * the reader's quantizer into its output Var's buffer (Var.codes: bytes, not
- * floats); the reader takes the codes in place of quantizing: depthwise as
+ * the readers' quantizer into its output Var's buffer (Var.codes: bytes, not
+ * floats); a reader takes the codes in place of quantizing: depthwise as
  * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and
  * cols copied. For an unpadded stride-1 reader on ch4 (a pointwise conv) the
  * producer quantizes straight into that reader's planes, 4 channels a dword
@@ -512,6 +517,8 @@ typedef struct {
     const VarCodes *hand; /* or NULL: the output goes to yc as its reader's codes */
     uint8_t *yc;       /* (N, OC, YH, YW) */
     float *means;      /* (N, OC) or NULL: the output as its planes' means (nn_plane_mean) */
+    const float *res;  /* (N, OC, OH, OW) or NULL: summed into the output before res_relu */
+    bool res_relu;
     uint8_t *work;     /* [pool threads * scratch] */
     uint8_t *bad;      /* [N] 1: an input value not finite; 2: an output value, handing off */
 } ConvJob;
@@ -634,6 +641,19 @@ static void planes_cols(uint32_t *pl, const uint8_t *padded, const ConvJob *j) {
     }
 }
 
+/* out (n) += res, nn_add's sum (commutative, so the same bits whichever input the add names first), then nn_relu's
+ * y > 0 ? y : 0 if relu; for one image while its output is in cache. */
+NN_SIMD_CLONES
+static void add_residual(float *out, const float *res, size_t n, bool relu) {
+    if (relu)
+        for (size_t i = 0; i < n; i++) {
+            const float v = out[i] + res[i];
+            out[i] = v > 0.0f ? v : 0.0f;
+        }
+    else
+        for (size_t i = 0; i < n; i++) out[i] += res[i];
+}
+
 static void conv_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     ConvJob *j = ctx;
@@ -666,6 +686,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     g.out = j->hand || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    if (j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
     const size_t P = j->out_img / (size_t)j->OC;
     const bool out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, j->yc + n * qlayer_int8_handoff_image_bytes(j->hand, j->OC, P), g.out,
                                                   j->OC, P);
@@ -715,7 +736,7 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     return true;
 }
 
-Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi,
+Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi, const Var *res,
                             const VarCodes *hand, bool means) {
     const int threads = qlayer_int8_threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
     ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
@@ -728,6 +749,12 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;
     const int YH = pool ? OH / 2 : OH, YW = pool ? OW / 2 : OW;
     j.g.epi = pool ? QGEMM_EPI_RELU_POOL2 : epi == CONV_EPI_RELU ? QGEMM_EPI_RELU : QGEMM_EPI_NONE;
+    if (res && pool) {
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: a residual sum before a max pool is not an int8 epilogue",
+                     q->module->path);
+        return NULL;
+    }
+    if (res) j.res = res->value.data, j.res_relu = epi == CONV_EPI_RELU, j.g.epi = QGEMM_EPI_NONE; /* relu after it */
     const int shape[4] = {j.N, q->out, YH, YW};
     if ((size_t)j.N * q->out * YH * YW < 16) j.hand = hand = NULL; /* the readers' vector loads need the slack */
     Var *y = hand ? qlayer_int8_handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
@@ -745,5 +772,5 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
 }
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
-    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL, false);
+    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL, NULL, false);
 }

@@ -13,8 +13,8 @@
 extern double qlayer_int8_parallel_min_macs;
 
 /* The int8 hand-off (default on; tests turn it off to compare): in a forward without gradients, an int8 conv2d
- * whose output one int8 conv2d alone reads (Tape.handoff) makes that reader's input codes itself, from its
- * output while it is in cache, instead of a float output the reader quantizes: y's Var.codes, the same codes;
+ * whose output only int8 conv2ds of one input quantizer read (Tape.handoff) makes their input codes itself, from
+ * its output while it is in cache, instead of a float output each reader quantizes: y's Var.codes, the same codes;
  * one that a globalavgpool alone reads makes the planes' means the same way (Var.means). */
 extern bool qlayer_int8_handoff;
 /* Whether q, read in this forward, takes the int8 path from codes (a conv2d, plain or one input channel per
@@ -33,10 +33,12 @@ Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias);
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW);
 /* The same with the following relu (and 2x2 max pool) folded in: y (N, OC, OH, OW), or (N, OC, OH/2, OW/2) for
  * CONV_EPI_RELU_MAXPOOL2 (OH, OW >= 2), bit for bit qlayer_int8_conv, then nn_relu (then nn_maxpool2d(2, 2)).
+ * res (N, OC, OH, OW) or NULL: a residual summed in before the epilogue (NONE or RELU), bit for bit
+ * qlayer_int8_conv, then nn_add(conv, res), then nn_relu; each image's sum made while its output is in cache.
  * hand (or NULL): y as these codes (qlayer_int8_reads_codes of its reader), unless y has fewer than 16 values;
  * means (for a globalavgpool that alone reads y): y's Var.means instead of its values, which stay unwritten.
  * x may be codes handed over (Var.codes), then q's own. */
-Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi,
+Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi, const Var *res,
                             const VarCodes *hand, bool means);
 
 /* A conv2d that is not plain but takes the int8 path (qlayer_int8_supported): one input channel per output

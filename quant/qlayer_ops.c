@@ -404,18 +404,26 @@ static Var *conv_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
 
 static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx);
 
-/* The int8 hand-off: the codes the one reader of this op's output takes (Tape.handoff), if it is a quantized
- * layer on the int8 path from codes; else NULL. */
+/* The int8 hand-off: the codes the readers of this op's output take (Tape.handoff), if each is a quantized layer
+ * on the int8 path from codes and all take the same ones (one quantizer, one layout: readers of one value
+ * calibrate alike); else NULL. */
 static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
-    const Module *r = t->handoff;
-    if (!r || r->forward_hook != qlayer_hook || r->in_ndim != 3) return NULL;
-    const int shape[4] = {0, r->in_shape[0], r->in_shape[1], r->in_shape[2]}; /* its input: this op's output */
-    return qlayer_int8_reads_codes(t, r->hook_ctx, shape, c) ? c : NULL;
+    for (int i = 0; i < t->n_handoff; i++) {
+        const Module *r = t->handoff[i];
+        VarCodes ci;
+        if (r->forward_hook != qlayer_hook || r->in_ndim != 3) return NULL;
+        const int shape[4] = {0, r->in_shape[0], r->in_shape[1], r->in_shape[2]}; /* its input: this op's output */
+        if (!qlayer_int8_reads_codes(t, r->hook_ctx, shape, &ci)) return NULL;
+        if (i == 0) *c = ci;
+        else if (ci.s != c->s || ci.lo != c->lo || ci.hi != c->hi || ci.zero != c->zero || ci.plane != c->plane)
+            return NULL;
+    }
+    return t->n_handoff ? c : NULL;
 }
 
 /* Whether this op's output goes to a globalavgpool alone (Tape.handoff), which then takes its planes' means. */
 static bool handoff_means(const Tape *t) {
-    const Module *r = t->handoff;
+    const Module *r = t->n_handoff == 1 ? t->handoff[0] : NULL;
     return qlayer_int8_handoff && r && r->spec.type == LAYER_GLOBALAVGPOOL && !r->forward_hook;
 }
 
@@ -450,7 +458,7 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
         if (conv && !q->module->conv_plain) return qlayer_int8_conv_dw(t, q, x, bias, CONV_EPI_NONE, hand, means);
         if (conv)
             return conv_check(t, q, x, &OH, &OW)
-                       ? qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, hand, means)
+                       ? qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL, hand, means)
                        : NULL;
         return codes_read(t, q, x) && dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
@@ -484,6 +492,16 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, 
     QLayer *q = ctx;
     int OH = 0, OW = 0;
     VarCodes c;
+    if (t->residual) { /* a residual add: the int8 path of a plain conv alone takes it; the rest declines */
+        if (!m->conv_plain || epi == CONV_EPI_RELU_MAXPOOL2 || !qlayer_int8_applies(t, q, x, bias) ||
+            (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) || !conv_check(t, q, x, &OH, &OW))
+            return NULL;
+        const Var *r = t->residual;
+        if (r->codes || r->value.ndim != 4 || r->value.shape[0] != x->value.shape[0] || r->value.shape[1] != q->out ||
+            r->value.shape[2] != OH || r->value.shape[3] != OW)
+            return NULL; /* the add then reports the shapes */
+        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, r, handoff_codes(t, &c), handoff_means(t));
+    }
     if (!m->conv_plain) {
         /* one input channel per group on the int8 path: its kernel has the epilogues; any other geometry declines
            (nn_conv2d_fused is plain) */
@@ -494,7 +512,7 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, 
     if (!conv_check(t, q, x, &OH, &OW)) return NULL;
     if (qlayer_int8_applies(t, q, x, bias)) {
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;
-        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, handoff_codes(t, &c), handoff_means(t));
+        return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, NULL, handoff_codes(t, &c), handoff_means(t));
     }
     if (!codes_read(t, q, x)) return NULL;
     Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
@@ -506,6 +524,7 @@ void qlayer_install(QLayer *q) {
     const bool conv = q->module->spec.type == LAYER_CONV2D;
     q->module->forward_hook = qlayer_hook;
     q->module->fused_hook = conv ? qlayer_fused_hook : NULL;
+    q->module->fused_residual = conv; /* the int8 path's conv adds it; the others decline */
     q->module->weight_hook = conv ? qlayer_weight_hook : NULL;
     q->module->hook_ctx = q;
 }

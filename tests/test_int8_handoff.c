@@ -253,6 +253,88 @@ static void test_handoff_nonfinite(void) {
     net_free(&n);
 }
 
+/* ---- residual blocks ------------------------------------------------------------------------------------------ */
+
+/* Two residual blocks as ResNet-8 has them: c0 -> stem (relu) read by c1 and by sum1 = stem + c2, then a relu read by
+ * two convs (c3, 3x3 stride 2, and the shortcut sc, 1x1 stride 2), sum2 = c4 + sc without a relu, the pool, fc. The
+ * conv before each add takes the add (and the relu) as its epilogue; out1 goes to c3 and sc as one set of codes
+ * where their quantizers agree; sc makes the pool's means. */
+enum { R_C2 = 4, R_SUM1 = 5, R_OUT1 = 6, R_SC = 10, R_SUM2 = 11, R_N = 14 };
+
+static void residual_layers(LayerSpec *ls) {
+    int n = 0;
+    ls[n++] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);
+    ls[n++] = test_layer(LAYER_RELU, "stem", NULL, NULL);
+    ls[n++] = test_layer(LAYER_CONV2D, "c1", NULL, NULL);
+    ls[n++] = test_layer(LAYER_RELU, "r1", NULL, NULL);
+    ls[n++] = test_layer(LAYER_CONV2D, "c2", NULL, NULL);
+    ls[n++] = test_layer(LAYER_ADD, "sum1", "stem", "c2"); /* the residual first */
+    ls[n++] = test_layer(LAYER_RELU, "out1", NULL, NULL);
+    ls[n++] = test_layer(LAYER_CONV2D, "c3", NULL, NULL);
+    ls[n++] = test_layer(LAYER_RELU, "r3", NULL, NULL);
+    ls[n++] = test_layer(LAYER_CONV2D, "c4", NULL, NULL);
+    ls[n++] = test_layer(LAYER_CONV2D, "sc", "out1", NULL);
+    ls[n++] = test_layer(LAYER_ADD, "sum2", "c4", "sc"); /* the residual second */
+    ls[n++] = test_layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL);
+    ls[n++] = test_layer(LAYER_DENSE, "fc", NULL, NULL);
+    for (int i = 0; i < n; i++) ls[i].out_channels = i < 7 ? 8 : 12, ls[i].no_bias = i == 4; /* c2 as before a BN */
+    ls[7].stride = 2, ls[10].stride = 2, ls[10].kernel = 1, ls[10].padding = 0;
+    ls[13].units = CLASSES;
+}
+
+/* With the convs' inputs quantized in the order q (net_init_with: c3's and sc's alike or not), on each family and
+ * the portable kernels, 1 and 2 threads: the logits with the sums fused equal those of the model run with its
+ * outputs kept (every module on its own), and those of the float path too. */
+static void residual_case(const int *q, bool shared) {
+    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
+    LayerSpec ls[R_N];
+    residual_layers(ls);
+    Net n;
+    net_init_with(&n, ls, R_N, q, 7);
+    for (int f = -1; f < 4; f++) {
+        if (f >= 0 && !qgemm_cpu_has_isa(FAMILIES[f])) continue;
+        qgemm_force_portable = f < 0, qgemm_force_isa = f < 0 ? -1 : (int)FAMILIES[f];
+        for (int threads = 1; threads <= 2; threads++) {
+            gemm_set_threads(threads);
+            qlayer_int8_parallel_min_macs = threads > 1 ? 0.0 : 4e6;
+            float fused[N * CLASSES], each[N * CLASSES];
+            n.m.keep_outputs = true;
+            CU_ASSERT_FATAL(net_logits(&n, true, each));
+            CU_ASSERT(n.m.outs[1 + R_SUM1] && n.m.outs[1 + R_SUM2] && !is_codes(&n, R_OUT1));
+            n.m.keep_outputs = false;
+            CU_ASSERT_FATAL(net_logits(&n, true, fused));
+            CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
+            CU_ASSERT(is_codes(&n, R_OUT1) == shared);
+            CU_ASSERT(n.m.outs[1 + R_SUM2] && n.m.outs[1 + R_SUM2]->means);
+            const bool same = !memcmp(fused, each, sizeof fused);
+            if (!same) fprintf(stderr, "\n  family %d, %d threads: the fused sums changed the logits\n", f, threads);
+            CU_ASSERT(same);
+        }
+    }
+    qgemm_force_portable = false, qgemm_force_isa = -1;
+    gemm_set_threads(1);
+    qlayer_int8_parallel_min_macs = 4e6;
+    /* the float path declines the sums: the adds run, the same logits */
+    float fused[N * CLASSES], each[N * CLASSES], i8[N * CLASSES];
+    CU_ASSERT_FATAL(net_logits(&n, true, i8));
+    qlayer_int8_disable = true;
+    n.m.keep_outputs = true;
+    CU_ASSERT_FATAL(net_logits(&n, true, each));
+    n.m.keep_outputs = false;
+    CU_ASSERT_FATAL(net_logits(&n, true, fused));
+    CU_ASSERT(n.m.outs[1 + R_SUM1] != NULL);
+    qlayer_int8_disable = false;
+    CU_ASSERT(!memcmp(fused, each, sizeof fused));
+    CU_ASSERT(memcmp(fused, i8, sizeof fused) != 0); /* another computation: the comparisons above are not vacuous */
+    ASSERT_ALL_CLOSE(i8, fused, (size_t)(N * CLASSES), 5e-3, 5e-3);
+    net_free(&n);
+}
+
+static void test_residual_shared_codes(void) { residual_case((const int[]){0, 2, 4, 7, 9, 10, 13}, true); }
+
+/* sc's input quantizer signed and symmetric, c3's unsigned: out1 stays float, each quantizes it */
+static void test_residual_own_codes(void) { residual_case((const int[]){0, 2, 4, 7, 10, 9, 13}, false); }
+
 int register_quant_int8_handoff_suite(void) {
     CU_pSuite s = CU_add_suite("quant_int8_handoff", NULL, NULL);
     if (!s) return -1;
@@ -260,5 +342,7 @@ int register_quant_int8_handoff_suite(void) {
            !CU_add_test(s, "the hand-off leaves the logits bit for bit", test_handoff_same_logits) ||
            !CU_add_test(s, "a depthwise conv's means for the pool that reads it", test_handoff_dw_means) ||
            !CU_add_test(s, "the hand-off in the steady state", test_handoff_steady_state) ||
-           !CU_add_test(s, "a producer's non-finite output is an error naming it", test_handoff_nonfinite);
+           !CU_add_test(s, "a producer's non-finite output is an error naming it", test_handoff_nonfinite) ||
+           !CU_add_test(s, "residual sums fused, codes shared by two readers", test_residual_shared_codes) ||
+           !CU_add_test(s, "residual sums fused, readers with their own codes", test_residual_own_codes);
 }
