@@ -21,6 +21,12 @@
  * The grouping with fewer taps wins. Outputs are computed at every pixel
  * of the padded width (q = oh * Wp + ow), and the taps kernel stores only
  * the lanes with ow < OW, packed, so each row lands in y's unpadded plane.
+ * Stride 2 over whole channel quads: "ph4", ch4's dwords dealt to the
+ * padded image's four phases (even or odd rows, even or odd columns), each
+ * (Hp + 1) / 2 rows of Wq = (Wp + 1) / 2; tap (quad, kh, kw) reads phase
+ * (kh % 2, kw % 2) at offset (kh / 2) Wq + kw / 2, and outputs are computed
+ * at q = oh * Wq + ow: a stride-1 read with no columns built (ResNet-8's
+ * strided 3x3 and 1x1 shortcut convs; the same taps as columns would take).
  * Any other stride: "cols", the im2col matrix in dwords of 4 consecutive
  * k, one tap per dword, gathered from a zero-point-padded copy of the
  * codes (qgemm_gather_u8x4: 16 dwords a step at stride 2). Every image is one task (quantize, planes, taps);
@@ -85,7 +91,9 @@ bool qlayer_int8_disable = false;
  * would cost more than it saves. */
 double qlayer_int8_parallel_min_macs = 4e6;
 
-enum { CONV_CH4, CONV_KW4, CONV_COLS };
+enum { CONV_CH4, CONV_KW4, CONV_COLS, CONV_PH4 };
+
+bool qlayer_int8_phases = true;
 
 /* ---- eligibility ----------------------------------------------------------------------------------------------- */
 
@@ -210,9 +218,13 @@ static ConvShape conv_shape(const QLayer *q) {
     ConvShape c = {.C = q->w_shape[1], .KH = q->w_shape[2], .KW = q->w_shape[3]};
     c.kq = (c.KW + 3) / 4;
     long ch4 = (long)((c.C + 3) / 4) * c.KH * c.KW, kw4 = (long)c.C * c.KH * c.kq;
-    c.mode = q->module->spec.stride != 1 ? CONV_COLS : kw4 < ch4 ? CONV_KW4 : CONV_CH4;
+    const int stride = q->module->spec.stride;
+    /* stride 2 on whole channel quads: ch4 over the image's four phases, as many taps as columns, none built */
+    if (stride == 1) c.mode = kw4 < ch4 ? CONV_KW4 : CONV_CH4;
+    else c.mode = stride == 2 && c.C % 4 == 0 && qlayer_int8_phases ? CONV_PH4 : CONV_COLS;
     switch (c.mode) {
-    case CONV_CH4: c.groups = (c.C + 3) / 4, c.taps = (int)ch4; break;
+    case CONV_CH4:
+    case CONV_PH4: c.groups = (c.C + 3) / 4, c.taps = (int)ch4; break;
     case CONV_KW4: c.groups = c.C, c.taps = (int)kw4; break;
     default: c.groups = (c.C * c.KH * c.KW + 3) / 4, c.taps = c.groups; break;
     }
@@ -221,7 +233,7 @@ static ConvShape conv_shape(const QLayer *q) {
 
 /* Tap t as (plane group, kh, first kernel column); cols: (group, 0, 0). */
 static void tap_at(const ConvShape *c, int t, int *g, int *kh, int *kw) {
-    if (c->mode == CONV_CH4) *g = t / (c->KH * c->KW), *kh = t / c->KW % c->KH, *kw = t % c->KW;
+    if (c->mode == CONV_CH4 || c->mode == CONV_PH4) *g = t / (c->KH * c->KW), *kh = t / c->KW % c->KH, *kw = t % c->KW;
     else if (c->mode == CONV_KW4) *g = t / (c->KH * c->kq), *kh = t / c->kq % c->KH, *kw = 4 * (t % c->kq);
     else *g = t, *kh = 0, *kw = 0;
 }
@@ -236,7 +248,8 @@ static void conv_dwords(uint32_t *dw, const int8_t *w, int OC, const ConvShape *
             uint32_t d = 0;
             for (int j = 0; j < 4; j++) {
                 int k = -1; /* flat (c, kh, kw) index, -1 for padding lanes */
-                if (c->mode == CONV_CH4 && 4 * g + j < c->C) k = ((4 * g + j) * c->KH + kh) * c->KW + kw;
+                if ((c->mode == CONV_CH4 || c->mode == CONV_PH4) && 4 * g + j < c->C)
+                    k = ((4 * g + j) * c->KH + kh) * c->KW + kw;
                 else if (c->mode == CONV_KW4 && kw + j < c->KW) k = (g * c->KH + kh) * c->KW + kw + j;
                 else if (c->mode == CONV_COLS && 4 * g + j < K) k = 4 * g + j;
                 if (k >= 0) d |= (uint32_t)(uint8_t)w[(size_t)oc * K + k] << (8 * j);
@@ -502,6 +515,8 @@ typedef struct {
     ConvShape c;
     int N, H, W, OC, OH, OW, stride, pad;
     int Hp, Wp;        /* the padded input's rows and row pitch (stride-1 groupings) */
+    int Wq;            /* ph4: a phase's row pitch, (Wp + 1) / 2 */
+    size_t phase;      /* ph4: dwords of a phase, (Hp + 1) / 2 rows of Wq */
     int pitch;         /* q per output row: Wp, or OW for cols */
     size_t plane;      /* dwords per group plane */
     size_t out_img;    /* floats of one image's output */
@@ -575,6 +590,39 @@ static void planes_ch4_quads(uint32_t *pl, const uint32_t *xq, const ConvJob *j)
         const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W;
         fill_dwords(p + end, j->plane - end, fill);
     }
+}
+
+/* ph4: planes (C / 4, plane) of 4 channels per padded pixel as ch4, each split into the image's four phases (row
+ * parity a, column parity b: phase 2 a + b, (Hp + 1) / 2 rows of Wq), so that a stride-2 tap (kh, kw) reads phase
+ * (kh % 2, kw % 2) shifted by (kh / 2, kw / 2) as a stride-1 tap reads its plane. The group's channels are
+ * quantized from x (or interleaved from the codes xc) into tmp (H W dwords) in one call, then dealt to the
+ * phases. False for a value of x that is not finite. */
+static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_t *xc, const ConvJob *j) {
+    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
+    const int H = j->H, W = j->W, pad = j->pad;
+    const size_t HW = (size_t)H * W, PS = j->phase;
+    bool ok = true;
+    for (int g = 0; g < j->c.groups; g++) {
+        uint32_t *p = pl + (size_t)g * j->plane;
+        fill_dwords(p, j->plane, fill); /* the padding, and what the taps read past the last phase */
+        if (xc) {
+            const uint8_t *r[4];
+            for (int k = 0; k < 4; k++) r[k] = xc + (size_t)(4 * g + k) * HW;
+            qgemm_interleave_u8x4(tmp, 0, r, 0, 1, (int)HW);
+        } else {
+            const float *r[4];
+            for (int k = 0; k < 4; k++) r[k] = x + (size_t)(4 * g + k) * HW;
+            ok &= qgemm_quantize_u8x4(tmp, 0, r, 0, 1, (int)HW, &j->ac);
+        }
+        for (int h = 0; h < H; h++) {
+            const int rr = h + pad; /* the padded row */
+            uint32_t *even = p + (size_t)(2 * (rr & 1)) * PS + (size_t)(rr >> 1) * j->Wq, *odd = even + PS;
+            const uint32_t *src = tmp + (size_t)h * W;
+            for (int w = pad & 1; w < W; w += 2) even[(w + pad) >> 1] = src[w];  /* even padded columns */
+            for (int w = !(pad & 1); w < W; w += 2) odd[(w + pad) >> 1] = src[w]; /* odd ones */
+        }
+    }
+    return ok;
 }
 
 /* kw4: planes (C, plane), dword q = padded pixels q..q+3 of one channel; bytes: scratch of plane + 4. False for
@@ -677,6 +725,8 @@ static void conv_task(void *ctx, int n, int n_tasks) {
         ok = planes_ch4(planes, x, j);
     } else if (j->c.mode == CONV_KW4) {
         ok = planes_kw4(planes, bytes, x, xc, j);
+    } else if (j->c.mode == CONV_PH4) {
+        ok = planes_ph4(planes, (uint32_t *)(void *)bytes, x, xc, j);
     } else {
         ok = cols_pad(codes, bytes, x, xc, j);
         planes_cols(planes, codes, j);
@@ -697,17 +747,21 @@ static void conv_task(void *ctx, int n, int n_tasks) {
 /* Tap offsets, the output lanes of each vector and the scratch size. */
 static bool conv_plan(Tape *t, ConvJob *j) {
     const ConvShape *c = &j->c;
-    const bool cols = c->mode == CONV_COLS;
+    const bool cols = c->mode == CONV_COLS, ph = c->mode == CONV_PH4;
     j->Hp = j->H + 2 * j->pad, j->Wp = j->W + 2 * j->pad;
     /* pooled rows of up to 3 whole vectors pool in registers (qgemm.h): a few columns more of padding for that */
     const int wide = (j->Wp + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
-    if (j->g.epi == QGEMM_EPI_RELU_POOL2 && wide <= 3 * QGEMM_LANES) j->Wp = wide;
-    j->pitch = cols ? j->OW : j->Wp;
+    if (j->g.epi == QGEMM_EPI_RELU_POOL2 && wide <= 3 * QGEMM_LANES && !ph) j->Wp = wide;
+    j->Wq = (j->Wp + 1) / 2, j->phase = (size_t)(j->Hp + 1) / 2 * j->Wq;
+    j->pitch = cols ? j->OW : ph ? j->Wq : j->Wp;
     const int nq = j->OH * j->pitch, n_vec = (nq + QGEMM_LANES - 1) / QGEMM_LANES;
-    /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns */
-    j->plane = cols ? (size_t)n_vec * QGEMM_LANES : ch4_plane(j->Hp, j->Wp, c->KW); /* n_vec vectors: whole */
+    /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns; ph4's,
+     * of the last phase, 15 past its row OH - 1 + (KH - 1) / 2 <= (Hp + 1) / 2, shifted (KW - 1) / 2 */
+    if (cols) j->plane = (size_t)n_vec * QGEMM_LANES; /* n_vec vectors: whole */
+    else if (ph) j->plane = (4 * j->phase + (size_t)j->Wq + (size_t)c->KW / 2 + 16 + 15) / 16 * 16;
+    else j->plane = ch4_plane(j->Hp, j->Wp, c->KW);
     j->planes_at = cols ? (cols_padded_bytes(j) + 63) / 64 * 64 : 0;
-    size_t bytes = cols ? (size_t)c->C * j->H * j->W : j->plane + 4;
+    size_t bytes = cols ? (size_t)c->C * j->H * j->W : ph ? 4 * (size_t)j->H * j->W + 64 : j->plane + 4;
     if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
     j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
     j->out_at = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
@@ -721,7 +775,10 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     for (int tp = 0; tp < c->taps; tp++) {
         int g, kh, kw;
         tap_at(c, tp, &g, &kh, &kw);
-        off[tp] = (int32_t)((size_t)g * j->plane + (size_t)kh * j->Wp + (size_t)kw);
+        if (ph) /* phase (kh % 2, kw % 2), shifted by (kh / 2, kw / 2) */
+            off[tp] = (int32_t)((size_t)g * j->plane + (size_t)(2 * (kh & 1) + (kw & 1)) * j->phase +
+                                (size_t)(kh >> 1) * j->Wq + (size_t)(kw >> 1));
+        else off[tp] = (int32_t)((size_t)g * j->plane + (size_t)kh * j->Wp + (size_t)kw);
     }
     for (int v = 0; v < n_vec; v++) {
         mask[v] = 0, pos[v] = 0;

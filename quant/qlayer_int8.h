@@ -17,6 +17,9 @@ extern double qlayer_int8_parallel_min_macs;
  * its output while it is in cache, instead of a float output each reader quantizes: y's Var.codes, the same codes;
  * one that a globalavgpool alone reads makes the planes' means the same way (Var.means). */
 extern bool qlayer_int8_handoff;
+/* Stride-2 conv2ds over whole channel quads read the image's four phases, as stride 1 reads its plane (default
+ * on; tests turn it off, then qlayer_int8_release each layer, to compare with the columns the others build). */
+extern bool qlayer_int8_phases;
 /* Whether q, read in this forward, takes the int8 path from codes (a conv2d, plain or one input channel per
  * group); if so, the codes its input quantizer makes in c (c->data unset), for an input of shape (N, C, H, W)
  * (shape[1..3] read): by channel quads in q's own planes (c->plane) where q is an unpadded stride-1 conv on them

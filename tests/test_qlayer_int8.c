@@ -206,12 +206,17 @@ static const Geo GEOS[] = {
     {"conv ch4 1x1 C64 (16 taps at one stride: AMX tiles)", 64, 7, 9, 20, 1, 1, 0},
     {"conv ch4 1x1 C128 14x14 (DS-CNN-like pointwise)", 128, 14, 14, 64, 1, 1, 0},
     {"conv ch4 no padding, wide", 4, 6, 37, 8, 3, 1, 0},
-    {"conv cols stride 2", 4, 9, 7, 10, 3, 2, 1},
+    {"conv ph4 stride 2", 4, 9, 7, 10, 3, 2, 1},
     {"conv cols stride 3 C1", 1, 10, 11, 4, 4, 3, 0},
     {"conv cols 1x1 stride 2 C3 (K past the last dword)", 3, 9, 10, 5, 1, 2, 0},
     {"conv cols stride 2 k5 pad2 C3", 3, 11, 8, 6, 5, 2, 2},
-    {"conv cols stride 2 ResNet-8 stage 2 (16 -> 32, 28x28)", 16, 28, 28, 32, 3, 2, 1},
-    {"conv cols 1x1 stride 2 ResNet-8 shortcut (32 -> 64, 14x14)", 32, 14, 14, 64, 1, 2, 0},
+    {"conv ph4 stride 2 ResNet-8 stage 2 (16 -> 32, 28x28)", 16, 28, 28, 32, 3, 2, 1},
+    {"conv ph4 1x1 stride 2 ResNet-8 shortcut (32 -> 64, 14x14)", 32, 14, 14, 64, 1, 2, 0},
+    {"conv ph4 stride 2 k5 pad2 C8, odd sizes", 8, 11, 9, 6, 5, 2, 2},
+    {"conv ph4 stride 2 k4 no padding", 4, 10, 13, 5, 4, 2, 0},
+    {"conv ph4 stride 2 k2 (patches) C12", 12, 8, 8, 7, 2, 2, 0},
+    {"conv ph4 stride 2, one output row, wide", 4, 3, 37, 5, 3, 2, 1},
+    {"conv ph4 1x1 stride 2 C64 (AMX-shaped taps)", 64, 7, 9, 20, 1, 2, 0},
     {"conv cols stride 2, 8x8 output (the plane ends with the last row)", 5, 16, 16, 7, 3, 2, 1},
     {"conv cols stride 2, wide rows (35 outputs)", 3, 5, 70, 4, 3, 2, 1},
 };
@@ -224,6 +229,47 @@ static void test_against_float(void) {
             for (size_t a = 0; a < sizeof ACTS / sizeof *ACTS; a++) compare_case(&GEOS[g], pt, &ACTS[a], seed++);
     qgemm_force_portable = false;
     wide256_skips("int8 layers against the float path");
+}
+
+/* ---- stride 2 on phases ---------------------------------------------------------------------------------------- */
+
+/* Every stride-2 geometry over whole channel quads in GEOS, read on the
+ * image's phases gives the outputs of the columns built for it, bit for bit: on the default kernels and the
+ * portable ones, every activation mode, from float inputs. */
+static void test_phases_equal_columns(void) {
+    uint64_t seed = 900;
+    int ran = 0;
+    for (size_t gi = 0; gi < sizeof GEOS / sizeof *GEOS; gi++) {
+        const Geo *g = &GEOS[gi];
+        if (g->stride != 2 || g->C % 4) continue;
+        for (size_t a = 0; a < sizeof ACTS / sizeof *ACTS; a++, seed++)
+            for (int portable = 0; portable < 2; portable++) {
+                Model m;
+                model_for(&m, g, seed);
+                const int N = 3;
+                size_t nx = input_numel(&m.modules[0], N), n1 = 0, n2 = 0;
+                float *x = qa_normal_sample(seed + 1, nx);
+                QLayer q;
+                layer_for(&q, &m.modules[0], false, &ACTS[a]);
+                set_act_range(&q, x, nx);
+                qgemm_force_portable = portable || !qgemm_cpu_has_vnni();
+                float *ph = eval_ok(&q, x, N, &n1);
+                qlayer_int8_phases = false;
+                qlayer_int8_release(&q); /* packed again for the columns' order */
+                float *cols = eval_ok(&q, x, N, &n2);
+                qlayer_int8_phases = true;
+                const bool same = n1 == n2 && !memcmp(ph, cols, n1 * sizeof *ph);
+                if (!same) fprintf(stderr, "\n  %s, act %zu, portable %d: phases and columns differ\n", g->name, a,
+                                   portable);
+                CU_ASSERT(same);
+                ran++;
+                free(x), free(ph), free(cols);
+                qlayer_free(&q);
+                model_free(&m);
+            }
+    }
+    int8_kernels_default();
+    CU_ASSERT(ran >= 8 * 8);
 }
 
 /* ---- relu and max pool folded in -------------------------------------------------------------------------------- */
@@ -611,6 +657,7 @@ static void test_model_steady_state(void) {
 
 int qlayer_int8_tests_add(CU_pSuite s) {
     return !CU_add_test(s, "int8 layer equals the float path", test_against_float) ||
+           !CU_add_test(s, "stride 2 on phases equals columns bit for bit", test_phases_equal_columns) ||
            !CU_add_test(s, "int8 path only without a gradient", test_path_choice) ||
            !CU_add_test(s, "unsupported formats", test_unsupported) ||
            !CU_add_test(s, "int8 forward errors", test_forward_errors) ||
