@@ -405,8 +405,8 @@ static Var *conv_forward(Tape *t, QLayer *q, Var *x, Var *bias) {
 static Var *qlayer_hook(Tape *t, Module *m, Var *x, void *ctx);
 
 /* The int8 hand-off: the codes the readers of this op's output take (Tape.handoff), if each is a quantized layer
- * on the int8 path from codes and all take the same ones (one quantizer, one layout: readers of one value
- * calibrate alike); else NULL. */
+ * on the int8 path from codes and all have one quantizer (readers of one value calibrate alike); else NULL. Readers
+ * that would take channel-quad planes of different layouts all take bytes, which every reader takes. */
 static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
     for (int i = 0; i < t->n_handoff; i++) {
         const Module *r = t->handoff[i];
@@ -415,8 +415,10 @@ static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
         const int shape[4] = {0, r->in_shape[0], r->in_shape[1], r->in_shape[2]}; /* its input: this op's output */
         if (!qlayer_int8_reads_codes(t, r->hook_ctx, shape, &ci)) return NULL;
         if (i == 0) *c = ci;
-        else if (ci.s != c->s || ci.lo != c->lo || ci.hi != c->hi || ci.zero != c->zero || ci.plane != c->plane)
+        else if (ci.s != c->s || ci.lo != c->lo || ci.hi != c->hi || ci.zero != c->zero)
             return NULL;
+        else if (ci.plane != c->plane)
+            c->plane = 0;
     }
     return t->n_handoff ? c : NULL;
 }

@@ -1,7 +1,7 @@
 /* test_int8_handoff.c - the int8 hand-off between layers (qlayer_int8.h: an int8 conv2d whose output one int8
  * conv2d alone reads makes that reader's input codes itself): a model whose every conv-to-conv edge hands off
  * (into a depthwise conv as bytes; into 1x1 convs on channel quads as their planes, taken as they are or copied
- * into wider ones; into a padded 3x3 conv as bytes interleaved; into a strided conv's columns and a two-channel
+ * into wider ones; into a padded 3x3 conv as bytes interleaved; into a stride-2 conv's phases and a two-channel
  * conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv; and a conv's planes'
  * means for the global average pool that reads it) gives logits
  * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
@@ -50,7 +50,7 @@ enum { N = 3, C = 3, H = 12, W = 14, CLASSES = 5, N_Q = 8 };
 
 /* c1 -> dw (depthwise: bytes) -> pw (1x1: channel quads, its planes as they are) -> c4 (3x3 padded: bytes, quads
  * interleaved by row) -> pq (1x1 with relu + max pool: channel quads, copied into its wider planes) -> c5 (stride
- * 2: bytes to columns) -> c6 (two input channels, 5x5: bytes to column quads) -> pool -> fc. Every conv has a
+ * 2: bytes to phases) -> c6 (two input channels, 5x5: bytes to column quads) -> pool -> fc. Every conv has a
  * relu, and a bias that keeps some of its outputs above 0. */
 static const LayerSpec LS[] = {
     {.type = LAYER_CONV2D, .name = "c1", .out_channels = 8, .kernel = 3, .stride = 1, .padding = 1},
@@ -164,6 +164,7 @@ static void test_handoff_same_logits(void) {
             for (size_t k = 0; k < sizeof QUADS / sizeof *QUADS; k++)
                 CU_ASSERT(is_codes(&n, QUADS[k]) && n.m.outs[1 + QUADS[k]]->codes->plane > 0);
             CU_ASSERT(n.m.outs[1 + 5]->codes->plane == 0); /* c4 is padded: bytes */
+            CU_ASSERT(n.m.outs[1 + 10]->codes->plane == 0); /* c5 is strided: bytes */
             CU_ASSERT(!is_codes(&n, 14) && !is_codes(&n, 15)); /* c6's read by the pool, the pool's by fc */
             CU_ASSERT(n.m.outs[1 + 14]->means != NULL); /* c6 made the pool's means */
             const bool same = !memcmp(with, without, sizeof with);
@@ -256,12 +257,13 @@ static void test_handoff_nonfinite(void) {
 /* ---- residual blocks ------------------------------------------------------------------------------------------ */
 
 /* Two residual blocks as ResNet-8 has them: c0 -> stem (relu) read by c1 and by sum1 = stem + c2, then a relu read by
- * two convs (c3, 3x3 stride 2, and the shortcut sc, 1x1 stride 2), sum2 = c4 + sc without a relu, the pool, fc. The
+ * two convs (c3, 3x3 stride s, and the shortcut sc, 1x1 stride s), sum2 = c4 + sc without a relu, the pool, fc. The
  * conv before each add takes the add (and the relu) as its epilogue; out1 goes to c3 and sc as one set of codes
- * where their quantizers agree; sc makes the pool's means. */
+ * where their quantizers agree (as bytes: at stride 2 both read bytes; at stride 1 sc alone would take planes,
+ * which c3, padded, does not); sc makes the pool's means. */
 enum { R_C2 = 4, R_SUM1 = 5, R_OUT1 = 6, R_SC = 10, R_SUM2 = 11, R_N = 14 };
 
-static void residual_layers(LayerSpec *ls) {
+static void residual_layers(LayerSpec *ls, int stride) {
     int n = 0;
     ls[n++] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);
     ls[n++] = test_layer(LAYER_RELU, "stem", NULL, NULL);
@@ -278,17 +280,17 @@ static void residual_layers(LayerSpec *ls) {
     ls[n++] = test_layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL);
     ls[n++] = test_layer(LAYER_DENSE, "fc", NULL, NULL);
     for (int i = 0; i < n; i++) ls[i].out_channels = i < 7 ? 8 : 12, ls[i].no_bias = i == 4; /* c2 as before a BN */
-    ls[7].stride = 2, ls[10].stride = 2, ls[10].kernel = 1, ls[10].padding = 0;
+    ls[7].stride = stride, ls[10].stride = stride, ls[10].kernel = 1, ls[10].padding = 0;
     ls[13].units = CLASSES;
 }
 
 /* With the convs' inputs quantized in the order q (net_init_with: c3's and sc's alike or not), on each family and
  * the portable kernels, 1 and 2 threads: the logits with the sums fused equal those of the model run with its
  * outputs kept (every module on its own), and those of the float path too. */
-static void residual_case(const int *q, bool shared) {
+static void residual_case(const int *q, int stride, bool shared) {
     static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
     LayerSpec ls[R_N];
-    residual_layers(ls);
+    residual_layers(ls, stride);
     Net n;
     net_init_with(&n, ls, R_N, q, 7);
     for (int f = -1; f < 4; f++) {
@@ -305,6 +307,8 @@ static void residual_case(const int *q, bool shared) {
             CU_ASSERT_FATAL(net_logits(&n, true, fused));
             CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
             CU_ASSERT(is_codes(&n, R_OUT1) == shared);
+            CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && n.m.outs[1 + R_OUT1]->codes->plane == 0));
+            CU_ASSERT(!is_codes(&n, R_OUT1 - 5) && is_codes(&n, R_OUT1 - 3)); /* stem (the sum reads it); r1 */
             CU_ASSERT(n.m.outs[1 + R_SUM2] && n.m.outs[1 + R_SUM2]->means);
             const bool same = !memcmp(fused, each, sizeof fused);
             if (!same) fprintf(stderr, "\n  family %d, %d threads: the fused sums changed the logits\n", f, threads);
@@ -330,10 +334,13 @@ static void residual_case(const int *q, bool shared) {
     net_free(&n);
 }
 
-static void test_residual_shared_codes(void) { residual_case((const int[]){0, 2, 4, 7, 9, 10, 13}, true); }
+static void test_residual_shared_codes(void) {
+    residual_case((const int[]){0, 2, 4, 7, 9, 10, 13}, 2, true);
+    residual_case((const int[]){0, 2, 4, 7, 9, 10, 13}, 1, true);
+}
 
 /* sc's input quantizer signed and symmetric, c3's unsigned: out1 stays float, each quantizes it */
-static void test_residual_own_codes(void) { residual_case((const int[]){0, 2, 4, 7, 10, 9, 13}, false); }
+static void test_residual_own_codes(void) { residual_case((const int[]){0, 2, 4, 7, 10, 9, 13}, 2, false); }
 
 int register_quant_int8_handoff_suite(void) {
     CU_pSuite s = CU_add_suite("quant_int8_handoff", NULL, NULL);
