@@ -91,8 +91,6 @@ bool qlayer_int8_disable = false;
  * would cost more than it saves. */
 double qlayer_int8_parallel_min_macs = 4e6;
 
-enum { CONV_CH4, CONV_KW4, CONV_COLS, CONV_PH4 };
-
 bool qlayer_int8_phases = true;
 
 /* ---- eligibility ----------------------------------------------------------------------------------------------- */
@@ -208,13 +206,7 @@ bool qlayer_int8_applies(const Tape *t, const QLayer *q, const Var *x, const Var
 
 /* ---- the packed weight ----------------------------------------------------------------------------------------- */
 
-typedef struct {
-    int C, KH, KW;
-    int mode, groups, taps;
-    int kq; /* kw4: quads of kernel columns */
-} ConvShape;
-
-static ConvShape conv_shape(const QLayer *q) {
+ConvShape qlayer_int8_conv_shape(const QLayer *q) {
     ConvShape c = {.C = q->w_shape[1], .KH = q->w_shape[2], .KW = q->w_shape[3]};
     c.kq = (c.KW + 3) / 4;
     long ch4 = (long)((c.C + 3) / 4) * c.KH * c.KW, kw4 = (long)c.C * c.KH * c.kq;
@@ -231,8 +223,7 @@ static ConvShape conv_shape(const QLayer *q) {
     return c;
 }
 
-/* Tap t as (plane group, kh, first kernel column); cols: (group, 0, 0). */
-static void tap_at(const ConvShape *c, int t, int *g, int *kh, int *kw) {
+void qlayer_int8_tap_at(const ConvShape *c, int t, int *g, int *kh, int *kw) {
     if (c->mode == CONV_CH4 || c->mode == CONV_PH4) *g = t / (c->KH * c->KW), *kh = t / c->KW % c->KH, *kw = t % c->KW;
     else if (c->mode == CONV_KW4) *g = t / (c->KH * c->kq), *kh = t / c->kq % c->KH, *kw = 4 * (t % c->kq);
     else *g = t, *kh = 0, *kw = 0;
@@ -244,7 +235,7 @@ static void conv_dwords(uint32_t *dw, const int8_t *w, int OC, const ConvShape *
     for (int oc = 0; oc < OC; oc++)
         for (int t = 0; t < c->taps; t++) {
             int g, kh, kw;
-            tap_at(c, t, &g, &kh, &kw);
+            qlayer_int8_tap_at(c, t, &g, &kh, &kw);
             uint32_t d = 0;
             for (int j = 0; j < 4; j++) {
                 int k = -1; /* flat (c, kh, kw) index, -1 for padding lanes */
@@ -282,7 +273,7 @@ static QtStatus pack_weight(QLayerInt8 *p, const QLayer *q, QtError *err) {
     } else if (qlayer_int8_conv_is_dw(q)) {
         st = qgemm_pack_dw(&p->dw, codes, q->out, q->w_shape[2], q->w_shape[3], &inner);
     } else {
-        ConvShape c = conv_shape(q);
+        ConvShape c = qlayer_int8_conv_shape(q);
         uint32_t *dw = malloc((size_t)q->out * c.taps * sizeof *dw);
         if (!dw)
             return qt_error_set(err, QT_ERR_NOMEM, "%s: out of memory packing the weight for int8", q->module->path);
@@ -386,13 +377,7 @@ static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
 
 /* ---- the int8 hand-off ------------------------------------------------------------------------------------------ */
 
-static void fill_dwords(uint32_t *p, size_t n, uint32_t v) {
-    for (size_t i = 0; i < n; i++) p[i] = v;
-}
-
-/* Dwords of a ch4 group plane over a padded image Hp x Wp for a KW-wide kernel: every tap of the last vector reads
- * inside it (15 lanes past the last pixel, shifted by up to KH - 1 rows and KW + 3 columns). */
-static size_t ch4_plane(int Hp, int Wp, int KW) { return ((size_t)Hp * Wp + (size_t)KW + 19 + 15) / 16 * 16; }
+size_t qlayer_int8_ch4_plane(int Hp, int Wp, int KW) { return ((size_t)Hp * Wp + (size_t)KW + 19 + 15) / 16 * 16; }
 
 bool qlayer_int8_handoff = true;
 
@@ -404,9 +389,9 @@ bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, V
     if (!qlayer_int8_applies(t, q, &none, NULL) || !act_codes_err(q, &a, &err)) return false;
     *c = (VarCodes){.s = a.s, .lo = a.lo, .hi = a.hi, .zero = a.zero};
     /* an unpadded stride-1 conv on channel quads takes them as its planes, where they fit the value's buffer */
-    const ConvShape cs = conv_shape(q);
+    const ConvShape cs = qlayer_int8_conv_shape(q);
     if (q->module->conv_plain && cs.mode == CONV_CH4 && q->module->spec.padding == 0) {
-        const size_t plane = ch4_plane(shape[2], shape[3], cs.KW);
+        const size_t plane = qlayer_int8_ch4_plane(shape[2], shape[3], cs.KW);
         if ((size_t)cs.groups * plane <= (size_t)shape[1] * shape[2] * shape[3]) c->plane = plane;
     }
     return true;
@@ -443,7 +428,7 @@ bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *
         const float *r[4];
         for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? y + (size_t)(4 * g + k) * P : NULL;
         ok &= qgemm_quantize_u8x4(p, 0, r, 0, 1, (int)P, &a);
-        fill_dwords(p + P, hand->plane - P, (uint32_t)hand->zero * 0x01010101u); /* what the taps read past */
+        qlayer_int8_fill_dwords(p + P, hand->plane - P, (uint32_t)hand->zero * 0x01010101u); /* what the taps read past */
     }
     return ok;
 }
@@ -507,327 +492,4 @@ Var *qlayer_int8_dense(Tape *t, QLayer *q, Var *x, Var *bias) {
                        .c_f32 = y->value.data, .ldc = out, .scale = scale, .bias = bias ? bias->value.data : NULL};
     qlayer_int8_run(threads, tasks, dense_task, &j);
     return inputs_finite(t, x, j.bad, tasks) ? y : NULL;
-}
-
-/* ---- conv2d ---------------------------------------------------------------------------------------------------- */
-
-typedef struct {
-    ConvShape c;
-    int N, H, W, OC, OH, OW, stride, pad;
-    int Hp, Wp;        /* the padded input's rows and row pitch (stride-1 groupings) */
-    int Wq;            /* ph4: a phase's row pitch, (Wp + 1) / 2 */
-    size_t phase;      /* ph4: dwords of a phase, (Hp + 1) / 2 rows of Wq */
-    int pitch;         /* q per output row: Wp, or OW for cols */
-    size_t plane;      /* dwords per group plane */
-    size_t out_img;    /* floats of one image's output */
-    size_t scratch;    /* bytes of one thread's scratch: cols' padded codes, the planes, kw4's bytes, the pool */
-    size_t planes_at;  /* offset of the planes in it */
-    size_t pool_at;    /* offset of the pool buffer in it */
-    size_t out_at;     /* offset of the image's output in it, handing off */
-    const float *x;    /* (N, C, H, W), or NULL: */
-    const uint8_t *xc; /* (N, C, H, W) the input's codes (Var.codes), or by channel quads: */
-    size_t xc_plane;   /* their Var.codes plane */
-    QGemmCodes ac;
-    QGemmTaps g;       /* act and out set per image */
-    const VarCodes *hand; /* or NULL: the output goes to yc as its reader's codes */
-    uint8_t *yc;       /* (N, OC, YH, YW) */
-    float *means;      /* (N, OC) or NULL: the output as its planes' means (nn_plane_mean) */
-    const float *res;  /* (N, OC, OH, OW) or NULL: summed into the output before res_relu */
-    bool res_relu;
-    uint8_t *work;     /* [pool threads * scratch] */
-    uint8_t *bad;      /* [N] 1: an input value not finite; 2: an output value, handing off */
-} ConvJob;
-
-/* ch4: planes (ceil(C/4), plane) of 4 channels per padded pixel, quantized straight from x (C, H, W): the
- * padding is filled around the image. False for a value that is not finite. */
-static bool planes_ch4(uint32_t *pl, const float *x, const ConvJob *j) {
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
-    const int C = j->c.C, H = j->H, W = j->W, pad = j->pad, Wp = j->Wp;
-    bool ok = true;
-    for (int g = 0; g < j->c.groups; g++) {
-        uint32_t *p = pl + (size_t)g * j->plane;
-        fill_dwords(p, (size_t)pad * Wp + pad, fill); /* the rows above and the first row's left */
-        for (int h = 0; h + 1 < H; h++) fill_dwords(p + (size_t)(h + pad) * Wp + pad + W, (size_t)(Wp - W), fill);
-        const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W; /* the last row's right, the rows below, the tail */
-        fill_dwords(p + end, j->plane - end, fill);
-        const float *r[4];
-        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? x + (size_t)(4 * g + k) * H * W : NULL;
-        ok &= qgemm_quantize_u8x4(p + (size_t)pad * Wp + pad, (size_t)Wp, r, (size_t)W, H, W, &j->ac);
-    }
-    return ok;
-}
-
-/* ch4 from the input's codes xc (C, H, W): the same planes, the 4 channels' bytes interleaved (channels past C read
- * zrow, H W + 16 zero points). */
-static void planes_ch4_codes(uint32_t *pl, const uint8_t *xc, const uint8_t *zrow, const ConvJob *j) {
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
-    const int C = j->c.C, H = j->H, W = j->W, pad = j->pad, Wp = j->Wp;
-    for (int g = 0; g < j->c.groups; g++) {
-        uint32_t *p = pl + (size_t)g * j->plane;
-        fill_dwords(p, (size_t)pad * Wp + pad, fill);
-        for (int h = 0; h + 1 < H; h++) fill_dwords(p + (size_t)(h + pad) * Wp + pad + W, (size_t)(Wp - W), fill);
-        const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W;
-        fill_dwords(p + end, j->plane - end, fill);
-        const uint8_t *r[4];
-        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? xc + (size_t)(4 * g + k) * H * W : zrow;
-        if (Wp == W) qgemm_interleave_u8x4(p, 0, r, 0, 1, H * W); /* unpadded rows follow each other: one run */
-        else qgemm_interleave_u8x4(p + (size_t)pad * Wp + pad, (size_t)Wp, r, (size_t)W, H, W);
-    }
-}
-
-/* ch4 from codes by channel quads (xc_plane dwords a group, unpadded): each row copied into the padded planes. */
-static void planes_ch4_quads(uint32_t *pl, const uint32_t *xq, const ConvJob *j) {
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
-    const int H = j->H, W = j->W, pad = j->pad, Wp = j->Wp;
-    for (int g = 0; g < j->c.groups; g++) {
-        uint32_t *p = pl + (size_t)g * j->plane;
-        const uint32_t *src = xq + (size_t)g * j->xc_plane;
-        fill_dwords(p, (size_t)pad * Wp + pad, fill);
-        for (int h = 0; h < H; h++) {
-            memcpy(p + (size_t)(h + pad) * Wp + pad, src + (size_t)h * W, (size_t)W * 4);
-            if (h + 1 < H) fill_dwords(p + (size_t)(h + pad) * Wp + pad + W, (size_t)(Wp - W), fill);
-        }
-        const size_t end = (size_t)(H - 1 + pad) * Wp + pad + W;
-        fill_dwords(p + end, j->plane - end, fill);
-    }
-}
-
-/* ph4: planes (C / 4, plane) of 4 channels per padded pixel as ch4, each split into the image's four phases (row
- * parity a, column parity b: phase 2 a + b, (Hp + 1) / 2 rows of Wq), so that a stride-2 tap (kh, kw) reads phase
- * (kh % 2, kw % 2) shifted by (kh / 2, kw / 2) as a stride-1 tap reads its plane. The group's channels are
- * quantized from x (or interleaved from the codes xc) into tmp (H W dwords) in one call, then dealt to the
- * phases. False for a value of x that is not finite. */
-static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_t *xc, const ConvJob *j) {
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
-    const int H = j->H, W = j->W, pad = j->pad;
-    const size_t HW = (size_t)H * W, PS = j->phase;
-    bool ok = true;
-    for (int g = 0; g < j->c.groups; g++) {
-        uint32_t *p = pl + (size_t)g * j->plane;
-        fill_dwords(p, j->plane, fill); /* the padding, and what the taps read past the last phase */
-        if (xc) {
-            const uint8_t *r[4];
-            for (int k = 0; k < 4; k++) r[k] = xc + (size_t)(4 * g + k) * HW;
-            qgemm_interleave_u8x4(tmp, 0, r, 0, 1, (int)HW);
-        } else {
-            const float *r[4];
-            for (int k = 0; k < 4; k++) r[k] = x + (size_t)(4 * g + k) * HW;
-            ok &= qgemm_quantize_u8x4(tmp, 0, r, 0, 1, (int)HW, &j->ac);
-        }
-        for (int h = 0; h < H; h++) {
-            const int rr = h + pad; /* the padded row */
-            uint32_t *even = p + (size_t)(2 * (rr & 1)) * PS + (size_t)(rr >> 1) * j->Wq, *odd = even + PS;
-            const uint32_t *src = tmp + (size_t)h * W;
-            for (int w = pad & 1; w < W; w += 2) even[(w + pad) >> 1] = src[w];  /* even padded columns */
-            for (int w = !(pad & 1); w < W; w += 2) odd[(w + pad) >> 1] = src[w]; /* odd ones */
-        }
-    }
-    return ok;
-}
-
-/* kw4: planes (C, plane), dword q = padded pixels q..q+3 of one channel; bytes: scratch of plane + 4. False for
- * a value of x (C, H, W) that is not finite. */
-static bool planes_kw4(uint32_t *pl, uint8_t *bytes, const float *x, const uint8_t *xc, const ConvJob *j) {
-    const QGemmCodes *a = &j->ac;
-    bool ok = true;
-    for (int c = 0; c < j->c.C; c++) {
-        memset(bytes, a->zero, j->plane + 4);
-        for (int h = 0; h < j->H; h++) {
-            uint8_t *row = bytes + (size_t)(h + j->pad) * j->Wp + j->pad;
-            const size_t at = ((size_t)c * j->H + h) * j->W;
-            if (xc) memcpy(row, xc + at, (size_t)j->W); /* codes handed over */
-            else ok &= qgemm_quantize_u8(row, x + at, (size_t)j->W, a->s, a->lo, a->hi, a->zero);
-        }
-        uint32_t *p = pl + (size_t)c * j->plane;
-        for (size_t q = 0; q < j->plane; q++) memcpy(p + q, bytes + q, 4); /* the kernels read the bytes in order */
-    }
-    return ok;
-}
-
-/* cols: the image's codes padded by pad on every side with the zero point, (C, H + 2 pad, W + 2 pad), then a row
- * of zero points that a k past K reads (cols_zero_at). x (C, H, W) is quantized in one call into codes (the
- * quantizer's start-up per call cost more than the copy when it ran row by row), then copied row by row. False for
- * a value that is not finite. */
-static size_t cols_zero_at(const ConvJob *j) {
-    return (size_t)j->c.C * (j->H + 2 * j->pad) * (j->W + 2 * j->pad);
-}
-
-static size_t cols_padded_bytes(const ConvJob *j) { /* with the slack qgemm_gather_u8x4 may read */
-    return cols_zero_at(j) + (size_t)j->OW * j->stride + 1 + QGEMM_GATHER_SLACK;
-}
-
-static bool cols_pad(uint8_t *padded, uint8_t *codes, const float *x, const uint8_t *xc, const ConvJob *j) {
-    const QGemmCodes *a = &j->ac;
-    const int PW = j->W + 2 * j->pad;
-    const bool ok = xc || qgemm_quantize_u8(codes, x, (size_t)j->c.C * j->H * j->W, a->s, a->lo, a->hi, a->zero);
-    if (xc) codes = (uint8_t *)(uintptr_t)xc; /* codes handed over: only read */
-    memset(padded, a->zero, cols_padded_bytes(j));
-    for (int c = 0; c < j->c.C; c++)
-        for (int h = 0; h < j->H; h++)
-            memcpy(padded + ((size_t)c * (j->H + 2 * j->pad) + h + j->pad) * PW + j->pad,
-                   codes + ((size_t)c * j->H + h) * j->W, (size_t)j->W);
-    return ok;
-}
-
-/* cols: planes (ceil(K/4), plane), dword q = the 4 k of output pixel q (k = (c, kh, kw)), from the padded codes:
- * every read lands inside them, so the loop over pixels has no tests (a k past K reads the zero row). */
-static void planes_cols(uint32_t *pl, const uint8_t *padded, const ConvJob *j) {
-    const int KH = j->c.KH, KW = j->c.KW, K = j->c.C * KH * KW, P = j->OH * j->OW, S = j->stride;
-    const size_t PW = (size_t)j->W + 2 * (size_t)j->pad, img = (size_t)(j->H + 2 * j->pad) * PW;
-    const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
-    for (int g = 0; g < j->c.groups; g++) {
-        uint32_t *p = pl + (size_t)g * j->plane;
-        const uint8_t *src[4];
-        size_t step[4]; /* bytes from one output row's sources to the next's */
-        for (int b = 0; b < 4; b++) {
-            const int k = 4 * g + b, c = k / (KH * KW), kh = k / KW % KH, kw = k % KW;
-            src[b] = k < K ? padded + (size_t)c * img + (size_t)kh * PW + (size_t)kw : padded + cols_zero_at(j);
-            step[b] = k < K ? (size_t)S * PW : 0;
-        }
-        qgemm_gather_u8x4(p, src, step, j->OH, j->OW, S);
-        for (size_t q = (size_t)P; q < j->plane; q++) p[q] = fill;
-    }
-}
-
-/* out (n) += res, nn_add's sum (commutative, so the same bits whichever input the add names first), then nn_relu's
- * y > 0 ? y : 0 if relu; for one image while its output is in cache. */
-NN_SIMD_CLONES
-static void add_residual(float *out, const float *res, size_t n, bool relu) {
-    if (relu)
-        for (size_t i = 0; i < n; i++) {
-            const float v = out[i] + res[i];
-            out[i] = v > 0.0f ? v : 0.0f;
-        }
-    else
-        for (size_t i = 0; i < n; i++) out[i] += res[i];
-}
-
-static void conv_task(void *ctx, int n, int n_tasks) {
-    (void)n_tasks;
-    ConvJob *j = ctx;
-    const size_t in_img = (size_t)j->c.C * j->H * j->W;
-    const float *x = j->x ? j->x + (size_t)n * in_img : NULL; /* (C, H, W), or its codes: */
-    const uint8_t *xc = !j->xc ? NULL : j->xc + n * (j->xc_plane ? (size_t)j->c.groups * j->xc_plane * 4 : in_img);
-    uint8_t *codes = j->work + (size_t)parallel_thread_index() * j->scratch; /* cols: the padded codes */
-    uint32_t *planes = (uint32_t *)(codes + j->planes_at);                   /* (groups, plane) */
-    uint8_t *bytes = (uint8_t *)(planes + (size_t)j->c.groups * j->plane);   /* kw4: [plane + 4]; cols: (C, H, W);
-                                                                              * ch4 from codes: a row of zero points */
-    float *pool = (float *)(codes + j->pool_at);                             /* pooling: [8][16 n_vec] */
-    bool ok = true;
-    if (j->c.mode == CONV_CH4 && xc && j->xc_plane == j->plane && j->Wp == j->W) {
-        planes = (uint32_t *)(uintptr_t)xc; /* the producer made them: only read */
-    } else if (j->c.mode == CONV_CH4 && xc && j->xc_plane) {
-        planes_ch4_quads(planes, (const uint32_t *)(const void *)xc, j);
-    } else if (j->c.mode == CONV_CH4 && xc) {
-        memset(bytes, j->ac.zero, (size_t)j->H * j->W + 16);
-        planes_ch4_codes(planes, xc, bytes, j);
-    } else if (j->c.mode == CONV_CH4) {
-        ok = planes_ch4(planes, x, j);
-    } else if (j->c.mode == CONV_KW4) {
-        ok = planes_kw4(planes, bytes, x, xc, j);
-    } else if (j->c.mode == CONV_PH4) {
-        ok = planes_ph4(planes, (uint32_t *)(void *)bytes, x, xc, j);
-    } else {
-        ok = cols_pad(codes, bytes, x, xc, j);
-        planes_cols(planes, codes, j);
-    }
-    QGemmTaps g = j->g;
-    g.act = (const uint8_t *)planes;
-    g.out = j->hand || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
-    g.pool_buf = pool;
-    qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
-    if (j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
-    const size_t P = j->out_img / (size_t)j->OC;
-    const bool out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, j->yc + n * qlayer_int8_handoff_image_bytes(j->hand, j->OC, P), g.out,
-                                                  j->OC, P);
-    if (j->means) nn_plane_means(j->means + (size_t)n * j->OC, g.out, (size_t)j->OC, P);
-    j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
-}
-
-/* Tap offsets, the output lanes of each vector and the scratch size. */
-static bool conv_plan(Tape *t, ConvJob *j) {
-    const ConvShape *c = &j->c;
-    const bool cols = c->mode == CONV_COLS, ph = c->mode == CONV_PH4;
-    j->Hp = j->H + 2 * j->pad, j->Wp = j->W + 2 * j->pad;
-    /* pooled rows of up to 3 whole vectors pool in registers (qgemm.h): a few columns more of padding for that */
-    const int wide = (j->Wp + QGEMM_LANES - 1) / QGEMM_LANES * QGEMM_LANES;
-    if (j->g.epi == QGEMM_EPI_RELU_POOL2 && wide <= 3 * QGEMM_LANES && !ph) j->Wp = wide;
-    j->Wq = (j->Wp + 1) / 2, j->phase = (size_t)(j->Hp + 1) / 2 * j->Wq;
-    j->pitch = cols ? j->OW : ph ? j->Wq : j->Wp;
-    const int nq = j->OH * j->pitch, n_vec = (nq + QGEMM_LANES - 1) / QGEMM_LANES;
-    /* the last vector reads 15 lanes past the last pixel, shifted by at most (KH-1) rows and KW+3 columns; ph4's,
-     * of the last phase, 15 past its row OH - 1 + (KH - 1) / 2 <= (Hp + 1) / 2, shifted (KW - 1) / 2 */
-    if (cols) j->plane = (size_t)n_vec * QGEMM_LANES; /* n_vec vectors: whole */
-    else if (ph) j->plane = (4 * j->phase + (size_t)j->Wq + (size_t)c->KW / 2 + 16 + 15) / 16 * 16;
-    else j->plane = ch4_plane(j->Hp, j->Wp, c->KW);
-    j->planes_at = cols ? (cols_padded_bytes(j) + 63) / 64 * 64 : 0;
-    size_t bytes = cols ? (size_t)c->C * j->H * j->W : ph ? 4 * (size_t)j->H * j->W + 64 : j->plane + 4;
-    if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
-    j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
-    j->out_at = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
-    j->scratch = j->out_at + (j->hand || j->means ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
-    int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
-    uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
-    int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
-    j->work = tape_alloc(t, (size_t)parallel_get_threads() * j->scratch);
-    j->bad = tape_alloc(t, (size_t)j->N);
-    if (!off || !mask || !pos || !j->work || !j->bad) return false;
-    for (int tp = 0; tp < c->taps; tp++) {
-        int g, kh, kw;
-        tap_at(c, tp, &g, &kh, &kw);
-        if (ph) /* phase (kh % 2, kw % 2), shifted by (kh / 2, kw / 2) */
-            off[tp] = (int32_t)((size_t)g * j->plane + (size_t)(2 * (kh & 1) + (kw & 1)) * j->phase +
-                                (size_t)(kh >> 1) * j->Wq + (size_t)(kw >> 1));
-        else off[tp] = (int32_t)((size_t)g * j->plane + (size_t)kh * j->Wp + (size_t)kw);
-    }
-    for (int v = 0; v < n_vec; v++) {
-        mask[v] = 0, pos[v] = 0;
-        for (int l = QGEMM_LANES - 1; l >= 0; l--) { /* downwards: pos ends at the first output lane */
-            const int q = v * QGEMM_LANES + l;
-            if (q >= nq || q % j->pitch >= j->OW) continue;
-            mask[v] |= (uint16_t)(1u << l);
-            pos[v] = q / j->pitch * j->OW + q % j->pitch;
-        }
-    }
-    j->g.tap_off = off, j->g.vec_mask = mask, j->g.vec_pos = pos, j->g.n_vec = n_vec;
-    return true;
-}
-
-Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi, const Var *res,
-                            const VarCodes *hand, bool means) {
-    const int threads = qlayer_int8_threads_for((double)x->value.shape[0] * OH * OW * q->out * q->fan_in);
-    ConvJob j = {.N = x->value.shape[0], .H = x->value.shape[2], .W = x->value.shape[3], .OC = q->out, .OH = OH,
-                 .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
-    if (!qlayer_int8_ensure_packed(t, q) || !qlayer_int8_act_codes(t, q, &j.ac)) return NULL;
-    j.c = conv_shape(q);
-    if (x->codes && !(j.xc = qlayer_int8_input_codes(t, q, x, &j.ac, j.c.mode == CONV_CH4))) return NULL;
-    if (!x->codes) j.x = x->value.data;
-    j.xc_plane = x->codes ? x->codes->plane : 0;
-    const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;
-    const int YH = pool ? OH / 2 : OH, YW = pool ? OW / 2 : OW;
-    j.g.epi = pool ? QGEMM_EPI_RELU_POOL2 : epi == CONV_EPI_RELU ? QGEMM_EPI_RELU : QGEMM_EPI_NONE;
-    if (res && pool) {
-        qt_error_set(&t->err, QT_ERR_ARG, "%s: a residual sum before a max pool is not an int8 epilogue",
-                     q->module->path);
-        return NULL;
-    }
-    if (res) j.res = res->value.data, j.res_relu = epi == CONV_EPI_RELU, j.g.epi = QGEMM_EPI_NONE; /* relu after it */
-    const int shape[4] = {j.N, q->out, YH, YW};
-    if ((size_t)j.N * q->out * YH * YW < 16) j.hand = hand = NULL; /* the readers' vector loads need the slack */
-    Var *y = hand ? qlayer_int8_handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
-    float *scale = qlayer_int8_out_scales(t, q, j.ac.s);
-    j.out_img = (size_t)q->out * YH * YW;
-    if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
-        return NULL;
-    if (!y || !scale || !conv_plan(t, &j)) return NULL;
-    j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
-    j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
-    j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
-    j.yc = (uint8_t *)y->value.data;
-    qlayer_int8_run(threads, j.N, conv_task, &j);
-    return qlayer_int8_checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
-}
-
-Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {
-    return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, CONV_EPI_NONE, NULL, NULL, false);
 }

@@ -1,5 +1,6 @@
 /* qlayer_int8_internal.h - what the int8 forward's files share (qlayer_int8.c: eligibility, packing, the input's
- * codes, the hand-off, dense and conv2d; qlayer_int8_dw.c: the depthwise conv2d). Internal to quant/. */
+ * codes, the hand-off, dense; qlayer_int8_conv.c: the plain conv2d; qlayer_int8_dw.c: the depthwise conv2d).
+ * Internal to quant/. */
 #ifndef QTRAIN_QUANT_QLAYER_INT8_INTERNAL_H
 #define QTRAIN_QUANT_QLAYER_INT8_INTERNAL_H
 
@@ -17,6 +18,29 @@ struct QLayerInt8 {
     QGemmPackedDw dw;      /* depthwise conv2d (qlayer_int8_conv_is_dw): the weight (OC, 1, KH, KW) */
     float *w_scale;        /* [out] the weight's scale of each output channel */
 };
+
+/* How a plain conv2d's codes are laid out for the taps kernel (qlayer_int8.c's opening comment): ch4, 4 channels of
+ * a padded pixel a dword; kw4, 4 pixels of a channel's padded row; cols, 4 im2col k; ph4, ch4 over the image's four
+ * phases (stride 2). */
+enum { CONV_CH4, CONV_KW4, CONV_COLS, CONV_PH4 };
+
+typedef struct {
+    int C, KH, KW;
+    int mode, groups, taps; /* the layout; its plane groups; taps (dwords of k) per output */
+    int kq;                 /* kw4: quads of kernel columns */
+} ConvShape;
+
+/* q's layout (plain conv2d). */
+ConvShape qlayer_int8_conv_shape(const QLayer *q);
+/* Tap t as (plane group, kh, first kernel column); cols: (group, 0, 0). */
+void qlayer_int8_tap_at(const ConvShape *c, int t, int *g, int *kh, int *kw);
+/* Dwords of a ch4 group plane over a padded image Hp x Wp for a KW-wide kernel: every tap of the last vector reads
+ * inside it (15 lanes past the last pixel, shifted by up to KH - 1 rows and KW + 3 columns). */
+size_t qlayer_int8_ch4_plane(int Hp, int Wp, int KW);
+
+static inline void qlayer_int8_fill_dwords(uint32_t *p, size_t n, uint32_t v) {
+    for (size_t i = 0; i < n; i++) p[i] = v;
+}
 
 /* Every output channel reads one input channel (w (OC, 1, KH, KW), no dilation): the depthwise kernel's. */
 bool qlayer_int8_conv_is_dw(const QLayer *q);

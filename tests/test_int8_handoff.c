@@ -6,7 +6,9 @@
  * means for the global average pool that reads it) gives logits
  * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
  * threads; which outputs are codes; the arena in the steady state; a NaN bias in a producer named in the error;
- * and qgemm_interleave_u8x4 against its portable loop. The quant_int8_handoff suite. */
+ * qgemm_interleave_u8x4 against its portable loop; and two residual blocks whose sums join the convs before them
+ * and whose outputs' codes two readers share, against the model run module by module. The quant_int8_handoff
+ * suite. */
 #include <CUnit/CUnit.h>
 #include <math.h>
 #include <stdlib.h>
@@ -142,40 +144,52 @@ static bool net_logits(Net *n, bool handoff, float *y) {
 /* Whether module i's output came as codes. */
 static bool is_codes(const Net *n, int i) { return n->m.outs[1 + i] && n->m.outs[1 + i]->codes; }
 
-/* On each family and the portable kernels, 1 and 2 threads: the same logits with and without the hand-off, the
- * expected outputs as codes (and none without it). */
-static void test_handoff_same_logits(void) {
-    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
-    Net n;
-    net_init(&n);
-    int ran = 0;
-    for (int f = -1; f < 4; f++) {
-        if (f >= 0 && !qgemm_cpu_has_isa(FAMILIES[f])) continue;
-        qgemm_force_portable = f < 0, qgemm_force_isa = f < 0 ? -1 : (int)FAMILIES[f];
-        for (int threads = 1; threads <= 2; threads++) {
-            gemm_set_threads(threads);
-            qlayer_int8_parallel_min_macs = threads > 1 ? 0.0 : 4e6;
-            float with[N * CLASSES], without[N * CLASSES];
-            CU_ASSERT_FATAL(net_logits(&n, false, without));
-            for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(!is_codes(&n, CODES[k]));
-            CU_ASSERT(n.m.outs[1 + 14]->means == NULL);
-            CU_ASSERT_FATAL(net_logits(&n, true, with));
-            for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(is_codes(&n, CODES[k]));
-            for (size_t k = 0; k < sizeof QUADS / sizeof *QUADS; k++)
-                CU_ASSERT(is_codes(&n, QUADS[k]) && n.m.outs[1 + QUADS[k]]->codes->plane > 0);
-            CU_ASSERT(n.m.outs[1 + 5]->codes->plane == 0); /* c4 is padded: bytes */
-            CU_ASSERT(n.m.outs[1 + 10]->codes->plane == 0); /* c5 is strided: bytes */
-            CU_ASSERT(!is_codes(&n, 14) && !is_codes(&n, 15)); /* c6's read by the pool, the pool's by fc */
-            CU_ASSERT(n.m.outs[1 + 14]->means != NULL); /* c6 made the pool's means */
-            const bool same = !memcmp(with, without, sizeof with);
-            if (!same) fprintf(stderr, "\n  family %d, %d threads: the hand-off changed the logits\n", f, threads);
-            CU_ASSERT(same);
-            ran++;
-        }
-    }
+static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
+enum { N_SETTINGS = 10 };
+
+/* Kernel setting k < N_SETTINGS: the portable kernels (k / 2 == 0) or FAMILIES[k / 2 - 1], on 1 + k % 2 threads
+ * (on 2, every layer split); false for a family the CPU lacks. */
+static bool kernels_set(int k) {
+    const int f = k / 2 - 1, threads = 1 + k % 2;
+    if (f >= 0 && !qgemm_cpu_has_isa(FAMILIES[f])) return false;
+    qgemm_force_portable = f < 0, qgemm_force_isa = f < 0 ? -1 : (int)FAMILIES[f];
+    gemm_set_threads(threads);
+    qlayer_int8_parallel_min_macs = threads > 1 ? 0.0 : 4e6;
+    return true;
+}
+
+static void kernels_reset(void) {
     qgemm_force_portable = false, qgemm_force_isa = -1;
     gemm_set_threads(1);
     qlayer_int8_parallel_min_macs = 4e6;
+}
+
+/* On each family and the portable kernels, 1 and 2 threads: the same logits with and without the hand-off, the
+ * expected outputs as codes (and none without it). */
+static void test_handoff_same_logits(void) {
+    Net n;
+    net_init(&n);
+    int ran = 0;
+    for (int ks = 0; ks < N_SETTINGS; ks++) {
+        if (!kernels_set(ks)) continue;
+        float with[N * CLASSES], without[N * CLASSES];
+        CU_ASSERT_FATAL(net_logits(&n, false, without));
+        for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(!is_codes(&n, CODES[k]));
+        CU_ASSERT(n.m.outs[1 + 14]->means == NULL);
+        CU_ASSERT_FATAL(net_logits(&n, true, with));
+        for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(is_codes(&n, CODES[k]));
+        for (size_t k = 0; k < sizeof QUADS / sizeof *QUADS; k++)
+            CU_ASSERT(is_codes(&n, QUADS[k]) && n.m.outs[1 + QUADS[k]]->codes->plane > 0);
+        CU_ASSERT(n.m.outs[1 + 5]->codes->plane == 0); /* c4 is padded: bytes */
+        CU_ASSERT(n.m.outs[1 + 10]->codes->plane == 0); /* c5 is strided: bytes */
+        CU_ASSERT(!is_codes(&n, 14) && !is_codes(&n, 15)); /* c6's read by the pool, the pool's by fc */
+        CU_ASSERT(n.m.outs[1 + 14]->means != NULL); /* c6 made the pool's means */
+        const bool same = !memcmp(with, without, sizeof with);
+        if (!same) fprintf(stderr, "\n  kernel setting %d: the hand-off changed the logits\n", ks);
+        CU_ASSERT(same);
+        ran++;
+    }
+    kernels_reset();
     CU_ASSERT(ran >= 2);
     /* the logits differ between images: the codes of every layer reach them */
     float y[N * CLASSES];
@@ -288,36 +302,28 @@ static void residual_layers(LayerSpec *ls, int stride) {
  * the portable kernels, 1 and 2 threads: the logits with the sums fused equal those of the model run with its
  * outputs kept (every module on its own), and those of the float path too. */
 static void residual_case(const int *q, int stride, bool shared) {
-    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
     LayerSpec ls[R_N];
     residual_layers(ls, stride);
     Net n;
     net_init_with(&n, ls, R_N, q, 7);
-    for (int f = -1; f < 4; f++) {
-        if (f >= 0 && !qgemm_cpu_has_isa(FAMILIES[f])) continue;
-        qgemm_force_portable = f < 0, qgemm_force_isa = f < 0 ? -1 : (int)FAMILIES[f];
-        for (int threads = 1; threads <= 2; threads++) {
-            gemm_set_threads(threads);
-            qlayer_int8_parallel_min_macs = threads > 1 ? 0.0 : 4e6;
-            float fused[N * CLASSES], each[N * CLASSES];
-            n.m.keep_outputs = true;
-            CU_ASSERT_FATAL(net_logits(&n, true, each));
-            CU_ASSERT(n.m.outs[1 + R_SUM1] && n.m.outs[1 + R_SUM2] && !is_codes(&n, R_OUT1));
-            n.m.keep_outputs = false;
-            CU_ASSERT_FATAL(net_logits(&n, true, fused));
-            CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
-            CU_ASSERT(is_codes(&n, R_OUT1) == shared);
-            CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && n.m.outs[1 + R_OUT1]->codes->plane == 0));
-            CU_ASSERT(!is_codes(&n, R_OUT1 - 5) && is_codes(&n, R_OUT1 - 3)); /* stem (the sum reads it); r1 */
-            CU_ASSERT(n.m.outs[1 + R_SUM2] && n.m.outs[1 + R_SUM2]->means);
-            const bool same = !memcmp(fused, each, sizeof fused);
-            if (!same) fprintf(stderr, "\n  family %d, %d threads: the fused sums changed the logits\n", f, threads);
-            CU_ASSERT(same);
-        }
+    for (int ks = 0; ks < N_SETTINGS; ks++) {
+        if (!kernels_set(ks)) continue;
+        float fused[N * CLASSES], each[N * CLASSES];
+        n.m.keep_outputs = true;
+        CU_ASSERT_FATAL(net_logits(&n, true, each));
+        CU_ASSERT(n.m.outs[1 + R_SUM1] && n.m.outs[1 + R_SUM2] && !is_codes(&n, R_OUT1));
+        n.m.keep_outputs = false;
+        CU_ASSERT_FATAL(net_logits(&n, true, fused));
+        CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
+        CU_ASSERT(is_codes(&n, R_OUT1) == shared);
+        CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && n.m.outs[1 + R_OUT1]->codes->plane == 0));
+        CU_ASSERT(!is_codes(&n, R_OUT1 - 5) && is_codes(&n, R_OUT1 - 3)); /* stem (the sum reads it); r1 */
+        CU_ASSERT(n.m.outs[1 + R_SUM2] && n.m.outs[1 + R_SUM2]->means);
+        const bool same = !memcmp(fused, each, sizeof fused);
+        if (!same) fprintf(stderr, "\n  kernel setting %d: the fused sums changed the logits\n", ks);
+        CU_ASSERT(same);
     }
-    qgemm_force_portable = false, qgemm_force_isa = -1;
-    gemm_set_threads(1);
-    qlayer_int8_parallel_min_macs = 4e6;
+    kernels_reset();
     /* the float path declines the sums: the adds run, the same logits */
     float fused[N * CLASSES], each[N * CLASSES], i8[N * CLASSES];
     CU_ASSERT_FATAL(net_logits(&n, true, i8));
