@@ -89,6 +89,14 @@ static void planes_ch4_quads(uint32_t *pl, const uint32_t *xq, const ConvJob *j)
     }
 }
 
+/* a[k] = s[2 k] for k < (n + 1) / 2, b[k] = s[2 k + 1] for k < n / 2: a row's dwords split by parity (vectorised
+ * in the SIMD clones: the same copies). */
+NN_SIMD_CLONES
+static void split_parity(uint32_t *restrict a, uint32_t *restrict b, const uint32_t *restrict s, int n) {
+    for (int k = 0; k < n / 2; k++) a[k] = s[2 * k], b[k] = s[2 * k + 1];
+    if (n & 1) a[n / 2] = s[n - 1];
+}
+
 /* ph4: planes (C / 4, plane) of 4 channels per padded pixel as ch4, each split into the image's four phases (row
  * parity a, column parity b: phase 2 a + b, (Hp + 1) / 2 rows of Wq), so that a stride-2 tap (kh, kw) reads phase
  * (kh % 2, kw % 2) shifted by (kh / 2, kw / 2) as a stride-1 tap reads its plane. The group's channels are
@@ -113,10 +121,11 @@ static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_
         }
         for (int h = 0; h < H; h++) {
             const int rr = h + pad; /* the padded row */
-            uint32_t *even = p + (size_t)(2 * (rr & 1)) * PS + (size_t)(rr >> 1) * j->Wq, *odd = even + PS;
-            const uint32_t *src = tmp + (size_t)h * W;
-            for (int w = pad & 1; w < W; w += 2) even[(w + pad) >> 1] = src[w];  /* even padded columns */
-            for (int w = !(pad & 1); w < W; w += 2) odd[(w + pad) >> 1] = src[w]; /* odd ones */
+            uint32_t *row = p + (size_t)(2 * (rr & 1)) * PS + (size_t)(rr >> 1) * j->Wq; /* phase (rr % 2, 0) */
+            /* column w is padded column w + pad: the even w go to phase b = pad % 2 from pad / 2 on, the odd ones
+             * to the other from (pad + 1) / 2 on */
+            uint32_t *a = row + (size_t)(pad & 1) * PS + (pad >> 1), *b = row + (size_t)(~pad & 1) * PS + ((pad + 1) >> 1);
+            split_parity(a, b, tmp + (size_t)h * W, W);
         }
     }
     return ok;
