@@ -29,6 +29,7 @@ void tape_reset(Tape *t) {
     t->n_nodes = 0;
     t->backward_done = false;
     t->free_grads = NULL;
+    t->deferred = NULL, t->hold = 0, t->n_held = 0;
     qt_error_clear(&t->err);
     arena_reset(t->arena);
     arena_reset(&t->small);
@@ -72,6 +73,10 @@ static void *free_grad_take(Tape *t, size_t bytes) {
 }
 
 static void free_grad_put(Tape *t, float *buf, size_t bytes) {
+    if (t->hold > 0) { /* still read by deferred work */
+        if (t->n_held < TAPE_HELD_MAX) t->held[t->n_held].p = buf, t->held[t->n_held++].bytes = bytes;
+        return;
+    }
     bytes = free_grad_round(bytes);
     if (bytes < FREE_GRAD_MIN) return;
     char *b = (char *)buf;
@@ -142,6 +147,15 @@ static float *grad_alloc(Tape *t, Var *v) {
 
 void tape_release_buffer(Tape *t, void *p, size_t bytes) {
     if (p) free_grad_put(t, p, bytes);
+}
+
+void tape_hold_releases(Tape *t) { t->hold++; }
+
+void tape_release_held(Tape *t) {
+    if (t->hold <= 0 || --t->hold > 0) return;
+    const int n = t->n_held;
+    t->n_held = 0;
+    for (int i = 0; i < n; i++) free_grad_put(t, t->held[i].p, t->held[i].bytes);
 }
 
 void tape_release(Tape *t, Var *v) {

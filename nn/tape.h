@@ -31,6 +31,7 @@
 #define TAPE_SMALL_BYTES 4096
 #define TAPE_MAX_INPUTS 6 /* e.g. x, w, bias, scale, zero point of a quantized op */
 #define TAPE_HANDOFF_MAX 4 /* readers of one output that can share its int8 codes (Tape.handoff) */
+#define TAPE_HELD_MAX 32   /* released buffers held while work on them is deferred (Tape.hold) */
 
 typedef struct Tape Tape;
 typedef struct TapeNode TapeNode;
@@ -103,6 +104,12 @@ struct Tape {
     const Var *residual; /* set by model_forward while a fused_residual hook runs a conv whose output an add then
                             sums with this earlier output (same shape) before the epilogue: y = epi(conv + residual);
                             else NULL */
+    void *deferred;     /* a hook's work deferred to the op that reads its output (quant's int8 chain), or NULL;
+                           owned by that hook's code, in the arena */
+    int hold;           /* > 0: tape_release holds buffers back (a deferred op still reads them) until
+                           tape_release_held brings hold back to 0 */
+    int n_held;
+    struct { void *p; size_t bytes; } held[TAPE_HELD_MAX]; /* past TAPE_HELD_MAX, freed only by tape_reset */
     QtError err;        /* first error since the last reset */
 };
 
@@ -124,6 +131,10 @@ void tape_release(Tape *t, Var *v);
 /* The same for an op's scratch (tape_alloc'd, `bytes` long) once the op is
  * done with it. */
 void tape_release_buffer(Tape *t, void *p, size_t bytes);
+/* Holds back every release until the matching tape_release_held (nested), which makes the held ones: for a hook
+ * that defers reading its input to a later op (Tape.deferred) while model_forward releases what it thinks dead. */
+void tape_hold_releases(Tape *t);
+void tape_release_held(Tape *t);
 /* Arena memory for an op's saved state; sets the tape error on failure. */
 void *tape_alloc(Tape *t, size_t bytes);
 /* The grad of v, allocated zeroed from the arena on first use (params have

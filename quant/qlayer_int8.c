@@ -364,6 +364,60 @@ void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
     for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
 }
 
+/* ---- the chain of hand-offs -------------------------------------------------------------------------------------
+ * A conv2d whose output one int8 conv2d alone reads as codes runs nothing yet: its job waits in Tape.deferred, and
+ * the first op of the chain whose output is not handed on to one reader runs them all, each image through every
+ * layer of the chain in one task. An image's codes then go from layer to layer in its core's cache, and the batch
+ * crosses the threads once a chain rather than once a layer. The buffers the waiting jobs read are held from
+ * release meanwhile (tape_hold_releases). The same computations, so the same bits. */
+
+#define CHAIN_MAX 32 /* jobs in one chain; a longer one runs in parts */
+
+bool qlayer_int8_chain = true;
+unsigned long qlayer_int8_chained = 0;
+
+typedef struct {
+    QLayerInt8Job job[CHAIN_MAX];
+    int n;
+} Chain;
+
+static void chain_task(void *ctx, int image, int n_tasks) {
+    const Chain *c = ctx;
+    for (int k = 0; k < c->n; k++) c->job[k].fn(c->job[k].ctx, image, n_tasks);
+}
+
+bool qlayer_int8_launch(Tape *t, const QLayerInt8Job *j, bool defer) {
+    Chain *c = t->deferred;
+    if (!c && (defer && qlayer_int8_chain)) {
+        if (!(c = tape_alloc(t, sizeof *c))) return false;
+        c->n = 0, t->deferred = c;
+    }
+    if (c && c->n > 0 && c->job[0].n != j->n) { /* not the batch the chain began with: never so in model_forward */
+        qt_error_set(&t->err, QT_ERR_ARG, "%s: the int8 chain holds %d images, this layer %d", j->q->module->path,
+                     c->job[0].n, j->n);
+        return false;
+    }
+    if (c && defer && qlayer_int8_chain && c->n + 1 < CHAIN_MAX) {
+        if (c->n == 0) tape_hold_releases(t);
+        c->job[c->n++] = *j;
+        return true;
+    }
+    if (!c || c->n == 0) {
+        qlayer_int8_run(j->threads, j->n, j->fn, j->ctx);
+        return qlayer_int8_checks_pass(t, j->q, j->x, j->bad, j->n);
+    }
+    c->job[c->n++] = *j;
+    int threads = 1;
+    for (int k = 0; k < c->n; k++) threads = c->job[k].threads > threads ? c->job[k].threads : threads;
+    qlayer_int8_run(threads, j->n, chain_task, c);
+    qlayer_int8_chained += (unsigned long)c->n;
+    bool ok = true;
+    for (int k = 0; k < c->n && ok; k++) ok = qlayer_int8_checks_pass(t, c->job[k].q, c->job[k].x, c->job[k].bad, j->n);
+    c->n = 0;
+    tape_release_held(t);
+    return ok;
+}
+
 /* After the tasks: the float path's message for a non-finite input. */
 static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
     for (int i = 0; i < n; i++) {

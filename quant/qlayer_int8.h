@@ -20,6 +20,11 @@ extern bool qlayer_int8_handoff;
 /* Stride-2 conv2ds over whole channel quads read the image's four phases, as stride 1 reads its plane (default
  * on; tests turn it off, then qlayer_int8_release each layer, to compare with the columns the others build). */
 extern bool qlayer_int8_phases;
+/* A conv2d handing its codes to one int8 conv2d runs in one pass with it, image by image (default on; tests turn it
+ * off to compare): see qlayer_int8.c, "the chain of hand-offs". */
+extern bool qlayer_int8_chain;
+/* Layers run in chains of two or more since start (for tests). */
+extern unsigned long qlayer_int8_chained;
 /* Whether q, read in this forward, takes the int8 path from codes (a conv2d, plain or one input channel per
  * group); if so, the codes its input quantizer makes in c (c->data unset), for an input of shape (N, C, H, W)
  * (shape[1..3] read): by channel quads in q's own planes (c->plane) where q is an unpadded stride-1 conv on them

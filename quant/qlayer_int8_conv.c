@@ -321,6 +321,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     const int shape[4] = {j.N, q->out, YH, YW};
     if ((size_t)j.N * q->out * YH * YW < 16) j.hand = hand = NULL; /* the readers' vector loads need the slack */
     Var *y = hand ? qlayer_int8_handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
+    if (y && hand) j.hand = y->codes; /* the arena's copy: the tasks may run after the caller's hand is gone */
     float *scale = qlayer_int8_out_scales(t, q, j.ac.s);
     j.out_img = (size_t)q->out * YH * YW;
     if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
@@ -330,8 +331,11 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
     j.yc = (uint8_t *)y->value.data;
-    qlayer_int8_run(threads, j.N, conv_task, &j);
-    return qlayer_int8_checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
+    ConvJob *jp = tape_alloc(t, sizeof *jp); /* the tasks may run later, in the chain (qlayer_int8_launch) */
+    if (!jp) return NULL;
+    *jp = j;
+    const QLayerInt8Job job = {.fn = conv_task, .ctx = jp, .n = j.N, .threads = threads, .q = q, .x = x, .bad = j.bad};
+    return qlayer_int8_launch(t, &job, j.hand && t->n_handoff == 1) ? y : NULL;
 }
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {

@@ -104,6 +104,7 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
     const int shape[4] = {j.N, q->out, j.YH, j.YW};
     if ((size_t)j.N * q->out * j.YH * j.YW < 16) j.hand = hand = NULL; /* as in qlayer_int8_conv_fused */
     Var *y = hand ? qlayer_int8_handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
+    if (y && hand) j.hand = y->codes; /* the arena's copy: the tasks may run after the caller's hand is gone */
     float *scale = qlayer_int8_out_scales(t, q, j.ac.s);
     if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
         return NULL;
@@ -114,6 +115,10 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
     j.d = (QGemmDw){.in_h = j.H, .in_w = j.W, .pad_t = g->pad_h, .pad_l = g->pad_w, .oh_n = j.OH, .ow_n = j.OW,
                     .sh = g->stride_h, .sw = g->stride_w, .w = pw, .n_oc = j.M, .a_zero = j.ac.zero, .scale = scale,
                     .bias = bias ? bias->value.data : NULL, .relu = epi != CONV_EPI_NONE};
-    qlayer_int8_run(qlayer_int8_threads_for((double)j.N * j.OH * j.OW * q->out * q->fan_in), j.N, dw_task, &j);
-    return qlayer_int8_checks_pass(t, q, x, j.bad, j.N) ? y : NULL;
+    DwJob *jp = tape_alloc(t, sizeof *jp); /* the tasks may run later, in the chain (qlayer_int8_launch) */
+    if (!jp) return NULL;
+    *jp = j;
+    const QLayerInt8Job job = {.fn = dw_task, .ctx = jp, .n = j.N, .q = q, .x = x, .bad = j.bad,
+                               .threads = qlayer_int8_threads_for((double)j.N * j.OH * j.OW * q->out * q->fan_in)};
+    return qlayer_int8_launch(t, &job, j.hand && t->n_handoff == 1) ? y : NULL;
 }

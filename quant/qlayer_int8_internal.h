@@ -65,4 +65,19 @@ size_t qlayer_int8_handoff_image_bytes(const VarCodes *hand, int C, size_t P);
  * cannot code; false with the error. */
 bool qlayer_int8_checks_pass(Tape *t, const QLayer *q, const Var *x, const uint8_t *bad, int n);
 
+/* A conv2d's forward as tasks, one an image: fn(ctx, image, n); ctx in the tape's arena (it may run later). */
+typedef struct {
+    ParallelFn fn;
+    void *ctx;
+    int n, threads;         /* images; threads as qlayer_int8_threads_for */
+    const QLayer *q;
+    const Var *x;           /* its input, for qlayer_int8_checks_pass */
+    const uint8_t *bad;     /* [n] as the tasks leave it */
+} QLayerInt8Job;
+
+/* Runs j (with the jobs deferred before it, image by image: each image through every layer in one task) and checks
+ * each in order; false with the first failing layer's error. defer (j's output goes to one int8 conv2d as its
+ * codes): j waits for that reader instead, and true. */
+bool qlayer_int8_launch(Tape *t, const QLayerInt8Job *j, bool defer);
+
 #endif

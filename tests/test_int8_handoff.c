@@ -132,6 +132,17 @@ static void net_free(Net *n) {
 }
 
 /* The logits into y, with or without the hand-off; false if the forward failed. */
+static bool net_logits(Net *n, bool handoff, float *y);
+
+/* The logits into y with the hand-off, with or without the chain of hand-offs; false if the forward failed. */
+static bool net_logits_chain(Net *n, bool chain, float *y) {
+    qlayer_int8_chain = chain;
+    const bool ok = net_logits(n, true, y);
+    qlayer_int8_chain = true;
+    return ok;
+}
+
+/* The logits into y, with or without the hand-off; false if the forward failed. */
 static bool net_logits(Net *n, bool handoff, float *y) {
     tape_reset(&n->t);
     qlayer_int8_handoff = handoff;
@@ -187,6 +198,14 @@ static void test_handoff_same_logits(void) {
         const bool same = !memcmp(with, without, sizeof with);
         if (!same) fprintf(stderr, "\n  kernel setting %d: the hand-off changed the logits\n", ks);
         CU_ASSERT(same);
+        /* without the chain (each layer over the batch, then the next), and with it: c1 .. c6 image by image */
+        float unchained[N * CLASSES], chained[N * CLASSES];
+        const unsigned long before = qlayer_int8_chained;
+        CU_ASSERT_FATAL(net_logits_chain(&n, false, unchained));
+        CU_ASSERT_EQUAL(qlayer_int8_chained, before);
+        CU_ASSERT_FATAL(net_logits_chain(&n, true, chained));
+        CU_ASSERT_EQUAL(qlayer_int8_chained - before, 7); /* all seven convs in one chain */
+        CU_ASSERT(!memcmp(with, unchained, sizeof with) && !memcmp(with, chained, sizeof with));
         ran++;
     }
     kernels_reset();

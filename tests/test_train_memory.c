@@ -64,6 +64,36 @@ static void test_free_list_merges_splits_gives_back(void) {
     test_env_free(&e);
 }
 
+/* Held releases (tape_hold_releases, nested): a buffer released meanwhile is not handed out again, so work deferred
+ * on it reads what it held; after the last tape_release_held it is, once. */
+static void test_held_releases(void) {
+    TestEnv e;
+    test_env_init(&e, 1);
+    Tape *t = &e.tape;
+    enum { F = 2000 };
+    Var *a = tape_new_var(t, 1, (int[]){F}), *b = tape_new_var(t, 1, (int[]){F});
+    CU_ASSERT_FATAL(a && b);
+    float *pa = a->value.data;
+    tape_hold_releases(t);
+    tape_hold_releases(t);
+    tape_release(t, a);
+    tape_release(t, a);
+    Var *c = tape_new_var(t, 1, (int[]){F});
+    CU_ASSERT_FATAL(c != NULL);
+    CU_ASSERT(c->value.data != pa);
+    tape_release_held(t); /* one hold left */
+    Var *d = tape_new_var(t, 1, (int[]){F});
+    CU_ASSERT_FATAL(d != NULL);
+    CU_ASSERT(d->value.data != pa);
+    tape_release_held(t);
+    Var *f = tape_new_var(t, 1, (int[]){F}), *g = tape_new_var(t, 1, (int[]){F});
+    CU_ASSERT_FATAL(f && g);
+    CU_ASSERT(f->value.data == pa && g->value.data != pa);
+    tape_release_held(t); /* unbalanced: nothing */
+    CU_ASSERT_EQUAL(t->hold, 0);
+    test_env_free(&e);
+}
+
 /* ---- remade values ---------------------------------------------------------- */
 
 enum { RV = 64 };
@@ -295,6 +325,7 @@ int register_nn_train_memory_suite(void) {
     if (!s) return -1;
     return !CU_add_test(s, "free list: neighbours merge, a larger buffer splits, the top goes back",
                         test_free_list_merges_splits_gives_back) ||
+           !CU_add_test(s, "releases held while work on them is deferred", test_held_releases) ||
            !CU_add_test(s, "a dropped value is made again for its readers, not for value-free ones",
                         test_dropped_value_is_remade_for_its_readers) ||
            !CU_add_test(s, "resnet, dscnn, batch-norm mlp steps, and outputs that are a relu'd batch norm (or its view): "
