@@ -387,22 +387,24 @@ static void chain_task(void *ctx, int image, int n_tasks) {
 }
 
 bool qlayer_int8_launch(Tape *t, const QLayerInt8Job *j, bool defer) {
+    defer = defer && qlayer_int8_chain;
     Chain *c = t->deferred;
-    if (!c && (defer && qlayer_int8_chain)) {
+    if (!c && defer) {
         if (!(c = tape_alloc(t, sizeof *c))) return false;
         c->n = 0, t->deferred = c;
     }
-    if (c && c->n > 0 && c->job[0].n != j->n) { /* not the batch the chain began with: never so in model_forward */
+    const int waiting = c ? c->n : 0;
+    if (waiting && c->job[0].n != j->n) { /* not the batch the chain began with: never so in model_forward */
         qt_error_set(&t->err, QT_ERR_ARG, "%s: the int8 chain holds %d images, this layer %d", j->q->module->path,
                      c->job[0].n, j->n);
         return false;
     }
-    if (c && defer && qlayer_int8_chain && c->n + 1 < CHAIN_MAX) {
-        if (c->n == 0) tape_hold_releases(t);
+    if (defer && waiting + 1 < CHAIN_MAX) { /* the last slot is for the op that ends the chain */
+        if (!waiting) tape_hold_releases(t);
         c->job[c->n++] = *j;
         return true;
     }
-    if (!c || c->n == 0) {
+    if (!waiting) {
         qlayer_int8_run(j->threads, j->n, j->fn, j->ctx);
         return qlayer_int8_checks_pass(t, j->q, j->x, j->bad, j->n);
     }
