@@ -318,6 +318,13 @@ static bool taps_amx_applies(const QGemmTaps *g) {
     return true;
 }
 
+size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g) {
+    if (qgemm_isa() != QGEMM_ISA_AVX2) return 0;
+    int32_t hi = 0;
+    for (int t = 0; t < g->w->taps; t++) hi = g->tap_off[t] > hi ? g->tap_off[t] : hi;
+    return 8 * ((size_t)hi + (size_t)g->n_vec * QGEMM_LANES);
+}
+
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     switch (qgemm_isa()) {
     case QGEMM_ISA_AMX:

@@ -180,7 +180,13 @@ typedef struct {
     QGemmEpi epi;
     int pitch, pool_h, pool_w; /* QGEMM_EPI_RELU_POOL2 only, as above */
     float *pool_buf;           /* QGEMM_EPI_RELU_POOL2 only: [8][16 n_vec] floats, 64-byte aligned, overwritten */
+    int16_t *act_wide;         /* the AVX2 family: qgemm_taps_act_wide_bytes(g) bytes, 32-byte aligned, overwritten
+                                * with the codes the call reads widened to int16 (without it, the portable kernel
+                                * runs); the other families ignore it */
 } QGemmTaps;
+
+/* Bytes of g->act_wide for the family qgemm_isa() runs now: 8 (max tap_off + 16 n_vec) for AVX2, else 0. */
+size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g);
 
 /* Row blocks [rb0, rb1) and vectors [v0, v1); disjoint ranges may run on different threads. The AMX family
  * runs the taps on tiles where they form one strided operand (tap t at off[0] + t d: a 1x1 convolution's channel

@@ -28,11 +28,14 @@
  * Depthwise (both families): vpmaddwd of codes against kernel-row weight
  * pairs over padded rows widened to int16 once in scratch, strides 1 and 2
  * across (others portable), see qgemm_dw_avx2.
- * Taps: 8 rows (the packed row block) x 4 pixels (AVX2: each pixel's 4 codes
- * zero-extended, each row's 4 weights broadcast from the packed weight's
- * int16 copy) or x 8 pixels (AVX-VNNI), the sums of a 16-pixel vector
- * gathered in an int32 block, then the epilogue; relu + 2x2 max pool always
- * goes through the pool buffer.
+ * Taps (AVX2): the codes a call reads widened to int16 once (act_wide), then
+ * per row block and vector 4 pixels x 8 rows at a time: the tap's 8 rows of 4
+ * weights as two vectors, each pixel's 4 codes one broadcast, a transpose
+ * into the int32 block (fewer loads per multiply than the rows as broadcasts
+ * against 4 pixels' codes; the loads bound this loop, not the multiplies:
+ * bench/README.md). Taps (AVX-VNNI): 8 rows x
+ * 8 pixels. Both then run the epilogue on the block; relu + 2x2 max pool
+ * always goes through the pool buffer.
  * The int8 x int8 products of quantized training are in qgemm_s8_avx2.c. */
 #include <stdbool.h>
 #include <stdint.h>
@@ -183,29 +186,66 @@ static inline int64_t load_i64(const int16_t *p) {
 
 /* ---- taps ------------------------------------------------------------------------------------------------------ */
 
-/* sums [8][16] = the uncorrected wrapped sums of row block rb (all 8 rows, padding rows' weights 0), vector v. */
+/* 4 pixels' sums of row block rb (wb: its [T][8][4] int16 weights), the pixels' int16 codes from a (pixel p of
+ * tap t at a[4 (off[t] + p)]): per tap, the 8 rows' weights are two vectors (rows 0-3, 4-7: each row's 4 in two
+ * int32 lanes) and each pixel's 4 codes one broadcast, so a tap costs 6 loads for 8 vpmaddwd (the rows as
+ * broadcasts against 4 pixels cost 9 for 8). px[p] = pixel p's 8 sums, rows 0 1 4 5 | 2 3 6 7 (vphaddd's order).
+ * 8 accumulators: with 6 pixels gcc 12 spills them. */
+QA_TARGET static inline void taps_group_avx2(__m256i *px, const int16_t *a, const int16_t *wb, const int32_t *off,
+                                             int T) {
+    __m256i acc[4][2];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) acc[p][0] = acc[p][1] = _mm256_setzero_si256();
+    for (int t = 0; t < T; t++) {
+        const int16_t *at = a + 4 * (size_t)off[t];
+        const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + 32 * t));
+        const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + 32 * t + 16));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            const __m256i x = _mm256_set1_epi64x(load_i64(at + 4 * p));
+            acc[p][0] = _mm256_add_epi32(acc[p][0], _mm256_madd_epi16(x, w0));
+            acc[p][1] = _mm256_add_epi32(acc[p][1], _mm256_madd_epi16(x, w1));
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) px[p] = _mm256_hadd_epi32(acc[p][0], acc[p][1]);
+}
+
+/* 8 pixels' sums (px, rows in vphaddd's order) -> sums[row][l0 .. l0 + 7]: an 8 x 8 transpose whose output j is
+ * row 0 1 4 5 2 3 6 7 [j]. */
+QA_TARGET static void taps_transpose_avx2(int32_t (*sums)[QGEMM_LANES], const __m256i *px, int l0) {
+    static const int ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_epi32(px[i], px[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(px[i], px[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_si256((__m256i *)(sums[ROW[j]] + l0), _mm256_permute2x128_si256(u[j], u[j + 4], 0x20));
+        _mm256_storeu_si256((__m256i *)(sums[ROW[j + 4]] + l0), _mm256_permute2x128_si256(u[j], u[j + 4], 0x31));
+    }
+}
+
+/* sums [8][16] = the uncorrected wrapped sums of row block rb (all 8 rows, padding rows' weights 0), vector v,
+ * from the widened codes, 4 pixels at a time. */
 QA_TARGET static void taps_sums_avx2(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v) {
     const int T = g->w->taps;
     const int16_t *wb = g->w->wide + (size_t)rb * T * QGEMM_ROWS * 4; /* [T][8][4] int16 */
-    const uint8_t *base = g->act + (size_t)v * 64;
-    for (int quarter = 0; quarter < 4; quarter++) { /* pixels 4 quarter .. + 3 */
-        __m256i acc[QGEMM_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < QGEMM_ROWS; r++) acc[r] = _mm256_setzero_si256();
-        for (int t = 0; t < T; t++) {
-            /* 4 pixels' 4 codes as int16: pixels 0, 1 | 2, 3 */
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(base + 4 * (size_t)g->tap_off[t] + 16 * quarter));
-            const __m256i a = _mm256_cvtepu8_epi16(raw);
-#pragma GCC unroll 8
-            for (int r = 0; r < QGEMM_ROWS; r++)
-                acc[r] = _mm256_add_epi32(
-                    acc[r], _mm256_madd_epi16(a, _mm256_set1_epi64x(load_i64(wb + (t * QGEMM_ROWS + r) * 4))));
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < QGEMM_ROWS; r++) /* lanes 2i, 2i + 1 the halves of pixel i: 0 1 | 2 3 after the add */
-            _mm_storeu_si128((__m128i *)(sums[r] + 4 * quarter),
-                             _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r], acc[r]), 0x08)));
-    }
+    const int16_t *a = g->act_wide + (size_t)v * QGEMM_LANES * 4;
+    __m256i px[QGEMM_LANES];
+    for (int p = 0; p < QGEMM_LANES; p += 4) taps_group_avx2(px + p, a + 4 * p, wb, g->tap_off, T);
+    taps_transpose_avx2(sums, px, 0);
+    taps_transpose_avx2(sums, px + 8, 8);
+}
+
+/* dst[i] = src[i] for i in [i0, i1): the codes as int16. */
+QA_TARGET static void widen_codes(int16_t *dst, const uint8_t *src, size_t i0, size_t i1) {
+    size_t i = i0;
+    for (; i + 16 <= i1; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < i1; i++) dst[i] = src[i];
 }
 
 QV_TARGET static void taps_sums_avxvnni(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v) {
@@ -310,7 +350,19 @@ static void taps_run(const QGemmTaps *g, int rb0, int rb1, int v0, int v1, TapsS
     }
 }
 
+/* The codes the vectors [v0, v1) read widened once (every row block reads them again), then the row blocks. */
 void qgemm_taps_avx2(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    if (!g->act_wide) {
+        qgemm_taps_portable(g, rb0, rb1, v0, v1);
+        return;
+    }
+    taps_ranges(g, &rb0, &rb1, &v0, &v1);
+    if (rb0 == rb1 || v0 == v1) return;
+    int32_t lo = g->tap_off[0], hi = lo;
+    for (int t = 1; t < g->w->taps; t++)
+        lo = g->tap_off[t] < lo ? g->tap_off[t] : lo, hi = g->tap_off[t] > hi ? g->tap_off[t] : hi;
+    widen_codes(g->act_wide, g->act, 4 * ((size_t)lo + (size_t)v0 * QGEMM_LANES),
+                4 * ((size_t)hi + (size_t)v1 * QGEMM_LANES));
     taps_run(g, rb0, rb1, v0, v1, taps_sums_avx2);
 }
 

@@ -21,6 +21,7 @@ typedef struct {
     size_t planes_at;  /* offset of the planes in it */
     size_t pool_at;    /* offset of the pool buffer in it */
     size_t out_at;     /* offset of the image's output in it, handing off */
+    size_t wide_at;    /* offset of the taps kernel's widened codes in it (the AVX2 family; else 0 bytes) */
     const float *x;    /* (N, C, H, W), or NULL: */
     const uint8_t *xc; /* (N, C, H, W) the input's codes (Var.codes), or by channel quads: */
     size_t xc_plane;   /* their Var.codes plane */
@@ -241,6 +242,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     g.act = (const uint8_t *)planes;
     g.out = j->hand || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
+    g.act_wide = (int16_t *)(void *)(codes + j->wide_at);
     qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
     if (j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
     const size_t P = j->out_img / (size_t)j->OC;
@@ -271,13 +273,12 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
     j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
     j->out_at = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
-    j->scratch = j->out_at + (j->hand || j->means ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
+    j->wide_at = j->out_at + (j->hand || j->means ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
     int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
-    j->work = tape_alloc(t, (size_t)parallel_get_threads() * j->scratch);
     j->bad = tape_alloc(t, (size_t)j->N);
-    if (!off || !mask || !pos || !j->work || !j->bad) return false;
+    if (!off || !mask || !pos || !j->bad) return false;
     for (int tp = 0; tp < c->taps; tp++) {
         int g, kh, kw;
         qlayer_int8_tap_at(c, tp, &g, &kh, &kw);
@@ -295,8 +296,10 @@ static bool conv_plan(Tape *t, ConvJob *j) {
             pos[v] = q / j->pitch * j->OW + q % j->pitch;
         }
     }
-    j->g.tap_off = off, j->g.vec_mask = mask, j->g.vec_pos = pos, j->g.n_vec = n_vec;
-    return true;
+    j->g.tap_off = off, j->g.vec_mask = mask, j->g.vec_pos = pos, j->g.n_vec = n_vec; /* g.w is set */
+    j->scratch = j->wide_at + (qgemm_taps_act_wide_bytes(&j->g) + 63) / 64 * 64;
+    j->work = tape_alloc(t, (size_t)parallel_get_threads() * j->scratch);
+    return j->work != NULL;
 }
 
 Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW, ConvEpilogue epi, const Var *res,
@@ -326,8 +329,9 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     j.out_img = (size_t)q->out * YH * YW;
     if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
         return NULL;
+    j.g.w = &q->int8->taps;
     if (!y || !scale || !conv_plan(t, &j)) return NULL;
-    j.g.w = &q->int8->taps, j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
+    j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
     j.yc = (uint8_t *)y->value.data;

@@ -217,6 +217,17 @@ static void taps_operands_free(TapsOperands *o) {
     free(o->off), free(o->act), free(o->w), free(o->scale), free(o->bias);
 }
 
+/* The AVX2 family's widened codes, filled with garbage (the kernel must write what it reads), or NULL for the
+ * others. */
+static int16_t *taps_act_wide(const QGemmTaps *g) {
+    const size_t n = qgemm_taps_act_wide_bytes(g);
+    if (!n) return NULL;
+    int16_t *w = aligned_alloc(64, (n + 63) / 64 * 64);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(w);
+    memset(w, 0xa5, n);
+    return w;
+}
+
 static void taps_case_at(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi, uint64_t seed, bool extremes,
                          int stride) {
     char what[128];
@@ -248,8 +259,10 @@ static void taps_case_at(int rows, int taps, int n_vec, int a_zero, QGemmEpi epi
     CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&p, op.w, rows, taps, &err), QT_OK);
     QGemmTaps g = {.act = op.act, .tap_off = op.off, .n_vec = n_vec, .vec_mask = mask, .vec_pos = pos, .w = &p,
                    .a_zero = a_zero, .out = o1, .ldo = ldo, .scale = op.scale, .bias = op.bias, .epi = epi};
+    g.act_wide = taps_act_wide(&g);
     for (int rb = 0; rb < p.row_blocks; rb++) /* in pieces: row blocks, vectors split in two */
         qgemm_taps(&g, rb, rb + 1, 0, n_vec / 2), qgemm_taps(&g, rb, rb + 1, n_vec / 2, n_vec);
+    free(g.act_wide);
     g.out = o2;
     qgemm_taps_portable(&g, 0, p.row_blocks, 0, n_vec);
     CU_ASSERT(same_or_say(o1, want, n_out * 4, what));
@@ -297,8 +310,10 @@ static void taps_pool_case(int rows, int taps, int pitch, int OH, int OW, int a_
     QGemmTaps g = {.act = op.act, .tap_off = op.off, .n_vec = n_vec, .w = &p, .a_zero = a_zero, .out = o1, .ldo = ldo,
                    .scale = op.scale, .bias = op.bias, .epi = QGEMM_EPI_RELU_POOL2, .pitch = pitch, .pool_h = PH,
                    .pool_w = PW, .pool_buf = buf};
+    g.act_wide = taps_act_wide(&g);
     for (int rb = 0; rb < p.row_blocks; rb++) /* row blocks one by one; a vector range is ignored */
         qgemm_taps(&g, rb, rb + 1, 1, n_vec / 2);
+    free(g.act_wide);
     g.out = o2;
     qgemm_taps_portable(&g, 0, p.row_blocks, 0, 0);
     CU_ASSERT(same_or_say(o1, want, n_out * 4, what));
