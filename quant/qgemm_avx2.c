@@ -274,6 +274,20 @@ QA_TARGET static void taps_out(const QGemmTaps *g, int rb, int v, int32_t (*sums
     const bool relu = g->epi != QGEMM_EPI_NONE, pool = g->epi == QGEMM_EPI_RELU_POOL2;
     const unsigned m = pool ? 0xFFFF : g->vec_mask[v];
     if (!m) return;
+    /* a partial vector: each half's output lanes moved to its front (vpermps), then stored under a mask of its
+     * count, the second half after the first's; once per vector, for its 8 rows */
+    __m256i pick[2], keep[2];
+    int n_lo = 0;
+    if (m != 0xFFFF)
+        for (int h = 0; h < 2; h++) {
+            _Alignas(32) int32_t idx[8] = {0};
+            int n = 0;
+            for (int l = 0; l < 8; l++)
+                if (m >> (8 * h + l) & 1) idx[n++] = l;
+            if (!h) n_lo = n;
+            pick[h] = _mm256_load_si256((const __m256i *)idx);
+            keep[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        }
     for (int s = 0; s < QGEMM_ROWS; s++) {
         const int r = rb * QGEMM_ROWS + s;
         if (r >= g->w->rows) break;
@@ -289,11 +303,9 @@ QA_TARGET static void taps_out(const QGemmTaps *g, int rb, int v, int32_t (*sums
                           : g->out + (size_t)r * g->ldo + g->vec_pos[v];
         if (m == 0xFFFF) {
             _mm256_storeu_ps(dst, y[0]), _mm256_storeu_ps(dst + 8, y[1]);
-        } else { /* the output lanes in order */
-            float tmp[QGEMM_LANES];
-            _mm256_storeu_ps(tmp, y[0]), _mm256_storeu_ps(tmp + 8, y[1]);
-            for (int l = 0, at = 0; l < QGEMM_LANES; l++)
-                if (m >> l & 1) dst[at++] = tmp[l];
+        } else { /* the output lanes in order; nothing else written */
+            _mm256_maskstore_ps(dst, keep[0], _mm256_permutevar8x32_ps(y[0], pick[0]));
+            _mm256_maskstore_ps(dst + n_lo, keep[1], _mm256_permutevar8x32_ps(y[1], pick[1]));
         }
     }
 }
