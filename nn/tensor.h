@@ -21,7 +21,8 @@ typedef struct {
 /* The int8 hand-off (quant/qlayer_int8.c): an output made only as the input codes of its one reader, an int8
  * layer, u = rint(clamp(x / s, lo, hi)) + zero for every value x (N, C, H, W), one byte each: plane 0, in the
  * value's layout; plane > 0, a dword of 4 channels' codes a pixel, (N, ceil(C/4), plane) dwords, pixel p of
- * channels 4g .. 4g + 3 at [n][g][p] (zero in the channels past C and the pixels past H W): the reader's planes. */
+ * channels 4g .. 4g + 3 at [n][g][p] (zero in the channels past C and the pixels past H W): channel quads, which
+ * the readers use as their planes or copy into theirs. */
 typedef struct VarCodes {
     const unsigned char *data; /* the Var's own value buffer (4 bytes a value), which leaves at least 3 numel bytes
                                 * after the codes that a vector loop may read (plane 0) */

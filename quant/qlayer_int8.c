@@ -63,10 +63,12 @@
  * the readers' quantizer into its output Var's buffer (Var.codes: bytes, not
  * floats); a reader takes the codes in place of quantizing: depthwise as
  * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and
- * cols copied. For an unpadded stride-1 reader on ch4 (a pointwise conv) the
- * producer quantizes straight into that reader's planes, 4 channels a dword
- * (VarCodes.plane), which the reader uses as they are (or copies row by row
- * into wider ones when its max pool widened them). One that a
+ * cols copied. For readers on ch4 or ph4 the producer quantizes straight
+ * into channel quads, 4 channels a dword (VarCodes.plane): an unpadded
+ * stride-1 reader (a pointwise conv) uses them as its planes (or copies
+ * them row by row into wider ones when its max pool widened them), a padded
+ * one copies their rows into its padded planes, a ph4 one deals their rows
+ * to its phases; none interleaves bytes. One that a
  * globalavgpool alone reads makes the pool's means (Var.means, nn_plane_mean
  * on each plane in scratch) and never writes its output. The same codes, so the same bits; the float output is never
  * written to memory and read back. A non-finite output is then the
@@ -436,6 +438,7 @@ static bool inputs_finite(Tape *t, const Var *x, const uint8_t *bad, int n) {
 size_t qlayer_int8_ch4_plane(int Hp, int Wp, int KW) { return ((size_t)Hp * Wp + (size_t)KW + 19 + 15) / 16 * 16; }
 
 bool qlayer_int8_handoff = true;
+bool qlayer_int8_handoff_quads = true;
 
 bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, VarCodes *c) {
     if (!qlayer_int8_handoff || !q || !q->module || q->module->spec.type != LAYER_CONV2D) return false;
@@ -444,10 +447,14 @@ bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, V
     QtError err = {0};
     if (!qlayer_int8_applies(t, q, &none, NULL) || !act_codes_err(q, &a, &err)) return false;
     *c = (VarCodes){.s = a.s, .lo = a.lo, .hi = a.hi, .zero = a.zero};
-    /* an unpadded stride-1 conv on channel quads takes them as its planes, where they fit the value's buffer */
+    /* Channel quads, where they fit the value's buffer: an unpadded stride-1 conv takes them as its planes (with
+     * the slack its taps read past), a padded one copies their rows into its padded planes, a stride-2 one on
+     * phases deals their rows to the phases. Those two take any plane of at least H W dwords, so they ask for a
+     * 1 x 1 conv's: the plane every reader of a block's output asks for, which then shares one set of codes. */
     const ConvShape cs = qlayer_int8_conv_shape(q);
-    if (q->module->conv_plain && cs.mode == CONV_CH4 && q->module->spec.padding == 0) {
-        const size_t plane = qlayer_int8_ch4_plane(shape[2], shape[3], cs.KW);
+    const bool direct = cs.mode == CONV_CH4 && q->module->spec.padding == 0;
+    if (q->module->conv_plain && (direct || ((cs.mode == CONV_CH4 || cs.mode == CONV_PH4) && qlayer_int8_handoff_quads))) {
+        const size_t plane = qlayer_int8_ch4_plane(shape[2], shape[3], direct ? cs.KW : 1);
         if ((size_t)cs.groups * plane <= (size_t)shape[1] * shape[2] * shape[3]) c->plane = plane;
     }
     return true;

@@ -23,12 +23,15 @@ extern bool qlayer_int8_phases;
 /* A conv2d handing its codes to one int8 conv2d runs in one pass with it, image by image (default on; tests turn it
  * off to compare): see qlayer_int8.c, "the chain of hand-offs". */
 extern bool qlayer_int8_chain;
+/* Padded conv2ds on ch4 planes and conv2ds on ph4 take codes handed to them as channel quads (default on; tests
+ * turn it off to reach the bytes that readers of different layouts share). */
+extern bool qlayer_int8_handoff_quads;
 /* Layers run in chains of two or more since start (for tests). */
 extern unsigned long qlayer_int8_chained;
 /* Whether q, read in this forward, takes the int8 path from codes (a conv2d, plain or one input channel per
  * group); if so, the codes its input quantizer makes in c (c->data unset), for an input of shape (N, C, H, W)
- * (shape[1..3] read): by channel quads in q's own planes (c->plane) where q is an unpadded stride-1 conv on them
- * and they fit the value's buffer, else bytes. */
+ * (shape[1..3] read): by channel quads (c->plane) where q is a conv on ch4 or ph4 planes and they fit the value's
+ * buffer (an unpadded stride-1 conv's own planes, the others' a 1 x 1 conv's), else bytes. */
 bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, VarCodes *c);
 
 /* Whether this forward of q on x takes the int8 path: supported formats, a

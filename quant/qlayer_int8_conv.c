@@ -102,7 +102,8 @@ static void split_parity(uint32_t *restrict a, uint32_t *restrict b, const uint3
  * parity a, column parity b: phase 2 a + b, (Hp + 1) / 2 rows of Wq), so that a stride-2 tap (kh, kw) reads phase
  * (kh % 2, kw % 2) shifted by (kh / 2, kw / 2) as a stride-1 tap reads its plane. The group's channels are
  * quantized from x (or interleaved from the codes xc) into tmp (H W dwords) in one call, then dealt to the
- * phases. False for a value of x that is not finite. */
+ * phases; channel quads handed over (xc_plane) are dealt from where they are. False for a value of x that is not
+ * finite. */
 static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_t *xc, const ConvJob *j) {
     const uint32_t fill = (uint32_t)j->ac.zero * 0x01010101u;
     const int H = j->H, W = j->W, pad = j->pad;
@@ -111,7 +112,10 @@ static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_
     for (int g = 0; g < j->c.groups; g++) {
         uint32_t *p = pl + (size_t)g * j->plane;
         qlayer_int8_fill_dwords(p, j->plane, fill); /* the padding, and what the taps read past the last phase */
-        if (xc) {
+        const uint32_t *src = tmp;
+        if (xc && j->xc_plane) {
+            src = (const uint32_t *)(const void *)xc + (size_t)g * j->xc_plane;
+        } else if (xc) {
             const uint8_t *r[4];
             for (int k = 0; k < 4; k++) r[k] = xc + (size_t)(4 * g + k) * HW;
             qgemm_interleave_u8x4(tmp, 0, r, 0, 1, (int)HW);
@@ -126,7 +130,7 @@ static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_
             /* column w is padded column w + pad: the even w go to phase b = pad % 2 from pad / 2 on, the odd ones
              * to the other from (pad + 1) / 2 on */
             uint32_t *a = row + (size_t)(pad & 1) * PS + (pad >> 1), *b = row + (size_t)(~pad & 1) * PS + ((pad + 1) >> 1);
-            split_parity(a, b, tmp + (size_t)h * W, W);
+            split_parity(a, b, src + (size_t)h * W, W);
         }
     }
     return ok;
@@ -309,7 +313,8 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
                  .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
     if (!qlayer_int8_ensure_packed(t, q) || !qlayer_int8_act_codes(t, q, &j.ac)) return NULL;
     j.c = qlayer_int8_conv_shape(q);
-    if (x->codes && !(j.xc = qlayer_int8_input_codes(t, q, x, &j.ac, j.c.mode == CONV_CH4))) return NULL;
+    const bool quads = j.c.mode == CONV_CH4 || j.c.mode == CONV_PH4; /* the modes that take channel quads */
+    if (x->codes && !(j.xc = qlayer_int8_input_codes(t, q, x, &j.ac, quads))) return NULL;
     if (!x->codes) j.x = x->value.data;
     j.xc_plane = x->codes ? x->codes->plane : 0;
     const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;

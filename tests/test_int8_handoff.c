@@ -1,8 +1,8 @@
 /* test_int8_handoff.c - the int8 hand-off between layers (qlayer_int8.h: an int8 conv2d whose output one int8
  * conv2d alone reads makes that reader's input codes itself): a model whose every conv-to-conv edge hands off
  * (into a depthwise conv as bytes; into 1x1 convs on channel quads as their planes, taken as they are or copied
- * into wider ones; into a padded 3x3 conv as bytes interleaved; into a stride-2 conv's phases and a two-channel
- * conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv; and a conv's planes'
+ * into wider ones; into a padded 3x3 conv and a stride-2 conv's phases as channel quads, or as bytes interleaved;
+ * into a two-channel conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv; and a conv's planes'
  * means for the global average pool that reads it) gives logits
  * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
  * threads; which outputs are codes; the arena in the steady state; a NaN bias in a producer named in the error;
@@ -50,9 +50,10 @@ static void test_interleave(void) {
 
 enum { N = 3, C = 3, H = 12, W = 14, CLASSES = 5, N_Q = 8 };
 
-/* c1 -> dw (depthwise: bytes) -> pw (1x1: channel quads, its planes as they are) -> c4 (3x3 padded: bytes, quads
- * interleaved by row) -> pq (1x1 with relu + max pool: channel quads, copied into its wider planes) -> c5 (stride
- * 2: bytes to phases) -> c6 (two input channels, 5x5: bytes to column quads) -> pool -> fc. Every conv has a
+/* c1 -> dw (depthwise: bytes) -> pw (1x1: channel quads, its planes as they are) -> c4 (3x3 padded: channel
+ * quads copied by row into its padded planes; without qlayer_int8_handoff_quads, bytes interleaved) -> pq (1x1 with
+ * relu + max pool: channel quads, copied into its wider planes) -> c5 (stride 2: channel quads dealt to phases, or
+ * bytes interleaved first) -> c6 (two input channels, 5x5: bytes to column quads) -> pool -> fc. Every conv has a
  * relu, and a bias that keeps some of its outputs above 0. */
 static const LayerSpec LS[] = {
     {.type = LAYER_CONV2D, .name = "c1", .out_channels = 8, .kernel = 3, .stride = 1, .padding = 1},
@@ -76,8 +77,9 @@ static const LayerSpec LS[] = {
 static const int QUANTIZED[N_Q] = {0, 2, 4, 6, 8, 11, 13, 16};
 /* the outputs made as codes: the relus after c1, dw, pw, c4 and c5, the pool after pq (the modules' indices) */
 static const int CODES[] = {1, 3, 5, 7, 10, 12};
-/* of them, by channel quads: the outputs pw and pq read */
+/* of them, by channel quads: the outputs pw and pq read; and with qlayer_int8_handoff_quads, those c4 and c5 read */
 static const int QUADS[] = {3, 7};
+static const int QUADS_TOO[] = {5, 10};
 
 typedef struct {
     Model m;
@@ -175,13 +177,16 @@ static void kernels_reset(void) {
     qlayer_int8_parallel_min_macs = 4e6;
 }
 
-/* On each family and the portable kernels, 1 and 2 threads: the same logits with and without the hand-off, the
- * expected outputs as codes (and none without it). */
+/* On each family and the portable kernels, 1 and 2 threads, with and without channel quads for c4 and c5: the same
+ * logits with and without the hand-off, the expected outputs as codes (and none without it). */
 static void test_handoff_same_logits(void) {
     Net n;
     net_init(&n);
     int ran = 0;
-    for (int ks = 0; ks < N_SETTINGS; ks++) {
+    for (int kq = 0; kq < 2 * N_SETTINGS; kq++) {
+        const int ks = kq / 2;
+        const bool quads = kq % 2 == 0;
+        qlayer_int8_handoff_quads = quads;
         if (!kernels_set(ks)) continue;
         float with[N * CLASSES], without[N * CLASSES];
         CU_ASSERT_FATAL(net_logits(&n, false, without));
@@ -191,8 +196,8 @@ static void test_handoff_same_logits(void) {
         for (size_t k = 0; k < sizeof CODES / sizeof *CODES; k++) CU_ASSERT(is_codes(&n, CODES[k]));
         for (size_t k = 0; k < sizeof QUADS / sizeof *QUADS; k++)
             CU_ASSERT(is_codes(&n, QUADS[k]) && n.m.outs[1 + QUADS[k]]->codes->plane > 0);
-        CU_ASSERT(n.m.outs[1 + 5]->codes->plane == 0); /* c4 is padded: bytes */
-        CU_ASSERT(n.m.outs[1 + 10]->codes->plane == 0); /* c5 is strided: bytes */
+        for (size_t k = 0; k < sizeof QUADS_TOO / sizeof *QUADS_TOO; k++) /* c4 padded, c5 strided */
+            CU_ASSERT(is_codes(&n, QUADS_TOO[k]) && (n.m.outs[1 + QUADS_TOO[k]]->codes->plane > 0) == quads);
         CU_ASSERT(!is_codes(&n, 14) && !is_codes(&n, 15)); /* c6's read by the pool, the pool's by fc */
         CU_ASSERT(n.m.outs[1 + 14]->means != NULL); /* c6 made the pool's means */
         const bool same = !memcmp(with, without, sizeof with);
@@ -209,7 +214,8 @@ static void test_handoff_same_logits(void) {
         ran++;
     }
     kernels_reset();
-    CU_ASSERT(ran >= 2);
+    qlayer_int8_handoff_quads = true;
+    CU_ASSERT(ran >= 4);
     /* the logits differ between images: the codes of every layer reach them */
     float y[N * CLASSES];
     CU_ASSERT_FATAL(net_logits(&n, true, y));
@@ -292,8 +298,8 @@ static void test_handoff_nonfinite(void) {
 /* Two residual blocks as ResNet-8 has them: c0 -> stem (relu) read by c1 and by sum1 = stem + c2, then a relu read by
  * two convs (c3, 3x3 stride s, and the shortcut sc, 1x1 stride s), sum2 = c4 + sc without a relu, the pool, fc. The
  * conv before each add takes the add (and the relu) as its epilogue; out1 goes to c3 and sc as one set of codes
- * where their quantizers agree (as bytes: at stride 2 both read bytes; at stride 1 sc alone would take planes,
- * which c3, padded, does not); sc makes the pool's means. */
+ * where their quantizers agree (channel quads, which c3 and sc copy or deal to phases or, sc at stride 1, take as
+ * its planes; bytes without qlayer_int8_handoff_quads); sc makes the pool's means. */
 enum { R_C2 = 4, R_SUM1 = 5, R_OUT1 = 6, R_SC = 10, R_SUM2 = 11, R_N = 14 };
 
 static void residual_layers(LayerSpec *ls, int stride) {
@@ -325,7 +331,10 @@ static void residual_case(const int *q, int stride, bool shared) {
     residual_layers(ls, stride);
     Net n;
     net_init_with(&n, ls, R_N, q, 7);
-    for (int ks = 0; ks < N_SETTINGS; ks++) {
+    for (int kq = 0; kq < 2 * N_SETTINGS; kq++) {
+        const int ks = kq / 2;
+        const bool quads = kq % 2 == 0;
+        qlayer_int8_handoff_quads = quads;
         if (!kernels_set(ks)) continue;
         float fused[N * CLASSES], each[N * CLASSES];
         n.m.keep_outputs = true;
@@ -335,7 +344,7 @@ static void residual_case(const int *q, int stride, bool shared) {
         CU_ASSERT_FATAL(net_logits(&n, true, fused));
         CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
         CU_ASSERT(is_codes(&n, R_OUT1) == shared);
-        CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && n.m.outs[1 + R_OUT1]->codes->plane == 0));
+        CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && (n.m.outs[1 + R_OUT1]->codes->plane > 0) == quads));
         CU_ASSERT(!is_codes(&n, R_OUT1 - 5) && is_codes(&n, R_OUT1 - 3)); /* stem (the sum reads it); r1 */
         CU_ASSERT(n.m.outs[1 + R_SUM2] && n.m.outs[1 + R_SUM2]->means);
         const bool same = !memcmp(fused, each, sizeof fused);
@@ -343,6 +352,7 @@ static void residual_case(const int *q, int stride, bool shared) {
         CU_ASSERT(same);
     }
     kernels_reset();
+    qlayer_int8_handoff_quads = true;
     /* the float path declines the sums: the adds run, the same logits */
     float fused[N * CLASSES], each[N * CLASSES], i8[N * CLASSES];
     CU_ASSERT_FATAL(net_logits(&n, true, i8));
