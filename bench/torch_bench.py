@@ -5,6 +5,7 @@
                        [--eval-batches N] [--since-ns NS] [--ptq auto|fx|eager]
     torch_bench.py train --config FILE [--epochs N] [--threads N]
     torch_bench.py table --qtrain DIR --torch DIR [--core NAME]
+    torch_bench.py agree --config FILE [--batches N]
 
 `run` measures one bench config the way `qtrain bench` does and prints the
 same `bench:` lines: the model, data, optimizer, LoRA/QLoRA and PTQ setup
@@ -15,6 +16,13 @@ start-up are per measurement.
 `train` trains the config's model as configured on its data and prints the
 test accuracy after every epoch (`torch:eval`, `torch:final` lines): the
 PyTorch reference an accuracy of qtrain's is compared with.
+
+`agree` compares the int8 model `run` times for a PTQ config with the
+float model it came from, on the first test batches: how often their
+top-1 classes agree and the RMS of the logits' difference relative to
+the float logits' RMS. Run it with and without the AVX2 cap
+(DNNL_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2) to see whether the
+capped int8 model computes what the uncapped one does.
 
 `table` reads the outputs of bench/run.sh (one <config>.txt per config in
 each directory) and prints the side-by-side table with the targets.
@@ -492,6 +500,41 @@ def cmd_table(args):
 
 
 MODELS = ("mlp", "cnn", "resnet8", "dscnn")
+def cmd_agree(args):
+    import copy
+    import numpy as np
+    import torch
+    cfg = load_config(args.config)
+    if (cfg.get("quant") or {}).get("mode") != "ptq" or (cfg.get("lora") or {}).get("rules"):
+        fail("%s: agree compares a PTQ config's int8 model (quant.mode: ptq, no LoRA)" % args.config)
+    torch.set_num_threads(int(cfg["run"].get("threads", 0)) or os.cpu_count())
+    torch.manual_seed(int(cfg["run"].get("seed", 1)))
+    data = Data(cfg)
+    input_shape = list(cfg["model"]["input"])
+    model, types, desc = build_model(cfg)
+    if cfg["model"].get("init_from"):
+        load_init_from(model, cfg["model"]["init_from"])
+    model.eval()
+    ref = copy.deepcopy(model)
+    q = quantize_int8(model, types, data, cfg, input_shape, {"fx": True, "eager": False}.get(args.ptq))
+    bs = int(cfg["train"].get("eval_batch_size", cfg["train"].get("batch_size", 64)))
+    n = min(args.batches, len(data.test_x) // bs)
+    if n < 1:
+        fail("%s: fewer test images than one batch of %d" % (args.config, bs))
+    yq, yf = [], []
+    with torch.inference_mode():
+        for b in range(n):
+            x, _ = data.batch(data.test_x, data.test_y, np.arange(b * bs, (b + 1) * bs), input_shape)
+            yq.append(q(x).numpy())
+            yf.append(ref(x).numpy())
+    yq, yf = np.concatenate(yq), np.concatenate(yf)
+    agree = float((yq.argmax(1) == yf.argmax(1)).mean())
+    rel = float(np.sqrt(((yq - yf) ** 2).mean() / (yf ** 2).mean()))
+    print("bench:agree config:%s model:%s impl:pytorch-%s dnnl_max_cpu_isa:%s images:%d top1_agreement:%.4f "
+          "rms_rel:%.4f" % (args.config, desc, torch.__version__, os.environ.get("DNNL_MAX_CPU_ISA", "-"), n * bs,
+                            agree, rel))
+
+
 CONFIGS = ["mlp", "cnn", "resnet8", "dscnn", "mlp-lora", "cnn-lora", "mlp-qlora", "cnn-qlora", "mlp-ptq-int8",
            "cnn-ptq-int8", "resnet8-ptq-int8", "dscnn-ptq-int8"]
 
@@ -515,8 +558,16 @@ def main():
     t.add_argument("--qtrain", required=True, help="directory of qtrain's <config>.txt outputs")
     t.add_argument("--torch", required=True, help="directory of this script's <config>.txt outputs")
     t.add_argument("--core", default="", help="the OpenBLAS kernel family both sides ran")
+    a = sub.add_parser("agree", help="a PTQ config's int8 model against its float model on test batches")
+    a.add_argument("--config", required=True)
+    a.add_argument("--batches", type=int, default=40)
+    a.add_argument("--ptq", choices=("auto", "fx", "eager"), default="auto")
     args = ap.parse_args()
-    if args.cmd == "run":
+    if args.cmd == "agree":
+        if args.batches < 1:
+            fail("--batches must be >= 1")
+        cmd_agree(args)
+    elif args.cmd == "run":
         if args.steps < 1 or args.warmup < 0 or args.eval_batches < 0:
             fail("--steps must be >= 1, --warmup and --eval-batches >= 0")
         cmd_run(args)

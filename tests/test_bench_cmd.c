@@ -234,7 +234,8 @@ static void test_bench_int8_kernel(void) {
 
 /* bench/torch_bench.py on a DAG of every layer kind it maps (grouped, dilated, [h, w], same-padded and biasless
  * conv2d, batchnorm2d/1d with eps, momentum and affine, concat, add, globalavgpool): `run` prints the bench lines
- * with qtrain bench's model name and parameter count, PTQ int8 (FX mode) evaluates it, and `train` with
+ * with qtrain bench's model name and parameter count, PTQ int8 (FX mode) evaluates it, `agree` compares that int8
+ * model with the float one (and refuses a config without PTQ), and `train` with
  * model.init_from on qtrain's checkpoint and train.epochs 0 gives qtrain's own test accuracy and loss (the same
  * function, data transforms and running statistics). Needs Debian's python3 with torch, yaml, numpy and h5py;
  * without them the test says it is skipped and why. */
@@ -346,6 +347,19 @@ static void test_torch_bench_dag(void) {
     CU_ASSERT(out && strstr(out, " mode:ptq ") && !has_line(out, "bench:train"));
     CU_ASSERT(positive(field(out, "bench:eval", "samples_per_s")));
     if (!has_line(out, "bench:eval")) fprintf(stderr, "\n%s\n", out ? out : "(no output)");
+    free(out);
+
+    /* `agree`: that int8 model against its float model, a line of figures; a config without PTQ refused */
+    snprintf(cmd, sizeof cmd, "OPENBLAS_NUM_THREADS=1 " TORCH_BENCH " agree --config %s --batches 1 2>&1", ptq_cfg);
+    CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+    const double agree = field(out, "bench:agree", "top1_agreement"), rel = field(out, "bench:agree", "rms_rel");
+    CU_ASSERT(agree >= 0.5 && agree <= 1.0 && rel >= 0.0 && rel < 0.5);
+    CU_ASSERT_EQUAL(field(out, "bench:agree", "images"), 64.0);
+    if (!(agree >= 0.5 && rel < 0.5)) fprintf(stderr, "\n%s\n", out ? out : "(no output)");
+    free(out);
+    snprintf(cmd, sizeof cmd, TORCH_BENCH " agree --config %s 2>&1", cfg);
+    CU_ASSERT_NOT_EQUAL(run_shell(cmd, &out), 0);
+    CU_ASSERT(out && strstr(out, "agree compares a PTQ config's int8 model"));
     free(out);
 
     /* the same function: qtrain's trained checkpoint evaluates alike in PyTorch */
