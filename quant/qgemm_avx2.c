@@ -33,9 +33,10 @@
  * weights as two vectors, each pixel's 4 codes one broadcast, a transpose
  * into the int32 block (fewer loads per multiply than the rows as broadcasts
  * against 4 pixels' codes; the loads bound this loop, not the multiplies:
- * bench/README.md). Taps (AVX-VNNI): 8 rows x
- * 8 pixels. Both then run the epilogue on the block; relu + 2x2 max pool
- * always goes through the pool buffer.
+ * docs/BENCHMARKS.md, "Int8 on AVX2"). Taps (AVX-VNNI): 8 rows x 8 pixels.
+ * Both then run the epilogue on the block, which stores a partial vector's
+ * outputs as two compressed halves under masks; relu + 2x2 max pool always
+ * goes through the pool buffer.
  * The int8 x int8 products of quantized training are in qgemm_s8_avx2.c. */
 #include <stdbool.h>
 #include <stdint.h>
