@@ -128,8 +128,9 @@ test-deps: deps
 # their definition.
 %/quant/fqt.o %/quant/fqt_kern.o %/quant/fqt_backward.o %/nn/ops_bn_kernels.o %/tests/test_conv_bn.o: CFLAGS += -ffp-contract=off
 
-# gcc 12's partial redundancy elimination leaves the AVX2 taps kernel a register copy per accumulator every tap
-# (docs/BENCHMARKS.md, "Int8 on AVX2"); the file's other loops do not need it.
+# gcc 12's partial redundancy elimination leaves the AVX2 taps kernel a register copy per accumulator every tap,
+# and spills when its 12 accumulators fill the registers (docs/BENCHMARKS.md, "Int8 on AVX2"); the file's other
+# loops do not need it.
 %/quant/qgemm_avx2.o: CFLAGS += -fno-tree-pre
 
 $(BUILD)/%.o: %.c | pkgcheck

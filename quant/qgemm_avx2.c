@@ -29,7 +29,7 @@
  * pairs over padded rows widened to int16 once in scratch, strides 1 and 2
  * across (others portable), see qgemm_dw_avx2.
  * Taps (AVX2): the codes a call reads widened to int16 once (act_wide), then
- * per row block and vector 4 pixels x 8 rows at a time: the tap's 8 rows of 4
+ * per row block and vector 6 + 6 + 4 pixels x 8 rows: the tap's 8 rows of 4
  * weights as two vectors, each pixel's 4 codes one broadcast, a transpose
  * into the int32 block (fewer loads per multiply than the rows as broadcasts
  * against 4 pixels' codes; the loads bound this loop, not the multiplies:
@@ -187,29 +187,42 @@ static inline int64_t load_i64(const int16_t *p) {
 
 /* ---- taps ------------------------------------------------------------------------------------------------------ */
 
-/* 4 pixels' sums of row block rb (wb: its [T][8][4] int16 weights), the pixels' int16 codes from a (pixel p of
+/* P pixels' sums of row block rb (wb: its [T][8][4] int16 weights), the pixels' int16 codes from a (pixel p of
  * tap t at a[4 (off[t] + p)]): per tap, the 8 rows' weights are two vectors (rows 0-3, 4-7: each row's 4 in two
- * int32 lanes) and each pixel's 4 codes one broadcast, so a tap costs 6 loads for 8 vpmaddwd (the rows as
+ * int32 lanes) and each pixel's 4 codes one broadcast, so a tap costs P + 2 loads for 2 P vpmaddwd (the rows as
  * broadcasts against 4 pixels cost 9 for 8). px[p] = pixel p's 8 sums, rows 0 1 4 5 | 2 3 6 7 (vphaddd's order).
- * 8 accumulators: with 6 pixels gcc 12 spills them. */
-QA_TARGET static inline void taps_group_avx2(__m256i *px, const int16_t *a, const int16_t *wb, const int32_t *off,
-                                             int T) {
-    __m256i acc[4][2];
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) acc[p][0] = acc[p][1] = _mm256_setzero_si256();
+ * 2 P accumulators: P = 6 fills the 16 registers, which gcc 12 manages without spilling only in a function of
+ * its own and without partial redundancy elimination (the Makefile builds this file with -fno-tree-pre). */
+QA_TARGET static inline __attribute__((always_inline)) void taps_group_avx2(__m256i *px, const int16_t *a,
+                                                                            const int16_t *wb, const int32_t *off,
+                                                                            int T, const int P) {
+    __m256i acc[6][2];
+#pragma GCC unroll 6
+    for (int p = 0; p < P; p++) acc[p][0] = acc[p][1] = _mm256_setzero_si256();
     for (int t = 0; t < T; t++) {
         const int16_t *at = a + 4 * (size_t)off[t];
         const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + 32 * t));
         const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + 32 * t + 16));
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) {
+#pragma GCC unroll 6
+        for (int p = 0; p < P; p++) {
             const __m256i x = _mm256_set1_epi64x(load_i64(at + 4 * p));
             acc[p][0] = _mm256_add_epi32(acc[p][0], _mm256_madd_epi16(x, w0));
             acc[p][1] = _mm256_add_epi32(acc[p][1], _mm256_madd_epi16(x, w1));
         }
     }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) px[p] = _mm256_hadd_epi32(acc[p][0], acc[p][1]);
+#pragma GCC unroll 6
+    for (int p = 0; p < P; p++) px[p] = _mm256_hadd_epi32(acc[p][0], acc[p][1]);
+}
+
+/* A vector's 16 pixels as 6 + 6 + 4. */
+QA_TARGET __attribute__((noinline)) static void taps_group6_avx2(__m256i *px, const int16_t *a, const int16_t *wb,
+                                                                 const int32_t *off, int T) {
+    taps_group_avx2(px, a, wb, off, T, 6);
+}
+
+QA_TARGET __attribute__((noinline)) static void taps_group4_avx2(__m256i *px, const int16_t *a, const int16_t *wb,
+                                                                 const int32_t *off, int T) {
+    taps_group_avx2(px, a, wb, off, T, 4);
 }
 
 /* 8 pixels' sums (px, rows in vphaddd's order) -> sums[row][l0 .. l0 + 7]: an 8 x 8 transpose whose output j is
@@ -230,13 +243,15 @@ QA_TARGET static void taps_transpose_avx2(int32_t (*sums)[QGEMM_LANES], const __
 }
 
 /* sums [8][16] = the uncorrected wrapped sums of row block rb (all 8 rows, padding rows' weights 0), vector v,
- * from the widened codes, 4 pixels at a time. */
+ * from the widened codes, 6 + 6 + 4 pixels. */
 QA_TARGET static void taps_sums_avx2(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int rb, int v) {
     const int T = g->w->taps;
     const int16_t *wb = g->w->wide + (size_t)rb * T * QGEMM_ROWS * 4; /* [T][8][4] int16 */
     const int16_t *a = g->act_wide + (size_t)v * QGEMM_LANES * 4;
     __m256i px[QGEMM_LANES];
-    for (int p = 0; p < QGEMM_LANES; p += 4) taps_group_avx2(px + p, a + 4 * p, wb, g->tap_off, T);
+    taps_group6_avx2(px, a, wb, g->tap_off, T);
+    taps_group6_avx2(px + 6, a + 24, wb, g->tap_off, T);
+    taps_group4_avx2(px + 12, a + 48, wb, g->tap_off, T);
     taps_transpose_avx2(sums, px, 0);
     taps_transpose_avx2(sums, px + 8, 8);
 }
