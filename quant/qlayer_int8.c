@@ -453,7 +453,7 @@ bool qlayer_int8_reads_codes(const Tape *t, const QLayer *q, const int *shape, V
      * 1 x 1 conv's: the plane every reader of a block's output asks for, which then shares one set of codes. */
     const ConvShape cs = qlayer_int8_conv_shape(q);
     const bool direct = cs.mode == CONV_CH4 && q->module->spec.padding == 0;
-    if (q->module->conv_plain && (direct || ((cs.mode == CONV_CH4 || cs.mode == CONV_PH4) && qlayer_int8_handoff_quads))) {
+    if (q->module->conv_plain && (direct || (qlayer_int8_conv_quads(&cs) && qlayer_int8_handoff_quads))) {
         const size_t plane = qlayer_int8_ch4_plane(shape[2], shape[3], direct ? cs.KW : 1);
         if ((size_t)cs.groups * plane <= (size_t)shape[1] * shape[2] * shape[3]) c->plane = plane;
     }

@@ -129,7 +129,8 @@ static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_
             uint32_t *row = p + (size_t)(2 * (rr & 1)) * PS + (size_t)(rr >> 1) * j->Wq; /* phase (rr % 2, 0) */
             /* column w is padded column w + pad: the even w go to phase b = pad % 2 from pad / 2 on, the odd ones
              * to the other from (pad + 1) / 2 on */
-            uint32_t *a = row + (size_t)(pad & 1) * PS + (pad >> 1), *b = row + (size_t)(~pad & 1) * PS + ((pad + 1) >> 1);
+            uint32_t *a = row + (size_t)(pad & 1) * PS + (pad >> 1);
+            uint32_t *b = row + (size_t)(~pad & 1) * PS + ((pad + 1) >> 1);
             split_parity(a, b, src + (size_t)h * W, W);
         }
     }
@@ -313,8 +314,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
                  .OW = OW, .stride = q->module->spec.stride, .pad = q->module->spec.padding, .hand = hand};
     if (!qlayer_int8_ensure_packed(t, q) || !qlayer_int8_act_codes(t, q, &j.ac)) return NULL;
     j.c = qlayer_int8_conv_shape(q);
-    const bool quads = j.c.mode == CONV_CH4 || j.c.mode == CONV_PH4; /* the modes that take channel quads */
-    if (x->codes && !(j.xc = qlayer_int8_input_codes(t, q, x, &j.ac, quads))) return NULL;
+    if (x->codes && !(j.xc = qlayer_int8_input_codes(t, q, x, &j.ac, qlayer_int8_conv_quads(&j.c)))) return NULL;
     if (!x->codes) j.x = x->value.data;
     j.xc_plane = x->codes ? x->codes->plane : 0;
     const bool pool = epi == CONV_EPI_RELU_MAXPOOL2;

@@ -30,6 +30,9 @@ typedef struct {
     int kq;                 /* kw4: quads of kernel columns */
 } ConvShape;
 
+/* Whether a layout's planes are channel quads (ch4, ph4): the ones that take codes handed over by channel quads. */
+static inline bool qlayer_int8_conv_quads(const ConvShape *c) { return c->mode == CONV_CH4 || c->mode == CONV_PH4; }
+
 /* q's layout (plain conv2d). */
 ConvShape qlayer_int8_conv_shape(const QLayer *q);
 /* Tap t as (plane group, kh, first kernel column); cols: (group, 0, 0). */

@@ -2,8 +2,8 @@
  * conv2d alone reads makes that reader's input codes itself): a model whose every conv-to-conv edge hands off
  * (into a depthwise conv as bytes; into 1x1 convs on channel quads as their planes, taken as they are or copied
  * into wider ones; into a padded 3x3 conv and a stride-2 conv's phases as channel quads, or as bytes interleaved;
- * into a two-channel conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv; and a conv's planes'
- * means for the global average pool that reads it) gives logits
+ * into a two-channel conv's column quads; from plain convs, a conv with relu + max pool, a depthwise conv; and a
+ * conv's planes' means for the global average pool that reads it) gives logits
  * bit for bit those without the hand-off, on every kernel family the CPU has, the portable kernels, 1 and 2
  * threads; which outputs are codes; the arena in the steady state; a NaN bias in a producer named in the error;
  * qgemm_interleave_u8x4 against its portable loop; and two residual blocks whose sums join the convs before them
