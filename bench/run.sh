@@ -156,8 +156,10 @@ function mrow(what) {
 }
 END {
     rate = get("cnn", "sgemm", "gflops")
-    printf "\nqtrain: batch 128, 2 threads, OpenBLAS %s kernels%s\n", core,
-        rate == "" ? "" : sprintf(", sgemm %.0f GFLOP/s (1024 cube, best of %d, cnn run)", rate, get("cnn", "sgemm", "reps"))
+    conv = get("cnn", "blas", "conv_kernel")
+    printf "\nqtrain: batch 128, 2 threads, OpenBLAS %s kernels%s, same stride-1 convs on %s\n", core,
+        rate == "" ? "" : sprintf(", sgemm %.0f GFLOP/s (1024 cube, best of %d, cnn run)", rate, get("cnn", "sgemm", "reps")),
+        conv == "" ? "-" : conv == "gemm" ? "im2col + sgemm" : "the " conv " taps kernels"
     line("measurement", "mlp", "cnn", "resnet8", "dscnn")
     printf "|%s|%s|%s|%s|%s|\n", "--------------------------------", "------------", "------------", "------------",
         "------------"

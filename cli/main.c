@@ -14,6 +14,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "nn/conv_taps.h"
 #include "nn/gemm.h"
 #include "quant/qlayer.h"
 #include "cli/autoquant.h"
@@ -729,10 +730,11 @@ static int cli_main(int argc, char **argv) {
         printf("qtrain %s\n", QTRAIN_VERSION);
         return 0;
     }
-    /* The int8 path can be forced (tests, measurements): read once, before any layer is built; it holds for the
-     * whole process. */
+    /* The int8 path and the convolutions' can be forced (tests, measurements): read once, before any layer is
+     * built; it holds for the whole process. */
     QtError kerr = {0};
-    if (qlayer_int8_kernel_select(getenv("QTRAIN_INT8_KERNEL"), "QTRAIN_INT8_KERNEL", &kerr) != QT_OK)
+    if (qlayer_int8_kernel_select(getenv("QTRAIN_INT8_KERNEL"), "QTRAIN_INT8_KERNEL", &kerr) != QT_OK ||
+        conv_taps_select(getenv("QTRAIN_CONV_KERNEL"), "QTRAIN_CONV_KERNEL", &kerr) != QT_OK)
         return fail(&kerr, 2);
     if (strcmp(cmd, "eval") == 0) return cmd_eval(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);

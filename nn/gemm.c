@@ -148,6 +148,14 @@ void gemm_set_threads(int threads) {
 int gemm_get_threads(void) { return parallel_get_threads(); }
 
 void gemm_stats_enable(bool on) { stats_on = on; }
+double gemm_stats_start(void) { return stats_on ? now_s() : 0.0; }
+void gemm_stats_add(double t0, double flops) {
+    if (!stats_on) return;
+    GemmStats *st = &stats[parallel_thread_index()].s;
+    st->seconds += now_s() - t0;
+    st->flops += flops;
+    st->calls++;
+}
 void gemm_stats_reset(void) {
     for (int i = 0; i < PARALLEL_MAX_THREADS; i++) stats[i].s = (GemmStats){0};
 }

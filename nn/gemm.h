@@ -64,5 +64,10 @@ typedef struct {
 void gemm_stats_enable(bool on);
 void gemm_stats_reset(void);
 GemmStats gemm_stats_get(void);
+/* The convolutions that multiply without sgemm (nn/conv_taps.h) count as products too: t0 = gemm_stats_start()
+ * (0 when off) before one, gemm_stats_add(t0, flops) after it adds the calling thread's seconds, its flops and a
+ * call. */
+double gemm_stats_start(void);
+void gemm_stats_add(double t0, double flops);
 
 #endif

@@ -407,13 +407,13 @@ float *conv_thread_scratch(const ConvJob *j) {
 }
 
 /* Floats of the thread scratch that hold a chunk's input made through a view (after col and prod). */
-static size_t conv_view_floats(const Conv2dCtx *c, const Var *x) {
-    return x->view ? (size_t)c->chunk * c->d.C * c->d.H * c->d.W : 0;
+static size_t conv_view_floats(const ConvJob *j, const Var *x) {
+    return x->view ? (size_t)conv_job_chunk(j) * j->c->d.C * j->c->d.H * j->c->d.W : 0;
 }
 
 /* Samples [n0, n0 + nc) of the input (nc, C, H, W): x itself, or made through the view (the values the batch
  * norm + relu would have written) into the thread's scratch after col and prod. */
-static const float *conv_chunk_input(const ConvJob *j, int n0, int nc) {
+const float *conv_chunk_input(const ConvJob *j, int n0, int nc) {
     const ConvDims *d = &j->c->d;
     const size_t in_plane = (size_t)d->H * d->W;
     const float *x = j->x + (size_t)n0 * d->C * in_plane;
@@ -435,13 +435,17 @@ const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n
     const size_t plane = conv_plane(d);
     const int cols = nc * (int)plane;
     const float *xc = conv_chunk_input(j, n0, nc);
-    if (nc == 1 && conv_pointwise(d)) col = (float *)xc; /* read, never written */
+    if (j->taps) {
+        if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
+        conv_taps_forward_chunk(j, prod, col, xc, nc);
+        col = NULL;
+    } else if (nc == 1 && conv_pointwise(d)) col = (float *)xc; /* read, never written */
     else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
     /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
      * product goes straight into y and the epilogue runs in place, the same
      * operations on the same values without the copy through prod. */
     if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
-    gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
+    if (!j->taps) gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
     for (int oc = 0; oc < d->OC; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
     if (j->moments) /* the chunk's output planes, just written, still in cache */
@@ -550,8 +554,9 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL; /* (OC, C*KH*KW) */
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
-    for (int n0 = lo; n0 < hi; n0 += c->chunk) {
-        const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
+    const int chunk = conv_job_chunk(j);
+    for (int n0 = lo; n0 < hi; n0 += chunk) {
+        const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
         const float *dp = dpre; /* (OC, cols) */
         if (nc == 1 && c->epi == CONV_EPI_NONE) {
             /* one sample's output gradient (OC, OH*OW) is dpre as it stands: read it in place, no copy */
@@ -561,6 +566,10 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
                     j->db_part[(size_t)task * d->OC + oc] += nn_sum8_f32(dp + (size_t)oc * plane, NULL, plane);
         } else {
             conv_pre_grads(j, dpre, n0, nc, task);
+        }
+        if (j->taps) {
+            conv_taps_backward_chunk(j, dw, col, dp, n0, nc, n0 != lo);
+            continue;
         }
         const bool pw = nc == 1 && conv_pointwise(d);
         if (dw) {
@@ -604,7 +613,7 @@ void conv_job_release(Tape *t, ConvJob *j, int n_tasks) {
 }
 
 float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats) {
-    const size_t cols = (size_t)j->c->chunk * conv_plane(&j->c->d);
+    const size_t cols = (size_t)conv_job_chunk(j) * conv_plane(&j->c->d);
     j->col_floats = col_rows * cols;
     j->prod_floats = prod_rows * cols;
     j->thread_floats = j->col_floats + j->prod_floats + extra_floats;
@@ -653,7 +662,8 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
     ConvJob j = {.c = c, .x = x->view ? x->view->x->value.data : x->value.data, .w = w->value.data,
                  .ldw = conv_ckk(&c->d), .y = node->out->value.data, .dy = node->out->grad, .view = x->view};
     if (!conv_backward_alloc(t, &j, x, w->requires_grad, bias, tasks) ||
-        !conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, conv_view_floats(c, x)))
+        !conv_taps_setup(t, &j, c->stride, c->padding, false, j.dx != NULL) ||
+        !conv_scratch(t, &j, conv_col_rows(&j, true), (size_t)c->d.OC, conv_view_floats(&j, x)))
         return;
     parallel_run(tasks, conv_backward_task, &j);
     float *g;
@@ -672,7 +682,9 @@ bool nn_conv2d_input_grad(Tape *t, float *dx, const float *dy, const float *w, i
     Conv2dCtx c;
     if (!conv2d_ctx_init(t, &c, &d, stride, padding, CONV_EPI_NONE, NULL)) return false;
     ConvJob j = {.c = &c, .w = w, .ldw = conv_ckk(&d), .dy = dy, .dx = dx, .dx_fresh = true};
-    if (!conv_scratch(t, &j, (size_t)conv_ckk(&d), (size_t)OC, 0)) return false;
+    if (!conv_taps_setup(t, &j, stride, padding, false, true) ||
+        !conv_scratch(t, &j, conv_col_rows(&j, true), (size_t)OC, 0))
+        return false;
     parallel_run(conv_tasks(&d), conv_backward_task, &j);
     conv_job_release(t, &j, conv_tasks(&d));
     return true;
@@ -685,7 +697,9 @@ static bool conv2d_forward_run(Tape *t, const Conv2dCtx *c, const Var *x, const 
     ConvJob j = {.c = c, .x = x->view ? x->view->x->value.data : x->value.data, .w = w->value.data,
                  .ldw = conv_ckk(&c->d), .bias = bias ? bias->value.data : NULL, .y = y, .moments = moments,
                  .view = x->view};
-    if (!conv_scratch(t, &j, (size_t)conv_ckk(&c->d), (size_t)c->d.OC, conv_view_floats(c, x))) return false;
+    if (!conv_taps_setup(t, &j, c->stride, c->padding, true, false) ||
+        !conv_scratch(t, &j, conv_col_rows(&j, false), (size_t)c->d.OC, conv_view_floats(&j, x)))
+        return false;
     parallel_run(conv_tasks(&c->d), conv_forward_task, &j);
     conv_job_release(t, &j, conv_tasks(&c->d));
     return true;

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "conv_taps.h"
 #include "ops.h"
 
 #define SHAPE_STR_MAX 64 /* "(2147483647, 2147483647, 2147483647, 2147483647)" fits */
@@ -59,7 +60,15 @@ typedef struct {
      * product, the backward's dpre), then what the low-rank backward adds */
     float *scratch;
     size_t col_floats, prod_floats, thread_floats;
+    /* the taps convolution (conv_taps.h) in place of im2col and sgemm, or taps NULL; col then holds padded planes */
+    const ConvTaps *taps;
+    ConvTapsLevel taps_level;
+    const float *taps_w;  /* the forward's packed weights (conv_taps_pack), or NULL */
+    const float *taps_wt; /* the input gradient's (conv_taps_pack_t), or NULL */
+    int chunk;            /* samples per chunk of this pass if not c->chunk's (0) */
 } ConvJob;
+
+static inline int conv_job_chunk(const ConvJob *j) { return j->chunk ? j->chunk : j->c->chunk; }
 
 static inline int conv_ckk(const ConvDims *d) { return d->C * d->KH * d->KW; }
 static inline size_t conv_plane(const ConvDims *d) { return (size_t)d->OH * d->OW; }
@@ -104,8 +113,21 @@ void conv_job_release(Tape *t, ConvJob *j, int n_tasks);
 /* Sizes the per-thread scratch (col_rows and prod_rows rows of a chunk's
  * columns, plus extra_floats) and takes it (conv_buffer_take); NULL on error. */
 float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size_t extra_floats);
+/* ops_conv_taps.c: plans the taps convolution for j where conv_taps_fits at conv_taps_level(),
+ * packing the forward's weights if fwd and the input gradient's if dx; else leaves j->taps NULL. False: no memory
+ * (the error on the tape). Then conv_col_rows sizes col for what j runs. */
+bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx);
+size_t conv_col_rows(const ConvJob *j, bool backward);
+/* ops_conv_taps.c: prod (OC, nc OH OW) = the forward of the chunk's input xc (nc, C, H, W), col holding one padded
+ * sample at a time; the backward's from its dpre dp (OC, nc OH OW): the weight gradient (= into dw, += if add)
+ * from the chunk's padded inputs, then dx from each sample's padded dpre; col holds both. */
+void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int nc);
+void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, int n0, int nc, bool add);
 /* The calling thread's part of j->scratch. */
 float *conv_thread_scratch(const ConvJob *j);
+/* Samples [n0, n0 + nc) of j's input (nc, C, H, W): x itself, or made through j's view into the thread's scratch
+ * after col and prod. */
+const float *conv_chunk_input(const ConvJob *j, int n0, int nc);
 
 /* One chunk of the forward, samples [n0, n0 + nc): im2col into col,
  * prod (OC, nc*OH*OW) = w col, and the epilogue into j->y. Returns the

@@ -38,6 +38,7 @@ typedef struct {
      * (n_tasks, rank*KH*KW, C) with the kernel flipped (conv_da_from_dt_col) */
     float *da_part;
     float *dbb_part;      /* (n_tasks, OC, rank) per-task dB, or NULL */
+    const float *taps_a;  /* the forward through the taps (job.taps): A's rows packed for u, or NULL */
 } ConvLowRankJob;
 
 /* Which is cheaper for A's and B's gradients: through the full weight
@@ -71,6 +72,14 @@ static void conv_lowrank_forward_task(void *ctx, int task, int n_tasks) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
         const float *xcol = conv_forward_chunk(j, col, prod, n0, nc); /* col, or x itself (a pointwise sample) */
         if (!lc->u) continue;
+        if (j->taps) { /* A x through the taps as well, each sample padded again */
+            for (int s = 0; s < nc; s++) {
+                conv_taps_pad(j->taps, col, j->x + (size_t)(n0 + s) * d->C * plane, d->C, 1, 0, plane);
+                conv_taps_forward(j->taps, j->taps_level, lc->u + (size_t)(n0 + s) * r * plane, plane, col,
+                                  lj->taps_a, r, d->C, false);
+            }
+            continue;
+        }
         /* A col in a second product, not as r more rows of the first: sgemm
          * may take another kernel path for more rows, and the output must
          * not depend on whether A col is wanted (B = 0 gives the base's
@@ -348,7 +357,16 @@ Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowR
     ConvLowRankJob lj = {.job = {.c = &lc->conv, .x = x->value.data, .w = lc->w_merged, .ldw = lc->ldw,
                                  .bias = bias ? bias->value.data : NULL, .y = y->value.data},
                          .lc = lc};
-    if (!conv_scratch(t, &lj.job, (size_t)conv_ckk(&d), (size_t)d.OC + (lc->u ? (size_t)rank : 0), 0)) return NULL;
+    /* the forward through the taps where the plain conv's runs there (B = 0: the base's output bit for bit) */
+    if (!conv_taps_setup(t, &lj.job, stride, padding, true, false)) return NULL;
+    if (lj.job.taps && lc->u) {
+        float *a = tape_alloc(t, conv_taps_packed_floats(lj.job.taps, rank, d.C) * sizeof *a);
+        if (!a) return NULL;
+        conv_taps_pack(lj.job.taps, a, lc->w_merged + (size_t)d.OC * lc->ldw, lc->ldw, rank);
+        lj.taps_a = a;
+    }
+    if (!conv_scratch(t, &lj.job, conv_col_rows(&lj.job, false), (size_t)d.OC + (lc->u ? (size_t)rank : 0), 0))
+        return NULL;
     parallel_run(conv_tasks(&d), conv_lowrank_forward_task, &lj);
     conv_job_release(t, &lj.job, conv_tasks(&d));
     Var *in[5] = {x, w, bias, lr->A, lr->B};

@@ -27,6 +27,7 @@
     X(device_export) \
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
+    X(nn_conv_taps) \
     X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \

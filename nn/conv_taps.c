@@ -1,0 +1,197 @@
+/* conv_taps.c - the plan, padding, packing and plain C definitions of the taps convolution (conv_taps.h); the
+ * vector kernels are in conv_taps_x86.c. */
+#include "conv_taps.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <string.h>
+
+ConvTapsLevel conv_taps_max_level = CONV_TAPS_AVX512;
+
+ConvTapsLevel conv_taps_cpu(void) {
+    static atomic_int level = -1; /* every thread that races here computes the same answer */
+    if (atomic_load(&level) < 0) {
+        int l = CONV_TAPS_OFF;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+        __builtin_cpu_init();
+        /* libgcc checks that the OS saves the ymm / zmm state (XCR0) before reporting these */
+        if (__builtin_cpu_supports("avx512f")) l = CONV_TAPS_AVX512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) l = CONV_TAPS_AVX2;
+#endif
+        atomic_store(&level, l);
+    }
+    return (ConvTapsLevel)atomic_load(&level);
+}
+
+ConvTapsLevel conv_taps_level(void) {
+    const ConvTapsLevel cpu = conv_taps_cpu();
+    return conv_taps_max_level < cpu ? conv_taps_max_level : cpu;
+}
+
+QtStatus conv_taps_select(const char *name, const char *what, QtError *err) {
+    if (!name || !*name || !strcmp(name, "auto")) {
+        conv_taps_max_level = CONV_TAPS_AVX512;
+        return QT_OK;
+    }
+    for (int l = 0; l < CONV_TAPS_LEVEL_COUNT; l++) {
+        if (strcmp(name, conv_taps_level_name((ConvTapsLevel)l)) != 0) continue;
+        if ((int)conv_taps_cpu() < l)
+            return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: this CPU (or OS) has no %s; choose another of avx512, "
+                                "avx2, gemm or auto", what, name, l == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+        conv_taps_max_level = (ConvTapsLevel)l;
+        return QT_OK;
+    }
+    return qt_error_set(err, QT_ERR_CONFIG, "%s: unknown convolution kernel '%s'; expected avx512, avx2, gemm or auto",
+                        what, name);
+}
+
+const char *conv_taps_level_name(ConvTapsLevel level) {
+    static const char *const names[CONV_TAPS_LEVEL_COUNT] = {"gemm", "avx2", "avx512"};
+    return (int)level >= 0 && level < CONV_TAPS_LEVEL_COUNT ? names[level] : "unknown";
+}
+
+static int level_lanes(ConvTapsLevel level) { return level == CONV_TAPS_AVX512 ? 16 : 8; }
+
+bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding) {
+    if (level == CONV_TAPS_OFF || stride != 1 || KH < 1 || KW < 1 || !(KH & 1) || !(KW & 1)) return false;
+    if (2 * padding != KH - 1 || 2 * padding != KW - 1 || KH * KW < 2 || KH * KW > 49) return false;
+    const int lanes = level_lanes(level), vpr = (W + lanes - 1) / lanes;
+    return H >= 1 && W >= 1 && 3 * W >= 2 * vpr * lanes;
+}
+
+size_t conv_taps_table_floats(int H, int W, int lanes) {
+    const size_t v = (size_t)H * (size_t)((W + lanes - 1) / lanes);
+    return 2 * v + 49 + (v + 3) / 4;
+}
+
+void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables) {
+    const int lanes = level_lanes(level), vpr = (W + lanes - 1) / lanes, nv = H * vpr;
+    *p = (ConvTaps){.C = C, .OC = OC, .H = H, .W = W, .KH = KH, .KW = KW, .lanes = lanes,
+                    .rb = lanes == 16 ? 8 : 4, .vpr = vpr};
+    /* rows of whole vectors: a row's first vector (tap column 0) loads aligned, where a 64-byte line holds it */
+    p->pw = (W + KW - 1 + lanes - 1) / lanes * lanes;
+    p->pplane = (size_t)(H + KH - 1) * (size_t)p->pw;
+    p->grid = (int32_t *)(void *)tables;
+    p->out = p->grid + nv;
+    p->off = p->out + nv;
+    p->n = (uint8_t *)(p->off + 49);
+    for (int v = 0; v < nv; v++) {
+        const int oh = v / vpr, col = v % vpr * lanes;
+        p->grid[v] = oh * p->pw + col;
+        p->out[v] = oh * W + col;
+        p->n[v] = (uint8_t)(W - col < lanes ? W - col : lanes);
+    }
+    for (int t = 0; t < KH * KW; t++) p->off[t] = t / KW * p->pw + t % KW;
+}
+
+size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n) {
+    return (size_t)n * (size_t)channels * p->pplane + (size_t)p->lanes;
+}
+
+void conv_taps_pad(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
+    const int kh0 = (p->KH - 1) / 2, kw0 = (p->KW - 1) / 2, right = p->pw - kw0 - p->W;
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < channels; c++) {
+            const float *s = src + (size_t)i * img + (size_t)c * ld;
+            float *d = dst + ((size_t)i * channels + c) * p->pplane;
+            /* every float of the plane written once: no memset of the whole buffer first */
+            for (int r = 0; r < p->H + p->KH - 1; r++, d += p->pw) {
+                const int h = r - kh0;
+                if (h < 0 || h >= p->H) {
+                    memset(d, 0, (size_t)p->pw * sizeof *d);
+                    continue;
+                }
+                for (int k = 0; k < kw0; k++) d[k] = 0.0f;
+                memcpy(d + kw0, s + (size_t)h * p->W, (size_t)p->W * sizeof *d);
+                for (int k = 0; k < right; k++) d[kw0 + p->W + k] = 0.0f;
+            }
+        }
+    memset(dst + (size_t)n * channels * p->pplane, 0, (size_t)p->lanes * sizeof *dst);
+}
+
+size_t conv_taps_packed_floats(const ConvTaps *p, int rows, int channels) {
+    return (size_t)(rows + p->rb - 1) / p->rb * p->rb * channels * p->KH * p->KW;
+}
+
+/* dst [rows/rb][channels][KK][rb] = src(row, channel, tap) (0 past rows). */
+static void pack_blocks(const ConvTaps *p, float *dst, int rows, int channels, const float *w, int ldw,
+                        bool transposed) {
+    const int KK = p->KH * p->KW, rb = p->rb;
+    for (int b = 0; b < (rows + rb - 1) / rb; b++)
+        for (int c = 0; c < channels; c++)
+            for (int t = 0; t < KK; t++)
+                for (int r = 0; r < rb; r++) {
+                    const int row = b * rb + r;
+                    float v = 0.0f;
+                    if (row < rows) /* transposed: row = an input channel, c = an output channel, taps flipped */
+                        v = transposed ? w[(size_t)c * ldw + (size_t)row * KK + (size_t)(KK - 1 - t)]
+                                       : w[(size_t)row * ldw + (size_t)c * KK + (size_t)t];
+                    *dst++ = v;
+                }
+}
+
+void conv_taps_pack(const ConvTaps *p, float *dst, const float *w, int ldw, int rows) {
+    pack_blocks(p, dst, rows, p->C, w, ldw, false);
+}
+
+void conv_taps_pack_t(const ConvTaps *p, float *dst, const float *w, int ldw) {
+    pack_blocks(p, dst, p->C, p->OC, w, ldw, true);
+}
+
+void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, const float *xp, const float *wp,
+                           int rows, int channels, bool add) {
+    (void)lanes; /* every lane is its own chain: the same at any width */
+    const int KK = p->KH * p->KW, rb = p->rb;
+    for (int r = 0; r < rows; r++) {
+        const float *wb = wp + (size_t)(r / rb) * channels * KK * rb + r % rb;
+        for (int h = 0; h < p->H; h++)
+            for (int w = 0; w < p->W; w++) {
+                float acc = 0.0f;
+                for (int c = 0; c < channels; c++)
+                    for (int t = 0; t < KK; t++)
+                        acc = fmaf(wb[((size_t)c * KK + t) * rb], xp[(size_t)c * p->pplane + (size_t)h * p->pw +
+                                                                       (size_t)w + (size_t)p->off[t]], acc);
+                float *o = y + (size_t)r * ldy + (size_t)h * p->W + w;
+                *o = add ? *o + acc : acc;
+            }
+    }
+}
+
+void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, const float *xp, int n,
+                      bool add) {
+    const int KK = p->KH * p->KW;
+    const size_t hw = (size_t)p->H * p->W;
+    float part[16];
+    for (int oc = 0; oc < p->OC; oc++)
+        for (int c = 0; c < p->C; c++)
+            for (int t = 0; t < KK; t++) {
+                for (int l = 0; l < lanes; l++) part[l] = 0.0f;
+                for (int j = 0; j < (p->W + lanes - 1) / lanes; j++) /* a row's vectors, the images, the rows */
+                    for (int i = 0; i < n; i++)
+                        for (int h = 0; h < p->H; h++)
+                            for (int col = j * lanes; col < (j + 1) * lanes && col < p->W; col++) {
+                                const float d = dp[(size_t)oc * ldp + (size_t)i * hw + (size_t)h * p->W + col];
+                                const float x = xp[((size_t)i * p->C + c) * p->pplane + (size_t)h * p->pw + col +
+                                                   (size_t)p->off[t]];
+                                part[col % lanes] = fmaf(d, x, part[col % lanes]);
+                            }
+                for (int half = lanes / 2; half >= 1; half /= 2)
+                    for (int l = 0; l < half; l++) part[l] += part[l + half];
+                float *o = dw + (size_t)oc * p->C * KK + (size_t)c * KK + t;
+                *o = add ? *o + part[0] : part[0];
+            }
+}
+
+void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t ldy, const float *xp,
+                       const float *wp, int rows, int channels, bool add) {
+    if (level == CONV_TAPS_AVX512) conv_taps_forward_avx512(p, y, ldy, xp, wp, rows, channels, add);
+    else if (level == CONV_TAPS_AVX2) conv_taps_forward_avx2(p, y, ldy, xp, wp, rows, channels, add);
+    else conv_taps_forward_ref(p, p->lanes, y, ldy, xp, wp, rows, channels, add);
+}
+
+void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, const float *xp,
+                  int n, bool add) {
+    if (level == CONV_TAPS_AVX512) conv_taps_dw_avx512(p, dw, dp, ldp, xp, n, add);
+    else if (level == CONV_TAPS_AVX2) conv_taps_dw_avx2(p, dw, dp, ldp, xp, n, add);
+    else conv_taps_dw_ref(p, p->lanes, dw, dp, ldp, xp, n, add);
+}

@@ -1,0 +1,107 @@
+/* conv_taps.h - the "same" stride-1 convolution without im2col: each tap (kh, kw) of the kernel reads the padded
+ * input planes shifted by (kh, kw), so the forward, the input gradient and the weight gradient are products over
+ * those shifted planes that read the input where it lies (an implicit GEMM). A small-channel layer (ResNet-8's
+ * 16-channel stage, the CNN's first convs) spends as long in sgemm packing its im2col matrix as in multiplying it;
+ * here nothing is packed and no im2col matrix is written.
+ *
+ * Geometry: x (C, H, W), w (OC, C, KH, KW) with KH, KW odd, padding (KH-1)/2 and (KW-1)/2, stride 1: y (OC, H, W).
+ * The padded planes (C, H + KH - 1, pw), pw = W + KW - 1 rounded up to lanes, hold x at row kh0 = (KH-1)/2,
+ * column kw0 = (KW-1)/2 and zeros around it; after the last plane, `lanes` floats of zeros (a row's last vector
+ * reads past its row).
+ * Output row oh is ceil(W / lanes) vectors of `lanes` columns; a vector's lanes past W are computed and dropped.
+ *
+ * Arithmetic (every kernel, every ISA, the same bits; conv_taps_*_ref are the definitions):
+ * - forward: y[oc][p] = the fmaf chain over c = 0..C-1, then t = 0..KH*KW-1 (row-major taps), from 0.
+ * - input gradient: the forward of the padded output gradient with the weights transposed (rows C, channels OC)
+ *   and the taps flipped: dx[c][p] = the chain over oc, then t, of w[oc][c][KK-1-t] dp_pad[oc][p + off(t)].
+ * - weight gradient: dw[oc][c][t] = for each lane l of `lanes`, the fmaf chain of dp[oc][q] x_pad[c][q + off(t)]
+ *   over a row's vectors j, then the images, then the rows (q: the column j lanes + l of that row; none past W),
+ *   then the lanes summed as a tree: halves added (l + lanes/2 into l) until one is left. */
+#ifndef QTRAIN_NN_CONV_TAPS_H
+#define QTRAIN_NN_CONV_TAPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/error.h"
+
+typedef enum {
+    CONV_TAPS_OFF,    /* im2col and sgemm (ops_conv.c) */
+    CONV_TAPS_AVX2,   /* 8 lanes, AVX2 + FMA */
+    CONV_TAPS_AVX512, /* 16 lanes, AVX-512F */
+    CONV_TAPS_LEVEL_COUNT
+} ConvTapsLevel;
+
+/* The CPU's best level; conv_taps_level(): that, capped by conv_taps_max_level (tests; QTRAIN_CONV_KERNEL through
+ * conv_taps_select). */
+ConvTapsLevel conv_taps_cpu(void);
+ConvTapsLevel conv_taps_level(void);
+extern ConvTapsLevel conv_taps_max_level;
+/* "gemm", "avx2", "avx512". */
+const char *conv_taps_level_name(ConvTapsLevel level);
+/* Sets the cap from a name (what: where it came from, for the message): one of the level names, or auto / NULL /
+ * "" (the CPU's best); a level the CPU lacks or another name is a QT_ERR_CONFIG error. */
+QtStatus conv_taps_select(const char *name, const char *what, QtError *err);
+
+/* Forward rows per weight block: 8 at 16 lanes, 4 at 8. */
+#define CONV_TAPS_RB_MAX 8
+
+typedef struct {
+    int C, OC, H, W, KH, KW;
+    int lanes;        /* 16 or 8 */
+    int rb;           /* the forward's output rows per weight block */
+    int pw;           /* padded row pitch: W + KW - 1 rounded up to whole vectors */
+    int vpr;          /* vectors per output row: ceil(W / lanes) */
+    size_t pplane;    /* floats of one padded plane: (H + KH - 1) pw */
+    int32_t *grid;    /* [H vpr] vector v's first column in a padded plane: (v / vpr) pw + (v % vpr) lanes */
+    int32_t *out;     /* [H vpr] its first column in an output plane: (v / vpr) W + (v % vpr) lanes */
+    int32_t *off;     /* [KH KW] tap t's shift in a padded plane: (t / KW) pw + t % KW */
+    uint8_t *n;       /* [H vpr] its columns inside the row: min(lanes, W - (v % vpr) lanes) */
+} ConvTaps;
+
+/* Whether the geometry is one conv_taps takes at level (not OFF): same stride 1, odd kernels of 2 to 49 taps
+ * (1x1 runs as its own product, ops_conv.c), and rows not mostly padding (W >= 2/3 of its vectors' lanes). */
+bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding);
+/* Floats of a plan's tables, for conv_taps_plan's buffer (int32 and bytes, counted in floats). */
+size_t conv_taps_table_floats(int H, int W, int lanes);
+/* Fills p for the level's lanes; tables: conv_taps_table_floats floats. */
+void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables);
+
+/* Floats of padded input for n images: n C pplane + lanes. */
+size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n);
+/* dst (n, channels, pplane) + lanes zeros = the n images at src (image i's channel c at src + i img + c ld,
+ * (H, W) row-major) padded; every float of dst written. */
+void conv_taps_pad(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld);
+
+/* Floats of packed weights (forward or transposed) for rows output rows. */
+size_t conv_taps_packed_floats(const ConvTaps *p, int rows, int channels);
+/* The forward's weights: w (rows, ldw), row r's first C KK floats (c, kh, kw) -> blocks [rows/rb][C][KK][rb]
+ * (rows past the last zero); rows: OC, or a low-rank term's rank. */
+void conv_taps_pack(const ConvTaps *p, float *dst, const float *w, int ldw, int rows);
+/* The input gradient's: rows c, channels oc, taps flipped: [C/rb][OC][KK][rb]. */
+void conv_taps_pack_t(const ConvTaps *p, float *dst, const float *w, int ldw);
+
+/* y (rows, H W) with row stride ldy (=, or += if add) the forward of one padded image xp (channels, pplane) with
+ * packed weights wp (conv_taps_pack: rows OC, channels C; conv_taps_pack_t: rows C, channels OC). */
+void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t ldy, const float *xp,
+                       const float *wp, int rows, int channels, bool add);
+void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, const float *xp, const float *wp,
+                           int rows, int channels, bool add);
+/* dw (OC, C KK) (=, or += if add) the weight gradient of n images: dp (OC, ldp), image i at column i H W; xp
+ * their padded inputs (n, C, pplane). */
+void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, const float *xp,
+                  int n, bool add);
+void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, const float *xp, int n,
+                      bool add);
+
+/* conv_taps_x86.c: the kernels of each level. */
+void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,
+                              int channels, bool add);
+void conv_taps_forward_avx2(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,
+                            int channels, bool add);
+void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
+                         bool add);
+void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n, bool add);
+
+#endif

@@ -1,0 +1,77 @@
+/* ops_conv_taps.c - the plain convolution's passes (ops_conv.c) on the taps kernels (conv_taps.h): which
+ * convolutions take them, their packed weights and scratch, and a chunk's forward and backward. */
+#include "gemm.h"
+#include "ops_conv_internal.h"
+
+/* The taps backward's chunk (conv_taps_setup): as many samples' padded inputs and dpre, no im2col (several
+ * samples where im2col fits one: the weight gradient's lane sums end in one tree per chunk). */
+#define CONV_TAPS_CHUNK_BUDGET (256u << 10)
+
+bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx) {
+    const ConvDims *d = &j->c->d;
+    const ConvTapsLevel level = conv_taps_level();
+    j->taps = NULL;
+    if (!conv_taps_fits(level, d->H, d->W, d->KH, d->KW, stride, padding)) return true;
+    const int lanes = level == CONV_TAPS_AVX512 ? 16 : 8;
+    ConvTaps *p = tape_alloc(t, sizeof *p);
+    float *tables = tape_alloc(t, conv_taps_table_floats(d->H, d->W, lanes) * sizeof(float));
+    if (!p || !tables) return false;
+    conv_taps_plan(p, level, d->C, d->OC, d->H, d->W, d->KH, d->KW, tables);
+    float *w = NULL, *wt = NULL;
+    if (fwd && !(w = tape_alloc(t, conv_taps_packed_floats(p, d->OC, d->C) * sizeof(float)))) return false;
+    if (dx && !(wt = tape_alloc(t, conv_taps_packed_floats(p, d->C, d->OC) * sizeof(float)))) return false;
+    if (w) conv_taps_pack(p, w, j->w, j->ldw, d->OC);
+    if (wt) conv_taps_pack_t(p, wt, j->w, j->ldw);
+    j->taps = p, j->taps_level = level, j->taps_w = w, j->taps_wt = wt;
+    if (!fwd) { /* the weight gradient's sums end in a tree of its lanes: over as many samples as fit */
+        const size_t per = (d->C * p->pplane + (size_t)d->OC * conv_plane(d)) * sizeof(float);
+        const size_t n = CONV_TAPS_CHUNK_BUDGET / per;
+        j->chunk = n > (size_t)d->N ? d->N : n > (size_t)j->c->chunk ? (int)n : j->c->chunk;
+    }
+    return true;
+}
+
+size_t conv_col_rows(const ConvJob *j, bool backward) {
+    const ConvDims *d = &j->c->d;
+    const size_t ckk = (size_t)conv_ckk(d), cols = (size_t)conv_job_chunk(j) * conv_plane(d);
+    if (!j->taps) return ckk;
+    /* the forward: one padded image; the backward: the chunk's, then one padded dpre */
+    size_t need = conv_taps_padded_floats(j->taps, d->C, backward ? conv_job_chunk(j) : 1);
+    if (backward) need += conv_taps_padded_floats(j->taps, d->OC, 1);
+    const size_t rows = (need + cols - 1) / cols;
+    return rows > ckk ? rows : ckk;
+}
+
+void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int nc) {
+    const ConvDims *d = &j->c->d;
+    const size_t plane = conv_plane(d);
+    for (int s = 0; s < nc; s++) { /* col: one padded image */
+        const double t0 = gemm_stats_start();
+        conv_taps_pad(j->taps, col, xc + (size_t)s * d->C * plane, d->C, 1, 0, plane);
+        conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * plane, (size_t)nc * plane, col, j->taps_w,
+                          d->OC, d->C, false);
+        gemm_stats_add(t0, 2.0 * d->OC * conv_ckk(d) * (double)plane);
+    }
+}
+
+void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, int n0, int nc, bool add) {
+    const ConvDims *d = &j->c->d;
+    const ConvTaps *p = j->taps;
+    const size_t plane = conv_plane(d), cols = (size_t)nc * plane, x_sample = (size_t)d->C * plane;
+    const double flops = 2.0 * d->OC * conv_ckk(d) * (double)plane;
+    if (dw) {
+        const double t0 = gemm_stats_start();
+        conv_taps_pad(p, col, conv_chunk_input(j, n0, nc), d->C, nc, x_sample, plane);
+        conv_taps_dw(p, j->taps_level, dw, dp, cols, col, nc, add);
+        gemm_stats_add(t0, nc * flops);
+    }
+    if (!j->dx) return;
+    float *dpad = col + conv_taps_padded_floats(p, d->C, nc); /* past the inputs' planes */
+    for (int s = 0; s < nc; s++) {
+        const double t0 = gemm_stats_start();
+        conv_taps_pad(p, dpad, dp + (size_t)s * plane, d->OC, 1, 0, cols);
+        conv_taps_forward(p, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt, d->C,
+                          d->OC, !j->dx_fresh);
+        gemm_stats_add(t0, flops);
+    }
+}

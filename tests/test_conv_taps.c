@@ -1,0 +1,304 @@
+/* test_conv_taps.c - the nn_conv_taps suite: the "same" stride-1 convolution as taps over padded planes
+ * (nn/conv_taps.h). Its vector kernels give the plain C definitions' bits on every level the CPU has (a visible
+ * skip for each it lacks); those definitions agree with the direct loops of conv2d_forward_ref /
+ * conv2d_backward_ref; and nn_conv2d_fused gives the same outputs and gradients through them as through im2col and
+ * sgemm (conv_taps_max_level = CONV_TAPS_OFF). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/rng.h"
+#include "nn/conv_taps.h"
+#include "nn/ops.h"
+#include "test_util.h"
+
+typedef struct {
+    int N, C, H, W, OC, K; /* K x K kernel, padding (K - 1) / 2; KH, KW below when not square */
+    int KH, KW;
+} TapsCase;
+
+/* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
+ * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis). */
+static const TapsCase kernel_cases[] = {
+    {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
+    {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
+    {1, 2, 4, 20, 2, 7, 0, 0},
+};
+#define N_KERNEL_CASES (sizeof kernel_cases / sizeof kernel_cases[0])
+
+static int case_kh(const TapsCase *k) { return k->K ? k->K : k->KH; }
+static int case_kw(const TapsCase *k) { return k->K ? k->K : k->KW; }
+
+static void print_case(const char *what, const TapsCase *k, ConvTapsLevel level) {
+    fprintf(stderr, "\n  %s (%s): N=%d C=%d H=%d W=%d OC=%d kernel %dx%d", what, conv_taps_level_name(level), k->N,
+            k->C, k->H, k->W, k->OC, case_kh(k), case_kw(k));
+}
+
+/* The arrays of one kernel case, planned at level's lanes. */
+typedef struct {
+    ConvTaps p;
+    float *tables, *x, *w, *dp, *xp, *dpp, *wp, *wt, *y, *y_ref, *dw, *dw_ref, *dx, *dx_ref;
+} TapsBufs;
+
+static void bufs_init(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, uint64_t seed) {
+    const int KH = case_kh(k), KW = case_kw(k), KK = KH * KW;
+    memset(b, 0, sizeof *b);
+    b->tables = malloc(conv_taps_table_floats(k->H, k->W, 8) * sizeof(float)); /* 8 lanes: the larger tables */
+    conv_taps_plan(&b->p, level, k->C, k->OC, k->H, k->W, KH, KW, b->tables);
+    const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, ny = (size_t)k->N * k->OC * hw;
+    b->x = test_random_uniform(nx, seed, -1.0f, 1.0f);
+    b->w = test_random_uniform((size_t)k->OC * k->C * KK, seed + 1, -1.0f, 1.0f);
+    b->dp = test_random_uniform(ny, seed + 2, -1.0f, 1.0f);
+    b->xp = malloc(conv_taps_padded_floats(&b->p, k->C, k->N) * sizeof(float));
+    b->dpp = malloc(conv_taps_padded_floats(&b->p, k->OC, 1) * sizeof(float));
+    b->wp = malloc(conv_taps_packed_floats(&b->p, k->OC, k->C) * sizeof(float));
+    b->wt = malloc(conv_taps_packed_floats(&b->p, k->C, k->OC) * sizeof(float));
+    b->y = malloc(ny * sizeof(float)), b->y_ref = malloc(ny * sizeof(float));
+    b->dx = malloc(nx * sizeof(float)), b->dx_ref = malloc(nx * sizeof(float));
+    const size_t nw = (size_t)k->OC * k->C * KK;
+    b->dw = malloc(nw * sizeof(float)), b->dw_ref = malloc(nw * sizeof(float));
+    conv_taps_pad(&b->p, b->xp, b->x, k->C, k->N, (size_t)k->C * hw, hw);
+    conv_taps_pack(&b->p, b->wp, b->w, k->C * KK, k->OC);
+    conv_taps_pack_t(&b->p, b->wt, b->w, k->C * KK);
+}
+
+static void bufs_free(TapsBufs *b) {
+    float *all[] = {b->tables, b->x, b->w, b->dp, b->xp, b->dpp, b->wp, b->wt, b->y, b->y_ref, b->dw, b->dw_ref,
+                    b->dx, b->dx_ref};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
+}
+
+/* The three products of case k at level through `run` (the level's kernels, or NULL: the plain C definitions):
+ * y (N, OC, H, W) = the forward, dx (N, C, H, W) = the input gradient of dp, dw = the weight gradient of all N
+ * images. With add, each is added to what the arrays hold (their fill). */
+static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, bool vector, float *y, float *dx,
+                          float *dw, bool add) {
+    const size_t hw = (size_t)k->H * k->W;
+    for (int n = 0; n < k->N; n++) {
+        float *yn = y + (size_t)n * k->OC * hw, *dxn = dx + (size_t)n * k->C * hw;
+        const float *xpn = b->xp + (size_t)n * k->C * b->p.pplane;
+        if (vector) conv_taps_forward(&b->p, level, yn, hw, xpn, b->wp, k->OC, k->C, add);
+        else conv_taps_forward_ref(&b->p, b->p.lanes, yn, hw, xpn, b->wp, k->OC, k->C, add);
+        conv_taps_pad(&b->p, b->dpp, b->dp + (size_t)n * k->OC * hw, k->OC, 1, 0, hw);
+        if (vector) conv_taps_forward(&b->p, level, dxn, hw, b->dpp, b->wt, k->C, k->OC, add);
+        else conv_taps_forward_ref(&b->p, b->p.lanes, dxn, hw, b->dpp, b->wt, k->C, k->OC, add);
+    }
+    /* dp as the backward holds it: (OC, N H W), image n at column n H W */
+    float *dpt = malloc((size_t)k->N * k->OC * hw * sizeof(float));
+    for (int n = 0; n < k->N; n++)
+        for (int oc = 0; oc < k->OC; oc++)
+            memcpy(dpt + (size_t)oc * k->N * hw + (size_t)n * hw, b->dp + ((size_t)n * k->OC + oc) * hw,
+                   hw * sizeof(float));
+    if (vector) conv_taps_dw(&b->p, level, dw, dpt, (size_t)k->N * hw, b->xp, k->N, add);
+    else conv_taps_dw_ref(&b->p, b->p.lanes, dw, dpt, (size_t)k->N * hw, b->xp, k->N, add);
+    free(dpt);
+}
+
+static void fill(float *p, size_t n, float v) {
+    for (size_t i = 0; i < n; i++) p[i] = v;
+}
+
+/* Every vector level's kernels give the plain C definitions' bits, written and added. */
+static void test_taps_kernels_match_ref_bits(void) {
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip("conv_taps %s kernels: this CPU has no %s", conv_taps_level_name(level),
+                      level == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+            continue;
+        }
+        for (size_t i = 0; i < N_KERNEL_CASES; i++) {
+            const TapsCase *k = &kernel_cases[i];
+            const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, ny = (size_t)k->N * k->OC * hw;
+            const size_t nw = (size_t)k->OC * k->C * case_kh(k) * case_kw(k);
+            for (int add = 0; add < 2; add++) {
+                TapsBufs b;
+                bufs_init(&b, k, level, 100 + 10 * i);
+                const float start = add ? 0.375f : NAN; /* written: whatever was there is gone */
+                fill(b.y, ny, start), fill(b.y_ref, ny, start), fill(b.dx, nx, start), fill(b.dx_ref, nx, start);
+                fill(b.dw, nw, start), fill(b.dw_ref, nw, start);
+                taps_products(&b, k, level, true, b.y, b.dx, b.dw, add);
+                taps_products(&b, k, level, false, b.y_ref, b.dx_ref, b.dw_ref, add);
+                const bool fy = !memcmp(b.y, b.y_ref, ny * sizeof(float));
+                const bool fx = !memcmp(b.dx, b.dx_ref, nx * sizeof(float));
+                const bool fw = !memcmp(b.dw, b.dw_ref, nw * sizeof(float));
+                if (!fy) print_case(add ? "forward (added) bits" : "forward bits", k, level);
+                if (!fx) print_case(add ? "input gradient (added) bits" : "input gradient bits", k, level);
+                if (!fw) print_case(add ? "weight gradient (added) bits" : "weight gradient bits", k, level);
+                CU_ASSERT(fy);
+                CU_ASSERT(fx);
+                CU_ASSERT(fw);
+                bufs_free(&b);
+            }
+        }
+    }
+}
+
+/* The plain C definitions at either width are the convolution: against the direct loops in double-checked
+ * tolerance (a float sum of `terms` products of values in [-1, 1]: 1e-6 per term, test_conv.c's bound). */
+static void test_taps_ref_matches_direct(void) {
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512}; /* the plans' lanes; C runs both */
+    for (size_t li = 0; li < 2; li++)
+        for (size_t i = 0; i < N_KERNEL_CASES; i++) {
+            const TapsCase *k = &kernel_cases[i];
+            const int KH = case_kh(k), KW = case_kw(k), pad = (KH - 1) / 2;
+            if ((KW - 1) / 2 != pad) continue; /* the direct loops take one padding for both axes */
+            const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, ny = (size_t)k->N * k->OC * hw;
+            const size_t nw = (size_t)k->OC * k->C * KH * KW;
+            TapsBufs b;
+            bufs_init(&b, k, levels[li], 300 + 10 * i);
+            taps_products(&b, k, levels[li], false, b.y, b.dx, b.dw, false);
+            conv2d_forward_ref(b.y_ref, b.x, b.w, NULL, k->N, k->C, k->H, k->W, k->OC, KH, KW, 1, pad);
+            memset(b.dx_ref, 0, nx * sizeof(float)), memset(b.dw_ref, 0, nw * sizeof(float));
+            conv2d_backward_ref(b.dx_ref, b.dw_ref, NULL, b.dp, b.x, b.w, k->N, k->C, k->H, k->W, k->OC, KH, KW, 1,
+                                pad);
+            const double ty = 1e-6 * k->C * KH * KW + 1e-6, tx = 1e-6 * k->OC * KH * KW + 1e-6;
+            const double tw = 1e-6 * (double)k->N * hw + 1e-6;
+            if (test_close_ratio(b.y, b.y_ref, ny, ty, 1e-5, NULL) > 1.0) print_case("forward", k, levels[li]);
+            ASSERT_ALL_CLOSE(b.y, b.y_ref, ny, ty, 1e-5);
+            if (test_close_ratio(b.dx, b.dx_ref, nx, tx, 1e-5, NULL) > 1.0) print_case("dx", k, levels[li]);
+            ASSERT_ALL_CLOSE(b.dx, b.dx_ref, nx, tx, 1e-5);
+            if (test_close_ratio(b.dw, b.dw_ref, nw, tw, 1e-5, NULL) > 1.0) print_case("dw", k, levels[li]);
+            ASSERT_ALL_CLOSE(b.dw, b.dw_ref, nw, tw, 1e-5);
+            bufs_free(&b);
+        }
+}
+
+/* Which geometries the taps take, at each width. */
+static void test_taps_fits(void) {
+    const ConvTapsLevel v16 = CONV_TAPS_AVX512, v8 = CONV_TAPS_AVX2;
+    CU_ASSERT(conv_taps_fits(v16, 28, 28, 3, 3, 1, 1));
+    CU_ASSERT(conv_taps_fits(v16, 14, 14, 3, 3, 1, 1));
+    CU_ASSERT(conv_taps_fits(v16, 9, 12, 5, 5, 1, 2));
+    CU_ASSERT(!conv_taps_fits(v16, 7, 7, 3, 3, 1, 1)); /* 7 of 16 lanes */
+    CU_ASSERT(conv_taps_fits(v8, 7, 7, 3, 3, 1, 1));   /* 7 of 8 */
+    CU_ASSERT(!conv_taps_fits(v16, 20, 20, 3, 3, 1, 1)); /* 20 of 32 */
+    CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 2, 1)); /* stride 2 */
+    CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 1, 0)); /* not "same" */
+    CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 1, 2));
+    CU_ASSERT(!conv_taps_fits(v16, 28, 28, 1, 1, 1, 0)); /* 1x1: its own product */
+    CU_ASSERT(!conv_taps_fits(v16, 28, 28, 2, 2, 1, 0)); /* even */
+    CU_ASSERT(!conv_taps_fits(v16, 28, 28, 9, 9, 1, 4)); /* 81 taps */
+    CU_ASSERT(!conv_taps_fits(CONV_TAPS_OFF, 28, 28, 3, 3, 1, 1));
+    CU_ASSERT_STRING_EQUAL(conv_taps_level_name(CONV_TAPS_OFF), "gemm");
+    CU_ASSERT_STRING_EQUAL(conv_taps_level_name(CONV_TAPS_AVX512), "avx512");
+}
+
+/* ---- the convolution op through the taps ----------------------------------------------------------------------- */
+
+/* Op-level cases, every one taken at 16 lanes: two chunks of the backward and a last smaller one (N = 30 at 24 x 24),
+ * C and OC off the blocks, 5x5. */
+static const TapsCase op_cases[] = {
+    {3, 5, 12, 14, 11, 3, 0, 0},
+    {30, 8, 24, 24, 6, 3, 0, 0},
+    {2, 3, 16, 11, 7, 5, 0, 0},
+    {4, 1, 28, 28, 16, 3, 0, 0},
+};
+
+typedef struct {
+    float *y, *dx, *dw, *db;
+    size_t ny;
+} OpOut;
+
+/* nn_conv2d_fused of case k with epilogue epi on two convs sharing x (their outputs added: the second backward
+ * adds into the dx the first wrote), at conv_taps_max_level = level; copies into out (malloc'd). */
+static bool run_op(const TapsCase *k, ConvEpilogue epi, ConvTapsLevel level, OpOut *out) {
+    const ConvTapsLevel saved = conv_taps_max_level;
+    conv_taps_max_level = level;
+    TestEnv e;
+    test_env_init(&e, 77);
+    const int KH = case_kh(k), KW = case_kw(k), pad = (KH - 1) / 2;
+    const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, nw = (size_t)k->OC * k->C * KH * KW;
+    float *x = test_random_uniform(nx, 5, -1.0f, 1.0f), *w = test_random_uniform(2 * nw, 6, -1.0f, 1.0f);
+    float *b = test_random_uniform((size_t)k->OC, 7, -0.5f, 0.5f);
+    Var *vx = test_var(&e, x, 4, (const int[]){k->N, k->C, k->H, k->W}, true);
+    Var *w1 = test_var(&e, w, 4, (const int[]){k->OC, k->C, KH, KW}, true);
+    Var *w2 = test_var(&e, w + nw, 4, (const int[]){k->OC, k->C, KH, KW}, true);
+    Var *vb = test_var(&e, b, 1, &k->OC, true);
+    Var *y1 = nn_conv2d_fused(&e.tape, vx, w1, vb, 1, pad, epi);
+    Var *y2 = y1 ? nn_conv2d_fused(&e.tape, vx, w2, NULL, 1, pad, epi) : NULL;
+    Var *y = y2 ? nn_add(&e.tape, y1, y2) : NULL;
+    bool ok = y != NULL;
+    if (ok) {
+        const size_t ny = var_numel(y);
+        float *dy = test_random_uniform(ny, 8, -1.0f, 1.0f);
+        ok = tape_backward_from(&e.tape, y, dy) == QT_OK && vx->grad && w1->grad && w2->grad && vb->grad;
+        free(dy);
+        if (ok) {
+            out->ny = ny;
+            out->y = malloc(ny * sizeof(float)), out->dx = malloc(nx * sizeof(float));
+            out->dw = malloc(2 * nw * sizeof(float)), out->db = malloc((size_t)k->OC * sizeof(float));
+            memcpy(out->y, y->value.data, ny * sizeof(float));
+            memcpy(out->dx, vx->grad, nx * sizeof(float));
+            memcpy(out->dw, w1->grad, nw * sizeof(float));
+            memcpy(out->dw + nw, w2->grad, nw * sizeof(float));
+            memcpy(out->db, vb->grad, (size_t)k->OC * sizeof(float));
+        }
+    }
+    if (!ok) fprintf(stderr, "\n  run_op: %s", e.tape.err.msg);
+    free(x), free(w), free(b);
+    test_env_free(&e);
+    conv_taps_max_level = saved;
+    return ok;
+}
+
+static void op_out_free(OpOut *o) { free(o->y), free(o->dx), free(o->dw), free(o->db); }
+
+/* Forward and every gradient through the taps at each level the CPU has equal im2col and sgemm's up to the sums'
+ * order: the tolerances of test_conv.c (1e-6 per summed term). */
+static void test_taps_op_matches_gemm(void) {
+    static const ConvEpilogue epis[] = {CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip("conv2d through the %s taps: this CPU has no %s", conv_taps_level_name(level),
+                      level == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+            continue;
+        }
+        for (size_t i = 0; i < sizeof op_cases / sizeof op_cases[0]; i++)
+            for (size_t ei = 0; ei < 3; ei++) {
+                const TapsCase *k = &op_cases[i];
+                const int KH = case_kh(k), KW = case_kw(k);
+                CU_ASSERT(conv_taps_fits(level, k->H, k->W, KH, KW, 1, (KH - 1) / 2));
+                OpOut t = {0}, g = {0};
+                if (!run_op(k, epis[ei], level, &t) || !run_op(k, epis[ei], CONV_TAPS_OFF, &g)) {
+                    CU_FAIL("the convolution failed");
+                    op_out_free(&t), op_out_free(&g);
+                    continue;
+                }
+                const bool pooled = epis[ei] == CONV_EPI_RELU_MAXPOOL2;
+                const size_t hw = (size_t)k->H * k->W, ny = t.ny;
+                CU_ASSERT_EQUAL(t.ny, g.ny);
+                const size_t nx = (size_t)k->N * k->C * hw, nw = (size_t)k->OC * k->C * KH * KW;
+                const double ty = 2e-6 * k->C * KH * KW + 1e-6, tx = 2e-6 * k->OC * KH * KW + 1e-6;
+                const double tw = 1e-6 * (double)k->N * hw + 1e-6;
+                double worst = test_close_ratio(t.y, g.y, ny, ty, 1e-5, NULL);
+                worst = fmax(worst, test_close_ratio(t.dx, g.dx, nx, tx, 1e-5, NULL));
+                worst = fmax(worst, test_close_ratio(t.dw, g.dw, 2 * nw, tw, 1e-5, NULL));
+                worst = fmax(worst, test_close_ratio(t.db, g.db, (size_t)k->OC, tw, 1e-5, NULL));
+                if (worst > 1.0) print_case(epis[ei] == CONV_EPI_NONE ? "conv" : pooled ? "conv+relu+pool"
+                                                                                         : "conv+relu", k, level);
+                CU_ASSERT(worst <= 1.0);
+                op_out_free(&t), op_out_free(&g);
+            }
+    }
+}
+
+int register_nn_conv_taps_suite(void) {
+    CU_pSuite s = CU_add_suite("nn_conv_taps", NULL, NULL);
+    if (!s) return -1;
+    const struct {
+        const char *name;
+        CU_TestFunc fn;
+    } tests[] = {
+        {"fits", test_taps_fits},
+        {"kernels_match_ref_bits", test_taps_kernels_match_ref_bits},
+        {"ref_matches_direct", test_taps_ref_matches_direct},
+        {"op_matches_gemm", test_taps_op_matches_gemm},
+    };
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
+        if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
+    return 0;
+}
