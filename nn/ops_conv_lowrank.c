@@ -149,6 +149,51 @@ static void conv_add_da_flipped(float *g, const float *parts, const ConvDims *d,
     }
 }
 
+/* conv_lowrank_backward_task on the taps (job.taps): per chunk, dpre; the chunk's padded inputs; the weight
+ * gradient from them; dB from the A x the forward kept; dt = scale B^T dpre and dA from dt and the padded inputs
+ * (the weight gradient's kernel with rank rows); dx from each sample's padded dpre with the merged weight
+ * transposed. dA's partials are (n_tasks, rank, C*KH*KW), whatever lc->grad. */
+static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n_tasks) {
+    const ConvJob *j = &lj->job;
+    const ConvLowRankCtx *lc = lj->lc;
+    const ConvDims *d = &lc->conv.d;
+    const ConvTaps *p = j->taps;
+    const int ckk = conv_ckk(d), r = lc->rank, chunk = conv_job_chunk(j);
+    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
+    float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *dt = dpre + j->prod_floats;
+    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL; /* (OC, C*KH*KW) */
+    ConvTaps pa = *p; /* dA: the weight gradient of rank rows */
+    pa.OC = r;
+    int lo, hi;
+    parallel_range(d->N, task, n_tasks, &lo, &hi);
+    for (int n0 = lo; n0 < hi; n0 += chunk) {
+        const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
+        const double flops = 2.0 * ckk * (double)cols;
+        conv_pre_grads(j, dpre, n0, nc, task);
+        double t0 = gemm_stats_start();
+        if (dw || lj->da_part) conv_taps_pad(p, col, j->x + (size_t)n0 * x_sample, d->C, nc, x_sample, plane);
+        if (dw) conv_taps_dw(p, j->taps_level, dw, dpre, (size_t)cols, col, nc, n0 != lo);
+        gemm_stats_add(t0, dw ? d->OC * flops : 0.0);
+        if (lj->dbb_part) conv_backward_db(lj, dpre, n0, nc, cols, task, n0 == lo);
+        if (lj->da_part) {
+            gemm_f32(true, false, r, cols, d->OC, 1.0f, j->w + ckk, j->ldw, dpre, cols, 0.0f, dt, cols);
+            t0 = gemm_stats_start();
+            conv_taps_dw(&pa, j->taps_level, lj->da_part + (size_t)task * r * ckk, dt, (size_t)cols, col, nc,
+                         n0 != lo);
+            gemm_stats_add(t0, r * flops);
+        }
+        if (!j->dx) continue;
+        float *dpad = col + conv_taps_padded_floats(p, d->C, nc); /* past the inputs' planes */
+        for (int s = 0; s < nc; s++) {
+            t0 = gemm_stats_start();
+            conv_taps_pad(p, dpad, dpre + (size_t)s * plane, d->OC, 1, 0, (size_t)cols);
+            conv_taps_forward(p, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt, d->C,
+                              d->OC, !j->dx_fresh);
+            gemm_stats_add(t0, d->OC * flops / nc);
+        }
+    }
+}
+
 /* One chunk's backward with the adapter's own products (CONV_LR_GRAD_COL,
  * CONV_LR_GRAD_DTCOL): dpre, then the weight gradient and dB, then one
  * product for the input gradient's dcol and (with A's gradient wanted) dt =
@@ -161,6 +206,10 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
     const ConvDims *d = &c->d;
     const int ckk = conv_ckk(d), r = lc->rank;
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
+    if (j->taps) {
+        conv_lowrank_backward_taps(lj, task, n_tasks);
+        return;
+    }
     const bool want_dt = lj->da_part, dtcol_da = lc->grad == CONV_LR_GRAD_DTCOL;
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *after = dpre + j->prod_floats;
     float *dcol = want_dt && !dtcol_da ? after : col, *dtcol = after; /* dcol replaces col unless dA reads col */
@@ -202,6 +251,9 @@ static float *conv_lowrank_scratch(Tape *t, ConvLowRankJob *lj) {
     const ConvLowRankCtx *lc = lj->lc;
     const ConvDims *d = &lc->conv.d;
     const size_t ckk = (size_t)conv_ckk(d), r = (size_t)lc->rank;
+    if (lj->job.taps) /* col: padded inputs and one padded dpre; after dpre, dt */
+        return conv_scratch(t, &lj->job, conv_col_rows(&lj->job, true), (size_t)d->OC,
+                            lj->da_part ? r * conv_job_chunk(&lj->job) * conv_plane(d) : 0);
     if (!lj->da_part) return conv_scratch(t, &lj->job, ckk, (size_t)d->OC, 0);
     if (lc->grad == CONV_LR_GRAD_DTCOL)
         return conv_scratch(t, &lj->job, ckk + r, (size_t)d->OC, r * d->KH * d->KW * conv_plane(d));
@@ -240,7 +292,7 @@ static void conv_lowrank_add_grads(Tape *t, const ConvLowRankJob *lj, Var *w, Va
         conv_add_partials(g, lj->job.dw_part, tasks, nw);
     }
     if (lj->da_part && (g = tape_grad(t, A))) {
-        if (lc->grad == CONV_LR_GRAD_DTCOL) conv_add_da_flipped(g, lj->da_part, d, lc->rank, tasks);
+        if (lc->grad == CONV_LR_GRAD_DTCOL && !lj->job.taps) conv_add_da_flipped(g, lj->da_part, d, lc->rank, tasks);
         else conv_add_partials(g, lj->da_part, tasks, na);
     }
     if (lj->dbb_part && (g = tape_grad(t, B))) conv_add_partials(g, lj->dbb_part, tasks, nb);
@@ -262,7 +314,9 @@ static void conv_lowrank_backward(Tape *t, const TapeNode *node) {
         lj.da_part = conv_partials(t, A, tasks, (size_t)lc->rank * conv_ckk(d));
         lj.dbb_part = conv_partials(t, B, tasks, (size_t)d->OC * lc->rank);
     }
-    if (!tape_ok(t) || !conv_lowrank_scratch(t, &lj)) return;
+    if (!tape_ok(t) || !conv_taps_setup(t, &lj.job, lc->conv.stride, lc->conv.padding, false, lj.job.dx != NULL) ||
+        !conv_lowrank_scratch(t, &lj))
+        return;
     if (lj.da_part || lj.dbb_part) parallel_run(tasks, conv_lowrank_backward_task, &lj);
     else parallel_run(tasks, conv_backward_task, &lj.job);
     conv_lowrank_add_grads(t, &lj, w, A, B, via_full, tasks);

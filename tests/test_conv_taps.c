@@ -10,6 +10,7 @@
 #include "base/rng.h"
 #include "nn/conv_taps.h"
 #include "nn/ops.h"
+#include "nn/ops_conv_internal.h"
 #include "test_util.h"
 
 typedef struct {
@@ -286,6 +287,84 @@ static void test_taps_op_matches_gemm(void) {
     }
 }
 
+/* The low-rank convolution (x, w, A, B; B not zero) with gradient route grad, plus the plain one of x and w,
+ * through the taps at level: their sum y, and the gradients of x, A, B and (train_w) w, into out (malloc'd,
+ * concatenated in that order). */
+static bool run_lowrank(const TapsCase *k, ConvLowRankGrad grad, bool train_w, ConvEpilogue epi, int rank,
+                        ConvTapsLevel level, float **out, size_t *n) {
+    const ConvTapsLevel saved = conv_taps_max_level;
+    conv_taps_max_level = level;
+    TestEnv e;
+    test_env_init(&e, 91);
+    const int KH = case_kh(k), KW = case_kw(k), pad = (KH - 1) / 2, ckk = k->C * KH * KW;
+    const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, nw = (size_t)k->OC * ckk;
+    const size_t na = (size_t)rank * ckk, nb = (size_t)k->OC * rank;
+    float *x = test_random_uniform(nx, 15, -1.0f, 1.0f), *w = test_random_uniform(nw, 16, -1.0f, 1.0f);
+    float *a = test_random_uniform(na, 17, -1.0f, 1.0f), *b = test_random_uniform(nb, 18, -1.0f, 1.0f);
+    Var *vx = test_var(&e, x, 4, (const int[]){k->N, k->C, k->H, k->W}, true);
+    Var *vw = test_var(&e, w, 4, (const int[]){k->OC, k->C, KH, KW}, train_w);
+    Var *va = test_var(&e, a, 4, (const int[]){rank, k->C, KH, KW}, true);
+    Var *vb = test_var(&e, b, 4, (const int[]){k->OC, rank, 1, 1}, true);
+    const ConvLowRank lr = {va, vb, 0.5f};
+    /* plus a plain conv of x recorded after it: its backward runs first and writes dx, the low-rank one adds */
+    Var *ylr = conv2d_lowrank_with_grad(&e.tape, vx, vw, NULL, &lr, 1, pad, epi, grad);
+    Var *yp = ylr ? nn_conv2d_fused(&e.tape, vx, vw, NULL, 1, pad, epi) : NULL;
+    Var *y = yp ? nn_add(&e.tape, ylr, yp) : NULL;
+    bool ok = y != NULL;
+    if (ok) {
+        const size_t ny = var_numel(y);
+        float *dy = test_random_uniform(ny, 19, -1.0f, 1.0f);
+        ok = tape_backward_from(&e.tape, y, dy) == QT_OK && vx->grad && va->grad && vb->grad &&
+             (!train_w || vw->grad);
+        free(dy);
+        if (ok) {
+            *n = ny + nx + na + nb + (train_w ? nw : 0);
+            float *o = *out = malloc(*n * sizeof(float));
+            memcpy(o, y->value.data, ny * sizeof(float)), o += ny;
+            memcpy(o, vx->grad, nx * sizeof(float)), o += nx;
+            memcpy(o, va->grad, na * sizeof(float)), o += na;
+            memcpy(o, vb->grad, nb * sizeof(float)), o += nb;
+            if (train_w) memcpy(o, vw->grad, nw * sizeof(float));
+        }
+    }
+    if (!ok) fprintf(stderr, "\n  run_lowrank: %s", e.tape.err.msg);
+    free(x), free(w), free(a), free(b);
+    test_env_free(&e);
+    conv_taps_max_level = saved;
+    return ok;
+}
+
+/* The low-rank convolution through the taps (forward, and its backward by the adapter's products or through the
+ * full weight gradient) equals im2col and sgemm's on every gradient route, with the base frozen or trained. */
+static void test_taps_lowrank_matches_gemm(void) {
+    static const ConvLowRankGrad grads[] = {CONV_LR_GRAD_FULL, CONV_LR_GRAD_COL, CONV_LR_GRAD_DTCOL};
+    const ConvTapsLevel level = conv_taps_cpu();
+    if (level == CONV_TAPS_OFF) {
+        test_skip("the low-rank conv through the taps: this CPU has neither AVX-512F nor AVX2 with FMA");
+        return;
+    }
+    for (size_t i = 0; i < sizeof op_cases / sizeof op_cases[0]; i++)
+        for (size_t gi = 0; gi < 3; gi++)
+            for (int train_w = 0; train_w < 2; train_w++) {
+                const TapsCase *k = &op_cases[i];
+                const ConvEpilogue epi = train_w ? CONV_EPI_RELU : CONV_EPI_NONE;
+                float *t = NULL, *g = NULL;
+                size_t nt = 0, ng = 0;
+                if (!run_lowrank(k, grads[gi], train_w, epi, 3, level, &t, &nt) ||
+                    !run_lowrank(k, grads[gi], train_w, epi, 3, CONV_TAPS_OFF, &g, &ng) || nt != ng) {
+                    CU_FAIL("the low-rank convolution failed");
+                    free(t), free(g);
+                    continue;
+                }
+                /* every value is a sum of at most N H W (dA, dB, dw) or C KH KW (+ rank) products */
+                const double tol = 2e-6 * ((double)k->N * k->H * k->W + k->C * 25 + k->OC * 25) + 1e-6;
+                const double worst = test_close_ratio(t, g, nt, tol, 1e-5, NULL);
+                if (worst > 1.0) print_case(train_w ? "low-rank conv, w trained" : "low-rank conv", k, level);
+                CU_ASSERT(worst <= 1.0);
+                free(t), free(g);
+            }
+}
+
 int register_nn_conv_taps_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv_taps", NULL, NULL);
     if (!s) return -1;
@@ -297,6 +376,7 @@ int register_nn_conv_taps_suite(void) {
         {"kernels_match_ref_bits", test_taps_kernels_match_ref_bits},
         {"ref_matches_direct", test_taps_ref_matches_direct},
         {"op_matches_gemm", test_taps_op_matches_gemm},
+        {"lowrank_matches_gemm", test_taps_lowrank_matches_gemm},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
