@@ -2,9 +2,9 @@
  * output lane is the chain conv_taps_forward_ref / conv_taps_dw_ref define, so every kernel gives their bits.
  *
  * Forward: a block of rb output rows by 3 vectors of columns (24 sums at 16 lanes, 12 at 8) in registers; per
- * channel and tap, 3 loads of the shifted plane and rb broadcast weights. Weight gradient: 2 output rows (1 at 8
- * lanes: 3 rows by 3 taps) by up to 9 taps of one input channel in registers, over every vector of every image;
- * then each sum's lanes as a tree. */
+ * channel and tap, 3 loads of the shifted plane and rb broadcast weights. Weight gradient: 3 output rows by up to
+ * 9 taps of one input channel (at 8 lanes, 3 by 3) in registers, over every vector of every image; then each sum's
+ * lanes as a tree. */
 #include "conv_taps.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -79,15 +79,15 @@ T512 INLINE float hsum512(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-/* Output rows oc .. oc + R - 1, channel c, taps t0 .. t0 + tb - 1 (tb <= 9; the others computed at tap t0 and
- * dropped); k3: the 3x3 kernel (KK = 9, t0 = 0), its taps as constant shifts of three row pointers. The loops run
- * over a row's vectors j, then the images, then the rows, conv_taps_dw_ref's order; a vector's lanes past W read
- * zeros of dp. */
+/* Output rows oc .. oc + R - 1 (R <= 3: 27 sums, 3 rows of dp and one of x in 31 registers), channel c, taps
+ * t0 .. t0 + tb - 1 (tb <= 9; the others computed at tap t0 and dropped); k3: the 3x3 kernel (KK = 9, t0 = 0), its
+ * taps as constant shifts of three row pointers. The loops run over a row's vectors j, then the images, then the
+ * rows, conv_taps_dw_ref's order; a vector's lanes past W read zeros of dp. */
 T512 INLINE void dw512_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
                              bool add, int oc, const int R, int c, int t0, int tb, const bool k3) {
-    __m512 acc[2][9];
-#pragma GCC unroll 2
-    for (int r = 0; r < 2; r++)
+    __m512 acc[3][9];
+#pragma GCC unroll 3
+    for (int r = 0; r < 3; r++)
 #pragma GCC unroll 9
         for (int k = 0; k < 9; k++) acc[r][k] = _mm512_setzero_ps();
     int off[9];
@@ -98,22 +98,25 @@ T512 INLINE void dw512_block(const ConvTaps *p, float *dw, const float *dp, size
         const __mmask16 m = mask16(p->W - col < 16 ? p->W - col : 16);
         for (int i = 0; i < n; i++) {
             const float *d0 = dp + (size_t)oc * ldp + (size_t)i * hw + col, *d1 = R > 1 ? d0 + ldp : d0;
+            const float *d2 = R > 2 ? d1 + ldp : d0;
             const float *x = xp + ((size_t)i * p->C + c) * p->pplane + col;
-            for (int h = 0; h < p->H; h++, d0 += p->W, d1 += p->W, x += pw) {
+            for (int h = 0; h < p->H; h++, d0 += p->W, d1 += p->W, d2 += p->W, x += pw) {
                 const __m512 a0 = _mm512_maskz_loadu_ps(m, d0);
                 const __m512 a1 = R > 1 ? _mm512_maskz_loadu_ps(m, d1) : a0;
+                const __m512 a2 = R > 2 ? _mm512_maskz_loadu_ps(m, d2) : a0;
 #pragma GCC unroll 9
                 for (int k = 0; k < 9; k++) {
                     __m512 b = _mm512_loadu_ps(k3 ? x + (size_t)(k / 3) * pw + k % 3 : x + off[k]);
                     __asm__("" : "+v"(b)); /* one load for both rows: gcc would fold it into each FMA */
                     acc[0][k] = _mm512_fmadd_ps(a0, b, acc[0][k]);
                     if (R > 1) acc[1][k] = _mm512_fmadd_ps(a1, b, acc[1][k]);
+                    if (R > 2) acc[2][k] = _mm512_fmadd_ps(a2, b, acc[2][k]);
                 }
             }
         }
     }
     const int KK = p->KH * p->KW;
-#pragma GCC unroll 2
+#pragma GCC unroll 3
     for (int r = 0; r < R; r++) /* constant indices: acc stays in registers */
 #pragma GCC unroll 9
         for (int k = 0; k < 9; k++) {
@@ -128,13 +131,13 @@ T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, siz
                               bool add) {
     const int KK = p->KH * p->KW;
     const bool k3 = p->KH == 3 && p->KW == 3;
-    for (int oc = 0; oc < p->OC; oc += 2)
+    for (int oc = 0; oc < p->OC; oc += 3)
         for (int c = 0; c < p->C; c++)
             for (int t0 = 0; t0 < KK; t0 += 9) {
-                const int tb = KK - t0 < 9 ? KK - t0 : 9;
-                if (oc + 1 < p->OC && k3) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 2, c, 0, 9, true);
-                else if (oc + 1 < p->OC) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 2, c, t0, tb, false);
-                else if (k3) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 1, c, 0, 9, true);
+                const int tb = KK - t0 < 9 ? KK - t0 : 9, R = p->OC - oc < 3 ? p->OC - oc : 3;
+                if (R == 3 && k3) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 3, c, 0, 9, true);
+                else if (R == 3) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 3, c, t0, tb, false);
+                else if (R == 2) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 2, c, t0, tb, false);
                 else dw512_block(p, dw, dp, ldp, xp, n, add, oc, 1, c, t0, tb, false);
             }
 }
