@@ -186,6 +186,36 @@ static void test_taps_fits(void) {
     CU_ASSERT_STRING_EQUAL(conv_taps_level_name(CONV_TAPS_AVX512), "avx512");
 }
 
+/* QTRAIN_CONV_KERNEL's names (conv_taps_select): each level caps conv_taps_level(); a level the CPU lacks and an
+ * unknown name are errors that say what to choose. */
+static void test_taps_select(void) {
+    const ConvTapsLevel saved = conv_taps_max_level;
+    QtError err = {0};
+    CU_ASSERT_EQUAL(conv_taps_select("gemm", "QTRAIN_CONV_KERNEL", &err), QT_OK);
+    CU_ASSERT_EQUAL(conv_taps_level(), CONV_TAPS_OFF);
+    CU_ASSERT_EQUAL(conv_taps_select(NULL, "QTRAIN_CONV_KERNEL", &err), QT_OK);
+    CU_ASSERT_EQUAL(conv_taps_level(), conv_taps_cpu());
+    CU_ASSERT_EQUAL(conv_taps_select("auto", "QTRAIN_CONV_KERNEL", &err), QT_OK);
+    CU_ASSERT_EQUAL(conv_taps_level(), conv_taps_cpu());
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (int i = 0; i < 2; i++) {
+        QtError e = {0};
+        const QtStatus st = conv_taps_select(conv_taps_level_name(levels[i]), "QTRAIN_CONV_KERNEL", &e);
+        if (conv_taps_cpu() >= levels[i]) {
+            CU_ASSERT_EQUAL(st, QT_OK);
+            CU_ASSERT_EQUAL(conv_taps_level(), levels[i]);
+        } else {
+            CU_ASSERT_EQUAL(st, QT_ERR_CONFIG);
+            CU_ASSERT(test_msg_has(&e, "this CPU (or OS) has no"));
+        }
+    }
+    QtError e = {0};
+    CU_ASSERT_EQUAL(conv_taps_select("avx-512", "QTRAIN_CONV_KERNEL", &e), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&e, "QTRAIN_CONV_KERNEL: unknown convolution kernel 'avx-512'"));
+    CU_ASSERT(test_msg_has(&e, "expected avx512, avx2, gemm or auto"));
+    conv_taps_max_level = saved;
+}
+
 /* ---- the convolution op through the taps ----------------------------------------------------------------------- */
 
 /* Op-level cases, every one taken at 16 lanes: two chunks of the backward and a last smaller one (N = 30 at 24 x 24),
@@ -373,6 +403,7 @@ int register_nn_conv_taps_suite(void) {
         CU_TestFunc fn;
     } tests[] = {
         {"fits", test_taps_fits},
+        {"select", test_taps_select},
         {"kernels_match_ref_bits", test_taps_kernels_match_ref_bits},
         {"ref_matches_direct", test_taps_ref_matches_direct},
         {"op_matches_gemm", test_taps_op_matches_gemm},
