@@ -10,7 +10,8 @@
  * reads past its row).
  * Output row oh is ceil(W / lanes) vectors of `lanes` columns; a vector's lanes past W are computed and dropped.
  *
- * Arithmetic (every kernel, every ISA, the same bits; conv_taps_*_ref are the definitions):
+ * Arithmetic (every kernel, every ISA, the same bits for finite inputs; conv_taps_*_ref are the definitions; a
+ * vector's lanes past W add 0 x (a value of the next row), which a non-finite value there would make NaN):
  * - forward: y[oc][p] = the fmaf chain over c = 0..C-1, then t = 0..KH*KW-1 (row-major taps), from 0.
  * - input gradient: the forward of the padded output gradient with the weights transposed (rows C, channels OC)
  *   and the taps flipped: dx[c][p] = the chain over oc, then t, of w[oc][c][KK-1-t] dp_pad[oc][p + off(t)].
@@ -60,7 +61,7 @@ typedef struct {
     uint8_t *n;       /* [H vpr] its columns inside the row: min(lanes, W - (v % vpr) lanes) */
 } ConvTaps;
 
-/* Whether the geometry is one conv_taps takes at level (not OFF): same stride 1, odd kernels of 2 to 49 taps
+/* Whether the geometry is one conv_taps takes at level (not OFF): same stride 1, odd kernels of 3 to 49 taps
  * (1x1 runs as its own product, ops_conv.c), and rows not mostly padding (W >= 2/3 of its vectors' lanes). */
 bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding);
 /* Floats of a plan's tables, for conv_taps_plan's buffer (int32 and bytes, counted in floats). */
