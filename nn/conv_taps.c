@@ -50,12 +50,12 @@ const char *conv_taps_level_name(ConvTapsLevel level) {
     return (int)level >= 0 && level < CONV_TAPS_LEVEL_COUNT ? names[level] : "unknown";
 }
 
-static int level_lanes(ConvTapsLevel level) { return level == CONV_TAPS_AVX512 ? 16 : 8; }
+int conv_taps_lanes(ConvTapsLevel level) { return level == CONV_TAPS_AVX512 ? 16 : 8; }
 
 bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding) {
     if (level == CONV_TAPS_OFF || stride != 1 || KH < 1 || KW < 1 || !(KH & 1) || !(KW & 1)) return false;
     if (2 * padding != KH - 1 || 2 * padding != KW - 1 || KH * KW < 2 || KH * KW > 49) return false;
-    const int lanes = level_lanes(level), vpr = (W + lanes - 1) / lanes;
+    const int lanes = conv_taps_lanes(level), vpr = (W + lanes - 1) / lanes;
     return H >= 1 && W >= 1 && 3 * W >= 2 * vpr * lanes;
 }
 
@@ -65,7 +65,7 @@ size_t conv_taps_table_floats(int H, int W, int lanes) {
 }
 
 void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables) {
-    const int lanes = level_lanes(level), vpr = (W + lanes - 1) / lanes, nv = H * vpr;
+    const int lanes = conv_taps_lanes(level), vpr = (W + lanes - 1) / lanes, nv = H * vpr;
     *p = (ConvTaps){.C = C, .OC = OC, .H = H, .W = W, .KH = KH, .KW = KW, .lanes = lanes,
                     .rb = lanes == 16 ? 8 : 4, .vpr = vpr};
     /* rows of whole vectors: a row's first vector (tap column 0) loads aligned, where a 64-byte line holds it */

@@ -45,6 +45,9 @@ const char *conv_taps_level_name(ConvTapsLevel level);
  * "" (the CPU's best); a level the CPU lacks or another name is a QT_ERR_CONFIG error. */
 QtStatus conv_taps_select(const char *name, const char *what, QtError *err);
 
+/* A level's vector width in floats: 16 at AVX512, else 8. */
+int conv_taps_lanes(ConvTapsLevel level);
+
 /* Forward rows per weight block: 8 at 16 lanes, 4 at 8. */
 #define CONV_TAPS_RB_MAX 8
 

@@ -435,17 +435,18 @@ const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n
     const size_t plane = conv_plane(d);
     const int cols = nc * (int)plane;
     const float *xc = conv_chunk_input(j, n0, nc);
-    if (j->taps) {
-        if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
-        conv_taps_forward_chunk(j, prod, col, xc, nc);
-        col = NULL;
-    } else if (nc == 1 && conv_pointwise(d)) col = (float *)xc; /* read, never written */
-    else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
     /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
      * product goes straight into y and the epilogue runs in place, the same
      * operations on the same values without the copy through prod. */
     if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
-    if (!j->taps) gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
+    if (j->taps) {
+        conv_taps_forward_chunk(j, prod, col, xc, n0, nc);
+        col = NULL;
+    } else {
+        if (nc == 1 && conv_pointwise(d)) col = (float *)xc; /* read, never written */
+        else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
+        gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
+    }
     for (int oc = 0; oc < d->OC; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
     if (j->moments) /* the chunk's output planes, just written, still in cache */

@@ -65,6 +65,9 @@ typedef struct {
     ConvTapsLevel taps_level;
     const float *taps_w;  /* the forward's packed weights (conv_taps_pack), or NULL */
     const float *taps_wt; /* the input gradient's (conv_taps_pack_t), or NULL */
+    const float *taps_a;  /* the low-rank forward: A's rank rows packed, whose product A x goes to taps_u */
+    float *taps_u;        /* (N, rank, OH, OW), or NULL */
+    int taps_rank;
     int chunk;            /* samples per chunk of this pass if not c->chunk's (0) */
 } ConvJob;
 
@@ -118,11 +121,13 @@ float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size
  * (the error on the tape). Then conv_col_rows sizes col for what j runs. */
 bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx);
 size_t conv_col_rows(const ConvJob *j, bool backward);
-/* ops_conv_taps.c: prod (OC, nc OH OW) = the forward of the chunk's input xc (nc, C, H, W), col holding one padded
- * sample at a time; the backward's from its dpre dp (OC, nc OH OW): the weight gradient (= into dw, += if add)
- * from the chunk's padded inputs, then dx from each sample's padded dpre; col holds both. */
-void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int nc);
+/* ops_conv_taps.c: prod (OC, nc OH OW) = the forward of chunk samples [n0, n0 + nc), input xc (nc, C, H, W), col
+ * holding one padded sample at a time (and taps_u's A x from the same padding); the backward's from its dpre dp
+ * (OC, nc OH OW): the weight gradient (= into dw, += if add) from the chunk's padded inputs, then dx; col holds
+ * both. conv_taps_dx_chunk: dx of those samples from dp, each padded at dpad (padded floats for OC channels). */
+void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int n0, int nc);
 void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, int n0, int nc, bool add);
+void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, int n0, int nc);
 /* The calling thread's part of j->scratch. */
 float *conv_thread_scratch(const ConvJob *j);
 /* Samples [n0, n0 + nc) of j's input (nc, C, H, W): x itself, or made through j's view into the thread's scratch

@@ -38,7 +38,6 @@ typedef struct {
      * (n_tasks, rank*KH*KW, C) with the kernel flipped (conv_da_from_dt_col) */
     float *da_part;
     float *dbb_part;      /* (n_tasks, OC, rank) per-task dB, or NULL */
-    const float *taps_a;  /* the forward through the taps (job.taps): A's rows packed for u, or NULL */
 } ConvLowRankJob;
 
 /* Which is cheaper for A's and B's gradients: through the full weight
@@ -70,16 +69,9 @@ static void conv_lowrank_forward_task(void *ctx, int task, int n_tasks) {
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
-        const float *xcol = conv_forward_chunk(j, col, prod, n0, nc); /* col, or x itself (a pointwise sample) */
-        if (!lc->u) continue;
-        if (j->taps) { /* A x through the taps as well, each sample padded again */
-            for (int s = 0; s < nc; s++) {
-                conv_taps_pad(j->taps, col, j->x + (size_t)(n0 + s) * d->C * plane, d->C, 1, 0, plane);
-                conv_taps_forward(j->taps, j->taps_level, lc->u + (size_t)(n0 + s) * r * plane, plane, col,
-                                  lj->taps_a, r, d->C, false);
-            }
-            continue;
-        }
+        /* col, or x itself (a pointwise sample); through the taps, u's A x made with the output (job.taps_u) */
+        const float *xcol = conv_forward_chunk(j, col, prod, n0, nc);
+        if (!lc->u || j->taps) continue;
         /* A col in a second product, not as r more rows of the first: sgemm
          * may take another kernel path for more rows, and the output must
          * not depend on whether A col is wanted (B = 0 gives the base's
@@ -182,15 +174,7 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
                          n0 != lo);
             gemm_stats_add(t0, r * flops);
         }
-        if (!j->dx) continue;
-        float *dpad = col + conv_taps_padded_floats(p, d->C, nc); /* past the inputs' planes */
-        for (int s = 0; s < nc; s++) {
-            t0 = gemm_stats_start();
-            conv_taps_pad(p, dpad, dpre + (size_t)s * plane, d->OC, 1, 0, (size_t)cols);
-            conv_taps_forward(p, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt, d->C,
-                              d->OC, !j->dx_fresh);
-            gemm_stats_add(t0, d->OC * flops / nc);
-        }
+        if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dpre, n0, nc);
     }
 }
 
@@ -417,7 +401,7 @@ Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowR
         float *a = tape_alloc(t, conv_taps_packed_floats(lj.job.taps, rank, d.C) * sizeof *a);
         if (!a) return NULL;
         conv_taps_pack(lj.job.taps, a, lc->w_merged + (size_t)d.OC * lc->ldw, lc->ldw, rank);
-        lj.taps_a = a;
+        lj.job.taps_a = a, lj.job.taps_u = lc->u, lj.job.taps_rank = rank;
     }
     if (!conv_scratch(t, &lj.job, conv_col_rows(&lj.job, false), (size_t)d.OC + (lc->u ? (size_t)rank : 0), 0))
         return NULL;

@@ -12,9 +12,8 @@ bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, boo
     const ConvTapsLevel level = conv_taps_level();
     j->taps = NULL;
     if (!conv_taps_fits(level, d->H, d->W, d->KH, d->KW, stride, padding)) return true;
-    const int lanes = level == CONV_TAPS_AVX512 ? 16 : 8;
     ConvTaps *p = tape_alloc(t, sizeof *p);
-    float *tables = tape_alloc(t, conv_taps_table_floats(d->H, d->W, lanes) * sizeof(float));
+    float *tables = tape_alloc(t, conv_taps_table_floats(d->H, d->W, conv_taps_lanes(level)) * sizeof(float));
     if (!p || !tables) return false;
     conv_taps_plan(p, level, d->C, d->OC, d->H, d->W, d->KH, d->KW, tables);
     float *w = NULL, *wt = NULL;
@@ -42,14 +41,30 @@ size_t conv_col_rows(const ConvJob *j, bool backward) {
     return rows > ckk ? rows : ckk;
 }
 
-void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int nc) {
+void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int n0, int nc) {
     const ConvDims *d = &j->c->d;
     const size_t plane = conv_plane(d);
+    const int rows = d->OC + (j->taps_u ? j->taps_rank : 0);
     for (int s = 0; s < nc; s++) { /* col: one padded image */
         const double t0 = gemm_stats_start();
         conv_taps_pad(j->taps, col, xc + (size_t)s * d->C * plane, d->C, 1, 0, plane);
         conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * plane, (size_t)nc * plane, col, j->taps_w,
                           d->OC, d->C, false);
+        if (j->taps_u) /* a second product, not rank more rows: B = 0 gives the base's output bit for bit */
+            conv_taps_forward(j->taps, j->taps_level, j->taps_u + (size_t)(n0 + s) * j->taps_rank * plane, plane,
+                              col, j->taps_a, j->taps_rank, d->C, false);
+        gemm_stats_add(t0, 2.0 * rows * conv_ckk(d) * (double)plane);
+    }
+}
+
+void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, int n0, int nc) {
+    const ConvDims *d = &j->c->d;
+    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
+    for (int s = 0; s < nc; s++) {
+        const double t0 = gemm_stats_start();
+        conv_taps_pad(j->taps, dpad, dp + (size_t)s * plane, d->OC, 1, 0, (size_t)nc * plane);
+        conv_taps_forward(j->taps, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt,
+                          d->C, d->OC, !j->dx_fresh);
         gemm_stats_add(t0, 2.0 * d->OC * conv_ckk(d) * (double)plane);
     }
 }
@@ -65,13 +80,5 @@ void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const flo
         conv_taps_dw(p, j->taps_level, dw, dp, cols, col, nc, add);
         gemm_stats_add(t0, nc * flops);
     }
-    if (!j->dx) return;
-    float *dpad = col + conv_taps_padded_floats(p, d->C, nc); /* past the inputs' planes */
-    for (int s = 0; s < nc; s++) {
-        const double t0 = gemm_stats_start();
-        conv_taps_pad(p, dpad, dp + (size_t)s * plane, d->OC, 1, 0, cols);
-        conv_taps_forward(p, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt, d->C,
-                          d->OC, !j->dx_fresh);
-        gemm_stats_add(t0, flops);
-    }
+    if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dp, n0, nc); /* past the inputs */
 }
