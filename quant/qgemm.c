@@ -395,43 +395,6 @@ size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh) {
     return ((vnni > avx2 ? vnni : avx2) + 63) / 64 * 64;
 }
 
-void qgemm_dw_portable(const QGemmDw *d) {
-    const QGemmPackedDw *w = d->w;
-    for (int i = 0; i < d->n_oc; i++) {
-        const int oc = d->oc0 + i;
-        const int32_t *wc = w->data + (size_t)oc * w->kh * w->kq; /* [kh][kq] */
-        const float scale = d->scale[oc], bias = d->bias ? d->bias[oc] : 0.0f;
-        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
-        for (int oh = 0; oh < d->oh_n; oh++)
-            for (int ow = 0; ow < d->ow_n; ow++) {
-                /* |u - a_zero| <= 255, |w| <= 128 and kh * kw <= QGEMM_K_MAX: the sum fits in int32 */
-                int32_t s = 0;
-                for (int r = 0; r < w->kh; r++) {
-                    const int ih = oh * d->sh + r - d->pad_t;
-                    if (ih < 0 || ih >= d->in_h) continue; /* padding: u = a_zero */
-                    for (int c = 0; c < w->kw; c++) {
-                        const int iw = ow * d->sw + c - d->pad_l;
-                        if (iw < 0 || iw >= d->in_w) continue;
-                        const int8_t wt = (int8_t)(uint8_t)((uint32_t)wc[r * w->kq + c / 4] >> (8 * (c % 4)));
-                        s += ((int32_t)d->act[(size_t)ih * d->in_w + iw] - d->a_zero) * wt;
-                    }
-                }
-                const float y = fmaf((float)s, scale, bias);
-                out[(size_t)oh * d->ow_n + ow] = !d->relu || y > 0.0f ? y : 0.0f;
-            }
-    }
-}
-
-void qgemm_dw(const QGemmDw *d) {
-    switch (qgemm_isa()) {
-    case QGEMM_ISA_AMX:
-    case QGEMM_ISA_AVX512_VNNI: qgemm_dw_vnni(d); break;
-    case QGEMM_ISA_AVXVNNI:
-    case QGEMM_ISA_AVX2: qgemm_dw_avx2(d); break;
-    default: qgemm_dw_portable(d); break;
-    }
-}
-
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
 
 /* The byte of x: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, in plain
@@ -478,6 +441,88 @@ bool qgemm_quantize_u8x4(uint32_t *dst, size_t ldd, const float *const x[4], siz
     if (qgemm_use_vnni()) return qgemm_quantize_u8x4_vnni(dst, ldd, x, ldx, rows, n, c);
     if (qgemm_isa() != QGEMM_ISA_PORTABLE) return qgemm_quantize_u8x4_avx2(dst, ldd, x, ldx, rows, n, c);
     return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
+}
+
+/* ---- depthwise ------------------------------------------------------------------------------------------------- */
+
+/* Output i's code p (qgemm.h, QGemmCodesOut). */
+static uint8_t *code_at(const QGemmCodesOut *co, int i, size_t P, size_t p) {
+    if (!co->quad_plane) return co->dst + (size_t)i * P + p;
+    return co->dst + 4 * ((size_t)(i / 4) * co->quad_plane + p) + (size_t)(i % 4);
+}
+
+bool qgemm_dw_portable(const QGemmDw *d) {
+    const QGemmPackedDw *w = d->w;
+    const QGemmCodesOut *co = d->codes;
+    const size_t P = (size_t)d->oh_n * d->ow_n;
+    int bad = 0;
+    for (int i = 0; i < d->n_oc; i++) {
+        const int oc = d->oc0 + i;
+        const uint8_t *act = d->act + (size_t)i * d->in_plane;   /* (in_h, in_w) */
+        const int32_t *wc = w->data + (size_t)oc * w->kh * w->kq; /* [kh][kq] */
+        const float scale = d->scale[oc], bias = d->bias ? d->bias[oc] : 0.0f;
+        for (int oh = 0; oh < d->oh_n; oh++)
+            for (int ow = 0; ow < d->ow_n; ow++) {
+                /* |u - a_zero| <= 255, |w| <= 128 and kh * kw <= QGEMM_K_MAX: the sum fits in int32 */
+                int32_t s = 0;
+                for (int r = 0; r < w->kh; r++) {
+                    const int ih = oh * d->sh + r - d->pad_t;
+                    if (ih < 0 || ih >= d->in_h) continue; /* padding: u = a_zero */
+                    for (int c = 0; c < w->kw; c++) {
+                        const int iw = ow * d->sw + c - d->pad_l;
+                        if (iw < 0 || iw >= d->in_w) continue;
+                        const int8_t wt = (int8_t)(uint8_t)((uint32_t)wc[r * w->kq + c / 4] >> (8 * (c % 4)));
+                        s += ((int32_t)act[(size_t)ih * d->in_w + iw] - d->a_zero) * wt;
+                    }
+                }
+                float y = fmaf((float)s, scale, bias);
+                y = !d->relu || y > 0.0f ? y : 0.0f;
+                const size_t p = (size_t)oh * d->ow_n + ow;
+                if (co) *code_at(co, i, P, p) = code_u8(y, co->q.s, co->q.lo, co->q.hi, co->q.zero, &bad);
+                else d->out[(size_t)i * P + p] = y;
+            }
+    }
+    if (co && co->quad_plane) /* the last quad's channels past n_oc */
+        for (int i = d->n_oc; i % 4; i++)
+            for (size_t p = 0; p < P; p++) *code_at(co, i, P, p) = (uint8_t)co->q.zero;
+    return !bad;
+}
+
+/* The ISA's float kernel on output channels that all read act (in_plane 0, codes NULL). */
+static void dw_floats(const QGemmDw *d) {
+    switch (qgemm_isa()) {
+    case QGEMM_ISA_AMX:
+    case QGEMM_ISA_AVX512_VNNI: qgemm_dw_vnni(d); break;
+    case QGEMM_ISA_AVXVNNI:
+    case QGEMM_ISA_AVX2: qgemm_dw_avx2(d); break;
+    default: qgemm_dw_portable(d); break;
+    }
+}
+
+bool qgemm_dw(const QGemmDw *d) {
+    if (qgemm_isa() == QGEMM_ISA_PORTABLE) return qgemm_dw_portable(d);
+    if (qgemm_use_vnni() && qgemm_dw_rows_fit(d)) return qgemm_dw_rows_vnni(d);
+    const size_t P = (size_t)d->oh_n * d->ow_n;
+    QGemmDw one = *d;
+    one.codes = NULL, one.in_plane = 0;
+    if (!d->in_plane) dw_floats(&one);
+    else
+        for (int i = 0; i < d->n_oc; i++) {
+            one.act = d->act + (size_t)i * d->in_plane, one.oc0 = d->oc0 + i, one.n_oc = 1;
+            one.out = d->out + (size_t)i * P;
+            dw_floats(&one);
+        }
+    const QGemmCodesOut *co = d->codes;
+    if (!co) return true;
+    if (!co->quad_plane) return qgemm_quantize_u8(co->dst, d->out, (size_t)d->n_oc * P, co->q.s, co->q.lo, co->q.hi,
+                                                  co->q.zero);
+    bool ok = true;
+    for (int g = 0; 4 * g < d->n_oc; g++) {
+        const float *r[4];
+        for (int k = 0; k < 4; k++) r[k] = 4 * g + k < d->n_oc ? d->out + (size_t)(4 * g + k) * P : NULL;
+        ok &= qgemm_quantize_u8x4((uint32_t *)(void *)co->dst + (size_t)g * co->quad_plane, 0, r, 0, 1, (int)P, &co->q);
+    }
+    return ok;
 }
 
 void qgemm_gather_u8x4_portable(uint32_t *dst, const uint8_t *const src[4], const size_t step[4], int rows, int n,

@@ -194,6 +194,23 @@ size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g);
 void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 
+/* qgemm_quantize_u8's arguments s, lo, hi, zero. */
+typedef struct {
+    float s, lo, hi;
+    int zero;
+} QGemmCodes;
+
+/* A producer's outputs as the codes its reader takes instead of floats: each value y quantized as
+ * qgemm_quantize_u8 quantizes it (the same bits), stored plain (quad_plane 0: output channel i's P codes at
+ * dst + i P, P the outputs of a channel) or by channel quads (dword p of quad g at dst + 4 (g quad_plane + p),
+ * bytes 0 .. 3 the codes of channels 4 g .. 4 g + 3, the zero point for channels past the last), i counted from
+ * the call's first output channel. */
+typedef struct {
+    QGemmCodes q;
+    uint8_t *dst;
+    size_t quad_plane;         /* 0: plain; else dwords per quad, at least P */
+} QGemmCodesOut;
+
 /* ---- depthwise: one input channel per output channel ------------------------------------------------------------ */
 
 /* The weight of a convolution whose every output channel reads one input
@@ -214,27 +231,36 @@ typedef struct {
 QtStatus qgemm_pack_dw(QGemmPackedDw *p, const int8_t *w, int channels, int kh, int kw, QtError *err);
 void qgemm_packed_dw_free(QGemmPackedDw *p);
 
-/* Output channels [oc0, oc0 + n_oc) of one image, all reading one input
- * channel's codes act (in_h, in_w), unpadded: code u(i, j) = act[i in_w + j]
- * inside, a_zero (whose term is 0) in the padding around it, pad_t rows
- * above and pad_l columns left (and below and right as far as the outputs
- * reach):
+/* Output channels [oc0, oc0 + n_oc) of one image, each reading one input
+ * channel's codes (in_h, in_w), unpadded: all of them act's (in_plane 0,
+ * a depthwise conv of several outputs per input channel), or each its own
+ * (in_plane > 0: output channel oc0 + i reads act + i in_plane, one output
+ * per input channel). Code u(i, j) = act[i in_w + j] inside, a_zero (whose
+ * term is 0) in the padding around it, pad_t rows above and pad_l columns
+ * left (and below and right as far as the outputs reach):
  *   s = sum over r < kh, c < kw of (u(oh sh + r - pad_t, ow sw + c - pad_l) - a_zero) w[oc][r][c]
- *   out[(oc - oc0) * oh_n * ow_n + oh * ow_n + ow] = fmaf((float)s, scale[oc], bias ? bias[oc] : 0),
- * relu'd if relu (as nn's relu: 0 unless y > 0). The VNNI kernel first
- * gathers each padded row's dwords of 4 codes for every output column into
- * scratch (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so
- * nothing outside act is read); the AVX2 one widens the padded rows there
- * to int16 (reading nothing outside act either);
- * the portable one sums the codes directly. */
+ *   y = fmaf((float)s, scale[oc], bias ? bias[oc] : 0), relu'd if relu (as nn's relu: 0 unless y > 0)
+ *   out[(oc - oc0) * oh_n * ow_n + oh * ow_n + ow] = y,
+ * or, with codes, y's code in codes' layout (qgemm_dw then returns false if
+ * some y is NaN or infinite; out is scratch then, overwritten on the paths
+ * that make the floats first). The VNNI kernel first gathers each padded
+ * row's dwords of 4 codes for every output column into scratch
+ * (qgemm_dw_scratch bytes, 64-byte aligned; masked loads, so nothing
+ * outside act is read), except for 3-row kernels of up to 4 columns at
+ * stride 1 with one output per input channel: those gather each row in
+ * registers, run 4 channels at a time and quantize there; the AVX2 one
+ * widens the padded rows in scratch to int16 (reading nothing outside act
+ * either); the portable one sums the codes directly. */
 typedef struct {
-    const uint8_t *act;        /* (in_h, in_w) */
+    const uint8_t *act;        /* (in_h, in_w), or (n_oc, in_plane) */
+    size_t in_plane;           /* 0, or the bytes from one input channel's codes to the next */
     int in_h, in_w, pad_t, pad_l;
     int oh_n, ow_n, sh, sw;    /* output rows and columns, strides */
     const QGemmPackedDw *w;
     int oc0, n_oc;
     int a_zero;                /* 0..255 */
     float *out;                /* (n_oc, oh_n, ow_n) */
+    const QGemmCodesOut *codes; /* or NULL: the outputs as floats in out */
     const float *scale;        /* [channels] */
     const float *bias;         /* [channels] or NULL */
     bool relu;
@@ -242,9 +268,10 @@ typedef struct {
 } QGemmDw;
 
 size_t qgemm_dw_scratch(const QGemmPackedDw *w, int oh_n, int ow_n, int sh);
-void qgemm_dw(const QGemmDw *d);
-/* The plain C definition (exact int32 sums, one fmaf), bit for bit the VNNI kernel's outputs. */
-void qgemm_dw_portable(const QGemmDw *d);
+bool qgemm_dw(const QGemmDw *d);
+/* The plain C definition (exact int32 sums, one fmaf, the codes of qgemm_quantize_u8_portable), bit for bit the
+ * VNNI kernels' outputs. */
+bool qgemm_dw_portable(const QGemmDw *d);
 
 /* ---- quantizing activations ------------------------------------------------------------------------------------ */
 
@@ -255,11 +282,6 @@ void qgemm_dw_portable(const QGemmDw *d);
 bool qgemm_quantize_u8(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8_portable(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 
-/* qgemm_quantize_u8's arguments s, lo, hi, zero. */
-typedef struct {
-    float s, lo, hi;
-    int zero;
-} QGemmCodes;
 
 /* Four float planes straight to the dwords of the taps kernels' channel
  * groups: for h < rows, i < n,

@@ -28,6 +28,12 @@ void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
  * stride, epi NONE or RELU. */
 void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 void qgemm_dw_vnni(const QGemmDw *d);
+/* The VNNI kernel with the rows in registers (qgemm_dw_x86.c) takes 3-row kernels of up to 4 columns at stride 1,
+ * one output channel per input channel. */
+static inline bool qgemm_dw_rows_fit(const QGemmDw *d) {
+    return d->in_plane > 0 && d->w->kh == 3 && d->w->kq == 1 && d->sh == 1 && d->sw == 1;
+}
+bool qgemm_dw_rows_vnni(const QGemmDw *d);
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero);
 bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *const x[4], size_t ldx, int rows, int n,
                               const QGemmCodes *c);

@@ -28,8 +28,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#define QG_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define QG_INLINE static inline __attribute__((always_inline))
+#include "qgemm_x86_inline.h"
+
 #define QG_V 3          /* vectors per register tile */
 #define S8_KB 512       /* qgemm_s8: K per packed block (a multiple of 4) */
 
@@ -38,8 +38,6 @@ static inline uint32_t load_u32(const uint8_t *p, int n) {
     memcpy(&v, p, (size_t)n);
     return v;
 }
-
-static inline __mmask16 lane_mask(int n) { return n >= QGEMM_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 /* ---- dense tiles ----------------------------------------------------------------------------------------------- */
 
@@ -334,13 +332,6 @@ QG_TARGET void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int
 
 /* ---- depthwise ------------------------------------------------------------------------------------------------- */
 
-/* The lanes i < n whose input column c0 + i lies in [0, w): the bytes a masked load may read. */
-static inline uint32_t dw_cols_mask(int c0, int w, int n) {
-    const int lo = c0 < 0 ? -c0 : 0, hi = w - c0 < n ? w - c0 : n;
-    if (hi <= lo) return 0;
-    return (uint32_t)((((uint64_t)1 << hi) - 1) & ~(((uint64_t)1 << lo) - 1));
-}
-
 /* The dwords of quad q for output columns v .. v + 15 of every padded row: dst[r * cols] = the codes of input
  * columns ow sw + 4 q - pad_l + 0 .. 3 of input row r - pad_t, a_zero outside the input. Stride 1: one masked
  * load of the row's bytes, its dwords spread over the 128-bit lanes (vpermd) and each lane's 4 overlapping
@@ -442,55 +433,6 @@ QG_TARGET void qgemm_dw_vnni(const QGemmDw *d) {
 }
 
 /* ---- quantizing ------------------------------------------------------------------------------------------------ */
-
-/* The quantizer's constants in registers. */
-typedef struct {
-    __m512 s, r, lo, hi, big, edge;
-    __m512i zero, absmask;
-    bool rcp; /* quotients through r = 1 / s (qgemm_rcp_ok) */
-} CodeRegs;
-
-QG_TARGET QG_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
-    return (CodeRegs){.s = _mm512_set1_ps(s), .r = _mm512_set1_ps(1.0f / s), .lo = _mm512_set1_ps(lo),
-                      .hi = _mm512_set1_ps(hi), .big = _mm512_set1_ps(3.40282347e38f),
-                      .edge = _mm512_set1_ps(QGEMM_RCP_EDGE), .zero = _mm512_set1_epi32(zero),
-                      .absmask = _mm512_set1_epi32(0x7fffffff), .rcp = qgemm_rcp_ok(s)};
-}
-
-/* The codes (int32 lanes, 0..255) of the lanes m of x; *bad gets the lanes that are NaN or infinite. */
-QG_TARGET QG_INLINE __m512i codes16(const CodeRegs *k, const float *x, __mmask16 m, __mmask16 *bad) {
-    const __m512 v = _mm512_maskz_loadu_ps(m, x);
-    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), k->absmask));
-    *bad |= _mm512_mask_cmp_ps_mask(m, a, k->big, _CMP_NLE_UQ);
-    __m512 y;
-    if (k->rcp) { /* x r, unless a lane lies near a half (qgemm_rcp_ok) */
-        y = _mm512_mul_ps(v, k->r);
-        const __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, i)),
-                                                                 k->absmask));
-        if (_mm512_cmp_ps_mask(dist, k->edge, _CMP_GT_OQ)) y = _mm512_div_ps(v, k->s);
-    } else {
-        y = _mm512_div_ps(v, k->s);
-    }
-    /* max returns its second operand when one is NaN: NaN -> lo, as the portable loop does */
-    const __m512 q = _mm512_min_ps(_mm512_max_ps(y, k->lo), k->hi);
-    return _mm512_add_epi32(_mm512_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
-}
-
-/* The fast form of codes16 where k->rcp: y = x r for the lanes m of x (0 elsewhere), *odd getting the lanes that
- * lie within 2^-10 of a half or are not finite (their distance is NaN), for which the caller runs codes16. */
-QG_TARGET QG_INLINE __m512 rcp16(const CodeRegs *k, const float *x, __mmask16 m, __mmask16 *odd) {
-    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x), k->r);
-    const __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, i)), k->absmask));
-    *odd |= _mm512_cmp_ps_mask(dist, k->edge, _CMP_NLE_UQ);
-    return y;
-}
-
-/* The codes of rcp16's y. */
-QG_TARGET QG_INLINE __m512i rcp_codes16(const CodeRegs *k, __m512 y) {
-    return _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(y, k->lo), k->hi)), k->zero);
-}
 
 QG_TARGET bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     const CodeRegs k = code_regs(s, lo, hi, zero);

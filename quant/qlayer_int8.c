@@ -40,7 +40,12 @@
  * and output column, the dwords of 4 consecutive codes (one per quad of
  * kernel columns; masked loads put a_zero outside the image), then one
  * vpdpbusd per (kernel row, quad) for 16 output columns with the channel's
- * weight dword broadcast. A dilated conv, one with several input channels
+ * weight dword broadcast. One output per input channel and a 3-row kernel
+ * of up to 4 columns at stride 1 (DS-CNN's and MobileNet's 3x3) takes
+ * qgemm_dw_x86.c's kernel instead: each row's windows gathered into a
+ * register and kept for the 3 output rows that read them, 4 channels side
+ * by side, the outputs quantized there when handing off (no float output
+ * in scratch). A dilated conv, one with several input channels
  * per group, or one group of several channels with per-axis geometry, runs
  * on its dequantized weight (INT8_WHY_GEOMETRY).
  *
@@ -60,7 +65,8 @@
  * the op is an int8 conv2d and they are too, all with one quantizer and
  * layout (qlayer_int8_reads_codes), the op writes
  * each image's output into its thread's scratch and quantizes it there with
- * the readers' quantizer into its output Var's buffer (Var.codes: bytes, not
+ * the readers' quantizer (the depthwise rows kernel quantizes in registers)
+ * into its output Var's buffer (Var.codes: bytes, not
  * floats); a reader takes the codes in place of quantizing: depthwise as
  * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and
  * cols copied. For readers on ch4 or ph4 the producer quantizes straight
@@ -491,9 +497,17 @@ bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *
         const float *r[4];
         for (int k = 0; k < 4; k++) r[k] = 4 * g + k < C ? y + (size_t)(4 * g + k) * P : NULL;
         ok &= qgemm_quantize_u8x4(p, 0, r, 0, 1, (int)P, &a);
-        qlayer_int8_fill_dwords(p + P, hand->plane - P, (uint32_t)hand->zero * 0x01010101u); /* what the taps read past */
     }
+    qlayer_int8_handoff_tails(hand, dst, C, P);
     return ok;
+}
+
+/* The zero points past each quad's P codes at dst (plane > 0): what the reader's taps read past the image. */
+void qlayer_int8_handoff_tails(const VarCodes *hand, uint8_t *dst, int C, size_t P) {
+    if (!hand->plane) return;
+    for (int g = 0; g < (C + 3) / 4; g++)
+        qlayer_int8_fill_dwords((uint32_t *)(void *)dst + (size_t)g * hand->plane + P, hand->plane - P,
+                                (uint32_t)hand->zero * 0x01010101u);
 }
 
 /* The bytes of one image's codes at plane > 0 (qlayer_int8_handoff_var's layout). */

@@ -1,8 +1,9 @@
 /* qlayer_int8_dw.c - the depthwise conv2d's int8 forward (qlayer_int8.h, qlayer_int8_conv_dw): every output
  * channel reads one input channel; each image is one task, its codes quantized in one pass (or as handed over),
- * then per input channel qgemm_dw, which pads itself; the relu in the kernel, a 2x2 max pool over an input
- * channel's outputs in scratch; handing off, the image's output in scratch to its reader's codes or a pool's
- * means (qlayer_int8.c, "Hand-off"). */
+ * then qgemm_dw, which pads itself: for all channels at once where each output channel reads its own, writing
+ * the reader's codes itself when handing off; else per input channel, the relu in the kernel, a 2x2 max pool
+ * over an input channel's outputs in scratch, and handing off the image's output in scratch to its reader's
+ * codes. A pool's means come from the floats in scratch (qlayer_int8.c, "Hand-off"). */
 #include <string.h>
 
 #include "nn/pool2x2.h"
@@ -38,8 +39,10 @@ static void dw_pool(float *y, const float *r, const DwJob *j) {
         }
 }
 
-/* One image: its codes in one pass (or as handed over), then each input channel's M output channels (the kernel
- * pads); handing off, the image's output in scratch, then its codes. */
+/* One image: its codes in one pass (or as handed over), then the kernel, which pads: one call for all channels
+ * where each output channel reads its own input channel and no pool follows (handing off, the kernel writes the
+ * reader's codes itself), else a call per input channel for its M output channels (handing off, the image's
+ * output in scratch, then its codes). */
 static void dw_task(void *ctx, int n, int n_tasks) {
     (void)n_tasks;
     DwJob *j = ctx;
@@ -53,16 +56,28 @@ static void dw_task(void *ctx, int n, int n_tasks) {
     float *y = j->hand || j->means ? (float *)(work + j->out_at) : j->y + (size_t)n * out_img; /* (OC, YH, YW) */
     QGemmDw d = j->d;
     d.scratch = (uint32_t *)(work + j->dwords_at);
-    for (int c = 0; c < j->C; c++) {
-        float *yc = y + (size_t)c * j->M * j->YH * j->YW; /* (M, YH, YW) */
-        d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
-        qgemm_dw(&d);
-        if (j->pool) dw_pool(yc, pooled, j);
-    }
     const int OC = j->C * j->M;
     const size_t P = (size_t)j->YH * j->YW;
-    const bool out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, (uint8_t *)j->y + n * qlayer_int8_handoff_image_bytes(j->hand, OC, P), y,
-                                                  OC, P);
+    bool out_ok = true;
+    if (j->M == 1 && !j->pool) { /* one call for every channel, handing off as codes straight from the kernel */
+        const VarCodes *h = j->hand;
+        QGemmCodesOut co = {0};
+        if (h)
+            co = (QGemmCodesOut){.q = {.s = h->s, .lo = h->lo, .hi = h->hi, .zero = h->zero}, .quad_plane = h->plane,
+                                 .dst = (uint8_t *)j->y + n * qlayer_int8_handoff_image_bytes(h, OC, P)};
+        d.act = codes, d.in_plane = plane, d.oc0 = 0, d.n_oc = j->C, d.out = y, d.codes = h ? &co : NULL;
+        out_ok = qgemm_dw(&d);
+        if (h) qlayer_int8_handoff_tails(h, co.dst, OC, P);
+    } else {
+        for (int c = 0; c < j->C; c++) {
+            float *yc = y + (size_t)c * j->M * j->YH * j->YW; /* (M, YH, YW) */
+            d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
+            qgemm_dw(&d);
+            if (j->pool) dw_pool(yc, pooled, j);
+        }
+        out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, (uint8_t *)j->y + n * qlayer_int8_handoff_image_bytes(
+                                                                     j->hand, OC, P), y, OC, P);
+    }
     if (j->means) nn_plane_means(j->means + (size_t)n * OC, y, (size_t)OC, P);
     j->bad[n] = (uint8_t)((in_ok ? 0 : 1) | (out_ok ? 0 : 2));
 }

@@ -64,6 +64,8 @@ Var *qlayer_int8_handoff_var(Tape *t, int ndim, const int *shape, const VarCodes
 bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P);
 /* The bytes of one image's codes. */
 size_t qlayer_int8_handoff_image_bytes(const VarCodes *hand, int C, size_t P);
+/* The zero points past each channel quad's P codes of one image's codes at dst (hand->plane > 0; else nothing). */
+void qlayer_int8_handoff_tails(const VarCodes *hand, uint8_t *dst, int C, size_t P);
 /* After the tasks, bad[i] for image i: 1, an input value not finite; 2, an output value the reader's quantizer
  * cannot code; false with the error. */
 bool qlayer_int8_checks_pass(Tape *t, const QLayer *q, const Var *x, const uint8_t *bad, int n);

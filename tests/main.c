@@ -69,6 +69,7 @@
     X(quant_qt_kern) \
     X(quant_int8) \
     X(quant_int8_dw) \
+    X(quant_int8_dw_rows) \
     X(quant_int8_handoff) \
     X(device_rt)  \
     X(bench_cmd)  \
