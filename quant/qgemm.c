@@ -258,17 +258,34 @@ static float taps_value(const QGemmTaps *g, int r, uint32_t acc) {
     return g->epi == QGEMM_EPI_NONE || y > 0.0f ? y : 0.0f;
 }
 
-/* Row r, vector v from its 16 wrapped sums: the masked lanes, in order; or, pooling, all 16 lanes into row s of
- * the pool buffer. */
-static void taps_store(const QGemmTaps *g, int r, int s, int v, const uint32_t *acc) {
+static uint8_t code_u8(float x, float s, float lo, float hi, int zero, int *bad);
+static uint8_t *code_at(const QGemmCodesOut *co, int i, size_t P, size_t p);
+
+/* Row r, vector v from its 16 wrapped sums: the masked lanes, in order, as floats or codes; or, pooling, all 16
+ * lanes into row s of the pool buffer. */
+static void taps_store(const QGemmTaps *g, int r, int s, int v, const uint32_t *acc, int *bad) {
     if (g->epi == QGEMM_EPI_RELU_POOL2) {
         float *dst = g->pool_buf + ((size_t)s * g->n_vec + v) * QGEMM_LANES;
         for (int l = 0; l < QGEMM_LANES; l++) dst[l] = taps_value(g, r, acc[l]);
         return;
     }
-    float *dst = g->out + (size_t)r * g->ldo + g->vec_pos[v];
-    for (int l = 0, at = 0; l < QGEMM_LANES; l++)
-        if (g->vec_mask[v] >> l & 1) dst[at++] = taps_value(g, r, acc[l]);
+    const QGemmCodesOut *co = g->codes;
+    const size_t pos = (size_t)g->vec_pos[v];
+    for (int l = 0, at = 0; l < QGEMM_LANES; l++) {
+        if (!(g->vec_mask[v] >> l & 1)) continue;
+        const float y = taps_value(g, r, acc[l]);
+        if (co) *code_at(co, r, g->ldo, pos + (size_t)at++) = code_u8(y, co->q.s, co->q.lo, co->q.hi, co->q.zero, bad);
+        else g->out[(size_t)r * g->ldo + pos + (size_t)at++] = y;
+    }
+}
+
+/* Codes by quads: the zero point in the bytes of the last quad's channels past rows, at the vectors' pixels. */
+static void taps_quad_tail(const QGemmTaps *g, int v0, int v1) {
+    const QGemmCodesOut *co = g->codes;
+    for (int r = g->w->rows; r % 4; r++)
+        for (int v = v0; v < v1; v++)
+            for (int k = 0; k < __builtin_popcount(g->vec_mask[v]); k++)
+                *code_at(co, r, g->ldo, (size_t)g->vec_pos[v] + (size_t)k) = (uint8_t)co->q.zero;
 }
 
 /* The 2x2 windows of row block rb's relu'd outputs in the pool buffer -> out. */
@@ -284,9 +301,10 @@ static void taps_pool(const QGemmTaps *g, int rb) {
     }
 }
 
-void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+bool qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     const QGemmPackedTaps *w = g->w;
     const bool pool = g->epi == QGEMM_EPI_RELU_POOL2;
+    int bad = 0;
     rb0 = clip(rb0, 0, w->row_blocks), rb1 = clip(rb1, rb0, w->row_blocks);
     v0 = pool ? 0 : clip(v0, 0, g->n_vec), v1 = pool ? g->n_vec : clip(v1, v0, g->n_vec);
     for (int rb = rb0; rb < rb1; rb++) {
@@ -301,10 +319,12 @@ void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
                     for (int l = 0; l < QGEMM_LANES; l++)
                         acc[l] += src[4 * l] * w0 + src[4 * l + 1] * w1 + src[4 * l + 2] * w2 + src[4 * l + 3] * w3;
                 }
-                taps_store(g, rb * QGEMM_ROWS + s, s, v, acc);
+                taps_store(g, rb * QGEMM_ROWS + s, s, v, acc, &bad);
             }
         if (pool) taps_pool(g, rb);
     }
+    if (g->codes && g->codes->quad_plane && rb1 == w->row_blocks && rb0 < rb1) taps_quad_tail(g, v0, v1);
+    return !bad;
 }
 
 /* Whether the AMX kernel takes g (qgemm_taps): tiles packed, no pool, one strided operand. */
@@ -325,16 +345,56 @@ size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g) {
     return 8 * ((size_t)hi + (size_t)g->n_vec * QGEMM_LANES);
 }
 
-void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+/* The floats of rows [r0, r1) at vectors [v0, v1) in out -> their codes (qgemm_taps with codes, on a family that
+ * makes the floats first). Quads take whole quads: r0 and r1 multiples of 8, or r1 = rows. */
+static bool taps_codes_from_out(const QGemmTaps *g, int r0, int r1, int v0, int v1) {
+    const QGemmCodesOut *co = g->codes;
+    bool ok = true;
+    for (int v = v0; v < v1; v++) {
+        const int n = __builtin_popcount(g->vec_mask[v]);
+        const size_t pos = (size_t)g->vec_pos[v];
+        if (!n) continue;
+        if (!co->quad_plane) {
+            for (int r = r0; r < r1; r++)
+                ok &= qgemm_quantize_u8(co->dst + (size_t)r * g->ldo + pos, g->out + (size_t)r * g->ldo + pos,
+                                        (size_t)n, co->q.s, co->q.lo, co->q.hi, co->q.zero);
+            continue;
+        }
+        for (int r = r0; r < r1; r += 4) {
+            const float *x[4];
+            for (int k = 0; k < 4; k++) x[k] = r + k < r1 ? g->out + (size_t)(r + k) * g->ldo + pos : NULL;
+            uint32_t *dst = (uint32_t *)(void *)co->dst + (size_t)(r / 4) * co->quad_plane + pos;
+            ok &= qgemm_quantize_u8x4(dst, 0, x, 0, 1, n, &co->q);
+        }
+    }
+    return ok;
+}
+
+bool qgemm_taps_codes_direct(const QGemmTaps *g) {
+    const QGemmIsa isa = qgemm_isa();
+    return g->epi != QGEMM_EPI_RELU_POOL2 &&
+           (isa == QGEMM_ISA_PORTABLE || isa == QGEMM_ISA_AVX512_VNNI || (isa == QGEMM_ISA_AMX && !taps_amx_applies(g)));
+}
+
+bool qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    if (g->codes && g->epi != QGEMM_EPI_RELU_POOL2 && !qgemm_taps_codes_direct(g)) {
+        QGemmTaps f = *g;
+        f.codes = NULL;
+        qgemm_taps(&f, rb0, rb1, v0, v1);
+        const int rbs = g->w->row_blocks;
+        rb0 = clip(rb0, 0, rbs), rb1 = clip(rb1, rb0, rbs), v0 = clip(v0, 0, g->n_vec), v1 = clip(v1, v0, g->n_vec);
+        const int r1 = rb1 * QGEMM_ROWS < g->w->rows ? rb1 * QGEMM_ROWS : g->w->rows;
+        return taps_codes_from_out(g, rb0 * QGEMM_ROWS, r1, v0, v1);
+    }
     switch (qgemm_isa()) {
     case QGEMM_ISA_AMX:
         if (taps_amx_applies(g)) qgemm_taps_amx(g, rb0, rb1, v0, v1);
-        else qgemm_taps_vnni(g, rb0, rb1, v0, v1);
-        break;
-    case QGEMM_ISA_AVX512_VNNI: qgemm_taps_vnni(g, rb0, rb1, v0, v1); break;
-    case QGEMM_ISA_AVXVNNI: qgemm_taps_avxvnni(g, rb0, rb1, v0, v1); break;
-    case QGEMM_ISA_AVX2: qgemm_taps_avx2(g, rb0, rb1, v0, v1); break;
-    default: qgemm_taps_portable(g, rb0, rb1, v0, v1); break;
+        else return qgemm_taps_vnni(g, rb0, rb1, v0, v1);
+        return true;
+    case QGEMM_ISA_AVX512_VNNI: return qgemm_taps_vnni(g, rb0, rb1, v0, v1);
+    case QGEMM_ISA_AVXVNNI: qgemm_taps_avxvnni(g, rb0, rb1, v0, v1); return true;
+    case QGEMM_ISA_AVX2: qgemm_taps_avx2(g, rb0, rb1, v0, v1); return true;
+    default: return qgemm_taps_portable(g, rb0, rb1, v0, v1);
     }
 }
 

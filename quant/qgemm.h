@@ -145,6 +145,23 @@ typedef struct {
 QtStatus qgemm_pack_taps(QGemmPackedTaps *p, const uint32_t *w, int rows, int taps, QtError *err);
 void qgemm_packed_taps_free(QGemmPackedTaps *p);
 
+/* qgemm_quantize_u8's arguments s, lo, hi, zero. */
+typedef struct {
+    float s, lo, hi;
+    int zero;
+} QGemmCodes;
+
+/* A producer's outputs as the codes its reader takes instead of floats: each value y quantized as
+ * qgemm_quantize_u8 quantizes it (the same bits), stored plain (quad_plane 0: output channel i's P codes at
+ * dst + i P, P the outputs of a channel) or by channel quads (dword p of quad g at dst + 4 (g quad_plane + p),
+ * bytes 0 .. 3 the codes of channels 4 g .. 4 g + 3, the zero point for channels past the last), i counted from
+ * the call's first output channel. */
+typedef struct {
+    QGemmCodes q;
+    uint8_t *dst;
+    size_t quad_plane;         /* 0: plain; else dwords per quad, at least P */
+} QGemmCodesOut;
+
 /* What the taps kernels make of y = fmaf((float)sum, scale[r], bias ? bias[r] : 0). */
 typedef enum {
     QGEMM_EPI_NONE,       /* y */
@@ -164,7 +181,12 @@ typedef enum {
  * rows, so that epilogue computes every vector of each row block: v0 and
  * v1 are ignored, and each call needs a pool_buf of its own. A pitch of
  * 16, 32 or 48 (rows of whole vectors) lets the VNNI kernels take the
- * windows in registers, without the pool buffer, and skip a last odd row. */
+ * windows in registers, without the pool buffer, and skip a last odd row.
+ * With codes (no pool), the outputs go to codes' layout instead, channel r
+ * at pixel vec_pos[v] + k, P = ldo (the channels past rows in the last quad
+ * the zero point), and qgemm_taps returns false if some output is NaN or
+ * infinite; the VNNI and portable kernels quantize in their epilogue (out
+ * unused), the others write the floats to out first (scratch then). */
 typedef struct {
     const uint8_t *act;        /* dwords; the kernels read act[4 (off[t] + q) ...] for q < 16 n_vec */
     const int32_t *tap_off;    /* [taps] >= 0, in dwords */
@@ -183,6 +205,7 @@ typedef struct {
     int16_t *act_wide;         /* the AVX2 family: qgemm_taps_act_wide_bytes(g) bytes, 32-byte aligned, overwritten
                                 * with the codes the call reads widened to int16 (without it, the portable kernel
                                 * runs); the other families ignore it */
+    const QGemmCodesOut *codes; /* or NULL: the outputs as floats in out */
 } QGemmTaps;
 
 /* Bytes of g->act_wide for the family qgemm_isa() runs now: 8 (max tap_off + 16 n_vec) for AVX2, else 0. */
@@ -191,25 +214,10 @@ size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g);
 /* Row blocks [rb0, rb1) and vectors [v0, v1); disjoint ranges may run on different threads. The AMX family
  * runs the taps on tiles where they form one strided operand (tap t at off[0] + t d: a 1x1 convolution's channel
  * quads), their count is a multiple of 16 and no pool follows; every other case takes the AVX-512 VNNI kernel. */
-void qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
-void qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
-
-/* qgemm_quantize_u8's arguments s, lo, hi, zero. */
-typedef struct {
-    float s, lo, hi;
-    int zero;
-} QGemmCodes;
-
-/* A producer's outputs as the codes its reader takes instead of floats: each value y quantized as
- * qgemm_quantize_u8 quantizes it (the same bits), stored plain (quad_plane 0: output channel i's P codes at
- * dst + i P, P the outputs of a channel) or by channel quads (dword p of quad g at dst + 4 (g quad_plane + p),
- * bytes 0 .. 3 the codes of channels 4 g .. 4 g + 3, the zero point for channels past the last), i counted from
- * the call's first output channel. */
-typedef struct {
-    QGemmCodes q;
-    uint8_t *dst;
-    size_t quad_plane;         /* 0: plain; else dwords per quad, at least P */
-} QGemmCodesOut;
+bool qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+bool qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+/* Whether qgemm_taps quantizes g's outputs in its epilogue on the family that runs now (else through out). */
+bool qgemm_taps_codes_direct(const QGemmTaps *g);
 
 /* ---- depthwise: one input channel per output channel ------------------------------------------------------------ */
 

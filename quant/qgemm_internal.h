@@ -23,7 +23,7 @@ bool qgemm_use_vnni(void);
 static inline bool qgemm_rcp_ok(float s) { return s >= 0x1p-125f && s <= 0x1p125f; }
 
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1);
-void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
+bool qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 /* The taps on AMX tiles (qgemm_amx.c) for the g qgemm_taps hands it: w->tiles set, taps a multiple of 16 at one
  * stride, epi NONE or RELU. */
 void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);

@@ -179,10 +179,74 @@ QG_TARGET QG_INLINE __m512 taps_y(const TapsRows *k, int r, __m512i sum, bool re
     return relu ? _mm512_max_ps(y, _mm512_setzero_ps()) : y;
 }
 
-/* One register tile: row block rb, vectors v0 .. v0 + V - 1, with the epilogue epi (a constant). */
-QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, const TapsRows *k, int rb, int v0, const int V, const int epi) {
+/* The rows of row block rb that exist. */
+static int block_rows(const QGemmTaps *g, int rb) {
+    const int n = g->w->rows - rb * QGEMM_ROWS;
+    return n < QGEMM_ROWS ? n : QGEMM_ROWS;
+}
+
+/* Where a tile's outputs go (a constant): floats, or codes plain or by channel quads (QGemmTaps.codes). */
+enum { TAPS_FLOATS, TAPS_PLAIN, TAPS_QUADS };
+
+/* The masked lanes m of a vector of 16 dwords (or int32 codes as bytes), in order, at dst: one store when all
+ * are, else packed to the front first. */
+QG_TARGET QG_INLINE void store_lanes32(uint32_t *dst, __mmask16 m, __m512i x) {
+    if (m == 0xFFFF) _mm512_storeu_si512((void *)dst, x);
+    else _mm512_mask_storeu_epi32(dst, lane_mask(__builtin_popcount(m)), _mm512_maskz_compress_epi32(m, x));
+}
+
+QG_TARGET QG_INLINE void store_lanes8(uint8_t *dst, __mmask16 m, __m512i x) {
+    if (m == 0xFFFF) _mm512_mask_cvtepi32_storeu_epi8(dst, 0xFFFF, x);
+    else _mm512_mask_cvtepi32_storeu_epi8(dst, lane_mask(__builtin_popcount(m)), _mm512_maskz_compress_epi32(m, x));
+}
+
+/* A tile's outputs as codes: rows r of the block at vector v0 + v, plain (each row's bytes) or by quads (rows
+ * 4 q .. 4 q + 3 of the block in one dword; rows past the last take the zero point). */
+QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, const CodeRegs *cr, __mmask16 *bad,
+                                         __m512i acc[QGEMM_ROWS][QG_V], int rb, int v0, const int V, const int epi,
+                                         const int out) {
+    const QGemmCodesOut *co = g->codes;
+    const int rows = block_rows(g, rb);
+#pragma GCC unroll 3
+    for (int v = 0; v < V; v++) {
+        const __mmask16 m = g->vec_mask[v0 + v];
+        if (!m) continue;
+        const size_t pos = (size_t)g->vec_pos[v0 + v];
+        if (out == TAPS_PLAIN) {
+#pragma GCC unroll 8
+            for (int r = 0; r < QGEMM_ROWS; r++) {
+                if (r >= rows) break;
+                const __m512i c = codes_fast16(cr, taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE), m, bad);
+                store_lanes8(co->dst + (size_t)(rb * QGEMM_ROWS + r) * g->ldo + pos, m, c);
+            }
+            continue;
+        }
+#pragma GCC unroll 2
+        for (int q = 0; q < QGEMM_ROWS / 4; q++) {
+            if (4 * q >= rows) break;
+            __m512i d = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++) {
+                const int r = 4 * q + b;
+                const __m512i c = r < rows ? codes_fast16(cr, taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE), m, bad)
+                                           : cr->zero;
+                d = _mm512_or_si512(d, _mm512_slli_epi32(c, 8 * b));
+            }
+            store_lanes32((uint32_t *)(void *)co->dst + (size_t)(2 * rb + q) * co->quad_plane + pos, m, d);
+        }
+    }
+}
+
+/* One register tile: row block rb, vectors v0 .. v0 + V - 1, with the epilogue epi and the outputs' form out
+ * (constants). */
+QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, const TapsRows *k, const CodeRegs *cr, __mmask16 *bad, int rb,
+                                   int v0, const int V, const int epi, const int out) {
     __m512i acc[QGEMM_ROWS][QG_V];
     taps_acc(acc, g, k, rb, v0, V);
+    if (out != TAPS_FLOATS) {
+        taps_tile_codes(g, k, cr, bad, acc, rb, v0, V, epi, out);
+        return;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < QGEMM_ROWS; r++) {
         const int row = rb * QGEMM_ROWS + r;
@@ -230,12 +294,6 @@ QG_TARGET QG_INLINE void pool_columns(float *dst, const __m512 *m, const int vr,
                               : _mm512_max_ps(_mm512_permutexvar_ps(even, m[v]), _mm512_permutexvar_ps(odd, m[v]));
         _mm512_mask_storeu_ps(dst + j, lane_mask(n), y);
     }
-}
-
-/* The rows of row block rb that exist. */
-static int block_rows(const QGemmTaps *g, int rb) {
-    const int n = g->w->rows - rb * QGEMM_ROWS;
-    return n < QGEMM_ROWS ? n : QGEMM_ROWS;
 }
 
 /* Output rows of vr vectors each (pitch 16 vr): pooled row i of row block rb. One vector a row: both window rows
@@ -293,12 +351,13 @@ QG_TARGET static void taps_pool_buffer(const QGemmTaps *g, int rb) {
 /* ---- dispatch -------------------------------------------------------------------------------------------------- */
 
 /* Vectors [v0, v1) of row block rb, 3 at a time. */
-QG_TARGET QG_INLINE void taps_block(const QGemmTaps *g, const TapsRows *k, int rb, int v0, int v1, const int epi) {
+QG_TARGET QG_INLINE void taps_block(const QGemmTaps *g, const TapsRows *k, const CodeRegs *cr, __mmask16 *bad, int rb,
+                                    int v0, int v1, const int epi, const int out) {
     for (int v = v0; v < v1; v += QG_V) {
         const int V = v1 - v < QG_V ? v1 - v : QG_V;
-        if (V == 3) taps_tile(g, k, rb, v, 3, epi);
-        else if (V == 2) taps_tile(g, k, rb, v, 2, epi);
-        else taps_tile(g, k, rb, v, 1, epi);
+        if (V == 3) taps_tile(g, k, cr, bad, rb, v, 3, epi, out);
+        else if (V == 2) taps_tile(g, k, cr, bad, rb, v, 2, epi, out);
+        else taps_tile(g, k, cr, bad, rb, v, 1, epi, out);
     }
 }
 
@@ -306,7 +365,7 @@ QG_TARGET QG_INLINE void taps_block(const QGemmTaps *g, const TapsRows *k, int r
 QG_TARGET static void taps_pool(const QGemmTaps *g, const TapsRows *k, int rb) {
     const int vr = g->pitch % QGEMM_LANES ? 0 : g->pitch / QGEMM_LANES;
     if (vr < 1 || vr > QG_V) {
-        taps_block(g, k, rb, 0, g->n_vec, QGEMM_EPI_RELU_POOL2);
+        taps_block(g, k, NULL, NULL, rb, 0, g->n_vec, QGEMM_EPI_RELU_POOL2, TAPS_FLOATS);
         taps_pool_buffer(g, rb);
         return;
     }
@@ -317,17 +376,32 @@ QG_TARGET static void taps_pool(const QGemmTaps *g, const TapsRows *k, int rb) {
     }
 }
 
-QG_TARGET void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
-    const int rbs = g->w->row_blocks;
-    rb0 = rb0 < 0 ? 0 : rb0, rb1 = rb1 > rbs ? rbs : rb1;
-    v0 = v0 < 0 ? 0 : v0, v1 = v1 > g->n_vec ? g->n_vec : v1;
+/* Row blocks [rb0, rb1) with the outputs' form out (a constant). */
+QG_TARGET QG_INLINE void taps_run(const QGemmTaps *g, const CodeRegs *cr, __mmask16 *bad, int rb0, int rb1, int v0,
+                                  int v1, const int out) {
     for (int rb = rb0; rb < rb1; rb++) {
         TapsRows k;
         taps_rows(&k, g, rb);
         if (g->epi == QGEMM_EPI_RELU_POOL2) taps_pool(g, &k, rb);
-        else if (g->epi == QGEMM_EPI_RELU) taps_block(g, &k, rb, v0, v1, QGEMM_EPI_RELU);
-        else taps_block(g, &k, rb, v0, v1, QGEMM_EPI_NONE);
+        else if (g->epi == QGEMM_EPI_RELU) taps_block(g, &k, cr, bad, rb, v0, v1, QGEMM_EPI_RELU, out);
+        else taps_block(g, &k, cr, bad, rb, v0, v1, QGEMM_EPI_NONE, out);
     }
+}
+
+QG_TARGET bool qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    const int rbs = g->w->row_blocks;
+    rb0 = rb0 < 0 ? 0 : rb0, rb1 = rb1 > rbs ? rbs : rb1;
+    v0 = v0 < 0 ? 0 : v0, v1 = v1 > g->n_vec ? g->n_vec : v1;
+    const QGemmCodesOut *co = g->epi == QGEMM_EPI_RELU_POOL2 ? NULL : g->codes;
+    if (!co) {
+        taps_run(g, NULL, NULL, rb0, rb1, v0, v1, TAPS_FLOATS);
+        return true;
+    }
+    const CodeRegs cr = code_regs(co->q.s, co->q.lo, co->q.hi, co->q.zero);
+    __mmask16 bad = 0;
+    if (co->quad_plane) taps_run(g, &cr, &bad, rb0, rb1, v0, v1, TAPS_QUADS);
+    else taps_run(g, &cr, &bad, rb0, rb1, v0, v1, TAPS_PLAIN);
+    return bad == 0;
 }
 
 /* ---- depthwise ------------------------------------------------------------------------------------------------- */
@@ -605,7 +679,7 @@ void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     qgemm_dense_portable(d, row0, row1, p0, p1);
 }
-void qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
+bool qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { return qgemm_taps_portable(g, rb0, rb1, v0, v1); }
 void qgemm_dw_vnni(const QGemmDw *d) { qgemm_dw_portable(d); }
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);

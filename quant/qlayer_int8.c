@@ -65,7 +65,9 @@
  * the op is an int8 conv2d and they are too, all with one quantizer and
  * layout (qlayer_int8_reads_codes), the op writes
  * each image's output into its thread's scratch and quantizes it there with
- * the readers' quantizer (the depthwise rows kernel quantizes in registers)
+ * the readers' quantizer (the VNNI and portable taps kernels, where no
+ * residual sum follows, and the depthwise rows kernel quantize in their
+ * epilogue instead, in registers: QGemmCodesOut)
  * into its output Var's buffer (Var.codes: bytes, not
  * floats); a reader takes the codes in place of quantizing: depthwise as
  * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and

@@ -1,6 +1,7 @@
 /* qlayer_int8_conv.c - the plain conv2d's int8 forward (qlayer_int8.h, qlayer_int8_conv_fused): each image is one
  * task that builds its planes of codes (ch4, kw4, ph4 or cols, as qlayer_int8.c's opening comment describes), runs
- * the taps kernel with its epilogue, adds a residual, and hands its output off as codes or means. */
+ * the taps kernel with its epilogue, adds a residual, and hands its output off as codes (made by the kernel itself
+ * where its family quantizes in the epilogue and no residual follows) or means. */
 #include <string.h>
 
 #include "nn/ops.h"
@@ -248,11 +249,22 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     g.out = j->hand || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
     g.act_wide = (int16_t *)(void *)(codes + j->wide_at);
-    qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
-    if (j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
     const size_t P = j->out_img / (size_t)j->OC;
-    const bool out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, j->yc + n * qlayer_int8_handoff_image_bytes(j->hand, j->OC, P), g.out,
-                                                  j->OC, P);
+    const VarCodes *h = j->hand;
+    uint8_t *yc = h ? j->yc + n * qlayer_int8_handoff_image_bytes(h, j->OC, P) : NULL;
+    /* handing off without a residual sum, the kernel writes the reader's codes itself where its family can */
+    const QGemmCodesOut co = {.q = {.s = h ? h->s : 1.0f, .lo = h ? h->lo : 0.0f, .hi = h ? h->hi : 0.0f,
+                                    .zero = h ? h->zero : 0}, .dst = yc, .quad_plane = h ? h->plane : 0};
+    g.codes = h && !j->res ? &co : NULL;
+    const bool direct = g.codes && qgemm_taps_codes_direct(&g);
+    if (!direct) g.codes = NULL;
+    bool out_ok = qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    if (direct) {
+        qlayer_int8_handoff_tails(h, yc, j->OC, P);
+    } else {
+        if (j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
+        out_ok = !h || qlayer_int8_handoff_image(h, yc, g.out, j->OC, P);
+    }
     if (j->means) nn_plane_means(j->means + (size_t)n * j->OC, g.out, (size_t)j->OC, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
 }

@@ -70,6 +70,7 @@
     X(quant_int8) \
     X(quant_int8_dw) \
     X(quant_int8_dw_rows) \
+    X(quant_taps_codes) \
     X(quant_int8_handoff) \
     X(device_rt)  \
     X(bench_cmd)  \
