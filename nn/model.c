@@ -581,19 +581,24 @@ static ConvFusion model_fusable_layers(const Model *m, const Tape *t, int i) {
 }
 
 /* The modules that read module e's output, for Tape.handoff: in a forward without gradients whose outputs are not
- * kept, every later module reading it, when each has it as its one input and there are at most TAPE_HANDOFF_MAX;
- * else none (no reader, a merge among them, or e the model's output). */
+ * kept, every later module that has it as its one input, when there are 1 to TAPE_HANDOFF_MAX of them; the
+ * merges among its readers (a residual add) then take its floats (Tape.handoff_keep). Else none (no reader of one
+ * input, or e the model's output). */
 static void handoff_readers(const Model *m, Tape *t, int e) {
-    t->n_handoff = 0;
+    t->n_handoff = 0, t->handoff_keep = false;
     if (t->grad_enabled || m->keep_outputs || e + 1 >= m->n_modules) return;
-    int n = 0;
+    int n = 0, merges = 0;
     for (int k = e + 1; k < m->n_modules; k++)
         for (int q = 0; q < m->modules[k].n_inputs; q++)
             if (m->modules[k].inputs[q] == e) {
-                if (m->modules[k].n_inputs != 1 || n == TAPE_HANDOFF_MAX) return;
+                if (m->modules[k].n_inputs != 1) {
+                    merges++;
+                    continue;
+                }
+                if (n == TAPE_HANDOFF_MAX) return;
                 t->handoff[n++] = &m->modules[k];
             }
-    if (n == m->modules[e].n_consumers) t->n_handoff = n;
+    if (n && n + merges == m->modules[e].n_consumers) t->n_handoff = n, t->handoff_keep = merges > 0;
 }
 
 Var *model_forward(Model *m, Tape *t, Var *x) {
@@ -623,7 +628,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
             Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, f.bias, f.epi)
                                        : nn_conv2d_fused(t, in, &mod->weight->var, f.bias, mod->spec.stride,
                                                          mod->spec.padding, f.epi);
-            t->n_handoff = 0, t->residual = NULL;
+            t->n_handoff = 0, t->handoff_keep = false, t->residual = NULL;
             if (!y && !tape_ok(t)) return NULL;
             if (y) {
                 for (int q = i; q < i + f.n - 1; q++) outs[1 + q] = NULL; /* never made */
@@ -638,7 +643,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
         }
         handoff_readers(m, t, i);
         Var *y = model_step(m, t, i, outs);
-        t->n_handoff = 0;
+        t->n_handoff = 0, t->handoff_keep = false;
         if (!y) return NULL;
         if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
         else if (!m->keep_outputs) model_graph_train_memory(m, t, i, false);

@@ -101,6 +101,7 @@ struct Tape {
                                      TAPE_HANDOFF_MAX of them): those modules, whose hooks may take the output as
                                      their input codes (Var.codes), when they all take the same ones */
     int n_handoff;      /* 0: no hand-off */
+    bool handoff_keep;  /* with a hand-off: the output's floats are read too, by a merge (a residual add) */
     const Var *residual; /* set by model_forward while a fused_residual hook runs a conv whose output an add then
                             sums with this earlier output (same shape) before the epilogue: y = epi(conv + residual);
                             else NULL */

@@ -29,6 +29,8 @@ typedef struct VarCodes {
     float s, lo, hi;
     int zero;
     size_t plane;
+    bool floats;               /* the Var's value holds its floats too (another reader takes them: a residual add),
+                                * and data is a buffer of its own, as large */
 } VarCodes;
 
 /* A node of the autodiff graph. Parameters own their value and grad for the
@@ -43,8 +45,9 @@ typedef struct Var {
                             * value by the op that wrote it (batchnorm_plane_moments) for the batch norm reading it */
     const struct NnAffineRelu *view; /* or NULL: value.data is never written (NULL); the value is relu(an affine map
                             * of another Var), which the one reader that knows computes as it reads (nn/ops.h) */
-    const VarCodes *codes; /* or NULL: value.data holds the codes' bytes, not floats; only the readers whose
-                            * input quantizer they are read it (a forward without gradients, Tape.handoff) */
+    const VarCodes *codes; /* or NULL: value.data holds the codes' bytes, not floats (unless codes->floats); only
+                            * the readers whose input quantizer they are read them (a forward without gradients,
+                            * Tape.handoff) */
     const float *means;    /* (N, C) or NULL: each plane's mean as nn_globalavgpool makes it (nn_plane_mean),
                             * made by the op that wrote this Var for a globalavgpool that alone reads it; value.data
                             * is then never written (a forward without gradients, Tape.handoff) */

@@ -258,6 +258,13 @@ static float taps_value(const QGemmTaps *g, int r, uint32_t acc) {
     return g->epi == QGEMM_EPI_NONE || y > 0.0f ? y : 0.0f;
 }
 
+/* y + the residual at out index o, relu'd if res_relu (nn_add's sum, nn_relu's relu); y without res. */
+static float taps_sum(const QGemmTaps *g, float y, size_t o) {
+    if (!g->res) return y;
+    const float v = y + g->res[o];
+    return !g->res_relu || v > 0.0f ? v : 0.0f;
+}
+
 static uint8_t code_u8(float x, float s, float lo, float hi, int zero, int *bad);
 static uint8_t *code_at(const QGemmCodesOut *co, int i, size_t P, size_t p);
 
@@ -273,9 +280,10 @@ static void taps_store(const QGemmTaps *g, int r, int s, int v, const uint32_t *
     const size_t pos = (size_t)g->vec_pos[v];
     for (int l = 0, at = 0; l < QGEMM_LANES; l++) {
         if (!(g->vec_mask[v] >> l & 1)) continue;
-        const float y = taps_value(g, r, acc[l]);
-        if (co) *code_at(co, r, g->ldo, pos + (size_t)at++) = code_u8(y, co->q.s, co->q.lo, co->q.hi, co->q.zero, bad);
-        else g->out[(size_t)r * g->ldo + pos + (size_t)at++] = y;
+        const size_t p = pos + (size_t)at++;
+        const float y = taps_sum(g, taps_value(g, r, acc[l]), (size_t)r * g->ldo + p);
+        if (co) *code_at(co, r, g->ldo, p) = code_u8(y, co->q.s, co->q.lo, co->q.hi, co->q.zero, bad);
+        if (!co || g->floats_too) g->out[(size_t)r * g->ldo + p] = y;
     }
 }
 
@@ -345,15 +353,22 @@ size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g) {
     return 8 * ((size_t)hi + (size_t)g->n_vec * QGEMM_LANES);
 }
 
-/* The floats of rows [r0, r1) at vectors [v0, v1) in out -> their codes (qgemm_taps with codes, on a family that
- * makes the floats first). Quads take whole quads: r0 and r1 multiples of 8, or r1 = rows. */
-static bool taps_codes_from_out(const QGemmTaps *g, int r0, int r1, int v0, int v1) {
+/* The floats of rows [r0, r1) at vectors [v0, v1) in out plus res (relu'd if res_relu), then their codes
+ * (qgemm_taps with res or codes, on a family that makes the floats first). Quads take whole quads: r0 and r1
+ * multiples of 8, or r1 = rows. */
+static bool taps_finish_out(const QGemmTaps *g, int r0, int r1, int v0, int v1) {
     const QGemmCodesOut *co = g->codes;
     bool ok = true;
     for (int v = v0; v < v1; v++) {
         const int n = __builtin_popcount(g->vec_mask[v]);
         const size_t pos = (size_t)g->vec_pos[v];
         if (!n) continue;
+        for (int r = r0; r < r1 && g->res; r++)
+            for (size_t i = 0; i < (size_t)n; i++) {
+                float *o = g->out + (size_t)r * g->ldo + pos + i;
+                *o = taps_sum(g, *o, (size_t)(o - g->out));
+            }
+        if (!co) continue;
         if (!co->quad_plane) {
             for (int r = r0; r < r1; r++)
                 ok &= qgemm_quantize_u8(co->dst + (size_t)r * g->ldo + pos, g->out + (size_t)r * g->ldo + pos,
@@ -377,14 +392,14 @@ bool qgemm_taps_codes_direct(const QGemmTaps *g) {
 }
 
 bool qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
-    if (g->codes && g->epi != QGEMM_EPI_RELU_POOL2 && !qgemm_taps_codes_direct(g)) {
+    if ((g->codes || g->res) && g->epi != QGEMM_EPI_RELU_POOL2 && !qgemm_taps_codes_direct(g)) {
         QGemmTaps f = *g;
-        f.codes = NULL;
+        f.codes = NULL, f.res = NULL;
         qgemm_taps(&f, rb0, rb1, v0, v1);
         const int rbs = g->w->row_blocks;
         rb0 = clip(rb0, 0, rbs), rb1 = clip(rb1, rb0, rbs), v0 = clip(v0, 0, g->n_vec), v1 = clip(v1, v0, g->n_vec);
         const int r1 = rb1 * QGEMM_ROWS < g->w->rows ? rb1 * QGEMM_ROWS : g->w->rows;
-        return taps_codes_from_out(g, rb0 * QGEMM_ROWS, r1, v0, v1);
+        return taps_finish_out(g, rb0 * QGEMM_ROWS, r1, v0, v1);
     }
     switch (qgemm_isa()) {
     case QGEMM_ISA_AMX:

@@ -182,11 +182,15 @@ typedef enum {
  * v1 are ignored, and each call needs a pool_buf of its own. A pitch of
  * 16, 32 or 48 (rows of whole vectors) lets the VNNI kernels take the
  * windows in registers, without the pool buffer, and skip a last odd row.
+ * With res (epi NONE, no pool), each output is y + res[r * ldo + vec_pos[v]
+ * + k] (nn_add's sum), relu'd if res_relu (a residual block's sum and relu).
  * With codes (no pool), the outputs go to codes' layout instead, channel r
  * at pixel vec_pos[v] + k, P = ldo (the channels past rows in the last quad
  * the zero point), and qgemm_taps returns false if some output is NaN or
- * infinite; the VNNI and portable kernels quantize in their epilogue (out
- * unused), the others write the floats to out first (scratch then). */
+ * infinite; with floats_too, out gets the floats as well. The VNNI and
+ * portable kernels add res and quantize in their
+ * epilogue (out unused with codes); the others write the floats to out
+ * first (scratch then), and qgemm_taps adds and quantizes after. */
 typedef struct {
     const uint8_t *act;        /* dwords; the kernels read act[4 (off[t] + q) ...] for q < 16 n_vec */
     const int32_t *tap_off;    /* [taps] >= 0, in dwords */
@@ -206,6 +210,9 @@ typedef struct {
                                 * with the codes the call reads widened to int16 (without it, the portable kernel
                                 * runs); the other families ignore it */
     const QGemmCodesOut *codes; /* or NULL: the outputs as floats in out */
+    const float *res;          /* (rows, ldo) or NULL: y + res at y's out index, then relu'd if res_relu (epi NONE) */
+    bool res_relu;
+    bool floats_too;           /* with codes: the floats go to out as well */
 } QGemmTaps;
 
 /* Bytes of g->act_wide for the family qgemm_isa() runs now: 8 (max tap_off + 16 n_vec) for AVX2, else 0. */
@@ -216,7 +223,8 @@ size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g);
  * quads), their count is a multiple of 16 and no pool follows; every other case takes the AVX-512 VNNI kernel. */
 bool qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
 bool qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1);
-/* Whether qgemm_taps quantizes g's outputs in its epilogue on the family that runs now (else through out). */
+/* Whether qgemm_taps sums g's res and quantizes its outputs in the kernel's epilogue on the family that runs now
+ * (else through out). */
 bool qgemm_taps_codes_direct(const QGemmTaps *g);
 
 /* ---- depthwise: one input channel per output channel ------------------------------------------------------------ */

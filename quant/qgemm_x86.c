@@ -188,16 +188,29 @@ static int block_rows(const QGemmTaps *g, int rb) {
 /* Where a tile's outputs go (a constant): floats, or codes plain or by channel quads (QGemmTaps.codes). */
 enum { TAPS_FLOATS, TAPS_PLAIN, TAPS_QUADS };
 
-/* The masked lanes m of a vector of 16 dwords (or int32 codes as bytes), in order, at dst: one store when all
- * are, else packed to the front first. */
+/* The masked lanes m of a vector of 16 dwords (or floats, or int32 codes as bytes), in order, at dst: one store
+ * when all are, else packed to the front first (the output lanes of a vector that covers padding columns). */
 QG_TARGET QG_INLINE void store_lanes32(uint32_t *dst, __mmask16 m, __m512i x) {
     if (m == 0xFFFF) _mm512_storeu_si512((void *)dst, x);
     else _mm512_mask_storeu_epi32(dst, lane_mask(__builtin_popcount(m)), _mm512_maskz_compress_epi32(m, x));
 }
 
+QG_TARGET QG_INLINE void store_lanes_ps(float *dst, __mmask16 m, __m512 y) {
+    if (m == 0xFFFF) _mm512_storeu_ps(dst, y);
+    else _mm512_mask_storeu_ps(dst, lane_mask(__builtin_popcount(m)), _mm512_maskz_compress_ps(m, y));
+}
+
 QG_TARGET QG_INLINE void store_lanes8(uint8_t *dst, __mmask16 m, __m512i x) {
     if (m == 0xFFFF) _mm512_mask_cvtepi32_storeu_epi8(dst, 0xFFFF, x);
     else _mm512_mask_cvtepi32_storeu_epi8(dst, lane_mask(__builtin_popcount(m)), _mm512_maskz_compress_epi32(m, x));
+}
+
+/* y plus the residual's lanes m at res (packed from the front, as the outputs are stored: nn_add's sum, whichever
+ * operand comes first), relu'd if res_relu. */
+QG_TARGET QG_INLINE __m512 taps_res(const QGemmTaps *g, __m512 y, const float *res, __mmask16 m) {
+    const __m512 r = m == 0xFFFF ? _mm512_loadu_ps(res) : _mm512_maskz_expandloadu_ps(m, res);
+    y = _mm512_add_ps(y, r);
+    return g->res_relu ? _mm512_max_ps(y, _mm512_setzero_ps()) : y; /* nn's relu: see taps_y */
 }
 
 /* A tile's outputs as codes: rows r of the block at vector v0 + v, plain (each row's bytes) or by quads (rows
@@ -216,8 +229,11 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
 #pragma GCC unroll 8
             for (int r = 0; r < QGEMM_ROWS; r++) {
                 if (r >= rows) break;
-                const __m512i c = codes_fast16(cr, taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE), m, bad);
-                store_lanes8(co->dst + (size_t)(rb * QGEMM_ROWS + r) * g->ldo + pos, m, c);
+                const size_t o = (size_t)(rb * QGEMM_ROWS + r) * g->ldo + pos;
+                __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
+                if (g->res) y = taps_res(g, y, g->res + o, m);
+                if (g->floats_too) store_lanes_ps(g->out + o, m, y);
+                store_lanes8(co->dst + o, m, codes_fast16(cr, y, m, bad));
             }
             continue;
         }
@@ -228,8 +244,14 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
 #pragma GCC unroll 4
             for (int b = 0; b < 4; b++) {
                 const int r = 4 * q + b;
-                const __m512i c = r < rows ? codes_fast16(cr, taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE), m, bad)
-                                           : cr->zero;
+                __m512i c = cr->zero;
+                if (r < rows) {
+                    const size_t o = (size_t)(rb * QGEMM_ROWS + r) * g->ldo + pos;
+                    __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
+                    if (g->res) y = taps_res(g, y, g->res + o, m);
+                    if (g->floats_too) store_lanes_ps(g->out + o, m, y);
+                    c = codes_fast16(cr, y, m, bad);
+                }
                 d = _mm512_or_si512(d, _mm512_slli_epi32(c, 8 * b));
             }
             store_lanes32((uint32_t *)(void *)co->dst + (size_t)(2 * rb + q) * co->quad_plane + pos, m, d);
@@ -262,13 +284,8 @@ QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, const TapsRows *k, const 
             const __mmask16 m = g->vec_mask[v0 + v];
             if (!m) continue;
             float *o = dst + g->vec_pos[v0 + v];
-            if (m == 0xFFFF) {
-                _mm512_storeu_ps(o, y);
-            } else {
-                /* the output lanes packed to the front, then stored as one run */
-                y = _mm512_maskz_compress_ps(m, y);
-                _mm512_mask_storeu_ps(o, lane_mask(__builtin_popcount(m)), y);
-            }
+            if (g->res) y = taps_res(g, y, g->res + (o - g->out), m);
+            store_lanes_ps(o, m, y);
         }
     }
 }

@@ -488,6 +488,19 @@ Var *qlayer_int8_handoff_var(Tape *t, int ndim, const int *shape, const VarCodes
     return y;
 }
 
+/* The output Var of a producer handing off whose floats another reader takes too (Tape.handoff_keep): the floats
+ * in its value, the codes in a buffer of their own, as large. */
+Var *qlayer_int8_handoff_var_keep(Tape *t, int ndim, const int *shape, const VarCodes *hand) {
+    Var *y = tape_new_var(t, ndim, shape);
+    VarCodes *c = y ? tape_alloc(t, sizeof *c) : NULL;
+    unsigned char *data = c ? tape_alloc(t, tensor_numel(&y->value) * sizeof(float)) : NULL;
+    if (!data) return NULL;
+    *c = *hand;
+    c->data = data, c->floats = true;
+    y->codes = c;
+    return y;
+}
+
 /* One image's output, made in scratch (C planes of P floats), to its codes at dst (the image's); false for a value
  * that is not finite. */
 bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P) {

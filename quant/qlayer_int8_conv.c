@@ -29,6 +29,7 @@ typedef struct {
     QGemmCodes ac;
     QGemmTaps g;       /* act and out set per image */
     const VarCodes *hand; /* or NULL: the output goes to yc as its reader's codes */
+    bool keep;         /* handing off, the floats go to the output Var too (VarCodes.floats) */
     uint8_t *yc;       /* (N, OC, YH, YW) */
     float *means;      /* (N, OC) or NULL: the output as its planes' means (nn_plane_mean) */
     const float *res;  /* (N, OC, OH, OW) or NULL: summed into the output before res_relu */
@@ -246,25 +247,24 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     }
     QGemmTaps g = j->g;
     g.act = (const uint8_t *)planes;
-    g.out = j->hand || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
+    g.out = (j->hand && !j->keep) || j->means ? (float *)(codes + j->out_at) : g.out + (size_t)n * j->out_img;
     g.pool_buf = pool;
     g.act_wide = (int16_t *)(void *)(codes + j->wide_at);
     const size_t P = j->out_img / (size_t)j->OC;
     const VarCodes *h = j->hand;
     uint8_t *yc = h ? j->yc + n * qlayer_int8_handoff_image_bytes(h, j->OC, P) : NULL;
-    /* handing off without a residual sum, the kernel writes the reader's codes itself where its family can */
+    /* handing off, the kernel writes the reader's codes itself where its family can */
     const QGemmCodesOut co = {.q = {.s = h ? h->s : 1.0f, .lo = h ? h->lo : 0.0f, .hi = h ? h->hi : 0.0f,
                                     .zero = h ? h->zero : 0}, .dst = yc, .quad_plane = h ? h->plane : 0};
-    g.codes = h && !j->res ? &co : NULL;
-    const bool direct = g.codes && qgemm_taps_codes_direct(&g);
-    if (!direct) g.codes = NULL;
-    bool out_ok = qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    const bool direct = qgemm_taps_codes_direct(&g); /* the kernel sums the residual and makes the codes itself */
     if (direct) {
-        qlayer_int8_handoff_tails(h, yc, j->OC, P);
-    } else {
-        if (j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
-        out_ok = !h || qlayer_int8_handoff_image(h, yc, g.out, j->OC, P);
+        g.codes = h ? &co : NULL, g.floats_too = j->keep;
+        g.res = j->res ? j->res + (size_t)n * j->out_img : NULL, g.res_relu = j->res_relu;
     }
+    bool out_ok = qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    if (!direct && j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
+    if (h && direct) qlayer_int8_handoff_tails(h, yc, j->OC, P);
+    else if (h) out_ok = qlayer_int8_handoff_image(h, yc, g.out, j->OC, P);
     if (j->means) nn_plane_means(j->means + (size_t)n * j->OC, g.out, (size_t)j->OC, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
 }
@@ -290,7 +290,7 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     if (j->xc && c->mode == CONV_CH4 && bytes < (size_t)j->H * j->W + 16) bytes = (size_t)j->H * j->W + 16;
     j->pool_at = (j->planes_at + (size_t)c->groups * j->plane * 4 + bytes + 63) / 64 * 64;
     j->out_at = j->pool_at + (j->g.epi == QGEMM_EPI_RELU_POOL2 ? (size_t)QGEMM_ROWS * n_vec * QGEMM_LANES * 4 : 0);
-    j->wide_at = j->out_at + (j->hand || j->means ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
+    j->wide_at = j->out_at + ((j->hand && !j->keep) || j->means ? (j->out_img * sizeof(float) + 63) / 64 * 64 : 0);
     int32_t *off = tape_alloc(t, (size_t)c->taps * sizeof *off);
     uint16_t *mask = tape_alloc(t, (size_t)n_vec * sizeof *mask);
     int32_t *pos = tape_alloc(t, (size_t)n_vec * sizeof *pos);
@@ -340,7 +340,10 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     if (res) j.res = res->value.data, j.res_relu = epi == CONV_EPI_RELU, j.g.epi = QGEMM_EPI_NONE; /* relu after it */
     const int shape[4] = {j.N, q->out, YH, YW};
     if ((size_t)j.N * q->out * YH * YW < 16) j.hand = hand = NULL; /* the readers' vector loads need the slack */
-    Var *y = hand ? qlayer_int8_handoff_var(t, 4, shape, hand) : tape_new_var(t, 4, shape);
+    j.keep = hand && t->handoff_keep;
+    Var *y = j.keep ? qlayer_int8_handoff_var_keep(t, 4, shape, hand)
+             : hand ? qlayer_int8_handoff_var(t, 4, shape, hand)
+                    : tape_new_var(t, 4, shape);
     if (y && hand) j.hand = y->codes; /* the arena's copy: the tasks may run after the caller's hand is gone */
     float *scale = qlayer_int8_out_scales(t, q, j.ac.s);
     j.out_img = (size_t)q->out * YH * YW;
@@ -351,12 +354,12 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
-    j.yc = (uint8_t *)y->value.data;
+    j.yc = j.keep ? (uint8_t *)(uintptr_t)y->codes->data : (uint8_t *)y->value.data;
     ConvJob *jp = tape_alloc(t, sizeof *jp); /* the tasks may run later, in the chain (qlayer_int8_launch) */
     if (!jp) return NULL;
     *jp = j;
     const QLayerInt8Job job = {.fn = conv_task, .ctx = jp, .n = j.N, .threads = threads, .q = q, .x = x, .bad = j.bad};
-    return qlayer_int8_launch(t, &job, j.hand && t->n_handoff == 1) ? y : NULL;
+    return qlayer_int8_launch(t, &job, j.hand && t->n_handoff == 1 && !j.keep) ? y : NULL;
 }
 
 Var *qlayer_int8_conv(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int OW) {

@@ -97,6 +97,7 @@ Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi
                      m->path, tensor_shape_str(&x->value, sx, sizeof sx), g->groups);
         return NULL;
     }
+    if (t->handoff_keep) hand = NULL; /* its floats are read too: no hand-off */
     DwJob j = {.N = x->value.shape[0], .C = g->groups, .H = x->value.shape[2], .W = x->value.shape[3],
                .M = q->out / g->groups, .pool = epi == CONV_EPI_RELU_MAXPOOL2, .hand = hand};
     j.OH = conv_general_out_size(j.H, KH, g->stride_h, g->pad_h, g->pad_h + g->pad_h_extra, 1);

@@ -60,6 +60,7 @@ void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx);
 const uint8_t *qlayer_int8_input_codes(Tape *t, const QLayer *q, const Var *x, const QGemmCodes *a, bool quads);
 /* A producer's output Var whose buffer takes the codes hand describes (Var.codes). */
 Var *qlayer_int8_handoff_var(Tape *t, int ndim, const int *shape, const VarCodes *hand);
+Var *qlayer_int8_handoff_var_keep(Tape *t, int ndim, const int *shape, const VarCodes *hand);
 /* One image's output in scratch (C planes of P floats) to its codes at dst; false for a value not finite. */
 bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P);
 /* The bytes of one image's codes. */

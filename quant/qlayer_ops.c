@@ -425,13 +425,13 @@ static const VarCodes *handoff_codes(const Tape *t, VarCodes *c) {
 
 /* Whether this op's output goes to a globalavgpool alone (Tape.handoff), which then takes its planes' means. */
 static bool handoff_means(const Tape *t) {
-    const Module *r = t->n_handoff == 1 ? t->handoff[0] : NULL;
+    const Module *r = t->n_handoff == 1 && !t->handoff_keep ? t->handoff[0] : NULL;
     return qlayer_int8_handoff && r && r->spec.type == LAYER_GLOBALAVGPOOL && !r->forward_hook;
 }
 
 /* Codes handed over reach only a layer on the int8 path (the producer asked); false, with the error, otherwise. */
 static bool codes_read(Tape *t, const QLayer *q, const Var *x) {
-    if (!x->codes) return true;
+    if (!x->codes || x->codes->floats) return true;
     qt_error_set(&t->err, QT_ERR_ARG, "%s: the input came as int8 codes, but this layer does not take the int8 path "
                  "(set QTRAIN_INT8_KERNEL=float to run without the hand-off)", q->module->path);
     return false;
@@ -499,7 +499,7 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, 
             (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) || !conv_check(t, q, x, &OH, &OW))
             return NULL;
         const Var *r = t->residual;
-        if (r->codes || r->value.ndim != 4 || r->value.shape[0] != x->value.shape[0] || r->value.shape[1] != q->out ||
+        if ((r->codes && !r->codes->floats) || r->value.ndim != 4 || r->value.shape[0] != x->value.shape[0] || r->value.shape[1] != q->out ||
             r->value.shape[2] != OH || r->value.shape[3] != OW)
             return NULL; /* the add then reports the shapes */
         return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, r, handoff_codes(t, &c), handoff_means(t));

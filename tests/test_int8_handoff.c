@@ -297,7 +297,8 @@ static void test_handoff_nonfinite(void) {
 
 /* Two residual blocks as ResNet-8 has them: c0 -> stem (relu) read by c1 and by sum1 = stem + c2, then a relu read by
  * two convs (c3, 3x3 stride s, and the shortcut sc, 1x1 stride s), sum2 = c4 + sc without a relu, the pool, fc. The
- * conv before each add takes the add (and the relu) as its epilogue; out1 goes to c3 and sc as one set of codes
+ * conv before each add takes the add (and the relu) as its epilogue; stem goes to c1 as codes and to sum1 as
+ * floats, both made by c0 (VarCodes.floats); out1 goes to c3 and sc as one set of codes
  * where their quantizers agree (channel quads, which c3 and sc copy or deal to phases or, sc at stride 1, take as
  * its planes; bytes without qlayer_int8_handoff_quads); sc makes the pool's means. */
 enum { R_C2 = 4, R_SUM1 = 5, R_OUT1 = 6, R_SC = 10, R_SUM2 = 11, R_N = 14 };
@@ -345,7 +346,9 @@ static void residual_case(const int *q, int stride, bool shared) {
         CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
         CU_ASSERT(is_codes(&n, R_OUT1) == shared);
         CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && (n.m.outs[1 + R_OUT1]->codes->plane > 0) == quads));
-        CU_ASSERT(!is_codes(&n, R_OUT1 - 5) && is_codes(&n, R_OUT1 - 3)); /* stem (the sum reads it); r1 */
+        /* stem: codes for c1 and its floats for the sum (VarCodes.floats); r1: codes alone */
+        CU_ASSERT(is_codes(&n, R_OUT1 - 5) && n.m.outs[1 + R_OUT1 - 5]->codes->floats);
+        CU_ASSERT(is_codes(&n, R_OUT1 - 3) && !n.m.outs[1 + R_OUT1 - 3]->codes->floats);
         CU_ASSERT(n.m.outs[1 + R_SUM2] && n.m.outs[1 + R_SUM2]->means);
         const bool same = !memcmp(fused, each, sizeof fused);
         if (!same) fprintf(stderr, "\n  kernel setting %d: the fused sums changed the logits\n", ks);

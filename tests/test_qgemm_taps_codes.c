@@ -1,5 +1,6 @@
 /* test_qgemm_taps_codes.c - the taps kernels writing their outputs as the reader's codes (QGemmTaps.codes: plain
- * bytes and channel quads) on every family the CPU has and the portable kernel, against the portable kernel's
+ * bytes and channel quads; the floats too with floats_too) and summing a residual (QGemmTaps.res, relu'd or not) on
+ * every family the CPU has and the portable kernel, against the portable kernel's
  * floats quantized by qgemm_quantize_u8_portable, bit for bit: rows that leave a quad or a row block part full,
  * vectors with no, some and all lanes output, relu, zero points 0 to 255, quotients exactly on a half (the
  * division path), calls a row block and half the vectors at a time; nothing written outside the outputs; a value
@@ -28,7 +29,7 @@ static void family_off(void) { qgemm_force_portable = false, qgemm_force_isa = -
  * 1e-3, no bias and the reader's scale 2e-3, so every odd sum lies on a half. nan_bias: row 0's bias NaN and no
  * relu, so qgemm_taps must say false. Returns the mismatches (each printed). */
 static int codes_case(QGemmIsa fam, int rows, int taps, int n_vec, int stride, int a_zero, QGemmEpi epi, bool half,
-                      bool nan_bias, uint64_t seed) {
+                      bool nan_bias, int resmode, uint64_t seed) {
     Rng r;
     rng_init(&r, seed, 9);
     int32_t *off = malloc((size_t)taps * 4);
@@ -61,10 +62,22 @@ static int codes_case(QGemmIsa fam, int rows, int taps, int n_vec, int stride, i
     QGemmPackedTaps p;
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(qgemm_pack_taps(&p, w, rows, taps, &err), QT_OK);
-    float *ref = malloc((size_t)rows * ldo * 4), *tmp = malloc((size_t)rows * ldo * 4);
+    float *ref = malloc((size_t)rows * ldo * 4), *tmp = malloc((size_t)rows * ldo * 4), *res = NULL;
+    memset(ref, 0x5a, (size_t)rows * ldo * 4);
     QGemmTaps g = {.act = act, .tap_off = off, .n_vec = n_vec, .vec_mask = mask, .vec_pos = pos, .w = &p,
                    .a_zero = a_zero, .out = ref, .ldo = ldo, .scale = scale, .bias = bias, .epi = epi};
     qgemm_taps_portable(&g, 0, p.row_blocks, 0, n_vec); /* the floats (checked against the definition elsewhere) */
+    if (resmode) { /* a residual summed, relu'd in mode 2: nn_add's sum and nn_relu's relu, by hand */
+        res = malloc((size_t)rows * ldo * 4);
+        for (size_t i = 0; i < (size_t)rows * ldo; i++) res[i] = 0.01f * (float)((int)rng_below(&r, 2001) - 1000);
+        for (int i = 0; i < rows; i++)
+            for (int px = 0; px < total; px++) {
+                float *o = ref + (size_t)i * ldo + px;
+                const float v = *o + res[(size_t)i * ldo + px];
+                *o = resmode == 2 && !(v > 0.0f) ? 0.0f : v;
+            }
+        g.res = res, g.res_relu = resmode == 2;
+    }
     /* the codes wanted: plain (rows, ldo) and quads (quads, qplane) dwords, canaries where no output lands */
     uint8_t *plain_want = malloc((size_t)rows * ldo), *plain = malloc((size_t)rows * ldo);
     uint32_t *quad_want = malloc(quads * qplane * 4), *quad = malloc(quads * qplane * 4);
@@ -88,31 +101,36 @@ static int codes_case(QGemmIsa fam, int rows, int taps, int n_vec, int stride, i
     const size_t wb = qgemm_taps_act_wide_bytes(&g);
     if (wb) wide = aligned_alloc(64, (wb + 63) / 64 * 64);
     g.act_wide = wide, g.out = tmp;
-    bool ok[2] = {true, true};
-    for (int form = 0; form < 2; form++) {
-        if (form) memset(quad, CANARY, quads * qplane * 4);
-        else memset(plain, CANARY, (size_t)rows * ldo);
+    bool ok[3] = {true, true, true}, floats[2] = {true, true};
+    for (int form = 0; form < 3; form++) { /* plain codes with the floats too, quads, floats alone */
+        if (form == 1) memset(quad, CANARY, quads * qplane * 4);
+        else if (form == 0) memset(plain, CANARY, (size_t)rows * ldo);
+        if (form != 1) memset(tmp, 0x5a, (size_t)rows * ldo * 4);
         const QGemmCodesOut co = {.q = q, .dst = form ? (uint8_t *)quad : plain, .quad_plane = form ? qplane : 0};
-        g.codes = &co;
+        g.codes = form == 2 ? NULL : &co, g.floats_too = form == 0;
         for (int rb = 0; rb < p.row_blocks; rb++) /* in pieces: row blocks, vectors split in two */
             ok[form] &= qgemm_taps(&g, rb, rb + 1, 0, n_vec / 2) & qgemm_taps(&g, rb, rb + 1, n_vec / 2, n_vec);
+        if (form != 1) floats[form / 2] = !memcmp(tmp, ref, (size_t)rows * ldo * 4);
     }
     family_off();
     int bad = 0;
     if (nan_bias) {
-        bad = ok[0] || ok[1] || finite;
+        bad = ok[0] || ok[1] || !ok[2] || finite;
         if (bad) fprintf(stderr, "\n  %s taps codes: a NaN output not reported\n", kernel);
     } else {
         const bool pl = !memcmp(plain, plain_want, (size_t)rows * ldo) && ok[0];
         const bool qd = !memcmp(quad, quad_want, quads * qplane * 4) && ok[1];
-        bad = !pl + !qd + !finite;
+        bad = !pl + !qd + !finite + !floats[0] + !floats[1] + !ok[2];
         if (bad)
-            fprintf(stderr, "\n  %s taps codes: rows %d taps %d vectors %d stride %d zero %d%s%s: plain %s, quads %s\n",
-                    kernel, rows, taps, n_vec, stride, a_zero, epi == QGEMM_EPI_RELU ? " relu" : "",
-                    half ? " halves" : "", pl ? "ok" : "DIFFER", qd ? "ok" : "DIFFER");
+            fprintf(stderr, "\n  %s taps codes: rows %d taps %d vectors %d stride %d zero %d%s%s%s: plain %s, quads %s, "
+                    "floats with codes %s, floats alone %s\n", kernel, rows, taps, n_vec, stride, a_zero,
+                    epi == QGEMM_EPI_RELU ? " relu" : "", half ? " halves" : "",
+                    resmode ? resmode == 2 ? " residual + relu" : " residual" : "", pl ? "ok" : "DIFFER",
+                    qd ? "ok" : "DIFFER", floats[0] ? "ok" : "DIFFER", floats[1] && ok[2] ? "ok" : "DIFFER");
     }
     qgemm_packed_taps_free(&p);
     free(off), free(act), free(w), free(scale), free(bias), free(mask), free(pos), free(ref), free(tmp), free(wide);
+    free(res);
     free(plain_want), free(plain), free(quad_want), free(quad);
     return bad;
 }
@@ -126,10 +144,13 @@ static void cases_on(QGemmIsa fam) {
             for (size_t k = 0; k < sizeof VECS / sizeof *VECS; k++, seed++)
                 bad += codes_case(fam, ROWS[i], TAPS[j], VECS[k], TAPS[j] == 16 && seed % 2 ? 1 + (int)(seed % 3) * 8 : 0,
                                   (int)(seed * 53 % 256), seed % 3 ? QGEMM_EPI_RELU : QGEMM_EPI_NONE, false, false,
-                                  seed);
-    for (int i = 0; i < 4; i++, seed++) bad += codes_case(fam, 5 + 4 * i, 9, 3, 0, 30 * i, QGEMM_EPI_NONE, true, false, seed);
-    bad += codes_case(fam, 9, 9, 3, 0, 7, QGEMM_EPI_NONE, false, true, seed++);
-    bad += codes_case(fam, 64, 16, 4, 1, 0, QGEMM_EPI_RELU, false, false, seed++); /* a pointwise conv's shape */
+                                  0, seed);
+    for (int i = 0; i < 4; i++, seed++)
+        bad += codes_case(fam, 5 + 4 * i, 9, 3, 0, 30 * i, QGEMM_EPI_NONE, true, false, 0, seed);
+    for (int i = 0; i < 6; i++, seed++) /* a residual block's sum, with and without its relu (epi NONE) */
+        bad += codes_case(fam, ROWS[i], 9, 1 + i % 3, 0, 40 * i, QGEMM_EPI_NONE, false, false, 1 + i % 2, seed);
+    bad += codes_case(fam, 9, 9, 3, 0, 7, QGEMM_EPI_NONE, false, true, 0, seed++);
+    bad += codes_case(fam, 64, 16, 4, 1, 0, QGEMM_EPI_RELU, false, false, 0, seed++); /* a pointwise conv's shape */
     CU_ASSERT_EQUAL(bad, 0);
 }
 
