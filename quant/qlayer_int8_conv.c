@@ -100,6 +100,12 @@ static void split_parity(uint32_t *restrict a, uint32_t *restrict b, const uint3
     if (n & 1) a[n / 2] = s[n - 1];
 }
 
+/* a[k] = s[2 k] for k < (n + 1) / 2: split_parity's even half alone. */
+NN_SIMD_CLONES
+static void take_even(uint32_t *restrict a, const uint32_t *restrict s, int n) {
+    for (int k = 0; k < (n + 1) / 2; k++) a[k] = s[2 * k];
+}
+
 /* ph4: planes (C / 4, plane) of 4 channels per padded pixel as ch4, each split into the image's four phases (row
  * parity a, column parity b: phase 2 a + b, (Hp + 1) / 2 rows of Wq), so that a stride-2 tap (kh, kw) reads phase
  * (kh % 2, kw % 2) shifted by (kh / 2, kw / 2) as a stride-1 tap reads its plane. The group's channels are
@@ -126,9 +132,15 @@ static bool planes_ph4(uint32_t *pl, uint32_t *tmp, const float *x, const uint8_
             for (int k = 0; k < 4; k++) r[k] = x + (size_t)(4 * g + k) * HW;
             ok &= qgemm_quantize_u8x4(tmp, 0, r, 0, 1, (int)HW, &j->ac);
         }
-        for (int h = 0; h < H; h++) {
+        /* an unpadded 1x1 conv (ResNet's strided shortcut) reads phase (0, 0) alone: the even rows' even columns */
+        const bool even_only = pad == 0 && j->c.KH == 1 && j->c.KW == 1;
+        for (int h = 0; h < H; h += even_only ? 2 : 1) {
             const int rr = h + pad; /* the padded row */
             uint32_t *row = p + (size_t)(2 * (rr & 1)) * PS + (size_t)(rr >> 1) * j->Wq; /* phase (rr % 2, 0) */
+            if (even_only) {
+                take_even(row, src + (size_t)h * W, W);
+                continue;
+            }
             /* column w is padded column w + pad: the even w go to phase b = pad % 2 from pad / 2 on, the odd ones
              * to the other from (pad + 1) / 2 on */
             uint32_t *a = row + (size_t)(pad & 1) * PS + (pad >> 1);
