@@ -96,10 +96,11 @@ struct Tape {
     void *free_grads;   /* arena float buffers no one reads any more (dead gradients in the backward,
                            dead activations of a pass without gradients), for the next tape_grad or
                            tape_new_var to take: a list threaded through the buffers themselves */
-    const struct Module *handoff[TAPE_HANDOFF_MAX]; /* set by model_forward while an op runs whose output only
-                                     modules of one input read (a forward without gradients, at most
-                                     TAPE_HANDOFF_MAX of them): those modules, whose hooks may take the output as
-                                     their input codes (Var.codes), when they all take the same ones */
+    const struct Module *handoff[TAPE_HANDOFF_MAX]; /* set by model_forward while an op runs whose output modules
+                                     of one input read (a forward without gradients, at most TAPE_HANDOFF_MAX of
+                                     them; any other reader a merge: handoff_keep): those modules, whose hooks may
+                                     take the output as their input codes (Var.codes), when they all take the same
+                                     ones */
     int n_handoff;      /* 0: no hand-off */
     bool handoff_keep;  /* with a hand-off: the output's floats are read too, by a merge (a residual add) */
     const Var *residual; /* set by model_forward while a fused_residual hook runs a conv whose output an add then

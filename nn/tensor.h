@@ -24,8 +24,9 @@ typedef struct {
  * channels 4g .. 4g + 3 at [n][g][p] (zero in the channels past C and the pixels past H W): channel quads, which
  * the readers use as their planes or copy into theirs. */
 typedef struct VarCodes {
-    const unsigned char *data; /* the Var's own value buffer (4 bytes a value), which leaves at least 3 numel bytes
-                                * after the codes that a vector loop may read (plane 0) */
+    const unsigned char *data; /* the Var's own value buffer (4 bytes a value), or with floats a buffer of its own
+                                * as large, which leaves at least 3 numel bytes after the codes that a vector loop
+                                * may read (plane 0) */
     float s, lo, hi;
     int zero;
     size_t plane;

@@ -1,6 +1,7 @@
 /* qgemm.c - the integer GEMMs' dispatch, the weight packers, and the
- * portable kernels (qgemm.h); the AVX-512 VNNI kernels are in qgemm_x86.c,
- * the AVX-VNNI and AVX2 ones in qgemm_avx2.c.
+ * portable kernels (qgemm.h); the AVX-512 VNNI kernels are in qgemm_x86.c
+ * (the depthwise rows kernel in qgemm_dw_x86.c), the AVX-VNNI and AVX2 ones
+ * in qgemm_avx2.c.
  *
  * The portable kernels follow the packed layouts exactly as the vector ones
  * do and sum in uint32 (wrapping like vpdpbusd), so both give the same int32
@@ -331,7 +332,7 @@ bool qgemm_taps_portable(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
             }
         if (pool) taps_pool(g, rb);
     }
-    if (g->codes && g->codes->quad_plane && rb1 == w->row_blocks && rb0 < rb1) taps_quad_tail(g, v0, v1);
+    if (!pool && g->codes && g->codes->quad_plane && rb1 == w->row_blocks && rb0 < rb1) taps_quad_tail(g, v0, v1);
     return !bad;
 }
 
@@ -355,7 +356,7 @@ size_t qgemm_taps_act_wide_bytes(const QGemmTaps *g) {
 
 /* The floats of rows [r0, r1) at vectors [v0, v1) in out plus res (relu'd if res_relu), then their codes
  * (qgemm_taps with res or codes, on a family that makes the floats first). Quads take whole quads: r0 and r1
- * multiples of 8, or r1 = rows. */
+ * multiples of QGEMM_ROWS (a multiple of 4), or r1 = rows. */
 static bool taps_finish_out(const QGemmTaps *g, int r0, int r1, int v0, int v1) {
     const QGemmCodesOut *co = g->codes;
     bool ok = true;
@@ -387,15 +388,15 @@ static bool taps_finish_out(const QGemmTaps *g, int r0, int r1, int v0, int v1) 
 
 bool qgemm_taps_codes_direct(const QGemmTaps *g) {
     const QGemmIsa isa = qgemm_isa();
-    return g->epi != QGEMM_EPI_RELU_POOL2 &&
-           (isa == QGEMM_ISA_PORTABLE || isa == QGEMM_ISA_AVX512_VNNI || (isa == QGEMM_ISA_AMX && !taps_amx_applies(g)));
+    if (g->epi == QGEMM_EPI_RELU_POOL2) return false;
+    return isa == QGEMM_ISA_PORTABLE || isa == QGEMM_ISA_AVX512_VNNI || (isa == QGEMM_ISA_AMX && !taps_amx_applies(g));
 }
 
 bool qgemm_taps(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
     if ((g->codes || g->res) && g->epi != QGEMM_EPI_RELU_POOL2 && !qgemm_taps_codes_direct(g)) {
         QGemmTaps f = *g;
         f.codes = NULL, f.res = NULL;
-        qgemm_taps(&f, rb0, rb1, v0, v1);
+        (void)qgemm_taps(&f, rb0, rb1, v0, v1); /* floats alone: true */
         const int rbs = g->w->row_blocks;
         rb0 = clip(rb0, 0, rbs), rb1 = clip(rb1, rb0, rbs), v0 = clip(v0, 0, g->n_vec), v1 = clip(v1, v0, g->n_vec);
         const int r1 = rb1 * QGEMM_ROWS < g->w->rows ? rb1 * QGEMM_ROWS : g->w->rows;

@@ -185,6 +185,8 @@ static int block_rows(const QGemmTaps *g, int rb) {
     return n < QGEMM_ROWS ? n : QGEMM_ROWS;
 }
 
+_Static_assert(QGEMM_ROWS % 4 == 0, "a row block is whole channel quads");
+
 /* Where a tile's outputs go (a constant): floats, or codes plain or by channel quads (QGemmTaps.codes). */
 enum { TAPS_FLOATS, TAPS_PLAIN, TAPS_QUADS };
 
@@ -254,7 +256,7 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
                 }
                 d = _mm512_or_si512(d, _mm512_slli_epi32(c, 8 * b));
             }
-            store_lanes32((uint32_t *)(void *)co->dst + (size_t)(2 * rb + q) * co->quad_plane + pos, m, d);
+            store_lanes32((uint32_t *)(void *)co->dst + (size_t)(rb * (QGEMM_ROWS / 4) + q) * co->quad_plane + pos, m, d);
         }
     }
 }
@@ -696,7 +698,9 @@ void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1) {
     qgemm_dense_portable(d, row0, row1, p0, p1);
 }
-bool qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { return qgemm_taps_portable(g, rb0, rb1, v0, v1); }
+bool qgemm_taps_vnni(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) {
+    return qgemm_taps_portable(g, rb0, rb1, v0, v1);
+}
 void qgemm_dw_vnni(const QGemmDw *d) { qgemm_dw_portable(d); }
 bool qgemm_quantize_u8_vnni(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {
     return qgemm_quantize_u8_portable(dst, x, n, s, lo, hi, zero);

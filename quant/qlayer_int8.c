@@ -56,19 +56,21 @@
  * Depthwise (qlayer_int8_conv_dw): the relu in its kernel, the max pool
  * over an input channel's relu'd outputs in scratch. A residual add (and
  * its relu) that model_forward joins to a plain conv (Tape.residual, in a
- * forward without gradients) runs after the kernel on each image's output
- * while it is in cache (add_residual): the kernel's epilogue then has no
- * relu, which must come after the sum.
+ * forward without gradients) runs in the taps kernel's epilogue where its
+ * family sums residuals there (qgemm_taps_codes_direct: VNNI, portable;
+ * QGemmTaps.res), else after the kernel on each image's output while it is
+ * in cache (add_residual); the kernel's own relu is then off, as it must
+ * come after the sum.
  *
  * Hand-off. In a forward without gradients, model_forward names the modules
- * that read an op's output when each reads it alone (Tape.handoff). When
- * the op is an int8 conv2d and they are too, all with one quantizer and
- * layout (qlayer_int8_reads_codes), the op writes
+ * that read an op's output with it as their one input (Tape.handoff), when
+ * the others that read it are merges (a residual add: Tape.handoff_keep).
+ * When the op is an int8 conv2d and those readers are too, all with one
+ * quantizer and layout (qlayer_int8_reads_codes), the op writes
  * each image's output into its thread's scratch and quantizes it there with
- * the readers' quantizer (the VNNI and portable taps kernels, where no
- * residual sum follows, and the depthwise rows kernel quantize in their
- * epilogue instead, in registers: QGemmCodesOut)
- * into its output Var's buffer (Var.codes: bytes, not
+ * the readers' quantizer (the VNNI and portable taps kernels and the
+ * depthwise rows kernel quantize in their epilogue instead, in registers:
+ * QGemmCodesOut) into its output Var's buffer (Var.codes: bytes, not
  * floats); a reader takes the codes in place of quantizing: depthwise as
  * its codes, ch4 interleaved into dwords (qgemm_interleave_u8x4), kw4 and
  * cols copied. For readers on ch4 or ph4 the producer quantizes straight
@@ -78,9 +80,12 @@
  * one copies their rows into its padded planes, a ph4 one deals their rows
  * to its phases; none interleaves bytes. One that a
  * globalavgpool alone reads makes the pool's means (Var.means, nn_plane_mean
- * on each plane in scratch) and never writes its output. The same codes, so the same bits; the float output is never
- * written to memory and read back. A non-finite output is then the
- * producer's error, naming it.
+ * on each plane in scratch) and never writes its output. With merges among
+ * the readers (handoff_keep), a plain conv writes its floats to its Var for
+ * them and the codes to a buffer of their own (VarCodes.floats), never
+ * deferred into a chain; a depthwise one then hands nothing off. The same
+ * codes, so the same bits; no reader reads the float output back to
+ * quantize it. A non-finite output is then the producer's error, naming it.
  *
  * Scratch (codes, planes, output vector tables) comes from the tape's
  * arena; the packed weight is allocated once (qlayer_int8_prepare). */

@@ -13,9 +13,10 @@
 extern double qlayer_int8_parallel_min_macs;
 
 /* The int8 hand-off (default on; tests turn it off to compare): in a forward without gradients, an int8 conv2d
- * whose output only int8 conv2ds of one input quantizer read (Tape.handoff) makes their input codes itself, from
- * its output while it is in cache, instead of a float output each reader quantizes: y's Var.codes, the same codes;
- * one that a globalavgpool alone reads makes the planes' means the same way (Var.means). */
+ * whose output int8 conv2ds of one input quantizer read (Tape.handoff) makes their input codes itself, from its
+ * output while it is in cache, instead of a float output each reader quantizes: y's Var.codes, the same codes (a
+ * plain conv whose output merges read too keeps its floats as well: VarCodes.floats); one that a globalavgpool
+ * alone reads makes the planes' means the same way (Var.means). */
 extern bool qlayer_int8_handoff;
 /* Stride-2 conv2ds over whole channel quads read the image's four phases, as stride 1 reads its plane (default
  * on; tests turn it off, then qlayer_int8_release each layer, to compare with the columns the others build). */
@@ -55,7 +56,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
 /* A conv2d that is not plain but takes the int8 path (qlayer_int8_supported): one input channel per output
  * channel, depthwise. y (N, OC, OH, OW) from x (N, C, H, W) under the module's geometry (per-axis stride and
  * padding, 'same'), x's shape checked here; epi, hand and x's codes as qlayer_int8_conv_fused (the max pool needs
- * OH, OW >= 2). */
+ * OH, OW >= 2), except that it hands nothing off when merges read its output too (Tape.handoff_keep). */
 Var *qlayer_int8_conv_dw(Tape *t, QLayer *q, Var *x, Var *bias, ConvEpilogue epi, const VarCodes *hand, bool means);
 
 #endif

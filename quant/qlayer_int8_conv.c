@@ -1,7 +1,7 @@
 /* qlayer_int8_conv.c - the plain conv2d's int8 forward (qlayer_int8.h, qlayer_int8_conv_fused): each image is one
  * task that builds its planes of codes (ch4, kw4, ph4 or cols, as qlayer_int8.c's opening comment describes), runs
- * the taps kernel with its epilogue, adds a residual, and hands its output off as codes (made by the kernel itself
- * where its family quantizes in the epilogue and no residual follows) or means. */
+ * the taps kernel with its epilogue, adds a residual, and hands its output off as codes or means (the kernel sums
+ * the residual and makes the codes itself where its family does so in the epilogue: qgemm_taps_codes_direct). */
 #include <string.h>
 
 #include "nn/ops.h"
@@ -366,7 +366,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;
-    j.yc = j.keep ? (uint8_t *)(uintptr_t)y->codes->data : (uint8_t *)y->value.data;
+    j.yc = hand ? (uint8_t *)(uintptr_t)y->codes->data : NULL; /* the Var's value, or with keep a buffer of its own */
     ConvJob *jp = tape_alloc(t, sizeof *jp); /* the tasks may run later, in the chain (qlayer_int8_launch) */
     if (!jp) return NULL;
     *jp = j;

@@ -72,7 +72,7 @@ static void dw_task(void *ctx, int n, int n_tasks) {
         for (int c = 0; c < j->C; c++) {
             float *yc = y + (size_t)c * j->M * j->YH * j->YW; /* (M, YH, YW) */
             d.act = codes + (size_t)c * plane, d.oc0 = c * j->M, d.out = j->pool ? pooled : yc;
-            qgemm_dw(&d);
+            (void)qgemm_dw(&d); /* floats alone: true */
             if (j->pool) dw_pool(yc, pooled, j);
         }
         out_ok = !j->hand || qlayer_int8_handoff_image(j->hand, (uint8_t *)j->y + n * qlayer_int8_handoff_image_bytes(

@@ -499,8 +499,8 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, 
             (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) || !conv_check(t, q, x, &OH, &OW))
             return NULL;
         const Var *r = t->residual;
-        if ((r->codes && !r->codes->floats) || r->value.ndim != 4 || r->value.shape[0] != x->value.shape[0] || r->value.shape[1] != q->out ||
-            r->value.shape[2] != OH || r->value.shape[3] != OW)
+        if ((r->codes && !r->codes->floats) || r->value.ndim != 4 || r->value.shape[0] != x->value.shape[0] ||
+            r->value.shape[1] != q->out || r->value.shape[2] != OH || r->value.shape[3] != OW)
             return NULL; /* the add then reports the shapes */
         return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, r, handoff_codes(t, &c), handoff_means(t));
     }

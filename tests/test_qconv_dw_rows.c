@@ -3,7 +3,8 @@
  * and qgemm_quantize_u8_portable, bit for bit; the VNNI kernel with its rows in registers (3-row kernels of up to
  * 4 columns at stride 1: channel counts that leave 1 to 3 in the last quad, 1 to 3 column vectors, paddings 0 to
  * 2) and the shapes it leaves to the general kernels; quotients on a half, which take the division; a range of
- * channels from oc0 > 0; the bytes past each quad's codes untouched; a value that is not infinite reported. The
+ * channels from oc0 > 0; the reader's scale spanning the outputs (most codes round, some clamp); nothing written
+ * past the floats, the plain codes or each quad's codes; a value that is not finite reported. The
  * quant_int8_dw_rows suite. */
 #include <CUnit/CUnit.h>
 #include <math.h>
@@ -60,16 +61,29 @@ static int rows_case(const RGeo *g, int oc0, int a_zero, bool relu, bool bias, b
     int8_t *w = malloc((size_t)C * g->kh * g->kw);
     float *scale = malloc((size_t)C * sizeof *scale), *bi = malloc((size_t)C * sizeof *bi);
     uint8_t *act = malloc((size_t)g->n * g->h * g->w);
-    for (size_t i = 0; i < (size_t)C * g->kh * g->kw; i++) w[i] = (int8_t)rng_below(&r, 256);
-    for (int i = 0; i < C; i++) scale[i] = half ? 1e-3f : 1e-3f * (float)(1 + i % 5), bi[i] = 0.2f * (float)(i % 3) - 0.25f;
-    for (size_t i = 0; i < (size_t)g->n * g->h * g->w; i++) act[i] = (uint8_t)rng_below(&r, 256);
+    /* halves: weights in -2..1 and codes within 3 of the zero point, so the sums stay inside the reader's bounds */
+    for (size_t i = 0; i < (size_t)C * g->kh * g->kw; i++)
+        w[i] = half ? (int8_t)((int)rng_below(&r, 4) - 2) : (int8_t)rng_below(&r, 256);
+    for (int i = 0; i < C; i++)
+        scale[i] = half ? 1e-3f : 1e-3f * (float)(1 + i % 5), bi[i] = 0.2f * (float)(i % 3) - 0.25f;
+    for (size_t i = 0; i < (size_t)g->n * g->h * g->w; i++) {
+        const int u = half ? a_zero + (int)rng_below(&r, 7) - 3 : (int)rng_below(&r, 256);
+        act[i] = (uint8_t)(u < 0 ? 0 : u > 255 ? 255 : u);
+    }
     QGemmPackedDw p;
     QtError err = {0};
     CU_ASSERT_EQUAL_FATAL(qgemm_pack_dw(&p, w, C, g->kh, g->kw, &err), QT_OK);
-    float *want = malloc(n_out * sizeof *want), *got = malloc(n_out * sizeof *got), *tmp = malloc(n_out * sizeof *tmp);
+    /* 16 more floats and bytes than the outputs, canaries that must stay */
+    float *want = malloc((n_out + 16) * sizeof *want), *got = malloc((n_out + 16) * sizeof *got);
+    float *tmp = malloc(n_out * sizeof *tmp);
+    memset(want, CANARY, (n_out + 16) * sizeof *want), memset(got, CANARY, (n_out + 16) * sizeof *got);
     definition(want, act, w, g, oh_n, ow_n, oc0, a_zero, scale, bias && !half ? bi : NULL, relu);
-    const QGemmCodes q = {.s = half ? 2e-3f : 0.011f, .lo = (float)-a_zero, .hi = (float)(255 - a_zero), .zero = a_zero};
-    uint8_t *plain_want = malloc(n_out), *plain = malloc(n_out);
+    float lo = 0.0f, hi = 0.0f;
+    for (size_t i = 0; i < n_out; i++) lo = want[i] < lo ? want[i] : lo, hi = want[i] > hi ? want[i] : hi;
+    const QGemmCodes q = {.s = half ? 2e-3f : (hi - lo) / 230.0f + 1e-6f, .lo = (float)-a_zero,
+                          .hi = (float)(255 - a_zero), .zero = a_zero};
+    uint8_t *plain_want = malloc(n_out + 16), *plain = malloc(n_out + 16);
+    memset(plain_want, CANARY, n_out + 16);
     uint32_t *quad_want = malloc((size_t)quads * qplane * 4), *quad = malloc((size_t)quads * qplane * 4);
     CU_ASSERT_FATAL(qgemm_quantize_u8_portable(plain_want, want, n_out, q.s, q.lo, q.hi, q.zero));
     memset(quad_want, CANARY, (size_t)quads * qplane * 4);
@@ -89,6 +103,7 @@ static int rows_case(const RGeo *g, int oc0, int a_zero, bool relu, bool bias, b
     const char *kernel = qgemm_kernel_name();
     d.out = got;
     const bool ok_f = qgemm_dw(&d);
+    memset(plain, CANARY, n_out + 16);
     QGemmCodesOut co = {.q = q, .dst = plain, .quad_plane = 0};
     d.out = tmp, d.codes = &co;
     const bool ok_p = qgemm_dw(&d);
@@ -96,7 +111,7 @@ static int rows_case(const RGeo *g, int oc0, int a_zero, bool relu, bool bias, b
     co.dst = (uint8_t *)quad, co.quad_plane = qplane;
     const bool ok_q = qgemm_dw(&d);
     family_off();
-    const bool f = !memcmp(want, got, n_out * sizeof *got), pl = !memcmp(plain_want, plain, n_out);
+    const bool f = !memcmp(want, got, (n_out + 16) * sizeof *got), pl = !memcmp(plain_want, plain, n_out + 16);
     const bool qd = !memcmp(quad_want, quad, (size_t)quads * qplane * 4);
     if (!f || !pl || !qd || !ok_f || !ok_p || !ok_q)
         fprintf(stderr, "\n  %s: %dx%d stride %d input %dx%d pad [%d, %d] %d channels from %d, zero %d%s%s%s: floats %s, "
