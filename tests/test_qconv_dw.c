@@ -16,6 +16,7 @@
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
 #include "quant/qlayer_int8.h"
+#include "test_int8.h"
 #include "test_proc.h"
 #include "test_qarray.h"
 #include "test_util.h"
@@ -50,14 +51,6 @@ static void dw_definition(float *out, const uint8_t *act, const int8_t *w, const
                 out[((size_t)oc * g->oh + i) * g->ow + j] = !relu || y > 0.0f ? y : 0.0f;
             }
 }
-
-/* The kernel family qgemm_dw runs: QGEMM_ISA_PORTABLE forces the portable kernel, another forces that family. */
-static void dw_family_on(QGemmIsa family) {
-    qgemm_force_portable = family == QGEMM_ISA_PORTABLE;
-    qgemm_force_isa = family == QGEMM_ISA_PORTABLE ? -1 : (int)family;
-}
-
-static void dw_family_off(void) { qgemm_force_portable = false, qgemm_force_isa = -1; }
 
 /* Codes only 0 or 255 and weights only -128 or 127 (what vpmaddubsw would saturate on), for kernels_on. */
 static bool dw_extremes;
@@ -97,10 +90,10 @@ static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool 
     QGemmDw d = {.act = act, .in_h = g.h, .in_w = g.w, .pad_t = g.pt, .pad_l = g.pl, .oh_n = g.oh, .ow_n = g.ow,
                  .sh = g.sh, .sw = g.sw, .w = &p, .oc0 = 0, .n_oc = g.n_oc, .a_zero = a_zero, .out = got,
                  .scale = scale, .bias = bias ? bi : NULL, .relu = relu, .scratch = scratch};
-    dw_family_on(family);
+    test_int8_family_on(family);
     qgemm_dw(&d);
     const char *kernel = qgemm_kernel_name();
-    dw_family_off();
+    test_int8_family_off();
     bool same = !memcmp(want, got, n_out * sizeof *got);
     if (!same) fprintf(stderr, "\n  %s kernel, %s%s: differs from the definition\n", kernel, what,
                        dw_extremes ? ", extreme codes" : "");
@@ -109,9 +102,9 @@ static void kernel_case(const KGeo *geo, int extra, int a_zero, bool relu, bool 
     if (g.n_oc > 2) {
         memset(got, 0, n_out * sizeof *got);
         d.oc0 = 1, d.n_oc = g.n_oc - 2;
-        dw_family_on(family);
+        test_int8_family_on(family);
         qgemm_dw(&d);
-        dw_family_off();
+        test_int8_family_off();
         const size_t plane = (size_t)g.oh * g.ow;
         CU_ASSERT(!memcmp(want + plane, got, (n_out - 2 * plane) * sizeof *got));
     }

@@ -14,6 +14,7 @@
 
 #include "base/rng.h"
 #include "quant/qgemm.h"
+#include "test_int8.h"
 #include "test_util.h"
 
 typedef struct {
@@ -39,13 +40,6 @@ static void definition(float *out, const uint8_t *act, const int8_t *w, const RG
                 out[((size_t)i * oh_n + oh) * ow_n + ow] = !relu || y > 0.0f ? y : 0.0f;
             }
 }
-
-static void family_on(QGemmIsa f) {
-    qgemm_force_portable = f == QGEMM_ISA_PORTABLE;
-    qgemm_force_isa = f == QGEMM_ISA_PORTABLE ? -1 : (int)f;
-}
-
-static void family_off(void) { qgemm_force_portable = false, qgemm_force_isa = -1; }
 
 #define CANARY 0xA5
 
@@ -99,7 +93,7 @@ static int rows_case(const RGeo *g, int oc0, int a_zero, bool relu, bool bias, b
                  .pad_l = g->pl, .oh_n = oh_n, .ow_n = ow_n, .sh = g->sh, .sw = g->sh, .w = &p, .oc0 = oc0,
                  .n_oc = g->n, .a_zero = a_zero, .scale = scale, .bias = bias && !half ? bi : NULL, .relu = relu,
                  .scratch = scratch};
-    family_on(fam);
+    test_int8_family_on(fam);
     const char *kernel = qgemm_kernel_name();
     d.out = got;
     const bool ok_f = qgemm_dw(&d);
@@ -110,7 +104,7 @@ static int rows_case(const RGeo *g, int oc0, int a_zero, bool relu, bool bias, b
     memset(quad, CANARY, (size_t)quads * qplane * 4);
     co.dst = (uint8_t *)quad, co.quad_plane = qplane;
     const bool ok_q = qgemm_dw(&d);
-    family_off();
+    test_int8_family_off();
     const bool f = !memcmp(want, got, (n_out + 16) * sizeof *got), pl = !memcmp(plain_want, plain, n_out + 16);
     const bool qd = !memcmp(quad_want, quad, (size_t)quads * qplane * 4);
     if (!f || !pl || !qd || !ok_f || !ok_p || !ok_q)
@@ -184,12 +178,12 @@ static void test_rows_not_finite(void) {
     static const QGemmIsa FAMILIES[] = {QGEMM_ISA_PORTABLE, QGEMM_ISA_AVX2, QGEMM_ISA_AVX512_VNNI};
     for (int i = 0; i < 3; i++) {
         if (FAMILIES[i] != QGEMM_ISA_PORTABLE && !qgemm_cpu_has_isa(FAMILIES[i])) continue; /* the tests above skip */
-        family_on(FAMILIES[i]);
+        test_int8_family_on(FAMILIES[i]);
         d.codes = NULL;
         CU_ASSERT(qgemm_dw(&d) && isinf(out[17]));
         d.codes = &co;
         CU_ASSERT_FALSE(qgemm_dw(&d));
-        family_off();
+        test_int8_family_off();
     }
     free(scratch);
     qgemm_packed_dw_free(&p);

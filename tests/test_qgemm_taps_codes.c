@@ -14,16 +14,10 @@
 
 #include "base/rng.h"
 #include "quant/qgemm.h"
+#include "test_int8.h"
 #include "test_util.h"
 
 #define CANARY 0xA5
-
-static void family_on(QGemmIsa f) {
-    qgemm_force_portable = f == QGEMM_ISA_PORTABLE;
-    qgemm_force_isa = f == QGEMM_ISA_PORTABLE ? -1 : (int)f;
-}
-
-static void family_off(void) { qgemm_force_portable = false, qgemm_force_isa = -1; }
 
 /* One case's operands and what the portable kernel makes of them. */
 typedef struct {
@@ -141,7 +135,7 @@ static int codes_case(QGemmIsa fam, int rows, int taps, int n_vec, int stride, i
     QGemmTaps g = {.act = k.act, .tap_off = k.off, .n_vec = n_vec, .vec_mask = k.mask, .vec_pos = k.pos, .w = &k.p,
                    .a_zero = a_zero, .out = tmp, .ldo = k.ldo, .scale = k.scale, .bias = k.bias, .epi = epi,
                    .res = k.res, .res_relu = resmode == 2};
-    family_on(fam);
+    test_int8_family_on(fam);
     const char *kernel = qgemm_kernel_name();
     const size_t wb = qgemm_taps_act_wide_bytes(&g);
     int16_t *wide = wb ? aligned_alloc(64, (wb + 63) / 64 * 64) : NULL;
@@ -159,7 +153,7 @@ static int codes_case(QGemmIsa fam, int rows, int taps, int n_vec, int stride, i
         same[form] = (!floats || !memcmp(tmp, k.ref, n_out * 4)) &&
                      (!codes || (quads ? !memcmp(quad, quad_want, n_quad * 4) : !memcmp(plain, plain_want, n_out)));
     }
-    family_off();
+    test_int8_family_off();
     int bad = 0;
     if (nan_bias) {
         bad = ok[0] || ok[1] || ok[3] || !ok[2] || finite;
@@ -214,21 +208,21 @@ static void test_codes_families(void) {
 static void test_codes_direct(void) {
     QGemmPackedTaps p = {.rows = 8, .taps = 1, .row_blocks = 1};
     QGemmTaps g = {.w = &p, .epi = QGEMM_EPI_RELU};
-    family_on(QGEMM_ISA_PORTABLE);
+    test_int8_family_on(QGEMM_ISA_PORTABLE);
     CU_ASSERT(qgemm_taps_codes_direct(&g));
     g.epi = QGEMM_EPI_RELU_POOL2;
     CU_ASSERT_FALSE(qgemm_taps_codes_direct(&g));
     g.epi = QGEMM_EPI_NONE;
-    family_off();
+    test_int8_family_off();
     if (qgemm_cpu_has_isa(QGEMM_ISA_AVX512_VNNI)) {
-        family_on(QGEMM_ISA_AVX512_VNNI);
+        test_int8_family_on(QGEMM_ISA_AVX512_VNNI);
         CU_ASSERT(qgemm_taps_codes_direct(&g));
-        family_off();
+        test_int8_family_off();
     }
     if (qgemm_cpu_has_isa(QGEMM_ISA_AVX2)) {
-        family_on(QGEMM_ISA_AVX2);
+        test_int8_family_on(QGEMM_ISA_AVX2);
         CU_ASSERT_FALSE(qgemm_taps_codes_direct(&g));
-        family_off();
+        test_int8_family_off();
     }
 }
 
