@@ -364,11 +364,12 @@ static bool taps_finish_out(const QGemmTaps *g, int r0, int r1, int v0, int v1) 
         const int n = __builtin_popcount(g->vec_mask[v]);
         const size_t pos = (size_t)g->vec_pos[v];
         if (!n) continue;
-        for (int r = r0; r < r1 && g->res; r++)
-            for (size_t i = 0; i < (size_t)n; i++) {
-                float *o = g->out + (size_t)r * g->ldo + pos + i;
-                *o = taps_sum(g, *o, (size_t)(o - g->out));
-            }
+        if (g->res)
+            for (int r = r0; r < r1; r++)
+                for (size_t i = 0; i < (size_t)n; i++) {
+                    float *o = g->out + (size_t)r * g->ldo + pos + i;
+                    *o = taps_sum(g, *o, (size_t)(o - g->out));
+                }
         if (!co) continue;
         if (!co->quad_plane) {
             for (int r = r0; r < r1; r++)

@@ -522,6 +522,11 @@ bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *
     return ok;
 }
 
+QGemmCodesOut qlayer_int8_codes_out(const VarCodes *hand, uint8_t *dst) {
+    return (QGemmCodesOut){.q = {.s = hand->s, .lo = hand->lo, .hi = hand->hi, .zero = hand->zero}, .dst = dst,
+                           .quad_plane = hand->plane};
+}
+
 /* The zero points past each quad's P codes at dst (plane > 0): what the reader's taps read past the image. */
 void qlayer_int8_handoff_tails(const VarCodes *hand, uint8_t *dst, int C, size_t P) {
     if (!hand->plane) return;

@@ -266,8 +266,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     const VarCodes *h = j->hand;
     uint8_t *yc = h ? j->yc + n * qlayer_int8_handoff_image_bytes(h, j->OC, P) : NULL;
     /* handing off, the kernel writes the reader's codes itself where its family can */
-    const QGemmCodesOut co = {.q = {.s = h ? h->s : 1.0f, .lo = h ? h->lo : 0.0f, .hi = h ? h->hi : 0.0f,
-                                    .zero = h ? h->zero : 0}, .dst = yc, .quad_plane = h ? h->plane : 0};
+    const QGemmCodesOut co = h ? qlayer_int8_codes_out(h, yc) : (QGemmCodesOut){0};
     const bool direct = qgemm_taps_codes_direct(&g); /* the kernel sums the residual and makes the codes itself */
     if (direct) {
         g.codes = h ? &co : NULL, g.floats_too = j->keep;

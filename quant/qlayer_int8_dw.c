@@ -62,9 +62,7 @@ static void dw_task(void *ctx, int n, int n_tasks) {
     if (j->M == 1 && !j->pool) { /* one call for every channel, handing off as codes straight from the kernel */
         const VarCodes *h = j->hand;
         QGemmCodesOut co = {0};
-        if (h)
-            co = (QGemmCodesOut){.q = {.s = h->s, .lo = h->lo, .hi = h->hi, .zero = h->zero}, .quad_plane = h->plane,
-                                 .dst = (uint8_t *)j->y + n * qlayer_int8_handoff_image_bytes(h, OC, P)};
+        if (h) co = qlayer_int8_codes_out(h, (uint8_t *)j->y + n * qlayer_int8_handoff_image_bytes(h, OC, P));
         d.act = codes, d.in_plane = plane, d.oc0 = 0, d.n_oc = j->C, d.out = y, d.codes = h ? &co : NULL;
         out_ok = qgemm_dw(&d);
         if (h) qlayer_int8_handoff_tails(h, co.dst, OC, P);

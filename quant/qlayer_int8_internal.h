@@ -65,6 +65,8 @@ Var *qlayer_int8_handoff_var_keep(Tape *t, int ndim, const int *shape, const Var
 bool qlayer_int8_handoff_image(const VarCodes *hand, uint8_t *dst, const float *y, int C, size_t P);
 /* The bytes of one image's codes. */
 size_t qlayer_int8_handoff_image_bytes(const VarCodes *hand, int C, size_t P);
+/* The kernels' output as hand's codes at dst (QGemmCodesOut: the reader's quantizer and layout). */
+QGemmCodesOut qlayer_int8_codes_out(const VarCodes *hand, uint8_t *dst);
 /* The zero points past each channel quad's P codes of one image's codes at dst (hand->plane > 0; else nothing). */
 void qlayer_int8_handoff_tails(const VarCodes *hand, uint8_t *dst, int C, size_t P);
 /* After the tasks, bad[i] for image i: 1, an input value not finite; 2, an output value the reader's quantizer

@@ -16,6 +16,10 @@ static inline void test_int8_family_on(QGemmIsa family) {
 
 static inline void test_int8_family_off(void) { qgemm_force_portable = false, qgemm_force_isa = -1; }
 
+/* run(family) for each of the n families the CPU has; for each it lacks, a visible skip: "<what> on <family>:
+ * this CPU (or OS) has no <family>". */
+void test_int8_on_families(void (*run)(QGemmIsa), const QGemmIsa *families, int n, const char *what);
+
 /* test_qlayer_int8.c: the quantized layer's int8 path. */
 int qlayer_int8_tests_add(CU_pSuite s);
 

@@ -139,24 +139,12 @@ static void kernels_on(QGemmIsa family) {
 static void test_dw_kernel_portable(void) { kernels_on(QGEMM_ISA_PORTABLE); }
 
 static void test_dw_kernel_vnni(void) {
-    if (!qgemm_cpu_has_vnni()) {
-        test_skip("the depthwise VNNI kernel: this CPU (or OS) has no AVX-512 VNNI");
-        return;
-    }
-    kernels_on(QGEMM_ISA_AVX512_VNNI);
+    test_int8_on_families(kernels_on, (const QGemmIsa[]){QGEMM_ISA_AVX512_VNNI}, 1, "the depthwise kernel");
 }
 
 /* The 256-bit families share one depthwise kernel; each is run as qgemm_dw dispatches it. */
 static void test_dw_kernel_256(void) {
-    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
-    static const char *const NAMES[] = {"AVX-VNNI", "AVX2"};
-    for (int i = 0; i < 2; i++) {
-        if (!qgemm_cpu_has_isa(FAMILIES[i])) {
-            test_skip("the depthwise kernel on %s: this CPU (or OS) has no %s", NAMES[i], NAMES[i]);
-            continue;
-        }
-        kernels_on(FAMILIES[i]);
-    }
+    test_int8_on_families(kernels_on, (const QGemmIsa[]){QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2}, 2, "the depthwise kernel");
 }
 
 static void test_dw_pack_errors(void) {

@@ -140,23 +140,11 @@ static void rows_on(QGemmIsa fam) {
 static void test_rows_portable(void) { rows_on(QGEMM_ISA_PORTABLE); }
 
 static void test_rows_vnni(void) {
-    if (!qgemm_cpu_has_vnni()) {
-        test_skip("the depthwise rows kernel: this CPU (or OS) has no AVX-512 VNNI");
-        return;
-    }
-    rows_on(QGEMM_ISA_AVX512_VNNI);
+    test_int8_on_families(rows_on, (const QGemmIsa[]){QGEMM_ISA_AVX512_VNNI}, 1, "the depthwise rows kernel");
 }
 
 static void test_rows_256(void) {
-    static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
-    static const char *const NAMES[] = {"AVX-VNNI", "AVX2"};
-    for (int i = 0; i < 2; i++) {
-        if (!qgemm_cpu_has_isa(FAMILIES[i])) {
-            test_skip("depthwise codes on %s: this CPU (or OS) has no %s", NAMES[i], NAMES[i]);
-            continue;
-        }
-        rows_on(FAMILIES[i]);
-    }
+    test_int8_on_families(rows_on, (const QGemmIsa[]){QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2}, 2, "depthwise codes");
 }
 
 /* An output past float's range: false with codes on every family, true (the infinity written) with floats. */

@@ -194,14 +194,7 @@ static void test_codes_portable(void) { cases_on(QGEMM_ISA_PORTABLE); }
 
 static void test_codes_families(void) {
     static const QGemmIsa FAMILIES[] = {QGEMM_ISA_AMX, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX2};
-    static const char *const NAMES[] = {"AMX", "AVX-512 VNNI", "AVX-VNNI", "AVX2"};
-    for (int i = 0; i < 4; i++) {
-        if (!qgemm_cpu_has_isa(FAMILIES[i])) {
-            test_skip("taps codes on %s: this CPU (or OS) has no %s", NAMES[i], NAMES[i]);
-            continue;
-        }
-        cases_on(FAMILIES[i]);
-    }
+    test_int8_on_families(cases_on, FAMILIES, 4, "taps codes");
 }
 
 /* Which families quantize in the epilogue: the portable and AVX-512 VNNI kernels, never a pool. */

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "test_int8.h"
 #include "trainer/config.h"
 
 void test_env_init(TestEnv *e, uint64_t seed) {
@@ -322,6 +323,22 @@ int test_skips_print(FILE *out) {
     for (int i = 0; i < test_n_skips && i < TEST_SKIPS_MAX; i++) fprintf(out, "  %s\n", test_skips[i]);
     if (test_n_skips > TEST_SKIPS_MAX) fprintf(out, "  ... and %d more\n", test_n_skips - TEST_SKIPS_MAX);
     return test_n_skips;
+}
+
+void test_int8_on_families(void (*run)(QGemmIsa), const QGemmIsa *families, int n, const char *what) {
+    for (int i = 0; i < n; i++) {
+        const QGemmIsa f = families[i];
+        const char *name = f == QGEMM_ISA_AMX             ? "AMX"
+                           : f == QGEMM_ISA_AVX512_VNNI ? "AVX-512 VNNI"
+                           : f == QGEMM_ISA_AVXVNNI     ? "AVX-VNNI"
+                           : f == QGEMM_ISA_AVX2        ? "AVX2"
+                                                        : "portable C";
+        if (f != QGEMM_ISA_PORTABLE && !qgemm_cpu_has_isa(f)) {
+            test_skip("%s on %s: this CPU (or OS) has no %s", what, name, name);
+            continue;
+        }
+        run(f);
+    }
 }
 
 void test_expect_config_error(const char *file, int line, const char *yaml, const char *n1, const char *n2,
