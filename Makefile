@@ -126,7 +126,7 @@ test-deps: deps
 # are bit-exact twins of scalar loops: no a * b + c contracted into one FMA in those loops (which a CFLAGS=-march
 # with FMA would otherwise allow), in every build directory; and the test that holds the batch norm's sums to
 # their definition.
-%/quant/fqt.o %/quant/fqt_kern.o %/quant/fqt_backward.o %/nn/ops_bn_kernels.o %/tests/test_conv_bn.o: CFLAGS += -ffp-contract=off
+%/quant/fqt.o %/quant/fqt_kern.o %/quant/fqt_kern_x86.o %/quant/fqt_backward.o %/nn/ops_bn_kernels.o %/tests/test_conv_bn.o: CFLAGS += -ffp-contract=off
 
 # gcc 12's partial redundancy elimination leaves the AVX2 taps kernel a register copy per accumulator every tap,
 # and spills when its 12 accumulators fill the registers (docs/BENCHMARKS.md, "Int8 on AVX2"); the file's other

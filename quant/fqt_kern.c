@@ -1,8 +1,8 @@
 /* fqt_kern.c - QT's int quantizers (fqt_kern.h): the scalar _ref kernels,
- * the AVX2 ones (target attributes, so the file builds with the project's
- * flags and runs anywhere; they are called only where CPUID reports AVX2)
- * and the run-time choice between them. */
+ * the run-time choice between them and the x86 families (fqt_kern_x86.c,
+ * called only where CPUID reports the family), and the drivers. */
 #include "fqt_kern.h"
+#include "fqt_kern_x86.h"
 
 #include <float.h>
 #include <math.h>
@@ -94,279 +94,87 @@ double fqt_sum_f64_ref(const float *x, size_t n) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-/* ---- AVX2 -------------------------------------------------------------------------------------------------------- */
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-
-#define KERN_AVX2 __attribute__((target("avx2")))
-
-/* The 8 lanes' |x| and whether each is finite (|x| <= FLT_MAX is false for NaN and infinity). */
-KERN_AVX2 static inline __m256 abs8(__m256 x, __m256 *finite) {
-    __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-    *finite = _mm256_and_ps(*finite, _mm256_cmp_ps(a, _mm256_set1_ps(3.40282347e38f), _CMP_LE_OQ));
-    return a;
-}
-
-KERN_AVX2 static bool absmax_avx2(const float *x, size_t n, float *amax) {
-    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m0 = _mm256_setzero_ps(), m1 = m0;
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        m0 = _mm256_max_ps(m0, abs8(_mm256_loadu_ps(x + i), &all));
-        m1 = _mm256_max_ps(m1, abs8(_mm256_loadu_ps(x + i + 8), &all));
-    }
-    for (; i + 8 <= n; i += 8) m0 = _mm256_max_ps(m0, abs8(_mm256_loadu_ps(x + i), &all));
-    if (_mm256_movemask_ps(all) != 0xff) return false;
-    float lanes[8], m = 0.0f;
-    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
-    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
-    float tail;
-    if (!fqt_absmax_ref(x + i, n - i, &tail)) return false;
-    *amax = tail > m ? tail : m;
-    return true;
-}
-
-KERN_AVX2 static bool col_absmax_avx2(float *amax, const float *g, int rows, int out) {
-    int o = 0;
-    for (; o + 8 <= out; o += 8) {
-        __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m = _mm256_loadu_ps(amax + o);
-        for (int r = 0; r < rows; r++) m = _mm256_max_ps(m, abs8(_mm256_loadu_ps(g + (size_t)r * out + o), &all));
-        if (_mm256_movemask_ps(all) != 0xff) return false;
-        _mm256_storeu_ps(amax + o, m);
-    }
-    for (; o < out; o++)
-        for (int r = 0; r < rows; r++) {
-            float x = g[(size_t)r * out + o];
-            if (!isfinite(x)) return false;
-            float a = fabsf(x);
-            amax[o] = a > amax[o] ? a : amax[o];
-        }
-    return true;
-}
-
-/* 8 int32 in [-128, 127] -> 8 bytes. */
-KERN_AVX2 static inline void store8_i8(int8_t *q, __m256i c) {
-    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64((__m128i *)(void *)q, _mm_packs_epi16(w, w));
-}
-
-/* The first k of 8 lanes set: a tail's mask for maskload/maskstore. */
-KERN_AVX2 static inline __m256i lanes_below(size_t k) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* 8 codes of quant_one: x / s clamped, then rounded to nearest even or stochastically against u. */
-KERN_AVX2 static inline __m256i quant8(__m256 x, __m256 sv, __m256 uv, __m256 qmin, __m256 qmax, bool stochastic) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    /* max first with the bound second: a NaN becomes qmin, as fmaxf(NaN, qmin) does */
-    __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(x, sv), qmin), qmax);
-    if (stochastic) {
-        __m256 lo = _mm256_floor_ps(t);
-        __m256 up = _mm256_cmp_ps(uv, _mm256_sub_ps(one, _mm256_sub_ps(t, lo)), _CMP_GE_OQ);
-        t = _mm256_add_ps(lo, _mm256_and_ps(up, one));
-    } else {
-        t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    return _mm256_cvtps_epi32(t); /* exact: t is an integer */
-}
-
-/* Lanes [0, k) of the noise at u, u_step apart (k <= 8). */
-KERN_AVX2 static inline __m256 noise8(const float *u, size_t u_step, size_t k) {
-    if (u_step == 1 && k == 8) return _mm256_loadu_ps(u);
-    float l[8] = {0};
-    for (size_t i = 0; i < k; i++) l[i] = u[i * u_step];
-    return _mm256_loadu_ps(l);
-}
-
-KERN_AVX2 static void quant_span_avx2(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step,
-                                      const float *u, size_t u_step, const FqtRound *r) {
-    const __m256 qmin = _mm256_set1_ps(r->qmin), qmax = _mm256_set1_ps(r->qmax);
-    __m256 sv = _mm256_set1_ps(s[0]), uv = _mm256_set1_ps(r->stochastic ? u[0] : 0.0f);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        if (s_step) sv = _mm256_loadu_ps(s + i);
-        if (r->stochastic && u_step) uv = noise8(u + i * u_step, u_step, 8);
-        __m256i c = quant8(_mm256_loadu_ps(x + i), sv, uv, qmin, qmax, r->stochastic);
-        if (q) store8_i8(q + i, c);
-        if (v) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv));
-    }
-    if (i == n) return;
-    /* the tail in one masked vector: lanes past n read 0 / 1 and are not stored */
-    const size_t k = n - i;
-    const __m256i m = lanes_below(k);
-    const __m256 mf = _mm256_castsi256_ps(m);
-    if (s_step) sv = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_maskload_ps(s + i, m), mf);
-    if (r->stochastic && u_step) uv = noise8(u + i * u_step, u_step, k);
-    __m256i c = quant8(_mm256_maskload_ps(x + i, m), sv, uv, qmin, qmax, r->stochastic);
-    if (q) {
-        int8_t b[8];
-        store8_i8(b, c);
-        for (size_t j = 0; j < k; j++) q[i + j] = b[j];
-    }
-    if (v) _mm256_maskstore_ps(v + i, m, _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv));
-}
-
-/* write: d = 0 + masked tmp (the bits of a zeroed d), else d += masked tmp. */
-KERN_AVX2 static void ste_clip_avx2(float *d, const float *v, const float *tmp, size_t n, float s, float lo,
-                                    float hi, bool write) {
-    const __m256 sv = _mm256_set1_ps(s), lov = _mm256_set1_ps(lo), hiv = _mm256_set1_ps(hi);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 q = _mm256_div_ps(_mm256_loadu_ps(v + i), sv);
-        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(q, lov, _CMP_GE_OQ), _mm256_cmp_ps(q, hiv, _CMP_LE_OQ));
-        const __m256 base = write ? _mm256_setzero_ps() : _mm256_loadu_ps(d + i);
-        _mm256_storeu_ps(d + i, _mm256_add_ps(base, _mm256_and_ps(in, _mm256_loadu_ps(tmp + i))));
-    }
-    if (write) fqt_ste_clip_write_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
-    else fqt_ste_clip_ref(d + i, v + i, tmp + i, n - i, s, lo, hi);
-}
-
-/* fqt_sum_f64's eight partial sums as two vectors of four (i mod 8 in 0..3, 4..7): the same additions. */
-KERN_AVX2 static double sum_f64_avx2(const float *x, size_t n) {
-    __m256d lo = _mm256_setzero_pd(), hi = lo;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
-        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
-    }
-    double a[8];
-    _mm256_storeu_pd(a, lo);
-    _mm256_storeu_pd(a + 4, hi);
-    for (int k = 0; i < n; i++, k++) a[k] += x[i];
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
-/* fqt_plane_stats in one pass: the maxima as absmax_avx2's, the sums as sum_f64_avx2's (the same additions). */
-KERN_AVX2 static bool plane_stats_avx2(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
-    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m = _mm256_setzero_ps();
-    __m256d lo = _mm256_setzero_pd(), hi = lo;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i), a = abs8(v, &all);
-        m = _mm256_max_ps(m, a);
-        if (rowmax) _mm256_storeu_ps(rowmax + i, _mm256_max_ps(_mm256_loadu_ps(rowmax + i), a));
-        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-    }
-    if (_mm256_movemask_ps(all) != 0xff) return false;
-    float lanes[8], mm = 0.0f;
-    _mm256_storeu_ps(lanes, m);
-    for (int k = 0; k < 8; k++) mm = lanes[k] > mm ? lanes[k] : mm;
-    double acc[8];
-    _mm256_storeu_pd(acc, lo);
-    _mm256_storeu_pd(acc + 4, hi);
-    for (int k = 0; i < n; i++, k++) {
-        if (!isfinite(x[i])) return false;
-        const float a = fabsf(x[i]);
-        mm = a > mm ? a : mm;
-        if (rowmax) rowmax[i] = a > rowmax[i] ? a : rowmax[i];
-        acc[k] += x[i];
-    }
-    *amax = mm;
-    *sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    return true;
-}
-
-/* No FMA in this target: the product is rounded before the bias is added, as in the scalar loop. */
-KERN_AVX2 static void scale_i32_avx2(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
-    const __m256 v1 = _mm256_set1_ps(s1), v2 = _mm256_set1_ps(s2), vb = _mm256_set1_ps(b);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(x + i))), v1), v2);
-        _mm256_storeu_ps(y + i, add_b ? _mm256_add_ps(v, vb) : v);
-    }
-    if (i == n) return;
-    const __m256i m = lanes_below(n - i); /* the tail in one masked vector */
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_maskload_epi32((const int *)(x + i), m)), v1), v2);
-    _mm256_maskstore_ps(y + i, m, add_b ? _mm256_add_ps(v, vb) : v);
-}
-
-static bool cpu_avx2(void) {
-    static int has = -1;
-    if (has < 0) has = __builtin_cpu_supports("avx2");
-    return has;
-}
-#else
-static bool cpu_avx2(void) { return false; }
-#endif
 
 /* ---- the choice -------------------------------------------------------------------------------------------------- */
 
-static bool force_portable;
+#if defined(__x86_64__) || defined(__i386__)
+/* The widest family this CPU has (OS support included: __builtin_cpu_supports reads what the kernel enabled). */
+static FqtKernFamily cpu_family(void) {
+    static int has = -1;
+    if (has < 0)
+        has = __builtin_cpu_supports("avx512f") ? FQT_KERN_AVX512
+              : __builtin_cpu_supports("avx2")  ? FQT_KERN_AVX2
+                                                : FQT_KERN_PORTABLE;
+    return (FqtKernFamily)has;
+}
+#else
+static FqtKernFamily cpu_family(void) { return FQT_KERN_PORTABLE; }
+#endif
 
-void fqt_kern_force_portable(bool on) { force_portable = on; }
+static FqtKernFamily cap = FQT_KERN_AVX512;
 
-static bool use_avx2(void) { return !force_portable && cpu_avx2(); }
+static FqtKernFamily family(void) { return cpu_family() < cap ? cpu_family() : cap; }
 
-const char *fqt_kern_name(void) { return use_avx2() ? "avx2" : "portable"; }
+FqtKernFamily fqt_kern_cap(FqtKernFamily max) {
+    cap = max;
+    return family();
+}
+
+const char *fqt_kern_name(void) {
+    static const char *const names[] = {"portable", "avx2", "avx512"};
+    return names[family()];
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define AT_LEAST(f) (family() >= (f))
+#else
+#define AT_LEAST(f) false
+#endif
 
 bool fqt_absmax(const float *x, size_t n, float *amax) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) return absmax_avx2(x, n, amax);
-#endif
+    if (AT_LEAST(FQT_KERN_AVX512)) return fqt_absmax_avx512(x, n, amax);
+    if (AT_LEAST(FQT_KERN_AVX2)) return fqt_absmax_avx2(x, n, amax);
     return fqt_absmax_ref(x, n, amax);
 }
 
 bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) return col_absmax_avx2(amax, g, rows, out);
-#endif
+    if (AT_LEAST(FQT_KERN_AVX2)) return fqt_col_absmax_avx2(amax, g, rows, out);
     return fqt_col_absmax_ref(amax, g, rows, out);
 }
 
 bool fqt_plane_stats(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) return plane_stats_avx2(x, n, rowmax, amax, sum);
-#endif
+    if (AT_LEAST(FQT_KERN_AVX2)) return fqt_plane_stats_avx2(x, n, rowmax, amax, sum);
     return fqt_plane_stats_ref(x, n, rowmax, amax, sum);
 }
 
 void fqt_scale_i32(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) {
-        scale_i32_avx2(y, x, n, s1, s2, b, add_b);
-        return;
-    }
-#endif
-    fqt_scale_i32_ref(y, x, n, s1, s2, b, add_b);
+    if (AT_LEAST(FQT_KERN_AVX512)) fqt_scale_i32_avx512(y, x, n, s1, s2, b, add_b);
+    else if (AT_LEAST(FQT_KERN_AVX2)) fqt_scale_i32_avx2(y, x, n, s1, s2, b, add_b);
+    else fqt_scale_i32_ref(y, x, n, s1, s2, b, add_b);
 }
 
 double fqt_sum_f64(const float *x, size_t n) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) return sum_f64_avx2(x, n);
-#endif
+    if (AT_LEAST(FQT_KERN_AVX2)) return fqt_sum_f64_avx2(x, n);
     return fqt_sum_f64_ref(x, n);
 }
 
 void fqt_ste_clip(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) {
-        ste_clip_avx2(d, v, tmp, n, s, lo, hi, false);
-        return;
-    }
-#endif
-    fqt_ste_clip_ref(d, v, tmp, n, s, lo, hi);
+    if (AT_LEAST(FQT_KERN_AVX512)) fqt_ste_clip_avx512(d, v, tmp, n, s, lo, hi, false);
+    else if (AT_LEAST(FQT_KERN_AVX2)) fqt_ste_clip_avx2(d, v, tmp, n, s, lo, hi, false);
+    else fqt_ste_clip_ref(d, v, tmp, n, s, lo, hi);
 }
 
 void fqt_ste_clip_write(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) {
-        ste_clip_avx2(d, v, tmp, n, s, lo, hi, true);
-        return;
-    }
-#endif
-    fqt_ste_clip_write_ref(d, v, tmp, n, s, lo, hi);
+    if (AT_LEAST(FQT_KERN_AVX512)) fqt_ste_clip_avx512(d, v, tmp, n, s, lo, hi, true);
+    else if (AT_LEAST(FQT_KERN_AVX2)) fqt_ste_clip_avx2(d, v, tmp, n, s, lo, hi, true);
+    else fqt_ste_clip_write_ref(d, v, tmp, n, s, lo, hi);
 }
 
 void fqt_quant_span(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
                     size_t u_step, const FqtRound *r) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (use_avx2()) {
-        quant_span_avx2(q, v, x, n, s, s_step, u, u_step, r);
-        return;
-    }
-#endif
-    fqt_quant_span_ref(q, v, x, n, s, s_step, u, u_step, r);
+    if (AT_LEAST(FQT_KERN_AVX512)) fqt_quant_span_avx512(q, v, x, n, s, s_step, u, u_step, r);
+    else if (AT_LEAST(FQT_KERN_AVX2)) fqt_quant_span_avx2(q, v, x, n, s, s_step, u, u_step, r);
+    else fqt_quant_span_ref(q, v, x, n, s, s_step, u, u_step, r);
 }
 
 /* ---- the drivers ------------------------------------------------------------------------------------------------- */

@@ -6,7 +6,7 @@
  * Each kernel gives, bit for bit, what QArray's scalar rules give
  * (qarray_plan_encode, then qtype_decode of the code): x / s clamped to
  * [qmin, qmax], then rounded, ties to even or stochastically (floor(v) + 1
- * when u >= 1 - frac(v)), the value q * s. The AVX2 kernels do the same
+ * when u >= 1 - frac(v)), the value q * s. The AVX2 and AVX-512 kernels do the same
  * IEEE operations in the same order (a division, not a multiplication by
  * 1/s), so they are exact twins of the _ref ones; tests compare them. The
  * maxima are exact in any order, so splitting them over threads changes
@@ -129,9 +129,14 @@ bool fqt_scales_of_amax(const QArrayPlan *p, const float *amax, float *s, size_t
 void fqt_scale_i32(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b);
 void fqt_scale_i32_ref(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b);
 
-/* Which kernels fqt_absmax and friends run: "avx2" or "portable". */
+/* The kernel families, narrowest first. */
+typedef enum { FQT_KERN_PORTABLE, FQT_KERN_AVX2, FQT_KERN_AVX512 } FqtKernFamily;
+/* Which family fqt_absmax and friends run: "avx512", "avx2" or "portable"
+ * (the CPU's widest, under the cap). */
 const char *fqt_kern_name(void);
-/* Tests: force the portable kernels (true) or go back to the CPU's best. */
-void fqt_kern_force_portable(bool on);
+/* Tests: cap the family at max (FQT_KERN_AVX512: the CPU's best again);
+ * returns the family that now runs, which is below max where the CPU
+ * lacks it. */
+FqtKernFamily fqt_kern_cap(FqtKernFamily max);
 
 #endif

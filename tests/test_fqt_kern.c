@@ -1,5 +1,5 @@
-/* test_fqt_kern.c - QT's int quantizers (quant/fqt_kern.h): the AVX2
- * kernels equal their scalar _ref twins bit for bit, and the drivers equal
+/* test_fqt_kern.c - QT's int quantizers (quant/fqt_kern.h): each x86 family
+ * (AVX2, AVX-512) equals the scalar _ref kernels bit for bit, and the drivers equal
  * QArray's general rules (qarray_plan_encode over the calibrated range),
  * the path QT takes for every other format, at 1 and 2 threads. */
 #include <CUnit/CUnit.h>
@@ -29,15 +29,22 @@ static float *edge_data(size_t n, uint64_t seed, float s) {
 
 static bool same_bits(const void *a, const void *b, size_t bytes) { return memcmp(a, b, bytes) == 0; }
 
-/* The twins tests compare the CPU's kernels with the _ref ones: without AVX2 both are the _ref. */
-static bool have_fast(const char *test) {
-    if (strcmp(fqt_kern_name(), "portable") != 0) return true;
-    test_skip("%s: this CPU has no AVX2, so the fast kernels are the portable ones", test);
-    return false;
+/* The twins tests run once per x86 family, each against the _ref kernels: a family this CPU lacks is a visible
+ * skip (an AVX2-only CPU skips the AVX-512 runs; a CPU without AVX2 skips both). */
+static void for_each_family(const char *test, void (*body)(void)) {
+    static const FqtKernFamily families[] = {FQT_KERN_AVX2, FQT_KERN_AVX512};
+    static const char *const names[] = {"portable", "avx2", "avx512"};
+    for (size_t f = 0; f < sizeof families / sizeof *families; f++) {
+        if (fqt_kern_cap(families[f]) != families[f]) {
+            test_skip("%s (%s): this CPU lacks the %s kernels", test, names[families[f]], names[families[f]]);
+            continue;
+        }
+        body();
+    }
+    fqt_kern_cap(FQT_KERN_AVX512);
 }
 
-static void test_absmax_twins(void) {
-    if (!have_fast("absmax: fast = ref")) return;
+static void test_absmax_twins_body(void) {
     for (size_t n = 0; n < 70; n++) {
         float *x = edge_data(n, 100 + n, 0.01f);
         float a = -1.0f, b = -2.0f;
@@ -53,8 +60,9 @@ static void test_absmax_twins(void) {
     }
 }
 
-static void test_col_absmax_twins(void) {
-    if (!have_fast("column absmax: fast = ref")) return;
+static void test_absmax_twins(void) { for_each_family("absmax: fast = ref", test_absmax_twins_body); }
+
+static void test_col_absmax_twins_body(void) {
     const int shapes[][2] = {{1, 1}, {3, 8}, {17, 13}, {64, 32}, {5, 70}};
     for (size_t k = 0; k < sizeof shapes / sizeof *shapes; k++) {
         int rows = shapes[k][0], out = shapes[k][1];
@@ -68,8 +76,9 @@ static void test_col_absmax_twins(void) {
     }
 }
 
-static void test_span_twins(void) {
-    if (!have_fast("span: fast = ref")) return;
+static void test_col_absmax_twins(void) { for_each_family("column absmax: fast = ref", test_col_absmax_twins_body); }
+
+static void test_span_twins_body(void) {
     const FqtRound modes[] = {{-128, 127, false}, {-128, 127, true}, {-127, 127, false}, {-8, 7, true}};
     for (size_t m = 0; m < sizeof modes / sizeof *modes; m++)
         for (size_t n = 1; n < 70; n += 3)
@@ -91,8 +100,9 @@ static void test_span_twins(void) {
             }
 }
 
-static void test_sum_twins(void) {
-    if (!have_fast("sum: fast = ref")) return;
+static void test_span_twins(void) { for_each_family("span: fast = ref", test_span_twins_body); }
+
+static void test_sum_twins_body(void) {
     for (size_t n = 0; n < 300; n += 7) {
         float *x = edge_data(n, 950 + n, 0.3f);
         double a = fqt_sum_f64(x, n), b = fqt_sum_f64_ref(x, n);
@@ -101,8 +111,9 @@ static void test_sum_twins(void) {
     }
 }
 
-static void test_plane_stats_twins(void) {
-    if (!have_fast("plane stats: fast = ref")) return;
+static void test_sum_twins(void) { for_each_family("sum: fast = ref", test_sum_twins_body); }
+
+static void test_plane_stats_twins_body(void) {
     for (size_t n = 0; n < 300; n += 11) {
         float *x = edge_data(n, 960 + n, 0.2f), *ra = test_random_uniform(n, 961 + n, 0.0f, 5.0f);
         float *rb = malloc((n ? n : 1) * sizeof *rb);
@@ -123,6 +134,8 @@ static void test_plane_stats_twins(void) {
         free(x), free(ra), free(rb);
     }
 }
+
+static void test_plane_stats_twins(void) { for_each_family("plane stats: fast = ref", test_plane_stats_twins_body); }
 
 /* The inlined scale formula equals the drivers' (calib_compute's range, then qarray_plan_scale). */
 static void test_scales_of_amax(void) {
@@ -147,8 +160,7 @@ static void test_scales_of_amax(void) {
             }
 }
 
-static void test_scale_i32_twins(void) {
-    if (!have_fast("int32 scaling: fast = ref")) return;
+static void test_scale_i32_twins_body(void) {
     for (size_t n = 0; n < 100; n += 7) {
         int32_t *x = malloc((n ? n : 1) * sizeof *x);
         float *a = malloc((n ? n : 1) * sizeof *a), *b = malloc((n ? n : 1) * sizeof *b);
@@ -162,8 +174,9 @@ static void test_scale_i32_twins(void) {
     }
 }
 
-static void test_ste_clip_twins(void) {
-    if (!have_fast("STE clip: fast = ref")) return;
+static void test_scale_i32_twins(void) { for_each_family("int32 scaling: fast = ref", test_scale_i32_twins_body); }
+
+static void test_ste_clip_twins_body(void) {
     for (size_t n = 0; n < 70; n += 3) {
         float *v = edge_data(n, 900 + n, 0.05f), *tmp = test_random_uniform(n, 901 + n, -1.0f, 1.0f);
         float *a = test_random_uniform(n, 902 + n, -1.0f, 1.0f), *b = malloc((n ? n : 1) * sizeof *b);
@@ -183,6 +196,8 @@ static void test_ste_clip_twins(void) {
         free(v), free(tmp), free(a), free(b);
     }
 }
+
+static void test_ste_clip_twins(void) { for_each_family("STE clip: fast = ref", test_ste_clip_twins_body); }
 
 /* The general rules: the slice's calibrated range, the plan's scale, qarray_plan_encode, the code's value. */
 static float general_scale(const QArrayPlan *p, const float *v, size_t n) {
@@ -275,12 +290,12 @@ static void check_rows_and_cols(int threads) {
 static void test_drivers_1_thread(void) { check_rows_and_cols(1); }
 static void test_drivers_2_threads(void) { check_rows_and_cols(2); }
 
-/* Drivers on the portable kernels too: the same bits. */
-static void test_drivers_portable(void) {
-    fqt_kern_force_portable(true);
+/* Drivers on every family this CPU has, the portable kernels included: the same bits. */
+static void test_drivers_families(void) {
+    fqt_kern_cap(FQT_KERN_PORTABLE);
     CU_ASSERT_STRING_EQUAL(fqt_kern_name(), "portable");
     check_rows_and_cols(2);
-    fqt_kern_force_portable(false);
+    for_each_family("drivers = general rules, each family", test_drivers_2_threads);
 }
 
 /* The column driver on g as the layer's output lays it, (N, OC, P), equals fqt_quant_cols on the (N*P, OC)
@@ -377,7 +392,7 @@ int register_quant_qt_kern_suite(void) {
            !CU_add_test(s, "scales of maxima = the drivers' scale", test_scales_of_amax) ||
            !CU_add_test(s, "drivers = general rules, 1 thread", test_drivers_1_thread) ||
            !CU_add_test(s, "drivers = general rules, 2 threads", test_drivers_2_threads) ||
-           !CU_add_test(s, "drivers on portable kernels", test_drivers_portable) ||
+           !CU_add_test(s, "drivers on every kernel family", test_drivers_families) ||
            !CU_add_test(s, "which plans take the fast path", test_plan_fast_cases) ||
            !CU_add_test(s, "g's columns in the output's layout = the (rows, out) driver", test_grad_layout) ||
            !CU_add_test(s, "dW's contraction chunks", test_chunk_ends);

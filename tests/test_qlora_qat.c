@@ -106,14 +106,14 @@ static void test_qt_kernel_families(void) {
         Config *c = load_cfg("tests/configs/tiny-qt.yaml", name, ov, 1);
         CU_ASSERT_PTR_NOT_NULL_FATAL(c);
         qgemm_force_isa = portable_quant ? -1 : isa;
-        fqt_kern_force_portable(portable_quant);
+        fqt_kern_cap(portable_quant ? FQT_KERN_PORTABLE : FQT_KERN_AVX512);
         TrainResult r;
         run_ok(c, NULL, 0, &r);
         Net n;
         test_runs_load_net(&n, c, path_in(name, "final.h5"));
         if (!portable_quant) CU_ASSERT_STRING_EQUAL(net_int8_kernel(&n), NAMES[isa]);
         qgemm_force_isa = -1;
-        fqt_kern_force_portable(false);
+        fqt_kern_cap(FQT_KERN_AVX512);
         if (!have_ref) {
             ref = n, have_ref = true;
         } else {
