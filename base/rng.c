@@ -167,6 +167,17 @@ void rng_shuffle_u32(Rng *r, uint32_t *idx, size_t n) {
     }
 }
 
+void rng_fill_unit_at(const Rng *r, size_t first, float *out, size_t n) {
+    Rng at = *r;
+    at.counter += first / 4;
+    uint32_t b[256];
+    for (size_t i = 0; i < n; i += 256) {
+        const size_t m = n - i < 256 ? n - i : 256;
+        rng_fill_u32(&at, b, m);
+        for (size_t j = 0; j < m; j++) out[i + j] = rng_u32_to_unit(b[j]);
+    }
+}
+
 void rng_uniforms_init(RngUniforms *u, Rng *rng, size_t n) {
     u->rng = rng, u->left = n, u->pos = 0, u->have = 0;
 }

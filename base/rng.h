@@ -76,4 +76,11 @@ float rng_uniforms_next(RngUniforms *u);
 /* 24 high bits of u as a float in [0, 1). */
 static inline float rng_u32_to_unit(uint32_t u) { return (float)(u >> 8) * 0x1p-24f; }
 
+/* out [n] = the uniforms of words [first, first + n) of what rng_uniforms_next draws from r's present counter
+ * (first a multiple of 4: a block boundary), r untouched: Philox's blocks are independent, so threads may each
+ * fill a part. The caller then advances r->counter by rng_blocks(total) once. */
+void rng_fill_unit_at(const Rng *r, size_t first, float *out, size_t n);
+/* The blocks that n words take (a last partial block is drawn whole). */
+static inline uint64_t rng_blocks(size_t n) { return (uint64_t)(n / 4 + (n % 4 != 0)); }
+
 #endif

@@ -97,7 +97,24 @@ static float noise_at(const Noise *z, int r, int o) {
     }
 }
 
-/* One step's noise from the layer's rng: the same count for the same shape, drawn whichever products need it. */
+/* Chunks [lo, hi) of NOISE_CHUNK words of a draw: rng_fill_unit_at from the draw's first counter. */
+#define NOISE_CHUNK 4096 /* a multiple of 4: chunks start on Philox blocks */
+
+typedef struct {
+    const Rng *rng;
+    float *u;
+    size_t n;
+} NoiseJob;
+
+static void noise_part(const void *ctx, int lo, int hi) {
+    const NoiseJob *j = ctx;
+    const size_t a = (size_t)lo * NOISE_CHUNK, b = (size_t)hi * NOISE_CHUNK < j->n ? (size_t)hi * NOISE_CHUNK : j->n;
+    rng_fill_unit_at(j->rng, a, j->u + a, b - a);
+}
+
+/* One step's noise from the layer's rng: the same count for the same shape, drawn whichever products need it.
+ * The words are RngUniforms' (rng_uniforms_next's order), drawn by the threads in parts, and the rng ends where
+ * one sequential draw leaves it. */
 static bool noise_draw(Tape *t, FqtLayer *q, int rows, int out, Noise *z) {
     unsigned axes = q->spec.noise_axes ? q->spec.noise_axes : FQT_NOISE_ROWS;
     *z = (Noise){.axes = axes, .out = out};
@@ -105,9 +122,9 @@ static bool noise_draw(Tape *t, FqtLayer *q, int rows, int out, Noise *z) {
     size_t n = axes == FQT_NOISE_COLS ? (size_t)out : axes == FQT_NOISE_ROWS ? (size_t)rows : (size_t)rows * out;
     float *u = tape_alloc(t, n * sizeof *u);
     if (!u) return false;
-    RngUniforms ru;
-    rng_uniforms_init(&ru, &q->rng, n);
-    for (size_t i = 0; i < n; i++) u[i] = rng_uniforms_next(&ru);
+    NoiseJob j = {&q->rng, u, n};
+    fqt_shares_run((int)((n + NOISE_CHUNK - 1) / NOISE_CHUNK), 8 * n, noise_part, &j);
+    q->rng.counter += rng_blocks(n);
     z->u = u;
     return true;
 }

@@ -118,6 +118,29 @@ static void test_rng_uniforms_match_one_draw(void) {
     CU_ASSERT_EQUAL(rng_uniforms_next(&u), 0.0f);
 }
 
+/* rng_fill_unit_at in parts that start on blocks (as QT's threads draw the noise) = RngUniforms' sequence, and
+ * rng_blocks advances the counter to where that draw leaves it, at lengths around the block and chunk sizes. */
+static void test_rng_fill_unit_at_parts(void) {
+    static const size_t LENS[] = {1, 4, 5, 255, 256, 257, 1031, 4096 + 3};
+    static float got[4099];
+    for (size_t li = 0; li < sizeof LENS / sizeof *LENS; li++) {
+        const size_t n = LENS[li];
+        Rng r, seq;
+        rng_init(&r, 19, RNG_STREAM_ROUNDING);
+        r.counter = 3 + li;
+        seq = r;
+        for (size_t a = 0; a < n; a += 260) /* parts of 260 words: 65 blocks, not a chunk multiple */
+            rng_fill_unit_at(&r, a, got + a, n - a < 260 ? n - a : 260);
+        r.counter += rng_blocks(n);
+        RngUniforms u;
+        rng_uniforms_init(&u, &seq, n);
+        int mismatches = 0;
+        for (size_t i = 0; i < n; i++) mismatches += rng_uniforms_next(&u) != got[i];
+        CU_ASSERT_EQUAL(mismatches, 0);
+        CU_ASSERT_EQUAL(r.counter, seq.counter);
+    }
+}
+
 /* rng_fill_uniform (words in chunks through the vector Philox) against one block per 4 values: the same floats
  * and the same counter after, at lengths around the chunk and block sizes. */
 static void test_rng_fill_uniform_blocks(void) {
@@ -315,5 +338,6 @@ int register_nn_core_suite(void) {
            !CU_add_test(s, "tape refuses double backward and frozen-param grads", test_tape_refuses_misuse) ||
            !CU_add_test(s, "error keeps the first cause", test_error_keeps_first) ||
            !CU_add_test(s, "chunked uniforms equal one draw", test_rng_uniforms_match_one_draw) ||
-           !CU_add_test(s, "rng_fill_uniform = one block per 4 values", test_rng_fill_uniform_blocks);
+           !CU_add_test(s, "rng_fill_uniform = one block per 4 values", test_rng_fill_uniform_blocks) ||
+           !CU_add_test(s, "uniforms drawn in parts = one draw", test_rng_fill_unit_at_parts);
 }
