@@ -349,13 +349,15 @@ static void xt_shifted_plane(int8_t *dst, const int8_t *src, int H, int W, int d
     const size_t n = (size_t)(h_hi - h_lo) * W - (size_t)adw;
     int8_t *d = dst + (size_t)h_lo * W;
     const int8_t *s0 = src + (size_t)(h_lo + dh) * W;
-    if (dw >= 0) {
-        memcpy(d, s0 + dw, n);
-        for (int h = h_lo; h < h_hi; h++) memset(dst + (size_t)h * W + (W - adw), 0, (size_t)adw);
-    } else {
-        memcpy(d + adw, s0, n);
-        for (int h = h_lo; h < h_hi; h++) memset(dst + (size_t)h * W, 0, (size_t)adw);
-    }
+    /* the wrapped columns: one byte a row for a 3x3 kernel, stored in place (a memset call a row cost more than
+     * the copy: the reference CNN's conv2 makes 36,864 planes of 14 rows a step) */
+    int8_t *edge = dst + (size_t)h_lo * W + (dw >= 0 ? W - adw : 0);
+    if (dw >= 0) memcpy(d, s0 + dw, n);
+    else memcpy(d + adw, s0, n);
+    if (adw == 1)
+        for (int h = h_lo; h < h_hi; h++, edge += W) *edge = 0;
+    else if (adw > 1)
+        for (int h = h_lo; h < h_hi; h++, edge += W) memset(edge, 0, (size_t)adw);
 }
 
 static void xt_part(const void *ctx, int lo, int hi) {
