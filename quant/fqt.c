@@ -732,3 +732,24 @@ void fqt_qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, in
     /* the work in units that make a split worth it at about 2^20 multiply-adds */
     fqt_shares_run(M, (size_t)M * N * K >> 5, s8_part, &j);
 }
+
+/* c (M, N) = a (M, K) b (K, N) in int8, columns [lo * S8_NN_COLS, hi * S8_NN_COLS) of b and c: each thread packs
+ * only its own columns of b. */
+#define S8_NN_COLS 48 /* a multiple of every kernel family's panel width */
+
+typedef struct {
+    int32_t *c;
+    const int8_t *a, *b;
+    int ldc, ldb, M, N, K;
+} S8NnJob;
+
+static void s8_nn_part(const void *ctx, int lo, int hi) {
+    const S8NnJob *j = ctx;
+    const int j0 = lo * S8_NN_COLS, j1 = hi * S8_NN_COLS < j->N ? hi * S8_NN_COLS : j->N;
+    qgemm_s8_nn(j->c + j0, j->ldc, j->a, j->b + j0, j->ldb, j->M, j1 - j0, j->K);
+}
+
+void fqt_qgemm_s8_nn(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
+    S8NnJob j = {c, a, b, ldc, ldb, M, N, K};
+    fqt_shares_run((N + S8_NN_COLS - 1) / S8_NN_COLS, (size_t)M * N * K >> 5, s8_nn_part, &j);
+}

@@ -373,8 +373,8 @@ static const float *product_grad(Tape *t, const TapeNode *node) {
 
 /* ---- the integer backward --------------------------------------------------------------------------------------- */
 
-/* tmp (out, fan_in) rows [lo, hi) += a tile's integer sums (fan_in, out) times its scales; the first tile writes,
- * the last multiplies by sx after its addition. */
+/* tmp (out, fan_in) rows [lo, hi) += a tile's integer sums (fan_in, out), or (out, fan_in) with by_rows, times its
+ * scales; the first tile writes, the last multiplies by sx after its addition. */
 typedef struct {
     float *tmp;
     const int32_t *acc; /* the tile's one chunk, or */
@@ -382,11 +382,34 @@ typedef struct {
     const float *st;    /* [out] */
     float sx;
     int K, out;
-    bool first, last;
+    bool first, last, by_rows;
 } TileJob;
+
+/* Row o of tmp from the sums laid out as tmp is; the choices fixed, so each instance is one plain loop. */
+static inline void tile_row(const TileJob *j, int o, const bool wide, const bool first, const bool last) {
+    float *row = j->tmp + (size_t)o * j->K;
+    const int32_t *a = j->acc + (size_t)o * j->K;
+    const int64_t *s = j->sum ? j->sum + (size_t)o * j->K : NULL;
+    const float st = j->st[o], sx = j->sx;
+    for (int k = 0; k < j->K; k++) {
+        const float v = (float)(wide ? s[k] : (int64_t)a[k]) * st;
+        const float r = first ? v : row[k] + v;
+        row[k] = last ? r * sx : r;
+    }
+}
 
 static void tile_part(const void *ctx, int lo, int hi) {
     const TileJob *j = ctx;
+    if (j->by_rows) {
+        for (int o = lo; o < hi; o++) {
+            if (j->sum) tile_row(j, o, true, j->first, j->last);
+            else if (j->first && j->last) tile_row(j, o, false, true, true);
+            else if (j->first) tile_row(j, o, false, true, false);
+            else if (j->last) tile_row(j, o, false, false, true);
+            else tile_row(j, o, false, false, false);
+        }
+        return;
+    }
     enum { KB = 16 }; /* the sums' rows a block of k reads stay in cache while the channels pass */
     for (int k0 = 0; k0 < j->K; k0 += KB) {
         const int k1 = j->K - k0 < KB ? j->K : k0 + KB;
@@ -408,22 +431,26 @@ static void tile_part(const void *ctx, int lo, int hi) {
 static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, const float *s_col, int tile) {
     const int rows = c->rows, out = c->out, K = c->fan_in;
     const size_t nw = (size_t)out * K;
-    int8_t *xt = c->xt ? (int8_t *)c->xt : tape_alloc(t, (size_t)rows * K); /* chunk-major blocks (fan_in, L) */
-    int32_t *acc = tape_alloc(t, nw * sizeof *acc);            /* (fan_in, out): the chunk's product, transposed */
-    int64_t *sum = tape_alloc(t, nw * sizeof *sum);            /* (fan_in, out): a tile's chunks so far */
+    /* conv: X^T's chunk-major blocks (fan_in, L), the forward's or gathered here; dense reads X's rows as they are */
+    int8_t *xt = !c->conv || c->xt ? (int8_t *)c->xt : tape_alloc(t, (size_t)rows * K);
+    int32_t *acc = tape_alloc(t, nw * sizeof *acc); /* the chunk's product: (fan_in, out) for conv, (out, fan_in) */
+    int64_t *sum = tape_alloc(t, nw * sizeof *sum); /* acc's layout: a tile's chunks so far */
     float *tmp = tape_alloc(t, nw * sizeof *tmp), *dw = tape_grad(t, w); /* (out, fan_in) */
-    if (!xt || !acc || !sum || !tmp || !dw) return false;
+    if ((c->conv && !xt) || !acc || !sum || !tmp || !dw) return false;
     for (int r0 = 0, ti = 0, in_tile = 0; r0 < rows; in_tile++) {
         const int r1 = fqt_dw_chunk_end(r0, rows, tile), L = r1 - r0;
         const bool tile_done = r1 == rows || r1 % tile == 0;
-        if (!c->xt) fqt_gather_xt(xt, c, r0, L); /* else the forward's */
-        /* X^T g: the output channels are the kernel's vector lanes */
-        fqt_qgemm_s8(acc, xt + (size_t)r0 * K, gq + (size_t)r0 * out, K, out, L);
+        if (c->conv) { /* X^T g: the output channels are the kernel's vector lanes */
+            if (!c->xt) fqt_gather_xt(xt, c, r0, L);
+            fqt_qgemm_s8(acc, xt + (size_t)r0 * K, gq + (size_t)r0 * out, K, out, L);
+        } else { /* g^T X: g's block (out, L) times X's rows (L, fan_in), no transposed copy of either */
+            fqt_qgemm_s8_nn(acc, K, gq + (size_t)r0 * out, c->xb + (size_t)r0 * K, K, out, K, L);
+        }
         if (in_tile > 0 || !tile_done) /* a tile of several chunks: its sum in int64 */
             for (size_t i = 0; i < nw; i++) sum[i] = (in_tile > 0 ? sum[i] : 0) + acc[i];
         if (tile_done) { /* scale the tile (and, after the last, multiply by sx) */
             TileJob tj = {tmp, acc, in_tile > 0 ? sum : NULL, s_col + (size_t)ti * out, c->sx, K, out, ti == 0,
-                          r1 == rows};
+                          r1 == rows, !c->conv};
             fqt_shares_run(out, nw, tile_part, &tj);
             ti++, in_tile = -1;
         }

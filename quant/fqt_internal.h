@@ -54,6 +54,8 @@ void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx);
 
 /* qgemm_s8 split over the step's threads by rows of a and c (exact sums: the split changes nothing). */
 void fqt_qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+/* qgemm_s8_nn (c (M, N), rows ldc apart, = a (M, K) b (K, N), b's rows ldb apart) split by columns of b. */
+void fqt_qgemm_s8_nn(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
 
 /* The scale of the slice v [n] under plan p (calibrated, rounded to the scale type); work as calib_compute takes
  * it. */

@@ -14,6 +14,7 @@
 #include "base/parallel.h"
 #include "quant/qat.h"
 #include "quant/fqt.h"
+#include "quant/fqt_kern.h"
 #include "test_qarray.h"
 #include "test_qat.h"
 #include "test_fqt.h"
@@ -389,6 +390,12 @@ static void test_backward_rne(void) {
     s.bwd_weight_grad_tile_size = 0;
     init_ok(&q, &m.modules[0], &s, 1);
     fqtest_check_against_ref(&q, 6, 72, 4, "dense int4");
+    model_free(&m);
+
+    qtest_dense_model(&m, 3, 2, 75); /* 65,600 rows: dW's two chunks of one tile, summed in int64 */
+    s = spec_of("int8", "int8", "int8");
+    init_ok(&q, &m.modules[0], &s, 1);
+    fqtest_check_against_ref(&q, FQT_DW_CHUNK + 64, 76, 8, "dense int8, two chunks");
     model_free(&m);
 
     qtest_conv_model(&m, 2, 6, 7, 4, 3, 2, 1, 73);
