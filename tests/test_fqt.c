@@ -422,6 +422,7 @@ static void test_backward_integer_geometries(void) {
         {1, 5, 9, 3, 2, 2, 0, 4, 0, FQT_NOISE_ROWS | FQT_NOISE_COLS, "int8"},
         {1, 262, 256, 2, 1, 1, 0, 1, 0, FQT_NOISE_ROWS, "int8"}, /* 67,072 rows: two chunks of one tile */
         {2, 7, 8, 3, 5, 1, 2, 2, 0, FQT_NOISE_ROWS, "int8"}, /* "same" 5x5: X^T's planes shifted by up to 2 */
+        {1, 6, 7, 12, 3, 1, 1, 3, 20, FQT_NOISE_ROWS, "int8"}, /* 9 patch elements < 12 channels: dW as g X */
     };
     for (size_t i = 0; i < sizeof CASES / sizeof *CASES; i++) {
         Model m;
