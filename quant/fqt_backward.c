@@ -386,13 +386,15 @@ typedef struct {
 } TileJob;
 
 /* Row o of tmp from the sums laid out as tmp is; the choices fixed, so each instance is one plain loop. */
-static inline void tile_row(const TileJob *j, int o, const bool wide, const bool first, const bool last) {
-    float *row = j->tmp + (size_t)o * j->K;
-    const int32_t *a = j->acc + (size_t)o * j->K;
-    const int64_t *s = j->sum ? j->sum + (size_t)o * j->K : NULL;
+static inline __attribute__((always_inline)) void tile_row(const TileJob *j, int o, const bool wide, const bool first,
+                                                           const bool last) {
+    const int K = j->K;
+    float *restrict row = j->tmp + (size_t)o * K;
+    const int32_t *restrict a = j->acc + (size_t)o * K;
+    const int64_t *restrict s = j->sum ? j->sum + (size_t)o * K : NULL;
     const float st = j->st[o], sx = j->sx;
-    for (int k = 0; k < j->K; k++) {
-        const float v = (float)(wide ? s[k] : (int64_t)a[k]) * st;
+    for (int k = 0; k < K; k++) {
+        const float v = (wide ? (float)s[k] : (float)a[k]) * st; /* int32 -> float directly: the same rounding */
         const float r = first ? v : row[k] + v;
         row[k] = last ? r * sx : r;
     }
