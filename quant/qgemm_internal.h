@@ -61,7 +61,8 @@ void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N
  * the AVX-512 kernel packs its 16-lane panels with it, two halves a group. */
 bool qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
                             int kg);
-/* The AVX-512 VNNI kernels' packs of b for qgemm_s8 (b (N, K)) and qgemm_s8_nn (b (K, N)): 3 panels of kg groups
+/* The AVX-512 VNNI kernels' packs of b for qgemm_s8 (b (N, K)) and qgemm_s8_nn (b (K, N)): ceil(jn / 16) of the 3
+ * panels (the ones the kernels read; a narrow b packs one) of kg groups
  * (16 columns x 4 bytes a group, zeros past the problem) and the columns' sums (none if sum is NULL); the AMX kernels
  * load the groups as tile rows. */
 void qgemm_s8_pack_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0, int kn, int kg);

@@ -587,13 +587,13 @@ QG_TARGET bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *
 
 /* ---- int8 x int8 ----------------------------------------------------------------------------------------------- */
 
-/* b's columns [j0, j0 + jn) over k [k0, k0 + kn) (jn <= 48, kn <= S8_KB) -> 3 panels of kg groups (16 lanes of
- * 4 bytes a group) and each column's sum: each panel's two halves of 8 lanes packed by the AVX2 dword transpose,
- * then the lanes' sums as vpdpbusd of ones against each group. */
+/* b's columns [j0, j0 + jn) over k [k0, k0 + kn) (jn <= 48, kn <= S8_KB) -> ceil(jn / 16) panels of kg groups
+ * (16 lanes of 4 bytes a group) and each column's sum: each panel's two halves of 8 lanes packed by the AVX2 dword
+ * transpose, then the lanes' sums as vpdpbusd of ones against each group. */
 QG_TARGET void qgemm_s8_pack_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int K, int j0, int jn, int k0,
                                   int kn, int kg) {
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int v = 0; v < QG_V; v++) {
+    for (int v = 0; v < (jn + QGEMM_LANES - 1) / QGEMM_LANES; v++) { /* the panels the kernels read */
         int8_t *panel = pack + (size_t)v * kg * 64;
         for (int h = 0; h < 2; h++) {
             const int first = v * QGEMM_LANES + 8 * h, n = jn - first;
@@ -637,11 +637,11 @@ static inline __m128i nn_row16(const int8_t *b, int ldb, int k, int kn, int j, i
     return _mm_load_si128((const __m128i *)(const void *)t);
 }
 
-/* b's columns [j0, j0 + jn) (jn <= 48) over its rows [k0, k0 + kn) -> 3 panels of kg groups, as qgemm_s8_pack_vnni lays
- * them out, and each column's sum over the rows. */
+/* b's columns [j0, j0 + jn) (jn <= 48) over its rows [k0, k0 + kn) -> ceil(jn / 16) panels of kg groups, as
+ * qgemm_s8_pack_vnni lays them out, and each column's sum over the rows. */
 QG_TARGET void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
                                      int kn, int kg) {
-    for (int v = 0; v < QG_V; v++) {
+    for (int v = 0; v < (jn + QGEMM_LANES - 1) / QGEMM_LANES; v++) { /* the panels the kernels read */
         const int n = jn - v * QGEMM_LANES;
         __m512i cs = _mm512_setzero_si512();
         for (int g = 0; g < kg; g++) {
