@@ -16,6 +16,7 @@
 #include "nn/conv_taps.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
+#include "quant/fqt_kern.h"
 #include "base/rng.h"
 #include "trainer/metrics.h"
 #include "trainer/run.h"
@@ -281,8 +282,8 @@ static void bench_print_header(const Bench *b, FILE *out) {
             c->source, b->model_name, net_mode_name(&r->model.net), c->train.batch_size, c->train.eval_batch_size,
             gemm_get_threads(), net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
             r->plan.total_steps, net_int8_kernel(&r->model.net));
-    fprintf(out, "bench:blas core:%s threads:%d conv_kernel:%s\n", gemm_blas_core(), gemm_get_threads(),
-            conv_taps_level_name(conv_taps_level()));
+    fprintf(out, "bench:blas core:%s threads:%d conv_kernel:%s qt_kernel:%s\n", gemm_blas_core(), gemm_get_threads(),
+            conv_taps_level_name(conv_taps_level()), fqt_kern_name());
     fflush(out);
 }
 

@@ -97,6 +97,7 @@
 #include <string.h>
 
 #include "fakequant_internal.h"
+#include "fqt_kern.h"
 #include "base/parallel.h"
 #include "qgemm.h"
 
@@ -172,9 +173,12 @@ static const struct {
     {"avx2", "AVX2 and FMA", QGEMM_ISA_AVX2},
 };
 
+/* QT's quantizers (fqt_kern.h) follow the products' width, so that a 256-bit cap runs what an AVX2-only CPU runs
+ * end to end. */
 QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *err) {
     if (!name || !*name || strcmp(name, "auto") == 0) {
         qlayer_int8_disable = false, qgemm_force_portable = false, qgemm_force_isa = -1;
+        fqt_kern_cap(FQT_KERN_AVX512);
         return QT_OK;
     }
     for (size_t i = 0; i < sizeof INT8_KERNELS / sizeof *INT8_KERNELS; i++) {
@@ -183,8 +187,11 @@ QtStatus qlayer_int8_kernel_select(const char *name, const char *what, QtError *
             return qt_error_set(err, QT_ERR_CONFIG, "%s: %s: this CPU (or OS) has no %s; choose another of amx, "
                                 "vnni, avxvnni, avx2, portable, float or auto", what, name, INT8_KERNELS[i].needs);
         qlayer_int8_disable = false, qgemm_force_portable = false, qgemm_force_isa = INT8_KERNELS[i].isa;
+        const bool wide = INT8_KERNELS[i].isa == QGEMM_ISA_AMX || INT8_KERNELS[i].isa == QGEMM_ISA_AVX512_VNNI;
+        fqt_kern_cap(wide ? FQT_KERN_AVX512 : FQT_KERN_AVX2);
         return QT_OK;
     }
+    fqt_kern_cap(strcmp(name, "portable") == 0 ? FQT_KERN_PORTABLE : FQT_KERN_AVX512);
     if (strcmp(name, "portable") == 0) {
         qlayer_int8_disable = false, qgemm_force_portable = true, qgemm_force_isa = -1;
     } else if (strcmp(name, "float") == 0) {

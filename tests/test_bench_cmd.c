@@ -223,6 +223,8 @@ static void test_bench_int8_kernel(void) {
         CU_ASSERT(k && sscanf(k, " int8_kernel:portable int8_layers:%d/%d", &on, &with) == 2 && on == with && on > 0);
     }
     if (!config || !eval || !strstr(out, "int8_kernel:portable")) fprintf(stderr, "\n%s\n", out);
+    /* QT's quantizers follow the cap's width: the portable ones here */
+    CU_ASSERT_PTR_NOT_NULL(strstr(out, " qt_kernel:portable\n"));
     free(out);
     /* the variable is read once at start: a wrong name stops the process before any work, naming it */
     CU_ASSERT_EQUAL(run_qtrain("QTRAIN_INT8_KERNEL=sse4", "bench --config tests/configs/tiny-mlp.yaml", &out), 2);
