@@ -366,10 +366,6 @@ static void xt_part(const void *ctx, int lo, int hi) {
     const int K = c->fan_in, r1 = j->r0 + j->L;
     for (int k = lo; k < hi; k++) {
         int8_t *dst = j->xt + (size_t)j->r0 * K + (size_t)k * j->L; /* [L] */
-        if (!c->conv) {
-            for (int r = j->r0; r < r1; r++) *dst++ = c->xb[(size_t)r * K + k];
-            continue;
-        }
         const FqtConvGeom *g = &c->cg;
         const int P = g->OH * g->OW, ch = k / (g->KH * g->KW), kh = k / g->KW % g->KH, kw = k % g->KW;
         const int s = g->stride, off = kw - g->padding; /* iw = ow * s + off */
@@ -735,7 +731,7 @@ void fqt_qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, in
 
 /* c (M, N) = a (M, K) b (K, N) in int8, columns [lo * S8_NN_COLS, hi * S8_NN_COLS) of b and c: each thread packs
  * only its own columns of b. */
-#define S8_NN_COLS 48 /* a multiple of every kernel family's panel width */
+#define S8_NN_COLS 48 /* whole panels of the VNNI kernels (16) and the AVX2 ones (8); the split changes no sum */
 
 typedef struct {
     int32_t *c;

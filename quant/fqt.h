@@ -31,11 +31,14 @@
  * How the products run (fqt_backward.c). Where the forward was integer
  * and bwd_qtype takes fqt_kern.h's int rules, g is quantized in the
  * output's own layout, dW is the exact int8 product of g's column codes
- * and X's codes (qgemm_s8, contraction pieces of at most FQT_DW_CHUNK
- * rows, scaled per tile), and dX = g_row deq(W) goes through the float
- * convolution's input-gradient pass (or one GEMM for dense): the row
- * scales of g and the channel scales of W share W's contraction axis, so
- * dX has no integer form. Otherwise float GEMMs of the dequantized values.
+ * and X's codes (contraction pieces of at most FQT_DW_CHUNK rows, scaled
+ * per tile: qgemm_s8_nn on X's rows for dense; for conv qgemm_s8 of X^T
+ * and g, or of g and X^T where the patch has fewer elements than the
+ * layer has channels, the smaller operand packed), and dX = g_row deq(W)
+ * goes through the float convolution's input-gradient pass (or one GEMM
+ * for dense): the row scales of g and the channel scales of W share W's
+ * contraction axis, so dX has no integer form. Otherwise float GEMMs of
+ * the dequantized values.
  * The codes, scales and noise are the same either way.
  *
  * Scratch comes from the tape's arena; nothing is allocated per step. */

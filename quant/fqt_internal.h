@@ -43,8 +43,8 @@ static inline int fqt_grad_tile(const FqtCtx *c) {
 }
 /* Whether the backward takes the integer path (given X's codes): g's format takes fqt_kern.h's int rules. */
 bool fqt_int_backward_applies(const FqtCtx *c);
-/* X^T's codes for rows [r0, r0 + L) (a dW chunk): the block (fan_in, L) at xt + r0 * fan_in, from c->xb (the
- * im2col layout for conv, the transpose for dense), split over the threads. */
+/* A conv's X^T codes for rows [r0, r0 + L) (a dW chunk): the block (fan_in, L) at xt + r0 * fan_in, from c->xb
+ * (the im2col layout), split over the threads. Dense layers need none: their dW reads X's rows. */
 void fqt_gather_xt(int8_t *xt, const FqtCtx *c, int r0, int L);
 
 /* fn(ctx, lo, hi) over [0, n) in contiguous shares over the step's threads; every item's result depends on the

@@ -11,6 +11,8 @@
 
 #define KERN_AVX2 __attribute__((target("avx2")))
 #define KERN_AVX512 __attribute__((target("avx512f")))
+/* the span loops' instances stay apart only if inlined into their callers (see span8_body) */
+#define KERN_INLINE inline __attribute__((always_inline))
 
 /* The 8 lanes' |x| and whether each is finite (|x| <= FLT_MAX is false for NaN and infinity). */
 KERN_AVX2 static inline __m256 abs8(__m256 x, __m256 *finite) {
@@ -92,9 +94,9 @@ KERN_AVX2 static inline __m256 noise8(const float *u, size_t u_step, size_t k) {
 /* The span's whole vectors with the loop's choices fixed (sr: stochastic; per_s: s_step 1; u1: u_step 1), so that
  * each instance's loop holds only the operations it needs: the stores through q and v may alias r, which kept a
  * general loop reloading r->stochastic every vector. Returns the first element not done. */
-KERN_AVX2 static inline __attribute__((always_inline)) size_t span8_body(int8_t *q, float *v, const float *x, size_t n, const float *s,
-                                          const float *u, size_t u_step, const FqtRound *r, const bool sr,
-                                          const bool per_s, const bool u1) {
+KERN_AVX2 static KERN_INLINE size_t span8_body(int8_t *q, float *v, const float *x, size_t n, const float *s,
+                                               const float *u, size_t u_step, const FqtRound *r, const bool sr,
+                                               const bool per_s, const bool u1) {
     const __m256 qmin = _mm256_set1_ps(r->qmin), qmax = _mm256_set1_ps(r->qmax);
     __m256 sv = _mm256_set1_ps(s[0]), uv = _mm256_set1_ps(sr ? u[0] : 0.0f);
     size_t i = 0;
@@ -202,7 +204,8 @@ KERN_AVX2 void fqt_scale_i32_avx2(float *y, const int32_t *x, size_t n, float s1
     const __m256 v1 = _mm256_set1_ps(s1), v2 = _mm256_set1_ps(s2), vb = _mm256_set1_ps(b);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(x + i))), v1), v2);
+        const __m256i xi = _mm256_loadu_si256((const __m256i *)(x + i));
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(xi), v1), v2);
         _mm256_storeu_ps(y + i, add_b ? _mm256_add_ps(v, vb) : v);
     }
     if (i == n) return;
@@ -268,11 +271,13 @@ KERN_AVX512 static inline __m512 noise16(const float *u, size_t u_step, __mmask1
 /* One vector of the span: lanes m of elements [i, i + 16), all of them with full. The full vectors load and
  * store without masks: a masked store, and above all vpmovsdb's masked store to memory, cost several times a
  * plain one on the Zen 5 measured. */
-KERN_AVX512 static inline __attribute__((always_inline)) void span16_at(int8_t *q, float *v, const float *x, size_t i, const float *s,
-                                         const float *u, size_t u_step, __m512 qmin, __m512 qmax, __mmask16 m,
-                                         const bool full, const bool sr, const bool per_s) {
+KERN_AVX512 static KERN_INLINE void span16_at(int8_t *q, float *v, const float *x, size_t i, const float *s,
+                                              const float *u, size_t u_step, __m512 qmin, __m512 qmax, __mmask16 m,
+                                              const bool full, const bool sr, const bool per_s) {
     const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 sv = !per_s ? _mm512_set1_ps(s[0]) : full ? _mm512_loadu_ps(s + i) : _mm512_mask_loadu_ps(one, m, s + i);
+    const __m512 sv = !per_s ? _mm512_set1_ps(s[0])
+                      : full ? _mm512_loadu_ps(s + i)
+                             : _mm512_mask_loadu_ps(one, m, s + i);
     const __m512 uv = !sr        ? _mm512_setzero_ps()
                       : !u_step  ? _mm512_set1_ps(u[0])
                       : full && u_step == 1 ? _mm512_loadu_ps(u + i)
@@ -289,9 +294,9 @@ KERN_AVX512 static inline __attribute__((always_inline)) void span16_at(int8_t *
     }
 }
 
-KERN_AVX512 static inline __attribute__((always_inline)) void span16_body(int8_t *q, float *v, const float *x, size_t n, const float *s,
-                                           const float *u, size_t u_step, const FqtRound *r, const bool sr,
-                                           const bool per_s) {
+KERN_AVX512 static KERN_INLINE void span16_body(int8_t *q, float *v, const float *x, size_t n, const float *s,
+                                                const float *u, size_t u_step, const FqtRound *r, const bool sr,
+                                                const bool per_s) {
     const __m512 qmin = _mm512_set1_ps(r->qmin), qmax = _mm512_set1_ps(r->qmax);
     size_t i = 0;
     for (; i + 16 <= n; i += 16) span16_at(q, v, x, i, s, u, u_step, qmin, qmax, 0xFFFF, true, sr, per_s);
@@ -343,4 +348,36 @@ KERN_AVX512 void fqt_scale_i32_avx512(float *y, const int32_t *x, size_t n, floa
     _mm512_mask_storeu_ps(y + i, m, add_b ? _mm512_add_ps(v, vb) : v);
 }
 
+#else /* not x86: fqt_kern.c never calls these (no family above portable); the _ref kernels keep them defined */
+
+bool fqt_absmax_avx2(const float *x, size_t n, float *amax) { return fqt_absmax_ref(x, n, amax); }
+bool fqt_col_absmax_avx2(float *amax, const float *g, int rows, int out) {
+    return fqt_col_absmax_ref(amax, g, rows, out);
+}
+void fqt_quant_span_avx2(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
+                         size_t u_step, const FqtRound *r) {
+    fqt_quant_span_ref(q, v, x, n, s, s_step, u, u_step, r);
+}
+void fqt_ste_clip_avx2(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi, bool write) {
+    (write ? fqt_ste_clip_write_ref : fqt_ste_clip_ref)(d, v, tmp, n, s, lo, hi);
+}
+double fqt_sum_f64_avx2(const float *x, size_t n) { return fqt_sum_f64_ref(x, n); }
+bool fqt_plane_stats_avx2(const float *x, size_t n, float *rowmax, float *amax, double *sum) {
+    return fqt_plane_stats_ref(x, n, rowmax, amax, sum);
+}
+void fqt_scale_i32_avx2(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
+    fqt_scale_i32_ref(y, x, n, s1, s2, b, add_b);
+}
+bool fqt_absmax_avx512(const float *x, size_t n, float *amax) { return fqt_absmax_ref(x, n, amax); }
+void fqt_quant_span_avx512(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step,
+                           const float *u, size_t u_step, const FqtRound *r) {
+    fqt_quant_span_ref(q, v, x, n, s, s_step, u, u_step, r);
+}
+void fqt_ste_clip_avx512(float *d, const float *v, const float *tmp, size_t n, float s, float lo, float hi,
+                         bool write) {
+    (write ? fqt_ste_clip_write_ref : fqt_ste_clip_ref)(d, v, tmp, n, s, lo, hi);
+}
+void fqt_scale_i32_avx512(float *y, const int32_t *x, size_t n, float s1, float s2, float b, bool add_b) {
+    fqt_scale_i32_ref(y, x, n, s1, s2, b, add_b);
+}
 #endif

@@ -476,6 +476,17 @@ static void test_threads_same_bits(void) {
     }
     parallel_set_threads(1);
     model_free(&m);
+    /* noise of 10,240 words (a uniform per row and column), drawn by 2 and 3 threads in parts of 4,096 words: the
+     * reference's one sequential draw */
+    qtest_conv_model(&m, 2, 16, 16, 8, 3, 1, 1, 350);
+    s.noise_axes = FQT_NOISE_ROWS | FQT_NOISE_COLS;
+    init_ok(&q, &m.modules[0], &s, 14);
+    for (int th = 2; th <= 3; th++) {
+        CU_ASSERT_FATAL(parallel_set_threads(th) == th);
+        fqtest_check_against_ref(&q, 5, 350 + th, 8, "noise drawn in parts over threads");
+    }
+    parallel_set_threads(1);
+    model_free(&m);
 }
 
 static void test_backward_stochastic(void) {
