@@ -700,8 +700,14 @@ static void share_task(void *arg, int task, int n_tasks) {
     if (lo < hi) sh->fn(sh->ctx, lo, hi);
 }
 
-void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx) {
-    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads();
+/* Shares per thread. The pool hands tasks out as threads free up, so a thread slowed for a while (a busy sibling
+ * or a descheduled vCPU) holds a job up by a quarter of its share, not by all of it; the CNN's QT step
+ * (bench/configs/cnn-qt.yaml, 2 threads) ran 2-3 % shorter with 4 or 8 than with 1. A product that packs its
+ * shared operand once per task (fqt_qgemm_s8's rows) keeps one share per thread. */
+#define FQT_SHARES_PER_THREAD 4
+
+static void shares_run_n(int n, size_t work, FqtShareFn fn, const void *ctx, int per_thread) {
+    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads() * per_thread;
     if (tasks > n) tasks = n;
     if (tasks <= 1) {
         if (n > 0) fn(ctx, 0, n);
@@ -709,6 +715,10 @@ void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx) {
     }
     Shares sh = {fn, ctx, n};
     parallel_run(tasks, share_task, &sh);
+}
+
+void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx) {
+    shares_run_n(n, work, fn, ctx, FQT_SHARES_PER_THREAD);
 }
 
 /* c (M, N) = a (M, K) b (N, K)^T in int8, rows [lo, hi) of a and c. */
@@ -725,8 +735,8 @@ static void s8_part(const void *ctx, int lo, int hi) {
 
 void fqt_qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
     S8Job j = {c, a, b, N, K};
-    /* the work in units that make a split worth it at about 2^20 multiply-adds */
-    fqt_shares_run(M, (size_t)M * N * K >> 5, s8_part, &j);
+    /* the work in units that make a split worth it at about 2^20 multiply-adds; each share packs all of b */
+    shares_run_n(M, (size_t)M * N * K >> 5, s8_part, &j, 1);
 }
 
 /* c (M, N) = a (M, K) b (K, N) in int8, columns [lo * S8_NN_COLS, hi * S8_NN_COLS) of b and c: each thread packs

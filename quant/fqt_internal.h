@@ -47,8 +47,9 @@ bool fqt_int_backward_applies(const FqtCtx *c);
  * (the im2col layout), split over the threads. Dense layers need none: their dW reads X's rows. */
 void fqt_gather_xt(int8_t *xt, const FqtCtx *c, int r0, int L);
 
-/* fn(ctx, lo, hi) over [0, n) in contiguous shares over the step's threads; every item's result depends on the
- * item alone, so the split changes no bit. One share when the work (elements touched) is small. */
+/* fn(ctx, lo, hi) over [0, n) in contiguous shares, a few per thread (FQT_SHARES_PER_THREAD), taken by the
+ * step's threads as they free up; every item's result depends on the item alone, so the split changes no bit.
+ * One share when the work (elements touched) is small. */
 typedef void (*FqtShareFn)(const void *ctx, int lo, int hi);
 void fqt_shares_run(int n, size_t work, FqtShareFn fn, const void *ctx);
 
