@@ -35,14 +35,15 @@ esac
 # configs whose step ratio is a target run back to back (cnn, then its LoRA,
 # QLoRA and QT steps; the MLP's likewise): a shared machine's speed drifts
 # from minute to minute, and the ratio of two processes minutes apart
-# measures that drift as much as the steps.
+# measures that drift as much as the steps. They take their float config's
+# warm-up and timed steps, so one slow second weighs the same in each mean.
 PLAN="mlp 20 400 200
 mlp-lora 20 400 200
 mlp-qlora 20 400 200
 cnn 5 60 40
 cnn-lora 5 60 40
 cnn-qlora 5 60 40
-cnn-qt 3 20 0
+cnn-qt 5 60 0
 mlp-ptq-int8 0 1 200
 cnn-ptq-int8 0 1 100
 resnet8 3 20 20
