@@ -627,38 +627,42 @@ QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M,
  * qgemm_s8_nn: c (M, N) = a (M, K) b (K, N), b's rows ldb apart, c's ldc. The same tiles as qgemm_s8; only the
  * packing differs: a group's 16 lanes x 4 bytes are 4 rows of b, 16 bytes each, transposed in registers. */
 
-/* 16 bytes of b's row k from column j (n of them, the rest 0). */
-static inline __m128i nn_row16(const int8_t *b, int ldb, int k, int kn, int j, int n) {
-    if (k >= kn) return _mm_setzero_si128();
-    const int8_t *src = b + (size_t)k * ldb + j;
-    if (n >= 16) return _mm_loadu_si128((const __m128i *)(const void *)src);
-    _Alignas(16) int8_t t[16] = {0};
-    memcpy(t, src, (size_t)(n > 0 ? n : 0));
-    return _mm_load_si128((const __m128i *)(const void *)t);
+/* b's row k from its column 0: n <= 64 bytes (the rest 0), all 0 past kn. Masked, so it never reads past n. */
+QG_TARGET QG_INLINE __m512i nn_row64(const int8_t *b, int ldb, int k, int kn, int n) {
+    if (k >= kn || n <= 0) return _mm512_setzero_si512();
+    const __mmask64 m = n >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << n) - 1;
+    return _mm512_maskz_loadu_epi8(m, b + (size_t)k * ldb);
 }
 
 /* b's columns [j0, j0 + jn) (jn <= 48) over its rows [k0, k0 + kn) -> ceil(jn / 16) panels of kg groups, as
- * qgemm_s8_pack_vnni lays them out, and each column's sum over the rows. */
+ * qgemm_s8_pack_vnni lays them out, and each column's sum over the rows. A group is 4 rows of up to 64 columns,
+ * interleaved within each 128-bit lane (bytes, then pairs: lane l holds columns 16l + 4q .. 16l + 4q + 3 of the
+ * q-th result), then the 4 x 4 lanes transposed so that vector v is panel v's 16 columns of 4 bytes. */
 QG_TARGET void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0,
                                      int kn, int kg) {
-    for (int v = 0; v < (jn + QGEMM_LANES - 1) / QGEMM_LANES; v++) { /* the panels the kernels read */
-        const int n = jn - v * QGEMM_LANES;
-        __m512i cs = _mm512_setzero_si512();
-        for (int g = 0; g < kg; g++) {
-            __m128i r[4];
-            for (int t = 0; t < 4; t++) r[t] = nn_row16(b + k0 * (size_t)ldb, ldb, 4 * g + t, kn, j0 + v * QGEMM_LANES, n);
-            if (sum)
-                for (int t = 0; t < 4; t++) cs = _mm512_add_epi32(cs, _mm512_cvtepi8_epi32(r[t]));
-            const __m128i t01l = _mm_unpacklo_epi8(r[0], r[1]), t01h = _mm_unpackhi_epi8(r[0], r[1]);
-            const __m128i t23l = _mm_unpacklo_epi8(r[2], r[3]), t23h = _mm_unpackhi_epi8(r[2], r[3]);
-            __m128i *dst = (__m128i *)(void *)(pack + ((size_t)v * kg + g) * 64);
-            _mm_store_si128(dst, _mm_unpacklo_epi16(t01l, t23l));     /* columns 0..3, 4 bytes each */
-            _mm_store_si128(dst + 1, _mm_unpackhi_epi16(t01l, t23l)); /* 4..7 */
-            _mm_store_si128(dst + 2, _mm_unpacklo_epi16(t01h, t23h)); /* 8..11 */
-            _mm_store_si128(dst + 3, _mm_unpackhi_epi16(t01h, t23h)); /* 12..15 */
+    const int V = (jn + QGEMM_LANES - 1) / QGEMM_LANES; /* the panels the kernels read */
+    const int8_t *src = b + (size_t)k0 * ldb + j0;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i cs[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                     _mm512_setzero_si512()};
+    for (int g = 0; g < kg; g++) {
+        const __m512i r0 = nn_row64(src, ldb, 4 * g, kn, jn), r1 = nn_row64(src, ldb, 4 * g + 1, kn, jn);
+        const __m512i r2 = nn_row64(src, ldb, 4 * g + 2, kn, jn), r3 = nn_row64(src, ldb, 4 * g + 3, kn, jn);
+        const __m512i t01l = _mm512_unpacklo_epi8(r0, r1), t01h = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i t23l = _mm512_unpacklo_epi8(r2, r3), t23h = _mm512_unpackhi_epi8(r2, r3);
+        const __m512i q0 = _mm512_unpacklo_epi16(t01l, t23l), q1 = _mm512_unpackhi_epi16(t01l, t23l);
+        const __m512i q2 = _mm512_unpacklo_epi16(t01h, t23h), q3 = _mm512_unpackhi_epi16(t01h, t23h);
+        const __m512i q01l = _mm512_shuffle_i32x4(q0, q1, 0x44), q23l = _mm512_shuffle_i32x4(q2, q3, 0x44);
+        const __m512i q01h = _mm512_shuffle_i32x4(q0, q1, 0xEE), q23h = _mm512_shuffle_i32x4(q2, q3, 0xEE);
+        const __m512i p[4] = {_mm512_shuffle_i32x4(q01l, q23l, 0x88), _mm512_shuffle_i32x4(q01l, q23l, 0xDD),
+                              _mm512_shuffle_i32x4(q01h, q23h, 0x88), _mm512_shuffle_i32x4(q01h, q23h, 0xDD)};
+        for (int v = 0; v < V; v++) {
+            _mm512_storeu_si512((void *)(pack + ((size_t)v * kg + g) * 64), p[v]);
+            if (sum) cs[v] = _mm512_dpbusd_epi32(cs[v], ones, p[v]); /* 1 x each of the column's 4 bytes */
         }
-        if (sum) _mm512_store_si512((void *)(sum + v * QGEMM_LANES), cs);
     }
+    if (sum)
+        for (int v = 0; v < V; v++) _mm512_storeu_si512((void *)(sum + v * QGEMM_LANES), cs[v]);
 }
 
 /* c (M, N), rows ldc apart, = a b^T (ldb < 0: b is (N, K)) or a b (b is (K, N), rows ldb apart). */
