@@ -592,6 +592,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
 
 int conv_tasks(const ConvDims *d) {
     int t = parallel_get_threads();
+    if (t > 1) t *= CONV_TASKS_PER_THREAD;
     return t > d->N ? d->N : t;
 }
 

@@ -103,7 +103,11 @@ bool conv_moments_take(Tape *t, float **m3, int N, int OC, int OH, int OW);
 /* The tape op's name for epi. */
 const char *conv2d_op_name(ConvEpilogue epi);
 
-/* The tasks a pass of d is split into. */
+/* The tasks a pass of d is split into: CONV_TASKS_PER_THREAD per thread (one with one thread), at most one per
+ * image. The pool hands them out as threads free up, so a thread slowed for a while (a busy sibling, a
+ * descheduled vCPU) holds a pass up by a quarter of its share, not by all of it. A fixed thread count gives fixed
+ * tasks, and the weight gradient's partials (one per task) are summed in task order: the same bits run to run. */
+#define CONV_TASKS_PER_THREAD 4
 int conv_tasks(const ConvDims *d);
 /* bytes of step memory for an op's scratch: a buffer an earlier op handed
  * back (tape_release_buffer) if one is large enough, else the arena's.
