@@ -425,6 +425,24 @@ def noisy(d, kind):
     return mean is not None and median and mean > NOISY * median
 
 
+def cpu_name():
+    """This CPU's model name and the vector ISA that decides the kernels (from /proc/cpuinfo), e.g.
+    "AMD EPYC (avx2 avx512f avx512_vnni avx_vnni)": the table's figures hold for that CPU."""
+    model, flags = "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and model == "?":
+                    model = val.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if x in flags]
+    return "%s (%s)" % (model, " ".join(isa) if isa else "no AVX2")
+
+
 def cmd_table(args):
     q = {n: parse_bench(os.path.join(args.qtrain, n + ".txt")) for n in CONFIGS}
     t = {n: parse_bench(os.path.join(args.torch, n + ".txt")) for n in CONFIGS}
@@ -481,11 +499,18 @@ def cmd_table(args):
         row("step / GEMM-bound limit", m, m, "train", "of_bound", unit="share",
             target=">= 0.75 (qtrain)" if m == "cnn" else "",
             met=(lambda a, b, r: a is not None and a >= 0.75) if m == "cnn" else None)
+    # QT has no PyTorch counterpart: its step against qtrain's own float step, the bound by the int8 kernels it ran
+    qt = parse_bench(os.path.join(args.qtrain, "cnn-qt.txt"))
+    r = ratio(num(qt, "train", "step_ms"), num(q["cnn"], "train", "step_ms"))
+    kern = qt.get("config", {}).get("int8_kernel", "")
+    lim = 1.0 if kern in ("vnni", "avxvnni", "amx") else 1.3
+    rows.append(("QT step / float step", "cnn", "-" if r is None else "%.2f" % r, "-", "-",
+                 "<= %.1f (%s int8 kernels)" % (lim, kern or "?"), "" if r is None else "yes" if r <= lim else "NO"))
     head = ("measurement", "model", "qtrain", "PyTorch", "qtrain/PyTorch", "target", "met")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     version = next((v["config"]["impl"][8:] for v in t.values() if "impl" in v.get("config", {})), "?")
-    print("qtrain vs PyTorch %s: batch 128, 2 threads, OpenBLAS %s kernels on both sides" %
-          (version, args.core or "?"))
+    print("qtrain vs PyTorch %s: batch 128, 2 threads, OpenBLAS %s kernels on both sides; %s" %
+          (version, args.core or "?", cpu_name()))
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:

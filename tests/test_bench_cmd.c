@@ -3,10 +3,12 @@
  * figures are positive and finite, nothing lands in run.out_dir, and bad
  * usage exits 2 with a message; and the harnesses of make bench-export. No
  * timing is judged here. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -548,6 +550,47 @@ static void test_export_torch(void) {
 }
 
 /* export_bench.sh replaces its run directories, so it refuses an output directory outside build/. */
+/* torch_bench.py table: the QT row is qtrain's QT step over its float step, against 1.0 where the QT run took
+ * VNNI int8 kernels and 1.3 where it took AVX2 ones; the header names the CPU and its ISA. Synthetic outputs: the
+ * table needs no torch. */
+static void qt_table_case(const char *kernel, const char *qt_ms, const char *want_row) {
+    char *q = test_path_join(tmp_root, "tq"), *t = test_path_join(tmp_root, "tt"), cmd[1024], *out = NULL;
+    char *cnn = test_path_join(q, "cnn.txt"), *qt = test_path_join(q, "cnn-qt.txt"), text[256];
+    CU_ASSERT_FATAL(mkdir(q, 0755) == 0 || errno == EEXIST);
+    CU_ASSERT_FATAL(mkdir(t, 0755) == 0 || errno == EEXIST);
+    test_file_write(cnn, "bench:train step_ms:10.000\n", strlen("bench:train step_ms:10.000\n"));
+    int n = snprintf(text, sizeof text, "bench:config int8_kernel:%s\nbench:train step_ms:%s\n", kernel, qt_ms);
+    test_file_write(qt, text, (size_t)n);
+    snprintf(cmd, sizeof cmd, TORCH_PYTHON " bench/torch_bench.py table --qtrain %s --torch %s --core X 2>&1", q, t);
+    CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+    const char *row = out ? strstr(out, "| QT step / float step ") : NULL;
+    const char *end = row ? strchr(row, '\n') : NULL;
+    char line[256] = "";
+    if (row) snprintf(line, sizeof line, "%.*s", (int)(end ? end - row : (long)strlen(row)), row);
+    /* columns are padded: compare with the runs of spaces squeezed */
+    char squeezed[256];
+    size_t k = 0;
+    for (size_t i = 0; line[i] && k + 1 < sizeof squeezed; i++)
+        if (line[i] != ' ' || (k && squeezed[k - 1] != ' ')) squeezed[k++] = line[i];
+    squeezed[k] = '\0';
+    CU_ASSERT_STRING_EQUAL(squeezed, want_row);
+    const char *head = out ? strstr(out, "qtrain vs PyTorch") : NULL;
+    CU_ASSERT(head && strstr(head, "; ") && strchr(head, '(')); /* "...; <model name> (<isa>)" */
+    if (!row || strcmp(squeezed, want_row) != 0) fprintf(stderr, "\n%s\n", out ? out : "(no output)");
+    free(out), free(cnn), free(qt), free(q), free(t);
+}
+
+static void test_torch_bench_qt_row(void) {
+    if (access(TORCH_PYTHON, X_OK) != 0) {
+        test_skip(TORCH_PYTHON " is missing");
+        return;
+    }
+    qt_table_case("vnni", "9.100", "| QT step / float step | cnn | 0.91 | - | - | <= 1.0 (vnni int8 kernels) | yes |");
+    qt_table_case("vnni", "12.000", "| QT step / float step | cnn | 1.20 | - | - | <= 1.0 (vnni int8 kernels) | NO |");
+    qt_table_case("avx2", "12.000", "| QT step / float step | cnn | 1.20 | - | - | <= 1.3 (avx2 int8 kernels) | yes |");
+    qt_table_case("avx2", "13.500", "| QT step / float step | cnn | 1.35 | - | - | <= 1.3 (avx2 int8 kernels) | NO |");
+}
+
 static void test_export_bench_out_dir(void) {
     static const char *const bad[] = {"/tmp", "runs/bench", "build/../runs"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -598,5 +641,7 @@ int register_bench_cmd_suite(void) {
            !CU_add_test(s, "bench: export_timing.c builds as C99 against an export, times its accuracy",
                         test_export_timing) ||
            !CU_add_test(s, "bench: export_torch.py quantizes the same weights, one thread", test_export_torch) ||
-           !CU_add_test(s, "bench: export_bench.sh writes under build/ only", test_export_bench_out_dir);
+           !CU_add_test(s, "bench: export_bench.sh writes under build/ only", test_export_bench_out_dir) ||
+           !CU_add_test(s, "bench: torch_bench.py table's QT row (1.0 with VNNI, 1.3 with AVX2) and CPU header",
+                        test_torch_bench_qt_row);
 }
