@@ -503,9 +503,10 @@ def cmd_table(args):
     qt = parse_bench(os.path.join(args.qtrain, "cnn-qt.txt"))
     r = ratio(num(qt, "train", "step_ms"), num(q["cnn"], "train", "step_ms"))
     kern = qt.get("config", {}).get("int8_kernel", "")
-    lim = 1.0 if kern in ("vnni", "avxvnni", "amx") else 1.3
+    lim = 1.0 if kern in ("vnni", "avxvnni", "amx") else 1.3 if kern == "avx2" else None  # none for portable C
     rows.append(("QT step / float step", "cnn", "-" if r is None else "%.2f" % r, "-", "-",
-                 "<= %.1f (%s int8 kernels)" % (lim, kern or "?"), "" if r is None else "yes" if r <= lim else "NO"))
+                 "%s (%s int8 kernels)" % ("none" if lim is None else "<= %.1f" % lim, kern or "?"),
+                 "" if r is None or lim is None else "yes" if r <= lim else "NO"))
     head = ("measurement", "model", "qtrain", "PyTorch", "qtrain/PyTorch", "target", "met")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     version = next((v["config"]["impl"][8:] for v in t.values() if "impl" in v.get("config", {})), "?")

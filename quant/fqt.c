@@ -707,7 +707,8 @@ static void share_task(void *arg, int task, int n_tasks) {
 #define FQT_SHARES_PER_THREAD 4
 
 static void shares_run_n(int n, size_t work, FqtShareFn fn, const void *ctx, int per_thread) {
-    int tasks = work < ((size_t)1 << 15) ? 1 : parallel_get_threads() * per_thread;
+    const int threads = parallel_get_threads();
+    int tasks = work < ((size_t)1 << 15) ? 1 : threads > 1 ? threads * per_thread : 1;
     if (tasks > n) tasks = n;
     if (tasks <= 1) {
         if (n > 0) fn(ctx, 0, n);

@@ -625,7 +625,7 @@ QG_TARGET QG_INLINE void s8_tile_ld(int32_t *c, int ldc, const int8_t *a, int M,
 
 /* ---- int8 x int8, b as (K, N) ------------------------------------------------------------------------------------
  * qgemm_s8_nn: c (M, N) = a (M, K) b (K, N), b's rows ldb apart, c's ldc. The same tiles as qgemm_s8; only the
- * packing differs: a group's 16 lanes x 4 bytes are 4 rows of b, 16 bytes each, transposed in registers. */
+ * packing differs: a group's 16 lanes x 4 bytes are 4 rows of b, transposed in registers (qgemm_s8_pack_nn_vnni). */
 
 /* b's row k from its column 0: n <= 64 bytes (the rest 0), all 0 past kn. Masked, so it never reads past n. */
 QG_TARGET QG_INLINE __m512i nn_row64(const int8_t *b, int ldb, int k, int kn, int n) {

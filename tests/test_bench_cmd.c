@@ -549,10 +549,9 @@ static void test_export_torch(void) {
     free(float_cfg), free(ptq_cfg), free(float_ckpt), free(c_dir);
 }
 
-/* export_bench.sh replaces its run directories, so it refuses an output directory outside build/. */
 /* torch_bench.py table: the QT row is qtrain's QT step over its float step, against 1.0 where the QT run took
- * VNNI int8 kernels and 1.3 where it took AVX2 ones; the header names the CPU and its ISA. Synthetic outputs: the
- * table needs no torch. */
+ * VNNI (or AMX) int8 kernels and 1.3 where it took AVX2 ones, no target on the portable ones; the header names the
+ * CPU and its ISA. Synthetic outputs: the table needs no torch. */
 static void qt_table_case(const char *kernel, const char *qt_ms, const char *want_row) {
     char *q = test_path_join(tmp_root, "tq"), *t = test_path_join(tmp_root, "tt"), cmd[1024], *out = NULL;
     char *cnn = test_path_join(q, "cnn.txt"), *qt = test_path_join(q, "cnn-qt.txt"), text[256];
@@ -561,7 +560,7 @@ static void qt_table_case(const char *kernel, const char *qt_ms, const char *wan
     test_file_write(cnn, "bench:train step_ms:10.000\n", strlen("bench:train step_ms:10.000\n"));
     int n = snprintf(text, sizeof text, "bench:config int8_kernel:%s\nbench:train step_ms:%s\n", kernel, qt_ms);
     test_file_write(qt, text, (size_t)n);
-    snprintf(cmd, sizeof cmd, TORCH_PYTHON " bench/torch_bench.py table --qtrain %s --torch %s --core X 2>&1", q, t);
+    snprintf(cmd, sizeof cmd, TORCH_BENCH " table --qtrain %s --torch %s --core X 2>&1", q, t);
     CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
     const char *row = out ? strstr(out, "| QT step / float step ") : NULL;
     const char *end = row ? strchr(row, '\n') : NULL;
@@ -575,7 +574,10 @@ static void qt_table_case(const char *kernel, const char *qt_ms, const char *wan
     squeezed[k] = '\0';
     CU_ASSERT_STRING_EQUAL(squeezed, want_row);
     const char *head = out ? strstr(out, "qtrain vs PyTorch") : NULL;
-    CU_ASSERT(head && strstr(head, "; ") && strchr(head, '(')); /* "...; <model name> (<isa>)" */
+    char hline[512] = "";
+    if (head) snprintf(hline, sizeof hline, "%.*s", (int)strcspn(head, "\n"), head);
+    const char *cpu = strstr(hline, " on both sides; "); /* then "<model name> (<isa> ...)" */
+    CU_ASSERT(cpu && strchr(cpu, '(') && hline[strlen(hline) - 1] == ')');
     if (!row || strcmp(squeezed, want_row) != 0) fprintf(stderr, "\n%s\n", out ? out : "(no output)");
     free(out), free(cnn), free(qt), free(q), free(t);
 }
@@ -589,8 +591,11 @@ static void test_torch_bench_qt_row(void) {
     qt_table_case("vnni", "12.000", "| QT step / float step | cnn | 1.20 | - | - | <= 1.0 (vnni int8 kernels) | NO |");
     qt_table_case("avx2", "12.000", "| QT step / float step | cnn | 1.20 | - | - | <= 1.3 (avx2 int8 kernels) | yes |");
     qt_table_case("avx2", "13.500", "| QT step / float step | cnn | 1.35 | - | - | <= 1.3 (avx2 int8 kernels) | NO |");
+    qt_table_case("amx", "9.900", "| QT step / float step | cnn | 0.99 | - | - | <= 1.0 (amx int8 kernels) | yes |");
+    qt_table_case("portable", "30.000", "| QT step / float step | cnn | 3.00 | - | - | none (portable int8 kernels) | |");
 }
 
+/* export_bench.sh replaces its run directories, so it refuses an output directory outside build/. */
 static void test_export_bench_out_dir(void) {
     static const char *const bad[] = {"/tmp", "runs/bench", "build/../runs"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
