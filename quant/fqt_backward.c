@@ -477,7 +477,9 @@ static bool weight_grad_int(Tape *t, const FqtCtx *c, Var *w, const int8_t *gq, 
  * Scan: each image's planes of g (made from the epilogue's gradient where one was fused) with their maxima, every
  * row's (pixel's) maximum over the channels and each plane's sum (fqt_plane_stats); encode: each plane into the
  * rows' values for dX and the column codes for dW. The scales, values and codes are those of the row and column
- * drivers (fqt_quant_rows / fqt_quant_grad_cols); g is read twice instead of once per pass. */
+ * drivers (fqt_quant_rows / fqt_quant_grad_cols); g is read twice instead of once per pass. A first layer under a
+ * fused 2x2 pool (planes remade, no dX) scans only the pool's gradient at the winners (fqt_masked_absmax: the
+ * planes' maxima), and its encode, which remakes each plane anyway, takes the plane's sum. */
 /* Where a plane of g comes from: g itself (dy where no epilogue was fused, or g kept whole), or, for a first layer
  * under a fused epilogue, remade from the epilogue's gradient in a thread's scratch plane each time a pass reads
  * it, so that no g of the layer's full size is stored. */
@@ -500,23 +502,28 @@ static const float *grad_plane(const GradPlanes *gp, int n, int o, bool make) {
 typedef struct {
     GradPlanes gp;
     bool make_g;          /* the scan writes g's planes (gp.g) from the epilogue's gradient */
+    bool pooled;          /* only the maxima, from the pool's gradient at its winners (fqt_masked_absmax) */
     float *rowmax;        /* (N, P), or NULL when dX is not wanted */
     float *colmax;        /* (N, OC) each plane's maximum */
-    double *bsum;         /* (N, OC) each plane's sum */
+    double *bsum;         /* (N, OC) each plane's sum (pooled: the encode's) */
     bool *finite;         /* [N] */
 } ScanJob;
 
 static void scan_part(const void *ctx, int lo, int hi) {
     const ScanJob *j = ctx;
     const FqtCtx *c = j->gp.c;
-    const size_t P = (size_t)c->cg.OH * c->cg.OW;
+    const size_t P = (size_t)c->cg.OH * c->cg.OW, PP = (size_t)(c->cg.OH / 2) * (c->cg.OW / 2);
     for (int n = lo; n < hi; n++) {
         float *rm = j->rowmax ? j->rowmax + (size_t)n * P : NULL;
         if (rm) memset(rm, 0, P * sizeof *rm);
         bool ok = true;
         for (int o = 0; o < c->out && (ok || j->make_g); o++) { /* a kept g is made whole, past a non-finite plane */
-            const float *plane = grad_plane(&j->gp, n, o, j->make_g);
             const size_t at = (size_t)n * c->out + o;
+            if (j->pooled) {
+                ok = fqt_masked_absmax(j->gp.dy + at * PP, j->gp.y + at * PP, PP, &j->colmax[at]);
+                continue;
+            }
+            const float *plane = grad_plane(&j->gp, n, o, j->make_g);
             if (ok) ok = fqt_plane_stats(plane, P, rm, &j->colmax[at], &j->bsum[at]);
         }
         j->finite[n] = ok;
@@ -529,6 +536,7 @@ typedef struct {
     const float *s_row, *s_col; /* [N*P], [OC] (one tile) */
     float *g_row;               /* (N, OC, P) or NULL */
     int8_t *codes;              /* chunk-major (OC, L) blocks, or NULL */
+    double *bsum;               /* (N, OC) each plane's sum where the scan took only the maxima, or NULL */
     const FqtNoise *z;
     FqtRound r;
 } EncodeJob;
@@ -543,6 +551,7 @@ static void encode_part(const void *ctx, int lo, int hi) {
         for (int o = 0; o < OC; o++) {
             const size_t at = ((size_t)n * OC + o) * P;
             const float *g = grad_plane(&j->gp, n, o, false);
+            if (j->bsum) j->bsum[(size_t)n * OC + o] = fqt_sum_f64(g, (size_t)P); /* fqt_plane_stats's sum */
             const size_t r0 = (size_t)n * P;
             const float *u = j->r.stochastic ? z->u + r0 * z->row_step + o * z->col_step : NULL;
             if (j->g_row) fqt_quant_span(NULL, j->g_row + at, g, (size_t)P, j->s_row + r0, 1, u, ustep, &j->r);
@@ -563,6 +572,17 @@ static const float *whole_g(Tape *t, const TapeNode *node, const GradPlanes *gp)
 }
 
 /* The conv's integer backward (int_backward) with g scanned once: the bias, g_row, the codes for dW. */
+/* The bias gradient from each plane's sum (N, OC): each channel's sums (fqt_sum_f64's order) added in image
+ * order. */
+static bool plane_bias_grad(Tape *t, const FqtCtx *c, Var *bias, const double *bsum, double *db_acc) {
+    for (int o = 0; o < c->out; o++) {
+        double acc = 0.0;
+        for (int n = 0; n < c->cg.N; n++) acc += bsum[(size_t)n * c->out + o];
+        db_acc[o] = acc;
+    }
+    return bias_grad(t, c, bias, NULL, db_acc);
+}
+
 static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *plan) {
     const FqtCtx *c = node->ctx;
     Var *x = node->in[0], *w = node->in[1], *bias = node->in[2];
@@ -572,7 +592,11 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
     /* g whole where dX reads it (the encode makes g_row from it, and remaking every plane twice cost more than it
      * saved) or the tiles' column pass does; else (a first layer) each pass remakes its planes from dy */
     const bool epi = c->epi != CONV_EPI_NONE, keep_g = epi && (want_x || (want_w && tile < rows));
-    ScanJob sj = {.gp = {.c = c, .dy = node->out->grad, .y = node->out->value.data}, .make_g = keep_g};
+    /* such a layer under a 2x2 pool: the scan reads only the winners for the maxima, the encode (which remakes
+     * every plane for the codes) takes the sums */
+    const bool pooled = c->epi == CONV_EPI_RELU_MAXPOOL2 && !keep_g && want_w;
+    ScanJob sj = {.gp = {.c = c, .dy = node->out->grad, .y = node->out->value.data}, .make_g = keep_g,
+                  .pooled = pooled};
     if (!epi) sj.gp.g = node->out->grad;
     else if (keep_g) sj.gp.g = tape_alloc(t, (size_t)rows * out * sizeof(float));
     else sj.gp.scratch = tape_alloc(t, (size_t)parallel_get_threads() * P * sizeof(float));
@@ -592,14 +616,7 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
             qt_error_set(&t->err, QT_ERR_VALUE, "%s (%s): the output gradient is not finite", c->q->module->path, OP);
         return;
     }
-    if (want_b) { /* each channel's plane sums (fqt_sum_f64's order) added in image order */
-        for (int o = 0; o < out; o++) {
-            double acc = 0.0;
-            for (int n = 0; n < N; n++) acc += sj.bsum[(size_t)n * out + o];
-            db_acc[o] = acc;
-        }
-        if (!bias_grad(t, c, bias, NULL, db_acc)) return;
-    }
+    if (want_b && !pooled && !plane_bias_grad(t, c, bias, sj.bsum, db_acc)) return;
     Noise z;
     if ((!want_x && !want_w) || !noise_draw(t, c->q, rows, out, &z)) return;
     const FqtNoise nz = noise_steps(&z, out);
@@ -628,8 +645,9 @@ static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *p
             goto range;
         }
     }
-    ej.s_row = s_row;
+    ej.s_row = s_row, ej.bsum = pooled && want_b ? sj.bsum : NULL;
     if (ej.g_row || ej.codes) fqt_shares_run(N, (size_t)rows * out, encode_part, &ej);
+    if (ej.bsum && !plane_bias_grad(t, c, bias, sj.bsum, db_acc)) return;
     if (want_x && !input_grad(t, c, x, ej.g_row, true)) return;
     if (want_w) weight_grad_int(t, c, w, codes, s_col, tile);
     return;

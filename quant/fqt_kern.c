@@ -24,6 +24,18 @@ bool fqt_absmax_ref(const float *x, size_t n, float *amax) {
     return true;
 }
 
+bool fqt_masked_absmax_ref(const float *g, const float *y, size_t n, float *amax) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        const float v = y[i] > 0.0f ? g[i] : 0.0f;
+        if (!isfinite(v)) return false;
+        const float a = fabsf(v);
+        m = a > m ? a : m;
+    }
+    *amax = m;
+    return true;
+}
+
 bool fqt_col_absmax_ref(float *amax, const float *g, int rows, int out) {
     for (int r = 0; r < rows; r++)
         for (int o = 0; o < out; o++) {
@@ -135,6 +147,11 @@ bool fqt_absmax(const float *x, size_t n, float *amax) {
     if (AT_LEAST(FQT_KERN_AVX512)) return fqt_absmax_avx512(x, n, amax);
     if (AT_LEAST(FQT_KERN_AVX2)) return fqt_absmax_avx2(x, n, amax);
     return fqt_absmax_ref(x, n, amax);
+}
+
+bool fqt_masked_absmax(const float *g, const float *y, size_t n, float *amax) {
+    if (AT_LEAST(FQT_KERN_AVX2)) return fqt_masked_absmax_avx2(g, y, n, amax); /* its 8 lanes serve AVX-512 too */
+    return fqt_masked_absmax_ref(g, y, n, amax);
 }
 
 bool fqt_col_absmax(float *amax, const float *g, int rows, int out) {

@@ -25,6 +25,13 @@
 bool fqt_absmax(const float *x, size_t n, float *amax);
 bool fqt_absmax_ref(const float *x, size_t n, float *amax);
 
+/* *amax = max |v[i]| over v[i] = y[i] > 0 ? g[i] : 0 (0 for n = 0); false if a v[i] is NaN or infinite. For a
+ * conv whose relu + 2x2 max pool were fused, g and y the pool's output gradient and output: the v[i] are the
+ * values at the windows' winners of the plane nn_conv_epilogue_grad_plane makes, whose other values are 0, so
+ * this is the plane's fqt_absmax (and its finiteness) from a quarter of the values. */
+bool fqt_masked_absmax(const float *g, const float *y, size_t n, float *amax);
+bool fqt_masked_absmax_ref(const float *g, const float *y, size_t n, float *amax);
+
 /* amax [out] = max(amax, |g[r][o]|) over the rows of g (rows, out),
  * row-major: the columns' maxima, updated; false if an element is not
  * finite. */

@@ -39,6 +39,27 @@ KERN_AVX2 bool fqt_absmax_avx2(const float *x, size_t n, float *amax) {
     return true;
 }
 
+KERN_AVX2 bool fqt_masked_absmax_avx2(const float *g, const float *y, size_t n, float *amax) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m0 = zero, m1 = zero;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 v0 = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + i), zero, _CMP_GT_OQ), _mm256_loadu_ps(g + i));
+        const __m256 v1 =
+            _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + i + 8), zero, _CMP_GT_OQ), _mm256_loadu_ps(g + i + 8));
+        m0 = _mm256_max_ps(m0, abs8(v0, &all));
+        m1 = _mm256_max_ps(m1, abs8(v1, &all));
+    }
+    if (_mm256_movemask_ps(all) != 0xff) return false;
+    float lanes[8], m = 0.0f;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
+    float tail;
+    if (!fqt_masked_absmax_ref(g + i, y + i, n - i, &tail)) return false;
+    *amax = tail > m ? tail : m;
+    return true;
+}
+
 KERN_AVX2 bool fqt_col_absmax_avx2(float *amax, const float *g, int rows, int out) {
     int o = 0;
     for (; o + 8 <= out; o += 8) {
@@ -351,6 +372,9 @@ KERN_AVX512 void fqt_scale_i32_avx512(float *y, const int32_t *x, size_t n, floa
 #else /* not x86: fqt_kern.c never calls these (no family above portable); the _ref kernels keep them defined */
 
 bool fqt_absmax_avx2(const float *x, size_t n, float *amax) { return fqt_absmax_ref(x, n, amax); }
+bool fqt_masked_absmax_avx2(const float *g, const float *y, size_t n, float *amax) {
+    return fqt_masked_absmax_ref(g, y, n, amax);
+}
 bool fqt_col_absmax_avx2(float *amax, const float *g, int rows, int out) {
     return fqt_col_absmax_ref(amax, g, rows, out);
 }

@@ -8,6 +8,7 @@
 #include "fqt_kern.h"
 
 bool fqt_absmax_avx2(const float *x, size_t n, float *amax);
+bool fqt_masked_absmax_avx2(const float *g, const float *y, size_t n, float *amax);
 bool fqt_col_absmax_avx2(float *amax, const float *g, int rows, int out);
 void fqt_quant_span_avx2(int8_t *q, float *v, const float *x, size_t n, const float *s, int s_step, const float *u,
                          size_t u_step, const FqtRound *r);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/parallel.h"
+#include "nn/ops.h"
 #include "quant/fqt_kern.h"
 #include "quant/qarray_plan.h"
 #include "quant/qtype.h"
@@ -64,6 +65,46 @@ static void test_absmax_twins_body(void) {
 }
 
 static void test_absmax_twins(void) { for_each_family("absmax: fast = ref", test_absmax_twins_body); }
+
+/* The masked maximum: fast = ref, a non-finite g counts only where y > 0 (a NaN y masks it out), and on a pooled
+ * gradient it is the fqt_absmax of the plane nn_conv_epilogue_grad_plane makes (odd sizes: a last row and column
+ * outside every window). */
+static void test_masked_absmax_twins_body(void) {
+    for (size_t n = 0; n < 70; n++) {
+        float *g = edge_data(n, 200 + n, 0.01f), *y = test_random_uniform(n, 300 + n, -1.0f, 1.0f);
+        for (size_t i = 0; i < n; i += 5) y[i] = i % 2 ? 0.0f : -0.0f; /* a relu's zeros: masked */
+        float a = -1.0f, b = -2.0f;
+        CU_ASSERT(fqt_masked_absmax(g, y, n, &a) && fqt_masked_absmax_ref(g, y, n, &b));
+        CU_ASSERT(a == b);
+        for (size_t bad = 0; bad < n; bad += 7) {
+            const float keep = g[bad], keep_y = y[bad];
+            g[bad] = bad % 2 ? NAN : -INFINITY;
+            y[bad] = 0.5f; /* counted: both refuse */
+            CU_ASSERT(!fqt_masked_absmax(g, y, n, &a) && !fqt_masked_absmax_ref(g, y, n, &b));
+            y[bad] = bad % 3 ? -0.5f : NAN; /* masked: both pass, as before */
+            CU_ASSERT(fqt_masked_absmax(g, y, n, &a) && fqt_masked_absmax_ref(g, y, n, &b) && a == b);
+            g[bad] = keep, y[bad] = keep_y;
+        }
+        free(g), free(y);
+    }
+    static const int SIZES[][2] = {{28, 28}, {7, 9}, {14, 14}, {2, 2}, {5, 34}};
+    for (size_t k = 0; k < sizeof SIZES / sizeof *SIZES; k++) {
+        const int OH = SIZES[k][0], OW = SIZES[k][1];
+        const size_t PP = (size_t)(OH / 2) * (OW / 2), P = (size_t)OH * OW;
+        float *dy = edge_data(PP, 400 + k, 0.01f), *y = test_random_uniform(PP, 500 + k, -1.0f, 1.0f);
+        float *plane = malloc(P * sizeof *plane);
+        uint8_t *win = malloc(PP);
+        for (size_t i = 0; i < PP; i++) win[i] = (uint8_t)((i * 7 + k) % 4);
+        nn_conv_epilogue_grad_plane(plane, dy, y, win, OH, OW, CONV_EPI_RELU_MAXPOOL2);
+        float a = -1.0f, b = -2.0f;
+        CU_ASSERT(fqt_masked_absmax(dy, y, PP, &a) && fqt_absmax_ref(plane, P, &b) && a == b);
+        free(dy), free(y), free(plane), free(win);
+    }
+}
+
+static void test_masked_absmax_twins(void) { /* no AVX-512 twin: the AVX2 one serves both */
+    families_up_to(FQT_KERN_AVX2, "masked absmax: fast = ref", test_masked_absmax_twins_body);
+}
 
 static void test_col_absmax_twins_body(void) {
     const int shapes[][2] = {{1, 1}, {3, 8}, {17, 13}, {64, 32}, {5, 70}};
@@ -394,6 +435,7 @@ int register_quant_qt_kern_suite(void) {
     printf("  quant_qt_kern: kernels %s\n", fqt_kern_name());
     return !CU_add_test(s, "absmax: fast = ref", test_absmax_twins) ||
            !CU_add_test(s, "column absmax: fast = ref", test_col_absmax_twins) ||
+           !CU_add_test(s, "masked absmax: fast = ref = the pooled plane's absmax", test_masked_absmax_twins) ||
            !CU_add_test(s, "span: fast = ref", test_span_twins) ||
            !CU_add_test(s, "STE clip: fast = ref", test_ste_clip_twins) ||
            !CU_add_test(s, "sum: fast = ref", test_sum_twins) ||
