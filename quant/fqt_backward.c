@@ -571,7 +571,6 @@ static const float *whole_g(Tape *t, const TapeNode *node, const GradPlanes *gp)
     return gp->g ? gp->g : product_grad(t, node);
 }
 
-/* The conv's integer backward (int_backward) with g scanned once: the bias, g_row, the codes for dW. */
 /* The bias gradient from each plane's sum (N, OC): each channel's sums (fqt_sum_f64's order) added in image
  * order. */
 static bool plane_bias_grad(Tape *t, const FqtCtx *c, Var *bias, const double *bsum, double *db_acc) {
@@ -582,6 +581,8 @@ static bool plane_bias_grad(Tape *t, const FqtCtx *c, Var *bias, const double *b
     }
     return bias_grad(t, c, bias, NULL, db_acc);
 }
+
+/* The conv's integer backward (int_backward) with g scanned once: the bias, g_row, the codes for dW. */
 
 static void int_backward_conv(Tape *t, const TapeNode *node, const QArrayPlan *plan) {
     const FqtCtx *c = node->ctx;

@@ -21,43 +21,35 @@ KERN_AVX2 static inline __m256 abs8(__m256 x, __m256 *finite) {
     return a;
 }
 
-KERN_AVX2 bool fqt_absmax_avx2(const float *x, size_t n, float *amax) {
+/* 8 values of x at i, or where y is given, x where y > 0 and 0 elsewhere (fqt_masked_absmax's values). */
+KERN_AVX2 static KERN_INLINE __m256 masked8(const float *x, const float *y, size_t i) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    return y ? _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + i), _mm256_setzero_ps(), _CMP_GT_OQ), v) : v;
+}
+
+/* fqt_absmax (y NULL) and fqt_masked_absmax: two chains of 8 lanes, the tail by the _ref rule. */
+KERN_AVX2 static KERN_INLINE bool absmax_body(const float *x, const float *y, size_t n, float *amax) {
     __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m0 = _mm256_setzero_ps(), m1 = m0;
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        m0 = _mm256_max_ps(m0, abs8(_mm256_loadu_ps(x + i), &all));
-        m1 = _mm256_max_ps(m1, abs8(_mm256_loadu_ps(x + i + 8), &all));
+        m0 = _mm256_max_ps(m0, abs8(masked8(x, y, i), &all));
+        m1 = _mm256_max_ps(m1, abs8(masked8(x, y, i + 8), &all));
     }
-    for (; i + 8 <= n; i += 8) m0 = _mm256_max_ps(m0, abs8(_mm256_loadu_ps(x + i), &all));
+    for (; i + 8 <= n; i += 8) m0 = _mm256_max_ps(m0, abs8(masked8(x, y, i), &all));
     if (_mm256_movemask_ps(all) != 0xff) return false;
     float lanes[8], m = 0.0f;
     _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
     for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
     float tail;
-    if (!fqt_absmax_ref(x + i, n - i, &tail)) return false;
+    if (!(y ? fqt_masked_absmax_ref(x + i, y + i, n - i, &tail) : fqt_absmax_ref(x + i, n - i, &tail))) return false;
     *amax = tail > m ? tail : m;
     return true;
 }
 
+KERN_AVX2 bool fqt_absmax_avx2(const float *x, size_t n, float *amax) { return absmax_body(x, NULL, n, amax); }
+
 KERN_AVX2 bool fqt_masked_absmax_avx2(const float *g, const float *y, size_t n, float *amax) {
-    const __m256 zero = _mm256_setzero_ps();
-    __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m0 = zero, m1 = zero;
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m256 v0 = _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + i), zero, _CMP_GT_OQ), _mm256_loadu_ps(g + i));
-        const __m256 v1 =
-            _mm256_and_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + i + 8), zero, _CMP_GT_OQ), _mm256_loadu_ps(g + i + 8));
-        m0 = _mm256_max_ps(m0, abs8(v0, &all));
-        m1 = _mm256_max_ps(m1, abs8(v1, &all));
-    }
-    if (_mm256_movemask_ps(all) != 0xff) return false;
-    float lanes[8], m = 0.0f;
-    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
-    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
-    float tail;
-    if (!fqt_masked_absmax_ref(g + i, y + i, n - i, &tail)) return false;
-    *amax = tail > m ? tail : m;
-    return true;
+    return absmax_body(g, y, n, amax);
 }
 
 KERN_AVX2 bool fqt_col_absmax_avx2(float *amax, const float *g, int rows, int out) {
