@@ -3,9 +3,11 @@
 # own process (so peak RSS and start-up are per measurement), then one table.
 #
 #   sh bench/run.sh            qtrain only (make bench)
-#   sh bench/run.sh --torch    then the same measurements in PyTorch
-#                              (bench/torch_bench.py) and a side-by-side
-#                              table with the targets (make bench-torch)
+#   sh bench/run.sh --torch    and the same measurements in PyTorch
+#                              (bench/torch_bench.py), each group of
+#                              configs on qtrain and then on PyTorch, and a
+#                              side-by-side table with the targets (make
+#                              bench-torch)
 #
 # Environment:
 #   QTRAIN      the binary (default build/qtrain)
@@ -31,25 +33,33 @@ case "${1:-}" in
 esac
 
 # config, warm-up steps, timed steps, eval batches: a few seconds each.
-# The GEMM-accounting pass adds half the timed steps (qtrain only). The
-# configs whose step ratio is a target run back to back (cnn, then its LoRA,
-# QLoRA and QT steps; the MLP's likewise): a shared machine's speed drifts
-# from minute to minute, and the ratio of two processes minutes apart
-# measures that drift as much as the steps. They take their float config's
-# warm-up and timed steps, so one slow second weighs the same in each mean.
+# The GEMM-accounting pass adds half the timed steps (qtrain only). A
+# shared machine's speed drifts from minute to minute, and the ratio of two
+# processes minutes apart measures that drift as much as the two programs.
+# So the configs whose step ratio is a target run back to back (cnn, then
+# its LoRA, QLoRA and QT steps; the MLP's likewise), with their float
+# config's warm-up and timed steps, so one slow second weighs the same in
+# each mean; and with --torch each group ("-" ends one) runs on qtrain and
+# then at once on PyTorch, so a qtrain / PyTorch ratio compares processes
+# seconds apart, not the two halves of a ten-minute run.
 PLAN="mlp 20 400 200
 mlp-lora 20 400 200
 mlp-qlora 20 400 200
+-
 cnn 5 60 40
 cnn-lora 5 60 40
 cnn-qlora 5 60 40
 cnn-qt 5 60 0
+-
 mlp-ptq-int8 0 1 200
 cnn-ptq-int8 0 1 100
+-
 resnet8 3 20 20
+resnet8-ptq-int8 0 1 60
+-
 dscnn 3 15 20
-resnet8-ptq-int8 0 1 20
-dscnn-ptq-int8 0 1 20"
+dscnn-ptq-int8 0 1 60
+-"
 
 if [ ! -x "$QTRAIN" ]; then
     echo "bench/run.sh: $QTRAIN is not an executable; run make first or set QTRAIN" >&2
@@ -97,18 +107,53 @@ measure() {
     fi
 }
 
-# Every config of PLAN on one side ($1), in the current shell (so `failed` sticks).
-measure_all() {
-    while read -r name warmup steps evals; do measure "$1" "$name" "$warmup" "$steps" "$evals"; done <<EOF
+# The OpenBLAS family qtrain ran (its first output that names one), for PyTorch's OPENBLAS_CORETYPE.
+find_core() {
+    [ -n "$CORE" ] && return
+    CORE=$(sed -n 's/^bench:blas core:\([^ ]*\).*/\1/p' "$OUT/qtrain/mlp.txt" 2>/dev/null | head -n 1)
+    [ -n "$CORE" ] || CORE=$(sed -n 's/^bench:blas core:\([^ ]*\).*/\1/p' "$OUT"/qtrain/*.txt 2>/dev/null | head -n 1)
+}
+
+# The configs of one group ($2: PLAN lines) on each side of $1 in turn, in the current shell (so `failed` sticks).
+measure_group() {
+    for side in $1; do
+        [ "$side" = torch ] && find_core
+        while read -r name warmup steps evals; do
+            [ -n "$name" ] && measure "$side" "$name" "$warmup" "$steps" "$evals"
+        done <<EOF
+$2
+EOF
+    done
+}
+
+# Every group of PLAN on the sides $1 ("qtrain", or "qtrain torch").
+measure_plan() {
+    group=""
+    while read -r line; do
+        if [ "$line" = - ]; then
+            measure_group "$1" "$group"
+            group=""
+        else
+            group="$group$line
+"
+        fi
+    done <<EOF
 $PLAN
 EOF
 }
 
-echo "qtrain bench: every config in $DIR/configs, one process each (outputs in $OUT/qtrain)"
-measure_all qtrain
-
-CORE=$(sed -n 's/^bench:blas core:\([^ ]*\).*/\1/p' "$OUT/qtrain/mlp.txt" 2>/dev/null | head -n 1)
-[ -n "$CORE" ] || CORE=$(sed -n 's/^bench:blas core:\([^ ]*\).*/\1/p' "$OUT"/qtrain/*.txt 2>/dev/null | head -n 1)
+CORE=""
+if [ $TORCH = 1 ]; then
+    mkdir -p "$OUT/torch" || exit 1
+    echo "qtrain bench and PyTorch: every config in $DIR/configs, one process each; each group of configs on qtrain,"
+    echo "then on PyTorch under OPENBLAS_NUM_THREADS=1 and the OpenBLAS family qtrain ran (outputs in $OUT/qtrain"
+    echo "and $OUT/torch)"
+    measure_plan "qtrain torch"
+else
+    echo "qtrain bench: every config in $DIR/configs, one process each (outputs in $OUT/qtrain)"
+    measure_plan qtrain
+fi
+find_core
 
 # The qtrain table: one row per measurement, one column per model.
 awk -v core="${CORE:-?}" '
@@ -191,11 +236,8 @@ END {
 }' "$OUT"/qtrain/*.txt
 
 if [ $TORCH = 1 ]; then
-    mkdir -p "$OUT/torch" || exit 1
     echo
-    echo "PyTorch: the same configs, OPENBLAS_CORETYPE=${CORE:-?} OPENBLAS_NUM_THREADS=1 (outputs in $OUT/torch)"
-    measure_all torch
-    echo
+    echo "PyTorch ran with OPENBLAS_CORETYPE=${CORE:-?}"
     "$PYTHON" "$DIR/torch_bench.py" table --qtrain "$OUT/qtrain" --torch "$OUT/torch" --core "${CORE:-?}" ||
         failed="$failed table"
 fi

@@ -595,6 +595,69 @@ static void test_torch_bench_qt_row(void) {
     qt_table_case("portable", "30.000", "| QT step / float step | cnn | 3.00 | - | - | none (portable int8 kernels) | |");
 }
 
+/* bench/run.sh --torch runs each group of its plan on qtrain and then at once on PyTorch (a ratio compares processes
+ * seconds apart), PyTorch under the OpenBLAS family qtrain reported and qtrain with OPENBLAS_CORETYPE unset: both
+ * sides stubbed by scripts that log what they were asked to run. */
+static void test_run_sh_groups(void) {
+    char *dir = test_path_join(tmp_root, "runsh"), *log = test_path_join(dir, "log");
+    char *qstub = test_path_join(dir, "qtrain"), *pstub = test_path_join(dir, "python");
+    CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0755), 0);
+    static const char Q[] = "#!/bin/sh\n"
+                            "cfg=$(basename \"$3\" .yaml)\n"
+                            "echo \"qtrain $cfg ${OPENBLAS_CORETYPE-unset}\" >> \"$STUB_LOG\"\n"
+                            "echo \"bench:blas core:Zen threads:2\"\n";
+    static const char P[] = "#!/bin/sh\n"
+                            "[ \"$2\" = run ] || exit 0\n"
+                            "cfg=$(basename \"$4\" .yaml)\n"
+                            "echo \"torch $cfg ${OPENBLAS_CORETYPE-unset}\" >> \"$STUB_LOG\"\n";
+    test_file_write(qstub, Q, sizeof Q - 1), test_file_write(pstub, P, sizeof P - 1);
+    CU_ASSERT_EQUAL_FATAL(chmod(qstub, 0755) | chmod(pstub, 0755), 0);
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, "STUB_LOG=%s QTRAIN=%s PYTHON=%s BENCH_OUT=%s/out OPENBLAS_CORETYPE=Haswell "
+             "sh bench/run.sh --torch 2>&1", log, qstub, pstub, dir);
+    CU_ASSERT_EQUAL(run_shell(cmd, &out), 0);
+    free(out);
+    size_t n = 0;
+    char *text = test_file_read(log, &n);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(text);
+    /* blocks of one side: each PyTorch block is the qtrain block before it but the QT config, and each PyTorch
+     * measurement at most 4 after its qtrain twin (the groups hold at most 4 configs) */
+    char want[1024] = "", got[1024] = "", seen[32][64];
+    int lines = 0, t_lines = 0, bad_env = 0, far = 0;
+    bool last_torch = false;
+    for (char *line = strtok(text, "\n"); line && lines < 32; line = strtok(NULL, "\n")) {
+        char side[16], cfg[64], core[32];
+        if (sscanf(line, "%15s %63s %31s", side, cfg, core) != 3) continue;
+        const bool torch = !strcmp(side, "torch");
+        if (!torch && last_torch) { /* a new group: the last one's blocks compared */
+            CU_ASSERT_STRING_EQUAL(got, want);
+            want[0] = got[0] = '\0';
+        }
+        last_torch = torch;
+        const size_t len = strlen(cfg);
+        const bool qt = len >= 3 && !strcmp(cfg + len - 3, "-qt");
+        char *to = torch ? got : want;
+        if (torch || !qt) snprintf(to + strlen(to), sizeof want - strlen(to), "%s ", cfg);
+        if (torch) {
+            int at = -1;
+            for (int i = 0; i < lines; i++)
+                if (!strcmp(seen[i], cfg)) at = i;
+            far += at < 0 || lines - at > 4;
+        } else {
+            snprintf(seen[lines], sizeof seen[lines], "%s", cfg);
+        }
+        bad_env += torch ? strcmp(core, "Zen") != 0 : strcmp(core, "unset") != 0;
+        t_lines += torch;
+        lines++;
+    }
+    CU_ASSERT_STRING_EQUAL(got, want);
+    CU_ASSERT_EQUAL(far, 0);
+    CU_ASSERT_EQUAL(bad_env, 0);
+    CU_ASSERT_EQUAL(lines - t_lines, 13); /* every config in bench/configs */
+    CU_ASSERT_EQUAL(t_lines, 12);         /* but cnn-qt */
+    free(text), free(dir), free(log), free(qstub), free(pstub);
+}
+
 /* export_bench.sh replaces its run directories, so it refuses an output directory outside build/. */
 static void test_export_bench_out_dir(void) {
     static const char *const bad[] = {"/tmp", "runs/bench", "build/../runs"};
@@ -648,5 +711,6 @@ int register_bench_cmd_suite(void) {
            !CU_add_test(s, "bench: export_torch.py quantizes the same weights, one thread", test_export_torch) ||
            !CU_add_test(s, "bench: export_bench.sh writes under build/ only", test_export_bench_out_dir) ||
            !CU_add_test(s, "bench: torch_bench.py table's QT row (1.0 with VNNI, 1.3 with AVX2) and CPU header",
-                        test_torch_bench_qt_row);
+                        test_torch_bench_qt_row) ||
+           !CU_add_test(s, "bench: run.sh --torch runs each group on qtrain, then at once on PyTorch", test_run_sh_groups);
 }
