@@ -77,11 +77,10 @@ size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n);
 /* dst (n, channels, pplane) + lanes zeros = the n images at src (image i's channel c at src + i img + c ld,
  * (H, W) row-major) padded; every float of dst written. */
 void conv_taps_pad(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld);
-/* The same, one row at a time in C (the definition), and a padded row as whole vectors of the plan's lanes, the
- * source's columns through masked loads (conv_taps_x86.c; conv_taps_pad picks one the CPU runs). */
+/* The same, one row at a time in C (the definition), and each padded row as whole vectors of 8, the source's
+ * columns through masked loads (conv_taps_x86.c; AVX2, for plans of either width: conv_taps_pad runs it where the
+ * CPU has AVX2). */
 void conv_taps_pad_ref(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld);
-void conv_taps_pad_avx512(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
-                          size_t ld);
 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld);
 
 /* Floats of packed weights (forward or transposed) for rows output rows. */

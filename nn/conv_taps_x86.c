@@ -4,7 +4,8 @@
  * Forward: a block of rb output rows by 3 vectors of columns (24 sums at 16 lanes, 12 at 8) in registers; per
  * channel and tap, 3 loads of the shifted plane and rb broadcast weights. Weight gradient: 3 output rows by up to
  * 9 taps of one input channel (at 8 lanes, 3 by 3) in registers, over every vector of every image; then each sum's
- * lanes as a tree. Padding: each padded row as whole vectors, its source columns through masked loads. */
+ * lanes as a tree. Padding (both widths, AVX2): each padded row as whole vectors, its source columns through masked
+ * loads. */
 #include "conv_taps.h"
 
 #include <stdint.h>
@@ -145,41 +146,12 @@ T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, siz
             }
 }
 
-/* The lanes [lo, hi) of a vector of lanes (0 <= lo <= hi <= lanes) set. */
-static inline unsigned lane_bits(int lo, int hi) {
-    return hi <= lo ? 0u : (hi >= 32 ? ~0u : (1u << hi) - 1u) & ~((1u << lo) - 1u);
-}
-
-/* Vector j of a padded row starts at source column 16 j - kw0: its lanes inside [0, W) are loaded (masked-off
- * lanes read nothing, so neither the address before the row nor past it faults), the others are 0. The address
- * goes through uintptr_t: a pointer before the source array would be undefined in C. */
-T512 void conv_taps_pad_avx512(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
-                               size_t ld) {
-    const int kh0 = (p->KH - 1) / 2, kw0 = (p->KW - 1) / 2, nv = p->pw / 16, rows = p->H + p->KH - 1;
-    for (int i = 0; i < n; i++)
-        for (int c = 0; c < channels; c++) {
-            const float *s = src + (size_t)i * img + (size_t)c * ld;
-            float *d = dst + ((size_t)i * channels + c) * p->pplane;
-            for (int r = 0; r < rows; r++, d += p->pw) {
-                const int h = r - kh0;
-                if (h < 0 || h >= p->H) {
-                    for (int j = 0; j < nv; j++) _mm512_storeu_ps(d + 16 * j, _mm512_setzero_ps());
-                    continue;
-                }
-                const uintptr_t row = (uintptr_t)(s + (size_t)h * p->W) - (uintptr_t)kw0 * sizeof(float);
-                for (int j = 0; j < nv; j++) {
-                    const int lo = 16 * j - kw0; /* the source column of lane 0 */
-                    const __mmask16 m = (__mmask16)lane_bits(lo < 0 ? -lo : 0, p->W - lo < 16 ? p->W - lo : 16);
-                    _mm512_storeu_ps(d + 16 * j, _mm512_maskz_loadu_ps(m, (const void *)(row + 64 * (uintptr_t)j)));
-                }
-            }
-        }
-    memset(dst + (size_t)n * channels * p->pplane, 0, 16 * sizeof *dst);
-}
-
 /* ---- AVX2 ------------------------------------------------------------------------------------------------------ */
 
-/* conv_taps_pad_avx512 at 8 lanes: vmaskmovps reads only the lanes its mask selects. */
+/* conv_taps_pad for either width (a padded row is whole vectors of 16 or 8): vector j of a row starts at source
+ * column 8 j - kw0; its lanes inside [0, W) are loaded, the others are 0. vmaskmovps reads only the lanes its
+ * mask selects, so neither the address before the row nor past it faults; the address goes through uintptr_t, as
+ * a pointer before the source array would be undefined in C. */
 T256 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
                              size_t ld) {
     const int kh0 = (p->KH - 1) / 2, kw0 = (p->KW - 1) / 2, nv = p->pw / 8, rows = p->H + p->KH - 1;
@@ -205,7 +177,7 @@ T256 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, in
                 }
             }
         }
-    memset(dst + (size_t)n * channels * p->pplane, 0, 8 * sizeof *dst);
+    memset(dst + (size_t)n * channels * p->pplane, 0, (size_t)p->lanes * sizeof *dst);
 }
 
 T256 INLINE __m256i mask8(int n) {
@@ -346,10 +318,6 @@ void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t l
 }
 void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n, bool add) {
     conv_taps_dw_ref(p, 8, dw, dp, ldp, xp, n, add);
-}
-void conv_taps_pad_avx512(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
-                          size_t ld) {
-    conv_taps_pad_ref(p, dst, src, channels, n, img, ld);
 }
 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
     conv_taps_pad_ref(p, dst, src, channels, n, img, ld);
