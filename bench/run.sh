@@ -14,6 +14,7 @@
 #   PYTHON      the interpreter with torch (default /usr/bin/python3, Debian's)
 #   BENCH_OUT   where the raw outputs go (default build/bench/results):
 #               $BENCH_OUT/qtrain/<config>.txt, $BENCH_OUT/torch/<config>.txt
+#               (the previous run's are removed first)
 #   BENCH_KEEP_CORETYPE=1   run qtrain under the caller's OPENBLAS_CORETYPE;
 #               by default it is unset, so qtrain picks the best kernels
 #               this CPU runs, and PyTorch is then run under the family
@@ -41,7 +42,7 @@ esac
 # config's warm-up and timed steps, so one slow second weighs the same in
 # each mean; and with --torch each group ("-" ends one) runs on qtrain and
 # then at once on PyTorch, so a qtrain / PyTorch ratio compares processes
-# seconds apart, not the two halves of a ten-minute run.
+# seconds apart, not the two halves of a run minutes long.
 PLAN="mlp 20 400 200
 mlp-lora 20 400 200
 mlp-qlora 20 400 200
@@ -66,6 +67,8 @@ if [ ! -x "$QTRAIN" ]; then
     exit 2
 fi
 mkdir -p "$OUT/qtrain" || exit 1
+# the tables read only this run's outputs: a config that fails shows "-", not an earlier run's figure
+rm -f "$OUT"/qtrain/*.txt "$OUT"/torch/*.txt
 failed=""
 
 . "$DIR/busy.sh" # cpu_busy, BUSY, warn_busy

@@ -89,7 +89,7 @@ size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n) {
 }
 
 void conv_taps_pad(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
-    /* a row of 14 or 28 floats took a memcpy call and three small loops; 8 lanes serve both widths (a padded
+    /* a row of 14 or 28 floats took a memcpy call and two small loops; 8 lanes serve both widths (a padded
      * row is whole vectors of either), as fast as 16 here: the pad waits on memory */
     if (conv_taps_cpu() >= CONV_TAPS_AVX2) conv_taps_pad_avx2(p, dst, src, channels, n, img, ld);
     else conv_taps_pad_ref(p, dst, src, channels, n, img, ld);
