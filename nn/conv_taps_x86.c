@@ -148,6 +148,10 @@ T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, siz
 
 /* ---- AVX2 ------------------------------------------------------------------------------------------------------ */
 
+T256 INLINE __m256i mask8(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* conv_taps_pad for either width (a padded row is whole vectors of 16 or 8): vector j of a row starts at source
  * column 8 j - kw0; its lanes inside [0, W) are loaded, the others are 0. vmaskmovps reads only the lanes its
  * mask selects, so neither the address before the row nor past it faults; the address goes through uintptr_t, as
@@ -155,7 +159,6 @@ T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, siz
 T256 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
                              size_t ld) {
     const int kh0 = (p->KH - 1) / 2, kw0 = (p->KW - 1) / 2, nv = p->pw / 8, rows = p->H + p->KH - 1;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int i = 0; i < n; i++)
         for (int c = 0; c < channels; c++) {
             const float *s = src + (size_t)i * img + (size_t)c * ld;
@@ -168,20 +171,13 @@ T256 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, in
                 }
                 const uintptr_t row = (uintptr_t)(s + (size_t)h * p->W) - (uintptr_t)kw0 * sizeof(float);
                 for (int j = 0; j < nv; j++) {
-                    const int lo = 8 * j - kw0;
-                    /* lanes l with 0 <= lo + l < W */
-                    const __m256i col = _mm256_add_epi32(lane, _mm256_set1_epi32(lo));
-                    const __m256i m = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), col),
-                                                          _mm256_cmpgt_epi32(_mm256_set1_epi32(p->W), col));
+                    const int lo = 8 * j - kw0; /* lanes l with 0 <= lo + l < W: below W - lo, not below -lo */
+                    const __m256i m = _mm256_andnot_si256(mask8(-lo), mask8(p->W - lo));
                     _mm256_storeu_ps(d + 8 * j, _mm256_maskload_ps((const float *)(row + 32 * (uintptr_t)j), m));
                 }
             }
         }
     memset(dst + (size_t)n * channels * p->pplane, 0, (size_t)p->lanes * sizeof *dst);
-}
-
-T256 INLINE __m256i mask8(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 T256 INLINE void fwd256_tile(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wb, int rows,
