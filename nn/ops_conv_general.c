@@ -369,27 +369,34 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
 /* Output planes whose batch-norm moments the depthwise forward makes at once (batchnorm_plane_moments). */
 #define DW_MOMENT_PLANES 16
 
-/* Task over (sample, input channel) planes: each padded once for its OC/C outputs. */
+/* Task over (sample, input channel) planes: each padded once for its OC/C outputs. Two padded planes take turns:
+ * plane p + 1 is put into one before the taps read plane p from the other. The taps' unaligned vector loads each
+ * span several of the put's narrower stores, which a load cannot take from the store buffer: read right after its
+ * put, a plane waited for every one of its stores to reach the cache (a stall that was most of this loop's time on
+ * DS-CNN's 14x14 planes); a plane put one turn earlier is there. */
 NN_SIMD_CLONES
 static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     const ConvGJob *j = ctx;
     const ConvGDims *d = j->d;
     const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
-    const size_t out_plane = (size_t)d->OH * d->OW;
+    const size_t out_plane = (size_t)d->OH * d->OW, plane = dw_s1_plane(d);
     const size_t L = (size_t)(d->OH - 1) * Wp + d->OW;
-    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* dw_s1_plane */
-    float *yp = xp + dw_s1_plane(d);                                               /* dw_round(L) */
+    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* [2][plane] */
+    float *yp = xp + 2 * plane;                                                    /* dw_round(L) */
     int lo, hi;
     parallel_range(d->N * d->C, task, n_tasks, &lo, &hi);
-    memset(xp, 0, dw_s1_plane(d) * sizeof *xp);
+    if (lo >= hi) return;
+    memset(xp, 0, 2 * plane * sizeof *xp);
     /* the task's output planes are (n, oc) = [lo OCg, hi OCg) in order: their moments DW_MOMENT_PLANES at a time,
      * while those are in cache */
     size_t first = (size_t)lo * d->OCg;
+    dw_put_x(xp, Wp, j, lo / d->C, lo % d->C);
     for (int p = lo; p < hi; p++) {
         const int n = p / d->C, c = p % d->C;
-        dw_put_x(xp, Wp, j, n, c);
+        const float *xq = xp + (size_t)((p - lo) & 1) * plane; /* plane p, put a turn ago */
+        if (p + 1 < hi) dw_put_x(xp + (size_t)((p + 1 - lo) & 1) * plane, Wp, j, (p + 1) / d->C, (p + 1) % d->C);
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
-            dw_s1_taps(yp, xp, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
+            dw_s1_taps(yp, xq, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
             for (int oh = 0; oh < d->OH; oh++) dw_copy(y + (size_t)oh * d->OW, yp + (size_t)oh * Wp, (size_t)d->OW);
         }
@@ -418,35 +425,47 @@ static inline void dw_s1_wgrad(float *restrict acc, const float *restrict dy, co
         }
 }
 
+/* Sample n's turn of dw_s1_backward_task at xp: dy of output channel oc into xp + plane + M, and x of input channel
+ * c (for the weight gradient) into xp. */
+static inline void dw_s1_put_turn(float *xp, const ConvGJob *j, int n, int c, int oc, size_t plane, size_t M) {
+    const ConvGDims *d = j->d;
+    dw_put(xp + plane + M, dw_s1_wp(d), 0, 0, j->dy + ((size_t)n * d->OC + oc) * d->OH * d->OW, d->OH, d->OW);
+    if (j->dw) dw_put_x(xp, dw_s1_wp(d), j, n, c);
+}
+
 /* Task over input channels, as dw_backward_task: per sample the padded x
  * (for the weight), dy padded at row stride Wp, dx gathered at the padded
- * plane's interior and summed over the channel's outputs. */
+ * plane's interior and summed over the channel's outputs. As in the
+ * forward, two turns of x and dy take turns: sample n + 1's are put before
+ * sample n's are read. */
 NN_SIMD_CLONES
 static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
     const ConvGJob *j = ctx;
     const ConvGDims *d = j->d;
     const int Wp = dw_s1_wp(d), kk = d->KH * d->KW;
-    const size_t in_plane = (size_t)d->H * d->W, out_plane = (size_t)d->OH * d->OW, plane = dw_s1_plane(d);
+    const size_t in_plane = (size_t)d->H * d->W, plane = dw_s1_plane(d);
     const size_t L = (size_t)(d->OH - 1) * Wp + d->OW, M = dw_s1_margin(d);
     /* the interior's span in the padded plane: its first element, and the end of its last row */
     const size_t p0 = (size_t)d->g.pad_h * Wp + d->g.pad_w, P = (size_t)(d->H - 1) * Wp + d->W;
-    float *xp = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* plane */
-    float *dyb = xp + plane;                        /* M zeros, then dy at row stride Wp: M + plane */
-    float *dxp = dyb + M + plane;                   /* dw_round(P) */
+    const size_t turn = plane + M + plane;          /* one turn's x and dy (dw_s1_forward_task's two turns) */
+    float *xp0 = j->scratch + (size_t)parallel_thread_index() * j->thread_floats; /* [2] of: */
+    /* xp0: the padded x plane; dyb0 = xp0 + plane: M zeros, then dy at row stride Wp (M + plane) */
+    float *dxp = xp0 + 2 * turn;                    /* dw_round(P) */
     double *wacc = (double *)(dxp + dw_round(P));   /* [kk] */
     float *lanes = (float *)(wacc + kk);            /* [kk][DW_LANES] */
     int lo, hi;
     parallel_range(d->C, task, n_tasks, &lo, &hi);
-    memset(xp, 0, (plane + M + plane) * sizeof *xp);
+    memset(xp0, 0, 2 * turn * sizeof *xp0);
     for (int c = lo; c < hi; c++)
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
             const float *w = j->w + (size_t)oc * kk;
             if (j->dw) memset(wacc, 0, (size_t)kk * sizeof *wacc);
+            dw_s1_put_turn(xp0, j, 0, c, oc, plane, M);
             for (int n = 0; n < d->N; n++) {
                 const size_t xi = ((size_t)n * d->C + c) * in_plane;
-                dw_put(dyb + M, Wp, 0, 0, j->dy + ((size_t)n * d->OC + oc) * out_plane, d->OH, d->OW);
+                float *xp = xp0 + (size_t)(n & 1) * turn, *dyb = xp + plane; /* sample n's, put a turn ago */
+                if (n + 1 < d->N) dw_s1_put_turn(xp0 + (size_t)((n + 1) & 1) * turn, j, n + 1, c, oc, plane, M);
                 if (j->dw) {
-                    dw_put_x(xp, Wp, j, n, c);
                     dw_s1_wgrad(lanes, dyb + M, xp, L, d, Wp);
                     for (int t = 0; t < kk; t++) {
                         float s = 0.0f;
@@ -618,7 +637,7 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
     if (d->depthwise && dw_s1(d)) {
         if (w->requires_grad && !(j.dw = tape_grad(t, w))) return;
         const size_t kk = (size_t)d->KH * d->KW, P = (size_t)(d->H - 1) * dw_s1_wp(d) + d->W;
-        j.thread_floats = dw_round(2 * dw_s1_plane(d) + dw_s1_margin(d) + dw_round(P) + kk * (2 + DW_LANES));
+        j.thread_floats = dw_round(4 * dw_s1_plane(d) + 2 * dw_s1_margin(d) + dw_round(P) + kk * (2 + DW_LANES));
         if (!(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float)))) return;
         parallel_run(parallel_get_threads() < d->C ? parallel_get_threads() : d->C, dw_s1_backward_task, &j);
         tape_release_buffer(t, j.scratch, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float));
@@ -653,7 +672,7 @@ static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const V
                   .bias = bias ? bias->value.data : NULL, .y = y, .moments = moments, .view = x->view};
     const int threads = parallel_get_threads();
     if (d->depthwise && dw_s1(d)) {
-        j.thread_floats = dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
+        j.thread_floats = 2 * dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
         if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return false;
         const int planes = d->N * d->C;
         parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
