@@ -30,6 +30,27 @@
  * as one block at a time. */
 #define BN_PLANES 16
 
+/* A channel's values are N runs of `inner` floats, C * inner apart: each run starts on a page the hardware's
+ * prefetchers have not seen (they follow streams within a page), so without help every run would open with a
+ * wait on memory. The kernels that walk a channel across the batch ask for the run BN_AHEAD runs ahead of the one
+ * they read, a line at a time. */
+#define BN_AHEAD 4
+#define BN_LINE_FLOATS 16
+
+static inline __attribute__((always_inline)) void bn_prefetch(const float *p, size_t n) {
+    for (size_t i = 0; i < n; i += BN_LINE_FLOATS) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* The offset of the run BN_AHEAD runs after sample n's of channel ch, in a walk over channels [.., c1) each across
+ * the N samples: this channel's, then the next one's first; -1 past the walk's end. */
+static inline __attribute__((always_inline)) ptrdiff_t bn_ahead(size_t n, int ch, int c1, int N, size_t stride,
+                                                                size_t inner) {
+    const size_t a = n + BN_AHEAD;
+    if (a < (size_t)N) return (ptrdiff_t)(a * stride + (size_t)ch * inner);
+    if (ch + 1 < c1 && a - (size_t)N < (size_t)N) return (ptrdiff_t)((a - (size_t)N) * stride + (size_t)(ch + 1) * inner);
+    return -1;
+}
+
 /* lane[k] = the sum of x[i + k] over x[0, n)'s whole lanes; *tail = the serial sum of the rest. */
 static inline __attribute__((always_inline)) void bn_lanes_sum(float *restrict lane, float *restrict tail,
                                                                 const float *restrict x, size_t n) {
@@ -216,6 +237,8 @@ static inline __attribute__((always_inline)) void bn_apply_channels(float *y, co
             const size_t off = n * stride + (size_t)ch * inner;
             const float *restrict xp = x + off;
             float *restrict yp = y + off;
+            const ptrdiff_t ahead = bn_ahead((size_t)n, ch, c1, N, stride, inner);
+            if (ahead >= 0) bn_prefetch(x + ahead, inner);
             for (size_t i = 0; i < inner; i++) {
                 const float v = (xp[i] - m) * a + b;
                 yp[i] = relu ? (v > 0.0f ? v : 0.0f) : v;
@@ -319,6 +342,8 @@ static inline __attribute__((always_inline)) void grad_sums_channels(double *sum
                 const size_t n = (q0 + p) / pieces, i0 = (q0 + p) % pieces * BN_BLOCK;
                 const size_t off = n * stride + (size_t)ch * inner + i0;
                 const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
+                const ptrdiff_t ahead = pieces == 1 ? bn_ahead(n, ch, c1, N, stride, inner) : -1;
+                if (ahead >= 0) bn_prefetch(dy + ahead, inner), bn_prefetch(x + ahead, inner);
                 bn_lanes_grad_sums(l1[p], l2[p], &bs[p], &bd[p], dy + off, x + off, len, m, relu, a, b);
             }
             bn_reduce(bs, l1, P);
@@ -360,6 +385,11 @@ static inline __attribute__((always_inline)) void grad_input_channels(float *dx,
             const size_t off = n * stride + (size_t)ch * inner;
             const float *restrict xp = x + off, *dyp = dy + off; /* dx may be dy */
             float *dxp = dx + off;
+            const ptrdiff_t ahead = bn_ahead((size_t)n, ch, c1, N, stride, inner);
+            if (ahead >= 0) {
+                bn_prefetch(x + ahead, inner), bn_prefetch(dy + ahead, inner);
+                if (accumulate && dx != dy) bn_prefetch(dx + ahead, inner);
+            }
             if (accumulate)
                 for (size_t i = 0; i < inner; i++) {
                     const float g = relu ? bn_relu_dy(dyp[i], xp[i], m, ra, rb) : dyp[i];

@@ -366,6 +366,13 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
     }
 }
 
+/* The planes a task walks start where the hardware's prefetchers may not have looked (the backward's a channel
+ * across the batch, C planes apart): the kernels ask for the planes DW_AHEAD turns on. */
+#define DW_AHEAD 3
+static inline __attribute__((always_inline)) void dw_prefetch(const float *p, size_t n) {
+    for (size_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* Output planes whose batch-norm moments the depthwise forward makes at once (batchnorm_plane_moments). */
 #define DW_MOMENT_PLANES 16
 
@@ -395,6 +402,7 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
         const int n = p / d->C, c = p % d->C;
         const float *xq = xp + (size_t)((p - lo) & 1) * plane; /* plane p, put a turn ago */
         if (p + 1 < hi) dw_put_x(xp + (size_t)((p + 1 - lo) & 1) * plane, Wp, j, (p + 1) / d->C, (p + 1) % d->C);
+        if (p + 1 + DW_AHEAD < hi) dw_prefetch(j->x + (size_t)(p + 1 + DW_AHEAD) * d->H * d->W, (size_t)d->H * d->W);
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
             dw_s1_taps(yp, xq, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
@@ -426,9 +434,18 @@ static inline void dw_s1_wgrad(float *restrict acc, const float *restrict dy, co
 }
 
 /* Sample n's turn of dw_s1_backward_task at xp: dy of output channel oc into xp + plane + M, and x of input channel
- * c (for the weight gradient) into xp. */
-static inline void dw_s1_put_turn(float *xp, const ConvGJob *j, int n, int c, int oc, size_t plane, size_t M) {
+ * c (for the weight gradient) into xp. The task walks a channel across the batch, a plane a sample (C planes
+ * apart): each starts where the hardware's prefetchers have not looked, so the planes DW_AHEAD samples on are
+ * asked for now. */
+static inline __attribute__((always_inline)) void dw_s1_put_turn(float *xp, const ConvGJob *j, int n, int c, int oc,
+                                                                  size_t plane, size_t M) {
     const ConvGDims *d = j->d;
+    if (n + DW_AHEAD < d->N) {
+        const int a = n + DW_AHEAD;
+        dw_prefetch(j->dy + ((size_t)a * d->OC + oc) * d->OH * d->OW, (size_t)d->OH * d->OW);
+        if (j->dw) dw_prefetch(j->x + ((size_t)a * d->C + c) * d->H * d->W,
+                               (size_t)d->H * d->W);
+    }
     dw_put(xp + plane + M, dw_s1_wp(d), 0, 0, j->dy + ((size_t)n * d->OC + oc) * d->OH * d->OW, d->OH, d->OW);
     if (j->dw) dw_put_x(xp, dw_s1_wp(d), j, n, c);
 }
