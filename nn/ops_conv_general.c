@@ -368,7 +368,7 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
 
 /* The planes a task walks start where the hardware's prefetchers may not have looked (the backward's a channel
  * across the batch, C planes apart): the kernels ask for the planes DW_AHEAD turns on. */
-#define DW_AHEAD 3
+#define DW_AHEAD 8
 static inline __attribute__((always_inline)) void dw_prefetch(const float *p, size_t n) {
     for (size_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
