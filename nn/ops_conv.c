@@ -386,11 +386,10 @@ void nn_conv_epilogue_plane(float *y, uint8_t *winner, const float *pre, float b
         }
         return;
     }
-    const int PH = OH / 2, PW = OW / 2;
-    for (int ph = 0; ph < PH; ph++) {
-        const float *r0 = pre + (size_t)(2 * ph) * OW;
-        pool2x2_relu_row(y + (size_t)ph * PW, winner + (size_t)ph * PW, r0, r0 + OW, b, PW);
-    }
+    /* the taps' ISA (QTRAIN_CONV_KERNEL caps both): AVX2's 8 windows where a row has them */
+    if (OW >= POOL2X2_AVX2_MIN_OW && conv_taps_level() >= CONV_TAPS_AVX2)
+        pool2x2_relu_plane_avx2(y, winner, pre, b, OH, OW);
+    else pool2x2_relu_plane(y, winner, pre, b, OH, OW);
 }
 
 static void conv_epilogue(const ConvJob *j, const float *row, int n, int oc) {
@@ -509,12 +508,11 @@ void nn_conv_epilogue_grad_plane(float *dpre, const float *dy, const float *y, c
      * relu let it through: the pooled value is the winner's relu output.
      * The row pairs are written whole; a last odd row or column belongs to
      * no window. */
-    const int PH = OH / 2, PW = OW / 2;
-    for (int ph = 0; ph < PH; ph++) {
-        float *q0 = dpre + (size_t)(2 * ph) * OW, *q1 = q0 + OW;
-        pool2x2_relu_row_grad(q0, q1, dy + (size_t)ph * PW, y + (size_t)ph * PW, winner + (size_t)ph * PW, PW);
-        if (OW & 1) q0[OW - 1] = q1[OW - 1] = 0.0f;
-    }
+    if (OW >= POOL2X2_AVX2_MIN_OW && conv_taps_level() >= CONV_TAPS_AVX2)
+        pool2x2_relu_grad_plane_avx2(dpre, dy, y, winner, OH, OW);
+    else pool2x2_relu_grad_plane(dpre, dy, y, winner, OH, OW);
+    if (OW & 1)
+        for (int r = 0; r < OH / 2 * 2; r++) dpre[(size_t)r * OW + OW - 1] = 0.0f;
     if (OH & 1) memset(dpre + (size_t)(OH - 1) * OW, 0, (size_t)OW * sizeof *dpre);
 }
 

@@ -141,4 +141,33 @@ static inline void pool2x2_relu_row_grad(float *q0, float *q1, const float *g, c
     }
 }
 
+/* ---- whole planes ----------------------------------------------------------------------------------------------- */
+
+/* pre (OH, OW) -> y and win (OH / 2, OW / 2): every row pair through pool2x2_relu_row (a last odd row or column
+ * belongs to no window). The plain twin of the vector kernels below. */
+static inline void pool2x2_relu_plane(float *y, uint8_t *win, const float *pre, float bias, int OH, int OW) {
+    const int PH = OH / 2, PW = OW / 2;
+    for (int ph = 0; ph < PH; ph++) {
+        const float *r0 = pre + (size_t)(2 * ph) * OW;
+        pool2x2_relu_row(y + (size_t)ph * PW, win + (size_t)ph * PW, r0, r0 + OW, bias, PW);
+    }
+}
+
+/* The backward of pool2x2_relu_plane: rows 0 .. 2 (OH / 2) - 1, columns 0 .. 2 (OW / 2) - 1 of dpre (OH, OW) from
+ * dy, y and win (OH / 2, OW / 2); a last odd row or column is the caller's. */
+static inline void pool2x2_relu_grad_plane(float *dpre, const float *dy, const float *y, const uint8_t *win, int OH,
+                                           int OW) {
+    const int PH = OH / 2, PW = OW / 2;
+    for (int ph = 0; ph < PH; ph++) {
+        float *q0 = dpre + (size_t)(2 * ph) * OW;
+        pool2x2_relu_row_grad(q0, q0 + OW, dy + (size_t)ph * PW, y + (size_t)ph * PW, win + (size_t)ph * PW, PW);
+    }
+}
+
+/* The same 8 windows at a time in AVX2 (nn/pool2x2_x86.c), for rows of at least 8 windows (OW >= 16): the same
+ * values and winners. Call them only on a CPU with AVX2 (conv_taps_level() AVX2 or AVX-512). */
+#define POOL2X2_AVX2_MIN_OW 16
+void pool2x2_relu_plane_avx2(float *y, uint8_t *win, const float *pre, float bias, int OH, int OW);
+void pool2x2_relu_grad_plane_avx2(float *dpre, const float *dy, const float *y, const uint8_t *win, int OH, int OW);
+
 #endif

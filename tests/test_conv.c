@@ -12,7 +12,9 @@
 
 #include "base/parallel.h"
 #include "base/rng.h"
+#include "nn/conv_taps.h"
 #include "nn/ops.h"
+#include "nn/pool2x2.h"
 #include "test_util.h"
 
 typedef struct {
@@ -677,6 +679,54 @@ static void test_maxpool2d_fast_path_matches_generic(void) {
     }
 }
 
+/* The fused epilogue's relu + 2x2 pool rows in AVX2 (pool2x2_x86.c, 8 windows a group, the last moved back)
+ * against the plain rows (pool2x2_relu_plane, SSE2 or scalar), bit for bit: values and winners forward, the
+ * gradient backward. Rows of 8 to 24 windows (one group, a group and an overlapping one, three), odd sizes (a last
+ * row or column in no window), values from a few levels (ties everywhere), -0, NaN and negatives (the relu's
+ * cases), three biases. Every buffer is exactly its size (the sanitizer build catches a read or write past it);
+ * the output planes are preset with a NaN canary, so a value neither writes shows up as a difference. */
+static void test_pool2x2_avx2_rows_match_plain(void) {
+    if (conv_taps_cpu() < CONV_TAPS_AVX2) {
+        test_skip("relu + 2x2 pool rows in AVX2: this CPU has no AVX2 with FMA");
+        return;
+    }
+    static const int OWS[] = {16, 17, 18, 23, 28, 31, 32, 33, 47, 48}, OHS[] = {2, 3, 7, 28};
+    static const float BIAS[] = {0.0f, 0.5f, -1.0f};
+    int bad = 0;
+    for (size_t wi = 0; wi < sizeof OWS / sizeof *OWS; wi++)
+        for (size_t hi = 0; hi < sizeof OHS / sizeof *OHS; hi++)
+            for (size_t bi = 0; bi < sizeof BIAS / sizeof *BIAS; bi++) {
+                const int OW = OWS[wi], OH = OHS[hi], PW = OW / 2, PH = OH / 2;
+                const size_t n = (size_t)OH * OW, np = (size_t)PH * PW;
+                Rng r;
+                rng_init(&r, 500 + 40 * wi + 4 * hi + bi, 1);
+                float *pre = malloc(n * sizeof(float)), *g = malloc(np * sizeof(float));
+                rng_fill_uniform(&r, pre, n, -2.0f, 3.0f);
+                for (size_t i = 0; i < n; i++) pre[i] = floorf(pre[i]); /* -2 .. 2: ties, and negatives */
+                for (size_t i = 0; i < n; i += 13) pre[i] = -0.0f;
+                for (size_t i = 5; i < n; i += 29) pre[i] = NAN;
+                rng_fill_uniform(&r, g, np, -1.0f, 1.0f);
+                float *y1 = malloc(np * sizeof(float)), *y2 = malloc(np * sizeof(float));
+                uint8_t *w1 = malloc(np), *w2 = malloc(np);
+                float *d1 = malloc(n * sizeof(float)), *d2 = malloc(n * sizeof(float));
+                for (size_t i = 0; i < np; i++) y1[i] = y2[i] = NAN, w1[i] = w2[i] = 0xEE;
+                for (size_t i = 0; i < n; i++) d1[i] = d2[i] = NAN;
+                pool2x2_relu_plane_avx2(y1, w1, pre, BIAS[bi], OH, OW);
+                pool2x2_relu_plane(y2, w2, pre, BIAS[bi], OH, OW);
+                pool2x2_relu_grad_plane_avx2(d1, g, y2, w2, OH, OW);
+                pool2x2_relu_grad_plane(d2, g, y2, w2, OH, OW);
+                if (memcmp(y1, y2, np * sizeof(float)) || memcmp(w1, w2, np) || memcmp(d1, d2, n * sizeof(float))) {
+                    bad++;
+                    fprintf(stderr, "\n  relu + 2x2 pool, %dx%d plane, bias %g: the AVX2 rows differ (%s)", OH, OW,
+                            (double)BIAS[bi], memcmp(y1, y2, np * sizeof(float)) ? "values"
+                                              : memcmp(w1, w2, np)                  ? "winners"
+                                                                                   : "gradient");
+                }
+                free(pre), free(g), free(y1), free(y2), free(w1), free(w2), free(d1), free(d2);
+            }
+    CU_ASSERT_EQUAL(bad, 0);
+}
+
 int register_nn_conv_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv", NULL, NULL);
     if (!s) return -1;
@@ -697,6 +747,7 @@ int register_nn_conv_suite(void) {
         {"maxpool2d tie goes to the first element", test_maxpool2d_tie_goes_to_first},
         {"maxpool2d propagates NaN", test_maxpool2d_propagates_nan},
         {"maxpool2d 2x2 fast path matches the generic loops", test_maxpool2d_fast_path_matches_generic},
+        {"relu + 2x2 pool rows: AVX2 matches the plain rows bit for bit", test_pool2x2_avx2_rows_match_plain},
         {"avgpool2d hand example", test_avgpool2d_hand_example},
         {"conv2d bad inputs", test_conv2d_bad_inputs},
         {"pool bad inputs", test_pool_bad_inputs},
