@@ -368,6 +368,9 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
 
 /* The planes a task walks start where the hardware's prefetchers may not have looked (the backward's a channel
  * across the batch, C planes apart): the kernels ask for the planes DW_AHEAD turns on. */
+/* Tasks per thread of the stride-1 depthwise passes: a thread that a busy core slows then leaves a few tasks to the
+ * others instead of half the pass (each plane's and channel's arithmetic is the same in any task). */
+#define DW_TASKS_PER_THREAD 4
 #define DW_AHEAD 8
 static inline __attribute__((always_inline)) void dw_prefetch(const float *p, size_t n) {
     for (size_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
@@ -656,7 +659,9 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
         const size_t kk = (size_t)d->KH * d->KW, P = (size_t)(d->H - 1) * dw_s1_wp(d) + d->W;
         j.thread_floats = dw_round(4 * dw_s1_plane(d) + 2 * dw_s1_margin(d) + dw_round(P) + kk * (2 + DW_LANES));
         if (!(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float)))) return;
-        parallel_run(parallel_get_threads() < d->C ? parallel_get_threads() : d->C, dw_s1_backward_task, &j);
+        parallel_run(DW_TASKS_PER_THREAD * parallel_get_threads() < d->C ? DW_TASKS_PER_THREAD * parallel_get_threads()
+                                                                             : d->C,
+                     dw_s1_backward_task, &j);
         tape_release_buffer(t, j.scratch, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float));
         return;
     }
@@ -692,7 +697,8 @@ static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const V
         j.thread_floats = 2 * dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
         if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return false;
         const int planes = d->N * d->C;
-        parallel_run(threads < planes ? threads : planes, dw_s1_forward_task, &j);
+        parallel_run(DW_TASKS_PER_THREAD * threads < planes ? DW_TASKS_PER_THREAD * threads : planes, dw_s1_forward_task,
+                     &j);
         tape_release_buffer(t, j.scratch, (size_t)threads * j.thread_floats * sizeof(float));
     } else if (d->depthwise) {
         const int planes = d->N * d->OC;

@@ -289,7 +289,8 @@ static void batchnorm_task(void *ctx, int task, int n_tasks) {
 static void batchnorm_run(const BatchnormJob *job, BatchnormJobKind kind) {
     BatchnormTask bt = {job, kind};
     size_t numel = (size_t)job->c->N * job->c->C * job->c->inner;
-    int n_tasks = numel >= ((size_t)1 << 15) ? parallel_get_threads() : 1;
+    /* 4 tasks a thread: a thread that a busy core slows leaves a few to the others, not half the channels */
+    int n_tasks = numel >= ((size_t)1 << 15) ? 4 * parallel_get_threads() : 1;
     if (n_tasks > job->c->C) n_tasks = job->c->C;
     parallel_run(n_tasks, batchnorm_task, &bt);
 }
