@@ -687,7 +687,7 @@ static void test_maxpool2d_fast_path_matches_generic(void) {
  * the output planes are preset with a NaN canary, so a value neither writes shows up as a difference. */
 static void test_pool2x2_avx2_rows_match_plain(void) {
     if (conv_taps_cpu() < CONV_TAPS_AVX2) {
-        test_skip("relu + 2x2 pool rows in AVX2: this CPU has no AVX2 with FMA");
+        test_skip("relu + 2x2 pool rows in AVX2: this CPU has no AVX2 with FMA (the taps level gates both)");
         return;
     }
     static const int OWS[] = {16, 17, 18, 23, 28, 31, 32, 33, 47, 48}, OHS[] = {2, 3, 7, 28};
