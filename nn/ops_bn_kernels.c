@@ -33,13 +33,8 @@
 /* A channel's values are N runs of `inner` floats, C * inner apart: each run starts on a page the hardware's
  * prefetchers have not seen (they follow streams within a page), so without help every run would open with a
  * wait on memory. The kernels that walk a channel across the batch ask for the run BN_AHEAD runs ahead of the one
- * they read, a line at a time. */
+ * they read (nn_prefetch). */
 #define BN_AHEAD 4
-#define BN_LINE_FLOATS 16
-
-static inline __attribute__((always_inline)) void bn_prefetch(const float *p, size_t n) {
-    for (size_t i = 0; i < n; i += BN_LINE_FLOATS) __builtin_prefetch(p + i, 0, 3);
-}
 
 /* The offset of the run BN_AHEAD runs after sample n's of channel ch, in a walk over channels [.., c1) each across
  * the N samples: this channel's, then the next one's first; -1 past the walk's end. */
@@ -238,7 +233,7 @@ static inline __attribute__((always_inline)) void bn_apply_channels(float *y, co
             const float *restrict xp = x + off;
             float *restrict yp = y + off;
             const ptrdiff_t ahead = bn_ahead((size_t)n, ch, c1, N, stride, inner);
-            if (ahead >= 0) bn_prefetch(x + ahead, inner);
+            if (ahead >= 0) nn_prefetch(x + ahead, inner);
             for (size_t i = 0; i < inner; i++) {
                 const float v = (xp[i] - m) * a + b;
                 yp[i] = relu ? (v > 0.0f ? v : 0.0f) : v;
@@ -343,7 +338,7 @@ static inline __attribute__((always_inline)) void grad_sums_channels(double *sum
                 const size_t off = n * stride + (size_t)ch * inner + i0;
                 const size_t len = inner - i0 < BN_BLOCK ? inner - i0 : BN_BLOCK;
                 const ptrdiff_t ahead = pieces == 1 ? bn_ahead(n, ch, c1, N, stride, inner) : -1;
-                if (ahead >= 0) bn_prefetch(dy + ahead, inner), bn_prefetch(x + ahead, inner);
+                if (ahead >= 0) nn_prefetch(dy + ahead, inner), nn_prefetch(x + ahead, inner);
                 bn_lanes_grad_sums(l1[p], l2[p], &bs[p], &bd[p], dy + off, x + off, len, m, relu, a, b);
             }
             bn_reduce(bs, l1, P);
@@ -387,8 +382,8 @@ static inline __attribute__((always_inline)) void grad_input_channels(float *dx,
             float *dxp = dx + off;
             const ptrdiff_t ahead = bn_ahead((size_t)n, ch, c1, N, stride, inner);
             if (ahead >= 0) {
-                bn_prefetch(x + ahead, inner), bn_prefetch(dy + ahead, inner);
-                if (accumulate && dx != dy) bn_prefetch(dx + ahead, inner);
+                nn_prefetch(x + ahead, inner), nn_prefetch(dy + ahead, inner);
+                if (accumulate && dx != dy) nn_prefetch(dx + ahead, inner);
             }
             if (accumulate)
                 for (size_t i = 0; i < inner; i++) {

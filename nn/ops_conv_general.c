@@ -375,9 +375,6 @@ static inline void dw_s1_taps(float *restrict dst, const float *restrict src, co
  * input plane DW_AHEAD after the next, the backward for sample n + DW_AHEAD's dy and x planes as it puts sample
  * n's. 8 measured best (3: 4 % slower on DS-CNN's step; 16: 5 %). */
 #define DW_AHEAD 8
-static inline __attribute__((always_inline)) void dw_prefetch(const float *p, size_t n) {
-    for (size_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
-}
 
 /* Output planes whose batch-norm moments the depthwise forward makes at once (batchnorm_plane_moments). */
 #define DW_MOMENT_PLANES 16
@@ -385,8 +382,8 @@ static inline __attribute__((always_inline)) void dw_prefetch(const float *p, si
 /* Task over (sample, input channel) planes: each padded once for its OC/C outputs. Two padded planes take turns:
  * plane p + 1 is put into one before the taps read plane p from the other. The taps' unaligned vector loads each
  * span several of the put's narrower stores, which a load cannot take from the store buffer: read right after its
- * put, a plane waited for every one of its stores to reach the cache (a stall that was most of this loop's time on
- * DS-CNN's 14x14 planes); a plane put one turn earlier is there. */
+ * put, a plane waited for every one of its stores to reach the cache (about a third of this loop's time on DS-CNN's
+ * 14x14 planes); a plane put one turn earlier is there. */
 NN_SIMD_CLONES
 static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     const ConvGJob *j = ctx;
@@ -408,7 +405,7 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
         const int n = p / d->C, c = p % d->C;
         const float *xq = xp + (size_t)((p - lo) & 1) * plane; /* plane p, put a turn ago */
         if (p + 1 < hi) dw_put_x(xp + (size_t)((p + 1 - lo) & 1) * plane, Wp, j, (p + 1) / d->C, (p + 1) % d->C);
-        if (p + 1 + DW_AHEAD < hi) dw_prefetch(j->x + (size_t)(p + 1 + DW_AHEAD) * d->H * d->W, (size_t)d->H * d->W);
+        if (p + 1 + DW_AHEAD < hi) nn_prefetch(j->x + (size_t)(p + 1 + DW_AHEAD) * d->H * d->W, (size_t)d->H * d->W);
         for (int oc = c * d->OCg; oc < (c + 1) * d->OCg; oc++) {
             dw_s1_taps(yp, xq, j->w + (size_t)oc * kk, j->bias ? j->bias[oc] : 0.0f, L, d, Wp, false);
             float *y = j->y + ((size_t)n * d->OC + oc) * out_plane;
@@ -448,9 +445,8 @@ static inline __attribute__((always_inline)) void dw_s1_put_turn(float *xp, cons
     const ConvGDims *d = j->d;
     if (n + DW_AHEAD < d->N) {
         const int a = n + DW_AHEAD;
-        dw_prefetch(j->dy + ((size_t)a * d->OC + oc) * d->OH * d->OW, (size_t)d->OH * d->OW);
-        if (j->dw) dw_prefetch(j->x + ((size_t)a * d->C + c) * d->H * d->W,
-                               (size_t)d->H * d->W);
+        nn_prefetch(j->dy + ((size_t)a * d->OC + oc) * d->OH * d->OW, (size_t)d->OH * d->OW);
+        if (j->dw) nn_prefetch(j->x + ((size_t)a * d->C + c) * d->H * d->W, (size_t)d->H * d->W);
     }
     dw_put(xp + plane + M, dw_s1_wp(d), 0, 0, j->dy + ((size_t)n * d->OC + oc) * d->OH * d->OW, d->OH, d->OW);
     if (j->dw) dw_put_x(xp, dw_s1_wp(d), j, n, c);
@@ -662,9 +658,8 @@ static void conv_general_backward(Tape *t, const TapeNode *node) {
         const size_t kk = (size_t)d->KH * d->KW, P = (size_t)(d->H - 1) * dw_s1_wp(d) + d->W;
         j.thread_floats = dw_round(4 * dw_s1_plane(d) + 2 * dw_s1_margin(d) + dw_round(P) + kk * (2 + DW_LANES));
         if (!(j.scratch = tape_alloc(t, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float)))) return;
-        parallel_run(DW_TASKS_PER_THREAD * parallel_get_threads() < d->C ? DW_TASKS_PER_THREAD * parallel_get_threads()
-                                                                             : d->C,
-                     dw_s1_backward_task, &j);
+        const int tasks = DW_TASKS_PER_THREAD * parallel_get_threads();
+        parallel_run(tasks < d->C ? tasks : d->C, dw_s1_backward_task, &j);
         tape_release_buffer(t, j.scratch, (size_t)parallel_get_threads() * j.thread_floats * sizeof(float));
         return;
     }
@@ -700,8 +695,8 @@ static bool convg_forward_run(Tape *t, const ConvGDims *d, const Var *x, const V
         j.thread_floats = 2 * dw_s1_plane(d) + dw_round((size_t)(d->OH - 1) * dw_s1_wp(d) + d->OW);
         if (!(j.scratch = tape_alloc(t, (size_t)threads * j.thread_floats * sizeof(float)))) return false;
         const int planes = d->N * d->C;
-        parallel_run(DW_TASKS_PER_THREAD * threads < planes ? DW_TASKS_PER_THREAD * threads : planes, dw_s1_forward_task,
-                     &j);
+        const int tasks = DW_TASKS_PER_THREAD * threads;
+        parallel_run(tasks < planes ? tasks : planes, dw_s1_forward_task, &j);
         tape_release_buffer(t, j.scratch, (size_t)threads * j.thread_floats * sizeof(float));
     } else if (d->depthwise) {
         const int planes = d->N * d->OC;
