@@ -551,6 +551,7 @@ QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
 
 typedef struct {
     __m256 s, r, lo, hi, big, edge, absmask;
+    __m256 zf, loz, hiz; /* the zero point, lo + zero and hi + zero as floats (exact: integers under 512) */
     __m256i zero;
     bool rcp; /* quotients through r = 1 / s (qgemm_rcp_ok) */
 } CodeRegs;
@@ -558,7 +559,9 @@ typedef struct {
 QA_TARGET QA_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
     return (CodeRegs){.s = _mm256_set1_ps(s), .r = _mm256_set1_ps(1.0f / s), .lo = _mm256_set1_ps(lo),
                       .hi = _mm256_set1_ps(hi), .big = _mm256_set1_ps(3.40282347e38f),
-                      .edge = _mm256_set1_ps(QGEMM_RCP_EDGE), .zero = _mm256_set1_epi32(zero),
+                      .edge = _mm256_set1_ps(QGEMM_RCP_EDGE), .zf = _mm256_set1_ps((float)zero),
+                      .loz = _mm256_set1_ps(lo + (float)zero), .hiz = _mm256_set1_ps(hi + (float)zero),
+                      .zero = _mm256_set1_epi32(zero),
                       .absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), .rcp = qgemm_rcp_ok(s)};
 }
 
@@ -581,18 +584,19 @@ QA_TARGET QA_INLINE __m256i codes8(const CodeRegs *k, const float *x, __m256i m,
     return _mm256_add_epi32(_mm256_cvtps_epi32(q), k->zero); /* round to nearest even (MXCSR default) */
 }
 
-/* The fast form of codes8 where k->rcp: y = x r, *odd getting the lanes within 2^-10 of a half or not finite (their
- * distance is NaN), for which the caller runs codes8. */
+/* The fast form of codes8 where k->rcp: t = fl(x r + zero), the code before clamping, in one rounding (the fused
+ * multiply-add; QGEMM_RCP_EDGE says why it rounds as x / s + zero does), *odd getting the lanes within 2^-12 of a
+ * half or not finite (their distance is NaN), for which the caller runs codes8. */
 QA_TARGET QA_INLINE __m256 rcp8(const CodeRegs *k, const float *x, __m256i m, bool full, __m256 *odd) {
-    const __m256 y = _mm256_mul_ps(full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, m), k->r);
-    const __m256 i = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    *odd = _mm256_or_ps(*odd, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(y, i), k->absmask), k->edge, _CMP_NLE_UQ));
-    return y;
+    const __m256 t = _mm256_fmadd_ps(full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, m), k->r, k->zf);
+    const __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    *odd = _mm256_or_ps(*odd, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t, i), k->absmask), k->edge, _CMP_NLE_UQ));
+    return t;
 }
 
-/* The codes of rcp8's y. */
-QA_TARGET QA_INLINE __m256i rcp_codes8(const CodeRegs *k, __m256 y) {
-    return _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, k->lo), k->hi)), k->zero);
+/* The codes of rcp8's t: clamped to [lo + zero, hi + zero], then rounded (the nearest even, MXCSR's default). */
+QA_TARGET QA_INLINE __m256i rcp_codes8(const CodeRegs *k, __m256 t) {
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, k->loz), k->hiz));
 }
 
 QA_TARGET bool qgemm_quantize_u8_avx2(uint8_t *dst, const float *x, size_t n, float s, float lo, float hi, int zero) {

@@ -14,12 +14,14 @@
 /* The CPU has the kernels and qgemm_force_portable is off. */
 bool qgemm_use_vnni(void);
 
-/* The quantizers' quotients x / s through r = fl(1 / s): y = fl(x r) and fl(x / s) are each within 2^-22 |x / s|
- * of x / s, so for |x / s| <= 256 within 2^-14 of it, and both round to the same integer unless x / s lies within
- * 2^-14 of a half; a vector with a lane whose y lies within 2^-10 of a half (its distance to the nearest integer
- * above QGEMM_RCP_EDGE) is divided instead. Past 256 both clamp to the same bound (|lo|, |hi| <= 255), and NaN and
- * the infinities take the same bounds either way. r must be normal: s in [2^-125, 2^125]. */
-#define QGEMM_RCP_EDGE (0.5f - 0x1p-10f)
+/* The quantizers' quotients x / s through r = fl(1 / s). Let q = x / s exactly. fl(x r) and fl(x / s) are each
+ * within 2^-22 |q| of q, so for |q| <= 256 within 2^-14 of it; the AVX-512 kernels' t = fl(x r + zero) (one
+ * rounding, zero <= 255) is within |q| 2^-24 + 2^-16 <= 2^-15 of q + zero. Each rounds as q (q + zero) does unless
+ * q lies within 2^-14 of a half, so a vector with a lane within 2^-12 of a half (its distance to the nearest integer
+ * above QGEMM_RCP_EDGE: a margin of 4) is divided instead. Past 256 both clamp to the same bound (|lo|, |hi| <= 255,
+ * so the codes between the bounds come from |q| < 256), and NaN and the infinities take the same bounds either way.
+ * r must be normal: s in [2^-125, 2^125]. */
+#define QGEMM_RCP_EDGE (0.5f - 0x1p-12f)
 static inline bool qgemm_rcp_ok(float s) { return s >= 0x1p-125f && s <= 0x1p125f; }
 
 void qgemm_dense_vnni(const QGemmDense *d, int row0, int row1, int p0, int p1);

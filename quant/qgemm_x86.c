@@ -209,11 +209,21 @@ QG_TARGET QG_INLINE void store_lanes8(uint8_t *dst, __mmask16 m, __m512i x) {
 
 /* y plus the residual's lanes m at res (packed from the front, as the outputs are stored: nn_add's sum, whichever
  * operand comes first), relu'd if res_relu. */
-QG_TARGET QG_INLINE __m512 taps_res(const QGemmTaps *g, __m512 y, const float *res, __mmask16 m) {
+QG_TARGET QG_INLINE __m512 taps_res(__m512 y, const float *res, __mmask16 m, bool res_relu) {
     const __m512 r = m == 0xFFFF ? _mm512_loadu_ps(res) : _mm512_maskz_expandloadu_ps(m, res);
     y = _mm512_add_ps(y, r);
-    return g->res_relu ? _mm512_max_ps(y, _mm512_setzero_ps()) : y; /* nn's relu: see taps_y */
+    return res_relu ? _mm512_max_ps(y, _mm512_setzero_ps()) : y; /* nn's relu: see taps_y */
 }
+
+/* What a tile's codes epilogue reads of g, in locals: the stores through the byte pointers below may alias any
+ * memory, so fields read through g would be loaded again after every store. */
+typedef struct {
+    const float *res;
+    float *out;
+    uint8_t *dst;
+    size_t ldo, quad_plane;
+    bool res_relu, floats_too;
+} TapsOut;
 
 /* A tile's outputs as codes: rows r of the block at vector v0 + v, plain (each row's bytes) or by quads (rows
  * 4 q .. 4 q + 3 of the block in one dword; rows past the last take the zero point). */
@@ -222,6 +232,8 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
                                          const int out) {
     const QGemmCodesOut *co = g->codes;
     const int rows = block_rows(g, rb);
+    const TapsOut o = {.res = g->res, .out = g->out, .dst = co->dst, .ldo = g->ldo, .quad_plane = co->quad_plane,
+                       .res_relu = g->res_relu, .floats_too = g->floats_too};
 #pragma GCC unroll 3
     for (int v = 0; v < V; v++) {
         const __mmask16 m = g->vec_mask[v0 + v];
@@ -231,11 +243,11 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
 #pragma GCC unroll 8
             for (int r = 0; r < QGEMM_ROWS; r++) {
                 if (r >= rows) break;
-                const size_t o = (size_t)(rb * QGEMM_ROWS + r) * g->ldo + pos;
+                const size_t at = (size_t)(rb * QGEMM_ROWS + r) * o.ldo + pos;
                 __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
-                if (g->res) y = taps_res(g, y, g->res + o, m);
-                if (g->floats_too) store_lanes_ps(g->out + o, m, y);
-                store_lanes8(co->dst + o, m, codes_fast16(cr, y, m, bad));
+                if (o.res) y = taps_res(y, o.res + at, m, o.res_relu);
+                if (o.floats_too) store_lanes_ps(o.out + at, m, y);
+                store_lanes8(o.dst + at, m, codes_fast16(cr, y, m, bad));
             }
             continue;
         }
@@ -248,15 +260,15 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
                 const int r = 4 * q + b;
                 __m512i c = cr->zero;
                 if (r < rows) {
-                    const size_t o = (size_t)(rb * QGEMM_ROWS + r) * g->ldo + pos;
+                    const size_t at = (size_t)(rb * QGEMM_ROWS + r) * o.ldo + pos;
                     __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
-                    if (g->res) y = taps_res(g, y, g->res + o, m);
-                    if (g->floats_too) store_lanes_ps(g->out + o, m, y);
+                    if (o.res) y = taps_res(y, o.res + at, m, o.res_relu);
+                    if (o.floats_too) store_lanes_ps(o.out + at, m, y);
                     c = codes_fast16(cr, y, m, bad);
                 }
                 d = _mm512_or_si512(d, _mm512_slli_epi32(c, 8 * b));
             }
-            store_lanes32((uint32_t *)(void *)co->dst + (size_t)(rb * (QGEMM_ROWS / 4) + q) * co->quad_plane + pos, m, d);
+            store_lanes32((uint32_t *)(void *)o.dst + (size_t)(rb * (QGEMM_ROWS / 4) + q) * o.quad_plane + pos, m, d);
         }
     }
 }
@@ -286,7 +298,7 @@ QG_TARGET QG_INLINE void taps_tile(const QGemmTaps *g, const TapsRows *k, const 
             const __mmask16 m = g->vec_mask[v0 + v];
             if (!m) continue;
             float *o = dst + g->vec_pos[v0 + v];
-            if (g->res) y = taps_res(g, y, g->res + (o - g->out), m);
+            if (g->res) y = taps_res(y, g->res + (o - g->out), m, g->res_relu);
             store_lanes_ps(o, m, y);
         }
     }

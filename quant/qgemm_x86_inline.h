@@ -23,6 +23,7 @@ static inline uint32_t dw_cols_mask(int c0, int w, int n) {
 /* The quantizer's constants in registers. */
 typedef struct {
     __m512 s, r, lo, hi, big, edge;
+    __m512 zf, loz, hiz; /* the zero point, lo + zero and hi + zero as floats (exact: integers under 512) */
     __m512i zero, absmask;
     bool rcp; /* quotients through r = 1 / s (qgemm_rcp_ok) */
 } CodeRegs;
@@ -30,7 +31,9 @@ typedef struct {
 QG_TARGET QG_INLINE CodeRegs code_regs(float s, float lo, float hi, int zero) {
     return (CodeRegs){.s = _mm512_set1_ps(s), .r = _mm512_set1_ps(1.0f / s), .lo = _mm512_set1_ps(lo),
                       .hi = _mm512_set1_ps(hi), .big = _mm512_set1_ps(3.40282347e38f),
-                      .edge = _mm512_set1_ps(QGEMM_RCP_EDGE), .zero = _mm512_set1_epi32(zero),
+                      .edge = _mm512_set1_ps(QGEMM_RCP_EDGE), .zf = _mm512_set1_ps((float)zero),
+                      .loz = _mm512_set1_ps(lo + (float)zero), .hiz = _mm512_set1_ps(hi + (float)zero),
+                      .zero = _mm512_set1_epi32(zero),
                       .absmask = _mm512_set1_epi32(0x7fffffff), .rcp = qgemm_rcp_ok(s)};
 }
 
@@ -59,14 +62,15 @@ QG_TARGET QG_INLINE __m512i codes16(const CodeRegs *k, const float *x, __mmask16
     return codes_of16(k, _mm512_maskz_loadu_ps(m, x), m, bad);
 }
 
-/* The fast form of codes_of16 where k->rcp: y = v r, *odd getting the lanes m that lie within 2^-10 of a half or
- * are not finite (their distance is NaN), for which the caller runs codes_of16. */
+/* The fast form of codes_of16 where k->rcp: t = fl(v r + zero), the code before clamping, in one rounding (the
+ * fused multiply-add; QGEMM_RCP_EDGE says why it rounds as v / s + zero does), *odd getting the lanes m whose t
+ * lies within 2^-12 of a half or is not finite (their distance is NaN), for which the caller runs codes_of16. */
 QG_TARGET QG_INLINE __m512 rcp_of16(const CodeRegs *k, __m512 v, __mmask16 m, __mmask16 *odd) {
-    const __m512 y = _mm512_mul_ps(v, k->r);
-    const __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, i)), k->absmask));
+    const __m512 t = _mm512_fmadd_ps(v, k->r, k->zf);
+    const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(t, i)), k->absmask));
     *odd |= _mm512_mask_cmp_ps_mask(m, dist, k->edge, _CMP_NLE_UQ);
-    return y;
+    return t;
 }
 
 /* rcp_of16 of the lanes m of x (0 in the others). */
@@ -74,9 +78,9 @@ QG_TARGET QG_INLINE __m512 rcp16(const CodeRegs *k, const float *x, __mmask16 m,
     return rcp_of16(k, _mm512_maskz_loadu_ps(m, x), m, odd);
 }
 
-/* The codes of rcp_of16's y. */
-QG_TARGET QG_INLINE __m512i rcp_codes16(const CodeRegs *k, __m512 y) {
-    return _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(y, k->lo), k->hi)), k->zero);
+/* The codes of rcp_of16's t: clamped to [lo + zero, hi + zero], then rounded (the nearest even, MXCSR's default). */
+QG_TARGET QG_INLINE __m512i rcp_codes16(const CodeRegs *k, __m512 t) {
+    return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(t, k->loz), k->hiz));
 }
 
 /* codes_of16 through the reciprocal when no lane m lies near a half: one vector of a producer's outputs. */

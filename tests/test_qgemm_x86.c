@@ -486,6 +486,44 @@ static void quantize_cases(void) {
 
 static void test_quantize(void) { for_each_family(quantize_cases, "activation codes"); }
 
+/* The fast quantizers' test for quotients near a half (QGEMM_RCP_EDGE): for scales whose reciprocal rounds up,
+ * down or not at all and every zero point, each half-integer quotient k + 1/2 inside the codes and the floats up
+ * to 40 ulps either side of k + 1/2 times s, in blocks of 64 (so that one odd lane sends a whole block one way or
+ * the other): the codes equal the portable quantizer's, which divides. */
+static void quantize_halves_cases(void) {
+    static const float S[] = {1.0f / 3.0f, 0.1f, 7e-4f, 0.0213f, 1.7f, 0.5f, 3e-6f, 1.0f / 255.0f};
+    static const int ZERO[] = {0, 1, 37, 127, 128, 200, 255};
+    const size_t per = 81 * 16, n = 2 * per; /* a k's 81 floats (40 each side), 16 k a batch, two batches */
+    float *x = xmalloc(n * 4);
+    uint8_t *u1 = xmalloc(n), *u2 = xmalloc(n);
+    int bad = 0;
+    for (size_t i = 0; i < sizeof S / sizeof *S; i++)
+        for (size_t j = 0; j < sizeof ZERO / sizeof *ZERO; j++) {
+            const int z = ZERO[j];
+            const float lo = (float)-z, hi = (float)(255 - z), s = S[i];
+            for (int k0 = -z - 1; k0 < 256 - z; k0 += 32) {
+                for (size_t b = 0; b < n / 81; b++) {
+                    const int k = k0 + (int)b;
+                    float v = ((float)k + 0.5f) * s;
+                    for (int u = 0; u < 40; u++) v = nextafterf(v, -INFINITY);
+                    for (int u = 0; u < 81; u++, v = nextafterf(v, INFINITY)) x[b * 81 + (size_t)u] = v;
+                }
+                CU_ASSERT(qgemm_quantize_u8(u1, x, n, s, lo, hi, z));
+                CU_ASSERT(qgemm_quantize_u8_portable(u2, x, n, s, lo, hi, z));
+                if (memcmp(u1, u2, n) && bad++ < 3) {
+                    size_t at = 0;
+                    while (u1[at] == u2[at]) at++;
+                    fprintf(stderr, "\n  s %g zero %d: x %.9g gives %d, the portable quantizer %d\n", (double)s, z,
+                            (double)x[at], u1[at], u2[at]);
+                }
+            }
+        }
+    CU_ASSERT_EQUAL(bad, 0);
+    free(x), free(u1), free(u2);
+}
+
+static void test_quantize_halves(void) { for_each_family(quantize_halves_cases, "activation codes near halves"); }
+
 /* ---- the strided conv's dword gather ------------------------------------------------------------------------------ */
 
 /* qgemm_gather_u8x4 against the definition written here, for strides 1-3, rows of lengths about a vector, 1-3
@@ -708,6 +746,8 @@ int register_quant_int8_suite(void) {
            !CU_add_test(s, "taps kernels equal the definition", test_taps) ||
            !CU_add_test(s, "taps relu and relu + 2x2 max pool epilogues", test_taps_relu_pool) ||
            !CU_add_test(s, "activation codes equal fake quantization's", test_quantize) ||
+           !CU_add_test(s, "activation codes near every half, every zero point: the portable quantizer's",
+                        test_quantize_halves) ||
            !CU_add_test(s, "strided conv gather (cols dwords) equals the definition", test_gather) ||
            !CU_add_test(s, "qgemm_s8 on both paths", test_s8) ||
            !CU_add_test(s, "qgemm_s8_nn (b as K x N, strides) on every family", test_s8_nn) ||
