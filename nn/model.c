@@ -583,9 +583,9 @@ static ConvFusion model_fusable_layers(const Model *m, const Tape *t, int i) {
 /* The modules that read module e's output, for Tape.handoff: in a forward without gradients whose outputs are not
  * kept, every later module that has it as its one input, when there are 1 to TAPE_HANDOFF_MAX of them; the
  * merges among its readers (a residual add) then take its floats (Tape.handoff_keep). Else none (no reader of one
- * input, or e the model's output). */
+ * input, or e the model's output); Tape.handoff_merges if every reader is a merge. */
 static void handoff_readers(const Model *m, Tape *t, int e) {
-    t->n_handoff = 0, t->handoff_keep = false;
+    t->n_handoff = 0, t->handoff_keep = false, t->handoff_merges = false;
     if (t->grad_enabled || m->keep_outputs || e + 1 >= m->n_modules) return;
     int n = 0, merges = 0;
     for (int k = e + 1; k < m->n_modules; k++)
@@ -599,7 +599,13 @@ static void handoff_readers(const Model *m, Tape *t, int e) {
                 t->handoff[n++] = &m->modules[k];
             }
     if (n && n + merges == m->modules[e].n_consumers) t->n_handoff = n, t->handoff_keep = merges > 0;
+    t->handoff_merges = !n && merges && merges == m->modules[e].n_consumers;
 }
+
+/* Whether module i may run while a hook's work waits (Tape.deferred): a conv with a hook, which reads its input and
+ * residual in the deferred work's order or runs that work first (quant's int8 chain). Any other op reads outputs
+ * the waiting work has yet to write, so it runs that work first. */
+static bool runs_with_deferred(const Module *mod) { return mod->forward_hook && mod->spec.type == LAYER_CONV2D; }
 
 Var *model_forward(Model *m, Tape *t, Var *x) {
     if (!x) return NULL;
@@ -619,6 +625,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
     outs[0] = x;
     for (int i = 0; i < m->n_modules; i++) {
         Module *mod = &m->modules[i];
+        if (!runs_with_deferred(mod) && !tape_run_deferred(t)) return NULL;
         ConvFusion f = model_fusable_layers(m, t, i);
         if (f.residual != RESIDUAL_NONE && !outs[1 + f.residual]) f.n = 1; /* not made (defensive): one by one */
         if (f.n > 1) {
@@ -628,7 +635,7 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
             Var *y = mod->forward_hook ? mod->fused_hook(t, mod, in, mod->hook_ctx, f.bias, f.epi)
                                        : nn_conv2d_fused(t, in, &mod->weight->var, f.bias, mod->spec.stride,
                                                          mod->spec.padding, f.epi);
-            t->n_handoff = 0, t->handoff_keep = false, t->residual = NULL;
+            t->n_handoff = 0, t->handoff_keep = false, t->handoff_merges = false, t->residual = NULL;
             if (!y && !tape_ok(t)) return NULL;
             if (y) {
                 for (int q = i; q < i + f.n - 1; q++) outs[1 + q] = NULL; /* never made */
@@ -643,12 +650,12 @@ Var *model_forward(Model *m, Tape *t, Var *x) {
         }
         handoff_readers(m, t, i);
         Var *y = model_step(m, t, i, outs);
-        t->n_handoff = 0, t->handoff_keep = false;
+        t->n_handoff = 0, t->handoff_keep = false, t->handoff_merges = false;
         if (!y) return NULL;
         if (!t->grad_enabled && !m->keep_outputs) model_graph_release_dead(m, t, i, i);
         else if (!m->keep_outputs) model_graph_train_memory(m, t, i, false);
     }
-    return outs[m->n_modules];
+    return tape_run_deferred(t) ? outs[m->n_modules] : NULL; /* the caller reads the output */
 }
 
 Var *model_step(Model *m, Tape *t, int i, Var **outs) {

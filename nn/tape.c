@@ -29,7 +29,7 @@ void tape_reset(Tape *t) {
     t->n_nodes = 0;
     t->backward_done = false;
     t->free_grads = NULL;
-    t->deferred = NULL, t->hold = 0, t->n_held = 0;
+    t->deferred = NULL, t->run_deferred = NULL, t->hold = 0, t->n_held = 0;
     qt_error_clear(&t->err);
     arena_reset(t->arena);
     arena_reset(&t->small);
@@ -150,6 +150,8 @@ void tape_release_buffer(Tape *t, void *p, size_t bytes) {
 }
 
 void tape_hold_releases(Tape *t) { t->hold++; }
+
+bool tape_run_deferred(Tape *t) { return !t->deferred || !t->run_deferred || t->run_deferred(t); }
 
 void tape_release_held(Tape *t) {
     if (t->hold <= 0 || --t->hold > 0) return;

@@ -103,11 +103,16 @@ struct Tape {
                                      ones */
     int n_handoff;      /* 0: no hand-off */
     bool handoff_keep;  /* with a hand-off: the output's floats are read too, by a merge (a residual add) */
+    bool handoff_merges; /* no hand-off, the output's every reader a merge (a residual add): a hook may defer its
+                            work (Tape.deferred), for model_forward runs the deferred work before any op that is
+                            not a conv hook's, so a merge that does not fuse into a later conv still reads it made */
     const Var *residual; /* set by model_forward while a fused_residual hook runs a conv whose output an add then
                             sums with this earlier output (same shape) before the epilogue: y = epi(conv + residual);
                             else NULL */
     void *deferred;     /* a hook's work deferred to the op that reads its output (quant's int8 chain), or NULL;
                            owned by that hook's code, in the arena */
+    bool (*run_deferred)(struct Tape *t); /* set with deferred by that code: runs what waits now (false: the error
+                           set); tape_run_deferred calls it */
     int hold;           /* > 0: tape_release holds buffers back (a deferred op still reads them) until
                            tape_release_held brings hold back to 0 */
     int n_held;
@@ -137,6 +142,9 @@ void tape_release_buffer(Tape *t, void *p, size_t bytes);
  * that defers reading its input to a later op (Tape.deferred) while model_forward releases what it thinks dead. */
 void tape_hold_releases(Tape *t);
 void tape_release_held(Tape *t);
+/* Runs the deferred work (Tape.deferred) now, if any waits: for an op about to read what it writes. False: the
+ * tape's error is set. */
+bool tape_run_deferred(Tape *t);
 /* Arena memory for an op's saved state; sets the tape error on failure. */
 void *tape_alloc(Tape *t, size_t bytes);
 /* The grad of v, allocated zeroed from the arena on first use (params have

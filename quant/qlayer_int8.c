@@ -82,8 +82,9 @@
  * globalavgpool alone reads makes the pool's means (Var.means, nn_plane_mean
  * on each plane in scratch) and never writes its output. With merges among
  * the readers (handoff_keep), a plain conv writes its floats to its Var for
- * them and the codes to a buffer of their own (VarCodes.floats), never
- * deferred into a chain; a depthwise one then hands nothing off. The same
+ * them and the codes to a buffer of their own (VarCodes.floats); a depthwise
+ * one then hands nothing off. A plain conv whose readers take its codes, or
+ * are all merges, joins the chain of hand-offs below. The same
  * codes, so the same bits; no reader reads the float output back to
  * quantize it. A non-finite output is then the producer's error, naming it.
  *
@@ -387,11 +388,13 @@ void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
 }
 
 /* ---- the chain of hand-offs -------------------------------------------------------------------------------------
- * A conv2d whose output one int8 conv2d alone reads as codes runs nothing yet: its job waits in Tape.deferred, and
- * the first op of the chain whose output is not handed on to one reader runs them all, each image through every
- * layer of the chain in one task. An image's codes then go from layer to layer in its core's cache, and the batch
- * crosses the threads once a chain rather than once a layer. The buffers the waiting jobs read are held from
- * release meanwhile (tape_hold_releases). The same computations, so the same bits. */
+ * A conv2d whose output int8 conv2ds alone read as codes (a residual add among the readers too), or whose output
+ * only residual adds read, runs nothing yet: its job waits in Tape.deferred, and the first op that is not such a
+ * conv (model_forward runs the waiting work before it: Tape.run_deferred) or the first conv whose output goes
+ * elsewhere runs them all, each image through every layer of the chain in one task, in the order they came. An
+ * image's codes and residual sums then go from layer to layer in its core's cache, and the batch crosses the
+ * threads once a chain rather than once a layer. The buffers the waiting jobs read are held from release meanwhile
+ * (tape_hold_releases). The same computations, so the same bits. */
 
 #define CHAIN_MAX 32 /* jobs in one chain; a longer one runs in parts */
 
@@ -408,12 +411,28 @@ static void chain_task(void *ctx, int image, int n_tasks) {
     for (int k = 0; k < c->n; k++) c->job[k].fn(c->job[k].ctx, image, n_tasks);
 }
 
+/* Runs the waiting jobs, each image through all of them, then checks each job's images in order. */
+static bool chain_run(Tape *t) {
+    Chain *c = t->deferred;
+    if (!c || !c->n) return true;
+    int threads = 1;
+    for (int k = 0; k < c->n; k++) threads = c->job[k].threads > threads ? c->job[k].threads : threads;
+    qlayer_int8_run(threads, c->job[0].n, chain_task, c);
+    qlayer_int8_chained += (unsigned long)c->n;
+    bool ok = true;
+    for (int k = 0; k < c->n && ok; k++)
+        ok = qlayer_int8_checks_pass(t, c->job[k].q, c->job[k].x, c->job[k].bad, c->job[k].n);
+    c->n = 0;
+    tape_release_held(t);
+    return ok;
+}
+
 bool qlayer_int8_launch(Tape *t, const QLayerInt8Job *j, bool defer) {
     defer = defer && qlayer_int8_chain;
     Chain *c = t->deferred;
     if (!c && defer) {
         if (!(c = tape_alloc(t, sizeof *c))) return false;
-        c->n = 0, t->deferred = c;
+        c->n = 0, t->deferred = c, t->run_deferred = chain_run;
     }
     const int waiting = c ? c->n : 0;
     if (waiting && c->job[0].n != j->n) { /* not the batch the chain began with: never so in model_forward */
@@ -431,15 +450,7 @@ bool qlayer_int8_launch(Tape *t, const QLayerInt8Job *j, bool defer) {
         return qlayer_int8_checks_pass(t, j->q, j->x, j->bad, j->n);
     }
     c->job[c->n++] = *j;
-    int threads = 1;
-    for (int k = 0; k < c->n; k++) threads = c->job[k].threads > threads ? c->job[k].threads : threads;
-    qlayer_int8_run(threads, j->n, chain_task, c);
-    qlayer_int8_chained += (unsigned long)c->n;
-    bool ok = true;
-    for (int k = 0; k < c->n && ok; k++) ok = qlayer_int8_checks_pass(t, c->job[k].q, c->job[k].x, c->job[k].bad, j->n);
-    c->n = 0;
-    tape_release_held(t);
-    return ok;
+    return chain_run(t);
 }
 
 /* After the tasks: the float path's message for a non-finite input. */

@@ -464,7 +464,9 @@ Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
                        : NULL;
         return codes_read(t, q, x) && dense_check(t, q, x) ? qlayer_int8_dense(t, q, x, bias) : NULL;
     }
-    if (!codes_read(t, q, x)) return NULL;
+    /* the float path reads x as it is now: what the int8 chain defers runs first (model_forward's rule for ops
+       that are not int8 convs) */
+    if (!tape_run_deferred(t) || !codes_read(t, q, x)) return NULL;
     Var *xin = layer_input(t, q, x);
     if (!xin) return NULL;
     return conv ? conv_forward(t, q, xin, bias) : dense_forward(t, q, xin, bias);
@@ -516,7 +518,7 @@ static Var *qlayer_fused_hook(Tape *t, Module *m, Var *x, void *ctx, Var *bias, 
         if (bias && (bias->value.ndim != 1 || bias->value.shape[0] != q->out)) return NULL;
         return qlayer_int8_conv_fused(t, q, x, bias, OH, OW, epi, NULL, handoff_codes(t, &c), handoff_means(t));
     }
-    if (!codes_read(t, q, x)) return NULL;
+    if (!tape_run_deferred(t) || !codes_read(t, q, x)) return NULL;
     Var *w = qlayer_weight_var(t, q), *xin = w ? layer_input(t, q, x) : NULL;
     return w && xin ? nn_conv2d_fused(t, xin, w, bias, m->spec.stride, m->spec.padding, epi) : NULL;
 }

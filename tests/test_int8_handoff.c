@@ -342,7 +342,11 @@ static void residual_case(const int *q, int stride, bool shared) {
         CU_ASSERT_FATAL(net_logits(&n, true, each));
         CU_ASSERT(n.m.outs[1 + R_SUM1] && n.m.outs[1 + R_SUM2] && !is_codes(&n, R_OUT1));
         n.m.keep_outputs = false;
+        const unsigned long before = qlayer_int8_chained;
         CU_ASSERT_FATAL(net_logits(&n, true, fused));
+        /* every conv in a chain: c0 (codes and floats), c1, c2 (its codes to c3 and sc alike, or none), c3, c4 (its
+         * floats to the sum alone); sc, which makes the means, runs the rest */
+        CU_ASSERT_EQUAL(qlayer_int8_chained - before, 6);
         CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
         CU_ASSERT(is_codes(&n, R_OUT1) == shared);
         CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && (n.m.outs[1 + R_OUT1]->codes->plane > 0) == quads));
@@ -380,6 +384,40 @@ static void test_residual_shared_codes(void) {
 /* sc's input quantizer signed and symmetric, c3's unsigned: out1 stays float, each quantizes it */
 static void test_residual_own_codes(void) { residual_case((const int[]){0, 2, 4, 7, 10, 9, 13}, 2, false); }
 
+/* The chain of hand-offs past a merge that no conv takes: c0 (relu) goes to c1 as codes and to a concat as floats,
+ * c1's output to the concat alone, so both wait in the chain; the concat is no conv's epilogue, so model_forward runs
+ * the chain before it. On each family and the portable kernels: the two convs ran as one chain, and the logits equal
+ * those of the model run module by module and of the hand-off without the chain. */
+static void test_chain_before_merge(void) {
+    LayerSpec ls[6];
+    ls[0] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);
+    ls[1] = test_layer(LAYER_RELU, "r0", NULL, NULL);
+    ls[2] = test_layer(LAYER_CONV2D, "c1", NULL, NULL);
+    ls[3] = test_layer(LAYER_CONCAT, "cat", "c1", "r0");
+    ls[4] = test_layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL);
+    ls[5] = test_layer(LAYER_DENSE, "fc", NULL, NULL);
+    ls[0].out_channels = 8, ls[2].out_channels = 4, ls[5].units = CLASSES;
+    Net n;
+    net_init_with(&n, ls, 6, (const int[]){0, 2, 5}, 3);
+    for (int ks = 0; ks < N_SETTINGS; ks++) {
+        if (!kernels_set(ks)) continue;
+        float each[N * CLASSES], unchained[N * CLASSES], chained[N * CLASSES];
+        n.m.keep_outputs = true;
+        CU_ASSERT_FATAL(net_logits(&n, true, each));
+        n.m.keep_outputs = false;
+        CU_ASSERT_FATAL(net_logits_chain(&n, false, unchained));
+        const unsigned long before = qlayer_int8_chained;
+        CU_ASSERT_FATAL(net_logits_chain(&n, true, chained));
+        CU_ASSERT_EQUAL(qlayer_int8_chained - before, 2); /* c0 and c1, run by the concat */
+        CU_ASSERT(is_codes(&n, 1) && n.m.outs[2]->codes->floats); /* r0: codes for c1, floats for the concat */
+        const bool same = !memcmp(each, unchained, sizeof each) && !memcmp(each, chained, sizeof each);
+        if (!same) fprintf(stderr, "\n  kernel setting %d: the chain changed the logits\n", ks);
+        CU_ASSERT(same);
+    }
+    kernels_reset();
+    net_free(&n);
+}
+
 int register_quant_int8_handoff_suite(void) {
     CU_pSuite s = CU_add_suite("quant_int8_handoff", NULL, NULL);
     if (!s) return -1;
@@ -389,5 +427,6 @@ int register_quant_int8_handoff_suite(void) {
            !CU_add_test(s, "the hand-off in the steady state", test_handoff_steady_state) ||
            !CU_add_test(s, "a producer's non-finite output is an error naming it", test_handoff_nonfinite) ||
            !CU_add_test(s, "residual sums fused, codes shared by two readers", test_residual_shared_codes) ||
-           !CU_add_test(s, "residual sums fused, readers with their own codes", test_residual_own_codes);
+           !CU_add_test(s, "residual sums fused, readers with their own codes", test_residual_own_codes) ||
+           !CU_add_test(s, "the chain runs before a merge that no conv takes", test_chain_before_merge);
 }
