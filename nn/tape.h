@@ -103,9 +103,10 @@ struct Tape {
                                      ones */
     int n_handoff;      /* 0: no hand-off */
     bool handoff_keep;  /* with a hand-off: the output's floats are read too, by a merge (a residual add) */
-    bool handoff_merges; /* no hand-off, the output's every reader a merge (a residual add): a hook may defer its
-                            work (Tape.deferred), for model_forward runs the deferred work before any op that is
-                            not a conv hook's, so a merge that does not fuse into a later conv still reads it made */
+    bool handoff_merges; /* no hand-off, the output's every reader a merge (a residual add, a concat): a hook
+                            may defer its work (Tape.deferred), for model_forward runs the deferred work before any
+                            op that is not a conv hook's, so a merge that does not fuse into a later conv still
+                            reads it made */
     const Var *residual; /* set by model_forward while a fused_residual hook runs a conv whose output an add then
                             sums with this earlier output (same shape) before the epilogue: y = epi(conv + residual);
                             else NULL */

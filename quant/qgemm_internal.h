@@ -15,7 +15,7 @@
 bool qgemm_use_vnni(void);
 
 /* The quantizers' quotients x / s through r = fl(1 / s). Let q = x / s exactly. fl(x r) and fl(x / s) are each
- * within 2^-22 |q| of q, so for |q| <= 256 within 2^-14 of it; the AVX-512 kernels' t = fl(x r + zero) (one
+ * within 2^-22 |q| of q, so for |q| <= 256 within 2^-14 of it; the fast quantizers' t = fl(x r + zero) (one
  * rounding, zero <= 255) is within |q| 2^-24 + 2^-16 <= 2^-15 of q + zero. Each rounds as q (q + zero) does unless
  * q lies within 2^-14 of a half, so a vector with a lane within 2^-12 of a half (its distance to the nearest integer
  * above QGEMM_RCP_EDGE: a margin of 4) is divided instead. Past 256 both clamp to the same bound (|lo|, |hi| <= 255,

@@ -388,8 +388,9 @@ void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
 }
 
 /* ---- the chain of hand-offs -------------------------------------------------------------------------------------
- * A conv2d whose output int8 conv2ds alone read as codes (a residual add among the readers too), or whose output
- * only residual adds read, runs nothing yet: its job waits in Tape.deferred, and the first op that is not such a
+ * A conv2d whose output int8 conv2ds alone read as codes (merges among the readers too: a residual add, a concat),
+ * or whose output only merges read, runs nothing yet (a conv under an adapter's hook never: the adapter reads its
+ * output at once): its job waits in Tape.deferred, and the first op that is not such a
  * conv (model_forward runs the waiting work before it: Tape.run_deferred) or the first conv whose output goes
  * elsewhere runs them all, each image through every layer of the chain in one task, in the order they came. An
  * image's codes and residual sums then go from layer to layer in its core's cache, and the batch crosses the
@@ -399,7 +400,7 @@ void qlayer_int8_run(int threads, int n_tasks, ParallelFn fn, void *ctx) {
 #define CHAIN_MAX 32 /* jobs in one chain; a longer one runs in parts */
 
 bool qlayer_int8_chain = true;
-unsigned long qlayer_int8_chained = 0;
+unsigned long qlayer_int8_chained = 0, qlayer_int8_chains = 0;
 
 typedef struct {
     QLayerInt8Job job[CHAIN_MAX];
@@ -418,7 +419,7 @@ static bool chain_run(Tape *t) {
     int threads = 1;
     for (int k = 0; k < c->n; k++) threads = c->job[k].threads > threads ? c->job[k].threads : threads;
     qlayer_int8_run(threads, c->job[0].n, chain_task, c);
-    qlayer_int8_chained += (unsigned long)c->n;
+    qlayer_int8_chained += (unsigned long)c->n, qlayer_int8_chains++;
     bool ok = true;
     for (int k = 0; k < c->n && ok; k++)
         ok = qlayer_int8_checks_pass(t, c->job[k].q, c->job[k].x, c->job[k].bad, c->job[k].n);

@@ -27,8 +27,8 @@ extern bool qlayer_int8_chain;
 /* Padded conv2ds on ch4 planes and conv2ds on ph4 take codes handed to them as channel quads (default on; tests
  * turn it off to reach the bytes that readers of different layouts share). */
 extern bool qlayer_int8_handoff_quads;
-/* Layers run in chains of two or more since start (for tests). */
-extern unsigned long qlayer_int8_chained;
+/* Layers run in chains since start, and the chains (for tests). */
+extern unsigned long qlayer_int8_chained, qlayer_int8_chains;
 /* Whether q, read in this forward, takes the int8 path from codes (a conv2d, plain or one input channel per
  * group); if so, the codes its input quantizer makes in c (c->data unset), for an input of shape (N, C, H, W)
  * (shape[1..3] read): by channel quads (c->plane) where q is a conv on ch4 or ph4 planes and they fit the value's

@@ -370,7 +370,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     if (!jp) return NULL;
     *jp = j;
     const QLayerInt8Job job = {.fn = conv_task, .ctx = jp, .n = j.N, .threads = threads, .q = q, .x = x, .bad = j.bad};
-    /* into the chain where its readers are int8 convs (codes, with a residual add's floats) or residual adds alone;
+    /* into the chain where its readers are int8 convs (codes, with a merge's floats) or merges alone;
      * the pool's means are read by an op that runs the chain first too, but it ends a chain anyway */
     const bool defer = (j.hand && t->n_handoff >= 1) || (!hand && !means && t->handoff_merges);
     return qlayer_int8_launch(t, &job, defer) ? y : NULL;

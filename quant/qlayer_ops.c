@@ -437,11 +437,26 @@ static bool codes_read(Tape *t, const QLayer *q, const Var *x) {
     return false;
 }
 
+/* Whether q's hook is its module's own rather than the base of another (a LoRA or DoRA adapter's, which reads the
+ * output at once): only then are the module's readers (Tape.handoff) this op's readers, to take its output as
+ * codes or means or to find it deferred into the int8 chain. */
+static bool hook_outermost(const QLayer *q) {
+    return q->module->forward_hook == qlayer_hook && q->module->hook_ctx == q;
+}
+
 Var *qlayer_forward(Tape *t, QLayer *q, Var *x) {
     if (!t || !x) return NULL;
     if (!q || !q->module || !q->weight.qtype) {
         qt_error_set(&t->err, QT_ERR_ARG, "qlayer_forward: the quantized layer is not initialised");
         return NULL;
+    }
+    if (!hook_outermost(q) && (t->n_handoff || t->handoff_merges)) { /* a float output, made now, for the adapter */
+        const int n = t->n_handoff;
+        const bool keep = t->handoff_keep, merges = t->handoff_merges;
+        t->n_handoff = 0, t->handoff_keep = false, t->handoff_merges = false;
+        Var *y = qlayer_forward(t, q, x);
+        t->n_handoff = n, t->handoff_keep = keep, t->handoff_merges = merges;
+        return y;
     }
     Var *bias = q->module->bias ? &q->module->bias->var : NULL;
     char sb[64];

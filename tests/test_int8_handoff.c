@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lora/lora.h"
 #include "nn/gemm.h"
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
@@ -342,11 +343,13 @@ static void residual_case(const int *q, int stride, bool shared) {
         CU_ASSERT_FATAL(net_logits(&n, true, each));
         CU_ASSERT(n.m.outs[1 + R_SUM1] && n.m.outs[1 + R_SUM2] && !is_codes(&n, R_OUT1));
         n.m.keep_outputs = false;
-        const unsigned long before = qlayer_int8_chained;
+        const unsigned long before = qlayer_int8_chained, chains = qlayer_int8_chains;
         CU_ASSERT_FATAL(net_logits(&n, true, fused));
-        /* every conv in a chain: c0 (codes and floats), c1, c2 (its codes to c3 and sc alike, or none), c3, c4 (its
-         * floats to the sum alone); sc, which makes the means, runs the rest */
+        /* every conv in a chain: c0 (codes and floats), c1, c2 (its codes to c3 and sc alike: one chain to sc, which
+         * makes the means; readers with their own codes: no hand-off, so c2 ends a first chain), c3, c4 (its floats
+         * to the sum alone), sc */
         CU_ASSERT_EQUAL(qlayer_int8_chained - before, 6);
+        CU_ASSERT_EQUAL(qlayer_int8_chains - chains, shared ? 1 : 2);
         CU_ASSERT(!n.m.outs[1 + R_C2] && !n.m.outs[1 + R_SUM1] && !n.m.outs[1 + R_SC]); /* never made */
         CU_ASSERT(is_codes(&n, R_OUT1) == shared);
         CU_ASSERT(!shared || (is_codes(&n, R_OUT1) && (n.m.outs[1 + R_OUT1]->codes->plane > 0) == quads));
@@ -384,6 +387,16 @@ static void test_residual_shared_codes(void) {
 /* sc's input quantizer signed and symmetric, c3's unsigned: out1 stays float, each quantizes it */
 static void test_residual_own_codes(void) { residual_case((const int[]){0, 2, 4, 7, 10, 9, 13}, 2, false); }
 
+/* The logits of n with its input scaled by 3 first, so that the buffers the next run takes hold other values (a
+ * read before a write then shows), then with the input as it is; with the hand-off and the chain. */
+static bool net_logits_after_other(Net *n, float *y) {
+    for (int i = 0; i < N * C * H * W; i++) n->x[i] *= 3.0f;
+    float other[N * CLASSES];
+    const bool ok = net_logits(n, true, other);
+    for (int i = 0; i < N * C * H * W; i++) n->x[i] /= 3.0f;
+    return ok && net_logits(n, true, y);
+}
+
 /* The chain of hand-offs past a merge that no conv takes: c0 (relu) goes to c1 as codes and to a concat as floats,
  * c1's output to the concat alone, so both wait in the chain; the concat is no conv's epilogue, so model_forward runs
  * the chain before it. On each family and the portable kernels: the two convs ran as one chain, and the logits equal
@@ -407,8 +420,8 @@ static void test_chain_before_merge(void) {
         n.m.keep_outputs = false;
         CU_ASSERT_FATAL(net_logits_chain(&n, false, unchained));
         const unsigned long before = qlayer_int8_chained;
-        CU_ASSERT_FATAL(net_logits_chain(&n, true, chained));
-        CU_ASSERT_EQUAL(qlayer_int8_chained - before, 2); /* c0 and c1, run by the concat */
+        CU_ASSERT_FATAL(net_logits_after_other(&n, chained));
+        CU_ASSERT_EQUAL(qlayer_int8_chained - before, 4); /* c0 and c1 twice, run by the concat */
         CU_ASSERT(is_codes(&n, 1) && n.m.outs[2]->codes->floats); /* r0: codes for c1, floats for the concat */
         const bool same = !memcmp(each, unchained, sizeof each) && !memcmp(each, chained, sizeof each);
         if (!same) fprintf(stderr, "\n  kernel setting %d: the chain changed the logits\n", ks);
@@ -416,6 +429,56 @@ static void test_chain_before_merge(void) {
     }
     kernels_reset();
     net_free(&n);
+}
+
+/* A LoRA adapter over quantized conv `at` of n (rank 2, B not zero), installed. */
+static void lora_over(LoraAdapter *a, Net *n, int at) {
+    memset(a, 0, sizeof *a);
+    QtError err = {0};
+    const LoraSpec sp = {.rank = 2, .alpha = 2.0f, .init = LORA_INIT_DEFAULT};
+    CU_ASSERT_EQUAL_FATAL(lora_adapter_init(a, &n->m.modules[at], &sp, &err), QT_OK);
+    Rng r;
+    rng_init(&r, 77, 0);
+    lora_adapter_init_params(a, &r);
+    for (size_t i = 0; i < var_numel(&a->B.var); i++) a->B.var.value.data[i] = 0.01f * (float)(i % 5);
+    lora_adapter_install(a);
+}
+
+/* An adapter reads its base's output at once, so a quantized conv under one neither hands its output off nor waits
+ * in the chain, whatever reads the module: c4 under LoRA in the residual blocks (the sum alone reads it), and c0
+ * under LoRA read by an int8 conv. On each family and the portable kernels, 1 and 2 threads, with other values left
+ * in the buffers first: the logits of the model run module by module. */
+static void test_adapter_over_int8(void) {
+    LayerSpec ls[R_N];
+    residual_layers(ls, 1);
+    Net n;
+    net_init_with(&n, ls, R_N, (const int[]){0, 2, 4, 7, 9, 10, 13}, 7);
+    LoraAdapter a;
+    lora_over(&a, &n, 9);
+    LayerSpec two[4] = {test_layer(LAYER_CONV2D, "c0", NULL, NULL), test_layer(LAYER_CONV2D, "c1", NULL, NULL),
+                        test_layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL), test_layer(LAYER_DENSE, "fc", NULL, NULL)};
+    two[0].out_channels = 8, two[1].out_channels = 4, two[3].units = CLASSES;
+    Net n2;
+    net_init_with(&n2, two, 4, (const int[]){0, 1, 3}, 3);
+    LoraAdapter a2;
+    lora_over(&a2, &n2, 0);
+    Net *nets[2] = {&n, &n2};
+    for (int ks = 0; ks < N_SETTINGS; ks++) {
+        if (!kernels_set(ks)) continue;
+        for (int k = 0; k < 2; k++) {
+            float each[N * CLASSES], fused[N * CLASSES];
+            nets[k]->m.keep_outputs = true;
+            CU_ASSERT_FATAL(net_logits(nets[k], true, each));
+            nets[k]->m.keep_outputs = false;
+            CU_ASSERT_FATAL(net_logits_after_other(nets[k], fused));
+            const bool same = !memcmp(each, fused, sizeof each);
+            if (!same) fprintf(stderr, "\n  kernel setting %d, model %d: the adapter's logits changed\n", ks, k);
+            CU_ASSERT(same);
+        }
+    }
+    kernels_reset();
+    lora_adapter_free(&a), lora_adapter_free(&a2);
+    net_free(&n), net_free(&n2);
 }
 
 int register_quant_int8_handoff_suite(void) {
@@ -428,5 +491,7 @@ int register_quant_int8_handoff_suite(void) {
            !CU_add_test(s, "a producer's non-finite output is an error naming it", test_handoff_nonfinite) ||
            !CU_add_test(s, "residual sums fused, codes shared by two readers", test_residual_shared_codes) ||
            !CU_add_test(s, "residual sums fused, readers with their own codes", test_residual_own_codes) ||
-           !CU_add_test(s, "the chain runs before a merge that no conv takes", test_chain_before_merge);
+           !CU_add_test(s, "the chain runs before a merge that no conv takes", test_chain_before_merge) ||
+           !CU_add_test(s, "a quantized conv under an adapter hands nothing off and never waits",
+                        test_adapter_over_int8);
 }

@@ -486,40 +486,59 @@ static void quantize_cases(void) {
 
 static void test_quantize(void) { for_each_family(quantize_cases, "activation codes"); }
 
-/* The fast quantizers' test for quotients near a half (QGEMM_RCP_EDGE): for scales whose reciprocal rounds up,
- * down or not at all and every zero point, each half-integer quotient k + 1/2 inside the codes and the floats up
- * to 40 ulps either side of k + 1/2 times s, in blocks of 64 (so that one odd lane sends a whole block one way or
- * the other): the codes equal the portable quantizer's, which divides. */
+/* The fast quantizers' test for quotients near a half (QGEMM_RCP_EDGE), for scales whose reciprocal rounds up,
+ * down or not at all and every zero point: (1) each half-integer quotient k + 1/2 over the codes, and the floats up
+ * to 40 ulps either side of (k + 1/2) s, 32 k a call (a block of 64 or 32 lanes with one lane near a half goes the
+ * dividing way whole); (2) blocks whose every quotient lies 1.25 to 1.9 times the test's 2^-12 from a half, which
+ * take the fast way (its rounding and clamping next to the edge); both through qgemm_quantize_u8 and the four-plane
+ * qgemm_quantize_u8x4. The codes equal the portable quantizer's, which divides. */
 static void quantize_halves_cases(void) {
     static const float S[] = {1.0f / 3.0f, 0.1f, 7e-4f, 0.0213f, 1.7f, 0.5f, 3e-6f, 1.0f / 255.0f};
     static const int ZERO[] = {0, 1, 37, 127, 128, 200, 255};
-    const size_t per = 81 * 16, n = 2 * per; /* a k's 81 floats (40 each side), 16 k a batch, two batches */
+    const size_t n = 81 * 32; /* 32 k a call, 81 floats each */
     float *x = xmalloc(n * 4);
     uint8_t *u1 = xmalloc(n), *u2 = xmalloc(n);
+    uint32_t *d1 = xmalloc(n * 4), *d2 = xmalloc(n * 4);
+    Rng r;
+    rng_init(&r, 4242, 9);
     int bad = 0;
     for (size_t i = 0; i < sizeof S / sizeof *S; i++)
         for (size_t j = 0; j < sizeof ZERO / sizeof *ZERO; j++) {
             const int z = ZERO[j];
-            const float lo = (float)-z, hi = (float)(255 - z), s = S[i];
-            for (int k0 = -z - 1; k0 < 256 - z; k0 += 32) {
+            const float s = S[i];
+            const QGemmCodes c = {.s = s, .lo = (float)-z, .hi = (float)(255 - z), .zero = z};
+            for (int k0 = -z - 1; k0 < 256 - z + 32; k0 += 32) {
+                const bool band = k0 >= 256 - z; /* the last round: (2) */
                 for (size_t b = 0; b < n / 81; b++) {
                     const int k = k0 + (int)b;
                     float v = ((float)k + 0.5f) * s;
                     for (int u = 0; u < 40; u++) v = nextafterf(v, -INFINITY);
                     for (int u = 0; u < 81; u++, v = nextafterf(v, INFINITY)) x[b * 81 + (size_t)u] = v;
                 }
-                CU_ASSERT(qgemm_quantize_u8(u1, x, n, s, lo, hi, z));
-                CU_ASSERT(qgemm_quantize_u8_portable(u2, x, n, s, lo, hi, z));
-                if (memcmp(u1, u2, n) && bad++ < 3) {
-                    size_t at = 0;
-                    while (u1[at] == u2[at]) at++;
-                    fprintf(stderr, "\n  s %g zero %d: x %.9g gives %d, the portable quantizer %d\n", (double)s, z,
-                            (double)x[at], u1[at], u2[at]);
-                }
+                if (band)
+                    for (size_t e = 0; e < n; e++) {
+                        const double d = (0x1p-12 * (1.25 + 0.65 * (double)rng_below(&r, 1000) / 1000.0)) *
+                                         (rng_below(&r, 2) ? 1.0 : -1.0);
+                        x[e] = (float)(((double)((int)rng_below(&r, 256) - z) + 0.5 + d) * (double)s);
+                    }
+                CU_ASSERT(qgemm_quantize_u8(u1, x, n, s, c.lo, c.hi, z));
+                CU_ASSERT(qgemm_quantize_u8_portable(u2, x, n, s, c.lo, c.hi, z));
+                const float *planes[4] = {x, x + n / 4, x + n / 2, x + 3 * n / 4};
+                CU_ASSERT(qgemm_quantize_u8x4(d1, 0, planes, 0, 1, (int)(n / 4), &c));
+                CU_ASSERT(qgemm_quantize_u8x4_portable(d2, 0, planes, 0, 1, (int)(n / 4), &c));
+                /* d1, d2 hold plane p's code of x[p n / 4 + i] in byte p of dword i: the same codes as u1, u2 */
+                for (size_t e = 0; e < n; e++)
+                    u1[e] = (uint8_t)(u1[e] != u2[e] || (uint8_t)(d1[e % (n / 4)] >> (8 * (e / (n / 4)))) !=
+                                                            (uint8_t)(d2[e % (n / 4)] >> (8 * (e / (n / 4)))));
+                size_t at = 0;
+                while (at < n && !u1[at]) at++;
+                if (at < n && bad++ < 3)
+                    fprintf(stderr, "\n  s %g zero %d%s: x %.9g, the portable code %d, not the fast one's\n", (double)s,
+                            z, band ? " (band)" : "", (double)x[at], u2[at]);
             }
         }
     CU_ASSERT_EQUAL(bad, 0);
-    free(x), free(u1), free(u2);
+    free(x), free(u1), free(u2), free(d1), free(d2);
 }
 
 static void test_quantize_halves(void) { for_each_family(quantize_halves_cases, "activation codes near halves"); }
