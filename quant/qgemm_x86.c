@@ -215,16 +215,6 @@ QG_TARGET QG_INLINE __m512 taps_res(__m512 y, const float *res, __mmask16 m, boo
     return res_relu ? _mm512_max_ps(y, _mm512_setzero_ps()) : y; /* nn's relu: see taps_y */
 }
 
-/* What a tile's codes epilogue reads of g, in locals: the stores through the byte pointers below may alias any
- * memory, so fields read through g would be loaded again after every store. */
-typedef struct {
-    const float *res;
-    float *out;
-    uint8_t *dst;
-    size_t ldo, quad_plane;
-    bool res_relu, floats_too;
-} TapsOut;
-
 /* A tile's outputs as codes: rows r of the block at vector v0 + v, plain (each row's bytes) or by quads (rows
  * 4 q .. 4 q + 3 of the block in one dword; rows past the last take the zero point). */
 QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, const CodeRegs *cr, __mmask16 *bad,
@@ -232,8 +222,13 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
                                          const int out) {
     const QGemmCodesOut *co = g->codes;
     const int rows = block_rows(g, rb);
-    const TapsOut o = {.res = g->res, .out = g->out, .dst = co->dst, .ldo = g->ldo, .quad_plane = co->quad_plane,
-                       .res_relu = g->res_relu, .floats_too = g->floats_too};
+    /* g's fields in locals: the byte stores below may alias any memory, so fields read through g would be loaded
+     * again after every store */
+    const float *const res = g->res;
+    float *const out_f = g->out;
+    uint8_t *const dst = co->dst;
+    const size_t ldo = g->ldo, quad_plane = co->quad_plane;
+    const bool res_relu = g->res_relu, floats_too = g->floats_too;
 #pragma GCC unroll 3
     for (int v = 0; v < V; v++) {
         const __mmask16 m = g->vec_mask[v0 + v];
@@ -243,11 +238,11 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
 #pragma GCC unroll 8
             for (int r = 0; r < QGEMM_ROWS; r++) {
                 if (r >= rows) break;
-                const size_t at = (size_t)(rb * QGEMM_ROWS + r) * o.ldo + pos;
+                const size_t at = (size_t)(rb * QGEMM_ROWS + r) * ldo + pos;
                 __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
-                if (o.res) y = taps_res(y, o.res + at, m, o.res_relu);
-                if (o.floats_too) store_lanes_ps(o.out + at, m, y);
-                store_lanes8(o.dst + at, m, codes_fast16(cr, y, m, bad));
+                if (res) y = taps_res(y, res + at, m, res_relu);
+                if (floats_too) store_lanes_ps(out_f + at, m, y);
+                store_lanes8(dst + at, m, codes_fast16(cr, y, m, bad));
             }
             continue;
         }
@@ -260,15 +255,15 @@ QG_TARGET QG_INLINE void taps_tile_codes(const QGemmTaps *g, const TapsRows *k, 
                 const int r = 4 * q + b;
                 __m512i c = cr->zero;
                 if (r < rows) {
-                    const size_t at = (size_t)(rb * QGEMM_ROWS + r) * o.ldo + pos;
+                    const size_t at = (size_t)(rb * QGEMM_ROWS + r) * ldo + pos;
                     __m512 y = taps_y(k, r, acc[r][v], epi != QGEMM_EPI_NONE);
-                    if (o.res) y = taps_res(y, o.res + at, m, o.res_relu);
-                    if (o.floats_too) store_lanes_ps(o.out + at, m, y);
+                    if (res) y = taps_res(y, res + at, m, res_relu);
+                    if (floats_too) store_lanes_ps(out_f + at, m, y);
                     c = codes_fast16(cr, y, m, bad);
                 }
                 d = _mm512_or_si512(d, _mm512_slli_epi32(c, 8 * b));
             }
-            store_lanes32((uint32_t *)(void *)o.dst + (size_t)(rb * (QGEMM_ROWS / 4) + q) * o.quad_plane + pos, m, d);
+            store_lanes32((uint32_t *)(void *)dst + (size_t)(rb * (QGEMM_ROWS / 4) + q) * quad_plane + pos, m, d);
         }
     }
 }
