@@ -36,6 +36,8 @@ static const ConvCase conv_cases[] = {
     {4, 1, 7, 7, 7, 1, 1, 2, 0},    /* 1x1 kernel, stride 2: pointwise subsampling */
     {3, 5, 6, 7, 4, 1, 1, 1, 0},    /* 1x1 kernel, stride 1, no padding: x and dy read in place, dx written */
     {1, 3, 33, 1, 7, 3, 1, 2, 2},   /* W = 1 with padding 2: whole output columns are padding */
+    {2, 3, 8, 6, 5, 3, 3, 2, 1},    /* stride 2 over an even image: through its parity planes */
+    {2, 4, 6, 8, 3, 1, 1, 2, 0},    /* 1x1 kernel, stride 2 over an even image: the even-even plane alone */
 };
 #define N_CONV_CASES (sizeof conv_cases / sizeof conv_cases[0])
 

@@ -1,9 +1,12 @@
-/* test_conv_s2.c - im2col's stride-2 path (an input twice the output's size, split into its four parity
- * planes and copied tap by tap) against the gather it replaces, element for element. */
+/* test_conv_s2.c - im2col's stride-2 path (an input twice the output's size, split into its parity planes and
+ * copied tap by tap) against the gather it replaces, element for element; col2im's (each tap added into its parity
+ * plane, the planes merged back) against the strided loops, bit for bit. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "nn/ops.h"
+#include "nn/ops_conv_internal.h"
 #include "test_util.h"
 
 typedef struct {
@@ -26,17 +29,18 @@ static void im2col_direct(float *col, const float *x, const S2Case *k, int OH, i
                         }
 }
 
+static const S2Case cases[] = {
+    {3, 4, 28, 28, 3, 1}, /* ResNet-8's first subsampling conv */
+    {2, 3, 14, 14, 3, 1}, /* its second: 7x7 parity planes */
+    {2, 3, 14, 10, 1, 0}, /* a 1x1 shortcut, non-square */
+    {2, 2, 12, 12, 5, 2}, /* taps two rows out */
+    {2, 2, 8, 8, 4, 1},   /* an even kernel: output 4x4 */
+    {1, 2, 8, 6, 3, 0},   /* no padding: output 3x2, H != 2 OH, the general loops */
+    {2, 2, 7, 7, 3, 1},   /* odd input: the general loops */
+    {1, 1, 96, 96, 3, 1}, /* parity planes too large for the stack: the general loops */
+};
+
 static void test_im2col_stride2(void) {
-    const S2Case cases[] = {
-        {3, 4, 28, 28, 3, 1}, /* ResNet-8's first subsampling conv */
-        {2, 3, 14, 14, 3, 1}, /* its second: 7x7 parity planes */
-        {2, 3, 14, 10, 1, 0}, /* a 1x1 shortcut, non-square */
-        {2, 2, 12, 12, 5, 2}, /* taps two rows out */
-        {2, 2, 8, 8, 4, 1},   /* an even kernel: output 4x4 */
-        {1, 2, 8, 6, 3, 0},   /* no padding: output 3x2, H != 2 OH, the general loops */
-        {2, 2, 7, 7, 3, 1},   /* odd input: the general loops */
-        {1, 1, 96, 96, 3, 1}, /* parity planes too large for the stack: the general loops */
-    };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const S2Case *k = &cases[i];
         const int OH = (k->H + 2 * k->padding - k->K) / 2 + 1, OW = (k->W + 2 * k->padding - k->K) / 2 + 1;
@@ -55,10 +59,36 @@ static void test_im2col_stride2(void) {
     }
 }
 
+/* col2im_consume (dcol is scratch) against col2im's strided loops, adding into a gradient already there and
+ * written: the same bits on every case (the parity planes take those whose taps read all four planes). */
+static void test_col2im_stride2(void) {
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const S2Case *k = &cases[i];
+        const int OH = (k->H + 2 * k->padding - k->K) / 2 + 1, OW = (k->W + 2 * k->padding - k->K) / 2 + 1;
+        const size_t nx = (size_t)k->N * k->C * k->H * k->W, ncol = (size_t)k->C * k->K * k->K * k->N * OH * OW;
+        for (int write = 0; write <= 1; write++) {
+            float *dcol = test_random_uniform(ncol, 40 + (unsigned)i, -1.0f, 1.0f);
+            float *dx0 = test_random_uniform(nx, 60 + (unsigned)i, -1.0f, 1.0f);
+            float *want = malloc(nx * sizeof *want), *got = malloc(nx * sizeof *got);
+            for (size_t j = 0; j < nx; j++) want[j] = write ? 0.0f : dx0[j], got[j] = write ? NAN : dx0[j];
+            col2im(want, dcol, k->N, k->C, k->H, k->W, k->K, k->K, 2, k->padding, OH, OW);
+            col2im_consume(got, dcol, k->N, k->C, k->H, k->W, k->K, k->K, 2, k->padding, OH, OW, write); /* last */
+            const bool same = memcmp(got, want, nx * sizeof *got) == 0;
+            CU_ASSERT(same);
+            if (!same)
+                fprintf(stderr, "\n  case %zu (%s): N %d C %d %dx%d kernel %d padding %d differs\n", i,
+                        write ? "written" : "added", k->N, k->C, k->H, k->W, k->K, k->padding);
+            free(dcol), free(dx0), free(want), free(got);
+        }
+    }
+}
+
 int register_nn_conv_s2_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv_s2", NULL, NULL);
     if (!s) return -1;
-    return !CU_add_test(s, "im2col stride 2: parity planes give the direct gather's columns", test_im2col_stride2)
+    return !CU_add_test(s, "im2col stride 2: parity planes give the direct gather's columns", test_im2col_stride2) ||
+                   !CU_add_test(s, "col2im stride 2: parity planes give the strided loops' bits, written and added",
+                                test_col2im_stride2)
                ? -1
                : 0;
 }
