@@ -4,7 +4,8 @@
  * Forward: a block of rb output rows by 3 vectors of columns (24 sums at 16 lanes, 12 at 8) in registers; per
  * channel and tap, 3 loads of the shifted plane and rb broadcast weights. Weight gradient: 3 output rows by up to
  * 9 taps of one input channel (at 8 lanes, 3 by 3) in registers, over every vector of every image; then each sum's
- * lanes as a tree. Padding (both widths, AVX2): each padded row as whole vectors, its source columns through masked
+ * lanes as a tree; a 3x3 kernel at 16 lanes, 2 output rows by its 9 taps, walking the padded rows of x once
+ * (dw512_k3_block). Padding (both widths, AVX2): each padded row as whole vectors, its source columns through masked
  * loads. */
 #include "conv_taps.h"
 
@@ -131,10 +132,105 @@ T512 INLINE void dw512_block(const ConvTaps *p, float *dw, const float *dp, size
         }
 }
 
+/* One padded row rho of x against the output rows rho - kh for kh in [kh_lo, kh_hi] (those inside the image): its
+ * three column shifts x0..x2 times the dp rows a0 (row oc) and a1 (oc + 1) that met it, a0[kh] = row rho - kh. */
+T512 INLINE void dw512_k3_row(__m512 (*acc)[9], const __m512 *a0, const __m512 *a1, const int R, __m512 x0,
+                              __m512 x1, __m512 x2, const int kh_lo, const int kh_hi) {
+#pragma GCC unroll 3
+    for (int kh = 0; kh < 3; kh++) {
+        if (kh < kh_lo || kh > kh_hi) continue;
+        acc[0][3 * kh] = _mm512_fmadd_ps(a0[kh], x0, acc[0][3 * kh]);
+        acc[0][3 * kh + 1] = _mm512_fmadd_ps(a0[kh], x1, acc[0][3 * kh + 1]);
+        acc[0][3 * kh + 2] = _mm512_fmadd_ps(a0[kh], x2, acc[0][3 * kh + 2]);
+        if (R > 1) {
+            acc[1][3 * kh] = _mm512_fmadd_ps(a1[kh], x0, acc[1][3 * kh]);
+            acc[1][3 * kh + 1] = _mm512_fmadd_ps(a1[kh], x1, acc[1][3 * kh + 1]);
+            acc[1][3 * kh + 2] = _mm512_fmadd_ps(a1[kh], x2, acc[1][3 * kh + 2]);
+        }
+    }
+}
+
+/* The 3x3 kernel's weight gradient for output rows oc .. oc + R - 1 (R <= 2: 18 sums, 6 rows of dp and 3 of x in
+ * 27 registers), channel c, walking the padded rows of x instead of the output rows: each padded row rho is
+ * loaded once at its three column shifts and meets the output rows rho - kh (kh = 0, 1, 2) whose dp rows the last
+ * three steps loaded. dw512_block loads all nine shifts for every output row, so each padded row three times;
+ * here a step has 3 x loads and R dp loads for 9 R FMAs, where the load ports bounded the other. Each sum still
+ * takes its products in conv_taps_dw_ref's order (h ascending is rho ascending for a fixed kh), so the bits are
+ * the same. */
+T512 INLINE void dw512_k3_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
+                                bool add, int oc, const int R, int c) {
+    __m512 acc[2][9];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++)
+#pragma GCC unroll 9
+        for (int k = 0; k < 9; k++) acc[r][k] = _mm512_setzero_ps();
+    const size_t hw = (size_t)p->H * p->W, pw = (size_t)p->pw;
+    const int H = p->H, W = p->W;
+    for (int j = 0; j < p->vpr; j++) {
+        const int col = j * 16;
+        const __mmask16 m = mask16(W - col < 16 ? W - col : 16);
+        for (int i = 0; i < n; i++) {
+            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * hw + col, *d1 = R > 1 ? d0 + ldp : d0;
+            const float *x = xp + ((size_t)i * p->C + c) * p->pplane + col;
+            __m512 a0[3], a1[3]; /* a0[kh]: dp row rho - kh of output row oc; a1: of oc + 1 */
+            a0[0] = _mm512_maskz_loadu_ps(m, d0), a1[0] = R > 1 ? _mm512_maskz_loadu_ps(m, d1) : a0[0];
+            dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 0, 0);
+            x += pw;
+            a0[1] = a0[0], a1[1] = a1[0];
+            if (H > 1) {
+                a0[0] = _mm512_maskz_loadu_ps(m, d0 + W);
+                if (R > 1) a1[0] = _mm512_maskz_loadu_ps(m, d1 + W);
+                dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 0,
+                             1);
+            } else {
+                dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 1,
+                             1);
+            }
+            x += pw;
+            for (int rho = 2; rho < H; rho++, x += pw) {
+                a0[2] = a0[1], a0[1] = a0[0], a1[2] = a1[1], a1[1] = a1[0];
+                a0[0] = _mm512_maskz_loadu_ps(m, d0 + (size_t)rho * W);
+                if (R > 1) a1[0] = _mm512_maskz_loadu_ps(m, d1 + (size_t)rho * W);
+                dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 0,
+                             2);
+            }
+            if (H > 1) { /* rho = H: rows H - 1 (kh 1) and H - 2 (kh 2); rho = H + 1: row H - 1 (kh 2) */
+                a0[2] = a0[1], a0[1] = a0[0], a1[2] = a1[1], a1[1] = a1[0];
+                dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 1,
+                             2);
+                x += pw;
+                a0[2] = a0[1], a1[2] = a1[1];
+                dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 2,
+                             2);
+            } else { /* H = 1: rho = 2 meets row 0 at kh 2 */
+                a0[2] = a0[1], a1[2] = a1[1];
+                dw512_k3_row(acc, a0, a1, R, _mm512_loadu_ps(x), _mm512_loadu_ps(x + 1), _mm512_loadu_ps(x + 2), 2,
+                             2);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 9
+        for (int k = 0; k < 9; k++) {
+            float *o = dw + (size_t)(oc + r) * p->C * 9 + (size_t)c * 9 + k;
+            const float s = hsum512(acc[r][k]);
+            *o = add ? *o + s : s;
+        }
+}
+
 T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
                               bool add) {
     const int KK = p->KH * p->KW;
     const bool k3 = p->KH == 3 && p->KW == 3;
+    if (k3) { /* two output rows a block, x's rows read once (dw512_k3_block) */
+        for (int oc = 0; oc < p->OC; oc += 2)
+            for (int c = 0; c < p->C; c++) {
+                if (p->OC - oc >= 2) dw512_k3_block(p, dw, dp, ldp, xp, n, add, oc, 2, c);
+                else dw512_k3_block(p, dw, dp, ldp, xp, n, add, oc, 1, c);
+            }
+        return;
+    }
     for (int oc = 0; oc < p->OC; oc += 3)
         for (int c = 0; c < p->C; c++)
             for (int t0 = 0; t0 < KK; t0 += 9) {

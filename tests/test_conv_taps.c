@@ -19,11 +19,12 @@ typedef struct {
 } TapsCase;
 
 /* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
- * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis). */
+ * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis),
+ * images of 1, 2 and 3 rows (the 3x3 weight gradient's walk over the padded rows: its first and last steps). */
 static const TapsCase kernel_cases[] = {
     {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
-    {1, 2, 4, 20, 2, 7, 0, 0},
+    {1, 2, 4, 20, 2, 7, 0, 0},  {2, 3, 2, 9, 3, 3, 0, 0},   {1, 2, 3, 16, 4, 3, 0, 0},
 };
 #define N_KERNEL_CASES (sizeof kernel_cases / sizeof kernel_cases[0])
 
