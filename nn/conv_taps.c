@@ -61,7 +61,15 @@ bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int strid
 
 size_t conv_taps_table_floats(int H, int W, int lanes) {
     const size_t v = (size_t)H * (size_t)((W + lanes - 1) / lanes);
-    return 2 * v + 49 + (v + 3) / 4;
+    const size_t vf = ((size_t)H * W + 15) / 16; /* the flat masks: two uint16 a vector */
+    return 2 * v + 49 + (v + 3) / 4 + (vf + 1);
+}
+
+/* The flat layout where it saves vectors (conv_taps.h): a 3x3 kernel at 16 lanes whose plane takes fewer vectors
+ * of 16 consecutive outputs than rows of whole vectors (28x28: 49 against 56; 14x14: 13 against 14). */
+static bool taps_flat(int lanes, int H, int W, int KH, int KW) {
+    const long long flat = ((long long)H * W + 15) / 16, rows = (long long)H * ((W + lanes - 1) / lanes);
+    return lanes == 16 && KH == 3 && KW == 3 && flat < rows;
 }
 
 void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables) {
@@ -82,17 +90,62 @@ void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int 
         p->n[v] = (uint8_t)(W - col < lanes ? W - col : lanes);
     }
     for (int t = 0; t < KH * KW; t++) p->off[t] = t / KW * p->pw + t % KW;
+    p->flat = taps_flat(lanes, H, W, KH, KW);
+    p->fplane = p->pplane;
+    if (!p->flat) return;
+    p->nvf = (H * W + 15) / 16;
+    p->fplane = (size_t)(H + 2) * (size_t)W + 2;
+    p->fm0 = (uint16_t *)(void *)(p->n + ((nv + 3) / 4) * 4);
+    p->fm2 = p->fm0 + p->nvf;
+    for (int v = 0; v < p->nvf; v++) {
+        unsigned m0 = 0, m2 = 0;
+        for (int l = 0; l < 16; l++) {
+            const int col = (v * 16 + l) % W;
+            m0 |= (unsigned)(col != 0) << l;
+            m2 |= (unsigned)(col != W - 1) << l;
+        }
+        p->fm0[v] = (uint16_t)m0, p->fm2[v] = (uint16_t)m2;
+    }
 }
 
 size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n) {
-    return (size_t)n * (size_t)channels * p->pplane + (size_t)p->lanes;
+    const size_t plane = p->pplane > p->fplane ? p->pplane : p->fplane;
+    return (size_t)n * (size_t)channels * plane + (size_t)p->lanes;
+}
+
+/* The flat layout (conv_taps.h): each plane a guard zero, a row of zeros, the image's rows as they lie (one copy),
+ * a row of zeros and a guard zero. */
+static void pad_flat(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
+    const size_t hw = (size_t)p->H * p->W, edge = (size_t)p->W + 1;
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < channels; c++) {
+            float *d = dst + ((size_t)i * channels + c) * p->fplane;
+            memset(d, 0, edge * sizeof *d);
+            memcpy(d + edge, src + (size_t)i * img + (size_t)c * ld, hw * sizeof *d);
+            memset(d + edge + hw, 0, edge * sizeof *d);
+        }
+    memset(dst + (size_t)n * channels * p->fplane, 0, (size_t)p->lanes * sizeof *dst);
 }
 
 void conv_taps_pad(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
+    if (p->flat) pad_flat(p, dst, src, channels, n, img, ld);
+    else conv_taps_pad_rows(p, dst, src, channels, n, img, ld);
+}
+
+void conv_taps_pad_rows(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
+                        size_t ld) {
     /* a row of 14 or 28 floats took a memcpy call and two small loops; 8 lanes serve both widths (a padded
      * row is whole vectors of either), as fast as 16 here: the pad waits on memory */
     if (conv_taps_cpu() >= CONV_TAPS_AVX2) conv_taps_pad_avx2(p, dst, src, channels, n, img, ld);
     else conv_taps_pad_ref(p, dst, src, channels, n, img, ld);
+}
+
+/* The input at padded row r (0 .. H + KH - 2) and padded column col (0 .. W + KW - 2) of channel c of a padded
+ * image in the forward's layout: the padding's zero outside the image. */
+static inline float taps_x_at(const ConvTaps *p, const float *xp, int c, int r, int col) {
+    if (!p->flat) return xp[(size_t)c * p->pplane + (size_t)r * p->pw + (size_t)col];
+    if (col < 1 || col > p->W) return 0.0f;
+    return xp[(size_t)c * p->fplane + (size_t)r * p->W + (size_t)col];
 }
 
 void conv_taps_pad_ref(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
@@ -156,8 +209,8 @@ void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, c
                 float acc = 0.0f;
                 for (int c = 0; c < channels; c++)
                     for (int t = 0; t < KK; t++)
-                        acc = fmaf(wb[((size_t)c * KK + t) * rb], xp[(size_t)c * p->pplane + (size_t)h * p->pw +
-                                                                       (size_t)w + (size_t)p->off[t]], acc);
+                        acc = fmaf(wb[((size_t)c * KK + t) * rb], taps_x_at(p, xp, c, h + t / p->KW, w + t % p->KW),
+                                   acc);
                 float *o = y + (size_t)r * ldy + (size_t)h * p->W + w;
                 *o = add ? *o + acc : acc;
             }

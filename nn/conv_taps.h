@@ -62,6 +62,17 @@ typedef struct {
     int32_t *out;     /* [H vpr] its first column in an output plane: (v / vpr) W + (v % vpr) lanes */
     int32_t *off;     /* [KH KW] tap t's shift in a padded plane: (t / KW) pw + t % KW */
     uint8_t *n;       /* [H vpr] its columns inside the row: min(lanes, W - (v % vpr) lanes) */
+    /* The flat layout (a 3x3 kernel at 16 lanes where it takes fewer vectors than rows of whole vectors: 28x28,
+     * 14x14): the forward and the input gradient read planes (H + 2, W) with one guard float before and after
+     * (fplane = (H + 2) W + 2 floats, x at 1 + (h + 1) W + w), and a vector is 16 consecutive outputs of the
+     * plane, across rows; tap (kh, kw) reads the plane shifted by kh W + kw, and the lanes where kw = 0 or 2
+     * would read the neighbouring row's last or first column (the padding's zero in the row layout) leave their
+     * sum as it is (merge-masked FMAs: the same bits). The weight gradient keeps the row layout. */
+    bool flat;
+    int nvf;          /* flat: vectors per plane, ceil(H W / 16) */
+    size_t fplane;    /* floats of a plane in the forward's layout: pplane, or (H + 2) W + 2 when flat */
+    uint16_t *fm0;    /* [nvf] flat: vector v's lanes whose column is not 0 (tap column 0 reads inside the row) */
+    uint16_t *fm2;    /* [nvf] flat: its lanes whose column is not W - 1 (tap column 2) */
 } ConvTaps;
 
 /* Whether the geometry is one conv_taps takes at level (not OFF): same stride 1, odd kernels of 3 to 49 taps
@@ -72,11 +83,15 @@ size_t conv_taps_table_floats(int H, int W, int lanes);
 /* Fills p for the level's lanes; tables: conv_taps_table_floats floats. */
 void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables);
 
-/* Floats of padded input for n images: n C pplane + lanes. */
+/* Floats of padded input for n images in either layout: n C max(pplane, fplane) + lanes. */
 size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n);
-/* dst (n, channels, pplane) + lanes zeros = the n images at src (image i's channel c at src + i img + c ld,
- * (H, W) row-major) padded; every float of dst written. */
+/* dst (n, channels, fplane) + lanes zeros = the n images at src (image i's channel c at src + i img + c ld,
+ * (H, W) row-major) padded in the forward's layout (flat or rows), which conv_taps_forward reads; every float
+ * of dst written. */
 void conv_taps_pad(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld);
+/* The same in the row layout (n, channels, pplane), which conv_taps_dw reads. */
+void conv_taps_pad_rows(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img,
+                        size_t ld);
 /* The same, one row at a time in C (the definition), and each padded row as whole vectors of 8, the source's
  * columns through masked loads (conv_taps_x86.c; AVX2, for plans of either width: conv_taps_pad runs it where the
  * CPU has AVX2). */
@@ -91,14 +106,14 @@ void conv_taps_pack(const ConvTaps *p, float *dst, const float *w, int ldw, int 
 /* The input gradient's: rows c, channels oc, taps flipped: [C/rb][OC][KK][rb]. */
 void conv_taps_pack_t(const ConvTaps *p, float *dst, const float *w, int ldw);
 
-/* y (rows, H W) with row stride ldy (=, or += if add) the forward of one padded image xp (channels, pplane) with
+/* y (rows, H W) with row stride ldy (=, or += if add) the forward of one padded image xp (channels, fplane) with
  * packed weights wp (conv_taps_pack: rows OC, channels C; conv_taps_pack_t: rows C, channels OC). */
 void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t ldy, const float *xp,
                        const float *wp, int rows, int channels, bool add);
 void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, const float *xp, const float *wp,
                            int rows, int channels, bool add);
 /* dw (OC, C KK) (=, or += if add) the weight gradient of n images: dp (OC, ldp), image i at column i H W; xp
- * their padded inputs (n, C, pplane). */
+ * their padded inputs in the row layout (n, C, pplane: conv_taps_pad_rows). */
 void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, const float *xp,
                   int n, bool add);
 void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, const float *xp, int n,

@@ -61,8 +61,78 @@ T512 INLINE void fwd512_tile(const ConvTaps *p, float *y, size_t ldy, const floa
     }
 }
 
+/* The flat layout's tile (conv_taps.h): rows [0, rows) of one block by flat vectors v0 .. v0 + V - 1 of a 3x3
+ * kernel; taps of column 0 and 2 merge-masked where they would read across a row's edge. */
+T512 INLINE void fwd512_flat_tile(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wb,
+                                  int rows, int channels, int v0, const int V, bool add) {
+    __m512 acc[8][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; i++) acc[r][i] = _mm512_setzero_ps();
+    __mmask16 m0[3], m2[3];
+#pragma GCC unroll 3
+    for (int i = 0; i < 3; i++) {
+        const int v = i < V ? v0 + i : v0;
+        m0[i] = (__mmask16)p->fm0[v], m2[i] = (__mmask16)p->fm2[v];
+    }
+    const size_t W = (size_t)p->W;
+    const float *x = xp + (size_t)v0 * 16;
+    for (int c = 0; c < channels; c++, x += p->fplane)
+#pragma GCC unroll 3
+        for (int kh = 0; kh < 3; kh++)
+#pragma GCC unroll 3
+            for (int kw = 0; kw < 3; kw++, wb += 8) {
+                const float *xt = x + kh * W + kw;
+                __m512 b[3];
+#pragma GCC unroll 3
+                for (int i = 0; i < 3; i++) b[i] = i < V ? _mm512_loadu_ps(xt + 16 * i) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    const __m512 a = _mm512_set1_ps(wb[r]);
+#pragma GCC unroll 3
+                    for (int i = 0; i < 3; i++) {
+                        if (i >= V) break;
+                        if (kw == 1) acc[r][i] = _mm512_fmadd_ps(a, b[i], acc[r][i]);
+                        else acc[r][i] = _mm512_mask3_fmadd_ps(a, b[i], acc[r][i], kw == 0 ? m0[i] : m2[i]);
+                    }
+                }
+            }
+    const int hw = p->H * p->W;
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+        if (r >= rows) break;
+#pragma GCC unroll 3
+        for (int i = 0; i < V; i++) {
+            const int q = (v0 + i) * 16;
+            const __mmask16 m = mask16(hw - q < 16 ? hw - q : 16);
+            float *o = y + (size_t)r * ldy + q;
+            const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[r][i]) : acc[r][i];
+            _mm512_mask_storeu_ps(o, m, v);
+        }
+    }
+}
+
+T512 static void conv_taps_forward_flat512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp,
+                                      int rows, int channels, bool add) {
+    const int nv = p->nvf;
+    for (int b = 0; b * 8 < rows; b++) {
+        const float *wb = wp + (size_t)b * channels * 9 * 8;
+        const int rb = rows - b * 8 < 8 ? rows - b * 8 : 8;
+        float *yb = y + (size_t)b * 8 * ldy;
+        int v = 0;
+        for (; v + 3 <= nv; v += 3) fwd512_flat_tile(p, yb, ldy, xp, wb, rb, channels, v, 3, add);
+        if (nv - v == 2) fwd512_flat_tile(p, yb, ldy, xp, wb, rb, channels, v, 2, add);
+        else if (nv - v == 1) fwd512_flat_tile(p, yb, ldy, xp, wb, rb, channels, v, 1, add);
+    }
+}
+
 T512 void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp,
                                    int rows, int channels, bool add) {
+    if (p->flat) {
+        conv_taps_forward_flat512(p, y, ldy, xp, wp, rows, channels, add);
+        return;
+    }
     const int KK = p->KH * p->KW, nv = p->H * p->vpr;
     for (int b = 0; b * 8 < rows; b++) {
         const float *wb = wp + (size_t)b * channels * KK * 8;

@@ -163,7 +163,7 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
         const double flops = 2.0 * ckk * (double)cols;
         conv_pre_grads(j, dpre, n0, nc, task);
         double t0 = gemm_stats_start();
-        if (dw || lj->da_part) conv_taps_pad(p, col, j->x + (size_t)n0 * x_sample, d->C, nc, x_sample, plane);
+        if (dw || lj->da_part) conv_taps_pad_rows(p, col, j->x + (size_t)n0 * x_sample, d->C, nc, x_sample, plane);
         if (dw) conv_taps_dw(p, j->taps_level, dw, dpre, (size_t)cols, col, nc, n0 != lo);
         gemm_stats_add(t0, dw ? d->OC * flops : 0.0);
         if (lj->dbb_part) conv_backward_db(lj, dpre, n0, nc, cols, task, n0 == lo);

@@ -76,7 +76,7 @@ void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const flo
     const double flops = 2.0 * d->OC * conv_ckk(d) * (double)plane;
     if (dw) {
         const double t0 = gemm_stats_start();
-        conv_taps_pad(p, col, conv_chunk_input(j, n0, nc), d->C, nc, x_sample, plane);
+        conv_taps_pad_rows(p, col, conv_chunk_input(j, n0, nc), d->C, nc, x_sample, plane);
         conv_taps_dw(p, j->taps_level, dw, dp, cols, col, nc, add);
         gemm_stats_add(t0, nc * flops);
     }

@@ -39,7 +39,7 @@ static void print_case(const char *what, const TapsCase *k, ConvTapsLevel level)
 /* The arrays of one kernel case, planned at level's lanes. */
 typedef struct {
     ConvTaps p;
-    float *tables, *x, *w, *dp, *xp, *dpp, *wp, *wt, *y, *y_ref, *dw, *dw_ref, *dx, *dx_ref;
+    float *tables, *x, *w, *dp, *xp, *xr, *dpp, *wp, *wt, *y, *y_ref, *dw, *dw_ref, *dx, *dx_ref;
 } TapsBufs;
 
 static void bufs_init(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, uint64_t seed) {
@@ -51,7 +51,8 @@ static void bufs_init(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, uint6
     b->x = test_random_uniform(nx, seed, -1.0f, 1.0f);
     b->w = test_random_uniform((size_t)k->OC * k->C * KK, seed + 1, -1.0f, 1.0f);
     b->dp = test_random_uniform(ny, seed + 2, -1.0f, 1.0f);
-    b->xp = malloc(conv_taps_padded_floats(&b->p, k->C, k->N) * sizeof(float));
+    b->xp = malloc(conv_taps_padded_floats(&b->p, k->C, k->N) * sizeof(float)); /* the forward's layout */
+    b->xr = malloc(conv_taps_padded_floats(&b->p, k->C, k->N) * sizeof(float)); /* rows: the weight gradient's */
     b->dpp = malloc(conv_taps_padded_floats(&b->p, k->OC, 1) * sizeof(float));
     b->wp = malloc(conv_taps_packed_floats(&b->p, k->OC, k->C) * sizeof(float));
     b->wt = malloc(conv_taps_packed_floats(&b->p, k->C, k->OC) * sizeof(float));
@@ -60,12 +61,13 @@ static void bufs_init(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, uint6
     const size_t nw = (size_t)k->OC * k->C * KK;
     b->dw = malloc(nw * sizeof(float)), b->dw_ref = malloc(nw * sizeof(float));
     conv_taps_pad(&b->p, b->xp, b->x, k->C, k->N, (size_t)k->C * hw, hw);
+    conv_taps_pad_rows(&b->p, b->xr, b->x, k->C, k->N, (size_t)k->C * hw, hw);
     conv_taps_pack(&b->p, b->wp, b->w, k->C * KK, k->OC);
     conv_taps_pack_t(&b->p, b->wt, b->w, k->C * KK);
 }
 
 static void bufs_free(TapsBufs *b) {
-    float *all[] = {b->tables, b->x, b->w, b->dp, b->xp, b->dpp, b->wp, b->wt, b->y, b->y_ref, b->dw, b->dw_ref,
+    float *all[] = {b->tables, b->x, b->w, b->dp, b->xp, b->xr, b->dpp, b->wp, b->wt, b->y, b->y_ref, b->dw, b->dw_ref,
                     b->dx, b->dx_ref};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
 }
@@ -78,7 +80,7 @@ static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, b
     const size_t hw = (size_t)k->H * k->W;
     for (int n = 0; n < k->N; n++) {
         float *yn = y + (size_t)n * k->OC * hw, *dxn = dx + (size_t)n * k->C * hw;
-        const float *xpn = b->xp + (size_t)n * k->C * b->p.pplane;
+        const float *xpn = b->xp + (size_t)n * k->C * b->p.fplane;
         if (vector) conv_taps_forward(&b->p, level, yn, hw, xpn, b->wp, k->OC, k->C, add);
         else conv_taps_forward_ref(&b->p, b->p.lanes, yn, hw, xpn, b->wp, k->OC, k->C, add);
         conv_taps_pad(&b->p, b->dpp, b->dp + (size_t)n * k->OC * hw, k->OC, 1, 0, hw);
@@ -91,8 +93,8 @@ static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, b
         for (int oc = 0; oc < k->OC; oc++)
             memcpy(dpt + (size_t)oc * k->N * hw + (size_t)n * hw, b->dp + ((size_t)n * k->OC + oc) * hw,
                    hw * sizeof(float));
-    if (vector) conv_taps_dw(&b->p, level, dw, dpt, (size_t)k->N * hw, b->xp, k->N, add);
-    else conv_taps_dw_ref(&b->p, b->p.lanes, dw, dpt, (size_t)k->N * hw, b->xp, k->N, add);
+    if (vector) conv_taps_dw(&b->p, level, dw, dpt, (size_t)k->N * hw, b->xr, k->N, add);
+    else conv_taps_dw_ref(&b->p, b->p.lanes, dw, dpt, (size_t)k->N * hw, b->xr, k->N, add);
     free(dpt);
 }
 
