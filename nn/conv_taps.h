@@ -66,8 +66,9 @@ typedef struct {
      * 14x14): the forward and the input gradient read planes (H + 2, W) with one guard float before and after
      * (fplane = (H + 2) W + 2 floats, x at 1 + (h + 1) W + w), and a vector is 16 consecutive outputs of the
      * plane, across rows; tap (kh, kw) reads the plane shifted by kh W + kw, and the lanes where kw = 0 or 2
-     * would read the neighbouring row's last or first column (the padding's zero in the row layout) leave their
-     * sum as it is (merge-masked FMAs: the same bits). The weight gradient keeps the row layout. */
+     * would read the neighbouring row's last or first column load the padding's zero instead (zero-masked
+     * loads), so every sum takes the row layout's products: the same bits. The weight gradient keeps the row
+     * layout. */
     bool flat;
     int nvf;          /* flat: vectors per plane, ceil(H W / 16) */
     size_t fplane;    /* floats of a plane in the forward's layout: pplane, or (H + 2) W + 2 when flat */

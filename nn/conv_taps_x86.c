@@ -62,7 +62,7 @@ T512 INLINE void fwd512_tile(const ConvTaps *p, float *y, size_t ldy, const floa
 }
 
 /* The flat layout's tile (conv_taps.h): rows [0, rows) of one block by flat vectors v0 .. v0 + V - 1 of a 3x3
- * kernel; taps of column 0 and 2 merge-masked where they would read across a row's edge. */
+ * kernel; taps of column 0 and 2 load zeros where they would read across a row's edge. */
 T512 INLINE void fwd512_flat_tile(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wb,
                                   int rows, int channels, int v0, const int V, bool add) {
     __m512 acc[8][3];
@@ -86,15 +86,17 @@ T512 INLINE void fwd512_flat_tile(const ConvTaps *p, float *y, size_t ldy, const
                 const float *xt = x + kh * W + kw;
                 __m512 b[3];
 #pragma GCC unroll 3
-                for (int i = 0; i < 3; i++) b[i] = i < V ? _mm512_loadu_ps(xt + 16 * i) : _mm512_setzero_ps();
+                for (int i = 0; i < 3; i++) /* an edge tap's lanes across the row's edge: the padding's zero */
+                    b[i] = i >= V    ? _mm512_setzero_ps()
+                           : kw == 1 ? _mm512_loadu_ps(xt + 16 * i)
+                                     : _mm512_maskz_loadu_ps(kw == 0 ? m0[i] : m2[i], xt + 16 * i);
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++) {
                     const __m512 a = _mm512_set1_ps(wb[r]);
 #pragma GCC unroll 3
                     for (int i = 0; i < 3; i++) {
                         if (i >= V) break;
-                        if (kw == 1) acc[r][i] = _mm512_fmadd_ps(a, b[i], acc[r][i]);
-                        else acc[r][i] = _mm512_mask3_fmadd_ps(a, b[i], acc[r][i], kw == 0 ? m0[i] : m2[i]);
+                        acc[r][i] = _mm512_fmadd_ps(a, b[i], acc[r][i]);
                     }
                 }
             }

@@ -20,11 +20,12 @@ typedef struct {
 
 /* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
  * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis),
- * images of 1, 2 and 3 rows (the 3x3 weight gradient's walk over the padded rows: its first and last steps). */
+ * images of 1, 2 and 3 rows (the 3x3 weight gradient's walk over the padded rows: its first and last steps),
+ * flat planes (conv_taps.h) of 3, 5 (a last tile of 2 vectors), 7, 21 and 49 vectors. */
 static const TapsCase kernel_cases[] = {
     {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
-    {1, 2, 4, 20, 2, 7, 0, 0},  {2, 3, 2, 9, 3, 3, 0, 0},   {1, 2, 3, 16, 4, 3, 0, 0},
+    {1, 2, 4, 20, 2, 7, 0, 0},  {2, 3, 2, 9, 3, 3, 0, 0},   {1, 2, 3, 16, 4, 3, 0, 0}, {1, 2, 8, 10, 3, 3, 0, 0},
 };
 #define N_KERNEL_CASES (sizeof kernel_cases / sizeof kernel_cases[0])
 
@@ -51,9 +52,11 @@ static void bufs_init(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, uint6
     b->x = test_random_uniform(nx, seed, -1.0f, 1.0f);
     b->w = test_random_uniform((size_t)k->OC * k->C * KK, seed + 1, -1.0f, 1.0f);
     b->dp = test_random_uniform(ny, seed + 2, -1.0f, 1.0f);
-    b->xp = malloc(conv_taps_padded_floats(&b->p, k->C, k->N) * sizeof(float)); /* the forward's layout */
-    b->xr = malloc(conv_taps_padded_floats(&b->p, k->C, k->N) * sizeof(float)); /* rows: the weight gradient's */
-    b->dpp = malloc(conv_taps_padded_floats(&b->p, k->OC, 1) * sizeof(float));
+    /* the forward's layout and the rows (the weight gradient's), each sized exactly: a kernel reading past its
+     * layout's planes and the lanes after them trips the sanitizer build */
+    b->xp = malloc(((size_t)k->N * k->C * b->p.fplane + (size_t)b->p.lanes) * sizeof(float));
+    b->xr = malloc(((size_t)k->N * k->C * b->p.pplane + (size_t)b->p.lanes) * sizeof(float));
+    b->dpp = malloc(((size_t)k->OC * b->p.fplane + (size_t)b->p.lanes) * sizeof(float));
     b->wp = malloc(conv_taps_packed_floats(&b->p, k->OC, k->C) * sizeof(float));
     b->wt = malloc(conv_taps_packed_floats(&b->p, k->C, k->OC) * sizeof(float));
     b->y = malloc(ny * sizeof(float)), b->y_ref = malloc(ny * sizeof(float));
@@ -440,6 +443,33 @@ static void test_taps_lowrank_matches_gemm(void) {
             }
 }
 
+/* The flat layout's edge taps add the padding's zero as the row layout does, not skip it: a sum that is -0.0f
+ * before one (a subnormal product rounded to zero) comes out +0.0f, as the reference gives. Output (1, 0) of a
+ * 2x7 image: its first taps reach -2^-149 - 2^-149 ... rounded to -0.0f by then, and its tap (1, 0) reads across
+ * the row's edge. */
+static void test_taps_flat_edge_zero(void) {
+    if (conv_taps_cpu() < CONV_TAPS_AVX512) {
+        test_skip("conv_taps flat layout: this CPU has no AVX-512F");
+        return;
+    }
+    enum { H = 2, W = 7 };
+    ConvTaps p;
+    float *tables = malloc(conv_taps_table_floats(H, W, 16) * sizeof(float));
+    conv_taps_plan(&p, CONV_TAPS_AVX512, 1, 1, H, W, 3, 3, tables);
+    CU_ASSERT(p.flat);
+    float x[H * W] = {0}, w[9] = {1, ldexpf(1, -75), -1.25f * ldexpf(1, -75), 1, -1, -1, 1, -1, -1};
+    x[0] = x[1] = ldexpf(1, -74);
+    float *xp = malloc((p.fplane + 16) * sizeof(float)), *wp = malloc(conv_taps_packed_floats(&p, 1, 1) * sizeof(float));
+    float y[H * W], y_ref[H * W];
+    conv_taps_pad(&p, xp, x, 1, 1, 0, H * W);
+    conv_taps_pack(&p, wp, w, 9, 1);
+    conv_taps_forward(&p, CONV_TAPS_AVX512, y, H * W, xp, wp, 1, 1, false);
+    conv_taps_forward_ref(&p, 16, y_ref, H * W, xp, wp, 1, 1, false);
+    CU_ASSERT(memcmp(y, y_ref, sizeof y) == 0);
+    CU_ASSERT(y[W] == 0.0f && !signbit(y[W]));
+    free(tables), free(xp), free(wp);
+}
+
 int register_nn_conv_taps_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv_taps", NULL, NULL);
     if (!s) return -1;
@@ -454,6 +484,7 @@ int register_nn_conv_taps_suite(void) {
         {"ref_matches_direct", test_taps_ref_matches_direct},
         {"op_matches_gemm", test_taps_op_matches_gemm},
         {"lowrank_matches_gemm", test_taps_lowrank_matches_gemm},
+        {"flat_edge_taps_add_zero", test_taps_flat_edge_zero},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
