@@ -115,35 +115,24 @@ T512 INLINE void fwd512_flat_tile(const ConvTaps *p, float *y, size_t ldy, const
     }
 }
 
-T512 static void conv_taps_forward_flat512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp,
-                                      int rows, int channels, bool add) {
-    const int nv = p->nvf;
-    for (int b = 0; b * 8 < rows; b++) {
-        const float *wb = wp + (size_t)b * channels * 9 * 8;
-        const int rb = rows - b * 8 < 8 ? rows - b * 8 : 8;
-        float *yb = y + (size_t)b * 8 * ldy;
-        int v = 0;
-        for (; v + 3 <= nv; v += 3) fwd512_flat_tile(p, yb, ldy, xp, wb, rb, channels, v, 3, add);
-        if (nv - v == 2) fwd512_flat_tile(p, yb, ldy, xp, wb, rb, channels, v, 2, add);
-        else if (nv - v == 1) fwd512_flat_tile(p, yb, ldy, xp, wb, rb, channels, v, 1, add);
-    }
+/* One tile in the plan's layout. */
+T512 INLINE void fwd512_any_tile(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wb, int rows,
+                                 int channels, int v0, const int V, bool add) {
+    if (p->flat) fwd512_flat_tile(p, y, ldy, xp, wb, rows, channels, v0, V, add);
+    else fwd512_tile(p, y, ldy, xp, wb, rows, channels, v0, V, add);
 }
 
 T512 void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp,
                                    int rows, int channels, bool add) {
-    if (p->flat) {
-        conv_taps_forward_flat512(p, y, ldy, xp, wp, rows, channels, add);
-        return;
-    }
-    const int KK = p->KH * p->KW, nv = p->H * p->vpr;
+    const int KK = p->KH * p->KW, nv = p->flat ? p->nvf : p->H * p->vpr;
     for (int b = 0; b * 8 < rows; b++) {
         const float *wb = wp + (size_t)b * channels * KK * 8;
         const int rb = rows - b * 8 < 8 ? rows - b * 8 : 8;
         float *yb = y + (size_t)b * 8 * ldy;
         int v = 0;
-        for (; v + 3 <= nv; v += 3) fwd512_tile(p, yb, ldy, xp, wb, rb, channels, v, 3, add);
-        if (nv - v == 2) fwd512_tile(p, yb, ldy, xp, wb, rb, channels, v, 2, add);
-        else if (nv - v == 1) fwd512_tile(p, yb, ldy, xp, wb, rb, channels, v, 1, add);
+        for (; v + 3 <= nv; v += 3) fwd512_any_tile(p, yb, ldy, xp, wb, rb, channels, v, 3, add);
+        if (nv - v == 2) fwd512_any_tile(p, yb, ldy, xp, wb, rb, channels, v, 2, add);
+        else if (nv - v == 1) fwd512_any_tile(p, yb, ldy, xp, wb, rb, channels, v, 1, add);
     }
 }
 
