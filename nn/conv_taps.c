@@ -217,10 +217,9 @@ void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, c
     }
 }
 
-void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                      bool add) {
+void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                      int n, bool add) {
     const int KK = p->KH * p->KW;
-    const size_t hw = (size_t)p->H * p->W;
     float part[16];
     for (int oc = 0; oc < p->OC; oc++)
         for (int c = 0; c < p->C; c++)
@@ -230,7 +229,7 @@ void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, 
                     for (int i = 0; i < n; i++)
                         for (int h = 0; h < p->H; h++)
                             for (int col = j * lanes; col < (j + 1) * lanes && col < p->W; col++) {
-                                const float d = dp[(size_t)oc * ldp + (size_t)i * hw + (size_t)h * p->W + col];
+                                const float d = dp[(size_t)oc * ldp + (size_t)i * ldi + (size_t)h * p->W + col];
                                 const float x = xp[((size_t)i * p->C + c) * p->pplane + (size_t)h * p->pw + col +
                                                    (size_t)p->off[t]];
                                 part[col % lanes] = fmaf(d, x, part[col % lanes]);
@@ -249,9 +248,9 @@ void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t 
     else conv_taps_forward_ref(p, p->lanes, y, ldy, xp, wp, rows, channels, add);
 }
 
-void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, const float *xp,
-                  int n, bool add) {
-    if (level == CONV_TAPS_AVX512) conv_taps_dw_avx512(p, dw, dp, ldp, xp, n, add);
-    else if (level == CONV_TAPS_AVX2) conv_taps_dw_avx2(p, dw, dp, ldp, xp, n, add);
-    else conv_taps_dw_ref(p, p->lanes, dw, dp, ldp, xp, n, add);
+void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, size_t ldi,
+                  const float *xp, int n, bool add) {
+    if (level == CONV_TAPS_AVX512) conv_taps_dw_avx512(p, dw, dp, ldp, ldi, xp, n, add);
+    else if (level == CONV_TAPS_AVX2) conv_taps_dw_avx2(p, dw, dp, ldp, ldi, xp, n, add);
+    else conv_taps_dw_ref(p, p->lanes, dw, dp, ldp, ldi, xp, n, add);
 }

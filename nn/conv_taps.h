@@ -113,20 +113,23 @@ void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t 
                        const float *wp, int rows, int channels, bool add);
 void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, const float *xp, const float *wp,
                            int rows, int channels, bool add);
-/* dw (OC, C KK) (=, or += if add) the weight gradient of n images: dp (OC, ldp), image i at column i H W; xp
+/* dw (OC, C KK) (=, or += if add) the weight gradient of n images: dp's channel oc of image i at dp + oc ldp +
+ * i ldi, (H, W) row-major (a chunk's dpre (OC, n H W): ldp = n H W, ldi = H W; the output gradient as it lies,
+ * (n, OC, H, W): ldp = H W, ldi = OC H W); xp
  * their padded inputs in the row layout (n, C, pplane: conv_taps_pad_rows). */
-void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, const float *xp,
-                  int n, bool add);
-void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                      bool add);
+void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, size_t ldi,
+                  const float *xp, int n, bool add);
+void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                      int n, bool add);
 
 /* conv_taps_x86.c: the kernels of each level. */
 void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,
                               int channels, bool add);
 void conv_taps_forward_avx2(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,
                             int channels, bool add);
-void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
+void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp, int n,
                          bool add);
-void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n, bool add);
+void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp, int n,
+                       bool add);
 
 #endif

@@ -149,8 +149,8 @@ T512 INLINE float hsum512(__m512 v) {
  * t0 .. t0 + tb - 1 (tb <= 9; the others computed at tap t0 and dropped); k3: the 3x3 kernel (KK = 9, t0 = 0), its
  * taps as constant shifts of three row pointers. The loops run over a row's vectors j, then the images, then the
  * rows, conv_taps_dw_ref's order; a vector's lanes past W read zeros of dp. */
-T512 INLINE void dw512_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                             bool add, int oc, const int R, int c, int t0, int tb, const bool k3) {
+T512 INLINE void dw512_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                             int n, bool add, int oc, const int R, int c, int t0, int tb, const bool k3) {
     __m512 acc[3][9];
 #pragma GCC unroll 3
     for (int r = 0; r < 3; r++)
@@ -158,12 +158,12 @@ T512 INLINE void dw512_block(const ConvTaps *p, float *dw, const float *dp, size
         for (int k = 0; k < 9; k++) acc[r][k] = _mm512_setzero_ps();
     int off[9];
     for (int k = 0; k < 9; k++) off[k] = p->off[k < tb ? t0 + k : t0];
-    const size_t hw = (size_t)p->H * p->W, pw = (size_t)p->pw;
+    const size_t pw = (size_t)p->pw;
     for (int j = 0; j < p->vpr; j++) {
         const int col = j * 16;
         const __mmask16 m = mask16(p->W - col < 16 ? p->W - col : 16);
         for (int i = 0; i < n; i++) {
-            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * hw + col, *d1 = R > 1 ? d0 + ldp : d0;
+            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * ldi + col, *d1 = R > 1 ? d0 + ldp : d0;
             const float *d2 = R > 2 ? d1 + ldp : d0;
             const float *x = xp + ((size_t)i * p->C + c) * p->pplane + col;
             for (int h = 0; h < p->H; h++, d0 += p->W, d1 += p->W, d2 += p->W, x += pw) {
@@ -218,20 +218,20 @@ T512 INLINE void dw512_k3_row(__m512 (*acc)[9], const __m512 *a0, const __m512 *
  * here a step has 3 x loads and R dp loads for 9 R FMAs, where the load ports bounded the other. Each sum still
  * takes its products in conv_taps_dw_ref's order (h ascending is rho ascending for a fixed kh), so the bits are
  * the same. */
-T512 INLINE void dw512_k3_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                                bool add, int oc, const int R, int c) {
+T512 INLINE void dw512_k3_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                                int n, bool add, int oc, const int R, int c) {
     __m512 acc[2][9];
 #pragma GCC unroll 2
     for (int r = 0; r < 2; r++)
 #pragma GCC unroll 9
         for (int k = 0; k < 9; k++) acc[r][k] = _mm512_setzero_ps();
-    const size_t hw = (size_t)p->H * p->W, pw = (size_t)p->pw;
+    const size_t pw = (size_t)p->pw;
     const int H = p->H, W = p->W;
     for (int j = 0; j < p->vpr; j++) {
         const int col = j * 16;
         const __mmask16 m = mask16(W - col < 16 ? W - col : 16);
         for (int i = 0; i < n; i++) {
-            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * hw + col, *d1 = R > 1 ? d0 + ldp : d0;
+            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * ldi + col, *d1 = R > 1 ? d0 + ldp : d0;
             const float *x = xp + ((size_t)i * p->C + c) * p->pplane + col;
             __m512 a0[3], a1[3]; /* a0[kh]: dp row rho - kh of output row oc; a1: of oc + 1 */
             a0[0] = _mm512_maskz_loadu_ps(m, d0), a1[0] = R > 1 ? _mm512_maskz_loadu_ps(m, d1) : a0[0];
@@ -280,15 +280,15 @@ T512 INLINE void dw512_k3_block(const ConvTaps *p, float *dw, const float *dp, s
         }
 }
 
-T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                              bool add) {
+T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                              int n, bool add) {
     const int KK = p->KH * p->KW;
     const bool k3 = p->KH == 3 && p->KW == 3;
     if (k3) { /* two output rows a block, x's rows read once (dw512_k3_block) */
         for (int oc = 0; oc < p->OC; oc += 2)
             for (int c = 0; c < p->C; c++) {
-                if (p->OC - oc >= 2) dw512_k3_block(p, dw, dp, ldp, xp, n, add, oc, 2, c);
-                else dw512_k3_block(p, dw, dp, ldp, xp, n, add, oc, 1, c);
+                if (p->OC - oc >= 2) dw512_k3_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 2, c);
+                else dw512_k3_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 1, c);
             }
         return;
     }
@@ -296,10 +296,10 @@ T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, siz
         for (int c = 0; c < p->C; c++)
             for (int t0 = 0; t0 < KK; t0 += 9) {
                 const int tb = KK - t0 < 9 ? KK - t0 : 9, R = p->OC - oc < 3 ? p->OC - oc : 3;
-                if (R == 3 && k3) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 3, c, 0, 9, true);
-                else if (R == 3) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 3, c, t0, tb, false);
-                else if (R == 2) dw512_block(p, dw, dp, ldp, xp, n, add, oc, 2, c, t0, tb, false);
-                else dw512_block(p, dw, dp, ldp, xp, n, add, oc, 1, c, t0, tb, false);
+                if (R == 3 && k3) dw512_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 3, c, 0, 9, true);
+                else if (R == 3) dw512_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 3, c, t0, tb, false);
+                else if (R == 2) dw512_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 2, c, t0, tb, false);
+                else dw512_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 1, c, t0, tb, false);
             }
 }
 
@@ -396,8 +396,8 @@ T256 INLINE float hsum256(__m256 v) {
 /* Output rows oc .. oc + R - 1 (R <= 3), channel c, taps t0 .. t0 + tb - 1 (tb <= 3), as dw512_block: 16
  * registers hold 3 x 3 sums, 3 rows of dp and one of x; k3: t0 a kernel row of the 3x3 kernel, its columns as
  * constant shifts. */
-T256 INLINE void dw256_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                             bool add, int oc, const int R, int c, int t0, int tb, const bool k3) {
+T256 INLINE void dw256_block(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                             int n, bool add, int oc, const int R, int c, int t0, int tb, const bool k3) {
     __m256 acc[3][3];
 #pragma GCC unroll 3
     for (int r = 0; r < 3; r++)
@@ -405,13 +405,13 @@ T256 INLINE void dw256_block(const ConvTaps *p, float *dw, const float *dp, size
         for (int k = 0; k < 3; k++) acc[r][k] = _mm256_setzero_ps();
     int off[3];
     for (int k = 0; k < 3; k++) off[k] = p->off[k < tb ? t0 + k : t0];
-    const size_t hw = (size_t)p->H * p->W, pw = (size_t)p->pw;
+    const size_t pw = (size_t)p->pw;
     for (int j = 0; j < p->vpr; j++) {
         const int col = j * 8;
         const __m256i m = mask8(p->W - col < 8 ? p->W - col : 8);
         const bool whole = p->W - col >= 8; /* vmaskmovps costs more than a load */
         for (int i = 0; i < n; i++) {
-            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * hw + col;
+            const float *d0 = dp + (size_t)oc * ldp + (size_t)i * ldi + col;
             const float *x = xp + ((size_t)i * p->C + c) * p->pplane + col + (k3 ? off[0] : 0);
             for (int h = 0; h < p->H; h++, d0 += p->W, x += pw) {
                 __m256 a[3];
@@ -440,18 +440,18 @@ T256 INLINE void dw256_block(const ConvTaps *p, float *dw, const float *dp, size
         }
 }
 
-T256 void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
-                            bool add) {
+T256 void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
+                            int n, bool add) {
     const int KK = p->KH * p->KW;
     const bool k3 = p->KH == 3 && p->KW == 3;
     for (int oc = 0; oc < p->OC; oc += 3)
         for (int c = 0; c < p->C; c++)
             for (int t0 = 0; t0 < KK; t0 += 3) {
                 const int tb = KK - t0 < 3 ? KK - t0 : 3, R = p->OC - oc < 3 ? p->OC - oc : 3;
-                if (R == 3 && k3) dw256_block(p, dw, dp, ldp, xp, n, add, oc, 3, c, t0, 3, true);
-                else if (R == 3) dw256_block(p, dw, dp, ldp, xp, n, add, oc, 3, c, t0, tb, false);
-                else if (R == 2) dw256_block(p, dw, dp, ldp, xp, n, add, oc, 2, c, t0, tb, false);
-                else dw256_block(p, dw, dp, ldp, xp, n, add, oc, 1, c, t0, tb, false);
+                if (R == 3 && k3) dw256_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 3, c, t0, 3, true);
+                else if (R == 3) dw256_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 3, c, t0, tb, false);
+                else if (R == 2) dw256_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 2, c, t0, tb, false);
+                else dw256_block(p, dw, dp, ldp, ldi, xp, n, add, oc, 1, c, t0, tb, false);
             }
 }
 
@@ -465,12 +465,13 @@ void conv_taps_forward_avx2(const ConvTaps *p, float *y, size_t ldy, const float
                             int channels, bool add) {
     conv_taps_forward_ref(p, 8, y, ldy, xp, wp, rows, channels, add);
 }
-void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n,
+void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp, int n,
                          bool add) {
-    conv_taps_dw_ref(p, 16, dw, dp, ldp, xp, n, add);
+    conv_taps_dw_ref(p, 16, dw, dp, ldp, ldi, xp, n, add);
 }
-void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, const float *xp, int n, bool add) {
-    conv_taps_dw_ref(p, 8, dw, dp, ldp, xp, n, add);
+void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp, int n,
+                       bool add) {
+    conv_taps_dw_ref(p, 8, dw, dp, ldp, ldi, xp, n, add);
 }
 void conv_taps_pad_avx2(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
     conv_taps_pad_ref(p, dst, src, channels, n, img, ld);

@@ -195,7 +195,11 @@ const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n
         else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
         gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
     }
-    for (int oc = 0; oc < d->OC; oc++)
+    /* One sample's product is its output already: with no bias and no relu, the epilogue would only add 0.0f to
+     * each value in a pass of its own, which changes nothing (sums that start from +0.0f, as the taps kernels' and
+     * sgemm's do, are never -0.0f). A batch norm's conv (bias: false) skips it. */
+    const bool written = nc == 1 && c->epi == CONV_EPI_NONE && !j->bias;
+    for (int oc = 0; oc < d->OC && !written; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
     if (j->moments) /* the chunk's output planes, just written, still in cache */
         batchnorm_plane_moments(j->moments + 3 * (size_t)n0 * d->OC, j->y + (size_t)n0 * d->OC * plane, plane,
@@ -306,17 +310,24 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
         const float *dp = dpre; /* (OC, cols) */
-        if (nc == 1 && c->epi == CONV_EPI_NONE) {
-            /* one sample's output gradient (OC, OH*OW) is dpre as it stands: read it in place, no copy */
+        if (c->epi == CONV_EPI_NONE && (nc == 1 || j->taps)) {
+            /* the output gradient is dpre as it stands, one sample's (OC, OH*OW) or, for the taps kernels, which
+             * take any strides, the chunk's (nc, OC, OH*OW): read it in place, no copy */
             dp = j->dy + (size_t)n0 * d->OC * plane;
             if (j->db_part)
                 for (int oc = 0; oc < d->OC; oc++)
-                    j->db_part[(size_t)task * d->OC + oc] += nn_sum8_f32(dp + (size_t)oc * plane, NULL, plane);
+                    for (int s = 0; s < nc; s++)
+                        j->db_part[(size_t)task * d->OC + oc] +=
+                            nn_sum8_f32(dp + ((size_t)s * d->OC + oc) * plane, NULL, plane);
+            if (j->taps) {
+                conv_taps_backward_chunk(j, dw, col, dp, plane, (size_t)d->OC * plane, n0, nc, n0 != lo);
+                continue;
+            }
         } else {
             conv_pre_grads(j, dpre, n0, nc, task);
         }
         if (j->taps) {
-            conv_taps_backward_chunk(j, dw, col, dp, n0, nc, n0 != lo);
+            conv_taps_backward_chunk(j, dw, col, dp, (size_t)cols, plane, n0, nc, n0 != lo);
             continue;
         }
         const bool pw = nc == 1 && conv_pointwise(d);

@@ -126,12 +126,15 @@ float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size
 bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx);
 size_t conv_col_rows(const ConvJob *j, bool backward);
 /* ops_conv_taps.c: prod (OC, nc OH OW) = the forward of chunk samples [n0, n0 + nc), input xc (nc, C, H, W), col
- * holding one padded sample at a time (and taps_u's A x from the same padding); the backward's from its dpre dp
- * (OC, nc OH OW): the weight gradient (= into dw, += if add) from the chunk's padded inputs, then dx; col holds
- * both. conv_taps_dx_chunk: dx of those samples from dp, each padded at dpad (padded floats for OC channels). */
+ * holding one padded sample at a time (and taps_u's A x from the same padding); the backward's from the output
+ * gradient dp at the convolution (sample s's channel oc at dp + oc ldc + s lds: a dpre (OC, nc OH OW) has ldc =
+ * nc OH OW, lds = OH OW; the output gradient as it lies, (nc, OC, OH, OW), ldc = OH OW, lds = OC OH OW): the
+ * weight gradient (= into dw, += if add) from the chunk's padded inputs, then dx; col holds both.
+ * conv_taps_dx_chunk: dx of those samples from dp, each padded at dpad (padded floats for OC channels). */
 void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int n0, int nc);
-void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, int n0, int nc, bool add);
-void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, int n0, int nc);
+void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, size_t ldc, size_t lds, int n0,
+                              int nc, bool add);
+void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, size_t ldc, size_t lds, int n0, int nc);
 /* The calling thread's part of j->scratch. */
 float *conv_thread_scratch(const ConvJob *j);
 /* Samples [n0, n0 + nc) of j's input (nc, C, H, W): x itself, or made through j's view into the thread's scratch

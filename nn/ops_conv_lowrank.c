@@ -164,17 +164,17 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
         conv_pre_grads(j, dpre, n0, nc, task);
         double t0 = gemm_stats_start();
         if (dw || lj->da_part) conv_taps_pad_rows(p, col, j->x + (size_t)n0 * x_sample, d->C, nc, x_sample, plane);
-        if (dw) conv_taps_dw(p, j->taps_level, dw, dpre, (size_t)cols, col, nc, n0 != lo);
+        if (dw) conv_taps_dw(p, j->taps_level, dw, dpre, (size_t)cols, plane, col, nc, n0 != lo);
         gemm_stats_add(t0, dw ? d->OC * flops : 0.0);
         if (lj->dbb_part) conv_backward_db(lj, dpre, n0, nc, cols, task, n0 == lo);
         if (lj->da_part) {
             gemm_f32(true, false, r, cols, d->OC, 1.0f, j->w + ckk, j->ldw, dpre, cols, 0.0f, dt, cols);
             t0 = gemm_stats_start();
-            conv_taps_dw(&pa, j->taps_level, lj->da_part + (size_t)task * r * ckk, dt, (size_t)cols, col, nc,
+            conv_taps_dw(&pa, j->taps_level, lj->da_part + (size_t)task * r * ckk, dt, (size_t)cols, plane, col, nc,
                          n0 != lo);
             gemm_stats_add(t0, r * flops);
         }
-        if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dpre, n0, nc);
+        if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dpre, (size_t)cols, plane, n0, nc);
     }
 }
 

@@ -57,28 +57,29 @@ void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const fl
     }
 }
 
-void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, int n0, int nc) {
+void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, size_t ldc, size_t lds, int n0, int nc) {
     const ConvDims *d = &j->c->d;
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
     for (int s = 0; s < nc; s++) {
         const double t0 = gemm_stats_start();
-        conv_taps_pad(j->taps, dpad, dp + (size_t)s * plane, d->OC, 1, 0, (size_t)nc * plane);
+        conv_taps_pad(j->taps, dpad, dp + (size_t)s * lds, d->OC, 1, 0, ldc);
         conv_taps_forward(j->taps, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt,
                           d->C, d->OC, !j->dx_fresh);
         gemm_stats_add(t0, 2.0 * d->OC * conv_ckk(d) * (double)plane);
     }
 }
 
-void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, int n0, int nc, bool add) {
+void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, size_t ldc, size_t lds, int n0,
+                              int nc, bool add) {
     const ConvDims *d = &j->c->d;
     const ConvTaps *p = j->taps;
-    const size_t plane = conv_plane(d), cols = (size_t)nc * plane, x_sample = (size_t)d->C * plane;
+    const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
     const double flops = 2.0 * d->OC * conv_ckk(d) * (double)plane;
     if (dw) {
         const double t0 = gemm_stats_start();
         conv_taps_pad_rows(p, col, conv_chunk_input(j, n0, nc), d->C, nc, x_sample, plane);
-        conv_taps_dw(p, j->taps_level, dw, dp, cols, col, nc, add);
+        conv_taps_dw(p, j->taps_level, dw, dp, ldc, lds, col, nc, add);
         gemm_stats_add(t0, nc * flops);
     }
-    if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dp, n0, nc); /* past the inputs */
+    if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dp, ldc, lds, n0, nc); /* past x */
 }

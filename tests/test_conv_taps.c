@@ -96,8 +96,8 @@ static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, b
         for (int oc = 0; oc < k->OC; oc++)
             memcpy(dpt + (size_t)oc * k->N * hw + (size_t)n * hw, b->dp + ((size_t)n * k->OC + oc) * hw,
                    hw * sizeof(float));
-    if (vector) conv_taps_dw(&b->p, level, dw, dpt, (size_t)k->N * hw, b->xr, k->N, add);
-    else conv_taps_dw_ref(&b->p, b->p.lanes, dw, dpt, (size_t)k->N * hw, b->xr, k->N, add);
+    if (vector) conv_taps_dw(&b->p, level, dw, dpt, (size_t)k->N * hw, hw, b->xr, k->N, add);
+    else conv_taps_dw_ref(&b->p, b->p.lanes, dw, dpt, (size_t)k->N * hw, hw, b->xr, k->N, add);
     free(dpt);
 }
 
@@ -130,6 +130,14 @@ static void test_taps_kernels_match_ref_bits(void) {
                 const bool fy = !memcmp(b.y, b.y_ref, ny * sizeof(float));
                 const bool fx = !memcmp(b.dx, b.dx_ref, nx * sizeof(float));
                 const bool fw = !memcmp(b.dw, b.dw_ref, nw * sizeof(float));
+                /* dp read as the output gradient lies, (N, OC, H, W): the same floats in the same order */
+                float *dw2 = malloc(nw * sizeof(float));
+                fill(dw2, nw, start);
+                conv_taps_dw(&b.p, level, dw2, b.dp, hw, (size_t)k->OC * hw, b.xr, k->N, add);
+                const bool fw2 = !memcmp(dw2, b.dw_ref, nw * sizeof(float));
+                if (!fw2) print_case("weight gradient from (N, OC, H, W) bits", k, level);
+                CU_ASSERT(fw2);
+                free(dw2);
                 if (!fy) print_case(add ? "forward (added) bits" : "forward bits", k, level);
                 if (!fx) print_case(add ? "input gradient (added) bits" : "input gradient bits", k, level);
                 if (!fw) print_case(add ? "weight gradient (added) bits" : "weight gradient bits", k, level);
@@ -459,7 +467,8 @@ static void test_taps_flat_edge_zero(void) {
     CU_ASSERT(p.flat);
     float x[H * W] = {0}, w[9] = {1, ldexpf(1, -75), -1.25f * ldexpf(1, -75), 1, -1, -1, 1, -1, -1};
     x[0] = x[1] = ldexpf(1, -74);
-    float *xp = malloc((p.fplane + 16) * sizeof(float)), *wp = malloc(conv_taps_packed_floats(&p, 1, 1) * sizeof(float));
+    float *xp = malloc((p.fplane + 16) * sizeof(float));
+    float *wp = malloc(conv_taps_packed_floats(&p, 1, 1) * sizeof(float));
     float y[H * W], y_ref[H * W];
     conv_taps_pad(&p, xp, x, 1, 1, 0, H * W);
     conv_taps_pack(&p, wp, w, 9, 1);
