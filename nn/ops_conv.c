@@ -195,11 +195,7 @@ const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n
         else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
         gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
     }
-    /* One sample's product is its output already: with no bias and no relu, the epilogue would only add 0.0f to
-     * each value in a pass of its own, which changes nothing (sums that start from +0.0f, as the taps kernels' and
-     * sgemm's do, are never -0.0f). A batch norm's conv (bias: false) skips it. */
-    const bool written = nc == 1 && c->epi == CONV_EPI_NONE && !j->bias;
-    for (int oc = 0; oc < d->OC && !written; oc++)
+    for (int oc = 0; oc < d->OC; oc++)
         for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
     if (j->moments) /* the chunk's output planes, just written, still in cache */
         batchnorm_plane_moments(j->moments + 3 * (size_t)n0 * d->OC, j->y + (size_t)n0 * d->OC * plane, plane,

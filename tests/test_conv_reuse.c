@@ -142,6 +142,36 @@ static void test_col2im_write_signed_zero(void) {
     }
 }
 
+/* A conv without bias or relu whose every sum underflows (x 2^-100 times w -2^-100: each FMA from +0.0f rounds to
+ * -0.0f) gives +0.0f outputs, the epilogue's add of 0.0f, whether a chunk holds one sample (the product written
+ * straight into the output) or several: the output's bits do not depend on the chunking. */
+static void test_conv_underflow_zero_sign(void) {
+    enum { C = 16, HW = 16, NW = C * C * 9 };
+    const int threads = parallel_get_threads();
+    parallel_set_threads(1);
+    float *w0 = malloc(NW * sizeof(float));
+    for (int i = 0; i < NW; i++) w0[i] = -ldexpf(1.0f, -100);
+    for (int n = 1; n <= 3; n++) {
+        const size_t nx = (size_t)n * C * HW * HW;
+        float *x0 = malloc(nx * sizeof(float));
+        for (size_t i = 0; i < nx; i++) x0[i] = ldexpf(1.0f, -100);
+        TestEnv e;
+        test_env_init(&e, 5);
+        Var *x = test_var(&e, x0, 4, (int[]){n, C, HW, HW}, false);
+        Var *w = test_var(&e, w0, 4, (int[]){C, C, 3, 3}, false);
+        Var *y = nn_conv2d(&e.tape, x, w, NULL, 1, 1);
+        CU_ASSERT_PTR_NOT_NULL_FATAL(y);
+        size_t negative = 0;
+        for (size_t i = 0; i < nx; i++) negative += y->value.data[i] == 0.0f && signbit(y->value.data[i]);
+        CU_ASSERT_EQUAL(negative, 0);
+        if (negative) fprintf(stderr, "\n  N=%d: %zu outputs -0.0f\n", n, negative);
+        test_env_free(&e);
+        free(x0);
+    }
+    parallel_set_threads(threads);
+    free(w0);
+}
+
 int register_nn_conv_reuse_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv_reuse", NULL, NULL);
     if (!s) return -1;
@@ -149,7 +179,9 @@ int register_nn_conv_reuse_suite(void) {
                    !CU_add_test(s, "conv2d: an input gradient written first has the bits of one added into zeros",
                                 test_conv_dx_written) ||
                    !CU_add_test(s, "col2im written: -0.0f taps give +0.0f, as added into zeros",
-                                test_col2im_write_signed_zero)
+                                test_col2im_write_signed_zero) ||
+                   !CU_add_test(s, "conv2d: sums underflowing to -0.0f come out +0.0f at any chunking",
+                                test_conv_underflow_zero_sign)
                ? -1
                : 0;
 }
