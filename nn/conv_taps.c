@@ -109,8 +109,8 @@ void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int 
 }
 
 size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n) {
-    const size_t plane = p->pplane > p->fplane ? p->pplane : p->fplane;
-    return (size_t)n * (size_t)channels * plane + (size_t)p->lanes;
+    /* the row layout's plane is the larger: its rows are W + KW - 1 >= W + 2 floats, flat ones W */
+    return (size_t)n * (size_t)channels * p->pplane + (size_t)p->lanes;
 }
 
 /* The flat layout (conv_taps.h): each plane a guard zero, a row of zeros, the image's rows as they lie (one copy),

@@ -84,7 +84,7 @@ size_t conv_taps_table_floats(int H, int W, int lanes);
 /* Fills p for the level's lanes; tables: conv_taps_table_floats floats. */
 void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables);
 
-/* Floats of padded input for n images in either layout: n C max(pplane, fplane) + lanes. */
+/* Floats of padded input for n images in either layout: n C pplane + lanes (pplane >= fplane). */
 size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n);
 /* dst (n, channels, fplane) + lanes zeros = the n images at src (image i's channel c at src + i img + c ld,
  * (H, W) row-major) padded in the forward's layout (flat or rows), which conv_taps_forward reads; every float

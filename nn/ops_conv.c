@@ -305,25 +305,22 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     const int chunk = conv_job_chunk(j);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
-        const float *dp = dpre; /* (OC, cols) */
+        const float *dp = dpre; /* (OC, cols): channel oc of sample s at oc ldc + s lds */
+        size_t ldc = (size_t)cols, lds = plane;
         if (c->epi == CONV_EPI_NONE && (nc == 1 || j->taps)) {
             /* the output gradient is dpre as it stands, one sample's (OC, OH*OW) or, for the taps kernels, which
              * take any strides, the chunk's (nc, OC, OH*OW): read it in place, no copy */
-            dp = j->dy + (size_t)n0 * d->OC * plane;
+            dp = j->dy + (size_t)n0 * d->OC * plane, ldc = plane, lds = (size_t)d->OC * plane;
             if (j->db_part)
                 for (int oc = 0; oc < d->OC; oc++)
                     for (int s = 0; s < nc; s++)
                         j->db_part[(size_t)task * d->OC + oc] +=
-                            nn_sum8_f32(dp + ((size_t)s * d->OC + oc) * plane, NULL, plane);
-            if (j->taps) {
-                conv_taps_backward_chunk(j, dw, col, dp, plane, (size_t)d->OC * plane, n0, nc, n0 != lo);
-                continue;
-            }
+                            nn_sum8_f32(dp + (size_t)oc * ldc + (size_t)s * lds, NULL, plane);
         } else {
             conv_pre_grads(j, dpre, n0, nc, task);
         }
         if (j->taps) {
-            conv_taps_backward_chunk(j, dw, col, dp, (size_t)cols, plane, n0, nc, n0 != lo);
+            conv_taps_backward_chunk(j, dw, col, dp, ldc, lds, n0, nc, n0 != lo);
             continue;
         }
         const bool pw = nc == 1 && conv_pointwise(d);
