@@ -217,28 +217,45 @@ void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, c
     }
 }
 
-void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
-                      int n, bool add) {
+size_t conv_taps_oc_pad(int rows) { return ((size_t)rows + 15) / 16 * 16; }
+
+void conv_taps_dp_t_ref(const ConvTaps *p, float *dpt, const float *dp, size_t ldp, size_t ldi, int rows, int n) {
+    const size_t plane = (size_t)p->H * p->W, ldd = conv_taps_oc_pad(rows);
+    for (int i = 0; i < n; i++)
+        for (size_t q = 0; q < plane; q++) {
+            float *o = dpt + ((size_t)i * plane + q) * ldd;
+            for (size_t r = 0; r < ldd; r++) o[r] = r < (size_t)rows ? dp[r * ldp + (size_t)i * ldi + q] : 0.0f;
+        }
+}
+
+void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const float *xp, int n, bool add) {
     const int KK = p->KH * p->KW;
-    float part[16];
-    for (int oc = 0; oc < p->OC; oc++)
-        for (int c = 0; c < p->C; c++)
-            for (int t = 0; t < KK; t++) {
-                for (int l = 0; l < lanes; l++) part[l] = 0.0f;
-                for (int j = 0; j < (p->W + lanes - 1) / lanes; j++) /* a row's vectors, the images, the rows */
-                    for (int i = 0; i < n; i++)
-                        for (int h = 0; h < p->H; h++)
-                            for (int col = j * lanes; col < (j + 1) * lanes && col < p->W; col++) {
-                                const float d = dp[(size_t)oc * ldp + (size_t)i * ldi + (size_t)h * p->W + col];
-                                const float x = xp[((size_t)i * p->C + c) * p->pplane + (size_t)h * p->pw + col +
-                                                   (size_t)p->off[t]];
-                                part[col % lanes] = fmaf(d, x, part[col % lanes]);
-                            }
-                for (int half = lanes / 2; half >= 1; half /= 2)
-                    for (int l = 0; l < half; l++) part[l] += part[l + half];
-                float *o = dw + (size_t)oc * p->C * KK + (size_t)c * KK + t;
-                *o = add ? *o + part[0] : part[0];
+    const size_t ldd = conv_taps_oc_pad(p->OC), plane = (size_t)p->H * p->W;
+    for (int c = 0; c < p->C; c++)
+        for (int t = 0; t < KK; t++)
+            for (int oc = 0; oc < p->OC; oc++) {
+                float *o = dwt + ((size_t)c * KK + t) * ldd + oc;
+                float acc = add ? *o : 0.0f;
+                for (int i = 0; i < n; i++)
+                    for (int h = 0; h < p->H; h++)
+                        for (int w = 0; w < p->W; w++)
+                            acc = fmaf(dpt[((size_t)i * plane + (size_t)h * p->W + w) * ldd + oc],
+                                       xp[((size_t)i * p->C + c) * p->pplane + (size_t)h * p->pw + w +
+                                          (size_t)p->off[t]],
+                                       acc);
+                *o = acc;
             }
+}
+
+void conv_taps_dw_add_parts(const ConvTaps *p, float *grad, const float *parts, int n_parts) {
+    const int KK = p->KH * p->KW;
+    const size_t ldd = conv_taps_oc_pad(p->OC), part = (size_t)p->C * KK * ldd;
+    for (int oc = 0; oc < p->OC; oc++)
+        for (size_t ct = 0; ct < (size_t)p->C * KK; ct++) {
+            float g = grad[(size_t)oc * p->C * KK + ct];
+            for (int k = 0; k < n_parts; k++) g += parts[(size_t)k * part + ct * ldd + oc];
+            grad[(size_t)oc * p->C * KK + ct] = g;
+        }
 }
 
 void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t ldy, const float *xp,
@@ -248,9 +265,16 @@ void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t 
     else conv_taps_forward_ref(p, p->lanes, y, ldy, xp, wp, rows, channels, add);
 }
 
-void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, size_t ldi,
-                  const float *xp, int n, bool add) {
-    if (level == CONV_TAPS_AVX512) conv_taps_dw_avx512(p, dw, dp, ldp, ldi, xp, n, add);
-    else if (level == CONV_TAPS_AVX2) conv_taps_dw_avx2(p, dw, dp, ldp, ldi, xp, n, add);
-    else conv_taps_dw_ref(p, p->lanes, dw, dp, ldp, ldi, xp, n, add);
+void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dwt, const float *dpt, const float *xp, int n,
+                  bool add) {
+    if (level == CONV_TAPS_AVX512) conv_taps_dw_avx512(p, dwt, dpt, xp, n, add);
+    else if (level == CONV_TAPS_AVX2) conv_taps_dw_avx2(p, dwt, dpt, xp, n, add);
+    else conv_taps_dw_ref(p, dwt, dpt, xp, n, add);
+}
+
+void conv_taps_dp_t(const ConvTaps *p, ConvTapsLevel level, float *dpt, const float *dp, size_t ldp, size_t ldi,
+                    int rows, int n) {
+    if (level == CONV_TAPS_AVX512) conv_taps_dp_t_avx512(p, dpt, dp, ldp, ldi, rows, n);
+    else if (level == CONV_TAPS_AVX2) conv_taps_dp_t_avx2(p, dpt, dp, ldp, ldi, rows, n);
+    else conv_taps_dp_t_ref(p, dpt, dp, ldp, ldi, rows, n);
 }

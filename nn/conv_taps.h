@@ -15,9 +15,11 @@
  * - forward: y[oc][p] = the fmaf chain over c = 0..C-1, then t = 0..KH*KW-1 (row-major taps), from 0.
  * - input gradient: the forward of the padded output gradient with the weights transposed (rows C, channels OC)
  *   and the taps flipped: dx[c][p] = the chain over oc, then t, of w[oc][c][KK-1-t] dp_pad[oc][p + off(t)].
- * - weight gradient: dw[oc][c][t] = for each lane l of `lanes`, the fmaf chain of dp[oc][q] x_pad[c][q + off(t)]
- *   over a row's vectors j, then the images, then the rows (q: the column j lanes + l of that row; none past W),
- *   then the lanes summed as a tree: halves added (l + lanes/2 into l) until one is left. */
+ * - weight gradient, transposed: dwt[c KK + t][oc] = the fmaf chain of dp[oc][q] x_pad[c][q + off(t)] over the
+ *   images, then the rows, then the columns (every q of the output, none past W), from 0 or continuing from the
+ *   value dwt holds (add): one chain per weight, whatever the width or the number of images a call takes. The
+ *   kernels hold 16 (or 8) output channels in a vector's lanes, so no lane is padding and no sum ends in a tree;
+ *   they read dp transposed, each position's channels along a row (conv_taps_dp_t). */
 #ifndef QTRAIN_NN_CONV_TAPS_H
 #define QTRAIN_NN_CONV_TAPS_H
 
@@ -113,23 +115,33 @@ void conv_taps_forward(const ConvTaps *p, ConvTapsLevel level, float *y, size_t 
                        const float *wp, int rows, int channels, bool add);
 void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, const float *xp, const float *wp,
                            int rows, int channels, bool add);
-/* dw (OC, C KK) (=, or += if add) the weight gradient of n images: dp's channel oc of image i at dp + oc ldp +
- * i ldi, (H, W) row-major (a chunk's dpre (OC, n H W): ldp = n H W, ldi = H W; the output gradient as it lies,
- * (n, OC, H, W): ldp = H W, ldi = OC H W); xp
- * their padded inputs in the row layout (n, C, pplane: conv_taps_pad_rows). */
-void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dw, const float *dp, size_t ldp, size_t ldi,
-                  const float *xp, int n, bool add);
-void conv_taps_dw_ref(const ConvTaps *p, int lanes, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp,
-                      int n, bool add);
+/* Floats of a row of the weight gradient's operands (dpt's and dwt's): rows (output channels) rounded up to 16. */
+size_t conv_taps_oc_pad(int rows);
+/* dpt (n H W, ldd = conv_taps_oc_pad(rows)) = dp transposed: dpt[(i H W + q) ldd + r] = dp[r ldp + i ldi + q] for
+ * r < rows, 0 for rows <= r < ldd; dp's channel r of image i at dp + r ldp + i ldi, (H, W) row-major (a chunk's
+ * dpre (rows, n H W): ldp = n H W, ldi = H W; the output gradient as it lies, (n, rows, H, W): ldp = H W,
+ * ldi = rows H W). */
+void conv_taps_dp_t(const ConvTaps *p, ConvTapsLevel level, float *dpt, const float *dp, size_t ldp, size_t ldi,
+                    int rows, int n);
+void conv_taps_dp_t_ref(const ConvTaps *p, float *dpt, const float *dp, size_t ldp, size_t ldi, int rows, int n);
+/* dwt (C KK, ldd = conv_taps_oc_pad(OC)) = the weight gradient of n images, transposed (the chains above, from 0,
+ * or continuing from dwt's values if add); dpt: conv_taps_dp_t's of the OC rows; xp their padded inputs in the row
+ * layout (n, C, pplane: conv_taps_pad_rows). dwt's columns past OC are unspecified. */
+void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dwt, const float *dpt, const float *xp, int n,
+                  bool add);
+void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const float *xp, int n, bool add);
+/* grad (OC, C KK) += parts[k] transposed for k < n_parts, in order: parts n_parts dwt's (C KK, ldd). */
+void conv_taps_dw_add_parts(const ConvTaps *p, float *grad, const float *parts, int n_parts);
 
 /* conv_taps_x86.c: the kernels of each level. */
 void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,
                               int channels, bool add);
 void conv_taps_forward_avx2(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,
                             int channels, bool add);
-void conv_taps_dw_avx512(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp, int n,
-                         bool add);
-void conv_taps_dw_avx2(const ConvTaps *p, float *dw, const float *dp, size_t ldp, size_t ldi, const float *xp, int n,
-                       bool add);
+/* conv_taps_dw_x86.c: the weight gradient's kernels and the transposes. */
+void conv_taps_dw_avx512(const ConvTaps *p, float *dwt, const float *dpt, const float *xp, int n, bool add);
+void conv_taps_dw_avx2(const ConvTaps *p, float *dwt, const float *dpt, const float *xp, int n, bool add);
+void conv_taps_dp_t_avx512(const ConvTaps *p, float *dpt, const float *dp, size_t ldp, size_t ldi, int rows, int n);
+void conv_taps_dp_t_avx2(const ConvTaps *p, float *dpt, const float *dp, size_t ldp, size_t ldi, int rows, int n);
 
 #endif

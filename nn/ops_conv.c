@@ -299,7 +299,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     const int ckk = conv_ckk(d);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * d->H * d->W;
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats;
-    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL; /* (OC, C*KH*KW) */
+    float *dw = j->dw_part ? j->dw_part + (size_t)task * conv_dw_part_floats(d) : NULL; /* j->dw_part's forms */
     int lo, hi;
     parallel_range(d->N, task, n_tasks, &lo, &hi);
     const int chunk = conv_job_chunk(j);
@@ -359,7 +359,7 @@ void *conv_buffer_take(Tape *t, size_t bytes) {
 void conv_job_release(Tape *t, ConvJob *j, int n_tasks) {
     const ConvDims *d = &j->c->d;
     tape_release_buffer(t, j->scratch, (size_t)parallel_get_threads() * j->thread_floats * sizeof(float));
-    tape_release_buffer(t, j->dw_part, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float));
+    tape_release_buffer(t, j->dw_part, (size_t)n_tasks * conv_dw_part_floats(d) * sizeof(float));
     tape_release_buffer(t, j->db_part, (size_t)n_tasks * d->OC * sizeof(double));
     j->scratch = j->dw_part = NULL;
     j->db_part = NULL;
@@ -380,6 +380,18 @@ void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
         for (size_t i = 0; i < n; i++) grad[i] += parts[(size_t)k * n + i];
 }
 
+size_t conv_dw_part_floats(const ConvDims *d) { return (size_t)conv_ckk(d) * conv_taps_oc_pad(d->OC); }
+
+void conv_add_dw_parts(const ConvJob *j, float *grad, int n_tasks) {
+    if (j->taps) {
+        conv_taps_dw_add_parts(j->taps, grad, j->dw_part, n_tasks);
+        return;
+    }
+    const size_t n = (size_t)j->c->d.OC * conv_ckk(&j->c->d), stride = conv_dw_part_floats(&j->c->d);
+    for (int k = 0; k < n_tasks; k++)
+        for (size_t i = 0; i < n; i++) grad[i] += j->dw_part[(size_t)k * stride + i];
+}
+
 float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {
     return v && v->requires_grad ? conv_buffer_take(t, (size_t)n_tasks * n * sizeof(float)) : NULL;
 }
@@ -388,7 +400,7 @@ bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *b
     const ConvDims *d = &j->c->d;
     /* the first writer of x's gradient writes it instead of adding into zeros */
     if (x->requires_grad && !(j->dx = tape_grad_to_write(t, x, &j->dx_fresh))) return false;
-    if (want_dw && !(j->dw_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * conv_ckk(d) * sizeof(float))))
+    if (want_dw && !(j->dw_part = conv_buffer_take(t, (size_t)n_tasks * conv_dw_part_floats(d) * sizeof(float))))
         return false;
     if (bias && bias->requires_grad) {
         if (!(j->db_part = conv_buffer_take(t, (size_t)n_tasks * d->OC * sizeof(double)))) return false;
@@ -420,7 +432,7 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
         return;
     parallel_run(tasks, conv_backward_task, &j);
     float *g;
-    if (j.dw_part && (g = tape_grad(t, w))) conv_add_partials(g, j.dw_part, tasks, (size_t)c->d.OC * conv_ckk(&c->d));
+    if (j.dw_part && (g = tape_grad(t, w))) conv_add_dw_parts(&j, g, tasks);
     conv_add_bias_grad(t, &j, bias, tasks);
     conv_job_release(t, &j, tasks);
     /* the pooling winners are read by this pass alone */

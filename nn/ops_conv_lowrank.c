@@ -108,6 +108,12 @@ static void conv_backward_db(const ConvLowRankJob *lj, const float *dpre, int n0
  * far better than dt col^T's rank by C*KH*KW: for the reference CNN's conv2
  * (72 by 32 against 8 by 288, 196 long) OpenBLAS runs it ~2.7x faster. dt:
  * (rank, cols) for the chunk; dtcol: (rank*KH*KW, OH*OW) scratch. */
+/* Floats of one task's dA partial: room for every form (with the taps kernels (C*KH*KW, conv_taps_oc_pad(rank)),
+ * the transposed form conv_taps_dw writes). */
+static size_t conv_da_part_floats(const ConvLowRankCtx *lc) {
+    return (size_t)conv_ckk(&lc->conv.d) * conv_taps_oc_pad(lc->rank);
+}
+
 static void conv_da_from_dt_col(const ConvLowRankJob *lj, const float *dt, float *dtcol, int n0, int nc, int cols,
                                 int task, bool first) {
     const ConvLowRankCtx *lc = lj->lc;
@@ -122,16 +128,16 @@ static void conv_da_from_dt_col(const ConvLowRankJob *lj, const float *dt, float
                                      dt + (size_t)i * cols + s * plane, d->H, d->W, kh - padding, kw - padding);
         gemm_f32(false, true, r * kk, d->C, (int)plane, 1.0f, dtcol, (int)plane,
                  lj->job.x + (size_t)(n0 + s) * x_sample, (int)plane, first && s == 0 ? 0.0f : 1.0f,
-                 lj->da_part + (size_t)task * r * d->C * kk, d->C);
+                 lj->da_part + (size_t)task * conv_da_part_floats(lc), d->C);
     }
 }
 
 /* g (rank, C, KH, KW) += the per-task partials of conv_da_from_dt_col
  * (n_tasks, rank*KH*KW, C), unflipped, summed in task order. */
-static void conv_add_da_flipped(float *g, const float *parts, const ConvDims *d, int r, int n_tasks) {
+static void conv_add_da_flipped(float *g, const float *parts, const ConvDims *d, int r, int n_tasks, size_t stride) {
     const int kk = d->KH * d->KW;
     for (int k = 0; k < n_tasks; k++) {
-        const float *p = parts + (size_t)k * d->C * r * kk;
+        const float *p = parts + (size_t)k * stride;
         for (int i = 0; i < r; i++)
             for (int ch = 0; ch < d->C; ch++)
                 for (int kh = 0; kh < d->KH; kh++)
@@ -144,7 +150,8 @@ static void conv_add_da_flipped(float *g, const float *parts, const ConvDims *d,
 /* conv_lowrank_backward_task on the taps (job.taps): per chunk, dpre; the chunk's padded inputs; the weight
  * gradient from them; dB from the A x the forward kept; dt = scale B^T dpre and dA from dt and the padded inputs
  * (the weight gradient's kernel with rank rows); dx from each sample's padded dpre with the merged weight
- * transposed. dA's partials are (n_tasks, rank, C*KH*KW), whatever lc->grad. */
+ * transposed. The weight gradient's and dA's partials are transposed (C*KH*KW, conv_taps_oc_pad(rows)), whatever
+ * lc->grad; dt and its transpose lie after dpre. */
 static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n_tasks) {
     const ConvJob *j = &lj->job;
     const ConvLowRankCtx *lc = lj->lc;
@@ -153,7 +160,8 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
     const int ckk = conv_ckk(d), r = lc->rank, chunk = conv_job_chunk(j);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *dt = dpre + j->prod_floats;
-    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL; /* (OC, C*KH*KW) */
+    float *dtt = dt + (size_t)r * chunk * plane, *dpt = conv_taps_dpt(j, col); /* one sample's dt, dpre transposed */
+    float *dw = j->dw_part ? j->dw_part + (size_t)task * conv_dw_part_floats(d) : NULL; /* (C*KH*KW, ldd) */
     ConvTaps pa = *p; /* dA: the weight gradient of rank rows */
     pa.OC = r;
     int lo, hi;
@@ -164,14 +172,20 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
         conv_pre_grads(j, dpre, n0, nc, task);
         double t0 = gemm_stats_start();
         if (dw || lj->da_part) conv_taps_pad_rows(p, col, j->x + (size_t)n0 * x_sample, d->C, nc, x_sample, plane);
-        if (dw) conv_taps_dw(p, j->taps_level, dw, dpre, (size_t)cols, plane, col, nc, n0 != lo);
+        for (int s = 0; dw && s < nc; s++) {
+            conv_taps_dp_t(p, j->taps_level, dpt, dpre + (size_t)s * plane, (size_t)cols, 0, d->OC, 1);
+            conv_taps_dw(p, j->taps_level, dw, dpt, col + (size_t)s * d->C * p->pplane, 1, n0 != lo || s > 0);
+        }
         gemm_stats_add(t0, dw ? d->OC * flops : 0.0);
         if (lj->dbb_part) conv_backward_db(lj, dpre, n0, nc, cols, task, n0 == lo);
         if (lj->da_part) {
             gemm_f32(true, false, r, cols, d->OC, 1.0f, j->w + ckk, j->ldw, dpre, cols, 0.0f, dt, cols);
             t0 = gemm_stats_start();
-            conv_taps_dw(&pa, j->taps_level, lj->da_part + (size_t)task * r * ckk, dt, (size_t)cols, plane, col, nc,
-                         n0 != lo);
+            for (int s = 0; s < nc; s++) {
+                conv_taps_dp_t(&pa, j->taps_level, dtt, dt + (size_t)s * plane, (size_t)cols, 0, r, 1);
+                conv_taps_dw(&pa, j->taps_level, lj->da_part + (size_t)task * conv_da_part_floats(lc), dtt,
+                             col + (size_t)s * d->C * p->pplane, 1, n0 != lo || s > 0);
+            }
             gemm_stats_add(t0, r * flops);
         }
         if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dpre, (size_t)cols, plane, n0, nc);
@@ -197,7 +211,7 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
     const bool want_dt = lj->da_part, dtcol_da = lc->grad == CONV_LR_GRAD_DTCOL;
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *after = dpre + j->prod_floats;
     float *dcol = want_dt && !dtcol_da ? after : col, *dtcol = after; /* dcol replaces col unless dA reads col */
-    float *dw = j->dw_part ? j->dw_part + (size_t)task * d->OC * ckk : NULL; /* (OC, C*KH*KW) */
+    float *dw = j->dw_part ? j->dw_part + (size_t)task * conv_dw_part_floats(d) : NULL; /* (OC, C*KH*KW) */
     const bool need_col = dw || (want_dt && !dtcol_da);
     /* rows of w_merged^T to multiply: dcol's (for dx), then dt's */
     const int row_lo = j->dx ? 0 : ckk, row_hi = want_dt ? ckk + r : (j->dx ? ckk : 0);
@@ -219,7 +233,7 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
             if (dtcol_da) conv_da_from_dt_col(lj, dt, dtcol, n0, nc, cols, task, n0 == lo);
             else
                 gemm_f32(false, true, r, ckk, cols, 1.0f, dt, cols, col, cols, n0 == lo ? 0.0f : 1.0f,
-                         lj->da_part + (size_t)task * r * ckk, ckk);
+                         lj->da_part + (size_t)task * conv_da_part_floats(lc), ckk);
         }
         if (j->dx)
             col2im_consume(j->dx + (size_t)n0 * x_sample, dcol, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride,
@@ -235,9 +249,10 @@ static float *conv_lowrank_scratch(Tape *t, ConvLowRankJob *lj) {
     const ConvLowRankCtx *lc = lj->lc;
     const ConvDims *d = &lc->conv.d;
     const size_t ckk = (size_t)conv_ckk(d), r = (size_t)lc->rank;
-    if (lj->job.taps) /* col: padded inputs and one padded dpre; after dpre, dt */
+    if (lj->job.taps) /* col: padded inputs, one padded dpre and dpre transposed; after dpre, dt and its transpose */
         return conv_scratch(t, &lj->job, conv_col_rows(&lj->job, true), (size_t)d->OC,
-                            lj->da_part ? r * conv_job_chunk(&lj->job) * conv_plane(d) : 0);
+                            lj->da_part ? (r * conv_job_chunk(&lj->job) + conv_taps_oc_pad((int)r)) * conv_plane(d)
+                                        : 0);
     if (!lj->da_part) return conv_scratch(t, &lj->job, ckk, (size_t)d->OC, 0);
     if (lc->grad == CONV_LR_GRAD_DTCOL)
         return conv_scratch(t, &lj->job, ckk + r, (size_t)d->OC, r * d->KH * d->KW * conv_plane(d));
@@ -267,17 +282,26 @@ static void conv_lowrank_add_grads(Tape *t, const ConvLowRankJob *lj, Var *w, Va
         float *G = conv_buffer_take(t, nw * sizeof *G);
         if (!G) return;
         memset(G, 0, nw * sizeof *G);
-        conv_add_partials(G, lj->job.dw_part, tasks, nw);
+        conv_add_dw_parts(&lj->job, G, tasks);
         if (w->requires_grad && (g = tape_grad(t, w)))
             for (size_t i = 0; i < nw; i++) g[i] += G[i];
         conv_low_rank_grads_from_full(t, lc, A, B, G);
         tape_release_buffer(t, G, nw * sizeof *G);
     } else if (lj->job.dw_part && (g = tape_grad(t, w))) {
-        conv_add_partials(g, lj->job.dw_part, tasks, nw);
+        conv_add_dw_parts(&lj->job, g, tasks);
     }
     if (lj->da_part && (g = tape_grad(t, A))) {
-        if (lc->grad == CONV_LR_GRAD_DTCOL && !lj->job.taps) conv_add_da_flipped(g, lj->da_part, d, lc->rank, tasks);
-        else conv_add_partials(g, lj->da_part, tasks, na);
+        const size_t stride = conv_da_part_floats(lc);
+        if (lj->job.taps) {
+            ConvTaps pa = *lj->job.taps;
+            pa.OC = lc->rank;
+            conv_taps_dw_add_parts(&pa, g, lj->da_part, tasks);
+        } else if (lc->grad == CONV_LR_GRAD_DTCOL) {
+            conv_add_da_flipped(g, lj->da_part, d, lc->rank, tasks, stride);
+        } else {
+            for (int k = 0; k < tasks; k++)
+                for (size_t i = 0; i < na; i++) g[i] += lj->da_part[(size_t)k * stride + i];
+        }
     }
     if (lj->dbb_part && (g = tape_grad(t, B))) conv_add_partials(g, lj->dbb_part, tasks, nb);
 }
@@ -295,7 +319,7 @@ static void conv_lowrank_backward(Tape *t, const TapeNode *node) {
                          .lc = lc};
     if (!conv_backward_alloc(t, &lj.job, x, w->requires_grad || via_full, bias, tasks)) return;
     if (!via_full) {
-        lj.da_part = conv_partials(t, A, tasks, (size_t)lc->rank * conv_ckk(d));
+        lj.da_part = conv_partials(t, A, tasks, conv_da_part_floats(lc));
         lj.dbb_part = conv_partials(t, B, tasks, (size_t)d->OC * lc->rank);
     }
     if (!tape_ok(t) || !conv_taps_setup(t, &lj.job, lc->conv.stride, lc->conv.padding, false, lj.job.dx != NULL) ||
@@ -306,7 +330,7 @@ static void conv_lowrank_backward(Tape *t, const TapeNode *node) {
     conv_lowrank_add_grads(t, &lj, w, A, B, via_full, tasks);
     conv_add_bias_grad(t, &lj.job, bias, tasks);
     conv_job_release(t, &lj.job, tasks);
-    tape_release_buffer(t, lj.da_part, (size_t)tasks * lc->rank * conv_ckk(d) * sizeof(float));
+    tape_release_buffer(t, lj.da_part, (size_t)tasks * conv_da_part_floats(lc) * sizeof(float));
     tape_release_buffer(t, lj.dbb_part, (size_t)tasks * d->OC * lc->rank * sizeof(float));
 }
 

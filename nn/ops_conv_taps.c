@@ -3,8 +3,9 @@
 #include "gemm.h"
 #include "ops_conv_internal.h"
 
-/* The taps backward's chunk (conv_taps_setup): as many samples' padded inputs and dpre, no im2col (several
- * samples where im2col fits one: the weight gradient's lane sums end in one tree per chunk). */
+/* The taps backward's chunk (conv_taps_setup): as many samples' padded inputs and dpre as fit, no im2col (several
+ * samples where im2col fits one: fewer calls; the weight gradient's chains run on across a task's chunks, so the
+ * chunk does not change its bits). */
 #define CONV_TAPS_CHUNK_BUDGET (256u << 10)
 
 bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx) {
@@ -22,7 +23,7 @@ bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, boo
     if (w) conv_taps_pack(p, w, j->w, j->ldw, d->OC);
     if (wt) conv_taps_pack_t(p, wt, j->w, j->ldw);
     j->taps = p, j->taps_level = level, j->taps_w = w, j->taps_wt = wt;
-    if (!fwd) { /* the weight gradient's sums end in a tree of its lanes: over as many samples as fit */
+    if (!fwd) { /* as many samples as fit */
         const size_t per = (d->C * p->pplane + (size_t)d->OC * conv_plane(d)) * sizeof(float);
         const size_t n = CONV_TAPS_CHUNK_BUDGET / per;
         j->chunk = n > (size_t)d->N ? d->N : n > (size_t)j->c->chunk ? (int)n : j->c->chunk;
@@ -34,9 +35,9 @@ size_t conv_col_rows(const ConvJob *j, bool backward) {
     const ConvDims *d = &j->c->d;
     const size_t ckk = (size_t)conv_ckk(d), cols = (size_t)conv_job_chunk(j) * conv_plane(d);
     if (!j->taps) return ckk;
-    /* the forward: one padded image; the backward: the chunk's, then one padded dpre */
+    /* the forward: one padded image; the backward: the chunk's, one padded dpre, then one sample's dpre transposed */
     size_t need = conv_taps_padded_floats(j->taps, d->C, backward ? conv_job_chunk(j) : 1);
-    if (backward) need += conv_taps_padded_floats(j->taps, d->OC, 1);
+    if (backward) need += conv_taps_padded_floats(j->taps, d->OC, 1) + conv_taps_dpt_floats(j, d->OC);
     const size_t rows = (need + cols - 1) / cols;
     return rows > ckk ? rows : ckk;
 }
@@ -69,16 +70,29 @@ void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, size_t l
     }
 }
 
-void conv_taps_backward_chunk(const ConvJob *j, float *dw, float *col, const float *dp, size_t ldc, size_t lds, int n0,
-                              int nc, bool add) {
+size_t conv_taps_dpt_floats(const ConvJob *j, int rows) {
+    return conv_plane(&j->c->d) * conv_taps_oc_pad(rows);
+}
+
+float *conv_taps_dpt(const ConvJob *j, float *col) {
+    const ConvDims *d = &j->c->d;
+    return col + conv_taps_padded_floats(j->taps, d->C, conv_job_chunk(j)) + conv_taps_padded_floats(j->taps, d->OC, 1);
+}
+
+void conv_taps_backward_chunk(const ConvJob *j, float *dwt, float *col, const float *dp, size_t ldc, size_t lds,
+                              int n0, int nc, bool add) {
     const ConvDims *d = &j->c->d;
     const ConvTaps *p = j->taps;
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
     const double flops = 2.0 * d->OC * conv_ckk(d) * (double)plane;
-    if (dw) {
+    if (dwt) {
         const double t0 = gemm_stats_start();
+        float *dpt = conv_taps_dpt(j, col);
         conv_taps_pad_rows(p, col, conv_chunk_input(j, n0, nc), d->C, nc, x_sample, plane);
-        conv_taps_dw(p, j->taps_level, dw, dp, ldc, lds, col, nc, add);
+        for (int s = 0; s < nc; s++) { /* one sample's dp transposed at a time: it stays in cache for the sums */
+            conv_taps_dp_t(p, j->taps_level, dpt, dp + (size_t)s * lds, ldc, 0, d->OC, 1);
+            conv_taps_dw(p, j->taps_level, dwt, dpt, col + (size_t)s * d->C * p->pplane, 1, add || s > 0);
+        }
         gemm_stats_add(t0, nc * flops);
     }
     if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dp, ldc, lds, n0, nc); /* past x */

@@ -20,12 +20,14 @@ typedef struct {
 
 /* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
  * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis),
- * images of 1, 2 and 3 rows (the 3x3 weight gradient's walk over the padded rows: its first and last steps),
- * flat planes (conv_taps.h) of 3, 5 (a last tile of 2 vectors), 7, 21 and 49 vectors. */
+ * images of 1, 2 and 3 rows, flat planes (conv_taps.h) of 3, 5 (a last tile of 2 vectors), 7, 21 and 49 vectors. */
 static const TapsCase kernel_cases[] = {
     {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
     {1, 2, 4, 20, 2, 7, 0, 0},  {2, 3, 2, 9, 3, 3, 0, 0},   {1, 2, 3, 16, 4, 3, 0, 0}, {1, 2, 8, 10, 3, 3, 0, 0},
+    /* the weight gradient's channel vectors: pairs and a last one alone, 3x3 (odd rows: a last position alone)
+     * and not, a last vector mostly padding */
+    {2, 3, 5, 6, 33, 3, 0, 0},  {1, 3, 4, 7, 16, 3, 0, 0},  {1, 2, 4, 7, 20, 5, 0, 0}, {3, 2, 3, 5, 40, 0, 1, 3},
 };
 #define N_KERNEL_CASES (sizeof kernel_cases / sizeof kernel_cases[0])
 
@@ -61,7 +63,7 @@ static void bufs_init(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, uint6
     b->wt = malloc(conv_taps_packed_floats(&b->p, k->C, k->OC) * sizeof(float));
     b->y = malloc(ny * sizeof(float)), b->y_ref = malloc(ny * sizeof(float));
     b->dx = malloc(nx * sizeof(float)), b->dx_ref = malloc(nx * sizeof(float));
-    const size_t nw = (size_t)k->OC * k->C * KK;
+    const size_t nw = (size_t)k->C * KK * conv_taps_oc_pad(k->OC); /* transposed, (C KK, ldd) */
     b->dw = malloc(nw * sizeof(float)), b->dw_ref = malloc(nw * sizeof(float));
     conv_taps_pad(&b->p, b->xp, b->x, k->C, k->N, (size_t)k->C * hw, hw);
     conv_taps_pad_rows(&b->p, b->xr, b->x, k->C, k->N, (size_t)k->C * hw, hw);
@@ -75,9 +77,10 @@ static void bufs_free(TapsBufs *b) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
 }
 
-/* The three products of case k at level through `run` (the level's kernels, or NULL: the plain C definitions):
- * y (N, OC, H, W) = the forward, dx (N, C, H, W) = the input gradient of dp, dw = the weight gradient of all N
- * images. With add, each is added to what the arrays hold (their fill). */
+/* The three products of case k at level (vector: the level's kernels, else the plain C definitions): y (N, OC, H,
+ * W) = the forward, dx (N, C, H, W) = the input gradient of dp, dw (C KK, ldd) = the weight gradient of all N
+ * images, transposed. With add, the forward and dx are added to what the arrays hold (their fill) and dw's chains
+ * go on from it. */
 static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, bool vector, float *y, float *dx,
                           float *dw, bool add) {
     const size_t hw = (size_t)k->H * k->W;
@@ -90,15 +93,27 @@ static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, b
         if (vector) conv_taps_forward(&b->p, level, dxn, hw, b->dpp, b->wt, k->C, k->OC, add);
         else conv_taps_forward_ref(&b->p, b->p.lanes, dxn, hw, b->dpp, b->wt, k->C, k->OC, add);
     }
-    /* dp as the backward holds it: (OC, N H W), image n at column n H W */
-    float *dpt = malloc((size_t)k->N * k->OC * hw * sizeof(float));
+    /* dp as the backward holds it: (OC, N H W), image n at column n H W; then transposed */
+    float *dpc = malloc((size_t)k->N * k->OC * hw * sizeof(float));
+    float *dpt = malloc((size_t)k->N * hw * conv_taps_oc_pad(k->OC) * sizeof(float));
     for (int n = 0; n < k->N; n++)
         for (int oc = 0; oc < k->OC; oc++)
-            memcpy(dpt + (size_t)oc * k->N * hw + (size_t)n * hw, b->dp + ((size_t)n * k->OC + oc) * hw,
+            memcpy(dpc + (size_t)oc * k->N * hw + (size_t)n * hw, b->dp + ((size_t)n * k->OC + oc) * hw,
                    hw * sizeof(float));
-    if (vector) conv_taps_dw(&b->p, level, dw, dpt, (size_t)k->N * hw, hw, b->xr, k->N, add);
-    else conv_taps_dw_ref(&b->p, b->p.lanes, dw, dpt, (size_t)k->N * hw, hw, b->xr, k->N, add);
-    free(dpt);
+    if (vector) conv_taps_dp_t(&b->p, level, dpt, dpc, (size_t)k->N * hw, hw, k->OC, k->N);
+    else conv_taps_dp_t_ref(&b->p, dpt, dpc, (size_t)k->N * hw, hw, k->OC, k->N);
+    if (vector) conv_taps_dw(&b->p, level, dw, dpt, b->xr, k->N, add);
+    else conv_taps_dw_ref(&b->p, dw, dpt, b->xr, k->N, add);
+    free(dpc), free(dpt);
+}
+
+/* Whether the transposed weight gradients a and b hold the same bits in every output channel's column (the
+ * columns past OC are unspecified). */
+static bool same_dwt(const float *a, const float *b, const TapsCase *k) {
+    const size_t ldd = conv_taps_oc_pad(k->OC), rows = (size_t)k->C * case_kh(k) * case_kw(k);
+    for (size_t r = 0; r < rows; r++)
+        if (memcmp(a + r * ldd, b + r * ldd, (size_t)k->OC * sizeof(float))) return false;
+    return true;
 }
 
 static void fill(float *p, size_t n, float v) {
@@ -118,7 +133,7 @@ static void test_taps_kernels_match_ref_bits(void) {
         for (size_t i = 0; i < N_KERNEL_CASES; i++) {
             const TapsCase *k = &kernel_cases[i];
             const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, ny = (size_t)k->N * k->OC * hw;
-            const size_t nw = (size_t)k->OC * k->C * case_kh(k) * case_kw(k);
+            const size_t ldd = conv_taps_oc_pad(k->OC), nw = (size_t)k->C * case_kh(k) * case_kw(k) * ldd;
             for (int add = 0; add < 2; add++) {
                 TapsBufs b;
                 bufs_init(&b, k, level, 100 + 10 * i);
@@ -129,15 +144,28 @@ static void test_taps_kernels_match_ref_bits(void) {
                 taps_products(&b, k, level, false, b.y_ref, b.dx_ref, b.dw_ref, add);
                 const bool fy = !memcmp(b.y, b.y_ref, ny * sizeof(float));
                 const bool fx = !memcmp(b.dx, b.dx_ref, nx * sizeof(float));
-                const bool fw = !memcmp(b.dw, b.dw_ref, nw * sizeof(float));
-                /* dp read as the output gradient lies, (N, OC, H, W): the same floats in the same order */
+                const bool fw = same_dwt(b.dw, b.dw_ref, k);
+                /* dp transposed as the output gradient lies, (N, OC, H, W): every float of the plain C
+                 * transpose, the padding columns' zeros too; and the images in two calls, the second going on
+                 * from the first's sums: the same chains, the same bits */
+                const size_t nt = (size_t)k->N * hw * ldd;
+                float *dpt = malloc(nt * sizeof(float)), *dpt_ref = malloc(nt * sizeof(float));
+                fill(dpt, nt, NAN), fill(dpt_ref, nt, -NAN);
+                conv_taps_dp_t(&b.p, level, dpt, b.dp, hw, (size_t)k->OC * hw, k->OC, k->N);
+                conv_taps_dp_t_ref(&b.p, dpt_ref, b.dp, hw, (size_t)k->OC * hw, k->OC, k->N);
+                const bool ft = !memcmp(dpt, dpt_ref, nt * sizeof(float));
                 float *dw2 = malloc(nw * sizeof(float));
                 fill(dw2, nw, start);
-                conv_taps_dw(&b.p, level, dw2, b.dp, hw, (size_t)k->OC * hw, b.xr, k->N, add);
-                const bool fw2 = !memcmp(dw2, b.dw_ref, nw * sizeof(float));
-                if (!fw2) print_case("weight gradient from (N, OC, H, W) bits", k, level);
+                const int n1 = k->N / 2;
+                if (n1) conv_taps_dw(&b.p, level, dw2, dpt, b.xr, n1, add);
+                conv_taps_dw(&b.p, level, dw2, dpt + (size_t)n1 * hw * ldd, b.xr + (size_t)n1 * k->C * b.p.pplane,
+                             k->N - n1, add || n1);
+                const bool fw2 = same_dwt(dw2, b.dw_ref, k);
+                if (!ft) print_case("transposed output gradient bits", k, level);
+                if (!fw2) print_case("weight gradient in two calls from (N, OC, H, W) bits", k, level);
+                CU_ASSERT(ft);
                 CU_ASSERT(fw2);
-                free(dw2);
+                free(dw2), free(dpt), free(dpt_ref);
                 if (!fy) print_case(add ? "forward (added) bits" : "forward bits", k, level);
                 if (!fx) print_case(add ? "input gradient (added) bits" : "input gradient bits", k, level);
                 if (!fw) print_case(add ? "weight gradient (added) bits" : "weight gradient bits", k, level);
@@ -215,8 +243,11 @@ static void test_taps_ref_matches_direct(void) {
             ASSERT_ALL_CLOSE(b.y, b.y_ref, ny, ty, 1e-5);
             if (test_close_ratio(b.dx, b.dx_ref, nx, tx, 1e-5, NULL) > 1.0) print_case("dx", k, levels[li]);
             ASSERT_ALL_CLOSE(b.dx, b.dx_ref, nx, tx, 1e-5);
-            if (test_close_ratio(b.dw, b.dw_ref, nw, tw, 1e-5, NULL) > 1.0) print_case("dw", k, levels[li]);
-            ASSERT_ALL_CLOSE(b.dw, b.dw_ref, nw, tw, 1e-5);
+            float *dw = calloc(nw, sizeof(float)); /* (OC, C KK): the transpose added to zeros */
+            conv_taps_dw_add_parts(&b.p, dw, b.dw, 1);
+            if (test_close_ratio(dw, b.dw_ref, nw, tw, 1e-5, NULL) > 1.0) print_case("dw", k, levels[li]);
+            ASSERT_ALL_CLOSE(dw, b.dw_ref, nw, tw, 1e-5);
+            free(dw);
             bufs_free(&b);
         }
 }
