@@ -9,7 +9,8 @@
  * AVX-512: per position, 2 vectors of dpt (32 output channels) by up to 9 taps of one input channel, 18 sums in
  * registers, each x value one broadcast for both; one vector of channels (16) with a 3x3 kernel takes two
  * positions a step, whose 12 distinct x values serve the 18 products (9 broadcasts a position bound the loop
- * otherwise). AVX2: one vector of 8 channels by up to 9 taps. */
+ * otherwise); at most 8 channels take two input channels a vector (dw512_k3_two). AVX2: one vector of 8 channels
+ * by up to 9 taps. */
 #include "conv_taps.h"
 
 #include <stdint.h>
@@ -105,6 +106,65 @@ T512 INLINE void dw512_k3_pairs(float *out, size_t ldd, const float *d, const fl
     for (int k = 0; k < 9; k++) _mm512_storeu_ps(out + k * ldd, a[k]);
 }
 
+/* The 3x3 kernel for at most 8 output channels (a low-rank adapter's rank), two input channels at once: lanes
+ * 0 .. 7 the output channels of input channel c, lanes 8 .. 15 those of c + 1 (out1: its dwt rows), so no lane is
+ * padding. Each position's dp is its 8 channels in both halves (one 256-bit broadcast), each x value a broadcast of
+ * c's with c + 1's merged into the upper half; two positions a step, as dw512_k3_pairs. Each lane is still one
+ * weight's chain. */
+/* d[0 .. 7] in both halves. */
+T512 INLINE __m512 bcast8(const float *d) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(const void *)d)));
+}
+
+T512 INLINE __m512 bcast2(const float *x0, const float *x1) {
+    __m512 b = _mm512_mask_broadcastss_ps(_mm512_set1_ps(*x0), 0xFF00, _mm_load_ss(x1));
+    __asm__("" : "+v"(b));
+    return b;
+}
+
+T512 __attribute__((noinline)) static void dw512_k3_two(const ConvTaps *p, float *out0, float *out1, size_t ldd,
+                                                        const float *d, const float *xc0, const float *xc1,
+                                                        bool fresh) {
+    __m512 a[9];
+#pragma GCC unroll 9
+    for (int k = 0; k < 9; k++)
+        a[k] = fresh ? _mm512_setzero_ps()
+                     : _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(0x00FF, out0 + k * ldd), 0xFF00, out1 + k * ldd - 8);
+    const size_t pw = (size_t)p->pw;
+    for (int h = 0; h < p->H; h++) {
+        const float *r0[3] = {xc0 + (size_t)h * pw, xc0 + (size_t)(h + 1) * pw, xc0 + (size_t)(h + 2) * pw};
+        const float *r1[3] = {xc1 + (size_t)h * pw, xc1 + (size_t)(h + 1) * pw, xc1 + (size_t)(h + 2) * pw};
+        int w = 0;
+        for (; w + 2 <= p->W; w += 2, d += 2 * ldd) {
+            const __m512 d0 = bcast8(d), d1 = bcast8(d + ldd);
+#pragma GCC unroll 3
+            for (int kh = 0; kh < 3; kh++) {
+                const float *s0 = r0[kh] + w, *s1 = r1[kh] + w;
+                const __m512 b0 = bcast2(s0, s1), b1 = bcast2(s0 + 1, s1 + 1);
+                const __m512 b2 = bcast2(s0 + 2, s1 + 2), b3 = bcast2(s0 + 3, s1 + 3);
+                a[3 * kh] = _mm512_fmadd_ps(d0, b0, a[3 * kh]);
+                a[3 * kh + 1] = _mm512_fmadd_ps(d0, b1, a[3 * kh + 1]);
+                a[3 * kh + 2] = _mm512_fmadd_ps(d0, b2, a[3 * kh + 2]);
+                a[3 * kh] = _mm512_fmadd_ps(d1, b1, a[3 * kh]);
+                a[3 * kh + 1] = _mm512_fmadd_ps(d1, b2, a[3 * kh + 1]);
+                a[3 * kh + 2] = _mm512_fmadd_ps(d1, b3, a[3 * kh + 2]);
+            }
+        }
+        if (w < p->W) { /* an odd row's last position */
+            const __m512 d0 = bcast8(d);
+#pragma GCC unroll 9
+            for (int k = 0; k < 9; k++)
+                a[k] = _mm512_fmadd_ps(d0, bcast2(r0[k / 3] + w + k % 3, r1[k / 3] + w + k % 3), a[k]);
+            d += ldd;
+        }
+    }
+#pragma GCC unroll 9
+    for (int k = 0; k < 9; k++) {
+        _mm512_mask_storeu_ps(out0 + k * ldd, 0x00FF, a[k]);
+        _mm512_mask_storeu_ps(out1 + k * ldd - 8, 0xFF00, a[k]);
+    }
+}
+
 /* Each shape its own function: 18 sums, 2 vectors of dp and a broadcast fill 21 of the 32 registers, which gcc 12
  * keeps there only in a function of its own. */
 T512 __attribute__((noinline)) static void dw512_k3_r2(const ConvTaps *p, float *out, size_t ldd, const float *d,
@@ -136,6 +196,12 @@ T512 void conv_taps_dw_avx512(const ConvTaps *p, float *dwt, const float *dpt, c
                 const float *d = dpt + (size_t)i * plane * ldd + 16 * (size_t)o;
                 const float *x = xp + ((size_t)i * p->C + c) * p->pplane;
                 const bool fresh = !add && i == 0, two = nv - o >= 2;
+                if (k3 && p->OC <= 8 && c + 1 < p->C) { /* two input channels a vector */
+                    dw512_k3_two(p, dwt + (size_t)c * KK * ldd, dwt + (size_t)(c + 1) * KK * ldd, ldd, d, x,
+                                 x + p->pplane, fresh);
+                    c++;
+                    continue;
+                }
                 for (int t0 = 0; t0 < KK; t0 += 9) {
                     float *out = dwt + ((size_t)c * KK + t0) * ldd + 16 * (size_t)o;
                     const int tb = KK - t0 < 9 ? KK - t0 : 9;

@@ -26,8 +26,9 @@ static const TapsCase kernel_cases[] = {
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
     {1, 2, 4, 20, 2, 7, 0, 0},  {2, 3, 2, 9, 3, 3, 0, 0},   {1, 2, 3, 16, 4, 3, 0, 0}, {1, 2, 8, 10, 3, 3, 0, 0},
     /* the weight gradient's channel vectors: pairs and a last one alone, 3x3 (odd rows: a last position alone)
-     * and not, a last vector mostly padding */
+     * and not, a last vector mostly padding; 8 output channels (a rank) at 16 lanes: two input channels a vector */
     {2, 3, 5, 6, 33, 3, 0, 0},  {1, 3, 4, 7, 16, 3, 0, 0},  {1, 2, 4, 7, 20, 5, 0, 0}, {3, 2, 3, 5, 40, 0, 1, 3},
+    {2, 4, 6, 9, 8, 3, 0, 0},   {1, 5, 3, 4, 7, 3, 0, 0},
 };
 #define N_KERNEL_CASES (sizeof kernel_cases / sizeof kernel_cases[0])
 
