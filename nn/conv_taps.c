@@ -52,24 +52,28 @@ const char *conv_taps_level_name(ConvTapsLevel level) {
 
 int conv_taps_lanes(ConvTapsLevel level) { return level == CONV_TAPS_AVX512 ? 16 : 8; }
 
+/* The flat layout where it saves vectors (conv_taps.h): a 3x3 kernel at 16 lanes whose plane takes fewer vectors
+ * of 16 consecutive outputs than rows of whole vectors (28x28: 49 against 56; 14x14: 13 against 14). */
+static bool taps_flat(int lanes, int H, int W, int KH, int KW) {
+    const long long flat = ((long long)H * W + 15) / 16, rows = (long long)H * ((W + lanes - 1) / lanes);
+    return lanes == 16 && KH == 3 && KW == 3 && flat < rows;
+}
+
 bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding) {
     if (level == CONV_TAPS_OFF || stride != 1 || KH < 1 || KW < 1 || !(KH & 1) || !(KW & 1)) return false;
     if (2 * padding != KH - 1 || 2 * padding != KW - 1 || KH * KW < 2 || KH * KW > 49) return false;
     const int lanes = conv_taps_lanes(level), vpr = (W + lanes - 1) / lanes;
-    return H >= 1 && W >= 1 && 3 * W >= 2 * vpr * lanes;
+    if (H < 1 || W < 1) return false;
+    /* the forward's and input gradient's lanes at least 2/3 outputs: rows of whole vectors, or flat planes (7x7 at
+     * 16 lanes: 49 outputs in 4 vectors); the weight gradient's lanes are output channels, never padding */
+    const long long flat_lanes = ((long long)H * W + 15) / 16 * 16;
+    return 3 * W >= 2 * vpr * lanes || (taps_flat(lanes, H, W, KH, KW) && 3LL * H * W >= 2 * flat_lanes);
 }
 
 size_t conv_taps_table_floats(int H, int W, int lanes) {
     const size_t v = (size_t)H * (size_t)((W + lanes - 1) / lanes);
     const size_t vf = ((size_t)H * W + 15) / 16; /* the flat masks: two uint16 a vector */
     return 2 * v + 49 + (v + 3) / 4 + (vf + 1);
-}
-
-/* The flat layout where it saves vectors (conv_taps.h): a 3x3 kernel at 16 lanes whose plane takes fewer vectors
- * of 16 consecutive outputs than rows of whole vectors (28x28: 49 against 56; 14x14: 13 against 14). */
-static bool taps_flat(int lanes, int H, int W, int KH, int KW) {
-    const long long flat = ((long long)H * W + 15) / 16, rows = (long long)H * ((W + lanes - 1) / lanes);
-    return lanes == 16 && KH == 3 && KW == 3 && flat < rows;
 }
 
 void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables) {

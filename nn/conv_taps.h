@@ -79,7 +79,8 @@ typedef struct {
 } ConvTaps;
 
 /* Whether the geometry is one conv_taps takes at level (not OFF): same stride 1, odd kernels of 3 to 49 taps
- * (1x1 runs as its own product, ops_conv.c), and rows not mostly padding (W >= 2/3 of its vectors' lanes). */
+ * (1x1 runs as its own product, ops_conv.c), and vectors not mostly padding: W >= 2/3 of its row's vectors'
+ * lanes, or, where the flat layout applies, H W >= 2/3 of the flat vectors' (7x7 at 16 lanes: 49 of 64). */
 bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding);
 /* Floats of a plan's tables, for conv_taps_plan's buffer (int32 and bytes, counted in floats). */
 size_t conv_taps_table_floats(int H, int W, int lanes);

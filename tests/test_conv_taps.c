@@ -20,7 +20,8 @@ typedef struct {
 
 /* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
  * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis),
- * images of 1, 2 and 3 rows, flat planes (conv_taps.h) of 3, 5 (a last tile of 2 vectors), 7, 21 and 49 vectors. */
+ * images of 1, 2 and 3 rows, flat planes (conv_taps.h) of 3, 4 (7x7, a last vector of one lane), 5 (a last tile
+ * of 2 vectors), 7, 21 and 49 vectors. */
 static const TapsCase kernel_cases[] = {
     {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
@@ -28,7 +29,7 @@ static const TapsCase kernel_cases[] = {
     /* the weight gradient's channel vectors: pairs and a last one alone, 3x3 (odd rows: a last position alone)
      * and not, a last vector mostly padding; 8 output channels (a rank) at 16 lanes: two input channels a vector */
     {2, 3, 5, 6, 33, 3, 0, 0},  {1, 3, 4, 7, 16, 3, 0, 0},  {1, 2, 4, 7, 20, 5, 0, 0}, {3, 2, 3, 5, 40, 0, 1, 3},
-    {2, 4, 6, 9, 8, 3, 0, 0},   {1, 5, 3, 4, 7, 3, 0, 0},
+    {2, 4, 6, 9, 8, 3, 0, 0},   {1, 5, 3, 4, 7, 3, 0, 0},   {2, 5, 7, 7, 12, 3, 0, 0}, /* 7x7: 4 flat vectors */
 };
 #define N_KERNEL_CASES (sizeof kernel_cases / sizeof kernel_cases[0])
 
@@ -259,9 +260,12 @@ static void test_taps_fits(void) {
     CU_ASSERT(conv_taps_fits(v16, 28, 28, 3, 3, 1, 1));
     CU_ASSERT(conv_taps_fits(v16, 14, 14, 3, 3, 1, 1));
     CU_ASSERT(conv_taps_fits(v16, 9, 12, 5, 5, 1, 2));
-    CU_ASSERT(!conv_taps_fits(v16, 7, 7, 3, 3, 1, 1)); /* 7 of 16 lanes */
-    CU_ASSERT(conv_taps_fits(v8, 7, 7, 3, 3, 1, 1));   /* 7 of 8 */
-    CU_ASSERT(!conv_taps_fits(v16, 20, 20, 3, 3, 1, 1)); /* 20 of 32 */
+    CU_ASSERT(conv_taps_fits(v16, 7, 7, 3, 3, 1, 1));   /* rows 7 of 16 lanes, flat 49 of 64 */
+    CU_ASSERT(!conv_taps_fits(v16, 7, 7, 5, 5, 1, 2));  /* 7 of 16, and no flat planes for 5x5 */
+    CU_ASSERT(!conv_taps_fits(v16, 1, 5, 3, 3, 1, 1));  /* flat too: 5 of 16 */
+    CU_ASSERT(conv_taps_fits(v8, 7, 7, 3, 3, 1, 1));    /* 7 of 8 */
+    CU_ASSERT(conv_taps_fits(v16, 20, 20, 3, 3, 1, 1)); /* rows 20 of 32, flat 400 of 400 */
+    CU_ASSERT(!conv_taps_fits(v16, 20, 20, 5, 5, 1, 2)); /* 20 of 32, no flat planes */
     CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 2, 1)); /* stride 2 */
     CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 1, 0)); /* not "same" */
     CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 1, 2));
