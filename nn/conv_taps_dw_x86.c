@@ -69,100 +69,79 @@ T512 INLINE void dw512_block(const ConvTaps *p, float *out, size_t ldd, const fl
             if (k < tb) _mm512_storeu_ps(out + k * ldd + 16 * r, a[r][k]);
 }
 
-/* The 3x3 kernel for one vector of output channels, two positions a step: positions w and w + 1 of a row read
- * columns w .. w + 3 of the three padded rows, 12 broadcasts for the 18 products (each sum still takes w, then
- * w + 1). */
-T512 INLINE void dw512_k3_pairs(float *out, size_t ldd, const float *d, const float *x, const ConvTaps *p,
-                                bool fresh) {
-    __m512 a[9];
-#pragma GCC unroll 9
-    for (int k = 0; k < 9; k++) a[k] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(out + k * ldd);
-    const size_t pw = (size_t)p->pw;
-    for (int h = 0; h < p->H; h++) {
-        const float *xr[3] = {x + (size_t)h * pw, x + (size_t)(h + 1) * pw, x + (size_t)(h + 2) * pw};
-        int w = 0;
-        for (; w + 2 <= p->W; w += 2, d += 2 * ldd) {
-            const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + ldd);
-#pragma GCC unroll 3
-            for (int kh = 0; kh < 3; kh++) {
-                const float *s = xr[kh] + w;
-                const __m512 b0 = bcast512(s), b1 = bcast512(s + 1), b2 = bcast512(s + 2), b3 = bcast512(s + 3);
-                a[3 * kh] = _mm512_fmadd_ps(d0, b0, a[3 * kh]);
-                a[3 * kh + 1] = _mm512_fmadd_ps(d0, b1, a[3 * kh + 1]);
-                a[3 * kh + 2] = _mm512_fmadd_ps(d0, b2, a[3 * kh + 2]);
-                a[3 * kh] = _mm512_fmadd_ps(d1, b1, a[3 * kh]);
-                a[3 * kh + 1] = _mm512_fmadd_ps(d1, b2, a[3 * kh + 1]);
-                a[3 * kh + 2] = _mm512_fmadd_ps(d1, b3, a[3 * kh + 2]);
-            }
-        }
-        if (w < p->W) { /* an odd row's last position */
-            const __m512 d0 = _mm512_loadu_ps(d);
-#pragma GCC unroll 9
-            for (int k = 0; k < 9; k++) a[k] = _mm512_fmadd_ps(d0, bcast512(xr[k / 3] + w + k % 3), a[k]);
-            d += ldd;
-        }
-    }
-#pragma GCC unroll 9
-    for (int k = 0; k < 9; k++) _mm512_storeu_ps(out + k * ldd, a[k]);
-}
-
-/* The 3x3 kernel for at most 8 output channels (a low-rank adapter's rank), two input channels at once: lanes
- * 0 .. 7 the output channels of input channel c, lanes 8 .. 15 those of c + 1 (out1: its dwt rows), so no lane is
- * padding. Each position's dp is its 8 channels in both halves (one 256-bit broadcast), each x value a broadcast of
- * c's with c + 1's merged into the upper half; two positions a step, as dw512_k3_pairs. Each lane is still one
- * weight's chain. */
 /* d[0 .. 7] in both halves. */
 T512 INLINE __m512 bcast8(const float *d) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(const void *)d)));
 }
 
+/* *x0 in the low half, *x1 in the high. */
 T512 INLINE __m512 bcast2(const float *x0, const float *x1) {
     __m512 b = _mm512_mask_broadcastss_ps(_mm512_set1_ps(*x0), 0xFF00, _mm_load_ss(x1));
     __asm__("" : "+v"(b));
     return b;
 }
 
-T512 __attribute__((noinline)) static void dw512_k3_two(const ConvTaps *p, float *out0, float *out1, size_t ldd,
-                                                        const float *d, const float *xc0, const float *xc1,
-                                                        bool fresh) {
+/* The 3x3 kernel for one vector of output channels, two positions a step: positions w and w + 1 of a row read
+ * columns w .. w + 3 of the three padded rows, 12 broadcasts for the 18 products (each sum still takes w, then
+ * w + 1). With two (at most 8 output channels, a low-rank adapter's rank): two input channels at once, lanes
+ * 0 .. 7 the output channels of c (plane xc0, dwt rows out0), lanes 8 .. 15 those of c + 1 (xc1, out1), so no
+ * lane is padding: each position's dp is its 8 channels in both halves, each x value c's broadcast with c + 1's
+ * merged into the upper half. Each lane is still one weight's chain. */
+T512 INLINE void dw512_k3_pairs(const ConvTaps *p, float *out0, float *out1, size_t ldd, const float *d,
+                                const float *xc0, const float *xc1, bool fresh, const bool two) {
     __m512 a[9];
 #pragma GCC unroll 9
     for (int k = 0; k < 9; k++)
         a[k] = fresh ? _mm512_setzero_ps()
-                     : _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(0x00FF, out0 + k * ldd), 0xFF00, out1 + k * ldd - 8);
+               : two ? _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(0x00FF, out0 + k * ldd), 0xFF00, out1 + k * ldd - 8)
+                     : _mm512_loadu_ps(out0 + k * ldd);
     const size_t pw = (size_t)p->pw;
     for (int h = 0; h < p->H; h++) {
         const float *r0[3] = {xc0 + (size_t)h * pw, xc0 + (size_t)(h + 1) * pw, xc0 + (size_t)(h + 2) * pw};
         const float *r1[3] = {xc1 + (size_t)h * pw, xc1 + (size_t)(h + 1) * pw, xc1 + (size_t)(h + 2) * pw};
         int w = 0;
         for (; w + 2 <= p->W; w += 2, d += 2 * ldd) {
-            const __m512 d0 = bcast8(d), d1 = bcast8(d + ldd);
+            const __m512 d0 = two ? bcast8(d) : _mm512_loadu_ps(d);
+            const __m512 d1 = two ? bcast8(d + ldd) : _mm512_loadu_ps(d + ldd);
 #pragma GCC unroll 3
             for (int kh = 0; kh < 3; kh++) {
                 const float *s0 = r0[kh] + w, *s1 = r1[kh] + w;
-                const __m512 b0 = bcast2(s0, s1), b1 = bcast2(s0 + 1, s1 + 1);
-                const __m512 b2 = bcast2(s0 + 2, s1 + 2), b3 = bcast2(s0 + 3, s1 + 3);
-                a[3 * kh] = _mm512_fmadd_ps(d0, b0, a[3 * kh]);
-                a[3 * kh + 1] = _mm512_fmadd_ps(d0, b1, a[3 * kh + 1]);
-                a[3 * kh + 2] = _mm512_fmadd_ps(d0, b2, a[3 * kh + 2]);
-                a[3 * kh] = _mm512_fmadd_ps(d1, b1, a[3 * kh]);
-                a[3 * kh + 1] = _mm512_fmadd_ps(d1, b2, a[3 * kh + 1]);
-                a[3 * kh + 2] = _mm512_fmadd_ps(d1, b3, a[3 * kh + 2]);
+                __m512 b[4];
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) b[j] = two ? bcast2(s0 + j, s1 + j) : bcast512(s0 + j);
+                a[3 * kh] = _mm512_fmadd_ps(d0, b[0], a[3 * kh]);
+                a[3 * kh + 1] = _mm512_fmadd_ps(d0, b[1], a[3 * kh + 1]);
+                a[3 * kh + 2] = _mm512_fmadd_ps(d0, b[2], a[3 * kh + 2]);
+                a[3 * kh] = _mm512_fmadd_ps(d1, b[1], a[3 * kh]);
+                a[3 * kh + 1] = _mm512_fmadd_ps(d1, b[2], a[3 * kh + 1]);
+                a[3 * kh + 2] = _mm512_fmadd_ps(d1, b[3], a[3 * kh + 2]);
             }
         }
         if (w < p->W) { /* an odd row's last position */
-            const __m512 d0 = bcast8(d);
+            const __m512 d0 = two ? bcast8(d) : _mm512_loadu_ps(d);
 #pragma GCC unroll 9
-            for (int k = 0; k < 9; k++)
-                a[k] = _mm512_fmadd_ps(d0, bcast2(r0[k / 3] + w + k % 3, r1[k / 3] + w + k % 3), a[k]);
+            for (int k = 0; k < 9; k++) {
+                const float *s0 = r0[k / 3] + w + k % 3, *s1 = r1[k / 3] + w + k % 3;
+                a[k] = _mm512_fmadd_ps(d0, two ? bcast2(s0, s1) : bcast512(s0), a[k]);
+            }
             d += ldd;
         }
     }
 #pragma GCC unroll 9
     for (int k = 0; k < 9; k++) {
+        if (!two) {
+            _mm512_storeu_ps(out0 + k * ldd, a[k]);
+            continue;
+        }
         _mm512_mask_storeu_ps(out0 + k * ldd, 0x00FF, a[k]);
         _mm512_mask_storeu_ps(out1 + k * ldd - 8, 0xFF00, a[k]);
     }
+}
+
+T512 __attribute__((noinline)) static void dw512_k3_two(const ConvTaps *p, float *out0, float *out1, size_t ldd,
+                                                        const float *d, const float *xc0, const float *xc1,
+                                                        bool fresh) {
+    dw512_k3_pairs(p, out0, out1, ldd, d, xc0, xc1, fresh, true);
 }
 
 /* Each shape its own function: 18 sums, 2 vectors of dp and a broadcast fill 21 of the 32 registers, which gcc 12
@@ -173,7 +152,7 @@ T512 __attribute__((noinline)) static void dw512_k3_r2(const ConvTaps *p, float 
 }
 T512 __attribute__((noinline)) static void dw512_k3_r1(const ConvTaps *p, float *out, size_t ldd, const float *d,
                                                        const float *x, bool fresh) {
-    dw512_k3_pairs(out, ldd, d, x, p, fresh);
+    dw512_k3_pairs(p, out, out, ldd, d, x, x, fresh, false);
 }
 T512 __attribute__((noinline)) static void dw512_any_r2(const ConvTaps *p, float *out, size_t ldd, const float *d,
                                                         const float *x, bool fresh, int t0, int tb) {
