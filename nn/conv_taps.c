@@ -65,7 +65,7 @@ bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int strid
     const int lanes = conv_taps_lanes(level), vpr = (W + lanes - 1) / lanes;
     if (H < 1 || W < 1) return false;
     /* the forward's and input gradient's lanes at least 2/3 outputs: rows of whole vectors, or flat planes (7x7 at
-     * 16 lanes: 49 outputs in 4 vectors); the weight gradient's lanes are output channels, never padding */
+     * 16 lanes: 49 outputs in 4 vectors); the weight gradient's lanes are output channels, whatever the plane */
     const long long flat_lanes = ((long long)H * W + 15) / 16 * 16;
     return 3 * W >= 2 * vpr * lanes || (taps_flat(lanes, H, W, KH, KW) && 3LL * H * W >= 2 * flat_lanes);
 }

@@ -323,10 +323,12 @@ T256 void conv_taps_dp_t_avx2(const ConvTaps *p, float *dpt, const float *dp, si
                 __m256 v[8];
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; k++) {
+                    if (r0 + k >= (size_t)rows) { /* padding: zeros, and no address past dp */
+                        v[k] = _mm256_setzero_ps();
+                        continue;
+                    }
                     const float *s = dp + (r0 + k) * ldp + i * ldi + q0;
-                    v[k] = r0 + k >= (size_t)rows ? _mm256_setzero_ps()
-                           : nq == 8               ? _mm256_loadu_ps(s)
-                                                   : _mm256_maskload_ps(s, m);
+                    v[k] = nq == 8 ? _mm256_loadu_ps(s) : _mm256_maskload_ps(s, m);
                 }
                 transpose8(v);
                 for (int k = 0; k < nq; k++) _mm256_storeu_ps(dpt + ((size_t)i * plane + q0 + k) * ldd + r0, v[k]);

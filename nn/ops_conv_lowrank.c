@@ -160,7 +160,8 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
     const int ckk = conv_ckk(d), r = lc->rank, chunk = conv_job_chunk(j);
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats, *dt = dpre + j->prod_floats;
-    float *dtt = dt + (size_t)r * chunk * plane, *dpt = conv_taps_dpt(j, col); /* one sample's dt, dpre transposed */
+    float *dpt = conv_taps_dpt(j, col);                                    /* one sample's dpre transposed */
+    float *dtt = lj->da_part ? dt + (size_t)r * chunk * plane : NULL;       /* and its dt (only with dA: room) */
     float *dw = j->dw_part ? j->dw_part + (size_t)task * conv_dw_part_floats(d) : NULL; /* (C*KH*KW, ldd) */
     ConvTaps pa = *p; /* dA: the weight gradient of rank rows */
     pa.OC = r;

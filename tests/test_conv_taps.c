@@ -122,6 +122,12 @@ static void fill(float *p, size_t n, float v) {
     for (size_t i = 0; i < n; i++) p[i] = v;
 }
 
+/* Added-to start values that differ from one float to the next (a kernel that went on from the wrong row or lane
+ * would show), or NaN everywhere for written outputs (whatever was there is gone). */
+static void fill_start(float *p, size_t n, bool add) {
+    for (size_t i = 0; i < n; i++) p[i] = add ? 0.25f * (float)((i * 37) % 17) - 2.0f : NAN;
+}
+
 /* Every vector level's kernels give the plain C definitions' bits, written and added. */
 static void test_taps_kernels_match_ref_bits(void) {
     static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
@@ -141,7 +147,7 @@ static void test_taps_kernels_match_ref_bits(void) {
                 bufs_init(&b, k, level, 100 + 10 * i);
                 const float start = add ? 0.375f : NAN; /* written: whatever was there is gone */
                 fill(b.y, ny, start), fill(b.y_ref, ny, start), fill(b.dx, nx, start), fill(b.dx_ref, nx, start);
-                fill(b.dw, nw, start), fill(b.dw_ref, nw, start);
+                fill_start(b.dw, nw, add), fill_start(b.dw_ref, nw, add);
                 taps_products(&b, k, level, true, b.y, b.dx, b.dw, add);
                 taps_products(&b, k, level, false, b.y_ref, b.dx_ref, b.dw_ref, add);
                 const bool fy = !memcmp(b.y, b.y_ref, ny * sizeof(float));
@@ -157,7 +163,7 @@ static void test_taps_kernels_match_ref_bits(void) {
                 conv_taps_dp_t_ref(&b.p, dpt_ref, b.dp, hw, (size_t)k->OC * hw, k->OC, k->N);
                 const bool ft = !memcmp(dpt, dpt_ref, nt * sizeof(float));
                 float *dw2 = malloc(nw * sizeof(float));
-                fill(dw2, nw, start);
+                fill_start(dw2, nw, add);
                 const int n1 = k->N / 2;
                 if (n1) conv_taps_dw(&b.p, level, dw2, dpt, b.xr, n1, add);
                 conv_taps_dw(&b.p, level, dw2, dpt + (size_t)n1 * hw * ldd, b.xr + (size_t)n1 * k->C * b.p.pplane,
@@ -465,26 +471,55 @@ static void test_taps_lowrank_matches_gemm(void) {
         test_skip("the low-rank conv through the taps: this CPU has neither AVX-512F nor AVX2 with FMA");
         return;
     }
-    for (size_t i = 0; i < sizeof op_cases / sizeof op_cases[0]; i++)
-        for (size_t gi = 0; gi < 3; gi++)
-            for (int train_w = 0; train_w < 2; train_w++) {
-                const TapsCase *k = &op_cases[i];
-                const ConvEpilogue epi = train_w ? CONV_EPI_RELU : CONV_EPI_NONE;
-                float *t = NULL, *g = NULL;
-                size_t nt = 0, ng = 0;
-                if (!run_lowrank(k, grads[gi], train_w, epi, 3, level, &t, &nt) ||
-                    !run_lowrank(k, grads[gi], train_w, epi, 3, CONV_TAPS_OFF, &g, &ng) || nt != ng) {
-                    CU_FAIL("the low-rank convolution failed");
+    /* rank 3 and 8 (at 16 lanes: two input channels a vector for dA), 20 (more than the cases' output
+     * channels, two vectors) */
+    static const int RANKS[] = {3, 8, 20};
+    for (size_t ri = 0; ri < 3; ri++)
+        for (size_t i = 0; i < sizeof op_cases / sizeof op_cases[0]; i++)
+            for (size_t gi = 0; gi < 3; gi++)
+                for (int train_w = 0; train_w < 2; train_w++) {
+                    const TapsCase *k = &op_cases[i];
+                    const int rank = RANKS[ri];
+                    const ConvEpilogue epi = train_w ? CONV_EPI_RELU : CONV_EPI_NONE;
+                    float *t = NULL, *g = NULL;
+                    size_t nt = 0, ng = 0;
+                    if (!run_lowrank(k, grads[gi], train_w, epi, rank, level, &t, &nt) ||
+                        !run_lowrank(k, grads[gi], train_w, epi, rank, CONV_TAPS_OFF, &g, &ng) || nt != ng) {
+                        CU_FAIL("the low-rank convolution failed");
+                        free(t), free(g);
+                        continue;
+                    }
+                    /* every value is a sum of at most N H W (dA, dB, dw) or C KH KW (+ rank) products */
+                    const double tol = 2e-6 * ((double)k->N * k->H * k->W + k->C * 25 + k->OC * 25 + rank) + 1e-6;
+                    const double worst = test_close_ratio(t, g, nt, tol, 1e-5, NULL);
+                    if (worst > 1.0) print_case(train_w ? "low-rank conv, w trained" : "low-rank conv", k, level);
+                    CU_ASSERT(worst <= 1.0);
                     free(t), free(g);
-                    continue;
                 }
-                /* every value is a sum of at most N H W (dA, dB, dw) or C KH KW (+ rank) products */
-                const double tol = 2e-6 * ((double)k->N * k->H * k->W + k->C * 25 + k->OC * 25) + 1e-6;
-                const double worst = test_close_ratio(t, g, nt, tol, 1e-5, NULL);
-                if (worst > 1.0) print_case(train_w ? "low-rank conv, w trained" : "low-rank conv", k, level);
-                CU_ASSERT(worst <= 1.0);
-                free(t), free(g);
-            }
+}
+
+/* conv_taps_dw_add_parts adds the tasks' transposed partials into the gradient in conv_add_partials' order (each
+ * element: the gradient, then part 0, 1, ...): the same bits as conv_add_partials on the parts transposed back,
+ * for OC on and off the 16 columns of a row. */
+static void test_taps_dw_add_parts(void) {
+    static const int OCS[] = {5, 16, 21};
+    for (size_t oi = 0; oi < 3; oi++) {
+        ConvTaps p;
+        float *tables = malloc(conv_taps_table_floats(6, 6, 8) * sizeof(float));
+        conv_taps_plan(&p, CONV_TAPS_AVX2, 3, OCS[oi], 6, 6, 3, 3, tables);
+        enum { PARTS = 3 };
+        const size_t ckk = 27, ldd = conv_taps_oc_pad(p.OC), n = (size_t)p.OC * ckk, nt = ckk * ldd;
+        float *parts = test_random_uniform(PARTS * nt, 900 + oi, -1.0f, 1.0f), *back = malloc(PARTS * n * 4);
+        for (int k = 0; k < PARTS; k++)
+            for (int oc = 0; oc < p.OC; oc++)
+                for (size_t ct = 0; ct < ckk; ct++) back[k * n + oc * ckk + ct] = parts[k * nt + ct * ldd + oc];
+        float *a = test_random_uniform(n, 950 + oi, -1.0f, 1.0f), *b = malloc(n * sizeof(float));
+        memcpy(b, a, n * sizeof(float));
+        conv_taps_dw_add_parts(&p, a, parts, PARTS);
+        conv_add_partials(b, back, PARTS, n);
+        CU_ASSERT(!memcmp(a, b, n * sizeof(float)));
+        free(tables), free(parts), free(back), free(a), free(b);
+    }
 }
 
 /* The flat layout's edge taps add the padding's zero as the row layout does, not skip it: a sum that is -0.0f
@@ -530,6 +565,7 @@ int register_nn_conv_taps_suite(void) {
         {"op_matches_gemm", test_taps_op_matches_gemm},
         {"lowrank_matches_gemm", test_taps_lowrank_matches_gemm},
         {"flat_edge_taps_add_zero", test_taps_flat_edge_zero},
+        {"dw_add_parts_order", test_taps_dw_add_parts},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
