@@ -239,15 +239,16 @@ void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const flo
         for (int t = 0; t < KK; t++)
             for (int oc = 0; oc < p->OC; oc++) {
                 float *o = dwt + ((size_t)c * KK + t) * ldd + oc;
-                float acc = add ? *o : 0.0f;
-                for (int i = 0; i < n; i++)
+                for (int i = 0; i < n; i++) {
+                    float acc = 0.0f; /* the image's chain, then added (or written by the first of a fresh call) */
                     for (int h = 0; h < p->H; h++)
                         for (int w = 0; w < p->W; w++)
                             acc = fmaf(dpt[((size_t)i * plane + (size_t)h * p->W + w) * ldd + oc],
                                        xp[((size_t)i * p->C + c) * p->pplane + (size_t)h * p->pw + w +
                                           (size_t)p->off[t]],
                                        acc);
-                *o = acc;
+                    *o = !add && i == 0 ? acc : *o + acc;
+                }
             }
 }
 

@@ -15,11 +15,12 @@
  * - forward: y[oc][p] = the fmaf chain over c = 0..C-1, then t = 0..KH*KW-1 (row-major taps), from 0.
  * - input gradient: the forward of the padded output gradient with the weights transposed (rows C, channels OC)
  *   and the taps flipped: dx[c][p] = the chain over oc, then t, of w[oc][c][KK-1-t] dp_pad[oc][p + off(t)].
- * - weight gradient, transposed: dwt[c KK + t][oc] = the fmaf chain of dp[oc][q] x_pad[c][q + off(t)] over the
- *   images, then the rows, then the columns (every q of the output, none past W), from 0 or continuing from the
- *   value dwt holds (add): one chain per weight, whatever the width or the number of images a call takes. The
- *   kernels hold 16 (or 8) output channels in a vector's lanes, so no lane is padding and no sum ends in a tree;
- *   they read dp transposed, each position's channels along a row (conv_taps_dp_t). */
+ * - weight gradient, transposed: dwt[c KK + t][oc] = for each image in turn, the fmaf chain from 0 of
+ *   dp[oc][q] x_pad[c][q + off(t)] over its rows, then its columns (every q of the output, none past W), added to
+ *   dwt (or, for a call's first image without add, written): the same bits whatever the width or the number of
+ *   images a call takes, and chains no longer than a plane. The kernels hold 16 (or 8) output channels in a
+ *   vector's lanes, so no lane is padding and no sum ends in a tree; they read dp transposed, each position's
+ *   channels along a row (conv_taps_dp_t). */
 #ifndef QTRAIN_NN_CONV_TAPS_H
 #define QTRAIN_NN_CONV_TAPS_H
 
@@ -125,9 +126,9 @@ size_t conv_taps_oc_pad(int rows);
 void conv_taps_dp_t(const ConvTaps *p, ConvTapsLevel level, float *dpt, const float *dp, size_t ldp, size_t ldi,
                     int rows, int n);
 void conv_taps_dp_t_ref(const ConvTaps *p, float *dpt, const float *dp, size_t ldp, size_t ldi, int rows, int n);
-/* dwt (C KK, ldd = conv_taps_oc_pad(OC)) = the weight gradient of n images, transposed (the chains above, from 0,
- * or continuing from dwt's values if add); dpt: conv_taps_dp_t's of the OC rows; xp their padded inputs in the row
- * layout (n, C, pplane: conv_taps_pad_rows). dwt's columns past OC are unspecified. */
+/* dwt (C KK, ldd = conv_taps_oc_pad(OC)) = the weight gradient of n images, transposed (the images' chains above,
+ * added to dwt's values if add, else from the first image's); dpt: conv_taps_dp_t's of the OC rows; xp their padded
+ * inputs in the row layout (n, C, pplane: conv_taps_pad_rows). dwt's columns past OC are unspecified. */
 void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dwt, const float *dpt, const float *xp, int n,
                   bool add);
 void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const float *xp, int n, bool add);

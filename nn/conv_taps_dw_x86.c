@@ -1,10 +1,10 @@
 /* conv_taps_dw_x86.c - the taps convolution's weight gradient (conv_taps.h): AVX-512F with 16 output channels in a
- * vector's lanes, AVX2 + FMA with 8, and the transposes of dp they read. Each lane is one weight's chain, in
- * conv_taps_dw_ref's order, so every kernel gives its bits.
+ * vector's lanes, AVX2 + FMA with 8, and the transposes of dp they read. Each lane is one weight's chain over an
+ * image, added to the weight's sum, in conv_taps_dw_ref's order, so every kernel gives its bits.
  *
  * Why channels in the lanes: with positions in the lanes (a row of W outputs as whole vectors), a 14-wide row
  * filled 14 of 16 lanes and every sum ended in a tree of its lanes; here every lane is a weight, each position
- * of x is one broadcast against the output channels' vectors of dp, and a call's sums continue from dwt.
+ * of x is one broadcast against the output channels' vectors of dp, and each image's sums are added to dwt.
  *
  * AVX-512: per position, 2 vectors of dpt (32 output channels) by up to 9 taps of one input channel, 18 sums in
  * registers, each x value one broadcast for both; one vector of channels (16) with a 3x3 kernel takes two
@@ -36,8 +36,8 @@ T512 INLINE __m512 bcast512(const float *x) {
 
 /* Rows t0 .. t0 + tb - 1 of out (dwt's rows of channel c, from tap t0; columns: R vectors of 16 output channels)
  * over one image's positions: d its dpt (position q at d + q ldd), x its padded plane of channel c. k3: the 3x3
- * kernel (t0 0, tb 9), its taps as constant shifts of three row pointers. The chains continue from out, or start
- * at 0 (fresh). */
+ * kernel (t0 0, tb 9), its taps as constant shifts of three row pointers. The image's chains start at 0; their
+ * sums go to out (fresh) or are added to it. */
 T512 INLINE void dw512_block(const ConvTaps *p, float *out, size_t ldd, const float *d, const float *x, bool fresh,
                              const int R, int t0, int tb, const bool k3) {
     __m512 a[2][9];
@@ -45,7 +45,7 @@ T512 INLINE void dw512_block(const ConvTaps *p, float *out, size_t ldd, const fl
     for (int k = 0; k < 9; k++)
 #pragma GCC unroll 2
         for (int r = 0; r < 2; r++)
-            a[r][k] = fresh || r >= R || k >= tb ? _mm512_setzero_ps() : _mm512_loadu_ps(out + k * ldd + 16 * r);
+            a[r][k] = _mm512_setzero_ps();
     int off[9];
     for (int k = 0; k < 9; k++) off[k] = p->off[k < tb ? t0 + k : t0];
     const size_t pw = (size_t)p->pw;
@@ -65,8 +65,11 @@ T512 INLINE void dw512_block(const ConvTaps *p, float *out, size_t ldd, const fl
 #pragma GCC unroll 9
     for (int k = 0; k < 9; k++)
 #pragma GCC unroll 2
-        for (int r = 0; r < R; r++)
-            if (k < tb) _mm512_storeu_ps(out + k * ldd + 16 * r, a[r][k]);
+        for (int r = 0; r < R; r++) {
+            if (k >= tb) break;
+            float *o = out + k * ldd + 16 * r;
+            _mm512_storeu_ps(o, fresh ? a[r][k] : _mm512_add_ps(_mm512_loadu_ps(o), a[r][k]));
+        }
 }
 
 /* d[0 .. 7] in both halves. */
@@ -91,10 +94,7 @@ T512 INLINE void dw512_k3_pairs(const ConvTaps *p, float *out0, float *out1, siz
                                 const float *xc0, const float *xc1, bool fresh, const bool two) {
     __m512 a[9];
 #pragma GCC unroll 9
-    for (int k = 0; k < 9; k++)
-        a[k] = fresh ? _mm512_setzero_ps()
-               : two ? _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(0x00FF, out0 + k * ldd), 0xFF00, out1 + k * ldd - 8)
-                     : _mm512_loadu_ps(out0 + k * ldd);
+    for (int k = 0; k < 9; k++) a[k] = _mm512_setzero_ps();
     const size_t pw = (size_t)p->pw;
     for (int h = 0; h < p->H; h++) {
         const float *r0[3] = {xc0 + (size_t)h * pw, xc0 + (size_t)(h + 1) * pw, xc0 + (size_t)(h + 2) * pw};
@@ -130,11 +130,14 @@ T512 INLINE void dw512_k3_pairs(const ConvTaps *p, float *out0, float *out1, siz
 #pragma GCC unroll 9
     for (int k = 0; k < 9; k++) {
         if (!two) {
-            _mm512_storeu_ps(out0 + k * ldd, a[k]);
+            float *o = out0 + k * ldd;
+            _mm512_storeu_ps(o, fresh ? a[k] : _mm512_add_ps(_mm512_loadu_ps(o), a[k]));
             continue;
         }
-        _mm512_mask_storeu_ps(out0 + k * ldd, 0x00FF, a[k]);
-        _mm512_mask_storeu_ps(out1 + k * ldd - 8, 0xFF00, a[k]);
+        float *o0 = out0 + k * ldd, *o1 = out1 + k * ldd - 8; /* o1's lanes 8 .. 15: c + 1's row */
+        if (!fresh) a[k] = _mm512_add_ps(_mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(0x00FF, o0), 0xFF00, o1), a[k]);
+        _mm512_mask_storeu_ps(o0, 0x00FF, a[k]);
+        _mm512_mask_storeu_ps(o1, 0xFF00, a[k]);
     }
 }
 
@@ -248,7 +251,7 @@ T256 INLINE void dw256_block(const ConvTaps *p, float *out, size_t ldd, const fl
                              int t0, int tb, const bool k3) {
     __m256 a[9];
 #pragma GCC unroll 9
-    for (int k = 0; k < 9; k++) a[k] = fresh || k >= tb ? _mm256_setzero_ps() : _mm256_loadu_ps(out + k * ldd);
+    for (int k = 0; k < 9; k++) a[k] = _mm256_setzero_ps();
     int off[9];
     for (int k = 0; k < 9; k++) off[k] = p->off[k < tb ? t0 + k : t0];
     const size_t pw = (size_t)p->pw;
@@ -265,8 +268,11 @@ T256 INLINE void dw256_block(const ConvTaps *p, float *out, size_t ldd, const fl
         }
     }
 #pragma GCC unroll 9
-    for (int k = 0; k < 9; k++)
-        if (k < tb) _mm256_storeu_ps(out + k * ldd, a[k]);
+    for (int k = 0; k < 9; k++) {
+        if (k >= tb) break;
+        float *o = out + k * ldd;
+        _mm256_storeu_ps(o, fresh ? a[k] : _mm256_add_ps(_mm256_loadu_ps(o), a[k]));
+    }
 }
 
 T256 __attribute__((noinline)) static void dw256_k3(const ConvTaps *p, float *out, size_t ldd, const float *d,
