@@ -67,6 +67,9 @@
  * one anywhere). Exact, so every family gives the same sums. */
 void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+/* qgemm_s8 with c's rows ldc >= N apart, so column ranges of one product (rows of b) can run on different
+ * threads, each packing only its own; nothing between the rows written. */
+void qgemm_s8_ldc(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K);
 /* c (M, N) = a (M, K) b (K, N): b row-major with rows ldb apart (N
  * contiguous: the im2col layout of a conv's input codes), c's rows ldc
  * apart, so column ranges of one product can run on different threads.

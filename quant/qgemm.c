@@ -637,13 +637,17 @@ void qgemm_gather_u8x4(uint32_t *dst, const uint8_t *const src[4], const size_t 
 
 /* ---- int8 x int8 (quantized training) -------------------------------------------------------------------------- */
 
-void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+void qgemm_s8_ref_ldc(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
             int32_t acc = 0;
             for (int k = 0; k < K; k++) acc += (int32_t)a[(size_t)i * K + k] * (int32_t)b[(size_t)j * K + k];
-            c[(size_t)i * N + j] = acc;
+            c[(size_t)i * ldc + j] = acc;
         }
+}
+
+void qgemm_s8_ref(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref_ldc(c, N, a, b, M, N, K);
 }
 
 /* a [n] . b [n]. */
@@ -674,10 +678,10 @@ static void widen_rows(int16_t *restrict dst, const int8_t *restrict src, size_t
         for (int k = 0; k < n; k++) dst[(size_t)r * QG_KB + k] = src[(size_t)r * ld + k];
 }
 
-static void qgemm_s8_portable(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+static void qgemm_s8_portable(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
     _Alignas(64) int16_t bw[QG_NB * QG_KB]; /* (QG_NB, QG_KB) the current block of b */
     _Alignas(64) int16_t aw[QG_KB];         /* one row of a over the block's K */
-    memset(c, 0, (size_t)M * (size_t)N * sizeof *c);
+    for (int i = 0; i < M; i++) memset(c + (size_t)i * ldc, 0, (size_t)N * sizeof *c);
     for (int k0 = 0; k0 < K; k0 += QG_KB) {
         int kn = K - k0 < QG_KB ? K - k0 : QG_KB;
         for (int j0 = 0; j0 < N; j0 += QG_NB) {
@@ -686,7 +690,7 @@ static void qgemm_s8_portable(int32_t *c, const int8_t *a, const int8_t *b, int 
             for (int i = 0; i < M; i++) {
                 const int8_t *ar = a + (size_t)i * K + k0; /* [kn] */
                 for (int k = 0; k < kn; k++) aw[k] = ar[k];
-                int32_t *cr = c + (size_t)i * N + j0; /* [jn] */
+                int32_t *cr = c + (size_t)i * ldc + j0; /* [jn] */
                 int j = 0;
                 for (; j + 4 <= jn; j += 4) dot4_s16(cr + j, aw, bw + (size_t)j * QG_KB, kn);
                 for (; j < jn; j++) cr[j] += dot1_s16(aw, bw + (size_t)j * QG_KB, kn);
@@ -742,14 +746,18 @@ void qgemm_s8_nn(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb,
     }
 }
 
-void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+void qgemm_s8_ldc(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
     if (M <= 0 || N <= 0) return;
     const QGemmIsa isa = K > 0 ? qgemm_isa() : QGEMM_ISA_PORTABLE; /* K = 0: the portable loop writes the zeros */
     switch (isa) {
-    case QGEMM_ISA_AMX: qgemm_s8_amx(c, a, b, M, N, K); break;
-    case QGEMM_ISA_AVX512_VNNI: qgemm_s8_vnni(c, a, b, M, N, K); break;
-    case QGEMM_ISA_AVXVNNI: qgemm_s8_avxvnni(c, a, b, M, N, K); break;
-    case QGEMM_ISA_AVX2: qgemm_s8_avx2(c, a, b, M, N, K); break;
-    default: qgemm_s8_portable(c, a, b, M, N, K); break;
+    case QGEMM_ISA_AMX: qgemm_s8_amx(c, ldc, a, b, M, N, K); break;
+    case QGEMM_ISA_AVX512_VNNI: qgemm_s8_vnni(c, ldc, a, b, M, N, K); break;
+    case QGEMM_ISA_AVXVNNI: qgemm_s8_avxvnni(c, ldc, a, b, M, N, K); break;
+    case QGEMM_ISA_AVX2: qgemm_s8_avx2(c, ldc, a, b, M, N, K); break;
+    default: qgemm_s8_portable(c, ldc, a, b, M, N, K); break;
     }
+}
+
+void qgemm_s8(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ldc(c, N, a, b, M, N, K);
 }

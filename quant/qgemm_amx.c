@@ -131,8 +131,8 @@ QM_TARGET static void amx_run(int32_t *c, int ldc, const int8_t *a, const int8_t
     _tile_release();
 }
 
-void qgemm_s8_amx(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    amx_run(c, N, a, b, -1, M, N, K);
+void qgemm_s8_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    amx_run(c, ldc, a, b, -1, M, N, K);
 }
 
 void qgemm_s8_nn_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
@@ -220,8 +220,8 @@ QM_TARGET void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int 
 
 void qgemm_taps_amx(const QGemmTaps *g, int rb0, int rb1, int v0, int v1) { qgemm_taps_portable(g, rb0, rb1, v0, v1); }
 
-void qgemm_s8_amx(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    qgemm_s8_ref(c, a, b, M, N, K);
+void qgemm_s8_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref_ldc(c, ldc, a, b, M, N, K);
 }
 
 void qgemm_s8_nn_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {

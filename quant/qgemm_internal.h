@@ -56,9 +56,11 @@ void qgemm_gather_u8x4_s2_avx2(uint32_t *dst, const uint8_t *const src[4], const
 /* qgemm_interleave_u8x4 (qgemm_avx2.c). */
 void qgemm_interleave_u8x4_avx2(uint32_t *dst, size_t ldd, const uint8_t *const src[4], size_t lds, int rows, int n);
 /* qt.h's qgemm_s8: c (M, N) = a (M, K) b (N, K)^T, int8 both. */
-void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
-void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
-void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+/* qgemm_s8_ldc's families (c's rows ldc apart); the non-x86 builds' stand-ins call qgemm_s8_ref_ldc. */
+void qgemm_s8_ref_ldc(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K);
 /* The AVX2 pack of 8 columns of b (N, K) for qgemm_s8 (qgemm_s8_avx2.c): group g's 32 bytes at pack + g * gstride;
  * the AVX-512 kernel packs its 16-lane panels with it, two halves a group. */
 bool qgemm_s8_pack8_nt_avx2(int8_t *pack, size_t gstride, const int8_t *b, int K, int j0, int jn, int k0, int kn,
@@ -71,7 +73,7 @@ void qgemm_s8_pack_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int K, int 
 void qgemm_s8_pack_nn_vnni(int8_t *pack, int32_t *sum, const int8_t *b, int ldb, int j0, int jn, int k0, int kn,
                            int kg);
 /* AMX tiles (qgemm_amx.c). */
-void qgemm_s8_amx(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K);
+void qgemm_s8_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K);
 void qgemm_s8_nn_amx(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);
 /* qgemm_s8_nn's families. */
 void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K);

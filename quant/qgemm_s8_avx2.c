@@ -349,11 +349,11 @@ static void s8a_run(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int l
     }
 }
 
-void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    s8a_run(c, N, a, b, -1, M, N, K, s8a_prep_avx2, s8a_tiles_avx2);
+void qgemm_s8_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    s8a_run(c, ldc, a, b, -1, M, N, K, s8a_prep_avx2, s8a_tiles_avx2);
 }
-void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    s8a_run(c, N, a, b, -1, M, N, K, s8a_prep_avxvnni, s8a_tiles_avxvnni);
+void qgemm_s8_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    s8a_run(c, ldc, a, b, -1, M, N, K, s8a_prep_avxvnni, s8a_tiles_avxvnni);
 }
 void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
     s8a_run(c, ldc, a, b, ldb, M, N, K, s8a_prep_avx2, s8a_tiles_avx2);
@@ -376,11 +376,11 @@ void qgemm_s8_nn_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int
 void qgemm_s8_nn_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
     qgemm_s8_nn_ref(c, ldc, a, b, ldb, M, N, K);
 }
-void qgemm_s8_avx2(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    qgemm_s8_ref(c, a, b, M, N, K);
+void qgemm_s8_avx2(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref_ldc(c, ldc, a, b, M, N, K);
 }
-void qgemm_s8_avxvnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    qgemm_s8_ref(c, a, b, M, N, K);
+void qgemm_s8_avxvnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref_ldc(c, ldc, a, b, M, N, K);
 }
 
 #endif

@@ -692,8 +692,8 @@ QG_TARGET static void s8_run(int32_t *c, int ldc, const int8_t *a, const int8_t 
     }
 }
 
-QG_TARGET void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    s8_run(c, N, a, b, -1, M, N, K);
+QG_TARGET void qgemm_s8_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    s8_run(c, ldc, a, b, -1, M, N, K);
 }
 
 QG_TARGET void qgemm_s8_nn_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int ldb, int M, int N, int K) {
@@ -720,8 +720,8 @@ bool qgemm_quantize_u8x4_vnni(uint32_t *dst, size_t ldd, const float *const x[4]
                               const QGemmCodes *c) {
     return qgemm_quantize_u8x4_portable(dst, ldd, x, ldx, rows, n, c);
 }
-void qgemm_s8_vnni(int32_t *c, const int8_t *a, const int8_t *b, int M, int N, int K) {
-    qgemm_s8_ref(c, a, b, M, N, K);
+void qgemm_s8_vnni(int32_t *c, int ldc, const int8_t *a, const int8_t *b, int M, int N, int K) {
+    qgemm_s8_ref_ldc(c, ldc, a, b, M, N, K);
 }
 
 #endif

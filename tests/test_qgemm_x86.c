@@ -624,6 +624,21 @@ static void s8_case_signs(int M, int N, int K, uint64_t seed, bool extremes, int
         snprintf(what, sizeof what, "qgemm_s8 (%d, %d, %d) isa %d signs %d", M, N, K, isa, signs);
         CU_ASSERT(same_or_say(c1, ref, nc * 4, what));
     }
+    /* qgemm_s8_ldc: c's rows N + 3 apart, the gaps between them as they were */
+    const int ldc = N + 3;
+    const size_t nw = (size_t)M * ldc;
+    int32_t *cw = xmalloc(nw * 4), *rw = xmalloc(nw * 4);
+    memset(rw, 0x77, nw * 4);
+    for (int i = 0; i < M; i++) memcpy(rw + (size_t)i * ldc, ref + (size_t)i * N, (size_t)N * 4);
+    for (int isa = QGEMM_ISA_PORTABLE; isa <= QGEMM_ISA_AMX; isa++) {
+        if (!qgemm_cpu_has_isa((QGemmIsa)isa)) continue;
+        qgemm_force_isa = isa;
+        memset(cw, 0x77, nw * 4);
+        qgemm_s8_ldc(cw, ldc, a, b, M, N, K);
+        snprintf(what, sizeof what, "qgemm_s8_ldc (%d, %d, %d) isa %d signs %d", M, N, K, isa, signs);
+        CU_ASSERT(same_or_say(cw, rw, nw * 4, what));
+    }
+    free(cw), free(rw);
     qgemm_force_isa = -1;
     qgemm_force_portable = true;
     qgemm_s8(c2, a, b, M, N, K);
