@@ -375,9 +375,13 @@ float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size
 }
 
 /* The same result whichever thread ran which task. */
-void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
+void conv_add_partials_apart(float *grad, const float *parts, int n_tasks, size_t n, size_t stride) {
     for (int k = 0; k < n_tasks; k++)
-        for (size_t i = 0; i < n; i++) grad[i] += parts[(size_t)k * n + i];
+        for (size_t i = 0; i < n; i++) grad[i] += parts[(size_t)k * stride + i];
+}
+
+void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n) {
+    conv_add_partials_apart(grad, parts, n_tasks, n, n);
 }
 
 size_t conv_dw_part_floats(const ConvDims *d) { return (size_t)conv_ckk(d) * conv_taps_oc_pad(d->OC); }
@@ -387,9 +391,8 @@ void conv_add_dw_parts(const ConvJob *j, float *grad, int n_tasks) {
         conv_taps_dw_add_parts(j->taps, grad, j->dw_part, n_tasks);
         return;
     }
-    const size_t n = (size_t)j->c->d.OC * conv_ckk(&j->c->d), stride = conv_dw_part_floats(&j->c->d);
-    for (int k = 0; k < n_tasks; k++)
-        for (size_t i = 0; i < n; i++) grad[i] += j->dw_part[(size_t)k * stride + i];
+    conv_add_partials_apart(grad, j->dw_part, n_tasks, (size_t)j->c->d.OC * conv_ckk(&j->c->d),
+                            conv_dw_part_floats(&j->c->d));
 }
 
 float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n) {

@@ -130,14 +130,14 @@ size_t conv_col_rows(const ConvJob *j, bool backward);
  * holding one padded sample at a time (and taps_u's A x from the same padding); the backward's from the output
  * gradient dp at the convolution (sample s's channel oc at dp + oc ldc + s lds: a dpre (OC, nc OH OW) has ldc =
  * nc OH OW, lds = OH OW; the output gradient as it lies, (nc, OC, OH, OW), ldc = OH OW, lds = OC OH OW): the
- * weight gradient (transposed into dwt: conv_taps_dw's chains, from 0 or on from dwt if add) from the chunk's
- * padded inputs and its transposed dp, then dx; col holds all three.
+ * weight gradient (transposed into dwt: conv_taps_dw's sums, added to dwt if add) from the chunk's padded
+ * inputs and each sample's transposed dp, then dx; col holds all three.
  * conv_taps_dx_chunk: dx of those samples from dp, each padded at dpad (padded floats for OC channels). */
 void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int n0, int nc);
 void conv_taps_backward_chunk(const ConvJob *j, float *dwt, float *col, const float *dp, size_t ldc, size_t lds,
                               int n0, int nc, bool add);
-/* Floats of a chunk's transposed gradient of rows channels (conv_taps_dp_t), and where it lies in a thread's col
- * (after the padded inputs and the padded dpre conv_col_rows counts). */
+/* Floats of one sample's transposed gradient of rows channels (conv_taps_dp_t), and where it lies in a thread's
+ * col (after the padded inputs and the padded dpre conv_col_rows counts). */
 size_t conv_taps_dpt_floats(const ConvJob *j, int rows);
 float *conv_taps_dpt(const ConvJob *j, float *col);
 void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, size_t ldc, size_t lds, int n0, int nc);
@@ -166,8 +166,9 @@ void conv_backward_task(void *ctx, int task, int n_tasks);
 bool conv_backward_alloc(Tape *t, ConvJob *j, Var *x, bool want_dw, const Var *bias, int n_tasks);
 /* Per-task partials for v's gradient, n floats each, or NULL (not wanted, or error on the tape). */
 float *conv_partials(Tape *t, const Var *v, int n_tasks, size_t n);
-/* grad [n] += the n_tasks partials [n_tasks][n], in task order. */
+/* grad [n] += the n_tasks partials [n_tasks][n], in task order; _apart: partials stride floats apart. */
 void conv_add_partials(float *grad, const float *parts, int n_tasks, size_t n);
+void conv_add_partials_apart(float *grad, const float *parts, int n_tasks, size_t n, size_t stride);
 /* Floats of one task's dW partial: room for either form (C*KH*KW conv_taps_oc_pad(OC)). */
 size_t conv_dw_part_floats(const ConvDims *d);
 /* grad (OC, C*KH*KW) += j's n_tasks dW partials, in task order, in the form j's kernels wrote (j->taps). */

@@ -300,8 +300,7 @@ static void conv_lowrank_add_grads(Tape *t, const ConvLowRankJob *lj, Var *w, Va
         } else if (lc->grad == CONV_LR_GRAD_DTCOL) {
             conv_add_da_flipped(g, lj->da_part, d, lc->rank, tasks, stride);
         } else {
-            for (int k = 0; k < tasks; k++)
-                for (size_t i = 0; i < na; i++) g[i] += lj->da_part[(size_t)k * stride + i];
+            conv_add_partials_apart(g, lj->da_part, tasks, na, stride);
         }
     }
     if (lj->dbb_part && (g = tape_grad(t, B))) conv_add_partials(g, lj->dbb_part, tasks, nb);

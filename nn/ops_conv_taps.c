@@ -4,8 +4,8 @@
 #include "ops_conv_internal.h"
 
 /* The taps backward's chunk (conv_taps_setup): as many samples' padded inputs and dpre as fit, no im2col (several
- * samples where im2col fits one: fewer calls; the weight gradient's chains run on across a task's chunks, so the
- * chunk does not change its bits). */
+ * samples where im2col fits one: fewer calls; the weight gradient adds each sample's sums in turn, so the chunk
+ * does not change its bits). */
 #define CONV_TAPS_CHUNK_BUDGET (256u << 10)
 
 bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx) {

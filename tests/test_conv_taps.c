@@ -81,8 +81,7 @@ static void bufs_free(TapsBufs *b) {
 
 /* The three products of case k at level (vector: the level's kernels, else the plain C definitions): y (N, OC, H,
  * W) = the forward, dx (N, C, H, W) = the input gradient of dp, dw (C KK, ldd) = the weight gradient of all N
- * images, transposed. With add, the forward and dx are added to what the arrays hold (their fill) and dw's chains
- * go on from it. */
+ * images, transposed. With add, all three are added to what the arrays hold (their fill). */
 static void taps_products(TapsBufs *b, const TapsCase *k, ConvTapsLevel level, bool vector, float *y, float *dx,
                           float *dw, bool add) {
     const size_t hw = (size_t)k->H * k->W;
