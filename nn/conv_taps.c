@@ -216,7 +216,7 @@ void conv_taps_forward_ref(const ConvTaps *p, int lanes, float *y, size_t ldy, c
                         acc = fmaf(wb[((size_t)c * KK + t) * rb], taps_x_at(p, xp, c, h + t / p->KW, w + t % p->KW),
                                    acc);
                 float *o = y + (size_t)r * ldy + (size_t)h * p->W + w;
-                *o = add ? *o + acc : acc;
+                *o = (add ? *o : 0.0f) + acc; /* written: a -0.0f sum stored +0.0f */
             }
     }
 }

@@ -12,7 +12,9 @@
  *
  * Arithmetic (every kernel, every ISA, the same bits for finite inputs; conv_taps_*_ref are the definitions; a
  * vector's lanes past W add 0 x (a value of the next row), which a non-finite value there would make NaN):
- * - forward: y[oc][p] = the fmaf chain over c = 0..C-1, then t = 0..KH*KW-1 (row-major taps), from 0.
+ * - forward: y[oc][p] = the fmaf chain over c = 0..C-1, then t = 0..KH*KW-1 (row-major taps), from 0, added to
+ *   y[oc][p] (add) or to +0.0f: a sum that underflowed to -0.0f is stored +0.0f, as a zero bias's add would make
+ *   it, so a convolution without bias or relu needs no epilogue pass (ops_conv.c).
  * - input gradient: the forward of the padded output gradient with the weights transposed (rows C, channels OC)
  *   and the taps flipped: dx[c][p] = the chain over oc, then t, of w[oc][c][KK-1-t] dp_pad[oc][p + off(t)].
  * - weight gradient, transposed: dwt[c KK + t][oc] = for each image in turn, the fmaf chain from 0 of

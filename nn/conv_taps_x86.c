@@ -53,7 +53,7 @@ T512 INLINE void fwd512_tile(const ConvTaps *p, float *y, size_t ldy, const floa
         for (int i = 0; i < V; i++) {
             const __mmask16 m = mask16(p->n[v0 + i]);
             float *o = y + (size_t)r * ldy + p->out[v0 + i];
-            const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[r][i]) : acc[r][i];
+            const __m512 v = _mm512_add_ps(add ? _mm512_maskz_loadu_ps(m, o) : _mm512_setzero_ps(), acc[r][i]);
             _mm512_mask_storeu_ps(o, m, v);
         }
     }
@@ -107,7 +107,7 @@ T512 INLINE void fwd512_flat_tile(const ConvTaps *p, float *y, size_t ldy, const
             const int q = (v0 + i) * 16;
             const __mmask16 m = mask16(hw - q < 16 ? hw - q : 16);
             float *o = y + (size_t)r * ldy + q;
-            const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), acc[r][i]) : acc[r][i];
+            const __m512 v = _mm512_add_ps(add ? _mm512_maskz_loadu_ps(m, o) : _mm512_setzero_ps(), acc[r][i]);
             _mm512_mask_storeu_ps(o, m, v);
         }
     }
@@ -198,7 +198,7 @@ T256 INLINE void fwd256_tile(const ConvTaps *p, float *y, size_t ldy, const floa
         for (int i = 0; i < V; i++) {
             const __m256i m = mask8(p->n[v0 + i]);
             float *o = y + (size_t)r * ldy + p->out[v0 + i];
-            const __m256 v = add ? _mm256_add_ps(_mm256_maskload_ps(o, m), acc[r][i]) : acc[r][i];
+            const __m256 v = _mm256_add_ps(add ? _mm256_maskload_ps(o, m) : _mm256_setzero_ps(), acc[r][i]);
             _mm256_maskstore_ps(o, m, v);
         }
     }

@@ -183,20 +183,25 @@ const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n
     const size_t plane = conv_plane(d);
     const int cols = nc * (int)plane;
     const float *xc = conv_chunk_input(j, n0, nc);
-    /* One sample's product (OC, OH*OW) is its output's layout: unpooled, the
-     * product goes straight into y and the epilogue runs in place, the same
-     * operations on the same values without the copy through prod. */
-    if (nc == 1 && c->epi != CONV_EPI_RELU_MAXPOOL2) prod = j->y + (size_t)n0 * d->OC * plane;
+    /* The product's layout: channel oc of chunk sample s at prod + oc ldc + s lds. Unpooled, one sample's product
+     * (OC, OH*OW) is its output's layout, and the taps write any layout: the product goes straight into y, (nc, OC,
+     * OH*OW), and the epilogue runs in place, the same operations on the same values without the copy through
+     * prod. With neither bias nor relu the taps' stores have done its add of 0.0f (a -0.0f sum made +0.0f, so the
+     * bits do not depend on the chunking): no pass at all. */
+    size_t ldc = (size_t)cols, lds = plane;
+    const bool in_y = c->epi != CONV_EPI_RELU_MAXPOOL2 && (nc == 1 || j->taps);
+    if (in_y) prod = j->y + (size_t)n0 * d->OC * plane, ldc = plane, lds = (size_t)d->OC * plane;
     if (j->taps) {
-        conv_taps_forward_chunk(j, prod, col, xc, n0, nc);
+        conv_taps_forward_chunk(j, prod, ldc, lds, col, xc, n0, nc);
         col = NULL;
     } else {
         if (nc == 1 && conv_pointwise(d)) col = (float *)xc; /* read, never written */
         else im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
-        gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, cols);
+        gemm_f32(false, false, d->OC, cols, conv_ckk(d), 1.0f, j->w, j->ldw, col, cols, 0.0f, prod, (int)ldc);
     }
-    for (int oc = 0; oc < d->OC; oc++)
-        for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * cols + (size_t)s * plane, n0 + s, oc);
+    if (!(in_y && j->taps && c->epi == CONV_EPI_NONE && !j->bias))
+        for (int oc = 0; oc < d->OC; oc++)
+            for (int s = 0; s < nc; s++) conv_epilogue(j, prod + (size_t)oc * ldc + (size_t)s * lds, n0 + s, oc);
     if (j->moments) /* the chunk's output planes, just written, still in cache */
         batchnorm_plane_moments(j->moments + 3 * (size_t)n0 * d->OC, j->y + (size_t)n0 * d->OC * plane, plane,
                                 nc * d->OC);

@@ -126,14 +126,16 @@ float *conv_scratch(Tape *t, ConvJob *j, size_t col_rows, size_t prod_rows, size
  * (the error on the tape). Then conv_col_rows sizes col for what j runs. */
 bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, bool dx);
 size_t conv_col_rows(const ConvJob *j, bool backward);
-/* ops_conv_taps.c: prod (OC, nc OH OW) = the forward of chunk samples [n0, n0 + nc), input xc (nc, C, H, W), col
- * holding one padded sample at a time (and taps_u's A x from the same padding); the backward's from the output
+/* ops_conv_taps.c: prod = the forward of chunk samples [n0, n0 + nc) (sample s's channel oc at prod + oc ldc +
+ * s lds: (OC, nc OH OW), or y's own (nc, OC, OH OW)), input xc (nc, C, H, W), col holding one padded sample at a
+ * time (and taps_u's A x from the same padding); the backward's from the output
  * gradient dp at the convolution (sample s's channel oc at dp + oc ldc + s lds: a dpre (OC, nc OH OW) has ldc =
  * nc OH OW, lds = OH OW; the output gradient as it lies, (nc, OC, OH, OW), ldc = OH OW, lds = OC OH OW): the
  * weight gradient (transposed into dwt: conv_taps_dw's sums, added to dwt if add) from the chunk's padded
  * inputs and each sample's transposed dp, then dx; col holds all three.
  * conv_taps_dx_chunk: dx of those samples from dp, each padded at dpad (padded floats for OC channels). */
-void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int n0, int nc);
+void conv_taps_forward_chunk(const ConvJob *j, float *prod, size_t ldc, size_t lds, float *col, const float *xc,
+                             int n0, int nc);
 void conv_taps_backward_chunk(const ConvJob *j, float *dwt, float *col, const float *dp, size_t ldc, size_t lds,
                               int n0, int nc, bool add);
 /* Floats of one sample's transposed gradient of rows channels (conv_taps_dp_t), and where it lies in a thread's

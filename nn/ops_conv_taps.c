@@ -42,15 +42,15 @@ size_t conv_col_rows(const ConvJob *j, bool backward) {
     return rows > ckk ? rows : ckk;
 }
 
-void conv_taps_forward_chunk(const ConvJob *j, float *prod, float *col, const float *xc, int n0, int nc) {
+void conv_taps_forward_chunk(const ConvJob *j, float *prod, size_t ldc, size_t lds, float *col, const float *xc,
+                             int n0, int nc) {
     const ConvDims *d = &j->c->d;
     const size_t plane = conv_plane(d);
     const int rows = d->OC + (j->taps_u ? j->taps_rank : 0);
     for (int s = 0; s < nc; s++) { /* col: one padded image */
         const double t0 = gemm_stats_start();
         conv_taps_pad(j->taps, col, xc + (size_t)s * d->C * plane, d->C, 1, 0, plane);
-        conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * plane, (size_t)nc * plane, col, j->taps_w,
-                          d->OC, d->C, false);
+        conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * lds, ldc, col, j->taps_w, d->OC, d->C, false);
         if (j->taps_u) /* a second product, not rank more rows: B = 0 gives the base's output bit for bit */
             conv_taps_forward(j->taps, j->taps_level, j->taps_u + (size_t)(n0 + s) * j->taps_rank * plane, plane,
                               col, j->taps_a, j->taps_rank, d->C, false);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "base/parallel.h"
+#include "nn/conv_taps.h"
 #include "nn/ops.h"
 #include "nn/ops_conv_internal.h"
 #include "test_util.h"
@@ -143,15 +144,19 @@ static void test_col2im_write_signed_zero(void) {
 }
 
 /* A conv without bias or relu whose every sum underflows (x 2^-100 times w -2^-100: each FMA from +0.0f rounds to
- * -0.0f) gives +0.0f outputs, the epilogue's add of 0.0f, whether a chunk holds one sample (the product written
- * straight into the output) or several: the output's bits do not depend on the chunking. */
+ * -0.0f) gives +0.0f outputs, the epilogue's add of 0.0f (through the taps, whose forward skips that pass, their
+ * stores' add to +0.0f), whether a chunk holds one sample (the product written straight into the output) or
+ * several: the output's bits do not depend on the chunking or the kernel. */
 static void test_conv_underflow_zero_sign(void) {
     enum { C = 16, HW = 16, NW = C * C * 9 };
     const int threads = parallel_get_threads();
     parallel_set_threads(1);
     float *w0 = malloc(NW * sizeof(float));
     for (int i = 0; i < NW; i++) w0[i] = -ldexpf(1.0f, -100);
-    for (int n = 1; n <= 3; n++) {
+    const ConvTapsLevel saved = conv_taps_max_level;
+    for (int run = 0; run < 6; run++) {
+        const int n = 1 + run % 3;
+        conv_taps_max_level = run < 3 ? CONV_TAPS_OFF : conv_taps_cpu(); /* im2col and sgemm, then the taps */
         const size_t nx = (size_t)n * C * HW * HW;
         float *x0 = malloc(nx * sizeof(float));
         for (size_t i = 0; i < nx; i++) x0[i] = ldexpf(1.0f, -100);
@@ -164,10 +169,12 @@ static void test_conv_underflow_zero_sign(void) {
         size_t negative = 0;
         for (size_t i = 0; i < nx; i++) negative += y->value.data[i] == 0.0f && signbit(y->value.data[i]);
         CU_ASSERT_EQUAL(negative, 0);
-        if (negative) fprintf(stderr, "\n  N=%d: %zu outputs -0.0f\n", n, negative);
+        if (negative)
+            fprintf(stderr, "\n  N=%d (%s): %zu outputs -0.0f\n", n, conv_taps_level_name(conv_taps_level()), negative);
         test_env_free(&e);
         free(x0);
     }
+    conv_taps_max_level = saved;
     parallel_set_threads(threads);
     free(w0);
 }
