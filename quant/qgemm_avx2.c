@@ -38,6 +38,7 @@
  * outputs as two compressed halves under masks; relu + 2x2 max pool always
  * goes through the pool buffer.
  * The int8 x int8 products of quantized training are in qgemm_s8_avx2.c. */
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -283,6 +284,19 @@ QV_TARGET static void taps_sums_avxvnni(int32_t (*sums)[QGEMM_LANES], const QGem
     }
 }
 
+/* taps_compress[m]: the lanes set in the 8-bit mask m, in order, then zeros (vpermps indices that move a half's
+ * output lanes to its front). Built once: a loop per vector, each row block again, cost as much as the stores. */
+static uint8_t taps_compress[256][8];
+static pthread_once_t taps_compress_once = PTHREAD_ONCE_INIT;
+
+static void taps_compress_init(void) {
+    for (int m = 0; m < 256; m++) {
+        int n = 0;
+        for (int l = 0; l < 8; l++)
+            if (m >> l & 1) taps_compress[m][n++] = (uint8_t)l;
+    }
+}
+
 /* Row block rb's outputs of vector v from its sums: y = fmaf((float)(sum - corr), scale, bias), relu'd
  * (max(y, 0): 0 unless y > 0, a NaN included, as nn's relu) for the relu epilogues; stored to the vector's output
  * lanes, or whole to the pool buffer. */
@@ -292,16 +306,14 @@ QA_TARGET static void taps_out(const QGemmTaps *g, int rb, int v, int32_t (*sums
     if (!m) return;
     /* a partial vector: each half's output lanes moved to its front (vpermps), then stored under a mask of its
      * count, the second half after the first's; once per vector, for its 8 rows */
-    __m256i pick[2], keep[2];
+    __m256i pick[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, keep[2] = {pick[0], pick[0]};
     int n_lo = 0;
     if (m != 0xFFFF)
         for (int h = 0; h < 2; h++) {
-            _Alignas(32) int32_t idx[8] = {0};
-            int n = 0;
-            for (int l = 0; l < 8; l++)
-                if (m >> (8 * h + l) & 1) idx[n++] = l;
+            const unsigned mh = m >> (8 * h) & 0xFFu;
+            const int n = __builtin_popcount(mh);
             if (!h) n_lo = n;
-            pick[h] = _mm256_load_si256((const __m256i *)idx);
+            pick[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)taps_compress[mh]));
             keep[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         }
     for (int s = 0; s < QGEMM_ROWS; s++) {
@@ -367,6 +379,7 @@ typedef void (*TapsSumsFn)(int32_t (*sums)[QGEMM_LANES], const QGemmTaps *g, int
  * rows x 16 pixels: the kernels, not this loop, carry the target attributes.) */
 static void taps_run(const QGemmTaps *g, int rb0, int rb1, int v0, int v1, TapsSumsFn sums_fn) {
     _Alignas(32) int32_t sums[QGEMM_ROWS][QGEMM_LANES];
+    pthread_once(&taps_compress_once, taps_compress_init);
     taps_ranges(g, &rb0, &rb1, &v0, &v1);
     for (int rb = rb0; rb < rb1; rb++) {
         for (int v = v0; v < v1; v++) {
