@@ -253,9 +253,13 @@ void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const flo
 }
 
 void conv_taps_dw_add_parts(const ConvTaps *p, float *grad, const float *parts, int n_parts) {
+    conv_taps_dw_add_parts_rows(p, grad, parts, n_parts, 0, p->OC);
+}
+
+void conv_taps_dw_add_parts_rows(const ConvTaps *p, float *grad, const float *parts, int n_parts, int oc0, int oc1) {
     const int KK = p->KH * p->KW;
     const size_t ldd = conv_taps_oc_pad(p->OC), part = (size_t)p->C * KK * ldd;
-    for (int oc = 0; oc < p->OC; oc++)
+    for (int oc = oc0; oc < oc1; oc++)
         for (size_t ct = 0; ct < (size_t)p->C * KK; ct++) {
             float g = grad[(size_t)oc * p->C * KK + ct];
             for (int k = 0; k < n_parts; k++) g += parts[(size_t)k * part + ct * ldd + oc];

@@ -134,8 +134,10 @@ void conv_taps_dp_t_ref(const ConvTaps *p, float *dpt, const float *dp, size_t l
 void conv_taps_dw(const ConvTaps *p, ConvTapsLevel level, float *dwt, const float *dpt, const float *xp, int n,
                   bool add);
 void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const float *xp, int n, bool add);
-/* grad (OC, C KK) += parts[k] transposed for k < n_parts, in order: parts n_parts dwt's (C KK, ldd). */
+/* grad (OC, C KK) += parts[k] transposed for k < n_parts, in order: parts n_parts dwt's (C KK, ldd); _rows: rows
+ * [oc0, oc1) of grad alone (threads may take disjoint row ranges: the same bits). */
 void conv_taps_dw_add_parts(const ConvTaps *p, float *grad, const float *parts, int n_parts);
+void conv_taps_dw_add_parts_rows(const ConvTaps *p, float *grad, const float *parts, int n_parts, int oc0, int oc1);
 
 /* conv_taps_x86.c: the kernels of each level. */
 void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,

@@ -181,11 +181,13 @@ typedef struct {
     float *y;
     const float *a, *b;
     size_t n;
+    bool copy; /* y = a (b NULL) */
 } AddJob;
 
 /* y may be a (x + x: the backward's dy buffer is the first input's gradient, then added to): no restrict. */
-static void add_range(float *y, const float *a, const float *b, size_t n) {
-    if (b)
+static void add_range(float *y, const float *a, const float *b, size_t n, bool copy) {
+    if (copy) memcpy(y, a, n * sizeof *y);
+    else if (b)
         for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
     else
         for (size_t i = 0; i < n; i++) y[i] += a[i];
@@ -194,17 +196,21 @@ static void add_range(float *y, const float *a, const float *b, size_t n) {
 static void add_task(void *ctx, int task, int n_tasks) {
     const AddJob *j = ctx;
     const size_t lo = j->n * (size_t)task / (size_t)n_tasks, hi = j->n * (size_t)(task + 1) / (size_t)n_tasks;
-    add_range(j->y + lo, j->a + lo, j->b ? j->b + lo : NULL, hi - lo);
+    add_range(j->y + lo, j->a + lo, j->b ? j->b + lo : NULL, hi - lo, j->copy);
 }
 
-static void add_run(float *y, const float *a, const float *b, size_t n) {
+/* y = a + b, y += a (b NULL), or with copy y = a: over the pool from ADD_PARALLEL_MIN elements (a copy of a
+ * batch's activations on one thread left the other waiting). */
+static void add_run_as(float *y, const float *a, const float *b, size_t n, bool copy) {
     if (n < ADD_PARALLEL_MIN || parallel_get_threads() == 1) {
-        add_range(y, a, b, n);
+        add_range(y, a, b, n, copy);
         return;
     }
-    AddJob j = {y, a, b, n};
+    AddJob j = {y, a, b, n, copy};
     parallel_run(parallel_get_threads(), add_task, &j);
 }
+
+static void add_run(float *y, const float *a, const float *b, size_t n) { add_run_as(y, a, b, n, false); }
 
 /* The first input without a gradient yet takes dy's buffer as its own (no
  * copy), a second one gets a copy, and an input that has one adds dy in. */
@@ -222,8 +228,7 @@ static void add_backward(Tape *t, const TapeNode *node) {
         bool fresh;
         float *dv = tape_grad_to_write(t, v, &fresh);
         if (!dv) return;
-        if (fresh) memcpy(dv, dy, n * sizeof *dv);
-        else add_run(dv, dy, NULL, n);
+        add_run_as(dv, dy, NULL, n, fresh);
     }
 }
 
@@ -456,6 +461,28 @@ static void unary_forward(UnaryForward fn, float *y, const float *x, size_t n) {
         return tape_record(t, #name, name##_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL; \
     }
 
+typedef struct {
+    float *dx;
+    const float *dy, *y;
+    size_t n;
+    bool write;
+} ReluBackJob;
+
+static void relu_back_task(void *ctx, int task, int n_tasks) {
+    const ReluBackJob *j = ctx;
+    const size_t lo = j->n * (size_t)task / (size_t)n_tasks, hi = j->n * (size_t)(task + 1) / (size_t)n_tasks;
+    if (j->write) relu_backward_write(j->dx + lo, j->dy + lo, j->y + lo, hi - lo);
+    else relu_backward(j->dx + lo, j->dy + lo, j->y + lo, hi - lo);
+}
+
+/* relu_backward_write (write) or relu_backward over the pool in contiguous ranges, as the forwards run: the same
+ * values however they are split. dx may be dy (in place: each range reads its own floats before writing them). */
+static void relu_backward_run(float *dx, const float *dy, const float *y, size_t n, bool write) {
+    ReluBackJob j = {dx, dy, y, n, write};
+    if (n < UNARY_PARALLEL_MIN || parallel_get_threads() == 1) relu_back_task(&j, 0, 1);
+    else parallel_run(parallel_get_threads(), relu_back_task, &j);
+}
+
 /* relu's: in place in dy's buffer when x has no gradient yet (the common
  * case: x feeds only this relu), else written or added (relu_backward*). */
 void nn_relu_tape_backward(Tape *t, const TapeNode *node) {
@@ -463,16 +490,13 @@ void nn_relu_tape_backward(Tape *t, const TapeNode *node) {
     const size_t n = var_numel(node->out);
     const float *y = node->out->value.data, *dy = node->out->grad;
     if (tape_grad_take(t, x, node->out)) {
-        relu_backward_write(x->grad, dy, y, n);
+        relu_backward_run(x->grad, dy, y, n, true);
         return;
     }
     bool fresh;
     float *dx = tape_grad_to_write(t, x, &fresh);
     if (!dx) return;
-    if (fresh)
-        relu_backward_write(dx, dy, y, n);
-    else
-        relu_backward(dx, dy, y, n);
+    relu_backward_run(dx, dy, y, n, fresh);
 }
 
 Var *nn_relu(Tape *t, Var *x) {

@@ -514,9 +514,15 @@ static void test_taps_dw_add_parts(void) {
                 for (size_t ct = 0; ct < ckk; ct++) back[k * n + oc * ckk + ct] = parts[k * nt + ct * ldd + oc];
         float *a = test_random_uniform(n, 950 + oi, -1.0f, 1.0f), *b = malloc(n * sizeof(float));
         memcpy(b, a, n * sizeof(float));
+        float *c = malloc(n * sizeof(float)); /* the rows in two ranges, as threads take them */
+        memcpy(c, a, n * sizeof(float));
         conv_taps_dw_add_parts(&p, a, parts, PARTS);
         conv_add_partials(b, back, PARTS, n);
+        conv_taps_dw_add_parts_rows(&p, c, parts, PARTS, p.OC / 3, p.OC);
+        conv_taps_dw_add_parts_rows(&p, c, parts, PARTS, 0, p.OC / 3);
         CU_ASSERT(!memcmp(a, b, n * sizeof(float)));
+        CU_ASSERT(!memcmp(c, b, n * sizeof(float)));
+        free(c);
         free(tables), free(parts), free(back), free(a), free(b);
     }
 }

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/parallel.h"
 #include "nn/ops.h"
 #include "test_util.h"
 
@@ -311,6 +312,41 @@ static void test_bad_input_messages(void) {
     }
 }
 
+/* relu's and add's backward over a batch-sized tensor (past the sizes that split it over the pool) give the same
+ * bits on one thread and two, and the plain loops' values. Graph 0: y = add(relu(x), x), so the add's backward
+ * copies dy into x's fresh gradient and the relu's adds into it; graph 1: y = relu(x), whose backward writes x's
+ * gradient in dy's buffer. */
+static void test_relu_add_backward_threads(void) {
+    enum { N = 4, C = 16, H = 64, W = 64, NX = N * C * H * W };
+    float *x = random_data(NX, 31, 0.0f), *dy = random_data(NX, 32, 0.0f), *got[2][2] = {{NULL}};
+    const int before = parallel_get_threads();
+    for (int graph = 0; graph < 2; graph++)
+        for (int th = 0; th < 2; th++) {
+            parallel_set_threads(th + 1);
+            TestEnv e;
+            test_env_init(&e, 1);
+            Var *xv = test_var(&e, x, 4, (const int[]){N, C, H, W}, true);
+            Var *r = nn_relu(&e.tape, xv), *y = graph == 0 && r ? nn_add(&e.tape, r, xv) : r;
+            CU_ASSERT_FATAL(y && tape_backward_from(&e.tape, y, dy) == QT_OK && xv->grad);
+            got[graph][th] = malloc(NX * sizeof(float));
+            memcpy(got[graph][th], xv->grad, NX * sizeof(float));
+            test_env_free(&e);
+        }
+    parallel_set_threads(before);
+    for (int graph = 0; graph < 2; graph++) {
+        size_t bad = 0;
+        for (size_t i = 0; i < NX; i++) {
+            const float want = graph == 0 ? (x[i] > 0.0f ? dy[i] + dy[i] : dy[i]) : x[i] > 0.0f ? dy[i] : 0.0f;
+            bad += memcmp(&got[graph][0][i], &want, sizeof want) != 0;
+        }
+        if (bad) fprintf(stderr, "\n  graph %d: %zu gradients differ from the plain loops'", graph, bad);
+        CU_ASSERT_EQUAL(bad, 0);
+        CU_ASSERT(memcmp(got[graph][0], got[graph][1], NX * sizeof(float)) == 0);
+        free(got[graph][0]), free(got[graph][1]);
+    }
+    free(x), free(dy);
+}
+
 int register_nn_ops_suite(void) {
     CU_pSuite s = CU_add_suite("nn_ops", NULL, NULL);
     if (!s) return -1;
@@ -319,6 +355,7 @@ int register_nn_ops_suite(void) {
            !CU_add_test(s, "linear == matmul + bias_add", test_linear_matches_matmul) ||
            !CU_add_test(s, "elementwise gradients", test_elementwise_grads) ||
            !CU_add_test(s, "activation values", test_activation_values) ||
+           !CU_add_test(s, "relu and add backward: one thread or two, the same bits", test_relu_add_backward_threads) ||
            !CU_add_test(s, "dropout statistics and eval identity", test_dropout_statistics) ||
            !CU_add_test(s, "layernorm gradients and values", test_layernorm) ||
            !CU_add_test(s, "loss gradients and values", test_losses) ||
