@@ -213,7 +213,7 @@ void conv_forward_task(void *ctx, int task, int n_tasks) {
     const int chunk = j->c->chunk;
     float *col = conv_thread_scratch(j), *prod = col + j->col_floats;
     int lo, hi;
-    parallel_range(j->c->d.N, task, n_tasks, &lo, &hi);
+    conv_task_range(j->c->d.N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += chunk) conv_forward_chunk(j, col, prod, n0, hi - n0 < chunk ? hi - n0 : chunk);
 }
 
@@ -306,7 +306,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats;
     float *dw = j->dw_part ? j->dw_part + (size_t)task * conv_dw_part_floats(d) : NULL; /* j->dw_part's forms */
     int lo, hi;
-    parallel_range(d->N, task, n_tasks, &lo, &hi);
+    conv_task_range(d->N, task, n_tasks, &lo, &hi);
     const int chunk = conv_job_chunk(j);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
@@ -344,6 +344,18 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
                            c->padding, d->OH, d->OW, j->dx_fresh);
         }
     }
+}
+
+/* One sample each (a task with none would leave its weight-gradient partial unwritten; conv_tasks makes at most n),
+ * and the other n - n_tasks in the falling parts. */
+static int conv_task_start(int n, int task, int n_tasks) {
+    const long long sq = (long long)n_tasks * n_tasks, rest = n > n_tasks ? n - n_tasks : 0;
+    return task + (int)(rest * ((long long)task * (2 * n_tasks - task)) / sq);
+}
+
+void conv_task_range(int n, int task, int n_tasks, int *lo, int *hi) {
+    *lo = conv_task_start(n, task, n_tasks);
+    *hi = conv_task_start(n, task + 1, n_tasks);
 }
 
 int conv_tasks(const ConvDims *d) {

@@ -179,6 +179,31 @@ static void test_conv_underflow_zero_sign(void) {
     free(w0);
 }
 
+/* conv_task_range: the tasks tile [0, n) in order, none empty (each writes its weight-gradient partial), and their
+ * sizes never grow, for every n from the task count up. */
+static void test_conv_task_ranges(void) {
+    int bad = 0;
+    for (int tasks = 1; tasks <= 16; tasks++)
+        for (int n = tasks; n <= 300; n++) {
+            int end = 0, last = n + 1;
+            for (int k = 0; k < tasks; k++) {
+                int lo, hi;
+                conv_task_range(n, k, tasks, &lo, &hi);
+                if (lo != end || hi <= lo || hi - lo > last + 1) {
+                    if (bad++ < 5) fprintf(stderr, "\n  n=%d tasks=%d: task %d is [%d, %d) after %d", n, tasks, k, lo, hi, end);
+                }
+                last = hi - lo, end = hi;
+            }
+            if (end != n && bad++ < 5) fprintf(stderr, "\n  n=%d tasks=%d: the tasks end at %d", n, tasks, end);
+        }
+    CU_ASSERT_EQUAL(bad, 0);
+    int lo, hi; /* ResNet-8's batch over 8 tasks: 128 = 1 + 15 / 64 of the other 120 first, ..., 1 + 1 / 64 last */
+    conv_task_range(128, 0, 8, &lo, &hi);
+    CU_ASSERT(lo == 0 && hi == 29);
+    conv_task_range(128, 7, 8, &lo, &hi);
+    CU_ASSERT(lo == 125 && hi == 128);
+}
+
 int register_nn_conv_reuse_suite(void) {
     CU_pSuite s = CU_add_suite("nn_conv_reuse", NULL, NULL);
     if (!s) return -1;
@@ -188,7 +213,8 @@ int register_nn_conv_reuse_suite(void) {
                    !CU_add_test(s, "col2im written: -0.0f taps give +0.0f, as added into zeros",
                                 test_col2im_write_signed_zero) ||
                    !CU_add_test(s, "conv2d: sums underflowing to -0.0f come out +0.0f at any chunking",
-                                test_conv_underflow_zero_sign)
+                                test_conv_underflow_zero_sign) ||
+                   !CU_add_test(s, "conv2d tasks: falling sizes that tile the batch, none empty", test_conv_task_ranges)
                ? -1
                : 0;
 }
