@@ -133,6 +133,16 @@ int parallel_get_threads(void) { return pool.n_workers + 1; }
 int parallel_thread_index(void) { return thread_index; }
 bool parallel_in_task(void) { return in_task; }
 
+static int falling_start(int n, int task, int n_tasks) {
+    const long long sq = (long long)n_tasks * n_tasks, rest = n > n_tasks ? n - n_tasks : 0;
+    return task + (int)(rest * ((long long)task * (2 * n_tasks - task)) / sq);
+}
+
+void parallel_range_falling(int n, int task, int n_tasks, int *lo, int *hi) {
+    *lo = falling_start(n, task, n_tasks);
+    *hi = falling_start(n, task + 1, n_tasks);
+}
+
 void parallel_range(int n, int task, int n_tasks, int *lo, int *hi) {
     long long a = (long long)n * task / n_tasks, b = (long long)n * (task + 1) / n_tasks;
     *lo = (int)a;

@@ -45,5 +45,12 @@ bool parallel_in_task(void);
 /* [*lo, *hi): task `task`'s share of n items split into n_tasks nearly equal
  * contiguous ranges. */
 void parallel_range(int n, int task, int n_tasks, int *lo, int *hi);
+/* The same with falling sizes, for jobs of several tasks per thread: each task
+ * one item, and the other n - n_tasks in parts 2 n_tasks - 1, ..., 3, 1 of
+ * n_tasks^2, rounded down (n_tasks <= n: no task is empty; at small n the
+ * rounding may give a task one item more than the one before). The pool
+ * hands tasks out in order, so a job ends on short tasks: the thread that
+ * finishes first waits for a small one, not for a whole even share. */
+void parallel_range_falling(int n, int task, int n_tasks, int *lo, int *hi);
 
 #endif

@@ -346,16 +346,8 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-/* One sample each (a task with none would leave its weight-gradient partial unwritten; conv_tasks makes at most n),
- * and the other n - n_tasks in the falling parts. */
-static int conv_task_start(int n, int task, int n_tasks) {
-    const long long sq = (long long)n_tasks * n_tasks, rest = n > n_tasks ? n - n_tasks : 0;
-    return task + (int)(rest * ((long long)task * (2 * n_tasks - task)) / sq);
-}
-
 void conv_task_range(int n, int task, int n_tasks, int *lo, int *hi) {
-    *lo = conv_task_start(n, task, n_tasks);
-    *hi = conv_task_start(n, task + 1, n_tasks);
+    parallel_range_falling(n, task, n_tasks, lo, hi);
 }
 
 int conv_tasks(const ConvDims *d) {

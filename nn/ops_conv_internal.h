@@ -106,14 +106,14 @@ const char *conv2d_op_name(ConvEpilogue epi);
 
 /* The tasks a pass of d is split into: CONV_TASKS_PER_THREAD per thread (one with one thread), at most one per
  * image. The pool hands them out as threads free up, so a thread slowed for a while (a busy sibling, a
- * descheduled vCPU) holds a pass up by a quarter of its share, not by all of it. A fixed thread count gives fixed
- * tasks, and the weight gradient's partials (one per task) are summed in task order: the same bits run to run. */
+ * descheduled vCPU) holds a pass up by the task it holds (the first is the largest: 29 of a 128 batch over 8
+ * tasks), not by all of its share. A fixed thread count gives fixed tasks, and the weight gradient's partials
+ * (one per task) are summed in task order: the same bits run to run. */
 #define CONV_TASKS_PER_THREAD 4
 int conv_tasks(const ConvDims *d);
-/* Task task's samples [lo, hi) of n (n_tasks <= n): one each, and the rest in sizes falling in steps (2 n_tasks - 1,
- * ..., 3, 1 parts of n_tasks^2), so the pass ends on small tasks and the thread that finishes first waits for a short
- * one, not a quarter share (an even split left the ResNet-8 step's main thread waiting 5 % of its time in the
- * convolutions). No task is empty: each writes its weight-gradient partial. */
+/* Task task's samples [lo, hi) of n (n_tasks <= n): parallel_range_falling's, so the pass ends on small tasks (an
+ * even split left the ResNet-8 step's main thread waiting 5 % of its time in the convolutions). No task is empty:
+ * each writes its weight-gradient partial. */
 void conv_task_range(int n, int task, int n_tasks, int *lo, int *hi);
 /* bytes of step memory for an op's scratch: a buffer an earlier op handed
  * back (tape_release_buffer) if one is large enough, else the arena's.
@@ -154,10 +154,14 @@ float *conv_thread_scratch(const ConvJob *j);
  * after col and prod. */
 const float *conv_chunk_input(const ConvJob *j, int n0, int nc);
 
-/* One chunk of the forward, samples [n0, n0 + nc): im2col into col,
- * prod (OC, nc*OH*OW) = w col, and the epilogue into j->y. Returns the
- * chunk's im2col matrix: col, or x itself for one sample of a pointwise
- * conv (1x1, stride 1, no padding), which is read in place. */
+/* One chunk of the forward, samples [n0, n0 + nc): the product (im2col
+ * into col and w col, or the taps) into prod (OC, nc*OH*OW), or straight
+ * into j->y where its layout is y's (unpooled: one sample, or the taps at
+ * any nc; prod then untouched), and the epilogue into j->y (none for the
+ * taps without bias or relu: their stores add the sums to +0.0f). Returns
+ * the chunk's im2col matrix: col, x itself for one sample of a pointwise
+ * conv (1x1, stride 1, no padding), which is read in place, or NULL for
+ * the taps. */
 const float *conv_forward_chunk(const ConvJob *j, float *col, float *prod, int n0, int nc);
 /* parallel_run task: the forward over the task's samples. */
 void conv_forward_task(void *ctx, int task, int n_tasks);

@@ -692,12 +692,14 @@ typedef struct {
     FqtShareFn fn;
     const void *ctx;
     int n;
+    bool falling; /* several shares a thread: parallel_range_falling's, which end a job on short ones */
 } Shares;
 
 static void share_task(void *arg, int task, int n_tasks) {
     const Shares *sh = arg;
     int lo, hi;
-    parallel_range(sh->n, task, n_tasks, &lo, &hi);
+    if (sh->falling) parallel_range_falling(sh->n, task, n_tasks, &lo, &hi);
+    else parallel_range(sh->n, task, n_tasks, &lo, &hi);
     if (lo < hi) sh->fn(sh->ctx, lo, hi);
 }
 
@@ -715,7 +717,7 @@ static void shares_run_n(int n, size_t work, FqtShareFn fn, const void *ctx, int
         if (n > 0) fn(ctx, 0, n);
         return;
     }
-    Shares sh = {fn, ctx, n};
+    Shares sh = {fn, ctx, n, per_thread > 1};
     parallel_run(tasks, share_task, &sh);
 }
 
