@@ -148,15 +148,16 @@ static void test_col2im_write_signed_zero(void) {
  * stores' add to +0.0f), whether a chunk holds one sample (the product written straight into the output) or
  * several: the output's bits do not depend on the chunking or the kernel. */
 static void test_conv_underflow_zero_sign(void) {
-    enum { C = 16, HW = 16, NW = C * C * 9 };
+    enum { C = 16, NW = C * C * 9 };
     const int threads = parallel_get_threads();
     parallel_set_threads(1);
     float *w0 = malloc(NW * sizeof(float));
     for (int i = 0; i < NW; i++) w0[i] = -ldexpf(1.0f, -100);
     const ConvTapsLevel saved = conv_taps_max_level;
-    for (int run = 0; run < 6; run++) {
-        const int n = 1 + run % 3;
-        conv_taps_max_level = run < 3 ? CONV_TAPS_OFF : conv_taps_cpu(); /* im2col and sgemm, then the taps */
+    for (int run = 0; run < 12; run++) {
+        /* 16 x 16: one sample a chunk; 8 x 8: several (the im2col product copied into y, the taps writing y) */
+        const int n = 1 + run % 3, HW = run < 6 ? 16 : 8;
+        conv_taps_max_level = run % 6 < 3 ? CONV_TAPS_OFF : conv_taps_cpu(); /* im2col and sgemm, then the taps */
         const size_t nx = (size_t)n * C * HW * HW;
         float *x0 = malloc(nx * sizeof(float));
         for (size_t i = 0; i < nx; i++) x0[i] = ldexpf(1.0f, -100);
@@ -170,7 +171,8 @@ static void test_conv_underflow_zero_sign(void) {
         for (size_t i = 0; i < nx; i++) negative += y->value.data[i] == 0.0f && signbit(y->value.data[i]);
         CU_ASSERT_EQUAL(negative, 0);
         if (negative)
-            fprintf(stderr, "\n  N=%d (%s): %zu outputs -0.0f\n", n, conv_taps_level_name(conv_taps_level()), negative);
+            fprintf(stderr, "\n  N=%d %dx%d (%s): %zu outputs -0.0f\n", n, HW, HW, conv_taps_level_name(conv_taps_level()),
+                    negative);
         test_env_free(&e);
         free(x0);
     }
@@ -179,8 +181,8 @@ static void test_conv_underflow_zero_sign(void) {
     free(w0);
 }
 
-/* conv_task_range: the tasks tile [0, n) in order, none empty (each writes its weight-gradient partial), and their
- * sizes never grow, for every n from the task count up. */
+/* conv_task_range: the tasks tile [0, n) in order, none empty (each writes its weight-gradient partial), and none
+ * holds more than one sample over the task before it (rounding at small n), for every n from the task count up. */
 static void test_conv_task_ranges(void) {
     int bad = 0;
     for (int tasks = 1; tasks <= 16; tasks++)
