@@ -67,7 +67,7 @@ typedef struct {
     const float *taps_w;  /* the forward's packed weights (conv_taps_pack), or NULL */
     const float *taps_wt; /* the input gradient's (conv_taps_pack_t), or NULL */
     const float *taps_a;  /* the low-rank forward: A's rank rows packed, whose product A x goes to taps_u */
-    float *taps_u;        /* (N, rank, OH, OW), or NULL */
+    float *taps_u;        /* (rank, N OH OW): the samples' planes side by side, as a chunk's dpre lies; or NULL */
     int taps_rank;
     int chunk;            /* samples per chunk of this pass if not c->chunk's (0) */
 } ConvJob;

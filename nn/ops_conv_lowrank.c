@@ -27,7 +27,7 @@ typedef struct {
      * [w' | scale B]^T, so one product gives dcol and dt = scale B^T dpre. */
     float *w_merged;
     int ldw;              /* w_merged's row length, C*KH*KW + rank */
-    float *u;             /* (N, rank, OH, OW) A x, saved by the forward for dB; NULL when not wanted */
+    float *u;             /* (rank, N OH OW) A x, saved by the forward for dB; NULL when not wanted */
 } ConvLowRankCtx;
 
 /* A pass's work: the convolution's, plus the adapter's partials. */
@@ -78,25 +78,25 @@ static void conv_lowrank_forward_task(void *ctx, int task, int n_tasks) {
          * output bit for bit). */
         gemm_f32(false, false, r, cols, ckk, 1.0f, j->w + (size_t)d->OC * j->ldw, j->ldw, xcol, cols, 0.0f,
                  prod + (size_t)d->OC * cols, cols);
-        for (int i = 0; i < r; i++) /* kept per sample for dB */
-            for (int s = 0; s < nc; s++)
-                memcpy(lc->u + ((size_t)(n0 + s) * r + i) * plane, prod + (size_t)(d->OC + i) * cols + s * plane,
-                       plane * sizeof(float));
+        for (int i = 0; i < r; i++) /* kept for dB: row i of the chunk's samples, where it lies in u */
+            memcpy(lc->u + (size_t)i * d->N * plane + (size_t)n0 * plane, prod + (size_t)(d->OC + i) * cols,
+                   (size_t)cols * sizeof(float));
     }
 }
 
 /* ---- backward ----------------------------------------------------------------------------------------------- */
 
 /* dB += scale dpre (A x)^T for chunk samples [n0, n0 + nc), from the A x
- * the forward kept. */
+ * the forward kept: one product over the chunk's columns (u holds them side
+ * by side, as dpre does; a product per sample cost as long as its sums). */
 static void conv_backward_db(const ConvLowRankJob *lj, const float *dpre, int n0, int nc, int cols, int task,
                              bool first) {
     const ConvLowRankCtx *lc = lj->lc;
-    const int OC = lc->conv.d.OC, r = lc->rank, plane = (int)conv_plane(&lc->conv.d);
-    for (int s = 0; s < nc; s++)
-        gemm_f32(false, true, OC, r, plane, lc->scale, dpre + (size_t)s * plane, cols,
-                 lc->u + (size_t)(n0 + s) * r * plane, plane, first && s == 0 ? 0.0f : 1.0f,
-                 lj->dbb_part + (size_t)task * OC * r, r);
+    const int OC = lc->conv.d.OC, r = lc->rank, N = lc->conv.d.N;
+    const size_t plane = conv_plane(&lc->conv.d);
+    (void)nc;
+    gemm_f32(false, true, OC, r, cols, lc->scale, dpre, cols, lc->u + (size_t)n0 * plane, (int)((size_t)N * plane),
+             first ? 0.0f : 1.0f, lj->dbb_part + (size_t)task * OC * r, r);
 }
 
 /* dA's share of chunk samples [n0, n0 + nc) in the "same" stride-1 case:

@@ -52,7 +52,7 @@ void conv_taps_forward_chunk(const ConvJob *j, float *prod, size_t ldc, size_t l
         conv_taps_pad(j->taps, col, xc + (size_t)s * d->C * plane, d->C, 1, 0, plane);
         conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * lds, ldc, col, j->taps_w, d->OC, d->C, false);
         if (j->taps_u) /* a second product, not rank more rows: B = 0 gives the base's output bit for bit */
-            conv_taps_forward(j->taps, j->taps_level, j->taps_u + (size_t)(n0 + s) * j->taps_rank * plane, plane,
+            conv_taps_forward(j->taps, j->taps_level, j->taps_u + (size_t)(n0 + s) * plane, (size_t)d->N * plane,
                               col, j->taps_a, j->taps_rank, d->C, false);
         gemm_stats_add(t0, 2.0 * rows * conv_ckk(d) * (double)plane);
     }
