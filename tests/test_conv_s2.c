@@ -33,6 +33,8 @@ static const S2Case cases[] = {
     {3, 4, 28, 28, 3, 1}, /* ResNet-8's first subsampling conv */
     {2, 3, 14, 14, 3, 1}, /* its second: 7x7 parity planes */
     {2, 3, 14, 10, 1, 0}, /* a 1x1 shortcut, non-square */
+    {1, 2, 40, 34, 3, 1}, /* rows of 17 and 20 outputs: past the vector rows (16), the scalar ones */
+    {1, 2, 4, 32, 3, 1},  /* rows of 16 outputs, whole vectors */
     {2, 2, 12, 12, 5, 2}, /* taps two rows out */
     {2, 2, 8, 8, 4, 1},   /* an even kernel: output 4x4 */
     {1, 2, 8, 6, 3, 0},   /* no padding: output 3x2, H != 2 OH, the general loops */
