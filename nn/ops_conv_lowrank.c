@@ -86,15 +86,13 @@ static void conv_lowrank_forward_task(void *ctx, int task, int n_tasks) {
 
 /* ---- backward ----------------------------------------------------------------------------------------------- */
 
-/* dB += scale dpre (A x)^T for chunk samples [n0, n0 + nc), from the A x
+/* dB += scale dpre (A x)^T for the chunk of cols columns from sample n0, from the A x
  * the forward kept: one product over the chunk's columns (u holds them side
  * by side, as dpre does; a product per sample cost as long as its sums). */
-static void conv_backward_db(const ConvLowRankJob *lj, const float *dpre, int n0, int nc, int cols, int task,
-                             bool first) {
+static void conv_backward_db(const ConvLowRankJob *lj, const float *dpre, int n0, int cols, int task, bool first) {
     const ConvLowRankCtx *lc = lj->lc;
     const int OC = lc->conv.d.OC, r = lc->rank, N = lc->conv.d.N;
     const size_t plane = conv_plane(&lc->conv.d);
-    (void)nc;
     gemm_f32(false, true, OC, r, cols, lc->scale, dpre, cols, lc->u + (size_t)n0 * plane, (int)((size_t)N * plane),
              first ? 0.0f : 1.0f, lj->dbb_part + (size_t)task * OC * r, r);
 }
@@ -178,7 +176,7 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
             conv_taps_dw(p, j->taps_level, dw, dpt, col + (size_t)s * d->C * p->pplane, 1, n0 != lo || s > 0);
         }
         gemm_stats_add(t0, dw ? d->OC * flops : 0.0);
-        if (lj->dbb_part) conv_backward_db(lj, dpre, n0, nc, cols, task, n0 == lo);
+        if (lj->dbb_part) conv_backward_db(lj, dpre, n0, cols, task, n0 == lo);
         if (lj->da_part) {
             gemm_f32(true, false, r, cols, d->OC, 1.0f, j->w + ckk, j->ldw, dpre, cols, 0.0f, dt, cols);
             t0 = gemm_stats_start();
@@ -225,7 +223,7 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
             im2col(col, j->x + (size_t)n0 * x_sample, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding,
                    d->OH, d->OW);
         if (dw) gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dpre, cols, col, cols, n0 == lo ? 0.0f : 1.0f, dw, ckk);
-        if (lj->dbb_part) conv_backward_db(lj, dpre, n0, nc, cols, task, n0 == lo);
+        if (lj->dbb_part) conv_backward_db(lj, dpre, n0, cols, task, n0 == lo);
         if (row_hi > row_lo)
             gemm_f32(true, false, row_hi - row_lo, cols, d->OC, 1.0f, j->w + row_lo, j->ldw, dpre, cols, 0.0f,
                      dcol + (size_t)row_lo * cols, cols);
