@@ -213,7 +213,7 @@ void conv_forward_task(void *ctx, int task, int n_tasks) {
     const int chunk = j->c->chunk;
     float *col = conv_thread_scratch(j), *prod = col + j->col_floats;
     int lo, hi;
-    conv_task_range(j->c->d.N, task, n_tasks, &lo, &hi);
+    parallel_range_falling(j->c->d.N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += chunk) conv_forward_chunk(j, col, prod, n0, hi - n0 < chunk ? hi - n0 : chunk);
 }
 
@@ -306,7 +306,7 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
     float *col = conv_thread_scratch(j), *dpre = col + j->col_floats;
     float *dw = j->dw_part ? j->dw_part + (size_t)task * conv_dw_part_floats(d) : NULL; /* j->dw_part's forms */
     int lo, hi;
-    conv_task_range(d->N, task, n_tasks, &lo, &hi);
+    parallel_range_falling(d->N, task, n_tasks, &lo, &hi);
     const int chunk = conv_job_chunk(j);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
@@ -344,10 +344,6 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
                            c->padding, d->OH, d->OW, j->dx_fresh);
         }
     }
-}
-
-void conv_task_range(int n, int task, int n_tasks, int *lo, int *hi) {
-    parallel_range_falling(n, task, n_tasks, lo, hi);
 }
 
 int conv_tasks(const ConvDims *d) {

@@ -105,16 +105,14 @@ bool conv_moments_take(Tape *t, float **m3, int N, int OC, int OH, int OW);
 const char *conv2d_op_name(ConvEpilogue epi);
 
 /* The tasks a pass of d is split into: CONV_TASKS_PER_THREAD per thread (one with one thread), at most one per
- * image. The pool hands them out as threads free up, so a thread slowed for a while (a busy sibling, a
- * descheduled vCPU) holds a pass up by the task it holds (the first is the largest: 29 of a 128 batch over 8
- * tasks), not by all of its share. A fixed thread count gives fixed tasks, and the weight gradient's partials
- * (one per task) are summed in task order: the same bits run to run. */
+ * image. Each takes its samples by parallel_range_falling (an even split left the ResNet-8 step's main thread
+ * waiting 5 % of its time at the ends of the passes), and none is empty: each writes its weight-gradient partial.
+ * The pool hands them out as threads free up, so a thread slowed for a while (a busy sibling, a descheduled vCPU)
+ * holds a pass up by the task it holds (the first is the largest: 29 of a 128 batch over 8 tasks), not by all of
+ * its share. A fixed thread count gives fixed tasks, and the weight gradient's partials (one per task) are summed
+ * in task order: the same bits run to run. */
 #define CONV_TASKS_PER_THREAD 4
 int conv_tasks(const ConvDims *d);
-/* Task task's samples [lo, hi) of n (n_tasks <= n): parallel_range_falling's, so the pass ends on small tasks (an
- * even split left the ResNet-8 step's main thread waiting 5 % of its time in the convolutions). No task is empty:
- * each writes its weight-gradient partial. */
-void conv_task_range(int n, int task, int n_tasks, int *lo, int *hi);
 /* bytes of step memory for an op's scratch: a buffer an earlier op handed
  * back (tape_release_buffer) if one is large enough, else the arena's.
  * Uninitialised; NULL on error (on the tape). */

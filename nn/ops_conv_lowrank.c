@@ -66,7 +66,7 @@ static void conv_lowrank_forward_task(void *ctx, int task, int n_tasks) {
     const size_t plane = conv_plane(d);
     float *col = conv_thread_scratch(j), *prod = col + j->col_floats;
     int lo, hi;
-    conv_task_range(d->N, task, n_tasks, &lo, &hi);
+    parallel_range_falling(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
         /* col, or x itself (a pointwise sample); through the taps, u's A x made with the output (job.taps_u) */
@@ -164,7 +164,7 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
     ConvTaps pa = *p; /* dA: the weight gradient of rank rows */
     pa.OC = r;
     int lo, hi;
-    conv_task_range(d->N, task, n_tasks, &lo, &hi);
+    parallel_range_falling(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += chunk) {
         const int nc = hi - n0 < chunk ? hi - n0 : chunk, cols = nc * (int)plane;
         const double flops = 2.0 * ckk * (double)cols;
@@ -215,7 +215,7 @@ static void conv_lowrank_backward_task(void *ctx, int task, int n_tasks) {
     /* rows of w_merged^T to multiply: dcol's (for dx), then dt's */
     const int row_lo = j->dx ? 0 : ckk, row_hi = want_dt ? ckk + r : (j->dx ? ckk : 0);
     int lo, hi;
-    conv_task_range(d->N, task, n_tasks, &lo, &hi);
+    parallel_range_falling(d->N, task, n_tasks, &lo, &hi);
     for (int n0 = lo; n0 < hi; n0 += c->chunk) {
         const int nc = hi - n0 < c->chunk ? hi - n0 : c->chunk, cols = nc * (int)plane;
         conv_pre_grads(j, dpre, n0, nc, task);

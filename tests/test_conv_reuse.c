@@ -181,7 +181,7 @@ static void test_conv_underflow_zero_sign(void) {
     free(w0);
 }
 
-/* conv_task_range: the tasks tile [0, n) in order, none empty (each writes its weight-gradient partial), and none
+/* parallel_range_falling, the conv tasks' split: the tasks tile [0, n) in order, none empty (each writes its weight-gradient partial), and none
  * holds more than one sample over the task before it (rounding at small n), for every n from the task count up. */
 static void test_conv_task_ranges(void) {
     int bad = 0;
@@ -190,7 +190,7 @@ static void test_conv_task_ranges(void) {
             int end = 0, last = n + 1;
             for (int k = 0; k < tasks; k++) {
                 int lo, hi;
-                conv_task_range(n, k, tasks, &lo, &hi);
+                parallel_range_falling(n, k, tasks, &lo, &hi);
                 if (lo != end || hi <= lo || hi - lo > last + 1) {
                     if (bad++ < 5) fprintf(stderr, "\n  n=%d tasks=%d: task %d is [%d, %d) after %d", n, tasks, k, lo, hi, end);
                 }
@@ -200,9 +200,9 @@ static void test_conv_task_ranges(void) {
         }
     CU_ASSERT_EQUAL(bad, 0);
     int lo, hi; /* ResNet-8's batch over 8 tasks: 128 = 1 + 15 / 64 of the other 120 first, ..., 1 + 1 / 64 last */
-    conv_task_range(128, 0, 8, &lo, &hi);
+    parallel_range_falling(128, 0, 8, &lo, &hi);
     CU_ASSERT(lo == 0 && hi == 29);
-    conv_task_range(128, 7, 8, &lo, &hi);
+    parallel_range_falling(128, 7, 8, &lo, &hi);
     CU_ASSERT(lo == 125 && hi == 128);
 }
 
