@@ -135,8 +135,8 @@ void nn_conv_epilogue_plane(float *y, uint8_t *winner, const float *pre, float b
         }
         return;
     }
-    /* the taps' ISA (QTRAIN_CONV_KERNEL caps both): AVX2's 8 windows where a row has them */
-    if (OW >= POOL2X2_AVX2_MIN_OW && conv_taps_level() >= CONV_TAPS_AVX2)
+    /* the taps' ISA (QTRAIN_CONV_KERNEL caps both): AVX2's 8 windows where pool2x2_avx2_fits */
+    if (pool2x2_avx2_fits(OH, OW) && conv_taps_level() >= CONV_TAPS_AVX2)
         pool2x2_relu_plane_avx2(y, winner, pre, b, OH, OW);
     else pool2x2_relu_plane(y, winner, pre, b, OH, OW);
 }
@@ -262,7 +262,7 @@ void nn_conv_epilogue_grad_plane(float *dpre, const float *dy, const float *y, c
      * relu let it through: the pooled value is the winner's relu output.
      * The row pairs are written whole; a last odd row or column belongs to
      * no window. */
-    if (OW >= POOL2X2_AVX2_MIN_OW && conv_taps_level() >= CONV_TAPS_AVX2)
+    if (pool2x2_avx2_fits(OH, OW) && conv_taps_level() >= CONV_TAPS_AVX2)
         pool2x2_relu_grad_plane_avx2(dpre, dy, y, winner, OH, OW);
     else pool2x2_relu_grad_plane(dpre, dy, y, winner, OH, OW);
     if (OW & 1)

@@ -11,6 +11,7 @@
 #define QTRAIN_NN_POOL2X2_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -164,9 +165,13 @@ static inline void pool2x2_relu_grad_plane(float *dpre, const float *dy, const f
     }
 }
 
-/* The same 8 windows at a time in AVX2 (nn/pool2x2_x86.c), for rows of at least 8 windows (OW >= 16): the same
- * values and winners. Call them only on a CPU with AVX2 (conv_taps_level() AVX2 or AVX-512). */
+/* The same 8 windows at a time in AVX2 (nn/pool2x2_x86.c), for rows of at least 8 windows (OW >= 16), or of 4 to 7
+ * windows over an even OW and at least two row pairs (pool2x2_avx2_fits): the same values and winners. Call them
+ * only on a CPU with AVX2 (conv_taps_level() AVX2 or AVX-512). */
 #define POOL2X2_AVX2_MIN_OW 16
+static inline bool pool2x2_avx2_fits(int OH, int OW) {
+    return OW >= POOL2X2_AVX2_MIN_OW || (OW >= 8 && OW % 2 == 0 && OH >= 4);
+}
 void pool2x2_relu_plane_avx2(float *y, uint8_t *win, const float *pre, float bias, int OH, int OW);
 void pool2x2_relu_grad_plane_avx2(float *dpre, const float *dy, const float *y, const uint8_t *win, int OH, int OW);
 

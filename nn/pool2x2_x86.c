@@ -7,7 +7,11 @@
  * many outputs, so its epilogue, 4 windows at a time, cost about as much as its products. As in the SSE2 rows, the
  * last group of a row is moved back to end at the row's last window, overlapping the one before: it recomputes and
  * rewrites the same values, with no masked load or store (slow on AMD's AVX2 cores) and nothing read or written
- * past the row pair. (16 windows at a time in AVX-512 would need rows of 16 windows, 32 columns: none of the
+ * past the row pair. Rows of 4 to 7 windows (even OW: the CNN's second conv, 14 wide) take one group a row pair but
+ * the last: its lanes past the row read the next row pair's first columns and write garbage into the next row
+ * pair's first windows (and, backward, the first two columns of its first row), which that row pair's group then
+ * rewrites; the last row pair takes the plain row, so nothing past the plane is read or written. (16 windows at a
+ * time in AVX-512 would need rows of 16 windows, 32 columns: none of the
  * reference models has them.)
  *
  * The arithmetic is pool2x2_relu_group4's, lane for lane: v + bias, the relu (v > 0 ? v : 0: NaN and -0 give +0),
@@ -63,6 +67,15 @@ T256 INLINE void relu_group8(float *dst, uint8_t *win, const float *r0, const fl
 T256 void pool2x2_relu_plane_avx2(float *y, uint8_t *win, const float *pre, float bias, int OH, int OW) {
     const int PH = OH / 2, PW = OW / 2;
     const __m256 bv = _mm256_set1_ps(bias);
+    if (PW < 8) { /* short rows (pool2x2_avx2_fits): a group a row pair, its lanes past PW rewritten by the next */
+        for (int ph = 0; ph + 1 < PH; ph++) {
+            const float *r0 = pre + (size_t)(2 * ph) * OW;
+            relu_group8(y + (size_t)ph * PW, win + (size_t)ph * PW, r0, r0 + OW, bv);
+        }
+        const float *r0 = pre + (size_t)(2 * PH - 2) * OW;
+        pool2x2_relu_row(y + (size_t)(PH - 1) * PW, win + (size_t)(PH - 1) * PW, r0, r0 + OW, bias, PW);
+        return;
+    }
     for (int ph = 0; ph < PH; ph++) {
         const float *r0 = pre + (size_t)(2 * ph) * OW, *r1 = r0 + OW;
         float *dst = y + (size_t)ph * PW;
@@ -96,6 +109,17 @@ T256 INLINE void relu_grad_group8(float *q0, float *q1, const float *g, const fl
 T256 void pool2x2_relu_grad_plane_avx2(float *dpre, const float *dy, const float *y, const uint8_t *win, int OH,
                                        int OW) {
     const int PH = OH / 2, PW = OW / 2;
+    if (PW < 8) { /* short rows, as in the forward: the next row pair's first columns are rewritten after */
+        for (int ph = 0; ph + 1 < PH; ph++) {
+            float *q0 = dpre + (size_t)(2 * ph) * OW;
+            const size_t at = (size_t)ph * PW;
+            relu_grad_group8(q0, q0 + OW, dy + at, y + at, win + at);
+        }
+        float *q0 = dpre + (size_t)(2 * PH - 2) * OW;
+        const size_t at = (size_t)(PH - 1) * PW;
+        pool2x2_relu_row_grad(q0, q0 + OW, dy + at, y + at, win + at, PW);
+        return;
+    }
     for (int ph = 0; ph < PH; ph++) {
         float *q0 = dpre + (size_t)(2 * ph) * OW, *q1 = q0 + OW;
         const size_t at = (size_t)ph * PW;
