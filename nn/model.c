@@ -673,6 +673,9 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
     else if (model_graph_bn_relu_producer(m, i) && t->grad_enabled && model_graph_bn_relu_view(m, i))
         y = nn_batchnorm_relu_view(t, xs[0], mod->weight ? &mod->weight->var : NULL,
                                    mod->bias ? &mod->bias->var : NULL, &mod->bn); /* its one reader, a conv, reads it */
+    else if (t->grad_enabled && model_graph_bn_add_view(m, i))
+        y = nn_batchnorm_view(t, xs[0], mod->weight ? &mod->weight->var : NULL, mod->bias ? &mod->bias->var : NULL,
+                              &mod->bn); /* its one reader, an add, reads it */
     else if (model_graph_bn_relu_producer(m, i))
         y = nn_batchnorm_relu(t, xs[0], mod->weight ? &mod->weight->var : NULL, mod->bias ? &mod->bias->var : NULL,
                               &mod->bn);

@@ -206,6 +206,10 @@ bool model_graph_conv_bn(const Model *m, int i);
  * only reader is an unhooked conv2d of the plain geometry or a depthwise stride-1 one: in training the batch
  * norm then runs as nn_batchnorm_relu_view, its output never written, and the conv reads it through the view. */
 bool model_graph_bn_relu_view(const Model *m, int i);
+/* model_graph.c: whether module i is a batch norm that runs as nn_batchnorm whose only reader is an unhooked add (a
+ * residual block's second batch norm), keep_outputs off: in training it then runs as nn_batchnorm_view, its output
+ * never written, and the add makes it as it adds. */
+bool model_graph_bn_add_view(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the
  * tape for the next outputs (tape_release), so an eval pass holds a few

@@ -205,6 +205,16 @@ bool model_graph_bn_relu_view(const Model *m, int i) {
                               c->geom.stride_w == 1));
 }
 
+bool model_graph_bn_add_view(const Model *m, int i) {
+    const Module *b = &m->modules[i];
+    if (m->keep_outputs || !unfolded_bn(b) || b->n_consumers != 1) return false;
+    for (int j = i + 1; j < m->n_modules; j++)
+        for (int k = 0; k < m->modules[j].n_inputs; k++)
+            if (m->modules[j].inputs[k] == i)
+                return m->modules[j].spec.type == LAYER_ADD && plain_module(&m->modules[j]);
+    return false;
+}
+
 bool model_graph_conv_bn(const Model *m, int i) {
     const Module *c = &m->modules[i];
     if (c->spec.type != LAYER_CONV2D || !plain_module(c) || c->n_consumers != 1) return false;

@@ -134,11 +134,18 @@ Var *nn_batchnorm(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
  * nn_batchnorm_relu_inplace on every nn_batchnorm_relu output (error QT_ERR_ARG on any other y). */
 Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 Var *nn_batchnorm_relu_inplace(Tape *t, Var *y);
+/* nn_batchnorm without its output pass, for an add that alone reads the output (a residual block's second batch
+ * norm, model_graph_bn_add_view): nn_add makes each plane through the view as it adds, the same floats as
+ * nn_batchnorm then nn_add, and the batch norm's backward reads x as nn_batchnorm's does. Only nn_add reads such
+ * a view (the convolutions refuse it). */
+Var *nn_batchnorm_view(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn);
 /* A value never written: relu((x - mean[c]) * scale[c] + beta[c]) per channel c of x (N, C, inner), as
- * nn_batchnorm_relu would have written it (Var.view). */
+ * nn_batchnorm_relu would have written it (Var.view); with affine_only, without the relu, as nn_batchnorm would
+ * have (nn_batchnorm_view, which only nn_add reads). */
 typedef struct NnAffineRelu {
     Var *x;                           /* (N, C, inner): the batch norm's input */
     const float *mean, *scale, *beta; /* (C,); beta may be NULL (0) */
+    bool affine_only;                 /* no relu */
 } NnAffineRelu;
 /* nn_batchnorm_relu without its output pass, for a relu whose only reader is a convolution of the plain
  * geometry (nn_conv2d, nn_conv2d_fused: each chunk's input is made through the view into scratch before its
@@ -306,6 +313,9 @@ void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, si
 /* dst rows (rows, cols) at row stride ldd = relu((x - m) * a + b) of the contiguous x (rows, cols): the values
  * batchnorm_apply_relu writes, bit for bit, for one plane (a reader of an NnAffineRelu view). */
 void batchnorm_relu_rows(float *dst, size_t ldd, const float *x, int rows, int cols, float m, float a, float b);
+/* y [n] = v + s (s NULL: v), v = (x - m) * a + b, relu'd if relu: batchnorm_apply's (or batchnorm_apply_relu's)
+ * value then nn_add's sum, bit for bit (a reader of an NnAffineRelu view: nn_add). y may be s. */
+void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, float m, float a, float b, bool relu);
 /* A (sample, channel) plane of inner values (batchnorm_plane_fits: 16 to 1024) is one block of batchnorm_stats:
  * batchnorm_plane_moments makes its m3[3] (the block's shift and its moments about it), by whoever writes the
  * plane while it is in cache (a conv before the batch norm), and batchnorm_stats_planes merges the (N, C, 3)

@@ -232,6 +232,37 @@ static void add_backward(Tape *t, const TapeNode *node) {
     }
 }
 
+/* y = a + b where a or b is a batch norm's view (nn_batchnorm_view): plane by plane (sample, channel), each made
+ * through its view as it is added (batchnorm_view_add), over the pool in ranges of planes. Both views: y = view a,
+ * then y = view b + y, the same sum (a + b == b + a in floats). */
+typedef struct {
+    float *y;         /* (N, C, inner) */
+    const Var *a, *b; /* (N, C, inner), one or both with a view */
+    int C;
+    size_t inner;
+    int planes;       /* N C */
+} AddViewJob;
+
+static void add_view_task(void *ctx, int task, int n_tasks) {
+    const AddViewJob *j = ctx;
+    int p0, p1;
+    parallel_range(j->planes, task, n_tasks, &p0, &p1);
+    for (int p = p0; p < p1; p++) {
+        const int c = p % j->C;
+        const size_t off = (size_t)p * j->inner;
+        float *y = j->y + off;
+        const Var *u = j->a->view ? j->a : j->b, *other = j->a->view ? j->b : j->a; /* u: a view */
+        const NnAffineRelu *v = u->view;
+        const float *s = other->view ? NULL : other->value.data + off;
+        batchnorm_view_add(y, v->x->value.data + off, s, j->inner, v->mean[c], v->scale[c], v->beta ? v->beta[c] : 0.0f,
+                           !v->affine_only);
+        if (!other->view) continue;
+        v = other->view;
+        batchnorm_view_add(y, v->x->value.data + off, y, j->inner, v->mean[c], v->scale[c], v->beta ? v->beta[c] : 0.0f,
+                           !v->affine_only);
+    }
+}
+
 Var *nn_add(Tape *t, Var *a, Var *b) {
     if (!a || !b) return NULL;
     char sa[64], sb[64];
@@ -239,9 +270,20 @@ Var *nn_add(Tape *t, Var *a, Var *b) {
         qt_error_set(&t->err, QT_ERR_SHAPE, "add: shapes differ: %s and %s", SHAPE_STR(a, sa), SHAPE_STR(b, sb));
         return NULL;
     }
+    if ((a->view || b->view) && a->value.ndim < 2) {
+        qt_error_set(&t->err, QT_ERR_SHAPE, "add: a batch norm's view %s must be (N, C, ...)", SHAPE_STR(a, sa));
+        return NULL;
+    }
     Var *y = tape_new_var(t, a->value.ndim, a->value.shape);
     if (!y) return NULL;
-    add_run(y->value.data, a->value.data, b->value.data, var_numel(a));
+    if (a->view || b->view) {
+        const int N = a->value.shape[0], C = a->value.shape[1];
+        AddViewJob j = {y->value.data, a, b, C, N && C ? var_numel(a) / ((size_t)N * C) : 0, N * C};
+        /* 4 tasks a thread over a whole activation, as the batch norm's passes */
+        parallel_run(var_numel(a) >= ADD_PARALLEL_MIN ? 4 * parallel_get_threads() : 1, add_view_task, &j);
+    } else {
+        add_run(y->value.data, a->value.data, b->value.data, var_numel(a));
+    }
     return tape_record_value_free(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
 }
 

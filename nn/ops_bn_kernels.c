@@ -276,6 +276,21 @@ void batchnorm_relu_rows(float *dst, size_t ldd, const float *x, int rows, int c
 }
 
 NN_SIMD_CLONES
+void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, float m, float a, float b, bool relu) {
+    if (!s) {
+        for (size_t i = 0; i < n; i++) {
+            const float v = (x[i] - m) * a + b;
+            y[i] = relu ? (v > 0.0f ? v : 0.0f) : v;
+        }
+        return;
+    }
+    for (size_t i = 0; i < n; i++) { /* y may be s: each element read before it is written */
+        const float v = (x[i] - m) * a + b;
+        y[i] = (relu ? (v > 0.0f ? v : 0.0f) : v) + s[i];
+    }
+}
+
+NN_SIMD_CLONES
 void batchnorm_apply(float *y, const float *x, const float *mean, const float *scale, const float *beta, int N,
                      int C, size_t inner, int c0, int c1) {
     bn_apply_channels(y, x, mean, scale, beta, N, C, inner, c0, c1, false);

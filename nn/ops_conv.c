@@ -55,6 +55,9 @@ QtStatus conv2d_check(Tape *t, const Var *x, const Var *w, const Var *bias, int 
     if (w->value.ndim != 4)
         return qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d: weight %s must be 4-D (OC, C, KH, KW) (input %s)", ws,
                             xs);
+    if (x->view && x->view->affine_only)
+        return qt_error_set(&t->err, QT_ERR_ARG, "conv2d: its input %s is a batch norm's view without relu "
+                            "(nn_batchnorm_view), which only nn_add reads", xs);
     if (stride < 1 || padding < 0)
         return qt_error_set(&t->err, QT_ERR_ARG,
                             "conv2d: stride must be >= 1 and padding >= 0, got stride %d, padding %d "

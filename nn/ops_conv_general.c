@@ -97,6 +97,9 @@ static QtStatus conv_general_check(Tape *t, const Var *x, const Var *w, const Va
     if (w->value.ndim != 4)
         return qt_error_set(&t->err, QT_ERR_SHAPE, "conv2d: weight %s must be 4-D (OC, C/groups, KH, KW) (input %s)",
                             ws, xs);
+    if (x->view && x->view->affine_only)
+        return qt_error_set(&t->err, QT_ERR_ARG, "conv2d: its input %s is a batch norm's view without relu "
+                            "(nn_batchnorm_view), which only nn_add reads", xs);
     if (g->stride_h < 1 || g->stride_w < 1 || g->dil_h < 1 || g->dil_w < 1 || g->pad_h < 0 || g->pad_w < 0 ||
         g->pad_h_extra < 0 || g->pad_w_extra < 0 || g->groups < 1)
         return qt_error_set(&t->err, QT_ERR_ARG,

@@ -493,7 +493,7 @@ static Var *batchnorm_forward(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormS
     }
     c->scale = j.scale, c->beta = j.beta, c->x = x;
     if (view) {
-        c->view = (NnAffineRelu){x, c->mean, c->scale, c->beta};
+        c->view = (NnAffineRelu){x, c->mean, c->scale, c->beta, !relu};
         y->view = &c->view;
     }
     if (batch && bn->running_mean && bn->num_batches_tracked) (*bn->num_batches_tracked)++;
@@ -510,6 +510,10 @@ Var *nn_batchnorm_relu(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *b
 
 Var *nn_batchnorm_relu_view(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
     return batchnorm_forward(t, x, gamma, beta, bn, true, true);
+}
+
+Var *nn_batchnorm_view(Tape *t, Var *x, Var *gamma, Var *beta, BatchNormState *bn) {
+    return batchnorm_forward(t, x, gamma, beta, bn, false, true);
 }
 
 /* The recorded batch norm whose output is y, or NULL. */

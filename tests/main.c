@@ -17,6 +17,7 @@
     X(nn_conv_lowrank) \
     X(nn_batchnorm) \
     X(nn_conv_bn) \
+    X(nn_bn_add_view) \
     X(bn_sync)    \
     X(nn_conv_general) \
     X(nn_kernels_fast) \
