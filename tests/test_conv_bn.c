@@ -159,18 +159,21 @@ static void run_bn_init(RunBn *b, int C) {
     b->s = (BatchNormState){b->mean, b->var, &b->count, 0.1f, 1e-5f, false};
 }
 
-/* The backward of out from a random dy of its size, then r = copies of the results (src[q], len[q] floats each;
- * NULL: zeros). */
-static void backward_take(TestEnv *e, Var *out, const float *const src[RESULTS], const size_t len[RESULTS],
-                          ConvBnResult *r) {
+/* The backward of out from a random dy of its size. */
+static void backward_run(TestEnv *e, Var *out) {
     float *dy = test_random_uniform(var_numel(out), 77, -1.0f, 1.0f);
     CU_ASSERT_FATAL(tape_backward_from(&e->tape, out, dy) == QT_OK);
+    free(dy);
+}
+
+/* r = copies of the results (src[q], len[q] floats each; NULL: zeros), taken after the backward (the gradients'
+ * buffers are made by it). */
+static void results_take(const float *const src[RESULTS], const size_t len[RESULTS], ConvBnResult *r) {
     for (int q = 0; q < RESULTS; q++) {
         r->n[q] = len[q];
         r->v[q] = calloc(len[q], sizeof(float));
         if (src[q]) memcpy(r->v[q], src[q], len[q] * sizeof(float));
     }
-    free(dy);
 }
 
 /* conv -> batch norm (gamma, beta, running statistics) and a backward from dy, in training; with_moments: the
@@ -196,9 +199,9 @@ static void conv_bn_run(const ConvBnCase *c, bool with_moments, bool training, c
     *made = y->moments != NULL;
     Var *z = nn_batchnorm(&e.tape, y, gv, bv, &bn.s);
     CU_ASSERT_FATAL(z != NULL);
-    backward_take(&e, z,
-                  (const float *[RESULTS]){z->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
-                  (const size_t[RESULTS]){ny, nx, nw, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC}, r);
+    backward_run(&e, z);
+    results_take((const float *[RESULTS]){z->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
+                 (const size_t[RESULTS]){ny, nx, nw, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC, (size_t)c->OC}, r);
     test_env_free(&e);
 }
 
@@ -335,9 +338,9 @@ static void view_run(const ViewCase *c, bool view, const float *x, const float *
     g.groups = c->plain ? 1 : c->C, g.dil_h = g.dil_w = c->dil;
     Var *y = nn_conv2d_general(&e.tape, rl, wv, NULL, &g);
     CU_ASSERT_FATAL(y != NULL);
-    backward_take(&e, y,
-                  (const float *[RESULTS]){y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
-                  (const size_t[RESULTS]){ny, nx, nw, (size_t)c->C, (size_t)c->C, (size_t)c->C, (size_t)c->C}, r);
+    backward_run(&e, y);
+    results_take((const float *[RESULTS]){y->value.data, xv->grad, wv->grad, gv->grad, bv->grad, bn.mean, bn.var},
+                 (const size_t[RESULTS]){ny, nx, nw, (size_t)c->C, (size_t)c->C, (size_t)c->C, (size_t)c->C}, r);
     test_env_free(&e);
 }
 
