@@ -665,9 +665,11 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
         if (!(xs[k] = outs[1 + mod->inputs[k]])) return outs[1 + i] = NULL;
     Var *y;
     if (mod->spec.type == LAYER_ADD || mod->spec.type == LAYER_CONCAT)
-        y = model_merge_forward(t, mod, xs);
+        y = model_merge_forward(t, mod, xs, mod->spec.type == LAYER_ADD && model_graph_add_relu(m, i));
     else if (model_graph_bn_relu(m, i))
         y = nn_batchnorm_relu_inplace(t, xs[0]); /* the batch norm applied it (below) */
+    else if (model_graph_relu_in_place(m, i) && model_graph_add_relu(m, mod->inputs[0]))
+        y = nn_relu_inplace_applied(t, xs[0]); /* the add applied it (above) */
     else if (model_graph_relu_in_place(m, i))
         y = nn_relu_inplace(t, xs[0]); /* a batch norm's or add's output read by nothing else */
     else if (model_graph_bn_relu_producer(m, i) && t->grad_enabled && model_graph_bn_relu_view(m, i))
@@ -689,10 +691,11 @@ Var *model_step(Model *m, Tape *t, int i, Var **outs) {
     return outs[1 + i] = y;
 }
 
-Var *model_merge_forward(Tape *t, Module *m, Var *const *xs) {
+Var *model_merge_forward(Tape *t, Module *m, Var *const *xs, bool relu) {
     if (m->spec.type == LAYER_CONCAT) return nn_concat(t, xs, m->n_inputs);
     Var *y = xs[0];
-    for (int k = 1; k < m->n_inputs && y; k++) y = nn_add(t, y, xs[k]);
+    for (int k = 1; k < m->n_inputs && y; k++)
+        y = relu && k == m->n_inputs - 1 ? nn_add_relu(t, y, xs[k]) : nn_add(t, y, xs[k]);
     return y;
 }
 

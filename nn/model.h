@@ -175,8 +175,8 @@ Var *model_module_forward(Tape *t, Module *m, Var *x);
  * its output in outs[1 + i]. What model_forward does per module when it
  * does not fuse, and how a caller re-runs a model module by module. */
 Var *model_step(Model *m, Tape *t, int i, Var **outs);
-/* The module's merge (add, concat) of xs[0..m->n_inputs). */
-Var *model_merge_forward(Tape *t, Module *m, Var *const *xs);
+/* The module's merge (add, concat) of xs[0..m->n_inputs); relu: an add's last sum relu'd (nn_add_relu). */
+Var *model_merge_forward(Tape *t, Module *m, Var *const *xs, bool relu);
 /* Whether module i reads the previous module alone: a chain's step. */
 bool model_reads_previous(const Model *m, int i);
 /* model_graph.c: resolves module i's inputs (its spec's names; none = the
@@ -210,6 +210,9 @@ bool model_graph_bn_relu_view(const Model *m, int i);
  * residual block's second batch norm), keep_outputs off: in training it then runs as nn_batchnorm_view, its output
  * never written, and the add makes it as it adds. */
 bool model_graph_bn_add_view(const Model *m, int i);
+/* model_graph.c: whether module i is an add whose only reader is a relu in place (model_graph_relu_in_place): the
+ * add then runs as nn_add_relu (its last sum relu'd in its pass) and the relu as nn_relu_inplace_applied. */
+bool model_graph_add_relu(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the
  * tape for the next outputs (tape_release), so an eval pass holds a few

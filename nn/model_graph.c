@@ -205,6 +205,15 @@ bool model_graph_bn_relu_view(const Model *m, int i) {
                               c->geom.stride_w == 1));
 }
 
+bool model_graph_add_relu(const Model *m, int i) {
+    if (m->modules[i].spec.type != LAYER_ADD || m->modules[i].n_inputs < 2 || m->modules[i].n_consumers != 1)
+        return false;
+    for (int j = i + 1; j < m->n_modules; j++)
+        for (int k = 0; k < m->modules[j].n_inputs; k++)
+            if (m->modules[j].inputs[k] == i) return model_graph_relu_in_place(m, j);
+    return false;
+}
+
 bool model_graph_bn_add_view(const Model *m, int i) {
     const Module *b = &m->modules[i];
     if (m->keep_outputs || !unfolded_bn(b) || b->n_consumers != 1) return false;

@@ -58,6 +58,10 @@ Var *nn_linear(Tape *t, Var *x, Var *w, Var *bias);
 Var *nn_bias_add(Tape *t, Var *x, Var *bias);
 /* y = a + b, same shapes. a and b may be the same Var (its gradient gets dy twice). */
 Var *nn_add(Tape *t, Var *a, Var *b);
+/* relu(a + b) (v > 0 ? v : 0) in the add's one pass, recorded as nn_add (its backward passes dy on): for a caller
+ * that then records the relu with nn_relu_inplace_applied on y, whose backward masks the gradient (a residual
+ * block's add and its relu, model_graph_add_relu). The same bits as nn_add then nn_relu_inplace, a pass fewer. */
+Var *nn_add_relu(Tape *t, Var *a, Var *b);
 /* Concatenation along the channel axis 1: xs[0..n) of (N, Ci, ...), n >= 1,
  * equal in every dim but axis 1; y: (N, sum Ci, ...). A Var may appear more
  * than once. */
@@ -69,6 +73,8 @@ Var *nn_relu(Tape *t, Var *x);
  * knows nothing else reads x and that x's producer's backward does not read
  * it (model_graph_relu_in_place). The same values and gradients as nn_relu. */
 Var *nn_relu_inplace(Tape *t, Var *x);
+/* nn_relu_inplace on values already relu'd (nn_add_relu's): the relu node, no pass. */
+Var *nn_relu_inplace_applied(Tape *t, Var *x);
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 Var *nn_gelu(Tape *t, Var *x);
 Var *nn_tanh(Tape *t, Var *x);
@@ -314,8 +320,10 @@ void batchnorm_stats(double *mean, double *var, const float *x, int N, int C, si
  * batchnorm_apply_relu writes, bit for bit, for one plane (a reader of an NnAffineRelu view). */
 void batchnorm_relu_rows(float *dst, size_t ldd, const float *x, int rows, int cols, float m, float a, float b);
 /* y [n] = v + s (s NULL: v), v = (x - m) * a + b, relu'd if relu: batchnorm_apply's (or batchnorm_apply_relu's)
- * value then nn_add's sum, bit for bit (a reader of an NnAffineRelu view: nn_add). y may be s. */
-void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, float m, float a, float b, bool relu);
+ * value then nn_add's sum, bit for bit (a reader of an NnAffineRelu view: nn_add); the sum relu'd if relu_sum
+ * (nn_add_relu; s not NULL). y may be s. */
+void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, float m, float a, float b, bool relu,
+                        bool relu_sum);
 /* A (sample, channel) plane of inner values (batchnorm_plane_fits: 16 to 1024) is one block of batchnorm_stats:
  * batchnorm_plane_moments makes its m3[3] (the block's shift and its moments about it), by whoever writes the
  * plane while it is in cache (a conv before the batch norm), and batchnorm_stats_planes merges the (N, C, 3)

@@ -182,11 +182,17 @@ typedef struct {
     const float *a, *b;
     size_t n;
     bool copy; /* y = a (b NULL) */
+    bool relu; /* y = relu(a + b) (b not NULL): v > 0 ? v : 0, as nn_relu_inplace */
 } AddJob;
 
 /* y may be a (x + x: the backward's dy buffer is the first input's gradient, then added to): no restrict. */
-static void add_range(float *y, const float *a, const float *b, size_t n, bool copy) {
+static void add_range(float *y, const float *a, const float *b, size_t n, bool copy, bool relu) {
     if (copy) memcpy(y, a, n * sizeof *y);
+    else if (b && relu)
+        for (size_t i = 0; i < n; i++) {
+            const float v = a[i] + b[i];
+            y[i] = v > 0.0f ? v : 0.0f;
+        }
     else if (b)
         for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
     else
@@ -196,21 +202,19 @@ static void add_range(float *y, const float *a, const float *b, size_t n, bool c
 static void add_task(void *ctx, int task, int n_tasks) {
     const AddJob *j = ctx;
     const size_t lo = j->n * (size_t)task / (size_t)n_tasks, hi = j->n * (size_t)(task + 1) / (size_t)n_tasks;
-    add_range(j->y + lo, j->a + lo, j->b ? j->b + lo : NULL, hi - lo, j->copy);
+    add_range(j->y + lo, j->a + lo, j->b ? j->b + lo : NULL, hi - lo, j->copy, j->relu);
 }
 
-/* y = a + b, y += a (b NULL), or with copy y = a: over the pool from ADD_PARALLEL_MIN elements (a copy of a
- * batch's activations on one thread left the other waiting). */
-static void add_run_as(float *y, const float *a, const float *b, size_t n, bool copy) {
+/* y = a + b (relu'd with relu), y += a (b NULL), or with copy y = a: over the pool from ADD_PARALLEL_MIN elements
+ * (a copy of a batch's activations on one thread left the other waiting). */
+static void add_run_as(float *y, const float *a, const float *b, size_t n, bool copy, bool relu) {
     if (n < ADD_PARALLEL_MIN || parallel_get_threads() == 1) {
-        add_range(y, a, b, n, copy);
+        add_range(y, a, b, n, copy, relu);
         return;
     }
-    AddJob j = {y, a, b, n, copy};
+    AddJob j = {y, a, b, n, copy, relu};
     parallel_run(parallel_get_threads(), add_task, &j);
 }
-
-static void add_run(float *y, const float *a, const float *b, size_t n) { add_run_as(y, a, b, n, false); }
 
 /* The first input without a gradient yet takes dy's buffer as its own (no
  * copy), a second one gets a copy, and an input that has one adds dy in. */
@@ -228,7 +232,7 @@ static void add_backward(Tape *t, const TapeNode *node) {
         bool fresh;
         float *dv = tape_grad_to_write(t, v, &fresh);
         if (!dv) return;
-        add_run_as(dv, dy, NULL, n, fresh);
+        add_run_as(dv, dy, NULL, n, fresh, false);
     }
 }
 
@@ -238,6 +242,7 @@ static void add_backward(Tape *t, const TapeNode *node) {
 typedef struct {
     float *y;         /* (N, C, inner) */
     const Var *a, *b; /* (N, C, inner), one or both with a view */
+    bool relu;        /* y = relu(a + b) */
     int C;
     size_t inner;
     int planes;       /* N C */
@@ -255,15 +260,15 @@ static void add_view_task(void *ctx, int task, int n_tasks) {
         const NnAffineRelu *v = u->view;
         const float *s = other->view ? NULL : other->value.data + off;
         batchnorm_view_add(y, v->x->value.data + off, s, j->inner, v->mean[c], v->scale[c], v->beta ? v->beta[c] : 0.0f,
-                           !v->affine_only);
+                           !v->affine_only, j->relu && s);
         if (!other->view) continue;
         v = other->view;
         batchnorm_view_add(y, v->x->value.data + off, y, j->inner, v->mean[c], v->scale[c], v->beta ? v->beta[c] : 0.0f,
-                           !v->affine_only);
+                           !v->affine_only, j->relu);
     }
 }
 
-Var *nn_add(Tape *t, Var *a, Var *b) {
+static Var *add_forward(Tape *t, Var *a, Var *b, bool relu) {
     if (!a || !b) return NULL;
     char sa[64], sb[64];
     if (!tensor_same_shape(&a->value, &b->value)) {
@@ -278,14 +283,18 @@ Var *nn_add(Tape *t, Var *a, Var *b) {
     if (!y) return NULL;
     if (a->view || b->view) {
         const int N = a->value.shape[0], C = a->value.shape[1];
-        AddViewJob j = {y->value.data, a, b, C, N && C ? var_numel(a) / ((size_t)N * C) : 0, N * C};
+        AddViewJob j = {y->value.data, a, b, relu, C, N && C ? var_numel(a) / ((size_t)N * C) : 0, N * C};
         /* 4 tasks a thread over a whole activation, as the batch norm's passes */
         parallel_run(var_numel(a) >= ADD_PARALLEL_MIN ? 4 * parallel_get_threads() : 1, add_view_task, &j);
     } else {
-        add_run(y->value.data, a->value.data, b->value.data, var_numel(a));
+        add_run_as(y->value.data, a->value.data, b->value.data, var_numel(a), false, relu);
     }
     return tape_record_value_free(t, "add", add_backward, y, (Var *[]){a, b}, 2, NULL) ? y : NULL;
 }
+
+Var *nn_add(Tape *t, Var *a, Var *b) { return add_forward(t, a, b, false); }
+
+Var *nn_add_relu(Tape *t, Var *a, Var *b) { return add_forward(t, a, b, true); }
 
 /* ---- concat along the channel axis ---------------------------------------- */
 
@@ -556,13 +565,17 @@ static void relu_forward_self(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
 }
 
-Var *nn_relu_inplace(Tape *t, Var *x) {
+static Var *relu_inplace(Tape *t, Var *x, bool applied) {
     if (!x) return NULL;
     Var *y = tape_wrap(t, x->value.data, x->value.ndim, x->value.shape);
     if (!y) return NULL;
-    unary_forward(relu_forward_self, y->value.data, y->value.data, var_numel(y));
+    if (!applied) unary_forward(relu_forward_self, y->value.data, y->value.data, var_numel(y));
     return tape_record(t, "relu", nn_relu_tape_backward, y, (Var *[]){x}, 1, NULL) ? y : NULL;
 }
+
+Var *nn_relu_inplace(Tape *t, Var *x) { return relu_inplace(t, x, false); }
+
+Var *nn_relu_inplace_applied(Tape *t, Var *x) { return relu_inplace(t, x, true); }
 
 DEFINE_UNARY(gelu, true)
 DEFINE_UNARY(tanh, false)

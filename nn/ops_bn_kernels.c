@@ -276,7 +276,8 @@ void batchnorm_relu_rows(float *dst, size_t ldd, const float *x, int rows, int c
 }
 
 NN_SIMD_CLONES
-void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, float m, float a, float b, bool relu) {
+void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, float m, float a, float b, bool relu,
+                        bool relu_sum) {
     if (!s) {
         for (size_t i = 0; i < n; i++) {
             const float v = (x[i] - m) * a + b;
@@ -285,8 +286,8 @@ void batchnorm_view_add(float *y, const float *x, const float *s, size_t n, floa
         return;
     }
     for (size_t i = 0; i < n; i++) { /* y may be s: each element read before it is written */
-        const float v = (x[i] - m) * a + b;
-        y[i] = (relu ? (v > 0.0f ? v : 0.0f) : v) + s[i];
+        const float v = (x[i] - m) * a + b, u = (relu ? (v > 0.0f ? v : 0.0f) : v) + s[i];
+        y[i] = relu_sum ? (u > 0.0f ? u : 0.0f) : u;
     }
 }
 

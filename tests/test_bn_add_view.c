@@ -1,7 +1,8 @@
 /* test_bn_add_view.c - a batch norm whose only reader is an add (a residual block's second batch norm) is never
  * written: the add makes each plane through the batch norm's view as it adds (nn_batchnorm_view,
- * model_graph_bn_add_view). The op against nn_batchnorm then nn_add, bit for bit; the convolutions' refusal; a
- * residual model's step with the view against the same step with every output kept. */
+ * model_graph_bn_add_view); an add whose only reader is a relu in place applies it in its pass (nn_add_relu,
+ * model_graph_add_relu). The ops against nn_batchnorm, nn_add and nn_relu_inplace, bit for bit; the convolutions'
+ * refusal; a residual model's step with both against the same step with every output kept. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,13 +35,16 @@ typedef struct {
     const char *what;
 } AddCase;
 
-/* Which inputs of the add are batch norms: the first, the second, or both. */
-typedef enum { BN_FIRST, BN_SECOND, BN_BOTH } BnAt;
+/* Which inputs of the add are batch norms: the first, the second, both, or neither. */
+typedef enum { BN_FIRST, BN_SECOND, BN_BOTH, BN_NONE } BnAt;
 
-/* y = add(a, b), a and/or b a batch norm of its own input (training or eval), then a backward from a fixed dy;
- * view: the batch norms as nn_batchnorm_view, else nn_batchnorm. out: y, then the inputs' gradients, then each
- * batch norm's dgamma, dbeta, running mean and running variance (zeros where there is none). */
-static void add_run(const AddCase *c, BnAt at, bool view, bool training, float *out[OUTS], size_t len[OUTS]) {
+/* y = add(a, b), a and/or b a batch norm of its own input (training or eval), relu'd in place if relu, then a
+ * backward from a fixed dy; fused: the batch norms as nn_batchnorm_view and the relu as nn_add_relu +
+ * nn_relu_inplace_applied, else nn_batchnorm, nn_add and nn_relu_inplace. out: y, then the inputs' gradients,
+ * then each batch norm's dgamma, dbeta, running mean and running variance (zeros where there is none). */
+static void add_run(const AddCase *c, BnAt at, bool fused, bool relu, bool training, float *out[OUTS],
+                    size_t len[OUTS]) {
+    const bool view = fused;
     size_t n = 1;
     for (int d = 0; d < c->ndim; d++) n *= (size_t)c->shape[d];
     const int C = c->shape[1];
@@ -63,7 +67,9 @@ static void add_run(const AddCase *c, BnAt at, bool view, bool training, float *
             CU_ASSERT((in[k]->value.data == NULL) == view);
         }
     }
-    Var *y = nn_add(&e.tape, in[0], in[1]);
+    Var *y = relu && fused ? nn_relu_inplace_applied(&e.tape, nn_add_relu(&e.tape, in[0], in[1]))
+             : relu        ? nn_relu_inplace(&e.tape, nn_add(&e.tape, in[0], in[1]))
+                           : nn_add(&e.tape, in[0], in[1]);
     CU_ASSERT_FATAL(y != NULL);
     float *dy = test_random_uniform(n, 50, -1.0f, 1.0f);
     CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
@@ -83,7 +89,8 @@ static void add_run(const AddCase *c, BnAt at, bool view, bool training, float *
 }
 
 /* The add reading a batch norm's view gives the sum, every gradient and the running statistics of the written
- * batch norm, bit for bit: a view first, second or both, in training and eval, on 1 and 2 threads, over planes of
+ * batch norm, bit for bit, and with its relu applied in its pass (nn_add_relu) those of nn_add then
+ * nn_relu_inplace: a view first, second, both or none, in training and eval, on 1 and 2 threads, over planes of
  * 784 (ResNet-8's first stage), odd sizes and one value (batchnorm1d's (N, C)). */
 static void test_bn_add_view_same_bits(void) {
     static const AddCase cases[] = {
@@ -95,24 +102,27 @@ static void test_bn_add_view_same_bits(void) {
     };
     const int before = parallel_get_threads();
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++)
-        for (int at = BN_FIRST; at <= BN_BOTH; at++)
+        for (int at = BN_FIRST; at <= BN_NONE; at++)
             for (int training = 0; training <= 1; training++)
-                for (int th = 1; th <= 2; th++) {
-                    parallel_set_threads(th);
-                    float *ref[OUTS], *got[OUTS];
-                    size_t len[OUTS];
-                    add_run(&cases[k], (BnAt)at, false, training, ref, len);
-                    add_run(&cases[k], (BnAt)at, true, training, got, len);
-                    for (int q = 0; q < OUTS; q++) {
-                        const bool same = !memcmp(ref[q], got[q], len[q] * sizeof(float));
-                        if (!same)
-                            fprintf(stderr, "\n  add of a view, %s, batch norm %s, %s, %d thread(s): result %d differs",
-                                    cases[k].what, at == BN_FIRST ? "first" : at == BN_SECOND ? "second" : "both",
-                                    training ? "training" : "eval", th, q);
-                        CU_ASSERT(same);
-                        free(ref[q]), free(got[q]);
+                for (int relu = 0; relu <= 1; relu++)
+                    for (int th = 1; th <= 2; th++) {
+                        if (at == BN_NONE && !relu) continue; /* nothing fused */
+                        parallel_set_threads(th);
+                        float *ref[OUTS], *got[OUTS];
+                        size_t len[OUTS];
+                        add_run(&cases[k], (BnAt)at, false, relu, training, ref, len);
+                        add_run(&cases[k], (BnAt)at, true, relu, training, got, len);
+                        static const char *const where[] = {"first", "second", "both", "none"};
+                        for (int q = 0; q < OUTS; q++) {
+                            const bool same = !memcmp(ref[q], got[q], len[q] * sizeof(float));
+                            if (!same)
+                                fprintf(stderr, "\n  add%s, %s, batch norm %s, %s, %d thread(s): result %d differs",
+                                        relu ? " + relu" : "", cases[k].what, where[at],
+                                        training ? "training" : "eval", th, q);
+                            CU_ASSERT(same);
+                            free(ref[q]), free(got[q]);
+                        }
                     }
-                }
     parallel_set_threads(before);
 }
 
@@ -176,6 +186,9 @@ static void test_model_bn_add_view(void) {
     CU_ASSERT(model_graph_bn_add_view(&m, 8));
     CU_ASSERT(!model_graph_bn_add_view(&m, 11));
     CU_ASSERT(!model_graph_bn_add_view(&m, 5));
+    CU_ASSERT(model_graph_add_relu(&m, 5));   /* sum1, read by its relu alone */
+    CU_ASSERT(!model_graph_add_relu(&m, 10)); /* sum2, read by a batch norm and an add */
+    CU_ASSERT(!model_graph_add_relu(&m, 6));  /* a relu */
     Rng r;
     rng_init(&r, 9, RNG_STREAM_INIT);
     model_init_params(&m, &r);
@@ -185,7 +198,7 @@ static void test_model_bn_add_view(void) {
     int np = 0;
     for (int keep = 0; keep < 2; keep++) {
         m.keep_outputs = keep;
-        CU_ASSERT(model_graph_bn_add_view(&m, 4) == !keep);
+        CU_ASSERT(model_graph_bn_add_view(&m, 4) == !keep && model_graph_add_relu(&m, 5) == !keep);
         for (int i = 0; i < m.n_params; i++)
             memset(m.params[i].var.grad, 0, var_numel(&m.params[i].var) * sizeof(float));
         for (int i = 0; i < m.n_modules; i++)
@@ -236,7 +249,7 @@ static void test_model_bn_add_view(void) {
 int register_nn_bn_add_view_suite(void) {
     CU_pSuite s = CU_add_suite("nn_bn_add_view", NULL, NULL);
     if (!s) return -1;
-    return !CU_add_test(s, "add of a batch norm's view = batch norm written, then added, bit for bit",
+    return !CU_add_test(s, "add of a batch norm's view (+ relu) = batch norm written, then added (+ relu), bit for bit",
                         test_bn_add_view_same_bits) ||
                    !CU_add_test(s, "conv2d refuses a batch norm's view without relu", test_conv_refuses_affine_view) ||
                    !CU_add_test(s, "model_graph_bn_add_view; a residual model's step with views = all outputs kept",
