@@ -257,13 +257,16 @@ void conv_taps_dw_add_parts(const ConvTaps *p, float *grad, const float *parts, 
 }
 
 void conv_taps_dw_add_parts_rows(const ConvTaps *p, float *grad, const float *parts, int n_parts, int oc0, int oc1) {
-    const int KK = p->KH * p->KW;
-    const size_t ldd = conv_taps_oc_pad(p->OC), part = (size_t)p->C * KK * ldd;
+    conv_dw_t_add_parts_rows(grad, parts, n_parts, p->OC, (size_t)p->C * p->KH * p->KW, oc0, oc1);
+}
+
+void conv_dw_t_add_parts_rows(float *grad, const float *parts, int n_parts, int OC, size_t ckk, int oc0, int oc1) {
+    const size_t ldd = conv_taps_oc_pad(OC), part = ckk * ldd;
     for (int oc = oc0; oc < oc1; oc++)
-        for (size_t ct = 0; ct < (size_t)p->C * KK; ct++) {
-            float g = grad[(size_t)oc * p->C * KK + ct];
+        for (size_t ct = 0; ct < ckk; ct++) {
+            float g = grad[(size_t)oc * ckk + ct];
             for (int k = 0; k < n_parts; k++) g += parts[(size_t)k * part + ct * ldd + oc];
-            grad[(size_t)oc * p->C * KK + ct] = g;
+            grad[(size_t)oc * ckk + ct] = g;
         }
 }
 

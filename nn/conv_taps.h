@@ -138,6 +138,8 @@ void conv_taps_dw_ref(const ConvTaps *p, float *dwt, const float *dpt, const flo
  * [oc0, oc1) of grad alone (threads may take disjoint row ranges: the same bits). */
 void conv_taps_dw_add_parts(const ConvTaps *p, float *grad, const float *parts, int n_parts);
 void conv_taps_dw_add_parts_rows(const ConvTaps *p, float *grad, const float *parts, int n_parts, int oc0, int oc1);
+/* The same for any (OC, ckk) gradient and (ckk, conv_taps_oc_pad(OC)) partials (im2col's transposed products). */
+void conv_dw_t_add_parts_rows(float *grad, const float *parts, int n_parts, int OC, size_t ckk, int oc0, int oc1);
 
 /* conv_taps_x86.c: the kernels of each level. */
 void conv_taps_forward_avx512(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp, int rows,

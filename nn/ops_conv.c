@@ -335,8 +335,12 @@ void conv_backward_task(void *ctx, int task, int n_tasks) {
         if (dw) {
             const float *xc = conv_chunk_input(j, n0, nc);
             if (!pw) im2col(col, xc, nc, d->C, d->H, d->W, d->KH, d->KW, c->stride, c->padding, d->OH, d->OW);
-            gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, pw ? xc : col, cols, n0 == lo ? 0.0f : 1.0f, dw,
-                     ckk);
+            if (j->dw_t) /* col dp^T: a product of ckk rows runs faster than dp col^T's OC (32 or 64) rows */
+                gemm_f32(false, true, ckk, d->OC, cols, 1.0f, pw ? xc : col, cols, dp, cols, n0 == lo ? 0.0f : 1.0f,
+                         dw, (int)conv_taps_oc_pad(d->OC));
+            else
+                gemm_f32(false, true, d->OC, ckk, cols, 1.0f, dp, cols, pw ? xc : col, cols, n0 == lo ? 0.0f : 1.0f,
+                         dw, ckk);
         }
         if (j->dx && pw) { /* dx's sample is the product itself */
             gemm_f32(true, false, ckk, cols, d->OC, 1.0f, j->w, j->ldw, dp, cols, j->dx_fresh ? 0.0f : 1.0f,
@@ -402,17 +406,18 @@ typedef struct {
 
 static void dw_parts_task(void *ctx, int task, int n_tasks) {
     const DwPartsJob *a = ctx;
+    const ConvDims *d = &a->j->c->d;
     int lo, hi;
-    parallel_range(a->j->c->d.OC, task, n_tasks, &lo, &hi);
-    conv_taps_dw_add_parts_rows(a->j->taps, a->grad, a->j->dw_part, a->n_parts, lo, hi);
+    parallel_range(d->OC, task, n_tasks, &lo, &hi);
+    conv_dw_t_add_parts_rows(a->grad, a->j->dw_part, a->n_parts, d->OC, (size_t)conv_ckk(d), lo, hi);
 }
 
-/* The taps' transposed partials summed over the pool by rows of grad from this many floats of partials (one
+/* The transposed partials (the taps', or dw_t's) summed over the pool by rows of grad from this many floats of partials (one
  * thread summing a 64-channel layer's kept the other waiting about 1 % of the ResNet-8 step). */
 #define DW_PARTS_PARALLEL_MIN (1 << 15)
 
 void conv_add_dw_parts(const ConvJob *j, float *grad, int n_tasks) {
-    if (j->taps) {
+    if (j->taps || j->dw_t) {
         const int threads = parallel_get_threads();
         DwPartsJob a = {j, grad, n_tasks};
         if (threads > 1 && (size_t)n_tasks * conv_dw_part_floats(&j->c->d) >= DW_PARTS_PARALLEL_MIN &&
@@ -463,6 +468,7 @@ static void conv2d_backward(Tape *t, const TapeNode *node) {
         !conv_taps_setup(t, &j, c->stride, c->padding, false, j.dx != NULL) ||
         !conv_scratch(t, &j, conv_col_rows(&j, true), (size_t)c->d.OC, conv_view_floats(&j, x)))
         return;
+    j.dw_t = !j.taps;
     parallel_run(tasks, conv_backward_task, &j);
     float *g;
     if (j.dw_part && (g = tape_grad(t, w))) conv_add_dw_parts(&j, g, tasks);

@@ -54,8 +54,9 @@ typedef struct {
     const float *dy;   /* backward: the output's gradient */
     float *dx;         /* (N, C, H, W) accumulated, or NULL */
     bool dx_fresh;     /* dx uninitialised (tape_grad_to_write): each chunk writes its samples' part */
-    float *dw_part;    /* per-task dW, conv_dw_part_floats apart: (OC, C*KH*KW), or with the taps kernels its
-                        * transpose (C*KH*KW, conv_taps_oc_pad(OC)); or NULL */
+    float *dw_part;    /* per-task dW, conv_dw_part_floats apart: (OC, C*KH*KW), or with the taps kernels or dw_t
+                        * its transpose (C*KH*KW, conv_taps_oc_pad(OC)); or NULL */
+    bool dw_t;         /* conv_backward_task's im2col products write dw_part transposed (nn_conv2d's backward) */
     double *db_part;   /* (n_tasks, OC) per-task dbias, or NULL */
     /* per thread: col (col_floats), then prod (prod_floats: the forward's
      * product, the backward's dpre), then what the low-rank backward adds */
