@@ -148,6 +148,10 @@ static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, i
  * general loops. */
 #define CONV_S2_PARITY_MAX 4096 /* floats: 4 OH OW */
 
+/* The planes are read one after another, each a few KB (3 KB at 28x28): a page's worth, where the hardware's
+ * prefetchers start each page cold. The splits ask for the plane this many ahead (nn_prefetch, a line at a time). */
+#define S2_AHEAD 2
+
 static bool conv_stride2_parity(int H, int W, int stride, int OH, int OW) {
     return stride == 2 && H == 2 * OH && W == 2 * OW && (size_t)4 * OH * OW <= CONV_S2_PARITY_MAX;
 }
@@ -202,6 +206,7 @@ static void im2col_s2(float *col, const float *x, int N, int C, int H, int W, in
     for (int n = 0; n < N; n++)
         for (int c = 0; c < C; c++) {
             const float *x_plane = x + ((size_t)n * C + c) * plane; /* (H, W) */
+            if ((size_t)n * C + c + S2_AHEAD < (size_t)N * C) nn_prefetch(x_plane + S2_AHEAD * plane, plane);
             if (KH == 1 && KW == 1 && padding == 0) { /* the one tap's row is the even-even plane itself */
                 s2_split(col + (size_t)c * n_cols + (size_t)n * oplane, x_plane, OH, OW, 1u);
                 continue;
@@ -301,6 +306,7 @@ static void col2im_s2(float *dx, float *dcol, int N, int C, int H, int W, int KH
     for (int n = 0; n < N; n++)
         for (int c = 0; c < C; c++) {
             float *dx_plane = dx + ((size_t)n * C + c) * plane; /* (H, W) */
+            if (!write && (size_t)n * C + c + S2_AHEAD < (size_t)N * C) nn_prefetch(dx_plane + S2_AHEAD * plane, plane);
             if (write) memset(parity, 0, 4 * oplane * sizeof *parity);
             else s2_split(parity, dx_plane, OH, OW, 0xfu);
             for (int kh = 0; kh < KH; kh++)
