@@ -193,19 +193,11 @@ static void test_model_bn_add_view(void) {
     rng_init(&r, 9, RNG_STREAM_INIT);
     model_init_params(&m, &r);
     float *x = test_random_uniform((size_t)N * HW * HW, 8, -1.0f, 1.0f);
-    float *res[2][64];
-    size_t len[64];
-    int np = 0;
+    TestStepResults res[2];
     for (int keep = 0; keep < 2; keep++) {
         m.keep_outputs = keep;
         CU_ASSERT(model_graph_bn_add_view(&m, 4) == !keep && model_graph_add_relu(&m, 5) == !keep);
-        for (int i = 0; i < m.n_params; i++)
-            memset(m.params[i].var.grad, 0, var_numel(&m.params[i].var) * sizeof(float));
-        for (int i = 0; i < m.n_modules; i++)
-            if (m.modules[i].bn.running_mean) {
-                memset(m.modules[i].bn.running_mean, 0, (size_t)m.modules[i].out_shape[0] * sizeof(float));
-                for (int ch = 0; ch < m.modules[i].out_shape[0]; ch++) m.modules[i].bn.running_var[ch] = 1.0f;
-            }
+        test_model_step_reset(&m);
         TestEnv e;
         test_env_init(&e, 1);
         e.tape.training = true;
@@ -215,33 +207,10 @@ static void test_model_bn_add_view(void) {
         if (!keep)
             CU_ASSERT(m.outs[5] && m.outs[5]->view && m.outs[9] && m.outs[9]->view && m.outs[12] &&
                       !m.outs[12]->view);
-        float dy[N * 3];
-        for (int i = 0; i < N * 3; i++) dy[i] = (float)(i % 5) - 2.0f;
-        CU_ASSERT_FATAL(tape_backward_from(&e.tape, y, dy) == QT_OK);
-        np = 0;
-        res[keep][np] = malloc(sizeof dy), len[np] = N * 3;
-        memcpy(res[keep][np++], y->value.data, sizeof dy);
-        for (int i = 0; i < m.n_params && np < 60; i++) {
-            len[np] = var_numel(&m.params[i].var);
-            res[keep][np] = malloc(len[np] * sizeof(float));
-            memcpy(res[keep][np], m.params[i].var.grad, len[np] * sizeof(float));
-            np++;
-        }
-        for (int i = 0; i < m.n_modules && np < 64; i++)
-            if (m.modules[i].bn.running_var) {
-                len[np] = (size_t)m.modules[i].out_shape[0];
-                res[keep][np] = malloc(len[np] * sizeof(float));
-                memcpy(res[keep][np], m.modules[i].bn.running_var, len[np] * sizeof(float));
-                np++;
-            }
+        test_model_step_take(&m, &e, y, &res[keep]);
         test_env_free(&e);
     }
-    for (int q = 0; q < np; q++) {
-        const bool same = !memcmp(res[0][q], res[1][q], len[q] * sizeof(float));
-        if (!same) fprintf(stderr, "\n  residual model with views: result %d differs from the kept outputs'\n", q);
-        CU_ASSERT(same);
-        free(res[0][q]), free(res[1][q]);
-    }
+    test_model_step_same(&res[0], &res[1], "residual model with views against the kept outputs");
     free(x);
     model_free(&m);
 }

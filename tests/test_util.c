@@ -401,6 +401,51 @@ size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const i
     return n;
 }
 
+void test_model_step_reset(Model *m) {
+    for (int i = 0; i < m->n_params; i++)
+        memset(m->params[i].var.grad, 0, var_numel(&m->params[i].var) * sizeof(float));
+    for (int i = 0; i < m->n_modules; i++)
+        if (m->modules[i].bn.running_mean) {
+            memset(m->modules[i].bn.running_mean, 0, (size_t)m->modules[i].out_shape[0] * sizeof(float));
+            for (int ch = 0; ch < m->modules[i].out_shape[0]; ch++) m->modules[i].bn.running_var[ch] = 1.0f;
+        }
+}
+
+static void step_result_add(TestStepResults *r, const float *src, size_t n) {
+    CU_ASSERT_FATAL(r->count < TEST_STEP_RESULTS_MAX);
+    r->n[r->count] = n;
+    r->v[r->count] = malloc(n * sizeof(float));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(r->v[r->count]);
+    memcpy(r->v[r->count++], src, n * sizeof(float));
+}
+
+void test_model_step_take(Model *m, TestEnv *e, Var *y, TestStepResults *r) {
+    const size_t ny = var_numel(y);
+    float *dy = malloc(ny * sizeof(float));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(dy);
+    for (size_t i = 0; i < ny; i++) dy[i] = (float)(i % 5) - 2.0f;
+    CU_ASSERT_FATAL(tape_backward_from(&e->tape, y, dy) == QT_OK);
+    free(dy);
+    r->count = 0;
+    step_result_add(r, y->value.data, ny);
+    for (int i = 0; i < m->n_params; i++) step_result_add(r, m->params[i].var.grad, var_numel(&m->params[i].var));
+    for (int i = 0; i < m->n_modules; i++)
+        if (m->modules[i].bn.running_var)
+            step_result_add(r, m->modules[i].bn.running_var, (size_t)m->modules[i].out_shape[0]);
+}
+
+void test_model_step_same(TestStepResults *a, TestStepResults *b, const char *what) {
+    CU_ASSERT_EQUAL(a->count, b->count);
+    for (int q = 0; q < a->count && q < b->count; q++) {
+        const bool same = a->n[q] == b->n[q] && !memcmp(a->v[q], b->v[q], a->n[q] * sizeof(float));
+        if (!same) fprintf(stderr, "\n  %s: result %d differs\n", what, q);
+        CU_ASSERT(same);
+    }
+    for (int q = 0; q < a->count; q++) free(a->v[q]);
+    for (int q = 0; q < b->count; q++) free(b->v[q]);
+    a->count = b->count = 0;
+}
+
 LayerSpec test_layer(LayerType type, const char *name, const char *in0, const char *in1) {
     LayerSpec s = {.type = type, .eps = 1e-5f, .momentum = 0.1f, .out_channels = 4, .kernel = 3, .stride = 1,
                    .padding = 1, .no_bias = type == LAYER_CONV2D};

@@ -32,6 +32,20 @@ LayerSpec test_layer(LayerType type, const char *name, const char *in0, const ch
  * (a failed forward or more than cap values fail the test). */
 size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const int *shape, bool training, float *y,
                          size_t cap);
+/* A training step's results, to compare two ways of running the same step (fused ops, memory plans): the output,
+ * every parameter's gradient, every batch norm's running variance. */
+#define TEST_STEP_RESULTS_MAX 64
+typedef struct {
+    float *v[TEST_STEP_RESULTS_MAX];
+    size_t n[TEST_STEP_RESULTS_MAX];
+    int count;
+} TestStepResults;
+/* Before a step: m's parameter gradients zeroed, its batch norms' running statistics as PyTorch starts them. */
+void test_model_step_reset(Model *m);
+/* The backward of y, m's output, from a fixed dy (i % 5 - 2), then r = copies of the results. */
+void test_model_step_take(Model *m, TestEnv *e, Var *y, TestStepResults *r);
+/* a and b equal bit for bit (each difference named after what); frees both. */
+void test_model_step_same(TestStepResults *a, TestStepResults *b, const char *what);
 
 /* max |a[i] - b[i]| / (atol + rtol * |b[i]|) over i: <= 1 means close.
  * *worst gets the index of the worst element if non-NULL. */
