@@ -210,8 +210,10 @@ bool model_graph_bn_relu_view(const Model *m, int i);
  * residual block's second batch norm), keep_outputs off: in training it then runs as nn_batchnorm_view, its output
  * never written, and the add makes it as it adds. */
 bool model_graph_bn_add_view(const Model *m, int i);
-/* model_graph.c: whether module i is an add whose only reader is a relu in place (model_graph_relu_in_place): the
- * add then runs as nn_add_relu (its last sum relu'd in its pass) and the relu as nn_relu_inplace_applied. */
+/* model_graph.c: whether module i is an add whose only reader is a relu in place (model_graph_relu_in_place), the
+ * next module: the add then runs as nn_add_relu (its last sum relu'd in its pass) and the relu as
+ * nn_relu_inplace_applied. (A relu further on is left to run: a conv group fused with the add as its residual in
+ * a forward without gradients would skip the add's step.) */
 bool model_graph_add_relu(const Model *m, int i);
 /* model_graph.c: in a forward without gradients, after modules first..last
  * (a fused group) ran, hands the outputs no later module reads back to the

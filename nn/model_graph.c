@@ -206,12 +206,13 @@ bool model_graph_bn_relu_view(const Model *m, int i) {
 }
 
 bool model_graph_add_relu(const Model *m, int i) {
-    if (m->modules[i].spec.type != LAYER_ADD || m->modules[i].n_inputs < 2 || m->modules[i].n_consumers != 1)
+    /* the relu right after the add: a fused conv group that takes the add as its residual (no gradients, int8)
+     * then takes the relu too, so the relu never finds a sum the add did not relu */
+    if (m->modules[i].spec.type != LAYER_ADD || m->modules[i].n_inputs < 2 || m->modules[i].n_consumers != 1 ||
+        i + 1 >= m->n_modules)
         return false;
-    for (int j = i + 1; j < m->n_modules; j++)
-        for (int k = 0; k < m->modules[j].n_inputs; k++)
-            if (m->modules[j].inputs[k] == i) return model_graph_relu_in_place(m, j);
-    return false;
+    const Module *r = &m->modules[i + 1];
+    return r->n_inputs == 1 && r->inputs[0] == i && model_graph_relu_in_place(m, i + 1);
 }
 
 bool model_graph_bn_add_view(const Model *m, int i) {

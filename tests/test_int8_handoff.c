@@ -431,6 +431,41 @@ static void test_chain_before_merge(void) {
     net_free(&n);
 }
 
+/* A residual sum that the int8 conv before it takes into its epilogue, whose relu is not the next module (a conv
+ * between): the relu runs on its own, not as nn_add_relu's pass-free record (model_graph_add_relu holds only for a
+ * relu right after its add, which a fused group takes with the add). On each family and the portable kernels: the
+ * sum fused away, and the logits of the model run module by module. */
+static void test_residual_relu_apart(void) {
+    LayerSpec ls[9];
+    ls[0] = test_layer(LAYER_CONV2D, "c0", NULL, NULL);
+    ls[1] = test_layer(LAYER_RELU, "stem", NULL, NULL);
+    ls[2] = test_layer(LAYER_CONV2D, "c2", NULL, NULL);      /* int8: takes sum1 as its residual */
+    ls[3] = test_layer(LAYER_ADD, "sum1", "stem", "c2");
+    ls[4] = test_layer(LAYER_CONV2D, "cx", "stem", NULL);    /* between the sum and its relu */
+    ls[5] = test_layer(LAYER_RELU, "out1", "sum1", NULL);
+    ls[6] = test_layer(LAYER_ADD, "sum2", "out1", "cx");
+    ls[7] = test_layer(LAYER_GLOBALAVGPOOL, "gap", NULL, NULL);
+    ls[8] = test_layer(LAYER_DENSE, "fc", NULL, NULL);
+    ls[8].units = CLASSES;
+    Net n;
+    net_init_with(&n, ls, 9, (const int[]){2}, 1);
+    CU_ASSERT(!model_graph_add_relu(&n.m, 3));
+    for (int ks = 0; ks < N_SETTINGS; ks++) {
+        if (!kernels_set(ks)) continue;
+        float each[N * CLASSES], fused[N * CLASSES];
+        n.m.keep_outputs = true;
+        CU_ASSERT_FATAL(net_logits(&n, true, each));
+        n.m.keep_outputs = false;
+        CU_ASSERT_FATAL(net_logits(&n, true, fused));
+        CU_ASSERT(!n.m.outs[1 + 2] && n.m.outs[1 + 3]); /* c2's output never made: its epilogue made the sum */
+        const bool same = !memcmp(each, fused, sizeof each);
+        if (!same) fprintf(stderr, "\n  kernel setting %d: a sum's relu apart changed the logits\n", ks);
+        CU_ASSERT(same);
+    }
+    kernels_reset();
+    net_free(&n);
+}
+
 /* A LoRA adapter over quantized conv `at` of n (rank 2, B not zero), installed. */
 static void lora_over(LoraAdapter *a, Net *n, int at) {
     memset(a, 0, sizeof *a);
@@ -492,6 +527,7 @@ int register_quant_int8_handoff_suite(void) {
            !CU_add_test(s, "residual sums fused, codes shared by two readers", test_residual_shared_codes) ||
            !CU_add_test(s, "residual sums fused, readers with their own codes", test_residual_own_codes) ||
            !CU_add_test(s, "the chain runs before a merge that no conv takes", test_chain_before_merge) ||
+           !CU_add_test(s, "a residual sum fused, its relu a module apart", test_residual_relu_apart) ||
            !CU_add_test(s, "a quantized conv under an adapter hands nothing off and never waits",
                         test_adapter_over_int8);
 }
