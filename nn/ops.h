@@ -56,7 +56,8 @@ Var *nn_linear(Tape *t, Var *x, Var *w, Var *bias);
 
 /* y = x + bias broadcast along axis 1. x: (N, C) or (N, C, H, W); bias (C,). */
 Var *nn_bias_add(Tape *t, Var *x, Var *bias);
-/* y = a + b, same shapes. a and b may be the same Var (its gradient gets dy twice). */
+/* y = a + b, same shapes. a and b may be the same Var (its gradient gets dy twice). Either may be a batch norm's
+ * view (nn_batchnorm_view, nn_batchnorm_relu_view), made plane by plane as it is added. */
 Var *nn_add(Tape *t, Var *a, Var *b);
 /* relu(a + b) (v > 0 ? v : 0) in the add's one pass, recorded as nn_add (its backward passes dy on): for a caller
  * that then records the relu with nn_relu_inplace_applied on y, whose backward masks the gradient (a residual

@@ -323,8 +323,12 @@ static void conv_lowrank_backward(Tape *t, const TapeNode *node) {
     if (!tape_ok(t) || !conv_taps_setup(t, &lj.job, lc->conv.stride, lc->conv.padding, false, lj.job.dx != NULL) ||
         !conv_lowrank_scratch(t, &lj))
         return;
-    if (lj.da_part || lj.dbb_part) parallel_run(tasks, conv_lowrank_backward_task, &lj);
-    else parallel_run(tasks, conv_backward_task, &lj.job);
+    if (lj.da_part || lj.dbb_part) {
+        parallel_run(tasks, conv_lowrank_backward_task, &lj);
+    } else {
+        lj.job.dw_t = !lj.job.taps; /* as conv2d_backward's: the same weight gradient, bit for bit */
+        parallel_run(tasks, conv_backward_task, &lj.job);
+    }
     conv_lowrank_add_grads(t, &lj, w, A, B, via_full, tasks);
     conv_add_bias_grad(t, &lj.job, bias, tasks);
     conv_job_release(t, &lj.job, tasks);
@@ -438,7 +442,7 @@ Var *nn_conv2d_fused_lowrank(Tape *t, Var *x, Var *w, Var *bias, const ConvLowRa
     if (!lr) return nn_conv2d_fused(t, x, w, bias, stride, padding, epi);
     if (t && x && x->view) {
         qt_error_set(&t->err, QT_ERR_ARG, "conv2d with a low-rank term: its input is a batch norm's view "
-                     "(nn_batchnorm_relu_view), which only the plain and depthwise convolutions read");
+                     "(nn_batchnorm_relu_view or nn_batchnorm_view), which it does not read");
         return NULL;
     }
     return conv2d_lowrank_with_grad(t, x, w, bias, lr, stride, padding, epi, CONV_LR_GRAD_AUTO);

@@ -117,8 +117,8 @@ typedef struct {
     Var *x;             /* the input (N, C, inner), read by a remake */
     bool relu;          /* a remake applies the relu the caller ran in place on the output */
     bool relu_fwd;      /* the forward applied the relu itself (nn_batchnorm_relu, whose relu node records it) */
-    bool no_output;     /* nn_batchnorm_relu_view: the output is never written, only viewed */
-    NnAffineRelu view;  /* nn_batchnorm_relu_view: how its reader makes the output */
+    bool no_output;     /* nn_batchnorm_relu_view, nn_batchnorm_view: the output is never written, only viewed */
+    NnAffineRelu view;  /* those two: how its reader makes the output */
     bool relu_mask;     /* set by that relu's backward: the output gradient arrives unmasked, and this backward
                          * masks it (batchnorm_grad_*_relu) instead of a pass of the relu's own */
 } BatchnormCtx;

@@ -1,6 +1,7 @@
 /* pool2x2_x86.c - the fused conv epilogue's bias + relu + 2x2 max pool over a plane's row pairs, and its backward
  * (pool2x2.h), 8 windows at a time in AVX2. nn_conv_epilogue_plane and nn_conv_epilogue_grad_plane run them where
- * conv_taps_level() is AVX2 or AVX-512 and a row has at least 8 windows; pool2x2_relu_plane and
+ * conv_taps_level() is AVX2 or AVX-512 and pool2x2_avx2_fits (rows of at least 8 windows, or of 4 to 7 over an
+ * even width with two row pairs or more); pool2x2_relu_plane and
  * pool2x2_relu_grad_plane (SSE2, 4 at a time) are their plain twins.
  *
  * Why: a first conv layer (the reference CNN's 1 -> 32 channels on 28x28) has few multiply-adds per output (9) and
@@ -9,7 +10,7 @@
  * rewrites the same values, with no masked load or store (slow on AMD's AVX2 cores) and nothing read or written
  * past the row pair. Rows of 4 to 7 windows (even OW: the CNN's second conv, 14 wide) take one group a row pair but
  * the last: its lanes past the row read the next row pair's first columns and write garbage into the next row
- * pair's first windows (and, backward, the first two columns of its first row), which that row pair's group then
+ * pair's first windows (and, backward, the first 16 - OW columns of its first row), which that row pair's group then
  * rewrites; the last row pair takes the plain row, so nothing past the plane is read or written. (16 windows at a
  * time in AVX-512 would need rows of 16 windows, 32 columns: none of the
  * reference models has them.)
@@ -67,6 +68,10 @@ T256 INLINE void relu_group8(float *dst, uint8_t *win, const float *r0, const fl
 T256 void pool2x2_relu_plane_avx2(float *y, uint8_t *win, const float *pre, float bias, int OH, int OW) {
     const int PH = OH / 2, PW = OW / 2;
     const __m256 bv = _mm256_set1_ps(bias);
+    if (PW < 8 && PH < 2) { /* no row pair after the first to take a group's spill (pool2x2_avx2_fits excludes it) */
+        pool2x2_relu_plane(y, win, pre, bias, OH, OW);
+        return;
+    }
     if (PW < 8) { /* short rows (pool2x2_avx2_fits): a group a row pair, its lanes past PW rewritten by the next */
         for (int ph = 0; ph + 1 < PH; ph++) {
             const float *r0 = pre + (size_t)(2 * ph) * OW;
@@ -109,6 +114,10 @@ T256 INLINE void relu_grad_group8(float *q0, float *q1, const float *g, const fl
 T256 void pool2x2_relu_grad_plane_avx2(float *dpre, const float *dy, const float *y, const uint8_t *win, int OH,
                                        int OW) {
     const int PH = OH / 2, PW = OW / 2;
+    if (PW < 8 && PH < 2) {
+        pool2x2_relu_grad_plane(dpre, dy, y, win, OH, OW);
+        return;
+    }
     if (PW < 8) { /* short rows, as in the forward: the next row pair's first columns are rewritten after */
         for (int ph = 0; ph + 1 < PH; ph++) {
             float *q0 = dpre + (size_t)(2 * ph) * OW;

@@ -430,8 +430,10 @@ void test_model_step_take(Model *m, TestEnv *e, Var *y, TestStepResults *r) {
     step_result_add(r, y->value.data, ny);
     for (int i = 0; i < m->n_params; i++) step_result_add(r, m->params[i].var.grad, var_numel(&m->params[i].var));
     for (int i = 0; i < m->n_modules; i++)
-        if (m->modules[i].bn.running_var)
+        if (m->modules[i].bn.running_var) {
+            step_result_add(r, m->modules[i].bn.running_mean, (size_t)m->modules[i].out_shape[0]);
             step_result_add(r, m->modules[i].bn.running_var, (size_t)m->modules[i].out_shape[0]);
+        }
 }
 
 void test_model_step_same(TestStepResults *a, TestStepResults *b, const char *what) {

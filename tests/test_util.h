@@ -33,7 +33,7 @@ LayerSpec test_layer(LayerType type, const char *name, const char *in0, const ch
 size_t test_forward_copy(Model *m, TestEnv *e, const float *x, int ndim, const int *shape, bool training, float *y,
                          size_t cap);
 /* A training step's results, to compare two ways of running the same step (fused ops, memory plans): the output,
- * every parameter's gradient, every batch norm's running variance. */
+ * every parameter's gradient, every batch norm's running mean and variance. */
 #define TEST_STEP_RESULTS_MAX 64
 typedef struct {
     float *v[TEST_STEP_RESULTS_MAX];
