@@ -221,6 +221,8 @@ T512 INLINE void transpose16_store(const __m512 r[16], float *dst, size_t ld, in
 
 /* Blocks of 16 channels by 16 positions: a row of dp per channel (past the last position zero-masked, past the
  * last channel zeros), transposed, a row of dpt per position. */
+#define DP_T_AHEAD 64 /* floats: four cache lines */
+
 T512 void conv_taps_dp_t_avx512(const ConvTaps *p, float *dpt, const float *dp, size_t ldp, size_t ldi, int rows,
                                 int n) {
     const size_t plane = (size_t)p->H * p->W, ldd = conv_taps_oc_pad(rows);
@@ -234,6 +236,12 @@ T512 void conv_taps_dp_t_avx512(const ConvTaps *p, float *dpt, const float *dp, 
                 for (int k = 0; k < 16; k++)
                     v[k] = r0 + k < (size_t)rows ? _mm512_maskz_loadu_ps(m, dp + (r0 + k) * ldp + i * ldi + q0)
                                                  : _mm512_setzero_ps();
+                /* 16 rows read side by side, from memory (the output gradient a batch norm's backward just wrote
+                 * across the whole batch): more streams than the prefetchers follow, so each row's line
+                 * DP_T_AHEAD floats on is asked for */
+                if (q0 + DP_T_AHEAD < plane)
+                    for (int k = 0; k < 16 && r0 + k < (size_t)rows; k++)
+                        _mm_prefetch((const char *)(dp + (r0 + k) * ldp + i * ldi + q0 + DP_T_AHEAD), _MM_HINT_T0);
                 transpose16_store(v, dpt + ((size_t)i * plane + q0) * ldd + r0, ldd, nq);
             }
 }
