@@ -76,6 +76,11 @@ T512 INLINE void fwd512_flat_tile(const ConvTaps *p, float *y, size_t ldy, const
     }
     const size_t W = (size_t)p->W;
     const float *x = xp + (size_t)v0 * 16;
+    /* added to, the tile's outputs (8 planes apart) are read at its end: their lines asked for now, while the
+     * products run (an input gradient added into memory a whole layer wrote stalled each tile's end) */
+    if (add)
+        for (int r = 0; r < 8 && r < rows; r++)
+            for (int i = 0; i < V; i++) __builtin_prefetch(y + (size_t)r * ldy + (size_t)(v0 + i) * 16, 1, 3);
     for (int c = 0; c < channels; c++, x += p->fplane)
 #pragma GCC unroll 3
         for (int kh = 0; kh < 3; kh++)
