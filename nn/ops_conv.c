@@ -414,8 +414,8 @@ static void dw_parts_task(void *ctx, int task, int n_tasks) {
     conv_dw_t_add_parts_rows(a->grad, a->j->dw_part, a->n_parts, d->OC, (size_t)conv_ckk(d), lo, hi);
 }
 
-/* The transposed partials (the taps', or dw_t's) summed over the pool by rows of grad from this many floats of partials (one
- * thread summing a 64-channel layer's kept the other waiting about 1 % of the ResNet-8 step). */
+/* The transposed partials (the taps', or dw_t's) summed over the pool by rows of grad from this many floats of
+ * partials (one thread summing a 64-channel layer's kept the other waiting about 1 % of the ResNet-8 step). */
 #define DW_PARTS_PARALLEL_MIN (1 << 15)
 
 void conv_add_dw_parts(const ConvJob *j, float *grad, int n_tasks) {
