@@ -52,11 +52,12 @@ const char *conv_taps_level_name(ConvTapsLevel level) {
 
 int conv_taps_lanes(ConvTapsLevel level) { return level == CONV_TAPS_AVX512 ? 16 : 8; }
 
-/* The flat layout where it saves vectors (conv_taps.h): a 3x3 kernel at 16 lanes whose plane takes fewer vectors
- * of 16 consecutive outputs than rows of whole vectors (28x28: 49 against 56; 14x14: 13 against 14). */
+/* The flat layout where it saves vectors (conv_taps.h): a 3x3 kernel whose plane takes fewer vectors of `lanes`
+ * consecutive outputs than rows of whole vectors (at 16 lanes 28x28: 49 against 56, 14x14: 13 against 14; at 8,
+ * 98 against 112 and 25 against 28). */
 static bool taps_flat(int lanes, int H, int W, int KH, int KW) {
-    const long long flat = ((long long)H * W + 15) / 16, rows = (long long)H * ((W + lanes - 1) / lanes);
-    return lanes == 16 && KH == 3 && KW == 3 && flat < rows;
+    const long long flat = ((long long)H * W + lanes - 1) / lanes, rows = (long long)H * ((W + lanes - 1) / lanes);
+    return KH == 3 && KW == 3 && flat < rows;
 }
 
 bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int stride, int padding) {
@@ -66,7 +67,7 @@ bool conv_taps_fits(ConvTapsLevel level, int H, int W, int KH, int KW, int strid
     if (H < 1 || W < 1) return false;
     /* the forward's and input gradient's lanes at least 2/3 outputs: rows of whole vectors, or flat planes (7x7 at
      * 16 lanes: 49 outputs in 4 vectors); the weight gradient's lanes are output channels, whatever the plane */
-    const long long flat_lanes = ((long long)H * W + 15) / 16 * 16;
+    const long long flat_lanes = ((long long)H * W + lanes - 1) / lanes * lanes;
     return 3 * W >= 2 * vpr * lanes || (taps_flat(lanes, H, W, KH, KW) && 3LL * H * W >= 2 * flat_lanes);
 }
 
@@ -95,10 +96,12 @@ void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int 
     }
     for (int t = 0; t < KH * KW; t++) p->off[t] = t / KW * p->pw + t % KW;
     p->flat = taps_flat(lanes, H, W, KH, KW);
-    p->fplane = p->pplane;
+    p->fplane = p->vplane = p->pplane;
     if (!p->flat) return;
-    p->nvf = (H * W + 15) / 16;
-    p->fplane = (size_t)(H + 2) * (size_t)W + 2;
+    p->nvf = (H * W + lanes - 1) / lanes;
+    p->vplane = (size_t)(H + 2) * (size_t)W + 2;
+    p->fplane = lanes == 16 ? p->vplane : 3 * p->vplane;
+    if (lanes != 16) return; /* 8 lanes read the edge taps' zeros from their own copies of the plane */
     p->fm0 = (uint16_t *)(void *)(p->n + ((nv + 3) / 4) * 4);
     p->fm2 = p->fm0 + p->nvf;
     for (int v = 0; v < p->nvf; v++) {
@@ -113,20 +116,28 @@ void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int 
 }
 
 size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n) {
-    /* the row layout's plane is the larger: its rows are W + KW - 1 >= W + 2 floats, flat ones W */
+    return (size_t)n * (size_t)channels * p->fplane + (size_t)p->lanes;
+}
+
+size_t conv_taps_padded_rows_floats(const ConvTaps *p, int channels, int n) {
     return (size_t)n * (size_t)channels * p->pplane + (size_t)p->lanes;
 }
 
 /* The flat layout (conv_taps.h): each plane a guard zero, a row of zeros, the image's rows as they lie (one copy),
- * a row of zeros and a guard zero. */
+ * a row of zeros and a guard zero; at 8 lanes twice more, the copies with column W - 1 and column 0 zeroed. */
 static void pad_flat(const ConvTaps *p, float *dst, const float *src, int channels, int n, size_t img, size_t ld) {
-    const size_t hw = (size_t)p->H * p->W, edge = (size_t)p->W + 1;
+    const size_t hw = (size_t)p->H * p->W, edge = (size_t)p->W + 1, W = (size_t)p->W;
     for (int i = 0; i < n; i++)
         for (int c = 0; c < channels; c++) {
             float *d = dst + ((size_t)i * channels + c) * p->fplane;
-            memset(d, 0, edge * sizeof *d);
-            memcpy(d + edge, src + (size_t)i * img + (size_t)c * ld, hw * sizeof *d);
-            memset(d + edge + hw, 0, edge * sizeof *d);
+            const float *s = src + (size_t)i * img + (size_t)c * ld;
+            for (int k = 0; k < (p->lanes == 16 ? 1 : 3); k++, d += p->vplane) {
+                memset(d, 0, edge * sizeof *d);
+                memcpy(d + edge, s, hw * sizeof *d);
+                memset(d + edge + hw, 0, edge * sizeof *d);
+                if (k) /* column W - 1 (read across the edge by tap column 0), or column 0 (by tap column 2) */
+                    for (size_t h = 0; h < (size_t)p->H; h++) d[edge + h * W + (k == 1 ? W - 1 : 0)] = 0.0f;
+            }
         }
     memset(dst + (size_t)n * channels * p->fplane, 0, (size_t)p->lanes * sizeof *dst);
 }

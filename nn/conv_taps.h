@@ -67,18 +67,22 @@ typedef struct {
     int32_t *out;     /* [H vpr] its first column in an output plane: (v / vpr) W + (v % vpr) lanes */
     int32_t *off;     /* [KH KW] tap t's shift in a padded plane: (t / KW) pw + t % KW */
     uint8_t *n;       /* [H vpr] its columns inside the row: min(lanes, W - (v % vpr) lanes) */
-    /* The flat layout (a 3x3 kernel at 16 lanes where it takes fewer vectors than rows of whole vectors: 28x28,
-     * 14x14): the forward and the input gradient read planes (H + 2, W) with one guard float before and after
-     * (fplane = (H + 2) W + 2 floats, x at 1 + (h + 1) W + w), and a vector is 16 consecutive outputs of the
-     * plane, across rows; tap (kh, kw) reads the plane shifted by kh W + kw, and the lanes where kw = 0 or 2
-     * would read the neighbouring row's last or first column load the padding's zero instead (zero-masked
-     * loads), so every sum takes the row layout's products: the same bits. The weight gradient keeps the row
-     * layout. */
+    /* The flat layout (a 3x3 kernel where it takes fewer vectors than rows of whole vectors: 28x28, 14x14): the
+     * forward and the input gradient read planes (H + 2, W) with one guard float before and after (vplane = (H +
+     * 2) W + 2 floats, x at 1 + (h + 1) W + w), and a vector is `lanes` consecutive outputs of the plane, across
+     * rows; tap (kh, kw) reads the plane shifted by kh W + kw, and the lanes where kw = 0 or 2 would read the
+     * neighbouring row's last or first column read the padding's zero instead, so every sum takes the row
+     * layout's products: the same bits. At 16 lanes those loads are zero-masked (AVX-512's masks cost nothing);
+     * at 8 a channel's plane comes three times (fplane = 3 vplane): as it is for kw = 1, with column W - 1 zeroed
+     * for kw = 0 and with column 0 zeroed for kw = 2, whose loads need no mask (AVX2 has no mask registers, and
+     * 12 accumulators leave no room for mask vectors). The weight gradient keeps the row layout. */
     bool flat;
-    int nvf;          /* flat: vectors per plane, ceil(H W / 16) */
-    size_t fplane;    /* floats of a plane in the forward's layout: pplane, or (H + 2) W + 2 when flat */
-    uint16_t *fm0;    /* [nvf] flat: vector v's lanes whose column is not 0 (tap column 0 reads inside the row) */
-    uint16_t *fm2;    /* [nvf] flat: its lanes whose column is not W - 1 (tap column 2) */
+    int nvf;          /* flat: vectors per plane, ceil(H W / lanes) */
+    size_t vplane;    /* flat: floats of one copy of a plane, (H + 2) W + 2 (else pplane) */
+    size_t fplane;    /* floats of a channel in the forward's layout: pplane, or flat vplane (16 lanes), 3 vplane (8) */
+    uint16_t *fm0;    /* [nvf] flat at 16 lanes: vector v's lanes whose column is not 0 (tap column 0 reads inside
+                       * the row) */
+    uint16_t *fm2;    /* [nvf] flat at 16 lanes: its lanes whose column is not W - 1 (tap column 2) */
 } ConvTaps;
 
 /* Whether the geometry is one conv_taps takes at level (not OFF): same stride 1, odd kernels of 3 to 49 taps
@@ -90,8 +94,10 @@ size_t conv_taps_table_floats(int H, int W, int lanes);
 /* Fills p for the level's lanes; tables: conv_taps_table_floats floats. */
 void conv_taps_plan(ConvTaps *p, ConvTapsLevel level, int C, int OC, int H, int W, int KH, int KW, float *tables);
 
-/* Floats of padded input for n images in either layout: n C pplane + lanes (pplane >= fplane). */
+/* Floats of padded input for n images in the forward's layout (n channels fplane + lanes; conv_taps_pad) and in
+ * the row layout (n channels pplane + lanes; conv_taps_pad_rows). */
 size_t conv_taps_padded_floats(const ConvTaps *p, int channels, int n);
+size_t conv_taps_padded_rows_floats(const ConvTaps *p, int channels, int n);
 /* dst (n, channels, fplane) + lanes zeros = the n images at src (image i's channel c at src + i img + c ld,
  * (H, W) row-major) padded in the forward's layout (flat or rows), which conv_taps_forward reads; every float
  * of dst written. */

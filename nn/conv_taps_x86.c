@@ -209,17 +209,74 @@ T256 INLINE void fwd256_tile(const ConvTaps *p, float *y, size_t ldy, const floa
     }
 }
 
+/* The flat layout's tile at 8 lanes (conv_taps.h): rows [0, rows) of one block by flat vectors v0 .. v0 + V - 1 of
+ * a 3x3 kernel; taps of column 0 and 2 read the plane's copies whose column W - 1 or 0 is zero, so their lanes
+ * that cross a row's edge load the padding's zero without a mask. */
+T256 INLINE void fwd256_flat_tile(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wb,
+                                  int rows, int channels, int v0, const int V, bool add) {
+    __m256 acc[4][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; i++) acc[r][i] = _mm256_setzero_ps();
+    const size_t W = (size_t)p->W, copy[3] = {p->vplane, 0, 2 * p->vplane}; /* tap column kw's copy */
+    const float *x = xp + (size_t)v0 * 8;
+    if (add) /* as the 16-lane tile: the outputs' lines asked for while the products run */
+        for (int r = 0; r < 4 && r < rows; r++)
+            for (int i = 0; i < V; i++) __builtin_prefetch(y + (size_t)r * ldy + (size_t)(v0 + i) * 8, 1, 3);
+    for (int c = 0; c < channels; c++, x += p->fplane)
+#pragma GCC unroll 3
+        for (int kh = 0; kh < 3; kh++)
+#pragma GCC unroll 3
+            for (int kw = 0; kw < 3; kw++, wb += 4) {
+                const float *xt = x + copy[kw] + kh * W + kw;
+                const __m256 b0 = _mm256_loadu_ps(xt);
+                const __m256 b1 = V > 1 ? _mm256_loadu_ps(xt + 8) : b0, b2 = V > 2 ? _mm256_loadu_ps(xt + 16) : b0;
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    const __m256 a = _mm256_broadcast_ss(wb + r);
+                    acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+                    if (V > 1) acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+                    if (V > 2) acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+                }
+            }
+    const int hw = p->H * p->W;
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        if (r >= rows) break;
+#pragma GCC unroll 3
+        for (int i = 0; i < V; i++) {
+            const int q = (v0 + i) * 8;
+            float *o = y + (size_t)r * ldy + q;
+            if (hw - q >= 8) {
+                _mm256_storeu_ps(o, _mm256_add_ps(add ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), acc[r][i]));
+            } else { /* the plane's last vector: its lanes inside the plane */
+                const __m256i m = mask8(hw - q);
+                const __m256 in = add ? _mm256_maskload_ps(o, m) : _mm256_setzero_ps();
+                _mm256_maskstore_ps(o, m, _mm256_add_ps(in, acc[r][i]));
+            }
+        }
+    }
+}
+
+/* One tile in the plan's layout. */
+T256 INLINE void fwd256_any_tile(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wb, int rows,
+                                 int channels, int v0, const int V, bool add) {
+    if (p->flat) fwd256_flat_tile(p, y, ldy, xp, wb, rows, channels, v0, V, add);
+    else fwd256_tile(p, y, ldy, xp, wb, rows, channels, v0, V, add);
+}
+
 T256 void conv_taps_forward_avx2(const ConvTaps *p, float *y, size_t ldy, const float *xp, const float *wp,
                                  int rows, int channels, bool add) {
-    const int KK = p->KH * p->KW, nv = p->H * p->vpr;
+    const int KK = p->KH * p->KW, nv = p->flat ? p->nvf : p->H * p->vpr;
     for (int b = 0; b * 4 < rows; b++) {
         const float *wb = wp + (size_t)b * channels * KK * 4;
         const int rb = rows - b * 4 < 4 ? rows - b * 4 : 4;
         float *yb = y + (size_t)b * 4 * ldy;
         int v = 0;
-        for (; v + 3 <= nv; v += 3) fwd256_tile(p, yb, ldy, xp, wb, rb, channels, v, 3, add);
-        if (nv - v == 2) fwd256_tile(p, yb, ldy, xp, wb, rb, channels, v, 2, add);
-        else if (nv - v == 1) fwd256_tile(p, yb, ldy, xp, wb, rb, channels, v, 1, add);
+        for (; v + 3 <= nv; v += 3) fwd256_any_tile(p, yb, ldy, xp, wb, rb, channels, v, 3, add);
+        if (nv - v == 2) fwd256_any_tile(p, yb, ldy, xp, wb, rb, channels, v, 2, add);
+        else if (nv - v == 1) fwd256_any_tile(p, yb, ldy, xp, wb, rb, channels, v, 1, add);
     }
 }
 

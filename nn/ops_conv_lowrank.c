@@ -187,7 +187,8 @@ static void conv_lowrank_backward_taps(const ConvLowRankJob *lj, int task, int n
             }
             gemm_stats_add(t0, r * flops);
         }
-        if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dpre, (size_t)cols, plane, n0, nc);
+        if (j->dx)
+            conv_taps_dx_chunk(j, col + conv_taps_padded_rows_floats(p, d->C, nc), dpre, (size_t)cols, plane, n0, nc);
     }
 }
 

@@ -36,7 +36,8 @@ size_t conv_col_rows(const ConvJob *j, bool backward) {
     const size_t ckk = (size_t)conv_ckk(d), cols = (size_t)conv_job_chunk(j) * conv_plane(d);
     if (!j->taps) return ckk;
     /* the forward: one padded image; the backward: the chunk's, one padded dpre, then one sample's dpre transposed */
-    size_t need = conv_taps_padded_floats(j->taps, d->C, backward ? conv_job_chunk(j) : 1);
+    size_t need = backward ? conv_taps_padded_rows_floats(j->taps, d->C, conv_job_chunk(j))
+                           : conv_taps_padded_floats(j->taps, d->C, 1);
     if (backward) need += conv_taps_padded_floats(j->taps, d->OC, 1) + conv_taps_dpt_floats(j, d->OC);
     const size_t rows = (need + cols - 1) / cols;
     return rows > ckk ? rows : ckk;
@@ -76,7 +77,8 @@ size_t conv_taps_dpt_floats(const ConvJob *j, int rows) {
 
 float *conv_taps_dpt(const ConvJob *j, float *col) {
     const ConvDims *d = &j->c->d;
-    return col + conv_taps_padded_floats(j->taps, d->C, conv_job_chunk(j)) + conv_taps_padded_floats(j->taps, d->OC, 1);
+    return col + conv_taps_padded_rows_floats(j->taps, d->C, conv_job_chunk(j)) +
+           conv_taps_padded_floats(j->taps, d->OC, 1);
 }
 
 void conv_taps_backward_chunk(const ConvJob *j, float *dwt, float *col, const float *dp, size_t ldc, size_t lds,
@@ -95,5 +97,6 @@ void conv_taps_backward_chunk(const ConvJob *j, float *dwt, float *col, const fl
         }
         gemm_stats_add(t0, nc * flops);
     }
-    if (j->dx) conv_taps_dx_chunk(j, col + conv_taps_padded_floats(p, d->C, nc), dp, ldc, lds, n0, nc); /* past x */
+    if (j->dx) /* past x */
+        conv_taps_dx_chunk(j, col + conv_taps_padded_rows_floats(p, d->C, nc), dp, ldc, lds, n0, nc);
 }

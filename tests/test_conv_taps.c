@@ -21,7 +21,8 @@ typedef struct {
 /* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
  * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis),
  * images of 1, 2 and 3 rows, flat planes (conv_taps.h) of 3, 4 (7x7, a last vector of one lane), 5 (a last tile
- * of 2 vectors), 7, 21 and 49 vectors. */
+ * of 2 vectors), 7, 21 and 49 vectors at 16 lanes, and of 2, 3, 10 and 13 (last tiles of one vector), 42 and 98
+ * at 8. */
 static const TapsCase kernel_cases[] = {
     {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
@@ -210,7 +211,7 @@ static void test_taps_pad_matches_ref(void) {
                 const size_t ld = (size_t)H * W + 3, img = (size_t)C * ld + 5, nsrc = (size_t)(N - 1) * img +
                                                                                        (size_t)(C - 1) * ld + (size_t)H * W;
                 float *src = test_random_uniform(nsrc, 7 + wi * 10 + ki, -1.0f, 1.0f);
-                const size_t nd = conv_taps_padded_floats(&p, C, N);
+                const size_t nd = conv_taps_padded_rows_floats(&p, C, N);
                 float *got = malloc(nd * sizeof(float)), *want = malloc(nd * sizeof(float));
                 fill(got, nd, NAN), fill(want, nd, NAN);
                 conv_taps_pad_avx2(&p, got, src, C, N, img, ld);
@@ -269,6 +270,8 @@ static void test_taps_fits(void) {
     CU_ASSERT(!conv_taps_fits(v16, 7, 7, 5, 5, 1, 2));  /* 7 of 16, and no flat planes for 5x5 */
     CU_ASSERT(!conv_taps_fits(v16, 1, 5, 3, 3, 1, 1));  /* flat too: 5 of 16 */
     CU_ASSERT(conv_taps_fits(v8, 7, 7, 3, 3, 1, 1));    /* 7 of 8 */
+    CU_ASSERT(conv_taps_fits(v8, 10, 9, 3, 3, 1, 1));   /* rows 9 of 16 lanes, flat 90 of 96 */
+    CU_ASSERT(!conv_taps_fits(v8, 10, 9, 5, 5, 1, 2));  /* 9 of 16, and no flat planes for 5x5 */
     CU_ASSERT(conv_taps_fits(v16, 20, 20, 3, 3, 1, 1)); /* rows 20 of 32, flat 400 of 400 */
     CU_ASSERT(!conv_taps_fits(v16, 20, 20, 5, 5, 1, 2)); /* 20 of 32, no flat planes */
     CU_ASSERT(!conv_taps_fits(v16, 28, 28, 3, 3, 2, 1)); /* stride 2 */
@@ -529,30 +532,68 @@ static void test_taps_dw_add_parts(void) {
 
 /* The flat layout's edge taps add the padding's zero as the row layout does, not skip it: a sum that is -0.0f
  * before one (a subnormal product rounded to zero) comes out +0.0f, as the reference gives. Output (1, 0) of a
- * 2x7 image: its first taps reach -2^-149 - 2^-149 ... rounded to -0.0f by then, and its tap (1, 0) reads across
- * the row's edge. */
+ * 3x5 image (flat at both widths): its first taps reach -2^-149 - 2^-149 ... rounded to -0.0f by then, and its
+ * tap (1, 0) reads across the row's edge. */
 static void test_taps_flat_edge_zero(void) {
-    if (conv_taps_cpu() < CONV_TAPS_AVX512) {
-        test_skip("conv_taps flat layout: this CPU has no AVX-512F");
-        return;
+    enum { H = 3, W = 5 };
+    const ConvTapsLevel levels[] = {CONV_TAPS_AVX512, CONV_TAPS_AVX2};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip(level == CONV_TAPS_AVX512 ? "conv_taps flat layout at 16 lanes: this CPU has no AVX-512F"
+                                                : "conv_taps flat layout at 8 lanes: this CPU has no AVX2 + FMA");
+            continue;
+        }
+        ConvTaps p;
+        float *tables = malloc(conv_taps_table_floats(H, W, 8) * sizeof(float));
+        conv_taps_plan(&p, level, 1, 1, H, W, 3, 3, tables);
+        CU_ASSERT(p.flat);
+        float x[H * W] = {0}, w[9] = {1, ldexpf(1, -75), -1.25f * ldexpf(1, -75), 1, -1, -1, 1, -1, -1};
+        x[0] = x[1] = ldexpf(1, -74);
+        float *xp = malloc(conv_taps_padded_floats(&p, 1, 1) * sizeof(float));
+        float *wp = malloc(conv_taps_packed_floats(&p, 1, 1) * sizeof(float));
+        float y[H * W], y_ref[H * W];
+        conv_taps_pad(&p, xp, x, 1, 1, 0, H * W);
+        conv_taps_pack(&p, wp, w, 9, 1);
+        conv_taps_forward(&p, level, y, H * W, xp, wp, 1, 1, false);
+        conv_taps_forward_ref(&p, p.lanes, y_ref, H * W, xp, wp, 1, 1, false);
+        CU_ASSERT(memcmp(y, y_ref, sizeof y) == 0);
+        CU_ASSERT(y[W] == 0.0f && !signbit(y[W]));
+        free(tables), free(xp), free(wp);
     }
-    enum { H = 2, W = 7 };
-    ConvTaps p;
-    float *tables = malloc(conv_taps_table_floats(H, W, 16) * sizeof(float));
-    conv_taps_plan(&p, CONV_TAPS_AVX512, 1, 1, H, W, 3, 3, tables);
-    CU_ASSERT(p.flat);
-    float x[H * W] = {0}, w[9] = {1, ldexpf(1, -75), -1.25f * ldexpf(1, -75), 1, -1, -1, 1, -1, -1};
-    x[0] = x[1] = ldexpf(1, -74);
-    float *xp = malloc((p.fplane + 16) * sizeof(float));
-    float *wp = malloc(conv_taps_packed_floats(&p, 1, 1) * sizeof(float));
-    float y[H * W], y_ref[H * W];
-    conv_taps_pad(&p, xp, x, 1, 1, 0, H * W);
-    conv_taps_pack(&p, wp, w, 9, 1);
-    conv_taps_forward(&p, CONV_TAPS_AVX512, y, H * W, xp, wp, 1, 1, false);
-    conv_taps_forward_ref(&p, 16, y_ref, H * W, xp, wp, 1, 1, false);
-    CU_ASSERT(memcmp(y, y_ref, sizeof y) == 0);
-    CU_ASSERT(y[W] == 0.0f && !signbit(y[W]));
-    free(tables), free(xp), free(wp);
+}
+
+/* Which planes take the flat layout: a 3x3 kernel where it saves vectors, at either width; at 8 lanes each
+ * channel's plane comes three times. */
+static void test_taps_flat_plans(void) {
+    static const struct {
+        ConvTapsLevel level;
+        int H, W, K;
+        bool flat;
+    } cases[] = {
+        {CONV_TAPS_AVX512, 28, 28, 3, true}, {CONV_TAPS_AVX512, 14, 14, 3, true}, {CONV_TAPS_AVX512, 7, 7, 3, true},
+        {CONV_TAPS_AVX512, 16, 16, 3, false}, {CONV_TAPS_AVX2, 28, 28, 3, true}, {CONV_TAPS_AVX2, 14, 14, 3, true},
+        {CONV_TAPS_AVX2, 7, 7, 3, false},   /* 7 vectors either way */
+        {CONV_TAPS_AVX2, 28, 28, 5, false}, /* 5x5: rows */
+        {CONV_TAPS_AVX2, 16, 16, 3, false},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ConvTaps p;
+        float *tables = malloc(conv_taps_table_floats(cases[i].H, cases[i].W, 8) * sizeof(float));
+        conv_taps_plan(&p, cases[i].level, 2, 3, cases[i].H, cases[i].W, cases[i].K, cases[i].K, tables);
+        CU_ASSERT_EQUAL(p.flat, cases[i].flat);
+        const size_t vplane = (size_t)(cases[i].H + 2) * cases[i].W + 2;
+        if (cases[i].flat) {
+            CU_ASSERT_EQUAL(p.nvf, (cases[i].H * cases[i].W + p.lanes - 1) / p.lanes);
+            CU_ASSERT_EQUAL(p.vplane, vplane);
+            CU_ASSERT_EQUAL(p.fplane, p.lanes == 16 ? vplane : 3 * vplane);
+        } else {
+            CU_ASSERT_EQUAL(p.fplane, p.pplane);
+        }
+        CU_ASSERT_EQUAL(conv_taps_padded_floats(&p, 2, 3), 6 * p.fplane + (size_t)p.lanes);
+        CU_ASSERT_EQUAL(conv_taps_padded_rows_floats(&p, 2, 3), 6 * p.pplane + (size_t)p.lanes);
+        free(tables);
+    }
 }
 
 int register_nn_conv_taps_suite(void) {
@@ -570,6 +611,7 @@ int register_nn_conv_taps_suite(void) {
         {"op_matches_gemm", test_taps_op_matches_gemm},
         {"lowrank_matches_gemm", test_taps_lowrank_matches_gemm},
         {"flat_edge_taps_add_zero", test_taps_flat_edge_zero},
+        {"flat_plans", test_taps_flat_plans},
         {"dw_add_parts_order", test_taps_dw_add_parts},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
