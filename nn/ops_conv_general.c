@@ -422,21 +422,66 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-/* acc[tap][lane] = the sum of dy[q] * xp[q + off(tap)] over q in [0, L)
- * by chunks, one tap at a time (its lanes stay in registers). */
-static inline void dw_s1_wgrad(float *restrict acc, const float *restrict dy, const float *restrict xp, size_t L,
-                               const ConvGDims *d, int Wp) {
-    for (int kh = 0; kh < d->KH; kh++)
-        for (int kw = 0; kw < d->KW; kw++) {
-            const float *restrict s = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;
-            DwVec a = {0}, u, v;
-            for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {
-                DW_LOAD(u, dy + q0);
-                DW_LOAD(v, s + q0);
-                a += u * v;
-            }
-            memcpy(acc + (size_t)(kh * d->KW + kw) * DW_LANES, &a, sizeof a);
+/* acc[tap][lane] = the sum of dy[q] * xp[q + off(tap)] over q in [0, L) by chunks, one tap at a time (its lanes
+ * stay in registers), each lane's terms in q's order. One kernel per width, chosen by conv_taps_level() (so
+ * QTRAIN_CONV_KERNEL caps it too): at AVX-512 the 16 lanes are one vector; elsewhere two of 8. A 16-float
+ * accumulator carried across the loop went through the stack in pieces in the AVX2 clone (gcc 12), which made
+ * DS-CNN's step twice as long on AVX2 as on AVX-512. Every kernel's lanes are the same chains: the same bits. */
+#define DW_WGRAD_TAPS(BODY)                                                                                        \
+    for (int kh = 0; kh < d->KH; kh++)                                                                             \
+        for (int kw = 0; kw < d->KW; kw++) {                                                                       \
+            const float *restrict s = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;                 \
+            float *o = acc + (size_t)(kh * d->KW + kw) * DW_LANES;                                                 \
+            BODY                                                                                                   \
         }
+/* the 16 lanes as one vector */
+#define DW_WGRAD_V16                                                                                               \
+    DwVec a = {0}, u, v;                                                                                           \
+    for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {                                                                  \
+        DW_LOAD(u, dy + q0);                                                                                       \
+        DW_LOAD(v, s + q0);                                                                                        \
+        a += u * v;                                                                                                \
+    }                                                                                                              \
+    memcpy(o, &a, sizeof a);
+/* as two of 8 */
+#define DW_WGRAD_V8                                                                                                \
+    DwVec8 a0 = {0}, a1 = {0}, u0, u1, v0, v1;                                                                     \
+    for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {                                                                  \
+        memcpy(&u0, dy + q0, sizeof u0), memcpy(&u1, dy + q0 + 8, sizeof u1);                                     \
+        memcpy(&v0, s + q0, sizeof v0), memcpy(&v1, s + q0 + 8, sizeof v1);                                       \
+        a0 += u0 * v0, a1 += u1 * v1;                                                                              \
+    }                                                                                                              \
+    memcpy(o, &a0, sizeof a0), memcpy(o + 8, &a1, sizeof a1);
+
+/* fp-contract off in all three, as in NN_SIMD_CLONES: a multiply and an add, never one FMA */
+#define DW_WGRAD_ARGS float *restrict acc, const float *restrict dy, const float *restrict xp, size_t L, \
+                      const ConvGDims *d, int Wp
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("avx512f"), optimize("fp-contract=off"))) static inline void dw_s1_wgrad_v16(DW_WGRAD_ARGS) {
+    _Static_assert(DW_LANES == 16, "the lanes are one vector of 16, or two of 8");
+    DW_WGRAD_TAPS(DW_WGRAD_V16)
+}
+__attribute__((target("avx2"), optimize("fp-contract=off"))) static inline void dw_s1_wgrad_v8(DW_WGRAD_ARGS) {
+    DW_WGRAD_TAPS(DW_WGRAD_V8)
+}
+#endif
+__attribute__((optimize("fp-contract=off"))) static void dw_s1_wgrad_plain(DW_WGRAD_ARGS) { DW_WGRAD_TAPS(DW_WGRAD_V8) }
+
+static void dw_s1_wgrad(ConvTapsLevel level, float *restrict acc, const float *restrict dy,
+                        const float *restrict xp, size_t L, const ConvGDims *d, int Wp) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    if (level >= CONV_TAPS_AVX512) {
+        dw_s1_wgrad_v16(acc, dy, xp, L, d, Wp);
+        return;
+    }
+    if (level >= CONV_TAPS_AVX2) {
+        dw_s1_wgrad_v8(acc, dy, xp, L, d, Wp);
+        return;
+    }
+#else
+    (void)level;
+#endif
+    dw_s1_wgrad_plain(acc, dy, xp, L, d, Wp);
 }
 
 /* Sample n's turn of dw_s1_backward_task at xp: dy of output channel oc into xp + plane + M, and x of input channel
@@ -475,6 +520,7 @@ static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
     float *dxp = xp0 + 2 * turn;                    /* dw_round(P) */
     double *wacc = (double *)(dxp + dw_round(P));   /* [kk] */
     float *lanes = (float *)(wacc + kk);            /* [kk][DW_LANES] */
+    const ConvTapsLevel level = conv_taps_level();
     int lo, hi;
     parallel_range(d->C, task, n_tasks, &lo, &hi);
     memset(xp0, 0, 2 * turn * sizeof *xp0);
@@ -488,7 +534,7 @@ static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
                 float *xp = xp0 + (size_t)(n & 1) * turn, *dyb = xp + plane; /* sample n's, put a turn ago */
                 if (n + 1 < d->N) dw_s1_put_turn(xp0 + (size_t)((n + 1) & 1) * turn, j, n + 1, c, oc, plane, M);
                 if (j->dw) {
-                    dw_s1_wgrad(lanes, dyb + M, xp, L, d, Wp);
+                    dw_s1_wgrad(level, lanes, dyb + M, xp, L, d, Wp);
                     for (int t = 0; t < kk; t++) {
                         float s = 0.0f;
                         for (int k = 0; k < DW_LANES; k++) s += lanes[t * DW_LANES + k];

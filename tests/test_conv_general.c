@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "base/parallel.h"
+#include "nn/conv_taps.h"
 #include "nn/ops.h"
 #include "test_util.h"
 
@@ -161,6 +162,48 @@ static void test_threads_identical(void) {
         for (int a = 0; a < 4; a++) free(first[a]);
     }
     parallel_set_threads(before);
+}
+
+/* The stride-1 depthwise backward's weight-gradient lanes (nn/ops_conv_general.c: one vector of 16 at AVX-512,
+ * two of 8 at AVX2, plain C below) give the same bits at every level conv_taps_max_level allows, as do its
+ * input gradient and forward, for each stride-1 depthwise case (3x3 unrolled, dilation, 1x5, 2x2 'same'). */
+static void test_depthwise_levels_identical(void) {
+    const ConvTapsLevel saved = conv_taps_max_level;
+    const ConvTapsLevel levels[] = {CONV_TAPS_AVX512, CONV_TAPS_AVX2, CONV_TAPS_OFF};
+    for (size_t li = 0; li < 2; li++)
+        if (conv_taps_cpu() < levels[li])
+            test_skip(li == 0 ? "depthwise weight gradient at AVX-512: this CPU has no AVX-512F"
+                              : "depthwise weight gradient at AVX2: this CPU has no AVX2 with FMA");
+    int compared = 0;
+    for (size_t i = 0; i < N_CASES; i++) {
+        const GCase *k = &cases[i];
+        if (k->g.groups != k->C || k->g.stride_h != 1 || k->g.stride_w != 1) continue;
+        float *first[4] = {0};
+        for (size_t li = 0; li < 3; li++) {
+            if (conv_taps_cpu() < levels[li]) continue;
+            conv_taps_max_level = levels[li];
+            TestEnv e;
+            GRun o;
+            CU_ASSERT_FATAL(run_case(&e, k, true, 700 + i, &o));
+            const float *got[4] = {o.y->value.data, o.x->grad, o.w->grad, o.bias->grad};
+            const size_t n[4] = {var_numel(o.y), var_numel(o.x), var_numel(o.w), (size_t)k->OC};
+            for (int a = 0; a < 4; a++) {
+                if (!first[a]) {
+                    first[a] = malloc(n[a] * sizeof(float));
+                    memcpy(first[a], got[a], n[a] * sizeof(float));
+                } else if (memcmp(first[a], got[a], n[a] * sizeof(float)) != 0) {
+                    fprintf(stderr, "\n  %s: array %d differs at level %s", k->what, a,
+                            conv_taps_level_name(levels[li]));
+                    CU_FAIL("depthwise levels differ");
+                }
+            }
+            compared++;
+            test_env_free(&e);
+        }
+        for (int a = 0; a < 4; a++) free(first[a]);
+    }
+    conv_taps_max_level = saved;
+    CU_ASSERT(compared >= 4); /* the stride-1 depthwise cases ran */
 }
 
 /* One group, dilation 1, the same stride and padding on both axes: nn_conv2d, bit for bit. */
@@ -443,6 +486,7 @@ int register_nn_conv_general_suite(void) {
     } tests[] = {
         {"general conv forward and accumulating backward match the direct loops", test_matches_ref},
         {"general conv gives the same bits at 1 and 2 threads", test_threads_identical},
+        {"stride-1 depthwise gives the same bits at every kernel level", test_depthwise_levels_identical},
         {"plain geometry equals nn_conv2d bit for bit", test_plain_is_conv2d},
         {"general conv steps allocate nothing after the first", test_steady_state_arena},
         {"general conv gradcheck (groups, depthwise, strides, padding, dilation)", test_gradcheck},
