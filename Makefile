@@ -16,6 +16,8 @@
 #   make deps       install the Debian packages qtrain needs, if missing
 #   make test       build and run the CUnit suites (installs deps and CUnit first)
 #   make test SANITIZE=1   the same under AddressSanitizer + UBSan
+#   make CLONES=avx2   build/avx2/qtrain without the AVX-512 copies of the elementwise loops (an
+#                   AVX2-only CPU's code on an AVX-512 one: capped benchmarks, bench/README.md; tests)
 #   make run        pretrain the CNN on Fashion-MNIST end to end (installs deps first)
 #   make bench      benchmarks (timings live here, never in tests): bench/*.c and
 #                   qtrain bench on every bench/configs/*.yaml (bench/run.sh)
@@ -52,6 +54,13 @@ ifeq ($(SANITIZE),1)
 BUILD   := build/san
 CFLAGS  += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 LDFLAGS += -fsanitize=address,undefined
+endif
+# CLONES=avx2: gcc's per-ISA copies of the elementwise loops without their AVX-512 copy (nn/ops.h), in
+# build/avx2/ (build/san/avx2/ with SANITIZE=1): with the QTRAIN_*_KERNEL caps, what an AVX2-only CPU runs
+# (bench/README.md); .ci/run tests that copy under the sanitizers
+ifeq ($(CLONES),avx2)
+BUILD   := $(BUILD)/avx2
+CFLAGS  += -DQTRAIN_NO_AVX512_CLONES
 endif
 
 # pkg-config is only asked when something is compiled, so `make deps` works

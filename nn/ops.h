@@ -26,10 +26,18 @@
  * a multiply and an add the others round twice: all copies give the same
  * bits. Short copy loops stay loops rather than becoming memcpy calls (rows
  * of a few floats). (clang, which builds the fuzz targets, links no
- * resolver for it.) */
+ * resolver for it.) No variable caps the choice at run time; `make
+ * CLONES=avx2` builds without the AVX-512 copies (QTRAIN_NO_AVX512_CLONES,
+ * into build/avx2/), so an AVX-512 machine runs what an AVX2-only one runs
+ * (bench/README.md). */
+#ifdef QTRAIN_NO_AVX512_CLONES
+#define NN_CLONE_TARGETS "avx2", "default"
+#else
+#define NN_CLONE_TARGETS "avx512f", "avx2", "default"
+#endif
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define NN_SIMD_CLONES                                                                                    \
-    __attribute__((target_clones("avx512f", "avx2", "default"),                                            \
+    __attribute__((target_clones(NN_CLONE_TARGETS),                                                        \
                    optimize("fp-contract=off", "no-tree-loop-distribute-patterns")))
 #else
 #define NN_SIMD_CLONES

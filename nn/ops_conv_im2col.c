@@ -116,7 +116,7 @@ static void im2col_same_s1(float *col, const float *x, int N, int C, int H, int 
  * links no resolver for it). Each element's adds keep their order, so every
  * clone gives the same bits. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones(NN_CLONE_TARGETS)))
 #endif
 static void col2im_same_s1(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding,
                            bool write) {
@@ -297,7 +297,7 @@ void col2im(float *dx, const float *dcol, int N, int C, int H, int W, int KH, in
  * col2im's strided loop gives it, so the same value (a -0.0f in dx where a tap reads padding may come back +0.0f:
  * the zeroed entry is added, not skipped). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones(NN_CLONE_TARGETS)))
 #endif
 static void col2im_s2(float *dx, float *dcol, int N, int C, int H, int W, int KH, int KW, int padding, int OH,
                       int OW, bool write) {
