@@ -135,6 +135,24 @@ static void test_matches_ref(void) {
         }
 }
 
+/* A run's output and gradients (y, dx, dw, dbias) kept in first[] by the first run of a case, or compared bit for
+ * bit with it by a later one (what: the later run's setting, named in a difference). Returns false on one. */
+static bool keep_or_compare(float *first[4], const GRun *o, const GCase *k, const char *what) {
+    const float *got[4] = {o->y->value.data, o->x->grad, o->w->grad, o->bias->grad};
+    const size_t n[4] = {var_numel(o->y), var_numel(o->x), var_numel(o->w), (size_t)k->OC};
+    bool same = true;
+    for (int a = 0; a < 4; a++) {
+        if (!first[a]) {
+            first[a] = malloc(n[a] * sizeof(float));
+            memcpy(first[a], got[a], n[a] * sizeof(float));
+        } else if (memcmp(first[a], got[a], n[a] * sizeof(float)) != 0) {
+            fprintf(stderr, "\n  %s: array %d differs %s", k->what, a, what);
+            same = false;
+        }
+    }
+    return same;
+}
+
 /* The result must not depend on the pool: every route at 1 and 2 threads, bit for bit. */
 static void test_threads_identical(void) {
     const int before = parallel_get_threads();
@@ -146,17 +164,7 @@ static void test_threads_identical(void) {
             TestEnv e;
             GRun o;
             CU_ASSERT_FATAL(run_case(&e, k, true, 500 + i, &o));
-            const float *got[4] = {o.y->value.data, o.x->grad, o.w->grad, o.bias->grad};
-            const size_t n[4] = {var_numel(o.y), var_numel(o.x), var_numel(o.w), (size_t)k->OC};
-            for (int a = 0; a < 4; a++) {
-                if (threads == 1) {
-                    first[a] = malloc(n[a] * sizeof(float));
-                    memcpy(first[a], got[a], n[a] * sizeof(float));
-                } else if (memcmp(first[a], got[a], n[a] * sizeof(float)) != 0) {
-                    fprintf(stderr, "\n  %s: array %d differs between 1 and 2 threads", k->what, a);
-                    CU_FAIL("1 and 2 threads differ");
-                }
-            }
+            if (!keep_or_compare(first, &o, k, "between 1 and 2 threads")) CU_FAIL("1 and 2 threads differ");
             test_env_free(&e);
         }
         for (int a = 0; a < 4; a++) free(first[a]);
@@ -185,18 +193,9 @@ static void test_depthwise_levels_identical(void) {
             TestEnv e;
             GRun o;
             CU_ASSERT_FATAL(run_case(&e, k, true, 700 + i, &o));
-            const float *got[4] = {o.y->value.data, o.x->grad, o.w->grad, o.bias->grad};
-            const size_t n[4] = {var_numel(o.y), var_numel(o.x), var_numel(o.w), (size_t)k->OC};
-            for (int a = 0; a < 4; a++) {
-                if (!first[a]) {
-                    first[a] = malloc(n[a] * sizeof(float));
-                    memcpy(first[a], got[a], n[a] * sizeof(float));
-                } else if (memcmp(first[a], got[a], n[a] * sizeof(float)) != 0) {
-                    fprintf(stderr, "\n  %s: array %d differs at level %s", k->what, a,
-                            conv_taps_level_name(levels[li]));
-                    CU_FAIL("depthwise levels differ");
-                }
-            }
+            char what[64];
+            snprintf(what, sizeof what, "at level %s", conv_taps_level_name(levels[li]));
+            if (!keep_or_compare(first, &o, k, what)) CU_FAIL("depthwise levels differ");
             compared++;
             test_env_free(&e);
         }
