@@ -112,9 +112,9 @@ static void test_make_without_cunit(void) {
     snprintf(cmd, sizeof cmd, "mkdir %s/pc && for d in $(pkg-config --variable pc_path pkg-config | tr : ' '); do "
              "for f in \"$d\"/*.pc; do [ -f \"$f\" ] && cp -n \"$f\" %s/pc/; done; done; rm -f %s/pc/cunit.pc; "
              "unset PKG_CONFIG_PATH; export PKG_CONFIG_LIBDIR=%s/pc; ! pkg-config --exists cunit && "
-             "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory -j2 SANITIZE= build/libqtrain.a "
-             "build/qtrain && echo BUILT && ! env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory "
-             "SANITIZE= pkgcheck-cunit", dir, dir, dir, dir);
+             "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory -j2 SANITIZE= CLONES= "
+             "build/libqtrain.a build/qtrain && echo BUILT && ! env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make "
+             "--no-print-directory SANITIZE= CLONES= pkgcheck-cunit", dir, dir, dir, dir);
     int code = run_shell(cmd, log);
     char *text = test_file_read(log, NULL);
     CU_ASSERT_EQUAL(code, 0);
@@ -161,7 +161,7 @@ static void test_install_example_matches_cli(void) {
     char *dir = test_tmpdir_new(), cmd[8 * PATH_MAX], log[PATH_MAX], path[PATH_MAX], want[PATH_MAX];
     snprintf(log, sizeof log, "%s/log", dir);
     /* the normal build whatever this runner's: an ASan library would not link into a plain program */
-    const char *make = "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory -j2 SANITIZE=";
+    const char *make = "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory -j2 SANITIZE= CLONES=";
     snprintf(cmd, sizeof cmd, "%s install PREFIX=%s/prefix", make, dir);
     int code = run_shell(cmd, log);
     if (code != 0) show_log("make install", log);
