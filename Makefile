@@ -371,7 +371,7 @@ memcheck: deps
 	  echo "deps: installing valgrind"; \
 	  if [ "$$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi; \
 	  $$sudo apt-get update -qq && $$sudo $(APT_ENV) apt-get install -y -qq --no-install-recommends valgrind; }
-	$(MAKE) --no-print-directory SANITIZE= build/qtrain
+	$(MAKE) --no-print-directory SANITIZE= CLONES= build/qtrain
 	QTRAIN=./build/qtrain sh scripts/memcheck.sh
 
 # ---- fuzzing (fuzz/README.md) ---------------------------------------------------

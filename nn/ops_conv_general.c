@@ -453,7 +453,13 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     }                                                                                                              \
     memcpy(o, &a0, sizeof a0), memcpy(o + 8, &a1, sizeof a1);
 
-/* fp-contract off in all three, as in NN_SIMD_CLONES: a multiply and an add, never one FMA */
+/* fp-contract off in all three, as in NN_SIMD_CLONES: a multiply and an add, never one FMA (clang, which builds
+ * the fuzz targets, has no optimize attribute: its plain copy contracts as its flags say, as the clones did) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define DW_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define DW_NO_CONTRACT
+#endif
 #define DW_WGRAD_ARGS float *restrict acc, const float *restrict dy, const float *restrict xp, size_t L, \
                       const ConvGDims *d, int Wp
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -465,7 +471,7 @@ __attribute__((target("avx2"), optimize("fp-contract=off"))) static inline void 
     DW_WGRAD_TAPS(DW_WGRAD_V8)
 }
 #endif
-__attribute__((optimize("fp-contract=off"))) static void dw_s1_wgrad_plain(DW_WGRAD_ARGS) { DW_WGRAD_TAPS(DW_WGRAD_V8) }
+DW_NO_CONTRACT static void dw_s1_wgrad_plain(DW_WGRAD_ARGS) { DW_WGRAD_TAPS(DW_WGRAD_V8) }
 
 static void dw_s1_wgrad(ConvTapsLevel level, float *restrict acc, const float *restrict dy,
                         const float *restrict xp, size_t L, const ConvGDims *d, int Wp) {

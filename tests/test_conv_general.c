@@ -174,7 +174,8 @@ static void test_threads_identical(void) {
 
 /* The stride-1 depthwise backward's weight-gradient lanes (nn/ops_conv_general.c: one vector of 16 at AVX-512,
  * two of 8 at AVX2, plain C below) give the same bits at every level conv_taps_max_level allows, as do its
- * input gradient and forward, for each stride-1 depthwise case (3x3 unrolled, dilation, 1x5, 2x2 'same'). */
+ * input gradient and forward, for each stride-1 depthwise case (3x3 unrolled; a multiplier of 2 with dilation
+ * 2; 2x2 'same' with its extra row and column; 3x5 in two groups of one channel, padding [0, 2]). */
 static void test_depthwise_levels_identical(void) {
     const ConvTapsLevel saved = conv_taps_max_level;
     const ConvTapsLevel levels[] = {CONV_TAPS_AVX512, CONV_TAPS_AVX2, CONV_TAPS_OFF};
@@ -196,13 +197,14 @@ static void test_depthwise_levels_identical(void) {
             char what[64];
             snprintf(what, sizeof what, "at level %s", conv_taps_level_name(levels[li]));
             if (!keep_or_compare(first, &o, k, what)) CU_FAIL("depthwise levels differ");
-            compared++;
+            if (li > 0) compared++; /* a level held against a wider one's bits */
             test_env_free(&e);
         }
         for (int a = 0; a < 4; a++) free(first[a]);
     }
     conv_taps_max_level = saved;
-    CU_ASSERT(compared >= 4); /* the stride-1 depthwise cases ran */
+    /* the four stride-1 depthwise cases, each at AVX2 and plain C against the widest level (where there are two) */
+    if (conv_taps_cpu() >= CONV_TAPS_AVX2) CU_ASSERT(compared >= 4);
 }
 
 /* One group, dilation 1, the same stride and padding on both axes: nn_conv2d, bit for bit. */

@@ -21,8 +21,8 @@ typedef struct {
 /* Kernel-level cases: rows of one vector and of several, a last vector of one lane, block remainders (OC, C not
  * multiples of 8 or 4), a 1-channel input, 5x5 (taps past the first 9), 1x3 and 3x1 (no padding on one axis),
  * images of 1, 2 and 3 rows, flat planes (conv_taps.h) of 3, 4 (7x7, a last vector of one lane), 5 (a last tile
- * of 2 vectors), 7, 21 and 49 vectors at 16 lanes, and of 2, 3, 10 and 13 (last tiles of one vector), 42 and 98
- * at 8. */
+ * of 2 vectors), 7, 21 and 49 vectors at 16 lanes, and of 2, 3, 4, 7, 10, 13 (4 to 13: a last tile of one
+ * vector), 42 and 98 at 8. */
 static const TapsCase kernel_cases[] = {
     {1, 1, 1, 1, 1, 3, 0, 0},  {2, 3, 5, 7, 5, 3, 0, 0},   {3, 4, 6, 17, 9, 3, 0, 0}, {1, 16, 12, 28, 16, 3, 0, 0},
     {2, 5, 9, 14, 13, 5, 0, 0}, {1, 1, 28, 28, 8, 3, 0, 0}, {2, 3, 7, 33, 4, 0, 1, 3}, {2, 6, 11, 9, 3, 0, 3, 1},
@@ -550,6 +550,7 @@ static void test_taps_flat_edge_zero(void) {
         CU_ASSERT(p.flat);
         float x[H * W] = {0}, w[9] = {1, ldexpf(1, -75), -1.25f * ldexpf(1, -75), 1, -1, -1, 1, -1, -1};
         x[0] = x[1] = ldexpf(1, -74);
+        x[W - 1] = 7.0f; /* what tap (1, 0) of output (1, 0) would read across the edge without its zero */
         float *xp = malloc(conv_taps_padded_floats(&p, 1, 1) * sizeof(float));
         float *wp = malloc(conv_taps_packed_floats(&p, 1, 1) * sizeof(float));
         float y[H * W], y_ref[H * W];
