@@ -277,7 +277,7 @@ static void dw_backward_task(void *ctx, int task, int n_tasks) {
  * columns and margins stay zero), gathering dx at the interior of a padded
  * plane; the weight gradient's taps are dot products over the same runs,
  * in lanes per plane, summed over the batch in double. */
-#define DW_LANES 16
+#define DW_LANES CONV_DW_LANES
 
 static inline bool dw_s1(const ConvGDims *d) { return d->g.stride_h == 1 && d->g.stride_w == 1; }
 static inline int dw_s1_hp(const ConvGDims *d) { return d->H + 2 * d->g.pad_h + d->g.pad_h_extra; }
@@ -422,74 +422,6 @@ static void dw_s1_forward_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-/* acc[tap][lane] = the sum of dy[q] * xp[q + off(tap)] over q in [0, L) by chunks, one tap at a time (its lanes
- * stay in registers), each lane's terms in q's order. One kernel per width, chosen by conv_taps_level() (so
- * QTRAIN_CONV_KERNEL caps it too): at AVX-512 the 16 lanes are one vector; elsewhere two of 8. A 16-float
- * accumulator carried across the loop went through the stack in pieces in the AVX2 clone (gcc 12), which made
- * DS-CNN's step twice as long on AVX2 as on AVX-512. Every kernel's lanes are the same chains: the same bits. */
-#define DW_WGRAD_TAPS(BODY)                                                                                        \
-    for (int kh = 0; kh < d->KH; kh++)                                                                             \
-        for (int kw = 0; kw < d->KW; kw++) {                                                                       \
-            const float *restrict s = xp + (size_t)kh * d->g.dil_h * Wp + (size_t)kw * d->g.dil_w;                 \
-            float *o = acc + (size_t)(kh * d->KW + kw) * DW_LANES;                                                 \
-            BODY                                                                                                   \
-        }
-/* the 16 lanes as one vector */
-#define DW_WGRAD_V16                                                                                               \
-    DwVec a = {0}, u, v;                                                                                           \
-    for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {                                                                  \
-        DW_LOAD(u, dy + q0);                                                                                       \
-        DW_LOAD(v, s + q0);                                                                                        \
-        a += u * v;                                                                                                \
-    }                                                                                                              \
-    memcpy(o, &a, sizeof a);
-/* as two of 8 */
-#define DW_WGRAD_V8                                                                                                \
-    DwVec8 a0 = {0}, a1 = {0}, u0, u1, v0, v1;                                                                     \
-    for (size_t q0 = 0; q0 < L; q0 += DW_LANES) {                                                                  \
-        memcpy(&u0, dy + q0, sizeof u0), memcpy(&u1, dy + q0 + 8, sizeof u1);                                     \
-        memcpy(&v0, s + q0, sizeof v0), memcpy(&v1, s + q0 + 8, sizeof v1);                                       \
-        a0 += u0 * v0, a1 += u1 * v1;                                                                              \
-    }                                                                                                              \
-    memcpy(o, &a0, sizeof a0), memcpy(o + 8, &a1, sizeof a1);
-
-/* fp-contract off in all three, as in NN_SIMD_CLONES: a multiply and an add, never one FMA (clang, which builds
- * the fuzz targets, has no optimize attribute: its plain copy contracts as its flags say, as the clones did) */
-#if defined(__GNUC__) && !defined(__clang__)
-#define DW_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define DW_NO_CONTRACT
-#endif
-#define DW_WGRAD_ARGS float *restrict acc, const float *restrict dy, const float *restrict xp, size_t L, \
-                      const ConvGDims *d, int Wp
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target("avx512f"), optimize("fp-contract=off"))) static inline void dw_s1_wgrad_v16(DW_WGRAD_ARGS) {
-    _Static_assert(DW_LANES == 16, "the lanes are one vector of 16, or two of 8");
-    DW_WGRAD_TAPS(DW_WGRAD_V16)
-}
-__attribute__((target("avx2"), optimize("fp-contract=off"))) static inline void dw_s1_wgrad_v8(DW_WGRAD_ARGS) {
-    DW_WGRAD_TAPS(DW_WGRAD_V8)
-}
-#endif
-DW_NO_CONTRACT static void dw_s1_wgrad_plain(DW_WGRAD_ARGS) { DW_WGRAD_TAPS(DW_WGRAD_V8) }
-
-static void dw_s1_wgrad(ConvTapsLevel level, float *restrict acc, const float *restrict dy,
-                        const float *restrict xp, size_t L, const ConvGDims *d, int Wp) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-    if (level >= CONV_TAPS_AVX512) {
-        dw_s1_wgrad_v16(acc, dy, xp, L, d, Wp);
-        return;
-    }
-    if (level >= CONV_TAPS_AVX2) {
-        dw_s1_wgrad_v8(acc, dy, xp, L, d, Wp);
-        return;
-    }
-#else
-    (void)level;
-#endif
-    dw_s1_wgrad_plain(acc, dy, xp, L, d, Wp);
-}
-
 /* Sample n's turn of dw_s1_backward_task at xp: dy of output channel oc into xp + plane + M, and x of input channel
  * c (for the weight gradient) into xp. The task walks a channel across the batch, a plane a sample (C planes
  * apart): each starts where the hardware's prefetchers have not looked, so the planes DW_AHEAD samples on are
@@ -540,7 +472,8 @@ static void dw_s1_backward_task(void *ctx, int task, int n_tasks) {
                 float *xp = xp0 + (size_t)(n & 1) * turn, *dyb = xp + plane; /* sample n's, put a turn ago */
                 if (n + 1 < d->N) dw_s1_put_turn(xp0 + (size_t)((n + 1) & 1) * turn, j, n + 1, c, oc, plane, M);
                 if (j->dw) {
-                    dw_s1_wgrad(level, lanes, dyb + M, xp, L, d, Wp);
+                    conv_dw_wgrad_lanes(level, lanes, dyb + M, xp, L, d->KH, d->KW, (size_t)d->g.dil_h * Wp,
+                                        (size_t)d->g.dil_w);
                     for (int t = 0; t < kk; t++) {
                         float s = 0.0f;
                         for (int k = 0; k < DW_LANES; k++) s += lanes[t * DW_LANES + k];

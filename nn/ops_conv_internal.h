@@ -216,4 +216,11 @@ Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowR
 /* The strategy the tape node of a low-rank convolution recorded. */
 ConvLowRankGrad conv_lowrank_node_grad(const TapeNode *node);
 
+/* nn/conv_dw_wgrad.c: the stride-1 depthwise weight gradient's lane sums, acc [KH KW][CONV_DW_LANES]: lane l of tap
+ * (kh, kw) = the sum over chunks q0 = 0, 16, .. < L of dy[q0 + l] * xp[q0 + l + kh step_h + kw step_w], in q0's
+ * order (a multiply and an add, no FMA), at level's vector width: the same bits at every level. */
+#define CONV_DW_LANES 16
+void conv_dw_wgrad_lanes(ConvTapsLevel level, float *restrict acc, const float *restrict dy, const float *restrict xp,
+                         size_t L, int KH, int KW, size_t step_h, size_t step_w);
+
 #endif

@@ -172,7 +172,7 @@ static void test_threads_identical(void) {
     parallel_set_threads(before);
 }
 
-/* The stride-1 depthwise backward's weight-gradient lanes (nn/ops_conv_general.c: one vector of 16 at AVX-512,
+/* The stride-1 depthwise backward's weight-gradient lanes (nn/conv_dw_wgrad.c: one vector of 16 at AVX-512,
  * two of 8 at AVX2, plain C below) give the same bits at every level conv_taps_max_level allows, as do its
  * input gradient and forward, for each stride-1 depthwise case (3x3 unrolled; a multiplier of 2 with dilation
  * 2; 2x2 'same' with its extra row and column; 3x5 in two groups of one channel, padding [0, 2]). */
