@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "nn/conv_taps.h"
+#include "nn/conv_wino.h"
 #include "nn/gemm.h"
 #include "nn/model.h"
 #include "quant/fqt_kern.h"
@@ -282,8 +283,9 @@ static void bench_print_header(const Bench *b, FILE *out) {
             c->source, b->model_name, net_mode_name(&r->model.net), c->train.batch_size, c->train.eval_batch_size,
             gemm_get_threads(), net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
             r->plan.total_steps, net_int8_kernel(&r->model.net));
-    fprintf(out, "bench:blas core:%s threads:%d conv_kernel:%s qt_kernel:%s\n", gemm_blas_core(), gemm_get_threads(),
-            conv_taps_level_name(conv_taps_level()), fqt_kern_name());
+    fprintf(out, "bench:blas core:%s threads:%d conv_kernel:%s conv_winograd:%s qt_kernel:%s\n", gemm_blas_core(),
+            gemm_get_threads(), conv_taps_level_name(conv_taps_level()),
+            conv_wino_enabled && conv_taps_level() != CONV_TAPS_OFF ? "on" : "off", fqt_kern_name());
     fflush(out);
 }
 

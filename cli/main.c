@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "nn/conv_taps.h"
+#include "nn/conv_wino.h"
 #include "nn/gemm.h"
 #include "quant/qlayer.h"
 #include "cli/autoquant.h"
@@ -734,7 +735,8 @@ static int cli_main(int argc, char **argv) {
      * built; it holds for the whole process. */
     QtError kerr = {0};
     if (qlayer_int8_kernel_select(getenv("QTRAIN_INT8_KERNEL"), "QTRAIN_INT8_KERNEL", &kerr) != QT_OK ||
-        conv_taps_select(getenv("QTRAIN_CONV_KERNEL"), "QTRAIN_CONV_KERNEL", &kerr) != QT_OK)
+        conv_taps_select(getenv("QTRAIN_CONV_KERNEL"), "QTRAIN_CONV_KERNEL", &kerr) != QT_OK ||
+        conv_wino_select(getenv("QTRAIN_CONV_WINOGRAD"), "QTRAIN_CONV_WINOGRAD", &kerr) != QT_OK)
         return fail(&kerr, 2);
     if (strcmp(cmd, "eval") == 0) return cmd_eval(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);

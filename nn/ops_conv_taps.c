@@ -17,13 +17,26 @@ bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, boo
     float *tables = tape_alloc(t, conv_taps_table_floats(d->H, d->W, conv_taps_lanes(level)) * sizeof(float));
     if (!p || !tables) return false;
     conv_taps_plan(p, level, d->C, d->OC, d->H, d->W, d->KH, d->KW, tables);
+    j->wino = NULL, j->wino_w = j->wino_wt = NULL;
+    if (conv_wino_fits(level, d->KH, d->KW, stride, padding, d->C, d->OC) && (fwd || dx)) {
+        ConvWino *q = tape_alloc(t, sizeof *q);
+        if (!q) return false;
+        conv_wino_plan(q, level, d->H, d->W);
+        float *w = NULL, *wt = NULL;
+        if (fwd && !(w = tape_alloc(t, conv_wino_packed_floats(q, d->OC, d->C) * sizeof(float)))) return false;
+        if (dx && !(wt = tape_alloc(t, conv_wino_packed_floats(q, d->C, d->OC) * sizeof(float)))) return false;
+        if (w) conv_wino_pack(q, w, j->w, j->ldw, d->OC, d->C);
+        if (wt) conv_wino_pack_t(q, wt, j->w, j->ldw, d->C, d->OC);
+        j->wino = q, j->wino_w = w, j->wino_wt = wt;
+        fwd = dx = false; /* the taps' packed weights not wanted */
+    }
     float *w = NULL, *wt = NULL;
     if (fwd && !(w = tape_alloc(t, conv_taps_packed_floats(p, d->OC, d->C) * sizeof(float)))) return false;
     if (dx && !(wt = tape_alloc(t, conv_taps_packed_floats(p, d->C, d->OC) * sizeof(float)))) return false;
     if (w) conv_taps_pack(p, w, j->w, j->ldw, d->OC);
     if (wt) conv_taps_pack_t(p, wt, j->w, j->ldw);
     j->taps = p, j->taps_level = level, j->taps_w = w, j->taps_wt = wt;
-    if (!fwd) { /* as many samples as fit */
+    if (!fwd && !j->wino_w) { /* as many samples as fit */
         const size_t per = (d->C * p->pplane + (size_t)d->OC * conv_plane(d)) * sizeof(float);
         const size_t n = CONV_TAPS_CHUNK_BUDGET / per;
         j->chunk = n > (size_t)d->N ? d->N : n > (size_t)j->c->chunk ? (int)n : j->c->chunk;
@@ -38,7 +51,15 @@ size_t conv_col_rows(const ConvJob *j, bool backward) {
     /* the forward: one padded image; the backward: the chunk's, one padded dpre, then one sample's dpre transposed */
     size_t need = backward ? conv_taps_padded_rows_floats(j->taps, d->C, conv_job_chunk(j))
                            : conv_taps_padded_floats(j->taps, d->C, 1);
-    if (backward) need += conv_taps_padded_floats(j->taps, d->OC, 1) + conv_taps_dpt_floats(j, d->OC);
+    if (j->wino_w) { /* F(2x2, 3x3)'s scratch in place of the padded image (then A's, if low-rank) */
+        const size_t wino = conv_wino_scratch_floats(j->wino, d->C);
+        need = wino > need ? wino : need;
+    }
+    if (backward) {
+        const size_t dx = conv_taps_padded_floats(j->taps, d->OC, 1) + conv_taps_dpt_floats(j, d->OC);
+        const size_t wino = j->wino_wt ? conv_wino_scratch_floats(j->wino, d->OC) : 0; /* over dpt, used before */
+        need += wino > dx ? wino : dx;
+    }
     const size_t rows = (need + cols - 1) / cols;
     return rows > ckk ? rows : ckk;
 }
@@ -48,10 +69,16 @@ void conv_taps_forward_chunk(const ConvJob *j, float *prod, size_t ldc, size_t l
     const ConvDims *d = &j->c->d;
     const size_t plane = conv_plane(d);
     const int rows = d->OC + (j->taps_u ? j->taps_rank : 0);
-    for (int s = 0; s < nc; s++) { /* col: one padded image */
+    for (int s = 0; s < nc; s++) { /* col: one padded image, or F(2x2, 3x3)'s scratch */
         const double t0 = gemm_stats_start();
-        conv_taps_pad(j->taps, col, xc + (size_t)s * d->C * plane, d->C, 1, 0, plane);
-        conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * lds, ldc, col, j->taps_w, d->OC, d->C, false);
+        const float *xs = xc + (size_t)s * d->C * plane;
+        if (j->wino_w)
+            conv_wino_forward(j->wino, j->taps_level, prod + (size_t)s * lds, ldc, xs, plane, j->wino_w, d->OC, d->C,
+                              false, col);
+        if (!j->wino_w || j->taps_u) conv_taps_pad(j->taps, col, xs, d->C, 1, 0, plane);
+        if (!j->wino_w)
+            conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * lds, ldc, col, j->taps_w, d->OC, d->C,
+                              false);
         if (j->taps_u) /* a second product, not rank more rows: B = 0 gives the base's output bit for bit */
             conv_taps_forward(j->taps, j->taps_level, j->taps_u + (size_t)(n0 + s) * plane, (size_t)d->N * plane,
                               col, j->taps_a, j->taps_rank, d->C, false);
@@ -64,9 +91,14 @@ void conv_taps_dx_chunk(const ConvJob *j, float *dpad, const float *dp, size_t l
     const size_t plane = conv_plane(d), x_sample = (size_t)d->C * plane;
     for (int s = 0; s < nc; s++) {
         const double t0 = gemm_stats_start();
-        conv_taps_pad(j->taps, dpad, dp + (size_t)s * lds, d->OC, 1, 0, ldc);
-        conv_taps_forward(j->taps, j->taps_level, j->dx + (size_t)(n0 + s) * x_sample, plane, dpad, j->taps_wt,
-                          d->C, d->OC, !j->dx_fresh);
+        float *dxs = j->dx + (size_t)(n0 + s) * x_sample;
+        if (j->wino_wt) {
+            conv_wino_forward(j->wino, j->taps_level, dxs, plane, dp + (size_t)s * lds, ldc, j->wino_wt, d->C, d->OC,
+                              !j->dx_fresh, dpad);
+        } else {
+            conv_taps_pad(j->taps, dpad, dp + (size_t)s * lds, d->OC, 1, 0, ldc);
+            conv_taps_forward(j->taps, j->taps_level, dxs, plane, dpad, j->taps_wt, d->C, d->OC, !j->dx_fresh);
+        }
         gemm_stats_add(t0, 2.0 * d->OC * conv_ckk(d) * (double)plane);
     }
 }

@@ -29,6 +29,7 @@
     X(nn_conv_reuse) \
     X(nn_conv_s2) \
     X(nn_conv_taps) \
+    X(nn_conv_wino) \
     X(nn_parallel) \
     X(nn_optim)   \
     X(nn_model)   \

@@ -325,6 +325,7 @@ static const TapsCase op_cases[] = {
     {27, 8, 24, 24, 6, 3, 0, 0},
     {2, 3, 16, 11, 7, 5, 0, 0},
     {4, 1, 28, 28, 16, 3, 0, 0},
+    {2, 16, 10, 10, 12, 3, 0, 0}, /* F(2x2, 3x3) (conv_wino.h) for the forward and the input gradient */
 };
 
 typedef struct {

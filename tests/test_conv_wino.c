@@ -1,0 +1,281 @@
+/* test_conv_wino.c - the nn_conv_wino suite: the 3x3 stride-1 convolution as Winograd's F(2x2, 3x3)
+ * (nn/conv_wino.h). Its vector kernels give the plain C definition's bits on every level the CPU has (a visible
+ * skip for each it lacks), written and added, touching nothing outside the output planes; the definition agrees
+ * with direct double-precision loops for the forward and the input gradient (the flipped, transposed pack); and
+ * nn_conv2d_fused gives the same outputs and gradients with it as without it (the taps kernels, conv_taps.h),
+ * within the tolerances of test_conv_taps.c. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/conv_wino.h"
+#include "nn/ops.h"
+#include "test_util.h"
+
+typedef struct {
+    int C, R, H, W; /* channels in, rows (channels) out, plane */
+    int gx, gy;     /* floats between planes past H W: x's and y's */
+} WinoCase;
+
+/* Planes of 1x1 and 2x2 (one tile, mostly padding), odd sizes (a last tile half outside), ResNet-8's three stages
+ * and the CNN's second conv, tile rows of up to half a 16-lane vector (the transforms at 8 lanes under AVX-512:
+ * TW = 8 at 16x16) and just past it (TW = 9), of several vectors (7x33, 2x40: TW 17, 20), rows and channels off
+ * the blocks (1, 5, 9, 13, 17 rows; 9, 11, 33 channels), and gaps between planes. */
+static const WinoCase cases[] = {
+    {8, 8, 1, 1, 0, 0},    {8, 8, 2, 2, 1, 3},     {9, 5, 3, 5, 0, 2},     {16, 16, 28, 28, 0, 0},
+    {32, 32, 14, 14, 3, 0}, {64, 64, 7, 7, 0, 5},  {32, 64, 14, 14, 0, 0}, {33, 17, 5, 13, 2, 1},
+    {8, 12, 8, 10, 0, 0},  {10, 9, 15, 17, 1, 1},  {8, 8, 7, 33, 0, 4},    {12, 1, 2, 40, 0, 0},
+    {11, 13, 30, 30, 0, 0}, {8, 20, 16, 16, 5, 0}, {9, 8, 18, 18, 0, 1},
+};
+#define N_CASES (sizeof cases / sizeof cases[0])
+
+static size_t plane(const WinoCase *k) { return (size_t)k->H * k->W; }
+static size_t ldx(const WinoCase *k, bool t) { return plane(k) + (size_t)(t ? k->gy : k->gx); }
+static size_t ldy(const WinoCase *k, bool t) { return plane(k) + (size_t)(t ? k->gx : k->gy); }
+/* Floats of n planes ld apart, exactly: a kernel reading or writing past the last plane trips the sanitizer. */
+static size_t planes_floats(const WinoCase *k, int n, size_t ld) { return (size_t)(n - 1) * ld + plane(k); }
+
+static void print_case(const char *what, const WinoCase *k, ConvTapsLevel level) {
+    fprintf(stderr, "\n  %s (%s): C=%d rows=%d H=%d W=%d gaps %d, %d", what, conv_taps_level_name(level), k->C, k->R,
+            k->H, k->W, k->gx, k->gy);
+}
+
+/* Written outputs start as NaN (whatever was there is gone); added-to ones as values that differ float to float;
+ * the gaps between planes as a value no output takes. */
+static void fill_y(float *y, const WinoCase *k, int rows, size_t ld, bool add) {
+    for (size_t i = 0; i < planes_floats(k, rows, ld); i++)
+        y[i] = i % ld >= plane(k) ? 1234.5f : add ? 0.25f * (float)((i * 37) % 17) - 2.0f : NAN;
+}
+
+/* The forward (t false: rows R of C channels, conv_wino_pack) or the input gradient (t true: rows C of R
+ * channels, conv_wino_pack_t) of case k at level, into y; vector false: the definition. */
+static void wino_run(const WinoCase *k, ConvTapsLevel level, bool vector, bool t, bool add, const float *x,
+                     const float *w, float *y) {
+    ConvWino p;
+    conv_wino_plan(&p, level, k->H, k->W);
+    const int rows = t ? k->C : k->R, channels = t ? k->R : k->C;
+    float *wp = malloc(conv_wino_packed_floats(&p, rows, channels) * sizeof(float));
+    float *scratch = malloc(conv_wino_scratch_floats(&p, channels) * sizeof(float));
+    if (t) conv_wino_pack_t(&p, wp, w, k->C * 9, k->C, k->R);
+    else conv_wino_pack(&p, wp, w, k->C * 9, k->R, k->C);
+    if (vector) conv_wino_forward(&p, level, y, ldy(k, t), x, ldx(k, t), wp, rows, channels, add, scratch);
+    else conv_wino_forward_ref(&p, y, ldy(k, t), x, ldx(k, t), wp, rows, channels, add);
+    free(wp), free(scratch);
+}
+
+/* Every vector level's kernel gives the definition's bits, forward and input gradient, written and added; the
+ * floats between output planes keep theirs. */
+static void test_wino_kernels_match_ref_bits(void) {
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip("conv_wino %s kernel: this CPU has no %s", conv_taps_level_name(level),
+                      level == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+            continue;
+        }
+        for (size_t i = 0; i < N_CASES; i++)
+            for (int t = 0; t < 2; t++)
+                for (int add = 0; add < 2; add++) {
+                    const WinoCase *k = &cases[i];
+                    const int in = t ? k->R : k->C, out = t ? k->C : k->R;
+                    const size_t nx = planes_floats(k, in, ldx(k, t)), ny = planes_floats(k, out, ldy(k, t));
+                    float *x = test_random_uniform(nx, 11 + i, -1.0f, 1.0f);
+                    float *w = test_random_uniform((size_t)k->R * k->C * 9, 12 + i, -1.0f, 1.0f);
+                    float *y = malloc(ny * sizeof(float)), *y_ref = malloc(ny * sizeof(float));
+                    fill_y(y, k, out, ldy(k, t), add), fill_y(y_ref, k, out, ldy(k, t), add);
+                    wino_run(k, level, true, t, add, x, w, y);
+                    wino_run(k, level, false, t, add, x, w, y_ref);
+                    const bool same = memcmp(y, y_ref, ny * sizeof(float)) == 0;
+                    if (!same) print_case(t ? (add ? "input gradient, added" : "input gradient")
+                                            : (add ? "forward, added" : "forward"), k, level);
+                    CU_ASSERT(same);
+                    free(x), free(w), free(y), free(y_ref);
+                }
+    }
+}
+
+/* The definition against direct loops in double: the forward y[r] = sum over c, (kh, kw) of w[r][c][kh][kw]
+ * x[c](h + kh - 1, w + kw - 1), and the input gradient dx[c] = sum over r, (kh, kw) of w[r][c][kh][kw] dp[r](h -
+ * kh + 1, w - kw + 1), within 2e-7 per summed term (inputs in [-1, 1]; F(2x2, 3x3) rounds its transforms too). */
+static void test_wino_ref_matches_direct(void) {
+    for (size_t i = 0; i < N_CASES; i++)
+        for (int t = 0; t < 2; t++) {
+            const WinoCase *k = &cases[i];
+            const int in = t ? k->R : k->C, out = t ? k->C : k->R;
+            const size_t lx = ldx(k, t), ly = ldy(k, t), ny = planes_floats(k, out, ly);
+            float *x = test_random_uniform(planes_floats(k, in, lx), 21 + i, -1.0f, 1.0f);
+            float *w = test_random_uniform((size_t)k->R * k->C * 9, 22 + i, -1.0f, 1.0f);
+            float *y = malloc(ny * sizeof(float)), *y_dir = malloc(ny * sizeof(float));
+            fill_y(y, k, out, ly, false);
+            wino_run(k, CONV_TAPS_OFF, false, t, false, x, w, y);
+            memcpy(y_dir, y, ny * sizeof(float)); /* the gaps as written */
+            for (int o = 0; o < out; o++)
+                for (int h = 0; h < k->H; h++)
+                    for (int c = 0; c < k->W; c++) {
+                        double s = 0.0;
+                        for (int j = 0; j < in; j++)
+                            for (int kh = 0; kh < 3; kh++)
+                                for (int kw = 0; kw < 3; kw++) {
+                                    const int hh = t ? h - kh + 1 : h + kh - 1, cc = t ? c - kw + 1 : c + kw - 1;
+                                    if (hh < 0 || cc < 0 || hh >= k->H || cc >= k->W) continue;
+                                    const int r = t ? j : o, ch = t ? o : j;
+                                    s += (double)w[((size_t)r * k->C + ch) * 9 + kh * 3 + kw] *
+                                         x[(size_t)j * lx + (size_t)hh * k->W + cc];
+                                }
+                        y_dir[(size_t)o * ly + (size_t)h * k->W + c] = (float)s;
+                    }
+            const double tol = 2e-7 * in * 9 + 1e-7;
+            const double worst = test_close_ratio(y, y_dir, ny, tol, 0.0, NULL);
+            if (worst > 1.0) print_case(t ? "input gradient vs direct" : "forward vs direct", k, CONV_TAPS_OFF);
+            CU_ASSERT(worst <= 1.0);
+            free(x), free(w), free(y), free(y_dir);
+        }
+}
+
+typedef struct {
+    float *y, *dx, *dw, *db;
+    size_t ny, nx, nw;
+} OpOut;
+
+/* nn_conv2d_fused (3x3, padding 1) of x (N, C, H, W) with epilogue epi on two convs sharing x (their outputs
+ * added: the second backward adds into the dx the first wrote), at level with F(2x2, 3x3) on or off; copies into
+ * out (malloc'd). */
+static bool run_op(int N, const WinoCase *k, ConvEpilogue epi, ConvTapsLevel level, bool wino, OpOut *out) {
+    const ConvTapsLevel saved = conv_taps_max_level;
+    const bool saved_wino = conv_wino_enabled;
+    conv_taps_max_level = level, conv_wino_enabled = wino;
+    TestEnv e;
+    test_env_init(&e, 78);
+    const size_t nx = (size_t)N * k->C * plane(k), nw = (size_t)k->R * k->C * 9;
+    float *x = test_random_uniform(nx, 5, -1.0f, 1.0f), *w = test_random_uniform(2 * nw, 6, -1.0f, 1.0f);
+    float *b = test_random_uniform((size_t)k->R, 7, -0.5f, 0.5f);
+    Var *vx = test_var(&e, x, 4, (const int[]){N, k->C, k->H, k->W}, true);
+    Var *w1 = test_var(&e, w, 4, (const int[]){k->R, k->C, 3, 3}, true);
+    Var *w2 = test_var(&e, w + nw, 4, (const int[]){k->R, k->C, 3, 3}, true);
+    Var *vb = test_var(&e, b, 1, &k->R, true);
+    Var *y1 = nn_conv2d_fused(&e.tape, vx, w1, vb, 1, 1, epi);
+    Var *y2 = y1 ? nn_conv2d_fused(&e.tape, vx, w2, NULL, 1, 1, epi) : NULL;
+    Var *y = y2 ? nn_add(&e.tape, y1, y2) : NULL;
+    bool ok = y != NULL;
+    if (ok) {
+        const size_t ny = var_numel(y);
+        float *dy = test_random_uniform(ny, 8, -1.0f, 1.0f);
+        ok = tape_backward_from(&e.tape, y, dy) == QT_OK && vx->grad && w1->grad && w2->grad && vb->grad;
+        free(dy);
+        if (ok) {
+            *out = (OpOut){.ny = ny, .nx = nx, .nw = 2 * nw};
+            out->y = malloc(ny * sizeof(float)), out->dx = malloc(nx * sizeof(float));
+            out->dw = malloc(2 * nw * sizeof(float)), out->db = malloc((size_t)k->R * sizeof(float));
+            memcpy(out->y, y->value.data, ny * sizeof(float));
+            memcpy(out->dx, vx->grad, nx * sizeof(float));
+            memcpy(out->dw, w1->grad, nw * sizeof(float));
+            memcpy(out->dw + nw, w2->grad, nw * sizeof(float));
+            memcpy(out->db, vb->grad, (size_t)k->R * sizeof(float));
+        }
+    }
+    if (!ok) fprintf(stderr, "\n  run_op: %s", e.tape.err.msg);
+    free(x), free(w), free(b);
+    test_env_free(&e);
+    conv_taps_max_level = saved, conv_wino_enabled = saved_wino;
+    return ok;
+}
+
+static void op_out_free(OpOut *o) { free(o->y), free(o->dx), free(o->dw), free(o->db); }
+
+/* Forward and every gradient with F(2x2, 3x3) equal the taps kernels' (without it) within test_conv_taps.c's
+ * tolerances (2e-6 per summed term), for the plain conv, relu and relu + pool epilogues, at each level the CPU
+ * has: ResNet-8's middle stage, an odd plane with rows off the blocks, and a 28x28 pooled layer over 9 channels. */
+static void test_wino_op_matches_taps(void) {
+    static const struct {
+        int N;
+        WinoCase k;
+    } op_cases[] = {{3, {16, 16, 14, 14, 0, 0}}, {2, {8, 12, 9, 7, 0, 0}}, {5, {9, 8, 28, 28, 0, 0}}};
+    static const ConvEpilogue epis[] = {CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip("conv2d with F(2x2, 3x3) at %s: this CPU has no %s", conv_taps_level_name(level),
+                      level == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+            continue;
+        }
+        for (size_t i = 0; i < sizeof op_cases / sizeof op_cases[0]; i++)
+            for (size_t ei = 0; ei < 3; ei++) {
+                const WinoCase *k = &op_cases[i].k;
+                CU_ASSERT(conv_wino_fits(level, 3, 3, 1, 1, k->C, k->R));
+                OpOut a = {0}, b = {0};
+                if (!run_op(op_cases[i].N, k, epis[ei], level, true, &a) ||
+                    !run_op(op_cases[i].N, k, epis[ei], level, false, &b)) {
+                    CU_FAIL("the convolution failed");
+                    op_out_free(&a), op_out_free(&b);
+                    continue;
+                }
+                CU_ASSERT_EQUAL(a.ny, b.ny);
+                const double ty = 2e-6 * k->C * 9 + 1e-6, tx = 2e-6 * k->R * 9 + 1e-6;
+                const double tw = 1e-6 * (double)op_cases[i].N * plane(k) + 1e-6;
+                double worst = test_close_ratio(a.y, b.y, a.ny, ty, 1e-5, NULL);
+                worst = fmax(worst, test_close_ratio(a.dx, b.dx, a.nx, tx, 1e-5, NULL));
+                worst = fmax(worst, test_close_ratio(a.dw, b.dw, a.nw, tw, 1e-5, NULL));
+                worst = fmax(worst, test_close_ratio(a.db, b.db, (size_t)k->R, tw, 1e-5, NULL));
+                if (worst > 1.0) print_case(ei == 0 ? "conv" : ei == 1 ? "conv+relu" : "conv+relu+pool", k, level);
+                CU_ASSERT(worst <= 1.0);
+                /* and it ran: the sums' rounding differs from the taps' */
+                CU_ASSERT(memcmp(a.y, b.y, a.ny * sizeof(float)) != 0);
+                op_out_free(&a), op_out_free(&b);
+            }
+    }
+}
+
+/* Which convolutions take it: 3x3, stride 1, padding 1, a vector level, at least 8 channels each way, enabled. */
+static void test_wino_fits(void) {
+    CU_ASSERT(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 8, 8));
+    CU_ASSERT(conv_wino_fits(CONV_TAPS_AVX512, 3, 3, 1, 1, 64, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_OFF, 3, 3, 1, 1, 16, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 5, 5, 1, 2, 16, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 1, 1, 1, 16, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 2, 1, 16, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 0, 16, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 7, 16));
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 16, 7));
+    conv_wino_enabled = false;
+    CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 16, 16));
+    conv_wino_enabled = true;
+}
+
+/* QTRAIN_CONV_WINOGRAD's values (conv_wino_select): on, off, auto and unset; another is an error naming them. */
+static void test_wino_select(void) {
+    QtError err = {0};
+    CU_ASSERT_EQUAL(conv_wino_select("off", "QTRAIN_CONV_WINOGRAD", &err), QT_OK);
+    CU_ASSERT_FALSE(conv_wino_enabled);
+    CU_ASSERT_EQUAL(conv_wino_select("on", "QTRAIN_CONV_WINOGRAD", &err), QT_OK);
+    CU_ASSERT(conv_wino_enabled);
+    conv_wino_enabled = false;
+    CU_ASSERT_EQUAL(conv_wino_select(NULL, "QTRAIN_CONV_WINOGRAD", &err), QT_OK);
+    CU_ASSERT(conv_wino_enabled);
+    conv_wino_enabled = false;
+    CU_ASSERT_EQUAL(conv_wino_select("auto", "QTRAIN_CONV_WINOGRAD", &err), QT_OK);
+    CU_ASSERT(conv_wino_enabled);
+    QtError e = {0};
+    CU_ASSERT_EQUAL(conv_wino_select("1", "QTRAIN_CONV_WINOGRAD", &e), QT_ERR_CONFIG);
+    CU_ASSERT(test_msg_has(&e, "QTRAIN_CONV_WINOGRAD: unknown value '1'; expected on, off or auto"));
+    CU_ASSERT(conv_wino_enabled);
+}
+
+int register_nn_conv_wino_suite(void) {
+    CU_pSuite s = CU_add_suite("nn_conv_wino", NULL, NULL);
+    if (!s) return -1;
+    const struct {
+        const char *name;
+        CU_TestFunc fn;
+    } tests[] = {
+        {"vector kernels give the definition's bits, written and added", test_wino_kernels_match_ref_bits},
+        {"the definition matches direct loops (forward, input gradient)", test_wino_ref_matches_direct},
+        {"conv2d with it matches the taps kernels (every gradient, each epilogue)", test_wino_op_matches_taps},
+        {"which convolutions take it", test_wino_fits},
+        {"QTRAIN_CONV_WINOGRAD's values", test_wino_select},
+    };
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
+        if (!CU_add_test(s, tests[i].name, tests[i].fn)) return -1;
+    return 0;
+}
