@@ -131,11 +131,13 @@ deps:
 test-deps: deps
 	$(call apt_install,$(TEST_DEBS))
 
-# QT's vector kernels, and the batch norm's (whose backward makes the forward's output again for a relu's mask),
-# are bit-exact twins of scalar loops: no a * b + c contracted into one FMA in those loops (which a CFLAGS=-march
-# with FMA would otherwise allow), in every build directory; and the test that holds the batch norm's sums to
-# their definition.
-%/quant/fqt.o %/quant/fqt_kern.o %/quant/fqt_kern_x86.o %/quant/fqt_backward.o %/nn/ops_bn_kernels.o %/tests/test_conv_bn.o: CFLAGS += -ffp-contract=off
+# QT's vector kernels, the batch norm's (whose backward makes the forward's output again for a relu's mask) and
+# F(2x2, 3x3)'s (whose weight-gradient transform halves sums and adds them) are bit-exact twins of scalar loops:
+# no a * b + c contracted into one FMA in those loops (which a CFLAGS=-march with FMA, or a target("fma")
+# function's vector operations, would otherwise allow), in every build directory; and the test that holds the
+# batch norm's sums to their definition.
+%/quant/fqt.o %/quant/fqt_kern.o %/quant/fqt_kern_x86.o %/quant/fqt_backward.o %/nn/ops_bn_kernels.o \
+%/nn/conv_wino.o %/nn/conv_wino_x86.o %/tests/test_conv_bn.o: CFLAGS += -ffp-contract=off
 
 # gcc 12's partial redundancy elimination leaves the AVX2 taps kernel a register copy per accumulator every tap,
 # and spills when its 12 accumulators fill the registers (docs/BENCHMARKS.md, "Int8 on AVX2"); the file's other

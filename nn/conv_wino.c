@@ -143,6 +143,72 @@ void conv_wino_forward_ref(const ConvWino *p, float *y, size_t ldy, const float 
             }
 }
 
+size_t conv_wino_dw_scratch_floats(const ConvWino *p, int C, int OC) {
+    const size_t ldd = conv_taps_oc_pad(OC);
+    return (size_t)C * p->splane + 16 * conv_wino_stride((size_t)C * p->ldv) +
+           16 * conv_wino_stride((size_t)p->T * ldd) + 16 * (size_t)C * ldd;
+}
+
+bool conv_wino_dw_pays(const ConvWino *p, int C, int OC) {
+    return p->lanes == 8 || (p->T >= 32 && (long)C * OC >= 1024);
+}
+
+/* dm (16) = the output gradient's transform of tile (i, j) of one channel (its gradients dpt[q ldd]). */
+static void wino_grad(const ConvWino *p, float dm[16], const float *dpt, size_t ldd, int i, int j) {
+    float d[2][2], r[4][2];
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) {
+            const int h = 2 * i + a, w = 2 * j + b;
+            d[a][b] = h < p->H && w < p->W ? dpt[((size_t)h * p->W + w) * ldd] : 0.0f;
+        }
+    for (int b = 0; b < 2; b++)
+        r[0][b] = d[0][b], r[1][b] = d[0][b] + d[1][b], r[2][b] = d[0][b] - d[1][b], r[3][b] = -d[1][b];
+    for (int a = 0; a < 4; a++) {
+        dm[4 * a + 0] = r[a][0], dm[4 * a + 1] = r[a][0] + r[a][1];
+        dm[4 * a + 2] = r[a][0] - r[a][1], dm[4 * a + 3] = -r[a][1];
+    }
+}
+
+/* g (9) = G^T du G of du (16). */
+static void wino_weight_grad(float g[9], const float du[16]) {
+    float e[3][4];
+    for (int b = 0; b < 4; b++) {
+        const float h = (du[4 + b] + du[8 + b]) * 0.5f;
+        e[0][b] = du[b] + h, e[1][b] = (du[4 + b] - du[8 + b]) * 0.5f, e[2][b] = h + du[12 + b];
+    }
+    for (int k = 0; k < 3; k++) {
+        const float h = (e[k][1] + e[k][2]) * 0.5f;
+        g[3 * k + 0] = e[k][0] + h, g[3 * k + 1] = (e[k][1] - e[k][2]) * 0.5f, g[3 * k + 2] = h + e[k][3];
+    }
+}
+
+void conv_wino_dw_ref(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                      bool add) {
+    const size_t ldd = conv_taps_oc_pad(OC);
+    for (int c = 0; c < C; c++)
+        for (size_t oc = 0; oc < ldd; oc++) {
+            float du[16] = {0}, v[16], dm[16], g[9];
+            for (int i = 0; i < p->TH; i++)
+                for (int j = 0; j < p->TW; j++) {
+                    wino_input(p, v, x + (size_t)c * ldx, i, j);
+                    wino_grad(p, dm, dpt + oc, ldd, i, j);
+                    for (int q = 0; q < 16; q++) du[q] = fmaf(v[q], dm[q], du[q]);
+                }
+            wino_weight_grad(g, du);
+            for (int k = 0; k < 9; k++) {
+                float *o = dwt + ((size_t)c * 9 + k) * ldd + oc;
+                *o = add ? *o + g[k] : g[k];
+            }
+        }
+}
+
+void conv_wino_dw(const ConvWino *p, ConvTapsLevel level, float *dwt, const float *dpt, const float *x, size_t ldx,
+                  int C, int OC, bool add, float *scratch) {
+    if (level == CONV_TAPS_AVX512) conv_wino_dw_avx512(p, dwt, dpt, x, ldx, C, OC, add, scratch);
+    else if (level == CONV_TAPS_AVX2) conv_wino_dw_avx2(p, dwt, dpt, x, ldx, C, OC, add, scratch);
+    else conv_wino_dw_ref(p, dwt, dpt, x, ldx, C, OC, add);
+}
+
 void conv_wino_forward(const ConvWino *p, ConvTapsLevel level, float *y, size_t ldy, const float *x, size_t ldx,
                        const float *wp, int rows, int channels, bool add, float *scratch) {
     if (level == CONV_TAPS_AVX512) conv_wino_forward_avx512(p, y, ldy, x, ldx, wp, rows, channels, add, scratch);

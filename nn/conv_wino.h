@@ -75,10 +75,34 @@ void conv_wino_forward(const ConvWino *p, ConvTapsLevel level, float *y, size_t 
 void conv_wino_forward_ref(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
                            int rows, int channels, bool add);
 
+/* The weight gradient of one image, the same tiles the other way: with v its input's transform as above and dm
+ * the transform of each tile's 2x2 output gradient d (0 outside the plane), down each column r0 = d0,
+ * r1 = d0 + d1, r2 = d0 - d1, r3 = -d1, then the same along each of r's four rows (position p = 4a + b):
+ * - du[p][c][oc] = the fmaf chain over the tiles t = 0 .. T - 1, from 0, of v[p][c][t] dm[p][t][oc];
+ * - dg = G^T du G: down each column of du, e0 = X0 + (X1 + X2) * .5, e1 = (X1 - X2) * .5,
+ *   e2 = (X1 + X2) * .5 + X3, then the same along each of e's three rows;
+ * - dwt[c 9 + kh 3 + kw][oc] = dg[kh][kw], or dwt + dg if add.
+ * dwt (C 9, ldd = conv_taps_oc_pad(OC)), as conv_taps_dw writes it; dpt the image's output gradient transposed,
+ * (H W, ldd) (conv_taps_dp_t: zeros past OC); x (C planes of H W, ldx apart). Columns past OC get sums of zeros.
+ * scratch: conv_wino_dw_scratch_floats. */
+size_t conv_wino_dw_scratch_floats(const ConvWino *p, int C, int OC);
+/* Whether the weight gradient runs faster so than through the taps kernels (conv_taps_dw): at 8 lanes always; at
+ * 16, where the image has at least 32 tiles and C OC >= 1024 (on Zen 5, ResNet-8's 28x28 stage of 16 channels and
+ * its 7x7 one of 64 took 1.1 and 1.2 times the taps' time, the 14x14 ones 0.85 and 0.72). */
+bool conv_wino_dw_pays(const ConvWino *p, int C, int OC);
+void conv_wino_dw(const ConvWino *p, ConvTapsLevel level, float *dwt, const float *dpt, const float *x, size_t ldx,
+                  int C, int OC, bool add, float *scratch);
+void conv_wino_dw_ref(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                      bool add);
+
 /* conv_wino_x86.c */
 void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
                             int rows, int channels, bool add, float *scratch);
 void conv_wino_forward_avx512(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
                               int rows, int channels, bool add, float *scratch);
+void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                       bool add, float *scratch);
+void conv_wino_dw_avx512(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                         bool add, float *scratch);
 
 #endif

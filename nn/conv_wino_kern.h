@@ -153,27 +153,29 @@ W_TARGET __attribute__((noinline)) static void W_NAME(output)(const ConvWino *p,
     }
 }
 
+/* v = the input transform of channels planes x (split at s first); true if at the narrower width (W_NARROW): tile
+ * rows of at most half a vector, which waste fewer lanes there. */
+W_TARGET static bool W_NAME(inputs)(const ConvWino *p, float *s, float *v, const float *x, size_t ldx, int channels) {
+#ifdef W_NARROW
+    if (p->TW <= WL / 2) {
+        W_NARROW(split)(p, s, x, ldx, channels);
+        for (int c = 0; c < channels; c++) W_NARROW(input)(p, v, s + (size_t)c * p->splane, c, channels);
+        return true;
+    }
+#endif
+    W_NAME(split)(p, s, x, ldx, channels);
+    for (int c = 0; c < channels; c++) W_NAME(input)(p, v, s + (size_t)c * p->splane, c, channels);
+    return false;
+}
+
 W_TARGET void W_NAME(forward)(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
                               int rows, int channels, bool add, float *scratch) {
     const size_t ldq = conv_wino_stride((size_t)channels * p->ldv);
     float *s = scratch, *v = s + (size_t)channels * p->splane, *m = v + 16 * ldq;
     for (int q = 0; q < 16; q++) /* lanes past the products' vectors, read by the last output vectors */
         for (int r = 0; r < WRB; r++) W_STOREU(m + q * p->ldm + (size_t)r * p->ldv + p->tv * WL, W_ZERO());
-#ifdef W_NARROW
-    /* tile rows of at most half a vector: the transforms at the narrower width, which wastes fewer lanes */
-    const bool narrow = p->TW <= WL / 2;
-#else
-    const bool narrow = false;
-#endif
-    if (narrow) {
-#ifdef W_NARROW
-        W_NARROW(split)(p, s, x, ldx, channels);
-        for (int c = 0; c < channels; c++) W_NARROW(input)(p, v, s + (size_t)c * p->splane, c, channels);
-#endif
-    } else {
-        W_NAME(split)(p, s, x, ldx, channels);
-        for (int c = 0; c < channels; c++) W_NAME(input)(p, v, s + (size_t)c * p->splane, c, channels);
-    }
+    const bool narrow = W_NAME(inputs)(p, s, v, x, ldx, channels);
+    (void)narrow;
     const size_t blocks = (size_t)(rows + WRB - 1) / WRB, per_q = blocks * channels * WRB;
     const size_t ldc = p->ldv;
     for (size_t b = 0; b < blocks; b++) {
@@ -187,11 +189,120 @@ W_TARGET void W_NAME(forward)(const ConvWino *p, float *y, size_t ldy, const flo
         }
         const int rb = rows - (int)b * WRB < WRB ? rows - (int)b * WRB : WRB;
 #ifdef W_NARROW
-        if (narrow) {
-            W_NARROW(output)(p, y + b * WRB * ldy, ldy, m, rb, add);
-            continue;
-        }
+        if (narrow) W_NARROW(output)(p, y + b * WRB * ldy, ldy, m, rb, add);
+        else
 #endif
-        W_NAME(output)(p, y + b * WRB * ldy, ldy, m, rb, add);
+            W_NAME(output)(p, y + b * WRB * ldy, ldy, m, rb, add);
     }
+}
+
+/* ---- the weight gradient (conv_wino_dw) ---- */
+
+/* dm (16 positions ldm apart; tile t at t ldd) = the transform of each tile's output gradient, ldd / WL vectors of
+ * output channels at a time, from dpt (H W, ldd). */
+W_TARGET __attribute__((noinline)) static void W_NAME(grad)(const ConvWino *p, float *dm, size_t ldm, const float *dpt,
+                                                           size_t ldd) {
+    const int W = p->W, nv = (int)(ldd / WL);
+    for (int i = 0; i < p->TH; i++)
+        for (int j = 0; j < p->TW; j++) {
+            const bool down = 2 * i + 1 < p->H, right = 2 * j + 1 < W; /* the tile's second row, column */
+            const float *d0 = dpt + ((size_t)(2 * i) * W + 2 * j) * ldd, *d1 = d0 + (size_t)W * ldd;
+            float *o = dm + (size_t)(i * p->TW + j) * ldd;
+            for (int v = 0; v < nv; v++) {
+                const WV d00 = W_LOADU(d0 + v * WL), d01 = right ? W_LOADU(d0 + ldd + v * WL) : W_ZERO();
+                const WV d10 = down ? W_LOADU(d1 + v * WL) : W_ZERO();
+                const WV d11 = down && right ? W_LOADU(d1 + ldd + v * WL) : W_ZERO();
+                const WV r[4][2] = {{d00, d01},
+                                    {W_ADD(d00, d10), W_ADD(d01, d11)},
+                                    {W_SUB(d00, d10), W_SUB(d01, d11)},
+                                    {W_NEG(d10), W_NEG(d11)}};
+#pragma GCC unroll 4
+                for (int a = 0; a < 4; a++) {
+                    float *oa = o + v * WL + (size_t)(4 * a) * ldm;
+                    W_STOREU(oa, r[a][0]);
+                    W_STOREU(oa + ldm, W_ADD(r[a][0], r[a][1]));
+                    W_STOREU(oa + 2 * ldm, W_SUB(r[a][0], r[a][1]));
+                    W_STOREU(oa + 3 * ldm, W_NEG(r[a][1]));
+                }
+            }
+        }
+}
+
+/* du rows [c0, c0 + rows) (rows <= WRB), output channel vectors v0 .. v0 + NV - 1, of one position: the chains
+ * over the T tiles of vq (rows ldv apart, tiles along) times dmq (tile t at t ldd). */
+W_TARGET static inline __attribute__((always_inline)) void W_NAME(dw_tile)(float *du, size_t ldd, const float *vq,
+                                                                          size_t ldv, const float *dmq, int T,
+                                                                          int rows, int v0, const int NV) {
+    WV acc[WRB][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < WRB; r++)
+#pragma GCC unroll 3
+        for (int n = 0; n < 3; n++) acc[r][n] = W_ZERO();
+    const float *dmt = dmq + (size_t)v0 * WL;
+    for (int t = 0; t < T; t++, dmt += ldd) {
+        WV b[3];
+#pragma GCC unroll 3
+        for (int n = 0; n < 3; n++) b[n] = n < NV ? W_LOADU(dmt + n * WL) : W_ZERO();
+#pragma GCC unroll 8
+        for (int r = 0; r < WRB; r++) {
+            const WV a = W_SET1(vq[(size_t)(r < rows ? r : 0) * ldv + t]); /* rows past: row 0 again, dropped */
+#pragma GCC unroll 3
+            for (int n = 0; n < 3; n++)
+                if (n < NV) acc[r][n] = W_FMA(a, b[n], acc[r][n]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < WRB; r++) {
+        if (r >= rows) break;
+#pragma GCC unroll 3
+        for (int n = 0; n < 3; n++)
+            if (n < NV) W_STOREU(du + (size_t)r * ldd + (size_t)(v0 + n) * WL, acc[r][n]);
+    }
+}
+
+/* dwt's 9 rows of channel c (=, or += if add) G^T du G, du's 16 positions ldu apart. */
+W_TARGET __attribute__((noinline)) static void W_NAME(dw_out)(float *dwt, size_t ldd, const float *du, size_t ldu,
+                                                             bool add) {
+    const WV half = W_SET1(0.5f);
+    for (size_t v = 0; v < ldd; v += WL) {
+        WV e[3][4];
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) {
+            const WV x0 = W_LOADU(du + (size_t)b * ldu + v), x1 = W_LOADU(du + (size_t)(4 + b) * ldu + v);
+            const WV x2 = W_LOADU(du + (size_t)(8 + b) * ldu + v), x3 = W_LOADU(du + (size_t)(12 + b) * ldu + v);
+            const WV h = W_MUL(W_ADD(x1, x2), half);
+            e[0][b] = W_ADD(x0, h), e[1][b] = W_MUL(W_SUB(x1, x2), half), e[2][b] = W_ADD(h, x3);
+        }
+#pragma GCC unroll 3
+        for (int k = 0; k < 3; k++) {
+            const WV h = W_MUL(W_ADD(e[k][1], e[k][2]), half);
+            const WV g[3] = {W_ADD(e[k][0], h), W_MUL(W_SUB(e[k][1], e[k][2]), half), W_ADD(h, e[k][3])};
+#pragma GCC unroll 3
+            for (int l = 0; l < 3; l++) {
+                float *o = dwt + (size_t)(3 * k + l) * ldd + v;
+                W_STOREU(o, add ? W_ADD(W_LOADU(o), g[l]) : g[l]);
+            }
+        }
+    }
+}
+
+W_TARGET void W_NAME(dw)(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                         bool add, float *scratch) {
+    const size_t ldd = conv_taps_oc_pad(OC), ldq = conv_wino_stride((size_t)C * p->ldv);
+    const size_t ldm = conv_wino_stride((size_t)p->T * ldd), ldu = (size_t)C * ldd;
+    float *s = scratch, *v = s + (size_t)C * p->splane, *dm = v + 16 * ldq, *du = dm + 16 * ldm;
+    W_NAME(inputs)(p, s, v, x, ldx, C);
+    W_NAME(grad)(p, dm, ldm, dpt, ldd);
+    const int nv = (int)(ldd / WL);
+    for (int q = 0; q < 16; q++)
+        for (int c0 = 0; c0 < C; c0 += WRB) {
+            const int rows = C - c0 < WRB ? C - c0 : WRB;
+            const float *vq = v + q * ldq + (size_t)c0 * p->ldv, *dmq = dm + q * ldm;
+            float *duq = du + q * ldu + (size_t)c0 * ldd;
+            int n = 0;
+            for (; n + 3 <= nv; n += 3) W_NAME(dw_tile)(duq, ldd, vq, p->ldv, dmq, p->T, rows, n, 3);
+            if (nv - n == 2) W_NAME(dw_tile)(duq, ldd, vq, p->ldv, dmq, p->T, rows, n, 2);
+            else if (nv - n == 1) W_NAME(dw_tile)(duq, ldd, vq, p->ldv, dmq, p->T, rows, n, 1);
+        }
+    for (int c = 0; c < C; c++) W_NAME(dw_out)(dwt + (size_t)c * 9 * ldd, ldd, du + (size_t)c * ldd, ldu, add);
 }

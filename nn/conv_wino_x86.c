@@ -21,6 +21,8 @@
 #define W_SUB(a, b) _mm256_sub_ps((a), (b))
 #define W_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define W_SET1(x) _mm256_set1_ps(x)
+#define W_MUL(a, b) _mm256_mul_ps((a), (b))
+#define W_NEG(a) _mm256_xor_ps((a), _mm256_set1_ps(-0.0f))
 /* lanes [0, n) */
 #define W_MASK_DECL(mk, n) \
     const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
@@ -48,6 +50,11 @@ void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float
     wino256_forward(p, y, ldy, x, ldx, wp, rows, channels, add, scratch);
 }
 
+void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                       bool add, float *scratch) {
+    wino256_dw(p, dwt, dpt, x, ldx, C, OC, add, scratch);
+}
+
 #undef WV
 #undef WL
 #undef WRB
@@ -60,6 +67,8 @@ void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float
 #undef W_SUB
 #undef W_FMA
 #undef W_SET1
+#undef W_MUL
+#undef W_NEG
 #undef W_MASK_DECL
 #undef W_MASK_LOAD
 #undef W_MASK_STORE
@@ -81,6 +90,8 @@ void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float
 #define W_SUB(a, b) _mm512_sub_ps((a), (b))
 #define W_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define W_SET1(x) _mm512_set1_ps(x)
+#define W_MUL(a, b) _mm512_mul_ps((a), (b))
+#define W_NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000)))
 #define W_MASK_DECL(mk, n) const __mmask16 mk = (__mmask16)((1u << (n)) - 1u)
 #define W_MASK_LOAD(a, mk) _mm512_maskz_loadu_ps((mk), (a))
 #define W_MASK_STORE(a, mk, v) _mm512_mask_storeu_ps((a), (mk), (v))
@@ -106,6 +117,11 @@ void conv_wino_forward_avx512(const ConvWino *p, float *y, size_t ldy, const flo
     wino512_forward(p, y, ldy, x, ldx, wp, rows, channels, add, scratch);
 }
 
+void conv_wino_dw_avx512(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                         bool add, float *scratch) {
+    wino512_dw(p, dwt, dpt, x, ldx, C, OC, add, scratch);
+}
+
 #else /* not x86-64 gcc: conv_wino_fits never picks a vector level there (conv_taps_cpu is OFF) */
 
 void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
@@ -117,6 +133,16 @@ void conv_wino_forward_avx512(const ConvWino *p, float *y, size_t ldy, const flo
                               int rows, int channels, bool add, float *scratch) {
     (void)scratch;
     conv_wino_forward_ref(p, y, ldy, x, ldx, wp, rows, channels, add);
+}
+void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                       bool add, float *scratch) {
+    (void)scratch;
+    conv_wino_dw_ref(p, dwt, dpt, x, ldx, C, OC, add);
+}
+void conv_wino_dw_avx512(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
+                         bool add, float *scratch) {
+    (void)scratch;
+    conv_wino_dw_ref(p, dwt, dpt, x, ldx, C, OC, add);
 }
 
 #endif

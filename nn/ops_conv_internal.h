@@ -71,10 +71,12 @@ typedef struct {
     const float *taps_a;  /* the low-rank forward: A's rank rows packed, whose product A x goes to taps_u */
     float *taps_u;        /* (rank, N OH OW): the samples' planes side by side, as a chunk's dpre lies; or NULL */
     int taps_rank;
-    /* F(2x2, 3x3) (conv_wino.h) for the forward (wino_w) and the input gradient (wino_wt) in place of the taps'
-     * (taps_w, taps_wt then NULL), where conv_wino_fits; its scratch is the taps' padded image's */
+    /* F(2x2, 3x3) (conv_wino.h) where conv_wino_fits, or wino NULL: for the forward (wino_w) and the input
+     * gradient (wino_wt) in place of the taps' (taps_w, taps_wt then NULL), and for the weight gradient where
+     * wino_dw (conv_wino_dw_pays); its scratch is the taps' padded images' */
     const ConvWino *wino;
     const float *wino_w, *wino_wt;
+    bool wino_dw;
     int chunk;            /* samples per chunk of this pass if not c->chunk's (0) */
 } ConvJob;
 

@@ -17,11 +17,12 @@ bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, boo
     float *tables = tape_alloc(t, conv_taps_table_floats(d->H, d->W, conv_taps_lanes(level)) * sizeof(float));
     if (!p || !tables) return false;
     conv_taps_plan(p, level, d->C, d->OC, d->H, d->W, d->KH, d->KW, tables);
-    j->wino = NULL, j->wino_w = j->wino_wt = NULL;
-    if (conv_wino_fits(level, d->KH, d->KW, stride, padding, d->C, d->OC) && (fwd || dx)) {
+    j->wino = NULL, j->wino_w = j->wino_wt = NULL, j->wino_dw = false;
+    if (conv_wino_fits(level, d->KH, d->KW, stride, padding, d->C, d->OC)) {
         ConvWino *q = tape_alloc(t, sizeof *q);
         if (!q) return false;
         conv_wino_plan(q, level, d->H, d->W);
+        j->wino_dw = !fwd && conv_wino_dw_pays(q, d->C, d->OC); /* a backward pass's */
         float *w = NULL, *wt = NULL;
         if (fwd && !(w = tape_alloc(t, conv_wino_packed_floats(q, d->OC, d->C) * sizeof(float)))) return false;
         if (dx && !(wt = tape_alloc(t, conv_wino_packed_floats(q, d->C, d->OC) * sizeof(float)))) return false;
@@ -55,8 +56,9 @@ size_t conv_col_rows(const ConvJob *j, bool backward) {
         const size_t wino = conv_wino_scratch_floats(j->wino, d->C);
         need = wino > need ? wino : need;
     }
-    if (backward) {
-        const size_t dx = conv_taps_padded_floats(j->taps, d->OC, 1) + conv_taps_dpt_floats(j, d->OC);
+    if (backward) { /* past the chunk's padded inputs (or unused, under F(2x2, 3x3)'s weight gradient) */
+        size_t dx = conv_taps_padded_floats(j->taps, d->OC, 1) + conv_taps_dpt_floats(j, d->OC);
+        if (j->wino_dw) dx += conv_wino_dw_scratch_floats(j->wino, d->C, d->OC); /* after dpt */
         const size_t wino = j->wino_wt ? conv_wino_scratch_floats(j->wino, d->OC) : 0; /* over dpt, used before */
         need += wino > dx ? wino : dx;
     }
@@ -122,10 +124,14 @@ void conv_taps_backward_chunk(const ConvJob *j, float *dwt, float *col, const fl
     if (dwt) {
         const double t0 = gemm_stats_start();
         float *dpt = conv_taps_dpt(j, col);
-        conv_taps_pad_rows(p, col, conv_chunk_input(j, n0, nc), d->C, nc, x_sample, plane);
+        const float *xc = conv_chunk_input(j, n0, nc);
+        if (!j->wino_dw) conv_taps_pad_rows(p, col, xc, d->C, nc, x_sample, plane);
         for (int s = 0; s < nc; s++) { /* one sample's dp transposed at a time: it stays in cache for the sums */
             conv_taps_dp_t(p, j->taps_level, dpt, dp + (size_t)s * lds, ldc, 0, d->OC, 1);
-            conv_taps_dw(p, j->taps_level, dwt, dpt, col + (size_t)s * d->C * p->pplane, 1, add || s > 0);
+            if (j->wino_dw)
+                conv_wino_dw(j->wino, j->taps_level, dwt, dpt, xc + (size_t)s * x_sample, plane, d->C, d->OC,
+                             add || s > 0, dpt + conv_taps_dpt_floats(j, d->OC));
+            else conv_taps_dw(p, j->taps_level, dwt, dpt, col + (size_t)s * d->C * p->pplane, 1, add || s > 0);
         }
         gemm_stats_add(t0, nc * flops);
     }

@@ -1,7 +1,8 @@
 /* test_conv_wino.c - the nn_conv_wino suite: the 3x3 stride-1 convolution as Winograd's F(2x2, 3x3)
  * (nn/conv_wino.h). Its vector kernels give the plain C definition's bits on every level the CPU has (a visible
  * skip for each it lacks), written and added, touching nothing outside the output planes; the definition agrees
- * with direct double-precision loops for the forward and the input gradient (the flipped, transposed pack); and
+ * with direct double-precision loops for the forward, the input gradient (the flipped, transposed pack) and the
+ * weight gradient; and
  * nn_conv2d_fused gives the same outputs and gradients with it as without it (the taps kernels, conv_taps.h),
  * within the tolerances of test_conv_taps.c. */
 #include <math.h>
@@ -95,6 +96,87 @@ static void test_wino_kernels_match_ref_bits(void) {
     }
 }
 
+/* dpt (H W, ldd) = k's output gradient for R channels transposed, zeros past R (as conv_taps_dp_t makes it). */
+static float *grad_t(const WinoCase *k, uint64_t seed) {
+    const size_t ldd = conv_taps_oc_pad(k->R);
+    float *dp = test_random_uniform(plane(k) * k->R, seed, -1.0f, 1.0f), *dpt = malloc(plane(k) * ldd * sizeof(float));
+    for (size_t q = 0; q < plane(k); q++)
+        for (size_t r = 0; r < ldd; r++) dpt[q * ldd + r] = r < (size_t)k->R ? dp[r * plane(k) + q] : 0.0f;
+    free(dp);
+    return dpt;
+}
+
+/* The weight gradient of case k (C channels in, R out) at level into dwt (C 9, conv_taps_oc_pad(R)); vector false:
+ * the definition. */
+static void wino_dw_run(const WinoCase *k, ConvTapsLevel level, bool vector, bool add, const float *x,
+                        const float *dpt, float *dwt) {
+    ConvWino p;
+    conv_wino_plan(&p, level, k->H, k->W);
+    float *scratch = malloc(conv_wino_dw_scratch_floats(&p, k->C, k->R) * sizeof(float));
+    if (vector) conv_wino_dw(&p, level, dwt, dpt, x, ldx(k, false), k->C, k->R, add, scratch);
+    else conv_wino_dw_ref(&p, dwt, dpt, x, ldx(k, false), k->C, k->R, add);
+    free(scratch);
+}
+
+/* The weight gradient's vector kernels give the definition's bits, written (NaN before) and added, in every
+ * column (those past R: sums of zeros). */
+static void test_wino_dw_kernels_match_ref_bits(void) {
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip("conv_wino %s weight gradient: this CPU has no %s", conv_taps_level_name(level),
+                      level == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+            continue;
+        }
+        for (size_t i = 0; i < N_CASES; i++)
+            for (int add = 0; add < 2; add++) {
+                const WinoCase *k = &cases[i];
+                const size_t nw = (size_t)k->C * 9 * conv_taps_oc_pad(k->R);
+                float *x = test_random_uniform(planes_floats(k, k->C, ldx(k, false)), 31 + i, -1.0f, 1.0f);
+                float *dpt = grad_t(k, 32 + i);
+                float *dw = malloc(nw * sizeof(float)), *dw_ref = malloc(nw * sizeof(float));
+                for (size_t n = 0; n < nw; n++) dw[n] = dw_ref[n] = add ? 0.25f * (float)((n * 37) % 17) - 2.0f : NAN;
+                wino_dw_run(k, level, true, add, x, dpt, dw);
+                wino_dw_run(k, level, false, add, x, dpt, dw_ref);
+                const bool same = memcmp(dw, dw_ref, nw * sizeof(float)) == 0;
+                if (!same) print_case(add ? "weight gradient, added" : "weight gradient", k, level);
+                CU_ASSERT(same);
+                free(x), free(dpt), free(dw), free(dw_ref);
+            }
+    }
+}
+
+/* The weight gradient's definition against direct loops in double, dw[r][c][kh][kw] = the sum over the plane of
+ * dp[r](h, w) x[c](h + kh - 1, w + kw - 1), within 2e-7 per product. */
+static void test_wino_dw_ref_matches_direct(void) {
+    for (size_t i = 0; i < N_CASES; i++) {
+        const WinoCase *k = &cases[i];
+        const size_t ldd = conv_taps_oc_pad(k->R), nw = (size_t)k->C * 9 * ldd, lx = ldx(k, false);
+        float *x = test_random_uniform(planes_floats(k, k->C, lx), 41 + i, -1.0f, 1.0f);
+        float *dpt = grad_t(k, 42 + i);
+        float *dw = malloc(nw * sizeof(float)), *dw_dir = malloc(nw * sizeof(float));
+        wino_dw_run(k, CONV_TAPS_OFF, false, false, x, dpt, dw);
+        for (int c = 0; c < k->C; c++)
+            for (int t = 0; t < 9; t++)
+                for (size_t r = 0; r < ldd; r++) {
+                    double s = 0.0;
+                    for (int h = 0; h < k->H; h++)
+                        for (int w = 0; w < k->W; w++) {
+                            const int hh = h + t / 3 - 1, ww = w + t % 3 - 1;
+                            if (hh < 0 || ww < 0 || hh >= k->H || ww >= k->W) continue;
+                            s += (double)dpt[((size_t)h * k->W + w) * ldd + r] *
+                                 x[(size_t)c * lx + (size_t)hh * k->W + ww];
+                        }
+                    dw_dir[((size_t)c * 9 + t) * ldd + r] = (float)s;
+                }
+        const double worst = test_close_ratio(dw, dw_dir, nw, 2e-7 * (double)plane(k) + 1e-7, 0.0, NULL);
+        if (worst > 1.0) print_case("weight gradient vs direct", k, CONV_TAPS_OFF);
+        CU_ASSERT(worst <= 1.0);
+        free(x), free(dpt), free(dw), free(dw_dir);
+    }
+}
+
 /* The definition against direct loops in double: the forward y[r] = sum over c, (kh, kw) of w[r][c][kh][kw]
  * x[c](h + kh - 1, w + kw - 1), and the input gradient dx[c] = sum over r, (kh, kw) of w[r][c][kh][kw] dp[r](h -
  * kh + 1, w - kw + 1), within 2e-7 per summed term (inputs in [-1, 1]; F(2x2, 3x3) rounds its transforms too). */
@@ -185,12 +267,14 @@ static void op_out_free(OpOut *o) { free(o->y), free(o->dx), free(o->dw), free(o
 
 /* Forward and every gradient with F(2x2, 3x3) equal the taps kernels' (without it) within test_conv_taps.c's
  * tolerances (2e-6 per summed term), for the plain conv, relu and relu + pool epilogues, at each level the CPU
- * has: ResNet-8's middle stage, an odd plane with rows off the blocks, and a 28x28 pooled layer over 9 channels. */
+ * has: ResNet-8's middle stage, an odd plane with rows off the blocks, a 28x28 pooled layer over 9 channels, and
+ * 32 to 33 channels on 14x14, whose weight gradient takes it at 16 lanes too (conv_wino_dw_pays). */
 static void test_wino_op_matches_taps(void) {
     static const struct {
         int N;
         WinoCase k;
-    } op_cases[] = {{3, {16, 16, 14, 14, 0, 0}}, {2, {8, 12, 9, 7, 0, 0}}, {5, {9, 8, 28, 28, 0, 0}}};
+    } op_cases[] = {{3, {16, 16, 14, 14, 0, 0}}, {2, {8, 12, 9, 7, 0, 0}}, {5, {9, 8, 28, 28, 0, 0}},
+                    {2, {32, 33, 14, 14, 0, 0}}};
     static const ConvEpilogue epis[] = {CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
     static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
     for (size_t li = 0; li < 2; li++) {
@@ -204,6 +288,9 @@ static void test_wino_op_matches_taps(void) {
             for (size_t ei = 0; ei < 3; ei++) {
                 const WinoCase *k = &op_cases[i].k;
                 CU_ASSERT(conv_wino_fits(level, 3, 3, 1, 1, k->C, k->R));
+                ConvWino plan;
+                conv_wino_plan(&plan, level, k->H, k->W);
+                const bool dw_too = conv_wino_dw_pays(&plan, k->C, k->R);
                 OpOut a = {0}, b = {0};
                 if (!run_op(op_cases[i].N, k, epis[ei], level, true, &a) ||
                     !run_op(op_cases[i].N, k, epis[ei], level, false, &b)) {
@@ -222,13 +309,25 @@ static void test_wino_op_matches_taps(void) {
                 CU_ASSERT(worst <= 1.0);
                 /* and it ran: the sums' rounding differs from the taps' */
                 CU_ASSERT(memcmp(a.y, b.y, a.ny * sizeof(float)) != 0);
+                if (dw_too) CU_ASSERT(memcmp(a.dw, b.dw, a.nw * sizeof(float)) != 0);
                 op_out_free(&a), op_out_free(&b);
             }
     }
 }
 
-/* Which convolutions take it: 3x3, stride 1, padding 1, a vector level, at least 8 channels each way, enabled. */
+/* Which convolutions take it: 3x3, stride 1, padding 1, a vector level, at least 8 channels each way, enabled;
+ * and which weight gradients (every one at 8 lanes; at 16, 32 tiles or more and C OC >= 1024). */
 static void test_wino_fits(void) {
+    ConvWino p;
+    conv_wino_plan(&p, CONV_TAPS_AVX2, 7, 7);
+    CU_ASSERT(conv_wino_dw_pays(&p, 8, 8));
+    conv_wino_plan(&p, CONV_TAPS_AVX512, 7, 7);
+    CU_ASSERT_FALSE(conv_wino_dw_pays(&p, 64, 64));
+    conv_wino_plan(&p, CONV_TAPS_AVX512, 14, 14);
+    CU_ASSERT(conv_wino_dw_pays(&p, 32, 32));
+    CU_ASSERT_FALSE(conv_wino_dw_pays(&p, 16, 63));
+    conv_wino_plan(&p, CONV_TAPS_AVX512, 28, 28);
+    CU_ASSERT_FALSE(conv_wino_dw_pays(&p, 16, 16));
     CU_ASSERT(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 8, 8));
     CU_ASSERT(conv_wino_fits(CONV_TAPS_AVX512, 3, 3, 1, 1, 64, 16));
     CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_OFF, 3, 3, 1, 1, 16, 16));
@@ -271,6 +370,8 @@ int register_nn_conv_wino_suite(void) {
     } tests[] = {
         {"vector kernels give the definition's bits, written and added", test_wino_kernels_match_ref_bits},
         {"the definition matches direct loops (forward, input gradient)", test_wino_ref_matches_direct},
+        {"weight gradient: vector kernels give the definition's bits", test_wino_dw_kernels_match_ref_bits},
+        {"weight gradient: the definition matches direct loops", test_wino_dw_ref_matches_direct},
         {"conv2d with it matches the taps kernels (every gradient, each epilogue)", test_wino_op_matches_taps},
         {"which convolutions take it", test_wino_fits},
         {"QTRAIN_CONV_WINOGRAD's values", test_wino_select},
