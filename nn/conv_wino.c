@@ -215,3 +215,10 @@ void conv_wino_forward(const ConvWino *p, ConvTapsLevel level, float *y, size_t 
     else if (level == CONV_TAPS_AVX2) conv_wino_forward_avx2(p, y, ldy, x, ldx, wp, rows, channels, add, scratch);
     else conv_wino_forward_ref(p, y, ldy, x, ldx, wp, rows, channels, add);
 }
+
+void conv_wino_forward_again(const ConvWino *p, ConvTapsLevel level, float *y, size_t ldy, const float *x,
+                             size_t ldx, const float *wp, int rows, int channels, bool add, float *scratch) {
+    if (level == CONV_TAPS_AVX512) conv_wino_products_avx512(p, y, ldy, wp, rows, channels, add, scratch);
+    else if (level == CONV_TAPS_AVX2) conv_wino_products_avx2(p, y, ldy, wp, rows, channels, add, scratch);
+    else conv_wino_forward_ref(p, y, ldy, x, ldx, wp, rows, channels, add);
+}

@@ -74,6 +74,11 @@ void conv_wino_forward(const ConvWino *p, ConvTapsLevel level, float *y, size_t 
                        const float *wp, int rows, int channels, bool add, float *scratch);
 void conv_wino_forward_ref(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
                            int rows, int channels, bool add);
+/* conv_wino_forward of the same x with other weights (a low-rank term's A: A x beside the conv's output), the
+ * vector kernels reusing x's transform, which the last conv_wino_forward on this scratch with as many channels left
+ * there (the definition computes it again). */
+void conv_wino_forward_again(const ConvWino *p, ConvTapsLevel level, float *y, size_t ldy, const float *x,
+                             size_t ldx, const float *wp, int rows, int channels, bool add, float *scratch);
 
 /* The weight gradient of one image, the same tiles the other way: with v its input's transform as above and dm
  * the transform of each tile's 2x2 output gradient d (0 outside the plane), down each column r0 = d0,
@@ -100,6 +105,10 @@ void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float
                             int rows, int channels, bool add, float *scratch);
 void conv_wino_forward_avx512(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
                               int rows, int channels, bool add, float *scratch);
+void conv_wino_products_avx2(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                             bool add, float *scratch);
+void conv_wino_products_avx512(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                               bool add, float *scratch);
 void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
                        bool add, float *scratch);
 void conv_wino_dw_avx512(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,

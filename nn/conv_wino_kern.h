@@ -168,13 +168,14 @@ W_TARGET static bool W_NAME(inputs)(const ConvWino *p, float *s, float *v, const
     return false;
 }
 
-W_TARGET void W_NAME(forward)(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
-                              int rows, int channels, bool add, float *scratch) {
+/* y = the products of wp with the transform v in scratch, and the output transform; narrow: v was made at the
+ * narrower width, whose output transform then serves too. */
+W_TARGET static void W_NAME(products)(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows,
+                                      int channels, bool add, float *scratch, bool narrow) {
     const size_t ldq = conv_wino_stride((size_t)channels * p->ldv);
-    float *s = scratch, *v = s + (size_t)channels * p->splane, *m = v + 16 * ldq;
+    float *v = scratch + (size_t)channels * p->splane, *m = v + 16 * ldq;
     for (int q = 0; q < 16; q++) /* lanes past the products' vectors, read by the last output vectors */
         for (int r = 0; r < WRB; r++) W_STOREU(m + q * p->ldm + (size_t)r * p->ldv + p->tv * WL, W_ZERO());
-    const bool narrow = W_NAME(inputs)(p, s, v, x, ldx, channels);
     (void)narrow;
     const size_t blocks = (size_t)(rows + WRB - 1) / WRB, per_q = blocks * channels * WRB;
     const size_t ldc = p->ldv;
@@ -194,6 +195,23 @@ W_TARGET void W_NAME(forward)(const ConvWino *p, float *y, size_t ldy, const flo
 #endif
             W_NAME(output)(p, y + b * WRB * ldy, ldy, m, rb, add);
     }
+}
+
+W_TARGET void W_NAME(forward)(const ConvWino *p, float *y, size_t ldy, const float *x, size_t ldx, const float *wp,
+                              int rows, int channels, bool add, float *scratch) {
+    const bool narrow = W_NAME(inputs)(p, scratch, scratch + (size_t)channels * p->splane, x, ldx, channels);
+    W_NAME(products)(p, y, ldy, wp, rows, channels, add, scratch, narrow);
+}
+
+/* W_NAME(products) of the transform a W_NAME(forward) left in scratch. */
+W_TARGET void W_NAME(again)(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                            bool add, float *scratch) {
+#ifdef W_NARROW
+    const bool narrow = p->TW <= WL / 2; /* as W_NAME(inputs) chose */
+#else
+    const bool narrow = false;
+#endif
+    W_NAME(products)(p, y, ldy, wp, rows, channels, add, scratch, narrow);
 }
 
 /* ---- the weight gradient (conv_wino_dw) ---- */

@@ -50,6 +50,11 @@ void conv_wino_forward_avx2(const ConvWino *p, float *y, size_t ldy, const float
     wino256_forward(p, y, ldy, x, ldx, wp, rows, channels, add, scratch);
 }
 
+void conv_wino_products_avx2(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                             bool add, float *scratch) {
+    wino256_again(p, y, ldy, wp, rows, channels, add, scratch);
+}
+
 void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
                        bool add, float *scratch) {
     wino256_dw(p, dwt, dpt, x, ldx, C, OC, add, scratch);
@@ -117,6 +122,11 @@ void conv_wino_forward_avx512(const ConvWino *p, float *y, size_t ldy, const flo
     wino512_forward(p, y, ldy, x, ldx, wp, rows, channels, add, scratch);
 }
 
+void conv_wino_products_avx512(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                               bool add, float *scratch) {
+    wino512_again(p, y, ldy, wp, rows, channels, add, scratch);
+}
+
 void conv_wino_dw_avx512(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
                          bool add, float *scratch) {
     wino512_dw(p, dwt, dpt, x, ldx, C, OC, add, scratch);
@@ -133,6 +143,14 @@ void conv_wino_forward_avx512(const ConvWino *p, float *y, size_t ldy, const flo
                               int rows, int channels, bool add, float *scratch) {
     (void)scratch;
     conv_wino_forward_ref(p, y, ldy, x, ldx, wp, rows, channels, add);
+}
+void conv_wino_products_avx2(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                             bool add, float *scratch) {
+    (void)p, (void)y, (void)ldy, (void)wp, (void)rows, (void)channels, (void)add, (void)scratch;
+}
+void conv_wino_products_avx512(const ConvWino *p, float *y, size_t ldy, const float *wp, int rows, int channels,
+                               bool add, float *scratch) {
+    (void)p, (void)y, (void)ldy, (void)wp, (void)rows, (void)channels, (void)add, (void)scratch;
 }
 void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const float *x, size_t ldx, int C, int OC,
                        bool add, float *scratch) {

@@ -76,6 +76,7 @@ typedef struct {
      * wino_dw (conv_wino_dw_pays); its scratch is the taps' padded images' */
     const ConvWino *wino;
     const float *wino_w, *wino_wt;
+    const float *wino_a; /* the low-rank forward's A (rank rows) where F(2x2, 3x3) takes it, else taps_a's */
     bool wino_dw;
     int chunk;            /* samples per chunk of this pass if not c->chunk's (0) */
 } ConvJob;

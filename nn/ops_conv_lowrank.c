@@ -424,11 +424,15 @@ Var *conv2d_lowrank_with_grad(Tape *t, Var *x, Var *w, Var *bias, const ConvLowR
                          .lc = lc};
     /* the forward through the taps where the plain conv's runs there (B = 0: the base's output bit for bit) */
     if (!conv_taps_setup(t, &lj.job, stride, padding, true, false)) return NULL;
-    if (lj.job.taps && lc->u) {
-        float *a = tape_alloc(t, conv_taps_packed_floats(lj.job.taps, rank, d.C) * sizeof *a);
+    if (lj.job.taps && lc->u) { /* A x with the output: through F(2x2, 3x3) too where it takes A */
+        const float *wa = lc->w_merged + (size_t)d.OC * lc->ldw;
+        const bool wino = lj.job.wino_w && conv_wino_fits(lj.job.taps_level, d.KH, d.KW, stride, padding, d.C, rank);
+        float *a = tape_alloc(t, (wino ? conv_wino_packed_floats(lj.job.wino, rank, d.C)
+                                       : conv_taps_packed_floats(lj.job.taps, rank, d.C)) * sizeof *a);
         if (!a) return NULL;
-        conv_taps_pack(lj.job.taps, a, lc->w_merged + (size_t)d.OC * lc->ldw, lc->ldw, rank);
-        lj.job.taps_a = a, lj.job.taps_u = lc->u, lj.job.taps_rank = rank;
+        if (wino) conv_wino_pack(lj.job.wino, a, wa, lc->ldw, rank, d.C), lj.job.wino_a = a;
+        else conv_taps_pack(lj.job.taps, a, wa, lc->ldw, rank), lj.job.taps_a = a;
+        lj.job.taps_u = lc->u, lj.job.taps_rank = rank;
     }
     if (!conv_scratch(t, &lj.job, conv_col_rows(&lj.job, false), (size_t)d.OC + (lc->u ? (size_t)rank : 0), 0))
         return NULL;

@@ -17,7 +17,7 @@ bool conv_taps_setup(Tape *t, ConvJob *j, int stride, int padding, bool fwd, boo
     float *tables = tape_alloc(t, conv_taps_table_floats(d->H, d->W, conv_taps_lanes(level)) * sizeof(float));
     if (!p || !tables) return false;
     conv_taps_plan(p, level, d->C, d->OC, d->H, d->W, d->KH, d->KW, tables);
-    j->wino = NULL, j->wino_w = j->wino_wt = NULL, j->wino_dw = false;
+    j->wino = NULL, j->wino_w = j->wino_wt = j->wino_a = NULL, j->wino_dw = false;
     if (conv_wino_fits(level, d->KH, d->KW, stride, padding, d->C, d->OC)) {
         ConvWino *q = tape_alloc(t, sizeof *q);
         if (!q) return false;
@@ -74,16 +74,20 @@ void conv_taps_forward_chunk(const ConvJob *j, float *prod, size_t ldc, size_t l
     for (int s = 0; s < nc; s++) { /* col: one padded image, or F(2x2, 3x3)'s scratch */
         const double t0 = gemm_stats_start();
         const float *xs = xc + (size_t)s * d->C * plane;
-        if (j->wino_w)
-            conv_wino_forward(j->wino, j->taps_level, prod + (size_t)s * lds, ldc, xs, plane, j->wino_w, d->OC, d->C,
-                              false, col);
-        if (!j->wino_w || j->taps_u) conv_taps_pad(j->taps, col, xs, d->C, 1, 0, plane);
-        if (!j->wino_w)
-            conv_taps_forward(j->taps, j->taps_level, prod + (size_t)s * lds, ldc, col, j->taps_w, d->OC, d->C,
-                              false);
-        if (j->taps_u) /* a second product, not rank more rows: B = 0 gives the base's output bit for bit */
-            conv_taps_forward(j->taps, j->taps_level, j->taps_u + (size_t)(n0 + s) * plane, (size_t)d->N * plane,
-                              col, j->taps_a, j->taps_rank, d->C, false);
+        float *u = j->taps_u ? j->taps_u + (size_t)(n0 + s) * plane : NULL, *ps = prod + (size_t)s * lds;
+        const size_t ldu = (size_t)d->N * plane;
+        /* A x: a second product, not rank more rows: B = 0 gives the base's output bit for bit */
+        if (j->wino_w) {
+            conv_wino_forward(j->wino, j->taps_level, ps, ldc, xs, plane, j->wino_w, d->OC, d->C, false, col);
+            if (u && j->wino_a)
+                conv_wino_forward_again(j->wino, j->taps_level, u, ldu, xs, plane, j->wino_a, j->taps_rank, d->C,
+                                        false, col);
+        }
+        if (!j->wino_w || (u && !j->wino_a)) { /* the taps' products, on the padded image */
+            conv_taps_pad(j->taps, col, xs, d->C, 1, 0, plane);
+            if (!j->wino_w) conv_taps_forward(j->taps, j->taps_level, ps, ldc, col, j->taps_w, d->OC, d->C, false);
+            if (u) conv_taps_forward(j->taps, j->taps_level, u, ldu, col, j->taps_a, j->taps_rank, d->C, false);
+        }
         gemm_stats_add(t0, 2.0 * rows * conv_ckk(d) * (double)plane);
     }
 }

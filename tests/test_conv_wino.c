@@ -96,6 +96,44 @@ static void test_wino_kernels_match_ref_bits(void) {
     }
 }
 
+/* conv_wino_forward_again: a second product of the same input (the low-rank term's A x), from the transform the
+ * forward left in the scratch, gives the definition's bits, as written after a forward with other weights. */
+static void test_wino_again_matches_ref_bits(void) {
+    static const ConvTapsLevel levels[] = {CONV_TAPS_AVX2, CONV_TAPS_AVX512};
+    for (size_t li = 0; li < 2; li++) {
+        const ConvTapsLevel level = levels[li];
+        if (conv_taps_cpu() < level) {
+            test_skip("conv_wino %s second product: this CPU has no %s", conv_taps_level_name(level),
+                      level == CONV_TAPS_AVX512 ? "AVX-512F" : "AVX2 with FMA");
+            continue;
+        }
+        for (size_t i = 0; i < N_CASES; i++) {
+            const WinoCase *k = &cases[i];
+            const int rows2 = k->R > 9 ? 9 : k->R; /* a rank's rows */
+            ConvWino p;
+            conv_wino_plan(&p, level, k->H, k->W);
+            const size_t ly = ldy(k, false), ny = planes_floats(k, k->R, ly), ny2 = planes_floats(k, rows2, ly);
+            float *x = test_random_uniform(planes_floats(k, k->C, ldx(k, false)), 51 + i, -1.0f, 1.0f);
+            float *w = test_random_uniform((size_t)k->R * k->C * 9, 52 + i, -1.0f, 1.0f);
+            float *w2 = test_random_uniform((size_t)rows2 * k->C * 9, 53 + i, -1.0f, 1.0f);
+            float *wp = malloc(conv_wino_packed_floats(&p, k->R, k->C) * sizeof(float));
+            float *wp2 = malloc(conv_wino_packed_floats(&p, rows2, k->C) * sizeof(float));
+            float *scratch = malloc(conv_wino_scratch_floats(&p, k->C) * sizeof(float));
+            float *y = malloc(ny * sizeof(float)), *y2 = malloc(ny2 * sizeof(float)), *y2_ref = malloc(ny2 * 4);
+            conv_wino_pack(&p, wp, w, k->C * 9, k->R, k->C);
+            conv_wino_pack(&p, wp2, w2, k->C * 9, rows2, k->C);
+            fill_y(y2, k, rows2, ly, false), fill_y(y2_ref, k, rows2, ly, false);
+            conv_wino_forward(&p, level, y, ly, x, ldx(k, false), wp, k->R, k->C, false, scratch);
+            conv_wino_forward_again(&p, level, y2, ly, x, ldx(k, false), wp2, rows2, k->C, false, scratch);
+            conv_wino_forward_ref(&p, y2_ref, ly, x, ldx(k, false), wp2, rows2, k->C, false);
+            const bool same = memcmp(y2, y2_ref, ny2 * sizeof(float)) == 0;
+            if (!same) print_case("second product", k, level);
+            CU_ASSERT(same);
+            free(x), free(w), free(w2), free(wp), free(wp2), free(scratch), free(y), free(y2), free(y2_ref);
+        }
+    }
+}
+
 /* dpt (H W, ldd) = k's output gradient for R channels transposed, zeros past R (as conv_taps_dp_t makes it). */
 static float *grad_t(const WinoCase *k, uint64_t seed) {
     const size_t ldd = conv_taps_oc_pad(k->R);
@@ -370,6 +408,7 @@ int register_nn_conv_wino_suite(void) {
     } tests[] = {
         {"vector kernels give the definition's bits, written and added", test_wino_kernels_match_ref_bits},
         {"the definition matches direct loops (forward, input gradient)", test_wino_ref_matches_direct},
+        {"a second product of the same input gives the definition's bits", test_wino_again_matches_ref_bits},
         {"weight gradient: vector kernels give the definition's bits", test_wino_dw_kernels_match_ref_bits},
         {"weight gradient: the definition matches direct loops", test_wino_dw_ref_matches_direct},
         {"conv2d with it matches the taps kernels (every gradient, each epilogue)", test_wino_op_matches_taps},
