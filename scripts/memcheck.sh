@@ -111,6 +111,9 @@ run mlp-eval eval --checkpoint "$tmp/tiny-mlp/final.h5"
 # clipping; it writes the inflated IDX cache, from which the next run reads
 # its images batch by batch (data.storage auto = file).
 train cnn tiny-cnn --set train.eval_every=2 --set "data.cache_dir=$tmp/cache"
+# A residual block with batch norm, whose 8-channel 3x3 convs run as F(2x2, 3x3) (forward, input and weight
+# gradients).
+train res tiny-res
 # The float CNN the quantized runs start from.
 train base tiny-base --set "data.cache_dir=$tmp/cache"
 # nf4 (+ double quantization) base with LoRA adapters on two threads, then the merge.
