@@ -27,6 +27,7 @@
 #include "fqt_internal.h"
 #include "qarray_plan.h"
 #include "qgemm.h"
+#include "qwino.h"
 
 /* The integer GEMM's sums stay inside int32 for fan_in below 2^17 (|code product| <= 2^14). */
 #define FQT_INT_FAN_IN_MAX (1 << 17)
@@ -572,6 +573,10 @@ typedef struct {
     float *pre;           /* [threads][OH*OW], fused epilogues */
     int tile;
     int split;            /* shares of the output channels per image: > 1 when the images are fewer than threads */
+    /* the integer F(2x2, 3x3) (qwino.h) in place of qgemm_s8_nn where it takes the conv (split 1), or NULL */
+    const QWino *wino;
+    const int32_t *wino_w; /* its packed weights */
+    uint8_t *wino_scratch; /* [threads][qwino_scratch_bytes] */
 } NnJob;
 
 /* The dW chunk [*c0, *c1) that holds row a: tiles start at multiples of tile, chunks at multiples of
@@ -597,7 +602,10 @@ static void nn_image_part(const void *ctx, int lo, int hi) {
         int o_lo, o_hi;
         parallel_range(c->out, u % j->split, j->split, &o_lo, &o_hi);
         if (o_lo >= o_hi) continue;
-        for (int a = n * P; a < (n + 1) * P;) { /* the image's columns, chunk by chunk */
+        if (j->wino) /* the same sums from the image's codes as they lie */
+            qwino_forward(j->wino, acc, (size_t)P, c->xb + (size_t)n * c->cg.C * c->cg.H * c->cg.W, j->wino_w, c->out,
+                          j->wino_scratch + (size_t)th * qwino_scratch_bytes(j->wino));
+        for (int a = n * P; !j->wino && a < (n + 1) * P;) { /* the image's columns, chunk by chunk */
             int c0, c1;
             chunk_of(a, rows, j->tile, &c0, &c1);
             const int b = c1 < (n + 1) * P ? c1 : (n + 1) * P, L = c1 - c0;
@@ -639,6 +647,16 @@ static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *
     c->xt = xt;
     j.split = c->cg.N >= threads ? 1 : (threads + c->cg.N - 1) / c->cg.N;
     if (j.split > out) j.split = out;
+    const FqtConvGeom *g = &c->cg;
+    if (j.split == 1 && qwino_fits(g->C, out, g->KH, g->KW, g->stride, g->padding)) {
+        QWino *p = tape_alloc(t, sizeof *p);
+        if (!p) return false;
+        qwino_plan(p, g->C, g->H, g->W);
+        int32_t *wp = tape_alloc(t, qwino_packed_words(p, out) * sizeof *wp);
+        if (!wp || !(j.wino_scratch = tape_alloc(t, (size_t)threads * qwino_scratch_bytes(p)))) return false;
+        qwino_pack(p, wp, wc, out);
+        j.wino = p, j.wino_w = wp;
+    }
     fqt_shares_run(c->cg.N * j.split, (size_t)rows * out * K >> 3, nn_image_part, &j);
     return true;
 }

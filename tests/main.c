@@ -69,6 +69,7 @@
     X(quant_qat_bn_runs) \
     X(quant_qt)   \
     X(quant_qt_kern) \
+    X(quant_qwino) \
     X(quant_int8) \
     X(quant_int8_dw) \
     X(quant_int8_dw_rows) \

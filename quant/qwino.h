@@ -1,0 +1,57 @@
+/* qwino.h - the int8 3x3 "same" stride-1 convolution as F(2x2, 3x3) in integers: the exact sums of code products
+ * that QT's forward (quant/fqt.c) takes from qgemm_s8_nn, with 2.25x fewer multiply-adds. For the AVX2 family
+ * (no VNNI), whose int8 products are vpmaddwd's 16 a instruction either way; VNNI's vpdpbusd takes 64 direct
+ * products an instruction, which F(2x2, 3x3) on 16-bit operands (vpdpwssd, 32) does not beat.
+ *
+ * Integers make it exact. With d a 4x4 window of codes (|d| <= 128) and g a 3x3 kernel of codes (|g| <= 128):
+ * - v = B^T d B sums 4 codes with signs: |v| <= 512, an int16;
+ * - u = (2G) g (2G)^T, 2G = [2 0 0; 1 1 1; 1 -1 1; 0 0 2], sums 9 codes with weights of at most 3 x 3: |u| <= 1152,
+ *   an int16; u is 4 times Winograd's G g G^T, so no halves;
+ * - m[p] = the sum over channels of u[p] v[p]: vpmaddwd takes channel pairs (int16 pairs in int32 lanes);
+ *   |m| <= C 589824;
+ * - y4 = A^T m A sums 9 m with signs: |y4| <= 9 C 589824 < 2^31 for C <= QWINO_C_MAX; y4 is 4 times the direct
+ *   sum (the transforms' identity holds over the integers), so y = y4 / 4 exactly: the bits of qgemm_s8_nn.
+ * The transforms are those of nn/conv_wino.h (input: h0 = d0 - d2, h1 = d1 + d2, h2 = d2 - d1, h3 = d1 - d3
+ * along rows, then columns; output: s0 = m0 + m1 + m2, s1 = m1 - m2 - m3 down columns, then along rows). */
+#ifndef QTRAIN_QUANT_QWINO_H
+#define QTRAIN_QUANT_QWINO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define QWINO_C_MAX 404 /* 9 C 512 1152 < 2^31 */
+
+
+typedef struct {
+    int C, H, W;    /* input channels, plane (in = out) */
+    int TH, TW, T;  /* tile rows, tile columns, tiles */
+    int tv;         /* vectors of 8 tiles: ceil(T / 8) */
+    size_t ldv;     /* int32 between two channels' (or pairs') transformed inputs: (tv + 1) 8 */
+    int ew;         /* int32 of a split row's even (or odd) half: (TW + 1) rounded up to 8, + 8 */
+    size_t splane;  /* int32 of one channel's split padded plane: (2 TH + 2) rows of 2 ew */
+} QWino;
+
+/* Whether QT's conv of this geometry takes it: 3x3, stride 1, padding 1, 8 <= C <= QWINO_C_MAX, at least 4
+ * output channels, the AVX2 family running (qgemm_isa), and conv_wino_enabled (QTRAIN_CONV_WINOGRAD). */
+bool qwino_fits(int C, int out, int KH, int KW, int stride, int padding);
+void qwino_plan(QWino *p, int C, int H, int W);
+
+/* int32 of packed weights for out rows: [16][ceil(out / 4)][ceil(C / 2)][4], each an int16 pair of u. */
+size_t qwino_packed_words(const QWino *p, int out);
+/* The weights w (out, C 9) codes, row-major (c, kh, kw) as qgemm_s8_nn's a. */
+void qwino_pack(const QWino *p, int32_t *dst, const int8_t *w, int out);
+
+/* Bytes of qwino_forward's scratch. */
+size_t qwino_scratch_bytes(const QWino *p);
+/* acc (out, H W), row stride ldc, = the convolution's sums of x (C, H, W) codes with the packed weights: what
+ * qgemm_s8_nn writes for w times the image's X^T. */
+void qwino_forward(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
+                   void *scratch);
+/* The definition, tile by tile in scalar integers. */
+void qwino_forward_ref(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out);
+/* qwino_avx2.c: the AVX2 kernel (the portable definition where there is none). */
+void qwino_forward_avx2(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
+                        void *scratch);
+
+#endif

@@ -1,0 +1,136 @@
+/* test_qwino.c - the quant_qwino suite: the int8 3x3 stride-1 convolution as F(2x2, 3x3) in integers
+ * (quant/qwino.h). Its definition and its AVX2 kernel (a visible skip without AVX2) give exactly the direct sums of
+ * code products, those qgemm_s8_nn gives QT's forward: on planes from 1x1 to 28x28 and 17x33, 8 to 64 channels
+ * (odd counts: a last pair with one channel), 4 to 64 output rows off the blocks of 4, codes over the whole int8
+ * range and at its ends (-128, 127) up to QWINO_C_MAX channels, an output row stride past the plane whose gap
+ * floats are left alone, and the input's last row read without a byte past it. Also which convs take it. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/rng.h"
+#include "nn/conv_wino.h"
+#include "quant/qgemm.h"
+#include "quant/qwino.h"
+#include "test_util.h"
+
+typedef struct {
+    int C, out, H, W;
+} QwCase;
+
+static const QwCase cases[] = {
+    {8, 4, 1, 1},   {8, 4, 2, 2},    {9, 5, 5, 13},  {16, 16, 28, 28}, {32, 64, 14, 14}, {64, 64, 7, 7},
+    {33, 7, 3, 1},  {8, 9, 17, 33},  {12, 4, 1, 40}, {11, 13, 30, 30}, {10, 6, 16, 16},  {8, 8, 18, 18},
+};
+
+/* Codes drawn over [-128, 127]; extreme: every code -128 or 127 (the largest sums of each sign). */
+static int8_t *codes(size_t n, uint64_t seed, bool extreme) {
+    int8_t *c = malloc(n ? n : 1);
+    uint32_t *u = malloc((n ? n : 1) * sizeof *u);
+    Rng r;
+    rng_init(&r, seed, 0);
+    rng_fill_u32(&r, u, n);
+    for (size_t i = 0; i < n; i++) c[i] = extreme ? (u[i] & 1 ? 127 : -128) : (int8_t)(u[i] & 0xff);
+    free(u);
+    return c;
+}
+
+/* acc (out, ldc) = the direct sums, in int64 (an overflow of the int32 forms would show). */
+static void direct(int64_t *acc, size_t ldc, const QwCase *k, const int8_t *x, const int8_t *w) {
+    for (int r = 0; r < k->out; r++)
+        for (int h = 0; h < k->H; h++)
+            for (int c0 = 0; c0 < k->W; c0++) {
+                int64_t s = 0;
+                for (int c = 0; c < k->C; c++)
+                    for (int t = 0; t < 9; t++) {
+                        const int hh = h + t / 3 - 1, ww = c0 + t % 3 - 1;
+                        if (hh >= 0 && ww >= 0 && hh < k->H && ww < k->W)
+                            s += (int64_t)w[((size_t)r * k->C + c) * 9 + t] * x[((size_t)c * k->H + hh) * k->W + ww];
+                    }
+                acc[(size_t)r * ldc + (size_t)h * k->W + c0] = s;
+            }
+}
+
+/* Whether acc (int32) holds the direct sums in every output float, and the sentinel in every gap. */
+static bool holds(const int32_t *acc, const int64_t *want, const QwCase *k, size_t ldc) {
+    for (int r = 0; r < k->out; r++)
+        for (size_t i = 0; i < ldc; i++) {
+            const size_t at = (size_t)r * ldc + i;
+            if (i < (size_t)k->H * k->W ? acc[at] != want[at] : acc[at] != 0x5a5a5a5a) return false;
+        }
+    return true;
+}
+
+static void check_case(const QwCase *k, bool extreme, uint64_t seed, bool vector) {
+    QWino p;
+    qwino_plan(&p, k->C, k->H, k->W);
+    const size_t plane = (size_t)k->H * k->W, ldc = plane + 3, nx = (size_t)k->C * plane;
+    int8_t *x = codes(nx, seed, extreme), *w = codes((size_t)k->out * k->C * 9, seed + 1, extreme);
+    int32_t *wp = malloc(qwino_packed_words(&p, k->out) * sizeof *wp);
+    int32_t *acc = malloc((size_t)k->out * ldc * sizeof *acc);
+    int64_t *want = malloc((size_t)k->out * ldc * sizeof *want);
+    void *scratch = malloc(qwino_scratch_bytes(&p));
+    memset(acc, 0x5a, (size_t)k->out * ldc * sizeof *acc);
+    qwino_pack(&p, wp, w, k->out);
+    if (vector) qwino_forward_avx2(&p, acc, ldc, x, wp, k->out, scratch);
+    else qwino_forward_ref(&p, acc, ldc, x, wp, k->out);
+    direct(want, ldc, k, x, w);
+    const bool ok = holds(acc, want, k, ldc);
+    if (!ok)
+        fprintf(stderr, "\n  %s%s: C=%d out=%d %dx%d", vector ? "avx2" : "definition", extreme ? ", extreme codes" : "",
+                k->C, k->out, k->H, k->W);
+    CU_ASSERT(ok);
+    free(x), free(w), free(wp), free(acc), free(want), free(scratch);
+}
+
+/* The definition and the AVX2 kernel give the direct sums. */
+static void test_qwino_exact(void) {
+    const bool avx2 = qgemm_cpu_has_isa(QGEMM_ISA_AVX2);
+    if (!avx2) test_skip("qwino avx2 kernel: this CPU has no AVX2 with FMA");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        for (int extreme = 0; extreme < 2; extreme++)
+            for (int vector = 0; vector <= (int)avx2; vector++) check_case(&cases[i], extreme, 60 + i, vector);
+    /* the longest exact sums: QWINO_C_MAX channels of extreme codes */
+    const QwCase big = {QWINO_C_MAX, 5, 4, 6};
+    for (int vector = 0; vector <= (int)avx2; vector++) check_case(&big, true, 99, vector);
+}
+
+/* QT's convs take it on the AVX2 family only, 3x3 at stride 1 with padding 1, 8 to QWINO_C_MAX channels, 4 or
+ * more outputs, with QTRAIN_CONV_WINOGRAD on. */
+static void test_qwino_fits(void) {
+    if (!qgemm_cpu_has_isa(QGEMM_ISA_AVX2)) {
+        test_skip("qwino_fits at the avx2 family: this CPU has no AVX2 with FMA");
+        return;
+    }
+    qgemm_force_isa = QGEMM_ISA_AVX2;
+    CU_ASSERT(qwino_fits(8, 4, 3, 3, 1, 1));
+    CU_ASSERT(qwino_fits(QWINO_C_MAX, 64, 3, 3, 1, 1));
+    CU_ASSERT_FALSE(qwino_fits(QWINO_C_MAX + 1, 64, 3, 3, 1, 1));
+    CU_ASSERT_FALSE(qwino_fits(7, 64, 3, 3, 1, 1));
+    CU_ASSERT_FALSE(qwino_fits(16, 3, 3, 3, 1, 1));
+    CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 2, 1));
+    CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 1, 0));
+    CU_ASSERT_FALSE(qwino_fits(16, 16, 5, 5, 1, 2));
+    conv_wino_enabled = false;
+    CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 1, 1));
+    conv_wino_enabled = true;
+    qgemm_force_isa = -1;
+    static const QGemmIsa others[] = {QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AMX};
+    for (size_t i = 0; i < 3; i++) {
+        if (!qgemm_cpu_has_isa(others[i])) continue;
+        qgemm_force_isa = (int)others[i];
+        CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 1, 1));
+    }
+    qgemm_force_isa = -1;
+    qgemm_force_portable = true;
+    CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 1, 1));
+    qgemm_force_portable = false;
+}
+
+int register_quant_qwino_suite(void) {
+    CU_pSuite s = CU_add_suite("quant_qwino", NULL, NULL);
+    if (!s) return -1;
+    return !CU_add_test(s, "the definition and the AVX2 kernel give the direct sums", test_qwino_exact) ||
+                   !CU_add_test(s, "which convs take it", test_qwino_fits)
+               ? -1
+               : 0;
+}
