@@ -284,8 +284,8 @@ static void bench_print_header(const Bench *b, FILE *out) {
             gemm_get_threads(), net_params_trainable(&r->model.net), net_params_frozen(&r->model.net),
             r->plan.total_steps, net_int8_kernel(&r->model.net));
     fprintf(out, "bench:blas core:%s threads:%d conv_kernel:%s conv_winograd:%s qt_kernel:%s\n", gemm_blas_core(),
-            gemm_get_threads(), conv_taps_level_name(conv_taps_level()),
-            conv_wino_enabled && conv_taps_level() != CONV_TAPS_OFF ? "on" : "off", fqt_kern_name());
+            gemm_get_threads(), conv_taps_level_name(conv_taps_level()), conv_wino_enabled ? "on" : "off",
+            fqt_kern_name());
     fflush(out);
 }
 

@@ -321,9 +321,10 @@ static void conv_lowrank_backward(Tape *t, const TapeNode *node) {
         lj.da_part = conv_partials(t, A, tasks, conv_da_part_floats(lc));
         lj.dbb_part = conv_partials(t, B, tasks, (size_t)d->OC * lc->rank);
     }
-    if (!tape_ok(t) || !conv_taps_setup(t, &lj.job, lc->conv.stride, lc->conv.padding, false, lj.job.dx != NULL) ||
-        !conv_lowrank_scratch(t, &lj))
+    if (!tape_ok(t) || !conv_taps_setup(t, &lj.job, lc->conv.stride, lc->conv.padding, false, lj.job.dx != NULL))
         return;
+    if (lj.da_part || lj.dbb_part) lj.job.wino_dw = false; /* conv_lowrank_backward_taps: the taps' weight gradients */
+    if (!conv_lowrank_scratch(t, &lj)) return;
     if (lj.da_part || lj.dbb_part) {
         parallel_run(tasks, conv_lowrank_backward_task, &lj);
     } else {

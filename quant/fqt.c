@@ -629,7 +629,8 @@ static void nn_image_part(const void *ctx, int lo, int hi) {
 
 /* The conv's product as W (out, fan_in) X^T (fan_in, rows): X^T gathered chunk by chunk (the weight gradient's
  * chunks, kept in c->xt for it), then image by image the integer sums, laid out (and the epilogue) as
- * forward_product does: the same values. */
+ * forward_product does: the same values. Where qwino takes the sums from the codes as they lie, X^T is gathered
+ * only for a backward. */
 static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *bias, Var *y) {
     const int rows = c->rows, out = c->out, K = c->fan_in, tile = fqt_grad_tile(c), P = c->cg.OH * c->cg.OW;
     const int threads = parallel_get_threads();
@@ -639,12 +640,6 @@ static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *
     j.acc = tape_alloc(t, (size_t)threads * out * P * sizeof *j.acc);
     if (c->epi != CONV_EPI_NONE) j.pre = tape_alloc(t, (size_t)threads * P * sizeof *j.pre);
     if (!xt || !j.acc || (c->epi != CONV_EPI_NONE && !j.pre)) return false;
-    for (int r0 = 0; r0 < rows;) {
-        const int r1 = fqt_dw_chunk_end(r0, rows, tile);
-        fqt_gather_xt(xt, c, r0, r1 - r0);
-        r0 = r1;
-    }
-    c->xt = xt;
     j.split = c->cg.N >= threads ? 1 : (threads + c->cg.N - 1) / c->cg.N;
     if (j.split > out) j.split = out;
     const FqtConvGeom *g = &c->cg;
@@ -657,6 +652,13 @@ static bool forward_product_xt(Tape *t, FqtCtx *c, const int8_t *wc, const Var *
         qwino_pack(p, wp, wc, out);
         j.wino = p, j.wino_w = wp;
     }
+    const bool gather = !j.wino || t->grad_enabled; /* X^T: qgemm_s8_nn's, and the weight gradient's */
+    for (int r0 = 0; gather && r0 < rows;) {
+        const int r1 = fqt_dw_chunk_end(r0, rows, tile);
+        fqt_gather_xt(xt, c, r0, r1 - r0);
+        r0 = r1;
+    }
+    c->xt = gather ? xt : NULL;
     fqt_shares_run(c->cg.N * j.split, (size_t)rows * out * K >> 3, nn_image_part, &j);
     return true;
 }

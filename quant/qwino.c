@@ -105,8 +105,11 @@ void qwino_forward_ref(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x
             }
 }
 
+unsigned long qwino_forward_calls;
+
 void qwino_forward(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
                    void *scratch) {
+    __atomic_fetch_add(&qwino_forward_calls, 1, __ATOMIC_RELAXED); /* the pool's threads call it */
     if (qgemm_isa() >= QGEMM_ISA_AVX2) qwino_forward_avx2(p, acc, ldc, x, wp, out, scratch);
     else qwino_forward_ref(p, acc, ldc, x, wp, out);
 }

@@ -48,6 +48,8 @@ size_t qwino_scratch_bytes(const QWino *p);
  * qgemm_s8_nn writes for w times the image's X^T. */
 void qwino_forward(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
                    void *scratch);
+/* Calls of qwino_forward so far (tests: that a path took it). */
+extern unsigned long qwino_forward_calls;
 /* The definition, tile by tile in scalar integers. */
 void qwino_forward_ref(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out);
 /* qwino_avx2.c: the AVX2 kernel (the portable definition where there is none). */

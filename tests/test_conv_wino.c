@@ -375,9 +375,10 @@ static void test_wino_fits(void) {
     CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 0, 16, 16));
     CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 7, 16));
     CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 16, 7));
+    const bool saved = conv_wino_enabled;
     conv_wino_enabled = false;
     CU_ASSERT_FALSE(conv_wino_fits(CONV_TAPS_AVX2, 3, 3, 1, 1, 16, 16));
-    conv_wino_enabled = true;
+    conv_wino_enabled = saved;
 }
 
 /* QTRAIN_CONV_WINOGRAD's values (conv_wino_select): on, off, auto and unset; another is an error naming them. */

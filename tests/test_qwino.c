@@ -2,8 +2,9 @@
  * (quant/qwino.h). Its definition and its AVX2 kernel (a visible skip without AVX2) give exactly the direct sums of
  * code products, those qgemm_s8_nn gives QT's forward: on planes from 1x1 to 28x28 and 17x33, 8 to 64 channels
  * (odd counts: a last pair with one channel), 4 to 64 output rows off the blocks of 4, codes over the whole int8
- * range and at its ends (-128, 127) up to QWINO_C_MAX channels, an output row stride past the plane whose gap
- * floats are left alone, and the input's last row read without a byte past it. Also which convs take it. */
+ * range and at its ends (-128, 127, random signs), QWINO_C_MAX channels (exact there; random signs keep the sums far
+ * from the int32 bound, which qwino.h derives), an output row stride past the plane whose gap floats are left
+ * alone, and the input's last row read without a byte past it. Also which convs take it. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,7 +90,7 @@ static void test_qwino_exact(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         for (int extreme = 0; extreme < 2; extreme++)
             for (int vector = 0; vector <= (int)avx2; vector++) check_case(&cases[i], extreme, 60 + i, vector);
-    /* the longest exact sums: QWINO_C_MAX channels of extreme codes */
+    /* QWINO_C_MAX channels of extreme codes (random signs: not the bound's worst case) */
     const QwCase big = {QWINO_C_MAX, 5, 4, 6};
     for (int vector = 0; vector <= (int)avx2; vector++) check_case(&big, true, 99, vector);
 }
@@ -110,9 +111,10 @@ static void test_qwino_fits(void) {
     CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 2, 1));
     CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 1, 0));
     CU_ASSERT_FALSE(qwino_fits(16, 16, 5, 5, 1, 2));
+    const bool saved = conv_wino_enabled;
     conv_wino_enabled = false;
     CU_ASSERT_FALSE(qwino_fits(16, 16, 3, 3, 1, 1));
-    conv_wino_enabled = true;
+    conv_wino_enabled = saved;
     qgemm_force_isa = -1;
     static const QGemmIsa others[] = {QGEMM_ISA_AVXVNNI, QGEMM_ISA_AVX512_VNNI, QGEMM_ISA_AMX};
     for (size_t i = 0; i < 3; i++) {
