@@ -277,7 +277,7 @@ static void int8_free(QLayerInt8 *p) {
     qgemm_packed_b_free(&p->dense);
     qgemm_packed_taps_free(&p->taps);
     qgemm_packed_dw_free(&p->dw);
-    free(p->w_scale);
+    free(p->w_scale), free(p->wino_w);
     free(p);
 }
 

@@ -2,10 +2,12 @@
  * task that builds its planes of codes (ch4, kw4, ph4 or cols, as qlayer_int8.c's opening comment describes), runs
  * the taps kernel with its epilogue, adds a residual, and hands its output off as codes or means (the kernel sums
  * the residual and makes the codes itself where its family does so in the epilogue: qgemm_taps_codes_direct). */
+#include <stdlib.h>
 #include <string.h>
 
 #include "nn/ops.h"
 #include "qlayer_int8_internal.h"
+#include "qwino.h"
 
 /* ---- conv2d ---------------------------------------------------------------------------------------------------- */
 
@@ -35,6 +37,9 @@ typedef struct {
     const float *res;  /* (N, OC, OH, OW) or NULL: summed into the output before res_relu */
     bool res_relu;
     uint8_t *work;     /* [pool threads * scratch] */
+    const QWino *wino; /* the floats through the integer F(2x2, 3x3) (qwino.h) in place of the taps kernel, or NULL */
+    const int32_t *wino_w;
+    size_t wino_at;    /* offset of its scratch in the thread's */
     uint8_t *bad;      /* [N] 1: an input value not finite; 2: an output value, handing off */
 } ConvJob;
 
@@ -272,12 +277,45 @@ static void conv_task(void *ctx, int n, int n_tasks) {
         g.codes = h ? &co : NULL, g.floats_too = j->keep;
         g.res = j->res ? j->res + (size_t)n * j->out_img : NULL, g.res_relu = j->res_relu;
     }
-    bool out_ok = qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    bool out_ok = true;
+    if (j->wino) { /* the same sums, so the same floats, from the padded planes (the AVX2 family: never direct) */
+        const QWinoCh4 a = {.planes = planes, .plane = j->plane, .Wp = j->Wp, .zero = j->ac.zero};
+        const QWinoFloats f = {.out = g.out, .ldo = g.ldo, .scale = g.scale, .bias = g.bias,
+                               .relu = g.epi != QGEMM_EPI_NONE, .pool = g.epi == QGEMM_EPI_RELU_POOL2};
+        qwino_floats(j->wino, &f, &a, j->wino_w, j->OC, codes + j->wino_at);
+    } else {
+        out_ok = qgemm_taps(&g, 0, g.w->row_blocks, 0, g.n_vec);
+    }
     if (!direct && j->res) add_residual(g.out, j->res + (size_t)n * j->out_img, j->out_img, j->res_relu);
     if (h && direct) qlayer_int8_handoff_tails(h, yc, j->OC, P);
     else if (h) out_ok = qlayer_int8_handoff_image(h, yc, g.out, j->OC, P);
     if (j->means) nn_plane_means(j->means + (size_t)n * j->OC, g.out, (size_t)j->OC, P);
     j->bad[n] = (uint8_t)((ok ? 0 : 1) | (out_ok ? 0 : 2));
+}
+
+/* The integer F(2x2, 3x3) where it takes the conv (qwino_u8_fits: the AVX2 family; ch4 planes), its weight's
+ * transform packed on first use (the forward runs on the calling thread). False: out of memory. */
+static bool conv_wino_setup(Tape *t, QLayer *q, ConvJob *j) {
+    const ConvShape *c = &j->c;
+    j->wino = NULL;
+    if (c->mode != CONV_CH4 || j->stride != 1 || j->OH != j->H || j->OW != j->W ||
+        !qwino_u8_fits(c->C, j->OC, c->KH, c->KW, j->stride, j->pad))
+        return true;
+    QWino *p = tape_alloc(t, sizeof *p);
+    if (!p) return false;
+    qwino_plan(p, c->C, j->H, j->W);
+    if (!q->int8->wino_w) {
+        int32_t *w = malloc(qwino_packed_words(p, j->OC) * sizeof *w);
+        if (!w) {
+            qt_error_set(&t->err, QT_ERR_NOMEM, "%s: out of memory packing the weight's transform for int8",
+                         q->module->path);
+            return false;
+        }
+        qwino_pack(p, w, (const int8_t *)q->weight.codes, j->OC);
+        q->int8->wino_w = w;
+    }
+    j->wino = p, j->wino_w = q->int8->wino_w;
+    return true;
 }
 
 /* Tap offsets, the output lanes of each vector and the scratch size. */
@@ -326,6 +364,8 @@ static bool conv_plan(Tape *t, ConvJob *j) {
     }
     j->g.tap_off = off, j->g.vec_mask = mask, j->g.vec_pos = pos, j->g.n_vec = n_vec; /* g.w is set */
     j->scratch = j->wide_at + (qgemm_taps_act_wide_bytes(&j->g) + 63) / 64 * 64;
+    j->wino_at = j->scratch;
+    if (j->wino) j->scratch += (qwino_scratch_bytes(j->wino) + 63) / 64 * 64;
     j->work = tape_alloc(t, (size_t)parallel_get_threads() * j->scratch);
     return j->work != NULL;
 }
@@ -361,7 +401,7 @@ Var *qlayer_int8_conv_fused(Tape *t, QLayer *q, Var *x, Var *bias, int OH, int O
     if (y && !hand && means && !(y->means = j.means = tape_alloc(t, (size_t)j.N * q->out * sizeof *j.means)))
         return NULL;
     j.g.w = &q->int8->taps;
-    if (!y || !scale || !conv_plan(t, &j)) return NULL;
+    if (!y || !scale || !conv_wino_setup(t, q, &j) || !conv_plan(t, &j)) return NULL;
     j.g.a_zero = j.ac.zero, j.g.out = y->value.data, j.g.ldo = (size_t)YH * YW;
     j.g.scale = scale, j.g.bias = bias ? bias->value.data : NULL;
     j.g.pitch = j.pitch, j.g.pool_h = YH, j.g.pool_w = YW;

@@ -17,6 +17,8 @@ struct QLayerInt8 {
     QGemmPackedTaps taps;  /* conv2d: the weight as (OC, taps) dwords, taps as conv_shape orders them */
     QGemmPackedDw dw;      /* depthwise conv2d (qlayer_int8_conv_is_dw): the weight (OC, 1, KH, KW) */
     float *w_scale;        /* [out] the weight's scale of each output channel */
+    int32_t *wino_w;       /* conv2d through F(2x2, 3x3) (qwino.h): the weight's transform, packed on first use; or
+                            * NULL */
 };
 
 /* How a plain conv2d's codes are laid out for the taps kernel (qlayer_int8.c's opening comment): ch4, 4 channels of

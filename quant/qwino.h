@@ -1,5 +1,6 @@
 /* qwino.h - the int8 3x3 "same" stride-1 convolution as F(2x2, 3x3) in integers: the exact sums of code products
- * that QT's forward (quant/fqt.c) takes from qgemm_s8_nn, with 2.25x fewer multiply-adds. For the AVX2 family
+ * that QT's forward (quant/fqt.c) takes from qgemm_s8_nn and PTQ's int8 conv (quant/qlayer_int8_conv.c) from the
+ * taps kernel, with 2.25x fewer multiply-adds. For the AVX2 family
  * (no VNNI), whose int8 products are vpmaddwd's 16 a instruction either way; VNNI's vpdpbusd takes 64 direct
  * products an instruction, which F(2x2, 3x3) on 16-bit operands (vpdpwssd, 32) does not beat.
  *
@@ -48,8 +49,39 @@ size_t qwino_scratch_bytes(const QWino *p);
  * qgemm_s8_nn writes for w times the image's X^T. */
 void qwino_forward(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
                    void *scratch);
-/* Calls of qwino_forward so far (tests: that a path took it). */
-extern unsigned long qwino_forward_calls;
+/* PTQ's int8 conv (quant/qlayer_int8_conv.c): uint8 codes with a zero point, so the sums are over code - zero in
+ * [-255, 255]: |v| <= 1020 (still an int16), and 9 C 1020 1152 < 2^31 for C <= QWINO_U8_C_MAX. */
+#define QWINO_U8_C_MAX 203
+
+/* The codes as PTQ's taps kernels read them: groups of 4 channels a dword (byte c % 4 of group c / 4), each group
+ * a plane of `plane` dwords holding the image padded by 1 (zero points around it) with rows Wp dwords apart. */
+typedef struct {
+    const uint32_t *planes;
+    size_t plane;
+    int Wp, zero;
+} QWinoCh4;
+
+/* The float outputs PTQ's taps kernels make of the sums: y = fmaf((float)sum, scale[r], bias ? bias[r] : 0),
+ * relu'd (max(y, 0): 0 for a NaN) if relu; out (out, ldo) (h W + w), or with pool the 2x2 maxima of the relu'd
+ * outputs (i (W / 2) + j for i < H / 2, j < W / 2: a tile is a window). */
+typedef struct {
+    float *out;
+    size_t ldo;
+    const float *scale, *bias;
+    bool relu, pool;
+} QWinoFloats;
+
+/* Whether PTQ's conv of this geometry takes it: as qwino_fits, with C <= QWINO_U8_C_MAX. */
+bool qwino_u8_fits(int C, int out, int KH, int KW, int stride, int padding);
+/* f's outputs of the conv of the ch4 codes a (their zero point subtracted) with the packed weights. */
+void qwino_floats(const QWino *p, const QWinoFloats *f, const QWinoCh4 *a, const int32_t *wp, int out,
+                  void *scratch);
+void qwino_floats_ref(const QWino *p, const QWinoFloats *f, const QWinoCh4 *a, const int32_t *wp, int out);
+void qwino_floats_avx2(const QWino *p, const QWinoFloats *f, const QWinoCh4 *a, const int32_t *wp, int out,
+                       void *scratch);
+
+/* Calls of qwino_forward and of qwino_floats so far (tests: that a path took it). */
+extern unsigned long qwino_forward_calls, qwino_floats_calls;
 /* The definition, tile by tile in scalar integers. */
 void qwino_forward_ref(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out);
 /* qwino_avx2.c: the AVX2 kernel (the portable definition where there is none). */

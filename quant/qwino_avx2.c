@@ -1,6 +1,6 @@
 /* qwino_avx2.c - the int8 F(2x2, 3x3)'s AVX2 kernel (qwino.h): 8 tiles of a tile row in a vector's int32 lanes,
  * as nn/conv_wino_kern.h holds floats. Per image: the codes split into even and odd padded columns (int32); each
- * channel's input transform (int32, exact); channel pairs packed into int16 pairs; per block of 4 output rows the
+ * channel pair's input transforms (int32, exact) packed into int16 pairs; per block of 4 output rows the
  * 16 products (4 rows by 3 vectors of tiles, vpmaddwd over the channel pairs), then the output transform and the
  * exact division by 4. The same sums as qwino_forward_ref, so the same bits. The passes stay out of line, each
  * its own line in a profile. */
@@ -14,7 +14,7 @@
 
 #include <immintrin.h>
 
-#define T256 __attribute__((target("avx2")))
+#define T256 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
 /* Row pr of channel c's split plane: E[j] = x(pr - 1, 2j - 1) at s, O[j] = x(pr - 1, 2j) at s + ew, 0 outside, for
@@ -59,57 +59,85 @@ T256 __attribute__((noinline)) static void qw_split(const QWino *p, int32_t *s, 
         }
 }
 
-/* Channel c's input transform into v32 [16][C][ldv] (tile t at t; lanes past a row: the next row's, written
- * after; past T: 0). */
-T256 __attribute__((noinline)) static void qw_input(const QWino *p, int32_t *v32, size_t ldq, const int32_t *sc,
-                                                    int c) {
-    const int ew = p->ew;
-    int32_t *vc = v32 + (size_t)c * p->ldv;
-    for (int i = 0; i < p->TH; i++) {
-        const int32_t *r0 = sc + (size_t)(2 * i) * 2 * ew;
-        for (int j = 0; j < p->TW; j += 8) {
-            __m256i h[4][4];
-#pragma GCC unroll 4
-            for (int a = 0; a < 4; a++) {
-                const int32_t *e = r0 + (size_t)a * 2 * ew + j, *o = e + ew;
-                const __m256i e0 = _mm256_loadu_si256((const __m256i *)e);
-                const __m256i e1 = _mm256_loadu_si256((const __m256i *)(e + 1));
-                const __m256i o0 = _mm256_loadu_si256((const __m256i *)o);
-                const __m256i o1 = _mm256_loadu_si256((const __m256i *)(o + 1));
-                h[a][0] = _mm256_sub_epi32(e0, e1), h[a][1] = _mm256_add_epi32(o0, e1);
-                h[a][2] = _mm256_sub_epi32(e1, o0), h[a][3] = _mm256_sub_epi32(o0, o1);
+/* qw_split from PTQ's ch4 planes (qwino.h): padded column k of padded row pr is byte c % 4 of the group's dword
+ * (pr, k) minus the zero point, 0 past the padded image (columns from W + 2, rows from H + 2), read under masks. */
+T256 __attribute__((noinline)) static void qw_split_ch4(const QWino *p, int32_t *s, const QWinoCh4 *a) {
+    const int ew = p->ew, jn = (p->TW + 7) / 8 * 8, cols = p->W + 2;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), zero = _mm256_set1_epi32(a->zero);
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    for (int c = 0; c < p->C; c++) {
+        const __m128i shift = _mm_cvtsi32_si128(8 * (c % 4));
+        for (int pr = 0; pr < 2 * p->TH + 2; pr++) {
+            int32_t *e = s + (size_t)c * p->splane + (size_t)pr * 2 * ew, *o = e + ew;
+            if (pr >= p->H + 2) {
+                for (int j = 0; j <= jn; j += 8) {
+                    _mm256_storeu_si256((__m256i *)(e + j), _mm256_setzero_si256());
+                    _mm256_storeu_si256((__m256i *)(o + j), _mm256_setzero_si256());
+                }
+                continue;
             }
-            int32_t *dst = vc + (size_t)i * p->TW + j;
-#pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) {
-                _mm256_storeu_si256((__m256i *)(dst + (0 + b) * ldq), _mm256_sub_epi32(h[0][b], h[2][b]));
-                _mm256_storeu_si256((__m256i *)(dst + (4 + b) * ldq), _mm256_add_epi32(h[1][b], h[2][b]));
-                _mm256_storeu_si256((__m256i *)(dst + (8 + b) * ldq), _mm256_sub_epi32(h[2][b], h[1][b]));
-                _mm256_storeu_si256((__m256i *)(dst + (12 + b) * ldq), _mm256_sub_epi32(h[1][b], h[3][b]));
+            const uint32_t *row = a->planes + (size_t)(c / 4) * a->plane + (size_t)pr * a->Wp;
+            for (int k = 0; k < 2 * jn + 2; k += 16) { /* padded columns k .. k + 15: E[k / 2 ..], O[k / 2 ..] */
+                __m256i v[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - k - 8 * h), lane);
+                    const __m256i d = _mm256_maskload_epi32((const int *)(row + k + 8 * h), in);
+                    v[h] = _mm256_and_si256(_mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(d, shift), byte), zero),
+                                            in);
+                }
+                const __m256 lo = _mm256_castsi256_ps(v[0]), hi = _mm256_castsi256_ps(v[1]);
+                const __m256 ev = _mm256_shuffle_ps(lo, hi, 0x88), od = _mm256_shuffle_ps(lo, hi, 0xdd);
+                _mm256_storeu_si256((__m256i *)(e + k / 2), _mm256_permute4x64_epi64(_mm256_castps_si256(ev), 0xd8));
+                _mm256_storeu_si256((__m256i *)(o + k / 2), _mm256_permute4x64_epi64(_mm256_castps_si256(od), 0xd8));
             }
         }
     }
-    for (int q = 0; q < 16; q++)
-        for (int t = p->T; t < p->tv * 8; t += 8)
-            _mm256_storeu_si256((__m256i *)(vc + q * ldq + t), _mm256_setzero_si256());
 }
 
-/* vp [16][C / 2][ldv] = channels 2k and 2k + 1 of v32 as int16 pairs (low, high); a last odd channel with 0. */
-T256 __attribute__((noinline)) static void qw_pairs(const QWino *p, int32_t *vp, size_t ldp, const int32_t *v32,
-                                                    size_t ldq) {
-    const int np = (p->C + 1) / 2;
-    for (int q = 0; q < 16; q++)
-        for (int k = 0; k < np; k++) {
-            const int32_t *lo = v32 + q * ldq + (size_t)(2 * k) * p->ldv, *hi = lo + p->ldv;
-            const bool has_hi = 2 * k + 1 < p->C;
-            int32_t *d = vp + q * ldp + (size_t)k * p->ldv;
-            for (int t = 0; t < p->tv * 8; t += 8) {
-                const __m256i l = _mm256_loadu_si256((const __m256i *)(lo + t));
-                const __m256i h = has_hi ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(hi + t)), 16)
-                                         : _mm256_setzero_si256();
-                _mm256_storeu_si256((__m256i *)(d + t), _mm256_blend_epi16(l, h, 0xaa));
+/* v[16] = the input transform of 8 tiles from tile (i, j) of the split plane sc: int32, exact. */
+T256 INLINE void qw_tiles(__m256i v[16], const QWino *p, const int32_t *sc, int i, int j) {
+    const int ew = p->ew;
+    const int32_t *r0 = sc + (size_t)(2 * i) * 2 * ew + j;
+    __m256i h[4][4];
+#pragma GCC unroll 4
+    for (int a = 0; a < 4; a++) {
+        const int32_t *e = r0 + (size_t)a * 2 * ew, *o = e + ew;
+        const __m256i e0 = _mm256_loadu_si256((const __m256i *)e), e1 = _mm256_loadu_si256((const __m256i *)(e + 1));
+        const __m256i o0 = _mm256_loadu_si256((const __m256i *)o), o1 = _mm256_loadu_si256((const __m256i *)(o + 1));
+        h[a][0] = _mm256_sub_epi32(e0, e1), h[a][1] = _mm256_add_epi32(o0, e1);
+        h[a][2] = _mm256_sub_epi32(e1, o0), h[a][3] = _mm256_sub_epi32(o0, o1);
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < 4; b++) {
+        v[0 + b] = _mm256_sub_epi32(h[0][b], h[2][b]), v[4 + b] = _mm256_add_epi32(h[1][b], h[2][b]);
+        v[8 + b] = _mm256_sub_epi32(h[2][b], h[1][b]), v[12 + b] = _mm256_sub_epi32(h[1][b], h[3][b]);
+    }
+}
+
+/* Channel pair k's input transforms (channels 2k, and 2k + 1 or zeros) as int16 pairs (low, high) into
+ * vp [16][ceil(C / 2)][ldv] (tile t at t; lanes past a row: the next row's, written after; past T: 0): the first
+ * channel's 8 tiles kept on the stack while the second's are made. */
+T256 __attribute__((noinline)) static void qw_input(const QWino *p, int32_t *vp, size_t ldp, const int32_t *s, int k) {
+    const int32_t *s0 = s + (size_t)(2 * k) * p->splane, *s1 = s0 + p->splane;
+    const bool second = 2 * k + 1 < p->C;
+    int32_t *vk = vp + (size_t)k * p->ldv;
+    _Alignas(32) int32_t lo[16][8];
+    for (int i = 0; i < p->TH; i++)
+        for (int j = 0; j < p->TW; j += 8) {
+            __m256i v[16];
+            qw_tiles(v, p, s0, i, j);
+            for (int q = 0; q < 16; q++) _mm256_store_si256((__m256i *)lo[q], v[q]);
+            if (second) qw_tiles(v, p, s1, i, j);
+            int32_t *dst = vk + (size_t)i * p->TW + j;
+            for (int q = 0; q < 16; q++) {
+                const __m256i hi = second ? _mm256_slli_epi32(v[q], 16) : _mm256_setzero_si256();
+                _mm256_storeu_si256((__m256i *)(dst + q * ldp),
+                                    _mm256_blend_epi16(_mm256_load_si256((const __m256i *)lo[q]), hi, 0xaa));
             }
         }
+    for (int q = 0; q < 16; q++)
+        for (int t = p->T; t < p->tv * 8; t += 8)
+            _mm256_storeu_si256((__m256i *)(vk + q * ldp + t), _mm256_setzero_si256());
 }
 
 /* m (4 rows ldv apart) tiles t0 .. t0 + NV - 1 vectors: the chains over the np pairs of vq (pairs ldv apart)
@@ -180,18 +208,75 @@ T256 __attribute__((noinline)) static void qw_output(const QWino *p, int32_t *ac
             }
 }
 
-T256 void qwino_forward_avx2(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
-                             void *scratch) {
+/* The output transform of rows [0, rows) of m (positions ldm apart, row r0 of the layer first) as PTQ's floats
+ * (qwino.h: QWinoFloats). */
+T256 __attribute__((noinline)) static void qw_output_f(const QWino *p, const QWinoFloats *f, int r0,
+                                                       const int32_t *m, size_t ldm, int rows) {
+    const int W = p->W, PH = p->H / 2, PW = p->W / 2;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < rows; r++) {
+        const __m256 sc = _mm256_set1_ps(f->scale[r0 + r]), bi = _mm256_set1_ps(f->bias ? f->bias[r0 + r] : 0.0f);
+        float *out = f->out + (size_t)(r0 + r) * f->ldo;
+        for (int i = 0; i < p->TH; i++) {
+            if (f->pool && i >= PH) break;
+            for (int j = 0; j < p->TW; j += 8) {
+                const int32_t *mt = m + (size_t)r * p->ldv + (size_t)i * p->TW + j;
+                __m256i s0[4], s1[4];
+#pragma GCC unroll 4
+                for (int b = 0; b < 4; b++) {
+                    const __m256i m0 = _mm256_loadu_si256((const __m256i *)(mt + (0 + b) * ldm));
+                    const __m256i m1 = _mm256_loadu_si256((const __m256i *)(mt + (4 + b) * ldm));
+                    const __m256i m2 = _mm256_loadu_si256((const __m256i *)(mt + (8 + b) * ldm));
+                    const __m256i m3 = _mm256_loadu_si256((const __m256i *)(mt + (12 + b) * ldm));
+                    s0[b] = _mm256_add_epi32(_mm256_add_epi32(m0, m1), m2);
+                    s1[b] = _mm256_sub_epi32(_mm256_sub_epi32(m1, m2), m3);
+                }
+                __m256 y[2][2]; /* [tile row][column parity], 8 tiles */
+                for (int a = 0; a < 2; a++) {
+                    const __m256i *s = a ? s1 : s0;
+                    const __m256i ev = _mm256_srai_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), s[2]), 2);
+                    const __m256i od = _mm256_srai_epi32(_mm256_sub_epi32(_mm256_sub_epi32(s[1], s[2]), s[3]), 2);
+                    y[a][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ev), sc, bi);
+                    y[a][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(od), sc, bi);
+                    if (f->relu) /* max(y, 0): 0 unless y > 0, a NaN included, as nn's relu */
+                        y[a][0] = _mm256_max_ps(y[a][0], _mm256_setzero_ps()),
+                        y[a][1] = _mm256_max_ps(y[a][1], _mm256_setzero_ps());
+                }
+                if (f->pool) { /* tile (i, j) is window (i, j): >= +0 and never NaN, so any order of the maxima */
+                    if (j >= PW) continue;
+                    const __m256 w = _mm256_max_ps(_mm256_max_ps(y[0][0], y[0][1]), _mm256_max_ps(y[1][0], y[1][1]));
+                    float *o = out + (size_t)i * PW + j;
+                    if (PW - j >= 8) _mm256_storeu_ps(o, w);
+                    else _mm256_maskstore_ps(o, _mm256_cmpgt_epi32(_mm256_set1_epi32(PW - j), lane), w);
+                    continue;
+                }
+                const int cols = W - 2 * j;
+                for (int a = 0; a < 2; a++) {
+                    if (2 * i + a >= p->H) break;
+                    const __m256 l = _mm256_unpacklo_ps(y[a][0], y[a][1]), h = _mm256_unpackhi_ps(y[a][0], y[a][1]);
+                    const __m256 lo = _mm256_permute2f128_ps(l, h, 0x20), hi = _mm256_permute2f128_ps(l, h, 0x31);
+                    float *o = out + (size_t)(2 * i + a) * W + 2 * j;
+                    if (cols >= 8) _mm256_storeu_ps(o, lo);
+                    else _mm256_maskstore_ps(o, _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane), lo);
+                    if (cols >= 16) _mm256_storeu_ps(o + 8, hi);
+                    else if (cols > 8)
+                        _mm256_maskstore_ps(o + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane), hi);
+                }
+            }
+        }
+    }
+}
+
+/* After a split into s: the transforms, the products and the output transform into acc (QT) or f (PTQ). */
+T256 static void qw_core(const QWino *p, int32_t *s, const int32_t *wp, int out, int32_t *acc, size_t ldc,
+                         const QWinoFloats *f) {
     const int np = (p->C + 1) / 2;
-    const size_t ldq = conv_wino_stride((size_t)p->C * p->ldv), ldp = conv_wino_stride((size_t)np * p->ldv);
-    const size_t ldm = conv_wino_stride(4 * p->ldv);
-    int32_t *s = scratch, *v32 = s + (size_t)p->C * p->splane, *vp = v32 + 16 * ldq, *m = vp + 16 * ldp;
+    const size_t ldp = conv_wino_stride((size_t)np * p->ldv), ldm = conv_wino_stride(4 * p->ldv);
+    int32_t *vp = s + (size_t)p->C * p->splane, *m = vp + 16 * ldp;
     for (int q = 0; q < 16; q++) /* lanes past the products' vectors, read by the last output vectors */
         for (int r = 0; r < 4; r++)
             _mm256_storeu_si256((__m256i *)(m + q * ldm + (size_t)r * p->ldv + p->tv * 8), _mm256_setzero_si256());
-    qw_split(p, s, x);
-    for (int c = 0; c < p->C; c++) qw_input(p, v32, ldq, s + (size_t)c * p->splane, c);
-    qw_pairs(p, vp, ldp, v32, ldq);
+    for (int k = 0; k < np; k++) qw_input(p, vp, ldp, s, k);
     const int blocks = (out + 3) / 4;
     const size_t per_q = (size_t)blocks * np * 4;
     for (int b = 0; b < blocks; b++) {
@@ -207,11 +292,30 @@ T256 void qwino_forward_avx2(const QWino *p, int32_t *acc, size_t ldc, const int
             }
         }
         const int rb = out - 4 * b < 4 ? out - 4 * b : 4;
-        qw_output(p, acc + (size_t)b * 4 * ldc, ldc, m, ldm, rb);
+        if (f) qw_output_f(p, f, 4 * b, m, ldm, rb);
+        else qw_output(p, acc + (size_t)b * 4 * ldc, ldc, m, ldm, rb);
     }
 }
 
+T256 void qwino_forward_avx2(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
+                             void *scratch) {
+    qw_split(p, scratch, x);
+    qw_core(p, scratch, wp, out, acc, ldc, NULL);
+}
+
+T256 void qwino_floats_avx2(const QWino *p, const QWinoFloats *f, const QWinoCh4 *a, const int32_t *wp, int out,
+                            void *scratch) {
+    qw_split_ch4(p, scratch, a);
+    qw_core(p, scratch, wp, out, NULL, 0, f);
+}
+
 #else
+
+void qwino_floats_avx2(const QWino *p, const QWinoFloats *f, const QWinoCh4 *a, const int32_t *wp, int out,
+                       void *scratch) {
+    (void)scratch;
+    qwino_floats_ref(p, f, a, wp, out);
+}
 
 void qwino_forward_avx2(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out,
                         void *scratch) {

@@ -17,6 +17,8 @@
 #include "quant/qgemm.h"
 #include "quant/qlayer.h"
 #include "quant/qlayer_int8.h"
+#include "quant/qwino.h"
+#include "nn/conv_wino.h"
 #include "test_int8.h"
 #include "test_qarray.h"
 #include "test_util.h"
@@ -361,6 +363,74 @@ static void test_fused_epilogues(void) {
     wide256_skips("fused relu and max pool epilogues");
 }
 
+/* On the AVX2 family a padded 3x3 stride-1 conv of 8 to QWINO_U8_C_MAX channels takes its sums from the integer
+ * F(2x2, 3x3) (quant/qwino.h; counted: once an image) instead of the taps kernel: the same sums, so every output
+ * bit (conv, relu, relu + 2x2 max pool, on odd planes whose pool drops a row and a column) on one and two threads,
+ * for each kind of input codes (int8 and uint8, with and without a zero point). */
+static void test_qwino_same_bits(void) {
+    if (!qgemm_cpu_has_isa(QGEMM_ISA_AVX2)) {
+        test_skip("PTQ conv through qwino: this CPU has no AVX2 with FMA");
+        return;
+    }
+    static const Geo QW[] = {
+        {"conv ch4 C9 9x13 (odd tiles)", 9, 9, 13, 7, 3, 1, 1},
+        {"conv2 of the CNN", 32, 14, 14, 64, 3, 1, 1},
+        {"ResNet-8 stage 3", 64, 7, 7, 64, 3, 1, 1},
+    };
+    static const ConvEpilogue EPI[] = {CONV_EPI_NONE, CONV_EPI_RELU, CONV_EPI_RELU_MAXPOOL2};
+    const bool saved = conv_wino_enabled;
+    uint64_t seed = 960;
+    for (size_t i = 0; i < sizeof QW / sizeof *QW; i++)
+        for (size_t a = 0; a < 4; a++) {
+            Model m;
+            model_for(&m, &QW[i], seed++);
+            Module *mod = &m.modules[0];
+            const int N = 3;
+            const size_t nx = input_numel(mod, N);
+            float *x = qa_normal_sample(seed++, nx);
+            for (size_t k = 0; k < nx; k++) x[k] += 0.3f;
+            QLayer q;
+            layer_for(&q, mod, a % 2 == 1, &ACTS[a]);
+            set_act_range(&q, x, nx);
+            qlayer_install(&q);
+            qgemm_force_isa = QGEMM_ISA_AVX2;
+            for (int th = 1; th <= 2; th++) {
+                gemm_set_threads(th);
+                qlayer_int8_parallel_min_macs = th > 1 ? 0.0 : 4e6;
+                for (int e = 0; e < 3; e++) {
+                    float *y[2] = {NULL, NULL};
+                    size_t ny[2] = {0, 0};
+                    for (int w = 0; w < 2; w++) {
+                        conv_wino_enabled = w;
+                        TestEnv env;
+                        test_env_init(&env, 1);
+                        env.tape.grad_enabled = false, env.tape.training = false;
+                        int xs[4] = {N, mod->in_shape[0], mod->in_shape[1], mod->in_shape[2]};
+                        const unsigned long calls = qwino_floats_calls;
+                        Var *out = mod->fused_hook(&env.tape, mod, test_var(&env, x, 4, xs, false), mod->hook_ctx,
+                                                   mod->bias ? &mod->bias->var : NULL, EPI[e]);
+                        CU_ASSERT_PTR_NOT_NULL_FATAL(out);
+                        CU_ASSERT_EQUAL(qwino_floats_calls - calls, w ? (unsigned long)N : 0ul);
+                        ny[w] = var_numel(out), y[w] = qa_alloc_floats(ny[w]);
+                        memcpy(y[w], out->value.data, ny[w] * sizeof(float));
+                        test_env_free(&env);
+                    }
+                    const bool same = ny[0] == ny[1] && !memcmp(y[0], y[1], ny[0] * sizeof(float));
+                    if (!same) fprintf(stderr, "\n  %s, act %s%s, epilogue %d, %d threads: qwino's outputs differ\n",
+                                       QW[i].name, ACTS[a].qtype, ACTS[a].symmetric ? "" : " asym", e, th);
+                    CU_ASSERT(same);
+                    free(y[0]), free(y[1]);
+                }
+            }
+            conv_wino_enabled = saved, qgemm_force_isa = -1;
+            gemm_set_threads(1);
+            qlayer_int8_parallel_min_macs = 4e6;
+            free(x);
+            qlayer_free(&q);
+            model_free(&m);
+        }
+}
+
 /* A model with both fused forms (conv -> relu -> maxpool, conv -> relu) in eval: model_forward equals its modules
  * run one by one (the int8 layers, then nn's relu and max pool), on both kernel families. */
 static void test_fused_model(void) {
@@ -663,5 +733,6 @@ int qlayer_int8_tests_add(CU_pSuite s) {
            !CU_add_test(s, "int8 forward errors", test_forward_errors) ||
            !CU_add_test(s, "int8 model steady state", test_model_steady_state) ||
            !CU_add_test(s, "int8 conv with relu and max pool folded in", test_fused_epilogues) ||
-           !CU_add_test(s, "int8 model with fused convolutions", test_fused_model);
+           !CU_add_test(s, "int8 model with fused convolutions", test_fused_model) ||
+           !CU_add_test(s, "AVX2 family: the integer F(2x2, 3x3) keeps every output bit", test_qwino_same_bits);
 }
