@@ -5,6 +5,7 @@
  * range and at its ends (-128, 127, random signs), QWINO_C_MAX channels (exact there; random signs keep the sums far
  * from the int32 bound, which qwino.h derives), an output row stride past the plane whose gap floats are left
  * alone, and the input's last row read without a byte past it. Also which convs take it. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,6 +96,83 @@ static void test_qwino_exact(void) {
     for (int vector = 0; vector <= (int)avx2; vector++) check_case(&big, true, 99, vector);
 }
 
+/* PTQ's form: ch4 planes of uint8 codes (rows Wp >= W + 2 dwords apart, a zero point around the image and in the
+ * columns past it, each group's plane exactly its rows) to floats with the taps kernels' epilogue. The AVX2 kernel
+ * gives the definition's bits, and the definition the direct sums through the same fmaf, relu and 2x2 max. */
+static void floats_case(const QwCase *k, int zero, int wide, QGemmEpi epi, uint64_t seed, bool vector) {
+    QWino p;
+    qwino_plan(&p, k->C, k->H, k->W);
+    const int Wp = k->W + 2 + wide, Hp = k->H + 2, groups = (k->C + 3) / 4;
+    const size_t plane = (size_t)Hp * Wp;
+    uint32_t *planes = malloc(groups * plane * sizeof *planes);
+    int8_t *noise = codes(groups * plane * 4, seed, false), *w = codes((size_t)k->out * k->C * 9, seed + 1, false);
+    for (size_t d = 0; d < groups * plane; d++) {
+        const int row = (int)(d % plane / (size_t)Wp), col = (int)(d % plane % (size_t)Wp);
+        const bool inside = row >= 1 && row <= k->H && col >= 1 && col <= k->W;
+        uint32_t v = 0;
+        for (int b = 0; b < 4; b++) {
+            const int c = (int)(d / plane) * 4 + b;
+            const uint8_t code = inside && c < k->C ? (uint8_t)noise[d * 4 + b] : (uint8_t)zero;
+            v |= (uint32_t)code << (8 * b);
+        }
+        planes[d] = v;
+    }
+    float *scale = malloc(k->out * sizeof *scale), *bias = malloc(k->out * sizeof *bias);
+    for (int r = 0; r < k->out; r++) scale[r] = 1e-3f * (float)(r + 1), bias[r] = 0.05f * (float)(r % 5) - 0.1f;
+    const bool pool = epi == QGEMM_EPI_RELU_POOL2;
+    const size_t ldo = pool ? (size_t)(k->H / 2) * (k->W / 2) : (size_t)k->H * k->W, ny = (size_t)k->out * ldo;
+    float *y = malloc((ny ? ny : 1) * sizeof *y), *want = malloc((ny ? ny : 1) * sizeof *want);
+    for (size_t i = 0; i < ny; i++) y[i] = NAN;
+    int32_t *wp = malloc(qwino_packed_words(&p, k->out) * sizeof *wp);
+    qwino_pack(&p, wp, w, k->out);
+    const QWinoCh4 a = {.planes = planes, .plane = plane, .Wp = Wp, .zero = zero};
+    const QWinoFloats f = {.out = y, .ldo = ldo, .scale = scale, .bias = bias, .relu = epi != QGEMM_EPI_NONE,
+                           .pool = pool};
+    void *scratch = malloc(qwino_scratch_bytes(&p));
+    if (vector) qwino_floats_avx2(&p, &f, &a, wp, k->out, scratch);
+    else qwino_floats_ref(&p, &f, &a, wp, k->out);
+    /* the direct sums through the epilogue */
+    for (int r = 0; r < k->out; r++)
+        for (int h = 0; h < k->H; h++)
+            for (int c0 = 0; c0 < k->W; c0++) {
+                int32_t sum = 0;
+                for (int c = 0; c < k->C; c++)
+                    for (int t = 0; t < 9; t++) {
+                        const uint32_t d = planes[(size_t)(c / 4) * plane + (size_t)(h + t / 3) * Wp + c0 + t % 3];
+                        sum += w[((size_t)r * k->C + c) * 9 + t] * ((int32_t)(d >> (8 * (c % 4)) & 0xff) - zero);
+                    }
+                float v = fmaf((float)sum, scale[r], bias[r]);
+                if (epi != QGEMM_EPI_NONE) v = v > 0.0f ? v : 0.0f;
+                if (!pool) {
+                    want[(size_t)r * ldo + (size_t)h * k->W + c0] = v;
+                } else if (h < k->H / 2 * 2 && c0 < k->W / 2 * 2) {
+                    float *o = want + (size_t)r * ldo + (size_t)(h / 2) * (k->W / 2) + c0 / 2;
+                    *o = h % 2 == 0 && c0 % 2 == 0 ? v : (v > *o ? v : *o);
+                }
+            }
+    const bool ok = ny == 0 || !memcmp(y, want, ny * sizeof *y);
+    if (!ok)
+        fprintf(stderr, "\n  %s floats: C=%d out=%d %dx%d zero %d, Wp + %d, epilogue %d",
+                vector ? "avx2" : "definition", k->C, k->out, k->H, k->W, zero, wide, (int)epi);
+    CU_ASSERT(ok);
+    free(planes), free(noise), free(w), free(scale), free(bias), free(y), free(want), free(wp), free(scratch);
+}
+
+static void test_qwino_floats(void) {
+    const bool avx2 = qgemm_cpu_has_isa(QGEMM_ISA_AVX2);
+    if (!avx2) test_skip("qwino avx2 floats: this CPU has no AVX2 with FMA");
+    static const QwCase fc[] = {{8, 4, 2, 2}, {9, 5, 5, 13}, {16, 16, 28, 28}, {32, 12, 14, 14},
+                                {12, 7, 7, 7}, {8, 9, 17, 33}, {10, 4, 1, 40}};
+    uint64_t seed = 700;
+    for (size_t i = 0; i < sizeof fc / sizeof *fc; i++)
+        for (int e = 0; e < 3; e++)
+            for (int vector = 0; vector <= (int)avx2; vector++)
+                floats_case(&fc[i], e == 1 ? 0 : 131, (int)(i % 3) * 5, (QGemmEpi)e, seed++, vector);
+    /* the longest exact sums: QWINO_U8_C_MAX channels */
+    const QwCase big = {QWINO_U8_C_MAX, 5, 4, 6};
+    for (int vector = 0; vector <= (int)avx2; vector++) floats_case(&big, 255, 3, QGEMM_EPI_NONE, 99, vector);
+}
+
 /* QT's convs take it on the AVX2 family only, 3x3 at stride 1 with padding 1, 8 to QWINO_C_MAX channels, 4 or
  * more outputs, with QTRAIN_CONV_WINOGRAD on. */
 static void test_qwino_fits(void) {
@@ -132,6 +210,7 @@ int register_quant_qwino_suite(void) {
     CU_pSuite s = CU_add_suite("quant_qwino", NULL, NULL);
     if (!s) return -1;
     return !CU_add_test(s, "the definition and the AVX2 kernel give the direct sums", test_qwino_exact) ||
+                   !CU_add_test(s, "PTQ's form: ch4 codes to the taps' floats, bit for bit", test_qwino_floats) ||
                    !CU_add_test(s, "which convs take it", test_qwino_fits)
                ? -1
                : 0;
