@@ -170,6 +170,27 @@ T256 INLINE void qw_gemm_tile(int32_t *m, size_t ldv, const int32_t *vq, const i
             if (n < NV) _mm256_storeu_si256((__m256i *)(m + (size_t)r * ldv + (size_t)(t0 + n) * 8), acc[r][n]);
 }
 
+/* y[a][b] = the sums of output (2i + a, 2j + b) of 8 tiles from their products mt (positions ldm apart): the
+ * output transform, then the exact division by 4. */
+T256 INLINE void qw_tile_sums(__m256i y[2][2], const int32_t *mt, size_t ldm) {
+    __m256i s0[4], s1[4];
+#pragma GCC unroll 4
+    for (int b = 0; b < 4; b++) {
+        const __m256i m0 = _mm256_loadu_si256((const __m256i *)(mt + (0 + b) * ldm));
+        const __m256i m1 = _mm256_loadu_si256((const __m256i *)(mt + (4 + b) * ldm));
+        const __m256i m2 = _mm256_loadu_si256((const __m256i *)(mt + (8 + b) * ldm));
+        const __m256i m3 = _mm256_loadu_si256((const __m256i *)(mt + (12 + b) * ldm));
+        s0[b] = _mm256_add_epi32(_mm256_add_epi32(m0, m1), m2);
+        s1[b] = _mm256_sub_epi32(_mm256_sub_epi32(m1, m2), m3);
+    }
+#pragma GCC unroll 2
+    for (int a = 0; a < 2; a++) {
+        const __m256i *s = a ? s1 : s0;
+        y[a][0] = _mm256_srai_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), s[2]), 2);
+        y[a][1] = _mm256_srai_epi32(_mm256_sub_epi32(_mm256_sub_epi32(s[1], s[2]), s[3]), 2);
+    }
+}
+
 /* The output transform of rows [0, rows) of m (positions ldm apart) into acc, divided by 4. */
 T256 __attribute__((noinline)) static void qw_output(const QWino *p, int32_t *acc, size_t ldc, const int32_t *m,
                                                      size_t ldm, int rows) {
@@ -178,24 +199,13 @@ T256 __attribute__((noinline)) static void qw_output(const QWino *p, int32_t *ac
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < p->TH; i++)
             for (int j = 0; j < p->TW; j += 8) {
-                const int32_t *mt = m + (size_t)r * p->ldv + (size_t)i * p->TW + j;
-                __m256i s0[4], s1[4];
-#pragma GCC unroll 4
-                for (int b = 0; b < 4; b++) {
-                    const __m256i m0 = _mm256_loadu_si256((const __m256i *)(mt + (0 + b) * ldm));
-                    const __m256i m1 = _mm256_loadu_si256((const __m256i *)(mt + (4 + b) * ldm));
-                    const __m256i m2 = _mm256_loadu_si256((const __m256i *)(mt + (8 + b) * ldm));
-                    const __m256i m3 = _mm256_loadu_si256((const __m256i *)(mt + (12 + b) * ldm));
-                    s0[b] = _mm256_add_epi32(_mm256_add_epi32(m0, m1), m2);
-                    s1[b] = _mm256_sub_epi32(_mm256_sub_epi32(m1, m2), m3);
-                }
+                __m256i y[2][2];
+                qw_tile_sums(y, m + (size_t)r * p->ldv + (size_t)i * p->TW + j, ldm);
                 const int cols = W - 2 * j;
                 for (int a = 0; a < 2; a++) {
                     if (2 * i + a >= p->H) break;
-                    const __m256i *s = a ? s1 : s0;
-                    const __m256i ev = _mm256_srai_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), s[2]), 2);
-                    const __m256i od = _mm256_srai_epi32(_mm256_sub_epi32(_mm256_sub_epi32(s[1], s[2]), s[3]), 2);
-                    const __m256i l = _mm256_unpacklo_epi32(ev, od), h = _mm256_unpackhi_epi32(ev, od);
+                    const __m256i l = _mm256_unpacklo_epi32(y[a][0], y[a][1]);
+                    const __m256i h = _mm256_unpackhi_epi32(y[a][0], y[a][1]);
                     const __m256i lo = _mm256_permute2x128_si256(l, h, 0x20);
                     const __m256i hi = _mm256_permute2x128_si256(l, h, 0x31);
                     int32_t *o = acc + (size_t)r * ldc + (size_t)(2 * i + a) * W + 2 * j;
@@ -220,24 +230,12 @@ T256 __attribute__((noinline)) static void qw_output_f(const QWino *p, const QWi
         for (int i = 0; i < p->TH; i++) {
             if (f->pool && i >= PH) break;
             for (int j = 0; j < p->TW; j += 8) {
-                const int32_t *mt = m + (size_t)r * p->ldv + (size_t)i * p->TW + j;
-                __m256i s0[4], s1[4];
-#pragma GCC unroll 4
-                for (int b = 0; b < 4; b++) {
-                    const __m256i m0 = _mm256_loadu_si256((const __m256i *)(mt + (0 + b) * ldm));
-                    const __m256i m1 = _mm256_loadu_si256((const __m256i *)(mt + (4 + b) * ldm));
-                    const __m256i m2 = _mm256_loadu_si256((const __m256i *)(mt + (8 + b) * ldm));
-                    const __m256i m3 = _mm256_loadu_si256((const __m256i *)(mt + (12 + b) * ldm));
-                    s0[b] = _mm256_add_epi32(_mm256_add_epi32(m0, m1), m2);
-                    s1[b] = _mm256_sub_epi32(_mm256_sub_epi32(m1, m2), m3);
-                }
+                __m256i sum[2][2];
+                qw_tile_sums(sum, m + (size_t)r * p->ldv + (size_t)i * p->TW + j, ldm);
                 __m256 y[2][2]; /* [tile row][column parity], 8 tiles */
                 for (int a = 0; a < 2; a++) {
-                    const __m256i *s = a ? s1 : s0;
-                    const __m256i ev = _mm256_srai_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), s[2]), 2);
-                    const __m256i od = _mm256_srai_epi32(_mm256_sub_epi32(_mm256_sub_epi32(s[1], s[2]), s[3]), 2);
-                    y[a][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ev), sc, bi);
-                    y[a][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(od), sc, bi);
+                    y[a][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[a][0]), sc, bi);
+                    y[a][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[a][1]), sc, bi);
                     if (f->relu) /* max(y, 0): 0 unless y > 0, a NaN included, as nn's relu */
                         y[a][0] = _mm256_max_ps(y[a][0], _mm256_setzero_ps()),
                         y[a][1] = _mm256_max_ps(y[a][1], _mm256_setzero_ps());
