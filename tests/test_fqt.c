@@ -15,10 +15,6 @@
 #include "quant/qat.h"
 #include "quant/fqt.h"
 #include "quant/fqt_kern.h"
-#include "quant/qgemm.h"
-#include "quant/qwino.h"
-#include "nn/conv_taps.h"
-#include "nn/conv_wino.h"
 #include "test_qarray.h"
 #include "test_qat.h"
 #include "test_fqt.h"
@@ -97,6 +93,17 @@ void fqtest_run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun
 /* The fused hook against the layer and the separate ops (test_fused_epilogue): dy drawn as run_qt's. */
 static void run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, bool fused, bool x_grad, QtestRun *r) {
     run_layer(q, x, N, NULL, epi, fused, x_grad, r);
+}
+
+void fqtest_run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, QtestRun *r) {
+    run_layer(q, x, N, NULL, epi, epi != CONV_EPI_NONE, true, r);
+}
+
+void fqtest_init_int8(FqtLayer *q, Module *mod, uint64_t stream) {
+    FqtSpec s = spec_of("int8", "int8", "int8");
+    s.bwd_stochastic = true;
+    init_ok(q, mod, &s, stream);
+    fqt_layer_install(q);
 }
 
 static bool same_floats(const float *a, const float *b, size_t n) { return n == 0 || memcmp(a, b, n * sizeof *a) == 0; }
@@ -493,62 +500,6 @@ static void test_threads_same_bits(void) {
     model_free(&m);
 }
 
-/* On the AVX2 int8 family (no VNNI) a 3x3 stride-1 conv's forward sums come from the integer F(2x2, 3x3)
- * (quant/qwino.h) instead of qgemm_s8_nn, once an image (counted): exactly the same sums, so the output and every
- * gradient keep their bits (the float input gradient held to im2col + sgemm both times), fused epilogues, 2
- * threads, odd planes. */
-static void test_qwino_same_bits(void) {
-    if (!qgemm_cpu_has_isa(QGEMM_ISA_AVX2)) {
-        test_skip("QT forward through qwino: this CPU has no AVX2 with FMA");
-        return;
-    }
-    static const int geo[][3] = {{16, 10, 9}, {9, 7, 12}}; /* C, H, W */
-    const ConvTapsLevel taps = conv_taps_max_level;
-    const bool saved = conv_wino_enabled;
-    qgemm_force_isa = QGEMM_ISA_AVX2, conv_taps_max_level = CONV_TAPS_OFF;
-    CU_ASSERT_FATAL(parallel_set_threads(2) == 2);
-    for (size_t g = 0; g < 2; g++) {
-        Model m;
-        qtest_conv_model(&m, geo[g][0], geo[g][1], geo[g][2], 12, 3, 1, 1, 360 + g);
-        FqtLayer q;
-        FqtSpec s = spec_of("int8", "int8", "int8");
-        s.bwd_stochastic = true;
-        init_ok(&q, &m.modules[0], &s, 15);
-        fqt_layer_install(&q);
-        CU_ASSERT(qwino_fits(geo[g][0], 12, 3, 3, 1, 1));
-        float *x = qa_normal_sample(370 + g, qtest_input_numel(&m.modules[0], 5));
-        for (int e = CONV_EPI_NONE; e <= CONV_EPI_RELU_MAXPOOL2; e++) {
-            const Rng start = q.rng;
-            QtestRun r[2];
-            for (int wino = 0; wino < 2; wino++) {
-                conv_wino_enabled = wino;
-                q.rng = start;
-                const unsigned long calls = qwino_forward_calls;
-                run_fused(&q, x, 5, (ConvEpilogue)e, e != CONV_EPI_NONE, true, &r[wino]);
-                CU_ASSERT_EQUAL(qwino_forward_calls - calls, wino ? 5u : 0u); /* one an image, when on */
-            }
-            conv_wino_enabled = saved;
-            CU_ASSERT(same_floats(r[1].y, r[0].y, r[0].ny) && same_floats(r[1].dx, r[0].dx, r[0].nx));
-            CU_ASSERT(same_floats(r[1].dw, r[0].dw, r[0].nw) && same_floats(r[1].db, r[0].db, r[0].nb));
-            /* without gradients (eval: no X^T gathered), the same outputs */
-            TestEnv ev;
-            test_env_init(&ev, 5);
-            ev.tape.grad_enabled = false;
-            int xs[4];
-            const int xnd = qtest_input_shape(&m.modules[0], 5, xs);
-            Var *y = m.modules[0].fused_hook(&ev.tape, &m.modules[0], test_var(&ev, x, xnd, xs, false), &q,
-                                             m.modules[0].bias ? &m.modules[0].bias->var : NULL, (ConvEpilogue)e);
-            CU_ASSERT(y && var_numel(y) == r[0].ny && same_floats(y->value.data, r[0].y, r[0].ny));
-            test_env_free(&ev);
-            qtest_run_free(&r[0]), qtest_run_free(&r[1]);
-        }
-        free(x);
-        model_free(&m);
-    }
-    parallel_set_threads(1);
-    qgemm_force_isa = -1, conv_taps_max_level = taps;
-}
-
 static void test_backward_stochastic(void) {
     static const unsigned AXES[] = {FQT_NOISE_ROWS, FQT_NOISE_COLS, FQT_NOISE_ROWS | FQT_NOISE_COLS};
     for (int i = 0; i < 3; i++) {
@@ -817,7 +768,7 @@ int register_quant_qt_suite(void) {
            !CU_add_test(s, "fused relu and pool = separate ops", test_fused_epilogue) ||
            !CU_add_test(s, "fused hook: a non-finite gradient names the module", test_fused_nonfinite) ||
            !CU_add_test(s, "1, 2, 3 threads, batches of 1 and 5: the same bits", test_threads_same_bits) ||
-           !CU_add_test(s, "AVX2 family: the integer F(2x2, 3x3) forward keeps every bit", test_qwino_same_bits) ||
+           !CU_add_test(s, "AVX2 family: the integer F(2x2, 3x3) forward keeps every bit", fqtest_qwino_same_bits) ||
            !CU_add_test(s, "noise axes", test_noise_axes) ||
            !CU_add_test(s, "stochastic rounding is unbiased", test_stochastic_unbiased) ||
            !CU_add_test(s, "determinism", test_determinism) ||

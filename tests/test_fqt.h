@@ -18,6 +18,13 @@ int qgemm_tests_add(CU_pSuite s);
 /* test_fqt.c: the QT layer on x (batch N) and its backward from dy (NULL: the dy qtest_run_qat uses), copied out. */
 void fqtest_run_qt(FqtLayer *q, const float *x, int N, const float *dy, QtestRun *r);
 
+/* test_fqt.c: the layer (int8 weights, inputs and stochastic int8 backward, installed) and its fused hook's run
+ * (forward with epi, backward from the dy fqtest_run_qt draws), copied out. */
+void fqtest_init_int8(FqtLayer *q, Module *mod, uint64_t stream);
+void fqtest_run_fused(FqtLayer *q, const float *x, int N, ConvEpilogue epi, QtestRun *r);
+/* test_fqt_qwino.c: the integer F(2x2, 3x3) forward on the AVX2 family keeps every bit. */
+void fqtest_qwino_same_bits(void);
+
 /* test_fqt_ref.c: a and b agree to 1e-5 of b's largest magnitude (and 1e-5 relative), else a message naming what. */
 bool fqtest_close_to(const float *a, const float *b, size_t n, const char *what);
 /* The scale of an int slice of the given bits whose max |x| is amax. */
