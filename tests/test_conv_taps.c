@@ -11,6 +11,7 @@
 #include "nn/conv_taps.h"
 #include "nn/ops.h"
 #include "nn/ops_conv_internal.h"
+#include "test_conv_pair.h"
 #include "test_util.h"
 
 typedef struct {
@@ -328,54 +329,15 @@ static const TapsCase op_cases[] = {
     {2, 16, 10, 10, 12, 3, 0, 0}, /* F(2x2, 3x3) (conv_wino.h) for the forward and the input gradient */
 };
 
-typedef struct {
-    float *y, *dx, *dw, *db;
-    size_t ny;
-} OpOut;
-
-/* nn_conv2d_fused of case k with epilogue epi on two convs sharing x (their outputs added: the second backward
- * adds into the dx the first wrote), at conv_taps_max_level = level; copies into out (malloc'd). */
-static bool run_op(const TapsCase *k, ConvEpilogue epi, ConvTapsLevel level, OpOut *out) {
+/* test_conv_pair_run of case k with epilogue epi at conv_taps_max_level = level. */
+static bool run_op(const TapsCase *k, ConvEpilogue epi, ConvTapsLevel level, ConvPairOut *out) {
     const ConvTapsLevel saved = conv_taps_max_level;
     conv_taps_max_level = level;
-    TestEnv e;
-    test_env_init(&e, 77);
-    const int KH = case_kh(k), KW = case_kw(k), pad = (KH - 1) / 2;
-    const size_t hw = (size_t)k->H * k->W, nx = (size_t)k->N * k->C * hw, nw = (size_t)k->OC * k->C * KH * KW;
-    float *x = test_random_uniform(nx, 5, -1.0f, 1.0f), *w = test_random_uniform(2 * nw, 6, -1.0f, 1.0f);
-    float *b = test_random_uniform((size_t)k->OC, 7, -0.5f, 0.5f);
-    Var *vx = test_var(&e, x, 4, (const int[]){k->N, k->C, k->H, k->W}, true);
-    Var *w1 = test_var(&e, w, 4, (const int[]){k->OC, k->C, KH, KW}, true);
-    Var *w2 = test_var(&e, w + nw, 4, (const int[]){k->OC, k->C, KH, KW}, true);
-    Var *vb = test_var(&e, b, 1, &k->OC, true);
-    Var *y1 = nn_conv2d_fused(&e.tape, vx, w1, vb, 1, pad, epi);
-    Var *y2 = y1 ? nn_conv2d_fused(&e.tape, vx, w2, NULL, 1, pad, epi) : NULL;
-    Var *y = y2 ? nn_add(&e.tape, y1, y2) : NULL;
-    bool ok = y != NULL;
-    if (ok) {
-        const size_t ny = var_numel(y);
-        float *dy = test_random_uniform(ny, 8, -1.0f, 1.0f);
-        ok = tape_backward_from(&e.tape, y, dy) == QT_OK && vx->grad && w1->grad && w2->grad && vb->grad;
-        free(dy);
-        if (ok) {
-            out->ny = ny;
-            out->y = malloc(ny * sizeof(float)), out->dx = malloc(nx * sizeof(float));
-            out->dw = malloc(2 * nw * sizeof(float)), out->db = malloc((size_t)k->OC * sizeof(float));
-            memcpy(out->y, y->value.data, ny * sizeof(float));
-            memcpy(out->dx, vx->grad, nx * sizeof(float));
-            memcpy(out->dw, w1->grad, nw * sizeof(float));
-            memcpy(out->dw + nw, w2->grad, nw * sizeof(float));
-            memcpy(out->db, vb->grad, (size_t)k->OC * sizeof(float));
-        }
-    }
-    if (!ok) fprintf(stderr, "\n  run_op: %s", e.tape.err.msg);
-    free(x), free(w), free(b);
-    test_env_free(&e);
+    const int KH = case_kh(k), KW = case_kw(k);
+    const bool ok = test_conv_pair_run(k->N, k->C, k->H, k->W, k->OC, KH, KW, (KH - 1) / 2, epi, out);
     conv_taps_max_level = saved;
     return ok;
 }
-
-static void op_out_free(OpOut *o) { free(o->y), free(o->dx), free(o->dw), free(o->db); }
 
 /* Forward and every gradient through the taps at each level the CPU has equal im2col and sgemm's up to the sums'
  * order: the tolerances of test_conv.c (1e-6 per summed term). */
@@ -394,10 +356,10 @@ static void test_taps_op_matches_gemm(void) {
                 const TapsCase *k = &op_cases[i];
                 const int KH = case_kh(k), KW = case_kw(k);
                 CU_ASSERT(conv_taps_fits(level, k->H, k->W, KH, KW, 1, (KH - 1) / 2));
-                OpOut t = {0}, g = {0};
+                ConvPairOut t = {0}, g = {0};
                 if (!run_op(k, epis[ei], level, &t) || !run_op(k, epis[ei], CONV_TAPS_OFF, &g)) {
                     CU_FAIL("the convolution failed");
-                    op_out_free(&t), op_out_free(&g);
+                    test_conv_pair_free(&t), test_conv_pair_free(&g);
                     continue;
                 }
                 const bool pooled = epis[ei] == CONV_EPI_RELU_MAXPOOL2;
@@ -413,7 +375,7 @@ static void test_taps_op_matches_gemm(void) {
                 if (worst > 1.0) print_case(epis[ei] == CONV_EPI_NONE ? "conv" : pooled ? "conv+relu+pool"
                                                                                          : "conv+relu", k, level);
                 CU_ASSERT(worst <= 1.0);
-                op_out_free(&t), op_out_free(&g);
+                test_conv_pair_free(&t), test_conv_pair_free(&g);
             }
     }
 }

@@ -11,6 +11,7 @@
 
 #include "nn/conv_wino.h"
 #include "nn/ops.h"
+#include "test_conv_pair.h"
 #include "test_util.h"
 
 typedef struct {
@@ -253,55 +254,15 @@ static void test_wino_ref_matches_direct(void) {
         }
 }
 
-typedef struct {
-    float *y, *dx, *dw, *db;
-    size_t ny, nx, nw;
-} OpOut;
-
-/* nn_conv2d_fused (3x3, padding 1) of x (N, C, H, W) with epilogue epi on two convs sharing x (their outputs
- * added: the second backward adds into the dx the first wrote), at level with F(2x2, 3x3) on or off; copies into
- * out (malloc'd). */
-static bool run_op(int N, const WinoCase *k, ConvEpilogue epi, ConvTapsLevel level, bool wino, OpOut *out) {
+/* test_conv_pair_run (3x3, padding 1) of x (N, C, H, W) at level with F(2x2, 3x3) on or off. */
+static bool run_op(int N, const WinoCase *k, ConvEpilogue epi, ConvTapsLevel level, bool wino, ConvPairOut *out) {
     const ConvTapsLevel saved = conv_taps_max_level;
     const bool saved_wino = conv_wino_enabled;
     conv_taps_max_level = level, conv_wino_enabled = wino;
-    TestEnv e;
-    test_env_init(&e, 78);
-    const size_t nx = (size_t)N * k->C * plane(k), nw = (size_t)k->R * k->C * 9;
-    float *x = test_random_uniform(nx, 5, -1.0f, 1.0f), *w = test_random_uniform(2 * nw, 6, -1.0f, 1.0f);
-    float *b = test_random_uniform((size_t)k->R, 7, -0.5f, 0.5f);
-    Var *vx = test_var(&e, x, 4, (const int[]){N, k->C, k->H, k->W}, true);
-    Var *w1 = test_var(&e, w, 4, (const int[]){k->R, k->C, 3, 3}, true);
-    Var *w2 = test_var(&e, w + nw, 4, (const int[]){k->R, k->C, 3, 3}, true);
-    Var *vb = test_var(&e, b, 1, &k->R, true);
-    Var *y1 = nn_conv2d_fused(&e.tape, vx, w1, vb, 1, 1, epi);
-    Var *y2 = y1 ? nn_conv2d_fused(&e.tape, vx, w2, NULL, 1, 1, epi) : NULL;
-    Var *y = y2 ? nn_add(&e.tape, y1, y2) : NULL;
-    bool ok = y != NULL;
-    if (ok) {
-        const size_t ny = var_numel(y);
-        float *dy = test_random_uniform(ny, 8, -1.0f, 1.0f);
-        ok = tape_backward_from(&e.tape, y, dy) == QT_OK && vx->grad && w1->grad && w2->grad && vb->grad;
-        free(dy);
-        if (ok) {
-            *out = (OpOut){.ny = ny, .nx = nx, .nw = 2 * nw};
-            out->y = malloc(ny * sizeof(float)), out->dx = malloc(nx * sizeof(float));
-            out->dw = malloc(2 * nw * sizeof(float)), out->db = malloc((size_t)k->R * sizeof(float));
-            memcpy(out->y, y->value.data, ny * sizeof(float));
-            memcpy(out->dx, vx->grad, nx * sizeof(float));
-            memcpy(out->dw, w1->grad, nw * sizeof(float));
-            memcpy(out->dw + nw, w2->grad, nw * sizeof(float));
-            memcpy(out->db, vb->grad, (size_t)k->R * sizeof(float));
-        }
-    }
-    if (!ok) fprintf(stderr, "\n  run_op: %s", e.tape.err.msg);
-    free(x), free(w), free(b);
-    test_env_free(&e);
+    const bool ok = test_conv_pair_run(N, k->C, k->H, k->W, k->R, 3, 3, 1, epi, out);
     conv_taps_max_level = saved, conv_wino_enabled = saved_wino;
     return ok;
 }
-
-static void op_out_free(OpOut *o) { free(o->y), free(o->dx), free(o->dw), free(o->db); }
 
 /* Forward and every gradient with F(2x2, 3x3) equal the taps kernels' (without it) within test_conv_taps.c's
  * tolerances (2e-6 per summed term), for the plain conv, relu and relu + pool epilogues, at each level the CPU
@@ -329,11 +290,11 @@ static void test_wino_op_matches_taps(void) {
                 ConvWino plan;
                 conv_wino_plan(&plan, level, k->H, k->W);
                 const bool dw_too = conv_wino_dw_pays(&plan, k->C, k->R);
-                OpOut a = {0}, b = {0};
+                ConvPairOut a = {0}, b = {0};
                 if (!run_op(op_cases[i].N, k, epis[ei], level, true, &a) ||
                     !run_op(op_cases[i].N, k, epis[ei], level, false, &b)) {
                     CU_FAIL("the convolution failed");
-                    op_out_free(&a), op_out_free(&b);
+                    test_conv_pair_free(&a), test_conv_pair_free(&b);
                     continue;
                 }
                 CU_ASSERT_EQUAL(a.ny, b.ny);
@@ -348,7 +309,7 @@ static void test_wino_op_matches_taps(void) {
                 /* and it ran: the sums' rounding differs from the taps' */
                 CU_ASSERT(memcmp(a.y, b.y, a.ny * sizeof(float)) != 0);
                 if (dw_too) CU_ASSERT(memcmp(a.dw, b.dw, a.nw * sizeof(float)) != 0);
-                op_out_free(&a), op_out_free(&b);
+                test_conv_pair_free(&a), test_conv_pair_free(&b);
             }
     }
 }
