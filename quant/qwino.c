@@ -21,8 +21,8 @@ void qwino_plan(QWino *p, int C, int H, int W) {
     *p = (QWino){.C = C, .H = H, .W = W, .TH = (H + 1) / 2, .TW = (W + 1) / 2};
     p->T = p->TH * p->TW;
     p->tv = (p->T + 7) / 8;
-    p->ldv = (size_t)(p->tv + 1) * 8;
-    p->ew = (p->TW + 1 + 7) / 8 * 8 + 8;
+    p->ldv = (size_t)(p->tv + 2) * 8;
+    p->ew = (p->TW + 1 + 15) / 16 * 16 + 16;
     p->splane = (size_t)(2 * p->TH + 2) * 2 * p->ew;
 }
 
@@ -31,8 +31,8 @@ static size_t pairs(const QWino *p) { return ((size_t)p->C + 1) / 2; }
 size_t qwino_packed_words(const QWino *p, int out) { return 16 * (((size_t)out + 3) / 4) * pairs(p) * 4; }
 
 size_t qwino_scratch_bytes(const QWino *p) {
-    /* the split planes, the channel pairs' transforms (int16 x 2), 4 rows' products */
-    const size_t words = (size_t)p->C * p->splane + 16 * conv_wino_stride(pairs(p) * p->ldv) +
+    /* the split planes (int16), the channel pairs' transforms (int16 x 2), 4 rows' products */
+    const size_t words = ((size_t)p->C * p->splane + 1) / 2 + 16 * conv_wino_stride(pairs(p) * p->ldv) +
                          16 * conv_wino_stride(4 * p->ldv);
     return words * sizeof(int32_t);
 }

@@ -28,9 +28,9 @@ typedef struct {
     int C, H, W;    /* input channels, plane (in = out) */
     int TH, TW, T;  /* tile rows, tile columns, tiles */
     int tv;         /* vectors of 8 tiles: ceil(T / 8) */
-    size_t ldv;     /* int32 between two channels' (or pairs') transformed inputs: (tv + 1) 8 */
-    int ew;         /* int32 of a split row's even (or odd) half: (TW + 1) rounded up to 8, + 8 */
-    size_t splane;  /* int32 of one channel's split padded plane: (2 TH + 2) rows of 2 ew */
+    size_t ldv;     /* int32 between two pairs' transformed inputs: (tv + 2) 8, room for 16 tiles from any row */
+    int ew;         /* int16 of a split row's even (or odd) half: (TW + 1) rounded up to 16, + 16 */
+    size_t splane;  /* int16 of one channel's split padded plane: (2 TH + 2) rows of 2 ew */
 } QWino;
 
 /* Whether QT's conv of this geometry takes it: 3x3, stride 1, padding 1, 8 <= C <= QWINO_C_MAX, at least 4

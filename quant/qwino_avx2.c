@@ -1,9 +1,9 @@
 /* qwino_avx2.c - the int8 F(2x2, 3x3)'s AVX2 kernel (qwino.h): 8 tiles of a tile row in a vector's int32 lanes,
- * as nn/conv_wino_kern.h holds floats. Per image: the codes split into even and odd padded columns (int32); each
- * channel pair's input transforms (int32, exact) packed into int16 pairs; per block of 4 output rows the
- * 16 products (4 rows by 3 vectors of tiles, vpmaddwd over the channel pairs), then the output transform and the
- * exact division by 4. The same sums as qwino_forward_ref, so the same bits. The passes stay out of line, each
- * its own line in a profile. */
+ * as nn/conv_wino_kern.h holds floats. Per image: the codes split into even and odd padded columns (int16); each
+ * channel pair's input transforms (int16, exact, 16 tiles a vector: of one tile row, or of two where a row has at
+ * most 8) interleaved into int16 pairs; per block of 4 output rows the 16 products (4 rows by 3 vectors of tiles,
+ * vpmaddwd over the channel pairs), then the output transform and the exact division by 4. The same sums as
+ * qwino_forward_ref, so the same bits. The passes stay out of line, each its own line in a profile. */
 #include "qwino.h"
 
 #include <string.h>
@@ -17,127 +17,183 @@
 #define T256 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
+/* 32 codes (int8, bytes of b in column order) -> their even columns at o and odd ones at e (int16, 16 each). */
+T256 INLINE void qw_deal32(int16_t *o, int16_t *e, __m256i b) {
+    /* per 128-bit lane the even bytes, then the odd ones; then the lanes' evens together, and their odds */
+    const __m256i pick = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                          12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i d = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, pick), 0xd8);
+    _mm256_storeu_si256((__m256i *)(void *)o, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(d)));
+    _mm256_storeu_si256((__m256i *)(void *)e, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(d, 1)));
+}
+
 /* Row pr of channel c's split plane: E[j] = x(pr - 1, 2j - 1) at s, O[j] = x(pr - 1, 2j) at s + ew, 0 outside, for
- * every j the input transform reads (j <= jn = ceil(TW / 8) 8). A row's codes, 16 at a time (the bytes past the
- * row masked to 0; the last 16 bytes of the input through a copy, as it has no slack past its end), widened and
- * split into even and odd columns. */
-T256 __attribute__((noinline)) static void qw_split(const QWino *p, int32_t *s, const int8_t *x) {
-    static const int8_t ones[32] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
-    const int W = p->W, ew = p->ew, jn = (p->TW + 7) / 8 * 8;
+ * every j the input transform reads (j <= jn = ceil(TW / 16) 16), as int16. A row's codes, 32 at a time (the bytes
+ * past the row masked to 0; the last 32 bytes of the input through a copy, as it has no slack past its end),
+ * dealt into even and odd columns and widened. */
+T256 __attribute__((noinline)) static void qw_split(const QWino *p, int16_t *s, const int8_t *x) {
+    static const int8_t ones[64] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                    -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+    const int W = p->W, ew = p->ew, jn = (p->TW + 15) / 16 * 16;
     const size_t n = (size_t)p->C * p->H * W; /* the input's bytes */
     int8_t tail[32] = {0};
     for (int c = 0; c < p->C; c++)
         for (int pr = 0; pr < 2 * p->TH + 2; pr++) {
-            int32_t *e = s + (size_t)c * p->splane + (size_t)pr * 2 * ew, *o = e + ew;
+            int16_t *e = s + (size_t)c * p->splane + (size_t)pr * 2 * ew, *o = e + ew;
             const int h = pr - 1;
             if (h < 0 || h >= p->H) {
-                for (int j = 0; j <= jn; j += 8) {
-                    _mm256_storeu_si256((__m256i *)(e + j), _mm256_setzero_si256());
-                    _mm256_storeu_si256((__m256i *)(o + j), _mm256_setzero_si256());
+                for (int j = 0; j <= jn; j += 16) {
+                    _mm256_storeu_si256((__m256i *)(void *)(e + j), _mm256_setzero_si256());
+                    _mm256_storeu_si256((__m256i *)(void *)(o + j), _mm256_setzero_si256());
                 }
                 continue;
             }
             const size_t at = ((size_t)c * p->H + h) * W;
             e[0] = 0;
-            for (int k = 0; k < W; k += 16) { /* columns k .. k + 15: O[k / 2 ..], E[k / 2 + 1 ..] */
-                __m128i b;
-                if (at + k + 16 <= n) {
-                    b = _mm_loadu_si128((const __m128i *)(x + at + k));
+            for (int k = 0; k < W; k += 32) { /* columns k .. k + 31: O[k / 2 ..], E[k / 2 + 1 ..] */
+                __m256i b;
+                if (at + k + 32 <= n) {
+                    b = _mm256_loadu_si256((const __m256i *)(const void *)(x + at + k));
                 } else {
                     memcpy(tail, x + at + k, n - at - k);
-                    b = _mm_loadu_si128((const __m128i *)tail);
+                    b = _mm256_loadu_si256((const __m256i *)(const void *)tail);
                 }
-                if (W - k < 16) b = _mm_and_si128(b, _mm_loadu_si128((const __m128i *)(ones + 16 - (W - k))));
-                const __m256 lo = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(b));
-                const __m256 hi = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-                const __m256 ev = _mm256_shuffle_ps(lo, hi, 0x88), od = _mm256_shuffle_ps(lo, hi, 0xdd);
-                _mm256_storeu_si256((__m256i *)(o + k / 2), _mm256_permute4x64_epi64(_mm256_castps_si256(ev), 0xd8));
-                _mm256_storeu_si256((__m256i *)(e + k / 2 + 1),
-                                    _mm256_permute4x64_epi64(_mm256_castps_si256(od), 0xd8));
+                if (W - k < 32)
+                    b = _mm256_and_si256(b, _mm256_loadu_si256((const __m256i *)(const void *)(ones + 32 - (W - k))));
+                qw_deal32(o + k / 2, e + k / 2 + 1, b);
             }
             o[jn] = 0;
         }
 }
 
+/* The last split entry qw_input reads (E[jr], O[jr]): 8 where rows of at most 8 tiles go two a vector, else
+ * the 16-tile vectors' reach. */
+static int qw_reach(const QWino *p) { return p->TW <= 8 ? 8 : (p->TW + 15) / 16 * 16; }
+
+/* 8 padded columns from k of a ch4 row as int32: byte c % 4 minus the zero point, 0 from column cols on. */
+T256 INLINE __m256i qw_ch4_8(const uint32_t *row, int k, int cols, __m128i shift, __m256i zero) {
+    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i d = _mm256_maskload_epi32((const int *)(row + k), in);
+    return _mm256_and_si256(_mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(d, shift), _mm256_set1_epi32(0xff)),
+                                             zero),
+                            in);
+}
+
 /* qw_split from PTQ's ch4 planes (qwino.h): padded column k of padded row pr is byte c % 4 of the group's dword
- * (pr, k) minus the zero point, 0 past the padded image (columns from W + 2, rows from H + 2), read under masks. */
-T256 __attribute__((noinline)) static void qw_split_ch4(const QWino *p, int32_t *s, const QWinoCh4 *a) {
-    const int ew = p->ew, jn = (p->TW + 7) / 8 * 8, cols = p->W + 2;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), zero = _mm256_set1_epi32(a->zero);
-    const __m256i byte = _mm256_set1_epi32(0xff);
+ * (pr, k) minus the zero point, 0 past the padded image (columns from W + 2, rows from H + 2), read under masks;
+ * 32 columns at a time (then 16): the even ones to E[k / 2 ..], the odd ones to O[k / 2 ..], up to qw_reach. */
+T256 __attribute__((noinline)) static void qw_split_ch4(const QWino *p, int16_t *s, const QWinoCh4 *a) {
+    const int ew = p->ew, n = 2 * qw_reach(p) + 2, cols = p->W + 2; /* n: the padded columns made */
+    const __m256i zero = _mm256_set1_epi32(a->zero), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int c = 0; c < p->C; c++) {
         const __m128i shift = _mm_cvtsi32_si128(8 * (c % 4));
         for (int pr = 0; pr < 2 * p->TH + 2; pr++) {
-            int32_t *e = s + (size_t)c * p->splane + (size_t)pr * 2 * ew, *o = e + ew;
-            if (pr >= p->H + 2) {
-                for (int j = 0; j <= jn; j += 8) {
-                    _mm256_storeu_si256((__m256i *)(e + j), _mm256_setzero_si256());
-                    _mm256_storeu_si256((__m256i *)(o + j), _mm256_setzero_si256());
-                }
-                continue;
-            }
+            int16_t *e = s + (size_t)c * p->splane + (size_t)pr * 2 * ew, *o = e + ew;
             const uint32_t *row = a->planes + (size_t)(c / 4) * a->plane + (size_t)pr * a->Wp;
-            for (int k = 0; k < 2 * jn + 2; k += 16) { /* padded columns k .. k + 15: E[k / 2 ..], O[k / 2 ..] */
-                __m256i v[2];
+            const int rc = pr < p->H + 2 ? cols : 0; /* the columns inside: none past the padded image */
+            int k = 0;
+            /* per 16 columns the evens 0 2 8 10 | 4 6 12 14 and the odds alike; packed, their pairs in order */
+            for (; k + 32 <= n; k += 32) {
+                __m256i ev[2], od[2];
+#pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - k - 8 * h), lane);
-                    const __m256i d = _mm256_maskload_epi32((const int *)(row + k + 8 * h), in);
-                    v[h] = _mm256_and_si256(_mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(d, shift), byte), zero),
-                                            in);
+                    const __m256 lo = _mm256_castsi256_ps(qw_ch4_8(row, k + 16 * h, rc, shift, zero));
+                    const __m256 hi = _mm256_castsi256_ps(qw_ch4_8(row, k + 16 * h + 8, rc, shift, zero));
+                    ev[h] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
+                    od[h] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xdd));
                 }
-                const __m256 lo = _mm256_castsi256_ps(v[0]), hi = _mm256_castsi256_ps(v[1]);
-                const __m256 ev = _mm256_shuffle_ps(lo, hi, 0x88), od = _mm256_shuffle_ps(lo, hi, 0xdd);
-                _mm256_storeu_si256((__m256i *)(e + k / 2), _mm256_permute4x64_epi64(_mm256_castps_si256(ev), 0xd8));
-                _mm256_storeu_si256((__m256i *)(o + k / 2), _mm256_permute4x64_epi64(_mm256_castps_si256(od), 0xd8));
+                _mm256_storeu_si256((__m256i *)(void *)(e + k / 2),
+                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi32(ev[0], ev[1]), order));
+                _mm256_storeu_si256((__m256i *)(void *)(o + k / 2),
+                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi32(od[0], od[1]), order));
+            }
+            for (; k < n; k += 16) {
+                const __m256 lo = _mm256_castsi256_ps(qw_ch4_8(row, k, rc, shift, zero));
+                const __m256 hi = _mm256_castsi256_ps(qw_ch4_8(row, k + 8, rc, shift, zero));
+                const __m256i ev = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
+                const __m256i od = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xdd));
+                const __m256i pe = _mm256_permutevar8x32_epi32(_mm256_packs_epi32(ev, ev), order);
+                const __m256i po = _mm256_permutevar8x32_epi32(_mm256_packs_epi32(od, od), order);
+                _mm_storeu_si128((__m128i *)(void *)(e + k / 2), _mm256_castsi256_si128(pe));
+                _mm_storeu_si128((__m128i *)(void *)(o + k / 2), _mm256_castsi256_si128(po));
             }
         }
     }
 }
 
-/* v[16] = the input transform of 8 tiles from tile (i, j) of the split plane sc: int32, exact. */
-T256 INLINE void qw_tiles(__m256i v[16], const QWino *p, const int32_t *sc, int i, int j) {
-    const int ew = p->ew;
-    const int32_t *r0 = sc + (size_t)(2 * i) * 2 * ew + j;
+/* 16 int16 at e: from one row, or (two) 8 from e and 8 from e2. */
+T256 INLINE __m256i qw_load16(const int16_t *e, const int16_t *e2, const bool two) {
+    if (!two) return _mm256_loadu_si256((const __m256i *)(const void *)e);
+    return _mm256_loadu2_m128i((const __m128i *)(const void *)e2, (const __m128i *)(const void *)e);
+}
+
+/* v[16] = the input transform of 16 tiles of the split plane sc: int16, exact (|v| <= 1020). Tiles (i, j ..
+ * j + 15), or (two, for rows of at most 8 tiles) (i, j .. j + 7) in the low 128 bits and (i2, j .. j + 7) in the
+ * high ones. */
+T256 INLINE void qw_tiles(__m256i v[16], const QWino *p, const int16_t *sc, int i, int i2, int j, const bool two) {
+    const size_t ew = (size_t)p->ew;
+    const int16_t *r0 = sc + (size_t)(2 * i) * 2 * ew + j, *r2 = sc + (size_t)(2 * i2) * 2 * ew + j;
     __m256i h[4][4];
 #pragma GCC unroll 4
     for (int a = 0; a < 4; a++) {
-        const int32_t *e = r0 + (size_t)a * 2 * ew, *o = e + ew;
-        const __m256i e0 = _mm256_loadu_si256((const __m256i *)e), e1 = _mm256_loadu_si256((const __m256i *)(e + 1));
-        const __m256i o0 = _mm256_loadu_si256((const __m256i *)o), o1 = _mm256_loadu_si256((const __m256i *)(o + 1));
-        h[a][0] = _mm256_sub_epi32(e0, e1), h[a][1] = _mm256_add_epi32(o0, e1);
-        h[a][2] = _mm256_sub_epi32(e1, o0), h[a][3] = _mm256_sub_epi32(o0, o1);
+        const int16_t *e = r0 + a * 2 * ew, *o = e + ew, *e2 = r2 + a * 2 * ew, *o2 = e2 + ew;
+        const __m256i e0 = qw_load16(e, e2, two), e1 = qw_load16(e + 1, e2 + 1, two);
+        const __m256i o0 = qw_load16(o, o2, two), o1 = qw_load16(o + 1, o2 + 1, two);
+        h[a][0] = _mm256_sub_epi16(e0, e1), h[a][1] = _mm256_add_epi16(o0, e1);
+        h[a][2] = _mm256_sub_epi16(e1, o0), h[a][3] = _mm256_sub_epi16(o0, o1);
     }
 #pragma GCC unroll 4
     for (int b = 0; b < 4; b++) {
-        v[0 + b] = _mm256_sub_epi32(h[0][b], h[2][b]), v[4 + b] = _mm256_add_epi32(h[1][b], h[2][b]);
-        v[8 + b] = _mm256_sub_epi32(h[2][b], h[1][b]), v[12 + b] = _mm256_sub_epi32(h[1][b], h[3][b]);
+        v[0 + b] = _mm256_sub_epi16(h[0][b], h[2][b]), v[4 + b] = _mm256_add_epi16(h[1][b], h[2][b]);
+        v[8 + b] = _mm256_sub_epi16(h[2][b], h[1][b]), v[12 + b] = _mm256_sub_epi16(h[1][b], h[3][b]);
+    }
+}
+
+/* The 16 tiles at (i, j) (two: rows i and i2 from j) of channel pair k's planes s0, s1 (second: s1 exists, else
+ * zeros) as int16 pairs (low, high) at dst (two: row i's 8 at dst, row i2's at dst2, that order): the first
+ * channel's kept on the stack while the second's are made, then each position's two vectors interleaved (one
+ * row: their 64-bit quarters ordered 0 2 1 3 first, so the unpacks leave the tiles in order; two rows: the
+ * unpacks' 128-bit halves regrouped by row). */
+T256 INLINE void qw_pair16(int32_t *dst, int32_t *dst2, size_t ldp, const QWino *p, const int16_t *s0,
+                           const int16_t *s1, bool second, int i, int i2, int j, const bool two) {
+    _Alignas(32) int16_t lo[16][16];
+    __m256i v[16];
+    qw_tiles(v, p, s0, i, i2, j, two);
+    for (int q = 0; q < 16; q++) _mm256_store_si256((__m256i *)(void *)lo[q], v[q]);
+    if (second) qw_tiles(v, p, s1, i, i2, j, two);
+    for (int q = 0; q < 16; q++) {
+        __m256i x0 = _mm256_load_si256((const __m256i *)(void *)lo[q]), x1 = second ? v[q] : _mm256_setzero_si256();
+        if (!two) x0 = _mm256_permute4x64_epi64(x0, 0xd8), x1 = _mm256_permute4x64_epi64(x1, 0xd8);
+        const __m256i l = _mm256_unpacklo_epi16(x0, x1), h = _mm256_unpackhi_epi16(x0, x1);
+        if (!two) {
+            _mm256_storeu_si256((__m256i *)(void *)(dst + q * ldp), l);
+            _mm256_storeu_si256((__m256i *)(void *)(dst + q * ldp + 8), h);
+        } else {
+            _mm256_storeu_si256((__m256i *)(void *)(dst + q * ldp), _mm256_permute2x128_si256(l, h, 0x20));
+            _mm256_storeu_si256((__m256i *)(void *)(dst2 + q * ldp), _mm256_permute2x128_si256(l, h, 0x31));
+        }
     }
 }
 
 /* Channel pair k's input transforms (channels 2k, and 2k + 1 or zeros) as int16 pairs (low, high) into
- * vp [16][ceil(C / 2)][ldv] (tile t at t; lanes past a row: the next row's, written after; past T: 0): the first
- * channel's 8 tiles kept on the stack while the second's are made. */
-T256 __attribute__((noinline)) static void qw_input(const QWino *p, int32_t *vp, size_t ldp, const int32_t *s, int k) {
-    const int32_t *s0 = s + (size_t)(2 * k) * p->splane, *s1 = s0 + p->splane;
+ * vp [16][ceil(C / 2)][ldv] (tile t at t; lanes past a row: the next row's, written after; past T: 0): 16 tiles
+ * of a row at a time, or of two rows where a row has at most 8 (the last of an odd count twice, stored once). */
+T256 __attribute__((noinline)) static void qw_input(const QWino *p, int32_t *vp, size_t ldp, const int16_t *s, int k) {
+    const int16_t *s0 = s + (size_t)(2 * k) * p->splane, *s1 = s0 + p->splane;
     const bool second = 2 * k + 1 < p->C;
     int32_t *vk = vp + (size_t)k * p->ldv;
-    _Alignas(32) int32_t lo[16][8];
-    for (int i = 0; i < p->TH; i++)
-        for (int j = 0; j < p->TW; j += 8) {
-            __m256i v[16];
-            qw_tiles(v, p, s0, i, j);
-            for (int q = 0; q < 16; q++) _mm256_store_si256((__m256i *)lo[q], v[q]);
-            if (second) qw_tiles(v, p, s1, i, j);
-            int32_t *dst = vk + (size_t)i * p->TW + j;
-            for (int q = 0; q < 16; q++) {
-                const __m256i hi = second ? _mm256_slli_epi32(v[q], 16) : _mm256_setzero_si256();
-                _mm256_storeu_si256((__m256i *)(dst + q * ldp),
-                                    _mm256_blend_epi16(_mm256_load_si256((const __m256i *)lo[q]), hi, 0xaa));
-            }
+    if (p->TW <= 8) {
+        for (int i = 0; i < p->TH; i += 2) {
+            const int i2 = i + 1 < p->TH ? i + 1 : i;
+            qw_pair16(vk + (size_t)i * p->TW, vk + (size_t)i2 * p->TW, ldp, p, s0, s1, second, i, i2, 0, true);
         }
+    } else {
+        for (int i = 0; i < p->TH; i++)
+            for (int j = 0; j < p->TW; j += 16)
+                qw_pair16(vk + (size_t)i * p->TW + j, NULL, ldp, p, s0, s1, second, i, i, j, false);
+    }
     for (int q = 0; q < 16; q++)
-        for (int t = p->T; t < p->tv * 8; t += 8)
-            _mm256_storeu_si256((__m256i *)(vk + q * ldp + t), _mm256_setzero_si256());
+        for (int t = p->T; t < p->tv * 8; t++) vk[q * ldp + t] = 0;
 }
 
 /* m (4 rows ldv apart) tiles t0 .. t0 + NV - 1 vectors: the chains over the np pairs of vq (pairs ldv apart)
@@ -266,11 +322,11 @@ T256 __attribute__((noinline)) static void qw_output_f(const QWino *p, const QWi
 }
 
 /* After a split into s: the transforms, the products and the output transform into acc (QT) or f (PTQ). */
-T256 static void qw_core(const QWino *p, int32_t *s, const int32_t *wp, int out, int32_t *acc, size_t ldc,
+T256 static void qw_core(const QWino *p, int16_t *s, const int32_t *wp, int out, int32_t *acc, size_t ldc,
                          const QWinoFloats *f) {
     const int np = (p->C + 1) / 2;
     const size_t ldp = conv_wino_stride((size_t)np * p->ldv), ldm = conv_wino_stride(4 * p->ldv);
-    int32_t *vp = s + (size_t)p->C * p->splane, *m = vp + 16 * ldp;
+    int32_t *vp = (int32_t *)(void *)(s + ((size_t)p->C * p->splane + 1) / 2 * 2), *m = vp + 16 * ldp;
     for (int q = 0; q < 16; q++) /* lanes past the products' vectors, read by the last output vectors */
         for (int r = 0; r < 4; r++)
             _mm256_storeu_si256((__m256i *)(m + q * ldm + (size_t)r * p->ldv + p->tv * 8), _mm256_setzero_si256());
