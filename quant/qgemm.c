@@ -582,13 +582,19 @@ bool qgemm_dw(const QGemmDw *d) {
     const size_t P = (size_t)d->oh_n * d->ow_n;
     QGemmDw one = *d;
     one.codes = NULL, one.in_plane = 0;
-    if (!d->in_plane) dw_floats(&one);
-    else
+    const QGemmIsa isa = qgemm_isa();
+    if (!d->in_plane) {
+        dw_floats(&one);
+    } else if (isa == QGEMM_ISA_AVX2 || isa == QGEMM_ISA_AVXVNNI) { /* every channel in one call: the padding once */
+        one.in_plane = d->in_plane;
+        qgemm_dw_avx2(&one);
+    } else {
         for (int i = 0; i < d->n_oc; i++) {
             one.act = d->act + (size_t)i * d->in_plane, one.oc0 = d->oc0 + i, one.n_oc = 1;
             one.out = d->out + (size_t)i * P;
             dw_floats(&one);
         }
+    }
     const QGemmCodesOut *co = d->codes;
     if (!co) return true;
     if (!co->quad_plane) return qgemm_quantize_u8(co->dst, d->out, (size_t)d->n_oc * P, co->q.s, co->q.lo, co->q.hi,

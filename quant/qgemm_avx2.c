@@ -448,35 +448,42 @@ QA_TARGET static DwChunk dw_chunk(const QGemmDw *d, size_t j) {
     return k;
 }
 
-/* The padded rows as int16 (rows, w16), a_zero outside the input: each chunk of 16 values from one 16-byte load
- * of the input row, a byte shuffle and one widening, stored whole so that the products' loads can follow the
- * stores. A load that would pass the end of act goes through a copy. */
-QA_TARGET static void dw_rows16(int16_t *rows16, const QGemmDw *d, size_t rows, size_t w16) {
-    enum { CHUNKS_MAX = 16 };
+/* The padded rows as int16 (rows, w16), a_zero outside the input, in two parts. The lanes no input code reaches
+ * (the rows above and below the input, the chunks of a row past its columns) are the same for every channel of a
+ * geometry, so a call writes them once (dw_rows16_pads); then per input channel the chunks that read it
+ * (dw_rows16_codes): each chunk of 16 values from one 16-byte load of the input row, a byte shuffle and one
+ * widening, stored whole so that the products' loads can follow the stores. ck: the chunks of a row (nc). */
+QA_TARGET static void dw_rows16_pads(int16_t *rows16, const QGemmDw *d, size_t rows, size_t w16, const DwChunk *ck,
+                                     size_t nc) {
     const __m256i fill = _mm256_set1_epi16((short)d->a_zero);
-    const __m128i fill8 = _mm_set1_epi8((char)d->a_zero);
-    const size_t n_act = (size_t)d->in_h * d->in_w, nc = w16 / 16;
-    DwChunk ck[CHUNKS_MAX];
-    for (size_t c = 0; c < nc && c < CHUNKS_MAX; c++) ck[c] = dw_chunk(d, 16 * c);
     for (size_t r = 0; r < rows; r++) {
-        int16_t *dst = rows16 + r * w16;
         const long ih = (long)r - d->pad_t;
+        for (size_t c = 0; c < nc; c++)
+            if (ih < 0 || ih >= d->in_h || ck[c].hi <= ck[c].lo)
+                _mm256_store_si256((__m256i *)(void *)(rows16 + r * w16 + 16 * c), fill);
+    }
+}
+
+/* The chunks of act's rows (one input channel; n_act: the bytes readable from act on, at least in_h in_w) that
+ * read the input. A load that would pass the readable bytes goes through a copy. */
+QA_TARGET static void dw_rows16_codes(int16_t *rows16, const QGemmDw *d, const uint8_t *act, size_t n_act,
+                                      size_t w16, const DwChunk *ck, size_t nc) {
+    const __m128i fill8 = _mm_set1_epi8((char)d->a_zero);
+    for (long ih = 0; ih < d->in_h; ih++) {
+        int16_t *dst = rows16 + (size_t)(ih + d->pad_t) * w16;
         for (size_t c = 0; c < nc; c++) {
-            const DwChunk k = c < CHUNKS_MAX ? ck[c] : dw_chunk(d, 16 * c);
-            if (ih < 0 || ih >= d->in_h || k.hi <= k.lo) {
-                _mm256_store_si256((__m256i *)(void *)(dst + 16 * c), fill);
-                continue;
-            }
-            const size_t at = (size_t)ih * d->in_w + (size_t)(16 * (long)c - d->pad_l + k.lo); /* lane lo's byte */
+            const DwChunk *k = &ck[c];
+            if (k->hi <= k->lo) continue;
+            const size_t at = (size_t)ih * d->in_w + (size_t)(16 * (long)c - d->pad_l + k->lo); /* lane lo's byte */
             __m128i x;
             if (at + 16 <= n_act) {
-                x = _mm_loadu_si128((const __m128i *)(const void *)(d->act + at));
+                x = _mm_loadu_si128((const __m128i *)(const void *)(act + at));
             } else {
                 uint8_t t[16] = {0};
-                memcpy(t, d->act + at, (size_t)(k.hi - k.lo));
+                memcpy(t, act + at, (size_t)(k->hi - k->lo));
                 x = _mm_loadu_si128((const __m128i *)(const void *)t);
             }
-            const __m128i b = _mm_or_si128(_mm_shuffle_epi8(x, k.ctl), _mm_and_si128(k.outside, fill8));
+            const __m128i b = _mm_or_si128(_mm_shuffle_epi8(x, k->ctl), _mm_and_si128(k->outside, fill8));
             _mm256_store_si256((__m256i *)(void *)(dst + 16 * c), _mm256_cvtepu8_epi16(b));
         }
     }
@@ -535,28 +542,40 @@ QA_TARGET QA_INLINE void dw_channel(const QGemmDw *d, const int16_t *rows16, siz
     }
 }
 
-/* The depthwise kernel for strides 1 and 2 across: the padded input rows once as int16 (a_zero outside the input:
- * its terms cancel in the correction, a_zero times the channel's weight sum), each channel's weight pairs once,
- * then per output row and 16 (stride 1) or 8 (stride 2) outputs the products above. The sums wrap like the
- * portable kernel's. */
+/* The depthwise kernel for strides 1 and 2 across: the padded input rows as int16 (a_zero outside the input: its
+ * terms cancel in the correction, a_zero times the channel's weight sum; the padding once a call, each input
+ * channel's codes once), each channel's weight pairs once, then per output row and 16 (stride 1) or 8 (stride 2)
+ * outputs the products above. With in_plane, each output channel reads its own input channel, one after another
+ * in the same rows. The sums wrap like the portable kernel's. */
 QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
+    enum { CHUNKS_MAX = 64 };
     const QGemmPackedDw *w = d->w;
     const int KH = w->kh, KP = (w->kw + 1) / 2;
-    if (d->sw > 2) { /* past stride 2 the codes of one output's pair are not where a lane meets them */
+    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, w16 = qgemm_dw_avx2_width(w, d->ow_n, d->sw);
+    const size_t nc = w16 / 16;
+    if (d->sw > 2 || nc > CHUNKS_MAX) { /* past stride 2 the codes of one output's pair are not where a lane meets
+                                         * them; rows of over 1000 columns are not worth a path of their own */
         qgemm_dw_portable(d);
         return;
     }
-    const size_t rows = (size_t)(d->oh_n - 1) * d->sh + (size_t)KH, w16 = qgemm_dw_avx2_width(w, d->ow_n, d->sw);
     int16_t *rows16 = (int16_t *)(void *)d->scratch;        /* (rows, w16) */
     int32_t *pairs = (int32_t *)(void *)(rows16 + rows * w16); /* [KH * KP] */
-    dw_rows16(rows16, d, rows, w16);
-    for (int i = 0; i < d->n_oc; i++) {
-        const int oc = d->oc0 + i;
-        for (int r = 0; r < KH; r++)
-            for (int p = 0; p < KP; p++) pairs[r * KP + p] = dw_pair(w, oc, r, p);
-        float *out = d->out + (size_t)i * d->oh_n * d->ow_n; /* (oh_n, ow_n) */
-        if (KH == 3 && KP == 2) dw_channel(d, rows16, w16, pairs, oc, out, 3, 2); /* 3x3: unrolled */
-        else dw_channel(d, rows16, w16, pairs, oc, out, KH, KP);
+    DwChunk ck[CHUNKS_MAX];
+    for (size_t c = 0; c < nc; c++) ck[c] = dw_chunk(d, 16 * c);
+    dw_rows16_pads(rows16, d, rows, w16, ck, nc);
+    const size_t plane = (size_t)d->in_h * d->in_w, P = (size_t)d->oh_n * d->ow_n;
+    const int inputs = d->in_plane ? d->n_oc : 1, per = d->in_plane ? 1 : d->n_oc; /* output channels an input */
+    for (int ci = 0; ci < inputs; ci++) {
+        const size_t readable = (size_t)(inputs - 1 - ci) * d->in_plane + plane; /* act's bytes from this channel */
+        dw_rows16_codes(rows16, d, d->act + (size_t)ci * d->in_plane, readable, w16, ck, nc);
+        for (int i = 0; i < per; i++) {
+            const int k = ci * per + i, oc = d->oc0 + k;
+            for (int r = 0; r < KH; r++)
+                for (int p = 0; p < KP; p++) pairs[r * KP + p] = dw_pair(w, oc, r, p);
+            float *out = d->out + (size_t)k * P; /* (oh_n, ow_n) */
+            if (KH == 3 && KP == 2) dw_channel(d, rows16, w16, pairs, oc, out, 3, 2); /* 3x3: unrolled */
+            else dw_channel(d, rows16, w16, pairs, oc, out, KH, KP);
+        }
     }
 }
 
