@@ -248,7 +248,7 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     if (j->c.mode == CONV_CH4 && xc && j->xc_plane == j->plane && j->Wp == j->W) {
         planes = (uint32_t *)(uintptr_t)xc; /* the producer made them: only read */
     } else if (j->c.mode == CONV_CH4 && xc && j->xc_plane) {
-        planes_ch4_quads(planes, (const uint32_t *)(const void *)xc, j);
+        if (!j->wino) planes_ch4_quads(planes, (const uint32_t *)(const void *)xc, j); /* F(2x2, 3x3) reads them */
     } else if (j->c.mode == CONV_CH4 && xc) {
         memset(bytes, j->ac.zero, (size_t)j->H * j->W + 16);
         planes_ch4_codes(planes, xc, bytes, j);
@@ -279,7 +279,10 @@ static void conv_task(void *ctx, int n, int n_tasks) {
     }
     bool out_ok = true;
     if (j->wino) { /* the same sums, so the same floats, from the padded planes (the AVX2 family: never direct) */
-        const QWinoCh4 a = {.planes = planes, .plane = j->plane, .Wp = j->Wp, .zero = j->ac.zero};
+        const bool quads = xc && j->xc_plane; /* the producer's codes where they lie, unpadded */
+        const QWinoCh4 a = {.planes = quads ? (const uint32_t *)(const void *)xc : planes,
+                            .plane = quads ? j->xc_plane : j->plane, .Wp = quads ? j->W : j->Wp,
+                            .zero = j->ac.zero, .origin = quads};
         const QWinoFloats f = {.out = g.out, .ldo = g.ldo, .scale = g.scale, .bias = g.bias,
                                .relu = g.epi != QGEMM_EPI_NONE, .pool = g.epi == QGEMM_EPI_RELU_POOL2};
         qwino_floats(j->wino, &f, &a, j->wino_w, j->OC, codes + j->wino_at);

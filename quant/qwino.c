@@ -120,8 +120,10 @@ typedef struct {
 
 static int32_t value_ch4(const void *x, int c, int h, int w) {
     const Ch4Image *im = x;
-    const uint32_t d = im->a->planes[(size_t)(c / 4) * im->a->plane + (size_t)(h + 1) * im->a->Wp + (w + 1)];
-    return (int32_t)(d >> (8 * (c % 4)) & 0xffu) - im->a->zero;
+    const QWinoCh4 *a = im->a;
+    const int o = a->origin; /* (h, w) inside the image; its padding's zero points are 0 here either way */
+    const uint32_t d = a->planes[(size_t)(c / 4) * a->plane + (size_t)(h + 1 - o) * a->Wp + (w + 1 - o)];
+    return (int32_t)(d >> (8 * (c % 4)) & 0xffu) - a->zero;
 }
 
 void qwino_forward_ref(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, const int32_t *wp, int out) {

@@ -54,11 +54,13 @@ void qwino_forward(const QWino *p, int32_t *acc, size_t ldc, const int8_t *x, co
 #define QWINO_U8_C_MAX 203
 
 /* The codes as PTQ's taps kernels read them: groups of 4 channels a dword (byte c % 4 of group c / 4), each group
- * a plane of `plane` dwords holding the image padded by 1 (zero points around it) with rows Wp dwords apart. */
+ * a plane of `plane` dwords holding the image padded by 1 (zero points around it; origin 0) or as it is (origin 1:
+ * a producer's hand-off, the zero point taken around it) with rows Wp dwords apart. */
 typedef struct {
     const uint32_t *planes;
     size_t plane;
     int Wp, zero;
+    int origin; /* 0: padded; 1: unpadded */
 } QWinoCh4;
 
 /* The float outputs PTQ's taps kernels make of the sums: y = fmaf((float)sum, scale[r], bias ? bias[r] : 0),

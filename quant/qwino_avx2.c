@@ -70,52 +70,70 @@ T256 __attribute__((noinline)) static void qw_split(const QWino *p, int16_t *s, 
  * the 16-tile vectors' reach. */
 static int qw_reach(const QWino *p) { return p->TW <= 8 ? 8 : (p->TW + 15) / 16 * 16; }
 
-/* 8 padded columns from k of a ch4 row as int32: byte c % 4 minus the zero point, 0 from column cols on. */
-T256 INLINE __m256i qw_ch4_8(const uint32_t *row, int k, int cols, __m128i shift, __m256i zero) {
-    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i d = _mm256_maskload_epi32((const int *)(row + k), in);
-    return _mm256_and_si256(_mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(d, shift), _mm256_set1_epi32(0xff)),
-                                             zero),
-                            in);
+/* The 8 dwords of a ch4 row from column c0 (the row's c0 .. c0 + 7), those outside [0, cols) the zero point's. */
+T256 INLINE __m256i qw_ch4_8(const uint32_t *row, int c0, int cols, __m256i zp4) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(-c0), lane),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - c0), lane));
+    /* the address by integers: c0 may be -1 (its lane masked off, never read) */
+    const int *at = (const int *)(uintptr_t)((uintptr_t)row + (uintptr_t)(intptr_t)c0 * sizeof *row);
+    return _mm256_or_si256(_mm256_maskload_epi32(at, in), _mm256_andnot_si256(in, zp4));
 }
 
-/* qw_split from PTQ's ch4 planes (qwino.h): padded column k of padded row pr is byte c % 4 of the group's dword
- * (pr, k) minus the zero point, 0 past the padded image (columns from W + 2, rows from H + 2), read under masks;
- * 32 columns at a time (then 16): the even ones to E[k / 2 ..], the odd ones to O[k / 2 ..], up to qw_reach. */
+/* qw_split from PTQ's ch4 codes (qwino.h), a channel quad at a time: padded column k of padded row pr is byte
+ * c % 4 of the quad's dword there minus the zero point (the zero point's outside the planes), 32 columns at a
+ * time up to qw_reach, each quad's 32 dwords read once: their bytes dealt by channel and column parity (a byte
+ * shuffle groups each 4 columns' bytes by channel and parity, an 8 x 8 transpose of their 16-bit pairs gathers
+ * each channel's 16 even and 16 odd columns), widened, the zero point subtracted. */
 T256 __attribute__((noinline)) static void qw_split_ch4(const QWino *p, int16_t *s, const QWinoCh4 *a) {
-    const int ew = p->ew, n = 2 * qw_reach(p) + 2, cols = p->W + 2; /* n: the padded columns made */
-    const __m256i zero = _mm256_set1_epi32(a->zero), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int c = 0; c < p->C; c++) {
-        const __m128i shift = _mm_cvtsi32_si128(8 * (c % 4));
+    const int ew = p->ew, n = 2 * qw_reach(p) + 2;                     /* n: the padded columns made */
+    const int o = a->origin, rows = p->H + 2 - 2 * o, cols = p->W + 2 - 2 * o; /* the planes' image */
+    const __m256i zp4 = _mm256_set1_epi32((int)((uint32_t)a->zero * 0x01010101u));
+    const __m256i zero = _mm256_set1_epi16((short)a->zero);
+    /* per 128-bit lane (4 columns of 4 bytes): pairs of the even columns' bytes of channels 0 .. 3, then the odd */
+    const __m256i deal = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
+                                          11, 4, 12, 5, 13, 6, 14, 7, 15);
+    for (int g = 0; 4 * g < p->C; g++) {
+        const int nch = p->C - 4 * g < 4 ? p->C - 4 * g : 4;
         for (int pr = 0; pr < 2 * p->TH + 2; pr++) {
-            int16_t *e = s + (size_t)c * p->splane + (size_t)pr * 2 * ew, *o = e + ew;
-            const uint32_t *row = a->planes + (size_t)(c / 4) * a->plane + (size_t)pr * a->Wp;
-            const int rc = pr < p->H + 2 ? cols : 0; /* the columns inside: none past the padded image */
-            int k = 0;
-            /* per 16 columns the evens 0 2 8 10 | 4 6 12 14 and the odds alike; packed, their pairs in order */
-            for (; k + 32 <= n; k += 32) {
-                __m256i ev[2], od[2];
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) {
-                    const __m256 lo = _mm256_castsi256_ps(qw_ch4_8(row, k + 16 * h, rc, shift, zero));
-                    const __m256 hi = _mm256_castsi256_ps(qw_ch4_8(row, k + 16 * h + 8, rc, shift, zero));
-                    ev[h] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
-                    od[h] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xdd));
-                }
-                _mm256_storeu_si256((__m256i *)(void *)(e + k / 2),
-                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi32(ev[0], ev[1]), order));
-                _mm256_storeu_si256((__m256i *)(void *)(o + k / 2),
-                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi32(od[0], od[1]), order));
+            int16_t *e[4], *od[4];
+            for (int c = 0; c < nch; c++)
+                e[c] = s + (size_t)(4 * g + c) * p->splane + (size_t)pr * 2 * ew, od[c] = e[c] + ew;
+            const int sr = pr - o;
+            if (sr < 0 || sr >= rows) {
+                for (int c = 0; c < nch; c++)
+                    for (int k = 0; k < n; k += 32) {
+                        _mm256_storeu_si256((__m256i *)(void *)(e[c] + k / 2), _mm256_setzero_si256());
+                        _mm256_storeu_si256((__m256i *)(void *)(od[c] + k / 2), _mm256_setzero_si256());
+                    }
+                continue;
             }
-            for (; k < n; k += 16) {
-                const __m256 lo = _mm256_castsi256_ps(qw_ch4_8(row, k, rc, shift, zero));
-                const __m256 hi = _mm256_castsi256_ps(qw_ch4_8(row, k + 8, rc, shift, zero));
-                const __m256i ev = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
-                const __m256i od = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xdd));
-                const __m256i pe = _mm256_permutevar8x32_epi32(_mm256_packs_epi32(ev, ev), order);
-                const __m256i po = _mm256_permutevar8x32_epi32(_mm256_packs_epi32(od, od), order);
-                _mm_storeu_si128((__m128i *)(void *)(e + k / 2), _mm256_castsi256_si128(pe));
-                _mm_storeu_si128((__m128i *)(void *)(o + k / 2), _mm256_castsi256_si128(po));
+            const uint32_t *row = a->planes + (size_t)g * a->plane + (size_t)sr * a->Wp;
+            for (int k = 0; k < n; k += 32) {
+                __m256i l[4];
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) l[h] = qw_ch4_8(row, k + 8 * h - o, cols, zp4);
+                /* 128-bit lanes of 4 columns, lane i of the 8 in the low halves' then the high halves' order */
+                const __m256i v0 = _mm256_shuffle_epi8(_mm256_permute2x128_si256(l[0], l[2], 0x20), deal);
+                const __m256i v1 = _mm256_shuffle_epi8(_mm256_permute2x128_si256(l[0], l[2], 0x31), deal);
+                const __m256i v2 = _mm256_shuffle_epi8(_mm256_permute2x128_si256(l[1], l[3], 0x20), deal);
+                const __m256i v3 = _mm256_shuffle_epi8(_mm256_permute2x128_si256(l[1], l[3], 0x31), deal);
+                const __m256i a0 = _mm256_unpacklo_epi16(v0, v1), a1 = _mm256_unpackhi_epi16(v0, v1);
+                const __m256i a2 = _mm256_unpacklo_epi16(v2, v3), a3 = _mm256_unpackhi_epi16(v2, v3);
+                /* w[q]: pair q (channel q % 4, even for q < 4) of the 8 lanes, low lanes' then high lanes' */
+                const __m256i w[4] = {_mm256_permute4x64_epi64(_mm256_unpacklo_epi32(a0, a2), 0xd8),
+                                      _mm256_permute4x64_epi64(_mm256_unpackhi_epi32(a0, a2), 0xd8),
+                                      _mm256_permute4x64_epi64(_mm256_unpacklo_epi32(a1, a3), 0xd8),
+                                      _mm256_permute4x64_epi64(_mm256_unpackhi_epi32(a1, a3), 0xd8)};
+                for (int c = 0; c < nch; c++) {
+                    const __m256i we = w[c / 2], wo = w[2 + c / 2];
+                    const __m128i be = c % 2 ? _mm256_extracti128_si256(we, 1) : _mm256_castsi256_si128(we);
+                    const __m128i bo = c % 2 ? _mm256_extracti128_si256(wo, 1) : _mm256_castsi256_si128(wo);
+                    _mm256_storeu_si256((__m256i *)(void *)(e[c] + k / 2),
+                                        _mm256_sub_epi16(_mm256_cvtepu8_epi16(be), zero));
+                    _mm256_storeu_si256((__m256i *)(void *)(od[c] + k / 2),
+                                        _mm256_sub_epi16(_mm256_cvtepu8_epi16(bo), zero));
+                }
             }
         }
     }

@@ -97,9 +97,10 @@ static void test_qwino_exact(void) {
 }
 
 /* PTQ's form: ch4 planes of uint8 codes (rows Wp >= W + 2 dwords apart, a zero point around the image and in the
- * columns past it, each group's plane exactly its rows) to floats with the taps kernels' epilogue. The AVX2 kernel
- * gives the definition's bits, and the definition the direct sums through the same fmaf, relu and 2x2 max. */
-static void floats_case(const QwCase *k, int zero, int wide, QGemmEpi epi, uint64_t seed, bool vector) {
+ * columns past it, each group's plane exactly its rows; or, unpadded, a producer's hand-off: the image alone, rows
+ * W + wide apart, the buffer exactly the planes) to floats with the taps kernels' epilogue. The AVX2 kernel gives
+ * the definition's bits, and the definition the direct sums through the same fmaf, relu and 2x2 max. */
+static void floats_case(const QwCase *k, int zero, int wide, QGemmEpi epi, uint64_t seed, bool vector, bool unpadded) {
     QWino p;
     qwino_plan(&p, k->C, k->H, k->W);
     const int Wp = k->W + 2 + wide, Hp = k->H + 2, groups = (k->C + 3) / 4;
@@ -125,7 +126,18 @@ static void floats_case(const QwCase *k, int zero, int wide, QGemmEpi epi, uint6
     for (size_t i = 0; i < ny; i++) y[i] = NAN;
     int32_t *wp = malloc(qwino_packed_words(&p, k->out) * sizeof *wp);
     qwino_pack(&p, wp, w, k->out);
-    const QWinoCh4 a = {.planes = planes, .plane = plane, .Wp = Wp, .zero = zero};
+    QWinoCh4 a = {.planes = planes, .plane = plane, .Wp = Wp, .zero = zero};
+    const int Wu = k->W + wide; /* unpadded: the image's rows, Wu dwords apart, its planes back to back */
+    const size_t uplane = (size_t)(k->H - 1) * Wu + k->W;
+    uint32_t *quads = unpadded ? malloc(groups * uplane * sizeof *quads) : NULL;
+    if (unpadded) {
+        for (int g = 0; g < groups; g++)
+            for (int h = 0; h < k->H; h++)
+                for (int c0 = 0; c0 < Wu && (size_t)h * Wu + c0 < uplane; c0++) /* past a row: never read */
+                    quads[g * uplane + (size_t)h * Wu + c0] =
+                        c0 < k->W ? planes[g * plane + (size_t)(h + 1) * Wp + c0 + 1] : 0xdeadbeefu;
+        a = (QWinoCh4){.planes = quads, .plane = uplane, .Wp = Wu, .zero = zero, .origin = 1};
+    }
     const QWinoFloats f = {.out = y, .ldo = ldo, .scale = scale, .bias = bias, .relu = epi != QGEMM_EPI_NONE,
                            .pool = pool};
     void *scratch = malloc(qwino_scratch_bytes(&p));
@@ -152,10 +164,12 @@ static void floats_case(const QwCase *k, int zero, int wide, QGemmEpi epi, uint6
             }
     const bool ok = ny == 0 || !memcmp(y, want, ny * sizeof *y);
     if (!ok)
-        fprintf(stderr, "\n  %s floats: C=%d out=%d %dx%d zero %d, Wp + %d, epilogue %d",
-                vector ? "avx2" : "definition", k->C, k->out, k->H, k->W, zero, wide, (int)epi);
+        fprintf(stderr, "\n  %s floats: C=%d out=%d %dx%d zero %d, Wp + %d, epilogue %d%s",
+                vector ? "avx2" : "definition", k->C, k->out, k->H, k->W, zero, wide, (int)epi,
+                unpadded ? ", unpadded" : "");
     CU_ASSERT(ok);
     free(planes), free(noise), free(w), free(scale), free(bias), free(y), free(want), free(wp), free(scratch);
+    free(quads);
 }
 
 static void test_qwino_floats(void) {
@@ -167,10 +181,13 @@ static void test_qwino_floats(void) {
     for (size_t i = 0; i < sizeof fc / sizeof *fc; i++)
         for (int e = 0; e < 3; e++)
             for (int vector = 0; vector <= (int)avx2; vector++)
-                floats_case(&fc[i], e == 1 ? 0 : 131, (int)(i % 3) * 5, (QGemmEpi)e, seed++, vector);
+                for (int unpadded = 0; unpadded < 2; unpadded++)
+                    floats_case(&fc[i], e == 1 ? 0 : 131, (int)(i % 3) * 5, (QGemmEpi)e, seed++, vector, unpadded);
     /* the longest exact sums: QWINO_U8_C_MAX channels */
     const QwCase big = {QWINO_U8_C_MAX, 5, 4, 6};
-    for (int vector = 0; vector <= (int)avx2; vector++) floats_case(&big, 255, 3, QGEMM_EPI_NONE, 99, vector);
+    for (int vector = 0; vector <= (int)avx2; vector++)
+        for (int unpadded = 0; unpadded < 2; unpadded++)
+            floats_case(&big, 255, 3, QGEMM_EPI_NONE, 99, vector, unpadded);
 }
 
 /* QT's convs take it on the AVX2 family only, 3x3 at stride 1 with padding 1, 8 to QWINO_C_MAX channels, 4 or
