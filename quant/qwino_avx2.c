@@ -110,6 +110,13 @@ T256 __attribute__((noinline)) static void qw_split_ch4(const QWino *p, int16_t 
             }
             const uint32_t *row = a->planes + (size_t)g * a->plane + (size_t)sr * a->Wp;
             for (int k = 0; k < n; k += 32) {
+                if (k - o >= cols) { /* no column inside: zero points, 0 once subtracted */
+                    for (int c = 0; c < nch; c++) {
+                        _mm256_storeu_si256((__m256i *)(void *)(e[c] + k / 2), _mm256_setzero_si256());
+                        _mm256_storeu_si256((__m256i *)(void *)(od[c] + k / 2), _mm256_setzero_si256());
+                    }
+                    continue;
+                }
                 __m256i l[4];
 #pragma GCC unroll 4
                 for (int h = 0; h < 4; h++) l[h] = qw_ch4_8(row, k + 8 * h - o, cols, zp4);
