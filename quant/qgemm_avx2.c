@@ -465,11 +465,12 @@ QA_TARGET static void dw_rows16_pads(int16_t *rows16, const QGemmDw *d, size_t r
 }
 
 /* The chunks of act's rows (one input channel; n_act: the bytes readable from act on, at least in_h in_w) that
- * read the input. A load that would pass the readable bytes goes through a copy. */
+ * read the input, in the rows the outputs reach (rows: a strided conv may leave the input's last rows unread). A
+ * load that would pass the readable bytes goes through a copy. */
 QA_TARGET static void dw_rows16_codes(int16_t *rows16, const QGemmDw *d, const uint8_t *act, size_t n_act,
-                                      size_t w16, const DwChunk *ck, size_t nc) {
+                                      size_t rows, size_t w16, const DwChunk *ck, size_t nc) {
     const __m128i fill8 = _mm_set1_epi8((char)d->a_zero);
-    for (long ih = 0; ih < d->in_h; ih++) {
+    for (long ih = 0; ih < d->in_h && (size_t)(ih + d->pad_t) < rows; ih++) {
         int16_t *dst = rows16 + (size_t)(ih + d->pad_t) * w16;
         for (size_t c = 0; c < nc; c++) {
             const DwChunk *k = &ck[c];
@@ -567,7 +568,7 @@ QA_TARGET void qgemm_dw_avx2(const QGemmDw *d) {
     const int inputs = d->in_plane ? d->n_oc : 1, per = d->in_plane ? 1 : d->n_oc; /* output channels an input */
     for (int ci = 0; ci < inputs; ci++) {
         const size_t readable = (size_t)(inputs - 1 - ci) * d->in_plane + plane; /* act's bytes from this channel */
-        dw_rows16_codes(rows16, d, d->act + (size_t)ci * d->in_plane, readable, w16, ck, nc);
+        dw_rows16_codes(rows16, d, d->act + (size_t)ci * d->in_plane, readable, rows, w16, ck, nc);
         for (int i = 0; i < per; i++) {
             const int k = ci * per + i, oc = d->oc0 + k;
             for (int r = 0; r < KH; r++)

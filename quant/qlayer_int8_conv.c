@@ -278,7 +278,8 @@ static void conv_task(void *ctx, int n, int n_tasks) {
         g.res = j->res ? j->res + (size_t)n * j->out_img : NULL, g.res_relu = j->res_relu;
     }
     bool out_ok = true;
-    if (j->wino) { /* the same sums, so the same floats, from the padded planes (the AVX2 family: never direct) */
+    if (j->wino) { /* the same sums, so the same floats, from the padded planes or the producer's quads (the AVX2
+                    * family: never direct) */
         const bool quads = xc && j->xc_plane; /* the producer's codes where they lie, unpadded */
         const QWinoCh4 a = {.planes = quads ? (const uint32_t *)(const void *)xc : planes,
                             .plane = quads ? j->xc_plane : j->plane, .Wp = quads ? j->W : j->Wp,

@@ -88,7 +88,7 @@ static int rows_case(const RGeo *g, int oc0, int a_zero, bool relu, bool bias, b
                 d |= (uint32_t)(4 * gq + k < g->n ? plain_want[(size_t)(4 * gq + k) * P + px] : (uint8_t)q.zero) << (8 * k);
             quad_want[(size_t)gq * qplane + px] = d;
         }
-    uint32_t *scratch = aligned_alloc(64, qgemm_dw_scratch(&p, oh_n, ow_n, g->sh) + 64);
+    uint32_t *scratch = aligned_alloc(64, qgemm_dw_scratch(&p, oh_n, ow_n, g->sh)); /* exactly: a 64 multiple */
     QGemmDw d = {.act = act, .in_plane = (size_t)g->h * g->w, .in_h = g->h, .in_w = g->w, .pad_t = g->pt,
                  .pad_l = g->pl, .oh_n = oh_n, .ow_n = ow_n, .sh = g->sh, .sw = g->sh, .w = &p, .oc0 = oc0,
                  .n_oc = g->n, .a_zero = a_zero, .scale = scale, .bias = bias && !half ? bi : NULL, .relu = relu,
@@ -123,8 +123,10 @@ static const RGeo GEOS[] = {
     {3, 3, 1, 14, 14, 1, 1, 64}, {3, 3, 1, 14, 14, 1, 1, 5}, {3, 3, 1, 13, 13, 1, 1, 6}, {3, 3, 1, 28, 28, 0, 0, 7},
     {3, 3, 1, 9, 33, 2, 3, 3},   {3, 3, 1, 1, 1, 1, 1, 2},   {3, 1, 1, 7, 20, 1, 0, 9},  {3, 4, 1, 6, 16, 2, 2, 4},
     {3, 2, 1, 5, 47, 0, 1, 1},   {3, 3, 1, 3, 17, 0, 0, 4},
-    /* the shapes the rows kernel leaves to the general ones */
+    /* the shapes the rows kernel leaves to the general ones; strided ones that leave the input's last row unread
+     * (the 256-bit kernel's rows end before the input's), and stride 3 (the portable kernel under the 256-bit one) */
     {3, 3, 2, 14, 14, 1, 1, 5},  {5, 5, 1, 9, 9, 2, 2, 3},   {1, 1, 1, 4, 20, 0, 0, 6},  {3, 5, 1, 6, 12, 1, 2, 2},
+    {3, 3, 2, 16, 32, 0, 0, 3},  {3, 3, 3, 11, 17, 0, 1, 2}, {3, 3, 3, 10, 10, 1, 1, 2},
 };
 
 static void rows_on(QGemmIsa fam) {
