@@ -15,6 +15,7 @@
 W_TARGET __attribute__((noinline)) static void W_NAME(split)(const ConvWino *p, float *s, const float *x, size_t ldx,
                                                             int channels) {
     const int W = p->W, ew = p->ew, jn = (p->TW + WL - 1) / WL * WL; /* O[jn], E[jn] the last read */
+    const size_t span = (size_t)(channels - 1) * ldx + (size_t)p->H * W; /* x's floats the planes reach */
     for (int c = 0; c < channels; c++) {
         float *sc = s + (size_t)c * p->splane;
         const float *xc = x + (size_t)c * ldx;
@@ -31,7 +32,19 @@ W_TARGET __attribute__((noinline)) static void W_NAME(split)(const ConvWino *p, 
                 WV lo, hi, ev, od;
                 if (k + 2 * WL <= W) {
                     lo = W_LOADU(xr + k), hi = W_LOADU(xr + k + WL);
-                } else { /* past the row: zeros */
+                } else if ((size_t)c * ldx + (size_t)h * W + (size_t)k + 2 * WL <= span) {
+                    /* past the row, inside x: plain loads, the lanes past the row zeroed (a masked load costs
+                     * several on AMD's cores) */
+                    const int n = W - k;
+                    W_MASK_DECL(m0, n < WL ? n : WL);
+                    lo = W_MASK_KEEP(W_LOADU(xr + k), m0);
+                    if (n > WL) {
+                        W_MASK_DECL(m1, n - WL);
+                        hi = W_MASK_KEEP(W_LOADU(xr + k + WL), m1);
+                    } else {
+                        hi = W_ZERO();
+                    }
+                } else { /* past the row and x: masked loads, zeros */
                     const int n = W - k;
                     W_MASK_DECL(m0, n < WL ? n : WL);
                     lo = W_MASK_LOAD(xr + k, m0);

@@ -27,6 +27,7 @@
 #define W_MASK_DECL(mk, n) \
     const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 #define W_MASK_LOAD(a, mk) _mm256_maskload_ps((a), (mk))
+#define W_MASK_KEEP(v, mk) _mm256_and_ps((v), _mm256_castsi256_ps(mk))
 #define W_MASK_STORE(a, mk, v) _mm256_maskstore_ps((a), (mk), (v))
 /* ev = lo, hi's even lanes, od = their odd lanes, in order */
 #define W_DEINTERLEAVE(ev, od, lo, hi)                                                               \
@@ -76,6 +77,7 @@ void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const fl
 #undef W_NEG
 #undef W_MASK_DECL
 #undef W_MASK_LOAD
+#undef W_MASK_KEEP
 #undef W_MASK_STORE
 #undef W_DEINTERLEAVE
 #undef W_INTERLEAVE
@@ -99,6 +101,7 @@ void conv_wino_dw_avx2(const ConvWino *p, float *dwt, const float *dpt, const fl
 #define W_NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000)))
 #define W_MASK_DECL(mk, n) const __mmask16 mk = (__mmask16)((1u << (n)) - 1u)
 #define W_MASK_LOAD(a, mk) _mm512_maskz_loadu_ps((mk), (a))
+#define W_MASK_KEEP(v, mk) _mm512_maskz_mov_ps((mk), (v))
 #define W_MASK_STORE(a, mk, v) _mm512_mask_storeu_ps((a), (mk), (v))
 #define W_DEINTERLEAVE(ev, od, lo, hi)                                                                          \
     do {                                                                                                        \
