@@ -27,14 +27,18 @@ T256 INLINE void qw_deal32(int16_t *o, int16_t *e, __m256i b) {
     _mm256_storeu_si256((__m256i *)(void *)e, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(d, 1)));
 }
 
+/* The last split entry qw_input reads (E[jr], O[jr]): 8 where rows of at most 8 tiles go two a vector, else
+ * the 16-tile vectors' reach. */
+static int qw_reach(const QWino *p) { return p->TW <= 8 ? 8 : (p->TW + 15) / 16 * 16; }
+
 /* Row pr of channel c's split plane: E[j] = x(pr - 1, 2j - 1) at s, O[j] = x(pr - 1, 2j) at s + ew, 0 outside, for
- * every j the input transform reads (j <= jn = ceil(TW / 16) 16), as int16. A row's codes, 32 at a time (the bytes
+ * every j the input transform reads (j <= jn = qw_reach), as int16. A row's codes, 32 at a time (the bytes
  * past the row masked to 0; the last 32 bytes of the input through a copy, as it has no slack past its end),
  * dealt into even and odd columns and widened. */
 T256 __attribute__((noinline)) static void qw_split(const QWino *p, int16_t *s, const int8_t *x) {
     static const int8_t ones[64] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                     -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
-    const int W = p->W, ew = p->ew, jn = (p->TW + 15) / 16 * 16;
+    const int W = p->W, ew = p->ew, jn = qw_reach(p);
     const size_t n = (size_t)p->C * p->H * W; /* the input's bytes */
     int8_t tail[32] = {0};
     for (int c = 0; c < p->C; c++)
@@ -65,10 +69,6 @@ T256 __attribute__((noinline)) static void qw_split(const QWino *p, int16_t *s, 
             o[jn] = 0;
         }
 }
-
-/* The last split entry qw_input reads (E[jr], O[jr]): 8 where rows of at most 8 tiles go two a vector, else
- * the 16-tile vectors' reach. */
-static int qw_reach(const QWino *p) { return p->TW <= 8 ? 8 : (p->TW + 15) / 16 * 16; }
 
 /* The 8 dwords of a ch4 row from column c0 (the row's c0 .. c0 + 7), those outside [0, cols) the zero point's. */
 T256 INLINE __m256i qw_ch4_8(const uint32_t *row, int c0, int cols, __m256i zp4) {
